@@ -1,0 +1,98 @@
+"""Configuration: one frozen Struct decoded strictly from TOML (unknown keys are errors)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from importlib import resources
+from pathlib import Path
+
+import msgspec
+from msgspec import Meta, Struct
+from typing import Annotated
+
+__all__ = ("Config", "ConfigError", "default_state_dir", "load_config", "node_names")
+
+
+class _Section(Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    pass
+
+
+class ServerConfig(_Section):
+    state_dir: str = ""
+    control_group: str = ""
+    control_uids: list[Annotated[int, Meta(ge=0)]] = []
+    control_gids: list[Annotated[int, Meta(ge=0)]] = []
+    max_connections: Annotated[int, Meta(ge=1)] = 512
+    request_read_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
+    shutdown_grace_s: Annotated[float, Meta(ge=0)] = 60.0
+
+
+class ProviderConfig(_Section):
+    name: Annotated[str, Meta(min_length=1, pattern=r"^[^\r\n\x00]+$")] = "coldsnap-provider"
+
+
+class NodeConfig(_Section):
+    names: list[Annotated[str, Meta(min_length=1)]] = []
+
+
+class ExecConfig(_Section):
+    user: str = ""
+
+
+class DockerConfig(_Section):
+    url: Annotated[str, Meta(min_length=1)] = "unix:///var/run/docker.sock"
+    spool_dir: str = ""
+
+
+class RegistryConfig(_Section):
+    credentials_file: str = ""
+    pull: bool = True
+    push: bool = True
+
+
+class Config(_Section):
+    server: ServerConfig = ServerConfig()
+    provider: ProviderConfig = ProviderConfig()
+    node: NodeConfig = NodeConfig()
+    exec: ExecConfig = ExecConfig()
+    docker: DockerConfig = DockerConfig()
+    registry: RegistryConfig = RegistryConfig()
+
+
+class ConfigError(Exception):
+    """The configuration file is unreadable or does not match the schema."""
+
+
+def load_config(path: str | os.PathLike[str] | None = None) -> Config:
+    """Decode `path`, or the embedded default when None."""
+    if path is None:
+        data = resources.files("coldsnap_provider").joinpath("default-config.toml").read_bytes()
+        source = "<embedded default>"
+    else:
+        source = os.fspath(path)
+        try:
+            data = Path(path).read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"{source}: {exc.strerror}") from None
+    try:
+        return msgspec.toml.decode(data, type=Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"{source}: invalid TOML: {exc}") from None
+
+
+def default_state_dir() -> Path:
+    if os.geteuid() == 0:
+        return Path("/run/coldsnap-provider")
+    runtime_dir = os.environ.get("XDG_RUNTIME_DIR", "")
+    if runtime_dir and os.path.isabs(runtime_dir) and os.path.isdir(runtime_dir):
+        return Path(runtime_dir) / "coldsnap-provider"
+    return Path(f"/tmp/coldsnap-provider-{os.geteuid()}")
+
+
+def node_names(config: Config) -> frozenset[str]:
+    if config.node.names:
+        return frozenset(config.node.names)
+    return frozenset({socket.gethostname(), socket.getfqdn(), "localhost"})

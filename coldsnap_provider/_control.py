@@ -1,0 +1,78 @@
+"""The control socket's own small protocol (same framing as the provider sockets)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+from coldsnap_runtime.errors import RequestRejected
+
+__all__ = (
+    "ControlReply",
+    "ControlRequest",
+    "SessionClose",
+    "SessionList",
+    "SessionOpen",
+    "Status",
+    "decode_control",
+    "encode_control",
+)
+
+NonEmpty = Annotated[str, Meta(min_length=1)]
+
+
+class _Control(Struct, tag_field="operation", forbid_unknown_fields=True, frozen=True, kw_only=True):
+    format: Literal[1]
+    id: NonEmpty
+
+
+class SessionOpen(_Control, tag="session-open"):
+    """Either `session` + `hosts`, or a whole ColdSnap `request` (id and launch.units[*].host)."""
+
+    session: str = ""
+    hosts: list[NonEmpty] = []
+    labels: dict[NonEmpty, str] = {}
+    cluster_id: str = ""
+    request: dict[str, Any] | UnsetType = UNSET
+
+
+class SessionClose(_Control, tag="session-close"):
+    session: NonEmpty
+
+
+class SessionList(_Control, tag="session-list"):
+    pass
+
+
+class Status(_Control, tag="status"):
+    pass
+
+
+ControlRequest = SessionOpen | SessionClose | SessionList | Status
+
+
+class ControlReply(Struct, omit_defaults=True, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    format: int
+    id: str
+    ok: bool
+    error: str | UnsetType = UNSET
+    result: Any = UNSET
+
+
+_decoder = msgspec.json.Decoder(ControlRequest)
+_encoder = msgspec.json.Encoder()
+
+
+def decode_control(line: bytes) -> ControlRequest:
+    try:
+        return _decoder.decode(line)
+    except msgspec.ValidationError as exc:
+        raise RequestRejected(f"control request is invalid: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise RequestRejected(f"control request is not valid JSON: {exc}") from None
+
+
+def encode_control(reply: ControlReply) -> bytes:
+    return _encoder.encode(reply) + b"\n"

@@ -1,0 +1,334 @@
+"""`coldsnap-provider`: serve, sessions, run a controller, call, status, version, check-config."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+
+from . import __version__
+from ._client import ProtocolError, ReplyError, call, call_control
+from ._config import Config, ConfigError, default_state_dir, load_config, node_names
+
+__all__ = ("main",)
+
+EXIT_USAGE = 2
+_SCRUBBED_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+_CONTROLLER_CLEANUP_S = 300.0
+
+
+def _out(value: Any) -> None:
+    sys.stdout.write(json.dumps(value, indent=None, separators=(",", ":")) + "\n")
+    sys.stdout.flush()
+
+
+def _err(message: str) -> None:
+    sys.stderr.write(f"coldsnap-provider: {message}\n")
+
+
+def _state_dir(args: argparse.Namespace, config: Config | None = None) -> Path:
+    if getattr(args, "state_dir", None):
+        return Path(args.state_dir).absolute()
+    if env := os.environ.get("COLDSNAP_PROVIDER_STATE_DIR"):
+        return Path(env).absolute()
+    if config is not None and config.server.state_dir:
+        return Path(config.server.state_dir).absolute()
+    return default_state_dir()
+
+
+# --- serve -------------------------------------------------------------------------------
+
+
+async def _serve(config: Config, state_dir: Path) -> None:
+    from coldsnap_runtime.backend._docker import DockerBackend
+
+    from ._dispatch import Operations
+    from ._exec import resolve_identity
+    from ._server import Daemon
+    from ._systemd import listen_fds
+
+    identity = resolve_identity(config.exec.user)
+    fds = listen_fds()
+    async with DockerBackend(
+        url=config.docker.url,
+        credentials_file=config.registry.credentials_file or None,
+        spool_dir=config.docker.spool_dir or None,
+    ) as backend:
+        operations = Operations(
+            provider_name=config.provider.name,
+            backend=backend,
+            node_names=node_names(config),
+            identity=identity,
+            allow_pull=config.registry.pull,
+            allow_push=config.registry.push,
+        )
+        daemon = Daemon(config, state_dir=state_dir, operations=operations, backend=backend,
+                        control_fd=fds[0] if fds else None)
+        async with anyio.create_task_group() as tg:
+
+            async def on_signals() -> None:
+                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for _ in signals:
+                        daemon.stop()
+
+            tg.start_soon(on_signals)
+            await daemon.run()
+            tg.cancel_scope.cancel()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ._logging import configure_logging
+
+    configure_logging(args.log_level)
+    try:
+        config = load_config(args.config)
+        from ._exec import resolve_identity
+
+        resolve_identity(config.exec.user)
+    except (ConfigError, ValueError) as exc:
+        _err(str(exc))
+        return EXIT_USAGE
+    anyio.run(_serve, config, _state_dir(args, config), backend="asyncio")
+    return 0
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.file)
+        from ._exec import resolve_identity
+
+        resolve_identity(config.exec.user)
+    except (ConfigError, ValueError) as exc:
+        _err(str(exc))
+        return EXIT_USAGE
+    _out({"ok": True, "config": msgspec.to_builtins(config)})
+    return 0
+
+
+# --- control-socket clients -------------------------------------------------------------
+
+
+def _control(args: argparse.Namespace, request: dict[str, Any]) -> int:
+    try:
+        result = anyio.run(call_control, _state_dir(args), request)
+    except (ReplyError, ProtocolError) as exc:
+        _err(str(exc))
+        return 1
+    except OSError as exc:
+        _err(f"cannot reach the daemon at {_state_dir(args) / 'control.sock'}: {exc.strerror or exc}")
+        return 1
+    _out(result)
+    return 0
+
+
+def _parse_labels(pairs: Sequence[str]) -> dict[str, str]:
+    labels: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--label {pair!r}: expected KEY=VALUE")
+        labels[key] = value
+    return labels
+
+
+def _session_open_request(args: argparse.Namespace) -> dict[str, Any]:
+    request: dict[str, Any] = {"operation": "session-open", "labels": _parse_labels(args.label)}
+    if args.session:
+        request["session"] = args.session
+    if args.host:
+        request["hosts"] = args.host
+    if args.cluster_id:
+        request["cluster_id"] = args.cluster_id
+    if args.request:
+        request["request"] = json.loads(Path(args.request).read_bytes())
+    return request
+
+
+def cmd_session_open(args: argparse.Namespace) -> int:
+    try:
+        request = _session_open_request(args)
+    except (ValueError, OSError) as exc:
+        _err(str(exc))
+        return EXIT_USAGE
+    return _control(args, request)
+
+
+def cmd_session_close(args: argparse.Namespace) -> int:
+    return _control(args, {"operation": "session-close", "session": args.id})
+
+
+def cmd_session_list(args: argparse.Namespace) -> int:
+    return _control(args, {"operation": "session-list"})
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    return _control(args, {"operation": "status"})
+
+
+def cmd_call(args: argparse.Namespace) -> int:
+    try:
+        fields = json.loads(args.fields) if args.fields else {}
+        if not isinstance(fields, dict):
+            raise ValueError("JSON-FIELDS must be a JSON object")
+    except ValueError as exc:
+        _err(f"JSON-FIELDS: {exc}")
+        return EXIT_USAGE
+    request = {"format": 1, "id": str(time.time_ns()), "token": args.token, "session": args.session,
+               "operation": args.operation, **fields}
+    try:
+        reply = anyio.run(lambda: call(args.socket, request, check=False))
+    except (ProtocolError, OSError) as exc:
+        _err(str(exc))
+        return 1
+    sys.stdout.buffer.write(msgspec.json.encode(reply) + b"\n")
+    return 0 if reply.ok else 1
+
+
+def cmd_version(args: argparse.Namespace) -> int:
+    _out({"version": __version__})
+    return 0
+
+
+# --- run a controller under a session ----------------------------------------------------
+
+
+async def _run_controller(args: argparse.Namespace, request_bytes: bytes) -> int:
+    state_dir = _state_dir(args)
+    opened = await call_control(state_dir, {"operation": "session-open",
+                                            "request": json.loads(request_bytes)})
+    session = opened["session"]
+    env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV}
+    env.update(opened["environment"])
+    try:
+        async with await anyio.open_process(
+            args.command, stdin=subprocess.PIPE, stdout=None, stderr=None, env=env, start_new_session=True
+        ) as process:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_forward_signals, process.pid)
+                assert process.stdin is not None
+                try:
+                    await process.stdin.send(request_bytes)
+                except anyio.BrokenResourceError:
+                    pass
+                await process.stdin.aclose()
+                code = await process.wait()
+                tg.cancel_scope.cancel()
+    finally:
+        with anyio.move_on_after(30, shield=True):
+            await call_control(state_dir, {"operation": "session-close", "session": session})
+    return code if code >= 0 else 128 - code
+
+
+async def _forward_signals(pgid: int) -> None:
+    """Forward SIGINT/SIGTERM to the controller's group; SIGKILL after 300 s or a second signal."""
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for sig in signals:
+            _killpg(pgid, sig)
+            break
+        else:
+            return
+        with anyio.move_on_after(_CONTROLLER_CLEANUP_S):
+            async for _ in signals:
+                break
+        _killpg(pgid, signal.SIGKILL)
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    if not args.command:
+        _err("run: give the controller command after --")
+        return EXIT_USAGE
+    try:
+        request_bytes = Path(args.request).read_bytes()
+        json.loads(request_bytes)
+    except (OSError, ValueError) as exc:
+        _err(f"--request: {exc}")
+        return EXIT_USAGE
+    try:
+        return anyio.run(_run_controller, args, request_bytes)
+    except (ReplyError, ProtocolError) as exc:
+        _err(str(exc))
+        return 1
+    except OSError as exc:
+        _err(str(exc))
+        return 1
+
+
+# --- argument parsing --------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="coldsnap-provider", description=__doc__)
+    sub = parser.add_subparsers(dest="command_name", required=True)
+
+    def with_state_dir(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument("--state-dir", help="daemon state directory (default depends on the user)")
+        return p
+
+    serve = with_state_dir(sub.add_parser("serve", help="run the daemon"))
+    serve.add_argument("--config", help="TOML configuration (default: the embedded one)")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(func=cmd_serve)
+
+    session = sub.add_parser("session", help="open, close or list sessions").add_subparsers(
+        dest="session_command", required=True)
+    opener = with_state_dir(session.add_parser("open", help="open a session"))
+    opener.add_argument("--session", help="session id (the ColdSnap request id)")
+    opener.add_argument("--host", action="append", default=[], help="authorized host (repeatable)")
+    opener.add_argument("--label", action="append", default=[], help="manager label KEY=VALUE (repeatable)")
+    opener.add_argument("--cluster-id", default="", help="workload cluster id the manager labels apply to")
+    opener.add_argument("--request", help="ColdSnap request JSON: session = id, hosts = launch.units[*].host")
+    opener.set_defaults(func=cmd_session_open)
+    closer = with_state_dir(session.add_parser("close", help="close a session"))
+    closer.add_argument("id")
+    closer.set_defaults(func=cmd_session_close)
+    lister = with_state_dir(session.add_parser("list", help="list sessions"))
+    lister.set_defaults(func=cmd_session_list)
+
+    status = with_state_dir(sub.add_parser("status", help="daemon status"))
+    status.set_defaults(func=cmd_status)
+
+    run = with_state_dir(sub.add_parser("run", help="run a controller command inside a session"))
+    run.add_argument("--request", required=True, help="ColdSnap request JSON (also fed on stdin)")
+    run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...")
+    run.set_defaults(func=cmd_run)
+
+    caller = sub.add_parser("call", help="send one envelope and print the reply")
+    caller.add_argument("--socket", required=True)
+    caller.add_argument("--token", required=True)
+    caller.add_argument("--session", required=True)
+    caller.add_argument("operation")
+    caller.add_argument("fields", nargs="?", help="JSON object merged into the envelope")
+    caller.set_defaults(func=cmd_call)
+
+    version = sub.add_parser("version", help="print the version")
+    version.set_defaults(func=cmd_version)
+
+    check = sub.add_parser("check-config", help="validate a configuration file")
+    check.add_argument("file")
+    check.set_defaults(func=cmd_check_config)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if getattr(args, "command", None) and args.command[:1] == ["--"]:
+        args.command = args.command[1:]
+    result: int = args.func(args)
+    return result

@@ -1,0 +1,115 @@
+"""The seam between the protocol and a container engine.
+
+A backend implements one coroutine per runtime-v1 action and ``aclose()``. Requests
+reach it already validated; :func:`dispatch` applies the rules that do not depend on
+the engine (registry authority, manager labels) and routes by action.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import msgspec
+
+from ..errors import RequestRejected
+from ..schema import (
+    Execution,
+    ImageBuild,
+    ImageBuildAction,
+    ImageInfo,
+    ImageInspect,
+    ImagePull,
+    ImagePush,
+    ImageRemove,
+    ImageTag,
+    RuntimeRequest,
+    RuntimeResponse,
+    WorkloadCopyFrom,
+    WorkloadExec,
+    WorkloadInfo,
+    WorkloadInspect,
+    WorkloadLogs,
+    WorkloadRemove,
+    WorkloadRun,
+    WorkloadSpec,
+)
+
+__all__ = ("WORKLOAD_LABEL", "Backend", "RuntimeContext", "dispatch", "with_manager_labels")
+
+WORKLOAD_LABEL = "io.sparksq.coldsnap.workload"
+
+
+class RuntimeContext(msgspec.Struct, frozen=True, kw_only=True):
+    """What the caller's session authorizes, independent of any engine."""
+
+    host: str
+    allow_pull: bool
+    allow_push: bool
+    # Labels the placement manager attached at session-open; added to workloads whose
+    # `io.sparksq.coldsnap.workload` label equals `cluster_id`.
+    cluster_id: str = ""
+    manager_labels: dict[str, str] = {}
+
+
+class Backend(Protocol):
+    async def image_inspect(self, image: str) -> ImageInfo: ...
+    async def image_pull(self, image: str) -> None: ...
+    async def image_push(self, image: str) -> None: ...
+    async def image_tag(self, source: str, target: str) -> None: ...
+    async def image_remove(self, image: str) -> None: ...
+    async def image_build(self, build: ImageBuild) -> None: ...
+    async def workload_run(self, spec: WorkloadSpec, *, allow_pull: bool) -> RuntimeResponse: ...
+    async def workload_remove(self, name: str) -> None: ...
+    async def workload_inspect(self, name: str, *, include_start_time: bool) -> WorkloadInfo: ...
+    async def workload_exec(self, name: str, execution: Execution) -> bytes: ...
+    async def workload_logs(self, name: str, *, tail: int) -> bytes: ...
+    async def workload_copy_from(self, name: str, path: str, destination: str) -> None: ...
+    async def ping(self) -> bool: ...
+    async def aclose(self) -> None: ...
+
+
+def with_manager_labels(spec: WorkloadSpec, ctx: RuntimeContext) -> WorkloadSpec:
+    """Add the session's manager labels to the workload of its own cluster (they win on conflict)."""
+    if not ctx.cluster_id or not ctx.manager_labels or spec.labels.get(WORKLOAD_LABEL) != ctx.cluster_id:
+        return spec
+    return msgspec.structs.replace(spec, labels={**spec.labels, **ctx.manager_labels})
+
+
+_EMPTY = RuntimeResponse()
+
+
+async def dispatch(backend: Backend, request: RuntimeRequest, ctx: RuntimeContext) -> RuntimeResponse:
+    """Run one validated runtime request; raises a ColdsnapError subclass on failure."""
+    match request:
+        case ImageInspect(image=image):
+            return RuntimeResponse(image=await backend.image_inspect(image))
+        case ImagePull(image=image):
+            if not ctx.allow_pull:
+                raise RequestRejected("unsupported host-provider capability 'oci-pull'")
+            await backend.image_pull(image)
+        case ImagePush(image=image):
+            if not ctx.allow_push:
+                raise RequestRejected("unsupported host-provider capability 'oci-push'")
+            await backend.image_push(image)
+        case ImageTag(source=source, target=target):
+            await backend.image_tag(source, target)
+        case ImageRemove(image=image):
+            await backend.image_remove(image)
+        case ImageBuildAction(build=build):
+            await backend.image_build(build)
+        case WorkloadRun(workload=spec):
+            return await backend.workload_run(with_manager_labels(spec, ctx), allow_pull=ctx.allow_pull)
+        case WorkloadRemove(name=name):
+            await backend.workload_remove(name)
+        case WorkloadInspect(name=name, include_start_time=include_start_time):
+            info = await backend.workload_inspect(name, include_start_time=include_start_time)
+            return RuntimeResponse(workload=info)
+        case WorkloadExec(name=name, execution=execution):
+            return RuntimeResponse(output=await backend.workload_exec(name, execution))
+        case WorkloadLogs(name=name, tail=tail):
+            return RuntimeResponse(output=await backend.workload_logs(name, tail=tail))
+        case WorkloadCopyFrom(name=name, path=path, destination=destination):
+            await backend.workload_copy_from(name, path, destination)
+        case _:  # pragma: no cover - the union is closed
+            raise TypeError(f"unhandled runtime request {request!r}")
+    return _EMPTY

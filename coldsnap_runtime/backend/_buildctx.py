@@ -1,0 +1,187 @@
+"""Build contexts for the classic builder, with BuildKit-style named contexts.
+
+Docker's classic builder (the one every Engine API answers on ``POST /build``) has no
+``--build-context``. We make each named context available inside the one context tar,
+under ``.coldsnap-contexts/<name>/``, and rewrite the Dockerfile so that
+
+* ``COPY --from=<name> src... dest`` copies ``.coldsnap-contexts/<name>/src...``, and
+* ``FROM <name> [AS stage]`` becomes ``FROM scratch [AS stage]`` followed by
+  ``COPY .coldsnap-contexts/<name>/ /`` (BuildKit's meaning of a directory used as a base).
+
+Only names given as contexts are touched; stage names and images pass through. The
+Dockerfile itself travels as ``.coldsnap-build/Dockerfile``. Like the Docker CLI, files
+enter the tar owned by 0:0 and the main context's ``.dockerignore`` is honoured.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import io
+import json
+import os
+import posixpath
+import re
+import tarfile
+from pathlib import Path
+from typing import IO
+
+__all__ = ("DOCKERFILE_PATH", "BuildContextError", "rewrite_dockerfile", "write_context_tar")
+
+CONTEXTS_DIR = ".coldsnap-contexts"
+DOCKERFILE_PATH = ".coldsnap-build/Dockerfile"
+_RESERVED = (CONTEXTS_DIR, DOCKERFILE_PATH.split("/")[0])
+_INSTRUCTION = re.compile(r"^(\s*)(\w+)(\s+)(.*)$", re.DOTALL)
+
+
+class BuildContextError(ValueError):
+    """The build cannot be expressed for the classic builder (named the reason)."""
+
+
+def _logical_lines(text: str) -> list[str]:
+    """Join backslash continuations (comments inside continuations are dropped, as Docker does)."""
+    out: list[str] = []
+    pending = ""
+    for raw in text.splitlines():
+        if pending and raw.lstrip().startswith("#"):
+            continue
+        stripped = raw.rstrip()
+        if stripped.endswith("\\") and not raw.lstrip().startswith("#"):
+            pending += stripped[:-1] + " "
+            continue
+        out.append(pending + raw)
+        pending = ""
+    if pending:
+        out.append(pending)
+    return out
+
+
+def _context_src(name: str, src: str) -> str:
+    src = src.lstrip("/")
+    return f"{CONTEXTS_DIR}/{name}/{src}" if src else f"{CONTEXTS_DIR}/{name}/"
+
+
+def rewrite_dockerfile(text: str, contexts: dict[str, str]) -> str:
+    if not contexts:
+        return text
+    result: list[str] = []
+    for line in _logical_lines(text):
+        m = _INSTRUCTION.match(line)
+        if not m or line.lstrip().startswith("#"):
+            result.append(line)
+            continue
+        indent, word, space, rest = m.groups()
+        keyword = word.upper()
+        if keyword == "FROM":
+            result.extend(_rewrite_from(indent, rest, contexts) or [line])
+        elif keyword == "COPY":
+            result.append(_rewrite_copy(indent, word, space, rest, contexts) or line)
+        elif keyword == "RUN" and re.search(r"--mount=[^\s]*from=", rest):
+            raise BuildContextError("RUN --mount=from=... needs BuildKit; the classic builder cannot honour it")
+        else:
+            result.append(line)
+    return "\n".join(result) + "\n"
+
+
+def _rewrite_from(indent: str, rest: str, contexts: dict[str, str]) -> list[str] | None:
+    tokens = rest.split()
+    flags = [t for t in tokens if t.startswith("--")]
+    args = [t for t in tokens if not t.startswith("--")]
+    if not args or args[0] not in contexts:
+        return None
+    name = args[0]
+    alias = f" AS {args[2]}" if len(args) >= 3 and args[1].upper() == "AS" else ""
+    flag_text = (" ".join(flags) + " ") if flags else ""
+    return [f"{indent}FROM {flag_text}scratch{alias}", f"{indent}COPY {_context_src(name, '')} /"]
+
+
+def _rewrite_copy(indent: str, word: str, space: str, rest: str, contexts: dict[str, str]) -> str | None:
+    tokens = rest.strip().split(" ")
+    flags: list[str] = []
+    while tokens and tokens[0].startswith("--"):
+        flags.append(tokens.pop(0))
+    source = next((f.split("=", 1)[1] for f in flags if f.startswith("--from=")), None)
+    if source is None or source not in contexts:
+        return None
+    kept = [f for f in flags if not f.startswith("--from=")]
+    body = " ".join(t for t in tokens if t)
+    if body.startswith("["):
+        try:
+            items = json.loads(body)
+        except ValueError as exc:
+            raise BuildContextError(f"COPY --from={source}: malformed JSON form: {exc}") from None
+        items = [_context_src(source, s) for s in items[:-1]] + items[-1:]
+        new_body = json.dumps(items)
+    else:
+        parts = body.split()
+        if len(parts) < 2:
+            raise BuildContextError(f"COPY --from={source} needs a source and a destination")
+        new_body = " ".join([_context_src(source, s) for s in parts[:-1]] + parts[-1:])
+    return f"{indent}{word}{space}{' '.join([*kept, new_body])}"
+
+
+def _ignore_patterns(context: Path) -> list[tuple[bool, str]]:
+    try:
+        lines = (context / ".dockerignore").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    patterns = []
+    for line in lines:
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        negate = line.startswith("!")
+        pattern = posixpath.normpath(line[1:] if negate else line).lstrip("/")
+        patterns.append((negate, pattern))
+    return patterns
+
+
+def _ignored(rel: str, patterns: list[tuple[bool, str]]) -> bool:
+    ignored = False
+    for negate, pattern in patterns:
+        if fnmatch.fnmatchcase(rel, pattern) or rel.startswith(pattern + "/"):
+            ignored = not negate
+    return ignored
+
+
+def _owned_by_root(info: tarfile.TarInfo) -> tarfile.TarInfo:
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    return info
+
+
+def _add_tree(tar: tarfile.TarFile, root: Path, prefix: str, patterns: list[tuple[bool, str]]) -> None:
+    if prefix:
+        tar.add(root, arcname=prefix.rstrip("/"), recursive=False, filter=_owned_by_root)
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = os.path.relpath(dirpath, root)
+        rel_dir = "" if rel_dir == "." else rel_dir
+        for name in sorted(dirnames + filenames):
+            rel = posixpath.join(rel_dir, name) if rel_dir else name
+            if patterns and _ignored(rel, patterns):
+                if name in dirnames:
+                    dirnames.remove(name)
+                continue
+            if not prefix and rel.split("/")[0] in _RESERVED:
+                raise BuildContextError(f"the build context must not contain {rel.split('/')[0]!r} (reserved)")
+            tar.add(os.path.join(dirpath, name), arcname=prefix + rel, recursive=False, filter=_owned_by_root)
+        dirnames.sort()
+
+
+def write_context_tar(out: IO[bytes], *, context: str, contexts: dict[str, str], dockerfile: bytes) -> None:
+    """Write the whole build context (main, named contexts, Dockerfile) as one tar to `out`."""
+    for label, path in [("context", context), *((f"contexts[{n!r}]", p) for n, p in contexts.items())]:
+        if not os.path.isdir(path):
+            raise BuildContextError(f"build {label} {path} is not a directory on this node")
+    for name in contexts:
+        if "/" in name or name in (".", ".."):
+            raise BuildContextError(f"named context {name!r} must be a plain name")
+    text = rewrite_dockerfile(dockerfile.decode("utf-8"), contexts)
+    with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+        _add_tree(tar, Path(context), "", _ignore_patterns(Path(context)))
+        for name, path in sorted(contexts.items()):
+            _add_tree(tar, Path(path), f"{CONTEXTS_DIR}/{name}/", [])
+        data = text.encode()
+        info = tarfile.TarInfo(DOCKERFILE_PATH)
+        info.size = len(data)
+        info.mode = 0o644
+        tar.addfile(info, io.BytesIO(data))

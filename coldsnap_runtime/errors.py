@@ -1,0 +1,95 @@
+"""The project's one error tree.
+
+::
+
+    ColdsnapError                      any failure we report on the wire
+    ├── RequestRejected                bad framing, envelope, auth or validation (plain ok:false)
+    └── BackendError                   the runtime failed            (error_code runtime_failed)
+        ├── NotFound                   the image or workload itself is absent   (not_found)
+        ├── PathNotFound               a path inside an existing workload       (path_not_found)
+        ├── RuntimeFailed              a non-zero exit, a daemon error
+        │   └── OutputTooLarge         a reply would pass the 64 MiB wire limit
+        └── BackendUnavailable         the engine socket is missing, refused or reset
+
+``error_code`` is a class attribute so subclasses inherit their wire class; context
+travels as keyword-only attributes and the constructor builds the message.
+Misusing our own API raises ``RuntimeError``/``TypeError`` and never reaches the wire.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+__all__ = (
+    "BackendError",
+    "BackendUnavailable",
+    "ColdsnapError",
+    "NotFound",
+    "OutputTooLarge",
+    "PathNotFound",
+    "RequestRejected",
+    "RuntimeFailed",
+)
+
+
+class ColdsnapError(Exception):
+    """Root of every failure that becomes an ``ok:false`` reply."""
+
+    error_code: ClassVar[str | None] = None
+
+
+class RequestRejected(ColdsnapError):
+    """The request was refused before anything ran: framing, envelope, auth or schema."""
+
+
+class BackendError(ColdsnapError):
+    """The runtime was asked and failed."""
+
+    error_code: ClassVar[str | None] = "runtime_failed"
+
+    def __init__(self, message: str, *, action: str = "") -> None:
+        super().__init__(message)
+        self.action = action
+
+
+class NotFound(BackendError):
+    """The image or workload named by the request does not exist."""
+
+    error_code = "not_found"
+
+    def __init__(self, *, kind: str, ref: str, action: str) -> None:
+        super().__init__(f"{action}: no such {kind}: {ref}", action=action)
+        self.kind, self.ref = kind, ref
+
+
+class PathNotFound(BackendError):
+    """A path inside an existing workload does not exist (raised only after the workload was found)."""
+
+    error_code = "path_not_found"
+
+    def __init__(self, *, workload: str, path: str, action: str) -> None:
+        super().__init__(f"{action}: could not find the file {path} in workload {workload}", action=action)
+        self.workload, self.path = workload, path
+
+
+class RuntimeFailed(BackendError):
+    """Any other runtime failure: a non-zero exit, an engine error, a refused operation."""
+
+    def __init__(self, *, action: str, detail: str) -> None:
+        super().__init__(f"{action} failed: {detail}", action=action)
+        self.detail = detail
+
+
+class OutputTooLarge(RuntimeFailed):
+    """Collected output would not fit in one 64 MiB reply."""
+
+    def __init__(self, *, action: str, limit: int) -> None:
+        super().__init__(action=action, detail=f"output exceeds {limit} bytes")
+
+
+class BackendUnavailable(BackendError):
+    """The engine could not be reached (socket missing, refused, reset)."""
+
+    def __init__(self, *, action: str, detail: str) -> None:
+        super().__init__(f"{action} failed: container engine unavailable: {detail}", action=action)
+        self.detail = detail
