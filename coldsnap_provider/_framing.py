@@ -33,6 +33,8 @@ async def read_request_line(stream: ByteReceiveStream) -> bytes:
         if not partial:
             raise FramingError("host-provider request is empty") from None
         raise FramingError("host-provider request is not newline-terminated", partial=partial) from None
+    if len(line) + 1 > MAX_MESSAGE_BYTES:  # the delimiter may arrive in the chunk that passes the cap
+        raise FramingError(f"host-provider request exceeds {MAX_MESSAGE_BYTES} bytes")
     if not line.strip():
         raise FramingError("host-provider request is empty")
     if reader.buffer:

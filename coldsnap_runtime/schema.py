@@ -53,7 +53,6 @@ OptionalReference = Annotated[
     str,
     Meta(pattern=r"^(?:[^\s\x00-][^\s\x00]*)?$", description="optional reference: '' or a reference"),
 ]
-OptionalText = Annotated[str, Meta(pattern=r"^[^\x00]*$", description="optional text: '' or text")]
 # An absolute path in normal form: no '.', '..' or empty segments, no trailing '/', no ':'.
 _SEGMENT = r"(?!\.\.?(?:/|$))[^/:\x00]+"
 Path = Annotated[
@@ -134,7 +133,7 @@ class WorkloadSpec(_Object):
     shared_memory_bytes: NonNegative = 0
     gpus: list[GpuId] = []
     user: OptionalReference = ""
-    entrypoint: OptionalText = ""
+    entrypoint: PlainString = ""
     environment: Mapping = {}
     labels: Mapping = {}
     mounts: list[Mount] = []
@@ -266,7 +265,7 @@ class RuntimeResponse(_Reply):
 
 def _rules() -> tuple[tuple[str, str], ...]:
     rules = []
-    for alias in (Text, Reference, OptionalReference, OptionalText, Path, PlainString, MappingKey, GpuId):
+    for alias in (Text, Reference, OptionalReference, Path, PlainString, MappingKey, GpuId):
         meta = alias.__metadata__[0]
         rules.append((f"Expected `str` matching regex {meta.pattern!r}", f"Expected {meta.description}"))
     return tuple(rules)

@@ -1,0 +1,134 @@
+"""Shared fixtures: a real dockerd (started by scripts/test), a local busybox image, a real registry."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+# A 2-core CI box under a live dockerd is slow to generate data; correctness, not speed, is under test.
+settings.register_profile("default", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("default")
+
+BUSYBOX_IMAGE = "coldsnap-test/busybox:1"
+MANAGED_LABEL = "io.coldsnap-provider.managed"
+
+
+def docker(*args: str, input: bytes | None = None, check: bool = True) -> subprocess.CompletedProcess[bytes]:
+    """The Docker CLI, used only by test set-up and assertions, never by the code under test."""
+    return subprocess.run(["docker", *args], input=input, capture_output=True, check=check)
+
+
+@pytest.fixture(scope="session")
+def busybox_image() -> str:
+    """A tiny local-only image made from Debian's busybox-static (nothing is pulled)."""
+    if docker("image", "inspect", BUSYBOX_IMAGE, check=False).returncode == 0:
+        return BUSYBOX_IMAGE
+    busybox = shutil.which("busybox") or "/bin/busybox"
+    with tempfile.TemporaryDirectory() as root:
+        rootfs = Path(root)
+        for d in ("bin", "etc", "tmp", "root", "data"):
+            (rootfs / d).mkdir()
+        os.chmod(rootfs / "tmp", 0o1777)
+        shutil.copy2(busybox, rootfs / "bin" / "busybox")
+        applets = subprocess.run([busybox, "--list"], capture_output=True, check=True, text=True).stdout.split()
+        for applet in applets:
+            if applet != "busybox":
+                (rootfs / "bin" / applet).symlink_to("busybox")
+        (rootfs / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534::/:/bin/false\n")
+        (rootfs / "etc" / "group").write_text("root:x:0:\nnogroup:x:65534:\n")
+        (rootfs / "data" / "hello.txt").write_text("hello from the image\n")
+        tar = subprocess.run(["tar", "-C", root, "-c", "."], capture_output=True, check=True).stdout
+        docker("import", "--change", "ENV PATH=/bin", "--change", 'CMD ["sh"]', "-", BUSYBOX_IMAGE, input=tar)
+    return BUSYBOX_IMAGE
+
+
+@dataclass(frozen=True)
+class Registry:
+    address: str
+    username: str
+    password: str
+    credentials_file: Path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
+    """Debian's docker-registry on 127.0.0.1 with htpasswd (bcrypt) credentials."""
+    base = tmp_path_factory.mktemp("registry")
+    user, password = "coldsnap", "s3cret-pass"
+    subprocess.run(["htpasswd", "-Bbc", str(base / "htpasswd"), user, password], check=True, capture_output=True)
+    port = _free_port()
+    (base / "config.yml").write_text(f"""version: 0.1
+storage:
+  filesystem:
+    rootdirectory: {base / 'data'}
+  delete:
+    enabled: true
+http:
+  addr: 127.0.0.1:{port}
+auth:
+  htpasswd:
+    realm: coldsnap-test
+    path: {base / 'htpasswd'}
+""")
+    log = open(base / "registry.log", "wb")  # noqa: SIM115
+    process = subprocess.Popen(["docker-registry", "serve", str(base / "config.yml")], stdout=log, stderr=log)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline or process.poll() is not None:
+                raise RuntimeError((base / "registry.log").read_text()) from None
+            time.sleep(0.1)
+    address = f"127.0.0.1:{port}"
+    import base64
+    import json
+
+    auth = base64.b64encode(f"{user}:{password}".encode()).decode()
+    credentials = base / "docker-config.json"
+    credentials.write_text(json.dumps({"auths": {address: {"auth": auth}}}))
+    credentials.chmod(0o600)
+    try:
+        yield Registry(address=address, username=user, password=password, credentials_file=credentials)
+    finally:
+        process.terminate()
+        process.wait(10)
+        log.close()
+
+
+def managed_containers() -> list[str]:
+    out = docker("ps", "-aq", "--filter", f"label={MANAGED_LABEL}=true").stdout.decode().split()
+    return out
+
+
+def all_containers() -> set[str]:
+    return set(docker("ps", "-aq", "--no-trunc").stdout.decode().split())
+
+
+@pytest.fixture
+def no_leftovers() -> Iterator[None]:
+    """Fail the test if it leaves any container behind that was not there before."""
+    before = all_containers()
+    yield
+    after = all_containers()
+    left = after - before
+    for cid in left:
+        docker("rm", "-f", cid, check=False)
+    assert not left, f"containers left behind: {sorted(left)}"

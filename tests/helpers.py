@@ -1,0 +1,143 @@
+"""Test helpers: a real daemon subprocess and a client session as strict as the Go client."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from coldsnap_provider._client import call, call_control, exchange
+from coldsnap_provider._envelope import Reply
+
+ROOT = Path(__file__).resolve().parent.parent
+_ids = itertools.count(1767225600000000001)
+
+
+def next_id() -> str:
+    return str(next(_ids))
+
+
+@dataclass
+class Session:
+    """A provider session as the adapter sees it: socket, token, session id."""
+
+    socket: str
+    token: str
+    session: str
+
+    def envelope(self, operation: str, **fields: Any) -> dict[str, Any]:
+        return {"format": 1, "id": next_id(), "token": self.token, "session": self.session,
+                "operation": operation, **fields}
+
+    async def call(self, operation: str, *, check: bool = False, **fields: Any) -> Reply:
+        return await call(self.socket, self.envelope(operation, **fields), check=check)
+
+    async def runtime(self, action: str, *, host: str = "localhost", check: bool = False,
+                      **fields: Any) -> Reply:
+        return await self.call("runtime", host=host, runtime={"action": action, **fields}, check=check)
+
+    async def raw(self, payload: bytes) -> bytes:
+        return await exchange(self.socket, payload)
+
+
+@dataclass
+class Daemon:
+    state_dir: Path
+    config_path: Path
+    process: subprocess.Popen[bytes] | None = None
+    log_path: Path = field(default_factory=lambda: Path(tempfile.mktemp(prefix="cs-log-")))
+
+    def start(self, *, env: dict[str, str] | None = None, wait: bool = True) -> None:
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "coldsnap_provider", "serve", "--config", str(self.config_path),
+             "--state-dir", str(self.state_dir), "--log-level", "debug"],
+            stdout=self._log, stderr=self._log, env={**os.environ, **(env or {})},
+        )
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(f"daemon exited {self.process.returncode}:\n{self.log()}")
+            if "\"event\": \"ready\"" in self.log():
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"daemon not ready:\n{self.log()}")
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text()
+        except FileNotFoundError:
+            return ""
+
+    def log_events(self) -> list[dict[str, Any]]:
+        events = []
+        for line in self.log().splitlines():
+            with contextlib.suppress(ValueError):
+                events.append(json.loads(line))
+        return events
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            code = self.process.wait(timeout)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+            self._log.close()
+        return code
+
+    async def control(self, **request: Any) -> Any:
+        return await call_control(self.state_dir, request)
+
+    async def open_session(self, session: str | None = None, *, hosts: list[str] | None = None,
+                           **extra: Any) -> Session:
+        session = session or f"op-{next_id()[-6:]}"
+        result = await self.control(operation="session-open", session=session,
+                                    hosts=hosts or ["localhost"], **extra)
+        return Session(socket=result["socket"], token=result["token"], session=result["session"])
+
+
+def write_config(directory: Path, text: str = "") -> Path:
+    path = directory / "config.toml"
+    path.write_text(text)
+    return path
+
+
+@contextlib.asynccontextmanager
+async def running_daemon(config: str = "", *, state_dir: Path | None = None,
+                         env: dict[str, str] | None = None) -> AsyncIterator[Daemon]:
+    """A real `coldsnap-provider serve` subprocess with a short private state dir."""
+    own = state_dir is None
+    state = state_dir or Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
+    conf_dir = Path(tempfile.mkdtemp(prefix="cs-conf-", dir="/tmp"))
+    daemon = Daemon(state_dir=state, config_path=write_config(conf_dir, config))
+    await anyio.to_thread.run_sync(lambda: daemon.start(env=env))
+    try:
+        yield daemon
+    finally:
+        if daemon.process is not None and daemon.process.poll() is None:
+            await anyio.to_thread.run_sync(daemon.stop)
+        shutil.rmtree(conf_dir, ignore_errors=True)
+        if own:
+            shutil.rmtree(state, ignore_errors=True)
+        daemon.log_path.unlink(missing_ok=True)

@@ -1,0 +1,83 @@
+"""`exec` and `upload` through the real daemon."""
+
+from __future__ import annotations
+
+import base64
+import os
+import tempfile
+from pathlib import Path
+
+from tests.helpers import running_daemon
+
+
+async def test_exec_argv_survives_exactly_without_a_shell() -> None:
+    argv = ["printf", "%s|", "a b", "$HOME", "x;y", "*", "", "'q'", "\\n"]
+    async with running_daemon() as daemon:
+        s = await daemon.open_session()
+        reply = await s.call("exec", host="localhost", arguments=argv)
+        assert reply.ok and reply.exit_code == 0
+        assert reply.output == b"a b|$HOME|x;y|*||'q'|\\n|"
+
+
+async def test_exec_binary_stdin_round_trips() -> None:
+    data = bytes(range(256)) * 64 + b"binary\x00input\n"
+    async with running_daemon() as daemon:
+        s = await daemon.open_session()
+        reply = await s.call("exec", host="localhost", arguments=["cat"],
+                             input=base64.b64encode(data).decode())
+        assert reply.ok and reply.output == data and reply.error_output == b""
+
+
+async def test_exec_nonzero_exit_is_ok_with_exit_code_and_stderr() -> None:
+    async with running_daemon() as daemon:
+        s = await daemon.open_session()
+        reply = await s.call("exec", host="localhost", arguments=["sh", "-c", "echo out; echo err >&2; exit 7"])
+        assert reply.ok and reply.exit_code == 7
+        assert reply.output == b"out\n" and reply.error_output == b"err\n"
+
+
+async def test_exec_combined_merges_stderr_into_output() -> None:
+    async with running_daemon() as daemon:
+        s = await daemon.open_session()
+        reply = await s.call("exec", host="localhost", combined=True,
+                             arguments=["sh", "-c", "echo out; echo err >&2"])
+        assert reply.ok and reply.output == b"out\nerr\n" and reply.error_output == b""
+
+
+async def test_exec_without_input_has_empty_stdin() -> None:
+    async with running_daemon() as daemon:
+        s = await daemon.open_session()
+        reply = await s.call("exec", host="localhost", arguments=["cat"])
+        assert reply.ok and reply.exit_code == 0 and reply.output == b""
+
+
+async def test_exec_missing_program_reports_127_like_a_shell() -> None:
+    async with running_daemon() as daemon:
+        s = await daemon.open_session()
+        reply = await s.call("exec", host="localhost", arguments=["/nonexistent/program"])
+        assert reply.ok and reply.exit_code == 127 and b"No such file" in reply.error_output
+
+
+async def test_exec_runs_as_configured_user() -> None:
+    async with running_daemon('[exec]\nuser = "nobody"\n') as daemon:
+        s = await daemon.open_session()
+        uid = await s.call("exec", host="localhost", arguments=["id", "-u"])
+        assert uid.ok and uid.output.strip() == b"65534"
+
+
+async def test_upload_copies_node_local_files_recursively() -> None:
+    src = Path(tempfile.mkdtemp(prefix="cs-up-"))
+    (src / "sub").mkdir()
+    (src / "sub" / "f").write_bytes(b"payload")
+    dest = Path(tempfile.mkdtemp(prefix="cs-dest-")) / "copy"
+    async with running_daemon() as daemon:
+        s = await daemon.open_session()
+        reply = await s.call("upload", host="localhost", sources=[str(src)], destination=str(dest),
+                             recursive=True)
+        assert reply.ok, reply.error
+        assert (dest / "sub" / "f").read_bytes() == b"payload"
+        missing = await s.call("upload", host="localhost", sources=["/nonexistent"], destination=str(dest))
+        assert not missing.ok and "nonexistent" in str(missing.error)
+        relative = await s.call("upload", host="localhost", sources=["rel"], destination=str(dest))
+        assert not relative.ok and "$.sources" in str(relative.error)
+    assert os.path.exists(dest)
