@@ -76,7 +76,8 @@ async def call(socket_path: str | os.PathLike[str], request: dict[str, Any], *, 
         raise ProtocolError(f"request exceeds {MAX_MESSAGE_BYTES} bytes")
     reply = check_reply(await exchange(socket_path, payload), str(request.get("id", "")))
     if check and not reply.ok:
-        error = reply.error if isinstance(reply.error, str) and reply.error else "provider returned an unspecified failure"
+        error = reply.error if isinstance(reply.error, str) and reply.error else ""
+        error = error or "provider returned an unspecified failure"
         raise ReplyError(error, code=reply.error_code if isinstance(reply.error_code, str) else "")
     return reply
 

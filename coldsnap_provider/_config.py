@@ -6,10 +6,10 @@ import os
 import socket
 from importlib import resources
 from pathlib import Path
+from typing import Annotated
 
 import msgspec
 from msgspec import Meta, Struct
-from typing import Annotated
 
 __all__ = ("Config", "ConfigError", "default_state_dir", "load_config", "node_names")
 
@@ -18,7 +18,7 @@ class _Section(Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     pass
 
 
-class ServerConfig(_Section):
+class ServerConfig(_Section, frozen=True):
     state_dir: str = ""
     control_group: str = ""
     control_uids: list[Annotated[int, Meta(ge=0)]] = []
@@ -28,30 +28,30 @@ class ServerConfig(_Section):
     shutdown_grace_s: Annotated[float, Meta(ge=0)] = 60.0
 
 
-class ProviderConfig(_Section):
+class ProviderConfig(_Section, frozen=True):
     name: Annotated[str, Meta(min_length=1, pattern=r"^[^\r\n\x00]+$")] = "coldsnap-provider"
 
 
-class NodeConfig(_Section):
+class NodeConfig(_Section, frozen=True):
     names: list[Annotated[str, Meta(min_length=1)]] = []
 
 
-class ExecConfig(_Section):
+class ExecConfig(_Section, frozen=True):
     user: str = ""
 
 
-class DockerConfig(_Section):
+class DockerConfig(_Section, frozen=True):
     url: Annotated[str, Meta(min_length=1)] = "unix:///var/run/docker.sock"
     spool_dir: str = ""
 
 
-class RegistryConfig(_Section):
+class RegistryConfig(_Section, frozen=True):
     credentials_file: str = ""
     pull: bool = True
     push: bool = True
 
 
-class Config(_Section):
+class Config(_Section, frozen=True):
     server: ServerConfig = ServerConfig()
     provider: ProviderConfig = ProviderConfig()
     node: NodeConfig = NodeConfig()

@@ -28,7 +28,7 @@ class _Control(Struct, tag_field="operation", forbid_unknown_fields=True, frozen
     id: NonEmpty
 
 
-class SessionOpen(_Control, tag="session-open"):
+class SessionOpen(_Control, tag="session-open", frozen=True):
     """Either `session` + `hosts`, or a whole ColdSnap `request` (id and launch.units[*].host)."""
 
     session: str = ""
@@ -38,15 +38,15 @@ class SessionOpen(_Control, tag="session-open"):
     request: dict[str, Any] | UnsetType = UNSET
 
 
-class SessionClose(_Control, tag="session-close"):
+class SessionClose(_Control, tag="session-close", frozen=True):
     session: NonEmpty
 
 
-class SessionList(_Control, tag="session-list"):
+class SessionList(_Control, tag="session-list", frozen=True):
     pass
 
 
-class Status(_Control, tag="status"):
+class Status(_Control, tag="status", frozen=True):
     pass
 
 

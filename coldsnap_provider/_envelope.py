@@ -8,6 +8,7 @@ Decoding is strict and happens once, here. Anything that fails becomes a
 from __future__ import annotations
 
 import re
+import typing
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -45,15 +46,15 @@ class _Envelope(Struct, tag_field="operation", forbid_unknown_fields=True, froze
     session: Token
 
 
-class Capabilities(_Envelope, tag="capabilities"):
+class Capabilities(_Envelope, tag="capabilities", frozen=True):
     pass
 
 
-class _Targeted(_Envelope):
+class _Targeted(_Envelope, frozen=True):
     host: NonEmpty
 
 
-class Exec(_Targeted, tag="exec"):
+class Exec(_Targeted, tag="exec", frozen=True):
     arguments: Annotated[list[Arg], Meta(min_length=1)]
     input: bytes = b""
     combined: bool = False
@@ -63,20 +64,20 @@ class Exec(_Targeted, tag="exec"):
             raise ValueError("`arguments[0]` (the program) must be non-empty")
 
 
-class Upload(_Targeted, tag="upload"):
+class Upload(_Targeted, tag="upload", frozen=True):
     sources: Annotated[list[Annotated[str, Meta(min_length=1, pattern=r"^/[^\x00]*$")]], Meta(min_length=1)]
     destination: Annotated[str, Meta(min_length=1, pattern=r"^/[^\x00]*$")]
     recursive: bool = False
 
 
-class Runtime(_Targeted, tag="runtime"):
+class Runtime(_Targeted, tag="runtime", frozen=True):
     runtime: RuntimeRequest
 
 
 Request = Capabilities | Exec | Upload | Runtime
 
 OPERATIONS: frozenset[str] = frozenset(
-    str(t.__struct_config__.tag) for t in Request.__args__  # type: ignore[attr-defined]
+    str(t.__struct_config__.tag) for t in typing.get_args(Request)
 )
 
 

@@ -28,11 +28,11 @@ from typing import Any
 import anyio
 import anyio.abc
 import structlog
-from msgspec import UNSET
 from anyio.abc import SocketAttribute, SocketListener, SocketStream, TaskStatus
+from msgspec import UNSET
 
 from coldsnap_runtime import Backend
-from coldsnap_runtime.errors import ColdsnapError, RequestRejected
+from coldsnap_runtime.errors import ColdsnapError, RequestRejected, RuntimeFailed
 
 from . import __version__
 from ._config import Config
@@ -59,6 +59,7 @@ log = structlog.get_logger(__name__)
 _CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 _HANGUP_POLL_S = 0.2
 _BUSY_READ_S = 1.0
+_ABORT_BUDGET_S = 40.0  # backend cleanups are bounded at 30 s
 
 Responder = Callable[[bytes, SocketStream], Awaitable[bytes | None]]
 
@@ -99,8 +100,11 @@ class Daemon:
         self._stop = anyio.Event()
         self._task_group: anyio.abc.TaskGroup | None = None
         self._connections = 0
-        self._in_flight = 0
+        self._in_flight = 0  # every request being answered (what shutdown drains)
+        self._operations = 0  # provider-socket operations among them (what status reports)
         self._started = time.monotonic()
+        self._request_scopes: set[anyio.CancelScope] = set()
+        self._aborting = False
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -135,6 +139,13 @@ class Daemon:
                     await anyio.sleep(0.05)
             if drain.cancelled_caught:
                 log.warning("shutdown grace expired; cancelling in-flight operations", in_flight=self._in_flight)
+                # Cancel each request on its own so it still answers (and its cleanup runs) before exit.
+                self._aborting = True
+                for scope in list(self._request_scopes):
+                    scope.cancel()
+                with anyio.move_on_after(_ABORT_BUDGET_S):
+                    while self._in_flight:
+                        await anyio.sleep(0.05)
             tg.cancel_scope.cancel()
         log.info("stopped")
 
@@ -245,8 +256,13 @@ class Daemon:
                     result.append(await respond(line, stream))
                     tg.cancel_scope.cancel()
 
+                self._request_scopes.add(tg.cancel_scope)
                 tg.start_soon(_watch_hangup, stream, tg.cancel_scope)
                 tg.start_soon(work)
+            self._request_scopes.discard(tg.cancel_scope)
+            if not result and self._aborting:
+                return encode_reply(error_reply(peek_id(line), RuntimeFailed(
+                    action="request", detail="cancelled: the provider is shutting down")))
             if not result:
                 log.warning("client disconnected mid-operation; operation cancelled", request_id=peek_id(line))
                 return None
@@ -290,7 +306,11 @@ class Daemon:
                 fields["host"] = request.host
             if isinstance(request, Runtime):
                 fields["action"] = request.runtime.__struct_config__.tag
-            reply = await self.operations.handle(request, record)
+            self._operations += 1
+            try:
+                reply = await self.operations.handle(request, record)
+            finally:
+                self._operations -= 1
         except ColdsnapError as exc:
             reply = error_reply(request_id or peek_id(line), exc)
         except Exception:
@@ -392,7 +412,7 @@ class Daemon:
             "uptime_s": round(time.monotonic() - self._started, 3),
             "sessions": len(self._sessions),
             "connections": self._connections,
-            "in_flight": self._in_flight,
+            "in_flight": self._operations,
             "docker_reachable": docker_ok,
             "capabilities": list(self.operations.capabilities),
             "state_dir": str(self.store.state_dir),

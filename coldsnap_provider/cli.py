@@ -212,17 +212,16 @@ async def _run_controller(args: argparse.Namespace, request_bytes: bytes) -> int
     try:
         async with await anyio.open_process(
             args.command, stdin=subprocess.PIPE, stdout=None, stderr=None, env=env, start_new_session=True
-        ) as process:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(_forward_signals, process.pid)
-                assert process.stdin is not None
-                try:
-                    await process.stdin.send(request_bytes)
-                except anyio.BrokenResourceError:
-                    pass
-                await process.stdin.aclose()
-                code = await process.wait()
-                tg.cancel_scope.cancel()
+        ) as process, anyio.create_task_group() as tg:
+            tg.start_soon(_forward_signals, process.pid)
+            assert process.stdin is not None
+            try:
+                await process.stdin.send(request_bytes)
+            except anyio.BrokenResourceError:
+                pass
+            await process.stdin.aclose()
+            code = await process.wait()
+            tg.cancel_scope.cancel()
     finally:
         with anyio.move_on_after(30, shield=True):
             await call_control(state_dir, {"operation": "session-close", "session": session})

@@ -9,6 +9,7 @@ spanning fields live in ``__post_init__``.
 
 from __future__ import annotations
 
+import typing
 from typing import Annotated, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType
@@ -85,18 +86,18 @@ class _Object(Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
 # --- nested request objects ------------------------------------------------------------
 
 
-class Mount(_Object):
+class Mount(_Object, frozen=True):
     source: Path
     target: Path
     read_only: bool = False
 
 
-class Device(_Object):
+class Device(_Object, frozen=True):
     source: Path
     target: Path | UnsetType = UNSET
 
 
-class Execution(_Object):
+class Execution(_Object, frozen=True):
     command: list[PlainString]
     input: bytes | UnsetType = UNSET
     combined: bool = False
@@ -107,7 +108,7 @@ class Execution(_Object):
             raise ValueError("`command` must be a non-empty list whose first element is non-empty")
 
 
-class ImageBuild(_Object):
+class ImageBuild(_Object, frozen=True):
     dockerfile: bytes
     context: Path
     tag: Reference
@@ -120,7 +121,7 @@ class ImageBuild(_Object):
             raise ValueError("`dockerfile` must be non-empty")
 
 
-class WorkloadSpec(_Object):
+class WorkloadSpec(_Object, frozen=True):
     image: Reference
     name: OptionalReference = ""
     detached: bool = False
@@ -154,59 +155,59 @@ class WorkloadSpec(_Object):
 # --- the runtime request: a union tagged by `action` -----------------------------------
 
 
-class _Action(_Object, tag_field="action"):
+class _Action(_Object, tag_field="action", frozen=True):
     pass
 
 
-class ImageInspect(_Action, tag="image-inspect"):
+class ImageInspect(_Action, tag="image-inspect", frozen=True):
     image: Reference
 
 
-class ImagePull(_Action, tag="image-pull"):
+class ImagePull(_Action, tag="image-pull", frozen=True):
     image: Reference
 
 
-class ImagePush(_Action, tag="image-push"):
+class ImagePush(_Action, tag="image-push", frozen=True):
     image: Reference
 
 
-class ImageRemove(_Action, tag="image-remove"):
+class ImageRemove(_Action, tag="image-remove", frozen=True):
     image: Reference
 
 
-class ImageTag(_Action, tag="image-tag"):
+class ImageTag(_Action, tag="image-tag", frozen=True):
     source: Reference
     target: Reference
 
 
-class ImageBuildAction(_Action, tag="image-build"):
+class ImageBuildAction(_Action, tag="image-build", frozen=True):
     build: ImageBuild
 
 
-class WorkloadRun(_Action, tag="workload-run"):
+class WorkloadRun(_Action, tag="workload-run", frozen=True):
     workload: WorkloadSpec
 
 
-class WorkloadRemove(_Action, tag="workload-remove"):
+class WorkloadRemove(_Action, tag="workload-remove", frozen=True):
     name: Reference
 
 
-class WorkloadInspect(_Action, tag="workload-inspect"):
+class WorkloadInspect(_Action, tag="workload-inspect", frozen=True):
     name: Reference
     include_start_time: bool = False
 
 
-class WorkloadExec(_Action, tag="workload-exec"):
+class WorkloadExec(_Action, tag="workload-exec", frozen=True):
     name: Reference
     execution: Execution
 
 
-class WorkloadLogs(_Action, tag="workload-logs"):
+class WorkloadLogs(_Action, tag="workload-logs", frozen=True):
     name: Reference
     tail: NonNegative = 0
 
 
-class WorkloadCopyFrom(_Action, tag="workload-copy-from"):
+class WorkloadCopyFrom(_Action, tag="workload-copy-from", frozen=True):
     name: Reference
     path: Path
     destination: Path
@@ -228,7 +229,7 @@ RuntimeRequest = (
 )
 
 ACTIONS: frozenset[str] = frozenset(
-    str(t.__struct_config__.tag) for t in RuntimeRequest.__args__  # type: ignore[attr-defined]
+    str(t.__struct_config__.tag) for t in typing.get_args(RuntimeRequest)
 )
 
 # --- replies: exactly the keys the Go client knows -------------------------------------
@@ -238,13 +239,13 @@ class _Reply(Struct, omit_defaults=True, frozen=True, kw_only=True, forbid_unkno
     pass
 
 
-class ImageInfo(_Reply):
+class ImageInfo(_Reply, frozen=True):
     id: str
     repo_digests: list[str]
     size: int
 
 
-class WorkloadInfo(_Reply):
+class WorkloadInfo(_Reply, frozen=True):
     id: str
     image: str
     state: str
@@ -256,7 +257,7 @@ class WorkloadInfo(_Reply):
     started_at: str | UnsetType = UNSET
 
 
-class RuntimeResponse(_Reply):
+class RuntimeResponse(_Reply, frozen=True):
     output: bytes | UnsetType = UNSET
     value: str | UnsetType = UNSET
     image: ImageInfo | UnsetType = UNSET
@@ -266,7 +267,7 @@ class RuntimeResponse(_Reply):
 def _rules() -> tuple[tuple[str, str], ...]:
     rules = []
     for alias in (Text, Reference, OptionalReference, Path, PlainString, MappingKey, GpuId):
-        meta = alias.__metadata__[0]
+        meta = typing.get_args(alias)[1]
         rules.append((f"Expected `str` matching regex {meta.pattern!r}", f"Expected {meta.description}"))
     return tuple(rules)
 

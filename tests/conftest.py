@@ -86,7 +86,7 @@ auth:
     realm: coldsnap-test
     path: {base / 'htpasswd'}
 """)
-    log = open(base / "registry.log", "wb")  # noqa: SIM115
+    log = open(base / "registry.log", "wb")
     process = subprocess.Popen(["docker-registry", "serve", str(base / "config.yml")], stdout=log, stderr=log)
     deadline = time.monotonic() + 20
     while True:

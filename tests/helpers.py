@@ -61,7 +61,7 @@ class Daemon:
     log_path: Path = field(default_factory=lambda: Path(tempfile.mktemp(prefix="cs-log-")))
 
     def start(self, *, env: dict[str, str] | None = None, wait: bool = True) -> None:
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self._log = open(self.log_path, "ab")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "coldsnap_provider", "serve", "--config", str(self.config_path),
              "--state-dir", str(self.state_dir), "--log-level", "debug"],
@@ -141,3 +141,35 @@ async def running_daemon(config: str = "", *, state_dir: Path | None = None,
         if own:
             shutil.rmtree(state, ignore_errors=True)
         daemon.log_path.unlink(missing_ok=True)
+
+
+def control_as(uid: int, state_dir: Path, request: dict[str, Any]) -> dict[str, Any]:
+    """One control-socket exchange from a forked child running as `uid` (no exec needed)."""
+    import socket as socket_module
+
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        status = 1
+        try:
+            os.close(read_fd)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            with socket_module.socket(socket_module.AF_UNIX, socket_module.SOCK_STREAM) as sock:
+                sock.connect(str(state_dir / "control.sock"))
+                sock.sendall(json.dumps({"format": 1, "id": "as-uid", **request}).encode() + b"\n")
+                sock.shutdown(socket_module.SHUT_WR)
+                while chunk := sock.recv(65536):
+                    os.write(write_fd, chunk)
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write_fd)
+    chunks = []
+    while chunk := os.read(read_fd, 65536):
+        chunks.append(chunk)
+    os.close(read_fd)
+    _, status = os.waitpid(pid, 0)
+    assert status == 0, "child failed to talk to the control socket"
+    return json.loads(b"".join(chunks))

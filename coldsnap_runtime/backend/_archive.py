@@ -59,8 +59,10 @@ def extract_copy(archive: IO[bytes], root: str, destination: str) -> None:
         with tarfile.open(fileobj=archive, mode="r:*") as tar:
             members = _check_members(tar, root)
             # Members were checked above; keep absolute symlinks as docker cp does.
-            extra = {"filter": "fully_trusted"} if hasattr(tarfile, "fully_trusted_filter") else {}
-            tar.extractall(staging, members=members, numeric_owner=True, **extra)
+            if hasattr(tarfile, "fully_trusted_filter"):
+                tar.extractall(staging, members=members, numeric_owner=True, filter="fully_trusted")
+            else:  # pragma: no cover - Pythons without extraction filters
+                tar.extractall(staging, members=members, numeric_owner=True)
         copied = staging / root
         if not copied.exists() and not copied.is_symlink():
             raise CopyError("the archive did not contain the copied path")

@@ -23,7 +23,7 @@ import aiohttp
 import anyio
 import anyio.to_thread
 import structlog
-from msgspec import UNSET
+from msgspec import UNSET, UnsetType
 
 from ..errors import BackendError, BackendUnavailable, NotFound, OutputTooLarge, PathNotFound, RuntimeFailed
 from ..schema import Execution, ImageBuild, ImageInfo, RuntimeResponse, WorkloadInfo, WorkloadSpec
@@ -79,6 +79,11 @@ def docker_errors(action: str, *, kind: str = "", ref: str = "") -> Iterator[Non
 def _text(data: bytes) -> str:
     text = data.decode("utf-8", "replace").strip()
     return text if len(text) <= _DIAGNOSTIC_BYTES else "…" + text[-_DIAGNOSTIC_BYTES:]
+
+
+def _stdin(value: bytes | UnsetType) -> bytes | None:
+    """Bytes to feed, or None when the request did not carry the key (stdin not attached)."""
+    return None if isinstance(value, UnsetType) else value
 
 
 def _split(frames: list[tuple[int, bytes]], *, combined: bool) -> tuple[bytes, bytes]:
@@ -291,15 +296,11 @@ class DockerBackend:
         return RuntimeResponse(output=output)
 
     async def _run_attached(self, cid: str, spec: WorkloadSpec) -> tuple[list[tuple[int, bytes]], int]:
-        with_stdin = spec.input is not UNSET
-        query = {"stream": "1", "stdin": "1" if with_stdin else "0", "stdout": "1", "stderr": "1"}
+        query = {"stream": "1", "stdin": "0" if spec.input is UNSET else "1", "stdout": "1", "stderr": "1"}
         with docker_errors("workload-run", kind="workload", ref=cid):
             async with await hijack(self._socket_path, f"/containers/{cid}/attach", query=query) as stream:
                 await self.docker.containers.container(cid).start()
-                async with anyio.create_task_group() as tg:
-                    if with_stdin:
-                        tg.start_soon(stream.write_stdin, spec.input if isinstance(spec.input, bytes) else b"")
-                    frames = await stream.read_frames(limit=OUTPUT_LIMIT)
+                frames = await stream.communicate(_stdin(spec.input), limit=OUTPUT_LIMIT)
             result = await self.docker.containers.container(cid).wait(timeout=None)
         return frames, int(result.get("StatusCode", -1))
 
@@ -331,8 +332,7 @@ class DockerBackend:
 
     async def workload_exec(self, name: str, execution: Execution) -> bytes:
         info = await self._require(name, "workload-exec")
-        with_stdin = execution.input is not UNSET
-        body = {"AttachStdin": with_stdin, "AttachStdout": True, "AttachStderr": True, "Tty": False,
+        body = {"AttachStdin": execution.input is not UNSET, "AttachStdout": True, "AttachStderr": True, "Tty": False,
                 "Cmd": list(execution.command), "User": execution.user}
         with docker_errors("workload-exec", kind="workload", ref=name):
             created = await self.docker._query_json(f"containers/{info['Id']}/exec", method="POST",
@@ -341,11 +341,7 @@ class DockerBackend:
             try:
                 async with await hijack(self._socket_path, f"/exec/{exec_id}/start",
                                         body={"Detach": False, "Tty": False}) as stream:
-                    async with anyio.create_task_group() as tg:
-                        if with_stdin:
-                            tg.start_soon(stream.write_stdin,
-                                          execution.input if isinstance(execution.input, bytes) else b"")
-                        frames = await stream.read_frames(limit=OUTPUT_LIMIT)
+                    frames = await stream.communicate(_stdin(execution.input), limit=OUTPUT_LIMIT)
             except BaseException:
                 await self._kill_exec(exec_id)
                 raise
@@ -393,7 +389,7 @@ class DockerBackend:
         if not os.path.isdir(parent):
             raise RuntimeFailed(action=action, detail=f"destination directory {parent} does not exist")
         try:
-            spool = tempfile.TemporaryFile(dir=parent, prefix=".coldsnap-copy-")
+            spool = tempfile.TemporaryFile(dir=parent, prefix=".coldsnap-copy-")  # noqa: SIM115 - closed below
         except OSError as exc:
             raise RuntimeFailed(action=action, detail=f"cannot write under {parent}: {exc.strerror}") from None
         with spool:

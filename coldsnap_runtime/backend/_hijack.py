@@ -60,6 +60,14 @@ class Hijacked:
                 raise OverflowError(limit)
             self._buffer += chunk
 
+    async def communicate(self, stdin: bytes | None, *, limit: int) -> list[tuple[int, bytes]]:
+        """Feed `stdin` (None: nothing attached) while reading every frame until EOF."""
+        async with anyio.create_task_group() as tg:
+            if stdin is not None:
+                tg.start_soon(self.write_stdin, stdin)
+            frames = await self.read_frames(limit=limit)
+        return frames
+
     async def __aenter__(self) -> Hijacked:
         return self
 

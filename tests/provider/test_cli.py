@@ -1,0 +1,108 @@
+"""The CLI forms other tools depend on."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import anyio
+
+from tests.helpers import running_daemon
+
+CLI = [sys.executable, "-m", "coldsnap_provider"]
+
+
+def cli(*args: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, check=False, **kwargs)  # type: ignore[call-overload]
+
+
+def test_version_prints_json() -> None:
+    result = cli("version")
+    assert result.returncode == 0 and json.loads(result.stdout) == {"version": "0.1.0"}
+
+
+def test_check_config_names_unknown_keys_and_bad_types() -> None:
+    with tempfile.NamedTemporaryFile("w", suffix=".toml") as f:
+        f.write("[server]\nbogus = 1\n")
+        f.flush()
+        result = cli("check-config", f.name)
+        assert result.returncode == 2 and "unknown field `bogus` - at `$.server`" in result.stderr
+    with tempfile.NamedTemporaryFile("w", suffix=".toml") as f:
+        f.write("[server]\nmax_connections = 0\n")
+        f.flush()
+        result = cli("check-config", f.name)
+        assert result.returncode == 2 and "$.server.max_connections" in result.stderr
+
+
+def test_embedded_default_config_checks_clean() -> None:
+    default = Path(__file__).resolve().parents[2] / "coldsnap_provider" / "default-config.toml"
+    result = cli("check-config", str(default))
+    assert result.returncode == 0 and json.loads(result.stdout)["config"]["server"]["max_connections"] == 512
+
+
+async def test_session_open_list_close_and_call() -> None:
+    async with running_daemon() as daemon:
+        state = str(daemon.state_dir)
+        opened = await anyio.to_thread.run_sync(lambda: cli(
+            "session", "open", "--state-dir", state, "--session", "op-cli", "--host", "localhost",
+            "--host", "node-b", "--label", "sparkrun.cluster_id=c", "--cluster-id", "c"))
+        assert opened.returncode == 0, opened.stderr
+        result = json.loads(opened.stdout)
+        assert set(result) == {"session", "token", "socket", "environment"}
+        assert result["environment"] == {"COLDSNAP_HOST_PROVIDER_SOCKET": result["socket"],
+                                         "COLDSNAP_HOST_PROVIDER_TOKEN": result["token"]}
+        call = await anyio.to_thread.run_sync(lambda: cli(
+            "call", "--socket", result["socket"], "--token", result["token"], "--session", "op-cli",
+            "exec", '{"host":"localhost","arguments":["echo","hi"]}'))
+        assert call.returncode == 0 and json.loads(call.stdout)["output"] == "aGkK"
+        listed = await anyio.to_thread.run_sync(lambda: cli("session", "list", "--state-dir", state))
+        assert [s["session"] for s in json.loads(listed.stdout)] == ["op-cli"]
+        closed = await anyio.to_thread.run_sync(lambda: cli("session", "close", "--state-dir", state, "op-cli"))
+        assert closed.returncode == 0 and not Path(result["socket"]).exists()
+        status = await anyio.to_thread.run_sync(lambda: cli("status", "--state-dir", state))
+        assert json.loads(status.stdout)["sessions"] == 0
+
+
+async def test_run_serves_the_controller_and_returns_its_status() -> None:
+    work = Path(tempfile.mkdtemp(prefix="cs-run-"))
+    request = {"id": "req-run", "launch": {"units": [{"host": "localhost"}]}}
+    (work / "request.json").write_text(json.dumps(request))
+    script = (
+        'cat > stdin.json; env > env.txt; '
+        f'{sys.executable} -m coldsnap_provider call --socket "$COLDSNAP_HOST_PROVIDER_SOCKET" '
+        '--token "$COLDSNAP_HOST_PROVIDER_TOKEN" --session req-run capabilities > caps.json; exit 5'
+    )
+    async with running_daemon() as daemon:
+        result = await anyio.to_thread.run_sync(lambda: cli(
+            "run", "--state-dir", str(daemon.state_dir), "--request", str(work / "request.json"),
+            "--", "sh", "-c", script, cwd=work, env={**os.environ, "HF_TOKEN": "secret"}))
+        assert result.returncode == 5, result.stderr
+        assert json.loads((work / "stdin.json").read_text()) == request
+        env = (work / "env.txt").read_text()
+        assert "COLDSNAP_HOST_PROVIDER_SOCKET=" in env and "HF_TOKEN" not in env
+        assert json.loads((work / "caps.json").read_text())["ok"] is True
+        assert await daemon.control(operation="session-list") == []  # closed after the child exited
+
+
+async def test_run_forwards_sigterm_to_the_controller_group() -> None:
+    work = Path(tempfile.mkdtemp(prefix="cs-run-"))
+    (work / "request.json").write_text(json.dumps({"id": "req-term", "launch": {"units": [{"host": "h"}]}}))
+    script = 'cat > /dev/null; trap "echo term > got; exit 3" TERM; touch started; while :; do sleep 0.1; done'
+    async with running_daemon() as daemon:
+        process = subprocess.Popen([*CLI, "run", "--state-dir", str(daemon.state_dir), "--request",
+                                    str(work / "request.json"), "--", "sh", "-c", script], cwd=work)
+        deadline = time.monotonic() + 20
+        while not (work / "started").exists():
+            assert time.monotonic() < deadline and process.poll() is None
+            await anyio.sleep(0.05)
+        assert [s["session"] for s in await daemon.control(operation="session-list")] == ["req-term"]
+        process.send_signal(signal.SIGTERM)
+        code = await anyio.to_thread.run_sync(process.wait, 20)
+        assert code == 3 and (work / "got").read_text() == "term\n"
+        assert await daemon.control(operation="session-list") == []

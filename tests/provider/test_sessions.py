@@ -1,0 +1,138 @@
+"""Sessions: modes and ownership, persistence across restarts, SO_PEERCRED on the control socket."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from coldsnap_provider._client import ReplyError
+from tests.helpers import control_as, running_daemon
+
+
+def mode(path: str | Path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+async def test_session_socket_and_directory_are_private() -> None:
+    async with running_daemon() as daemon:
+        s = await daemon.open_session("op-1")
+        socket_path = Path(s.socket)
+        assert socket_path == daemon.state_dir / "sessions" / "op-1" / "provider.sock"
+        assert stat.S_ISSOCK(os.lstat(socket_path).st_mode)
+        assert mode(socket_path) == 0o600 and mode(socket_path.parent) == 0o700
+        assert mode(daemon.state_dir / "control.sock") == 0o660
+        record = (daemon.state_dir / "records" / "op-1.json").read_text()
+        assert s.token not in record and json.loads(record)["token_sha256"]
+
+
+async def test_session_is_owned_by_the_uid_that_opened_it() -> None:
+    nobody = 65534
+    async with running_daemon(f"[server]\ncontrol_uids = [{nobody}]\n") as daemon:
+        os.chmod(daemon.state_dir / "control.sock", 0o666)
+        reply = control_as(nobody, daemon.state_dir, {"operation": "session-open", "session": "op-nobody",
+                                                       "hosts": ["localhost"]})
+        assert reply["ok"], reply
+        socket_path = Path(reply["result"]["socket"])
+        assert os.lstat(socket_path).st_uid == nobody and os.stat(socket_path.parent).st_uid == nobody
+        listed = control_as(nobody, daemon.state_dir, {"operation": "session-list"})
+        assert [x["session"] for x in listed["result"]] == ["op-nobody"]
+
+
+async def test_control_socket_refuses_an_unlisted_uid() -> None:
+    nobody = 65534
+    async with running_daemon() as daemon:
+        os.chmod(daemon.state_dir / "control.sock", 0o666)  # file modes allow it: SO_PEERCRED must not
+        reply = control_as(nobody, daemon.state_dir, {"operation": "session-open", "session": "op-denied",
+                                                       "hosts": ["localhost"]})
+        assert reply == {"format": 1, "id": "as-uid", "ok": False,
+                         "error": "uid 65534 (gid 65534) may not use the control socket"}
+        assert not (daemon.state_dir / "sessions" / "op-denied").exists()
+
+
+async def test_control_socket_group_is_configurable() -> None:
+    async with running_daemon('[server]\ncontrol_group = "nogroup"\n') as daemon:
+        assert os.stat(daemon.state_dir / "control.sock").st_gid == 65534
+
+
+async def test_session_open_from_a_coldsnap_request() -> None:
+    request = {"id": "req-7", "launch": {"units": [{"host": "localhost"}, {"host": "node-b"},
+                                                   {"host": "localhost"}]}}
+    async with running_daemon() as daemon:
+        result = await daemon.control(operation="session-open", request=request)
+        assert result["session"] == "req-7"
+        sessions = await daemon.control(operation="session-list")
+        assert sessions[0]["hosts"] == ["localhost", "node-b"]
+        with pytest.raises(ReplyError, match=r"launch.units\[0\].host"):
+            await daemon.control(operation="session-open", request={"id": "r", "launch": {"units": [{}]}})
+
+
+async def test_session_open_twice_is_an_error_and_close_removes_it() -> None:
+    async with running_daemon() as daemon:
+        s = await daemon.open_session("op-dup")
+        with pytest.raises(ReplyError, match="already exists"):
+            await daemon.open_session("op-dup")
+        await daemon.control(operation="session-close", session="op-dup")
+        assert not Path(s.socket).parent.exists()
+        assert not (daemon.state_dir / "records" / "op-dup.json").exists()
+        with pytest.raises(ReplyError, match="does not exist"):
+            await daemon.control(operation="session-close", session="op-dup")
+        with pytest.raises(OSError):
+            await s.call("capabilities")
+
+
+@pytest.mark.parametrize("bad", ["../x", "a/b", ".hidden", "", "x" * 200, "a b"])
+async def test_session_ids_that_cannot_name_a_directory_are_refused(bad: str) -> None:
+    async with running_daemon() as daemon:
+        with pytest.raises(ReplyError):
+            await daemon.control(operation="session-open", session=bad, hosts=["localhost"])
+        assert not any((daemon.state_dir / "records").iterdir())
+
+
+async def test_sessions_survive_a_daemon_restart() -> None:
+    state = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
+    try:
+        async with running_daemon(state_dir=state) as daemon:
+            s = await daemon.open_session("op-keep", labels={"team": "a"}, cluster_id="c1")
+        async with running_daemon(state_dir=state) as daemon:
+            reply = await s.call("capabilities")
+            assert reply.ok
+            listed = await daemon.control(operation="session-list")
+            assert [x["session"] for x in listed] == ["op-keep"] and listed[0]["labels"] == {"team": "a"}
+            assert mode(s.socket) == 0o600
+            forged = await s.call("capabilities", check=False, token="forged")
+            assert not forged.ok
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+
+
+async def test_a_damaged_record_is_skipped_not_fatal() -> None:
+    state = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
+    try:
+        async with running_daemon(state_dir=state) as daemon:
+            await daemon.open_session("op-good")
+            await daemon.open_session("op-bad")
+        (state / "records" / "op-bad.json").write_text("{truncated")
+        async with running_daemon(state_dir=state) as daemon:
+            listed = await daemon.control(operation="session-list")
+            assert [x["session"] for x in listed] == ["op-good"]
+            assert "skipping damaged session record" in daemon.log()
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+
+
+async def test_status_reports_version_sessions_and_docker() -> None:
+    async with running_daemon() as daemon:
+        await daemon.open_session()
+        status = await daemon.control(operation="status")
+        assert status["version"] == "0.1.0" and status["sessions"] == 1
+        assert status["docker_reachable"] is True and status["in_flight"] == 0
+        assert status["uptime_s"] >= 0
+    async with running_daemon('[docker]\nurl = "unix:///nonexistent.sock"\n') as daemon:
+        status = await daemon.control(operation="status")
+        assert status["docker_reachable"] is False
