@@ -25,7 +25,7 @@ import tarfile
 from pathlib import Path
 from typing import IO
 
-__all__ = ("DOCKERFILE_PATH", "BuildContextError", "rewrite_dockerfile", "write_context_tar")
+__all__ = ("DOCKERFILE_PATH", "BuildContextError", "base_images", "rewrite_dockerfile", "write_context_tar")
 
 CONTEXTS_DIR = ".coldsnap-contexts"
 DOCKERFILE_PATH = ".coldsnap-build/Dockerfile"
@@ -117,6 +117,40 @@ def _rewrite_copy(indent: str, word: str, space: str, rest: str, contexts: dict[
             raise BuildContextError(f"COPY --from={source} needs a source and a destination")
         new_body = " ".join([_context_src(source, s) for s in parts[:-1]] + parts[-1:])
     return f"{indent}{word}{space}{' '.join([*kept, new_body])}"
+
+
+_VARIABLE = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
+
+
+def base_images(text: str, arguments: dict[str, str]) -> list[str]:
+    """Images the (rewritten) Dockerfile builds FROM: not stages, not scratch; ARGs substituted.
+
+    The classic builder pulls a missing base even with pull=0, so the caller checks each
+    of these is resident before a build that must not contact a registry.
+    """
+    args: dict[str, str] = {}
+    stages: set[str] = set()
+    bases: list[str] = []
+    seen_from = False
+    for line in _logical_lines(text):
+        m = _INSTRUCTION.match(line)
+        if not m or line.lstrip().startswith("#"):
+            continue
+        keyword, rest = m.group(2).upper(), m.group(4).split()
+        if keyword == "ARG" and not seen_from and rest:
+            name, _, default = rest[0].partition("=")
+            args[name] = arguments.get(name, default)
+        elif keyword == "FROM":
+            seen_from = True
+            words = [t for t in rest if not t.startswith("--")]
+            if not words:
+                continue
+            image = _VARIABLE.sub(lambda v: args.get(v.group(1) or v.group(2), ""), words[0])
+            if image.lower() != "scratch" and image not in stages and image not in bases:
+                bases.append(image)
+            if len(words) >= 3 and words[1].upper() == "AS":
+                stages.add(words[2])
+    return bases
 
 
 def _ignore_patterns(context: Path) -> list[tuple[bool, str]]:

@@ -28,7 +28,7 @@ from msgspec import UNSET, UnsetType
 from ..errors import BackendError, BackendUnavailable, NotFound, OutputTooLarge, PathNotFound, RuntimeFailed
 from ..schema import Execution, ImageBuild, ImageInfo, RuntimeResponse, WorkloadInfo, WorkloadSpec
 from ._archive import CopyError, extract_copy
-from ._buildctx import DOCKERFILE_PATH, BuildContextError, write_context_tar
+from ._buildctx import DOCKERFILE_PATH, BuildContextError, base_images, rewrite_dockerfile, write_context_tar
 from ._hijack import HijackError, hijack
 from ._translate import (
     MANAGED_LABEL,
@@ -213,6 +213,8 @@ class DockerBackend:
                  if (entry := registry_auth(self._credentials(), registry))}
         if auths:
             headers["X-Registry-Config"] = base64.urlsafe_b64encode(json.dumps(auths).encode()).decode()
+        if not build.pull:
+            await self._require_local_bases(build)
         params = {"t": build.tag, "dockerfile": DOCKERFILE_PATH, "rm": "1", "forcerm": "1",
                   "pull": "1" if build.pull else "0", "buildargs": json.dumps(dict(build.arguments))}
         with tempfile.TemporaryFile(dir=self._spool_dir, prefix="coldsnap-build-") as spool:
@@ -223,6 +225,19 @@ class DockerBackend:
                 raise RuntimeFailed(action="image-build", detail=str(exc)) from None
             spool.seek(0)
             await self._progress("image-build", "build", params=params, headers=headers, data=spool)
+
+    async def _require_local_bases(self, build: ImageBuild) -> None:
+        """pull=false must never contact a registry, but the classic builder pulls a missing base."""
+        try:
+            text = rewrite_dockerfile(build.dockerfile.decode("utf-8"), dict(build.contexts))
+        except (BuildContextError, UnicodeDecodeError) as exc:
+            raise RuntimeFailed(action="image-build", detail=str(exc)) from None
+        for base in base_images(text, dict(build.arguments)):
+            try:
+                await self._image(base, "image-build")
+            except NotFound:
+                raise RuntimeFailed(action="image-build", detail=(
+                    f"base image {base} is not resident and pull is false (no registry is contacted)")) from None
 
     async def _ensure_image(self, image: str, policy: str, *, allow_pull: bool) -> None:
         if policy == "always":

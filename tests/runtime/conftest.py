@@ -1,0 +1,53 @@
+"""A real daemon wired to the real dockerd and registry, shared by a test module."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from tests.conftest import Registry, docker
+from tests.helpers import Daemon, Session, write_config
+
+
+@pytest.fixture(scope="module")
+def daemon(registry: Registry, busybox_image: str) -> Iterator[Daemon]:
+    state = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
+    conf = Path(tempfile.mkdtemp(prefix="cs-conf-", dir="/tmp"))
+    config = f'[registry]\ncredentials_file = "{registry.credentials_file}"\n'
+    d = Daemon(state_dir=state, config_path=write_config(conf, config))
+    d.start()
+    yield d
+    d.stop()
+    shutil.rmtree(state, ignore_errors=True)
+    shutil.rmtree(conf, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def session(daemon: Daemon) -> Session:
+    return anyio.run(lambda: daemon.open_session(
+        hosts=["localhost"], cluster_id="runtime-contract",
+        labels={"sparkrun.cluster_id": "runtime-contract"}))
+
+
+def uniq(prefix: str = "cst") -> str:
+    return f"{prefix}-{secrets.token_hex(4)}"
+
+
+def inspect_container(name: str) -> dict[str, Any]:
+    return json.loads(docker("inspect", name).stdout)[0]  # type: ignore[no-any-return]
+
+
+def container_exists(name: str) -> bool:
+    return docker("inspect", name, check=False).returncode == 0
+
+
+def image_exists(ref: str) -> bool:
+    return docker("image", "inspect", ref, check=False).returncode == 0
