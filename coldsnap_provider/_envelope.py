@@ -107,7 +107,7 @@ _id_decoder = msgspec.json.Decoder(_IdOnly)
 _encoder = msgspec.json.Encoder()
 
 _INVALID_TAG = re.compile(r"^Invalid value (.*) - at `\$\.(operation|runtime\.action)`$")
-_UNKNOWN_FIELD = re.compile(r"^Object contains unknown field `(.*)`$")
+_UNKNOWN_FIELD = re.compile(r"^Object contains unknown field `([^`]*)`(?: - at `(\$[^`]*)`)?$")
 
 
 def peek_id(line: bytes) -> str:
@@ -135,7 +135,8 @@ def _describe(message: str) -> str:
             return f"unsupported host-provider operation {m.group(1)}"
         return f"unsupported manager runtime action {m.group(1)}"
     if m := _UNKNOWN_FIELD.match(message):
-        return f"host-provider request has unknown fields: {m.group(1)}"
+        where = f" - at `{m.group(2)}`" if m.group(2) else ""
+        return f"host-provider request has unknown fields: {m.group(1)}{where}"
     if message.startswith("Expected `object`, got") and "- at" not in message:
         return "host-provider request must be a JSON object"
     return f"host-provider request is invalid: {explain(message)}"
