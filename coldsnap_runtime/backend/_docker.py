@@ -14,7 +14,7 @@ import os
 import signal
 import tempfile
 from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -150,14 +150,31 @@ class DockerBackend:
     def _auth_header(self, registry: str) -> dict[str, str]:
         return {"X-Registry-Auth": encode_registry_auth(registry_auth(self._credentials(), registry))}
 
+    # --- streaming responses ---------------------------------------------------------
+
+    @asynccontextmanager
+    async def _stream(self, path: str, *, method: str = "GET", params: dict[str, str] | None = None,
+                      headers: dict[str, str] | None = None, data: Any = None
+                      ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """A streaming engine response whose connection is always closed on exit.
+
+        aiodocker leaves finalisation to the caller; closing is what tells the engine a
+        cancelled client is gone (it then cancels the pull or build it was running).
+        """
+        async with self.docker._query(path, method=method, params=params, headers=headers, data=data,
+                                      timeout=_UNBOUNDED) as response:
+            try:
+                yield response
+            finally:
+                response.close()
+
     # --- streaming JSON progress (pull, push, build) --------------------------------
 
     async def _progress(self, action: str, path: str, *, params: dict[str, str],
                         headers: dict[str, str], data: Any = None, kind: str = "", ref: str = "") -> None:
         """Consume a progress stream; an error inside a 200 stream is a failure."""
         with docker_errors(action, kind=kind, ref=ref):
-            async with self.docker._query(path, method="POST", params=params, headers=headers, data=data,
-                                          timeout=_UNBOUNDED) as response:
+            async with self._stream(path, method="POST", params=params, headers=headers, data=data) as response:
                 async for event in _json_lines(response.content):
                     if error := event.get("error") or (event.get("errorDetail") or {}).get("message"):
                         raise RuntimeFailed(action=action, detail=str(error))
@@ -388,8 +405,7 @@ class DockerBackend:
         buffer = bytearray()
         chunks: list[bytes] = []
         with docker_errors("workload-logs", kind="workload", ref=name):
-            async with self.docker._query(f"containers/{info['Id']}/logs", params=params,
-                                          timeout=_UNBOUNDED) as response:
+            async with self._stream(f"containers/{info['Id']}/logs", params=params) as response:
                 async for data in response.content.iter_any():
                     buffer += data
                     chunks.extend(payload for _, payload in demux(buffer))
@@ -410,8 +426,7 @@ class DockerBackend:
         with spool:
             try:
                 with docker_errors(action, kind="path", ref=path):
-                    async with self.docker._query(f"containers/{info['Id']}/archive", params={"path": path},
-                                                  timeout=_UNBOUNDED) as response:
+                    async with self._stream(f"containers/{info['Id']}/archive", params={"path": path}) as response:
                         stat = json.loads(base64.b64decode(
                             response.headers.get("X-Docker-Container-Path-Stat", "") or "e30="))
                         async for data in response.content.iter_chunked(1 << 20):
