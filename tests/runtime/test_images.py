@@ -134,7 +134,8 @@ async def test_build_with_named_contexts_local_base_and_arguments(session: Sessi
         assert image.size > 0
         check = await session.runtime("workload-run", workload={
             "name": "", "image": tag, "remove_after_exit": True, "pull_policy": "never",
-            "command": ["sh", "-c", "cat /capsule.txt /root/.triton/k /overlay.txt /epoch; stat -c %u /root/.triton/k"]})
+            "command": ["sh", "-c",
+                        "cat /capsule.txt /root/.triton/k /overlay.txt /epoch; stat -c %u /root/.triton/k"]})
         assert check.runtime.output == b"capsule\nseed\noverlay\nepoch=0\n65534\n"  # type: ignore[union-attr]
     finally:
         docker("image", "rm", "-f", tag, base_tag, check=False)

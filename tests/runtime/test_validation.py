@@ -21,7 +21,8 @@ SPEC_SHAPES = [
     {"action": "image-inspect", "image": DIGEST_REF},
     {"action": "image-pull", "image": DIGEST_REF},
     {"action": "image-build", "build": {
-        "dockerfile": "RlJPTSBjb2xkc25hcC1sb2NhbC1iYXNlOm9wLTEtbjYxMC11bml0LXVuaXQtMApBUkcgU09VUkNFX0RBVEVfRVBPQ0g9MAo=",
+        "dockerfile": "RlJPTSBjb2xkc25hcC1sb2NhbC1iYXNlOm9wLTEtbjYxMC11bml0LXVuaXQtMApBUkcgU09VUkNF"
+                      "X0RBVEVfRVBPQ0g9MAo=",
         "context": "/var/lib/coldsnap/captures/op-1/drivers/n610/units/unit-0",
         "contexts": {"coldsnap_seed": "/var/lib/coldsnap/capsule-cache-seeds/op-1/units/unit-0"},
         "arguments": {"SOURCE_DATE_EPOCH": "0"}, "tag": "coldsnap-capsule/op-1:op-1-n610-unit-unit-0"}},
