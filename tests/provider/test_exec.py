@@ -81,3 +81,24 @@ async def test_upload_copies_node_local_files_recursively() -> None:
         relative = await s.call("upload", host="localhost", sources=["rel"], destination=str(dest))
         assert not relative.ok and "$.sources" in str(relative.error)
     assert os.path.exists(dest)
+
+
+async def test_request_logs_carry_context_but_never_secrets() -> None:
+    secret_input = b"stdin-secret-bytes"
+    async with running_daemon() as daemon:
+        s = await daemon.open_session("op-log")
+        reply = await s.call("exec", host="localhost", arguments=["cat"],
+                             input=base64.b64encode(secret_input).decode())
+        assert reply.ok
+        await s.call("runtime", host="localhost", runtime={"action": "workload-run", "workload": {
+            "name": "", "image": "nonexistent-image-for-log-test:1", "pull_policy": "never",
+            "environment": {"SECRET_ENV": "env-secret-value"}}})
+        log = daemon.log()
+        assert s.token not in log and "env-secret-value" not in log
+        assert secret_input.decode() not in log and base64.b64encode(secret_input).decode() not in log
+        lines = [e for e in daemon.log_events() if e.get("event") == "request"]
+        exec_line = next(e for e in lines if e["operation"] == "exec")
+        assert exec_line["session"] == "op-log" and exec_line["host"] == "localhost" and exec_line["ok"] is True
+        assert exec_line["request_id"] == reply.id and exec_line["duration_ms"] >= 0
+        run_line = next(e for e in lines if e.get("action") == "workload-run")
+        assert run_line["ok"] is False and run_line["error_code"] == "not_found"
