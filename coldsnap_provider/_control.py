@@ -12,6 +12,7 @@ from coldsnap_runtime.errors import RequestRejected
 __all__ = (
     "ControlReply",
     "ControlRequest",
+    "Probe",
     "SessionClose",
     "SessionList",
     "SessionOpen",
@@ -50,7 +51,17 @@ class Status(_Control, tag="status", frozen=True):
     pass
 
 
-ControlRequest = SessionOpen | SessionClose | SessionList | Status
+class Probe(_Control, tag="probe", frozen=True):
+    """Probe, admit and cache the host feature profile for one device (see `coldsnap-provider probe`)."""
+
+    driver: Literal["n580", "n610"]
+    device: NonEmpty = "0"
+    image: str = ""
+    host_process: bool = False
+    criu: str = ""
+
+
+ControlRequest = SessionOpen | SessionClose | SessionList | Status | Probe
 
 
 class ControlReply(Struct, omit_defaults=True, frozen=True, kw_only=True, forbid_unknown_fields=True):

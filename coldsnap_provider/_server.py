@@ -31,6 +31,7 @@ import structlog
 from anyio.abc import SocketAttribute, SocketListener, SocketStream, TaskStatus
 from msgspec import UNSET
 
+from coldsnap_probe import ProfileError
 from coldsnap_runtime import Backend
 from coldsnap_runtime.errors import ColdsnapError, RequestRejected, RuntimeFailed
 
@@ -39,6 +40,7 @@ from ._config import Config
 from ._control import (
     ControlReply,
     ControlRequest,
+    Probe,
     SessionClose,
     SessionList,
     SessionOpen,
@@ -49,6 +51,7 @@ from ._control import (
 from ._dispatch import Operations
 from ._envelope import Capabilities, Reply, Runtime, decode_request, encode_reply, error_reply, peek_id
 from ._framing import FramingError, read_request_line
+from ._probe import ProbeOptions, run_probe
 from ._sessions import SessionRecord, SessionStore, hosts_from_request
 from ._systemd import notify, watchdog_interval
 
@@ -359,6 +362,13 @@ class Daemon:
                         if uid in (0, os.geteuid()) or live.record.uid == uid]
             case Status():
                 return await self.status()
+            case Probe():
+                options = ProbeOptions(driver=request.driver, device=request.device, image=request.image,
+                                       host_process=request.host_process, criu=request.criu)
+                try:
+                    return await run_probe(options, state_dir=self.store.state_dir, backend=self.backend)
+                except (ValueError, ProfileError) as exc:
+                    raise RequestRejected(f"probe: {exc}") from None
         raise TypeError(f"unhandled control request {request!r}")  # pragma: no cover
 
     async def open_session(self, request: SessionOpen, *, uid: int, gid: int) -> dict[str, Any]:

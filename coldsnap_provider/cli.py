@@ -194,6 +194,47 @@ def cmd_call(args: argparse.Namespace) -> int:
     return 0 if reply.ok else 1
 
 
+EXIT_NOT_ADMITTED = 3
+
+
+async def _probe(args: argparse.Namespace) -> dict[str, Any]:
+    from ._probe import ProbeOptions, run_probe
+
+    options = ProbeOptions(driver=args.driver, device=args.device, image=args.image or "",
+                           host_process=args.host_process, criu=args.criu or "")
+    state_dir = _state_dir(args)
+    if args.host_process:
+        return await run_probe(options, state_dir=state_dir, backend=None)
+    from coldsnap_runtime.backend._docker import DockerBackend
+
+    config = load_config(args.config)
+    async with DockerBackend(url=config.docker.url) as backend:
+        return await run_probe(options, state_dir=state_dir, backend=backend)
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    """Probe, attach CRIU, admit and cache; 0 admitted, 3 not admitted, 2 usage errors."""
+    from coldsnap_probe import ProfileError
+    from coldsnap_runtime.errors import ColdsnapError
+
+    if bool(args.image) == bool(args.host_process):
+        _err("probe: give exactly one of --image IMAGE or --host-process")
+        return EXIT_USAGE
+    try:
+        outcome = anyio.run(_probe, args, backend="asyncio")
+    except (ValueError, ConfigError) as exc:
+        _err(f"probe: {exc}")
+        return EXIT_USAGE
+    except (ProfileError, ColdsnapError, OSError) as exc:
+        _err(f"probe failed: {exc}")
+        return 1
+    if args.json:
+        _out(outcome)
+    else:
+        sys.stdout.write(json.dumps(outcome, indent=2, sort_keys=True) + "\n")
+    return 0 if outcome["admitted"] else EXIT_NOT_ADMITTED
+
+
 def cmd_version(args: argparse.Namespace) -> int:
     _out({"version": __version__})
     return 0
@@ -315,6 +356,16 @@ def _parser() -> argparse.ArgumentParser:
     caller.add_argument("operation")
     caller.add_argument("fields", nargs="?", help="JSON object merged into the envelope")
     caller.set_defaults(func=cmd_call)
+
+    probe = with_state_dir(sub.add_parser("probe", help="probe, admit and cache the host feature profile"))
+    probe.add_argument("--driver", required=True, choices=["n580", "n610"])
+    probe.add_argument("--device", default="0", help="GPU selector (ordinal or UUID)")
+    probe.add_argument("--image", help="capsule image to probe in (disposable containers)")
+    probe.add_argument("--host-process", action="store_true", help="probe with plain processes on this host")
+    probe.add_argument("--criu", help="criu binary (default: the capsule's, or criu on PATH)")
+    probe.add_argument("--config", help="TOML configuration (for the Docker endpoint)")
+    probe.add_argument("--json", action="store_true", help="one compact JSON line")
+    probe.set_defaults(func=cmd_probe)
 
     version = sub.add_parser("version", help="print the version")
     version.set_defaults(func=cmd_version)

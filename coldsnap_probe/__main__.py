@@ -1,0 +1,59 @@
+"""`python -m coldsnap_probe profile|_target|_ipc_target`: JSON on stdout, diagnostics on stderr.
+
+Exit status: 0 after printing the JSON; 1 with `error: <Type>: <msg>` on stderr; 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+MIN_MEMORY, MAX_MEMORY = 4096, 1 << 30
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m coldsnap_probe")
+    sub = parser.add_subparsers(dest="command", required=True)
+    profile = sub.add_parser("profile", help="print the format-1 host feature profile")
+    profile.add_argument("--memory-bytes", type=int, default=1 << 20)
+    profile.add_argument("--timeout", type=float, default=30.0)
+    target = sub.add_parser("_target", help=argparse.SUPPRESS)
+    target.add_argument("--memory-bytes", type=int, required=True)
+    ipc = sub.add_parser("_ipc_target", help=argparse.SUPPRESS)
+    ipc.add_argument("--handle", required=True)
+    ipc.add_argument("--memory-bytes", type=int, required=True)
+    ipc.add_argument("--expected-sha256", required=True)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if not MIN_MEMORY <= args.memory_bytes <= MAX_MEMORY:
+        sys.stderr.write(f"error: --memory-bytes must be within [{MIN_MEMORY}, {MAX_MEMORY}], "
+                         f"got {args.memory_bytes}\n")
+        return 2
+    if args.command == "profile" and not 0 < args.timeout <= 300:
+        sys.stderr.write(f"error: --timeout must be within (0, 300] seconds, got {args.timeout:g}\n")
+        return 2
+    try:
+        if args.command == "profile":
+            from ._profile import build_profile
+
+            sys.stdout.write(json.dumps(build_profile(args.memory_bytes, args.timeout), indent=2, sort_keys=True))
+            sys.stdout.write("\n")
+            return 0
+        if args.command == "_target":
+            from ._canaries import roundtrip_target
+
+            return roundtrip_target(args.memory_bytes)
+        from ._canaries import ipc_target
+
+        return ipc_target(args.handle, args.memory_bytes, args.expected_sha256)
+    except Exception as exc:
+        sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,94 @@
+"""Assemble the format-1 host feature profile (spec 1.1, 2.7)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import time
+from typing import Any
+
+from ._canaries import checkpoint_report, checkpoint_results, fresh_state, ipc_canary, known_negatives, vmm_canary
+from ._features import PROFILE_KIND, validate_profile
+
+__all__ = ("build_profile", "identity")
+
+
+def _boot_id() -> str | None:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _criu() -> dict[str, Any]:
+    path = shutil.which("criu")
+    if path is None:
+        return {"installed": False}
+    try:
+        done = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=5, check=False)
+        return {"installed": True, "path": path, "version": (done.stdout or done.stderr).strip(),
+                "version_exit_code": done.returncode}
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"installed": True, "path": path, "version_error": f"{type(exc).__name__}: {exc}"}
+
+
+def _str(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _nvml() -> dict[str, Any]:
+    """Driver version and the device's UUID, name and compute capability, through NVML."""
+    selector = os.environ.get("COLDSNAP_PROBE_NVML_DEVICE", "0")
+    try:
+        import pynvml
+    except ImportError as exc:
+        return {"driver_version": None, "nvml_error": f"ImportError: {exc}"}
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:
+        return {"driver_version": None, "nvml_error": f"{type(exc).__name__}: {exc}"}
+    try:
+        handle = (pynvml.nvmlDeviceGetHandleByUUID(selector) if selector.startswith(("GPU-", "MIG-"))
+                  else pynvml.nvmlDeviceGetHandleByIndex(int(selector)))
+        major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+        return {"driver_version": _str(pynvml.nvmlSystemGetDriverVersion()),
+                "gpu_uuid": _str(pynvml.nvmlDeviceGetUUID(handle)), "gpu_name": _str(pynvml.nvmlDeviceGetName(handle)),
+                "compute_capability": f"{major}.{minor}"}
+    except Exception as exc:
+        return {"driver_version": None, "nvml_error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def identity(cuda_driver_api: int | None) -> dict[str, Any]:
+    return {"boot_id": _boot_id(), "hostname": platform.node(), "architecture": platform.machine(),
+            "kernel": platform.release(), **_nvml(), "cuda_driver_api": cuda_driver_api, "criu": _criu()}
+
+
+def build_profile(memory_bytes: int, timeout: float) -> dict[str, Any]:
+    """Run the round trip, the VMM canary and the IPC canary (in that order) and emit ten results."""
+    started = time.time()
+    report = checkpoint_report(memory_bytes, timeout)
+    vmm = vmm_canary()
+    ipc = ipc_canary(memory_bytes, timeout)
+    api, roundtrip, initialized = checkpoint_results(report, started)
+    driver_api = (report.get("driver_api") or {}).get("driver_api_version")
+    criu_reason = "the controller has not attached capsule-pinned CRIU evidence"
+    features = [
+        api, roundtrip, vmm, ipc, *known_negatives(),
+        {"id": "criu-process-template", "status": "unqualified", "probe": "capsule-criu-check-v1",
+         "reason": criu_reason, "seconds": 0.0},
+        {"id": "criu-process-tree", "status": "unqualified", "probe": "capsule-criu-check-v1",
+         "reason": criu_reason, "seconds": 0.0},
+        fresh_state(report),
+        initialized,
+    ]
+    profile = {"format": 1, "kind": PROFILE_KIND, "identity": identity(driver_api), "features": features,
+               "started_unix": started, "completed_unix": time.time()}
+    return validate_profile(profile)

@@ -1,0 +1,161 @@
+"""Launch the feature probe where the capsule runs, attach CRIU, admit, cache (DESIGN decision 5).
+
+Two places to run: disposable containers of the capsule image through the runtime
+backend (`criu check` with host network, then the profile probe with only the assigned
+GPU, network `none` and this package's probe mounted read-only), or plain processes
+on this host (`--host-process`, for qualifying a GPU machine).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+import coldsnap_probe
+from coldsnap_probe import AdmissionError, ProfileError
+from coldsnap_runtime import Backend
+from coldsnap_runtime.errors import BackendError
+from coldsnap_runtime.schema import WorkloadSpec
+
+from ._exec import ExecResult, run_argv
+
+__all__ = ("PROBE_MOUNT", "ProbeOptions", "criu_workload", "probe_digest", "probe_workload", "run_probe")
+
+PROBE_MOUNT = "/opt/coldsnap/probe"
+CAPSULE_CRIU = "/opt/coldsnap/criu/bin/criu"
+_PACKAGE_DIR = Path(coldsnap_probe.__file__).resolve().parent
+
+
+class ProbeOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    driver: str
+    device: str = "0"
+    image: str = ""
+    host_process: bool = False
+    criu: str = ""
+    memory_bytes: int = 1 << 20
+    timeout_s: float = 30.0
+
+
+def probe_digest() -> str:
+    """The probe's own identity: every file of the package, name, length and bytes."""
+    h = hashlib.sha256(b"coldsnap-provider-probe\x00format=1\x00")
+    for path in sorted(_PACKAGE_DIR.glob("*.py")):
+        data = path.read_bytes()
+        h.update(f"{path.name}\x00{len(data)}\x00".encode() + data)
+    return "sha256:" + h.hexdigest()
+
+
+async def _device_identity(device: str) -> str:
+    """nvidia-smi's driver_version, uuid, name, compute_cap for the device ('' when unavailable)."""
+    result = await run_argv(["nvidia-smi", f"--id={device}", "--query-gpu=driver_version,uuid,name,compute_cap",
+                             "--format=csv,noheader,nounits"])
+    return result.stdout.decode(errors="replace").strip() if result.exit_code == 0 else ""
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _text(result: ExecResult) -> str:
+    return (result.stdout + result.stderr).decode(errors="replace").strip()
+
+
+async def _criu_check(options: ProbeOptions, backend: Backend | None) -> str | None:
+    """None when `criu check` passed, else the admission error text."""
+    if options.host_process:
+        criu = options.criu or shutil.which("criu") or ""
+        if not criu:
+            return "destination kernel failed capsule-pinned CRIU check: criu is not installed on this host"
+        result = await run_argv([criu, "check"], combined=True)
+        if result.exit_code != 0:
+            return f"destination kernel failed capsule-pinned CRIU check: exit {result.exit_code}: {_text(result)}"
+        return None
+    assert backend is not None
+    try:
+        await backend.workload_run(criu_workload(options), allow_pull=False)
+    except BackendError as exc:
+        return f"destination kernel failed capsule-pinned CRIU check: {exc}"
+    return None
+
+
+def _probe_args(options: ProbeOptions) -> list[str]:
+    return ["-m", "coldsnap_probe", "profile", "--memory-bytes", str(options.memory_bytes),
+            "--timeout", f"{options.timeout_s:g}"]
+
+
+def criu_workload(options: ProbeOptions) -> WorkloadSpec:
+    """The capsule-pinned `criu check`: host network, privileged, unconfined, nothing pulled."""
+    return msgspec.convert({
+        "name": "", "image": options.image, "remove_after_exit": True, "pull_policy": "never",
+        "privileged": True, "seccomp_unconfined": True, "network": "host", "combined": True,
+        "entrypoint": options.criu or CAPSULE_CRIU, "command": ["check"]}, WorkloadSpec)
+
+
+def probe_workload(options: ProbeOptions) -> WorkloadSpec:
+    """The profile probe: only the assigned GPU, no network, this package mounted read-only; stdout only."""
+    return msgspec.convert({
+        "name": "", "image": options.image, "remove_after_exit": True, "pull_policy": "never",
+        "gpus": [options.device], "privileged": True, "seccomp_unconfined": True, "network": "none",
+        "entrypoint": "python3", "command": _probe_args(options), "environment": {"PYTHONPATH": PROBE_MOUNT},
+        "mounts": [{"source": str(_PACKAGE_DIR), "target": f"{PROBE_MOUNT}/coldsnap_probe", "read_only": True}],
+    }, WorkloadSpec)
+
+
+async def _profile_output(options: ProbeOptions, backend: Backend | None) -> bytes:
+    args = _probe_args(options)
+    if options.host_process:
+        # Like the capsule: the probe sees only its GPU (as ordinal 0); NVML is told which one it is.
+        result = await run_argv(["env", f"CUDA_VISIBLE_DEVICES={options.device}",
+                                 f"COLDSNAP_PROBE_NVML_DEVICE={options.device}",
+                                 f"PYTHONPATH={_PACKAGE_DIR.parent}", sys.executable, *args])
+        if result.exit_code != 0:
+            raise ProfileError(f"probe exited {result.exit_code}: {result.stderr.decode(errors='replace').strip()}")
+        return result.stdout
+    assert backend is not None
+    response = await backend.workload_run(probe_workload(options), allow_pull=False)
+    return response.output if isinstance(response.output, bytes) else b""
+
+
+async def run_probe(options: ProbeOptions, *, state_dir: Path, backend: Backend | None) -> dict[str, Any]:
+    """`{"profile", "admitted", "error", "cached"}`; raises ValueError for unusable options."""
+    requirements = coldsnap_probe.requirements(options.driver)
+    if not options.host_process and not options.image:
+        raise ValueError("give --image IMAGE or --host-process")
+    capsule = "host-process"
+    if not options.host_process:
+        assert backend is not None
+        capsule = (await backend.image_inspect(options.image)).id
+    boot_id, device_identity = _boot_id(), await _device_identity(options.device)
+    # Without a device identity (no nvidia-smi / GPU) nothing could be keyed truthfully: no cache.
+    key = coldsnap_probe.cache_key(boot_id, device_identity, capsule, probe_digest(), options.driver,
+                                   options.device) if boot_id and device_identity else ""
+    if key:
+        cached = coldsnap_probe.read_cached(state_dir, key, options.driver)
+        if cached is not None and cached["identity"].get("boot_id") == boot_id:
+            try:
+                coldsnap_probe.admit(requirements, cached)
+                return {"profile": cached, "admitted": True, "error": None, "cached": True}
+            except AdmissionError:
+                pass  # requirements changed: probe afresh
+    criu_error = await _criu_check(options, backend)
+    profile = coldsnap_probe.decode_profile(await _profile_output(options, backend))
+    if criu_error is None:
+        profile = coldsnap_probe.attach_criu(profile, options.driver)
+    try:
+        if criu_error is not None:
+            raise AdmissionError(criu_error)
+        coldsnap_probe.admit(requirements, profile)
+    except AdmissionError as exc:
+        return {"profile": profile, "admitted": False, "error": str(exc), "cached": False}
+    if key:
+        coldsnap_probe.write_cached(state_dir, key, profile)
+    return {"profile": profile, "admitted": True, "error": None, "cached": False}
+
