@@ -62,7 +62,8 @@ log = structlog.get_logger(__name__)
 _CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 _HANGUP_POLL_S = 0.2
 _BUSY_READ_S = 1.0
-_ABORT_BUDGET_S = 40.0  # backend cleanups are bounded at 30 s
+_ABORT_BUDGET_S = 40.0
+_MAINTENANCE_S = 2.0  # backend cleanups are bounded at 30 s
 
 Responder = Callable[[bytes, SocketStream], Awaitable[bytes | None]]
 
@@ -106,7 +107,7 @@ class Daemon:
         self._in_flight = 0  # every request being answered (what shutdown drains)
         self._operations = 0  # provider-socket operations among them (what status reports)
         self._started = time.monotonic()
-        self._request_scopes: set[anyio.CancelScope] = set()
+        self._watched: dict[int, anyio.CancelScope] = {}  # in-flight request scopes by socket fd
         self._aborting = False
 
     # --- lifecycle -------------------------------------------------------------------
@@ -129,6 +130,8 @@ class Daemon:
                      sessions=len(self._sessions))
             notify("READY=1")
             task_status.started()
+            tg.start_soon(self._watch_hangups)
+            tg.start_soon(self._maintain_backend)
             if (interval := watchdog_interval()) is not None:
                 tg.start_soon(self._watchdog, interval)
             await self._stop.wait()
@@ -144,13 +147,40 @@ class Daemon:
                 log.warning("shutdown grace expired; cancelling in-flight operations", in_flight=self._in_flight)
                 # Cancel each request on its own so it still answers (and its cleanup runs) before exit.
                 self._aborting = True
-                for scope in list(self._request_scopes):
+                for scope in list(self._watched.values()):
                     scope.cancel()
                 with anyio.move_on_after(_ABORT_BUDGET_S):
                     while self._in_flight:
                         await anyio.sleep(0.05)
             tg.cancel_scope.cancel()
         log.info("stopped")
+
+    async def _watch_hangups(self) -> None:
+        """Cancel the request of every peer that has closed its connection entirely.
+
+        One poll over all in-flight sockets instead of a task per request. The Go client
+        half-closes after its request (POLLRDHUP), so only POLLHUP (both directions shut)
+        or an error means it went away.
+        """
+        while True:
+            await anyio.sleep(_HANGUP_POLL_S)
+            if not self._watched:
+                continue
+            poller = select.poll()
+            for fd in self._watched:
+                poller.register(fd, select.POLLHUP | select.POLLERR)
+            for fd, _ in poller.poll(0):
+                if (scope := self._watched.get(fd)) is not None:
+                    scope.cancel()
+
+    async def _maintain_backend(self) -> None:
+        """Deferred backend cleanups (e.g. containers left while dockerd was restarting)."""
+        while True:
+            await anyio.sleep(_MAINTENANCE_S)
+            try:
+                await self.backend.maintain()
+            except Exception:
+                log.exception("backend maintenance failed")
 
     async def _watchdog(self, interval: float) -> None:
         while True:
@@ -251,26 +281,19 @@ class Daemon:
             return encode_reply(error_reply("", RequestRejected(
                 f"host-provider request was not received within {timeout:g} s")))
         self._in_flight += 1
+        sock: socket.socket = stream.extra(SocketAttribute.raw_socket)
+        scope = anyio.CancelScope()
+        self._watched[sock.fileno()] = scope
         try:
-            async with anyio.create_task_group() as tg:
-                result: list[bytes | None] = []
-
-                async def work() -> None:
-                    result.append(await respond(line, stream))
-                    tg.cancel_scope.cancel()
-
-                self._request_scopes.add(tg.cancel_scope)
-                tg.start_soon(_watch_hangup, stream, tg.cancel_scope)
-                tg.start_soon(work)
-            self._request_scopes.discard(tg.cancel_scope)
-            if not result and self._aborting:
+            with scope:
+                return await respond(line, stream)
+            if self._aborting:
                 return encode_reply(error_reply(peek_id(line), RuntimeFailed(
                     action="request", detail="cancelled: the provider is shutting down")))
-            if not result:
-                log.warning("client disconnected mid-operation; operation cancelled", request_id=peek_id(line))
-                return None
-            return result[0]
+            log.warning("client disconnected mid-operation; operation cancelled", request_id=peek_id(line))
+            return None
         finally:
+            del self._watched[sock.fileno()]
             self._in_flight -= 1
 
     async def _refuse_busy(self, stream: SocketStream) -> None:
@@ -434,17 +457,3 @@ class Daemon:
                 "labels": record.labels, "cluster_id": record.cluster_id, "created_unix": record.created_unix}
 
 
-async def _watch_hangup(stream: SocketStream, scope: anyio.CancelScope) -> None:
-    """Cancel `scope` once the peer has closed the connection entirely.
-
-    The Go client half-closes after its request (POLLRDHUP), so only POLLHUP (both
-    directions shut) or an error means it went away.
-    """
-    sock: socket.socket = stream.extra(SocketAttribute.raw_socket)
-    poller = select.poll()
-    poller.register(sock.fileno(), select.POLLHUP | select.POLLERR)
-    while True:
-        await anyio.sleep(_HANGUP_POLL_S)
-        if poller.poll(0):
-            scope.cancel()
-            return

@@ -28,6 +28,18 @@ def docker(*args: str, input: bytes | None = None, check: bool = True) -> subpro
     return subprocess.run(["docker", *args], input=input, capture_output=True, check=check)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def scratch_in_pytest_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Scratch files made with `tempfile` land in pytest's temp tree, not loose in /tmp.
+
+    (State directories keep an explicit dir="/tmp": socket paths must stay short.)
+    """
+    previous = tempfile.tempdir
+    tempfile.tempdir = str(tmp_path_factory.mktemp("scratch"))
+    yield
+    tempfile.tempdir = previous
+
+
 @pytest.fixture(scope="session")
 def busybox_image() -> str:
     """A tiny local-only image made from Debian's busybox-static (nothing is pulled)."""

@@ -107,6 +107,8 @@ class DockerBackend:
         self._credentials_file = credentials_file
         self._spool_dir = spool_dir
         self._docker: aiodocker.Docker | None = None
+        # Containers whose removal failed (engine down or restarting): retried by maintain().
+        self._pending_removal: set[str] = set()
 
     async def __aenter__(self) -> DockerBackend:
         self._docker = aiodocker.Docker(url=self._url, api_version="v1.41")
@@ -293,17 +295,29 @@ class DockerBackend:
         return info
 
     async def _force_remove(self, container_id: str) -> None:
+        """Remove a container this provider owns; if the engine cannot be reached, keep trying later."""
         with anyio.move_on_after(_CLEANUP_BUDGET_S, shield=True) as scope:
             try:
                 with docker_errors("cleanup", kind="workload", ref=container_id):
                     await self.docker._query_json(f"containers/{container_id}", method="DELETE",
                                                   params={"force": "1", "v": "1"}, timeout=_SHORT)
+                self._pending_removal.discard(container_id)
+                return
             except NotFound:
-                pass
-            except BackendError:
-                log.exception("cleanup failed", container_id=container_id)
+                self._pending_removal.discard(container_id)
+                return
+            except BackendError as exc:
+                log.warning("cleanup failed; will retry", container_id=container_id, error=str(exc))
         if scope.cancelled_caught:
-            log.error("cleanup timed out", container_id=container_id)
+            log.error("cleanup timed out; will retry", container_id=container_id)
+        self._pending_removal.add(container_id)
+
+    async def maintain(self) -> None:
+        """Retry removals that failed while the engine was unreachable (called periodically by the daemon)."""
+        for container_id in sorted(self._pending_removal):
+            await self._force_remove(container_id)
+            if container_id not in self._pending_removal:
+                log.info("deferred cleanup done", container_id=container_id)
 
     async def workload_run(self, spec: WorkloadSpec, *, allow_pull: bool) -> RuntimeResponse:
         await self._ensure_image(spec.image, spec.pull_policy, allow_pull=allow_pull)

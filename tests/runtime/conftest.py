@@ -26,6 +26,7 @@ def daemon(registry: Registry, busybox_image: str) -> Iterator[Daemon]:
     d.start()
     yield d
     d.stop()
+    d.log_path.unlink(missing_ok=True)
     shutil.rmtree(state, ignore_errors=True)
     shutil.rmtree(conf, ignore_errors=True)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 import json
 import os
+import pathlib
+import shutil
 import signal
 import socket
 import subprocess
@@ -59,8 +61,9 @@ async def test_disconnect_during_sync_run_removes_its_container(daemon: Daemon, 
     assert (await session.runtime("workload-remove", name=name)).ok
 
 
-async def test_disconnect_during_build_cancels_it(daemon: Daemon, session: Session, busybox_image: str) -> None:
-    context = tempfile.mkdtemp(prefix="cs-build-")
+async def test_disconnect_during_build_cancels_it(daemon: Daemon, session: Session, busybox_image: str,
+                                                  tmp_path: pathlib.Path) -> None:
+    context = str(tmp_path)
     tag = f"coldsnap-capsule/{uniq('cancel')}:1"
     dockerfile = f"FROM {busybox_image}\nRUN touch /started && sleep 60\n"
     before = docker("ps", "-aq", "--no-trunc").stdout.split()
@@ -148,3 +151,123 @@ async def test_docker_restart_between_calls_recovers_without_restarting_the_prov
                                                           "remove_after_exit": True, "command": ["echo", "back"]})
     assert run.ok and run.runtime.output == b"back\n"  # type: ignore[union-attr]
     assert daemon.process is not None and daemon.process.pid == provider_pid and daemon.process.poll() is None
+
+
+async def test_disconnect_during_copy_from_leaves_nothing_half_written(daemon: Daemon, session: Session,
+                                                                     busybox_image: str,
+                                                                     tmp_path: pathlib.Path) -> None:
+    name = uniq("copy")
+    assert (await session.runtime("workload-run", workload={
+        "name": name, "image": busybox_image, "detached": True,
+        "command": ["sh", "-c", "dd if=/dev/zero of=/big bs=1M count=768 2>/dev/null && touch /ready && sleep 60"]})).ok
+    base = str(tmp_path)
+    try:
+        with anyio.fail_after(60):
+            while not (await session.runtime("workload-exec", name=name,
+                                             execution={"command": ["test", "-e", "/ready"]})).ok:
+                await anyio.sleep(0.2)
+        assert daemon.process is not None
+        fd_dir = f"/proc/{daemon.process.pid}/fd"
+
+        def spooling() -> bool:  # the daemon holds its (unlinked) spool file open while copying
+            for fd in os.listdir(fd_dir):
+                try:
+                    if os.readlink(f"{fd_dir}/{fd}").startswith(base):
+                        return True
+                except OSError:
+                    continue
+            return False
+
+        await send_and_drop(session, {"action": "workload-copy-from", "name": name, "path": "/big",
+                                      "destination": f"{base}/big"}, spooling)
+        with anyio.fail_after(20):
+            while spooling():
+                await anyio.sleep(0.1)
+        assert os.listdir(base) == []  # neither the destination nor any staging
+        assert (await session.call("capabilities")).ok
+    finally:
+        assert (await session.runtime("workload-remove", name=name)).ok
+
+
+async def test_sigkill_and_restart_keep_sessions_and_workload_names(busybox_image: str) -> None:
+    from tests.helpers import running_daemon
+
+    state = pathlib.Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
+    name = uniq("survivor")
+    try:
+        async with running_daemon(state_dir=state) as first:
+            s = await first.open_session()
+            assert (await s.runtime("workload-run", workload={"name": name, "image": busybox_image,
+                                                              "detached": True, "command": ["sleep", "60"]})).ok
+            assert first.process is not None
+            first.process.kill()
+            first.process.wait()
+        async with running_daemon(state_dir=state) as second:
+            info = await s.runtime("workload-inspect", name=name)
+            assert info.ok and info.runtime.workload.running  # type: ignore[union-attr]
+            assert (await s.runtime("workload-remove", name=name)).ok
+            assert [x["session"] for x in await second.control(operation="session-list")] == [s.session]
+    finally:
+        docker("rm", "-f", name, check=False)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+async def test_abusive_clients_do_not_disturb_legitimate_ones(session: Session, busybox_image: str) -> None:
+    """Slow-loris, oversize, malformed, wrong-token and wrong-host traffic alongside real calls."""
+    stop = anyio.Event()
+    abuse_replies: list[bytes] = []
+
+    async def slow_loris() -> None:
+        while not stop.is_set():
+            try:
+                async with await anyio.connect_unix(session.socket) as stream:
+                    await stream.send(b'{"format":1,')
+                    await anyio.sleep(0.5)
+            except OSError:
+                pass
+
+    async def junk(payload: bytes) -> None:
+        while not stop.is_set():
+            try:
+                abuse_replies.append(await session.raw(payload))
+            except OSError:
+                pass
+
+    wrong_token = json.dumps({**session.envelope("capabilities"), "token": "forged"}).encode() + b"\n"
+    wrong_host = json.dumps(session.envelope("exec", host="elsewhere", arguments=["true"])).encode() + b"\n"
+    legit_ok = legit_total = 0
+    async with anyio.create_task_group() as tg:
+        for _ in range(20):
+            tg.start_soon(slow_loris)
+        for payload in (b"{not json\n", b'{"format":1,"id":"x","' + b"a" * (1 << 20) + b'\n', wrong_token,
+                        wrong_host, b"\x00\xff" * 64):
+            tg.start_soon(junk, payload)
+        for _ in range(100):
+            reply = await session.runtime("image-inspect", image=busybox_image)
+            legit_total += 1
+            legit_ok += reply.ok
+        stop.set()
+    assert legit_ok == legit_total == 100
+    assert abuse_replies and all(json.loads(r)["ok"] is False for r in abuse_replies if r)
+
+
+async def test_docker_restart_with_a_call_in_flight_fails_cleanly_and_leaves_nothing(
+        daemon: Daemon, session: Session, busybox_image: str) -> None:
+    name = uniq("inflight")
+    replies = []
+
+    async def long_run() -> None:
+        replies.append(await session.runtime("workload-run", workload={
+            "name": name, "image": busybox_image, "remove_after_exit": True, "command": ["sleep", "60"]}))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(long_run)
+        with anyio.fail_after(20):
+            while docker("ps", "-q", "--filter", f"name=^{name}$").stdout.strip() == b"":
+                await anyio.sleep(0.1)
+        await anyio.to_thread.run_sync(_restart_dockerd)
+    assert not replies[0].ok and replies[0].error_code == "runtime_failed"  # type: ignore[attr-defined]
+    with anyio.fail_after(30):  # the provider's deferred cleanup removes what the restart left
+        while container_exists(name):
+            await anyio.sleep(0.2)
+    assert (await session.runtime("image-inspect", image=busybox_image)).ok

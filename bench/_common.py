@@ -1,0 +1,43 @@
+"""Shared bench helpers: percentiles, a table printer, and the real daemon from the test helpers."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.helpers import Daemon, Session, running_daemon
+
+__all__ = ("Daemon", "Session", "percentile", "process_stats", "running_daemon", "summary", "table")
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    ordered = sorted(samples)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def summary(samples: Sequence[float]) -> dict[str, float]:
+    """p50/p99/mean in milliseconds."""
+    return {"p50": percentile(samples, 50) * 1000, "p99": percentile(samples, 99) * 1000,
+            "mean": statistics.fmean(samples) * 1000}
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A GitHub-flavoured Markdown table (printed, and pasted into bench/README.md)."""
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    line = lambda values: "| " + " | ".join(v.ljust(w) for v, w in zip(values, widths, strict=True)) + " |"  # noqa: E731
+    return "\n".join([line(headers), "| " + " | ".join("-" * w for w in widths) + " |", *map(line, cells)])
+
+
+def process_stats(pid: int) -> tuple[int, int]:
+    """(open file descriptors, RSS in KiB) of a process."""
+    fds = len(os.listdir(f"/proc/{pid}/fd"))
+    rss = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+               if line.startswith("VmRSS:"))
+    return fds, rss

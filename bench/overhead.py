@@ -1,0 +1,116 @@
+"""Per-call overhead: the provider against aiodocker directly and the docker CLI, side by side.
+
+    .venv/bin/python bench/overhead.py [--calls 300]
+
+Every path does the same operation against the same dockerd in the same run; the table
+gives p50/p99 in milliseconds and the ratios provider/aiodocker and CLI/provider.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+from collections.abc import Awaitable, Callable
+
+import aiodocker
+import anyio
+from _common import Session, running_daemon, summary, table
+
+IMAGE = "coldsnap-test/busybox:1"
+WORKLOAD = "bench-overhead"
+
+
+async def measure(calls: int, fn: Callable[[], Awaitable[object]]) -> list[float]:
+    for _ in range(min(20, calls)):  # warm-up: connections, caches
+        await fn()
+    samples = []
+    for _ in range(calls):
+        started = time.perf_counter()
+        await fn()
+        samples.append(time.perf_counter() - started)
+    return samples
+
+
+def cli(*args: str) -> Callable[[], Awaitable[object]]:
+    async def run() -> object:
+        return await anyio.run_process(["docker", *args], check=True)
+    return run
+
+
+async def main(calls: int) -> None:
+    subprocess.run(["docker", "rm", "-f", WORKLOAD], capture_output=True, check=False)
+    async with running_daemon() as daemon, aiodocker.Docker(api_version="v1.41") as docker:
+        session: Session = await daemon.open_session()
+        run = await session.runtime("workload-run", workload={"name": WORKLOAD, "image": IMAGE, "detached": True,
+                                                               "command": ["sleep", "3600"]})
+        assert run.ok, run.error
+        container = docker.containers.container(WORKLOAD)
+
+        async def provider(action: str, **fields: object) -> object:
+            reply = await session.runtime(action, **fields)
+            assert reply.ok, reply.error
+            return reply
+
+        async def capabilities() -> object:
+            reply = await session.call("capabilities")
+            assert reply.ok
+            return reply
+
+        async def direct_exec() -> object:
+            execution = await container.exec(["true"])
+            async with execution.start(detach=False) as stream:
+                while await stream.read_out() is not None:
+                    pass
+            return await execution.inspect()
+
+        import socket as socket_module
+
+        request = (json.dumps(session.envelope("capabilities")) + "\n").encode()
+
+        async def raw_capabilities() -> object:
+            # The protocol's own floor: connect, one line, half-close, read to EOF, nothing decoded.
+            def exchange() -> bytes:
+                with socket_module.socket(socket_module.AF_UNIX) as sock:
+                    sock.connect(session.socket)
+                    sock.sendall(request)
+                    sock.shutdown(socket_module.SHUT_WR)
+                    data = b""
+                    while chunk := sock.recv(65536):
+                        data += chunk
+                    return data
+            return exchange()
+
+        cases: list[tuple[str, Callable[[], Awaitable[object]] | None, Callable[[], Awaitable[object]] | None,
+                          Callable[[], Awaitable[object]]]] = [
+            ("capabilities", capabilities, None, None),  # type: ignore[list-item]
+            ("capabilities, blocking-socket client", raw_capabilities, None, None),  # type: ignore[list-item]
+            ("workload-inspect", lambda: provider("workload-inspect", name=WORKLOAD),
+             lambda: docker._query_json(f"containers/{WORKLOAD}/json"), cli("inspect", WORKLOAD)),
+            ("image-inspect", lambda: provider("image-inspect", image=IMAGE),
+             lambda: docker.images.inspect(IMAGE), cli("image", "inspect", IMAGE)),
+            ("workload-exec `true`", lambda: provider("workload-exec", name=WORKLOAD, execution={"command": ["true"]}),
+             direct_exec, cli("exec", WORKLOAD, "true")),
+        ]
+        rows, results = [], {}
+        for name, via_provider, via_aiodocker, via_cli in cases:
+            p = summary(await measure(calls, via_provider))  # type: ignore[arg-type]
+            a = summary(await measure(calls, via_aiodocker)) if via_aiodocker else None
+            c = summary(await measure(max(30, calls // 5), via_cli)) if via_cli else None
+            results[name] = {"provider": p, "aiodocker": a, "cli": c}
+            rows.append([name, f"{p['p50']:.2f} / {p['p99']:.2f}",
+                         f"{a['p50']:.2f} / {a['p99']:.2f}" if a else "-",
+                         f"{c['p50']:.1f} / {c['p99']:.1f}" if c else "-",
+                         f"{p['p50'] / a['p50']:.2f}x" if a else "-",
+                         f"{c['p50'] / p['p50']:.1f}x" if c else "-"])
+        await session.runtime("workload-remove", name=WORKLOAD)
+    print(table(["operation", "provider p50/p99 ms", "aiodocker p50/p99 ms", "docker CLI p50/p99 ms",
+                 "provider/aiodocker (p50)", "CLI/provider (p50)"], rows))
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--calls", type=int, default=300)
+    anyio.run(main, parser.parse_args().calls, backend="asyncio")
