@@ -84,7 +84,8 @@ async def main(requests: int, soak: int) -> None:
                      "RSS after KiB"],
                     [[r["requests"], 64, f"{r['throughput']:.0f}", r["errors"], before[0], after[0], before[1],
                       after[1]]]))
-        print(json.dumps({"levels": results, "soak": {**r, "fds": [before[0], after[0]], "rss_kib": [before[1], after[1]]}}))
+        soak_result = {**r, "fds": [before[0], after[0]], "rss_kib": [before[1], after[1]]}
+        print(json.dumps({"levels": results, "soak": soak_result}))
         await session.runtime("workload-remove", name=WORKLOAD)
 
 

@@ -46,7 +46,8 @@ def rate(payload: bytes, seconds: float) -> tuple[float, float]:
 
 def main(seconds: float) -> None:
     rows = []
-    for name, payload in (("capabilities (minimal)", MINIMAL), ("rank workload-run (48 env, 32 mounts, 24 labels)", RANK)):
+    cases = (("capabilities (minimal)", MINIMAL), ("rank workload-run (48 env, 32 mounts, 24 labels)", RANK))
+    for name, payload in cases:
         per_second, micros = rate(payload, seconds)
         rows.append([name, len(payload), f"{per_second:,.0f}", f"{micros:.1f}"])
     print(table(["envelope", "bytes", "decoded + validated / s", "µs each"], rows))
