@@ -1,3 +1,35 @@
-"""nccl_shim: a C shim over the NCCL provider ABIs and its Python binding."""
+"""nccl_shim: a C shim over the ColdSnap NCCL provider ABIs and its ctypes binding.
 
-__all__: tuple[str, ...] = ()
+The C shim (built by `pip install .`, NCCL found only at run time) copies identity and
+evidence out of the provider and guards the lifecycle; this package admits what it finds.
+"""
+
+from ._admission import AdmissionError as AdmissionError
+from ._admission import Expectations as Expectations
+from ._admission import admit_evidence as admit_evidence
+from ._admission import admit_identity as admit_identity
+from ._admission import admit_resources as admit_resources
+from ._admission import capability_names as capability_names
+from ._admission import missing_capabilities as missing_capabilities
+from ._lib import Shim as Shim
+from ._lib import ShimError as ShimError
+from ._lib import ShimIdentity as ShimIdentity
+from ._lib import TableStatus as TableStatus
+from ._policy import GraphDecision as GraphDecision
+from ._policy import decide_graph_policy as decide_graph_policy
+
+__all__ = (
+    "AdmissionError",
+    "Expectations",
+    "GraphDecision",
+    "Shim",
+    "ShimError",
+    "ShimIdentity",
+    "TableStatus",
+    "admit_evidence",
+    "admit_identity",
+    "admit_resources",
+    "capability_names",
+    "decide_graph_policy",
+    "missing_capabilities",
+)

@@ -1,0 +1,218 @@
+"""Admission of what the shim found: identity (spec 4a, in its order), evidence (4b), resources (4c).
+
+Each rejection raises :class:`AdmissionError` whose message names the rule.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from ._abi import CAPABILITY_BITS, KNOWN_CAPABILITY_MASK
+from ._lib import ShimIdentity, TableStatus
+
+__all__ = ("AdmissionError", "Expectations", "admit_evidence", "admit_identity", "admit_resources",
+           "capability_names", "missing_capabilities")
+
+IN_PLACE_MODE = "net-reconnect-v1"
+PROVIDER_ID = re.compile(r"^nccl-[0-9]+\.[0-9]+\.[0-9]+-[0-9]+\+coldsnap\.[0-9]+$")
+_EVIDENCE_MAX = 64 * 1024
+_REQUIRED_SLOTS = ("prepare", "restore", "network_reset", "network_init")
+_IN_PLACE_SLOTS = ("communicator_suspend", "transport_detach", "transport_reattach", "communicator_resume",
+                   "evidence_json")
+
+
+class AdmissionError(Exception):
+    """The provider is not admitted; `rule` is the spec rule number (4a) or name."""
+
+    def __init__(self, rule: str, message: str) -> None:
+        super().__init__(message)
+        self.rule = rule
+
+
+def _truthy(value: str | None, default: bool) -> bool:
+    if value is None:
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+class Expectations(msgspec.Struct, frozen=True, kw_only=True):
+    """What the rank controller expects (copied from active.json into the environment)."""
+
+    provider_id: str = ""
+    provider_revision: str = ""
+    dlsym_bridge_abi: str = ""
+    required_capabilities: list[str] = []
+    require_ib_reset: bool = True
+    require_network_reset: bool = True
+    in_place_mode: str = ""
+    in_place_experiment: bool = False
+
+    @classmethod
+    def from_environment(cls, env: Mapping[str, str] = os.environ, *, extra_capabilities: list[str] = (),  # type: ignore[assignment]
+                         in_place: bool | None = None) -> Expectations:
+        caps = [c.strip() for c in env.get("COLDSNAP_NCCL_REQUIRED_CAPABILITIES", "").split(",") if c.strip()]
+        mode = env.get("COLDSNAP_NCCL_IN_PLACE_MODE", "").strip()
+        if in_place is True and not mode:
+            mode = IN_PLACE_MODE
+        return cls(provider_id=env.get("COLDSNAP_NCCL_PROVIDER_ID", ""),
+                   provider_revision=env.get("COLDSNAP_NCCL_PROVIDER_REVISION", ""),
+                   dlsym_bridge_abi=env.get("COLDSNAP_NCCL_DLSYM_BRIDGE_ABI", ""),
+                   required_capabilities=[*caps, *extra_capabilities],
+                   require_ib_reset=_truthy(env.get("COLDSNAP_NCCL_REQUIRE_IB_RESET"), True),
+                   require_network_reset=_truthy(env.get("COLDSNAP_NCCL_REQUIRE_NETWORK_RESET"), True),
+                   in_place_mode=mode,
+                   in_place_experiment=_truthy(env.get("COLDSNAP_NCCL_IN_PLACE_EXPERIMENT"), in_place is True))
+
+
+def capability_names(mask: int) -> list[str]:
+    return sorted(name for name, bit in CAPABILITY_BITS.items() if mask & (1 << bit))
+
+
+def missing_capabilities(mask: int, required: list[str]) -> list[str]:
+    """Sorted missing names; an unknown name is refused outright."""
+    unknown = sorted({name for name in required if name not in CAPABILITY_BITS})
+    if unknown:
+        raise AdmissionError("4a.9", f"unknown required NCCL provider capabilities: {', '.join(unknown)}")
+    return sorted({name for name in required if not mask & (1 << CAPABILITY_BITS[name])})
+
+
+def _positive_decimal(value: str) -> int | None:
+    return int(value) if value.strip().isdigit() and int(value) > 0 else None
+
+
+def admit_identity(identity: ShimIdentity, in_place: TableStatus, expect: Expectations) -> None:
+    """Spec 4a, rules 1-13 in order; the first failure raises."""
+    if expect.in_place_mode not in ("", IN_PLACE_MODE):
+        raise AdmissionError("4a.1", f"unsupported NCCL in-place mode {expect.in_place_mode!r}")
+    if "coldsnapNcclProviderQuery" not in identity.exports:
+        raise AdmissionError("4a.2", "NCCL provider lacks coldsnapNcclProviderQuery")
+    if identity.query_result == -5:
+        raise AdmissionError("4a.2", "coldsnapNcclProviderQuery returned null")
+    if identity.query_result != 0:
+        raise AdmissionError("4a.2", f"coldsnapNcclProviderQuery failed with ncclResult_t={identity.query_result}")
+    if identity.struct_size < 96:
+        raise AdmissionError("4a.3", f"NCCL provider ABI is truncated: struct_size {identity.struct_size} < 96")
+    if identity.abi_major != 1:
+        raise AdmissionError("4a.4", f"NCCL provider ABI major mismatch: {identity.abi_major} != 1")
+    pid = identity.provider_id
+    if pid is None or identity.provider_id_truncated or not pid.isascii() or not PROVIDER_ID.match(pid):
+        raise AdmissionError("4a.5", f"NCCL provider id {pid!r} does not match {PROVIDER_ID.pattern}")
+    if not expect.provider_id:
+        raise AdmissionError("4a.6", "COLDSNAP_NCCL_PROVIDER_ID is not set: the expected provider is unknown")
+    if pid != expect.provider_id:
+        raise AdmissionError("4a.6", f"NCCL provider id {pid!r} != expected {expect.provider_id!r}")
+    revision = _positive_decimal(expect.provider_revision)
+    if revision is None:
+        raise AdmissionError("4a.7", "COLDSNAP_NCCL_PROVIDER_REVISION must be a decimal greater than 0")
+    if identity.provider_revision != revision:
+        raise AdmissionError("4a.7", f"NCCL provider revision {identity.provider_revision} != expected {revision}")
+    if identity.compiled_nccl_version != identity.loaded_nccl_version:
+        raise AdmissionError("4a.8", f"NCCL provider compiled/loaded version mismatch: "
+                                     f"{identity.compiled_nccl_version} != {identity.loaded_nccl_version}")
+    required = [*expect.required_capabilities,
+                *(["ib-roce-device-release"] if expect.require_ib_reset else []),
+                *(["full-network-reset"] if expect.require_network_reset else [])]
+    if missing := missing_capabilities(identity.capability_mask, required):
+        raise AdmissionError("4a.9", f"NCCL provider lacks required capabilities: {', '.join(missing)}")
+    if absent := [s for s in _REQUIRED_SLOTS if s not in identity.slots]:
+        raise AdmissionError("4a.10", f"NCCL provider table has NULL slots: {', '.join(absent)}")
+    if not {"ncclCheckpointGetVersion", "ncclGetVersion"} <= set(identity.exports):
+        raise AdmissionError("4a.11", "NCCL provider lacks a required version export "
+                                      "(ncclCheckpointGetVersion and ncclGetVersion)")
+    if identity.checkpoint_version_result != 0 or identity.checkpoint_version != identity.checkpoint_abi_version:
+        raise AdmissionError("4a.11", f"NCCL checkpoint ABI report disagrees: {identity.checkpoint_version} != "
+                                      f"{identity.checkpoint_abi_version}")
+    if (identity.nccl_get_version_result != 0 or identity.checkpoint_nccl_version != identity.loaded_nccl_version
+            or identity.nccl_version != identity.loaded_nccl_version):
+        raise AdmissionError("4a.11", f"loaded NCCL runtime identity disagrees: shim {identity.checkpoint_nccl_version}, "
+                                      f"ncclGetVersion {identity.nccl_version}, provider {identity.loaded_nccl_version}")
+    if expect.in_place_mode:
+        if not expect.in_place_experiment:
+            raise AdmissionError("4a.12", "NCCL in-place mode requires controller admission "
+                                          "(COLDSNAP_NCCL_IN_PLACE_EXPERIMENT)")
+        if in_place.status == "absent":
+            raise AdmissionError("4a.12", "NCCL provider lacks coldsnapNcclInPlaceQuery")
+        if in_place.status != "present":
+            raise AdmissionError("4a.12", f"coldsnapNcclInPlaceQuery failed with ncclResult_t={in_place.result} "
+                                          f"({in_place.meaning})")
+        if in_place.struct_size < 56:
+            raise AdmissionError("4a.12", f"NCCL in-place provider ABI is truncated: struct_size "
+                                          f"{in_place.struct_size} < 56")
+        if in_place.abi_major != 1:
+            raise AdmissionError("4a.12", f"NCCL in-place provider ABI major mismatch: {in_place.abi_major} != 1")
+        if absent := [s for s in _IN_PLACE_SLOTS if s not in in_place.slots]:
+            raise AdmissionError("4a.12", f"NCCL in-place provider table has NULL slots: {', '.join(absent)}")
+    bridge = _positive_decimal(expect.dlsym_bridge_abi)
+    if bridge is None or "coldsnapNcclDlsymBridgeAbi" not in identity.exports:
+        raise AdmissionError("4a.13", "expected NCCL dlsym bridge ABI is invalid (COLDSNAP_NCCL_DLSYM_BRIDGE_ABI "
+                                      "must be a decimal > 0 and coldsnapNcclDlsymBridgeAbi exported)")
+    if identity.dlsym_bridge_abi != bridge:
+        raise AdmissionError("4a.13", f"NCCL dlsym bridge ABI mismatch: {identity.dlsym_bridge_abi} != {bridge}")
+
+
+def _json_object(data: bytes, what: str) -> dict[str, Any]:
+    if len(data) > _EVIDENCE_MAX:
+        raise AdmissionError(what, f"{what} exceeds {_EVIDENCE_MAX} bytes")
+    try:
+        value = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise AdmissionError(what, f"{what} is not UTF-8 JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise AdmissionError(what, f"{what} is not a JSON object")
+    return value
+
+
+def admit_evidence(data: bytes, expected_state: str) -> dict[str, Any]:
+    """Spec 4b: in-place evidence must admit retained graphs and report `qualified: false`."""
+    evidence = _json_object(data, "in-place evidence")
+    facts = {
+        "format": evidence.get("format") == 1,
+        "kind": evidence.get("kind") == "coldsnap-nccl-in-place-evidence",
+        "mode": evidence.get("mode") == IN_PLACE_MODE,
+        "state": evidence.get("state") == expected_state,
+        "transport_epoch_portable": evidence.get("transport_epoch_portable") is True,
+        "network_identity_portable": evidence.get("network_identity_portable") is True,
+        "proxy_control_reconstructed": evidence.get("proxy_control_reconstructed") is True,
+        "bootstrap_available": evidence.get("bootstrap_available") is False,
+        "transport_ownership": evidence.get("transport_ownership") == "coldsnap",
+        "communicators": _positive_int(evidence.get("communicators")),
+        "persistent_graph_references": _positive_int(evidence.get("persistent_graph_references")),
+        "backend": evidence.get("backend") in ("IB", "Socket"),
+    }
+    if failed := [name for name, ok in facts.items() if not ok]:
+        raise AdmissionError("4b", f"NCCL in-place evidence does not admit retained graphs: {', '.join(failed)}")
+    if evidence.get("qualified") is not False:
+        raise AdmissionError("4b", f"NCCL in-place evidence has an unexpected qualification state: "
+                                   f"{evidence.get('qualified')!r}")
+    return evidence
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def admit_resources(result: int, data: bytes, mode: str) -> dict[str, Any]:
+    """Spec 4c: complete, admitted, no blockers, and inspect() returned 0."""
+    inventory = _json_object(data, "resource inventory")
+    if inventory.get("format") != 1 or inventory.get("kind") != "coldsnap-nccl-resource-inventory":
+        raise AdmissionError("4c", "resource inventory has the wrong format or kind")
+    if inventory.get("mode") != mode:
+        raise AdmissionError("4c", f"resource inventory mode {inventory.get('mode')!r} != {mode!r}")
+    if not isinstance(inventory.get("communicators"), list):
+        raise AdmissionError("4c", "resource inventory communicators is not a list")
+    blockers = sorted({b for c in inventory["communicators"] if isinstance(c, dict) for b in c.get("blockers", [])})
+    if inventory.get("complete") is not True or inventory.get("admitted") is not True or result != 0:
+        raise AdmissionError("4c", f"resource inventory does not admit {mode}: inspect returned {result}, "
+                                   f"complete={inventory.get('complete')}, admitted={inventory.get('admitted')}"
+                                   + (f", blockers: {', '.join(blockers)}" if blockers else ""))
+    return inventory
+
+
+def unknown_capability_mask(mask: int) -> int:
+    return mask & ~KNOWN_CAPABILITY_MASK
