@@ -130,8 +130,9 @@ def admit_identity(identity: ShimIdentity, in_place: TableStatus, expect: Expect
                                       f"{identity.checkpoint_abi_version}")
     if (identity.nccl_get_version_result != 0 or identity.checkpoint_nccl_version != identity.loaded_nccl_version
             or identity.nccl_version != identity.loaded_nccl_version):
-        raise AdmissionError("4a.11", f"loaded NCCL runtime identity disagrees: shim {identity.checkpoint_nccl_version}, "
-                                      f"ncclGetVersion {identity.nccl_version}, provider {identity.loaded_nccl_version}")
+        raise AdmissionError("4a.11", f"loaded NCCL runtime identity disagrees: shim "
+                                      f"{identity.checkpoint_nccl_version}, ncclGetVersion {identity.nccl_version}, "
+                                      f"provider {identity.loaded_nccl_version}")
     if expect.in_place_mode:
         if not expect.in_place_experiment:
             raise AdmissionError("4a.12", "NCCL in-place mode requires controller admission "
@@ -156,21 +157,21 @@ def admit_identity(identity: ShimIdentity, in_place: TableStatus, expect: Expect
         raise AdmissionError("4a.13", f"NCCL dlsym bridge ABI mismatch: {identity.dlsym_bridge_abi} != {bridge}")
 
 
-def _json_object(data: bytes, what: str) -> dict[str, Any]:
+def _json_object(data: bytes, what: str, rule: str) -> dict[str, Any]:
     if len(data) > _EVIDENCE_MAX:
-        raise AdmissionError(what, f"{what} exceeds {_EVIDENCE_MAX} bytes")
+        raise AdmissionError(rule, f"{what} exceeds {_EVIDENCE_MAX} bytes")
     try:
         value = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
-        raise AdmissionError(what, f"{what} is not UTF-8 JSON: {exc}") from None
+        raise AdmissionError(rule, f"{what} is not UTF-8 JSON: {exc}") from None
     if not isinstance(value, dict):
-        raise AdmissionError(what, f"{what} is not a JSON object")
+        raise AdmissionError(rule, f"{what} is not a JSON object")
     return value
 
 
 def admit_evidence(data: bytes, expected_state: str) -> dict[str, Any]:
     """Spec 4b: in-place evidence must admit retained graphs and report `qualified: false`."""
-    evidence = _json_object(data, "in-place evidence")
+    evidence = _json_object(data, "in-place evidence", "4b")
     facts = {
         "format": evidence.get("format") == 1,
         "kind": evidence.get("kind") == "coldsnap-nccl-in-place-evidence",
@@ -199,7 +200,7 @@ def _positive_int(value: Any) -> bool:
 
 def admit_resources(result: int, data: bytes, mode: str) -> dict[str, Any]:
     """Spec 4c: complete, admitted, no blockers, and inspect() returned 0."""
-    inventory = _json_object(data, "resource inventory")
+    inventory = _json_object(data, "resource inventory", "4c")
     if inventory.get("format") != 1 or inventory.get("kind") != "coldsnap-nccl-resource-inventory":
         raise AdmissionError("4c", "resource inventory has the wrong format or kind")
     if inventory.get("mode") != mode:

@@ -58,7 +58,9 @@ ensure_dockerd() {
 ensure_venv() {
     local extras="$1" stamp
     [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-    stamp="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)-$extras"
+    # Reinstall (and so rebuild the C shim) when the metadata or the C sources change.
+    stamp="$(cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT"/nccl_shim/src/*.c "$ROOT"/nccl_shim/include/*.h \
+        | sha256sum | cut -c1-16)-$extras"
     if [ "$(cat "$VENV/.coldsnap-stamp" 2>/dev/null)" != "$stamp" ]; then
         say "installing coldsnap-provider[$extras] into $VENV"
         "$VENV/bin/pip" install -q --upgrade pip >/dev/null
