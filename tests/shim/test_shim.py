@@ -23,7 +23,9 @@ IN_PLACE_ENV = {"COLDSNAP_NCCL_IN_PLACE_MODE": "net-reconnect-v1", "NCCL_IB_DISA
 
 
 def clean_env(extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("COLDSNAP_NCCL", "NCCL_"))}
+    """The caller's environment without provider expectations (the shim's own location stays)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("COLDSNAP_NCCL", "NCCL_")) or k == "COLDSNAP_NCCL_SHIM_LIBRARY"}
     return {**env, **extra}
 
 
