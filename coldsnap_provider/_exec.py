@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pwd
 import signal
+import shutil
 import subprocess
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ log = structlog.get_logger(__name__)
 # Base64 grows 4/3 and the reply is capped at 64 MiB: keep raw output well below.
 OUTPUT_LIMIT = 46 << 20
 _KILL_GRACE_S = 5.0
+SETPRIV = "setpriv"  # util-linux
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +57,8 @@ def resolve_identity(spec: str) -> ExecIdentity:
         if not group.isdigit():
             raise ValueError(f"exec.user: group must be numeric in 'uid:gid', got {group!r}")
         gid = int(group)
+    if uid != os.geteuid() and shutil.which(SETPRIV) is None:
+        raise ValueError("exec.user needs setpriv (util-linux) on PATH to run commands as another user")
     return ExecIdentity(uid=uid, gid=gid, home=home)
 
 
@@ -70,10 +74,11 @@ async def run_argv(
         raise RequestRejected("exec arguments must not contain NUL")
     kwargs: dict[str, object] = {}
     if identity.uid is not None and identity.uid != os.geteuid():
-        kwargs.update(user=identity.uid, group=identity.gid, extra_groups=[])
+        # setpriv keeps the argv exact; uvloop's subprocess_exec has no user=/group= and anyio no preexec_fn.
+        gid = identity.gid if identity.gid is not None else identity.uid
+        argv = [SETPRIV, f"--reuid={identity.uid}", f"--regid={gid}", "--clear-groups", "--", *argv]
         if identity.home:
-            env = dict(os.environ, HOME=identity.home)
-            kwargs["env"] = env
+            kwargs["env"] = dict(os.environ, HOME=identity.home)
     try:
         process = await anyio.open_process(
             argv,

@@ -121,21 +121,29 @@ async def test_disconnect_during_pull_cancels_it(daemon: Daemon, session: Sessio
         assert (await daemon.control(operation="status"))["in_flight"] == 0
 
 
+def _dockerd_up() -> bool:
+    return subprocess.run(["docker", "info"], capture_output=True, check=False).returncode == 0
+
+
 def _restart_dockerd() -> None:
+    """Stop dockerd and bring it back; whatever happens, dockerd is running again afterwards."""
     pid = int(subprocess.run(["pidof", "dockerd"], capture_output=True, text=True, check=True).stdout.split()[0])
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 30
-    while os.path.exists(f"/proc/{pid}"):
-        assert time.monotonic() < deadline, "dockerd did not stop"
-        time.sleep(0.1)
-    time.sleep(1)
-    if subprocess.run(["docker", "info"], capture_output=True, check=False).returncode != 0:
-        with open("/var/log/coldsnap-dockerd.log", "ab") as log:
-            subprocess.Popen(["dockerd"], stdout=log, stderr=log, start_new_session=True)
-    deadline = time.monotonic() + 60
-    while subprocess.run(["docker", "info"], capture_output=True, check=False).returncode != 0:
-        assert time.monotonic() < deadline, "dockerd did not come back"
-        time.sleep(0.2)
+    try:
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 90  # dockerd first stops its containers
+        while os.path.exists(f"/proc/{pid}"):
+            assert time.monotonic() < deadline, "dockerd did not stop"
+            time.sleep(0.1)
+    finally:
+        time.sleep(1)
+        if not _dockerd_up() and not subprocess.run(["pidof", "dockerd"], capture_output=True,
+                                                     check=False).stdout.strip():
+            with open("/var/log/coldsnap-dockerd.log", "ab") as log:
+                subprocess.Popen(["dockerd"], stdout=log, stderr=log, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while not _dockerd_up():
+            assert time.monotonic() < deadline, "dockerd did not come back"
+            time.sleep(0.2)
 
 
 async def test_docker_restart_between_calls_recovers_without_restarting_the_provider(
@@ -258,7 +266,9 @@ async def test_docker_restart_with_a_call_in_flight_fails_cleanly_and_leaves_not
 
     async def long_run() -> None:
         replies.append(await session.runtime("workload-run", workload={
-            "name": name, "image": busybox_image, "remove_after_exit": True, "command": ["sleep", "60"]}))
+            "name": name, "image": busybox_image, "remove_after_exit": True,
+            # PID 1 ignores SIGTERM unless it traps it: exit at once when dockerd stops the container.
+            "command": ["sh", "-c", "trap 'exit 143' TERM; sleep 60 & wait"]}))
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(long_run)
