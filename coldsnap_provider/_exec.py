@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import pwd
-import signal
 import shutil
+import signal
 import subprocess
 from dataclasses import dataclass
 

@@ -125,13 +125,26 @@ def _dockerd_up() -> bool:
     return subprocess.run(["docker", "info"], capture_output=True, check=False).returncode == 0
 
 
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a dockerd this test process started earlier is its child: reap it)."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
+
+
 def _restart_dockerd() -> None:
     """Stop dockerd and bring it back; whatever happens, dockerd is running again afterwards."""
     pid = int(subprocess.run(["pidof", "dockerd"], capture_output=True, text=True, check=True).stdout.split()[0])
     try:
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 90  # dockerd first stops its containers
-        while os.path.exists(f"/proc/{pid}"):
+        while _running(pid):
             assert time.monotonic() < deadline, "dockerd did not stop"
             time.sleep(0.1)
     finally:
