@@ -18,6 +18,16 @@ def _parser() -> argparse.ArgumentParser:
     profile = sub.add_parser("profile", help="print the format-1 host feature profile")
     profile.add_argument("--memory-bytes", type=int, default=1 << 20)
     profile.add_argument("--timeout", type=float, default=30.0)
+    capture = sub.add_parser("capture", help="checkpoint and dump a process tree (CUDA checkpoint + CRIU)")
+    capture.add_argument("--pid", type=int, required=True)
+    capture.add_argument("--images", required=True, help="new or empty directory for the images")
+    capture.add_argument("--criu", default="criu")
+    capture.add_argument("--boundary", choices=["n610", "n580"], default="n610")
+    capture.add_argument("--digest", action="store_true", help="record a content digest of the images")
+    restore = sub.add_parser("restore", help="restore a captured tree and resume it")
+    restore.add_argument("--images", required=True)
+    restore.add_argument("--criu", default="criu")
+    restore.add_argument("--work-dir", help="where CRIU writes its log and pidfile (never the images)")
     target = sub.add_parser("_target", help=argparse.SUPPRESS)
     target.add_argument("--memory-bytes", type=int, required=True)
     ipc = sub.add_parser("_ipc_target", help=argparse.SUPPRESS)
@@ -29,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command in ("capture", "restore"):
+        return _worker(args)
     if not MIN_MEMORY <= args.memory_bytes <= MAX_MEMORY:
         sys.stderr.write(f"error: --memory-bytes must be within [{MIN_MEMORY}, {MAX_MEMORY}], "
                          f"got {args.memory_bytes}\n")
@@ -53,6 +65,25 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")
         return 1
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ._worker import WorkerError, capture, restore
+
+    try:
+        if args.command == "capture":
+            report = capture(args.pid, Path(args.images), criu=args.criu, boundary=args.boundary,
+                             digest=args.digest)
+        else:
+            report = restore(Path(args.images), criu=args.criu,
+                             work=Path(args.work_dir) if args.work_dir else None)
+    except (WorkerError, OSError, ValueError) as exc:
+        sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")
+        return 1
+    sys.stdout.write(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,197 @@
+"""A small decoder-only transformer served over a local TCP socket (the restore benchmark's workload).
+
+    python bench/_ttft_server.py --gib 2 --weights FILE --port P        serve
+    python bench/_ttft_server.py --gib 2 --weights FILE --generate      write the weights file once
+
+Random weights from a fixed seed (no downloads), bf16, loaded from a local file through pinned
+staging buffers; a static KV cache; the decode step is captured as a CUDA graph; greedy
+generation. Stage timestamps go to stdout as JSON lines. Protocol: one JSON line
+{"prompt": [ids], "max_tokens": n} per connection; one {"token": id} line per token, then
+{"done": true, "first_logits_sha256": hex}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import socket
+import sys
+import time
+
+T_START = time.time()
+
+
+def stage(name: str, **extra: object) -> None:
+    sys.stdout.write(json.dumps({"stage": name, "unix": time.time(), "pid": os.getpid(), **extra}) + "\n")
+    sys.stdout.flush()
+
+
+stage("process_start", since=T_START)
+import torch
+
+VOCAB, HIDDEN, HEADS, MAX_LEN = 32000, 4096, 32, 512
+PER_LAYER = 12 * HIDDEN * HIDDEN + 2 * HIDDEN  # qkv, o, up (4h), down (4h), two norms
+
+
+def layers_for(gib: float) -> int:
+    budget = gib * (1 << 30) / 2 - VOCAB * HIDDEN - HIDDEN
+    return max(1, int(budget // PER_LAYER))
+
+
+def param_count(layers: int) -> int:
+    return VOCAB * HIDDEN + HIDDEN + layers * PER_LAYER
+
+
+def generate(path: str, gib: float, seed: int) -> None:
+    """Write the weights once: seeded normal(0, 0.02) in bf16, generated on the GPU in chunks."""
+    total = param_count(layers_for(gib))
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    chunk = 1 << 28
+    with open(path + ".tmp", "wb") as f:
+        for start in range(0, total, chunk):
+            n = min(chunk, total - start)
+            block = (torch.randn(n, generator=gen, device="cuda", dtype=torch.float32) * 0.02).to(torch.bfloat16)
+            f.write(block.view(torch.int16).cpu().numpy().tobytes())
+    os.replace(path + ".tmp", path)
+
+
+class Model:
+    def __init__(self, flat: torch.Tensor, layers: int) -> None:
+        offset = 0
+
+        def take(*shape: int) -> torch.Tensor:
+            nonlocal offset
+            n = math.prod(shape)
+            view = flat[offset:offset + n].view(*shape)
+            offset += n
+            return view
+
+        self.embed = take(VOCAB, HIDDEN)
+        self.final_norm = take(HIDDEN)
+        self.layers = [dict(qkv=take(HIDDEN, 3 * HIDDEN), o=take(HIDDEN, HIDDEN), up=take(HIDDEN, 4 * HIDDEN),
+                            down=take(4 * HIDDEN, HIDDEN), n1=take(HIDDEN), n2=take(HIDDEN)) for _ in range(layers)]
+        dev = flat.device
+        self.k = torch.zeros(layers, MAX_LEN, HEADS, HIDDEN // HEADS, dtype=torch.bfloat16, device=dev)
+        self.v = torch.zeros_like(self.k)
+        self.token = torch.zeros(1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.logits = torch.zeros(VOCAB, dtype=torch.float32, device=dev)
+        self.positions = torch.arange(MAX_LEN, device=dev)
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    @staticmethod
+    def _norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype) * (1 + weight)
+
+    def _step(self) -> None:
+        d = HIDDEN // HEADS
+        x = self.embed[self.token]  # (1, H)
+        mask = self.positions <= self.pos  # attend to positions 0..pos
+        for i, w in enumerate(self.layers):
+            q, k, v = (self._norm(x, w["n1"]) @ w["qkv"]).split(HIDDEN, dim=-1)
+            self.k[i].index_copy_(0, self.pos, k.view(1, HEADS, d))
+            self.v[i].index_copy_(0, self.pos, v.view(1, HEADS, d))
+            scores = torch.einsum("hd,thd->ht", q.view(HEADS, d).float(), self.k[i].float()) / math.sqrt(d)
+            scores = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+            attn = torch.einsum("ht,thd->hd", scores, self.v[i].float()).to(x.dtype).reshape(1, HIDDEN)
+            x = x + attn @ w["o"]
+            x = x + torch.nn.functional.silu(self._norm(x, w["n2"]) @ w["up"]) @ w["down"]
+        self.logits.copy_((self._norm(x, self.final_norm) @ self.embed.T).float().view(-1))
+
+    def capture(self) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._step()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self._step()
+        torch.cuda.synchronize()
+
+    def step(self, token: int, pos: int) -> torch.Tensor:
+        self.token.fill_(token)
+        self.pos.fill_(pos)
+        assert self.graph is not None
+        self.graph.replay()
+        return self.logits
+
+
+def load(path: str, gib: float) -> Model:
+    layers = layers_for(gib)
+    total = param_count(layers)
+    flat = torch.empty(total, dtype=torch.bfloat16, device="cuda")
+    staging = [torch.empty(1 << 27, dtype=torch.bfloat16).pin_memory() for _ in range(2)]  # 2 x 256 MiB
+    copy_stream = torch.cuda.Stream()
+    events = [torch.cuda.Event(), torch.cuda.Event()]
+    with open(path, "rb", buffering=0) as f:
+        done, i = 0, 0
+        while done < total:
+            n = min(staging[i].numel(), total - done)
+            events[i].synchronize()  # this staging buffer's previous copy has finished
+            view = staging[i][:n].view(torch.uint8).numpy()
+            got = f.readinto(memoryview(view))
+            if got != n * 2:
+                raise RuntimeError(f"weights file {path} is short")
+            with torch.cuda.stream(copy_stream):
+                flat[done:done + n].copy_(staging[i][:n], non_blocking=True)
+                events[i].record(copy_stream)
+            done += n
+            i ^= 1
+    torch.cuda.synchronize()
+    return Model(flat, layers)
+
+
+def serve(model: Model, port: int) -> None:
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen()
+    stage("ready", port=port)
+    while True:
+        conn, _ = listener.accept()
+        with conn, conn.makefile("rwb") as stream:
+            request = json.loads(stream.readline())
+            tokens, first_hash = list(request["prompt"]), None
+            pos = 0
+            for pos, token in enumerate(tokens[:-1]):
+                model.step(token, pos)
+            last, pos = tokens[-1], len(tokens) - 1
+            for _ in range(request["max_tokens"]):
+                logits = model.step(last, pos)
+                if first_hash is None:
+                    first_hash = hashlib.sha256(logits.cpu().numpy().tobytes()).hexdigest()
+                last = int(logits.argmax())
+                stream.write(json.dumps({"token": last}).encode() + b"\n")
+                stream.flush()
+                pos += 1
+            stream.write(json.dumps({"done": True, "first_logits_sha256": first_hash}).encode() + b"\n")
+            stream.flush()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--gib", type=float, required=True)
+    parser.add_argument("--weights", required=True)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--generate", action="store_true")
+    args = parser.parse_args()
+    if args.generate:
+        generate(args.weights, args.gib, args.seed)
+        return
+    torch.zeros(1, device="cuda").sum().item()
+    stage("cuda_init")
+    model = load(args.weights, args.gib)
+    stage("weights_loaded", device_bytes=torch.cuda.memory_allocated())
+    model.capture()
+    stage("graph_captured", device_bytes=torch.cuda.memory_allocated())
+    serve(model, args.port)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+"""The capture and restore worker (admission spec 7.2-7.4, single rank): CUDA checkpoint + CRIU.
+
+Capture (n610, initialized CUDA state): find the CUDA processes of the tree, require `running`,
+lock all, checkpoint all (state checked after every step), CRIU dump; on any failure the
+processes are restored and unlocked in reverse order so the workload keeps running.
+
+Capture (n580, pre-CUDA template): audit that no process of the tree maps the CUDA driver or
+holds an NVIDIA device file, then a CPU-only CRIU dump; the restored process initializes CUDA
+fresh.
+
+Restore: CRIU restore leaving the tree stopped, then (n610) per CUDA process in reverse
+inventory order: require `checkpointed`, restore, require `locked`, unlock, require
+`running`; finally SIGCONT. On failure the restored tree is killed. Timeline marks are taken
+by this (fresh) process, never by the restored one. The image directory is only read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ._cuda import Driver
+from ._profile import identity
+
+__all__ = ("WorkerError", "capture", "image_digest", "restore")
+
+CAPTURE_KIND = "coldsnap-cuda-criu-capture"
+RESTORE_KIND = "coldsnap-cuda-criu-restore"
+_NVIDIA_MAPS = ("libcuda.so", "libnvidia-ml.so", "/dev/nvidia")
+
+
+class WorkerError(RuntimeError):
+    """Capture or restore failed; the message says which step and why."""
+
+
+class Timeline:
+    """Marks measured by this process: unix_ns and seconds since the first mark."""
+
+    def __init__(self) -> None:
+        self.marks: list[dict[str, Any]] = []
+        self._origin: int | None = None
+
+    def mark(self, name: str) -> None:
+        now = time.time_ns()
+        if self._origin is None:
+            self._origin = now
+        self.marks.append({"name": name, "unix_ns": now, "since_restore_begin_s": (now - self._origin) / 1e9})
+
+    def seconds(self, start: str, end: str) -> float:
+        by_name: dict[str, int] = {m["name"]: m["unix_ns"] for m in self.marks}
+        return float(by_name[end] - by_name[start]) / 1e9
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            text = Path(f"/proc/{pid}/task/{task}/children").read_text()
+            kids.extend(int(c) for c in text.split())
+    except OSError:
+        pass
+    return kids
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and its descendants, parents before children (the inventory order)."""
+    order, queue = [], [root]
+    while queue:
+        pid = queue.pop(0)
+        if pid not in order:
+            order.append(pid)
+            queue.extend(sorted(_children(pid)))
+    return order
+
+
+def _cuda_processes(driver: Driver, tree: list[int]) -> list[int]:
+    """The processes of the tree the driver knows as CUDA processes (GetState answers for them)."""
+    cuda = []
+    for pid in tree:
+        try:
+            driver.state(pid)
+        except Exception:
+            continue
+        cuda.append(pid)
+    return cuda
+
+
+def _require(driver: Driver, pids: list[int], expected: str, step: str) -> None:
+    for pid in pids:
+        state = driver.state(pid)
+        if state != expected:
+            raise WorkerError(f"{step}: process {pid} is {state}, expected {expected}")
+
+
+def _audit_pre_cuda(tree: list[int]) -> None:
+    """n580 boundary: no process may map the CUDA driver or hold an NVIDIA device file."""
+    for pid in tree:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+            fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError as exc:
+            raise WorkerError(f"audit: cannot read process {pid}: {exc}") from None
+        hits = sorted({m for m in _NVIDIA_MAPS if m in maps} | {f for f in fds if f.startswith("/dev/nvidia")})
+        if hits:
+            raise WorkerError(f"audit: process {pid} is not a pre-CUDA template: it holds {', '.join(hits)}")
+
+
+def _criu(criu: str, args: list[str], log: Path) -> float:
+    started = time.perf_counter()
+    done = subprocess.run([criu, *args, "--log-file", str(log), "-v4"], capture_output=True, text=True,
+                          check=False)
+    if done.returncode != 0:
+        tail = ""
+        try:
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+        except OSError:
+            pass
+        raise WorkerError(f"criu {args[0]} exited {done.returncode}: {(done.stderr or '').strip()}\n{tail}")
+    return time.perf_counter() - started
+
+
+def image_digest(images: Path, *, contents: bool = False) -> str:
+    """Every file's name, size, mtime and ctime (any write changes them), optionally its bytes."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in images.rglob("*") if p.is_file()):
+        st = path.stat()
+        h.update(f"{path.relative_to(images)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\0".encode())
+        if contents:
+            with path.open("rb") as f:
+                while chunk := f.read(1 << 24):
+                    h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+def _images_size(images: Path) -> tuple[int, int]:
+    files = [p for p in images.rglob("*") if p.is_file()]
+    return sum(p.stat().st_size for p in files), len(files)
+
+
+def capture(pid: int, images: Path, *, criu: str, boundary: str = "n610", lock_timeout_ms: int = 30_000,
+            digest: bool = False) -> dict[str, Any]:
+    """Checkpoint and dump the tree rooted at `pid` into `images` (must be new or empty)."""
+    if boundary not in ("n580", "n610"):
+        raise WorkerError(f"boundary must be n580 or n610, got {boundary!r}")
+    if images.exists() and any(images.iterdir()):
+        raise WorkerError(f"images directory {images} is not empty")
+    images.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tree = process_tree(pid)
+    timings: dict[str, float] = {}
+    report: dict[str, Any] = {"format": 1, "kind": CAPTURE_KIND, "boundary": boundary, "root_pid": pid,
+                              "tree": tree, "started_unix": time.time()}
+    work = Path(tempfile.mkdtemp(prefix="coldsnap-capture-"))
+    dump_args = ["dump", "--tree", str(pid), "--images-dir", str(images), "--work-dir", str(work)]
+    try:
+        if boundary == "n580":
+            _audit_pre_cuda(tree)
+            report["cuda_pids"] = []
+            timings["criu_dump"] = _criu(criu, dump_args, work / "dump.log")
+        else:
+            driver = Driver()
+            driver.call("cuInit", 0)
+            cuda = _cuda_processes(driver, tree)
+            if not cuda:
+                raise WorkerError(f"no CUDA process in the tree of {pid} (n610 needs initialized CUDA state)")
+            report["cuda_pids"] = cuda
+            _require(driver, cuda, "running", "before lock")
+            done: list[tuple[int, str]] = []  # (pid, what was done) for the rollback
+            try:
+                started = time.perf_counter()
+                for p in cuda:
+                    args = driver.cuda.CUcheckpointLockArgs()
+                    args.timeoutMs = lock_timeout_ms
+                    driver.call("cuCheckpointProcessLock", p, args)
+                    done.append((p, "locked"))
+                _require(driver, cuda, "locked", "after lock")
+                timings["cuda_lock"] = time.perf_counter() - started
+                started = time.perf_counter()
+                for p in cuda:
+                    driver.call("cuCheckpointProcessCheckpoint", p, None)
+                    done.append((p, "checkpointed"))
+                _require(driver, cuda, "checkpointed", "after checkpoint")
+                timings["cuda_checkpoint"] = time.perf_counter() - started
+                timings["criu_dump"] = _criu(criu, dump_args, work / "dump.log")
+            except BaseException:
+                _rollback(driver, done)
+                raise
+    except BaseException:
+        if (work / "dump.log").exists():  # keep the evidence of a failed dump
+            shutil.copy2(work / "dump.log", images / "dump.log")
+        raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report["identity"] = identity(None)
+    report["timings_s"] = timings
+    report["image_bytes"], report["image_files"] = _images_size(images)
+    if digest:
+        report["image_digest"] = image_digest(images, contents=True)
+    report["completed_unix"] = time.time()
+    (images / "capture.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    return report
+
+
+def _rollback(driver: Driver, done: list[tuple[int, str]]) -> None:
+    """Undo in reverse order so the workload keeps running: restore what was checkpointed, then unlock."""
+    for pid, what in reversed(done):
+        try:
+            if what == "checkpointed":
+                driver.call("cuCheckpointProcessRestore", pid, None, required=False)
+            elif driver.state(pid) == "locked":
+                driver.call("cuCheckpointProcessUnlock", pid, None, required=False)
+        except Exception:
+            continue
+
+
+def restore(images: Path, *, criu: str, work: Path | None = None) -> dict[str, Any]:
+    """Restore the tree captured in `images`; returns the report (the images are only read)."""
+    capture_report = json.loads((images / "capture.json").read_text())
+    boundary = capture_report["boundary"]
+    cuda = list(capture_report.get("cuda_pids", []))
+    timeline = Timeline()
+    timeline.mark("restore_begin")
+    work = work or Path(tempfile.mkdtemp(prefix="coldsnap-restore-"))
+    work.mkdir(parents=True, exist_ok=True)
+    pidfile = work / "restored.pid"
+    report: dict[str, Any] = {"format": 1, "kind": RESTORE_KIND, "boundary": boundary,
+                              "captured_root_pid": capture_report["root_pid"], "cuda_pids": cuda}
+    args = ["restore", "--images-dir", str(images), "--work-dir", str(work), "--restore-detached",
+            "--pidfile", str(pidfile), *(["--leave-stopped"] if cuda else [])]
+    root = None
+    try:
+        report["criu_restore_seconds"] = _criu(criu, args, work / "restore.log")
+        timeline.mark("criu_restore_end")
+        root = int(pidfile.read_text().split()[0])
+        report["restored_pid"] = root
+        if cuda:
+            timeline.mark("deferred_cuda_restore_begin")
+            driver = Driver()
+            driver.call("cuInit", 0)
+            os.killpg(root, signal.SIGCONT)  # the CUDA restore thread must run
+            for pid in reversed(cuda):
+                _require(driver, [pid], "checkpointed", "before CUDA restore")
+                driver.call("cuCheckpointProcessRestore", pid, None)
+                _require(driver, [pid], "locked", "after CUDA restore")
+                driver.call("cuCheckpointProcessUnlock", pid, None)
+                _require(driver, [pid], "running", "after unlock")
+            timeline.mark("deferred_cuda_restore_end")
+            report["cuda_restore_seconds"] = timeline.seconds("deferred_cuda_restore_begin",
+                                                               "deferred_cuda_restore_end")
+        os.killpg(root, signal.SIGCONT)
+        timeline.mark("process_resumed")
+    except BaseException as exc:
+        report["error"] = f"{type(exc).__name__}: {exc}"
+        if root is not None:
+            try:
+                os.killpg(root, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        report["timeline"] = timeline.marks
+        raise WorkerError(report["error"]) from exc
+    report["timeline"] = timeline.marks
+    report["restore_seconds"] = timeline.seconds("restore_begin", "process_resumed")
+    return report

@@ -1,0 +1,23 @@
+# Shared prelude of the GPU-machine scripts (sourced): carried wheels, CRIU from .device-criu, $OUT.
+OUT="${OUT:-$PWD/device-out}"
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl || exit 1
+    export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONUNBUFFERED=1
+CRIU_ROOT="$PWD/.device-criu"
+if [ -d "$CRIU_ROOT" ]; then
+    # The unpacked CRIU tree may hold its library symlinks as tiny files naming the target: restore them.
+    for f in "$CRIU_ROOT"/usr/lib/x86_64-linux-gnu/*.so.*; do
+        if [ -f "$f" ] && [ "$(stat -c %s "$f")" -lt 64 ]; then
+            target="$(dirname "$f")/$(cat "$f")"
+            [ -f "$target" ] && cp --remove-destination "$target" "$f"
+        fi
+    done
+    export LD_LIBRARY_PATH="$CRIU_ROOT/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export PATH="$CRIU_ROOT/usr/sbin:$PATH"
+fi
