@@ -1,11 +1,12 @@
-"""A small decoder-only transformer served over a local TCP socket (the restore benchmark's workload).
+"""A small decoder-only transformer served over a local Unix socket (the restore benchmark's workload).
 
-    python bench/_ttft_server.py --gib 2 --weights FILE --port P        serve
+    python bench/_ttft_server.py --gib 2 --weights FILE --socket PATH   serve
     python bench/_ttft_server.py --gib 2 --weights FILE --generate      write the weights file once
 
 Random weights from a fixed seed (no downloads), bf16, loaded from a local file through pinned
 staging buffers; a static KV cache; the decode step is captured as a CUDA graph; greedy
-generation. Stage timestamps go to stdout as JSON lines. Protocol: one JSON line
+generation. Stage timestamps go to stdout as JSON lines. (A Unix socket, not TCP: CRIU 4.1.1 reads
+SO_PASSCRED from every socket it dumps, which kernels from 6.16 refuse on inet sockets.) Protocol: one JSON line
 {"prompt": [ids], "max_tokens": n} per connection; one {"token": id} line per token, then
 {"done": true, "first_logits_sha256": hex}.
 """
@@ -146,12 +147,11 @@ def load(path: str, gib: float) -> Model:
     return Model(flat, layers)
 
 
-def serve(model: Model, port: int) -> None:
-    listener = socket.socket()
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", port))
+def serve(model: Model, path: str) -> None:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
     listener.listen()
-    stage("ready", port=port)
+    stage("ready", socket=path)
     while True:
         conn, _ = listener.accept()
         with conn, conn.makefile("rwb") as stream:
@@ -178,7 +178,7 @@ def main() -> None:
     parser.add_argument("--gib", type=float, required=True)
     parser.add_argument("--weights", required=True)
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--socket", default="")
     parser.add_argument("--generate", action="store_true")
     args = parser.parse_args()
     if args.generate:
@@ -190,7 +190,7 @@ def main() -> None:
     stage("weights_loaded", device_bytes=torch.cuda.memory_allocated())
     model.capture()
     stage("graph_captured", device_bytes=torch.cuda.memory_allocated())
-    serve(model, args.port)
+    serve(model, args.socket)
 
 
 if __name__ == "__main__":

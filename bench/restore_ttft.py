@@ -35,20 +35,16 @@ from coldsnap_probe._worker import image_digest
 PR_SET_CHILD_SUBREAPER = 36
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def request(port: int, max_tokens: int, deadline_s: float = 120.0) -> tuple[float, list[int], str]:
+def request(path: Path, max_tokens: int, deadline_s: float = 120.0) -> tuple[float, list[int], str]:
     """(first-token unix time, tokens, first-logits digest); retries the connect until the deadline."""
     give_up = time.time() + deadline_s
     while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock = socket.create_connection(("127.0.0.1", port), timeout=deadline_s)
+            sock.connect(str(path))
             break
         except OSError:
+            sock.close()
             if time.time() > give_up:
                 raise
             time.sleep(0.002)
@@ -119,18 +115,19 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int) -> dict[str, An
     images = root / f"images-{gib:g}g"
     subprocess.run(["rm", "-rf", str(images)], check=True)
     log = root / f"server-{gib:g}g.log"
-    port = free_port()
+    path = root / f"server-{gib:g}g.sock"
+    path.unlink(missing_ok=True)
     # Cold start: from process start to the first token.
     t0 = time.time()
     with open(log, "wb") as out:
         server = subprocess.Popen([sys.executable, str(SERVER), "--gib", str(gib), "--weights", str(weights),
-                                   "--port", str(port)], stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                   "--socket", str(path)], stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                                   start_new_session=True)
     while "ready" not in stages(log):
         if server.poll() is not None:
             raise RuntimeError(f"server exited {server.returncode}: {log.read_text()[-2000:]}")
         time.sleep(0.01)
-    cold_first, cold_tokens, cold_hash = request(port, max_tokens)
+    cold_first, cold_tokens, cold_hash = request(path, max_tokens)
     entries = stages(log)
     device_bytes = entries["graph_captured"]["device_bytes"]
     marks = {name: entry["unix"] for name, entry in entries.items()}
@@ -146,10 +143,11 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int) -> dict[str, An
     digest_before = image_digest(images)
     restores = []
     for attempt in (1, 2):
+        path.unlink(missing_ok=True)  # the dead process's socket file; the restored one binds it again
         t0 = time.time()
         report = worker("restore", "--images", str(images), "--criu", criu,
                         "--work-dir", str(root / f"restore-work-{gib:g}g-{attempt}"))
-        first, tokens, first_hash = request(port, max_tokens)
+        first, tokens, first_hash = request(path, max_tokens)
         restores.append({"ttft_s": first - t0, "criu_restore_s": report["criu_restore_seconds"],
                          "cuda_restore_s": report["cuda_restore_seconds"],
                          "worker_s": report["restore_seconds"], "first_token_s": first - t0 - report["restore_seconds"],
