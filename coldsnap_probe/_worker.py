@@ -105,12 +105,19 @@ def _audit_pre_cuda(tree: list[int]) -> None:
     for pid in tree:
         try:
             maps = Path(f"/proc/{pid}/maps").read_text()
-            fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+            fds = [target for fd in os.listdir(f"/proc/{pid}/fd") if (target := _readlink(f"/proc/{pid}/fd/{fd}"))]
         except OSError as exc:
             raise WorkerError(f"audit: cannot read process {pid}: {exc}") from None
         hits = sorted({m for m in _NVIDIA_MAPS if m in maps} | {f for f in fds if f.startswith("/dev/nvidia")})
         if hits:
             raise WorkerError(f"audit: process {pid} is not a pre-CUDA template: it holds {', '.join(hits)}")
+
+
+def _readlink(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except FileNotFoundError:  # the descriptor closed while we looked
+        return ""
 
 
 def _criu(criu: str, args: list[str], log: Path) -> float:

@@ -1,0 +1,194 @@
+"""The capture/restore worker: argument and audit paths everywhere; the real thing on a GPU host."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coldsnap_probe._worker import WorkerError, _audit_pre_cuda, image_digest, process_tree
+from tests.helpers import ROOT
+from tests.probe.test_cli import has_nvidia_driver
+
+
+def worker(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "coldsnap_probe", *args], capture_output=True, text=True,
+                          cwd=ROOT, check=False, timeout=280)
+
+
+def test_capture_refuses_a_non_empty_images_directory(tmp_path: Path) -> None:
+    (tmp_path / "old.img").write_text("x")
+    done = worker("capture", "--pid", str(os.getpid()), "--images", str(tmp_path))
+    assert done.returncode == 1 and "is not empty" in done.stderr
+
+
+@pytest.mark.skipif(has_nvidia_driver(), reason="asserts the no-driver path")
+def test_n610_capture_without_cuda_fails_before_touching_anything(tmp_path: Path) -> None:
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        done = worker("capture", "--pid", str(child.pid), "--images", str(tmp_path / "img"))
+        assert done.returncode == 1 and "libcuda.so.1 could not be loaded" in done.stderr
+        assert child.poll() is None  # still running
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_restore_needs_a_capture(tmp_path: Path) -> None:
+    done = worker("restore", "--images", str(tmp_path))
+    assert done.returncode == 1 and "capture.json" in done.stderr
+
+
+def test_process_tree_lists_parents_before_children() -> None:
+    parent = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30 & wait"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 5
+        while len(process_tree(parent.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        tree = process_tree(parent.pid)
+        assert tree[0] == parent.pid and len(tree) == 3
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait()
+
+
+def test_n580_audit_refuses_a_process_that_maps_a_cuda_driver_library(tmp_path: Path) -> None:
+    fake = tmp_path / "libcuda.so.1"
+    fake.write_bytes(b"\0" * 4096)
+    with open(fake, "rb") as f, mmap.mmap(f.fileno(), 4096, prot=mmap.PROT_READ):
+        with pytest.raises(WorkerError, match=r"is not a pre-CUDA template: it holds libcuda\.so"):
+            _audit_pre_cuda([os.getpid()])
+    _audit_pre_cuda([os.getpid()])  # unmapped again: passes
+
+
+def test_image_digest_sees_any_write(tmp_path: Path) -> None:
+    (tmp_path / "pages-1.img").write_bytes(b"a" * 100)
+    before = image_digest(tmp_path)
+    assert image_digest(tmp_path) == before
+    os.utime(tmp_path / "pages-1.img")
+    assert image_digest(tmp_path) != before
+
+
+# --- on a GPU host (scripts/device-worker runs these there) ----------------------------
+
+gpu = pytest.mark.skipif(not has_nvidia_driver() or shutil.which("criu") is None,
+                         reason="needs an NVIDIA driver and CRIU (run on the GPU host)")
+
+
+@pytest.fixture
+def subreaper() -> None:
+    """Restored trees are reparented to this process, which must reap them."""
+    ctypes.CDLL(None).prctl(36, 1)
+
+
+def start_target(mode: str, directory: Path, *extra: str) -> subprocess.Popen[bytes]:
+    directory.mkdir(parents=True, exist_ok=True)
+    process = subprocess.Popen([sys.executable, "-m", "tests.probe._gpu_target", mode, str(directory), *extra],
+                               cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+    wait_file(directory / "ready")
+    return process
+
+
+def wait_file(path: Path, timeout: float = 60) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
+    return json.loads(path.read_text())  # type: ignore[no-any-return]
+
+
+def verify(directory: Path, n: int) -> bool:
+    (directory / f"verify-{n}").touch()
+    return bool(wait_file(directory / f"answer-verify-{n}")["matches"])
+
+
+def kill_and_reap(pid: int) -> None:
+    os.killpg(pid, signal.SIGKILL)
+    while True:
+        try:
+            if os.waitpid(-1, 0)[0] == pid:
+                return
+        except ChildProcessError:
+            return
+
+
+@gpu
+@pytest.mark.usefixtures("subreaper")
+def test_n610_capture_then_two_restores_from_unchanged_images(tmp_path: Path) -> None:
+    control, images = tmp_path / "control", tmp_path / "images"
+    target = start_target("n610", control, "64")
+    assert verify(control, 0)
+    done = worker("capture", "--pid", str(target.pid), "--images", str(images), "--criu", shutil.which("criu") or "")
+    assert done.returncode == 0, done.stderr
+    capture = json.loads(done.stdout)
+    assert capture["cuda_pids"] == [target.pid] and capture["image_bytes"] > 64 << 20
+    assert {"cuda_lock", "cuda_checkpoint", "criu_dump"} <= set(capture["timings_s"])
+    target.wait()  # CRIU killed it; reap so the PID is free again
+    digest = image_digest(images)
+    for attempt in (1, 2):
+        done = worker("restore", "--images", str(images), "--work-dir", str(tmp_path / f"work-{attempt}"))
+        assert done.returncode == 0, done.stderr
+        report = json.loads(done.stdout)
+        names = [m["name"] for m in report["timeline"]]
+        assert names == ["restore_begin", "criu_restore_end", "deferred_cuda_restore_begin",
+                         "deferred_cuda_restore_end", "process_resumed"]
+        assert report["restored_pid"] == target.pid and verify(control, attempt)
+        kill_and_reap(report["restored_pid"])
+    assert image_digest(images) == digest
+
+
+@gpu
+def test_failed_dump_rolls_back_and_the_workload_keeps_running(tmp_path: Path) -> None:
+    control = tmp_path / "control"
+    target = start_target("n610", control, "16")
+    try:
+        done = worker("capture", "--pid", str(target.pid), "--images", str(tmp_path / "images"), "--criu", "/bin/false")
+        assert done.returncode == 1 and "criu dump exited 1" in done.stderr
+        assert target.poll() is None and verify(control, 1)  # unlocked, restored, still serving
+    finally:
+        os.killpg(target.pid, signal.SIGKILL)
+        target.wait()
+
+
+@gpu
+@pytest.mark.usefixtures("subreaper")
+def test_n580_template_restores_and_initializes_cuda_fresh(tmp_path: Path) -> None:
+    control, images = tmp_path / "control", tmp_path / "images"
+    template = start_target("n580", control)
+    done = worker("capture", "--pid", str(template.pid), "--images", str(images), "--boundary", "n580",
+                  "--criu", shutil.which("criu") or "")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["cuda_pids"] == []
+    template.wait()
+    done = worker("restore", "--images", str(images))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    (control / "release").touch()
+    initialized = wait_file(control / "initialized")
+    assert initialized["cuda"] is True and initialized["pid"] == template.pid and verify(control, 1)
+    kill_and_reap(report["restored_pid"])
+
+
+@gpu
+def test_n580_capture_refuses_a_process_with_cuda_state(tmp_path: Path) -> None:
+    control = tmp_path / "control"
+    target = start_target("n610", control, "16")
+    try:
+        done = worker("capture", "--pid", str(target.pid), "--images", str(tmp_path / "images"),
+                      "--boundary", "n580", "--criu", shutil.which("criu") or "")
+        assert done.returncode == 1 and "is not a pre-CUDA template" in done.stderr
+        assert target.poll() is None and verify(control, 1)
+    finally:
+        os.killpg(target.pid, signal.SIGKILL)
+        target.wait()
