@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import mmap
 import os
 import shutil
 import signal
@@ -65,10 +64,19 @@ def test_process_tree_lists_parents_before_children() -> None:
 def test_n580_audit_refuses_a_process_that_maps_a_cuda_driver_library(tmp_path: Path) -> None:
     fake = tmp_path / "libcuda.so.1"
     fake.write_bytes(b"\0" * 4096)
-    with open(fake, "rb") as f, mmap.mmap(f.fileno(), 4096, prot=mmap.PROT_READ):
+    holder = ("import mmap, sys, time; f = open(sys.argv[1], 'rb'); "
+              "m = mmap.mmap(f.fileno(), 4096, prot=mmap.PROT_READ); print('ready', flush=True); time.sleep(30)")
+    mapping = subprocess.Popen([sys.executable, "-c", holder, str(fake)], stdout=subprocess.PIPE, text=True)
+    clean = subprocess.Popen(["sleep", "30"])
+    try:
+        assert mapping.stdout is not None and mapping.stdout.readline() == "ready\n"
         with pytest.raises(WorkerError, match=r"is not a pre-CUDA template: it holds libcuda\.so"):
-            _audit_pre_cuda([os.getpid()])
-    _audit_pre_cuda([os.getpid()])  # unmapped again: passes
+            _audit_pre_cuda([clean.pid, mapping.pid])
+        _audit_pre_cuda([clean.pid])  # a process without CUDA passes
+    finally:
+        for process in (mapping, clean):
+            process.kill()
+            process.wait()
 
 
 def test_image_digest_sees_any_write(tmp_path: Path) -> None:
