@@ -1,12 +1,26 @@
-"""The graph policy decision (admission spec 5.4, NCCL spec 6c): what the controller may promise."""
+"""The graph policy decision with the NCCL provider in the loop (admission spec 5.4, NCCL spec 6c).
+
+The resolution table itself lives in `coldsnap_probe` (the one source); this adds the rule the
+shim can judge: `preserve-nccl-exec` needs an admitted in-place provider, else it falls back.
+"""
 
 from __future__ import annotations
 
 import msgspec
 
-__all__ = ("GraphDecision", "decide_graph_policy")
+from coldsnap_probe._graph import ContractError, resolve_graph_policy
 
-POLICIES = ("preserve-exec", "recreate-from-plan", "preserve-nccl-exec", "disabled")
+__all__ = ("Audit", "GraphDecision", "decide_graph_policy")
+
+_REASONS = {
+    "disabled": "asynchronous graphs are disabled",
+    "requested_policy_is_supported": "graphs are recreated from the captured plan",
+    "graph_exec_preservation_is_unqualified": "one worker: no NCCL communicator to preserve",
+    "provider_reconstructs_communicator": "the NCCL provider reconstructs communicators: executables are recreated",
+    "qualified_exact_nccl_in_place": "exact in-place NCCL provider admitted with more than one worker",
+}
+_MODES = {"disabled": "disabled", "recreate-from-plan": "engine-native-async",
+          "preserve-nccl-exec": "engine-native-retained"}
 
 
 class Audit(msgspec.Struct, frozen=True, kw_only=True):
@@ -31,34 +45,14 @@ class GraphDecision(msgspec.Struct, frozen=True, kw_only=True):
 def decide_graph_policy(requested: str, workers: int, *, in_place_admitted: bool,
                         in_place_reason: str = "") -> GraphDecision:
     """`preserve-nccl-exec` is effective only with more than one worker and an admitted in-place provider."""
-    if requested not in POLICIES:
-        raise ValueError(f"graph policy must be one of {', '.join(POLICIES)}, got {requested!r}")
-    if workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers}")
-    if requested == "disabled":
-        return GraphDecision(policy_requested=requested, policy_effective="disabled",
-                             decision="requested_policy_is_supported", reason="asynchronous graphs are disabled",
-                             resource_audit=Audit(), recipe_mode="disabled")
-    communicators = 1 if workers > 1 else 0
-    recreate = Audit(unknown_dependencies=True, nccl_communicators=communicators)
-
-    def fallback(decision: str, reason: str) -> GraphDecision:
-        return GraphDecision(policy_requested=requested, policy_effective="recreate-from-plan", decision=decision,
-                             reason=reason, resource_audit=recreate, recipe_mode="engine-native-async")
-
-    if requested == "recreate-from-plan":
-        return fallback("requested_policy_is_supported", "graphs are recreated from the captured plan")
-    if workers == 1:
-        return fallback("graph_exec_preservation_is_unqualified",
-                        "one worker: no NCCL communicator to preserve, graph executables are recreated")
-    if requested == "preserve-exec":
-        return fallback("provider_reconstructs_communicator",
-                        "the NCCL provider reconstructs communicators: graph executables cannot be preserved")
-    if not in_place_admitted:
-        return fallback("graph_exec_preservation_is_unqualified",
-                        f"no admitted in-place NCCL provider: {in_place_reason or 'not admitted'}")
-    return GraphDecision(policy_requested=requested, policy_effective="preserve-nccl-exec",
-                         decision="qualified_exact_nccl_in_place",
-                         reason="exact in-place NCCL provider admitted with more than one worker",
-                         resource_audit=Audit(unknown_dependencies=False, nccl_communicators=1),
-                         recipe_mode="engine-native-retained")
+    try:
+        effective, decision, audit = resolve_graph_policy(requested, workers)
+    except ContractError as exc:
+        raise ValueError(str(exc)) from None
+    reason = _REASONS["disabled" if requested == "disabled" else decision]
+    if effective == "preserve-nccl-exec" and not in_place_admitted:
+        effective, decision = "recreate-from-plan", "graph_exec_preservation_is_unqualified"
+        audit = {**audit, "unknown_dependencies": True}
+        reason = f"no admitted in-place NCCL provider: {in_place_reason or 'not admitted'}"
+    return GraphDecision(policy_requested=requested, policy_effective=effective, decision=decision, reason=reason,
+                         resource_audit=msgspec.convert(audit, Audit), recipe_mode=_MODES[effective])

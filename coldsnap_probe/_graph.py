@@ -1,0 +1,143 @@
+"""The graph policy record (admission spec 5.4-5.5): resolution, validation and the recipe digest."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from .canonical import digest, go_floats
+
+__all__ = ("DECISIONS", "POLICIES", "ContractError", "graph_record", "recipe_digest", "resolve_graph_policy",
+           "validate_graph_record")
+
+POLICIES = ("preserve-exec", "recreate-from-plan", "preserve-nccl-exec", "disabled")
+DECISIONS = ("requested_policy_is_supported", "provider_reconstructs_communicator",
+             "graph_exec_preservation_is_unqualified", "qualified_exact_nccl_in_place")
+MODES = {"disabled": "disabled", "recreate-from-plan": "engine-native-async",
+         "preserve-nccl-exec": "engine-native-retained"}
+SHAPE_POLICIES = ("auto", "enabled", "disabled")
+_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+_AUDIT_KEYS = ("format", "unknown_dependencies", "nccl_communicators", "registered_windows", "device_api",
+               "external_semaphores", "provider_owned_allocations")
+
+
+class ContractError(ValueError):
+    """A graph or memory contract is violated; the message names the rule."""
+
+
+def resolve_graph_policy(requested: str, workers: int) -> tuple[str, str, dict[str, Any]]:
+    """(effective, decision, audit) for a requested policy and the number of workers (the 5.4 table)."""
+    if requested not in POLICIES:
+        raise ContractError(f"graph policy must be one of {', '.join(POLICIES)}, got {requested!r}")
+    if workers < 1:
+        raise ContractError(f"workers must be >= 1, got {workers}")
+    audit: dict[str, Any] = {"format": 1, "unknown_dependencies": False, "nccl_communicators": 0,
+                             "registered_windows": 0, "device_api": False, "external_semaphores": 0,
+                             "provider_owned_allocations": 0}
+    if requested == "disabled":
+        return "disabled", "requested_policy_is_supported", audit
+    audit["unknown_dependencies"] = True
+    audit["nccl_communicators"] = 1 if workers > 1 else 0
+    if requested == "recreate-from-plan":
+        return "recreate-from-plan", "requested_policy_is_supported", audit
+    if workers == 1:
+        return "recreate-from-plan", "graph_exec_preservation_is_unqualified", audit
+    if requested == "preserve-exec":
+        return "recreate-from-plan", "provider_reconstructs_communicator", audit
+    audit["unknown_dependencies"] = False
+    return "preserve-nccl-exec", "qualified_exact_nccl_in_place", audit
+
+
+def recipe_digest(*, engine: str, execution: dict[str, Any], requested: str, effective: str,
+                  audit: dict[str, Any], coverage: dict[str, Any] | None) -> str:
+    """plan_sha256: canonical JSON of the plan inputs; Go's integral-float rule applied to struct fields."""
+    value: dict[str, Any] = {"engine": engine, "execution": execution, "requested": requested,
+                             "effective": effective, "audit": audit}
+    if coverage is not None:
+        value["shape_calibration"] = coverage
+    return digest(go_floats(value))
+
+
+def graph_record(*, async_graphs: bool, graph_policy: str, engine: str, execution: dict[str, Any],
+                 shape_calibration_policy: str = "auto", coverage: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Go `NewGraphPolicyRecord`: the artifact's `graph` object."""
+    requested = "disabled" if not async_graphs else (graph_policy or "recreate-from-plan")
+    workers = len(execution.get("workers", []))
+    effective, decision, audit = resolve_graph_policy(requested, workers)
+    units = len(coverage.get("units", [])) if coverage else 0
+    return {
+        "format": 1, "policy_requested": requested, "policy_effective": effective, "decision": decision,
+        "resource_audit": audit,
+        "recipe": {"format": 1, "kind": "coldsnap-engine-graph-recipe", "engine": engine, "mode": MODES[effective],
+                   "shape_calibration_policy": shape_calibration_policy or "auto", "calibration_units": units,
+                   "plan_sha256": recipe_digest(engine=engine, execution=execution, requested=requested,
+                                                effective=effective, audit=audit, coverage=coverage)},
+    }
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def validate_graph_record(record: dict[str, Any], *, engine: str, execution: dict[str, Any],
+                          coverage: dict[str, Any] | None) -> None:
+    """Go `GraphPolicyRecord.Validate`: every rule, each failure naming itself."""
+    def fail(rule: str) -> None:
+        raise ContractError(f"graph policy record: {rule}")
+
+    if record.get("format") != 1:
+        fail("format must be 1")
+    requested, effective = record.get("policy_requested"), record.get("policy_effective")
+    if requested not in POLICIES or effective not in POLICIES:
+        fail("requested and effective policies must be known")
+    if record.get("decision") not in DECISIONS:
+        fail("decision must be one of the four codes")
+    audit = record.get("resource_audit")
+    if not isinstance(audit, dict) or set(audit) != set(_AUDIT_KEYS) or audit["format"] != 1:
+        fail("resource_audit must have format 1 and exactly its seven keys")
+    assert isinstance(audit, dict)
+    if not all(_count(audit[k]) for k in ("nccl_communicators", "registered_windows", "external_semaphores",
+                                          "provider_owned_allocations")):
+        fail("resource_audit counts must be non-negative integers")
+    if requested != "disabled" and effective not in ("recreate-from-plan", "preserve-nccl-exec"):
+        fail("an enabled policy must resolve to recreate-from-plan or preserve-nccl-exec")
+    if audit["unknown_dependencies"] and effective not in ("recreate-from-plan", "disabled"):
+        fail("unknown dependencies allow only recreate-from-plan or disabled")
+    if requested == "disabled" and (effective != "disabled" or any(
+            audit[k] for k in _AUDIT_KEYS if k != "format")):
+        fail("disabled requires effective disabled and an all-zero audit")
+    if requested == "recreate-from-plan" and effective != "recreate-from-plan":
+        fail("recreate-from-plan must stay recreate-from-plan")
+    communicators = audit["nccl_communicators"]
+    expected = "requested_policy_is_supported"
+    if requested == "preserve-exec":
+        expected = ("graph_exec_preservation_is_unqualified" if communicators == 0
+                    else "provider_reconstructs_communicator")
+    elif requested == "preserve-nccl-exec":
+        if communicators == 0:
+            expected = "graph_exec_preservation_is_unqualified"
+            if effective != "recreate-from-plan" or not audit["unknown_dependencies"]:
+                fail("preserve-nccl-exec without communicators must recreate with unknown dependencies")
+        else:
+            expected = "qualified_exact_nccl_in_place"
+            if effective != "preserve-nccl-exec" or audit["unknown_dependencies"] or communicators != 1:
+                fail("preserve-nccl-exec with communicators must be retained, with exactly one communicator")
+    if record["decision"] != expected:
+        fail(f"decision must be {expected}")
+    recipe = record.get("recipe")
+    kind = "coldsnap-engine-graph-recipe"
+    if not isinstance(recipe, dict) or recipe.get("format") != 1 or recipe.get("kind") != kind:
+        fail("recipe must have format 1 and kind coldsnap-engine-graph-recipe")
+    assert isinstance(recipe, dict)
+    if recipe.get("engine") != engine or recipe.get("shape_calibration_policy") not in SHAPE_POLICIES:
+        fail("recipe engine must match and its shape calibration policy be auto, enabled or disabled")
+    units = len(coverage.get("units", [])) if coverage else 0
+    if not _count(recipe.get("calibration_units")) or recipe["calibration_units"] != units:
+        fail("recipe calibration_units must equal the coverage unit count")
+    if not isinstance(recipe.get("plan_sha256"), str) or not _DIGEST.match(recipe["plan_sha256"]):
+        fail("recipe plan_sha256 must be sha256:<64 hex>")
+    if recipe.get("mode") != MODES.get(str(effective)):
+        fail("recipe mode must match the effective policy")
+    if recipe["plan_sha256"] != recipe_digest(engine=engine, execution=execution, requested=str(requested),
+                                              effective=str(effective), audit=audit, coverage=coverage):
+        fail("recipe plan_sha256 does not recompute")
