@@ -30,7 +30,7 @@ from typing import Any
 from ._cuda import Driver
 from ._profile import identity
 
-__all__ = ("WorkerError", "capture", "image_digest", "restore")
+__all__ = ("WorkerError", "capture", "identity_compatibility", "image_digest", "restore")
 
 CAPTURE_KIND = "coldsnap-cuda-criu-capture"
 RESTORE_KIND = "coldsnap-cuda-criu-restore"
@@ -227,10 +227,35 @@ def _rollback(driver: Driver, done: list[tuple[int, str]]) -> None:
             continue
 
 
+def _driver_major(version: Any) -> int | None:
+    try:
+        return int(str(version).split(".")[0])
+    except ValueError:
+        return None
+
+
+def identity_compatibility(captured: dict[str, Any], current: dict[str, Any], boundary: str) -> str:
+    """`exact`, `driver-upgraded` or `pre-cuda-template`; raises when the state cannot restore here."""
+    if captured.get("architecture") != current.get("architecture"):
+        raise WorkerError(f"captured on {captured.get('architecture')}, this host is {current.get('architecture')}")
+    if boundary == "n580":
+        return "pre-cuda-template"  # no CUDA state was captured: the process initializes CUDA fresh
+    was, now = _driver_major(captured.get("driver_version")), _driver_major(current.get("driver_version"))
+    if was is None or now is None:
+        raise WorkerError("the NVIDIA driver version is unknown: initialized CUDA state cannot be checked")
+    if now < was:
+        raise WorkerError(f"driver {current.get('driver_version')} is older than the captured "
+                          f"{captured.get('driver_version')}")
+    if captured.get("gpu_name") != current.get("gpu_name"):
+        raise WorkerError(f"captured on {captured.get('gpu_name')}, this GPU is {current.get('gpu_name')}")
+    return "exact" if captured.get("driver_version") == current.get("driver_version") else "driver-upgraded"
+
+
 def restore(images: Path, *, criu: str, work: Path | None = None) -> dict[str, Any]:
     """Restore the tree captured in `images`; returns the report (the images are only read)."""
     capture_report = json.loads((images / "capture.json").read_text())
     boundary = capture_report["boundary"]
+    compatibility = identity_compatibility(capture_report.get("identity", {}), identity(None), boundary)
     cuda = list(capture_report.get("cuda_pids", []))
     timeline = Timeline()
     timeline.mark("restore_begin")
@@ -238,7 +263,8 @@ def restore(images: Path, *, criu: str, work: Path | None = None) -> dict[str, A
     work.mkdir(parents=True, exist_ok=True)
     pidfile = work / "restored.pid"
     report: dict[str, Any] = {"format": 1, "kind": RESTORE_KIND, "boundary": boundary,
-                              "captured_root_pid": capture_report["root_pid"], "cuda_pids": cuda}
+                              "captured_root_pid": capture_report["root_pid"], "cuda_pids": cuda,
+                              "identity_compatibility": compatibility}
     args = ["restore", "--images-dir", str(images), "--work-dir", str(work), "--restore-detached",
             "--pidfile", str(pidfile), *(["--leave-stopped"] if cuda else [])]
     root = None

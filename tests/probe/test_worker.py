@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from coldsnap_probe._worker import WorkerError, _audit_pre_cuda, image_digest, process_tree
+from coldsnap_probe._worker import WorkerError, _audit_pre_cuda, identity_compatibility, image_digest, process_tree
 from tests.helpers import ROOT
 from tests.probe.test_cli import has_nvidia_driver
 
@@ -77,6 +77,26 @@ def test_n580_audit_refuses_a_process_that_maps_a_cuda_driver_library(tmp_path: 
         for process in (mapping, clean):
             process.kill()
             process.wait()
+
+
+H200 = {"architecture": "x86_64", "driver_version": "580.159.04", "gpu_name": "NVIDIA H200"}
+
+
+@pytest.mark.parametrize(("current", "boundary", "outcome"), [
+    (H200, "n610", "exact"),
+    ({**H200, "driver_version": "610.43.02"}, "n610", "driver-upgraded"),
+    ({**H200, "driver_version": "575.1"}, "n610", "driver 575.1 is older than the captured 580.159.04"),
+    ({**H200, "gpu_name": "NVIDIA GB10"}, "n610", "this GPU is NVIDIA GB10"),
+    ({**H200, "driver_version": None}, "n610", "driver version is unknown"),
+    ({**H200, "driver_version": "575.1"}, "n580", "pre-cuda-template"),
+    ({**H200, "architecture": "aarch64"}, "n580", "this host is aarch64"),
+])
+def test_identity_compatibility(current: dict[str, Any], boundary: str, outcome: str) -> None:
+    if outcome in ("exact", "driver-upgraded", "pre-cuda-template"):
+        assert identity_compatibility(H200, current, boundary) == outcome
+    else:
+        with pytest.raises(WorkerError, match=outcome):
+            identity_compatibility(H200, current, boundary)
 
 
 def test_image_digest_sees_any_write(tmp_path: Path) -> None:
@@ -152,6 +172,7 @@ def test_n610_capture_then_two_restores_from_unchanged_images(tmp_path: Path) ->
         assert names == ["restore_begin", "criu_restore_end", "deferred_cuda_restore_begin",
                          "deferred_cuda_restore_end", "process_resumed"]
         assert report["restored_pid"] == target.pid and verify(control, attempt)
+        assert report["identity_compatibility"] == "exact"
         kill_and_reap(report["restored_pid"])
     assert image_digest(images) == digest
 
