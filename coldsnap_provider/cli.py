@@ -86,17 +86,24 @@ async def _serve(config: Config, state_dir: Path) -> None:
             tg.cancel_scope.cancel()
 
 
+def _checked_config(path: str | None) -> Config | None:
+    """The configuration, with what can only be checked at run time (exec.user) checked too."""
+    from ._exec import resolve_identity
+
+    try:
+        config = load_config(path)
+        resolve_identity(config.exec.user)
+    except (ConfigError, ValueError) as exc:
+        _err(str(exc))
+        return None
+    return config
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from ._logging import configure_logging
 
     configure_logging(args.log_level)
-    try:
-        config = load_config(args.config)
-        from ._exec import resolve_identity
-
-        resolve_identity(config.exec.user)
-    except (ConfigError, ValueError) as exc:
-        _err(str(exc))
+    if (config := _checked_config(args.config)) is None:
         return EXIT_USAGE
     anyio.run(_serve, config, _state_dir(args, config), backend="asyncio",
               backend_options={"use_uvloop": _uvloop_available()})
@@ -113,13 +120,7 @@ def _uvloop_available() -> bool:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    try:
-        config = load_config(args.file)
-        from ._exec import resolve_identity
-
-        resolve_identity(config.exec.user)
-    except (ConfigError, ValueError) as exc:
-        _err(str(exc))
+    if (config := _checked_config(args.file)) is None:
         return EXIT_USAGE
     _out({"ok": True, "config": msgspec.to_builtins(config)})
     return 0

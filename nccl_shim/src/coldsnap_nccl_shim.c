@@ -102,54 +102,44 @@ uint32_t csns_layout(uint32_t table, uint32_t field) {
     return field < count ? fields[field] : 0;
 }
 
-/* Query provider_v1 and check the header before the whole table is read. */
-static int32_t provider_table(csns_handle *h, const struct coldsnap_nccl_provider_v1 **table, int32_t *result) {
-    *table = NULL;
-    if (h->provider_query == NULL) return CSNS_E_MISSING;
-    const struct coldsnap_nccl_provider_v1 *t = NULL;
-    *result = h->provider_query(COLDSNAP_NCCL_PROVIDER_ABI_MAJOR, &t);
-    if (*result != 0) return CSNS_OK;
-    if (t == NULL) return CSNS_E_NULL_TABLE;
-    if (t->abi_major != COLDSNAP_NCCL_PROVIDER_ABI_MAJOR) return CSNS_E_ABI;
-    if (t->struct_size < sizeof(struct coldsnap_nccl_provider_v1)) return CSNS_E_TRUNCATED;
-    *table = t;
+/* Every table starts with struct_size, abi_major, abi_minor: check those before reading further. */
+struct table_header {
+    uint32_t struct_size;
+    uint32_t abi_major;
+    uint32_t abi_minor;
+};
+
+static int32_t check_table(int32_t query_result, const void *table, size_t needed) {
+    if (query_result != 0) return query_result;
+    if (table == NULL) return CSNS_E_NULL_TABLE;
+    const struct table_header *head = table;
+    if (head->abi_major != 1u) return CSNS_E_ABI; /* every ABI here is major 1 */
+    if (head->struct_size < needed) return CSNS_E_TRUNCATED;
     return CSNS_OK;
+}
+
+static const struct coldsnap_nccl_provider_v1 *provider_table(csns_handle *h, int32_t *status) {
+    const struct coldsnap_nccl_provider_v1 *t = NULL;
+    if (h->provider_query == NULL) return *status = CSNS_E_MISSING, NULL;
+    int32_t rc = h->provider_query(COLDSNAP_NCCL_PROVIDER_ABI_MAJOR, &t); /* before reading t: argument order is unspecified */
+    *status = check_table(rc, t, sizeof *t);
+    return *status == CSNS_OK ? t : NULL;
 }
 
 static const struct coldsnap_nccl_in_place_v1 *in_place_table(csns_handle *h, int32_t *status) {
     const struct coldsnap_nccl_in_place_v1 *t = NULL;
-    if (h->in_place_query == NULL) {
-        *status = CSNS_E_MISSING;
-        return NULL;
-    }
-    int32_t rc = h->in_place_query(COLDSNAP_NCCL_IN_PLACE_ABI_MAJOR, &t);
-    if (rc != 0) *status = rc;
-    else if (t == NULL) *status = CSNS_E_NULL_TABLE;
-    else if (t->abi_major != COLDSNAP_NCCL_IN_PLACE_ABI_MAJOR) *status = CSNS_E_ABI;
-    else if (t->struct_size < sizeof(struct coldsnap_nccl_in_place_v1)) *status = CSNS_E_TRUNCATED;
-    else {
-        *status = CSNS_OK;
-        return t;
-    }
-    return NULL;
+    if (h->in_place_query == NULL) return *status = CSNS_E_MISSING, NULL;
+    int32_t rc = h->in_place_query(COLDSNAP_NCCL_IN_PLACE_ABI_MAJOR, &t); /* before reading t: argument order is unspecified */
+    *status = check_table(rc, t, sizeof *t);
+    return *status == CSNS_OK ? t : NULL;
 }
 
 static const struct coldsnap_nccl_resources_v1 *resources_table(csns_handle *h, int32_t *status) {
     const struct coldsnap_nccl_resources_v1 *t = NULL;
-    if (h->resources_query == NULL) {
-        *status = CSNS_E_MISSING;
-        return NULL;
-    }
-    int32_t rc = h->resources_query(COLDSNAP_NCCL_RESOURCES_ABI_MAJOR, &t);
-    if (rc != 0) *status = rc;
-    else if (t == NULL) *status = CSNS_E_NULL_TABLE;
-    else if (t->abi_major != COLDSNAP_NCCL_RESOURCES_ABI_MAJOR) *status = CSNS_E_ABI;
-    else if (t->struct_size < sizeof(struct coldsnap_nccl_resources_v1)) *status = CSNS_E_TRUNCATED;
-    else {
-        *status = CSNS_OK;
-        return t;
-    }
-    return NULL;
+    if (h->resources_query == NULL) return *status = CSNS_E_MISSING, NULL;
+    int32_t rc = h->resources_query(COLDSNAP_NCCL_RESOURCES_ABI_MAJOR, &t); /* before reading t: argument order is unspecified */
+    *status = check_table(rc, t, sizeof *t);
+    return *status == CSNS_OK ? t : NULL;
 }
 
 int32_t csns_identity(csns_handle *h, struct csns_identity *out) {
@@ -277,11 +267,8 @@ int32_t csns_recreate_call(csns_handle *h, uint32_t operation) {
     if (recreate_state != need || in_place_state != CSNS_STATE_ACTIVE) {
         rc = CSNS_E_STATE;
     } else {
-        const struct coldsnap_nccl_provider_v1 *t = NULL;
-        int32_t result = 0;
-        rc = provider_table(h, &t, &result);
-        if (rc == CSNS_OK && result != 0) rc = result;
-        if (rc == CSNS_OK) {
+        const struct coldsnap_nccl_provider_v1 *t = provider_table(h, &rc);
+        if (t != NULL) {
             coldsnap_nccl_provider_operation_fn fn = operation == CSNS_RECREATE_PREPARE ? t->prepare
                                                      : operation == CSNS_RECREATE_RESTORE ? t->restore
                                                      : operation == CSNS_RECREATE_NETWORK_RESET ? t->network_reset
@@ -335,11 +322,9 @@ int32_t csns_resources_inspect(csns_handle *h, uint32_t mode, int32_t *inspect_r
 
 int32_t csns_ib_status(csns_handle *h, int32_t status[4]) {
     if (h == NULL || status == NULL) return CSNS_E_ARGUMENT;
-    const struct coldsnap_nccl_provider_v1 *t = NULL;
-    int32_t result = 0;
-    int32_t rc = provider_table(h, &t, &result);
-    if (rc != CSNS_OK) return rc;
-    if (result != 0) return result;
+    int32_t rc;
+    const struct coldsnap_nccl_provider_v1 *t = provider_table(h, &rc);
+    if (t == NULL) return rc;
     if (t->ib_status == NULL) return CSNS_E_NO_SLOT;
     return t->ib_status(&status[0], &status[1], &status[2], &status[3]);
 }
