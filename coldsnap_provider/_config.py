@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Annotated
@@ -83,13 +84,16 @@ def load_config(path: str | os.PathLike[str] | None = None) -> Config:
         raise ConfigError(f"{source}: invalid TOML: {exc}") from None
 
 
-def default_state_dir() -> Path:
-    if os.geteuid() == 0:
+def default_state_dir(uid: int | None = None, environ: Mapping[str, str] | None = None) -> Path:
+    """/run/coldsnap-provider for root; else $XDG_RUNTIME_DIR/coldsnap-provider, else /tmp/coldsnap-provider-<uid>."""
+    uid = os.geteuid() if uid is None else uid
+    environ = os.environ if environ is None else environ
+    if uid == 0:
         return Path("/run/coldsnap-provider")
-    runtime_dir = os.environ.get("XDG_RUNTIME_DIR", "")
+    runtime_dir = environ.get("XDG_RUNTIME_DIR", "")
     if runtime_dir and os.path.isabs(runtime_dir) and os.path.isdir(runtime_dir):
         return Path(runtime_dir) / "coldsnap-provider"
-    return Path(f"/tmp/coldsnap-provider-{os.geteuid()}")
+    return Path(f"/tmp/coldsnap-provider-{uid}")
 
 
 def node_names(config: Config) -> frozenset[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 import anyio
+import pytest
 
 from tests.helpers import running_daemon
 
@@ -106,3 +108,33 @@ async def test_run_forwards_sigterm_to_the_controller_group() -> None:
         code = await anyio.to_thread.run_sync(process.wait, 20)
         assert code == 3 and (work / "got").read_text() == "term\n"
         assert await daemon.control(operation="session-list") == []
+
+
+def test_default_state_dir_for_root_and_for_users(tmp_path: Path) -> None:
+    from coldsnap_provider._config import default_state_dir
+
+    assert default_state_dir(0, {}) == Path("/run/coldsnap-provider")
+    assert default_state_dir(1000, {"XDG_RUNTIME_DIR": str(tmp_path)}) == tmp_path / "coldsnap-provider"
+    assert default_state_dir(1000, {"XDG_RUNTIME_DIR": "/nonexistent"}) == Path("/tmp/coldsnap-provider-1000")
+    assert default_state_dir(1000, {}) == Path("/tmp/coldsnap-provider-1000")
+
+
+def test_serve_without_configuration_uses_the_embedded_default(tmp_path: Path) -> None:
+    """Unconfigured and as root: the daemon binds /run/coldsnap-provider/control.sock and answers there."""
+    state = Path("/run/coldsnap-provider")
+    if (state / "control.sock").exists():
+        pytest.skip("another daemon owns /run/coldsnap-provider")
+    process = subprocess.Popen([*CLI, "serve"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            status = cli("status")
+            if status.returncode == 0:
+                break
+            assert time.monotonic() < deadline and process.poll() is None, status.stderr
+            time.sleep(0.1)
+        assert json.loads(status.stdout)["state_dir"] == str(state)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(20) == 0
+        shutil.rmtree(state, ignore_errors=True)
