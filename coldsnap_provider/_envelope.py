@@ -8,7 +8,6 @@ Decoding is strict and happens once, here. Anything that fails becomes a
 from __future__ import annotations
 
 import re
-import typing
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -75,10 +74,6 @@ class Runtime(_Targeted, tag="runtime", frozen=True):
 
 
 Request = Capabilities | Exec | Upload | Runtime
-
-OPERATIONS: frozenset[str] = frozenset(
-    str(t.__struct_config__.tag) for t in typing.get_args(Request)
-)
 
 
 class Reply(Struct, omit_defaults=True, frozen=True, kw_only=True, forbid_unknown_fields=True):

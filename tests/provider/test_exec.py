@@ -100,5 +100,8 @@ async def test_request_logs_carry_context_but_never_secrets() -> None:
         exec_line = next(e for e in lines if e["operation"] == "exec")
         assert exec_line["session"] == "op-log" and exec_line["host"] == "localhost" and exec_line["ok"] is True
         assert exec_line["request_id"] == reply.id and exec_line["duration_ms"] >= 0
+        from coldsnap_provider._logging import REQUEST_KEYS
+
+        assert all(set(e) <= {*REQUEST_KEYS, "event", "level", "timestamp"} for e in lines)
         run_line = next(e for e in lines if e.get("action") == "workload-run")
         assert run_line["ok"] is False and run_line["error_code"] == "not_found"

@@ -58,6 +58,15 @@ def envelope(runtime: dict[str, object]) -> bytes:
                        "host": "node-a", "runtime": runtime}).encode()
 
 
+def test_the_twelve_actions_and_no_others() -> None:
+    from coldsnap_runtime.schema import ACTIONS
+
+    assert {"image-inspect", "image-pull", "image-push", "image-tag", "image-remove", "image-build",
+                       "workload-run", "workload-remove", "workload-inspect", "workload-exec", "workload-logs",
+                       "workload-copy-from"} == ACTIONS
+    assert {str(shape["action"]) for shape in SPEC_SHAPES} == ACTIONS
+
+
 @pytest.mark.parametrize("runtime", SPEC_SHAPES, ids=lambda r: str(r["action"]))
 def test_every_spec_request_shape_decodes(runtime: dict[str, object]) -> None:
     request = decode_request(envelope(runtime))
