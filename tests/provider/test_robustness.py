@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import time
+from pathlib import Path
 
 import anyio
 
@@ -56,16 +58,19 @@ async def test_connections_past_the_cap_get_a_clear_error() -> None:
         assert (await s.call("capabilities")).ok
 
 
-async def test_client_disconnect_mid_operation_cancels_it_and_daemon_stays_healthy() -> None:
+async def test_client_disconnect_mid_operation_cancels_it_and_daemon_stays_healthy(tmp_path: Path) -> None:
+    pid_file = tmp_path / "exec.pid"
     async with running_daemon() as daemon:
         s = await daemon.open_session()
-        request = s.envelope("exec", host="localhost", arguments=["sleep", "30"])
-        import json
-
+        request = s.envelope("exec", host="localhost",
+                             arguments=["sh", "-c", f"echo $$ > {pid_file}; exec sleep 30"])
         stream = await anyio.connect_unix(s.socket)
         await stream.send(json.dumps(request).encode() + b"\n")
         await stream.send_eof()
-        await anyio.sleep(0.5)
+        with anyio.fail_after(10):
+            while not pid_file.exists() or not pid_file.read_text().strip():
+                await anyio.sleep(0.05)
+        pid = int(pid_file.read_text())
         await stream.aclose()
         with anyio.fail_after(10):
             while "client disconnected mid-operation" not in daemon.log():
@@ -73,11 +78,8 @@ async def test_client_disconnect_mid_operation_cancels_it_and_daemon_stays_healt
         assert (await s.call("exec", host="localhost", arguments=["true"])).ok
         status = await daemon.control(operation="status")
         assert status["in_flight"] == 0
-        # The cancelled exec's process group was killed, not orphaned.
-        import subprocess
-
-        ps = subprocess.run(["pgrep", "-f", "^sleep 30$"], capture_output=True, check=False)
-        assert ps.returncode == 1, ps.stdout
+        # The cancelled exec's process group was killed and reaped, not orphaned.
+        assert not Path(f"/proc/{pid}").exists()
 
 
 async def test_sigterm_drains_in_flight_operations_then_exits() -> None:
