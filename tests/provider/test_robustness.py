@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 from pathlib import Path
 
 import anyio
@@ -102,9 +101,8 @@ async def test_sigterm_drains_in_flight_operations_then_exits() -> None:
             except OSError:
                 pass
         assert replies and replies[0].ok and replies[0].output == b"done\n"
-        started = time.monotonic()
         code = await anyio.to_thread.run_sync(daemon.process.wait, 10)
-        assert code == 0 and time.monotonic() - started < 5
+        assert code == 0
         assert '"event": "stopping"' in daemon.log()
 
 
