@@ -67,11 +67,11 @@ async def main(calls: int) -> None:
 
         import socket as socket_module
 
-        request = (json.dumps(session.envelope("capabilities")) + "\n").encode()
+        def blocking(envelope: dict[str, object]) -> Callable[[], Awaitable[object]]:
+            """A lean client, closer to the Go one: connect, one line, half-close, read to EOF."""
+            request = (json.dumps(envelope) + "\n").encode()
 
-        async def raw_capabilities() -> object:
-            # The protocol's own floor: connect, one line, half-close, read to EOF, nothing decoded.
-            def exchange() -> bytes:
+            async def call() -> object:
                 with socket_module.socket(socket_module.AF_UNIX) as sock:
                     sock.connect(session.socket)
                     sock.sendall(request)
@@ -79,13 +79,23 @@ async def main(calls: int) -> None:
                     data = b""
                     while chunk := sock.recv(65536):
                         data += chunk
-                    return data
-            return exchange()
+                assert b'"ok":true' in data, data
+                return data
+            return call
 
         cases: list[tuple[str, Callable[[], Awaitable[object]] | None, Callable[[], Awaitable[object]] | None,
                           Callable[[], Awaitable[object]]]] = [
             ("capabilities", capabilities, None, None),  # type: ignore[list-item]
-            ("capabilities, blocking-socket client", raw_capabilities, None, None),  # type: ignore[list-item]
+            ("capabilities, blocking-socket client", blocking(session.envelope("capabilities")), None,
+             None),  # type: ignore[list-item]
+            ("workload-inspect, blocking-socket client",
+             blocking(session.envelope("runtime", host="localhost",
+                                       runtime={"action": "workload-inspect", "name": WORKLOAD})),
+             lambda: docker._query_json(f"containers/{WORKLOAD}/json"), None),
+            ("image-inspect, blocking-socket client",
+             blocking(session.envelope("runtime", host="localhost",
+                                       runtime={"action": "image-inspect", "image": IMAGE})),
+             lambda: docker.images.inspect(IMAGE), None),
             ("workload-inspect", lambda: provider("workload-inspect", name=WORKLOAD),
              lambda: docker._query_json(f"containers/{WORKLOAD}/json"), cli("inspect", WORKLOAD)),
             ("image-inspect", lambda: provider("image-inspect", image=IMAGE),
