@@ -191,37 +191,48 @@ int32_t csns_identity(csns_handle *h, struct csns_identity *out) {
     return CSNS_OK;
 }
 
-int32_t csns_in_place_info(csns_handle *h, struct csns_table_info *out) {
-    if (h == NULL || out == NULL || out->size != sizeof *out) return CSNS_E_ARGUMENT;
+/* Start a csns_table_info; CSNS_OK means `table` may be read up to `needed` bytes (else *status). */
+static int csns_info_begin(struct csns_table_info *out, int32_t query_result, const void *table, size_t needed,
+                           int32_t *status) {
+    out->query_result = query_result;
+    *status = query_result == 0 && table == NULL ? CSNS_E_NULL_TABLE : CSNS_OK;
+    if (query_result != 0 || table == NULL) return 0;
+    const struct table_header *head = table;
+    out->struct_size = head->struct_size;
+    out->abi_major = head->abi_major;
+    out->abi_minor = head->abi_minor;
+    return head->struct_size >= needed;
+}
+
+static int32_t csns_info_reset(struct csns_table_info *out, int exported) {
+    if (out == NULL || out->size != sizeof *out) return CSNS_E_ARGUMENT;
     memset(out, 0, sizeof *out);
     out->size = sizeof *out;
-    if (h->in_place_query == NULL) return CSNS_E_MISSING;
+    return exported ? CSNS_OK : CSNS_E_MISSING;
+}
+
+int32_t csns_in_place_info(csns_handle *h, struct csns_table_info *out) {
+    if (h == NULL) return CSNS_E_ARGUMENT;
+    int32_t status = csns_info_reset(out, h->in_place_query != NULL);
+    if (status != CSNS_OK) return status;
     const struct coldsnap_nccl_in_place_v1 *t = NULL;
-    out->query_result = h->in_place_query(COLDSNAP_NCCL_IN_PLACE_ABI_MAJOR, &t);
-    if (out->query_result != 0 || t == NULL) return out->query_result == 0 ? CSNS_E_NULL_TABLE : CSNS_OK;
-    out->struct_size = t->struct_size;
-    out->abi_major = t->abi_major;
-    out->abi_minor = t->abi_minor;
-    if (t->struct_size >= sizeof *t)
+    int32_t rc = h->in_place_query(COLDSNAP_NCCL_IN_PLACE_ABI_MAJOR, &t);
+    if (csns_info_begin(out, rc, t, sizeof *t, &status))
         out->slots = (t->communicator_suspend ? 1u : 0) | (t->transport_detach ? 2u : 0) |
                      (t->transport_reattach ? 4u : 0) | (t->communicator_resume ? 8u : 0) |
                      (t->evidence_json ? 16u : 0);
-    return CSNS_OK;
+    return status;
 }
 
 int32_t csns_resources_info(csns_handle *h, struct csns_table_info *out) {
-    if (h == NULL || out == NULL || out->size != sizeof *out) return CSNS_E_ARGUMENT;
-    memset(out, 0, sizeof *out);
-    out->size = sizeof *out;
-    if (h->resources_query == NULL) return CSNS_E_MISSING;
+    if (h == NULL) return CSNS_E_ARGUMENT;
+    int32_t status = csns_info_reset(out, h->resources_query != NULL);
+    if (status != CSNS_OK) return status;
     const struct coldsnap_nccl_resources_v1 *t = NULL;
-    out->query_result = h->resources_query(COLDSNAP_NCCL_RESOURCES_ABI_MAJOR, &t);
-    if (out->query_result != 0 || t == NULL) return out->query_result == 0 ? CSNS_E_NULL_TABLE : CSNS_OK;
-    out->struct_size = t->struct_size;
-    out->abi_major = t->abi_major;
-    out->abi_minor = t->abi_minor;
-    if (t->struct_size >= sizeof *t) out->slots = (t->inspect ? 1u : 0) | (t->evidence_json ? 2u : 0);
-    return CSNS_OK;
+    int32_t rc = h->resources_query(COLDSNAP_NCCL_RESOURCES_ABI_MAJOR, &t);
+    if (csns_info_begin(out, rc, t, sizeof *t, &status))
+        out->slots = (t->inspect ? 1u : 0) | (t->evidence_json ? 2u : 0);
+    return status;
 }
 
 void csns_state(uint32_t *in_place, uint32_t *recreate) {
