@@ -122,11 +122,60 @@ class Model:
         return self.logits
 
 
-def load(path: str, gib: float) -> Model:
-    layers = layers_for(gib)
-    total = param_count(layers)
-    flat = torch.empty(total, dtype=torch.bfloat16, device="cuda")
-    staging = [torch.empty(1 << 27, dtype=torch.bfloat16).pin_memory() for _ in range(2)]  # 2 x 256 MiB
+class VmmWeights:
+    """Weights in a VMM reservation: the backing can be released and re-created at the same address.
+
+    Captured CUDA graphs keep pointing at the reservation, so after `release()` (before a
+    checkpoint: nothing of the weights goes into the images) and `remap()` + hydration (after
+    restore) they replay unchanged.
+    """
+
+    def __init__(self, count: int) -> None:
+        from cuda.bindings import driver as cu
+
+        self.cu = cu
+        self.prop = cu.CUmemAllocationProp()
+        self.prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        self.prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        self.prop.location.id = torch.cuda.current_device()
+        granule = self._ok(cu.cuMemGetAllocationGranularity(
+            self.prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM))
+        self.size = -(-count * 2 // granule) * granule
+        self.va = int(self._ok(cu.cuMemAddressReserve(self.size, 0, 0, 0)))
+        self.handle = None
+        self.remap()
+        interface = {"shape": (count,), "typestr": "<i2", "data": (self.va, False), "version": 3}
+        holder = type("CudaArray", (), {"__cuda_array_interface__": interface})()
+        self.tensor = torch.as_tensor(holder, device="cuda").view(torch.bfloat16)
+
+    @staticmethod
+    def _ok(result: tuple) -> object:  # type: ignore[type-arg]
+        err, *out = result
+        if int(err) != 0:
+            raise RuntimeError(f"CUDA driver call failed: {err}")
+        return out[0] if out else None
+
+    def remap(self) -> None:
+        cu = self.cu
+        self.handle = self._ok(cu.cuMemCreate(self.size, self.prop, 0))
+        self._ok(cu.cuMemMap(self.va, self.size, 0, self.handle, 0))
+        access = cu.CUmemAccessDesc()
+        access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = self.prop.location.id
+        access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self._ok(cu.cuMemSetAccess(self.va, self.size, [access], 1))
+
+    def release(self) -> None:
+        torch.cuda.synchronize()
+        self._ok(self.cu.cuMemUnmap(self.va, self.size))
+        self._ok(self.cu.cuMemRelease(self.handle))
+        self.handle = None
+
+
+def hydrate(path: str, flat: torch.Tensor) -> None:
+    """Read the weights file into `flat` through two pinned 256 MiB staging buffers."""
+    total = flat.numel()
+    staging = [torch.empty(1 << 27, dtype=torch.bfloat16).pin_memory() for _ in range(2)]
     copy_stream = torch.cuda.Stream()
     events = [torch.cuda.Event(), torch.cuda.Event()]
     with open(path, "rb", buffering=0) as f:
@@ -134,8 +183,7 @@ def load(path: str, gib: float) -> Model:
         while done < total:
             n = min(staging[i].numel(), total - done)
             events[i].synchronize()  # this staging buffer's previous copy has finished
-            view = staging[i][:n].view(torch.uint8).numpy()
-            got = f.readinto(memoryview(view))
+            got = f.readinto(memoryview(staging[i][:n].view(torch.uint8).numpy()))
             if got != n * 2:
                 raise RuntimeError(f"weights file {path} is short")
             with torch.cuda.stream(copy_stream):
@@ -144,10 +192,18 @@ def load(path: str, gib: float) -> Model:
             done += n
             i ^= 1
     torch.cuda.synchronize()
-    return Model(flat, layers)
 
 
-def serve(model: Model, path: str) -> None:
+def load(path: str, gib: float, *, vmm: bool) -> tuple[Model, VmmWeights | None]:
+    layers = layers_for(gib)
+    total = param_count(layers)
+    weights = VmmWeights(total) if vmm else None
+    flat = weights.tensor if weights else torch.empty(total, dtype=torch.bfloat16, device="cuda")
+    hydrate(path, flat)
+    return Model(flat, layers), weights
+
+
+def serve(model: Model, path: str, weights: VmmWeights | None, weights_file: str) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen()
@@ -156,6 +212,18 @@ def serve(model: Model, path: str) -> None:
         conn, _ = listener.accept()
         with conn, conn.makefile("rwb") as stream:
             request = json.loads(stream.readline())
+            if request.get("op") in ("sleep", "wake"):
+                if weights is None:
+                    raise RuntimeError("sleep/wake need --vmm-weights")
+                started = time.time()
+                if request["op"] == "sleep":
+                    weights.release()
+                else:
+                    weights.remap()
+                    hydrate(weights_file, weights.tensor)
+                stream.write(json.dumps({"ok": True, "seconds": time.time() - started}).encode() + b"\n")
+                stream.flush()
+                continue
             tokens, first_hash = list(request["prompt"]), None
             pos = 0
             for pos, token in enumerate(tokens[:-1]):
@@ -180,17 +248,18 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--socket", default="")
     parser.add_argument("--generate", action="store_true")
+    parser.add_argument("--vmm-weights", action="store_true", help="weights in a releasable VMM reservation")
     args = parser.parse_args()
     if args.generate:
         generate(args.weights, args.gib, args.seed)
         return
     torch.zeros(1, device="cuda").sum().item()
     stage("cuda_init")
-    model = load(args.weights, args.gib)
+    model, weights = load(args.weights, args.gib, vmm=args.vmm_weights)
     stage("weights_loaded", device_bytes=torch.cuda.memory_allocated())
     model.capture()
     stage("graph_captured", device_bytes=torch.cuda.memory_allocated())
-    serve(model, args.socket)
+    serve(model, args.socket, weights, args.weights)
 
 
 if __name__ == "__main__":

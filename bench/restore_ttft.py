@@ -35,20 +35,32 @@ from coldsnap_probe._worker import image_digest
 PR_SET_CHILD_SUBREAPER = 36
 
 
-def request(path: Path, max_tokens: int, deadline_s: float = 120.0) -> tuple[float, list[int], str]:
-    """(first-token unix time, tokens, first-logits digest); retries the connect until the deadline."""
+def connect(path: Path, deadline_s: float = 120.0) -> socket.socket:
+    """Connect, retrying until the (restored) server listens again."""
     give_up = time.time() + deadline_s
     while True:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.connect(str(path))
-            break
+            return sock
         except OSError:
             sock.close()
             if time.time() > give_up:
                 raise
             time.sleep(0.002)
-    with sock, sock.makefile("rwb") as stream:
+
+
+def operation(path: Path, op: str) -> float:
+    """`sleep` (release the weights' backing) or `wake` (re-map and hydrate); returns the server's seconds."""
+    with connect(path) as sock, sock.makefile("rwb") as stream:
+        stream.write(json.dumps({"op": op}).encode() + b"\n")
+        stream.flush()
+        return float(json.loads(stream.readline())["seconds"])
+
+
+def request(path: Path, max_tokens: int) -> tuple[float, list[int], str]:
+    """(first-token unix time, tokens, first-logits digest)."""
+    with connect(path) as sock, sock.makefile("rwb") as stream:
         stream.write(json.dumps({"prompt": PROMPT, "max_tokens": max_tokens}).encode() + b"\n")
         stream.flush()
         first, tokens = 0.0, []
@@ -107,12 +119,13 @@ def kill_tree(pid: int) -> None:
             return
 
 
-def run_size(gib: float, root: Path, criu: str, max_tokens: int) -> dict[str, Any]:
+def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool) -> dict[str, Any]:
+    """One size in one mode: the whole device state in the images, or weights hydrated after restore."""
     weights = root / f"weights-{gib:g}g.bin"
     if not weights.exists():
         subprocess.run([sys.executable, str(SERVER), "--gib", str(gib), "--weights", str(weights), "--generate"],
                        check=True)
-    images = root / f"images-{gib:g}g"
+    images = root / f"images-{gib:g}g{'-hydrate' if hydrate else ''}"
     subprocess.run(["rm", "-rf", str(images)], check=True)
     log = root / f"server-{gib:g}g.log"
     path = root / f"server-{gib:g}g.sock"
@@ -121,7 +134,8 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int) -> dict[str, An
     t0 = time.time()
     with open(log, "wb") as out:
         server = subprocess.Popen([sys.executable, str(SERVER), "--gib", str(gib), "--weights", str(weights),
-                                   "--socket", str(path)], stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                   "--socket", str(path), *(["--vmm-weights"] if hydrate else [])],
+                                  stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                                   start_new_session=True)
     while "ready" not in stages(log):
         if server.poll() is not None:
@@ -138,6 +152,7 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int) -> dict[str, An
             "graph_capture_s": marks["graph_captured"] - marks["weights_loaded"],
             "first_token_s": cold_first - marks["ready"]}
     # Capture (the worker kills the dumped tree; reap the original so its PID is free for restore).
+    sleep_s = operation(path, "sleep") if hydrate else 0.0
     capture = worker("capture", "--pid", str(server.pid), "--images", str(images), "--criu", criu)
     server.wait()
     digest_before = image_digest(images)
@@ -147,15 +162,18 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int) -> dict[str, An
         t0 = time.time()
         report = worker("restore", "--images", str(images), "--criu", criu,
                         "--work-dir", str(root / f"restore-work-{gib:g}g-{attempt}"))
+        wake_s = operation(path, "wake") if hydrate else 0.0
         first, tokens, first_hash = request(path, max_tokens)
         restores.append({"ttft_s": first - t0, "criu_restore_s": report["criu_restore_seconds"],
                          "cuda_restore_s": report["cuda_restore_seconds"],
-                         "worker_s": report["restore_seconds"], "first_token_s": first - t0 - report["restore_seconds"],
+                         "worker_s": report["restore_seconds"], "wake_s": wake_s,
                          "tokens_identical": tokens == cold_tokens, "logits_identical": first_hash == cold_hash,
                          "timeline": report["timeline"]})
         kill_tree(report["restored_pid"])
     unchanged = image_digest(images) == digest_before
-    return {"gib": gib, "device_bytes": device_bytes, "cold": cold, "capture": capture["timings_s"],
+    subprocess.run(["rm", "-rf", str(images)], check=True)  # the machine's disk holds one size at a time
+    return {"gib": gib, "mode": "weights hydrated" if hydrate else "full image", "device_bytes": device_bytes,
+            "sleep_s": sleep_s, "cold": cold, "capture": capture["timings_s"],
             "image_bytes": capture["image_bytes"], "restores": restores, "images_unchanged": unchanged,
             "tokens": cold_tokens}
 
@@ -166,27 +184,32 @@ def main() -> None:
     parser.add_argument("--criu", default="criu")
     parser.add_argument("--root", default="/tmp/coldsnap-ttft")
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--modes", default="full", help="comma-separated: full (whole state in the images), "
+                                                         "hydrate (weights re-hydrated after restore)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1)  # restored trees are reparented to us
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
     h2d = pinned_h2d_gbps()
-    results = [run_size(float(s), root, args.criu, args.tokens) for s in args.sizes.split(",")]
+    results = [run_size(float(size), root, args.criu, args.tokens, mode == "hydrate")
+               for size in args.sizes.split(",") for mode in args.modes.split(",")]
     rows = []
     for r in results:
         c, best = r["cold"], min(r["restores"], key=lambda x: x["ttft_s"])
-        gbps = r["device_bytes"] / best["cuda_restore_s"] / 1e9
-        rows.append([f"{r['gib']:g} GiB", f"{c['ttft_s']:.2f}", f"{best['ttft_s']:.2f}",
+        # Device bytes back per second: through the CUDA restore, or (hydrated) through restore + wake.
+        gbps = r["device_bytes"] / (best["cuda_restore_s"] + best["wake_s"]) / 1e9
+        rows.append([f"{r['gib']:g} GiB", r["mode"], f"{c['ttft_s']:.2f}", f"{best['ttft_s']:.2f}",
                      f"{c['ttft_s'] / best['ttft_s']:.2f}x",
                      f"{c['cuda_init_s']:.2f} / {c['weight_load_s']:.2f} / {c['graph_capture_s']:.2f}",
-                     f"{best['criu_restore_s']:.2f} / {best['cuda_restore_s']:.2f}",
+                     f"{best['criu_restore_s']:.2f} / {best['cuda_restore_s']:.2f} / {best['wake_s']:.2f}",
+                     f"{r['image_bytes'] / 1e9:.1f}",
                      f"{gbps:.1f} ({gbps / h2d:.0%} of {h2d:.1f})",
                      "yes" if all(x["tokens_identical"] and x["logits_identical"] for x in r["restores"]) else "NO",
                      "yes" if r["images_unchanged"] else "NO"])
-    print(table(["model", "cold TTFT s", "restore TTFT s", "speed-up", "cold: CUDA init / weights / graphs s",
-                 "restore: CRIU / CUDA s", "CUDA restore GB/s (of pinned H2D)", "identical tokens+logits",
-                 "images unchanged"], rows))
+    print(table(["model", "mode", "cold TTFT s", "restore TTFT s", "speed-up", "cold: CUDA init / weights / graphs s",
+                 "restore: CRIU / CUDA / hydrate s", "images GB", "device GB/s back (of pinned H2D)",
+                 "identical tokens+logits", "images unchanged"], rows))
     Path(args.out, "restore_ttft.json").write_text(json.dumps({"pinned_h2d_gbps": h2d, "results": results},
                                                                indent=2))
 
