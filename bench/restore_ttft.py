@@ -161,7 +161,7 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool) 
         path.unlink(missing_ok=True)  # the dead process's socket file; the restored one binds it again
         t0 = time.time()
         report = worker("restore", "--images", str(images), "--criu", criu,
-                        "--work-dir", str(root / f"restore-work-{gib:g}g-{attempt}"))
+                        "--work-dir", str(images.with_name(f"{images.name}-work-{attempt}")))
         wake_s = operation(path, "wake") if hydrate else 0.0
         first, tokens, first_hash = request(path, max_tokens)
         restores.append({"ttft_s": first - t0, "criu_restore_s": report["criu_restore_seconds"],
@@ -171,7 +171,8 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool) 
                          "timeline": report["timeline"]})
         kill_tree(report["restored_pid"])
     unchanged = image_digest(images) == digest_before
-    subprocess.run(["rm", "-rf", str(images)], check=True)  # the machine's disk holds one size at a time
+    for done in (images, *images.parent.glob(f"{images.name}-work-*")):  # the disk holds one size at a time
+        subprocess.run(["rm", "-rf", str(done)], check=True)
     return {"gib": gib, "mode": "weights hydrated" if hydrate else "full image", "device_bytes": device_bytes,
             "sleep_s": sleep_s, "cold": cold, "capture": capture["timings_s"],
             "image_bytes": capture["image_bytes"], "restores": restores, "images_unchanged": unchanged,

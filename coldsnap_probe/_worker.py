@@ -262,6 +262,7 @@ def restore(images: Path, *, criu: str, work: Path | None = None) -> dict[str, A
     work = work or Path(tempfile.mkdtemp(prefix="coldsnap-restore-"))
     work.mkdir(parents=True, exist_ok=True)
     pidfile = work / "restored.pid"
+    pidfile.unlink(missing_ok=True)  # CRIU refuses to overwrite one left by an earlier restore
     report: dict[str, Any] = {"format": 1, "kind": RESTORE_KIND, "boundary": boundary,
                               "captured_root_pid": capture_report["root_pid"], "cuda_pids": cuda,
                               "identity_compatibility": compatibility}
