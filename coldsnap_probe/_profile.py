@@ -12,10 +12,11 @@ from typing import Any
 from ._canaries import checkpoint_report, checkpoint_results, fresh_state, ipc_canary, known_negatives, vmm_canary
 from ._features import PROFILE_KIND, validate_profile
 
-__all__ = ("build_profile", "identity")
+__all__ = ("boot_id", "build_profile", "identity")
 
 
-def _boot_id() -> str | None:
+def boot_id() -> str | None:
+    """This boot's id (/proc/sys/kernel/random/boot_id), or None where it cannot be read."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             return f.read().strip()
@@ -67,7 +68,7 @@ def _nvml() -> dict[str, Any]:
 
 
 def identity(cuda_driver_api: int | None) -> dict[str, Any]:
-    return {"boot_id": _boot_id(), "hostname": platform.node(), "architecture": platform.machine(),
+    return {"boot_id": boot_id(), "hostname": platform.node(), "architecture": platform.machine(),
             "kernel": platform.release(), **_nvml(), "cuda_driver_api": cuda_driver_api, "criu": _criu()}
 
 

@@ -278,7 +278,7 @@ def restore(images: Path, *, criu: str, work: Path | None = None) -> dict[str, A
             timeline.mark("deferred_cuda_restore_begin")
             driver = Driver()
             driver.call("cuInit", 0)
-            os.killpg(root, signal.SIGCONT)  # the CUDA restore thread must run
+            os.killpg(root, signal.SIGCONT)  # leave-stopped tree: the CUDA restore thread must run
             for pid in reversed(cuda):
                 _require(driver, [pid], "checkpointed", "before CUDA restore")
                 driver.call("cuCheckpointProcessRestore", pid, None)
@@ -288,8 +288,7 @@ def restore(images: Path, *, criu: str, work: Path | None = None) -> dict[str, A
             timeline.mark("deferred_cuda_restore_end")
             report["cuda_restore_seconds"] = timeline.seconds("deferred_cuda_restore_begin",
                                                                "deferred_cuda_restore_end")
-        os.killpg(root, signal.SIGCONT)
-        timeline.mark("process_resumed")
+        timeline.mark("process_resumed")  # without CUDA the tree was restored running
     except BaseException as exc:
         report["error"] = f"{type(exc).__name__}: {exc}"
         if root is not None:

@@ -18,6 +18,7 @@ import msgspec
 
 import coldsnap_probe
 from coldsnap_probe import AdmissionError, ProfileError
+from coldsnap_probe._profile import boot_id as this_boot
 from coldsnap_runtime import Backend
 from coldsnap_runtime.errors import BackendError
 from coldsnap_runtime.schema import WorkloadSpec
@@ -55,13 +56,6 @@ async def _device_identity(device: str) -> str:
     result = await run_argv(["nvidia-smi", f"--id={device}", "--query-gpu=driver_version,uuid,name,compute_cap",
                              "--format=csv,noheader,nounits"])
     return result.stdout.decode(errors="replace").strip() if result.exit_code == 0 else ""
-
-
-def _boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
 
 
 def _text(result: ExecResult) -> str:
@@ -133,7 +127,7 @@ async def run_probe(options: ProbeOptions, *, state_dir: Path, backend: Backend 
     if not options.host_process:
         assert backend is not None
         capsule = (await backend.image_inspect(options.image)).id
-    boot_id, device_identity = _boot_id(), await _device_identity(options.device)
+    boot_id, device_identity = this_boot() or "", await _device_identity(options.device)
     # Without a device identity (no nvidia-smi / GPU) nothing could be keyed truthfully: no cache.
     key = coldsnap_probe.cache_key(boot_id, device_identity, capsule, probe_digest(), options.driver,
                                    options.device) if boot_id and device_identity else ""

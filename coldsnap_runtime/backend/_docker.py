@@ -228,8 +228,9 @@ class DockerBackend:
 
     async def image_build(self, build: ImageBuild) -> None:
         headers = {"Content-Type": "application/x-tar"}
-        auths = {registry: entry for registry in (self._credentials().get("auths") or {})
-                 if (entry := registry_auth(self._credentials(), registry))}
+        credentials = self._credentials()
+        auths = {registry: entry for registry in (credentials.get("auths") or {})
+                 if (entry := registry_auth(credentials, registry))}
         if auths:
             headers["X-Registry-Config"] = base64.urlsafe_b64encode(json.dumps(auths).encode()).decode()
         if not build.pull:
