@@ -62,8 +62,8 @@ log = structlog.get_logger(__name__)
 _CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 _HANGUP_POLL_S = 0.2
 _BUSY_READ_S = 1.0
-_ABORT_BUDGET_S = 40.0
-_MAINTENANCE_S = 2.0  # backend cleanups are bounded at 30 s
+_ABORT_BUDGET_S = 40.0  # backend cleanups are bounded at 30 s
+_MAINTENANCE_S = 2.0
 
 Responder = Callable[[bytes, SocketStream], Awaitable[bytes | None]]
 
@@ -281,9 +281,9 @@ class Daemon:
             return encode_reply(error_reply("", RequestRejected(
                 f"host-provider request was not received within {timeout:g} s")))
         self._in_flight += 1
-        sock: socket.socket = stream.extra(SocketAttribute.raw_socket)
+        fd = stream.extra(SocketAttribute.raw_socket).fileno()
         scope = anyio.CancelScope()
-        self._watched[sock.fileno()] = scope
+        self._watched[fd] = scope
         try:
             with scope:
                 return await respond(line, stream)
@@ -293,7 +293,7 @@ class Daemon:
             log.warning("client disconnected mid-operation; operation cancelled", request_id=peek_id(line))
             return None
         finally:
-            del self._watched[sock.fileno()]
+            del self._watched[fd]
             self._in_flight -= 1
 
     async def _refuse_busy(self, stream: SocketStream) -> None:
@@ -431,9 +431,11 @@ class Daemon:
         live = self._sessions.get(session)
         if live is not None and uid not in (0, os.geteuid()) and live.record.uid != uid:
             raise RequestRejected(f"session {session!r} belongs to another user")
+        self.store.remove(session)  # raises, changing nothing, when the session does not exist
         if live is not None:
+            # Gone from listings now: the session's task leaves the table only once it has unwound.
+            del self._sessions[session]
             live.scope.cancel()
-        self.store.remove(session)
         log.info("session closed", session=session)
 
     async def status(self) -> dict[str, Any]:

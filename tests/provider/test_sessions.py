@@ -136,3 +136,12 @@ async def test_status_reports_version_sessions_and_docker() -> None:
     async with running_daemon('[docker]\nurl = "unix:///nonexistent.sock"\n') as daemon:
         status = await daemon.control(operation="status")
         assert status["docker_reachable"] is False
+
+
+async def test_a_closed_session_leaves_listings_at_once() -> None:
+    async with running_daemon() as daemon:
+        for i in range(20):  # the session's task unwinds later: listings must not wait for it
+            await daemon.open_session(f"op-race-{i}")
+            await daemon.control(operation="session-close", session=f"op-race-{i}")
+            assert (await daemon.control(operation="status"))["sessions"] == 0
+            assert await daemon.control(operation="session-list") == []
