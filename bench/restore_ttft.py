@@ -30,7 +30,7 @@ PROMPT = [1, 15043, 29892, 920, 526, 366, 29973, 13]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import table
-from coldsnap_probe._worker import image_digest
+from coldsnap_probe import image_digest
 
 PR_SET_CHILD_SUBREAPER = 36
 

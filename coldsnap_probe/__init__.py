@@ -1,39 +1,81 @@
 """coldsnap_probe: the code that runs inside capsules (feature probes, admission, cache, workers).
 
 It must run with a capsule's own python3 plus cuda-python/pynvml: it imports nothing
-from the daemon, anyio, aiodocker or msgspec.
+from the daemon, anyio, aiodocker or msgspec. Probe values are frozen dataclasses
+(`Profile`, `FeatureResult`, `Requirements`, `Contract`, `Qualification`) converted to and
+from JSON only by their `from_json`/`to_json`; the profile functions the daemon calls
+(`decode_profile`, `attach_criu`, `admit`, `read_cached`, `write_cached`) take and give the
+JSON documents it relays. Errors: `coldsnap_probe.errors` (root `ProbeError`).
 """
 
+from ._cache import boot_id as boot_id
 from ._cache import cache_key as cache_key
 from ._cache import read_cached as read_cached
 from ._cache import write_cached as write_cached
 from ._contracts import CONTRACTS as CONTRACTS
 from ._contracts import contract as contract
 from ._contracts import requirements as requirements
-from ._features import FEATURE_IDS as FEATURE_IDS
-from ._features import AdmissionError as AdmissionError
-from ._features import ProfileError as ProfileError
 from ._features import admit as admit
+from ._features import admit_profile as admit_profile
 from ._features import apply_qualification as apply_qualification
 from ._features import attach_criu as attach_criu
 from ._features import decode_profile as decode_profile
+from ._features import qualify as qualify
 from ._features import validate_profile as validate_profile
 from ._features import validate_qualification as validate_qualification
+from ._features import with_criu as with_criu
+from ._graph import POLICIES as GRAPH_POLICIES
+from ._graph import RECIPE_MODES as RECIPE_MODES
+from ._graph import GraphResolution as GraphResolution
+from ._graph import ResourceAudit as ResourceAudit
+from ._graph import resolve_graph_policy as resolve_graph_policy
+from ._model import FEATURE_IDS as FEATURE_IDS
+from ._model import STATUSES as STATUSES
+from ._model import Contract as Contract
+from ._model import FeatureResult as FeatureResult
+from ._model import Profile as Profile
+from ._model import Qualification as Qualification
+from ._model import QualificationScope as QualificationScope
+from ._model import Requirements as Requirements
+from ._worker import image_digest as image_digest
+from .errors import AdmissionError as AdmissionError
+from .errors import ContractError as ContractError
+from .errors import ProbeError as ProbeError
+from .errors import ProfileError as ProfileError
 
 __all__ = (
     "CONTRACTS",
     "FEATURE_IDS",
+    "GRAPH_POLICIES",
+    "RECIPE_MODES",
+    "STATUSES",
     "AdmissionError",
+    "Contract",
+    "ContractError",
+    "FeatureResult",
+    "GraphResolution",
+    "ProbeError",
+    "Profile",
     "ProfileError",
+    "Qualification",
+    "QualificationScope",
+    "Requirements",
+    "ResourceAudit",
     "admit",
+    "admit_profile",
     "apply_qualification",
     "attach_criu",
+    "boot_id",
     "cache_key",
     "contract",
     "decode_profile",
+    "image_digest",
+    "qualify",
     "read_cached",
     "requirements",
+    "resolve_graph_policy",
     "validate_profile",
     "validate_qualification",
+    "with_criu",
     "write_cached",
 )

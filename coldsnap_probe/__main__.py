@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "profile":
             from ._profile import build_profile
 
-            sys.stdout.write(json.dumps(build_profile(args.memory_bytes, args.timeout), indent=2, sort_keys=True))
+            profile = build_profile(args.memory_bytes, args.timeout).to_json()
+            sys.stdout.write(json.dumps(profile, indent=2, sort_keys=True))
             sys.stdout.write("\n")
             return 0
         if args.command == "_target":
@@ -70,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
 def _worker(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ._worker import WorkerError, capture, restore
+    from ._worker import capture, restore
+    from .errors import ProbeError
 
     try:
         if args.command == "capture":
@@ -79,7 +81,7 @@ def _worker(args: argparse.Namespace) -> int:
         else:
             report = restore(Path(args.images), criu=args.criu,
                              work=Path(args.work_dir) if args.work_dir else None)
-    except (WorkerError, OSError, ValueError) as exc:
+    except (ProbeError, OSError, ValueError) as exc:
         sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")
         return 1
     sys.stdout.write(json.dumps(report, indent=2, sort_keys=True) + "\n")

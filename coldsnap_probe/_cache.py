@@ -1,4 +1,4 @@
-"""The host feature profile cache (spec 4): key, atomic write of admitted profiles, tolerant read."""
+"""The host feature profile cache (spec 4): key and its boot id, atomic write of admitted profiles, tolerant read."""
 
 from __future__ import annotations
 
@@ -9,9 +9,19 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ._features import ProfileError, attach_criu, decode_profile
+from ._features import attach_criu, decode_profile
+from .errors import ProfileError
 
-__all__ = ("cache_key", "cache_path", "read_cached", "write_cached")
+__all__ = ("boot_id", "cache_key", "cache_path", "read_cached", "write_cached")
+
+
+def boot_id() -> str | None:
+    """This boot's id (/proc/sys/kernel/random/boot_id), or None where it cannot be read (key input 1)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 def cache_key(boot_id: str, device_identity: str, capsule_digest: str, probe_digest: str, driver: str,
@@ -50,5 +60,5 @@ def read_cached(state: Path, key: str, driver: str) -> dict[str, Any] | None:
     try:
         data = cache_path(state, key).read_bytes()
         return attach_criu(decode_profile(data), driver)
-    except (OSError, ProfileError, KeyError, TypeError):
+    except (OSError, ProfileError):
         return None

@@ -1,7 +1,8 @@
-"""The CUDA canaries (spec 2.3-2.6): each runs for real and returns FeatureResult dicts.
+"""The CUDA canaries (spec 2.3-2.6): each runs for real and returns typed FeatureResults.
 
 Child processes (`_target`, `_ipc_target`) are this package run again with the same
-interpreter; they print one JSON line on stdout and their diagnostics on stderr.
+interpreter; they print one JSON line on stdout and their diagnostics on stderr. A canary's
+own checks raise CanaryFailed; every error inside a canary becomes its negative result.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._cuda import CHECKPOINT_SYMBOLS, CudaError, CudaLibraryMissing, CudaUnavailable, Driver, pattern, pattern_sha256
+from ._cuda import CHECKPOINT_SYMBOLS, Driver, pattern, pattern_sha256
+from ._model import FeatureResult
+from .errors import CanaryFailed, CudaLibraryMissing, CudaUnavailable, DriverError
 
 __all__ = (
     "checkpoint_report",
@@ -60,13 +63,13 @@ class _Target:
         with selectors.DefaultSelector() as selector:
             selector.register(self.process.stdout, selectors.EVENT_READ)
             if not selector.select(self.timeout):
-                raise TimeoutError(f"CUDA target did not answer within {self.timeout:g} s")
+                raise CanaryFailed(f"CUDA target did not answer within {self.timeout:g} s")
         line = self.process.stdout.readline()
         if not line:
-            raise RuntimeError(f"CUDA target exited with status {self.process.wait()}")
+            raise CanaryFailed(f"CUDA target exited with status {self.process.wait()}")
         value = json.loads(line)
         if not isinstance(value, dict):
-            raise RuntimeError("CUDA target printed a non-object line")
+            raise CanaryFailed("CUDA target printed a non-object line")
         return value
 
     def command(self, text: str) -> None:
@@ -111,14 +114,14 @@ def checkpoint_report(memory_bytes: int, timeout: float) -> dict[str, Any]:
     try:
         driver.call("cuInit", 0)
         initialized = True
-    except (CudaError, CudaUnavailable) as exc:
+    except DriverError as exc:
         initialized = False
         report["error"] = _error_text(exc)
     report["initialization"] = driver.records[-1] if driver.records else None
     try:
         version = driver.call("cuDriverGetVersion")
         report["driver_api"] = {**driver.last(), "driver_api_version": int(version)}
-    except (CudaError, CudaUnavailable):
+    except DriverError:
         report["driver_api"] = driver.records[-1] if driver.records else None
     report["api_available"] = all(report["symbols"].values()) and initialized
     if not report["api_available"]:
@@ -131,7 +134,7 @@ def checkpoint_report(memory_bytes: int, timeout: float) -> dict[str, Any]:
         ready = target.read_line()
         report["target"] = ready
         if ready.get("status") != "ready" or ready.get("pid") != target.process.pid:
-            raise RuntimeError(f"CUDA target did not become ready: {ready}")
+            raise CanaryFailed(f"CUDA target did not become ready: {ready}")
         states = [driver.state(target.process.pid)]
         for step in ("cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint", "cuCheckpointProcessRestore",
                      "cuCheckpointProcessUnlock"):
@@ -139,7 +142,7 @@ def checkpoint_report(memory_bytes: int, timeout: float) -> dict[str, Any]:
             states.append(driver.state(target.process.pid))
         report["states"] = states
         if states != ["running", "locked", "checkpointed", "locked", "running"]:
-            raise RuntimeError(f"unexpected checkpoint state sequence: {', '.join(states)}")
+            raise CanaryFailed(f"unexpected checkpoint state sequence: {', '.join(states)}")
         target.command("verify")
         verification = target.read_line()
         report["verification"] = verification
@@ -169,17 +172,17 @@ def _unlock_and_stop(driver: Driver, target: _Target) -> None:
                 state = driver.state(pid)
             if state == "locked":
                 driver.call("cuCheckpointProcessUnlock", pid, None, required=False)
-        except (CudaError, CudaUnavailable):
-            pass
+        except DriverError:
+            pass  # best effort: the child is terminated next in any case
     target.finish()
 
 
-def checkpoint_results(report: dict[str, Any], started: float) -> list[dict[str, Any]]:
+def checkpoint_results(report: dict[str, Any], started: float) -> list[FeatureResult]:
     """Map the report to cuda-checkpoint-api, cuda-checkpoint-roundtrip and cuda-initialized-state."""
     seconds = max(0.0, report.get("completed_unix", started) - started)
     probe = "cuda-process-checkpoint-v1"
     if report["api_available"]:
-        api: dict[str, Any] = {"id": "cuda-checkpoint-api", "status": "passed", "probe": probe, "seconds": seconds}
+        api = FeatureResult(id="cuda-checkpoint-api", status="passed", probe=probe, seconds=seconds)
     else:
         symbols = report.get("symbols")
         status = "unsupported" if symbols is not None and not all(symbols.values()) else "failed"
@@ -187,22 +190,20 @@ def checkpoint_results(report: dict[str, Any], started: float) -> list[dict[str,
         if status == "unsupported" and not report.get("error"):
             missing = sorted(k for k, v in symbols.items() if not v)  # type: ignore[union-attr]
             reason = f"CUDA process checkpoint symbols are unavailable: {', '.join(missing)}"
-        api = {"id": "cuda-checkpoint-api", "status": status, "probe": probe, "failure_phase": "symbols",
-               "reason": reason, "seconds": seconds}
+        api = FeatureResult(id="cuda-checkpoint-api", status=status, probe=probe, failure_phase="symbols",
+                            reason=reason, seconds=seconds)
     if report.get("roundtrip_supported") is True:
-        roundtrip: dict[str, Any] = {"id": "cuda-checkpoint-roundtrip", "status": "passed", "probe": probe,
-                                     "seconds": seconds}
+        roundtrip = FeatureResult(id="cuda-checkpoint-roundtrip", status="passed", probe=probe, seconds=seconds)
     elif report["api_available"]:
-        roundtrip = {"id": "cuda-checkpoint-roundtrip", "status": "failed", "probe": probe,
-                     "failure_phase": "roundtrip", "seconds": seconds,
-                     "reason": report.get("error") or "checkpoint state transition or byte canary failed"}
+        roundtrip = FeatureResult(id="cuda-checkpoint-roundtrip", status="failed", probe=probe,
+                                  failure_phase="roundtrip", seconds=seconds,
+                                  reason=report.get("error") or "checkpoint state transition or byte canary failed")
     else:
-        roundtrip = {"id": "cuda-checkpoint-roundtrip", "status": api["status"], "probe": probe,
-                     "failure_phase": "roundtrip", "seconds": seconds,
-                     "reason": "CUDA process checkpoint API is unavailable"}
-    initialized = {"id": "cuda-initialized-state", "status": roundtrip["status"], "probe": probe, "seconds": seconds}
-    if "reason" in roundtrip:
-        initialized["reason"] = roundtrip["reason"]
+        roundtrip = FeatureResult(id="cuda-checkpoint-roundtrip", status=api.status, probe=probe,
+                                  failure_phase="roundtrip", seconds=seconds,
+                                  reason="CUDA process checkpoint API is unavailable")
+    initialized = FeatureResult(id="cuda-initialized-state", status=roundtrip.status, probe=probe, seconds=seconds,
+                                reason=roundtrip.reason)
     return [api, roundtrip, initialized]
 
 
@@ -261,15 +262,14 @@ _VMM_SYMBOLS = ("cuMemGetAllocationGranularity", "cuMemAddressReserve", "cuMemAd
                 "cuMemRelease", "cuMemMap", "cuMemUnmap", "cuMemSetAccess")
 
 
-def _negative(feature: str, probe: str, phase: str, exc: BaseException, started: float) -> dict[str, Any]:
-    status = "unsupported" if isinstance(exc, NotImplementedError) else "failed"
-    if isinstance(exc, CudaUnavailable) and phase == "load":
-        phase = "symbols"
-    return {"id": feature, "status": status, "probe": probe, "failure_phase": phase, "reason": _error_text(exc),
-            "seconds": time.perf_counter() - started}
+def _negative(feature: str, probe: str, phase: str, exc: BaseException, started: float) -> FeatureResult:
+    unsupported = isinstance(exc, CudaUnavailable)
+    return FeatureResult(id=feature, status="unsupported" if unsupported else "failed", probe=probe,
+                         failure_phase="symbols" if unsupported and phase == "load" else phase,
+                         reason=_error_text(exc), seconds=time.perf_counter() - started)
 
 
-def ipc_canary(memory_bytes: int, timeout: float) -> dict[str, Any]:
+def ipc_canary(memory_bytes: int, timeout: float) -> FeatureResult:
     started, phase = time.perf_counter(), "load"
     probe = "cuda-classic-ipc-v1"
     driver: Driver | None = None
@@ -290,13 +290,14 @@ def ipc_canary(memory_bytes: int, timeout: float) -> dict[str, Any]:
                                       "--expected-sha256", pattern_sha256(memory_bytes))
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, check=False)
         if done.returncode != 0:
-            raise RuntimeError(f"IPC consumer exited {done.returncode}: {(done.stderr or done.stdout).strip()}")
+            raise CanaryFailed(f"IPC consumer exited {done.returncode}: {(done.stderr or done.stdout).strip()}")
         answer = json.loads(done.stdout)
         if answer.get("matches") is not True:
-            raise RuntimeError(f"IPC consumer saw different bytes: {answer}")
-        return {"id": "cuda-classic-ipc", "status": "passed", "probe": probe,
-                "seconds": time.perf_counter() - started,
-                "evidence": {"memory_bytes": memory_bytes, "matches": True, "actual_sha256": answer["actual_sha256"]}}
+            raise CanaryFailed(f"IPC consumer saw different bytes: {answer}")
+        return FeatureResult(id="cuda-classic-ipc", status="passed", probe=probe,
+                             seconds=time.perf_counter() - started,
+                             evidence={"memory_bytes": memory_bytes, "matches": True,
+                                       "actual_sha256": answer["actual_sha256"]})
     except Exception as exc:
         return _negative("cuda-classic-ipc", probe, phase, exc, started)
     finally:
@@ -304,7 +305,7 @@ def ipc_canary(memory_bytes: int, timeout: float) -> dict[str, Any]:
             driver.call("cuMemFree_v2", dptr, required=False)
 
 
-def vmm_canary() -> dict[str, Any]:
+def vmm_canary() -> FeatureResult:
     started, phase = time.perf_counter(), "load"
     probe = "cuda-vmm-exact-v1"
     driver: Driver | None = None
@@ -344,18 +345,18 @@ def vmm_canary() -> dict[str, Any]:
         phase = "reserve-exact"
         va = int(driver.call("cuMemAddressReserve", size, 0, initial, 0))
         if va != initial:
-            raise RuntimeError(f"exact CUDA VA request returned {va:#x}, expected {initial:#x}")
+            raise CanaryFailed(f"exact CUDA VA request returned {va:#x}, expected {initial:#x}")
         phase = "map-exact"
         driver.call("cuMemMap", va, size, 0, handle, 0)
         driver.call("cuMemSetAccess", va, size, [access], 1)
         phase = "verify-exact"
         if driver.copy_from_device(va, size) != data:
-            raise RuntimeError("private CUDA VMM contents changed across exact-address remap")
+            raise CanaryFailed("private CUDA VMM contents changed across exact-address remap")
         driver.call("cuMemUnmap", va, size)
-        return {"id": "cuda-vmm-exact-address", "status": "passed", "probe": probe,
-                "seconds": time.perf_counter() - started,
-                "evidence": {"address": initial, "bytes": size, "device": device,
-                             "sha256": hashlib.sha256(data).hexdigest()}}
+        return FeatureResult(id="cuda-vmm-exact-address", status="passed", probe=probe,
+                             seconds=time.perf_counter() - started,
+                             evidence={"address": initial, "bytes": size, "device": device,
+                                       "sha256": hashlib.sha256(data).hexdigest()})
     except Exception as exc:
         return _negative("cuda-vmm-exact-address", probe, phase, exc, started)
     finally:
@@ -366,20 +367,20 @@ def vmm_canary() -> dict[str, Any]:
                 driver.call("cuMemRelease", handle, required=False)
 
 
-def fresh_state(report: dict[str, Any]) -> dict[str, Any]:
+def fresh_state(report: dict[str, Any]) -> FeatureResult:
     """The disposable process is a fresh CUDA boundary, but only where CUDA can be loaded at all."""
     probe = "disposable-process-boundary-v1"
     if report["library_loaded"]:
-        return {"id": "cuda-fresh-state", "status": "passed", "probe": probe, "seconds": 0.0}
-    return {"id": "cuda-fresh-state", "status": "failed", "probe": probe, "failure_phase": "load", "seconds": 0.0,
-            "reason": report.get("error") or "the CUDA driver library could not be loaded"}
+        return FeatureResult(id="cuda-fresh-state", status="passed", probe=probe, seconds=0.0)
+    return FeatureResult(id="cuda-fresh-state", status="failed", probe=probe, failure_phase="load", seconds=0.0,
+                         reason=report.get("error") or "the CUDA driver library could not be loaded")
 
 
-def known_negatives() -> list[dict[str, Any]]:
+def known_negatives() -> list[FeatureResult]:
     probe = "known-negative-v1"
     return [
-        {"id": "cuda-uvm-checkpoint", "status": "unsupported", "probe": probe, "seconds": 0.0,
-         "reason": "CUDA process checkpoint does not support UVM (managed-memory) allocations"},
-        {"id": "cuda-vmm-exported-handle-checkpoint", "status": "unsupported", "probe": probe, "seconds": 0.0,
-         "reason": "CUDA process checkpoint does not support exported VMM allocation handles"},
+        FeatureResult(id="cuda-uvm-checkpoint", status="unsupported", probe=probe, seconds=0.0,
+                      reason="CUDA process checkpoint does not support UVM (managed-memory) allocations"),
+        FeatureResult(id="cuda-vmm-exported-handle-checkpoint", status="unsupported", probe=probe, seconds=0.0,
+                      reason="CUDA process checkpoint does not support exported VMM allocation handles"),
     ]

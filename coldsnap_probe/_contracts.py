@@ -2,38 +2,31 @@
 
 from __future__ import annotations
 
-from typing import Any
+from types import MappingProxyType
+
+from ._model import Contract, Requirements
+from .errors import UnknownDriver
 
 __all__ = ("CONTRACTS", "contract", "requirements")
 
-CONTRACTS: dict[str, dict[str, Any]] = {
-    "n580": {
-        "id": "n580",
-        "abi": 1,
-        "capture_boundary": "pre-cuda-process-template",
-        "minimum_nvidia_driver_major": 580,
-        "base_requirements": {"format": 1, "features": [
-            {"id": "criu-process-template"}, {"id": "cuda-fresh-state"}, {"id": "cuda-vmm-exact-address"}]},
-    },
-    "n610": {
-        "id": "n610",
-        "abi": 1,
-        "capture_boundary": "initialized-cuda-process-state",
-        "minimum_nvidia_driver_major": 610,
-        "base_requirements": {"format": 1, "features": [
-            {"id": "criu-process-tree"}, {"id": "cuda-checkpoint-api"}, {"id": "cuda-checkpoint-roundtrip"},
-            {"id": "cuda-classic-ipc"}, {"id": "cuda-initialized-state"}, {"id": "cuda-vmm-exact-address"}]},
-    },
-}
+CONTRACTS: MappingProxyType[str, Contract] = MappingProxyType({
+    "n580": Contract(
+        id="n580", abi=1, capture_boundary="pre-cuda-process-template", minimum_nvidia_driver_major=580,
+        base_requirements=Requirements(("criu-process-template", "cuda-fresh-state", "cuda-vmm-exact-address"))),
+    "n610": Contract(
+        id="n610", abi=1, capture_boundary="initialized-cuda-process-state", minimum_nvidia_driver_major=610,
+        base_requirements=Requirements((
+            "criu-process-tree", "cuda-checkpoint-api", "cuda-checkpoint-roundtrip", "cuda-classic-ipc",
+            "cuda-initialized-state", "cuda-vmm-exact-address"))),
+})
 
 
-def contract(driver: str) -> dict[str, Any]:
+def contract(driver: str) -> Contract:
     """The registered contract; the selection must be exactly n580 or n610 (no `auto`)."""
-    try:
-        return CONTRACTS[driver]
-    except KeyError:
-        raise ValueError(f"snapshot driver must be n580 or n610, got {driver!r}") from None
+    if driver not in CONTRACTS:
+        raise UnknownDriver(driver)
+    return CONTRACTS[driver]
 
 
-def requirements(driver: str) -> dict[str, Any]:
-    return contract(driver)["base_requirements"]  # type: ignore[no-any-return]
+def requirements(driver: str) -> Requirements:
+    return contract(driver).base_requirements

@@ -4,6 +4,9 @@ Each call leaves an operation record ``{operation, code, error_name, error_strin
 success}``; a required call that fails raises :class:`CudaError` with the text
 ``<fn> failed: <ERROR_NAME>: <error string>``. Symbol presence is read from
 ``libcuda.so.1`` itself (ctypes), never assumed from the binding.
+
+This is the one place where cuda-python's and libcuda's failures become this package's
+errors (`errors.DriverError` and below), always chained to the original.
 """
 
 from __future__ import annotations
@@ -13,16 +16,9 @@ import hashlib
 import time
 from typing import Any
 
-__all__ = (
-    "CHECKPOINT_SYMBOLS",
-    "STATE_NAMES",
-    "CudaError",
-    "CudaLibraryMissing",
-    "CudaUnavailable",
-    "Driver",
-    "pattern",
-    "pattern_sha256",
-)
+from .errors import CanaryFailed, CudaError, CudaLibraryMissing, CudaUnavailable
+
+__all__ = ("CHECKPOINT_SYMBOLS", "IPC_HANDLE_BYTES", "STATE_NAMES", "Driver", "pattern", "pattern_sha256")
 
 CHECKPOINT_SYMBOLS = (
     "cuCheckpointProcessGetState",
@@ -37,18 +33,7 @@ STATE_NAMES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}
 _BINDING_NAMES = {"cuMemAlloc_v2": "cuMemAlloc", "cuMemcpyHtoD_v2": "cuMemcpyHtoD",
                   "cuMemcpyDtoH_v2": "cuMemcpyDtoH", "cuMemFree_v2": "cuMemFree",
                   "cuIpcOpenMemHandle_v2": "cuIpcOpenMemHandle"}
-
-
-class CudaUnavailable(NotImplementedError):
-    """A driver symbol is missing: a known implementation limit (`unsupported`)."""
-
-
-class CudaLibraryMissing(RuntimeError):
-    """libcuda.so.1 or cuda-python cannot be loaded: no CUDA here at all (`failed`)."""
-
-
-class CudaError(RuntimeError):
-    """A required driver call returned an error."""
+IPC_HANDLE_BYTES = 64  # sizeof(CUipcMemHandle)
 
 
 def pattern(size: int) -> bytes:
@@ -68,11 +53,11 @@ class Driver:
         try:
             self._lib = ctypes.CDLL("libcuda.so.1", mode=ctypes.RTLD_LOCAL)
         except OSError as exc:
-            raise CudaLibraryMissing(f"libcuda.so.1 could not be loaded: {exc}") from None
+            raise CudaLibraryMissing(f"libcuda.so.1 could not be loaded: {exc}") from exc
         try:
             from cuda.bindings import driver
         except ImportError as exc:
-            raise CudaLibraryMissing(f"cuda-python (cuda.bindings.driver) is not importable: {exc}") from None
+            raise CudaLibraryMissing(f"cuda-python (cuda.bindings.driver) is not importable: {exc}") from exc
         self._driver: Any = driver
         self.records: list[dict[str, Any]] = []
 
@@ -105,7 +90,7 @@ class Driver:
         try:
             result = fn(*args)
         except (RuntimeError, OSError) as exc:  # the binding could not resolve or load the entry point
-            raise CudaUnavailable(f"{name} could not be called: {exc}") from None
+            raise CudaUnavailable(f"{name} could not be called: {exc}") from exc
         err, outputs = result[0], result[1:]
         code = int(err)
         record: dict[str, Any] = {"operation": name, "code": code, "seconds": round(time.monotonic() - started, 6),
@@ -116,7 +101,7 @@ class Driver:
             record.update(state=STATE_NAMES.get(state_code, f"unknown-{state_code}"), state_code=state_code)
         self.records.append(record)
         if code != 0 and required:
-            raise CudaError(f"{name} failed: {record['error_name']}: {record['error_string']}")
+            raise CudaError(name, record["error_name"], record["error_string"])
         if not outputs:
             return None
         return outputs[0] if len(outputs) == 1 else outputs
@@ -153,11 +138,11 @@ class Driver:
         return buffer.raw[:size]
 
     def ipc_handle_bytes(self, handle: Any) -> bytes:
-        return ctypes.string_at(handle.getPtr(), 64)
+        return ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES)
 
     def ipc_handle_from_bytes(self, data: bytes) -> Any:
-        if len(data) != 64:
-            raise ValueError(f"CUDA IPC handle must be 64 bytes, got {len(data)}")
+        if len(data) != IPC_HANDLE_BYTES:
+            raise CanaryFailed(f"CUDA IPC handle must be {IPC_HANDLE_BYTES} bytes, got {len(data)}")
         handle = self._driver.CUipcMemHandle()
-        ctypes.memmove(handle.getPtr(), data, 64)
+        ctypes.memmove(handle.getPtr(), data, IPC_HANDLE_BYTES)
         return handle

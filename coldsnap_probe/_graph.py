@@ -2,50 +2,80 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from .canonical import digest, go_floats
+from .errors import ContractError
 
-__all__ = ("DECISIONS", "POLICIES", "ContractError", "graph_record", "recipe_digest", "resolve_graph_policy",
-           "validate_graph_record")
+__all__ = ("DECISIONS", "POLICIES", "RECIPE_MODES", "GraphResolution", "ResourceAudit", "graph_record",
+           "recipe_digest", "resolve_graph_policy", "validate_graph_record")
 
 POLICIES = ("preserve-exec", "recreate-from-plan", "preserve-nccl-exec", "disabled")
 DECISIONS = ("requested_policy_is_supported", "provider_reconstructs_communicator",
              "graph_exec_preservation_is_unqualified", "qualified_exact_nccl_in_place")
-MODES = {"disabled": "disabled", "recreate-from-plan": "engine-native-async",
-         "preserve-nccl-exec": "engine-native-retained"}
+# The recipe mode of each effective policy (spec 5.4's last column).
+RECIPE_MODES: MappingProxyType[str, str] = MappingProxyType({
+    "disabled": "disabled", "recreate-from-plan": "engine-native-async",
+    "preserve-nccl-exec": "engine-native-retained"})
 SHAPE_POLICIES = ("auto", "enabled", "disabled")
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 _AUDIT_KEYS = ("format", "unknown_dependencies", "nccl_communicators", "registered_windows", "device_api",
                "external_semaphores", "provider_owned_allocations")
 
 
-class ContractError(ValueError):
-    """A graph or memory contract is violated; the message names the rule."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResourceAudit:
+    """The record's `resource_audit` (spec 5.4); the builder fills only the first two."""
+
+    format: int = 1
+    unknown_dependencies: bool = False
+    nccl_communicators: int = 0
+    registered_windows: int = 0
+    device_api: bool = False
+    external_semaphores: int = 0
+    provider_owned_allocations: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
-def resolve_graph_policy(requested: str, workers: int) -> tuple[str, str, dict[str, Any]]:
-    """(effective, decision, audit) for a requested policy and the number of workers (the 5.4 table)."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GraphResolution:
+    """One row of the 5.4 table: what a requested policy resolves to."""
+
+    effective: str
+    decision: str
+    audit: ResourceAudit
+
+    @property
+    def mode(self) -> str:
+        return RECIPE_MODES[self.effective]
+
+
+def resolve_graph_policy(requested: str, workers: int) -> GraphResolution:
+    """The effective policy, decision and audit for a requested policy and the number of workers."""
     if requested not in POLICIES:
         raise ContractError(f"graph policy must be one of {', '.join(POLICIES)}, got {requested!r}")
     if workers < 1:
         raise ContractError(f"workers must be >= 1, got {workers}")
-    audit: dict[str, Any] = {"format": 1, "unknown_dependencies": False, "nccl_communicators": 0,
-                             "registered_windows": 0, "device_api": False, "external_semaphores": 0,
-                             "provider_owned_allocations": 0}
     if requested == "disabled":
-        return "disabled", "requested_policy_is_supported", audit
-    audit["unknown_dependencies"] = True
-    audit["nccl_communicators"] = 1 if workers > 1 else 0
+        return GraphResolution(effective="disabled", decision="requested_policy_is_supported",
+                               audit=ResourceAudit())
+    audit = ResourceAudit(unknown_dependencies=True, nccl_communicators=1 if workers > 1 else 0)
     if requested == "recreate-from-plan":
-        return "recreate-from-plan", "requested_policy_is_supported", audit
+        return GraphResolution(effective="recreate-from-plan", decision="requested_policy_is_supported", audit=audit)
     if workers == 1:
-        return "recreate-from-plan", "graph_exec_preservation_is_unqualified", audit
+        return GraphResolution(effective="recreate-from-plan", decision="graph_exec_preservation_is_unqualified",
+                               audit=audit)
     if requested == "preserve-exec":
-        return "recreate-from-plan", "provider_reconstructs_communicator", audit
-    audit["unknown_dependencies"] = False
-    return "preserve-nccl-exec", "qualified_exact_nccl_in_place", audit
+        return GraphResolution(effective="recreate-from-plan", decision="provider_reconstructs_communicator",
+                               audit=audit)
+    return GraphResolution(effective="preserve-nccl-exec", decision="qualified_exact_nccl_in_place",
+                           audit=dataclasses.replace(audit, unknown_dependencies=False))
 
 
 def recipe_digest(*, engine: str, execution: dict[str, Any], requested: str, effective: str,
@@ -63,15 +93,16 @@ def graph_record(*, async_graphs: bool, graph_policy: str, engine: str, executio
     """Go `NewGraphPolicyRecord`: the artifact's `graph` object."""
     requested = "disabled" if not async_graphs else (graph_policy or "recreate-from-plan")
     workers = len(execution.get("workers", []))
-    effective, decision, audit = resolve_graph_policy(requested, workers)
+    resolved = resolve_graph_policy(requested, workers)
+    audit = resolved.audit.to_json()
     units = len(coverage.get("units", [])) if coverage else 0
     return {
-        "format": 1, "policy_requested": requested, "policy_effective": effective, "decision": decision,
-        "resource_audit": audit,
-        "recipe": {"format": 1, "kind": "coldsnap-engine-graph-recipe", "engine": engine, "mode": MODES[effective],
+        "format": 1, "policy_requested": requested, "policy_effective": resolved.effective,
+        "decision": resolved.decision, "resource_audit": audit,
+        "recipe": {"format": 1, "kind": "coldsnap-engine-graph-recipe", "engine": engine, "mode": resolved.mode,
                    "shape_calibration_policy": shape_calibration_policy or "auto", "calibration_units": units,
                    "plan_sha256": recipe_digest(engine=engine, execution=execution, requested=requested,
-                                                effective=effective, audit=audit, coverage=coverage)},
+                                                effective=resolved.effective, audit=audit, coverage=coverage)},
     }
 
 
@@ -136,7 +167,7 @@ def validate_graph_record(record: dict[str, Any], *, engine: str, execution: dic
         fail("recipe calibration_units must equal the coverage unit count")
     if not isinstance(recipe.get("plan_sha256"), str) or not _DIGEST.match(recipe["plan_sha256"]):
         fail("recipe plan_sha256 must be sha256:<64 hex>")
-    if recipe.get("mode") != MODES.get(str(effective)):
+    if recipe.get("mode") != RECIPE_MODES.get(str(effective)):
         fail("recipe mode must match the effective policy")
     if recipe["plan_sha256"] != recipe_digest(engine=engine, execution=execution, requested=str(requested),
                                               effective=str(effective), audit=audit, coverage=coverage):

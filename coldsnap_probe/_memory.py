@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from .canonical import canonical_json, digest
+from .errors import MemoryCapabilityError
 
 __all__ = (
     "ACTIONS",
     "POLICIES",
     "STANDARD_REGIONS",
-    "MemoryCapabilityError",
     "MemoryCheckpointPlan",
     "MemoryLayoutDescriptor",
     "MemoryRegion",
@@ -38,11 +38,7 @@ TRANSPORT_ACTIONS = ("retain", "detach-registrations", "reattach-registrations")
 _EXTENSION_MAX = 1 << 20
 
 
-class MemoryCapabilityError(ValueError):
-    """A memory contract is violated or a capability is missing; the message names which."""
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class MemoryRegion:
     name: str
     policy: str
@@ -95,7 +91,7 @@ def layout_digest(layout: MemoryLayoutDescriptor) -> str:
                    "extension": json.loads(layout.extension_json)})
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class MemoryLayoutDescriptor:
     provider: str
     provider_abi: int
@@ -150,15 +146,15 @@ class MemoryLayoutDescriptor:
             raise MemoryCapabilityError("layout extension exceeds 1 MiB")
         try:
             extension = json.loads(self.extension_json)
-        except ValueError:
-            raise MemoryCapabilityError("layout extension is not JSON") from None
+        except ValueError as exc:
+            raise MemoryCapabilityError("layout extension is not JSON") from exc
         if not isinstance(extension, dict) or canonical_json(extension).decode() != self.extension_json:
             raise MemoryCapabilityError("layout extension must be a canonically stored object")
         if self.layout_digest != layout_digest(self):
             raise MemoryCapabilityError("layout digest does not recompute")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class MemoryResidencyStats:
     provider: str
     region: str
@@ -187,7 +183,7 @@ class MemoryResidencyStats:
             raise MemoryCapabilityError("preserved + discardable + externally hydrated bytes exceed mapped bytes")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ProviderCapabilities:
     provider: str
     tagged_regions: bool
@@ -228,7 +224,7 @@ def plan_digest(plan: MemoryCheckpointPlan) -> str:
                    "terminal_on_failure": plan.terminal_on_failure, "abort_safe": plan.abort_safe})
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class MemoryCheckpointPlan:
     generation: str
     owner: str

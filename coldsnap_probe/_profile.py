@@ -9,19 +9,12 @@ import subprocess
 import time
 from typing import Any
 
+from ._cache import boot_id
 from ._canaries import checkpoint_report, checkpoint_results, fresh_state, ipc_canary, known_negatives, vmm_canary
-from ._features import PROFILE_KIND, validate_profile
+from ._features import CRIU_PROBE
+from ._model import FeatureResult, Profile
 
-__all__ = ("boot_id", "build_profile", "identity")
-
-
-def boot_id() -> str | None:
-    """This boot's id (/proc/sys/kernel/random/boot_id), or None where it cannot be read."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return None
+__all__ = ("build_profile", "identity")
 
 
 def _criu() -> dict[str, Any]:
@@ -72,7 +65,7 @@ def identity(cuda_driver_api: int | None) -> dict[str, Any]:
             "kernel": platform.release(), **_nvml(), "cuda_driver_api": cuda_driver_api, "criu": _criu()}
 
 
-def build_profile(memory_bytes: int, timeout: float) -> dict[str, Any]:
+def build_profile(memory_bytes: int, timeout: float) -> Profile:
     """Run the round trip, the VMM canary and the IPC canary (in that order) and emit ten results."""
     started = time.time()
     report = checkpoint_report(memory_bytes, timeout)
@@ -81,15 +74,8 @@ def build_profile(memory_bytes: int, timeout: float) -> dict[str, Any]:
     api, roundtrip, initialized = checkpoint_results(report, started)
     driver_api = (report.get("driver_api") or {}).get("driver_api_version")
     criu_reason = "the controller has not attached capsule-pinned CRIU evidence"
-    features = [
-        api, roundtrip, vmm, ipc, *known_negatives(),
-        {"id": "criu-process-template", "status": "unqualified", "probe": "capsule-criu-check-v1",
-         "reason": criu_reason, "seconds": 0.0},
-        {"id": "criu-process-tree", "status": "unqualified", "probe": "capsule-criu-check-v1",
-         "reason": criu_reason, "seconds": 0.0},
-        fresh_state(report),
-        initialized,
-    ]
-    profile = {"format": 1, "kind": PROFILE_KIND, "identity": identity(driver_api), "features": features,
-               "started_unix": started, "completed_unix": time.time()}
-    return validate_profile(profile)
+    criu = [FeatureResult(id=feature, status="unqualified", probe=CRIU_PROBE, reason=criu_reason, seconds=0.0)
+            for feature in ("criu-process-template", "criu-process-tree")]
+    features = (api, roundtrip, vmm, ipc, *known_negatives(), *criu, fresh_state(report), initialized)
+    return Profile(identity=identity(driver_api), features=features, started_unix=started,
+                   completed_unix=time.time())

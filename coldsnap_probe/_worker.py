@@ -29,16 +29,13 @@ from typing import Any
 
 from ._cuda import Driver
 from ._profile import identity
+from .errors import WorkerError
 
-__all__ = ("WorkerError", "capture", "identity_compatibility", "image_digest", "restore")
+__all__ = ("capture", "identity_compatibility", "image_digest", "restore")
 
 CAPTURE_KIND = "coldsnap-cuda-criu-capture"
 RESTORE_KIND = "coldsnap-cuda-criu-restore"
 _NVIDIA_MAPS = ("libcuda.so", "libnvidia-ml.so", "/dev/nvidia")
-
-
-class WorkerError(RuntimeError):
-    """Capture or restore failed; the message says which step and why."""
 
 
 class Timeline:
@@ -107,7 +104,7 @@ def _audit_pre_cuda(tree: list[int]) -> None:
             maps = Path(f"/proc/{pid}/maps").read_text()
             fds = [target for fd in os.listdir(f"/proc/{pid}/fd") if (target := _readlink(f"/proc/{pid}/fd/{fd}"))]
         except OSError as exc:
-            raise WorkerError(f"audit: cannot read process {pid}: {exc}") from None
+            raise WorkerError(f"audit: cannot read process {pid}: {exc}") from exc
         hits = sorted({m for m in _NVIDIA_MAPS if m in maps} | {f for f in fds if f.startswith("/dev/nvidia")})
         if hits:
             raise WorkerError(f"audit: process {pid} is not a pre-CUDA template: it holds {', '.join(hits)}")

@@ -11,6 +11,8 @@ import hashlib
 import json
 from typing import Any
 
+from .errors import NotCanonical
+
 __all__ = ("canonical_json", "digest", "go_floats")
 
 
@@ -19,7 +21,7 @@ def canonical_json(value: Any) -> bytes:
     try:
         text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
     except ValueError as exc:
-        raise ValueError(f"canonical JSON refuses {exc}") from None
+        raise NotCanonical(f"canonical JSON refuses {exc}") from exc
     return text.encode("ascii")
 
 

@@ -7,7 +7,7 @@ import socket
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta, Struct
@@ -25,7 +25,10 @@ class ServerConfig(_Section, frozen=True):
     control_uids: list[Annotated[int, Meta(ge=0)]] = []
     control_gids: list[Annotated[int, Meta(ge=0)]] = []
     max_connections: Annotated[int, Meta(ge=1)] = 512
+    max_connections_per_uid: Annotated[int, Meta(ge=1)] = 128
+    max_buffered_bytes: Annotated[int, Meta(ge=1 << 20)] = 512 << 20
     request_read_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
+    reply_write_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
     shutdown_grace_s: Annotated[float, Meta(ge=0)] = 60.0
 
 
@@ -52,6 +55,27 @@ class RegistryConfig(_Section, frozen=True):
     push: bool = True
 
 
+class HuggingfaceConfig(_Section, frozen=True):
+    token_file: Annotated[str, Meta(pattern=r"^(?:/[^\x00]*)?\Z")] = ""
+    endpoint: Annotated[str, Meta(pattern=r"^https?://[^\s/?#]+(?:/[^\s?#]*)?\Z")] = "https://huggingface.co"
+    request_timeout_s: Annotated[float, Meta(gt=0)] = 60.0
+    operation_timeout_s: Annotated[float, Meta(gt=0)] = 3600.0
+
+
+class GpusConfig(_Section, frozen=True):
+    """How `gpus` reaches containers (coldsnap_runtime/backend/_gpus.py; README "GPUs")."""
+
+    mode: Literal["auto", "device-request", "cdi", "native"] = "auto"
+    # Native mode: host paths of the driver's user-space files, bound read-only ([] = discover).
+    driver_paths: list[Annotated[str, Meta(pattern=r"^/[^:\x00]*$")]] = []
+
+
+class RuntimeConfig(_Section, frozen=True):
+    """`privileged` where the engine cannot grant every capability (README "GPUs")."""
+
+    privileged: Literal["docker", "host-capabilities"] = "docker"
+
+
 class Config(_Section, frozen=True):
     server: ServerConfig = ServerConfig()
     provider: ProviderConfig = ProviderConfig()
@@ -59,6 +83,9 @@ class Config(_Section, frozen=True):
     exec: ExecConfig = ExecConfig()
     docker: DockerConfig = DockerConfig()
     registry: RegistryConfig = RegistryConfig()
+    gpus: GpusConfig = GpusConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+    huggingface: HuggingfaceConfig = HuggingfaceConfig()
 
 
 class ConfigError(Exception):

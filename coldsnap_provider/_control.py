@@ -9,6 +9,8 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 
 from coldsnap_runtime.errors import RequestRejected
 
+from ._envelope import check_unique_keys
+
 __all__ = (
     "ControlReply",
     "ControlRequest",
@@ -58,7 +60,6 @@ class Probe(_Control, tag="probe", frozen=True):
     device: NonEmpty = "0"
     image: str = ""
     host_process: bool = False
-    criu: str = ""
 
 
 ControlRequest = SessionOpen | SessionClose | SessionList | Status | Probe
@@ -76,13 +77,17 @@ _decoder = msgspec.json.Decoder(ControlRequest)
 _encoder = msgspec.json.Encoder()
 
 
-def decode_control(line: bytes) -> ControlRequest:
+def decode_control(line: bytes | bytearray) -> ControlRequest:
     try:
-        return _decoder.decode(line)
+        request = _decoder.decode(line)
     except msgspec.ValidationError as exc:
-        raise RequestRejected(f"control request is invalid: {exc}") from None
+        raise RequestRejected(f"control request is invalid: {exc}") from exc
     except msgspec.DecodeError as exc:
-        raise RequestRejected(f"control request is not valid JSON: {exc}") from None
+        raise RequestRejected(f"control request is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise RequestRejected("control request nests deeper than the decoder allows") from exc
+    check_unique_keys(line, what="control request")
+    return request
 
 
 def encode_control(reply: ControlReply) -> bytes:

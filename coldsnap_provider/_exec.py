@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import pwd
 import shutil
 import signal
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 import anyio
 import anyio.abc
 import structlog
 
-from coldsnap_runtime.errors import OutputTooLarge, RequestRejected
+from coldsnap_runtime.errors import OutputTooLarge, RequestRejected, RuntimeFailed
 
-__all__ = ("ExecIdentity", "ExecResult", "resolve_identity", "run_argv")
+__all__ = ("ExecIdentity", "ExecResult", "GroupLedger", "child_environment", "resolve_identity", "run_argv")
 
 log = structlog.get_logger(__name__)
 
@@ -62,23 +65,37 @@ def resolve_identity(spec: str) -> ExecIdentity:
     return ExecIdentity(uid=uid, gid=gid, home=home)
 
 
+# What a program run for a manager inherits: never the daemon's own environment (credentials).
+_KEPT_ENV = ("PATH", "LANG", "LC_ALL", "TZ")
+
+
+def child_environment(identity: ExecIdentity) -> dict[str, str]:
+    env = {key: os.environ[key] for key in _KEPT_ENV if key in os.environ}
+    env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+    home = identity.home if identity.uid is not None else os.environ.get("HOME")
+    if home:
+        env["HOME"] = home
+    return env
+
+
 async def run_argv(
     argv: list[str],
     *,
     stdin: bytes = b"",
     combined: bool = False,
     identity: ExecIdentity = ExecIdentity(),
+    groups: GroupLedger | None = None,
 ) -> ExecResult:
-    """Run exactly `argv`; a missing or unrunnable program is exit 127/126 like a shell would report."""
+    """Run exactly `argv`; a missing or unrunnable program is exit 127/126 like a shell would report.
+
+    The program runs in its own process group, recorded in `groups` while it runs, so that a
+    daemon that was killed can finish it off at its next start."""
     if any("\x00" in a for a in argv):
         raise RequestRejected("exec arguments must not contain NUL")
-    kwargs: dict[str, object] = {}
     if identity.uid is not None and identity.uid != os.geteuid():
         # setpriv keeps the argv exact; uvloop's subprocess_exec has no user=/group= and anyio no preexec_fn.
         gid = identity.gid if identity.gid is not None else identity.uid
         argv = [SETPRIV, f"--reuid={identity.uid}", f"--regid={gid}", "--clear-groups", "--", *argv]
-        if identity.home:
-            kwargs["env"] = dict(os.environ, HOME=identity.home)
     try:
         process = await anyio.open_process(
             argv,
@@ -86,30 +103,43 @@ async def run_argv(
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT if combined else subprocess.PIPE,
             start_new_session=True,  # so cancellation can take the whole process group
-            **kwargs,  # type: ignore[arg-type]
+            env=child_environment(identity),
         )
     except FileNotFoundError:
         return ExecResult(127, b"", f"coldsnap-provider: {argv[0]}: No such file or directory\n".encode())
     except PermissionError:
         return ExecResult(126, b"", f"coldsnap-provider: {argv[0]}: Permission denied\n".encode())
+    except OSError as exc:
+        if exc.errno == errno.E2BIG:
+            raise RequestRejected("exec arguments exceed the kernel's limit on argument size (E2BIG)") from exc
+        raise RuntimeFailed(action="exec", detail=f"cannot start {argv[0]}: {exc.strerror}") from exc
     async with process:
+        record = groups.add(process.pid) if groups is not None else None
         try:
             return await _collect(process, stdin)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await _kill_group(process)
             raise
+        finally:
+            if record is not None:
+                record.unlink(missing_ok=True)
 
 
 async def _collect(process: anyio.abc.Process, stdin: bytes) -> ExecResult:
-    outputs: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
+    outputs: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
+    total = 0
+    too_large = False
 
     async def drain(name: str, stream: anyio.abc.ByteReceiveStream) -> None:
-        buf = outputs[name]
+        nonlocal total, too_large
+        chunks = outputs[name]
         async for chunk in stream:
-            buf += chunk
-            if len(outputs["stdout"]) + len(outputs["stderr"]) > OUTPUT_LIMIT:
-                raise OutputTooLarge(action="exec", limit=OUTPUT_LIMIT)
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > OUTPUT_LIMIT:
+                too_large = True
+                tg.cancel_scope.cancel()
 
     async def feed(stream: anyio.abc.ByteSendStream) -> None:
         try:
@@ -126,19 +156,33 @@ async def _collect(process: anyio.abc.Process, stdin: bytes) -> ExecResult:
             tg.start_soon(drain, "stdout", process.stdout)
         if process.stderr is not None:
             tg.start_soon(drain, "stderr", process.stderr)
+    if too_large:
+        raise OutputTooLarge(action="exec", limit=OUTPUT_LIMIT)
     code = await process.wait()
-    return ExecResult(code if code >= 0 else 128 - code, bytes(outputs["stdout"]), bytes(outputs["stderr"]))
+    stdout, stderr = b"".join(outputs.pop("stdout")), b"".join(outputs.pop("stderr"))
+    return ExecResult(code if code >= 0 else 128 - code, stdout, stderr)
 
 
 async def _kill_group(process: anyio.abc.Process) -> None:
-    """SIGTERM the group, wait briefly, then SIGKILL; always reap."""
-    _signal_group(process.pid, signal.SIGTERM)
+    """SIGTERM the group; SIGKILL whatever of it is left after the grace (children included); reap."""
+    pgid = process.pid
+    _signal_group(pgid, signal.SIGTERM)
     with anyio.move_on_after(_KILL_GRACE_S):
         await process.wait()
+        while _group_alive(pgid):
+            await anyio.sleep(0.05)
         return
-    log.warning("exec process ignored SIGTERM; killing it", pid=process.pid)
-    _signal_group(process.pid, signal.SIGKILL)
+    log.warning("exec process group ignored SIGTERM; killing it", pid=pgid)
+    _signal_group(pgid, signal.SIGKILL)
     await process.wait()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
@@ -146,3 +190,71 @@ def _signal_group(pid: int, sig: signal.Signals) -> None:
         os.killpg(pid, sig)
     except ProcessLookupError:
         pass
+
+
+class GroupLedger:
+    """Process groups started for managers, one file each, so a restarted daemon can end them.
+
+    A record holds the group leader's start time (clock ticks since boot): only processes of
+    that group started no earlier than it are the ones we started (pids are reused)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def prepare(self) -> None:
+        self.directory.mkdir(mode=0o700, exist_ok=True)
+
+    def add(self, pgid: int) -> Path:
+        path = self.directory / str(pgid)
+        path.write_text(f"{_boot_id()} {_start_time(pgid)}\n")
+        return path
+
+    def sweep(self) -> int:
+        """SIGKILL what is left of every recorded group; returns how many processes were killed."""
+        killed = 0
+        boot = _boot_id()
+        for path in self.directory.iterdir():
+            try:
+                recorded_boot, started = path.read_text().split()
+                pgid = int(path.name)
+            except (OSError, ValueError):
+                path.unlink(missing_ok=True)
+                continue
+            if recorded_boot == boot:
+                for pid in _members(pgid, since=int(started)):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                        killed += 1
+            path.unlink(missing_ok=True)
+        if killed:
+            log.warning("killed processes left by a previous daemon", killed=killed)
+        return killed
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        data = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return data[data.rindex(")") + 2:].split()  # fields from the 3rd on; comm may hold spaces
+
+
+def _start_time(pid: int) -> int:
+    fields = _stat(pid)
+    return int(fields[19]) if fields else 0
+
+
+def _members(pgid: int, *, since: int) -> list[int]:
+    members = []
+    for entry in os.listdir("/proc"):
+        fields = _stat(int(entry)) if entry.isdigit() else None
+        if fields is not None and int(fields[2]) == pgid and int(fields[19]) >= since:
+            members.append(int(entry))
+    return members

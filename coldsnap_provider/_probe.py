@@ -18,16 +18,17 @@ import msgspec
 
 import coldsnap_probe
 from coldsnap_probe import AdmissionError, ProfileError
-from coldsnap_probe._profile import boot_id as this_boot
+from coldsnap_probe import boot_id as this_boot
 from coldsnap_runtime import Backend
 from coldsnap_runtime.errors import BackendError
 from coldsnap_runtime.schema import WorkloadSpec
 
-from ._exec import ExecResult, run_argv
+from ._exec import ExecIdentity, ExecResult, run_argv
 
 __all__ = ("PROBE_MOUNT", "ProbeOptions", "criu_workload", "probe_digest", "probe_workload", "run_probe")
 
 PROBE_MOUNT = "/opt/coldsnap/probe"
+_DAEMON = ExecIdentity()
 CAPSULE_CRIU = "/opt/coldsnap/criu/bin/criu"
 _PACKAGE_DIR = Path(coldsnap_probe.__file__).resolve().parent
 
@@ -51,10 +52,10 @@ def probe_digest() -> str:
     return "sha256:" + h.hexdigest()
 
 
-async def _device_identity(device: str) -> str:
+async def _device_identity(device: str, identity: ExecIdentity) -> str:
     """nvidia-smi's driver_version, uuid, name, compute_cap for the device ('' when unavailable)."""
     result = await run_argv(["nvidia-smi", f"--id={device}", "--query-gpu=driver_version,uuid,name,compute_cap",
-                             "--format=csv,noheader,nounits"])
+                             "--format=csv,noheader,nounits"], identity=identity)
     return result.stdout.decode(errors="replace").strip() if result.exit_code == 0 else ""
 
 
@@ -62,13 +63,13 @@ def _text(result: ExecResult) -> str:
     return (result.stdout + result.stderr).decode(errors="replace").strip()
 
 
-async def _criu_check(options: ProbeOptions, backend: Backend | None) -> str | None:
+async def _criu_check(options: ProbeOptions, backend: Backend | None, identity: ExecIdentity) -> str | None:
     """None when `criu check` passed, else the admission error text."""
     if options.host_process:
         criu = options.criu or shutil.which("criu") or ""
         if not criu:
             return "destination kernel failed capsule-pinned CRIU check: criu is not installed on this host"
-        result = await run_argv([criu, "check"], combined=True)
+        result = await run_argv([criu, "check"], combined=True, identity=identity)
         if result.exit_code != 0:
             return f"destination kernel failed capsule-pinned CRIU check: exit {result.exit_code}: {_text(result)}"
         return None
@@ -103,13 +104,13 @@ def probe_workload(options: ProbeOptions) -> WorkloadSpec:
     }, WorkloadSpec)
 
 
-async def _profile_output(options: ProbeOptions, backend: Backend | None) -> bytes:
+async def _profile_output(options: ProbeOptions, backend: Backend | None, identity: ExecIdentity) -> bytes:
     args = _probe_args(options)
     if options.host_process:
         # Like the capsule: the probe sees only its GPU (as ordinal 0); NVML is told which one it is.
         result = await run_argv(["env", f"CUDA_VISIBLE_DEVICES={options.device}",
                                  f"COLDSNAP_PROBE_NVML_DEVICE={options.device}",
-                                 f"PYTHONPATH={_PACKAGE_DIR.parent}", sys.executable, *args])
+                                 f"PYTHONPATH={_PACKAGE_DIR.parent}", sys.executable, *args], identity=identity)
         if result.exit_code != 0:
             raise ProfileError(f"probe exited {result.exit_code}: {result.stderr.decode(errors='replace').strip()}")
         return result.stdout
@@ -118,8 +119,12 @@ async def _profile_output(options: ProbeOptions, backend: Backend | None) -> byt
     return response.output if isinstance(response.output, bytes) else b""
 
 
-async def run_probe(options: ProbeOptions, *, state_dir: Path, backend: Backend | None) -> dict[str, Any]:
-    """`{"profile", "admitted", "error", "cached"}`; raises ValueError for unusable options."""
+async def run_probe(options: ProbeOptions, *, state_dir: Path, backend: Backend | None,
+                    identity: ExecIdentity = _DAEMON) -> dict[str, Any]:
+    """`{"profile", "admitted", "error", "cached"}`; raises ValueError for unusable options.
+
+    Host processes (criu, nvidia-smi, the probe) run as `identity`: on behalf of a manager,
+    that is `exec.user`, never more."""
     requirements = coldsnap_probe.requirements(options.driver)
     if not options.host_process and not options.image:
         raise ValueError("give --image IMAGE or --host-process")
@@ -127,7 +132,7 @@ async def run_probe(options: ProbeOptions, *, state_dir: Path, backend: Backend 
     if not options.host_process:
         assert backend is not None
         capsule = (await backend.image_inspect(options.image)).id
-    boot_id, device_identity = this_boot() or "", await _device_identity(options.device)
+    boot_id, device_identity = this_boot() or "", await _device_identity(options.device, identity)
     # Without a device identity (no nvidia-smi / GPU) nothing could be keyed truthfully: no cache.
     key = coldsnap_probe.cache_key(boot_id, device_identity, capsule, probe_digest(), options.driver,
                                    options.device) if boot_id and device_identity else ""
@@ -139,8 +144,8 @@ async def run_probe(options: ProbeOptions, *, state_dir: Path, backend: Backend 
                 return {"profile": cached, "admitted": True, "error": None, "cached": True}
             except AdmissionError:
                 pass  # requirements changed: probe afresh
-    criu_error = await _criu_check(options, backend)
-    profile = coldsnap_probe.decode_profile(await _profile_output(options, backend))
+    criu_error = await _criu_check(options, backend, identity)
+    profile = coldsnap_probe.decode_profile(await _profile_output(options, backend, identity))
     if criu_error is None:
         profile = coldsnap_probe.attach_criu(profile, options.driver)
     try:

@@ -5,41 +5,64 @@ On disk (survives a daemon restart)::
     <state>/records/<id>.json           0600, daemon-owned; the token only as its SHA-256
     <state>/sessions/<id>/              0700, owned by the uid that opened the session
     <state>/sessions/<id>/provider.sock 0600, same owner
+    <state>/bind/                       0700, daemon-owned: sockets are bound, chmod'ed and
+                                        chown'ed here, where no session owner can race us,
+                                        then renamed into place (rename never follows a link)
+
+:class:`SessionManager` is the one owner of the records, the live table and the uid rule.
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import hmac
 import os
 import re
 import secrets
 import shutil
+import socket
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
+import anyio
+import anyio.abc
 import msgspec
 import structlog
+from anyio.abc import SocketListener, TaskStatus
 
 from coldsnap_runtime.errors import RequestRejected
 
-__all__ = ("SOCKET_NAME", "SessionRecord", "SessionStore", "hosts_from_request", "validate_session_id")
+from ._listener import ConnectionServer
+
+__all__ = (
+    "SOCKET_NAME",
+    "Session",
+    "SessionManager",
+    "SessionRecord",
+    "SessionState",
+    "SessionStore",
+    "hosts_from_request",
+    "is_admin",
+    "validate_session_id",
+)
 
 log = structlog.get_logger(__name__)
 
 SOCKET_NAME = "provider.sock"
-_SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _SUN_PATH_MAX = 107  # Linux sun_path is 108 bytes including the NUL
+_ID_MAX = (1 << 32) - 1  # uid_t/gid_t; (uid_t)-1 means "unchanged" to chown
 
 
 class SessionRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     session: str
     token_sha256: str
     hosts: list[str]
-    uid: int
-    gid: int
+    uid: Annotated[int, msgspec.Meta(ge=0, lt=_ID_MAX)]
+    gid: Annotated[int, msgspec.Meta(ge=0, lt=_ID_MAX)]
     labels: dict[str, str] = {}
     cluster_id: str = ""
     created_unix: float = 0.0
@@ -53,9 +76,9 @@ class SessionRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
 
 def validate_session_id(session: str) -> str:
-    if not _SESSION_ID.match(session):
+    if not _SESSION_ID.fullmatch(session):
         raise RequestRejected(
-            f"session id {session!r} is invalid: it must match {_SESSION_ID.pattern} "
+            f"session id {session!r} is invalid: it must match ^{_SESSION_ID.pattern}$ "
             "(it names a directory and travels in every request)"
         )
     return session
@@ -93,15 +116,17 @@ class SessionStore:
         self.state_dir = state_dir
         self._records = state_dir / "records"
         self._sessions = state_dir / "sessions"
+        self._bind = state_dir / "bind"
 
     def prepare(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         # Traversable by session owners, not listable.
         os.chmod(self.state_dir, 0o711)
-        self._records.mkdir(mode=0o700, exist_ok=True)
-        os.chmod(self._records, 0o700)
-        self._sessions.mkdir(mode=0o711, exist_ok=True)
-        os.chmod(self._sessions, 0o711)
+        for directory, mode in ((self._records, 0o700), (self._sessions, 0o711), (self._bind, 0o700)):
+            directory.mkdir(mode=mode, exist_ok=True)
+            os.chmod(directory, mode)
+        for leftover in self._bind.iterdir():
+            leftover.unlink(missing_ok=True)
 
     def socket_path(self, session: str) -> Path:
         return self._sessions / session / SOCKET_NAME
@@ -139,29 +164,77 @@ class SessionStore:
         )
         record_path = self._records / f"{session}.json"
         try:
-            fd = os.open(record_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            raise RequestRejected(f"session {session!r} already exists") from None
+            fd = os.open(record_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError as exc:
+            raise RequestRejected(f"session {session!r} already exists") from exc
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(_encoder.encode(record))
                 f.flush()
                 os.fsync(f.fileno())
-            self._make_private_dir(session, uid, gid)
+            directory = self._sessions / session
+            if directory.exists() or directory.is_symlink():
+                shutil.rmtree(directory)  # left over from a session whose record is gone (fd-based: no links followed)
         except BaseException:
             record_path.unlink(missing_ok=True)
-            shutil.rmtree(self._sessions / session, ignore_errors=True)
             raise
         return record, token
 
-    def _make_private_dir(self, session: str, uid: int, gid: int) -> None:
-        directory = self._sessions / session
-        if directory.exists():
-            shutil.rmtree(directory)  # left over from a session whose record is gone
-        directory.mkdir(mode=0o700)
-        os.chmod(directory, 0o700)
-        if (uid, gid) != (os.geteuid(), os.getegid()):
-            os.chown(directory, uid, gid)
+    def bind_socket(self, record: SessionRecord) -> socket.socket:
+        """A listening socket at the session's path, owned by the session's uid, mode 0600.
+
+        The session directory belongs to its owner, who could swap a symlink in at any
+        moment: so nothing there is touched by path. The socket is bound and given its owner
+        in the daemon-only ``bind/`` directory, then renamed into the session directory,
+        which is itself checked and fixed through a descriptor opened with O_NOFOLLOW.
+        """
+        directory_fd = self._private_dir(record)
+        staging = self._bind / secrets.token_hex(8)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(os.fspath(staging))
+            os.chmod(staging, 0o600)
+            if (record.uid, record.gid) != (os.geteuid(), os.getegid()):
+                os.chown(staging, record.uid, record.gid)
+            sock.listen(128)
+            os.rename(staging, SOCKET_NAME, dst_dir_fd=directory_fd)
+        except BaseException:
+            sock.close()
+            staging.unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(directory_fd)
+        return sock
+
+    def _private_dir(self, record: SessionRecord) -> int:
+        """Open (creating if needed) sessions/<id> as a real directory, 0700, owned by the session's uid."""
+        sessions_fd = os.open(self._sessions, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            try:
+                os.mkdir(record.session, 0o700, dir_fd=sessions_fd)
+            except FileExistsError:
+                pass
+            fd = os.open(record.session, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=sessions_fd)
+        finally:
+            os.close(sessions_fd)
+        try:
+            info = os.fstat(fd)
+            if (info.st_uid, info.st_gid) != (record.uid, record.gid):
+                os.fchown(fd, record.uid, record.gid)
+            if info.st_mode & 0o7777 != 0o700:
+                os.fchmod(fd, 0o700)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def load(self, session: str) -> SessionRecord | None:
+        """The persisted record of `session`, or None when there is none (or it is damaged)."""
+        validate_session_id(session)
+        try:
+            return _decoder.decode((self._records / f"{session}.json").read_bytes())
+        except (OSError, msgspec.MsgspecError):
+            return None
 
     def remove(self, session: str) -> None:
         validate_session_id(session)
@@ -183,3 +256,120 @@ class SessionStore:
                 log.error("skipping damaged session record", path=str(path), reason=str(exc))
                 continue
             yield record
+
+
+def is_admin(uid: int) -> bool:
+    """Root and the daemon's own uid may see and manage every session."""
+    return uid in (0, os.geteuid())
+
+
+class SessionState(enum.Enum):
+    NEW = "new"  # created, socket not bound yet
+    OPEN = "open"  # bound and answering
+    CLOSED = "closed"  # closed; its socket and record are gone
+
+
+class Session:
+    """One ColdSnap operation's socket: its record, and the server task answering on it."""
+
+    def __init__(self, record: SessionRecord, server_for: ServerFactory) -> None:
+        self.record = record
+        self._server_for = server_for
+        self._scope = anyio.CancelScope()
+        self._server: ConnectionServer | None = None
+        self.state = SessionState.NEW
+
+    async def run(self, sock: socket.socket, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Serve the session's socket until :meth:`aclose` (owned by the manager's task group)."""
+        with self._scope:
+            try:
+                listener = await SocketListener.from_socket(sock)
+            except BaseException:
+                sock.close()
+                raise
+            self._server = self._server_for(self.record, listener)
+            self.state = SessionState.OPEN
+            await self._server.serve(task_status=task_status)
+
+    def stop_accepting(self) -> None:
+        if self._server is not None:
+            self._server.stop_accepting()
+
+    async def aclose(self) -> None:
+        """Stop serving at once (in-flight requests are cancelled); safe to call twice."""
+        self.state = SessionState.CLOSED
+        self._scope.cancel()
+
+
+ServerFactory = Callable[[SessionRecord, SocketListener], ConnectionServer]
+
+
+class SessionManager:
+    """The one owner of session records, the live table and the uid rule."""
+
+    def __init__(self, store: SessionStore, server_for: ServerFactory) -> None:
+        self.store = store
+        self._server_for = server_for
+        self._live: dict[str, Session] = {}
+        self._task_group: anyio.abc.TaskGroup | None = None
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    async def start(self, *, task_group: anyio.abc.TaskGroup) -> None:
+        """Re-serve every persisted session; one that cannot be bound is logged and skipped."""
+        self._task_group = task_group
+        for record in self.store.load_all():
+            try:
+                await self._serve(record)
+            except (OSError, OverflowError, ValueError) as exc:
+                log.error("could not re-bind session socket", session=record.session, error=str(exc))
+
+    async def _serve(self, record: SessionRecord) -> None:
+        if self._task_group is None:
+            raise RuntimeError("the session manager has not been started")
+        sock = self.store.bind_socket(record)
+        session = Session(record, self._server_for)
+        await self._task_group.start(self._run, session, sock)
+
+    async def _run(self, session: Session, sock: socket.socket, *, task_status: TaskStatus[None]) -> None:
+        self._live[session.record.session] = session
+        try:
+            await session.run(sock, task_status=task_status)
+        finally:
+            if self._live.get(session.record.session) is session:
+                del self._live[session.record.session]
+
+    async def open(
+        self, session: str, *, hosts: list[str], uid: int, gid: int, labels: dict[str, str], cluster_id: str
+    ) -> tuple[SessionRecord, str]:
+        """Persist and serve a new session; nothing is left behind if it cannot be served."""
+        record, token = self.store.create(session, hosts=hosts, uid=uid, gid=gid, labels=labels,
+                                          cluster_id=cluster_id)
+        try:
+            await self._serve(record)
+        except BaseException:
+            self.store.remove(session)
+            raise
+        log.info("session opened", session=session, hosts=hosts, owner_uid=uid)
+        return record, token
+
+    async def close(self, session: str, *, uid: int) -> None:
+        """Close a session its caller owns (root and the daemon's uid own every one)."""
+        live = self._live.get(session)
+        record = live.record if live is not None else self.store.load(session)
+        if record is not None and not (is_admin(uid) or record.uid == uid):
+            raise RequestRejected(f"session {session!r} belongs to another user")
+        self.store.remove(session)  # raises, changing nothing, when the session does not exist
+        if live is not None:
+            # Gone from listings now: the session's task leaves the table only once it has unwound.
+            del self._live[session]
+            await live.aclose()
+        log.info("session closed", session=session)
+
+    def visible_to(self, uid: int) -> list[SessionRecord]:
+        return [live.record for live in self._live.values() if is_admin(uid) or live.record.uid == uid]
+
+    def stop_accepting(self) -> None:
+        for live in list(self._live.values()):
+            live.stop_accepting()

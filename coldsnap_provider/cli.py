@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -19,6 +19,12 @@ import msgspec
 from . import __version__
 from ._client import ProtocolError, ReplyError, call, call_control
 from ._config import Config, ConfigError, default_state_dir, load_config, node_names
+
+if TYPE_CHECKING:
+    from coldsnap_runtime.backend._gpus import HostPolicy
+
+    from ._exec import ExecIdentity
+    from ._huggingface import HuggingfaceClient
 
 __all__ = ("main",)
 
@@ -49,12 +55,20 @@ def _state_dir(args: argparse.Namespace, config: Config | None = None) -> Path:
 # --- serve -------------------------------------------------------------------------------
 
 
-async def _serve(config: Config, state_dir: Path) -> None:
-    from coldsnap_runtime.backend._docker import DockerBackend
+def _host_policy(config: Config) -> HostPolicy:
+    """[gpus] and [runtime] for the Docker backend (coldsnap_runtime/backend/_gpus.py)."""
+    from coldsnap_runtime.backend._gpus import GpuPolicy, HostPolicy
 
+    return HostPolicy(gpus=GpuPolicy(mode=config.gpus.mode, driver_paths=tuple(config.gpus.driver_paths)),
+                      privileged=config.runtime.privileged)
+
+
+async def _serve(config: Config, state_dir: Path) -> None:
+    from coldsnap_runtime import DockerBackend
+
+    from ._daemon import Daemon
     from ._dispatch import Operations
-    from ._exec import resolve_identity
-    from ._server import Daemon
+    from ._exec import GroupLedger, resolve_identity
     from ._systemd import listen_fds
 
     identity = resolve_identity(config.exec.user)
@@ -63,6 +77,9 @@ async def _serve(config: Config, state_dir: Path) -> None:
         url=config.docker.url,
         credentials_file=config.registry.credentials_file or None,
         spool_dir=config.docker.spool_dir or None,
+        host_policy=_host_policy(config),
+        instance=_instance_id(state_dir),
+        image_ledger=state_dir / "images.json",
     ) as backend:
         operations = Operations(
             provider_name=config.provider.name,
@@ -71,6 +88,8 @@ async def _serve(config: Config, state_dir: Path) -> None:
             identity=identity,
             allow_pull=config.registry.pull,
             allow_push=config.registry.push,
+            groups=GroupLedger(state_dir / "exec-groups"),
+            huggingface=_huggingface_client(config, identity),
         )
         daemon = Daemon(config, state_dir=state_dir, operations=operations, backend=backend,
                         control_fd=fds[0] if fds else None)
@@ -84,6 +103,24 @@ async def _serve(config: Config, state_dir: Path) -> None:
             tg.start_soon(on_signals)
             await daemon.run()
             tg.cancel_scope.cancel()
+
+
+def _huggingface_client(config: Config, identity: ExecIdentity) -> HuggingfaceClient | None:
+    """The Hub client when `[huggingface] token_file` is set (README: Hugging Face)."""
+    if not config.huggingface.token_file:
+        return None
+    from ._huggingface import HuggingfaceClient, configure_client_timeouts
+
+    configure_client_timeouts(config.huggingface.request_timeout_s)
+    return HuggingfaceClient(endpoint=config.huggingface.endpoint, token_file=config.huggingface.token_file,
+                             identity=identity, operation_timeout_s=config.huggingface.operation_timeout_s)
+
+
+def _instance_id(state_dir: Path) -> str:
+    """Names this daemon's RPC-owned containers: stable across restarts, distinct per state directory."""
+    import hashlib
+
+    return hashlib.sha256(os.fsencode(state_dir.absolute())).hexdigest()[:16]
 
 
 def _checked_config(path: str | None) -> Config | None:
@@ -105,9 +142,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     if (config := _checked_config(args.config)) is None:
         return EXIT_USAGE
-    anyio.run(_serve, config, _state_dir(args, config), backend="asyncio",
-              backend_options={"use_uvloop": _uvloop_available()})
-    return 0
+    refused = False
+    try:
+        anyio.run(_serve, config, _state_dir(args, config), backend="asyncio",
+                  backend_options={"use_uvloop": _uvloop_available()})
+    except* ConfigError as group:  # e.g. the state directory is already served
+        for exc in group.exceptions:
+            _err(str(exc))
+        refused = True
+    return EXIT_USAGE if refused else 0
 
 
 def _uvloop_available() -> bool:
@@ -216,10 +259,10 @@ async def _probe(args: argparse.Namespace) -> dict[str, Any]:
     state_dir = _state_dir(args)
     if args.host_process:
         return await run_probe(options, state_dir=state_dir, backend=None)
-    from coldsnap_runtime.backend._docker import DockerBackend
+    from coldsnap_runtime import DockerBackend
 
     config = load_config(args.config)
-    async with DockerBackend(url=config.docker.url) as backend:
+    async with DockerBackend(url=config.docker.url, host_policy=_host_policy(config)) as backend:
         return await run_probe(options, state_dir=state_dir, backend=backend)
 
 
@@ -254,12 +297,60 @@ def cmd_version(args: argparse.Namespace) -> int:
 # --- run a controller under a session ----------------------------------------------------
 
 
-async def _run_controller(args: argparse.Namespace, request_bytes: bytes) -> int:
+_REQUIRED_FEATURE = "manager-runtime-v1"
+_CAPABILITIES_OUTPUT_LIMIT = 1 << 20
+
+
+class ControllerRefused(Exception):
+    """The controller's `capabilities` does not offer what this manager needs (spec section 8)."""
+
+
+async def _negotiate(program: list[str], env: dict[str, str], bound_s: float) -> None:
+    """Run `<program> capabilities` and require `features` to contain manager-runtime-v1 and
+    `protocols.host_provider_format == 1`; raise ControllerRefused naming what is missing."""
+    argv = [*program, "capabilities"]
+    shown = " ".join(argv)
+    try:
+        with anyio.fail_after(bound_s):
+            result = await anyio.run_process(argv, stdin=subprocess.DEVNULL, env=env, check=False,
+                                              start_new_session=True)
+    except TimeoutError:
+        raise ControllerRefused(f"`{shown}` did not answer within {bound_s:g} s") from None
+    except OSError as exc:
+        raise ControllerRefused(f"cannot run `{shown}`: {exc.strerror or exc}") from None
+    if result.returncode != 0:
+        detail = result.stderr.decode("utf-8", "replace").strip()[-500:]
+        raise ControllerRefused(f"`{shown}` exited {result.returncode}: {detail}")
+    try:
+        if len(result.stdout) > _CAPABILITIES_OUTPUT_LIMIT:
+            raise ValueError(f"more than {_CAPABILITIES_OUTPUT_LIMIT} bytes")
+        document = json.loads(result.stdout)
+        if not isinstance(document, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as exc:
+        raise ControllerRefused(f"`{shown}` did not print a capabilities object ({exc})") from None
+    missing = []
+    features = document.get("features")
+    if not isinstance(features, list) or _REQUIRED_FEATURE not in features:
+        missing.append(f"features lacks {_REQUIRED_FEATURE!r}")
+    protocols = document.get("protocols")
+    version = protocols.get("host_provider_format") if isinstance(protocols, dict) else None
+    if type(version) is not int or version != 1:
+        missing.append(f"protocols.host_provider_format is {json.dumps(version)}, not 1")
+    if missing:
+        raise ControllerRefused(f"`{shown}`: {'; '.join(missing)}")
+
+
+async def _run_controller(args: argparse.Namespace, request_bytes: bytes, labels: dict[str, str]) -> int:
     state_dir = _state_dir(args)
-    opened = await call_control(state_dir, {"operation": "session-open",
-                                            "request": json.loads(request_bytes)})
-    session = opened["session"]
     env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV}
+    await _negotiate(args.command[:args.controller_words], env, args.capabilities_timeout)
+    opening: dict[str, Any] = {"operation": "session-open", "request": json.loads(request_bytes),
+                               "labels": labels}
+    if args.cluster_id:
+        opening["cluster_id"] = args.cluster_id
+    opened = await call_control(state_dir, opening)
+    session = opened["session"]
     env.update(opened["environment"])
     try:
         async with await anyio.open_process(
@@ -312,7 +403,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         _err(f"--request: {exc}")
         return EXIT_USAGE
     try:
-        return anyio.run(_run_controller, args, request_bytes)
+        labels = _parse_labels(args.label)
+    except ValueError as exc:
+        _err(f"run: {exc}")
+        return EXIT_USAGE
+    if not 1 <= args.controller_words <= len(args.command):
+        _err(f"run: --controller-words must be between 1 and {len(args.command)}")
+        return EXIT_USAGE
+    try:
+        return anyio.run(_run_controller, args, request_bytes, labels)
+    except ControllerRefused as exc:
+        _err(f"run: refusing the controller: {exc}")
+        return EXIT_USAGE
     except (ReplyError, ProtocolError) as exc:
         _err(str(exc))
         return 1
@@ -357,6 +459,13 @@ def _parser() -> argparse.ArgumentParser:
 
     run = with_state_dir(sub.add_parser("run", help="run a controller command inside a session"))
     run.add_argument("--request", required=True, help="ColdSnap request JSON (also fed on stdin)")
+    run.add_argument("--label", action="append", default=[], help="manager label KEY=VALUE (repeatable)")
+    run.add_argument("--cluster-id", default="", help="workload cluster id the manager labels apply to")
+    run.add_argument("--controller-words", type=int, default=1, metavar="N",
+                     help="how many leading words of COMMAND name the controller program; "
+                          "`<those words> capabilities` is checked first (default 1)")
+    run.add_argument("--capabilities-timeout", type=float, default=30.0, metavar="SECONDS",
+                     help="bound on the controller's `capabilities` answer (default 30)")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...")
     run.set_defaults(func=cmd_run)
 

@@ -1,18 +1,23 @@
-"""The project's one error tree.
+"""The runtime's one error tree.
 
 ::
 
     ColdsnapError                      any failure we report on the wire
     ├── RequestRejected                bad framing, envelope, auth or validation (plain ok:false)
-    └── BackendError                   the runtime failed            (error_code runtime_failed)
+    └── BackendError                   the runtime failed                        (runtime_failed)
         ├── NotFound                   the image or workload itself is absent   (not_found)
         ├── PathNotFound               a path inside an existing workload       (path_not_found)
-        ├── RuntimeFailed              a non-zero exit, a daemon error
-        │   └── OutputTooLarge         a reply would pass the 64 MiB wire limit
+        ├── RuntimeFailed              a non-zero exit, an engine error, a refused operation
+        │   ├── OutputTooLarge         collected output would pass the reply limit
+        │   ├── BuildContextError      a build the classic builder cannot express
+        │   └── EngineRejected         the engine answered a hijacked request with an error status
+        ├── BackendTimeout             the engine did not answer within the action's deadline
         └── BackendUnavailable         the engine socket is missing, refused or reset
 
 ``error_code`` is a class attribute so subclasses inherit their wire class; context
 travels as keyword-only attributes and the constructor builds the message.
+Dependency errors (aiodocker, aiohttp, sockets) become these classes in one place,
+``coldsnap_runtime.backend._docker.docker_errors``, always chained with ``from exc``.
 Misusing our own API raises ``RuntimeError``/``TypeError`` and never reaches the wire.
 """
 
@@ -22,8 +27,11 @@ from typing import ClassVar
 
 __all__ = (
     "BackendError",
+    "BackendTimeout",
     "BackendUnavailable",
+    "BuildContextError",
     "ColdsnapError",
+    "EngineRejected",
     "NotFound",
     "OutputTooLarge",
     "PathNotFound",
@@ -81,10 +89,33 @@ class RuntimeFailed(BackendError):
 
 
 class OutputTooLarge(RuntimeFailed):
-    """Collected output would not fit in one 64 MiB reply."""
+    """Collected output would not fit in one reply (``coldsnap_runtime.limits.OUTPUT_LIMIT``)."""
 
     def __init__(self, *, action: str, limit: int) -> None:
         super().__init__(action=action, detail=f"output exceeds {limit} bytes")
+        self.limit = limit
+
+
+class BuildContextError(RuntimeFailed):
+    """An image-build the classic builder cannot express (a BuildKit-only feature, a bad context)."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(action="image-build", detail=detail)
+
+
+class EngineRejected(RuntimeFailed):
+    """The engine answered a hijacked request (attach, exec start) with an HTTP error status."""
+
+    def __init__(self, *, action: str, status: int, detail: str) -> None:
+        super().__init__(action=action, detail=detail)
+        self.status = status
+
+
+class BackendTimeout(BackendError):
+    """The engine did not answer within the deadline of the action."""
+
+    def __init__(self, *, action: str) -> None:
+        super().__init__(f"{action} failed: the container engine did not answer in time", action=action)
 
 
 class BackendUnavailable(BackendError):

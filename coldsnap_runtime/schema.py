@@ -41,35 +41,44 @@ __all__ = (
 )
 
 # --- predicates (spec 6.2) -------------------------------------------------------------
+# msgspec checks `pattern` with re.search, where `$` also matches before a final "\n":
+# every pattern is anchored with `\A` ... `\Z` so a trailing newline is never accepted.
+# Identifiers, paths and mapping keys also refuse control characters anywhere (a path
+# "/x\n" is not a path a manager means, and Docker would create it verbatim).
 
-Text = Annotated[str, Meta(min_length=1, pattern=r"^[^\x00]+$", description="text: non-empty, no NUL")]
+_CONTROL = r"\x00-\x1f\x7f"
+
+Text = Annotated[str, Meta(min_length=1, pattern=r"\A[^\x00]+\Z", description="text: non-empty, no NUL")]
 Reference = Annotated[
     str,
     Meta(
-        pattern=r"^[^\s\x00-][^\s\x00]*$",
+        pattern=r"\A[^\s\x00-][^\s\x00]*\Z",
         description="reference: non-empty, no whitespace or NUL, must not start with '-'",
     ),
 ]
 OptionalReference = Annotated[
     str,
-    Meta(pattern=r"^(?:[^\s\x00-][^\s\x00]*)?$", description="optional reference: '' or a reference"),
+    Meta(pattern=r"\A(?:[^\s\x00-][^\s\x00]*)?\Z", description="optional reference: '' or a reference"),
 ]
 # An absolute path in normal form: no '.', '..' or empty segments, no trailing '/', no ':'.
-_SEGMENT = r"(?!\.\.?(?:/|$))[^/:\x00]+"
+_SEGMENT = rf"(?!\.\.?(?:/|\Z))[^/:{_CONTROL}]+"
 Path = Annotated[
     str,
     Meta(
-        pattern=rf"^/(?:{_SEGMENT}(?:/{_SEGMENT})*)?$",
-        description="path: absolute, normalised (no '.', '..', '//' or trailing '/'), no ':' or NUL",
+        pattern=rf"\A/(?:{_SEGMENT}(?:/{_SEGMENT})*)?\Z",
+        description="path: absolute, normalised (no '.', '..', '//' or trailing '/'), no ':' or control character",
     ),
 ]
-PlainString = Annotated[str, Meta(pattern=r"^[^\x00]*$", description="string without NUL")]
-MappingKey = Annotated[str, Meta(pattern=r"^[^=\x00]+$", description="mapping key: non-empty, no '=' or NUL")]
+PlainString = Annotated[str, Meta(pattern=r"\A[^\x00]*\Z", description="string without NUL")]
+MappingKey = Annotated[
+    str,
+    Meta(pattern=rf"\A[^={_CONTROL}]+\Z", description="mapping key: non-empty, no '=' or control character"),
+]
 Mapping = dict[MappingKey, PlainString]
 GpuId = Annotated[
     str,
     Meta(
-        pattern=r'^[^\s\x00,"-][^\s\x00,"]*$',
+        pattern=r'\A[^\s\x00,"-][^\s\x00,"]*\Z',
         description="GPU device id: a reference without ',' or '\"'",
     ),
 ]

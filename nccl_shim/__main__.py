@@ -14,8 +14,9 @@ from typing import Any
 import msgspec
 
 from ._abi import CAPABILITY_BITS
-from ._admission import AdmissionError, Expectations, admit_identity, capability_names, unknown_capability_mask
-from ._lib import Shim, ShimError
+from ._admission import Expectations, admit_identity, capability_names, unknown_capability_mask
+from ._lib import Shim
+from .errors import ProviderNotAdmitted, ShimError
 
 EXIT_NOT_ADMITTED, EXIT_USAGE = 3, 2
 
@@ -36,7 +37,7 @@ def inspect(library: str | None, *, in_place: bool, require: list[str]) -> dict[
         expect = Expectations.from_environment(extra_capabilities=require, in_place=in_place or None)
         admit_identity(identity, in_place_status, expect)
         report["admitted"] = True
-    except AdmissionError as exc:
+    except ProviderNotAdmitted as exc:
         report.update(error=str(exc), rule=exc.rule)
     finally:
         shim.close()

@@ -11,9 +11,14 @@ import ctypes
 
 __all__ = (
     "CAPABILITY_BITS",
+    "EVIDENCE_MAX",
+    "IN_PLACE_SLOTS",
     "KNOWN_CAPABILITY_MASK",
     "NCCL_RESULTS",
+    "PROVIDER_SLOTS",
+    "RESOURCES_SLOTS",
     "SHIM_ERRORS",
+    "TABLES",
     "Identity",
     "InPlaceV1",
     "ProviderV1",
@@ -48,6 +53,16 @@ class ResourcesV1(ctypes.Structure):
         ("struct_size", ctypes.c_uint32), ("abi_major", ctypes.c_uint32), ("abi_minor", ctypes.c_uint32),
         ("reserved0", ctypes.c_uint32), ("inspect", _fn), ("evidence_json", _fn),
     ]
+
+
+# csns_layout's table selectors (CSNS_TABLE_PROVIDER, _IN_PLACE, _RESOURCES) index this.
+TABLES: tuple[type[ctypes.Structure], ...] = (ProviderV1, InPlaceV1, ResourcesV1)
+# The function slots the shim reports, in its bit order (csns_identity.slots, csns_table_info.slots).
+PROVIDER_SLOTS = ("prepare", "restore", "network_reset", "network_init", "ib_status", "comm_get_real")
+IN_PLACE_SLOTS = ("communicator_suspend", "transport_detach", "transport_reattach", "communicator_resume",
+                  "evidence_json")
+RESOURCES_SLOTS = ("inspect", "evidence_json")
+EVIDENCE_MAX = 64 * 1024  # CSNS_EVIDENCE_MAX: the most evidence or inventory bytes a provider may return
 
 
 class Identity(ctypes.Structure):

@@ -1,10 +1,11 @@
 """Admission of what the shim found: identity (spec 4a, in its order), evidence (4b), resources (4c).
 
-Each rejection raises :class:`AdmissionError` whose message names the rule.
+Each rejection raises :class:`ProviderNotAdmitted` whose `rule` names the rule.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
@@ -13,26 +14,18 @@ from typing import Any
 
 import msgspec
 
-from ._abi import CAPABILITY_BITS, KNOWN_CAPABILITY_MASK
+from ._abi import CAPABILITY_BITS, EVIDENCE_MAX, IN_PLACE_SLOTS, KNOWN_CAPABILITY_MASK, InPlaceV1, ProviderV1
 from ._lib import ShimIdentity, TableStatus
+from .errors import ProviderNotAdmitted
 
-__all__ = ("AdmissionError", "Expectations", "admit_evidence", "admit_identity", "admit_resources",
-           "capability_names", "missing_capabilities")
+__all__ = ("Expectations", "admit_evidence", "admit_identity", "admit_resources", "capability_names",
+           "missing_capabilities", "unknown_capability_mask")
 
 IN_PLACE_MODE = "net-reconnect-v1"
 PROVIDER_ID = re.compile(r"^nccl-[0-9]+\.[0-9]+\.[0-9]+-[0-9]+\+coldsnap\.[0-9]+$")
-_EVIDENCE_MAX = 64 * 1024
 _REQUIRED_SLOTS = ("prepare", "restore", "network_reset", "network_init")
-_IN_PLACE_SLOTS = ("communicator_suspend", "transport_detach", "transport_reattach", "communicator_resume",
-                   "evidence_json")
-
-
-class AdmissionError(Exception):
-    """The provider is not admitted; `rule` is the spec rule number (4a) or name."""
-
-    def __init__(self, rule: str, message: str) -> None:
-        super().__init__(message)
-        self.rule = rule
+_PROVIDER_V1_SIZE = ctypes.sizeof(ProviderV1)  # 96
+_IN_PLACE_V1_SIZE = ctypes.sizeof(InPlaceV1)  # 56
 
 
 def _truthy(value: str | None, default: bool) -> bool:
@@ -78,7 +71,7 @@ def missing_capabilities(mask: int, required: list[str]) -> list[str]:
     """Sorted missing names; an unknown name is refused outright."""
     unknown = sorted({name for name in required if name not in CAPABILITY_BITS})
     if unknown:
-        raise AdmissionError("4a.9", f"unknown required NCCL provider capabilities: {', '.join(unknown)}")
+        raise ProviderNotAdmitted("4a.9", f"unknown required NCCL provider capabilities: {', '.join(unknown)}")
     return sorted({name for name in required if not mask & (1 << CAPABILITY_BITS[name])})
 
 
@@ -89,83 +82,84 @@ def _positive_decimal(value: str) -> int | None:
 def admit_identity(identity: ShimIdentity, in_place: TableStatus, expect: Expectations) -> None:
     """Spec 4a, rules 1-13 in order; the first failure raises."""
     if expect.in_place_mode not in ("", IN_PLACE_MODE):
-        raise AdmissionError("4a.1", f"unsupported NCCL in-place mode {expect.in_place_mode!r}")
+        raise ProviderNotAdmitted("4a.1", f"unsupported NCCL in-place mode {expect.in_place_mode!r}")
     if "coldsnapNcclProviderQuery" not in identity.exports:
-        raise AdmissionError("4a.2", "NCCL provider lacks coldsnapNcclProviderQuery")
+        raise ProviderNotAdmitted("4a.2", "NCCL provider lacks coldsnapNcclProviderQuery")
     if identity.query_result == -5:
-        raise AdmissionError("4a.2", "coldsnapNcclProviderQuery returned null")
+        raise ProviderNotAdmitted("4a.2", "coldsnapNcclProviderQuery returned null")
     if identity.query_result != 0:
-        raise AdmissionError("4a.2", f"coldsnapNcclProviderQuery failed with ncclResult_t={identity.query_result}")
-    if identity.struct_size < 96:
-        raise AdmissionError("4a.3", f"NCCL provider ABI is truncated: struct_size {identity.struct_size} < 96")
+        raise ProviderNotAdmitted("4a.2", f"coldsnapNcclProviderQuery failed with ncclResult_t={identity.query_result}")
+    if identity.struct_size < _PROVIDER_V1_SIZE:
+        raise ProviderNotAdmitted("4a.3", f"NCCL provider ABI is truncated: struct_size {identity.struct_size} < "
+                                          f"{_PROVIDER_V1_SIZE}")
     if identity.abi_major != 1:
-        raise AdmissionError("4a.4", f"NCCL provider ABI major mismatch: {identity.abi_major} != 1")
+        raise ProviderNotAdmitted("4a.4", f"NCCL provider ABI major mismatch: {identity.abi_major} != 1")
     pid = identity.provider_id
     if pid is None or identity.provider_id_truncated or not pid.isascii() or not PROVIDER_ID.match(pid):
-        raise AdmissionError("4a.5", f"NCCL provider id {pid!r} does not match {PROVIDER_ID.pattern}")
+        raise ProviderNotAdmitted("4a.5", f"NCCL provider id {pid!r} does not match {PROVIDER_ID.pattern}")
     if not expect.provider_id:
-        raise AdmissionError("4a.6", "COLDSNAP_NCCL_PROVIDER_ID is not set: the expected provider is unknown")
+        raise ProviderNotAdmitted("4a.6", "COLDSNAP_NCCL_PROVIDER_ID is not set: the expected provider is unknown")
     if pid != expect.provider_id:
-        raise AdmissionError("4a.6", f"NCCL provider id {pid!r} != expected {expect.provider_id!r}")
+        raise ProviderNotAdmitted("4a.6", f"NCCL provider id {pid!r} != expected {expect.provider_id!r}")
     revision = _positive_decimal(expect.provider_revision)
     if revision is None:
-        raise AdmissionError("4a.7", "COLDSNAP_NCCL_PROVIDER_REVISION must be a decimal greater than 0")
+        raise ProviderNotAdmitted("4a.7", "COLDSNAP_NCCL_PROVIDER_REVISION must be a decimal greater than 0")
     if identity.provider_revision != revision:
-        raise AdmissionError("4a.7", f"NCCL provider revision {identity.provider_revision} != expected {revision}")
+        raise ProviderNotAdmitted("4a.7", f"NCCL provider revision {identity.provider_revision} != expected {revision}")
     if identity.compiled_nccl_version != identity.loaded_nccl_version:
-        raise AdmissionError("4a.8", f"NCCL provider compiled/loaded version mismatch: "
-                                     f"{identity.compiled_nccl_version} != {identity.loaded_nccl_version}")
+        raise ProviderNotAdmitted("4a.8", f"NCCL provider compiled/loaded version mismatch: "
+                                          f"{identity.compiled_nccl_version} != {identity.loaded_nccl_version}")
     required = [*expect.required_capabilities,
                 *(["ib-roce-device-release"] if expect.require_ib_reset else []),
                 *(["full-network-reset"] if expect.require_network_reset else [])]
     if missing := missing_capabilities(identity.capability_mask, required):
-        raise AdmissionError("4a.9", f"NCCL provider lacks required capabilities: {', '.join(missing)}")
+        raise ProviderNotAdmitted("4a.9", f"NCCL provider lacks required capabilities: {', '.join(missing)}")
     if absent := [s for s in _REQUIRED_SLOTS if s not in identity.slots]:
-        raise AdmissionError("4a.10", f"NCCL provider table has NULL slots: {', '.join(absent)}")
+        raise ProviderNotAdmitted("4a.10", f"NCCL provider table has NULL slots: {', '.join(absent)}")
     if not {"ncclCheckpointGetVersion", "ncclGetVersion"} <= set(identity.exports):
-        raise AdmissionError("4a.11", "NCCL provider lacks a required version export "
-                                      "(ncclCheckpointGetVersion and ncclGetVersion)")
+        raise ProviderNotAdmitted("4a.11", "NCCL provider lacks a required version export "
+                                           "(ncclCheckpointGetVersion and ncclGetVersion)")
     if identity.checkpoint_version_result != 0 or identity.checkpoint_version != identity.checkpoint_abi_version:
-        raise AdmissionError("4a.11", f"NCCL checkpoint ABI report disagrees: {identity.checkpoint_version} != "
-                                      f"{identity.checkpoint_abi_version}")
+        raise ProviderNotAdmitted("4a.11", f"NCCL checkpoint ABI report disagrees: {identity.checkpoint_version} != "
+                                           f"{identity.checkpoint_abi_version}")
     if (identity.nccl_get_version_result != 0 or identity.checkpoint_nccl_version != identity.loaded_nccl_version
             or identity.nccl_version != identity.loaded_nccl_version):
-        raise AdmissionError("4a.11", f"loaded NCCL runtime identity disagrees: shim "
-                                      f"{identity.checkpoint_nccl_version}, ncclGetVersion {identity.nccl_version}, "
-                                      f"provider {identity.loaded_nccl_version}")
+        raise ProviderNotAdmitted("4a.11", f"loaded NCCL runtime identity disagrees: shim "
+                                           f"{identity.checkpoint_nccl_version}, ncclGetVersion "
+                                           f"{identity.nccl_version}, provider {identity.loaded_nccl_version}")
     if expect.in_place_mode:
         if not expect.in_place_experiment:
-            raise AdmissionError("4a.12", "NCCL in-place mode requires controller admission "
-                                          "(COLDSNAP_NCCL_IN_PLACE_EXPERIMENT)")
+            raise ProviderNotAdmitted("4a.12", "NCCL in-place mode requires controller admission "
+                                               "(COLDSNAP_NCCL_IN_PLACE_EXPERIMENT)")
         if in_place.status == "absent":
-            raise AdmissionError("4a.12", "NCCL provider lacks coldsnapNcclInPlaceQuery")
+            raise ProviderNotAdmitted("4a.12", "NCCL provider lacks coldsnapNcclInPlaceQuery")
         if in_place.status != "present":
-            raise AdmissionError("4a.12", f"coldsnapNcclInPlaceQuery failed with ncclResult_t={in_place.result} "
-                                          f"({in_place.meaning})")
-        if in_place.struct_size < 56:
-            raise AdmissionError("4a.12", f"NCCL in-place provider ABI is truncated: struct_size "
-                                          f"{in_place.struct_size} < 56")
+            raise ProviderNotAdmitted("4a.12", f"coldsnapNcclInPlaceQuery failed with ncclResult_t={in_place.result} "
+                                               f"({in_place.meaning})")
+        if in_place.struct_size < _IN_PLACE_V1_SIZE:
+            raise ProviderNotAdmitted("4a.12", f"NCCL in-place provider ABI is truncated: struct_size "
+                                               f"{in_place.struct_size} < {_IN_PLACE_V1_SIZE}")
         if in_place.abi_major != 1:
-            raise AdmissionError("4a.12", f"NCCL in-place provider ABI major mismatch: {in_place.abi_major} != 1")
-        if absent := [s for s in _IN_PLACE_SLOTS if s not in in_place.slots]:
-            raise AdmissionError("4a.12", f"NCCL in-place provider table has NULL slots: {', '.join(absent)}")
+            raise ProviderNotAdmitted("4a.12", f"NCCL in-place provider ABI major mismatch: {in_place.abi_major} != 1")
+        if absent := [s for s in IN_PLACE_SLOTS if s not in in_place.slots]:
+            raise ProviderNotAdmitted("4a.12", f"NCCL in-place provider table has NULL slots: {', '.join(absent)}")
     bridge = _positive_decimal(expect.dlsym_bridge_abi)
     if bridge is None or "coldsnapNcclDlsymBridgeAbi" not in identity.exports:
-        raise AdmissionError("4a.13", "expected NCCL dlsym bridge ABI is invalid (COLDSNAP_NCCL_DLSYM_BRIDGE_ABI "
-                                      "must be a decimal > 0 and coldsnapNcclDlsymBridgeAbi exported)")
+        raise ProviderNotAdmitted("4a.13", "expected NCCL dlsym bridge ABI is invalid (COLDSNAP_NCCL_DLSYM_BRIDGE_ABI "
+                                           "must be a decimal > 0 and coldsnapNcclDlsymBridgeAbi exported)")
     if identity.dlsym_bridge_abi != bridge:
-        raise AdmissionError("4a.13", f"NCCL dlsym bridge ABI mismatch: {identity.dlsym_bridge_abi} != {bridge}")
+        raise ProviderNotAdmitted("4a.13", f"NCCL dlsym bridge ABI mismatch: {identity.dlsym_bridge_abi} != {bridge}")
 
 
 def _json_object(data: bytes, what: str, rule: str) -> dict[str, Any]:
-    if len(data) > _EVIDENCE_MAX:
-        raise AdmissionError(rule, f"{what} exceeds {_EVIDENCE_MAX} bytes")
+    if len(data) > EVIDENCE_MAX:
+        raise ProviderNotAdmitted(rule, f"{what} exceeds {EVIDENCE_MAX} bytes")
     try:
         value = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
-        raise AdmissionError(rule, f"{what} is not UTF-8 JSON: {exc}") from None
+        raise ProviderNotAdmitted(rule, f"{what} is not UTF-8 JSON: {exc}") from exc
     if not isinstance(value, dict):
-        raise AdmissionError(rule, f"{what} is not a JSON object")
+        raise ProviderNotAdmitted(rule, f"{what} is not a JSON object")
     return value
 
 
@@ -187,10 +181,10 @@ def admit_evidence(data: bytes, expected_state: str) -> dict[str, Any]:
         "backend": evidence.get("backend") in ("IB", "Socket"),
     }
     if failed := [name for name, ok in facts.items() if not ok]:
-        raise AdmissionError("4b", f"NCCL in-place evidence does not admit retained graphs: {', '.join(failed)}")
+        raise ProviderNotAdmitted("4b", f"NCCL in-place evidence does not admit retained graphs: {', '.join(failed)}")
     if evidence.get("qualified") is not False:
-        raise AdmissionError("4b", f"NCCL in-place evidence has an unexpected qualification state: "
-                                   f"{evidence.get('qualified')!r}")
+        raise ProviderNotAdmitted("4b", f"NCCL in-place evidence has an unexpected qualification state: "
+                                        f"{evidence.get('qualified')!r}")
     return evidence
 
 
@@ -202,16 +196,16 @@ def admit_resources(result: int, data: bytes, mode: str) -> dict[str, Any]:
     """Spec 4c: complete, admitted, no blockers, and inspect() returned 0."""
     inventory = _json_object(data, "resource inventory", "4c")
     if inventory.get("format") != 1 or inventory.get("kind") != "coldsnap-nccl-resource-inventory":
-        raise AdmissionError("4c", "resource inventory has the wrong format or kind")
+        raise ProviderNotAdmitted("4c", "resource inventory has the wrong format or kind")
     if inventory.get("mode") != mode:
-        raise AdmissionError("4c", f"resource inventory mode {inventory.get('mode')!r} != {mode!r}")
+        raise ProviderNotAdmitted("4c", f"resource inventory mode {inventory.get('mode')!r} != {mode!r}")
     if not isinstance(inventory.get("communicators"), list):
-        raise AdmissionError("4c", "resource inventory communicators is not a list")
+        raise ProviderNotAdmitted("4c", "resource inventory communicators is not a list")
     blockers = sorted({b for c in inventory["communicators"] if isinstance(c, dict) for b in c.get("blockers", [])})
     if inventory.get("complete") is not True or inventory.get("admitted") is not True or result != 0:
-        raise AdmissionError("4c", f"resource inventory does not admit {mode}: inspect returned {result}, "
-                                   f"complete={inventory.get('complete')}, admitted={inventory.get('admitted')}"
-                                   + (f", blockers: {', '.join(blockers)}" if blockers else ""))
+        raise ProviderNotAdmitted("4c", f"resource inventory does not admit {mode}: inspect returned {result}, "
+                                        f"complete={inventory.get('complete')}, admitted={inventory.get('admitted')}"
+                                        + (f", blockers: {', '.join(blockers)}" if blockers else ""))
     return inventory
 
 

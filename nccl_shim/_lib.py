@@ -1,4 +1,7 @@
-"""The ctypes binding of the shim (the only module that calls into C). Results are msgspec Structs."""
+"""The ctypes binding of the shim (the only module that calls into C). Results are msgspec Structs.
+
+This is the one place where ctypes results become `errors.ShimCallFailed` (see `_check`).
+"""
 
 from __future__ import annotations
 
@@ -8,10 +11,10 @@ import os
 
 import msgspec
 
-from ._abi import NCCL_RESULTS, SHIM_ERRORS, Identity, TableInfo
+from ._abi import EVIDENCE_MAX, IN_PLACE_SLOTS, PROVIDER_SLOTS, RESOURCES_SLOTS, TABLES, Identity, TableInfo
+from .errors import AbiMismatch, ShimCallFailed, describe
 
-__all__ = ("IN_PLACE_OPERATIONS", "RECREATE_OPERATIONS", "Shim", "ShimError", "ShimIdentity", "TableStatus",
-           "shim_library")
+__all__ = ("IN_PLACE_OPERATIONS", "RECREATE_OPERATIONS", "Shim", "ShimIdentity", "TableStatus", "shim_library")
 
 IN_PLACE_OPERATIONS = ("suspend", "detach", "reattach", "resume")
 RECREATE_OPERATIONS = ("prepare", "restore", "network_reset", "network_init")
@@ -19,25 +22,13 @@ IN_PLACE_STATES = ("active", "suspended", "transport-detached", "transport-reatt
 RECREATE_STATES = ("idle", "prepared", "restored")
 EXPORT_NAMES = ("coldsnapNcclProviderQuery", "coldsnapNcclInPlaceQuery", "coldsnapNcclResourcesQuery",
                 "ncclCheckpointGetVersion", "ncclGetVersion", "coldsnapNcclDlsymBridgeAbi")
-PROVIDER_SLOTS = ("prepare", "restore", "network_reset", "network_init", "ib_status", "comm_get_real")
-IN_PLACE_SLOTS = ("communicator_suspend", "transport_detach", "transport_reattach", "communicator_resume",
-                  "evidence_json")
-_EVIDENCE_MAX = 64 * 1024
+_ABI_ERRORS = frozenset({-6, -7})  # CSNS_E_TRUNCATED, CSNS_E_ABI
 
 
-def describe(code: int) -> str:
-    if code < 0:
-        return SHIM_ERRORS.get(code, f"shim error {code}")
-    return NCCL_RESULTS.get(code, f"ncclResult_t={code}")
-
-
-class ShimError(Exception):
-    """A shim call failed; `code` is the shim's (negative) or the provider's ncclResult_t."""
-
-    def __init__(self, call: str, code: int, detail: str = "") -> None:
-        what = f"ncclResult_t={code}" if code >= 0 else f"shim error {code}"
-        super().__init__(f"{call} failed with {what} ({describe(code)})" + (f": {detail}" if detail else ""))
-        self.call, self.code = call, code
+def _check(call: str, rc: int, detail: str = "") -> None:
+    """Raise for a failed result: the table ABI errors as AbiMismatch, every other one as ShimCallFailed."""
+    if rc != 0:
+        raise (AbiMismatch if rc in _ABI_ERRORS else ShimCallFailed)(call, rc, detail)
 
 
 class ShimIdentity(msgspec.Struct, frozen=True, kw_only=True):
@@ -80,7 +71,7 @@ def shim_library() -> str:
         return path
     spec = importlib.util.find_spec("nccl_shim._csns")
     if spec is None or not spec.origin:
-        raise ShimError("load", -2, "the shim is not built (pip install . builds it)")
+        raise ShimCallFailed("load", -2, "the shim is not built (pip install . builds it)")
     return spec.origin
 
 
@@ -92,7 +83,11 @@ class Shim:
     """One opened provider namespace (a library path, or None for the process-global one)."""
 
     def __init__(self, library: str | None = None, *, shim_path: str | None = None) -> None:
-        self._c = ctypes.CDLL(shim_path or shim_library())
+        path = shim_path or shim_library()
+        try:
+            self._c = ctypes.CDLL(path)
+        except OSError as exc:
+            raise ShimCallFailed("load", -2, f"the shim {path} could not be loaded: {exc}") from exc
         c = self._c
         c.csns_open.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]
         c.csns_open.restype = ctypes.c_int32
@@ -125,7 +120,7 @@ class Shim:
         if rc != 0:
             buffer = ctypes.create_string_buffer(512)
             c.csns_last_error(buffer, len(buffer))
-            raise ShimError("open", rc, buffer.value.decode(errors="replace"))
+            _check("open", rc, buffer.value.decode(errors="replace"))
         self._handle = handle
         self.library = library
 
@@ -135,15 +130,15 @@ class Shim:
             self._handle = ctypes.c_void_p()
 
     def layout(self, table: int) -> tuple[int, list[int]]:
-        size = int(self._c.csns_layout(table, 0xFFFFFFFF))
-        count = {0: 16, 1: 9, 2: 6}[table]
-        return size, [int(self._c.csns_layout(table, i)) for i in range(count)]
+        """The compiled sizeof and field offsets of provider table `table` (an index into TABLES)."""
+        size = int(self._c.csns_layout(table, 0xFFFFFFFF))  # CSNS_LAYOUT_SIZE
+        return size, [int(self._c.csns_layout(table, i)) for i in range(len(TABLES[table]._fields_))]
 
     def identity(self) -> ShimIdentity:
         raw = Identity(size=ctypes.sizeof(Identity))
         rc = self._c.csns_identity(self._handle, ctypes.byref(raw))
-        if rc not in (0, -5):  # a NULL table is reported by the admission rules, not raised here
-            raise ShimError("csns_identity", rc)
+        if rc != -5:  # a NULL table is reported by the admission rules, not raised here
+            _check("csns_identity", rc)
         provider_id = None
         if raw.provider_id_state:
             provider_id = bytes(raw.provider_id).split(b"\0", 1)[0].decode("latin-1")
@@ -166,8 +161,7 @@ class Shim:
             return TableStatus(status="absent")
         if rc == -5:
             return TableStatus(status="query-error", result=rc, meaning=describe(rc))
-        if rc != 0:
-            raise ShimError(call, rc)
+        _check(call, rc)
         if info.query_result != 0:
             return TableStatus(status="query-error", result=info.query_result, meaning=describe(info.query_result))
         return TableStatus(status="present", struct_size=info.struct_size, abi_major=info.abi_major,
@@ -177,19 +171,19 @@ class Shim:
         return self._table("csns_in_place_info", IN_PLACE_SLOTS)
 
     def resources(self) -> TableStatus:
-        return self._table("csns_resources_info", ("inspect", "evidence_json"))
+        return self._table("csns_resources_info", RESOURCES_SLOTS)
 
     def in_place_call(self, operation: str) -> int:
         """Run suspend|detach|reattach|resume; returns the provider's ncclResult_t, raises on shim errors."""
         rc = int(self._c.csns_in_place_call(self._handle, IN_PLACE_OPERATIONS.index(operation)))
         if rc < 0:
-            raise ShimError(f"in-place {operation}", rc)
+            _check(f"in-place {operation}", rc)
         return rc
 
     def recreate_call(self, operation: str) -> int:
         rc = int(self._c.csns_recreate_call(self._handle, RECREATE_OPERATIONS.index(operation)))
         if rc < 0:
-            raise ShimError(f"recreate {operation}", rc)
+            _check(f"recreate {operation}", rc)
         return rc
 
     def state(self) -> tuple[str, str]:
@@ -198,18 +192,16 @@ class Shim:
         return IN_PLACE_STATES[in_place.value], RECREATE_STATES[recreate.value]
 
     def in_place_evidence(self) -> bytes:
-        buffer = ctypes.create_string_buffer(_EVIDENCE_MAX + 1)
+        buffer = ctypes.create_string_buffer(EVIDENCE_MAX + 1)
         length = ctypes.c_size_t()
         rc = self._c.csns_in_place_evidence(self._handle, buffer, len(buffer), ctypes.byref(length))
-        if rc != 0:
-            raise ShimError("in-place evidence_json", rc)
+        _check("in-place evidence_json", rc)
         return buffer.raw[: length.value]
 
     def resources_inspect(self, mode: int) -> tuple[int, bytes]:
-        buffer = ctypes.create_string_buffer(_EVIDENCE_MAX + 1)
+        buffer = ctypes.create_string_buffer(EVIDENCE_MAX + 1)
         length, result = ctypes.c_size_t(), ctypes.c_int32()
         rc = self._c.csns_resources_inspect(self._handle, mode, ctypes.byref(result), buffer, len(buffer),
                                             ctypes.byref(length))
-        if rc != 0:
-            raise ShimError("resources inspect", rc)
+        _check("resources inspect", rc)
         return result.value, buffer.raw[: length.value]

@@ -1,4 +1,9 @@
-"""DESIGN.md's package boundaries, enforced by walking every module's imports."""
+"""DESIGN.md's package boundaries, enforced by walking every module's imports.
+
+Two rules: a package never imports across its boundary (FORBIDDEN), and nobody imports another
+package's private modules (`pkg._x`, `pkg.sub._x`, `from pkg import _x`): only the public names
+a package exports. Tests may reach into the package they test, from its mirror folder only.
+"""
 
 from __future__ import annotations
 
@@ -28,6 +33,59 @@ def imported_modules(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.add(node.module.split(".")[0])
     return names
+
+
+PACKAGES = ("coldsnap_provider", "coldsnap_runtime", "coldsnap_probe", "nccl_shim")
+# tests/<folder> may import the private modules of the package it mirrors; nothing else may.
+MIRRORS = {"provider": "coldsnap_provider", "runtime": "coldsnap_runtime", "probe": "coldsnap_probe",
+           "shim": "nccl_shim"}
+WALKED = (*PACKAGES, "bench", "tests")
+
+
+def _private(dotted: str) -> bool:
+    return any(part.startswith("_") and not part.endswith("__") for part in dotted.split(".")[1:])
+
+
+def private_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, dotted name) of every absolute import of a project package's private module."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            dotted = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            dotted = [node.module] if _private(node.module) else [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        found += [(node.lineno, name) for name in dotted if name.split(".")[0] in PACKAGES and _private(name)]
+    return found
+
+
+def owner(path: Path) -> str | None:
+    """The package whose private modules `path` may import: its own, or the one its test folder mirrors."""
+    parts = path.relative_to(ROOT).parts
+    if parts[0] in PACKAGES:
+        return parts[0]
+    if parts[0] == "tests" and len(parts) > 2:
+        return MIRRORS.get(parts[1])
+    return None
+
+
+@pytest.mark.parametrize("root", WALKED)
+def test_nobody_imports_another_packages_private_modules(root: str) -> None:
+    offenders = [f"{path.relative_to(ROOT)}:{line} imports {name}"
+                 for path in sorted((ROOT / root).rglob("*.py"))
+                 for line, name in private_imports(path) if name.split(".")[0] != owner(path)]
+    assert not offenders, "private imports across packages:\n" + "\n".join(offenders)
+
+
+def test_the_private_import_rule_can_fail(tmp_path: Path) -> None:
+    """The walker sees each form of a private import (and passes relative and public ones)."""
+    sample = tmp_path / "sample.py"
+    sample.write_text("import coldsnap_probe._cuda\nfrom coldsnap_runtime.backend._docker import DockerBackend\n"
+                      "from coldsnap_runtime.backend import _docker\nfrom nccl_shim import Shim\n"
+                      "from . import _sibling\nimport coldsnap_probe.__main__\n")
+    assert [name for _, name in private_imports(sample)] == [
+        "coldsnap_probe._cuda", "coldsnap_runtime.backend._docker", "coldsnap_runtime.backend._docker"]
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))

@@ -1,8 +1,30 @@
-"""The backend seam (one async method per runtime action) and the Docker Engine backend."""
+"""The backend seam (one async method per runtime action) and the Docker Engine backend.
+
+``DockerBackend`` is imported on first use (PEP 562): aiodocker and aiohttp cost about
+0.2 s to import, which the control-socket client commands should not pay.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from ._base import Backend as Backend
+from ._base import Owner as Owner
 from ._base import RuntimeContext as RuntimeContext
 from ._base import dispatch as dispatch
 from ._base import with_manager_labels as with_manager_labels
+from ._translate import container_config as container_config
 
-__all__ = ("Backend", "RuntimeContext", "dispatch", "with_manager_labels")
+if TYPE_CHECKING:
+    from ._docker import DockerBackend as DockerBackend
+
+__all__ = ("Backend", "DockerBackend", "Owner", "RuntimeContext", "container_config", "dispatch",
+           "with_manager_labels")
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DockerBackend":
+        from ._docker import DockerBackend
+
+        return DockerBackend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

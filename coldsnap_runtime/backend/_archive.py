@@ -1,27 +1,85 @@
-"""`docker cp CONTAINER:PATH DEST` semantics for a tar streamed from the engine.
+"""`docker cp CONTAINER:PATH DEST` for a tar the engine streamed: a small program run as the owner.
 
-The copy lands atomically where it can: the archive is extracted into a private
-directory beside the destination and renamed into place, so a failed or cancelled copy
-leaves nothing half-written at the destination. Entries that would escape the copy
-(absolute names, '..', paths through a symlink) are refused. Numeric ownership is kept
-when running as root (ColdSnap repairs ownership afterwards).
+The backend runs this file *by path* (``python -I -S _archive.py ROOT DESTINATION
+[--as UID:GID] [--keep-owner]``, the tar on stdin) in a child process. With ``--as``
+the child drops to that identity (no supplementary groups, real, effective and saved
+ids all changed) right after its imports and before it looks at the destination, so the
+kernel, not this code, decides what may be written. (Dropping inside the child rather
+than before exec lets it start from an interpreter the owner could not reach.) It
+imports only the standard library: it starts fast and never loads the daemon's
+dependencies.
+
+Rules:
+
+* the destination is walked from ``/`` one component at a time with ``O_NOFOLLOW``
+  (``openat`` style): a symbolic link anywhere on the way, a planted one included, is
+  refused and never followed;
+* the copy is extracted into a private directory beside its final place and renamed
+  into place, so a failed or cancelled copy leaves nothing half-written;
+* entries stay inside the copied path: absolute names, ``..`` and entries below a
+  symbolic link of the archive are refused; a hard link to another entry of the copy
+  becomes a copy of its data (no link is ever made on the host), any other hard link is
+  refused;
+* device nodes and FIFOs are refused; setuid, setgid and sticky bits are dropped;
+* numeric ownership is kept only with ``--keep-owner`` (a root writer, as ``docker cp``
+  does); otherwise every file belongs to the identity that runs this program.
+
+Exit status 0 on success; 1 with one line on stderr saying why; 2 for bad arguments.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
+import secrets
 import shutil
+import stat
+import sys
 import tarfile
-import tempfile
-from pathlib import Path
 from typing import IO
 
-__all__ = ("CopyError", "extract_copy")
+__all__ = ("extract_copy", "main")
+
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_PERMISSIONS = 0o777  # what survives: no setuid, setgid or sticky bit
 
 
-class CopyError(Exception):
-    """The copy cannot be placed at the destination (the message says why)."""
+class _Refused(Exception):
+    """The copy cannot be placed at the destination (the message says why); exit status 1."""
+
+
+def open_directory(path: str) -> int:
+    """A descriptor of the absolute directory `path`, reached without following any symbolic link."""
+    fd = os.open("/", _DIR)
+    walked = ""
+    try:
+        for part in [p for p in path.split("/") if p]:
+            walked += "/" + part
+            try:
+                child = os.open(part, _DIR, dir_fd=fd)
+            except FileNotFoundError as exc:
+                raise _Refused(f"destination directory {path} does not exist") from exc
+            except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                if stat.S_ISLNK(os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode):
+                    raise _Refused(f"destination component {walked} is a symbolic link; it is not followed") from exc
+                raise _Refused(f"destination component {walked} is not a directory") from exc
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _lstat(name: str, dir_fd: int) -> os.stat_result | None:
+    try:
+        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
 
 
 def _check_members(tar: tarfile.TarFile, root: str) -> list[tarfile.TarInfo]:
@@ -30,61 +88,243 @@ def _check_members(tar: tarfile.TarFile, root: str) -> list[tarfile.TarInfo]:
     for member in tar:
         name = posixpath.normpath(member.name)
         if name.startswith(("/", "../")) or name == ".." or not (name == root or name.startswith(root + "/")):
-            raise CopyError(f"archive entry {member.name!r} is outside the copied path")
+            raise _Refused(f"archive entry {member.name!r} is outside the copied path")
         parts = name.split("/")
         if any("/".join(parts[:i]) in links for i in range(1, len(parts))):
-            raise CopyError(f"archive entry {member.name!r} passes through a symbolic link")
+            raise _Refused(f"archive entry {member.name!r} passes through a symbolic link")
         if member.islnk():
             target = posixpath.normpath(member.linkname)
             if not (target == root or target.startswith(root + "/")):
-                raise CopyError(f"hard link {member.name!r} points outside the copied path")
-        if member.issym():
+                raise _Refused(f"hard link {member.name!r} points outside the copied path")
+        elif member.issym():
             links.add(name)
+        elif not (member.isreg() or member.isdir()):
+            raise _Refused(f"archive entry {member.name!r} is a device node or FIFO; those are not copied")
         member.name = name
         members.append(member)
     return members
 
 
-def extract_copy(archive: IO[bytes], root: str, destination: str) -> None:
+def _open_parent(staging: int, parts: list[str]) -> int:
+    """The directory that holds ``parts[-1]`` inside the staging directory (missing ones made 0700)."""
+    fd = os.dup(staging)
+    try:
+        for part in parts[:-1]:
+            try:
+                os.mkdir(part, 0o700, dir_fd=fd)
+            except FileExistsError:
+                pass  # made by an earlier entry; opened below without following links
+            child = os.open(part, _DIR, dir_fd=fd)
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _clear(name: str, dir_fd: int) -> None:
+    """Make room for a later entry of the same name (tar semantics: the last one wins)."""
+    found = _lstat(name, dir_fd)
+    if found is None:
+        return
+    if stat.S_ISDIR(found.st_mode):
+        raise _Refused(f"archive entry {name!r} replaces a directory")
+    os.unlink(name, dir_fd=dir_fd)
+
+
+def _extract_member(tar: tarfile.TarFile, member: tarfile.TarInfo, parent: int, name: str,
+                    keep_owner: bool) -> None:
+    if member.isdir():
+        found = _lstat(name, parent)
+        if found is None:
+            os.mkdir(name, 0o700, dir_fd=parent)
+        elif not stat.S_ISDIR(found.st_mode):
+            raise _Refused(f"archive entry {member.name!r} is both a file and a directory")
+        return
+    _clear(name, parent)
+    if member.issym():
+        os.symlink(member.linkname, name, dir_fd=parent)
+        if keep_owner:
+            os.chown(name, member.uid, member.gid, dir_fd=parent, follow_symlinks=False)
+        os.utime(name, (member.mtime, member.mtime), dir_fd=parent, follow_symlinks=False)
+        return
+    source = tar.extractfile(member)  # a hard link reads its target's data
+    if source is None:
+        raise _Refused(f"hard link {member.name!r} does not point at a regular file of the copy")
+    fd = os.open(name, _FILE, 0o600, dir_fd=parent)
+    with os.fdopen(fd, "wb") as out:
+        shutil.copyfileobj(source, out, 1 << 20)
+        out.flush()
+        if keep_owner:
+            os.fchown(fd, member.uid, member.gid)
+        os.fchmod(fd, member.mode & _PERMISSIONS)
+        os.utime(fd, (member.mtime, member.mtime))
+
+
+def _finish_directory(staging: int, parts: list[str], member: tarfile.TarInfo, keep_owner: bool) -> None:
+    parent = _open_parent(staging, parts)
+    try:
+        fd = os.open(parts[-1], _DIR, dir_fd=parent)
+    finally:
+        os.close(parent)
+    try:
+        if keep_owner:
+            os.fchown(fd, member.uid, member.gid)
+        os.fchmod(fd, member.mode & _PERMISSIONS)
+        os.utime(fd, (member.mtime, member.mtime))
+    finally:
+        os.close(fd)
+
+
+def _remove_tree(parent: int, name: str) -> None:
+    """Remove `name` below `parent` without following links (directories made writable first)."""
+    found = _lstat(name, parent)
+    if found is None:
+        return
+    if not stat.S_ISDIR(found.st_mode):
+        os.unlink(name, dir_fd=parent)
+        return
+    fd = os.open(name, _DIR, dir_fd=parent)
+    try:
+        os.fchmod(fd, 0o700)
+        for entry in os.listdir(fd):
+            _remove_tree(fd, entry)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=parent)
+
+
+def _merge(source_parent: int, source_name: str, target_parent: int, target_name: str) -> None:
+    """Move the entries of a staged directory into an existing one (files overwrite)."""
+    source = os.open(source_name, _DIR, dir_fd=source_parent)
+    try:
+        target = os.open(target_name, _DIR, dir_fd=target_parent)
+        try:
+            os.fchmod(source, 0o700)  # being emptied: its entries must be movable out of it
+            for entry in os.listdir(source):
+                moved = os.stat(entry, dir_fd=source, follow_symlinks=False)
+                present = _lstat(entry, target)
+                if stat.S_ISDIR(moved.st_mode) and present is not None and stat.S_ISDIR(present.st_mode):
+                    _merge(source, entry, target, entry)
+                    continue
+                if present is not None and stat.S_ISDIR(present.st_mode):
+                    _remove_tree(target, entry)
+                os.replace(entry, entry, src_dir_fd=source, dst_dir_fd=target)
+        finally:
+            os.close(target)
+    finally:
+        os.close(source)
+
+
+def extract_copy(archive: IO[bytes], root: str, destination: str, *, keep_owner: bool) -> None:
     """Place the archive's `root` entry (the copied path's basename) at `destination`.
 
-    `archive` must be seekable (the backend spools the engine's stream to a file first).
+    `archive` must be seekable (hard links are read back from it).
     """
-    dest = Path(destination)
-    if not dest.parent.is_dir():
-        raise CopyError(f"destination directory {dest.parent} does not exist")
-    final = dest / root if dest.is_dir() and not dest.is_symlink() else dest
-    staging = Path(tempfile.mkdtemp(prefix=".coldsnap-copy-", dir=final.parent))
+    if not root or "/" in root or root in (".", ".."):
+        raise _Refused(f"the engine named the copied path {root!r}, which is not a plain name")
+    parent_path, name = posixpath.split(destination)
+    parent = open_directory(parent_path or "/")
+    final_parent, final_name = parent, name
     try:
-        with tarfile.open(fileobj=archive, mode="r:*") as tar:
-            members = _check_members(tar, root)
-            # Members were checked above; keep absolute symlinks as docker cp does.
-            if hasattr(tarfile, "fully_trusted_filter"):
-                tar.extractall(staging, members=members, numeric_owner=True, filter="fully_trusted")
-            else:  # pragma: no cover - Pythons without extraction filters
-                tar.extractall(staging, members=members, numeric_owner=True)
-        copied = staging / root
-        if not copied.exists() and not copied.is_symlink():
-            raise CopyError("the archive did not contain the copied path")
-        if final.is_dir() and not final.is_symlink():
-            if not copied.is_dir() or copied.is_symlink():
-                raise CopyError(f"cannot overwrite directory {final} with a non-directory")
-            _merge(copied, final)
-            return
-        if (final.exists() or final.is_symlink()) and copied.is_dir():
-            raise CopyError(f"cannot copy a directory onto the file {final}")
-        os.replace(copied, final)
+        found = _lstat(name, parent) if name else None
+        if not name or (found is not None and stat.S_ISDIR(found.st_mode)):
+            final_parent = os.open(name, _DIR, dir_fd=parent) if name else os.dup(parent)
+            final_name = root
+        staging_name = f".coldsnap-copy-{secrets.token_hex(8)}"
+        try:
+            os.mkdir(staging_name, 0o700, dir_fd=final_parent)
+        except OSError as exc:
+            where = destination if final_parent != parent else (parent_path or "/")
+            raise _Refused(f"cannot write under {where}: {exc.strerror}") from exc
+        try:
+            staging = os.open(staging_name, _DIR, dir_fd=final_parent)
+            try:
+                _stage(archive, root, staging, keep_owner)
+                _place(staging, root, final_parent, final_name, shown=posixpath.join(destination, final_name)
+                       if final_parent != parent else destination)
+            finally:
+                os.close(staging)
+        finally:
+            _remove_tree(final_parent, staging_name)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        if final_parent != parent:
+            os.close(final_parent)
+        os.close(parent)
 
 
-def _merge(source: Path, target: Path) -> None:
-    """Move `source`'s entries into the existing directory `target` (files overwrite)."""
-    for entry in source.iterdir():
-        destination = target / entry.name
-        if entry.is_dir() and not entry.is_symlink() and destination.is_dir() and not destination.is_symlink():
-            _merge(entry, destination)
-        else:
-            if destination.is_dir() and not destination.is_symlink():
-                shutil.rmtree(destination)
-            os.replace(entry, destination)
+def _stage(archive: IO[bytes], root: str, staging: int, keep_owner: bool) -> None:
+    directories: list[tuple[list[str], tarfile.TarInfo]] = []
+    with tarfile.open(fileobj=archive, mode="r:") as tar:  # the engine sends a plain tar
+        for member in _check_members(tar, root):
+            parts = member.name.split("/")
+            parent = _open_parent(staging, parts)
+            try:
+                _extract_member(tar, member, parent, parts[-1], keep_owner)
+            finally:
+                os.close(parent)
+            if member.isdir():
+                directories.append((parts, member))
+    if _lstat(root, staging) is None:
+        raise _Refused("the archive did not contain the copied path")
+    for parts, member in sorted(directories, key=lambda item: -len(item[0])):  # deepest first
+        _finish_directory(staging, parts, member, keep_owner)
+
+
+def _place(staging: int, root: str, final_parent: int, final_name: str, *, shown: str) -> None:
+    copied = os.stat(root, dir_fd=staging, follow_symlinks=False)
+    present = _lstat(final_name, final_parent)
+    if present is not None and stat.S_ISDIR(present.st_mode):
+        if not stat.S_ISDIR(copied.st_mode):
+            raise _Refused(f"cannot overwrite directory {shown} with a non-directory")
+        _merge(staging, root, final_parent, final_name)
+        return
+    if present is not None and stat.S_ISDIR(copied.st_mode):
+        raise _Refused(f"cannot copy a directory onto the file {shown}")
+    os.replace(root, final_name, src_dir_fd=staging, dst_dir_fd=final_parent)
+
+
+def become(uid: int, gid: int) -> None:
+    """Irrevocably take the identity `uid`:`gid` with no supplementary groups."""
+    if (os.getuid(), os.getgid()) == (uid, gid) and os.getgroups() in ([], [gid]):
+        return
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+    if os.getresuid() != (uid, uid, uid) or os.getresgid() != (gid, gid, gid):
+        raise _Refused(f"could not take the identity {uid}:{gid}")
+
+
+def main(argv: list[str]) -> int:
+    """``_archive.py ROOT DESTINATION [--as UID:GID] [--keep-owner]`` with the tar on stdin."""
+    keep_owner = "--keep-owner" in argv
+    args = [a for a in argv if a != "--keep-owner"]
+    identity: tuple[int, int] | None = None
+    if "--as" in args:
+        at = args.index("--as")
+        try:
+            uid, _, gid = args[at + 1].partition(":")
+            identity = (int(uid), int(gid))
+        except (IndexError, ValueError):
+            identity = (-1, -1)
+        del args[at:at + 2]
+    if len(args) != 2 or not args[1].startswith("/") or (identity is not None and min(identity) < 0):
+        sys.stderr.write("usage: _archive.py ROOT /ABSOLUTE/DESTINATION [--as UID:GID] [--keep-owner] < archive.tar\n")
+        return 2
+    try:
+        if identity is not None:
+            become(*identity)
+        extract_copy(sys.stdin.buffer, args[0], args[1], keep_owner=keep_owner)
+    except _Refused as exc:
+        sys.stderr.write(f"{exc}\n")
+        return 1
+    except (OSError, tarfile.TarError, EOFError) as exc:
+        detail = f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError) and exc.filename else str(exc)
+        sys.stderr.write(f"{detail}\n")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,8 +1,10 @@
 """The seam between the protocol and a container engine.
 
-A backend implements one coroutine per runtime-v1 action and ``aclose()``. Requests
-reach it already validated; :func:`dispatch` applies the rules that do not depend on
-the engine (registry authority, manager labels) and routes by action.
+A backend implements one coroutine per runtime-v1 action, ``recover()`` and
+``aclose()``. Requests reach it already validated and already authorised (capability
+gating is the provider's job: this package knows no wire text); :func:`dispatch` applies
+the rules that do not depend on the engine (manager labels, the host identity that
+owns copied files) and routes by action.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from typing import Protocol
 
 import msgspec
 
-from ..errors import RequestRejected
 from ..schema import (
     Execution,
     ImageBuild,
@@ -34,17 +35,27 @@ from ..schema import (
     WorkloadSpec,
 )
 
-__all__ = ("WORKLOAD_LABEL", "Backend", "RuntimeContext", "dispatch", "with_manager_labels")
+__all__ = ("WORKLOAD_LABEL", "Backend", "Owner", "RuntimeContext", "dispatch", "with_manager_labels")
 
 WORKLOAD_LABEL = "io.sparksq.coldsnap.workload"
+
+
+class Owner(msgspec.Struct, frozen=True):
+    """A host identity: the uid and gid whose files a backend writes on the host."""
+
+    uid: int
+    gid: int
 
 
 class RuntimeContext(msgspec.Struct, frozen=True, kw_only=True):
     """What the caller's session authorizes, independent of any engine."""
 
     host: str
+    # workload-run may pull a missing image (pull_policy "missing"/"always").
     allow_pull: bool
-    allow_push: bool
+    # Who owns what the backend writes on the host (workload-copy-from's destination):
+    # every write happens with this identity. None: the daemon's own identity.
+    owner: Owner | None = None
     # Labels the placement manager attached at session-open; added to workloads whose
     # `io.sparksq.coldsnap.workload` label equals `cluster_id`.
     cluster_id: str = ""
@@ -63,8 +74,13 @@ class Backend(Protocol):
     async def workload_inspect(self, name: str, *, include_start_time: bool) -> WorkloadInfo: ...
     async def workload_exec(self, name: str, execution: Execution) -> bytes: ...
     async def workload_logs(self, name: str, *, tail: int) -> bytes: ...
-    async def workload_copy_from(self, name: str, path: str, destination: str) -> None: ...
+    async def workload_copy_from(self, name: str, path: str, destination: str, *,
+                                 owner: Owner | None = None) -> None: ...
     async def ping(self) -> bool: ...
+    async def recover(self) -> None:
+        """Called once at daemon start-up: remove what RPCs of an earlier instance left behind."""
+        ...
+
     async def maintain(self) -> None: ...
     async def aclose(self) -> None: ...
 
@@ -85,12 +101,8 @@ async def dispatch(backend: Backend, request: RuntimeRequest, ctx: RuntimeContex
         case ImageInspect(image=image):
             return RuntimeResponse(image=await backend.image_inspect(image))
         case ImagePull(image=image):
-            if not ctx.allow_pull:
-                raise RequestRejected("unsupported host-provider capability 'oci-pull'")
             await backend.image_pull(image)
         case ImagePush(image=image):
-            if not ctx.allow_push:
-                raise RequestRejected("unsupported host-provider capability 'oci-push'")
             await backend.image_push(image)
         case ImageTag(source=source, target=target):
             await backend.image_tag(source, target)
@@ -110,7 +122,7 @@ async def dispatch(backend: Backend, request: RuntimeRequest, ctx: RuntimeContex
         case WorkloadLogs(name=name, tail=tail):
             return RuntimeResponse(output=await backend.workload_logs(name, tail=tail))
         case WorkloadCopyFrom(name=name, path=path, destination=destination):
-            await backend.workload_copy_from(name, path, destination)
+            await backend.workload_copy_from(name, path, destination, owner=ctx.owner)
         case _:  # pragma: no cover - the union is closed
             raise TypeError(f"unhandled runtime request {request!r}")
     return _EMPTY

@@ -25,16 +25,14 @@ import tarfile
 from pathlib import Path
 from typing import IO
 
-__all__ = ("DOCKERFILE_PATH", "BuildContextError", "base_images", "rewrite_dockerfile", "write_context_tar")
+from ..errors import BuildContextError
+
+__all__ = ("DOCKERFILE_PATH", "base_images", "rewrite_dockerfile", "write_context_tar")
 
 CONTEXTS_DIR = ".coldsnap-contexts"
 DOCKERFILE_PATH = ".coldsnap-build/Dockerfile"
 _RESERVED = (CONTEXTS_DIR, DOCKERFILE_PATH.split("/")[0])
-_INSTRUCTION = re.compile(r"^(\s*)(\w+)(\s+)(.*)$", re.DOTALL)
-
-
-class BuildContextError(ValueError):
-    """The build cannot be expressed for the classic builder (named the reason)."""
+_INSTRUCTION = re.compile(r"(\s*)(\w+)(\s+)(.*)", re.DOTALL)  # fullmatch
 
 
 def _logical_lines(text: str) -> list[str]:
@@ -65,7 +63,7 @@ def rewrite_dockerfile(text: str, contexts: dict[str, str]) -> str:
         return text
     result: list[str] = []
     for line in _logical_lines(text):
-        m = _INSTRUCTION.match(line)
+        m = _INSTRUCTION.fullmatch(line)
         if not m or line.lstrip().startswith("#"):
             result.append(line)
             continue
@@ -108,7 +106,7 @@ def _rewrite_copy(indent: str, word: str, space: str, rest: str, contexts: dict[
         try:
             items = json.loads(body)
         except ValueError as exc:
-            raise BuildContextError(f"COPY --from={source}: malformed JSON form: {exc}") from None
+            raise BuildContextError(f"COPY --from={source}: malformed JSON form: {exc}") from exc
         items = [_context_src(source, s) for s in items[:-1]] + items[-1:]
         new_body = json.dumps(items)
     else:
@@ -133,7 +131,7 @@ def base_images(text: str, arguments: dict[str, str]) -> list[str]:
     bases: list[str] = []
     seen_from = False
     for line in _logical_lines(text):
-        m = _INSTRUCTION.match(line)
+        m = _INSTRUCTION.fullmatch(line)
         if not m or line.lstrip().startswith("#"):
             continue
         keyword, rest = m.group(2).upper(), m.group(4).split()

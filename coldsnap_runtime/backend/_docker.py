@@ -1,37 +1,72 @@
 """The Docker Engine backend (aiodocker over the engine's Unix socket; never the CLI).
 
-aiodocker errors are translated in exactly one place, :func:`docker_errors`. Containers
-keep the protocol's lifetimes: a named workload that started is a manager key and is
-removed only by ``workload-remove``; a run that fails or is cancelled after its
-container was created removes that container under a shielded, bounded cleanup.
+aiodocker, aiohttp and socket errors are translated in exactly one place,
+:func:`docker_errors`; nothing untyped leaves this module. aiodocker's public API is used
+wherever it has one; the streaming endpoints it has no raw-bytes API for (pull, push,
+build progress, logs, archives) go through one documented wrapper, :meth:`DockerBackend._stream`.
+
+Containers keep the protocol's lifetimes: a named workload that started is a manager key
+and is removed only by ``workload-remove``; a run that fails or is cancelled after its
+container was created removes that container under a shielded, bounded cleanup. The
+containers an RPC owns (anonymous synchronous runs and ``remove_after_exit`` runs) carry
+this daemon instance's label and the label of this process's incarnation, so that
+:meth:`DockerBackend.recover` can remove what a killed predecessor left behind, and a
+name held by such a leftover is reclaimed instead of failing with "Conflict".
+
+Images: with an ``image_ledger``, ``image-remove`` only removes references this provider
+pulled, built or tagged (the ledger file records them); it never forces and only untags
+that one reference.
+
+Workload names follow Docker's own container-name rule; a name outside it cannot exist,
+so it is never sent to the engine (lookups answer "not found", runs are refused).
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import json
 import os
+import re
+import secrets
 import signal
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+from urllib.parse import quote
 
 import aiodocker
 import aiohttp
 import anyio
 import anyio.to_thread
+import msgspec
 import structlog
 from msgspec import UNSET, UnsetType
 
-from ..errors import BackendError, BackendUnavailable, NotFound, OutputTooLarge, PathNotFound, RuntimeFailed
+from ..errors import (
+    BackendError,
+    BackendTimeout,
+    BackendUnavailable,
+    BuildContextError,
+    EngineRejected,
+    NotFound,
+    OutputTooLarge,
+    PathNotFound,
+    RuntimeFailed,
+)
+from ..limits import OUTPUT_LIMIT
 from ..schema import Execution, ImageBuild, ImageInfo, RuntimeResponse, WorkloadInfo, WorkloadSpec
-from ._archive import CopyError, extract_copy
-from ._buildctx import DOCKERFILE_PATH, BuildContextError, base_images, rewrite_dockerfile, write_context_tar
-from ._hijack import HijackError, hijack
+from ._base import Owner
+from ._buildctx import DOCKERFILE_PATH, base_images, rewrite_dockerfile, write_context_tar
+from ._gpus import CAPABILITY_PROBE_IMAGE, HostPolicy, realise
+from ._hijack import hijack
 from ._translate import (
     MANAGED_LABEL,
+    GpuAccess,
+    PrivilegeGrant,
     container_config,
     demux,
     encode_registry_auth,
@@ -40,12 +75,17 @@ from ._translate import (
     registry_auth,
 )
 
-__all__ = ("DockerBackend", "docker_errors")
+__all__ = ("INCARNATION_LABEL", "INSTANCE_LABEL", "DockerBackend", "docker_errors", "valid_workload_name")
 
 log = structlog.get_logger(__name__)
 
-# Raw output kept for one reply: base64 grows 4/3 and the wire cap is 64 MiB.
-OUTPUT_LIMIT = 46 << 20
+# On containers an RPC owns: the daemon instance (stable across restarts) and this process.
+INSTANCE_LABEL = "io.coldsnap-provider.instance"
+INCARNATION_LABEL = "io.coldsnap-provider.incarnation"
+# Docker's own container-name rule (a 64-hex container id also satisfies it).
+_CONTAINER_NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]+")
+# The extractor of workload-copy-from, run by path in a child process as the owner.
+_ARCHIVE_PROGRAM = str(Path(__file__).with_name("_archive.py"))
 _DIAGNOSTIC_BYTES = 16 << 10
 _CLEANUP_BUDGET_S = 30.0
 _SHORT = aiohttp.ClientTimeout(total=120)
@@ -55,25 +95,35 @@ _ZERO_TIME = "0001-01-01T00:00:00Z"
 
 @contextmanager
 def docker_errors(action: str, *, kind: str = "", ref: str = "") -> Iterator[None]:
-    """The one place engine errors become ours."""
+    """The one place engine, HTTP and socket errors become ours (`kind`/`ref`: what a 404 means)."""
     try:
         yield
-    except (aiodocker.DockerError, HijackError) as exc:
-        status = exc.status
+    except aiodocker.DockerError as exc:
         message = str(getattr(exc, "message", exc))
-        if status == 404 and kind:
+        if exc.status == 404 and kind:
             raise NotFound(kind=kind, ref=ref, action=action) from exc
-        if status == 900:  # aiodocker's "cannot connect"
+        if exc.status == 900:  # aiodocker's "cannot connect"
             raise BackendUnavailable(action=action, detail=message) from exc
         raise RuntimeFailed(action=action, detail=message) from exc
+    except EngineRejected as exc:
+        if exc.status == 404 and kind:
+            raise NotFound(kind=kind, ref=ref, action=action) from exc
+        raise
+    except TimeoutError as exc:  # before the connection errors: aiohttp's timeouts subclass both
+        raise BackendTimeout(action=action) from exc
     except aiohttp.ClientConnectionError as exc:
         raise BackendUnavailable(action=action, detail=str(exc) or type(exc).__name__) from exc
-    except TimeoutError as exc:
-        raise RuntimeFailed(action=action, detail="the container engine did not answer in time") from exc
-    except OverflowError as exc:
-        raise OutputTooLarge(action=action, limit=OUTPUT_LIMIT) from exc
+    except aiohttp.ClientError as exc:  # payload, redirect, URL and response errors
+        raise RuntimeFailed(action=action, detail=f"{type(exc).__name__}: {exc}") from exc
+    except (anyio.BrokenResourceError, anyio.EndOfStream) as exc:
+        raise BackendUnavailable(action=action, detail="the connection to the engine was lost") from exc
     except OSError as exc:
         raise BackendUnavailable(action=action, detail=exc.strerror or str(exc)) from exc
+
+
+def valid_workload_name(name: str) -> bool:
+    """Whether `name` can be a Docker container name (or a full container id)."""
+    return _CONTAINER_NAME.fullmatch(name) is not None
 
 
 def _text(data: bytes) -> str:
@@ -95,23 +145,57 @@ def _split(frames: list[tuple[int, bytes]], *, combined: bool) -> tuple[bytes, b
     return stdout, b"".join(p for s, p in frames if s == 2)
 
 
+class _Ledger(msgspec.Struct, forbid_unknown_fields=True):
+    """The image ledger file: the references this provider pulled, built or tagged."""
+
+    format: int = 1
+    references: list[str] = []
+
+
+_LEDGER_DECODER = msgspec.json.Decoder(_Ledger)
+_LEDGER_ENCODER = msgspec.json.Encoder()
+
+
+def _ledger_key(image: str) -> str:
+    """The ledger's spelling of a reference (Docker's normal form; an image id as itself)."""
+    ref = parse_reference(image)
+    return image if ref is None else ref.normalized()
+
+
 class DockerBackend:
-    """runtime-v1 on one Docker Engine. An async context manager; ``aclose()`` is idempotent."""
+    """runtime-v1 on one Docker Engine. An async context manager; ``aclose()`` is idempotent.
+
+    `instance` names this daemon instance (stable across restarts, distinct per state
+    directory): containers owned by an RPC carry it, and :meth:`recover` removes only this
+    instance's leftovers. `image_ledger` is the file recording the references this
+    provider pulled, built or tagged; with it, ``image-remove`` removes only those (None:
+    any reference, as a library caller may want).
+    """
 
     def __init__(self, *, url: str = "unix:///var/run/docker.sock", credentials_file: str | None = None,
-                 spool_dir: str | None = None) -> None:
+                 spool_dir: str | None = None, instance: str = "", image_ledger: Path | None = None,
+                 host_policy: HostPolicy | None = None) -> None:
         if not url.startswith("unix://"):
             raise ValueError(f"docker.url must be a unix:// socket, got {url!r}")
         self._url = url
         self._socket_path = url[len("unix://"):]
         self._credentials_file = credentials_file
         self._spool_dir = spool_dir
+        self._instance = instance
+        self._host_policy = host_policy
+        # This process: containers of the same instance but another incarnation are leftovers.
+        self._incarnation = secrets.token_hex(8)
+        self._image_ledger = image_ledger
+        self._ledger: set[str] = set()
+        self._ledger_lock = anyio.Lock()
         self._docker: aiodocker.Docker | None = None
         # Containers whose removal failed (engine down or restarting): retried by maintain().
         self._pending_removal: set[str] = set()
 
     async def __aenter__(self) -> DockerBackend:
-        self._docker = aiodocker.Docker(url=self._url, api_version="v1.41")
+        if self._image_ledger is not None:
+            self._ledger = await anyio.to_thread.run_sync(self._read_ledger, self._image_ledger)
+        self._docker = aiodocker.Docker(url=self._url, api_version="v1.41", timeout=_SHORT)
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -132,7 +216,7 @@ class DockerBackend:
     async def ping(self) -> bool:
         try:
             with docker_errors("ping"):
-                await self.docker._query_json("version", timeout=_SHORT)
+                await self.docker.version()
         except BackendError:
             return False
         return True
@@ -146,22 +230,26 @@ class DockerBackend:
         try:
             data = json.loads(Path(self._credentials_file).read_bytes())
         except (OSError, ValueError) as exc:
-            raise RuntimeFailed(action="registry", detail=f"credentials file unusable: {exc}") from None
+            raise RuntimeFailed(action="registry", detail=f"credentials file unusable: {exc}") from exc
         return data if isinstance(data, dict) else {}
 
     def _auth_header(self, registry: str) -> dict[str, str]:
         return {"X-Registry-Auth": encode_registry_auth(registry_auth(self._credentials(), registry))}
 
-    # --- streaming responses ---------------------------------------------------------
+    # --- the one wrapper over aiodocker's private request API --------------------------
 
     @asynccontextmanager
     async def _stream(self, path: str, *, method: str = "GET", params: dict[str, str] | None = None,
                       headers: dict[str, str] | None = None, data: Any = None
                       ) -> AsyncIterator[aiohttp.ClientResponse]:
-        """A streaming engine response whose connection is always closed on exit.
+        """A raw, unbounded engine response whose connection is always closed on exit.
 
-        aiodocker leaves finalisation to the caller; closing is what tells the engine a
+        aiodocker has no public API that streams raw bytes (its logs API decodes text, its
+        archive API buffers the whole tar, its pull/push/build APIs hide errors sent inside
+        a 200 stream), so these endpoints use its request method ``_query`` here, and only
+        here. aiodocker leaves finalisation to the caller; closing is what tells the engine a
         cancelled client is gone (it then cancels the pull or build it was running).
+        `path` must already be quoted (engine ids and validated names only).
         """
         async with self.docker._query(path, method=method, params=params, headers=headers, data=data,
                                       timeout=_UNBOUNDED) as response:
@@ -180,6 +268,56 @@ class DockerBackend:
                 async for event in _json_lines(response.content):
                     if error := event.get("error") or (event.get("errorDetail") or {}).get("message"):
                         raise RuntimeFailed(action=action, detail=str(error))
+
+    # --- the image ledger ----------------------------------------------------------------
+
+    @staticmethod
+    def _read_ledger(path: Path) -> set[str]:
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return set()
+        except OSError as exc:
+            log.error("image ledger unreadable; image-remove refuses until it is fixed", error=str(exc))
+            return set()
+        try:
+            return set(_LEDGER_DECODER.decode(data).references)
+        except msgspec.DecodeError as exc:
+            log.error("image ledger damaged; image-remove refuses until it is fixed", error=str(exc))
+            return set()
+
+    @staticmethod
+    def _write_ledger(path: Path, references: list[str]) -> None:
+        """Replace the ledger atomically: a fresh 0600 file beside it, fsynced, renamed over it."""
+        temporary = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                out.write(_LEDGER_ENCODER.encode(_Ledger(references=references)) + b"\n")
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(temporary, path)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+        directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+
+    async def _ledger_update(self, action: str, *, add: str = "", drop: str = "") -> None:
+        if self._image_ledger is None:
+            return
+        async with self._ledger_lock:
+            updated = (self._ledger | {add} if add else set(self._ledger)) - {drop}
+            if updated == self._ledger:
+                return
+            try:
+                await anyio.to_thread.run_sync(self._write_ledger, self._image_ledger, sorted(updated))
+            except OSError as exc:
+                raise RuntimeFailed(action=action, detail=f"cannot record the image ledger: {exc}") from exc
+            self._ledger = updated
 
     # --- images ----------------------------------------------------------------------
 
@@ -203,13 +341,15 @@ class DockerBackend:
         await self._progress("image-pull", "images/create",
                              params={"fromImage": ref.repository, "tag": ref.pull_tag},
                              headers=self._auth_header(ref.registry), kind="image", ref=image)
+        await self._ledger_update("image-pull", add=_ledger_key(image))
 
     async def image_push(self, image: str) -> None:
         ref = parse_reference(image)
         if ref is None or ref.digest:
             raise RuntimeFailed(action="image-push", detail=f"{image} is not a tag; only tags can be pushed")
         await self._image(image, "image-push")
-        await self._progress("image-push", f"images/{ref.repository}/push", params={"tag": ref.pull_tag},
+        await self._progress("image-push", f"images/{quote(ref.repository, safe='/:')}/push",
+                             params={"tag": ref.pull_tag},
                              headers=self._auth_header(ref.registry), kind="image", ref=image)
 
     async def image_tag(self, source: str, target: str) -> None:
@@ -219,12 +359,23 @@ class DockerBackend:
         info = await self._image(source, "image-tag")
         with docker_errors("image-tag", kind="image", ref=source):
             await self.docker.images.tag(info["Id"], ref.repository, tag=ref.pull_tag)
+        await self._ledger_update("image-tag", add=_ledger_key(target))
 
     async def image_remove(self, image: str) -> None:
-        await self._image(image, "image-remove")
+        key = _ledger_key(image)
+        try:
+            await self._image(image, "image-remove")
+        except NotFound:
+            await self._ledger_update("image-remove", drop=key)
+            raise
+        if self._image_ledger is not None and key not in self._ledger:
+            raise RuntimeFailed(action="image-remove", detail=(
+                f"{image} was not pulled, built or tagged by this provider; image-remove only removes "
+                "references the provider itself pulled, built or tagged"))
         with docker_errors("image-remove", kind="image", ref=image):
             # Exactly this reference: no force, and never prune untagged parents.
             await self.docker.images.delete(image, force=False, noprune=True)
+        await self._ledger_update("image-remove", drop=key)
 
     async def image_build(self, build: ImageBuild) -> None:
         headers = {"Content-Type": "application/x-tar"}
@@ -241,23 +392,24 @@ class DockerBackend:
             try:
                 await anyio.to_thread.run_sync(lambda: write_context_tar(
                     spool, context=build.context, contexts=dict(build.contexts), dockerfile=build.dockerfile))
-            except (BuildContextError, OSError, UnicodeDecodeError) as exc:
-                raise RuntimeFailed(action="image-build", detail=str(exc)) from None
+            except (OSError, UnicodeDecodeError) as exc:
+                raise RuntimeFailed(action="image-build", detail=str(exc)) from exc
             spool.seek(0)
             await self._progress("image-build", "build", params=params, headers=headers, data=spool)
+        await self._ledger_update("image-build", add=_ledger_key(build.tag))
 
     async def _require_local_bases(self, build: ImageBuild) -> None:
         """pull=false must never contact a registry, but the classic builder pulls a missing base."""
         try:
             text = rewrite_dockerfile(build.dockerfile.decode("utf-8"), dict(build.contexts))
-        except (BuildContextError, UnicodeDecodeError) as exc:
-            raise RuntimeFailed(action="image-build", detail=str(exc)) from None
+        except UnicodeDecodeError as exc:
+            raise BuildContextError(str(exc)) from exc
         for base in base_images(text, dict(build.arguments)):
             try:
                 await self._image(base, "image-build")
-            except NotFound:
+            except NotFound as exc:
                 raise RuntimeFailed(action="image-build", detail=(
-                    f"base image {base} is not resident and pull is false (no registry is contacted)")) from None
+                    f"base image {base} is not resident and pull is false (no registry is contacted)")) from exc
 
     async def _ensure_image(self, image: str, policy: str, *, allow_pull: bool) -> None:
         if policy == "always":
@@ -277,9 +429,11 @@ class DockerBackend:
 
     async def _find(self, name: str, action: str) -> dict[str, Any] | None:
         """The managed container named exactly `name` (or with that full id), else None."""
+        if not valid_workload_name(name):
+            return None  # Docker could never have created it: not a workload
         try:
             with docker_errors(action, kind="workload", ref=name):
-                info: dict[str, Any] = await self.docker._query_json(f"containers/{name}/json", timeout=_SHORT)
+                info: dict[str, Any] = await self.docker.containers.container(name).show()
         except NotFound:
             return None
         if info.get("Name") != "/" + name and info.get("Id") != name:
@@ -300,8 +454,7 @@ class DockerBackend:
         with anyio.move_on_after(_CLEANUP_BUDGET_S, shield=True) as scope:
             try:
                 with docker_errors("cleanup", kind="workload", ref=container_id):
-                    await self.docker._query_json(f"containers/{container_id}", method="DELETE",
-                                                  params={"force": "1", "v": "1"}, timeout=_SHORT)
+                    await self.docker.containers.container(container_id).delete(force=True, v=True, timeout=_SHORT)
                 self._pending_removal.discard(container_id)
                 return
             except NotFound:
@@ -320,10 +473,79 @@ class DockerBackend:
             if container_id not in self._pending_removal:
                 log.info("deferred cleanup done", container_id=container_id)
 
-    async def workload_run(self, spec: WorkloadSpec, *, allow_pull: bool) -> RuntimeResponse:
-        await self._ensure_image(spec.image, spec.pull_policy, allow_pull=allow_pull)
+    def _leftover(self, labels: dict[str, str]) -> bool:
+        """Owned by an RPC of this instance that a previous process ran (it cannot still be waiting)."""
+        return bool(self._instance) and labels.get(INSTANCE_LABEL) == self._instance and labels.get(
+            INCARNATION_LABEL) != self._incarnation
+
+    async def recover(self) -> None:
+        """Remove the containers RPCs of an earlier process of this instance left (e.g. after SIGKILL)."""
+        if not self._instance:
+            return
+        with docker_errors("recover"):
+            containers = await self.docker.containers.list(
+                all="1", filters=json.dumps({"label": [f"{INSTANCE_LABEL}={self._instance}"]}))
+        for container in containers:
+            if self._leftover(dict(container["Labels"] or {})):
+                log.info("removing a leftover of an earlier daemon", container_id=container.id)
+                await self._force_remove(container.id)
+
+    async def _reclaim(self, name: str) -> bool:
+        """Remove a leftover of this instance that holds `name`; whether the name is free now."""
+        try:
+            with docker_errors("workload-run", kind="workload", ref=name):
+                info = await self.docker.containers.container(name).show()
+        except NotFound:
+            return True
+        if info.get("Name") != "/" + name or not self._leftover(dict((info.get("Config") or {}).get("Labels") or {})):
+            return False
+        log.info("reclaiming a name held by a leftover of an earlier daemon", container_id=info["Id"])
+        await self._force_remove(str(info["Id"]))
+        return info["Id"] not in self._pending_removal
+
+    async def _realise(self, spec: WorkloadSpec) -> tuple[GpuAccess | None, PrivilegeGrant | None]:
+        """`gpus` and `privileged` as this host allows ([gpus], [runtime] privileged; see _gpus.py)."""
+
+        async def engine_info() -> dict[str, Any]:
+            with docker_errors("workload-run"):
+                info = dict(await self.docker.system.info())
+            return info
+
+        async def rejects(caps: list[str]) -> str:
+            body = {"Image": CAPABILITY_PROBE_IMAGE, "HostConfig": {"CapAdd": caps}}
+            try:  # an invalid reference: the engine answers an error and creates nothing
+                with docker_errors("workload-run"):
+                    await self.docker._query_json("containers/create", method="POST", data=json.dumps(body),
+                                                  timeout=_SHORT)
+            except RuntimeFailed as exc:
+                return exc.detail
+            return ""
+
+        return await realise(spec, self._host_policy or HostPolicy(), socket_path=self._socket_path,
+                             engine_info=engine_info, image_info=lambda ref: self._image(ref, "workload-run"),
+                             rejects=rejects)
+
+    async def _create(self, spec: WorkloadSpec) -> aiodocker.containers.DockerContainer:
+        gpus, privilege = await self._realise(spec)
+        config = container_config(spec, gpus=gpus, privilege=privilege)
+        if self._instance and not spec.detached and (not spec.name or spec.remove_after_exit):
+            # Owned by this RPC: recover() removes it if this process dies before its cleanup ran.
+            config["Labels"] = {**config["Labels"], INSTANCE_LABEL: self._instance,
+                                INCARNATION_LABEL: self._incarnation}
         with docker_errors("workload-run"):
-            container = await self.docker.containers.create(container_config(spec), name=spec.name or None)
+            try:
+                return await self.docker.containers.create(config, name=spec.name or None)
+            except aiodocker.DockerError as exc:
+                if not (exc.status == 409 and spec.name and await self._reclaim(spec.name)):
+                    raise
+            return await self.docker.containers.create(config, name=spec.name)
+
+    async def workload_run(self, spec: WorkloadSpec, *, allow_pull: bool) -> RuntimeResponse:
+        if spec.name and not valid_workload_name(spec.name):
+            raise RuntimeFailed(action="workload-run", detail=(
+                f"invalid workload name {spec.name!r}: a name matches [a-zA-Z0-9][a-zA-Z0-9_.-]+"))
+        await self._ensure_image(spec.image, spec.pull_policy, allow_pull=allow_pull)
+        container = await self._create(spec)
         cid = container.id
         try:
             if spec.detached:
@@ -345,7 +567,8 @@ class DockerBackend:
     async def _run_attached(self, cid: str, spec: WorkloadSpec) -> tuple[list[tuple[int, bytes]], int]:
         query = {"stream": "1", "stdin": "0" if spec.input is UNSET else "1", "stdout": "1", "stderr": "1"}
         with docker_errors("workload-run", kind="workload", ref=cid):
-            async with await hijack(self._socket_path, f"/containers/{cid}/attach", query=query) as stream:
+            async with await hijack(self._socket_path, f"/containers/{quote(cid, safe='')}/attach",
+                                    action="workload-run", query=query) as stream:
                 await self.docker.containers.container(cid).start()
                 frames = await stream.communicate(_stdin(spec.input), limit=OUTPUT_LIMIT)
             result = await self.docker.containers.container(cid).wait(timeout=None)
@@ -357,8 +580,7 @@ class DockerBackend:
             return  # already absent is success: it precedes every named launch
         try:
             with docker_errors("workload-remove", kind="workload", ref=name):
-                await self.docker._query_json(f"containers/{info['Id']}", method="DELETE",
-                                              params={"force": "1", "v": "1"}, timeout=_SHORT)
+                await self.docker.containers.container(info["Id"]).delete(force=True, v=True, timeout=_SHORT)
         except NotFound:
             return
 
@@ -379,20 +601,17 @@ class DockerBackend:
 
     async def workload_exec(self, name: str, execution: Execution) -> bytes:
         info = await self._require(name, "workload-exec")
-        body = {"AttachStdin": execution.input is not UNSET, "AttachStdout": True, "AttachStderr": True, "Tty": False,
-                "Cmd": list(execution.command), "User": execution.user}
         with docker_errors("workload-exec", kind="workload", ref=name):
-            created = await self.docker._query_json(f"containers/{info['Id']}/exec", method="POST",
-                                                    data=json.dumps(body), timeout=_SHORT)
-            exec_id = created["Id"]
+            created = await self.docker.containers.container(info["Id"]).exec(
+                list(execution.command), stdin=execution.input is not UNSET, user=execution.user)
             try:
-                async with await hijack(self._socket_path, f"/exec/{exec_id}/start",
-                                        body={"Detach": False, "Tty": False}) as stream:
+                async with await hijack(self._socket_path, f"/exec/{quote(created.id, safe='')}/start",
+                                        action="workload-exec", body={"Detach": False, "Tty": False}) as stream:
                     frames = await stream.communicate(_stdin(execution.input), limit=OUTPUT_LIMIT)
             except BaseException:
-                await self._kill_exec(exec_id)
+                await self._kill_exec(created.id)
                 raise
-            result = await self.docker._query_json(f"exec/{exec_id}/json", timeout=_SHORT)
+            result = await self.docker.containers.exec(created.id).inspect()
         output, diagnostics = _split(frames, combined=execution.combined)
         exit_code = result.get("ExitCode")
         if exit_code != 0:
@@ -404,7 +623,7 @@ class DockerBackend:
         with anyio.move_on_after(_CLEANUP_BUDGET_S, shield=True):
             try:
                 with docker_errors("cleanup"):
-                    state = await self.docker._query_json(f"exec/{exec_id}/json", timeout=_SHORT)
+                    state = await self.docker.containers.exec(exec_id).inspect()
             except BackendError:
                 return
             pid = int(state.get("Pid") or 0)
@@ -419,41 +638,63 @@ class DockerBackend:
         params = {"stdout": "1", "stderr": "1", "tail": str(tail) if tail else "all"}
         buffer = bytearray()
         chunks: list[bytes] = []
+        total = 0  # a running total: summing the chunks on every read was quadratic
         with docker_errors("workload-logs", kind="workload", ref=name):
-            async with self._stream(f"containers/{info['Id']}/logs", params=params) as response:
+            async with self._stream(f"containers/{quote(info['Id'], safe='')}/logs", params=params) as response:
                 async for data in response.content.iter_any():
                     buffer += data
-                    chunks.extend(payload for _, payload in demux(buffer))
-                    if sum(map(len, chunks)) > OUTPUT_LIMIT:
-                        raise OverflowError(OUTPUT_LIMIT)
+                    for _, payload in demux(buffer):
+                        chunks.append(payload)
+                        total += len(payload)
+                    if total > OUTPUT_LIMIT:
+                        raise OutputTooLarge(action="workload-logs", limit=OUTPUT_LIMIT)
         return b"".join(chunks)
 
-    async def workload_copy_from(self, name: str, path: str, destination: str) -> None:
-        info = await self._require(name, "workload-copy-from")
+    async def workload_copy_from(self, name: str, path: str, destination: str, *,
+                                 owner: Owner | None = None) -> None:
         action = "workload-copy-from"
-        parent = os.path.dirname(destination) or "/"
-        if not os.path.isdir(parent):
-            raise RuntimeFailed(action=action, detail=f"destination directory {parent} does not exist")
-        try:
-            spool = tempfile.TemporaryFile(dir=parent, prefix=".coldsnap-copy-")  # noqa: SIM115 - closed below
-        except OSError as exc:
-            raise RuntimeFailed(action=action, detail=f"cannot write under {parent}: {exc.strerror}") from None
-        with spool:
+        info = await self._require(name, action)
+        # Spooled in the daemon's own directory; only the extractor, as `owner`, writes at the destination.
+        with tempfile.TemporaryFile(dir=self._spool_dir, prefix="coldsnap-copy-") as spool:
             try:
                 with docker_errors(action, kind="path", ref=path):
-                    async with self._stream(f"containers/{info['Id']}/archive", params={"path": path}) as response:
-                        stat = json.loads(base64.b64decode(
-                            response.headers.get("X-Docker-Container-Path-Stat", "") or "e30="))
+                    async with self._stream(f"containers/{quote(info['Id'], safe='')}/archive",
+                                            params={"path": path}) as response:
+                        stat = _path_stat(response.headers.get("X-Docker-Container-Path-Stat", ""))
                         async for data in response.content.iter_chunked(1 << 20):
                             await anyio.to_thread.run_sync(spool.write, data)
-            except NotFound:
-                raise PathNotFound(workload=name, path=path, action=action) from None
+            except NotFound as exc:
+                raise PathNotFound(workload=name, path=path, action=action) from exc
+            await anyio.to_thread.run_sync(spool.flush)
             spool.seek(0)
             root = str(stat.get("name") or os.path.basename(path))
-            try:
-                await anyio.to_thread.run_sync(extract_copy, spool, root, destination)
-            except (CopyError, OSError) as exc:
-                raise RuntimeFailed(action=action, detail=str(exc)) from None
+            await _extract(spool, root, destination, owner=owner, action=action)
+
+
+def _path_stat(header: str) -> dict[str, Any]:
+    """The engine's X-Docker-Container-Path-Stat header (base64 JSON); {} when absent or malformed."""
+    try:
+        value = json.loads(base64.b64decode(header or "e30="))
+    except (ValueError, binascii.Error):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+async def _extract(spool: IO[bytes], root: str, destination: str, *, owner: Owner | None, action: str) -> None:
+    """Run the extractor program with `spool` on stdin; it drops to `owner` before touching the destination."""
+    argv = [sys.executable, "-I", "-S", _ARCHIVE_PROGRAM, root, destination]
+    if owner is not None:
+        argv += ["--as", f"{owner.uid}:{owner.gid}"]
+    if (os.geteuid() if owner is None else owner.uid) == 0:
+        argv.append("--keep-owner")  # a root writer keeps numeric ownership, as `docker cp` does
+    try:
+        result = await anyio.run_process(argv, stdin=spool, check=False, cwd="/",
+                                         env={"PATH": os.defpath, "LC_ALL": "C.UTF-8"})
+    except OSError as exc:
+        raise RuntimeFailed(action=action, detail=f"cannot start the extractor: {exc}") from exc
+    if result.returncode != 0:
+        lines = result.stderr.decode("utf-8", "replace").strip().splitlines()
+        raise RuntimeFailed(action=action, detail=lines[-1] if lines else f"extractor exited {result.returncode}")
 
 
 async def _json_lines(content: aiohttp.StreamReader) -> AsyncIterator[dict[str, Any]]:

@@ -6,21 +6,26 @@ import base64
 import json
 import re
 import struct
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from msgspec import UNSET
 
 from ..schema import WorkloadSpec
 
 __all__ = (
+    "CAPABILITIES",
     "MANAGED_LABEL",
+    "GpuAccess",
     "ImageRef",
+    "PrivilegeGrant",
+    "capability_names",
     "container_config",
     "demux",
     "encode_registry_auth",
     "image_matches",
+    "missing_capabilities",
     "parse_reference",
     "registry_auth",
 )
@@ -28,7 +33,7 @@ __all__ = (
 # Marks containers this provider created: only those are inspected, exec'd or removed by name.
 MANAGED_LABEL = "io.coldsnap-provider.managed"
 
-_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")  # always fullmatch: `$` would accept a final "\n"
 _DEFAULT_REGISTRY = "docker.io"
 
 
@@ -70,7 +75,7 @@ class ImageRef:
 
 def parse_reference(ref: str) -> ImageRef | None:
     """Parse `repo[:tag][@digest]`; None for a bare image id (`sha256:<64 hex>`)."""
-    if _DIGEST.match(ref):
+    if _DIGEST.fullmatch(ref):
         return None
     name, _, digest = ref.partition("@")
     tag = ""
@@ -83,7 +88,7 @@ def parse_reference(ref: str) -> ImageRef | None:
 
 def image_matches(ref: str, inspect: dict[str, Any]) -> bool:
     """True when `ref` names this image exactly (no engine-side ID-prefix guessing)."""
-    if _DIGEST.match(ref):
+    if _DIGEST.fullmatch(ref):
         return bool(inspect.get("Id") == ref)
     parsed = parse_reference(ref)
     assert parsed is not None
@@ -96,8 +101,87 @@ def image_matches(ref: str, inspect: dict[str, Any]) -> bool:
     return False
 
 
-def container_config(spec: WorkloadSpec) -> dict[str, Any]:
-    """The Engine API create body realising every WorkloadSpec field (or failing loudly)."""
+# Linux capability numbers (linux/capability.h), as Docker names them.
+CAPABILITIES = (
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_DAC_READ_SEARCH", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL",
+    "CAP_SETGID", "CAP_SETUID", "CAP_SETPCAP", "CAP_LINUX_IMMUTABLE", "CAP_NET_BIND_SERVICE",
+    "CAP_NET_BROADCAST", "CAP_NET_ADMIN", "CAP_NET_RAW", "CAP_IPC_LOCK", "CAP_IPC_OWNER", "CAP_SYS_MODULE",
+    "CAP_SYS_RAWIO", "CAP_SYS_CHROOT", "CAP_SYS_PTRACE", "CAP_SYS_PACCT", "CAP_SYS_ADMIN", "CAP_SYS_BOOT",
+    "CAP_SYS_NICE", "CAP_SYS_RESOURCE", "CAP_SYS_TIME", "CAP_SYS_TTY_CONFIG", "CAP_MKNOD", "CAP_LEASE",
+    "CAP_AUDIT_WRITE", "CAP_AUDIT_CONTROL", "CAP_SETFCAP", "CAP_MAC_OVERRIDE", "CAP_MAC_ADMIN", "CAP_SYSLOG",
+    "CAP_WAKE_ALARM", "CAP_BLOCK_SUSPEND", "CAP_AUDIT_READ", "CAP_PERFMON", "CAP_BPF", "CAP_CHECKPOINT_RESTORE",
+)
+
+
+def _capability(bit: int) -> str:
+    return CAPABILITIES[bit] if bit < len(CAPABILITIES) else f"CAP_{bit}"
+
+
+def capability_names(mask: int, last_cap: int) -> tuple[str, ...]:
+    """The capabilities set in `mask` (a CapBnd value), up to the kernel's `last_cap`."""
+    return tuple(_capability(bit) for bit in range(last_cap + 1) if mask >> bit & 1)
+
+
+def missing_capabilities(mask: int, last_cap: int) -> tuple[str, ...]:
+    """What Docker's privileged mode asks for (every capability the kernel has) that `mask` lacks."""
+    return tuple(_capability(bit) for bit in range(last_cap + 1) if not mask >> bit & 1)
+
+
+@dataclass(frozen=True, slots=True)
+class GpuAccess:
+    """How this host gives a container its `gpus` (resolved by ``_gpus.realise``)."""
+
+    mechanism: Literal["device-request", "cdi", "native"]
+    device_ids: tuple[str, ...] = ()  # device-request: the IDs; cdi: qualified names
+    devices: tuple[str, ...] = ()  # native: host device nodes, same path inside
+    binds: tuple[str, ...] = ()  # native: driver paths bound read-only at the same path
+    environment: Mapping[str, str] = field(default_factory=dict)  # native: LD_LIBRARY_PATH
+
+
+@dataclass(frozen=True, slots=True)
+class PrivilegeGrant:
+    """`privileged` as the host's capabilities (``[runtime] privileged = "host-capabilities"``)."""
+
+    capabilities: tuple[str, ...]
+    devices: tuple[str, ...]
+
+
+def _device(path: str) -> dict[str, str]:
+    return {"PathOnHost": path, "PathInContainer": path, "CgroupPermissions": "rwm"}
+
+
+def _realise_gpus(host: dict[str, Any], spec: WorkloadSpec, gpus: GpuAccess | None) -> None:
+    if not spec.gpus:
+        return
+    if gpus is None or gpus.mechanism == "device-request":
+        ids = list(gpus.device_ids) if gpus is not None else list(spec.gpus)
+        host["DeviceRequests"] = [{"Driver": "nvidia", "Count": 0, "DeviceIDs": ids, "Capabilities": [["gpu"]]}]
+    elif gpus.mechanism == "cdi":
+        host["DeviceRequests"] = [{"Driver": "cdi", "DeviceIDs": list(gpus.device_ids)}]
+    else:
+        host["Devices"] += [_device(d) for d in gpus.devices]
+        host["Binds"] += [f"{b}:{b}:ro" for b in gpus.binds]
+
+
+def _realise_privilege(host: dict[str, Any], grant: PrivilegeGrant) -> None:
+    """Docker's privileged mode minus what the engine's bounding set cannot grant."""
+    host["Privileged"] = False
+    host["CapAdd"] = list(grant.capabilities)
+    have = {d["PathInContainer"] for d in host["Devices"]}
+    host["Devices"] += [_device(d) for d in grant.devices if d not in have]
+    host["DeviceCgroupRules"] = ["a *:* rwm"]
+    host["MaskedPaths"], host["ReadonlyPaths"] = [], []  # /proc and /sys paths unmasked (API form of systempaths)
+    options = ["seccomp=unconfined", "apparmor=unconfined", "label=disable"]
+    host["SecurityOpt"] = [*host.get("SecurityOpt", []), *(o for o in options if o not in host.get("SecurityOpt", []))]
+
+
+def container_config(spec: WorkloadSpec, *, gpus: GpuAccess | None = None,
+                     privilege: PrivilegeGrant | None = None) -> dict[str, Any]:
+    """The Engine API create body realising every WorkloadSpec field (or failing loudly).
+
+    `gpus` and `privilege` carry what the host decided (``_gpus.realise``); without them `gpus`
+    is an ``nvidia`` DeviceRequest and `privileged` Docker's own.
+    """
     host: dict[str, Any] = {
         "NetworkMode": spec.network if spec.network in ("host", "none") else "default",
         "Privileged": spec.privileged,
@@ -115,15 +199,15 @@ def container_config(spec: WorkloadSpec) -> dict[str, Any]:
         host["Ulimits"] = [{"Name": "memlock", "Soft": -1, "Hard": -1}]
     if spec.shared_memory_bytes:
         host["ShmSize"] = spec.shared_memory_bytes
-    if spec.gpus:
-        host["DeviceRequests"] = [
-            {"Driver": "nvidia", "Count": 0, "DeviceIDs": list(spec.gpus), "Capabilities": [["gpu"]]}
-        ]
+    _realise_gpus(host, spec, gpus)
+    if privilege is not None and spec.privileged:
+        _realise_privilege(host, privilege)
+    environment = {**spec.environment, **(gpus.environment if gpus is not None else {})}
     # Like `docker run -i`: stdin is attached whenever the request carries `input`.
     attach_stdin = not spec.detached and spec.input is not UNSET
     config: dict[str, Any] = {
         "Image": spec.image,
-        "Env": [f"{k}={v}" for k, v in sorted(spec.environment.items())],
+        "Env": [f"{k}={v}" for k, v in sorted(environment.items())],
         "Labels": {**spec.labels, MANAGED_LABEL: "true"},
         "Tty": False,
         "AttachStdin": attach_stdin,

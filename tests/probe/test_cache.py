@@ -8,7 +8,7 @@ import os
 import stat
 from pathlib import Path
 
-from coldsnap_probe import attach_criu, cache_key, read_cached, write_cached
+from coldsnap_probe import attach_criu, boot_id, cache_key, read_cached, write_cached
 from tests.probe.test_features import N610_PASSING
 
 
@@ -34,3 +34,8 @@ def test_truncated_or_tampered_entries_fall_through_to_a_fresh_probe(tmp_path: P
     path.write_text(json.dumps(tampered))
     assert read_cached(tmp_path, "k" * 64, "n610") is None
     assert read_cached(tmp_path, "absent", "n610") is None
+
+
+def test_boot_id_is_this_boots_trimmed_id() -> None:
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        assert boot_id() == f.read().strip() != ""

@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from coldsnap_probe.canonical import canonical_json, digest, go_floats
+from coldsnap_probe.errors import NotCanonical
 
 
 def test_adapter_payload_vector() -> None:
@@ -34,8 +35,9 @@ def test_canonical_tokens(value: object, text: bytes) -> None:
 
 def test_nan_and_infinity_are_refused() -> None:
     for bad in (float("nan"), float("inf"), {"x": float("-inf")}):
-        with pytest.raises(ValueError, match="canonical JSON refuses"):
+        with pytest.raises(NotCanonical, match="canonical JSON refuses") as info:
             canonical_json(bad)
+        assert isinstance(info.value.__cause__, ValueError)  # json's own refusal, chained
 
 
 def test_go_floats_writes_integral_floats_as_integers() -> None:

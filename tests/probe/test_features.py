@@ -1,4 +1,4 @@
-"""Profile validation, admission texts, contracts, CRIU attachment and qualification records."""
+"""Admission texts, CRIU attachment and qualification records (`_features.py`), typed and at the JSON edge."""
 
 from __future__ import annotations
 
@@ -9,16 +9,17 @@ import pytest
 
 from coldsnap_probe import (
     CONTRACTS,
-    FEATURE_IDS,
-    AdmissionError,
-    ProfileError,
+    Profile,
     admit,
+    admit_profile,
     apply_qualification,
     attach_criu,
+    decode_profile,
     requirements,
-    validate_profile,
     validate_qualification,
+    with_criu,
 )
+from coldsnap_probe.errors import AdmissionError, FeatureNotPassed, ProfileError
 
 
 def result(feature: str, status: str = "passed", **extra: Any) -> dict[str, Any]:
@@ -33,39 +34,7 @@ def profile(*results: dict[str, Any]) -> dict[str, Any]:
             "features": list(results), "started_unix": 1.0, "completed_unix": 2.0}
 
 
-N610_PASSING = profile(*(result(f["id"]) for f in CONTRACTS["n610"]["base_requirements"]["features"]))
-
-
-def test_feature_ids_are_the_sixteen_in_go_order() -> None:
-    assert len(FEATURE_IDS) == 16 and FEATURE_IDS[0] == "criu-process-template"
-    assert FEATURE_IDS[-1] == "nccl-device-api-state-retention"
-
-
-@pytest.mark.parametrize(
-    ("mutate", "message"),
-    [
-        (lambda p: p.update(format=2), "profile.format must be 1"),
-        (lambda p: p.update(format=True), "profile.format must be 1"),
-        (lambda p: p.update(kind="x"), "profile.kind"),
-        (lambda p: p.update(identity={}), "identity must be a non-empty object"),
-        (lambda p: p.update(started_unix=-1), "started_unix"),
-        (lambda p: p.update(completed_unix=0.5), "completed_unix must be a number >= started_unix"),
-        (lambda p: p.update(extra=1), "unknown fields: extra"),
-        (lambda p: p["features"].append(result("nope")), "is not a known feature ID"),
-        (lambda p: p["features"].append(result("cuda-fresh-state")), "is duplicated"),
-        (lambda p: p["features"][0].update(probe=""), "probe must be non-empty"),
-        (lambda p: p["features"][0].update(seconds=-1), "seconds must be a number >= 0"),
-        (lambda p: p["features"][0].update(seconds=True), "seconds must be a number >= 0"),
-        (lambda p: p["features"][0].update(status="maybe"), "is not one of"),
-        (lambda p: p["features"][0].update(status="failed"), "reason must be non-empty for status failed"),
-        (lambda p: p["features"][0].update(debug=1), "unknown fields: debug"),
-    ],
-)
-def test_profile_validation_rules(mutate: Any, message: str) -> None:
-    bad = copy.deepcopy(profile(result("cuda-fresh-state")))
-    mutate(bad)
-    with pytest.raises(ProfileError, match=message.replace("[", r"\[")):
-        validate_profile(bad)
+N610_PASSING = profile(*(result(f) for f in CONTRACTS["n610"].base_requirements.features))
 
 
 def test_admission_passes_when_every_requirement_passed() -> None:
@@ -73,10 +42,11 @@ def test_admission_passes_when_every_requirement_passed() -> None:
 
 
 def test_admission_reports_missing_feature_as_unqualified() -> None:
-    with pytest.raises(AdmissionError) as info:
+    with pytest.raises(FeatureNotPassed) as info:
         admit(requirements("n580"), profile(result("cuda-fresh-state")))
     assert str(info.value) == \
         "required feature criu-process-template is unqualified: destination profile contains no result"
+    assert (info.value.feature, info.value.status, info.value.absent) == ("criu-process-template", "unqualified", True)
 
 
 def test_admission_keeps_the_four_states_and_the_phase() -> None:
@@ -93,25 +63,22 @@ def test_admission_keeps_the_four_states_and_the_phase() -> None:
         admit(requirements("n610"), unsupported)
 
 
-def test_requirements_must_be_known_sorted_and_unique() -> None:
-    for bad in ({"format": 1, "features": []},
-                {"format": 1, "features": [{"id": "cuda-fresh-state"}, {"id": "criu-process-tree"}]},
-                {"format": 1, "features": [{"id": "x"}]},
-                {"format": 2, "features": [{"id": "cuda-fresh-state"}]}):
-        with pytest.raises(ProfileError):
-            admit(bad, N610_PASSING)
+def test_admission_of_a_malformed_profile_is_a_profile_error_not_an_admission() -> None:
+    with pytest.raises(ProfileError, match=r"profile\.kind"):
+        admit(requirements("n610"), {**N610_PASSING, "kind": "x"})
 
 
-def test_contracts_are_exact() -> None:
-    assert CONTRACTS["n580"]["capture_boundary"] == "pre-cuda-process-template"
-    assert [f["id"] for f in requirements("n580")["features"]] == [
-        "criu-process-template", "cuda-fresh-state", "cuda-vmm-exact-address"]
-    assert [f["id"] for f in requirements("n610")["features"]] == [
-        "criu-process-tree", "cuda-checkpoint-api", "cuda-checkpoint-roundtrip", "cuda-classic-ipc",
-        "cuda-initialized-state", "cuda-vmm-exact-address"]
-    assert CONTRACTS["n610"]["minimum_nvidia_driver_major"] == 610
-    with pytest.raises(ValueError, match="n580 or n610"):
-        requirements("auto")
+def test_typed_admission_equals_the_json_edge() -> None:
+    typed = Profile.from_json(N610_PASSING)
+    admit_profile(requirements("n610"), typed)
+    with pytest.raises(FeatureNotPassed, match="criu-process-template is unqualified"):
+        admit_profile(requirements("n580"), typed)
+
+
+def test_decode_profile_refuses_trailing_data_and_chains_the_json_error() -> None:
+    with pytest.raises(ProfileError, match="profile is not valid JSON") as info:
+        decode_profile(b'{"format": 1} {}')
+    assert isinstance(info.value.__cause__, ValueError)
 
 
 @pytest.mark.parametrize(("driver", "structural", "other"), [("n580", "criu-process-template", "criu-process-tree"),
@@ -125,6 +92,14 @@ def test_criu_attachment_passes_only_the_drivers_structural_feature(driver: str,
     assert by_id[structural] == {"id": structural, "status": "passed", "probe": "capsule-criu-check-v1", "seconds": 0.0}
     assert by_id[other]["status"] == "unqualified"
     assert attach_criu(attached, driver) == attached  # idempotent
+    assert with_criu(Profile.from_json(unqualified), driver).to_json() == attached
+
+
+def test_criu_attachment_keeps_evidence_and_seconds() -> None:
+    tree = result("criu-process-tree", "unqualified", failure_phase="x", seconds=3, evidence={"criu": "3.19"})
+    attached = attach_criu(profile(tree), "n610")["features"][0]
+    assert attached == {"id": "criu-process-tree", "status": "passed", "probe": "capsule-criu-check-v1",
+                        "seconds": 3, "evidence": {"criu": "3.19"}}
 
 
 def qualification(**extra: Any) -> dict[str, Any]:

@@ -11,12 +11,12 @@ from hypothesis import strategies as st
 
 from coldsnap_probe._graph import (
     POLICIES,
-    ContractError,
     graph_record,
     recipe_digest,
     resolve_graph_policy,
     validate_graph_record,
 )
+from coldsnap_probe.errors import ContractError
 
 
 def execution(workers: int) -> dict[str, Any]:
@@ -93,6 +93,8 @@ def test_every_resolved_record_validates(requested: str, workers: int, async_gra
     record = graph_record(async_graphs=async_graphs, graph_policy=requested, engine=engine,
                           execution=execution(workers))
     validate_graph_record(record, engine=engine, execution=execution(workers), coverage=None)
-    effective, _, _ = resolve_graph_policy(record["policy_requested"], workers)
-    assert effective == record["policy_effective"]
-    assert effective != "preserve-nccl-exec" or (workers > 1 and requested == "preserve-nccl-exec" and async_graphs)
+    resolved = resolve_graph_policy(record["policy_requested"], workers)
+    assert resolved.effective == record["policy_effective"] and resolved.mode == record["recipe"]["mode"]
+    assert resolved.audit.to_json() == record["resource_audit"]
+    retained = resolved.effective == "preserve-nccl-exec"
+    assert not retained or (workers > 1 and requested == "preserve-nccl-exec" and async_graphs)

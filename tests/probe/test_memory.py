@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 from coldsnap_probe._memory import (
     STANDARD_REGIONS,
-    MemoryCapabilityError,
     MemoryCheckpointPlan,
     MemoryLayoutDescriptor,
     MemoryRegion,
@@ -21,6 +20,7 @@ from coldsnap_probe._memory import (
     require_checkpoint_plan,
     resolve_regions,
 )
+from coldsnap_probe.errors import MemoryCapabilityError
 
 REGIONS = {r.name: r for r in STANDARD_REGIONS}
 

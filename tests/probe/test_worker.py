@@ -15,9 +15,10 @@ from typing import Any
 
 import pytest
 
-from coldsnap_probe._worker import WorkerError, _audit_pre_cuda, identity_compatibility, image_digest, process_tree
+from coldsnap_probe._worker import _audit_pre_cuda, identity_compatibility, image_digest, process_tree
+from coldsnap_probe.errors import WorkerError
 from tests.helpers import ROOT
-from tests.probe.test_cli import has_nvidia_driver
+from tests.probe.test_main import has_nvidia_driver
 
 
 def worker(*args: str) -> subprocess.CompletedProcess[str]:

@@ -73,6 +73,7 @@ async def test_session_open_list_close_and_call() -> None:
 
 async def test_run_serves_the_controller_and_returns_its_status() -> None:
     work = Path(tempfile.mkdtemp(prefix="cs-run-"))
+    wrapper = controller(work, GOOD_CAPABILITIES)
     request = {"id": "req-run", "launch": {"units": [{"host": "localhost"}]}}
     (work / "request.json").write_text(json.dumps(request))
     script = (
@@ -83,7 +84,7 @@ async def test_run_serves_the_controller_and_returns_its_status() -> None:
     async with running_daemon() as daemon:
         result = await anyio.to_thread.run_sync(lambda: cli(
             "run", "--state-dir", str(daemon.state_dir), "--request", str(work / "request.json"),
-            "--", "sh", "-c", script, cwd=work, env={**os.environ, "HF_TOKEN": "secret"}))
+            "--", str(wrapper), "sh", "-c", script, cwd=work, env={**os.environ, "HF_TOKEN": "secret"}))
         assert result.returncode == 5, result.stderr
         assert json.loads((work / "stdin.json").read_text()) == request
         env = (work / "env.txt").read_text()
@@ -95,10 +96,12 @@ async def test_run_serves_the_controller_and_returns_its_status() -> None:
 async def test_run_forwards_sigterm_to_the_controller_group() -> None:
     work = Path(tempfile.mkdtemp(prefix="cs-run-"))
     (work / "request.json").write_text(json.dumps({"id": "req-term", "launch": {"units": [{"host": "h"}]}}))
+    wrapper = controller(work, GOOD_CAPABILITIES)
     script = 'cat > /dev/null; trap "echo term > got; exit 3" TERM; touch started; while :; do sleep 0.1; done'
     async with running_daemon() as daemon:
         process = subprocess.Popen([*CLI, "run", "--state-dir", str(daemon.state_dir), "--request",
-                                    str(work / "request.json"), "--", "sh", "-c", script], cwd=work)
+                                    str(work / "request.json"), "--", str(wrapper), "sh", "-c", script],
+                                   cwd=work)
         deadline = time.monotonic() + 20
         while not (work / "started").exists():
             assert time.monotonic() < deadline and process.poll() is None
@@ -138,3 +141,111 @@ def test_serve_without_configuration_uses_the_embedded_default(tmp_path: Path) -
         process.send_signal(signal.SIGTERM)
         assert process.wait(20) == 0
         shutil.rmtree(state, ignore_errors=True)
+
+
+# --- run: controller negotiation (spec section 8) -----------------------------------------
+
+GOOD_CAPABILITIES = {
+    "format": 1,
+    "kind": "coldsnap-controller-capabilities",
+    "controller": {"version": "0.3.25"},
+    "protocols": {"request_format": 1, "accepted_request_formats": [1], "host_provider_format": 1,
+                  "timing_event_format": 1, "payload_validation_rpc_format": 1},
+    "features": ["manager-host-provider", "manager-runtime-v1", "prepare-only-restore"],
+}
+
+
+def controller(work: Path, capabilities: object, *, exit_code: int = 0) -> Path:
+    """A controller program: `capabilities` prints `capabilities` (and records its environment);
+    anything else runs the rest of its argv (`controller sh -c SCRIPT`) and records that it ran."""
+    text = capabilities if isinstance(capabilities, str) else json.dumps(capabilities, indent=2)
+    script = work / "coldsnap"
+    script.write_text(f"""#!/bin/sh
+if [ "$1" = capabilities ]; then
+  env > "{work}/capabilities-env.txt"
+  cat <<'JSON'
+{text}
+JSON
+  exit {exit_code}
+fi
+touch "{work}/controller-ran"
+exec "$@"
+""")
+    script.chmod(0o755)
+    return script
+
+
+async def run_with(capabilities: object, *extra: str, exit_code: int = 0, script: str = "cat > /dev/null",
+                   env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], Path, list[object]]:
+    """`coldsnap-provider run` against a real daemon; returns the result, the work dir and the sessions
+    the daemon listed while the controller ran (written by the controller itself)."""
+    work = Path(tempfile.mkdtemp(prefix="cs-run-"))
+    (work / "request.json").write_text(json.dumps({"id": "req-neg", "launch": {"units": [{"host": "localhost"}]}}))
+    wrapper = controller(work, capabilities, exit_code=exit_code)
+    async with running_daemon() as daemon:
+        listing = (f"{script}; {sys.executable} -m coldsnap_provider session list "
+                   f"--state-dir {daemon.state_dir} > {work}/sessions.json")
+        result = await anyio.to_thread.run_sync(lambda: cli(
+            "run", "--state-dir", str(daemon.state_dir), "--request", str(work / "request.json"), *extra,
+            "--", str(wrapper), "sh", "-c", listing, cwd=work, env={**os.environ, **(env or {})}))
+        assert await daemon.control(operation="session-list") == []
+    sessions = json.loads((work / "sessions.json").read_text()) if (work / "sessions.json").exists() else []
+    return result, work, sessions
+
+
+async def test_run_negotiates_then_opens_the_session_with_labels_and_cluster_id() -> None:
+    result, work, sessions = await run_with(
+        GOOD_CAPABILITIES, "--label", "sparkrun.cluster_id=c-7", "--label", "sparkrun.recipe=r",
+        "--cluster-id", "c-7", env={"HF_TOKEN": "hf_secret", "HUGGING_FACE_HUB_TOKEN": "hf_secret"})
+    assert result.returncode == 0, result.stderr
+    assert (work / "controller-ran").exists()
+    probe_env = (work / "capabilities-env.txt").read_text()
+    assert "hf_secret" not in probe_env and "COLDSNAP_HOST_PROVIDER_TOKEN" not in probe_env
+    [session] = sessions
+    assert session["session"] == "req-neg" and session["cluster_id"] == "c-7"  # type: ignore[index]
+    assert session["labels"] == {"sparkrun.cluster_id": "c-7", "sparkrun.recipe": "r"}  # type: ignore[index]
+
+
+@pytest.mark.parametrize(("capabilities", "expected"), [
+    pytest.param({**GOOD_CAPABILITIES, "features": ["manager-host-provider"]},
+                 "features lacks 'manager-runtime-v1'", id="no-runtime-v1"),
+    pytest.param({**GOOD_CAPABILITIES, "protocols": {"host_provider_format": 2}},
+                 "protocols.host_provider_format is 2, not 1", id="format-2"),
+    pytest.param({**GOOD_CAPABILITIES, "protocols": {"host_provider_format": 1.0}},
+                 "protocols.host_provider_format is 1.0, not 1", id="format-float"),
+    pytest.param({"format": 1}, "features lacks 'manager-runtime-v1'; protocols.host_provider_format is null",
+                 id="old-controller"),
+    pytest.param("coldsnap 0.3.19", "did not print a capabilities object", id="not-json"),
+])
+async def test_run_refuses_a_controller_missing_what_the_manager_needs(capabilities: object, expected: str) -> None:
+    result, work, sessions = await run_with(capabilities)
+    assert result.returncode == 2 and "refusing the controller" in result.stderr and expected in result.stderr
+    assert not (work / "controller-ran").exists() and sessions == []
+
+
+async def test_run_refuses_a_controller_whose_capabilities_fails() -> None:
+    result, work, _ = await run_with(GOOD_CAPABILITIES, exit_code=3)
+    assert result.returncode == 2 and "capabilities` exited 3" in result.stderr
+    assert not (work / "controller-ran").exists()
+
+
+async def test_run_refuses_a_controller_that_does_not_answer_in_time() -> None:
+    work = Path(tempfile.mkdtemp(prefix="cs-run-"))
+    (work / "request.json").write_text(json.dumps({"id": "req-slow", "launch": {"units": [{"host": "h"}]}}))
+    slow = work / "slow"
+    slow.write_text("#!/bin/sh\nexec sleep 60\n")
+    slow.chmod(0o755)
+    async with running_daemon() as daemon:
+        result = await anyio.to_thread.run_sync(lambda: cli(
+            "run", "--state-dir", str(daemon.state_dir), "--request", str(work / "request.json"),
+            "--capabilities-timeout", "0.5", "--", str(slow), "restore"))
+        assert await daemon.control(operation="session-list") == []
+    assert result.returncode == 2 and "did not answer within 0.5 s" in result.stderr
+
+
+def test_run_rejects_a_malformed_label() -> None:
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        f.write(json.dumps({"id": "x"}))
+        f.flush()
+        result = cli("run", "--request", f.name, "--label", "novalue", "--", "true")
+    assert result.returncode == 2 and "expected KEY=VALUE" in result.stderr

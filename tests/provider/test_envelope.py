@@ -17,7 +17,7 @@ from coldsnap_provider._envelope import (
     decode_request,
     encode_reply,
     error_reply,
-    peek_id,
+    lenient_id,
 )
 from coldsnap_runtime.errors import NotFound, RequestRejected
 from coldsnap_runtime.schema import ImageInfo, RuntimeResponse, WorkloadInfo
@@ -77,9 +77,9 @@ class TestDecode:
             decode_request(line(operation="capabilities") + b" {}")
 
     def test_peek_id_tolerates_anything(self) -> None:
-        assert peek_id(b'{"id":"42","junk":[1]}') == "42"
-        assert peek_id(b'{"id":42}') == ""
-        assert peek_id(b"\xff\x00") == ""
+        assert lenient_id(b'{"id":"42","junk":[1]}') == "42"
+        assert lenient_id(b'{"id":42}') == ""
+        assert lenient_id(b"\xff\x00") == ""
 
     @given(st.binary(max_size=512))
     @settings(max_examples=300)

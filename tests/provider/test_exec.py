@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import base64
+import json
 import os
+import signal
 import tempfile
 from pathlib import Path
+
+import anyio
+import msgspec
 
 from tests.helpers import running_daemon
 
@@ -105,3 +110,85 @@ async def test_request_logs_carry_context_but_never_secrets() -> None:
         assert all(set(e) <= {*REQUEST_KEYS, "event", "level", "timestamp"} for e in lines)
         run_line = next(e for e in lines if e.get("action") == "workload-run")
         assert run_line["ok"] is False and run_line["error_code"] == "not_found"
+
+
+async def test_exec_output_over_the_limit_is_a_typed_error() -> None:
+    """Regression: #11 finding 12 (OutputTooLarge inside an ExceptionGroup became an internal error)."""
+    async with running_daemon() as daemon:
+        s = await daemon.open_session()
+        reply = await s.call("exec", host="localhost", arguments=["head", "-c", "60000000", "/dev/zero"])
+        assert not reply.ok and reply.error_code == "runtime_failed"
+        assert reply.error == f"exec failed: output exceeds {46 << 20} bytes"
+
+
+async def test_exec_arguments_past_the_kernel_limit_are_rejected() -> None:
+    """Regression: #11 finding 12 (E2BIG became an internal error)."""
+    async with running_daemon() as daemon:
+        s = await daemon.open_session()
+        reply = await s.call("exec", host="localhost", arguments=["true", "a" * (256 << 10)])
+        assert not reply.ok and "E2BIG" in str(reply.error) and reply.error_code is msgspec.UNSET
+
+
+async def test_exec_does_not_inherit_the_daemons_environment() -> None:
+    """Regression: #11 finding 14 (an HF_TOKEN in the daemon's environment reached `exec env`)."""
+    async with running_daemon(env={"HF_TOKEN": "hf-daemon-secret", "OTHER_SECRET": "s3"}) as daemon:
+        s = await daemon.open_session()
+        reply = await s.call("exec", host="localhost", arguments=["env"])
+        assert reply.ok and b"PATH=" in reply.output
+        assert b"hf-daemon-secret" not in reply.output and b"s3" not in reply.output.split(b"=")[-1]
+        assert b"OTHER_SECRET" not in reply.output
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+async def _wait_gone(pid: int) -> None:
+    with anyio.fail_after(15):
+        while _alive(pid):
+            await anyio.sleep(0.05)
+
+
+async def test_grandchild_that_ignores_sigterm_is_killed_on_disconnect(tmp_path: Path) -> None:
+    """Regression: #11 finding 15 (no SIGKILL followed once the main process had exited)."""
+    pid_file = tmp_path / "grandchild"
+    async with running_daemon() as daemon:
+        s = await daemon.open_session()
+        script = f"(trap '' TERM; exec sleep 300) & echo $! > {pid_file}; wait"
+        request = s.envelope("exec", host="localhost", arguments=["sh", "-c", script])
+        stream = await anyio.connect_unix(s.socket)
+        await stream.send(json.dumps(request).encode() + b"\n")
+        await stream.send_eof()
+        with anyio.fail_after(10):
+            while not pid_file.exists() or not pid_file.read_text().strip():
+                await anyio.sleep(0.05)
+        pid = int(pid_file.read_text())
+        await stream.aclose()
+        await _wait_gone(pid)
+        assert (await s.call("capabilities")).ok
+
+
+async def test_exec_children_of_a_killed_daemon_are_ended_at_its_next_start(tmp_path: Path) -> None:
+    """Regression: #11 finding 15 (exec children survived a SIGKILL of the daemon)."""
+    pid_file = tmp_path / "child"
+    state = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
+    async with running_daemon(state_dir=state) as daemon:
+        s = await daemon.open_session()
+        request = s.envelope("exec", host="localhost",
+                             arguments=["sh", "-c", f"sleep 300 & echo $! > {pid_file}; wait"])
+        stream = await anyio.connect_unix(s.socket)
+        await stream.send(json.dumps(request).encode() + b"\n")
+        await stream.send_eof()
+        with anyio.fail_after(10):
+            while not pid_file.exists() or not pid_file.read_text().strip():
+                await anyio.sleep(0.05)
+        await anyio.to_thread.run_sync(daemon.stop, signal.SIGKILL)
+        await stream.aclose()
+    pid = int(pid_file.read_text())
+    assert _alive(pid)  # nothing ends it but us
+    async with running_daemon(state_dir=state):
+        await _wait_gone(pid)

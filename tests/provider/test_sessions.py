@@ -6,6 +6,8 @@ import json
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -50,7 +52,8 @@ async def test_control_socket_refuses_an_unlisted_uid() -> None:
         os.chmod(daemon.state_dir / "control.sock", 0o666)  # file modes allow it: SO_PEERCRED must not
         reply = control_as(nobody, daemon.state_dir, {"operation": "session-open", "session": "op-denied",
                                                        "hosts": ["localhost"]})
-        assert reply == {"format": 1, "id": "as-uid", "ok": False,
+        # Refused before a byte of the request is read (so it holds no slot), hence no id to echo.
+        assert reply == {"format": 1, "id": "", "ok": False,
                          "error": "uid 65534 (gid 65534) may not use the control socket"}
         assert not (daemon.state_dir / "sessions" / "op-denied").exists()
 
@@ -145,3 +148,70 @@ async def test_a_closed_session_leaves_listings_at_once() -> None:
             await daemon.control(operation="session-close", session=f"op-race-{i}")
             assert (await daemon.control(operation="status"))["sessions"] == 0
             assert await daemon.control(operation="session-list") == []
+
+
+NOBODY = 65534
+
+
+async def test_session_socket_cannot_be_redirected_by_a_racing_symlink(tmp_path: Path) -> None:
+    """Regression: #11 finding 2 (chmod/chown of the socket path followed a planted symlink)."""
+    target = tmp_path / "root-owned"
+    target.write_text("secret\n")
+    target.chmod(0o644)
+    state = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
+    async with running_daemon(f"[server]\ncontrol_uids = [{NOBODY}]\n", state_dir=state) as daemon:
+        os.chmod(daemon.state_dir / "control.sock", 0o666)
+        reply = control_as(NOBODY, daemon.state_dir, {"operation": "session-open", "session": "op-race",
+                                                      "hosts": ["localhost"]})
+        assert reply["ok"], reply
+    directory = state / "sessions" / "op-race"
+    # The session's owner swaps a symlink to a root-owned file over its socket, as fast as it can,
+    # while the daemon restarts and re-binds the socket.
+    racer = subprocess.Popen(
+        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-c",
+         "import os, sys\n"
+         f"d, t = {str(directory)!r}, {str(target)!r}\n"
+         "while True:\n"
+         "    try:\n"
+         "        os.symlink(t, d + '/l'); os.rename(d + '/l', d + '/provider.sock')\n"
+         "    except OSError:\n"
+         "        pass\n"])
+    try:
+        for _ in range(3):
+            async with running_daemon(state_dir=state):
+                pass
+    finally:
+        racer.kill()
+        racer.wait()
+    info = target.stat()
+    assert (info.st_uid, info.st_mode & 0o777) == (0, 0o644)
+    assert target.read_text() == "secret\n"
+
+
+async def test_record_with_an_out_of_range_uid_is_skipped_not_fatal() -> None:
+    """Regression: #11 finding 9 (OverflowError from os.chown stopped every start)."""
+    state = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
+    (state / "records").mkdir(parents=True, mode=0o700)
+    (state / "records" / "op-big.json").write_text(json.dumps(
+        {"session": "op-big", "token_sha256": "0" * 64, "hosts": ["localhost"], "uid": 1 << 40, "gid": 0}))
+    async with running_daemon(state_dir=state) as daemon:
+        assert (await daemon.control(operation="status"))["sessions"] == 0
+        assert "skipping damaged session record" in daemon.log()
+        s = await daemon.open_session()
+        assert (await s.call("capabilities")).ok
+
+
+async def test_close_of_a_session_that_is_not_live_checks_its_owner() -> None:
+    """Regression: #11 finding 10 (session-close skipped the owner check for sessions not being served)."""
+    state = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
+    async with running_daemon(f"[server]\ncontrol_uids = [{NOBODY}]\n", state_dir=state) as daemon:
+        await daemon.open_session("op-root")
+    # A directory where the socket goes: the session cannot be bound at the next start, so it is not live.
+    (state / "sessions" / "op-root" / "provider.sock").unlink()
+    (state / "sessions" / "op-root" / "provider.sock").mkdir()
+    async with running_daemon(f"[server]\ncontrol_uids = [{NOBODY}]\n", state_dir=state) as daemon:
+        assert (await daemon.control(operation="status"))["sessions"] == 0
+        os.chmod(daemon.state_dir / "control.sock", 0o666)
+        reply = control_as(NOBODY, daemon.state_dir, {"operation": "session-close", "session": "op-root"})
+        assert reply["ok"] is False and reply["error"] == "session 'op-root' belongs to another user"
+        assert (state / "records" / "op-root.json").exists()

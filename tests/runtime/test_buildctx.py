@@ -10,11 +10,11 @@ import pytest
 
 from coldsnap_runtime.backend._buildctx import (
     DOCKERFILE_PATH,
-    BuildContextError,
     base_images,
     rewrite_dockerfile,
     write_context_tar,
 )
+from coldsnap_runtime.errors import BuildContextError
 
 CTX = {"coldsnap_seed": "/seed", "base": "/base"}
 

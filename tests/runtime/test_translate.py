@@ -8,7 +8,6 @@ import struct
 import msgspec
 import pytest
 
-from coldsnap_runtime.backend import RuntimeContext, with_manager_labels
 from coldsnap_runtime.backend._translate import (
     MANAGED_LABEL,
     container_config,
@@ -79,15 +78,6 @@ def test_container_config_entrypoint_user_and_autoremove() -> None:
                                    remove_after_exit=True))
     assert config["Entrypoint"] == ["python3"] and config["User"] == "0:0"
     assert config["HostConfig"]["AutoRemove"] is True
-
-
-def test_manager_labels_apply_only_to_the_sessions_cluster() -> None:
-    ctx = RuntimeContext(host="h", allow_pull=True, allow_push=True, cluster_id="runtime-contract",
-                         manager_labels={"sparkrun.cluster_id": "runtime-contract"})
-    mine = spec(image="i", labels={"io.sparksq.coldsnap.workload": "runtime-contract"})
-    other = spec(image="i", labels={"io.sparksq.coldsnap.workload": "else"})
-    assert with_manager_labels(mine, ctx).labels["sparkrun.cluster_id"] == "runtime-contract"
-    assert with_manager_labels(other, ctx) is other
 
 
 @pytest.mark.parametrize(

@@ -7,15 +7,15 @@ import json
 import sys
 from typing import Any
 
-from nccl_shim import AdmissionError, Shim, ShimError, admit_evidence, admit_resources
+from nccl_shim import ProviderNotAdmitted, Shim, ShimCallFailed, admit_evidence, admit_resources
 
 
 def attempt(fn: Any, *args: Any) -> Any:
     try:
         return fn(*args)
-    except ShimError as exc:
+    except ShimCallFailed as exc:
         return {"shim_error": exc.code, "message": str(exc)}
-    except AdmissionError as exc:
+    except ProviderNotAdmitted as exc:
         return {"admission_error": exc.rule, "message": str(exc)}
 
 

@@ -1,71 +1,30 @@
-"""`python -m coldsnap_probe` on a machine without an NVIDIA driver, and `coldsnap-provider probe`."""
+"""`coldsnap-provider probe` (`_probe.py`): the probe launched on this host or in capsule containers.
+
+Moved from tests/probe, which may import only coldsnap_probe's private modules.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from coldsnap_probe import validate_profile
+from coldsnap_probe import admit, requirements
 from coldsnap_provider._client import ReplyError
 from coldsnap_provider._probe import PROBE_MOUNT, ProbeOptions, criu_workload, probe_workload
-from coldsnap_runtime.backend._translate import container_config
+from coldsnap_runtime.backend import container_config
 from tests.conftest import docker
 from tests.helpers import ROOT, running_daemon
+from tests.probe.test_main import has_nvidia_driver
 
-ORDER = ["cuda-checkpoint-api", "cuda-checkpoint-roundtrip", "cuda-vmm-exact-address", "cuda-classic-ipc",
-         "cuda-uvm-checkpoint", "cuda-vmm-exported-handle-checkpoint", "criu-process-template",
-         "criu-process-tree", "cuda-fresh-state", "cuda-initialized-state"]
-
-
-def has_nvidia_driver() -> bool:
-    import ctypes
-
-    try:
-        ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return False
-    return True
-
-
-pytestmark = pytest.mark.skipif(has_nvidia_driver(), reason="these assert the no-driver behaviour")
-
-
-def probe(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "coldsnap_probe", *args], capture_output=True, text=True,
-                          cwd=ROOT, check=False)
-
-
-def test_profile_without_a_driver_is_valid_and_never_passes_cuda() -> None:
-    done = probe("profile")
-    assert done.returncode == 0, done.stderr
-    profile = validate_profile(json.loads(done.stdout))
-    assert [f["id"] for f in profile["features"]] == ORDER
-    for feature in profile["features"]:
-        if feature["id"] in ("cuda-uvm-checkpoint", "cuda-vmm-exported-handle-checkpoint"):
-            assert feature["status"] == "unsupported" and feature["probe"] == "known-negative-v1"
-        elif feature["id"].startswith("criu-"):
-            assert feature["status"] == "unqualified"
-        else:
-            assert feature["status"] == "failed", feature
-            assert feature["reason"] and ("libcuda.so.1" in feature["reason"] or "unavailable" in feature["reason"])
-    phases = {f["id"]: f.get("failure_phase") for f in profile["features"]}
-    assert phases["cuda-checkpoint-api"] == "symbols" and phases["cuda-vmm-exact-address"] == "load"
-    assert phases["cuda-classic-ipc"] == "load" and phases["cuda-checkpoint-roundtrip"] == "roundtrip"
-    assert profile["identity"]["boot_id"] and profile["identity"]["driver_version"] is None
-
-
-@pytest.mark.parametrize(("args", "message"), [
-    (["profile", "--memory-bytes", "4095"], "--memory-bytes must be within [4096, 1073741824], got 4095"),
-    (["profile", "--memory-bytes", str((1 << 30) + 1)], "--memory-bytes must be within"),
-    (["profile", "--timeout", "0"], "--timeout must be within (0, 300] seconds, got 0"),
-    (["profile", "--timeout", "301"], "--timeout must be within (0, 300] seconds, got 301"),
-])
-def test_profile_bounds_exit_2_with_a_clear_message(args: list[str], message: str) -> None:
-    done = probe(*args)
-    assert done.returncode == 2 and message in done.stderr and done.stdout == ""
+no_driver = pytest.mark.skipif(has_nvidia_driver(), reason="these assert the no-driver behaviour")
+needs_driver = pytest.mark.skipif(not has_nvidia_driver(), reason="needs an NVIDIA driver (run on the GPU host)")
 
 
 def provider_probe(*args: str, state: str) -> subprocess.CompletedProcess[str]:
@@ -73,6 +32,7 @@ def provider_probe(*args: str, state: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, cwd=ROOT, check=False)
 
 
+@no_driver
 def test_host_process_probe_is_not_admitted_and_not_cached(tmp_path: object) -> None:
     state = str(tmp_path)
     done = provider_probe("--driver", "n610", "--host-process", "--criu", "/bin/true", "--json", state=state)
@@ -86,18 +46,21 @@ def test_host_process_probe_is_not_admitted_and_not_cached(tmp_path: object) -> 
     assert not (tmp_path / "host-feature-profiles").exists()  # type: ignore[operator]
 
 
+@no_driver
 def test_failed_criu_check_is_the_admission_error(tmp_path: object) -> None:
     done = provider_probe("--driver", "n580", "--host-process", "--criu", "/bin/false", "--json", state=str(tmp_path))
     assert done.returncode == 3
     assert json.loads(done.stdout)["error"].startswith("destination kernel failed capsule-pinned CRIU check: exit 1")
 
 
+@no_driver
 @pytest.mark.parametrize("args", [["--driver", "n610"], ["--driver", "n610", "--host-process", "--image", "x"],
                                   ["--driver", "auto", "--host-process"]])
 def test_probe_usage_errors_exit_2(args: list[str], tmp_path: object) -> None:
     assert provider_probe(*args, state=str(tmp_path)).returncode == 2
 
 
+@no_driver
 def test_probe_workloads_realise_the_isolation_rules() -> None:
     options = ProbeOptions(driver="n610", device="3", image="capsule@sha256:" + "0" * 64)
     probe_config = container_config(probe_workload(options))
@@ -111,6 +74,7 @@ def test_probe_workloads_realise_the_isolation_rules() -> None:
     assert criu["HostConfig"]["NetworkMode"] == "host" and "DeviceRequests" not in criu["HostConfig"]
 
 
+@no_driver
 @pytest.mark.usefixtures("no_leftovers")
 def test_image_probe_runs_in_disposable_containers_and_fails_cleanly_without_nvidia(
         busybox_image: str, tmp_path: object) -> None:
@@ -120,6 +84,7 @@ def test_image_probe_runs_in_disposable_containers_and_fails_cleanly_without_nvi
     assert docker("ps", "-aq", "--filter", f"ancestor={busybox_image}").stdout.strip() == b""
 
 
+@no_driver
 async def test_probe_is_a_control_socket_operation() -> None:
     async with running_daemon() as daemon:
         outcome = await daemon.control(operation="probe", driver="n580", host_process=True, criu="/bin/true")
@@ -127,3 +92,31 @@ async def test_probe_is_a_control_socket_operation() -> None:
         assert outcome["error"].startswith("required feature cuda-fresh-state is failed")
         with pytest.raises(ReplyError, match="give --image IMAGE or --host-process"):
             await daemon.control(operation="probe", driver="n580")
+
+
+def run_provider(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "coldsnap_provider", *args], capture_output=True, text=True,
+                          cwd=ROOT, check=False, timeout=280)
+
+
+@needs_driver
+@pytest.mark.skipif(shutil.which("criu") is None, reason="needs CRIU on PATH")
+@pytest.mark.parametrize("driver", ["n610", "n580"])
+def test_host_process_probe_admits_caches_and_reuses(driver: str, tmp_path: Path) -> None:
+    first = run_provider("probe", "--driver", driver, "--host-process", "--state-dir", str(tmp_path),
+                "--json")
+    outcome = json.loads(first.stdout)
+    assert first.returncode == 0 and outcome["admitted"] is True and outcome["error"] is None, outcome["error"]
+    assert outcome["cached"] is False
+    admit(requirements(driver), outcome["profile"])
+    cache = tmp_path / "host-feature-profiles"
+    files = list(cache.iterdir())
+    assert len(files) == 1 and stat.S_IMODE(os.stat(cache).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(files[0]).st_mode) == 0o600
+    second = json.loads(run_provider("probe", "--driver", driver, "--host-process", "--state-dir",
+                            str(tmp_path), "--json").stdout)
+    assert second["admitted"] is True and second["cached"] is True
+    files[0].write_text(files[0].read_text()[:100])  # damaged: probed afresh, never admitted from it
+    third = json.loads(run_provider("probe", "--driver", driver, "--host-process", "--state-dir",
+                           str(tmp_path), "--json").stdout)
+    assert third["admitted"] is True and third["cached"] is False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import secrets
 
 import anyio
 import msgspec
@@ -11,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from coldsnap_provider._envelope import Runtime, decode_request
+from coldsnap_runtime.schema import RuntimeRequest, explain
 from tests.conftest import docker
 from tests.helpers import Session
 
@@ -127,9 +129,8 @@ _WORKLOAD_KEYS = st.sampled_from(["name", "image", "detached", "remove_after_exi
                                   "command", "input", "combined", "unknown_requirement"])
 
 
-def _is_valid(key: str, value: object) -> bool:
-    """Whether `value` happens to be acceptable for `key` (those draws are skipped)."""
-    workload = {"name": "", "image": "img", key: value}
+def _is_valid(workload: dict[str, object]) -> bool:
+    """Whether this exact workload decodes (those draws are skipped: they would really run)."""
     try:
         decode_request(envelope({"action": "workload-run", "workload": workload}))
     except Exception:
@@ -141,13 +142,80 @@ def _is_valid(key: str, value: object) -> bool:
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_invalid_workloads_never_reach_docker(session: Session, busybox_image: str, key: str,
                                               value: object) -> None:
-    if _is_valid(key, value):
-        return
-    marker = f"hyp-{abs(hash((key, repr(value)))) % 10**8}"
+    # A fresh name per example: a name shared across examples made a valid draw collide ("Conflict").
+    marker = f"hyp-{secrets.token_hex(6)}"
     workload = {"name": marker, "image": busybox_image, "detached": True, "command": ["sleep", "1"], key: value}
+    if _is_valid(workload):  # the oracle judges the request that is sent, not a different one
+        return
     images_before = docker("images", "-q", "--no-trunc").stdout
     reply = anyio.run(lambda: session.call("runtime", host="localhost",
                                            runtime={"action": "workload-run", "workload": workload}))
     assert not reply.ok and reply.error_code is msgspec.UNSET
     assert docker("inspect", marker, check=False).returncode != 0
     assert docker("images", "-q", "--no-trunc").stdout == images_before
+
+
+# Every identifier and path of a runtime request, with the JSON path its error must name.
+_NL = "x\n"
+_NEWLINE_FIELDS = [
+    ({"action": "image-inspect", "image": _NL}, "$.image"),
+    ({"action": "image-pull", "image": _NL}, "$.image"),
+    ({"action": "image-push", "image": _NL}, "$.image"),
+    ({"action": "image-remove", "image": _NL}, "$.image"),
+    ({"action": "image-tag", "source": _NL, "target": "t"}, "$.source"),
+    ({"action": "image-tag", "source": "s", "target": _NL}, "$.target"),
+    ({"action": "image-build", "build": {"dockerfile": "eA==", "context": "/c\n", "tag": "t"}}, "$.build.context"),
+    ({"action": "image-build", "build": {"dockerfile": "eA==", "context": "/c", "tag": _NL}}, "$.build.tag"),
+    ({"action": "image-build", "build": {"dockerfile": "eA==", "context": "/c", "tag": "t",
+                                         "contexts": {"s\n": "/s"}}}, "$.build.contexts"),
+    ({"action": "image-build", "build": {"dockerfile": "eA==", "context": "/c", "tag": "t",
+                                         "contexts": {"s": "/s\n"}}}, "$.build.contexts"),
+    ({"action": "image-build", "build": {"dockerfile": "eA==", "context": "/c", "tag": "t",
+                                         "arguments": {"A\n": "v"}}}, "$.build.arguments"),
+    ({"action": "workload-run", "workload": {"image": _NL}}, "$.workload.image"),
+    ({"action": "workload-run", "workload": {"image": "i", "name": _NL}}, "$.workload.name"),
+    ({"action": "workload-run", "workload": {"image": "i", "user": "65534\n"}}, "$.workload.user"),
+    ({"action": "workload-run", "workload": {"image": "i", "gpus": ["0\n"]}}, "$.workload.gpus[0]"),
+    ({"action": "workload-run", "workload": {"image": "i", "environment": {"K\n": "v"}}},
+     "$.workload.environment"),
+    ({"action": "workload-run", "workload": {"image": "i", "labels": {"k\n": "v"}}}, "$.workload.labels"),
+    ({"action": "workload-run", "workload": {"image": "i", "mounts": [{"source": "/nlmount\n", "target": "/m"}]}},
+     "$.workload.mounts[0].source"),
+    ({"action": "workload-run", "workload": {"image": "i", "mounts": [{"source": "/s", "target": "/m\n"}]}},
+     "$.workload.mounts[0].target"),
+    ({"action": "workload-run", "workload": {"image": "i", "devices": [{"source": "/dev/x\n"}]}},
+     "$.workload.devices[0].source"),
+    ({"action": "workload-run", "workload": {"image": "i", "devices": [{"source": "/dev/x", "target": "/y\n"}]}},
+     "$.workload.devices[0].target"),
+    ({"action": "workload-remove", "name": _NL}, "$.name"),
+    ({"action": "workload-inspect", "name": _NL}, "$.name"),
+    ({"action": "workload-exec", "name": _NL, "execution": {"command": ["true"]}}, "$.name"),
+    ({"action": "workload-exec", "name": "n", "execution": {"command": ["true"], "user": "0\n"}},
+     "$.execution.user"),
+    ({"action": "workload-logs", "name": _NL}, "$.name"),
+    ({"action": "workload-copy-from", "name": _NL, "path": "/p", "destination": "/d"}, "$.name"),
+    ({"action": "workload-copy-from", "name": "n", "path": "/p\n", "destination": "/d"}, "$.path"),
+    ({"action": "workload-copy-from", "name": "n", "path": "/p", "destination": "/d\n"}, "$.destination"),
+]
+_RUNTIME_DECODER = msgspec.json.Decoder(RuntimeRequest)
+
+
+@pytest.mark.parametrize(("runtime", "field"), _NEWLINE_FIELDS, ids=[f for _, f in _NEWLINE_FIELDS])
+def test_schema_trailing_newline_in_an_identifier_or_path_is_rejected_naming_the_field(
+        runtime: dict[str, object], field: str) -> None:
+    """Regression: #11 (finding 11): `$` also matched before a final newline."""
+    text = json.dumps(runtime)
+    assert "\\n" in text
+    with pytest.raises(msgspec.ValidationError) as caught:
+        _RUNTIME_DECODER.decode(text.encode())
+    message = explain(str(caught.value))
+    assert f"`{field}" in message, message  # "at `$.x`" or "at `key` in `$.x`"
+    without = json.loads(text)  # the same request without the newline is accepted
+    _RUNTIME_DECODER.decode(json.dumps(without).replace("\\n", "").encode())
+
+
+def test_schema_newline_inside_commands_and_values_is_still_accepted() -> None:
+    request = _RUNTIME_DECODER.decode(json.dumps({"action": "workload-run", "workload": {
+        "image": "i", "command": ["sh", "-c", "echo a\necho b\n"], "environment": {"K": "v\n"},
+        "entrypoint": "/bin/sh"}}).encode())
+    assert request.workload.command[-1].endswith("\n")  # type: ignore[union-attr]

@@ -1,0 +1,162 @@
+"""The control socket's handler: placement managers open, list and close sessions, ask status, probe.
+
+Who may use it is decided before a byte is read (SO_PEERCRED: root, the daemon's uid,
+``server.control_uids`` and ``server.control_gids``); what each may touch is the session
+manager's uid rule. Every reply and the one log line per request are built here.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import anyio
+import structlog
+from msgspec import UNSET
+
+from coldsnap_probe import ProfileError
+from coldsnap_runtime import Backend
+from coldsnap_runtime.errors import ColdsnapError, RequestRejected
+
+from . import __version__
+from ._config import ServerConfig
+from ._control import (
+    ControlReply,
+    ControlRequest,
+    Probe,
+    SessionClose,
+    SessionList,
+    SessionOpen,
+    Status,
+    decode_control,
+    encode_control,
+)
+from ._dispatch import Operations
+from ._envelope import lenient_id
+from ._listener import Peer, ServerState
+from ._probe import ProbeOptions, run_probe
+from ._sessions import SessionManager, SessionRecord, hosts_from_request
+
+__all__ = ("ControlHandler",)
+
+log = structlog.get_logger(__name__)
+
+_STATUS_PING_S = 2.0
+
+
+class ControlHandler:
+    def __init__(
+        self,
+        server: ServerConfig,
+        *,
+        sessions: SessionManager,
+        operations: Operations,
+        backend: Backend,
+        state: ServerState,
+    ) -> None:
+        self._server = server
+        self._sessions = sessions
+        self._operations = operations
+        self._backend = backend
+        self._state = state
+        self._started = time.monotonic()
+
+    def admit(self, peer: Peer) -> bytes | None:
+        server = self._server
+        if peer.uid in (0, os.geteuid()) or peer.uid in server.control_uids or peer.gid in server.control_gids:
+            return None
+        error = f"uid {peer.uid} (gid {peer.gid}) may not use the control socket"
+        log.warning("control", peer_uid=peer.uid, ok=False, error=error)
+        return encode_control(ControlReply(format=1, id="", ok=False, error=error))
+
+    async def handle(self, line: bytearray, peer: Peer) -> bytes:
+        request_id = ""
+        try:
+            request = decode_control(line)
+            request_id = request.id
+            reply = ControlReply(format=1, id=request_id, ok=True, result=await self._run(request, peer))
+        except ColdsnapError as exc:
+            reply = ControlReply(format=1, id=request_id or lenient_id(line), ok=False, error=str(exc))
+        except Exception:
+            log.exception("control request failed unexpectedly")
+            reply = ControlReply(format=1, id=request_id or lenient_id(line), ok=False,
+                                 error="internal error; see the daemon log")
+        return self._answer(reply, peer)
+
+    def refuse(self, error: ColdsnapError, line: bytes | bytearray, peer: Peer) -> bytes:
+        return self._answer(ControlReply(format=1, id=lenient_id(line), ok=False, error=str(error)), peer)
+
+    @staticmethod
+    def _answer(reply: ControlReply, peer: Peer) -> bytes:
+        log.info("control", request_id=reply.id, peer_uid=peer.uid, ok=reply.ok,
+                 error=reply.error if not reply.ok else None)
+        return encode_control(reply)
+
+    async def _run(self, request: ControlRequest, peer: Peer) -> Any:
+        match request:
+            case SessionOpen():
+                return await self._open(request, peer)
+            case SessionClose(session=session):
+                await self._sessions.close(session, uid=peer.uid)
+                return {"session": session, "closed": True}
+            case SessionList():
+                return [_describe(record) for record in self._sessions.visible_to(peer.uid)]
+            case Status():
+                return await self.status()
+            case Probe():
+                options = ProbeOptions(driver=request.driver, device=request.device, image=request.image,
+                                       host_process=request.host_process)
+                try:
+                    return await run_probe(options, state_dir=self._sessions.store.state_dir,
+                                           backend=self._backend, identity=self._operations.identity)
+                except (ValueError, ProfileError) as exc:
+                    raise RequestRejected(f"probe: {exc}") from exc
+        raise TypeError(f"unhandled control request {request!r}")  # pragma: no cover
+
+    async def _open(self, request: SessionOpen, peer: Peer) -> dict[str, Any]:
+        session, hosts = request.session, list(request.hosts)
+        if request.request is not UNSET:
+            request_session, request_hosts = hosts_from_request(request.request)
+            if session and session != request_session:
+                raise RequestRejected(f"session {session!r} differs from request.id {request_session!r}")
+            session = request_session
+            hosts += [h for h in request_hosts if h not in hosts]
+        if not session:
+            raise RequestRejected("session-open needs `session` (or a `request` whose `id` names it)")
+        if not hosts:
+            raise RequestRejected("session-open needs at least one host")
+        _, token = await self._sessions.open(session, hosts=hosts, uid=peer.uid, gid=peer.gid,
+                                             labels=request.labels, cluster_id=request.cluster_id)
+        socket_path = str(self._sessions.store.socket_path(session))
+        return {
+            "session": session,
+            "token": token,
+            "socket": socket_path,
+            "environment": {
+                "COLDSNAP_HOST_PROVIDER_SOCKET": socket_path,
+                "COLDSNAP_HOST_PROVIDER_TOKEN": token,
+            },
+        }
+
+    async def status(self) -> dict[str, Any]:
+        docker_ok = False
+        with anyio.move_on_after(_STATUS_PING_S):
+            docker_ok = await self._backend.ping()
+        state = self._state
+        return {
+            "version": __version__,
+            "uptime_s": round(time.monotonic() - self._started, 3),
+            "sessions": len(self._sessions),
+            "connections": state.connections,
+            "in_flight": state.operations,
+            "docker_reachable": docker_ok,
+            "capabilities": list(self._operations.capabilities),
+            "state_dir": str(self._sessions.store.state_dir),
+            "budgets": state.statistics(),
+        }
+
+
+def _describe(record: SessionRecord) -> dict[str, Any]:
+    return {"session": record.session, "hosts": record.hosts, "uid": record.uid,
+            "labels": record.labels, "cluster_id": record.cluster_id, "created_unix": record.created_unix}

@@ -1,0 +1,176 @@
+"""The daemon: wiring and draining, nothing else.
+
+Task ownership::
+
+    Daemon.run ─┬─ control ConnectionServer ── its connections
+                ├─ SessionManager: one Session task per session ── its ConnectionServer ── its connections
+                ├─ hang-up watcher, backend maintenance, watchdog
+
+Start: take the state directory's lock (one daemon per state directory), finish what a
+killed predecessor left (process groups, RPC-owned containers), bind, re-serve sessions,
+READY. Shutdown: stop every accept loop, let in-flight requests finish for
+``shutdown_grace_s``, then cancel each one so that it still answers, then everything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import grp
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import structlog
+from anyio.abc import SocketListener, TaskStatus
+
+from coldsnap_runtime import Backend, BackendError
+
+from . import __version__
+from ._config import Config, ConfigError
+from ._control_handler import ControlHandler
+from ._dispatch import Operations
+from ._framing import ByteBudget
+from ._listener import ConnectionServer, Limits, ServerState
+from ._provider_handler import ProviderHandler
+from ._sessions import SessionManager, SessionRecord, SessionStore
+from ._systemd import notify, watchdog_interval
+
+__all__ = ("Daemon",)
+
+log = structlog.get_logger(__name__)
+
+_ABORT_BUDGET_S = 40.0  # what a cancelled request may take to clean up and answer (backend cleanups: 30 s)
+_MAINTENANCE_S = 2.0
+_RECOVER_S = 10.0
+
+
+class Daemon:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        state_dir: Path,
+        operations: Operations,
+        backend: Backend,
+        control_fd: int | None = None,
+    ) -> None:
+        self.config = config
+        self.state_dir = state_dir
+        self.operations = operations
+        self.backend = backend
+        self._control_fd = control_fd
+        self._stop = anyio.Event()
+        server = config.server
+        self.state = ServerState(
+            Limits(max_connections=server.max_connections, max_connections_per_uid=server.max_connections_per_uid,
+                   read_timeout_s=server.request_read_timeout_s, write_timeout_s=server.reply_write_timeout_s),
+            ByteBudget(server.max_buffered_bytes),
+        )
+        self.sessions = SessionManager(SessionStore(state_dir), self._session_server)
+
+    def stop(self) -> None:
+        """Begin a graceful shutdown (safe to call more than once)."""
+        self._stop.set()
+
+    def _session_server(self, record: SessionRecord, listener: SocketListener) -> ConnectionServer:
+        return ConnectionServer(listener, ProviderHandler(record, self.operations, self.state), self.state)
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        with _single_instance(self.state_dir):
+            self.sessions.store.prepare()
+            if self.operations.groups is not None:
+                self.operations.groups.prepare()
+                self.operations.groups.sweep()
+            recovered = await self._recover()
+            control = ConnectionServer(
+                await self._control_listener(),
+                ControlHandler(self.config.server, sessions=self.sessions, operations=self.operations,
+                               backend=self.backend, state=self.state),
+                self.state,
+            )
+            async with anyio.create_task_group() as tg:
+                await tg.start(control.serve)
+                await self.sessions.start(task_group=tg)
+                log.info("ready", version=__version__, state_dir=str(self.state_dir), sessions=len(self.sessions))
+                notify("READY=1")
+                task_status.started()
+                tg.start_soon(self.state.watch_hangups)
+                tg.start_soon(self._maintain_backend, recovered)
+                if (interval := watchdog_interval()) is not None:
+                    tg.start_soon(_watchdog, interval)
+                await self._stop.wait()
+                notify("STOPPING=1")
+                log.info("stopping", in_flight=self.state.in_flight)
+                control.stop_accepting()
+                self.sessions.stop_accepting()
+                await self._drain()
+                tg.cancel_scope.cancel()
+        log.info("stopped")
+
+    async def _drain(self) -> None:
+        with anyio.move_on_after(self.config.server.shutdown_grace_s) as drain:
+            await self.state.wait_drained()
+        if drain.cancelled_caught:
+            log.warning("shutdown grace expired; cancelling in-flight operations", in_flight=self.state.in_flight)
+            self.state.cancel_in_flight()
+            with anyio.move_on_after(_ABORT_BUDGET_S):
+                await self.state.wait_drained()
+
+    async def _control_listener(self) -> SocketListener:
+        if self._control_fd is not None:
+            return await SocketListener.from_socket(self._control_fd)
+        path = self.state_dir / "control.sock"
+        path.unlink(missing_ok=True)
+        listener = await anyio.create_unix_listener(path, mode=0o660)
+        if group := self.config.server.control_group:
+            gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+            os.chown(path, -1, gid)  # the state directory is the daemon's alone: no one can race this path
+        return listener
+
+    async def _recover(self) -> bool:
+        """Remove what RPCs of a killed predecessor left in the engine; False if it cannot be asked yet."""
+        with anyio.move_on_after(_RECOVER_S):
+            try:
+                await self.backend.recover()
+            except BackendError as exc:
+                log.warning("backend recovery deferred", error=str(exc))
+                return False
+            return True
+        log.warning("backend recovery deferred", error=f"no answer within {_RECOVER_S:g} s")
+        return False
+
+    async def _maintain_backend(self, recovered: bool) -> None:
+        """Deferred backend work: recovery if the engine was down at start, cleanups left by restarts."""
+        while True:
+            await anyio.sleep(_MAINTENANCE_S)
+            try:
+                recovered = recovered or await self._recover()
+                await self.backend.maintain()
+            except Exception:
+                log.exception("backend maintenance failed")
+
+
+async def _watchdog(interval: float) -> None:
+    while True:
+        notify("WATCHDOG=1")
+        await anyio.sleep(interval)
+
+
+@contextlib.contextmanager
+def _single_instance(state_dir: Path) -> Iterator[None]:
+    """Hold ``<state>/daemon.lock``: a second daemon on the same state directory refuses to start."""
+    fd = os.open(state_dir / "daemon.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            raise ConfigError(f"{state_dir} is already served by another coldsnap-provider (pid {holder})") from exc
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)

@@ -1,0 +1,285 @@
+"""The connection layer: accept, budget, frame, time out, watch for hang-ups. It knows bytes and peers only.
+
+One connection carries one request. For each accepted connection::
+
+    peer credentials ─► handler.admit(peer) ─► a connection slot (total and per uid)
+        ─► read one line (read timeout, byte budget) ─► handler.handle(line, peer) ─► send (write timeout)
+
+What the bytes mean, and every reply, belong to the handler (see ``_provider_handler`` and
+``_control_handler``). Failures stay inside their connection: a handler that raises, a peer
+that goes away or never reads, cost that connection only.
+
+Resource handling: every stream is closed when its task ends, whatever happened; the listener
+is closed when :meth:`ConnectionServer.serve` returns. Error handling: only the capacity
+errnos of ``accept`` (EMFILE, ENFILE, ENOMEM, ENOBUFS) are retried, after 100 ms.
+"""
+
+from __future__ import annotations
+
+import errno
+import select
+import socket
+import struct
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Protocol, cast
+
+import anyio
+import anyio.abc
+import structlog
+from anyio.abc import SocketAttribute, SocketListener, SocketStream, TaskStatus
+
+from coldsnap_runtime.errors import ColdsnapError, RequestRejected, RuntimeFailed
+
+from ._framing import Account, ByteBudget, FramingError, read_request_line
+
+__all__ = ("ConnectionServer", "Handler", "Limits", "Peer", "ServerState")
+
+log = structlog.get_logger(__name__)
+
+_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+_HANGUP_POLL_S = 0.2
+_DISCARD_S = 0.5
+_DISCARD_BYTES = 64 << 10
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """The process at the other end of a Unix socket (SO_PEERCRED)."""
+
+    pid: int
+    uid: int
+    gid: int
+
+    @classmethod
+    def of(cls, stream: SocketStream) -> Peer:
+        sock: socket.socket = stream.extra(SocketAttribute.raw_socket)
+        data = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        return cls(*struct.unpack("3i", data))
+
+
+class Handler(Protocol):
+    """What one kind of socket answers; it builds every reply, success or error."""
+
+    def admit(self, peer: Peer) -> bytes | None:
+        """A refusal for a peer that may not use this socket at all (sent before reading), else None."""
+
+    async def handle(self, line: bytearray, peer: Peer) -> bytes | bytearray:
+        """The reply to one request line; never raises for a bad request."""
+
+    def refuse(self, error: ColdsnapError, line: bytes | bytearray, peer: Peer) -> bytes | bytearray:
+        """The reply to bytes that are not one request, or to a request that cannot be served now."""
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_connections: int
+    max_connections_per_uid: int
+    read_timeout_s: float
+    write_timeout_s: float
+
+
+@dataclass(eq=False)
+class ServerState:
+    """What every listener of one daemon shares: slots, the byte budget, in-flight requests."""
+
+    limits: Limits
+    budget: ByteBudget
+    connections: int = 0
+    by_uid: Counter[int] = field(default_factory=Counter)
+    in_flight: int = 0  # every request being answered (what shutdown drains)
+    operations: int = 0  # provider-socket operations among them (what status reports)
+    aborting: bool = False
+    # In-flight request scopes by socket fd: the hang-up watcher cancels those whose peer left.
+    watched: dict[int, anyio.CancelScope] = field(default_factory=dict)
+
+    def statistics(self) -> dict[str, Any]:
+        return {
+            "connections": self.connections,
+            "connections_by_uid": {str(uid): n for uid, n in sorted(self.by_uid.items()) if n},
+            "max_connections": self.limits.max_connections,
+            "max_connections_per_uid": self.limits.max_connections_per_uid,
+            "buffered_bytes": self.budget.used,
+            "max_buffered_bytes": self.budget.limit,
+        }
+
+    def cancel_in_flight(self) -> None:
+        """Shutdown after the grace: each request is cancelled on its own so it still answers."""
+        self.aborting = True
+        for scope in list(self.watched.values()):
+            scope.cancel()
+
+    async def wait_drained(self) -> None:
+        while self.in_flight:
+            await anyio.sleep(0.05)
+
+    async def watch_hangups(self) -> None:
+        """Cancel the request of every peer that has closed its connection entirely.
+
+        One poll over all in-flight sockets instead of a task per request. The Go client
+        half-closes after its request (POLLRDHUP), so only POLLHUP (both directions shut)
+        or an error means it went away.
+        """
+        while True:
+            await anyio.sleep(_HANGUP_POLL_S)
+            if not self.watched:
+                continue
+            poller = select.poll()
+            for fd in self.watched:
+                poller.register(fd, select.POLLHUP | select.POLLERR)
+            for fd, _ in poller.poll(0):
+                if (scope := self.watched.get(fd)) is not None:
+                    scope.cancel()
+
+    def slot_refusal(self, uid: int) -> RequestRejected | None:
+        limits = self.limits
+        if self.connections >= limits.max_connections:
+            return RequestRejected(
+                f"host-provider is at its connection limit ({limits.max_connections}); retry later")
+        if self.by_uid[uid] >= limits.max_connections_per_uid:
+            return RequestRejected(f"host-provider is at its connection limit for uid {uid} "
+                                   f"({limits.max_connections_per_uid}); retry later")
+        return None
+
+
+class ConnectionServer:
+    """Serves one listening socket with one handler; owns the tasks of its connections."""
+
+    def __init__(self, listener: SocketListener, handler: Handler, state: ServerState) -> None:
+        self._listener = listener
+        self._handler = handler
+        self._state = state
+        self._accepting = anyio.CancelScope()
+
+    def stop_accepting(self) -> None:
+        """Close the door; connections already accepted are answered (serve returns after them)."""
+        self._accepting.cancel()
+
+    async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        async with anyio.create_task_group() as connections:
+            task_status.started()
+            try:
+                with self._accepting:
+                    await self._accept_loop(connections)
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self._listener.aclose()
+
+    async def _accept_loop(self, connections: anyio.abc.TaskGroup) -> None:
+        while True:
+            try:
+                stream = await self._listener.accept()
+            except OSError as exc:
+                if exc.errno not in _CAPACITY_ERRNOS:
+                    raise
+                log.error("accept failed; backing off", error=errno.errorcode[exc.errno or 0])
+                await anyio.sleep(0.1)
+                continue
+            connections.start_soon(self._connection, stream)
+
+    async def _connection(self, stream: SocketStream) -> None:
+        async with stream:
+            try:
+                peer = Peer.of(stream)
+            except OSError:
+                return  # gone before we could ask who it was
+            state = self._state
+            # A peer refused here holds no slot and no budget: an unauthorised one is answered
+            # before a byte is read; one over its slots gets its request's head read (for the id).
+            refusal: bytes | bytearray | None = self._handler.admit(peer)
+            if refusal is None and (busy := state.slot_refusal(peer.uid)) is not None:
+                log.warning("connection refused: at connection limit", peer_uid=peer.uid)
+                refusal = self._handler.refuse(busy, await _read_head(stream), peer)
+            if refusal is not None:
+                await self._send(stream, refusal)
+                await _discard_briefly(stream)
+                return
+            state.connections += 1
+            state.by_uid[peer.uid] += 1
+            account = state.budget.account()
+            try:
+                reply = await self._exchange(stream, peer, account)
+                if reply is not None:
+                    account.hold(len(reply))
+                    await self._send(stream, reply)
+            finally:
+                account.close()
+                state.connections -= 1
+                state.by_uid[peer.uid] -= 1
+                if not state.by_uid[peer.uid]:
+                    del state.by_uid[peer.uid]
+
+    async def _exchange(self, stream: SocketStream, peer: Peer, account: Account) -> bytes | bytearray | None:
+        handler, state = self._handler, self._state
+        timeout = state.limits.read_timeout_s
+        with anyio.move_on_after(timeout) as reading:
+            try:
+                line = await read_request_line(stream, account)
+            except FramingError as exc:
+                account.close()  # what was read is dropped; the rest of the request is read and discarded
+                await _discard_rest(stream)
+                return handler.refuse(exc, exc.partial, peer)
+            except (anyio.BrokenResourceError, OSError):
+                return None
+        if reading.cancelled_caught:
+            return handler.refuse(RequestRejected(
+                f"host-provider request was not received within {timeout:g} s"), b"", peer)
+        state.in_flight += 1
+        fd = stream.extra(SocketAttribute.raw_socket).fileno()
+        scope = anyio.CancelScope()
+        state.watched[fd] = scope
+        try:
+            with scope:
+                return await handler.handle(line, peer)
+            if state.aborting:
+                return handler.refuse(RuntimeFailed(
+                    action="request", detail="cancelled: the provider is shutting down"), line, peer)
+            log.warning("client disconnected mid-operation; operation cancelled", peer_uid=peer.uid)
+            return None
+        finally:
+            del state.watched[fd]
+            state.in_flight -= 1
+
+    async def _send(self, stream: SocketStream, reply: bytes | bytearray) -> None:
+        """Send, but never wait longer than the write timeout for a peer that does not read."""
+        with anyio.move_on_after(self._state.limits.write_timeout_s) as writing:
+            try:
+                await stream.send(cast(bytes, reply))  # bytes-like: a large reply is not copied again
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                log.debug("client went away before the reply")
+        if writing.cancelled_caught:
+            log.warning("reply not read within the write timeout; connection dropped",
+                        timeout_s=self._state.limits.write_timeout_s)
+
+
+async def _discard_briefly(stream: SocketStream) -> None:
+    """Let a refused peer finish writing (so it reads our reply, not EPIPE), within small bounds."""
+    discarded = 0
+    with anyio.move_on_after(_DISCARD_S):
+        try:
+            await stream.send_eof()
+            while discarded < _DISCARD_BYTES:
+                discarded += len(await stream.receive(_DISCARD_BYTES))
+        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            pass
+
+
+async def _read_head(stream: SocketStream) -> bytes:
+    """Up to the first line of a request, within small bounds (enough to echo its id)."""
+    head = b""
+    with anyio.move_on_after(_DISCARD_S):
+        try:
+            while len(head) < _DISCARD_BYTES and b"\n" not in head:
+                head += await stream.receive(_DISCARD_BYTES)
+        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            pass
+    return head.split(b"\n", 1)[0]
+
+
+async def _discard_rest(stream: SocketStream) -> None:
+    """Read a refused request to its end without keeping it, so the peer can read our reply."""
+    try:
+        while await stream.receive(1 << 20):
+            pass
+    except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+        pass

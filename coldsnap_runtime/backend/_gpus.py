@@ -1,0 +1,500 @@
+"""Host facts behind `gpus` and `privileged`, and how each is realised (DESIGN decision 9, issue 12).
+
+``gpus`` reaches a container by the first mechanism the host supports, chosen by ``[gpus] mode``:
+
+* ``device-request``: the engine has a registered ``nvidia`` runtime (NVIDIA's container toolkit);
+  the engine's own ``DeviceRequests`` (driver ``nvidia``) carry the exact IDs.
+* ``cdi``: the engine resolves CDI devices (its ``/info`` lists CDI spec directories) and a spec
+  there declares ``nvidia.com/gpu=<id>`` for every requested ID.
+* ``native``: no toolkit at all. Each requested ID is resolved through NVML (``nvidia-smi``) to its
+  PCI bus id, whose ``/proc/driver/nvidia/gpus/<bus>/information`` gives the device minor; the
+  container gets exactly ``/dev/nvidia<minor>`` of those GPUs plus ``nvidiactl``, ``nvidia-uvm`` and
+  ``nvidia-uvm-tools``, read-only binds of the driver's user-space libraries and binaries (discovered
+  on the host, or the configured list) at their host paths, and their library directories on
+  ``LD_LIBRARY_PATH`` (after the spec's or the image's own value).
+
+``auto`` tries them in that order. A request no mechanism can honour fails naming every reason,
+and so does an ID the host does not have: a workload never runs without the GPUs it asked for.
+
+``privileged`` under ``[runtime] privileged``:
+
+* ``docker`` (default): Docker's own ``Privileged``. Docker then asks the kernel for every
+  capability; where the engine's bounding set lacks one (these VMs lack CAP_SYS_RESOURCE) runc
+  fails late with "unable to apply caps". That is detected before anything is created, by reading
+  the engine's ``CapBnd`` (its pid from SO_PEERCRED on the engine socket), and refused naming the
+  missing capabilities.
+* ``host-capabilities``: the same request realised as every capability in that bounding set, every
+  host device, and seccomp, AppArmor, SELinux labels and the masked /proc paths unconfined. Used
+  only where Docker's own privileged mode cannot work; logged every time.
+
+Everything that reads the host takes a ``root`` (default ``/``) so the discovery is a pure function
+of a directory tree; the engine is asked through two callables the backend passes in.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import shutil
+import socket
+import stat
+import struct
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+import anyio.to_thread
+import structlog
+
+from ..errors import RuntimeFailed
+from ..schema import WorkloadSpec
+from ._translate import GpuAccess, PrivilegeGrant, capability_names, missing_capabilities
+
+__all__ = (
+    "CAPABILITY_PROBE_IMAGE",
+    "DEFAULT_LIBRARY_DIRS",
+    "GpuMode",
+    "GpuPolicy",
+    "HostGpu",
+    "HostPolicy",
+    "PrivilegedPolicy",
+    "cdi_device_names",
+    "driver_files",
+    "engine_bounding_set",
+    "engine_capabilities",
+    "host_devices",
+    "native_access",
+    "parse_inventory",
+    "read_bounding_set",
+    "realise",
+    "select_gpus",
+    "unknown_capability",
+)
+
+log = structlog.get_logger(__name__)
+
+GpuMode = Literal["auto", "device-request", "cdi", "native"]
+PrivilegedPolicy = Literal["docker", "host-capabilities"]
+_ACTION = "workload-run"
+_NVIDIA_SMI_TIMEOUT_S = 30.0
+
+# Where a driver installs libcuda.so.1, most specific first (a driver-only tree before system dirs).
+DEFAULT_LIBRARY_DIRS = (
+    "/usr/local/nvidia/lib64", "/usr/local/nvidia/lib",
+    "/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
+    "/lib/x86_64-linux-gnu", "/lib/aarch64-linux-gnu", "/lib64",
+)
+_BIN_DIRS = ("/usr/local/nvidia/bin", "/usr/bin", "/bin")
+# The driver's user-space files in a shared system directory (binds are per file there).
+_DRIVER_LIBRARY = re.compile(r"^(libcuda|libcudadebugger|libnvidia-[a-z0-9-]+|libnvcuvid|libnvoptix)\.so(\.[0-9.]+)?$")
+_DRIVER_BINARIES = ("nvidia-smi", "nvidia-debugdump", "nvidia-persistenced",
+                    "nvidia-cuda-mps-control", "nvidia-cuda-mps-server")
+# Nodes every container already has; privileged adds the rest of the host's /dev.
+_DEFAULT_NODES = frozenset({"null", "zero", "full", "random", "urandom", "tty", "console", "ptmx"})
+_SKIP_DEV_DIRS = frozenset({"pts", "shm", "fd", "mqueue", ".lxc", ".lxd-mounts", ".udev"})
+_GPU_NODE = re.compile(r"^/dev/nvidia[0-9]+$")
+
+
+@dataclass(frozen=True, slots=True)
+class GpuPolicy:
+    """``[gpus]``: the mechanism, and an optional fixed list of driver paths to bind (native mode)."""
+
+    mode: GpuMode = "auto"
+    driver_paths: tuple[str, ...] = ()  # () = discover under DEFAULT_LIBRARY_DIRS
+
+
+@dataclass(frozen=True, slots=True)
+class HostPolicy:
+    """What the administrator chose for GPUs and privilege, plus the host root (``/`` except in tests)."""
+
+    gpus: GpuPolicy = GpuPolicy()
+    privileged: PrivilegedPolicy = "docker"
+    root: str = "/"
+
+
+@dataclass(frozen=True, slots=True)
+class HostGpu:
+    """One GPU as NVML numbers it, with its device minor (``/dev/nvidia<minor>``)."""
+
+    index: int
+    uuid: str
+    bus_id: str  # normalised: 4-digit domain, lower case, e.g. 0000:17:00.0
+    minor: int
+
+
+# --- pure parsing ---------------------------------------------------------------------------
+
+
+def _normalise_bus(bus_id: str) -> str:
+    """NVML prints an 8-digit PCI domain, /proc/driver/nvidia uses 4: compare on the short form."""
+    domain, sep, rest = bus_id.strip().lower().partition(":")
+    if not sep:
+        return bus_id.strip().lower()
+    return f"{domain[-4:].rjust(4, '0')}:{rest}"
+
+
+def _proc_information(root: Path, bus_id: str) -> dict[str, str]:
+    path = root / "proc/driver/nvidia/gpus" / bus_id / "information"
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return {}
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields[key.strip()] = value.strip()
+    return fields
+
+
+def parse_inventory(csv: str, root: str | os.PathLike[str] = "/") -> list[HostGpu]:
+    """GPUs from ``nvidia-smi --query-gpu=index,uuid,pci.bus_id --format=csv,noheader`` output.
+
+    The minor of each comes from ``/proc/driver/nvidia/gpus/<bus>/information`` under `root`;
+    a GPU whose minor cannot be read is left out (it cannot be given to a container natively).
+    """
+    gpus: list[HostGpu] = []
+    for line in csv.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != 3 or not parts[0].isdigit():
+            continue
+        bus = _normalise_bus(parts[2])
+        minor = _proc_information(Path(root), bus).get("Device Minor", "")
+        if not minor.isdigit():
+            continue
+        gpus.append(HostGpu(index=int(parts[0]), uuid=parts[1], bus_id=bus, minor=int(minor)))
+    return gpus
+
+
+def select_gpus(requested: Sequence[str], inventory: Sequence[HostGpu]) -> list[HostGpu]:
+    """Exactly the requested GPUs (by NVML index or UUID), in request order, without duplicates."""
+    chosen: list[HostGpu] = []
+    unknown: list[str] = []
+    for wanted in requested:
+        match = next((g for g in inventory if (wanted.isdigit() and g.index == int(wanted))
+                      or g.uuid.lower() == wanted.lower()), None)
+        if match is None:
+            unknown.append(wanted)
+        elif match not in chosen:
+            chosen.append(match)
+    if unknown:
+        have = ", ".join(f"{g.index} ({g.uuid})" for g in inventory) or "none"
+        raise RuntimeFailed(action=_ACTION, detail=(
+            f"GPU {', '.join(unknown)} does not exist on this host (GPUs here: {have})"))
+    return chosen
+
+
+def _is_char_device(path: Path) -> bool:
+    try:
+        return stat.S_ISCHR(path.stat().st_mode)
+    except OSError:
+        return False
+
+
+def driver_files(root: str | os.PathLike[str] = "/", paths: Sequence[str] = ()) -> tuple[list[str], list[str]]:
+    """(host paths to bind read-only, library directories) of the driver's user-space side.
+
+    With `paths` (the configured list) exactly those are bound; their directories holding
+    ``libcuda.so.1`` (the path itself, or its ``lib64``/``lib``) are the library directories.
+    Otherwise the first of DEFAULT_LIBRARY_DIRS holding ``libcuda.so.1`` decides: inside a
+    driver-only tree (a path with an ``nvidia`` component, as ``/usr/local/nvidia/lib64``) the whole
+    tree is bound; in a shared system directory only the driver's own libraries and binaries are.
+    """
+    base = Path(root)
+
+    def exists(path: str) -> bool:
+        return os.path.lexists(base / path.lstrip("/"))
+
+    if paths:
+        library_dirs = [d for p in paths for d in (p, f"{p}/lib64", f"{p}/lib")
+                        if exists(f"{d}/libcuda.so.1")]
+        return [p for p in paths if exists(p)], library_dirs
+    for directory in DEFAULT_LIBRARY_DIRS:
+        if not exists(f"{directory}/libcuda.so.1"):
+            continue
+        parts = Path(directory).parts
+        tree = next((i for i, part in enumerate(parts) if "nvidia" in part.lower()), None)
+        if tree is not None:
+            return [str(Path(*parts[:tree + 1]))], [directory]
+        names = sorted(n for n in os.listdir(base / directory.lstrip("/")) if _DRIVER_LIBRARY.match(n))
+        binaries = [f"{d}/{b}" for b in _DRIVER_BINARIES for d in _BIN_DIRS[1:] if exists(f"{d}/{b}")]
+        return [f"{directory}/{n}" for n in names] + binaries, [directory]
+    return [], []
+
+
+def native_access(spec: WorkloadSpec, gpus: Sequence[HostGpu], *, root: str | os.PathLike[str] = "/",
+                  driver_paths: Sequence[str] = (), base_library_path: str = "") -> GpuAccess:
+    """The native realisation of `gpus` (see the module docstring); fails naming what is missing."""
+    base = Path(root)
+    nodes = [f"/dev/nvidia{g.minor}" for g in gpus] + ["/dev/nvidiactl", "/dev/nvidia-uvm"]
+    missing = [n for n in nodes if not _is_char_device(base / n.lstrip("/"))]
+    if missing:
+        raise RuntimeFailed(action=_ACTION, detail=(
+            f"native GPU access needs {', '.join(missing)}, which this host lacks (is the driver loaded?)"))
+    if _is_char_device(base / "dev/nvidia-uvm-tools"):
+        nodes.append("/dev/nvidia-uvm-tools")
+    binds, library_dirs = driver_files(base, driver_paths)
+    if not library_dirs:
+        where = ", ".join(driver_paths) if driver_paths else ", ".join(DEFAULT_LIBRARY_DIRS)
+        raise RuntimeFailed(action=_ACTION, detail=(
+            f"native GPU access found no driver library (libcuda.so.1) under {where}; "
+            "set [gpus] driver_paths"))
+    # A path the spec already mounts or passes is the spec's (Docker refuses duplicate targets).
+    taken = {m.target for m in spec.mounts}
+    given = {d.target or d.source for d in spec.devices}
+    binds = [b for b in binds if not any(b == t or b.startswith(t.rstrip("/") + "/") for t in taken)]
+    nodes = [n for n in nodes if n not in given]
+    library_path = ":".join([*library_dirs, *([base_library_path] if base_library_path else [])])
+    return GpuAccess(mechanism="native", devices=tuple(nodes), binds=tuple(binds),
+                     environment={"LD_LIBRARY_PATH": library_path})
+
+
+def cdi_device_names(spec_dirs: Sequence[str], root: str | os.PathLike[str] = "/") -> frozenset[str]:
+    """Fully qualified CDI device names (``vendor/class=name``) declared by the specs in `spec_dirs`."""
+    names: set[str] = set()
+    for directory in spec_dirs:
+        path = Path(root) / directory.lstrip("/")
+        try:
+            entries = sorted(path.iterdir())
+        except OSError:
+            continue
+        for entry in entries:
+            document = _load_cdi(entry)
+            kind = document.get("kind") if isinstance(document, dict) else None
+            devices = document.get("devices") if isinstance(document, dict) else None
+            if not isinstance(kind, str) or not isinstance(devices, list):
+                continue
+            names.update(f"{kind}={d['name']}" for d in devices
+                         if isinstance(d, dict) and isinstance(d.get("name"), str))
+    return frozenset(names)
+
+
+def _load_cdi(path: Path) -> Any:
+    if path.suffix not in (".json", ".yaml", ".yml"):
+        return None
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    try:
+        yaml: Any = importlib.import_module("yaml")  # CDI specs are usually YAML; without PyYAML, JSON only
+    except ImportError:
+        return None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return None
+
+
+def read_bounding_set(status_text: str) -> int | None:
+    """``CapBnd`` of a ``/proc/<pid>/status`` text."""
+    for line in status_text.splitlines():
+        if line.startswith("CapBnd:"):
+            try:
+                return int(line.split(":", 1)[1].strip(), 16)
+            except ValueError:
+                return None
+    return None
+
+
+def host_devices(root: str | os.PathLike[str] = "/", *, exclude: Sequence[str] = ()) -> list[str]:
+    """Every character and block device under /dev (as Docker's privileged mode adds them).
+
+    Skips the nodes every container gets anyway, pseudo-terminal/shm/fd directories, and `exclude`.
+    """
+    base = Path(root) / "dev"
+    found: list[str] = []
+    for directory, dirnames, filenames in os.walk(base):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DEV_DIRS)
+        for name in sorted(filenames):
+            path = Path(directory) / name
+            try:
+                mode = path.lstat().st_mode
+            except OSError:
+                continue
+            if not (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)):
+                continue
+            relative = "/dev/" + str(path.relative_to(base))
+            if relative[len("/dev/"):] in _DEFAULT_NODES or relative in exclude:
+                continue
+            found.append(relative)
+    return found
+
+
+_UNKNOWN_CAPABILITY = re.compile(r'unknown capability: "?(CAP_[A-Z_0-9]+)"?')
+# A reference no image can have: the engine validates CapAdd before it resolves the image, so a
+# create with this image only ever answers which capability it does not know (nothing is created).
+CAPABILITY_PROBE_IMAGE = "COLDSNAP/CAPABILITY-PROBE:INVALID"
+
+
+def unknown_capability(detail: str) -> str | None:
+    """The capability an engine error names as unknown (``invalid CapAdd: unknown capability: "CAP_BPF"``)."""
+    match = _UNKNOWN_CAPABILITY.search(detail)
+    return match.group(1) if match else None
+
+
+async def engine_capabilities(wanted: Sequence[str], rejects: Callable[[list[str]], Awaitable[str]]) -> tuple[str, ...]:
+    """`wanted` minus what the engine cannot name (Docker 20.10 stops at CAP_AUDIT_READ).
+
+    `rejects(caps)` answers the engine's error for a create of CAPABILITY_PROBE_IMAGE with those
+    caps. A capability the engine cannot name is one its own privileged mode never grants either.
+    """
+    caps = list(wanted)
+    while caps:
+        name = unknown_capability(await rejects(caps))
+        if name is None or name not in caps:
+            break
+        caps.remove(name)
+    return tuple(caps)
+
+
+# --- host I/O -----------------------------------------------------------------------------------
+
+
+def engine_bounding_set(socket_path: str, root: str | os.PathLike[str] = "/") -> int | None:
+    """The capability bounding set of the process serving `socket_path` (the engine), or None.
+
+    The peer's pid comes from SO_PEERCRED; None when it cannot be read (another pid namespace,
+    a proxy that exits, no permission): then nothing can be said before the engine tries.
+    """
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(5.0)
+            sock.connect(socket_path)
+            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid = struct.unpack("3i", creds)[0]
+        if pid <= 0:
+            return None
+        return read_bounding_set((Path(root) / f"proc/{pid}/status").read_text())
+    except OSError:
+        return None
+
+
+def _last_cap(root: str | os.PathLike[str]) -> int:
+    try:
+        return int((Path(root) / "proc/sys/kernel/cap_last_cap").read_text().strip())
+    except (OSError, ValueError):
+        return 40
+
+
+def _nvidia_smi(root: str, driver_paths: Sequence[str]) -> str | None:
+    if root == "/" and (found := shutil.which("nvidia-smi")):
+        return found
+    candidates = [f"{p}/bin/nvidia-smi" for p in driver_paths] + [f"{d}/nvidia-smi" for d in _BIN_DIRS]
+    for candidate in candidates:
+        path = Path(root) / candidate.lstrip("/")
+        if os.access(path, os.X_OK):
+            return str(path)
+    return None
+
+
+async def _inventory(policy: HostPolicy) -> list[HostGpu] | str:
+    """The host's GPUs through NVML, or why they cannot be listed."""
+    smi = _nvidia_smi(policy.root, policy.gpus.driver_paths)
+    if smi is None:
+        return "nvidia-smi (NVML) was not found, so GPU ids cannot be resolved"
+    try:
+        with anyio.fail_after(_NVIDIA_SMI_TIMEOUT_S):
+            done = await anyio.run_process([smi, "--query-gpu=index,uuid,pci.bus_id", "--format=csv,noheader"],
+                                           check=False)
+    except (OSError, TimeoutError) as exc:
+        return f"nvidia-smi could not be run: {exc}"
+    if done.returncode != 0:
+        text = (done.stdout + done.stderr).decode(errors="replace").strip()
+        return f"nvidia-smi exited {done.returncode}: {text[-500:]}"
+    return parse_inventory(done.stdout.decode(errors="replace"), policy.root)
+
+
+def _env_value(env: Sequence[str], key: str) -> str:
+    prefix = f"{key}="
+    return next((item[len(prefix):] for item in env if item.startswith(prefix)), "")
+
+
+EngineInfo = Callable[[], Awaitable[dict[str, Any]]]
+ImageInfo = Callable[[str], Awaitable[dict[str, Any]]]
+
+
+async def _gpu_access(spec: WorkloadSpec, policy: HostPolicy, engine_info: EngineInfo,
+                      image_info: ImageInfo) -> GpuAccess:
+    mode = policy.gpus.mode
+    info = await engine_info()
+    inventory = await _inventory(policy)
+    if isinstance(inventory, list):
+        select_gpus(spec.gpus, inventory)  # an unknown ID fails here, whatever the mechanism
+    reasons: list[str] = []
+    if mode in ("auto", "device-request"):
+        if "nvidia" in (info.get("Runtimes") or {}):
+            return GpuAccess(mechanism="device-request", device_ids=tuple(spec.gpus))
+        reasons.append("device-request: the engine has no registered 'nvidia' runtime")
+    if mode in ("auto", "cdi"):
+        spec_dirs = [d for d in (info.get("CDISpecDirs") or []) if isinstance(d, str)]
+        if not spec_dirs:
+            reasons.append("cdi: the engine does not resolve CDI devices")
+        else:
+            declared = cdi_device_names(spec_dirs, policy.root)
+            wanted = [f"nvidia.com/gpu={g}" for g in spec.gpus]
+            if absent := [w for w in wanted if w not in declared]:
+                reasons.append(f"cdi: no CDI spec in {', '.join(spec_dirs)} declares {', '.join(absent)}")
+            else:
+                return GpuAccess(mechanism="cdi", device_ids=tuple(wanted))
+    if mode in ("auto", "native"):
+        if isinstance(inventory, str):
+            reasons.append(f"native: {inventory}")
+        else:
+            gpus = select_gpus(spec.gpus, inventory)
+            base = spec.environment.get("LD_LIBRARY_PATH")
+            if base is None:
+                base = _env_value((await image_info(spec.image)).get("Config", {}).get("Env") or [],
+                                  "LD_LIBRARY_PATH")
+            return native_access(spec, gpus, root=policy.root, driver_paths=policy.gpus.driver_paths,
+                                 base_library_path=base)
+    raise RuntimeFailed(action=_ACTION, detail=(
+        f"no mechanism can give this container GPU {', '.join(spec.gpus)} ([gpus] mode = {mode!r}): "
+        + "; ".join(reasons)))
+
+
+async def _privilege(policy: HostPolicy, socket_path: str, gpus: GpuAccess | None,
+                     rejects: Callable[[list[str]], Awaitable[str]]) -> PrivilegeGrant | None:
+    """None = Docker's own privileged mode; a grant = host-capabilities; raises when neither can work."""
+    bounding = await anyio.to_thread.run_sync(engine_bounding_set, socket_path, policy.root)
+    if bounding is None:
+        return None  # unknown: Docker's privileged mode, and the engine's own error if it fails
+    last = _last_cap(policy.root)
+    missing = missing_capabilities(bounding, last)
+    if not missing:
+        return None
+    if policy.privileged == "docker":
+        raise RuntimeFailed(action=_ACTION, detail=(
+            f"privileged needs every capability, but the container engine's capability bounding set lacks "
+            f"{', '.join(missing)}; an administrator may set [runtime] privileged = \"host-capabilities\" "
+            "to grant every capability this host has instead"))
+    exclude: list[str] = []
+    if gpus is not None and gpus.mechanism == "native":
+        # Privileged still sees only its own GPUs' nodes (they come with the GPU access).
+        exclude = [d for d in host_devices(policy.root) if _GPU_NODE.match(d)]
+    devices = [d for d in host_devices(policy.root, exclude=exclude)
+               if gpus is None or d not in gpus.devices]
+    log.warning("privileged realised as the host's capabilities", missing_capabilities=list(missing))
+    capabilities = await engine_capabilities(capability_names(bounding, last), rejects)
+    return PrivilegeGrant(capabilities=capabilities, devices=tuple(devices))
+
+
+async def realise(spec: WorkloadSpec, policy: HostPolicy, *, socket_path: str, engine_info: EngineInfo,
+                  image_info: ImageInfo, rejects: Callable[[list[str]], Awaitable[str]]
+                  ) -> tuple[GpuAccess | None, PrivilegeGrant | None]:
+    """How this host gives `spec` its GPUs and privilege; RuntimeFailed (before any create) when it cannot.
+
+    The engine is asked through the backend's callables: `engine_info` (``/info``), `image_info`
+    (the image's inspect) and `rejects` (see :func:`engine_capabilities`).
+    """
+    gpus = await _gpu_access(spec, policy, engine_info, image_info) if spec.gpus else None
+    privilege = await _privilege(policy, socket_path, gpus, rejects) if spec.privileged else None
+    return gpus, privilege

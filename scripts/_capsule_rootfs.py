@@ -1,0 +1,128 @@
+"""Assemble a small capsule build context on a GPU host: busybox, this host's python3 and the probe's deps.
+
+    python3 scripts/_capsule_rootfs.py OUT_DIR --busybox PATH [--criu-root DIR]
+
+OUT_DIR gets ``rootfs/`` and a ``Dockerfile`` (``FROM scratch``, ``COPY rootfs/ /``). The rootfs holds
+a static busybox; the interpreter running this script (its real executable, its standard library,
+and, copied into the interpreter's own site-packages, the ``cuda`` (cuda-bindings/pathfinder) and
+``pynvml`` packages the probe imports); CRIU at ``/opt/coldsnap/criu/bin/criu`` (the capsule-pinned
+CRIU the provider's check runs); and the shared libraries all of them load (ldd closure), the
+driver's own excepted: those reach the container through the provider's native GPU access.
+No driver library and no GPU state is baked into the image.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+_SKIP_STDLIB = {"test", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3", "site-packages",
+                "dist-packages", "__pycache__"}
+_DRIVER = re.compile(r"^(libcuda|libnvidia-|libnvcuvid|libcudadebugger)")
+
+
+def _copy(src: str, rootfs: Path) -> None:
+    dest = rootfs / src.lstrip("/")
+    if dest.exists():
+        return
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(os.path.realpath(src), dest)
+
+
+def _libraries(binary: str, env: dict[str, str]) -> list[str]:
+    done = subprocess.run(["ldd", binary], capture_output=True, text=True, env=env, check=False)
+    found = []
+    for line in done.stdout.splitlines():
+        parts = line.split()
+        if len(parts) >= 3 and parts[1] == "=>":
+            path = parts[2]
+        elif len(parts) == 2 and parts[1].startswith("(0x"):
+            path = parts[0]  # the ELF interpreter
+        else:
+            continue
+        if path.startswith("/") and not _DRIVER.match(os.path.basename(path)):
+            found.append(path)
+    return found
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--busybox", required=True)
+    parser.add_argument("--criu-root", default="")
+    args = parser.parse_args()
+    out = Path(args.out)
+    rootfs = out / "rootfs"
+    for d in ("bin", "etc", "tmp", "root", "usr/bin", "proc", "sys", "dev"):
+        (rootfs / d).mkdir(parents=True, exist_ok=True)
+    os.chmod(rootfs / "tmp", 0o1777)
+    shutil.copy2(args.busybox, rootfs / "bin/busybox")
+    for applet in subprocess.run([args.busybox, "--list"], capture_output=True, text=True, check=True).stdout.split():
+        if applet != "busybox" and not (rootfs / "bin" / applet).exists():
+            (rootfs / "bin" / applet).symlink_to("busybox")
+    (rootfs / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534::/:/bin/false\n")
+    (rootfs / "etc/group").write_text("root:x:0:\nnogroup:x:65534:\n")
+
+    # The interpreter at its real path, python3 beside busybox, the standard library at its own path.
+    exe = os.path.realpath(sys.executable)
+    _copy(exe, rootfs)
+    (rootfs / "usr/bin/python3").unlink(missing_ok=True)
+    if exe != "/usr/bin/python3":
+        (rootfs / "usr/bin/python3").symlink_to(exe)
+    stdlib = sysconfig.get_paths()["stdlib"]
+    shutil.copytree(stdlib, rootfs / stdlib.lstrip("/"), symlinks=True, dirs_exist_ok=True,
+                    ignore=lambda d, names: [n for n in names if n in _SKIP_STDLIB and d == stdlib])
+    # The base interpreter's own site-packages (the spec's PYTHONPATH must stay the probe's).
+    base_site = subprocess.run([exe, "-I", "-c", "import site; print(site.getsitepackages()[0])"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    import cuda.bindings
+    import pynvml
+
+    cuda_dir = Path(next(iter(cuda.bindings.__path__))).parent
+    target = rootfs / base_site.lstrip("/")
+    shutil.copytree(cuda_dir, target / "cuda", symlinks=True, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyx", "*.pxd", "*.cpp", "include"))
+    shutil.copy2(pynvml.__file__, target / "pynvml.py")
+
+    # CRIU where the provider's capsule-pinned check looks for it.
+    env = dict(os.environ)
+    binaries = [exe]
+    if args.criu_root:
+        criu_dest = rootfs / "opt/coldsnap/criu/bin/criu"
+        criu_dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(Path(args.criu_root) / "usr/sbin/criu", criu_dest)
+        (rootfs / "usr/bin/criu").symlink_to("/opt/coldsnap/criu/bin/criu")
+        binaries.append(str(Path(args.criu_root) / "usr/sbin/criu"))
+    binaries += [str(p) for p in (rootfs / stdlib.lstrip("/")).rglob("*.so")]
+    binaries += [str(p) for p in target.rglob("*.so*") if p.is_file()]
+    libraries = sorted({lib for b in binaries for lib in _libraries(b, env)})
+    # glibc pieces that Python packages dlopen by name (cuda.pathfinder opens libdl.so.2) besides libc.
+    libc_dir = next((os.path.dirname(lib) for lib in libraries if os.path.basename(lib) == "libc.so.6"), "")
+    extra = [f"{libc_dir}/{n}" for n in ("libdl.so.2", "libpthread.so.0", "librt.so.1", "libm.so.6",
+                                          "libutil.so.1", "libgcc_s.so.1") if os.path.exists(f"{libc_dir}/{n}")]
+    libraries = sorted({*libraries, *extra})
+    for lib in libraries:
+        if args.criu_root and lib.startswith(str(Path(args.criu_root).resolve())):
+            # CRIU's own libraries (unpacked Debian packages) go to the loader's default directory.
+            dest = rootfs / "usr/lib/x86_64-linux-gnu" / os.path.basename(lib)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(os.path.realpath(lib), dest)
+        else:
+            _copy(lib, rootfs)
+    (out / "Dockerfile").write_text(
+        "FROM scratch\nCOPY rootfs/ /\n"
+        "ENV PATH=/usr/local/bin:/usr/bin:/bin:/opt/coldsnap/criu/bin\nCMD [\"sh\"]\n")
+    size = sum(p.stat().st_size for p in rootfs.rglob("*") if p.is_file() and not p.is_symlink())
+    print(f"capsule rootfs: {size / 1e6:.1f} MB, python {exe}, stdlib {stdlib}, site {base_site}, "  # noqa: T201
+          f"{len(libraries)} libraries")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""Issue 12 items 1, 2 and 5 through a running `coldsnap-provider serve` (driven by scripts/device-gpus).
+
+    python3 scripts/_device_gpus.py --state-dir DIR --context DIR --out DIR --docker-host unix://SOCK
+
+Everything goes through the daemon as a ColdSnap controller would: a session from control.sock, then
+runtime-v1 envelopes on the session socket (image-build of the capsule, workload-run with `gpus`,
+`privileged`), and the control-socket `probe` request for n610 and n580 (twice each: the second must
+come from the cache). Each step is one row of OUT/gpus.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from coldsnap_provider._client import call, call_control
+
+CAPSULE = "coldsnap/capsule-probe:h200"
+VISIBLE = r"""
+import json, os
+from cuda.bindings import driver as d
+assert d.cuInit(0)[0] == 0
+err, n = d.cuDeviceGetCount()
+uuids = []
+for i in range(n):
+    dev = d.cuDeviceGet(i)[1]
+    raw = bytes(d.cuDeviceGetUuid(dev)[1].bytes)
+    h = raw.hex()
+    uuids.append(f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}")
+ctx = d.cuDevicePrimaryCtxRetain(d.cuDeviceGet(0)[1])[1]
+d.cuCtxSetCurrent(ctx)
+err, ptr = d.cuMemAlloc(1 << 30)
+print(json.dumps({"count": n, "uuids": uuids, "alloc_1g": int(err), "nodes": sorted(os.listdir("/dev")),
+                  "ld_library_path": os.environ.get("LD_LIBRARY_PATH", "")}))
+"""
+
+
+def _docker(docker_host: str, *args: str) -> str:
+    env = {**os.environ, "DOCKER_HOST": docker_host}
+    return subprocess.run(["docker", *args], capture_output=True, text=True, env=env, check=False).stdout
+
+
+def _containers(docker_host: str) -> list[str]:
+    return _docker(docker_host, "ps", "-aq", "--filter", "label=io.coldsnap-provider.managed=true").split()
+
+
+class Driver:
+    def __init__(self, state_dir: Path, docker_host: str) -> None:
+        self.state_dir, self.docker_host = state_dir, docker_host
+        self.rows: list[dict[str, Any]] = []
+        self.socket = self.token = self.session = ""
+        self._n = 0
+
+    async def open(self) -> None:
+        opened = await call_control(self.state_dir, {"operation": "session-open", "session": f"op-gpus-{os.getpid()}",
+                                                     "hosts": ["localhost"]})
+        self.socket, self.token, self.session = opened["socket"], opened["token"], opened["session"]
+
+    async def runtime(self, action: str, **fields: Any) -> dict[str, Any]:
+        self._n += 1
+        request = {"format": 1, "id": str(1767225600000000000 + self._n), "token": self.token,
+                   "session": self.session, "operation": "runtime", "host": "localhost",
+                   "runtime": {"action": action, **fields}}
+        reply = await call(self.socket, request, check=False)
+        out: dict[str, Any] = json.loads(json.dumps(_builtins(reply)))
+        return out
+
+    def row(self, step: str, ok: bool, seconds: float, **detail: Any) -> None:
+        row = {"step": step, "ok": ok, "seconds": round(seconds, 3), **detail}
+        self.rows.append(row)
+        print(json.dumps(row)[:1500], flush=True)  # noqa: T201 - a script's report
+
+
+def _builtins(reply: Any) -> Any:
+    import msgspec
+
+    return msgspec.to_builtins(reply)
+
+
+def _output(reply: dict[str, Any]) -> str:
+    runtime = reply.get("runtime") or {}
+    raw = runtime.get("output") or ""
+    return base64.b64decode(raw).decode(errors="replace") if isinstance(raw, str) else str(raw)
+
+
+async def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--state-dir", required=True)
+    parser.add_argument("--context", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--docker-host", required=True)
+    parser.add_argument("--uuid", required=True, help="nvidia-smi's UUID of GPU 0")
+    args = parser.parse_args()
+    d = Driver(Path(args.state_dir), args.docker_host)
+    await d.open()
+
+    # 1. The capsule image through the daemon's image-build.
+    started = time.monotonic()
+    dockerfile = (Path(args.context) / "Dockerfile").read_bytes()
+    reply = await d.runtime("image-build", build={"dockerfile": base64.b64encode(dockerfile).decode(),
+                                                  "context": args.context, "tag": CAPSULE, "pull": False})
+    d.row("image-build capsule", reply["ok"], time.monotonic() - started, error=reply.get("error"))
+    reply = await d.runtime("image-inspect", image=CAPSULE)
+    d.row("image-inspect capsule", reply["ok"], 0.0, value=(reply.get("runtime") or {}).get("value"),
+          error=reply.get("error"))
+
+    # 2. gpus=["0"] and gpus=[uuid]: CUDA sees exactly that one GPU (native mode), 1 GiB allocates.
+    for label, gpus in (("index", ["0"]), ("uuid", [args.uuid])):
+        before = _containers(d.docker_host)
+        started = time.monotonic()
+        reply = await d.runtime("workload-run", workload={
+            "name": "", "image": CAPSULE, "remove_after_exit": True, "pull_policy": "never", "network": "none",
+            "gpus": gpus, "entrypoint": "python3", "command": ["-c", VISIBLE]})
+        seconds = time.monotonic() - started
+        try:
+            seen = json.loads(_output(reply).strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            seen = {"raw": _output(reply)[-2000:]}
+        ok = bool(reply["ok"] and seen.get("count") == 1 and seen.get("uuids") == [args.uuid]
+                  and seen.get("alloc_1g") == 0)
+        d.row(f"gpus by {label} -> CUDA device count 1, same UUID, 1 GiB alloc", ok, seconds, gpus=gpus, seen=seen,
+              error=reply.get("error"), leftover=sorted(set(_containers(d.docker_host)) - set(before)))
+
+    # 3. A GPU id the host does not have: runtime_failed naming it, no container left.
+    for bad in (["7"], ["GPU-00000000-0000-0000-0000-000000000000"]):
+        before = _containers(d.docker_host)
+        started = time.monotonic()
+        reply = await d.runtime("workload-run", workload={
+            "name": "gpu-missing", "image": CAPSULE, "detached": True, "pull_policy": "never",
+            "gpus": bad, "command": ["true"]})
+        after = _containers(d.docker_host)
+        d.row(f"gpus={bad} refused", (not reply["ok"] and reply.get("error_code") == "runtime_failed"
+                                      and bad[0] in str(reply.get("error")) and after == before),
+              time.monotonic() - started, error=reply.get("error"), error_code=reply.get("error_code"),
+              leftover=sorted(set(after) - set(before)))
+
+    # 4. privileged under [runtime] privileged = "host-capabilities": the bounding set, GPUs still exact.
+    started = time.monotonic()
+    reply = await d.runtime("workload-run", workload={
+        "name": "", "image": CAPSULE, "remove_after_exit": True, "pull_policy": "never", "network": "none",
+        "privileged": True, "gpus": ["0"], "seccomp_unconfined": True, "entrypoint": "sh",
+        "command": ["-c", "grep -E 'CapEff|CapBnd|Seccomp:' /proc/self/status; ls /dev | grep -c . ; ls /dev/nvidia*"]})
+    host_bnd = next(line.split()[1] for line in Path("/proc/self/status").read_text().splitlines()
+                    if line.startswith("CapBnd"))
+    text = _output(reply)
+    d.row("privileged (host-capabilities) + gpus", bool(reply["ok"] and f"CapEff:\t{host_bnd}" in text),
+          time.monotonic() - started, host_capbnd=host_bnd, output=text[-1500:], error=reply.get("error"))
+
+    # 5. The in-capsule probe through the daemon (control-socket `probe`), each driver twice.
+    for driver in ("n610", "n580"):
+        for attempt in ("fresh", "cached"):
+            started = time.monotonic()
+            try:
+                result = await call_control(d.state_dir, {"operation": "probe", "driver": driver, "device": "0",
+                                                          "image": CAPSULE})
+                error = None
+            except Exception as exc:  # recorded as the row's outcome
+                result, error = {}, f"{type(exc).__name__}: {exc}"
+            seconds = time.monotonic() - started
+            (Path(args.out) / f"probe-{driver}-{attempt}.json").write_text(json.dumps(result, indent=1))
+            profile = result.get("profile") or {}
+            features = {f["id"]: f["status"] for f in profile.get("features", [])}
+            d.row(f"probe --image {driver} ({attempt})",
+                  bool(result.get("admitted") and result.get("cached") == (attempt == "cached")), seconds,
+                  admitted=result.get("admitted"), cached=result.get("cached"), error=error or result.get("error"),
+                  identity=profile.get("identity"), features=features)
+    (Path(args.out) / "gpus.json").write_text(json.dumps(d.rows, indent=1))
+    return 0 if all(r["ok"] for r in d.rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(anyio.run(main))

@@ -1,0 +1,210 @@
+"""huggingface-publish / huggingface-resolve: the real daemon, the real `huggingface_hub` client,
+a local Hub server (tests/provider/_hubserver.py), and the payload opened as exec.user ("nobody")."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+
+from coldsnap_provider._envelope import Reply
+from tests.helpers import Daemon, Session, running_daemon
+from tests.provider._hubserver import HubRepo, HubServer, running_hub
+
+WRITE_TOKEN = "hf_writer_" + "w" * 24
+READ_TOKEN = "hf_reader_" + "r" * 24
+REPO = "org/model-native"
+IMAGE = "registry.example/capsules/m@sha256:05b3abf2579a5eb66403cd78be557fd860633a1fe2103c7642030defe32c657f"
+REFERENCE_ORDER = ["exec", "huggingface-publish", "huggingface-resolve", "oci-pull", "oci-push", "runtime-v1",
+                   "upload"]
+
+
+@pytest.fixture
+def hub() -> Iterator[HubServer]:
+    server = HubServer(tokens={WRITE_TOKEN: "write", READ_TOKEN: "read"}, repos={REPO: HubRepo.new()},
+                       lfs_threshold=1 << 20)
+    with running_hub(server) as running:
+        yield running
+
+
+@pytest.fixture
+def payload_dir() -> Iterator[Path]:
+    """A directory `nobody` can enter (pytest's own tmp tree is root-only)."""
+    directory = Path(tempfile.mkdtemp(prefix="cs-hf-", dir="/tmp"))
+    directory.chmod(0o755)
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@asynccontextmanager
+async def hub_daemon(hub: HubServer, token: str = WRITE_TOKEN) -> AsyncIterator[tuple[Daemon, Session]]:
+    secrets_dir = Path(tempfile.mkdtemp(prefix="cs-hf-token-"))
+    token_file = secrets_dir / "token"
+    token_file.write_text(token + "\n")
+    token_file.chmod(0o600)
+    config = (f'[exec]\nuser = "nobody"\n[huggingface]\ntoken_file = "{token_file}"\nendpoint = "{hub.url}"\n'
+              'request_timeout_s = 10.0\noperation_timeout_s = 15.0\n')
+    try:
+        async with running_daemon(config) as daemon:
+            yield daemon, await daemon.open_session(hosts=["localhost"])
+    finally:
+        shutil.rmtree(secrets_dir, ignore_errors=True)
+
+
+def text(reply: Reply) -> str:
+    return reply.error if isinstance(reply.error, str) else ""
+
+
+def names(reply: Reply) -> list[str]:
+    return reply.capabilities if isinstance(reply.capabilities, list) else []
+
+
+def payload(directory: Path, data: bytes, name: str = "native.pack") -> Path:
+    path = directory / name
+    path.write_bytes(data)
+    path.chmod(0o644)
+    return path
+
+
+async def publish(session: Session, source: Path | str, *, revision: str = "staging",
+                  repository: str = REPO, destination: str = "native/objects/0001.pack") -> Reply:
+    return await session.call("huggingface-publish", host="localhost", image=IMAGE, repository=repository,
+                              revision=revision, source=str(source), destination=destination)
+
+
+async def resolve(session: Session, revision: str, *, repository: str = REPO) -> Reply:
+    return await session.call("huggingface-resolve", host="localhost", image=IMAGE, repository=repository,
+                              revision=revision)
+
+
+async def test_publish_then_resolve_returns_the_new_commit_and_the_hub_holds_the_bytes(
+        hub: HubServer, payload_dir: Path) -> None:
+    small = os.urandom(4096)
+    large = os.urandom((1 << 20) + 12345)  # past the server's LFS threshold: batch API, PUT, verify
+    async with hub_daemon(hub) as (daemon, session):
+        caps = await session.call("capabilities")
+        assert caps.ok and caps.capabilities == REFERENCE_ORDER
+        first = await publish(session, payload(payload_dir, small))
+        assert first.ok, first.error
+        second = await publish(session, payload(payload_dir, large, "big.pack"), destination="native/big.pack")
+        assert second.ok, second.error
+        resolved = await resolve(session, "staging")
+        assert resolved.ok, resolved.error
+        assert re.fullmatch(r"[0-9a-f]{40}", str(resolved.value))
+        assert resolved.value == hub.repos[REPO].branches["staging"]
+        assert resolved.value != hub.repos[REPO].branches["main"]
+        log = daemon.log()
+    files = hub.repos[REPO].files("staging")
+    assert files == {"native/objects/0001.pack": small, "native/big.pack": large}
+    assert any(path.startswith("/lfs-upload/") for _, path, _ in hub.requests)
+    writes = [auth for method, path, auth in hub.requests if method == "POST" and "/commit/" in path]
+    assert writes and all(auth == f"Bearer {WRITE_TOKEN}" for auth in writes)
+    assert WRITE_TOKEN not in log
+
+
+async def test_publish_with_an_invalid_token_is_runtime_failed_naming_the_repository(
+        hub: HubServer, payload_dir: Path) -> None:
+    bad = "hf_not_a_real_token_123456"
+    async with hub_daemon(hub, token=bad) as (daemon, session):
+        reply = await publish(session, payload(payload_dir, b"x" * 100))
+        refused = await resolve(session, "main")
+        log = daemon.log()
+    assert not reply.ok and reply.error_code == "runtime_failed"
+    assert f"{REPO}@staging" in text(reply) and "authentication refused" in text(reply)
+    assert "HTTP 401" in text(reply) and bad not in text(reply)
+    assert not refused.ok and "HTTP 401" in text(refused)
+    assert bad not in log
+    assert hub.repos[REPO].branches.keys() == {"main"}
+
+
+async def test_publish_with_a_read_only_token_is_permission_denied(hub: HubServer, payload_dir: Path) -> None:
+    async with hub_daemon(hub, token=READ_TOKEN) as (_, session):
+        hub.repos[REPO].branches["staging"] = hub.repos[REPO].branches["main"]
+        reply = await publish(session, payload(payload_dir, b"x" * 100))
+    assert not reply.ok and reply.error_code == "runtime_failed"
+    assert "permission denied" in text(reply) and "HTTP 403" in text(reply)
+    assert f"{REPO}@staging" in text(reply)
+
+
+async def test_missing_repository_and_missing_revision_are_runtime_failed(hub: HubServer,
+                                                                          payload_dir: Path) -> None:
+    async with hub_daemon(hub) as (_, session):
+        published = await publish(session, payload(payload_dir, b"x"), repository="org/absent")
+        resolved = await resolve(session, "main", repository="org/absent")
+        revision = await resolve(session, "no-such-branch")
+    for reply in (published, resolved):
+        assert not reply.ok and reply.error_code == "runtime_failed"
+        assert "org/absent@" in text(reply) and "repository not found" in text(reply)
+        assert "HTTP 404" in text(reply)
+    assert not revision.ok and revision.error_code == "runtime_failed"
+    assert f"{REPO}@no-such-branch: revision not found" in text(revision)
+
+
+async def test_connection_dropped_mid_upload_is_a_network_failure(hub: HubServer, payload_dir: Path) -> None:
+    async with hub_daemon(hub) as (_, session):
+        hub.drop_commit_after = 64  # the commit body carries the (regular-mode) payload
+        reply = await publish(session, payload(payload_dir, os.urandom(64 << 10)), revision="main")
+        again = await publish(session, payload(payload_dir, b"second try"), revision="main")
+    assert not reply.ok and reply.error_code == "runtime_failed"
+    assert f"{REPO}@main: network failure" in text(reply)
+    assert again.ok, again.error
+    assert hub.repos[REPO].files("main") == {"native/objects/0001.pack": b"second try"}
+
+
+async def test_resolve_refuses_an_answer_that_is_not_a_commit_id(hub: HubServer) -> None:
+    async with hub_daemon(hub) as (_, session):
+        hub.answer_sha = "main"
+        reply = await resolve(session, "main")
+    assert not reply.ok and reply.error_code == "runtime_failed"
+    assert "answered no commit id" in text(reply) and "'main'" in text(reply)
+
+
+async def test_source_is_opened_as_exec_user_without_following_links(hub: HubServer, payload_dir: Path) -> None:
+    secret = payload(payload_dir, b"root only")
+    secret.chmod(0o600)  # root can read it; exec.user (nobody) cannot
+    link = payload_dir / "link.pack"
+    link.symlink_to(payload(payload_dir, b"target", "target.pack"))
+    async with hub_daemon(hub) as (_, session):
+        unreadable = await publish(session, secret)
+        through_link = await publish(session, link)
+        directory = await publish(session, payload_dir)
+        absent = await publish(session, payload_dir / "absent.pack")
+    assert not unreadable.ok and "Permission denied" in text(unreadable)
+    assert not through_link.ok and "symbolic link" in text(through_link)
+    assert not directory.ok and "not a regular file" in text(directory)
+    assert not absent.ok and "No such file" in text(absent)
+    assert "staging" not in hub.repos[REPO].branches  # nothing reached the Hub
+
+
+async def test_unconfigured_daemon_neither_advertises_nor_serves_the_hub_operations() -> None:
+    async with running_daemon() as daemon:
+        session = await daemon.open_session(hosts=["localhost"])
+        caps = await session.call("capabilities")
+        reply = await resolve(session, "main")
+    assert caps.ok and "huggingface-publish" not in names(caps)
+    assert "huggingface-resolve" not in names(caps)
+    assert not reply.ok and reply.error == "unsupported host-provider capability 'huggingface-resolve'"
+
+
+async def test_requests_with_a_bad_image_repository_or_path_are_rejected_before_any_call(
+        hub: HubServer, payload_dir: Path) -> None:
+    source = payload(payload_dir, b"x")
+    async with hub_daemon(hub) as (_, session):
+        bad_image = await session.call("huggingface-resolve", host="localhost", image="Not An Image",
+                                       repository=REPO, revision="main")
+        bad_repo = await resolve(session, "main", repository="no-namespace")
+        escaping = await publish(session, source, destination="../outside.pack")
+        missing_image = await session.call("huggingface-resolve", host="localhost", repository=REPO,
+                                           revision="main")
+    assert not bad_image.ok and "OCI image reference" in text(bad_image)
+    assert not bad_repo.ok and "$.repository" in text(bad_repo)
+    assert not escaping.ok and "$.destination" in text(escaping)
+    assert not missing_image.ok and "image" in text(missing_image)
+    assert not [r for r in hub.requests if r[0] != "GET" or "revision" not in r[1]]
+    assert not hub.requests

@@ -1,0 +1,291 @@
+"""`gpus` and `privileged` realised from host facts (coldsnap_runtime/backend/_gpus.py).
+
+The discovery units read a fake /dev + /proc + driver tree under tmp_path (real files and real
+device nodes, made with mknod); the engine round trips talk to the real dockerd through a real
+daemon. The H200 round trip (native GPUs, CUDA inside) is scripts/device-gpus.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from coldsnap_runtime.backend._gpus import (
+    cdi_device_names,
+    driver_files,
+    engine_bounding_set,
+    host_devices,
+    native_access,
+    parse_inventory,
+    read_bounding_set,
+    select_gpus,
+    unknown_capability,
+)
+from coldsnap_runtime.backend._translate import (
+    GpuAccess,
+    PrivilegeGrant,
+    capability_names,
+    container_config,
+    missing_capabilities,
+)
+from coldsnap_runtime.errors import RuntimeFailed
+from coldsnap_runtime.schema import WorkloadSpec
+from tests.helpers import running_daemon
+from tests.runtime.conftest import container_exists, inspect_container, uniq
+
+UUID0 = "GPU-4e9555ec-256a-ac32-a8e8-6df8d49a4ff7"
+UUID1 = "GPU-11111111-2222-3333-4444-555555555555"
+SMI = f"0, {UUID0}, 00000000:17:00.0\n1, {UUID1}, 00000000:2A:00.0\n"
+VM_CAPBND = 0x000001FFFEFFFFFF  # the H200 VM's and this CPU machine's dockerd: no CAP_SYS_RESOURCE
+
+
+def spec(**fields: object) -> WorkloadSpec:
+    return msgspec.convert({"name": "", "image": "capsule:1", **fields}, WorkloadSpec)
+
+
+def _node(path: Path, minor: int, major: int = 195) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(major, minor))
+
+
+def _information(root: Path, bus: str, minor: int, uuid: str) -> None:
+    directory = root / "proc/driver/nvidia/gpus" / bus
+    directory.mkdir(parents=True)
+    (directory / "information").write_text(
+        f"Model: \t\t NVIDIA H200\nIRQ:   \t\t 42\nGPU UUID: \t {uuid}\nBus Location: \t {bus}\n"
+        f"Device Minor: \t {minor}\nGPU Excluded:\t No\n")
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> Path:
+    """Two GPUs (minors 0 and 3, so index and minor differ for the second) and /usr/local/nvidia."""
+    _information(tmp_path, "0000:17:00.0", 0, UUID0)
+    _information(tmp_path, "0000:2a:00.0", 3, UUID1)
+    for name, minor in (("nvidia0", 0), ("nvidia3", 3), ("nvidiactl", 255)):
+        _node(tmp_path / "dev" / name, minor)
+    _node(tmp_path / "dev/nvidia-uvm", 0, major=508)
+    _node(tmp_path / "dev/nvidia-uvm-tools", 1, major=508)
+    _node(tmp_path / "dev/null", 3, major=1)
+    _node(tmp_path / "dev/loop0", 0, major=7)
+    lib = tmp_path / "usr/local/nvidia/lib64"
+    lib.mkdir(parents=True)
+    (lib / "libcuda.so.580.159.04").write_bytes(b"\x7fELF")
+    (lib / "libcuda.so.1").symlink_to("libcuda.so.580.159.04")
+    (tmp_path / "usr/local/nvidia/bin").mkdir()
+    return tmp_path
+
+
+class TestInventory:
+    def test_parse_inventory_minor_from_proc_bus_normalised(self, host: Path) -> None:
+        gpus = parse_inventory(SMI, host)
+        assert [(g.index, g.uuid, g.bus_id, g.minor) for g in gpus] == [
+            (0, UUID0, "0000:17:00.0", 0), (1, UUID1, "0000:2a:00.0", 3)]
+
+    def test_parse_inventory_gpu_without_proc_entry_left_out(self, tmp_path: Path) -> None:
+        _information(tmp_path, "0000:17:00.0", 0, UUID0)
+        assert [g.index for g in parse_inventory(SMI, tmp_path)] == [0]
+
+    def test_select_gpus_by_index_and_uuid_dedupes_in_order(self, host: Path) -> None:
+        gpus = parse_inventory(SMI, host)
+        assert [g.minor for g in select_gpus(["1", UUID0, "0"], gpus)] == [3, 0]
+
+    def test_select_gpus_unknown_id_fails_naming_it(self, host: Path) -> None:
+        with pytest.raises(RuntimeFailed, match=r"GPU 7, GPU-nope does not exist on this host \(GPUs here: 0 "):
+            select_gpus(["0", "7", "GPU-nope"], parse_inventory(SMI, host))
+
+
+class TestNative:
+    def test_native_access_exactly_the_selected_gpu_nodes(self, host: Path) -> None:
+        gpus = select_gpus(["1"], parse_inventory(SMI, host))
+        access = native_access(spec(gpus=["1"]), gpus, root=host)
+        assert access.devices == ("/dev/nvidia3", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+        assert access.binds == ("/usr/local/nvidia",)
+        assert access.environment == {"LD_LIBRARY_PATH": "/usr/local/nvidia/lib64"}
+
+    def test_native_access_library_path_keeps_the_existing_one_after_the_drivers(self, host: Path) -> None:
+        gpus = select_gpus(["0"], parse_inventory(SMI, host))
+        access = native_access(spec(gpus=["0"]), gpus, root=host, base_library_path="/opt/app/lib")
+        assert access.environment == {"LD_LIBRARY_PATH": "/usr/local/nvidia/lib64:/opt/app/lib"}
+
+    def test_native_access_missing_uvm_node_fails_naming_it(self, host: Path) -> None:
+        (host / "dev/nvidia-uvm").unlink()
+        gpus = select_gpus(["0"], parse_inventory(SMI, host))
+        with pytest.raises(RuntimeFailed, match="needs /dev/nvidia-uvm, which this host lacks"):
+            native_access(spec(gpus=["0"]), gpus, root=host)
+
+    def test_native_access_regular_file_is_not_a_device_node(self, host: Path) -> None:
+        (host / "dev/nvidia0").unlink()
+        (host / "dev/nvidia0").write_text("")
+        gpus = select_gpus(["0"], parse_inventory(SMI, host))
+        with pytest.raises(RuntimeFailed, match="needs /dev/nvidia0"):
+            native_access(spec(gpus=["0"]), gpus, root=host)
+
+    def test_native_access_without_driver_library_fails_pointing_at_the_setting(self, host: Path) -> None:
+        (host / "usr/local/nvidia/lib64/libcuda.so.1").unlink()
+        gpus = select_gpus(["0"], parse_inventory(SMI, host))
+        with pytest.raises(RuntimeFailed, match=r"no driver library \(libcuda.so.1\).*set \[gpus\] driver_paths"):
+            native_access(spec(gpus=["0"]), gpus, root=host)
+
+    def test_native_access_paths_the_spec_mounts_or_passes_stay_the_specs(self, host: Path) -> None:
+        gpus = select_gpus(["0"], parse_inventory(SMI, host))
+        workload = spec(gpus=["0"], mounts=[{"source": "/srv/nv", "target": "/usr/local/nvidia", "read_only": True}],
+                        devices=[{"source": "/dev/nvidiactl"}])
+        access = native_access(workload, gpus, root=host)
+        assert access.binds == () and "/dev/nvidiactl" not in access.devices
+
+    def test_driver_files_system_directory_binds_only_the_drivers_files(self, tmp_path: Path) -> None:
+        lib = tmp_path / "usr/lib/x86_64-linux-gnu"
+        lib.mkdir(parents=True)
+        for name in ("libcuda.so.1", "libcuda.so.580.1", "libnvidia-ml.so.1", "libnvidia-ptxjitcompiler.so.1",
+                     "libc.so.6", "libcudart.so.12"):
+            (lib / name).write_bytes(b"")
+        (tmp_path / "usr/bin").mkdir()
+        (tmp_path / "usr/bin/nvidia-smi").write_bytes(b"")
+        binds, library_dirs = driver_files(tmp_path)
+        assert binds == [f"/usr/lib/x86_64-linux-gnu/{n}" for n in (
+            "libcuda.so.1", "libcuda.so.580.1", "libnvidia-ml.so.1", "libnvidia-ptxjitcompiler.so.1")
+        ] + ["/usr/bin/nvidia-smi"]
+        assert library_dirs == ["/usr/lib/x86_64-linux-gnu"]
+
+    def test_driver_files_configured_list_is_bound_as_given(self, host: Path) -> None:
+        (host / "opt/extra").mkdir(parents=True)
+        binds, library_dirs = driver_files(host, ["/usr/local/nvidia", "/opt/extra", "/absent"])
+        assert binds == ["/usr/local/nvidia", "/opt/extra"] and library_dirs == ["/usr/local/nvidia/lib64"]
+
+    def test_container_config_native_access_devices_binds_and_environment(self) -> None:
+        access = GpuAccess(mechanism="native", devices=("/dev/nvidia0", "/dev/nvidiactl"),
+                           binds=("/usr/local/nvidia",), environment={"LD_LIBRARY_PATH": "/usr/local/nvidia/lib64"})
+        config = container_config(spec(gpus=["0"], environment={"A": "1"}), gpus=access)
+        host = config["HostConfig"]
+        assert "DeviceRequests" not in host
+        assert [d["PathOnHost"] for d in host["Devices"]] == ["/dev/nvidia0", "/dev/nvidiactl"]
+        assert all(d["PathInContainer"] == d["PathOnHost"] for d in host["Devices"])
+        assert host["Binds"] == ["/usr/local/nvidia:/usr/local/nvidia:ro"]
+        assert config["Env"] == ["A=1", "LD_LIBRARY_PATH=/usr/local/nvidia/lib64"]
+
+    def test_container_config_cdi_access_is_a_cdi_device_request(self) -> None:
+        config = container_config(spec(gpus=["0"]), gpus=GpuAccess(mechanism="cdi", device_ids=("nvidia.com/gpu=0",)))
+        assert config["HostConfig"]["DeviceRequests"] == [{"Driver": "cdi", "DeviceIDs": ["nvidia.com/gpu=0"]}]
+
+    def test_cdi_device_names_from_yaml_and_json_specs(self, tmp_path: Path) -> None:
+        (tmp_path / "etc/cdi").mkdir(parents=True)
+        (tmp_path / "etc/cdi/nvidia.yaml").write_text(
+            'cdiVersion: "0.5.0"\nkind: nvidia.com/gpu\ndevices:\n- name: "0"\n  containerEdits: {}\n'
+            f"- name: {UUID0}\n  containerEdits: {{}}\n- name: all\n  containerEdits: {{}}\n")
+        (tmp_path / "etc/cdi/other.json").write_text('{"kind": "vendor.com/x", "devices": [{"name": "a"}]}')
+        (tmp_path / "etc/cdi/broken.yaml").write_text("kind: [unclosed\n")
+        assert cdi_device_names(["/etc/cdi", "/var/run/cdi"], tmp_path) == frozenset(
+            {"nvidia.com/gpu=0", f"nvidia.com/gpu={UUID0}", "nvidia.com/gpu=all", "vendor.com/x=a"})
+
+
+class TestPrivilege:
+    def test_missing_capabilities_of_the_vm_bounding_set_is_sys_resource(self) -> None:
+        assert missing_capabilities(VM_CAPBND, 40) == ("CAP_SYS_RESOURCE",)
+        names = capability_names(VM_CAPBND, 40)
+        assert len(names) == 40 and "CAP_SYS_RESOURCE" not in names and names[-1] == "CAP_CHECKPOINT_RESTORE"
+
+    def test_read_bounding_set_from_proc_status(self) -> None:
+        assert read_bounding_set("Name:\tdockerd\nCapBnd:\t000001fffeffffff\n") == VM_CAPBND
+        assert read_bounding_set("Name:\tx\n") is None
+
+    def test_host_devices_skips_default_nodes_and_excluded(self, host: Path) -> None:
+        assert host_devices(host, exclude=["/dev/nvidia3"]) == [
+            "/dev/loop0", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia0", "/dev/nvidiactl"]
+
+    def test_container_config_privilege_grant_replaces_docker_privileged(self) -> None:
+        grant = PrivilegeGrant(capabilities=("CAP_SYS_ADMIN", "CAP_SYS_TIME"), devices=("/dev/loop0", "/dev/null"))
+        config = container_config(spec(privileged=True, seccomp_unconfined=True,
+                                       devices=[{"source": "/dev/null"}]), privilege=grant)
+        host = config["HostConfig"]
+        assert host["Privileged"] is False and host["CapAdd"] == ["CAP_SYS_ADMIN", "CAP_SYS_TIME"]
+        assert [d["PathOnHost"] for d in host["Devices"]] == ["/dev/null", "/dev/loop0"]
+        assert host["DeviceCgroupRules"] == ["a *:* rwm"]
+        assert host["SecurityOpt"] == ["seccomp=unconfined", "apparmor=unconfined", "label=disable"]
+        assert host["MaskedPaths"] == [] and host["ReadonlyPaths"] == []
+
+    def test_container_config_without_grant_keeps_docker_privileged(self) -> None:
+        host = container_config(spec(privileged=True))["HostConfig"]
+        assert host["Privileged"] is True and "CapAdd" not in host
+
+    def test_unknown_capability_read_from_the_engines_error(self) -> None:
+        assert unknown_capability('invalid CapAdd: unknown capability: "CAP_BPF"') == "CAP_BPF"
+        assert unknown_capability("No such image: x") is None
+
+
+# --- the real engine, through a real daemon --------------------------------------------------
+
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+_ENGINE_BOUNDING = engine_bounding_set("/var/run/docker.sock")
+_ENGINE_MISSING = missing_capabilities(_ENGINE_BOUNDING, 40) if _ENGINE_BOUNDING is not None else ()
+needs_partial_engine = pytest.mark.skipif(
+    not _ENGINE_MISSING, reason="the engine here can grant every capability (Docker's privileged mode works)")
+
+
+@needs_partial_engine
+async def test_privileged_docker_policy_missing_capability_refused_before_create(busybox_image: str) -> None:
+    name = uniq("priv")
+    async with running_daemon() as daemon:
+        session = await daemon.open_session()
+        reply = await session.runtime("workload-run", workload={
+            "name": name, "image": busybox_image, "detached": True, "privileged": True, "command": ["sleep", "30"]})
+    assert not reply.ok and reply.error_code == "runtime_failed"
+    assert f"bounding set lacks {', '.join(_ENGINE_MISSING)}" in str(reply.error)
+    assert 'privileged = "host-capabilities"' in str(reply.error)
+    assert not container_exists(name)
+
+
+@needs_partial_engine
+async def test_privileged_host_capabilities_runs_with_the_engines_bounding_set(busybox_image: str) -> None:
+    assert _ENGINE_BOUNDING is not None
+    name = uniq("privcaps")
+    async with running_daemon('[runtime]\nprivileged = "host-capabilities"\n') as daemon:
+        session = await daemon.open_session()
+        reply = await session.runtime("workload-run", workload={
+            "name": name, "image": busybox_image, "detached": True, "privileged": True, "command": ["sleep", "60"]})
+        assert reply.ok, reply.error
+        try:
+            info = inspect_container(name)
+            host = info["HostConfig"]
+            status = (await session.runtime("workload-exec", name=name, execution={
+                "command": ["cat", "/proc/self/status"], "user": ""})).runtime.output.decode()  # type: ignore[union-attr]
+        finally:
+            assert (await session.runtime("workload-remove", name=name)).ok
+    effective = int(next(line.split()[1] for line in status.splitlines() if line.startswith("CapEff")), 16)
+    granted = {c for c in host["CapAdd"]}
+    assert effective & ~_ENGINE_BOUNDING == 0  # nothing beyond what the engine has
+    assert {"CAP_SYS_ADMIN", "CAP_SYS_PTRACE", "CAP_SYS_TIME", "CAP_NET_ADMIN"} <= granted
+    assert "CAP_SYS_RESOURCE" not in granted and effective >> 21 & 1 and effective >> 25 & 1
+    assert host["Privileged"] is False and "seccomp=unconfined" in host["SecurityOpt"]
+    assert host["DeviceCgroupRules"] == ["a *:* rwm"] and host["Devices"]
+    assert "Seccomp:\t0" in status and host["MaskedPaths"] == []
+
+
+async def test_gpus_device_request_mode_without_nvidia_runtime_fails_before_create(busybox_image: str) -> None:
+    name = uniq("gpudr")
+    async with running_daemon('[gpus]\nmode = "device-request"\n') as daemon:
+        session = await daemon.open_session()
+        reply = await session.runtime("workload-run", workload={
+            "name": name, "image": busybox_image, "detached": True, "gpus": ["0"], "command": ["true"]})
+    assert not reply.ok and reply.error_code == "runtime_failed"
+    assert "device-request: the engine has no registered 'nvidia' runtime" in str(reply.error)
+    assert "native" not in str(reply.error)
+    assert not container_exists(name)
+
+
+async def test_gpus_auto_mode_no_mechanism_names_every_reason(busybox_image: str) -> None:
+    if os.path.exists("/dev/nvidiactl"):
+        pytest.skip("this host has an NVIDIA driver")
+    name = uniq("gpuauto")
+    async with running_daemon() as daemon:
+        session = await daemon.open_session()
+        reply = await session.runtime("workload-run", workload={
+            "name": name, "image": busybox_image, "gpus": ["0"], "command": ["true"]})
+    error = str(reply.error)
+    assert not reply.ok and reply.error_code == "runtime_failed"
+    assert "no mechanism can give this container GPU 0 ([gpus] mode = 'auto')" in error
+    assert "device-request:" in error and "cdi:" in error and "native:" in error
+    assert not container_exists(name)
