@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import table
-from coldsnap_provider._envelope import decode_request
+from coldsnap_provider import decode_request
 
 BASE = {"format": 1, "id": "1767225600000000007", "token": "t" * 43, "session": "op-1"}
 MINIMAL = json.dumps({**BASE, "operation": "capabilities"}).encode()

@@ -127,7 +127,7 @@ async def run_probe(options: ProbeOptions, *, state_dir: Path, backend: Backend 
     that is `exec.user`, never more."""
     requirements = coldsnap_probe.requirements(options.driver)
     if not options.host_process and not options.image:
-        raise ValueError("give --image IMAGE or --host-process")
+        raise ValueError("a probe needs an `image` or `host_process`")
     capsule = "host-process"
     if not options.host_process:
         assert backend is not None

@@ -19,11 +19,16 @@ from typing import Any
 
 import anyio
 
-from coldsnap_provider._client import call, call_control, exchange
-from coldsnap_provider._envelope import Reply
+from coldsnap_provider import Reply, call, call_control, exchange
 
 ROOT = Path(__file__).resolve().parent.parent
 _ids = itertools.count(1767225600000000001)
+
+
+def _fresh_file(prefix: str) -> Path:
+    fd, name = tempfile.mkstemp(prefix=prefix)
+    os.close(fd)
+    return Path(name)
 
 
 def next_id() -> str:
@@ -58,7 +63,7 @@ class Daemon:
     state_dir: Path
     config_path: Path
     process: subprocess.Popen[bytes] | None = None
-    log_path: Path = field(default_factory=lambda: Path(tempfile.mktemp(prefix="cs-log-")))
+    log_path: Path = field(default_factory=lambda: _fresh_file("cs-log-"))
 
     def start(self, *, env: dict[str, str] | None = None, wait: bool = True) -> None:
         self._log = open(self.log_path, "ab")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from coldsnap_provider._schemas import generate
+from coldsnap_provider import generate_schemas as generate
 from tests.helpers import ROOT
 
 

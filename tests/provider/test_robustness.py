@@ -7,8 +7,9 @@ import signal
 from pathlib import Path
 
 import anyio
+import pytest
 
-from tests.helpers import running_daemon
+from tests.helpers import Daemon, running_daemon
 
 
 async def test_many_simultaneous_connections_are_served() -> None:
@@ -47,14 +48,34 @@ async def test_connections_past_the_cap_get_a_clear_error() -> None:
         s = await daemon.open_session()
         holders = [await anyio.connect_unix(s.socket) for _ in range(2)]
         try:
-            await anyio.sleep(0.3)
-            reply = await s.call("capabilities")
-            assert not reply.ok and "connection limit (2)" in str(reply.error)
+            with anyio.fail_after(10):
+                while (reply := await s.call("capabilities")).ok:  # until the daemon has accepted both
+                    await anyio.sleep(0.05)
+            assert "connection limit (2)" in str(reply.error)
         finally:
             for h in holders:
                 await h.aclose()
-        await anyio.sleep(0.3)
-        assert (await s.call("capabilities")).ok
+        with anyio.fail_after(10):
+            while not (await s.call("capabilities")).ok:
+                await anyio.sleep(0.05)
+
+
+async def wait_in_flight(daemon: Daemon, count: int) -> None:
+    with anyio.fail_after(10):
+        while (await daemon.control(operation="status"))["in_flight"] != count:
+            await anyio.sleep(0.05)
+
+
+async def wait_refusing(path: Path) -> None:
+    """Until the daemon has stopped accepting (a connection is refused)."""
+    with anyio.fail_after(10):
+        while True:
+            try:
+                stream = await anyio.connect_unix(path)
+            except OSError:
+                return
+            await stream.aclose()
+            await anyio.sleep(0.05)
 
 
 async def test_client_disconnect_mid_operation_cancels_it_and_daemon_stays_healthy(tmp_path: Path) -> None:
@@ -91,15 +112,12 @@ async def test_sigterm_drains_in_flight_operations_then_exits() -> None:
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(slow)
-            await anyio.sleep(0.5)
+            await wait_in_flight(daemon, 1)
             assert daemon.process is not None
             daemon.process.send_signal(signal.SIGTERM)
-            await anyio.sleep(0.3)
-            try:
-                refused = await s.call("capabilities")
-                assert not refused.ok  # pragma: no cover - accept loop is closed
-            except OSError:
-                pass
+            await wait_refusing(daemon.state_dir / "control.sock")
+            with pytest.raises(OSError):  # the session's door is closed too, while `slow` finishes
+                await s.call("capabilities")
         assert replies and replies[0].ok and replies[0].output == b"done\n"
         code = await anyio.to_thread.run_sync(daemon.process.wait, 10)
         assert code == 0
@@ -116,7 +134,7 @@ async def test_shutdown_grace_expiry_cancels_stragglers() -> None:
                 replies.append(await s.call("exec", host="localhost", arguments=["sleep", "60"]))
 
             tg.start_soon(stuck)
-            await anyio.sleep(0.5)
+            await wait_in_flight(daemon, 1)
             assert daemon.process is not None
             daemon.process.send_signal(signal.SIGTERM)
         code = await anyio.to_thread.run_sync(daemon.process.wait, 15)

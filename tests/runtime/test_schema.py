@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coldsnap_provider._envelope import Runtime, decode_request
+from coldsnap_provider import Runtime, decode_request
 from coldsnap_runtime.schema import RuntimeRequest, explain
 from tests.conftest import docker
 from tests.helpers import Session
