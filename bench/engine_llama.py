@@ -18,13 +18,13 @@ import time
 
 T_START = time.time()
 
-import argparse  # noqa: E402 - the process start is stamped before anything is imported
-import hashlib  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import socket  # noqa: E402
-import sys  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse  # the process start is stamped before anything is imported
+import hashlib
+import json
+import os
+import socket
+import sys
+from typing import Any
 
 SHAPE = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
          "intermediate_size": 14336, "vocab_size": 128256, "max_position_embeddings": 4096,

@@ -13,6 +13,7 @@ from ._client import ReplyError as ReplyError
 from ._client import call as call
 from ._client import call_control as call_control
 from ._client import exchange as exchange
+from ._control import decode_control as decode_control
 from ._envelope import Reply as Reply
 from ._envelope import Runtime as Runtime
 from ._envelope import decode_request as decode_request
@@ -26,6 +27,7 @@ __all__ = (
     "__version__",
     "call",
     "call_control",
+    "decode_control",
     "decode_request",
     "exchange",
     "generate_schemas",

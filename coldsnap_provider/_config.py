@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-__all__ = ("Config", "ConfigError", "default_state_dir", "load_config", "node_names")
+__all__ = ("Config", "ConfigError", "RemoteConfig", "default_state_dir", "load_config", "node_names")
 
 
 class _Section(Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -76,6 +76,23 @@ class RuntimeConfig(_Section, frozen=True):
     privileged: Literal["docker", "host-capabilities"] = "docker"
 
 
+_ABSOLUTE = r"^/[^\x00]*$"
+
+
+class RemoteConfig(_Section, frozen=True, kw_only=True):
+    """One `[[remote]]` node reached over SSH (docs: README.md, "Remote hosts")."""
+
+    hosts: Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(min_length=1)]
+    address: Annotated[str, Meta(min_length=1, pattern=r"^[^\s\x00]+$")]
+    port: Annotated[int, Meta(ge=1, le=65535)] = 22
+    user: Annotated[str, Meta(min_length=1, pattern=r"^[^\s\x00@:]+$")]
+    identity_file: Annotated[str, Meta(pattern=_ABSOLUTE)]
+    known_hosts: Annotated[str, Meta(pattern=_ABSOLUTE)]
+    docker_socket: Annotated[str, Meta(pattern=_ABSOLUTE)] = "/var/run/docker.sock"
+    connect_timeout_s: Annotated[float, Meta(gt=0)] = 10.0
+    keepalive_interval_s: Annotated[float, Meta(gt=0)] = 15.0
+
+
 class Config(_Section, frozen=True):
     server: ServerConfig = ServerConfig()
     provider: ProviderConfig = ProviderConfig()
@@ -83,6 +100,7 @@ class Config(_Section, frozen=True):
     exec: ExecConfig = ExecConfig()
     docker: DockerConfig = DockerConfig()
     registry: RegistryConfig = RegistryConfig()
+    remote: list[RemoteConfig] = []
     gpus: GpusConfig = GpusConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     huggingface: HuggingfaceConfig = HuggingfaceConfig()
@@ -104,11 +122,30 @@ def load_config(path: str | os.PathLike[str] | None = None) -> Config:
         except OSError as exc:
             raise ConfigError(f"{source}: {exc.strerror}") from None
     try:
-        return msgspec.toml.decode(data, type=Config)
+        config = msgspec.toml.decode(data, type=Config)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"{source}: {exc}") from None
     except msgspec.DecodeError as exc:
         raise ConfigError(f"{source}: invalid TOML: {exc}") from None
+    if problem := _remote_problem(config):
+        raise ConfigError(f"{source}: {problem}")
+    return config
+
+
+def _remote_problem(config: Config) -> str:
+    """Rules spanning entries: every host is served exactly once (locally or by one remote)."""
+    local = node_names(config)
+    seen: dict[str, int] = {}
+    for index, remote in enumerate(config.remote):
+        where = f"remote[{index}]"
+        for host in remote.hosts:
+            if host in local:
+                return f"{where}: host {host!r} is also served locally (node.names); list it once"
+            if host in seen:
+                other = "the same entry" if seen[host] == index else f"remote[{seen[host]}]"
+                return f"{where}: host {host!r} is already listed by {other}; list it once"
+            seen[host] = index
+    return ""
 
 
 def default_state_dir(uid: int | None = None, environ: Mapping[str, str] | None = None) -> Path:

@@ -154,6 +154,7 @@ class ControlHandler:
             "capabilities": list(self._operations.capabilities),
             "state_dir": str(self._sessions.store.state_dir),
             "budgets": state.statistics(),
+            "remotes": await self._operations.remotes.status() if self._operations.remotes is not None else [],
         }
 
 

@@ -25,6 +25,7 @@ from ._sessions import SessionRecord
 
 if TYPE_CHECKING:
     from ._huggingface import HuggingfaceClient
+    from ._remote import Remotes
 
 __all__ = ("Operations",)
 
@@ -43,6 +44,7 @@ class Operations:
         allow_pull: bool,
         allow_push: bool,
         huggingface: HuggingfaceClient | None = None,
+        remotes: Remotes | None = None,
     ) -> None:
         self.provider_name = provider_name
         self.backend = backend
@@ -55,6 +57,7 @@ class Operations:
         self.allow_pull = allow_pull
         self.allow_push = allow_push
         self.huggingface = huggingface
+        self.remotes = remotes  # hosts served by other nodes over SSH ([[remote]]; _remote.py)
         # Reference order; only what is implemented and enabled.
         self.capabilities = [
             "exec",
@@ -71,6 +74,8 @@ class Operations:
             return Reply(format=1, id=request.id, ok=True, provider=self.provider_name,
                          capabilities=list(self.capabilities))
         self._authorize_host(request.host, record)
+        if self.remotes is not None and self.remotes.serves(request.host):
+            return await self.remotes.handle(request, self._runtime_context(request.host, record), self.identity)
         match request:
             case Exec():
                 result = await run_argv(request.arguments, stdin=request.input,
@@ -110,7 +115,7 @@ class Operations:
     def _authorize_host(self, host: str, record: SessionRecord) -> None:
         if host not in record.hosts:
             raise RequestRejected("host-provider target is outside this request")
-        if host not in self.node_names:
+        if host not in self.node_names and not (self.remotes is not None and self.remotes.serves(host)):
             raise RequestRejected(
                 f"host-provider target {host!r} is authorized but not served by this node "
                 f"(it serves: {', '.join(sorted(self.node_names))}; see node.names)"

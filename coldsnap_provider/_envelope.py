@@ -191,26 +191,18 @@ _ID_SEARCH_BYTES = 4096
 _ID_NEAR_START = re.compile(rb'^\{[^{}\[\]]*?"id"\s*:\s*"([A-Za-z0-9._:-]{1,128})"')
 
 
-class _DuplicateKey(Exception):
-    def __init__(self, key: str) -> None:
-        super().__init__(key)
-        self.key = key
-
-
-def _unique_pairs(pairs: list[tuple[str, Any]]) -> None:
-    seen: set[str] = set()
-    for key, _ in pairs:
-        if key in seen:
-            raise _DuplicateKey(key)
-        seen.add(key)
-
-
 def check_unique_keys(line: _Buffer, *, what: str) -> None:
     """Refuse an object that names a key twice: JSON decoders disagree on which one wins."""
+
+    def unique(pairs: list[tuple[str, Any]]) -> None:
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise RequestRejected(f"{what} repeats the key {key!r}; every key may appear once")
+            seen.add(key)
+
     try:
-        json.loads(line, object_pairs_hook=_unique_pairs)
-    except _DuplicateKey as exc:
-        raise RequestRejected(f"{what} repeats the key {exc.key!r}; every key may appear once") from exc
+        json.loads(line, object_pairs_hook=unique)
     except (ValueError, RecursionError) as exc:  # already decoded strictly; only depth can differ
         raise RequestRejected(f"{what} is not acceptable JSON: {exc}") from exc
 

@@ -3,8 +3,8 @@
 Credentials stay with the manager: the token is read from ``[huggingface] token_file`` on every
 call (so it can be rotated), handed only to the client object of that call, and never logged,
 put in an environment or given to a child. The blocking client runs in a worker thread under a
-bound; on cancellation the thread is abandoned (it owns its file and token and ends at the next
-network timeout, which :func:`configure_client_timeouts` sets).
+bound; on cancellation the thread is abandoned: a publish's payload file is closed under it (its
+next read fails), and any call ends at the next network timeout (:func:`configure_client_timeouts`).
 
 The payload ``source`` is a host-local path named by the manager while the daemon runs as root,
 so it is opened with ``exec.user``'s identity: a child started through ``setpriv --reuid --regid
@@ -69,18 +69,16 @@ socket.send_fds(s, [b"fd"], [fd])
 
 
 def configure_client_timeouts(seconds: float) -> None:
-    """Give `huggingface_hub`'s shared HTTP client a per-operation network timeout (connect, each read
-    and write); the library's default is none, which would let a silent peer hold a worker thread forever.
+    """Give `huggingface_hub`'s shared HTTP client a network timeout (connect, each read and write) for
+    the calls that take no `timeout=` (the commit, preupload, LFS transfers); the library's default is
+    none, which would let a silent peer hold a worker thread forever.
 
     This sets the library's process-wide client factory (its documented hook); call it once at start-up.
     """
     from huggingface_hub import set_client_factory
-    from huggingface_hub.utils._http import default_client_factory
 
-    def factory() -> httpx2.Client:
-        client = default_client_factory()
-        client.timeout = httpx2.Timeout(seconds)
-        return client
+    def factory() -> httpx2.Client:  # as the library's default (redirects followed), plus the timeout
+        return httpx2.Client(follow_redirects=True, timeout=httpx2.Timeout(seconds))
 
     set_client_factory(factory)
 
@@ -94,12 +92,14 @@ class HuggingfaceClient:
         endpoint: str,
         token_file: str,
         identity: ExecIdentity,
+        request_timeout_s: float,
         operation_timeout_s: float,
         max_concurrent: int = 4,
     ) -> None:
         self.endpoint = endpoint.rstrip("/")
         self.token_file = token_file
         self.identity = identity
+        self.request_timeout_s = request_timeout_s
         self.operation_timeout_s = operation_timeout_s
         self._limiter = anyio.CapacityLimiter(max_concurrent)
 
@@ -113,9 +113,10 @@ class HuggingfaceClient:
 
         def work(token: str) -> None:
             api = HfApi(endpoint=self.endpoint, token=token, library_name="coldsnap-provider")
-            with fileobj:  # the thread owns the file, even if the request is abandoned
+            with fileobj:
                 try:
-                    api.repo_info(request.repository, revision=request.revision, repo_type="model")
+                    api.repo_info(request.repository, revision=request.revision, repo_type="model",
+                                  timeout=self.request_timeout_s)
                 except RevisionNotFoundError:
                     api.create_branch(request.repository, branch=request.revision, repo_type="model",
                                       exist_ok=True)
@@ -126,7 +127,10 @@ class HuggingfaceClient:
         try:
             await self._in_thread(work, action=action, where=where)
         except BaseException:
-            fileobj.close()  # idempotent; the thread may never have started
+            # Cancelled or failed: closing is safe from either thread (the buffer's lock waits out a
+            # read in progress, and a closed FileIO never touches its old descriptor number again),
+            # and an abandoned upload then fails at its next read instead of running on.
+            fileobj.close()
             raise
 
     async def resolve(self, request: HuggingfaceResolve) -> str:
@@ -136,7 +140,8 @@ class HuggingfaceClient:
 
         def work(token: str) -> str:
             api = HfApi(endpoint=self.endpoint, token=token, library_name="coldsnap-provider")
-            sha = api.model_info(request.repository, revision=request.revision).sha
+            sha = api.model_info(request.repository, revision=request.revision,
+                                 timeout=self.request_timeout_s).sha
             return sha if isinstance(sha, str) else ""
 
         sha = await self._in_thread(work, action=action, where=where)

@@ -69,6 +69,7 @@ async def _serve(config: Config, state_dir: Path) -> None:
     from ._daemon import Daemon
     from ._dispatch import Operations
     from ._exec import GroupLedger, resolve_identity
+    from ._remote import Remotes
     from ._systemd import listen_fds
 
     identity = resolve_identity(config.exec.user)
@@ -81,6 +82,8 @@ async def _serve(config: Config, state_dir: Path) -> None:
         instance=_instance_id(state_dir),
         image_ledger=state_dir / "images.json",
     ) as backend:
+        remotes = Remotes(config.remote, state_dir=state_dir, credentials_file=config.registry.credentials_file
+                          or None, spool_dir=config.docker.spool_dir or None)
         operations = Operations(
             provider_name=config.provider.name,
             backend=backend,
@@ -90,10 +93,12 @@ async def _serve(config: Config, state_dir: Path) -> None:
             allow_push=config.registry.push,
             groups=GroupLedger(state_dir / "exec-groups"),
             huggingface=_huggingface_client(config, identity),
+            remotes=remotes,
         )
         daemon = Daemon(config, state_dir=state_dir, operations=operations, backend=backend,
                         control_fd=fds[0] if fds else None)
-        async with anyio.create_task_group() as tg:
+        async with remotes, anyio.create_task_group() as tg:
+            tg.start_soon(remotes.run_maintenance)
 
             async def on_signals() -> None:
                 with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -113,7 +118,8 @@ def _huggingface_client(config: Config, identity: ExecIdentity) -> HuggingfaceCl
 
     configure_client_timeouts(config.huggingface.request_timeout_s)
     return HuggingfaceClient(endpoint=config.huggingface.endpoint, token_file=config.huggingface.token_file,
-                             identity=identity, operation_timeout_s=config.huggingface.operation_timeout_s)
+                             identity=identity, request_timeout_s=config.huggingface.request_timeout_s,
+                             operation_timeout_s=config.huggingface.operation_timeout_s)
 
 
 def _instance_id(state_dir: Path) -> str:

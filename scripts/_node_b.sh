@@ -77,7 +77,7 @@ nb_sshd() {
         hostname node-b
         mount -t tmpfs -o mode=1777 node-b-tmp /tmp
         exec /usr/sbin/sshd -D -e -f "$1"
-    ' node-b "$NODE_B_DATA/ssh/sshd_config" >>"$NODE_B_DIR/sshd.log" 2>&1 < /dev/null &
+    ' node-b "$NODE_B_DATA/ssh/sshd_config" >>"$NODE_B_DIR/sshd.log" 2>&1 < /dev/null 9>&- &
     for _ in $(seq 1 100); do
         nb_alive "$SSHD_PID" && return
         sleep 0.1
@@ -100,7 +100,7 @@ nb_dockerd() {
             ip link set lo up
             exec dockerd --data-root "$1/docker" --exec-root "$2/exec" --pidfile "$2/dockerd.pid" \
                 -H "unix://$2/docker.sock"
-        ' node-b "$NODE_B_DATA" "$NODE_B_DIR" >>"$NODE_B_DIR/dockerd.log" 2>&1 < /dev/null &
+        ' node-b "$NODE_B_DATA" "$NODE_B_DIR" >>"$NODE_B_DIR/dockerd.log" 2>&1 < /dev/null 9>&- &
     fi
     for _ in $(seq 1 300); do
         docker -H "unix://$DOCKER_SOCKET" version >/dev/null 2>&1 && return

@@ -7,8 +7,9 @@ single-part PUT and verify, and the NDJSON commit. Authentication is checked on 
 Hub answers: an unknown token is 401 "Invalid credentials in Authorization header", a read-only token
 writing is 403, a missing repository is 404 `RepoNotFound`, a missing revision 404 `RevisionNotFound`.
 
-Faults: ``drop_commit_after`` makes the next commit POST read that many body bytes and then close the
-connection without a reply (a network failure in the middle of the upload).
+Faults: ``stall_s`` delays every model_info answer (a silent peer); ``drop_commit_after`` makes the
+next commit POST read that many body bytes and then close the connection without a reply (a network
+failure in the middle of the upload).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import re
 import secrets
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -77,6 +79,7 @@ class HubServer:
     lfs_threshold: int = 1 << 20  # files at least this big go through LFS
     drop_commit_after: int | None = None
     answer_sha: str | None = None  # set: model_info answers this instead of the real commit
+    stall_s: float = 0.0  # model_info waits this long before answering (a silent peer)
     requests: list[tuple[str, str, str]] = field(default_factory=list)  # (method, path, authorization)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -161,6 +164,7 @@ class _Handler(BaseHTTPRequestHandler):
     # --- endpoints -------------------------------------------------------------------
 
     def _model_info(self, repo: str, rev: str) -> None:
+        time.sleep(self.server.hub.stall_s)
         if (found := self._repo(repo, write=False)) is None:
             return
         with self.server.hub.lock:

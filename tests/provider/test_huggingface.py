@@ -43,13 +43,14 @@ def payload_dir() -> Iterator[Path]:
 
 
 @asynccontextmanager
-async def hub_daemon(hub: HubServer, token: str = WRITE_TOKEN) -> AsyncIterator[tuple[Daemon, Session]]:
+async def hub_daemon(hub: HubServer, token: str = WRITE_TOKEN,
+                     request_timeout_s: float = 10.0) -> AsyncIterator[tuple[Daemon, Session]]:
     secrets_dir = Path(tempfile.mkdtemp(prefix="cs-hf-token-"))
     token_file = secrets_dir / "token"
     token_file.write_text(token + "\n")
     token_file.chmod(0o600)
     config = (f'[exec]\nuser = "nobody"\n[huggingface]\ntoken_file = "{token_file}"\nendpoint = "{hub.url}"\n'
-              'request_timeout_s = 10.0\noperation_timeout_s = 15.0\n')
+              f'request_timeout_s = {request_timeout_s}\noperation_timeout_s = 15.0\n')
     try:
         async with running_daemon(config) as daemon:
             yield daemon, await daemon.open_session(hosts=["localhost"])
@@ -155,6 +156,17 @@ async def test_connection_dropped_mid_upload_is_a_network_failure(hub: HubServer
     assert f"{REPO}@main: network failure" in text(reply)
     assert again.ok, again.error
     assert hub.repos[REPO].files("main") == {"native/objects/0001.pack": b"second try"}
+
+
+async def test_silent_hub_is_a_network_timeout_within_the_configured_bound(hub: HubServer) -> None:
+    async with hub_daemon(hub, request_timeout_s=0.5) as (_, session):
+        hub.stall_s = 3.0
+        reply = await resolve(session, "main")
+        hub.stall_s = 0.0
+        after = await resolve(session, "main")
+    assert not reply.ok and reply.error_code == "runtime_failed"
+    assert f"{REPO}@main: network timeout" in text(reply) and "ReadTimeout" in text(reply)
+    assert after.ok, after.error
 
 
 async def test_resolve_refuses_an_answer_that_is_not_a_commit_id(hub: HubServer) -> None:

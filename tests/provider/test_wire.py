@@ -49,8 +49,10 @@ async def test_rejections_echo_format_and_id() -> None:
             (s.envelope("exec", host="node-z", arguments=["true"]), "host-provider target is outside this request"),
             ({**s.envelope("exec", host="localhost", arguments=["true"]), "injected": 1},
              "host-provider request has unknown fields: injected"),
-            (s.envelope("huggingface-resolve", host="localhost"), "unsupported host-provider operation"),
-            (s.envelope("oci-pull", host="localhost"), "unsupported host-provider operation"),
+            (s.envelope("huggingface-resolve", host="localhost", image="busybox:1", repository="org/m",
+                        revision="main"), "unsupported host-provider capability 'huggingface-resolve'"),
+            (s.envelope("oci-pull", host="localhost"), "Object missing required field `image`"),
+            (s.envelope("oci-copy", host="localhost"), "unsupported host-provider operation"),
         ]
         for request, message in cases:
             reply = await reply_of(s, json.dumps(request).encode() + b"\n")

@@ -193,7 +193,10 @@ async def test_disconnect_during_copy_from_leaves_nothing_half_written(daemon: D
         def spooling() -> bool:  # the daemon holds its (unlinked) spool file open while copying
             for fd in os.listdir(fd_dir):
                 try:
-                    if os.readlink(f"{fd_dir}/{fd}").startswith(base):
+                    target = os.readlink(f"{fd_dir}/{fd}")
+                    # In its own temporary directory, unlinked (O_TMPFILE files have no name there).
+                    if target.startswith(os.environ.get("TMPDIR", "/tmp").rstrip("/") + "/") \
+                            and target.endswith(" (deleted)"):
                         return True
                 except OSError:
                     continue
@@ -228,6 +231,40 @@ async def test_sigkill_and_restart_keep_sessions_and_workload_names(busybox_imag
             assert info.ok and info.runtime.workload.running  # type: ignore[union-attr]
             assert (await s.runtime("workload-remove", name=name)).ok
             assert [x["session"] for x in await second.control(operation="session-list")] == [s.session]
+    finally:
+        docker("rm", "-f", name, check=False)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+async def test_sigkill_mid_attached_run_leaves_no_container_and_no_conflict_after_restart(
+        busybox_image: str) -> None:
+    """Regression: #11 (finding 15): the attached remove_after_exit container stayed; the rerun got "Conflict"."""
+    from tests.helpers import running_daemon
+
+    state = pathlib.Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
+    name = uniq("attached")
+    workload = {"name": name, "image": busybox_image, "remove_after_exit": True, "command": ["sleep", "60"]}
+    try:
+        async with running_daemon(state_dir=state) as first:
+            s = await first.open_session()
+            request = s.envelope("runtime", host="localhost", runtime={"action": "workload-run", "workload": workload})
+            stream = await anyio.connect_unix(s.socket)
+            await stream.send(json.dumps(request).encode() + b"\n")
+            await stream.send_eof()
+            with anyio.fail_after(20):
+                while docker("ps", "-q", "--filter", f"name=^{name}$").stdout.strip() == b"":
+                    await anyio.sleep(0.1)
+            assert first.process is not None
+            first.process.kill()
+            first.process.wait()
+            await stream.aclose()
+            assert container_exists(name)  # nothing ran its cleanup: the leftover of the finding
+        async with running_daemon(state_dir=state):
+            with anyio.fail_after(20):  # start-up recovery removes this instance's leftover
+                while container_exists(name):
+                    await anyio.sleep(0.1)
+            again = await s.runtime("workload-run", workload={**workload, "command": ["echo", "again"]})
+            assert again.ok and again.runtime.output == b"again\n", again  # type: ignore[union-attr]
     finally:
         docker("rm", "-f", name, check=False)
         shutil.rmtree(state, ignore_errors=True)
