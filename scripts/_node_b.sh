@@ -58,7 +58,7 @@ PasswordAuthentication no
 KbdInteractiveAuthentication no
 UsePAM no
 AllowStreamLocalForwarding yes
-AllowTcpForwarding no
+AllowTcpForwarding local
 X11Forwarding no
 PrintMotd no
 MaxSessions 256

@@ -13,13 +13,15 @@ from ._base import Owner as Owner
 from ._base import RuntimeContext as RuntimeContext
 from ._base import dispatch as dispatch
 from ._base import with_manager_labels as with_manager_labels
+from ._gpus import GpuPolicy as GpuPolicy
+from ._gpus import HostPolicy as HostPolicy
 from ._translate import container_config as container_config
 
 if TYPE_CHECKING:
     from ._docker import DockerBackend as DockerBackend
 
-__all__ = ("Backend", "DockerBackend", "Owner", "RuntimeContext", "container_config", "dispatch",
-           "with_manager_labels")
+__all__ = ("Backend", "DockerBackend", "GpuPolicy", "HostPolicy", "Owner", "RuntimeContext", "container_config",
+           "dispatch", "with_manager_labels")
 
 
 def __getattr__(name: str) -> Any:

@@ -218,13 +218,14 @@ class TestPrivilege:
 
 # --- the real engine, through a real daemon --------------------------------------------------
 
-pytestmark = pytest.mark.usefixtures("no_leftovers")
+engine = pytest.mark.usefixtures("no_leftovers")
 _ENGINE_BOUNDING = engine_bounding_set("/var/run/docker.sock")
 _ENGINE_MISSING = missing_capabilities(_ENGINE_BOUNDING, 40) if _ENGINE_BOUNDING is not None else ()
 needs_partial_engine = pytest.mark.skipif(
     not _ENGINE_MISSING, reason="the engine here can grant every capability (Docker's privileged mode works)")
 
 
+@engine
 @needs_partial_engine
 async def test_privileged_docker_policy_missing_capability_refused_before_create(busybox_image: str) -> None:
     name = uniq("priv")
@@ -238,6 +239,7 @@ async def test_privileged_docker_policy_missing_capability_refused_before_create
     assert not container_exists(name)
 
 
+@engine
 @needs_partial_engine
 async def test_privileged_host_capabilities_runs_with_the_engines_bounding_set(busybox_image: str) -> None:
     assert _ENGINE_BOUNDING is not None
@@ -264,6 +266,7 @@ async def test_privileged_host_capabilities_runs_with_the_engines_bounding_set(b
     assert "Seccomp:\t0" in status and host["MaskedPaths"] == []
 
 
+@engine
 async def test_gpus_device_request_mode_without_nvidia_runtime_fails_before_create(busybox_image: str) -> None:
     name = uniq("gpudr")
     async with running_daemon('[gpus]\nmode = "device-request"\n') as daemon:
@@ -276,6 +279,7 @@ async def test_gpus_device_request_mode_without_nvidia_runtime_fails_before_crea
     assert not container_exists(name)
 
 
+@engine
 async def test_gpus_auto_mode_no_mechanism_names_every_reason(busybox_image: str) -> None:
     if os.path.exists("/dev/nvidiactl"):
         pytest.skip("this host has an NVIDIA driver")
