@@ -91,6 +91,7 @@ class RemoteConfig(_Section, frozen=True, kw_only=True):
     docker_socket: Annotated[str, Meta(pattern=_ABSOLUTE)] = "/var/run/docker.sock"
     connect_timeout_s: Annotated[float, Meta(gt=0)] = 10.0
     keepalive_interval_s: Annotated[float, Meta(gt=0)] = 15.0
+    max_sessions: Annotated[int, Meta(ge=1)] = 10  # the remote sshd's MaxSessions (OpenSSH default 10)
 
 
 class Config(_Section, frozen=True):

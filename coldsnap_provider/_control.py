@@ -8,6 +8,7 @@ import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
 from coldsnap_runtime.errors import RequestRejected
+from coldsnap_runtime.schema import Reference
 
 from ._envelope import check_unique_keys
 
@@ -19,6 +20,10 @@ __all__ = (
     "SessionList",
     "SessionOpen",
     "Status",
+    "WorkloadInspect",
+    "WorkloadList",
+    "WorkloadLogs",
+    "WorkloadStop",
     "decode_control",
     "encode_control",
 )
@@ -62,7 +67,30 @@ class Probe(_Control, tag="probe", frozen=True):
     host_process: bool = False
 
 
-ControlRequest = SessionOpen | SessionClose | SessionList | Status | Probe
+class WorkloadList(_Control, tag="workload-list", frozen=True):
+    """The managed workloads the caller's sessions ran (root and the daemon's uid: all of them)."""
+
+
+class _Named(_Control, frozen=True):
+    name: Reference
+
+
+class WorkloadInspect(_Named, tag="workload-inspect", frozen=True):
+    pass
+
+
+class WorkloadLogs(_Named, tag="workload-logs", frozen=True):
+    tail: Annotated[int, Meta(ge=0)] = 0
+
+
+class WorkloadStop(_Named, tag="workload-stop", frozen=True):
+    """SIGTERM, then SIGKILL after `timeout_s`; the workload is kept (remove it through runtime-v1)."""
+
+    timeout_s: Annotated[float, Meta(ge=0, le=3600)] = 10.0
+
+
+ControlRequest = (SessionOpen | SessionClose | SessionList | Status | Probe
+                  | WorkloadList | WorkloadInspect | WorkloadLogs | WorkloadStop)
 
 
 class ControlReply(Struct, omit_defaults=True, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -1,4 +1,5 @@
-"""The control socket's handler: placement managers open, list and close sessions, ask status, probe.
+"""The control socket's handler: placement managers open, list and close sessions, ask status, probe,
+and look after the workloads their sessions ran (list, inspect, logs, stop) once the operation is over.
 
 Who may use it is decided before a byte is read (SO_PEERCRED: root, the daemon's uid,
 ``server.control_uids`` and ``server.control_gids``); what each may touch is the session
@@ -7,17 +8,18 @@ manager's uid rule. Every reply and the one log line per request are built here.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 import anyio
+import msgspec
 import structlog
 from msgspec import UNSET
 
 from coldsnap_probe import ProfileError
-from coldsnap_runtime import Backend
+from coldsnap_runtime import MANAGER_UID_LABEL, Backend
 from coldsnap_runtime.errors import ColdsnapError, RequestRejected
+from coldsnap_runtime.schema import WorkloadInfo
 
 from . import __version__
 from ._config import ServerConfig
@@ -29,6 +31,10 @@ from ._control import (
     SessionList,
     SessionOpen,
     Status,
+    WorkloadInspect,
+    WorkloadList,
+    WorkloadLogs,
+    WorkloadStop,
     decode_control,
     encode_control,
 )
@@ -36,7 +42,7 @@ from ._dispatch import Operations
 from ._envelope import lenient_id
 from ._listener import Peer, ServerState
 from ._probe import ProbeOptions, run_probe
-from ._sessions import SessionManager, SessionRecord, hosts_from_request
+from ._sessions import SessionManager, SessionRecord, hosts_from_request, is_admin
 
 __all__ = ("ControlHandler",)
 
@@ -64,7 +70,7 @@ class ControlHandler:
 
     def admit(self, peer: Peer) -> bytes | None:
         server = self._server
-        if peer.uid in (0, os.geteuid()) or peer.uid in server.control_uids or peer.gid in server.control_gids:
+        if is_admin(peer.uid) or peer.uid in server.control_uids or peer.gid in server.control_gids:
             return None
         error = f"uid {peer.uid} (gid {peer.gid}) may not use the control socket"
         log.warning("control", peer_uid=peer.uid, ok=False, error=error)
@@ -104,6 +110,19 @@ class ControlHandler:
                 return [_describe(record) for record in self._sessions.visible_to(peer.uid)]
             case Status():
                 return await self.status()
+            case WorkloadList():
+                listed = await self._backend.workload_list()
+                return [{"name": name, **msgspec.to_builtins(info)} for name, info in listed
+                        if self._may_manage(peer, info)]
+            case WorkloadInspect(name=name):
+                return msgspec.to_builtins(await self._managed(name, peer, "workload-inspect"))
+            case WorkloadLogs(name=name, tail=tail):
+                await self._managed(name, peer, "workload-logs")
+                return {"output": await self._backend.workload_logs(name, tail=tail)}
+            case WorkloadStop(name=name, timeout_s=timeout_s):
+                await self._managed(name, peer, "workload-stop")
+                await self._backend.workload_stop(name, timeout_s=timeout_s)
+                return {"name": name, "stopped": True}
             case Probe():
                 options = ProbeOptions(driver=request.driver, device=request.device, image=request.image,
                                        host_process=request.host_process)
@@ -113,6 +132,17 @@ class ControlHandler:
                 except (ValueError, ProfileError) as exc:
                     raise RequestRejected(f"probe: {exc}") from exc
         raise TypeError(f"unhandled control request {request!r}")  # pragma: no cover
+
+    @staticmethod
+    def _may_manage(peer: Peer, info: WorkloadInfo) -> bool:
+        """The session rule for workloads: a manager reaches the workloads its sessions ran."""
+        return is_admin(peer.uid) or info.labels.get(MANAGER_UID_LABEL) == str(peer.uid)
+
+    async def _managed(self, name: str, peer: Peer, action: str) -> WorkloadInfo:
+        info = await self._backend.workload_inspect(name, include_start_time=True)
+        if not self._may_manage(peer, info):
+            raise RequestRejected(f"{action}: workload {name!r} was run by another manager's session")
+        return info
 
     async def _open(self, request: SessionOpen, peer: Peer) -> dict[str, Any]:
         session, hosts = request.session, list(request.hosts)

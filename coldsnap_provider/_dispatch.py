@@ -105,7 +105,8 @@ class Operations:
 
     def _runtime_context(self, host: str, record: SessionRecord) -> RuntimeContext:
         return RuntimeContext(host=host, allow_pull=self.allow_pull, owner=self.owner,
-                              cluster_id=record.cluster_id, manager_labels=record.labels)
+                              cluster_id=record.cluster_id, manager_labels=record.labels,
+                              manager_uid=record.uid)
 
     def _hub(self, operation: str) -> HuggingfaceClient:
         if self.huggingface is None:  # the handler's capability gate stops this first

@@ -162,6 +162,8 @@ class RemoteNode:
         self._docker_path = work_dir / "docker.sock"
         self._docker = _RemoteDocker(self, url=f"unix://{self._docker_path}", credentials_file=credentials_file,
                                      spool_dir=spool_dir)
+        # Session channels at once (sshd's MaxSessions, 10 by default): exec, SFTP and our helper commands.
+        self.sessions = anyio.CapacityLimiter(config.max_sessions)
         # (pid, start) of remote exec process groups to kill once the link is back.
         self._pending_kills: set[tuple[int, str]] = set()
         self.last_error = ""
@@ -215,6 +217,10 @@ class RemoteNode:
             self.last_error = "authentication failed"
             raise RemoteUnavailable(host=self.name, action=action, detail=(
                 f"{self.config.user}@{self.config.address} refused our key ({exc.reason})")) from exc
+        except asyncssh.ConnectionLost as exc:
+            self.last_error = "link dropped"
+            raise RemoteUnavailable(host=self.name, action=action, detail=(
+                f"the SSH link dropped ({exc.reason}); what ran there is cleaned up once it is back")) from exc
         except (asyncssh.Error, asyncssh.SFTPError) as exc:
             reason = getattr(exc, "reason", "") or str(exc) or type(exc).__name__
             self.last_error = reason
@@ -271,18 +277,21 @@ class RemoteNode:
         command = remote_command(argv, combined=combined)
         conn = await self.connection("exec")
         marker: list[tuple[int, str]] = []
-        with self._link_errors("exec"):
-            process = await conn.create_process(command, encoding=None)
         try:
-            with self._link_errors("exec"):
-                stdout, stderr = await self._collect(process, stdin, marker)
-                await process.wait_closed()
+            async with self.sessions:  # the channel is released before any kill below needs one
+                with self._link_errors("exec"):
+                    process = await conn.create_process(command, encoding=None)
+                try:
+                    with self._link_errors("exec"):
+                        stdout, stderr = await self._collect(process, stdin, marker)
+                        await process.wait_closed()
+                finally:
+                    process.close()
             status, signal_name = process.exit_status, process.exit_signal
             if status is None or (status < 0 and signal_name is None):
                 raise RemoteUnavailable(host=self.name, action="exec", detail=(
                     "the SSH link dropped before the program finished; it is killed once the link is back"))
         except BaseException:
-            process.close()
             if marker:
                 with anyio.CancelScope(shield=True):
                     await self._kill(*marker[0])
@@ -296,6 +305,8 @@ class RemoteNode:
         head = bytearray()  # stderr until the prelude's line is complete
         reading_head = True
 
+        failure: list[BaseException] = []  # raised here, in this task, not as a group from the children
+
         async def feed() -> None:
             try:
                 if stdin:
@@ -303,28 +314,34 @@ class RemoteNode:
                     await process.stdin.drain()
                 process.stdin.write_eof()
             except (asyncssh.Error, OSError):
-                pass  # the program stopped reading; that is its business
+                pass  # the program stopped reading (or the link broke, which the readers report)
 
         async def drain(reader: asyncssh.SSHReader[bytes], buf: bytearray, *, is_stderr: bool) -> None:
             nonlocal reading_head
-            while chunk := await reader.read(1 << 16):
-                if is_stderr and reading_head:
-                    head.extend(chunk)
-                    if b"\n" not in head and len(head) < _MAX_MARKER:
-                        continue
-                    reading_head = False
-                    line, sep, rest = bytes(head).partition(b"\n")
-                    found = _parse_marker(line) if sep else []
-                    marker.extend(found)
-                    chunk = rest if found else bytes(head)
-                buf.extend(chunk)
-                if len(out) + len(err) > OUTPUT_LIMIT:
-                    raise OutputTooLarge(action="exec", limit=OUTPUT_LIMIT)
+            try:
+                while chunk := await reader.read(1 << 16):
+                    if is_stderr and reading_head:
+                        head.extend(chunk)
+                        if b"\n" not in head and len(head) < _MAX_MARKER:
+                            continue
+                        reading_head = False
+                        line, sep, rest = bytes(head).partition(b"\n")
+                        found = _parse_marker(line) if sep else []
+                        marker.extend(found)
+                        chunk = rest if found else bytes(head)
+                    buf.extend(chunk)
+                    if len(out) + len(err) > OUTPUT_LIMIT:
+                        raise OutputTooLarge(action="exec", limit=OUTPUT_LIMIT)
+            except (asyncssh.Error, OSError, OutputTooLarge) as exc:
+                failure.append(exc)
+                tg.cancel_scope.cancel()
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(feed)
             tg.start_soon(lambda: drain(process.stdout, out, is_stderr=False))
             tg.start_soon(lambda: drain(process.stderr, err, is_stderr=True))
+        if failure:
+            raise failure[0]
         if reading_head:  # stderr ended inside its first line: not ours
             err[:0] = head
         return bytes(out), bytes(err)
@@ -353,8 +370,9 @@ class RemoteNode:
         conn = self._conn
         if conn is None or not self.connected:
             raise RemoteUnavailable(host=self.name, action="cleanup", detail="not connected")
-        with self._link_errors("cleanup"):
-            result = await conn.run(command, check=False, encoding=None, stdin=asyncssh.DEVNULL)
+        async with self.sessions:
+            with self._link_errors("cleanup"):
+                result = await conn.run(command, check=False, encoding=None, stdin=asyncssh.DEVNULL)
         return int(result.exit_status or 0)
 
     @property
@@ -379,7 +397,7 @@ class RemoteNode:
         archive = await anyio.to_thread.run_sync(lambda: open(archive_path, "rb"))  # noqa: SIM115 - closed below
         try:
             with self._link_errors(action):
-                async with conn.start_sftp_client() as sftp:
+                async with self.sessions, conn.start_sftp_client() as sftp:
                     try:
                         await place_tar(sftp, archive, root, destination)
                     except PlacementError as exc:
@@ -411,7 +429,7 @@ class RemoteNode:
         conn = await self.connection("upload")
         if len(sources) > 1:
             with self._link_errors("upload"):
-                async with conn.start_sftp_client() as sftp:
+                async with self.sessions, conn.start_sftp_client() as sftp:
                     if not await sftp.isdir(destination):
                         raise RuntimeFailed(action="upload", detail=f"target {destination} is not a directory")
         for source in sources:
@@ -437,7 +455,7 @@ class RemoteNode:
         """Copy a remote directory tree here (symbolic links kept as links, never followed)."""
         conn = await self.connection("image-build")
         with self._link_errors("image-build"):
-            async with conn.start_sftp_client() as sftp:
+            async with self.sessions, conn.start_sftp_client() as sftp:
                 try:
                     await sftp.get(remote, local, recurse=True, follow_symlinks=False)
                 except asyncssh.SFTPError as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import signal
@@ -229,6 +230,25 @@ def cmd_session_close(args: argparse.Namespace) -> int:
 
 def cmd_session_list(args: argparse.Namespace) -> int:
     return _control(args, {"operation": "session-list"})
+
+
+def cmd_workload(args: argparse.Namespace) -> int:
+    request: dict[str, Any] = {"operation": f"workload-{args.workload_command}"}
+    if args.workload_command != "list":
+        request["name"] = args.name
+    if args.workload_command == "logs":
+        request["tail"] = args.tail
+        try:
+            result = anyio.run(call_control, _state_dir(args), request)
+        except (ReplyError, ProtocolError, OSError) as exc:
+            _err(str(exc))
+            return 1
+        sys.stdout.buffer.write(base64.b64decode(result["output"]))
+        sys.stdout.flush()
+        return 0
+    if args.workload_command == "stop":
+        request["timeout_s"] = args.timeout
+    return _control(args, request)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -459,6 +479,19 @@ def _parser() -> argparse.ArgumentParser:
     closer.set_defaults(func=cmd_session_close)
     lister = with_state_dir(session.add_parser("list", help="list sessions"))
     lister.set_defaults(func=cmd_session_list)
+
+    workload = sub.add_parser("workload", help="the managed workloads your sessions ran: list, inspect, logs, stop")
+    verbs = workload.add_subparsers(dest="workload_command", required=True)
+    with_state_dir(verbs.add_parser("list", help="list them")).set_defaults(func=cmd_workload)
+    for verb, text in (("inspect", "state, exit code, labels"), ("logs", "print its logs"),
+                       ("stop", "SIGTERM, then SIGKILL after --timeout; the workload is kept")):
+        named = with_state_dir(verbs.add_parser(verb, help=text))
+        named.add_argument("name")
+        if verb == "logs":
+            named.add_argument("--tail", type=int, default=0, help="last N lines (0 = all)")
+        if verb == "stop":
+            named.add_argument("--timeout", type=float, default=10.0, help="seconds before SIGKILL")
+        named.set_defaults(func=cmd_workload)
 
     status = with_state_dir(sub.add_parser("status", help="daemon status"))
     status.set_defaults(func=cmd_status)

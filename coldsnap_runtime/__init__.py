@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .backend import MANAGER_UID_LABEL as MANAGER_UID_LABEL
 from .backend import Backend as Backend
 from .backend import Owner as Owner
 from .backend import RuntimeContext as RuntimeContext
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from .backend import DockerBackend as DockerBackend
 
 __all__ = (
+    "MANAGER_UID_LABEL",
     "OUTPUT_LIMIT",
     "Backend",
     "BackendError",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ._base import MANAGER_UID_LABEL as MANAGER_UID_LABEL
 from ._base import Backend as Backend
 from ._base import Owner as Owner
 from ._base import RuntimeContext as RuntimeContext
@@ -20,8 +21,8 @@ from ._translate import container_config as container_config
 if TYPE_CHECKING:
     from ._docker import DockerBackend as DockerBackend
 
-__all__ = ("Backend", "DockerBackend", "GpuPolicy", "HostPolicy", "Owner", "RuntimeContext", "container_config",
-           "dispatch", "with_manager_labels")
+__all__ = ("MANAGER_UID_LABEL", "Backend", "DockerBackend", "GpuPolicy", "HostPolicy", "Owner", "RuntimeContext",
+           "container_config", "dispatch", "with_manager_labels")
 
 
 def __getattr__(name: str) -> Any:

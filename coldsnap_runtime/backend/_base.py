@@ -35,9 +35,11 @@ from ..schema import (
     WorkloadSpec,
 )
 
-__all__ = ("WORKLOAD_LABEL", "Backend", "Owner", "RuntimeContext", "dispatch", "with_manager_labels")
+__all__ = ("MANAGER_UID_LABEL", "WORKLOAD_LABEL", "Backend", "Owner", "RuntimeContext", "dispatch",
+           "with_manager_labels")
 
 WORKLOAD_LABEL = "io.sparksq.coldsnap.workload"
+MANAGER_UID_LABEL = "io.coldsnap-provider.manager-uid"
 
 
 class Owner(msgspec.Struct, frozen=True):
@@ -60,6 +62,9 @@ class RuntimeContext(msgspec.Struct, frozen=True, kw_only=True):
     # `io.sparksq.coldsnap.workload` label equals `cluster_id`.
     cluster_id: str = ""
     manager_labels: dict[str, str] = {}
+    # The placement manager whose session runs this: recorded on every workload it runs
+    # (MANAGER_UID_LABEL), so that lifecycle calls made outside a session reach only its own.
+    manager_uid: int | None = None
 
 
 class Backend(Protocol):
@@ -72,6 +77,8 @@ class Backend(Protocol):
     async def workload_run(self, spec: WorkloadSpec, *, allow_pull: bool) -> RuntimeResponse: ...
     async def workload_remove(self, name: str) -> None: ...
     async def workload_inspect(self, name: str, *, include_start_time: bool) -> WorkloadInfo: ...
+    async def workload_list(self) -> list[tuple[str, WorkloadInfo]]: ...
+    async def workload_stop(self, name: str, *, timeout_s: float) -> None: ...
     async def workload_exec(self, name: str, execution: Execution) -> bytes: ...
     async def workload_logs(self, name: str, *, tail: int) -> bytes: ...
     async def workload_copy_from(self, name: str, path: str, destination: str, *,
@@ -111,7 +118,10 @@ async def dispatch(backend: Backend, request: RuntimeRequest, ctx: RuntimeContex
         case ImageBuildAction(build=build):
             await backend.image_build(build)
         case WorkloadRun(workload=spec):
-            return await backend.workload_run(with_manager_labels(spec, ctx), allow_pull=ctx.allow_pull)
+            spec = with_manager_labels(spec, ctx)
+            if ctx.manager_uid is not None:
+                spec = msgspec.structs.replace(spec, labels={**spec.labels, MANAGER_UID_LABEL: str(ctx.manager_uid)})
+            return await backend.workload_run(spec, allow_pull=ctx.allow_pull)
         case WorkloadRemove(name=name):
             await backend.workload_remove(name)
         case WorkloadInspect(name=name, include_start_time=include_start_time):

@@ -512,13 +512,13 @@ class DockerBackend:
             return info
 
         async def rejects(caps: list[str]) -> str:
-            body = {"Image": CAPABILITY_PROBE_IMAGE, "HostConfig": {"CapAdd": caps}}
+            body: dict[str, Any] = {"Image": CAPABILITY_PROBE_IMAGE, "HostConfig": {"CapAdd": caps}}
             try:  # an invalid reference: the engine answers an error and creates nothing
                 with docker_errors("workload-run"):
-                    await self.docker._query_json("containers/create", method="POST", data=json.dumps(body),
-                                                  timeout=_SHORT)
-            except RuntimeFailed as exc:
+                    created = await self.docker.containers.create(body)
+            except RuntimeFailed as exc:  # DockerContainerError is a DockerError: docker_errors maps it
                 return exc.detail
+            await self._force_remove(created.id)  # never expected; but a probe must leave nothing behind
             return ""
 
         return await realise(spec, self._host_policy or HostPolicy(), socket_path=self._socket_path,
@@ -598,6 +598,27 @@ class DockerBackend:
             labels=dict((info.get("Config") or {}).get("Labels") or {}),
             started_at=started if include_start_time and started and started != _ZERO_TIME else UNSET,
         )
+
+    async def workload_list(self) -> list[tuple[str, WorkloadInfo]]:
+        """Every workload this provider manages, by name (containers carrying the managed label)."""
+        with docker_errors("workload-list"):
+            containers = await self.docker.containers.list(
+                all="1", filters=json.dumps({"label": [f"{MANAGED_LABEL}=true"]}))
+        listed = []
+        for container in containers:
+            name = str((container["Names"] or ["/"])[0]).lstrip("/")
+            try:
+                listed.append((name, await self.workload_inspect(name, include_start_time=True)))
+            except NotFound:
+                continue  # removed meanwhile
+        return sorted(listed, key=lambda item: item[0])
+
+    async def workload_stop(self, name: str, *, timeout_s: float) -> None:
+        """SIGTERM, then SIGKILL after `timeout_s` (the engine's stop); the container is kept."""
+        info = await self._require(name, "workload-stop")
+        with docker_errors("workload-stop", kind="workload", ref=name):
+            await self.docker.containers.container(info["Id"]).stop(
+                t=max(0, round(timeout_s)), timeout=aiohttp.ClientTimeout(total=timeout_s + 30))
 
     async def workload_exec(self, name: str, execution: Execution) -> bytes:
         info = await self._require(name, "workload-exec")
