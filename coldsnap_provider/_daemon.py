@@ -25,7 +25,7 @@ import anyio
 import structlog
 from anyio.abc import SocketListener, TaskStatus
 
-from coldsnap_runtime import Backend, BackendError
+from coldsnap_runtime import CLEANUP_BUDGET_S, Backend, BackendError
 
 from . import __version__
 from ._config import Config, ConfigError
@@ -41,7 +41,7 @@ __all__ = ("Daemon",)
 
 log = structlog.get_logger(__name__)
 
-_ABORT_BUDGET_S = 40.0  # what a cancelled request may take to clean up and answer (backend cleanups: 30 s)
+_ABORT_BUDGET_S = CLEANUP_BUDGET_S + 10.0  # a cancelled request's shielded cleanup, then its answer
 _MAINTENANCE_S = 2.0
 _RECOVER_S = 10.0
 

@@ -16,14 +16,13 @@ import anyio
 import anyio.abc
 import structlog
 
+from coldsnap_runtime import OUTPUT_LIMIT
 from coldsnap_runtime.errors import OutputTooLarge, RequestRejected, RuntimeFailed
 
 __all__ = ("ExecIdentity", "ExecResult", "GroupLedger", "child_environment", "resolve_identity", "run_argv")
 
 log = structlog.get_logger(__name__)
 
-# Base64 grows 4/3 and the reply is capped at 64 MiB: keep raw output well below.
-OUTPUT_LIMIT = 46 << 20
 _KILL_GRACE_S = 5.0
 SETPRIV = "setpriv"  # util-linux
 

@@ -36,14 +36,14 @@ import anyio.to_thread
 import asyncssh
 import structlog
 
-from coldsnap_runtime import Backend, Owner, RuntimeContext, dispatch
+from coldsnap_runtime import OUTPUT_LIMIT, Backend, Owner, RuntimeContext, dispatch
 from coldsnap_runtime.backend import DockerBackend
 from coldsnap_runtime.errors import BackendError, BackendUnavailable, OutputTooLarge, RequestRejected, RuntimeFailed
 from coldsnap_runtime.schema import ImageBuild, ImagePull, ImagePush, RuntimeRequest, RuntimeResponse
 
 from ._config import RemoteConfig
 from ._envelope import Exec, OciPull, OciPush, Reply, Request, Runtime, Upload
-from ._exec import OUTPUT_LIMIT, SETPRIV, ExecIdentity, ExecResult
+from ._exec import SETPRIV, ExecIdentity, ExecResult
 from ._remote_files import PlacementError, place_tar
 
 __all__ = ("RemoteNode", "RemoteUnavailable", "Remotes")

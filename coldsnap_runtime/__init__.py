@@ -23,12 +23,14 @@ from .errors import OutputTooLarge as OutputTooLarge
 from .errors import PathNotFound as PathNotFound
 from .errors import RequestRejected as RequestRejected
 from .errors import RuntimeFailed as RuntimeFailed
+from .limits import CLEANUP_BUDGET_S as CLEANUP_BUDGET_S
 from .limits import OUTPUT_LIMIT as OUTPUT_LIMIT
 
 if TYPE_CHECKING:
     from .backend import DockerBackend as DockerBackend
 
 __all__ = (
+    "CLEANUP_BUDGET_S",
     "MANAGER_UID_LABEL",
     "OUTPUT_LIMIT",
     "Backend",

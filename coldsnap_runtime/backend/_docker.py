@@ -57,7 +57,7 @@ from ..errors import (
     PathNotFound,
     RuntimeFailed,
 )
-from ..limits import OUTPUT_LIMIT
+from ..limits import CLEANUP_BUDGET_S, OUTPUT_LIMIT
 from ..schema import Execution, ImageBuild, ImageInfo, RuntimeResponse, WorkloadInfo, WorkloadSpec
 from ._base import Owner
 from ._buildctx import DOCKERFILE_PATH, base_images, rewrite_dockerfile, write_context_tar
@@ -87,7 +87,7 @@ _CONTAINER_NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]+")
 # The extractor of workload-copy-from, run by path in a child process as the owner.
 _ARCHIVE_PROGRAM = str(Path(__file__).with_name("_archive.py"))
 _DIAGNOSTIC_BYTES = 16 << 10
-_CLEANUP_BUDGET_S = 30.0
+_CLEANUP_BUDGET_S = CLEANUP_BUDGET_S
 _SHORT = aiohttp.ClientTimeout(total=120)
 _UNBOUNDED = aiohttp.ClientTimeout()
 _ZERO_TIME = "0001-01-01T00:00:00Z"
