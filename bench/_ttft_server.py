@@ -5,7 +5,10 @@
 
 Random weights from a fixed seed (no downloads), bf16, loaded from a local file through pinned
 staging buffers; a static KV cache; the decode step is captured as a CUDA graph; greedy
-generation. Stage timestamps go to stdout as JSON lines. (A Unix socket, not TCP: CRIU 4.1.1 reads
+generation. With --vmm-weights the weights live in a `coldsnap_probe._hydrate.WeightArena`: one
+region (a 64 MiB-aligned prefix of the weights file, digest given by --region-digest), released
+and hydrated by the restore worker through --control (the product path, not this server's code).
+Stage timestamps go to stdout as JSON lines. (A Unix socket, not TCP: CRIU 4.1.1 reads
 SO_PASSCRED from every socket it dumps, which kernels from 6.16 refuse on inet sockets.) Protocol: one JSON line
 {"prompt": [ids], "max_tokens": n} per connection; one {"token": id} line per token, then
 {"done": true, "first_logits_sha256": hex}.
@@ -33,7 +36,7 @@ def stage(name: str, **extra: object) -> None:
 stage("process_start", since=T_START)
 import torch
 
-VOCAB, HIDDEN, HEADS, MAX_LEN = 32000, 4096, 32, 512
+VOCAB, HIDDEN, HEADS, MAX_LEN = 32000, 4096, 32, 128  # 128 positions: the KV cache stays small in the images
 PER_LAYER = 12 * HIDDEN * HIDDEN + 2 * HIDDEN  # qkv, o, up (4h), down (4h), two norms
 
 
@@ -46,9 +49,14 @@ def param_count(layers: int) -> int:
     return VOCAB * HIDDEN + HIDDEN + layers * PER_LAYER
 
 
+def region_bytes(gib: float) -> int:
+    """The model's bytes rounded up to 64 MiB (the digest chunk): a prefix of a larger model's file."""
+    return -(-param_count(layers_for(gib)) * 2 // (64 << 20)) * (64 << 20)
+
+
 def generate(path: str, gib: float, seed: int) -> None:
     """Write the weights once: seeded normal(0, 0.02) in bf16, generated on the GPU in chunks."""
-    total = param_count(layers_for(gib))
+    total = region_bytes(gib) // 2
     gen = torch.Generator(device="cuda").manual_seed(seed)
     chunk = 1 << 28
     with open(path + ".tmp", "wb") as f:
@@ -122,56 +130,6 @@ class Model:
         return self.logits
 
 
-class VmmWeights:
-    """Weights in a VMM reservation: the backing can be released and re-created at the same address.
-
-    Captured CUDA graphs keep pointing at the reservation, so after `release()` (before a
-    checkpoint: nothing of the weights goes into the images) and `remap()` + hydration (after
-    restore) they replay unchanged.
-    """
-
-    def __init__(self, count: int) -> None:
-        from cuda.bindings import driver as cu
-
-        self.cu = cu
-        self.prop = cu.CUmemAllocationProp()
-        self.prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        self.prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        self.prop.location.id = torch.cuda.current_device()
-        granule = self._ok(cu.cuMemGetAllocationGranularity(
-            self.prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM))
-        self.size = -(-count * 2 // granule) * granule
-        self.va = int(self._ok(cu.cuMemAddressReserve(self.size, 0, 0, 0)))
-        self.handle = None
-        self.remap()
-        interface = {"shape": (count,), "typestr": "<i2", "data": (self.va, False), "version": 3}
-        holder = type("CudaArray", (), {"__cuda_array_interface__": interface})()
-        self.tensor = torch.as_tensor(holder, device="cuda").view(torch.bfloat16)
-
-    @staticmethod
-    def _ok(result: tuple) -> object:  # type: ignore[type-arg]
-        err, *out = result
-        if int(err) != 0:
-            raise RuntimeError(f"CUDA driver call failed: {err}")
-        return out[0] if out else None
-
-    def remap(self) -> None:
-        cu = self.cu
-        self.handle = self._ok(cu.cuMemCreate(self.size, self.prop, 0))
-        self._ok(cu.cuMemMap(self.va, self.size, 0, self.handle, 0))
-        access = cu.CUmemAccessDesc()
-        access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        access.location.id = self.prop.location.id
-        access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        self._ok(cu.cuMemSetAccess(self.va, self.size, [access], 1))
-
-    def release(self) -> None:
-        torch.cuda.synchronize()
-        self._ok(self.cu.cuMemUnmap(self.va, self.size))
-        self._ok(self.cu.cuMemRelease(self.handle))
-        self.handle = None
-
-
 def hydrate(path: str, flat: torch.Tensor, *, threads: int = 8, chunk_bytes: int = 64 << 20) -> None:
     """Read the weights file into `flat` through a ring of pinned buffers, one per reader thread.
 
@@ -206,16 +164,29 @@ def hydrate(path: str, flat: torch.Tensor, *, threads: int = 8, chunk_bytes: int
     torch.cuda.synchronize()
 
 
-def load(path: str, gib: float, *, vmm: bool) -> tuple[Model, VmmWeights | None]:
+def load(path: str, gib: float) -> Model:
     layers = layers_for(gib)
-    total = param_count(layers)
-    weights = VmmWeights(total) if vmm else None
-    flat = weights.tensor if weights else torch.empty(total, dtype=torch.bfloat16, device="cuda")
+    flat = torch.empty(param_count(layers), dtype=torch.bfloat16, device="cuda")
     hydrate(path, flat)
-    return Model(flat, layers), weights
+    return Model(flat, layers)
 
 
-def serve(model: Model, path: str, weights: VmmWeights | None, weights_file: str) -> None:
+def load_arena(path: str, gib: float, region_digest: str, strategy: str) -> tuple[Model, object]:
+    """The weights in a WeightArena (coldsnap_probe's hydration API), loaded and verified through it."""
+    from coldsnap_probe._hydrate import WeightArena, WeightRegion
+
+    layers, size = layers_for(gib), region_bytes(gib)
+    arena = WeightArena(size, exportable=strategy.startswith("hydrator:"))
+    arena.declare([WeightRegion("weights", arena.address, size, path, 0, region_digest)])
+    report = arena.load(strategy=strategy)
+    stage("weights_hydrated", **{k: v for k, v in report.items() if isinstance(v, int | float | str)})
+    interface = {"shape": (size // 2,), "typestr": "<i2", "data": (arena.address, False), "version": 3}
+    holder = type("CudaArray", (), {"__cuda_array_interface__": interface})()
+    flat = torch.as_tensor(holder, device="cuda").view(torch.bfloat16)
+    return Model(flat, layers), arena
+
+
+def serve(model: Model, path: str, arena: object = None) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen()
@@ -224,18 +195,8 @@ def serve(model: Model, path: str, weights: VmmWeights | None, weights_file: str
         conn, _ = listener.accept()
         with conn, conn.makefile("rwb") as stream:
             request = json.loads(stream.readline())
-            if request.get("op") in ("sleep", "wake"):
-                if weights is None:
-                    raise RuntimeError("sleep/wake need --vmm-weights")
-                started = time.time()
-                if request["op"] == "sleep":
-                    weights.release()
-                else:
-                    weights.remap()
-                    hydrate(weights_file, weights.tensor)
-                stream.write(json.dumps({"ok": True, "seconds": time.time() - started}).encode() + b"\n")
-                stream.flush()
-                continue
+            if arena is not None:
+                arena.wait_ready()  # type: ignore[attr-defined]  # never serve half-hydrated weights
             tokens, first_hash = list(request["prompt"]), None
             pos = 0
             for pos, token in enumerate(tokens[:-1]):
@@ -261,18 +222,30 @@ def main() -> None:
     parser.add_argument("--socket", default="")
     parser.add_argument("--generate", action="store_true")
     parser.add_argument("--vmm-weights", action="store_true", help="weights in a releasable VMM reservation")
+    parser.add_argument("--region-digest", default="", help="the weights region's digest (--vmm-weights)")
+    parser.add_argument("--control", default="", help="hydration control socket for the worker (--vmm-weights)")
+    parser.add_argument("--strategy", default="register", help="hydration strategy (--vmm-weights)")
     args = parser.parse_args()
     if args.generate:
         generate(args.weights, args.gib, args.seed)
         return
     torch.zeros(1, device="cuda").sum().item()
     stage("cuda_init")
-    model, weights = load(args.weights, args.gib, vmm=args.vmm_weights)
-    vmm_bytes = weights.size if weights else 0  # torch's allocator does not see the VMM reservation
+    arena = None
+    if args.vmm_weights:
+        model, arena = load_arena(args.weights, args.gib, args.region_digest, args.strategy)
+    else:
+        model = load(args.weights, args.gib)
+    vmm_bytes = region_bytes(args.gib) if arena else 0  # torch's allocator does not see the VMM reservation
     stage("weights_loaded", device_bytes=torch.cuda.memory_allocated() + vmm_bytes)
     model.capture()
+    # Keep the checkpointed state small: no cached free device blocks, no cached pinned host buffers.
+    torch.cuda.empty_cache()
+    torch._C._host_emptyCache()
     stage("graph_captured", device_bytes=torch.cuda.memory_allocated() + vmm_bytes)
-    serve(model, args.socket, weights, args.weights)
+    if arena is not None:
+        arena.serve(args.control, strategy=args.strategy)
+    serve(model, args.socket, arena)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,22 @@
 """A real-engine-shaped inference server: an 8B-shaped Llama decoder (transformers + torch), issue 12 item 3.
 
     python bench/engine_llama.py weights DIR              write deterministic bf16 weights once (safetensors)
-    python bench/engine_llama.py serve DIR --socket PATH   load, warm up (compile + CUDA graphs), serve
+    python bench/engine_llama.py serve DIR --socket PATH [--log FILE] [--hydration SOCKET]
+        load, warm up (compile + CUDA graphs), serve. With --hydration the weights live in a
+        coldsnap_probe._hydrate.WeightArena (a VMM reservation laid out as the safetensors shards' data
+        sections, filled from them, parameters are views of it) whose control socket the restore worker
+        uses to release the weights before capture and hydrate them after restore.
+    python bench/engine_llama.py launch --pid-floor N --log FILE -- ENGINE ARGV...   a container init for a
+        capturable engine: push the PID allocator past N, start ENGINE as a session leader with its stdio on
+        /dev/null (no pipe to the container runtime that a restore could not recreate), then reap children
+        and outlive it (a capture's worker must finish after CRIU has killed the engine)
 
 Shape of an 8B model (hidden 4096, 32 layers, 32 heads / 8 KV heads, FFN 14336, vocab 128256; ~16 GB in bf16)
 with weights from a fixed seed (no downloads). Serving: a static KV cache, so `generate` compiles the decode
 step with torch.compile and replays it as CUDA graphs; greedy. Every cold-start stage (imports, CUDA init,
 weight load, warm-up compilation and graph capture) goes to stdout as a JSON line with its wall-clock time,
-so a driver can put them on one timeline with the container's creation. Protocol (the same as
+so a driver can put them on one timeline with the container's creation; with --log each line is also
+appended to FILE, opened and closed per line (no descriptor held across a checkpoint). Protocol (the same as
 bench/_ttft_server.py): one JSON line {"prompt": [ids], "max_tokens": n} per connection on a Unix socket;
 one {"token": id, "unix": t} line per token as generated, then {"done": true, "first_logits_sha256": hex}.
 """
@@ -23,7 +32,10 @@ import hashlib
 import json
 import os
 import socket
+import struct
 import sys
+import traceback
+from pathlib import Path
 from typing import Any
 
 SHAPE = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -32,9 +44,59 @@ SHAPE = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32
 WARMUP_PROMPT = [128000, 791, 4062, 14198, 39935, 35308, 927, 279, 16053, 5679]
 
 
+LOG_PATH = ""
+
+
 def stage(name: str, **extra: object) -> None:
-    sys.stdout.write(json.dumps({"stage": name, "unix": time.time(), "pid": os.getpid(), **extra}) + "\n")
+    line = json.dumps({"stage": name, "unix": time.time(), "pid": os.getpid(), **extra}) + "\n"
+    sys.stdout.write(line)
     sys.stdout.flush()
+    if LOG_PATH:
+        with open(LOG_PATH, "a") as log:
+            log.write(line)
+
+
+def _children() -> list[int]:
+    kids: list[int] = []
+    for task in os.listdir("/proc/self/task"):
+        kids.extend(int(c) for c in Path(f"/proc/self/task/{task}/children").read_text().split())
+    return kids
+
+
+def launch(argv: list[str], pid_floor: int) -> None:
+    """PID 1 of a capturable serving container (see the module docstring); never returns."""
+    stage("launcher_start", since=T_START)
+    while True:  # the captured PIDs must be free in the restore unit, whose own processes take the low ones
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        if pid >= pid_floor:
+            break
+    engine = os.fork()
+    if engine == 0:
+        try:
+            os.setsid()  # CRIU dumps a tree whose root leads its session
+            null = os.open("/dev/null", os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            os.closerange(3, 1 << 16)  # nothing of the launcher's reaches the captured tree
+            os.execv(argv[0], argv)
+        finally:
+            os._exit(127)
+    stage("engine_forked", engine_pid=engine)
+    while True:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            time.sleep(3600)
+            continue
+        if pid == engine:
+            stage("engine_exited", engine_pid=engine, status=os.waitstatus_to_exitcode(status))
+
+
+REGIONS_FILE = "coldsnap-regions.json"
+ALIGN = 2 << 20
 
 
 def write_weights(directory: str) -> None:
@@ -47,6 +109,104 @@ def write_weights(directory: str) -> None:
     model.save_pretrained(directory)
     size = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
     stage("weights_written", bytes=size)
+    try:  # the hydration regions' digests, computed once (the engine's load verifies them again)
+        from coldsnap_probe._hydrate import region_digest
+    except ImportError:
+        return
+    regions = []
+    for shard in _shards(directory):
+        regions.append({"file": os.path.basename(shard["path"]), "offset": shard["offset"], "size": shard["size"],
+                        "digest": region_digest(shard["path"], shard["offset"], shard["size"])})
+    Path(directory, REGIONS_FILE).write_text(json.dumps(regions, indent=1))
+    stage("regions_digested", regions=len(regions))
+
+
+def _shards(directory: str) -> list[dict[str, Any]]:
+    """Each safetensors file's data section (offset, size) and its tensors (name, dtype, shape, begin, end)."""
+    shards = []
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        header.pop("__metadata__", None)
+        tensors = {name: (t["dtype"], t["shape"], *t["data_offsets"]) for name, t in header.items()}
+        shards.append({"path": str(path), "offset": 8 + length, "size": max(t[3] for t in tensors.values()),
+                       "tensors": tensors})
+    return shards
+
+
+class _DeviceBytes:
+    """A device address range as a CUDA array (torch.as_tensor makes a view of it, no copy)."""
+
+    def __init__(self, address: int, size: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (address, False),
+                                         "version": 3, "strides": None}
+
+
+def _arena_model(directory: str, control: str) -> tuple[Any, Any]:
+    """The model with every parameter a view of a WeightArena filled from the shards (see serve --hydration)."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    from coldsnap_probe._hydrate import WeightArena, WeightRegion, region_digest
+
+    shards = _shards(directory)
+    known = {}
+    if Path(directory, REGIONS_FILE).exists():
+        known = {(r["file"], r["offset"], r["size"]): r["digest"]
+                 for r in json.loads(Path(directory, REGIONS_FILE).read_text())}
+    regions, bases, total = [], [], 0
+    for i, shard in enumerate(shards):
+        bases.append(total)
+        key = (os.path.basename(shard["path"]), shard["offset"], shard["size"])
+        digest = known.get(key) or region_digest(shard["path"], shard["offset"], shard["size"])
+        regions.append((f"shard-{i}", total, shard, digest))
+        total += -(-shard["size"] // ALIGN) * ALIGN
+    arena = WeightArena(total)
+    arena.declare([WeightRegion(name, arena.address + base, shard["size"], shard["path"], shard["offset"], digest)
+                   for name, base, shard, digest in regions])
+    report = arena.load(strategy="ring")
+    stage("weights_hydrated", arena_bytes=arena.size, **{k: v for k, v in report.items() if k != "strategy"})
+    config = LlamaConfig.from_pretrained(directory)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    try:  # the rotary embedding's buffers are computed at construction: make them on the GPU
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=config, device="cuda")
+    except Exception as exc:  # another transformers: build on the GPU (bf16, freed below) and replace
+        stage("meta_construction_fallback", error=f"{type(exc).__name__}: {exc}")
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device("cuda"):
+                model = LlamaForCausalLM(config)
+        finally:
+            torch.set_default_dtype(default)
+    dtypes = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+    assigned = set()
+    for base, shard in zip(bases, shards, strict=True):
+        for name, (dtype, shape, begin, end) in shard["tensors"].items():
+            module_name, _, leaf = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            if leaf not in module._parameters:
+                raise RuntimeError(f"{name} in {shard['path']} is not a parameter of the model")
+            # One storage per parameter (no aliasing between the compiled graph's inputs), all in the arena.
+            raw = torch.as_tensor(_DeviceBytes(arena.address + base + begin, end - begin), device="cuda")
+            view = raw.view(dtypes[dtype]).view(shape)
+            module._parameters[leaf] = torch.nn.Parameter(view, requires_grad=False)
+            assigned.add(name)
+    missing = {n for n, _ in model.named_parameters()} - assigned
+    if missing:
+        raise RuntimeError(f"parameters without weights: {sorted(missing)[:5]}")
+    torch.cuda.empty_cache()  # nothing but the arena holds the weights (a fallback's copies go back)
+    meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if meta:
+        raise RuntimeError(f"tensors left on the meta device: {meta[:5]}")
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(directory)
+    except OSError:
+        pass
+    arena.serve(control, strategy="ring")
+    return model, arena
 
 
 class _Streamer:
@@ -66,7 +226,15 @@ class _Streamer:
         pass
 
 
-def serve(directory: str, socket_path: str) -> None:
+def serve(directory: str, socket_path: str, hydration: str = "") -> None:
+    try:
+        _serve(directory, socket_path, hydration)
+    except BaseException as exc:
+        stage("failed", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-4000:])
+        raise
+
+
+def _serve(directory: str, socket_path: str, hydration: str) -> None:
     stage("process_start", since=T_START)
     import torch
 
@@ -77,13 +245,19 @@ def serve(directory: str, socket_path: str) -> None:
     stage("import_transformers", version=transformers.__version__)
     torch.zeros(1, device="cuda").sum().item()
     stage("cuda_init", device=torch.cuda.get_device_name(0))
-    model = LlamaForCausalLM.from_pretrained(directory, dtype=torch.bfloat16, device_map="cuda")
+    arena = None
+    if hydration:
+        model, arena = _arena_model(directory, hydration)
+    else:
+        model = LlamaForCausalLM.from_pretrained(directory, dtype=torch.bfloat16, device_map="cuda")
     model.eval()
     model.generation_config.cache_implementation = "static"
     torch.cuda.synchronize()
     stage("weights_loaded", bytes=torch.cuda.memory_allocated())
 
     def generate(prompt: list[int], max_tokens: int, streamer: Any = None) -> tuple[list[int], str]:
+        if arena is not None:
+            arena.wait_ready()  # after a restore: until the worker's hydration has verified the weights
         ids = torch.tensor([prompt], device="cuda")
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
@@ -96,14 +270,20 @@ def serve(directory: str, socket_path: str) -> None:
     stage("warmup_1_compile_and_capture", tokens=tokens, first_logits_sha256=digest)
     tokens, digest = generate(WARMUP_PROMPT, 16)
     stage("warmup_2", tokens=tokens, first_logits_sha256=digest)
+    try:  # inductor's compile workers would be children of the captured tree: stop them once compiled
+        from torch._inductor.async_compile import shutdown_compile_workers
+
+        shutdown_compile_workers()
+    except Exception as exc:  # recorded; the capture then dumps them too
+        stage("compile_workers_kept", error=f"{type(exc).__name__}: {exc}")
     if os.path.exists(socket_path):
         os.unlink(socket_path)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(socket_path + ".tmp")
-    os.chmod(socket_path + ".tmp", 0o666)
+    # Bound at its final path: CRIU re-binds a listening socket under the name it was bound with.
+    server.bind(socket_path)
+    os.chmod(socket_path, 0o666)
     server.listen(8)
-    os.rename(socket_path + ".tmp", socket_path)  # appears only when it accepts
-    stage("ready", socket=socket_path)
+    stage("ready", socket=socket_path, children=_children())
     while True:
         conn, _ = server.accept()
         with conn:
@@ -121,11 +301,24 @@ def main() -> int:
     server = sub.add_parser("serve")
     server.add_argument("directory")
     server.add_argument("--socket", required=True)
+    server.add_argument("--log", default="")
+    server.add_argument("--hydration", default="", help="weights in a WeightArena; its control socket")
+    launcher = sub.add_parser("launch")
+    launcher.add_argument("--pid-floor", type=int, default=512)
+    launcher.add_argument("--log", default="")
+    launcher.add_argument("engine", nargs=argparse.REMAINDER)
     args = parser.parse_args()
+    global LOG_PATH
+    LOG_PATH = getattr(args, "log", "")
     if args.command == "weights":
         write_weights(args.directory)
+    elif args.command == "launch":
+        argv = args.engine[1:] if args.engine[:1] == ["--"] else args.engine
+        if not argv:
+            parser.error("launch needs an engine command after --")
+        launch(argv, args.pid_floor)
     else:
-        serve(args.directory, args.socket)
+        serve(args.directory, args.socket, args.hydration)
     return 0
 
 

@@ -16,8 +16,7 @@ import time
 from pathlib import Path
 
 import anyio
-
-from bench._common import Session, running_daemon, summary, table
+from _common import Session, running_daemon, summary, table
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGE = "coldsnap-test/busybox:1"

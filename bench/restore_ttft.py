@@ -8,6 +8,14 @@ the worker (`python -m coldsnap_probe capture`); two restores from the same unch
 each timed from the restore command to the first token. The restored process must produce the
 same tokens and the same first-step logits (bitwise) as the original. Pinned host-to-device
 bandwidth is measured in the same run. Results: a table on stdout and JSON in --out.
+
+Mode `hydrate` uses coldsnap_probe's hydration API end to end: the server keeps its weights in a
+`WeightArena` (one region: a 64 MiB-aligned prefix of one weights file generated for the largest
+size, so every size shares it), the worker's capture releases them (`--hydration`), the worker's
+restore hydrates and verifies them before the engine serves. `--strategy hydrator` starts one
+long-lived hydrator (`python -m coldsnap_probe._hydrate serve`) that page-locks the weights file
+once. `--hydrate-bench GIB` first measures the copy strategies (register, ring, O_DIRECT ring,
+hydrator) with the source in /dev/shm, in the page cache and cold on disk.
 """
 
 from __future__ import annotations
@@ -48,14 +56,6 @@ def connect(path: Path, deadline_s: float = 120.0) -> socket.socket:
             if time.time() > give_up:
                 raise
             time.sleep(0.002)
-
-
-def operation(path: Path, op: str) -> float:
-    """`sleep` (release the weights' backing) or `wake` (re-map and hydrate); returns the server's seconds."""
-    with connect(path) as sock, sock.makefile("rwb") as stream:
-        stream.write(json.dumps({"op": op}).encode() + b"\n")
-        stream.flush()
-        return float(json.loads(stream.readline())["seconds"])
 
 
 def request(path: Path, max_tokens: int) -> tuple[float, list[int], str]:
@@ -119,13 +119,46 @@ def kill_tree(pid: int) -> None:
             return
 
 
-def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool) -> dict[str, Any]:
+# The server's model shape (bench/_ttft_server.py; not imported here: it imports torch).
+VOCAB, HIDDEN = 32000, 4096
+PER_LAYER = 12 * HIDDEN * HIDDEN + 2 * HIDDEN
+CHUNK = 64 << 20
+
+
+def region_bytes(gib: float) -> int:
+    layers = max(1, int((gib * (1 << 30) / 2 - VOCAB * HIDDEN - HIDDEN) // PER_LAYER))
+    return -(-(VOCAB * HIDDEN + HIDDEN + layers * PER_LAYER) * 2 // CHUNK) * CHUNK
+
+
+def start_hydrator(socket_path: Path, weights: Path, log: Path) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    """The long-lived hydrator: page-locks the weights file once (its start-up time is the pinning cost)."""
+    socket_path.unlink(missing_ok=True)
+    started = time.time()
+    out = open(log, "wb")  # noqa: SIM115 - the hydrator writes here for its whole life
+    proc = subprocess.Popen([sys.executable, "-m", "coldsnap_probe._hydrate", "serve", "--socket", str(socket_path),
+                             str(weights)], stdout=out, stderr=out, stdin=subprocess.DEVNULL, cwd=ROOT,
+                            start_new_session=True)
+    while True:
+        text = log.read_text() if log.exists() else ""
+        line = next((x for x in text.splitlines() if x.startswith('{"ready"')), None)
+        if line is not None:
+            ready: dict[str, Any] = json.loads(line)
+            ready["start_s"] = time.time() - started
+            return proc, ready
+        if proc.poll() is not None:
+            raise RuntimeError(f"hydrator exited {proc.returncode}: {text[-2000:]}")
+        time.sleep(0.02)
+
+
+def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, weights: Path,
+             digests: list[bytes], strategy: str, images_root: Path) -> dict[str, Any]:
     """One size in one mode: the whole device state in the images, or weights hydrated after restore."""
-    weights = root / f"weights-{gib:g}g.bin"
-    if not weights.exists():
-        subprocess.run([sys.executable, str(SERVER), "--gib", str(gib), "--weights", str(weights), "--generate"],
-                       check=True)
-    images = root / f"images-{gib:g}g{'-hydrate' if hydrate else ''}"
+    from coldsnap_probe._hydrate import combine_digests
+
+    images = images_root / f"images-{gib:g}g{'-hydrate' if hydrate else ''}"
+    control = root / f"control-{gib:g}g.sock"
+    extra = (["--vmm-weights", "--control", str(control), "--strategy", strategy,
+              "--region-digest", combine_digests(digests[:region_bytes(gib) // CHUNK])] if hydrate else [])
     subprocess.run(["rm", "-rf", str(images)], check=True)
     log = root / f"server-{gib:g}g.log"
     path = root / f"server-{gib:g}g.sock"
@@ -134,7 +167,7 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool) 
     t0 = time.time()
     with open(log, "wb") as out:
         server = subprocess.Popen([sys.executable, str(SERVER), "--gib", str(gib), "--weights", str(weights),
-                                   "--socket", str(path), *(["--vmm-weights"] if hydrate else [])],
+                                   "--socket", str(path), *extra],
                                   stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                                   start_new_session=True)
     while "ready" not in stages(log):
@@ -152,21 +185,23 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool) 
             "graph_capture_s": marks["graph_captured"] - marks["weights_loaded"],
             "first_token_s": cold_first - marks["ready"]}
     # Capture (the worker kills the dumped tree; reap the original so its PID is free for restore).
-    sleep_s = operation(path, "sleep") if hydrate else 0.0
-    capture = worker("capture", "--pid", str(server.pid), "--images", str(images), "--criu", criu)
+    capture = worker("capture", "--pid", str(server.pid), "--images", str(images), "--criu", criu,
+                     *(["--hydration", str(control)] if hydrate else []))
     server.wait()
     digest_before = image_digest(images)
+    image_files = sorted(((p.stat().st_size, p.name) for p in images.iterdir() if p.is_file()), reverse=True)
     restores = []
     for attempt in (1, 2):
         path.unlink(missing_ok=True)  # the dead process's socket file; the restored one binds it again
         t0 = time.time()
         report = worker("restore", "--images", str(images), "--criu", criu,
                         "--work-dir", str(images.with_name(f"{images.name}-work-{attempt}")))
-        wake_s = operation(path, "wake") if hydrate else 0.0
         first, tokens, first_hash = request(path, max_tokens)
+        hydration = report.get("hydration", {})
         restores.append({"ttft_s": first - t0, "criu_restore_s": report["criu_restore_seconds"],
                          "cuda_restore_s": report["cuda_restore_seconds"],
-                         "worker_s": report["restore_seconds"], "wake_s": wake_s,
+                         "worker_s": report.get("ready_seconds", report["restore_seconds"]),
+                         "wake_s": hydration.get("phase_seconds", 0.0), "hydration": hydration,
                          "tokens_identical": tokens == cold_tokens, "logits_identical": first_hash == cold_hash,
                          "timeline": report["timeline"]})
         kill_tree(report["restored_pid"])
@@ -174,9 +209,55 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool) 
     for done in (images, *images.parent.glob(f"{images.name}-work-*")):  # the disk holds one size at a time
         subprocess.run(["rm", "-rf", str(done)], check=True)
     return {"gib": gib, "mode": "weights hydrated" if hydrate else "full image", "device_bytes": device_bytes,
-            "sleep_s": sleep_s, "cold": cold, "capture": capture["timings_s"],
-            "image_bytes": capture["image_bytes"], "restores": restores, "images_unchanged": unchanged,
+            "strategy": strategy if hydrate else "", "cold": cold, "capture": capture["timings_s"],
+            "capture_hydration": capture.get("hydration"), "cold_stages": entries,
+            "image_bytes": capture["image_bytes"], "image_files": image_files[:12],
+            "memory_before_checkpoint": capture.get("memory_before_checkpoint"),
+            "memory_after_checkpoint": capture.get("memory_after_checkpoint"),
+            "restores": restores, "images_unchanged": unchanged,
             "tokens": cold_tokens}
+
+
+def hydrate_bench(gib: float, weights: Path, disk_dir: Path, hydrator: str) -> dict[str, Any]:
+    """GB/s of each copy strategy into a WeightArena, source in /dev/shm, in the page cache, cold on disk."""
+    from coldsnap_probe._hydrate import WeightArena, WeightRegion, region_digest
+
+    size = min(int(gib * (1 << 30)), weights.stat().st_size) // CHUNK * CHUNK
+    disk = disk_dir / "hydrate-bench.bin"
+    subprocess.run(["dd", f"if={weights}", f"of={disk}", "bs=64M", f"count={size // CHUNK}", "conv=fsync",
+                    "status=none"], check=True)
+    results: dict[str, Any] = {"gib": gib, "shm_source": str(weights), "disk_source": str(disk)}
+
+    def drop(path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+    digests = {str(weights): region_digest(weights, 0, size), str(disk): region_digest(disk, 0, size)}
+    plain = WeightArena(size)
+    exported = WeightArena(size, exportable=True)
+    runs = [("shm", "register", plain, weights, False), ("shm", "ring", plain, weights, False),
+            ("shm", "hydrator", exported, weights, False), ("shm", "register", plain, weights, False),
+            ("page-cache", "register", plain, disk, False), ("page-cache", "ring", plain, disk, False),
+            ("cold-disk", "direct", plain, disk, True), ("cold-disk", "ring", plain, disk, True),
+            ("cold-disk", "register", plain, disk, True)]
+    rows = []
+    for where, strategy, arena, source, cold in runs:
+        arena.declare([WeightRegion("weights", arena.address, size, str(source), 0, digests[str(source)])])
+        if cold:
+            drop(source)
+        chosen = f"hydrator:{hydrator}" if strategy == "hydrator" else strategy
+        try:
+            report = arena._fill(chosen)
+        except Exception as exc:  # a strategy this machine refuses is a result, not the end of the run
+            rows.append({"source": where, "strategy": strategy, "error": f"{type(exc).__name__}: {exc}"})
+            continue
+        rows.append({"source": where, "strategy": strategy, **report})
+    results["runs"] = rows
+    disk.unlink()
+    return results
 
 
 def main() -> None:
@@ -184,35 +265,86 @@ def main() -> None:
     parser.add_argument("--sizes", default="2,16")
     parser.add_argument("--criu", default="criu")
     parser.add_argument("--root", default="/tmp/coldsnap-ttft")
+    parser.add_argument("--weights-dir", default="/dev/shm", help="where the weights file lives")
+    parser.add_argument("--images-root", default="", help="where the images go (default: --root)")
     parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--modes", default="full", help="comma-separated: full (whole state in the images), "
-                                                         "hydrate (weights re-hydrated after restore)")
+    parser.add_argument("--modes", default="hydrate", help="comma-separated: full (whole state in the images), "
+                                                            "hydrate (weights re-hydrated after restore)")
+    parser.add_argument("--strategy", default="hydrator", choices=["register", "ring", "direct", "hydrator"])
+    parser.add_argument("--hydrate-bench", type=float, default=0.0, help="GiB for the copy-strategy benchmark")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--bench-child", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.bench_child:
+        gib, weights, disk_dir, hydrator = json.loads(args.bench_child)
+        print(json.dumps(hydrate_bench(gib, Path(weights), Path(disk_dir), hydrator)))
+        return
     ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1)  # restored trees are reparented to us
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
+    images_root = Path(args.images_root or root)
+    images_root.mkdir(parents=True, exist_ok=True)
+    sizes = [float(size) for size in args.sizes.split(",")]
+    largest = max([*sizes, args.hydrate_bench])
+    weights = Path(args.weights_dir) / f"coldsnap-weights-{largest:g}g.bin"
+    started = time.time()
+    if not weights.exists() or weights.stat().st_size < region_bytes(largest):
+        subprocess.run([sys.executable, str(SERVER), "--gib", str(largest), "--weights", str(weights),
+                        "--generate"], check=True)
+    from coldsnap_probe._hydrate import chunk_digests
+
+    generate_s = time.time() - started
+    started = time.time()
+    digests = chunk_digests(weights, 0, region_bytes(largest))
+    digest_s = time.time() - started
     h2d = pinned_h2d_gbps()
-    results = [run_size(float(size), root, args.criu, args.tokens, mode == "hydrate")
-               for size in args.sizes.split(",") for mode in args.modes.split(",")]
+    hydrator_proc, hydrator_ready = None, None
+    strategy = args.strategy
+    if strategy == "hydrator" or args.hydrate_bench:
+        hydrator_proc, hydrator_ready = start_hydrator(root / "hydrator.sock", weights, root / "hydrator.log")
+    if strategy == "hydrator":
+        strategy = f"hydrator:{root / 'hydrator.sock'}"
+    bench = None
+    try:
+        if args.hydrate_bench:
+            done = subprocess.run([sys.executable, __file__, "--bench-child",
+                                   json.dumps([args.hydrate_bench, str(weights), str(root),
+                                               str(root / "hydrator.sock")])],
+                                  capture_output=True, text=True, check=False)
+            bench = json.loads(done.stdout) if done.returncode == 0 else {"error": done.stderr[-4000:]}
+            Path(args.out, "hydrate_bench.json").write_text(json.dumps(bench, indent=2))
+            if done.returncode == 0:
+                print(table(["source", "strategy", "GB/s (incl. pinning)", "pin s", "copy s", "verify s"],
+                            [[r["source"], r["strategy"], f"{r.get('gbps', 0):.1f}", f"{r.get('pin_s', 0):.2f}",
+                              f"{r.get('copy_s', r.get('seconds', 0)):.2f}", f"{r.get('verify_s', 0):.3f}"]
+                             if "error" not in r else [r["source"], r["strategy"], r["error"][:60], "", "", ""]
+                             for r in bench["runs"]]))
+        results = [run_size(size, root, args.criu, args.tokens, mode == "hydrate", weights, digests, strategy,
+                            images_root)
+                   for size in sizes for mode in args.modes.split(",")]
+    finally:
+        if hydrator_proc is not None:
+            hydrator_proc.kill()
+            hydrator_proc.wait()
     rows = []
     for r in results:
         c, best = r["cold"], min(r["restores"], key=lambda x: x["ttft_s"])
-        # Device bytes back per second: through the CUDA restore, or (hydrated) through restore + wake.
+        # Device bytes back per second: through the CUDA restore, or (hydrated) through restore + hydration.
         gbps = r["device_bytes"] / (best["cuda_restore_s"] + best["wake_s"]) / 1e9
+        hydrated = best.get("hydration", {})
         rows.append([f"{r['gib']:g} GiB", r["mode"], f"{c['ttft_s']:.2f}", f"{best['ttft_s']:.2f}",
                      f"{c['ttft_s'] / best['ttft_s']:.2f}x",
-                     f"{c['cuda_init_s']:.2f} / {c['weight_load_s']:.2f} / {c['graph_capture_s']:.2f}",
                      f"{best['criu_restore_s']:.2f} / {best['cuda_restore_s']:.2f} / {best['wake_s']:.2f}",
-                     f"{r['image_bytes'] / 1e9:.1f}",
+                     f"{hydrated.get('gbps', 0):.1f}", f"{r['image_bytes'] / 1e9:.2f}",
                      f"{gbps:.1f} ({gbps / h2d:.0%} of {h2d:.1f})",
                      "yes" if all(x["tokens_identical"] and x["logits_identical"] for x in r["restores"]) else "NO",
                      "yes" if r["images_unchanged"] else "NO"])
-    print(table(["model", "mode", "cold TTFT s", "restore TTFT s", "speed-up", "cold: CUDA init / weights / graphs s",
-                 "restore: CRIU / CUDA / hydrate s", "images GB", "device GB/s back (of pinned H2D)",
-                 "identical tokens+logits", "images unchanged"], rows))
-    Path(args.out, "restore_ttft.json").write_text(json.dumps({"pinned_h2d_gbps": h2d, "results": results},
-                                                               indent=2))
+    print(table(["model", "mode", "cold TTFT s", "restore TTFT s", "speed-up", "restore: CRIU / CUDA / hydrate s",
+                 "hydration GB/s", "images GB", "device GB/s back (of pinned H2D)", "identical tokens+logits",
+                 "images unchanged"], rows))
+    Path(args.out, "restore_ttft.json").write_text(json.dumps(
+        {"pinned_h2d_gbps": h2d, "strategy": args.strategy, "hydrator": hydrator_ready, "generate_s": generate_s,
+         "digest_s": digest_s, "hydrate_bench": bench, "results": results}, indent=2))
 
 
 if __name__ == "__main__":

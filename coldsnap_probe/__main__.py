@@ -24,6 +24,7 @@ def _parser() -> argparse.ArgumentParser:
     capture.add_argument("--criu", default="criu")
     capture.add_argument("--boundary", choices=["n610", "n580"], default="n610")
     capture.add_argument("--digest", action="store_true", help="record a content digest of the images")
+    capture.add_argument("--hydration", help="the engine's hydration control socket: release weights first")
     restore = sub.add_parser("restore", help="restore a captured tree and resume it")
     restore.add_argument("--images", required=True)
     restore.add_argument("--criu", default="criu")
@@ -77,7 +78,7 @@ def _worker(args: argparse.Namespace) -> int:
     try:
         if args.command == "capture":
             report = capture(args.pid, Path(args.images), criu=args.criu, boundary=args.boundary,
-                             digest=args.digest)
+                             digest=args.digest, hydration=args.hydration)
         else:
             report = restore(Path(args.images), criu=args.criu,
                              work=Path(args.work_dir) if args.work_dir else None)

@@ -153,6 +153,29 @@ class MemoryLayoutDescriptor:
         if self.layout_digest != layout_digest(self):
             raise MemoryCapabilityError("layout digest does not recompute")
 
+    def to_json(self) -> dict[str, Any]:
+        return {"format": self.format, "provider": self.provider, "provider_abi": self.provider_abi,
+                "region": {"name": self.region.name, "policy": self.region.policy,
+                           "stable_address": self.region.stable_address},
+                "device": self.device, "base_address": self.base_address, "logical_bytes": self.logical_bytes,
+                "allocation_granularity": self.allocation_granularity,
+                "mapping_granularity": self.mapping_granularity, "layout_kind": self.layout_kind,
+                "groups": list(self.groups), "extent_count": self.extent_count,
+                "transport_registration_mode": self.transport_registration_mode,
+                "extension_json": self.extension_json, "layout_digest": self.layout_digest}
+
+    @classmethod
+    def from_json(cls, value: Any) -> MemoryLayoutDescriptor:
+        """Decode and validate (the digest must recompute); any malformation is a MemoryCapabilityError."""
+        try:
+            fields = dict(value)
+            region = MemoryRegion(**fields.pop("region"))
+            layout = cls(region=region, groups=tuple(fields.pop("groups")), **fields)
+        except (TypeError, ValueError, KeyError) as exc:
+            raise MemoryCapabilityError(f"malformed memory layout: {exc}") from exc
+        layout.validate()
+        return layout
+
 
 @dataclass(frozen=True, slots=True)
 class MemoryResidencyStats:
@@ -290,6 +313,33 @@ class MemoryCheckpointPlan:
                       reserved_bytes_before=self.reserved_bytes_before, reserved_bytes_after=self.reserved_bytes_after)
         if self.plan_digest != plan_digest(self):
             raise MemoryCapabilityError("plan digest does not recompute")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": self.format, "generation": self.generation, "owner": self.owner,
+                "provider": self.provider, "provider_abi": self.provider_abi,
+                "layout_digests": [list(p) for p in self.layout_digests],
+                "policies": [list(p) for p in self.policies], "actions": list(self.actions),
+                "mapped_bytes_before": self.mapped_bytes_before, "mapped_bytes_after": self.mapped_bytes_after,
+                "reserved_bytes_before": self.reserved_bytes_before,
+                "reserved_bytes_after": self.reserved_bytes_after,
+                "transport_actions": list(self.transport_actions), "participants": list(self.participants),
+                "quiescence_evidence": self.quiescence_evidence, "terminal_on_failure": self.terminal_on_failure,
+                "abort_safe": self.abort_safe, "plan_digest": self.plan_digest}
+
+    @classmethod
+    def from_json(cls, value: Any) -> MemoryCheckpointPlan:
+        """Decode and validate (the digest must recompute); any malformation is a MemoryCapabilityError."""
+        try:
+            fields = dict(value)
+            for key in ("layout_digests", "policies"):
+                fields[key] = tuple(tuple(p) for p in fields[key])
+            for key in ("actions", "transport_actions", "participants"):
+                fields[key] = tuple(fields[key])
+            plan = cls(**fields)
+        except (TypeError, ValueError, KeyError) as exc:
+            raise MemoryCapabilityError(f"malformed checkpoint plan: {exc}") from exc
+        plan.validate()
+        return plan
 
 
 _ACTION_NEEDS = {"release-backing": ("release_backing_retain_va",), "unmap-pages": ("page_granular_mapping",),

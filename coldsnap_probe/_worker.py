@@ -12,6 +12,14 @@ Restore: CRIU restore leaving the tree stopped, then (n610) per CUDA process in 
 inventory order: require `checkpointed`, restore, require `locked`, unlock, require
 `running`; finally SIGCONT. On failure the restored tree is killed. Timeline marks are taken
 by this (fresh) process, never by the restored one. The image directory is only read.
+
+Weight hydration (`_hydrate.py`): with `hydration=<engine control socket>` the capture first asks
+the engine to release its weight regions (the engine's fail-before-release gate; the manifest goes
+into the images as `hydration.json`) and, if anything fails afterwards, to hydrate them back so the
+workload keeps serving. A restore whose images hold `hydration.json` checks the weight sources
+before CRIU runs, and after the CUDA unlock asks the engine to re-map, hydrate and verify; the
+report's `hydration` gives bytes, seconds, GB/s and regions verified. A failed hydration kills the
+restored tree: nothing half-hydrated serves.
 """
 
 from __future__ import annotations
@@ -28,8 +36,10 @@ from pathlib import Path
 from typing import Any
 
 from ._cuda import Driver
+from ._hydrate import HydrationManifest, check_sources
+from ._hydrate import request as hydration_request
 from ._profile import identity
-from .errors import WorkerError
+from .errors import ProbeError, WorkerError
 
 __all__ = ("capture", "identity_compatibility", "image_digest", "restore")
 
@@ -144,13 +154,56 @@ def image_digest(images: Path, *, contents: bool = False) -> str:
     return "sha256:" + h.hexdigest()
 
 
+def _anonymous_memory(pid: int, top: int = 6) -> dict[str, Any]:
+    """The process's resident anonymous bytes and its largest anonymous mappings (what CRIU will dump)."""
+    sizes: list[tuple[int, str]] = []
+    name, total = "", 0
+    try:
+        for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+            head = line.split()
+            if head and "-" in head[0] and not line.endswith(" kB"):
+                name = " ".join(head[5:]) or "[anon]"
+            elif line.startswith("Anonymous:"):
+                kib = int(head[1])
+                total += kib
+                if kib:
+                    sizes.append((kib << 10, name))
+    except OSError:
+        return {}
+    return {"anonymous_bytes": total << 10, "largest": sorted(sizes, reverse=True)[:top]}
+
+
 def _images_size(images: Path) -> tuple[int, int]:
     files = [p for p in images.rglob("*") if p.is_file()]
     return sum(p.stat().st_size for p in files), len(files)
 
 
+def _release_weights(control: str, report: dict[str, Any]) -> HydrationManifest:
+    started = time.perf_counter()
+    answer = hydration_request(control, {"op": "release", "generation": f"capture-{time.time_ns()}"})
+    if not answer.get("ok"):
+        raise WorkerError(f"the engine refused to release its weights (nothing was released): {answer.get('error')}")
+    try:
+        manifest = HydrationManifest.from_json(answer.get("manifest"))
+    except ProbeError as exc:
+        _hydrate_back(control)
+        raise WorkerError(f"the engine's hydration manifest is invalid: {exc}") from exc
+    report["hydration"] = {"released_bytes": sum(r.size for r in manifest.regions), "regions": len(manifest.regions),
+                           "release_seconds": time.perf_counter() - started,
+                           "plan_digest": manifest.plan.plan_digest, "manifest_digest": manifest.manifest_digest}
+    return manifest
+
+
+def _hydrate_back(control: str) -> None:
+    """Rollback after a failed capture: the engine maps and hydrates its weights again and keeps serving."""
+    try:
+        hydration_request(control, {"op": "hydrate"})
+    except ProbeError:
+        pass
+
+
 def capture(pid: int, images: Path, *, criu: str, boundary: str = "n610", lock_timeout_ms: int = 30_000,
-            digest: bool = False) -> dict[str, Any]:
+            digest: bool = False, hydration: str | None = None) -> dict[str, Any]:
     """Checkpoint and dump the tree rooted at `pid` into `images` (must be new or empty)."""
     if boundary not in ("n580", "n610"):
         raise WorkerError(f"boundary must be n580 or n610, got {boundary!r}")
@@ -176,6 +229,8 @@ def capture(pid: int, images: Path, *, criu: str, boundary: str = "n610", lock_t
                 raise WorkerError(f"no CUDA process in the tree of {pid} (n610 needs initialized CUDA state)")
             report["cuda_pids"] = cuda
             _require(driver, cuda, "running", "before lock")
+            manifest = _release_weights(hydration, report) if hydration else None
+            report["memory_before_checkpoint"] = {str(p): _anonymous_memory(p) for p in tree}
             done: list[tuple[int, str]] = []  # (pid, what was done) for the rollback
             try:
                 started = time.perf_counter()
@@ -192,9 +247,14 @@ def capture(pid: int, images: Path, *, criu: str, boundary: str = "n610", lock_t
                     done.append((p, "checkpointed"))
                 _require(driver, cuda, "checkpointed", "after checkpoint")
                 timings["cuda_checkpoint"] = time.perf_counter() - started
+                report["memory_after_checkpoint"] = {str(p): _anonymous_memory(p) for p in tree}
                 timings["criu_dump"] = _criu(criu, dump_args, work / "dump.log")
+                if manifest is not None:
+                    (images / "hydration.json").write_text(json.dumps(manifest.to_json(), indent=2) + "\n")
             except BaseException:
                 _rollback(driver, done)
+                if hydration:
+                    _hydrate_back(hydration)
                 raise
     except BaseException:
         if (work / "dump.log").exists():  # keep the evidence of a failed dump
@@ -252,6 +312,13 @@ def restore(images: Path, *, criu: str, work: Path | None = None) -> dict[str, A
     """Restore the tree captured in `images`; returns the report (the images are only read)."""
     capture_report = json.loads((images / "capture.json").read_text())
     boundary = capture_report["boundary"]
+    manifest = None
+    if (images / "hydration.json").exists():  # check the weight sources before spending a CRIU restore
+        try:
+            manifest = HydrationManifest.from_json(json.loads((images / "hydration.json").read_text()))
+            check_sources(manifest.regions, manifest.identities)
+        except (ProbeError, ValueError) as exc:
+            raise WorkerError(f"weight hydration cannot succeed, not restoring: {exc}") from exc
     compatibility = identity_compatibility(capture_report.get("identity", {}), identity(None), boundary)
     cuda = list(capture_report.get("cuda_pids", []))
     timeline = Timeline()
@@ -286,6 +353,18 @@ def restore(images: Path, *, criu: str, work: Path | None = None) -> dict[str, A
             report["cuda_restore_seconds"] = timeline.seconds("deferred_cuda_restore_begin",
                                                                "deferred_cuda_restore_end")
         timeline.mark("process_resumed")  # without CUDA the tree was restored running
+        if manifest is not None:
+            timeline.mark("hydration_begin")
+            answer = hydration_request(manifest.control, {"op": "hydrate"})
+            if not answer.get("ok"):
+                raise WorkerError(f"weight hydration failed, the restored engine is not released: "
+                                  f"{answer.get('error')}")
+            timeline.mark("hydration_end")
+            hydrated = answer["report"]
+            report["hydration"] = {"bytes": hydrated["bytes"], "seconds": hydrated["seconds"],
+                                   "gbps": hydrated["gbps"], "regions_verified": hydrated["verified_regions"],
+                                   "engine": hydrated,
+                                   "phase_seconds": timeline.seconds("hydration_begin", "hydration_end")}
     except BaseException as exc:
         report["error"] = f"{type(exc).__name__}: {exc}"
         if root is not None:
@@ -297,4 +376,6 @@ def restore(images: Path, *, criu: str, work: Path | None = None) -> dict[str, A
         raise WorkerError(report["error"]) from exc
     report["timeline"] = timeline.marks
     report["restore_seconds"] = timeline.seconds("restore_begin", "process_resumed")
+    if manifest is not None:
+        report["ready_seconds"] = timeline.seconds("restore_begin", "hydration_end")
     return report

@@ -13,7 +13,8 @@
     ├── ContractError               a graph policy record or memory contract breaks a rule
     │   ├── MemoryCapabilityError   a memory contract is violated or a provider lacks a capability
     │   └── NotCanonical            a value has no canonical JSON (NaN or an infinity), so no digest
-    └── WorkerError                 a capture or restore step failed
+    ├── WorkerError                 a capture or restore step failed
+    └── HydrationError              weight hydration refused or failed (names the region when one is at fault)
 
 A canary never lets its errors escape: it turns them into a `failed` or `unsupported`
 feature result whose reason is ``<Type>: <message>``, so the class names here are part of
@@ -33,6 +34,7 @@ __all__ = (
     "CudaUnavailable",
     "DriverError",
     "FeatureNotPassed",
+    "HydrationError",
     "MemoryCapabilityError",
     "NotCanonical",
     "ProbeError",
@@ -113,3 +115,11 @@ class NotCanonical(ContractError):
 
 class WorkerError(ProbeError):
     """Capture or restore failed; the message says which step and why."""
+
+
+class HydrationError(ProbeError):
+    """Weight hydration was refused before anything was released, or failed before the engine served."""
+
+    def __init__(self, message: str, *, region: str = "") -> None:
+        super().__init__(f"region {region}: {message}" if region else message)
+        self.region = region  # the weight region at fault, "" when the failure is not about one region

@@ -123,8 +123,12 @@ class _RemoteDocker(DockerBackend):
             await self._node.place_local_tree(os.path.join(staging, root), root, destination,
                                               action="workload-copy-from")
 
-    async def image_build(self, build: ImageBuild) -> None:
-        """The context directories are on the remote node: fetch them (SFTP, no links followed), then build."""
+    async def image_build(self, build: ImageBuild, *, owner: Owner | None = None) -> None:
+        """The context directories are on the remote node: fetch them (SFTP, no links followed), then build.
+
+        The fetch reads as the SSH user (the identity remote exec runs as); the fetched copy is the
+        daemon's own, so it is packed as the daemon: `owner`, a local identity, does not apply there.
+        """
         import msgspec
 
         with tempfile.TemporaryDirectory(dir=self._node.work_dir, prefix="build-") as staging:
@@ -267,7 +271,12 @@ class RemoteNode:
                     raise
             self._conn, self._client, self.last_error = conn, client, ""
             log.info("remote connected", host=self.name, address=cfg.address)
-        await self._run_pending_kills()
+        if self._pending_kills:  # the link is back: first end what was abandoned while it was down
+            with anyio.move_on_after(_KILL_BUDGET_S):
+                try:
+                    await self._run_pending_kills()
+                except RemoteUnavailable as exc:
+                    log.warning("remote exec not killed yet; will retry", host=self.name, error=str(exc))
         return conn
 
     # --- exec ----------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Assemble a small capsule build context on a GPU host: busybox, this host's python3 and the probe's deps.
 
-    python3 scripts/_capsule_rootfs.py OUT_DIR --busybox PATH [--criu-root DIR]
+    python3 scripts/_capsule_rootfs.py OUT_DIR --busybox PATH [--criu-root DIR] [--worker PACKAGE_DIR]
 
 OUT_DIR gets ``rootfs/`` and a ``Dockerfile`` (``FROM scratch``, ``COPY rootfs/ /``). The rootfs holds
 a static busybox; the interpreter running this script (its real executable, its standard library,
@@ -9,6 +9,12 @@ and, copied into the interpreter's own site-packages, the ``cuda`` (cuda-binding
 CRIU the provider's check runs); and the shared libraries all of them load (ldd closure), the
 driver's own excepted: those reach the container through the provider's native GPU access.
 No driver library and no GPU state is baked into the image.
+
+With ``--worker`` the capsule also carries the capture/restore worker: the ``coldsnap_probe`` package and
+``pynvml`` at ``/opt/coldsnap/worker`` (put on ``PYTHONPATH``; a path the workload's read-only host
+mounts of ``/usr`` and ``/opt/torch`` do not cover), and ``/opt/coldsnap/criu/bin/criu-env``, CRIU with its
+own libraries from ``/opt/coldsnap/criu/lib`` (its copies under ``/usr/lib`` are hidden when ``/usr`` is
+mounted from the host).
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ def main() -> int:
     parser.add_argument("out")
     parser.add_argument("--busybox", required=True)
     parser.add_argument("--criu-root", default="")
+    parser.add_argument("--worker", default="", help="the coldsnap_probe package directory to bake in")
     args = parser.parse_args()
     out = Path(args.out)
     rootfs = out / "rootfs"
@@ -113,14 +120,28 @@ def main() -> int:
             dest = rootfs / "usr/lib/x86_64-linux-gnu" / os.path.basename(lib)
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(os.path.realpath(lib), dest)
+            if args.worker:
+                own = rootfs / "opt/coldsnap/criu/lib" / os.path.basename(lib)
+                own.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(os.path.realpath(lib), own)
         else:
             _copy(lib, rootfs)
+    if args.worker:
+        worker = rootfs / "opt/coldsnap/worker"
+        shutil.copytree(args.worker, worker / "coldsnap_probe", dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy2(pynvml.__file__, worker / "pynvml.py")
+        if args.criu_root:
+            wrapper = rootfs / "opt/coldsnap/criu/bin/criu-env"
+            wrapper.write_text("#!/bin/sh\n"
+                               "LD_LIBRARY_PATH=/opt/coldsnap/criu/lib exec /opt/coldsnap/criu/bin/criu \"$@\"\n")
+            wrapper.chmod(0o755)
     (out / "Dockerfile").write_text(
         "FROM scratch\nCOPY rootfs/ /\n"
         "ENV PATH=/usr/local/bin:/usr/bin:/bin:/opt/coldsnap/criu/bin\nCMD [\"sh\"]\n")
     size = sum(p.stat().st_size for p in rootfs.rglob("*") if p.is_file() and not p.is_symlink())
     print(f"capsule rootfs: {size / 1e6:.1f} MB, python {exe}, stdlib {stdlib}, site {base_site}, "  # noqa: T201
-          f"{len(libraries)} libraries")
+          f"{len(libraries)} libraries, worker {'yes' if args.worker else 'no'}")
     return 0
 
 

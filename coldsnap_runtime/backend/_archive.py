@@ -1,15 +1,21 @@
-"""`docker cp CONTAINER:PATH DEST` for a tar the engine streamed: a small program run as the owner.
+"""Tars between the engine and the host, as the owner: a small program the backend runs.
 
-The backend runs this file *by path* (``python -I -S _archive.py ROOT DESTINATION
-[--as UID:GID] [--keep-owner]``, the tar on stdin) in a child process. With ``--as``
-the child drops to that identity (no supplementary groups, real, effective and saved
-ids all changed) right after its imports and before it looks at the destination, so the
-kernel, not this code, decides what may be written. (Dropping inside the child rather
-than before exec lets it start from an interpreter the owner could not reach.) It
-imports only the standard library: it starts fast and never loads the daemon's
-dependencies.
+Two jobs, both run *by path* in a child process (``python -I -S _archive.py ...``):
 
-Rules:
+* **extract** (``workload-copy-from``, ``docker cp CONTAINER:PATH DEST`` for a tar the
+  engine streamed): ``_archive.py ROOT DESTINATION [--as UID:GID] [--keep-owner]``, the
+  tar on stdin;
+* **pack** (``image-build``'s context directories): ``_archive.py --pack [--as UID:GID]``,
+  a JSON job on stdin (see :func:`pack`), the tar on stdout.
+
+With ``--as`` the child drops to that identity (no supplementary groups, real, effective
+and saved ids all changed) right after its imports and before it looks at any host path,
+so the kernel, not this code, decides what may be written or read. (Dropping inside the
+child rather than before exec lets it start from an interpreter the owner could not
+reach.) It imports only the standard library: it starts fast and never loads the
+daemon's dependencies.
+
+Rules of extract:
 
 * the destination is walked from ``/`` one component at a time with ``O_NOFOLLOW``
   (``openat`` style): a symbolic link anywhere on the way, a planted one included, is
@@ -24,12 +30,26 @@ Rules:
 * numeric ownership is kept only with ``--keep-owner`` (a root writer, as ``docker cp``
   does); otherwise every file belongs to the identity that runs this program.
 
+Rules of pack (Docker's own rules for a build context, made race-free):
+
+* every directory is walked through descriptors, each entry ``lstat``-ed and opened with
+  ``O_NOFOLLOW`` relative to its parent; a symbolic link is archived as a link (its
+  target text), never followed, so a link to ``/etc/shadow`` carries the text
+  ``/etc/shadow`` and nothing of the file; an entry's header comes from the descriptor
+  that is read (``fstat``), so a file swapped for a link meanwhile is refused, not read;
+* a path the identity cannot read fails the whole build, naming the host path;
+* entries enter the tar owned by 0:0 (as the Docker CLI sends them); sockets are skipped;
+* the main context's ``.dockerignore`` is honoured (ignored directories are not entered).
+
 Exit status 0 on success; 1 with one line on stderr saying why; 2 for bad arguments.
 """
 
 from __future__ import annotations
 
 import errno
+import fnmatch
+import io
+import json
 import os
 import posixpath
 import secrets
@@ -39,11 +59,15 @@ import sys
 import tarfile
 from typing import IO
 
-__all__ = ("extract_copy", "main")
+__all__ = ("extract_copy", "main", "pack")
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _PERMISSIONS = 0o777  # what survives: no setuid, setgid or sticky bit
+# pack: a directory given by the job may be reached through links (the owner's own path);
+# nothing below it is. O_NONBLOCK: an entry swapped for a FIFO cannot stall the open.
+_TREE = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 class _Refused(Exception):
@@ -285,6 +309,192 @@ def _place(staging: int, root: str, final_parent: int, final_name: str, *, shown
     os.replace(root, final_name, src_dir_fd=staging, dst_dir_fd=final_parent)
 
 
+# --- pack: build contexts ------------------------------------------------------------------
+
+
+def _ignore_patterns(data: str) -> list[tuple[bool, str]]:
+    """``.dockerignore`` lines as (negated, pattern), in order (the last match decides)."""
+    patterns = []
+    for line in data.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        negate = line.startswith("!")
+        pattern = posixpath.normpath(line[1:] if negate else line).lstrip("/")
+        patterns.append((negate, pattern))
+    return patterns
+
+
+def _ignored(rel: str, patterns: list[tuple[bool, str]]) -> bool:
+    ignored = False
+    for negate, pattern in patterns:
+        if fnmatch.fnmatchcase(rel, pattern) or rel.startswith(pattern + "/"):
+            ignored = not negate
+    return ignored
+
+
+def _unreadable(path: str, exc: OSError) -> _Refused:
+    return _Refused(f"cannot read {path}: {exc.strerror or exc}")
+
+
+def _read_dockerignore(root: int, path: str) -> list[tuple[bool, str]]:
+    try:
+        fd = os.open(".dockerignore", _READ, dir_fd=root)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _Refused(f"{path}/.dockerignore is a symbolic link; it is not followed") from exc
+        raise _unreadable(f"{path}/.dockerignore", exc) from exc
+    with os.fdopen(fd, "rb") as source:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _Refused(f"{path}/.dockerignore is not a regular file")
+        return _ignore_patterns(source.read().decode("utf-8", "replace"))
+
+
+def _header(name: str, st: os.stat_result) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.mode = stat.S_IMODE(st.st_mode)
+    info.mtime = int(st.st_mtime)
+    info.uid = info.gid = 0  # as the Docker CLI sends a context
+    info.uname = info.gname = ""
+    return info
+
+
+def _changed(path: str) -> _Refused:
+    return _Refused(f"{path} changed while the build context was read")
+
+
+def _pack_entry(tar: tarfile.TarFile, parent: int, name: str, arcname: str, path: str,
+                patterns: list[tuple[bool, str]], rel: str) -> None:
+    try:
+        st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+    except FileNotFoundError:
+        return  # removed meanwhile: as if it never was
+    except OSError as exc:
+        raise _unreadable(path, exc) from exc
+    if stat.S_ISDIR(st.st_mode):
+        try:
+            fd = os.open(name, _DIR, dir_fd=parent)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise _changed(path) from exc
+            raise _unreadable(path, exc) from exc
+        try:
+            info = _header(arcname, os.fstat(fd))
+            info.type = tarfile.DIRTYPE
+            tar.addfile(info)
+            _pack_directory(tar, fd, arcname + "/", path, patterns, rel + "/")
+        finally:
+            os.close(fd)
+    elif stat.S_ISREG(st.st_mode):
+        try:
+            fd = os.open(name, _READ, dir_fd=parent)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise _changed(path) from exc
+            raise _unreadable(path, exc) from exc
+        with os.fdopen(fd, "rb") as source:
+            opened = os.fstat(fd)
+            if not stat.S_ISREG(opened.st_mode):
+                raise _changed(path)
+            info = _header(arcname, opened)
+            info.size = opened.st_size
+            try:
+                tar.addfile(info, source)
+            except OSError as exc:
+                if exc.errno is None:  # tarfile: "unexpected end of data" (it shrank meanwhile)
+                    raise _changed(path) from exc
+                raise _unreadable(path, exc) from exc
+    elif stat.S_ISLNK(st.st_mode):
+        info = _header(arcname, st)
+        info.type = tarfile.SYMTYPE
+        try:
+            info.linkname = os.readlink(name, dir_fd=parent)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:  # no longer a link
+                raise _changed(path) from exc
+            raise _unreadable(path, exc) from exc
+        tar.addfile(info)
+    elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) or stat.S_ISFIFO(st.st_mode):
+        info = _header(arcname, st)  # the header only: nothing is opened
+        info.type = (tarfile.CHRTYPE if stat.S_ISCHR(st.st_mode) else
+                     tarfile.BLKTYPE if stat.S_ISBLK(st.st_mode) else tarfile.FIFOTYPE)
+        if not stat.S_ISFIFO(st.st_mode):
+            info.devmajor, info.devminor = os.major(st.st_rdev), os.minor(st.st_rdev)
+        tar.addfile(info)
+    # sockets (and anything else) are skipped, as the Docker CLI does
+
+
+def _pack_directory(tar: tarfile.TarFile, fd: int, prefix: str, path: str,
+                    patterns: list[tuple[bool, str]], rel: str) -> None:
+    try:
+        names = sorted(os.listdir(fd))
+    except OSError as exc:
+        raise _unreadable(path, exc) from exc
+    for name in names:
+        if patterns and _ignored(rel + name, patterns):
+            continue  # an ignored directory is not entered
+        _pack_entry(tar, fd, name, prefix + name, f"{path}/{name}", patterns, rel + name)
+
+
+def pack(job: dict[str, object], out: IO[bytes]) -> None:
+    """Write one tar of the job's trees and files to `out` (a stream: nothing is sought).
+
+    `job` = ``{"trees": [{"path", "prefix", "label", "dockerignore", "reserved"}],
+    "files": [{"name", "data"}]}``: each tree's directory ``path`` goes under ``prefix``
+    (``""`` or ``"dir/"``); ``label`` names it in errors; with ``dockerignore`` its
+    ``.dockerignore`` applies; a top-level entry named in ``reserved`` is refused. Files
+    are the job's own text (the Dockerfile), added last, 0644.
+    """
+    trees = job.get("trees")
+    files = job.get("files")
+    if not isinstance(trees, list) or not isinstance(files, list) or not all(
+            isinstance(item, dict) for item in [*trees, *files]):
+        raise _Refused("the pack job has no trees or files")
+    with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+        for tree in trees:
+            path, prefix, label = str(tree["path"]), str(tree["prefix"]), str(tree["label"])
+            try:
+                root = os.open(path, _TREE)
+            except (FileNotFoundError, NotADirectoryError) as exc:
+                raise _Refused(f"build {label} {path} is not a directory on this node") from exc
+            except OSError as exc:
+                raise _unreadable(path, exc) from exc
+            try:
+                if prefix:
+                    info = _header(prefix.rstrip("/"), os.fstat(root))
+                    info.type = tarfile.DIRTYPE
+                    tar.addfile(info)
+                else:
+                    try:
+                        present = sorted(set(os.listdir(root)) & {str(r) for r in tree.get("reserved") or []})
+                    except OSError as exc:
+                        raise _unreadable(path, exc) from exc
+                    if present:
+                        raise _Refused(f"the build context must not contain {present[0]!r} (reserved)")
+                patterns = _read_dockerignore(root, path) if tree.get("dockerignore") else []
+                _pack_directory(tar, root, prefix, path.rstrip("/"), patterns, "")
+            finally:
+                os.close(root)
+        for item in files:
+            data = str(item["data"]).encode()
+            info = tarfile.TarInfo(str(item["name"]))
+            info.size = len(data)
+            info.mode = 0o644
+            tar.addfile(info, io.BytesIO(data))
+
+
+def _job(data: bytes) -> dict[str, object]:
+    try:
+        job = json.loads(data)
+    except ValueError as exc:
+        raise _Refused(f"the pack job is not JSON: {exc}") from exc
+    if not isinstance(job, dict):
+        raise _Refused("the pack job is not a JSON object")
+    return job
+
+
 def become(uid: int, gid: int) -> None:
     """Irrevocably take the identity `uid`:`gid` with no supplementary groups."""
     if (os.getuid(), os.getgid()) == (uid, gid) and os.getgroups() in ([], [gid]):
@@ -297,9 +507,11 @@ def become(uid: int, gid: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """``_archive.py ROOT DESTINATION [--as UID:GID] [--keep-owner]`` with the tar on stdin."""
+    """``_archive.py ROOT DESTINATION [--as UID:GID] [--keep-owner]`` with the tar on stdin, or
+    ``_archive.py --pack [--as UID:GID]`` with the JSON job on stdin and the tar on stdout."""
     keep_owner = "--keep-owner" in argv
-    args = [a for a in argv if a != "--keep-owner"]
+    packing = "--pack" in argv
+    args = [a for a in argv if a not in ("--keep-owner", "--pack")]
     identity: tuple[int, int] | None = None
     if "--as" in args:
         at = args.index("--as")
@@ -309,17 +521,24 @@ def main(argv: list[str]) -> int:
         except (IndexError, ValueError):
             identity = (-1, -1)
         del args[at:at + 2]
-    if len(args) != 2 or not args[1].startswith("/") or (identity is not None and min(identity) < 0):
+    bad_identity = identity is not None and min(identity) < 0
+    if packing and (args or keep_owner or bad_identity):
+        sys.stderr.write("usage: _archive.py --pack [--as UID:GID] < job.json > context.tar\n")
+        return 2
+    if not packing and (len(args) != 2 or not args[1].startswith("/") or bad_identity):
         sys.stderr.write("usage: _archive.py ROOT /ABSOLUTE/DESTINATION [--as UID:GID] [--keep-owner] < archive.tar\n")
         return 2
     try:
         if identity is not None:
             become(*identity)
-        extract_copy(sys.stdin.buffer, args[0], args[1], keep_owner=keep_owner)
+        if packing:
+            pack(_job(sys.stdin.buffer.read()), sys.stdout.buffer)
+        else:
+            extract_copy(sys.stdin.buffer, args[0], args[1], keep_owner=keep_owner)
     except _Refused as exc:
         sys.stderr.write(f"{exc}\n")
         return 1
-    except (OSError, tarfile.TarError, EOFError) as exc:
+    except (OSError, tarfile.TarError, EOFError, KeyError, TypeError) as exc:
         detail = f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError) and exc.filename else str(exc)
         sys.stderr.write(f"{detail}\n")
         return 1

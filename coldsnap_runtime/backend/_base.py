@@ -55,8 +55,9 @@ class RuntimeContext(msgspec.Struct, frozen=True, kw_only=True):
     host: str
     # workload-run may pull a missing image (pull_policy "missing"/"always").
     allow_pull: bool
-    # Who owns what the backend writes on the host (workload-copy-from's destination):
-    # every write happens with this identity. None: the daemon's own identity.
+    # The host identity of everything the backend reads or writes on the host for the caller
+    # (image-build's context directories, workload-copy-from's destination): every such
+    # access happens with this identity. None: the daemon's own identity.
     owner: Owner | None = None
     # Labels the placement manager attached at session-open; added to workloads whose
     # `io.sparksq.coldsnap.workload` label equals `cluster_id`.
@@ -73,7 +74,7 @@ class Backend(Protocol):
     async def image_push(self, image: str) -> None: ...
     async def image_tag(self, source: str, target: str) -> None: ...
     async def image_remove(self, image: str) -> None: ...
-    async def image_build(self, build: ImageBuild) -> None: ...
+    async def image_build(self, build: ImageBuild, *, owner: Owner | None = None) -> None: ...
     async def workload_run(self, spec: WorkloadSpec, *, allow_pull: bool) -> RuntimeResponse: ...
     async def workload_remove(self, name: str) -> None: ...
     async def workload_inspect(self, name: str, *, include_start_time: bool) -> WorkloadInfo: ...
@@ -116,7 +117,7 @@ async def dispatch(backend: Backend, request: RuntimeRequest, ctx: RuntimeContex
         case ImageRemove(image=image):
             await backend.image_remove(image)
         case ImageBuildAction(build=build):
-            await backend.image_build(build)
+            await backend.image_build(build, owner=ctx.owner)
         case WorkloadRun(workload=spec):
             spec = with_manager_labels(spec, ctx)
             if ctx.manager_uid is not None:

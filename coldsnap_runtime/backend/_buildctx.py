@@ -10,24 +10,30 @@ under ``.coldsnap-contexts/<name>/``, and rewrite the Dockerfile so that
 
 Only names given as contexts are touched; stage names and images pass through. The
 Dockerfile itself travels as ``.coldsnap-build/Dockerfile``. Like the Docker CLI, files
-enter the tar owned by 0:0 and the main context's ``.dockerignore`` is honoured.
+enter the tar owned by 0:0, symbolic links are archived as links (never followed) and the
+main context's ``.dockerignore`` is honoured.
+
+The context directories are host paths a manager named, so the daemon never reads them
+itself: :func:`write_context_tar` runs ``_archive.py --pack`` in a child process that takes
+the session's ``exec.user`` identity (``RuntimeContext.owner``) before it opens anything.
+A manager can only build into an image what that identity could read anyway.
 """
 
 from __future__ import annotations
 
-import fnmatch
-import io
 import json
 import os
-import posixpath
 import re
-import tarfile
+import sys
 from pathlib import Path
 from typing import IO
 
-from ..errors import BuildContextError
+import anyio
 
-__all__ = ("DOCKERFILE_PATH", "base_images", "rewrite_dockerfile", "write_context_tar")
+from ..errors import BuildContextError
+from ._base import Owner
+
+__all__ = ("DOCKERFILE_PATH", "base_images", "context_job", "rewrite_dockerfile", "write_context_tar")
 
 CONTEXTS_DIR = ".coldsnap-contexts"
 DOCKERFILE_PATH = ".coldsnap-build/Dockerfile"
@@ -151,69 +157,43 @@ def base_images(text: str, arguments: dict[str, str]) -> list[str]:
     return bases
 
 
-def _ignore_patterns(context: Path) -> list[tuple[bool, str]]:
-    try:
-        lines = (context / ".dockerignore").read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    patterns = []
-    for line in lines:
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        negate = line.startswith("!")
-        pattern = posixpath.normpath(line[1:] if negate else line).lstrip("/")
-        patterns.append((negate, pattern))
-    return patterns
+# The program that reads the context directories as the owner (run by path; see its docstring).
+_PACK_PROGRAM = str(Path(__file__).with_name("_archive.py"))
 
 
-def _ignored(rel: str, patterns: list[tuple[bool, str]]) -> bool:
-    ignored = False
-    for negate, pattern in patterns:
-        if fnmatch.fnmatchcase(rel, pattern) or rel.startswith(pattern + "/"):
-            ignored = not negate
-    return ignored
-
-
-def _owned_by_root(info: tarfile.TarInfo) -> tarfile.TarInfo:
-    info.uid = info.gid = 0
-    info.uname = info.gname = ""
-    return info
-
-
-def _add_tree(tar: tarfile.TarFile, root: Path, prefix: str, patterns: list[tuple[bool, str]]) -> None:
-    if prefix:
-        tar.add(root, arcname=prefix.rstrip("/"), recursive=False, filter=_owned_by_root)
-    for dirpath, dirnames, filenames in os.walk(root):
-        rel_dir = os.path.relpath(dirpath, root)
-        rel_dir = "" if rel_dir == "." else rel_dir
-        for name in sorted(dirnames + filenames):
-            rel = posixpath.join(rel_dir, name) if rel_dir else name
-            if patterns and _ignored(rel, patterns):
-                if name in dirnames:
-                    dirnames.remove(name)
-                continue
-            if not prefix and rel.split("/")[0] in _RESERVED:
-                raise BuildContextError(f"the build context must not contain {rel.split('/')[0]!r} (reserved)")
-            tar.add(os.path.join(dirpath, name), arcname=prefix + rel, recursive=False, filter=_owned_by_root)
-        dirnames.sort()
-
-
-def write_context_tar(out: IO[bytes], *, context: str, contexts: dict[str, str], dockerfile: bytes) -> None:
-    """Write the whole build context (main, named contexts, Dockerfile) as one tar to `out`."""
-    for label, path in [("context", context), *((f"contexts[{n!r}]", p) for n, p in contexts.items())]:
-        if not os.path.isdir(path):
-            raise BuildContextError(f"build {label} {path} is not a directory on this node")
+def context_job(*, context: str, contexts: dict[str, str], dockerfile: bytes) -> bytes:
+    """The pack job (``_archive.py --pack``) for a build: main context, named contexts, Dockerfile."""
     for name in contexts:
         if "/" in name or name in (".", ".."):
             raise BuildContextError(f"named context {name!r} must be a plain name")
     text = rewrite_dockerfile(dockerfile.decode("utf-8"), contexts)
-    with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
-        _add_tree(tar, Path(context), "", _ignore_patterns(Path(context)))
-        for name, path in sorted(contexts.items()):
-            _add_tree(tar, Path(path), f"{CONTEXTS_DIR}/{name}/", [])
-        data = text.encode()
-        info = tarfile.TarInfo(DOCKERFILE_PATH)
-        info.size = len(data)
-        info.mode = 0o644
-        tar.addfile(info, io.BytesIO(data))
+    trees = [{"path": context, "prefix": "", "label": "context", "dockerignore": True, "reserved": list(_RESERVED)}]
+    trees += [{"path": path, "prefix": f"{CONTEXTS_DIR}/{name}/", "label": f"contexts[{name!r}]",
+               "dockerignore": False, "reserved": []} for name, path in sorted(contexts.items())]
+    return json.dumps({"trees": trees, "files": [{"name": DOCKERFILE_PATH, "data": text}]}).encode()
+
+
+async def write_context_tar(out: IO[bytes], *, context: str, contexts: dict[str, str], dockerfile: bytes,
+                            owner: Owner | None) -> None:
+    """Write the whole build context (main, named contexts, Dockerfile) as one tar to the file `out`.
+
+    `out` must be a real file (the child writes to its descriptor), e.g. a spool file.
+
+    The directories are read by a child that is `owner` (None: the daemon's own identity)
+    before it opens any of them; what it cannot read fails the build, naming the path.
+    """
+    try:
+        job = context_job(context=context, contexts=contexts, dockerfile=dockerfile)
+    except UnicodeDecodeError as exc:
+        raise BuildContextError(f"the Dockerfile is not UTF-8: {exc}") from exc
+    argv = [sys.executable, "-I", "-S", _PACK_PROGRAM, "--pack"]
+    if owner is not None:
+        argv += ["--as", f"{owner.uid}:{owner.gid}"]
+    try:
+        result = await anyio.run_process(argv, input=job, stdout=out, check=False, cwd="/",
+                                         env={"PATH": os.defpath, "LC_ALL": "C.UTF-8"})
+    except OSError as exc:
+        raise BuildContextError(f"cannot start the context packer: {exc}") from exc
+    if result.returncode != 0:
+        lines = result.stderr.decode("utf-8", "replace").strip().splitlines()
+        raise BuildContextError(lines[-1] if lines else f"the context packer exited {result.returncode}")

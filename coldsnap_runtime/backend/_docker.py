@@ -15,7 +15,12 @@ name held by such a leftover is reclaimed instead of failing with "Conflict".
 
 Images: with an ``image_ledger``, ``image-remove`` only removes references this provider
 pulled, built or tagged (the ledger file records them); it never forces and only untags
-that one reference.
+that one reference. ``image.id`` is the OCI config digest on either image store: on the
+containerd store the inspect's ``Id`` is a manifest or index digest, resolved through
+``_digests.py``.
+
+Host paths a manager names are never opened by this process: build contexts are read, and
+copy-from destinations written, by ``_archive.py`` running as the session's owner.
 
 Workload names follow Docker's own container-name rule; a name outside it cannot exist,
 so it is never sent to the engine (lookups answer "not found", runs are refused).
@@ -61,6 +66,15 @@ from ..limits import CLEANUP_BUDGET_S, OUTPUT_LIMIT
 from ..schema import Execution, ImageBuild, ImageInfo, RuntimeResponse, WorkloadInfo, WorkloadSpec
 from ._base import Owner
 from ._buildctx import DOCKERFILE_PATH, base_images, rewrite_dockerfile, write_context_tar
+from ._digests import (
+    Platform,
+    RegistryReader,
+    config_digest,
+    id_needs_resolution,
+    registry_is_insecure,
+    repository_path,
+    uses_containerd_store,
+)
 from ._gpus import CAPABILITY_PROBE_IMAGE, HostPolicy, realise
 from ._hijack import hijack
 from ._translate import (
@@ -75,7 +89,8 @@ from ._translate import (
     registry_auth,
 )
 
-__all__ = ("INCARNATION_LABEL", "INSTANCE_LABEL", "DockerBackend", "docker_errors", "valid_workload_name")
+__all__ = ("INCARNATION_LABEL", "INSTANCE_LABEL", "DockerBackend", "docker_errors", "registry_errors",
+           "valid_workload_name")
 
 log = structlog.get_logger(__name__)
 
@@ -119,6 +134,17 @@ def docker_errors(action: str, *, kind: str = "", ref: str = "") -> Iterator[Non
         raise BackendUnavailable(action=action, detail="the connection to the engine was lost") from exc
     except OSError as exc:
         raise BackendUnavailable(action=action, detail=exc.strerror or str(exc)) from exc
+
+
+@contextmanager
+def registry_errors(action: str, registry: str) -> Iterator[None]:
+    """The same edge for the one place we speak to a registry ourselves (image.id, _digests.py)."""
+    try:
+        yield
+    except TimeoutError as exc:
+        raise RuntimeFailed(action=action, detail=f"registry {registry} did not answer in time") from exc
+    except (aiohttp.ClientError, OSError) as exc:
+        raise RuntimeFailed(action=action, detail=f"registry {registry}: {type(exc).__name__}: {exc}") from exc
 
 
 def valid_workload_name(name: str) -> bool:
@@ -191,6 +217,11 @@ class DockerBackend:
         self._docker: aiodocker.Docker | None = None
         # Containers whose removal failed (engine down or restarting): retried by maintain().
         self._pending_removal: set[str] = set()
+        # image.id on the containerd image store (_digests.py): whether the engine uses it (read
+        # once: switching stores restarts the engine and empties it), and target -> config digest.
+        self._containerd_store: bool | None = None
+        self._engine_info: dict[str, Any] = {}
+        self._config_digests: dict[str, str] = {}
 
     async def __aenter__(self) -> DockerBackend:
         if self._image_ledger is not None:
@@ -331,8 +362,49 @@ class DockerBackend:
 
     async def image_inspect(self, image: str) -> ImageInfo:
         info = await self._image(image, "image-inspect")
-        return ImageInfo(id=info["Id"], repo_digests=list(info.get("RepoDigests") or []),
+        return ImageInfo(id=await self._config_digest(image, info), repo_digests=list(info.get("RepoDigests") or []),
                          size=int(info.get("Size") or 0))
+
+    async def _config_digest(self, image: str, info: dict[str, Any]) -> str:
+        """The image's OCI config digest: ``Id`` on the classic store, else read from its target (_digests.py)."""
+        image_id = str(info["Id"])
+        if self._containerd_store is None and "Descriptor" not in info:
+            with docker_errors("image-inspect"):
+                self._engine_info = dict(await self.docker.system.info())
+            self._containerd_store = uses_containerd_store(self._engine_info)
+        if not id_needs_resolution(info, containerd_store=bool(self._containerd_store)):
+            return image_id
+        if image_id in self._config_digests:  # content-addressed: never stale
+            return self._config_digests[image_id]
+        sources = [ref for name in info.get("RepoDigests") or []
+                   if (ref := parse_reference(name)) is not None and ref.digest == image_id]
+        if not sources:
+            raise RuntimeFailed(action="image-inspect", detail=(
+                f"{image} is on the containerd image store, whose image id {image_id} is not the config "
+                "digest, and no registry repository holds it (RepoDigests) to read the config digest from"))
+        with docker_errors("image-inspect"):
+            if not self._engine_info:
+                self._engine_info = dict(await self.docker.system.info())
+            platform = Platform.of_engine(dict(await self.docker.version()))
+        layers = (info.get("RootFS") or {}).get("Layers")
+        failures = []
+        for ref in sources:
+            registry, repository = ref.registry, repository_path(ref.repository)
+            try:
+                with registry_errors("image-inspect", registry):
+                    async with aiohttp.ClientSession(timeout=_SHORT) as session:
+                        reader = RegistryReader(session, registry=registry, repository=repository,
+                                                auth=registry_auth(self._credentials(), registry),
+                                                insecure=registry_is_insecure(self._engine_info, registry))
+                        found = await config_digest(image_id, reader.read, platform,
+                                                    layers=layers if isinstance(layers, list) else None)
+            except RuntimeFailed as exc:
+                failures.append(f"{ref.normalized_repository}: {exc.detail}")
+                continue
+            self._config_digests[image_id] = found
+            return found
+        raise RuntimeFailed(action="image-inspect", detail=(
+            f"cannot read the config digest of {image} (image id {image_id}): " + "; ".join(failures)))
 
     async def image_pull(self, image: str) -> None:
         ref = parse_reference(image)
@@ -377,7 +449,8 @@ class DockerBackend:
             await self.docker.images.delete(image, force=False, noprune=True)
         await self._ledger_update("image-remove", drop=key)
 
-    async def image_build(self, build: ImageBuild) -> None:
+    async def image_build(self, build: ImageBuild, *, owner: Owner | None = None) -> None:
+        """Build `build.tag`; the context directories are read as `owner` (None: the daemon itself)."""
         headers = {"Content-Type": "application/x-tar"}
         credentials = self._credentials()
         auths = {registry: entry for registry in (credentials.get("auths") or {})
@@ -389,11 +462,8 @@ class DockerBackend:
         params = {"t": build.tag, "dockerfile": DOCKERFILE_PATH, "rm": "1", "forcerm": "1",
                   "pull": "1" if build.pull else "0", "buildargs": json.dumps(dict(build.arguments))}
         with tempfile.TemporaryFile(dir=self._spool_dir, prefix="coldsnap-build-") as spool:
-            try:
-                await anyio.to_thread.run_sync(lambda: write_context_tar(
-                    spool, context=build.context, contexts=dict(build.contexts), dockerfile=build.dockerfile))
-            except (OSError, UnicodeDecodeError) as exc:
-                raise RuntimeFailed(action="image-build", detail=str(exc)) from exc
+            await write_context_tar(spool, context=build.context, contexts=dict(build.contexts),
+                                    dockerfile=build.dockerfile, owner=owner)
             spool.seek(0)
             await self._progress("image-build", "build", params=params, headers=headers, data=spool)
         await self._ledger_update("image-build", add=_ledger_key(build.tag))

@@ -1,20 +1,37 @@
-"""Named build contexts for the classic builder: Dockerfile rewriting and the context tar."""
+"""Named build contexts for the classic builder: Dockerfile rewriting and the context tar.
+
+The tar is written by the real packer program (``_archive.py --pack``), as root and as the
+real ``nobody`` user.
+"""
 
 from __future__ import annotations
 
 import io
+import os
+import pwd
+import shutil
+import subprocess
+import sys
 import tarfile
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+import coldsnap_runtime.backend._archive as archive_module
+from coldsnap_runtime import Owner
 from coldsnap_runtime.backend._buildctx import (
     DOCKERFILE_PATH,
     base_images,
     rewrite_dockerfile,
     write_context_tar,
 )
-from coldsnap_runtime.errors import BuildContextError
+from coldsnap_runtime.errors import BuildContextError, RuntimeFailed
+
+NOBODY = pwd.getpwnam("nobody")
+AS_NOBODY = Owner(NOBODY.pw_uid, NOBODY.pw_gid)
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="changes identity: needs root")
 
 CTX = {"coldsnap_seed": "/seed", "base": "/base"}
 
@@ -46,30 +63,117 @@ def test_buildkit_only_mounts_are_refused() -> None:
         rewrite_dockerfile("RUN --mount=type=cache,from=coldsnap_seed,target=/x true\n", CTX)
 
 
-def test_context_tar_holds_context_named_contexts_and_dockerfile(tmp_path: Path) -> None:
+async def pack_bytes(context: Path | str, contexts: dict[str, str] | None = None, *, owner: Owner | None = None,
+                     dockerfile: bytes = b"FROM x\n") -> bytes:
+    with tempfile.TemporaryFile() as out:  # the packer writes to the file's descriptor, like the backend's spool
+        await write_context_tar(out, context=str(context), contexts=contexts or {}, dockerfile=dockerfile,
+                                owner=owner)
+        out.seek(0)
+        return out.read()
+
+
+async def pack(context: Path | str, contexts: dict[str, str] | None = None, *, owner: Owner | None = None,
+               dockerfile: bytes = b"FROM x\n") -> tarfile.TarFile:
+    return tarfile.open(fileobj=io.BytesIO(await pack_bytes(context, contexts, owner=owner, dockerfile=dockerfile)))
+
+
+@pytest.fixture
+def top() -> Iterator[Path]:
+    """A root-owned 0755 directory in /tmp that nobody can reach (pytest's own tree is 0700)."""
+    path = Path(tempfile.mkdtemp(prefix="cs-ctx-", dir="/tmp"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+async def test_context_tar_holds_context_named_contexts_and_dockerfile(tmp_path: Path) -> None:
     (tmp_path / "ctx").mkdir()
     (tmp_path / "ctx" / "keep.txt").write_text("k")
     (tmp_path / "ctx" / "skip.log").write_text("s")
     (tmp_path / "ctx" / ".dockerignore").write_text("*.log\n")
     (tmp_path / "seed" / "root").mkdir(parents=True)
     (tmp_path / "seed" / "root" / "f").write_text("seed")
-    out = io.BytesIO()
-    write_context_tar(out, context=str(tmp_path / "ctx"), contexts={"coldsnap_seed": str(tmp_path / "seed")},
-                      dockerfile=b"FROM x\nCOPY --from=coldsnap_seed /root /root\n")
-    out.seek(0)
-    with tarfile.open(fileobj=out) as tar:
+    with await pack(tmp_path / "ctx", {"coldsnap_seed": str(tmp_path / "seed")},
+                    dockerfile=b"FROM x\nCOPY --from=coldsnap_seed /root /root\n") as tar:
         names = tar.getnames()
         dockerfile = tar.extractfile(DOCKERFILE_PATH).read()  # type: ignore[union-attr]
         owners = {(m.uid, m.gid) for m in tar.getmembers()}
+        seed = tar.extractfile(".coldsnap-contexts/coldsnap_seed/root/f").read()  # type: ignore[union-attr]
     assert "keep.txt" in names and "skip.log" not in names
-    assert ".coldsnap-contexts/coldsnap_seed/root/f" in names
+    assert ".coldsnap-contexts/coldsnap_seed/root/f" in names and seed == b"seed"
     assert dockerfile == b"FROM x\nCOPY .coldsnap-contexts/coldsnap_seed/root /root\n"
     assert owners == {(0, 0)}
 
 
-def test_missing_context_directory_is_named(tmp_path: Path) -> None:
+async def test_context_tar_missing_context_directory_is_named(tmp_path: Path) -> None:
     with pytest.raises(BuildContextError, match=r"contexts\['seed'\] /nope is not a directory"):
-        write_context_tar(io.BytesIO(), context=str(tmp_path), contexts={"seed": "/nope"}, dockerfile=b"FROM x\n")
+        await pack(tmp_path, {"seed": "/nope"})
+
+
+async def test_context_tar_reserved_name_in_the_context_is_refused(tmp_path: Path) -> None:
+    (tmp_path / ".coldsnap-build").mkdir()
+    with pytest.raises(BuildContextError, match=r"must not contain '\.coldsnap-build'"):
+        await pack(tmp_path)
+
+
+@needs_root
+async def test_context_tar_as_nobody_unreadable_path_fails_naming_it(top: Path) -> None:
+    """Regression: image-build read context directories as root: a manager could build any host file in."""
+    context = top / "ctx"
+    (context / "private").mkdir(parents=True)
+    (context / "private" / "key").write_text("root's secret\n")
+    (context / "private").chmod(0o700)
+    (context / "readable.txt").write_text("r\n")
+    with await pack(context) as tar:  # the daemon's own identity reads it: the rule below is the owner's
+        assert tar.extractfile("private/key").read() == b"root's secret\n"  # type: ignore[union-attr]
+    with pytest.raises(BuildContextError, match=rf"cannot read {context}/private: Permission denied") as caught:
+        await pack(context, owner=AS_NOBODY)
+    assert isinstance(caught.value, RuntimeFailed) and caught.value.error_code == "runtime_failed"
+    (context / "private").chmod(0o755)
+    (context / "private" / "key").chmod(0o600)
+    with pytest.raises(BuildContextError, match=rf"cannot read {context}/private/key: Permission denied"):
+        await pack(context, owner=AS_NOBODY)
+    (context / "private" / "key").chmod(0o644)
+    seed = top / "seed"
+    seed.mkdir(mode=0o700)
+    with pytest.raises(BuildContextError, match=rf"cannot read {seed}: Permission denied"):
+        await pack(top / "ctx", {"s": str(seed)}, owner=AS_NOBODY, dockerfile=b"FROM s\n")
+
+
+@needs_root
+@pytest.mark.parametrize("owner", [None, AS_NOBODY], ids=["as-root", "as-nobody"])
+async def test_context_tar_symlinks_are_archived_as_links_never_followed(top: Path, owner: Owner | None) -> None:
+    context = top / "ctx"
+    context.mkdir()
+    (context / "shadow").symlink_to("/etc/shadow")
+    (context / "etc").symlink_to("/etc")
+    (context / "dangling").symlink_to("/nonexistent/target")
+    shadow_head = Path("/etc/shadow").read_bytes().split(b"\n")[0]
+    data = await pack_bytes(context, owner=owner)
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        members = {m.name: m for m in tar.getmembers()}
+    assert members["shadow"].issym() and members["shadow"].linkname == "/etc/shadow"
+    assert members["etc"].issym() and members["etc"].linkname == "/etc"
+    assert members["dangling"].issym()
+    assert not any(name.startswith("etc/") for name in members)  # the linked directory is not entered
+    assert shadow_head and shadow_head not in data
+
+
+@needs_root
+async def test_context_tar_dockerignored_unreadable_directory_is_never_opened(top: Path) -> None:
+    context = top / "ctx"
+    (context / "cache").mkdir(parents=True)
+    (context / "cache").chmod(0o700)
+    (context / "app.txt").write_text("a")
+    (context / ".dockerignore").write_text("cache\n")
+    with await pack(context, owner=AS_NOBODY) as tar:
+        assert sorted(tar.getnames()) == [".coldsnap-build/Dockerfile", ".dockerignore", "app.txt"]
+
+
+def test_pack_program_bad_arguments_exit_2() -> None:
+    result = subprocess.run([sys.executable, "-I", "-S", archive_module.__file__, "--pack", "extra"],
+                            input=b"{}", capture_output=True, check=False)
+    assert result.returncode == 2 and b"usage: _archive.py --pack" in result.stderr
 
 
 def test_base_images_skip_stages_and_scratch_and_substitute_args() -> None:

@@ -163,6 +163,43 @@ async def test_copy_from_as_an_owner_refuses_a_planted_symlink_and_writes_owned_
     assert (shared / "seed" / "sub" / "k").stat().st_uid == NOBODY.pw_uid
 
 
+async def test_image_build_as_an_owner_reads_the_context_as_that_owner(busybox_image: str, top: Path) -> None:
+    """Regression: image-build read `context` directories as root: any host file could be built into an image."""
+    nobody = Owner(NOBODY.pw_uid, NOBODY.pw_gid)
+    context = top / "ctx"
+    (context / "private").mkdir(parents=True)
+    (context / "private" / "key").write_text("root only\n")
+    (context / "private").chmod(0o700)
+    (context / "shadow").symlink_to("/etc/shadow")
+    tag = f"coldsnap-capsule/{uniq('owner')}:1"
+    dockerfile = f"FROM {busybox_image}\nCOPY . /ctx\n".encode()
+    try:
+        async with DockerBackend() as backend:
+            with pytest.raises(RuntimeFailed, match=rf"image-build failed: cannot read {context}/private: "
+                                                    "Permission denied"):
+                await backend.image_build(ImageBuild(dockerfile=dockerfile, context=str(context), tag=tag),
+                                          owner=nobody)
+            assert not image_exists(tag)
+            (context / "private").chmod(0o755)  # now nobody may read it: the same build succeeds
+            await backend.image_build(ImageBuild(dockerfile=dockerfile, context=str(context), tag=tag), owner=nobody)
+            reply = await backend.workload_run(WorkloadSpec(
+                image=tag, name="", remove_after_exit=True, pull_policy="never",
+                command=["sh", "-c", "cat /ctx/private/key; test -L /ctx/shadow && readlink /ctx/shadow"]),
+                allow_pull=False)
+        assert reply.output == b"root only\n/etc/shadow\n"  # the link travelled as a link, not as its content
+    finally:
+        docker("image", "rm", tag, check=False)
+
+
+def test_private_aiodocker_request_api_is_used_only_by_stream() -> None:
+    """aiodocker's private request methods appear once: in the documented DockerBackend._stream."""
+    text = (ROOT / "coldsnap_runtime" / "backend" / "_docker.py").read_text()
+    assert "_query_json" not in text and "_query_chunked_post" not in text
+    assert text.count("self.docker._query(") == 1
+    stream = text[text.index("    async def _stream("):text.index("    # --- streaming JSON progress")]
+    assert "self.docker._query(" in stream
+
+
 # --- leftovers of a killed daemon (finding 15) ---------------------------------------------
 
 _CHILD = """

@@ -5,13 +5,14 @@ from __future__ import annotations
 import base64
 import json
 import re
+import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import Registry, docker
-from tests.helpers import Session
+from tests.helpers import Session, running_daemon
 from tests.runtime.conftest import image_exists, uniq
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
@@ -155,6 +156,26 @@ async def test_failed_build_is_runtime_failed_and_leaves_no_container(session: S
     no_context = await session.runtime(
         "image-build", build=build_request(f"FROM {busybox_image}\n", "/nonexistent", tag))
     assert not no_context.ok and "/nonexistent is not a directory" in str(no_context.error)
+
+
+async def test_build_context_is_read_as_exec_user_not_as_the_daemon(busybox_image: str) -> None:
+    """Regression: image-build read context directories as root; with `exec.user = nobody` it reads as nobody."""
+    root = Path(tempfile.mkdtemp(prefix="cs-build-", dir="/tmp"))
+    try:
+        root.chmod(0o755)
+        (root / "ctx" / "secret").mkdir(parents=True)
+        (root / "ctx" / "secret" / "id_rsa").write_text("root's key\n")
+        (root / "ctx" / "secret" / "id_rsa").chmod(0o600)
+        tag = f"coldsnap-capsule/{uniq('asuser')}:1"
+        async with running_daemon('[exec]\nuser = "nobody"\n') as daemon:
+            session = await daemon.open_session(hosts=["localhost"])
+            reply = await session.runtime("image-build", build=build_request(
+                f"FROM {busybox_image}\nCOPY . /ctx\n", str(root / "ctx"), tag))
+        assert not reply.ok and reply.error_code == "runtime_failed"
+        assert reply.error == f"image-build failed: cannot read {root}/ctx/secret/id_rsa: Permission denied"
+        assert not image_exists(tag)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 async def test_pull_policies(session: Session, busybox_image: str, registry: Registry) -> None:

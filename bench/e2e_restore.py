@@ -1,0 +1,558 @@
+"""The restore users run (issue 12 item 4): ColdSnap's restore sequence over the format-1 envelope, timed.
+
+    python bench/e2e_restore.py --state-dir DIR --capsule TAG --weights DIR --work DIR --out DIR
+                                [--mode hydrate|full ...] [--restores 2] [--plain-capsule TAG]
+
+Against a running `coldsnap-provider serve` (state dir DIR; `[gpus] mode = "native"` and
+`[runtime] privileged = "host-capabilities"` on a host whose bounding set lacks a capability), using only
+the public client (`call_control` for the session and the probe, `call` for runtime-v1 envelopes):
+
+1. `image-inspect` the capsule and pin it by its image ID (every later workload runs `sha256:<id>`);
+2. the disposable probe container (control-socket `probe`, n610, GPU 0) and a disposable check that the
+   capsule carries the restore worker (`coldsnap_probe` and CRIU);
+3. the serving engine (`bench/engine_llama.py`, 8B-shaped, ~16 GB bf16) as a detached workload, timed
+   from `workload-run` to its first streamed token (cold Docker-to-first-token);
+4. capture with the worker inside that container (`workload-exec python3 -m coldsnap_probe capture`);
+   in `hydrate` mode the worker first has the engine release its weights (`--hydration`), so the
+   images hold everything but the weights; in `full` mode the whole device state goes into them;
+5. then, `--restores` times: evict the unit's name, launch the restore unit (`workload-run` detached,
+   same image, mounts and options, the worker restoring as its command, then holding the container),
+   poll the readiness check (`workload-exec test -s <ready file>`), read the worker's report,
+   `workload-inspect` the unit (running, start time, the six ColdSnap labels), stream the first token.
+   Restored Docker-to-first-token runs from the restore unit's `workload-run` to that token.
+
+Every restore must give the cold start's tokens and first-step logits bit for bit. Bad input fails as the
+adapter would see it: an `E2EError` with `runtime_failed` naming the cause, and the unit removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+
+from coldsnap_provider import call, call_control
+
+PROMPT = [128000, 3923, 374, 279, 6864, 315, 9822, 30]
+MAX_TOKENS = 16
+RUN = "/run/engine"  # the run directory inside every container (engine socket, log, compiler caches)
+IMAGES = "/images"
+WEIGHTS = "/weights"
+ENGINE = "/opt/engine"
+WORKER_PATH = "/opt/coldsnap/worker"
+CRIU = "/opt/coldsnap/criu/bin/criu-env"
+READY = "/tmp/coldsnap-restore-ready.json"
+PID_FLOOR = 512  # the captured PIDs must be free in the restore unit (spec 7.3: advance the allocator)
+HOST_MOUNTS = ("/usr", "/lib", "/lib64", "/sbin", "/opt/torch")
+
+
+class E2EError(Exception):
+    """A step of the sequence failed the way the adapter would see it (`code` is the envelope's error_code)."""
+
+    def __init__(self, message: str, *, code: str = "runtime_failed") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Layout:
+    """Host paths and the interpreter the containers use; the same for the serving and the restore units."""
+
+    run_dir: Path
+    images_dir: Path
+    weights: Path
+    bench_dir: Path = Path(__file__).resolve().parent
+    python: str = "/opt/torch/.venv/bin/python3"
+    host_mounts: tuple[str, ...] = HOST_MOUNTS
+    gpus: tuple[str, ...] = ("0",)
+
+    def mounts(self) -> list[dict[str, Any]]:
+        return ([{"source": p, "target": p, "read_only": True} for p in self.host_mounts]
+                + [{"source": str(self.weights), "target": WEIGHTS, "read_only": True},
+                   {"source": str(self.bench_dir), "target": ENGINE, "read_only": True},
+                   {"source": str(self.run_dir), "target": RUN},
+                   {"source": str(self.images_dir), "target": IMAGES}])
+
+    def environment(self) -> dict[str, str]:
+        # Everything the engine writes and may keep mapped (Triton's launcher .so, inductor's cache, temp files)
+        # lives on the shared run directory, present at the same path in the restore unit.
+        return {"HOME": f"{RUN}/home", "TMPDIR": f"{RUN}/tmp", "TRITON_CACHE_DIR": f"{RUN}/cache/triton",
+                "TORCHINDUCTOR_CACHE_DIR": f"{RUN}/cache/inductor", "PYTHONUNBUFFERED": "1",
+                "HF_HUB_OFFLINE": "1", "PYTHONPATH": WORKER_PATH,
+                # Triton finds libcuda with /sbin/ldconfig -p, which knows nothing of the driver's binds.
+                "TRITON_LIBCUDA_PATH": "/usr/local/nvidia/lib64"}
+
+    def unit(self, name: str, image: str, *, entrypoint: str, command: list[str],
+             labels: dict[str, str] | None = None) -> dict[str, Any]:
+        """A rank-unit-shaped detached workload: the GPU, every capability the host has, no seccomp."""
+        spec: dict[str, Any] = {
+            "name": name, "image": image, "detached": True, "pull_policy": "never", "network": "none",
+            "privileged": True, "seccomp_unconfined": True, "shared_memory_bytes": 1 << 30,
+            "mounts": self.mounts(), "environment": self.environment(), "entrypoint": entrypoint,
+            "command": command}
+        if self.gpus:
+            spec["gpus"] = list(self.gpus)
+        if labels:
+            spec["labels"] = labels
+        return spec
+
+    def prepare(self) -> None:
+        for sub in ("home", "tmp", "cache/triton", "cache/inductor"):
+            (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
+        self.images_dir.mkdir(parents=True, exist_ok=True)
+        for stale in ("engine.sock", "hydration.sock", "engine.log"):
+            (self.run_dir / stale).unlink(missing_ok=True)
+
+
+class Driver:
+    """A controller's view of the daemon: one session, runtime-v1 envelopes through the public client."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        self.socket = self.token = self.session = ""
+        self._n = 0
+
+    async def open(self) -> None:
+        opened = await call_control(self.state_dir, {"operation": "session-open", "session": f"op-e2e-{os.getpid()}",
+                                                     "hosts": ["localhost"]})
+        self.socket, self.token, self.session = opened["socket"], opened["token"], opened["session"]
+
+    async def runtime(self, action: str, **fields: Any) -> dict[str, Any]:
+        self._n += 1
+        request = {"format": 1, "id": f"{time.time_ns()}-{self._n}", "token": self.token, "session": self.session,
+                   "operation": "runtime", "host": "localhost", "runtime": {"action": action, **fields}}
+        reply = await call(self.socket, request, check=False)
+        out: dict[str, Any] = msgspec.to_builtins(reply)
+        return out
+
+    async def expect(self, what: str, action: str, **fields: Any) -> dict[str, Any]:
+        reply = await self.runtime(action, **fields)
+        if not reply.get("ok"):
+            raise E2EError(f"{what}: {reply.get('error')}", code=reply.get("error_code") or "runtime_failed")
+        runtime: dict[str, Any] = reply.get("runtime") or {}
+        return runtime
+
+    async def gone(self, name: str) -> bool:
+        """True when no workload answers to `name` (what "no container left" means to a controller)."""
+        reply = await self.runtime("workload-inspect", name=name)
+        return not reply.get("ok") and reply.get("error_code") == "not_found"
+
+
+def output(runtime: dict[str, Any]) -> str:
+    raw = runtime.get("output") or ""
+    return base64.b64decode(raw).decode(errors="replace") if isinstance(raw, str) else str(raw)
+
+
+def _json_in(text: str) -> dict[str, Any]:
+    start = text.find("{")
+    value = json.loads(text[start:]) if start >= 0 else None
+    if not isinstance(value, dict):
+        raise ValueError(f"no JSON object in {text[-500:]!r}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Preparation: the pinned capsule, the disposable probe, the worker inside the capsule
+
+
+async def inspect_capsule(d: Driver, reference: str) -> dict[str, Any]:
+    runtime = await d.expect(f"capsule {reference} is not resident", "image-inspect", image=reference)
+    image: dict[str, Any] = runtime.get("image") or {}
+    if not str(image.get("id", "")).startswith("sha256:") or not image.get("size"):
+        raise E2EError(f"capsule {reference}: the manager returned no image identity ({image})")
+    return image
+
+
+async def probe_capsule(d: Driver, reference: str, driver: str = "n610") -> dict[str, Any]:
+    """The disposable probe container (the daemon runs it in the capsule, GPU 0, no network)."""
+    result: dict[str, Any] = await call_control(d.state_dir, {"operation": "probe", "driver": driver, "device": "0",
+                                                              "image": reference})
+    if not result.get("admitted"):
+        raise E2EError(f"capsule {reference} is not admitted for {driver}: {result.get('error') or result}")
+    return result
+
+
+async def check_worker(d: Driver, image: str, layout: Layout) -> None:
+    """A disposable run of the capsule: the restore worker imports and CRIU is where the worker runs it."""
+    program = (f"import os, coldsnap_probe._worker\n"
+               f"assert os.access({CRIU!r}, os.X_OK), 'no CRIU at {CRIU}'\n")
+    reply = await d.runtime("workload-run", workload={
+        "name": "", "image": image, "remove_after_exit": True, "pull_policy": "never", "network": "none",
+        "combined": True, "mounts": [m for m in layout.mounts() if m.get("read_only")],
+        "environment": {"PYTHONPATH": WORKER_PATH}, "entrypoint": layout.python, "command": ["-c", program]})
+    if not reply.get("ok"):
+        raise E2EError(f"capsule {image} carries no usable restore worker: {reply.get('error')}",
+                       code=reply.get("error_code") or "runtime_failed")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The engine: cold start, streaming
+
+
+@dataclass
+class Stream:
+    requested: float = 0.0
+    first: float = 0.0
+    last: float = 0.0
+    tokens: list[int] = field(default_factory=list)
+    done: dict[str, Any] = field(default_factory=dict)
+
+
+async def stream_tokens(socket_path: Path, *, limit: float = 120.0) -> Stream:
+    """One request on the engine's socket; each token's arrival time (host clock)."""
+    result = Stream(requested=time.time())
+    with anyio.fail_after(limit):
+        while True:
+            try:
+                connection = await anyio.connect_unix(str(socket_path))
+                break
+            except OSError:  # not yet listening
+                await anyio.sleep(0.01)
+        async with connection:
+            await connection.send(json.dumps({"prompt": PROMPT, "max_tokens": MAX_TOKENS}).encode() + b"\n")
+            buffer = bytearray()
+            while not result.done:
+                try:
+                    buffer += await connection.receive()
+                except anyio.EndOfStream:
+                    break
+                while b"\n" in buffer:
+                    end = buffer.index(b"\n")
+                    event = json.loads(bytes(buffer[:end]))
+                    del buffer[:end + 1]
+                    if "token" in event:
+                        result.first = result.first or time.time()
+                        result.last = time.time()
+                        result.tokens.append(int(event["token"]))
+                    elif event.get("done"):
+                        result.done = event
+    if not result.done or result.done.get("tokens") != result.tokens or len(result.tokens) != MAX_TOKENS:
+        raise E2EError(f"the engine's answer is incomplete: {len(result.tokens)} tokens, end {result.done}")
+    return result
+
+
+def engine_stages(layout: Layout) -> list[dict[str, Any]]:
+    try:
+        lines = (layout.run_dir / "engine.log").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    stages = []
+    for line in lines:
+        try:
+            stages.append(json.loads(line))
+        except ValueError:
+            continue
+    return stages
+
+
+async def start_serving(d: Driver, image: str, layout: Layout, name: str, *, hydrate: bool,
+                        limit: float = 480.0) -> dict[str, Any]:
+    """The serving engine as a detached workload; timed from workload-run to the first streamed token."""
+    await d.expect(f"evicting {name}", "workload-remove", name=name)
+    layout.prepare()
+    serve = [layout.python, f"{ENGINE}/engine_llama.py", "serve", WEIGHTS, "--socket", f"{RUN}/engine.sock",
+             "--log", f"{RUN}/engine.log", *(["--hydration", f"{RUN}/hydration.sock"] if hydrate else [])]
+    spec = layout.unit(name, image, entrypoint=layout.python, command=[
+        f"{ENGINE}/engine_llama.py", "launch", "--pid-floor", str(PID_FLOOR), "--log", f"{RUN}/engine.log", "--",
+        *serve])
+    created = time.time()
+    await d.expect(f"starting the serving engine {name}", "workload-run", workload=spec)
+    started = time.time()
+    with anyio.move_on_after(limit) as waited:
+        while True:
+            names = {s.get("stage"): s for s in engine_stages(layout)}
+            if "ready" in names:
+                break
+            failed = names.get("failed") or names.get("engine_exited")
+            if failed:
+                logs = output(await d.expect(f"logs of {name}", "workload-logs", name=name, tail=50))
+                raise E2EError(f"the serving engine failed before it was ready: {failed} {logs[-2000:]}")
+            await anyio.sleep(0.05)
+    if waited.cancelled_caught:
+        raise E2EError(f"the serving engine was not ready within {limit:.0f} s")
+    tokens = await stream_tokens(layout.run_dir / "engine.sock")
+    stages = engine_stages(layout)
+    forked = next(s for s in stages if s.get("stage") == "engine_forked")
+    return {"name": name, "created_unix": created, "create_start_s": started - created,
+            "first_token_s": tokens.first - created, "request_to_first_token_s": tokens.first - tokens.requested,
+            "tokens": tokens.tokens, "first_logits_sha256": tokens.done.get("first_logits_sha256"),
+            "engine_pid": forked["engine_pid"],
+            "stages": [{"stage": s["stage"], "since_create_s": round(s["unix"] - created, 3),
+                        **{k: v for k, v in s.items() if k not in ("stage", "unix", "pid", "traceback")}}
+                       for s in stages]}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Capture and restore with the worker in the capsule
+
+
+async def capture(d: Driver, name: str, pid: int, layout: Layout, capture_id: str, *, hydrate: bool) -> dict[str, Any]:
+    command = [layout.python, "-m", "coldsnap_probe", "capture", "--pid", str(pid), "--images",
+               f"{IMAGES}/{capture_id}", "--criu", CRIU, *(["--hydration", f"{RUN}/hydration.sock"] if hydrate else [])]
+    started = time.time()
+    runtime = await d.expect(f"capture of {name} by the in-capsule worker", "workload-exec", name=name,
+                             execution={"command": command})
+    report = _json_in(output(runtime))
+    report["exec_seconds"] = time.time() - started
+    return report
+
+
+def restore_command(layout: Layout, capture_id: str) -> list[str]:
+    """The restore unit's command: the worker restores, its report becomes the ready file, the unit holds."""
+    worker = (f"{layout.python} -m coldsnap_probe restore --images {IMAGES}/{capture_id} --criu {CRIU} "
+              f"--work-dir /tmp/coldsnap-restore")
+    return ["-c", f"{worker} > {READY}.tmp || exit 1; mv {READY}.tmp {READY}; exec sleep 2147483647"]
+
+
+def unit_labels(capture_id: str, cluster: str) -> dict[str, str]:
+    return {"io.sparksq.coldsnap.capture": capture_id, "io.sparksq.coldsnap.driver": "n610",
+            "io.sparksq.coldsnap.managed": "true", "io.sparksq.coldsnap.workload": cluster,
+            "io.sparksq.coldsnap.rank": "0", "io.sparksq.coldsnap.unit": "unit-0"}
+
+
+async def _fail_unit(d: Driver, name: str, why: str) -> E2EError:
+    """Collect the unit's last words, remove it, and say why (the controller's view of a failed restore)."""
+    logs = await d.runtime("workload-logs", name=name, tail=40)
+    tail = output(logs.get("runtime") or {}).strip()[-3000:]
+    await d.runtime("workload-remove", name=name)
+    return E2EError(f"{why}; restore unit {name} removed" + (f"; its log ends:\n{tail}" if tail else ""))
+
+
+async def restore_unit(d: Driver, image: str, layout: Layout, name: str, capture_id: str, *,
+                       labels: dict[str, str], readiness_timeout: float = 120.0,
+                       command: list[str] | None = None, poll: float = 0.05) -> dict[str, Any]:
+    """Launch the restore unit, wait for readiness, inspect it, stream the first token; every phase timed."""
+    await d.expect(f"evicting {name}", "workload-remove", name=name)
+    spec = layout.unit(name, image, entrypoint="sh", command=command or restore_command(layout, capture_id),
+                       labels=labels)
+    created = time.time()
+    reply = await d.runtime("workload-run", workload=spec)
+    if not reply.get("ok"):
+        await d.runtime("workload-remove", name=name)
+        raise E2EError(f"launching restore unit {name}: {reply.get('error')}",
+                       code=reply.get("error_code") or "runtime_failed")
+    started = time.time()
+    polls = 0
+    deadline = started + readiness_timeout
+    while True:
+        polls += 1
+        ready = await d.runtime("workload-exec", name=name, execution={"command": ["test", "-s", READY]})
+        if ready.get("ok"):
+            break
+        state = await d.runtime("workload-inspect", name=name)
+        workload = (state.get("runtime") or {}).get("workload") or {}
+        if not state.get("ok") or not workload.get("running"):
+            raise await _fail_unit(d, name, f"restore unit exited (code {workload.get('exit_code')}) before its "
+                                            f"readiness check `test -s {READY}` passed")
+        if time.time() > deadline:
+            raise await _fail_unit(d, name, f"readiness check `test -s {READY}` never passed within "
+                                            f"{readiness_timeout:g} s")
+        await anyio.sleep(poll)
+    readied = time.time()
+    report = _json_in(output(await d.expect("the worker's restore report", "workload-exec", name=name,
+                                            execution={"command": ["cat", READY]})))
+    inspected = await d.expect(f"inspecting {name}", "workload-inspect", name=name, include_start_time=True)
+    workload = inspected.get("workload") or {}
+    inspected_at = time.time()
+    if not workload.get("running") or workload.get("paused"):
+        raise await _fail_unit(d, name, f"restore unit is not serving: {workload}")
+    wrong = {k: v for k, v in labels.items() if (workload.get("labels") or {}).get(k) != v}
+    if wrong:
+        raise await _fail_unit(d, name, f"inspect returned other values for the ColdSnap labels {sorted(wrong)}")
+    tokens = await stream_tokens(layout.run_dir / "engine.sock")
+    marks = {m["name"]: m["unix_ns"] / 1e9 for m in report.get("timeline", [])}
+    hydration = report.get("hydration") or {}
+    return {"name": name, "create_start_s": started - created, "first_token_s": tokens.first - created,
+            "worker_started_s": (marks["restore_begin"] - created) if "restore_begin" in marks else None,
+            "criu_s": report.get("criu_restore_seconds"), "cuda_s": report.get("cuda_restore_seconds"),
+            "hydration_s": hydration.get("phase_seconds"), "hydration": hydration,
+            "readiness_s": readied - created, "readiness_polls": polls, "inspect_s": inspected_at - readied,
+            "request_to_first_token_s": tokens.first - tokens.requested, "tokens": tokens.tokens,
+            "first_logits_sha256": tokens.done.get("first_logits_sha256"), "started_at": workload.get("started_at"),
+            "worker_report": report}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One mode end to end, bad input, the table
+
+
+async def run_mode(d: Driver, args: argparse.Namespace, mode: str, pinned: str) -> dict[str, Any]:
+    work = Path(args.work) / mode
+    shutil.rmtree(work, ignore_errors=True)
+    layout = Layout(run_dir=work / "run", images_dir=work / "images", weights=Path(args.weights))
+    hydrate = mode == "hydrate"
+    result: dict[str, Any] = {"mode": mode, "ok": False}
+    serving = f"e2e-{mode}-serving"
+    try:
+        cold = await start_serving(d, pinned, layout, serving, hydrate=hydrate)
+        result["cold"] = cold
+        print(f"[{mode}] cold Docker-to-first-token {cold['first_token_s']:.2f} s", flush=True)
+        capture_id = f"e2e-{mode}-{time.strftime('%Y%m%dT%H%M%S')}"
+        result["capture"] = await capture(d, serving, int(cold["engine_pid"]), layout, capture_id, hydrate=hydrate)
+        print(f"[{mode}] captured: {json.dumps(result['capture'].get('timings_s'))}", flush=True)
+        await d.expect(f"removing {serving}", "workload-remove", name=serving)
+        unit = f"e2e{mode}_node_0"
+        result["restores"] = []
+        for attempt in range(args.restores):
+            restored = await restore_unit(d, pinned, layout, unit, capture_id, labels=unit_labels(capture_id,
+                                                                                                  f"e2e{mode}"))
+            restored["identical_tokens"] = restored["tokens"] == cold["tokens"]
+            restored["identical_first_logits"] = restored["first_logits_sha256"] == cold["first_logits_sha256"]
+            result["restores"].append(restored)
+            print(f"[{mode}] restore {attempt + 1}: Docker-to-first-token {restored['first_token_s']:.2f} s, "
+                  f"identical tokens {restored['identical_tokens']}, logits {restored['identical_first_logits']}",
+                  flush=True)
+        await d.expect(f"removing {unit}", "workload-remove", name=unit)
+        images = layout.images_dir / capture_id
+        result["images_bytes"] = sum(p.stat().st_size for p in images.rglob("*") if p.is_file())
+        result["ok"] = all(r["identical_tokens"] and r["identical_first_logits"] for r in result["restores"])
+    except (E2EError, OSError, ValueError, KeyError, TimeoutError) as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["error_code"] = getattr(exc, "code", "")
+        print(f"[{mode}] FAILED: {result['error'][:3000]}", flush=True)
+        stages = engine_stages(layout)
+        result["engine_log_tail"] = stages[-6:]
+        for name in (serving, f"e2e{mode}_node_0"):
+            await d.runtime("workload-remove", name=name)
+    finally:
+        if args.keep_images is False:
+            shutil.rmtree(layout.images_dir, ignore_errors=True)
+    return result
+
+
+async def bad_input(d: Driver, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """A capsule without the worker: refused by the check and by the restore unit, nothing left behind."""
+    rows = []
+    plain = (await inspect_capsule(d, args.plain_capsule))["id"]
+    layout = Layout(run_dir=Path(args.work) / "bad" / "run", images_dir=Path(args.work) / "bad" / "images",
+                    weights=Path(args.weights))
+    layout.prepare()
+    for what in ("check", "restore unit"):
+        started = time.time()
+        try:
+            if what == "check":
+                await check_worker(d, plain, layout)
+            else:
+                await restore_unit(d, plain, layout, "e2ebad_node_0", "none", labels=unit_labels("none", "e2ebad"),
+                                   readiness_timeout=60)
+            rows.append({"case": f"capsule without the worker ({what})", "ok": False, "error": "accepted"})
+        except E2EError as exc:
+            left = await d.gone("e2ebad_node_0")
+            rows.append({"case": f"capsule without the worker ({what})", "ok": exc.code == "runtime_failed" and left,
+                         "error_code": exc.code, "error": str(exc)[:1500], "no_container_left": left,
+                         "seconds": round(time.time() - started, 3)})
+    return rows
+
+
+def _f(value: Any) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def table(results: list[dict[str, Any]], capsule: dict[str, Any], weights_bytes: int) -> str:
+    head = ("| mode | run | Docker-to-first-token s | speed-up | create/start s | worker start s | CRIU s | CUDA s "
+            "| hydration s | ready s | request->first token s | tokens = cold | first logits = cold |")
+    lines = [head, "|" + " --- |" * 13]
+    for result in results:
+        cold = result.get("cold")
+        if not cold:
+            lines.append(f"| {result['mode']} | failed: {result.get('error', '')[:200]} |" + " |" * 11)
+            continue
+        lines.append(f"| {result['mode']} | cold | {_f(cold['first_token_s'])} | 1x | {_f(cold['create_start_s'])} "
+                     f"| - | - | - | - | - | {_f(cold['request_to_first_token_s'])} | - | - |")
+        for i, r in enumerate(result.get("restores", []), 1):
+            lines.append(
+                f"| {result['mode']} | restore {i} | {_f(r['first_token_s'])} "
+                f"| {cold['first_token_s'] / r['first_token_s']:.1f}x | {_f(r['create_start_s'])} "
+                f"| {_f(r['worker_started_s'])} | {_f(r['criu_s'])} | {_f(r['cuda_s'])} | {_f(r['hydration_s'])} "
+                f"| {_f(r['readiness_s'])} | {_f(r['request_to_first_token_s'])} | {r['identical_tokens']} "
+                f"| {r['identical_first_logits']} |")
+        if result.get("error"):
+            lines.append(f"| {result['mode']} | failed: {result['error'][:300]} |" + " |" * 11)
+    lines.append("")
+    lines.append(f"Capsule {capsule.get('id', '')[:19]}: {capsule.get('size', 0) / 1e6:.0f} MB; weights "
+                 f"{weights_bytes / 1e9:.2f} GB; " + "; ".join(
+                     f"{r['mode']} CRIU images {r['images_bytes'] / 1e9:.2f} GB" for r in results
+                     if r.get("images_bytes")))
+    for result in results:
+        cold = result.get("cold")
+        if cold:
+            marks = ", ".join(f"{s['stage']} {s['since_create_s']:.2f}" for s in cold["stages"]
+                              if s["stage"] not in ("served",))
+            lines.append(f"{result['mode']} cold stages (s after workload-run): {marks}")
+        if result.get("capture"):
+            lines.append(f"{result['mode']} capture: {json.dumps(result['capture'].get('timings_s'))}, "
+                         f"hydration {json.dumps(result['capture'].get('hydration'))}")
+    return "\n".join(lines)
+
+
+async def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--state-dir", required=True)
+    parser.add_argument("--capsule", required=True, help="the capsule tag (with the worker)")
+    parser.add_argument("--plain-capsule", default="", help="a capsule without the worker: the bad-input case")
+    parser.add_argument("--weights", required=True)
+    parser.add_argument("--work", required=True, help="host directory for run directories and CRIU images")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--mode", action="append", choices=["hydrate", "full"])
+    parser.add_argument("--restores", type=int, default=2)
+    parser.add_argument("--keep-images", action="store_true")
+    parser.add_argument("--budget", type=float, default=0.0, help="skip later modes past this many seconds")
+    parser.add_argument("--build", action="append", default=[], metavar="CONTEXT=TAG",
+                        help="first build this capsule through the daemon's image-build (CONTEXT/Dockerfile)")
+    args = parser.parse_args()
+    began = time.monotonic()
+    d = Driver(Path(args.state_dir))
+    await d.open()
+    out: dict[str, Any] = {"prepare": {"builds": []}}
+    for item in args.build:
+        context, _, tag = item.partition("=")
+        started = time.time()
+        await d.expect(f"image-build of {tag}", "image-build", build={
+            "dockerfile": base64.b64encode(Path(context, "Dockerfile").read_bytes()).decode(), "context": context,
+            "tag": tag, "pull": False})
+        out["prepare"]["builds"].append({"tag": tag, "seconds": time.time() - started})
+    capsule = await inspect_capsule(d, args.capsule)
+    pinned = str(capsule["id"])
+    out["prepare"]["capsule"] = capsule
+    started = time.time()
+    probe = await probe_capsule(d, args.capsule)
+    out["prepare"]["probe"] = {"admitted": probe.get("admitted"), "cached": probe.get("cached"),
+                               "seconds": time.time() - started}
+    started = time.time()
+    await check_worker(d, pinned, Layout(run_dir=Path(args.work), images_dir=Path(args.work),
+                                         weights=Path(args.weights)))
+    out["prepare"]["worker_check_s"] = time.time() - started
+    print(f"prepared: {json.dumps(out['prepare'])[:600]}", flush=True)
+    results: list[dict[str, Any]] = []
+    for mode in args.mode or ["hydrate"]:
+        if results and args.budget and time.monotonic() - began > args.budget:
+            results.append({"mode": mode, "ok": False, "error": f"skipped: past the {args.budget:.0f} s budget"})
+            continue
+        results.append(await run_mode(d, args, mode, pinned))
+        Path(args.out, "e2e.json").write_text(json.dumps({**out, "results": results}, indent=1))
+    out["results"] = results
+    if args.plain_capsule:
+        out["bad_input"] = await bad_input(d, args)
+        for row in out["bad_input"]:
+            print(json.dumps(row)[:800], flush=True)
+    weights_bytes = sum(p.stat().st_size for p in Path(args.weights).iterdir() if p.is_file())
+    text = table(results, capsule, weights_bytes)
+    print(text, flush=True)
+    Path(args.out, "e2e.json").write_text(json.dumps(out, indent=1))
+    Path(args.out, "e2e-table.md").write_text(text + "\n")
+    ok = all(r["ok"] for r in results) and all(r["ok"] for r in out.get("bad_input", []))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(anyio.run(main))

@@ -1,0 +1,890 @@
+"""Weight hydration: an engine's weights leave device memory before capture and come back after restore.
+
+The API (engine side, inside the capsule; standard library + cuda-python)::
+
+    arena = WeightArena(total_bytes)                  # VMM reservation + backing, mapped, exact address
+    arena.declare([WeightRegion(name, arena.address + off, size, source_path, source_offset, digest)])
+    arena.load()                                      # cold start: fill from the sources, verified
+    arena.serve(control_socket)                       # a thread the restore worker talks to
+    ... build tensors over arena.address, serve; before each request: arena.wait_ready() ...
+
+`region_digest(path, offset, size)` computes a region's digest (``sha256-64m:<hex>``: SHA-256 over
+the SHA-256 of each 64 MiB chunk, so it is computed in parallel). The worker side::
+
+    manifest = request(control_socket, {"op": "release", "generation": g})  # before CUDA lock
+    ... CUDA checkpoint, CRIU dump; restore ...
+    report = request(control_socket, {"op": "hydrate"})                  # after CUDA unlock
+
+`release` is the fail-before-release gate (memory contracts, `_memory.py`): the regions must lie
+inside the reservation without overlapping, every source must hold its region and match its
+digest, the checkpoint plan must pass `require_checkpoint_plan`; the layout and the sources are
+revalidated just before the backing is unmapped (the reservation is kept, so captured CUDA graphs
+stay valid). Any failure raises `HydrationError` naming the region, and nothing was released.
+`hydrate` (after restore) checks the manifest against the arena (same layout digest), the sources
+against the identities recorded at release (device, inode, size, mtime, ctime; on a mismatch the
+content digest decides), and the free device memory; then it maps fresh backing at the same
+address, copies, verifies sampled blocks against the source, and only then sets `ready`. On a
+failure the backing is released again and the engine stays not ready: nothing half-hydrated serves.
+
+Copy strategies (`strategy=`): ``register`` (the source file is mmapped and page-locked with
+`cuMemHostRegister`, copied by DMA on several streams; the pinning is paid at every hydration),
+``ring`` (reader threads into a ring of pinned buffers; page cache or disk), ``direct`` (the ring
+with O_DIRECT reads), and ``hydrator:<socket>``: a long-lived `HydratorServer` process
+(``python -m coldsnap_probe._hydrate serve --socket S FILE...``) keeps the sources page-locked (paid
+once, at its start) and writes into the engine's allocation, which the engine exports
+(`cuMemExportToShareableHandle`, SCM_RIGHTS); an exported allocation is released before the next
+checkpoint anyway (the weights are released before every capture).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import hashlib
+import itertools
+import json
+import mmap
+import os
+import random
+import socket
+import stat
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._memory import (
+    MemoryCheckpointPlan,
+    MemoryLayoutDescriptor,
+    MemoryRegion,
+    ProviderCapabilities,
+    require_checkpoint_plan,
+)
+from .canonical import digest
+from .errors import CudaError, HydrationError, MemoryCapabilityError
+
+__all__ = (
+    "CAPABILITIES",
+    "DIGEST_CHUNK",
+    "MANIFEST_KIND",
+    "PROVIDER",
+    "HydrationManifest",
+    "HydratorServer",
+    "SourceIdentity",
+    "WeightArena",
+    "WeightRegion",
+    "check_sources",
+    "chunk_digests",
+    "combine_digests",
+    "plan_for",
+    "region_digest",
+    "request",
+    "validate_regions",
+)
+
+DIGEST_CHUNK = 64 << 20
+DIGEST_PREFIX = "sha256-64m:"
+MANIFEST_KIND = "coldsnap-hydration-manifest"
+PROVIDER = "coldsnap-vmm-weights"
+COPY_CHUNK = 256 << 20
+SAMPLES_PER_REGION = 16
+SAMPLE_BYTES = 64 << 10
+_REQUEST_MAX = 1 << 20
+CAPABILITIES = ProviderCapabilities(
+    provider=PROVIDER, tagged_regions=True, stable_virtual_addresses=True, scoped_interception=False,
+    allocation_enumeration=True, external_snapshot_store=True, graph_regions=False, per_device_synchronization=True,
+    exact_address_reservation=True, page_granular_mapping=True, release_backing_retain_va=True,
+    checkpoint_quiescence=True)
+_ACTIONS = ("release-backing", "remap-pages")
+_HOST_REGISTER_READ_ONLY = 0x08
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Regions, digests, sources (no CUDA)
+
+
+@dataclass(frozen=True, slots=True)
+class WeightRegion:
+    """`size` bytes at virtual `address` come from `source` at `offset`; `digest` is `region_digest` of them."""
+
+    name: str
+    address: int
+    size: int
+    source: str
+    offset: int
+    digest: str
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, value: Any) -> WeightRegion:
+        try:
+            region = cls(**value)
+        except TypeError as exc:
+            raise HydrationError(f"malformed weight region: {exc}") from exc
+        for name in ("address", "size", "offset"):
+            if not isinstance(getattr(region, name), int) or isinstance(getattr(region, name), bool):
+                raise HydrationError(f"{name} must be an integer", region=str(region.name))
+        if not all(isinstance(getattr(region, n), str) for n in ("name", "source", "digest")):
+            raise HydrationError("name, source and digest must be strings", region=str(region.name))
+        return region
+
+
+def chunk_digests(path: str | Path, offset: int, size: int, *, threads: int = 0) -> list[bytes]:
+    """SHA-256 of each 64 MiB chunk of the region, computed by parallel threads over a shared mapping."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        have = os.fstat(fd).st_size
+        if have < offset + size:
+            raise HydrationError(f"source {path} is truncated: {have} bytes, the region needs {offset + size}")
+        if size == 0:
+            return []
+        base = offset - offset % mmap.ALLOCATIONGRANULARITY
+        view = mmap.mmap(fd, offset + size - base, mmap.MAP_SHARED, mmap.PROT_READ, offset=base)
+    finally:
+        os.close(fd)
+    try:
+        memory = memoryview(view)
+        end = offset - base + size
+
+        def one(start: int) -> bytes:
+            return hashlib.sha256(memory[start:min(start + DIGEST_CHUNK, end)]).digest()
+
+        with ThreadPoolExecutor(threads or min(16, os.cpu_count() or 1)) as pool:
+            parts = list(pool.map(one, range(offset - base, end, DIGEST_CHUNK)))
+        memory.release()
+    finally:
+        view.close()
+    return parts
+
+
+def combine_digests(parts: Sequence[bytes]) -> str:
+    """The region digest from its chunk digests (so a region that is a 64 MiB-aligned prefix reuses them)."""
+    return DIGEST_PREFIX + hashlib.sha256(b"".join(parts)).hexdigest()
+
+
+def region_digest(path: str | Path, offset: int, size: int, *, threads: int = 0) -> str:
+    """``sha256-64m:`` + SHA-256 of the concatenated SHA-256 of each 64 MiB chunk of the region (parallel)."""
+    return combine_digests(chunk_digests(path, offset, size, threads=threads))
+
+
+def validate_regions(regions: Sequence[WeightRegion], reservation_address: int,
+                     reservation_size: int) -> tuple[WeightRegion, ...]:
+    """Sorted by address; each named once, non-empty, inside the reservation, not overlapping another."""
+    if not regions:
+        raise HydrationError("no weight regions declared")
+    names = [r.name for r in regions]
+    for region in regions:
+        if not region.name or any(c.isspace() for c in region.name):
+            raise HydrationError(f"region name {region.name!r} must be non-empty without whitespace")
+        if names.count(region.name) > 1:
+            raise HydrationError("declared more than once", region=region.name)
+        if region.size <= 0 or region.offset < 0 or region.address < 0:
+            raise HydrationError(f"size must be > 0 and address, offset >= 0 (size {region.size}, "
+                                 f"offset {region.offset})", region=region.name)
+        if not region.source:
+            raise HydrationError("names no source file", region=region.name)
+        if not region.digest.startswith(DIGEST_PREFIX) or len(region.digest) != len(DIGEST_PREFIX) + 64:
+            raise HydrationError(f"digest must be {DIGEST_PREFIX}<64 hex digits>", region=region.name)
+        end, limit = region.address + region.size, reservation_address + reservation_size
+        if region.address < reservation_address or end > limit:
+            raise HydrationError(f"[{region.address:#x}, {end:#x}) exceeds the reservation "
+                                 f"[{reservation_address:#x}, {limit:#x})", region=region.name)
+    ordered = tuple(sorted(regions, key=lambda r: r.address))
+    for before, after in itertools.pairwise(ordered):
+        if before.address + before.size > after.address:
+            raise HydrationError(f"overlaps region {before.name} at {after.address:#x}", region=after.name)
+    return ordered
+
+
+@dataclass(frozen=True, slots=True)
+class SourceIdentity:
+    """What a write, truncation or replacement of a source file changes."""
+
+    path: str
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, path: str) -> SourceIdentity:
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            raise HydrationError(f"source {path} cannot be read: {exc.strerror}") from exc
+        if not stat.S_ISREG(st.st_mode):
+            raise HydrationError(f"source {path} is not a regular file")
+        return cls(path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def check_sources(regions: Sequence[WeightRegion], recorded: dict[str, SourceIdentity] | None = None, *,
+                  content: bool = False) -> dict[str, SourceIdentity]:
+    """Every source exists and holds its region; the digest is checked when `content` or the identity changed.
+
+    Returns the sources' identities now. Raises HydrationError naming the first region at fault.
+    """
+    now: dict[str, SourceIdentity] = {}
+    for region in regions:
+        try:
+            identity = now[region.source] if region.source in now else SourceIdentity.of(region.source)
+        except HydrationError as exc:
+            raise HydrationError(str(exc), region=region.name) from exc
+        now[region.source] = identity
+        if identity.size < region.offset + region.size:
+            raise HydrationError(f"source {region.source} is truncated: {identity.size} bytes, the region needs "
+                                 f"{region.offset + region.size}", region=region.name)
+        changed = recorded is not None and recorded.get(region.source) != identity
+        if content or changed:
+            actual = region_digest(region.source, region.offset, region.size)
+            if actual != region.digest:
+                raise HydrationError(f"source {region.source} does not match the digest: expected "
+                                     f"{region.digest}, found {actual}", region=region.name)
+    return now
+
+
+def plan_for(regions: Sequence[WeightRegion], *, address: int, size: int, granularity: int, generation: str,
+             owner: str = "engine") -> tuple[MemoryLayoutDescriptor, MemoryCheckpointPlan]:
+    """The `weights` layout (one extent per region) and the release/remap checkpoint plan."""
+    ordered = validate_regions(regions, address, size)
+    layout = MemoryLayoutDescriptor.create(
+        provider=PROVIDER, provider_abi=1, region=MemoryRegion("weights", "preserve"), device="cuda:0",
+        base_address=address, logical_bytes=sum(r.size for r in ordered), allocation_granularity=granularity,
+        mapping_granularity=size, layout_kind="contiguous" if len(ordered) == 1 else "per-layer",
+        groups=tuple(r.name for r in ordered), extent_count=len(ordered),
+        extension={"reservation_bytes": size, "regions": [r.to_json() for r in ordered]})
+
+    def prepare(resolved: tuple[MemoryRegion, ...], gen: str) -> MemoryCheckpointPlan:
+        return MemoryCheckpointPlan.create(
+            layouts=[layout], generation=gen, owner=owner, provider=PROVIDER, provider_abi=1, actions=_ACTIONS,
+            mapped_bytes_before=size, mapped_bytes_after=0, reserved_bytes_before=size, reserved_bytes_after=size,
+            participants=(owner,), quiescence_evidence="cuCtxSynchronize", terminal_on_failure=False,
+            abort_safe=True)
+
+    try:
+        plan = require_checkpoint_plan(CAPABILITIES, prepare, ["weights"], generation)
+    except MemoryCapabilityError as exc:
+        raise HydrationError(f"the checkpoint plan is refused: {exc}") from exc
+    return layout, plan
+
+
+@dataclass(frozen=True, slots=True)
+class HydrationManifest:
+    """What was released, so that restore can put it back: regions, sources, layout and plan, digested."""
+
+    generation: str
+    device: int
+    reservation_address: int
+    reservation_size: int
+    granularity: int
+    regions: tuple[WeightRegion, ...]
+    sources: tuple[SourceIdentity, ...]
+    layout: MemoryLayoutDescriptor
+    plan: MemoryCheckpointPlan
+    control: str = ""
+    manifest_digest: str = ""
+    format: int = 1
+
+    def _body(self) -> dict[str, Any]:
+        return {"format": self.format, "kind": MANIFEST_KIND, "generation": self.generation, "device": self.device,
+                "reservation_address": self.reservation_address, "reservation_size": self.reservation_size,
+                "granularity": self.granularity, "regions": [r.to_json() for r in self.regions],
+                "sources": [s.to_json() for s in self.sources], "layout": self.layout.to_json(),
+                "plan": self.plan.to_json(), "control": self.control}
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self._body(), "manifest_digest": self.manifest_digest}
+
+    @classmethod
+    def create(cls, **fields: Any) -> HydrationManifest:
+        draft = cls(**fields)
+        return dataclasses.replace(draft, manifest_digest=digest(draft._body()))
+
+    @classmethod
+    def from_json(cls, value: Any) -> HydrationManifest:
+        """Decode and check everything: kind, digest, regions in the reservation, layout and plan recompute."""
+        try:
+            if value.get("kind") != MANIFEST_KIND or value.get("format") != 1:
+                raise HydrationError(f"not a format-1 {MANIFEST_KIND}")
+            manifest = cls(
+                generation=str(value["generation"]), device=int(value["device"]),
+                reservation_address=int(value["reservation_address"]),
+                reservation_size=int(value["reservation_size"]), granularity=int(value["granularity"]),
+                regions=tuple(WeightRegion.from_json(r) for r in value["regions"]),
+                sources=tuple(SourceIdentity(**s) for s in value["sources"]),
+                layout=MemoryLayoutDescriptor.from_json(value["layout"]),
+                plan=MemoryCheckpointPlan.from_json(value["plan"]), control=str(value.get("control", "")),
+                manifest_digest=str(value["manifest_digest"]))
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise HydrationError(f"malformed hydration manifest: {type(exc).__name__}: {exc}") from exc
+        except MemoryCapabilityError as exc:
+            raise HydrationError(f"hydration manifest: {exc}") from exc
+        if manifest.manifest_digest != digest(manifest._body()):
+            raise HydrationError("hydration manifest digest does not recompute")
+        layout, plan = plan_for(manifest.regions, address=manifest.reservation_address,
+                                size=manifest.reservation_size, granularity=manifest.granularity,
+                                generation=manifest.generation, owner=manifest.plan.owner)
+        if layout.layout_digest != manifest.layout.layout_digest or plan.plan_digest != manifest.plan.plan_digest:
+            raise HydrationError("hydration manifest layout or plan does not match its regions")
+        return manifest
+
+    @property
+    def identities(self) -> dict[str, SourceIdentity]:
+        return {s.path: s for s in self.sources}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CUDA (cuda-python through coldsnap_probe._cuda.Driver)
+
+
+def _ok(driver: Any, name: str, result: Any) -> Any:
+    """The binding's (err, *outputs) to outputs, or CudaError (the same text as Driver.call)."""
+    err, *outputs = result
+    if int(err) != 0:
+        error_name, error_string = driver._error_text(err)
+        raise CudaError(name, error_name, error_string)
+    if not outputs:
+        return None
+    return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+
+def _cu(driver: Any, name: str, *args: Any) -> Any:
+    return _ok(driver, name, getattr(driver.cuda, name)(*args))
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_MAP_POPULATE = 0x8000
+
+
+class _Mapped:
+    """A read-only shared mapping of a whole file (address stable for cuMemHostRegister), optionally page-locked."""
+
+    def __init__(self, path: str, *, populate: bool = True) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            self.size = os.fstat(fd).st_size
+            flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
+            address = _libc.mmap(None, self.size, mmap.PROT_READ, flags, fd, 0)
+        finally:
+            os.close(fd)
+        if address in (None, _MAP_FAILED):
+            raise HydrationError(f"cannot map source {path}: {os.strerror(ctypes.get_errno())}")
+        self.path, self.address, self.registered = path, int(address), False
+
+    def register(self, driver: Any) -> None:
+        try:
+            _cu(driver, "cuMemHostRegister", self.address, self.size, _HOST_REGISTER_READ_ONLY)
+        except CudaError:  # drivers without read-only registration
+            _cu(driver, "cuMemHostRegister", self.address, self.size, 0)
+        self.registered = True
+
+    def close(self, driver: Any) -> None:
+        if self.registered:
+            _ok(driver, "cuMemHostUnregister", driver.cuda.cuMemHostUnregister(self.address))
+            self.registered = False
+        _libc.munmap(self.address, self.size)
+
+
+def _copy_registered(driver: Any, jobs: Sequence[tuple[int, int, int]], streams: Sequence[Any]) -> None:
+    """(device address, host address, bytes) jobs in COPY_CHUNK pieces, round-robin over the streams."""
+    index = 0
+    for dst, src, size in jobs:
+        for start in range(0, size, COPY_CHUNK):
+            n = min(COPY_CHUNK, size - start)
+            _cu(driver, "cuMemcpyHtoDAsync", dst + start, src + start, n, streams[index % len(streams)])
+            index += 1
+    for stream in streams:
+        _cu(driver, "cuStreamSynchronize", stream)
+
+
+def _copy_ring(driver: Any, context: Any, regions: Sequence[WeightRegion], dst_of: Callable[[WeightRegion], int],
+               *, threads: int, chunk: int, direct: bool) -> dict[str, float]:
+    """Reader threads, each with two pinned buffers and a stream: pread (O_DIRECT when `direct`), then H2D."""
+    align = 4096 if direct else 1
+    pieces = [(dst_of(r) + s, r.source, r.offset + s, min(chunk, r.size - s))
+              for r in regions for s in range(0, r.size, chunk)]
+    fds = {src: os.open(src, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
+           for src in {r.source for r in regions}}
+    pin_seconds = [0.0] * threads
+
+    def work(worker: int) -> None:
+        _cu(driver, "cuCtxSetCurrent", context)
+        started = time.perf_counter()
+        stream = _cu(driver, "cuStreamCreate", 1)
+        size = chunk + 2 * align
+        buffers = [int(_cu(driver, "cuMemHostAlloc", size, 0)) for _ in range(2)]
+        events = [_cu(driver, "cuEventCreate", 2) for _ in range(2)]
+        pin_seconds[worker] = time.perf_counter() - started
+        try:
+            for k, (dst, src, offset, n) in enumerate(pieces[worker::threads]):
+                slot = k % 2
+                if k >= 2:
+                    _cu(driver, "cuEventSynchronize", events[slot])
+                first = offset - offset % align
+                length = -(-(offset + n - first) // align) * align
+                view = memoryview((ctypes.c_char * size).from_address(buffers[slot])).cast("B")
+                got = os.preadv(fds[src], [view[:length]], first)
+                view.release()
+                if got < offset - first + n:
+                    raise HydrationError(f"source {src} ended at {first + got} while reading {offset + n}")
+                _cu(driver, "cuMemcpyHtoDAsync", dst, buffers[slot] + (offset - first), n, stream)
+                _cu(driver, "cuEventRecord", events[slot], stream)
+            _cu(driver, "cuStreamSynchronize", stream)
+        finally:
+            for event in events:
+                driver.cuda.cuEventDestroy(event)
+            for buffer in buffers:
+                driver.cuda.cuMemFreeHost(buffer)
+            driver.cuda.cuStreamDestroy(stream)
+
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(work, range(threads)))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return {"pin_s": max(pin_seconds)}
+
+
+class WeightArena:
+    """A VMM reservation for an engine's weights whose backing can be released and re-created in place."""
+
+    def __init__(self, size: int, *, device: int = 0, exportable: bool = False, streams: int = 4,
+                 driver: Any = None) -> None:
+        from ._cuda import Driver
+
+        self.driver: Any = driver or Driver()
+        self.driver.context()
+        cu = self.driver.cuda
+        self.context = _cu(self.driver, "cuCtxGetCurrent")
+        self.device, self.exportable = device, exportable
+        prop = cu.CUmemAllocationProp()
+        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = device
+        if exportable:
+            prop.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        self._prop = prop
+        flag = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+        self.granularity = int(_cu(self.driver, "cuMemGetAllocationGranularity", prop, flag))
+        self.size = -(-size // self.granularity) * self.granularity
+        self.address = int(_cu(self.driver, "cuMemAddressReserve", self.size, 0, 0, 0))
+        self._handle: Any = None
+        self._streams = [_cu(self.driver, "cuStreamCreate", 1) for _ in range(streams)]
+        self.regions: tuple[WeightRegion, ...] = ()
+        self.manifest: HydrationManifest | None = None
+        self.ready = threading.Event()
+        self._lock = threading.Lock()
+        self._control: socket.socket | None = None
+        self.last_report: dict[str, Any] = {}
+        self._map()
+
+    # -- backing ---------------------------------------------------------------------------------------------
+    def _map(self) -> None:
+        cu = self.driver.cuda
+        self._handle = _cu(self.driver, "cuMemCreate", self.size, self._prop, 0)
+        try:
+            _cu(self.driver, "cuMemMap", self.address, self.size, 0, self._handle, 0)
+        except BaseException:
+            cu.cuMemRelease(self._handle)
+            self._handle = None
+            raise
+        access = cu.CUmemAccessDesc()
+        access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = self.device
+        access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        try:
+            _cu(self.driver, "cuMemSetAccess", self.address, self.size, [access], 1)
+        except BaseException:
+            self._unmap()
+            raise
+
+    def _unmap(self) -> None:
+        if self._handle is None:
+            return
+        _cu(self.driver, "cuCtxSynchronize")
+        _cu(self.driver, "cuMemUnmap", self.address, self.size)
+        _cu(self.driver, "cuMemRelease", self._handle)
+        self._handle = None
+
+    @property
+    def mapped(self) -> bool:
+        return self._handle is not None
+
+    # -- engine API -------------------------------------------------------------------------------------------
+    def declare(self, regions: Sequence[WeightRegion]) -> None:
+        """Record the weight regions (checked against the reservation; the sources are checked at use)."""
+        self.regions = validate_regions(regions, self.address, self.size)
+
+    def load(self, *, strategy: str = "register") -> dict[str, Any]:
+        """Cold start: fill the mapped backing from the sources (digests checked), verify, set `ready`."""
+        with self._lock:
+            if not self.regions:
+                raise HydrationError("declare the weight regions before loading them")
+            started = time.perf_counter()
+            check_sources(self.regions, content=True)
+            report = {"digest_s": time.perf_counter() - started, **self._fill(strategy)}
+            self.ready.set()
+            self.last_report = report
+            return report
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until the weights are hydrated and verified (engines call this before serving a request)."""
+        return self.ready.wait(timeout)
+
+    def release(self, generation: str, *, owner: str = "engine", content: bool = True) -> HydrationManifest:
+        """Before capture: the fail-before-release gate, revalidation, then unmap (the reservation is kept)."""
+        with self._lock:
+            if not self.mapped:
+                raise HydrationError("the weights are already released")
+            if not self.regions:
+                raise HydrationError("no weight regions declared: nothing to release")
+            layout, plan = plan_for(self.regions, address=self.address, size=self.size,
+                                    granularity=self.granularity, generation=generation, owner=owner)
+            identities = check_sources(self.regions, content=content)
+            manifest = HydrationManifest.create(
+                generation=generation, device=self.device, reservation_address=self.address,
+                reservation_size=self.size, granularity=self.granularity, regions=self.regions,
+                sources=tuple(identities[s] for s in sorted(identities)), layout=layout, plan=plan,
+                control=self._control.getsockname() if self._control else "")
+            # Revalidation before commit: the layout recomputes and no source changed since the gate.
+            again, _ = plan_for(self.regions, address=self.address, size=self.size, granularity=self.granularity,
+                                generation=generation, owner=owner)
+            if again.layout_digest != layout.layout_digest:
+                raise HydrationError("the weight layout changed during the release")
+            check_sources(self.regions, identities)
+            self.ready.clear()
+            try:
+                self._unmap()
+            except BaseException:
+                self.ready.set()  # nothing was released: keep serving
+                raise
+            self.manifest = manifest
+            return manifest
+
+    def restore(self, manifest: HydrationManifest | None = None, *, strategy: str = "register") -> dict[str, Any]:
+        """After restore: check, map at the same address, hydrate, verify, then set `ready`."""
+        with self._lock:
+            manifest = manifest or self.manifest
+            if manifest is None:
+                raise HydrationError("no hydration manifest: the weights were never released")
+            if self.mapped:
+                raise HydrationError("the weights are mapped: release them first")
+            started = time.perf_counter()
+            if (manifest.reservation_address, manifest.reservation_size) != (self.address, self.size):
+                raise HydrationError(f"the manifest's reservation [{manifest.reservation_address:#x}, +"
+                                     f"{manifest.reservation_size}) is not this arena's [{self.address:#x}, "
+                                     f"+{self.size})")
+            layout, _ = plan_for(manifest.regions, address=self.address, size=self.size,
+                                 granularity=self.granularity, generation=manifest.generation,
+                                 owner=manifest.plan.owner)
+            if layout.layout_digest != manifest.layout.layout_digest:
+                raise HydrationError("the weight layout changed since the release")
+            check_sources(manifest.regions, manifest.identities)
+            _cu(self.driver, "cuCtxSetCurrent", self.context)
+            free, _total = _cu(self.driver, "cuMemGetInfo")
+            if int(free) < self.size:
+                raise HydrationError(f"the GPU has {int(free)} bytes free, hydration needs {self.size}")
+            checked = time.perf_counter()
+            self.regions = manifest.regions
+            self._map()
+            try:
+                report = self._fill(strategy)
+            except BaseException:
+                self._unmap()  # nothing half-hydrated stays mapped, and `ready` stays clear
+                raise
+            report["check_s"] = checked - started
+            report["total_s"] = time.perf_counter() - started
+            self.ready.set()
+            self.last_report = report
+            return report
+
+    def _fill(self, strategy: str) -> dict[str, Any]:
+        """Copy every region in (the backing is mapped), then verify sampled blocks; a report."""
+        _cu(self.driver, "cuCtxSetCurrent", self.context)
+        total = sum(r.size for r in self.regions)
+        report: dict[str, Any] = {"strategy": strategy, "bytes": total, "regions": len(self.regions)}
+        started = time.perf_counter()
+        if strategy == "register":
+            mapped: dict[str, _Mapped] = {}
+            try:
+                for source in sorted({r.source for r in self.regions}):
+                    mapped[source] = _Mapped(source)
+                report["map_s"] = time.perf_counter() - started
+                for m in mapped.values():
+                    m.register(self.driver)
+                report["pin_s"] = time.perf_counter() - started - report["map_s"]
+                copy_started = time.perf_counter()
+                _copy_registered(self.driver, [(r.address, mapped[r.source].address + r.offset, r.size)
+                                               for r in self.regions], self._streams)
+                report["copy_s"] = time.perf_counter() - copy_started
+            finally:
+                for m in mapped.values():
+                    m.close(self.driver)
+        elif strategy in ("ring", "direct"):
+            report.update(_copy_ring(self.driver, self.context, self.regions, lambda r: r.address, threads=8,
+                                     chunk=64 << 20, direct=strategy == "direct"))
+        elif strategy.startswith("hydrator:"):
+            report.update(self._via_hydrator(strategy.split(":", 1)[1]))
+        else:
+            raise HydrationError(f"unknown hydration strategy {strategy!r}")
+        report["seconds"] = time.perf_counter() - started
+        report["gbps"] = total / report["seconds"] / 1e9 if report["seconds"] > 0 else 0.0
+        verify_started = time.perf_counter()
+        report["verified_regions"] = self._verify()
+        report["verify_s"] = time.perf_counter() - verify_started
+        return report
+
+    def _via_hydrator(self, path: str) -> dict[str, Any]:
+        if not self.exportable:
+            raise HydrationError("the hydrator strategy needs WeightArena(exportable=True)")
+        handle_type = self.driver.cuda.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        fd = int(_cu(self.driver, "cuMemExportToShareableHandle", self._handle, handle_type, 0))
+        try:
+            answer = request(path, {"op": "hydrate", "base": self.address, "size": self.size,
+                                    "regions": [r.to_json() for r in self.regions]}, fds=[fd], timeout=600.0)
+        finally:
+            os.close(fd)
+        if not answer.get("ok"):
+            raise HydrationError(f"the hydrator refused: {answer.get('error')}")
+        return {k: v for k, v in answer.items() if k.endswith("_s")}
+
+    def _verify(self) -> int:
+        """Read back sampled blocks of every region (first, last and random ones) and compare with the source."""
+        rng = random.Random(os.urandom(16))
+        buffer = ctypes.create_string_buffer(SAMPLE_BYTES)
+        for region in self.regions:
+            span = min(SAMPLE_BYTES, region.size)
+            starts = {0, region.size - span, *(rng.randrange(0, region.size - span + 1)
+                                              for _ in range(SAMPLES_PER_REGION - 2))}
+            fd = os.open(region.source, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                for start in sorted(starts):
+                    _cu(self.driver, "cuMemcpyDtoH", ctypes.addressof(buffer), region.address + start, span)
+                    expected = os.pread(fd, span, region.offset + start)
+                    if buffer.raw[:span] != expected:
+                        raise HydrationError(f"device bytes at +{start:#x} differ from the source after hydration",
+                                             region=region.name)
+            finally:
+                os.close(fd)
+        return len(self.regions)
+
+    # -- the restore worker's channel -------------------------------------------------------------------------
+    def serve(self, path: str | Path, *, strategy: str = "register") -> None:
+        """Listen on a Unix socket for the worker's `release` / `hydrate` / `status` (one thread, one at a time).
+
+        Each connection carries one JSON line and gets one JSON line back; then the engine closes it (so no
+        connection is open when CRIU dumps the process).
+        """
+        path = str(path)
+        if os.path.lexists(path):
+            os.unlink(path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        listener.listen()
+        self._control = listener
+        thread = threading.Thread(target=self._serve_loop, args=(listener, strategy), name="coldsnap-hydration",
+                                  daemon=True)
+        thread.start()
+
+    def _serve_loop(self, listener: socket.socket, strategy: str) -> None:
+        _cu(self.driver, "cuCtxSetCurrent", self.context)
+        while True:
+            conn, _ = listener.accept()
+            with conn:
+                try:
+                    message = _read_line(conn)
+                    answer = self._handle_request(json.loads(message), strategy)
+                except Exception as exc:
+                    answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                try:
+                    conn.sendall(json.dumps(answer).encode() + b"\n")
+                except OSError:
+                    pass
+
+    def _handle_request(self, message: Any, strategy: str) -> dict[str, Any]:
+        op = message.get("op") if isinstance(message, dict) else None
+        if op == "release":
+            manifest = self.release(str(message.get("generation") or ""), owner=str(message.get("owner", "engine")))
+            return {"ok": True, "manifest": manifest.to_json()}
+        if op == "hydrate":
+            given = message.get("manifest")
+            chosen = HydrationManifest.from_json(given) if given is not None else None
+            return {"ok": True, "report": self.restore(chosen, strategy=str(message.get("strategy", strategy)))}
+        if op == "status":
+            return {"ok": True, "mapped": self.mapped, "ready": self.ready.is_set()}
+        raise HydrationError(f"unknown request {op!r}")
+
+
+def _read_line(conn: socket.socket) -> bytes:
+    data = b""
+    while not data.endswith(b"\n"):
+        part = conn.recv(65536)
+        if not part:
+            break
+        data += part
+        if len(data) > _REQUEST_MAX:
+            raise HydrationError("request too long")
+    return data
+
+
+def request(path: str | Path, message: dict[str, Any], *, fds: Sequence[int] = (),
+            timeout: float = 300.0) -> dict[str, Any]:
+    """One JSON request to an engine's control socket or a hydrator; its JSON answer (read to EOF)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(str(path))
+            payload = json.dumps(message).encode() + b"\n"
+            if fds:
+                socket.send_fds(sock, [payload], list(fds))
+            else:
+                sock.sendall(payload)
+            data = b""
+            while part := sock.recv(1 << 20):
+                data += part
+        except OSError as exc:
+            raise HydrationError(f"hydration channel {path}: {exc}") from exc
+    try:
+        answer = json.loads(data)
+    except ValueError as exc:
+        raise HydrationError(f"hydration channel {path} answered {data[:200]!r}") from exc
+    if not isinstance(answer, dict):
+        raise HydrationError(f"hydration channel {path} answered {answer!r}")
+    return answer
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The long-lived hydrator
+
+
+class HydratorServer:
+    """Keeps source files page-locked (paid once) and copies them into engines' exported allocations."""
+
+    def __init__(self, sources: Sequence[str], *, streams: int = 4, driver: Any = None) -> None:
+        from ._cuda import Driver
+
+        self.driver: Any = driver or Driver()
+        self.driver.context()
+        self.context = _cu(self.driver, "cuCtxGetCurrent")
+        started = time.perf_counter()
+        self.sources: dict[str, _Mapped] = {}
+        for source in sources:
+            self.sources[os.path.realpath(source)] = _Mapped(source)
+        self.map_seconds = time.perf_counter() - started
+        for m in self.sources.values():
+            m.register(self.driver)
+        self.pin_seconds = time.perf_counter() - started - self.map_seconds
+        self._streams = [_cu(self.driver, "cuStreamCreate", 1) for _ in range(streams)]
+
+    def serve(self, path: str) -> None:
+        if os.path.lexists(path):
+            os.unlink(path)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+            listener.bind(path)
+            listener.listen()
+            sys.stdout.write(json.dumps({"ready": True, "map_s": self.map_seconds, "pin_s": self.pin_seconds,
+                                         "bytes": sum(m.size for m in self.sources.values())}) + "\n")
+            sys.stdout.flush()
+            while True:
+                conn, _ = listener.accept()
+                with conn:
+                    try:
+                        answer = self._one(conn)
+                    except Exception as exc:
+                        answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                    try:
+                        conn.sendall(json.dumps(answer).encode() + b"\n")
+                    except OSError:
+                        pass
+
+    def _one(self, conn: socket.socket) -> dict[str, Any]:
+        data, fds, _flags, _addr = socket.recv_fds(conn, _REQUEST_MAX, 1)
+        while not data.endswith(b"\n"):
+            part = conn.recv(65536)
+            if not part:
+                break
+            data += part
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise HydrationError("a hydrate request carries exactly one allocation descriptor")
+        fd = fds[0]
+        cu, d = self.driver.cuda, self.driver
+        try:
+            message = json.loads(data)
+            base, size = int(message["base"]), int(message["size"])
+            regions = validate_regions([WeightRegion.from_json(r) for r in message["regions"]], base, size)
+            jobs = []
+            for region in regions:
+                src = self.sources.get(os.path.realpath(region.source))
+                if src is None or src.size < region.offset + region.size:
+                    raise HydrationError(f"this hydrator does not hold {region.source}", region=region.name)
+                jobs.append((region.address - base, src.address + region.offset, region.size))
+            started = time.perf_counter()
+            handle_type = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+            handle = _cu(d, "cuMemImportFromShareableHandle", fd, handle_type)
+        finally:
+            os.close(fd)
+        va = 0
+        try:
+            va = int(_cu(d, "cuMemAddressReserve", size, 0, 0, 0))
+            _cu(d, "cuMemMap", va, size, 0, handle, 0)
+            access = cu.CUmemAccessDesc()
+            access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            access.location.id = 0
+            access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            _cu(d, "cuMemSetAccess", va, size, [access], 1)
+            mapped = time.perf_counter()
+            _copy_registered(d, [(va + off, src, n) for off, src, n in jobs], self._streams)
+            copied = time.perf_counter()
+        finally:
+            if va:
+                cu.cuMemUnmap(va, size)
+                cu.cuMemAddressFree(va, size)
+            cu.cuMemRelease(handle)
+        return {"ok": True, "import_map_s": mapped - started, "copy_s": copied - mapped,
+                "bytes": sum(n for _, _, n in jobs)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m coldsnap_probe._hydrate serve --socket PATH FILE...`` (the long-lived hydrator) or
+    ``digest FILE OFFSET SIZE``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m coldsnap_probe._hydrate")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve")
+    serve.add_argument("--socket", required=True)
+    serve.add_argument("sources", nargs="+")
+    dig = sub.add_parser("digest")
+    dig.add_argument("path")
+    dig.add_argument("offset", type=int)
+    dig.add_argument("size", type=int)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "digest":
+            sys.stdout.write(region_digest(args.path, args.offset, args.size) + "\n")
+            return 0
+        HydratorServer(args.sources).serve(args.socket)
+    except Exception as exc:
+        sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,67 @@
+"""bench/e2e_restore.py's failure paths against the real daemon and dockerd (the GPU path runs on the H200
+through scripts/device-e2e): a capsule without the restore worker, and a restore unit whose readiness check
+never passes, each fail as `runtime_failed` naming the cause, with no container left behind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.e2e_restore import READY, Driver, E2EError, Layout, check_worker, restore_unit, unit_labels
+from tests.helpers import running_daemon
+
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+
+# The restore unit is privileged; dockerd's bounding set here lacks CAP_SYS_RESOURCE, as on the H200.
+CONFIG = '[runtime]\nprivileged = "host-capabilities"\n'
+
+
+def _layout(tmp_path: Path) -> Layout:
+    """The busybox test image as a capsule without the worker: no python3, no coldsnap_probe, no GPU."""
+    for sub in ("run", "images", "weights"):
+        (tmp_path / sub).mkdir()
+    return Layout(run_dir=tmp_path / "run", images_dir=tmp_path / "images", weights=tmp_path / "weights",
+                  python="python3", host_mounts=(), gpus=())
+
+
+async def test_check_worker_capsule_without_worker_fails_runtime_failed(busybox_image: str, tmp_path: Path) -> None:
+    async with running_daemon(CONFIG) as daemon:
+        d = Driver(daemon.state_dir)
+        await d.open()
+        with pytest.raises(E2EError) as caught:
+            await check_worker(d, busybox_image, _layout(tmp_path))
+    assert caught.value.code == "runtime_failed"
+    assert "carries no usable restore worker" in str(caught.value)
+    assert "python3" in str(caught.value)  # the cause: the worker's interpreter is not in the capsule
+
+
+async def test_restore_unit_without_worker_fails_naming_cause_and_removes(busybox_image: str,
+                                                                          tmp_path: Path) -> None:
+    async with running_daemon(CONFIG) as daemon:
+        d = Driver(daemon.state_dir)
+        await d.open()
+        with pytest.raises(E2EError) as caught:
+            await restore_unit(d, busybox_image, _layout(tmp_path), "e2etest_node_0", "cap-1",
+                               labels=unit_labels("cap-1", "e2etest"), readiness_timeout=15)
+        assert await d.gone("e2etest_node_0")
+    message = str(caught.value)
+    assert caught.value.code == "runtime_failed"
+    assert "exited (code 1) before its readiness check" in message
+    assert "python3: not found" in message  # the unit's own last words name the missing worker
+    assert "removed" in message
+
+
+async def test_restore_unit_readiness_never_passes_fails_and_removes(busybox_image: str, tmp_path: Path) -> None:
+    async with running_daemon(CONFIG) as daemon:
+        d = Driver(daemon.state_dir)
+        await d.open()
+        with pytest.raises(E2EError) as caught:
+            await restore_unit(d, busybox_image, _layout(tmp_path), "e2etest_node_0", "cap-1",
+                               labels=unit_labels("cap-1", "e2etest"), readiness_timeout=1.0,
+                               command=["-c", "echo restoring; exec sleep 600"])
+        assert await d.gone("e2etest_node_0")
+    message = str(caught.value)
+    assert caught.value.code == "runtime_failed"
+    assert f"readiness check `test -s {READY}` never passed within 1 s" in message
+    assert "restoring" in message  # the log tail comes with it

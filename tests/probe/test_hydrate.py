@@ -1,0 +1,238 @@
+"""Weight hydration: the checks that refuse bad input before anything is released, and (on a GPU) the arena."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from coldsnap_probe._hydrate import (
+    DIGEST_CHUNK,
+    HydrationManifest,
+    WeightRegion,
+    check_sources,
+    chunk_digests,
+    plan_for,
+    region_digest,
+    validate_regions,
+)
+from coldsnap_probe.errors import HydrationError
+from tests.helpers import ROOT
+from tests.probe.test_main import has_nvidia_driver
+
+BASE = 0x7F0000000000
+MIB = 1 << 20
+
+
+def source(tmp_path: Path, size: int = 3 * MIB, name: str = "weights.bin") -> Path:
+    path = tmp_path / name
+    path.write_bytes(os.urandom(size))
+    return path
+
+
+def region(path: Path, *, name: str = "weights", address: int = BASE, size: int = 2 * MIB,
+           offset: int = 4096) -> WeightRegion:
+    return WeightRegion(name, address, size, str(path), offset, region_digest(path, offset, size))
+
+
+def manifest_for(regions: list[WeightRegion], size: int = 8 * MIB) -> HydrationManifest:
+    layout, plan = plan_for(regions, address=BASE, size=size, granularity=2 * MIB, generation="g1")
+    identities = check_sources(regions, content=True)
+    return HydrationManifest.create(generation="g1", device=0, reservation_address=BASE, reservation_size=size,
+                                    granularity=2 * MIB, regions=tuple(sorted(regions, key=lambda r: r.address)),
+                                    sources=tuple(identities[s] for s in sorted(identities)), layout=layout,
+                                    plan=plan, control="/nonexistent/control.sock")
+
+
+def test_region_digest_is_the_digest_of_its_chunk_digests(tmp_path: Path) -> None:
+    import hashlib
+
+    path = source(tmp_path, DIGEST_CHUNK + 5 * MIB)
+    data = path.read_bytes()[100:100 + DIGEST_CHUNK + MIB]
+    chunks = [hashlib.sha256(data[:DIGEST_CHUNK]).digest(), hashlib.sha256(data[DIGEST_CHUNK:]).digest()]
+    assert chunk_digests(path, 100, len(data)) == chunks
+    assert region_digest(path, 100, len(data)) == "sha256-64m:" + hashlib.sha256(b"".join(chunks)).hexdigest()
+
+
+def test_validate_regions_overlapping_regions_refused_naming_the_region(tmp_path: Path) -> None:
+    path = source(tmp_path)
+    a = region(path, name="layer.0", size=MIB)
+    b = region(path, name="layer.1", address=BASE + MIB - 4096, size=MIB)
+    with pytest.raises(HydrationError, match=r"region layer\.1: overlaps region layer\.0") as caught:
+        validate_regions([b, a], BASE, 8 * MIB)
+    assert caught.value.region == "layer.1"
+
+
+def test_validate_regions_region_past_the_reservation_refused(tmp_path: Path) -> None:
+    path = source(tmp_path)
+    late = region(path, address=BASE + 7 * MIB)
+    with pytest.raises(HydrationError, match=r"region weights: .* exceeds the reservation"):
+        validate_regions([late], BASE, 8 * MIB)
+    early = region(path, address=BASE - 4096)
+    with pytest.raises(HydrationError, match="exceeds the reservation"):
+        validate_regions([early], BASE, 8 * MIB)
+
+
+def test_validate_regions_duplicate_names_and_bad_digests_refused(tmp_path: Path) -> None:
+    path = source(tmp_path)
+    a = region(path, size=MIB)
+    with pytest.raises(HydrationError, match="declared more than once"):
+        validate_regions([a, region(path, address=BASE + 2 * MIB, size=MIB)], BASE, 8 * MIB)
+    with pytest.raises(HydrationError, match="digest must be sha256-64m:"):
+        validate_regions([WeightRegion("w", BASE, MIB, str(path), 0, "sha256:abc")], BASE, 8 * MIB)
+    with pytest.raises(HydrationError, match="no weight regions"):
+        validate_regions([], BASE, 8 * MIB)
+
+
+def test_check_sources_truncated_source_refused(tmp_path: Path) -> None:
+    path = source(tmp_path)
+    weights = region(path)
+    os.truncate(path, MIB)
+    with pytest.raises(HydrationError, match=r"region weights: source .* is truncated: 1048576 bytes"):
+        check_sources([weights])
+
+
+def test_check_sources_missing_source_refused(tmp_path: Path) -> None:
+    path = source(tmp_path)
+    weights = region(path)
+    path.unlink()
+    with pytest.raises(HydrationError, match=r"region weights: source .* cannot be read"):
+        check_sources([weights])
+
+
+def test_check_sources_altered_source_refused_once_its_identity_changed(tmp_path: Path) -> None:
+    path = source(tmp_path)
+    weights = region(path)
+    recorded = check_sources([weights], content=True)
+    assert check_sources([weights], recorded) == recorded  # unchanged: the identity suffices
+    with path.open("r+b") as f:
+        f.seek(4096 + MIB)
+        f.write(b"\x00" * 16)
+    with pytest.raises(HydrationError, match=r"region weights: source .* does not match the digest"):
+        check_sources([weights], recorded)  # the identity changed, so the content decides
+    with pytest.raises(HydrationError, match="does not match the digest"):
+        check_sources([weights], content=True)
+
+
+def test_manifest_round_trips_and_refuses_tampering(tmp_path: Path) -> None:
+    path = source(tmp_path)
+    manifest = manifest_for([region(path, name="a", size=MIB), region(path, name="b", address=BASE + 2 * MIB)])
+    document = json.loads(json.dumps(manifest.to_json()))
+    assert HydrationManifest.from_json(document) == manifest
+    assert manifest.layout.layout_kind == "per-layer" and manifest.layout.groups == ("a", "b")
+    assert manifest.plan.actions == ("release-backing", "remap-pages")
+    moved = json.loads(json.dumps(document))
+    moved["regions"][1]["address"] += 4096
+    with pytest.raises(HydrationError, match="digest does not recompute"):
+        HydrationManifest.from_json(moved)
+    forged = json.loads(json.dumps(document))
+    forged["layout"]["logical_bytes"] += 1
+    with pytest.raises(HydrationError, match="layout digest does not recompute"):
+        HydrationManifest.from_json(forged)
+    with pytest.raises(HydrationError, match="not a format-1 coldsnap-hydration-manifest"):
+        HydrationManifest.from_json({"kind": "other"})
+
+
+def test_restore_with_a_truncated_weight_source_refuses_before_criu(tmp_path: Path) -> None:
+    path = source(tmp_path)
+    manifest = manifest_for([region(path)])
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / "capture.json").write_text(json.dumps({"boundary": "n610", "root_pid": 1, "cuda_pids": [1]}))
+    (images / "hydration.json").write_text(json.dumps(manifest.to_json()))
+    os.truncate(path, MIB)
+    done = subprocess.run([sys.executable, "-m", "coldsnap_probe", "restore", "--images", str(images),
+                           "--criu", "/nonexistent/criu"], capture_output=True, text=True, cwd=ROOT, check=False,
+                          timeout=60)
+    assert done.returncode == 1
+    assert "weight hydration cannot succeed, not restoring: region weights: source" in done.stderr
+    assert "is truncated" in done.stderr
+
+
+# --------------------------------------------------------------------------------------------- on a GPU host
+
+gpu = pytest.mark.skipif(not has_nvidia_driver(), reason="needs an NVIDIA driver")
+
+
+def device_bytes(arena: object, size: int) -> bytes:
+    from coldsnap_probe._hydrate import _cu
+
+    buffer = ctypes.create_string_buffer(size)
+    _cu(arena.driver, "cuMemcpyDtoH", ctypes.addressof(buffer), arena.address, size)  # type: ignore[attr-defined]
+    return buffer.raw
+
+
+@gpu
+@pytest.mark.parametrize("strategy", ["register", "ring"])
+def test_arena_release_and_restore_same_address_same_bytes(tmp_path: Path, strategy: str) -> None:
+    from coldsnap_probe._hydrate import WeightArena
+
+    path = source(tmp_path, 8 * MIB)
+    arena = WeightArena(4 * MIB)
+    arena.declare([WeightRegion("weights", arena.address, 4 * MIB, str(path), 0, region_digest(path, 0, 4 * MIB))])
+    arena.load(strategy=strategy)
+    address, before = arena.address, device_bytes(arena, 4 * MIB)
+    assert before == path.read_bytes()[:4 * MIB]
+    manifest = arena.release("g1")
+    assert not arena.mapped and not arena.ready.is_set() and manifest.regions[0].address == address
+    report = arena.restore(strategy=strategy)
+    assert arena.address == address and arena.ready.is_set() and report["verified_regions"] == 1
+    assert device_bytes(arena, 4 * MIB) == before
+
+
+@gpu
+def test_arena_release_with_an_altered_source_refuses_and_keeps_serving(tmp_path: Path) -> None:
+    from coldsnap_probe._hydrate import WeightArena
+
+    path = source(tmp_path, 4 * MIB)
+    arena = WeightArena(4 * MIB)
+    arena.declare([WeightRegion("weights", arena.address, 4 * MIB, str(path), 0, region_digest(path, 0, 4 * MIB))])
+    arena.load()
+    before = device_bytes(arena, 4 * MIB)
+    with path.open("r+b") as f:
+        f.write(b"\xff" * 8)
+    with pytest.raises(HydrationError, match=r"region weights: source .* does not match the digest"):
+        arena.release("g1")
+    assert arena.mapped and arena.ready.is_set()  # nothing was released
+    assert device_bytes(arena, 4 * MIB) == before
+
+
+@gpu
+def test_arena_restore_with_too_little_free_memory_refuses_then_succeeds(tmp_path: Path) -> None:
+    from coldsnap_probe._hydrate import WeightArena, _cu
+
+    path = source(tmp_path, 64 * MIB)
+    arena = WeightArena(64 * MIB)
+    arena.declare([WeightRegion("weights", arena.address, 64 * MIB, str(path), 0,
+                                region_digest(path, 0, 64 * MIB))])
+    arena.load()
+    arena.release("g1")
+    free, _total = _cu(arena.driver, "cuMemGetInfo")
+    hog = _cu(arena.driver, "cuMemAlloc", int(free) - 32 * MIB)
+    try:
+        with pytest.raises(HydrationError, match="hydration needs 67108864"):
+            arena.restore()
+        assert not arena.mapped and not arena.ready.is_set()  # not released to serve
+    finally:
+        _cu(arena.driver, "cuMemFree", hog)
+    assert arena.restore()["verified_regions"] == 1 and arena.ready.is_set()
+
+
+@gpu
+def test_arena_restore_with_a_truncated_source_stays_unready(tmp_path: Path) -> None:
+    from coldsnap_probe._hydrate import WeightArena
+
+    path = source(tmp_path, 4 * MIB)
+    arena = WeightArena(4 * MIB)
+    arena.declare([WeightRegion("weights", arena.address, 4 * MIB, str(path), 0, region_digest(path, 0, 4 * MIB))])
+    arena.load()
+    arena.release("g1")
+    os.truncate(path, MIB)
+    with pytest.raises(HydrationError, match=r"region weights: source .* is truncated"):
+        arena.restore()
+    assert not arena.mapped and not arena.ready.is_set()
