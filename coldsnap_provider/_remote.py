@@ -19,6 +19,7 @@ the host, in :meth:`RemoteNode._link_errors`, the one place asyncssh errors are 
 from __future__ import annotations
 
 import enum
+import hashlib
 import os
 import posixpath
 import shlex
@@ -164,8 +165,12 @@ class RemoteNode:
         self._client: _Client | None = None
         self._forward: asyncssh.SSHListener | None = None
         self._docker_path = work_dir / "docker.sock"
+        # Its own instance id (RPC-owned leftovers of an earlier daemon are recovered on first connect) and
+        # image ledger (image-remove touches only what this provider pulled, built or tagged there).
         self._docker = _RemoteDocker(self, url=f"unix://{self._docker_path}", credentials_file=credentials_file,
-                                     spool_dir=spool_dir)
+                                     spool_dir=spool_dir, image_ledger=work_dir / "images.json",
+                                     instance=hashlib.sha256(os.fsencode(work_dir.absolute())).hexdigest()[:16])
+        self._recovered = False
         # Session channels at once (sshd's MaxSessions, 10 by default): exec, SFTP and our helper commands.
         self.sessions = anyio.CapacityLimiter(config.max_sessions)
         # (pid, start) of remote exec process groups to kill once the link is back.
@@ -271,6 +276,13 @@ class RemoteNode:
                     raise
             self._conn, self._client, self.last_error = conn, client, ""
             log.info("remote connected", host=self.name, address=cfg.address)
+        if not self._recovered:
+            with anyio.move_on_after(_KILL_BUDGET_S):
+                try:
+                    await self._docker.recover()
+                    self._recovered = True
+                except BackendError as exc:
+                    log.warning("remote leftovers not recovered yet", host=self.name, error=str(exc))
         if self._pending_kills:  # the link is back: first end what was abandoned while it was down
             with anyio.move_on_after(_KILL_BUDGET_S):
                 try:

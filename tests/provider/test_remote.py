@@ -317,6 +317,31 @@ async def test_runtime_actions_for_node_b_reach_only_node_b_engine(node_b: NodeB
             shutil.rmtree(node_b.path(f"/tmp/{name}-copy"), ignore_errors=True)
 
 
+async def test_runtime_workload_exec_on_node_b_cancelled_is_killed_there(node_b: NodeB, busybox_image: str) -> None:
+    name = f"coldsnap-remote-exec-{os.getpid()}"
+
+    def running_in_container() -> bool:
+        top = node_b.docker("top", name, check=False).stdout.decode()
+        return "sleep 301" in top
+
+    async with running_daemon(node_b.config()) as daemon:
+        s = await daemon.open_session(hosts=["node-b"])
+        try:
+            run = await s.runtime("workload-run", host="node-b", workload={
+                "image": busybox_image, "name": name, "detached": True, "command": ["sleep", "300"]})
+            assert run.ok, run.error
+            request = s.envelope("runtime", host="node-b", runtime={
+                "action": "workload-exec", "name": name, "execution": {"command": ["sleep", "301"]}})
+            stream = await anyio.connect_unix(s.socket)
+            await stream.send(json.dumps(request).encode() + b"\n")
+            await stream.send_eof()
+            await _wait_until(running_in_container, "the exec to start in node-b's container")
+            await stream.aclose()
+            await _wait_until(lambda: not running_in_container(), "the abandoned exec to be killed on node-b")
+        finally:
+            node_b.docker("rm", "-f", name, check=False)
+
+
 @pytest.fixture
 def node_b_registry(node_b: NodeB, registry: Registry) -> Iterator[Registry]:
     """The test registry also answering inside node-b's network namespace (same address, storage, users)."""
@@ -327,14 +352,12 @@ def node_b_registry(node_b: NodeB, registry: Registry) -> Iterator[Registry]:
     host, port = registry.address.split(":")
 
     def listening() -> bool:
-        probe = subprocess.run(["nsenter", f"--net=/proc/{node_b.dockerd_pid()}/ns/net", "sh", "-c",
-                                f"exec 3<>/dev/tcp/{host}/{port}"], capture_output=True, executable="/bin/bash")
+        probe = subprocess.run(["nsenter", f"--net=/proc/{node_b.dockerd_pid()}/ns/net", "bash", "-c",
+                                f"exec 3<>/dev/tcp/{host}/{port}"], capture_output=True)
         return probe.returncode == 0
 
     try:
-        for _ in range(200):
-            if listening():
-                break
+        while not listening():  # bounded by the test timeout
             if process.poll() is not None:
                 pytest.fail((base / "registry-node-b.log").read_text())
             threading.Event().wait(0.05)
