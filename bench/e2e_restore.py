@@ -14,7 +14,10 @@ the public client (`call_control` for the session and the probe, `call` for runt
    from `workload-run` to its first streamed token (cold Docker-to-first-token);
 4. capture with the worker inside that container (`workload-exec python3 -m coldsnap_probe capture`);
    in `hydrate` mode the worker first has the engine release its weights (`--hydration`), so the
-   images hold everything but the weights; in `full` mode the whole device state goes into them;
+   images hold everything but the weights, which the engine's WeightArena copies back from the shards
+   through a ring of pinned buffers; `hydrator` is the same with the copy done by a long-lived
+   hydrator workload keeping the shards page-locked; in `full` mode the whole device state goes into
+   the images;
 5. then, `--restores` times: evict the unit's name, launch the restore unit (`workload-run` detached,
    same image, mounts and options, the worker restoring as its command, then holding the container),
    poll the readiness check (`workload-exec test -s <ready file>`), read the worker's report,
@@ -255,13 +258,13 @@ def engine_stages(layout: Layout) -> list[dict[str, Any]]:
     return stages
 
 
-async def start_serving(d: Driver, image: str, layout: Layout, name: str, *, hydrate: bool,
+async def start_serving(d: Driver, image: str, layout: Layout, name: str, *, hydrate: bool, hydrator: bool = False,
                         limit: float = 480.0) -> dict[str, Any]:
     """The serving engine as a detached workload; timed from workload-run to the first streamed token."""
     await d.expect(f"evicting {name}", "workload-remove", name=name)
-    layout.prepare()
     serve = [layout.python, f"{ENGINE}/engine_llama.py", "serve", WEIGHTS, "--socket", f"{RUN}/engine.sock",
-             "--log", f"{RUN}/engine.log", *(["--hydration", f"{RUN}/hydration.sock"] if hydrate else [])]
+             "--log", f"{RUN}/engine.log", *(["--hydration", f"{RUN}/hydration.sock"] if hydrate else []),
+             *(["--hydrator", f"{RUN}/hydrator.sock"] if hydrator else [])]
     spec = layout.unit(name, image, entrypoint=layout.python, command=[
         f"{ENGINE}/engine_llama.py", "launch", "--pid-floor", str(PID_FLOOR), "--log", f"{RUN}/engine.log", "--",
         *serve])
@@ -290,6 +293,36 @@ async def start_serving(d: Driver, image: str, layout: Layout, name: str, *, hyd
             "stages": [{"stage": s["stage"], "since_create_s": round(s["unix"] - created, 3),
                         **{k: v for k, v in s.items() if k not in ("stage", "unix", "pid", "traceback")}}
                        for s in stages]}
+
+
+async def start_hydrator(d: Driver, image: str, layout: Layout, name: str) -> dict[str, Any]:
+    """The node's long-lived hydrator (coldsnap_probe._hydrate serve): the shards page-locked once, then it
+    copies them into a restored engine's exported weight allocation. Started before the cold engine; its
+    start is not part of any Docker-to-first-token (it serves every restore on the node)."""
+    await d.expect(f"evicting {name}", "workload-remove", name=name)
+    shards = sorted(p.name for p in layout.weights.glob("*.safetensors"))
+    spec = layout.unit(name, image, entrypoint=layout.python, command=[
+        "-m", "coldsnap_probe._hydrate", "serve", "--socket", f"{RUN}/hydrator.sock",
+        *(f"{WEIGHTS}/{s}" for s in shards)])
+    created = time.time()
+    await d.expect(f"starting the hydrator {name}", "workload-run", workload=spec)
+    return {"name": name, "created_unix": created}
+
+
+async def wait_hydrator(d: Driver, name: str, created: float, limit: float = 120.0) -> dict[str, Any]:
+    with anyio.move_on_after(limit):
+        while True:
+            logs = output(await d.expect(f"logs of {name}", "workload-logs", name=name, tail=20))
+            for line in logs.splitlines():
+                if line.startswith("{") and '"ready"' in line:
+                    ready: dict[str, Any] = json.loads(line)
+                    ready["ready_after_s"] = time.time() - created
+                    return ready
+            state = await d.expect(f"inspecting {name}", "workload-inspect", name=name)
+            if not (state.get("workload") or {}).get("running"):
+                raise E2EError(f"the hydrator exited: {logs[-2000:]}")
+            await anyio.sleep(0.2)
+    raise E2EError(f"the hydrator was not ready within {limit:.0f} s")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -390,12 +423,17 @@ async def run_mode(d: Driver, args: argparse.Namespace, mode: str, pinned: str) 
     work = Path(args.work) / mode
     shutil.rmtree(work, ignore_errors=True)
     layout = Layout(run_dir=work / "run", images_dir=work / "images", weights=Path(args.weights))
-    hydrate = mode == "hydrate"
+    hydrate, hydrator = mode in ("hydrate", "hydrator"), mode == "hydrator"
     result: dict[str, Any] = {"mode": mode, "ok": False}
     serving = f"e2e-{mode}-serving"
+    sidecar = f"e2e-{mode}-hydrator"
+    layout.prepare()
     try:
-        cold = await start_serving(d, pinned, layout, serving, hydrate=hydrate)
+        service = await start_hydrator(d, pinned, layout, sidecar) if hydrator else None
+        cold = await start_serving(d, pinned, layout, serving, hydrate=hydrate, hydrator=hydrator)
         result["cold"] = cold
+        if service:
+            result["hydrator"] = await wait_hydrator(d, sidecar, service["created_unix"])
         print(f"[{mode}] cold Docker-to-first-token {cold['first_token_s']:.2f} s", flush=True)
         capture_id = f"e2e-{mode}-{time.strftime('%Y%m%dT%H%M%S')}"
         result["capture"] = await capture(d, serving, int(cold["engine_pid"]), layout, capture_id, hydrate=hydrate)
@@ -425,6 +463,8 @@ async def run_mode(d: Driver, args: argparse.Namespace, mode: str, pinned: str) 
         for name in (serving, f"e2e{mode}_node_0"):
             await d.runtime("workload-remove", name=name)
     finally:
+        if hydrator:
+            await d.runtime("workload-remove", name=sidecar)
         if args.keep_images is False:
             shutil.rmtree(layout.images_dir, ignore_errors=True)
     return result
@@ -503,7 +543,7 @@ async def main() -> int:
     parser.add_argument("--weights", required=True)
     parser.add_argument("--work", required=True, help="host directory for run directories and CRIU images")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--mode", action="append", choices=["hydrate", "full"])
+    parser.add_argument("--mode", action="append", choices=["hydrate", "hydrator", "full"])
     parser.add_argument("--restores", type=int, default=2)
     parser.add_argument("--keep-images", action="store_true")
     parser.add_argument("--budget", type=float, default=0.0, help="skip later modes past this many seconds")

@@ -5,7 +5,8 @@
         load, warm up (compile + CUDA graphs), serve. With --hydration the weights live in a
         coldsnap_probe._hydrate.WeightArena (a VMM reservation laid out as the safetensors shards' data
         sections, filled from them, parameters are views of it) whose control socket the restore worker
-        uses to release the weights before capture and hydrate them after restore.
+        uses to release the weights before capture and hydrate them after restore; with --hydrator SOCKET
+        the hydration goes through a long-lived HydratorServer (python -m coldsnap_probe._hydrate serve).
     python bench/engine_llama.py launch --pid-floor N --log FILE -- ENGINE ARGV...   a container init for a
         capturable engine: push the PID allocator past N, start ENGINE as a session leader with its stdio on
         /dev/null (no pipe to the container runtime that a restore could not recreate), then reap children
@@ -143,7 +144,7 @@ class _DeviceBytes:
                                          "version": 3, "strides": None}
 
 
-def _arena_model(directory: str, control: str) -> tuple[Any, Any]:
+def _arena_model(directory: str, control: str, hydrator: str = "") -> tuple[Any, Any]:
     """The model with every parameter a view of a WeightArena filled from the shards (see serve --hydration)."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
@@ -162,7 +163,9 @@ def _arena_model(directory: str, control: str) -> tuple[Any, Any]:
         digest = known.get(key) or region_digest(shard["path"], shard["offset"], shard["size"])
         regions.append((f"shard-{i}", total, shard, digest))
         total += -(-shard["size"] // ALIGN) * ALIGN
-    arena = WeightArena(total)
+    # With a hydrator (a long-lived process keeping the shards page-locked) the allocation is exported to it
+    # at each hydration; an exported allocation is released before every capture anyway.
+    arena = WeightArena(total, exportable=bool(hydrator))
     arena.declare([WeightRegion(name, arena.address + base, shard["size"], shard["path"], shard["offset"], digest)
                    for name, base, shard, digest in regions])
     report = arena.load(strategy="ring")
@@ -205,7 +208,7 @@ def _arena_model(directory: str, control: str) -> tuple[Any, Any]:
         model.generation_config = GenerationConfig.from_pretrained(directory)
     except OSError:
         pass
-    arena.serve(control, strategy="ring")
+    arena.serve(control, strategy=f"hydrator:{hydrator}" if hydrator else "ring")
     return model, arena
 
 
@@ -226,15 +229,15 @@ class _Streamer:
         pass
 
 
-def serve(directory: str, socket_path: str, hydration: str = "") -> None:
+def serve(directory: str, socket_path: str, hydration: str = "", hydrator: str = "") -> None:
     try:
-        _serve(directory, socket_path, hydration)
+        _serve(directory, socket_path, hydration, hydrator)
     except BaseException as exc:
         stage("failed", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-4000:])
         raise
 
 
-def _serve(directory: str, socket_path: str, hydration: str) -> None:
+def _serve(directory: str, socket_path: str, hydration: str, hydrator: str) -> None:
     stage("process_start", since=T_START)
     import torch
 
@@ -247,7 +250,7 @@ def _serve(directory: str, socket_path: str, hydration: str) -> None:
     stage("cuda_init", device=torch.cuda.get_device_name(0))
     arena = None
     if hydration:
-        model, arena = _arena_model(directory, hydration)
+        model, arena = _arena_model(directory, hydration, hydrator)
     else:
         model = LlamaForCausalLM.from_pretrained(directory, dtype=torch.bfloat16, device_map="cuda")
     model.eval()
@@ -303,6 +306,7 @@ def main() -> int:
     server.add_argument("--socket", required=True)
     server.add_argument("--log", default="")
     server.add_argument("--hydration", default="", help="weights in a WeightArena; its control socket")
+    server.add_argument("--hydrator", default="", help="hydrate through this HydratorServer socket")
     launcher = sub.add_parser("launch")
     launcher.add_argument("--pid-floor", type=int, default=512)
     launcher.add_argument("--log", default="")
@@ -318,7 +322,7 @@ def main() -> int:
             parser.error("launch needs an engine command after --")
         launch(argv, args.pid_floor)
     else:
-        serve(args.directory, args.socket, args.hydration)
+        serve(args.directory, args.socket, args.hydration, args.hydrator)
     return 0
 
 

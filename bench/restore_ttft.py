@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import json
 import os
 import signal
@@ -104,6 +105,23 @@ def worker(*args: str) -> dict[str, Any]:
     if done.returncode != 0:
         raise RuntimeError(f"worker {args[0]} failed: {done.stderr.strip()}")
     return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+
+def criu_gaps(log: Path, top: int = 12) -> dict[str, Any]:
+    """Where CRIU's restore spent its time: the largest gaps between its timestamped log lines."""
+    stamps: list[tuple[float, str]] = []
+    try:
+        for line in log.read_text(errors="replace").splitlines():
+            if line.startswith("(") and ")" in line[:16]:
+                try:
+                    stamps.append((float(line[1:line.index(")")]), line[:200]))
+                except ValueError:
+                    continue
+    except OSError:
+        return {}
+    gaps = sorted(((b[0] - a[0], a[1], b[1]) for a, b in itertools.pairwise(stamps)), reverse=True)
+    return {"lines": len(stamps), "last_s": stamps[-1][0] if stamps else 0.0,
+            "gaps": [{"seconds": round(g, 4), "after": a, "before": b} for g, a, b in gaps[:top]]}
 
 
 def kill_tree(pid: int) -> None:
@@ -194,14 +212,17 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
     for attempt in (1, 2):
         path.unlink(missing_ok=True)  # the dead process's socket file; the restored one binds it again
         t0 = time.time()
-        report = worker("restore", "--images", str(images), "--criu", criu,
-                        "--work-dir", str(images.with_name(f"{images.name}-work-{attempt}")))
+        work = images.with_name(f"{images.name}-work-{attempt}")
+        report = worker("restore", "--images", str(images), "--criu", criu, "--work-dir", str(work))
         first, tokens, first_hash = request(path, max_tokens)
         hydration = report.get("hydration", {})
         restores.append({"ttft_s": first - t0, "criu_restore_s": report["criu_restore_seconds"],
                          "cuda_restore_s": report["cuda_restore_seconds"],
                          "worker_s": report.get("ready_seconds", report["restore_seconds"]),
                          "wake_s": hydration.get("phase_seconds", 0.0), "hydration": hydration,
+                         "worker_start_s": report["timeline"][0]["unix_ns"] / 1e9 - t0,
+                         "after_ready_s": first - report["timeline"][-1]["unix_ns"] / 1e9,
+                         "criu_log": criu_gaps(work / "restore.log"),
                          "tokens_identical": tokens == cold_tokens, "logits_identical": first_hash == cold_hash,
                          "timeline": report["timeline"]})
         kill_tree(report["restored_pid"])

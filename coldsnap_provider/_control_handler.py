@@ -38,9 +38,9 @@ from ._control import (
     decode_control,
     encode_control,
 )
-from ._dispatch import Operations
 from ._envelope import lenient_id
 from ._listener import Peer, ServerState
+from ._operations import Operations
 from ._probe import ProbeOptions, run_probe
 from ._sessions import SessionManager, SessionRecord, hosts_from_request, is_admin
 

@@ -30,9 +30,9 @@ from coldsnap_runtime import CLEANUP_BUDGET_S, Backend, BackendError
 from . import __version__
 from ._config import Config, ConfigError
 from ._control_handler import ControlHandler
-from ._dispatch import Operations
 from ._framing import ByteBudget
 from ._listener import ConnectionServer, Limits, ServerState
+from ._operations import Operations
 from ._provider_handler import ProviderHandler
 from ._sessions import SessionManager, SessionRecord, SessionStore
 from ._systemd import notify, watchdog_interval

@@ -1,8 +1,8 @@
 """The provider socket's handler: one session's requests, from bytes to reply.
 
 decode (strict, once) ─► authenticate (token + session, constant time) ─► capability gate
-─► operations ─► reply; every reply, success or error, and the one log line per request
-are built here.
+─► operations (an outcome) ─► reply; every reply, success or error, and the one log line per
+request are built here.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 import structlog
 
 from coldsnap_runtime.errors import ColdsnapError, RequestRejected
+from coldsnap_runtime.schema import RuntimeResponse
 
-from ._dispatch import Operations
 from ._envelope import (
     Capabilities,
     Reply,
@@ -26,7 +26,9 @@ from ._envelope import (
     lenient_id,
     required_capability,
 )
+from ._exec import ExecResult
 from ._listener import Peer, ServerState
+from ._operations import Operation, Operations, Outcome
 from ._sessions import SessionRecord
 
 __all__ = ("ProviderHandler",)
@@ -57,11 +59,15 @@ class ProviderHandler:
             request_id = request.id
             fields.update(_describe(request))
             self._authorize(request)
-            self._state.operations += 1
-            try:
-                reply = await self.operations.handle(request, self.record)
-            finally:
-                self._state.operations -= 1
+            if isinstance(request, Capabilities):
+                reply = Reply(format=1, id=request.id, ok=True, provider=self.operations.provider_name,
+                              capabilities=list(self.operations.capabilities))
+            else:
+                self._state.operations += 1
+                try:
+                    reply = _success(request, await self.operations.run(request, self.record))
+                finally:
+                    self._state.operations -= 1
         except ColdsnapError as exc:
             reply = error_reply(request_id or lenient_id(line), exc)
         except Exception:
@@ -96,3 +102,15 @@ def _describe(request: Request) -> dict[str, Any]:
     if isinstance(request, Runtime):
         fields["action"] = request.runtime.__struct_config__.tag
     return fields
+
+
+def _success(request: Operation, outcome: Outcome) -> Reply:
+    """The ok:true reply of an operation: exactly the keys the protocol gives its outcome."""
+    if isinstance(outcome, ExecResult):
+        return Reply(format=1, id=request.id, ok=True, exit_code=outcome.exit_code, output=outcome.stdout,
+                     error_output=outcome.stderr)
+    if isinstance(outcome, RuntimeResponse):
+        return Reply(format=1, id=request.id, ok=True, runtime=outcome)
+    if isinstance(outcome, str):
+        return Reply(format=1, id=request.id, ok=True, value=outcome)
+    return Reply(format=1, id=request.id, ok=True)

@@ -40,11 +40,12 @@ import structlog
 from coldsnap_runtime import OUTPUT_LIMIT, Backend, Owner, RuntimeContext, dispatch
 from coldsnap_runtime.backend import DockerBackend
 from coldsnap_runtime.errors import BackendError, BackendUnavailable, OutputTooLarge, RequestRejected, RuntimeFailed
-from coldsnap_runtime.schema import ImageBuild, ImagePull, ImagePush, RuntimeRequest, RuntimeResponse
+from coldsnap_runtime.schema import ImageBuild, RuntimeRequest, RuntimeResponse
 
 from ._config import RemoteConfig
-from ._envelope import Exec, OciPull, OciPush, Reply, Request, Runtime, Upload
+from ._envelope import Exec, OciPull, OciPush, Runtime, Upload
 from ._exec import SETPRIV, ExecIdentity, ExecResult
+from ._operations import Operation, Outcome, legacy_registry_action
 from ._remote_files import PlacementError, place_tar
 
 __all__ = ("RemoteNode", "RemoteUnavailable", "Remotes")
@@ -554,37 +555,23 @@ class Remotes:
         for node in self._nodes:
             await node.aclose()
 
-    async def handle(self, request: Request, ctx: RuntimeContext, identity: ExecIdentity) -> Reply:
-        """One authorized request for a host this object serves (Operations routes them here)."""
+    async def run(self, request: Operation, ctx: RuntimeContext, identity: ExecIdentity) -> Outcome:
+        """One authorized operation for a host this object serves (Operations routes them here)."""
         node = self.node(ctx.host)
         match request:
             case Exec():
-                result = await node.exec(request.arguments, stdin=request.input, combined=request.combined)
-                return Reply(format=1, id=request.id, ok=True, exit_code=result.exit_code,
-                             output=result.stdout, error_output=result.stderr)
+                return await node.exec(request.arguments, stdin=request.input, combined=request.combined)
             case Upload():
                 await node.upload(request.sources, request.destination, recursive=request.recursive,
                                   identity=identity)
-                return Reply(format=1, id=request.id, ok=True)
+                return None
             case Runtime():
-                return Reply(format=1, id=request.id, ok=True, runtime=await node.runtime(request.runtime, ctx))
+                return await node.runtime(request.runtime, ctx)
             case OciPull() | OciPush():
-                legacy = ImagePull(image=request.image) if isinstance(request, OciPull) else ImagePush(
-                    image=request.image)
-                await node.runtime(legacy, ctx)
-                return Reply(format=1, id=request.id, ok=True)
+                await node.runtime(legacy_registry_action(request), ctx)
+                return None
         operation = str(type(request).__struct_config__.tag)
         raise RequestRejected(f"host-provider operation {operation!r} is not served for remote host {ctx.host!r}")
-
-    async def exec(self, host: str, argv: list[str], *, stdin: bytes = b"", combined: bool = False) -> ExecResult:
-        return await self.node(host).exec(argv, stdin=stdin, combined=combined)
-
-    async def runtime(self, host: str, request: RuntimeRequest, ctx: RuntimeContext) -> RuntimeResponse:
-        return await self.node(host).runtime(request, ctx)
-
-    async def upload(self, host: str, sources: list[str], destination: str, *, recursive: bool,
-                     identity: ExecIdentity) -> None:
-        await self.node(host).upload(sources, destination, recursive=recursive, identity=identity)
 
     async def status(self) -> list[dict[str, Any]]:
         """One entry per remote node: reachability and round trip of a no-op command (concurrently)."""

@@ -22,7 +22,7 @@ from ._client import ProtocolError, ReplyError, call, call_control
 from ._config import Config, ConfigError, default_state_dir, load_config, node_names
 
 if TYPE_CHECKING:
-    from coldsnap_runtime.backend._gpus import HostPolicy
+    from coldsnap_runtime.backend import HostPolicy
 
     from ._exec import ExecIdentity
     from ._huggingface import HuggingfaceClient
@@ -57,8 +57,8 @@ def _state_dir(args: argparse.Namespace, config: Config | None = None) -> Path:
 
 
 def _host_policy(config: Config) -> HostPolicy:
-    """[gpus] and [runtime] for the Docker backend (coldsnap_runtime/backend/_gpus.py)."""
-    from coldsnap_runtime.backend._gpus import GpuPolicy, HostPolicy
+    """[gpus] and [runtime] for the Docker backend."""
+    from coldsnap_runtime.backend import GpuPolicy, HostPolicy
 
     return HostPolicy(gpus=GpuPolicy(mode=config.gpus.mode, driver_paths=tuple(config.gpus.driver_paths)),
                       privileged=config.runtime.privileged)
@@ -68,8 +68,8 @@ async def _serve(config: Config, state_dir: Path) -> None:
     from coldsnap_runtime import DockerBackend
 
     from ._daemon import Daemon
-    from ._dispatch import Operations
     from ._exec import GroupLedger, resolve_identity
+    from ._operations import Operations
     from ._remote import Remotes
     from ._systemd import listen_fds
 

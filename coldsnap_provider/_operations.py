@@ -1,4 +1,8 @@
-"""From a decoded request and its session to a reply: auth, capability, host, operation."""
+"""The operations: from an authenticated request and its session to an outcome (the handler replies).
+
+Each operation goes to this node (exec as `exec.user`, runtime-v1 through the backend, the Hub
+client) or, for a host served by another node, to that node over SSH (``_remote``).
+"""
 
 from __future__ import annotations
 
@@ -6,28 +10,35 @@ from typing import TYPE_CHECKING
 
 from coldsnap_runtime import Backend, Owner, RuntimeContext, dispatch
 from coldsnap_runtime.errors import RequestRejected, RuntimeFailed
-from coldsnap_runtime.schema import ImagePull, ImagePush
+from coldsnap_runtime.schema import ImagePull, ImagePush, RuntimeResponse
 
 from ._envelope import (
-    Capabilities,
     Exec,
     HuggingfacePublish,
     HuggingfaceResolve,
     OciPull,
     OciPush,
-    Reply,
-    Request,
     Runtime,
     Upload,
 )
-from ._exec import ExecIdentity, GroupLedger, run_argv
+from ._exec import ExecIdentity, ExecResult, GroupLedger, run_argv
 from ._sessions import SessionRecord
 
 if TYPE_CHECKING:
     from ._huggingface import HuggingfaceClient
     from ._remote import Remotes
 
-__all__ = ("Operations",)
+__all__ = ("Operation", "Operations", "Outcome", "legacy_registry_action")
+
+# Every request but `capabilities`, which the handler answers itself.
+Operation = Exec | Upload | Runtime | HuggingfacePublish | HuggingfaceResolve | OciPull | OciPush
+# What an operation produces: exec's result, a runtime response, a resolved revision, or nothing.
+Outcome = ExecResult | RuntimeResponse | str | None
+
+
+def legacy_registry_action(request: OciPull | OciPush) -> ImagePull | ImagePush:
+    """The runtime action a legacy top-level `oci-pull`/`oci-push` stands for (spec 3.6)."""
+    return ImagePull(image=request.image) if isinstance(request, OciPull) else ImagePush(image=request.image)
 
 
 class Operations:
@@ -68,40 +79,27 @@ class Operations:
             "upload",
         ]
 
-    async def handle(self, request: Request, record: SessionRecord) -> Reply:
-        """Run one authenticated, capability-checked request (see ProviderHandler)."""
-        if isinstance(request, Capabilities):
-            return Reply(format=1, id=request.id, ok=True, provider=self.provider_name,
-                         capabilities=list(self.capabilities))
+    async def run(self, request: Operation, record: SessionRecord) -> Outcome:
+        """Run one authenticated, capability-checked operation; the handler turns the outcome into the reply."""
         self._authorize_host(request.host, record)
+        ctx = self._runtime_context(request.host, record)
         if self.remotes is not None and self.remotes.serves(request.host):
-            return await self.remotes.handle(request, self._runtime_context(request.host, record), self.identity)
+            return await self.remotes.run(request, ctx, self.identity)
         match request:
             case Exec():
-                result = await run_argv(request.arguments, stdin=request.input,
-                                        combined=request.combined, identity=self.identity,
-                                        groups=self.groups)
-                return Reply(format=1, id=request.id, ok=True, exit_code=result.exit_code,
-                             output=result.stdout, error_output=result.stderr)
+                return await run_argv(request.arguments, stdin=request.input, combined=request.combined,
+                                      identity=self.identity, groups=self.groups)
             case Upload():
                 await self._upload(request)
-                return Reply(format=1, id=request.id, ok=True)
             case Runtime():
-                response = await dispatch(self.backend, request.runtime,
-                                          self._runtime_context(request.host, record))
-                return Reply(format=1, id=request.id, ok=True, runtime=response)
+                return await dispatch(self.backend, request.runtime, ctx)
             case HuggingfacePublish():
                 await self._hub("huggingface-publish").publish(request)
-                return Reply(format=1, id=request.id, ok=True)
             case HuggingfaceResolve():
-                value = await self._hub("huggingface-resolve").resolve(request)
-                return Reply(format=1, id=request.id, ok=True, value=value)
+                return await self._hub("huggingface-resolve").resolve(request)
             case OciPull() | OciPush():  # legacy top-level forms of the runtime registry actions
-                legacy = ImagePull(image=request.image) if isinstance(request, OciPull) else ImagePush(
-                    image=request.image)
-                await dispatch(self.backend, legacy, self._runtime_context(request.host, record))
-                return Reply(format=1, id=request.id, ok=True)
-        raise TypeError(f"unhandled request {request!r}")  # pragma: no cover - closed union
+                await dispatch(self.backend, legacy_registry_action(request), ctx)
+        return None
 
     def _runtime_context(self, host: str, record: SessionRecord) -> RuntimeContext:
         return RuntimeContext(host=host, allow_pull=self.allow_pull, owner=self.owner,
