@@ -16,6 +16,7 @@ import json
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import table
 
-from coldsnap_provider import decode_request, decode_control
+from coldsnap_provider import decode_control, decode_request
 from coldsnap_runtime.errors import RequestRejected
 
 VALID = {"format": 1, "id": "1767225600000000001", "token": "t", "session": "op-1", "operation": "exec",
@@ -71,43 +72,39 @@ def mutated(draw: st.DrawFn, base: dict[str, Any]) -> bytes:
     return data
 
 
-def run(examples: int) -> list[list[object]]:
-    rows = []
-    for name, decode, base in (("provider envelope", decode_request, VALID),
-                               ("control request", decode_control, VALID_CONTROL)):
-        outcomes: Counter[str] = Counter()
-        crashes: list[str] = []
+def fuzz(name: str, decode: Callable[[bytes], object], base: dict[str, Any], examples: int) -> list[object]:
+    """One decoder's row: inputs, accepted, rejected, crashed, seconds."""
+    outcomes: Counter[str] = Counter()
+    crashes: list[str] = []
 
-        @settings(max_examples=examples, deadline=None, database=None,
-                  suppress_health_check=list(HealthCheck))
-        @given(st.one_of(st.binary(max_size=256), json_values.map(lambda v: json.dumps(v).encode()), mutated(base)))
-        def check(data: bytes) -> None:
-            try:
-                decode(data)
-            except RequestRejected:
-                outcomes["rejected"] += 1
-            except Exception as exc:  # a crash: the contract allows only RequestRejected
-                outcomes["crashed"] += 1
-                crashes.append(f"{type(exc).__name__}: {exc}"[:200])
-            else:
-                outcomes["accepted"] += 1
+    @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(st.one_of(st.binary(max_size=256), json_values.map(lambda v: json.dumps(v).encode()), mutated(base)))
+    def check(data: bytes) -> None:
+        try:
+            decode(data)
+        except RequestRejected:
+            outcomes["rejected"] += 1
+        except Exception as exc:  # a crash: the contract allows only RequestRejected
+            outcomes["crashed"] += 1
+            crashes.append(f"{type(exc).__name__}: {exc}"[:200])
+        else:
+            outcomes["accepted"] += 1
 
-        started = time.perf_counter()
-        check()
-        seconds = time.perf_counter() - started
-        total = sum(outcomes.values())
-        rows.append([name, total, outcomes["accepted"], outcomes["rejected"], outcomes["crashed"],
-                     f"{seconds:.1f}"])
-        for crash in crashes[:5]:
-            print(f"crash ({name}): {crash}")
-    return rows
+    started = time.perf_counter()
+    check()
+    seconds = time.perf_counter() - started
+    for crash in crashes[:5]:
+        print(f"crash ({name}): {crash}")
+    return [name, sum(outcomes.values()), outcomes["accepted"], outcomes["rejected"], outcomes["crashed"],
+            f"{seconds:.1f}"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--examples", type=int, default=100_000)
     args = parser.parse_args()
-    rows = run(args.examples)
+    rows = [fuzz("provider envelope", decode_request, VALID, args.examples),
+            fuzz("control request", decode_control, VALID_CONTROL, args.examples)]
     print(table(["decoder", "inputs", "accepted", "rejected", "crashed", "seconds"], rows))
 
 

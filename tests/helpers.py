@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.abc
 
 from coldsnap_provider import Reply, call, call_control, exchange
 
@@ -56,6 +57,18 @@ class Session:
 
     async def raw(self, payload: bytes) -> bytes:
         return await exchange(self.socket, payload)
+
+    async def exec_in_background(self, script: str, pid_file: Path) -> tuple[anyio.abc.SocketStream, int]:
+        """Send an exec of `sh -c script` and leave it running; returns its connection and the pid
+        the script wrote to `pid_file` (close the connection to cancel it)."""
+        request = self.envelope("exec", host="localhost", arguments=["sh", "-c", script])
+        stream = await anyio.connect_unix(self.socket)
+        await stream.send(json.dumps(request).encode() + b"\n")
+        await stream.send_eof()
+        with anyio.fail_after(10):
+            while not pid_file.exists() or not pid_file.read_text().strip():
+                await anyio.sleep(0.05)
+        return stream, int(pid_file.read_text())
 
 
 @dataclass

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import json
 import os
 import signal
 import tempfile
@@ -158,15 +157,8 @@ async def test_grandchild_that_ignores_sigterm_is_killed_on_disconnect(tmp_path:
     pid_file = tmp_path / "grandchild"
     async with running_daemon() as daemon:
         s = await daemon.open_session()
-        script = f"(trap '' TERM; exec sleep 300) & echo $! > {pid_file}; wait"
-        request = s.envelope("exec", host="localhost", arguments=["sh", "-c", script])
-        stream = await anyio.connect_unix(s.socket)
-        await stream.send(json.dumps(request).encode() + b"\n")
-        await stream.send_eof()
-        with anyio.fail_after(10):
-            while not pid_file.exists() or not pid_file.read_text().strip():
-                await anyio.sleep(0.05)
-        pid = int(pid_file.read_text())
+        stream, pid = await s.exec_in_background(
+            f"(trap '' TERM; exec sleep 300) & echo $! > {pid_file}; wait", pid_file)
         await stream.aclose()
         await _wait_gone(pid)
         assert (await s.call("capabilities")).ok
@@ -178,17 +170,9 @@ async def test_exec_children_of_a_killed_daemon_are_ended_at_its_next_start(tmp_
     state = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
     async with running_daemon(state_dir=state) as daemon:
         s = await daemon.open_session()
-        request = s.envelope("exec", host="localhost",
-                             arguments=["sh", "-c", f"sleep 300 & echo $! > {pid_file}; wait"])
-        stream = await anyio.connect_unix(s.socket)
-        await stream.send(json.dumps(request).encode() + b"\n")
-        await stream.send_eof()
-        with anyio.fail_after(10):
-            while not pid_file.exists() or not pid_file.read_text().strip():
-                await anyio.sleep(0.05)
+        stream, pid = await s.exec_in_background(f"sleep 300 & echo $! > {pid_file}; wait", pid_file)
         await anyio.to_thread.run_sync(daemon.stop, signal.SIGKILL)
         await stream.aclose()
-    pid = int(pid_file.read_text())
     assert _alive(pid)  # nothing ends it but us
     async with running_daemon(state_dir=state):
         await _wait_gone(pid)

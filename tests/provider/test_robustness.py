@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import signal
 from pathlib import Path
 
@@ -82,22 +81,11 @@ async def test_client_disconnect_mid_operation_cancels_it_and_daemon_stays_healt
     pid_file = tmp_path / "exec.pid"
     async with running_daemon() as daemon:
         s = await daemon.open_session()
-        request = s.envelope("exec", host="localhost",
-                             arguments=["sh", "-c", f"echo $$ > {pid_file}; exec sleep 30"])
-        stream = await anyio.connect_unix(s.socket)
-        await stream.send(json.dumps(request).encode() + b"\n")
-        await stream.send_eof()
-        with anyio.fail_after(10):
-            while not pid_file.exists() or not pid_file.read_text().strip():
-                await anyio.sleep(0.05)
-        pid = int(pid_file.read_text())
+        stream, pid = await s.exec_in_background(f"echo $$ > {pid_file}; exec sleep 30", pid_file)
+        await wait_in_flight(daemon, 1)
         await stream.aclose()
-        with anyio.fail_after(10):
-            while "client disconnected mid-operation" not in daemon.log():
-                await anyio.sleep(0.1)
+        await wait_in_flight(daemon, 0)  # the hang-up cancelled it
         assert (await s.call("exec", host="localhost", arguments=["true"])).ok
-        status = await daemon.control(operation="status")
-        assert status["in_flight"] == 0
         # The cancelled exec's process group was killed and reaped, not orphaned.
         assert not Path(f"/proc/{pid}").exists()
 
