@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import secrets
 import shutil
+import socket
+import struct
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,3 +54,11 @@ def container_exists(name: str) -> bool:
 
 def image_exists(ref: str) -> bool:
     return docker("image", "inspect", ref, check=False).returncode == 0
+
+
+def main_dockerd_pid() -> int:
+    """The pid of the engine behind /var/run/docker.sock (node-b's second dockerd runs beside it)."""
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect("/var/run/docker.sock")
+        pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return int(pid)

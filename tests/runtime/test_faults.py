@@ -20,7 +20,7 @@ import pytest
 
 from tests.conftest import docker
 from tests.helpers import Daemon, Session
-from tests.runtime.conftest import container_exists, image_exists, uniq
+from tests.runtime.conftest import container_exists, image_exists, main_dockerd_pid, uniq
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
@@ -139,7 +139,7 @@ def _running(pid: int) -> bool:
 
 def _restart_dockerd() -> None:
     """Stop dockerd and bring it back; whatever happens, dockerd is running again afterwards."""
-    pid = int(subprocess.run(["pidof", "dockerd"], capture_output=True, text=True, check=True).stdout.split()[0])
+    pid = main_dockerd_pid()
     try:
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 90  # dockerd first stops its containers
@@ -147,9 +147,8 @@ def _restart_dockerd() -> None:
             assert time.monotonic() < deadline, "dockerd did not stop"
             time.sleep(0.1)
     finally:
-        time.sleep(1)
-        if not _dockerd_up() and not subprocess.run(["pidof", "dockerd"], capture_output=True,
-                                                     check=False).stdout.strip():
+        time.sleep(1)  # a supervisor (systemd) may restart it by itself
+        if not _dockerd_up():
             with open("/var/log/coldsnap-dockerd.log", "ab") as log:
                 subprocess.Popen(["dockerd"], stdout=log, stderr=log, start_new_session=True)
         deadline = time.monotonic() + 60

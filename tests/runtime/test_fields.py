@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +12,7 @@ import pytest
 
 from tests.conftest import Registry
 from tests.helpers import Daemon, Session, write_config
-from tests.runtime.conftest import container_exists, inspect_container, uniq
+from tests.runtime.conftest import container_exists, inspect_container, main_dockerd_pid, uniq
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
@@ -103,7 +102,7 @@ async def test_network_mode_decides_the_namespace(session: Session, busybox_imag
 
 
 def _dockerd_has_cap_sys_resource() -> bool:
-    pid = subprocess.run(["pidof", "dockerd"], capture_output=True, text=True, check=True).stdout.split()[0]
+    pid = main_dockerd_pid()
     caps = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("CapEff"))
     return bool(int(caps.split()[1], 16) & (1 << 24))  # CAP_SYS_RESOURCE
 
