@@ -163,3 +163,20 @@ def test_plans_roundtrip_and_agree_for_any_shape(regions: list[str], actions: li
         p.validate()
         assert dataclasses.replace(p).plan_digest == p.plan_digest
     assert agree_checkpoint_plans(list(reversed(plans))) == agree_checkpoint_plans(plans)
+
+
+def test_layout_and_plan_json_round_trip_and_refuse_tampering() -> None:
+    import json
+
+    lay, pl = layout(), plan()
+    assert MemoryLayoutDescriptor.from_json(json.loads(json.dumps(lay.to_json()))) == lay
+    assert MemoryCheckpointPlan.from_json(json.loads(json.dumps(pl.to_json()))) == pl
+    moved = {**lay.to_json(), "base_address": lay.base_address + 4096}  # type: ignore[operator]
+    with pytest.raises(MemoryCapabilityError, match="layout digest does not recompute"):
+        MemoryLayoutDescriptor.from_json(moved)
+    with pytest.raises(MemoryCapabilityError, match="plan digest does not recompute"):
+        MemoryCheckpointPlan.from_json({**pl.to_json(), "mapped_bytes_after": 0})
+    with pytest.raises(MemoryCapabilityError, match="malformed checkpoint plan"):
+        MemoryCheckpointPlan.from_json({**pl.to_json(), "surprise": 1})
+    with pytest.raises(MemoryCapabilityError, match="malformed memory layout"):
+        MemoryLayoutDescriptor.from_json({"region": {"name": "weights"}})
