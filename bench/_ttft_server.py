@@ -173,7 +173,7 @@ def load(path: str, gib: float) -> Model:
 
 def load_arena(path: str, gib: float, region_digest: str, strategy: str) -> tuple[Model, object]:
     """The weights in a WeightArena (coldsnap_probe's hydration API), loaded and verified through it."""
-    from coldsnap_probe._hydrate import WeightArena, WeightRegion
+    from coldsnap_probe import WeightArena, WeightRegion
 
     layers, size = layers_for(gib), region_bytes(gib)
     arena = WeightArena(size, exportable=strategy.startswith("hydrator:"))

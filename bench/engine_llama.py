@@ -111,7 +111,7 @@ def write_weights(directory: str) -> None:
     size = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
     stage("weights_written", bytes=size)
     try:  # the hydration regions' digests, computed once (the engine's load verifies them again)
-        from coldsnap_probe._hydrate import region_digest
+        from coldsnap_probe import region_digest
     except ImportError:
         return
     regions = []
@@ -149,7 +149,7 @@ def _arena_model(directory: str, control: str, hydrator: str = "") -> tuple[Any,
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    from coldsnap_probe._hydrate import WeightArena, WeightRegion, region_digest
+    from coldsnap_probe import WeightArena, WeightRegion, region_digest
 
     shards = _shards(directory)
     known = {}

@@ -171,7 +171,7 @@ def start_hydrator(socket_path: Path, weights: Path, log: Path) -> tuple[subproc
 def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, weights: Path,
              digests: list[bytes], strategy: str, images_root: Path) -> dict[str, Any]:
     """One size in one mode: the whole device state in the images, or weights hydrated after restore."""
-    from coldsnap_probe._hydrate import combine_digests
+    from coldsnap_probe import combine_digests
 
     images = images_root / f"images-{gib:g}g{'-hydrate' if hydrate else ''}"
     control = root / f"control-{gib:g}g.sock"
@@ -241,7 +241,7 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
 
 def hydrate_bench(gib: float, weights: Path, disk_dir: Path, hydrator: str) -> dict[str, Any]:
     """GB/s of each copy strategy into a WeightArena, source in /dev/shm, in the page cache, cold on disk."""
-    from coldsnap_probe._hydrate import WeightArena, WeightRegion, region_digest
+    from coldsnap_probe import WeightArena, WeightRegion, region_digest
 
     size = min(int(gib * (1 << 30)), weights.stat().st_size) // CHUNK * CHUNK
     disk = disk_dir / "hydrate-bench.bin"
@@ -312,7 +312,7 @@ def main() -> None:
     if not weights.exists() or weights.stat().st_size < region_bytes(largest):
         subprocess.run([sys.executable, str(SERVER), "--gib", str(largest), "--weights", str(weights),
                         "--generate"], check=True)
-    from coldsnap_probe._hydrate import chunk_digests
+    from coldsnap_probe import chunk_digests
 
     generate_s = time.time() - started
     started = time.time()

@@ -29,6 +29,11 @@ from ._graph import RECIPE_MODES as RECIPE_MODES
 from ._graph import GraphResolution as GraphResolution
 from ._graph import ResourceAudit as ResourceAudit
 from ._graph import resolve_graph_policy as resolve_graph_policy
+from ._hydrate import WeightArena as WeightArena
+from ._hydrate import WeightRegion as WeightRegion
+from ._hydrate import chunk_digests as chunk_digests
+from ._hydrate import combine_digests as combine_digests
+from ._hydrate import region_digest as region_digest
 from ._model import FEATURE_IDS as FEATURE_IDS
 from ._model import STATUSES as STATUSES
 from ._model import Contract as Contract
@@ -61,17 +66,22 @@ __all__ = (
     "QualificationScope",
     "Requirements",
     "ResourceAudit",
+    "WeightArena",
+    "WeightRegion",
     "admit",
     "admit_profile",
     "apply_qualification",
     "attach_criu",
     "boot_id",
     "cache_key",
+    "chunk_digests",
+    "combine_digests",
     "contract",
     "decode_profile",
     "image_digest",
     "qualify",
     "read_cached",
+    "region_digest",
     "requirements",
     "resolve_graph_policy",
     "validate_profile",
