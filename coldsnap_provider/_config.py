@@ -27,6 +27,8 @@ class ServerConfig(_Section, frozen=True):
     max_connections: Annotated[int, Meta(ge=1)] = 512
     max_connections_per_uid: Annotated[int, Meta(ge=1)] = 128
     max_buffered_bytes: Annotated[int, Meta(ge=1 << 20)] = 512 << 20
+    max_buffered_bytes_per_uid: Annotated[int, Meta(ge=1 << 20)] = 160 << 20
+    max_sessions_per_uid: Annotated[int, Meta(ge=1)] = 64
     request_read_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
     reply_write_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
     shutdown_grace_s: Annotated[float, Meta(ge=0)] = 60.0

@@ -39,19 +39,23 @@ from ._control import (
     encode_control,
 )
 from ._envelope import lenient_id
-from ._listener import Peer, ServerState
+from ._listener import Peer, ServerState, is_admin
 from ._operations import Operations
 from ._probe import ProbeOptions, run_probe
-from ._sessions import SessionManager, SessionRecord, hosts_from_request, is_admin
+from ._sessions import SessionManager, SessionRecord, hosts_from_request
 
 __all__ = ("ControlHandler",)
 
 log = structlog.get_logger(__name__)
 
 _STATUS_PING_S = 2.0
+_MAX_REQUEST_BYTES = 1 << 20
 
 
 class ControlHandler:
+    max_request_bytes = _MAX_REQUEST_BYTES  # control requests are small: a ColdSnap request at most
+    request_name = "control request"
+
     def __init__(
         self,
         server: ServerConfig,

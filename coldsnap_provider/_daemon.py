@@ -18,6 +18,7 @@ import contextlib
 import fcntl
 import grp
 import os
+import resource
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -66,9 +67,10 @@ class Daemon:
         self.state = ServerState(
             Limits(max_connections=server.max_connections, max_connections_per_uid=server.max_connections_per_uid,
                    read_timeout_s=server.request_read_timeout_s, write_timeout_s=server.reply_write_timeout_s),
-            ByteBudget(server.max_buffered_bytes),
+            ByteBudget(server.max_buffered_bytes, per_uid=server.max_buffered_bytes_per_uid),
         )
-        self.sessions = SessionManager(SessionStore(state_dir), self._session_server)
+        self.sessions = SessionManager(SessionStore(state_dir), self._session_server,
+                                       max_per_uid=server.max_sessions_per_uid)
 
     def stop(self) -> None:
         """Begin a graceful shutdown (safe to call more than once)."""
@@ -79,6 +81,7 @@ class Daemon:
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        _raise_descriptor_limit()
         with _single_instance(self.state_dir):
             self.sessions.store.prepare()
             if self.operations.groups is not None:
@@ -174,3 +177,11 @@ def _single_instance(state_dir: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+def _raise_descriptor_limit() -> None:
+    """Every connection and session socket is a descriptor: take the hard limit, not the default 1024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        log.info("descriptor limit raised", soft=soft, hard=hard)

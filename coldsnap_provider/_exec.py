@@ -17,7 +17,9 @@ import anyio.abc
 import structlog
 
 from coldsnap_runtime import OUTPUT_LIMIT
-from coldsnap_runtime.errors import OutputTooLarge, RequestRejected, RuntimeFailed
+from coldsnap_runtime.errors import ColdsnapError, OutputTooLarge, RequestRejected, RuntimeFailed
+
+from ._framing import charge
 
 __all__ = ("ExecIdentity", "ExecResult", "GroupLedger", "child_environment", "resolve_identity", "run_argv")
 
@@ -113,7 +115,8 @@ async def run_argv(
             raise RequestRejected("exec arguments exceed the kernel's limit on argument size (E2BIG)") from exc
         raise RuntimeFailed(action="exec", detail=f"cannot start {argv[0]}: {exc.strerror}") from exc
     async with process:
-        record = groups.add(process.pid) if groups is not None else None
+        uid = identity.uid if identity.uid is not None else os.geteuid()
+        record = groups.add(process.pid, uid=uid) if groups is not None else None
         try:
             return await _collect(process, stdin)
         except BaseException:
@@ -128,17 +131,22 @@ async def run_argv(
 async def _collect(process: anyio.abc.Process, stdin: bytes) -> ExecResult:
     outputs: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
     total = 0
-    too_large = False
+    refusal: ColdsnapError | None = None
 
     async def drain(name: str, stream: anyio.abc.ByteReceiveStream) -> None:
-        nonlocal total, too_large
+        nonlocal total, refusal
         chunks = outputs[name]
         async for chunk in stream:
-            chunks.append(chunk)
             total += len(chunk)
-            if total > OUTPUT_LIMIT:
-                too_large = True
+            try:
+                if total > OUTPUT_LIMIT:
+                    raise OutputTooLarge(action="exec", limit=OUTPUT_LIMIT)
+                charge(len(chunk))  # the daemon's byte budget: many large outputs at once are refused
+            except ColdsnapError as exc:  # kept, not raised here: it would arrive in an ExceptionGroup
+                refusal = exc
                 tg.cancel_scope.cancel()
+                return
+            chunks.append(chunk)
 
     async def feed(stream: anyio.abc.ByteSendStream) -> None:
         try:
@@ -155,8 +163,8 @@ async def _collect(process: anyio.abc.Process, stdin: bytes) -> ExecResult:
             tg.start_soon(drain, "stdout", process.stdout)
         if process.stderr is not None:
             tg.start_soon(drain, "stderr", process.stderr)
-    if too_large:
-        raise OutputTooLarge(action="exec", limit=OUTPUT_LIMIT)
+    if refusal is not None:
+        raise refusal
     code = await process.wait()
     stdout, stderr = b"".join(outputs.pop("stdout")), b"".join(outputs.pop("stderr"))
     return ExecResult(code if code >= 0 else 128 - code, stdout, stderr)
@@ -194,8 +202,9 @@ def _signal_group(pid: int, sig: signal.Signals) -> None:
 class GroupLedger:
     """Process groups started for managers, one file each, so a restarted daemon can end them.
 
-    A record holds the group leader's start time (clock ticks since boot): only processes of
-    that group started no earlier than it are the ones we started (pids are reused)."""
+    A record holds the boot, the group leader's start time (clock ticks since boot) and uid:
+    pids are reused, so only processes of that group *and* session (we start each in a new
+    session), started no earlier than its leader and running as the same uid, are ours."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -203,9 +212,9 @@ class GroupLedger:
     def prepare(self) -> None:
         self.directory.mkdir(mode=0o700, exist_ok=True)
 
-    def add(self, pgid: int) -> Path:
+    def add(self, pgid: int, *, uid: int) -> Path:
         path = self.directory / str(pgid)
-        path.write_text(f"{_boot_id()} {_start_time(pgid)}\n")
+        path.write_text(f"{_boot_id()} {_start_time(pgid)} {uid}\n")
         return path
 
     def sweep(self) -> int:
@@ -214,13 +223,13 @@ class GroupLedger:
         boot = _boot_id()
         for path in self.directory.iterdir():
             try:
-                recorded_boot, started = path.read_text().split()
+                recorded_boot, started, uid = path.read_text().split()
                 pgid = int(path.name)
             except (OSError, ValueError):
                 path.unlink(missing_ok=True)
                 continue
             if recorded_boot == boot:
-                for pid in _members(pgid, since=int(started)):
+                for pid in _members(pgid, since=int(started), uid=int(uid)):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
                         killed += 1
@@ -250,10 +259,18 @@ def _start_time(pid: int) -> int:
     return int(fields[19]) if fields else 0
 
 
-def _members(pgid: int, *, since: int) -> list[int]:
+def _owner(pid: int) -> int:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return -1
+
+
+def _members(pgid: int, *, since: int, uid: int) -> list[int]:
     members = []
     for entry in os.listdir("/proc"):
         fields = _stat(int(entry)) if entry.isdigit() else None
-        if fields is not None and int(fields[2]) == pgid and int(fields[19]) >= since:
+        if (fields is not None and int(fields[2]) == pgid and int(fields[3]) == pgid
+                and int(fields[19]) >= since and _owner(int(entry)) == uid):
             members.append(int(entry))
     return members

@@ -6,12 +6,24 @@ so many large requests at once cannot make the daemon's memory grow without boun
 
 from __future__ import annotations
 
+from collections import Counter
+from contextvars import ContextVar
+
 import anyio
 from anyio.abc import ByteReceiveStream
 
 from coldsnap_runtime.errors import RequestRejected
 
-__all__ = ("MAX_MESSAGE_BYTES", "Account", "ByteBudget", "FramingError", "read_request_line")
+__all__ = (
+    "MAX_MESSAGE_BYTES",
+    "Account",
+    "ByteBudget",
+    "FramingError",
+    "OverBudget",
+    "charge",
+    "current_account",
+    "read_request_line",
+)
 
 MAX_MESSAGE_BYTES = 64 << 20
 _CHUNK = 1 << 20
@@ -25,43 +37,75 @@ class FramingError(RequestRejected):
         self.partial = partial
 
 
+class OverBudget(FramingError):
+    """Taking more bytes would pass the daemon's or the peer's share of the byte budget."""
+
+
 class ByteBudget:
-    """The total of request and reply bytes the daemon holds at once, across every connection."""
+    """The request, reply and output bytes the daemon holds at once: in all, and per peer uid.
 
-    def __init__(self, limit: int) -> None:
+    A peer is refused past its own share; past the total, every peer is refused except root
+    and the daemon's uid (trusted: capped only by their own share), so no other peer can
+    starve them.
+    """
+
+    def __init__(self, limit: int, *, per_uid: int) -> None:
         self.limit = limit
+        self.per_uid = per_uid
         self.used = 0
+        self.by_uid: Counter[int] = Counter()
 
-    def account(self) -> Account:
-        return Account(self)
+    def account(self, uid: int, *, trusted: bool) -> Account:
+        return Account(self, uid, trusted=trusted)
 
 
 class Account:
     """One connection's share of the budget; :meth:`close` gives all of it back."""
 
-    def __init__(self, budget: ByteBudget) -> None:
+    def __init__(self, budget: ByteBudget, uid: int, *, trusted: bool) -> None:
         self._budget = budget
+        self._uid = uid
+        self._trusted = trusted
         self.held = 0
 
     def take(self, size: int) -> None:
-        """Charge `size` bytes, or refuse when the daemon already holds its limit."""
+        """Charge `size` bytes, or refuse (OverBudget) when that would pass a limit."""
         budget = self._budget
-        if budget.used + size > budget.limit:
-            raise FramingError(
-                f"host-provider is holding its limit of {budget.limit} buffered bytes; retry later")
+        if budget.by_uid[self._uid] + size > budget.per_uid:
+            raise OverBudget(f"host-provider is holding its limit of {budget.per_uid} buffered bytes "
+                             f"for uid {self._uid}; retry later")
+        if not self._trusted and budget.used + size > budget.limit:
+            raise OverBudget(f"host-provider is holding its limit of {budget.limit} buffered bytes; retry later")
         self.hold(size)
 
     def hold(self, size: int) -> None:
         """Charge bytes that already exist (a built reply): counted, never refused."""
         self._budget.used += size
+        self._budget.by_uid[self._uid] += size
         self.held += size
 
     def close(self) -> None:
-        self._budget.used -= self.held
+        budget = self._budget
+        budget.used -= self.held
+        budget.by_uid[self._uid] -= self.held
+        if not budget.by_uid[self._uid]:
+            del budget.by_uid[self._uid]
         self.held = 0
 
 
-async def read_request_line(stream: ByteReceiveStream, account: Account) -> bytearray:
+# The account of the connection whose request is being answered: what an operation collects
+# for its reply (exec output) is charged to it, wherever in the task tree it is collected.
+current_account: ContextVar[Account | None] = ContextVar("current_account", default=None)
+
+
+def charge(size: int) -> None:
+    """Charge `size` bytes of collected output to the current request (OverBudget past a limit)."""
+    if (account := current_account.get()) is not None:
+        account.take(size)
+
+
+async def read_request_line(stream: ByteReceiveStream, account: Account, *,
+                            limit: int = MAX_MESSAGE_BYTES, what: str = "host-provider request") -> bytearray:
     """Return the request line (without its newline); the Go client half-closes after it."""
     buf = bytearray()
     newline = -1
@@ -70,8 +114,8 @@ async def read_request_line(stream: ByteReceiveStream, account: Account) -> byte
             chunk = await stream.receive(_CHUNK)
         except anyio.EndOfStream:
             if not buf:
-                raise FramingError("host-provider request is empty") from None
-            raise FramingError("host-provider request is not newline-terminated", partial=buf) from None
+                raise FramingError(f"{what} is empty") from None
+            raise FramingError(f"{what} is not newline-terminated", partial=buf) from None
         try:
             account.take(len(chunk))
         except FramingError as exc:
@@ -79,21 +123,21 @@ async def read_request_line(stream: ByteReceiveStream, account: Account) -> byte
         start = len(buf)
         buf += chunk
         newline = buf.find(b"\n", start)
-        if newline < 0 and len(buf) >= MAX_MESSAGE_BYTES:
-            raise FramingError(f"host-provider request exceeds {MAX_MESSAGE_BYTES} bytes", partial=_head(buf))
-    if newline + 1 > MAX_MESSAGE_BYTES:  # the delimiter may arrive in the chunk that passes the cap
-        raise FramingError(f"host-provider request exceeds {MAX_MESSAGE_BYTES} bytes", partial=_head(buf))
+        if newline < 0 and len(buf) >= limit:
+            raise FramingError(f"{what} exceeds {limit} bytes", partial=_head(buf))
+    if newline + 1 > limit:  # the delimiter may arrive in the chunk that passes the cap
+        raise FramingError(f"{what} exceeds {limit} bytes", partial=_head(buf))
     trailing = len(buf) > newline + 1
     del buf[newline:]
     if not buf or buf.isspace():
-        raise FramingError("host-provider request is empty")
+        raise FramingError(f"{what} is empty")
     if trailing:
-        raise FramingError("host-provider request has trailing data", partial=buf)
+        raise FramingError(f"{what} has trailing data", partial=buf)
     try:
         await stream.receive(1)
     except anyio.EndOfStream:
         return buf
-    raise FramingError("host-provider request has trailing data", partial=buf)
+    raise FramingError(f"{what} has trailing data", partial=buf)
 
 
 def _head(buf: bytes | bytearray) -> bytes:

@@ -17,6 +17,7 @@ errnos of ``accept`` (EMFILE, ENFILE, ENOMEM, ENOBUFS) are retried, after 100 ms
 from __future__ import annotations
 
 import errno
+import os
 import select
 import socket
 import struct
@@ -31,9 +32,9 @@ from anyio.abc import SocketAttribute, SocketListener, SocketStream, TaskStatus
 
 from coldsnap_runtime.errors import ColdsnapError, RequestRejected, RuntimeFailed
 
-from ._framing import Account, ByteBudget, FramingError, read_request_line
+from ._framing import Account, ByteBudget, FramingError, current_account, read_request_line
 
-__all__ = ("ConnectionServer", "Handler", "Limits", "Peer", "ServerState")
+__all__ = ("ConnectionServer", "Handler", "Limits", "Peer", "ServerState", "is_admin")
 
 log = structlog.get_logger(__name__)
 
@@ -41,6 +42,11 @@ _CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EN
 _HANGUP_POLL_S = 0.2
 _DISCARD_S = 0.5
 _DISCARD_BYTES = 64 << 10
+
+
+def is_admin(uid: int) -> bool:
+    """Root and the daemon's own uid: they see and manage everything, and are never starved."""
+    return uid in (0, os.geteuid())
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +66,9 @@ class Peer:
 
 class Handler(Protocol):
     """What one kind of socket answers; it builds every reply, success or error."""
+
+    max_request_bytes: int  # the longest request line it takes
+    request_name: str  # how its framing errors name a request ("host-provider request")
 
     def admit(self, peer: Peer) -> bytes | None:
         """A refusal for a peer that may not use this socket at all (sent before reading), else None."""
@@ -100,7 +109,9 @@ class ServerState:
             "max_connections": self.limits.max_connections,
             "max_connections_per_uid": self.limits.max_connections_per_uid,
             "buffered_bytes": self.budget.used,
+            "buffered_bytes_by_uid": {str(uid): n for uid, n in sorted(self.budget.by_uid.items()) if n},
             "max_buffered_bytes": self.budget.limit,
+            "max_buffered_bytes_per_uid": self.budget.per_uid,
         }
 
     def cancel_in_flight(self) -> None:
@@ -169,10 +180,12 @@ class ConnectionServer:
         while True:
             try:
                 stream = await self._listener.accept()
-            except OSError as exc:
-                if exc.errno not in _CAPACITY_ERRNOS:
+            except (OSError, anyio.BrokenResourceError) as exc:
+                # anyio reports accept's OSError as the cause of a BrokenResourceError.
+                cause = exc if isinstance(exc, OSError) else exc.__cause__
+                if not isinstance(cause, OSError) or cause.errno not in _CAPACITY_ERRNOS:
                     raise
-                log.error("accept failed; backing off", error=errno.errorcode[exc.errno or 0])
+                log.error("accept failed; backing off", error=errno.errorcode[cause.errno or 0])
                 await anyio.sleep(0.1)
                 continue
             connections.start_soon(self._connection, stream)
@@ -196,7 +209,7 @@ class ConnectionServer:
                 return
             state.connections += 1
             state.by_uid[peer.uid] += 1
-            account = state.budget.account()
+            account = state.budget.account(peer.uid, trusted=is_admin(peer.uid))
             try:
                 reply = await self._exchange(stream, peer, account)
                 if reply is not None:
@@ -214,7 +227,8 @@ class ConnectionServer:
         timeout = state.limits.read_timeout_s
         with anyio.move_on_after(timeout) as reading:
             try:
-                line = await read_request_line(stream, account)
+                line = await read_request_line(stream, account, limit=handler.max_request_bytes,
+                                               what=handler.request_name)
             except FramingError as exc:
                 account.close()  # what was read is dropped; the rest of the request is read and discarded
                 await _discard_rest(stream)
@@ -228,6 +242,7 @@ class ConnectionServer:
         fd = stream.extra(SocketAttribute.raw_socket).fileno()
         scope = anyio.CancelScope()
         state.watched[fd] = scope
+        charged = current_account.set(account)
         try:
             with scope:
                 return await handler.handle(line, peer)
@@ -237,6 +252,7 @@ class ConnectionServer:
             log.warning("client disconnected mid-operation; operation cancelled", peer_uid=peer.uid)
             return None
         finally:
+            current_account.reset(charged)
             del state.watched[fd]
             state.in_flight -= 1
 

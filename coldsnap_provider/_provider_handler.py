@@ -27,6 +27,7 @@ from ._envelope import (
     required_capability,
 )
 from ._exec import ExecResult
+from ._framing import MAX_MESSAGE_BYTES
 from ._listener import Peer, ServerState
 from ._operations import Operation, Operations, Outcome
 from ._sessions import SessionRecord
@@ -41,6 +42,9 @@ _INTERNAL = "host-provider internal error; see the daemon log"
 
 class ProviderHandler:
     """Answers one session's socket (its directory admits only the session's owner and root)."""
+
+    max_request_bytes = MAX_MESSAGE_BYTES
+    request_name = "host-provider request"
 
     def __init__(self, record: SessionRecord, operations: Operations, state: ServerState) -> None:
         self.record = record

@@ -39,12 +39,20 @@ import structlog
 
 from coldsnap_runtime import OUTPUT_LIMIT, Backend, Owner, RuntimeContext, dispatch
 from coldsnap_runtime.backend import DockerBackend
-from coldsnap_runtime.errors import BackendError, BackendUnavailable, OutputTooLarge, RequestRejected, RuntimeFailed
+from coldsnap_runtime.errors import (
+    BackendError,
+    BackendUnavailable,
+    ColdsnapError,
+    OutputTooLarge,
+    RequestRejected,
+    RuntimeFailed,
+)
 from coldsnap_runtime.schema import ImageBuild, RuntimeRequest, RuntimeResponse
 
 from ._config import RemoteConfig
 from ._envelope import Exec, OciPull, OciPush, Runtime, Upload
 from ._exec import SETPRIV, ExecIdentity, ExecResult
+from ._framing import charge
 from ._operations import Operation, Outcome, legacy_registry_action
 from ._remote_files import PlacementError, place_tar
 
@@ -354,7 +362,8 @@ class RemoteNode:
                     buf.extend(chunk)
                     if len(out) + len(err) > OUTPUT_LIMIT:
                         raise OutputTooLarge(action="exec", limit=OUTPUT_LIMIT)
-            except (asyncssh.Error, OSError, OutputTooLarge) as exc:
+                    charge(len(chunk))  # the daemon's byte budget, as for a local exec
+            except (asyncssh.Error, OSError, ColdsnapError) as exc:
                 failure.append(exc)
                 tg.cancel_scope.cancel()
 

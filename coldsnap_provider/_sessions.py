@@ -35,7 +35,7 @@ from anyio.abc import SocketListener, TaskStatus
 
 from coldsnap_runtime.errors import RequestRejected
 
-from ._listener import ConnectionServer
+from ._listener import ConnectionServer, is_admin
 
 __all__ = (
     "SOCKET_NAME",
@@ -45,7 +45,6 @@ __all__ = (
     "SessionState",
     "SessionStore",
     "hosts_from_request",
-    "is_admin",
     "validate_session_id",
 )
 
@@ -258,11 +257,6 @@ class SessionStore:
             yield record
 
 
-def is_admin(uid: int) -> bool:
-    """Root and the daemon's own uid may see and manage every session."""
-    return uid in (0, os.geteuid())
-
-
 class SessionState(enum.Enum):
     NEW = "new"  # created, socket not bound yet
     OPEN = "open"  # bound and answering
@@ -307,9 +301,10 @@ ServerFactory = Callable[[SessionRecord, SocketListener], ConnectionServer]
 class SessionManager:
     """The one owner of session records, the live table and the uid rule."""
 
-    def __init__(self, store: SessionStore, server_for: ServerFactory) -> None:
+    def __init__(self, store: SessionStore, server_for: ServerFactory, *, max_per_uid: int) -> None:
         self.store = store
         self._server_for = server_for
+        self._max_per_uid = max_per_uid
         self._live: dict[str, Session] = {}
         self._task_group: anyio.abc.TaskGroup | None = None
 
@@ -344,10 +339,17 @@ class SessionManager:
         self, session: str, *, hosts: list[str], uid: int, gid: int, labels: dict[str, str], cluster_id: str
     ) -> tuple[SessionRecord, str]:
         """Persist and serve a new session; nothing is left behind if it cannot be served."""
+        held = sum(live.record.uid == uid for live in self._live.values())
+        if not is_admin(uid) and held >= self._max_per_uid:
+            raise RequestRejected(f"uid {uid} already holds {held} sessions (server.max_sessions_per_uid); "
+                                  "close one first")
         record, token = self.store.create(session, hosts=hosts, uid=uid, gid=gid, labels=labels,
                                           cluster_id=cluster_id)
         try:
             await self._serve(record)
+        except OSError as exc:  # e.g. out of descriptors: refused, not an internal error
+            self.store.remove(session)
+            raise RequestRejected(f"session {session!r} cannot be served now: {exc.strerror or exc}") from exc
         except BaseException:
             self.store.remove(session)
             raise

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -236,3 +237,89 @@ def test_arbitrary_control_bytes_never_stop_the_daemon() -> None:
             await still_serving(daemon)
 
     anyio.run(main)
+
+
+class TestReviewFindings:
+    """Found by the adversarial review of the restructured daemon (issue 11, "the rest of their kind")."""
+
+    async def test_running_out_of_descriptors_is_survived(self) -> None:
+        """accept()'s EMFILE arrives from anyio as BrokenResourceError: it must back off, not exit."""
+        async with running_daemon("[server]\nrequest_read_timeout_s = 30\n") as daemon:
+            s = await daemon.open_session()
+            assert daemon.process is not None
+            resource.prlimit(daemon.process.pid, resource.RLIMIT_NOFILE, (128, 128))
+            idle = []
+            try:
+                for _ in range(200):  # more than the daemon can hold
+                    idle.append(await anyio.connect_unix(s.socket))
+                with anyio.fail_after(10):
+                    while daemon.process.poll() is None and "accept failed; backing off" not in daemon.log():
+                        await anyio.sleep(0.05)
+                assert daemon.process.poll() is None, daemon.log()[-3000:]
+            finally:
+                for stream in idle:
+                    await stream.aclose()
+            with anyio.fail_after(15):
+                while True:
+                    try:
+                        if (await s.call("capabilities")).ok:
+                            break
+                    except OSError:
+                        pass
+                    await anyio.sleep(0.1)
+            await still_serving(daemon, s)
+
+    async def test_one_uid_cannot_take_the_whole_byte_budget_from_root(self) -> None:
+        config = (f"[server]\ncontrol_uids = [{NOBODY}]\nmax_buffered_bytes = 4194304\n"
+                  "max_buffered_bytes_per_uid = 4194304\n")
+        async with running_daemon(config) as daemon:
+            os.chmod(daemon.state_dir / "control.sock", 0o666)
+            s = await daemon.open_session()
+            opened = control_as(NOBODY, daemon.state_dir, {"operation": "session-open", "session": "op-hog",
+                                                           "hosts": ["localhost"]})
+            hog = subprocess.Popen(
+                ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-c",
+                 "import socket, sys, time\n"
+                 "x = socket.socket(socket.AF_UNIX)\n"
+                 f"x.connect({opened['result']['socket']!r})\n"
+                 "x.sendall(b'{\"id\":\"' + b'a' * (7 << 19))\n"  # most of the budget, never a newline
+                 "print('held', flush=True)\n"
+                 "time.sleep(60)\n"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            try:
+                assert hog.stdout is not None
+                assert await anyio.to_thread.run_sync(hog.stdout.readline) == b"held\n"
+                with anyio.fail_after(10):
+                    while (await daemon.control(operation="status"))["budgets"]["buffered_bytes"] < 3 << 20:
+                        await anyio.sleep(0.05)
+                # Root is held only to its own share: the budget nobody filled does not starve it.
+                reply = await s.call("exec", host="localhost", arguments=["cat"], input=b"r" * (1 << 20))
+                assert reply.ok and len(reply.output) == 1 << 20
+            finally:
+                hog.kill()
+                hog.wait()
+
+    async def test_exec_output_is_charged_to_the_byte_budget(self) -> None:
+        async with running_daemon("[server]\nmax_buffered_bytes_per_uid = 8388608\n") as daemon:
+            s = await daemon.open_session()
+            reply = await s.call("exec", host="localhost", arguments=["head", "-c", "20000000", "/dev/zero"])
+            assert not reply.ok and "holding its limit of 8388608 buffered bytes for uid 0" in str(reply.error)
+            assert (await s.call("exec", host="localhost", arguments=["head", "-c", "1000", "/dev/zero"])).ok
+
+    async def test_control_requests_are_small(self) -> None:
+        async with running_daemon() as daemon:
+            line = json.dumps({"format": 1, "id": "big", "operation": "session-open", "session": "op-big",
+                               "request": {"id": "op-big", "pad": [0] * (1 << 20)}}).encode() + b"\n"
+            reply = await raw_control(daemon, line)
+            assert reply == {"format": 1, "id": "big", "ok": False, "error": "control request exceeds 1048576 bytes"}
+            await still_serving(daemon)
+
+    async def test_sessions_per_uid_are_capped(self) -> None:
+        async with running_daemon(f"[server]\ncontrol_uids = [{NOBODY}]\nmax_sessions_per_uid = 2\n") as daemon:
+            os.chmod(daemon.state_dir / "control.sock", 0o666)
+            replies = [control_as(NOBODY, daemon.state_dir, {"operation": "session-open", "session": f"op-cap-{i}",
+                                                             "hosts": ["localhost"]}) for i in range(3)]
+            assert [r["ok"] for r in replies] == [True, True, False]
+            assert replies[2]["error"] == ("uid 65534 already holds 2 sessions (server.max_sessions_per_uid); "
+                                           "close one first")
+            assert not (daemon.state_dir / "records" / "op-cap-2.json").exists()
+            await daemon.open_session()  # root is not capped
