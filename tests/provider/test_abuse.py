@@ -193,13 +193,16 @@ class TestMemory:
             await still_serving(daemon, s)
 
     async def test_request_past_the_byte_budget_is_refused(self) -> None:
-        async with running_daemon("[server]\nmax_buffered_bytes = 1048576\n") as daemon:
+        config = "[server]\nmax_buffered_bytes = 1048576\nmax_buffered_bytes_per_uid = 1048576\n"
+        async with running_daemon(config) as daemon:
             s = await daemon.open_session()
             reply = await s.call("exec", host="localhost", arguments=["cat"], input=b"x" * (2 << 20))
-            assert not reply.ok and "holding its limit of 1048576 buffered bytes" in str(reply.error)
+            assert not reply.ok
+            assert "holding its limit of 1048576 buffered bytes for uid 0" in str(reply.error)
             with anyio.fail_after(10):
                 status = await wait_for_status(daemon, lambda st: st["budgets"]["buffered_bytes"] < 4096)
             assert status["budgets"]["max_buffered_bytes"] == 1048576
+            assert status["budgets"]["max_buffered_bytes_per_uid"] == 1048576
             assert (await s.call("exec", host="localhost", arguments=["cat"], input=b"y" * 1000)).ok
 
 
