@@ -22,8 +22,12 @@ KNOWN_HOSTS="$NODE_B_DATA/client/known_hosts"
 
 nb_say() { printf '[node-b] %s\n' "$*" >&2; }
 
-nb_alive() {  # nb_alive PIDFILE
-    [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null
+nb_alive() {  # nb_alive PIDFILE: the process runs (a zombie left by a killed session does not count)
+    local pid state
+    [ -s "$1" ] || return 1
+    pid="$(cat "$1")"
+    state="$(sed -E 's/^.*\) ([A-Za-z]).*$/\1/' "/proc/$pid/stat" 2>/dev/null)" || return 1
+    [ -n "$state" ] && [ "$state" != Z ] && [ "$state" != X ]
 }
 
 nb_packages() {
@@ -94,7 +98,10 @@ nb_dockerd() {
         sshd_pid="$(cat "$SSHD_PID")"
         nb_say "starting node-b's dockerd (socket $DOCKER_SOCKET; log $NODE_B_DIR/dockerd.log)"
         install -d -m 0700 "$NODE_B_DATA/docker" "$NODE_B_DIR/exec"
-        rm -f "$DOCKER_SOCKET"
+        # Pid files of a node-b that was killed (its processes may linger as zombies, which dockerd
+        # and its containerd would take for live ones).
+        rm -f "$DOCKER_SOCKET" "$DOCKERD_PID"
+        nb_alive "$NODE_B_DIR/exec/containerd/containerd.pid" || rm -f "$NODE_B_DIR/exec/containerd/containerd.pid"
         # node-b's mount namespace (same /tmp as its sshd), a network namespace of its own.
         setsid nsenter --target "$sshd_pid" --mount --uts -- unshare --net -- sh -c '
             ip link set lo up
