@@ -36,6 +36,12 @@ ensure_python() {
     fi
 }
 
+process_runs() {  # process_runs PID: alive and not a zombie
+    local state
+    state="$(sed -E 's/^.*\) ([A-Za-z]).*$/\1/' "/proc/$1/stat" 2>/dev/null)" || return 1
+    [ -n "$state" ] && [ "$state" != Z ] && [ "$state" != X ]
+}
+
 ensure_dockerd() {
     install_packages dockerd:docker.io
     if docker info >/dev/null 2>&1; then return; fi
@@ -43,6 +49,12 @@ ensure_dockerd() {
         as_root systemctl start docker || true
     fi
     if ! docker info >/dev/null 2>&1; then
+        # A dockerd (or its containerd) killed with the session before may linger as a zombie:
+        # dockerd would take its pid file for a live daemon and refuse to start.
+        local pidfile
+        for pidfile in /var/run/docker.pid /var/run/docker/containerd/containerd.pid; do
+            if [ -s "$pidfile" ] && ! process_runs "$(cat "$pidfile")"; then as_root rm -f "$pidfile"; fi
+        done
         say "starting dockerd (log: /var/log/coldsnap-dockerd.log)"
         as_root sh -c 'nohup dockerd >>/var/log/coldsnap-dockerd.log 2>&1 &'
     fi
