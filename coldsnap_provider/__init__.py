@@ -8,8 +8,6 @@ envelope's request decoder and reply type, and the JSON Schema generator.
 __version__ = "0.1.0"
 
 # After __version__: the modules below import it.
-from ._client import ProtocolError as ProtocolError
-from ._client import ReplyError as ReplyError
 from ._client import call as call
 from ._client import call_control as call_control
 from ._client import exchange as exchange
@@ -17,6 +15,8 @@ from ._control import decode_control as decode_control
 from ._envelope import Reply as Reply
 from ._envelope import Runtime as Runtime
 from ._envelope import decode_request as decode_request
+from ._errors import ProtocolError as ProtocolError
+from ._errors import ReplyError as ReplyError
 from ._schemas import generate as generate_schemas
 
 __all__ = (

@@ -17,20 +17,9 @@ import msgspec
 
 from ._control import ControlReply
 from ._envelope import MAX_MESSAGE_BYTES, Reply
+from ._errors import ProtocolError, ReplyError
 
 __all__ = ("ProtocolError", "ReplyError", "call", "call_control", "exchange")
-
-
-class ProtocolError(Exception):
-    """The reply broke the protocol (size, shape, identity); the Go client would fail the call."""
-
-
-class ReplyError(Exception):
-    """The provider answered ok:false."""
-
-    def __init__(self, message: str, *, code: str = "") -> None:
-        super().__init__(message)
-        self.code = code
 
 
 _reply_decoder = msgspec.json.Decoder(Reply)
@@ -62,8 +51,8 @@ def check_reply(data: bytes, request_id: str) -> Reply:
         reply = _reply_decoder.decode(data)
     except msgspec.DecodeError as exc:
         if "trailing" in str(exc).lower():
-            raise ProtocolError("response has trailing data") from None
-        raise ProtocolError(f"response is invalid: {exc}") from None
+            raise ProtocolError("response has trailing data") from exc
+        raise ProtocolError(f"response is invalid: {exc}") from exc
     if reply.format != 1 or reply.id != request_id:
         raise ProtocolError("host provider response identity is invalid")
     return reply
@@ -89,7 +78,7 @@ async def call_control(state_dir: Path, request: dict[str, Any]) -> Any:
     try:
         reply = _control_decoder.decode(data)
     except msgspec.DecodeError as exc:
-        raise ProtocolError(f"control response is invalid: {exc}") from None
+        raise ProtocolError(f"control response is invalid: {exc}") from exc
     if reply.format != 1 or reply.id != request["id"]:
         raise ProtocolError("control response identity is invalid")
     if not reply.ok:

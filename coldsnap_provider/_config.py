@@ -12,6 +12,8 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from ._errors import ConfigError
+
 __all__ = ("Config", "ConfigError", "RemoteConfig", "default_state_dir", "load_config", "node_names")
 
 
@@ -109,10 +111,6 @@ class Config(_Section, frozen=True):
     huggingface: HuggingfaceConfig = HuggingfaceConfig()
 
 
-class ConfigError(Exception):
-    """The configuration file is unreadable or does not match the schema."""
-
-
 def load_config(path: str | os.PathLike[str] | None = None) -> Config:
     """Decode `path`, or the embedded default when None."""
     if path is None:
@@ -123,13 +121,13 @@ def load_config(path: str | os.PathLike[str] | None = None) -> Config:
         try:
             data = Path(path).read_bytes()
         except OSError as exc:
-            raise ConfigError(f"{source}: {exc.strerror}") from None
+            raise ConfigError(f"{source}: {exc.strerror}") from exc
     try:
         config = msgspec.toml.decode(data, type=Config)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
+        raise ConfigError(f"{source}: {exc}") from exc
     except msgspec.DecodeError as exc:
-        raise ConfigError(f"{source}: invalid TOML: {exc}") from None
+        raise ConfigError(f"{source}: invalid TOML: {exc}") from exc
     if problem := _remote_problem(config):
         raise ConfigError(f"{source}: {problem}")
     return config

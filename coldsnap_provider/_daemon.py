@@ -29,8 +29,9 @@ from anyio.abc import SocketListener, TaskStatus
 from coldsnap_runtime import CLEANUP_BUDGET_S, Backend, BackendError
 
 from . import __version__
-from ._config import Config, ConfigError
+from ._config import Config
 from ._control_handler import ControlHandler
+from ._errors import ConfigError
 from ._framing import ByteBudget
 from ._listener import ConnectionServer, Limits, ServerState
 from ._operations import Operations

@@ -237,7 +237,7 @@ class ConnectionServer:
                 return None
         if reading.cancelled_caught:
             return handler.refuse(RequestRejected(
-                f"host-provider request was not received within {timeout:g} s"), b"", peer)
+                f"{handler.request_name} was not received within {timeout:g} s"), b"", peer)
         state.in_flight += 1
         fd = stream.extra(SocketAttribute.raw_socket).fileno()
         scope = anyio.CancelScope()

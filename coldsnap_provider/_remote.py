@@ -51,10 +51,11 @@ from coldsnap_runtime.schema import ImageBuild, RuntimeRequest, RuntimeResponse
 
 from ._config import RemoteConfig
 from ._envelope import Exec, OciPull, OciPush, Runtime, Upload
+from ._errors import PlacementError
 from ._exec import SETPRIV, ExecIdentity, ExecResult
 from ._framing import charge
 from ._operations import Operation, Outcome, legacy_registry_action
-from ._remote_files import PlacementError, place_tar
+from ._remote_files import place_tar
 
 __all__ = ("RemoteNode", "RemoteUnavailable", "Remotes")
 
@@ -432,9 +433,9 @@ class RemoteNode:
                     try:
                         await place_tar(sftp, archive, root, destination)
                     except PlacementError as exc:
-                        raise RuntimeFailed(action=action, detail=str(exc)) from None
+                        raise RuntimeFailed(action=action, detail=str(exc)) from exc
                     except asyncssh.SFTPError as exc:
-                        raise RuntimeFailed(action=action, detail=f"on host {self.name}: {exc.reason}") from None
+                        raise RuntimeFailed(action=action, detail=f"on host {self.name}: {exc.reason}") from exc
         finally:
             archive.close()
 
@@ -491,7 +492,7 @@ class RemoteNode:
                     await sftp.get(remote, local, recurse=True, follow_symlinks=False)
                 except asyncssh.SFTPError as exc:
                     raise RuntimeFailed(action="image-build", detail=(
-                        f"build context {remote} on host {self.name}: {exc.reason}")) from None
+                        f"build context {remote} on host {self.name}: {exc.reason}")) from exc
         return local
 
     # --- status --------------------------------------------------------------------------

@@ -20,14 +20,12 @@ import anyio
 import anyio.to_thread
 import asyncssh
 
+from ._errors import PlacementError
+
 __all__ = ("PlacementError", "place_tar")
 
 _CHUNK = 1 << 20
 _MODE_BITS = 0o777  # no setuid/setgid/sticky bits on anything we create
-
-
-class PlacementError(Exception):
-    """The copy cannot be placed at the destination (the message says why)."""
 
 
 def _checked(tar: tarfile.TarFile, root: str) -> list[tarfile.TarInfo]:

@@ -18,8 +18,9 @@ import anyio
 import msgspec
 
 from . import __version__
-from ._client import ProtocolError, ReplyError, call, call_control
-from ._config import Config, ConfigError, default_state_dir, load_config, node_names
+from ._client import call, call_control
+from ._config import Config, default_state_dir, load_config, node_names
+from ._errors import ConfigError, ControllerRefused, ProtocolError, ReplyError
 
 if TYPE_CHECKING:
     from coldsnap_runtime.backend import HostPolicy
@@ -327,10 +328,6 @@ _REQUIRED_FEATURE = "manager-runtime-v1"
 _CAPABILITIES_OUTPUT_LIMIT = 1 << 20
 
 
-class ControllerRefused(Exception):
-    """The controller's `capabilities` does not offer what this manager needs (spec section 8)."""
-
-
 async def _negotiate(program: list[str], env: dict[str, str], bound_s: float) -> None:
     """Run `<program> capabilities` and require `features` to contain manager-runtime-v1 and
     `protocols.host_provider_format == 1`; raise ControllerRefused naming what is missing."""
@@ -343,7 +340,7 @@ async def _negotiate(program: list[str], env: dict[str, str], bound_s: float) ->
     except TimeoutError:
         raise ControllerRefused(f"`{shown}` did not answer within {bound_s:g} s") from None
     except OSError as exc:
-        raise ControllerRefused(f"cannot run `{shown}`: {exc.strerror or exc}") from None
+        raise ControllerRefused(f"cannot run `{shown}`: {exc.strerror or exc}") from exc
     if result.returncode != 0:
         detail = result.stderr.decode("utf-8", "replace").strip()[-500:]
         raise ControllerRefused(f"`{shown}` exited {result.returncode}: {detail}")
@@ -354,7 +351,7 @@ async def _negotiate(program: list[str], env: dict[str, str], bound_s: float) ->
         if not isinstance(document, dict):
             raise ValueError("not a JSON object")
     except ValueError as exc:
-        raise ControllerRefused(f"`{shown}` did not print a capabilities object ({exc})") from None
+        raise ControllerRefused(f"`{shown}` did not print a capabilities object ({exc})") from exc
     missing = []
     features = document.get("features")
     if not isinstance(features, list) or _REQUIRED_FEATURE not in features:

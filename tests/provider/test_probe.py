@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from coldsnap_probe import admit, requirements
-from coldsnap_provider._client import ReplyError
+from coldsnap_provider import ReplyError
 from coldsnap_provider._probe import PROBE_MOUNT, ProbeOptions, criu_workload, probe_workload
 from coldsnap_runtime.backend import container_config
 from tests.conftest import docker

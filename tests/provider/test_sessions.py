@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from coldsnap_provider._client import ReplyError
+from coldsnap_provider import ReplyError
 from tests.helpers import control_as, running_daemon
 
 

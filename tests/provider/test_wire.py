@@ -13,7 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coldsnap_provider._client import ProtocolError, check_reply
+from coldsnap_provider import ProtocolError
+from coldsnap_provider._client import check_reply
 from tests.helpers import Daemon, Session, running_daemon
 
 
