@@ -19,11 +19,11 @@ from tests.conftest import Registry, docker
 from tests.helpers import Daemon, Session, write_config
 
 
-@pytest.fixture(scope="module")
-def daemon(registry: Registry, busybox_image: str) -> Iterator[Daemon]:
+def module_daemon(registry: Registry, extra_config: str = "") -> Iterator[Daemon]:
+    """A daemon for one test module (its fixtures yield from this), with the registry's credentials."""
     state = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
     conf = Path(tempfile.mkdtemp(prefix="cs-conf-", dir="/tmp"))
-    config = f'[registry]\ncredentials_file = "{registry.credentials_file}"\n'
+    config = f'[registry]\ncredentials_file = "{registry.credentials_file}"\n' + extra_config
     d = Daemon(state_dir=state, config_path=write_config(conf, config))
     d.start()
     yield d
@@ -31,6 +31,11 @@ def daemon(registry: Registry, busybox_image: str) -> Iterator[Daemon]:
     d.log_path.unlink(missing_ok=True)
     shutil.rmtree(state, ignore_errors=True)
     shutil.rmtree(conf, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def daemon(registry: Registry, busybox_image: str) -> Iterator[Daemon]:
+    yield from module_daemon(registry)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import Registry
-from tests.helpers import Daemon, Session, write_config
-from tests.runtime.conftest import container_exists, inspect_container, main_dockerd_pid, uniq
+from tests.helpers import Daemon, Session
+from tests.runtime.conftest import container_exists, inspect_container, main_dockerd_pid, module_daemon, uniq
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
@@ -25,17 +24,7 @@ def daemon(registry: Registry, busybox_image: str) -> Iterator[Daemon]:
     the default policy refuses `privileged: true`; this policy grants what the host has, so the
     field still reaches the container and is checked below.
     """
-    state = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
-    conf = Path(tempfile.mkdtemp(prefix="cs-conf-", dir="/tmp"))
-    config = (f'[registry]\ncredentials_file = "{registry.credentials_file}"\n'
-              '[runtime]\nprivileged = "host-capabilities"\n')
-    d = Daemon(state_dir=state, config_path=write_config(conf, config))
-    d.start()
-    yield d
-    d.stop()
-    d.log_path.unlink(missing_ok=True)
-    shutil.rmtree(state, ignore_errors=True)
-    shutil.rmtree(conf, ignore_errors=True)
+    yield from module_daemon(registry, '[runtime]\nprivileged = "host-capabilities"\n')
 
 
 async def test_every_field_arrives_in_the_container(session: Session, busybox_image: str) -> None:
