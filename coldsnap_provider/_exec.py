@@ -21,7 +21,15 @@ from coldsnap_runtime.errors import ColdsnapError, OutputTooLarge, RequestReject
 
 from ._framing import charge
 
-__all__ = ("ExecIdentity", "ExecResult", "GroupLedger", "child_environment", "resolve_identity", "run_argv")
+__all__ = (
+    "ExecIdentity",
+    "ExecResult",
+    "GroupLedger",
+    "as_identity",
+    "child_environment",
+    "resolve_identity",
+    "run_argv",
+)
 
 log = structlog.get_logger(__name__)
 
@@ -66,6 +74,16 @@ def resolve_identity(spec: str) -> ExecIdentity:
     return ExecIdentity(uid=uid, gid=gid, home=home)
 
 
+def as_identity(argv: list[str], identity: ExecIdentity) -> list[str]:
+    """`argv` run as `identity` (real and effective uid/gid, no supplementary groups), or as it is
+    for the daemon's own. setpriv keeps the argv exact; uvloop's subprocess_exec has no
+    user=/group= and anyio no preexec_fn."""
+    if identity.uid is None or identity.uid == os.geteuid():
+        return argv
+    gid = identity.gid if identity.gid is not None else identity.uid
+    return [SETPRIV, f"--reuid={identity.uid}", f"--regid={gid}", "--clear-groups", "--", *argv]
+
+
 # What a program run for a manager inherits: never the daemon's own environment (credentials).
 _KEPT_ENV = ("PATH", "LANG", "LC_ALL", "TZ")
 
@@ -93,10 +111,7 @@ async def run_argv(
     daemon that was killed can finish it off at its next start."""
     if any("\x00" in a for a in argv):
         raise RequestRejected("exec arguments must not contain NUL")
-    if identity.uid is not None and identity.uid != os.geteuid():
-        # setpriv keeps the argv exact; uvloop's subprocess_exec has no user=/group= and anyio no preexec_fn.
-        gid = identity.gid if identity.gid is not None else identity.uid
-        argv = [SETPRIV, f"--reuid={identity.uid}", f"--regid={gid}", "--clear-groups", "--", *argv]
+    argv = as_identity(argv, identity)
     try:
         process = await anyio.open_process(
             argv,

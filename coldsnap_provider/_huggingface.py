@@ -41,7 +41,7 @@ from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, Revi
 from coldsnap_runtime.errors import RuntimeFailed
 
 from ._envelope import HuggingfacePublish, HuggingfaceResolve
-from ._exec import SETPRIV, ExecIdentity
+from ._exec import ExecIdentity, as_identity
 
 __all__ = ("HuggingfaceClient", "configure_client_timeouts")
 
@@ -259,9 +259,7 @@ def _open_failed(path: str, code: int | None, action: str) -> RuntimeFailed:
 
 
 async def _open_in_child(path: str, identity: ExecIdentity, *, action: str) -> int:
-    gid = identity.gid if identity.gid is not None else identity.uid
-    argv = [SETPRIV, f"--reuid={identity.uid}", f"--regid={gid}", "--clear-groups", "--",
-            sys.executable, "-I", "-S", "-c", _OPENER, path]
+    argv = as_identity([sys.executable, "-I", "-S", "-c", _OPENER, path], identity)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     fds: list[int] = []
     with ours:

@@ -52,7 +52,7 @@ from coldsnap_runtime.schema import ImageBuild, RuntimeRequest, RuntimeResponse
 from ._config import RemoteConfig
 from ._envelope import Exec, OciPull, OciPush, Runtime, Upload
 from ._errors import PlacementError
-from ._exec import SETPRIV, ExecIdentity, ExecResult
+from ._exec import ExecIdentity, ExecResult, as_identity, child_environment
 from ._framing import charge
 from ._operations import Operation, Outcome, legacy_registry_action
 from ._remote_files import place_tar
@@ -636,14 +636,9 @@ def _first_is_dir(archive: str) -> bool:
 async def _tar_as(identity: ExecIdentity, parent: str, base: str, fd: int, *, recursive: bool) -> tuple[int, str]:
     """`tar` of parent/base into `fd`, run as exec.user (so only what that user may read is sent)."""
     argv = ["tar", "-c", "-f", "-", "-C", parent, *([] if recursive else ["--no-recursion", "-h"]), "--", base]
-    env: dict[str, str] | None = None
-    if identity.uid is not None and identity.uid != os.geteuid():
-        gid = identity.gid if identity.gid is not None else identity.uid
-        argv = [SETPRIV, f"--reuid={identity.uid}", f"--regid={gid}", "--clear-groups", "--", *argv]
-        if identity.home:
-            env = dict(os.environ, HOME=identity.home)
-    async with await anyio.open_process(argv, stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.PIPE,
-                                        env=env, start_new_session=True) as process:
+    async with await anyio.open_process(as_identity(argv, identity), stdin=subprocess.DEVNULL, stdout=fd,
+                                        stderr=subprocess.PIPE, env=child_environment(identity),
+                                        start_new_session=True) as process:
         assert process.stderr is not None
         message = bytearray()
         async for chunk in process.stderr:

@@ -20,6 +20,8 @@ import anyio
 import anyio.to_thread
 import asyncssh
 
+from coldsnap_runtime.backend import ArchiveRefused, check_members
+
 from ._errors import PlacementError
 
 __all__ = ("PlacementError", "place_tar")
@@ -29,22 +31,11 @@ _MODE_BITS = 0o777  # no setuid/setgid/sticky bits on anything we create
 
 
 def _checked(tar: tarfile.TarFile, root: str) -> list[tarfile.TarInfo]:
-    """Members in order, each inside `root`, none reached through a symbolic link of the archive."""
-    members: list[tarfile.TarInfo] = []
-    links: set[str] = set()
-    for member in tar.getmembers():
-        name = posixpath.normpath(member.name)
-        if name.startswith(("/", "../")) or name == ".." or not (name == root or name.startswith(root + "/")):
-            raise PlacementError(f"archive entry {member.name!r} is outside the copied path")
-        parts = name.split("/")
-        if any("/".join(parts[:i]) in links for i in range(1, len(parts))):
-            raise PlacementError(f"archive entry {member.name!r} passes through a symbolic link")
-        if member.ischr() or member.isblk() or member.isfifo():
-            raise PlacementError(f"archive entry {member.name!r} is a device or FIFO; SFTP cannot create it")
-        if member.issym():
-            links.add(name)
-        member.name = name
-        members.append(member)
+    """The copy's members under the same rules as a local copy-from, `root` itself first."""
+    try:
+        members = check_members(tar, root)
+    except ArchiveRefused as exc:
+        raise PlacementError(str(exc)) from exc
     if not members or members[0].name != root:
         raise PlacementError("the archive did not contain the copied path")
     return members

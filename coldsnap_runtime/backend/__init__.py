@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ._archive import ArchiveRefused as ArchiveRefused
+from ._archive import check_members as check_members
 from ._base import MANAGER_UID_LABEL as MANAGER_UID_LABEL
 from ._base import Backend as Backend
 from ._base import Owner as Owner
@@ -21,8 +23,8 @@ from ._translate import container_config as container_config
 if TYPE_CHECKING:
     from ._docker import DockerBackend as DockerBackend
 
-__all__ = ("MANAGER_UID_LABEL", "Backend", "DockerBackend", "GpuPolicy", "HostPolicy", "Owner", "RuntimeContext",
-           "container_config", "dispatch", "with_manager_labels")
+__all__ = ("MANAGER_UID_LABEL", "ArchiveRefused", "Backend", "DockerBackend", "GpuPolicy", "HostPolicy", "Owner",
+           "RuntimeContext", "check_members", "container_config", "dispatch", "with_manager_labels")
 
 
 def __getattr__(name: str) -> Any:

@@ -59,7 +59,7 @@ import sys
 import tarfile
 from typing import IO
 
-__all__ = ("extract_copy", "main", "pack")
+__all__ = ("ArchiveRefused", "check_members", "extract_copy", "main", "pack")
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -70,7 +70,7 @@ _TREE = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
-class _Refused(Exception):
+class ArchiveRefused(Exception):
     """The copy cannot be placed at the destination (the message says why); exit status 1."""
 
 
@@ -84,13 +84,14 @@ def open_directory(path: str) -> int:
             try:
                 child = os.open(part, _DIR, dir_fd=fd)
             except FileNotFoundError as exc:
-                raise _Refused(f"destination directory {path} does not exist") from exc
+                raise ArchiveRefused(f"destination directory {path} does not exist") from exc
             except OSError as exc:
                 if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
                     raise
                 if stat.S_ISLNK(os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode):
-                    raise _Refused(f"destination component {walked} is a symbolic link; it is not followed") from exc
-                raise _Refused(f"destination component {walked} is not a directory") from exc
+                    raise ArchiveRefused(
+                        f"destination component {walked} is a symbolic link; it is not followed") from exc
+                raise ArchiveRefused(f"destination component {walked} is not a directory") from exc
             os.close(fd)
             fd = child
     except BaseException:
@@ -106,24 +107,26 @@ def _lstat(name: str, dir_fd: int) -> os.stat_result | None:
         return None
 
 
-def _check_members(tar: tarfile.TarFile, root: str) -> list[tarfile.TarInfo]:
+def check_members(tar: tarfile.TarFile, root: str) -> list[tarfile.TarInfo]:
+    """A copy's members in order, names normalised; every one inside `root`, none reached through
+    a symbolic link of the archive, hard links only to members, no devices or FIFOs."""
     members: list[tarfile.TarInfo] = []
     links: set[str] = set()
     for member in tar:
         name = posixpath.normpath(member.name)
         if name.startswith(("/", "../")) or name == ".." or not (name == root or name.startswith(root + "/")):
-            raise _Refused(f"archive entry {member.name!r} is outside the copied path")
+            raise ArchiveRefused(f"archive entry {member.name!r} is outside the copied path")
         parts = name.split("/")
         if any("/".join(parts[:i]) in links for i in range(1, len(parts))):
-            raise _Refused(f"archive entry {member.name!r} passes through a symbolic link")
+            raise ArchiveRefused(f"archive entry {member.name!r} passes through a symbolic link")
         if member.islnk():
             target = posixpath.normpath(member.linkname)
             if not (target == root or target.startswith(root + "/")):
-                raise _Refused(f"hard link {member.name!r} points outside the copied path")
+                raise ArchiveRefused(f"hard link {member.name!r} points outside the copied path")
         elif member.issym():
             links.add(name)
         elif not (member.isreg() or member.isdir()):
-            raise _Refused(f"archive entry {member.name!r} is a device node or FIFO; those are not copied")
+            raise ArchiveRefused(f"archive entry {member.name!r} is a device node or FIFO; those are not copied")
         member.name = name
         members.append(member)
     return members
@@ -153,7 +156,7 @@ def _clear(name: str, dir_fd: int) -> None:
     if found is None:
         return
     if stat.S_ISDIR(found.st_mode):
-        raise _Refused(f"archive entry {name!r} replaces a directory")
+        raise ArchiveRefused(f"archive entry {name!r} replaces a directory")
     os.unlink(name, dir_fd=dir_fd)
 
 
@@ -164,7 +167,7 @@ def _extract_member(tar: tarfile.TarFile, member: tarfile.TarInfo, parent: int, 
         if found is None:
             os.mkdir(name, 0o700, dir_fd=parent)
         elif not stat.S_ISDIR(found.st_mode):
-            raise _Refused(f"archive entry {member.name!r} is both a file and a directory")
+            raise ArchiveRefused(f"archive entry {member.name!r} is both a file and a directory")
         return
     _clear(name, parent)
     if member.issym():
@@ -175,7 +178,7 @@ def _extract_member(tar: tarfile.TarFile, member: tarfile.TarInfo, parent: int, 
         return
     source = tar.extractfile(member)  # a hard link reads its target's data
     if source is None:
-        raise _Refused(f"hard link {member.name!r} does not point at a regular file of the copy")
+        raise ArchiveRefused(f"hard link {member.name!r} does not point at a regular file of the copy")
     fd = os.open(name, _FILE, 0o600, dir_fd=parent)
     with os.fdopen(fd, "wb") as out:
         shutil.copyfileobj(source, out, 1 << 20)
@@ -247,7 +250,7 @@ def extract_copy(archive: IO[bytes], root: str, destination: str, *, keep_owner:
     `archive` must be seekable (hard links are read back from it).
     """
     if not root or "/" in root or root in (".", ".."):
-        raise _Refused(f"the engine named the copied path {root!r}, which is not a plain name")
+        raise ArchiveRefused(f"the engine named the copied path {root!r}, which is not a plain name")
     parent_path, name = posixpath.split(destination)
     parent = open_directory(parent_path or "/")
     final_parent, final_name = parent, name
@@ -261,7 +264,7 @@ def extract_copy(archive: IO[bytes], root: str, destination: str, *, keep_owner:
             os.mkdir(staging_name, 0o700, dir_fd=final_parent)
         except OSError as exc:
             where = destination if final_parent != parent else (parent_path or "/")
-            raise _Refused(f"cannot write under {where}: {exc.strerror}") from exc
+            raise ArchiveRefused(f"cannot write under {where}: {exc.strerror}") from exc
         try:
             staging = os.open(staging_name, _DIR, dir_fd=final_parent)
             try:
@@ -281,7 +284,7 @@ def extract_copy(archive: IO[bytes], root: str, destination: str, *, keep_owner:
 def _stage(archive: IO[bytes], root: str, staging: int, keep_owner: bool) -> None:
     directories: list[tuple[list[str], tarfile.TarInfo]] = []
     with tarfile.open(fileobj=archive, mode="r:") as tar:  # the engine sends a plain tar
-        for member in _check_members(tar, root):
+        for member in check_members(tar, root):
             parts = member.name.split("/")
             parent = _open_parent(staging, parts)
             try:
@@ -291,7 +294,7 @@ def _stage(archive: IO[bytes], root: str, staging: int, keep_owner: bool) -> Non
             if member.isdir():
                 directories.append((parts, member))
     if _lstat(root, staging) is None:
-        raise _Refused("the archive did not contain the copied path")
+        raise ArchiveRefused("the archive did not contain the copied path")
     for parts, member in sorted(directories, key=lambda item: -len(item[0])):  # deepest first
         _finish_directory(staging, parts, member, keep_owner)
 
@@ -301,11 +304,11 @@ def _place(staging: int, root: str, final_parent: int, final_name: str, *, shown
     present = _lstat(final_name, final_parent)
     if present is not None and stat.S_ISDIR(present.st_mode):
         if not stat.S_ISDIR(copied.st_mode):
-            raise _Refused(f"cannot overwrite directory {shown} with a non-directory")
+            raise ArchiveRefused(f"cannot overwrite directory {shown} with a non-directory")
         _merge(staging, root, final_parent, final_name)
         return
     if present is not None and stat.S_ISDIR(copied.st_mode):
-        raise _Refused(f"cannot copy a directory onto the file {shown}")
+        raise ArchiveRefused(f"cannot copy a directory onto the file {shown}")
     os.replace(root, final_name, src_dir_fd=staging, dst_dir_fd=final_parent)
 
 
@@ -333,8 +336,8 @@ def _ignored(rel: str, patterns: list[tuple[bool, str]]) -> bool:
     return ignored
 
 
-def _unreadable(path: str, exc: OSError) -> _Refused:
-    return _Refused(f"cannot read {path}: {exc.strerror or exc}")
+def _unreadable(path: str, exc: OSError) -> ArchiveRefused:
+    return ArchiveRefused(f"cannot read {path}: {exc.strerror or exc}")
 
 
 def _read_dockerignore(root: int, path: str) -> list[tuple[bool, str]]:
@@ -344,11 +347,11 @@ def _read_dockerignore(root: int, path: str) -> list[tuple[bool, str]]:
         return []
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise _Refused(f"{path}/.dockerignore is a symbolic link; it is not followed") from exc
+            raise ArchiveRefused(f"{path}/.dockerignore is a symbolic link; it is not followed") from exc
         raise _unreadable(f"{path}/.dockerignore", exc) from exc
     with os.fdopen(fd, "rb") as source:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise _Refused(f"{path}/.dockerignore is not a regular file")
+            raise ArchiveRefused(f"{path}/.dockerignore is not a regular file")
         return _ignore_patterns(source.read().decode("utf-8", "replace"))
 
 
@@ -361,8 +364,8 @@ def _header(name: str, st: os.stat_result) -> tarfile.TarInfo:
     return info
 
 
-def _changed(path: str) -> _Refused:
-    return _Refused(f"{path} changed while the build context was read")
+def _changed(path: str) -> ArchiveRefused:
+    return ArchiveRefused(f"{path} changed while the build context was read")
 
 
 def _pack_entry(tar: tarfile.TarFile, parent: int, name: str, arcname: str, path: str,
@@ -451,14 +454,14 @@ def pack(job: dict[str, object], out: IO[bytes]) -> None:
     files = job.get("files")
     if not isinstance(trees, list) or not isinstance(files, list) or not all(
             isinstance(item, dict) for item in [*trees, *files]):
-        raise _Refused("the pack job has no trees or files")
+        raise ArchiveRefused("the pack job has no trees or files")
     with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
         for tree in trees:
             path, prefix, label = str(tree["path"]), str(tree["prefix"]), str(tree["label"])
             try:
                 root = os.open(path, _TREE)
             except (FileNotFoundError, NotADirectoryError) as exc:
-                raise _Refused(f"build {label} {path} is not a directory on this node") from exc
+                raise ArchiveRefused(f"build {label} {path} is not a directory on this node") from exc
             except OSError as exc:
                 raise _unreadable(path, exc) from exc
             try:
@@ -472,7 +475,7 @@ def pack(job: dict[str, object], out: IO[bytes]) -> None:
                     except OSError as exc:
                         raise _unreadable(path, exc) from exc
                     if present:
-                        raise _Refused(f"the build context must not contain {present[0]!r} (reserved)")
+                        raise ArchiveRefused(f"the build context must not contain {present[0]!r} (reserved)")
                 patterns = _read_dockerignore(root, path) if tree.get("dockerignore") else []
                 _pack_directory(tar, root, prefix, path.rstrip("/"), patterns, "")
             finally:
@@ -489,9 +492,9 @@ def _job(data: bytes) -> dict[str, object]:
     try:
         job = json.loads(data)
     except ValueError as exc:
-        raise _Refused(f"the pack job is not JSON: {exc}") from exc
+        raise ArchiveRefused(f"the pack job is not JSON: {exc}") from exc
     if not isinstance(job, dict):
-        raise _Refused("the pack job is not a JSON object")
+        raise ArchiveRefused("the pack job is not a JSON object")
     return job
 
 
@@ -503,7 +506,7 @@ def become(uid: int, gid: int) -> None:
     os.setresgid(gid, gid, gid)
     os.setresuid(uid, uid, uid)
     if os.getresuid() != (uid, uid, uid) or os.getresgid() != (gid, gid, gid):
-        raise _Refused(f"could not take the identity {uid}:{gid}")
+        raise ArchiveRefused(f"could not take the identity {uid}:{gid}")
 
 
 def main(argv: list[str]) -> int:
@@ -535,7 +538,7 @@ def main(argv: list[str]) -> int:
             pack(_job(sys.stdin.buffer.read()), sys.stdout.buffer)
         else:
             extract_copy(sys.stdin.buffer, args[0], args[1], keep_owner=keep_owner)
-    except _Refused as exc:
+    except ArchiveRefused as exc:
         sys.stderr.write(f"{exc}\n")
         return 1
     except (OSError, tarfile.TarError, EOFError, KeyError, TypeError) as exc:
