@@ -26,9 +26,14 @@ from ._features import validate_qualification as validate_qualification
 from ._features import with_criu as with_criu
 from ._graph import POLICIES as GRAPH_POLICIES
 from ._graph import RECIPE_MODES as RECIPE_MODES
+from ._graph import GraphPlan as GraphPlan
 from ._graph import GraphResolution as GraphResolution
 from ._graph import ResourceAudit as ResourceAudit
+from ._graph import default_graph_policy as default_graph_policy
+from ._graph import graph_record as graph_record
+from ._graph import plan_graph_policy as plan_graph_policy
 from ._graph import resolve_graph_policy as resolve_graph_policy
+from ._graph import validate_graph_record as validate_graph_record
 from ._hydrate import WeightArena as WeightArena
 from ._hydrate import WeightRegion as WeightRegion
 from ._hydrate import chunk_digests as chunk_digests
@@ -58,6 +63,7 @@ __all__ = (
     "Contract",
     "ContractError",
     "FeatureResult",
+    "GraphPlan",
     "GraphResolution",
     "ProbeError",
     "Profile",
@@ -78,12 +84,16 @@ __all__ = (
     "combine_digests",
     "contract",
     "decode_profile",
+    "default_graph_policy",
+    "graph_record",
     "image_digest",
+    "plan_graph_policy",
     "qualify",
     "read_cached",
     "region_digest",
     "requirements",
     "resolve_graph_policy",
+    "validate_graph_record",
     "validate_profile",
     "validate_qualification",
     "with_criu",

@@ -25,10 +25,23 @@ def _parser() -> argparse.ArgumentParser:
     capture.add_argument("--boundary", choices=["n610", "n580"], default="n610")
     capture.add_argument("--digest", action="store_true", help="record a content digest of the images")
     capture.add_argument("--hydration", help="the engine's hydration control socket: release weights first")
+    capture.add_argument("--engine", help="the engine's control socket: quiesce communicators before capture, "
+                                          "recreate them after restore")
+    capture.add_argument("--graph-policy", default="auto",
+                         choices=["auto", "disabled", "recreate-from-plan", "preserve-exec", "preserve-nccl-exec"],
+                         help="auto: the driver's default (580: recreate-from-plan, 610: preserve-nccl-exec "
+                              "where an in-place provider is admitted)")
     restore = sub.add_parser("restore", help="restore a captured tree and resume it")
     restore.add_argument("--images", required=True)
     restore.add_argument("--criu", default="criu")
     restore.add_argument("--work-dir", help="where CRIU writes its log and pidfile (never the images)")
+    for command in (capture, restore):
+        ranks = command.add_argument_group("several ranks (one worker per rank)")
+        ranks.add_argument("--rank", type=int, default=0)
+        ranks.add_argument("--world-size", type=int, default=1)
+        ranks.add_argument("--coordinator", help="a directory every rank's worker reaches (barriers, abort)")
+        ranks.add_argument("--namespace", help="this activation's name: one capture or one restore")
+        ranks.add_argument("--barrier-timeout", type=float, default=120.0, help="seconds to wait for a peer")
     target = sub.add_parser("_target", help=argparse.SUPPRESS)
     target.add_argument("--memory-bytes", type=int, required=True)
     ipc = sub.add_parser("_ipc_target", help=argparse.SUPPRESS)
@@ -72,16 +85,25 @@ def main(argv: list[str] | None = None) -> int:
 def _worker(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from ._coordinator import Coordinator
     from ._worker import capture, restore
     from .errors import ProbeError
 
+    if (args.world_size > 1 or args.coordinator) and not (args.coordinator and args.namespace):
+        sys.stderr.write("error: several ranks need --coordinator and --namespace\n")
+        return 2
     try:
+        coordinator = None
+        if args.coordinator:
+            coordinator = Coordinator(Path(args.coordinator), args.namespace, args.rank, args.world_size,
+                                      timeout=args.barrier_timeout)
         if args.command == "capture":
             report = capture(args.pid, Path(args.images), criu=args.criu, boundary=args.boundary,
-                             digest=args.digest, hydration=args.hydration)
+                             digest=args.digest, hydration=args.hydration, coordinator=coordinator,
+                             engine=args.engine, graph_policy=args.graph_policy)
         else:
             report = restore(Path(args.images), criu=args.criu,
-                             work=Path(args.work_dir) if args.work_dir else None)
+                             work=Path(args.work_dir) if args.work_dir else None, coordinator=coordinator)
     except (ProbeError, OSError, ValueError) as exc:
         sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")
         return 1

@@ -11,8 +11,9 @@ from typing import Any
 from .canonical import digest, go_floats
 from .errors import ContractError
 
-__all__ = ("DECISIONS", "POLICIES", "RECIPE_MODES", "GraphResolution", "ResourceAudit", "graph_record",
-           "recipe_digest", "resolve_graph_policy", "validate_graph_record")
+__all__ = ("DECISIONS", "POLICIES", "RECIPE_MODES", "GraphPlan", "GraphResolution", "ResourceAudit",
+           "default_graph_policy", "graph_record", "plan_graph_policy", "recipe_digest", "resolve_graph_policy",
+           "validate_graph_record")
 
 POLICIES = ("preserve-exec", "recreate-from-plan", "preserve-nccl-exec", "disabled")
 DECISIONS = ("requested_policy_is_supported", "provider_reconstructs_communicator",
@@ -76,6 +77,55 @@ def resolve_graph_policy(requested: str, workers: int) -> GraphResolution:
                                audit=audit)
     return GraphResolution(effective="preserve-nccl-exec", decision="qualified_exact_nccl_in_place",
                            audit=dataclasses.replace(audit, unknown_dependencies=False))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GraphPlan:
+    """What a rank does with its graphs: the policy asked for, the policy its record states, and why.
+
+    `recorded` differs from `requested` only on a downgrade: `preserve-nccl-exec` with several workers and no
+    admitted in-place NCCL provider is recorded as `recreate-from-plan` (the one record the validator accepts for
+    what then happens: communicators destroyed before capture, recreated and graphs re-captured after restore).
+    """
+
+    requested: str
+    recorded: str
+    resolution: GraphResolution
+    reason: str
+
+    @property
+    def effective(self) -> str:
+        return self.resolution.effective
+
+
+_REASONS = {
+    "requested_policy_is_supported": "graphs are recreated from the captured plan",
+    "graph_exec_preservation_is_unqualified": "one worker: no NCCL communicator to preserve",
+    "provider_reconstructs_communicator": "the NCCL provider reconstructs communicators: executables are recreated",
+    "qualified_exact_nccl_in_place": "exact in-place NCCL provider admitted with more than one worker",
+}
+
+
+def plan_graph_policy(requested: str, workers: int, *, in_place_admitted: bool,
+                      in_place_reason: str = "") -> GraphPlan:
+    """The table of spec 5.4 plus the one rule a rank can judge: retained NCCL needs an admitted provider."""
+    resolved = resolve_graph_policy(requested, workers)
+    if resolved.effective == "preserve-nccl-exec" and not in_place_admitted:
+        return GraphPlan(requested=requested, recorded="recreate-from-plan",
+                         resolution=resolve_graph_policy("recreate-from-plan", workers),
+                         reason=f"no admitted in-place NCCL provider ({in_place_reason or 'not admitted'}): "
+                                "communicators are recreated and graphs re-captured")
+    reason = "asynchronous graphs are disabled" if requested == "disabled" else _REASONS[resolved.decision]
+    return GraphPlan(requested=requested, recorded=requested, resolution=resolved, reason=reason)
+
+
+def default_graph_policy(driver_version: str) -> str:
+    """Per-driver default: the 610 series may retain NCCL graph executables in place, 580 recreates them."""
+    try:
+        major = int(str(driver_version).split(".")[0])
+    except ValueError as exc:
+        raise ContractError(f"driver version {driver_version!r} has no major number") from exc
+    return "preserve-nccl-exec" if major >= 610 else "recreate-from-plan"
 
 
 def recipe_digest(*, engine: str, execution: dict[str, Any], requested: str, effective: str,

@@ -20,10 +20,23 @@ workload keeps serving. A restore whose images hold `hydration.json` checks the 
 before CRIU runs, and after the CUDA unlock asks the engine to re-map, hydrate and verify; the
 report's `hydration` gives bytes, seconds, GB/s and regions verified. A failed hydration kills the
 restored tree: nothing half-hydrated serves.
+
+Several ranks (tensor parallelism, spec 7.1-7.3): one worker per rank, meeting the others through a
+`Coordinator` at every step, so that all ranks reach the capture point together and a failure on one
+rank aborts all. A rank's communicators are handled by the graph policy (`plan_graph_policy`, default
+per driver): under `recreate-from-plan` the engine is asked (its control socket, `engine=`) to destroy
+its collective graphs and communicators before the CUDA lock, and the capture refuses a rank whose engine
+still reports a live communicator (restoring one fails with CUDA_ERROR_NOT_SUPPORTED and loses the rank);
+after restore the engine recreates them on a fresh store and re-captures its graphs. The graph record is
+written into the images at capture and validated (digest recomputed) on every rank before anything is
+restored. Every rank is restored paused; CUDA state is restored only once every rank's CRIU restore
+exists; the ranks are then released together. A multi-rank dump leaves the tree stopped until every rank
+has dumped, so a failed peer rolls every rank back to serving.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -35,13 +48,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ._coordinator import Coordinator
 from ._cuda import Driver
+from ._graph import GraphPlan, default_graph_policy, graph_record, plan_graph_policy, validate_graph_record
 from ._hydrate import HydrationManifest, check_sources
 from ._hydrate import request as hydration_request
 from ._profile import identity
-from .errors import ProbeError, WorkerError
+from .errors import ContractError, ProbeError, RankAborted, WorkerError
 
-__all__ = ("capture", "identity_compatibility", "image_digest", "restore")
+__all__ = ("capture", "identity_compatibility", "image_digest", "restore", "tp_execution")
 
 CAPTURE_KIND = "coldsnap-cuda-criu-capture"
 RESTORE_KIND = "coldsnap-cuda-criu-restore"
@@ -202,25 +217,112 @@ def _hydrate_back(control: str) -> None:
         pass
 
 
+def tp_execution(world_size: int, engine: str) -> dict[str, Any]:
+    """The execution graph of one tensor-parallel service (spec 5.5's `execution`), one worker per rank."""
+    workers = [f"rank-{r}" for r in range(world_size)]
+    return {"workers": [{"id": w, "unit": f"unit-{r}", "service": "engine", "process_slot": 0, "device_slots": [r]}
+                        for r, w in enumerate(workers)],
+            "groups": [{"id": "tp", "kind": "tensor-parallel", "service": "engine", "members": workers}],
+            "services": [{"id": "engine", "role": "serving", "workers": workers}],
+            "adapter": {"schema": "coldsnap-engine-control-v1", "digest": "", "payload": {"engine": engine,
+                                                                                          "tensor": world_size}}}
+
+
+def _in_place_admission() -> tuple[bool, str]:
+    """Whether an in-place NCCL provider is admitted here (NCCL spec 5): asked only when the rank is told to try."""
+    mode = os.environ.get("COLDSNAP_NCCL_IN_PLACE_MODE", "").strip()
+    if mode != "net-reconnect-v1":
+        return False, "COLDSNAP_NCCL_IN_PLACE_MODE is not net-reconnect-v1"
+    try:  # imported here: the shim needs its C library, which only an in-place activation requires
+        from nccl_shim import Expectations, Shim, ShimError, admit_identity
+    except ImportError as exc:
+        return False, f"nccl_shim cannot be loaded: {exc}"
+    try:
+        shim = Shim(os.environ.get("COLDSNAP_NCCL_PROVIDER_LIBRARY") or None)
+        try:
+            admit_identity(shim.identity(), shim.in_place(), Expectations.from_environment(in_place=True))
+        finally:
+            shim.close()
+    except (ShimError, OSError) as exc:
+        return False, str(exc)
+    return True, ""
+
+
+def _graph_plan(requested: str, world_size: int) -> GraphPlan:
+    if requested == "auto":
+        requested = default_graph_policy(str(identity(None).get("driver_version", "")))
+    admitted, reason = _in_place_admission() if requested == "preserve-nccl-exec" and world_size > 1 else (False, "")
+    try:
+        return plan_graph_policy(requested, world_size, in_place_admitted=admitted, in_place_reason=reason)
+    except ContractError as exc:
+        raise WorkerError(str(exc)) from exc
+
+
+def _engine(control: str, message: dict[str, Any], what: str, *, timeout: float = 300.0) -> dict[str, Any]:
+    """One request to the engine's control socket; a refusal is a WorkerError naming `what`."""
+    try:
+        answer = hydration_request(control, message, timeout=timeout)
+    except ProbeError as exc:
+        raise WorkerError(f"{what}: {exc}") from exc
+    if not answer.get("ok"):
+        raise WorkerError(f"{what}: the engine refused: {answer.get('error')}")
+    return answer
+
+
+def _quiesce(control: str, plan: GraphPlan) -> dict[str, Any]:
+    """Ask the engine to let go of what CUDA checkpoint cannot carry; refuse if a communicator is still alive."""
+    answer = _engine(control, {"op": "quiesce", "policy": plan.effective}, "quiesce before capture")
+    live = answer.get("communicators")
+    if plan.effective != "preserve-nccl-exec" and live != 0:
+        raise WorkerError(f"the engine still holds {live!r} live NCCL communicator(s) after quiesce: restoring such "
+                          "a rank fails (CUDA_ERROR_NOT_SUPPORTED) and loses it, so it is not checkpointed")
+    return answer
+
+
+def _resume_engine(control: str, coordinator: Coordinator, plan: str, label: str) -> dict[str, Any]:
+    """Recreate the communicators on a store of this activation and re-capture the graphs (every rank at once)."""
+    store = str(coordinator.path(f"{label}.store"))
+    return _engine(control, {"op": "resume", "policy": plan, "store": store, "rank": coordinator.rank,
+                             "world_size": coordinator.world_size}, f"engine {label}")
+
+
+def _signal_tree(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 def capture(pid: int, images: Path, *, criu: str, boundary: str = "n610", lock_timeout_ms: int = 30_000,
-            digest: bool = False, hydration: str | None = None) -> dict[str, Any]:
+            digest: bool = False, hydration: str | None = None, coordinator: Coordinator | None = None,
+            engine: str | None = None, graph_policy: str = "auto") -> dict[str, Any]:
     """Checkpoint and dump the tree rooted at `pid` into `images` (must be new or empty)."""
     if boundary not in ("n580", "n610"):
         raise WorkerError(f"boundary must be n580 or n610, got {boundary!r}")
     if images.exists() and any(images.iterdir()):
         raise WorkerError(f"images directory {images} is not empty")
+    ranks = coordinator or Coordinator.single()
     images.mkdir(mode=0o700, parents=True, exist_ok=True)
     tree = process_tree(pid)
     timings: dict[str, float] = {}
     report: dict[str, Any] = {"format": 1, "kind": CAPTURE_KIND, "boundary": boundary, "root_pid": pid,
-                              "tree": tree, "started_unix": time.time()}
+                              "tree": tree, "started_unix": time.time(), "rank": ranks.rank,
+                              "world_size": ranks.world_size, "engine": engine}
     work = Path(tempfile.mkdtemp(prefix="coldsnap-capture-"))
-    dump_args = ["dump", "--tree", str(pid), "--images-dir", str(images), "--work-dir", str(work)]
+    # Several ranks: the dumped tree stays stopped until every rank has dumped, so a failed peer can roll back.
+    dump_args = ["dump", "--tree", str(pid), "--images-dir", str(images), "--work-dir", str(work),
+                 *(["--leave-stopped"] if ranks.multi else [])]
+    plan = _graph_plan(graph_policy, ranks.world_size) if (engine or ranks.multi) and boundary == "n610" else None
+    quiesced = dumped = False
     try:
         if boundary == "n580":
             _audit_pre_cuda(tree)
             report["cuda_pids"] = []
+            ranks.barrier("capture-ready", {"pid": pid})
             timings["criu_dump"] = _criu(criu, dump_args, work / "dump.log")
+            dumped = True
+            ranks.barrier("dumped")
         else:
             driver = Driver()
             driver.call("cuInit", 0)
@@ -229,6 +331,21 @@ def capture(pid: int, images: Path, *, criu: str, boundary: str = "n610", lock_t
                 raise WorkerError(f"no CUDA process in the tree of {pid} (n610 needs initialized CUDA state)")
             report["cuda_pids"] = cuda
             _require(driver, cuda, "running", "before lock")
+            peers = ranks.barrier("capture-ready", {"pid": pid, "policy": plan.recorded if plan else None})
+            if len({str(p.get("policy")) for p in peers}) != 1:
+                raise WorkerError(f"the ranks disagree on the graph policy: {[p.get('policy') for p in peers]}")
+            if plan is not None:
+                report["graph_policy"] = {"requested": plan.requested, "recorded": plan.recorded,
+                                          "effective": plan.effective, "reason": plan.reason}
+                if engine:
+                    started = time.perf_counter()
+                    report["engine_quiesce"] = _quiesce(engine, plan)
+                    quiesced = True
+                    timings["engine_quiesce"] = time.perf_counter() - started
+                elif ranks.multi:
+                    raise WorkerError("several ranks need the engine's control socket (engine=) to release "
+                                      "their communicators before capture")
+            ranks.barrier("quiesced")
             manifest = _release_weights(hydration, report) if hydration else None
             report["memory_before_checkpoint"] = {str(p): _anonymous_memory(p) for p in tree}
             done: list[tuple[int, str]] = []  # (pid, what was done) for the rollback
@@ -247,29 +364,66 @@ def capture(pid: int, images: Path, *, criu: str, boundary: str = "n610", lock_t
                     done.append((p, "checkpointed"))
                 _require(driver, cuda, "checkpointed", "after checkpoint")
                 timings["cuda_checkpoint"] = time.perf_counter() - started
+                ranks.barrier("checkpointed")
                 report["memory_after_checkpoint"] = {str(p): _anonymous_memory(p) for p in tree}
                 timings["criu_dump"] = _criu(criu, dump_args, work / "dump.log")
+                dumped = True
                 if manifest is not None:
                     (images / "hydration.json").write_text(json.dumps(manifest.to_json(), indent=2) + "\n")
+                if plan is not None:
+                    _write_graph_record(images, plan, ranks.world_size)
+                ranks.barrier("dumped")
             except BaseException:
+                if dumped:
+                    _signal_tree(tree, signal.SIGCONT)  # the CUDA restore thread of a stopped tree must run
                 _rollback(driver, done)
                 if hydration:
                     _hydrate_back(hydration)
                 raise
-    except BaseException:
+    except BaseException as exc:
+        ranks.abort(f"rank {ranks.rank} capture: {type(exc).__name__}: {exc}")
+        if boundary == "n580" and dumped:
+            _signal_tree(tree, signal.SIGCONT)
+        if quiesced and engine:  # every rank rolls back: recreate the communicators the capture destroyed
+            with contextlib.suppress(WorkerError):
+                _resume_engine(engine, ranks, plan.effective if plan else "recreate-from-plan", "rollback")
         if (work / "dump.log").exists():  # keep the evidence of a failed dump
             shutil.copy2(work / "dump.log", images / "dump.log")
         raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    if ranks.multi:  # every rank has dumped: the captured tree ends here, as a single-rank dump ends it
+        _signal_tree(tree, signal.SIGKILL)
     report["identity"] = identity(None)
     report["timings_s"] = timings
+    report["barrier_wait_s"] = dict(ranks.waits)
     report["image_bytes"], report["image_files"] = _images_size(images)
     if digest:
         report["image_digest"] = image_digest(images, contents=True)
     report["completed_unix"] = time.time()
     (images / "capture.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     return report
+
+
+def _write_graph_record(images: Path, plan: GraphPlan, world_size: int) -> None:
+    execution = tp_execution(world_size, "coldsnap-engine")
+    record = graph_record(async_graphs=plan.recorded != "disabled", graph_policy=plan.recorded,
+                          engine="coldsnap-engine", execution=execution)
+    (images / "graph.json").write_text(json.dumps({"record": record, "execution": execution}, indent=2) + "\n")
+
+
+def _validated_graph_record(images: Path) -> dict[str, Any] | None:
+    """The record written at capture, every rule checked and its digest recomputed; None if there is none."""
+    path = images / "graph.json"
+    if not path.exists():
+        return None
+    try:
+        stored = json.loads(path.read_text())
+        record, execution = stored["record"], stored["execution"]
+        validate_graph_record(record, engine="coldsnap-engine", execution=execution, coverage=None)
+    except (ValueError, KeyError, TypeError, AttributeError, ContractError) as exc:
+        raise WorkerError(f"graph.json: {exc}") from exc
+    return dict(record)
 
 
 def _rollback(driver: Driver, done: list[tuple[int, str]]) -> None:
@@ -308,36 +462,58 @@ def identity_compatibility(captured: dict[str, Any], current: dict[str, Any], bo
     return "exact" if captured.get("driver_version") == current.get("driver_version") else "driver-upgraded"
 
 
-def restore(images: Path, *, criu: str, work: Path | None = None) -> dict[str, Any]:
+def restore(images: Path, *, criu: str, work: Path | None = None,
+            coordinator: Coordinator | None = None) -> dict[str, Any]:
     """Restore the tree captured in `images`; returns the report (the images are only read)."""
-    capture_report = json.loads((images / "capture.json").read_text())
-    boundary = capture_report["boundary"]
-    manifest = None
-    if (images / "hydration.json").exists():  # check the weight sources before spending a CRIU restore
-        try:
-            manifest = HydrationManifest.from_json(json.loads((images / "hydration.json").read_text()))
-            check_sources(manifest.regions, manifest.identities)
-        except (ProbeError, ValueError) as exc:
-            raise WorkerError(f"weight hydration cannot succeed, not restoring: {exc}") from exc
-    compatibility = identity_compatibility(capture_report.get("identity", {}), identity(None), boundary)
-    cuda = list(capture_report.get("cuda_pids", []))
+    ranks = coordinator or Coordinator.single()
     timeline = Timeline()
     timeline.mark("restore_begin")
-    work = work or Path(tempfile.mkdtemp(prefix="coldsnap-restore-"))
-    work.mkdir(parents=True, exist_ok=True)
-    pidfile = work / "restored.pid"
-    pidfile.unlink(missing_ok=True)  # CRIU refuses to overwrite one left by an earlier restore
-    report: dict[str, Any] = {"format": 1, "kind": RESTORE_KIND, "boundary": boundary,
-                              "captured_root_pid": capture_report["root_pid"], "cuda_pids": cuda,
-                              "identity_compatibility": compatibility}
-    args = ["restore", "--images-dir", str(images), "--work-dir", str(work), "--restore-detached",
-            "--pidfile", str(pidfile), *(["--leave-stopped"] if cuda else [])]
     root = None
+    report: dict[str, Any] = {"format": 1, "kind": RESTORE_KIND, "rank": ranks.rank, "world_size": ranks.world_size}
     try:
+        capture_report = json.loads((images / "capture.json").read_text())
+        boundary = capture_report["boundary"]
+        if (capture_report.get("rank", 0), capture_report.get("world_size", 1)) != (ranks.rank, ranks.world_size):
+            raise WorkerError(f"these images are rank {capture_report.get('rank', 0)} of "
+                              f"{capture_report.get('world_size', 1)}, not rank {ranks.rank} of {ranks.world_size}")
+        graph = _validated_graph_record(images)
+        manifest = None
+        if (images / "hydration.json").exists():  # check the weight sources before spending a CRIU restore
+            try:
+                manifest = HydrationManifest.from_json(json.loads((images / "hydration.json").read_text()))
+                check_sources(manifest.regions, manifest.identities)
+            except (ProbeError, ValueError) as exc:
+                raise WorkerError(f"weight hydration cannot succeed, not restoring: {exc}") from exc
+        compatibility = identity_compatibility(capture_report.get("identity", {}), identity(None), boundary)
+        cuda = list(capture_report.get("cuda_pids", []))
+        engine = capture_report.get("engine")
+        report.update({"boundary": boundary, "captured_root_pid": capture_report["root_pid"], "cuda_pids": cuda,
+                       "identity_compatibility": compatibility})
+        if graph is not None:
+            report["graph_policy"] = {"effective": graph["policy_effective"], "decision": graph["decision"],
+                                      "plan_sha256": graph["recipe"]["plan_sha256"]}
+            if graph["policy_effective"] == "preserve-nccl-exec":
+                raise WorkerError("the record retains NCCL graph executables in place, which needs the engine's "
+                                  "admitted in-place NCCL provider; this engine recreates its communicators")
+        # Nothing is restored on any rank until every rank's images, record and identity are good.
+        peers = ranks.barrier("validated", {"plan_sha256": graph["recipe"]["plan_sha256"] if graph else None})
+        if len({str(p.get("plan_sha256")) for p in peers}) != 1:
+            raise WorkerError("the ranks' graph records disagree: "
+                              f"{[p.get('plan_sha256') for p in peers]}")
+        work = work or Path(tempfile.mkdtemp(prefix="coldsnap-restore-"))
+        work.mkdir(parents=True, exist_ok=True)
+        pidfile = work / "restored.pid"
+        pidfile.unlink(missing_ok=True)  # CRIU refuses to overwrite one left by an earlier restore
+        paused = bool(cuda) or ranks.multi  # every rank is restored paused and released together
+        args = ["restore", "--images-dir", str(images), "--work-dir", str(work), "--restore-detached",
+                "--pidfile", str(pidfile), *(["--leave-stopped"] if paused else [])]
         report["criu_restore_seconds"] = _criu(criu, args, work / "restore.log")
         timeline.mark("criu_restore_end")
         root = int(pidfile.read_text().split()[0])
         report["restored_pid"] = root
+        peers = ranks.barrier("criu-restored", {"pid": root, "criu_seconds": report["criu_restore_seconds"]})
+        report["peer_criu_restore_seconds"] = [p.get("criu_seconds") for p in peers]
+        timeline.mark("rank_barrier_end")
         if cuda:
             timeline.mark("deferred_cuda_restore_begin")
             driver = Driver()
@@ -349,10 +525,18 @@ def restore(images: Path, *, criu: str, work: Path | None = None) -> dict[str, A
                 _require(driver, [pid], "locked", "after CUDA restore")
                 driver.call("cuCheckpointProcessUnlock", pid, None)
                 _require(driver, [pid], "running", "after unlock")
+            if ranks.multi:
+                os.killpg(root, signal.SIGSTOP)  # held until every rank's CUDA state is back
             timeline.mark("deferred_cuda_restore_end")
             report["cuda_restore_seconds"] = timeline.seconds("deferred_cuda_restore_begin",
                                                                "deferred_cuda_restore_end")
-        timeline.mark("process_resumed")  # without CUDA the tree was restored running
+            peers = ranks.barrier("cuda-restored", {"cuda_seconds": report["cuda_restore_seconds"]})
+            report["peer_cuda_restore_seconds"] = [p.get("cuda_seconds") for p in peers]
+            timeline.mark("distributed_cuda_restore_barrier_end")
+        if ranks.multi:
+            os.killpg(root, signal.SIGCONT)
+            ranks.barrier("process-resumed")
+        timeline.mark("process_resumed")  # without CUDA (single rank) the tree was restored running
         if manifest is not None:
             timeline.mark("hydration_begin")
             answer = hydration_request(manifest.control, {"op": "hydrate"})
@@ -365,17 +549,24 @@ def restore(images: Path, *, criu: str, work: Path | None = None) -> dict[str, A
                                    "gbps": hydrated["gbps"], "regions_verified": hydrated["verified_regions"],
                                    "engine": hydrated,
                                    "phase_seconds": timeline.seconds("hydration_begin", "hydration_end")}
+        if engine and graph is not None and graph["policy_effective"] == "recreate-from-plan":
+            timeline.mark("communicator_recreate_begin")
+            report["engine_resume"] = _resume_engine(engine, ranks, graph["policy_effective"], "restore")
+            timeline.mark("communicator_recreate_end")
+            report["communicator_recreate_seconds"] = timeline.seconds("communicator_recreate_begin",
+                                                                       "communicator_recreate_end")
+        ranks.barrier("ready")
+        timeline.mark("ready")
     except BaseException as exc:
         report["error"] = f"{type(exc).__name__}: {exc}"
-        if root is not None:
-            try:
+        ranks.abort(f"rank {ranks.rank} restore: {report['error']}")
+        if root is not None:  # a failure on any rank stops every rank: nothing half-restored serves
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(root, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         report["timeline"] = timeline.marks
-        raise WorkerError(report["error"]) from exc
+        raise (exc if isinstance(exc, RankAborted) else WorkerError(report["error"])) from exc
     report["timeline"] = timeline.marks
+    report["barrier_wait_s"] = dict(ranks.waits)
     report["restore_seconds"] = timeline.seconds("restore_begin", "process_resumed")
-    if manifest is not None:
-        report["ready_seconds"] = timeline.seconds("restore_begin", "hydration_end")
+    report["ready_seconds"] = timeline.seconds("restore_begin", "ready")
     return report

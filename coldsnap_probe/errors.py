@@ -14,6 +14,7 @@
     │   ├── MemoryCapabilityError   a memory contract is violated or a provider lacks a capability
     │   └── NotCanonical            a value has no canonical JSON (NaN or an infinity), so no digest
     ├── WorkerError                 a capture or restore step failed
+    │   └── RankAborted             a multi-rank activation was aborted (by a rank, or a peer never arrived)
     └── HydrationError              weight hydration refused or failed (names the region when one is at fault)
 
 A canary never lets its errors escape: it turns them into a `failed` or `unsupported`
@@ -39,6 +40,7 @@ __all__ = (
     "NotCanonical",
     "ProbeError",
     "ProfileError",
+    "RankAborted",
     "UnknownDriver",
     "WorkerError",
 )
@@ -123,3 +125,7 @@ class HydrationError(ProbeError):
     def __init__(self, message: str, *, region: str = "") -> None:
         super().__init__(f"region {region}: {message}" if region else message)
         self.region = region  # the weight region at fault, "" when the failure is not about one region
+
+
+class RankAborted(WorkerError):
+    """A multi-rank activation was aborted: by this rank, by a peer, or because a peer never arrived."""

@@ -1,0 +1,167 @@
+"""Several ranks: the coordinator's barriers and aborts, and the restore path's checks that stop every rank.
+
+The rank workers here are real processes meeting through a real directory. The GPU half (capture and restore
+of a TP2 engine) runs on the two-GPU machine: `scripts/device-tp2`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coldsnap_probe import default_graph_policy, graph_record
+from coldsnap_probe._coordinator import Coordinator
+from coldsnap_probe._profile import identity
+from coldsnap_probe._worker import tp_execution
+from coldsnap_probe.errors import ContractError, RankAborted, WorkerError
+from tests.helpers import ROOT
+
+RANK_SCRIPT = """
+import json, sys
+from pathlib import Path
+from coldsnap_probe._coordinator import Coordinator
+from coldsnap_probe.errors import RankAborted
+root, rank, world, timeout = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+c = Coordinator(root, "activation", rank, world, timeout=timeout)
+try:
+    print(json.dumps(c.barrier("ready", {"rank": rank, "pid": __import__("os").getpid()})))
+except RankAborted as exc:
+    print(json.dumps({"aborted": str(exc)}))
+"""
+
+
+def ranks(root: Path, world: int, *, only: list[int] | None = None, timeout: float = 20) -> list[Any]:
+    procs = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(root), str(r), str(world), str(timeout)],
+                              stdout=subprocess.PIPE, text=True, cwd=ROOT)
+             for r in (only if only is not None else range(world))]
+    return [json.loads(p.communicate(timeout=60)[0]) for p in procs]
+
+
+def test_barrier_of_four_rank_processes_returns_every_ranks_value_in_rank_order(tmp_path: Path) -> None:
+    answers = ranks(tmp_path, 4)
+    assert all([v["rank"] for v in answer] == [0, 1, 2, 3] for answer in answers)
+    assert len({tuple(v["pid"] for v in answer) for answer in answers}) == 1  # every rank saw the same arrivals
+
+
+def test_barrier_peer_that_never_arrives_aborts_naming_it_and_a_late_peer_sees_the_abort(tmp_path: Path) -> None:
+    [alone] = ranks(tmp_path, 3, only=[0], timeout=0.5)
+    assert "rank(s) 1, 2 never reached ready" in alone["aborted"]
+    [late] = ranks(tmp_path, 3, only=[2])
+    assert "activation aborted at ready" in late["aborted"] and "never reached ready" in late["aborted"]
+
+
+def test_abort_by_one_rank_wakes_a_rank_waiting_at_a_barrier(tmp_path: Path) -> None:
+    waiting = Coordinator(tmp_path, "a", 0, 2, timeout=30)
+    failing = Coordinator(tmp_path, "a", 1, 2)
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            waiting.barrier("cuda-restored")
+        except RankAborted as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    failing.abort("rank 1 restore: CUDA restore failed")
+    failing.abort("a second reason is not kept")
+    thread.join(10)
+    assert not thread.is_alive()
+    assert [str(e) for e in errors] == ["activation aborted at cuda-restored: rank 1 restore: CUDA restore failed"]
+
+
+def test_namespace_serves_one_activation(tmp_path: Path) -> None:
+    Coordinator(tmp_path, "restore-1", 0, 1).barrier("validated")
+    with pytest.raises(WorkerError, match="already arrived at validated in restore-1"):
+        Coordinator(tmp_path, "restore-1", 0, 1).barrier("validated")
+
+
+@pytest.mark.parametrize(("namespace", "rank", "world", "message"), [
+    ("../escape", 0, 2, "namespace must match"), ("ok", 2, 2, "rank must be within"),
+    ("ok", 0, 0, "rank must be within"), ("a\n", 0, 1, "namespace must match")])
+def test_coordinator_refuses_bad_names_and_ranks(tmp_path: Path, namespace: str, rank: int, world: int,
+                                                 message: str) -> None:
+    with pytest.raises(WorkerError, match=message):
+        Coordinator(tmp_path, namespace, rank, world)
+
+
+def test_several_ranks_need_a_directory() -> None:
+    with pytest.raises(WorkerError, match="coordinator directory"):
+        Coordinator(None, "x", 0, 2)
+
+
+@pytest.mark.parametrize(("driver", "policy"), [("580.159.04", "recreate-from-plan"),
+                                                ("610.43.02", "preserve-nccl-exec")])
+def test_default_graph_policy_per_driver(driver: str, policy: str) -> None:
+    assert default_graph_policy(driver) == policy
+
+
+def test_default_graph_policy_without_a_driver_version_is_refused() -> None:
+    with pytest.raises(ContractError, match="no major number"):
+        default_graph_policy("")
+
+
+# --- the restore path of several ranks, up to the point where CRIU would run ---------------------------------
+
+def rank_images(directory: Path, rank: int, world: int, *, tamper: bool = False) -> Path:
+    """Images of a pre-CUDA rank as capture writes their records (no CRIU images: CRIU must never be reached)."""
+    directory.mkdir(parents=True)
+    (directory / "capture.json").write_text(json.dumps({
+        "format": 1, "boundary": "n580", "root_pid": 4242, "rank": rank, "world_size": world, "cuda_pids": [],
+        "identity": identity(None)}))
+    execution = tp_execution(world, "coldsnap-engine")
+    record = graph_record(async_graphs=True, graph_policy="recreate-from-plan", engine="coldsnap-engine",
+                          execution=execution)
+    if tamper:
+        record["policy_effective"] = "preserve-nccl-exec"
+    (directory / "graph.json").write_text(json.dumps({"record": record, "execution": execution}))
+    return directory
+
+
+def restore_workers(tmp_path: Path, images: list[Path], only: list[int], timeout: float = 20) -> list[Any]:
+    procs = [subprocess.Popen([sys.executable, "-m", "coldsnap_probe", "restore", "--images", str(images[r]),
+                               "--criu", "/bin/false", "--rank", str(r), "--world-size", str(len(images)),
+                               "--coordinator", str(tmp_path / "coord"), "--namespace", "restore-1",
+                               "--barrier-timeout", str(timeout), "--work-dir", str(tmp_path / f"work-{r}")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+             for r in only]
+    return [(p.wait(timeout=60), p.stderr.read() if p.stderr else "") for p in procs]
+
+
+def test_restore_tampered_graph_record_on_one_rank_stops_every_rank_before_criu(tmp_path: Path) -> None:
+    images = [rank_images(tmp_path / "r0", 0, 2), rank_images(tmp_path / "r1", 1, 2, tamper=True)]
+    (rc0, err0), (rc1, err1) = restore_workers(tmp_path, images, [0, 1])
+    assert rc1 == 1 and "graph.json: graph policy record" in err1
+    assert rc0 == 1 and "RankAborted: activation aborted at validated: rank 1 restore" in err0
+    assert "criu" not in err0 + err1  # nothing was restored on any rank
+    assert not list((tmp_path / "coord" / "restore-1").glob("criu-restored/*"))
+
+
+def test_restore_peer_that_never_arrives_stops_the_rank_before_criu(tmp_path: Path) -> None:
+    images = [rank_images(tmp_path / "r0", 0, 2), rank_images(tmp_path / "r1", 1, 2)]
+    [(rc, err)] = restore_workers(tmp_path, images, [0], timeout=0.5)
+    assert rc == 1 and "rank(s) 1 never reached validated" in err and "criu" not in err
+
+
+def test_restore_images_of_another_rank_are_refused(tmp_path: Path) -> None:
+    images = [rank_images(tmp_path / "r1", 1, 2), rank_images(tmp_path / "r0", 0, 2)]  # swapped
+    results = restore_workers(tmp_path, images, [0, 1])
+    assert all(rc == 1 for rc, _ in results)
+    assert any("these images are rank 1 of 2, not rank 0 of 2" in err for _, err in results)
+
+
+def test_restore_ranks_whose_records_differ_are_stopped(tmp_path: Path) -> None:
+    images = [rank_images(tmp_path / "r0", 0, 2), rank_images(tmp_path / "r1", 1, 2)]
+    stored = json.loads((images[1] / "graph.json").read_text())
+    stored["execution"]["adapter"]["payload"]["tensor"] = 3  # a valid record of another plan
+    stored["record"] = graph_record(async_graphs=True, graph_policy="recreate-from-plan",
+                                    engine="coldsnap-engine", execution=stored["execution"])
+    (images[1] / "graph.json").write_text(json.dumps(stored))
+    results = restore_workers(tmp_path, images, [0, 1])
+    assert all(rc == 1 and "graph records disagree" in err for rc, err in results)
