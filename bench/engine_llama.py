@@ -136,7 +136,7 @@ def _shards(directory: str) -> list[dict[str, Any]]:
     return shards
 
 
-class _DeviceBytes:
+class DeviceBytes:
     """A device address range as a CUDA array (torch.as_tensor makes a view of it, no copy)."""
 
     def __init__(self, address: int, size: int) -> None:
@@ -193,7 +193,7 @@ def _arena_model(directory: str, control: str, hydrator: str = "") -> tuple[Any,
             if leaf not in module._parameters:
                 raise RuntimeError(f"{name} in {shard['path']} is not a parameter of the model")
             # One storage per parameter (no aliasing between the compiled graph's inputs), all in the arena.
-            raw = torch.as_tensor(_DeviceBytes(arena.address + base + begin, end - begin), device="cuda")
+            raw = torch.as_tensor(DeviceBytes(arena.address + base + begin, end - begin), device="cuda")
             view = raw.view(dtypes[dtype]).view(shape)
             module._parameters[leaf] = torch.nn.Parameter(view, requires_grad=False)
             assigned.add(name)

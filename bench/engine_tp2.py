@@ -1,15 +1,20 @@
 """A tensor-parallel engine (issue 16): a Llama-shaped decoder sharded over ranks, NCCL all-reduce in CUDA graphs.
 
+    python bench/engine_tp2.py weights --rank R --world-size N --dir DIR [--layers 16]   write a rank's weights once
     python bench/engine_tp2.py serve --rank R --world-size N --dir DIR [--layers 16] [--log FILE]
 
 One process per rank, one GPU each (`cuda:R`, or the only visible one), torch.distributed with NCCL over a
-FileStore in DIR (`NCCL_NVLS_ENABLE=0`). Attention heads and the MLP are split Megatron-style: q/k/v and
-gate/up column-parallel, o and down row-parallel, so each layer all-reduces twice; embedding, norms and the
-LM head are replicated, so every rank computes the same logits and the same greedy token. Weights come from
-fixed seeds per (layer, matrix, rank): deterministic, no files. One decode step (token and position in device
-tensors, static KV cache, masked attention over it, greedy argmax) is captured in a CUDA graph *with its
-collectives*; the prompt is fed through the same graph. Cold-start stages go to FILE as JSON lines (opened
-and closed per line: no descriptor held across a checkpoint).
+FileStore in DIR (`NCCL_NVLS_ENABLE=0`, `NCCL_RAS_ENABLE=0`). Attention heads and the MLP are split
+Megatron-style: q/k/v and gate/up column-parallel, o and down row-parallel, so each layer all-reduces
+twice; embedding, norms and the LM head are replicated, so every rank computes the same logits and the
+same greedy token. Weights come from fixed seeds per (layer, matrix, rank), written once per rank to
+DIR/weights-rank-R.bin; serving loads them into a `coldsnap_probe.WeightArena` (a VMM reservation every
+weight tensor is a view of) whose control socket DIR/rank-R.weights.sock lets the capture worker release
+them and the restore worker hydrate them back at the same addresses, so the CRIU images carry no weights.
+One decode step (token and position in device tensors, static KV cache, masked attention over it, greedy
+argmax) is captured in a CUDA graph *with its collectives*; the prompt is fed through the same graph.
+Cold-start stages go to FILE as JSON lines (opened and closed per line: no descriptor held across a
+checkpoint).
 
 Control socket DIR/rank-R.sock, one JSON line per connection, answer read to EOF:
 * `{"op": "generate", "prompt": [ids], "max_tokens": n}` to rank 0 streams `{"token", "unix"}` lines, then
@@ -36,7 +41,10 @@ import socket
 import sys
 import traceback
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 SHAPE = {"hidden": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128, "ffn": 14336, "vocab": 32000,
          "max_seq": 512, "eps": 1e-5, "rope_theta": 500000.0}
@@ -47,6 +55,13 @@ def stage(name: str, **extra: object) -> None:
     if LOG_PATH:
         with open(LOG_PATH, "a") as log:
             log.write(json.dumps({"stage": name, "unix": time.time(), "pid": os.getpid(), **extra}) + "\n")
+
+
+ALIGN = 1 << 12  # every tensor's offset in a rank's weight file (and so in its arena)
+
+
+def weight_paths(directory: str, rank: int) -> tuple[Path, Path]:
+    return Path(directory, f"weights-rank-{rank}.bin"), Path(directory, f"weights-rank-{rank}.json")
 
 
 class Engine:
@@ -66,8 +81,46 @@ class Engine:
                                                s["ffn"] // world_size)
         self.graph: Any = None
         self.communicators = 0
-        self._weights()
-        stage("weights", bytes=self.weight_bytes)
+        self.arena: Any = None
+
+    def generated_weights(self) -> list[tuple[str, Any]]:
+        """Every weight of this rank, from its fixed seed, in file order."""
+        s, d, hidden, r = SHAPE, SHAPE["head_dim"], SHAPE["hidden"], self.rank
+        out = [("embed", self._randn((s["vocab"], hidden), 1, 1)),
+               ("lm_head", self._randn((s["vocab"], hidden), 2, hidden))]
+        for layer in range(self.layers):
+            seed = 1000 * (layer + 1) + 10 * r
+            out += [(f"{layer}.q", self._randn((self.heads * d, hidden), seed + 1, hidden)),
+                    (f"{layer}.k", self._randn((self.kv_heads * d, hidden), seed + 2, hidden)),
+                    (f"{layer}.v", self._randn((self.kv_heads * d, hidden), seed + 3, hidden)),
+                    (f"{layer}.o", self._randn((hidden, self.heads * d), seed + 4, s["heads"] * d)),
+                    (f"{layer}.gate", self._randn((self.ffn, hidden), seed + 5, hidden)),
+                    (f"{layer}.up", self._randn((self.ffn, hidden), seed + 6, hidden)),
+                    (f"{layer}.down", self._randn((hidden, self.ffn), seed + 7, s["ffn"]))]
+        return out
+
+    def load(self, directory: str) -> None:
+        """The rank's weight file into a WeightArena (digests checked); every weight a view of the arena."""
+        from bench.engine_llama import DeviceBytes
+        from coldsnap_probe import WeightArena, WeightRegion
+
+        torch = self.torch
+        data, index_path = weight_paths(directory, self.rank)
+        index = json.loads(index_path.read_text())
+        if (index["layers"], index["world_size"]) != (self.layers, self.world_size):
+            raise ValueError(f"{data} holds {index['layers']} layers of {index['world_size']} ranks")
+        self.arena = WeightArena(index["bytes"], device=self.device.index)
+        self.arena.declare([WeightRegion(f"rank-{self.rank}", self.arena.address, index["bytes"], str(data), 0,
+                                         index["digest"])])
+        report = self.arena.load(strategy="ring")
+        stage("weights_loaded", bytes=index["bytes"], **{k: v for k, v in report.items() if k != "strategy"})
+        views = {name: torch.as_tensor(DeviceBytes(self.arena.address + offset, int(torch.Size(shape).numel()) * 2),
+                                       device=self.device).view(torch.bfloat16).view(shape)
+                 for name, (offset, shape) in index["tensors"].items()}
+        self.embed, self.lm_head = views["embed"], views["lm_head"]
+        self.blocks = [{k: views[f"{layer}.{k}"] for k in ("q", "k", "v", "o", "gate", "up", "down")}
+                       for layer in range(self.layers)]
+        self._state()
 
     def _randn(self, shape: tuple[int, ...], seed: int, fan_in: int) -> Any:
         torch = self.torch
@@ -75,24 +128,9 @@ class Engine:
         return (torch.randn(shape, generator=gen, device=self.device, dtype=torch.float32)
                 * fan_in ** -0.5).to(torch.bfloat16)
 
-    def _weights(self) -> None:
+    def _state(self) -> None:
+        """The KV cache, rotary tables and the graph's input and output tensors."""
         torch, s, d = self.torch, SHAPE, SHAPE["head_dim"]
-        hidden, r = s["hidden"], self.rank
-        self.embed = self._randn((s["vocab"], hidden), 1, 1)
-        self.lm_head = self._randn((s["vocab"], hidden), 2, hidden)
-        self.blocks = []
-        for layer in range(self.layers):
-            seed = 1000 * (layer + 1) + 10 * r
-            self.blocks.append({
-                "q": self._randn((self.heads * d, hidden), seed + 1, hidden),
-                "k": self._randn((self.kv_heads * d, hidden), seed + 2, hidden),
-                "v": self._randn((self.kv_heads * d, hidden), seed + 3, hidden),
-                "o": self._randn((hidden, self.heads * d), seed + 4, s["heads"] * d),
-                "gate": self._randn((self.ffn, hidden), seed + 5, hidden),
-                "up": self._randn((self.ffn, hidden), seed + 6, hidden),
-                "down": self._randn((hidden, self.ffn), seed + 7, s["ffn"]),
-            })
-        self.weight_bytes = sum(t.numel() * 2 for b in self.blocks for t in b.values()) + 2 * self.embed.numel() * 2
         self.kv = torch.zeros((self.layers, 2, s["max_seq"], self.kv_heads, d), dtype=torch.bfloat16,
                               device=self.device)
         inv = 1.0 / (s["rope_theta"] ** (torch.arange(0, d, 2, device=self.device, dtype=torch.float32) / d))
@@ -270,13 +308,37 @@ def _handle(engine: Engine, directory: str, conn: socket.socket, request: dict[s
         raise ValueError(f"unknown op {op!r}")
 
 
+def write_weights(rank: int, world_size: int, directory: str, layers: int) -> None:
+    from coldsnap_probe import region_digest
+
+    engine = Engine(rank, world_size, layers)
+    data, index_path = weight_paths(directory, rank)
+    tensors, offset = {}, 0
+    with open(data, "wb") as f:
+        for name, tensor in engine.generated_weights():
+            raw = tensor.view(engine.torch.uint8).cpu().numpy().tobytes()
+            f.seek(offset)
+            f.write(raw)
+            tensors[name] = (offset, list(tensor.shape))
+            offset = -(-(offset + len(raw)) // ALIGN) * ALIGN
+        f.truncate(offset)
+    index = {"layers": layers, "world_size": world_size, "bytes": offset, "tensors": tensors,
+             "digest": region_digest(data, 0, offset)}
+    index_path.write_text(json.dumps(index))
+
+
 def serve(rank: int, world_size: int, directory: str, layers: int) -> None:
     stage("process_start", unix_start=T_START)
     import torch
 
     stage("import_torch", version=torch.__version__)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    # NCCL's RAS service keeps TCP sockets (a listener and links between the ranks) after every communicator is
+    # destroyed; a checkpoint cannot carry them, so this engine does without it.
+    os.environ.setdefault("NCCL_RAS_ENABLE", "0")
     engine = Engine(rank, world_size, layers)
+    engine.load(directory)
+    engine.arena.serve(os.path.join(directory, f"rank-{rank}.weights.sock"), strategy="ring")
     stage("process_group", seconds=engine.connect(os.path.join(directory, "init.store")))
     stage("graph_capture", seconds=engine.capture_graph())
     path = os.path.join(directory, f"rank-{rank}.sock")
@@ -304,14 +366,18 @@ def main() -> int:
     global LOG_PATH
     parser = argparse.ArgumentParser(prog="engine_tp2.py")
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("serve")
-    run.add_argument("--rank", type=int, required=True)
-    run.add_argument("--world-size", type=int, required=True)
-    run.add_argument("--dir", required=True)
-    run.add_argument("--layers", type=int, default=16)
-    run.add_argument("--log", default="")
+    for name in ("serve", "weights"):
+        run = sub.add_parser(name)
+        run.add_argument("--rank", type=int, required=True)
+        run.add_argument("--world-size", type=int, required=True)
+        run.add_argument("--dir", required=True)
+        run.add_argument("--layers", type=int, default=16)
+        run.add_argument("--log", default="")
     args = parser.parse_args()
     LOG_PATH = args.log
+    if args.command == "weights":
+        write_weights(args.rank, args.world_size, args.dir, args.layers)
+        return 0
     try:
         serve(args.rank, args.world_size, args.dir, args.layers)
     except BaseException as exc:

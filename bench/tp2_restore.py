@@ -69,12 +69,13 @@ def generate(engine_dir: Path, max_tokens: int) -> dict[str, Any]:
     return {**final, "first_unix": first}
 
 
-def start_ranks(world: int, engine_dir: Path, layers: int) -> list[subprocess.Popen[bytes]]:
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0"}
-    return [subprocess.Popen([sys.executable, str(ROOT / "bench" / "engine_tp2.py"), "serve", "--rank", str(r),
+def start_ranks(command: str, world: int, engine_dir: Path, layers: int) -> list[subprocess.Popen[bytes]]:
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "NCCL_RAS_ENABLE": "0"}
+    return [subprocess.Popen([sys.executable, str(ROOT / "bench" / "engine_tp2.py"), command, "--rank", str(r),
                               "--world-size", str(world), "--dir", str(engine_dir), "--layers", str(layers),
                               "--log", str(engine_dir / f"rank-{r}.log")],
-                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=None if command == "weights" else subprocess.DEVNULL,
                              start_new_session=True, env=env, cwd=ROOT)
             for r in range(world)]
 
@@ -118,7 +119,7 @@ def kill_and_reap(pids: list[int]) -> None:
     for pid in pids:
         try:
             os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):
             pass
     pending = set(pids)
     while pending:
@@ -149,8 +150,10 @@ class Run:
                 for r in range(self.world)}
 
     def cold(self) -> dict[str, Any]:
+        if any(p.wait() != 0 for p in start_ranks("weights", self.world, self.engine_dir, self.args.layers)):
+            raise RuntimeError("writing the weights failed")
         t0 = time.time()
-        procs = start_ranks(self.world, self.engine_dir, self.args.layers)
+        procs = start_ranks("serve", self.world, self.engine_dir, self.args.layers)
         wait_ready(self.engine_dir, self.world, procs)
         result = generate(self.engine_dir, self.args.tokens)
         again = generate(self.engine_dir, self.args.tokens)
@@ -167,12 +170,14 @@ class Run:
     def capture(self, pids: list[int], procs: list[subprocess.Popen[bytes]]) -> list[dict[str, Any]]:
         extra = self.rank_args("capture", "capture")
         for r in range(self.world):
-            extra[r] += ["--pid", str(pids[r]), "--engine", str(self.engine_dir / f"rank-{r}.sock")]
+            extra[r] += ["--pid", str(pids[r]), "--engine", str(self.engine_dir / f"rank-{r}.sock"),
+                         "--hydration", str(self.engine_dir / f"rank-{r}.weights.sock")]
         results = workers("capture", self.world, extra)
+        if any(rc != 0 for rc, _ in results):
+            kill_and_reap([p.pid for p in procs])
+            raise RuntimeError(f"capture failed: {results}")
         for p in procs:
             p.wait()  # the captured ranks end with the capture: reap them so their PIDs are free for restore
-        if any(rc != 0 for rc, _ in results):
-            raise RuntimeError(f"capture failed: {results}")
         return [report for _, report in results]  # type: ignore[misc]
 
     def restore(self, namespace: str, reference: dict[str, Any]) -> dict[str, Any]:
@@ -191,18 +196,19 @@ class Run:
                 "tokens": result["tokens"], "ranks": [{
                     "criu_s": r["criu_restore_seconds"], "cuda_s": r.get("cuda_restore_seconds"),
                     "recreate_s": r.get("communicator_recreate_seconds"),
+                    "hydration_s": r.get("hydration", {}).get("phase_seconds"),
+                    "hydration_gbps": r.get("hydration", {}).get("gbps"),
                     "nccl_init_s": r.get("engine_resume", {}).get("init_seconds"),
                     "graph_capture_s": r.get("engine_resume", {}).get("capture_seconds"),
                     "barrier_wait_s": r.get("barrier_wait_s"), "ready_s": r["ready_seconds"]} for r in reports]}
 
     def failures(self) -> list[dict[str, Any]]:
         rows = []
-        # A tampered graph policy record on the last rank: hard links for the images, a new graph.json.
+        # A tampered graph policy record on the last rank (in a copy: the images stay unchanged).
         tampered = self.root / "images-tampered"
-        shutil.copytree(self.images[-1], tampered, copy_function=os.link)
+        shutil.copytree(self.images[-1], tampered)
         record = json.loads((tampered / "graph.json").read_text())
         record["record"]["decision"] = "qualified_exact_nccl_in_place"
-        (tampered / "graph.json").unlink()
         (tampered / "graph.json").write_text(json.dumps(record))
         results = workers("restore", self.world, self.rank_args("restore", "tampered",
                                                                 [*self.images[:-1], tampered]))
@@ -228,8 +234,9 @@ class Run:
         return rows
 
     def _failure(self, case: str, results: list[tuple[int, dict[str, Any] | str]]) -> dict[str, Any]:
-        survivors = [p for p in self._restored_pids() if alive(p)]
-        kill_and_reap(survivors)
+        present = [p for p in self._restored_pids() if Path(f"/proc/{p}").exists()]
+        survivors = [p for p in present if alive(p)]
+        kill_and_reap(present)  # the zombies too: a restored PID must be free for the next restore
         return {"case": case, "every_rank_failed": all(rc != 0 for rc, _ in results),
                 "ranks_left_running": len(survivors), "errors": [str(e)[-300:] for _, e in results]}
 
@@ -255,6 +262,7 @@ def main() -> None:
     cold = run.cold()
     print(f"cold: {cold['ttft_s']:.2f} s to the first token, tokens {cold['tokens'][:8]}...", flush=True)
     captures = run.capture(cold.pop("pids"), cold.pop("procs"))
+    print(f"captured: {[c['timings_s'] for c in captures]}", flush=True)
     before = [image_digest(p) for p in run.images]
     restores = [run.restore(f"restore-{i}", cold) for i in (1, 2)]
     failures = run.failures()
@@ -269,16 +277,17 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "tp2-restore.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    rows = [["cold start", f"{cold['ttft_s']:.2f}", "-", "-", "-", "-", "reference"]]
+    rows = [["cold start", f"{cold['ttft_s']:.2f}", "-", "-", "-", "-", "-", "reference"]]
     for i, r in enumerate(restores):
         ranks = r["ranks"]
         rows.append([f"restore {i + 1}", f"{r['ttft_s']:.2f}",
                      " / ".join(f"{x['criu_s']:.2f}" for x in ranks),
                      " / ".join(f"{x['cuda_s']:.2f}" for x in ranks),
+                     " / ".join(f"{x['hydration_s'] or 0:.2f}" for x in ranks),
                      " / ".join(f"{x['recreate_s']:.2f}" for x in ranks),
                      f"{cold['ttft_s'] / r['ttft_s']:.1f}x", "identical" if r["identical"] else "DIFFERENT"])
     print(table(["run", "to first token (s)", "CRIU restore per rank (s)", "CUDA restore per rank (s)",
-                 "NCCL + graph recreate per rank (s)", "vs cold", "tokens + first logits"], rows))
+                 "weight hydration per rank (s)", "NCCL + graph recreate per rank (s)", "vs cold", "tokens + first logits"], rows))
     print(table(["failure", "every rank failed", "ranks left running"],
                 [[f["case"], f["every_rank_failed"], f["ranks_left_running"]] for f in failures]))
     print(f"images unchanged: {unchanged}; image bytes per rank: {[c['image_bytes'] for c in captures]}")

@@ -114,10 +114,10 @@ class Driver:
         """The binding module (types and enums)."""
         return self._driver
 
-    def context(self) -> int:
-        """cuInit, device ordinal 0 (the container sees only its GPU), primary context made current."""
+    def context(self, ordinal: int = 0) -> int:
+        """cuInit, the device's primary context made current (ordinal 0: a container sees only its GPU)."""
         self.call("cuInit", 0)
-        device = self.call("cuDeviceGet", 0)
+        device = self.call("cuDeviceGet", ordinal)
         ctx = self.call("cuDevicePrimaryCtxRetain", device)
         self.call("cuCtxSetCurrent", ctx)
         return int(device)

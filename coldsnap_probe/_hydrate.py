@@ -467,7 +467,7 @@ class WeightArena:
         from ._cuda import Driver
 
         self.driver: Any = driver or Driver()
-        self.driver.context()
+        self.driver.context(device)
         cu = self.driver.cuda
         self.context = _cu(self.driver, "cuCtxGetCurrent")
         self.device, self.exportable = device, exportable

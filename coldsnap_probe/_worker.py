@@ -269,13 +269,40 @@ def _engine(control: str, message: dict[str, Any], what: str, *, timeout: float 
     return answer
 
 
-def _quiesce(control: str, plan: GraphPlan) -> dict[str, Any]:
+def _inet_sockets(tree: list[int]) -> list[str]:
+    """The tree's TCP/UDP sockets as `pid fd proto local -> remote`: none may be left once communicators are gone."""
+    found = []
+    for pid in tree:
+        try:
+            inodes = {os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1]: fd for fd in os.listdir(f"/proc/{pid}/fd")
+                      if _readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:[")}
+            for proto in ("tcp", "tcp6", "udp", "udp6"):
+                for line in Path(f"/proc/{pid}/net/{proto}").read_text().splitlines()[1:]:
+                    fields = line.split()
+                    if len(fields) > 9 and fields[9] in inodes:
+                        found.append(f"process {pid} fd {inodes[fields[9]]} {proto} {_endpoint(fields[1])} -> "
+                                     f"{_endpoint(fields[2])}")
+        except OSError:
+            continue
+    return found
+
+
+def _endpoint(hex_address: str) -> str:
+    address, port = hex_address.split(":")
+    host = ".".join(str(b) for b in reversed(bytes.fromhex(address))) if len(address) == 8 else address.lower()
+    return f"{host}:{int(port, 16)}"
+
+
+def _quiesce(control: str, plan: GraphPlan, tree: list[int]) -> dict[str, Any]:
     """Ask the engine to let go of what CUDA checkpoint cannot carry; refuse if a communicator is still alive."""
-    answer = _engine(control, {"op": "quiesce", "policy": plan.effective}, "quiesce before capture")
+    answer = _engine(control, {"op": "quiesce", "policy": plan.effective}, "quiesce before capture", timeout=60)
     live = answer.get("communicators")
     if plan.effective != "preserve-nccl-exec" and live != 0:
         raise WorkerError(f"the engine still holds {live!r} live NCCL communicator(s) after quiesce: restoring such "
                           "a rank fails (CUDA_ERROR_NOT_SUPPORTED) and loses it, so it is not checkpointed")
+    if sockets := _inet_sockets(tree):  # e.g. NCCL's RAS service outlives every communicator (NCCL_RAS_ENABLE=0)
+        raise WorkerError("after quiesce the rank still holds network sockets a checkpoint cannot carry: "
+                          + "; ".join(sockets[:8]))
     return answer
 
 
@@ -339,7 +366,7 @@ def capture(pid: int, images: Path, *, criu: str, boundary: str = "n610", lock_t
                                           "effective": plan.effective, "reason": plan.reason}
                 if engine:
                     started = time.perf_counter()
-                    report["engine_quiesce"] = _quiesce(engine, plan)
+                    report["engine_quiesce"] = _quiesce(engine, plan, tree)
                     quiesced = True
                     timings["engine_quiesce"] = time.perf_counter() - started
                 elif ranks.multi:
