@@ -113,7 +113,7 @@ class Engine:
         self.arena.declare([WeightRegion(f"rank-{self.rank}", self.arena.address, index["bytes"], str(data), 0,
                                          index["digest"])])
         report = self.arena.load(strategy="ring")
-        stage("weights_loaded", bytes=index["bytes"], **{k: v for k, v in report.items() if k != "strategy"})
+        stage("weights_loaded", **{k: v for k, v in report.items() if k != "strategy"})
         views = {name: torch.as_tensor(DeviceBytes(self.arena.address + offset, int(torch.Size(shape).numel()) * 2),
                                        device=self.device).view(torch.bfloat16).view(shape)
                  for name, (offset, shape) in index["tensors"].items()}

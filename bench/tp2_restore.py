@@ -154,7 +154,11 @@ class Run:
             raise RuntimeError("writing the weights failed")
         t0 = time.time()
         procs = start_ranks("serve", self.world, self.engine_dir, self.args.layers)
-        wait_ready(self.engine_dir, self.world, procs)
+        try:
+            wait_ready(self.engine_dir, self.world, procs)
+        except BaseException:
+            kill_and_reap([p.pid for p in procs])
+            raise
         result = generate(self.engine_dir, self.args.tokens)
         again = generate(self.engine_dir, self.args.tokens)
         logs = [stages(self.engine_dir / f"rank-{r}.log") for r in range(self.world)]
@@ -287,7 +291,8 @@ def main() -> None:
                      " / ".join(f"{x['recreate_s']:.2f}" for x in ranks),
                      f"{cold['ttft_s'] / r['ttft_s']:.1f}x", "identical" if r["identical"] else "DIFFERENT"])
     print(table(["run", "to first token (s)", "CRIU restore per rank (s)", "CUDA restore per rank (s)",
-                 "weight hydration per rank (s)", "NCCL + graph recreate per rank (s)", "vs cold", "tokens + first logits"], rows))
+                 "weight hydration per rank (s)", "NCCL + graph recreate per rank (s)", "vs cold",
+                 "tokens + first logits"], rows))
     print(table(["failure", "every rank failed", "ranks left running"],
                 [[f["case"], f["every_rank_failed"], f["ranks_left_running"]] for f in failures]))
     print(f"images unchanged: {unchanged}; image bytes per rank: {[c['image_bytes'] for c in captures]}")
