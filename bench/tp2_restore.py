@@ -69,8 +69,9 @@ def generate(engine_dir: Path, max_tokens: int) -> dict[str, Any]:
     return {**final, "first_unix": first}
 
 
-def start_ranks(command: str, world: int, engine_dir: Path, layers: int) -> list[subprocess.Popen[bytes]]:
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "NCCL_RAS_ENABLE": "0"}
+def start_ranks(command: str, world: int, engine_dir: Path, layers: int, *,
+                ras: bool = False) -> list[subprocess.Popen[bytes]]:
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "NCCL_RAS_ENABLE": "1" if ras else "0"}
     return [subprocess.Popen([sys.executable, str(ROOT / "bench" / "engine_tp2.py"), command, "--rank", str(r),
                               "--world-size", str(world), "--dir", str(engine_dir), "--layers", str(layers),
                               "--log", str(engine_dir / f"rank-{r}.log")],
@@ -149,11 +150,12 @@ class Run:
                     *(["--work-dir", str(self.root / "work" / f"{namespace}-{r}")] if command == "restore" else [])]
                 for r in range(self.world)}
 
-    def cold(self) -> dict[str, Any]:
-        if any(p.wait() != 0 for p in start_ranks("weights", self.world, self.engine_dir, self.args.layers)):
+    def cold(self, *, ras: bool = False) -> dict[str, Any]:
+        if not (self.engine_dir / "weights-rank-0.json").exists() and any(
+                p.wait() != 0 for p in start_ranks("weights", self.world, self.engine_dir, self.args.layers)):
             raise RuntimeError("writing the weights failed")
         t0 = time.time()
-        procs = start_ranks("serve", self.world, self.engine_dir, self.args.layers)
+        procs = start_ranks("serve", self.world, self.engine_dir, self.args.layers, ras=ras)
         try:
             wait_ready(self.engine_dir, self.world, procs)
         except BaseException:
@@ -171,12 +173,16 @@ class Run:
                 "graph_capture_s": logs[0]["graph_capture"]["seconds"],
                 "pids": [p.pid for p in procs], "procs": procs}
 
-    def capture(self, pids: list[int], procs: list[subprocess.Popen[bytes]]) -> list[dict[str, Any]]:
-        extra = self.rank_args("capture", "capture")
+    def capture_workers(self, pids: list[int], namespace: str,
+                        images: list[Path]) -> list[tuple[int, dict[str, Any] | str]]:
+        extra = self.rank_args("capture", namespace, images)
         for r in range(self.world):
             extra[r] += ["--pid", str(pids[r]), "--engine", str(self.engine_dir / f"rank-{r}.sock"),
                          "--hydration", str(self.engine_dir / f"rank-{r}.weights.sock")]
-        results = workers("capture", self.world, extra)
+        return workers("capture", self.world, extra)
+
+    def capture(self, pids: list[int], procs: list[subprocess.Popen[bytes]]) -> list[dict[str, Any]]:
+        results = self.capture_workers(pids, "capture", self.images)
         if any(rc != 0 for rc, _ in results):
             kill_and_reap([p.pid for p in procs])
             raise RuntimeError(f"capture failed: {results}")
@@ -237,6 +243,20 @@ class Run:
         rows.append(self._failure(f"rank {self.world - 1}'s restored process killed after CRIU", results))
         return rows
 
+    def refused_capture(self, reference: dict[str, Any]) -> dict[str, Any]:
+        """Engines that keep NCCL's RAS sockets: every rank's capture is refused and every rank keeps serving."""
+        cold = self.cold(ras=True)
+        images = [self.root / "images-refused" / f"rank-{r}" for r in range(self.world)]
+        results = self.capture_workers(cold["pids"], "capture-refused", images)
+        alive_after = all(alive(p) for p in cold["pids"])
+        served = generate(self.engine_dir, self.args.tokens) if alive_after else {}
+        kill_and_reap(cold["pids"])
+        return {"case": "capture with NCCL RAS sockets left after quiesce", "every_rank_failed":
+                all(rc != 0 for rc, _ in results), "ranks_still_serving": alive_after,
+                "same_tokens_after_rollback": served.get("tokens") == reference["tokens"]
+                and served.get("first_logits_sha256") == reference["first_logits_sha256"],
+                "errors": [str(e)[-300:] for _, e in results]}
+
     def _failure(self, case: str, results: list[tuple[int, dict[str, Any] | str]]) -> dict[str, Any]:
         present = [p for p in self._restored_pids() if Path(f"/proc/{p}").exists()]
         survivors = [p for p in present if alive(p)]
@@ -271,9 +291,10 @@ def main() -> None:
     restores = [run.restore(f"restore-{i}", cold) for i in (1, 2)]
     failures = run.failures()
     restores.append(run.restore("restore-after-failures", cold))
+    refused = run.refused_capture(cold)
     unchanged = [image_digest(p) for p in run.images] == before
     result = {"world_size": args.world_size, "layers": args.layers, "cold": cold, "restores": restores,
-              "failures": failures, "images_unchanged": unchanged,
+              "failures": failures, "refused_capture": refused, "images_unchanged": unchanged,
               "capture": [{"cuda_checkpoint_s": c["timings_s"].get("cuda_checkpoint"),
                            "criu_dump_s": c["timings_s"].get("criu_dump"),
                            "quiesce_s": c["timings_s"].get("engine_quiesce"), "image_bytes": c["image_bytes"],
@@ -295,6 +316,9 @@ def main() -> None:
                  "tokens + first logits"], rows))
     print(table(["failure", "every rank failed", "ranks left running"],
                 [[f["case"], f["every_rank_failed"], f["ranks_left_running"]] for f in failures]))
+    print(table(["capture failure", "every rank refused", "ranks still serving", "same tokens after rollback"],
+                [[refused["case"], refused["every_rank_failed"], refused["ranks_still_serving"],
+                  refused["same_tokens_after_rollback"]]]))
     print(f"images unchanged: {unchanged}; image bytes per rank: {[c['image_bytes'] for c in captures]}")
 
 

@@ -293,9 +293,8 @@ def _endpoint(hex_address: str) -> str:
     return f"{host}:{int(port, 16)}"
 
 
-def _quiesce(control: str, plan: GraphPlan, tree: list[int]) -> dict[str, Any]:
-    """Ask the engine to let go of what CUDA checkpoint cannot carry; refuse if a communicator is still alive."""
-    answer = _engine(control, {"op": "quiesce", "policy": plan.effective}, "quiesce before capture", timeout=60)
+def _check_quiesced(answer: dict[str, Any], plan: GraphPlan, tree: list[int]) -> None:
+    """After the engine's quiesce: refuse a rank that still holds a communicator or a network socket."""
     live = answer.get("communicators")
     if plan.effective != "preserve-nccl-exec" and live != 0:
         raise WorkerError(f"the engine still holds {live!r} live NCCL communicator(s) after quiesce: restoring such "
@@ -303,7 +302,6 @@ def _quiesce(control: str, plan: GraphPlan, tree: list[int]) -> dict[str, Any]:
     if sockets := _inet_sockets(tree):  # e.g. NCCL's RAS service outlives every communicator (NCCL_RAS_ENABLE=0)
         raise WorkerError("after quiesce the rank still holds network sockets a checkpoint cannot carry: "
                           + "; ".join(sockets[:8]))
-    return answer
 
 
 def _resume_engine(control: str, coordinator: Coordinator, plan: str, label: str) -> dict[str, Any]:
@@ -366,8 +364,10 @@ def capture(pid: int, images: Path, *, criu: str, boundary: str = "n610", lock_t
                                           "effective": plan.effective, "reason": plan.reason}
                 if engine:
                     started = time.perf_counter()
-                    report["engine_quiesce"] = _quiesce(engine, plan, tree)
-                    quiesced = True
+                    report["engine_quiesce"] = _engine(engine, {"op": "quiesce", "policy": plan.effective},
+                                                       "quiesce before capture", timeout=60)
+                    quiesced = True  # from here a failure recreates the communicators (rollback below)
+                    _check_quiesced(report["engine_quiesce"], plan, tree)
                     timings["engine_quiesce"] = time.perf_counter() - started
                 elif ranks.multi:
                     raise WorkerError("several ranks need the engine's control socket (engine=) to release "
