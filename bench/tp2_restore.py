@@ -154,6 +154,8 @@ class Run:
         if not (self.engine_dir / "weights-rank-0.json").exists() and any(
                 p.wait() != 0 for p in start_ranks("weights", self.world, self.engine_dir, self.args.layers)):
             raise RuntimeError("writing the weights failed")
+        for r in range(self.world):  # a fresh log per start: readiness is read from it
+            (self.engine_dir / f"rank-{r}.log").unlink(missing_ok=True)
         t0 = time.time()
         procs = start_ranks("serve", self.world, self.engine_dir, self.args.layers, ras=ras)
         try:

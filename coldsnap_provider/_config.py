@@ -72,6 +72,8 @@ class GpusConfig(_Section, frozen=True):
     mode: Literal["auto", "device-request", "cdi", "native"] = "auto"
     # Native mode: host paths of the driver's user-space files, bound read-only ([] = discover).
     driver_paths: list[Annotated[str, Meta(pattern=r"^/[^:\x00]*$")]] = []
+    # One managed workload per GPU at a time (false: shared, as Docker itself allows).
+    exclusive: bool = False
 
 
 class RuntimeConfig(_Section, frozen=True):

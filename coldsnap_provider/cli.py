@@ -61,7 +61,8 @@ def _host_policy(config: Config) -> HostPolicy:
     """[gpus] and [runtime] for the Docker backend."""
     from coldsnap_runtime.backend import GpuPolicy, HostPolicy
 
-    return HostPolicy(gpus=GpuPolicy(mode=config.gpus.mode, driver_paths=tuple(config.gpus.driver_paths)),
+    return HostPolicy(gpus=GpuPolicy(mode=config.gpus.mode, driver_paths=tuple(config.gpus.driver_paths),
+                                     exclusive=config.gpus.exclusive),
                       privileged=config.runtime.privileged)
 
 

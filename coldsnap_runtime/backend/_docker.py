@@ -75,12 +75,10 @@ from ._digests import (
     repository_path,
     uses_containerd_store,
 )
-from ._gpus import CAPABILITY_PROBE_IMAGE, HostPolicy, realise
+from ._gpus import CAPABILITY_PROBE_IMAGE, HELD_GPUS_LABEL, GpuHolder, HostPolicy, Realisation, realise
 from ._hijack import hijack
 from ._translate import (
     MANAGED_LABEL,
-    GpuAccess,
-    PrivilegeGrant,
     container_config,
     demux,
     encode_registry_auth,
@@ -222,6 +220,8 @@ class DockerBackend:
         self._containerd_store: bool | None = None
         self._engine_info: dict[str, Any] = {}
         self._config_digests: dict[str, str] = {}
+        # [gpus] exclusive: the holder check and the create it allows are one step (see _create).
+        self._gpu_lock = anyio.Lock()
 
     async def __aenter__(self) -> DockerBackend:
         if self._image_ledger is not None:
@@ -573,7 +573,25 @@ class DockerBackend:
         await self._force_remove(str(info["Id"]))
         return info["Id"] not in self._pending_removal
 
-    async def _realise(self, spec: WorkloadSpec) -> tuple[GpuAccess | None, PrivilegeGrant | None]:
+    async def gpu_holders(self) -> list[GpuHolder]:
+        """Managed containers holding GPUs ([gpus] exclusive): any state but exited or dead, any session.
+
+        What each holds is the HELD_GPUS_LABEL it was created with: one filtered list, which the
+        engine keeps across daemon restarts.
+        """
+        with docker_errors("workload-run"):
+            containers = await self.docker.containers.list(
+                all="1", filters=json.dumps({"label": [f"{MANAGED_LABEL}=true", HELD_GPUS_LABEL]}))
+        holders = []
+        for container in containers:
+            if str(container["State"] or "") in ("exited", "dead"):
+                continue
+            held = str((container["Labels"] or {}).get(HELD_GPUS_LABEL) or "")
+            name = str((container["Names"] or [container.id])[0]).lstrip("/")
+            holders.append(GpuHolder(workload=name, gpus=tuple(g for g in held.split(",") if g)))
+        return holders
+
+    async def _realise(self, spec: WorkloadSpec, *, exclusive: bool) -> Realisation:
         """`gpus` and `privileged` as this host allows ([gpus], [runtime] privileged; see _gpus.py)."""
 
         async def engine_info() -> dict[str, Any]:
@@ -593,11 +611,21 @@ class DockerBackend:
 
         return await realise(spec, self._host_policy or HostPolicy(), socket_path=self._socket_path,
                              engine_info=engine_info, image_info=lambda ref: self._image(ref, "workload-run"),
-                             rejects=rejects)
+                             rejects=rejects, holders=self.gpu_holders if exclusive else None)
 
     async def _create(self, spec: WorkloadSpec) -> aiodocker.containers.DockerContainer:
-        gpus, privilege = await self._realise(spec)
-        config = container_config(spec, gpus=gpus, privilege=privilege)
+        if spec.gpus and (self._host_policy or HostPolicy()).gpus.exclusive:
+            async with self._gpu_lock:  # two creates for one GPU: the second sees the first's container
+                return await self._create_now(spec, exclusive=True)
+        return await self._create_now(spec, exclusive=False)
+
+    async def _create_now(self, spec: WorkloadSpec, *, exclusive: bool) -> aiodocker.containers.DockerContainer:
+        realised = await self._realise(spec, exclusive=exclusive)
+        config = container_config(spec, gpus=realised.gpus, privilege=realised.privilege)
+        # What it holds is the backend's to say: a manager's own label of that name is dropped.
+        config["Labels"] = {k: v for k, v in config["Labels"].items() if k != HELD_GPUS_LABEL}
+        if realised.held:
+            config["Labels"][HELD_GPUS_LABEL] = ",".join(realised.held)
         if self._instance and not spec.detached and (not spec.name or spec.remove_after_exit):
             # Owned by this RPC: recover() removes it if this process dies before its cleanup ran.
             config["Labels"] = {**config["Labels"], INSTANCE_LABEL: self._instance,

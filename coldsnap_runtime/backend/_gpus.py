@@ -16,6 +16,15 @@
 ``auto`` tries them in that order. A request no mechanism can honour fails naming every reason,
 and so does an ID the host does not have: a workload never runs without the GPUs it asked for.
 
+Exclusivity (``[gpus] exclusive``): every managed container with `gpus` records what it holds in
+the HELD_GPUS_LABEL label at create, as GPU UUIDs resolved through the same NVML inventory (so
+index ``0`` and the UUID of GPU 0 are one GPU; ``all`` is every GPU). Without an inventory (no
+``nvidia-smi``, e.g. device-request mode on a host without the driver's tools) nothing can say
+that ``0`` and a UUID are the same GPU, so the IDs are recorded and compared as given. With
+``exclusive = true`` a request overlapping what a managed container in any state but exited or
+dead holds (:func:`refuse_held`) fails before anything is created; the backend lists the holders
+and serialises that check with its create (DockerBackend._create).
+
 ``privileged`` under ``[runtime] privileged``:
 
 * ``docker`` (default): Docker's own ``Privileged``. Docker then asks the kernel for every
@@ -57,20 +66,26 @@ from ._translate import GpuAccess, PrivilegeGrant, capability_names, missing_cap
 __all__ = (
     "CAPABILITY_PROBE_IMAGE",
     "DEFAULT_LIBRARY_DIRS",
+    "HELD_GPUS_LABEL",
+    "GpuHolder",
     "GpuMode",
     "GpuPolicy",
     "HostGpu",
     "HostPolicy",
     "PrivilegedPolicy",
+    "Realisation",
     "cdi_device_names",
     "driver_files",
     "engine_bounding_set",
     "engine_capabilities",
+    "gpu_conflicts",
+    "held_gpus",
     "host_devices",
     "native_access",
     "parse_inventory",
     "read_bounding_set",
     "realise",
+    "refuse_held",
     "select_gpus",
     "unknown_capability",
 )
@@ -97,14 +112,21 @@ _DRIVER_BINARIES = ("nvidia-smi", "nvidia-debugdump", "nvidia-persistenced",
 _DEFAULT_NODES = frozenset({"null", "zero", "full", "random", "urandom", "tty", "console", "ptmx"})
 _SKIP_DEV_DIRS = frozenset({"pts", "shm", "fd", "mqueue", ".lxc", ".lxd-mounts", ".udev"})
 _GPU_NODE = re.compile(r"^/dev/nvidia[0-9]+$")
+# On every managed container given `gpus`: what it holds, comma-separated (GPU ids never hold a
+# comma): NVML UUIDs, or the IDs as requested where no inventory could be had. Set only by the
+# backend (a manager's own label of this name is dropped), read by the exclusivity check.
+HELD_GPUS_LABEL = "io.coldsnap-provider.gpus"
+_ALL = "all"  # `gpus = ["all"]`: every GPU of the host
 
 
 @dataclass(frozen=True, slots=True)
 class GpuPolicy:
-    """``[gpus]``: the mechanism, and an optional fixed list of driver paths to bind (native mode)."""
+    """``[gpus]``: the mechanism, an optional fixed list of driver paths to bind (native mode), and
+    whether a GPU may be given to only one managed workload at a time (``exclusive``)."""
 
     mode: GpuMode = "auto"
     driver_paths: tuple[str, ...] = ()  # () = discover under DEFAULT_LIBRARY_DIRS
+    exclusive: bool = False  # Docker's own rule (GPUs are shared) unless an administrator says so
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +146,23 @@ class HostGpu:
     uuid: str
     bus_id: str  # normalised: 4-digit domain, lower case, e.g. 0000:17:00.0
     minor: int
+
+
+@dataclass(frozen=True, slots=True)
+class GpuHolder:
+    """A managed container that holds GPUs: its workload (container) name and its HELD_GPUS_LABEL entries."""
+
+    workload: str
+    gpus: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Realisation:
+    """What :func:`realise` decided for one spec; `held` goes into HELD_GPUS_LABEL (() = no `gpus`)."""
+
+    gpus: GpuAccess | None = None
+    privilege: PrivilegeGrant | None = None
+    held: tuple[str, ...] = ()
 
 
 # --- pure parsing ---------------------------------------------------------------------------
@@ -186,6 +225,72 @@ def select_gpus(requested: Sequence[str], inventory: Sequence[HostGpu]) -> list[
         raise RuntimeFailed(action=_ACTION, detail=(
             f"GPU {', '.join(unknown)} does not exist on this host (GPUs here: {have})"))
     return chosen
+
+
+def _identities(gpu_id: str, inventory: Sequence[HostGpu] | None) -> list[str]:
+    """What `gpu_id` is: the UUIDs of the inventory's GPUs it names, else the ID as given."""
+    if inventory:
+        if gpu_id.lower() == _ALL:
+            return [g.uuid for g in inventory]
+        for gpu in inventory:
+            if (gpu_id.isdigit() and gpu.index == int(gpu_id)) or gpu.uuid.lower() == gpu_id.lower():
+                return [gpu.uuid]
+    # No inventory (or an ID it does not know): the ID itself is all there is to compare, so here
+    # `0` and a UUID are different GPUs (a holder recorded so is still matched once NVML answers).
+    return [_ALL if gpu_id.lower() == _ALL else gpu_id]
+
+
+def held_gpus(requested: Sequence[str], inventory: Sequence[HostGpu] | None) -> tuple[str, ...]:
+    """The GPUs a container given `requested` holds, in request order, without duplicates.
+
+    With an inventory, each is its NVML UUID (index or UUID name the same GPU; ``all`` is every
+    GPU); without one (None or empty), the IDs as given.
+    """
+    held: list[str] = []
+    for gpu_id in requested:
+        held.extend(i for i in _identities(gpu_id, inventory) if i not in held)
+    return tuple(held)
+
+
+def _describe(identity: str, inventory: Sequence[HostGpu] | None) -> str:
+    gpu = next((g for g in inventory or () if g.uuid == identity), None)
+    if gpu is not None:
+        return f"GPU {gpu.index} ({gpu.uuid})"
+    return "every GPU (all)" if identity.lower() == _ALL else f"GPU {identity}"
+
+
+def gpu_conflicts(wanted: Sequence[str], holders: Sequence[GpuHolder],
+                  inventory: Sequence[HostGpu] | None) -> list[tuple[str, str]]:
+    """(GPU, holder's workload) for every GPU of `wanted` (held_gpus' output) a holder already has.
+
+    A holder's entries are resolved through the same inventory, so one recorded as an index (when
+    no inventory could be had) still matches the UUID of that GPU. ``all`` without an inventory
+    overlaps every GPU (what it stands for cannot be listed).
+    """
+    mine = set(wanted)
+    conflicts: list[tuple[str, str]] = []
+    for holder in holders:
+        theirs = set(held_gpus(holder.gpus, inventory))
+        if not theirs:
+            continue
+        if _ALL in mine or _ALL in theirs:
+            shared = sorted(mine if _ALL in theirs else theirs)
+        else:
+            shared = [g for g in wanted if g in theirs]
+        for gpu in shared:
+            if (gpu, holder.workload) not in conflicts:
+                conflicts.append((gpu, holder.workload))
+    return conflicts
+
+
+def refuse_held(wanted: Sequence[str], holders: Sequence[GpuHolder], inventory: Sequence[HostGpu] | None) -> None:
+    """RuntimeFailed naming the field, each GPU and its holder when `wanted` overlaps a holder's GPUs."""
+    conflicts = gpu_conflicts(wanted, holders, inventory)
+    if not conflicts:
+        return
+    held = "; ".join(f"{_describe(gpu, inventory)} is held by workload {workload!r}" for gpu, workload in conflicts)
+    raise RuntimeFailed(action=_ACTION, detail=(
+        f"gpus: {held}, and [gpus] exclusive = true gives a GPU to one managed workload at a time"))
 
 
 def _is_char_device(path: Path) -> bool:
@@ -422,13 +527,10 @@ EngineInfo = Callable[[], Awaitable[dict[str, Any]]]
 ImageInfo = Callable[[str], Awaitable[dict[str, Any]]]
 
 
-async def _gpu_access(spec: WorkloadSpec, policy: HostPolicy, engine_info: EngineInfo,
-                      image_info: ImageInfo) -> GpuAccess:
+async def _gpu_access(spec: WorkloadSpec, policy: HostPolicy, inventory: list[HostGpu] | str,
+                      engine_info: EngineInfo, image_info: ImageInfo) -> GpuAccess:
     mode = policy.gpus.mode
     info = await engine_info()
-    inventory = await _inventory(policy)
-    if isinstance(inventory, list):
-        select_gpus(spec.gpus, inventory)  # an unknown ID fails here, whatever the mechanism
     reasons: list[str] = []
     if mode in ("auto", "device-request"):
         if "nvidia" in (info.get("Runtimes") or {}):
@@ -488,13 +590,25 @@ async def _privilege(policy: HostPolicy, socket_path: str, gpus: GpuAccess | Non
 
 
 async def realise(spec: WorkloadSpec, policy: HostPolicy, *, socket_path: str, engine_info: EngineInfo,
-                  image_info: ImageInfo, rejects: Callable[[list[str]], Awaitable[str]]
-                  ) -> tuple[GpuAccess | None, PrivilegeGrant | None]:
+                  image_info: ImageInfo, rejects: Callable[[list[str]], Awaitable[str]],
+                  holders: Callable[[], Awaitable[list[GpuHolder]]] | None = None) -> Realisation:
     """How this host gives `spec` its GPUs and privilege; RuntimeFailed (before any create) when it cannot.
 
     The engine is asked through the backend's callables: `engine_info` (``/info``), `image_info`
-    (the image's inspect) and `rejects` (see :func:`engine_capabilities`).
+    (the image's inspect), `rejects` (see :func:`engine_capabilities`) and, only to enforce
+    ``[gpus] exclusive``, `holders` (the managed containers holding GPUs now). An unknown GPU ID
+    fails first, then a GPU another workload holds, then a request no mechanism can honour.
     """
-    gpus = await _gpu_access(spec, policy, engine_info, image_info) if spec.gpus else None
+    if not spec.gpus:
+        privilege = await _privilege(policy, socket_path, None, rejects) if spec.privileged else None
+        return Realisation(privilege=privilege)
+    inventory = await _inventory(policy)
+    known = inventory if isinstance(inventory, list) else None
+    if known is not None:
+        select_gpus(spec.gpus, known)  # an unknown ID fails here, whatever the mechanism
+    held = held_gpus(spec.gpus, known)
+    if holders is not None:
+        refuse_held(held, await holders(), known)
+    gpus = await _gpu_access(spec, policy, inventory, engine_info, image_info)
     privilege = await _privilege(policy, socket_path, gpus, rejects) if spec.privileged else None
-    return gpus, privilege
+    return Realisation(gpus=gpus, privilege=privilege, held=held)

@@ -8,24 +8,35 @@ daemon. The H200 round trip (native GPUs, CUDA inside) is scripts/device-gpus.
 from __future__ import annotations
 
 import os
+import shutil
 import stat
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
+import anyio
 import msgspec
 import pytest
 
+from coldsnap_runtime import DockerBackend
 from coldsnap_runtime.backend._gpus import (
+    HELD_GPUS_LABEL,
+    GpuHolder,
     cdi_device_names,
     driver_files,
     engine_bounding_set,
+    gpu_conflicts,
+    held_gpus,
     host_devices,
     native_access,
     parse_inventory,
     read_bounding_set,
+    refuse_held,
     select_gpus,
     unknown_capability,
 )
 from coldsnap_runtime.backend._translate import (
+    MANAGED_LABEL,
     GpuAccess,
     PrivilegeGrant,
     capability_names,
@@ -34,7 +45,9 @@ from coldsnap_runtime.backend._translate import (
 )
 from coldsnap_runtime.errors import RuntimeFailed
 from coldsnap_runtime.schema import WorkloadSpec
+from tests.conftest import docker
 from tests.helpers import running_daemon
+from tests.probe.test_main import has_nvidia_driver
 from tests.runtime.conftest import container_exists, inspect_container, uniq
 
 UUID0 = "GPU-4e9555ec-256a-ac32-a8e8-6df8d49a4ff7"
@@ -293,3 +306,212 @@ async def test_gpus_auto_mode_no_mechanism_names_every_reason(busybox_image: str
     assert "no mechanism can give this container GPU 0 ([gpus] mode = 'auto')" in error
     assert "device-request:" in error and "cdi:" in error and "native:" in error
     assert not container_exists(name)
+
+
+# --- [gpus] exclusive ------------------------------------------------------------------------
+
+
+class TestExclusive:
+    def test_held_gpus_index_and_uuid_are_one_gpu(self, host: Path) -> None:
+        inventory = parse_inventory(SMI, host)
+        assert held_gpus(["0", UUID0.lower()], inventory) == (UUID0,)
+        assert held_gpus(["1", "0", UUID1], inventory) == (UUID1, UUID0)
+
+    def test_held_gpus_all_holds_every_gpu(self, host: Path) -> None:
+        assert held_gpus(["all"], parse_inventory(SMI, host)) == (UUID0, UUID1)
+        assert held_gpus(["ALL", "0"], None) == ("all", "0")
+
+    def test_held_gpus_without_inventory_are_the_ids_as_given(self) -> None:
+        assert held_gpus(["0", UUID0, "0"], None) == ("0", UUID0)
+        assert held_gpus(["0"], []) == ("0",)
+
+    def test_refuse_held_holder_recorded_by_index_refuses_the_uuid_naming_gpu_and_holder(self, host: Path) -> None:
+        inventory = parse_inventory(SMI, host)
+        holders = [GpuHolder(workload="capsule-a", gpus=("0",)), GpuHolder(workload="capsule-b", gpus=(UUID1,))]
+        with pytest.raises(RuntimeFailed, match=(
+                rf"^workload-run failed: gpus: GPU 0 \({UUID0}\) is held by workload 'capsule-a', "
+                r"and \[gpus\] exclusive = true gives a GPU to one managed workload at a time$")):
+            refuse_held(held_gpus([UUID0], inventory), holders, inventory)
+
+    def test_refuse_held_every_overlap_named(self, host: Path) -> None:
+        inventory = parse_inventory(SMI, host)
+        holders = [GpuHolder(workload="a", gpus=(UUID1,)), GpuHolder(workload="b", gpus=("all",))]
+        assert gpu_conflicts(held_gpus(["1"], inventory), holders, inventory) == [(UUID1, "a"), (UUID1, "b")]
+        with pytest.raises(RuntimeFailed, match=rf"GPU 1 \({UUID1}\) is held by workload 'a'; GPU 1 .* 'b'"):
+            refuse_held(held_gpus(["1"], inventory), holders, inventory)
+
+    def test_refuse_held_disjoint_gpus_pass(self, host: Path) -> None:
+        inventory = parse_inventory(SMI, host)
+        holders = [GpuHolder(workload="a", gpus=(UUID1,)), GpuHolder(workload="b", gpus=())]
+        assert gpu_conflicts(held_gpus(["0"], inventory), holders, inventory) == []
+        refuse_held(held_gpus(["0"], inventory), holders, inventory)
+
+    def test_gpu_conflicts_all_without_inventory_overlaps_every_gpu(self) -> None:
+        assert gpu_conflicts(("0", "3"), [GpuHolder(workload="h", gpus=("all",))], None) == [("0", "h"), ("3", "h")]
+        assert gpu_conflicts(("all",), [GpuHolder(workload="h", gpus=("5",))], None) == [("5", "h")]
+        with pytest.raises(RuntimeFailed, match=r"gpus: every GPU \(all\) is held by workload 'h'"):
+            refuse_held(("all",), [GpuHolder(workload="h", gpus=("all",))], None)
+
+    def test_gpu_conflicts_without_inventory_compares_ids_as_given(self) -> None:
+        """No NVML: nothing can say `0` is that UUID (documented in _gpus.py and the README)."""
+        assert gpu_conflicts((UUID0,), [GpuHolder(workload="h", gpus=("0",))], None) == []
+        assert gpu_conflicts(("0",), [GpuHolder(workload="h", gpus=("0",))], None) == [("0", "h")]
+
+
+def _holder(image: str, gpus: str, *, state: str = "running", managed: bool = True) -> str:
+    """A real container carrying the holder labels (made with the Docker CLI), in `state`."""
+    name = uniq("gpuhold")
+    labels = ["--label", f"{HELD_GPUS_LABEL}={gpus}"] + (["--label", f"{MANAGED_LABEL}=true"] if managed else [])
+    if state == "created":
+        docker("create", "--name", name, *labels, image, "sleep", "60")
+    elif state == "exited":
+        docker("run", "--name", name, *labels, image, "true")
+    else:
+        docker("run", "-d", "--name", name, *labels, image, "sleep", "60")
+        if state == "paused":
+            docker("pause", name)
+    assert inspect_container(name)["State"]["Status"] == state
+    return name
+
+
+@pytest.fixture
+def holders() -> Iterator[list[str]]:
+    """Names of holder containers a test made; removed afterwards."""
+    made: list[str] = []
+    yield made
+    for name in made:
+        docker("rm", "-f", name, check=False)
+
+
+@engine
+async def test_gpu_holders_every_state_but_exited_holds(busybox_image: str, holders: list[str]) -> None:
+    created = _holder(busybox_image, "0", state="created")
+    running = _holder(busybox_image, f"{UUID0},{UUID1}")
+    paused = _holder(busybox_image, "1", state="paused")
+    exited = _holder(busybox_image, "0", state="exited")
+    unmanaged = _holder(busybox_image, "0", managed=False)
+    holders += [created, running, paused, exited, unmanaged]
+    async with DockerBackend() as backend:
+        found = {h.workload: h.gpus for h in await backend.gpu_holders() if h.workload in holders}
+    assert found == {created: ("0",), running: (UUID0, UUID1), paused: ("1",)}
+
+
+no_driver = pytest.mark.skipif(os.path.exists("/dev/nvidiactl"), reason="this host has an NVIDIA driver")
+_EXCLUSIVE = "[gpus]\nexclusive = true\n"
+
+
+@engine
+@no_driver
+async def test_gpus_exclusive_gpu_held_by_another_workload_refused_naming_both(
+        busybox_image: str, holders: list[str]) -> None:
+    holder = _holder(busybox_image, "3,0")
+    holders.append(holder)
+    name = uniq("gpuexcl")
+    async with running_daemon(_EXCLUSIVE) as daemon:
+        session = await daemon.open_session()
+        reply = await session.runtime("workload-run", workload={
+            "name": name, "image": busybox_image, "detached": True, "gpus": ["0"], "command": ["true"]})
+    assert not reply.ok and reply.error_code == "runtime_failed"
+    assert f"gpus: GPU 0 is held by workload {holder!r}" in str(reply.error)
+    assert "no mechanism" not in str(reply.error)  # refused before any mechanism is tried
+    assert not container_exists(name)
+
+
+@engine
+@no_driver
+async def test_gpus_exclusive_exited_holder_and_other_gpus_do_not_hold(busybox_image: str,
+                                                                       holders: list[str]) -> None:
+    holders += [_holder(busybox_image, "0", state="exited"), _holder(busybox_image, "1"),
+                _holder(busybox_image, "0", managed=False)]
+    name = uniq("gpuexcl")
+    async with running_daemon(_EXCLUSIVE) as daemon:
+        session = await daemon.open_session()
+        reply = await session.runtime("workload-run", workload={
+            "name": name, "image": busybox_image, "detached": True, "gpus": ["0"], "command": ["true"]})
+    # The check passed: what fails is this GPU-less host, as without exclusivity.
+    assert not reply.ok and "no mechanism can give this container GPU 0" in str(reply.error)
+    assert "held by" not in str(reply.error)
+    assert not container_exists(name)
+
+
+@engine
+@no_driver
+async def test_gpus_not_exclusive_held_gpu_is_shared(busybox_image: str, holders: list[str]) -> None:
+    holders.append(_holder(busybox_image, "0"))
+    name = uniq("gpushare")
+    async with running_daemon() as daemon:
+        session = await daemon.open_session()
+        reply = await session.runtime("workload-run", workload={
+            "name": name, "image": busybox_image, "detached": True, "gpus": ["0"], "command": ["true"]})
+    assert not reply.ok and "no mechanism can give this container GPU 0" in str(reply.error)
+    assert "held by" not in str(reply.error)
+    assert not container_exists(name)
+
+
+@engine
+async def test_workload_run_managers_own_held_gpus_label_is_dropped(busybox_image: str) -> None:
+    """A manager cannot claim GPUs it was not given (and so block other managers' workloads)."""
+    name = uniq("gpulabel")
+    async with running_daemon(_EXCLUSIVE) as daemon:
+        session = await daemon.open_session()
+        reply = await session.runtime("workload-run", workload={
+            "name": name, "image": busybox_image, "detached": True, "command": ["sleep", "30"],
+            "labels": {HELD_GPUS_LABEL: "0", "mine": "kept"}})
+        assert reply.ok, reply.error
+        try:
+            labels = inspect_container(name)["Config"]["Labels"]
+        finally:
+            assert (await session.runtime("workload-remove", name=name)).ok
+    assert labels["mine"] == "kept" and HELD_GPUS_LABEL not in labels
+
+
+def _gpu0_uuid() -> str:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"],
+                         capture_output=True, text=True, check=True).stdout
+    return next(uuid.strip() for index, _, uuid in (line.partition(",") for line in out.splitlines())
+                if index.strip() == "0")
+
+
+@engine
+@pytest.mark.skipif(not has_nvidia_driver() or shutil.which("nvidia-smi") is None,
+                    reason="needs an NVIDIA driver and nvidia-smi (run on the GPU host)")
+async def test_gpus_exclusive_index_then_uuid_of_gpu_0_second_refused_and_one_of_two_racing_wins(
+        busybox_image: str) -> None:
+    uuid0 = _gpu0_uuid()
+    first, second, third = uniq("gpu0a"), uniq("gpu0b"), uniq("gpu0c")
+    workload = {"image": busybox_image, "detached": True, "network": "none", "command": ["sleep", "60"]}
+    async with running_daemon(_EXCLUSIVE) as daemon:
+        session = await daemon.open_session()
+        ran = await session.runtime("workload-run", workload={**workload, "name": first, "gpus": ["0"]})
+        assert ran.ok, ran.error
+        try:
+            held = inspect_container(first)["Config"]["Labels"][HELD_GPUS_LABEL]
+            refused = await session.runtime("workload-run", workload={**workload, "name": second, "gpus": [uuid0]})
+            second_exists = container_exists(second)
+        finally:
+            assert (await session.runtime("workload-remove", name=first)).ok
+            await session.runtime("workload-remove", name=second)
+        # Released with its container: the UUID runs now.
+        freed = await session.runtime("workload-run", workload={**workload, "name": third, "gpus": [uuid0]})
+        assert (await session.runtime("workload-remove", name=third)).ok
+        # Two at once, by index and by UUID: exactly one wins.
+        raced: dict[str, bool] = {}
+
+        async def race(name: str, gpu: str) -> None:
+            raced[name] = (await session.runtime("workload-run", workload={**workload, "name": name,
+                                                                             "gpus": [gpu]})).ok
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(race, first, "0")
+                tg.start_soon(race, second, uuid0)
+            raced_exist = {name: container_exists(name) for name in raced}
+        finally:
+            for name in (first, second):
+                assert (await session.runtime("workload-remove", name=name)).ok
+    assert held == uuid0
+    assert not refused.ok and refused.error_code == "runtime_failed"
+    assert f"gpus: GPU 0 ({uuid0}) is held by workload {first!r}" in str(refused.error)
+    assert not second_exists
+    assert freed.ok, freed.error
+    assert sorted(raced.values()) == [False, True] and raced_exist == raced

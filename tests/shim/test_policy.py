@@ -7,7 +7,6 @@ import pytest
 from coldsnap_probe import ContractError, graph_record, validate_graph_record
 from nccl_shim import InvalidGraphPolicy, decide_graph_policy
 
-
 EXECUTION = {n: {"workers": [{"id": f"rank-{i}", "unit": f"unit-{i}", "service": "engine", "process_slot": 0,
                               "device_slots": [i]} for i in range(n)],
                  "groups": [], "services": [], "adapter": {"schema": "tp", "digest": "", "payload": {}}}
