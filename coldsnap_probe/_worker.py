@@ -540,7 +540,8 @@ def restore(images: Path, *, criu: str, work: Path | None = None,
         report["restored_pid"] = root
         peers = ranks.barrier("criu-restored", {"pid": root, "criu_seconds": report["criu_restore_seconds"]})
         report["peer_criu_restore_seconds"] = [p.get("criu_seconds") for p in peers]
-        timeline.mark("rank_barrier_end")
+        if ranks.multi:
+            timeline.mark("rank_barrier_end")
         if cuda:
             timeline.mark("deferred_cuda_restore_begin")
             driver = Driver()
@@ -559,7 +560,8 @@ def restore(images: Path, *, criu: str, work: Path | None = None,
                                                                "deferred_cuda_restore_end")
             peers = ranks.barrier("cuda-restored", {"cuda_seconds": report["cuda_restore_seconds"]})
             report["peer_cuda_restore_seconds"] = [p.get("cuda_seconds") for p in peers]
-            timeline.mark("distributed_cuda_restore_barrier_end")
+            if ranks.multi:
+                timeline.mark("distributed_cuda_restore_barrier_end")
         if ranks.multi:
             os.killpg(root, signal.SIGCONT)
             ranks.barrier("process-resumed")
@@ -591,7 +593,9 @@ def restore(images: Path, *, criu: str, work: Path | None = None,
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(root, signal.SIGKILL)
         report["timeline"] = timeline.marks
-        raise (exc if isinstance(exc, RankAborted) else WorkerError(report["error"])) from exc
+        if isinstance(exc, RankAborted):
+            raise
+        raise WorkerError(report["error"]) from exc
     report["timeline"] = timeline.marks
     report["barrier_wait_s"] = dict(ranks.waits)
     report["restore_seconds"] = timeline.seconds("restore_begin", "process_resumed")

@@ -171,7 +171,7 @@ def test_n610_capture_then_two_restores_from_unchanged_images(tmp_path: Path) ->
         report = json.loads(done.stdout)
         names = [m["name"] for m in report["timeline"]]
         assert names == ["restore_begin", "criu_restore_end", "deferred_cuda_restore_begin",
-                         "deferred_cuda_restore_end", "process_resumed"]
+                         "deferred_cuda_restore_end", "process_resumed", "ready"]
         assert report["restored_pid"] == target.pid and verify(control, attempt)
         assert report["identity_compatibility"] == "exact"
         kill_and_reap(report["restored_pid"])
