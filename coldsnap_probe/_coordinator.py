@@ -1,12 +1,13 @@
 """Barriers among the ranks of one activation, through a directory every rank's worker can reach.
 
 Each rank's worker runs in its own process (one per rank container, spec 7.1) and meets the others at named
-phases. A rank arrives by writing ``<root>/<namespace>/<phase>/<rank>.json`` (written whole, then renamed), and
-waits until every rank of the world has arrived. Any rank can abort the activation: the first
-``<root>/<namespace>/abort.json`` wins, and every rank waiting at (or later reaching) a barrier raises with its
-text, so a failure on one rank rolls back all. A peer that never arrives is an abort too, naming the missing
-ranks. A directory is used rather than a server so that there is nothing to start, nothing that can die on
-its own, and the evidence stays on disk for the report.
+phases. A rank arrives by writing ``<root>/<namespace>/<phase>/<rank>.json`` (written whole, then hard-linked
+into place, so a second writer loses), and waits until every rank of the world has arrived. A rank that gives
+up waiting claims the missing ranks' files first, so a late rank cannot pass a barrier its peer abandoned. Any
+rank can abort the activation: the first ``<root>/<namespace>/abort.json`` wins, and every rank waiting at (or
+later reaching) a barrier raises with its text, so a failure on one rank rolls back all. A directory is used
+rather than a server so that there is nothing to start, nothing that can die on its own, and the evidence
+stays on disk for the report.
 
 A namespace is one activation (one capture or one restore): arriving twice at a phase of a namespace is refused,
 so a reused namespace cannot let a rank pass a barrier on a previous activation's files.
@@ -31,14 +32,15 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 def _write_new(path: Path, value: dict[str, Any]) -> bool:
     """Write `path` whole if it does not exist yet; False when it already did."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(value, sort_keys=True))
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # ranks' pids may be equal
     try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(value, sort_keys=True))
         os.link(tmp, path)  # atomic and exclusive: a reader never sees half a file, a second writer loses
     except FileExistsError:
         return False
     finally:
-        tmp.unlink(missing_ok=True)
+        os.unlink(tmp)
     return True
 
 
@@ -90,7 +92,11 @@ class Coordinator:
         """Abort the activation for every rank (the first reason is kept)."""
         if self.directory is None:
             return
-        _write_new(self.directory / "abort.json", {"rank": self.rank, "reason": reason, "unix_ns": time.time_ns()})
+        try:  # called on failure paths: it must never raise in place of the failure it reports
+            _write_new(self.directory / "abort.json", {"rank": self.rank, "reason": reason,
+                                                       "unix_ns": time.time_ns()})
+        except OSError:
+            pass
 
     def barrier(self, phase: str, value: dict[str, Any] | None = None, *,
                 timeout: float | None = None) -> list[dict[str, Any]]:
@@ -103,23 +109,42 @@ class Coordinator:
         where.mkdir(mode=0o700, exist_ok=True)
         if not _write_new(where / f"{self.rank}.json", {"rank": self.rank, "value": value or {},
                                                         "unix_ns": time.time_ns()}):
+            claimed = self._slot(where, self.rank)
+            if "aborted" in claimed:  # a peer gave up on this rank before it arrived
+                raise RankAborted(f"activation aborted at {phase}: {claimed['aborted']}")
             raise WorkerError(f"rank {self.rank} already arrived at {phase} in {self.directory.name}: "
                               "a namespace serves one activation")
         started = time.monotonic()
         deadline = started + (timeout if timeout is not None else self.timeout)
         pause = 0.0005
         while True:
-            if (reason := self.aborted()) is not None:
-                raise RankAborted(f"activation aborted at {phase}: {reason}")
             missing = [r for r in range(self.world_size) if not (where / f"{r}.json").exists()]
             if not missing:
                 break
+            if (reason := self.aborted()) is not None:
+                raise RankAborted(f"activation aborted at {phase}: {reason}")
             if time.monotonic() > deadline:
                 reason = (f"rank {self.rank}: rank(s) {', '.join(map(str, missing))} never reached {phase} "
                           f"within {deadline - started:g} s")
-                self.abort(reason)
-                raise RankAborted(reason)
+                # Claim the missing ranks' slots, so that a rank arriving now cannot pass this barrier while
+                # this one gives up: whichever writes a slot first decides.
+                if any([_write_new(where / f"{r}.json", {"rank": r, "aborted": reason}) for r in missing]):
+                    self.abort(reason)
+                    raise RankAborted(reason)
+                continue  # every missing rank arrived in the meantime
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
+        slots = [self._slot(where, r) for r in range(self.world_size)]
+        if gave_up := [s["aborted"] for s in slots if "aborted" in s]:
+            raise RankAborted(f"activation aborted at {phase}: {gave_up[0]}")
         self.waits[phase] = time.monotonic() - started
-        return [json.loads((where / f"{r}.json").read_text())["value"] for r in range(self.world_size)]
+        return [dict(s.get("value") or {}) for s in slots]
+
+    def _slot(self, where: Path, rank: int) -> dict[str, Any]:
+        try:
+            value = json.loads((where / f"{rank}.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise WorkerError(f"rank {rank}'s arrival at {where.name} is unreadable: {exc}") from exc
+        if not isinstance(value, dict):
+            raise WorkerError(f"rank {rank}'s arrival at {where.name} is not an object")
+        return value

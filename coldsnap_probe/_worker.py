@@ -54,7 +54,7 @@ from ._graph import GraphPlan, default_graph_policy, graph_record, plan_graph_po
 from ._hydrate import HydrationManifest, check_sources
 from ._hydrate import request as hydration_request
 from ._profile import identity
-from .errors import ContractError, ProbeError, RankAborted, WorkerError
+from .errors import ContractError, ProbeError, WorkerError
 
 __all__ = ("capture", "identity_compatibility", "image_digest", "restore", "tp_execution")
 
@@ -228,32 +228,16 @@ def tp_execution(world_size: int, engine: str) -> dict[str, Any]:
                                                                                           "tensor": world_size}}}
 
 
-def _in_place_admission() -> tuple[bool, str]:
-    """Whether an in-place NCCL provider is admitted here (NCCL spec 5): asked only when the rank is told to try."""
-    mode = os.environ.get("COLDSNAP_NCCL_IN_PLACE_MODE", "").strip()
-    if mode != "net-reconnect-v1":
-        return False, "COLDSNAP_NCCL_IN_PLACE_MODE is not net-reconnect-v1"
-    try:  # imported here: the shim needs its C library, which only an in-place activation requires
-        from nccl_shim import Expectations, Shim, ShimError, admit_identity
-    except ImportError as exc:
-        return False, f"nccl_shim cannot be loaded: {exc}"
-    try:
-        shim = Shim(os.environ.get("COLDSNAP_NCCL_PROVIDER_LIBRARY") or None)
-        try:
-            admit_identity(shim.identity(), shim.in_place(), Expectations.from_environment(in_place=True))
-        finally:
-            shim.close()
-    except (ShimError, OSError) as exc:
-        return False, str(exc)
-    return True, ""
-
-
 def _graph_plan(requested: str, world_size: int) -> GraphPlan:
     if requested == "auto":
         requested = default_graph_policy(str(identity(None).get("driver_version", "")))
-    admitted, reason = _in_place_admission() if requested == "preserve-nccl-exec" and world_size > 1 else (False, "")
+    # Retaining NCCL graph executables needs an admitted in-place provider driven inside the engine, and a
+    # restore path for it; this worker has neither, so such a request is recorded as the valid downgrade.
+    mode = os.environ.get("COLDSNAP_NCCL_IN_PLACE_MODE", "").strip()
+    reason = ("COLDSNAP_NCCL_IN_PLACE_MODE is not net-reconnect-v1" if mode != "net-reconnect-v1"
+              else "this worker has no in-place NCCL restore path")
     try:
-        return plan_graph_policy(requested, world_size, in_place_admitted=admitted, in_place_reason=reason)
+        return plan_graph_policy(requested, world_size, in_place_admitted=False, in_place_reason=reason)
     except ContractError as exc:
         raise WorkerError(str(exc)) from exc
 
@@ -274,8 +258,8 @@ def _inet_sockets(tree: list[int]) -> list[str]:
     found = []
     for pid in tree:
         try:
-            inodes = {os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1]: fd for fd in os.listdir(f"/proc/{pid}/fd")
-                      if _readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:[")}
+            links = {fd: _readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+            inodes = {link[8:-1]: fd for fd, link in links.items() if link.startswith("socket:[")}
             for proto in ("tcp", "tcp6", "udp", "udp6"):
                 for line in Path(f"/proc/{pid}/net/{proto}").read_text().splitlines()[1:]:
                     fields = line.split()
@@ -338,7 +322,10 @@ def capture(pid: int, images: Path, *, criu: str, boundary: str = "n610", lock_t
     # Several ranks: the dumped tree stays stopped until every rank has dumped, so a failed peer can roll back.
     dump_args = ["dump", "--tree", str(pid), "--images-dir", str(images), "--work-dir", str(work),
                  *(["--leave-stopped"] if ranks.multi else [])]
-    plan = _graph_plan(graph_policy, ranks.world_size) if (engine or ranks.multi) and boundary == "n610" else None
+    if ranks.multi and boundary == "n610" and not engine:
+        raise WorkerError("several ranks need the engine's control socket (engine=) to release their "
+                          "communicators before capture")
+    plan = _graph_plan(graph_policy, ranks.world_size) if engine and boundary == "n610" else None
     quiesced = dumped = False
     try:
         if boundary == "n580":
@@ -362,16 +349,12 @@ def capture(pid: int, images: Path, *, criu: str, boundary: str = "n610", lock_t
             if plan is not None:
                 report["graph_policy"] = {"requested": plan.requested, "recorded": plan.recorded,
                                           "effective": plan.effective, "reason": plan.reason}
-                if engine:
-                    started = time.perf_counter()
-                    report["engine_quiesce"] = _engine(engine, {"op": "quiesce", "policy": plan.effective},
-                                                       "quiesce before capture", timeout=60)
-                    quiesced = True  # from here a failure recreates the communicators (rollback below)
-                    _check_quiesced(report["engine_quiesce"], plan, tree)
-                    timings["engine_quiesce"] = time.perf_counter() - started
-                elif ranks.multi:
-                    raise WorkerError("several ranks need the engine's control socket (engine=) to release "
-                                      "their communicators before capture")
+                started = time.perf_counter()
+                quiesced = True  # from here a failure recreates the communicators (rollback below)
+                report["engine_quiesce"] = _engine(str(engine), {"op": "quiesce", "policy": plan.effective},
+                                                   "quiesce before capture", timeout=60)
+                _check_quiesced(report["engine_quiesce"], plan, tree)
+                timings["engine_quiesce"] = time.perf_counter() - started
             ranks.barrier("quiesced")
             manifest = _release_weights(hydration, report) if hydration else None
             report["memory_before_checkpoint"] = {str(p): _anonymous_memory(p) for p in tree}
@@ -400,8 +383,9 @@ def capture(pid: int, images: Path, *, criu: str, boundary: str = "n610", lock_t
                 if plan is not None:
                     _write_graph_record(images, plan, ranks.world_size)
                 ranks.barrier("dumped")
-            except BaseException:
-                if dumped:
+            except BaseException as exc:
+                ranks.abort(f"rank {ranks.rank} capture: {type(exc).__name__}: {exc}")  # peers first, then undo
+                if dumped and ranks.multi:
                     _signal_tree(tree, signal.SIGCONT)  # the CUDA restore thread of a stopped tree must run
                 _rollback(driver, done)
                 if hydration:
@@ -409,7 +393,7 @@ def capture(pid: int, images: Path, *, criu: str, boundary: str = "n610", lock_t
                 raise
     except BaseException as exc:
         ranks.abort(f"rank {ranks.rank} capture: {type(exc).__name__}: {exc}")
-        if boundary == "n580" and dumped:
+        if boundary == "n580" and dumped and ranks.multi:
             _signal_tree(tree, signal.SIGCONT)
         if quiesced and engine:  # every rank rolls back: recreate the communicators the capture destroyed
             with contextlib.suppress(WorkerError):
@@ -422,6 +406,7 @@ def capture(pid: int, images: Path, *, criu: str, boundary: str = "n610", lock_t
     if ranks.multi:  # every rank has dumped: the captured tree ends here, as a single-rank dump ends it
         _signal_tree(tree, signal.SIGKILL)
     report["identity"] = identity(None)
+    report["engine_quiesced"] = quiesced
     report["timings_s"] = timings
     report["barrier_wait_s"] = dict(ranks.waits)
     report["image_bytes"], report["image_files"] = _images_size(images)
@@ -513,7 +498,10 @@ def restore(images: Path, *, criu: str, work: Path | None = None,
                 raise WorkerError(f"weight hydration cannot succeed, not restoring: {exc}") from exc
         compatibility = identity_compatibility(capture_report.get("identity", {}), identity(None), boundary)
         cuda = list(capture_report.get("cuda_pids", []))
-        engine = capture_report.get("engine")
+        engine = capture_report.get("engine") if capture_report.get("engine_quiesced") else None
+        if ranks.multi and boundary == "n610" and (graph is None or engine is None):
+            raise WorkerError("these multi-rank images lack the graph record or the engine's quiesce: their "
+                              "communicators could not be recreated")
         report.update({"boundary": boundary, "captured_root_pid": capture_report["root_pid"], "cuda_pids": cuda,
                        "identity_compatibility": compatibility})
         if graph is not None:
@@ -538,6 +526,8 @@ def restore(images: Path, *, criu: str, work: Path | None = None,
         timeline.mark("criu_restore_end")
         root = int(pidfile.read_text().split()[0])
         report["restored_pid"] = root
+        if not set(cuda) <= set(process_tree(root)):
+            raise WorkerError(f"the recorded CUDA processes {cuda} are not in the restored tree of {root}")
         peers = ranks.barrier("criu-restored", {"pid": root, "criu_seconds": report["criu_restore_seconds"]})
         report["peer_criu_restore_seconds"] = [p.get("criu_seconds") for p in peers]
         if ranks.multi:
@@ -578,7 +568,7 @@ def restore(images: Path, *, criu: str, work: Path | None = None,
                                    "gbps": hydrated["gbps"], "regions_verified": hydrated["verified_regions"],
                                    "engine": hydrated,
                                    "phase_seconds": timeline.seconds("hydration_begin", "hydration_end")}
-        if engine and graph is not None and graph["policy_effective"] == "recreate-from-plan":
+        if engine and graph is not None:
             timeline.mark("communicator_recreate_begin")
             report["engine_resume"] = _resume_engine(engine, ranks, graph["policy_effective"], "restore")
             timeline.mark("communicator_recreate_end")
@@ -588,12 +578,12 @@ def restore(images: Path, *, criu: str, work: Path | None = None,
         timeline.mark("ready")
     except BaseException as exc:
         report["error"] = f"{type(exc).__name__}: {exc}"
-        ranks.abort(f"rank {ranks.rank} restore: {report['error']}")
         if root is not None:  # a failure on any rank stops every rank: nothing half-restored serves
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(root, signal.SIGKILL)
+        ranks.abort(f"rank {ranks.rank} restore: {report['error']}")
         report["timeline"] = timeline.marks
-        if isinstance(exc, RankAborted):
+        if isinstance(exc, WorkerError):
             raise
         raise WorkerError(report["error"]) from exc
     report["timeline"] = timeline.marks
