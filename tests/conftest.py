@@ -28,6 +28,15 @@ def docker(*args: str, input: bytes | None = None, check: bool = True) -> subpro
     return subprocess.run(["docker", *args], input=input, capture_output=True, check=check)
 
 
+@pytest.fixture
+def top() -> Iterator[Path]:
+    """A root-owned 0755 directory in /tmp that `nobody` can reach into (pytest's own tree is 0700)."""
+    path = Path(tempfile.mkdtemp(prefix="cs-top-", dir="/tmp"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def scratch_in_pytest_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Scratch files made with `tempfile` land in pytest's temp tree, not loose in /tmp.

@@ -33,15 +33,6 @@ def hub() -> Iterator[HubServer]:
         yield running
 
 
-@pytest.fixture
-def payload_dir() -> Iterator[Path]:
-    """A directory `nobody` can enter (pytest's own tmp tree is root-only)."""
-    directory = Path(tempfile.mkdtemp(prefix="cs-hf-", dir="/tmp"))
-    directory.chmod(0o755)
-    yield directory
-    shutil.rmtree(directory, ignore_errors=True)
-
-
 @asynccontextmanager
 async def hub_daemon(hub: HubServer, token: str = WRITE_TOKEN,
                      request_timeout_s: float = 10.0) -> AsyncIterator[tuple[Daemon, Session]]:
@@ -85,15 +76,15 @@ async def resolve(session: Session, revision: str, *, repository: str = REPO) ->
 
 
 async def test_publish_then_resolve_returns_the_new_commit_and_the_hub_holds_the_bytes(
-        hub: HubServer, payload_dir: Path) -> None:
+        hub: HubServer, top: Path) -> None:
     small = os.urandom(4096)
     large = os.urandom((1 << 20) + 12345)  # past the server's LFS threshold: batch API, PUT, verify
     async with hub_daemon(hub) as (daemon, session):
         caps = await session.call("capabilities")
         assert caps.ok and caps.capabilities == REFERENCE_ORDER
-        first = await publish(session, payload(payload_dir, small))
+        first = await publish(session, payload(top, small))
         assert first.ok, first.error
-        second = await publish(session, payload(payload_dir, large, "big.pack"), destination="native/big.pack")
+        second = await publish(session, payload(top, large, "big.pack"), destination="native/big.pack")
         assert second.ok, second.error
         resolved = await resolve(session, "staging")
         assert resolved.ok, resolved.error
@@ -110,10 +101,10 @@ async def test_publish_then_resolve_returns_the_new_commit_and_the_hub_holds_the
 
 
 async def test_publish_with_an_invalid_token_is_runtime_failed_naming_the_repository(
-        hub: HubServer, payload_dir: Path) -> None:
+        hub: HubServer, top: Path) -> None:
     bad = "hf_not_a_real_token_123456"
     async with hub_daemon(hub, token=bad) as (daemon, session):
-        reply = await publish(session, payload(payload_dir, b"x" * 100))
+        reply = await publish(session, payload(top, b"x" * 100))
         refused = await resolve(session, "main")
         log = daemon.log()
     assert not reply.ok and reply.error_code == "runtime_failed"
@@ -124,19 +115,19 @@ async def test_publish_with_an_invalid_token_is_runtime_failed_naming_the_reposi
     assert hub.repos[REPO].branches.keys() == {"main"}
 
 
-async def test_publish_with_a_read_only_token_is_permission_denied(hub: HubServer, payload_dir: Path) -> None:
+async def test_publish_with_a_read_only_token_is_permission_denied(hub: HubServer, top: Path) -> None:
     async with hub_daemon(hub, token=READ_TOKEN) as (_, session):
         hub.repos[REPO].branches["staging"] = hub.repos[REPO].branches["main"]
-        reply = await publish(session, payload(payload_dir, b"x" * 100))
+        reply = await publish(session, payload(top, b"x" * 100))
     assert not reply.ok and reply.error_code == "runtime_failed"
     assert "permission denied" in text(reply) and "HTTP 403" in text(reply)
     assert f"{REPO}@staging" in text(reply)
 
 
 async def test_missing_repository_and_missing_revision_are_runtime_failed(hub: HubServer,
-                                                                          payload_dir: Path) -> None:
+                                                                          top: Path) -> None:
     async with hub_daemon(hub) as (_, session):
-        published = await publish(session, payload(payload_dir, b"x"), repository="org/absent")
+        published = await publish(session, payload(top, b"x"), repository="org/absent")
         resolved = await resolve(session, "main", repository="org/absent")
         revision = await resolve(session, "no-such-branch")
     for reply in (published, resolved):
@@ -147,11 +138,11 @@ async def test_missing_repository_and_missing_revision_are_runtime_failed(hub: H
     assert f"{REPO}@no-such-branch: revision not found" in text(revision)
 
 
-async def test_connection_dropped_mid_upload_is_a_network_failure(hub: HubServer, payload_dir: Path) -> None:
+async def test_connection_dropped_mid_upload_is_a_network_failure(hub: HubServer, top: Path) -> None:
     async with hub_daemon(hub) as (_, session):
         hub.drop_commit_after = 64  # the commit body carries the (regular-mode) payload
-        reply = await publish(session, payload(payload_dir, os.urandom(64 << 10)), revision="main")
-        again = await publish(session, payload(payload_dir, b"second try"), revision="main")
+        reply = await publish(session, payload(top, os.urandom(64 << 10)), revision="main")
+        again = await publish(session, payload(top, b"second try"), revision="main")
     assert not reply.ok and reply.error_code == "runtime_failed"
     assert f"{REPO}@main: network failure" in text(reply)
     assert again.ok, again.error
@@ -177,16 +168,16 @@ async def test_resolve_refuses_an_answer_that_is_not_a_commit_id(hub: HubServer)
     assert "answered no commit id" in text(reply) and "'main'" in text(reply)
 
 
-async def test_source_is_opened_as_exec_user_without_following_links(hub: HubServer, payload_dir: Path) -> None:
-    secret = payload(payload_dir, b"root only")
+async def test_source_is_opened_as_exec_user_without_following_links(hub: HubServer, top: Path) -> None:
+    secret = payload(top, b"root only")
     secret.chmod(0o600)  # root can read it; exec.user (nobody) cannot
-    link = payload_dir / "link.pack"
-    link.symlink_to(payload(payload_dir, b"target", "target.pack"))
+    link = top / "link.pack"
+    link.symlink_to(payload(top, b"target", "target.pack"))
     async with hub_daemon(hub) as (_, session):
         unreadable = await publish(session, secret)
         through_link = await publish(session, link)
-        directory = await publish(session, payload_dir)
-        absent = await publish(session, payload_dir / "absent.pack")
+        directory = await publish(session, top)
+        absent = await publish(session, top / "absent.pack")
     assert not unreadable.ok and "Permission denied" in text(unreadable)
     assert not through_link.ok and "symbolic link" in text(through_link)
     assert not directory.ok and "not a regular file" in text(directory)
@@ -205,8 +196,8 @@ async def test_unconfigured_daemon_neither_advertises_nor_serves_the_hub_operati
 
 
 async def test_requests_with_a_bad_image_repository_or_path_are_rejected_before_any_call(
-        hub: HubServer, payload_dir: Path) -> None:
-    source = payload(payload_dir, b"x")
+        hub: HubServer, top: Path) -> None:
+    source = payload(top, b"x")
     async with hub_daemon(hub) as (_, session):
         bad_image = await session.call("huggingface-resolve", host="localhost", image="Not An Image",
                                        repository=REPO, revision="main")

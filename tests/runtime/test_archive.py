@@ -5,13 +5,11 @@ from __future__ import annotations
 import io
 import os
 import pwd
-import shutil
 import stat
 import subprocess
 import sys
 import tarfile
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -51,15 +49,6 @@ def extract(data: bytes, root: str, destination: Path, *extra: str) -> subproces
 
 def as_nobody() -> tuple[str, str]:
     return "--as", f"{NOBODY.pw_uid}:{NOBODY.pw_gid}"
-
-
-@pytest.fixture
-def top() -> Iterator[Path]:
-    """A root-owned 0755 directory that nobody can reach (pytest's own tree is 0700)."""
-    path = Path(tempfile.mkdtemp(prefix="cs-archive-", dir="/tmp"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

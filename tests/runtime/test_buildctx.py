@@ -9,12 +9,10 @@ from __future__ import annotations
 import io
 import os
 import pwd
-import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -75,15 +73,6 @@ async def pack_bytes(context: Path | str, contexts: dict[str, str] | None = None
 async def pack(context: Path | str, contexts: dict[str, str] | None = None, *, owner: Owner | None = None,
                dockerfile: bytes = b"FROM x\n") -> tarfile.TarFile:
     return tarfile.open(fileobj=io.BytesIO(await pack_bytes(context, contexts, owner=owner, dockerfile=dockerfile)))
-
-
-@pytest.fixture
-def top() -> Iterator[Path]:
-    """A root-owned 0755 directory in /tmp that nobody can reach (pytest's own tree is 0700)."""
-    path = Path(tempfile.mkdtemp(prefix="cs-ctx-", dir="/tmp"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 async def test_context_tar_holds_context_named_contexts_and_dockerfile(tmp_path: Path) -> None:

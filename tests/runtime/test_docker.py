@@ -5,12 +5,10 @@ from __future__ import annotations
 import json
 import os
 import pwd
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -48,15 +46,6 @@ async def detached(backend: DockerBackend, image: str, script: str) -> AsyncIter
         yield name
     finally:
         await backend.workload_remove(name)
-
-
-@pytest.fixture
-def top() -> Iterator[Path]:
-    """A root-owned 0755 directory outside pytest's 0700 tree, so `nobody` can reach into it."""
-    path = Path(tempfile.mkdtemp(prefix="cs-docker-", dir="/tmp"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 # --- the one translation edge ------------------------------------------------------------
