@@ -44,7 +44,10 @@ from typing import Any
 import anyio
 import msgspec
 
-from coldsnap_provider import call, call_control
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from coldsnap_provider import call_control
+from tests.helpers import Session, open_session
 
 PROMPT = [128000, 3923, 374, 279, 6864, 315, 9822, 30]
 MAX_TOKENS = 16
@@ -122,19 +125,15 @@ class Driver:
 
     def __init__(self, state_dir: Path) -> None:
         self.state_dir = state_dir
-        self.socket = self.token = self.session = ""
-        self._n = 0
+        self.session: Session | None = None
 
     async def open(self) -> None:
-        opened = await call_control(self.state_dir, {"operation": "session-open", "session": f"op-e2e-{os.getpid()}",
-                                                     "hosts": ["localhost"]})
-        self.socket, self.token, self.session = opened["socket"], opened["token"], opened["session"]
+        self.session = await open_session(self.state_dir, f"op-e2e-{os.getpid()}")
 
     async def runtime(self, action: str, **fields: Any) -> dict[str, Any]:
-        self._n += 1
-        request = {"format": 1, "id": f"{time.time_ns()}-{self._n}", "token": self.token, "session": self.session,
-                   "operation": "runtime", "host": "localhost", "runtime": {"action": action, **fields}}
-        reply = await call(self.socket, request, check=False)
+        if self.session is None:
+            raise E2EError("no session: open() first")
+        reply = await self.session.runtime(action, **fields)
         out: dict[str, Any] = msgspec.to_builtins(reply)
         return out
 

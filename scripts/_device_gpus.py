@@ -21,8 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 
-from coldsnap_provider._client import call, call_control
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from coldsnap_provider import call_control
+from tests.helpers import Session, open_session
 
 CAPSULE = "coldsnap/capsule-probe:h200"
 VISIBLE = r"""
@@ -57,33 +61,21 @@ class Driver:
     def __init__(self, state_dir: Path, docker_host: str) -> None:
         self.state_dir, self.docker_host = state_dir, docker_host
         self.rows: list[dict[str, Any]] = []
-        self.socket = self.token = self.session = ""
-        self._n = 0
+        self.session: Session | None = None
 
     async def open(self) -> None:
-        opened = await call_control(self.state_dir, {"operation": "session-open", "session": f"op-gpus-{os.getpid()}",
-                                                     "hosts": ["localhost"]})
-        self.socket, self.token, self.session = opened["socket"], opened["token"], opened["session"]
+        self.session = await open_session(self.state_dir, f"op-gpus-{os.getpid()}")
 
     async def runtime(self, action: str, **fields: Any) -> dict[str, Any]:
-        self._n += 1
-        request = {"format": 1, "id": str(1767225600000000000 + self._n), "token": self.token,
-                   "session": self.session, "operation": "runtime", "host": "localhost",
-                   "runtime": {"action": action, **fields}}
-        reply = await call(self.socket, request, check=False)
-        out: dict[str, Any] = json.loads(json.dumps(_builtins(reply)))
+        if self.session is None:
+            raise RuntimeError("no session: open() first")
+        out: dict[str, Any] = msgspec.to_builtins(await self.session.runtime(action, **fields))
         return out
 
     def row(self, step: str, ok: bool, seconds: float, **detail: Any) -> None:
         row = {"step": step, "ok": ok, "seconds": round(seconds, 3), **detail}
         self.rows.append(row)
         print(json.dumps(row)[:1500], flush=True)  # noqa: T201 - a script's report
-
-
-def _builtins(reply: Any) -> Any:
-    import msgspec
-
-    return msgspec.to_builtins(reply)
 
 
 def _output(reply: dict[str, Any]) -> str:

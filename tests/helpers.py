@@ -129,10 +129,15 @@ class Daemon:
 
     async def open_session(self, session: str | None = None, *, hosts: list[str] | None = None,
                            **extra: Any) -> Session:
-        session = session or f"op-{next_id()[-6:]}"
-        result = await self.control(operation="session-open", session=session,
-                                    hosts=hosts or ["localhost"], **extra)
-        return Session(socket=result["socket"], token=result["token"], session=result["session"])
+        return await open_session(self.state_dir, session, hosts=hosts, **extra)
+
+
+async def open_session(state_dir: Path, session: str | None = None, *, hosts: list[str] | None = None,
+                       **extra: Any) -> Session:
+    """A session from a running daemon's control socket, as a placement manager opens one."""
+    result = await call_control(state_dir, {"operation": "session-open", "session": session or f"op-{next_id()[-6:]}",
+                                            "hosts": hosts or ["localhost"], **extra})
+    return Session(socket=result["socket"], token=result["token"], session=result["session"])
 
 
 def write_config(directory: Path, text: str = "") -> Path:
@@ -190,4 +195,5 @@ def control_as(uid: int, state_dir: Path, request: dict[str, Any]) -> dict[str, 
     os.close(read_fd)
     _, status = os.waitpid(pid, 0)
     assert status == 0, "child failed to talk to the control socket"
-    return json.loads(b"".join(chunks))
+    answer: dict[str, Any] = json.loads(b"".join(chunks))
+    return answer
