@@ -702,18 +702,7 @@ class WeightArena:
 
     def _serve_loop(self, listener: socket.socket, strategy: str) -> None:
         _cu(self.driver, "cuCtxSetCurrent", self.context)
-        while True:
-            conn, _ = listener.accept()
-            with conn:
-                try:
-                    message = _read_line(conn)
-                    answer = self._handle_request(json.loads(message), strategy)
-                except Exception as exc:
-                    answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-                try:
-                    conn.sendall(json.dumps(answer).encode() + b"\n")
-                except OSError:
-                    pass
+        _answer_each(listener, lambda conn: self._handle_request(json.loads(_read_line(conn)), strategy))
 
     def _handle_request(self, message: Any, strategy: str) -> dict[str, Any]:
         op = message.get("op") if isinstance(message, dict) else None
@@ -727,6 +716,21 @@ class WeightArena:
         if op == "status":
             return {"ok": True, "mapped": self.mapped, "ready": self.ready.is_set()}
         raise HydrationError(f"unknown request {op!r}")
+
+
+def _answer_each(listener: socket.socket, answer: Callable[[socket.socket], dict[str, Any]]) -> None:
+    """Serve connections one at a time: one request, one JSON line back (an error as `ok: false`), then close."""
+    while True:
+        conn, _ = listener.accept()
+        with conn:
+            try:
+                reply = answer(conn)
+            except Exception as exc:
+                reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            try:
+                conn.sendall(json.dumps(reply).encode() + b"\n")
+            except OSError:
+                pass  # the asker left; the next one is served
 
 
 def _read_line(conn: socket.socket) -> bytes:
@@ -799,17 +803,7 @@ class HydratorServer:
             sys.stdout.write(json.dumps({"ready": True, "map_s": self.map_seconds, "pin_s": self.pin_seconds,
                                          "bytes": sum(m.size for m in self.sources.values())}) + "\n")
             sys.stdout.flush()
-            while True:
-                conn, _ = listener.accept()
-                with conn:
-                    try:
-                        answer = self._one(conn)
-                    except Exception as exc:
-                        answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-                    try:
-                        conn.sendall(json.dumps(answer).encode() + b"\n")
-                    except OSError:
-                        pass
+            _answer_each(listener, self._one)
 
     def _one(self, conn: socket.socket) -> dict[str, Any]:
         data, fds, _flags, _addr = socket.recv_fds(conn, _REQUEST_MAX, 1)
