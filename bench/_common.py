@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import ctypes
+import json
 import os
+import signal
 import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.helpers import Daemon, Session, running_daemon
 
-__all__ = ("Daemon", "Session", "percentile", "process_stats", "running_daemon", "summary", "table")
+__all__ = ("Daemon", "Session", "become_subreaper", "kill_and_reap", "percentile", "process_stats", "running_daemon",
+           "stages", "summary", "table")
 
 
 def percentile(samples: Sequence[float], q: float) -> float:
@@ -41,3 +46,40 @@ def process_stats(pid: int) -> tuple[int, int]:
     rss = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
                if line.startswith("VmRSS:"))
     return fds, rss
+
+
+def stages(log: Path) -> dict[str, dict[str, Any]]:
+    """An engine's stage lines (JSON, one per line) by name, first occurrence; {} while there is no log."""
+    marks: dict[str, dict[str, Any]] = {}
+    try:
+        lines = log.read_text().splitlines()
+    except FileNotFoundError:
+        return marks
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        marks.setdefault(entry["stage"], entry)
+    return marks
+
+
+def become_subreaper() -> None:
+    """Restored trees (CRIU --restore-detached) are reparented to this process, which must reap them."""
+    ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+
+
+def kill_and_reap(pids: Sequence[int]) -> None:
+    """SIGKILL each process group and reap the leaders, so that their PIDs are free for the next restore."""
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    pending = set(pids)
+    while pending:
+        try:
+            pid, _ = os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+        pending.discard(pid)

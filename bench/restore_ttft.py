@@ -21,11 +21,9 @@ hydrator) with the source in /dev/shm, in the page cache and cold on disk.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import itertools
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -38,10 +36,8 @@ SERVER = ROOT / "bench" / "_ttft_server.py"
 PROMPT = [1, 15043, 29892, 920, 526, 366, 29973, 13]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import table
+from bench._common import become_subreaper, kill_and_reap, stages, table
 from coldsnap_probe import image_digest
-
-PR_SET_CHILD_SUBREAPER = 36
 
 
 def connect(path: Path, deadline_s: float = 120.0) -> socket.socket:
@@ -73,18 +69,6 @@ def request(path: Path, max_tokens: int) -> tuple[float, list[int], str]:
             elif message.get("done"):
                 return first, tokens, message["first_logits_sha256"]
     raise RuntimeError("server closed the stream early")
-
-
-def stages(log: Path) -> dict[str, dict[str, Any]]:
-    """The server's stage lines by name (first occurrence): {"unix": ..., ...}."""
-    marks: dict[str, dict[str, Any]] = {}
-    for line in log.read_text().splitlines():
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        marks.setdefault(entry["stage"], entry)
-    return marks
 
 
 def pinned_h2d_gbps() -> float:
@@ -122,19 +106,6 @@ def criu_gaps(log: Path, top: int = 12) -> dict[str, Any]:
     gaps = sorted(((b[0] - a[0], a[1], b[1]) for a, b in itertools.pairwise(stamps)), reverse=True)
     return {"lines": len(stamps), "last_s": stamps[-1][0] if stamps else 0.0,
             "gaps": [{"seconds": round(g, 4), "after": a, "before": b} for g, a, b in gaps[:top]]}
-
-
-def kill_tree(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        return
-    while True:  # we are the subreaper of the restored tree: reap it so its PIDs are free again
-        try:
-            if os.waitpid(-1, 0)[0] == pid:
-                return
-        except ChildProcessError:
-            return
 
 
 # The server's model shape (bench/_ttft_server.py; not imported here: it imports torch).
@@ -225,7 +196,7 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
                          "criu_log": criu_gaps(work / "restore.log"),
                          "tokens_identical": tokens == cold_tokens, "logits_identical": first_hash == cold_hash,
                          "timeline": report["timeline"]})
-        kill_tree(report["restored_pid"])
+        kill_and_reap([report["restored_pid"]])
     unchanged = image_digest(images) == digest_before
     for done in (images, *images.parent.glob(f"{images.name}-work-*")):  # the disk holds one size at a time
         subprocess.run(["rm", "-rf", str(done)], check=True)
@@ -300,7 +271,7 @@ def main() -> None:
         gib, weights, disk_dir, hydrator = json.loads(args.bench_child)
         print(json.dumps(hydrate_bench(gib, Path(weights), Path(disk_dir), hydrator)))
         return
-    ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1)  # restored trees are reparented to us
+    become_subreaper()
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
     images_root = Path(args.images_root or root)

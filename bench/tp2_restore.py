@@ -20,7 +20,6 @@ Prints one table and writes tp2-restore.json under --out.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import shutil
@@ -35,20 +34,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._common import table
+from bench._common import become_subreaper, kill_and_reap, stages, table
 from coldsnap_probe import image_digest
 
 PROMPT = [1, 415, 2936, 9060, 285, 1142, 10575, 754, 272, 17898, 3914]
-PR_SET_CHILD_SUBREAPER = 36
-
-
-def stages(log: Path) -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {}
-    if log.exists():
-        for line in log.read_text().splitlines():
-            value = json.loads(line)
-            out.setdefault(value["stage"], value)
-    return out
 
 
 def generate(engine_dir: Path, max_tokens: int) -> dict[str, Any]:
@@ -114,21 +103,6 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] not in "ZX"
     except (OSError, IndexError):
         return False
-
-
-def kill_and_reap(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    pending = set(pids)
-    while pending:
-        try:
-            pid, _ = os.waitpid(-1, 0)  # the subreaper of restored trees: free their PIDs for the next restore
-        except ChildProcessError:
-            break
-        pending.discard(pid)
 
 
 class Run:
@@ -282,8 +256,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--root", default="/dev/shm/cs-tp2")
     args = parser.parse_args()
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    become_subreaper()
     run = Run(args)
     cold = run.cold()
     print(f"cold: {cold['ttft_s']:.2f} s to the first token, tokens {cold['tokens'][:8]}...", flush=True)
