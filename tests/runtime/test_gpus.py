@@ -18,6 +18,7 @@ import anyio
 import msgspec
 import pytest
 
+from coldsnap_provider import Reply
 from coldsnap_runtime import DockerBackend
 from coldsnap_runtime.backend._gpus import (
     HELD_GPUS_LABEL,
@@ -279,13 +280,19 @@ async def test_privileged_host_capabilities_runs_with_the_engines_bounding_set(b
     assert "Seccomp:\t0" in status and host["MaskedPaths"] == []
 
 
-@engine
-async def test_gpus_device_request_mode_without_nvidia_runtime_fails_before_create(busybox_image: str) -> None:
-    name = uniq("gpudr")
-    async with running_daemon('[gpus]\nmode = "device-request"\n') as daemon:
+async def run_on_gpu0(image: str, prefix: str, config: str) -> tuple[str, Reply]:
+    """A detached `true` with gpus=["0"] through a daemon of `config`: its name and the reply."""
+    name = uniq(prefix)
+    async with running_daemon(config) as daemon:
         session = await daemon.open_session()
         reply = await session.runtime("workload-run", workload={
-            "name": name, "image": busybox_image, "detached": True, "gpus": ["0"], "command": ["true"]})
+            "name": name, "image": image, "detached": True, "gpus": ["0"], "command": ["true"]})
+    return name, reply
+
+
+@engine
+async def test_gpus_device_request_mode_without_nvidia_runtime_fails_before_create(busybox_image: str) -> None:
+    name, reply = await run_on_gpu0(busybox_image, "gpudr", '[gpus]\nmode = "device-request"\n')
     assert not reply.ok and reply.error_code == "runtime_failed"
     assert "device-request: the engine has no registered 'nvidia' runtime" in str(reply.error)
     assert "native" not in str(reply.error)
@@ -406,11 +413,7 @@ async def test_gpus_exclusive_gpu_held_by_another_workload_refused_naming_both(
         busybox_image: str, holders: list[str]) -> None:
     holder = _holder(busybox_image, "3,0")
     holders.append(holder)
-    name = uniq("gpuexcl")
-    async with running_daemon(_EXCLUSIVE) as daemon:
-        session = await daemon.open_session()
-        reply = await session.runtime("workload-run", workload={
-            "name": name, "image": busybox_image, "detached": True, "gpus": ["0"], "command": ["true"]})
+    name, reply = await run_on_gpu0(busybox_image, "gpuexcl", _EXCLUSIVE)
     assert not reply.ok and reply.error_code == "runtime_failed"
     assert f"gpus: GPU 0 is held by workload {holder!r}" in str(reply.error)
     assert "no mechanism" not in str(reply.error)  # refused before any mechanism is tried
@@ -423,11 +426,7 @@ async def test_gpus_exclusive_exited_holder_and_other_gpus_do_not_hold(busybox_i
                                                                        holders: list[str]) -> None:
     holders += [_holder(busybox_image, "0", state="exited"), _holder(busybox_image, "1"),
                 _holder(busybox_image, "0", managed=False)]
-    name = uniq("gpuexcl")
-    async with running_daemon(_EXCLUSIVE) as daemon:
-        session = await daemon.open_session()
-        reply = await session.runtime("workload-run", workload={
-            "name": name, "image": busybox_image, "detached": True, "gpus": ["0"], "command": ["true"]})
+    name, reply = await run_on_gpu0(busybox_image, "gpuexcl", _EXCLUSIVE)
     # The check passed: what fails is this GPU-less host, as without exclusivity.
     assert not reply.ok and "no mechanism can give this container GPU 0" in str(reply.error)
     assert "held by" not in str(reply.error)
@@ -438,11 +437,7 @@ async def test_gpus_exclusive_exited_holder_and_other_gpus_do_not_hold(busybox_i
 @no_driver
 async def test_gpus_not_exclusive_held_gpu_is_shared(busybox_image: str, holders: list[str]) -> None:
     holders.append(_holder(busybox_image, "0"))
-    name = uniq("gpushare")
-    async with running_daemon() as daemon:
-        session = await daemon.open_session()
-        reply = await session.runtime("workload-run", workload={
-            "name": name, "image": busybox_image, "detached": True, "gpus": ["0"], "command": ["true"]})
+    name, reply = await run_on_gpu0(busybox_image, "gpushare", "")
     assert not reply.ok and "no mechanism can give this container GPU 0" in str(reply.error)
     assert "held by" not in str(reply.error)
     assert not container_exists(name)
