@@ -68,12 +68,6 @@ class Coordinator:
         """A world of one rank: every barrier passes at once and there is no one to abort."""
         return cls(None, "single", 0, 1)
 
-    def path(self, name: str) -> Path:
-        """A file of this activation that every rank reaches (a rank's own temporary one in a world of one)."""
-        if self.directory is None:
-            return Path(tempfile.mkdtemp(prefix="coldsnap-rank-")) / name
-        return self.directory / name
-
     @property
     def multi(self) -> bool:
         return self.world_size > 1

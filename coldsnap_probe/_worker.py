@@ -288,9 +288,9 @@ def _check_quiesced(answer: dict[str, Any], plan: GraphPlan, tree: list[int]) ->
                           + "; ".join(sockets[:8]))
 
 
-def _resume_engine(control: str, coordinator: Coordinator, plan: str, label: str) -> dict[str, Any]:
+def _resume_engine(control: str, coordinator: Coordinator, plan: str, label: str, scratch: Path) -> dict[str, Any]:
     """Recreate the communicators on a store of this activation and re-capture the graphs (every rank at once)."""
-    store = str(coordinator.path(f"{label}.store"))
+    store = str((coordinator.directory or scratch) / f"{label}.store")  # every rank's, or this worker's own
     return _engine(control, {"op": "resume", "policy": plan, "store": store, "rank": coordinator.rank,
                              "world_size": coordinator.world_size}, f"engine {label}")
 
@@ -397,7 +397,8 @@ def capture(pid: int, images: Path, *, criu: str, boundary: str = "n610", lock_t
             _signal_tree(tree, signal.SIGCONT)
         if quiesced and engine:  # every rank rolls back: recreate the communicators the capture destroyed
             with contextlib.suppress(WorkerError):
-                _resume_engine(engine, ranks, plan.effective if plan else "recreate-from-plan", "rollback")
+                _resume_engine(engine, ranks, plan.effective if plan else "recreate-from-plan", "rollback",
+                               work)
         if (work / "dump.log").exists():  # keep the evidence of a failed dump
             shutil.copy2(work / "dump.log", images / "dump.log")
         raise
@@ -570,7 +571,7 @@ def restore(images: Path, *, criu: str, work: Path | None = None,
                                    "phase_seconds": timeline.seconds("hydration_begin", "hydration_end")}
         if engine and graph is not None:
             timeline.mark("communicator_recreate_begin")
-            report["engine_resume"] = _resume_engine(engine, ranks, graph["policy_effective"], "restore")
+            report["engine_resume"] = _resume_engine(engine, ranks, graph["policy_effective"], "restore", work)
             timeline.mark("communicator_recreate_end")
             report["communicator_recreate_seconds"] = timeline.seconds("communicator_recreate_begin",
                                                                        "communicator_recreate_end")
