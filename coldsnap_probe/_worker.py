@@ -193,11 +193,21 @@ def _images_size(images: Path) -> tuple[int, int]:
     return sum(p.stat().st_size for p in files), len(files)
 
 
+def _engine(control: str, message: dict[str, Any], what: str, *, timeout: float = 300.0) -> dict[str, Any]:
+    """One request to the engine's control socket; a refusal is a WorkerError naming `what`."""
+    try:
+        answer = hydration_request(control, message, timeout=timeout)
+    except ProbeError as exc:
+        raise WorkerError(f"{what}: {exc}") from exc
+    if not answer.get("ok"):
+        raise WorkerError(f"{what}: {answer.get('error')}")
+    return answer
+
+
 def _release_weights(control: str, report: dict[str, Any]) -> HydrationManifest:
     started = time.perf_counter()
-    answer = hydration_request(control, {"op": "release", "generation": f"capture-{time.time_ns()}"})
-    if not answer.get("ok"):
-        raise WorkerError(f"the engine refused to release its weights (nothing was released): {answer.get('error')}")
+    answer = _engine(control, {"op": "release", "generation": f"capture-{time.time_ns()}"},
+                     "the engine did not release its weights (nothing was released)")
     try:
         manifest = HydrationManifest.from_json(answer.get("manifest"))
     except ProbeError as exc:
@@ -240,17 +250,6 @@ def _graph_plan(requested: str, world_size: int) -> GraphPlan:
         return plan_graph_policy(requested, world_size, in_place_admitted=False, in_place_reason=reason)
     except ContractError as exc:
         raise WorkerError(str(exc)) from exc
-
-
-def _engine(control: str, message: dict[str, Any], what: str, *, timeout: float = 300.0) -> dict[str, Any]:
-    """One request to the engine's control socket; a refusal is a WorkerError naming `what`."""
-    try:
-        answer = hydration_request(control, message, timeout=timeout)
-    except ProbeError as exc:
-        raise WorkerError(f"{what}: {exc}") from exc
-    if not answer.get("ok"):
-        raise WorkerError(f"{what}: the engine refused: {answer.get('error')}")
-    return answer
 
 
 def _inet_sockets(tree: list[int]) -> list[str]:
@@ -352,7 +351,7 @@ def capture(pid: int, images: Path, *, criu: str, boundary: str = "n610", lock_t
                 started = time.perf_counter()
                 quiesced = True  # from here a failure recreates the communicators (rollback below)
                 report["engine_quiesce"] = _engine(str(engine), {"op": "quiesce", "policy": plan.effective},
-                                                   "quiesce before capture", timeout=60)
+                                                   "the engine did not quiesce before capture", timeout=60)
                 _check_quiesced(report["engine_quiesce"], plan, tree)
                 timings["engine_quiesce"] = time.perf_counter() - started
             ranks.barrier("quiesced")
@@ -559,10 +558,8 @@ def restore(images: Path, *, criu: str, work: Path | None = None,
         timeline.mark("process_resumed")  # without CUDA (single rank) the tree was restored running
         if manifest is not None:
             timeline.mark("hydration_begin")
-            answer = hydration_request(manifest.control, {"op": "hydrate"})
-            if not answer.get("ok"):
-                raise WorkerError(f"weight hydration failed, the restored engine is not released: "
-                                  f"{answer.get('error')}")
+            answer = _engine(manifest.control, {"op": "hydrate"},
+                             "weight hydration failed, the restored engine is not released")
             timeline.mark("hydration_end")
             hydrated = answer["report"]
             report["hydration"] = {"bytes": hydrated["bytes"], "seconds": hydrated["seconds"],
