@@ -58,6 +58,7 @@ ENGINE = "/opt/engine"
 WORKER_PATH = "/opt/coldsnap/worker"
 CRIU = "/opt/coldsnap/criu/bin/criu-env"
 READY = "/tmp/coldsnap-restore-ready.json"
+COORD = "/coord"
 PID_FLOOR = 512  # the captured PIDs must be free in the restore unit (spec 7.3: advance the allocator)
 HOST_MOUNTS = ("/usr", "/lib", "/lib64", "/sbin", "/opt/torch")
 
@@ -81,13 +82,17 @@ class Layout:
     python: str = "/opt/torch/.venv/bin/python3"
     host_mounts: tuple[str, ...] = HOST_MOUNTS
     gpus: tuple[str, ...] = ("0",)
+    network: str = "none"
+    coordinator: Path | None = None  # the ranks' shared coordinator directory, mounted at COORD
+    extra_environment: dict[str, str] = field(default_factory=dict)
 
     def mounts(self) -> list[dict[str, Any]]:
         return ([{"source": p, "target": p, "read_only": True} for p in self.host_mounts]
                 + [{"source": str(self.weights), "target": WEIGHTS, "read_only": True},
                    {"source": str(self.bench_dir), "target": ENGINE, "read_only": True},
                    {"source": str(self.run_dir), "target": RUN},
-                   {"source": str(self.images_dir), "target": IMAGES}])
+                   {"source": str(self.images_dir), "target": IMAGES}]
+                + ([{"source": str(self.coordinator), "target": COORD}] if self.coordinator else []))
 
     def environment(self) -> dict[str, str]:
         # Everything the engine writes and may keep mapped (Triton's launcher .so, inductor's cache, temp files)
@@ -96,13 +101,13 @@ class Layout:
                 "TORCHINDUCTOR_CACHE_DIR": f"{RUN}/cache/inductor", "PYTHONUNBUFFERED": "1",
                 "HF_HUB_OFFLINE": "1", "PYTHONPATH": WORKER_PATH,
                 # Triton finds libcuda with /sbin/ldconfig -p, which knows nothing of the driver's binds.
-                "TRITON_LIBCUDA_PATH": "/usr/local/nvidia/lib64"}
+                "TRITON_LIBCUDA_PATH": "/usr/local/nvidia/lib64", **self.extra_environment}
 
     def unit(self, name: str, image: str, *, entrypoint: str, command: list[str],
              labels: dict[str, str] | None = None) -> dict[str, Any]:
         """A rank-unit-shaped detached workload: the GPU, every capability the host has, no seccomp."""
         spec: dict[str, Any] = {
-            "name": name, "image": image, "detached": True, "pull_policy": "never", "network": "none",
+            "name": name, "image": image, "detached": True, "pull_policy": "never", "network": self.network,
             "privileged": True, "seccomp_unconfined": True, "shared_memory_bytes": 1 << 30,
             "mounts": self.mounts(), "environment": self.environment(), "entrypoint": entrypoint,
             "command": command}
@@ -155,7 +160,7 @@ def output(runtime: dict[str, Any]) -> str:
     return base64.b64decode(raw).decode(errors="replace") if isinstance(raw, str) else str(raw)
 
 
-def _json_in(text: str) -> dict[str, Any]:
+def json_in(text: str) -> dict[str, Any]:
     start = text.find("{")
     value = json.loads(text[start:]) if start >= 0 else None
     if not isinstance(value, dict):
@@ -334,22 +339,23 @@ async def capture(d: Driver, name: str, pid: int, layout: Layout, capture_id: st
     started = time.time()
     runtime = await d.expect(f"capture of {name} by the in-capsule worker", "workload-exec", name=name,
                              execution={"command": command})
-    report = _json_in(output(runtime))
+    report = json_in(output(runtime))
     report["exec_seconds"] = time.time() - started
     return report
 
 
-def restore_command(layout: Layout, capture_id: str) -> list[str]:
-    """The restore unit's command: the worker restores, its report becomes the ready file, the unit holds."""
-    worker = (f"{layout.python} -m coldsnap_probe restore --images {IMAGES}/{capture_id} --criu {CRIU} "
-              f"--work-dir /tmp/coldsnap-restore")
+def restore_command(layout: Layout, capture_id: str, *ranks: str) -> list[str]:
+    """The restore unit's command: the worker restores, its report becomes the ready file, the unit holds.
+    `ranks` are the worker's multi-rank options (--rank, --coordinator, ...), when there are several."""
+    worker = " ".join([layout.python, "-m", "coldsnap_probe", "restore", "--images", f"{IMAGES}/{capture_id}",
+                       "--criu", CRIU, "--work-dir", "/tmp/coldsnap-restore", *ranks])
     return ["-c", f"{worker} > {READY}.tmp || exit 1; mv {READY}.tmp {READY}; exec sleep 2147483647"]
 
 
-def unit_labels(capture_id: str, cluster: str) -> dict[str, str]:
+def unit_labels(capture_id: str, cluster: str, rank: int = 0) -> dict[str, str]:
     return {"io.sparksq.coldsnap.capture": capture_id, "io.sparksq.coldsnap.driver": "n610",
             "io.sparksq.coldsnap.managed": "true", "io.sparksq.coldsnap.workload": cluster,
-            "io.sparksq.coldsnap.rank": "0", "io.sparksq.coldsnap.unit": "unit-0"}
+            "io.sparksq.coldsnap.rank": str(rank), "io.sparksq.coldsnap.unit": f"unit-{rank}"}
 
 
 async def _fail_unit(d: Driver, name: str, why: str) -> E2EError:
@@ -360,10 +366,10 @@ async def _fail_unit(d: Driver, name: str, why: str) -> E2EError:
     return E2EError(f"{why}; restore unit {name} removed" + (f"; its log ends:\n{tail}" if tail else ""))
 
 
-async def restore_unit(d: Driver, image: str, layout: Layout, name: str, capture_id: str, *,
-                       labels: dict[str, str], readiness_timeout: float = 120.0,
-                       command: list[str] | None = None, poll: float = 0.05) -> dict[str, Any]:
-    """Launch the restore unit, wait for readiness, inspect it, stream the first token; every phase timed."""
+async def launch_unit(d: Driver, image: str, layout: Layout, name: str, capture_id: str, *,
+                      labels: dict[str, str], command: list[str] | None = None) -> tuple[float, float]:
+    """Evict the unit's name and launch the restore unit; returns when the request was sent and when it was
+    answered (host clock)."""
     await d.expect(f"evicting {name}", "workload-remove", name=name)
     spec = layout.unit(name, image, entrypoint="sh", command=command or restore_command(layout, capture_id),
                        labels=labels)
@@ -373,12 +379,26 @@ async def restore_unit(d: Driver, image: str, layout: Layout, name: str, capture
         await d.runtime("workload-remove", name=name)
         raise E2EError(f"launching restore unit {name}: {reply.get('error')}",
                        code=reply.get("error_code") or "runtime_failed")
-    started = time.time()
+    return created, time.time()
+
+
+def _readiness(window_s: float) -> dict[str, Any]:
+    """The readiness check, waiting inside the unit for up to `window_s` (10 ms steps): readiness is seen
+    when it happens rather than at the next poll, and the unit's state is still checked between windows."""
+    steps = max(1, int(window_s / 0.01))
+    return {"command": ["sh", "-c", f"n=0; until test -s {READY}; do n=$((n+1)); [ $n -gt {steps} ] && exit 1; "
+                                    f"sleep 0.01; done"]}
+
+
+async def await_unit(d: Driver, name: str, created: float, *, labels: dict[str, str],
+                     readiness_timeout: float = 120.0, window: float = 2.0) -> dict[str, Any]:
+    """Wait for a launched unit's readiness check, read the worker's report, inspect the unit; timed."""
     polls = 0
-    deadline = started + readiness_timeout
+    deadline = time.time() + readiness_timeout
     while True:
         polls += 1
-        ready = await d.runtime("workload-exec", name=name, execution={"command": ["test", "-s", READY]})
+        ready = await d.runtime("workload-exec", name=name,
+                                execution=_readiness(min(window, max(0.0, deadline - time.time()))))
         if ready.get("ok"):
             break
         state = await d.runtime("workload-inspect", name=name)
@@ -389,10 +409,9 @@ async def restore_unit(d: Driver, image: str, layout: Layout, name: str, capture
         if time.time() > deadline:
             raise await _fail_unit(d, name, f"readiness check `test -s {READY}` never passed within "
                                             f"{readiness_timeout:g} s")
-        await anyio.sleep(poll)
     readied = time.time()
-    report = _json_in(output(await d.expect("the worker's restore report", "workload-exec", name=name,
-                                            execution={"command": ["cat", READY]})))
+    report = json_in(output(await d.expect("the worker's restore report", "workload-exec", name=name,
+                                           execution={"command": ["cat", READY]})))
     inspected = await d.expect(f"inspecting {name}", "workload-inspect", name=name, include_start_time=True)
     workload = inspected.get("workload") or {}
     inspected_at = time.time()
@@ -401,17 +420,25 @@ async def restore_unit(d: Driver, image: str, layout: Layout, name: str, capture
     wrong = {k: v for k, v in labels.items() if (workload.get("labels") or {}).get(k) != v}
     if wrong:
         raise await _fail_unit(d, name, f"inspect returned other values for the ColdSnap labels {sorted(wrong)}")
-    tokens = await stream_tokens(layout.run_dir / "engine.sock")
     marks = {m["name"]: m["unix_ns"] / 1e9 for m in report.get("timeline", [])}
     hydration = report.get("hydration") or {}
-    return {"name": name, "create_start_s": started - created, "first_token_s": tokens.first - created,
-            "worker_started_s": (marks["restore_begin"] - created) if "restore_begin" in marks else None,
+    return {"name": name, "worker_started_s": (marks["restore_begin"] - created) if "restore_begin" in marks else None,
             "criu_s": report.get("criu_restore_seconds"), "cuda_s": report.get("cuda_restore_seconds"),
             "hydration_s": hydration.get("phase_seconds"), "hydration": hydration,
-            "readiness_s": readied - created, "readiness_polls": polls, "inspect_s": inspected_at - readied,
+            "readiness_s": readied - created, "readiness_checks": polls, "inspect_s": inspected_at - readied,
+            "started_at": workload.get("started_at"), "worker_report": report}
+
+
+async def restore_unit(d: Driver, image: str, layout: Layout, name: str, capture_id: str, *,
+                       labels: dict[str, str], readiness_timeout: float = 120.0,
+                       command: list[str] | None = None) -> dict[str, Any]:
+    """Launch the restore unit, wait for readiness, inspect it, stream the first token; every phase timed."""
+    created, started = await launch_unit(d, image, layout, name, capture_id, labels=labels, command=command)
+    result = await await_unit(d, name, created, labels=labels, readiness_timeout=readiness_timeout)
+    tokens = await stream_tokens(layout.run_dir / "engine.sock")
+    return {**result, "create_start_s": started - created, "first_token_s": tokens.first - created,
             "request_to_first_token_s": tokens.first - tokens.requested, "tokens": tokens.tokens,
-            "first_logits_sha256": tokens.done.get("first_logits_sha256"), "started_at": workload.get("started_at"),
-            "worker_report": report}
+            "first_logits_sha256": tokens.done.get("first_logits_sha256")}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -286,7 +286,12 @@ def _serve(directory: str, socket_path: str, hydration: str, hydrator: str) -> N
     server.bind(socket_path)
     os.chmod(socket_path, 0o666)
     server.listen(8)
-    stage("ready", socket=socket_path, children=_children())
+    # What warm-up and compilation freed stays cached by torch's allocator; returned now, it is not part of the
+    # device state a capture checkpoints (and copies through the CRIU images).
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    stage("ready", socket=socket_path, children=_children(), allocated=torch.cuda.memory_allocated(),
+          reserved=torch.cuda.memory_reserved(), device_used=total - free)
     while True:
         conn, _ = server.accept()
         with conn:

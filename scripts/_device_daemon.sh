@@ -1,0 +1,51 @@
+# Sourced by the GPU-machine scripts that drive a real daemon (device-e2e, device-e2e-tp2), after _device_env.sh:
+# the bundled Docker Engine, the capsule build contexts, and `coldsnap-provider serve` on them.
+D=/tmp/dk
+STATE=${STATE:-/tmp/cs-e2e-state}
+ROOT=$PWD
+step() { echo "== $(date +%T) $*"; }
+
+start_docker() {
+    mkdir -p "$D"
+    [ -x "$D/usr/bin/dockerd" ] || tar -xJf .device-docker/docker-min.tar.xz -C "$D"
+    export PATH=$D/usr/bin:$D/usr/sbin:$PATH
+    (LD_LIBRARY_PATH=$D/usr/lib/dk setsid dockerd --data-root $D/data --exec-root $D/exec --pidfile $D/docker.pid \
+        -H unix://$D/docker.sock --iptables=false --bridge=none >$D/dockerd.log 2>&1 &)
+    export DOCKER_HOST=unix://$D/docker.sock
+    for _ in $(seq 60); do docker_ version >/dev/null 2>&1 && break; sleep 0.5; done
+    docker_ version --format 'engine {{.Server.Version}} api {{.Server.APIVersion}}'
+}
+
+docker_() { LD_LIBRARY_PATH=$D/usr/lib/dk command docker "$@"; }
+
+# capsule_context DIR [--worker]: a capsule build context (busybox, CRIU, and with --worker coldsnap_probe)
+capsule_context() {
+    local dir=$1; shift
+    rm -rf "$dir"
+    python3 scripts/_capsule_rootfs.py "$dir" --busybox $D/usr/bin/busybox-static --criu-root "$ROOT/.device-criu" \
+        ${1:+--worker "$ROOT/coldsnap_probe"}
+}
+
+start_serve() {
+    mkdir -p "$STATE" && chmod 700 "$STATE"
+    cat > /tmp/cs-e2e.toml <<CONF
+[docker]
+url = "unix://$D/docker.sock"
+[gpus]
+mode = "native"
+[runtime]
+privileged = "host-capabilities"
+CONF
+    python3 -m coldsnap_provider serve --config /tmp/cs-e2e.toml --state-dir "$STATE" --log-level info \
+        > "$OUT/daemon${1:-}.log" 2>&1 &
+    SERVE=$!
+    for _ in $(seq 100); do [ -S "$STATE/control.sock" ] && break; sleep 0.2; done
+}
+
+stop_all() {
+    docker_ images --format '{{.Repository}}:{{.Tag}} {{.Size}}'
+    echo "containers left: $(docker_ ps -aq | wc -l)"
+    kill -TERM $SERVE; wait $SERVE; echo "serve exit $?"
+    kill -TERM "$(cat $D/docker.pid)" 2>/dev/null
+    for _ in $(seq 40); do [ -e "$D/docker.pid" ] || break; sleep 0.25; done
+}
