@@ -348,7 +348,7 @@ async def main() -> int:
     except E2EError as exc:
         out["error"] = f"{exc} ({exc.code})"
         print(f"FAILED: {out['error'][-4000:]}", flush=True)
-        for name in [*cold.get("names", []), *(f"tp_node_{r}" for r in range(tp.world))]:
+        for name in [*(f"tp-serving-{r}" for r in range(tp.world)), *(f"tp_node_{r}" for r in range(tp.world))]:
             await d.runtime("workload-remove", name=name)
     outfile.write_text(json.dumps(out, indent=1, default=str))
     rows = []
@@ -363,8 +363,9 @@ async def main() -> int:
                      " / ".join(f"{x['recreate_s'] or 0:.2f}" for x in ranks),
                      f"{cold['first_token_s'] / r['first_token_s']:.1f}x",
                      "identical" if r["identical"] else "DIFFERENT"])
-    print(table(["run", "Docker-to-first-token (s)", "worker start per rank", "CRIU per rank", "CUDA per rank",
-                 "hydration per rank", "NCCL + graph per rank", "vs cold", "tokens + first logits"], rows))
+    if rows:
+        print(table(["run", "Docker-to-first-token (s)", "worker start per rank", "CRIU per rank", "CUDA per rank",
+                     "hydration per rank", "NCCL + graph per rank", "vs cold", "tokens + first logits"], rows))
     if out.get("failures"):
         print(table(["failure", "refused", "units left", "seconds"],
                     [[f["case"], f["ok"], f.get("units_left"), f.get("seconds")] for f in out["failures"]]))

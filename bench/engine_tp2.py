@@ -101,7 +101,8 @@ class Engine:
 
     def load(self, directory: str) -> None:
         """The rank's weight file into a WeightArena (digests checked); every weight a view of the arena."""
-        from bench.engine_llama import DeviceBytes
+        from engine_llama import DeviceBytes  # a sibling script: bench/ on the host, /opt/engine in a capsule
+
         from coldsnap_probe import WeightArena, WeightRegion
 
         torch = self.torch

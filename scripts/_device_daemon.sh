@@ -36,6 +36,7 @@ mode = "native"
 [runtime]
 privileged = "host-capabilities"
 CONF
+    rm -f "$STATE/control.sock"  # a stopped daemon's: wait for this one's
     python3 -m coldsnap_provider serve --config /tmp/cs-e2e.toml --state-dir "$STATE" --log-level info \
         > "$OUT/daemon${1:-}.log" 2>&1 &
     SERVE=$!
@@ -45,7 +46,7 @@ CONF
 stop_all() {
     docker_ images --format '{{.Repository}}:{{.Tag}} {{.Size}}'
     echo "containers left: $(docker_ ps -aq | wc -l)"
-    kill -TERM $SERVE; wait $SERVE; echo "serve exit $?"
+    kill -TERM $SERVE; wait $SERVE; echo "serve exit $?"  # (not in a pipeline: $SERVE is this shell's child)
     kill -TERM "$(cat $D/docker.pid)" 2>/dev/null
     for _ in $(seq 40); do [ -e "$D/docker.pid" ] || break; sleep 0.25; done
 }
