@@ -225,11 +225,17 @@ def main() -> None:
     parser.add_argument("--region-digest", default="", help="the weights region's digest (--vmm-weights)")
     parser.add_argument("--control", default="", help="hydration control socket for the worker (--vmm-weights)")
     parser.add_argument("--strategy", default="register", help="hydration strategy (--vmm-weights)")
+    parser.add_argument("--stack-bytes", type=int, default=0, help="CUDA per-thread stack limit (0: the driver's)")
     args = parser.parse_args()
     if args.generate:
         generate(args.weights, args.gib, args.seed)
         return
     torch.zeros(1, device="cuda").sum().item()
+    if args.stack_bytes:  # less local memory reserved per thread: less device state to checkpoint and restore
+        from coldsnap_probe._cuda import Driver
+
+        driver = Driver()
+        driver.call("cuCtxSetLimit", driver.cuda.CUlimit.CU_LIMIT_STACK_SIZE, args.stack_bytes)
     stage("cuda_init")
     arena = None
     if args.vmm_weights:
@@ -242,7 +248,9 @@ def main() -> None:
     # Keep the checkpointed state small: no cached free device blocks, no cached pinned host buffers.
     torch.cuda.empty_cache()
     torch._C._host_emptyCache()
-    stage("graph_captured", device_bytes=torch.cuda.memory_allocated() + vmm_bytes)
+    free, total = torch.cuda.mem_get_info()
+    stage("graph_captured", device_bytes=torch.cuda.memory_allocated() + vmm_bytes, device_used=total - free,
+          torch_reserved=torch.cuda.memory_reserved())
     if arena is not None:
         arena.serve(args.control, strategy=args.strategy)
     serve(model, args.socket, arena)

@@ -140,7 +140,7 @@ def start_hydrator(socket_path: Path, weights: Path, log: Path) -> tuple[subproc
 
 
 def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, weights: Path,
-             digests: list[bytes], strategy: str, images_root: Path) -> dict[str, Any]:
+             digests: list[bytes], strategy: str, images_root: Path, stack_bytes: int = 0) -> dict[str, Any]:
     """One size in one mode: the whole device state in the images, or weights hydrated after restore."""
     from coldsnap_probe import combine_digests
 
@@ -148,6 +148,7 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
     control = root / f"control-{gib:g}g.sock"
     extra = (["--vmm-weights", "--control", str(control), "--strategy", strategy,
               "--region-digest", combine_digests(digests[:region_bytes(gib) // CHUNK])] if hydrate else [])
+    extra += ["--stack-bytes", str(stack_bytes)] if stack_bytes else []
     subprocess.run(["rm", "-rf", str(images)], check=True)
     log = root / f"server-{gib:g}g.log"
     path = root / f"server-{gib:g}g.sock"
@@ -264,6 +265,8 @@ def main() -> None:
                                                             "hydrate (weights re-hydrated after restore)")
     parser.add_argument("--strategy", default="hydrator", choices=["register", "ring", "direct", "hydrator"])
     parser.add_argument("--hydrate-bench", type=float, default=0.0, help="GiB for the copy-strategy benchmark")
+    parser.add_argument("--stack-bytes", default="0", help="comma-separated CUDA per-thread stack limits to run "
+                        "each size with (0: the driver's default)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--bench-child", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -311,9 +314,9 @@ def main() -> None:
                               f"{r.get('copy_s', r.get('seconds', 0)):.2f}", f"{r.get('verify_s', 0):.3f}"]
                              if "error" not in r else [r["source"], r["strategy"], r["error"][:60], "", "", ""]
                              for r in bench["runs"]]))
-        results = [run_size(size, root, args.criu, args.tokens, mode == "hydrate", weights, digests, strategy,
-                            images_root)
-                   for size in sizes for mode in args.modes.split(",")]
+        results = [{**run_size(size, root, args.criu, args.tokens, mode == "hydrate", weights, digests, strategy,
+                               images_root, int(stack)), "stack_bytes": int(stack)}
+                   for size in sizes for mode in args.modes.split(",") for stack in args.stack_bytes.split(",")]
     finally:
         if hydrator_proc is not None:
             hydrator_proc.kill()
@@ -321,21 +324,30 @@ def main() -> None:
     rows = []
     for r in results:
         c, best = r["cold"], min(r["restores"], key=lambda x: x["ttft_s"])
+        others = " / ".join(f"{x['ttft_s']:.2f}" for x in r["restores"] if x is not best)
         # Device bytes back per second: through the CUDA restore, or (hydrated) through restore + hydration.
         gbps = r["device_bytes"] / (best["cuda_restore_s"] + best["wake_s"]) / 1e9
         hydrated = best.get("hydration", {})
-        rows.append([f"{r['gib']:g} GiB", r["mode"], f"{c['ttft_s']:.2f}", f"{best['ttft_s']:.2f}",
-                     f"{c['ttft_s'] / best['ttft_s']:.2f}x",
-                     f"{best['criu_restore_s']:.2f} / {best['cuda_restore_s']:.2f} / {best['wake_s']:.2f}",
+        staged = (hydrated.get("staged") or {}) if isinstance(hydrated, dict) else {}
+        rows.append([f"{r['gib']:g} GiB", r["mode"] + (f", stack {r['stack_bytes']} B" if r["stack_bytes"] else ""),
+                     f"{c['ttft_s']:.2f}", f"{best['ttft_s']:.2f} / {others}", f"{c['ttft_s'] / best['ttft_s']:.2f}x",
+                     f"{best['worker_start_s']:.2f} / {best['criu_restore_s']:.2f} / {best['cuda_restore_s']:.2f} / "
+                     f"{best['wake_s']:.2f} / {best['after_ready_s']:.2f}",
+                     f"{staged.get('copy_s', 0):.2f}" if staged.get("staged") else "-",
                      f"{hydrated.get('gbps', 0):.1f}", f"{r['image_bytes'] / 1e9:.2f}",
                      f"{gbps:.1f} ({gbps / h2d:.0%} of {h2d:.1f})",
                      "yes" if all(x["tokens_identical"] and x["logits_identical"] for x in r["restores"]) else "NO",
                      "yes" if r["images_unchanged"] else "NO"])
-    print(table(["model", "mode", "cold TTFT s", "restore TTFT s", "speed-up", "restore: CRIU / CUDA / hydrate s",
-                 "hydration GB/s", "images GB", "device GB/s back (of pinned H2D)", "identical tokens+logits",
-                 "images unchanged"], rows))
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    thp_mode = thp.read_text().strip() if thp.exists() else "unknown"
+    print(f"transparent huge pages: {thp_mode}")
+    print(table(["model", "mode", "cold TTFT s", "restore TTFT s (best / other)", "speed-up",
+                 "restore: worker start / CRIU / CUDA / hydrate / first token after ready s",
+                 "staged copy s (overlapped)", "hydration GB/s", "images GB", "device GB/s back (of pinned H2D)",
+                 "identical tokens+logits", "images unchanged"], rows))
     Path(args.out, "restore_ttft.json").write_text(json.dumps(
         {"pinned_h2d_gbps": h2d, "strategy": args.strategy, "hydrator": hydrator_ready, "generate_s": generate_s,
+         "transparent_hugepage": thp_mode,
          "digest_s": digest_s, "hydrate_bench": bench, "results": results}, indent=2))
 
 

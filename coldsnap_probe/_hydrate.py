@@ -38,6 +38,7 @@ checkpoint anyway (the weights are released before every capture).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import hashlib
@@ -75,14 +76,17 @@ __all__ = (
     "HydrationManifest",
     "HydratorServer",
     "SourceIdentity",
+    "Stager",
     "WeightArena",
     "WeightRegion",
     "check_sources",
     "chunk_digests",
     "combine_digests",
+    "device_uuid",
     "plan_for",
     "region_digest",
     "request",
+    "request_with_fds",
     "validate_regions",
 )
 
@@ -94,6 +98,8 @@ COPY_CHUNK = 256 << 20
 SAMPLES_PER_REGION = 16
 SAMPLE_BYTES = 64 << 10
 _REQUEST_MAX = 1 << 20
+REQUEST_TIMEOUT = 30.0  # seconds a control or hydrator connection may stay silent
+STAGE_TTL = 120.0  # seconds a staged allocation waits for its engine before the hydrator frees it
 CAPABILITIES = ProviderCapabilities(
     provider=PROVIDER, tagged_regions=True, stable_virtual_addresses=True, scoped_interception=False,
     allocation_enumeration=True, external_snapshot_store=True, graph_regions=False, per_device_synchronization=True,
@@ -291,6 +297,7 @@ class HydrationManifest:
     layout: MemoryLayoutDescriptor
     plan: MemoryCheckpointPlan
     control: str = ""
+    hydrator: str = ""  # the long-lived hydrator the engine hydrates through, if any: restore stages there early
     manifest_digest: str = ""
     format: int = 1
 
@@ -299,7 +306,13 @@ class HydrationManifest:
                 "reservation_address": self.reservation_address, "reservation_size": self.reservation_size,
                 "granularity": self.granularity, "regions": [r.to_json() for r in self.regions],
                 "sources": [s.to_json() for s in self.sources], "layout": self.layout.to_json(),
-                "plan": self.plan.to_json(), "control": self.control}
+                "plan": self.plan.to_json(), "control": self.control,
+                **({"hydrator": self.hydrator} if self.hydrator else {})}
+
+    def stage_request(self, op: str, **extra: Any) -> dict[str, Any]:
+        """A hydrator request about this manifest's allocation (`stage`, `adopt`, `discard`), keyed by its digest."""
+        return {"op": op, "key": self.manifest_digest, "base": self.reservation_address,
+                "size": self.reservation_size, "regions": [r.to_json() for r in self.regions], **extra}
 
     def to_json(self) -> dict[str, Any]:
         return {**self._body(), "manifest_digest": self.manifest_digest}
@@ -323,7 +336,7 @@ class HydrationManifest:
                 sources=tuple(SourceIdentity(**s) for s in value["sources"]),
                 layout=MemoryLayoutDescriptor.from_json(value["layout"]),
                 plan=MemoryCheckpointPlan.from_json(value["plan"]), control=str(value.get("control", "")),
-                manifest_digest=str(value["manifest_digest"]))
+                hydrator=str(value.get("hydrator", "")), manifest_digest=str(value["manifest_digest"]))
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise HydrationError(f"malformed hydration manifest: {type(exc).__name__}: {exc}") from exc
         except MemoryCapabilityError as exc:
@@ -489,13 +502,16 @@ class WeightArena:
         self.ready = threading.Event()
         self._lock = threading.Lock()
         self._control: socket.socket | None = None
+        self.strategy = "register"  # the restore worker's hydrations use the strategy given to serve()
+        self.adopt_refusal = ""  # why the last restore found nothing staged to adopt
         self.last_report: dict[str, Any] = {}
         self._map()
 
     # -- backing ---------------------------------------------------------------------------------------------
-    def _map(self) -> None:
+    def _map(self, handle: Any = None) -> None:
+        """Back the reservation with `handle` (an imported allocation) or a new allocation."""
         cu = self.driver.cuda
-        self._handle = _cu(self.driver, "cuMemCreate", self.size, self._prop, 0)
+        self._handle = handle if handle is not None else _cu(self.driver, "cuMemCreate", self.size, self._prop, 0)
         try:
             _cu(self.driver, "cuMemMap", self.address, self.size, 0, self._handle, 0)
         except BaseException:
@@ -559,7 +575,8 @@ class WeightArena:
                 generation=generation, device=self.device, reservation_address=self.address,
                 reservation_size=self.size, granularity=self.granularity, regions=self.regions,
                 sources=tuple(identities[s] for s in sorted(identities)), layout=layout, plan=plan,
-                control=self._control.getsockname() if self._control else "")
+                control=self._control.getsockname() if self._control else "",
+                hydrator=self.strategy.split(":", 1)[1] if self.strategy.startswith("hydrator:") else "")
             # Revalidation before commit: the layout recomputes and no source changed since the gate.
             again, _ = plan_for(self.regions, address=self.address, size=self.size, granularity=self.granularity,
                                 generation=generation, owner=owner)
@@ -595,17 +612,22 @@ class WeightArena:
                 raise HydrationError("the weight layout changed since the release")
             check_sources(manifest.regions, manifest.identities)
             _cu(self.driver, "cuCtxSetCurrent", self.context)
-            free, _total = _cu(self.driver, "cuMemGetInfo")
-            if int(free) < self.size:
-                raise HydrationError(f"the GPU has {int(free)} bytes free, hydration needs {self.size}")
             checked = time.perf_counter()
             self.regions = manifest.regions
-            self._map()
+            self.adopt_refusal = ""
+            adopted = self._adopt(strategy.split(":", 1)[1], manifest) if strategy.startswith("hydrator:") else None
+            if adopted is None:
+                free, _total = _cu(self.driver, "cuMemGetInfo")
+                if int(free) < self.size:
+                    raise HydrationError(f"the GPU has {int(free)} bytes free, hydration needs {self.size}")
+                self._map()
             try:
-                report = self._fill(strategy)
+                report = self._fill(strategy) if adopted is None else self._verified(adopted)
             except BaseException:
                 self._unmap()  # nothing half-hydrated stays mapped, and `ready` stays clear
                 raise
+            if adopted is None and strategy.startswith("hydrator:"):
+                report["staged"], report["adopt_refusal"] = False, self.adopt_refusal
             report["check_s"] = checked - started
             report["total_s"] = time.perf_counter() - started
             self.ready.set()
@@ -647,6 +669,37 @@ class WeightArena:
         report["verified_regions"] = self._verify()
         report["verify_s"] = time.perf_counter() - verify_started
         return report
+
+    def _adopt(self, path: str, manifest: HydrationManifest) -> dict[str, Any] | None:
+        """Map the allocation the hydrator staged for `manifest` (filled while this process was being restored)
+        at the reservation; None when nothing was staged (the regular hydration runs then)."""
+        started = time.perf_counter()
+        answer, fds = request_with_fds(path, manifest.stage_request("adopt"))
+        if not answer.get("ok") or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            self.adopt_refusal = str(answer.get("error") or "no descriptor")
+            return None
+        handle_type = self.driver.cuda.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        try:
+            self._map(_cu(self.driver, "cuMemImportFromShareableHandle", fds[0], handle_type))
+        except CudaError as exc:  # the regular hydration still can
+            self.adopt_refusal = str(exc)
+            return None
+        finally:
+            os.close(fds[0])
+        return {"strategy": f"hydrator-staged:{path}", "stage_s": answer.get("stage_s"),
+                "copy_s": answer.get("copy_s"), "adopt_s": time.perf_counter() - started}
+
+    def _verified(self, adopted: dict[str, Any]) -> dict[str, Any]:
+        """The report of an adopted allocation: its copy ran in the hydrator; here only the verification."""
+        total = sum(r.size for r in self.regions)
+        verify_started = time.perf_counter()
+        verified = self._verify()
+        copy_s = float(adopted.get("copy_s") or 0.0)
+        return {**adopted, "bytes": total, "regions": len(self.regions), "staged": True,
+                "seconds": adopted["adopt_s"], "gbps": total / copy_s / 1e9 if copy_s > 0 else 0.0,
+                "verified_regions": verified, "verify_s": time.perf_counter() - verify_started}
 
     def _via_hydrator(self, path: str) -> dict[str, Any]:
         if not self.exportable:
@@ -696,6 +749,7 @@ class WeightArena:
         listener.bind(path)
         listener.listen()
         self._control = listener
+        self.strategy = strategy
         thread = threading.Thread(target=self._serve_loop, args=(listener, strategy), name="coldsnap-hydration",
                                   daemon=True)
         thread.start()
@@ -718,19 +772,44 @@ class WeightArena:
         raise HydrationError(f"unknown request {op!r}")
 
 
-def _answer_each(listener: socket.socket, answer: Callable[[socket.socket], dict[str, Any]]) -> None:
-    """Serve connections one at a time: one request, one JSON line back (an error as `ok: false`), then close."""
+Answer = dict[str, Any] | tuple[dict[str, Any], list[int]]  # a JSON answer, or one with descriptors to pass
+
+
+def _answer_each(listener: socket.socket, answer: Callable[[socket.socket], Answer], *,
+                 idle: Callable[[], None] | None = None, idle_every: float = 1.0,
+                 request_timeout: float = REQUEST_TIMEOUT) -> None:
+    """Serve connections one at a time: one request, one JSON line back (an error as `ok: false`), then close.
+    An asker that goes silent is dropped after `request_timeout`; `idle` runs between connections."""
+    listener.settimeout(idle_every if idle else None)
     while True:
-        conn, _ = listener.accept()
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            if idle:
+                idle()
+            continue
         with conn:
+            conn.settimeout(request_timeout)
+            fds: list[int] = []
             try:
                 reply = answer(conn)
+                if isinstance(reply, tuple):
+                    reply, fds = reply
             except Exception as exc:
                 reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
             try:
-                conn.sendall(json.dumps(reply).encode() + b"\n")
+                payload = json.dumps(reply).encode() + b"\n"
+                if fds:
+                    socket.send_fds(conn, [payload], fds)
+                else:
+                    conn.sendall(payload)
             except OSError:
                 pass  # the asker left; the next one is served
+            finally:
+                for fd in fds:
+                    os.close(fd)
+        if idle:
+            idle()
 
 
 def _read_line(conn: socket.socket) -> bytes:
@@ -748,6 +827,16 @@ def _read_line(conn: socket.socket) -> bytes:
 def request(path: str | Path, message: dict[str, Any], *, fds: Sequence[int] = (),
             timeout: float = 300.0) -> dict[str, Any]:
     """One JSON request to an engine's control socket or a hydrator; its JSON answer (read to EOF)."""
+    answer, received = request_with_fds(path, message, fds=fds, timeout=timeout)
+    for fd in received:
+        os.close(fd)
+    return answer
+
+
+def request_with_fds(path: str | Path, message: dict[str, Any], *, fds: Sequence[int] = (),
+                     timeout: float = 300.0) -> tuple[dict[str, Any], list[int]]:
+    """`request`, also returning the descriptors the answer carried (the caller closes them)."""
+    received: list[int] = []
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         try:
@@ -758,32 +847,62 @@ def request(path: str | Path, message: dict[str, Any], *, fds: Sequence[int] = (
             else:
                 sock.sendall(payload)
             data = b""
-            while part := sock.recv(1 << 20):
+            while True:
+                part, more, _flags, _addr = socket.recv_fds(sock, 1 << 20, 4)
+                received += more
+                if not part:
+                    break
                 data += part
         except OSError as exc:
+            for fd in received:
+                os.close(fd)
             raise HydrationError(f"hydration channel {path}: {exc}") from exc
     try:
         answer = json.loads(data)
-    except ValueError as exc:
-        raise HydrationError(f"hydration channel {path} answered {data[:200]!r}") from exc
+    except ValueError:
+        answer = None
     if not isinstance(answer, dict):
-        raise HydrationError(f"hydration channel {path} answered {answer!r}")
-    return answer
+        for fd in received:
+            os.close(fd)
+        raise HydrationError(f"hydration channel {path} answered {data[:200]!r}")
+    return answer, received
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # The long-lived hydrator
 
 
-class HydratorServer:
-    """Keeps source files page-locked (paid once) and copies them into engines' exported allocations."""
+@dataclass
+class _Staged:
+    """An allocation the hydrator filled ahead of its engine's restore (see HydratorServer)."""
 
-    def __init__(self, sources: Sequence[str], *, streams: int = 4, driver: Any = None) -> None:
+    handle: Any
+    base: int
+    size: int
+    regions: tuple[WeightRegion, ...]
+    stage_s: float
+    copy_s: float
+    expires: float
+
+
+class HydratorServer:
+    """Keeps source files page-locked (paid once) and copies them into engines' weight allocations.
+
+    Requests (one JSON line each, on its socket): `hydrate` carries an engine's exported allocation and fills it;
+    `stage` (from a restore worker, before its CRIU restore) allocates and fills one on the hydrator's GPU while
+    the engine is still being restored, kept under the manifest's digest for STAGE_TTL seconds; `adopt` (from
+    the restored engine) hands that allocation over as a descriptor, so the engine only maps it; `discard`
+    frees one that will not be adopted.
+    """
+
+    def __init__(self, sources: Sequence[str], *, streams: int = 4, driver: Any = None,
+                 stage_ttl: float = STAGE_TTL) -> None:
         from ._cuda import Driver
 
         self.driver: Any = driver or Driver()
         self.driver.context()
         self.context = _cu(self.driver, "cuCtxGetCurrent")
+        self.device_uuid = device_uuid(self.driver, 0)
         started = time.perf_counter()
         self.sources: dict[str, _Mapped] = {}
         for source in sources:
@@ -793,6 +912,8 @@ class HydratorServer:
             m.register(self.driver)
         self.pin_seconds = time.perf_counter() - started - self.map_seconds
         self._streams = [_cu(self.driver, "cuStreamCreate", 1) for _ in range(streams)]
+        self.staged: dict[str, _Staged] = {}
+        self.stage_ttl = stage_ttl
 
     def serve(self, path: str) -> None:
         if os.path.lexists(path):
@@ -801,38 +922,58 @@ class HydratorServer:
             listener.bind(path)
             listener.listen()
             sys.stdout.write(json.dumps({"ready": True, "map_s": self.map_seconds, "pin_s": self.pin_seconds,
-                                         "bytes": sum(m.size for m in self.sources.values())}) + "\n")
+                                         "bytes": sum(m.size for m in self.sources.values()),
+                                         "device_uuid": self.device_uuid}) + "\n")
             sys.stdout.flush()
-            _answer_each(listener, self._one)
+            _answer_each(listener, self._one, idle=self._expire)
 
-    def _one(self, conn: socket.socket) -> dict[str, Any]:
+    def _one(self, conn: socket.socket) -> Answer:
         data, fds, _flags, _addr = socket.recv_fds(conn, _REQUEST_MAX, 1)
-        while not data.endswith(b"\n"):
-            part = conn.recv(65536)
-            if not part:
-                break
-            data += part
-        if len(fds) != 1:
+        try:
+            while not data.endswith(b"\n"):
+                part = conn.recv(65536)
+                if not part:
+                    break
+                data += part
+                if len(data) > _REQUEST_MAX:
+                    raise HydrationError("request too long")
+            message = json.loads(data)
+            op = message.get("op", "hydrate") if isinstance(message, dict) else None
+            if op != "hydrate" and fds:
+                raise HydrationError(f"a {op} request carries no descriptor")
+            if op == "hydrate":
+                if len(fds) != 1:
+                    raise HydrationError("a hydrate request carries exactly one allocation descriptor")
+                return self._hydrate(message, fds.pop())
+            if op == "stage":
+                return self._stage(message)
+            if op == "adopt":
+                return self._adopt(message)
+            if op == "discard":
+                return {"ok": True, "discarded": self._discard(str(message.get("key")))}
+            raise HydrationError(f"unknown request {op!r}")
+        finally:
             for fd in fds:
                 os.close(fd)
-            raise HydrationError("a hydrate request carries exactly one allocation descriptor")
-        fd = fds[0]
-        cu, d = self.driver.cuda, self.driver
+
+    def _jobs(self, message: dict[str, Any]) -> tuple[int, int, tuple[WeightRegion, ...], list[tuple[int, int, int]]]:
+        """The request's reservation and regions (validated), and (offset, pinned source address, bytes) copies."""
         try:
-            message = json.loads(data)
             base, size = int(message["base"]), int(message["size"])
             regions = validate_regions([WeightRegion.from_json(r) for r in message["regions"]], base, size)
-            jobs = []
-            for region in regions:
-                src = self.sources.get(os.path.realpath(region.source))
-                if src is None or src.size < region.offset + region.size:
-                    raise HydrationError(f"this hydrator does not hold {region.source}", region=region.name)
-                jobs.append((region.address - base, src.address + region.offset, region.size))
-            started = time.perf_counter()
-            handle_type = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-            handle = _cu(d, "cuMemImportFromShareableHandle", fd, handle_type)
-        finally:
-            os.close(fd)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise HydrationError(f"malformed request: {type(exc).__name__}: {exc}") from exc
+        jobs = []
+        for region in regions:
+            src = self.sources.get(os.path.realpath(region.source))
+            if src is None or src.size < region.offset + region.size:
+                raise HydrationError(f"this hydrator does not hold {region.source}", region=region.name)
+            jobs.append((region.address - base, src.address + region.offset, region.size))
+        return base, size, regions, jobs
+
+    def _fill(self, handle: Any, size: int, jobs: Sequence[tuple[int, int, int]]) -> float:
+        """Map `handle` here, copy the jobs into it from the pinned sources, unmap; the copy's seconds."""
+        cu, d = self.driver.cuda, self.driver
         va = 0
         try:
             va = int(_cu(d, "cuMemAddressReserve", size, 0, 0, 0))
@@ -842,16 +983,130 @@ class HydratorServer:
             access.location.id = 0
             access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
             _cu(d, "cuMemSetAccess", va, size, [access], 1)
-            mapped = time.perf_counter()
+            started = time.perf_counter()
             _copy_registered(d, [(va + off, src, n) for off, src, n in jobs], self._streams)
-            copied = time.perf_counter()
+            return time.perf_counter() - started
         finally:
             if va:
                 cu.cuMemUnmap(va, size)
                 cu.cuMemAddressFree(va, size)
-            cu.cuMemRelease(handle)
-        return {"ok": True, "import_map_s": mapped - started, "copy_s": copied - mapped,
+
+    def _hydrate(self, message: dict[str, Any], fd: int) -> dict[str, Any]:
+        """Fill an engine's exported allocation (the descriptor is closed by the caller)."""
+        _base, size, _regions, jobs = self._jobs(message)
+        started = time.perf_counter()
+        handle_type = self.driver.cuda.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        handle = _cu(self.driver, "cuMemImportFromShareableHandle", fd, handle_type)
+        try:
+            copy_s = self._fill(handle, size, jobs)
+        finally:
+            self.driver.cuda.cuMemRelease(handle)
+        return {"ok": True, "import_map_s": time.perf_counter() - started - copy_s, "copy_s": copy_s,
                 "bytes": sum(n for _, _, n in jobs)}
+
+    def _stage(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Allocate and fill ahead of the engine's restore; refused for an engine on another GPU."""
+        key = str(message.get("key") or "")
+        if not key:
+            raise HydrationError("a stage request names its manifest digest as `key`")
+        if message.get("device_uuid") != self.device_uuid:
+            raise HydrationError(f"the engine's GPU {message.get('device_uuid')} is not this hydrator's "
+                                 f"{self.device_uuid}")
+        base, size, regions, jobs = self._jobs(message)
+        self._discard(key)
+        self._expire()
+        cu = self.driver.cuda
+        started = time.perf_counter()
+        prop = cu.CUmemAllocationProp()
+        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = 0
+        prop.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        handle = _cu(self.driver, "cuMemCreate", size, prop, 0)
+        try:
+            copy_s = self._fill(handle, size, jobs)
+        except BaseException:
+            cu.cuMemRelease(handle)
+            raise
+        stage_s = time.perf_counter() - started
+        self.staged[key] = _Staged(handle, base, size, regions, stage_s, copy_s, time.monotonic() + self.stage_ttl)
+        return {"ok": True, "staged": True, "stage_s": stage_s, "copy_s": copy_s, "bytes": sum(r.size for r in regions)}
+
+    def _adopt(self, message: dict[str, Any]) -> Answer:
+        """Hand a staged allocation to its engine as a descriptor; the hydrator keeps no reference to it."""
+        staged = self.staged.pop(str(message.get("key")), None)
+        if staged is None:
+            return {"ok": False, "staged": False, "error": f"nothing is staged for {message.get('key')}"}
+        try:
+            base, size, regions, _jobs = self._jobs(message)
+            if (base, size, regions) != (staged.base, staged.size, staged.regions):
+                raise HydrationError("the staged allocation was filled for another layout")
+            handle_type = self.driver.cuda.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+            fd = int(_cu(self.driver, "cuMemExportToShareableHandle", staged.handle, handle_type, 0))
+        finally:
+            self.driver.cuda.cuMemRelease(staged.handle)  # the descriptor keeps the allocation alive
+        return {"ok": True, "staged": True, "stage_s": staged.stage_s, "copy_s": staged.copy_s}, [fd]
+
+    def _discard(self, key: str) -> bool:
+        staged = self.staged.pop(key, None)
+        if staged is not None:
+            self.driver.cuda.cuMemRelease(staged.handle)
+        return staged is not None
+
+    def _expire(self) -> None:
+        """Free what no engine adopted in time (a restore that failed after its worker staged)."""
+        now = time.monotonic()
+        for key in [k for k, v in self.staged.items() if v.expires <= now]:
+            self._discard(key)
+
+
+class Stager:
+    """The restore worker's side of staging: while CRIU and CUDA restore the engine, the hydrator named in the
+    manifest fills an allocation for it on the engine's GPU, which the engine then adopts when asked to hydrate.
+
+    Best effort by design: whatever goes wrong here is reported and the engine hydrates the regular way.
+    """
+
+    def __init__(self, manifest: HydrationManifest) -> None:
+        self.manifest = manifest
+        self.report: dict[str, Any] = {}
+        self._thread = threading.Thread(target=self._run, name="coldsnap-stage", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from ._cuda import Driver
+
+        started = time.perf_counter()
+        try:
+            driver = Driver()
+            driver.call("cuInit", 0)
+            uuid = device_uuid(driver, self.manifest.device)
+            answer = request(self.manifest.hydrator, self.manifest.stage_request("stage", device_uuid=uuid),
+                             timeout=600.0)
+            self.report = {k: v for k, v in answer.items() if k != "ok"} if answer.get("ok") else {
+                "staged": False, "error": str(answer.get("error"))}
+        except Exception as exc:  # staging is an optimisation: the regular hydration still runs
+            self.report = {"staged": False, "error": f"{type(exc).__name__}: {exc}"}
+        self.report["worker_s"] = time.perf_counter() - started
+
+    def result(self, timeout: float = 600.0) -> dict[str, Any]:
+        """Wait for the stage request's answer (the hydrator serves it before the engine's adopt)."""
+        self._thread.join(timeout)
+        return self.report if not self._thread.is_alive() else {"staged": False, "error": "still staging"}
+
+    def discard(self) -> None:
+        """After a failed restore: the hydrator frees what no engine will adopt (it would expire anyway)."""
+        if self.result(timeout=60.0).get("staged"):
+            with contextlib.suppress(HydrationError):
+                request(self.manifest.hydrator, self.manifest.stage_request("discard"), timeout=30.0)
+
+
+def device_uuid(driver: Any, ordinal: int) -> str:
+    """The GPU's UUID (`GPU-...`, as nvidia-smi prints it): ordinals differ between containers, UUIDs do not."""
+    name = "cuDeviceGetUuid_v2" if hasattr(driver.cuda, "cuDeviceGetUuid_v2") else "cuDeviceGetUuid"
+    raw = bytes(_cu(driver, name, _cu(driver, "cuDeviceGet", ordinal)).bytes)
+    h = raw.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -863,6 +1118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve")
     serve.add_argument("--socket", required=True)
+    serve.add_argument("--stage-ttl", type=float, default=STAGE_TTL,
+                       help="seconds a staged allocation waits for its engine before it is freed")
     serve.add_argument("sources", nargs="+")
     dig = sub.add_parser("digest")
     dig.add_argument("path")
@@ -873,7 +1130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "digest":
             sys.stdout.write(region_digest(args.path, args.offset, args.size) + "\n")
             return 0
-        HydratorServer(args.sources).serve(args.socket)
+        HydratorServer(args.sources, stage_ttl=args.stage_ttl).serve(args.socket)
     except Exception as exc:
         sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")
         return 1

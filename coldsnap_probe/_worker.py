@@ -18,8 +18,10 @@ the engine to release its weight regions (the engine's fail-before-release gate;
 into the images as `hydration.json`) and, if anything fails afterwards, to hydrate them back so the
 workload keeps serving. A restore whose images hold `hydration.json` checks the weight sources
 before CRIU runs, and after the CUDA unlock asks the engine to re-map, hydrate and verify; the
-report's `hydration` gives bytes, seconds, GB/s and regions verified. A failed hydration kills the
-restored tree: nothing half-hydrated serves.
+report's `hydration` gives bytes, seconds, GB/s and regions verified. When the engine hydrates through
+a long-lived hydrator, the worker has it stage the weights on the engine's GPU while CRIU and CUDA
+restore the process (`Stager`), so that the engine's hydration only maps and verifies them. A failed
+hydration kills the restored tree: nothing half-hydrated serves.
 
 Several ranks (tensor parallelism, spec 7.1-7.3): one worker per rank, meeting the others through a
 `Coordinator` at every step, so that all ranks reach the capture point together and a failure on one
@@ -51,7 +53,7 @@ from typing import Any
 from ._coordinator import Coordinator
 from ._cuda import Driver
 from ._graph import GraphPlan, default_graph_policy, graph_record, plan_graph_policy, validate_graph_record
-from ._hydrate import HydrationManifest, check_sources
+from ._hydrate import HydrationManifest, Stager, check_sources
 from ._hydrate import request as hydration_request
 from ._profile import identity
 from .errors import ContractError, ProbeError, WorkerError
@@ -481,6 +483,7 @@ def restore(images: Path, *, criu: str, work: Path | None = None,
     timeline = Timeline()
     timeline.mark("restore_begin")
     root = None
+    stager: Stager | None = None
     report: dict[str, Any] = {"format": 1, "kind": RESTORE_KIND, "rank": ranks.rank, "world_size": ranks.world_size}
     try:
         capture_report = json.loads((images / "capture.json").read_text())
@@ -515,6 +518,8 @@ def restore(images: Path, *, criu: str, work: Path | None = None,
         if len({str(p.get("plan_sha256")) for p in peers}) != 1:
             raise WorkerError("the ranks' graph records disagree: "
                               f"{[p.get('plan_sha256') for p in peers]}")
+        if manifest is not None and manifest.hydrator:  # the weights are copied while the process is restored
+            stager = Stager(manifest)
         work = work or Path(tempfile.mkdtemp(prefix="coldsnap-restore-"))
         work.mkdir(parents=True, exist_ok=True)
         pidfile = work / "restored.pid"
@@ -558,13 +563,14 @@ def restore(images: Path, *, criu: str, work: Path | None = None,
         timeline.mark("process_resumed")  # without CUDA (single rank) the tree was restored running
         if manifest is not None:
             timeline.mark("hydration_begin")
+            staged = stager.result() if stager else None
             answer = _engine(manifest.control, {"op": "hydrate"},
                              "weight hydration failed, the restored engine is not released")
             timeline.mark("hydration_end")
             hydrated = answer["report"]
             report["hydration"] = {"bytes": hydrated["bytes"], "seconds": hydrated["seconds"],
                                    "gbps": hydrated["gbps"], "regions_verified": hydrated["verified_regions"],
-                                   "engine": hydrated,
+                                   "engine": hydrated, "staged": staged,
                                    "phase_seconds": timeline.seconds("hydration_begin", "hydration_end")}
         if engine and graph is not None:
             timeline.mark("communicator_recreate_begin")
@@ -580,6 +586,8 @@ def restore(images: Path, *, criu: str, work: Path | None = None,
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(root, signal.SIGKILL)
         ranks.abort(f"rank {ranks.rank} restore: {report['error']}")
+        if stager:
+            stager.discard()
         report["timeline"] = timeline.marks
         if isinstance(exc, WorkerError):
             raise

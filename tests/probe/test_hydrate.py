@@ -236,3 +236,120 @@ def test_arena_restore_with_a_truncated_source_stays_unready(tmp_path: Path) -> 
     with pytest.raises(HydrationError, match=r"region weights: source .* is truncated"):
         arena.restore()
     assert not arena.mapped and not arena.ready.is_set()
+
+
+def test_manifest_names_its_hydrator_only_when_it_has_one(tmp_path: Path) -> None:
+    import dataclasses
+
+    plain = manifest_for([region(source(tmp_path))])
+    assert "hydrator" not in plain.to_json()  # manifests written before staging keep their digest
+    staged = HydrationManifest.create(**{f.name: getattr(plain, f.name) for f in dataclasses.fields(plain)
+                                         if f.name != "manifest_digest"} | {"hydrator": "/run/hydrator.sock"})
+    again = HydrationManifest.from_json(staged.to_json())
+    assert again.hydrator == "/run/hydrator.sock" and again.manifest_digest != plain.manifest_digest
+    request = again.stage_request("adopt")
+    assert (request["op"], request["key"], request["base"], request["size"]) == (
+        "adopt", again.manifest_digest, BASE, 8 * MIB)
+    tampered = {**staged.to_json(), "hydrator": "/elsewhere.sock"}
+    with pytest.raises(HydrationError, match="digest does not recompute"):
+        HydrationManifest.from_json(tampered)
+
+
+def test_a_silent_asker_does_not_stop_the_control_loop(tmp_path: Path) -> None:
+    """A connection that never sends its request is dropped; the next asker is answered."""
+    import socket
+    import threading
+
+    from coldsnap_probe._hydrate import _answer_each, _read_line, request
+
+    path = str(tmp_path / "control.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen()
+    thread = threading.Thread(target=_answer_each, daemon=True, kwargs={
+        "listener": listener, "request_timeout": 0.5,
+        "answer": lambda conn: {"ok": True, "echo": json.loads(_read_line(conn))}})
+    thread.start()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:
+        silent.connect(path)
+        assert request(path, {"op": "status"}, timeout=10) == {"ok": True, "echo": {"op": "status"}}
+
+
+@pytest.fixture
+def hydrator(tmp_path: Path) -> object:
+    """A long-lived hydrator process holding one 16 MiB source page-locked (its GPU is GPU 0, as the arena's)."""
+    path = source(tmp_path, 16 * MIB, "shard.bin")
+    control = tmp_path / "hydrator.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "coldsnap_probe._hydrate", "serve", "--socket", str(control),
+                             "--stage-ttl", "2", str(path)], stdout=subprocess.PIPE, cwd=ROOT)
+    try:
+        ready = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+        assert ready["ready"] and ready["device_uuid"].startswith("GPU-")
+        yield path, str(control)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def staged_arena(tmp_path: Path, shard: Path, control: str) -> tuple[object, HydrationManifest]:
+    from coldsnap_probe._hydrate import WeightArena
+
+    arena = WeightArena(8 * MIB, exportable=True)
+    arena.declare([WeightRegion("weights", arena.address, 8 * MIB, str(shard), 4 * MIB,
+                                region_digest(shard, 4 * MIB, 8 * MIB))])
+    arena.load(strategy="ring")
+    arena.serve(str(tmp_path / "engine.sock"), strategy=f"hydrator:{control}")
+    return arena, arena.release("g1")
+
+
+@gpu
+def test_staged_weights_are_adopted_in_place_with_the_same_bytes(tmp_path: Path, hydrator: tuple[Path, str]) -> None:
+    from coldsnap_probe._hydrate import Stager
+
+    shard, control = hydrator
+    arena, manifest = staged_arena(tmp_path, shard, control)
+    assert manifest.hydrator == control
+    staged = Stager(manifest).result()
+    assert staged["staged"] and staged["bytes"] == 8 * MIB, staged
+    report = arena.restore(strategy=f"hydrator:{control}")  # type: ignore[attr-defined]
+    assert report["staged"] and report["strategy"].startswith("hydrator-staged:") and report["verified_regions"] == 1
+    assert device_bytes(arena, 8 * MIB) == shard.read_bytes()[4 * MIB:12 * MIB]
+    # Adopted once: a second release and restore finds nothing staged and hydrates the regular way.
+    arena.release("g2")  # type: ignore[attr-defined]
+    again = arena.restore(strategy=f"hydrator:{control}")  # type: ignore[attr-defined]
+    assert again["staged"] is False and "nothing is staged" in again["adopt_refusal"]
+    assert device_bytes(arena, 8 * MIB) == shard.read_bytes()[4 * MIB:12 * MIB]
+
+
+@gpu
+def test_staging_for_another_gpu_is_refused_and_the_restore_still_hydrates(tmp_path: Path,
+                                                                          hydrator: tuple[Path, str]) -> None:
+    from coldsnap_probe._hydrate import request
+
+    shard, control = hydrator
+    arena, manifest = staged_arena(tmp_path, shard, control)
+    answer = request(control, manifest.stage_request("stage", device_uuid="GPU-00000000-0000-0000-0000-000000000000"))
+    assert not answer["ok"] and "is not this hydrator's GPU-" in answer["error"]
+    report = arena.restore(strategy=f"hydrator:{control}")  # type: ignore[attr-defined]
+    assert report["staged"] is False and report["verified_regions"] == 1
+    assert device_bytes(arena, 8 * MIB) == shard.read_bytes()[4 * MIB:12 * MIB]
+
+
+@gpu
+def test_an_unadopted_stage_is_freed_after_its_ttl(tmp_path: Path, hydrator: tuple[Path, str]) -> None:
+    import time
+
+    from coldsnap_probe._hydrate import Stager, _cu
+
+    shard, control = hydrator
+    arena, manifest = staged_arena(tmp_path, shard, control)
+    driver = arena.driver  # type: ignore[attr-defined]
+    before, _ = _cu(driver, "cuMemGetInfo")
+    assert Stager(manifest).result()["staged"]
+    during, _ = _cu(driver, "cuMemGetInfo")
+    assert int(before) - int(during) >= 8 * MIB  # the hydrator holds the staged allocation
+    time.sleep(4)  # TTL 2 s, checked every second
+    after, _ = _cu(driver, "cuMemGetInfo")
+    assert int(after) >= int(during) + 8 * MIB
+    report = arena.restore(strategy=f"hydrator:{control}")  # type: ignore[attr-defined]
+    assert report["staged"] is False and report["verified_regions"] == 1
