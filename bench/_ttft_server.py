@@ -232,10 +232,11 @@ def main() -> None:
         return
     torch.zeros(1, device="cuda").sum().item()
     if args.stack_bytes:  # less local memory reserved per thread: less device state to checkpoint and restore
-        from coldsnap_probe._cuda import Driver
+        from cuda.bindings import driver
 
-        driver = Driver()
-        driver.call("cuCtxSetLimit", driver.cuda.CUlimit.CU_LIMIT_STACK_SIZE, args.stack_bytes)
+        (err,) = driver.cuCtxSetLimit(driver.CUlimit.CU_LIMIT_STACK_SIZE, args.stack_bytes)
+        if int(err):
+            raise RuntimeError(f"cuCtxSetLimit(CU_LIMIT_STACK_SIZE, {args.stack_bytes}): {err}")
     stage("cuda_init")
     arena = None
     if args.vmm_weights:

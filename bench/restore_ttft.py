@@ -33,11 +33,12 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVER = ROOT / "bench" / "_ttft_server.py"
+BASELINE_MIB = 0  # GPU memory used with no server running (set in main)
 PROMPT = [1, 15043, 29892, 920, 526, 366, 29973, 13]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import become_subreaper, kill_and_reap, stages, table
-from coldsnap_probe import image_digest
+from coldsnap_probe import hydration_request, image_digest
 
 
 def connect(path: Path, deadline_s: float = 120.0) -> socket.socket:
@@ -139,6 +140,23 @@ def start_hydrator(socket_path: Path, weights: Path, log: Path) -> tuple[subproc
         time.sleep(0.02)
 
 
+def gpu_used_mib() -> int:
+    done = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                          capture_output=True, text=True, check=False)
+    return int(done.stdout.split()[0]) if done.returncode == 0 and done.stdout.strip() else -1
+
+
+def settle_gpu(limit_mib: int, timeout: float = 30.0) -> dict[str, Any]:
+    """Wait until the GPU's used memory is back under `limit_mib` (a killed process's memory is freed
+    asynchronously); how long it took and what was used."""
+    started = time.time()
+    used = gpu_used_mib()
+    while used > limit_mib and time.time() - started < timeout:
+        time.sleep(0.2)
+        used = gpu_used_mib()
+    return {"used_mib": used, "waited_s": round(time.time() - started, 2)}
+
+
 def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, weights: Path,
              digests: list[bytes], strategy: str, images_root: Path, stack_bytes: int = 0) -> dict[str, Any]:
     """One size in one mode: the whole device state in the images, or weights hydrated after restore."""
@@ -150,6 +168,7 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
               "--region-digest", combine_digests(digests[:region_bytes(gib) // CHUNK])] if hydrate else [])
     extra += ["--stack-bytes", str(stack_bytes)] if stack_bytes else []
     subprocess.run(["rm", "-rf", str(images)], check=True)
+    settled = settle_gpu(BASELINE_MIB + 2048)
     log = root / f"server-{gib:g}g.log"
     path = root / f"server-{gib:g}g.sock"
     path.unlink(missing_ok=True)
@@ -198,6 +217,9 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
                          "tokens_identical": tokens == cold_tokens, "logits_identical": first_hash == cold_hash,
                          "timeline": report["timeline"]})
         kill_and_reap([report["restored_pid"]])
+        if strategy.startswith("hydrator:"):  # nothing may stay staged once the engine adopted it
+            restores[-1]["hydrator_status"] = hydration_request(strategy.split(":", 1)[1], {"op": "status"})
+        restores[-1]["gpu_after_kill"] = settle_gpu(BASELINE_MIB + 2048)
     unchanged = image_digest(images) == digest_before
     for done in (images, *images.parent.glob(f"{images.name}-work-*")):  # the disk holds one size at a time
         subprocess.run(["rm", "-rf", str(done)], check=True)
@@ -207,7 +229,7 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
             "image_bytes": capture["image_bytes"], "image_files": image_files[:12],
             "memory_before_checkpoint": capture.get("memory_before_checkpoint"),
             "memory_after_checkpoint": capture.get("memory_after_checkpoint"),
-            "restores": restores, "images_unchanged": unchanged,
+            "restores": restores, "images_unchanged": unchanged, "gpu_before_cold": settled,
             "tokens": cold_tokens}
 
 
@@ -299,6 +321,8 @@ def main() -> None:
         hydrator_proc, hydrator_ready = start_hydrator(root / "hydrator.sock", weights, root / "hydrator.log")
     if strategy == "hydrator":
         strategy = f"hydrator:{root / 'hydrator.sock'}"
+    global BASELINE_MIB
+    BASELINE_MIB = gpu_used_mib()  # the hydrator's context, if any: what stays used between runs
     bench = None
     try:
         if args.hydrate_bench:

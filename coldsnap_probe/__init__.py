@@ -39,6 +39,7 @@ from ._hydrate import WeightRegion as WeightRegion
 from ._hydrate import chunk_digests as chunk_digests
 from ._hydrate import combine_digests as combine_digests
 from ._hydrate import region_digest as region_digest
+from ._hydrate import request as hydration_request
 from ._model import FEATURE_IDS as FEATURE_IDS
 from ._model import STATUSES as STATUSES
 from ._model import Contract as Contract
@@ -86,6 +87,7 @@ __all__ = (
     "decode_profile",
     "default_graph_policy",
     "graph_record",
+    "hydration_request",
     "image_digest",
     "plan_graph_policy",
     "qualify",

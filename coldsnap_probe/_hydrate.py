@@ -892,7 +892,7 @@ class HydratorServer:
     `stage` (from a restore worker, before its CRIU restore) allocates and fills one on the hydrator's GPU while
     the engine is still being restored, kept under the manifest's digest for STAGE_TTL seconds; `adopt` (from
     the restored engine) hands that allocation over as a descriptor, so the engine only maps it; `discard`
-    frees one that will not be adopted.
+    frees one that will not be adopted; `status` lists what is staged.
     """
 
     def __init__(self, sources: Sequence[str], *, streams: int = 4, driver: Any = None,
@@ -951,6 +951,10 @@ class HydratorServer:
                 return self._adopt(message)
             if op == "discard":
                 return {"ok": True, "discarded": self._discard(str(message.get("key")))}
+            if op == "status":
+                now = time.monotonic()
+                return {"ok": True, "device_uuid": self.device_uuid, "staged": [
+                    {"key": k, "bytes": v.size, "expires_in_s": v.expires - now} for k, v in self.staged.items()]}
             raise HydrationError(f"unknown request {op!r}")
         finally:
             for fd in fds:
