@@ -126,7 +126,7 @@ def start_hydrator(socket_path: Path, weights: Path, log: Path) -> tuple[subproc
     started = time.time()
     out = open(log, "wb")  # noqa: SIM115 - the hydrator writes here for its whole life
     proc = subprocess.Popen([sys.executable, "-m", "coldsnap_probe._hydrate", "serve", "--socket", str(socket_path),
-                             str(weights)], stdout=out, stderr=out, stdin=subprocess.DEVNULL, cwd=ROOT,
+                             "--staging", str(weights)], stdout=out, stderr=out, stdin=subprocess.DEVNULL, cwd=ROOT,
                             start_new_session=True)
     while True:
         text = log.read_text() if log.exists() else ""
@@ -146,7 +146,7 @@ def gpu_used_mib() -> int:
     return int(done.stdout.split()[0]) if done.returncode == 0 and done.stdout.strip() else -1
 
 
-def settle_gpu(limit_mib: int, timeout: float = 30.0) -> dict[str, Any]:
+def settle_gpu(limit_mib: int, timeout: float = 3.0) -> dict[str, Any]:
     """Wait until the GPU's used memory is back under `limit_mib` (a killed process's memory is freed
     asynchronously); how long it took and what was used."""
     started = time.time()

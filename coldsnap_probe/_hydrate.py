@@ -889,14 +889,15 @@ class HydratorServer:
     """Keeps source files page-locked (paid once) and copies them into engines' weight allocations.
 
     Requests (one JSON line each, on its socket): `hydrate` carries an engine's exported allocation and fills it;
-    `stage` (from a restore worker, before its CRIU restore) allocates and fills one on the hydrator's GPU while
+    `stage` (from a restore worker, before its CRIU restore; only with `staging`, see `serve --staging`)
+    allocates and fills one on the hydrator's GPU while
     the engine is still being restored, kept under the manifest's digest for STAGE_TTL seconds; `adopt` (from
     the restored engine) hands that allocation over as a descriptor, so the engine only maps it; `discard`
     frees one that will not be adopted; `status` lists what is staged.
     """
 
     def __init__(self, sources: Sequence[str], *, streams: int = 4, driver: Any = None,
-                 stage_ttl: float = STAGE_TTL) -> None:
+                 stage_ttl: float = STAGE_TTL, staging: bool = False) -> None:
         from ._cuda import Driver
 
         self.driver: Any = driver or Driver()
@@ -913,7 +914,7 @@ class HydratorServer:
         self.pin_seconds = time.perf_counter() - started - self.map_seconds
         self._streams = [_cu(self.driver, "cuStreamCreate", 1) for _ in range(streams)]
         self.staged: dict[str, _Staged] = {}
-        self.stage_ttl = stage_ttl
+        self.stage_ttl, self.staging = stage_ttl, staging
 
     def serve(self, path: str) -> None:
         if os.path.lexists(path):
@@ -1010,6 +1011,8 @@ class HydratorServer:
 
     def _stage(self, message: dict[str, Any]) -> dict[str, Any]:
         """Allocate and fill ahead of the engine's restore; refused for an engine on another GPU."""
+        if not self.staging:
+            raise HydrationError("staging is off on this hydrator (serve --staging)")
         key = str(message.get("key") or "")
         if not key:
             raise HydrationError("a stage request names its manifest digest as `key`")
@@ -1122,6 +1125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve")
     serve.add_argument("--socket", required=True)
+    serve.add_argument("--staging", action="store_true",
+                       help="accept stage requests: fill an engine's weights while its process is restored "
+                            "(opt-in: after an engine restored by cuda-checkpoint adopted one, the driver was seen "
+                            "to keep the memory until this hydrator's next stage or its exit)")
     serve.add_argument("--stage-ttl", type=float, default=STAGE_TTL,
                        help="seconds a staged allocation waits for its engine before it is freed")
     serve.add_argument("sources", nargs="+")
@@ -1134,7 +1141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "digest":
             sys.stdout.write(region_digest(args.path, args.offset, args.size) + "\n")
             return 0
-        HydratorServer(args.sources, stage_ttl=args.stage_ttl).serve(args.socket)
+        HydratorServer(args.sources, stage_ttl=args.stage_ttl, staging=args.staging).serve(args.socket)
     except Exception as exc:
         sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")
         return 1

@@ -281,7 +281,7 @@ def hydrator(tmp_path: Path) -> object:
     path = source(tmp_path, 16 * MIB, "shard.bin")
     control = tmp_path / "hydrator.sock"
     proc = subprocess.Popen([sys.executable, "-m", "coldsnap_probe._hydrate", "serve", "--socket", str(control),
-                             "--stage-ttl", "2", str(path)], stdout=subprocess.PIPE, cwd=ROOT)
+                             "--staging", "--stage-ttl", "2", str(path)], stdout=subprocess.PIPE, cwd=ROOT)
     try:
         ready = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
         assert ready["ready"] and ready["device_uuid"].startswith("GPU-")
