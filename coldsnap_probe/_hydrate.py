@@ -945,7 +945,7 @@ class HydratorServer:
             if op == "hydrate":
                 if len(fds) != 1:
                     raise HydrationError("a hydrate request carries exactly one allocation descriptor")
-                return self._hydrate(message, fds.pop())
+                return self._hydrate(message, fds[0])
             if op == "stage":
                 return self._stage(message)
             if op == "adopt":
@@ -997,7 +997,8 @@ class HydratorServer:
                 cu.cuMemAddressFree(va, size)
 
     def _hydrate(self, message: dict[str, Any], fd: int) -> dict[str, Any]:
-        """Fill an engine's exported allocation (the descriptor is closed by the caller)."""
+        """Fill an engine's exported allocation. The descriptor is the caller's to close: while it is open, it
+        keeps the engine's allocation alive, even after the engine released it."""
         _base, size, _regions, jobs = self._jobs(message)
         started = time.perf_counter()
         handle_type = self.driver.cuda.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
@@ -1126,9 +1127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve = sub.add_parser("serve")
     serve.add_argument("--socket", required=True)
     serve.add_argument("--staging", action="store_true",
-                       help="accept stage requests: fill an engine's weights while its process is restored "
-                            "(opt-in: after an engine restored by cuda-checkpoint adopted one, the driver was seen "
-                            "to keep the memory until this hydrator's next stage or its exit)")
+                       help="accept stage requests: fill an engine's weights while its process is restored, in "
+                            "device memory this hydrator holds until the engine adopts it (or --stage-ttl)")
     serve.add_argument("--stage-ttl", type=float, default=STAGE_TTL,
                        help="seconds a staged allocation waits for its engine before it is freed")
     serve.add_argument("sources", nargs="+")

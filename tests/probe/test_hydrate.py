@@ -353,3 +353,20 @@ def test_an_unadopted_stage_is_freed_after_its_ttl(tmp_path: Path, hydrator: tup
     assert int(after) >= int(during) + 8 * MIB
     report = arena.restore(strategy=f"hydrator:{control}")  # type: ignore[attr-defined]
     assert report["staged"] is False and report["verified_regions"] == 1
+
+
+@gpu
+def test_weights_hydrated_through_the_hydrator_are_freed_at_release(tmp_path: Path,
+                                                                    hydrator: tuple[Path, str]) -> None:
+    """The hydrator closes the descriptor of every allocation it filled: an engine's release frees the memory."""
+    from coldsnap_probe._hydrate import WeightArena, _cu
+
+    shard, control = hydrator
+    arena = WeightArena(8 * MIB, exportable=True)
+    arena.declare([WeightRegion("weights", arena.address, 8 * MIB, str(shard), 0, region_digest(shard, 0, 8 * MIB))])
+    assert arena.load(strategy=f"hydrator:{control}")["verified_regions"] == 1
+    held, _ = _cu(arena.driver, "cuMemGetInfo")
+    arena.serve(str(tmp_path / "engine.sock"), strategy=f"hydrator:{control}")
+    arena.release("g1")
+    freed, _ = _cu(arena.driver, "cuMemGetInfo")
+    assert int(freed) - int(held) >= 8 * MIB
