@@ -20,7 +20,8 @@ the public client (`call_control` for the session and the probe, `call` for runt
    the images;
 5. then, `--restores` times: evict the unit's name, launch the restore unit (`workload-run` detached,
    same image, mounts and options, the worker restoring as its command, then holding the container),
-   poll the readiness check (`workload-exec test -s <ready file>`), read the worker's report,
+   the readiness check (`workload-exec` of `test -s <ready file>`, waiting inside the unit for up to 2 s
+   per exec), read the worker's report,
    `workload-inspect` the unit (running, start time, the six ColdSnap labels), stream the first token.
    Restored Docker-to-first-token runs from the restore unit's `workload-run` to that token.
 
