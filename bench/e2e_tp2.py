@@ -61,6 +61,9 @@ from bench.tp2_restore import generate, start_ranks
 from coldsnap_probe import image_digest
 
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "NCCL_RAS_ENABLE": "0"}  # see bench/engine_tp2.py
+# What a step of the sequence can fail with besides E2EError: a garbled report, a missing log line, the engine's
+# socket. Each is recorded as that step's failure, so that the units are still removed.
+FAILURES = (E2EError, OSError, ValueError, KeyError, RuntimeError, TimeoutError)
 
 
 @dataclasses.dataclass
@@ -132,7 +135,7 @@ async def cold_start(d: Driver, tp: Activation, limit: float = 180.0) -> dict[st
                                      command=tp.serve_command(rank))
         try:
             await d.expect(f"starting rank {rank}'s serving unit {names[rank]}", "workload-run", workload=spec)
-        except E2EError as exc:
+        except FAILURES as exc:
             errors.append(str(exc))
 
     created = time.time()
@@ -181,8 +184,8 @@ async def capture(d: Driver, tp: Activation, cold: dict[str, Any], capture_id: s
             runtime = await d.expect(f"rank {rank}'s capture", "workload-exec", name=cold["names"][rank],
                                      execution={"command": command})
             reports[rank] = json_in(output(runtime))
-        except E2EError as exc:
-            errors.append(f"rank {rank}: {exc}")
+        except FAILURES as exc:
+            errors.append(f"rank {rank}: {type(exc).__name__}: {exc}")
 
     async with anyio.create_task_group() as tg:
         for rank in range(tp.world):
@@ -192,11 +195,12 @@ async def capture(d: Driver, tp: Activation, cold: dict[str, Any], capture_id: s
     return reports
 
 
-async def restore(d: Driver, tp: Activation, capture_id: str, namespace: str, *, images: list[str] | None = None,
-                  ranks: list[int] | None = None, barrier_timeout: float = 60, victim: int | None = None,
-                  readiness_timeout: float = 120) -> dict[str, Any]:
-    """One restore unit per rank, launched together; each one's readiness, report and inspect; the first token.
-    Any failure removes every unit (the controller's rollback) and raises, naming each rank's cause."""
+async def restore(d: Driver, tp: Activation, capture_id: str, namespace: str, reference: dict[str, Any], *,
+                  images: list[str] | None = None, ranks: list[int] | None = None, barrier_timeout: float = 60,
+                  victim: int | None = None, readiness_timeout: float = 120) -> dict[str, Any]:
+    """One restore unit per rank, launched together; each one's readiness, report and inspect; the first token,
+    compared with `reference` (the cold run's). Any failure removes every unit (the controller's rollback) and
+    raises, naming each rank's cause."""
     chosen = list(range(tp.world)) if ranks is None else ranks
     images = images or [f"{capture_id}/rank-{r}" for r in range(tp.world)]
     names = {r: f"tp_node_{r}" for r in chosen}
@@ -213,8 +217,9 @@ async def restore(d: Driver, tp: Activation, capture_id: str, namespace: str, *,
             units[rank] = {"created": created, "create_start_s": started - created}
             units[rank].update(await await_unit(d, names[rank], created, labels=labels[rank],
                                                 readiness_timeout=readiness_timeout))
-        except E2EError as exc:
+        except FAILURES as exc:
             errors.append(f"rank {rank}: {exc}")
+            units.pop(rank, None)
 
     async def kill_after_criu(rank: int) -> None:
         """The fault case: the rank's restored process dies between its CRIU restore and its CUDA restore."""
@@ -223,8 +228,10 @@ async def restore(d: Driver, tp: Activation, capture_id: str, namespace: str, *,
             while not published.exists():
                 await anyio.sleep(0.005)
             pid = int(json.loads(published.read_text())["value"]["pid"])
-            await d.runtime("workload-exec", name=names[rank], execution={"command": ["kill", "-KILL", str(pid)]})
-            killed.append(pid)
+            reply = await d.runtime("workload-exec", name=names[rank],
+                                    execution={"command": ["kill", "-KILL", str(pid)]})
+            if reply.get("ok"):
+                killed.append(pid)
 
     began = time.time()
     async with anyio.create_task_group() as tg:
@@ -238,12 +245,19 @@ async def restore(d: Driver, tp: Activation, capture_id: str, namespace: str, *,
         for name in names.values():
             await d.runtime("workload-remove", name=name)
         missing = sorted(set(range(tp.world)) - set(units))
-        raise E2EError(" | ".join(errors) or f"no restore unit was launched for rank(s) {missing}"
+        raise E2EError((" | ".join(errors) or f"no restore unit was launched for rank(s) {missing}")
                        + (f" (rank {victim}'s restored process {killed[0]} was killed)" if killed else ""))
-    answer = await _call(generate, tp.run_dir, tp.args.tokens)
+    try:
+        answer = await _call(generate, tp.run_dir, tp.args.tokens)
+    except FAILURES as exc:
+        for name in names.values():
+            await d.runtime("workload-remove", name=name)
+        raise E2EError(f"the restored ranks did not answer: {type(exc).__name__}: {exc}") from exc
     reports = [units[r]["worker_report"] for r in range(tp.world)]
     return {"first_token_s": answer["first_unix"] - began, "tokens": answer["tokens"],
             "first_logits_sha256": answer["first_logits_sha256"], "peers_agree": answer["peers_agree"],
+            "identical": answer["tokens"] == reference["tokens"] and answer["peers_agree"]
+            and answer["first_logits_sha256"] == reference["first_logits_sha256"],
             "names": list(names.values()), "ranks": [{
                 "create_start_s": units[r]["create_start_s"], "worker_started_s": units[r]["created"] - began
                 + (units[r]["worker_started_s"] or 0), "readiness_s": units[r]["created"] - began
@@ -260,7 +274,7 @@ async def remove(d: Driver, names: list[str]) -> None:
         await d.expect(f"removing {name}", "workload-remove", name=name)
 
 
-async def failures(d: Driver, tp: Activation, capture_id: str) -> list[dict[str, Any]]:
+async def failures(d: Driver, tp: Activation, capture_id: str, reference: dict[str, Any]) -> list[dict[str, Any]]:
     last = tp.world - 1
     tampered = f"{capture_id}-tampered/rank-{last}"
     shutil.copytree(tp.images / capture_id / f"rank-{last}", tp.images / tampered)
@@ -276,7 +290,7 @@ async def failures(d: Driver, tp: Activation, capture_id: str) -> list[dict[str,
     for i, (case, options) in enumerate(cases):
         started = time.time()
         try:
-            result = await restore(d, tp, capture_id, f"fail-{i}", readiness_timeout=60, **options)
+            result = await restore(d, tp, capture_id, f"fail-{i}", reference, readiness_timeout=60, **options)
             await remove(d, result["names"])
             rows.append({"case": case, "ok": False, "error": "the restore succeeded"})
         except E2EError as exc:
@@ -327,29 +341,27 @@ async def main() -> int:
         before = [image_digest(tp.images / capture_id / f"rank-{r}") for r in range(tp.world)]
         out["restores"] = []
         for i in range(args.restores):
-            result = await restore(d, tp, capture_id, f"restore-{i + 1}")
+            result = await restore(d, tp, capture_id, f"restore-{i + 1}", cold)
             await remove(d, result["names"])
-            result["identical"] = (result["tokens"] == cold["tokens"] and result["peers_agree"]
-                                   and result["first_logits_sha256"] == cold["first_logits_sha256"])
             out["restores"].append(result)
             print(f"restore {i + 1}: {result['first_token_s']:.2f} s, identical {result['identical']}", flush=True)
             outfile.write_text(json.dumps(out, indent=1, default=str))
         if not args.skip_failures:
-            out["failures"] = await failures(d, tp, capture_id)
-            result = await restore(d, tp, capture_id, "restore-after-failures")
+            out["failures"] = await failures(d, tp, capture_id, cold)
+            result = await restore(d, tp, capture_id, "restore-after-failures", cold)
             await remove(d, result["names"])
-            result["identical"] = (result["tokens"] == cold["tokens"] and result["peers_agree"]
-                                   and result["first_logits_sha256"] == cold["first_logits_sha256"])
             out["restores"].append(result)
         out["images_unchanged"] = before == [image_digest(tp.images / capture_id / f"rank-{r}")
                                              for r in range(tp.world)]
         out["image_bytes"] = [sum(p.stat().st_size for p in (tp.images / capture_id / f"rank-{r}").rglob("*")
                                   if p.is_file()) for r in range(tp.world)]
-    except E2EError as exc:
-        out["error"] = f"{exc} ({exc.code})"
+    except FAILURES as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
         print(f"FAILED: {out['error'][-4000:]}", flush=True)
+    finally:  # whatever happened, no unit of this activation is left running
         for name in [*(f"tp-serving-{r}" for r in range(tp.world)), *(f"tp_node_{r}" for r in range(tp.world))]:
-            await d.runtime("workload-remove", name=name)
+            with anyio.CancelScope(shield=True):
+                await d.runtime("workload-remove", name=name)
     outfile.write_text(json.dumps(out, indent=1, default=str))
     rows = []
     if cold:

@@ -38,7 +38,7 @@ PROMPT = [1, 15043, 29892, 920, 526, 366, 29973, 13]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import become_subreaper, kill_and_reap, stages, table
-from coldsnap_probe import hydration_request, image_digest
+from coldsnap_probe import ProbeError, hydration_request, image_digest
 
 
 def connect(path: Path, deadline_s: float = 120.0) -> socket.socket:
@@ -217,9 +217,14 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
                          "tokens_identical": tokens == cold_tokens, "logits_identical": first_hash == cold_hash,
                          "timeline": report["timeline"]})
         kill_and_reap([report["restored_pid"]])
-        if strategy.startswith("hydrator:"):  # nothing may stay staged once the engine adopted it
-            restores[-1]["hydrator_status"] = hydration_request(strategy.split(":", 1)[1], {"op": "status"})
+        if strategy.startswith("hydrator:"):  # recorded, and printed below: nothing should stay staged
+            try:
+                restores[-1]["hydrator_status"] = hydration_request(strategy.split(":", 1)[1], {"op": "status"})
+            except ProbeError as exc:
+                restores[-1]["hydrator_status"] = {"error": str(exc)}
         restores[-1]["gpu_after_kill"] = settle_gpu(BASELINE_MIB + 2048)
+        print(f"{gib:g} GiB restore {attempt}: {restores[-1]['ttft_s']:.2f} s; GPU used after the kill "
+              f"{restores[-1]['gpu_after_kill']}; hydrator {restores[-1].get('hydrator_status')}", flush=True)
     unchanged = image_digest(images) == digest_before
     for done in (images, *images.parent.glob(f"{images.name}-work-*")):  # the disk holds one size at a time
         subprocess.run(["rm", "-rf", str(done)], check=True)

@@ -98,8 +98,11 @@ COPY_CHUNK = 256 << 20
 SAMPLES_PER_REGION = 16
 SAMPLE_BYTES = 64 << 10
 _REQUEST_MAX = 1 << 20
-REQUEST_TIMEOUT = 30.0  # seconds a control or hydrator connection may stay silent
+REQUEST_TIMEOUT = 30.0  # seconds a control or hydrator connection has to send its request
+ADOPT_TIMEOUT = 30.0  # seconds an engine waits for the hydrator's adopt answer before hydrating the regular way
 STAGE_TTL = 120.0  # seconds a staged allocation waits for its engine before the hydrator frees it
+STAGE_MAX = 4  # staged allocations a hydrator holds at once
+STAGE_RESERVE = 1 << 30  # device bytes staging leaves free (the engine's restored state needs them)
 CAPABILITIES = ProviderCapabilities(
     provider=PROVIDER, tagged_regions=True, stable_virtual_addresses=True, scoped_interception=False,
     allocation_enumeration=True, external_snapshot_store=True, graph_regions=False, per_device_synchronization=True,
@@ -374,6 +377,33 @@ def _cu(driver: Any, name: str, *args: Any) -> Any:
     return _ok(driver, name, getattr(driver.cuda, name)(*args))
 
 
+def _fd_handle(driver: Any) -> Any:
+    """The POSIX file-descriptor handle type: how allocations travel between processes here."""
+    return driver.cuda.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+
+
+def _device_allocation(driver: Any, device: int, *, exportable: bool) -> Any:
+    """Properties of a pinned device allocation on `device` (exportable: as a file descriptor)."""
+    cu = driver.cuda
+    prop = cu.CUmemAllocationProp()
+    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = device
+    if exportable:
+        prop.requestedHandleTypes = _fd_handle(driver)
+    return prop
+
+
+def _map_read_write(driver: Any, address: int, size: int, device: int) -> None:
+    """Give `device` read-write access to the mapped range."""
+    cu = driver.cuda
+    access = cu.CUmemAccessDesc()
+    access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    access.location.id = device
+    access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    _cu(driver, "cuMemSetAccess", address, size, [access], 1)
+
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
@@ -484,15 +514,9 @@ class WeightArena:
         cu = self.driver.cuda
         self.context = _cu(self.driver, "cuCtxGetCurrent")
         self.device, self.exportable = device, exportable
-        prop = cu.CUmemAllocationProp()
-        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        prop.location.id = device
-        if exportable:
-            prop.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-        self._prop = prop
+        self._prop = _device_allocation(self.driver, device, exportable=exportable)
         flag = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
-        self.granularity = int(_cu(self.driver, "cuMemGetAllocationGranularity", prop, flag))
+        self.granularity = int(_cu(self.driver, "cuMemGetAllocationGranularity", self._prop, flag))
         self.size = -(-size // self.granularity) * self.granularity
         self.address = int(_cu(self.driver, "cuMemAddressReserve", self.size, 0, 0, 0))
         self._handle: Any = None
@@ -518,12 +542,8 @@ class WeightArena:
             cu.cuMemRelease(self._handle)
             self._handle = None
             raise
-        access = cu.CUmemAccessDesc()
-        access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        access.location.id = self.device
-        access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         try:
-            _cu(self.driver, "cuMemSetAccess", self.address, self.size, [access], 1)
+            _map_read_write(self.driver, self.address, self.size, self.device)
         except BaseException:
             self._unmap()
             raise
@@ -674,15 +694,18 @@ class WeightArena:
         """Map the allocation the hydrator staged for `manifest` (filled while this process was being restored)
         at the reservation; None when nothing was staged (the regular hydration runs then)."""
         started = time.perf_counter()
-        answer, fds = request_with_fds(path, manifest.stage_request("adopt"))
+        try:
+            answer, fds = request_with_fds(path, manifest.stage_request("adopt"), timeout=ADOPT_TIMEOUT)
+        except HydrationError as exc:  # the regular hydration reports the hydrator's state itself
+            self.adopt_refusal = str(exc)
+            return None
         if not answer.get("ok") or len(fds) != 1:
             for fd in fds:
                 os.close(fd)
             self.adopt_refusal = str(answer.get("error") or "no descriptor")
             return None
-        handle_type = self.driver.cuda.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         try:
-            self._map(_cu(self.driver, "cuMemImportFromShareableHandle", fds[0], handle_type))
+            self._map(_cu(self.driver, "cuMemImportFromShareableHandle", fds[0], _fd_handle(self.driver)))
         except CudaError as exc:  # the regular hydration still can
             self.adopt_refusal = str(exc)
             return None
@@ -692,7 +715,8 @@ class WeightArena:
                 "copy_s": answer.get("copy_s"), "adopt_s": time.perf_counter() - started}
 
     def _verified(self, adopted: dict[str, Any]) -> dict[str, Any]:
-        """The report of an adopted allocation: its copy ran in the hydrator; here only the verification."""
+        """The report of an adopted allocation: its copy ran in the hydrator, here only the verification.
+        `seconds` is the adoption (what the restore waited for); `gbps` is the staged copy's rate."""
         total = sum(r.size for r in self.regions)
         verify_started = time.perf_counter()
         verified = self._verify()
@@ -704,8 +728,7 @@ class WeightArena:
     def _via_hydrator(self, path: str) -> dict[str, Any]:
         if not self.exportable:
             raise HydrationError("the hydrator strategy needs WeightArena(exportable=True)")
-        handle_type = self.driver.cuda.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-        fd = int(_cu(self.driver, "cuMemExportToShareableHandle", self._handle, handle_type, 0))
+        fd = int(_cu(self.driver, "cuMemExportToShareableHandle", self._handle, _fd_handle(self.driver), 0))
         try:
             answer = request(path, {"op": "hydrate", "base": self.address, "size": self.size,
                                     "regions": [r.to_json() for r in self.regions]}, fds=[fd], timeout=600.0)
@@ -789,7 +812,7 @@ def _answer_each(listener: socket.socket, answer: Callable[[socket.socket], Answ
                 idle()
             continue
         with conn:
-            conn.settimeout(request_timeout)
+            conn.settimeout(request_timeout)  # the whole request, see _read_line
             fds: list[int] = []
             try:
                 reply = answer(conn)
@@ -798,11 +821,7 @@ def _answer_each(listener: socket.socket, answer: Callable[[socket.socket], Answ
             except Exception as exc:
                 reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
             try:
-                payload = json.dumps(reply).encode() + b"\n"
-                if fds:
-                    socket.send_fds(conn, [payload], fds)
-                else:
-                    conn.sendall(payload)
+                _send(conn, json.dumps(reply).encode() + b"\n", fds)
             except OSError:
                 pass  # the asker left; the next one is served
             finally:
@@ -812,9 +831,12 @@ def _answer_each(listener: socket.socket, answer: Callable[[socket.socket], Answ
             idle()
 
 
-def _read_line(conn: socket.socket) -> bytes:
-    data = b""
+def _read_line(conn: socket.socket, data: bytes = b"") -> bytes:
+    """One request line (after `data`, already read): within the connection's timeout as a whole, so that an
+    asker trickling bytes cannot hold the (single-threaded) server longer than a silent one."""
+    deadline = time.monotonic() + (conn.gettimeout() or REQUEST_TIMEOUT)
     while not data.endswith(b"\n"):
+        conn.settimeout(max(0.001, deadline - time.monotonic()))
         part = conn.recv(65536)
         if not part:
             break
@@ -822,6 +844,12 @@ def _read_line(conn: socket.socket) -> bytes:
         if len(data) > _REQUEST_MAX:
             raise HydrationError("request too long")
     return data
+
+
+def _send(sock: socket.socket, payload: bytes, fds: Sequence[int] = ()) -> None:
+    """All of `payload`, the descriptors with its first bytes (one sendmsg may send only part)."""
+    sent = socket.send_fds(sock, [payload], list(fds)) if fds else 0
+    sock.sendall(payload[sent:])
 
 
 def request(path: str | Path, message: dict[str, Any], *, fds: Sequence[int] = (),
@@ -841,11 +869,7 @@ def request_with_fds(path: str | Path, message: dict[str, Any], *, fds: Sequence
         sock.settimeout(timeout)
         try:
             sock.connect(str(path))
-            payload = json.dumps(message).encode() + b"\n"
-            if fds:
-                socket.send_fds(sock, [payload], list(fds))
-            else:
-                sock.sendall(payload)
+            _send(sock, json.dumps(message).encode() + b"\n", fds)
             data = b""
             while True:
                 part, more, _flags, _addr = socket.recv_fds(sock, 1 << 20, 4)
@@ -890,10 +914,10 @@ class HydratorServer:
 
     Requests (one JSON line each, on its socket): `hydrate` carries an engine's exported allocation and fills it;
     `stage` (from a restore worker, before its CRIU restore; only with `staging`, see `serve --staging`)
-    allocates and fills one on the hydrator's GPU while
-    the engine is still being restored, kept under the manifest's digest for STAGE_TTL seconds; `adopt` (from
-    the restored engine) hands that allocation over as a descriptor, so the engine only maps it; `discard`
-    frees one that will not be adopted; `status` lists what is staged.
+    allocates and fills one on the hydrator's GPU while the engine is still being restored, kept under the
+    manifest's digest for `stage_ttl` seconds (at most STAGE_MAX at once, never leaving less than STAGE_RESERVE
+    free); `adopt` (from the restored engine) hands that allocation over as a descriptor, so the engine only
+    maps it; `discard` frees one that will not be adopted; `status` lists what is staged.
     """
 
     def __init__(self, sources: Sequence[str], *, streams: int = 4, driver: Any = None,
@@ -913,6 +937,8 @@ class HydratorServer:
             m.register(self.driver)
         self.pin_seconds = time.perf_counter() - started - self.map_seconds
         self._streams = [_cu(self.driver, "cuStreamCreate", 1) for _ in range(streams)]
+        if stage_ttl <= 0:
+            raise HydrationError(f"stage_ttl must be positive, not {stage_ttl}")
         self.staged: dict[str, _Staged] = {}
         self.stage_ttl, self.staging = stage_ttl, staging
 
@@ -931,14 +957,7 @@ class HydratorServer:
     def _one(self, conn: socket.socket) -> Answer:
         data, fds, _flags, _addr = socket.recv_fds(conn, _REQUEST_MAX, 1)
         try:
-            while not data.endswith(b"\n"):
-                part = conn.recv(65536)
-                if not part:
-                    break
-                data += part
-                if len(data) > _REQUEST_MAX:
-                    raise HydrationError("request too long")
-            message = json.loads(data)
+            message = json.loads(_read_line(conn, data))
             op = message.get("op", "hydrate") if isinstance(message, dict) else None
             if op != "hydrate" and fds:
                 raise HydrationError(f"a {op} request carries no descriptor")
@@ -951,7 +970,7 @@ class HydratorServer:
             if op == "adopt":
                 return self._adopt(message)
             if op == "discard":
-                return {"ok": True, "discarded": self._discard(str(message.get("key")))}
+                return {"ok": True, "discarded": self._discard(_stage_key(message))}
             if op == "status":
                 now = time.monotonic()
                 return {"ok": True, "device_uuid": self.device_uuid, "staged": [
@@ -983,11 +1002,7 @@ class HydratorServer:
         try:
             va = int(_cu(d, "cuMemAddressReserve", size, 0, 0, 0))
             _cu(d, "cuMemMap", va, size, 0, handle, 0)
-            access = cu.CUmemAccessDesc()
-            access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-            access.location.id = 0
-            access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-            _cu(d, "cuMemSetAccess", va, size, [access], 1)
+            _map_read_write(d, va, size, 0)
             started = time.perf_counter()
             _copy_registered(d, [(va + off, src, n) for off, src, n in jobs], self._streams)
             return time.perf_counter() - started
@@ -1001,8 +1016,7 @@ class HydratorServer:
         keeps the engine's allocation alive, even after the engine released it."""
         _base, size, _regions, jobs = self._jobs(message)
         started = time.perf_counter()
-        handle_type = self.driver.cuda.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-        handle = _cu(self.driver, "cuMemImportFromShareableHandle", fd, handle_type)
+        handle = _cu(self.driver, "cuMemImportFromShareableHandle", fd, _fd_handle(self.driver))
         try:
             copy_s = self._fill(handle, size, jobs)
         finally:
@@ -1014,27 +1028,25 @@ class HydratorServer:
         """Allocate and fill ahead of the engine's restore; refused for an engine on another GPU."""
         if not self.staging:
             raise HydrationError("staging is off on this hydrator (serve --staging)")
-        key = str(message.get("key") or "")
-        if not key:
-            raise HydrationError("a stage request names its manifest digest as `key`")
+        key = _stage_key(message)
         if message.get("device_uuid") != self.device_uuid:
             raise HydrationError(f"the engine's GPU {message.get('device_uuid')} is not this hydrator's "
                                  f"{self.device_uuid}")
         base, size, regions, jobs = self._jobs(message)
         self._discard(key)
         self._expire()
-        cu = self.driver.cuda
+        if len(self.staged) >= STAGE_MAX:
+            raise HydrationError(f"{len(self.staged)} allocations are staged already (at most {STAGE_MAX})")
+        free, _total = _cu(self.driver, "cuMemGetInfo")
+        if int(free) - size < STAGE_RESERVE:
+            raise HydrationError(f"staging {size} bytes would leave {int(free) - size} of the GPU's {int(free)} free "
+                                 f"bytes (at least {STAGE_RESERVE} stay free)")
         started = time.perf_counter()
-        prop = cu.CUmemAllocationProp()
-        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        prop.location.id = 0
-        prop.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-        handle = _cu(self.driver, "cuMemCreate", size, prop, 0)
+        handle = _cu(self.driver, "cuMemCreate", size, _device_allocation(self.driver, 0, exportable=True), 0)
         try:
             copy_s = self._fill(handle, size, jobs)
         except BaseException:
-            cu.cuMemRelease(handle)
+            self.driver.cuda.cuMemRelease(handle)
             raise
         stage_s = time.perf_counter() - started
         self.staged[key] = _Staged(handle, base, size, regions, stage_s, copy_s, time.monotonic() + self.stage_ttl)
@@ -1042,15 +1054,16 @@ class HydratorServer:
 
     def _adopt(self, message: dict[str, Any]) -> Answer:
         """Hand a staged allocation to its engine as a descriptor; the hydrator keeps no reference to it."""
-        staged = self.staged.pop(str(message.get("key")), None)
+        key = _stage_key(message)
+        staged = self.staged.get(key)
         if staged is None:
-            return {"ok": False, "staged": False, "error": f"nothing is staged for {message.get('key')}"}
+            return {"ok": False, "staged": False, "error": f"nothing is staged for {key}"}
+        base, size, regions, _jobs = self._jobs(message)  # a request for another layout leaves the stage alone
+        if (base, size, regions) != (staged.base, staged.size, staged.regions):
+            raise HydrationError("the staged allocation was filled for another layout")
+        del self.staged[key]
         try:
-            base, size, regions, _jobs = self._jobs(message)
-            if (base, size, regions) != (staged.base, staged.size, staged.regions):
-                raise HydrationError("the staged allocation was filled for another layout")
-            handle_type = self.driver.cuda.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-            fd = int(_cu(self.driver, "cuMemExportToShareableHandle", staged.handle, handle_type, 0))
+            fd = int(_cu(self.driver, "cuMemExportToShareableHandle", staged.handle, _fd_handle(self.driver), 0))
         finally:
             self.driver.cuda.cuMemRelease(staged.handle)  # the descriptor keeps the allocation alive
         return {"ok": True, "staged": True, "stage_s": staged.stage_s, "copy_s": staged.copy_s}, [fd]
@@ -1068,6 +1081,15 @@ class HydratorServer:
             self._discard(key)
 
 
+def _stage_key(message: dict[str, Any]) -> str:
+    """A stage's key: the manifest digest it was filled for (`sha256:` and 64 hex digits)."""
+    key = message.get("key")
+    if not isinstance(key, str) or not key.startswith("sha256:") or len(key) != 71 or \
+            any(c not in "0123456789abcdef" for c in key[7:]):
+        raise HydrationError(f"key must be a manifest digest (sha256: and 64 lowercase hex digits), not {key!r:.80}")
+    return key
+
+
 class Stager:
     """The restore worker's side of staging: while CRIU and CUDA restore the engine, the hydrator named in the
     manifest fills an allocation for it on the engine's GPU, which the engine then adopts when asked to hydrate.
@@ -1078,6 +1100,8 @@ class Stager:
     def __init__(self, manifest: HydrationManifest) -> None:
         self.manifest = manifest
         self.report: dict[str, Any] = {}
+        self._lock = threading.Lock()  # exactly one of the thread and discard() sends the discard
+        self._finished = self._discarded = False
         self._thread = threading.Thread(target=self._run, name="coldsnap-stage", daemon=True)
         self._thread.start()
 
@@ -1096,6 +1120,11 @@ class Stager:
         except Exception as exc:  # staging is an optimisation: the regular hydration still runs
             self.report = {"staged": False, "error": f"{type(exc).__name__}: {exc}"}
         self.report["worker_s"] = time.perf_counter() - started
+        with self._lock:
+            self._finished = True
+            discarded = self._discarded
+        if discarded:  # the restore failed while this stage was being filled
+            self._send_discard()
 
     def result(self, timeout: float = 600.0) -> dict[str, Any]:
         """Wait for the stage request's answer (the hydrator serves it before the engine's adopt)."""
@@ -1103,10 +1132,18 @@ class Stager:
         return self.report if not self._thread.is_alive() else {"staged": False, "error": "still staging"}
 
     def discard(self) -> None:
-        """After a failed restore: the hydrator frees what no engine will adopt (it would expire anyway)."""
-        if self.result(timeout=60.0).get("staged"):
+        """After a failed restore: the hydrator frees what no engine will adopt (it would expire anyway). Never
+        waits for a stage still being filled: that thread discards it when its answer comes."""
+        with self._lock:
+            self._discarded = True
+            finished = self._finished
+        if finished:
+            self._send_discard()
+
+    def _send_discard(self) -> None:
+        if self.report.get("staged"):
             with contextlib.suppress(HydrationError):
-                request(self.manifest.hydrator, self.manifest.stage_request("discard"), timeout=30.0)
+                request(self.manifest.hydrator, self.manifest.stage_request("discard"), timeout=5.0)
 
 
 def device_uuid(driver: Any, ordinal: int) -> str:
@@ -1115,6 +1152,15 @@ def device_uuid(driver: Any, ordinal: int) -> str:
     raw = bytes(_cu(driver, name, _cu(driver, "cuDeviceGet", ordinal)).bytes)
     h = raw.hex()
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+def _positive(text: str) -> float:
+    import argparse
+
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1129,7 +1175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.add_argument("--staging", action="store_true",
                        help="accept stage requests: fill an engine's weights while its process is restored, in "
                             "device memory this hydrator holds until the engine adopts it (or --stage-ttl)")
-    serve.add_argument("--stage-ttl", type=float, default=STAGE_TTL,
+    serve.add_argument("--stage-ttl", type=_positive, default=STAGE_TTL,
                        help="seconds a staged allocation waits for its engine before it is freed")
     serve.add_argument("sources", nargs="+")
     dig = sub.add_parser("digest")

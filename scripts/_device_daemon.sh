@@ -40,7 +40,8 @@ CONF
     python3 -m coldsnap_provider serve --config /tmp/cs-e2e.toml --state-dir "$STATE" --log-level info \
         > "$OUT/daemon${1:-}.log" 2>&1 &
     SERVE=$!
-    for _ in $(seq 100); do [ -S "$STATE/control.sock" ] && break; sleep 0.2; done
+    for _ in $(seq 100); do [ -S "$STATE/control.sock" ] && return 0; sleep 0.2; done
+    echo "coldsnap-provider serve did not start:"; tail -20 "$OUT/daemon${1:-}.log"; exit 1
 }
 
 stop_all() {

@@ -36,7 +36,7 @@ async def test_failed_rank_units_are_all_removed_naming_each_rank(busybox_image:
         d = Driver(daemon.state_dir)
         await d.open()
         with pytest.raises(E2EError) as caught:
-            await restore(d, tp, "cap-1", "restore-1", readiness_timeout=15)
+            await restore(d, tp, "cap-1", "restore-1", {}, readiness_timeout=15)
         assert await d.gone("tp_node_0") and await d.gone("tp_node_1")
     message = str(caught.value)
     assert caught.value.code == "runtime_failed"

@@ -270,8 +270,11 @@ def test_a_silent_asker_does_not_stop_the_control_loop(tmp_path: Path) -> None:
         "listener": listener, "request_timeout": 0.5,
         "answer": lambda conn: {"ok": True, "echo": json.loads(_read_line(conn))}})
     thread.start()
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:
+    with listener, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent, \
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as trickling:
         silent.connect(path)
+        trickling.connect(path)
+        trickling.send(b"{")  # then nothing more: the request's deadline covers it too
         assert request(path, {"op": "status"}, timeout=10) == {"ok": True, "echo": {"op": "status"}}
 
 
@@ -370,3 +373,18 @@ def test_weights_hydrated_through_the_hydrator_are_freed_at_release(tmp_path: Pa
     arena.release("g1")
     freed, _ = _cu(arena.driver, "cuMemGetInfo")
     assert int(freed) - int(held) >= 8 * MIB
+
+
+@pytest.mark.parametrize("key", [None, "", "k", "sha256:" + "0" * 63, "sha256:" + "G" * 64, 7])
+def test_a_stage_key_must_be_a_manifest_digest(key: object) -> None:
+    from coldsnap_probe._hydrate import _stage_key
+
+    with pytest.raises(HydrationError, match="key must be a manifest digest"):
+        _stage_key({"key": key})
+
+
+def test_stage_requests_are_keyed_by_the_manifest_digest(tmp_path: Path) -> None:
+    from coldsnap_probe._hydrate import _stage_key
+
+    manifest = manifest_for([region(source(tmp_path))])
+    assert _stage_key(manifest.stage_request("stage")) == manifest.manifest_digest
