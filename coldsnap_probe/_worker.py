@@ -46,6 +46,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -56,12 +57,13 @@ from ._graph import GraphPlan, default_graph_policy, graph_record, plan_graph_po
 from ._hydrate import HydrationManifest, Stager, check_sources
 from ._hydrate import request as hydration_request
 from ._profile import identity
-from .errors import ContractError, ProbeError, WorkerError
+from .errors import ContractError, ProbeError, RankAborted, WorkerError
 
 __all__ = ("capture", "identity_compatibility", "image_digest", "restore", "tp_execution")
 
 CAPTURE_KIND = "coldsnap-cuda-criu-capture"
 RESTORE_KIND = "coldsnap-cuda-criu-restore"
+ABORT_POLL = 0.05  # seconds between looks at the activation's abort while the engine works
 _NVIDIA_MAPS = ("libcuda.so", "libnvidia-ml.so", "/dev/nvidia")
 
 
@@ -195,12 +197,32 @@ def _images_size(images: Path) -> tuple[int, int]:
     return sum(p.stat().st_size for p in files), len(files)
 
 
-def _engine(control: str, message: dict[str, Any], what: str, *, timeout: float = 300.0) -> dict[str, Any]:
-    """One request to the engine's control socket; a refusal is a WorkerError naming `what`."""
-    try:
-        answer = hydration_request(control, message, timeout=timeout)
-    except ProbeError as exc:
-        raise WorkerError(f"{what}: {exc}") from exc
+def _engine(control: str, message: dict[str, Any], what: str, *, timeout: float = 300.0,
+            ranks: Coordinator | None = None) -> dict[str, Any]:
+    """One request to the engine's control socket; a refusal is a WorkerError naming `what`.
+
+    With `ranks` (a restore of several ranks), a peer's abort ends the wait: the engine may be blocked on that
+    peer (a communicator's rendezvous), and this rank's restored tree is killed anyway."""
+    outcome: dict[str, Any] = {}
+
+    def ask() -> None:
+        try:
+            outcome["answer"] = hydration_request(control, message, timeout=timeout)
+        except ProbeError as exc:
+            outcome["error"] = exc
+
+    if ranks is None or not ranks.multi:
+        ask()
+    else:
+        asking = threading.Thread(target=ask, name="coldsnap-engine-request", daemon=True)
+        asking.start()
+        while asking.is_alive():
+            asking.join(ABORT_POLL)
+            if asking.is_alive() and (reason := ranks.aborted()):
+                raise RankAborted(f"{what}: the activation was aborted while the engine worked: {reason}")
+    if "error" in outcome:
+        raise WorkerError(f"{what}: {outcome['error']}") from outcome["error"]
+    answer: dict[str, Any] = outcome["answer"]
     if not answer.get("ok"):
         raise WorkerError(f"{what}: {answer.get('error')}")
     return answer
@@ -293,7 +315,8 @@ def _resume_engine(control: str, coordinator: Coordinator, plan: str, label: str
     """Recreate the communicators on a store of this activation and re-capture the graphs (every rank at once)."""
     store = str((coordinator.directory or scratch) / f"{label}.store")  # every rank's, or this worker's own
     return _engine(control, {"op": "resume", "policy": plan, "store": store, "rank": coordinator.rank,
-                             "world_size": coordinator.world_size}, f"engine {label}")
+                             "world_size": coordinator.world_size}, f"engine {label}",
+                   ranks=coordinator if label == "restore" else None)
 
 
 def _signal_tree(pids: list[int], sig: signal.Signals) -> None:
@@ -565,7 +588,7 @@ def restore(images: Path, *, criu: str, work: Path | None = None,
             timeline.mark("hydration_begin")
             staged = stager.result() if stager else None
             answer = _engine(manifest.control, {"op": "hydrate"},
-                             "weight hydration failed, the restored engine is not released")
+                             "weight hydration failed, the restored engine is not released", ranks=ranks)
             timeline.mark("hydration_end")
             hydrated = answer["report"]
             report["hydration"] = {"bytes": hydrated["bytes"], "seconds": hydrated["seconds"],

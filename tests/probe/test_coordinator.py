@@ -165,3 +165,24 @@ def test_restore_ranks_whose_records_differ_are_stopped(tmp_path: Path) -> None:
     (images[1] / "graph.json").write_text(json.dumps(stored))
     results = restore_workers(tmp_path, images, [0, 1])
     assert all(rc == 1 and "graph records disagree" in err for rc, err in results)
+
+
+def test_a_peer_abort_ends_the_wait_for_an_engine_that_never_answers(tmp_path: Path) -> None:
+    """A restored engine blocked on a dead peer (e.g. in its communicator rendezvous) must not hold this rank's
+    worker for the request timeout: the activation's abort ends the wait."""
+    import socket
+    import time
+
+    from coldsnap_probe._worker import _engine
+
+    path = str(tmp_path / "engine.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as engine:
+        engine.bind(path)
+        engine.listen()  # accepts (in the backlog) and never answers
+        rank0 = Coordinator(tmp_path / "coord", "restore-1", 0, 2)
+        peer = Coordinator(tmp_path / "coord", "restore-1", 1, 2)
+        threading.Timer(0.3, peer.abort, args=("rank 1 restore: its process died",)).start()
+        started = time.monotonic()
+        with pytest.raises(RankAborted, match="engine restore: the activation was aborted .* rank 1 restore: its"):
+            _engine(path, {"op": "resume"}, "engine restore", timeout=60, ranks=rank0)
+        assert time.monotonic() - started < 5
