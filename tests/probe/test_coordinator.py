@@ -183,6 +183,6 @@ def test_a_peer_abort_ends_the_wait_for_an_engine_that_never_answers(tmp_path: P
         peer = Coordinator(tmp_path / "coord", "restore-1", 1, 2)
         threading.Timer(0.3, peer.abort, args=("rank 1 restore: its process died",)).start()
         started = time.monotonic()
-        with pytest.raises(RankAborted, match="engine restore: the activation was aborted .* rank 1 restore: its"):
+        with pytest.raises(RankAborted, match=r"engine restore: the activation was aborted .* rank 1 restore: its"):
             _engine(path, {"op": "resume"}, "engine restore", timeout=60, ranks=rank0)
         assert time.monotonic() - started < 5
