@@ -38,7 +38,7 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import table
+from bench._common import stages, table
 from bench.e2e_restore import (
     COORD,
     CRIU,
@@ -103,18 +103,7 @@ class Activation:
                 namespace, "--barrier-timeout", f"{barrier_timeout:g}"]
 
     def log(self, name: str) -> dict[str, dict[str, Any]]:
-        found: dict[str, dict[str, Any]] = {}
-        try:
-            text = (self.run_dir / name).read_text()
-        except FileNotFoundError:
-            return found
-        for line in text.splitlines():
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                continue
-            found.setdefault(entry.get("stage", ""), entry)
-        return found
+        return stages(self.run_dir / name)
 
 
 def _call(fn: Any, *args: Any) -> Any:

@@ -25,6 +25,7 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.e2e_restore import E2EError, Stream, stream_tokens
 from coldsnap_provider import call_control
 from tests.helpers import Session, open_session
 
@@ -84,7 +85,6 @@ def _output(reply: dict[str, Any]) -> str:
     return base64.b64decode(raw).decode(errors="replace") if isinstance(raw, str) else str(raw)
 
 
-ENGINE_PROMPT = [128000, 3923, 374, 279, 6864, 315, 9822, 30]
 
 
 async def engine_cold_start(d: Driver, args: argparse.Namespace) -> None:
@@ -111,9 +111,7 @@ async def engine_cold_start(d: Driver, args: argparse.Namespace) -> None:
     t_create = time.time()
     reply = await d.runtime("workload-run", workload=workload)
     t_started = time.time()
-    first = last = 0.0
-    tokens: list[int] = []
-    done: dict[str, Any] = {}
+    answer = Stream()
     error = reply.get("error")
     if reply["ok"]:
         with anyio.move_on_after(300):
@@ -124,25 +122,11 @@ async def engine_cold_start(d: Driver, args: argparse.Namespace) -> None:
                     break
                 await anyio.sleep(0.05)
         if sock.exists():
-            stream = await anyio.connect_unix(str(sock))
-            async with stream:
-                await stream.send(json.dumps({"prompt": ENGINE_PROMPT, "max_tokens": 16}).encode() + b"\n")
-                buffer = bytearray()
-                while not done:
-                    try:
-                        buffer += await stream.receive()
-                    except anyio.EndOfStream:
-                        break
-                    while b"\n" in buffer:
-                        end = buffer.index(b"\n")
-                        event = json.loads(bytes(buffer[:end]))
-                        del buffer[:end + 1]
-                        if "token" in event:
-                            first = first or time.time()
-                            last = time.time()
-                            tokens.append(int(event["token"]))
-                        elif event.get("done"):
-                            done = event
+            try:
+                answer = await stream_tokens(sock)
+            except E2EError as exc:
+                error = str(exc)
+    first, last, tokens, done = answer.first, answer.last, answer.tokens, answer.done
     logs = await d.runtime("workload-logs", name="engine-cold", tail=0)
     text = _output(logs)
     stages = []

@@ -14,6 +14,7 @@ import pytest
 from coldsnap_probe._hydrate import (
     DIGEST_CHUNK,
     HydrationManifest,
+    WeightArena,
     WeightRegion,
     check_sources,
     chunk_digests,
@@ -159,6 +160,14 @@ def test_restore_with_a_truncated_weight_source_refuses_before_criu(tmp_path: Pa
 gpu = pytest.mark.skipif(not has_nvidia_driver(), reason="needs an NVIDIA driver")
 
 
+def declared_arena(path: Path, size: int, *, offset: int = 0, exportable: bool = False) -> WeightArena:
+    """A WeightArena of `size` bytes whose one region, "weights", is `path` from `offset` (on a GPU host)."""
+    arena = WeightArena(size, exportable=exportable)
+    arena.declare([WeightRegion("weights", arena.address, size, str(path), offset,
+                                region_digest(path, offset, size))])
+    return arena
+
+
 def device_bytes(arena: object, size: int) -> bytes:
     from coldsnap_probe._hydrate import _cu
 
@@ -170,11 +179,9 @@ def device_bytes(arena: object, size: int) -> bytes:
 @gpu
 @pytest.mark.parametrize("strategy", ["register", "ring"])
 def test_arena_release_and_restore_same_address_same_bytes(tmp_path: Path, strategy: str) -> None:
-    from coldsnap_probe._hydrate import WeightArena
 
     path = source(tmp_path, 8 * MIB)
-    arena = WeightArena(4 * MIB)
-    arena.declare([WeightRegion("weights", arena.address, 4 * MIB, str(path), 0, region_digest(path, 0, 4 * MIB))])
+    arena = declared_arena(path, 4 * MIB)
     arena.load(strategy=strategy)
     address, before = arena.address, device_bytes(arena, 4 * MIB)
     assert before == path.read_bytes()[:4 * MIB]
@@ -187,11 +194,9 @@ def test_arena_release_and_restore_same_address_same_bytes(tmp_path: Path, strat
 
 @gpu
 def test_arena_release_with_an_altered_source_refuses_and_keeps_serving(tmp_path: Path) -> None:
-    from coldsnap_probe._hydrate import WeightArena
 
     path = source(tmp_path, 4 * MIB)
-    arena = WeightArena(4 * MIB)
-    arena.declare([WeightRegion("weights", arena.address, 4 * MIB, str(path), 0, region_digest(path, 0, 4 * MIB))])
+    arena = declared_arena(path, 4 * MIB)
     arena.load()
     before = device_bytes(arena, 4 * MIB)
     with path.open("r+b") as f:
@@ -204,12 +209,10 @@ def test_arena_release_with_an_altered_source_refuses_and_keeps_serving(tmp_path
 
 @gpu
 def test_arena_restore_with_too_little_free_memory_refuses_then_succeeds(tmp_path: Path) -> None:
-    from coldsnap_probe._hydrate import WeightArena, _cu
+    from coldsnap_probe._hydrate import _cu
 
     path = source(tmp_path, 64 * MIB)
-    arena = WeightArena(64 * MIB)
-    arena.declare([WeightRegion("weights", arena.address, 64 * MIB, str(path), 0,
-                                region_digest(path, 0, 64 * MIB))])
+    arena = declared_arena(path, 64 * MIB)
     arena.load()
     arena.release("g1")
     free, _total = _cu(arena.driver, "cuMemGetInfo")
@@ -225,11 +228,9 @@ def test_arena_restore_with_too_little_free_memory_refuses_then_succeeds(tmp_pat
 
 @gpu
 def test_arena_restore_with_a_truncated_source_stays_unready(tmp_path: Path) -> None:
-    from coldsnap_probe._hydrate import WeightArena
 
     path = source(tmp_path, 4 * MIB)
-    arena = WeightArena(4 * MIB)
-    arena.declare([WeightRegion("weights", arena.address, 4 * MIB, str(path), 0, region_digest(path, 0, 4 * MIB))])
+    arena = declared_arena(path, 4 * MIB)
     arena.load()
     arena.release("g1")
     os.truncate(path, MIB)
@@ -295,11 +296,8 @@ def hydrator(tmp_path: Path) -> object:
 
 
 def staged_arena(tmp_path: Path, shard: Path, control: str) -> tuple[object, HydrationManifest]:
-    from coldsnap_probe._hydrate import WeightArena
 
-    arena = WeightArena(8 * MIB, exportable=True)
-    arena.declare([WeightRegion("weights", arena.address, 8 * MIB, str(shard), 4 * MIB,
-                                region_digest(shard, 4 * MIB, 8 * MIB))])
+    arena = declared_arena(shard, 8 * MIB, offset=4 * MIB, exportable=True)
     arena.load(strategy="ring")
     arena.serve(str(tmp_path / "engine.sock"), strategy=f"hydrator:{control}")
     return arena, arena.release("g1")
@@ -362,11 +360,10 @@ def test_an_unadopted_stage_is_freed_after_its_ttl(tmp_path: Path, hydrator: tup
 def test_weights_hydrated_through_the_hydrator_are_freed_at_release(tmp_path: Path,
                                                                     hydrator: tuple[Path, str]) -> None:
     """The hydrator closes the descriptor of every allocation it filled: an engine's release frees the memory."""
-    from coldsnap_probe._hydrate import WeightArena, _cu
+    from coldsnap_probe._hydrate import _cu
 
     shard, control = hydrator
-    arena = WeightArena(8 * MIB, exportable=True)
-    arena.declare([WeightRegion("weights", arena.address, 8 * MIB, str(shard), 0, region_digest(shard, 0, 8 * MIB))])
+    arena = declared_arena(shard, 8 * MIB, exportable=True)
     assert arena.load(strategy=f"hydrator:{control}")["verified_regions"] == 1
     held, _ = _cu(arena.driver, "cuMemGetInfo")
     arena.serve(str(tmp_path / "engine.sock"), strategy=f"hydrator:{control}")
