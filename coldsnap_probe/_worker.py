@@ -48,6 +48,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -239,7 +240,8 @@ def _release_weights(control: str, report: dict[str, Any]) -> HydrationManifest:
         raise WorkerError(f"the engine's hydration manifest is invalid: {exc}") from exc
     report["hydration"] = {"released_bytes": sum(r.size for r in manifest.regions), "regions": len(manifest.regions),
                            "release_seconds": time.perf_counter() - started,
-                           "plan_digest": manifest.plan.plan_digest, "manifest_digest": manifest.manifest_digest}
+                           "plan_digest": manifest.plan.plan_digest, "manifest_digest": manifest.manifest_digest,
+                           "host_heap": answer.get("host_heap")}
     return manifest
 
 
@@ -550,7 +552,14 @@ def restore(images: Path, *, criu: str, work: Path | None = None,
         paused = bool(cuda) or ranks.multi  # every rank is restored paused and released together
         args = ["restore", "--images-dir", str(images), "--work-dir", str(work), "--restore-detached",
                 "--pidfile", str(pidfile), *(["--leave-stopped"] if paused else [])]
-        report["criu_restore_seconds"] = _criu(criu, args, work / "restore.log")
+        if cuda:  # the driver initialises while CRIU runs: cuInit is a good part of the CUDA restore otherwise
+            driver = Driver()
+            with ThreadPoolExecutor(1, thread_name_prefix="coldsnap-cuinit") as pool:
+                initialised = pool.submit(driver.call, "cuInit", 0)
+                report["criu_restore_seconds"] = _criu(criu, args, work / "restore.log")
+                initialised.result()
+        else:
+            report["criu_restore_seconds"] = _criu(criu, args, work / "restore.log")
         timeline.mark("criu_restore_end")
         root = int(pidfile.read_text().split()[0])
         report["restored_pid"] = root
@@ -562,8 +571,6 @@ def restore(images: Path, *, criu: str, work: Path | None = None,
             timeline.mark("rank_barrier_end")
         if cuda:
             timeline.mark("deferred_cuda_restore_begin")
-            driver = Driver()
-            driver.call("cuInit", 0)
             os.killpg(root, signal.SIGCONT)  # leave-stopped tree: the CUDA restore thread must run
             for pid in reversed(cuda):
                 _require(driver, [pid], "checkpointed", "before CUDA restore")

@@ -1,0 +1,180 @@
+"""What a CUDA checkpoint puts into a process's host memory, and so into its CRIU images (run on the GPU machine).
+
+    python bench/checkpoint_anatomy.py [--out DIR]
+
+Each variant starts a small CUDA process (bare cuda-python context, or torch with cuBLAS and a captured
+graph; with or without a smaller per-thread stack, fewer hardware queues, eager module loading, the
+heap trimmed), then checkpoints it from this process with `cuCheckpointProcessLock/Checkpoint` and reads
+`/proc/<pid>/smaps` before and after: the anonymous memory the checkpoint adds is the device state
+that every CRIU dump and restore of that process copies. The process's own anonymous memory (Python,
+torch, driver host state) is listed by mapping. Restore and unlock are timed too. A table on stdout,
+JSON in --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench._common import table
+
+VARIANTS: list[tuple[str, list[str], dict[str, str]]] = [
+    ("context (cuda-python)", [], {}),
+    ("context, 256 B stack", ["--stack", "256"], {}),
+    ("context, 256 B stack, small heap + printf", ["--stack", "256", "--small-limits"], {}),
+    ("torch", ["--torch"], {}),
+    ("torch, 256 B stack", ["--torch", "--stack", "256"], {}),
+    ("torch, 256 B stack, matmul", ["--torch", "--stack", "256", "--matmul"], {}),
+    ("torch, 256 B stack, matmul + graph", ["--torch", "--stack", "256", "--matmul", "--graph"], {}),
+    ("  + malloc_trim", ["--torch", "--stack", "256", "--matmul", "--graph", "--trim"], {}),
+    ("  + 1 hardware queue", ["--torch", "--stack", "256", "--matmul", "--graph"],
+     {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}),
+    ("  eager module loading", ["--torch", "--stack", "256", "--matmul", "--graph"],
+     {"CUDA_MODULE_LOADING": "EAGER"}),
+]
+
+
+def anonymous(pid: int | str = "self") -> dict[str, Any]:
+    """Anonymous bytes in all, and the largest mappings holding them (size, name, start)."""
+    total, rows, current = 0, [], ("", "")
+    with open(f"/proc/{pid}/smaps") as smaps:
+        for line in smaps:
+            head = line.split(maxsplit=6)
+            if "-" in head[0] and not head[0].endswith(":"):
+                current = (head[0].split("-")[0], head[5].strip() if len(head) > 5 else "[anon]")
+            elif head[0] == "Anonymous:":
+                size = int(head[1]) * 1024
+                total += size
+                if size:
+                    rows.append((size, current[1], current[0]))
+    return {"bytes": total, "largest": sorted(rows, reverse=True)[:6]}
+
+
+def child(args: argparse.Namespace) -> None:
+    stages: dict[str, Any] = {"start": anonymous()}
+    if args.torch:
+        import torch
+
+        stages["imported"] = anonymous()
+        torch.zeros(1, device="cuda").sum().item()
+        from cuda.bindings import driver
+    else:
+        from cuda.bindings import driver
+
+        driver.cuInit(0)
+        _err, device = driver.cuDeviceGet(0)
+        _err, ctx = driver.cuDevicePrimaryCtxRetain(device)
+        driver.cuCtxSetCurrent(ctx)
+    stages["context"] = anonymous()
+    limits = {"stack": (driver.CUlimit.CU_LIMIT_STACK_SIZE, args.stack)} if args.stack else {}
+    if args.small_limits:
+        limits |= {"malloc_heap": (driver.CUlimit.CU_LIMIT_MALLOC_HEAP_SIZE, 1 << 20),
+                   "printf_fifo": (driver.CUlimit.CU_LIMIT_PRINTF_FIFO_SIZE, 1 << 16)}
+    refused = {name: str(err) for name, (limit, value) in limits.items()
+               if int(err := driver.cuCtxSetLimit(limit, value)[0])}
+    if args.matmul or args.graph:
+        a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+        b = (a @ a).sum().item()
+        if args.graph:
+            graph, out = torch.cuda.CUDAGraph(), torch.empty_like(a)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                out.copy_(a @ a)
+            torch.cuda.current_stream().wait_stream(side)
+            with torch.cuda.graph(graph):
+                out.copy_(a @ a)
+            graph.replay()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        stages["work"] = anonymous()
+        del b
+    if args.trim:
+        import ctypes
+
+        ctypes.CDLL(None).malloc_trim(0)
+        stages["trimmed"] = anonymous()
+    free, total = driver.cuMemGetInfo()[1:]
+    reserved = torch.cuda.memory_reserved() if args.torch else 0
+    sys.stdout.write(json.dumps({"ready": os.getpid(), "stages": stages, "limit_refused": refused,
+                                 "device_used": int(total) - int(free), "torch_reserved": reserved}) + "\n")
+    sys.stdout.flush()
+    sys.stdin.read()
+
+
+def checkpoint(pid: int) -> dict[str, Any]:
+    from cuda.bindings import driver
+
+    def call(name: str, *args: Any) -> float:
+        started = time.perf_counter()
+        err = getattr(driver, name)(*args)[0]
+        if int(err):
+            raise RuntimeError(f"{name}({pid}): {err}")
+        return time.perf_counter() - started
+
+    before = anonymous(pid)
+    lock = call("cuCheckpointProcessLock", pid, None)
+    seconds = call("cuCheckpointProcessCheckpoint", pid, None)
+    after = anonymous(pid)
+    restore = call("cuCheckpointProcessRestore", pid, None)
+    unlock = call("cuCheckpointProcessUnlock", pid, None)
+    return {"anonymous_before": before, "anonymous_after": after,
+            "device_state_bytes": after["bytes"] - before["bytes"],
+            "lock_s": lock, "checkpoint_s": seconds, "restore_s": restore, "unlock_s": unlock}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--torch", action="store_true")
+    parser.add_argument("--stack", type=int, default=0)
+    parser.add_argument("--small-limits", action="store_true")
+    parser.add_argument("--matmul", action="store_true")
+    parser.add_argument("--graph", action="store_true")
+    parser.add_argument("--trim", action="store_true")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return
+    from cuda.bindings import driver
+
+    driver.cuInit(0)
+    results, rows = [], []
+    for name, flags, env in VARIANTS:
+        proc = subprocess.Popen([sys.executable, __file__, "--child", *flags], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True, env={**os.environ, **env})
+        assert proc.stdout is not None and proc.stdin is not None
+        try:
+            ready = json.loads(proc.stdout.readline())
+            result = {"variant": name, "flags": flags, "env": env, **ready, **checkpoint(ready["ready"])}
+        except (ValueError, RuntimeError, KeyError) as exc:
+            result = {"variant": name, "error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            proc.stdin.close()
+            proc.wait(timeout=60)
+        results.append(result)
+        if args.out:
+            Path(args.out, "checkpoint-anatomy.json").write_text(json.dumps(results, indent=1))
+        if "error" in result:
+            rows.append([name, result["error"], "", "", "", "", ""])
+            continue
+        mb = 1e6
+        rows.append([name, f"{result['device_used'] / mb:.0f}", f"{result['torch_reserved'] / mb:.0f}",
+                     f"{result['device_state_bytes'] / mb:.0f}", f"{result['anonymous_before']['bytes'] / mb:.0f}",
+                     f"{result['checkpoint_s']:.2f}", f"{result['restore_s'] + result['unlock_s']:.2f}"])
+    print(table(["variant", "device used MB", "torch reserved MB", "checkpoint adds MB (device state)",
+                 "own anonymous MB", "checkpoint s", "restore+unlock s"], rows))
+
+
+if __name__ == "__main__":
+    main()
