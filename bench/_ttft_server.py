@@ -28,8 +28,15 @@ import time
 T_START = time.time()
 
 
+def anonymous_bytes() -> int:
+    with open("/proc/self/smaps_rollup") as rollup:
+        return next(int(line.split()[1]) * 1024 for line in rollup if line.startswith("Anonymous:"))
+
+
 def stage(name: str, **extra: object) -> None:
-    sys.stdout.write(json.dumps({"stage": name, "unix": time.time(), "pid": os.getpid(), **extra}) + "\n")
+    """One JSON line; `anonymous` (the process's anonymous memory so far) shows what each stage adds to the images."""
+    sys.stdout.write(json.dumps({"stage": name, "unix": time.time(), "pid": os.getpid(),
+                                 "anonymous": anonymous_bytes(), **extra}) + "\n")
     sys.stdout.flush()
 
 

@@ -9,6 +9,11 @@ heap trimmed), then checkpoints it from this process with `cuCheckpointProcessLo
 that every CRIU dump and restore of that process copies. The process's own anonymous memory (Python,
 torch, driver host state) is listed by mapping. Restore and unlock are timed too. A table on stdout,
 JSON in --out.
+
+With --criu, the torch variant with cuBLAS and a graph is then checkpointed, dumped by CRIU and restored
+twice each way: CRIU filling its memory at restore (as the worker does), and lazily (`criu lazy-pages` serving
+page faults through userfaultfd and copying the rest in the background). Timed: CRIU, the CUDA restore,
+the first GPU work after it (the process replays its graph on SIGUSR1), and until every page is in.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +32,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._common import table
+from bench._common import become_subreaper, kill_and_reap, table
+
+LAZY_FLAGS = ["--torch", "--stack", "256", "--matmul", "--graph"]
 
 VARIANTS: list[tuple[str, list[str], dict[str, str]]] = [
     ("context (cuda-python)", [], {}),
@@ -103,12 +112,96 @@ def child(args: argparse.Namespace) -> None:
 
         ctypes.CDLL(None).malloc_trim(0)
         stages["trimmed"] = anonymous()
+    if args.wait_signal:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})  # taken by sigwait below, never delivered
     free, total = driver.cuMemGetInfo()[1:]
     reserved = torch.cuda.memory_reserved() if args.torch else 0
     sys.stdout.write(json.dumps({"ready": os.getpid(), "stages": stages, "limit_refused": refused,
                                  "device_used": int(total) - int(free), "torch_reserved": reserved}) + "\n")
     sys.stdout.flush()
-    sys.stdin.read()
+    if not args.wait_signal:
+        sys.stdin.read()
+        return
+    while True:  # each SIGUSR1: replay the graph and say so (the proof that a restored process works)
+        signal.sigwait({signal.SIGUSR1})
+        graph.replay()
+        sys.stdout.write(json.dumps({"worked": float(out.float().sum().item())}) + "\n")
+        sys.stdout.flush()
+
+
+def _run(*argv: str) -> float:
+    started = time.perf_counter()
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"{argv[1]} exited {done.returncode}: {done.stderr[-2000:]}")
+    return time.perf_counter() - started
+
+
+def _lines(path: Path, count: int, deadline_s: float = 120.0) -> list[dict[str, Any]]:
+    give_up = time.monotonic() + deadline_s
+    while time.monotonic() < give_up:
+        lines = [json.loads(x) for x in path.read_text().splitlines() if x.startswith("{")]
+        if len(lines) >= count:
+            return lines
+        time.sleep(0.001)
+    raise RuntimeError(f"{path} has fewer than {count} lines after {deadline_s} s")
+
+
+def criu_restores(criu: str, root: Path) -> list[dict[str, Any]]:
+    """Checkpoint + dump the torch process once; restore it twice eagerly and twice lazily."""
+    from cuda.bindings import driver
+
+    def call(name: str, pid: int) -> float:
+        started = time.perf_counter()
+        if int(err := getattr(driver, name)(pid, None)[0]):
+            raise RuntimeError(f"{name}({pid}): {err}")
+        return time.perf_counter() - started
+
+    images, log = root / "images", root / "child.out"
+    images.mkdir()
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, __file__, "--child", "--wait-signal", *LAZY_FLAGS],
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+    pid = _lines(log, 1)[0]["ready"]
+    call("cuCheckpointProcessLock", pid)
+    call("cuCheckpointProcessCheckpoint", pid)
+    dump = _run(criu, "dump", "--tree", str(pid), "--images-dir", str(images), "--work-dir", str(root),
+                "--log-file", "dump.log", "-v4")
+    proc.wait()  # CRIU killed it; reaped so that its PID is free for the restores
+    dumped_size = log.stat().st_size  # CRIU refuses a restore when an open file's size changed
+    image_bytes = sum(f.stat().st_size for f in images.iterdir())
+    results = []
+    for mode in ("eager", "lazy", "eager", "lazy"):
+        work = root / f"restore-{len(results)}"
+        work.mkdir()
+        os.truncate(log, dumped_size)  # drop the line the previous restore wrote
+        lazy_daemon = None
+        if mode == "lazy":
+            lazy_daemon = subprocess.Popen([criu, "lazy-pages", "--images-dir", str(images), "--work-dir", str(work),
+                                            "--log-file", "lazy.log", "-v4"], stdin=subprocess.DEVNULL,
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            while not (work / "lazy-pages.socket").exists() and lazy_daemon.poll() is None:
+                time.sleep(0.001)
+        started = time.perf_counter()
+        criu_s = _run(criu, "restore", "--images-dir", str(images), "--work-dir", str(work), "--restore-detached",
+                      "--pidfile", str(work / "pid"), "--leave-stopped", "--log-file", "restore.log", "-v4",
+                      *(["--lazy-pages"] if lazy_daemon else []))
+        os.kill(pid, signal.SIGCONT)
+        cuda_s = call("cuCheckpointProcessRestore", pid) + call("cuCheckpointProcessUnlock", pid)
+        running = time.perf_counter()
+        before = len(_lines(log, 1))
+        os.kill(pid, signal.SIGUSR1)
+        worked = _lines(log, before + 1)[-1]
+        first_work_s = time.perf_counter() - running
+        all_pages_s = 0.0
+        if lazy_daemon:
+            lazy_daemon.wait(timeout=120)
+            all_pages_s = time.perf_counter() - started
+        kill_and_reap([pid])
+        results.append({"mode": mode, "criu_restore_s": criu_s, "cuda_restore_s": cuda_s,
+                        "first_work_s": first_work_s, "until_running_s": running - started,
+                        "all_pages_in_s": all_pages_s, "worked": worked, "image_bytes": image_bytes, "dump_s": dump})
+    return results
 
 
 def checkpoint(pid: int) -> dict[str, Any]:
@@ -141,6 +234,9 @@ def main() -> None:
     parser.add_argument("--matmul", action="store_true")
     parser.add_argument("--graph", action="store_true")
     parser.add_argument("--trim", action="store_true")
+    parser.add_argument("--wait-signal", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--criu", default="", help="also time eager vs lazy CRIU restores with this criu")
+    parser.add_argument("--root", default="/dev/shm", help="where the CRIU runs' images and logs go")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     if args.child:
@@ -174,6 +270,17 @@ def main() -> None:
                      f"{result['checkpoint_s']:.2f}", f"{result['restore_s'] + result['unlock_s']:.2f}"])
     print(table(["variant", "device used MB", "torch reserved MB", "checkpoint adds MB (device state)",
                  "own anonymous MB", "checkpoint s", "restore+unlock s"], rows))
+    if not args.criu:
+        return
+    become_subreaper()
+    restores = criu_restores(args.criu, Path(tempfile.mkdtemp(prefix="coldsnap-anatomy-", dir=args.root)))
+    if args.out:
+        Path(args.out, "checkpoint-anatomy-criu.json").write_text(json.dumps(restores, indent=1))
+    print(table(["CRIU restore", "images GB", "CRIU s", "CUDA restore s", "until running s", "first work s",
+                 "all pages in s"],
+                [[r["mode"], f"{r['image_bytes'] / 1e9:.2f}", f"{r['criu_restore_s']:.3f}",
+                  f"{r['cuda_restore_s']:.3f}", f"{r['until_running_s']:.3f}", f"{r['first_work_s']:.3f}",
+                  f"{r['all_pages_in_s']:.3f}" if r["all_pages_in_s"] else "-"] for r in restores]))
 
 
 if __name__ == "__main__":
