@@ -158,7 +158,8 @@ def settle_gpu(limit_mib: int, timeout: float = 3.0) -> dict[str, Any]:
 
 
 def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, weights: Path,
-             digests: list[bytes], strategy: str, images_root: Path, stack_bytes: int = 0) -> dict[str, Any]:
+             digests: list[bytes], strategy: str, images_root: Path, stack_bytes: int = 0,
+             lazy_pages: bool = False) -> dict[str, Any]:
     """One size in one mode: the whole device state in the images, or weights hydrated after restore."""
     from coldsnap_probe import combine_digests
 
@@ -204,7 +205,9 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
         path.unlink(missing_ok=True)  # the dead process's socket file; the restored one binds it again
         t0 = time.time()
         work = images.with_name(f"{images.name}-work-{attempt}")
-        report = worker("restore", "--images", str(images), "--criu", criu, "--work-dir", str(work))
+        report = worker("restore", "--images", str(images), "--criu", criu, "--work-dir", str(work),
+                        *(["--lazy-pages"] if lazy_pages else []))
+        marks = {m["name"]: m["since_restore_begin_s"] for m in report["timeline"]}
         first, tokens, first_hash = request(path, max_tokens)
         hydration = report.get("hydration", {})
         restores.append({"ttft_s": first - t0, "criu_restore_s": report["criu_restore_seconds"],
@@ -215,7 +218,7 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
                          "after_ready_s": first - report["timeline"][-1]["unix_ns"] / 1e9,
                          "criu_log": criu_gaps(work / "restore.log"),
                          "tokens_identical": tokens == cold_tokens, "logits_identical": first_hash == cold_hash,
-                         "timeline": report["timeline"]})
+                         "all_pages_in_s": marks.get("all_pages_in"), "timeline": report["timeline"]})
         kill_and_reap([report["restored_pid"]])
         if strategy.startswith("hydrator:"):  # recorded, and printed below: nothing should stay staged
             try:
@@ -294,6 +297,8 @@ def main() -> None:
     parser.add_argument("--hydrate-bench", type=float, default=0.0, help="GiB for the copy-strategy benchmark")
     parser.add_argument("--stack-bytes", default="0", help="comma-separated CUDA per-thread stack limits to run "
                         "each size with (0: the driver's default)")
+    parser.add_argument("--memory", default="eager", help="comma-separated: eager (CRIU fills the memory), lazy "
+                        "(criu lazy-pages fills it while the CUDA state comes back); each size runs with each")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--bench-child", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -329,6 +334,7 @@ def main() -> None:
     global BASELINE_MIB
     BASELINE_MIB = gpu_used_mib()  # the hydrator's context, if any: what stays used between runs
     bench = None
+    results: list[dict[str, Any]] = []
     try:
         if args.hydrate_bench:
             done = subprocess.run([sys.executable, __file__, "--bench-child",
@@ -343,9 +349,12 @@ def main() -> None:
                               f"{r.get('copy_s', r.get('seconds', 0)):.2f}", f"{r.get('verify_s', 0):.3f}"]
                              if "error" not in r else [r["source"], r["strategy"], r["error"][:60], "", "", ""]
                              for r in bench["runs"]]))
-        results = [{**run_size(size, root, args.criu, args.tokens, mode == "hydrate", weights, digests, strategy,
-                               images_root, int(stack)), "stack_bytes": int(stack)}
-                   for size in sizes for mode in args.modes.split(",") for stack in args.stack_bytes.split(",")]
+        for size, mode, stack, memory in itertools.product(sizes, args.modes.split(","), args.stack_bytes.split(","),
+                                                           args.memory.split(",")):
+            results.append({**run_size(size, root, args.criu, args.tokens, mode == "hydrate", weights, digests,
+                                       strategy, images_root, int(stack), memory == "lazy"),
+                            "stack_bytes": int(stack), "memory": memory})
+            Path(args.out, "restore_ttft.partial.json").write_text(json.dumps(results, indent=2))
     finally:
         if hydrator_proc is not None:
             hydrator_proc.kill()
@@ -358,11 +367,13 @@ def main() -> None:
         gbps = r["device_bytes"] / (best["cuda_restore_s"] + best["wake_s"]) / 1e9
         hydrated = best.get("hydration", {})
         staged = (hydrated.get("staged") or {}) if isinstance(hydrated, dict) else {}
-        rows.append([f"{r['gib']:g} GiB", r["mode"] + (f", stack {r['stack_bytes']} B" if r["stack_bytes"] else ""),
+        pages_in = " / ".join(f"{x['all_pages_in_s']:.2f}" for x in r["restores"] if x.get("all_pages_in_s"))
+        rows.append([f"{r['gib']:g} GiB", r["mode"] + (f", stack {r['stack_bytes']} B" if r["stack_bytes"] else "")
+                     + (", lazy pages" if r.get("memory") == "lazy" else ""),
                      f"{c['ttft_s']:.2f}", f"{best['ttft_s']:.2f} / {others}", f"{c['ttft_s'] / best['ttft_s']:.2f}x",
                      f"{best['worker_start_s']:.2f} / {best['criu_restore_s']:.2f} / {best['cuda_restore_s']:.2f} / "
                      f"{best['wake_s']:.2f} / {best['after_ready_s']:.2f}",
-                     f"{staged.get('copy_s', 0):.2f}" if staged.get("staged") else "-",
+                     pages_in or "-", f"{staged.get('copy_s', 0):.2f}" if staged.get("staged") else "-",
                      f"{hydrated.get('gbps', 0):.1f}", f"{r['image_bytes'] / 1e9:.2f}",
                      f"{gbps:.1f} ({gbps / h2d:.0%} of {h2d:.1f})",
                      "yes" if all(x["tokens_identical"] and x["logits_identical"] for x in r["restores"]) else "NO",
@@ -372,7 +383,8 @@ def main() -> None:
     print(f"transparent huge pages: {thp_mode}")
     print(table(["model", "mode", "cold TTFT s", "restore TTFT s (best / other)", "speed-up",
                  "restore: worker start / CRIU / CUDA / hydrate / first token after ready s",
-                 "staged copy s (overlapped)", "hydration GB/s", "images GB", "device GB/s back (of pinned H2D)",
+                 "every page in s (since restore)", "staged copy s (overlapped)", "hydration GB/s", "images GB",
+                 "device GB/s back (of pinned H2D)",
                  "identical tokens+logits", "images unchanged"], rows))
     Path(args.out, "restore_ttft.json").write_text(json.dumps(
         {"pinned_h2d_gbps": h2d, "strategy": args.strategy, "hydrator": hydrator_ready, "generate_s": generate_s,

@@ -35,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     restore.add_argument("--images", required=True)
     restore.add_argument("--criu", default="criu")
     restore.add_argument("--work-dir", help="where CRIU writes its log and pidfile (never the images)")
+    restore.add_argument("--lazy-pages", action="store_true",
+                         help="restore memory lazily (criu lazy-pages, userfaultfd) while the CUDA state comes back")
     for command in (capture, restore):
         ranks = command.add_argument_group("several ranks (one worker per rank)")
         ranks.add_argument("--rank", type=int, default=0)
@@ -103,7 +105,8 @@ def _worker(args: argparse.Namespace) -> int:
                              engine=args.engine, graph_policy=args.graph_policy)
         else:
             report = restore(Path(args.images), criu=args.criu,
-                             work=Path(args.work_dir) if args.work_dir else None, coordinator=coordinator)
+                             work=Path(args.work_dir) if args.work_dir else None, coordinator=coordinator,
+                             lazy_pages=args.lazy_pages)
     except (ProbeError, OSError, ValueError) as exc:
         sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")
         return 1

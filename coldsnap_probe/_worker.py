@@ -10,7 +10,9 @@ fresh.
 
 Restore: CRIU restore leaving the tree stopped, then (n610) per CUDA process in reverse
 inventory order: require `checkpointed`, restore, require `locked`, unlock, require
-`running`; finally SIGCONT. On failure the restored tree is killed. Timeline marks are taken
+`running`; finally SIGCONT. On failure the restored tree is killed. With lazy pages, CRIU restores
+the tree without its memory and `criu lazy-pages` fills it (userfaultfd) while the CUDA state comes
+back; the restore is ready only when every page is in, and a daemon that fails kills the tree. Timeline marks are taken
 by this (fresh) process, never by the restored one. The image directory is only read.
 
 Weight hydration (`_hydrate.py`): with `hydration=<engine control socket>` the capture first asks
@@ -64,6 +66,8 @@ __all__ = ("capture", "identity_compatibility", "image_digest", "restore", "tp_e
 
 CAPTURE_KIND = "coldsnap-cuda-criu-capture"
 RESTORE_KIND = "coldsnap-cuda-criu-restore"
+LAZY_PAGES_START_S = 10.0  # for `criu lazy-pages` to listen
+LAZY_PAGES_FINISH_S = 120.0  # for it to have copied every page after the restore
 ABORT_POLL = 0.05  # seconds between looks at the activation's abort while the engine works
 _NVIDIA_MAPS = ("libcuda.so", "libnvidia-ml.so", "/dev/nvidia")
 
@@ -152,12 +156,7 @@ def _criu(criu: str, args: list[str], log: Path) -> float:
     done = subprocess.run([criu, *args, "--log-file", str(log), "-v4"], capture_output=True, text=True,
                           check=False)
     if done.returncode != 0:
-        tail = ""
-        try:
-            tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
-        except OSError:
-            pass
-        raise WorkerError(f"criu {args[0]} exited {done.returncode}: {(done.stderr or '').strip()}\n{tail}")
+        raise WorkerError(f"criu {args[0]} exited {done.returncode}: {(done.stderr or '').strip()}\n{_tail(log)}")
     return time.perf_counter() - started
 
 
@@ -501,14 +500,63 @@ def identity_compatibility(captured: dict[str, Any], current: dict[str, Any], bo
     return "exact" if captured.get("driver_version") == current.get("driver_version") else "driver-upgraded"
 
 
-def restore(images: Path, *, criu: str, work: Path | None = None,
-            coordinator: Coordinator | None = None) -> dict[str, Any]:
-    """Restore the tree captured in `images`; returns the report (the images are only read)."""
+def _start_lazy_pages(criu: str, images: Path, work: Path) -> subprocess.Popen[bytes]:
+    """`criu lazy-pages` for the restore that follows: it serves the restored process's page faults from the
+    images (userfaultfd) and copies every other page in the background, then exits 0."""
+    listening = work / "lazy-pages.socket"
+    listening.unlink(missing_ok=True)
+    log = work / "lazy-pages.log"
+    daemon = subprocess.Popen([criu, "lazy-pages", "--images-dir", str(images), "--work-dir", str(work),
+                               "--log-file", str(log), "-v2"], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    give_up = time.monotonic() + LAZY_PAGES_START_S
+    while not listening.exists():
+        if daemon.poll() is not None or time.monotonic() > give_up:
+            _stop(daemon)
+            raise WorkerError(f"criu lazy-pages did not start (exit {daemon.returncode}): {_tail(log)}")
+        time.sleep(0.001)
+    return daemon
+
+
+def _finish_lazy_pages(daemon: subprocess.Popen[bytes], work: Path) -> None:
+    """Every page is in once the daemon exits 0; otherwise the restored memory is incomplete."""
+    try:
+        code = daemon.wait(LAZY_PAGES_FINISH_S)
+    except subprocess.TimeoutExpired:
+        _stop(daemon)
+        raise WorkerError(f"criu lazy-pages had not copied every page after {LAZY_PAGES_FINISH_S:.0f} s") from None
+    if code != 0:
+        raise WorkerError(f"criu lazy-pages exited {code}, the restored memory is incomplete: "
+                          f"{_tail(work / 'lazy-pages.log')}")
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.kill()
+    process.wait()
+
+
+def _tail(log: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: Coordinator | None = None,
+            lazy_pages: bool = False) -> dict[str, Any]:
+    """Restore the tree captured in `images`; returns the report (the images are only read).
+
+    `lazy_pages`: CRIU restores the processes without their memory, which `criu lazy-pages` then fills
+    (faults first, the rest in the background) while the CUDA state is restored; the restore is reported
+    ready only once every page is in.
+    """
     ranks = coordinator or Coordinator.single()
     timeline = Timeline()
     timeline.mark("restore_begin")
     root = None
     stager: Stager | None = None
+    lazy: subprocess.Popen[bytes] | None = None
     report: dict[str, Any] = {"format": 1, "kind": RESTORE_KIND, "rank": ranks.rank, "world_size": ranks.world_size}
     try:
         capture_report = json.loads((images / "capture.json").read_text())
@@ -550,8 +598,11 @@ def restore(images: Path, *, criu: str, work: Path | None = None,
         pidfile = work / "restored.pid"
         pidfile.unlink(missing_ok=True)  # CRIU refuses to overwrite one left by an earlier restore
         paused = bool(cuda) or ranks.multi  # every rank is restored paused and released together
+        if lazy_pages:
+            lazy = _start_lazy_pages(criu, images, work)
         args = ["restore", "--images-dir", str(images), "--work-dir", str(work), "--restore-detached",
-                "--pidfile", str(pidfile), *(["--leave-stopped"] if paused else [])]
+                "--pidfile", str(pidfile), *(["--leave-stopped"] if paused else []),
+                *(["--lazy-pages"] if lazy else [])]
         if cuda:  # the driver initialises while CRIU runs: cuInit is a good part of the CUDA restore otherwise
             driver = Driver()
             with ThreadPoolExecutor(1, thread_name_prefix="coldsnap-cuinit") as pool:
@@ -608,6 +659,9 @@ def restore(images: Path, *, criu: str, work: Path | None = None,
             timeline.mark("communicator_recreate_end")
             report["communicator_recreate_seconds"] = timeline.seconds("communicator_recreate_begin",
                                                                        "communicator_recreate_end")
+        if lazy:
+            _finish_lazy_pages(lazy, work)
+            timeline.mark("all_pages_in")
         ranks.barrier("ready")
         timeline.mark("ready")
     except BaseException as exc:
@@ -618,6 +672,8 @@ def restore(images: Path, *, criu: str, work: Path | None = None,
         ranks.abort(f"rank {ranks.rank} restore: {report['error']}")
         if stager:
             stager.discard()
+        if lazy:
+            _stop(lazy)
         report["timeline"] = timeline.marks
         if isinstance(exc, WorkerError):
             raise

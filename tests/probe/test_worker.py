@@ -179,6 +179,47 @@ def test_n610_capture_then_two_restores_from_unchanged_images(tmp_path: Path) ->
 
 
 @gpu
+@pytest.mark.usefixtures("subreaper")
+def test_lazy_restores_bring_every_page_back_before_ready(tmp_path: Path) -> None:
+    control, images = tmp_path / "control", tmp_path / "images"
+    target = start_target("n610", control, "64")
+    done = worker("capture", "--pid", str(target.pid), "--images", str(images), "--criu", shutil.which("criu") or "")
+    assert done.returncode == 0, done.stderr
+    target.wait()
+    digest = image_digest(images)
+    for attempt in (1, 2):
+        done = worker("restore", "--images", str(images), "--work-dir", str(tmp_path / f"work-{attempt}"),
+                      "--lazy-pages")
+        assert done.returncode == 0, done.stderr
+        report = json.loads(done.stdout)
+        names = [m["name"] for m in report["timeline"]]
+        assert names[-2:] == ["all_pages_in", "ready"] and verify(control, attempt)
+        kill_and_reap(report["restored_pid"])
+    assert image_digest(images) == digest
+
+
+@gpu
+@pytest.mark.usefixtures("subreaper")
+def test_a_lazy_pages_daemon_that_fails_restores_nothing(tmp_path: Path) -> None:
+    control, images = tmp_path / "control", tmp_path / "images"
+    target = start_target("n610", control, "16")
+    done = worker("capture", "--pid", str(target.pid), "--images", str(images), "--criu", shutil.which("criu") or "")
+    assert done.returncode == 0, done.stderr
+    target.wait()
+    broken = tmp_path / "criu"  # the real criu, except that its lazy-pages daemon fails at once
+    broken.write_text(f'#!/bin/sh\n[ "$1" = lazy-pages ] && exit 3\nexec {shutil.which("criu")} "$@"\n')
+    broken.chmod(0o755)
+    done = worker("restore", "--images", str(images), "--criu", str(broken), "--lazy-pages")
+    assert done.returncode == 1 and "criu lazy-pages did not start (exit 3)" in done.stderr
+    with pytest.raises(ProcessLookupError):
+        os.kill(target.pid, 0)  # nothing was restored
+    done = worker("restore", "--images", str(images), "--work-dir", str(tmp_path / "work"))
+    assert done.returncode == 0, done.stderr  # the images are intact: an eager restore still works
+    assert verify(control, 1)
+    kill_and_reap(json.loads(done.stdout)["restored_pid"])
+
+
+@gpu
 def test_failed_dump_rolls_back_and_the_workload_keeps_running(tmp_path: Path) -> None:
     control = tmp_path / "control"
     target = start_target("n610", control, "16")
