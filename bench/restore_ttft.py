@@ -217,9 +217,14 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
                          "worker_start_s": report["timeline"][0]["unix_ns"] / 1e9 - t0,
                          "after_ready_s": first - report["timeline"][-1]["unix_ns"] / 1e9,
                          "criu_log": criu_gaps(work / "restore.log"),
+                         "lazy_pages_log": criu_gaps(work / "lazy-pages.log") if lazy_pages else None,
                          "tokens_identical": tokens == cold_tokens, "logits_identical": first_hash == cold_hash,
                          "all_pages_in_s": marks.get("all_pages_in"), "timeline": report["timeline"]})
         kill_and_reap([report["restored_pid"]])
+        if lazy_pages:  # kept for reading: where the daemon spent its time
+            subprocess.run(f"tail -c 8000000 {work}/lazy-pages.log | xz -T4 > "
+                           f"{os.environ.get('OUT', '.')}/lazy-pages-{gib:g}g-{attempt}.log.xz", shell=True,
+                           check=False)
         if strategy.startswith("hydrator:"):  # recorded, and printed below: nothing should stay staged
             try:
                 restores[-1]["hydrator_status"] = hydration_request(strategy.split(":", 1)[1], {"op": "status"})

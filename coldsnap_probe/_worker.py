@@ -507,7 +507,7 @@ def _start_lazy_pages(criu: str, images: Path, work: Path) -> subprocess.Popen[b
     listening.unlink(missing_ok=True)
     log = work / "lazy-pages.log"
     daemon = subprocess.Popen([criu, "lazy-pages", "--images-dir", str(images), "--work-dir", str(work),
-                               "--log-file", str(log), "-v2"], stdin=subprocess.DEVNULL,
+                               "--log-file", str(log), "-v4"], stdin=subprocess.DEVNULL,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     give_up = time.monotonic() + LAZY_PAGES_START_S
     while not listening.exists():
