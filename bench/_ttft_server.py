@@ -7,7 +7,9 @@ Random weights from a fixed seed (no downloads), bf16, loaded from a local file 
 staging buffers; a static KV cache; the decode step is captured as a CUDA graph; greedy
 generation. With --vmm-weights the weights live in a `coldsnap_probe._hydrate.WeightArena`: one
 region (a 64 MiB-aligned prefix of the weights file, digest given by --region-digest), released
-and hydrated by the restore worker through --control (the product path, not this server's code).
+and hydrated by the restore worker through --control (the product path, not this server's code);
+with --kv-discard the KV cache sits in the same arena as a discarded region (kept out of the images,
+zeroed at restore).
 Stage timestamps go to stdout as JSON lines. (A Unix socket, not TCP: CRIU 4.1.1 reads
 SO_PASSCRED from every socket it dumps, which kernels from 6.16 refuse on inet sockets.) Protocol: one JSON line
 {"prompt": [ids], "max_tokens": n} per connection; one {"token": id} line per token, then
@@ -74,8 +76,13 @@ def generate(path: str, gib: float, seed: int) -> None:
     os.replace(path + ".tmp", path)
 
 
+def kv_bytes(layers: int) -> int:
+    """The static KV cache's bytes: keys and values, bf16, MAX_LEN positions per layer."""
+    return 2 * layers * MAX_LEN * HIDDEN * 2
+
+
 class Model:
-    def __init__(self, flat: torch.Tensor, layers: int) -> None:
+    def __init__(self, flat: torch.Tensor, layers: int, kv: torch.Tensor | None = None) -> None:
         offset = 0
 
         def take(*shape: int) -> torch.Tensor:
@@ -90,8 +97,9 @@ class Model:
         self.layers = [dict(qkv=take(HIDDEN, 3 * HIDDEN), o=take(HIDDEN, HIDDEN), up=take(HIDDEN, 4 * HIDDEN),
                             down=take(4 * HIDDEN, HIDDEN), n1=take(HIDDEN), n2=take(HIDDEN)) for _ in range(layers)]
         dev = flat.device
-        self.k = torch.zeros(layers, MAX_LEN, HEADS, HIDDEN // HEADS, dtype=torch.bfloat16, device=dev)
-        self.v = torch.zeros_like(self.k)
+        shape = (2, layers, MAX_LEN, HEADS, HIDDEN // HEADS)
+        cache = kv.view(shape) if kv is not None else torch.zeros(shape, dtype=torch.bfloat16, device=dev)
+        self.k, self.v = cache[0], cache[1]
         self.token = torch.zeros(1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.logits = torch.zeros(VOCAB, dtype=torch.float32, device=dev)
@@ -178,19 +186,28 @@ def load(path: str, gib: float) -> Model:
     return Model(flat, layers)
 
 
-def load_arena(path: str, gib: float, region_digest: str, strategy: str) -> tuple[Model, object]:
-    """The weights in a WeightArena (coldsnap_probe's hydration API), loaded and verified through it."""
+def bf16_at(address: int, nbytes: int) -> torch.Tensor:
+    """A bf16 tensor over device memory torch did not allocate (the arena's)."""
+    interface = {"shape": (nbytes // 2,), "typestr": "<i2", "data": (address, False), "version": 3}
+    holder = type("CudaArray", (), {"__cuda_array_interface__": interface})()
+    return torch.as_tensor(holder, device="cuda").view(torch.bfloat16)
+
+
+def load_arena(path: str, gib: float, region_digest: str, strategy: str, kv_discard: bool) -> tuple[Model, object]:
+    """The weights in a WeightArena (coldsnap_probe's hydration API), loaded and verified through it; with
+    `kv_discard` the KV cache lives there too, in a discarded region (not in the images, zeroed at restore)."""
     from coldsnap_probe import WeightArena, WeightRegion
 
     layers, size = layers_for(gib), region_bytes(gib)
-    arena = WeightArena(size, exportable=strategy.startswith("hydrator:"))
-    arena.declare([WeightRegion("weights", arena.address, size, path, 0, region_digest)])
+    kv = kv_bytes(layers) if kv_discard else 0
+    arena = WeightArena(size + kv, exportable=strategy.startswith("hydrator:"))
+    arena.declare([WeightRegion("weights", arena.address, size, path, 0, region_digest),
+                   *([WeightRegion("kv", arena.address + size, arena.size - size, "", 0, "", "discard")]
+                     if kv else [])])
     report = arena.load(strategy=strategy)
     stage("weights_hydrated", **{k: v for k, v in report.items() if isinstance(v, int | float | str)})
-    interface = {"shape": (size // 2,), "typestr": "<i2", "data": (arena.address, False), "version": 3}
-    holder = type("CudaArray", (), {"__cuda_array_interface__": interface})()
-    flat = torch.as_tensor(holder, device="cuda").view(torch.bfloat16)
-    return Model(flat, layers), arena
+    cache = bf16_at(arena.address + size, kv) if kv else None
+    return Model(bf16_at(arena.address, size), layers, cache), arena
 
 
 def serve(model: Model, path: str, arena: object = None) -> None:
@@ -233,6 +250,8 @@ def main() -> None:
     parser.add_argument("--control", default="", help="hydration control socket for the worker (--vmm-weights)")
     parser.add_argument("--strategy", default="register", help="hydration strategy (--vmm-weights)")
     parser.add_argument("--stack-bytes", type=int, default=0, help="CUDA per-thread stack limit (0: the driver's)")
+    parser.add_argument("--kv-discard", action="store_true", help="the KV cache in a discarded arena region "
+                        "(--vmm-weights)")
     args = parser.parse_args()
     if args.generate:
         generate(args.weights, args.gib, args.seed)
@@ -247,10 +266,10 @@ def main() -> None:
     stage("cuda_init")
     arena = None
     if args.vmm_weights:
-        model, arena = load_arena(args.weights, args.gib, args.region_digest, args.strategy)
+        model, arena = load_arena(args.weights, args.gib, args.region_digest, args.strategy, args.kv_discard)
     else:
         model = load(args.weights, args.gib)
-    vmm_bytes = region_bytes(args.gib) if arena else 0  # torch's allocator does not see the VMM reservation
+    vmm_bytes = arena.size if arena else 0  # type: ignore[attr-defined]  # torch's allocator does not see it
     stage("weights_loaded", device_bytes=torch.cuda.memory_allocated() + vmm_bytes)
     model.capture()
     # Keep the checkpointed state small: no cached free device blocks, no cached pinned host buffers.

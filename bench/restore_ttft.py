@@ -159,7 +159,7 @@ def settle_gpu(limit_mib: int, timeout: float = 3.0) -> dict[str, Any]:
 
 def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, weights: Path,
              digests: list[bytes], strategy: str, images_root: Path, stack_bytes: int = 0,
-             lazy_pages: bool = False) -> dict[str, Any]:
+             lazy_pages: bool = False, kv_discard: bool = False) -> dict[str, Any]:
     """One size in one mode: the whole device state in the images, or weights hydrated after restore."""
     from coldsnap_probe import combine_digests
 
@@ -168,6 +168,7 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
     extra = (["--vmm-weights", "--control", str(control), "--strategy", strategy,
               "--region-digest", combine_digests(digests[:region_bytes(gib) // CHUNK])] if hydrate else [])
     extra += ["--stack-bytes", str(stack_bytes)] if stack_bytes else []
+    extra += ["--kv-discard"] if kv_discard and hydrate else []
     subprocess.run(["rm", "-rf", str(images)], check=True)
     settled = settle_gpu(BASELINE_MIB + 2048)
     log = root / f"server-{gib:g}g.log"
@@ -302,6 +303,8 @@ def main() -> None:
     parser.add_argument("--hydrate-bench", type=float, default=0.0, help="GiB for the copy-strategy benchmark")
     parser.add_argument("--stack-bytes", default="0", help="comma-separated CUDA per-thread stack limits to run "
                         "each size with (0: the driver's default)")
+    parser.add_argument("--kv", default="kept", help="comma-separated: kept (the KV cache in the images), discarded "
+                        "(in a discarded arena region: zeroed at restore; hydrate mode)")
     parser.add_argument("--memory", default="eager", help="comma-separated: eager (CRIU fills the memory), lazy "
                         "(criu lazy-pages fills it while the CUDA state comes back); each size runs with each")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -354,11 +357,12 @@ def main() -> None:
                               f"{r.get('copy_s', r.get('seconds', 0)):.2f}", f"{r.get('verify_s', 0):.3f}"]
                              if "error" not in r else [r["source"], r["strategy"], r["error"][:60], "", "", ""]
                              for r in bench["runs"]]))
-        for size, mode, stack, memory in itertools.product(sizes, args.modes.split(","), args.stack_bytes.split(","),
-                                                           args.memory.split(",")):
+        for size, mode, stack, memory, kv in itertools.product(sizes, args.modes.split(","),
+                                                               args.stack_bytes.split(","), args.memory.split(","),
+                                                               args.kv.split(",")):
             results.append({**run_size(size, root, args.criu, args.tokens, mode == "hydrate", weights, digests,
-                                       strategy, images_root, int(stack), memory == "lazy"),
-                            "stack_bytes": int(stack), "memory": memory})
+                                       strategy, images_root, int(stack), memory == "lazy", kv == "discarded"),
+                            "stack_bytes": int(stack), "memory": memory, "kv": kv})
             Path(args.out, "restore_ttft.partial.json").write_text(json.dumps(results, indent=2))
     finally:
         if hydrator_proc is not None:
@@ -374,7 +378,8 @@ def main() -> None:
         staged = (hydrated.get("staged") or {}) if isinstance(hydrated, dict) else {}
         pages_in = " / ".join(f"{x['all_pages_in_s']:.2f}" for x in r["restores"] if x.get("all_pages_in_s"))
         rows.append([f"{r['gib']:g} GiB", r["mode"] + (f", stack {r['stack_bytes']} B" if r["stack_bytes"] else "")
-                     + (", lazy pages" if r.get("memory") == "lazy" else ""),
+                     + (", lazy pages" if r.get("memory") == "lazy" else "")
+                     + (", KV discarded" if r.get("kv") == "discarded" else ""),
                      f"{c['ttft_s']:.2f}", f"{best['ttft_s']:.2f} / {others}", f"{c['ttft_s'] / best['ttft_s']:.2f}x",
                      f"{best['worker_start_s']:.2f} / {best['criu_restore_s']:.2f} / {best['cuda_restore_s']:.2f} / "
                      f"{best['wake_s']:.2f} / {best['after_ready_s']:.2f}",

@@ -3,7 +3,8 @@
 The API (engine side, inside the capsule; standard library + cuda-python)::
 
     arena = WeightArena(total_bytes)                  # VMM reservation + backing, mapped, exact address
-    arena.declare([WeightRegion(name, arena.address + off, size, source_path, source_offset, digest)])
+    arena.declare([WeightRegion(name, arena.address + off, size, source_path, source_offset, digest),
+                   WeightRegion("kv", arena.address + off2, size2, "", 0, "", policy="discard")])  # optional
     arena.load()                                      # cold start: fill from the sources, verified
     arena.serve(control_socket)                       # a thread the restore worker talks to
     ... build tensors over arena.address, serve; before each request: arena.wait_ready() ...
@@ -14,6 +15,9 @@ the SHA-256 of each 64 MiB chunk, so it is computed in parallel). The worker sid
     manifest = request(control_socket, {"op": "release", "generation": g})  # before CUDA lock
     ... CUDA checkpoint, CRIU dump; restore ...
     report = request(control_socket, {"op": "hydrate"})                  # after CUDA unlock
+
+A `discard` region (a KV cache, scratch buffers) is released with the weights and comes back zero-filled:
+its bytes are in neither the images nor any source (the plan's `kv_cache` layout, spec policy `discard`).
 
 `release` is the fail-before-release gate (memory contracts, `_memory.py`): the regions must lie
 inside the reservation without overlapping, every source must hold its region and match its
@@ -98,6 +102,7 @@ COPY_CHUNK = 256 << 20
 SAMPLES_PER_REGION = 16
 SAMPLE_BYTES = 64 << 10
 _REQUEST_MAX = 1 << 20
+REGION_POLICIES = ("preserve", "discard")
 REQUEST_TIMEOUT = 30.0  # seconds a control or hydrator connection has to send its request
 ADOPT_TIMEOUT = 30.0  # seconds an engine waits for the hydrator's adopt answer before hydrating the regular way
 STAGE_TTL = 120.0  # seconds a staged allocation waits for its engine before the hydrator frees it
@@ -118,7 +123,11 @@ _HOST_REGISTER_READ_ONLY = 0x08
 
 @dataclass(frozen=True, slots=True)
 class WeightRegion:
-    """`size` bytes at virtual `address` come from `source` at `offset`; `digest` is `region_digest` of them."""
+    """`size` bytes at virtual `address` come from `source` at `offset`; `digest` is `region_digest` of them.
+
+    Policy `discard` (a KV cache, scratch): released like the weights, but not kept anywhere: it comes back
+    zero-filled, with no source, offset 0 and no digest. Its bytes never reach the images either way.
+    """
 
     name: str
     address: int
@@ -126,9 +135,17 @@ class WeightRegion:
     source: str
     offset: int
     digest: str
+    policy: str = "preserve"
+
+    @property
+    def preserved(self) -> bool:
+        return self.policy == "preserve"
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        value = dataclasses.asdict(self)
+        if self.preserved:  # manifests written before discard regions existed keep their digests
+            del value["policy"]
+        return value
 
     @classmethod
     def from_json(cls, value: Any) -> WeightRegion:
@@ -139,8 +156,8 @@ class WeightRegion:
         for name in ("address", "size", "offset"):
             if not isinstance(getattr(region, name), int) or isinstance(getattr(region, name), bool):
                 raise HydrationError(f"{name} must be an integer", region=str(region.name))
-        if not all(isinstance(getattr(region, n), str) for n in ("name", "source", "digest")):
-            raise HydrationError("name, source and digest must be strings", region=str(region.name))
+        if not all(isinstance(getattr(region, n), str) for n in ("name", "source", "digest", "policy")):
+            raise HydrationError("name, source, digest and policy must be strings", region=str(region.name))
         return region
 
 
@@ -196,14 +213,22 @@ def validate_regions(regions: Sequence[WeightRegion], reservation_address: int,
         if region.size <= 0 or region.offset < 0 or region.address < 0:
             raise HydrationError(f"size must be > 0 and address, offset >= 0 (size {region.size}, "
                                  f"offset {region.offset})", region=region.name)
-        if not region.source:
+        if region.policy not in REGION_POLICIES:
+            raise HydrationError(f"policy {region.policy!r} must be one of {', '.join(REGION_POLICIES)}",
+                                 region=region.name)
+        if not region.preserved:
+            if region.source or region.offset or region.digest:
+                raise HydrationError("a discard region has no source, offset or digest", region=region.name)
+        elif not region.source:
             raise HydrationError("names no source file", region=region.name)
-        if not region.digest.startswith(DIGEST_PREFIX) or len(region.digest) != len(DIGEST_PREFIX) + 64:
+        elif not region.digest.startswith(DIGEST_PREFIX) or len(region.digest) != len(DIGEST_PREFIX) + 64:
             raise HydrationError(f"digest must be {DIGEST_PREFIX}<64 hex digits>", region=region.name)
         end, limit = region.address + region.size, reservation_address + reservation_size
         if region.address < reservation_address or end > limit:
             raise HydrationError(f"[{region.address:#x}, {end:#x}) exceeds the reservation "
                                  f"[{reservation_address:#x}, {limit:#x})", region=region.name)
+    if not any(r.preserved for r in regions):
+        raise HydrationError("no weight region declared: every region is discarded")
     ordered = tuple(sorted(regions, key=lambda r: r.address))
     for before, after in itertools.pairwise(ordered):
         if before.address + before.size > after.address:
@@ -243,7 +268,7 @@ def check_sources(regions: Sequence[WeightRegion], recorded: dict[str, SourceIde
     Returns the sources' identities now. Raises HydrationError naming the first region at fault.
     """
     now: dict[str, SourceIdentity] = {}
-    for region in regions:
+    for region in (r for r in regions if r.preserved):
         try:
             identity = now[region.source] if region.source in now else SourceIdentity.of(region.source)
         except HydrationError as exc:
@@ -263,24 +288,30 @@ def check_sources(regions: Sequence[WeightRegion], recorded: dict[str, SourceIde
 
 def plan_for(regions: Sequence[WeightRegion], *, address: int, size: int, granularity: int, generation: str,
              owner: str = "engine") -> tuple[MemoryLayoutDescriptor, MemoryCheckpointPlan]:
-    """The `weights` layout (one extent per region) and the release/remap checkpoint plan."""
+    """The `weights` layout (one extent per preserved region; the `kv_cache` layout holds the discarded ones)
+    and the release/remap checkpoint plan over both."""
     ordered = validate_regions(regions, address, size)
-    layout = MemoryLayoutDescriptor.create(
-        provider=PROVIDER, provider_abi=1, region=MemoryRegion("weights", "preserve"), device="cuda:0",
-        base_address=address, logical_bytes=sum(r.size for r in ordered), allocation_granularity=granularity,
-        mapping_granularity=size, layout_kind="contiguous" if len(ordered) == 1 else "per-layer",
-        groups=tuple(r.name for r in ordered), extent_count=len(ordered),
-        extension={"reservation_bytes": size, "regions": [r.to_json() for r in ordered]})
+
+    def layout_of(region: MemoryRegion, members: list[WeightRegion]) -> MemoryLayoutDescriptor:
+        return MemoryLayoutDescriptor.create(
+            provider=PROVIDER, provider_abi=1, region=region, device="cuda:0", base_address=address,
+            logical_bytes=sum(r.size for r in members), allocation_granularity=granularity, mapping_granularity=size,
+            layout_kind="contiguous" if len(members) == 1 else "per-layer", groups=tuple(r.name for r in members),
+            extent_count=len(members), extension={"reservation_bytes": size, "regions": [r.to_json() for r in members]})
+
+    layout = layout_of(MemoryRegion("weights", "preserve"), [r for r in ordered if r.preserved])
+    discarded = [r for r in ordered if not r.preserved]
+    layouts = [layout, *([layout_of(MemoryRegion("kv_cache", "discard"), discarded)] if discarded else [])]
 
     def prepare(resolved: tuple[MemoryRegion, ...], gen: str) -> MemoryCheckpointPlan:
         return MemoryCheckpointPlan.create(
-            layouts=[layout], generation=gen, owner=owner, provider=PROVIDER, provider_abi=1, actions=_ACTIONS,
+            layouts=layouts, generation=gen, owner=owner, provider=PROVIDER, provider_abi=1, actions=_ACTIONS,
             mapped_bytes_before=size, mapped_bytes_after=0, reserved_bytes_before=size, reserved_bytes_after=size,
             participants=(owner,), quiescence_evidence="cuCtxSynchronize", terminal_on_failure=False,
             abort_safe=True)
 
     try:
-        plan = require_checkpoint_plan(CAPABILITIES, prepare, ["weights"], generation)
+        plan = require_checkpoint_plan(CAPABILITIES, prepare, [x.region.name for x in layouts], generation)
     except MemoryCapabilityError as exc:
         raise HydrationError(f"the checkpoint plan is refused: {exc}") from exc
     return layout, plan
@@ -597,10 +628,10 @@ class WeightArena:
                 sources=tuple(identities[s] for s in sorted(identities)), layout=layout, plan=plan,
                 control=self._control.getsockname() if self._control else "",
                 hydrator=self.strategy.split(":", 1)[1] if self.strategy.startswith("hydrator:") else "")
-            # Revalidation before commit: the layout recomputes and no source changed since the gate.
-            again, _ = plan_for(self.regions, address=self.address, size=self.size, granularity=self.granularity,
+            # Revalidation before commit: the layouts and plan recompute and no source changed since the gate.
+            _, again = plan_for(self.regions, address=self.address, size=self.size, granularity=self.granularity,
                                 generation=generation, owner=owner)
-            if again.layout_digest != layout.layout_digest:
+            if again.plan_digest != plan.plan_digest:
                 raise HydrationError("the weight layout changed during the release")
             check_sources(self.regions, identities)
             self.ready.clear()
@@ -625,10 +656,10 @@ class WeightArena:
                 raise HydrationError(f"the manifest's reservation [{manifest.reservation_address:#x}, +"
                                      f"{manifest.reservation_size}) is not this arena's [{self.address:#x}, "
                                      f"+{self.size})")
-            layout, _ = plan_for(manifest.regions, address=self.address, size=self.size,
-                                 granularity=self.granularity, generation=manifest.generation,
-                                 owner=manifest.plan.owner)
-            if layout.layout_digest != manifest.layout.layout_digest:
+            _, plan = plan_for(manifest.regions, address=self.address, size=self.size,
+                               granularity=self.granularity, generation=manifest.generation,
+                               owner=manifest.plan.owner)
+            if plan.plan_digest != manifest.plan.plan_digest:
                 raise HydrationError("the weight layout changed since the release")
             check_sources(manifest.regions, manifest.identities)
             _cu(self.driver, "cuCtxSetCurrent", self.context)
@@ -654,16 +685,30 @@ class WeightArena:
             self.last_report = report
             return report
 
+    @property
+    def _preserved(self) -> tuple[WeightRegion, ...]:
+        return tuple(r for r in self.regions if r.preserved)
+
+    def _zero_discarded(self) -> dict[str, Any]:
+        """Discarded regions come back zero-filled (whatever a fresh or staged allocation held there)."""
+        discarded = [r for r in self.regions if not r.preserved]
+        for region in discarded:
+            _cu(self.driver, "cuMemsetD8Async", region.address, 0, region.size, self._streams[0])
+        _cu(self.driver, "cuStreamSynchronize", self._streams[0])
+        return {"discarded_regions": len(discarded), "zeroed_bytes": sum(r.size for r in discarded)}
+
     def _fill(self, strategy: str) -> dict[str, Any]:
-        """Copy every region in (the backing is mapped), then verify sampled blocks; a report."""
+        """Copy every preserved region in (the backing is mapped), zero the discarded ones, then verify sampled
+        blocks; a report."""
         _cu(self.driver, "cuCtxSetCurrent", self.context)
-        total = sum(r.size for r in self.regions)
-        report: dict[str, Any] = {"strategy": strategy, "bytes": total, "regions": len(self.regions)}
+        regions = self._preserved
+        total = sum(r.size for r in regions)
+        report: dict[str, Any] = {"strategy": strategy, "bytes": total, "regions": len(regions)}
         started = time.perf_counter()
         if strategy == "register":
             mapped: dict[str, _Mapped] = {}
             try:
-                for source in sorted({r.source for r in self.regions}):
+                for source in sorted({r.source for r in regions}):
                     mapped[source] = _Mapped(source)
                 report["map_s"] = time.perf_counter() - started
                 for m in mapped.values():
@@ -671,13 +716,13 @@ class WeightArena:
                 report["pin_s"] = time.perf_counter() - started - report["map_s"]
                 copy_started = time.perf_counter()
                 _copy_registered(self.driver, [(r.address, mapped[r.source].address + r.offset, r.size)
-                                               for r in self.regions], self._streams)
+                                               for r in regions], self._streams)
                 report["copy_s"] = time.perf_counter() - copy_started
             finally:
                 for m in mapped.values():
                     m.close(self.driver)
         elif strategy in ("ring", "direct"):
-            report.update(_copy_ring(self.driver, self.context, self.regions, lambda r: r.address, threads=8,
+            report.update(_copy_ring(self.driver, self.context, regions, lambda r: r.address, threads=8,
                                      chunk=64 << 20, direct=strategy == "direct"))
         elif strategy.startswith("hydrator:"):
             report.update(self._via_hydrator(strategy.split(":", 1)[1]))
@@ -685,6 +730,7 @@ class WeightArena:
             raise HydrationError(f"unknown hydration strategy {strategy!r}")
         report["seconds"] = time.perf_counter() - started
         report["gbps"] = total / report["seconds"] / 1e9 if report["seconds"] > 0 else 0.0
+        report.update(self._zero_discarded())
         verify_started = time.perf_counter()
         report["verified_regions"] = self._verify()
         report["verify_s"] = time.perf_counter() - verify_started
@@ -717,11 +763,12 @@ class WeightArena:
     def _verified(self, adopted: dict[str, Any]) -> dict[str, Any]:
         """The report of an adopted allocation: its copy ran in the hydrator, here only the verification.
         `seconds` is the adoption (what the restore waited for); `gbps` is the staged copy's rate."""
-        total = sum(r.size for r in self.regions)
+        total = sum(r.size for r in self._preserved)
+        zeroed = self._zero_discarded()
         verify_started = time.perf_counter()
         verified = self._verify()
         copy_s = float(adopted.get("copy_s") or 0.0)
-        return {**adopted, "bytes": total, "regions": len(self.regions), "staged": True,
+        return {**adopted, **zeroed, "bytes": total, "regions": len(self._preserved), "staged": True,
                 "seconds": adopted["adopt_s"], "gbps": total / copy_s / 1e9 if copy_s > 0 else 0.0,
                 "verified_regions": verified, "verify_s": time.perf_counter() - verify_started}
 
@@ -742,7 +789,7 @@ class WeightArena:
         """Read back sampled blocks of every region (first, last and random ones) and compare with the source."""
         rng = random.Random(os.urandom(16))
         buffer = ctypes.create_string_buffer(SAMPLE_BYTES)
-        for region in self.regions:
+        for region in self._preserved:
             span = min(SAMPLE_BYTES, region.size)
             starts = {0, region.size - span, *(rng.randrange(0, region.size - span + 1)
                                               for _ in range(SAMPLES_PER_REGION - 2))}
@@ -756,7 +803,7 @@ class WeightArena:
                                              region=region.name)
             finally:
                 os.close(fd)
-        return len(self.regions)
+        return len(self._preserved)
 
     # -- the restore worker's channel -------------------------------------------------------------------------
     def serve(self, path: str | Path, *, strategy: str = "register") -> None:
@@ -785,7 +832,7 @@ class WeightArena:
         op = message.get("op") if isinstance(message, dict) else None
         if op == "release":
             manifest = self.release(str(message.get("generation") or ""), owner=str(message.get("owner", "engine")))
-            return {"ok": True, "manifest": manifest.to_json(), "host_heap": _trim_host_heap()}
+            return {"ok": True, "manifest": manifest.to_json()}
         if op == "hydrate":
             given = message.get("manifest")
             chosen = HydrationManifest.from_json(given) if given is not None else None
@@ -793,24 +840,6 @@ class WeightArena:
         if op == "status":
             return {"ok": True, "mapped": self.mapped, "ready": self.ready.is_set()}
         raise HydrationError(f"unknown request {op!r}")
-
-
-def _trim_host_heap() -> dict[str, Any]:
-    """Give the process's free malloc memory back to the kernel (`malloc_trim`), so that the checkpoint that
-    follows a release copies only live host memory; the resident bytes before and after. Not glibc: nothing."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except AttributeError:
-        return {}
-    page = os.sysconf("SC_PAGE_SIZE")
-
-    def resident() -> int:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * page
-
-    before, started = resident(), time.perf_counter()
-    trim(0)
-    return {"resident_before": before, "resident_after": resident(), "seconds": time.perf_counter() - started}
 
 
 Answer = dict[str, Any] | tuple[dict[str, Any], list[int]]  # a JSON answer, or one with descriptors to pass
@@ -1006,7 +1035,7 @@ class HydratorServer:
         except (KeyError, TypeError, ValueError) as exc:
             raise HydrationError(f"malformed request: {type(exc).__name__}: {exc}") from exc
         jobs = []
-        for region in regions:
+        for region in (r for r in regions if r.preserved):  # discarded regions: the engine zeroes them
             src = self.sources.get(os.path.realpath(region.source))
             if src is None or src.size < region.offset + region.size:
                 raise HydrationError(f"this hydrator does not hold {region.source}", region=region.name)
@@ -1068,7 +1097,7 @@ class HydratorServer:
             raise
         stage_s = time.perf_counter() - started
         self.staged[key] = _Staged(handle, base, size, regions, stage_s, copy_s, time.monotonic() + self.stage_ttl)
-        return {"ok": True, "staged": True, "stage_s": stage_s, "copy_s": copy_s, "bytes": sum(r.size for r in regions)}
+        return {"ok": True, "staged": True, "stage_s": stage_s, "copy_s": copy_s, "bytes": sum(n for _, _, n in jobs)}
 
     def _adopt(self, message: dict[str, Any]) -> Answer:
         """Hand a staged allocation to its engine as a descriptor; the hydrator keeps no reference to it."""

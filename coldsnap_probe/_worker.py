@@ -239,8 +239,7 @@ def _release_weights(control: str, report: dict[str, Any]) -> HydrationManifest:
         raise WorkerError(f"the engine's hydration manifest is invalid: {exc}") from exc
     report["hydration"] = {"released_bytes": sum(r.size for r in manifest.regions), "regions": len(manifest.regions),
                            "release_seconds": time.perf_counter() - started,
-                           "plan_digest": manifest.plan.plan_digest, "manifest_digest": manifest.manifest_digest,
-                           "host_heap": answer.get("host_heap")}
+                           "plan_digest": manifest.plan.plan_digest, "manifest_digest": manifest.manifest_digest}
     return manifest
 
 

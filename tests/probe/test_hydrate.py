@@ -139,6 +139,36 @@ def test_manifest_round_trips_and_refuses_tampering(tmp_path: Path) -> None:
         HydrationManifest.from_json({"kind": "other"})
 
 
+def test_a_discard_region_has_no_source_and_an_arena_keeps_a_weight_region(tmp_path: Path) -> None:
+    path = source(tmp_path)
+    weights = region(path)
+    with pytest.raises(HydrationError, match="region kv: a discard region has no source, offset or digest"):
+        validate_regions([weights, WeightRegion("kv", BASE + 2 * MIB, MIB, str(path), 0, "", "discard")], BASE,
+                         8 * MIB)
+    with pytest.raises(HydrationError, match="region kv: policy 'keep' must be one of preserve, discard"):
+        validate_regions([weights, WeightRegion("kv", BASE + 2 * MIB, MIB, "", 0, "", "keep")], BASE, 8 * MIB)
+    with pytest.raises(HydrationError, match="every region is discarded"):
+        validate_regions([WeightRegion("kv", BASE, MIB, "", 0, "", "discard")], BASE, 8 * MIB)
+    with pytest.raises(HydrationError, match="region kv: overlaps region weights"):
+        validate_regions([weights, WeightRegion("kv", BASE + MIB, MIB, "", 0, "", "discard")], BASE, 8 * MIB)
+
+
+def test_discarded_regions_have_their_own_kv_cache_layout_in_the_plan(tmp_path: Path) -> None:
+    path = source(tmp_path)
+    kv = WeightRegion("kv", BASE + 4 * MIB, 2 * MIB, "", 0, "", "discard")
+    manifest = manifest_for([region(path), kv])
+    assert manifest.plan.policies == (("kv_cache", "discard"), ("weights", "preserve"))
+    assert [name for name, _ in manifest.plan.layout_digests] == ["kv_cache", "weights"]
+    assert manifest.layout.groups == ("weights",) and [s.path for s in manifest.sources] == [str(path)]
+    document = json.loads(json.dumps(manifest.to_json()))
+    assert HydrationManifest.from_json(document) == manifest
+    assert "policy" not in document["regions"][0] and document["regions"][1]["policy"] == "discard"
+    grown = json.loads(json.dumps(document))
+    grown["regions"][1]["size"] += 2 * MIB
+    with pytest.raises(HydrationError, match="digest does not recompute"):
+        HydrationManifest.from_json(grown)
+
+
 def test_restore_with_a_truncated_weight_source_refuses_before_criu(tmp_path: Path) -> None:
     path = source(tmp_path)
     manifest = manifest_for([region(path)])
@@ -160,11 +190,13 @@ def test_restore_with_a_truncated_weight_source_refuses_before_criu(tmp_path: Pa
 gpu = pytest.mark.skipif(not has_nvidia_driver(), reason="needs an NVIDIA driver")
 
 
-def declared_arena(path: Path, size: int, *, offset: int = 0, exportable: bool = False) -> WeightArena:
-    """A WeightArena of `size` bytes whose one region, "weights", is `path` from `offset` (on a GPU host)."""
-    arena = WeightArena(size, exportable=exportable)
-    arena.declare([WeightRegion("weights", arena.address, size, str(path), offset,
-                                region_digest(path, offset, size))])
+def declared_arena(path: Path, weights: int, *, offset: int = 0, exportable: bool = False,
+                   size: int = 0) -> WeightArena:
+    """A WeightArena (of `size` bytes, default `weights`) whose one region, "weights", is `weights` bytes of `path`
+    from `offset` (on a GPU host)."""
+    arena = WeightArena(size or weights, exportable=exportable)
+    arena.declare([WeightRegion("weights", arena.address, weights, str(path), offset,
+                                region_digest(path, offset, weights))])
     return arena
 
 
@@ -190,6 +222,30 @@ def test_arena_release_and_restore_same_address_same_bytes(tmp_path: Path, strat
     report = arena.restore(strategy=strategy)
     assert arena.address == address and arena.ready.is_set() and report["verified_regions"] == 1
     assert device_bytes(arena, 4 * MIB) == before
+
+
+def with_kv(arena: WeightArena, weights: int) -> WeightArena:
+    """Redeclare `arena` with a discarded region after its `weights` bytes, filled with a pattern."""
+    from coldsnap_probe._hydrate import _cu
+
+    kv = WeightRegion("kv", arena.address + weights, arena.size - weights, "", 0, "", "discard")
+    arena.declare([arena.regions[0], kv])
+    pattern = b"\xa5" * kv.size
+    _cu(arena.driver, "cuMemcpyHtoD", kv.address, pattern, kv.size)
+    return arena
+
+
+@gpu
+def test_a_discarded_region_comes_back_zeroed_and_the_weights_intact(tmp_path: Path) -> None:
+    path = source(tmp_path, 8 * MIB)
+    arena = declared_arena(path, 4 * MIB, size=6 * MIB)
+    arena.load()
+    with_kv(arena, 4 * MIB)
+    manifest = arena.release("g1")
+    assert manifest.plan.policies == (("kv_cache", "discard"), ("weights", "preserve"))
+    report = arena.restore()
+    assert report["zeroed_bytes"] == 2 * MIB and report["bytes"] == 4 * MIB and report["verified_regions"] == 1
+    assert device_bytes(arena, 6 * MIB) == path.read_bytes()[:4 * MIB] + bytes(2 * MIB)
 
 
 @gpu
@@ -320,6 +376,23 @@ def test_staged_weights_are_adopted_in_place_with_the_same_bytes(tmp_path: Path,
     again = arena.restore(strategy=f"hydrator:{control}")  # type: ignore[attr-defined]
     assert again["staged"] is False and "nothing is staged" in again["adopt_refusal"]
     assert device_bytes(arena, 8 * MIB) == shard.read_bytes()[4 * MIB:12 * MIB]
+
+
+@gpu
+def test_staged_weights_with_a_discarded_region_come_back_with_it_zeroed(tmp_path: Path,
+                                                                         hydrator: tuple[Path, str]) -> None:
+    from coldsnap_probe._hydrate import Stager
+
+    shard, control = hydrator
+    arena = declared_arena(shard, 8 * MIB, offset=4 * MIB, exportable=True, size=12 * MIB)
+    arena.load(strategy="ring")
+    with_kv(arena, 8 * MIB)
+    arena.serve(str(tmp_path / "engine.sock"), strategy=f"hydrator:{control}")
+    staged = Stager(arena.release("g1")).result()
+    assert staged["staged"] and staged["bytes"] == 8 * MIB, staged
+    report = arena.restore(strategy=f"hydrator:{control}")
+    assert report["staged"] and report["zeroed_bytes"] == 4 * MIB
+    assert device_bytes(arena, 12 * MIB) == shard.read_bytes()[4 * MIB:12 * MIB] + bytes(4 * MIB)
 
 
 @gpu
