@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench._common import become_subreaper, kill_and_reap, table
+from coldsnap_probe import anonymous_memory
 
 LAZY_FLAGS = ["--torch", "--stack", "256", "--matmul", "--graph"]
 
@@ -52,28 +53,12 @@ VARIANTS: list[tuple[str, list[str], dict[str, str]]] = [
 ]
 
 
-def anonymous(pid: int | str = "self") -> dict[str, Any]:
-    """Anonymous bytes in all, and the largest mappings holding them (size, name, start)."""
-    total, rows, current = 0, [], ("", "")
-    with open(f"/proc/{pid}/smaps") as smaps:
-        for line in smaps:
-            head = line.split(maxsplit=6)
-            if "-" in head[0] and not head[0].endswith(":"):
-                current = (head[0].split("-")[0], head[5].strip() if len(head) > 5 else "[anon]")
-            elif head[0] == "Anonymous:":
-                size = int(head[1]) * 1024
-                total += size
-                if size:
-                    rows.append((size, current[1], current[0]))
-    return {"bytes": total, "largest": sorted(rows, reverse=True)[:6]}
-
-
 def child(args: argparse.Namespace) -> None:
-    stages: dict[str, Any] = {"start": anonymous()}
+    stages: dict[str, Any] = {"start": anonymous_memory(os.getpid())}
     if args.torch:
         import torch
 
-        stages["imported"] = anonymous()
+        stages["imported"] = anonymous_memory(os.getpid())
         torch.zeros(1, device="cuda").sum().item()
         from cuda.bindings import driver
     else:
@@ -83,7 +68,7 @@ def child(args: argparse.Namespace) -> None:
         _err, device = driver.cuDeviceGet(0)
         _err, ctx = driver.cuDevicePrimaryCtxRetain(device)
         driver.cuCtxSetCurrent(ctx)
-    stages["context"] = anonymous()
+    stages["context"] = anonymous_memory(os.getpid())
     limits = {"stack": (driver.CUlimit.CU_LIMIT_STACK_SIZE, args.stack)} if args.stack else {}
     if args.small_limits:
         limits |= {"malloc_heap": (driver.CUlimit.CU_LIMIT_MALLOC_HEAP_SIZE, 1 << 20),
@@ -105,13 +90,13 @@ def child(args: argparse.Namespace) -> None:
             graph.replay()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        stages["work"] = anonymous()
+        stages["work"] = anonymous_memory(os.getpid())
         del b
     if args.trim:
         import ctypes
 
         ctypes.CDLL(None).malloc_trim(0)
-        stages["trimmed"] = anonymous()
+        stages["trimmed"] = anonymous_memory(os.getpid())
     if args.wait_signal:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})  # taken by sigwait below, never delivered
     free, total = driver.cuMemGetInfo()[1:]
@@ -162,46 +147,59 @@ def criu_restores(criu: str, root: Path) -> list[dict[str, Any]]:
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, __file__, "--child", "--wait-signal", *LAZY_FLAGS],
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
-    pid = _lines(log, 1)[0]["ready"]
-    call("cuCheckpointProcessLock", pid)
-    call("cuCheckpointProcessCheckpoint", pid)
-    dump = _run(criu, "dump", "--tree", str(pid), "--images-dir", str(images), "--work-dir", str(root),
-                "--log-file", "dump.log", "-v4")
-    proc.wait()  # CRIU killed it; reaped so that its PID is free for the restores
-    dumped_size = log.stat().st_size  # CRIU refuses a restore when an open file's size changed
-    image_bytes = sum(f.stat().st_size for f in images.iterdir())
-    results = []
-    for mode in ("eager", "lazy", "eager", "lazy"):
-        work = root / f"restore-{len(results)}"
-        work.mkdir()
-        os.truncate(log, dumped_size)  # drop the line the previous restore wrote
-        lazy_daemon = None
+    try:
+        pid = _lines(log, 1)[0]["ready"]
+        call("cuCheckpointProcessLock", pid)
+        call("cuCheckpointProcessCheckpoint", pid)
+        dump = _run(criu, "dump", "--tree", str(pid), "--images-dir", str(images), "--work-dir", str(root),
+                    "--log-file", "dump.log", "-v4")
+        proc.wait()  # CRIU killed it; reaped so that its PID is free for the restores
+        captured = {"dumped_size": log.stat().st_size, "dump_s": dump,
+                    "image_bytes": sum(f.stat().st_size for f in images.iterdir())}
+        return [{**captured, **restore_once(criu, images, root / f"restore-{n}", log, captured["dumped_size"], pid,
+                                            call, mode)}
+                for n, mode in enumerate(("eager", "lazy", "eager", "lazy"))]
+    finally:  # the original process if the dump failed; nothing otherwise (each restore cleans up after itself)
+        kill_and_reap([proc.pid])
+
+
+def restore_once(criu: str, images: Path, work: Path, log: Path, dumped_size: int, pid: int, call: Any,
+                 mode: str) -> dict[str, Any]:
+    """One CRIU restore (eager or lazy) + CUDA restore + the first GPU work; the restored process is killed."""
+    work.mkdir()
+    os.truncate(log, dumped_size)  # CRIU refuses a restore when an open file's size changed
+    started = time.perf_counter()  # the lazy daemon's start counts: the worker pays it too
+    daemon = None
+    try:
         if mode == "lazy":
-            lazy_daemon = subprocess.Popen([criu, "lazy-pages", "--images-dir", str(images), "--work-dir", str(work),
-                                            "--log-file", "lazy.log", "-v4"], stdin=subprocess.DEVNULL,
-                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            while not (work / "lazy-pages.socket").exists() and lazy_daemon.poll() is None:
+            daemon = subprocess.Popen([criu, "lazy-pages", "--images-dir", str(images), "--work-dir", str(work),
+                                       "--log-file", "lazy.log", "-v4"], stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            give_up = time.monotonic() + 10
+            while not (work / "lazy-pages.socket").exists():
+                if daemon.poll() is not None or time.monotonic() > give_up:
+                    raise RuntimeError(f"criu lazy-pages did not listen (exit {daemon.poll()})")
                 time.sleep(0.001)
-        started = time.perf_counter()
         criu_s = _run(criu, "restore", "--images-dir", str(images), "--work-dir", str(work), "--restore-detached",
                       "--pidfile", str(work / "pid"), "--leave-stopped", "--log-file", "restore.log", "-v4",
-                      *(["--lazy-pages"] if lazy_daemon else []))
+                      *(["--lazy-pages"] if daemon else []))
         os.kill(pid, signal.SIGCONT)
         cuda_s = call("cuCheckpointProcessRestore", pid) + call("cuCheckpointProcessUnlock", pid)
         running = time.perf_counter()
-        before = len(_lines(log, 1))
         os.kill(pid, signal.SIGUSR1)
-        worked = _lines(log, before + 1)[-1]
+        worked = _lines(log, 2)[-1]
         first_work_s = time.perf_counter() - running
-        all_pages_s = 0.0
-        if lazy_daemon:
-            lazy_daemon.wait(timeout=120)
+        all_pages_s = None
+        if daemon:
+            daemon.wait(timeout=120)
             all_pages_s = time.perf_counter() - started
+    finally:
+        if daemon:
+            daemon.kill()
+            daemon.wait()
         kill_and_reap([pid])
-        results.append({"mode": mode, "criu_restore_s": criu_s, "cuda_restore_s": cuda_s,
-                        "first_work_s": first_work_s, "until_running_s": running - started,
-                        "all_pages_in_s": all_pages_s, "worked": worked, "image_bytes": image_bytes, "dump_s": dump})
-    return results
+    return {"mode": mode, "criu_restore_s": criu_s, "cuda_restore_s": cuda_s, "first_work_s": first_work_s,
+            "until_running_s": running - started, "all_pages_in_s": all_pages_s, "worked": worked}
 
 
 def checkpoint(pid: int) -> dict[str, Any]:
@@ -214,14 +212,14 @@ def checkpoint(pid: int) -> dict[str, Any]:
             raise RuntimeError(f"{name}({pid}): {err}")
         return time.perf_counter() - started
 
-    before = anonymous(pid)
+    before = anonymous_memory(pid)
     lock = call("cuCheckpointProcessLock", pid, None)
     seconds = call("cuCheckpointProcessCheckpoint", pid, None)
-    after = anonymous(pid)
+    after = anonymous_memory(pid)
     restore = call("cuCheckpointProcessRestore", pid, None)
     unlock = call("cuCheckpointProcessUnlock", pid, None)
     return {"anonymous_before": before, "anonymous_after": after,
-            "device_state_bytes": after["bytes"] - before["bytes"],
+            "device_state_bytes": after["anonymous_bytes"] - before["anonymous_bytes"],
             "lock_s": lock, "checkpoint_s": seconds, "restore_s": restore, "unlock_s": unlock}
 
 
@@ -266,7 +264,8 @@ def main() -> None:
             continue
         mb = 1e6
         rows.append([name, f"{result['device_used'] / mb:.0f}", f"{result['torch_reserved'] / mb:.0f}",
-                     f"{result['device_state_bytes'] / mb:.0f}", f"{result['anonymous_before']['bytes'] / mb:.0f}",
+                     f"{result['device_state_bytes'] / mb:.0f}",
+                     f"{result['anonymous_before']['anonymous_bytes'] / mb:.0f}",
                      f"{result['checkpoint_s']:.2f}", f"{result['restore_s'] + result['unlock_s']:.2f}"])
     print(table(["variant", "device used MB", "torch reserved MB", "checkpoint adds MB (device state)",
                  "own anonymous MB", "checkpoint s", "restore+unlock s"], rows))

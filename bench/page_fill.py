@@ -40,7 +40,10 @@ def fill(fd: int, size: int, threads: int, advice: int, prefault: bool) -> float
             end = min(size, start + step)
             done = start
             while done < end:
-                done += os.preadv(fd, [view[done:end]], done)
+                got = os.preadv(fd, [view[done:end]], done)
+                if got == 0:
+                    raise EOFError(f"the source ended at {done} bytes")
+                done += got
 
         started = time.perf_counter()
         with ThreadPoolExecutor(threads) as pool:

@@ -23,11 +23,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import lzma
 import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -222,10 +224,11 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
                          "tokens_identical": tokens == cold_tokens, "logits_identical": first_hash == cold_hash,
                          "all_pages_in_s": marks.get("all_pages_in"), "timeline": report["timeline"]})
         kill_and_reap([report["restored_pid"]])
-        if lazy_pages:  # kept for reading: where the daemon spent its time
-            subprocess.run(f"tail -c 8000000 {work}/lazy-pages.log | xz -T4 > "
-                           f"{os.environ.get('OUT', '.')}/lazy-pages-{gib:g}g-{attempt}.log.xz", shell=True,
-                           check=False)
+        if lazy_pages:  # kept for reading: where the daemon spent its time (its last 8 MB)
+            with open(work / "lazy-pages.log", "rb") as log:
+                log.seek(max(0, log.seek(0, os.SEEK_END) - (8 << 20)))
+                Path(os.environ.get("OUT", "."), f"lazy-pages-{gib:g}g-{attempt}.log.xz").write_bytes(
+                    lzma.compress(log.read()))
         if strategy.startswith("hydrator:"):  # recorded, and printed below: nothing should stay staged
             try:
                 restores[-1]["hydrator_status"] = hydration_request(strategy.split(":", 1)[1], {"op": "status"})
@@ -289,6 +292,16 @@ def hydrate_bench(gib: float, weights: Path, disk_dir: Path, hydrator: str) -> d
     return results
 
 
+def choices(*allowed: str) -> Callable[[str], list[str]]:
+    """An argparse type: a comma-separated list of `allowed` values."""
+    def parse(text: str) -> list[str]:
+        values = text.split(",")
+        if unknown := [v for v in values if v not in allowed]:
+            raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: not one of {', '.join(allowed)}")
+        return values
+    return parse
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default="2,16")
@@ -297,19 +310,24 @@ def main() -> None:
     parser.add_argument("--weights-dir", default="/dev/shm", help="where the weights file lives")
     parser.add_argument("--images-root", default="", help="where the images go (default: --root)")
     parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--modes", default="hydrate", help="comma-separated: full (whole state in the images), "
-                                                            "hydrate (weights re-hydrated after restore)")
+    parser.add_argument("--modes", default="hydrate", type=choices("full", "hydrate"),
+                        help="comma-separated: full (whole state in the images), hydrate (weights re-hydrated "
+                        "after restore)")
     parser.add_argument("--strategy", default="hydrator", choices=["register", "ring", "direct", "hydrator"])
     parser.add_argument("--hydrate-bench", type=float, default=0.0, help="GiB for the copy-strategy benchmark")
     parser.add_argument("--stack-bytes", default="0", help="comma-separated CUDA per-thread stack limits to run "
                         "each size with (0: the driver's default)")
-    parser.add_argument("--kv", default="kept", help="comma-separated: kept (the KV cache in the images), discarded "
+    parser.add_argument("--kv", default="kept", type=choices("kept", "discarded"),
+                        help="comma-separated: kept (the KV cache in the images), discarded "
                         "(in a discarded arena region: zeroed at restore; hydrate mode)")
-    parser.add_argument("--memory", default="eager", help="comma-separated: eager (CRIU fills the memory), lazy "
+    parser.add_argument("--memory", default="eager", type=choices("eager", "lazy"),
+                        help="comma-separated: eager (CRIU fills the memory), lazy "
                         "(criu lazy-pages fills it while the CUDA state comes back); each size runs with each")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--bench-child", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if "full" in args.modes and "discarded" in args.kv:
+        parser.error("--kv discarded needs --modes hydrate (the KV cache is discarded from the weight arena)")
     if args.bench_child:
         gib, weights, disk_dir, hydrator = json.loads(args.bench_child)
         print(json.dumps(hydrate_bench(gib, Path(weights), Path(disk_dir), hydrator)))
@@ -357,9 +375,8 @@ def main() -> None:
                               f"{r.get('copy_s', r.get('seconds', 0)):.2f}", f"{r.get('verify_s', 0):.3f}"]
                              if "error" not in r else [r["source"], r["strategy"], r["error"][:60], "", "", ""]
                              for r in bench["runs"]]))
-        for size, mode, stack, memory, kv in itertools.product(sizes, args.modes.split(","),
-                                                               args.stack_bytes.split(","), args.memory.split(","),
-                                                               args.kv.split(",")):
+        for size, mode, stack, memory, kv in itertools.product(sizes, args.modes, args.stack_bytes.split(","),
+                                                               args.memory, args.kv):
             results.append({**run_size(size, root, args.criu, args.tokens, mode == "hydrate", weights, digests,
                                        strategy, images_root, int(stack), memory == "lazy", kv == "discarded"),
                             "stack_bytes": int(stack), "memory": memory, "kv": kv})

@@ -48,6 +48,7 @@ from ._model import Profile as Profile
 from ._model import Qualification as Qualification
 from ._model import QualificationScope as QualificationScope
 from ._model import Requirements as Requirements
+from ._worker import anonymous_memory as anonymous_memory
 from ._worker import image_digest as image_digest
 from .errors import AdmissionError as AdmissionError
 from .errors import ContractError as ContractError
@@ -77,6 +78,7 @@ __all__ = (
     "WeightRegion",
     "admit",
     "admit_profile",
+    "anonymous_memory",
     "apply_qualification",
     "attach_criu",
     "boot_id",

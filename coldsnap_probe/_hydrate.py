@@ -24,7 +24,7 @@ inside the reservation without overlapping, every source must hold its region an
 digest, the checkpoint plan must pass `require_checkpoint_plan`; the layout and the sources are
 revalidated just before the backing is unmapped (the reservation is kept, so captured CUDA graphs
 stay valid). Any failure raises `HydrationError` naming the region, and nothing was released.
-`hydrate` (after restore) checks the manifest against the arena (same layout digest), the sources
+`hydrate` (after restore) checks the manifest against the arena (same plan digest), the sources
 against the identities recorded at release (device, inode, size, mtime, ctime; on a mismatch the
 content digest decides), and the free device memory; then it maps fresh backing at the same
 address, copies, verifies sampled blocks against the source, and only then sets `ready`. On a
@@ -126,7 +126,9 @@ class WeightRegion:
     """`size` bytes at virtual `address` come from `source` at `offset`; `digest` is `region_digest` of them.
 
     Policy `discard` (a KV cache, scratch): released like the weights, but not kept anywhere: it comes back
-    zero-filled, with no source, offset 0 and no digest. Its bytes never reach the images either way.
+    zero-filled, with no source, offset 0 and no digest. Its bytes never reach the images either way. Every
+    release zeroes it, a release that a failed capture rolls back included: an engine must not keep state that
+    points into it (cached prefixes) across a release.
     """
 
     name: str
@@ -153,12 +155,19 @@ class WeightRegion:
             region = cls(**value)
         except TypeError as exc:
             raise HydrationError(f"malformed weight region: {exc}") from exc
-        for name in ("address", "size", "offset"):
-            if not isinstance(getattr(region, name), int) or isinstance(getattr(region, name), bool):
-                raise HydrationError(f"{name} must be an integer", region=str(region.name))
-        if not all(isinstance(getattr(region, n), str) for n in ("name", "source", "digest", "policy")):
-            raise HydrationError("name, source, digest and policy must be strings", region=str(region.name))
+        region.check_types()
         return region
+
+    def check_types(self) -> None:
+        """Integers that are not booleans, strings: each field, named when it is not."""
+        for name in ("address", "size", "offset"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise HydrationError(f"{name} must be an integer, got {type(value).__name__}", region=str(self.name))
+        for name in ("name", "source", "digest", "policy"):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise HydrationError(f"{name} must be a string, got {type(value).__name__}", region=str(self.name))
 
 
 def chunk_digests(path: str | Path, offset: int, size: int, *, threads: int = 0) -> list[bytes]:
@@ -204,6 +213,8 @@ def validate_regions(regions: Sequence[WeightRegion], reservation_address: int,
     """Sorted by address; each named once, non-empty, inside the reservation, not overlapping another."""
     if not regions:
         raise HydrationError("no weight regions declared")
+    for region in regions:
+        region.check_types()
     names = [r.name for r in regions]
     for region in regions:
         if not region.name or any(c.isspace() for c in region.name):
@@ -217,8 +228,10 @@ def validate_regions(regions: Sequence[WeightRegion], reservation_address: int,
             raise HydrationError(f"policy {region.policy!r} must be one of {', '.join(REGION_POLICIES)}",
                                  region=region.name)
         if not region.preserved:
-            if region.source or region.offset or region.digest:
-                raise HydrationError("a discard region has no source, offset or digest", region=region.name)
+            for field in ("source", "offset", "digest"):
+                if getattr(region, field):
+                    raise HydrationError(f"{field} must be empty for a discard region, got "
+                                         f"{getattr(region, field)!r}", region=region.name)
         elif not region.source:
             raise HydrationError("names no source file", region=region.name)
         elif not region.digest.startswith(DIGEST_PREFIX) or len(region.digest) != len(DIGEST_PREFIX) + 64:
@@ -344,9 +357,11 @@ class HydrationManifest:
                 **({"hydrator": self.hydrator} if self.hydrator else {})}
 
     def stage_request(self, op: str, **extra: Any) -> dict[str, Any]:
-        """A hydrator request about this manifest's allocation (`stage`, `adopt`, `discard`), keyed by its digest."""
+        """A hydrator request about this manifest's allocation (`stage`, `adopt`, `discard`), keyed by its digest.
+        Only the preserved regions travel: the hydrator has nothing to copy for a discarded one."""
         return {"op": op, "key": self.manifest_digest, "base": self.reservation_address,
-                "size": self.reservation_size, "regions": [r.to_json() for r in self.regions], **extra}
+                "size": self.reservation_size, "regions": [r.to_json() for r in self.regions if r.preserved],
+                **extra}
 
     def to_json(self) -> dict[str, Any]:
         return {**self._body(), "manifest_digest": self.manifest_digest}
@@ -778,7 +793,7 @@ class WeightArena:
         fd = int(_cu(self.driver, "cuMemExportToShareableHandle", self._handle, _fd_handle(self.driver), 0))
         try:
             answer = request(path, {"op": "hydrate", "base": self.address, "size": self.size,
-                                    "regions": [r.to_json() for r in self.regions]}, fds=[fd], timeout=600.0)
+                                    "regions": [r.to_json() for r in self._preserved]}, fds=[fd], timeout=600.0)
         finally:
             os.close(fd)
         if not answer.get("ok"):

@@ -12,8 +12,9 @@ Restore: CRIU restore leaving the tree stopped, then (n610) per CUDA process in 
 inventory order: require `checkpointed`, restore, require `locked`, unlock, require
 `running`; finally SIGCONT. On failure the restored tree is killed. With lazy pages, CRIU restores
 the tree without its memory and `criu lazy-pages` fills it (userfaultfd) while the CUDA state comes
-back; the restore is ready only when every page is in, and a daemon that fails kills the tree. Timeline marks are taken
-by this (fresh) process, never by the restored one. The image directory is only read.
+back; the tree is then held stopped until every page is in, and a daemon that fails kills it.
+Timeline marks are taken by this (fresh) process, never by the restored one. The image directory is
+only read.
 
 Weight hydration (`_hydrate.py`): with `hydration=<engine control socket>` the capture first asks
 the engine to release its weight regions (the engine's fail-before-release gate; the manifest goes
@@ -62,7 +63,7 @@ from ._hydrate import request as hydration_request
 from ._profile import identity
 from .errors import ContractError, ProbeError, RankAborted, WorkerError
 
-__all__ = ("capture", "identity_compatibility", "image_digest", "restore", "tp_execution")
+__all__ = ("anonymous_memory", "capture", "identity_compatibility", "image_digest", "restore", "tp_execution")
 
 CAPTURE_KIND = "coldsnap-cuda-criu-capture"
 RESTORE_KIND = "coldsnap-cuda-criu-restore"
@@ -173,7 +174,7 @@ def image_digest(images: Path, *, contents: bool = False) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def _anonymous_memory(pid: int, top: int = 6) -> dict[str, Any]:
+def anonymous_memory(pid: int, top: int = 6) -> dict[str, Any]:
     """The process's resident anonymous bytes and its largest anonymous mappings (what CRIU will dump)."""
     sizes: list[tuple[int, str]] = []
     name, total = "", 0
@@ -381,7 +382,7 @@ def capture(pid: int, images: Path, *, criu: str, boundary: str = "n610", lock_t
                 timings["engine_quiesce"] = time.perf_counter() - started
             ranks.barrier("quiesced")
             manifest = _release_weights(hydration, report) if hydration else None
-            report["memory_before_checkpoint"] = {str(p): _anonymous_memory(p) for p in tree}
+            report["memory_before_checkpoint"] = {str(p): anonymous_memory(p) for p in tree}
             done: list[tuple[int, str]] = []  # (pid, what was done) for the rollback
             try:
                 started = time.perf_counter()
@@ -399,7 +400,7 @@ def capture(pid: int, images: Path, *, criu: str, boundary: str = "n610", lock_t
                 _require(driver, cuda, "checkpointed", "after checkpoint")
                 timings["cuda_checkpoint"] = time.perf_counter() - started
                 ranks.barrier("checkpointed")
-                report["memory_after_checkpoint"] = {str(p): _anonymous_memory(p) for p in tree}
+                report["memory_after_checkpoint"] = {str(p): anonymous_memory(p) for p in tree}
                 timings["criu_dump"] = _criu(criu, dump_args, work / "dump.log")
                 dumped = True
                 if manifest is not None:
@@ -510,23 +511,41 @@ def _start_lazy_pages(criu: str, images: Path, work: Path) -> subprocess.Popen[b
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     give_up = time.monotonic() + LAZY_PAGES_START_S
     while not listening.exists():
-        if daemon.poll() is not None or time.monotonic() > give_up:
-            _stop(daemon)
+        if daemon.poll() is not None:
             raise WorkerError(f"criu lazy-pages did not start (exit {daemon.returncode}): {_tail(log)}")
+        if time.monotonic() > give_up:
+            _stop(daemon)
+            raise WorkerError(f"criu lazy-pages did not listen within {LAZY_PAGES_START_S:.0f} s: {_tail(log)}")
         time.sleep(0.001)
     return daemon
 
 
-def _finish_lazy_pages(daemon: subprocess.Popen[bytes], work: Path) -> None:
-    """Every page is in once the daemon exits 0; otherwise the restored memory is incomplete."""
-    try:
-        code = daemon.wait(LAZY_PAGES_FINISH_S)
-    except subprocess.TimeoutExpired:
-        _stop(daemon)
-        raise WorkerError(f"criu lazy-pages had not copied every page after {LAZY_PAGES_FINISH_S:.0f} s") from None
-    if code != 0:
-        raise WorkerError(f"criu lazy-pages exited {code}, the restored memory is incomplete: "
+def _finish_lazy_pages(daemon: subprocess.Popen[bytes], work: Path, root: int, ranks: Coordinator) -> None:
+    """Every page is in once the daemon exits 0 while the restored tree still lives (the tree is stopped
+    meanwhile, so nothing runs on memory the daemon might never fill). A timeout or a peer's abort leaves
+    the daemon to the caller, which kills the tree first."""
+    give_up = time.monotonic() + LAZY_PAGES_FINISH_S
+    while daemon.poll() is None:
+        if time.monotonic() > give_up:
+            raise WorkerError(f"criu lazy-pages had not copied every page after {LAZY_PAGES_FINISH_S:.0f} s")
+        if reason := ranks.aborted():
+            raise RankAborted(f"the activation was aborted while pages were restored: {reason}")
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            daemon.wait(ABORT_POLL)
+    if daemon.returncode != 0:
+        raise WorkerError(f"criu lazy-pages exited {daemon.returncode}, the restored memory is incomplete: "
                           f"{_tail(work / 'lazy-pages.log')}")
+    if _state(root) in ("", "Z", "X"):
+        raise WorkerError(f"the restored process {root} exited while its pages were restored")
+
+
+def _state(pid: int) -> str:
+    """The process's state letter (`T` stopped, `Z` zombie...), or "" once it is gone."""
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat_line[stat_line.rindex(")") + 2:][:1]
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
@@ -547,8 +566,8 @@ def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: C
     """Restore the tree captured in `images`; returns the report (the images are only read).
 
     `lazy_pages`: CRIU restores the processes without their memory, which `criu lazy-pages` then fills
-    (faults first, the rest in the background) while the CUDA state is restored; the restore is reported
-    ready only once every page is in.
+    (faults first, the rest in the background) while the CUDA state is restored. The tree is then held
+    stopped until every page is in, so nothing serves from memory a failed daemon never filled.
     """
     ranks = coordinator or Coordinator.single()
     timeline = Timeline()
@@ -596,22 +615,22 @@ def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: C
         work.mkdir(parents=True, exist_ok=True)
         pidfile = work / "restored.pid"
         pidfile.unlink(missing_ok=True)  # CRIU refuses to overwrite one left by an earlier restore
-        paused = bool(cuda) or ranks.multi  # every rank is restored paused and released together
+        # Every rank is restored paused and released together; a lazy tree is released once its pages are in.
+        paused = bool(cuda) or ranks.multi or lazy_pages
         if lazy_pages:
             lazy = _start_lazy_pages(criu, images, work)
         args = ["restore", "--images-dir", str(images), "--work-dir", str(work), "--restore-detached",
                 "--pidfile", str(pidfile), *(["--leave-stopped"] if paused else []),
                 *(["--lazy-pages"] if lazy else [])]
-        if cuda:  # the driver initialises while CRIU runs: cuInit is a good part of the CUDA restore otherwise
-            driver = Driver()
-            with ThreadPoolExecutor(1, thread_name_prefix="coldsnap-cuinit") as pool:
-                initialised = pool.submit(driver.call, "cuInit", 0)
-                report["criu_restore_seconds"] = _criu(criu, args, work / "restore.log")
-                initialised.result()
-        else:
+        driver = Driver() if cuda else None
+        with ThreadPoolExecutor(1, thread_name_prefix="coldsnap-cuinit") as pool:
+            # The driver initialises while CRIU runs (cuInit is a good part of the CUDA restore otherwise).
+            initialised = pool.submit(driver.call, "cuInit", 0) if driver is not None else None
             report["criu_restore_seconds"] = _criu(criu, args, work / "restore.log")
-        timeline.mark("criu_restore_end")
-        root = int(pidfile.read_text().split()[0])
+            timeline.mark("criu_restore_end")
+            root = int(pidfile.read_text().split()[0])  # before anything else can fail: the tree is killed then
+            if initialised is not None:
+                initialised.result()
         report["restored_pid"] = root
         if not set(cuda) <= set(process_tree(root)):
             raise WorkerError(f"the recorded CUDA processes {cuda} are not in the restored tree of {root}")
@@ -619,7 +638,7 @@ def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: C
         report["peer_criu_restore_seconds"] = [p.get("criu_seconds") for p in peers]
         if ranks.multi:
             timeline.mark("rank_barrier_end")
-        if cuda:
+        if driver is not None:
             timeline.mark("deferred_cuda_restore_begin")
             os.killpg(root, signal.SIGCONT)  # leave-stopped tree: the CUDA restore thread must run
             for pid in reversed(cuda):
@@ -628,8 +647,8 @@ def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: C
                 _require(driver, [pid], "locked", "after CUDA restore")
                 driver.call("cuCheckpointProcessUnlock", pid, None)
                 _require(driver, [pid], "running", "after unlock")
-            if ranks.multi:
-                os.killpg(root, signal.SIGSTOP)  # held until every rank's CUDA state is back
+            if ranks.multi or lazy:
+                os.killpg(root, signal.SIGSTOP)  # held until every rank's CUDA state is back, every page is in
             timeline.mark("deferred_cuda_restore_end")
             report["cuda_restore_seconds"] = timeline.seconds("deferred_cuda_restore_begin",
                                                                "deferred_cuda_restore_end")
@@ -637,10 +656,15 @@ def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: C
             report["peer_cuda_restore_seconds"] = [p.get("cuda_seconds") for p in peers]
             if ranks.multi:
                 timeline.mark("distributed_cuda_restore_barrier_end")
-        if ranks.multi:
+        if lazy:
+            _finish_lazy_pages(lazy, work, root, ranks)
+            timeline.mark("all_pages_in")
+            report["all_pages_in_seconds"] = timeline.seconds("restore_begin", "all_pages_in")
+        if ranks.multi or lazy:
             os.killpg(root, signal.SIGCONT)
+        if ranks.multi:
             ranks.barrier("process-resumed")
-        timeline.mark("process_resumed")  # without CUDA (single rank) the tree was restored running
+        timeline.mark("process_resumed")  # without CUDA, one rank, eager: the tree was restored running
         if manifest is not None:
             timeline.mark("hydration_begin")
             staged = stager.result() if stager else None
@@ -658,9 +682,6 @@ def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: C
             timeline.mark("communicator_recreate_end")
             report["communicator_recreate_seconds"] = timeline.seconds("communicator_recreate_begin",
                                                                        "communicator_recreate_end")
-        if lazy:
-            _finish_lazy_pages(lazy, work)
-            timeline.mark("all_pages_in")
         ranks.barrier("ready")
         timeline.mark("ready")
     except BaseException as exc:

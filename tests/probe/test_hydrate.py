@@ -142,9 +142,15 @@ def test_manifest_round_trips_and_refuses_tampering(tmp_path: Path) -> None:
 def test_a_discard_region_has_no_source_and_an_arena_keeps_a_weight_region(tmp_path: Path) -> None:
     path = source(tmp_path)
     weights = region(path)
-    with pytest.raises(HydrationError, match="region kv: a discard region has no source, offset or digest"):
+    with pytest.raises(HydrationError, match="region kv: source must be empty for a discard region, got '/"):
         validate_regions([weights, WeightRegion("kv", BASE + 2 * MIB, MIB, str(path), 0, "", "discard")], BASE,
                          8 * MIB)
+    with pytest.raises(HydrationError, match="region kv: source must be a string, got NoneType"):
+        validate_regions([weights, WeightRegion("kv", BASE + 2 * MIB, MIB, None, 0, "", "discard")],  # type: ignore[arg-type]
+                         BASE, 8 * MIB)
+    with pytest.raises(HydrationError, match="region kv: size must be an integer, got float"):
+        validate_regions([weights, WeightRegion("kv", BASE + 2 * MIB, 1e6, "", 0, "", "discard")],  # type: ignore[arg-type]
+                         BASE, 8 * MIB)
     with pytest.raises(HydrationError, match="region kv: policy 'keep' must be one of preserve, discard"):
         validate_regions([weights, WeightRegion("kv", BASE + 2 * MIB, MIB, "", 0, "", "keep")], BASE, 8 * MIB)
     with pytest.raises(HydrationError, match="every region is discarded"):

@@ -152,18 +152,24 @@ def kill_and_reap(pid: int) -> None:
             return
 
 
-@gpu
-@pytest.mark.usefixtures("subreaper")
-def test_n610_capture_then_two_restores_from_unchanged_images(tmp_path: Path) -> None:
+def captured(tmp_path: Path, mib: int) -> tuple[Path, Path, int, dict[str, Any]]:
+    """A target holding `mib` MiB of device memory, verified, captured (n610) and reaped:
+    (its control directory, the images, its PID, the capture report)."""
     control, images = tmp_path / "control", tmp_path / "images"
-    target = start_target("n610", control, "64")
+    target = start_target("n610", control, str(mib))
     assert verify(control, 0)
     done = worker("capture", "--pid", str(target.pid), "--images", str(images), "--criu", shutil.which("criu") or "")
     assert done.returncode == 0, done.stderr
-    capture = json.loads(done.stdout)
-    assert capture["cuda_pids"] == [target.pid] and capture["image_bytes"] > 64 << 20
-    assert {"cuda_lock", "cuda_checkpoint", "criu_dump"} <= set(capture["timings_s"])
     target.wait()  # CRIU killed it; reap so the PID is free again
+    return control, images, target.pid, json.loads(done.stdout)
+
+
+@gpu
+@pytest.mark.usefixtures("subreaper")
+def test_n610_capture_then_two_restores_from_unchanged_images(tmp_path: Path) -> None:
+    control, images, pid, capture = captured(tmp_path, 64)
+    assert capture["cuda_pids"] == [pid] and capture["image_bytes"] > 64 << 20
+    assert {"cuda_lock", "cuda_checkpoint", "criu_dump"} <= set(capture["timings_s"])
     digest = image_digest(images)
     for attempt in (1, 2):
         done = worker("restore", "--images", str(images), "--work-dir", str(tmp_path / f"work-{attempt}"))
@@ -172,7 +178,7 @@ def test_n610_capture_then_two_restores_from_unchanged_images(tmp_path: Path) ->
         names = [m["name"] for m in report["timeline"]]
         assert names == ["restore_begin", "criu_restore_end", "deferred_cuda_restore_begin",
                          "deferred_cuda_restore_end", "process_resumed", "ready"]
-        assert report["restored_pid"] == target.pid and verify(control, attempt)
+        assert report["restored_pid"] == pid and verify(control, attempt)
         assert report["identity_compatibility"] == "exact"
         kill_and_reap(report["restored_pid"])
     assert image_digest(images) == digest
@@ -181,11 +187,7 @@ def test_n610_capture_then_two_restores_from_unchanged_images(tmp_path: Path) ->
 @gpu
 @pytest.mark.usefixtures("subreaper")
 def test_lazy_restores_bring_every_page_back_before_ready(tmp_path: Path) -> None:
-    control, images = tmp_path / "control", tmp_path / "images"
-    target = start_target("n610", control, "64")
-    done = worker("capture", "--pid", str(target.pid), "--images", str(images), "--criu", shutil.which("criu") or "")
-    assert done.returncode == 0, done.stderr
-    target.wait()
+    control, images, _pid, _capture = captured(tmp_path, 64)
     digest = image_digest(images)
     for attempt in (1, 2):
         done = worker("restore", "--images", str(images), "--work-dir", str(tmp_path / f"work-{attempt}"),
@@ -193,7 +195,9 @@ def test_lazy_restores_bring_every_page_back_before_ready(tmp_path: Path) -> Non
         assert done.returncode == 0, done.stderr
         report = json.loads(done.stdout)
         names = [m["name"] for m in report["timeline"]]
-        assert names[-2:] == ["all_pages_in", "ready"] and verify(control, attempt)
+        # held stopped until every page is in, and only then resumed
+        assert names.index("deferred_cuda_restore_end") < names.index("all_pages_in") < names.index("process_resumed")
+        assert report["all_pages_in_seconds"] > 0 and verify(control, attempt)
         kill_and_reap(report["restored_pid"])
     assert image_digest(images) == digest
 
@@ -201,18 +205,14 @@ def test_lazy_restores_bring_every_page_back_before_ready(tmp_path: Path) -> Non
 @gpu
 @pytest.mark.usefixtures("subreaper")
 def test_a_lazy_pages_daemon_that_fails_restores_nothing(tmp_path: Path) -> None:
-    control, images = tmp_path / "control", tmp_path / "images"
-    target = start_target("n610", control, "16")
-    done = worker("capture", "--pid", str(target.pid), "--images", str(images), "--criu", shutil.which("criu") or "")
-    assert done.returncode == 0, done.stderr
-    target.wait()
+    control, images, pid, _capture = captured(tmp_path, 16)
     broken = tmp_path / "criu"  # the real criu, except that its lazy-pages daemon fails at once
     broken.write_text(f'#!/bin/sh\n[ "$1" = lazy-pages ] && exit 3\nexec {shutil.which("criu")} "$@"\n')
     broken.chmod(0o755)
     done = worker("restore", "--images", str(images), "--criu", str(broken), "--lazy-pages")
     assert done.returncode == 1 and "criu lazy-pages did not start (exit 3)" in done.stderr
     with pytest.raises(ProcessLookupError):
-        os.kill(target.pid, 0)  # nothing was restored
+        os.kill(pid, 0)  # nothing was restored
     done = worker("restore", "--images", str(images), "--work-dir", str(tmp_path / "work"))
     assert done.returncode == 0, done.stderr  # the images are intact: an eager restore still works
     assert verify(control, 1)
