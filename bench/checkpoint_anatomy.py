@@ -132,16 +132,18 @@ def _lines(path: Path, count: int, deadline_s: float = 120.0) -> list[dict[str, 
     raise RuntimeError(f"{path} has fewer than {count} lines after {deadline_s} s")
 
 
-def criu_restores(criu: str, root: Path) -> list[dict[str, Any]]:
-    """Checkpoint + dump the torch process once; restore it twice eagerly and twice lazily."""
+def call(name: str, pid: int) -> float:
+    """One `cuCheckpointProcess*` call on `pid`, timed; a failure raises, naming the call."""
     from cuda.bindings import driver
 
-    def call(name: str, pid: int) -> float:
-        started = time.perf_counter()
-        if int(err := getattr(driver, name)(pid, None)[0]):
-            raise RuntimeError(f"{name}({pid}): {err}")
-        return time.perf_counter() - started
+    started = time.perf_counter()
+    if int(err := getattr(driver, name)(pid, None)[0]):
+        raise RuntimeError(f"{name}({pid}): {err}")
+    return time.perf_counter() - started
 
+
+def criu_restores(criu: str, root: Path) -> list[dict[str, Any]]:
+    """Checkpoint + dump the torch process once; restore it twice eagerly and twice lazily."""
     images, log = root / "images", root / "child.out"
     images.mkdir()
     with open(log, "w") as out:
@@ -157,13 +159,13 @@ def criu_restores(criu: str, root: Path) -> list[dict[str, Any]]:
         captured = {"dumped_size": log.stat().st_size, "dump_s": dump,
                     "image_bytes": sum(f.stat().st_size for f in images.iterdir())}
         return [{**captured, **restore_once(criu, images, root / f"restore-{n}", log, captured["dumped_size"], pid,
-                                            call, mode)}
+                                            mode)}
                 for n, mode in enumerate(("eager", "lazy", "eager", "lazy"))]
     finally:  # the original process if the dump failed; nothing otherwise (each restore cleans up after itself)
         kill_and_reap([proc.pid])
 
 
-def restore_once(criu: str, images: Path, work: Path, log: Path, dumped_size: int, pid: int, call: Any,
+def restore_once(criu: str, images: Path, work: Path, log: Path, dumped_size: int, pid: int,
                  mode: str) -> dict[str, Any]:
     """One CRIU restore (eager or lazy) + CUDA restore + the first GPU work; the restored process is killed."""
     work.mkdir()
@@ -203,21 +205,12 @@ def restore_once(criu: str, images: Path, work: Path, log: Path, dumped_size: in
 
 
 def checkpoint(pid: int) -> dict[str, Any]:
-    from cuda.bindings import driver
-
-    def call(name: str, *args: Any) -> float:
-        started = time.perf_counter()
-        err = getattr(driver, name)(*args)[0]
-        if int(err):
-            raise RuntimeError(f"{name}({pid}): {err}")
-        return time.perf_counter() - started
-
     before = anonymous_memory(pid)
-    lock = call("cuCheckpointProcessLock", pid, None)
-    seconds = call("cuCheckpointProcessCheckpoint", pid, None)
+    lock = call("cuCheckpointProcessLock", pid)
+    seconds = call("cuCheckpointProcessCheckpoint", pid)
     after = anonymous_memory(pid)
-    restore = call("cuCheckpointProcessRestore", pid, None)
-    unlock = call("cuCheckpointProcessUnlock", pid, None)
+    restore = call("cuCheckpointProcessRestore", pid)
+    unlock = call("cuCheckpointProcessUnlock", pid)
     return {"anonymous_before": before, "anonymous_after": after,
             "device_state_bytes": after["anonymous_bytes"] - before["anonymous_bytes"],
             "lock_s": lock, "checkpoint_s": seconds, "restore_s": restore, "unlock_s": unlock}
