@@ -22,14 +22,16 @@ from ._translate import container_config as container_config
 
 if TYPE_CHECKING:
     from ._docker import DockerBackend as DockerBackend
+    from ._docker import extract_archive as extract_archive
 
 __all__ = ("MANAGER_UID_LABEL", "ArchiveRefused", "Backend", "DockerBackend", "GpuPolicy", "HostPolicy", "Owner",
-           "RuntimeContext", "check_members", "container_config", "dispatch", "with_manager_labels")
+           "RuntimeContext", "check_members", "container_config", "dispatch", "extract_archive",
+           "with_manager_labels")
 
 
 def __getattr__(name: str) -> Any:
-    if name == "DockerBackend":
-        from ._docker import DockerBackend
+    if name in ("DockerBackend", "extract_archive"):  # aiodocker is loaded only by those who need it
+        from . import _docker
 
-        return DockerBackend
+        return getattr(_docker, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
