@@ -817,12 +817,23 @@ class DockerBackend:
             if self._copy_max_bytes is not None and total > self._copy_max_bytes:
                 raise RuntimeFailed(action="workload-copy-from", detail=(
                     f"the copy exceeds {self._copy_max_bytes} bytes (docker.copy_max_bytes); nothing was placed"))
-            if data.count(0) == len(data):
-                spool.seek(len(data), os.SEEK_CUR)
-            else:
-                await anyio.to_thread.run_sync(spool.write, data)
-        spool.truncate(total)  # a trailing hole has a size too
-        await anyio.to_thread.run_sync(spool.flush)
+            with self._spooling():
+                if data.count(0) == len(data):
+                    spool.seek(len(data), os.SEEK_CUR)
+                else:
+                    await anyio.to_thread.run_sync(spool.write, data)
+        with self._spooling():
+            spool.truncate(total)  # a trailing hole has a size too
+            await anyio.to_thread.run_sync(spool.flush)
+
+    @contextmanager
+    def _spooling(self) -> Iterator[None]:
+        """A full or failing spool is ours, not the engine's: say where (docker.spool_dir)."""
+        try:
+            yield
+        except OSError as exc:
+            raise RuntimeFailed(action="workload-copy-from", detail=(
+                f"cannot spool the copy in {self._spool_dir or tempfile.gettempdir()}: {exc.strerror}")) from exc
 
 
 def _path_stat(header: str) -> dict[str, Any]:
