@@ -87,7 +87,7 @@ class Operations:
 
     async def run(self, request: Operation, record: SessionRecord) -> Outcome:
         """Run one authenticated, capability-checked operation; the handler turns the outcome into the reply."""
-        host = self.host_for(request.host, record)
+        host = self._route(request.host, record)
         ctx = self._runtime_context(request.host, record)
         match request:
             case Exec():
@@ -104,7 +104,7 @@ class Operations:
                 await host.runtime(legacy_registry_action(request), ctx)
         return None
 
-    def host_for(self, host: str, record: SessionRecord) -> Host:
+    def _route(self, host: str, record: SessionRecord) -> Host:
         """Where a request enters host routing: the node serving `host`, if the session may reach it."""
         if host not in record.hosts:
             raise RequestRejected("host-provider target is outside this request")

@@ -131,12 +131,14 @@ def _huggingface_client(config: Config, identity: ExecIdentity) -> HuggingfaceCl
 
 
 def _checked_config(path: str | None) -> Config | None:
-    """The configuration, with what can only be checked at run time (exec.user) checked too."""
+    """The configuration, with what can only be checked at run time (exec.user, the spool) checked too."""
     from ._exec import resolve_identity
 
     try:
         config = load_config(path)
         resolve_identity(config.exec.user)
+        if not os.path.isdir(spool_dir(config)):
+            raise ValueError(f"docker.spool_dir: {spool_dir(config)} is not a directory")
     except (ConfigError, ValueError) as exc:
         _err(str(exc))
         return None
