@@ -114,3 +114,37 @@ async def test_build_sends_only_the_credentials_of_its_base_images_registries(
     assert built.ok, built.error
     assert _registry_configs(bytes(recorded)) == [{"127.0.0.1:5999": {
         "username": "user", "password": "secret", "serveraddress": "127.0.0.1:5999"}}]
+
+
+async def test_remote_upload_and_copy_from_past_copy_max_bytes_fail_and_place_nothing(
+        node_b: NodeB, busybox_image: str) -> None:  # noqa: F811
+    """Regression: #24 finding 8 (remote copy-from, upload and build staged whole trees without a bound)."""
+    import shutil
+    import tempfile
+
+    name = f"coldsnap-remote-capped-{os.getpid()}"
+    source = Path(tempfile.mkdtemp(prefix="cs-up-cap-", dir="/var/tmp"))
+    (source / "big").write_bytes(os.urandom(2 << 20))
+    dest = f"/tmp/coldsnap-remote-capped-{os.getpid()}"
+    config = node_b.config() + "\n[docker]\ncopy_max_bytes = 1048576\n"
+    async with running_daemon(config) as daemon:
+        s = await daemon.open_session(hosts=["node-b"])
+        try:
+            upload = await s.call("upload", host="node-b", sources=[str(source / "big")], destination=dest)
+            run = await s.runtime("workload-run", host="node-b", workload={
+                "image": busybox_image, "name": name, "detached": True,
+                "command": ["sh", "-c", "head -c 2097152 /dev/urandom > /big && touch /done; sleep 300"]})
+            assert run.ok, run.error
+            with anyio.fail_after(10):
+                while (await s.runtime("workload-exec", host="node-b", name=name,
+                                       execution={"command": ["test", "-e", "/done"]})).error_code:
+                    await anyio.sleep(0.1)
+            copied = await s.runtime("workload-copy-from", host="node-b", name=name, path="/big",
+                                     destination=f"{dest}-copy")
+        finally:
+            node_b.docker("rm", "-f", name, check=False)
+            shutil.rmtree(source, ignore_errors=True)
+    for reply in (upload, copied):
+        assert not reply.ok and reply.error_code == "runtime_failed"
+        assert "exceeds 1048576 bytes (docker.copy_max_bytes)" in reply.error, reply.error
+    assert not node_b.path(dest).exists() and not node_b.path(f"{dest}-copy").exists()
