@@ -58,10 +58,11 @@ from typing import Any
 from ._coordinator import Coordinator
 from ._cuda import Driver
 from ._graph import GraphPlan, default_graph_policy, graph_record, plan_graph_policy, validate_graph_record
-from ._hydrate import HydrationManifest, Stager, check_sources
-from ._hydrate import request as hydration_request
+from ._hydrator import Stager
 from ._profile import identity
+from ._weights import HydrationManifest, check_sources
 from .errors import ContractError, ProbeError, RankAborted, WorkerError
+from .jsonline import request as hydration_request
 
 __all__ = ("anonymous_memory", "capture", "identity_compatibility", "image_digest", "restore", "tp_execution")
 
@@ -668,7 +669,8 @@ def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: C
         if manifest is not None:
             timeline.mark("hydration_begin")
             staged = stager.result() if stager else None
-            answer = _engine(manifest.control, {"op": "hydrate"},
+            ticket = {"ticket": stager.ticket} if stager and stager.ticket else {}  # adopts what it staged
+            answer = _engine(manifest.control, {"op": "hydrate", **ticket},
                              "weight hydration failed, the restored engine is not released", ranks=ranks)
             timeline.mark("hydration_end")
             hydrated = answer["report"]
