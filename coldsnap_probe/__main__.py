@@ -94,8 +94,8 @@ def _worker(args: argparse.Namespace) -> int:
     if (args.world_size > 1 or args.coordinator) and not (args.coordinator and args.namespace):
         sys.stderr.write("error: several ranks need --coordinator and --namespace\n")
         return 2
+    coordinator = None
     try:
-        coordinator = None
         if args.coordinator:
             coordinator = Coordinator(Path(args.coordinator), args.namespace, args.rank, args.world_size,
                                       timeout=args.barrier_timeout)
@@ -110,6 +110,9 @@ def _worker(args: argparse.Namespace) -> int:
     except (ProbeError, OSError, ValueError) as exc:
         sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")
         return 1
+    finally:
+        if coordinator is not None:
+            coordinator.close()
     sys.stdout.write(json.dumps(report, indent=2, sort_keys=True) + "\n")
     return 0
 
