@@ -23,7 +23,6 @@ from ._features import attach_criu as attach_criu
 from ._features import decode_profile as decode_profile
 from ._features import qualify as qualify
 from ._features import validate_profile as validate_profile
-from ._features import validate_qualification as validate_qualification
 from ._features import with_criu as with_criu
 from ._graph import POLICIES as GRAPH_POLICIES
 from ._graph import RECIPE_MODES as RECIPE_MODES
@@ -99,7 +98,6 @@ __all__ = (
     "resolve_graph_policy",
     "validate_graph_record",
     "validate_profile",
-    "validate_qualification",
     "with_criu",
     "write_cached",
 )
