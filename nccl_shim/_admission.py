@@ -1,4 +1,4 @@
-"""Admission of what the shim found: identity (spec 4a, in its order), evidence (4b), resources (4c).
+"""Admission of what the shim found: identity and the optional tables (spec 4a, in its order).
 
 Each rejection raises :class:`ProviderNotAdmitted` whose `rule` names the rule.
 """
@@ -6,20 +6,17 @@ Each rejection raises :class:`ProviderNotAdmitted` whose `rule` names the rule.
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import re
 from collections.abc import Mapping
-from typing import Any
 
 import msgspec
 
-from ._abi import CAPABILITY_BITS, EVIDENCE_MAX, IN_PLACE_SLOTS, KNOWN_CAPABILITY_MASK, InPlaceV1, ProviderV1
+from ._abi import CAPABILITY_BITS, IN_PLACE_SLOTS, KNOWN_CAPABILITY_MASK, InPlaceV1, ProviderV1
 from ._lib import ShimIdentity, TableStatus
 from .errors import ProviderNotAdmitted
 
-__all__ = ("Expectations", "admit_evidence", "admit_identity", "admit_resources", "capability_names",
-           "missing_capabilities", "unknown_capability_mask")
+__all__ = ("Expectations", "admit_identity", "capability_names", "missing_capabilities", "unknown_capability_mask")
 
 IN_PLACE_MODE = "net-reconnect-v1"
 PROVIDER_ID = re.compile(r"^nccl-[0-9]+\.[0-9]+\.[0-9]+-[0-9]+\+coldsnap\.[0-9]+$")
@@ -149,64 +146,6 @@ def admit_identity(identity: ShimIdentity, in_place: TableStatus, expect: Expect
                                            "must be a decimal > 0 and coldsnapNcclDlsymBridgeAbi exported)")
     if identity.dlsym_bridge_abi != bridge:
         raise ProviderNotAdmitted("4a.13", f"NCCL dlsym bridge ABI mismatch: {identity.dlsym_bridge_abi} != {bridge}")
-
-
-def _json_object(data: bytes, what: str, rule: str) -> dict[str, Any]:
-    if len(data) > EVIDENCE_MAX:
-        raise ProviderNotAdmitted(rule, f"{what} exceeds {EVIDENCE_MAX} bytes")
-    try:
-        value = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ProviderNotAdmitted(rule, f"{what} is not UTF-8 JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise ProviderNotAdmitted(rule, f"{what} is not a JSON object")
-    return value
-
-
-def admit_evidence(data: bytes, expected_state: str) -> dict[str, Any]:
-    """Spec 4b: in-place evidence must admit retained graphs and report `qualified: false`."""
-    evidence = _json_object(data, "in-place evidence", "4b")
-    facts = {
-        "format": evidence.get("format") == 1,
-        "kind": evidence.get("kind") == "coldsnap-nccl-in-place-evidence",
-        "mode": evidence.get("mode") == IN_PLACE_MODE,
-        "state": evidence.get("state") == expected_state,
-        "transport_epoch_portable": evidence.get("transport_epoch_portable") is True,
-        "network_identity_portable": evidence.get("network_identity_portable") is True,
-        "proxy_control_reconstructed": evidence.get("proxy_control_reconstructed") is True,
-        "bootstrap_available": evidence.get("bootstrap_available") is False,
-        "transport_ownership": evidence.get("transport_ownership") == "coldsnap",
-        "communicators": _positive_int(evidence.get("communicators")),
-        "persistent_graph_references": _positive_int(evidence.get("persistent_graph_references")),
-        "backend": evidence.get("backend") in ("IB", "Socket"),
-    }
-    if failed := [name for name, ok in facts.items() if not ok]:
-        raise ProviderNotAdmitted("4b", f"NCCL in-place evidence does not admit retained graphs: {', '.join(failed)}")
-    if evidence.get("qualified") is not False:
-        raise ProviderNotAdmitted("4b", f"NCCL in-place evidence has an unexpected qualification state: "
-                                        f"{evidence.get('qualified')!r}")
-    return evidence
-
-
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def admit_resources(result: int, data: bytes, mode: str) -> dict[str, Any]:
-    """Spec 4c: complete, admitted, no blockers, and inspect() returned 0."""
-    inventory = _json_object(data, "resource inventory", "4c")
-    if inventory.get("format") != 1 or inventory.get("kind") != "coldsnap-nccl-resource-inventory":
-        raise ProviderNotAdmitted("4c", "resource inventory has the wrong format or kind")
-    if inventory.get("mode") != mode:
-        raise ProviderNotAdmitted("4c", f"resource inventory mode {inventory.get('mode')!r} != {mode!r}")
-    if not isinstance(inventory.get("communicators"), list):
-        raise ProviderNotAdmitted("4c", "resource inventory communicators is not a list")
-    blockers = sorted({b for c in inventory["communicators"] if isinstance(c, dict) for b in c.get("blockers", [])})
-    if inventory.get("complete") is not True or inventory.get("admitted") is not True or result != 0:
-        raise ProviderNotAdmitted("4c", f"resource inventory does not admit {mode}: inspect returned {result}, "
-                                        f"complete={inventory.get('complete')}, admitted={inventory.get('admitted')}"
-                                        + (f", blockers: {', '.join(blockers)}" if blockers else ""))
-    return inventory
 
 
 def unknown_capability_mask(mask: int) -> int:
