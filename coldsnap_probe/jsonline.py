@@ -28,7 +28,7 @@ from typing import Any
 from .errors import ChannelError
 
 __all__ = ("MAX_REQUEST", "REQUEST_TIMEOUT", "Answer", "LineServer", "Peer", "Peers", "listen", "read_line",
-           "request", "request_with_fds", "send")
+           "read_request", "request", "request_with_fds", "send", "send_line")
 
 MAX_REQUEST = 1 << 20  # bytes of one request line (regions lists stay far below it)
 REQUEST_TIMEOUT = 30.0  # seconds a connection has to send its whole request
@@ -99,8 +99,9 @@ def listen(path: str | Path, *, group: int | None = None) -> socket.socket:
 class LineServer:
     """Answers a listener's connections one at a time on a thread it owns, for peers `peers` admits.
 
-    `answer(conn, peer)` reads its request (`read_line`) and returns the answer; an exception becomes
-    ``{"ok": false, "error": "<Type>: <message>"}``. `idle` runs between connections and at least every
+    `answer(conn, peer)` reads its request (`read_request`) and returns the answer (the last line: an answer
+    that streams, such as generated tokens, sends its earlier lines itself with `send_line`); an exception
+    becomes ``{"ok": false, "error": "<Type>: <message>"}``. `idle` runs between connections and at least every
     `idle_every` seconds. The loop ends when the listener is closed (`close()`)."""
 
     def __init__(self, listener: socket.socket, answer: Callable[[socket.socket, Peer], Answer], *,
@@ -183,16 +184,36 @@ def _drain(conn: socket.socket) -> None:
 def read_line(conn: socket.socket, data: bytes = b"") -> bytes:
     """One request line (after `data`, already read), within the connection's timeout as a whole, so that an
     asker trickling bytes cannot hold a one-at-a-time server longer than a silent one."""
-    deadline = time.monotonic() + (conn.gettimeout() or REQUEST_TIMEOUT)
-    while not data.endswith(b"\n"):
-        conn.settimeout(max(0.001, deadline - time.monotonic()))
-        part = conn.recv(65536)
-        if not part:
-            break
-        data += part
-        if len(data) > MAX_REQUEST:
-            raise ChannelError(f"request longer than {MAX_REQUEST} bytes")
+    given = conn.gettimeout()
+    deadline = time.monotonic() + (given or REQUEST_TIMEOUT)
+    try:
+        while not data.endswith(b"\n"):
+            conn.settimeout(max(0.001, deadline - time.monotonic()))
+            part = conn.recv(65536)
+            if not part:
+                break
+            data += part
+            if len(data) > MAX_REQUEST:
+                raise ChannelError(f"request longer than {MAX_REQUEST} bytes")
+    finally:
+        conn.settimeout(given)  # the answer's sends get the connection's whole timeout again
     return data
+
+
+def read_request(conn: socket.socket) -> dict[str, Any]:
+    """The request line as one JSON object (ChannelError when it is anything else)."""
+    try:
+        value = json.loads(read_line(conn))
+    except ValueError as exc:
+        raise ChannelError(f"the request is not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ChannelError("the request is not one JSON object")
+    return value
+
+
+def send_line(sock: socket.socket, value: dict[str, Any]) -> None:
+    """One JSON line (a streamed part of an answer)."""
+    send(sock, json.dumps(value).encode() + b"\n")
 
 
 def send(sock: socket.socket, payload: bytes, fds: Sequence[int] = ()) -> None:
