@@ -112,11 +112,11 @@ def _worker(args: argparse.Namespace) -> int:
         if args.command == "capture":
             report = capture(args.pid, Path(args.images), criu=args.criu, boundary=args.boundary,
                              digest=args.digest, hydration=args.hydration, coordinator=coordinator,
-                             engine=args.engine, graph_policy=args.graph_policy)
+                             engine=args.engine, graph_policy=args.graph_policy).to_json()
         else:
             report = restore(Path(args.images), criu=args.criu,
                              work=Path(args.work_dir) if args.work_dir else None, coordinator=coordinator,
-                             lazy_pages=args.lazy_pages)
+                             lazy_pages=args.lazy_pages).to_json()
     except (ProbeError, OSError, ValueError) as exc:
         sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")
         return 1

@@ -245,7 +245,7 @@ def test_a_peer_abort_ends_the_wait_for_an_engine_that_never_answers(tmp_path: P
     import socket
     import time
 
-    from coldsnap_probe._worker import _engine
+    from coldsnap_probe._engine import engine_request
 
     path = str(tmp_path / "engine.sock")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as engine:
@@ -253,8 +253,10 @@ def test_a_peer_abort_ends_the_wait_for_an_engine_that_never_answers(tmp_path: P
         engine.listen()  # accepts (in the backlog) and never answers
         rank0 = Coordinator(tmp_path / "coord", "restore-1", 0, 2)
         peer = Coordinator(tmp_path / "coord", "restore-1", 1, 2)
-        threading.Timer(0.3, peer.abort, args=("rank 1 restore: its process died",)).start()
+        aborting = threading.Timer(0.3, peer.abort, args=("rank 1 restore: its process died",))
+        aborting.start()
         started = time.monotonic()
         with pytest.raises(RankAborted, match=r"engine restore: the activation was aborted .* rank 1 restore: its"):
-            _engine(path, {"op": "resume"}, "engine restore", timeout=60, ranks=rank0)
+            engine_request(path, {"op": "resume"}, "engine restore", timeout=60, ranks=rank0)
         assert time.monotonic() - started < 5
+        aborting.join()
