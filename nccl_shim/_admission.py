@@ -78,6 +78,16 @@ def _positive_decimal(value: str) -> int | None:
 
 def admit_identity(identity: ShimIdentity, in_place: TableStatus, expect: Expectations) -> None:
     """Spec 4a, rules 1-13 in order; the first failure raises."""
+    _admit_table(identity, expect)
+    _admit_provider(identity, expect)
+    _admit_runtime(identity, expect)
+    if expect.in_place_mode:
+        _admit_in_place(in_place, expect)
+    _admit_bridge(identity, expect)
+
+
+def _admit_table(identity: ShimIdentity, expect: Expectations) -> None:
+    """4a.1-4a.4: a supported mode, and a provider table of ABI 1 that is not truncated."""
     if expect.in_place_mode not in ("", IN_PLACE_MODE):
         raise ProviderNotAdmitted("4a.1", f"unsupported NCCL in-place mode {expect.in_place_mode!r}")
     if "coldsnapNcclProviderQuery" not in identity.exports:
@@ -91,6 +101,10 @@ def admit_identity(identity: ShimIdentity, in_place: TableStatus, expect: Expect
                                           f"{_PROVIDER_V1_SIZE}")
     if identity.abi_major != 1:
         raise ProviderNotAdmitted("4a.4", f"NCCL provider ABI major mismatch: {identity.abi_major} != 1")
+
+
+def _admit_provider(identity: ShimIdentity, expect: Expectations) -> None:
+    """4a.5-4a.8: exactly the expected provider id and revision, compiled against the NCCL it loaded."""
     pid = identity.provider_id
     if pid is None or identity.provider_id_truncated or not pid.isascii() or not PROVIDER_ID.match(pid):
         raise ProviderNotAdmitted("4a.5", f"NCCL provider id {pid!r} does not match {PROVIDER_ID.pattern}")
@@ -106,6 +120,10 @@ def admit_identity(identity: ShimIdentity, in_place: TableStatus, expect: Expect
     if identity.compiled_nccl_version != identity.loaded_nccl_version:
         raise ProviderNotAdmitted("4a.8", f"NCCL provider compiled/loaded version mismatch: "
                                           f"{identity.compiled_nccl_version} != {identity.loaded_nccl_version}")
+
+
+def _admit_runtime(identity: ShimIdentity, expect: Expectations) -> None:
+    """4a.9-4a.11: the required capabilities and slots, and version reports that agree."""
     required = [*expect.required_capabilities,
                 *(["ib-roce-device-release"] if expect.require_ib_reset else []),
                 *(["full-network-reset"] if expect.require_network_reset else [])]
@@ -124,22 +142,29 @@ def admit_identity(identity: ShimIdentity, in_place: TableStatus, expect: Expect
         raise ProviderNotAdmitted("4a.11", f"loaded NCCL runtime identity disagrees: shim "
                                            f"{identity.checkpoint_nccl_version}, ncclGetVersion "
                                            f"{identity.nccl_version}, provider {identity.loaded_nccl_version}")
-    if expect.in_place_mode:
-        if not expect.in_place_experiment:
-            raise ProviderNotAdmitted("4a.12", "NCCL in-place mode requires controller admission "
-                                               "(COLDSNAP_NCCL_IN_PLACE_EXPERIMENT)")
-        if in_place.status == "absent":
-            raise ProviderNotAdmitted("4a.12", "NCCL provider lacks coldsnapNcclInPlaceQuery")
-        if in_place.status != "present":
-            raise ProviderNotAdmitted("4a.12", f"coldsnapNcclInPlaceQuery failed with ncclResult_t={in_place.result} "
-                                               f"({in_place.meaning})")
-        if in_place.struct_size < _IN_PLACE_V1_SIZE:
-            raise ProviderNotAdmitted("4a.12", f"NCCL in-place provider ABI is truncated: struct_size "
-                                               f"{in_place.struct_size} < {_IN_PLACE_V1_SIZE}")
-        if in_place.abi_major != 1:
-            raise ProviderNotAdmitted("4a.12", f"NCCL in-place provider ABI major mismatch: {in_place.abi_major} != 1")
-        if absent := [s for s in IN_PLACE_SLOTS if s not in in_place.slots]:
-            raise ProviderNotAdmitted("4a.12", f"NCCL in-place provider table has NULL slots: {', '.join(absent)}")
+
+
+def _admit_in_place(in_place: TableStatus, expect: Expectations) -> None:
+    """4a.12 (in-place mode only): admitted by the controller, and a complete in-place table of ABI 1."""
+    if not expect.in_place_experiment:
+        raise ProviderNotAdmitted("4a.12", "NCCL in-place mode requires controller admission "
+                                           "(COLDSNAP_NCCL_IN_PLACE_EXPERIMENT)")
+    if in_place.status == "absent":
+        raise ProviderNotAdmitted("4a.12", "NCCL provider lacks coldsnapNcclInPlaceQuery")
+    if in_place.status != "present":
+        raise ProviderNotAdmitted("4a.12", f"coldsnapNcclInPlaceQuery failed with ncclResult_t={in_place.result} "
+                                           f"({in_place.meaning})")
+    if in_place.struct_size < _IN_PLACE_V1_SIZE:
+        raise ProviderNotAdmitted("4a.12", f"NCCL in-place provider ABI is truncated: struct_size "
+                                           f"{in_place.struct_size} < {_IN_PLACE_V1_SIZE}")
+    if in_place.abi_major != 1:
+        raise ProviderNotAdmitted("4a.12", f"NCCL in-place provider ABI major mismatch: {in_place.abi_major} != 1")
+    if absent := [s for s in IN_PLACE_SLOTS if s not in in_place.slots]:
+        raise ProviderNotAdmitted("4a.12", f"NCCL in-place provider table has NULL slots: {', '.join(absent)}")
+
+
+def _admit_bridge(identity: ShimIdentity, expect: Expectations) -> None:
+    """4a.13: the dlsym bridge ABI the controller expects."""
     bridge = _positive_decimal(expect.dlsym_bridge_abi)
     if bridge is None or "coldsnapNcclDlsymBridgeAbi" not in identity.exports:
         raise ProviderNotAdmitted("4a.13", "expected NCCL dlsym bridge ABI is invalid (COLDSNAP_NCCL_DLSYM_BRIDGE_ABI "

@@ -63,3 +63,18 @@ def test_every_public_definition_has_a_production_caller(package: str) -> None:
                for name, node in definitions(path)
                if name not in ENTRY_POINTS and not callers_outside(name, node, path, used)]
     assert not orphans, "reached only from tests (wire it in or delete it, #29):\n" + "\n".join(orphans)
+
+
+@pytest.mark.parametrize("package", CHECKED)
+def test_modules_stay_under_600_lines_and_functions_under_60(package: str) -> None:
+    """Issue 29's house rules for the capsule packages: small modules with one job, functions a reader sees whole."""
+    too_long = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        text = path.read_text()
+        if (lines := text.count("\n")) >= 600:
+            too_long.append(f"{path.relative_to(ROOT)}: {lines} lines")
+        too_long += [f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines"
+                     for node in ast.walk(ast.parse(text))
+                     if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+                     and (node.end_lineno or node.lineno) - node.lineno + 1 >= 60]
+    assert not too_long, "\n".join(too_long)
