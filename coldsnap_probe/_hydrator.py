@@ -39,11 +39,14 @@ class _Staged:
     stage_s: float
     copy_s: float
     expires: float
-    owner: int  # the uid of the peer that staged it: only that uid, with the ticket, adopts or discards it
-    ticket: str  # a secret handed to the stager only (never in a report); the engine presents it to adopt
+    owner: int  # the uid of the peer that staged it: its `status` lists it, another uid cannot stage over it
+    ticket: str  # a secret answered to the stager only (never in a report), which hands it to its engine
 
-    def held_by(self, peer: jsonline.Peer, ticket: object) -> bool:
-        return peer.uid == self.owner and isinstance(ticket, str) and hmac.compare_digest(ticket, self.ticket)
+    def held_by(self, ticket: object) -> bool:
+        """Adopting or discarding a stage takes its ticket: the engine may run as another uid than the worker
+        that staged for it, and the worker gives the ticket only to it (over the engine's 0600 socket)."""
+        given = ticket.encode("utf-8", "surrogatepass") if isinstance(ticket, str) else b""
+        return bool(given) and hmac.compare_digest(given, self.ticket.encode())
 
 
 def readable_by(st: os.stat_result, peer: jsonline.Peer) -> bool:
@@ -70,8 +73,8 @@ class HydratorServer:
 
     Who may ask what (a hydrator may serve several tenants): the socket is 0600 (0660 with a group) and only
     the peers `peers` admits are answered (SO_PEERCRED); a `hydrate` or `stage` gets a source's bytes only for
-    a peer that could read the source file itself; a stage belongs to the uid that staged it and to whoever
-    holds its ticket (`adopt` and `discard` need both), and `status` lists only the asker's own stages.
+    a peer that could read the source file itself; `adopt` and `discard` need the stage's ticket (answered to
+    the stager only), another uid cannot stage over a stage, and `status` lists only the asker's own stages.
     """
 
     def __init__(self, sources: Sequence[str], *, streams: int = 4, driver: Any = None,
@@ -126,7 +129,7 @@ class HydratorServer:
             if op == "adopt":
                 return self._adopt(message, peer)
             if op == "discard":
-                return {"ok": True, "discarded": self._discard(_stage_key(message), peer, message.get("ticket"))}
+                return {"ok": True, "discarded": self._discard(_stage_key(message), message.get("ticket"))}
             if op == "status":
                 now = time.monotonic()
                 return {"ok": True, "device_uuid": self.device_uuid, "staged": [
@@ -198,7 +201,7 @@ class HydratorServer:
         base, size, regions, jobs = self._jobs(message, peer)
         if (earlier := self.staged.get(key)) is not None and earlier.owner != peer.uid:
             raise HydrationError(f"{key} is staged by another peer")
-        self._discard(key, peer, earlier.ticket if earlier else "")  # a retry of the same stage replaces it
+        self._discard(key, earlier.ticket if earlier else "")  # a retry of the same stage replaces it
         self._expire()
         if len(self.staged) >= STAGE_MAX:
             raise HydrationError(f"{len(self.staged)} allocations are staged already (at most {STAGE_MAX})")
@@ -224,7 +227,7 @@ class HydratorServer:
         """Hand a staged allocation to its engine as a descriptor; the hydrator keeps no reference to it."""
         key = _stage_key(message)
         staged = self.staged.get(key)
-        if staged is None or not staged.held_by(peer, message.get("ticket")):  # another's: as if absent
+        if staged is None or not staged.held_by(message.get("ticket")):  # another's: as if absent
             return {"ok": False, "staged": False, "error": f"nothing is staged for {key}"}
         base, size, regions, _jobs = self._jobs(message, peer)  # another layout leaves the stage alone
         if (base, size, regions) != (staged.base, staged.size, staged.regions):
@@ -236,9 +239,9 @@ class HydratorServer:
             self.driver.cuda.cuMemRelease(staged.handle)  # the descriptor keeps the allocation alive
         return {"ok": True, "staged": True, "stage_s": staged.stage_s, "copy_s": staged.copy_s}, [fd]
 
-    def _discard(self, key: str, peer: jsonline.Peer, ticket: object) -> bool:
+    def _discard(self, key: str, ticket: object) -> bool:
         staged = self.staged.get(key)
-        if staged is None or not staged.held_by(peer, ticket):
+        if staged is None or not staged.held_by(ticket):
             return False
         self._free(key)
         return True
