@@ -15,7 +15,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tests.conftest import BUSYBOX_IMAGE
+from tests.conftest import BUSYBOX_IMAGE, docker
 from tests.helpers import running_daemon
 
 CLI = [sys.executable, "-m", "coldsnap_provider"]
@@ -263,10 +263,13 @@ async def test_readme_first_session_runs_as_written(tmp_path: Path) -> None:
     script = (script.replace(".venv/bin/coldsnap-provider", f"{sys.executable} -m coldsnap_provider")
               .replace("busybox:1.36", BUSYBOX_IMAGE).replace('"hello"', f'"{name}"')
               .replace("workload logs hello", f"workload logs {name}"))
-    async with running_daemon() as daemon:
-        result = await anyio.to_thread.run_sync(lambda: subprocess.run(
-            ["bash", "-e", "-o", "pipefail", "-c", script], cwd=tmp_path, capture_output=True, text=True,
-            env={**os.environ, "COLDSNAP_PROVIDER_STATE_DIR": str(daemon.state_dir)}, check=False))
+    try:
+        async with running_daemon() as daemon:
+            result = await anyio.to_thread.run_sync(lambda: subprocess.run(
+                ["bash", "-e", "-o", "pipefail", "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                env={**os.environ, "COLDSNAP_PROVIDER_STATE_DIR": str(daemon.state_dir)}, check=False))
+    finally:
+        docker("rm", "-f", name, check=False)  # the block removes it itself unless it failed half-way
     assert result.returncode == 0, result.stderr
     assert "hello from " in result.stdout and '"state": "exited"' in result.stdout
     assert result.stdout.rstrip().endswith('{"session":"first-session","closed":true}')
