@@ -4,7 +4,7 @@ Task ownership::
 
     Daemon.run ─┬─ control ConnectionServer ── its connections
                 ├─ SessionManager: one Session task per session ── its ConnectionServer ── its connections
-                ├─ hang-up watcher, backend maintenance, watchdog
+                ├─ hang-up watcher, maintenance (backend and remote nodes), watchdog
 
 Start: take the state directory's lock (one daemon per state directory), finish what a
 killed predecessor left (process groups, RPC-owned containers), bind, re-serve sessions,
@@ -45,6 +45,8 @@ log = structlog.get_logger(__name__)
 
 _ABORT_BUDGET_S = CLEANUP_BUDGET_S + 10.0  # a cancelled request's shielded cleanup, then its answer
 _MAINTENANCE_S = 2.0
+# Remote maintenance may reconnect (bounded by connect_timeout_s): less often than the local backend's.
+_REMOTE_MAINTENANCE_S = 10.0
 _RECOVER_S = 10.0
 
 
@@ -102,7 +104,7 @@ class Daemon:
                 notify("READY=1")
                 task_status.started()
                 tg.start_soon(self.state.watch_hangups)
-                tg.start_soon(self._maintain_backend, recovered)
+                tg.start_soon(self._maintain, recovered)
                 if (interval := watchdog_interval()) is not None:
                     tg.start_soon(_watchdog, interval)
                 await self._stop.wait()
@@ -146,8 +148,11 @@ class Daemon:
         log.warning("backend recovery deferred", error=f"no answer within {_RECOVER_S:g} s")
         return False
 
-    async def _maintain_backend(self, recovered: bool) -> None:
-        """Deferred backend work: recovery if the engine was down at start, cleanups left by restarts."""
+    async def _maintain(self, recovered: bool) -> None:
+        """The one maintenance loop: deferred recovery if the engine was down at start and the backend's
+        cleanups every 2 s; the remote nodes' pending kills and cleanups every 10 s."""
+        remotes = self.operations.remotes
+        remote_due = anyio.current_time() + _REMOTE_MAINTENANCE_S
         while True:
             await anyio.sleep(_MAINTENANCE_S)
             try:
@@ -155,6 +160,9 @@ class Daemon:
                 await self.backend.maintain()
             except Exception:
                 log.exception("backend maintenance failed")
+            if remotes is not None and anyio.current_time() >= remote_due:
+                await remotes.maintain()  # contains each node's failure
+                remote_due = anyio.current_time() + _REMOTE_MAINTENANCE_S
 
 
 async def _watchdog(interval: float) -> None:

@@ -203,16 +203,11 @@ class Remotes:
         return results
 
     async def maintain(self) -> None:
+        """Every node's :meth:`RemoteNode.maintain`, one failure contained per node (the daemon's loop calls it)."""
         for node in self._nodes:
             try:
                 await node.maintain()
             except Exception:
                 log.exception("remote maintenance failed", host=node.name)
-
-    async def run_maintenance(self, interval_s: float = 10.0) -> None:
-        """Periodic :meth:`maintain` (started by the daemon's task group)."""
-        while True:
-            await anyio.sleep(interval_s)
-            await self.maintain()
 
 

@@ -519,34 +519,50 @@ async def test_remote_dockerd_restart_fails_then_recovers_naming_the_host(node_b
         assert again.ok, again.error
 
 
+async def _exec_abandoned_by_a_dropped_link(s: Session, node_b: NodeB, marker: str) -> int:
+    """Start a long exec on node-b, drop the link under it; the remote child's pid (still alive)."""
+    assert (await _exec(s, "node-b", "true")).ok  # the link is up
+    script = f"sleep 300 & echo $! > {marker}; wait"
+    result: list[Any] = []
+    async with anyio.create_task_group() as tg:
+        async def run() -> None:
+            result.append(await _exec(s, "node-b", "sh", "-c", script))
+
+        tg.start_soon(run)
+        pid_file = node_b.path(marker)
+        await _wait_until(lambda: pid_file.exists() and pid_file.read_text().strip() != "", "the remote child")
+        pid = int(pid_file.read_text())
+        node_b.drop_links()
+    reply = result[0]
+    assert not reply.ok and reply.error_code == "runtime_failed"
+    assert "remote host node-b" in reply.error and "dropped" in reply.error
+    assert _alive(pid)  # nothing could reach node-b while the link was down
+    return pid
+
+
 async def test_remote_link_dropped_mid_exec_is_reported_and_cleaned_when_it_returns(node_b: NodeB) -> None:
     marker = f"/tmp/coldsnap-remote-{os.getpid()}-drop"
     async with running_daemon(node_b.config()) as daemon:
         s = await daemon.open_session(hosts=["node-b"])
-        assert (await _exec(s, "node-b", "true")).ok  # the link is up
-        script = f"sleep 300 & echo $! > {marker}; wait"
-
-        async def long_exec() -> Any:
-            return await _exec(s, "node-b", "sh", "-c", script)
-
-        result: list[Any] = []
-        async with anyio.create_task_group() as tg:
-            async def run() -> None:
-                result.append(await long_exec())
-
-            tg.start_soon(run)
-            pid_file = node_b.path(marker)
-            await _wait_until(lambda: pid_file.exists() and pid_file.read_text().strip() != "", "the remote child")
-            pid = int(pid_file.read_text())
-            node_b.drop_links()
-        reply = result[0]
-        assert not reply.ok and reply.error_code == "runtime_failed"
-        assert "remote host node-b" in reply.error and "dropped" in reply.error
-        assert _alive(pid)  # nothing could reach node-b while the link was down
+        pid = await _exec_abandoned_by_a_dropped_link(s, node_b, marker)
         again = await _exec(s, "node-b", "true")  # the link returns: the pending kill runs first
         assert again.ok
         await _wait_until(lambda: not _alive(pid), "the abandoned remote child to be killed")
         assert not await _running_on_node_b(s, pid)
+        node_b.path(marker).unlink(missing_ok=True)
+
+
+async def test_remote_link_dropped_mid_exec_is_cleaned_by_the_daemons_maintenance_without_a_call(
+        node_b: NodeB) -> None:
+    """No request reopens the link: the daemon's one maintenance loop (remote nodes every 10 s) does, and runs
+    the pending kill."""
+    marker = f"/tmp/coldsnap-remote-{os.getpid()}-drop-idle"
+    async with running_daemon(node_b.config()) as daemon:
+        s = await daemon.open_session(hosts=["node-b"])
+        pid = await _exec_abandoned_by_a_dropped_link(s, node_b, marker)
+        with anyio.fail_after(30):  # at most one remote maintenance period (10 s) plus a reconnect
+            while await anyio.to_thread.run_sync(_alive, pid):
+                await anyio.sleep(0.2)
         node_b.path(marker).unlink(missing_ok=True)
 
 
