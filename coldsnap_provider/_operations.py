@@ -22,6 +22,8 @@ from ._envelope import (
     Upload,
 )
 from ._exec import ExecIdentity, ExecResult, GroupLedger, run_argv
+from ._listener import is_admin
+from ._policy import Policy
 from ._sessions import SessionRecord
 
 if TYPE_CHECKING:
@@ -56,6 +58,7 @@ class Operations:
         allow_push: bool,
         huggingface: HuggingfaceClient | None = None,
         remotes: Remotes | None = None,
+        policy: Policy,
     ) -> None:
         self.provider_name = provider_name
         self.backend = backend
@@ -69,6 +72,7 @@ class Operations:
         self.allow_push = allow_push
         self.huggingface = huggingface
         self.remotes = remotes  # hosts served by other nodes over SSH ([[remote]]; _remote.py)
+        self.policy = policy  # the runtime admission policy ([policy]; _policy.py)
         # Reference order; only what is implemented and enabled.
         self.capabilities = [
             "exec",
@@ -82,7 +86,9 @@ class Operations:
     async def run(self, request: Operation, record: SessionRecord) -> Outcome:
         """Run one authenticated, capability-checked operation; the handler turns the outcome into the reply."""
         self._authorize_host(request.host, record)
-        ctx = self._runtime_context(request.host, record)
+        # The one admission point, above the host routing: every host kind sees admitted requests only.
+        decision = self.policy.admit_operation(request, record, local=request.host in self.node_names)
+        ctx = self._runtime_context(request.host, record, decision.capabilities if decision else None)
         if self.remotes is not None and self.remotes.serves(request.host):
             return await self.remotes.run(request, ctx, self.identity)
         match request:
@@ -101,10 +107,11 @@ class Operations:
                 await dispatch(self.backend, legacy_registry_action(request), ctx)
         return None
 
-    def _runtime_context(self, host: str, record: SessionRecord) -> RuntimeContext:
+    def _runtime_context(self, host: str, record: SessionRecord,
+                         capabilities: tuple[str, ...] | None) -> RuntimeContext:
         return RuntimeContext(host=host, allow_pull=self.allow_pull, owner=self.owner,
                               cluster_id=record.cluster_id, manager_labels=record.labels,
-                              manager_uid=record.uid)
+                              manager_uid=record.uid, reaches_all=is_admin(record.uid), capabilities=capabilities)
 
     def _hub(self, operation: str) -> HuggingfaceClient:
         if self.huggingface is None:  # the handler's capability gate stops this first

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,11 +27,21 @@ if TYPE_CHECKING:
 
     from ._exec import ExecIdentity
     from ._huggingface import HuggingfaceClient
+    from ._policy import Policy
 
 __all__ = ("main",)
 
 EXIT_USAGE = 2
-_SCRUBBED_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+# What a controller inherits from `run`'s environment (plus `--keep-env` names and the two provider
+# variables): locale, paths, terminal and time zone. Nothing else: credentials (HF_TOKEN, cloud keys,
+# DOCKER_*, SSH_AUTH_SOCK, ...) are the manager's, not the controller's (issue 24, finding 9).
+_CONTROLLER_ENV = frozenset({"PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TERM",
+                             "TMPDIR", "XDG_RUNTIME_DIR", "NO_COLOR"})
+
+
+def _controller_environment(environ: Mapping[str, str], keep: Sequence[str] = ()) -> dict[str, str]:
+    """The allow-listed part of `environ` (LC_* included), and the `keep` names the manager asked for."""
+    return {k: v for k, v in environ.items() if k in _CONTROLLER_ENV or k.startswith("LC_") or k in keep}
 _CONTROLLER_CLEANUP_S = 300.0
 
 
@@ -97,6 +107,7 @@ async def _serve(config: Config, state_dir: Path) -> None:
             groups=GroupLedger(state_dir / "exec-groups"),
             huggingface=_huggingface_client(config, identity),
             remotes=remotes,
+            policy=_policy(config, state_dir),
         )
         daemon = Daemon(config, state_dir=state_dir, operations=operations, backend=backend,
                         control_fd=fds[0] if fds else None)
@@ -111,6 +122,18 @@ async def _serve(config: Config, state_dir: Path) -> None:
             tg.start_soon(on_signals)
             await daemon.run()
             tg.cancel_scope.cancel()
+
+
+def _policy(config: Config, state_dir: Path) -> Policy:
+    """[policy], with the paths no restricted profile mounts: the engine sockets, the state directory,
+    and the files holding credentials."""
+    from ._policy import Policy
+
+    engine = config.docker.url.removeprefix("unix://")
+    protected = [engine, str(state_dir), config.registry.credentials_file, config.huggingface.token_file,
+                 *(path for remote in config.remote for path in (remote.docker_socket, remote.identity_file,
+                                                                  remote.known_hosts))]
+    return Policy(config.policy, protected=protected)
 
 
 def _huggingface_client(config: Config, identity: ExecIdentity) -> HuggingfaceClient | None:
@@ -367,7 +390,7 @@ async def _negotiate(program: list[str], env: dict[str, str], bound_s: float) ->
 
 async def _run_controller(args: argparse.Namespace, request_bytes: bytes, labels: dict[str, str]) -> int:
     state_dir = _state_dir(args)
-    env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV}
+    env = _controller_environment(os.environ, args.keep_env)
     await _negotiate(args.command[:args.controller_words], env, args.capabilities_timeout)
     opening: dict[str, Any] = {"operation": "session-open", "request": json.loads(request_bytes),
                                "labels": labels}
@@ -503,6 +526,10 @@ def _parser() -> argparse.ArgumentParser:
                           "`<those words> capabilities` is checked first (default 1)")
     run.add_argument("--capabilities-timeout", type=float, default=30.0, metavar="SECONDS",
                      help="bound on the controller's `capabilities` answer (default 30)")
+    run.add_argument("--keep-env", action="append", default=[], metavar="NAME",
+                     help="also pass environment variable NAME to the controller (repeatable); by default it "
+                          "gets only PATH, HOME, USER, LOGNAME, SHELL, LANG, LANGUAGE, LC_*, TZ, TERM, TMPDIR, "
+                          "XDG_RUNTIME_DIR, NO_COLOR and the two provider variables")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...")
     run.set_defaults(func=cmd_run)
 

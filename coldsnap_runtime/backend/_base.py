@@ -13,6 +13,7 @@ from typing import Protocol
 
 import msgspec
 
+from ..errors import NotFound
 from ..schema import (
     Execution,
     ImageBuild,
@@ -66,6 +67,12 @@ class RuntimeContext(msgspec.Struct, frozen=True, kw_only=True):
     # The placement manager whose session runs this: recorded on every workload it runs
     # (MANAGER_UID_LABEL), so that lifecycle calls made outside a session reach only its own.
     manager_uid: int | None = None
+    # Whether this caller reaches every workload (root and the daemon's uid); otherwise workload
+    # actions reach only workloads whose MANAGER_UID_LABEL is `manager_uid` (others: not_found).
+    reaches_all: bool = True
+    # The admission policy's grant: `privileged: true` realised as exactly these capabilities
+    # (None: as the host's [runtime] privileged says).
+    capabilities: tuple[str, ...] | None = None
 
 
 class Backend(Protocol):
@@ -75,7 +82,8 @@ class Backend(Protocol):
     async def image_tag(self, source: str, target: str) -> None: ...
     async def image_remove(self, image: str) -> None: ...
     async def image_build(self, build: ImageBuild, *, owner: Owner | None = None) -> None: ...
-    async def workload_run(self, spec: WorkloadSpec, *, allow_pull: bool) -> RuntimeResponse: ...
+    async def workload_run(self, spec: WorkloadSpec, *, allow_pull: bool,
+                           capabilities: tuple[str, ...] | None = None) -> RuntimeResponse: ...
     async def workload_remove(self, name: str) -> None: ...
     async def workload_inspect(self, name: str, *, include_start_time: bool) -> WorkloadInfo: ...
     async def workload_list(self) -> list[tuple[str, WorkloadInfo]]: ...
@@ -103,8 +111,27 @@ def with_manager_labels(spec: WorkloadSpec, ctx: RuntimeContext) -> WorkloadSpec
 _EMPTY = RuntimeResponse()
 
 
+async def require_own(backend: Backend, name: str, ctx: RuntimeContext, action: str) -> None:
+    """NotFound unless the caller reaches workload `name`: its own (MANAGER_UID_LABEL) or, for root
+    and the daemon's uid, any. Another manager's workload is answered as absent, like one that is."""
+    if ctx.reaches_all or ctx.manager_uid is None:
+        return
+    info = await backend.workload_inspect(name, include_start_time=False)
+    if info.labels.get(MANAGER_UID_LABEL) != str(ctx.manager_uid):
+        raise NotFound(kind="workload", ref=name, action=action)
+
+
 async def dispatch(backend: Backend, request: RuntimeRequest, ctx: RuntimeContext) -> RuntimeResponse:
     """Run one validated runtime request; raises a ColdsnapError subclass on failure."""
+    match request:
+        case WorkloadRemove(name=name) | WorkloadInspect(name=name) | WorkloadExec(name=name) | WorkloadLogs(
+                name=name) | WorkloadCopyFrom(name=name):
+            try:
+                await require_own(backend, name, ctx, str(request.__struct_config__.tag))
+            except NotFound:
+                if isinstance(request, WorkloadRemove):
+                    return _EMPTY  # absent is success for remove, and another manager's is absent to this one
+                raise
     match request:
         case ImageInspect(image=image):
             return RuntimeResponse(image=await backend.image_inspect(image))
@@ -122,7 +149,7 @@ async def dispatch(backend: Backend, request: RuntimeRequest, ctx: RuntimeContex
             spec = with_manager_labels(spec, ctx)
             if ctx.manager_uid is not None:
                 spec = msgspec.structs.replace(spec, labels={**spec.labels, MANAGER_UID_LABEL: str(ctx.manager_uid)})
-            return await backend.workload_run(spec, allow_pull=ctx.allow_pull)
+            return await backend.workload_run(spec, allow_pull=ctx.allow_pull, capabilities=ctx.capabilities)
         case WorkloadRemove(name=name):
             await backend.workload_remove(name)
         case WorkloadInspect(name=name, include_start_time=include_start_time):

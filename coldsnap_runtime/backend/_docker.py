@@ -75,7 +75,15 @@ from ._digests import (
     repository_path,
     uses_containerd_store,
 )
-from ._gpus import CAPABILITY_PROBE_IMAGE, HELD_GPUS_LABEL, GpuHolder, HostPolicy, Realisation, realise
+from ._gpus import (
+    CAPABILITY_PROBE_IMAGE,
+    HELD_GPUS_LABEL,
+    GpuHolder,
+    HostPolicy,
+    Realisation,
+    gpu_routes,
+    realise,
+)
 from ._hijack import hijack
 from ._translate import (
     MANAGED_LABEL,
@@ -591,7 +599,8 @@ class DockerBackend:
             holders.append(GpuHolder(workload=name, gpus=tuple(g for g in held.split(",") if g)))
         return holders
 
-    async def _realise(self, spec: WorkloadSpec, *, exclusive: bool) -> Realisation:
+    async def _realise(self, spec: WorkloadSpec, *, exclusive: bool,
+                       capabilities: tuple[str, ...] | None) -> Realisation:
         """`gpus` and `privileged` as this host allows ([gpus], [runtime] privileged; see _gpus.py)."""
 
         async def engine_info() -> dict[str, Any]:
@@ -611,16 +620,19 @@ class DockerBackend:
 
         return await realise(spec, self._host_policy or HostPolicy(), socket_path=self._socket_path,
                              engine_info=engine_info, image_info=lambda ref: self._image(ref, "workload-run"),
-                             rejects=rejects, holders=self.gpu_holders if exclusive else None)
+                             rejects=rejects, holders=self.gpu_holders if exclusive else None,
+                             capabilities=capabilities)
 
-    async def _create(self, spec: WorkloadSpec) -> aiodocker.containers.DockerContainer:
-        if spec.gpus and (self._host_policy or HostPolicy()).gpus.exclusive:
+    async def _create(self, spec: WorkloadSpec,
+                      capabilities: tuple[str, ...] | None) -> aiodocker.containers.DockerContainer:
+        if (self._host_policy or HostPolicy()).gpus.exclusive and gpu_routes(spec, capabilities):
             async with self._gpu_lock:  # two creates for one GPU: the second sees the first's container
-                return await self._create_now(spec, exclusive=True)
-        return await self._create_now(spec, exclusive=False)
+                return await self._create_now(spec, exclusive=True, capabilities=capabilities)
+        return await self._create_now(spec, exclusive=False, capabilities=capabilities)
 
-    async def _create_now(self, spec: WorkloadSpec, *, exclusive: bool) -> aiodocker.containers.DockerContainer:
-        realised = await self._realise(spec, exclusive=exclusive)
+    async def _create_now(self, spec: WorkloadSpec, *, exclusive: bool,
+                          capabilities: tuple[str, ...] | None) -> aiodocker.containers.DockerContainer:
+        realised = await self._realise(spec, exclusive=exclusive, capabilities=capabilities)
         config = container_config(spec, gpus=realised.gpus, privilege=realised.privilege)
         # What it holds is the backend's to say: a manager's own label of that name is dropped.
         config["Labels"] = {k: v for k, v in config["Labels"].items() if k != HELD_GPUS_LABEL}
@@ -638,12 +650,14 @@ class DockerBackend:
                     raise
             return await self.docker.containers.create(config, name=spec.name)
 
-    async def workload_run(self, spec: WorkloadSpec, *, allow_pull: bool) -> RuntimeResponse:
+    async def workload_run(self, spec: WorkloadSpec, *, allow_pull: bool,
+                           capabilities: tuple[str, ...] | None = None) -> RuntimeResponse:
+        """Run `spec`; `capabilities` (an admission profile's grant): `privileged` is exactly these."""
         if spec.name and not valid_workload_name(spec.name):
             raise RuntimeFailed(action="workload-run", detail=(
                 f"invalid workload name {spec.name!r}: a name matches [a-zA-Z0-9][a-zA-Z0-9_.-]+"))
         await self._ensure_image(spec.image, spec.pull_policy, allow_pull=allow_pull)
-        container = await self._create(spec)
+        container = await self._create(spec, capabilities)
         cid = container.id
         try:
             if spec.detached:
