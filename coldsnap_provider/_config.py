@@ -214,7 +214,8 @@ def _policy_problem(config: Config) -> str:
     for name, profile in policy.profiles.items():
         for index, root in enumerate(profile.mount_roots):
             normal = os.path.normpath(root)
-            if normal != root or any(normal == f or normal.startswith(f.rstrip("/") + "/") for f in _FORBIDDEN_ROOTS):
+            exposed = any(normal == f or (f != "/" and normal.startswith(f + "/")) for f in _FORBIDDEN_ROOTS)
+            if normal != root or exposed:
                 return (f"policy.profiles.{name}.mount_roots[{index}]: {root!r} must be a normalised path outside "
                         f"{', '.join(_FORBIDDEN_ROOTS)}")
     return ""

@@ -227,15 +227,15 @@ class Policy:
 
     def _check_mount(self, profile: Profile, field: str, source: str, *, local: bool) -> None:
         name = profile.name
-        for path in (*SYSTEM_PATHS, *self._protected):
-            if source == path or source.startswith(path + "/") or path.startswith(source.rstrip("/") + "/"):
-                raise _Refusal("protected-paths", field, source, (
-                    f"{field}: {source} is or contains {path}, which profile {name} never mounts"))
         roots = profile.rules.mount_roots
         if not any(source == root or source.startswith(root.rstrip("/") + "/") for root in roots):
             raise _Refusal("mount-roots", field, source, (
                 f"{field}: {source} is outside the allowed roots of profile {name}"
                 + ("" if roots else " (it allows no mounts)")))
+        for path in (*SYSTEM_PATHS, *self._protected):
+            if source == path or source.startswith(path + "/") or path.startswith(source.rstrip("/") + "/"):
+                raise _Refusal("protected-paths", field, source, (
+                    f"{field}: {source} is or contains {path}, which profile {name} never mounts"))
         if local and (problem := check_source(source, self._trusted)):
             rule, detail = problem
             raise _Refusal(rule, field, source, f"{field}: {source} {detail} (profile {name})")
