@@ -13,7 +13,7 @@ from typing import Protocol
 
 import msgspec
 
-from ..errors import NotFound
+from ..errors import NotFound, RuntimeFailed
 from ..schema import (
     Execution,
     ImageBuild,
@@ -36,8 +36,17 @@ from ..schema import (
     WorkloadSpec,
 )
 
-__all__ = ("MANAGER_UID_LABEL", "WORKLOAD_LABEL", "Backend", "Owner", "RuntimeContext", "dispatch",
-           "with_manager_labels")
+__all__ = (
+    "MANAGER_UID_LABEL",
+    "WORKLOAD_LABEL",
+    "Backend",
+    "LedgerEntry",
+    "Owner",
+    "RuntimeContext",
+    "dispatch",
+    "with_manager_labels",
+)
+from ._ledger import LedgerEntry
 
 WORKLOAD_LABEL = "io.sparksq.coldsnap.workload"
 MANAGER_UID_LABEL = "io.coldsnap-provider.manager-uid"
@@ -82,6 +91,11 @@ class Backend(Protocol):
     async def image_tag(self, source: str, target: str) -> None: ...
     async def image_remove(self, image: str) -> None: ...
     async def image_build(self, build: ImageBuild, *, owner: Owner | None = None) -> None: ...
+    async def image_owner(self, image: str) -> LedgerEntry | None:
+        """The image ledger's record of `image` (None: never pulled, built or tagged by this provider)."""
+        ...
+
+    async def claim_image(self, image: str, uid: int) -> None: ...
     async def workload_run(self, spec: WorkloadSpec, *, allow_pull: bool,
                            capabilities: tuple[str, ...] | None = None) -> RuntimeResponse: ...
     async def workload_remove(self, name: str) -> None: ...
@@ -121,8 +135,52 @@ async def require_own(backend: Backend, name: str, ctx: RuntimeContext, action: 
         raise NotFound(kind="workload", ref=name, action=action)
 
 
+async def require_own_image(backend: Backend, request: RuntimeRequest, ctx: RuntimeContext) -> str:
+    """The reference a manager's image request records (""), after refusing what it may not touch.
+
+    Images are node-global and readable by all (inspect, run, a tag's source), but a manager pushes and
+    removes only references its sessions recorded, and pulls, tags or builds only into references no
+    other manager (nor root, nor the ledger's format 1) recorded: a capsule carries CRIU dumps of an
+    engine, and re-pointing another manager's tag would hand it other bytes (issue 24, finding 4)."""
+    match request:
+        case ImagePush(image=ref) | ImageRemove(image=ref):
+            action, writes = str(request.__struct_config__.tag), False
+        case ImagePull(image=ref) | ImageTag(target=ref):
+            action, writes = str(request.__struct_config__.tag), True
+        case ImageBuildAction(build=build):
+            action, writes, ref = "image-build", True, build.tag
+        case _:
+            return ""
+    if ctx.manager_uid is None:
+        return ""
+    entry = await backend.image_owner(ref)
+    if ctx.reaches_all:
+        return ref if writes else ""
+    mine = entry is not None and entry.owner == ctx.manager_uid
+    if writes:
+        if entry is not None and not mine:
+            raise RuntimeFailed(action=action, detail=(
+                f"{ref} belongs to another manager (its sessions pulled, built or tagged it); a manager pulls, "
+                "tags and builds only into references that are its own or that no session recorded"))
+        return ref
+    if not mine and not (isinstance(request, ImageRemove) and entry is None):
+        raise RuntimeFailed(action=action, detail=(
+            f"{ref} was not pulled, built or tagged by this manager's sessions; a manager pushes and removes "
+            "only its own references"))
+    return ""  # an unrecorded remove: the backend answers not_found, or that the provider never recorded it
+
+
 async def dispatch(backend: Backend, request: RuntimeRequest, ctx: RuntimeContext) -> RuntimeResponse:
     """Run one validated runtime request; raises a ColdsnapError subclass on failure."""
+    if claim := await require_own_image(backend, request, ctx):
+        response = await _dispatch(backend, request, ctx)
+        assert ctx.manager_uid is not None
+        await backend.claim_image(claim, ctx.manager_uid)
+        return response
+    return await _dispatch(backend, request, ctx)
+
+
+async def _dispatch(backend: Backend, request: RuntimeRequest, ctx: RuntimeContext) -> RuntimeResponse:
     match request:
         case WorkloadRemove(name=name) | WorkloadInspect(name=name) | WorkloadExec(name=name) | WorkloadLogs(
                 name=name) | WorkloadCopyFrom(name=name):

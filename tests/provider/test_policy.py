@@ -208,8 +208,7 @@ async def test_probe_non_root_manager_image_outside_profile_refused(busybox_imag
 
 def test_probe_workloads_run_with_capabilities_not_privileged_nor_host_network() -> None:
     from coldsnap_provider._probe import ProbeOptions, criu_workload, probe_workload
-    from coldsnap_runtime.backend import container_config
-    from coldsnap_runtime.backend._translate import PrivilegeGrant
+    from coldsnap_runtime.backend import PrivilegeGrant, container_config
 
     options = ProbeOptions(driver="n610", image="capsule@sha256:" + "0" * 64)
     grant = PrivilegeGrant(capabilities=options.capabilities, devices=(), whole_host=False)
@@ -250,6 +249,31 @@ async def test_runtime_workload_actions_answer_not_found_for_another_managers_wo
         assert admin.ok  # root reaches every workload
         assert (await owner.runtime("workload-remove", name=name)).ok
         assert not container_exists(name)
+
+
+async def test_runtime_images_tag_remove_push_limited_to_the_managers_own_references(
+        busybox_image: str, mount_root: Path) -> None:
+    """Regression: #24 finding 4: any session could tag, remove or push any image."""
+    ref = f"coldsnap-owned/{uniq('img')}:1"
+    try:
+        async with running_daemon(policy_config(mount_root)) as daemon:
+            owner, other = session_as(NOBODY, daemon), session_as(OTHER, daemon)
+            assert (await owner.runtime("image-tag", source=busybox_image, target=ref)).ok
+            ledger = json.loads((daemon.state_dir / "images.json").read_text())
+            assert NOBODY in ledger["owners"].values()
+            for action, fields in (("image-remove", {"image": ref}), ("image-push", {"image": ref})):
+                reply = await other.runtime(action, **fields)
+                assert not reply.ok and f"{ref} was not pulled, built or tagged by this manager's sessions" in str(
+                    reply.error), reply.error
+            reply = await other.runtime("image-tag", source=busybox_image, target=ref)
+            assert not reply.ok and f"{ref} belongs to another manager" in str(reply.error)
+            reply = await other.runtime("image-push", image=busybox_image)  # recorded by nobody: not theirs
+            assert not reply.ok and "was not pulled, built or tagged by this manager's sessions" in str(reply.error)
+            assert docker("image", "inspect", ref, check=False).returncode == 0
+            assert (await owner.runtime("image-remove", image=ref)).ok
+            assert docker("image", "inspect", ref, check=False).returncode != 0
+    finally:
+        docker("image", "rm", ref, check=False)
 
 
 # --- finding 9: configuration --------------------------------------------------------------------
