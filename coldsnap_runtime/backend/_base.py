@@ -149,6 +149,8 @@ async def require_own_image(backend: Backend, request: RuntimeRequest, ctx: Runt
             action, writes = str(request.__struct_config__.tag), True
         case ImageBuildAction(build=build):
             action, writes, ref = "image-build", True, build.tag
+        case WorkloadRun(workload=spec) if spec.pull_policy == "always" and ctx.allow_pull:
+            action, writes, ref = "workload-run", True, spec.image  # it pulls into `image` first
         case _:
             return ""
     if ctx.manager_uid is None:
