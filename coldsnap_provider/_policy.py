@@ -20,6 +20,7 @@ import fnmatch
 import os
 import stat
 from collections.abc import Iterable
+from typing import NoReturn
 
 import msgspec
 import structlog
@@ -147,7 +148,7 @@ class Policy:
                 if isinstance(request, WorkloadRun) and request.workload.privileged:
                     capabilities = _grant(profile)
         except _Refusal as refusal:
-            return self._refuse(profile, uid, session, host, action, refusal)
+            self._refuse(profile, uid, session, host, action, refusal)
         return self._admitted(profile, uid, session, host, action, capabilities)
 
     def admit_probe(self, image: str, *, uid: int, gid: int, host_process: bool) -> Decision:
@@ -165,7 +166,7 @@ class Policy:
                         f"probe: the probe needs {', '.join(CAPSULE_CAPABILITIES)}, and profile {profile.name} "
                         "refuses privileged workloads"))
         except _Refusal as refusal:
-            return self._refuse(profile, uid, "", "", "probe", refusal)
+            self._refuse(profile, uid, "", "", "probe", refusal)
         capabilities = CAPSULE_CAPABILITIES if profile.unrestricted else _grant(profile)
         return self._admitted(profile, uid, "", "", "probe", capabilities)
 
@@ -243,7 +244,7 @@ class Policy:
     # --- outcomes ------------------------------------------------------------------------------
 
     @staticmethod
-    def _refuse(profile: Profile, uid: int, session: str, host: str, action: str, refusal: _Refusal) -> Decision:
+    def _refuse(profile: Profile, uid: int, session: str, host: str, action: str, refusal: _Refusal) -> NoReturn:
         decision = Decision(manager_uid=uid, session=session, host=host, action=action, profile=profile.name,
                             admitted=False, rule=refusal.rule, field=refusal.field, value=refusal.value,
                             message=str(refusal))

@@ -28,7 +28,7 @@ from coldsnap_runtime.schema import WorkloadSpec
 from ._config import CAPSULE_CAPABILITIES
 from ._exec import ExecIdentity, ExecResult, run_argv
 
-__all__ = ("PROBE_MOUNT", "ProbeOptions", "criu_workload", "probe_digest", "probe_workload", "run_probe")
+__all__ = ("PROBE_MOUNT", "ProbeOptions", "cache_scope", "criu_workload", "probe_digest", "probe_workload", "run_probe")
 
 PROBE_MOUNT = "/opt/coldsnap/probe"
 _DAEMON = ExecIdentity()
@@ -58,6 +58,15 @@ def probe_digest() -> str:
         data = path.read_bytes()
         h.update(f"{path.name}\x00{len(data)}\x00".encode() + data)
     return "sha256:" + h.hexdigest()
+
+
+def cache_scope(options: ProbeOptions) -> str:
+    """What a host-process profile is cached under (an image probe's is the image id instead).
+
+    A host process runs what exec.user's environment holds, which a manager can shape: its result
+    is one manager's, never served to another (issue 24, finding 9). An image id names the same
+    bytes for everyone, so image probes share their cache."""
+    return "host-process" if options.manager_uid is None else f"host-process:uid={options.manager_uid}"
 
 
 async def _device_identity(device: str, identity: ExecIdentity) -> str:
@@ -139,9 +148,7 @@ async def run_probe(options: ProbeOptions, *, state_dir: Path, backend: Backend 
     requirements = coldsnap_probe.requirements(options.driver)
     if not options.host_process and not options.image:
         raise ValueError("a probe needs an `image` or `host_process`")
-    # A host process runs what exec.user's environment holds, which a manager can shape: its
-    # result is one manager's, never served to another (an image id names the same bytes for all).
-    capsule = "host-process" if options.manager_uid is None else f"host-process:uid={options.manager_uid}"
+    capsule = cache_scope(options)
     if not options.host_process:
         assert backend is not None
         capsule = (await backend.image_inspect(options.image)).id

@@ -22,6 +22,7 @@ import pytest
 from coldsnap_provider import Reply
 from coldsnap_provider._config import CAPSULE_CAPABILITIES, PolicyConfig, ProfileConfig, load_config
 from coldsnap_provider._errors import ConfigError
+from coldsnap_provider._logging import ADMISSION_KEYS
 from coldsnap_provider._policy import Policy, PolicyRefused
 from coldsnap_runtime.schema import WorkloadRun, WorkloadSpec
 from tests.conftest import docker
@@ -99,6 +100,8 @@ async def test_policy_non_root_manager_mount_outside_roots_refused_exactly_and_n
         assert event["manager_uid"] == NOBODY and event["profile"] == "tenant" and event["rule"] == "mount-roots"
         assert event["session"] == session.session and event["host"] == "localhost"
         assert event["action"] == "workload-run"
+        admitted = [e for e in daemon.log_events() if e.get("event") == "admission"]
+        assert all(set(e) <= {*ADMISSION_KEYS, "event", "level", "timestamp"} for e in admitted)
 
 
 @pytest.mark.parametrize(("workload", "expected"), [
@@ -216,6 +219,14 @@ def test_probe_workloads_run_with_capabilities_not_privileged_nor_host_network()
         host = container_config(spec, privilege=grant)["HostConfig"]
         assert host["Privileged"] is False and host["CapAdd"] == list(CAPSULE_CAPABILITIES)
         assert host["NetworkMode"] == "none" and not host.get("DeviceCgroupRules")
+
+
+def test_probe_host_process_cache_is_scoped_to_the_manager() -> None:
+    """Regression: #24 finding 9: a host-process result was cached for every manager alike."""
+    from coldsnap_provider._probe import ProbeOptions, cache_scope
+
+    scopes = {cache_scope(ProbeOptions(driver="n610", host_process=True, manager_uid=uid)) for uid in (NOBODY, OTHER)}
+    assert len(scopes) == 2 and cache_scope(ProbeOptions(driver="n610", host_process=True)) not in scopes
 
 
 # --- finding 4: another manager's workloads -------------------------------------------------------
