@@ -35,6 +35,7 @@ from ..schema import (
     WorkloadRun,
     WorkloadSpec,
 )
+from ._ledger import LedgerEntry
 
 __all__ = (
     "MANAGER_UID_LABEL",
@@ -46,7 +47,6 @@ __all__ = (
     "dispatch",
     "with_manager_labels",
 )
-from ._ledger import LedgerEntry
 
 WORKLOAD_LABEL = "io.sparksq.coldsnap.workload"
 MANAGER_UID_LABEL = "io.coldsnap-provider.manager-uid"
@@ -183,15 +183,13 @@ async def dispatch(backend: Backend, request: RuntimeRequest, ctx: RuntimeContex
 
 
 async def _dispatch(backend: Backend, request: RuntimeRequest, ctx: RuntimeContext) -> RuntimeResponse:
-    match request:
-        case WorkloadRemove(name=name) | WorkloadInspect(name=name) | WorkloadExec(name=name) | WorkloadLogs(
-                name=name) | WorkloadCopyFrom(name=name):
-            try:
-                await require_own(backend, name, ctx, str(request.__struct_config__.tag))
-            except NotFound:
-                if isinstance(request, WorkloadRemove):
-                    return _EMPTY  # absent is success for remove, and another manager's is absent to this one
-                raise
+    if isinstance(request, WorkloadRemove | WorkloadInspect | WorkloadExec | WorkloadLogs | WorkloadCopyFrom):
+        try:
+            await require_own(backend, request.name, ctx, str(request.__struct_config__.tag))
+        except NotFound:
+            if isinstance(request, WorkloadRemove):
+                return _EMPTY  # absent is success for remove, and another manager's is absent to this one
+            raise
     match request:
         case ImageInspect(image=image):
             return RuntimeResponse(image=await backend.image_inspect(image))
