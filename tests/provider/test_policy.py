@@ -160,6 +160,11 @@ async def test_policy_symlink_and_manager_writable_directory_under_a_root_refuse
                           mounts=[{"source": f"{mount_root}/absent", "target": "/x"}])
         assert "does not exist (the engine would create it as root)" in str(reply.error)
         assert not (mount_root / "absent").exists()
+        os.mkfifo(mount_root / "fifo")
+        reply = await run(session, image=busybox_image, command=["true"],
+                          mounts=[{"source": f"{mount_root}/fifo", "target": "/x"}])
+        assert reply.error == (f"workload.mounts[0].source: {mount_root}/fifo is neither a directory nor a regular "
+                               "file (profile tenant)")
         # The manager's own directory directly under the root is fine: nobody but root can swap it.
         name = uniq("pol-mount")
         names.append(name)
