@@ -22,7 +22,7 @@ from coldsnap_runtime.errors import ColdsnapError, RequestRejected
 from coldsnap_runtime.schema import WorkloadInfo
 
 from . import __version__
-from ._config import CAPSULE_CAPABILITIES, ServerConfig
+from ._config import ServerConfig
 from ._control import (
     ControlReply,
     ControlRequest,
@@ -137,7 +137,7 @@ class ControlHandler:
         decision = policy.admit_probe(request.image, uid=peer.uid, gid=peer.gid, host_process=request.host_process)
         options = ProbeOptions(driver=request.driver, device=request.device, image=request.image,
                                host_process=request.host_process,
-                               capabilities=decision.capabilities or CAPSULE_CAPABILITIES,
+                               capabilities=decision.capabilities or (),
                                seccomp_unconfined=policy.seccomp_unconfined(peer.uid, peer.gid),
                                manager_uid=peer.uid)
         try:

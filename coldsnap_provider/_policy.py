@@ -167,7 +167,8 @@ class Policy:
                         "refuses privileged workloads"))
         except _Refusal as refusal:
             self._refuse(profile, uid, "", "", "probe", refusal)
-        capabilities = CAPSULE_CAPABILITIES if profile.unrestricted else _grant(profile)
+        # A profile whose privileged is the whole host still probes with only what the probe needs.
+        capabilities = (None if profile.unrestricted else _grant(profile)) or CAPSULE_CAPABILITIES
         return self._admitted(profile, uid, "", "", "probe", capabilities)
 
     def seccomp_unconfined(self, uid: int, gid: int) -> bool:

@@ -478,6 +478,7 @@ async def test_gpus_exclusive_privileged_workload_holds_every_gpu(busybox_image:
             "name": name, "image": busybox_image, "detached": True, "privileged": True, "command": ["sleep", "60"]})
         assert reply.ok, reply.error
         assert inspect_container(name)["Config"]["Labels"][HELD_GPUS_LABEL] == "all"
+    assert inspect_container(name)["State"]["Running"]  # still holding (a shared engine: nobody removed it)
     second, refused = await run_on_gpu0(busybox_image, "gpuafter", _EXCLUSIVE)
     assert not refused.ok and f"gpus: GPU 0 is held by workload {name!r}" in str(refused.error), refused.error
     assert not container_exists(second)
