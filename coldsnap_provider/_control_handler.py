@@ -128,14 +128,23 @@ class ControlHandler:
                 await self._backend.workload_stop(name, timeout_s=timeout_s)
                 return {"name": name, "stopped": True}
             case Probe():
-                options = ProbeOptions(driver=request.driver, device=request.device, image=request.image,
-                                       host_process=request.host_process)
-                try:
-                    return await run_probe(options, state_dir=self._sessions.store.state_dir,
-                                           backend=self._backend, identity=self._operations.identity)
-                except (ValueError, ProfileError) as exc:
-                    raise RequestRejected(f"probe: {exc}") from exc
+                return await self._probe(request, peer)
         raise TypeError(f"unhandled control request {request!r}")  # pragma: no cover
+
+    async def _probe(self, request: Probe, peer: Peer) -> Any:
+        """The probe under the caller's admission profile, with the capabilities it grants (finding 3)."""
+        policy = self._operations.policy
+        decision = policy.admit_probe(request.image, uid=peer.uid, gid=peer.gid, host_process=request.host_process)
+        options = ProbeOptions(driver=request.driver, device=request.device, image=request.image,
+                               host_process=request.host_process,
+                               capabilities=decision.capabilities or (),
+                               seccomp_unconfined=policy.seccomp_unconfined(peer.uid, peer.gid),
+                               manager_uid=peer.uid)
+        try:
+            return await run_probe(options, state_dir=self._sessions.store.state_dir,
+                                   backend=self._backend, identity=self._operations.identity)
+        except (ValueError, ProfileError) as exc:
+            raise RequestRejected(f"probe: {exc}") from exc
 
     @staticmethod
     def _may_manage(peer: Peer, info: WorkloadInfo) -> bool:

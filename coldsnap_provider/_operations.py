@@ -24,6 +24,8 @@ from ._envelope import (
 )
 from ._exec import ExecIdentity, ExecResult, GroupLedger
 from ._hosts import Host, LocalHost
+from ._listener import is_admin
+from ._policy import Policy
 from ._sessions import SessionRecord
 
 if TYPE_CHECKING:
@@ -57,6 +59,7 @@ class Operations:
         allow_push: bool,
         huggingface: HuggingfaceClient | None = None,
         remotes: Remotes | None = None,
+        policy: Policy,
     ) -> None:
         self.provider_name = provider_name
         self.backend = backend
@@ -75,6 +78,7 @@ class Operations:
         self._hosts: dict[str, Host] = {name: local for name in node_names}
         if remotes is not None:
             self._hosts.update({name: remotes.node(name) for name in remotes.hosts})
+        self.policy = policy  # the runtime admission policy ([policy]; _policy.py)
         # Reference order; only what is implemented and enabled.
         self.capabilities = [
             "exec",
@@ -88,7 +92,9 @@ class Operations:
     async def run(self, request: Operation, record: SessionRecord) -> Outcome:
         """Run one authenticated, capability-checked operation; the handler turns the outcome into the reply."""
         host = self._route(request.host, record)
-        ctx = self._runtime_context(request.host, record)
+        # The one admission point, above the host routing: every host kind sees admitted requests only.
+        decision = self.policy.admit_operation(request, record, local=request.host in self.node_names)
+        ctx = self._runtime_context(request.host, record, decision.capabilities if decision else None)
         match request:
             case Exec():
                 return await host.exec(request)
@@ -116,7 +122,8 @@ class Operations:
                 f"(it serves: {', '.join(sorted(self.node_names))}; see node.names)"
             ) from None
 
-    def _runtime_context(self, host: str, record: SessionRecord) -> RuntimeContext:
+    def _runtime_context(self, host: str, record: SessionRecord,
+                         capabilities: tuple[str, ...] | None) -> RuntimeContext:
         return RuntimeContext(host=host, allow_pull=self.allow_pull, owner=self.owner,
                               cluster_id=record.cluster_id, manager_labels=record.labels,
-                              manager_uid=record.uid)
+                              manager_uid=record.uid, reaches_all=is_admin(record.uid), capabilities=capabilities)

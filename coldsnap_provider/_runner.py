@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import subprocess
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +28,11 @@ from ._output import exit_code
 
 __all__ = ("run_controller",)
 
-# Secrets the daemon may hold for itself; a controller never inherits them.
-_SCRUBBED_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+# What a controller inherits from `run`'s environment (plus `--keep-env` names and the two provider
+# variables): locale, paths, terminal and time zone. Nothing else: credentials (HF_TOKEN, cloud keys,
+# DOCKER_*, SSH_AUTH_SOCK, ...) are the manager's, not the controller's (issue 24, finding 9).
+_CONTROLLER_ENV = frozenset({"PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TERM",
+                             "TMPDIR", "XDG_RUNTIME_DIR", "NO_COLOR"})
 _CONTROLLER_CLEANUP_S = 300.0
 _SESSION_CLOSE_S = 30.0
 _REQUIRED_FEATURE = "manager-runtime-v1"
@@ -36,10 +40,11 @@ _CAPABILITIES_OUTPUT_LIMIT = 1 << 20
 
 
 async def run_controller(command: list[str], *, controller_words: int, request: bytes, labels: dict[str, str],
-                         cluster_id: str, state_dir: Path, capabilities_timeout_s: float) -> int:
+                         cluster_id: str, state_dir: Path, capabilities_timeout_s: float,
+                         keep_env: Sequence[str] = ()) -> int:
     """Run `command` (its first `controller_words` words name the controller) in a fresh session; its exit
     status, or 128 + the signal that ended it. ControllerRefused if the negotiation fails."""
-    env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV}
+    env = controller_environment(os.environ, keep_env)
     await _negotiate(command[:controller_words], env, capabilities_timeout_s)
     opening: dict[str, Any] = {"operation": "session-open", "request": json.loads(request), "labels": labels}
     if cluster_id:
@@ -64,6 +69,11 @@ async def run_controller(command: list[str], *, controller_words: int, request: 
         with anyio.move_on_after(_SESSION_CLOSE_S, shield=True):
             await call_control(state_dir, {"operation": "session-close", "session": session})
     return exit_code(code)
+
+
+def controller_environment(environ: Mapping[str, str], keep: Sequence[str] = ()) -> dict[str, str]:
+    """The allow-listed part of `environ` (LC_* included), and the `keep` names the manager asked for."""
+    return {k: v for k, v in environ.items() if k in _CONTROLLER_ENV or k.startswith("LC_") or k in keep}
 
 
 async def _negotiate(program: list[str], env: dict[str, str], bound_s: float) -> None:

@@ -25,6 +25,7 @@ from ._daemon import Daemon
 from ._exec import ExecIdentity, GroupLedger, resolve_identity
 from ._hosts import instance_id
 from ._operations import Operations
+from ._policy import Policy
 from ._remote import Remotes, Spool
 from ._systemd import listen_fds
 
@@ -69,6 +70,7 @@ async def serve(config: Config, state_dir: Path) -> None:
             groups=GroupLedger(state_dir / "exec-groups"),
             huggingface=_huggingface_client(config, identity),
             remotes=remotes,
+            policy=_policy(config, state_dir),
         )
         daemon = Daemon(config, state_dir=state_dir, operations=operations, backend=backend,
                         control_fd=fds[0] if fds else None)
@@ -83,6 +85,16 @@ async def _stop_on_signals(daemon: Daemon) -> None:
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for _ in signals:
             daemon.stop()
+
+
+def _policy(config: Config, state_dir: Path) -> Policy:
+    """[policy], with the paths no restricted profile mounts: the engine sockets, the state directory,
+    and the files holding credentials."""
+    engine = config.docker.url.removeprefix("unix://")
+    protected = [engine, str(state_dir), config.registry.credentials_file, config.huggingface.token_file,
+                 *(path for remote in config.remote for path in (remote.docker_socket, remote.identity_file,
+                                                                  remote.known_hosts))]
+    return Policy(config.policy, protected=protected)
 
 
 def _huggingface_client(config: Config, identity: ExecIdentity) -> HuggingfaceClient | None:

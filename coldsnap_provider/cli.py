@@ -259,7 +259,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         return anyio.run(lambda: run_controller(
             args.command, controller_words=args.controller_words, request=request_bytes, labels=labels,
-            cluster_id=args.cluster_id, state_dir=_state_dir(args), capabilities_timeout_s=args.capabilities_timeout))
+            cluster_id=args.cluster_id, state_dir=_state_dir(args), capabilities_timeout_s=args.capabilities_timeout,
+            keep_env=args.keep_env))
     except ControllerRefused as exc:
         _err(f"run: refusing the controller: {exc}")
         return EXIT_USAGE
@@ -340,6 +341,10 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                           "`<those words> capabilities` is checked first (default 1)")
     run.add_argument("--capabilities-timeout", type=float, default=30.0, metavar="SECONDS",
                      help="bound on the controller's `capabilities` answer (default 30)")
+    run.add_argument("--keep-env", action="append", default=[], metavar="NAME",
+                     help="also pass environment variable NAME to the controller (repeatable); by default it "
+                          "gets only PATH, HOME, USER, LOGNAME, SHELL, LANG, LANGUAGE, LC_*, TZ, TERM, TMPDIR, "
+                          "XDG_RUNTIME_DIR, NO_COLOR and the two provider variables")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...")
     run.set_defaults(func=cmd_run)
 

@@ -197,3 +197,6 @@ def control_as(uid: int, state_dir: Path, request: dict[str, Any]) -> dict[str, 
     assert status == 0, "child failed to talk to the control socket"
     answer: dict[str, Any] = json.loads(b"".join(chunks))
     return answer
+
+# Non-root managers (server.control_uids/control_gids) need an unprivileged exec.user (issue 24, finding 9).
+EXEC_AS_NOBODY = "[exec]\nuser = 'nobody'\n"

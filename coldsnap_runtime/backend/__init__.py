@@ -18,14 +18,17 @@ from ._base import dispatch as dispatch
 from ._base import with_manager_labels as with_manager_labels
 from ._gpus import GpuPolicy as GpuPolicy
 from ._gpus import HostPolicy as HostPolicy
+from ._ledger import LedgerEntry as LedgerEntry
+from ._translate import PrivilegeGrant as PrivilegeGrant
 from ._translate import container_config as container_config
 
 if TYPE_CHECKING:
     from ._docker import DockerBackend as DockerBackend
     from ._docker import extract_archive as extract_archive
 
-__all__ = ("MANAGER_UID_LABEL", "ArchiveRefused", "Backend", "DockerBackend", "GpuPolicy", "HostPolicy", "Owner",
-           "RuntimeContext", "check_members", "container_config", "dispatch", "extract_archive",
+__all__ = ("MANAGER_UID_LABEL", "ArchiveRefused", "Backend", "DockerBackend", "GpuPolicy", "HostPolicy",
+           "LedgerEntry", "Owner", "PrivilegeGrant", "RuntimeContext", "check_members", "container_config", "dispatch",
+           "extract_archive",
            "with_manager_labels")
 
 

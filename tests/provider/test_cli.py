@@ -85,11 +85,16 @@ async def test_run_serves_the_controller_and_returns_its_status() -> None:
     async with running_daemon() as daemon:
         result = await anyio.to_thread.run_sync(lambda: cli(
             "run", "--state-dir", str(daemon.state_dir), "--request", str(work / "request.json"),
-            "--", str(wrapper), "sh", "-c", script, cwd=work, env={**os.environ, "HF_TOKEN": "secret"}))
+            "--keep-env", "KEEP_ME", "--", str(wrapper), "sh", "-c", script, cwd=work,
+            env={**os.environ, "HF_TOKEN": "secret", "AWS_SECRET_ACCESS_KEY": "secret", "KEEP_ME": "kept",
+                 "LC_ALL": "C.UTF-8"}))
         assert result.returncode == 5, result.stderr
         assert json.loads((work / "stdin.json").read_text()) == request
-        env = (work / "env.txt").read_text()
-        assert "COLDSNAP_HOST_PROVIDER_SOCKET=" in env and "HF_TOKEN" not in env
+        env = dict(line.partition("=")[::2] for line in (work / "env.txt").read_text().splitlines() if "=" in line)
+        assert "COLDSNAP_HOST_PROVIDER_SOCKET" in env and "HF_TOKEN" not in env
+        # Regression: #24 finding 9: only an allow-list (and what the manager keeps) reaches the controller.
+        assert "AWS_SECRET_ACCESS_KEY" not in env and env["KEEP_ME"] == "kept" and env["LC_ALL"] == "C.UTF-8"
+        assert "secret" not in env.values()
         assert json.loads((work / "caps.json").read_text())["ok"] is True
         assert await daemon.control(operation="session-list") == []  # closed after the child exited
 

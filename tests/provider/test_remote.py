@@ -26,7 +26,9 @@ import anyio
 import pytest
 
 from tests.conftest import Registry, docker
-from tests.helpers import ROOT, Session, running_daemon
+from tests.helpers import EXEC_AS_NOBODY, ROOT, Session, control_as, running_daemon
+
+_NOBODY = 65534
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="node-b needs root (namespaces, a second dockerd)")
 
@@ -626,3 +628,39 @@ async def test_remote_link_dropped_mid_pull_is_reported_and_the_next_call_reconn
     finally:
         hang.kill()
         hang.wait()
+
+
+async def test_policy_is_enforced_for_remote_hosts_too(node_b: NodeB, busybox_image: str) -> None:
+    """Regression: #24: the admission profile holds on [[remote]] nodes, checked before the SSH link is used."""
+    name = f"coldsnap-remote-pol-{os.getpid()}"
+    config = (f"{EXEC_AS_NOBODY}[server]\ncontrol_uids = [{_NOBODY}, {_NOBODY - 1}]\n" + node_b.config()
+              + '[policy.profiles.tenant]\nmount_roots = ["/srv/coldsnap"]\n'
+              + f'[[policy.assign]]\nuids = [{_NOBODY}, {_NOBODY - 1}]\nprofile = "tenant"\n')
+    async with running_daemon(config) as daemon:
+        os.chmod(daemon.state_dir / "control.sock", 0o666)
+
+        def session(uid: int) -> Session:
+            answer = control_as(uid, daemon.state_dir, {"operation": "session-open", "session": f"op-rp-{uid}",
+                                                        "hosts": ["node-b"]})
+            assert answer["ok"], answer
+            return Session(socket=answer["result"]["socket"], token=answer["result"]["token"],
+                           session=answer["result"]["session"])
+
+        owner, other = session(_NOBODY), session(_NOBODY - 1)
+        try:
+            refused = await owner.runtime("workload-run", host="node-b", workload={
+                "image": busybox_image, "name": name, "command": ["true"],
+                "mounts": [{"source": "/etc", "target": "/e"}]})
+            assert refused.error == "workload.mounts[0].source: /etc is outside the allowed roots of profile tenant"
+            assert node_b.docker("container", "inspect", name, check=False).returncode != 0
+            run = await owner.runtime("workload-run", host="node-b", workload={
+                "image": busybox_image, "name": name, "detached": True, "privileged": True,
+                "command": ["sleep", "60"]})
+            assert run.ok, run.error
+            host = json.loads(node_b.docker("container", "inspect", name).stdout)[0]["HostConfig"]
+            assert host["Privileged"] is False and "SYS_ADMIN" in {c.removeprefix("CAP_") for c in host["CapAdd"]}
+            theirs = await other.runtime("workload-exec", host="node-b", name=name,
+                                         execution={"command": ["hostname"]})
+            assert theirs.error_code == "not_found"
+        finally:
+            node_b.docker("rm", "-f", name, check=False)
