@@ -18,13 +18,15 @@ from ._base import dispatch as dispatch
 from ._base import with_manager_labels as with_manager_labels
 from ._gpus import GpuPolicy as GpuPolicy
 from ._gpus import HostPolicy as HostPolicy
+from ._privileges import read_capabilities as read_capabilities
 from ._translate import container_config as container_config
 
 if TYPE_CHECKING:
     from ._docker import DockerBackend as DockerBackend
 
-__all__ = ("MANAGER_UID_LABEL", "ArchiveRefused", "Backend", "DockerBackend", "GpuPolicy", "HostPolicy", "Owner",
-           "RuntimeContext", "check_members", "container_config", "dispatch", "with_manager_labels")
+__all__ = ("MANAGER_UID_LABEL", "ArchiveRefused", "Backend", "DockerBackend", "GpuPolicy",
+           "HostPolicy", "Owner", "RuntimeContext", "check_members", "container_config", "dispatch",
+           "read_capabilities", "with_manager_labels")
 
 
 def __getattr__(name: str) -> Any:
