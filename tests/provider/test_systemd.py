@@ -250,5 +250,5 @@ def test_unit_security_exposure_stays_at_most_the_documented_score() -> None:
                                 capture_output=True, text=True, check=False)
     match = re.search(r"Overall exposure level for coldsnap-provider\.service: (\d+\.\d)", result.stdout)
     assert match, result.stdout + result.stderr
-    documented = re.search(r"exposure level (\d+\.\d)", (ROOT / "docs" / "systemd.md").read_text())
+    documented = re.search(r"exposure level\s+(\d+\.\d)", (ROOT / "docs" / "systemd.md").read_text())
     assert documented and float(match.group(1)) <= float(documented.group(1)), match.group(0)
