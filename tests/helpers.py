@@ -155,7 +155,8 @@ def write_config(directory: Path, text: str = "") -> Path:
 @contextlib.asynccontextmanager
 async def running_daemon(config: str = "", *, state_dir: Path | None = None,
                          env: dict[str, str] | None = None, unit: bool | None = None) -> AsyncIterator[Daemon]:
-    """A real `coldsnap-provider serve` subprocess with a short private state dir."""
+    """A real `coldsnap-provider serve` subprocess with a short private state dir; `unit`: started as the
+    shipped systemd unit starts it (tests/unit_sandbox.py; default: COLDSNAP_TEST_UNIT=1)."""
     own = state_dir is None
     state = state_dir or Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
     conf_dir = Path(tempfile.mkdtemp(prefix="cs-conf-", dir="/tmp"))
