@@ -8,9 +8,13 @@ settings from ``systemd/coldsnap-provider.service``). One process all along (eac
    below them; ``UMask=``;
 2. ``setpriv``: ``User=``/``Group=``/``SupplementaryGroups=``, the inheritable and ambient sets of
    ``AmbientCapabilities=``, the bounding set of ``CapabilityBoundingSet=``, ``NoNewPrivileges=``;
-3. ``python -I _unit_launch.py --families AF_UNIX,... -- ARGV``: the seccomp filter of
-   ``RestrictAddressFamilies=`` (``socket(2)`` with any other family fails with EAFNOSUPPORT, as
-   systemd's filter answers; ``socketpair(2)`` and passed sockets are unaffected, as there), then ARGV.
+3. ``python -I _unit_launch.py --seccomp SPEC -- ARGV``: one seccomp filter for
+   ``RestrictAddressFamilies=`` (``socket(2)`` with another family fails with EAFNOSUPPORT, as
+   systemd's filter answers; ``socketpair(2)`` and passed sockets are unaffected, as there),
+   ``SystemCallFilter=~...`` with ``SystemCallErrorNumber=`` and the system calls that
+   ``ProtectClock=``, ``ProtectKernelModules=``, ``ProtectKernelLogs=`` and ``ProtectHostname=`` deny,
+   and ``RestrictNamespaces=yes`` (namespace flags of ``clone``/``unshare`` and ``setns`` fail with
+   EPERM, ``clone3`` with ENOSYS, as systemd does); then ARGV.
 """
 
 from __future__ import annotations
@@ -22,10 +26,13 @@ import socket
 import struct
 import subprocess
 import sys
+from typing import Any
 
-_ARCHES = {"x86_64": (0xC000003E, 41), "aarch64": (0xC00000B7, 198)}  # AUDIT_ARCH_*, __NR_socket
-_LD_ABS_W, _JEQ_K, _RET_K = 0x20, 0x15, 0x06
+_AUDIT_ARCH = {"x86_64": 0xC000003E}
+_LD_ABS_W, _JEQ_K, _JSET_K, _RET_K = 0x20, 0x15, 0x45, 0x06
 _RET_ALLOW, _RET_ERRNO = 0x7FFF0000, 0x00050000
+_EPERM, _ENOSYS, _EAFNOSUPPORT = 1, 38, 97
+_NAMESPACE_FLAGS = 0x7E020080  # CLONE_NEW{NS,CGROUP,UTS,IPC,USER,PID,NET,TIME}
 _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
 _CLONE_NEWNS = 0x00020000
 
@@ -51,31 +58,46 @@ def _read_only(path: str) -> None:
         subprocess.run(["mount", "-o", "remount,bind,ro", point], check=False)  # autofs and the like refuse
 
 
-def _seccomp(families: list[str]) -> None:
-    arch, nr_socket = _ARCHES[os.uname().machine]
-    numbers = [int(getattr(socket, name)) for name in families]
-    allow = len(numbers) + 1  # jump targets are relative to the next instruction
-    program = [(_LD_ABS_W, 0, 0, 4), (_JEQ_K, 0, len(numbers) + 4, arch),
-               (_LD_ABS_W, 0, 0, 0), (_JEQ_K, 0, len(numbers) + 2, nr_socket),
-               (_LD_ABS_W, 0, 0, 16)]  # args[0], low 32 bits (little-endian)
-    for index, number in enumerate(numbers):
-        program.append((_JEQ_K, allow - index - 1, 0, number))
-    program += [(_RET_K, 0, 0, _RET_ERRNO | 97), (_RET_K, 0, 0, _RET_ALLOW)]  # 97: EAFNOSUPPORT
+def _flag_block(nr: int) -> list[tuple[int, int, int, int]]:
+    """`nr` with any namespace flag in its first argument fails with EPERM (systemd's RestrictNamespaces=)."""
+    return [(_JEQ_K, 0, 4, nr), (_LD_ABS_W, 0, 0, 16), (_JSET_K, 0, 1, _NAMESPACE_FLAGS),
+            (_RET_K, 0, 0, _RET_ERRNO | _EPERM), (_RET_K, 0, 0, _RET_ALLOW)]
+
+
+def _program(spec: dict[str, Any]) -> list[tuple[int, int, int, int]]:
+    numbers: dict[str, int] = spec["numbers"]
+    program = [(_LD_ABS_W, 0, 0, 4), (_JEQ_K, 1, 0, _AUDIT_ARCH[os.uname().machine]),
+               (_RET_K, 0, 0, _RET_ALLOW), (_LD_ABS_W, 0, 0, 0)]
+    families = [int(getattr(socket, name)) for name in spec["families"]]
+    if families:  # socket(2) with another family: EAFNOSUPPORT (systemd's RestrictAddressFamilies=)
+        count = len(families)
+        program += [(_JEQ_K, 0, count + 3, numbers["socket"]), (_LD_ABS_W, 0, 0, 16)]  # args[0], low half
+        program += [(_JEQ_K, count - index, 0, family) for index, family in enumerate(families)]
+        program += [(_RET_K, 0, 0, _RET_ERRNO | _EAFNOSUPPORT), (_RET_K, 0, 0, _RET_ALLOW)]
+    for nr, action in spec["denied"]:  # SystemCallFilter=~..., and what ProtectClock= and the like imply
+        program += [(_JEQ_K, 0, 1, nr), (_RET_K, 0, 0, action)]
+    if spec["namespaces"]:  # clone3's flags are out of reach: systemd answers ENOSYS (glibc then uses clone)
+        program += _flag_block(numbers["clone"]) + _flag_block(numbers["unshare"])
+        program += [(_JEQ_K, 0, 1, numbers["clone3"]), (_RET_K, 0, 0, _RET_ERRNO | _ENOSYS),
+                    (_JEQ_K, 0, 1, numbers["setns"]), (_RET_K, 0, 0, _RET_ERRNO | _EPERM)]
+    return [*program, (_RET_K, 0, 0, _RET_ALLOW)]
+
+
+def _seccomp(spec: dict[str, Any]) -> None:
+    program = _program(spec)
     code = b"".join(struct.pack("=HBBI", *instruction) for instruction in program)
     buffer = ctypes.create_string_buffer(code)
-    fprog = struct.pack("=HxxxxxxQ", len(program), ctypes.addressof(buffer))
-    fprog_buffer = ctypes.create_string_buffer(fprog)
+    fprog = ctypes.create_string_buffer(struct.pack("=HxxxxxxQ", len(program), ctypes.addressof(buffer)))
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, fprog_buffer, 0, 0) != 0:
+    if libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, fprog, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "PR_SET_SECCOMP")
 
 
 def main(argv: list[str]) -> None:
     split = argv.index("--")
     head, program = argv[:split], argv[split + 1:]
-    if head[0] == "--families":
-        if head[1]:
-            _seccomp(head[1].split(","))
+    if head[0] == "--seccomp":
+        _seccomp(json.loads(head[1]))
         os.execvp(program[0], program)
     settings = json.loads(head[0])
     if ctypes.CDLL(None, use_errno=True).unshare(_CLONE_NEWNS) != 0:  # os.unshare is Python 3.12+
@@ -91,7 +113,7 @@ def main(argv: list[str]) -> None:
     if settings["no_new_privs"]:
         drop.append("--no-new-privs")
     os.execvp("setpriv", [*drop, "--", sys.executable, "-I", os.path.abspath(__file__),
-                          "--families", ",".join(settings["families"]), "--", *program])
+                          "--seccomp", json.dumps(settings["seccomp"]), "--", *program])
 
 
 if __name__ == "__main__":

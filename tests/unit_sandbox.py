@@ -7,26 +7,30 @@ changes what the tests run under; the account is created from the shipped sysuse
 * ``User=``, ``Group=``, ``SupplementaryGroups=``, ``AmbientCapabilities=``, ``CapabilityBoundingSet=``,
   ``NoNewPrivileges=`` (explicit, or implied as systemd implies it for ``RestrictAddressFamilies=``
   with ``User=``), ``UMask=``;
-* ``RestrictAddressFamilies=`` as a seccomp filter on ``socket(2)`` answering EAFNOSUPPORT;
-* ``ProtectSystem=`` and ``ProtectHome=`` (``no``/``read-only``; any other value is refused
-  here rather than approximated) as read-only bind mounts in a private mount namespace;
+* ``RestrictAddressFamilies=``, ``SystemCallFilter=~...`` (with ``SystemCallErrorNumber=``), the system
+  calls ``ProtectClock=``, ``ProtectKernelModules=``, ``ProtectKernelLogs=`` and ``ProtectHostname=`` deny,
+  and ``RestrictNamespaces=yes``, as one seccomp filter answering as systemd's does;
+* ``ProtectSystem=``, ``ProtectHome=`` (``no``/``read-only``; any other value is refused here rather
+  than approximated) and ``ProtectKernelTunables=`` as read-only bind mounts in a private mount
+  namespace with slave propagation (``PrivateMounts=``);
 * ``RuntimeDirectory=``/``RuntimeDirectoryMode=``: the test's state directory is given to the
   account with that mode, and ``$HOME`` points to it (the account's home is the runtime directory).
 
-Not reproduced: ``ProtectKernelTunables/Modules/Logs``, ``ProtectControlGroups``, ``ProtectClock``,
-``ProtectHostname``, ``RestrictRealtime``, ``RestrictSUIDSGID``, ``LockPersonality``,
-``SystemCallArchitectures`` and the cgroup. None of them is on the path of exec, upload,
-copies, SSH or HTTPS; ``docs/systemd.md`` says so too.
+Not reproduced (``docs/systemd.md`` lists them too): the file-system side of ``ProtectKernelLogs=`` and
+``ProtectKernelModules=``, ``ProtectHostname=``'s UTS namespace, ``RestrictRealtime=``,
+``RestrictSUIDSGID=``, ``LockPersonality=``, ``SystemCallArchitectures=``, ``RemoveIPC=``, the cgroup.
 
 ``COLDSNAP_TEST_UNIT=1`` runs every test daemon (:func:`tests.helpers.running_daemon`) this way.
 """
 
 from __future__ import annotations
 
+import errno
 import grp
 import json
 import os
 import pwd
+import re
 import shutil
 import subprocess
 import sys
@@ -39,6 +43,50 @@ _LAUNCH = Path(__file__).with_name("_unit_launch.py")
 _PROTECT_SYSTEM = {"no": [], "yes": ["/usr", "/boot", "/efi"], "full": ["/usr", "/boot", "/efi", "/etc"],
                    "strict": ["/"]}
 _PROTECT_HOME = {"no": [], "read-only": ["/home", "/root", "/run/user"]}
+_UNISTD = Path("/usr/include/x86_64-linux-gnu/asm/unistd_64.h")  # linux-libc-dev: system call numbers
+_KILL_PROCESS = 0x80000000  # what systemd does to a denied call without SystemCallErrorNumber=
+_RET_ERRNO = 0x00050000
+# System calls that settings other than SystemCallFilter= deny (systemd.exec(5)); all answer EPERM.
+_IMPLIED = {"ProtectClock": ["@clock"], "ProtectKernelModules": ["@module"], "ProtectKernelLogs": ["syslog"],
+            "ProtectHostname": ["sethostname", "setdomainname"]}
+
+
+def _syscall_numbers() -> dict[str, int]:
+    if not _UNISTD.exists():
+        raise RuntimeError(f"{_UNISTD} (linux-libc-dev) is needed to reproduce the unit's system call filter")
+    return {m[1]: int(m[2]) for m in re.finditer(r"#define __NR_(\w+) (\d+)", _UNISTD.read_text())}
+
+
+def _expand(names: list[str]) -> set[str]:
+    """System call names of `names` (names and @groups, as systemd-analyze syscall-filter lists them)."""
+    calls = {n for n in names if not n.startswith("@")}
+    groups = [n for n in names if n.startswith("@")]
+    if groups:
+        listing = subprocess.run(["systemd-analyze", "syscall-filter", "--no-pager", *groups],
+                                 capture_output=True, text=True, check=True).stdout
+        members = [line.strip() for line in listing.splitlines() if line.startswith((" ", "\t"))]
+        calls |= _expand([m for m in members if m and not m.startswith("#")])
+    return calls
+
+
+def _seccomp(settings: dict[str, list[str]], families: list[str]) -> dict[str, object]:
+    numbers = _syscall_numbers()
+    denied: dict[int, int] = {}
+    for key, names in _IMPLIED.items():
+        if _one(settings, key, "no") == "yes":
+            denied |= {numbers[c]: _RET_ERRNO | errno.EPERM for c in _expand(names) if c in numbers}
+    rules = settings.get("SystemCallFilter", [])
+    if rules and not rules[0].startswith("~"):
+        raise ValueError("SystemCallFilter= as an allow list is not reproduced by tests/_unit_launch.py")
+    if rules:
+        code = _one(settings, "SystemCallErrorNumber", "")
+        action = _RET_ERRNO | getattr(errno, code) if code else _KILL_PROCESS
+        denied |= {numbers[c]: action for c in _expand([r.lstrip("~") for r in rules]) if c in numbers}
+    namespaces = _one(settings, "RestrictNamespaces", "no")
+    if namespaces not in ("yes", "no"):
+        raise ValueError(f"RestrictNamespaces={namespaces} is not reproduced by tests/_unit_launch.py")
+    return {"families": families, "denied": sorted(denied.items()), "namespaces": namespaces == "yes",
+            "numbers": {name: numbers[name] for name in ("socket", "clone", "clone3", "unshare", "setns")}}
 
 
 def enabled() -> bool:
@@ -85,6 +133,8 @@ def launch_settings() -> dict[str, object]:
     if protect_home not in _PROTECT_HOME:
         raise ValueError(f"ProtectHome={protect_home} is not reproduced by tests/_unit_launch.py")
     read_only = _PROTECT_SYSTEM[_one(settings, "ProtectSystem", "no")] + _PROTECT_HOME[protect_home]
+    if _one(settings, "ProtectKernelTunables", "no") == "yes":
+        read_only += ["/proc/sys", "/sys"]  # /sys/fs/cgroup with it: ProtectControlGroups= too
     user_set = "User" in settings
     explicit = _one(settings, "NoNewPrivileges", "no") == "yes"
     return {
@@ -94,7 +144,7 @@ def launch_settings() -> dict[str, object]:
         "caps": _caps(settings.get("AmbientCapabilities", [])),
         "bounding": _caps(settings.get("CapabilityBoundingSet", [])),
         "no_new_privs": explicit or (user_set and bool(families)),
-        "families": families,
+        "seccomp": _seccomp(settings, families),
         "read_only": read_only,
         "umask": int(_one(settings, "UMask", "0022"), 8),
     }
