@@ -36,7 +36,6 @@ log = structlog.get_logger(__name__)
 
 _KILL_GRACE_S = 5.0
 SETPRIV = "setpriv"  # util-linux
-_CAP_SETPCAP = 8  # linux/capability.h
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +64,7 @@ def resolve_identity(spec: str) -> ExecIdentity:
         raise ValueError("exec.user: programs run for managers need setpriv (util-linux) on PATH "
                          "to give up the daemon's identity and capabilities")
     caps = read_capabilities()
-    if caps.held and caps.bounding and not caps.effective >> _CAP_SETPCAP & 1:
+    if not caps.can_clear_bounding:
         raise ValueError(f"exec.user: the daemon holds capabilities (permitted {caps.permitted:#x}) but not "
                          "CAP_SETPCAP, so it cannot clear the bounding set of the programs it runs for managers; "
                          "grant CAP_SETPCAP (the shipped systemd unit does) or run it as root")

@@ -12,10 +12,9 @@ With ``--as`` the child drops to that identity (no supplementary groups, real, e
 and saved ids all changed, no capability left: ``_privileges.py``); without it a non-root
 daemon's child still gives up every capability. Either happens right after its imports
 and before it looks at any host path, so the kernel, not this code, decides what may be
-written or read. (Dropping inside the
-child rather than before exec lets it start from an interpreter the owner could not
-reach.) It imports only the standard library: it starts fast and never loads the
-daemon's dependencies.
+written or read. (Dropping inside the child rather than before exec lets it start from an
+interpreter the owner could not reach.) It imports only the standard library: it starts
+fast and never loads the daemon's dependencies.
 
 Rules of extract:
 

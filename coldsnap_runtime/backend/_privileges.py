@@ -56,6 +56,12 @@ class CapabilitySets:
         """Whether the process holds, or passes on at exec, any capability at all."""
         return bool(self.inheritable | self.permitted | self.effective | self.ambient)
 
+    @property
+    def can_clear_bounding(self) -> bool:
+        """Whether a drop from here can empty the bounding set, or need not: holding nothing, there
+        is nothing to pass on, and no_new_privs stops file capabilities (a daemon run by a plain user)."""
+        return not (self.held and self.bounding) or bool(self.effective >> _CAP_SETPCAP & 1)
+
 
 def read_capabilities(pid: int | str = "self") -> CapabilitySets:
     fields = {}
@@ -89,13 +95,11 @@ def _call(libc: ctypes.CDLL, what: str, name: str, *args: object) -> int:
 
 
 def _clear_bounding(libc: ctypes.CDLL, start: CapabilitySets) -> None:
-    # Without anything held there is nothing to pass on, and no_new_privs stops file capabilities;
-    # such a process (a daemon run by a plain user) could not drop the set anyway.
-    if not start.bounding or not start.held:
-        return
-    if not start.effective >> _CAP_SETPCAP & 1:
+    if not start.can_clear_bounding:
         raise DropFailed("cannot clear the capability bounding set without CAP_SETPCAP "
                          "(grant it, as the shipped systemd unit does, or run the daemon as root)")
+    if not (start.held and start.bounding):
+        return
     last = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
     for cap in range(last + 1):
         if start.bounding >> cap & 1:
