@@ -26,6 +26,7 @@ Not reproduced (``docs/systemd.md`` lists them too): the file-system side of ``P
 from __future__ import annotations
 
 import errno
+import functools
 import grp
 import json
 import os
@@ -116,6 +117,7 @@ def _caps(names: list[str]) -> str:
     return ",".join("+" + name.lower().removeprefix("cap_") for name in names)
 
 
+@functools.cache
 def account() -> pwd.struct_passwd:
     """The unit's User=, created from the shipped sysusers.d file (idempotent)."""
     user = service_settings()["User"][0]
