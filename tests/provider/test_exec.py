@@ -80,6 +80,18 @@ async def test_exec_runs_as_configured_user() -> None:
         assert uid.ok and uid.output.strip() == b"65534"
 
 
+async def test_exec_as_another_user_holds_no_capability_and_cannot_regain_any() -> None:
+    """Every drop empties the bounding set and sets no_new_privs (docs/systemd.md), also under a root
+    daemon, where setresuid alone leaves the bounding set full and set-user-ID programs working."""
+    async with running_daemon('[exec]\nuser = "nobody"\n') as daemon:
+        s = await daemon.open_session()
+        status = await s.call("exec", host="localhost",
+                              arguments=["grep", "-E", "^(Cap|NoNewPrivs)", "/proc/self/status"])
+        fields = dict(line.split(":\t") for line in status.output.decode().splitlines())
+        assert {key: int(value, 16) for key, value in fields.items()} == {
+            "CapInh": 0, "CapPrm": 0, "CapEff": 0, "CapBnd": 0, "CapAmb": 0, "NoNewPrivs": 1}, fields
+
+
 async def test_upload_copies_node_local_files_recursively(shared: Path) -> None:
     src = Path(tempfile.mkdtemp(prefix="cs-up-", dir=shared))
     src.chmod(0o755)
