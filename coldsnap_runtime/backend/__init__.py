@@ -19,6 +19,7 @@ from ._base import with_manager_labels as with_manager_labels
 from ._gpus import GpuPolicy as GpuPolicy
 from ._gpus import HostPolicy as HostPolicy
 from ._ledger import LedgerEntry as LedgerEntry
+from ._privileges import read_capabilities as read_capabilities
 from ._translate import PrivilegeGrant as PrivilegeGrant
 from ._translate import container_config as container_config
 
@@ -28,8 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = ("MANAGER_UID_LABEL", "ArchiveRefused", "Backend", "DockerBackend", "GpuPolicy", "HostPolicy",
            "LedgerEntry", "Owner", "PrivilegeGrant", "RuntimeContext", "check_members", "container_config", "dispatch",
-           "extract_archive",
-           "with_manager_labels")
+           "extract_archive", "read_capabilities", "with_manager_labels")
 
 
 def __getattr__(name: str) -> Any:

@@ -805,8 +805,9 @@ async def extract_archive(spool: IO[bytes], root: str, destination: str, *, owne
     argv = [sys.executable, "-I", "-S", _ARCHIVE_PROGRAM, root, destination]
     if owner is not None:
         argv += ["--as", f"{owner.uid}:{owner.gid}"]
-    if (os.geteuid() if owner is None else owner.uid) == 0:
+    if os.geteuid() == 0 and (owner is None or owner.uid == 0):
         argv.append("--keep-owner")  # a root writer keeps numeric ownership, as `docker cp` does
+        # (only a root daemon: under the unit, uid 0 holds no CAP_CHOWN after the drop)
     try:
         result = await anyio.run_process(argv, stdin=spool, check=False, cwd="/",
                                          env={"PATH": os.defpath, "LC_ALL": "C.UTF-8"})

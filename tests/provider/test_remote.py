@@ -664,3 +664,36 @@ async def test_policy_is_enforced_for_remote_hosts_too(node_b: NodeB, busybox_im
             assert theirs.error_code == "not_found"
         finally:
             node_b.docker("rm", "-f", name, check=False)
+
+
+# --- under the shipped systemd unit (docs/systemd.md) ------------------------------------------
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="reproduces the unit's account: needs root")
+async def test_exec_upload_and_engine_on_node_b_work_under_the_shipped_unit(
+        node_b: NodeB, world_readable_dir: Path, busybox_image: str) -> None:
+    """The unit once allowed only AF_UNIX sockets: SSH to a remote node failed. The upload's local tar
+    runs as exec.user with no capability: a root-only file stays unreadable (the unit's daemon holds
+    CAP_DAC_OVERRIDE, which the tar once inherited)."""
+    source = world_readable_dir / "payload.txt"
+    source.write_text("under the unit\n")
+    source.chmod(0o644)
+    secret = world_readable_dir / "secret.txt"
+    secret.write_text("root only\n")
+    secret.chmod(0o600)
+    dest = f"/tmp/coldsnap-unit-upload-{os.getpid()}"
+    async with running_daemon(node_b.config() + '\n[exec]\nuser = "nobody"\n', unit=True) as daemon:
+        s = await daemon.open_session(hosts=["localhost", "node-b"])
+        try:
+            remote = await _exec(s, "node-b", "hostname")
+            assert remote.ok and _output(remote) == b"node-b\n", remote
+            uploaded = await s.call("upload", host="node-b", sources=[str(source)], destination=dest)
+            assert uploaded.ok, uploaded.error
+            assert node_b.path(dest).read_text() == "under the unit\n"
+            refused = await s.call("upload", host="node-b", sources=[str(secret)], destination=f"{dest}-secret")
+            assert not refused.ok and "Permission denied" in str(refused.error)
+            assert not node_b.path(f"{dest}-secret").exists()
+            inspected = await s.runtime("image-inspect", host="node-b", image=busybox_image)
+            assert inspected.ok, inspected.error
+        finally:
+            node_b.path(dest).unlink(missing_ok=True)
