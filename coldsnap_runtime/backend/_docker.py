@@ -475,7 +475,7 @@ class DockerBackend:
                   "pull": "1" if build.pull else "0", "buildargs": json.dumps(dict(build.arguments))}
         with tempfile.TemporaryFile(dir=self._spool_dir, prefix="coldsnap-build-") as spool:
             await write_context_tar(spool, context=build.context, contexts=dict(build.contexts),
-                                    dockerfile=build.dockerfile, owner=owner)
+                                    dockerfile=build.dockerfile, owner=owner, max_bytes=self._copy_max_bytes)
             spool.seek(0)
             await self._progress("image-build", "build", params=params, headers=headers, data=spool)
         await self._ledger_update("image-build", add=_ledger_key(build.tag))
