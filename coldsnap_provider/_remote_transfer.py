@@ -73,7 +73,7 @@ class RemoteFiles:
         self.spool = spool
 
     async def _place(self, archive_path: str, root: str, destination: str, *, action: str) -> None:
-        conn, _ = await self._link.connect(action)
+        conn = await self._link.connect(action)
         archive = await anyio.to_thread.run_sync(lambda: open(archive_path, "rb"))  # noqa: SIM115 - closed below
         try:
             with self._link.link_errors(action):
@@ -103,7 +103,7 @@ class RemoteFiles:
     async def upload(self, sources: list[str], destination: str, *, recursive: bool,
                      identity: ExecIdentity) -> None:
         """`cp [-R] SOURCES DESTINATION` from this node (read as exec.user) to the remote node (SFTP)."""
-        conn, _ = await self._link.connect("upload")
+        conn = await self._link.connect("upload")
         if len(sources) > 1:
             with self._link.link_errors("upload"):
                 async with self._link.sessions, conn.start_sftp_client() as sftp:
@@ -128,7 +128,7 @@ class RemoteFiles:
     async def fetch_tree(self, remote: str, local: str) -> str:
         """Copy the remote directory `remote` to the new local path `local` (see the module docstring)."""
         action = "image-build"
-        conn, _ = await self._link.connect(action)
+        conn = await self._link.connect(action)
         with tempfile.TemporaryFile(dir=os.path.dirname(local), prefix="fetch-") as spool:
             async with self._link.sessions:
                 with self._link.link_errors(action):
