@@ -78,13 +78,12 @@ class RemoteNode:
             await self._link.aclose()
 
     async def _connection(self, action: str) -> asyncssh.SSHClientConnection:
-        """The live link; on a fresh one, first recover leftovers and end what was abandoned meanwhile."""
-        conn, fresh = await self._link.connect(action)
-        if fresh or not self._recovered:
-            await self._after_connect()
+        """The live link, after leftovers are recovered and what was abandoned while it was down is ended."""
+        conn = await self._link.connect(action)
+        await self._catch_up()
         return conn
 
-    async def _after_connect(self) -> None:
+    async def _catch_up(self) -> None:
         if not self._recovered:
             with anyio.move_on_after(_RECOVER_BUDGET_S):
                 try:

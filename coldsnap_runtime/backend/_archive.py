@@ -58,7 +58,7 @@ import secrets
 import stat
 import sys
 import tarfile
-from typing import IO
+from typing import IO, cast
 
 __all__ = ("ArchiveRefused", "check_members", "extract_copy", "main", "pack")
 
@@ -458,20 +458,36 @@ def _pack_directory(tar: tarfile.TarFile, fd: int, prefix: str, path: str,
         _pack_entry(tar, fd, name, prefix + name, f"{path}/{name}", patterns, rel + name)
 
 
+class _Bounded:
+    """A write-only stream that refuses to grow past `limit` bytes (the daemon spools what we write)."""
+
+    def __init__(self, out: IO[bytes], limit: int) -> None:
+        self._out, self._limit, self._written = out, limit, 0
+
+    def write(self, data: bytes) -> int:
+        self._written += len(data)
+        if self._written > self._limit:
+            raise ArchiveRefused(f"the build context exceeds {self._limit} bytes (docker.copy_max_bytes)")
+        return self._out.write(data)
+
+
 def pack(job: dict[str, object], out: IO[bytes]) -> None:
     """Write one tar of the job's trees and files to `out` (a stream: nothing is sought).
 
     `job` = ``{"trees": [{"path", "prefix", "label", "dockerignore", "reserved"}],
-    "files": [{"name", "data"}]}``: each tree's directory ``path`` goes under ``prefix``
+    "files": [{"name", "data"}], "max_bytes": N}``: each tree's directory ``path`` goes under ``prefix``
     (``""`` or ``"dir/"``); ``label`` names it in errors; with ``dockerignore`` its
     ``.dockerignore`` applies; a top-level entry named in ``reserved`` is refused. Files
-    are the job's own text (the Dockerfile), added last, 0644.
+    are the job's own text (the Dockerfile), added last, 0644. A tar that would pass
+    ``max_bytes`` (when given) is refused.
     """
     trees = job.get("trees")
     files = job.get("files")
     if not isinstance(trees, list) or not isinstance(files, list) or not all(
             isinstance(item, dict) for item in [*trees, *files]):
         raise ArchiveRefused("the pack job has no trees or files")
+    if isinstance(limit := job.get("max_bytes"), int):
+        out = cast(IO[bytes], _Bounded(out, limit))
     with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
         for tree in trees:
             path, prefix, label = str(tree["path"]), str(tree["prefix"]), str(tree["label"])

@@ -427,7 +427,7 @@ class DockerBackend:
                   "pull": "1" if build.pull else "0", "buildargs": json.dumps(dict(build.arguments))}
         with tempfile.TemporaryFile(dir=self._spool_dir, prefix="coldsnap-build-") as spool:
             await write_context_tar(spool, context=build.context, contexts=dict(build.contexts),
-                                    dockerfile=build.dockerfile, owner=owner)
+                                    dockerfile=build.dockerfile, owner=owner, max_bytes=self._copy_max_bytes)
             spool.seek(0)
             await self._progress("image-build", "build", params=params, headers=headers, data=spool)
         await self._ledger.update("image-build", add=build.tag)
@@ -438,8 +438,10 @@ class DockerBackend:
             text = rewrite_dockerfile(build.dockerfile.decode("utf-8"), dict(build.contexts))
         except UnicodeDecodeError as exc:
             raise BuildContextError(str(exc)) from exc
-        return {ref.registry for base in base_images(text, dict(build.arguments))
-                if (ref := parse_reference(base)) is not None}
+        # FROM images, and images copied from (`COPY --from=<ref>`; a stage name has no "/" or ":").
+        images = [*base_images(text, dict(build.arguments)),
+                  *(name for name in re.findall(r"--from=(\S+)", text) if "/" in name or ":" in name)]
+        return {ref.registry for image in images if (ref := parse_reference(image)) is not None}
 
     async def _require_local_bases(self, build: ImageBuild) -> None:
         """pull=false must never contact a registry, but the classic builder pulls a missing base."""
