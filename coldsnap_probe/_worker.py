@@ -67,6 +67,7 @@ __all__ = ("anonymous_memory", "capture", "identity_compatibility", "image_diges
 
 CAPTURE_KIND = "coldsnap-cuda-criu-capture"
 RESTORE_KIND = "coldsnap-cuda-criu-restore"
+IDLE_WAIT_S = 5.0  # how long a capture waits for a server's open requests to finish
 LAZY_PAGES_START_S = 10.0  # for `criu lazy-pages` to listen
 LAZY_PAGES_FINISH_S = 120.0  # for it to have copied every page after the restore
 ABORT_POLL = 0.05  # seconds between looks at the activation's abort while the engine works
@@ -295,6 +296,35 @@ def _inet_sockets(tree: list[int]) -> list[str]:
     return found
 
 
+def _open_connections(tree: list[int]) -> list[str]:
+    """The tree's established TCP connections (a request being served), as `process P fd F local <- peer`."""
+    found = []
+    for pid in tree:
+        try:
+            links = {fd: _readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+            inodes = {link[8:-1]: fd for fd, link in links.items() if link.startswith("socket:[")}
+            for proto in ("tcp", "tcp6"):
+                for line in Path(f"/proc/{pid}/net/{proto}").read_text().splitlines()[1:]:
+                    fields = line.split()
+                    if len(fields) > 9 and fields[3] == "01" and fields[9] in inodes:  # 01: ESTABLISHED
+                        found.append(f"process {pid} fd {inodes[fields[9]]} {_endpoint(fields[1])} <- "
+                                     f"{_endpoint(fields[2])}")
+        except OSError:
+            continue
+    return found
+
+
+def _wait_idle(tree: list[int], bound: float) -> None:
+    """Before a capture of a server: wait up to `bound` seconds for its open requests to finish, else refuse
+    naming them (CRIU cannot carry an established connection into another unit; the client would hang)."""
+    deadline = time.monotonic() + bound
+    while open_ := _open_connections(tree):
+        if time.monotonic() >= deadline:
+            raise WorkerError(f"capture refused: the server still has {len(open_)} open connection(s) after "
+                              f"waiting {bound:g} s for its requests to finish: " + "; ".join(open_[:8]))
+        time.sleep(0.05)
+
+
 def _endpoint(hex_address: str) -> str:
     address, port = hex_address.split(":")
     host = ".".join(str(b) for b in reversed(bytes.fromhex(address))) if len(address) == 8 else address.lower()
@@ -381,6 +411,10 @@ def capture(pid: int, images: Path, *, criu: str, boundary: str = "n610", lock_t
                 _check_quiesced(report["engine_quiesce"], plan, tree)
                 timings["engine_quiesce"] = time.perf_counter() - started
             ranks.barrier("quiesced")
+            if plan is None:  # a server we do not control: its own requests must end first
+                started = time.perf_counter()
+                _wait_idle(tree, IDLE_WAIT_S)
+                timings["wait_idle"] = time.perf_counter() - started
             manifest = _release_weights(hydration, report) if hydration else None
             report["memory_before_checkpoint"] = {str(p): anonymous_memory(p) for p in tree}
             done: list[tuple[int, str]] = []  # (pid, what was done) for the rollback
