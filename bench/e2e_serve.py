@@ -36,6 +36,7 @@ import shutil
 import socket
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -107,16 +108,32 @@ async def _watch_server(d: Driver, layout: Layout, name: str) -> None:
         await anyio.sleep(0.5)
 
 
+async def together(*jobs: Callable[[anyio.CancelScope], Awaitable[None]]) -> None:
+    """Run `jobs` side by side (each may cancel the others through the scope it is given); the first failure
+    is raised as itself, not as an exception group."""
+    try:
+        async with anyio.create_task_group() as tg:
+            for job in jobs:
+                tg.start_soon(job, tg.cancel_scope)
+    except BaseExceptionGroup as group:
+        first: BaseException = group
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        raise first from None
+
+
 async def first_completion(d: Driver, layout: Layout, name: str, port: int, *, limit: float) -> Completion:
     """The client's request (retried until the port accepts) raced against the server's exit."""
     result: list[Completion] = []
-    async with anyio.create_task_group() as tg:
-        async def client() -> None:
-            result.append(await stream_chat(HOST, port, body(), connect_limit=limit))
-            tg.cancel_scope.cancel()
 
-        tg.start_soon(client)
-        tg.start_soon(_watch_server, d, layout, name)
+    async def client(scope: anyio.CancelScope) -> None:
+        result.append(await stream_chat(HOST, port, body(), connect_limit=limit))
+        scope.cancel()
+
+    async def watch(_scope: anyio.CancelScope) -> None:
+        await _watch_server(d, layout, name)
+
+    await together(client, watch)
     return result[0]
 
 
@@ -140,19 +157,14 @@ async def restore_once(d: Driver, image: str, layout: Layout, unit: str, capture
     labels = unit_labels(capture_id, cluster)
     created, started = await launch_unit(d, image, layout, unit, capture_id, labels=labels)
     out: dict[str, Any] = {}
-    async with anyio.create_task_group() as tg:
-        async def client() -> None:
-            out["client"] = await stream_chat(HOST, port, body(), connect_limit=120)
 
-        async def unit_ready() -> None:
-            try:
-                out["unit"] = await await_unit(d, unit, created, labels=labels, readiness_timeout=120)
-            except E2EError:
-                tg.cancel_scope.cancel()
-                raise
+    async def client(_scope: anyio.CancelScope) -> None:
+        out["client"] = await stream_chat(HOST, port, body(), connect_limit=120)
 
-        tg.start_soon(client)
-        tg.start_soon(unit_ready)
+    async def unit_ready(scope: anyio.CancelScope) -> None:
+        out["unit"] = await await_unit(d, unit, created, labels=labels, readiness_timeout=120)
+
+    await together(client, unit_ready)
     return {**out["unit"], "create_start_s": started - created, **completion_row(out["client"], created)}
 
 
@@ -205,14 +217,14 @@ async def fault_streaming_capture(d: Driver, image: str, layout: Layout, unit: s
     await restore_once(d, image, layout, unit, capture_id, f"serve{mode}", port)  # CRIU keeps the PID
     long = chat_request(WEIGHTS, PROMPT, max_tokens=400)
     streamed: dict[str, Any] = {}
-    async with anyio.create_task_group() as tg:
-        async def client() -> None:
-            try:
-                streamed["done"] = await stream_chat(HOST, port, long, connect_limit=30)
-            except ClientError as exc:
-                streamed["error"] = str(exc)
 
-        tg.start_soon(client)
+    async def client(_scope: anyio.CancelScope) -> None:
+        try:
+            streamed["done"] = await stream_chat(HOST, port, long, connect_limit=30)
+        except ClientError as exc:
+            streamed["error"] = str(exc)
+
+    async def busy_capture(_scope: anyio.CancelScope) -> None:
         await anyio.sleep(1.0)  # the stream has begun
         started = time.time()
         try:
@@ -222,6 +234,8 @@ async def fault_streaming_capture(d: Driver, image: str, layout: Layout, unit: s
             message = str(exc)
             row.update(refused=True, error=message[-1500:], seconds=round(time.time() - started, 2),
                        names_connection="open connection" in message and f":{port}" in message)
+
+    await together(client, busy_capture)
     done = streamed.get("done")
     row["stream_completed"] = bool(done and done.finish_reason)
     row["ok"] = bool(row.get("refused") and row.get("names_connection") and row["stream_completed"])

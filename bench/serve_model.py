@@ -7,8 +7,8 @@
 The weights come from `bench/engine_llama.py weights DIR` (8B-shaped Llama, random weights from a fixed
 seed). The tokenizer covers the model's whole vocabulary (128256 ids, so every id a random model emits
 decodes): a word-level vocabulary whose first ids are the words of the benchmark's prompt, then synthetic
-words `w<id>`, then Llama 3's special tokens at 128000-128255, with Llama 3's chat template. Decoding adds
-a space before each word (Metaspace), so a streamed completion reads as words.
+words `w<id>`, `<unk>` at 127999, then Llama 3's special tokens at 128000-128255, with Llama 3's chat
+template. Decoding adds a space before each word (Metaspace), so a streamed completion reads as words.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>"
     "\n\n{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+UNK = "<unk>"  # words outside the vocabulary (the last id before the special tokens)
 # What `transformers serve` (AutoProcessor/AutoTokenizer on a local folder) reads besides the weights.
 REQUIRED = ("config.json", "tokenizer.json", "tokenizer_config.json")
 
@@ -38,9 +39,9 @@ class ModelFolderError(Exception):
 
 def vocabulary() -> dict[str, int]:
     vocab: dict[str, int] = {}
-    for i in range(SPECIAL_BASE):
-        word = WORDS[i] if i < len(WORDS) else f"w{i}"
-        vocab["\u2581" + word] = i
+    for i in range(SPECIAL_BASE - 1):
+        vocab["\u2581" + (WORDS[i] if i < len(WORDS) else f"w{i}")] = i
+    vocab[UNK] = SPECIAL_BASE - 1
     for i in range(SPECIAL_BASE, VOCAB):
         vocab[SPECIALS.get(i, f"<|reserved_special_token_{i - SPECIAL_BASE}|>")] = i
     return vocab
@@ -54,7 +55,7 @@ def write_tokenizer(directory: str | Path) -> None:
     folder = Path(directory)
     if not (folder / "config.json").is_file():
         raise ModelFolderError(f"{folder}: no config.json (write the weights first: engine_llama.py weights)")
-    tokenizer = Tokenizer(models.WordLevel(vocabulary(), unk_token="\u2581w0"))
+    tokenizer = Tokenizer(models.WordLevel(vocabulary(), unk_token=UNK))
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
     tokenizer.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
     tokenizer.add_special_tokens([AddedToken(token, special=True)
@@ -62,7 +63,7 @@ def write_tokenizer(directory: str | Path) -> None:
     tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIALS[128000], "eos_token": SPECIALS[128009],
-        "pad_token": SPECIALS[128001], "unk_token": "\u2581w0", "model_max_length": 4096,
+        "pad_token": SPECIALS[128001], "unk_token": UNK, "model_max_length": 4096,
         "chat_template": CHAT_TEMPLATE, "clean_up_tokenization_spaces": False}, indent=1))
     (folder / "special_tokens_map.json").write_text(json.dumps({
         "bos_token": SPECIALS[128000], "eos_token": SPECIALS[128009], "pad_token": SPECIALS[128001]}))
