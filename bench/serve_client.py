@@ -37,6 +37,12 @@ class SSEStream:
     _chunked: bool = False
     _ended: bool = False  # the chunked body's last chunk was seen
 
+    @property
+    def complete(self) -> bool:
+        """`data: [DONE]` seen (OpenAI's end marker), or the chunked body's last chunk (servers that send no
+        marker, `transformers serve` among them, end the stream with the body)."""
+        return self.done or self._ended
+
     def feed(self, data: bytes) -> list[Any]:
         """Consume bytes; return the events they completed."""
         before = len(self.events)
@@ -177,10 +183,12 @@ async def stream_chat(host: str, port: int, body: dict[str, Any], *, connect_lim
         await stream.send(http_post(host, port, "/v1/chat/completions", body))
         result.requested = time.time()
         with anyio.fail_after(limit):
-            while not parser.done:
+            closed = False
+            while not parser.complete:
                 try:
                     data = await stream.receive()
                 except (anyio.EndOfStream, anyio.BrokenResourceError):
+                    closed = True
                     break
                 for event in parser.feed(data):
                     text = content_of(event)
@@ -195,8 +203,11 @@ async def stream_chat(host: str, port: int, body: dict[str, Any], *, connect_lim
                         result.text += text
     if parser.status != 200:
         raise ClientError(f"HTTP {parser.status or 'no answer'}: {bytes(parser._text)[:500]!r}")
-    if not parser.done:
-        raise ClientError(f"the stream ended without [DONE] after {result.chunks} chunks")
+    if not (parser.complete or (closed and parser.status and not parser._chunked)):
+        raise ClientError(f"the connection closed mid-stream after {result.chunks} chunks (no [DONE], no end of "
+                          "the chunked body)")
+    if not (parser.done or result.finish_reason):
+        raise ClientError(f"the stream ended without [DONE] or a finish_reason after {result.chunks} chunks")
     if not result.first:
         raise ClientError(f"the completion has no content ({result.chunks} chunks, finish {result.finish_reason})")
     return result
