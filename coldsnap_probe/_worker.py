@@ -314,6 +314,18 @@ def _open_connections(tree: list[int]) -> list[str]:
     return found
 
 
+def _refuse_io_uring(tree: list[int]) -> None:
+    """CRIU cannot dump an io_uring instance: refuse before anything is locked, naming the process."""
+    for pid in tree:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        if "anon_inode:[io_uring]" in maps:
+            raise WorkerError(f"capture refused: process {pid} holds an io_uring instance, which CRIU cannot dump "
+                              "(libuv/uvloop servers: set UV_USE_IO_URING=0 in the unit's environment)")
+
+
 def _wait_idle(tree: list[int], bound: float) -> None:
     """Before a capture of a server: wait up to `bound` seconds for its open requests to finish, else refuse
     naming them (CRIU cannot carry an established connection into another unit; the client would hang)."""
@@ -413,6 +425,7 @@ def capture(pid: int, images: Path, *, criu: str, boundary: str = "n610", lock_t
             ranks.barrier("quiesced")
             if plan is None:  # a server we do not control: its own requests must end first
                 started = time.perf_counter()
+                _refuse_io_uring(tree)
                 _wait_idle(tree, IDLE_WAIT_S)
                 timings["wait_idle"] = time.perf_counter() - started
             manifest = _release_weights(hydration, report) if hydration else None
