@@ -73,10 +73,7 @@ SERVER = "/opt/torch/.venv/bin/transformers"
 
 def serve_layout(work: Path, model: Path, *, adapter: bool) -> Layout:
     environment = {"PYTHONPATH": ":".join([*([ADAPTERS] if adapter else []), WORKER_PATH, SERVER_SITE]),
-                   "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false",
-                   # uvicorn runs on uvloop, whose libuv submits file work through io_uring, which CRIU cannot
-                   # dump ("Unknown shit 600 (anon_inode:[io_uring])"): libuv's own switch turns it off.
-                   "UV_USE_IO_URING": "0"}
+                   "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false"}
     if adapter:
         environment["COLDSNAP_HYDRATION_SOCKET"] = f"{RUN}/hydration.sock"
     return Layout(run_dir=work / "run", images_dir=work / "images", weights=model, network="host",

@@ -323,7 +323,7 @@ def _refuse_io_uring(tree: list[int]) -> None:
             continue
         if "anon_inode:[io_uring]" in maps:
             raise WorkerError(f"capture refused: process {pid} holds an io_uring instance, which CRIU cannot dump "
-                              "(libuv/uvloop servers: set UV_USE_IO_URING=0 in the unit's environment)")
+                              "(uvloop's libuv keeps one for epoll batching: leave uvloop out of the capsule)")
 
 
 def _wait_idle(tree: list[int], bound: float) -> None:
