@@ -58,6 +58,7 @@ from bench.e2e_restore import (
     engine_stages,
     inspect_capsule,
     launch_unit,
+    output,
     unit_labels,
 )
 from bench.serve_client import ClientError, Completion, chat_request, connect, http_post, stream_chat
@@ -168,6 +169,14 @@ async def restore_once(d: Driver, image: str, layout: Layout, unit: str, capture
     return {**out["unit"], "create_start_s": started - created, **completion_row(out["client"], created)}
 
 
+async def descriptors(d: Driver, name: str, pid: int) -> str:
+    """What the server holds open (a failed capture's first question), read inside its unit."""
+    reply = await d.runtime("workload-exec", name=name, execution={"command": [
+        "sh", "-c", f"ls -l /proc/{pid}/fd | sed 's/.* [0-9][0-9]:[0-9][0-9] //'; grep -v ' 0A ' "
+                    f"/proc/{pid}/net/tcp | head -20"]})
+    return output(reply.get("runtime") or {}) if reply.get("ok") else str(reply.get("error"))
+
+
 async def run_mode(d: Driver, args: argparse.Namespace, mode: str, image: str) -> dict[str, Any]:
     work = Path(args.work) / mode
     shutil.rmtree(work, ignore_errors=True)
@@ -180,8 +189,13 @@ async def run_mode(d: Driver, args: argparse.Namespace, mode: str, image: str) -
         print(f"[{mode}] cold Docker-to-first-token {cold['first_token_s']:.2f} s: {cold['text'][:80]!r}",
               flush=True)
         capture_id = f"serve-{mode}-{time.strftime('%Y%m%dT%H%M%S')}"
-        result["capture"] = await capture(d, serving, int(cold["server_pid"]), layout, capture_id,
-                                          hydrate=mode == "adapter")
+        try:
+            result["capture"] = await capture(d, serving, int(cold["server_pid"]), layout, capture_id,
+                                              hydrate=mode == "adapter")
+        except E2EError as exc:
+            result["server_descriptors"] = await descriptors(d, serving, int(cold["server_pid"]))
+            print(f"[{mode}] the server's descriptors:\n{result['server_descriptors']}", flush=True)
+            raise exc
         print(f"[{mode}] captured: {json.dumps(result['capture'].get('timings_s'))}", flush=True)
         await d.expect(f"removing {serving}", "workload-remove", name=serving)
         for attempt in range(args.restores):

@@ -602,10 +602,13 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 
 
 def _tail(log: Path, lines: int = 15) -> str:
+    """CRIU's first error lines (the cause; what follows is mostly the unwinding) and the log's last lines."""
     try:
-        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+        text = log.read_text(errors="replace").splitlines()
     except OSError:
         return ""
+    errors = [line for line in text if "Error (" in line][:4]
+    return "\n".join([*errors, "...", *text[-lines:]] if errors else text[-lines:])
 
 
 def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: Coordinator | None = None,
