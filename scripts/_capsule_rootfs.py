@@ -17,6 +17,9 @@ mounts of ``/usr`` and ``/opt/torch`` do not cover), and ``/opt/coldsnap/criu/bi
 own libraries from ``/opt/coldsnap/criu/lib`` (its copies under ``/usr/lib`` are hidden when ``/usr`` is
 mounted from the host).
 
+With ``--criu-compat SRC`` the worker's CRIU wrapper preloads SRC built with gcc
+(``scripts/capsule/criu_sockopt_compat.c``: CRIU 4.1.1 cannot dump TCP sockets on Linux 6.16 and later).
+
 With ``--server-site`` the capsule carries a server's own Python dependencies (for `transformers serve`:
 fastapi, starlette, uvicorn, pydantic, openai and theirs) at ``/opt/server/site``, which the server's unit
 puts on ``PYTHONPATH``; their compiled extensions' libraries join the ldd closure.
@@ -68,6 +71,8 @@ def main() -> int:
     parser.add_argument("--busybox", required=True)
     parser.add_argument("--criu-root", default="")
     parser.add_argument("--worker", default="", help="the coldsnap_probe package directory to bake in")
+    parser.add_argument("--criu-compat", default="", help="C source of an LD_PRELOAD for the worker's CRIU "
+                        "(scripts/capsule/criu_sockopt_compat.c), built with gcc")
     parser.add_argument("--server-site", default="", help="a server's site-packages, baked in at /opt/server/site")
     args = parser.parse_args()
     out = Path(args.out)
@@ -145,9 +150,16 @@ def main() -> int:
                         ignore=shutil.ignore_patterns("__pycache__"))
         shutil.copy2(pynvml.__file__, worker / "pynvml.py")
         if args.criu_root:
+            preload = ""
+            if args.criu_compat:
+                compat = rootfs / "opt/coldsnap/criu/lib/criu-compat.so"
+                subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(compat), args.criu_compat, "-ldl"],
+                               check=True)
+                preload = "LD_PRELOAD=/opt/coldsnap/criu/lib/criu-compat.so "
             wrapper = rootfs / "opt/coldsnap/criu/bin/criu-env"
             wrapper.write_text("#!/bin/sh\n"
-                               "LD_LIBRARY_PATH=/opt/coldsnap/criu/lib exec /opt/coldsnap/criu/bin/criu \"$@\"\n")
+                               f"{preload}LD_LIBRARY_PATH=/opt/coldsnap/criu/lib exec /opt/coldsnap/criu/bin/criu "
+                               "\"$@\"\n")
             wrapper.chmod(0o755)
     (out / "Dockerfile").write_text(
         "FROM scratch\nCOPY rootfs/ /\n"
