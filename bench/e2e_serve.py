@@ -262,6 +262,8 @@ async def fault_port_taken(d: Driver, image: str, layout: Layout, unit: str, cap
     """Something else listens on the server's port: the restore fails naming it, no unit is left."""
     row: dict[str, Any] = {"case": "restore whose port is taken"}
     squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # Earlier requests leave the port in TIME_WAIT; two listeners still conflict with SO_REUSEADDR set.
+    squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         squatter.bind((HOST, port))
         squatter.listen(1)
