@@ -50,11 +50,11 @@ def vocabulary() -> dict[str, int]:
 def write_tokenizer(directory: str | Path) -> None:
     """tokenizer.json (built by the `tokenizers` library), tokenizer_config.json with the chat template,
     and the generation config's end tokens set to Llama 3's."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
     folder = Path(directory)
     if not (folder / "config.json").is_file():
         raise ModelFolderError(f"{folder}: no config.json (write the weights first: engine_llama.py weights)")
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
     tokenizer = Tokenizer(models.WordLevel(vocabulary(), unk_token=UNK))
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
     tokenizer.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
