@@ -166,7 +166,7 @@ def adopt(model: Any, directory: str, control: str, *, strategy: str = "ring") -
     """Move `model`'s parameters into a WeightArena filled from `directory`'s shards; serve it on `control`.
 
     Returns the arena. Raises HydrationError (model untouched) when the model is not exactly its files."""
-    torch = sys.modules["torch"]  # the server's own torch (see the module docstring)
+    torch = sys.modules.get("torch")  # the server's own torch (see the module docstring)
     names = {v: k for k, v in DTYPES.items()}
     parameters = []
     for name, parameter in model.named_parameters():
@@ -177,32 +177,53 @@ def adopt(model: Any, directory: str, control: str, *, strategy: str = "ring") -
         parameters.append((name, names[kind], tuple(parameter.shape)))
     shards = read_shards(directory)
     placements = plan(parameters, shards)
+    if torch is None:
+        raise HydrationError("torch is not loaded in this process: nothing to adopt")
     from ._hydrate import WeightArena, WeightRegion
 
     bases, total = arena_bases(shards)
-    device = next(model.parameters()).device.index or 0
+    device = int(parameter.device.index or 0)
     arena = WeightArena(total, device=device)
-    arena.declare([WeightRegion(f"shard-{i}", arena.address + base, shard.size, shard.path, shard.offset, digest)
-                   for i, (base, shard, digest) in enumerate(zip(bases, shards, _digests(directory, shards),
-                                                                 strict=True))])
-    report = arena.load(strategy=strategy)
-    by_name = dict(model.named_parameters())
-    views = []
-    for p in placements:
-        raw = torch.as_tensor(_DeviceBytes(arena.address + p.offset, p.size), device=f"cuda:{device}")
-        view = raw.view(getattr(torch, DTYPES[p.dtype])).view(p.shape)
-        if not torch.equal(view, by_name[p.name].data):
-            raise HydrationError(f"parameter {p.name} differs from its bytes in the files (converted at load?)")
-        views.append((by_name[p.name], view))
+    try:
+        arena.declare([WeightRegion(f"shard-{i}", arena.address + base, shard.size, shard.path, shard.offset,
+                                    digest)
+                       for i, (base, shard, digest) in enumerate(zip(bases, shards, _digests(directory, shards),
+                                                                     strict=True))])
+        report = arena.load(strategy=strategy)
+        views = _views(torch, model, arena.address, placements, device)
+    except BaseException:
+        _discard(arena)  # the model keeps transformers' copy; the arena's memory goes back
+        raise
     for parameter, view in views:  # the same Parameter objects, now backed by the arena
         parameter.data = view
-    del views, by_name
+    del views
     torch.cuda.empty_cache()  # transformers' copies go back to the device
     model.register_forward_pre_hook(lambda _module, _args: _wait(arena))
     arena.serve(control, strategy=strategy)
     _say("adopted", parameters=len(placements), arena_bytes=arena.size, control=control,
          **{k: v for k, v in report.items() if isinstance(v, int | float)})
     return arena
+
+
+def _views(torch: Any, model: Any, address: int, placements: Sequence[Placement],
+           device: int) -> list[tuple[Any, Any]]:
+    """Each parameter with its view of the arena, checked equal to what transformers loaded."""
+    by_name = dict(model.named_parameters())
+    views = []
+    for p in placements:
+        raw = torch.as_tensor(_DeviceBytes(address + p.offset, p.size), device=f"cuda:{device}")
+        view = raw.view(getattr(torch, DTYPES[p.dtype])).view(p.shape)
+        if not torch.equal(view, by_name[p.name].data):
+            raise HydrationError(f"parameter {p.name} differs from its bytes in the files (converted at load?)")
+        views.append((by_name[p.name], view))
+    return views
+
+
+def _discard(arena: Any) -> None:
+    from ._hydrate import _cu
+
+    arena._unmap()
+    _cu(arena.driver, "cuMemAddressFree", arena.address, arena.size)
 
 
 def _wait(arena: Any) -> None:
@@ -260,7 +281,7 @@ def _patch_from_pretrained(module: ModuleType, control: str, strategy: str) -> N
         adopted.set()  # one arena, one control socket per process
         try:
             adopt(model, os.fspath(source), control, strategy=strategy)
-        except (HydrationError, OSError, RuntimeError) as exc:
+        except Exception as exc:  # whatever went wrong, the server must keep the model it loaded and run on
             _say("not adopted: the server keeps the weights as loaded", error=f"{type(exc).__name__}: {exc}")
         return model
 

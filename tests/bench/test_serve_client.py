@@ -11,7 +11,7 @@ import anyio
 import pytest
 from anyio.abc import SocketStream
 
-from bench.serve_client import (ClientError, SSEStream, chat_request, content_of, http_post, stream_chat)
+from bench.serve_client import ClientError, SSEStream, chat_request, content_of, http_post, stream_chat
 
 
 def _chunk(event: dict[str, object] | str) -> bytes:

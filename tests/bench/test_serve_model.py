@@ -10,8 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from bench.serve_model import (SPECIAL_BASE, SPECIALS, UNK, VOCAB, WORDS, ModelFolderError, check_folder,
-                               vocabulary, write_tokenizer)
+from bench.serve_model import (
+    SPECIAL_BASE,
+    SPECIALS,
+    UNK,
+    VOCAB,
+    WORDS,
+    ModelFolderError,
+    check_folder,
+    vocabulary,
+    write_tokenizer,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,19 +57,19 @@ def test_no_chat_template_no_shards_bad_json_and_no_folder_are_named(tmp_path: P
     b = tmp_path / "b"
     b.mkdir()
     _folder(b).joinpath("model.safetensors").unlink()
-    with pytest.raises(ModelFolderError, match="no \\*.safetensors weights"):
+    with pytest.raises(ModelFolderError, match=r"no \*\.safetensors weights"):
         check_folder(b)
     c = tmp_path / "c"
     c.mkdir()
     _folder(c).joinpath("tokenizer.json").write_text("{truncated")
-    with pytest.raises(ModelFolderError, match="tokenizer.json is not readable JSON"):
+    with pytest.raises(ModelFolderError, match=r"tokenizer\.json is not readable JSON"):
         check_folder(c)
     with pytest.raises(ModelFolderError, match="does not exist"):
         check_folder(tmp_path / "absent")
 
 
 def test_write_tokenizer_needs_the_weights_first(tmp_path: Path) -> None:
-    with pytest.raises(ModelFolderError, match="no config.json"):
+    with pytest.raises(ModelFolderError, match=r"no config\.json"):
         write_tokenizer(tmp_path)
     assert list(tmp_path.iterdir()) == []  # nothing written
 
