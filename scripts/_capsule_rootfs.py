@@ -153,6 +153,7 @@ def main() -> int:
             preload = ""
             if args.criu_compat:
                 compat = rootfs / "opt/coldsnap/criu/lib/criu-compat.so"
+                compat.parent.mkdir(parents=True, exist_ok=True)
                 subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(compat), args.criu_compat, "-ldl"],
                                check=True)
                 preload = "LD_PRELOAD=/opt/coldsnap/criu/lib/criu-compat.so "
