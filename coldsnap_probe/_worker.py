@@ -61,13 +61,15 @@ from ._graph import GraphPlan, default_graph_policy, graph_record, plan_graph_po
 from ._hydrate import HydrationManifest, Stager, check_sources
 from ._hydrate import request as hydration_request
 from ._profile import identity
+from ._quiesce import IDLE_WAIT_S, refuse_io_uring, wait_idle
+from ._quiesce import endpoint as _endpoint
+from ._quiesce import readlink as _readlink
 from .errors import ContractError, ProbeError, RankAborted, WorkerError
 
 __all__ = ("anonymous_memory", "capture", "identity_compatibility", "image_digest", "restore", "tp_execution")
 
 CAPTURE_KIND = "coldsnap-cuda-criu-capture"
 RESTORE_KIND = "coldsnap-cuda-criu-restore"
-IDLE_WAIT_S = 5.0  # how long a capture waits for a server's open requests to finish
 LAZY_PAGES_START_S = 10.0  # for `criu lazy-pages` to listen
 LAZY_PAGES_FINISH_S = 120.0  # for it to have copied every page after the restore
 ABORT_POLL = 0.05  # seconds between looks at the activation's abort while the engine works
@@ -144,13 +146,6 @@ def _audit_pre_cuda(tree: list[int]) -> None:
         hits = sorted({m for m in _NVIDIA_MAPS if m in maps} | {f for f in fds if f.startswith("/dev/nvidia")})
         if hits:
             raise WorkerError(f"audit: process {pid} is not a pre-CUDA template: it holds {', '.join(hits)}")
-
-
-def _readlink(path: str) -> str:
-    try:
-        return os.readlink(path)
-    except FileNotFoundError:  # the descriptor closed while we looked
-        return ""
 
 
 def _criu(criu: str, args: list[str], log: Path) -> float:
@@ -296,53 +291,6 @@ def _inet_sockets(tree: list[int]) -> list[str]:
     return found
 
 
-def _open_connections(tree: list[int]) -> list[str]:
-    """The tree's established TCP connections (a request being served), as `process P fd F local <- peer`."""
-    found = []
-    for pid in tree:
-        try:
-            links = {fd: _readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
-            inodes = {link[8:-1]: fd for fd, link in links.items() if link.startswith("socket:[")}
-            for proto in ("tcp", "tcp6"):
-                for line in Path(f"/proc/{pid}/net/{proto}").read_text().splitlines()[1:]:
-                    fields = line.split()
-                    if len(fields) > 9 and fields[3] == "01" and fields[9] in inodes:  # 01: ESTABLISHED
-                        found.append(f"process {pid} fd {inodes[fields[9]]} {_endpoint(fields[1])} <- "
-                                     f"{_endpoint(fields[2])}")
-        except OSError:
-            continue
-    return found
-
-
-def _refuse_io_uring(tree: list[int]) -> None:
-    """CRIU cannot dump an io_uring instance: refuse before anything is locked, naming the process."""
-    for pid in tree:
-        try:
-            maps = Path(f"/proc/{pid}/maps").read_text()
-        except OSError:
-            continue
-        if "anon_inode:[io_uring]" in maps:
-            raise WorkerError(f"capture refused: process {pid} holds an io_uring instance, which CRIU cannot dump "
-                              "(uvloop's libuv keeps one for epoll batching: leave uvloop out of the capsule)")
-
-
-def _wait_idle(tree: list[int], bound: float) -> None:
-    """Before a capture of a server: wait up to `bound` seconds for its open requests to finish, else refuse
-    naming them (CRIU cannot carry an established connection into another unit; the client would hang)."""
-    deadline = time.monotonic() + bound
-    while open_ := _open_connections(tree):
-        if time.monotonic() >= deadline:
-            raise WorkerError(f"capture refused: the server still has {len(open_)} open connection(s) after "
-                              f"waiting {bound:g} s for its requests to finish: " + "; ".join(open_[:8]))
-        time.sleep(0.05)
-
-
-def _endpoint(hex_address: str) -> str:
-    address, port = hex_address.split(":")
-    host = ".".join(str(b) for b in reversed(bytes.fromhex(address))) if len(address) == 8 else address.lower()
-    return f"{host}:{int(port, 16)}"
-
-
 def _check_quiesced(answer: dict[str, Any], plan: GraphPlan, tree: list[int]) -> None:
     """After the engine's quiesce: refuse a rank that still holds a communicator or a network socket."""
     live = answer.get("communicators")
@@ -425,8 +373,8 @@ def capture(pid: int, images: Path, *, criu: str, boundary: str = "n610", lock_t
             ranks.barrier("quiesced")
             if plan is None:  # a server we do not control: its own requests must end first
                 started = time.perf_counter()
-                _refuse_io_uring(tree)
-                _wait_idle(tree, IDLE_WAIT_S)
+                refuse_io_uring(tree)
+                wait_idle(tree, IDLE_WAIT_S)
                 timings["wait_idle"] = time.perf_counter() - started
             manifest = _release_weights(hydration, report) if hydration else None
             report["memory_before_checkpoint"] = {str(p): anonymous_memory(p) for p in tree}
@@ -607,7 +555,8 @@ def _tail(log: Path, lines: int = 15) -> str:
         text = log.read_text(errors="replace").splitlines()
     except OSError:
         return ""
-    errors = [line for line in text if "Error (" in line][:4]
+    # (every run on the GPU machine logs a harmless RLIMIT_NOFILE error first)
+    errors = [line for line in text if "Error (" in line and "RLIMIT_NOFILE" not in line][:4]
     return "\n".join([*errors, "...", *text[-lines:]] if errors else text[-lines:])
 
 

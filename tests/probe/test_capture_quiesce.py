@@ -1,4 +1,5 @@
-"""What a capture of a server we do not control checks first (issue 23), on real processes and sockets:
+"""coldsnap_probe._quiesce, what a capture of a server we do not control checks first (issue 23), on real
+processes and sockets:
 an open request is waited for within a bound and then refused by name; an io_uring holder is refused."""
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from coldsnap_probe._worker import _open_connections, _refuse_io_uring, _wait_idle
+from coldsnap_probe._quiesce import open_connections as _open_connections
+from coldsnap_probe._quiesce import refuse_io_uring as _refuse_io_uring
+from coldsnap_probe._quiesce import wait_idle as _wait_idle
 from coldsnap_probe.errors import WorkerError
 
 # A child that connects to PORT, says so, and holds the connection until its stdin closes.
