@@ -59,7 +59,9 @@ from bench.e2e_restore import (
     inspect_capsule,
     launch_unit,
     output,
+    start_hydrator,
     unit_labels,
+    wait_hydrator,
 )
 from bench.serve_client import ClientError, Completion, chat_request, connect, http_post, stream_chat
 from bench.serve_model import ModelFolderError, check_folder
@@ -72,11 +74,18 @@ ADAPTERS = f"{WORKER_PATH}/coldsnap_probe/adapters"
 SERVER = "/opt/torch/.venv/bin/transformers"
 
 
-def serve_layout(work: Path, model: Path, *, adapter: bool) -> Layout:
+def cluster(mode: str) -> str:
+    """The workload label of a path's units (their names are `<cluster>_node_0`)."""
+    return "serve" + mode.replace("-", "")
+
+
+def serve_layout(work: Path, model: Path, *, adapter: bool, hydrator: bool = False) -> Layout:
     environment = {"PYTHONPATH": ":".join([*([ADAPTERS] if adapter else []), WORKER_PATH, SERVER_SITE]),
                    "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false"}
     if adapter:
         environment["COLDSNAP_HYDRATION_SOCKET"] = f"{RUN}/hydration.sock"
+    if hydrator:
+        environment["COLDSNAP_HYDRATOR_SOCKET"] = f"{RUN}/hydrator.sock"
     return Layout(run_dir=work / "run", images_dir=work / "images", weights=model, network="host",
                   extra_environment=environment)
 
@@ -180,18 +189,24 @@ async def descriptors(d: Driver, name: str, pid: int) -> str:
 async def run_mode(d: Driver, args: argparse.Namespace, mode: str, image: str) -> dict[str, Any]:
     work = Path(args.work) / mode
     shutil.rmtree(work, ignore_errors=True)
-    layout = serve_layout(work, Path(args.model), adapter=mode == "adapter")
+    adapter = mode.startswith("adapter")
+    layout = serve_layout(work, Path(args.model), adapter=adapter, hydrator=mode == "adapter-hydrator")
     layout.prepare()
-    serving, unit = f"serve-{mode}-cold", f"serve{mode}_node_0"
+    serving, unit, sidecar = f"serve-{mode}-cold", f"{cluster(mode)}_node_0", f"serve-{mode}-hydrator"
     result: dict[str, Any] = {"mode": mode, "ok": False, "restores": []}
     try:
+        # The node's hydrator (the shards page-locked once, for every restore on the node) is not part of any
+        # Docker-to-first-token; it starts beside the cold server.
+        service = await start_hydrator(d, image, layout, sidecar) if mode == "adapter-hydrator" else None
         cold = result["cold"] = await start_cold(d, image, layout, serving, args.port)
+        if service:
+            result["hydrator"] = await wait_hydrator(d, sidecar, service["created_unix"])
         print(f"[{mode}] cold Docker-to-first-token {cold['first_token_s']:.2f} s: {cold['text'][:80]!r}",
               flush=True)
         capture_id = f"serve-{mode}-{time.strftime('%Y%m%dT%H%M%S')}"
         try:
             result["capture"] = await capture(d, serving, int(cold["server_pid"]), layout, capture_id,
-                                              hydrate=mode == "adapter")
+                                              hydrate=adapter)
         except E2EError as exc:
             result["server_descriptors"] = await descriptors(d, serving, int(cold["server_pid"]))
             print(f"[{mode}] the server's descriptors:\n{result['server_descriptors']}", flush=True)
@@ -199,7 +214,7 @@ async def run_mode(d: Driver, args: argparse.Namespace, mode: str, image: str) -
         print(f"[{mode}] captured: {json.dumps(result['capture'].get('timings_s'))}", flush=True)
         await d.expect(f"removing {serving}", "workload-remove", name=serving)
         for attempt in range(args.restores):
-            restored = await restore_once(d, image, layout, unit, capture_id, f"serve{mode}", args.port)
+            restored = await restore_once(d, image, layout, unit, capture_id, cluster(mode), args.port)
             restored["identical"] = restored["text"] == cold["text"]
             result["restores"].append(restored)
             print(f"[{mode}] restore {attempt + 1}: Docker-to-first-token {restored['first_token_s']:.2f} s "
@@ -214,7 +229,7 @@ async def run_mode(d: Driver, args: argparse.Namespace, mode: str, image: str) -
         print(f"[{mode}] FAILED: {result['error'][:3000]}", flush=True)
         result["server_log_tail"] = engine_stages(layout)[-6:]
     finally:
-        for name in (serving, unit):
+        for name in (serving, unit, sidecar):
             await d.runtime("workload-remove", name=name)
     result["layout"] = layout
     return result
@@ -228,7 +243,7 @@ async def fault_streaming_capture(d: Driver, image: str, layout: Layout, unit: s
                                   mode: str, port: int, pid: int) -> dict[str, Any]:
     """A capture requested while a request streams is refused naming the connection; the stream goes on."""
     row: dict[str, Any] = {"case": "capture while a request is streaming"}
-    await restore_once(d, image, layout, unit, capture_id, f"serve{mode}", port)  # CRIU keeps the PID
+    await restore_once(d, image, layout, unit, capture_id, cluster(mode), port)  # CRIU keeps the PID
     long = chat_request(WEIGHTS, PROMPT, max_tokens=400)
     streamed: dict[str, Any] = {}
 
@@ -242,7 +257,7 @@ async def fault_streaming_capture(d: Driver, image: str, layout: Layout, unit: s
         await anyio.sleep(1.0)  # the stream has begun
         started = time.time()
         try:
-            await capture(d, unit, pid, layout, f"{capture_id}-busy", hydrate=mode == "adapter")
+            await capture(d, unit, pid, layout, f"{capture_id}-busy", hydrate=mode.startswith("adapter"))
             row.update(ok=False, error="the capture was accepted while a request streamed")
         except (E2EError, ValueError) as exc:
             message = str(exc)
@@ -270,8 +285,8 @@ async def fault_port_taken(d: Driver, image: str, layout: Layout, unit: str, cap
         started = time.time()
         try:
             created, _ = await launch_unit(d, image, layout, unit, capture_id, labels=unit_labels(capture_id,
-                                                                                                 f"serve{mode}"))
-            await await_unit(d, unit, created, labels=unit_labels(capture_id, f"serve{mode}"), readiness_timeout=60)
+                                                                                                 cluster(mode)))
+            await await_unit(d, unit, created, labels=unit_labels(capture_id, cluster(mode)), readiness_timeout=60)
             row.update(ok=False, error="the restore succeeded on a taken port")
         except E2EError as exc:
             message = str(exc)
@@ -289,7 +304,7 @@ async def fault_client_disconnect(d: Driver, image: str, layout: Layout, unit: s
                                   port: int, cold_text: str) -> dict[str, Any]:
     """A client sends its request during the restore and goes away: the next client is served as cold."""
     row: dict[str, Any] = {"case": "client disconnect during restore"}
-    labels = unit_labels(capture_id, f"serve{mode}")
+    labels = unit_labels(capture_id, cluster(mode))
     created, _ = await launch_unit(d, image, layout, unit, capture_id, labels=labels)
     stream, _ = await connect(HOST, port, limit=120)
     async with stream:
@@ -322,8 +337,9 @@ async def fault_missing_tokenizer(d: Driver, args: argparse.Namespace) -> dict[s
 
 
 async def faults(d: Driver, args: argparse.Namespace, image: str, first: dict[str, Any]) -> list[dict[str, Any]]:
+    """On `first`'s images (a path that needs no hydrator workload, which its run has removed)."""
     layout, mode = first["layout"], first["mode"]
-    unit = f"serve{mode}_node_0"
+    unit = f"{cluster(mode)}_node_0"
     rows = [await fault_missing_tokenizer(d, args)]
     if not first.get("ok"):
         return rows
@@ -390,7 +406,7 @@ async def main() -> int:
     parser.add_argument("--model", required=True, help="the model folder (weights, config, tokenizer)")
     parser.add_argument("--work", required=True, help="host directory for run directories and CRIU images")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--mode", action="append", choices=["adapter", "full"])
+    parser.add_argument("--mode", action="append", choices=["adapter", "adapter-hydrator", "full"])
     parser.add_argument("--restores", type=int, default=3)
     parser.add_argument("--port", type=int, default=18471)
     parser.add_argument("--faults", action="store_true")
@@ -417,8 +433,9 @@ async def main() -> int:
     for mode in args.mode or ["adapter", "full"]:
         results.append(await run_mode(d, args, mode, str(capsule["id"])))
         Path(args.out, "serve.json").write_text(json.dumps({**out, "results": results}, indent=1, default=str))
-    if args.faults:
-        out["faults"] = await faults(d, args, str(capsule["id"]), results[0])
+    standalone = [r for r in results if r["mode"] != "adapter-hydrator"]
+    if args.faults and standalone:
+        out["faults"] = await faults(d, args, str(capsule["id"]), standalone[0])
         for row in out["faults"]:
             print(json.dumps(row)[:1200], flush=True)
     for r in results:

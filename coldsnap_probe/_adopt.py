@@ -38,6 +38,7 @@ from .errors import HydrationError
 
 SOCKET_ENV = "COLDSNAP_HYDRATION_SOCKET"
 STRATEGY_ENV = "COLDSNAP_HYDRATION_STRATEGY"  # ring (default) or register
+HYDRATOR_ENV = "COLDSNAP_HYDRATOR_SOCKET"  # a long-lived hydrator (python -m coldsnap_probe._hydrate serve)
 REGIONS_FILE = "coldsnap-regions.json"  # precomputed region digests beside the shards (optional)
 TARGET_MODULE = "transformers.modeling_utils"
 ALIGN = 2 << 20
@@ -165,6 +166,10 @@ def _say(message: str, **extra: Any) -> None:
 def adopt(model: Any, directory: str, control: str, *, strategy: str = "ring") -> Any:
     """Move `model`'s parameters into a WeightArena filled from `directory`'s shards; serve it on `control`.
 
+    `strategy` is how the worker's hydrations after a restore fill it: `ring` or `register` from the files,
+    or `hydrator:<socket>` through a long-lived hydrator that keeps the shards page-locked (the arena's
+    allocation is then exportable; the cold load still reads the files through the ring).
+
     Returns the arena. Raises HydrationError (model untouched) when the model is not exactly its files."""
     torch = sys.modules.get("torch")  # the server's own torch (see the module docstring)
     names = {v: k for k, v in DTYPES.items()}
@@ -183,13 +188,14 @@ def adopt(model: Any, directory: str, control: str, *, strategy: str = "ring") -
 
     bases, total = arena_bases(shards)
     device = int(parameter.device.index or 0)
-    arena = WeightArena(total, device=device)
+    hydrator = strategy.startswith("hydrator:")
+    arena = WeightArena(total, device=device, exportable=hydrator)
     try:
         arena.declare([WeightRegion(f"shard-{i}", arena.address + base, shard.size, shard.path, shard.offset,
                                     digest)
                        for i, (base, shard, digest) in enumerate(zip(bases, shards, _digests(directory, shards),
                                                                      strict=True))])
-        report = arena.load(strategy=strategy)
+        report = arena.load(strategy="ring" if hydrator else strategy)
         views = _views(torch, model, arena.address, placements, device)
     except BaseException:
         _discard(arena)  # the model keeps transformers' copy; the arena's memory goes back
@@ -302,6 +308,11 @@ def install(environ: dict[str, str] | None = None) -> bool:
     if strategy not in ("ring", "register"):
         _say(f"not installed: {STRATEGY_ENV} must be ring or register, got {strategy!r}")
         return False
+    hydrator = env.get(HYDRATOR_ENV, "")
+    if hydrator and not os.path.isabs(hydrator):
+        _say(f"not installed: {HYDRATOR_ENV} must be an absolute path, got {hydrator!r}")
+        return False
+    strategy = f"hydrator:{hydrator}" if hydrator else strategy
     if TARGET_MODULE in sys.modules:
         _patch_from_pretrained(sys.modules[TARGET_MODULE], control, strategy)
     else:

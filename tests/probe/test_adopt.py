@@ -136,9 +136,11 @@ def test_install_is_inert_unless_the_environment_names_an_absolute_socket(capsys
     assert install({}) is False
     assert install({SOCKET_ENV: "relative.sock"}) is False
     assert install({SOCKET_ENV: "/run/h.sock", "COLDSNAP_HYDRATION_STRATEGY": "fastest"}) is False
+    assert install({SOCKET_ENV: "/run/h.sock", "COLDSNAP_HYDRATOR_SOCKET": "hydrator.sock"}) is False
     assert sys.meta_path == before
     err = capsys.readouterr().err
     assert "must be an absolute path, got 'relative.sock'" in err and "must be ring or register, got 'fastest'" in err
+    assert "COLDSNAP_HYDRATOR_SOCKET must be an absolute path, got 'hydrator.sock'" in err
 
 
 def test_a_model_the_adapter_cannot_adopt_is_served_as_loaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
