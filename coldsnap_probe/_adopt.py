@@ -138,7 +138,7 @@ def plan(parameters: Sequence[tuple[str, str, tuple[int, ...]]], shards: Sequenc
 
 
 def _digests(directory: str, shards: Sequence[Shard]) -> list[str]:
-    from ._hydrate import region_digest
+    from . import region_digest  # the package's API (imported late: this module loads before it)
 
     known: dict[tuple[str, int, int], str] = {}
     try:
@@ -184,7 +184,7 @@ def adopt(model: Any, directory: str, control: str, *, strategy: str = "ring") -
     placements = plan(parameters, shards)
     if torch is None:
         raise HydrationError("torch is not loaded in this process: nothing to adopt")
-    from ._hydrate import WeightArena, WeightRegion
+    from . import WeightArena, WeightRegion
 
     bases, total = arena_bases(shards)
     device = int(parameter.device.index or 0)
@@ -226,10 +226,8 @@ def _views(torch: Any, model: Any, address: int, placements: Sequence[Placement]
 
 
 def _discard(arena: Any) -> None:
-    from ._hydrate import _cu
-
     arena._unmap()
-    _cu(arena.driver, "cuMemAddressFree", arena.address, arena.size)
+    arena.driver.call("cuMemAddressFree", arena.address, arena.size)
 
 
 def _wait(arena: Any) -> None:
