@@ -1,7 +1,8 @@
 """A server people run, unchanged (issue 23): `transformers serve` captured and restored through the daemon.
 
     python bench/e2e_serve.py --state-dir DIR --capsule TAG --model DIR --work DIR --out DIR
-                              [--mode adapter|full ...] [--restores 3] [--port 18471] [--build CONTEXT=TAG]
+                              [--mode adapter|adapter-hydrator|full ...] [--restores 3] [--port 18471]
+                              [--build CONTEXT=TAG]
                               [--faults]
 
 Against a running `coldsnap-provider serve` (`[gpus] mode = "native"`), through the public client only
@@ -16,15 +17,17 @@ Against a running `coldsnap-provider serve` (`[gpus] mode = "native"`), through 
 3. capture with the worker in the capsule (`workload-exec python3 -m coldsnap_probe capture`), the server
    idle; mode `adapter` sets `COLDSNAP_HYDRATION_SOCKET` and puts `coldsnap_probe/adapters` on the unit's
    PYTHONPATH, so the model's weights are released before the checkpoint and hydrated after restore
-   (coldsnap_probe/_adopt.py); mode `full` enables nothing: CUDA checkpoint plus CRIU of the whole server;
+   (coldsnap_probe/_adopt.py); `adapter-hydrator` is the same with the hydration done by the node's
+   long-lived hydrator workload (shards page-locked once, `COLDSNAP_HYDRATOR_SOCKET`); mode `full` enables
+   nothing: CUDA checkpoint plus CRIU of the whole server;
 4. `--restores` times: a new restore unit (the worker restoring as its command), and the client's
    request sent as soon as the restored port accepts a connection; restored Docker-to-first-token runs
    from that unit's `workload-run` to the first content chunk. Every completion must equal the cold one.
 
-With `--faults` (on the first mode's images): capture while a request streams (refused naming the open
-connection, the server keeps streaming), restore whose port is taken (fails naming it, no unit left), a
-client that disconnects during restore (the next client gets the cold completion), a model folder without
-its tokenizer (refused before any unit).
+With `--faults` (on the images of the first mode that needs no hydrator workload): capture while a request
+streams (refused naming the open connection, the server keeps streaming), restore whose port is taken (fails
+naming it, no unit left), a client that disconnects during restore (the next client gets the cold
+completion), a model folder without its tokenizer (refused before any unit).
 """
 
 from __future__ import annotations
