@@ -17,7 +17,7 @@
 ``error_code`` is a class attribute so subclasses inherit their wire class; context
 travels as keyword-only attributes and the constructor builds the message.
 Dependency errors (aiodocker, aiohttp, sockets) become these classes in one place,
-``coldsnap_runtime.backend._docker.docker_errors`` (and its sibling ``registry_errors`` for
+``coldsnap_runtime.backend._engine.docker_errors`` (and its sibling ``registry_errors`` for
 the registry reads of ``image.id`` on the containerd store), always chained with ``from exc``.
 Misusing our own API raises ``RuntimeError``/``TypeError`` and never reaches the wire.
 """

@@ -24,8 +24,8 @@ from ._translate import PrivilegeGrant as PrivilegeGrant
 from ._translate import container_config as container_config
 
 if TYPE_CHECKING:
+    from ._copy import extract_archive as extract_archive
     from ._docker import DockerBackend as DockerBackend
-    from ._docker import extract_archive as extract_archive
 
 __all__ = ("MANAGER_UID_LABEL", "ArchiveRefused", "Backend", "DockerBackend", "GpuPolicy", "HostPolicy",
            "LedgerEntry", "Owner", "PrivilegeGrant", "RuntimeContext", "check_members", "container_config", "dispatch",
@@ -33,8 +33,13 @@ __all__ = ("MANAGER_UID_LABEL", "ArchiveRefused", "Backend", "DockerBackend", "G
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("DockerBackend", "extract_archive"):  # aiodocker is loaded only by those who need it
-        from . import _docker
+    # aiodocker is loaded only by those who need it
+    if name == "DockerBackend":
+        from ._docker import DockerBackend
 
-        return getattr(_docker, name)
+        return DockerBackend
+    if name == "extract_archive":
+        from ._copy import extract_archive
+
+        return extract_archive
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

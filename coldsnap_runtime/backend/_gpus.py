@@ -23,9 +23,9 @@ index ``0`` and the UUID of GPU 0 are one GPU; ``all`` is every GPU). Without an
 that ``0`` and a UUID are the same GPU, so the IDs are recorded and compared as given. With
 ``exclusive = true`` a request overlapping what a managed container in any state but exited or
 dead holds (:func:`refuse_held`) fails before anything is created; the backend lists the holders
-and serialises that check with its create (DockerBackend._create).
+and serialises that check with its create (``DockerBackend._create``).
 
-``privileged`` under ``[runtime] privileged``:
+``privileged`` under ``[runtime] privileged`` (the host side is ``_host_privilege.py``):
 
 * ``docker`` (default): Docker's own ``Privileged``. Docker then asks the kernel for every
   capability; where the engine's bounding set lacks one (these VMs lack CAP_SYS_RESOURCE) runc
@@ -47,24 +47,20 @@ import json
 import os
 import re
 import shutil
-import socket
 import stat
-import struct
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import anyio
-import anyio.to_thread
-import structlog
 
 from ..errors import RuntimeFailed
 from ..schema import WorkloadSpec
-from ._translate import GpuAccess, PrivilegeGrant, capability_names, missing_capabilities
+from ._host_privilege import GPU_NODE, PrivilegedPolicy, host_privilege
+from ._translate import GpuAccess, PrivilegeGrant
 
 __all__ = (
-    "CAPABILITY_PROBE_IMAGE",
     "DEFAULT_LIBRARY_DIRS",
     "HELD_GPUS_LABEL",
     "GpuHolder",
@@ -72,30 +68,21 @@ __all__ = (
     "GpuPolicy",
     "HostGpu",
     "HostPolicy",
-    "PrivilegedPolicy",
     "Realisation",
     "cdi_device_names",
     "driver_files",
-    "engine_bounding_set",
-    "engine_capabilities",
     "gpu_conflicts",
     "gpu_routes",
     "held_gpus",
-    "host_devices",
     "native_access",
     "parse_inventory",
     "reached_gpus",
-    "read_bounding_set",
     "realise",
     "refuse_held",
     "select_gpus",
-    "unknown_capability",
 )
 
-log = structlog.get_logger(__name__)
-
 GpuMode = Literal["auto", "device-request", "cdi", "native"]
-PrivilegedPolicy = Literal["docker", "host-capabilities"]
 _ACTION = "workload-run"
 _NVIDIA_SMI_TIMEOUT_S = 30.0
 
@@ -110,10 +97,6 @@ _BIN_DIRS = ("/usr/local/nvidia/bin", "/usr/bin", "/bin")
 _DRIVER_LIBRARY = re.compile(r"^(libcuda|libcudadebugger|libnvidia-[a-z0-9-]+|libnvcuvid|libnvoptix)\.so(\.[0-9.]+)?$")
 _DRIVER_BINARIES = ("nvidia-smi", "nvidia-debugdump", "nvidia-persistenced",
                     "nvidia-cuda-mps-control", "nvidia-cuda-mps-server")
-# Nodes every container already has; privileged adds the rest of the host's /dev.
-_DEFAULT_NODES = frozenset({"null", "zero", "full", "random", "urandom", "tty", "console", "ptmx"})
-_SKIP_DEV_DIRS = frozenset({"pts", "shm", "fd", "mqueue", ".lxc", ".lxd-mounts", ".udev"})
-_GPU_NODE = re.compile(r"^/dev/nvidia[0-9]+$")
 # On every managed container given `gpus`: what it holds, comma-separated (GPU ids never hold a
 # comma): NVML UUIDs, or the IDs as requested where no inventory could be had. Set only by the
 # backend (a manager's own label of this name is dropped), read by the exclusivity check.
@@ -310,7 +293,7 @@ def gpu_routes(spec: WorkloadSpec, capabilities: tuple[str, ...] | None = None) 
     device, NVIDIA_VISIBLE_DEVICES (the NVIDIA runtime hook honours it), and `privileged` as the whole
     host (every /dev/nvidia* node; not a profile's capability grant, which adds no device)."""
     routes = ["gpus"] if spec.gpus else []
-    if any(_GPU_NODE.match(d.source) for d in spec.devices):
+    if any(GPU_NODE.match(d.source) for d in spec.devices):
         routes.append("devices")
     if spec.environment.get(_VISIBLE_DEVICES, "").strip().lower() not in ("", "none", "void"):
         routes.append(f"environment.{_VISIBLE_DEVICES}")
@@ -325,7 +308,7 @@ def reached_gpus(spec: WorkloadSpec, inventory: Sequence[HostGpu] | None,
     node whose minor the inventory cannot name, and privileged as the whole host, reach every GPU."""
     ids = list(spec.gpus)
     for device in spec.devices:
-        if _GPU_NODE.match(device.source):
+        if GPU_NODE.match(device.source):
             minor = int(device.source[len("/dev/nvidia"):])
             ids.append(next((g.uuid for g in inventory or () if g.minor == minor), _ALL))
     visible = spec.environment.get(_VISIBLE_DEVICES, "").strip()
@@ -442,95 +425,7 @@ def _load_cdi(path: Path) -> Any:
         return None
 
 
-def read_bounding_set(status_text: str) -> int | None:
-    """``CapBnd`` of a ``/proc/<pid>/status`` text."""
-    for line in status_text.splitlines():
-        if line.startswith("CapBnd:"):
-            try:
-                return int(line.split(":", 1)[1].strip(), 16)
-            except ValueError:
-                return None
-    return None
-
-
-def host_devices(root: str | os.PathLike[str] = "/", *, exclude: Sequence[str] = ()) -> list[str]:
-    """Every character and block device under /dev (as Docker's privileged mode adds them).
-
-    Skips the nodes every container gets anyway, pseudo-terminal/shm/fd directories, and `exclude`.
-    """
-    base = Path(root) / "dev"
-    found: list[str] = []
-    for directory, dirnames, filenames in os.walk(base):
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DEV_DIRS)
-        for name in sorted(filenames):
-            path = Path(directory) / name
-            try:
-                mode = path.lstat().st_mode
-            except OSError:
-                continue
-            if not (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)):
-                continue
-            relative = "/dev/" + str(path.relative_to(base))
-            if relative[len("/dev/"):] in _DEFAULT_NODES or relative in exclude:
-                continue
-            found.append(relative)
-    return found
-
-
-_UNKNOWN_CAPABILITY = re.compile(r'unknown capability: "?(CAP_[A-Z_0-9]+)"?')
-# A reference no image can have: the engine validates CapAdd before it resolves the image, so a
-# create with this image only ever answers which capability it does not know (nothing is created).
-CAPABILITY_PROBE_IMAGE = "COLDSNAP/CAPABILITY-PROBE:INVALID"
-
-
-def unknown_capability(detail: str) -> str | None:
-    """The capability an engine error names as unknown (``invalid CapAdd: unknown capability: "CAP_BPF"``)."""
-    match = _UNKNOWN_CAPABILITY.search(detail)
-    return match.group(1) if match else None
-
-
-async def engine_capabilities(wanted: Sequence[str], rejects: Callable[[list[str]], Awaitable[str]]) -> tuple[str, ...]:
-    """`wanted` minus what the engine cannot name (Docker 20.10 stops at CAP_AUDIT_READ).
-
-    `rejects(caps)` answers the engine's error for a create of CAPABILITY_PROBE_IMAGE with those
-    caps. A capability the engine cannot name is one its own privileged mode never grants either.
-    """
-    caps = list(wanted)
-    while caps:
-        name = unknown_capability(await rejects(caps))
-        if name is None or name not in caps:
-            break
-        caps.remove(name)
-    return tuple(caps)
-
-
 # --- host I/O -----------------------------------------------------------------------------------
-
-
-def engine_bounding_set(socket_path: str, root: str | os.PathLike[str] = "/") -> int | None:
-    """The capability bounding set of the process serving `socket_path` (the engine), or None.
-
-    The peer's pid comes from SO_PEERCRED; None when it cannot be read (another pid namespace,
-    a proxy that exits, no permission): then nothing can be said before the engine tries.
-    """
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(5.0)
-            sock.connect(socket_path)
-            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        pid = struct.unpack("3i", creds)[0]
-        if pid <= 0:
-            return None
-        return read_bounding_set((Path(root) / f"proc/{pid}/status").read_text())
-    except OSError:
-        return None
-
-
-def _last_cap(root: str | os.PathLike[str]) -> int:
-    try:
-        return int((Path(root) / "proc/sys/kernel/cap_last_cap").read_text().strip())
-    except (OSError, ValueError):
-        return 40
 
 
 def _nvidia_smi(root: str, driver_paths: Sequence[str]) -> str | None:
@@ -611,34 +506,6 @@ async def _gpu_access(spec: WorkloadSpec, policy: HostPolicy, inventory: list[Ho
         + "; ".join(reasons)))
 
 
-async def _privilege(policy: HostPolicy, socket_path: str, gpus: GpuAccess | None,
-                     rejects: Callable[[list[str]], Awaitable[str]]) -> PrivilegeGrant | None:
-    """None = Docker's own privileged mode; a grant = host-capabilities; raises when neither can work."""
-    if policy.root is None:
-        return None  # another node's engine: its bounding set is not readable from here
-    bounding = await anyio.to_thread.run_sync(engine_bounding_set, socket_path, policy.root)
-    if bounding is None:
-        return None  # unknown: Docker's privileged mode, and the engine's own error if it fails
-    last = _last_cap(policy.root)
-    missing = missing_capabilities(bounding, last)
-    if not missing:
-        return None
-    if policy.privileged == "docker":
-        raise RuntimeFailed(action=_ACTION, detail=(
-            f"privileged needs every capability, but the container engine's capability bounding set lacks "
-            f"{', '.join(missing)}; an administrator may set [runtime] privileged = \"host-capabilities\" "
-            "to grant every capability this host has instead"))
-    exclude: list[str] = []
-    if gpus is not None and gpus.mechanism == "native":
-        # Privileged still sees only its own GPUs' nodes (they come with the GPU access).
-        exclude = [d for d in host_devices(policy.root) if _GPU_NODE.match(d)]
-    devices = [d for d in host_devices(policy.root, exclude=exclude)
-               if gpus is None or d not in gpus.devices]
-    log.warning("privileged realised as the host's capabilities", missing_capabilities=list(missing))
-    capabilities = await engine_capabilities(capability_names(bounding, last), rejects)
-    return PrivilegeGrant(capabilities=capabilities, devices=tuple(devices))
-
-
 async def realise(spec: WorkloadSpec, policy: HostPolicy, *, socket_path: str, engine_info: EngineInfo,
                   image_info: ImageInfo, rejects: Callable[[list[str]], Awaitable[str]],
                   holders: Callable[[], Awaitable[list[GpuHolder]]] | None = None,
@@ -656,7 +523,7 @@ async def realise(spec: WorkloadSpec, policy: HostPolicy, *, socket_path: str, e
             return None
         if capabilities is not None:
             return PrivilegeGrant(capabilities=capabilities, devices=(), whole_host=False)
-        return await _privilege(policy, socket_path, gpus, rejects)
+        return await host_privilege(policy.root, policy.privileged, socket_path, gpus, rejects)
 
     via = gpu_routes(spec, capabilities)
     if not spec.gpus and not (holders is not None and via):

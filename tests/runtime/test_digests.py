@@ -29,7 +29,7 @@ from coldsnap_runtime.backend._digests import (
     resolve_step,
     uses_containerd_store,
 )
-from coldsnap_runtime.backend._docker import registry_errors
+from coldsnap_runtime.backend._engine import registry_errors
 from coldsnap_runtime.errors import RuntimeFailed
 from tests.conftest import Registry, docker
 from tests.runtime.conftest import uniq
@@ -271,9 +271,9 @@ async def test_config_digest_from_a_real_registry_manifest_and_index(busybox_ima
     inspect = {"Id": index_digest, "Descriptor": {"mediaType": OCI_INDEX, "digest": index_digest},
                "RepoDigests": [f"{repository}@{index_digest}"], "RootFS": local["RootFS"]}
     async with DockerBackend(credentials_file=str(registry.credentials_file)) as backend:
-        assert await backend._config_digest(f"{repository}@{index_digest}", inspect) == local["Id"]
+        assert await backend._images.config_digest(f"{repository}@{index_digest}", inspect) == local["Id"]
         # Content-addressed, so remembered: once known, the registry is not asked again.
-        assert await backend._config_digest("capsule:local", {**inspect, "RepoDigests": []}) == local["Id"]
+        assert await backend._images.config_digest("capsule:local", {**inspect, "RepoDigests": []}) == local["Id"]
     async with DockerBackend(credentials_file=str(registry.credentials_file)) as backend:
         with pytest.raises(RuntimeFailed, match="no registry repository holds it"):
-            await backend._config_digest("capsule:local", {**inspect, "RepoDigests": []})
+            await backend._images.config_digest("capsule:local", {**inspect, "RepoDigests": []})

@@ -18,7 +18,8 @@ import anyio
 import pytest
 
 from coldsnap_runtime import OUTPUT_LIMIT, DockerBackend, Owner
-from coldsnap_runtime.backend._docker import INSTANCE_LABEL, docker_errors
+from coldsnap_runtime.backend._containers import INSTANCE_LABEL
+from coldsnap_runtime.backend._engine import docker_errors
 from coldsnap_runtime.errors import (
     BackendError,
     BackendTimeout,
@@ -181,11 +182,12 @@ async def test_image_build_as_an_owner_reads_the_context_as_that_owner(busybox_i
 
 
 def test_private_aiodocker_request_api_is_used_only_by_stream() -> None:
-    """aiodocker's private request methods appear once: in the documented DockerBackend._stream."""
-    text = (ROOT / "coldsnap_runtime" / "backend" / "_docker.py").read_text()
-    assert "_query_json" not in text and "_query_chunked_post" not in text
-    assert text.count("self.docker._query(") == 1
-    stream = text[text.index("    async def _stream("):text.index("    # --- streaming JSON progress")]
+    """aiodocker's private request methods appear once in the backend: in the documented Engine.stream."""
+    texts = {p.name: p.read_text() for p in (ROOT / "coldsnap_runtime" / "backend").glob("*.py")}
+    assert not [name for name, text in texts.items() if "_query_json" in text or "_query_chunked_post" in text]
+    assert {name: text.count("._query(") for name, text in texts.items() if "._query(" in text} == {"_engine.py": 1}
+    text = texts["_engine.py"]
+    stream = text[text.index("    async def stream("):text.index("    # --- streaming JSON progress")]
     assert "self.docker._query(" in stream
 
 
@@ -318,6 +320,6 @@ async def test_image_remove_removes_what_the_provider_pulled(busybox_image: str,
 
 
 def test_output_limit_is_one_definition() -> None:
-    text = (ROOT / "coldsnap_runtime" / "backend" / "_docker.py").read_text()
-    assert "OUTPUT_LIMIT = " not in text and OUTPUT_LIMIT == 46 << 20
+    texts = [p.read_text() for p in (ROOT / "coldsnap_runtime" / "backend").glob("*.py")]
+    assert not [text for text in texts if "OUTPUT_LIMIT = " in text] and OUTPUT_LIMIT == 46 << 20
     assert os.path.exists(ROOT / "coldsnap_runtime" / "limits.py")

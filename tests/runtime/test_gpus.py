@@ -25,15 +25,17 @@ from coldsnap_runtime.backend._gpus import (
     GpuHolder,
     cdi_device_names,
     driver_files,
-    engine_bounding_set,
     gpu_conflicts,
     held_gpus,
-    host_devices,
     native_access,
     parse_inventory,
-    read_bounding_set,
     refuse_held,
     select_gpus,
+)
+from coldsnap_runtime.backend._host_privilege import (
+    engine_bounding_set,
+    host_devices,
+    read_bounding_set,
     unknown_capability,
 )
 from coldsnap_runtime.backend._translate import (

@@ -1,0 +1,246 @@
+"""Images on one engine: inspect, pull, push, tag, remove and build, with registry credentials and the ledger.
+
+With an ``image_ledger``, ``image-remove`` only removes references this provider pulled, built or
+tagged (the ledger file records them); it never forces and only untags that one reference.
+``image.id`` is the OCI config digest on either image store: on the containerd store the inspect's
+``Id`` is a manifest or index digest, resolved through ``_digests.py``.
+
+Build contexts are read by ``_archive.py`` running as the session's owner (``_buildctx.py``); only
+the credentials of the registries a build's base images come from reach the engine.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+
+from ..errors import BuildContextError, NotFound, RuntimeFailed
+from ..schema import ImageBuild, ImageInfo
+from ._base import Owner
+from ._buildctx import DOCKERFILE_PATH, base_images, rewrite_dockerfile, write_context_tar
+from ._digests import (
+    Platform,
+    RegistryReader,
+    config_digest,
+    id_needs_resolution,
+    registry_is_insecure,
+    repository_path,
+    uses_containerd_store,
+)
+from ._engine import SHORT, Engine, docker_errors, registry_errors
+from ._ledger import ImageLedger
+from ._translate import encode_registry_auth, image_matches, parse_reference, registry_auth
+
+__all__ = ("Images",)
+
+
+class Images:
+    """The image actions of one engine. `registries`: those whose credentials may reach it (None: every one
+    in `credentials_file`); `copy_max_bytes` bounds a build context (None: unbounded)."""
+
+    def __init__(self, engine: Engine, *, credentials_file: str | None, registries: frozenset[str] | None,
+                 ledger: Path | None, spool_dir: str | None, copy_max_bytes: int | None) -> None:
+        self._engine = engine
+        self._credentials_file = credentials_file
+        self._registries = registries
+        self.ledger = ImageLedger(ledger)
+        self._spool_dir = spool_dir
+        self._copy_max_bytes = copy_max_bytes
+        # image.id on the containerd image store (_digests.py): whether the engine uses it (read
+        # once: switching stores restarts the engine and empties it), and target -> config digest.
+        self._containerd_store: bool | None = None
+        self._engine_info: dict[str, Any] = {}
+        self._config_digests: dict[str, str] = {}
+
+    # --- credentials ---------------------------------------------------------------
+
+    def _credentials(self) -> dict[str, Any]:
+        """Read per call so an admin can rotate the file without a restart."""
+        if not self._credentials_file:
+            return {}
+        try:
+            data = json.loads(Path(self._credentials_file).read_bytes())
+        except (OSError, ValueError) as exc:
+            raise RuntimeFailed(action="registry", detail=f"credentials file unusable: {exc}") from exc
+        return data if isinstance(data, dict) else {}
+
+    def _auth(self, registry: str, credentials: dict[str, Any] | None = None) -> dict[str, str] | None:
+        """`registry`'s credentials, if this engine may receive them."""
+        if self._registries is not None and registry not in self._registries:
+            return None
+        return registry_auth(self._credentials() if credentials is None else credentials, registry)
+
+    def _auth_header(self, registry: str) -> dict[str, str]:
+        return {"X-Registry-Auth": encode_registry_auth(self._auth(registry))}
+
+    # --- inspect ---------------------------------------------------------------------
+
+    async def exact(self, ref: str, action: str) -> dict[str, Any]:
+        """Inspect exactly `ref` (the engine's ID-prefix matching is not accepted)."""
+        with docker_errors(action, kind="image", ref=ref):
+            info: dict[str, Any] = await self._engine.docker.images.inspect(ref)
+        if not image_matches(ref, info):
+            raise NotFound(kind="image", ref=ref, action=action)
+        return info
+
+    async def inspect(self, image: str) -> ImageInfo:
+        info = await self.exact(image, "image-inspect")
+        return ImageInfo(id=await self.config_digest(image, info), repo_digests=list(info.get("RepoDigests") or []),
+                         size=int(info.get("Size") or 0))
+
+    async def config_digest(self, image: str, info: dict[str, Any]) -> str:
+        """The image's OCI config digest: ``Id`` on the classic store, else read from its target (_digests.py)."""
+        image_id = str(info["Id"])
+        if self._containerd_store is None and "Descriptor" not in info:
+            self._engine_info = await self._engine.info("image-inspect")
+            self._containerd_store = uses_containerd_store(self._engine_info)
+        if not id_needs_resolution(info, containerd_store=bool(self._containerd_store)):
+            return image_id
+        if image_id in self._config_digests:  # content-addressed: never stale
+            return self._config_digests[image_id]
+        sources = [ref for name in info.get("RepoDigests") or []
+                   if (ref := parse_reference(name)) is not None and ref.digest == image_id]
+        if not sources:
+            raise RuntimeFailed(action="image-inspect", detail=(
+                f"{image} is on the containerd image store, whose image id {image_id} is not the config "
+                "digest, and no registry repository holds it (RepoDigests) to read the config digest from"))
+        if not self._engine_info:
+            self._engine_info = await self._engine.info("image-inspect")
+        with docker_errors("image-inspect"):
+            platform = Platform.of_engine(dict(await self._engine.docker.version()))
+        layers = (info.get("RootFS") or {}).get("Layers")
+        failures = []
+        for ref in sources:
+            try:
+                found = await self._read_config_digest(image_id, ref.registry, repository_path(ref.repository),
+                                                       platform, layers if isinstance(layers, list) else None)
+            except RuntimeFailed as exc:
+                failures.append(f"{ref.normalized_repository}: {exc.detail}")
+                continue
+            self._config_digests[image_id] = found
+            return found
+        raise RuntimeFailed(action="image-inspect", detail=(
+            f"cannot read the config digest of {image} (image id {image_id}): " + "; ".join(failures)))
+
+    async def _read_config_digest(self, image_id: str, registry: str, repository: str, platform: Platform,
+                                  layers: list[Any] | None) -> str:
+        """Ask one registry repository that holds `image_id` for its config digest."""
+        with registry_errors("image-inspect", registry):
+            async with aiohttp.ClientSession(timeout=SHORT) as session:
+                reader = RegistryReader(session, registry=registry, repository=repository,
+                                        auth=self._auth(registry),
+                                        insecure=registry_is_insecure(self._engine_info, registry))
+                return await config_digest(image_id, reader.read, platform, layers=layers)
+
+    # --- pull, push, tag, remove -------------------------------------------------------
+
+    async def pull(self, image: str) -> None:
+        ref = parse_reference(image)
+        if ref is None:
+            raise RuntimeFailed(action="image-pull", detail=f"local-only image {image} must already be resident")
+        await self._engine.progress("image-pull", "images/create",
+                                    params={"fromImage": ref.repository, "tag": ref.pull_tag},
+                                    headers=self._auth_header(ref.registry), kind="image", ref=image)
+        await self.ledger.update("image-pull", add=image)
+
+    async def push(self, image: str) -> None:
+        ref = parse_reference(image)
+        if ref is None or ref.digest:
+            raise RuntimeFailed(action="image-push", detail=f"{image} is not a tag; only tags can be pushed")
+        await self.exact(image, "image-push")
+        await self._engine.progress("image-push", f"images/{quote(ref.repository, safe='/:')}/push",
+                                    params={"tag": ref.pull_tag},
+                                    headers=self._auth_header(ref.registry), kind="image", ref=image)
+
+    async def tag(self, source: str, target: str) -> None:
+        ref = parse_reference(target)
+        if ref is None or ref.digest:
+            raise RuntimeFailed(action="image-tag", detail=f"target {target} must be repository[:tag]")
+        info = await self.exact(source, "image-tag")
+        with docker_errors("image-tag", kind="image", ref=source):
+            await self._engine.docker.images.tag(info["Id"], ref.repository, tag=ref.pull_tag)
+        await self.ledger.update("image-tag", add=target)
+
+    async def remove(self, image: str) -> None:
+        try:
+            await self.exact(image, "image-remove")
+        except NotFound:
+            await self.ledger.update("image-remove", drop=image)
+            raise
+        if self.ledger.path is not None and self.ledger.entry(image) is None:
+            raise RuntimeFailed(action="image-remove", detail=(
+                f"{image} was not pulled, built or tagged by this provider; image-remove only removes "
+                "references the provider itself pulled, built or tagged"))
+        with docker_errors("image-remove", kind="image", ref=image):
+            # Exactly this reference: no force, and never prune untagged parents.
+            await self._engine.docker.images.delete(image, force=False, noprune=True)
+        await self.ledger.update("image-remove", drop=image)
+
+    async def ensure(self, image: str, policy: str, *, allow_pull: bool) -> None:
+        """workload-run's `pull_policy` for `image` (pulling needs `allow_pull`, the oci-pull capability)."""
+        if policy == "always":
+            if not allow_pull:
+                raise RuntimeFailed(action="workload-run",
+                                    detail="pull_policy 'always' needs the oci-pull capability")
+            await self.pull(image)
+            return
+        try:
+            await self.exact(image, "workload-run")
+        except NotFound:
+            if policy == "never" or not allow_pull or parse_reference(image) is None:
+                raise
+            await self.pull(image)
+
+    # --- build -----------------------------------------------------------------------
+
+    async def build(self, build: ImageBuild, *, owner: Owner | None) -> None:
+        """Build `build.tag`; the context directories are read as `owner` (None: the daemon itself)."""
+        headers = {"Content-Type": "application/x-tar"}
+        # Only the credentials of the registries the build's base images come from: the engine needs no more.
+        credentials = self._credentials()
+        auths = {registry: entry for registry in _build_registries(build)
+                 if (entry := self._auth(registry, credentials))}
+        if auths:
+            headers["X-Registry-Config"] = base64.urlsafe_b64encode(json.dumps(auths).encode()).decode()
+        if not build.pull:
+            await self._require_local_bases(build)
+        params = {"t": build.tag, "dockerfile": DOCKERFILE_PATH, "rm": "1", "forcerm": "1",
+                  "pull": "1" if build.pull else "0", "buildargs": json.dumps(dict(build.arguments))}
+        with tempfile.TemporaryFile(dir=self._spool_dir, prefix="coldsnap-build-") as spool:
+            await write_context_tar(spool, context=build.context, contexts=dict(build.contexts),
+                                    dockerfile=build.dockerfile, owner=owner, max_bytes=self._copy_max_bytes)
+            spool.seek(0)
+            await self._engine.progress("image-build", "build", params=params, headers=headers, data=spool)
+        await self.ledger.update("image-build", add=build.tag)
+
+    async def _require_local_bases(self, build: ImageBuild) -> None:
+        """pull=false must never contact a registry, but the classic builder pulls a missing base."""
+        for base in base_images(_dockerfile(build), dict(build.arguments)):
+            try:
+                await self.exact(base, "image-build")
+            except NotFound as exc:
+                raise RuntimeFailed(action="image-build", detail=(
+                    f"base image {base} is not resident and pull is false (no registry is contacted)")) from exc
+
+
+def _dockerfile(build: ImageBuild) -> str:
+    """The build's Dockerfile as the engine will see it (named contexts rewritten)."""
+    try:
+        return rewrite_dockerfile(build.dockerfile.decode("utf-8"), dict(build.contexts))
+    except UnicodeDecodeError as exc:
+        raise BuildContextError(str(exc)) from exc
+
+
+def _build_registries(build: ImageBuild) -> set[str]:
+    text = _dockerfile(build)
+    # FROM images, and images copied from (`COPY --from=<ref>`; a stage name has no "/" or ":").
+    images = [*base_images(text, dict(build.arguments)),
+              *(name for name in re.findall(r"--from=(\S+)", text) if "/" in name or ":" in name)]
+    return {ref.registry for image in images if (ref := parse_reference(image)) is not None}
