@@ -88,6 +88,7 @@ def _worker(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ._coordinator import Coordinator
+    from ._report_dir import leave_report
     from ._worker import capture, restore
     from .errors import ProbeError
 
@@ -111,6 +112,7 @@ def _worker(args: argparse.Namespace) -> int:
         sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")
         return 1
     sys.stdout.write(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    leave_report(report)  # for the daemon's phase metrics, when it gave this unit a report directory
     return 0
 
 

@@ -14,7 +14,7 @@ from msgspec import Meta, Struct
 
 from ._errors import ConfigError
 
-__all__ = ("Config", "ConfigError", "RemoteConfig", "default_state_dir", "load_config", "node_names")
+__all__ = ("Config", "ConfigError", "MetricsConfig", "RemoteConfig", "default_state_dir", "load_config", "node_names")
 
 
 class _Section(Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -84,6 +84,24 @@ class RuntimeConfig(_Section, frozen=True):
 
 _ABSOLUTE = r"^/[^\x00]*$"
 
+# host:port ([v6]:port) or unix:/absolute/path; the port's range is checked in load_config.
+_METRICS_ADDRESS = r"^(?:unix:/[^\x00]*|(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):[0-9]{1,5})?\Z"
+
+
+class MetricsConfig(_Section, frozen=True):
+    """The Prometheus endpoint and the capsule reports that feed it (docs/metrics.md)."""
+
+    # "" = no endpoint (and no capsule reports).
+    address: Annotated[str, Meta(pattern=_METRICS_ADDRESS)] = ""
+    # Give each local workload-run a report directory its in-capsule worker writes phase timings to.
+    capsule_reports: bool = True
+
+
+class AuditConfig(_Section, frozen=True):
+    """The audit trail (docs/metrics.md): always to the log (the journal under systemd); also to `file`."""
+
+    file: Annotated[str, Meta(pattern=r"^(?:/[^\x00]*)?\Z")] = ""
+
 
 class RemoteConfig(_Section, frozen=True, kw_only=True):
     """One `[[remote]]` node reached over SSH (docs: README.md, "Remote hosts")."""
@@ -111,6 +129,8 @@ class Config(_Section, frozen=True):
     gpus: GpusConfig = GpusConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     huggingface: HuggingfaceConfig = HuggingfaceConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    audit: AuditConfig = AuditConfig()
 
 
 def load_config(path: str | os.PathLike[str] | None = None) -> Config:
@@ -130,9 +150,16 @@ def load_config(path: str | os.PathLike[str] | None = None) -> Config:
         raise ConfigError(f"{source}: {exc}") from exc
     except msgspec.DecodeError as exc:
         raise ConfigError(f"{source}: invalid TOML: {exc}") from exc
-    if problem := _remote_problem(config):
+    if problem := _remote_problem(config) or _metrics_problem(config):
         raise ConfigError(f"{source}: {problem}")
     return config
+
+
+def _metrics_problem(config: Config) -> str:
+    address = config.metrics.address
+    if address and not address.startswith("unix:") and not 1 <= int(address.rpartition(":")[2]) <= 65535:
+        return f"metrics.address {address!r}: the port must be 1-65535"
+    return ""
 
 
 def _remote_problem(config: Config) -> str:

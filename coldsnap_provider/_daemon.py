@@ -4,6 +4,7 @@ Task ownership::
 
     Daemon.run ─┬─ control ConnectionServer ── its connections
                 ├─ SessionManager: one Session task per session ── its ConnectionServer ── its connections
+                ├─ metrics endpoint ── its connections; capsule report collector ([metrics])
                 ├─ hang-up watcher, backend maintenance, watchdog
 
 Start: take the state directory's lock (one daemon per state directory), finish what a
@@ -29,11 +30,14 @@ from anyio.abc import SocketListener, TaskStatus
 from coldsnap_runtime import CLEANUP_BUDGET_S, Backend, BackendError
 
 from . import __version__
+from ._audit import Audit
 from ._config import Config
 from ._control_handler import ControlHandler
 from ._errors import ConfigError
 from ._framing import ByteBudget
 from ._listener import ConnectionServer, Limits, ServerState
+from ._metrics import Metrics
+from ._metrics_http import MetricsEndpoint, open_listener
 from ._operations import Operations
 from ._provider_handler import ProviderHandler
 from ._sessions import SessionManager, SessionRecord, SessionStore
@@ -57,8 +61,10 @@ class Daemon:
         operations: Operations,
         backend: Backend,
         control_fd: int | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.config = config
+        self.metrics = metrics  # None: no [metrics] address
         self.state_dir = state_dir
         self.operations = operations
         self.backend = backend
@@ -72,19 +78,27 @@ class Daemon:
         )
         self.sessions = SessionManager(SessionStore(state_dir), self._session_server,
                                        max_per_uid=server.max_sessions_per_uid)
+        self.audit = Audit(config.audit.file)  # closed when run() ends
+        if metrics is not None:
+            remotes = operations.remotes
+            metrics.watch(sessions=lambda: len(self.sessions), connections=lambda: self.state.connections,
+                          remotes=remotes.link_states if remotes is not None else None)
 
     def stop(self) -> None:
         """Begin a graceful shutdown (safe to call more than once)."""
         self._stop.set()
 
     def _session_server(self, record: SessionRecord, listener: SocketListener) -> ConnectionServer:
-        return ConnectionServer(listener, ProviderHandler(record, self.operations, self.state), self.state)
+        handler = ProviderHandler(record, self.operations, self.state, metrics=self.metrics, audit=self.audit)
+        return ConnectionServer(listener, handler, self.state)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         _raise_descriptor_limit()
-        with _single_instance(self.state_dir):
+        with _single_instance(self.state_dir), contextlib.closing(self.audit):
             self.sessions.store.prepare()
+            if self.operations.reports is not None:
+                self.operations.reports.prepare()
             if self.operations.groups is not None:
                 self.operations.groups.prepare()
                 self.operations.groups.sweep()
@@ -92,17 +106,23 @@ class Daemon:
             control = ConnectionServer(
                 await self._control_listener(),
                 ControlHandler(self.config.server, sessions=self.sessions, operations=self.operations,
-                               backend=self.backend, state=self.state),
+                               backend=self.backend, state=self.state, metrics=self.metrics, audit=self.audit),
                 self.state,
             )
             async with anyio.create_task_group() as tg:
                 await tg.start(control.serve)
+                if self.metrics is not None and self.config.metrics.address:
+                    listeners = await open_listener(self.config.metrics.address)
+                    await tg.start(MetricsEndpoint(listeners, self.metrics).serve)
+                    log.info("metrics endpoint", address=self.config.metrics.address)
                 await self.sessions.start(task_group=tg)
                 log.info("ready", version=__version__, state_dir=str(self.state_dir), sessions=len(self.sessions))
                 notify("READY=1")
                 task_status.started()
                 tg.start_soon(self.state.watch_hangups)
                 tg.start_soon(self._maintain_backend, recovered)
+                if self.operations.reports is not None:
+                    tg.start_soon(self.operations.reports.run, self.backend)
                 if (interval := watchdog_interval()) is not None:
                     tg.start_soon(_watchdog, interval)
                 await self._stop.wait()

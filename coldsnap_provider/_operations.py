@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from coldsnap_runtime import Backend, Owner, RuntimeContext, dispatch
 from coldsnap_runtime.errors import RequestRejected, RuntimeFailed
-from coldsnap_runtime.schema import ImagePull, ImagePush, RuntimeResponse
+from coldsnap_runtime.schema import ImagePull, ImagePush, RuntimeResponse, WorkloadRun
 
 from ._envelope import (
     Exec,
@@ -25,6 +27,7 @@ from ._exec import ExecIdentity, ExecResult, GroupLedger, run_argv
 from ._sessions import SessionRecord
 
 if TYPE_CHECKING:
+    from ._capsule_reports import CapsuleReports
     from ._huggingface import HuggingfaceClient
     from ._remote import Remotes
 
@@ -56,6 +59,7 @@ class Operations:
         allow_push: bool,
         huggingface: HuggingfaceClient | None = None,
         remotes: Remotes | None = None,
+        reports: CapsuleReports | None = None,
     ) -> None:
         self.provider_name = provider_name
         self.backend = backend
@@ -69,6 +73,7 @@ class Operations:
         self.allow_push = allow_push
         self.huggingface = huggingface
         self.remotes = remotes  # hosts served by other nodes over SSH ([[remote]]; _remote.py)
+        self.reports = reports  # report directories for local units ([metrics]; _capsule_reports.py)
         # Reference order; only what is implemented and enabled.
         self.capabilities = [
             "exec",
@@ -91,6 +96,9 @@ class Operations:
                                       identity=self.identity, groups=self.groups)
             case Upload():
                 await self._upload(request)
+            case Runtime(runtime=WorkloadRun()) if self.reports is not None:  # local units only
+                ctx = msgspec.structs.replace(ctx, report_dir=self.reports.allocate())
+                return await dispatch(self.backend, request.runtime, ctx)
             case Runtime():
                 return await dispatch(self.backend, request.runtime, ctx)
             case HuggingfacePublish():

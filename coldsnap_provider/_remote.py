@@ -543,6 +543,10 @@ class Remotes:
     def serves(self, host: str) -> bool:
         return host in self._by_host
 
+    def link_states(self) -> list[tuple[str, bool]]:
+        """(host, its node's SSH link is up) for every configured host: coldsnap_provider_remote_up."""
+        return [(host, node.connected) for host, node in sorted(self._by_host.items())]
+
     def node(self, host: str) -> RemoteNode:
         return self._by_host[host]
 

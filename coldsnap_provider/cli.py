@@ -69,14 +69,23 @@ def _host_policy(config: Config) -> HostPolicy:
 async def _serve(config: Config, state_dir: Path) -> None:
     from coldsnap_runtime import DockerBackend
 
+    from ._capsule_reports import CapsuleReports
     from ._daemon import Daemon
     from ._exec import GroupLedger, resolve_identity
+    from ._metrics import Metrics
     from ._operations import Operations
     from ._remote import Remotes
     from ._systemd import listen_fds
 
     identity = resolve_identity(config.exec.user)
     fds = listen_fds()
+    if config.metrics.address:
+        import prometheus_client
+
+        prometheus_client.disable_created_metrics()  # `_created` series double a scrape and no panel uses them
+    metrics = Metrics() if config.metrics.address else None
+    reports = (CapsuleReports(state_dir / "capsule-reports", metrics)
+               if metrics is not None and config.metrics.capsule_reports else None)
     async with DockerBackend(
         url=config.docker.url,
         credentials_file=config.registry.credentials_file or None,
@@ -97,9 +106,10 @@ async def _serve(config: Config, state_dir: Path) -> None:
             groups=GroupLedger(state_dir / "exec-groups"),
             huggingface=_huggingface_client(config, identity),
             remotes=remotes,
+            reports=reports,
         )
         daemon = Daemon(config, state_dir=state_dir, operations=operations, backend=backend,
-                        control_fd=fds[0] if fds else None)
+                        control_fd=fds[0] if fds else None, metrics=metrics)
         async with remotes, anyio.create_task_group() as tg:
             tg.start_soon(remotes.run_maintenance)
 

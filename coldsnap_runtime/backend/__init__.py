@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from ._archive import ArchiveRefused as ArchiveRefused
 from ._archive import check_members as check_members
 from ._base import MANAGER_UID_LABEL as MANAGER_UID_LABEL
+from ._base import REPORT_DIR_LABEL as REPORT_DIR_LABEL
 from ._base import Backend as Backend
 from ._base import Owner as Owner
 from ._base import RuntimeContext as RuntimeContext
@@ -23,7 +24,8 @@ from ._translate import container_config as container_config
 if TYPE_CHECKING:
     from ._docker import DockerBackend as DockerBackend
 
-__all__ = ("MANAGER_UID_LABEL", "ArchiveRefused", "Backend", "DockerBackend", "GpuPolicy", "HostPolicy", "Owner",
+__all__ = ("MANAGER_UID_LABEL", "REPORT_DIR_LABEL", "ArchiveRefused", "Backend", "DockerBackend", "GpuPolicy",
+           "HostPolicy", "Owner",
            "RuntimeContext", "check_members", "container_config", "dispatch", "with_manager_labels")
 
 
