@@ -82,7 +82,7 @@ async def _serve(config: Config, state_dir: Path) -> None:
     if config.metrics.address:
         import prometheus_client
 
-        prometheus_client.disable_created_metrics()  # `_created` series double a scrape and no panel uses them
+        prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # `_created` series double a scrape and no panel uses them
     metrics = Metrics() if config.metrics.address else None
     reports = (CapsuleReports(state_dir / "capsule-reports", metrics)
                if metrics is not None and config.metrics.capsule_reports else None)
