@@ -34,6 +34,7 @@ MAX_CONNECTIONS = 32  # scrapers are few; the rest are closed unread
 MAX_HEAD_BYTES = 8192  # request line and headers: a scrape sends a few hundred bytes
 HEAD_DEADLINE_S = 5.0  # the whole head must arrive within this (slow-header peers are dropped)
 WRITE_DEADLINE_S = 10.0  # a scraper that does not read its answer is dropped
+DISCARD_S, DISCARD_BYTES = 0.5, 256 << 10  # after the answer: what a peer still sends, read and dropped
 
 
 def parse_address(address: str) -> tuple[str, int] | Path:
@@ -109,6 +110,8 @@ class MetricsEndpoint:
                     return
                 with anyio.move_on_after(WRITE_DEADLINE_S):
                     await stream.send(answer)
+                    await stream.send_eof()
+                await _discard_unread(stream)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
             pass  # the scraper went away: nothing to tell it
         finally:
@@ -138,6 +141,17 @@ class MetricsEndpoint:
                 accept = value.strip()
         body, content_type = self._metrics.render(accept.decode("latin-1"))
         return _response(200, body, content_type=content_type, head_only=method == b"HEAD")
+
+
+async def _discard_unread(stream: ByteStream) -> None:
+    """Read (bounded) what a refused peer still sends, so that closing does not reset the answer away."""
+    left = DISCARD_BYTES
+    with anyio.move_on_after(DISCARD_S):
+        while left > 0:
+            try:
+                left -= len(await stream.receive(65536))
+            except (anyio.EndOfStream, anyio.BrokenResourceError):
+                return
 
 
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",

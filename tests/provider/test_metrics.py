@@ -1,0 +1,195 @@
+"""The metrics endpoint of a real daemon, scraped by raw HTTP clients, polite and hostile (issue 26)."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from tests.helpers import running_daemon
+
+CLI = [sys.executable, "-m", "coldsnap_provider"]
+
+
+def _metrics_config(sock: Path) -> str:
+    return f'[metrics]\naddress = "unix:{sock}"\n'
+
+
+def _scratch() -> Path:
+    return Path(tempfile.mkdtemp(prefix="cs-m-", dir="/tmp"))
+
+
+def _connect(address: Path | tuple[str, int]) -> socket.socket:
+    if isinstance(address, Path):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(str(address))
+    else:
+        sock = socket.create_connection(address)
+    sock.settimeout(15)
+    return sock
+
+
+def http(address: Path | tuple[str, int], head: bytes) -> tuple[int, dict[str, str], bytes]:
+    """One raw HTTP/1.1 exchange: (status, headers, body)."""
+    with _connect(address) as sock:
+        sock.sendall(head)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    header_bytes, _, body = data.partition(b"\r\n\r\n")
+    lines = header_bytes.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    return int(lines[0].split()[1]), headers, body
+
+
+def scrape(address: Path | tuple[str, int], accept: str = "") -> str:
+    extra = f"Accept: {accept}\r\n" if accept else ""
+    status, _, body = http(address, f"GET /metrics HTTP/1.1\r\nHost: x\r\n{extra}\r\n".encode())
+    assert status == 200
+    return body.decode()
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    """The value of the one series `name{labels...}` (labels matched as a subset); 0 when absent."""
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and line.split(" ")[0] != name:
+            continue
+        series, value = line.rsplit(" ", 1)
+        found = dict(re.findall(r'(\w+)="([^"]*)"', series))
+        if series.split("{")[0] == name and all(found.get(k) == v for k, v in labels.items()):
+            return float(value)
+    return 0.0
+
+
+async def test_metrics_scrape_counts_requests_with_bounded_labels() -> None:
+    scratch = _scratch()
+    sock = scratch / "metrics.sock"
+    async with running_daemon(_metrics_config(sock)) as daemon:
+        session = await daemon.open_session()
+        assert (await session.call("exec", host="localhost", arguments=["true"])).ok
+        assert not (await session.runtime("image-inspect", image="coldsnap-test/absent-m:1")).ok
+        await session.raw(b'{"format":1,"id":"1","token":"t","session":"s","operation":"frobnicate"}\n')
+        await session.raw(b'{"format":1,"id":"2","token":"' + session.token.encode() + b'","session":"'
+                          + session.session.encode() + b'","operation":"runtime","host":"localhost",'
+                          b'"runtime":{"action":"evil-action-name"}}\n')
+        text = await anyio.to_thread.run_sync(scrape, sock)
+    assert sample(text, "coldsnap_provider_requests_total", socket="session", operation="exec", action="",
+                  outcome="ok") == 1
+    assert sample(text, "coldsnap_provider_requests_total", socket="session", operation="runtime",
+                  action="image-inspect", outcome="not_found") == 1
+    assert sample(text, "coldsnap_provider_requests_total", socket="session", operation="other",
+                  outcome="rejected") == 2  # undecodable: unknown operation, unknown action
+    assert sample(text, "coldsnap_provider_requests_total", socket="control", operation="session-open",
+                  outcome="ok") == 1
+    assert sample(text, "coldsnap_provider_request_duration_seconds_count", socket="session",
+                  operation="exec", action="") == 1
+    assert sample(text, "coldsnap_provider_sessions") == 1
+    assert sample(text, "coldsnap_provider_build_info", version="0.1.0") == 1
+    assert sample(text, "process_resident_memory_bytes") > 0
+    for secret in (session.session, session.token, "frobnicate", "evil-action-name", "absent-m"):
+        assert secret not in text  # no session, token, client value or image name becomes a label
+    assert "_created" not in text
+
+
+async def test_metrics_openmetrics_when_asked_and_http_errors() -> None:
+    scratch = _scratch()
+    sock = scratch / "metrics.sock"
+    async with running_daemon(_metrics_config(sock)):
+        status, headers, body = await anyio.to_thread.run_sync(
+            http, sock, b"GET /metrics HTTP/1.1\r\nAccept: application/openmetrics-text;version=1.0.0\r\n\r\n")
+        assert status == 200 and headers["content-type"].startswith("application/openmetrics-text")
+        assert body.endswith(b"# EOF\n") and b"coldsnap_provider_sessions 0" in body
+        status, headers, body = await anyio.to_thread.run_sync(http, sock, b"GET /metrics?x=1 HTTP/1.1\r\n\r\n")
+        assert status == 200 and headers["content-type"].startswith("text/plain; version=0.0.4")
+        status, headers, body = await anyio.to_thread.run_sync(http, sock, b"HEAD /metrics HTTP/1.1\r\n\r\n")
+        assert status == 200 and body == b"" and int(headers["content-length"]) > 0
+        assert (await anyio.to_thread.run_sync(http, sock, b"POST /metrics HTTP/1.1\r\n\r\n"))[0] == 405
+        assert (await anyio.to_thread.run_sync(http, sock, b"GET /../etc/passwd HTTP/1.1\r\n\r\n"))[0] == 404
+        assert (await anyio.to_thread.run_sync(http, sock, b"\x00\x01 garbage\r\n\r\n"))[0] == 400
+        huge = b"GET /metrics HTTP/1.1\r\nX-Pad: " + b"a" * 100_000 + b"\r\n\r\n"
+        assert (await anyio.to_thread.run_sync(http, sock, huge))[0] == 431
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_metrics_hostile_peers_cannot_delay_the_daemons_sockets() -> None:
+    """Slow headers on every slot, a trickling peer and a flood: session requests stay fast; the
+    endpoint serves again once the hostile peers' head deadline has passed."""
+    port = _free_port()
+    async with running_daemon(f'[metrics]\naddress = "127.0.0.1:{port}"\n') as daemon:
+        address = ("127.0.0.1", port)
+        session = await daemon.open_session()
+        idle = [_connect(address) for _ in range(100)]  # every slot taken, nothing sent
+        for s in idle[:10]:
+            s.sendall(b"GET /metrics HTTP/1.1\r\nX-Slow: ")  # a head that never ends
+        try:
+            started = time.monotonic()
+            for _ in range(5):
+                assert (await session.call("exec", host="localhost", arguments=["true"])).ok
+            assert (await daemon.control(operation="status"))["connections"] >= 0
+            assert time.monotonic() - started < 5.0
+            # The endpoint itself is full: the excess is closed at once, unread.
+            with _connect(address) as extra:
+                extra.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
+                assert extra.recv(100) == b""
+        finally:
+            for s in idle:
+                s.close()
+        await anyio.sleep(0.5)
+        text = await anyio.to_thread.run_sync(scrape, address)
+        assert sample(text, "coldsnap_provider_requests_total", socket="session", operation="exec",
+                      outcome="ok") == 5
+        assert daemon.process is not None and daemon.process.poll() is None
+
+
+async def test_metrics_slow_header_peer_is_dropped_after_the_deadline() -> None:
+    scratch = _scratch()
+    sock = scratch / "metrics.sock"
+    async with running_daemon(_metrics_config(sock)):
+        with _connect(sock) as slow:
+            started = time.monotonic()
+            slow.sendall(b"GET /metrics HTTP/1.1\r\n")
+            for _ in range(3):
+                await anyio.sleep(1)
+                slow.sendall(b"X: y\r\n")  # trickles, never finishes the head
+            slow.settimeout(10)
+            assert await anyio.to_thread.run_sync(slow.recv, 100) == b""  # closed without a word
+            assert 4.0 < time.monotonic() - started < 8.0
+
+
+async def test_metrics_off_when_unset() -> None:
+    async with running_daemon("") as daemon:
+        assert "metrics endpoint" not in daemon.log()
+        assert not (daemon.state_dir / "capsule-reports").exists()
+
+
+@pytest.mark.parametrize(("address", "rule"), [
+    ("localhost", "metrics.address"),
+    ("127.0.0.1:70000", "the port must be 1-65535"),
+    ("unix:relative", "metrics.address"),
+])
+def test_check_config_refuses_bad_metrics_address(address: str, rule: str) -> None:
+    with tempfile.NamedTemporaryFile("w", suffix=".toml") as f:
+        f.write(f'[metrics]\naddress = "{address}"\n')
+        f.flush()
+        result = subprocess.run([*CLI, "check-config", f.name], capture_output=True, text=True, check=False)
+    assert result.returncode == 2 and rule in result.stderr
+
+
+def test_check_config_accepts_metrics_and_audit() -> None:
+    with tempfile.NamedTemporaryFile("w", suffix=".toml") as f:
+        f.write('[metrics]\naddress = "[::1]:9464"\ncapsule_reports = false\n[audit]\nfile = "/var/log/cs.audit"\n')
+        f.flush()
+        result = subprocess.run([*CLI, "check-config", f.name], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
