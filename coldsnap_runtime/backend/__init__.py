@@ -17,6 +17,7 @@ from ._base import Owner as Owner
 from ._base import RuntimeContext as RuntimeContext
 from ._base import dispatch as dispatch
 from ._base import with_manager_labels as with_manager_labels
+from ._base import with_report_dir as with_report_dir
 from ._gpus import GpuPolicy as GpuPolicy
 from ._gpus import HostPolicy as HostPolicy
 from ._translate import container_config as container_config
@@ -26,7 +27,8 @@ if TYPE_CHECKING:
 
 __all__ = ("MANAGER_UID_LABEL", "REPORT_DIR_LABEL", "ArchiveRefused", "Backend", "DockerBackend", "GpuPolicy",
            "HostPolicy", "Owner",
-           "RuntimeContext", "check_members", "container_config", "dispatch", "with_manager_labels")
+           "RuntimeContext", "check_members", "container_config", "dispatch", "with_manager_labels",
+           "with_report_dir")
 
 
 def __getattr__(name: str) -> Any:

@@ -39,7 +39,7 @@ from ..schema import (
 
 __all__ = ("MANAGER_UID_LABEL", "REPORT_DIR_LABEL", "REPORT_ENV", "REPORT_TARGET", "WORKLOAD_LABEL",
            "Backend", "Owner", "RuntimeContext", "dispatch",
-           "with_manager_labels")
+           "with_manager_labels", "with_report_dir")
 
 WORKLOAD_LABEL = "io.sparksq.coldsnap.workload"
 MANAGER_UID_LABEL = "io.coldsnap-provider.manager-uid"
@@ -113,7 +113,7 @@ def with_manager_labels(spec: WorkloadSpec, ctx: RuntimeContext) -> WorkloadSpec
 
 def with_report_dir(spec: WorkloadSpec, ctx: RuntimeContext) -> WorkloadSpec:
     """Mount the unit's report directory and name it in the environment, unless the manager took the target."""
-    if not ctx.report_dir or any(str(m.target).rstrip("/") == REPORT_TARGET for m in spec.mounts):
+    if not ctx.report_dir or any(m.target == REPORT_TARGET for m in spec.mounts):
         return spec
     return msgspec.structs.replace(
         spec, mounts=[*spec.mounts, Mount(source=ctx.report_dir, target=REPORT_TARGET)],
