@@ -28,7 +28,7 @@ import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import anyio
 import msgspec
@@ -38,7 +38,9 @@ from msgspec import Meta, Struct
 from coldsnap_runtime import REPORT_DIR_LABEL, Backend, BackendError
 
 from ._errors import ConfigError
-from ._metrics import Metrics
+
+if TYPE_CHECKING:
+    from ._metrics import Metrics  # prometheus_client is needed only with [metrics] on
 
 __all__ = ("CapsuleReports",)
 

@@ -10,7 +10,7 @@ event are built here (``_answer``).
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -42,10 +42,12 @@ from ._control import (
 )
 from ._envelope import lenient_id
 from ._listener import Peer, ServerState, is_admin
-from ._metrics import Metrics
 from ._operations import Operations
 from ._probe import ProbeOptions, run_probe
 from ._sessions import SessionManager, SessionRecord, hosts_from_request
+
+if TYPE_CHECKING:
+    from ._metrics import Metrics  # prometheus_client is needed only with [metrics] on
 
 __all__ = ("ControlHandler",)
 

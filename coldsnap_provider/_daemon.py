@@ -22,6 +22,7 @@ import os
 import resource
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 import structlog
@@ -36,12 +37,13 @@ from ._control_handler import ControlHandler
 from ._errors import ConfigError
 from ._framing import ByteBudget
 from ._listener import ConnectionServer, Limits, ServerState
-from ._metrics import Metrics
-from ._metrics_http import MetricsEndpoint, open_listener
 from ._operations import Operations
 from ._provider_handler import ProviderHandler
 from ._sessions import SessionManager, SessionRecord, SessionStore
 from ._systemd import notify, watchdog_interval
+
+if TYPE_CHECKING:
+    from ._metrics import Metrics  # prometheus_client is needed only with [metrics] on
 
 __all__ = ("Daemon",)
 
@@ -112,6 +114,8 @@ class Daemon:
             async with anyio.create_task_group() as tg:
                 await tg.start(control.serve)
                 if self.metrics is not None and self.config.metrics.address:
+                    from ._metrics_http import MetricsEndpoint, open_listener
+
                     listeners = await open_listener(self.config.metrics.address)
                     await tg.start(MetricsEndpoint(listeners, self.metrics).serve)
                     log.info("metrics endpoint", address=self.config.metrics.address)

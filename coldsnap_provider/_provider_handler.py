@@ -8,7 +8,7 @@ request, its metrics and its audit event are built here (``_answer``).
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -34,9 +34,11 @@ from ._envelope import (
 from ._exec import ExecResult
 from ._framing import MAX_MESSAGE_BYTES
 from ._listener import Peer, ServerState
-from ._metrics import Metrics
 from ._operations import Operation, Operations, Outcome
 from ._sessions import SessionRecord
+
+if TYPE_CHECKING:
+    from ._metrics import Metrics  # prometheus_client is needed only with [metrics] on
 
 __all__ = ("ProviderHandler",)
 

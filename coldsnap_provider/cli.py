@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
     from ._exec import ExecIdentity
     from ._huggingface import HuggingfaceClient
+    from ._metrics import Metrics
 
 __all__ = ("main",)
 
@@ -72,18 +73,13 @@ async def _serve(config: Config, state_dir: Path) -> None:
     from ._capsule_reports import CapsuleReports
     from ._daemon import Daemon
     from ._exec import GroupLedger, resolve_identity
-    from ._metrics import Metrics
     from ._operations import Operations
     from ._remote import Remotes
     from ._systemd import listen_fds
 
     identity = resolve_identity(config.exec.user)
     fds = listen_fds()
-    if config.metrics.address:
-        import prometheus_client
-
-        prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # `_created` series double a scrape and no panel uses them
-    metrics = Metrics() if config.metrics.address else None
+    metrics = _metrics(config)
     reports = (CapsuleReports(state_dir / "capsule-reports", metrics)
                if metrics is not None and config.metrics.capsule_reports else None)
     async with DockerBackend(
@@ -121,6 +117,18 @@ async def _serve(config: Config, state_dir: Path) -> None:
             tg.start_soon(on_signals)
             await daemon.run()
             tg.cancel_scope.cancel()
+
+
+def _metrics(config: Config) -> Metrics | None:
+    """The daemon's metrics when `[metrics] address` is set (prometheus_client is imported only then)."""
+    if not config.metrics.address:
+        return None
+    import prometheus_client
+
+    from ._metrics import Metrics
+
+    prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # `_created` doubles a scrape
+    return Metrics()
 
 
 def _huggingface_client(config: Config, identity: ExecIdentity) -> HuggingfaceClient | None:
