@@ -139,7 +139,8 @@ class MetricsEndpoint:
             name, _, value = line.partition(b":")
             if name.strip().lower() == b"accept":
                 accept = value.strip()
-        body, content_type = self._metrics.render(accept.decode("latin-1"))
+        # In a worker thread: rendering is milliseconds of pure Python the loop's sockets should not wait behind.
+        body, content_type = await anyio.to_thread.run_sync(self._metrics.render, accept.decode("latin-1"))
         return _response(200, body, content_type=content_type, head_only=method == b"HEAD")
 
 
