@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import subprocess
@@ -13,7 +14,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tests.helpers import running_daemon
+from tests.helpers import ROOT, running_daemon
 
 CLI = [sys.executable, "-m", "coldsnap_provider"]
 
@@ -193,3 +194,28 @@ def test_check_config_accepts_metrics_and_audit() -> None:
         f.flush()
         result = subprocess.run([*CLI, "check-config", f.name], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="node-b needs root (namespaces, a second dockerd)")
+async def test_remote_up_follows_each_remote_link() -> None:
+    """node-b (scripts/_node_b.sh) answers, a second remote does not: 1 once node-b's link is open, 0 for the other."""
+    up = subprocess.run(["bash", str(ROOT / "scripts" / "_node_b.sh"), "up"], capture_output=True, text=True,
+                        check=False)
+    assert up.returncode == 0, up.stderr
+    env = dict(line.split("=", 1) for line in up.stdout.split())
+    remote = ('[[remote]]\nhosts = ["{host}"]\naddress = "{address}"\nport = {port}\nuser = "root"\n'
+              f'identity_file = "{env["NODE_B_CLIENT_KEY"]}"\nknown_hosts = "{env["NODE_B_KNOWN_HOSTS"]}"\n'
+              f'docker_socket = "{env["NODE_B_DOCKER_SOCKET"]}"\nconnect_timeout_s = 2.0\n')
+    sock = _scratch() / "metrics.sock"
+    config = (_metrics_config(sock) + remote.format(host="node-b", address=env["NODE_B_ADDRESS"],
+                                                    port=env["NODE_B_PORT"])
+              + remote.format(host="node-down", address="127.0.0.3", port=9))
+    async with running_daemon(config) as daemon:
+        before = await anyio.to_thread.run_sync(scrape, sock)
+        session = await daemon.open_session(hosts=["node-b", "node-down"])
+        assert (await session.call("exec", host="node-b", arguments=["true"])).ok
+        assert not (await session.call("exec", host="node-down", arguments=["true"])).ok
+        after = await anyio.to_thread.run_sync(scrape, sock)
+    assert 'coldsnap_provider_remote_up{host="node-b"} 0.0' in before  # links open on first use
+    assert 'coldsnap_provider_remote_up{host="node-b"} 1.0' in after
+    assert 'coldsnap_provider_remote_up{host="node-down"} 0.0' in after
