@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import time
 from collections.abc import Awaitable, Callable
@@ -149,7 +150,7 @@ async def metrics_cost(calls: int, rounds: int = 6) -> None:
 
     scratch = Path(tempfile.mkdtemp(prefix="cs-ov-", dir="/tmp"))
     observed = f'[metrics]\naddress = "unix:{scratch}/m.sock"\n[audit]\nfile = "{scratch}/audit.jsonl"\n'
-    name = WORKLOAD + "-m"
+    name = f"{WORKLOAD}-m-{os.getpid()}"  # unique: other runs on the same dockerd clean up their own
     subprocess.run(["docker", "rm", "-f", name], capture_output=True, check=False)
     async with running_daemon() as plain, running_daemon(observed) as on, running_daemon() as plain2:
         daemons = {"off": plain, "on": on, "off (2nd daemon)": plain2}

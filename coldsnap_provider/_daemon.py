@@ -44,6 +44,7 @@ from ._systemd import notify, watchdog_interval
 
 if TYPE_CHECKING:
     from ._metrics import Metrics  # prometheus_client is needed only with [metrics] on
+    from ._metrics_http import MetricsEndpoint
 
 __all__ = ("Daemon",)
 
@@ -105,6 +106,7 @@ class Daemon:
                 self.operations.groups.prepare()
                 self.operations.groups.sweep()
             recovered = await self._recover()
+            endpoint = await self._metrics_endpoint()  # bound before serving: a taken address stops the start
             control = ConnectionServer(
                 await self._control_listener(),
                 ControlHandler(self.config.server, sessions=self.sessions, operations=self.operations,
@@ -113,11 +115,8 @@ class Daemon:
             )
             async with anyio.create_task_group() as tg:
                 await tg.start(control.serve)
-                if self.metrics is not None and self.config.metrics.address:
-                    from ._metrics_http import MetricsEndpoint, open_listener
-
-                    listeners = await open_listener(self.config.metrics.address)
-                    await tg.start(MetricsEndpoint(listeners, self.metrics).serve)
+                if endpoint is not None:
+                    await tg.start(endpoint.serve)
                     log.info("metrics endpoint", address=self.config.metrics.address)
                 await self.sessions.start(task_group=tg)
                 log.info("ready", version=__version__, state_dir=str(self.state_dir), sessions=len(self.sessions))
@@ -137,6 +136,13 @@ class Daemon:
                 await self._drain()
                 tg.cancel_scope.cancel()
         log.info("stopped")
+
+    async def _metrics_endpoint(self) -> MetricsEndpoint | None:
+        if self.metrics is None or not self.config.metrics.address:
+            return None
+        from ._metrics_http import MetricsEndpoint, open_listener
+
+        return MetricsEndpoint(await open_listener(self.config.metrics.address), self.metrics)
 
     async def _drain(self) -> None:
         with anyio.move_on_after(self.config.server.shutdown_grace_s) as drain:

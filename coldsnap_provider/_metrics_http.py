@@ -73,7 +73,6 @@ class MetricsEndpoint:
         self._listeners = listeners
         self._metrics = metrics
         self._active = 0  # Invariant: connection tasks alive, never above MAX_CONNECTIONS
-        self.refused = 0  # connections closed unread because every slot was taken
 
     async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -93,8 +92,7 @@ class MetricsEndpoint:
                 log.error("metrics accept failed; backing off", error=errno.errorcode.get(exc.errno or 0, str(exc)))
                 await anyio.sleep(0.1)
                 continue
-            if self._active >= MAX_CONNECTIONS:
-                self.refused += 1
+            if self._active >= MAX_CONNECTIONS:  # every slot taken: the excess is closed unread
                 await anyio.aclose_forcefully(stream)
                 continue
             self._active += 1

@@ -14,6 +14,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from coldsnap_provider import ReplyError
 from tests.helpers import ROOT, running_daemon
 
 CLI = [sys.executable, "-m", "coldsnap_provider"]
@@ -219,3 +220,27 @@ async def test_remote_up_follows_each_remote_link() -> None:
     assert 'coldsnap_provider_remote_up{host="node-b"} 0.0' in before  # links open on first use
     assert 'coldsnap_provider_remote_up{host="node-b"} 1.0' in after
     assert 'coldsnap_provider_remote_up{host="node-down"} 0.0' in after
+
+
+async def test_probe_outcomes_are_counted(busybox_image: str) -> None:
+    sock = _scratch() / "metrics.sock"
+    async with running_daemon(_metrics_config(sock)) as daemon:
+        with pytest.raises(ReplyError):  # no GPU mechanism on this machine: the probe cannot run
+            await daemon.control(operation="probe", driver="n610", image=busybox_image)
+        text = await anyio.to_thread.run_sync(scrape, sock)
+    assert sample(text, "coldsnap_provider_probe_total", driver="n610", result="failed", cached="false") == 1
+    assert sample(text, "coldsnap_provider_requests_total", socket="control", operation="probe",
+                  outcome="runtime_failed") == 1
+
+
+def test_metrics_address_in_use_refuses_to_start_naming_it() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        state = _scratch()
+        config = state / "config.toml"
+        config.write_text(f'[metrics]\naddress = "127.0.0.1:{port}"\n')
+        result = subprocess.run([*CLI, "serve", "--config", str(config), "--state-dir", str(state / "state")],
+                                capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 2 and f"metrics.address '127.0.0.1:{port}': cannot listen" in result.stderr
