@@ -169,9 +169,9 @@ async def metrics_cost(calls: int, rounds: int = 6) -> None:
         per_round = max(10, calls // rounds)
         for _ in range(rounds):
             for case, build in cases.items():
-                for which, session in sessions.items():
+                for index, (which, session) in enumerate(sessions.items()):
                     if build is None:
-                        fn = run_and_remove(session, f"{name}-{which[:3].strip()}")
+                        fn = run_and_remove(session, f"{name}-{index}")
                         count = max(3, per_round // 10)
                     else:
                         fn = lean_call(session.socket, (json.dumps(build(session)) + "\n").encode())

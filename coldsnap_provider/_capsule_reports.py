@@ -151,6 +151,8 @@ class CapsuleReports:
                     await self.reap(backend)
             except (OSError, BackendError) as exc:
                 log.warning("capsule report scan failed", error=str(exc))
+            except Exception:  # a bug here must cost the phase metrics, never the daemon
+                log.exception("capsule report scan failed unexpectedly")
 
     async def scan(self) -> None:
         accepted, rejected = await anyio.to_thread.run_sync(self._scan_all)
