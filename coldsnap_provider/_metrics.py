@@ -93,6 +93,9 @@ class Metrics:
         self._durations = Histogram("coldsnap_provider_request_duration_seconds",
                                     "Time from the request line to the reply", ["socket", "operation", "action"],
                                     buckets=_REQUEST_BUCKETS, registry=registry)
+        # The label children of each request's series, looked up once (labels() validates and locks every call).
+        # Invariant: keys are drawn from the bounded sets above, so this never outgrows the series themselves.
+        self._children: dict[tuple[str, str, str, str], tuple[Counter, Histogram]] = {}
         self.sessions = Gauge("coldsnap_provider_sessions", "Open provider sessions", registry=registry)
         self.connections = Gauge("coldsnap_provider_connections", "Connections being served, every socket",
                                  registry=registry)
@@ -125,10 +128,11 @@ class Metrics:
             operation = bounded(operation, SESSION_OPERATIONS)
         else:
             operation = bounded(operation, CONTROL_OPERATIONS)
-        action = bounded(action, ACTIONS) if action else ""
-        outcome = bounded(outcome, OUTCOMES)
-        self._requests.labels(socket=socket, operation=operation, action=action, outcome=outcome).inc()
-        self._durations.labels(socket=socket, operation=operation, action=action).observe(seconds)
+        key = (socket, operation, bounded(action, ACTIONS) if action else "", bounded(outcome, OUTCOMES))
+        if (children := self._children.get(key)) is None:
+            children = self._children[key] = (self._requests.labels(*key), self._durations.labels(*key[:3]))
+        children[0].inc()
+        children[1].observe(seconds)
 
     def probe(self, *, driver: str, result: str, cached: bool) -> None:
         self._probes.labels(driver=bounded(driver, PROBE_DRIVERS), result=bounded(result, PROBE_RESULTS),
