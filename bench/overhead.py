@@ -14,6 +14,7 @@ run-to-run spread the difference is compared with.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -216,11 +217,15 @@ def recording_cost(scratch: Path) -> list[list[str]]:
 
 
 def run_and_remove(session: Session, name: str) -> Callable[[], Awaitable[object]]:
+    """A detached run and its removal; a fresh name each time (the engine may still be removing the last)."""
+    count = itertools.count()
+
     async def call() -> object:
-        reply = await session.runtime("workload-run", workload={"name": name, "image": IMAGE, "detached": True,
+        unit = f"{name}-{next(count)}"
+        reply = await session.runtime("workload-run", workload={"name": unit, "image": IMAGE, "detached": True,
                                                                 "command": ["true"]})
         assert reply.ok, reply.error
-        return await session.runtime("workload-remove", name=name)
+        return await session.runtime("workload-remove", name=unit)
     return call
 
 
