@@ -106,6 +106,8 @@ async def main(sessions: int, scrapes: int) -> None:
         assert status["sessions"] == sessions
     print(table(["format", "open sessions", "series", "bytes", "daemon CPU ms / scrape", "scrape p50 ms",
                  "scrape p99 ms"], rows))
+    load = Path("/proc/loadavg").read_text().split()[:3]
+    print(f"load average during the run: {' '.join(load)} on {os.cpu_count()} CPUs")
 
 
 if __name__ == "__main__":
