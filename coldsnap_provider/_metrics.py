@@ -97,8 +97,8 @@ class Metrics:
         # Invariant: keys are drawn from the bounded sets above, so this never outgrows the series themselves.
         self._children: dict[tuple[str, str, str, str], tuple[Counter, Histogram]] = {}
         self.sessions = Gauge("coldsnap_provider_sessions", "Open provider sessions", registry=registry)
-        self.connections = Gauge("coldsnap_provider_connections", "Connections being served on the session and control sockets",
-                                 registry=registry)
+        self.connections = Gauge("coldsnap_provider_connections",
+                                 "Connections being served on the session and control sockets", registry=registry)
         self._probes = Counter("coldsnap_provider_probe", "Host feature probes run through the control socket",
                                ["driver", "result", "cached"], registry=registry)
         self._phases = {

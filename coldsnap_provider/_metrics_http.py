@@ -67,7 +67,7 @@ async def open_listener(address: str) -> list[SocketListener]:
 
 
 class MetricsEndpoint:
-    """Serves one listener until cancelled; owns every connection task."""
+    """Serves its listeners (one, or IPv4 and IPv6 of one name) until cancelled; owns every connection task."""
 
     def __init__(self, listeners: list[SocketListener], metrics: Metrics) -> None:
         self._listeners = listeners
