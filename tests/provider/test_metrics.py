@@ -15,6 +15,7 @@ import anyio
 import pytest
 
 from coldsnap_provider import ReplyError
+from coldsnap_provider._metrics_http import parse_address
 from tests.helpers import ROOT, running_daemon
 
 CLI = [sys.executable, "-m", "coldsnap_provider"]
@@ -244,3 +245,12 @@ def test_metrics_address_in_use_refuses_to_start_naming_it() -> None:
         result = subprocess.run([*CLI, "serve", "--config", str(config), "--state-dir", str(state / "state")],
                                 capture_output=True, text=True, timeout=30, check=False)
     assert result.returncode == 2 and f"metrics.address '127.0.0.1:{port}': cannot listen" in result.stderr
+
+
+def test_metrics_address_forms() -> None:
+    assert parse_address("127.0.0.1:9464") == ("127.0.0.1", 9464)
+    assert parse_address("[::1]:9464") == ("::1", 9464)
+    assert parse_address("unix:/run/x/metrics.sock") == Path("/run/x/metrics.sock")
+    for bad in ("9464", ":9464", "host:0", "host:65536", "unix:relative", "host:port"):
+        with pytest.raises(ValueError, match=r"metrics\.address"):
+            parse_address(bad)
