@@ -181,39 +181,6 @@ async def metrics_cost(calls: int, rounds: int = 10) -> None:
                      f"{on_['p50'] - off['p50']:+.3f}", f"{off2['p50'] - off['p50']:+.3f}"])
     print(table(["request (lean client)", "metrics off p50/p99 ms", "metrics + audit on p50/p99 ms",
                  "on - off (p50 ms)", "spread: off - off (p50 ms)"], rows))
-    print(table(["what one request adds, in process (no load, no I/O wait)", "µs"], recording_cost(scratch)))
-
-
-def recording_cost(scratch: Path) -> list[list[str]]:
-    """The handlers' per-request work with metrics and audit on, timed in this process."""
-    import prometheus_client
-    import structlog
-
-    from coldsnap_provider._audit import Audit, AuditEvent
-    from coldsnap_provider._logging import configure_logging
-    from coldsnap_provider._metrics import Metrics
-
-    prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
-    configure_logging("info")  # the daemon's JSON lines, written to /dev/null here
-    devnull = open(os.devnull, "w")  # noqa: SIM115 - for the whole measurement
-    structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=devnull))
-    metrics, audit = Metrics(), Audit(str(scratch / "bench-audit.jsonl"))
-    rounds = 20_000
-    started = time.perf_counter()
-    for _ in range(rounds):
-        metrics.request(socket="session", operation="runtime", action="image-inspect", outcome="ok", seconds=0.001)
-    per_request = (time.perf_counter() - started) / rounds * 1e6
-    event = AuditEvent(time=time.time(), socket="session", operation="runtime", action="workload-run", outcome="ok",
-                       uid=1000, peer_uid=1000, peer_pid=1, session="s", host="localhost", request_id="1",
-                       target="name image=x", duration_ms=1.0)
-    started = time.perf_counter()
-    for _ in range(rounds // 10):
-        audit.record(event)  # to the log (structlog, unconfigured here: stdout) and the file
-    per_event = (time.perf_counter() - started) / (rounds // 10) * 1e6
-    audit.close()
-    devnull.close()
-    return [["metrics: one counter and one histogram sample", f"{per_request:.1f}"],
-            ["audit: one event to the log and the file (privileged actions only)", f"{per_event:.1f}"]]
 
 
 def run_and_remove(session: Session, name: str) -> Callable[[], Awaitable[object]]:
