@@ -120,8 +120,8 @@ async def remote_client(session: Session, until: float) -> None:
 
 async def capsules(session: Session, until: float, rng: random.Random) -> None:
     while time.monotonic() < until:
-        await session.runtime("workload-run", workload={"name": "", "image": IMAGE, "entrypoint": "sh",
-                                                         "command": ["-c", report_script(rng)]})
+        await session.runtime("workload-run", workload={"name": "", "image": IMAGE, "remove_after_exit": True,
+                                                         "entrypoint": "sh", "command": ["-c", report_script(rng)]})
         await anyio.sleep(rng.uniform(1.0, 3.0))
 
 

@@ -84,7 +84,8 @@ async def main(sessions: int, scrapes: int) -> None:
                   "criu_restore_seconds": 2.0, "cuda_restore_seconds": 0.5, "all_pages_in_seconds": 2.5,
                   "hydration": {"phase_seconds": 0.4}, "communicator_recreate_seconds": 0.1}
         script = f"printf %s '{json.dumps(report)}' > $COLDSNAP_REPORT_DIR/r.json"
-        reply = await opened[0].runtime("workload-run", workload={"name": "", "image": IMAGE, "entrypoint": "sh",
+        reply = await opened[0].runtime("workload-run", workload={"name": "", "image": IMAGE, "remove_after_exit": True,
+                                                                  "entrypoint": "sh",
                                                                   "command": ["-c", script]})
         assert reply.ok, reply.error
         await anyio.sleep(1.5)  # the collector's scan

@@ -15,6 +15,7 @@ from typing import Any
 
 import anyio
 import msgspec
+import pytest
 
 from coldsnap_provider._capsule_reports import CapsuleReports
 from coldsnap_provider._metrics import Metrics
@@ -45,7 +46,7 @@ def _metrics_config(sock: Path) -> str:
 
 async def _run_capsule(session: Session, image: str, script: str) -> str:
     reply = await session.runtime("workload-run", workload={
-        "name": "", "image": image, "combined": True, "entrypoint": "sh",
+        "name": "", "image": image, "combined": True, "remove_after_exit": True, "entrypoint": "sh",
         "command": ["-c", script]})
     assert reply.ok, reply.error
     assert reply.runtime is not None and isinstance(reply.runtime.output, bytes)
@@ -71,6 +72,7 @@ def _unit_dirs(state_dir: Path) -> list[Path]:
     return sorted((state_dir / "capsule-reports").iterdir())
 
 
+@pytest.mark.usefixtures("no_leftovers")
 async def test_capsule_reports_feed_the_phase_histograms(busybox_image: str) -> None:
     sock = Path(tempfile.mkdtemp(prefix="cs-cr-", dir="/tmp")) / "metrics.sock"
     async with running_daemon(_metrics_config(sock)) as daemon:
@@ -107,6 +109,7 @@ _HOSTILE = " ; ".join([
 ])
 
 
+@pytest.mark.usefixtures("no_leftovers")
 async def test_hostile_capsule_reports_change_nothing_but_the_rejected_counter(busybox_image: str) -> None:
     sock = Path(tempfile.mkdtemp(prefix="cs-cr-", dir="/tmp")) / "metrics.sock"
     shadow = Path("/etc/shadow").read_bytes()
