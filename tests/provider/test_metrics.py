@@ -254,3 +254,20 @@ def test_metrics_address_forms() -> None:
     for bad in ("9464", ":9464", "host:0", "host:65536", "unix:relative", "host:port"):
         with pytest.raises(ValueError, match=r"metrics\.address"):
             parse_address(bad)
+
+
+def test_openmetrics_rendering_writes_what_the_default_escaping_writes() -> None:
+    """The faster escaping the endpoint asks prometheus_client for changes no byte of our exposition."""
+    from prometheus_client.openmetrics.exposition import generate_latest
+
+    from coldsnap_provider._metrics import ACTIONS, Metrics
+
+    metrics = Metrics()
+    for action in ACTIONS:
+        metrics.request(socket="session", operation="runtime", action=action, outcome="not_found", seconds=0.2)
+    metrics.phases("restore", "hydrate-lazy-pages", {"criu_restore": 1.5, "all_pages_in": 2.0})
+    ours, _ = metrics.render("application/openmetrics-text; version=1.0.0")
+    default = generate_latest(metrics.registry)
+    volatile = (b"# HELP process_", b"# TYPE process_", b"process_", b"# HELP python_", b"# TYPE python_", b"python_")
+    assert [line for line in ours.splitlines() if not line.startswith(volatile)] == \
+        [line for line in default.splitlines() if not line.startswith(volatile)]
