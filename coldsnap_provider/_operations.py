@@ -27,7 +27,7 @@ from ._envelope import (
 from ._exec import ExecIdentity, ExecResult, GroupLedger
 from ._hosts import Host, LocalHost
 from ._listener import is_admin
-from ._policy import Policy
+from ._policy import Decision, Policy
 from ._sessions import SessionRecord
 
 if TYPE_CHECKING:
@@ -94,11 +94,16 @@ class Operations:
             "upload",
         ]
 
-    async def run(self, request: Operation, record: SessionRecord) -> Outcome:
-        """Run one authenticated, capability-checked operation; the handler turns the outcome into the reply."""
+    def admit(self, request: Operation, record: SessionRecord) -> Decision | None:
+        """The one admission point, above the host routing (every host kind sees admitted requests only):
+        the decision for a runtime request (PolicyRefused carries a refusal's), None for the others."""
+        self._route(request.host, record)
+        return self.policy.admit_operation(request, record, local=request.host in self.node_names)
+
+    async def run(self, request: Operation, record: SessionRecord, decision: Decision | None) -> Outcome:
+        """Run one authenticated, capability-checked, admitted operation; the handler turns the outcome
+        into the reply."""
         host = self._route(request.host, record)
-        # The one admission point, above the host routing: every host kind sees admitted requests only.
-        decision = self.policy.admit_operation(request, record, local=request.host in self.node_names)
         ctx = self._runtime_context(request.host, record, decision.capabilities if decision else None)
         match request:
             case Exec():

@@ -35,6 +35,7 @@ from ._exec import ExecResult
 from ._framing import MAX_MESSAGE_BYTES
 from ._listener import Peer, ServerState
 from ._operations import Operation, Operations, Outcome
+from ._policy import Decision, PolicyRefused
 from ._sessions import SessionRecord
 
 if TYPE_CHECKING:
@@ -69,6 +70,7 @@ class ProviderHandler:
         started = time.monotonic()
         fields: dict[str, Any] = {"session": self.record.session}
         request: Request | None = None
+        decision: Decision | None = None
         internal = False
         try:
             request = decode_request(line)
@@ -78,18 +80,22 @@ class ProviderHandler:
                 reply = Reply(format=1, id=request.id, ok=True, provider=self.operations.provider_name,
                               capabilities=list(self.operations.capabilities))
             else:
+                decision = self.operations.admit(request, self.record)
                 self._state.operations += 1
                 try:
-                    reply = _success(request, await self.operations.run(request, self.record))
+                    reply = _success(request, await self.operations.run(request, self.record, decision))
                 finally:
                     self._state.operations -= 1
+        except PolicyRefused as exc:
+            decision = exc.decision
+            reply = error_reply(request.id if request is not None else lenient_id(line), exc)
         except ColdsnapError as exc:
             reply = error_reply(request.id if request is not None else lenient_id(line), exc)
         except Exception:
             log.exception("request failed unexpectedly", **fields)
             internal = True
             reply = error_reply(request.id if request is not None else lenient_id(line), RuntimeError(_INTERNAL))
-        return self._answer(reply, fields, started, request=request, peer=peer, internal=internal)
+        return self._answer(reply, fields, started, request=request, peer=peer, internal=internal, decision=decision)
 
     def refuse(self, error: ColdsnapError, line: bytes | bytearray, peer: Peer) -> bytearray:
         fields = {"session": self.record.session}
@@ -103,10 +109,12 @@ class ProviderHandler:
             raise RequestRejected(f"unsupported host-provider capability '{capability}'")
 
     def _answer(self, reply: Reply, fields: dict[str, Any], started: float, *, request: Request | None,
-                peer: Peer, internal: bool = False) -> bytearray:
+                peer: Peer, internal: bool = False, decision: Decision | None = None) -> bytearray:
         """The one place a request is accounted for: its log line, its metrics, its audit event."""
         seconds = time.monotonic() - started
         fields.update(ok=reply.ok, duration_ms=round(seconds * 1000, 3))
+        if decision is not None:
+            fields["profile"] = decision.profile
         if not reply.ok:
             fields.update(error_code=reply.error_code or None, error=reply.error)
         log.info("request", **fields)
@@ -121,7 +129,9 @@ class ProviderHandler:
                 time=time.time(), socket="session", operation=operation, action=action, outcome=outcome,
                 uid=self.record.uid, peer_uid=peer.uid, peer_pid=peer.pid, session=self.record.session,
                 host=fields.get("host", ""), request_id=request.id, target=_target(request),
-                error=reply.error if isinstance(reply.error, str) else "", duration_ms=fields["duration_ms"]))
+                error=reply.error if isinstance(reply.error, str) else "", duration_ms=fields["duration_ms"],
+                decision="" if decision is None else "admitted" if decision.admitted else "refused",
+                profile="" if decision is None else decision.profile))
         return encode_reply(reply)
 
 

@@ -56,6 +56,8 @@ async def test_audit_records_each_privileged_action_without_secrets(busybox_imag
     assert all(e["uid"] == 0 and e["peer_uid"] == 0 for e in events)
     assert [e["session"] for e in events] == [session.session] * 3 + [""] + [session.session] * 3  # stop: none
     assert events[2]["target"] == f"{name} image={busybox_image}" and events[2]["host"] == "localhost"
+    assert (events[2]["decision"], events[2]["profile"]) == ("admitted", "unrestricted")  # root's default profile
+    assert (events[1]["decision"], events[1]["profile"]) == ("", "")  # exec runs as exec.user: no admission
     assert events[3]["target"] == name
     assert events[5]["error"] == "host-provider session is unauthorized"
     assert {"decision", "profile", "duration_ms", "request_id", "time", "peer_pid"} <= set(events[0])
