@@ -15,8 +15,8 @@ from msgspec import Meta, Struct
 
 from ._errors import ConfigError
 
-__all__ = ("BUILTIN_PROFILES", "CAPSULE_CAPABILITIES", "Config", "ConfigError", "PolicyConfig", "ProfileConfig",
-           "RemoteConfig", "default_state_dir", "load_config", "node_names", "spool_dir")
+__all__ = ("BUILTIN_PROFILES", "CAPSULE_CAPABILITIES", "Config", "ConfigError", "MetricsConfig", "PolicyConfig",
+           "ProfileConfig", "RemoteConfig", "default_state_dir", "load_config", "node_names", "spool_dir")
 
 
 class _Section(Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -88,6 +88,24 @@ class RuntimeConfig(_Section, frozen=True):
 
 
 _ABSOLUTE = r"^/[^\x00]*$"
+
+# host:port ([v6]:port) or unix:/absolute/path; the port's range is checked in load_config.
+_METRICS_ADDRESS = r"^(?:unix:/[^\x00]*|(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):[0-9]{1,5})?\Z"
+
+
+class MetricsConfig(_Section, frozen=True):
+    """The Prometheus endpoint and the capsule reports that feed it (docs/metrics.md)."""
+
+    # "" = no endpoint (and no capsule reports).
+    address: Annotated[str, Meta(pattern=_METRICS_ADDRESS)] = ""
+    # Give each local workload-run a report directory its in-capsule worker writes phase timings to.
+    capsule_reports: bool = True
+
+
+class AuditConfig(_Section, frozen=True):
+    """The audit trail (docs/metrics.md): always to the log (the journal under systemd); also to `file`."""
+
+    file: Annotated[str, Meta(pattern=r"^(?:/[^\x00]*)?\Z")] = ""
 
 
 class RemoteConfig(_Section, frozen=True, kw_only=True):
@@ -173,6 +191,8 @@ class Config(_Section, frozen=True):
     runtime: RuntimeConfig = RuntimeConfig()
     huggingface: HuggingfaceConfig = HuggingfaceConfig()
     policy: PolicyConfig = PolicyConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    audit: AuditConfig = AuditConfig()
 
 
 def load_config(path: str | os.PathLike[str] | None = None) -> Config:
@@ -192,7 +212,7 @@ def load_config(path: str | os.PathLike[str] | None = None) -> Config:
         raise ConfigError(f"{source}: {exc}") from exc
     except msgspec.DecodeError as exc:
         raise ConfigError(f"{source}: invalid TOML: {exc}") from exc
-    for check in (_remote_problem, _policy_problem, _exec_problem):
+    for check in (_remote_problem, _policy_problem, _exec_problem, _metrics_problem):
         if problem := check(config):
             raise ConfigError(f"{source}: {problem}")
     return config
@@ -235,6 +255,13 @@ def _exec_problem(config: Config) -> str:
         return ("exec.user must name an unprivileged account when server.control_uids or server.control_gids "
                 f"admit non-root managers (it is {config.exec.user!r}, which runs their exec and upload as "
                 f"{'the daemon' if not user else 'root'})")
+    return ""
+
+
+def _metrics_problem(config: Config) -> str:
+    address = config.metrics.address
+    if address and not address.startswith("unix:") and not 1 <= int(address.rpartition(":")[2]) <= 65535:
+        return f"metrics.address {address!r}: the port must be 1-65535"
     return ""
 
 

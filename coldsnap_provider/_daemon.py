@@ -4,6 +4,7 @@ Task ownership::
 
     Daemon.run ─┬─ control ConnectionServer ── its connections
                 ├─ SessionManager: one Session task per session ── its ConnectionServer ── its connections
+                ├─ metrics endpoint ── its connections; capsule report collector ([metrics])
                 ├─ hang-up watcher, maintenance (backend and remote nodes), watchdog
 
 Start: take the state directory's lock (one daemon per state directory), finish what a
@@ -21,6 +22,7 @@ import os
 import resource
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 import structlog
@@ -29,6 +31,7 @@ from anyio.abc import SocketListener, TaskStatus
 from coldsnap_runtime import CLEANUP_BUDGET_S, Backend, BackendError
 
 from . import __version__
+from ._audit import Audit
 from ._config import Config
 from ._control_handler import ControlHandler
 from ._errors import ConfigError
@@ -38,6 +41,10 @@ from ._operations import Operations
 from ._provider_handler import ProviderHandler
 from ._sessions import SessionManager, SessionRecord, SessionStore
 from ._systemd import notify, watchdog_interval
+
+if TYPE_CHECKING:
+    from ._metrics import Metrics  # prometheus_client is needed only with [metrics] on
+    from ._metrics_http import MetricsEndpoint
 
 __all__ = ("Daemon",)
 
@@ -59,8 +66,10 @@ class Daemon:
         operations: Operations,
         backend: Backend,
         control_fd: int | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.config = config
+        self.metrics = metrics  # None: no [metrics] address
         self.state_dir = state_dir
         self.operations = operations
         self.backend = backend
@@ -74,37 +83,51 @@ class Daemon:
         )
         self.sessions = SessionManager(SessionStore(state_dir), self._session_server,
                                        max_per_uid=server.max_sessions_per_uid)
+        self.audit = Audit(config.audit.file)  # closed when run() ends
+        if metrics is not None:
+            remotes = operations.remotes
+            metrics.watch(sessions=lambda: len(self.sessions), connections=lambda: self.state.connections,
+                          remotes=remotes.link_states if remotes is not None else None)
 
     def stop(self) -> None:
         """Begin a graceful shutdown (safe to call more than once)."""
         self._stop.set()
 
     def _session_server(self, record: SessionRecord, listener: SocketListener) -> ConnectionServer:
-        return ConnectionServer(listener, ProviderHandler(record, self.operations, self.state), self.state)
+        handler = ProviderHandler(record, self.operations, self.state, metrics=self.metrics, audit=self.audit)
+        return ConnectionServer(listener, handler, self.state)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         _raise_descriptor_limit()
-        with _single_instance(self.state_dir):
+        with _single_instance(self.state_dir), contextlib.closing(self.audit):
             self.sessions.store.prepare()
+            if self.operations.reports is not None:
+                self.operations.reports.prepare()
             if self.operations.groups is not None:
                 self.operations.groups.prepare()
                 self.operations.groups.sweep()
             recovered = await self._recover()
+            endpoint = await self._metrics_endpoint()  # bound before serving: a taken address stops the start
             control = ConnectionServer(
                 await self._control_listener(),
                 ControlHandler(self.config.server, sessions=self.sessions, operations=self.operations,
-                               backend=self.backend, state=self.state),
+                               backend=self.backend, state=self.state, metrics=self.metrics, audit=self.audit),
                 self.state,
             )
             async with anyio.create_task_group() as tg:
                 await tg.start(control.serve)
+                if endpoint is not None:
+                    await tg.start(endpoint.serve)
+                    log.info("metrics endpoint", address=self.config.metrics.address)
                 await self.sessions.start(task_group=tg)
                 log.info("ready", version=__version__, state_dir=str(self.state_dir), sessions=len(self.sessions))
                 notify("READY=1")
                 task_status.started()
                 tg.start_soon(self.state.watch_hangups)
                 tg.start_soon(self._maintain, recovered)
+                if self.operations.reports is not None:
+                    tg.start_soon(self.operations.reports.run, self.backend)
                 if (interval := watchdog_interval()) is not None:
                     tg.start_soon(_watchdog, interval)
                 await self._stop.wait()
@@ -115,6 +138,13 @@ class Daemon:
                 await self._drain()
                 tg.cancel_scope.cancel()
         log.info("stopped")
+
+    async def _metrics_endpoint(self) -> MetricsEndpoint | None:
+        if self.metrics is None or not self.config.metrics.address:
+            return None
+        from ._metrics_http import MetricsEndpoint, open_listener
+
+        return MetricsEndpoint(await open_listener(self.config.metrics.address), self.metrics)
 
     async def _drain(self) -> None:
         with anyio.move_on_after(self.config.server.shutdown_grace_s) as drain:

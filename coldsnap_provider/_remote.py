@@ -117,6 +117,11 @@ class RemoteNode:
             raise RemoteUnavailable(host=self.name, action=exc.action, detail=(
                 f"its Docker Engine ({self.config.docker_socket}) is unreachable: {exc.detail}")) from exc
 
+    @property
+    def connected(self) -> bool:
+        """Whether the node's SSH link is up now (it opens on first use)."""
+        return self._link.connected
+
     def hub(self, operation: str) -> HuggingfaceClient:
         raise RequestRejected(f"host-provider operation {operation!r} is not served for remote host {self.name!r}")
 
@@ -166,6 +171,10 @@ class Remotes:
     @property
     def hosts(self) -> frozenset[str]:
         return frozenset(self._by_host)
+
+    def link_states(self) -> list[tuple[str, bool]]:
+        """(host, its node's SSH link is up) for every configured host: coldsnap_provider_remote_up."""
+        return [(host, node.connected) for host, node in sorted(self._by_host.items())]
 
     def node(self, host: str) -> RemoteNode:
         return self._by_host[host]

@@ -20,6 +20,7 @@ import anyio
 from coldsnap_runtime import DockerBackend
 from coldsnap_runtime.backend import GpuPolicy, HostPolicy
 
+from ._capsule_reports import CapsuleReports
 from ._config import Config, node_names, spool_dir
 from ._daemon import Daemon
 from ._exec import ExecIdentity, GroupLedger, resolve_identity
@@ -31,6 +32,7 @@ from ._systemd import listen_fds
 
 if TYPE_CHECKING:
     from ._huggingface import HuggingfaceClient
+    from ._metrics import Metrics
 
 __all__ = ("host_policy", "serve", "uvloop_available")
 
@@ -47,6 +49,9 @@ async def serve(config: Config, state_dir: Path) -> None:
     """Run the daemon until SIGTERM/SIGINT, then drain it (ConfigError if the state directory is served)."""
     identity = resolve_identity(config.exec.user)
     fds = listen_fds()
+    metrics = _metrics(config)
+    reports = (CapsuleReports(state_dir / "capsule-reports", metrics)
+               if metrics is not None and config.metrics.capsule_reports else None)
     credentials = config.registry.credentials_file or None
     spool = Spool(directory=spool_dir(config), max_bytes=config.docker.copy_max_bytes)
     async with DockerBackend(
@@ -71,9 +76,10 @@ async def serve(config: Config, state_dir: Path) -> None:
             huggingface=_huggingface_client(config, identity),
             remotes=remotes,
             policy=_policy(config, state_dir),
+            reports=reports,
         )
         daemon = Daemon(config, state_dir=state_dir, operations=operations, backend=backend,
-                        control_fd=fds[0] if fds else None)
+                        control_fd=fds[0] if fds else None, metrics=metrics)
         async with remotes, anyio.create_task_group() as tg:
             tg.start_soon(_stop_on_signals, daemon)
             await daemon.run()
@@ -85,6 +91,18 @@ async def _stop_on_signals(daemon: Daemon) -> None:
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for _ in signals:
             daemon.stop()
+
+
+def _metrics(config: Config) -> Metrics | None:
+    """The daemon's metrics when `[metrics] address` is set (prometheus_client is imported only then)."""
+    if not config.metrics.address:
+        return None
+    import prometheus_client
+
+    from ._metrics import Metrics
+
+    prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # `_created` doubles a scrape
+    return Metrics()
 
 
 def _policy(config: Config, state_dir: Path) -> Policy:

@@ -11,11 +11,13 @@ from typing import TYPE_CHECKING, Any
 from ._archive import ArchiveRefused as ArchiveRefused
 from ._archive import check_members as check_members
 from ._base import MANAGER_UID_LABEL as MANAGER_UID_LABEL
+from ._base import REPORT_DIR_LABEL as REPORT_DIR_LABEL
 from ._base import Backend as Backend
 from ._base import Owner as Owner
 from ._base import RuntimeContext as RuntimeContext
 from ._base import dispatch as dispatch
 from ._base import with_manager_labels as with_manager_labels
+from ._base import with_report_dir as with_report_dir
 from ._gpus import GpuPolicy as GpuPolicy
 from ._gpus import HostPolicy as HostPolicy
 from ._ledger import LedgerEntry as LedgerEntry
@@ -27,9 +29,10 @@ if TYPE_CHECKING:
     from ._copy import extract_archive as extract_archive
     from ._docker import DockerBackend as DockerBackend
 
-__all__ = ("MANAGER_UID_LABEL", "ArchiveRefused", "Backend", "DockerBackend", "GpuPolicy", "HostPolicy",
-           "LedgerEntry", "Owner", "PrivilegeGrant", "RuntimeContext", "check_members", "container_config", "dispatch",
-           "extract_archive", "read_capabilities", "with_manager_labels")
+__all__ = ("MANAGER_UID_LABEL", "REPORT_DIR_LABEL", "ArchiveRefused", "Backend", "DockerBackend", "GpuPolicy",
+           "HostPolicy", "LedgerEntry", "Owner", "PrivilegeGrant", "RuntimeContext", "check_members",
+           "container_config", "dispatch", "extract_archive", "read_capabilities", "with_manager_labels",
+           "with_report_dir")
 
 
 def __getattr__(name: str) -> Any:

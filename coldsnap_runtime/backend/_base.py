@@ -9,6 +9,7 @@ owns copied files) and routes by action.
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 import msgspec
@@ -24,6 +25,7 @@ from ..schema import (
     ImagePush,
     ImageRemove,
     ImageTag,
+    Mount,
     RuntimeRequest,
     RuntimeResponse,
     WorkloadCopyFrom,
@@ -37,19 +39,16 @@ from ..schema import (
 )
 from ._ledger import LedgerEntry
 
-__all__ = (
-    "MANAGER_UID_LABEL",
-    "WORKLOAD_LABEL",
-    "Backend",
-    "LedgerEntry",
-    "Owner",
-    "RuntimeContext",
-    "dispatch",
-    "with_manager_labels",
-)
+__all__ = ("MANAGER_UID_LABEL", "REPORT_DIR_LABEL", "REPORT_ENV", "REPORT_TARGET", "WORKLOAD_LABEL",
+           "Backend", "LedgerEntry", "Owner", "RuntimeContext", "dispatch", "with_manager_labels", "with_report_dir")
 
 WORKLOAD_LABEL = "io.sparksq.coldsnap.workload"
 MANAGER_UID_LABEL = "io.coldsnap-provider.manager-uid"
+# A unit given a report directory: the directory's name (the daemon reaps those no unit holds).
+REPORT_DIR_LABEL = "io.coldsnap-provider.report-dir"
+# Where the unit sees its report directory, and the variable that tells its worker.
+REPORT_TARGET = "/run/coldsnap/reports"
+REPORT_ENV = "COLDSNAP_REPORT_DIR"
 
 
 class Owner(msgspec.Struct, frozen=True):
@@ -82,6 +81,9 @@ class RuntimeContext(msgspec.Struct, frozen=True, kw_only=True):
     # The admission policy's grant: `privileged: true` realised as exactly these capabilities
     # (None: as the host's [runtime] privileged says).
     capabilities: tuple[str, ...] | None = None
+    # A host directory for the in-capsule worker's reports, mounted read-write at REPORT_TARGET of
+    # a workload-run (the daemon's phase metrics); "" = none.
+    report_dir: str = ""
 
 
 class Backend(Protocol):
@@ -120,6 +122,16 @@ def with_manager_labels(spec: WorkloadSpec, ctx: RuntimeContext) -> WorkloadSpec
     if not ctx.cluster_id or not ctx.manager_labels or spec.labels.get(WORKLOAD_LABEL) != ctx.cluster_id:
         return spec
     return msgspec.structs.replace(spec, labels={**spec.labels, **ctx.manager_labels})
+
+
+def with_report_dir(spec: WorkloadSpec, ctx: RuntimeContext) -> WorkloadSpec:
+    """Mount the unit's report directory and name it in the environment, unless the manager took the target."""
+    if not ctx.report_dir or any(m.target == REPORT_TARGET for m in spec.mounts):
+        return spec
+    return msgspec.structs.replace(
+        spec, mounts=[*spec.mounts, Mount(source=ctx.report_dir, target=REPORT_TARGET)],
+        environment={**spec.environment, REPORT_ENV: REPORT_TARGET},
+        labels={**spec.labels, REPORT_DIR_LABEL: os.path.basename(ctx.report_dir)})
 
 
 _EMPTY = RuntimeResponse()
@@ -204,7 +216,7 @@ async def _dispatch(backend: Backend, request: RuntimeRequest, ctx: RuntimeConte
         case ImageBuildAction(build=build):
             await backend.image_build(build, owner=ctx.owner)
         case WorkloadRun(workload=spec):
-            spec = with_manager_labels(spec, ctx)
+            spec = with_report_dir(with_manager_labels(spec, ctx), ctx)
             if ctx.manager_uid is not None:
                 spec = msgspec.structs.replace(spec, labels={**spec.labels, MANAGER_UID_LABEL: str(ctx.manager_uid)})
             return await backend.workload_run(spec, allow_pull=ctx.allow_pull, capabilities=ctx.capabilities)

@@ -104,6 +104,23 @@ async def test_policy_non_root_manager_mount_outside_roots_refused_exactly_and_n
         assert all(set(e) <= {*ADMISSION_KEYS, "event", "level", "timestamp"} for e in admitted)
 
 
+async def test_policy_refusal_is_audited_with_its_profile(busybox_image: str, mount_root: Path) -> None:
+    """The audit trail names the decision and the profile of every runtime request (issue 26 item 3)."""
+    audit = mount_root / "audit.jsonl"
+    name = uniq("pol-audit")
+    async with running_daemon(policy_config(mount_root) + f'[audit]\nfile = "{audit}"\n') as daemon:
+        session = session_as(NOBODY, daemon)
+        refused = await run(session, image=busybox_image, name=name, command=["true"], network="host")
+        assert refused.error == "workload.network: host is refused by profile tenant (the host's network namespace)"
+        assert (await session.runtime("workload-remove", name=name)).ok
+    events = [json.loads(line) for line in audit.read_text().splitlines()]
+    runtime = [(e["action"], e["outcome"], e["decision"], e["profile"], e["uid"])
+               for e in events if e["operation"] == "runtime"]
+    assert runtime == [("workload-run", "rejected", "refused", "tenant", NOBODY),
+                       ("workload-remove", "ok", "admitted", "tenant", NOBODY)]
+    assert not container_exists(name)
+
+
 @pytest.mark.parametrize(("workload", "expected"), [
     pytest.param({"network": "host"}, "workload.network: host is refused by profile tenant", id="host-network"),
     pytest.param({"devices": [{"source": "/dev/kmsg"}]},
