@@ -6,8 +6,8 @@
   be referenced by name from production code: any module of the four packages or of `bench/`, other
   than the definition itself, the package's `__init__` re-export and `__all__`. Tests do not count;
   `main` (the entry points) does not need a caller. The check is by name, so it is generous (a method
-  named like another's counts as used); it catches code that nothing but a test reaches, which is
-  what #29 asked to wire in or delete.
+  named like another's counts as used, but a variable or an attribute assigned that name does not);
+  it catches code that nothing but a test reaches, which is what #29 asked to wire in or delete.
 
 Each failure lists every offender with its path and line.
 """
@@ -43,9 +43,9 @@ def references(path: Path) -> set[str]:
     """Every name `path` uses (loads, attributes, imports), not counting re-exports from a package __init__."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Name):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):  # a variable of that name is no caller
             names.add(node.id)
-        elif isinstance(node, ast.Attribute):
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
             names.add(node.attr)
         elif isinstance(node, ast.ImportFrom) and path.name != "__init__.py":
             names.update(alias.name for alias in node.names)
@@ -55,8 +55,8 @@ def references(path: Path) -> set[str]:
 def used_in_own_module(name: str, node: ast.AST, tree: ast.Module) -> bool:
     """Referenced in its module anywhere but inside its own definition (`node` is a node of `tree`)."""
     inside = {id(n) for n in ast.walk(node)}
-    return any((isinstance(n, ast.Name) and n.id == name) or (isinstance(n, ast.Attribute) and n.attr == name)
-               for n in ast.walk(tree) if id(n) not in inside)
+    return any(((isinstance(n, ast.Name) and n.id == name) or (isinstance(n, ast.Attribute) and n.attr == name))
+               and isinstance(n.ctx, ast.Load) for n in ast.walk(tree) if id(n) not in inside)
 
 
 def orphans(checked: Sequence[Path], production: Sequence[Path], root: Path) -> list[str]:
@@ -104,15 +104,17 @@ def test_modules_stay_within_600_lines_and_functions_under_60(package: str) -> N
 
 
 def test_the_caller_rule_can_fail(tmp_path: Path) -> None:
-    """Only-test-reached functions, classes and methods are found; used, private and entry points pass."""
+    """Functions, classes and methods nothing reaches are found (a same-named variable is no caller);
+    used ones, private ones and entry points pass."""
     (tmp_path / "_lib.py").write_text(
         "def used(): pass\ndef orphan(): pass\ndef _private(): pass\ndef main(): pass\n"
         "class Thing:\n    def called(self): pass\n    def never(self): pass\n"
-        "def recursive(): return recursive()\n")
-    (tmp_path / "app.py").write_text("from ._lib import used, Thing\nused()\nThing().called()\n")
+        "def recursive(): return recursive()\ndef shadowed(): pass\n")
+    (tmp_path / "app.py").write_text("from ._lib import used, Thing\nused()\nThing().called()\nshadowed = 1\n"
+                                     "Thing().never = 2\n")
     (tmp_path / "__init__.py").write_text("from ._lib import orphan as orphan\n__all__ = ('orphan',)\n")
     found = orphans([tmp_path / "_lib.py"], sorted(tmp_path.glob("*.py")), tmp_path)
-    assert found == ["_lib.py:2 orphan", "_lib.py:7 never", "_lib.py:8 recursive"]
+    assert found == ["_lib.py:2 orphan", "_lib.py:7 never", "_lib.py:8 recursive", "_lib.py:9 shadowed"]
 
 
 def test_the_size_rule_can_fail(tmp_path: Path) -> None:
