@@ -138,7 +138,8 @@ def import_circles(package: Path) -> list[list[str]]:
     return circles
 
 
-@pytest.mark.parametrize("package", ["coldsnap_provider", "coldsnap_runtime/backend", "coldsnap_probe"])
+@pytest.mark.parametrize("package", ["coldsnap_provider", "coldsnap_runtime", "coldsnap_runtime/backend",
+                                     "coldsnap_probe", "nccl_shim"])
 def test_package_modules_import_each_other_without_a_circle(package: str) -> None:
     """Regression: #29 (`_operations` and `_remote` imported each other); dependencies run one way."""
     assert import_circles(ROOT / package) == []
