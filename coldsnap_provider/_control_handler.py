@@ -167,7 +167,7 @@ class ControlHandler:
         decision = policy.admit_probe(request.image, uid=peer.uid, gid=peer.gid, host_process=request.host_process)
         options = ProbeOptions(driver=request.driver, device=request.device, image=request.image,
                                host_process=request.host_process,
-                               capabilities=decision.capabilities or (),
+                               capabilities=decision.capabilities,
                                seccomp_unconfined=policy.seccomp_unconfined(peer.uid, peer.gid),
                                manager_uid=peer.uid)
         result = "failed"

@@ -167,8 +167,11 @@ class Policy:
                         "refuses privileged workloads"))
         except _Refusal as refusal:
             self._refuse(profile, uid, "", "", "probe", refusal)
-        # A profile whose privileged is the whole host still probes with only what the probe needs.
-        capabilities = (None if profile.unrestricted else _grant(profile)) or CAPSULE_CAPABILITIES
+        # The probe runs as the profile's own privileged workloads would, never on the host network: a
+        # capabilities profile gets its capabilities; one whose `privileged` is the host's ([runtime]
+        # privileged: unrestricted, or privileged = "host") gets that, because CRIU's whole `criu check`
+        # needs a writable ns_last_pid, which a capability-only container lacks (measured on the H200).
+        capabilities = None if profile.unrestricted else _grant(profile)
         return self._admitted(profile, uid, "", "", "probe", capabilities)
 
     def seccomp_unconfined(self, uid: int, gid: int) -> bool:

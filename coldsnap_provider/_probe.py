@@ -44,8 +44,9 @@ class ProbeOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     criu: str = ""
     memory_bytes: int = 1 << 20
     timeout_s: float = 30.0
-    # The capsule containers' grant (the admission profile's): `privileged` is exactly these.
-    capabilities: tuple[str, ...] = CAPSULE_CAPABILITIES
+    # The capsule containers' grant (the admission profile's): `privileged` is exactly these
+    # (None: as [runtime] privileged says, for profiles that may run such workloads anyway).
+    capabilities: tuple[str, ...] | None = CAPSULE_CAPABILITIES
     seccomp_unconfined: bool = True
     # Whose probe this is: a host-process result is cached for this manager only (None: the CLI's own).
     manager_uid: int | None = None

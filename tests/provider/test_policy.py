@@ -391,3 +391,15 @@ def _mount(source: str) -> Any:
     from coldsnap_runtime.schema import Mount
 
     return Mount(source=source, target="/m")
+
+
+def test_probe_grant_is_what_the_profile_gives_its_privileged_workloads() -> None:
+    """Root's (unrestricted) probe runs as [runtime] privileged says, because CRIU's whole `criu check`
+    needs a writable ns_last_pid (H200, 2026-12-01); a capabilities profile's probe gets exactly its
+    capabilities; neither is on the host's network."""
+    from coldsnap_provider._probe import ProbeOptions, criu_workload
+
+    policy = Policy(PolicyConfig(), protected=[])
+    assert policy.admit_probe("img", uid=0, gid=0, host_process=False).capabilities is None
+    assert policy.admit_probe("img", uid=1000, gid=1000, host_process=False).capabilities == CAPSULE_CAPABILITIES
+    assert criu_workload(ProbeOptions(driver="n610", image="img", capabilities=None)).network == "none"
