@@ -20,6 +20,7 @@ REQUEST_KEYS = (
     "error_code",
     "error",
     "duration_ms",
+    "profile",  # the admission profile that admitted or refused a runtime action (_policy.py)
 )
 
 # The one `admission` event per decision of the runtime admission policy (_policy.py).
