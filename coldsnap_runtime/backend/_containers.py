@@ -118,8 +118,8 @@ class Containers:
 
     def _leftover(self, container_labels: dict[str, str]) -> bool:
         """Owned by an RPC of this instance that a previous process ran (it cannot still be waiting)."""
-        return bool(self.instance) and container_labels.get(INSTANCE_LABEL) == self.instance and \
-            container_labels.get(INCARNATION_LABEL) != self.incarnation
+        return (bool(self.instance) and container_labels.get(INSTANCE_LABEL) == self.instance
+                and container_labels.get(INCARNATION_LABEL) != self.incarnation)
 
     async def recover(self) -> None:
         """Remove the containers RPCs of an earlier process of this instance left (e.g. after SIGKILL)."""
