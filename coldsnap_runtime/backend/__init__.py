@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from ._kubernetes import KubernetesBackend as KubernetesBackend
 
 __all__ = ("MANAGER_UID_LABEL", "ArchiveRefused", "Backend", "DockerBackend", "GpuPolicy", "HostPolicy",
-           "KubernetesBackend", "Owner", "RuntimeContext", "check_members", "container_config", "dispatch", "with_manager_labels")
+           "KubernetesBackend", "Owner", "RuntimeContext", "check_members", "container_config", "dispatch",
+           "with_manager_labels")
 
 
 def __getattr__(name: str) -> Any:
