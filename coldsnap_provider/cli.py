@@ -139,10 +139,21 @@ def _checked_config(path: str | None) -> Config | None:
     try:
         config = load_config(path)
         resolve_identity(config.exec.user)
+        _check_kubeconfigs(config)
     except (ConfigError, ValueError) as exc:
         _err(str(exc))
         return None
     return config
+
+
+def _check_kubeconfigs(config: Config) -> None:
+    """Each [[kubernetes]] kubeconfig is a readable file (what it says is checked when the daemon opens it)."""
+    for index, cluster in enumerate(config.kubernetes):
+        try:
+            with open(cluster.kubeconfig, "rb"):
+                pass
+        except OSError as exc:
+            raise ConfigError(f"kubernetes[{index}].kubeconfig: {cluster.kubeconfig}: {exc.strerror}") from exc
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

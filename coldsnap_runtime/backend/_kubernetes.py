@@ -365,8 +365,12 @@ class KubernetesBackend:
             await anyio.sleep(_POLL_S)
 
     async def _delete(self, pod: str, *, action: str, ref: str) -> None:
-        """Delete now (grace 0, like Docker's forced remove) and wait until the apiserver no longer has it."""
-        body = {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0}
+        """Delete (1 s grace, then SIGKILL) and wait until the apiserver dropped the Pod.
+
+        Not grace 0: that drops the object at once while the kubelet still runs the containers; with a
+        grace period the object goes only after the kubelet confirmed them stopped.
+        """
+        body = {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 1}
         try:
             await self._call(action, self._core.delete_namespaced_pod(pod, self._namespace, body=body,
                                                                       _preload_content=False), kind="workload", ref=ref)
