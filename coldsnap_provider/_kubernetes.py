@@ -1,14 +1,12 @@
 """Hosts that are Kubernetes Nodes (``[[kubernetes]]``): runtime-v1 through the cluster, node-local work over SSH.
 
-Per configured host, one :class:`~coldsnap_runtime.backend.KubernetesBackend` (its Node, the entry's
-namespace and kubeconfig). What a host's request becomes:
-
-* ``runtime`` actions (and the legacy ``oci-pull``/``oci-push``) go to that host's backend, i.e. Pods on its
-  Node through the apiserver;
-* node-local operations (``exec``, ``upload`` and the destination of ``workload-copy-from``) need the node
-  itself, which the apiserver does not reach: they go over SSH when the host is also a ``[[remote]]``
-  entry, and are otherwise refused naming the host and what is missing. A copy-from is staged in a
-  private directory here and placed on the node over that connection.
+Per configured host, one :class:`KubernetesNode`: a host whose workloads are Pods on its Node (a
+:class:`~coldsnap_runtime.backend.KubernetesBackend`: the entry's kubeconfig, namespace and Node name).
+The apiserver does not reach the node itself, so the node-local operations (``exec``, ``upload`` and the
+destination of ``workload-copy-from``) go to a :class:`NodeAgent`, the same node's ``[[remote]]`` SSH
+connection, when the host has one; without it they are refused naming the host and what is missing. A
+copy-from is extracted into a private staging directory here, under the Docker backend's member rules,
+and placed on the node by the agent.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 import structlog
@@ -24,55 +22,107 @@ import structlog
 from coldsnap_runtime import RuntimeContext, dispatch
 from coldsnap_runtime.backend import KubernetesBackend
 from coldsnap_runtime.errors import RequestRejected
-from coldsnap_runtime.schema import WorkloadCopyFrom
+from coldsnap_runtime.schema import RuntimeRequest, RuntimeResponse, WorkloadCopyFrom
 
 from ._config import KubernetesConfig
-from ._envelope import Exec, OciPull, OciPush, Runtime, Upload
+from ._envelope import Exec, Upload
 
 if TYPE_CHECKING:
-    from ._exec import ExecIdentity
-    from ._operations import Operation, Outcome
-    from ._remote import Remotes
+    from ._exec import ExecResult
+    from ._huggingface import HuggingfaceClient
 
-__all__ = ("KubernetesHosts",)
+__all__ = ("KubernetesHosts", "KubernetesNode", "NodeAgent")
 
 log = structlog.get_logger(__name__)
 
 
+class NodeAgent(Protocol):
+    """What reaches a Kubernetes node itself (its ``[[remote]]`` SSH connection)."""
+
+    async def exec(self, request: Exec) -> ExecResult: ...
+    async def upload(self, request: Upload) -> None: ...
+    async def place_local_tree(self, local: str, root: str, destination: str, *, action: str) -> None:
+        """Send a private local tree (already checked) to `destination` on the node."""
+        ...
+
+
+class KubernetesNode:
+    """One ColdSnap host that is a Kubernetes Node: workloads through the cluster, node-local work through `agent`."""
+
+    def __init__(self, name: str, backend: KubernetesBackend, *, work_dir: Path, agent: NodeAgent | None) -> None:
+        self.name = name
+        self.backend = backend
+        self._work_dir = work_dir
+        self._agent = agent
+
+    def _node_agent(self, operation: str) -> NodeAgent:
+        if self._agent is None:
+            raise RequestRejected(
+                f"{operation} on host {self.name!r} needs the node itself, which the Kubernetes API does not reach: "
+                f"host {self.name!r} is a [[kubernetes]] Node without a [[remote]] entry (add one with the node's "
+                "SSH address to serve exec, upload and copy-from destinations there)")
+        return self._agent
+
+    async def exec(self, request: Exec) -> ExecResult:
+        return await self._node_agent("exec").exec(request)
+
+    async def upload(self, request: Upload) -> None:
+        await self._node_agent("upload").upload(request)
+
+    async def runtime(self, request: RuntimeRequest, ctx: RuntimeContext) -> RuntimeResponse:
+        if isinstance(request, WorkloadCopyFrom):
+            agent = self._node_agent("workload-copy-from (its destination)")
+            await self._copy_to_node(request, agent, ctx)
+            return RuntimeResponse()
+        return await dispatch(self.backend, request, ctx)
+
+    def hub(self, operation: str) -> HuggingfaceClient:
+        raise RequestRejected(f"host-provider operation {operation!r} is not served for Kubernetes host {self.name!r}")
+
+    async def _copy_to_node(self, copy: WorkloadCopyFrom, agent: NodeAgent, ctx: RuntimeContext) -> None:
+        """Out of the container into a private staging tree here (as the daemon), then onto the node by the agent."""
+        with tempfile.TemporaryDirectory(dir=self._work_dir, prefix="copy-") as staging:
+            root = os.path.basename(copy.path) or "root"
+            await self.backend.workload_copy_from(copy.name, copy.path, os.path.join(staging, root))
+            await agent.place_local_tree(os.path.join(staging, root), root, copy.destination,
+                                         action="workload-copy-from")
+
+
 class KubernetesHosts:
-    """Every host of every ``[[kubernetes]]`` entry, by ColdSnap host name; an async context manager."""
+    """Every host of every ``[[kubernetes]]`` entry, by ColdSnap host name; an async context manager.
+
+    `agents` maps a host that is also a ``[[remote]]`` entry to that connection.
+    """
 
     def __init__(self, configs: list[KubernetesConfig], *, state_dir: Path, instance: str,
-                 spool_dir: str | None = None) -> None:
+                 agents: dict[str, NodeAgent] | None = None, spool_dir: str | None = None) -> None:
         self._work_dir = state_dir / "kubernetes"
-        self._backends = {
-            host: KubernetesBackend(kubeconfig=config.kubeconfig, namespace=config.namespace, node=config.node(host),
-                                    instance=instance, request_timeout_s=config.request_timeout_s,
-                                    start_timeout_s=config.start_timeout_s, spool_dir=spool_dir)
+        self._nodes = {
+            host: KubernetesNode(host, KubernetesBackend(
+                kubeconfig=config.kubeconfig, namespace=config.namespace, node=config.node(host), instance=instance,
+                request_timeout_s=config.request_timeout_s, start_timeout_s=config.start_timeout_s,
+                spool_dir=spool_dir), work_dir=self._work_dir, agent=(agents or {}).get(host))
             for config in configs for host in config.hosts
         }
 
     @property
     def hosts(self) -> frozenset[str]:
-        return frozenset(self._backends)
+        return frozenset(self._nodes)
 
-    def serves(self, host: str) -> bool:
-        return host in self._backends
-
-    def backend(self, host: str) -> KubernetesBackend:
-        return self._backends[host]
+    def node(self, host: str) -> KubernetesNode:
+        return self._nodes[host]
 
     async def __aenter__(self) -> KubernetesHosts:
         entered: list[KubernetesBackend] = []
         try:
-            for backend in self._backends.values():
-                await backend.__aenter__()
-                entered.append(backend)
+            for node in self._nodes.values():
+                await node.backend.__aenter__()
+                entered.append(node.backend)
         except BaseException:
             for backend in entered:
                 await backend.aclose()
             raise
-        if self._backends:
+        if self._nodes:
             self._work_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         return self
 
@@ -80,65 +130,20 @@ class KubernetesHosts:
         await self.aclose()
 
     async def aclose(self) -> None:
-        for backend in self._backends.values():
-            await backend.aclose()
-
-    async def run(self, request: Operation, ctx: RuntimeContext, identity: ExecIdentity,
-                  remotes: Remotes | None) -> Outcome:
-        """One authorized operation for a host this object serves (Operations routes them here)."""
-        backend = self.backend(ctx.host)
-        match request:
-            case Exec() | Upload():
-                if remotes is None or not remotes.serves(ctx.host):
-                    raise _node_local_refused(request, ctx.host)
-                return await remotes.run(request, ctx, identity)
-            case Runtime(runtime=WorkloadCopyFrom() as copy):
-                if remotes is None or not remotes.serves(ctx.host):
-                    raise _node_local_refused(request, ctx.host)
-                await self._copy_to_node(backend, copy, ctx, remotes)
-                return None
-            case Runtime():
-                return await dispatch(backend, request.runtime, ctx)
-            case OciPull() | OciPush():
-                from ._operations import legacy_registry_action
-
-                await dispatch(backend, legacy_registry_action(request), ctx)
-                return None
-        operation = str(type(request).__struct_config__.tag)
-        raise RequestRejected(f"host-provider operation {operation!r} is not served for Kubernetes host {ctx.host!r}")
-
-    async def _copy_to_node(self, backend: KubernetesBackend, copy: WorkloadCopyFrom, ctx: RuntimeContext,
-                            remotes: Remotes) -> None:
-        """Out of the container into a private staging tree here, then onto the node over its SSH connection."""
-        with tempfile.TemporaryDirectory(dir=self._work_dir, prefix="copy-") as staging:
-            root = os.path.basename(copy.path) or "root"
-            await backend.workload_copy_from(copy.name, copy.path, os.path.join(staging, root))
-            await remotes.node(ctx.host).place_local_tree(os.path.join(staging, root), root, copy.destination,
-                                                          action="workload-copy-from")
-
-    async def recover(self) -> None:
-        for host, backend in self._backends.items():
-            try:
-                await backend.recover()
-            except Exception as exc:  # one cluster down must not stop the daemon's start
-                log.warning("kubernetes recovery deferred", host=host, error=str(exc))
+        for node in self._nodes.values():
+            await node.backend.aclose()
 
     async def run_maintenance(self, interval_s: float = 10.0) -> None:
-        """Periodic backend maintenance (deferred removals, remove_after_exit), owned by the daemon's task group."""
-        await self.recover()
+        """Recovery, then periodic maintenance (deferred removals, remove_after_exit); owned by the daemon."""
+        for name, node in self._nodes.items():
+            try:
+                await node.backend.recover()
+            except Exception as exc:  # one cluster down must not stop the daemon
+                log.warning("kubernetes recovery deferred", host=name, error=str(exc))
         while True:
             await anyio.sleep(interval_s)
-            for host, backend in self._backends.items():
+            for name, node in self._nodes.items():
                 try:
-                    await backend.maintain()
+                    await node.backend.maintain()
                 except Exception:
-                    log.exception("kubernetes maintenance failed", host=host)
-
-
-def _node_local_refused(request: Operation, host: str) -> RequestRejected:
-    operation = "workload-copy-from (its destination)" if isinstance(request, Runtime) else str(
-        type(request).__struct_config__.tag)
-    return RequestRejected(
-        f"{operation} on host {host!r} needs the node itself, which the Kubernetes API does not reach: "
-        f"host {host!r} is a [[kubernetes]] Node without a [[remote]] entry (add one with the node's SSH address "
-        "to serve exec, upload and copy-from destinations there)")
+                    log.exception("kubernetes maintenance failed", host=name)
