@@ -364,13 +364,19 @@ class KubernetesBackend:
                 return await self._logs(pod, name, tail=0, action="workload-run"), info.exit_code
             await anyio.sleep(_POLL_S)
 
-    async def _delete(self, pod: str, *, action: str, ref: str) -> None:
-        """Delete (1 s grace, then SIGKILL) and wait until the apiserver dropped the Pod.
+    async def _delete(self, current: dict[str, Any], *, action: str, ref: str) -> None:
+        """Delete exactly this Pod (its uid) and wait until the apiserver dropped it.
 
-        Not grace 0: that drops the object at once while the kubelet still runs the containers; with a
-        grace period the object goes only after the kubelet confirmed them stopped.
+        A Pod whose container runs gets 1 s of grace, then SIGKILL: the object goes only after the kubelet
+        confirmed the container stopped, so nothing of it runs after the reply (grace 0 would drop the object
+        at once while the kubelet still runs it). Any other Pod is removed at once (grace 0): nothing of the
+        workload runs, and a kubelet backing off an image pull would otherwise confirm only much later.
         """
-        body = {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 1}
+        metadata = current.get("metadata") or {}
+        pod = str(metadata.get("name") or "")
+        grace = 1 if workload_info(current, include_start_time=False).running else 0
+        body = {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": grace,
+                "preconditions": {"uid": metadata.get("uid")}}
         try:
             await self._call(action, self._core.delete_namespaced_pod(pod, self._namespace, body=body,
                                                                       _preload_content=False), kind="workload", ref=ref)
@@ -379,9 +385,11 @@ class KubernetesBackend:
         with anyio.fail_after(self._request_timeout_s + CLEANUP_BUDGET_S):
             while True:
                 try:
-                    await self._read_pod(pod, action, ref=ref)
+                    again = await self._read_pod(pod, action, ref=ref)
                 except NotFound:
                     return
+                if (again.get("metadata") or {}).get("uid") != metadata.get("uid"):
+                    return  # gone; the name already holds another Pod
                 await anyio.sleep(_POLL_S)
 
     async def _delete_own(self, pod: str) -> None:
@@ -391,7 +399,7 @@ class KubernetesBackend:
                 current = await self._read_pod(pod, "cleanup", ref=pod)
                 if ((current.get("metadata") or {}).get("labels") or {}).get(INCARNATION_LABEL) != self._incarnation:
                     return  # not ours (another process's, or someone else's): never touched
-                await self._delete(pod, action="cleanup", ref=pod)
+                await self._delete(current, action="cleanup", ref=pod)
                 self._pending_removal.discard(pod)
                 return
             except NotFound:
@@ -408,7 +416,7 @@ class KubernetesBackend:
         if pod is None:
             return  # already absent is success: it precedes every named launch
         try:
-            await self._delete(str(pod["metadata"]["name"]), action="workload-remove", ref=name)
+            await self._delete(pod, action="workload-remove", ref=name)
         except TimeoutError as exc:
             raise RuntimeFailed(action="workload-remove", detail=f"Pod of {name} still present after deletion") from exc
 
@@ -564,7 +572,7 @@ class KubernetesBackend:
             if workload_info(pod, include_start_time=False).state == "exited":
                 with anyio.move_on_after(CLEANUP_BUDGET_S, shield=True):
                     try:
-                        await self._delete(str(pod["metadata"]["name"]), action="cleanup", ref=workload_name(pod))
+                        await self._delete(pod, action="cleanup", ref=workload_name(pod))
                     except (BackendError, TimeoutError) as exc:
                         log.warning("remove_after_exit failed; will retry", error=str(exc))
 
@@ -579,7 +587,7 @@ class KubernetesBackend:
             log.info("removing a leftover of an earlier daemon", container_id=str(metadata.get("name")))
             with anyio.move_on_after(CLEANUP_BUDGET_S, shield=True):
                 try:
-                    await self._delete(str(metadata.get("name")), action="recover", ref=str(metadata.get("name")))
+                    await self._delete(pod, action="recover", ref=str(metadata.get("name")))
                 except (BackendError, TimeoutError) as exc:
                     log.warning("leftover removal failed", error=str(exc))
 
