@@ -242,3 +242,21 @@ async def test_images_are_refused_with_the_reason(cluster: Cluster) -> None:
             await backend.image_inspect("docker.io/local/absent:1")
         with pytest.raises(RuntimeFailed, match="by name and size only"):
             await backend.image_inspect(IMAGE)
+
+
+async def test_exec_in_a_container_that_exits_mid_stream_is_a_clear_failure(cluster: Cluster) -> None:
+    name = _name()
+    spec = WorkloadSpec(image=IMAGE, name=name, detached=True, pull_policy="never",
+                        command=["sh", "-c", "trap 'exit 0' TERM; while :; do sleep 0.2; done"])
+    async with _backend(cluster) as backend:
+        await backend.workload_run(spec, allow_pull=False)
+        try:
+            with anyio.fail_after(30), pytest.raises(RuntimeFailed, match="workload-exec failed"):
+                await backend.workload_exec(name, Execution(command=["sh", "-c", "echo partial; kill 1; sleep 20"]))
+            deadline = time.monotonic() + 20
+            while (info := await backend.workload_inspect(name, include_start_time=False)).running:
+                assert time.monotonic() < deadline
+                await anyio.sleep(0.2)
+            assert (info.state, info.exit_code) == ("exited", 0)
+        finally:
+            await backend.workload_remove(name)
