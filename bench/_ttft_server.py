@@ -211,31 +211,34 @@ def load_arena(path: str, gib: float, region_digest: str, strategy: str, kv_disc
 
 
 def serve(model: Model, path: str, arena: object = None) -> None:
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen()
+    """One generation per connection (coldsnap_probe.jsonline): token lines streamed, then the `done` line."""
+    from coldsnap_probe import jsonline
+
+    def generate(conn: socket.socket, _peer: jsonline.Peer) -> jsonline.Answer:
+        request = jsonline.read_request(conn)
+        if arena is not None:
+            arena.wait_ready()  # type: ignore[attr-defined]  # never serve half-hydrated weights
+        tokens, first_hash = list(request["prompt"]), None
+        pos = 0
+        for pos, token in enumerate(tokens[:-1]):
+            model.step(token, pos)
+        last, pos = tokens[-1], len(tokens) - 1
+        for _ in range(request["max_tokens"]):
+            logits = model.step(last, pos)
+            if first_hash is None:
+                first_hash = hashlib.sha256(logits.cpu().numpy().tobytes()).hexdigest()
+            last = int(logits.argmax())
+            jsonline.send_line(conn, {"token": last})
+            pos += 1
+        return {"done": True, "first_logits_sha256": first_hash}
+
+    server = jsonline.LineServer(jsonline.listen(path), generate, peers=jsonline.Peers(), request_timeout=600.0)
     stage("ready", socket=path)
-    while True:
-        conn, _ = listener.accept()
-        with conn, conn.makefile("rwb") as stream:
-            request = json.loads(stream.readline())
-            if arena is not None:
-                arena.wait_ready()  # type: ignore[attr-defined]  # never serve half-hydrated weights
-            tokens, first_hash = list(request["prompt"]), None
-            pos = 0
-            for pos, token in enumerate(tokens[:-1]):
-                model.step(token, pos)
-            last, pos = tokens[-1], len(tokens) - 1
-            for _ in range(request["max_tokens"]):
-                logits = model.step(last, pos)
-                if first_hash is None:
-                    first_hash = hashlib.sha256(logits.cpu().numpy().tobytes()).hexdigest()
-                last = int(logits.argmax())
-                stream.write(json.dumps({"token": last}).encode() + b"\n")
-                stream.flush()
-                pos += 1
-            stream.write(json.dumps({"done": True, "first_logits_sha256": first_hash}).encode() + b"\n")
-            stream.flush()
+    try:
+        server.run()
+    finally:
+        if arena is not None:
+            arena.stop_serving()  # type: ignore[attr-defined]
 
 
 def main() -> None:

@@ -219,11 +219,13 @@ class _Streamer:
         self.conn, self.prompt_seen = conn, False
 
     def put(self, value: Any) -> None:
+        from coldsnap_probe import jsonline
+
         if not self.prompt_seen:  # generate first hands over the prompt
             self.prompt_seen = True
             return
         for token in value.reshape(-1).tolist():
-            self.conn.sendall(json.dumps({"token": int(token), "unix": time.time()}).encode() + b"\n")
+            jsonline.send_line(self.conn, {"token": int(token), "unix": time.time()})
 
     def end(self) -> None:
         pass
@@ -279,26 +281,28 @@ def _serve(directory: str, socket_path: str, hydration: str, hydrator: str) -> N
         shutdown_compile_workers()
     except Exception as exc:  # recorded; the capture then dumps them too
         stage("compile_workers_kept", error=f"{type(exc).__name__}: {exc}")
-    if os.path.exists(socket_path):
-        os.unlink(socket_path)
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    # Bound at its final path: CRIU re-binds a listening socket under the name it was bound with.
-    server.bind(socket_path)
-    os.chmod(socket_path, 0o666)
-    server.listen(8)
+    from coldsnap_probe import jsonline
+
+    def answer(conn: socket.socket, _peer: jsonline.Peer) -> jsonline.Answer:
+        request = jsonline.read_request(conn)
+        tokens, digest = generate(list(request["prompt"]), int(request.get("max_tokens", 16)), _Streamer(conn))
+        stage("served", tokens=len(tokens))
+        return {"done": True, "tokens": tokens, "first_logits_sha256": digest}
+
+    # Bound at its final path: CRIU re-binds a listening socket under the name it was bound with. Mode 0600,
+    # root and this engine's uid only (jsonline.listen): the bench's client runs as root.
+    server = jsonline.LineServer(jsonline.listen(socket_path), answer, peers=jsonline.Peers(), request_timeout=600.0)
     # What warm-up and compilation freed stays cached by torch's allocator; returned now, it is not part of the
     # device state a capture checkpoints (and copies through the CRIU images).
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
     stage("ready", socket=socket_path, children=_children(), allocated=torch.cuda.memory_allocated(),
           reserved=torch.cuda.memory_reserved(), device_used=total - free)
-    while True:
-        conn, _ = server.accept()
-        with conn:
-            request = json.loads(conn.makefile("rb").readline())
-            tokens, digest = generate(list(request["prompt"]), int(request.get("max_tokens", 16)), _Streamer(conn))
-            conn.sendall(json.dumps({"done": True, "tokens": tokens, "first_logits_sha256": digest}).encode() + b"\n")
-        stage("served", tokens=len(tokens))
+    try:
+        server.run()
+    finally:
+        if arena is not None:
+            arena.stop_serving()
 
 
 def main() -> int:

@@ -40,6 +40,7 @@ import os
 import socket
 import sys
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -255,58 +256,37 @@ class Engine:
         return {"tokens": tokens, "first_logits_sha256": first}
 
 
-def _send(conn: socket.socket, value: dict[str, Any]) -> None:
-    conn.sendall(json.dumps(value).encode() + b"\n")
+def _handle(engine: Engine, directory: str, conn: socket.socket, request: dict[str, Any]) -> dict[str, Any]:
+    """The answer to one control request (a generation streams its tokens first)."""
+    from coldsnap_probe import jsonline
 
-
-def _read_request(conn: socket.socket) -> dict[str, Any]:
-    data = b""
-    while not data.endswith(b"\n"):
-        part = conn.recv(1 << 16)
-        if not part:
-            break
-        data += part
-    value = json.loads(data)
-    if not isinstance(value, dict):
-        raise ValueError("a request is one JSON object")
-    return value
-
-
-def _handle(engine: Engine, directory: str, conn: socket.socket, request: dict[str, Any]) -> None:
     op = request.get("op")
     if op == "quiesce":
         if request.get("policy") == "preserve-nccl-exec":
             raise ValueError("preserve-nccl-exec needs an admitted in-place NCCL provider; this engine has none")
-        _send(conn, {"ok": True, **engine.quiesce()})
-    elif op == "resume":
+        return {"ok": True, **engine.quiesce()}
+    if op == "resume":
         if (request.get("rank"), request.get("world_size")) != (engine.rank, engine.world_size):
             raise ValueError(f"resume names rank {request.get('rank')} of {request.get('world_size')}, "
                              f"this is rank {engine.rank} of {engine.world_size}")
-        _send(conn, {"ok": True, **engine.resume(str(request["store"]))})
-    elif op == "status":
-        _send(conn, {"ok": True, "rank": engine.rank, "communicators": engine.communicators,
-                     "graph": engine.graph is not None})
-    elif op == "generate":
-        prompt, max_tokens = [int(t) for t in request["prompt"]], int(request["max_tokens"])
-        if engine.rank != 0:
-            _send(conn, {"ok": True, **engine.generate(prompt, max_tokens)})
-            return
-        peers = []
-        for rank in range(1, engine.world_size):  # every rank must run the same collective steps
-            peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            peer.connect(os.path.join(directory, f"rank-{rank}.sock"))
-            _send(peer, {"op": "generate", "prompt": prompt, "max_tokens": max_tokens})
-            peers.append(peer)
-        result = engine.generate(prompt, max_tokens, emit=lambda line: _send(conn, line))
-        agree = True
-        for peer in peers:
-            with peer:
-                answer = json.loads(b"".join(iter(lambda p=peer: p.recv(1 << 16), b"")))
-            agree = agree and answer.get("tokens") == result["tokens"] and \
-                answer.get("first_logits_sha256") == result["first_logits_sha256"]
-        _send(conn, {"done": True, **result, "peers_agree": agree})
-    else:
+        return {"ok": True, **engine.resume(str(request["store"]))}
+    if op == "status":
+        return {"ok": True, "rank": engine.rank, "communicators": engine.communicators,
+                "graph": engine.graph is not None}
+    if op != "generate":
         raise ValueError(f"unknown op {op!r}")
+    prompt, max_tokens = [int(t) for t in request["prompt"]], int(request["max_tokens"])
+    if engine.rank != 0:
+        return {"ok": True, **engine.generate(prompt, max_tokens)}
+    message = {"op": "generate", "prompt": prompt, "max_tokens": max_tokens}
+    with ThreadPoolExecutor(max(1, engine.world_size - 1)) as pool:  # every rank runs the same collective steps
+        peers = [pool.submit(jsonline.request, os.path.join(directory, f"rank-{rank}.sock"), message, timeout=600.0)
+                 for rank in range(1, engine.world_size)]
+        result = engine.generate(prompt, max_tokens, emit=lambda line: jsonline.send_line(conn, line))
+        answers = [peer.result() for peer in peers]
+    agree = all(a.get("tokens") == result["tokens"] and a.get("first_logits_sha256") == result["first_logits_sha256"]
+                for a in answers)
+    return {"done": True, **result, "peers_agree": agree}
 
 
 def write_weights(rank: int, world_size: int, directory: str, layers: int) -> None:
@@ -342,25 +322,22 @@ def serve(rank: int, world_size: int, directory: str, layers: int) -> None:
     engine.arena.serve(os.path.join(directory, f"rank-{rank}.weights.sock"), strategy="ring")
     stage("process_group", seconds=engine.connect(os.path.join(directory, "init.store")))
     stage("graph_capture", seconds=engine.capture_graph())
+    from coldsnap_probe import jsonline
+
+    def answer(conn: socket.socket, _peer: jsonline.Peer) -> jsonline.Answer:
+        try:
+            return _handle(engine, directory, conn, jsonline.read_request(conn))
+        except Exception as exc:  # a bad request is answered (ok: false by the server), never fatal
+            stage("request_failed", error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc())
+            raise
+
     path = os.path.join(directory, f"rank-{rank}.sock")
-    if os.path.exists(path):
-        os.unlink(path)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(8)
+    server = jsonline.LineServer(jsonline.listen(path), answer, peers=jsonline.Peers(), request_timeout=600.0)
     stage("ready", socket=path)
-    while True:
-        conn, _ = listener.accept()
-        with conn:
-            try:
-                request = _read_request(conn)
-                _handle(engine, directory, conn, request)
-            except Exception as exc:  # a bad request is answered, never fatal
-                stage("request_failed", error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc())
-                try:
-                    _send(conn, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
-                except OSError:
-                    pass
+    try:
+        server.run()
+    finally:
+        engine.arena.stop_serving()
 
 
 def main() -> int:

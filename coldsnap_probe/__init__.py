@@ -8,6 +8,7 @@ from JSON only by their `from_json`/`to_json`; the profile functions the daemon 
 JSON documents it relays. Errors: `coldsnap_probe.errors` (root `ProbeError`).
 """
 
+from ._arena import WeightArena as WeightArena
 from ._cache import boot_id as boot_id
 from ._cache import cache_key as cache_key
 from ._cache import read_cached as read_cached
@@ -22,7 +23,6 @@ from ._features import attach_criu as attach_criu
 from ._features import decode_profile as decode_profile
 from ._features import qualify as qualify
 from ._features import validate_profile as validate_profile
-from ._features import validate_qualification as validate_qualification
 from ._features import with_criu as with_criu
 from ._graph import POLICIES as GRAPH_POLICIES
 from ._graph import RECIPE_MODES as RECIPE_MODES
@@ -34,12 +34,6 @@ from ._graph import graph_record as graph_record
 from ._graph import plan_graph_policy as plan_graph_policy
 from ._graph import resolve_graph_policy as resolve_graph_policy
 from ._graph import validate_graph_record as validate_graph_record
-from ._hydrate import WeightArena as WeightArena
-from ._hydrate import WeightRegion as WeightRegion
-from ._hydrate import chunk_digests as chunk_digests
-from ._hydrate import combine_digests as combine_digests
-from ._hydrate import region_digest as region_digest
-from ._hydrate import request as hydration_request
 from ._model import FEATURE_IDS as FEATURE_IDS
 from ._model import STATUSES as STATUSES
 from ._model import Contract as Contract
@@ -48,12 +42,17 @@ from ._model import Profile as Profile
 from ._model import Qualification as Qualification
 from ._model import QualificationScope as QualificationScope
 from ._model import Requirements as Requirements
+from ._weights import WeightRegion as WeightRegion
+from ._weights import chunk_digests as chunk_digests
+from ._weights import combine_digests as combine_digests
+from ._weights import region_digest as region_digest
 from ._worker import anonymous_memory as anonymous_memory
 from ._worker import image_digest as image_digest
 from .errors import AdmissionError as AdmissionError
 from .errors import ContractError as ContractError
 from .errors import ProbeError as ProbeError
 from .errors import ProfileError as ProfileError
+from .jsonline import request as hydration_request
 
 __all__ = (
     "CONTRACTS",
@@ -99,7 +98,6 @@ __all__ = (
     "resolve_graph_policy",
     "validate_graph_record",
     "validate_profile",
-    "validate_qualification",
     "with_criu",
     "write_cached",
 )

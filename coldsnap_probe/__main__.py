@@ -1,4 +1,5 @@
-"""`python -m coldsnap_probe profile|_target|_ipc_target`: JSON on stdout, diagnostics on stderr.
+"""`python -m coldsnap_probe profile [--qualification RECORD]|capture|restore|_target|_ipc_target`: JSON on
+stdout, diagnostics on stderr.
 
 Exit status: 0 after printing the JSON; 1 with `error: <Type>: <msg>` on stderr; 2 for bad arguments.
 """
@@ -18,6 +19,9 @@ def _parser() -> argparse.ArgumentParser:
     profile = sub.add_parser("profile", help="print the format-1 host feature profile")
     profile.add_argument("--memory-bytes", type=int, default=1 << 20)
     profile.add_argument("--timeout", type=float, default=30.0)
+    profile.add_argument("--qualification", metavar="RECORD",
+                         help="a coldsnap-qualification-record (JSON file, spec 5.6) for this exact environment: "
+                              "its unqualified or absent features are printed as passed; a negative is an error")
     capture = sub.add_parser("capture", help="checkpoint and dump a process tree (CUDA checkpoint + CRIU)")
     capture.add_argument("--pid", type=int, required=True)
     capture.add_argument("--images", required=True, help="new or empty directory for the images")
@@ -69,6 +73,12 @@ def main(argv: list[str] | None = None) -> int:
             from ._profile import build_profile
 
             profile = build_profile(args.memory_bytes, args.timeout).to_json()
+            if args.qualification:
+                from pathlib import Path
+
+                from ._features import apply_qualification
+
+                profile = apply_qualification(profile, json.loads(Path(args.qualification).read_text()))
             sys.stdout.write(json.dumps(profile, indent=2, sort_keys=True))
             sys.stdout.write("\n")
             return 0
@@ -94,22 +104,25 @@ def _worker(args: argparse.Namespace) -> int:
     if (args.world_size > 1 or args.coordinator) and not (args.coordinator and args.namespace):
         sys.stderr.write("error: several ranks need --coordinator and --namespace\n")
         return 2
+    coordinator = None
     try:
-        coordinator = None
         if args.coordinator:
             coordinator = Coordinator(Path(args.coordinator), args.namespace, args.rank, args.world_size,
                                       timeout=args.barrier_timeout)
         if args.command == "capture":
             report = capture(args.pid, Path(args.images), criu=args.criu, boundary=args.boundary,
                              digest=args.digest, hydration=args.hydration, coordinator=coordinator,
-                             engine=args.engine, graph_policy=args.graph_policy)
+                             engine=args.engine, graph_policy=args.graph_policy).to_json()
         else:
             report = restore(Path(args.images), criu=args.criu,
                              work=Path(args.work_dir) if args.work_dir else None, coordinator=coordinator,
-                             lazy_pages=args.lazy_pages)
+                             lazy_pages=args.lazy_pages).to_json()
     except (ProbeError, OSError, ValueError) as exc:
         sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")
         return 1
+    finally:
+        if coordinator is not None:
+            coordinator.close()
     sys.stdout.write(json.dumps(report, indent=2, sort_keys=True) + "\n")
     return 0
 

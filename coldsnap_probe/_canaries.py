@@ -97,6 +97,28 @@ class _Target:
                 stream.close()
 
 
+def _round_trip(driver: Driver, target: _Target, report: dict[str, Any]) -> None:
+    """Lock, checkpoint, restore and unlock the ready target, each state checked, then verify its bytes."""
+    ready = target.read_line()
+    report["target"] = ready
+    if ready.get("status") != "ready" or ready.get("pid") != target.process.pid:
+        raise CanaryFailed(f"CUDA target did not become ready: {ready}")
+    states = [driver.state(target.process.pid)]
+    for step in ("cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint", "cuCheckpointProcessRestore",
+                 "cuCheckpointProcessUnlock"):
+        driver.call(step, target.process.pid, None)
+        states.append(driver.state(target.process.pid))
+    report["states"] = states
+    if states != ["running", "locked", "checkpointed", "locked", "running"]:
+        raise CanaryFailed(f"unexpected checkpoint state sequence: {', '.join(states)}")
+    target.command("verify")
+    verification = target.read_line()
+    report["verification"] = verification
+    report["roundtrip_supported"] = verification.get("matches") is True
+    if not report["roundtrip_supported"]:
+        report["error"] = f"allocation contents changed across checkpoint/restore: {verification}"
+
+
 def checkpoint_report(memory_bytes: int, timeout: float) -> dict[str, Any]:
     """The `cuda-process-checkpoint-capability` report with the round trip (spec 2.3)."""
     report: dict[str, Any] = {"format": 1, "kind": "cuda-process-checkpoint-capability",
@@ -131,24 +153,7 @@ def checkpoint_report(memory_bytes: int, timeout: float) -> dict[str, Any]:
     target = _Target(memory_bytes, timeout)
     report["target_pid"] = target.process.pid
     try:
-        ready = target.read_line()
-        report["target"] = ready
-        if ready.get("status") != "ready" or ready.get("pid") != target.process.pid:
-            raise CanaryFailed(f"CUDA target did not become ready: {ready}")
-        states = [driver.state(target.process.pid)]
-        for step in ("cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint", "cuCheckpointProcessRestore",
-                     "cuCheckpointProcessUnlock"):
-            driver.call(step, target.process.pid, None)
-            states.append(driver.state(target.process.pid))
-        report["states"] = states
-        if states != ["running", "locked", "checkpointed", "locked", "running"]:
-            raise CanaryFailed(f"unexpected checkpoint state sequence: {', '.join(states)}")
-        target.command("verify")
-        verification = target.read_line()
-        report["verification"] = verification
-        report["roundtrip_supported"] = verification.get("matches") is True
-        if not report["roundtrip_supported"]:
-            report["error"] = f"allocation contents changed across checkpoint/restore: {verification}"
+        _round_trip(driver, target, report)
     except Exception as exc:
         report["roundtrip_supported"] = False
         report["error"] = _error_text(exc)
@@ -305,6 +310,19 @@ def ipc_canary(memory_bytes: int, timeout: float) -> FeatureResult:
             driver.call("cuMemFree_v2", dptr, required=False)
 
 
+def _pinned_read_write(cuda: Any, device: int) -> tuple[Any, Any]:
+    """A pinned allocation's properties on `device`, and read-write access to it from there."""
+    prop = cuda.CUmemAllocationProp()
+    prop.type = cuda.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = cuda.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = device
+    access = cuda.CUmemAccessDesc()
+    access.location.type = cuda.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    access.location.id = device
+    access.flags = cuda.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    return prop, access
+
+
 def vmm_canary() -> FeatureResult:
     started, phase = time.perf_counter(), "load"
     probe = "cuda-vmm-exact-v1"
@@ -316,14 +334,7 @@ def vmm_canary() -> FeatureResult:
         cuda = driver.cuda
         phase = "context"
         device = driver.context()
-        prop = cuda.CUmemAllocationProp()
-        prop.type = cuda.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        prop.location.type = cuda.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        prop.location.id = device
-        access = cuda.CUmemAccessDesc()
-        access.location.type = cuda.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        access.location.id = device
-        access.flags = cuda.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        prop, access = _pinned_read_write(cuda, device)
         phase = "granularity"
         size = int(driver.call("cuMemGetAllocationGranularity", prop,
                                cuda.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM))

@@ -11,6 +11,11 @@ stays on disk for the report.
 
 A namespace is one activation (one capture or one restore): arriving twice at a phase of a namespace is refused,
 so a reused namespace cannot let a rank pass a barrier on a previous activation's files.
+
+Only ranks write there: every rank runs as the same uid, so the namespace, its phase directories and every
+arrival or abort record must be owned by that uid and writable by no one else, and each is reached through
+the namespace's directory descriptor without following a link (O_NOFOLLOW). A namespace another user made
+in the root (with forged arrivals or an abort planted in it) is refused, never used (#24 finding 7).
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
+import secrets
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -28,20 +34,70 @@ from .errors import RankAborted, WorkerError
 __all__ = ("Coordinator",)
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def _write_new(path: Path, value: dict[str, Any]) -> bool:
-    """Write `path` whole if it does not exist yet; False when it already did."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # ranks' pids may be equal
+def _trusted(fd: int, what: str) -> None:
+    """Only this worker's uid (every rank's) may have made or be able to change `fd`: a file or directory
+    another user planted, or one others may write, is refused (#24 finding 7)."""
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid():
+        raise WorkerError(f"{what} is owned by uid {st.st_uid}, not this worker's uid {os.geteuid()}: "
+                          "it was not made by a rank")
+    if st.st_mode & 0o022:
+        raise WorkerError(f"{what} is writable by others (mode {stat.S_IMODE(st.st_mode):o}): not trusting it")
+
+
+def _open_dir(parent: int | None, name: str, what: str) -> int:
+    """`name` in `parent`, created 0700 or found; opened without following a link, then owner-checked."""
+    try:
+        os.mkdir(name, 0o700, dir_fd=parent)
+    except FileExistsError:
+        pass  # another rank of the activation made it: checked below like our own
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+    except OSError as exc:  # ELOOP: a symbolic link planted in its place
+        raise WorkerError(f"{what} cannot be opened as a directory: {exc.strerror}") from exc
+    try:
+        _trusted(fd, what)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _write_new(directory: int, name: str, value: dict[str, Any]) -> bool:
+    """Write `name` in `directory` whole if it does not exist yet; False when it already did."""
+    tmp = f".{name}.{secrets.token_hex(8)}"  # ranks' pids may be equal
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=directory)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(value, sort_keys=True))
-        os.link(tmp, path)  # atomic and exclusive: a reader never sees half a file, a second writer loses
+        # atomic and exclusive: a reader never sees half a file, a second writer loses
+        os.link(tmp, name, src_dir_fd=directory, dst_dir_fd=directory, follow_symlinks=False)
     except FileExistsError:
         return False
     finally:
-        os.unlink(tmp)
+        os.unlink(tmp, dir_fd=directory)
     return True
+
+
+def _exists(directory: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=directory, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _read(directory: int, name: str, what: str) -> Any:
+    """The JSON in `name`, a regular file a rank wrote (no link followed, owner checked)."""
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=directory)
+    with os.fdopen(fd, "rb") as f:
+        _trusted(fd, what)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise WorkerError(f"{what} is not a regular file")
+        return json.loads(f.read(1 << 20))
 
 
 class Coordinator:
@@ -57,11 +113,30 @@ class Coordinator:
             raise WorkerError(f"barrier timeout must be positive, got {timeout}")
         if root is None and world_size > 1:
             raise WorkerError("several ranks need a coordinator directory they all reach")
-        self.rank, self.world_size, self.timeout = rank, world_size, timeout
+        self.rank, self.world_size, self.timeout, self.namespace = rank, world_size, timeout, namespace
         self.directory = root / namespace if root is not None else None
-        if self.directory is not None:
-            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Invariant: every file and directory below is reached through this descriptor, never by a path.
+        self._fd: int | None = None
+        if root is not None:
+            root.mkdir(mode=0o700, parents=True, exist_ok=True)  # the operator's directory: its path is trusted
+            parent = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                self._fd = _open_dir(parent, namespace, f"coordinator namespace {root / namespace}")
+            finally:
+                os.close(parent)
         self.waits: dict[str, float] = {}
+
+    def close(self) -> None:
+        """Release the namespace's descriptor (the files stay, as the activation's evidence)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> Coordinator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @classmethod
     def single(cls) -> Coordinator:
@@ -73,21 +148,23 @@ class Coordinator:
         return self.world_size > 1
 
     def aborted(self) -> str | None:
-        if self.directory is None:
+        if self._fd is None:
             return None
         try:
-            return str(json.loads((self.directory / "abort.json").read_text())["reason"])
+            return str(_read(self._fd, "abort.json", "the abort record")["reason"])
         except FileNotFoundError:
             return None
+        except WorkerError as exc:
+            return str(exc)
         except (OSError, ValueError, KeyError, TypeError):
             return "the abort record is unreadable"
 
     def abort(self, reason: str) -> None:
         """Abort the activation for every rank (the first reason is kept)."""
-        if self.directory is None:
+        if self._fd is None:
             return
         try:  # called on failure paths: it must never raise in place of the failure it reports
-            _write_new(self.directory / "abort.json", {"rank": self.rank, "reason": reason,
+            _write_new(self._fd, "abort.json", {"rank": self.rank, "reason": reason,
                                                        "unix_ns": time.time_ns()})
         except OSError:
             pass
@@ -97,24 +174,34 @@ class Coordinator:
         """Arrive at `phase` with `value`; return every rank's value (by rank) once all have arrived."""
         if not _NAME.fullmatch(phase):
             raise WorkerError(f"phase must match {_NAME.pattern}, got {phase!r}")
-        if self.directory is None:
+        if self._fd is None:
             return [value or {}]
-        where = self.directory / phase
-        where.mkdir(mode=0o700, exist_ok=True)
-        if not _write_new(where / f"{self.rank}.json", {"rank": self.rank, "value": value or {},
-                                                        "unix_ns": time.time_ns()}):
-            claimed = self._slot(where, self.rank)
-            if "aborted" in claimed:  # a peer gave up on this rank before it arrived
-                raise RankAborted(f"activation aborted at {phase}: {claimed['aborted']}")
-            raise WorkerError(f"rank {self.rank} already arrived at {phase} in {self.directory.name}: "
-                              "a namespace serves one activation")
-        started = time.monotonic()
-        deadline = started + (timeout if timeout is not None else self.timeout)
+        where = _open_dir(self._fd, phase, f"the {phase} barrier of {self.directory}")
+        try:
+            self._arrive(where, phase, value or {})
+            started = time.monotonic()
+            self._wait(where, phase, started, started + (timeout if timeout is not None else self.timeout))
+            slots = [self._slot(where, phase, r) for r in range(self.world_size)]
+        finally:
+            os.close(where)
+        if gave_up := [s["aborted"] for s in slots if "aborted" in s]:
+            raise RankAborted(f"activation aborted at {phase}: {gave_up[0]}")
+        self.waits[phase] = time.monotonic() - started
+        return [dict(s.get("value") or {}) for s in slots]
+
+    def _arrive(self, where: int, phase: str, value: dict[str, Any]) -> None:
+        if _write_new(where, f"{self.rank}.json", {"rank": self.rank, "value": value, "unix_ns": time.time_ns()}):
+            return
+        claimed = self._slot(where, phase, self.rank)
+        if "aborted" in claimed:  # a peer gave up on this rank before it arrived
+            raise RankAborted(f"activation aborted at {phase}: {claimed['aborted']}")
+        raise WorkerError(f"rank {self.rank} already arrived at {phase} in {self.namespace}: "
+                          "a namespace serves one activation")
+
+    def _wait(self, where: int, phase: str, started: float, deadline: float) -> None:
+        """Until every rank's slot exists; on the deadline, claim the missing ones and abort."""
         pause = 0.0005
-        while True:
-            missing = [r for r in range(self.world_size) if not (where / f"{r}.json").exists()]
-            if not missing:
-                break
+        while missing := [r for r in range(self.world_size) if not _exists(where, f"{r}.json")]:
             if (reason := self.aborted()) is not None:
                 raise RankAborted(f"activation aborted at {phase}: {reason}")
             if time.monotonic() > deadline:
@@ -122,23 +209,19 @@ class Coordinator:
                           f"within {deadline - started:g} s")
                 # Claim the missing ranks' slots, so that a rank arriving now cannot pass this barrier while
                 # this one gives up: whichever writes a slot first decides.
-                if any([_write_new(where / f"{r}.json", {"rank": r, "aborted": reason}) for r in missing]):
+                if any([_write_new(where, f"{r}.json", {"rank": r, "aborted": reason}) for r in missing]):
                     self.abort(reason)
                     raise RankAborted(reason)
                 continue  # every missing rank arrived in the meantime
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
-        slots = [self._slot(where, r) for r in range(self.world_size)]
-        if gave_up := [s["aborted"] for s in slots if "aborted" in s]:
-            raise RankAborted(f"activation aborted at {phase}: {gave_up[0]}")
-        self.waits[phase] = time.monotonic() - started
-        return [dict(s.get("value") or {}) for s in slots]
 
-    def _slot(self, where: Path, rank: int) -> dict[str, Any]:
+    def _slot(self, where: int, phase: str, rank: int) -> dict[str, Any]:
+        what = f"rank {rank}'s arrival at {phase}"
         try:
-            value = json.loads((where / f"{rank}.json").read_text())
+            value = _read(where, f"{rank}.json", what)
         except (OSError, ValueError) as exc:
-            raise WorkerError(f"rank {rank}'s arrival at {where.name} is unreadable: {exc}") from exc
+            raise WorkerError(f"{what} is unreadable: {exc}") from exc
         if not isinstance(value, dict):
-            raise WorkerError(f"rank {rank}'s arrival at {where.name} is not an object")
+            raise WorkerError(f"{what} is not an object")
         return value

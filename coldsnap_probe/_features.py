@@ -22,7 +22,6 @@ __all__ = (
     "decode_profile",
     "qualify",
     "validate_profile",
-    "validate_qualification",
     "with_criu",
 )
 
@@ -90,9 +89,6 @@ def attach_criu(profile: dict[str, Any], driver: str) -> dict[str, Any]:
     return with_criu(Profile.from_json(profile), driver).to_json()
 
 
-def validate_qualification(value: Any) -> Qualification:
-    return Qualification.from_json(value)
-
-
-def apply_qualification(profile: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
+def apply_qualification(profile: dict[str, Any], record: Any) -> dict[str, Any]:
+    """`python -m coldsnap_probe profile --qualification`: the record validated (spec 5.6), then applied."""
     return qualify(Profile.from_json(profile), Qualification.from_json(record)).to_json()

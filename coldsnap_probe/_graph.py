@@ -6,7 +6,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NoReturn
 
 from .canonical import digest, go_floats
 from .errors import ContractError
@@ -160,65 +160,76 @@ def _count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def _fail(rule: str) -> NoReturn:
+    raise ContractError(f"graph policy record: {rule}")
+
+
 def validate_graph_record(record: dict[str, Any], *, engine: str, execution: dict[str, Any],
                           coverage: dict[str, Any] | None) -> None:
     """Go `GraphPolicyRecord.Validate`: every rule, each failure naming itself."""
-    def fail(rule: str) -> None:
-        raise ContractError(f"graph policy record: {rule}")
-
     if record.get("format") != 1:
-        fail("format must be 1")
+        _fail("format must be 1")
     requested, effective = record.get("policy_requested"), record.get("policy_effective")
     if requested not in POLICIES or effective not in POLICIES:
-        fail("requested and effective policies must be known")
+        _fail("requested and effective policies must be known")
     if record.get("decision") not in DECISIONS:
-        fail("decision must be one of the four codes")
-    audit = record.get("resource_audit")
+        _fail("decision must be one of the four codes")
+    audit = _validated_audit(record.get("resource_audit"), str(requested), str(effective))
+    if record["decision"] != (expected := _expected_decision(audit, str(requested), str(effective))):
+        _fail(f"decision must be {expected}")
+    _validate_recipe(record.get("recipe"), audit, engine=engine, execution=execution, coverage=coverage,
+                     requested=str(requested), effective=str(effective))
+
+
+def _validated_audit(audit: Any, requested: str, effective: str) -> dict[str, Any]:
+    """The resource audit's shape and counts, and what it allows of the policies."""
     if not isinstance(audit, dict) or set(audit) != set(_AUDIT_KEYS) or audit["format"] != 1:
-        fail("resource_audit must have format 1 and exactly its seven keys")
-    assert isinstance(audit, dict)
+        _fail("resource_audit must have format 1 and exactly its seven keys")
     if not all(_count(audit[k]) for k in ("nccl_communicators", "registered_windows", "external_semaphores",
                                           "provider_owned_allocations")):
-        fail("resource_audit counts must be non-negative integers")
+        _fail("resource_audit counts must be non-negative integers")
     if requested != "disabled" and effective not in ("recreate-from-plan", "preserve-nccl-exec"):
-        fail("an enabled policy must resolve to recreate-from-plan or preserve-nccl-exec")
+        _fail("an enabled policy must resolve to recreate-from-plan or preserve-nccl-exec")
     if audit["unknown_dependencies"] and effective not in ("recreate-from-plan", "disabled"):
-        fail("unknown dependencies allow only recreate-from-plan or disabled")
+        _fail("unknown dependencies allow only recreate-from-plan or disabled")
     if requested == "disabled" and (effective != "disabled" or any(
             audit[k] for k in _AUDIT_KEYS if k != "format")):
-        fail("disabled requires effective disabled and an all-zero audit")
+        _fail("disabled requires effective disabled and an all-zero audit")
     if requested == "recreate-from-plan" and effective != "recreate-from-plan":
-        fail("recreate-from-plan must stay recreate-from-plan")
+        _fail("recreate-from-plan must stay recreate-from-plan")
+    return audit
+
+
+def _expected_decision(audit: dict[str, Any], requested: str, effective: str) -> str:
+    """The decision code the requested policy and the audited communicators lead to (spec 5.4)."""
     communicators = audit["nccl_communicators"]
-    expected = "requested_policy_is_supported"
     if requested == "preserve-exec":
-        expected = ("graph_exec_preservation_is_unqualified" if communicators == 0
-                    else "provider_reconstructs_communicator")
-    elif requested == "preserve-nccl-exec":
-        if communicators == 0:
-            expected = "graph_exec_preservation_is_unqualified"
-            if effective != "recreate-from-plan" or not audit["unknown_dependencies"]:
-                fail("preserve-nccl-exec without communicators must recreate with unknown dependencies")
-        else:
-            expected = "qualified_exact_nccl_in_place"
-            if effective != "preserve-nccl-exec" or audit["unknown_dependencies"] or communicators != 1:
-                fail("preserve-nccl-exec with communicators must be retained, with exactly one communicator")
-    if record["decision"] != expected:
-        fail(f"decision must be {expected}")
-    recipe = record.get("recipe")
+        return "graph_exec_preservation_is_unqualified" if communicators == 0 else "provider_reconstructs_communicator"
+    if requested != "preserve-nccl-exec":
+        return "requested_policy_is_supported"
+    if communicators == 0:
+        if effective != "recreate-from-plan" or not audit["unknown_dependencies"]:
+            _fail("preserve-nccl-exec without communicators must recreate with unknown dependencies")
+        return "graph_exec_preservation_is_unqualified"
+    if effective != "preserve-nccl-exec" or audit["unknown_dependencies"] or communicators != 1:
+        _fail("preserve-nccl-exec with communicators must be retained, with exactly one communicator")
+    return "qualified_exact_nccl_in_place"
+
+
+def _validate_recipe(recipe: Any, audit: dict[str, Any], *, engine: str, execution: dict[str, Any],
+                     coverage: dict[str, Any] | None, requested: str, effective: str) -> None:
     kind = "coldsnap-engine-graph-recipe"
     if not isinstance(recipe, dict) or recipe.get("format") != 1 or recipe.get("kind") != kind:
-        fail("recipe must have format 1 and kind coldsnap-engine-graph-recipe")
-    assert isinstance(recipe, dict)
+        _fail("recipe must have format 1 and kind coldsnap-engine-graph-recipe")
     if recipe.get("engine") != engine or recipe.get("shape_calibration_policy") not in SHAPE_POLICIES:
-        fail("recipe engine must match and its shape calibration policy be auto, enabled or disabled")
+        _fail("recipe engine must match and its shape calibration policy be auto, enabled or disabled")
     units = len(coverage.get("units", [])) if coverage else 0
     if not _count(recipe.get("calibration_units")) or recipe["calibration_units"] != units:
-        fail("recipe calibration_units must equal the coverage unit count")
+        _fail("recipe calibration_units must equal the coverage unit count")
     if not isinstance(recipe.get("plan_sha256"), str) or not _DIGEST.match(recipe["plan_sha256"]):
-        fail("recipe plan_sha256 must be sha256:<64 hex>")
-    if recipe.get("mode") != RECIPE_MODES.get(str(effective)):
-        fail("recipe mode must match the effective policy")
-    if recipe["plan_sha256"] != recipe_digest(engine=engine, execution=execution, requested=str(requested),
-                                              effective=str(effective), audit=audit, coverage=coverage):
-        fail("recipe plan_sha256 does not recompute")
+        _fail("recipe plan_sha256 must be sha256:<64 hex>")
+    if recipe.get("mode") != RECIPE_MODES.get(effective):
+        _fail("recipe mode must match the effective policy")
+    if recipe["plan_sha256"] != recipe_digest(engine=engine, execution=execution, requested=requested,
+                                              effective=effective, audit=audit, coverage=coverage):
+        _fail("recipe plan_sha256 does not recompute")

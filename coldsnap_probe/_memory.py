@@ -22,9 +22,7 @@ __all__ = (
     "MemoryCheckpointPlan",
     "MemoryLayoutDescriptor",
     "MemoryRegion",
-    "MemoryResidencyStats",
     "ProviderCapabilities",
-    "agree_checkpoint_plans",
     "layout_digest",
     "plan_digest",
     "require_checkpoint_plan",
@@ -175,35 +173,6 @@ class MemoryLayoutDescriptor:
             raise MemoryCapabilityError(f"malformed memory layout: {exc}") from exc
         layout.validate()
         return layout
-
-
-@dataclass(frozen=True, slots=True)
-class MemoryResidencyStats:
-    provider: str
-    region: str
-    logical_bytes: int
-    mapped_physical_bytes: int
-    reserved_physical_bytes: int
-    preserved_bytes: int
-    discardable_bytes: int
-    externally_hydrated_bytes: int
-    allocation_count: int
-    page_count: int
-    released_mapping_count: int
-    lifecycle_revision: int
-    lifecycle_epoch: str
-    format: int = 1
-
-    def __post_init__(self) -> None:
-        numbers = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                   if f.type == "int" and f.name != "format"}
-        _non_negative(**numbers)
-        if not self.lifecycle_epoch:
-            raise MemoryCapabilityError("lifecycle_epoch must be non-empty")
-        if self.released_mapping_count > self.allocation_count:
-            raise MemoryCapabilityError("released_mapping_count must not exceed allocation_count")
-        if self.preserved_bytes + self.discardable_bytes + self.externally_hydrated_bytes > self.mapped_physical_bytes:
-            raise MemoryCapabilityError("preserved + discardable + externally hydrated bytes exceed mapped bytes")
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,24 +344,3 @@ def require_checkpoint_plan(capabilities: ProviderCapabilities,
     if len(plan.participants) > 1 and any(a != "retain" for a in (*plan.actions, *plan.transport_actions)):
         capabilities.require("distributed_atomic_mapping", "a mapping change across participants")
     return plan
-
-
-def agree_checkpoint_plans(plans: Sequence[MemoryCheckpointPlan]) -> str:
-    """Every rank's plan must agree on everything but its own layouts; returns the agreement digest."""
-    if not plans:
-        raise MemoryCapabilityError("no checkpoint plans to agree on")
-    for plan in plans:
-        plan.validate()
-
-    def shared(p: MemoryCheckpointPlan) -> tuple[Any, ...]:
-        return (p.generation, p.provider, p.provider_abi, p.policies, p.actions, p.transport_actions,
-                p.participants, p.terminal_on_failure, p.abort_safe)
-
-    if any(shared(p) != shared(plans[0]) for p in plans):
-        raise MemoryCapabilityError("checkpoint plans disagree across ranks")
-    owners = sorted(p.owner for p in plans)
-    if len(plans) != len(plans[0].participants) or owners != list(plans[0].participants):
-        raise MemoryCapabilityError("checkpoint plans disagree: one plan per participant is required")
-    return digest({"format": 1, "kind": "coldsnap-memory-checkpoint-plan-agreement",
-                   "plans": sorted([p.owner, p.plan_digest] for p in plans)})
-

@@ -15,7 +15,8 @@
     │   └── NotCanonical            a value has no canonical JSON (NaN or an infinity), so no digest
     ├── WorkerError                 a capture or restore step failed
     │   └── RankAborted             a multi-rank activation was aborted (by a rank, or a peer never arrived)
-    └── HydrationError              weight hydration refused or failed (names the region when one is at fault)
+    ├── HydrationError              weight hydration refused or failed (names the region when one is at fault)
+    └── ChannelError                a JSON-line socket (`jsonline`) could not be reached, refused or answered badly
 
 A canary never lets its errors escape: it turns them into a `failed` or `unsupported`
 feature result whose reason is ``<Type>: <message>``, so the class names here are part of
@@ -29,6 +30,7 @@ from __future__ import annotations
 __all__ = (
     "AdmissionError",
     "CanaryFailed",
+    "ChannelError",
     "ContractError",
     "CudaError",
     "CudaLibraryMissing",
@@ -125,6 +127,10 @@ class HydrationError(ProbeError):
     def __init__(self, message: str, *, region: str = "") -> None:
         super().__init__(f"region {region}: {message}" if region else message)
         self.region = region  # the weight region at fault, "" when the failure is not about one region
+
+
+class ChannelError(ProbeError):
+    """A JSON-line socket could not be created or reached, or its answer was not one JSON object."""
 
 
 class RankAborted(WorkerError):

@@ -15,7 +15,7 @@ from msgspec import Meta, Struct
 from ._errors import ConfigError
 
 __all__ = ("Config", "ConfigError", "KubernetesConfig", "RemoteConfig", "default_state_dir", "load_config",
-           "node_names")
+           "node_names", "spool_dir")
 
 
 class _Section(Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -51,7 +51,10 @@ class ExecConfig(_Section, frozen=True):
 
 class DockerConfig(_Section, frozen=True):
     url: Annotated[str, Meta(min_length=1)] = "unix:///var/run/docker.sock"
-    spool_dir: str = ""
+    # Where copies and build contexts are spooled, on disk ("" = /var/tmp); never the state directory.
+    spool_dir: Annotated[str, Meta(pattern=r"^(?:/[^\x00]*)?\Z")] = ""
+    # The most bytes one copy may spool (its tar's size: a sparse file counts in full).
+    copy_max_bytes: Annotated[int, Meta(ge=1 << 20)] = 32 << 30
 
 
 class RegistryConfig(_Section, frozen=True):
@@ -99,6 +102,8 @@ class RemoteConfig(_Section, frozen=True, kw_only=True):
     connect_timeout_s: Annotated[float, Meta(gt=0)] = 10.0
     keepalive_interval_s: Annotated[float, Meta(gt=0)] = 15.0
     max_sessions: Annotated[int, Meta(ge=1)] = 10  # the remote sshd's MaxSessions (OpenSSH default 10)
+    # Registries whose credentials ([registry] credentials_file) may be sent to this node's engine.
+    registries: list[Annotated[str, Meta(min_length=1, pattern=r"^[^\s/\x00]+$")]] = []
 
 
 # A DNS-1123 label (a namespace) and subdomain (a Node name), as the apiserver checks them.
@@ -212,6 +217,11 @@ def default_state_dir(uid: int | None = None, environ: Mapping[str, str] | None 
     if runtime_dir and os.path.isabs(runtime_dir) and os.path.isdir(runtime_dir):
         return Path(runtime_dir) / "coldsnap-provider"
     return Path(f"/tmp/coldsnap-provider-{uid}")
+
+
+def spool_dir(config: Config) -> str:
+    """Where the daemon spools copies and build contexts: on disk, not the (tmpfs) state directory."""
+    return config.docker.spool_dir or "/var/tmp"
 
 
 def node_names(config: Config) -> frozenset[str]:

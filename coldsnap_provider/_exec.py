@@ -16,10 +16,9 @@ import anyio
 import anyio.abc
 import structlog
 
-from coldsnap_runtime import OUTPUT_LIMIT
-from coldsnap_runtime.errors import ColdsnapError, OutputTooLarge, RequestRejected, RuntimeFailed
+from coldsnap_runtime.errors import RequestRejected, RuntimeFailed
 
-from ._framing import charge
+from ._output import check_argv, collect_output, exit_code
 
 __all__ = (
     "ExecIdentity",
@@ -109,8 +108,7 @@ async def run_argv(
 
     The program runs in its own process group, recorded in `groups` while it runs, so that a
     daemon that was killed can finish it off at its next start."""
-    if any("\x00" in a for a in argv):
-        raise RequestRejected("exec arguments must not contain NUL")
+    check_argv(argv)
     argv = as_identity(argv, identity)
     try:
         process = await anyio.open_process(
@@ -144,45 +142,20 @@ async def run_argv(
 
 
 async def _collect(process: anyio.abc.Process, stdin: bytes) -> ExecResult:
-    outputs: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
-    total = 0
-    refusal: ColdsnapError | None = None
-
-    async def drain(name: str, stream: anyio.abc.ByteReceiveStream) -> None:
-        nonlocal total, refusal
-        chunks = outputs[name]
-        async for chunk in stream:
-            total += len(chunk)
-            try:
-                if total > OUTPUT_LIMIT:
-                    raise OutputTooLarge(action="exec", limit=OUTPUT_LIMIT)
-                charge(len(chunk))  # the daemon's byte budget: many large outputs at once are refused
-            except ColdsnapError as exc:  # kept, not raised here: it would arrive in an ExceptionGroup
-                refusal = exc
-                tg.cancel_scope.cancel()
-                return
-            chunks.append(chunk)
-
-    async def feed(stream: anyio.abc.ByteSendStream) -> None:
+    async def feed() -> None:
+        assert process.stdin is not None
         try:
-            await stream.send(stdin)
+            await process.stdin.send(stdin)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             pass  # the program stopped reading; that is its business
         finally:
-            await stream.aclose()
+            await process.stdin.aclose()
 
-    async with anyio.create_task_group() as tg:
-        if process.stdin is not None:
-            tg.start_soon(feed, process.stdin)
-        if process.stdout is not None:
-            tg.start_soon(drain, "stdout", process.stdout)
-        if process.stderr is not None:
-            tg.start_soon(drain, "stderr", process.stderr)
-    if refusal is not None:
-        raise refusal
+    streams = [stream for stream in (process.stdout, process.stderr) if stream is not None]
+    outputs = await collect_output(streams, feed if process.stdin is not None else None)
     code = await process.wait()
-    stdout, stderr = b"".join(outputs.pop("stdout")), b"".join(outputs.pop("stderr"))
-    return ExecResult(code if code >= 0 else 128 - code, stdout, stderr)
+    stdout, stderr = outputs[0], outputs[1] if len(outputs) > 1 else b""
+    return ExecResult(exit_code(code), stdout, stderr)
 
 
 async def _kill_group(process: anyio.abc.Process) -> None:

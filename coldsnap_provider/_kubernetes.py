@@ -21,11 +21,12 @@ import structlog
 
 from coldsnap_runtime import RuntimeContext, dispatch
 from coldsnap_runtime.backend import KubernetesBackend
-from coldsnap_runtime.errors import RequestRejected
+from coldsnap_runtime.errors import BackendError, RequestRejected
 from coldsnap_runtime.schema import RuntimeRequest, RuntimeResponse, WorkloadCopyFrom
 
 from ._config import KubernetesConfig
 from ._envelope import Exec, Upload
+from ._errors import ConfigError
 
 if TYPE_CHECKING:
     from ._exec import ExecResult
@@ -115,8 +116,11 @@ class KubernetesHosts:
     async def __aenter__(self) -> KubernetesHosts:
         entered: list[KubernetesBackend] = []
         try:
-            for node in self._nodes.values():
-                await node.backend.__aenter__()
+            for name, node in self._nodes.items():
+                try:
+                    await node.backend.__aenter__()
+                except BackendError as exc:  # an unusable kubeconfig: the daemon does not start
+                    raise ConfigError(f"kubernetes host {name!r}: {exc}") from exc
                 entered.append(node.backend)
         except BaseException:
             for backend in entered:

@@ -1,15 +1,16 @@
 """The operations: from an authenticated request and its session to an outcome (the handler replies).
 
-Each operation goes to this node (exec as `exec.user`, runtime-v1 through the backend, the Hub
-client) or, for a host served by another node, to that node over SSH (``_remote``).
+Every operation is routed once, in :meth:`Operations.run`: the session's host is checked and resolved
+to the :class:`~._hosts.Host` that serves it (this node, or a node reached over SSH), and the host runs
+it. This module knows no host kind's details; the hosts know nothing of it.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from coldsnap_runtime import Backend, Owner, RuntimeContext, dispatch
-from coldsnap_runtime.errors import RequestRejected, RuntimeFailed
+from coldsnap_runtime import Backend, Owner, RuntimeContext
+from coldsnap_runtime.errors import RequestRejected
 from coldsnap_runtime.schema import ImagePull, ImagePush, RuntimeResponse
 
 from ._envelope import (
@@ -21,13 +22,14 @@ from ._envelope import (
     Runtime,
     Upload,
 )
-from ._exec import ExecIdentity, ExecResult, GroupLedger, run_argv
+from ._exec import ExecIdentity, ExecResult, GroupLedger
+from ._hosts import Host, LocalHost
 from ._sessions import SessionRecord
 
 if TYPE_CHECKING:
     from ._huggingface import HuggingfaceClient
+    from ._kubernetes import KubernetesHosts
     from ._remote import Remotes
-
 __all__ = ("Operation", "Operations", "Outcome", "legacy_registry_action")
 
 # Every request but `capabilities`, which the handler answers itself.
@@ -56,6 +58,7 @@ class Operations:
         allow_push: bool,
         huggingface: HuggingfaceClient | None = None,
         remotes: Remotes | None = None,
+        kubernetes: KubernetesHosts | None = None,
     ) -> None:
         self.provider_name = provider_name
         self.backend = backend
@@ -69,6 +72,13 @@ class Operations:
         self.allow_push = allow_push
         self.huggingface = huggingface
         self.remotes = remotes  # hosts served by other nodes over SSH ([[remote]]; _remote.py)
+        local = LocalHost(backend=backend, identity=identity, groups=groups, huggingface=huggingface)
+        # Every host name this daemon serves -> the node that serves it (config forbids overlaps).
+        self._hosts: dict[str, Host] = {name: local for name in node_names}
+        if remotes is not None:
+            self._hosts.update({name: remotes.node(name) for name in remotes.hosts})
+        if kubernetes is not None:  # a Kubernetes host that is also a [[remote]] uses it as its node agent
+            self._hosts.update({name: kubernetes.node(name) for name in kubernetes.hosts})
         # Reference order; only what is implemented and enabled.
         self.capabilities = [
             "exec",
@@ -81,49 +91,36 @@ class Operations:
 
     async def run(self, request: Operation, record: SessionRecord) -> Outcome:
         """Run one authenticated, capability-checked operation; the handler turns the outcome into the reply."""
-        self._authorize_host(request.host, record)
+        host = self._route(request.host, record)
         ctx = self._runtime_context(request.host, record)
-        if self.remotes is not None and self.remotes.serves(request.host):
-            return await self.remotes.run(request, ctx, self.identity)
         match request:
             case Exec():
-                return await run_argv(request.arguments, stdin=request.input, combined=request.combined,
-                                      identity=self.identity, groups=self.groups)
+                return await host.exec(request)
             case Upload():
-                await self._upload(request)
+                await host.upload(request)
             case Runtime():
-                return await dispatch(self.backend, request.runtime, ctx)
+                return await host.runtime(request.runtime, ctx)
             case HuggingfacePublish():
-                await self._hub("huggingface-publish").publish(request)
+                await host.hub("huggingface-publish").publish(request)
             case HuggingfaceResolve():
-                return await self._hub("huggingface-resolve").resolve(request)
+                return await host.hub("huggingface-resolve").resolve(request)
             case OciPull() | OciPush():  # legacy top-level forms of the runtime registry actions
-                await dispatch(self.backend, legacy_registry_action(request), ctx)
+                await host.runtime(legacy_registry_action(request), ctx)
         return None
+
+    def _route(self, host: str, record: SessionRecord) -> Host:
+        """Where a request enters host routing: the node serving `host`, if the session may reach it."""
+        if host not in record.hosts:
+            raise RequestRejected("host-provider target is outside this request")
+        try:
+            return self._hosts[host]
+        except KeyError:
+            raise RequestRejected(
+                f"host-provider target {host!r} is authorized but not served by this node "
+                f"(it serves: {', '.join(sorted(self.node_names))}; see node.names)"
+            ) from None
 
     def _runtime_context(self, host: str, record: SessionRecord) -> RuntimeContext:
         return RuntimeContext(host=host, allow_pull=self.allow_pull, owner=self.owner,
                               cluster_id=record.cluster_id, manager_labels=record.labels,
                               manager_uid=record.uid)
-
-    def _hub(self, operation: str) -> HuggingfaceClient:
-        if self.huggingface is None:  # the handler's capability gate stops this first
-            raise RequestRejected(f"unsupported host-provider capability '{operation}'")
-        return self.huggingface
-
-    def _authorize_host(self, host: str, record: SessionRecord) -> None:
-        if host not in record.hosts:
-            raise RequestRejected("host-provider target is outside this request")
-        if host not in self.node_names and not (self.remotes is not None and self.remotes.serves(host)):
-            raise RequestRejected(
-                f"host-provider target {host!r} is authorized but not served by this node "
-                f"(it serves: {', '.join(sorted(self.node_names))}; see node.names)"
-            )
-
-    async def _upload(self, request: Upload) -> None:
-        """Copy node-local sources to the destination with the exec identity (like `cp [-R]`)."""
-        argv = ["cp", *(["-R"] if request.recursive else []), "--", *request.sources, request.destination]
-        result = await run_argv(argv, identity=self.identity, groups=self.groups)
-        if result.exit_code != 0:
-            detail = result.stderr.decode("utf-8", "replace").strip()
-            raise RuntimeFailed(action="upload", detail=f"cp exited {result.exit_code}: {detail}")

@@ -19,7 +19,7 @@ import msgspec
 
 from . import __version__
 from ._client import call, call_control
-from ._config import Config, default_state_dir, load_config, node_names
+from ._config import Config, default_state_dir, load_config, node_names, spool_dir
 from ._errors import ConfigError, ControllerRefused, ProtocolError, ReplyError
 
 if TYPE_CHECKING:
@@ -57,13 +57,14 @@ def _state_dir(args: argparse.Namespace, config: Config | None = None) -> Path:
 # --- serve -------------------------------------------------------------------------------
 
 
-def _host_policy(config: Config) -> HostPolicy:
-    """[gpus] and [runtime] for the Docker backend."""
+def _host_policy(config: Config, *, remote: bool = False) -> HostPolicy:
+    """[gpus] and [runtime] for a Docker backend; a remote node's facts are never read on this node."""
     from coldsnap_runtime.backend import GpuPolicy, HostPolicy
 
-    return HostPolicy(gpus=GpuPolicy(mode=config.gpus.mode, driver_paths=tuple(config.gpus.driver_paths),
+    return HostPolicy(gpus=GpuPolicy(mode=config.gpus.mode,
+                                     driver_paths=() if remote else tuple(config.gpus.driver_paths),
                                      exclusive=config.gpus.exclusive),
-                      privileged=config.runtime.privileged)
+                      privileged=config.runtime.privileged, root=None if remote else "/")
 
 
 async def _serve(config: Config, state_dir: Path) -> None:
@@ -71,22 +72,30 @@ async def _serve(config: Config, state_dir: Path) -> None:
 
     from ._daemon import Daemon
     from ._exec import GroupLedger, resolve_identity
+    from ._hosts import instance_id
+    from ._kubernetes import KubernetesHosts, NodeAgent
     from ._operations import Operations
-    from ._remote import Remotes
+    from ._remote import Remotes, Spool
     from ._systemd import listen_fds
 
     identity = resolve_identity(config.exec.user)
     fds = listen_fds()
+    credentials = config.registry.credentials_file or None
+    spool = Spool(directory=spool_dir(config), max_bytes=config.docker.copy_max_bytes)
     async with DockerBackend(
         url=config.docker.url,
-        credentials_file=config.registry.credentials_file or None,
-        spool_dir=config.docker.spool_dir or None,
+        credentials_file=credentials,
+        spool_dir=spool.directory,
+        copy_max_bytes=spool.max_bytes,
         host_policy=_host_policy(config),
-        instance=_instance_id(state_dir),
+        instance=instance_id(state_dir),
         image_ledger=state_dir / "images.json",
     ) as backend:
-        remotes = Remotes(config.remote, state_dir=state_dir, credentials_file=config.registry.credentials_file
-                          or None, spool_dir=config.docker.spool_dir or None)
+        remotes = Remotes(config.remote, state_dir=state_dir, identity=identity, spool=spool,
+                          credentials_file=credentials, host_policy=_host_policy(config, remote=True))
+        agents: dict[str, NodeAgent] = {host: remotes.node(host) for host in remotes.hosts}
+        kubernetes = KubernetesHosts(config.kubernetes, state_dir=state_dir, agents=agents, spool_dir=spool.directory,
+                                     instance=instance_id(state_dir / "kubernetes"))
         operations = Operations(
             provider_name=config.provider.name,
             backend=backend,
@@ -97,11 +106,13 @@ async def _serve(config: Config, state_dir: Path) -> None:
             groups=GroupLedger(state_dir / "exec-groups"),
             huggingface=_huggingface_client(config, identity),
             remotes=remotes,
+            kubernetes=kubernetes,
         )
         daemon = Daemon(config, state_dir=state_dir, operations=operations, backend=backend,
                         control_fd=fds[0] if fds else None)
-        async with remotes, anyio.create_task_group() as tg:
+        async with remotes, kubernetes, anyio.create_task_group() as tg:
             tg.start_soon(remotes.run_maintenance)
+            tg.start_soon(kubernetes.run_maintenance)
 
             async def on_signals() -> None:
                 with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -125,20 +136,15 @@ def _huggingface_client(config: Config, identity: ExecIdentity) -> HuggingfaceCl
                              operation_timeout_s=config.huggingface.operation_timeout_s)
 
 
-def _instance_id(state_dir: Path) -> str:
-    """Names this daemon's RPC-owned containers: stable across restarts, distinct per state directory."""
-    import hashlib
-
-    return hashlib.sha256(os.fsencode(state_dir.absolute())).hexdigest()[:16]
-
-
 def _checked_config(path: str | None) -> Config | None:
-    """The configuration, with what can only be checked at run time (exec.user) checked too."""
+    """The configuration, with what can only be checked at run time (exec.user, the spool) checked too."""
     from ._exec import resolve_identity
 
     try:
         config = load_config(path)
         resolve_identity(config.exec.user)
+        if not os.path.isdir(spool_dir(config)):
+            raise ValueError(f"docker.spool_dir: {spool_dir(config)} is not a directory")
         _check_kubeconfigs(config)
     except (ConfigError, ValueError) as exc:
         _err(str(exc))
@@ -377,6 +383,8 @@ async def _negotiate(program: list[str], env: dict[str, str], bound_s: float) ->
 
 
 async def _run_controller(args: argparse.Namespace, request_bytes: bytes, labels: dict[str, str]) -> int:
+    from ._output import exit_code
+
     state_dir = _state_dir(args)
     env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV}
     await _negotiate(args.command[:args.controller_words], env, args.capabilities_timeout)
@@ -403,7 +411,7 @@ async def _run_controller(args: argparse.Namespace, request_bytes: bytes, labels
     finally:
         with anyio.move_on_after(30, shield=True):
             await call_control(state_dir, {"operation": "session-close", "session": session})
-    return code if code >= 0 else 128 - code
+    return exit_code(code)
 
 
 async def _forward_signals(pgid: int) -> None:

@@ -6,18 +6,13 @@ Errors: `nccl_shim.errors` (root `ShimError`).
 """
 
 from ._admission import Expectations as Expectations
-from ._admission import admit_evidence as admit_evidence
 from ._admission import admit_identity as admit_identity
-from ._admission import admit_resources as admit_resources
 from ._admission import capability_names as capability_names
 from ._admission import missing_capabilities as missing_capabilities
 from ._lib import Shim as Shim
 from ._lib import ShimIdentity as ShimIdentity
 from ._lib import TableStatus as TableStatus
-from ._policy import GraphDecision as GraphDecision
-from ._policy import decide_graph_policy as decide_graph_policy
 from .errors import AbiMismatch as AbiMismatch
-from .errors import InvalidGraphPolicy as InvalidGraphPolicy
 from .errors import ProviderNotAdmitted as ProviderNotAdmitted
 from .errors import ShimCallFailed as ShimCallFailed
 from .errors import ShimError as ShimError
@@ -25,18 +20,13 @@ from .errors import ShimError as ShimError
 __all__ = (
     "AbiMismatch",
     "Expectations",
-    "GraphDecision",
-    "InvalidGraphPolicy",
     "ProviderNotAdmitted",
     "Shim",
     "ShimCallFailed",
     "ShimError",
     "ShimIdentity",
     "TableStatus",
-    "admit_evidence",
     "admit_identity",
-    "admit_resources",
     "capability_names",
-    "decide_graph_policy",
     "missing_capabilities",
 )

@@ -1,4 +1,4 @@
-"""Admission of what the shim found: identity (spec 4a, in its order), evidence (4b), resources (4c).
+"""Admission of what the shim found: identity and the optional tables (spec 4a, in its order).
 
 Each rejection raises :class:`ProviderNotAdmitted` whose `rule` names the rule.
 """
@@ -6,20 +6,17 @@ Each rejection raises :class:`ProviderNotAdmitted` whose `rule` names the rule.
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import re
 from collections.abc import Mapping
-from typing import Any
 
 import msgspec
 
-from ._abi import CAPABILITY_BITS, EVIDENCE_MAX, IN_PLACE_SLOTS, KNOWN_CAPABILITY_MASK, InPlaceV1, ProviderV1
+from ._abi import CAPABILITY_BITS, IN_PLACE_SLOTS, KNOWN_CAPABILITY_MASK, InPlaceV1, ProviderV1
 from ._lib import ShimIdentity, TableStatus
 from .errors import ProviderNotAdmitted
 
-__all__ = ("Expectations", "admit_evidence", "admit_identity", "admit_resources", "capability_names",
-           "missing_capabilities", "unknown_capability_mask")
+__all__ = ("Expectations", "admit_identity", "capability_names", "missing_capabilities", "unknown_capability_mask")
 
 IN_PLACE_MODE = "net-reconnect-v1"
 PROVIDER_ID = re.compile(r"^nccl-[0-9]+\.[0-9]+\.[0-9]+-[0-9]+\+coldsnap\.[0-9]+$")
@@ -81,6 +78,16 @@ def _positive_decimal(value: str) -> int | None:
 
 def admit_identity(identity: ShimIdentity, in_place: TableStatus, expect: Expectations) -> None:
     """Spec 4a, rules 1-13 in order; the first failure raises."""
+    _admit_table(identity, expect)
+    _admit_provider(identity, expect)
+    _admit_runtime(identity, expect)
+    if expect.in_place_mode:
+        _admit_in_place(in_place, expect)
+    _admit_bridge(identity, expect)
+
+
+def _admit_table(identity: ShimIdentity, expect: Expectations) -> None:
+    """4a.1-4a.4: a supported mode, and a provider table of ABI 1 that is not truncated."""
     if expect.in_place_mode not in ("", IN_PLACE_MODE):
         raise ProviderNotAdmitted("4a.1", f"unsupported NCCL in-place mode {expect.in_place_mode!r}")
     if "coldsnapNcclProviderQuery" not in identity.exports:
@@ -94,6 +101,10 @@ def admit_identity(identity: ShimIdentity, in_place: TableStatus, expect: Expect
                                           f"{_PROVIDER_V1_SIZE}")
     if identity.abi_major != 1:
         raise ProviderNotAdmitted("4a.4", f"NCCL provider ABI major mismatch: {identity.abi_major} != 1")
+
+
+def _admit_provider(identity: ShimIdentity, expect: Expectations) -> None:
+    """4a.5-4a.8: exactly the expected provider id and revision, compiled against the NCCL it loaded."""
     pid = identity.provider_id
     if pid is None or identity.provider_id_truncated or not pid.isascii() or not PROVIDER_ID.match(pid):
         raise ProviderNotAdmitted("4a.5", f"NCCL provider id {pid!r} does not match {PROVIDER_ID.pattern}")
@@ -109,6 +120,10 @@ def admit_identity(identity: ShimIdentity, in_place: TableStatus, expect: Expect
     if identity.compiled_nccl_version != identity.loaded_nccl_version:
         raise ProviderNotAdmitted("4a.8", f"NCCL provider compiled/loaded version mismatch: "
                                           f"{identity.compiled_nccl_version} != {identity.loaded_nccl_version}")
+
+
+def _admit_runtime(identity: ShimIdentity, expect: Expectations) -> None:
+    """4a.9-4a.11: the required capabilities and slots, and version reports that agree."""
     required = [*expect.required_capabilities,
                 *(["ib-roce-device-release"] if expect.require_ib_reset else []),
                 *(["full-network-reset"] if expect.require_network_reset else [])]
@@ -127,86 +142,35 @@ def admit_identity(identity: ShimIdentity, in_place: TableStatus, expect: Expect
         raise ProviderNotAdmitted("4a.11", f"loaded NCCL runtime identity disagrees: shim "
                                            f"{identity.checkpoint_nccl_version}, ncclGetVersion "
                                            f"{identity.nccl_version}, provider {identity.loaded_nccl_version}")
-    if expect.in_place_mode:
-        if not expect.in_place_experiment:
-            raise ProviderNotAdmitted("4a.12", "NCCL in-place mode requires controller admission "
-                                               "(COLDSNAP_NCCL_IN_PLACE_EXPERIMENT)")
-        if in_place.status == "absent":
-            raise ProviderNotAdmitted("4a.12", "NCCL provider lacks coldsnapNcclInPlaceQuery")
-        if in_place.status != "present":
-            raise ProviderNotAdmitted("4a.12", f"coldsnapNcclInPlaceQuery failed with ncclResult_t={in_place.result} "
-                                               f"({in_place.meaning})")
-        if in_place.struct_size < _IN_PLACE_V1_SIZE:
-            raise ProviderNotAdmitted("4a.12", f"NCCL in-place provider ABI is truncated: struct_size "
-                                               f"{in_place.struct_size} < {_IN_PLACE_V1_SIZE}")
-        if in_place.abi_major != 1:
-            raise ProviderNotAdmitted("4a.12", f"NCCL in-place provider ABI major mismatch: {in_place.abi_major} != 1")
-        if absent := [s for s in IN_PLACE_SLOTS if s not in in_place.slots]:
-            raise ProviderNotAdmitted("4a.12", f"NCCL in-place provider table has NULL slots: {', '.join(absent)}")
+
+
+def _admit_in_place(in_place: TableStatus, expect: Expectations) -> None:
+    """4a.12 (in-place mode only): admitted by the controller, and a complete in-place table of ABI 1."""
+    if not expect.in_place_experiment:
+        raise ProviderNotAdmitted("4a.12", "NCCL in-place mode requires controller admission "
+                                           "(COLDSNAP_NCCL_IN_PLACE_EXPERIMENT)")
+    if in_place.status == "absent":
+        raise ProviderNotAdmitted("4a.12", "NCCL provider lacks coldsnapNcclInPlaceQuery")
+    if in_place.status != "present":
+        raise ProviderNotAdmitted("4a.12", f"coldsnapNcclInPlaceQuery failed with ncclResult_t={in_place.result} "
+                                           f"({in_place.meaning})")
+    if in_place.struct_size < _IN_PLACE_V1_SIZE:
+        raise ProviderNotAdmitted("4a.12", f"NCCL in-place provider ABI is truncated: struct_size "
+                                           f"{in_place.struct_size} < {_IN_PLACE_V1_SIZE}")
+    if in_place.abi_major != 1:
+        raise ProviderNotAdmitted("4a.12", f"NCCL in-place provider ABI major mismatch: {in_place.abi_major} != 1")
+    if absent := [s for s in IN_PLACE_SLOTS if s not in in_place.slots]:
+        raise ProviderNotAdmitted("4a.12", f"NCCL in-place provider table has NULL slots: {', '.join(absent)}")
+
+
+def _admit_bridge(identity: ShimIdentity, expect: Expectations) -> None:
+    """4a.13: the dlsym bridge ABI the controller expects."""
     bridge = _positive_decimal(expect.dlsym_bridge_abi)
     if bridge is None or "coldsnapNcclDlsymBridgeAbi" not in identity.exports:
         raise ProviderNotAdmitted("4a.13", "expected NCCL dlsym bridge ABI is invalid (COLDSNAP_NCCL_DLSYM_BRIDGE_ABI "
                                            "must be a decimal > 0 and coldsnapNcclDlsymBridgeAbi exported)")
     if identity.dlsym_bridge_abi != bridge:
         raise ProviderNotAdmitted("4a.13", f"NCCL dlsym bridge ABI mismatch: {identity.dlsym_bridge_abi} != {bridge}")
-
-
-def _json_object(data: bytes, what: str, rule: str) -> dict[str, Any]:
-    if len(data) > EVIDENCE_MAX:
-        raise ProviderNotAdmitted(rule, f"{what} exceeds {EVIDENCE_MAX} bytes")
-    try:
-        value = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ProviderNotAdmitted(rule, f"{what} is not UTF-8 JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise ProviderNotAdmitted(rule, f"{what} is not a JSON object")
-    return value
-
-
-def admit_evidence(data: bytes, expected_state: str) -> dict[str, Any]:
-    """Spec 4b: in-place evidence must admit retained graphs and report `qualified: false`."""
-    evidence = _json_object(data, "in-place evidence", "4b")
-    facts = {
-        "format": evidence.get("format") == 1,
-        "kind": evidence.get("kind") == "coldsnap-nccl-in-place-evidence",
-        "mode": evidence.get("mode") == IN_PLACE_MODE,
-        "state": evidence.get("state") == expected_state,
-        "transport_epoch_portable": evidence.get("transport_epoch_portable") is True,
-        "network_identity_portable": evidence.get("network_identity_portable") is True,
-        "proxy_control_reconstructed": evidence.get("proxy_control_reconstructed") is True,
-        "bootstrap_available": evidence.get("bootstrap_available") is False,
-        "transport_ownership": evidence.get("transport_ownership") == "coldsnap",
-        "communicators": _positive_int(evidence.get("communicators")),
-        "persistent_graph_references": _positive_int(evidence.get("persistent_graph_references")),
-        "backend": evidence.get("backend") in ("IB", "Socket"),
-    }
-    if failed := [name for name, ok in facts.items() if not ok]:
-        raise ProviderNotAdmitted("4b", f"NCCL in-place evidence does not admit retained graphs: {', '.join(failed)}")
-    if evidence.get("qualified") is not False:
-        raise ProviderNotAdmitted("4b", f"NCCL in-place evidence has an unexpected qualification state: "
-                                        f"{evidence.get('qualified')!r}")
-    return evidence
-
-
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def admit_resources(result: int, data: bytes, mode: str) -> dict[str, Any]:
-    """Spec 4c: complete, admitted, no blockers, and inspect() returned 0."""
-    inventory = _json_object(data, "resource inventory", "4c")
-    if inventory.get("format") != 1 or inventory.get("kind") != "coldsnap-nccl-resource-inventory":
-        raise ProviderNotAdmitted("4c", "resource inventory has the wrong format or kind")
-    if inventory.get("mode") != mode:
-        raise ProviderNotAdmitted("4c", f"resource inventory mode {inventory.get('mode')!r} != {mode!r}")
-    if not isinstance(inventory.get("communicators"), list):
-        raise ProviderNotAdmitted("4c", "resource inventory communicators is not a list")
-    blockers = sorted({b for c in inventory["communicators"] if isinstance(c, dict) for b in c.get("blockers", [])})
-    if inventory.get("complete") is not True or inventory.get("admitted") is not True or result != 0:
-        raise ProviderNotAdmitted("4c", f"resource inventory does not admit {mode}: inspect returned {result}, "
-                                        f"complete={inventory.get('complete')}, admitted={inventory.get('admitted')}"
-                                        + (f", blockers: {', '.join(blockers)}" if blockers else ""))
-    return inventory
 
 
 def unknown_capability_mask(mask: int) -> int:

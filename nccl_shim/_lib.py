@@ -11,15 +11,11 @@ import os
 
 import msgspec
 
-from ._abi import EVIDENCE_MAX, IN_PLACE_SLOTS, PROVIDER_SLOTS, RESOURCES_SLOTS, TABLES, Identity, TableInfo
+from ._abi import IN_PLACE_SLOTS, PROVIDER_SLOTS, RESOURCES_SLOTS, TABLES, Identity, TableInfo
 from .errors import AbiMismatch, ShimCallFailed, describe
 
-__all__ = ("IN_PLACE_OPERATIONS", "RECREATE_OPERATIONS", "Shim", "ShimIdentity", "TableStatus", "shim_library")
+__all__ = ("Shim", "ShimIdentity", "TableStatus", "shim_library")
 
-IN_PLACE_OPERATIONS = ("suspend", "detach", "reattach", "resume")
-RECREATE_OPERATIONS = ("prepare", "restore", "network_reset", "network_init")
-IN_PLACE_STATES = ("active", "suspended", "transport-detached", "transport-reattached", "failed")
-RECREATE_STATES = ("idle", "prepared", "restored")
 EXPORT_NAMES = ("coldsnapNcclProviderQuery", "coldsnapNcclInPlaceQuery", "coldsnapNcclResourcesQuery",
                 "ncclCheckpointGetVersion", "ncclGetVersion", "coldsnapNcclDlsymBridgeAbi")
 _ABI_ERRORS = frozenset({-6, -7})  # CSNS_E_TRUNCATED, CSNS_E_ABI
@@ -102,19 +98,6 @@ class Shim:
         for name in ("csns_in_place_info", "csns_resources_info"):
             getattr(c, name).argtypes = [ctypes.c_void_p, ctypes.POINTER(TableInfo)]
             getattr(c, name).restype = ctypes.c_int32
-        for name in ("csns_in_place_call", "csns_recreate_call"):
-            getattr(c, name).argtypes = [ctypes.c_void_p, ctypes.c_uint32]
-            getattr(c, name).restype = ctypes.c_int32
-        c.csns_state.argtypes = [ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32)]
-        c.csns_state.restype = None
-        c.csns_in_place_evidence.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t,
-                                             ctypes.POINTER(ctypes.c_size_t)]
-        c.csns_in_place_evidence.restype = ctypes.c_int32
-        c.csns_resources_inspect.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.POINTER(ctypes.c_int32),
-                                             ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
-        c.csns_resources_inspect.restype = ctypes.c_int32
-        c.csns_ib_status.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32 * 4)]
-        c.csns_ib_status.restype = ctypes.c_int32
         handle = ctypes.c_void_p()
         rc = c.csns_open(library.encode() if library else None, ctypes.byref(handle))
         if rc != 0:
@@ -173,35 +156,3 @@ class Shim:
     def resources(self) -> TableStatus:
         return self._table("csns_resources_info", RESOURCES_SLOTS)
 
-    def in_place_call(self, operation: str) -> int:
-        """Run suspend|detach|reattach|resume; returns the provider's ncclResult_t, raises on shim errors."""
-        rc = int(self._c.csns_in_place_call(self._handle, IN_PLACE_OPERATIONS.index(operation)))
-        if rc < 0:
-            _check(f"in-place {operation}", rc)
-        return rc
-
-    def recreate_call(self, operation: str) -> int:
-        rc = int(self._c.csns_recreate_call(self._handle, RECREATE_OPERATIONS.index(operation)))
-        if rc < 0:
-            _check(f"recreate {operation}", rc)
-        return rc
-
-    def state(self) -> tuple[str, str]:
-        in_place, recreate = ctypes.c_uint32(), ctypes.c_uint32()
-        self._c.csns_state(ctypes.byref(in_place), ctypes.byref(recreate))
-        return IN_PLACE_STATES[in_place.value], RECREATE_STATES[recreate.value]
-
-    def in_place_evidence(self) -> bytes:
-        buffer = ctypes.create_string_buffer(EVIDENCE_MAX + 1)
-        length = ctypes.c_size_t()
-        rc = self._c.csns_in_place_evidence(self._handle, buffer, len(buffer), ctypes.byref(length))
-        _check("in-place evidence_json", rc)
-        return buffer.raw[: length.value]
-
-    def resources_inspect(self, mode: int) -> tuple[int, bytes]:
-        buffer = ctypes.create_string_buffer(EVIDENCE_MAX + 1)
-        length, result = ctypes.c_size_t(), ctypes.c_int32()
-        rc = self._c.csns_resources_inspect(self._handle, mode, ctypes.byref(result), buffer, len(buffer),
-                                            ctypes.byref(length))
-        _check("resources inspect", rc)
-        return result.value, buffer.raw[: length.value]

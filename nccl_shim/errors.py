@@ -3,8 +3,7 @@
     ShimError                       anything this package raises on purpose
     ├── ShimCallFailed              a shim call returned a shim error (< 0) or the provider's ncclResult_t
     │   └── AbiMismatch             a provider table is truncated or has another ABI major
-    ├── ProviderNotAdmitted         what the shim found breaks an admission rule (`rule`: 4a.N, 4b, 4c)
-    └── InvalidGraphPolicy          a requested graph policy or worker count is not in the 5.4 table
+    └── ProviderNotAdmitted         what the shim found breaks an admission rule (`rule`: 4a.N)
 
 `_lib.py` is the one place where ctypes results become these errors. `ProviderNotAdmitted`
 is the NCCL provider's admission; a host feature profile's admission is the different
@@ -15,7 +14,7 @@ from __future__ import annotations
 
 from ._abi import NCCL_RESULTS, SHIM_ERRORS
 
-__all__ = ("AbiMismatch", "InvalidGraphPolicy", "ProviderNotAdmitted", "ShimCallFailed", "ShimError", "describe")
+__all__ = ("AbiMismatch", "ProviderNotAdmitted", "ShimCallFailed", "ShimError", "describe")
 
 
 def describe(code: int) -> str:
@@ -48,7 +47,3 @@ class ProviderNotAdmitted(ShimError):
     def __init__(self, rule: str, message: str) -> None:
         super().__init__(message)
         self.rule = rule
-
-
-class InvalidGraphPolicy(ShimError):
-    """A requested graph policy or worker count is outside the admission spec's 5.4 table."""

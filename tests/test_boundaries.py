@@ -107,3 +107,42 @@ def test_probe_imports_with_the_standard_library_alone() -> None:
             "('anyio', 'aiodocker', 'aiohttp', 'msgspec', 'structlog', 'coldsnap_provider')]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-I", "-c", code], cwd=ROOT, check=True)
+
+
+def sibling_imports(path: Path) -> set[str]:
+    """The package's own modules `path` imports (relative imports, type-only ones included)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            names.update([node.module.split(".")[0]] if node.module else [a.name for a in node.names])
+    return names
+
+
+def import_circles(package: Path) -> list[list[str]]:
+    graph = {p.stem: sibling_imports(p) & {q.stem for q in package.glob("*.py")} for p in package.glob("*.py")}
+    circles: list[list[str]] = []
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        for imported in sorted(graph[module]):
+            if imported in path:
+                circles.append([*path[path.index(imported):], imported])
+            elif imported not in done:
+                visit(imported, [*path, imported])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [module])
+    return circles
+
+
+@pytest.mark.parametrize("package", ["coldsnap_provider", "coldsnap_runtime/backend", "coldsnap_probe"])
+def test_package_modules_import_each_other_without_a_circle(package: str) -> None:
+    """Regression: #29 (`_operations` and `_remote` imported each other); dependencies run one way."""
+    assert import_circles(ROOT / package) == []
+
+
+def test_the_circle_rule_can_fail(tmp_path: Path) -> None:
+    (tmp_path / "_a.py").write_text("from ._b import x\n")
+    (tmp_path / "_b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ._a import y\n")
+    assert import_circles(tmp_path) == [["_a", "_b", "_a"]]

@@ -22,18 +22,19 @@ from ._translate import container_config as container_config
 
 if TYPE_CHECKING:
     from ._docker import DockerBackend as DockerBackend
+    from ._docker import extract_archive as extract_archive
     from ._kubernetes import KubernetesBackend as KubernetesBackend
 
 __all__ = ("MANAGER_UID_LABEL", "ArchiveRefused", "Backend", "DockerBackend", "GpuPolicy", "HostPolicy",
            "KubernetesBackend", "Owner", "RuntimeContext", "check_members", "container_config", "dispatch",
-           "with_manager_labels")
+           "extract_archive", "with_manager_labels")
 
 
 def __getattr__(name: str) -> Any:
-    if name == "DockerBackend":
-        from ._docker import DockerBackend
+    if name in ("DockerBackend", "extract_archive"):  # aiodocker is loaded only by those who need it
+        from . import _docker
 
-        return DockerBackend
+        return getattr(_docker, name)
     if name == "KubernetesBackend":
         from ._kubernetes import KubernetesBackend
 

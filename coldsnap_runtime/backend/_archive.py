@@ -53,7 +53,6 @@ import json
 import os
 import posixpath
 import secrets
-import shutil
 import stat
 import sys
 import tarfile
@@ -109,13 +108,17 @@ def _lstat(name: str, dir_fd: int) -> os.stat_result | None:
 
 def check_members(tar: tarfile.TarFile, root: str) -> list[tarfile.TarInfo]:
     """A copy's members in order, names normalised; every one inside `root`, none reached through
-    a symbolic link of the archive, hard links only to members, no devices or FIFOs."""
+    a symbolic link of the archive, none listed twice, hard links only to members, no devices or FIFOs."""
     members: list[tarfile.TarInfo] = []
     links: set[str] = set()
+    seen: set[str] = set()
     for member in tar:
         name = posixpath.normpath(member.name)
         if name.startswith(("/", "../")) or name == ".." or not (name == root or name.startswith(root + "/")):
             raise ArchiveRefused(f"archive entry {member.name!r} is outside the copied path")
+        if name in seen:  # a link first and a file of the same name later is how writes get redirected
+            raise ArchiveRefused(f"archive entry {member.name!r} is listed twice")
+        seen.add(name)
         parts = name.split("/")
         if any("/".join(parts[:i]) in links for i in range(1, len(parts))):
             raise ArchiveRefused(f"archive entry {member.name!r} passes through a symbolic link")
@@ -181,12 +184,24 @@ def _extract_member(tar: tarfile.TarFile, member: tarfile.TarInfo, parent: int, 
         raise ArchiveRefused(f"hard link {member.name!r} does not point at a regular file of the copy")
     fd = os.open(name, _FILE, 0o600, dir_fd=parent)
     with os.fdopen(fd, "wb") as out:
-        shutil.copyfileobj(source, out, 1 << 20)
-        out.flush()
+        _copy_sparse(source, out)
         if keep_owner:
             os.fchown(fd, member.uid, member.gid)
         os.fchmod(fd, member.mode & _PERMISSIONS)
         os.utime(fd, (member.mtime, member.mtime))
+
+
+def _copy_sparse(source: IO[bytes], out: IO[bytes]) -> None:
+    """Copy, leaving a hole for every block of zeros: a sparse file stays sparse (tar carries it in full)."""
+    size = 0
+    while block := source.read(1 << 20):
+        size += len(block)
+        if block.count(0) == len(block):
+            out.seek(len(block), os.SEEK_CUR)
+        else:
+            out.write(block)
+    out.truncate(size)
+    out.flush()
 
 
 def _finish_directory(staging: int, parts: list[str], member: tarfile.TarInfo, keep_owner: bool) -> None:

@@ -198,13 +198,18 @@ class DockerBackend:
 
     def __init__(self, *, url: str = "unix:///var/run/docker.sock", credentials_file: str | None = None,
                  spool_dir: str | None = None, instance: str = "", image_ledger: Path | None = None,
-                 host_policy: HostPolicy | None = None) -> None:
+                 host_policy: HostPolicy | None = None, registries: frozenset[str] | None = None,
+                 copy_max_bytes: int | None = None) -> None:
         if not url.startswith("unix://"):
             raise ValueError(f"docker.url must be a unix:// socket, got {url!r}")
         self._url = url
         self._socket_path = url[len("unix://"):]
         self._credentials_file = credentials_file
+        # The registries whose credentials may reach this engine (None: every one in the file).
+        self._registries = registries
         self._spool_dir = spool_dir
+        # The most bytes one workload-copy-from archive may spool (None: unbounded, for library callers).
+        self._copy_max_bytes = copy_max_bytes
         self._instance = instance
         self._host_policy = host_policy
         # This process: containers of the same instance but another incarnation are leftovers.
@@ -264,8 +269,14 @@ class DockerBackend:
             raise RuntimeFailed(action="registry", detail=f"credentials file unusable: {exc}") from exc
         return data if isinstance(data, dict) else {}
 
+    def _auth(self, registry: str, credentials: dict[str, Any] | None = None) -> dict[str, str] | None:
+        """`registry`'s credentials, if this engine may receive them."""
+        if self._registries is not None and registry not in self._registries:
+            return None
+        return registry_auth(self._credentials() if credentials is None else credentials, registry)
+
     def _auth_header(self, registry: str) -> dict[str, str]:
-        return {"X-Registry-Auth": encode_registry_auth(registry_auth(self._credentials(), registry))}
+        return {"X-Registry-Auth": encode_registry_auth(self._auth(registry))}
 
     # --- the one wrapper over aiodocker's private request API --------------------------
 
@@ -394,7 +405,7 @@ class DockerBackend:
                 with registry_errors("image-inspect", registry):
                     async with aiohttp.ClientSession(timeout=_SHORT) as session:
                         reader = RegistryReader(session, registry=registry, repository=repository,
-                                                auth=registry_auth(self._credentials(), registry),
+                                                auth=self._auth(registry),
                                                 insecure=registry_is_insecure(self._engine_info, registry))
                         found = await config_digest(image_id, reader.read, platform,
                                                     layers=layers if isinstance(layers, list) else None)
@@ -452,9 +463,10 @@ class DockerBackend:
     async def image_build(self, build: ImageBuild, *, owner: Owner | None = None) -> None:
         """Build `build.tag`; the context directories are read as `owner` (None: the daemon itself)."""
         headers = {"Content-Type": "application/x-tar"}
+        # Only the credentials of the registries the build's base images come from: the engine needs no more.
         credentials = self._credentials()
-        auths = {registry: entry for registry in (credentials.get("auths") or {})
-                 if (entry := registry_auth(credentials, registry))}
+        auths = {registry: entry for registry in self._build_registries(build)
+                 if (entry := self._auth(registry, credentials))}
         if auths:
             headers["X-Registry-Config"] = base64.urlsafe_b64encode(json.dumps(auths).encode()).decode()
         if not build.pull:
@@ -467,6 +479,15 @@ class DockerBackend:
             spool.seek(0)
             await self._progress("image-build", "build", params=params, headers=headers, data=spool)
         await self._ledger_update("image-build", add=_ledger_key(build.tag))
+
+    @staticmethod
+    def _build_registries(build: ImageBuild) -> set[str]:
+        try:
+            text = rewrite_dockerfile(build.dockerfile.decode("utf-8"), dict(build.contexts))
+        except UnicodeDecodeError as exc:
+            raise BuildContextError(str(exc)) from exc
+        return {ref.registry for base in base_images(text, dict(build.arguments))
+                if (ref := parse_reference(base)) is not None}
 
     async def _require_local_bases(self, build: ImageBuild) -> None:
         """pull=false must never contact a registry, but the classic builder pulls a missing base."""
@@ -780,14 +801,39 @@ class DockerBackend:
                     async with self._stream(f"containers/{quote(info['Id'], safe='')}/archive",
                                             params={"path": path}) as response:
                         stat = _path_stat(response.headers.get("X-Docker-Container-Path-Stat", ""))
-                        async for data in response.content.iter_chunked(1 << 20):
-                            await anyio.to_thread.run_sync(spool.write, data)
+                        await self._spool_copy(response.content, spool)
             except NotFound as exc:
                 raise PathNotFound(workload=name, path=path, action=action) from exc
-            await anyio.to_thread.run_sync(spool.flush)
             spool.seek(0)
             root = str(stat.get("name") or os.path.basename(path))
-            await _extract(spool, root, destination, owner=owner, action=action)
+            await extract_archive(spool, root, destination, owner=owner, action=action)
+
+    async def _spool_copy(self, content: aiohttp.StreamReader, spool: IO[bytes]) -> None:
+        """The engine's tar into `spool`, bounded by its size (a sparse file counts in full, as the tar
+        carries it); runs of zeros become holes, so the spool on disk stays as sparse as the files were."""
+        total = 0
+        async for data in content.iter_chunked(1 << 20):
+            total += len(data)
+            if self._copy_max_bytes is not None and total > self._copy_max_bytes:
+                raise RuntimeFailed(action="workload-copy-from", detail=(
+                    f"the copy exceeds {self._copy_max_bytes} bytes (docker.copy_max_bytes); nothing was placed"))
+            with self._spooling():
+                if data.count(0) == len(data):
+                    spool.seek(len(data), os.SEEK_CUR)
+                else:
+                    await anyio.to_thread.run_sync(spool.write, data)
+        with self._spooling():
+            spool.truncate(total)  # a trailing hole has a size too
+            await anyio.to_thread.run_sync(spool.flush)
+
+    @contextmanager
+    def _spooling(self) -> Iterator[None]:
+        """A full or failing spool is ours, not the engine's: say where (docker.spool_dir)."""
+        try:
+            yield
+        except OSError as exc:
+            raise RuntimeFailed(action="workload-copy-from", detail=(
+                f"cannot spool the copy in {self._spool_dir or tempfile.gettempdir()}: {exc.strerror}")) from exc
 
 
 def _path_stat(header: str) -> dict[str, Any]:
@@ -799,7 +845,8 @@ def _path_stat(header: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-async def _extract(spool: IO[bytes], root: str, destination: str, *, owner: Owner | None, action: str) -> None:
+async def extract_archive(spool: IO[bytes], root: str, destination: str, *, owner: Owner | None,
+                          action: str) -> None:
     """Run the extractor program with `spool` on stdin; it drops to `owner` before touching the destination."""
     argv = [sys.executable, "-I", "-S", _ARCHIVE_PROGRAM, root, destination]
     if owner is not None:

@@ -131,11 +131,17 @@ class GpuPolicy:
 
 @dataclass(frozen=True, slots=True)
 class HostPolicy:
-    """What the administrator chose for GPUs and privilege, plus the host root (``/`` except in tests)."""
+    """What the administrator chose for GPUs and privilege, plus the host root (``/`` except in tests).
+
+    `root` None: the engine's host is another node, whose files this process cannot read (a remote node).
+    Nothing of this node is then read for it: no GPU inventory (native mode is impossible, GPU ids are
+    compared as written), no CDI specs (the engine resolves the names itself), no capability bounding
+    set (``privileged`` is Docker's own).
+    """
 
     gpus: GpuPolicy = GpuPolicy()
     privileged: PrivilegedPolicy = "docker"
-    root: str = "/"
+    root: str | None = "/"
 
 
 @dataclass(frozen=True, slots=True)
@@ -503,6 +509,8 @@ def _nvidia_smi(root: str, driver_paths: Sequence[str]) -> str | None:
 
 async def _inventory(policy: HostPolicy) -> list[HostGpu] | str:
     """The host's GPUs through NVML, or why they cannot be listed."""
+    if policy.root is None:
+        return "the engine's node is another host, whose GPUs cannot be listed from here"
     smi = _nvidia_smi(policy.root, policy.gpus.driver_paths)
     if smi is None:
         return "nvidia-smi (NVML) was not found, so GPU ids cannot be resolved"
@@ -538,11 +546,13 @@ async def _gpu_access(spec: WorkloadSpec, policy: HostPolicy, inventory: list[Ho
         reasons.append("device-request: the engine has no registered 'nvidia' runtime")
     if mode in ("auto", "cdi"):
         spec_dirs = [d for d in (info.get("CDISpecDirs") or []) if isinstance(d, str)]
+        wanted = [f"nvidia.com/gpu={g}" for g in spec.gpus]
         if not spec_dirs:
             reasons.append("cdi: the engine does not resolve CDI devices")
+        elif policy.root is None:  # the specs are on the engine's node: it refuses an undeclared name itself
+            return GpuAccess(mechanism="cdi", device_ids=tuple(wanted))
         else:
             declared = cdi_device_names(spec_dirs, policy.root)
-            wanted = [f"nvidia.com/gpu={g}" for g in spec.gpus]
             if absent := [w for w in wanted if w not in declared]:
                 reasons.append(f"cdi: no CDI spec in {', '.join(spec_dirs)} declares {', '.join(absent)}")
             else:
@@ -551,6 +561,7 @@ async def _gpu_access(spec: WorkloadSpec, policy: HostPolicy, inventory: list[Ho
         if isinstance(inventory, str):
             reasons.append(f"native: {inventory}")
         else:
+            assert policy.root is not None  # an inventory is only ever read under a local root
             gpus = select_gpus(spec.gpus, inventory)
             base = spec.environment.get("LD_LIBRARY_PATH")
             if base is None:
@@ -566,6 +577,8 @@ async def _gpu_access(spec: WorkloadSpec, policy: HostPolicy, inventory: list[Ho
 async def _privilege(policy: HostPolicy, socket_path: str, gpus: GpuAccess | None,
                      rejects: Callable[[list[str]], Awaitable[str]]) -> PrivilegeGrant | None:
     """None = Docker's own privileged mode; a grant = host-capabilities; raises when neither can work."""
+    if policy.root is None:
+        return None  # another node's engine: its bounding set is not readable from here
     bounding = await anyio.to_thread.run_sync(engine_bounding_set, socket_path, policy.root)
     if bounding is None:
         return None  # unknown: Docker's privileged mode, and the engine's own error if it fails

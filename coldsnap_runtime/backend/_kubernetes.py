@@ -54,7 +54,7 @@ from ..errors import (
 from ..limits import CLEANUP_BUDGET_S, OUTPUT_LIMIT
 from ..schema import Execution, ImageBuild, ImageInfo, RuntimeResponse, WorkloadInfo, WorkloadSpec
 from ._base import Owner
-from ._docker import _extract
+from ._docker import extract_archive
 from ._k8s_translate import (
     CONTAINER,
     REMOVE_AFTER_EXIT_LABEL,
@@ -555,7 +555,7 @@ class KubernetesBackend:
             await anyio.to_thread.run_sync(spool.write, stdout)
             await anyio.to_thread.run_sync(spool.flush)
             spool.seek(0)
-            await _extract(spool, base or "root", destination, owner=owner, action=action)
+            await extract_archive(spool, base or "root", destination, owner=owner, action=action)
 
     # --- maintenance -----------------------------------------------------------------------
 

@@ -1,10 +1,11 @@
 /*
  * coldsnap_nccl_shim.h - a small, stable C API over the ColdSnap NCCL provider ABIs.
  *
- * The shim finds the provider's query exports (process-global namespace, or a library it opens),
- * copies identity and evidence out into caller-owned storage, and guards the lifecycle with
- * process-wide state: an operation called in the wrong state fails with CSNS_E_STATE before the
- * provider is touched. Provider tables never leave the shim.
+ * The shim finds the provider's query exports (process-global namespace, or a library it opens)
+ * and copies identity and table descriptions out into caller-owned storage, for admission.
+ * Provider tables never leave the shim. (The in-place and recreate lifecycle calls and the
+ * evidence readers were removed with their Python binding: no process of this project drives an
+ * engine's communicator lifecycle; see git history at 445646e when an engine integration needs them.)
  *
  * Return values: negative = a shim error (CSNS_E_*); zero or positive = the provider's
  * ncclResult_t, passed through unchanged (0 = success).
@@ -43,26 +44,6 @@ extern "C" {
 #define CSNS_TABLE_IN_PLACE 1u
 #define CSNS_TABLE_RESOURCES 2u
 #define CSNS_LAYOUT_SIZE 0xFFFFFFFFu
-
-/* Lifecycle operations. */
-#define CSNS_IN_PLACE_SUSPEND 0u
-#define CSNS_IN_PLACE_DETACH 1u
-#define CSNS_IN_PLACE_REATTACH 2u
-#define CSNS_IN_PLACE_RESUME 3u
-#define CSNS_RECREATE_PREPARE 0u
-#define CSNS_RECREATE_RESTORE 1u
-#define CSNS_RECREATE_NETWORK_RESET 2u
-#define CSNS_RECREATE_NETWORK_INIT 3u
-
-/* Process-wide states (csns_state). */
-#define CSNS_STATE_ACTIVE 0u
-#define CSNS_STATE_SUSPENDED 1u
-#define CSNS_STATE_TRANSPORT_DETACHED 2u
-#define CSNS_STATE_TRANSPORT_REATTACHED 3u
-#define CSNS_STATE_FAILED 4u /* an in-place step failed mid-way: terminal for this activation */
-#define CSNS_RECREATE_IDLE 0u
-#define CSNS_RECREATE_PREPARED 1u
-#define CSNS_RECREATE_RESTORED 2u /* terminal after the first restore attempt, even a failed one */
 
 /* Presence bits of struct csns_identity.exports. */
 #define CSNS_EXPORT_PROVIDER_QUERY (1u << 0)
@@ -123,17 +104,6 @@ CSNS_API int32_t csns_identity(csns_handle *handle, struct csns_identity *out);
 CSNS_API int32_t csns_in_place_info(csns_handle *handle, struct csns_table_info *out);
 CSNS_API int32_t csns_resources_info(csns_handle *handle, struct csns_table_info *out);
 
-/* Lifecycle operations, guarded by the process-wide state. */
-CSNS_API int32_t csns_in_place_call(csns_handle *handle, uint32_t operation);
-CSNS_API int32_t csns_recreate_call(csns_handle *handle, uint32_t operation);
-CSNS_API void csns_state(uint32_t *in_place_state, uint32_t *recreate_state);
-/* Evidence JSON copied into `buffer`; *length is set to its length (without the NUL). */
-CSNS_API int32_t csns_in_place_evidence(csns_handle *handle, char *buffer, size_t capacity, size_t *length);
-/* Run inspect(mode); its ncclResult_t goes to *inspect_result, the evidence into `buffer`. */
-CSNS_API int32_t csns_resources_inspect(csns_handle *handle, uint32_t mode, int32_t *inspect_result, char *buffer,
-                                        size_t capacity, size_t *length);
-/* IB status through the provider's optional slot. */
-CSNS_API int32_t csns_ib_status(csns_handle *handle, int32_t status[4]);
 
 #ifdef __cplusplus
 }

@@ -3,7 +3,6 @@
 #include "coldsnap_nccl_shim.h"
 
 #include <dlfcn.h>
-#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -19,9 +18,6 @@ struct csns_handle {
     unsigned int (*dlsym_bridge_abi)(void);
 };
 
-static pthread_mutex_t state_lock = PTHREAD_MUTEX_INITIALIZER;
-static uint32_t in_place_state = CSNS_STATE_ACTIVE;
-static uint32_t recreate_state = CSNS_RECREATE_IDLE;
 static __thread char last_error[512];
 
 static void *lookup(const csns_handle *h, const char *name) {
@@ -108,39 +104,6 @@ struct table_header {
     uint32_t abi_major;
     uint32_t abi_minor;
 };
-
-static int32_t check_table(int32_t query_result, const void *table, size_t needed) {
-    if (query_result != 0) return query_result;
-    if (table == NULL) return CSNS_E_NULL_TABLE;
-    const struct table_header *head = table;
-    if (head->abi_major != 1u) return CSNS_E_ABI; /* every ABI here is major 1 */
-    if (head->struct_size < needed) return CSNS_E_TRUNCATED;
-    return CSNS_OK;
-}
-
-static const struct coldsnap_nccl_provider_v1 *provider_table(csns_handle *h, int32_t *status) {
-    const struct coldsnap_nccl_provider_v1 *t = NULL;
-    if (h->provider_query == NULL) return *status = CSNS_E_MISSING, NULL;
-    int32_t rc = h->provider_query(COLDSNAP_NCCL_PROVIDER_ABI_MAJOR, &t); /* before reading t: argument order is unspecified */
-    *status = check_table(rc, t, sizeof *t);
-    return *status == CSNS_OK ? t : NULL;
-}
-
-static const struct coldsnap_nccl_in_place_v1 *in_place_table(csns_handle *h, int32_t *status) {
-    const struct coldsnap_nccl_in_place_v1 *t = NULL;
-    if (h->in_place_query == NULL) return *status = CSNS_E_MISSING, NULL;
-    int32_t rc = h->in_place_query(COLDSNAP_NCCL_IN_PLACE_ABI_MAJOR, &t); /* before reading t: argument order is unspecified */
-    *status = check_table(rc, t, sizeof *t);
-    return *status == CSNS_OK ? t : NULL;
-}
-
-static const struct coldsnap_nccl_resources_v1 *resources_table(csns_handle *h, int32_t *status) {
-    const struct coldsnap_nccl_resources_v1 *t = NULL;
-    if (h->resources_query == NULL) return *status = CSNS_E_MISSING, NULL;
-    int32_t rc = h->resources_query(COLDSNAP_NCCL_RESOURCES_ABI_MAJOR, &t); /* before reading t: argument order is unspecified */
-    *status = check_table(rc, t, sizeof *t);
-    return *status == CSNS_OK ? t : NULL;
-}
 
 int32_t csns_identity(csns_handle *h, struct csns_identity *out) {
     if (h == NULL || out == NULL || out->size != sizeof *out) return CSNS_E_ARGUMENT;
@@ -233,109 +196,4 @@ int32_t csns_resources_info(csns_handle *h, struct csns_table_info *out) {
     if (csns_info_begin(out, rc, t, sizeof *t, &status))
         out->slots = (t->inspect ? 1u : 0) | (t->evidence_json ? 2u : 0);
     return status;
-}
-
-void csns_state(uint32_t *in_place, uint32_t *recreate) {
-    pthread_mutex_lock(&state_lock);
-    if (in_place) *in_place = in_place_state;
-    if (recreate) *recreate = recreate_state;
-    pthread_mutex_unlock(&state_lock);
-}
-
-int32_t csns_in_place_call(csns_handle *h, uint32_t operation) {
-    static const uint32_t from[] = {CSNS_STATE_ACTIVE, CSNS_STATE_SUSPENDED, CSNS_STATE_TRANSPORT_DETACHED,
-                                    CSNS_STATE_TRANSPORT_REATTACHED};
-    static const uint32_t to[] = {CSNS_STATE_SUSPENDED, CSNS_STATE_TRANSPORT_DETACHED,
-                                  CSNS_STATE_TRANSPORT_REATTACHED, CSNS_STATE_ACTIVE};
-    if (h == NULL || operation > CSNS_IN_PLACE_RESUME) return CSNS_E_ARGUMENT;
-    pthread_mutex_lock(&state_lock);
-    int32_t rc;
-    if (in_place_state != from[operation] || recreate_state != CSNS_RECREATE_IDLE) {
-        rc = CSNS_E_STATE;
-    } else {
-        const struct coldsnap_nccl_in_place_v1 *t = in_place_table(h, &rc);
-        coldsnap_nccl_provider_operation_fn fn = NULL;
-        if (t != NULL) {
-            fn = operation == CSNS_IN_PLACE_SUSPEND ? t->communicator_suspend
-                 : operation == CSNS_IN_PLACE_DETACH ? t->transport_detach
-                 : operation == CSNS_IN_PLACE_REATTACH ? t->transport_reattach
-                                                      : t->communicator_resume;
-            rc = fn ? fn() : CSNS_E_NO_SLOT;
-        }
-        if (rc == 0) in_place_state = to[operation];
-        /* A suspend refused by the provider changed nothing; a failure after it is fatal. */
-        else if (fn != NULL && operation != CSNS_IN_PLACE_SUSPEND) in_place_state = CSNS_STATE_FAILED;
-    }
-    pthread_mutex_unlock(&state_lock);
-    return rc;
-}
-
-int32_t csns_recreate_call(csns_handle *h, uint32_t operation) {
-    if (h == NULL || operation > CSNS_RECREATE_NETWORK_INIT) return CSNS_E_ARGUMENT;
-    pthread_mutex_lock(&state_lock);
-    int32_t rc = CSNS_OK;
-    uint32_t need = operation == CSNS_RECREATE_PREPARE ? CSNS_RECREATE_IDLE : CSNS_RECREATE_PREPARED;
-    if (recreate_state != need || in_place_state != CSNS_STATE_ACTIVE) {
-        rc = CSNS_E_STATE;
-    } else {
-        const struct coldsnap_nccl_provider_v1 *t = provider_table(h, &rc);
-        if (t != NULL) {
-            coldsnap_nccl_provider_operation_fn fn = operation == CSNS_RECREATE_PREPARE ? t->prepare
-                                                     : operation == CSNS_RECREATE_RESTORE ? t->restore
-                                                     : operation == CSNS_RECREATE_NETWORK_RESET ? t->network_reset
-                                                                                                : t->network_init;
-            if (fn == NULL) {
-                rc = CSNS_E_NO_SLOT;
-            } else {
-                rc = fn();
-                if (operation == CSNS_RECREATE_PREPARE && rc == 0) recreate_state = CSNS_RECREATE_PREPARED;
-                if (operation == CSNS_RECREATE_RESTORE) recreate_state = CSNS_RECREATE_RESTORED;
-            }
-        }
-    }
-    pthread_mutex_unlock(&state_lock);
-    return rc;
-}
-
-static int32_t copy_evidence(const char *text, char *buffer, size_t capacity, size_t *length) {
-    if (text == NULL) return CSNS_E_NO_EVIDENCE;
-    size_t n = strnlen(text, CSNS_EVIDENCE_MAX + 1);
-    *length = n;
-    if (n > CSNS_EVIDENCE_MAX) return CSNS_E_TOO_LARGE;
-    if (buffer == NULL || capacity < n + 1) return CSNS_E_BUFFER;
-    memcpy(buffer, text, n);
-    buffer[n] = '\0';
-    return CSNS_OK;
-}
-
-int32_t csns_in_place_evidence(csns_handle *h, char *buffer, size_t capacity, size_t *length) {
-    if (h == NULL || length == NULL) return CSNS_E_ARGUMENT;
-    *length = 0;
-    int32_t rc;
-    const struct coldsnap_nccl_in_place_v1 *t = in_place_table(h, &rc);
-    if (t == NULL) return rc;
-    if (t->evidence_json == NULL) return CSNS_E_NO_SLOT;
-    return copy_evidence(t->evidence_json(), buffer, capacity, length);
-}
-
-int32_t csns_resources_inspect(csns_handle *h, uint32_t mode, int32_t *inspect_result, char *buffer,
-                               size_t capacity, size_t *length) {
-    if (h == NULL || inspect_result == NULL || length == NULL) return CSNS_E_ARGUMENT;
-    *length = 0;
-    int32_t rc;
-    const struct coldsnap_nccl_resources_v1 *t = resources_table(h, &rc);
-    if (t == NULL) return rc;
-    if (t->inspect == NULL || t->evidence_json == NULL) return CSNS_E_NO_SLOT;
-    *inspect_result = t->inspect(mode);
-    /* The evidence is thread-local in the provider: read it on the same thread, right away. */
-    return copy_evidence(t->evidence_json(), buffer, capacity, length);
-}
-
-int32_t csns_ib_status(csns_handle *h, int32_t status[4]) {
-    if (h == NULL || status == NULL) return CSNS_E_ARGUMENT;
-    int32_t rc;
-    const struct coldsnap_nccl_provider_v1 *t = provider_table(h, &rc);
-    if (t == NULL) return rc;
-    if (t->ib_status == NULL) return CSNS_E_NO_SLOT;
-    return t->ib_status(&status[0], &status[1], &status[2], &status[3]);
 }

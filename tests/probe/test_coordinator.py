@@ -7,9 +7,14 @@ of a TP2 engine) runs on the two-GPU machine: `scripts/device-tp2`.
 from __future__ import annotations
 
 import json
+import os
+import pwd
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +101,73 @@ def test_several_ranks_need_a_directory() -> None:
         Coordinator(None, "x", 0, 2)
 
 
+# --- who may write in a namespace (#24, finding 7) -------------------------------------------------------------
+
+NOBODY = pwd.getpwnam("nobody")
+AS_NOBODY = ["setpriv", f"--reuid={NOBODY.pw_uid}", f"--regid={NOBODY.pw_gid}", "--clear-groups"]
+PLANT = """
+import json, os, sys
+root, link = sys.argv[1], sys.argv[2] == "link"
+if link:
+    os.makedirs(root + "/elsewhere/validated")
+    os.symlink(root + "/elsewhere", root + "/restore-1")
+else:
+    os.makedirs(root + "/restore-1/validated", mode=0o777)
+base = root + ("/elsewhere" if link else "/restore-1")
+with open(base + "/validated/1.json", "w") as f:
+    json.dump({"rank": 1, "value": {"plan_sha256": None}, "unix_ns": 1}, f)
+with open(base + "/abort.json", "w") as f:
+    json.dump({"rank": 1, "reason": "planted"}, f)
+"""
+
+
+@pytest.fixture
+def shared_root() -> Iterator[Path]:
+    """A coordinator root any user may write in (as a shared /tmp-like directory is)."""
+    path = Path(tempfile.mkdtemp(prefix="cs-coord-", dir="/tmp"))
+    path.chmod(0o1777)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to plant files as nobody")
+@pytest.mark.parametrize("link", [False, True], ids=["directory", "symlink"])
+def test_a_namespace_another_user_planted_is_refused(shared_root: Path, link: bool) -> None:
+    """Regression: #24 (finding 7): rank 0 passed `validated` alone on a rank 1 arrival another user forged."""
+    subprocess.run([*AS_NOBODY, "/usr/bin/python3", "-c", PLANT, str(shared_root), "link" if link else "dir"],
+                   check=True, timeout=30)
+    expected = "cannot be opened as a directory" if link else f"is owned by uid {NOBODY.pw_uid}"
+    with pytest.raises(WorkerError, match=f"coordinator namespace {shared_root}/restore-1 {expected}"):
+        Coordinator(shared_root, "restore-1", 0, 2, timeout=0.5).barrier("validated")
+
+
+def test_a_namespace_others_may_write_in_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "restore-1").mkdir(mode=0o700)
+    (tmp_path / "restore-1").chmod(0o777)
+    with pytest.raises(WorkerError, match="restore-1 is writable by others"):
+        Coordinator(tmp_path, "restore-1", 0, 2)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chown")
+def test_an_arrival_or_abort_not_written_by_a_rank_is_refused(tmp_path: Path) -> None:
+    """Regression: #24 (finding 7): arrivals and abort.json were read without an owner check."""
+    with Coordinator(tmp_path, "a", 0, 2, timeout=0.5) as rank0:
+        forged = tmp_path / "a" / "ready"
+        forged.mkdir(mode=0o700)
+        (forged / "1.json").write_text(json.dumps({"rank": 1, "value": {}}))
+        os.chown(forged / "1.json", NOBODY.pw_uid, NOBODY.pw_gid)
+        with pytest.raises(WorkerError, match=f"rank 1's arrival at ready is owned by uid {NOBODY.pw_uid}"):
+            rank0.barrier("ready")
+        (tmp_path / "a" / "abort.json").write_text(json.dumps({"rank": 1, "reason": "planted"}))
+        os.chown(tmp_path / "a" / "abort.json", NOBODY.pw_uid, NOBODY.pw_gid)
+        assert "the abort record is owned by uid" in str(rank0.aborted())  # never the planted reason
+        (tmp_path / "a" / "abort.json").unlink()
+        (tmp_path / "a" / "abort.json").symlink_to(tmp_path / "elsewhere.json")
+        assert rank0.aborted() == "the abort record is unreadable"  # a link is not followed
+
+
 @pytest.mark.parametrize(("driver", "policy"), [("580.159.04", "recreate-from-plan"),
                                                 ("610.43.02", "preserve-nccl-exec")])
 def test_default_graph_policy_per_driver(driver: str, policy: str) -> None:
@@ -173,7 +245,7 @@ def test_a_peer_abort_ends_the_wait_for_an_engine_that_never_answers(tmp_path: P
     import socket
     import time
 
-    from coldsnap_probe._worker import _engine
+    from coldsnap_probe._engine import engine_request
 
     path = str(tmp_path / "engine.sock")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as engine:
@@ -181,8 +253,10 @@ def test_a_peer_abort_ends_the_wait_for_an_engine_that_never_answers(tmp_path: P
         engine.listen()  # accepts (in the backlog) and never answers
         rank0 = Coordinator(tmp_path / "coord", "restore-1", 0, 2)
         peer = Coordinator(tmp_path / "coord", "restore-1", 1, 2)
-        threading.Timer(0.3, peer.abort, args=("rank 1 restore: its process died",)).start()
+        aborting = threading.Timer(0.3, peer.abort, args=("rank 1 restore: its process died",))
+        aborting.start()
         started = time.monotonic()
         with pytest.raises(RankAborted, match=r"engine restore: the activation was aborted .* rank 1 restore: its"):
-            _engine(path, {"op": "resume"}, "engine restore", timeout=60, ranks=rank0)
+            engine_request(path, {"op": "resume"}, "engine restore", timeout=60, ranks=rank0)
         assert time.monotonic() - started < 5
+        aborting.join()

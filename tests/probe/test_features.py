@@ -16,7 +16,6 @@ from coldsnap_probe import (
     attach_criu,
     decode_profile,
     requirements,
-    validate_qualification,
     with_criu,
 )
 from coldsnap_probe.errors import AdmissionError, FeatureNotPassed, ProfileError
@@ -133,4 +132,4 @@ def test_qualification_validation(field: str) -> None:
     bad = {"accepted": False, "unchanged_artifact_restores": 1, "features": ["cuda-fresh-state", "criu-process-tree"],
            "scope": {}}[field]
     with pytest.raises(ProfileError, match=field):
-        validate_qualification(qualification(**{field: bad}))
+        apply_qualification(profile(result("cuda-fresh-state")), qualification(**{field: bad}))

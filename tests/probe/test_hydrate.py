@@ -7,14 +7,15 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from coldsnap_probe._hydrate import (
+from coldsnap_probe._arena import WeightArena
+from coldsnap_probe._weights import (
     DIGEST_CHUNK,
     HydrationManifest,
-    WeightArena,
     WeightRegion,
     check_sources,
     chunk_digests,
@@ -201,16 +202,27 @@ def declared_arena(path: Path, weights: int, *, offset: int = 0, exportable: boo
     """A WeightArena (of `size` bytes, default `weights`) whose one region, "weights", is `weights` bytes of `path`
     from `offset` (on a GPU host)."""
     arena = WeightArena(size or weights, exportable=exportable)
+    SERVED.append(arena)
     arena.declare([WeightRegion("weights", arena.address, weights, str(path), offset,
                                 region_digest(path, offset, weights))])
     return arena
 
 
+SERVED: list[WeightArena] = []  # arenas this module made: their control threads are joined after each test
+
+
+@pytest.fixture(autouse=True)
+def _stop_serving() -> Iterator[None]:
+    yield
+    while SERVED:
+        SERVED.pop().stop_serving()
+
+
 def device_bytes(arena: object, size: int) -> bytes:
-    from coldsnap_probe._hydrate import _cu
+    from coldsnap_probe._vmm import cucall
 
     buffer = ctypes.create_string_buffer(size)
-    _cu(arena.driver, "cuMemcpyDtoH", ctypes.addressof(buffer), arena.address, size)  # type: ignore[attr-defined]
+    cucall(arena.driver, "cuMemcpyDtoH", ctypes.addressof(buffer), arena.address, size)  # type: ignore[attr-defined]
     return buffer.raw
 
 
@@ -232,12 +244,12 @@ def test_arena_release_and_restore_same_address_same_bytes(tmp_path: Path, strat
 
 def with_kv(arena: WeightArena, weights: int) -> WeightArena:
     """Redeclare `arena` with a discarded region after its `weights` bytes, filled with a pattern."""
-    from coldsnap_probe._hydrate import _cu
+    from coldsnap_probe._vmm import cucall
 
     kv = WeightRegion("kv", arena.address + weights, arena.size - weights, "", 0, "", "discard")
     arena.declare([arena.regions[0], kv])
     pattern = b"\xa5" * kv.size
-    _cu(arena.driver, "cuMemcpyHtoD", kv.address, pattern, kv.size)
+    cucall(arena.driver, "cuMemcpyHtoD", kv.address, pattern, kv.size)
     return arena
 
 
@@ -271,20 +283,20 @@ def test_arena_release_with_an_altered_source_refuses_and_keeps_serving(tmp_path
 
 @gpu
 def test_arena_restore_with_too_little_free_memory_refuses_then_succeeds(tmp_path: Path) -> None:
-    from coldsnap_probe._hydrate import _cu
+    from coldsnap_probe._vmm import cucall
 
     path = source(tmp_path, 64 * MIB)
     arena = declared_arena(path, 64 * MIB)
     arena.load()
     arena.release("g1")
-    free, _total = _cu(arena.driver, "cuMemGetInfo")
-    hog = _cu(arena.driver, "cuMemAlloc", int(free) - 32 * MIB)
+    free, _total = cucall(arena.driver, "cuMemGetInfo")
+    hog = cucall(arena.driver, "cuMemAlloc", int(free) - 32 * MIB)
     try:
         with pytest.raises(HydrationError, match="hydration needs 67108864"):
             arena.restore()
         assert not arena.mapped and not arena.ready.is_set()  # not released to serve
     finally:
-        _cu(arena.driver, "cuMemFree", hog)
+        cucall(arena.driver, "cuMemFree", hog)
     assert arena.restore()["verified_regions"] == 1 and arena.ready.is_set()
 
 
@@ -318,29 +330,6 @@ def test_manifest_names_its_hydrator_only_when_it_has_one(tmp_path: Path) -> Non
         HydrationManifest.from_json(tampered)
 
 
-def test_a_silent_asker_does_not_stop_the_control_loop(tmp_path: Path) -> None:
-    """A connection that never sends its request is dropped; the next asker is answered."""
-    import socket
-    import threading
-
-    from coldsnap_probe._hydrate import _answer_each, _read_line, request
-
-    path = str(tmp_path / "control.sock")
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen()
-    thread = threading.Thread(target=_answer_each, daemon=True, kwargs={
-        "listener": listener, "request_timeout": 0.5,
-        "answer": lambda conn: {"ok": True, "echo": json.loads(_read_line(conn))}})
-    thread.start()
-    with listener, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent, \
-            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as trickling:
-        silent.connect(path)
-        trickling.connect(path)
-        trickling.send(b"{")  # then nothing more: the request's deadline covers it too
-        assert request(path, {"op": "status"}, timeout=10) == {"ok": True, "echo": {"op": "status"}}
-
-
 @pytest.fixture
 def hydrator(tmp_path: Path) -> object:
     """A long-lived hydrator process holding one 16 MiB source page-locked (its GPU is GPU 0, as the arena's)."""
@@ -367,14 +356,16 @@ def staged_arena(tmp_path: Path, shard: Path, control: str) -> tuple[object, Hyd
 
 @gpu
 def test_staged_weights_are_adopted_in_place_with_the_same_bytes(tmp_path: Path, hydrator: tuple[Path, str]) -> None:
-    from coldsnap_probe._hydrate import Stager
+    from coldsnap_probe._hydrator import Stager
 
     shard, control = hydrator
     arena, manifest = staged_arena(tmp_path, shard, control)
     assert manifest.hydrator == control
-    staged = Stager(manifest).result()
+    stager = Stager(manifest)
+    staged = stager.result()
     assert staged["staged"] and staged["bytes"] == 8 * MIB, staged
-    report = arena.restore(strategy=f"hydrator:{control}")  # type: ignore[attr-defined]
+    assert "ticket" not in staged and stager.ticket  # the ticket goes to the engine, never into a report
+    report = arena.restore(strategy=f"hydrator:{control}", ticket=stager.ticket)  # type: ignore[attr-defined]
     assert report["staged"] and report["strategy"].startswith("hydrator-staged:") and report["verified_regions"] == 1
     assert device_bytes(arena, 8 * MIB) == shard.read_bytes()[4 * MIB:12 * MIB]
     # Adopted once: a second release and restore finds nothing staged and hydrates the regular way.
@@ -387,16 +378,17 @@ def test_staged_weights_are_adopted_in_place_with_the_same_bytes(tmp_path: Path,
 @gpu
 def test_staged_weights_with_a_discarded_region_come_back_with_it_zeroed(tmp_path: Path,
                                                                          hydrator: tuple[Path, str]) -> None:
-    from coldsnap_probe._hydrate import Stager
+    from coldsnap_probe._hydrator import Stager
 
     shard, control = hydrator
     arena = declared_arena(shard, 8 * MIB, offset=4 * MIB, exportable=True, size=12 * MIB)
     arena.load(strategy="ring")
     with_kv(arena, 8 * MIB)
     arena.serve(str(tmp_path / "engine.sock"), strategy=f"hydrator:{control}")
-    staged = Stager(arena.release("g1")).result()
+    stager = Stager(arena.release("g1"))
+    staged = stager.result()
     assert staged["staged"] and staged["bytes"] == 8 * MIB, staged
-    report = arena.restore(strategy=f"hydrator:{control}")
+    report = arena.restore(strategy=f"hydrator:{control}", ticket=stager.ticket)
     assert report["staged"] and report["zeroed_bytes"] == 4 * MIB
     assert device_bytes(arena, 12 * MIB) == shard.read_bytes()[4 * MIB:12 * MIB] + bytes(4 * MIB)
 
@@ -404,7 +396,7 @@ def test_staged_weights_with_a_discarded_region_come_back_with_it_zeroed(tmp_pat
 @gpu
 def test_staging_for_another_gpu_is_refused_and_the_restore_still_hydrates(tmp_path: Path,
                                                                           hydrator: tuple[Path, str]) -> None:
-    from coldsnap_probe._hydrate import request
+    from coldsnap_probe.jsonline import request
 
     shard, control = hydrator
     arena, manifest = staged_arena(tmp_path, shard, control)
@@ -419,17 +411,18 @@ def test_staging_for_another_gpu_is_refused_and_the_restore_still_hydrates(tmp_p
 def test_an_unadopted_stage_is_freed_after_its_ttl(tmp_path: Path, hydrator: tuple[Path, str]) -> None:
     import time
 
-    from coldsnap_probe._hydrate import Stager, _cu
+    from coldsnap_probe._hydrator import Stager
+    from coldsnap_probe._vmm import cucall
 
     shard, control = hydrator
     arena, manifest = staged_arena(tmp_path, shard, control)
     driver = arena.driver  # type: ignore[attr-defined]
-    before, _ = _cu(driver, "cuMemGetInfo")
+    before, _ = cucall(driver, "cuMemGetInfo")
     assert Stager(manifest).result()["staged"]
-    during, _ = _cu(driver, "cuMemGetInfo")
+    during, _ = cucall(driver, "cuMemGetInfo")
     assert int(before) - int(during) >= 8 * MIB  # the hydrator holds the staged allocation
     time.sleep(4)  # TTL 2 s, checked every second
-    after, _ = _cu(driver, "cuMemGetInfo")
+    after, _ = cucall(driver, "cuMemGetInfo")
     assert int(after) >= int(during) + 8 * MIB
     report = arena.restore(strategy=f"hydrator:{control}")  # type: ignore[attr-defined]
     assert report["staged"] is False and report["verified_regions"] == 1
@@ -439,28 +432,155 @@ def test_an_unadopted_stage_is_freed_after_its_ttl(tmp_path: Path, hydrator: tup
 def test_weights_hydrated_through_the_hydrator_are_freed_at_release(tmp_path: Path,
                                                                     hydrator: tuple[Path, str]) -> None:
     """The hydrator closes the descriptor of every allocation it filled: an engine's release frees the memory."""
-    from coldsnap_probe._hydrate import _cu
+    from coldsnap_probe._vmm import cucall
 
     shard, control = hydrator
     arena = declared_arena(shard, 8 * MIB, exportable=True)
     assert arena.load(strategy=f"hydrator:{control}")["verified_regions"] == 1
-    held, _ = _cu(arena.driver, "cuMemGetInfo")
+    held, _ = cucall(arena.driver, "cuMemGetInfo")
     arena.serve(str(tmp_path / "engine.sock"), strategy=f"hydrator:{control}")
     arena.release("g1")
-    freed, _ = _cu(arena.driver, "cuMemGetInfo")
+    freed, _ = cucall(arena.driver, "cuMemGetInfo")
     assert int(freed) - int(held) >= 8 * MIB
 
 
 @pytest.mark.parametrize("key", [None, "", "k", "sha256:" + "0" * 63, "sha256:" + "G" * 64, 7])
 def test_a_stage_key_must_be_a_manifest_digest(key: object) -> None:
-    from coldsnap_probe._hydrate import _stage_key
+    from coldsnap_probe._hydrator import _stage_key
 
     with pytest.raises(HydrationError, match="key must be a manifest digest"):
         _stage_key({"key": key})
 
 
 def test_stage_requests_are_keyed_by_the_manifest_digest(tmp_path: Path) -> None:
-    from coldsnap_probe._hydrate import _stage_key
+    from coldsnap_probe._hydrator import _stage_key
 
     manifest = manifest_for([region(source(tmp_path))])
     assert _stage_key(manifest.stage_request("stage")) == manifest.manifest_digest
+
+
+# --- who may ask (#24, finding 5) ---------------------------------------------------------------------------
+
+
+def test_a_source_is_readable_by_a_peer_only_as_its_mode_allows(tmp_path: Path) -> None:
+    from coldsnap_probe._hydrator import readable_by
+    from coldsnap_probe.jsonline import Peer
+
+    path = source(tmp_path, 4096)
+    path.chmod(0o640)
+    os.chown(path, 0, 1000)
+    st = os.stat(path)
+    assert readable_by(st, Peer(1, 0, 0))  # root
+    assert readable_by(st, Peer(1, 2000, 1000))  # the file's group may read
+    assert not readable_by(st, Peer(1, 65534, 65534))  # others may not
+    os.chown(path, 65534, 1000)
+    path.chmod(0o040)
+    assert not readable_by(os.stat(path), Peer(1, 65534, 1000))  # the owner's bits decide for the owner
+    path.chmod(0o604)
+    assert readable_by(os.stat(path), Peer(1, 4242, 4242))
+
+
+def test_a_stage_is_held_only_with_its_ticket() -> None:
+    from coldsnap_probe._hydrator import _Staged
+
+    staged = _Staged(None, 0, 1, (), 0.0, 0.0, 0.0, owner=1000, ticket="t" * 43)
+    assert staged.held_by("t" * 43)
+    assert not staged.held_by("u" * 43) and not staged.held_by("") and not staged.held_by(None)
+    assert not staged.held_by("\udcff")  # whatever JSON can carry: refused, never an error
+
+
+@pytest.fixture
+def shared_hydrator(tmp_path: Path) -> Iterator[tuple[Path, Path, str]]:
+    """A hydrator whose socket nobody can reach (group nogroup, 0660) and which admits nobody's uid; it holds a
+    root-only source and one anyone may read."""
+    import pwd
+    import shutil
+    import tempfile
+
+    nobody = pwd.getpwnam("nobody")
+    shared = Path(tempfile.mkdtemp(prefix="cs-hydrator-", dir="/tmp"))
+    shared.chmod(0o755)
+    private, public = source(shared, 16 * MIB, "private.bin"), source(shared, 16 * MIB, "public.bin")
+    private.chmod(0o600)
+    public.chmod(0o644)
+    control = shared / "hydrator.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "coldsnap_probe._hydrate", "serve", "--socket", str(control),
+                             "--staging", "--allow-uid", str(nobody.pw_uid), "--socket-group", str(nobody.pw_gid),
+                             str(private), str(public)], stdout=subprocess.PIPE, cwd=ROOT)
+    try:
+        assert json.loads(proc.stdout.readline())["ready"]  # type: ignore[union-attr]
+        yield private, public, str(control)
+    finally:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(shared)
+
+
+@gpu
+def test_a_hydrator_tenant_cannot_list_adopt_or_discard_another_tenants_stage(
+        tmp_path: Path, shared_hydrator: tuple[Path, Path, str]) -> None:
+    """Regression: #24 (finding 5): any process reaching the hydrator listed, adopted and discarded stages."""
+    from coldsnap_probe._hydrator import Stager
+    from coldsnap_probe.jsonline import request
+    from tests.probe.test_jsonline import ask_as_nobody
+
+    _private, public, control = shared_hydrator
+    arena, manifest = staged_arena(tmp_path, public, control)
+    stager = Stager(manifest)
+    assert stager.result()["staged"]
+    assert [s["key"] for s in request(control, {"op": "status"})["staged"]] == [manifest.manifest_digest]
+    assert ask_as_nobody(control, "status")["staged"] == []  # another tenant does not even see it
+    for ticket in ("", "forged"):  # the digest alone (it is in the manifest) is not enough
+        assert ask_as_nobody(control, manifest.stage_request("adopt", ticket=ticket)) == {
+            "ok": False, "staged": False, "error": f"nothing is staged for {manifest.manifest_digest}"}
+        assert ask_as_nobody(control, manifest.stage_request("discard", ticket=ticket)) == {
+            "ok": True, "discarded": False}
+    assert request(control, manifest.stage_request("discard", ticket="forged"))["discarded"] is False
+    report = arena.restore(strategy=f"hydrator:{control}", ticket=stager.ticket)  # type: ignore[attr-defined]
+    assert report["staged"] and report["verified_regions"] == 1
+
+
+@gpu
+def test_a_hydrator_gives_a_peer_no_byte_of_a_source_it_could_not_read(
+        tmp_path: Path, shared_hydrator: tuple[Path, Path, str]) -> None:
+    """Regression: #24 (finding 5): any byte range of any source the hydrator held went to any peer."""
+    from tests.probe.test_jsonline import ask_as_nobody
+
+    private, _public, control = shared_hydrator
+    arena = declared_arena(private, 8 * MIB, exportable=True)
+    manifest = arena.release("g1")
+    answer = ask_as_nobody(control, manifest.stage_request("stage", device_uuid=""))
+    assert not answer["ok"] and "is not this hydrator's" in answer["error"]  # the GPU is checked first
+    from coldsnap_probe._vmm import device_uuid
+
+    uuid = device_uuid(arena.driver, 0)
+    answer = ask_as_nobody(control, manifest.stage_request("stage", device_uuid=uuid))
+    assert answer == {"ok": False, "error": f"HydrationError: region weights: peer uid 65534 may not read {private}"}
+
+
+@gpu
+def test_the_engine_control_socket_answers_no_other_uid(tmp_path: Path) -> None:
+    """Regression: #24 (finding 5): the engine's control socket (umask mode) released for any peer."""
+    import pwd
+    import shutil
+    import stat
+    import tempfile
+
+    from tests.probe.test_jsonline import ask_as_nobody
+
+    nobody = pwd.getpwnam("nobody")
+    shared = Path(tempfile.mkdtemp(prefix="cs-engine-", dir="/tmp"))
+    try:
+        shared.chmod(0o755)
+        arena = declared_arena(source(tmp_path, 8 * MIB), 4 * MIB)
+        arena.load(strategy="ring")
+        arena.serve(shared / "control.sock")
+        assert stat.S_IMODE(os.lstat(shared / "control.sock").st_mode) == 0o600
+        assert ask_as_nobody(shared / "control.sock", "release") == {"os_error": 13}
+        arena.stop_serving()  # served again below, reachable by nobody's group but not admitted
+        arena.serve(shared / "control.sock", group=nobody.pw_gid)
+        answer = ask_as_nobody(shared / "control.sock", {"op": "release", "generation": "g1"})
+        assert not answer["ok"] and "peer uid 65534" in answer["error"]
+        assert arena.mapped and arena.ready.is_set()  # nothing was released
+    finally:
+        shutil.rmtree(shared)

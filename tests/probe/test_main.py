@@ -72,3 +72,22 @@ def test_worker_probe_errors_exit_1_with_type_and_message(tmp_path: Path) -> Non
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.startswith("error: CudaLibraryMissing: libcuda.so.1 could not be loaded")
     assert "Traceback" not in done.stderr
+
+
+def test_profile_with_a_qualification_record_prints_its_features_passed(tmp_path: Path) -> None:
+    """The host-qualification path: the record's unqualified features pass for this exact environment only."""
+    identity = json.loads(probe("profile").stdout)["identity"]
+    record = {"format": 1, "kind": "coldsnap-qualification-record", "id": "lab-7", "accepted": True,
+              "environment": identity,
+              "scope": {"engine": "vllm", "model_family": "llama", "connector": "", "topology_sha256": "t",
+                        "graph_mode": "g", "transport": "ib", "nccl_provider": "nccl-2.28.9-1+coldsnap.1"},
+              "features": ["criu-process-template", "criu-process-tree"], "unchanged_artifact_restores": 2}
+    (tmp_path / "record.json").write_text(json.dumps(record))
+    done = probe("profile", "--qualification", str(tmp_path / "record.json"))
+    assert done.returncode == 0, done.stderr
+    features = {f["id"]: f for f in json.loads(done.stdout)["features"]}
+    assert features["criu-process-tree"] == {"id": "criu-process-tree", "status": "passed",
+                                             "probe": "qualification:lab-7", "seconds": 0.0}
+    (tmp_path / "record.json").write_text(json.dumps({**record, "environment": {**identity, "boot_id": "x"}}))
+    done = probe("profile", "--qualification", str(tmp_path / "record.json"))
+    assert done.returncode == 1 and "ProfileError: qualification environment does not equal" in done.stderr

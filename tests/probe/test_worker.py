@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from coldsnap_probe._worker import _audit_pre_cuda, identity_compatibility, image_digest, process_tree
+from coldsnap_probe._process import audit_pre_cuda
+from coldsnap_probe._worker import identity_compatibility, image_digest, process_tree
 from coldsnap_probe.errors import WorkerError
 from tests.helpers import ROOT
 from tests.probe.test_main import has_nvidia_driver
@@ -72,8 +73,8 @@ def test_n580_audit_refuses_a_process_that_maps_a_cuda_driver_library(tmp_path: 
     try:
         assert mapping.stdout is not None and mapping.stdout.readline() == "ready\n"
         with pytest.raises(WorkerError, match=r"is not a pre-CUDA template: it holds libcuda\.so"):
-            _audit_pre_cuda([clean.pid, mapping.pid])
-        _audit_pre_cuda([clean.pid])  # a process without CUDA passes
+            audit_pre_cuda([clean.pid, mapping.pid])
+        audit_pre_cuda([clean.pid])  # a process without CUDA passes
     finally:
         for process in (mapping, clean):
             process.kill()

@@ -371,7 +371,8 @@ def node_b_registry(node_b: NodeB, registry: Registry) -> Iterator[Registry]:
 async def test_runtime_pull_and_push_for_node_b_use_node_b_engine_with_credentials(
         node_b: NodeB, node_b_registry: Registry, busybox_image: str) -> None:
     pushed = f"{node_b_registry.address}/coldsnap/remote-push:{os.getpid()}"
-    config = node_b.config() + f'\n[registry]\ncredentials_file = "{node_b_registry.credentials_file}"\n'
+    allowed = f'registries = ["{node_b_registry.address}"]'
+    config = node_b.config(extra=allowed) + f'\n[registry]\ncredentials_file = "{node_b_registry.credentials_file}"\n'
     async with running_daemon(config) as daemon:
         s = await daemon.open_session(hosts=["localhost", "node-b"])
         try:

@@ -28,10 +28,3 @@ def inspect(library: str, *args: str, env: dict[str, str] | None = None) -> tupl
                           capture_output=True, text=True, cwd=ROOT, env=clean_env(env or {}), check=False)
     assert done.returncode in (0, 3), done.stderr  # never a crash
     return done.returncode, json.loads(done.stdout)
-
-
-def lifecycle(library: str, scenario: str, env: dict[str, str]) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, "-m", "tests.shim._lifecycle", library, scenario], capture_output=True,
-                          text=True, cwd=ROOT, env=clean_env(env), check=False)
-    assert done.returncode == 0, done.stderr
-    return {s["step"]: s for s in json.loads(done.stdout)}

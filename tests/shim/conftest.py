@@ -15,8 +15,6 @@ VARIANTS = {
     "truncated": ["-DTRUNCATED"],
     "abi2": ["-DABI_MAJOR=2u"],
     "loaded_mismatch": ["-DLOADED_VERSION=23101"],
-    "huge_evidence": ["-DHUGE_EVIDENCE"],
-    "bad_evidence": ["-DBAD_EVIDENCE"],
     "resources": ["-DWITH_RESOURCES"],
 }
 

@@ -1,0 +1,227 @@
+"""Capture as phases (admission spec 7.2, 7.3): each phase records what it did, and one rollback undoes it.
+
+n580 (a pre-CUDA template): audit -> [capture-ready] -> CRIU dump -> [dumped].
+n610 (initialized CUDA state): find the CUDA processes -> [capture-ready, the ranks agree on the graph policy]
+-> quiesce the engine's communicators -> [quiesced] -> release the weights -> CUDA lock -> CUDA checkpoint ->
+[checkpointed] -> CRIU dump (+ hydration.json, graph.json) -> [dumped]. Brackets are the ranks' barriers.
+
+The rollback, in this order, whatever phase failed: abort the activation for every rank (peers first), let a
+stopped dumped tree run again, restore and unlock what was checkpointed and locked (reverse order), hydrate the
+released weights back, recreate the communicators the quiesce destroyed, keep CRIU's log beside the images.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+from ._coordinator import Coordinator
+from ._cuda import Driver
+from ._engine import check_quiesced, engine_request, graph_plan, hydrate_back, resume_engine, write_graph_record
+from ._graph import GraphPlan
+from ._process import (
+    anonymous_memory,
+    audit_pre_cuda,
+    cuda_processes,
+    image_digest,
+    images_size,
+    process_tree,
+    require_state,
+    run_criu,
+    signal_tree,
+    undo_cuda,
+)
+from ._profile import identity
+from ._reports import CapturedGraphPolicy, CaptureReport, ReleasedWeights
+from ._weights import HydrationManifest
+from .errors import ProbeError, WorkerError
+
+__all__ = ("capture",)
+
+
+def capture(pid: int, images: Path, *, criu: str, boundary: str = "n610", lock_timeout_ms: int = 30_000,
+            digest: bool = False, hydration: str | None = None, coordinator: Coordinator | None = None,
+            engine: str | None = None, graph_policy: str = "auto") -> CaptureReport:
+    """Checkpoint and dump the tree rooted at `pid` into `images` (must be new or empty)."""
+    if boundary not in ("n580", "n610"):
+        raise WorkerError(f"boundary must be n580 or n610, got {boundary!r}")
+    if images.exists() and any(images.iterdir()):
+        raise WorkerError(f"images directory {images} is not empty")
+    ranks = coordinator or Coordinator.single()
+    if ranks.multi and boundary == "n610" and not engine:
+        raise WorkerError("several ranks need the engine's control socket (engine=) to release their "
+                          "communicators before capture")
+    images.mkdir(mode=0o700, parents=True, exist_ok=True)
+    run = _Capture(pid, images, criu=criu, boundary=boundary, ranks=ranks, hydration=hydration, engine=engine,
+                   plan=graph_plan(graph_policy, ranks.world_size) if engine and boundary == "n610" else None)
+    run.run(lock_timeout_ms)
+    return run.finish(digest=digest)
+
+
+class _Capture:
+    """One capture's state: what each phase did, so that `roll_back` undoes exactly that."""
+
+    def __init__(self, pid: int, images: Path, *, criu: str, boundary: str, ranks: Coordinator,
+                 hydration: str | None, engine: str | None, plan: GraphPlan | None) -> None:
+        self.pid, self.images, self.criu, self.ranks = pid, images, criu, ranks
+        self.hydration, self.engine, self.plan = hydration, engine, plan
+        self.tree = process_tree(pid)
+        self.report = CaptureReport(boundary=boundary, root_pid=pid, tree=self.tree, rank=ranks.rank,
+                                    world_size=ranks.world_size, engine=engine)
+        self.work = Path(tempfile.mkdtemp(prefix="coldsnap-capture-"))
+        # What was done, for the rollback. Invariant: each is set right after its step succeeded (or began, for
+        # `quiesced`: a quiesce that failed half-way still needs its communicators back).
+        self.driver: Driver | None = None
+        self.done: list[tuple[int, str]] = []  # (pid, "locked" | "checkpointed"), in the order done
+        self.quiesced = self.dumped = False
+        self.manifest: HydrationManifest | None = None
+
+    def run(self, lock_timeout_ms: int) -> None:
+        try:
+            if self.report.boundary == "n580":
+                self._template()
+            else:
+                self._initialized(lock_timeout_ms)
+        except BaseException as exc:
+            self._roll_back(exc)
+            raise
+        finally:
+            shutil.rmtree(self.work, ignore_errors=True)
+
+    # -- the phases, in order ----------------------------------------------------------------------------------
+    def _template(self) -> None:
+        """n580: no CUDA state may be in the tree; a CPU-only dump."""
+        audit_pre_cuda(self.tree)
+        self.report.cuda_pids = []
+        self.ranks.barrier("capture-ready", {"pid": self.pid})
+        self._dump()
+        self.ranks.barrier("dumped")
+
+    def _initialized(self, lock_timeout_ms: int) -> None:
+        """n610: every CUDA process of the tree locked and checkpointed, then dumped with the rest."""
+        self.driver = Driver()
+        self.driver.call("cuInit", 0)
+        cuda = self._find_cuda(self.driver)
+        self._agree_on_policy()
+        self._quiesce()
+        self.ranks.barrier("quiesced")
+        if self.hydration:
+            self._release_weights(self.hydration)
+        self.report.memory_before_checkpoint = {str(p): anonymous_memory(p) for p in self.tree}
+        self._lock(self.driver, cuda, lock_timeout_ms)
+        self._checkpoint(self.driver, cuda)
+        self.ranks.barrier("checkpointed")
+        self.report.memory_after_checkpoint = {str(p): anonymous_memory(p) for p in self.tree}
+        self._dump()
+        if self.manifest is not None:
+            (self.images / "hydration.json").write_text(json.dumps(self.manifest.to_json(), indent=2) + "\n")
+        if self.plan is not None:
+            write_graph_record(self.images, self.plan, self.ranks.world_size)
+        self.ranks.barrier("dumped")
+
+    def _find_cuda(self, driver: Driver) -> list[int]:
+        cuda = cuda_processes(driver, self.tree)
+        if not cuda:
+            raise WorkerError(f"no CUDA process in the tree of {self.pid} (n610 needs initialized CUDA state)")
+        self.report.cuda_pids = cuda
+        require_state(driver, cuda, "running", "before lock")
+        return cuda
+
+    def _agree_on_policy(self) -> None:
+        peers = self.ranks.barrier("capture-ready", {"pid": self.pid,
+                                                     "policy": self.plan.recorded if self.plan else None})
+        if len({str(p.get("policy")) for p in peers}) != 1:
+            raise WorkerError(f"the ranks disagree on the graph policy: {[p.get('policy') for p in peers]}")
+
+    def _quiesce(self) -> None:
+        """Under a graph policy: the engine destroys its communicators (and graphs) before the CUDA lock."""
+        if self.plan is None:
+            return
+        plan = self.plan
+        self.report.graph_policy = CapturedGraphPolicy(requested=plan.requested, recorded=plan.recorded,
+                                                       effective=plan.effective, reason=plan.reason)
+        started = time.perf_counter()
+        self.quiesced = True  # from here a failure recreates the communicators (rollback)
+        answer = engine_request(str(self.engine), {"op": "quiesce", "policy": plan.effective},
+                                "the engine did not quiesce before capture", timeout=60)
+        self.report.engine_quiesce = answer
+        check_quiesced(answer, plan, self.tree)
+        self.report.timings_s["engine_quiesce"] = time.perf_counter() - started
+
+    def _release_weights(self, control: str) -> None:
+        """The engine's fail-before-release gate; its manifest goes into the images after the dump."""
+        started = time.perf_counter()
+        answer = engine_request(control, {"op": "release", "generation": f"capture-{time.time_ns()}"},
+                                "the engine did not release its weights (nothing was released)")
+        try:
+            manifest = HydrationManifest.from_json(answer.get("manifest"))
+        except ProbeError as exc:
+            hydrate_back(control)  # released, but not restorable from this manifest: take them back now
+            raise WorkerError(f"the engine's hydration manifest is invalid: {exc}") from exc
+        self.manifest = manifest
+        self.report.hydration = ReleasedWeights(
+            released_bytes=sum(r.size for r in manifest.regions), regions=len(manifest.regions),
+            release_seconds=time.perf_counter() - started, plan_digest=manifest.plan.plan_digest,
+            manifest_digest=manifest.manifest_digest)
+
+    def _lock(self, driver: Driver, cuda: list[int], timeout_ms: int) -> None:
+        started = time.perf_counter()
+        for p in cuda:
+            args = driver.cuda.CUcheckpointLockArgs()
+            args.timeoutMs = timeout_ms
+            driver.call("cuCheckpointProcessLock", p, args)
+            self.done.append((p, "locked"))
+        require_state(driver, cuda, "locked", "after lock")
+        self.report.timings_s["cuda_lock"] = time.perf_counter() - started
+
+    def _checkpoint(self, driver: Driver, cuda: list[int]) -> None:
+        started = time.perf_counter()
+        for p in cuda:
+            driver.call("cuCheckpointProcessCheckpoint", p, None)
+            self.done.append((p, "checkpointed"))
+        require_state(driver, cuda, "checkpointed", "after checkpoint")
+        self.report.timings_s["cuda_checkpoint"] = time.perf_counter() - started
+
+    def _dump(self) -> None:
+        # Several ranks: the dumped tree stays stopped until every rank has dumped, so a failed peer can roll back.
+        args = ["dump", "--tree", str(self.pid), "--images-dir", str(self.images), "--work-dir", str(self.work),
+                *(["--leave-stopped"] if self.ranks.multi else [])]
+        self.report.timings_s["criu_dump"] = run_criu(self.criu, args, self.work / "dump.log")
+        self.dumped = True
+
+    # -- the one rollback ----------------------------------------------------------------------------------------
+    def _roll_back(self, exc: BaseException) -> None:
+        """Undo what was done, so that the workload keeps running on every rank."""
+        self.ranks.abort(f"rank {self.ranks.rank} capture: {type(exc).__name__}: {exc}")  # peers first, then undo
+        if self.dumped and self.ranks.multi:
+            signal_tree(self.tree, signal.SIGCONT)  # the CUDA restore thread of a stopped tree must run
+        if self.driver is not None:
+            undo_cuda(self.driver, self.done)
+        if self.manifest is not None and self.hydration:
+            hydrate_back(self.hydration)
+        if self.quiesced and self.engine:  # every rank rolls back: recreate the communicators the capture destroyed
+            with contextlib.suppress(WorkerError):
+                resume_engine(self.engine, self.ranks, self.plan.effective if self.plan else "recreate-from-plan",
+                              "rollback", self.work)
+        if (self.work / "dump.log").exists():  # keep the evidence of a failed dump
+            shutil.copy2(self.work / "dump.log", self.images / "dump.log")
+
+    # -- after the last phase --------------------------------------------------------------------------------
+    def finish(self, *, digest: bool) -> CaptureReport:
+        if self.ranks.multi:  # every rank has dumped: the captured tree ends here, as a single-rank dump ends it
+            signal_tree(self.tree, signal.SIGKILL)
+        report = self.report
+        report.identity = identity(None)
+        report.engine_quiesced = self.quiesced
+        report.barrier_wait_s = dict(self.ranks.waits)
+        report.image_bytes, report.image_files = images_size(self.images)
+        if digest:
+            report.image_digest = image_digest(self.images, contents=True)
+        report.completed_unix = time.time()
+        (self.images / "capture.json").write_text(json.dumps(report.to_json(), indent=2, sort_keys=True) + "\n")
+        return report

@@ -1,0 +1,324 @@
+"""The node's long-lived hydrator (`HydratorServer`) and the restore worker's side of staging (`Stager`)."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import os
+import secrets
+import socket
+import stat
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from . import jsonline
+from ._vmm import Mapped, copy_registered, cucall, device_allocation, device_uuid, fd_handle, map_read_write
+from ._weights import HydrationManifest, WeightRegion, validate_regions
+from .errors import ChannelError, HydrationError
+
+__all__ = ("STAGE_MAX", "STAGE_RESERVE", "STAGE_TTL", "HydratorServer", "Stager")
+
+STAGE_TTL = 120.0  # seconds a staged allocation waits for its engine before the hydrator frees it
+STAGE_MAX = 4  # staged allocations a hydrator holds at once
+STAGE_RESERVE = 1 << 30  # device bytes staging leaves free (the engine's restored state needs them)
+
+
+@dataclass
+class _Staged:
+    """An allocation the hydrator filled ahead of its engine's restore (see HydratorServer)."""
+
+    handle: Any
+    base: int
+    size: int
+    regions: tuple[WeightRegion, ...]
+    stage_s: float
+    copy_s: float
+    expires: float
+    owner: int  # the uid of the peer that staged it: its `status` lists it, another uid cannot stage over it
+    ticket: str  # a secret answered to the stager only (never in a report), which hands it to its engine
+
+    def held_by(self, ticket: object) -> bool:
+        """Adopting or discarding a stage takes its ticket: the engine may run as another uid than the worker
+        that staged for it, and the worker gives the ticket only to it (over the engine's 0600 socket)."""
+        given = ticket.encode("utf-8", "surrogatepass") if isinstance(ticket, str) else b""
+        return bool(given) and hmac.compare_digest(given, self.ticket.encode())
+
+
+def readable_by(st: os.stat_result, peer: jsonline.Peer) -> bool:
+    """Whether `peer` could open the file itself (its mode bits, as the kernel checks them for one uid and
+    gid): the hydrator hands out a source's bytes only to a peer that could read them anyway."""
+    if peer.uid == 0:
+        return True
+    if st.st_uid == peer.uid:
+        return bool(st.st_mode & stat.S_IRUSR)
+    if st.st_gid == peer.gid:
+        return bool(st.st_mode & stat.S_IRGRP)
+    return bool(st.st_mode & stat.S_IROTH)
+
+
+class HydratorServer:
+    """Keeps source files page-locked (paid once) and copies them into engines' weight allocations.
+
+    Requests (one JSON line each, on its socket): `hydrate` carries an engine's exported allocation and fills it;
+    `stage` (from a restore worker, before its CRIU restore; only with `staging`, see `serve --staging`)
+    allocates and fills one on the hydrator's GPU while the engine is still being restored, kept under the
+    manifest's digest for `stage_ttl` seconds (at most STAGE_MAX at once, never leaving less than STAGE_RESERVE
+    free); `adopt` (from the restored engine) hands that allocation over as a descriptor, so the engine only
+    maps it; `discard` frees one that will not be adopted; `status` lists what is staged.
+
+    Who may ask what (a hydrator may serve several tenants): the socket is 0600 (0660 with a group) and only
+    the peers `peers` admits are answered (SO_PEERCRED); a `hydrate` or `stage` gets a source's bytes only for
+    a peer that could read the source file itself; `adopt` and `discard` need the stage's ticket (answered to
+    the stager only), another uid cannot stage over a stage, and `status` lists only the asker's own stages.
+    """
+
+    def __init__(self, sources: Sequence[str], *, streams: int = 4, driver: Any = None,
+                 stage_ttl: float = STAGE_TTL, staging: bool = False, peers: jsonline.Peers | None = None,
+                 group: int | None = None) -> None:
+        from ._cuda import Driver
+
+        self.driver: Any = driver or Driver()
+        self.driver.context()
+        self.context = cucall(self.driver, "cuCtxGetCurrent")
+        self.device_uuid = device_uuid(self.driver, 0)
+        started = time.perf_counter()
+        self.sources: dict[str, Mapped] = {}
+        self._files: dict[str, int] = {}  # the same files held open: their owner and mode are checked per peer
+        for source in sources:
+            real = os.path.realpath(source)
+            self._files[real] = os.open(real, os.O_RDONLY | os.O_CLOEXEC)
+            self.sources[real] = Mapped(real)
+        self.map_seconds = time.perf_counter() - started
+        for m in self.sources.values():
+            m.register(self.driver)
+        self.pin_seconds = time.perf_counter() - started - self.map_seconds
+        self._streams = [cucall(self.driver, "cuStreamCreate", 1) for _ in range(streams)]
+        if stage_ttl <= 0:
+            raise HydrationError(f"stage_ttl must be positive, not {stage_ttl}")
+        self.staged: dict[str, _Staged] = {}
+        self.stage_ttl, self.staging = stage_ttl, staging
+        self.peers, self.group = peers or jsonline.Peers(), group
+
+    def serve(self, path: str) -> None:
+        """Answer requests on `path` until the process ends (ready line on stdout once it listens)."""
+        with jsonline.listen(path, group=self.group) as listener:
+            sys.stdout.write(json.dumps({"ready": True, "map_s": self.map_seconds, "pin_s": self.pin_seconds,
+                                         "bytes": sum(m.size for m in self.sources.values()),
+                                         "device_uuid": self.device_uuid}) + "\n")
+            sys.stdout.flush()
+            jsonline.LineServer(listener, self._one, peers=self.peers, idle=self._expire).run()
+
+    def _one(self, conn: socket.socket, peer: jsonline.Peer) -> jsonline.Answer:
+        data, fds, _flags, _addr = socket.recv_fds(conn, jsonline.MAX_REQUEST, 1)
+        try:
+            message = json.loads(jsonline.read_line(conn, data))
+            op = message.get("op", "hydrate") if isinstance(message, dict) else None
+            if op != "hydrate" and fds:
+                raise HydrationError(f"a {op} request carries no descriptor")
+            if op == "hydrate":
+                if len(fds) != 1:
+                    raise HydrationError("a hydrate request carries exactly one allocation descriptor")
+                return self._hydrate(message, fds[0], peer)
+            if op == "stage":
+                return self._stage(message, peer)
+            if op == "adopt":
+                return self._adopt(message, peer)
+            if op == "discard":
+                return {"ok": True, "discarded": self._discard(_stage_key(message), message.get("ticket"))}
+            if op == "status":
+                now = time.monotonic()
+                return {"ok": True, "device_uuid": self.device_uuid, "staged": [
+                    {"key": k, "bytes": v.size, "expires_in_s": v.expires - now} for k, v in self.staged.items()
+                    if v.owner == peer.uid]}
+            raise HydrationError(f"unknown request {op!r}")
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _jobs(self, message: dict[str, Any], peer: jsonline.Peer) -> tuple[int, int, tuple[WeightRegion, ...],
+                                                                           list[tuple[int, int, int]]]:
+        """The request's reservation and regions (validated), and (offset, pinned source address, bytes) copies
+        of the sources `peer` may read."""
+        try:
+            base, size = int(message["base"]), int(message["size"])
+            regions = validate_regions([WeightRegion.from_json(r) for r in message["regions"]], base, size)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise HydrationError(f"malformed request: {type(exc).__name__}: {exc}") from exc
+        jobs = []
+        for region in (r for r in regions if r.preserved):  # discarded regions: the engine zeroes them
+            real = os.path.realpath(region.source)
+            src = self.sources.get(real)
+            if src is None or src.size < region.offset + region.size:
+                raise HydrationError(f"this hydrator does not hold {region.source}", region=region.name)
+            if not readable_by(os.fstat(self._files[real]), peer):
+                raise HydrationError(f"peer uid {peer.uid} may not read {region.source}", region=region.name)
+            jobs.append((region.address - base, src.address + region.offset, region.size))
+        return base, size, regions, jobs
+
+    def _fill(self, handle: Any, size: int, jobs: Sequence[tuple[int, int, int]]) -> float:
+        """Map `handle` here, copy the jobs into it from the pinned sources, unmap; the copy's seconds."""
+        cu, d = self.driver.cuda, self.driver
+        va = 0
+        try:
+            va = int(cucall(d, "cuMemAddressReserve", size, 0, 0, 0))
+            cucall(d, "cuMemMap", va, size, 0, handle, 0)
+            map_read_write(d, va, size, 0)
+            started = time.perf_counter()
+            copy_registered(d, [(va + off, src, n) for off, src, n in jobs], self._streams)
+            return time.perf_counter() - started
+        finally:
+            if va:
+                cu.cuMemUnmap(va, size)
+                cu.cuMemAddressFree(va, size)
+
+    def _hydrate(self, message: dict[str, Any], fd: int, peer: jsonline.Peer) -> dict[str, Any]:
+        """Fill an engine's exported allocation. The descriptor is the caller's to close: while it is open, it
+        keeps the engine's allocation alive, even after the engine released it."""
+        _base, size, _regions, jobs = self._jobs(message, peer)
+        started = time.perf_counter()
+        handle = cucall(self.driver, "cuMemImportFromShareableHandle", fd, fd_handle(self.driver))
+        try:
+            copy_s = self._fill(handle, size, jobs)
+        finally:
+            self.driver.cuda.cuMemRelease(handle)
+        return {"ok": True, "import_map_s": time.perf_counter() - started - copy_s, "copy_s": copy_s,
+                "bytes": sum(n for _, _, n in jobs)}
+
+    def _stage(self, message: dict[str, Any], peer: jsonline.Peer) -> dict[str, Any]:
+        """Allocate and fill ahead of the engine's restore; refused for an engine on another GPU. The answer's
+        `ticket` is what the engine presents to adopt it."""
+        if not self.staging:
+            raise HydrationError("staging is off on this hydrator (serve --staging)")
+        key = _stage_key(message)
+        if message.get("device_uuid") != self.device_uuid:
+            raise HydrationError(f"the engine's GPU {message.get('device_uuid')} is not this hydrator's "
+                                 f"{self.device_uuid}")
+        base, size, regions, jobs = self._jobs(message, peer)
+        if (earlier := self.staged.get(key)) is not None and earlier.owner != peer.uid:
+            raise HydrationError(f"{key} is staged by another peer")
+        self._discard(key, earlier.ticket if earlier else "")  # a retry of the same stage replaces it
+        self._expire()
+        if len(self.staged) >= STAGE_MAX:
+            raise HydrationError(f"{len(self.staged)} allocations are staged already (at most {STAGE_MAX})")
+        free, _total = cucall(self.driver, "cuMemGetInfo")
+        if int(free) - size < STAGE_RESERVE:
+            raise HydrationError(f"staging {size} bytes would leave {int(free) - size} of the GPU's {int(free)} free "
+                                 f"bytes (at least {STAGE_RESERVE} stay free)")
+        started = time.perf_counter()
+        handle = cucall(self.driver, "cuMemCreate", size, device_allocation(self.driver, 0, exportable=True), 0)
+        try:
+            copy_s = self._fill(handle, size, jobs)
+        except BaseException:
+            self.driver.cuda.cuMemRelease(handle)
+            raise
+        stage_s = time.perf_counter() - started
+        ticket = secrets.token_urlsafe(32)
+        self.staged[key] = _Staged(handle, base, size, regions, stage_s, copy_s, time.monotonic() + self.stage_ttl,
+                                   peer.uid, ticket)
+        return {"ok": True, "staged": True, "stage_s": stage_s, "copy_s": copy_s, "bytes": sum(n for _, _, n in jobs),
+                "ticket": ticket}
+
+    def _adopt(self, message: dict[str, Any], peer: jsonline.Peer) -> jsonline.Answer:
+        """Hand a staged allocation to its engine as a descriptor; the hydrator keeps no reference to it."""
+        key = _stage_key(message)
+        staged = self.staged.get(key)
+        if staged is None or not staged.held_by(message.get("ticket")):  # another's: as if absent
+            return {"ok": False, "staged": False, "error": f"nothing is staged for {key}"}
+        base, size, regions, _jobs = self._jobs(message, peer)  # another layout leaves the stage alone
+        if (base, size, regions) != (staged.base, staged.size, staged.regions):
+            raise HydrationError("the staged allocation was filled for another layout")
+        del self.staged[key]
+        try:
+            fd = int(cucall(self.driver, "cuMemExportToShareableHandle", staged.handle, fd_handle(self.driver), 0))
+        finally:
+            self.driver.cuda.cuMemRelease(staged.handle)  # the descriptor keeps the allocation alive
+        return {"ok": True, "staged": True, "stage_s": staged.stage_s, "copy_s": staged.copy_s}, [fd]
+
+    def _discard(self, key: str, ticket: object) -> bool:
+        staged = self.staged.get(key)
+        if staged is None or not staged.held_by(ticket):
+            return False
+        self._free(key)
+        return True
+
+    def _free(self, key: str) -> None:
+        self.driver.cuda.cuMemRelease(self.staged.pop(key).handle)
+
+    def _expire(self) -> None:
+        """Free what no engine adopted in time (a restore that failed after its worker staged)."""
+        now = time.monotonic()
+        for key in [k for k, v in self.staged.items() if v.expires <= now]:
+            self._free(key)
+
+
+def _stage_key(message: dict[str, Any]) -> str:
+    """A stage's key: the manifest digest it was filled for (`sha256:` and 64 hex digits)."""
+    key = message.get("key")
+    if not isinstance(key, str) or not key.startswith("sha256:") or len(key) != 71 or \
+            any(c not in "0123456789abcdef" for c in key[7:]):
+        raise HydrationError(f"key must be a manifest digest (sha256: and 64 lowercase hex digits), not {key!r:.80}")
+    return key
+
+
+class Stager:
+    """The restore worker's side of staging: while CRIU and CUDA restore the engine, the hydrator named in the
+    manifest fills an allocation for it on the engine's GPU, which the engine then adopts when asked to hydrate.
+
+    Best effort by design: whatever goes wrong here is reported and the engine hydrates the regular way.
+    """
+
+    def __init__(self, manifest: HydrationManifest) -> None:
+        self.manifest = manifest
+        self.report: dict[str, Any] = {}
+        self.ticket = ""  # the hydrator's, for the engine's adopt: kept out of the report
+        self._lock = threading.Lock()  # exactly one of the thread and discard() sends the discard
+        self._finished = self._discarded = False
+        self._thread = threading.Thread(target=self._run, name="coldsnap-stage", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from ._cuda import Driver
+
+        started = time.perf_counter()
+        try:
+            driver = Driver()
+            driver.call("cuInit", 0)
+            uuid = device_uuid(driver, self.manifest.device)
+            answer = jsonline.request(self.manifest.hydrator,
+                                      self.manifest.stage_request("stage", device_uuid=uuid), timeout=600.0)
+            self.ticket = str(answer.get("ticket", ""))
+            self.report = {k: v for k, v in answer.items() if k not in ("ok", "ticket")} if answer.get("ok") else {
+                "staged": False, "error": str(answer.get("error"))}
+        except Exception as exc:  # staging is an optimisation: the regular hydration still runs
+            self.report = {"staged": False, "error": f"{type(exc).__name__}: {exc}"}
+        self.report["worker_s"] = time.perf_counter() - started
+        with self._lock:
+            self._finished = True
+            discarded = self._discarded
+        if discarded:  # the restore failed while this stage was being filled
+            self._send_discard()
+
+    def result(self, timeout: float = 600.0) -> dict[str, Any]:
+        """Wait for the stage request's answer (the hydrator serves it before the engine's adopt)."""
+        self._thread.join(timeout)
+        return self.report if not self._thread.is_alive() else {"staged": False, "error": "still staging"}
+
+    def discard(self) -> None:
+        """After a failed restore: the hydrator frees what no engine will adopt (it would expire anyway). Never
+        waits for a stage still being filled: that thread discards it when its answer comes."""
+        with self._lock:
+            self._discarded = True
+            finished = self._finished
+        if finished:
+            self._send_discard()
+
+    def _send_discard(self) -> None:
+        if self.report.get("staged"):
+            with contextlib.suppress(ChannelError):
+                jsonline.request(self.manifest.hydrator, self.manifest.stage_request("discard", ticket=self.ticket),
+                                 timeout=5.0)

@@ -1,0 +1,193 @@
+"""The processes a worker captures and restores, seen from outside: their tree, CUDA states, memory, sockets,
+and CRIU run as a program (no CUDA driver calls but the state checks through `_cuda.Driver`)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from ._cuda import Driver
+from .errors import WorkerError
+
+__all__ = ("anonymous_memory", "audit_pre_cuda", "cuda_processes", "image_digest", "images_size", "inet_sockets",
+           "process_state", "process_tree", "require_state", "run_criu", "signal_tree", "stop", "tail", "undo_cuda")
+
+_NVIDIA_MAPS = ("libcuda.so", "libnvidia-ml.so", "/dev/nvidia")
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            text = Path(f"/proc/{pid}/task/{task}/children").read_text()
+            kids.extend(int(c) for c in text.split())
+    except OSError:
+        pass
+    return kids
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and its descendants, parents before children (the inventory order)."""
+    order, queue = [], [root]
+    while queue:
+        pid = queue.pop(0)
+        if pid not in order:
+            order.append(pid)
+            queue.extend(sorted(_children(pid)))
+    return order
+
+
+def cuda_processes(driver: Driver, tree: list[int]) -> list[int]:
+    """The processes of the tree the driver knows as CUDA processes (GetState answers for them)."""
+    cuda = []
+    for pid in tree:
+        try:
+            driver.state(pid)
+        except Exception:
+            continue
+        cuda.append(pid)
+    return cuda
+
+
+def require_state(driver: Driver, pids: list[int], expected: str, step: str) -> None:
+    for pid in pids:
+        state = driver.state(pid)
+        if state != expected:
+            raise WorkerError(f"{step}: process {pid} is {state}, expected {expected}")
+
+
+def audit_pre_cuda(tree: list[int]) -> None:
+    """n580 boundary: no process may map the CUDA driver or hold an NVIDIA device file."""
+    for pid in tree:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+            fds = [target for fd in os.listdir(f"/proc/{pid}/fd") if (target := _readlink(f"/proc/{pid}/fd/{fd}"))]
+        except OSError as exc:
+            raise WorkerError(f"audit: cannot read process {pid}: {exc}") from exc
+        hits = sorted({m for m in _NVIDIA_MAPS if m in maps} | {f for f in fds if f.startswith("/dev/nvidia")})
+        if hits:
+            raise WorkerError(f"audit: process {pid} is not a pre-CUDA template: it holds {', '.join(hits)}")
+
+
+def _readlink(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except FileNotFoundError:  # the descriptor closed while we looked
+        return ""
+
+
+def run_criu(criu: str, args: list[str], log: Path) -> float:
+    started = time.perf_counter()
+    done = subprocess.run([criu, *args, "--log-file", str(log), "-v4"], capture_output=True, text=True,
+                          check=False)
+    if done.returncode != 0:
+        raise WorkerError(f"criu {args[0]} exited {done.returncode}: {(done.stderr or '').strip()}\n{tail(log)}")
+    return time.perf_counter() - started
+
+
+def image_digest(images: Path, *, contents: bool = False) -> str:
+    """Every file's name, size, mtime and ctime (any write changes them), optionally its bytes."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in images.rglob("*") if p.is_file()):
+        st = path.stat()
+        h.update(f"{path.relative_to(images)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\0".encode())
+        if contents:
+            with path.open("rb") as f:
+                while chunk := f.read(1 << 24):
+                    h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+def anonymous_memory(pid: int, top: int = 6) -> dict[str, Any]:
+    """The process's resident anonymous bytes and its largest anonymous mappings (what CRIU will dump)."""
+    sizes: list[tuple[int, str]] = []
+    name, total = "", 0
+    try:
+        for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+            head = line.split()
+            if head and "-" in head[0] and not line.endswith(" kB"):
+                name = " ".join(head[5:]) or "[anon]"
+            elif line.startswith("Anonymous:"):
+                kib = int(head[1])
+                total += kib
+                if kib:
+                    sizes.append((kib << 10, name))
+    except OSError:
+        return {}
+    return {"anonymous_bytes": total << 10, "largest": sorted(sizes, reverse=True)[:top]}
+
+
+def images_size(images: Path) -> tuple[int, int]:
+    files = [p for p in images.rglob("*") if p.is_file()]
+    return sum(p.stat().st_size for p in files), len(files)
+
+
+def inet_sockets(tree: list[int]) -> list[str]:
+    """The tree's TCP/UDP sockets as `pid fd proto local -> remote`: none may be left once communicators are gone."""
+    found = []
+    for pid in tree:
+        try:
+            links = {fd: _readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+            inodes = {link[8:-1]: fd for fd, link in links.items() if link.startswith("socket:[")}
+            for proto in ("tcp", "tcp6", "udp", "udp6"):
+                for line in Path(f"/proc/{pid}/net/{proto}").read_text().splitlines()[1:]:
+                    fields = line.split()
+                    if len(fields) > 9 and fields[9] in inodes:
+                        found.append(f"process {pid} fd {inodes[fields[9]]} {proto} {_endpoint(fields[1])} -> "
+                                     f"{_endpoint(fields[2])}")
+        except OSError:
+            continue
+    return found
+
+
+def _endpoint(hex_address: str) -> str:
+    address, port = hex_address.split(":")
+    host = ".".join(str(b) for b in reversed(bytes.fromhex(address))) if len(address) == 8 else address.lower()
+    return f"{host}:{int(port, 16)}"
+
+
+def signal_tree(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def undo_cuda(driver: Driver, done: list[tuple[int, str]]) -> None:
+    """Undo in reverse order so the workload keeps running: restore what was checkpointed, then unlock."""
+    for pid, what in reversed(done):
+        try:
+            if what == "checkpointed":
+                driver.call("cuCheckpointProcessRestore", pid, None, required=False)
+            elif driver.state(pid) == "locked":
+                driver.call("cuCheckpointProcessUnlock", pid, None, required=False)
+        except Exception:
+            continue
+
+
+def process_state(pid: int) -> str:
+    """The process's state letter (`T` stopped, `Z` zombie...), or "" once it is gone."""
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat_line[stat_line.rindex(")") + 2:][:1]
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.kill()
+    process.wait()
+
+
+def tail(log: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""

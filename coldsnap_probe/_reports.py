@@ -1,0 +1,193 @@
+"""What the capture and restore workers report, as types: `CaptureReport`, `RestoreReport`, `Timeline`.
+
+Their JSON (`to_json`) is the wire the daemon's phase metrics and the benches decode: the keys, units and
+meanings are fixed (docs/worker-reports.md). A key that is absent from a report is an optional field left
+`None` here (for example `graph_policy` when no graph policy was planned); it is never written as null.
+Seconds are floats from a monotonic clock, `*_unix` are wall-clock seconds, `unix_ns` wall-clock nanoseconds.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ("CAPTURE_KIND", "RESTORE_KIND", "CaptureReport", "CapturedGraphPolicy", "HydratedWeights", "Mark",
+           "ReleasedWeights", "RestoreReport", "RestoredGraphPolicy", "Timeline")
+
+CAPTURE_KIND = "coldsnap-cuda-criu-capture"
+RESTORE_KIND = "coldsnap-cuda-criu-restore"
+
+
+def _present(values: dict[str, Any]) -> dict[str, Any]:
+    """The keys whose value is not None: an optional field that was never set is absent, as before."""
+    return {k: v for k, v in values.items() if v is not None}
+
+
+@dataclass(frozen=True, slots=True)
+class Mark:
+    """One instant of a restore, measured by the worker (never by the restored process)."""
+
+    name: str
+    unix_ns: int
+    since_restore_begin_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "unix_ns": self.unix_ns, "since_restore_begin_s": self.since_restore_begin_s}
+
+
+class Timeline:
+    """Marks in the order they were taken; the first is the origin of `since_restore_begin_s`."""
+
+    def __init__(self) -> None:
+        self.marks: list[Mark] = []
+
+    def mark(self, name: str) -> None:
+        now = time.time_ns()
+        origin = self.marks[0].unix_ns if self.marks else now
+        self.marks.append(Mark(name, now, (now - origin) / 1e9))
+
+    def seconds(self, start: str, end: str) -> float:
+        """Seconds between two marks (the last of each name)."""
+        by_name = {m.name: m.unix_ns for m in self.marks}
+        return float(by_name[end] - by_name[start]) / 1e9
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [m.to_json() for m in self.marks]
+
+
+@dataclass(frozen=True, slots=True)
+class CapturedGraphPolicy:
+    requested: str
+    recorded: str
+    effective: str
+    reason: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"requested": self.requested, "recorded": self.recorded, "effective": self.effective,
+                "reason": self.reason}
+
+
+@dataclass(frozen=True, slots=True)
+class ReleasedWeights:
+    """The engine's weights released before the CUDA lock (bytes, regions, seconds, the plan and manifest)."""
+
+    released_bytes: int
+    regions: int
+    release_seconds: float
+    plan_digest: str
+    manifest_digest: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"released_bytes": self.released_bytes, "regions": self.regions,
+                "release_seconds": self.release_seconds, "plan_digest": self.plan_digest,
+                "manifest_digest": self.manifest_digest}
+
+
+@dataclass(slots=True)
+class CaptureReport:
+    """`capture.json` in the images, and the capture worker's stdout."""
+
+    boundary: str
+    root_pid: int
+    tree: list[int]
+    rank: int
+    world_size: int
+    engine: str | None  # the engine's control socket, null when there is none (always present)
+    started_unix: float = field(default_factory=time.time)
+    cuda_pids: list[int] = field(default_factory=list)
+    graph_policy: CapturedGraphPolicy | None = None
+    engine_quiesce: dict[str, Any] | None = None  # the engine's own answer to `quiesce`
+    hydration: ReleasedWeights | None = None
+    memory_before_checkpoint: dict[str, dict[str, Any]] | None = None  # pid -> `anonymous_memory`
+    memory_after_checkpoint: dict[str, dict[str, Any]] | None = None
+    identity: dict[str, Any] = field(default_factory=dict)
+    engine_quiesced: bool = False
+    timings_s: dict[str, float] = field(default_factory=dict)  # engine_quiesce, cuda_lock, cuda_checkpoint, criu_dump
+    barrier_wait_s: dict[str, float] = field(default_factory=dict)
+    image_bytes: int = 0
+    image_files: int = 0
+    image_digest: str | None = None
+    completed_unix: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": 1, "kind": CAPTURE_KIND, **_present({
+            "boundary": self.boundary, "root_pid": self.root_pid, "tree": self.tree, "started_unix": self.started_unix,
+            "rank": self.rank, "world_size": self.world_size, "cuda_pids": self.cuda_pids,
+            "graph_policy": self.graph_policy.to_json() if self.graph_policy else None,
+            "engine_quiesce": self.engine_quiesce,
+            "hydration": self.hydration.to_json() if self.hydration else None,
+            "memory_before_checkpoint": self.memory_before_checkpoint,
+            "memory_after_checkpoint": self.memory_after_checkpoint, "identity": self.identity,
+            "engine_quiesced": self.engine_quiesced, "timings_s": self.timings_s,
+            "barrier_wait_s": self.barrier_wait_s, "image_bytes": self.image_bytes, "image_files": self.image_files,
+            "image_digest": self.image_digest, "completed_unix": self.completed_unix}), "engine": self.engine}
+
+
+@dataclass(frozen=True, slots=True)
+class RestoredGraphPolicy:
+    effective: str
+    decision: str
+    plan_sha256: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"effective": self.effective, "decision": self.decision, "plan_sha256": self.plan_sha256}
+
+
+@dataclass(frozen=True, slots=True)
+class HydratedWeights:
+    """The engine's weights back after restore: the engine's own report, and what the worker waited."""
+
+    bytes: int
+    seconds: float
+    gbps: float
+    regions_verified: int
+    engine: dict[str, Any]  # the engine's hydration report (strategy, copy_s, verify_s, ...)
+    staged: dict[str, Any] | None  # the hydrator's stage answer, null when nothing was staged (always present)
+    phase_seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"bytes": self.bytes, "seconds": self.seconds, "gbps": self.gbps,
+                "regions_verified": self.regions_verified, "engine": self.engine, "staged": self.staged,
+                "phase_seconds": self.phase_seconds}
+
+
+@dataclass(slots=True)
+class RestoreReport:
+    """The restore worker's stdout."""
+
+    rank: int
+    world_size: int
+    boundary: str | None = None
+    captured_root_pid: int | None = None
+    cuda_pids: list[int] | None = None
+    identity_compatibility: str | None = None
+    graph_policy: RestoredGraphPolicy | None = None
+    criu_restore_seconds: float | None = None
+    restored_pid: int | None = None
+    peer_criu_restore_seconds: list[Any] | None = None
+    cuda_restore_seconds: float | None = None
+    peer_cuda_restore_seconds: list[Any] | None = None
+    all_pages_in_seconds: float | None = None
+    hydration: HydratedWeights | None = None
+    engine_resume: dict[str, Any] | None = None  # the engine's own answer to `resume`
+    communicator_recreate_seconds: float | None = None
+    timeline: Timeline = field(default_factory=Timeline)
+    barrier_wait_s: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        t = self.timeline
+        return {"format": 1, "kind": RESTORE_KIND, "rank": self.rank, "world_size": self.world_size, **_present({
+            "boundary": self.boundary, "captured_root_pid": self.captured_root_pid, "cuda_pids": self.cuda_pids,
+            "identity_compatibility": self.identity_compatibility,
+            "graph_policy": self.graph_policy.to_json() if self.graph_policy else None,
+            "criu_restore_seconds": self.criu_restore_seconds, "restored_pid": self.restored_pid,
+            "peer_criu_restore_seconds": self.peer_criu_restore_seconds,
+            "cuda_restore_seconds": self.cuda_restore_seconds,
+            "peer_cuda_restore_seconds": self.peer_cuda_restore_seconds,
+            "all_pages_in_seconds": self.all_pages_in_seconds,
+            "hydration": self.hydration.to_json() if self.hydration else None, "engine_resume": self.engine_resume,
+            "communicator_recreate_seconds": self.communicator_recreate_seconds}),
+            "timeline": t.to_json(), "barrier_wait_s": self.barrier_wait_s,
+            "restore_seconds": t.seconds("restore_begin", "process_resumed"),
+            "ready_seconds": t.seconds("restore_begin", "ready")}

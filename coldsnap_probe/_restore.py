@@ -1,0 +1,298 @@
+"""Restore as phases (admission spec 7.4): each phase records what it started, and one rollback stops it all.
+
+validate (capture record, graph record, weight sources, host identity) -> [validated] -> stage the weights
+(when a hydrator is named) -> CRIU restore, paused (cuInit meanwhile) -> [criu-restored] -> CUDA restore and
+unlock per process, reverse inventory order -> [cuda-restored] -> every page in (lazy pages) -> resume the tree
+-> [process-resumed] -> hydrate the weights -> recreate the communicators -> [ready]. Brackets are barriers.
+
+The rollback, whatever phase failed: kill the restored tree (nothing half-restored serves), abort the
+activation for every rank, discard what the hydrator staged, stop the lazy-pages daemon.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from ._coordinator import Coordinator
+from ._cuda import Driver
+from ._engine import ABORT_POLL, engine_request, resume_engine, validated_graph_record
+from ._hydrator import Stager
+from ._process import process_state, process_tree, require_state, run_criu, stop, tail
+from ._profile import identity
+from ._reports import HydratedWeights, RestoredGraphPolicy, RestoreReport
+from ._weights import HydrationManifest, check_sources
+from .errors import ProbeError, RankAborted, WorkerError
+
+__all__ = ("identity_compatibility", "restore")
+
+LAZY_PAGES_START_S = 10.0  # for `criu lazy-pages` to listen
+LAZY_PAGES_FINISH_S = 120.0  # for it to have copied every page after the restore
+
+
+def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: Coordinator | None = None,
+            lazy_pages: bool = False) -> RestoreReport:
+    """Restore the tree captured in `images`; returns the report (the images are only read).
+
+    `lazy_pages`: CRIU restores the processes without their memory, which `criu lazy-pages` then fills
+    (faults first, the rest in the background) while the CUDA state is restored. The tree is then held
+    stopped until every page is in, so nothing serves from memory a failed daemon never filled.
+    """
+    run = _Restore(images, criu=criu, work=work, ranks=coordinator or Coordinator.single(), lazy_pages=lazy_pages)
+    try:
+        run.phases()
+    except BaseException as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        run.roll_back(error)
+        if isinstance(exc, WorkerError):
+            raise
+        raise WorkerError(error) from exc
+    run.report.barrier_wait_s = dict(run.ranks.waits)
+    return run.report
+
+
+class _Restore:
+    """One restore's state: what each phase started, so that `roll_back` stops exactly that."""
+
+    def __init__(self, images: Path, *, criu: str, work: Path | None, ranks: Coordinator, lazy_pages: bool) -> None:
+        self.images, self.criu, self.work, self.ranks, self.lazy_pages = images, criu, work, ranks, lazy_pages
+        self.report = RestoreReport(rank=ranks.rank, world_size=ranks.world_size)
+        self.timeline = self.report.timeline
+        self.timeline.mark("restore_begin")
+        self.captured: dict[str, Any] = {}
+        self.graph: dict[str, Any] | None = None
+        self.manifest: HydrationManifest | None = None
+        self.engine: str | None = None  # the engine's control socket, when its communicators were quiesced
+        self.cuda: list[int] = []
+        self.driver: Driver | None = None
+        # What was started, for the rollback.
+        self.root: int | None = None
+        self.stager: Stager | None = None
+        self.lazy: subprocess.Popen[bytes] | None = None
+
+    def phases(self) -> None:
+        self._validate()
+        self._agree()
+        if self.manifest is not None and self.manifest.hydrator:  # the weights are copied while CRIU restores
+            self.stager = Stager(self.manifest)
+        root = self._criu_restore()
+        self._cuda_restore(root)
+        if self.lazy:
+            self._all_pages_in(self.lazy, root)
+        self._resume(root)
+        if self.manifest is not None:
+            self._hydrate(self.manifest)
+        if self.engine and self.graph is not None:
+            self._recreate_communicators(self.engine, self.graph)
+        self.ranks.barrier("ready")
+        self.timeline.mark("ready")
+
+    # -- the phases, in order ----------------------------------------------------------------------------------
+    def _validate(self) -> None:
+        """Everything that can be known before CRIU runs: a restore that cannot succeed never starts."""
+        captured = self.captured = json.loads((self.images / "capture.json").read_text())
+        boundary, ranks = captured["boundary"], self.ranks
+        if (captured.get("rank", 0), captured.get("world_size", 1)) != (ranks.rank, ranks.world_size):
+            raise WorkerError(f"these images are rank {captured.get('rank', 0)} of {captured.get('world_size', 1)}, "
+                              f"not rank {ranks.rank} of {ranks.world_size}")
+        self.graph = validated_graph_record(self.images)
+        if (self.images / "hydration.json").exists():  # check the weight sources before spending a CRIU restore
+            try:
+                self.manifest = HydrationManifest.from_json(json.loads((self.images / "hydration.json").read_text()))
+                check_sources(self.manifest.regions, self.manifest.identities)
+            except (ProbeError, ValueError) as exc:
+                raise WorkerError(f"weight hydration cannot succeed, not restoring: {exc}") from exc
+        compatibility = identity_compatibility(captured.get("identity", {}), identity(None), boundary)
+        self.cuda = list(captured.get("cuda_pids", []))
+        self.engine = captured.get("engine") if captured.get("engine_quiesced") else None
+        if ranks.multi and boundary == "n610" and (self.graph is None or self.engine is None):
+            raise WorkerError("these multi-rank images lack the graph record or the engine's quiesce: their "
+                              "communicators could not be recreated")
+        report = self.report
+        report.boundary, report.captured_root_pid = boundary, captured["root_pid"]
+        report.cuda_pids, report.identity_compatibility = self.cuda, compatibility
+        if self.graph is not None:
+            graph = self.graph
+            report.graph_policy = RestoredGraphPolicy(effective=graph["policy_effective"], decision=graph["decision"],
+                                                      plan_sha256=graph["recipe"]["plan_sha256"])
+            if graph["policy_effective"] == "preserve-nccl-exec":
+                raise WorkerError("the record retains NCCL graph executables in place, which needs the engine's "
+                                  "admitted in-place NCCL provider; this engine recreates its communicators")
+
+    def _agree(self) -> None:
+        """Nothing is restored on any rank until every rank's images, record and identity are good."""
+        peers = self.ranks.barrier("validated", {"plan_sha256": self.graph["recipe"]["plan_sha256"]
+                                                 if self.graph else None})
+        if len({str(p.get("plan_sha256")) for p in peers}) != 1:
+            raise WorkerError(f"the ranks' graph records disagree: {[p.get('plan_sha256') for p in peers]}")
+
+    def _criu_restore(self) -> int:
+        """CRIU restores the tree (paused when anything follows); the driver initialises meanwhile."""
+        work = self.work = self.work or Path(tempfile.mkdtemp(prefix="coldsnap-restore-"))
+        work.mkdir(parents=True, exist_ok=True)
+        pidfile = work / "restored.pid"
+        pidfile.unlink(missing_ok=True)  # CRIU refuses to overwrite one left by an earlier restore
+        # Every rank is restored paused and released together; a lazy tree is released once its pages are in.
+        paused = bool(self.cuda) or self.ranks.multi or self.lazy_pages
+        if self.lazy_pages:
+            self.lazy = _start_lazy_pages(self.criu, self.images, work)
+        args = ["restore", "--images-dir", str(self.images), "--work-dir", str(work), "--restore-detached",
+                "--pidfile", str(pidfile), *(["--leave-stopped"] if paused else []),
+                *(["--lazy-pages"] if self.lazy else [])]
+        self.driver = driver = Driver() if self.cuda else None
+        with ThreadPoolExecutor(1, thread_name_prefix="coldsnap-cuinit") as pool:
+            # The driver initialises while CRIU runs (cuInit is a good part of the CUDA restore otherwise).
+            initialised = pool.submit(driver.call, "cuInit", 0) if driver is not None else None
+            seconds = self.report.criu_restore_seconds = run_criu(self.criu, args, work / "restore.log")
+            self.timeline.mark("criu_restore_end")
+            root = self.root = int(pidfile.read_text().split()[0])  # first: the rollback kills the tree then
+            if initialised is not None:
+                initialised.result()
+        self.report.restored_pid = root
+        if not set(self.cuda) <= set(process_tree(root)):
+            raise WorkerError(f"the recorded CUDA processes {self.cuda} are not in the restored tree of {root}")
+        peers = self.ranks.barrier("criu-restored", {"pid": root, "criu_seconds": seconds})
+        self.report.peer_criu_restore_seconds = [p.get("criu_seconds") for p in peers]
+        if self.ranks.multi:
+            self.timeline.mark("rank_barrier_end")
+        return root
+
+    def _cuda_restore(self, root: int) -> None:
+        """n610: per CUDA process in reverse inventory order: checkpointed -> restore -> locked -> unlock."""
+        driver = self.driver
+        if driver is None:
+            return
+        self.timeline.mark("deferred_cuda_restore_begin")
+        os.killpg(root, signal.SIGCONT)  # leave-stopped tree: the CUDA restore thread must run
+        for pid in reversed(self.cuda):
+            require_state(driver, [pid], "checkpointed", "before CUDA restore")
+            driver.call("cuCheckpointProcessRestore", pid, None)
+            require_state(driver, [pid], "locked", "after CUDA restore")
+            driver.call("cuCheckpointProcessUnlock", pid, None)
+            require_state(driver, [pid], "running", "after unlock")
+        if self.ranks.multi or self.lazy:
+            os.killpg(root, signal.SIGSTOP)  # held until every rank's CUDA state is back, every page is in
+        self.timeline.mark("deferred_cuda_restore_end")
+        seconds = self.report.cuda_restore_seconds = self.timeline.seconds("deferred_cuda_restore_begin",
+                                                                           "deferred_cuda_restore_end")
+        peers = self.ranks.barrier("cuda-restored", {"cuda_seconds": seconds})
+        self.report.peer_cuda_restore_seconds = [p.get("cuda_seconds") for p in peers]
+        if self.ranks.multi:
+            self.timeline.mark("distributed_cuda_restore_barrier_end")
+
+    def _all_pages_in(self, lazy: subprocess.Popen[bytes], root: int) -> None:
+        _finish_lazy_pages(lazy, self.work or Path(), root, self.ranks)
+        self.timeline.mark("all_pages_in")
+        self.report.all_pages_in_seconds = self.timeline.seconds("restore_begin", "all_pages_in")
+
+    def _resume(self, root: int) -> None:
+        if self.ranks.multi or self.lazy:
+            os.killpg(root, signal.SIGCONT)
+        if self.ranks.multi:
+            self.ranks.barrier("process-resumed")
+        self.timeline.mark("process_resumed")  # without CUDA, one rank, eager: the tree was restored running
+
+    def _hydrate(self, manifest: HydrationManifest) -> None:
+        """The engine maps, fills and verifies its weights (adopting what the hydrator staged for it)."""
+        self.timeline.mark("hydration_begin")
+        staged = self.stager.result() if self.stager else None
+        ticket = {"ticket": self.stager.ticket} if self.stager and self.stager.ticket else {}  # adopts only its own
+        answer = engine_request(manifest.control, {"op": "hydrate", **ticket},
+                                "weight hydration failed, the restored engine is not released", ranks=self.ranks)
+        self.timeline.mark("hydration_end")
+        hydrated = answer["report"]
+        self.report.hydration = HydratedWeights(
+            bytes=hydrated["bytes"], seconds=hydrated["seconds"], gbps=hydrated["gbps"],
+            regions_verified=hydrated["verified_regions"], engine=hydrated, staged=staged,
+            phase_seconds=self.timeline.seconds("hydration_begin", "hydration_end"))
+
+    def _recreate_communicators(self, engine: str, graph: dict[str, Any]) -> None:
+        self.timeline.mark("communicator_recreate_begin")
+        self.report.engine_resume = resume_engine(engine, self.ranks, graph["policy_effective"], "restore",
+                                                  self.work or Path())
+        self.timeline.mark("communicator_recreate_end")
+        self.report.communicator_recreate_seconds = self.timeline.seconds("communicator_recreate_begin",
+                                                                          "communicator_recreate_end")
+
+    # -- the one rollback ----------------------------------------------------------------------------------------
+    def roll_back(self, error: str) -> None:
+        """A failure on any rank stops every rank: nothing half-restored serves."""
+        if self.root is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.root, signal.SIGKILL)
+        self.ranks.abort(f"rank {self.ranks.rank} restore: {error}")
+        if self.stager:
+            self.stager.discard()
+        if self.lazy:
+            stop(self.lazy)
+
+
+def _driver_major(version: Any) -> int | None:
+    try:
+        return int(str(version).split(".")[0])
+    except ValueError:
+        return None
+
+
+def identity_compatibility(captured: dict[str, Any], current: dict[str, Any], boundary: str) -> str:
+    """`exact`, `driver-upgraded` or `pre-cuda-template`; raises when the state cannot restore here."""
+    if captured.get("architecture") != current.get("architecture"):
+        raise WorkerError(f"captured on {captured.get('architecture')}, this host is {current.get('architecture')}")
+    if boundary == "n580":
+        return "pre-cuda-template"  # no CUDA state was captured: the process initializes CUDA fresh
+    was, now = _driver_major(captured.get("driver_version")), _driver_major(current.get("driver_version"))
+    if was is None or now is None:
+        raise WorkerError("the NVIDIA driver version is unknown: initialized CUDA state cannot be checked")
+    if now < was:
+        raise WorkerError(f"driver {current.get('driver_version')} is older than the captured "
+                          f"{captured.get('driver_version')}")
+    if captured.get("gpu_name") != current.get("gpu_name"):
+        raise WorkerError(f"captured on {captured.get('gpu_name')}, this GPU is {current.get('gpu_name')}")
+    return "exact" if captured.get("driver_version") == current.get("driver_version") else "driver-upgraded"
+
+
+def _start_lazy_pages(criu: str, images: Path, work: Path) -> subprocess.Popen[bytes]:
+    """`criu lazy-pages` for the restore that follows: it serves the restored process's page faults from the
+    images (userfaultfd) and copies every other page in the background, then exits 0."""
+    listening = work / "lazy-pages.socket"
+    listening.unlink(missing_ok=True)
+    log = work / "lazy-pages.log"
+    daemon = subprocess.Popen([criu, "lazy-pages", "--images-dir", str(images), "--work-dir", str(work),
+                               "--log-file", str(log), "-v4"], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    give_up = time.monotonic() + LAZY_PAGES_START_S
+    while not listening.exists():
+        if daemon.poll() is not None:
+            raise WorkerError(f"criu lazy-pages did not start (exit {daemon.returncode}): {tail(log)}")
+        if time.monotonic() > give_up:
+            stop(daemon)
+            raise WorkerError(f"criu lazy-pages did not listen within {LAZY_PAGES_START_S:.0f} s: {tail(log)}")
+        time.sleep(0.001)
+    return daemon
+
+
+def _finish_lazy_pages(daemon: subprocess.Popen[bytes], work: Path, root: int, ranks: Coordinator) -> None:
+    """Every page is in once the daemon exits 0 while the restored tree still lives (the tree is stopped
+    meanwhile, so nothing runs on memory the daemon might never fill). A timeout or a peer's abort leaves
+    the daemon to the caller, which kills the tree first."""
+    give_up = time.monotonic() + LAZY_PAGES_FINISH_S
+    while daemon.poll() is None:
+        if time.monotonic() > give_up:
+            raise WorkerError(f"criu lazy-pages had not copied every page after {LAZY_PAGES_FINISH_S:.0f} s")
+        if reason := ranks.aborted():
+            raise RankAborted(f"the activation was aborted while pages were restored: {reason}")
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            daemon.wait(ABORT_POLL)
+    if daemon.returncode != 0:
+        raise WorkerError(f"criu lazy-pages exited {daemon.returncode}, the restored memory is incomplete: "
+                          f"{tail(work / 'lazy-pages.log')}")
+    if process_state(root) in ("", "Z", "X"):
+        raise WorkerError(f"the restored process {root} exited while its pages were restored")

@@ -1,0 +1,170 @@
+"""CUDA virtual memory for weights (cuda-python through `_cuda.Driver`): allocations that travel between
+processes as file descriptors, page-locked source mappings, and the two copy engines (registered sources on
+several streams; reader threads into pinned buffers)."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ._weights import WeightRegion
+from .errors import CudaError, HydrationError
+
+__all__ = ("COPY_CHUNK", "Mapped", "copy_registered", "copy_ring", "cucall", "device_allocation", "device_uuid",
+           "fd_handle", "map_read_write")
+
+COPY_CHUNK = 256 << 20
+_HOST_REGISTER_READ_ONLY = 0x08
+
+
+def _ok(driver: Any, name: str, result: Any) -> Any:
+    """The binding's (err, *outputs) to outputs, or CudaError (the same text as Driver.call)."""
+    err, *outputs = result
+    if int(err) != 0:
+        error_name, error_string = driver._error_text(err)
+        raise CudaError(name, error_name, error_string)
+    if not outputs:
+        return None
+    return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+
+def cucall(driver: Any, name: str, *args: Any) -> Any:
+    return _ok(driver, name, getattr(driver.cuda, name)(*args))
+
+
+def fd_handle(driver: Any) -> Any:
+    """The POSIX file-descriptor handle type: how allocations travel between processes here."""
+    return driver.cuda.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+
+
+def device_allocation(driver: Any, device: int, *, exportable: bool) -> Any:
+    """Properties of a pinned device allocation on `device` (exportable: as a file descriptor)."""
+    cu = driver.cuda
+    prop = cu.CUmemAllocationProp()
+    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = device
+    if exportable:
+        prop.requestedHandleTypes = fd_handle(driver)
+    return prop
+
+
+def map_read_write(driver: Any, address: int, size: int, device: int) -> None:
+    """Give `device` read-write access to the mapped range."""
+    cu = driver.cuda
+    access = cu.CUmemAccessDesc()
+    access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    access.location.id = device
+    access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    cucall(driver, "cuMemSetAccess", address, size, [access], 1)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_MAP_POPULATE = 0x8000
+
+
+class Mapped:
+    """A read-only shared mapping of a whole file (address stable for cuMemHostRegister), optionally page-locked."""
+
+    def __init__(self, path: str, *, populate: bool = True) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            self.size = os.fstat(fd).st_size
+            flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
+            address = _libc.mmap(None, self.size, mmap.PROT_READ, flags, fd, 0)
+        finally:
+            os.close(fd)
+        if address in (None, _MAP_FAILED):
+            raise HydrationError(f"cannot map source {path}: {os.strerror(ctypes.get_errno())}")
+        self.path, self.address, self.registered = path, int(address), False
+
+    def register(self, driver: Any) -> None:
+        try:
+            cucall(driver, "cuMemHostRegister", self.address, self.size, _HOST_REGISTER_READ_ONLY)
+        except CudaError:  # drivers without read-only registration
+            cucall(driver, "cuMemHostRegister", self.address, self.size, 0)
+        self.registered = True
+
+    def close(self, driver: Any) -> None:
+        if self.registered:
+            _ok(driver, "cuMemHostUnregister", driver.cuda.cuMemHostUnregister(self.address))
+            self.registered = False
+        _libc.munmap(self.address, self.size)
+
+
+def copy_registered(driver: Any, jobs: Sequence[tuple[int, int, int]], streams: Sequence[Any]) -> None:
+    """(device address, host address, bytes) jobs in COPY_CHUNK pieces, round-robin over the streams."""
+    index = 0
+    for dst, src, size in jobs:
+        for start in range(0, size, COPY_CHUNK):
+            n = min(COPY_CHUNK, size - start)
+            cucall(driver, "cuMemcpyHtoDAsync", dst + start, src + start, n, streams[index % len(streams)])
+            index += 1
+    for stream in streams:
+        cucall(driver, "cuStreamSynchronize", stream)
+
+
+def copy_ring(driver: Any, context: Any, regions: Sequence[WeightRegion], dst_of: Callable[[WeightRegion], int],
+               *, threads: int, chunk: int, direct: bool) -> dict[str, float]:
+    """Reader threads, each with two pinned buffers and a stream: pread (O_DIRECT when `direct`), then H2D."""
+    align = 4096 if direct else 1
+    pieces = [(dst_of(r) + s, r.source, r.offset + s, min(chunk, r.size - s))
+              for r in regions for s in range(0, r.size, chunk)]
+    fds = {src: os.open(src, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
+           for src in {r.source for r in regions}}
+    pin_seconds = [0.0] * threads
+
+    def work(worker: int) -> None:
+        cucall(driver, "cuCtxSetCurrent", context)
+        started = time.perf_counter()
+        stream = cucall(driver, "cuStreamCreate", 1)
+        size = chunk + 2 * align
+        buffers = [int(cucall(driver, "cuMemHostAlloc", size, 0)) for _ in range(2)]
+        events = [cucall(driver, "cuEventCreate", 2) for _ in range(2)]
+        pin_seconds[worker] = time.perf_counter() - started
+        try:
+            for k, (dst, src, offset, n) in enumerate(pieces[worker::threads]):
+                slot = k % 2
+                if k >= 2:
+                    cucall(driver, "cuEventSynchronize", events[slot])
+                first = offset - offset % align
+                length = -(-(offset + n - first) // align) * align
+                view = memoryview((ctypes.c_char * size).from_address(buffers[slot])).cast("B")
+                got = os.preadv(fds[src], [view[:length]], first)
+                view.release()
+                if got < offset - first + n:
+                    raise HydrationError(f"source {src} ended at {first + got} while reading {offset + n}")
+                cucall(driver, "cuMemcpyHtoDAsync", dst, buffers[slot] + (offset - first), n, stream)
+                cucall(driver, "cuEventRecord", events[slot], stream)
+            cucall(driver, "cuStreamSynchronize", stream)
+        finally:
+            for event in events:
+                driver.cuda.cuEventDestroy(event)
+            for buffer in buffers:
+                driver.cuda.cuMemFreeHost(buffer)
+            driver.cuda.cuStreamDestroy(stream)
+
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(work, range(threads)))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return {"pin_s": max(pin_seconds)}
+
+
+def device_uuid(driver: Any, ordinal: int) -> str:
+    """The GPU's UUID (`GPU-...`, as nvidia-smi prints it): ordinals differ between containers, UUIDs do not."""
+    name = "cuDeviceGetUuid_v2" if hasattr(driver.cuda, "cuDeviceGetUuid_v2") else "cuDeviceGetUuid"
+    raw = bytes(cucall(driver, name, cucall(driver, "cuDeviceGet", ordinal)).bytes)
+    h = raw.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"

@@ -1,0 +1,262 @@
+"""The JSON-line socket protocol of the capsule's local channels, written once.
+
+One request per connection: the asker sends one JSON line (descriptors may ride with its first bytes,
+SCM_RIGHTS), the server answers one JSON line and closes; the asker reads the answer to EOF. The engine's
+hydration control socket, the node hydrator and the bench engines all speak it.
+
+Who may ask is decided before anything is read: a listener is created by `listen` with its mode set before
+`bind` (so it never exists with the umask's bits), and `LineServer` checks each peer's SO_PEERCRED against a
+`Peers` rule; a refused peer gets ``{"ok": false, "error": ...}`` and nothing else. A `LineServer` ends
+cleanly when its listener is closed (`close()` shuts it down, wakes the accept and joins the thread).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import stat
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ChannelError
+
+__all__ = ("MAX_REQUEST", "REQUEST_TIMEOUT", "Answer", "LineServer", "Peer", "Peers", "listen", "read_line",
+           "read_request", "request", "request_with_fds", "send", "send_line")
+
+MAX_REQUEST = 1 << 20  # bytes of one request line (regions lists stay far below it)
+REQUEST_TIMEOUT = 30.0  # seconds a connection has to send its whole request
+_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+_CLOSED_ERRNOS = frozenset({errno.EBADF, errno.EINVAL, errno.ENOTSOCK})  # accept on a closed/shut listener
+
+Answer = dict[str, Any] | tuple[dict[str, Any], list[int]]  # a JSON answer, or one with descriptors to pass
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """The asking process, as the kernel saw it connect (SO_PEERCRED)."""
+
+    pid: int
+    uid: int
+    gid: int
+
+    @classmethod
+    def of(cls, conn: socket.socket) -> Peer:
+        raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid, uid, gid = struct.unpack("3i", raw)
+        return cls(pid, uid, gid)
+
+
+@dataclass(frozen=True, slots=True)
+class Peers:
+    """Which peers may ask: root, this process's own uid, and the uids and gids given."""
+
+    uids: frozenset[int] = field(default_factory=frozenset)
+    gids: frozenset[int] = field(default_factory=frozenset)
+
+    def admits(self, peer: Peer) -> bool:
+        # Root and our own uid could ptrace this process anyway: refusing them would protect nothing.
+        return peer.uid in (0, os.geteuid()) or peer.uid in self.uids or peer.gid in self.gids
+
+
+def listen(path: str | Path, *, group: int | None = None) -> socket.socket:
+    """A listening Unix socket at `path`, mode 0600 (0660 and group `group` when given) from its creation.
+
+    The mode is set on the socket before `bind`, which creates the file with it (Linux), so no one connects
+    in between. A stale socket at `path` is replaced; anything else there is refused, never removed. The
+    directory must be writable only by this process's user (as every socket directory of the capsule is)."""
+    path = str(path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISSOCK(st.st_mode):
+            raise ChannelError(f"{path} exists and is not a socket: not replacing it")
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        os.fchmod(sock.fileno(), 0o660 if group is not None else 0o600)
+        sock.bind(path)
+        if group is not None:  # until here the file is ours, with our group and at most 0660 (the umask applies)
+            os.chown(path, -1, group, follow_symlinks=False)
+            if not stat.S_ISSOCK(os.lstat(path).st_mode):  # chmod follows links: a swap is refused (#24)
+                raise ChannelError(f"{path} was replaced while it was created")
+            os.chmod(path, 0o660)
+        sock.listen()
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class LineServer:
+    """Answers a listener's connections one at a time on a thread it owns, for peers `peers` admits.
+
+    `answer(conn, peer)` reads its request (`read_request`) and returns the answer (the last line: an answer
+    that streams, such as generated tokens, sends its earlier lines itself with `send_line`); an exception
+    becomes ``{"ok": false, "error": "<Type>: <message>"}``. `idle` runs between connections and at least every
+    `idle_every` seconds. The loop ends when the listener is closed (`close()`)."""
+
+    def __init__(self, listener: socket.socket, answer: Callable[[socket.socket, Peer], Answer], *,
+                 peers: Peers, idle: Callable[[], None] | None = None, idle_every: float = 1.0,
+                 request_timeout: float = REQUEST_TIMEOUT, name: str = "coldsnap-jsonline") -> None:
+        self.listener, self.peers = listener, peers
+        self._answer, self._idle, self._request_timeout = answer, idle, request_timeout
+        self._idle_every = idle_every
+        self._thread = threading.Thread(target=self.run, name=name, daemon=True)
+
+    def start(self) -> LineServer:
+        self._thread.start()
+        return self
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop accepting (a blocked accept wakes up), close the listener, wait for the thread."""
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # never listened, or closed already
+        self.listener.close()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def run(self) -> None:
+        """The accept loop, in the calling thread; returns once the listener is closed."""
+        self.listener.settimeout(self._idle_every if self._idle else None)
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except TimeoutError:
+                if self._idle:
+                    self._idle()
+                continue
+            except OSError as exc:
+                if self.listener.fileno() == -1 or exc.errno in _CLOSED_ERRNOS:
+                    return
+                if exc.errno in _CAPACITY_ERRNOS:  # out of descriptors: back off, the asker retries
+                    time.sleep(0.1)
+                    continue
+                raise
+            with conn:
+                self._one(conn)
+            if self._idle:
+                self._idle()
+
+    def _one(self, conn: socket.socket) -> None:
+        conn.settimeout(self._request_timeout)  # the whole request, see read_line
+        fds: list[int] = []
+        try:
+            peer = Peer.of(conn)
+            if not self.peers.admits(peer):
+                reply: dict[str, Any] = {"ok": False, "error": f"peer uid {peer.uid} gid {peer.gid} is not "
+                                                                "allowed on this socket"}
+            else:
+                answer = self._answer(conn, peer)
+                reply, fds = answer if isinstance(answer, tuple) else (answer, [])
+        except Exception as exc:
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        try:
+            send(conn, json.dumps(reply).encode() + b"\n", fds)
+            _drain(conn)
+        except OSError:
+            pass  # the asker left; the next one is served
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+
+def _drain(conn: socket.socket) -> None:
+    """After the answer: end our side and read what the asker still sends until it closes (briefly), because
+    closing a socket with unread input resets the connection and the asker may lose the answer."""
+    conn.shutdown(socket.SHUT_WR)
+    conn.settimeout(1.0)
+    received = 0
+    while received <= MAX_REQUEST and (part := conn.recv(65536)):
+        received += len(part)
+
+
+def read_line(conn: socket.socket, data: bytes = b"") -> bytes:
+    """One request line (after `data`, already read), within the connection's timeout as a whole, so that an
+    asker trickling bytes cannot hold a one-at-a-time server longer than a silent one."""
+    given = conn.gettimeout()
+    deadline = time.monotonic() + (given or REQUEST_TIMEOUT)
+    try:
+        while not data.endswith(b"\n"):
+            conn.settimeout(max(0.001, deadline - time.monotonic()))
+            part = conn.recv(65536)
+            if not part:
+                break
+            data += part
+            if len(data) > MAX_REQUEST:
+                raise ChannelError(f"request longer than {MAX_REQUEST} bytes")
+    finally:
+        conn.settimeout(given)  # the answer's sends get the connection's whole timeout again
+    return data
+
+
+def read_request(conn: socket.socket) -> dict[str, Any]:
+    """The request line as one JSON object (ChannelError when it is anything else)."""
+    try:
+        value = json.loads(read_line(conn))
+    except ValueError as exc:
+        raise ChannelError(f"the request is not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ChannelError("the request is not one JSON object")
+    return value
+
+
+def send_line(sock: socket.socket, value: dict[str, Any]) -> None:
+    """One JSON line (a streamed part of an answer)."""
+    send(sock, json.dumps(value).encode() + b"\n")
+
+
+def send(sock: socket.socket, payload: bytes, fds: Sequence[int] = ()) -> None:
+    """All of `payload`, the descriptors with its first bytes (one sendmsg may send only part)."""
+    sent = socket.send_fds(sock, [payload], list(fds)) if fds else 0
+    sock.sendall(payload[sent:])
+
+
+def request(path: str | Path, message: dict[str, Any], *, fds: Sequence[int] = (),
+            timeout: float = 300.0) -> dict[str, Any]:
+    """One JSON request to the socket at `path`; its JSON answer (read to EOF)."""
+    answer, received = request_with_fds(path, message, fds=fds, timeout=timeout)
+    for fd in received:
+        os.close(fd)
+    return answer
+
+
+def request_with_fds(path: str | Path, message: dict[str, Any], *, fds: Sequence[int] = (),
+                     timeout: float = 300.0) -> tuple[dict[str, Any], list[int]]:
+    """`request`, also returning the descriptors the answer carried (the caller closes them)."""
+    received: list[int] = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(str(path))
+            send(sock, json.dumps(message).encode() + b"\n", fds)
+            data = b""
+            while True:
+                part, more, _flags, _addr = socket.recv_fds(sock, 1 << 20, 4)
+                received += more
+                if not part:
+                    break
+                data += part
+        except OSError as exc:
+            for fd in received:
+                os.close(fd)
+            raise ChannelError(f"channel {path}: {exc}") from exc
+    try:
+        answer = json.loads(data)
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict):
+        for fd in received:
+            os.close(fd)
+        raise ChannelError(f"channel {path} answered {data[:200]!r}")
+    return answer, received

@@ -1,0 +1,181 @@
+"""The JSON-line channel: sockets created private, peers checked by SO_PEERCRED, accept loops that end cleanly.
+
+Peers of another uid are real processes running as `nobody` (setpriv); the tests run as root.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import socket
+import stat
+import subprocess
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coldsnap_probe import jsonline
+from coldsnap_probe.errors import ChannelError
+
+NOBODY = pwd.getpwnam("nobody")
+AS_NOBODY = ["setpriv", f"--reuid={NOBODY.pw_uid}", f"--regid={NOBODY.pw_gid}", "--clear-groups"]
+# A client with nothing but the standard library (nobody cannot read the project's virtual environment).
+CLIENT = """
+import json, socket, sys
+try:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(sys.argv[1])
+        s.sendall(sys.argv[2].encode() + b"\\n")
+        data = b"".join(iter(lambda: s.recv(65536), b""))
+    print(data.decode().strip())
+except OSError as exc:
+    print(json.dumps({"os_error": exc.errno}))
+"""
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a peer as nobody")
+
+
+def ask_as_nobody(path: Path | str, message: str | dict[str, Any] = "status") -> dict[str, Any]:
+    """`message` (an op, or a whole request) sent by a process running as nobody; the answer."""
+    line = json.dumps({"op": message} if isinstance(message, str) else message)
+    out = subprocess.run([*AS_NOBODY, "/usr/bin/python3", "-c", CLIENT, str(path), line], capture_output=True,
+                         text=True, timeout=30, check=True).stdout
+    return dict(json.loads(out))
+
+
+def echo(conn: socket.socket, peer: jsonline.Peer) -> jsonline.Answer:
+    return {"ok": True, "echo": json.loads(jsonline.read_line(conn)), "uid": peer.uid}
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A directory nobody may reach (pytest's tmp_path lies under root's 0700 directories)."""
+    path = Path(tempfile.mkdtemp(prefix="coldsnap-jsonline-", dir="/tmp"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path)
+
+
+@pytest.fixture
+def serving(shared_dir: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Path, jsonline.LineServer]]:
+    peers, group = request.param if hasattr(request, "param") else (jsonline.Peers(), None)
+    path = shared_dir / "control.sock"
+    server = jsonline.LineServer(jsonline.listen(path, group=group), echo, peers=peers).start()
+    try:
+        yield path, server
+    finally:
+        server.close()
+    assert not server._thread.is_alive()
+
+
+def test_listen_creates_the_socket_0600_whatever_the_umask(tmp_path: Path) -> None:
+    """Regression: #24 (finding 5): the hydration sockets were created with the umask's mode (0755)."""
+    old = os.umask(0)
+    try:
+        with jsonline.listen(tmp_path / "a.sock"), jsonline.listen(tmp_path / "b.sock", group=NOBODY.pw_gid):
+            a, b = os.lstat(tmp_path / "a.sock"), os.lstat(tmp_path / "b.sock")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(a.st_mode) == 0o600
+    assert stat.S_IMODE(b.st_mode) == 0o660 and b.st_gid == NOBODY.pw_gid
+
+
+def test_listen_replaces_a_stale_socket_and_refuses_anything_else(tmp_path: Path) -> None:
+    path = tmp_path / "c.sock"
+    with jsonline.listen(path):
+        pass
+    with jsonline.listen(path):  # the file the first one left behind
+        assert stat.S_ISSOCK(os.lstat(path).st_mode)
+    other = tmp_path / "file"
+    other.write_text("keep")
+    with pytest.raises(ChannelError, match="exists and is not a socket"):
+        jsonline.listen(other)
+    assert other.read_text() == "keep"
+
+
+def test_a_socket_0600_is_unreachable_for_another_uid(serving: tuple[Path, jsonline.LineServer]) -> None:
+    path, _server = serving
+    assert ask_as_nobody(path) == {"os_error": 13}  # EACCES: the mode alone keeps it out
+    assert jsonline.request(path, {"op": "status"}, timeout=10) == {"ok": True, "echo": {"op": "status"}, "uid": 0}
+
+
+@pytest.mark.parametrize("serving", [(jsonline.Peers(), NOBODY.pw_gid)], indirect=True)
+def test_a_peer_that_reaches_the_socket_is_still_refused_unless_admitted(
+        serving: tuple[Path, jsonline.LineServer]) -> None:
+    """Regression: #24 (finding 5): any process reaching the socket was answered (no SO_PEERCRED check)."""
+    path, _server = serving
+    answer = ask_as_nobody(path, "release")
+    assert answer == {"ok": False, "error": f"peer uid {NOBODY.pw_uid} gid {NOBODY.pw_gid} is not allowed on "
+                                            "this socket"}
+
+
+@pytest.mark.parametrize("serving", [(jsonline.Peers(uids=frozenset({NOBODY.pw_uid})), NOBODY.pw_gid),
+                                     (jsonline.Peers(gids=frozenset({NOBODY.pw_gid})), NOBODY.pw_gid)],
+                         indirect=True, ids=["by-uid", "by-gid"])
+def test_an_admitted_peer_of_another_uid_is_answered(serving: tuple[Path, jsonline.LineServer]) -> None:
+    path, _server = serving
+    assert ask_as_nobody(path) == {"ok": True, "echo": {"op": "status"}, "uid": NOBODY.pw_uid}
+
+
+def test_close_ends_the_accept_loop_and_its_thread(tmp_path: Path) -> None:
+    """Regression: #24 (the flaky test): an accept loop raised on its closed listener in a leftover thread."""
+    errors: list[threading.ExceptHookArgs] = []
+    previous, threading.excepthook = threading.excepthook, errors.append
+    try:
+        for idle in (None, lambda: None):  # blocking accept, and accept with a timeout
+            path = tmp_path / "loop.sock"
+            server = jsonline.LineServer(jsonline.listen(path), echo, peers=jsonline.Peers(), idle=idle,
+                                         idle_every=0.05).start()
+            assert jsonline.request(path, {"n": 1}, timeout=10)["ok"]
+            server.close()
+            assert not server._thread.is_alive()
+    finally:
+        threading.excepthook = previous
+    assert errors == []
+
+
+def test_run_returns_when_another_thread_closes_the_listener(tmp_path: Path) -> None:
+    server = jsonline.LineServer(jsonline.listen(tmp_path / "r.sock"), echo, peers=jsonline.Peers())
+    timer = threading.Timer(0.2, server.close)
+    timer.start()
+    server.run()  # returns instead of raising on the closed listener
+    timer.join()
+
+
+def test_a_silent_asker_does_not_stop_the_loop(tmp_path: Path) -> None:
+    """A connection that never sends its request is dropped; the next asker is answered."""
+    path = tmp_path / "control.sock"
+    server = jsonline.LineServer(jsonline.listen(path), echo, peers=jsonline.Peers(), request_timeout=0.5).start()
+    try:
+        with socket.socket(socket.AF_UNIX) as silent, socket.socket(socket.AF_UNIX) as trickling:
+            silent.connect(str(path))
+            trickling.connect(str(path))
+            trickling.send(b"{")  # then nothing more: the request's deadline covers it too
+            assert jsonline.request(path, {"op": "status"}, timeout=10)["echo"] == {"op": "status"}
+    finally:
+        server.close()
+
+
+def test_an_answer_that_raises_is_an_ok_false_reply(tmp_path: Path) -> None:
+    def fails(conn: socket.socket, peer: jsonline.Peer) -> jsonline.Answer:
+        raise ChannelError("no such thing")
+
+    path = tmp_path / "f.sock"
+    server = jsonline.LineServer(jsonline.listen(path), fails, peers=jsonline.Peers()).start()
+    try:
+        assert jsonline.request(path, {}) == {"ok": False, "error": "ChannelError: no such thing"}
+    finally:
+        server.close()
+
+
+def test_request_to_nothing_names_the_channel(tmp_path: Path) -> None:
+    with pytest.raises(ChannelError, match=f"channel {tmp_path}/absent.sock: "):
+        jsonline.request(tmp_path / "absent.sock", {})

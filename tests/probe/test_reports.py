@@ -1,0 +1,86 @@
+"""The worker's typed reports (`_reports.py`): their JSON keeps the keys the daemon and the benches decode."""
+
+from __future__ import annotations
+
+import json
+
+from coldsnap_probe._reports import (
+    CapturedGraphPolicy,
+    CaptureReport,
+    HydratedWeights,
+    ReleasedWeights,
+    RestoredGraphPolicy,
+    RestoreReport,
+    Timeline,
+)
+
+CAPTURE_ALWAYS = {"format", "kind", "boundary", "root_pid", "tree", "started_unix", "rank", "world_size", "engine",
+                  "cuda_pids", "identity", "engine_quiesced", "timings_s", "barrier_wait_s", "image_bytes",
+                  "image_files", "completed_unix"}
+CAPTURE_OPTIONAL = {"graph_policy", "engine_quiesce", "hydration", "memory_before_checkpoint",
+                    "memory_after_checkpoint", "image_digest"}
+RESTORE_ALWAYS = {"format", "kind", "rank", "world_size", "timeline", "barrier_wait_s", "restore_seconds",
+                  "ready_seconds"}
+RESTORE_OPTIONAL = {"boundary", "captured_root_pid", "cuda_pids", "identity_compatibility", "graph_policy",
+                    "criu_restore_seconds", "restored_pid", "peer_criu_restore_seconds", "cuda_restore_seconds",
+                    "peer_cuda_restore_seconds", "all_pages_in_seconds", "hydration", "engine_resume",
+                    "communicator_recreate_seconds"}
+
+
+def test_a_minimal_capture_report_has_exactly_the_keys_always_written() -> None:
+    report = CaptureReport(boundary="n580", root_pid=7, tree=[7, 8], rank=0, world_size=1, engine=None)
+    value = report.to_json()
+    assert set(value) == CAPTURE_ALWAYS
+    assert (value["format"], value["kind"], value["engine"]) == (1, "coldsnap-cuda-criu-capture", None)
+
+
+def test_a_full_capture_report_adds_each_optional_key_in_its_shape() -> None:
+    report = CaptureReport(boundary="n610", root_pid=7, tree=[7], rank=1, world_size=2, engine="/run/e.sock")
+    report.graph_policy = CapturedGraphPolicy("auto", "recreate-from-plan", "recreate-from-plan", "why")
+    report.engine_quiesce = {"ok": True, "communicators": 0}
+    report.hydration = ReleasedWeights(4096, 2, 0.5, "sha256:p", "sha256:m")
+    report.memory_before_checkpoint = report.memory_after_checkpoint = {"7": {"anonymous_bytes": 1}}
+    report.image_digest = "sha256:i"
+    value = json.loads(json.dumps(report.to_json()))
+    assert set(value) == CAPTURE_ALWAYS | CAPTURE_OPTIONAL
+    assert value["graph_policy"] == {"requested": "auto", "recorded": "recreate-from-plan",
+                                     "effective": "recreate-from-plan", "reason": "why"}
+    assert value["hydration"] == {"released_bytes": 4096, "regions": 2, "release_seconds": 0.5,
+                                  "plan_digest": "sha256:p", "manifest_digest": "sha256:m"}
+
+
+def timeline(*names: str) -> Timeline:
+    t = Timeline()
+    for name in names:
+        t.mark(name)
+    return t
+
+
+def test_a_minimal_restore_report_has_exactly_the_keys_always_written() -> None:
+    report = RestoreReport(rank=0, world_size=1, timeline=timeline("restore_begin", "process_resumed", "ready"))
+    value = report.to_json()
+    assert set(value) == RESTORE_ALWAYS
+    assert [set(m) for m in value["timeline"]] == [{"name", "unix_ns", "since_restore_begin_s"}] * 3
+    assert value["timeline"][0]["since_restore_begin_s"] == 0.0
+    assert 0 <= value["restore_seconds"] <= value["ready_seconds"]
+
+
+def test_a_full_restore_report_adds_each_optional_key_in_its_shape() -> None:
+    report = RestoreReport(rank=0, world_size=2, boundary="n610", captured_root_pid=7, cuda_pids=[7],
+                           identity_compatibility="exact",
+                           graph_policy=RestoredGraphPolicy("recreate-from-plan", "d", "sha256:x"),
+                           criu_restore_seconds=1.0, restored_pid=7, peer_criu_restore_seconds=[1.0, 1.1],
+                           cuda_restore_seconds=0.5, peer_cuda_restore_seconds=[0.5, 0.6], all_pages_in_seconds=2.0,
+                           hydration=HydratedWeights(10, 0.1, 1e-7, 1, {"strategy": "ring"}, None, 0.2),
+                           engine_resume={"ok": True}, communicator_recreate_seconds=0.3,
+                           timeline=timeline("restore_begin", "process_resumed", "ready"))
+    value = json.loads(json.dumps(report.to_json()))
+    assert set(value) == RESTORE_ALWAYS | RESTORE_OPTIONAL
+    assert value["hydration"] == {"bytes": 10, "seconds": 0.1, "gbps": 1e-7, "regions_verified": 1,
+                                  "engine": {"strategy": "ring"}, "staged": None, "phase_seconds": 0.2}
+    assert value["graph_policy"] == {"effective": "recreate-from-plan", "decision": "d", "plan_sha256": "sha256:x"}
+
+
+def test_timeline_seconds_between_marks() -> None:
+    t = timeline("a", "b")
+    assert t.seconds("a", "b") == (t.marks[1].unix_ns - t.marks[0].unix_ns) / 1e9 >= 0
