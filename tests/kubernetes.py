@@ -71,6 +71,11 @@ class Cluster:
         assert status == 200, body
         return list(body.get("items") or [])
 
+    def workload_pods(self, name: str) -> list[dict[str, Any]]:
+        """The Pods in NAMESPACE whose workload-name annotation is `name` (found without the code under test)."""
+        return [p for p in self.pods("io.coldsnap-provider.managed=true")
+                if (p["metadata"].get("annotations") or {}).get("coldsnap-provider.io/workload-name") == name]
+
     def create_pod(self, manifest: dict[str, Any]) -> None:
         status, body = self._request("POST", f"/api/v1/namespaces/{NAMESPACE}/pods", manifest)
         assert status == 201, body

@@ -12,7 +12,6 @@ from typing import Any
 
 import anyio
 
-from coldsnap_runtime.backend._k8s_translate import pod_name
 from tests.conftest import BUSYBOX_IMAGE, docker
 from tests.helpers import Session, running_daemon
 from tests.kubernetes import IMAGE, NAMESPACE, Cluster
@@ -73,7 +72,7 @@ async def test_one_session_runs_the_same_flow_on_docker_and_kubernetes(cluster: 
         "state": "running", "running": True, "started": True, "exec": b"\x01x", "logs": b"ready\n",
         "labels": {"io.sparksq.coldsnap.workload": "mixed", "io.sparksq.coldsnap.rank": "0"},
         "after_remove": "not_found"}
-    assert cluster.pod(pod_name(name, cluster.node)) is None
+    assert cluster.workload_pods(name) == []
     assert docker("inspect", name, check=False).returncode != 0
 
 
@@ -94,7 +93,8 @@ async def test_node_local_work_on_a_kubernetes_host_without_remote_is_refused_na
                 "image": IMAGE, "name": name + "g", "detached": True, "gpus": ["0"], "command": ["true"]})
             assert not gpus.ok and gpus.error_code == "runtime_failed"
             assert "`gpus` cannot be realised on Kubernetes" in (gpus.error or "")
-            assert cluster.pod(pod_name(name + "g", cluster.node)) is None
+            assert cluster.workload_pods(name + "g") == []
+            assert len(cluster.workload_pods(name)) == 1
         finally:
             await s.runtime("workload-remove", host="node-k", name=name)
 
