@@ -96,15 +96,18 @@ class KubernetesHosts:
     """
 
     def __init__(self, configs: list[KubernetesConfig], *, state_dir: Path, instance: str,
-                 agents: dict[str, NodeAgent] | None = None, spool_dir: str | None = None) -> None:
+                 agents: dict[str, NodeAgent] | None = None, spool_dir: str | None = None,
+                 copy_max_bytes: int | None = None) -> None:
         self._work_dir = state_dir / "kubernetes"
-        self._nodes = {
-            host: KubernetesNode(host, KubernetesBackend(
-                kubeconfig=config.kubeconfig, namespace=config.namespace, node=config.node(host), instance=instance,
-                request_timeout_s=config.request_timeout_s, start_timeout_s=config.start_timeout_s,
-                spool_dir=spool_dir), work_dir=self._work_dir, agent=(agents or {}).get(host))
-            for config in configs for host in config.hosts
-        }
+        self._nodes = {}
+        for config in configs:
+            for host in config.hosts:
+                backend = KubernetesBackend(
+                    kubeconfig=config.kubeconfig, namespace=config.namespace, node=config.node(host),
+                    instance=instance, request_timeout_s=config.request_timeout_s,
+                    start_timeout_s=config.start_timeout_s, spool_dir=spool_dir, copy_max_bytes=copy_max_bytes)
+                self._nodes[host] = KubernetesNode(host, backend, work_dir=self._work_dir,
+                                                   agent=(agents or {}).get(host))
 
     @property
     def hosts(self) -> frozenset[str]:

@@ -95,7 +95,7 @@ async def _serve(config: Config, state_dir: Path) -> None:
                           credentials_file=credentials, host_policy=_host_policy(config, remote=True))
         agents: dict[str, NodeAgent] = {host: remotes.node(host) for host in remotes.hosts}
         kubernetes = KubernetesHosts(config.kubernetes, state_dir=state_dir, agents=agents, spool_dir=spool.directory,
-                                     instance=instance_id(state_dir / "kubernetes"))
+                                     copy_max_bytes=spool.max_bytes, instance=instance_id(state_dir / "kubernetes"))
         operations = Operations(
             provider_name=config.provider.name,
             backend=backend,

@@ -4,7 +4,7 @@ One :class:`KubernetesBackend` serves one ColdSnap host = one Node. A workload i
 Node (``spec.nodeName``) in the configured namespace; its translation is ``_k8s_translate.py``. Only the
 stable core/v1 API is used: Pods, ``pods/log``, ``pods/exec`` and a Node read.
 
-Errors: kubernetes_asyncio, aiohttp and socket errors become ours in one place, :func:`kube_errors`;
+Errors: kubernetes_asyncio, aiohttp and socket errors become ours in one place, ``_k8s_client.kube_errors``;
 every apiserver call runs under ``request_timeout_s``, so an apiserver that is down or slow gives a
 clear ``runtime_failed`` within that bound. Nothing of a credential reaches an error or a log: messages
 are built from the HTTP status and the apiserver's own ``Status.message`` only.
@@ -27,9 +27,9 @@ import json
 import os
 import secrets
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Iterator
-from contextlib import asynccontextmanager, contextmanager
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from typing import IO, Any
 
 import aiohttp
 import anyio
@@ -37,24 +37,27 @@ import anyio.to_thread
 import structlog
 from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio import config as k8s_config
-from kubernetes_asyncio.client.exceptions import ApiException
-from kubernetes_asyncio.config.config_exception import ConfigException
-from kubernetes_asyncio.stream import WsApiClient
 from msgspec import UNSET
 
-from ..errors import (
-    BackendError,
-    BackendTimeout,
-    BackendUnavailable,
-    NotFound,
-    OutputTooLarge,
-    PathNotFound,
-    RuntimeFailed,
-)
+from ..errors import BackendError, NotFound, OutputTooLarge, PathNotFound, RuntimeFailed
 from ..limits import CLEANUP_BUDGET_S, OUTPUT_LIMIT
 from ..schema import Execution, ImageBuild, ImageInfo, RuntimeResponse, WorkloadInfo, WorkloadSpec
 from ._base import Owner
 from ._docker import extract_archive
+from ._k8s_client import (
+    CHANNEL_CLOSE,
+    CHANNEL_ERROR,
+    CHANNEL_STDERR,
+    CHANNEL_STDIN,
+    CHANNEL_STDOUT,
+    V5,
+    ChannelClient,
+    diagnostic_text,
+    exec_exit_code,
+    exec_status,
+    kube_errors,
+    status_error,
+)
 from ._k8s_translate import (
     CONTAINER,
     REMOVE_AFTER_EXIT_LABEL,
@@ -66,81 +69,13 @@ from ._k8s_translate import (
 )
 from ._translate import MANAGED_LABEL
 
-__all__ = ("KubernetesBackend", "kube_errors")
+__all__ = ("INCARNATION_LABEL", "INSTANCE_LABEL", "KubernetesBackend")
 
 log = structlog.get_logger(__name__)
 
 INSTANCE_LABEL = "io.coldsnap-provider.instance"
 INCARNATION_LABEL = "io.coldsnap-provider.incarnation"
-_STDIN, _STDOUT, _STDERR, _ERROR = 0, 1, 2, 3
-_CLOSE = 255  # v5.channel.k8s.io: [255, channel] closes that channel (stdin's end of input)
-_V5, _V4 = "v5.channel.k8s.io", "v4.channel.k8s.io"
 _POLL_S = 0.2
-_DIAGNOSTIC_BYTES = 16 << 10
-
-
-@contextmanager
-def kube_errors(action: str, *, kind: str = "", ref: str = "") -> Iterator[None]:
-    """The one place client, HTTP and socket errors become ours (`kind`/`ref`: what a 404 means)."""
-    try:
-        yield
-    except ApiException as exc:
-        raise _status_error(action, int(exc.status or 0), exc.body, kind=kind, ref=ref) from exc
-    except ConfigException as exc:
-        raise RuntimeFailed(action=action, detail=f"kubeconfig unusable: {exc}") from exc
-    except TimeoutError as exc:  # before the connection errors: aiohttp's timeouts subclass both
-        raise BackendTimeout(action=action) from exc
-    except aiohttp.WSServerHandshakeError as exc:
-        raise _status_error(action, exc.status, None, kind=kind, ref=ref) from exc
-    except aiohttp.ClientConnectionError as exc:
-        raise BackendUnavailable(action=action, detail=f"apiserver: {exc or type(exc).__name__}") from exc
-    except aiohttp.ClientError as exc:
-        raise RuntimeFailed(action=action, detail=f"apiserver: {type(exc).__name__}: {exc}") from exc
-    except OSError as exc:
-        raise BackendUnavailable(action=action, detail=f"apiserver: {exc.strerror or exc}") from exc
-
-
-def _status_error(action: str, status: int, body: Any, *, kind: str, ref: str) -> BackendError:
-    """An apiserver error status as our error; the text is the apiserver's Status.message, never headers."""
-    if status == 404 and kind:
-        return NotFound(kind=kind, ref=ref, action=action)
-    message = ""
-    try:
-        message = str(json.loads(body or b"{}").get("message") or "")
-    except (ValueError, AttributeError):
-        message = ""
-    if status == 401:
-        return RuntimeFailed(action=action, detail="the apiserver refused the kubeconfig's credential "
-                                                   "(401 Unauthorized: expired, revoked or wrong)")
-    if status == 403:
-        return RuntimeFailed(action=action, detail=f"the kubeconfig's identity may not do this (403 Forbidden): "
-                                                   f"{message}")
-    return RuntimeFailed(action=action, detail=f"apiserver answered {status}: {message or 'no message'}")
-
-
-def _text(data: bytes) -> str:
-    text = data.decode("utf-8", "replace").strip()
-    return text if len(text) <= _DIAGNOSTIC_BYTES else "…" + text[-_DIAGNOSTIC_BYTES:]
-
-
-class _ChannelClient(WsApiClient):
-    """kubernetes_asyncio's WebSocket client, offering v5 and v4 so the one the apiserver chose is known.
-
-    Its own client sends the protocol as a plain header, after which aiohttp does not report which
-    one the server accepted; offering them through ``protocols`` does.
-    """
-
-    async def request(self, method: str, url: str, query_params: Any = None, headers: Any = None,
-                      post_params: Any = None, body: Any = None, _preload_content: bool = True,
-                      _request_timeout: Any = None) -> Any:
-        if _preload_content:
-            raise RuntimeError("the exec WebSocket is always streamed")
-        pairs: list[tuple[str, str]] = []
-        for key, value in query_params or []:  # `command` is a list: one parameter per argument
-            pairs += [(key, str(v)) for v in value] if isinstance(value, list) else [(key, str(value))]
-        headers = {k: v for k, v in (headers or {}).items() if k.lower() != "sec-websocket-protocol"}
-        target = url.replace("https://", "wss://", 1).replace("http://", "ws://", 1)
-        return self.rest_client.pool_manager.ws_connect(target, params=pairs, headers=headers, protocols=(_V5, _V4))
 
 
 class KubernetesBackend:
@@ -153,7 +88,7 @@ class KubernetesBackend:
 
     def __init__(self, *, kubeconfig: str, namespace: str, node: str, instance: str = "",
                  request_timeout_s: float = 30.0, start_timeout_s: float = 120.0,
-                 spool_dir: str | None = None) -> None:
+                 spool_dir: str | None = None, copy_max_bytes: int | None = None) -> None:
         self._kubeconfig = kubeconfig
         self._namespace = namespace
         self._node = node
@@ -161,9 +96,10 @@ class KubernetesBackend:
         self._request_timeout_s = request_timeout_s
         self._start_timeout_s = start_timeout_s
         self._spool_dir = spool_dir
+        self._copy_max_bytes = copy_max_bytes
         self._incarnation = secrets.token_hex(8)
         self._api: k8s.ApiClient | None = None
-        self._ws: _ChannelClient | None = None
+        self._ws: ChannelClient | None = None
         self._pending_removal: set[str] = set()
         # Whether the apiserver speaks v5.channel.k8s.io (1.30+), read once: exec `input` needs it.
         self._closes_stdin: bool | None = None
@@ -178,7 +114,7 @@ class KubernetesBackend:
             await k8s_config.load_kube_config(config_file=self._kubeconfig, client_configuration=configuration,
                                               persist_config=False)
         self._api = k8s.ApiClient(configuration=configuration)
-        self._ws = _ChannelClient(configuration=configuration)
+        self._ws = ChannelClient(configuration=configuration)
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -211,7 +147,7 @@ class KubernetesBackend:
                 finally:
                     response.release()
             if not 200 <= response.status <= 299:
-                raise _status_error(action, response.status, body, kind=kind, ref=ref)
+                raise status_error(action, response.status, body, kind=kind, ref=ref)
         try:
             data = json.loads(body)
         except ValueError as exc:
@@ -318,7 +254,7 @@ class KubernetesBackend:
         if not spec.name or spec.remove_after_exit:
             await self._delete_own(pod)
         if exit_code != 0:
-            raise RuntimeFailed(action="workload-run", detail=f"exited {exit_code}: {_text(output)}")
+            raise RuntimeFailed(action="workload-run", detail=f"exited {exit_code}: {diagnostic_text(output)}")
         return RuntimeResponse(output=output)
 
     async def _conflict(self, name: str, pod: str) -> RuntimeFailed:
@@ -456,7 +392,7 @@ class KubernetesBackend:
                 response = await self._core.read_namespaced_pod_log(pod, self._namespace, **kwargs)
             try:
                 if not 200 <= response.status <= 299:
-                    raise _status_error(action, response.status, await response.read(), kind="workload", ref=name)
+                    raise status_error(action, response.status, await response.read(), kind="workload", ref=name)
                 async for data in response.content.iter_any():
                     chunks.append(data)
                     total += len(data)
@@ -479,7 +415,7 @@ class KubernetesBackend:
                                                      action="workload-exec")
         if exit_code != 0:
             both = stdout + stderr if execution.combined else stderr
-            raise RuntimeFailed(action="workload-exec", detail=f"exited {exit_code}: {_text(both)}")
+            raise RuntimeFailed(action="workload-exec", detail=f"exited {exit_code}: {diagnostic_text(both)}")
         return stdout + stderr if execution.combined else stdout
 
     @asynccontextmanager
@@ -498,10 +434,14 @@ class KubernetesBackend:
             with anyio.CancelScope(shield=True):
                 await connecting.__aexit__(None, None, None)
 
-    async def _exec(self, pod: str, name: str, command: list[str], *, stdin: bytes,
-                    action: str) -> tuple[bytes, bytes, int]:
-        """Run `command` in the workload container: (stdout, stderr, exit code from the status channel)."""
+    async def _exec(self, pod: str, name: str, command: list[str], *, stdin: bytes, action: str,
+                    sink: IO[bytes] | None = None) -> tuple[bytes, bytes, int]:
+        """Run `command` in the workload container: (stdout, stderr, exit code from the status channel).
+
+        With `sink`, stdout goes there instead (copy-from's archive, capped at ``copy_max_bytes``).
+        """
         out, err = bytearray(), bytearray()
+        sunk = 0
         status: dict[str, Any] | None = None
         if stdin and not await self._can_close_stdin():  # decided before anything runs in the container
             raise RuntimeFailed(action=action, detail=(
@@ -510,23 +450,30 @@ class KubernetesBackend:
         with kube_errors(action, kind="workload", ref=name):
             async with self._channel(pod, command, stdin=bool(stdin)) as ws:
                 if stdin:
-                    if ws.protocol != _V5:
-                        raise RuntimeFailed(action=action, detail=f"the apiserver chose {ws.protocol}, not {_V5}")
-                    await ws.send_bytes(bytes([_STDIN]) + stdin)
-                    await ws.send_bytes(bytes([_CLOSE, _STDIN]))
+                    if ws.protocol != V5:
+                        raise RuntimeFailed(action=action, detail=f"the apiserver chose {ws.protocol}, not {V5}")
+                    await ws.send_bytes(bytes([CHANNEL_STDIN]) + stdin)
+                    await ws.send_bytes(bytes([CHANNEL_CLOSE, CHANNEL_STDIN]))
                 async for message in ws:
                     if message.type != aiohttp.WSMsgType.BINARY or not message.data:
                         continue
                     channel, payload = message.data[0], message.data[1:]
-                    if channel == _STDOUT:
+                    if channel == CHANNEL_STDOUT and sink is not None:
+                        sunk += len(payload)
+                        if self._copy_max_bytes is not None and sunk > self._copy_max_bytes:
+                            raise RuntimeFailed(action=action, detail=(
+                                f"the copy exceeds {self._copy_max_bytes} bytes (docker.copy_max_bytes); "
+                                "nothing was placed"))
+                        await anyio.to_thread.run_sync(sink.write, payload)
+                    elif channel == CHANNEL_STDOUT:
                         out += payload
-                    elif channel == _STDERR:
+                    elif channel == CHANNEL_STDERR:
                         err += payload
-                    elif channel == _ERROR:
-                        status = _status(payload)
+                    elif channel == CHANNEL_ERROR:
+                        status = exec_status(payload)
                     if len(out) + len(err) > OUTPUT_LIMIT:
                         raise OutputTooLarge(action=action, limit=OUTPUT_LIMIT)
-        return bytes(out), bytes(err), _exit_code(status, action)
+        return bytes(out), bytes(err), exec_exit_code(status, action)
 
     async def _can_close_stdin(self) -> bool:
         if self._closes_stdin is None:
@@ -545,14 +492,15 @@ class KubernetesBackend:
         pod = await self._require(name, action)
         parent, base = os.path.split(path)
         command = ["tar", "cf", "-", "-C", parent or "/", base or "."]
-        stdout, stderr, exit_code = await self._exec(str(pod["metadata"]["name"]), name, command, stdin=b"",
-                                                     action=action)
-        if exit_code != 0:
-            if b"No such file" in stderr or b"not found" in stderr.lower():
-                raise PathNotFound(workload=name, path=path, action=action)
-            raise RuntimeFailed(action=action, detail=f"tar in the container exited {exit_code}: {_text(stderr)}")
+        # Spooled in the daemon's own directory; only the extractor, as `owner`, writes at the destination.
         with tempfile.TemporaryFile(dir=self._spool_dir, prefix="coldsnap-copy-") as spool:
-            await anyio.to_thread.run_sync(spool.write, stdout)
+            _, stderr, exit_code = await self._exec(str(pod["metadata"]["name"]), name, command, stdin=b"",
+                                                    action=action, sink=spool)
+            if exit_code != 0:
+                if b"No such file" in stderr or b"not found" in stderr.lower():
+                    raise PathNotFound(workload=name, path=path, action=action)
+                raise RuntimeFailed(action=action, detail=(
+                    f"tar in the container exited {exit_code}: {diagnostic_text(stderr)}"))
             await anyio.to_thread.run_sync(spool.flush)
             spool.seek(0)
             await extract_archive(spool, base or "root", destination, owner=owner, action=action)
@@ -594,27 +542,3 @@ class KubernetesBackend:
 
 _NO_IMAGE_API = ("Kubernetes has no image API: a node's images belong to its container runtime, which neither "
                  "the apiserver nor this provider reaches")
-
-
-def _status(payload: bytes) -> dict[str, Any]:
-    try:
-        value = json.loads(payload or b"{}")
-    except ValueError:
-        return {"status": "Failure", "message": _text(payload)}
-    return value if isinstance(value, dict) else {}
-
-
-def _exit_code(status: dict[str, Any] | None, action: str) -> int:
-    """The exit code the error channel reports (Success, NonZeroExitCode); anything else is a failure."""
-    if status is None:
-        raise RuntimeFailed(action=action, detail="the exec stream ended without a status (container gone?)")
-    if status.get("status") == "Success":
-        return 0
-    if status.get("reason") == "NonZeroExitCode":
-        for cause in (status.get("details") or {}).get("causes") or []:
-            if cause.get("reason") == "ExitCode":
-                try:
-                    return int(cause.get("message"))
-                except (TypeError, ValueError):
-                    break
-    raise RuntimeFailed(action=action, detail=str(status.get("message") or status.get("reason") or status))
