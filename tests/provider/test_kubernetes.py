@@ -8,12 +8,15 @@ node-k (exec, the destination of copy-from) is refused naming the host and what 
 from __future__ import annotations
 
 import secrets
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import anyio
+import pytest
 
 from tests.conftest import BUSYBOX_IMAGE, docker
-from tests.helpers import Session, running_daemon
+from tests.helpers import ROOT, Session, running_daemon
 from tests.kubernetes import IMAGE, NAMESPACE, Cluster
 
 
@@ -115,3 +118,45 @@ async def test_exec_output_is_binary_safe_through_the_daemon(cluster: Cluster) -
             assert reply.runtime.output == payload  # type: ignore[union-attr]
         finally:
             await s.runtime("workload-remove", host="node-k", name=name)
+
+
+def _node_b() -> dict[str, str]:
+    """node-b (scripts/_node_b.sh): an sshd in its own namespaces, standing in for node-k's own SSH here."""
+    up = subprocess.run(["bash", str(ROOT / "scripts" / "_node_b.sh"), "up"], capture_output=True, text=True)
+    if up.returncode != 0:
+        pytest.fail(f"node-b set-up failed:\n{up.stderr}")
+    return dict(line.split("=", 1) for line in up.stdout.split())
+
+
+async def test_node_local_work_goes_over_the_hosts_remote_entry(cluster: Cluster) -> None:
+    """exec and the copy-from destination reach the node over SSH; the workload runs on the cluster."""
+    env = _node_b()
+    name = f"cluster_node_{secrets.token_hex(3)}"
+    destination = f"/tmp/k8s-copy-{secrets.token_hex(3)}"
+    remote = f"""
+[[remote]]
+hosts = ["node-k"]
+address = "{env['NODE_B_ADDRESS']}"
+port = {env['NODE_B_PORT']}
+user = "root"
+identity_file = "{env['NODE_B_CLIENT_KEY']}"
+known_hosts = "{env['NODE_B_KNOWN_HOSTS']}"
+docker_socket = "{env['NODE_B_DOCKER_SOCKET']}"
+"""
+    node_b_root = Path(f"/proc/{Path(env['NODE_B_SSHD_PID_FILE']).read_text().strip()}/root")
+    async with running_daemon(_config(cluster) + remote) as daemon:
+        s = await daemon.open_session(hosts=["node-k"])
+        where = await s.call("exec", host="node-k", arguments=["hostname"])
+        assert where.ok and where.output == b"node-b\n", where  # the node's own shell, not this machine's
+        assert (await s.runtime("workload-run", host="node-k", workload={
+            "image": IMAGE, "name": name, "detached": True, "pull_policy": "never",
+            "command": ["sh", "-c", "mkdir -p /out && printf k8s > /out/f && exec sleep 3600"]})).ok
+        try:
+            assert len(cluster.workload_pods(name)) == 1  # the workload is a Pod, not a node-b container
+            copy = await s.runtime("workload-copy-from", host="node-k", name=name, path="/out", destination=destination)
+            assert copy.ok, copy.error
+            assert (node_b_root / destination.lstrip("/") / "f").read_bytes() == b"k8s"
+            assert not Path(destination).exists()  # nothing on this machine's own /tmp
+        finally:
+            await s.runtime("workload-remove", host="node-k", name=name)
+            await s.call("exec", host="node-k", arguments=["rm", "-rf", destination])
