@@ -301,32 +301,48 @@ class KubernetesBackend:
             await anyio.sleep(_POLL_S)
 
     async def _delete(self, current: dict[str, Any], *, action: str, ref: str) -> None:
-        """Delete exactly this Pod (its uid) and wait until the apiserver dropped it.
+        """Delete exactly this Pod (its uid); return once nothing of it runs and the apiserver dropped it.
 
-        A Pod whose container runs gets 1 s of grace, then SIGKILL: the object goes only after the kubelet
-        confirmed the container stopped, so nothing of it runs after the reply (grace 0 would drop the object
-        at once while the kubelet still runs it). Any other Pod is removed at once (grace 0): nothing of the
-        workload runs, and a kubelet backing off an image pull would otherwise confirm only much later.
+        A Pod whose container runs is first deleted with 1 s of grace (SIGTERM, then SIGKILL by the kubelet)
+        until its container is no longer running, then with grace 0: the object goes at once. Grace 0 alone
+        would drop the object while the kubelet still runs the container; grace alone waits for the kubelet's
+        whole teardown (volumes, sandbox, cgroups), about ten seconds on the test cluster.
         """
         metadata = current.get("metadata") or {}
-        pod = str(metadata.get("name") or "")
-        grace = 1 if workload_info(current, include_start_time=False).running else 0
+        pod, uid = str(metadata.get("name") or ""), metadata.get("uid")
+        with anyio.fail_after(self._request_timeout_s + CLEANUP_BUDGET_S):
+            if workload_info(current, include_start_time=False).running:
+                if not await self._delete_call(pod, uid, grace=1, action=action, ref=ref):
+                    return
+                while (again := await self._current(pod, uid, action, ref)) is not None:
+                    if not workload_info(again, include_start_time=False).running:
+                        break
+                    await anyio.sleep(_POLL_S)
+                else:
+                    return
+            if not await self._delete_call(pod, uid, grace=0, action=action, ref=ref):
+                return
+            while await self._current(pod, uid, action, ref) is not None:
+                await anyio.sleep(_POLL_S)
+
+    async def _delete_call(self, pod: str, uid: Any, *, grace: int, action: str, ref: str) -> bool:
+        """One delete of exactly `uid`; False when it is already gone."""
         body = {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": grace,
-                "preconditions": {"uid": metadata.get("uid")}}
+                "preconditions": {"uid": uid}}
         try:
             await self._call(action, self._core.delete_namespaced_pod(pod, self._namespace, body=body,
                                                                       _preload_content=False), kind="workload", ref=ref)
         except NotFound:
-            return
-        with anyio.fail_after(self._request_timeout_s + CLEANUP_BUDGET_S):
-            while True:
-                try:
-                    again = await self._read_pod(pod, action, ref=ref)
-                except NotFound:
-                    return
-                if (again.get("metadata") or {}).get("uid") != metadata.get("uid"):
-                    return  # gone; the name already holds another Pod
-                await anyio.sleep(_POLL_S)
+            return False
+        return True
+
+    async def _current(self, pod: str, uid: Any, action: str, ref: str) -> dict[str, Any] | None:
+        """The Pod `pod` if it still is the one with `uid`, else None."""
+        try:
+            again = await self._read_pod(pod, action, ref=ref)
+        except NotFound:
+            return None
+        return again if (again.get("metadata") or {}).get("uid") == uid else None
 
     async def _delete_own(self, pod: str) -> None:
         """Remove a Pod this process created (checked by its incarnation label); retried by maintain() on failure."""
