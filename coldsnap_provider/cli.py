@@ -253,6 +253,8 @@ def cmd_session_list(args: argparse.Namespace) -> int:
 
 def cmd_workload(args: argparse.Namespace) -> int:
     request: dict[str, Any] = {"operation": f"workload-{args.workload_command}"}
+    if args.host:
+        request["host"] = args.host
     if args.workload_command != "list":
         request["name"] = args.name
     if args.workload_command == "logs":
@@ -499,11 +501,15 @@ def _parser() -> argparse.ArgumentParser:
 
     workload = sub.add_parser("workload", help="the managed workloads your sessions ran: list, inspect, logs, stop")
     verbs = workload.add_subparsers(dest="workload_command", required=True)
-    with_state_dir(verbs.add_parser("list", help="list them")).set_defaults(func=cmd_workload)
+    lister = with_state_dir(verbs.add_parser("list", help="list them"))
+    lister.set_defaults(func=cmd_workload)
+    host_help = "a Kubernetes host this daemon serves ([[kubernetes]]); default: this node's engine"
+    lister.add_argument("--host", default="", help=host_help)
     for verb, text in (("inspect", "state, exit code, labels"), ("logs", "print its logs"),
                        ("stop", "SIGTERM, then SIGKILL after --timeout; the workload is kept")):
         named = with_state_dir(verbs.add_parser(verb, help=text))
         named.add_argument("name")
+        named.add_argument("--host", default="", help=host_help)
         if verb == "logs":
             named.add_argument("--tail", type=int, default=0, help="last N lines (0 = all)")
         if verb == "stop":

@@ -7,6 +7,7 @@ node-k (exec, the destination of copy-from) is refused naming the host and what 
 
 from __future__ import annotations
 
+import base64
 import secrets
 import subprocess
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 import anyio
 import pytest
 
+from coldsnap_provider import ReplyError
 from tests.conftest import BUSYBOX_IMAGE, docker
 from tests.helpers import ROOT, Session, running_daemon
 from tests.kubernetes import IMAGE, NAMESPACE, Cluster
@@ -160,3 +162,31 @@ docker_socket = "{env['NODE_B_DOCKER_SOCKET']}"
         finally:
             await s.runtime("workload-remove", host="node-k", name=name)
             await s.call("exec", host="node-k", arguments=["rm", "-rf", destination])
+
+
+async def test_control_workload_verbs_reach_kubernetes_workloads(cluster: Cluster) -> None:
+    name = f"cluster_node_{secrets.token_hex(3)}"
+    async with running_daemon(_config(cluster)) as daemon:
+        s = await daemon.open_session(hosts=["node-k"])
+        assert (await s.runtime("workload-run", host="node-k", workload={
+            "image": IMAGE, "name": name, "detached": True, "pull_policy": "never",
+            "command": ["sh", "-c", "echo from-k8s; exec sleep 3600"]})).ok
+        try:
+            listed = await daemon.control(operation="workload-list", host="node-k")
+            assert name in [w["name"] for w in listed]
+            info = await daemon.control(operation="workload-inspect", host="node-k", name=name)
+            assert info["running"] is True and info["labels"]["io.coldsnap-provider.manager-uid"] == "0"
+            for _ in range(50):
+                logs = await daemon.control(operation="workload-logs", host="node-k", name=name)
+                if logs["output"]:
+                    break
+                await anyio.sleep(0.1)
+            assert base64.b64decode(logs["output"]) == b"from-k8s\n"
+            with pytest.raises(ReplyError, match="cannot be stopped and kept on Kubernetes"):
+                await daemon.control(operation="workload-stop", host="node-k", name=name)
+            with pytest.raises(ReplyError, match="neither this node nor a Kubernetes host"):
+                await daemon.control(operation="workload-inspect", host="node-z", name=name)
+            with pytest.raises(ReplyError, match="no such workload"):  # this node's engine has no such container
+                await daemon.control(operation="workload-inspect", name=name)
+        finally:
+            await s.runtime("workload-remove", host="node-k", name=name)
