@@ -189,6 +189,7 @@ class ControlHandler:
             "state_dir": str(self._sessions.store.state_dir),
             "budgets": state.statistics(),
             "remotes": await self._operations.remotes.status() if self._operations.remotes is not None else [],
+            "kubernetes": await self._operations.kubernetes.status() if self._operations.kubernetes is not None else [],
         }
 
 

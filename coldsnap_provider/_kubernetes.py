@@ -56,6 +56,10 @@ class KubernetesNode:
         self._work_dir = work_dir
         self._agent = agent
 
+    @property
+    def has_agent(self) -> bool:
+        return self._agent is not None
+
     def _node_agent(self, operation: str) -> NodeAgent:
         if self._agent is None:
             raise RequestRejected(
@@ -139,6 +143,12 @@ class KubernetesHosts:
     async def aclose(self) -> None:
         for node in self._nodes.values():
             await node.backend.aclose()
+
+    async def status(self) -> list[dict[str, object]]:
+        """One entry per host: its Node and whether the apiserver answers (bounded by the entry's request timeout)."""
+        return [{"host": name, "node": node.backend.node_name, "namespace": node.backend.namespace,
+                 "apiserver_reachable": await node.backend.ping(), "node_agent": node.has_agent}
+                for name, node in sorted(self._nodes.items())]
 
     async def run_maintenance(self, interval_s: float = 10.0) -> None:
         """Recovery, then periodic maintenance (deferred removals, remove_after_exit); owned by the daemon."""

@@ -105,8 +105,12 @@ class KubernetesBackend:
         self._closes_stdin: bool | None = None
 
     @property
-    def node(self) -> str:
+    def node_name(self) -> str:
         return self._node
+
+    @property
+    def namespace(self) -> str:
+        return self._namespace
 
     async def __aenter__(self) -> KubernetesBackend:
         configuration = k8s.Configuration()

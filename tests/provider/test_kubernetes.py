@@ -172,6 +172,9 @@ async def test_control_workload_verbs_reach_kubernetes_workloads(cluster: Cluste
             "image": IMAGE, "name": name, "detached": True, "pull_policy": "never",
             "command": ["sh", "-c", "echo from-k8s; exec sleep 3600"]})).ok
         try:
+            status = await daemon.control(operation="status")
+            assert status["kubernetes"] == [{"host": "node-k", "node": "node-k", "namespace": NAMESPACE,
+                                             "apiserver_reachable": True, "node_agent": False}]
             listed = await daemon.control(operation="workload-list", host="node-k")
             assert name in [w["name"] for w in listed]
             info = await daemon.control(operation="workload-inspect", host="node-k", name=name)
