@@ -260,3 +260,46 @@ async def test_exec_in_a_container_that_exits_mid_stream_is_a_clear_failure(clus
             assert (info.state, info.exit_code) == ("exited", 0)
         finally:
             await backend.workload_remove(name)
+
+
+async def test_maintenance_deletes_ended_detached_runs_that_asked_for_it(cluster: Cluster) -> None:
+    ended, kept = _name(), _name()
+    async with _backend(cluster) as backend:
+        await backend.workload_run(WorkloadSpec(image=IMAGE, name=ended, detached=True, pull_policy="never",
+                                                remove_after_exit=True, command=["true"]), allow_pull=False)
+        await backend.workload_run(WorkloadSpec(image=IMAGE, name=kept, detached=True, pull_policy="never",
+                                                command=["true"]), allow_pull=False)
+        try:
+            deadline = time.monotonic() + 30
+            while (await backend.workload_inspect(ended, include_start_time=False)).state != "exited":
+                assert time.monotonic() < deadline
+                await anyio.sleep(0.2)
+            await backend.maintain()
+            assert cluster.workload_pods(ended) == []
+            assert len(cluster.workload_pods(kept)) == 1  # ended too, but a manager key: kept
+        finally:
+            await backend.workload_remove(kept)
+            await backend.workload_remove(ended)
+
+
+async def test_recover_deletes_only_anonymous_leftovers_of_its_own_instance(cluster: Cluster) -> None:
+    instance = f"inst-{secrets.token_hex(3)}"
+    token = secrets.token_hex(4)
+    pods = {f"cs-run-{token}-a": (instance, {}),  # an earlier process's anonymous run: deleted
+            f"cs-named-{token}": (instance, {NAME_ANNOTATION: "cluster_node_9"}),  # a manager key
+            f"cs-run-{token}-b": ("another-instance", {})}  # another daemon's
+    for pod, (owner, notes) in pods.items():
+        cluster.create_pod({"apiVersion": "v1", "kind": "Pod", "metadata": {
+            "name": pod, "annotations": notes, "labels": {
+                MANAGED: "true", "io.coldsnap-provider.instance": owner,
+                "io.coldsnap-provider.incarnation": "an-earlier-process"}},
+            "spec": {"nodeName": cluster.node, "automountServiceAccountToken": False, "containers": [
+                {"name": "workload", "image": IMAGE, "imagePullPolicy": "Never", "command": ["sleep", "3600"]}]}})
+    try:
+        async with _backend(cluster, instance=instance) as backend:
+            await backend.recover()
+        left = {pod for pod in pods if cluster.pod(pod) is not None}
+        assert left == set(list(pods)[1:])
+    finally:
+        for pod in pods:
+            cluster.delete_pod(pod)
