@@ -76,6 +76,8 @@ log = structlog.get_logger(__name__)
 INSTANCE_LABEL = "io.coldsnap-provider.instance"
 INCARNATION_LABEL = "io.coldsnap-provider.incarnation"
 _POLL_S = 0.2
+# The kubelet's default --node-status-max-images: a Node listing that many may have more.
+_NODE_STATUS_MAX_IMAGES = 50
 
 
 class KubernetesBackend:
@@ -199,9 +201,12 @@ class KubernetesBackend:
     async def image_inspect(self, image: str) -> ImageInfo:
         node = await self._call("image-inspect", self._core.read_node(self._node, _preload_content=False),
                                 kind="node", ref=self._node)
-        listed = [n for entry in (node.get("status") or {}).get("images") or [] for n in entry.get("names") or []]
-        wanted = {image, f"docker.io/{image}", f"docker.io/library/{image}"}
-        if not wanted & set(listed):
+        images = (node.get("status") or {}).get("images") or []
+        listed = {n for entry in images for n in entry.get("names") or []}
+        if not {image, f"docker.io/{image}", f"docker.io/library/{image}"} & listed:
+            if len(images) >= _NODE_STATUS_MAX_IMAGES:  # the kubelet reports only the largest ones
+                raise RuntimeFailed(action="image-inspect", detail=(
+                    f"node {self._node} reports only {len(images)} of its images; whether it has {image} is unknown"))
             raise NotFound(kind="image", ref=image, action="image-inspect")
         raise RuntimeFailed(action="image-inspect", detail=(
             f"{image} is on node {self._node}, but the Kubernetes API lists a node's images by name and size "
