@@ -303,3 +303,12 @@ async def test_recover_deletes_only_anonymous_leftovers_of_its_own_instance(clus
     finally:
         for pod in pods:
             cluster.delete_pod(pod)
+
+
+async def test_pod_the_apiserver_refuses_returns_its_reason_and_creates_nothing(cluster: Cluster) -> None:
+    name = _name()
+    spec = _sleeper(name, environment={"1-not-an-env-name": "x"})  # valid runtime-v1, invalid on Kubernetes 1.20
+    async with _backend(cluster) as backend:
+        with pytest.raises(RuntimeFailed, match=r"apiserver answered 422: .*env\[0\]\.name"):
+            await backend.workload_run(spec, allow_pull=False)
+    assert cluster.workload_pods(name) == []
