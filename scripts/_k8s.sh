@@ -232,8 +232,21 @@ k8s_namespace() {  # the private network + mount namespace, its veth to the host
     fi
 }
 
+k8s_packages() {  # what the set-up itself runs
+    local missing=() pair
+    for pair in gcc:gcc strip:binutils curl:curl openssl:openssl ip:iproute2 nsenter:util-linux dpkg:dpkg; do
+        command -v "${pair%%:*}" >/dev/null 2>&1 || missing+=("${pair#*:}")
+    done
+    if [ "${#missing[@]}" -gt 0 ]; then
+        k8s_say "installing ${missing[*]}"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    fi
+}
+
 k8s_up() {
     [ "$(id -u)" = 0 ] || { k8s_say "needs root (namespaces, cgroups, containerd)"; exit 1; }
+    k8s_packages
     nice -n 10 bash "$HERE/_k8s_build.sh"
     k8s_deps
     if k8s_ready; then return; fi
