@@ -100,13 +100,14 @@ REGIONS_FILE = "coldsnap-regions.json"
 ALIGN = 2 << 20
 
 
-def write_weights(directory: str) -> None:
+def write_weights(directory: str, layers: int = 0) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
+    shape = {**SHAPE, **({"num_hidden_layers": layers} if layers else {})}  # fewer layers: a quick shakedown
     with torch.device("cuda"):
-        model = LlamaForCausalLM(LlamaConfig(**SHAPE)).to(torch.bfloat16)
+        model = LlamaForCausalLM(LlamaConfig(**shape)).to(torch.bfloat16)
     model.save_pretrained(directory)
     size = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
     stage("weights_written", bytes=size)
@@ -310,6 +311,7 @@ def main() -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     weights = sub.add_parser("weights")
     weights.add_argument("directory")
+    weights.add_argument("--layers", type=int, default=0, help="fewer layers than the 8B shape's 32")
     server = sub.add_parser("serve")
     server.add_argument("directory")
     server.add_argument("--socket", required=True)
@@ -324,7 +326,7 @@ def main() -> int:
     global LOG_PATH
     LOG_PATH = getattr(args, "log", "")
     if args.command == "weights":
-        write_weights(args.directory)
+        write_weights(args.directory, args.layers)
     elif args.command == "launch":
         argv = args.engine[1:] if args.engine[:1] == ["--"] else args.engine
         if not argv:

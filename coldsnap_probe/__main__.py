@@ -98,6 +98,7 @@ def _worker(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ._coordinator import Coordinator
+    from ._report_dir import leave_report
     from ._worker import capture, restore
     from .errors import ProbeError
 
@@ -124,6 +125,7 @@ def _worker(args: argparse.Namespace) -> int:
         if coordinator is not None:
             coordinator.close()
     sys.stdout.write(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    leave_report(report)  # for the daemon's phase metrics, when it gave this unit a report directory
     return 0
 
 

@@ -37,6 +37,7 @@ from ._process import (
     undo_cuda,
 )
 from ._profile import identity
+from ._quiesce import IDLE_WAIT_S, refuse_io_uring, wait_idle
 from ._reports import CapturedGraphPolicy, CaptureReport, ReleasedWeights
 from ._weights import HydrationManifest
 from .errors import ProbeError, WorkerError
@@ -110,6 +111,7 @@ class _Capture:
         self._agree_on_policy()
         self._quiesce()
         self.ranks.barrier("quiesced")
+        self._wait_idle()
         if self.hydration:
             self._release_weights(self.hydration)
         self.report.memory_before_checkpoint = {str(p): anonymous_memory(p) for p in self.tree}
@@ -152,6 +154,15 @@ class _Capture:
         self.report.engine_quiesce = answer
         check_quiesced(answer, plan, self.tree)
         self.report.timings_s["engine_quiesce"] = time.perf_counter() - started
+
+    def _wait_idle(self) -> None:
+        """Without a graph policy the tree may be a server we do not control: its own requests end first."""
+        if self.plan is not None:
+            return
+        started = time.perf_counter()
+        refuse_io_uring(self.tree)
+        wait_idle(self.tree, IDLE_WAIT_S)
+        self.report.timings_s["wait_idle"] = time.perf_counter() - started
 
     def _release_weights(self, control: str) -> None:
         """The engine's fail-before-release gate; its manifest goes into the images after the dump."""

@@ -14,8 +14,9 @@ from typing import Any
 from ._cuda import Driver
 from .errors import WorkerError
 
-__all__ = ("anonymous_memory", "audit_pre_cuda", "cuda_processes", "image_digest", "images_size", "inet_sockets",
-           "process_state", "process_tree", "require_state", "run_criu", "signal_tree", "stop", "tail", "undo_cuda")
+__all__ = ("anonymous_memory", "audit_pre_cuda", "cuda_processes", "endpoint", "image_digest", "images_size",
+           "inet_sockets", "process_state", "process_tree", "readlink", "require_state", "run_criu", "signal_tree",
+           "stop", "tail", "undo_cuda")
 
 _NVIDIA_MAPS = ("libcuda.so", "libnvidia-ml.so", "/dev/nvidia")
 
@@ -66,7 +67,7 @@ def audit_pre_cuda(tree: list[int]) -> None:
     for pid in tree:
         try:
             maps = Path(f"/proc/{pid}/maps").read_text()
-            fds = [target for fd in os.listdir(f"/proc/{pid}/fd") if (target := _readlink(f"/proc/{pid}/fd/{fd}"))]
+            fds = [target for fd in os.listdir(f"/proc/{pid}/fd") if (target := readlink(f"/proc/{pid}/fd/{fd}"))]
         except OSError as exc:
             raise WorkerError(f"audit: cannot read process {pid}: {exc}") from exc
         hits = sorted({m for m in _NVIDIA_MAPS if m in maps} | {f for f in fds if f.startswith("/dev/nvidia")})
@@ -74,7 +75,7 @@ def audit_pre_cuda(tree: list[int]) -> None:
             raise WorkerError(f"audit: process {pid} is not a pre-CUDA template: it holds {', '.join(hits)}")
 
 
-def _readlink(path: str) -> str:
+def readlink(path: str) -> str:
     try:
         return os.readlink(path)
     except FileNotFoundError:  # the descriptor closed while we looked
@@ -132,20 +133,20 @@ def inet_sockets(tree: list[int]) -> list[str]:
     found = []
     for pid in tree:
         try:
-            links = {fd: _readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+            links = {fd: readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
             inodes = {link[8:-1]: fd for fd, link in links.items() if link.startswith("socket:[")}
             for proto in ("tcp", "tcp6", "udp", "udp6"):
                 for line in Path(f"/proc/{pid}/net/{proto}").read_text().splitlines()[1:]:
                     fields = line.split()
                     if len(fields) > 9 and fields[9] in inodes:
-                        found.append(f"process {pid} fd {inodes[fields[9]]} {proto} {_endpoint(fields[1])} -> "
-                                     f"{_endpoint(fields[2])}")
+                        found.append(f"process {pid} fd {inodes[fields[9]]} {proto} {endpoint(fields[1])} -> "
+                                     f"{endpoint(fields[2])}")
         except OSError:
             continue
     return found
 
 
-def _endpoint(hex_address: str) -> str:
+def endpoint(hex_address: str) -> str:
     address, port = hex_address.split(":")
     host = ".".join(str(b) for b in reversed(bytes.fromhex(address))) if len(address) == 8 else address.lower()
     return f"{host}:{int(port, 16)}"
@@ -187,7 +188,11 @@ def stop(process: subprocess.Popen[bytes]) -> None:
 
 
 def tail(log: Path, lines: int = 15) -> str:
+    """CRIU's first error lines (the cause; what follows is mostly the unwinding) and the log's last lines."""
     try:
-        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+        text = log.read_text(errors="replace").splitlines()
     except OSError:
         return ""
+    # (every run on the GPU machine logs a harmless RLIMIT_NOFILE error first)
+    errors = [line for line in text if "Error (" in line and "RLIMIT_NOFILE" not in line][:4]
+    return "\n".join([*errors, "...", *text[-lines:]] if errors else text[-lines:])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pwd
 import socket
 from collections.abc import Mapping
 from importlib import resources
@@ -14,8 +15,9 @@ from msgspec import Meta, Struct
 
 from ._errors import ConfigError
 
-__all__ = ("Config", "ConfigError", "KubernetesConfig", "RemoteConfig", "default_state_dir", "load_config",
-           "node_names", "spool_dir")
+__all__ = ("BUILTIN_PROFILES", "CAPSULE_CAPABILITIES", "Config", "ConfigError", "KubernetesConfig", "MetricsConfig",
+           "PolicyConfig", "ProfileConfig", "RemoteConfig", "default_state_dir", "load_config", "node_names",
+           "spool_dir")
 
 
 class _Section(Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -88,6 +90,24 @@ class RuntimeConfig(_Section, frozen=True):
 
 _ABSOLUTE = r"^/[^\x00]*$"
 
+# host:port ([v6]:port) or unix:/absolute/path; the port's range is checked in load_config.
+_METRICS_ADDRESS = r"^(?:unix:/[^\x00]*|(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):[0-9]{1,5})?\Z"
+
+
+class MetricsConfig(_Section, frozen=True):
+    """The Prometheus endpoint and the capsule reports that feed it (docs/metrics.md)."""
+
+    # "" = no endpoint (and no capsule reports).
+    address: Annotated[str, Meta(pattern=_METRICS_ADDRESS)] = ""
+    # Give each local workload-run a report directory its in-capsule worker writes phase timings to.
+    capsule_reports: bool = True
+
+
+class AuditConfig(_Section, frozen=True):
+    """The audit trail (docs/metrics.md): always to the log (the journal under systemd); also to `file`."""
+
+    file: Annotated[str, Meta(pattern=r"^(?:/[^\x00]*)?\Z")] = ""
+
 
 class RemoteConfig(_Section, frozen=True, kw_only=True):
     """One `[[remote]]` node reached over SSH (docs: README.md, "Remote hosts")."""
@@ -129,6 +149,60 @@ class KubernetesConfig(_Section, frozen=True, kw_only=True):
         return self.node_names.get(host, host)
 
 
+# What CRIU and CUDA checkpoint need inside a capsule, and no more (seen on the H200 machine,
+# /work/shared/device/README.md): CRIU's dump and restore (SYS_ADMIN, SYS_PTRACE, NET_ADMIN,
+# DAC_READ_SEARCH, SYS_CHROOT) and its monotonic clock offset on restore (SYS_TIME).
+CAPSULE_CAPABILITIES = ("SYS_ADMIN", "SYS_PTRACE", "NET_ADMIN", "DAC_READ_SEARCH", "SYS_CHROOT", "SYS_TIME")
+# Built-in profile names: an administrator defines profiles of other names.
+BUILTIN_PROFILES = ("unrestricted", "capsule")
+_PROFILE_NAME = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
+_CAPABILITY = r"^[A-Z][A-Z0-9_]*$"
+
+
+class ProfileConfig(_Section, frozen=True):
+    """One admission profile, ``[policy.profiles.NAME]``; every default is the built-in `capsule`'s
+    (docs/policy.md). An empty table is therefore the capsule profile."""
+
+    # Image references a workload, pull, push, tag or build may name (fnmatch patterns; "*" = any).
+    images: list[Annotated[str, Meta(min_length=1, pattern=r"^[^\s\x00]+$")]] = msgspec.field(
+        default_factory=lambda: ["*"])
+    # Host directories under which mount sources may lie ([] = no mounts).
+    mount_roots: list[Annotated[str, Meta(pattern=_ABSOLUTE)]] = []
+    # Host device nodes `devices` may name (exact paths); GPUs come through `gpus`.
+    devices: list[Annotated[str, Meta(pattern=_ABSOLUTE)]] = []
+    gpus: bool = True
+    # `privileged: true` is refused, realised as exactly `capabilities`, or as [runtime] privileged says.
+    privileged: Literal["refuse", "capabilities", "host"] = "capabilities"
+    capabilities: list[Annotated[str, Meta(pattern=_CAPABILITY)]] = msgspec.field(
+        default_factory=lambda: list(CAPSULE_CAPABILITIES))
+    seccomp_unconfined: bool = True
+    host_network: bool = False
+    # Environment names a workload may not set (NVIDIA_VISIBLE_DEVICES reaches GPUs around `gpus`).
+    denied_environment: list[Annotated[str, Meta(min_length=1)]] = msgspec.field(
+        default_factory=lambda: ["NVIDIA_VISIBLE_DEVICES"])
+    # Whether a workload may carry labels under io.coldsnap-provider. (the provider's own).
+    provider_labels: bool = False
+
+
+class AssignConfig(_Section, frozen=True, kw_only=True):
+    """``[[policy.assign]]``: the profile of managers with one of these uids or (primary) gids."""
+
+    uids: list[Annotated[int, Meta(ge=0)]] = []
+    gids: list[Annotated[int, Meta(ge=0)]] = []
+    profile: Annotated[str, Meta(pattern=_PROFILE_NAME)]
+
+
+class PolicyConfig(_Section, frozen=True):
+    """``[policy]``: which admission profile each manager's sessions get (docs/policy.md)."""
+
+    # Root and the daemon's own uid.
+    admin: Annotated[str, Meta(pattern=_PROFILE_NAME)] = "unrestricted"
+    # Every other manager not matched by an [[policy.assign]] entry.
+    managers: Annotated[str, Meta(pattern=_PROFILE_NAME)] = "capsule"
+    assign: list[AssignConfig] = []
+    profiles: dict[Annotated[str, Meta(pattern=_PROFILE_NAME)], ProfileConfig] = {}
+
+
 class Config(_Section, frozen=True):
     server: ServerConfig = ServerConfig()
     provider: ProviderConfig = ProviderConfig()
@@ -141,6 +215,9 @@ class Config(_Section, frozen=True):
     gpus: GpusConfig = GpusConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     huggingface: HuggingfaceConfig = HuggingfaceConfig()
+    policy: PolicyConfig = PolicyConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    audit: AuditConfig = AuditConfig()
 
 
 def load_config(path: str | os.PathLike[str] | None = None) -> Config:
@@ -160,9 +237,57 @@ def load_config(path: str | os.PathLike[str] | None = None) -> Config:
         raise ConfigError(f"{source}: {exc}") from exc
     except msgspec.DecodeError as exc:
         raise ConfigError(f"{source}: invalid TOML: {exc}") from exc
-    if problem := _remote_problem(config) or _kubernetes_problem(config):
-        raise ConfigError(f"{source}: {problem}")
+    for check in (_remote_problem, _kubernetes_problem, _policy_problem, _exec_problem, _metrics_problem):
+        if problem := check(config):
+            raise ConfigError(f"{source}: {problem}")
     return config
+
+
+_FORBIDDEN_ROOTS = ("/", "/etc", "/proc", "/sys", "/dev", "/run", "/var/run", "/boot")
+
+
+def _policy_problem(config: Config) -> str:
+    """Profiles named by [policy] exist; built-ins are not redefined; no root exposes the host."""
+    policy = config.policy
+    for name in policy.profiles:
+        if name in BUILTIN_PROFILES:
+            return f"policy.profiles.{name}: {name!r} is a built-in profile; define a profile of another name"
+    known = set(BUILTIN_PROFILES) | set(policy.profiles)
+    named = [("policy.admin", policy.admin), ("policy.managers", policy.managers),
+             *((f"policy.assign[{i}].profile", a.profile) for i, a in enumerate(policy.assign))]
+    for key, name in named:
+        if name not in known:
+            return f"{key}: no profile {name!r} (profiles: {', '.join(sorted(known))})"
+    for index, entry in enumerate(policy.assign):
+        if not entry.uids and not entry.gids:
+            return f"policy.assign[{index}]: names no uids and no gids, so it matches nobody"
+    for name, profile in policy.profiles.items():
+        for index, root in enumerate(profile.mount_roots):
+            normal = os.path.normpath(root)
+            exposed = any(normal == f or (f != "/" and normal.startswith(f + "/")) for f in _FORBIDDEN_ROOTS)
+            if normal != root or exposed:
+                return (f"policy.profiles.{name}.mount_roots[{index}]: {root!r} must be a normalised path outside "
+                        f"{', '.join(_FORBIDDEN_ROOTS)}")
+    return ""
+
+
+def _exec_problem(config: Config) -> str:
+    """Managers who are not root must never get exec as the daemon (issue 24, finding 9)."""
+    if not (config.server.control_uids or config.server.control_gids):
+        return ""
+    user = config.exec.user.partition(":")[0]
+    if not user or _uid_of(user) == 0:
+        return ("exec.user must name an unprivileged account when server.control_uids or server.control_gids "
+                f"admit non-root managers (it is {config.exec.user!r}, which runs their exec and upload as "
+                f"{'the daemon' if not user else 'root'})")
+    return ""
+
+
+def _metrics_problem(config: Config) -> str:
+    address = config.metrics.address
+    if address and not address.startswith("unix:") and not 1 <= int(address.rpartition(":")[2]) <= 65535:
+        return f"metrics.address {address!r}: the port must be 1-65535"
+    return ""
 
 
 def _remote_problem(config: Config) -> str:
@@ -205,6 +330,15 @@ def _kubernetes_problem(config: Config) -> str:
         if len(set(nodes)) != len(nodes):
             return f"{where}: two hosts name the same Node; each host is one Node"
     return ""
+
+
+def _uid_of(user: str) -> int | None:
+    if user.isdigit():
+        return int(user)
+    try:
+        return pwd.getpwnam(user).pw_uid
+    except KeyError:
+        return None  # resolve_identity names the unknown user at start-up
 
 
 def default_state_dir(uid: int | None = None, environ: Mapping[str, str] | None = None) -> Path:

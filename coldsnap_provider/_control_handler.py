@@ -3,13 +3,14 @@ and look after the workloads their sessions ran (list, inspect, logs, stop) once
 
 Who may use it is decided before a byte is read (SO_PEERCRED: root, the daemon's uid,
 ``server.control_uids`` and ``server.control_gids``); what each may touch is the session
-manager's uid rule. Every reply and the one log line per request are built here.
+manager's uid rule. Every reply, the one log line per request, its metrics and its audit
+event are built here (``_answer``).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -22,6 +23,7 @@ from coldsnap_runtime.errors import ColdsnapError, RequestRejected
 from coldsnap_runtime.schema import WorkloadInfo
 
 from . import __version__
+from ._audit import AUDITED_CONTROL, Audit, AuditEvent
 from ._config import ServerConfig
 from ._control import (
     ControlReply,
@@ -44,6 +46,9 @@ from ._operations import Operations
 from ._probe import ProbeOptions, run_probe
 from ._sessions import SessionManager, SessionRecord, hosts_from_request
 
+if TYPE_CHECKING:
+    from ._metrics import Metrics  # prometheus_client is needed only with [metrics] on
+
 __all__ = ("ControlHandler",)
 
 log = structlog.get_logger(__name__)
@@ -64,8 +69,12 @@ class ControlHandler:
         operations: Operations,
         backend: Backend,
         state: ServerState,
+        metrics: Metrics | None = None,
+        audit: Audit | None = None,
     ) -> None:
         self._server = server
+        self._metrics = metrics
+        self._audit = audit
         self._sessions = sessions
         self._operations = operations
         self._backend = backend
@@ -78,29 +87,50 @@ class ControlHandler:
             return None
         error = f"uid {peer.uid} (gid {peer.gid}) may not use the control socket"
         log.warning("control", peer_uid=peer.uid, ok=False, error=error)
+        if self._metrics is not None:
+            self._metrics.request(socket="control", operation="", action="", outcome="rejected", seconds=0.0)
+        if self._audit is not None:  # a refused peer never sends its request: the attempt is the event
+            self._audit.record(AuditEvent(time=time.time(), socket="control", operation="connect",
+                                          outcome="rejected", uid=peer.uid, peer_uid=peer.uid, peer_pid=peer.pid,
+                                          error=error))
         return encode_control(ControlReply(format=1, id="", ok=False, error=error))
 
     async def handle(self, line: bytearray, peer: Peer) -> bytes:
-        request_id = ""
+        started = time.monotonic()
+        request: ControlRequest | None = None
+        outcome = "ok"
         try:
             request = decode_control(line)
-            request_id = request.id
-            reply = ControlReply(format=1, id=request_id, ok=True, result=await self._run(request, peer))
+            reply = ControlReply(format=1, id=request.id, ok=True, result=await self._run(request, peer))
         except ColdsnapError as exc:
-            reply = ControlReply(format=1, id=request_id or lenient_id(line), ok=False, error=str(exc))
+            outcome = exc.error_code or "rejected"
+            reply = ControlReply(format=1, id=request.id if request else lenient_id(line), ok=False, error=str(exc))
         except Exception:
             log.exception("control request failed unexpectedly")
-            reply = ControlReply(format=1, id=request_id or lenient_id(line), ok=False,
+            outcome = "internal"
+            reply = ControlReply(format=1, id=request.id if request else lenient_id(line), ok=False,
                                  error="internal error; see the daemon log")
-        return self._answer(reply, peer)
+        return self._answer(reply, peer, request=request, outcome=outcome, started=started)
 
     def refuse(self, error: ColdsnapError, line: bytes | bytearray, peer: Peer) -> bytes:
-        return self._answer(ControlReply(format=1, id=lenient_id(line), ok=False, error=str(error)), peer)
+        return self._answer(ControlReply(format=1, id=lenient_id(line), ok=False, error=str(error)), peer,
+                            request=None, outcome="rejected", started=time.monotonic())
 
-    @staticmethod
-    def _answer(reply: ControlReply, peer: Peer) -> bytes:
-        log.info("control", request_id=reply.id, peer_uid=peer.uid, ok=reply.ok,
-                 error=reply.error if not reply.ok else None)
+    def _answer(self, reply: ControlReply, peer: Peer, *, request: ControlRequest | None, outcome: str,
+                started: float) -> bytes:
+        """The one place a control request is accounted for: its log line, its metrics, its audit event."""
+        seconds = time.monotonic() - started
+        operation = str(request.__struct_config__.tag) if request is not None else ""
+        log.info("control", request_id=reply.id, peer_uid=peer.uid, operation=operation or None, ok=reply.ok,
+                 error=reply.error if not reply.ok else None, duration_ms=round(seconds * 1000, 3))
+        if self._metrics is not None:
+            self._metrics.request(socket="control", operation=operation, action="", outcome=outcome, seconds=seconds)
+        if self._audit is not None and operation in AUDITED_CONTROL:
+            self._audit.record(AuditEvent(
+                time=time.time(), socket="control", operation=operation, outcome=outcome, uid=peer.uid,
+                peer_uid=peer.uid, peer_pid=peer.pid, session=_session_of(request, reply),
+                target=getattr(request, "name", "") or getattr(request, "driver", ""), request_id=reply.id,
+                error=reply.error if isinstance(reply.error, str) else "", duration_ms=round(seconds * 1000, 3)))
         return encode_control(reply)
 
     async def _run(self, request: ControlRequest, peer: Peer) -> Any:
@@ -128,14 +158,30 @@ class ControlHandler:
                 await self._operations.workload_backend(host).workload_stop(name, timeout_s=timeout_s)
                 return {"name": name, "stopped": True}
             case Probe():
-                options = ProbeOptions(driver=request.driver, device=request.device, image=request.image,
-                                       host_process=request.host_process)
-                try:
-                    return await run_probe(options, state_dir=self._sessions.store.state_dir,
-                                           backend=self._backend, identity=self._operations.identity)
-                except (ValueError, ProfileError) as exc:
-                    raise RequestRejected(f"probe: {exc}") from exc
+                return await self._probe(request, peer)
         raise TypeError(f"unhandled control request {request!r}")  # pragma: no cover
+
+    async def _probe(self, request: Probe, peer: Peer) -> Any:
+        """The probe under the caller's admission profile, with the capabilities it grants (finding 3)."""
+        policy = self._operations.policy
+        decision = policy.admit_probe(request.image, uid=peer.uid, gid=peer.gid, host_process=request.host_process)
+        options = ProbeOptions(driver=request.driver, device=request.device, image=request.image,
+                               host_process=request.host_process,
+                               capabilities=decision.capabilities or (),
+                               seccomp_unconfined=policy.seccomp_unconfined(peer.uid, peer.gid),
+                               manager_uid=peer.uid)
+        result = "failed"
+        cached = False
+        try:
+            answer = await run_probe(options, state_dir=self._sessions.store.state_dir,
+                                     backend=self._backend, identity=self._operations.identity)
+            result, cached = ("admitted" if answer.get("admitted") else "refused"), bool(answer.get("cached"))
+            return answer
+        except (ValueError, ProfileError) as exc:
+            raise RequestRejected(f"probe: {exc}") from exc
+        finally:
+            if self._metrics is not None:
+                self._metrics.probe(driver=request.driver, result=result, cached=cached)
 
     @staticmethod
     def _may_manage(peer: Peer, info: WorkloadInfo) -> bool:
@@ -191,6 +237,13 @@ class ControlHandler:
             "remotes": await self._operations.remotes.status() if self._operations.remotes is not None else [],
             "kubernetes": await self._operations.kubernetes.status() if self._operations.kubernetes is not None else [],
         }
+
+
+def _session_of(request: ControlRequest | None, reply: ControlReply) -> str:
+    """The session a control request concerns (session-open learns it from its `request` too)."""
+    if isinstance(reply.result, dict) and isinstance(reply.result.get("session"), str):
+        return str(reply.result["session"])
+    return str(getattr(request, "session", "") or "")
 
 
 def _describe(record: SessionRecord) -> dict[str, Any]:

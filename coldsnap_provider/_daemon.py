@@ -4,7 +4,8 @@ Task ownership::
 
     Daemon.run ─┬─ control ConnectionServer ── its connections
                 ├─ SessionManager: one Session task per session ── its ConnectionServer ── its connections
-                ├─ hang-up watcher, backend maintenance, watchdog
+                ├─ metrics endpoint ── its connections; capsule report collector ([metrics])
+                ├─ hang-up watcher, maintenance (backend and remote nodes), watchdog
 
 Start: take the state directory's lock (one daemon per state directory), finish what a
 killed predecessor left (process groups, RPC-owned containers), bind, re-serve sessions,
@@ -21,6 +22,7 @@ import os
 import resource
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 import structlog
@@ -29,6 +31,7 @@ from anyio.abc import SocketListener, TaskStatus
 from coldsnap_runtime import CLEANUP_BUDGET_S, Backend, BackendError
 
 from . import __version__
+from ._audit import Audit
 from ._config import Config
 from ._control_handler import ControlHandler
 from ._errors import ConfigError
@@ -39,12 +42,18 @@ from ._provider_handler import ProviderHandler
 from ._sessions import SessionManager, SessionRecord, SessionStore
 from ._systemd import notify, watchdog_interval
 
+if TYPE_CHECKING:
+    from ._metrics import Metrics  # prometheus_client is needed only with [metrics] on
+    from ._metrics_http import MetricsEndpoint
+
 __all__ = ("Daemon",)
 
 log = structlog.get_logger(__name__)
 
 _ABORT_BUDGET_S = CLEANUP_BUDGET_S + 10.0  # a cancelled request's shielded cleanup, then its answer
 _MAINTENANCE_S = 2.0
+# Remote maintenance may reconnect (bounded by connect_timeout_s): less often than the local backend's.
+_REMOTE_MAINTENANCE_S = 10.0
 _RECOVER_S = 10.0
 
 
@@ -57,8 +66,10 @@ class Daemon:
         operations: Operations,
         backend: Backend,
         control_fd: int | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.config = config
+        self.metrics = metrics  # None: no [metrics] address
         self.state_dir = state_dir
         self.operations = operations
         self.backend = backend
@@ -72,37 +83,51 @@ class Daemon:
         )
         self.sessions = SessionManager(SessionStore(state_dir), self._session_server,
                                        max_per_uid=server.max_sessions_per_uid)
+        self.audit = Audit(config.audit.file)  # closed when run() ends
+        if metrics is not None:
+            remotes = operations.remotes
+            metrics.watch(sessions=lambda: len(self.sessions), connections=lambda: self.state.connections,
+                          remotes=remotes.link_states if remotes is not None else None)
 
     def stop(self) -> None:
         """Begin a graceful shutdown (safe to call more than once)."""
         self._stop.set()
 
     def _session_server(self, record: SessionRecord, listener: SocketListener) -> ConnectionServer:
-        return ConnectionServer(listener, ProviderHandler(record, self.operations, self.state), self.state)
+        handler = ProviderHandler(record, self.operations, self.state, metrics=self.metrics, audit=self.audit)
+        return ConnectionServer(listener, handler, self.state)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         _raise_descriptor_limit()
-        with _single_instance(self.state_dir):
+        with _single_instance(self.state_dir), contextlib.closing(self.audit):
             self.sessions.store.prepare()
+            if self.operations.reports is not None:
+                self.operations.reports.prepare()
             if self.operations.groups is not None:
                 self.operations.groups.prepare()
                 self.operations.groups.sweep()
             recovered = await self._recover()
+            endpoint = await self._metrics_endpoint()  # bound before serving: a taken address stops the start
             control = ConnectionServer(
                 await self._control_listener(),
                 ControlHandler(self.config.server, sessions=self.sessions, operations=self.operations,
-                               backend=self.backend, state=self.state),
+                               backend=self.backend, state=self.state, metrics=self.metrics, audit=self.audit),
                 self.state,
             )
             async with anyio.create_task_group() as tg:
                 await tg.start(control.serve)
+                if endpoint is not None:
+                    await tg.start(endpoint.serve)
+                    log.info("metrics endpoint", address=self.config.metrics.address)
                 await self.sessions.start(task_group=tg)
                 log.info("ready", version=__version__, state_dir=str(self.state_dir), sessions=len(self.sessions))
                 notify("READY=1")
                 task_status.started()
                 tg.start_soon(self.state.watch_hangups)
-                tg.start_soon(self._maintain_backend, recovered)
+                tg.start_soon(self._maintain, recovered)
+                if self.operations.reports is not None:
+                    tg.start_soon(self.operations.reports.run, self.backend)
                 if (interval := watchdog_interval()) is not None:
                     tg.start_soon(_watchdog, interval)
                 await self._stop.wait()
@@ -113,6 +138,13 @@ class Daemon:
                 await self._drain()
                 tg.cancel_scope.cancel()
         log.info("stopped")
+
+    async def _metrics_endpoint(self) -> MetricsEndpoint | None:
+        if self.metrics is None or not self.config.metrics.address:
+            return None
+        from ._metrics_http import MetricsEndpoint, open_listener
+
+        return MetricsEndpoint(await open_listener(self.config.metrics.address), self.metrics)
 
     async def _drain(self) -> None:
         with anyio.move_on_after(self.config.server.shutdown_grace_s) as drain:
@@ -146,8 +178,12 @@ class Daemon:
         log.warning("backend recovery deferred", error=f"no answer within {_RECOVER_S:g} s")
         return False
 
-    async def _maintain_backend(self, recovered: bool) -> None:
-        """Deferred backend work: recovery if the engine was down at start, cleanups left by restarts."""
+    async def _maintain(self, recovered: bool) -> None:
+        """The one maintenance loop: deferred recovery if the engine was down at start and the backend's
+        cleanups every 2 s; the remote nodes' pending kills and cleanups, and the Kubernetes hosts' recovery and
+        cleanups, every 10 s."""
+        remotes, kubernetes = self.operations.remotes, self.operations.kubernetes
+        remote_due = anyio.current_time() + _REMOTE_MAINTENANCE_S
         while True:
             await anyio.sleep(_MAINTENANCE_S)
             try:
@@ -155,6 +191,12 @@ class Daemon:
                 await self.backend.maintain()
             except Exception:
                 log.exception("backend maintenance failed")
+            if anyio.current_time() >= remote_due:
+                if remotes is not None:
+                    await remotes.maintain()  # contains each node's failure
+                if kubernetes is not None:
+                    await kubernetes.maintain()  # likewise, per Kubernetes host
+                remote_due = anyio.current_time() + _REMOTE_MAINTENANCE_S
 
 
 async def _watchdog(interval: float) -> None:

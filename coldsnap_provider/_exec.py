@@ -16,6 +16,7 @@ import anyio
 import anyio.abc
 import structlog
 
+from coldsnap_runtime.backend import read_capabilities
 from coldsnap_runtime.errors import RequestRejected, RuntimeFailed
 
 from ._output import check_argv, collect_output, exit_code
@@ -53,7 +54,23 @@ class ExecResult:
 
 
 def resolve_identity(spec: str) -> ExecIdentity:
-    """'' | 'name' | 'uid' | 'uid:gid' | 'name:gid' -> ExecIdentity (config-time, fail fast)."""
+    """'' | 'name' | 'uid' | 'uid:gid' | 'name:gid' -> ExecIdentity (config-time, fail fast).
+
+    Also checks that this process can drop to it with nothing of its own privilege (:func:`as_identity`)."""
+    identity = _parse_identity(spec)
+    target = identity.uid if identity.uid is not None else os.geteuid()
+    if not (target == 0 and os.geteuid() == 0) and shutil.which(SETPRIV) is None:
+        raise ValueError("exec.user: programs run for managers need setpriv (util-linux) on PATH "
+                         "to give up the daemon's identity and capabilities")
+    caps = read_capabilities()
+    if not caps.can_clear_bounding:
+        raise ValueError(f"exec.user: the daemon holds capabilities (permitted {caps.permitted:#x}) but not "
+                         "CAP_SETPCAP, so it cannot clear the bounding set of the programs it runs for managers; "
+                         "grant CAP_SETPCAP (the shipped systemd unit does) or run it as root")
+    return identity
+
+
+def _parse_identity(spec: str) -> ExecIdentity:
     if not spec:
         return ExecIdentity()
     user, _, group = spec.partition(":")
@@ -68,19 +85,30 @@ def resolve_identity(spec: str) -> ExecIdentity:
         if not group.isdigit():
             raise ValueError(f"exec.user: group must be numeric in 'uid:gid', got {group!r}")
         gid = int(group)
-    if uid != os.geteuid() and shutil.which(SETPRIV) is None:
-        raise ValueError("exec.user needs setpriv (util-linux) on PATH to run commands as another user")
     return ExecIdentity(uid=uid, gid=gid, home=home)
 
 
 def as_identity(argv: list[str], identity: ExecIdentity) -> list[str]:
-    """`argv` run as `identity` (real and effective uid/gid, no supplementary groups), or as it is
-    for the daemon's own. setpriv keeps the argv exact; uvloop's subprocess_exec has no
-    user=/group= and anyio no preexec_fn."""
-    if identity.uid is None or identity.uid == os.geteuid():
+    """`argv` run as `identity` (real, effective and saved uid/gid, no supplementary groups), or as
+    the daemon's own uid for an empty one, holding no capability either way: the one privilege drop
+    of this package (exec, upload, copies, host probes, the Hub opener, the remote upload's tar).
+
+    The kernel clears capabilities on setresuid only when leaving uid 0, so a daemon that holds
+    them as a non-root account (the systemd unit's AmbientCapabilities) must clear them itself:
+    setpriv empties the inheritable, ambient and bounding sets (the last needs CAP_SETPCAP:
+    :func:`resolve_identity` checks it) and sets no_new_privs; the execve that follows then leaves
+    permitted and effective empty. Only root running as root (exec.user root or empty under a root
+    daemon) is left as it is. setpriv keeps the argv exact; uvloop's subprocess_exec has no
+    user=/group= and anyio no preexec_fn. The runtime side keeps the same rules in
+    ``coldsnap_runtime/backend/_privileges.py``."""
+    uid = identity.uid if identity.uid is not None else os.geteuid()
+    if uid == 0 and os.geteuid() == 0:
         return argv
-    gid = identity.gid if identity.gid is not None else identity.uid
-    return [SETPRIV, f"--reuid={identity.uid}", f"--regid={gid}", "--clear-groups", "--", *argv]
+    drop = [SETPRIV]
+    if uid != os.geteuid():
+        gid = identity.gid if identity.gid is not None else uid
+        drop += [f"--reuid={uid}", f"--regid={gid}", "--clear-groups"]
+    return [*drop, "--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all", "--no-new-privs", "--", *argv]
 
 
 # What a program run for a manager inherits: never the daemon's own environment (credentials).

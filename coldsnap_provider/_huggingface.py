@@ -8,9 +8,9 @@ next read fails), and any call ends at the next network timeout (:func:`configur
 
 The payload ``source`` is a host-local path named by the manager while the daemon runs as root,
 so it is opened with ``exec.user``'s identity: a child started through ``setpriv --reuid --regid
---clear-groups`` opens it (``O_NOFOLLOW``, regular files only) and passes the open descriptor back
-over ``SCM_RIGHTS``. The kernel checks the path with that identity; the daemon only reads the
-descriptor it was given.
+--clear-groups`` with no capability (``_exec.as_identity``) opens it (``O_NOFOLLOW``, regular files
+only) and passes the open descriptor back over ``SCM_RIGHTS``. The kernel checks the path with that
+identity; the daemon only reads the descriptor it was given.
 
 ``image`` (the capsule image the reference runs its helper in) is validated as an image reference
 by the envelope and otherwise unused: this daemon runs the client itself, so no container is made.

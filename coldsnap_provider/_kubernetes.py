@@ -16,7 +16,6 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-import anyio
 import structlog
 
 from coldsnap_runtime import RuntimeContext, dispatch
@@ -55,6 +54,7 @@ class KubernetesNode:
         self.backend = backend
         self._work_dir = work_dir
         self._agent = agent
+        self.recovered = False  # recover() ran once (KubernetesHosts.maintain)
 
     @property
     def has_agent(self) -> bool:
@@ -150,17 +150,14 @@ class KubernetesHosts:
                  "apiserver_reachable": await node.backend.ping(), "node_agent": node.has_agent}
                 for name, node in sorted(self._nodes.items())]
 
-    async def run_maintenance(self, interval_s: float = 10.0) -> None:
-        """Recovery, then periodic maintenance (deferred removals, remove_after_exit); owned by the daemon."""
+    async def maintain(self) -> None:
+        """Called by the daemon's maintenance loop: each host's recovery until it succeeded once (leftovers of an
+        earlier process), then its deferred removals and remove_after_exit; one host's failure stays its own."""
         for name, node in self._nodes.items():
             try:
-                await node.backend.recover()
-            except Exception as exc:  # one cluster down must not stop the daemon
-                log.warning("kubernetes recovery deferred", host=name, error=str(exc))
-        while True:
-            await anyio.sleep(interval_s)
-            for name, node in self._nodes.items():
-                try:
-                    await node.backend.maintain()
-                except Exception:
-                    log.exception("kubernetes maintenance failed", host=name)
+                if not node.recovered:
+                    await node.backend.recover()
+                    node.recovered = True
+                await node.backend.maintain()
+            except Exception as exc:  # one cluster down must not stop the others or the daemon
+                log.warning("kubernetes maintenance deferred", host=name, error=str(exc))

@@ -7,7 +7,7 @@ import sys
 
 import structlog
 
-__all__ = ("REQUEST_KEYS", "configure_logging")
+__all__ = ("ADMISSION_KEYS", "REQUEST_KEYS", "configure_logging")
 
 # Never tokens, stdin bytes or environment values: only these keys describe a request.
 REQUEST_KEYS = (
@@ -21,6 +21,9 @@ REQUEST_KEYS = (
     "error",
     "duration_ms",
 )
+
+# The one `admission` event per decision of the runtime admission policy (_policy.py).
+ADMISSION_KEYS = ("manager_uid", "session", "host", "action", "profile", "decision", "rule", "error")
 
 
 def configure_logging(level: str = "info") -> None:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from coldsnap_runtime import Backend, Owner, RuntimeContext
 from coldsnap_runtime.errors import RequestRejected
-from coldsnap_runtime.schema import ImagePull, ImagePush, RuntimeResponse
+from coldsnap_runtime.schema import ImagePull, ImagePush, RuntimeResponse, WorkloadRun
 
 from ._envelope import (
     Exec,
@@ -24,9 +26,12 @@ from ._envelope import (
 )
 from ._exec import ExecIdentity, ExecResult, GroupLedger
 from ._hosts import Host, LocalHost
+from ._listener import is_admin
+from ._policy import Decision, Policy
 from ._sessions import SessionRecord
 
 if TYPE_CHECKING:
+    from ._capsule_reports import CapsuleReports
     from ._huggingface import HuggingfaceClient
     from ._kubernetes import KubernetesHosts
     from ._remote import Remotes
@@ -58,6 +63,8 @@ class Operations:
         allow_push: bool,
         huggingface: HuggingfaceClient | None = None,
         remotes: Remotes | None = None,
+        policy: Policy,
+        reports: CapsuleReports | None = None,
         kubernetes: KubernetesHosts | None = None,
     ) -> None:
         self.provider_name = provider_name
@@ -80,6 +87,8 @@ class Operations:
             self._hosts.update({name: remotes.node(name) for name in remotes.hosts})
         if kubernetes is not None:  # a Kubernetes host that is also a [[remote]] uses it as its node agent
             self._hosts.update({name: kubernetes.node(name) for name in kubernetes.hosts})
+        self.policy = policy  # the runtime admission policy ([policy]; _policy.py)
+        self.reports = reports  # report directories for local units ([metrics]; _capsule_reports.py)
         # Reference order; only what is implemented and enabled.
         self.capabilities = [
             "exec",
@@ -90,15 +99,25 @@ class Operations:
             "upload",
         ]
 
-    async def run(self, request: Operation, record: SessionRecord) -> Outcome:
-        """Run one authenticated, capability-checked operation; the handler turns the outcome into the reply."""
+    def admit(self, request: Operation, record: SessionRecord) -> Decision | None:
+        """The one admission point, above the host routing (every host kind sees admitted requests only):
+        the decision for a runtime request (PolicyRefused carries a refusal's), None for the others."""
+        self._route(request.host, record)
+        return self.policy.admit_operation(request, record, local=request.host in self.node_names)
+
+    async def run(self, request: Operation, record: SessionRecord, decision: Decision | None) -> Outcome:
+        """Run one authenticated, capability-checked, admitted operation; the handler turns the outcome
+        into the reply."""
         host = self._route(request.host, record)
-        ctx = self._runtime_context(request.host, record)
+        ctx = self._runtime_context(request.host, record, decision.capabilities if decision else None)
         match request:
             case Exec():
                 return await host.exec(request)
             case Upload():
                 await host.upload(request)
+            case Runtime(runtime=WorkloadRun()) if self.reports is not None and isinstance(host, LocalHost):
+                ctx = msgspec.structs.replace(ctx, report_dir=self.reports.allocate())  # local units only
+                return await host.runtime(request.runtime, ctx)
             case Runtime():
                 return await host.runtime(request.runtime, ctx)
             case HuggingfacePublish():
@@ -130,7 +149,8 @@ class Operations:
                 f"(it serves: {', '.join(sorted(self.node_names))}; see node.names)"
             ) from None
 
-    def _runtime_context(self, host: str, record: SessionRecord) -> RuntimeContext:
+    def _runtime_context(self, host: str, record: SessionRecord,
+                         capabilities: tuple[str, ...] | None) -> RuntimeContext:
         return RuntimeContext(host=host, allow_pull=self.allow_pull, owner=self.owner,
                               cluster_id=record.cluster_id, manager_labels=record.labels,
-                              manager_uid=record.uid)
+                              manager_uid=record.uid, reaches_all=is_admin(record.uid), capabilities=capabilities)

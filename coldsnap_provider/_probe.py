@@ -1,9 +1,11 @@
 """Launch the feature probe where the capsule runs, attach CRIU, admit, cache (DESIGN decision 5).
 
 Two places to run: disposable containers of the capsule image through the runtime
-backend (`criu check` with host network, then the profile probe with only the assigned
-GPU, network `none` and this package's probe mounted read-only), or plain processes
-on this host (`--host-process`, for qualifying a GPU machine).
+backend (`criu check`, then the profile probe with only the assigned GPU and this package's
+probe mounted read-only; both with network `none` and exactly the capabilities CRIU and CUDA
+checkpoint need, never privileged nor on the host's network), or plain processes on this host
+(`--host-process`, for qualifying a GPU machine). From the control socket, the manager's
+admission profile decides first (``_policy.Policy.admit_probe``).
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from coldsnap_runtime import Backend
 from coldsnap_runtime.errors import BackendError
 from coldsnap_runtime.schema import WorkloadSpec
 
+from ._config import CAPSULE_CAPABILITIES
 from ._exec import ExecIdentity, ExecResult, run_argv
 
-__all__ = ("PROBE_MOUNT", "ProbeOptions", "criu_workload", "probe_digest", "probe_workload", "run_probe")
+__all__ = ("PROBE_MOUNT", "ProbeOptions", "cache_scope", "criu_workload", "probe_digest", "probe_workload", "run_probe")
 
 PROBE_MOUNT = "/opt/coldsnap/probe"
 _DAEMON = ExecIdentity()
@@ -41,6 +44,11 @@ class ProbeOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     criu: str = ""
     memory_bytes: int = 1 << 20
     timeout_s: float = 30.0
+    # The capsule containers' grant (the admission profile's): `privileged` is exactly these.
+    capabilities: tuple[str, ...] = CAPSULE_CAPABILITIES
+    seccomp_unconfined: bool = True
+    # Whose probe this is: a host-process result is cached for this manager only (None: the CLI's own).
+    manager_uid: int | None = None
 
 
 def probe_digest() -> str:
@@ -50,6 +58,15 @@ def probe_digest() -> str:
         data = path.read_bytes()
         h.update(f"{path.name}\x00{len(data)}\x00".encode() + data)
     return "sha256:" + h.hexdigest()
+
+
+def cache_scope(options: ProbeOptions) -> str:
+    """What a host-process profile is cached under (an image probe's is the image id instead).
+
+    A host process runs what exec.user's environment holds, which a manager can shape: its result
+    is one manager's, never served to another (issue 24, finding 9). An image id names the same
+    bytes for everyone, so image probes share their cache."""
+    return "host-process" if options.manager_uid is None else f"host-process:uid={options.manager_uid}"
 
 
 async def _device_identity(device: str, identity: ExecIdentity) -> str:
@@ -75,7 +92,7 @@ async def _criu_check(options: ProbeOptions, backend: Backend | None, identity: 
         return None
     assert backend is not None
     try:
-        await backend.workload_run(criu_workload(options), allow_pull=False)
+        await backend.workload_run(criu_workload(options), allow_pull=False, capabilities=options.capabilities)
     except BackendError as exc:
         return f"destination kernel failed capsule-pinned CRIU check: {exc}"
     return None
@@ -87,10 +104,11 @@ def _probe_args(options: ProbeOptions) -> list[str]:
 
 
 def criu_workload(options: ProbeOptions) -> WorkloadSpec:
-    """The capsule-pinned `criu check`: host network, privileged, unconfined, nothing pulled."""
+    """The capsule-pinned `criu check`: no network, the probe's capabilities (backend.workload_run's
+    `capabilities`), nothing pulled."""
     return msgspec.convert({
         "name": "", "image": options.image, "remove_after_exit": True, "pull_policy": "never",
-        "privileged": True, "seccomp_unconfined": True, "network": "host", "combined": True,
+        "privileged": True, "seccomp_unconfined": options.seccomp_unconfined, "network": "none", "combined": True,
         "entrypoint": options.criu or CAPSULE_CRIU, "command": ["check"]}, WorkloadSpec)
 
 
@@ -98,7 +116,8 @@ def probe_workload(options: ProbeOptions) -> WorkloadSpec:
     """The profile probe: only the assigned GPU, no network, this package mounted read-only; stdout only."""
     return msgspec.convert({
         "name": "", "image": options.image, "remove_after_exit": True, "pull_policy": "never",
-        "gpus": [options.device], "privileged": True, "seccomp_unconfined": True, "network": "none",
+        "gpus": [options.device], "privileged": True, "seccomp_unconfined": options.seccomp_unconfined,
+        "network": "none",
         "entrypoint": "python3", "command": _probe_args(options), "environment": {"PYTHONPATH": PROBE_MOUNT},
         "mounts": [{"source": str(_PACKAGE_DIR), "target": f"{PROBE_MOUNT}/coldsnap_probe", "read_only": True}],
     }, WorkloadSpec)
@@ -115,7 +134,8 @@ async def _profile_output(options: ProbeOptions, backend: Backend | None, identi
             raise ProfileError(f"probe exited {result.exit_code}: {result.stderr.decode(errors='replace').strip()}")
         return result.stdout
     assert backend is not None
-    response = await backend.workload_run(probe_workload(options), allow_pull=False)
+    response = await backend.workload_run(probe_workload(options), allow_pull=False,
+                                          capabilities=options.capabilities)
     return response.output if isinstance(response.output, bytes) else b""
 
 
@@ -128,7 +148,7 @@ async def run_probe(options: ProbeOptions, *, state_dir: Path, backend: Backend 
     requirements = coldsnap_probe.requirements(options.driver)
     if not options.host_process and not options.image:
         raise ValueError("a probe needs an `image` or `host_process`")
-    capsule = "host-process"
+    capsule = cache_scope(options)
     if not options.host_process:
         assert backend is not None
         capsule = (await backend.image_inspect(options.image)).id

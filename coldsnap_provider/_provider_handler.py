@@ -1,25 +1,30 @@
 """The provider socket's handler: one session's requests, from bytes to reply.
 
 decode (strict, once) ─► authenticate (token + session, constant time) ─► capability gate
-─► operations (an outcome) ─► reply; every reply, success or error, and the one log line per
-request are built here.
+─► operations (an outcome) ─► reply; every reply, success or error, the one log line per
+request, its metrics and its audit event are built here (``_answer``).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from coldsnap_runtime.errors import ColdsnapError, RequestRejected
 from coldsnap_runtime.schema import RuntimeResponse
 
+from ._audit import Audit, AuditEvent, audited_action, runtime_target
 from ._envelope import (
     Capabilities,
+    HuggingfacePublish,
+    OciPull,
+    OciPush,
     Reply,
     Request,
     Runtime,
+    Upload,
     decode_request,
     encode_reply,
     error_reply,
@@ -30,7 +35,11 @@ from ._exec import ExecResult
 from ._framing import MAX_MESSAGE_BYTES
 from ._listener import Peer, ServerState
 from ._operations import Operation, Operations, Outcome
+from ._policy import Decision, PolicyRefused
 from ._sessions import SessionRecord
+
+if TYPE_CHECKING:
+    from ._metrics import Metrics  # prometheus_client is needed only with [metrics] on
 
 __all__ = ("ProviderHandler",)
 
@@ -46,10 +55,13 @@ class ProviderHandler:
     max_request_bytes = MAX_MESSAGE_BYTES
     request_name = "host-provider request"
 
-    def __init__(self, record: SessionRecord, operations: Operations, state: ServerState) -> None:
+    def __init__(self, record: SessionRecord, operations: Operations, state: ServerState, *,
+                 metrics: Metrics | None = None, audit: Audit | None = None) -> None:
         self.record = record
         self.operations = operations
         self._state = state
+        self._metrics = metrics
+        self._audit = audit
 
     def admit(self, peer: Peer) -> bytes | None:
         return None
@@ -57,31 +69,37 @@ class ProviderHandler:
     async def handle(self, line: bytearray, peer: Peer) -> bytearray:
         started = time.monotonic()
         fields: dict[str, Any] = {"session": self.record.session}
-        request_id = ""
+        request: Request | None = None
+        decision: Decision | None = None
+        internal = False
         try:
             request = decode_request(line)
-            request_id = request.id
             fields.update(_describe(request))
             self._authorize(request)
             if isinstance(request, Capabilities):
                 reply = Reply(format=1, id=request.id, ok=True, provider=self.operations.provider_name,
                               capabilities=list(self.operations.capabilities))
             else:
+                decision = self.operations.admit(request, self.record)
                 self._state.operations += 1
                 try:
-                    reply = _success(request, await self.operations.run(request, self.record))
+                    reply = _success(request, await self.operations.run(request, self.record, decision))
                 finally:
                     self._state.operations -= 1
+        except PolicyRefused as exc:
+            decision = exc.decision
+            reply = error_reply(request.id if request is not None else lenient_id(line), exc)
         except ColdsnapError as exc:
-            reply = error_reply(request_id or lenient_id(line), exc)
+            reply = error_reply(request.id if request is not None else lenient_id(line), exc)
         except Exception:
             log.exception("request failed unexpectedly", **fields)
-            reply = error_reply(request_id or lenient_id(line), RuntimeError(_INTERNAL))
-        return self._answer(reply, fields, started)
+            internal = True
+            reply = error_reply(request.id if request is not None else lenient_id(line), RuntimeError(_INTERNAL))
+        return self._answer(reply, fields, started, request=request, peer=peer, internal=internal, decision=decision)
 
     def refuse(self, error: ColdsnapError, line: bytes | bytearray, peer: Peer) -> bytearray:
         fields = {"session": self.record.session}
-        return self._answer(error_reply(lenient_id(line), error), fields, time.monotonic())
+        return self._answer(error_reply(lenient_id(line), error), fields, time.monotonic(), request=None, peer=peer)
 
     def _authorize(self, request: Request) -> None:
         if not self.record.token_matches(request.token, request.session):
@@ -90,12 +108,30 @@ class ProviderHandler:
         if capability is not None and capability not in self.operations.capabilities:
             raise RequestRejected(f"unsupported host-provider capability '{capability}'")
 
-    @staticmethod
-    def _answer(reply: Reply, fields: dict[str, Any], started: float) -> bytearray:
-        fields.update(ok=reply.ok, duration_ms=round((time.monotonic() - started) * 1000, 3))
+    def _answer(self, reply: Reply, fields: dict[str, Any], started: float, *, request: Request | None,
+                peer: Peer, internal: bool = False, decision: Decision | None = None) -> bytearray:
+        """The one place a request is accounted for: its log line, its metrics, its audit event."""
+        seconds = time.monotonic() - started
+        fields.update(ok=reply.ok, duration_ms=round(seconds * 1000, 3))
+        if decision is not None:
+            fields["profile"] = decision.profile
         if not reply.ok:
             fields.update(error_code=reply.error_code or None, error=reply.error)
         log.info("request", **fields)
+        outcome = "ok" if reply.ok else "internal" if internal else reply.error_code or "rejected"
+        operation, action = fields.get("operation", ""), fields.get("action", "")
+        if self._metrics is not None:
+            self._metrics.request(socket="session", operation=operation, action=action, outcome=outcome,
+                                  seconds=seconds)
+        if self._audit is not None and request is not None and (
+                audited_action(operation, action) or reply.error == _UNAUTHORIZED):
+            self._audit.record(AuditEvent(
+                time=time.time(), socket="session", operation=operation, action=action, outcome=outcome,
+                uid=self.record.uid, peer_uid=peer.uid, peer_pid=peer.pid, session=self.record.session,
+                host=fields.get("host", ""), request_id=request.id, target=_target(request),
+                error=reply.error if isinstance(reply.error, str) else "", duration_ms=fields["duration_ms"],
+                decision="" if decision is None else "admitted" if decision.admitted else "refused",
+                profile="" if decision is None else decision.profile))
         return encode_reply(reply)
 
 
@@ -106,6 +142,20 @@ def _describe(request: Request) -> dict[str, Any]:
     if isinstance(request, Runtime):
         fields["action"] = request.runtime.__struct_config__.tag
     return fields
+
+
+def _target(request: Request) -> str:
+    """What the audit names as acted on: never exec arguments or input (they may carry secrets)."""
+    match request:
+        case Runtime(runtime=runtime):
+            return runtime_target(runtime)
+        case Upload(destination=destination):
+            return destination
+        case HuggingfacePublish(repository=repository, revision=revision, destination=destination):
+            return f"{repository}@{revision}:{destination}"
+        case OciPull(image=image) | OciPush(image=image):
+            return image
+    return ""  # exec: its arguments and input may carry secrets
 
 
 def _success(request: Operation, outcome: Outcome) -> Reply:

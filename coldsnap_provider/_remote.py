@@ -78,13 +78,12 @@ class RemoteNode:
             await self._link.aclose()
 
     async def _connection(self, action: str) -> asyncssh.SSHClientConnection:
-        """The live link; on a fresh one, first recover leftovers and end what was abandoned meanwhile."""
-        conn, fresh = await self._link.connect(action)
-        if fresh or not self._recovered:
-            await self._after_connect()
+        """The live link, after leftovers are recovered and what was abandoned while it was down is ended."""
+        conn = await self._link.connect(action)
+        await self._catch_up()
         return conn
 
-    async def _after_connect(self) -> None:
+    async def _catch_up(self) -> None:
         if not self._recovered:
             with anyio.move_on_after(_RECOVER_BUDGET_S):
                 try:
@@ -117,6 +116,11 @@ class RemoteNode:
         except BackendUnavailable as exc:  # the forwarded engine socket: the link or the remote dockerd
             raise RemoteUnavailable(host=self.name, action=exc.action, detail=(
                 f"its Docker Engine ({self.config.docker_socket}) is unreachable: {exc.detail}")) from exc
+
+    @property
+    def connected(self) -> bool:
+        """Whether the node's SSH link is up now (it opens on first use)."""
+        return self._link.connected
 
     def hub(self, operation: str) -> HuggingfaceClient:
         raise RequestRejected(f"host-provider operation {operation!r} is not served for remote host {self.name!r}")
@@ -173,6 +177,10 @@ class Remotes:
     def hosts(self) -> frozenset[str]:
         return frozenset(self._by_host)
 
+    def link_states(self) -> list[tuple[str, bool]]:
+        """(host, its node's SSH link is up) for every configured host: coldsnap_provider_remote_up."""
+        return [(host, node.connected) for host, node in sorted(self._by_host.items())]
+
     def node(self, host: str) -> RemoteNode:
         return self._by_host[host]
 
@@ -208,16 +216,11 @@ class Remotes:
         return results
 
     async def maintain(self) -> None:
+        """Every node's :meth:`RemoteNode.maintain`, one failure contained per node (the daemon's loop calls it)."""
         for node in self._nodes:
             try:
                 await node.maintain()
             except Exception:
                 log.exception("remote maintenance failed", host=node.name)
-
-    async def run_maintenance(self, interval_s: float = 10.0) -> None:
-        """Periodic :meth:`maintain` (started by the daemon's task group)."""
-        while True:
-            await anyio.sleep(interval_s)
-            await self.maintain()
 
 

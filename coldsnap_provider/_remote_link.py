@@ -132,13 +132,13 @@ class RemoteLink:
             raise RemoteUnavailable(host=self.name, action=action, detail=(
                 f"cannot reach sshd at {cfg.address}:{cfg.port}: {exc.strerror or exc}")) from exc
 
-    async def connect(self, action: str) -> tuple[asyncssh.SSHClientConnection, bool]:
-        """The live connection, opened (or re-opened after a failure) on demand; True if opened now."""
+    async def connect(self, action: str) -> asyncssh.SSHClientConnection:
+        """The live connection, opened (or re-opened after a failure) on demand."""
         if self._state is not _State.OPEN:
             raise anyio.ClosedResourceError
         async with self._lock:
             if self._conn is not None and self.connected:
-                return self._conn, False
+                return self._conn
             if self._conn is not None:
                 log.warning("remote link lost; reconnecting", host=self.name)
                 await self._drop()
@@ -157,7 +157,7 @@ class RemoteLink:
                     raise
             self._conn, self._client, self.last_error = conn, client, ""
             log.info("remote connected", host=self.name, address=self.config.address)
-            return conn, True
+            return conn
 
     async def _open(self, client: _Client) -> asyncssh.SSHClientConnection:
         cfg = self.config

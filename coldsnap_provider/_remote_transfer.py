@@ -23,7 +23,7 @@ import subprocess
 import tarfile
 import tempfile
 from collections.abc import Callable
-from typing import IO
+from typing import IO, cast
 
 import anyio
 import anyio.to_thread
@@ -73,7 +73,7 @@ class RemoteFiles:
         self.spool = spool
 
     async def _place(self, archive_path: str, root: str, destination: str, *, action: str) -> None:
-        conn, _ = await self._link.connect(action)
+        conn = await self._link.connect(action)
         archive = await anyio.to_thread.run_sync(lambda: open(archive_path, "rb"))  # noqa: SIM115 - closed below
         try:
             with self._link.link_errors(action):
@@ -92,8 +92,11 @@ class RemoteFiles:
         archive = os.path.join(os.path.dirname(local), "tree.tar")
 
         def pack() -> None:
-            with tarfile.open(archive, "w") as tar:
-                tar.add(local, arcname=root, recursive=True)
+            with open(archive, "wb") as out:
+                holes = _HoleWriter(out)
+                with tarfile.open(fileobj=cast(IO[bytes], holes), mode="w") as tar:
+                    tar.add(local, arcname=root, recursive=True)
+                holes.finish()
 
         await anyio.to_thread.run_sync(pack)
         if os.path.getsize(archive) > self.spool.max_bytes:
@@ -103,7 +106,7 @@ class RemoteFiles:
     async def upload(self, sources: list[str], destination: str, *, recursive: bool,
                      identity: ExecIdentity) -> None:
         """`cp [-R] SOURCES DESTINATION` from this node (read as exec.user) to the remote node (SFTP)."""
-        conn, _ = await self._link.connect("upload")
+        conn = await self._link.connect("upload")
         if len(sources) > 1:
             with self._link.link_errors("upload"):
                 async with self._link.sessions, conn.start_sftp_client() as sftp:
@@ -128,7 +131,7 @@ class RemoteFiles:
     async def fetch_tree(self, remote: str, local: str) -> str:
         """Copy the remote directory `remote` to the new local path `local` (see the module docstring)."""
         action = "image-build"
-        conn, _ = await self._link.connect(action)
+        conn = await self._link.connect(action)
         with tempfile.TemporaryFile(dir=os.path.dirname(local), prefix="fetch-") as spool:
             async with self._link.sessions:
                 with self._link.link_errors(action):
@@ -176,6 +179,28 @@ class RemoteFiles:
         if failure:
             raise failure[0]
         return message.decode("utf-8", "replace").strip()
+
+
+class _HoleWriter:
+    """Writes runs of zeros as holes: tar carries a sparse file in full, the spool need not."""
+
+    def __init__(self, out: IO[bytes]) -> None:
+        self._out, self._size = out, 0
+
+    def write(self, data: bytes) -> int:
+        if data.count(0) == len(data):
+            self._out.seek(len(data), os.SEEK_CUR)
+        else:
+            self._out.write(data)
+        self._size += len(data)
+        return len(data)
+
+    def tell(self) -> int:
+        return self._size
+
+    def finish(self) -> None:
+        """Give a trailing hole (the tar's end blocks) its size."""
+        self._out.truncate(self._size)
 
 
 def _root_directory(spool: IO[bytes], remote: str) -> str:

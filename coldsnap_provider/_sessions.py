@@ -34,6 +34,7 @@ import structlog
 from anyio.abc import SocketListener, TaskStatus
 
 from coldsnap_runtime.errors import RequestRejected
+from coldsnap_runtime.files import write_atomically
 
 from ._listener import ConnectionServer, is_admin
 
@@ -162,15 +163,11 @@ class SessionStore:
             created_unix=time.time(),
         )
         record_path = self._records / f"{session}.json"
-        try:
-            fd = os.open(record_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:  # whole or absent, even across a crash; never over an existing record
+            write_atomically(record_path, _encoder.encode(record), exclusive=True)
         except FileExistsError as exc:
             raise RequestRejected(f"session {session!r} already exists") from exc
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(_encoder.encode(record))
-                f.flush()
-                os.fsync(f.fileno())
             directory = self._sessions / session
             if directory.exists() or directory.is_symlink():
                 shutil.rmtree(directory)  # left over from a session whose record is gone (fd-based: no links followed)

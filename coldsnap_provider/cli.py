@@ -6,33 +6,23 @@ import argparse
 import base64
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import msgspec
 
 from . import __version__
 from ._client import call, call_control
-from ._config import Config, default_state_dir, load_config, node_names, spool_dir
+from ._config import Config, default_state_dir, load_config, spool_dir
 from ._errors import ConfigError, ControllerRefused, ProtocolError, ReplyError
-
-if TYPE_CHECKING:
-    from coldsnap_runtime.backend import HostPolicy
-
-    from ._exec import ExecIdentity
-    from ._huggingface import HuggingfaceClient
 
 __all__ = ("main",)
 
 EXIT_USAGE = 2
-_SCRUBBED_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
-_CONTROLLER_CLEANUP_S = 300.0
 
 
 def _out(value: Any) -> None:
@@ -55,85 +45,6 @@ def _state_dir(args: argparse.Namespace, config: Config | None = None) -> Path:
 
 
 # --- serve -------------------------------------------------------------------------------
-
-
-def _host_policy(config: Config, *, remote: bool = False) -> HostPolicy:
-    """[gpus] and [runtime] for a Docker backend; a remote node's facts are never read on this node."""
-    from coldsnap_runtime.backend import GpuPolicy, HostPolicy
-
-    return HostPolicy(gpus=GpuPolicy(mode=config.gpus.mode,
-                                     driver_paths=() if remote else tuple(config.gpus.driver_paths),
-                                     exclusive=config.gpus.exclusive),
-                      privileged=config.runtime.privileged, root=None if remote else "/")
-
-
-async def _serve(config: Config, state_dir: Path) -> None:
-    from coldsnap_runtime import DockerBackend
-
-    from ._daemon import Daemon
-    from ._exec import GroupLedger, resolve_identity
-    from ._hosts import instance_id
-    from ._kubernetes import KubernetesHosts, NodeAgent
-    from ._operations import Operations
-    from ._remote import Remotes, Spool
-    from ._systemd import listen_fds
-
-    identity = resolve_identity(config.exec.user)
-    fds = listen_fds()
-    credentials = config.registry.credentials_file or None
-    spool = Spool(directory=spool_dir(config), max_bytes=config.docker.copy_max_bytes)
-    async with DockerBackend(
-        url=config.docker.url,
-        credentials_file=credentials,
-        spool_dir=spool.directory,
-        copy_max_bytes=spool.max_bytes,
-        host_policy=_host_policy(config),
-        instance=instance_id(state_dir),
-        image_ledger=state_dir / "images.json",
-    ) as backend:
-        remotes = Remotes(config.remote, state_dir=state_dir, identity=identity, spool=spool,
-                          credentials_file=credentials, host_policy=_host_policy(config, remote=True))
-        agents: dict[str, NodeAgent] = {host: remotes.node(host) for host in remotes.hosts}
-        kubernetes = KubernetesHosts(config.kubernetes, state_dir=state_dir, agents=agents, spool_dir=spool.directory,
-                                     copy_max_bytes=spool.max_bytes, instance=instance_id(state_dir / "kubernetes"))
-        operations = Operations(
-            provider_name=config.provider.name,
-            backend=backend,
-            node_names=node_names(config),
-            identity=identity,
-            allow_pull=config.registry.pull,
-            allow_push=config.registry.push,
-            groups=GroupLedger(state_dir / "exec-groups"),
-            huggingface=_huggingface_client(config, identity),
-            remotes=remotes,
-            kubernetes=kubernetes,
-        )
-        daemon = Daemon(config, state_dir=state_dir, operations=operations, backend=backend,
-                        control_fd=fds[0] if fds else None)
-        async with remotes, kubernetes, anyio.create_task_group() as tg:
-            tg.start_soon(remotes.run_maintenance)
-            tg.start_soon(kubernetes.run_maintenance)
-
-            async def on_signals() -> None:
-                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                    async for _ in signals:
-                        daemon.stop()
-
-            tg.start_soon(on_signals)
-            await daemon.run()
-            tg.cancel_scope.cancel()
-
-
-def _huggingface_client(config: Config, identity: ExecIdentity) -> HuggingfaceClient | None:
-    """The Hub client when `[huggingface] token_file` is set (README: Hugging Face)."""
-    if not config.huggingface.token_file:
-        return None
-    from ._huggingface import HuggingfaceClient, configure_client_timeouts
-
-    configure_client_timeouts(config.huggingface.request_timeout_s)
-    return HuggingfaceClient(endpoint=config.huggingface.endpoint, token_file=config.huggingface.token_file,
-                             identity=identity, request_timeout_s=config.huggingface.request_timeout_s,
-                             operation_timeout_s=config.huggingface.operation_timeout_s)
 
 
 def _checked_config(path: str | None) -> Config | None:
@@ -164,28 +75,20 @@ def _check_kubeconfigs(config: Config) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from ._logging import configure_logging
+    from ._serve import serve, uvloop_available  # the backend's imports: only for serve
 
     configure_logging(args.log_level)
     if (config := _checked_config(args.config)) is None:
         return EXIT_USAGE
     refused = False
     try:
-        anyio.run(_serve, config, _state_dir(args, config), backend="asyncio",
-                  backend_options={"use_uvloop": _uvloop_available()})
+        anyio.run(serve, config, _state_dir(args, config), backend="asyncio",
+                  backend_options={"use_uvloop": uvloop_available()})
     except* ConfigError as group:  # e.g. the state directory is already served
         for exc in group.exceptions:
             _err(str(exc))
         refused = True
     return EXIT_USAGE if refused else 0
-
-
-def _uvloop_available() -> bool:
-    """uvloop roughly halves the daemon's per-request event-loop cost (bench/README.md); optional."""
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
@@ -308,8 +211,10 @@ async def _probe(args: argparse.Namespace) -> dict[str, Any]:
         return await run_probe(options, state_dir=state_dir, backend=None)
     from coldsnap_runtime import DockerBackend
 
+    from ._serve import host_policy
+
     config = load_config(args.config)
-    async with DockerBackend(url=config.docker.url, host_policy=_host_policy(config)) as backend:
+    async with DockerBackend(url=config.docker.url, host_policy=host_policy(config)) as backend:
         return await run_probe(options, state_dir=state_dir, backend=backend)
 
 
@@ -344,99 +249,6 @@ def cmd_version(args: argparse.Namespace) -> int:
 # --- run a controller under a session ----------------------------------------------------
 
 
-_REQUIRED_FEATURE = "manager-runtime-v1"
-_CAPABILITIES_OUTPUT_LIMIT = 1 << 20
-
-
-async def _negotiate(program: list[str], env: dict[str, str], bound_s: float) -> None:
-    """Run `<program> capabilities` and require `features` to contain manager-runtime-v1 and
-    `protocols.host_provider_format == 1`; raise ControllerRefused naming what is missing."""
-    argv = [*program, "capabilities"]
-    shown = " ".join(argv)
-    try:
-        with anyio.fail_after(bound_s):
-            result = await anyio.run_process(argv, stdin=subprocess.DEVNULL, env=env, check=False,
-                                              start_new_session=True)
-    except TimeoutError:
-        raise ControllerRefused(f"`{shown}` did not answer within {bound_s:g} s") from None
-    except OSError as exc:
-        raise ControllerRefused(f"cannot run `{shown}`: {exc.strerror or exc}") from exc
-    if result.returncode != 0:
-        detail = result.stderr.decode("utf-8", "replace").strip()[-500:]
-        raise ControllerRefused(f"`{shown}` exited {result.returncode}: {detail}")
-    try:
-        if len(result.stdout) > _CAPABILITIES_OUTPUT_LIMIT:
-            raise ValueError(f"more than {_CAPABILITIES_OUTPUT_LIMIT} bytes")
-        document = json.loads(result.stdout)
-        if not isinstance(document, dict):
-            raise ValueError("not a JSON object")
-    except ValueError as exc:
-        raise ControllerRefused(f"`{shown}` did not print a capabilities object ({exc})") from exc
-    missing = []
-    features = document.get("features")
-    if not isinstance(features, list) or _REQUIRED_FEATURE not in features:
-        missing.append(f"features lacks {_REQUIRED_FEATURE!r}")
-    protocols = document.get("protocols")
-    version = protocols.get("host_provider_format") if isinstance(protocols, dict) else None
-    if type(version) is not int or version != 1:
-        missing.append(f"protocols.host_provider_format is {json.dumps(version)}, not 1")
-    if missing:
-        raise ControllerRefused(f"`{shown}`: {'; '.join(missing)}")
-
-
-async def _run_controller(args: argparse.Namespace, request_bytes: bytes, labels: dict[str, str]) -> int:
-    from ._output import exit_code
-
-    state_dir = _state_dir(args)
-    env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV}
-    await _negotiate(args.command[:args.controller_words], env, args.capabilities_timeout)
-    opening: dict[str, Any] = {"operation": "session-open", "request": json.loads(request_bytes),
-                               "labels": labels}
-    if args.cluster_id:
-        opening["cluster_id"] = args.cluster_id
-    opened = await call_control(state_dir, opening)
-    session = opened["session"]
-    env.update(opened["environment"])
-    try:
-        async with await anyio.open_process(
-            args.command, stdin=subprocess.PIPE, stdout=None, stderr=None, env=env, start_new_session=True
-        ) as process, anyio.create_task_group() as tg:
-            tg.start_soon(_forward_signals, process.pid)
-            assert process.stdin is not None
-            try:
-                await process.stdin.send(request_bytes)
-            except anyio.BrokenResourceError:
-                pass
-            await process.stdin.aclose()
-            code = await process.wait()
-            tg.cancel_scope.cancel()
-    finally:
-        with anyio.move_on_after(30, shield=True):
-            await call_control(state_dir, {"operation": "session-close", "session": session})
-    return exit_code(code)
-
-
-async def _forward_signals(pgid: int) -> None:
-    """Forward SIGINT/SIGTERM to the controller's group; SIGKILL after 300 s or a second signal."""
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for sig in signals:
-            _killpg(pgid, sig)
-            break
-        else:
-            return
-        with anyio.move_on_after(_CONTROLLER_CLEANUP_S):
-            async for _ in signals:
-                break
-        _killpg(pgid, signal.SIGKILL)
-
-
-def _killpg(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     if not args.command:
         _err("run: give the controller command after --")
@@ -455,8 +267,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not 1 <= args.controller_words <= len(args.command):
         _err(f"run: --controller-words must be between 1 and {len(args.command)}")
         return EXIT_USAGE
+    from ._runner import run_controller
+
     try:
-        return anyio.run(_run_controller, args, request_bytes, labels)
+        return anyio.run(lambda: run_controller(
+            args.command, controller_words=args.controller_words, request=request_bytes, labels=labels,
+            cluster_id=args.cluster_id, state_dir=_state_dir(args), capabilities_timeout_s=args.capabilities_timeout,
+            keep_env=args.keep_env))
     except ControllerRefused as exc:
         _err(f"run: refusing the controller: {exc}")
         return EXIT_USAGE
@@ -471,43 +288,57 @@ def cmd_run(args: argparse.Namespace) -> int:
 # --- argument parsing --------------------------------------------------------------------
 
 
+def _with_state_dir(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--state-dir", help="daemon state directory (default depends on the user)")
+    return parser
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="coldsnap-provider", description=__doc__)
     sub = parser.add_subparsers(dest="command_name", required=True)
-
-    def with_state_dir(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        p.add_argument("--state-dir", help="daemon state directory (default depends on the user)")
-        return p
-
-    serve = with_state_dir(sub.add_parser("serve", help="run the daemon"))
+    serve = _with_state_dir(sub.add_parser("serve", help="run the daemon"))
     serve.add_argument("--config", help="TOML configuration (default: the embedded one)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=cmd_serve)
+    _add_session(sub)
+    _add_workload(sub)
+    _with_state_dir(sub.add_parser("status", help="daemon status")).set_defaults(func=cmd_status)
+    _add_run(sub)
+    _add_call(sub)
+    _add_probe(sub)
+    sub.add_parser("version", help="print the version").set_defaults(func=cmd_version)
+    check = sub.add_parser("check-config", help="validate a configuration file")
+    check.add_argument("file")
+    check.set_defaults(func=cmd_check_config)
+    return parser
 
+
+def _add_session(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     session = sub.add_parser("session", help="open, close or list sessions").add_subparsers(
         dest="session_command", required=True)
-    opener = with_state_dir(session.add_parser("open", help="open a session"))
+    opener = _with_state_dir(session.add_parser("open", help="open a session"))
     opener.add_argument("--session", help="session id (the ColdSnap request id)")
     opener.add_argument("--host", action="append", default=[], help="authorized host (repeatable)")
     opener.add_argument("--label", action="append", default=[], help="manager label KEY=VALUE (repeatable)")
     opener.add_argument("--cluster-id", default="", help="workload cluster id the manager labels apply to")
     opener.add_argument("--request", help="ColdSnap request JSON: session = id, hosts = launch.units[*].host")
     opener.set_defaults(func=cmd_session_open)
-    closer = with_state_dir(session.add_parser("close", help="close a session"))
+    closer = _with_state_dir(session.add_parser("close", help="close a session"))
     closer.add_argument("id")
     closer.set_defaults(func=cmd_session_close)
-    lister = with_state_dir(session.add_parser("list", help="list sessions"))
-    lister.set_defaults(func=cmd_session_list)
+    _with_state_dir(session.add_parser("list", help="list sessions")).set_defaults(func=cmd_session_list)
 
+
+def _add_workload(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     workload = sub.add_parser("workload", help="the managed workloads your sessions ran: list, inspect, logs, stop")
     verbs = workload.add_subparsers(dest="workload_command", required=True)
-    lister = with_state_dir(verbs.add_parser("list", help="list them"))
+    lister = _with_state_dir(verbs.add_parser("list", help="list them"))
     lister.set_defaults(func=cmd_workload)
     host_help = "a Kubernetes host this daemon serves ([[kubernetes]]); default: this node's engine"
     lister.add_argument("--host", default="", help=host_help)
     for verb, text in (("inspect", "state, exit code, labels"), ("logs", "print its logs"),
                        ("stop", "SIGTERM, then SIGKILL after --timeout; the workload is kept")):
-        named = with_state_dir(verbs.add_parser(verb, help=text))
+        named = _with_state_dir(verbs.add_parser(verb, help=text))
         named.add_argument("name")
         named.add_argument("--host", default="", help=host_help)
         if verb == "logs":
@@ -516,10 +347,9 @@ def _parser() -> argparse.ArgumentParser:
             named.add_argument("--timeout", type=float, default=10.0, help="seconds before SIGKILL")
         named.set_defaults(func=cmd_workload)
 
-    status = with_state_dir(sub.add_parser("status", help="daemon status"))
-    status.set_defaults(func=cmd_status)
 
-    run = with_state_dir(sub.add_parser("run", help="run a controller command inside a session"))
+def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    run = _with_state_dir(sub.add_parser("run", help="run a controller command inside a session"))
     run.add_argument("--request", required=True, help="ColdSnap request JSON (also fed on stdin)")
     run.add_argument("--label", action="append", default=[], help="manager label KEY=VALUE (repeatable)")
     run.add_argument("--cluster-id", default="", help="workload cluster id the manager labels apply to")
@@ -528,9 +358,15 @@ def _parser() -> argparse.ArgumentParser:
                           "`<those words> capabilities` is checked first (default 1)")
     run.add_argument("--capabilities-timeout", type=float, default=30.0, metavar="SECONDS",
                      help="bound on the controller's `capabilities` answer (default 30)")
+    run.add_argument("--keep-env", action="append", default=[], metavar="NAME",
+                     help="also pass environment variable NAME to the controller (repeatable); by default it "
+                          "gets only PATH, HOME, USER, LOGNAME, SHELL, LANG, LANGUAGE, LC_*, TZ, TERM, TMPDIR, "
+                          "XDG_RUNTIME_DIR, NO_COLOR and the two provider variables")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...")
     run.set_defaults(func=cmd_run)
 
+
+def _add_call(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     caller = sub.add_parser("call", help="send one envelope and print the reply")
     caller.add_argument("--socket", required=True)
     caller.add_argument("--token", required=True)
@@ -539,7 +375,9 @@ def _parser() -> argparse.ArgumentParser:
     caller.add_argument("fields", nargs="?", help="JSON object merged into the envelope")
     caller.set_defaults(func=cmd_call)
 
-    probe = with_state_dir(sub.add_parser("probe", help="probe, admit and cache the host feature profile"))
+
+def _add_probe(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    probe = _with_state_dir(sub.add_parser("probe", help="probe, admit and cache the host feature profile"))
     probe.add_argument("--driver", required=True, choices=["n580", "n610"])
     probe.add_argument("--device", default="0", help="GPU selector (ordinal or UUID)")
     probe.add_argument("--image", help="capsule image to probe in (disposable containers)")
@@ -548,14 +386,6 @@ def _parser() -> argparse.ArgumentParser:
     probe.add_argument("--config", help="TOML configuration (for the Docker endpoint)")
     probe.add_argument("--json", action="store_true", help="one compact JSON line")
     probe.set_defaults(func=cmd_probe)
-
-    version = sub.add_parser("version", help="print the version")
-    version.set_defaults(func=cmd_version)
-
-    check = sub.add_parser("check-config", help="validate a configuration file")
-    check.add_argument("file")
-    check.set_defaults(func=cmd_check_config)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

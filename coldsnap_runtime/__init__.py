@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .backend import MANAGER_UID_LABEL as MANAGER_UID_LABEL
+from .backend import REPORT_DIR_LABEL as REPORT_DIR_LABEL
 from .backend import Backend as Backend
 from .backend import Owner as Owner
 from .backend import RuntimeContext as RuntimeContext
@@ -33,6 +34,7 @@ __all__ = (
     "CLEANUP_BUDGET_S",
     "MANAGER_UID_LABEL",
     "OUTPUT_LIMIT",
+    "REPORT_DIR_LABEL",
     "Backend",
     "BackendError",
     "ColdsnapError",

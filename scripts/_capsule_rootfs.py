@@ -1,6 +1,7 @@
 """Assemble a small capsule build context on a GPU host: busybox, this host's python3 and the probe's deps.
 
     python3 scripts/_capsule_rootfs.py OUT_DIR --busybox PATH [--criu-root DIR] [--worker PACKAGE_DIR]
+                                       [--server-site DIR]
 
 OUT_DIR gets ``rootfs/`` and a ``Dockerfile`` (``FROM scratch``, ``COPY rootfs/ /``). The rootfs holds
 a static busybox; the interpreter running this script (its real executable, its standard library,
@@ -15,6 +16,13 @@ With ``--worker`` the capsule also carries the capture/restore worker: the ``col
 mounts of ``/usr`` and ``/opt/torch`` do not cover), and ``/opt/coldsnap/criu/bin/criu-env``, CRIU with its
 own libraries from ``/opt/coldsnap/criu/lib`` (its copies under ``/usr/lib`` are hidden when ``/usr`` is
 mounted from the host).
+
+With ``--criu-compat SRC`` the worker's CRIU wrapper preloads SRC built with gcc
+(``scripts/capsule/criu_sockopt_compat.c``: CRIU 4.1.1 cannot dump TCP sockets on Linux 6.16 and later).
+
+With ``--server-site`` the capsule carries a server's own Python dependencies (for `transformers serve`:
+fastapi, starlette, uvicorn, pydantic, openai and theirs) at ``/opt/server/site``, which the server's unit
+puts on ``PYTHONPATH``; their compiled extensions' libraries join the ldd closure.
 """
 
 from __future__ import annotations
@@ -63,6 +71,9 @@ def main() -> int:
     parser.add_argument("--busybox", required=True)
     parser.add_argument("--criu-root", default="")
     parser.add_argument("--worker", default="", help="the coldsnap_probe package directory to bake in")
+    parser.add_argument("--criu-compat", default="", help="C source of an LD_PRELOAD for the worker's CRIU "
+                        "(scripts/capsule/criu_sockopt_compat.c), built with gcc")
+    parser.add_argument("--server-site", default="", help="a server's site-packages, baked in at /opt/server/site")
     args = parser.parse_args()
     out = Path(args.out)
     rootfs = out / "rootfs"
@@ -97,6 +108,11 @@ def main() -> int:
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyx", "*.pxd", "*.cpp", "include"))
     shutil.copy2(pynvml.__file__, target / "pynvml.py")
 
+    if args.server_site:
+        site = rootfs / "opt/server/site"
+        shutil.copytree(args.server_site, site, symlinks=True, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+
     # CRIU where the provider's capsule-pinned check looks for it.
     env = dict(os.environ)
     binaries = [exe]
@@ -108,6 +124,8 @@ def main() -> int:
         binaries.append(str(Path(args.criu_root) / "usr/sbin/criu"))
     binaries += [str(p) for p in (rootfs / stdlib.lstrip("/")).rglob("*.so")]
     binaries += [str(p) for p in target.rglob("*.so*") if p.is_file()]
+    if args.server_site:
+        binaries += [str(p) for p in (rootfs / "opt/server/site").rglob("*.so") if p.is_file()]
     libraries = sorted({lib for b in binaries for lib in _libraries(b, env)})
     # glibc pieces that Python packages dlopen by name (cuda.pathfinder opens libdl.so.2) besides libc.
     libc_dir = next((os.path.dirname(lib) for lib in libraries if os.path.basename(lib) == "libc.so.6"), "")
@@ -132,16 +150,25 @@ def main() -> int:
                         ignore=shutil.ignore_patterns("__pycache__"))
         shutil.copy2(pynvml.__file__, worker / "pynvml.py")
         if args.criu_root:
+            preload = ""
+            if args.criu_compat:
+                compat = rootfs / "opt/coldsnap/criu/lib/criu-compat.so"
+                compat.parent.mkdir(parents=True, exist_ok=True)
+                subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(compat), args.criu_compat, "-ldl"],
+                               check=True)
+                preload = "LD_PRELOAD=/opt/coldsnap/criu/lib/criu-compat.so "
             wrapper = rootfs / "opt/coldsnap/criu/bin/criu-env"
             wrapper.write_text("#!/bin/sh\n"
-                               "LD_LIBRARY_PATH=/opt/coldsnap/criu/lib exec /opt/coldsnap/criu/bin/criu \"$@\"\n")
+                               f"{preload}LD_LIBRARY_PATH=/opt/coldsnap/criu/lib exec /opt/coldsnap/criu/bin/criu "
+                               "\"$@\"\n")
             wrapper.chmod(0o755)
     (out / "Dockerfile").write_text(
         "FROM scratch\nCOPY rootfs/ /\n"
         "ENV PATH=/usr/local/bin:/usr/bin:/bin:/opt/coldsnap/criu/bin\nCMD [\"sh\"]\n")
     size = sum(p.stat().st_size for p in rootfs.rglob("*") if p.is_file() and not p.is_symlink())
     print(f"capsule rootfs: {size / 1e6:.1f} MB, python {exe}, stdlib {stdlib}, site {base_site}, "  # noqa: T201
-          f"{len(libraries)} libraries, worker {'yes' if args.worker else 'no'}")
+          f"{len(libraries)} libraries, worker {'yes' if args.worker else 'no'}, "
+          f"server site {'yes' if args.server_site else 'no'}")
     return 0
 
 

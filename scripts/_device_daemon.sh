@@ -26,8 +26,12 @@ capsule_context() {
         ${1:+--worker "$ROOT/coldsnap_probe"}
 }
 
+METRICS="unix:$STATE/metrics.sock"  # the daemon's Prometheus endpoint (issue 26); save_scrape reads it
+
 start_serve() {
     mkdir -p "$STATE" && chmod 700 "$STATE"
+    python3 -c "import prometheus_client" 2>/dev/null || {
+        echo "prometheus_client is missing: carry its wheel under .whl (pip download prometheus_client)"; exit 1; }
     cat > /tmp/cs-e2e.toml <<CONF
 [docker]
 url = "unix://$D/docker.sock"
@@ -35,6 +39,10 @@ url = "unix://$D/docker.sock"
 mode = "native"
 [runtime]
 privileged = "host-capabilities"
+[metrics]
+address = "$METRICS"
+[audit]
+file = "$OUT/audit${1:-}.jsonl"
 CONF
     rm -f "$STATE/control.sock"  # a stopped daemon's: wait for this one's
     python3 -m coldsnap_provider serve --config /tmp/cs-e2e.toml --state-dir "$STATE" --log-level info \
@@ -42,6 +50,13 @@ CONF
     SERVE=$!
     for _ in $(seq 100); do [ -S "$STATE/control.sock" ] && return 0; sleep 0.2; done
     echo "coldsnap-provider serve did not start:"; tail -20 "$OUT/daemon${1:-}.log"; exit 1
+}
+
+# save_scrape NAME: after the collector's next scan, the endpoint's scrape to $OUT/metrics-NAME.txt; prints
+# the capture/restore phase series the capsules reported (issue 26).
+save_scrape() {
+    sleep 2
+    python3 scripts/_metrics_scrape.py "$METRICS" "$OUT/metrics-$1.txt"; echo "scrape exit $? (0: restore phases present)"
 }
 
 stop_all() {

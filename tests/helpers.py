@@ -21,6 +21,7 @@ import anyio
 import anyio.abc
 
 from coldsnap_provider import Reply, call, call_control, exchange
+from tests import unit_sandbox
 
 ROOT = Path(__file__).resolve().parent.parent
 _ids = itertools.count(1767225600000000001)
@@ -77,13 +78,18 @@ class Daemon:
     config_path: Path
     process: subprocess.Popen[bytes] | None = None
     log_path: Path = field(default_factory=lambda: _fresh_file("cs-log-"))
+    unit: bool = field(default_factory=unit_sandbox.enabled)
 
     def start(self, *, env: dict[str, str] | None = None, wait: bool = True) -> None:
         self._log = open(self.log_path, "ab")
+        argv = [sys.executable, "-m", "coldsnap_provider", "serve", "--config", str(self.config_path),
+                "--state-dir", str(self.state_dir), "--log-level", "debug"]
+        unit_env: dict[str, str] = {}
+        if self.unit:  # as the shipped systemd unit runs it (tests/unit_sandbox.py)
+            unit_env = unit_sandbox.prepare(self.state_dir, self.config_path)
+            argv = unit_sandbox.wrap(argv)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "coldsnap_provider", "serve", "--config", str(self.config_path),
-             "--state-dir", str(self.state_dir), "--log-level", "debug"],
-            stdout=self._log, stderr=self._log, env={**os.environ, **(env or {})},
+            argv, stdout=self._log, stderr=self._log, env={**os.environ, **unit_env, **(env or {})},
         )
         if wait:
             self.wait_ready()
@@ -148,12 +154,14 @@ def write_config(directory: Path, text: str = "") -> Path:
 
 @contextlib.asynccontextmanager
 async def running_daemon(config: str = "", *, state_dir: Path | None = None,
-                         env: dict[str, str] | None = None) -> AsyncIterator[Daemon]:
-    """A real `coldsnap-provider serve` subprocess with a short private state dir."""
+                         env: dict[str, str] | None = None, unit: bool | None = None) -> AsyncIterator[Daemon]:
+    """A real `coldsnap-provider serve` subprocess with a short private state dir; `unit`: started as the
+    shipped systemd unit starts it (tests/unit_sandbox.py; default: COLDSNAP_TEST_UNIT=1)."""
     own = state_dir is None
     state = state_dir or Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
     conf_dir = Path(tempfile.mkdtemp(prefix="cs-conf-", dir="/tmp"))
-    daemon = Daemon(state_dir=state, config_path=write_config(conf_dir, config))
+    daemon = Daemon(state_dir=state, config_path=write_config(conf_dir, config),
+                    unit=unit_sandbox.enabled() if unit is None else unit)
     await anyio.to_thread.run_sync(lambda: daemon.start(env=env))
     try:
         yield daemon
@@ -197,3 +205,6 @@ def control_as(uid: int, state_dir: Path, request: dict[str, Any]) -> dict[str, 
     assert status == 0, "child failed to talk to the control socket"
     answer: dict[str, Any] = json.loads(b"".join(chunks))
     return answer
+
+# Non-root managers (server.control_uids/control_gids) need an unprivileged exec.user (issue 24, finding 9).
+EXEC_AS_NOBODY = "[exec]\nuser = 'nobody'\n"

@@ -11,13 +11,18 @@ from typing import TYPE_CHECKING, Any
 from ._archive import ArchiveRefused as ArchiveRefused
 from ._archive import check_members as check_members
 from ._base import MANAGER_UID_LABEL as MANAGER_UID_LABEL
+from ._base import REPORT_DIR_LABEL as REPORT_DIR_LABEL
 from ._base import Backend as Backend
 from ._base import Owner as Owner
 from ._base import RuntimeContext as RuntimeContext
 from ._base import dispatch as dispatch
 from ._base import with_manager_labels as with_manager_labels
+from ._base import with_report_dir as with_report_dir
 from ._gpus import GpuPolicy as GpuPolicy
 from ._gpus import HostPolicy as HostPolicy
+from ._ledger import LedgerEntry as LedgerEntry
+from ._privileges import read_capabilities as read_capabilities
+from ._translate import PrivilegeGrant as PrivilegeGrant
 from ._translate import container_config as container_config
 
 if TYPE_CHECKING:
@@ -25,9 +30,10 @@ if TYPE_CHECKING:
     from ._docker import extract_archive as extract_archive
     from ._kubernetes import KubernetesBackend as KubernetesBackend
 
-__all__ = ("MANAGER_UID_LABEL", "ArchiveRefused", "Backend", "DockerBackend", "GpuPolicy", "HostPolicy",
-           "KubernetesBackend", "Owner", "RuntimeContext", "check_members", "container_config", "dispatch",
-           "extract_archive", "with_manager_labels")
+__all__ = ("MANAGER_UID_LABEL", "REPORT_DIR_LABEL", "ArchiveRefused", "Backend", "DockerBackend", "GpuPolicy",
+           "HostPolicy", "KubernetesBackend", "LedgerEntry", "Owner", "PrivilegeGrant", "RuntimeContext",
+           "check_members", "container_config", "dispatch", "extract_archive", "read_capabilities",
+           "with_manager_labels", "with_report_dir")
 
 
 def __getattr__(name: str) -> Any:

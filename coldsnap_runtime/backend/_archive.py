@@ -9,11 +9,12 @@ Two jobs, both run *by path* in a child process (``python -I -S _archive.py ...`
   a JSON job on stdin (see :func:`pack`), the tar on stdout.
 
 With ``--as`` the child drops to that identity (no supplementary groups, real, effective
-and saved ids all changed) right after its imports and before it looks at any host path,
-so the kernel, not this code, decides what may be written or read. (Dropping inside the
-child rather than before exec lets it start from an interpreter the owner could not
-reach.) It imports only the standard library: it starts fast and never loads the
-daemon's dependencies.
+and saved ids all changed, no capability left: ``_privileges.py``); without it a non-root
+daemon's child still gives up every capability. Either happens right after its imports
+and before it looks at any host path, so the kernel, not this code, decides what may be
+written or read. (Dropping inside the child rather than before exec lets it start from an
+interpreter the owner could not reach.) It imports only the standard library: it starts
+fast and never loads the daemon's dependencies.
 
 Rules of extract:
 
@@ -48,6 +49,7 @@ from __future__ import annotations
 
 import errno
 import fnmatch
+import importlib.util
 import io
 import json
 import os
@@ -56,7 +58,7 @@ import secrets
 import stat
 import sys
 import tarfile
-from typing import IO
+from typing import IO, cast
 
 __all__ = ("ArchiveRefused", "check_members", "extract_copy", "main", "pack")
 
@@ -456,20 +458,36 @@ def _pack_directory(tar: tarfile.TarFile, fd: int, prefix: str, path: str,
         _pack_entry(tar, fd, name, prefix + name, f"{path}/{name}", patterns, rel + name)
 
 
+class _Bounded:
+    """A write-only stream that refuses to grow past `limit` bytes (the daemon spools what we write)."""
+
+    def __init__(self, out: IO[bytes], limit: int) -> None:
+        self._out, self._limit, self._written = out, limit, 0
+
+    def write(self, data: bytes) -> int:
+        self._written += len(data)
+        if self._written > self._limit:
+            raise ArchiveRefused(f"the build context exceeds {self._limit} bytes (docker.copy_max_bytes)")
+        return self._out.write(data)
+
+
 def pack(job: dict[str, object], out: IO[bytes]) -> None:
     """Write one tar of the job's trees and files to `out` (a stream: nothing is sought).
 
     `job` = ``{"trees": [{"path", "prefix", "label", "dockerignore", "reserved"}],
-    "files": [{"name", "data"}]}``: each tree's directory ``path`` goes under ``prefix``
+    "files": [{"name", "data"}], "max_bytes": N}``: each tree's directory ``path`` goes under ``prefix``
     (``""`` or ``"dir/"``); ``label`` names it in errors; with ``dockerignore`` its
     ``.dockerignore`` applies; a top-level entry named in ``reserved`` is refused. Files
-    are the job's own text (the Dockerfile), added last, 0644.
+    are the job's own text (the Dockerfile), added last, 0644. A tar that would pass
+    ``max_bytes`` (when given) is refused.
     """
     trees = job.get("trees")
     files = job.get("files")
     if not isinstance(trees, list) or not isinstance(files, list) or not all(
             isinstance(item, dict) for item in [*trees, *files]):
         raise ArchiveRefused("the pack job has no trees or files")
+    if isinstance(limit := job.get("max_bytes"), int):
+        out = cast(IO[bytes], _Bounded(out, limit))
     with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
         for tree in trees:
             path, prefix, label = str(tree["path"]), str(tree["prefix"]), str(tree["label"])
@@ -513,15 +531,26 @@ def _job(data: bytes) -> dict[str, object]:
     return job
 
 
-def become(uid: int, gid: int) -> None:
-    """Irrevocably take the identity `uid`:`gid` with no supplementary groups."""
-    if (os.getuid(), os.getgid()) == (uid, gid) and os.getgroups() in ([], [gid]):
-        return
-    os.setgroups([])
-    os.setresgid(gid, gid, gid)
-    os.setresuid(uid, uid, uid)
-    if os.getresuid() != (uid, uid, uid) or os.getresgid() != (gid, gid, gid):
-        raise ArchiveRefused(f"could not take the identity {uid}:{gid}")
+def _drop(identity: tuple[int, int] | None) -> None:
+    """Take `identity` (None: keep the daemon's own) with no capability; a root daemon keeps root only
+    when it is asked to. The rules live in ``_privileges.py`` beside this file, loaded by path: run as
+    a program, this file has no package to import it from."""
+    if identity is None and os.geteuid() == 0:
+        return  # the daemon's own identity is root: nothing to drop (exec.user is empty)
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_privileges.py")
+    spec = importlib.util.spec_from_file_location("_coldsnap_privileges", path)
+    if spec is None or spec.loader is None:
+        raise ArchiveRefused(f"cannot load {path}")
+    privileges = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = privileges  # dataclasses look their module up there
+    spec.loader.exec_module(privileges)
+    try:
+        if identity is None:
+            privileges.shed()
+        else:
+            privileges.become(*identity)
+    except privileges.DropFailed as exc:
+        raise ArchiveRefused(str(exc)) from exc
 
 
 def main(argv: list[str]) -> int:
@@ -547,8 +576,7 @@ def main(argv: list[str]) -> int:
         sys.stderr.write("usage: _archive.py ROOT /ABSOLUTE/DESTINATION [--as UID:GID] [--keep-owner] < archive.tar\n")
         return 2
     try:
-        if identity is not None:
-            become(*identity)
+        _drop(identity)
         if packing:
             pack(_job(sys.stdin.buffer.read()), sys.stdout.buffer)
         else:

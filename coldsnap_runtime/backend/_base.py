@@ -9,10 +9,12 @@ owns copied files) and routes by action.
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 import msgspec
 
+from ..errors import NotFound, RuntimeFailed
 from ..schema import (
     Execution,
     ImageBuild,
@@ -23,6 +25,7 @@ from ..schema import (
     ImagePush,
     ImageRemove,
     ImageTag,
+    Mount,
     RuntimeRequest,
     RuntimeResponse,
     WorkloadCopyFrom,
@@ -34,12 +37,18 @@ from ..schema import (
     WorkloadRun,
     WorkloadSpec,
 )
+from ._ledger import LedgerEntry
 
-__all__ = ("MANAGER_UID_LABEL", "WORKLOAD_LABEL", "Backend", "Owner", "RuntimeContext", "dispatch",
-           "with_manager_labels")
+__all__ = ("MANAGER_UID_LABEL", "REPORT_DIR_LABEL", "REPORT_ENV", "REPORT_TARGET", "WORKLOAD_LABEL",
+           "Backend", "LedgerEntry", "Owner", "RuntimeContext", "dispatch", "with_manager_labels", "with_report_dir")
 
 WORKLOAD_LABEL = "io.sparksq.coldsnap.workload"
 MANAGER_UID_LABEL = "io.coldsnap-provider.manager-uid"
+# A unit given a report directory: the directory's name (the daemon reaps those no unit holds).
+REPORT_DIR_LABEL = "io.coldsnap-provider.report-dir"
+# Where the unit sees its report directory, and the variable that tells its worker.
+REPORT_TARGET = "/run/coldsnap/reports"
+REPORT_ENV = "COLDSNAP_REPORT_DIR"
 
 
 class Owner(msgspec.Struct, frozen=True):
@@ -66,6 +75,15 @@ class RuntimeContext(msgspec.Struct, frozen=True, kw_only=True):
     # The placement manager whose session runs this: recorded on every workload it runs
     # (MANAGER_UID_LABEL), so that lifecycle calls made outside a session reach only its own.
     manager_uid: int | None = None
+    # Whether this caller reaches every workload (root and the daemon's uid); otherwise workload
+    # actions reach only workloads whose MANAGER_UID_LABEL is `manager_uid` (others: not_found).
+    reaches_all: bool = True
+    # The admission policy's grant: `privileged: true` realised as exactly these capabilities
+    # (None: as the host's [runtime] privileged says).
+    capabilities: tuple[str, ...] | None = None
+    # A host directory for the in-capsule worker's reports, mounted read-write at REPORT_TARGET of
+    # a workload-run (the daemon's phase metrics); "" = none.
+    report_dir: str = ""
 
 
 class Backend(Protocol):
@@ -75,7 +93,13 @@ class Backend(Protocol):
     async def image_tag(self, source: str, target: str) -> None: ...
     async def image_remove(self, image: str) -> None: ...
     async def image_build(self, build: ImageBuild, *, owner: Owner | None = None) -> None: ...
-    async def workload_run(self, spec: WorkloadSpec, *, allow_pull: bool) -> RuntimeResponse: ...
+    async def image_owner(self, image: str) -> LedgerEntry | None:
+        """The image ledger's record of `image` (None: never pulled, built or tagged by this provider)."""
+        ...
+
+    async def claim_image(self, image: str, uid: int) -> None: ...
+    async def workload_run(self, spec: WorkloadSpec, *, allow_pull: bool,
+                           capabilities: tuple[str, ...] | None = None) -> RuntimeResponse: ...
     async def workload_remove(self, name: str) -> None: ...
     async def workload_inspect(self, name: str, *, include_start_time: bool) -> WorkloadInfo: ...
     async def workload_list(self) -> list[tuple[str, WorkloadInfo]]: ...
@@ -100,11 +124,84 @@ def with_manager_labels(spec: WorkloadSpec, ctx: RuntimeContext) -> WorkloadSpec
     return msgspec.structs.replace(spec, labels={**spec.labels, **ctx.manager_labels})
 
 
+def with_report_dir(spec: WorkloadSpec, ctx: RuntimeContext) -> WorkloadSpec:
+    """Mount the unit's report directory and name it in the environment, unless the manager took the target."""
+    if not ctx.report_dir or any(m.target == REPORT_TARGET for m in spec.mounts):
+        return spec
+    return msgspec.structs.replace(
+        spec, mounts=[*spec.mounts, Mount(source=ctx.report_dir, target=REPORT_TARGET)],
+        environment={**spec.environment, REPORT_ENV: REPORT_TARGET},
+        labels={**spec.labels, REPORT_DIR_LABEL: os.path.basename(ctx.report_dir)})
+
+
 _EMPTY = RuntimeResponse()
+
+
+async def require_own(backend: Backend, name: str, ctx: RuntimeContext, action: str) -> None:
+    """NotFound unless the caller reaches workload `name`: its own (MANAGER_UID_LABEL) or, for root
+    and the daemon's uid, any. Another manager's workload is answered as absent, like one that is."""
+    if ctx.reaches_all or ctx.manager_uid is None:
+        return
+    info = await backend.workload_inspect(name, include_start_time=False)
+    if info.labels.get(MANAGER_UID_LABEL) != str(ctx.manager_uid):
+        raise NotFound(kind="workload", ref=name, action=action)
+
+
+async def require_own_image(backend: Backend, request: RuntimeRequest, ctx: RuntimeContext) -> str:
+    """The reference a manager's image request records (""), after refusing what it may not touch.
+
+    Images are node-global and readable by all (inspect, run, a tag's source), but a manager pushes and
+    removes only references its sessions recorded, and pulls, tags or builds only into references no
+    other manager (nor root, nor the ledger's format 1) recorded: a capsule carries CRIU dumps of an
+    engine, and re-pointing another manager's tag would hand it other bytes (issue 24, finding 4)."""
+    match request:
+        case ImagePush(image=ref) | ImageRemove(image=ref):
+            action, writes = str(request.__struct_config__.tag), False
+        case ImagePull(image=ref) | ImageTag(target=ref):
+            action, writes = str(request.__struct_config__.tag), True
+        case ImageBuildAction(build=build):
+            action, writes, ref = "image-build", True, build.tag
+        case WorkloadRun(workload=spec) if spec.pull_policy == "always" and ctx.allow_pull:
+            action, writes, ref = "workload-run", True, spec.image  # it pulls into `image` first
+        case _:
+            return ""
+    if ctx.manager_uid is None:
+        return ""
+    entry = await backend.image_owner(ref)
+    if ctx.reaches_all:
+        return ref if writes else ""
+    mine = entry is not None and entry.owner == ctx.manager_uid
+    if writes:
+        if entry is not None and not mine:
+            raise RuntimeFailed(action=action, detail=(
+                f"{ref} belongs to another manager (its sessions pulled, built or tagged it); a manager pulls, "
+                "tags and builds only into references that are its own or that no session recorded"))
+        return ref
+    if not mine and not (isinstance(request, ImageRemove) and entry is None):
+        raise RuntimeFailed(action=action, detail=(
+            f"{ref} was not pulled, built or tagged by this manager's sessions; a manager pushes and removes "
+            "only its own references"))
+    return ""  # an unrecorded remove: the backend answers not_found, or that the provider never recorded it
 
 
 async def dispatch(backend: Backend, request: RuntimeRequest, ctx: RuntimeContext) -> RuntimeResponse:
     """Run one validated runtime request; raises a ColdsnapError subclass on failure."""
+    if claim := await require_own_image(backend, request, ctx):
+        response = await _dispatch(backend, request, ctx)
+        assert ctx.manager_uid is not None
+        await backend.claim_image(claim, ctx.manager_uid)
+        return response
+    return await _dispatch(backend, request, ctx)
+
+
+async def _dispatch(backend: Backend, request: RuntimeRequest, ctx: RuntimeContext) -> RuntimeResponse:
+    if isinstance(request, WorkloadRemove | WorkloadInspect | WorkloadExec | WorkloadLogs | WorkloadCopyFrom):
+        try:
+            await require_own(backend, request.name, ctx, str(request.__struct_config__.tag))
+        except NotFound:
+            if isinstance(request, WorkloadRemove):
+                return _EMPTY  # absent is success for remove, and another manager's is absent to this one
+            raise
     match request:
         case ImageInspect(image=image):
             return RuntimeResponse(image=await backend.image_inspect(image))
@@ -119,10 +216,10 @@ async def dispatch(backend: Backend, request: RuntimeRequest, ctx: RuntimeContex
         case ImageBuildAction(build=build):
             await backend.image_build(build, owner=ctx.owner)
         case WorkloadRun(workload=spec):
-            spec = with_manager_labels(spec, ctx)
+            spec = with_report_dir(with_manager_labels(spec, ctx), ctx)
             if ctx.manager_uid is not None:
                 spec = msgspec.structs.replace(spec, labels={**spec.labels, MANAGER_UID_LABEL: str(ctx.manager_uid)})
-            return await backend.workload_run(spec, allow_pull=ctx.allow_pull)
+            return await backend.workload_run(spec, allow_pull=ctx.allow_pull, capabilities=ctx.capabilities)
         case WorkloadRemove(name=name):
             await backend.workload_remove(name)
         case WorkloadInspect(name=name, include_start_time=include_start_time):

@@ -161,7 +161,7 @@ def base_images(text: str, arguments: dict[str, str]) -> list[str]:
 _PACK_PROGRAM = str(Path(__file__).with_name("_archive.py"))
 
 
-def context_job(*, context: str, contexts: dict[str, str], dockerfile: bytes) -> bytes:
+def context_job(*, context: str, contexts: dict[str, str], dockerfile: bytes, max_bytes: int | None = None) -> bytes:
     """The pack job (``_archive.py --pack``) for a build: main context, named contexts, Dockerfile."""
     for name in contexts:
         if "/" in name or name in (".", ".."):
@@ -170,11 +170,14 @@ def context_job(*, context: str, contexts: dict[str, str], dockerfile: bytes) ->
     trees = [{"path": context, "prefix": "", "label": "context", "dockerignore": True, "reserved": list(_RESERVED)}]
     trees += [{"path": path, "prefix": f"{CONTEXTS_DIR}/{name}/", "label": f"contexts[{name!r}]",
                "dockerignore": False, "reserved": []} for name, path in sorted(contexts.items())]
-    return json.dumps({"trees": trees, "files": [{"name": DOCKERFILE_PATH, "data": text}]}).encode()
+    job: dict[str, object] = {"trees": trees, "files": [{"name": DOCKERFILE_PATH, "data": text}]}
+    if max_bytes is not None:
+        job["max_bytes"] = max_bytes
+    return json.dumps(job).encode()
 
 
 async def write_context_tar(out: IO[bytes], *, context: str, contexts: dict[str, str], dockerfile: bytes,
-                            owner: Owner | None) -> None:
+                            owner: Owner | None, max_bytes: int | None = None) -> None:
     """Write the whole build context (main, named contexts, Dockerfile) as one tar to the file `out`.
 
     `out` must be a real file (the child writes to its descriptor), e.g. a spool file.
@@ -183,7 +186,7 @@ async def write_context_tar(out: IO[bytes], *, context: str, contexts: dict[str,
     before it opens any of them; what it cannot read fails the build, naming the path.
     """
     try:
-        job = context_job(context=context, contexts=contexts, dockerfile=dockerfile)
+        job = context_job(context=context, contexts=contexts, dockerfile=dockerfile, max_bytes=max_bytes)
     except UnicodeDecodeError as exc:
         raise BuildContextError(f"the Dockerfile is not UTF-8: {exc}") from exc
     argv = [sys.executable, "-I", "-S", _PACK_PROGRAM, "--pack"]

@@ -47,7 +47,6 @@ import aiodocker
 import aiohttp
 import anyio
 import anyio.to_thread
-import msgspec
 import structlog
 from msgspec import UNSET, UnsetType
 
@@ -75,8 +74,17 @@ from ._digests import (
     repository_path,
     uses_containerd_store,
 )
-from ._gpus import CAPABILITY_PROBE_IMAGE, HELD_GPUS_LABEL, GpuHolder, HostPolicy, Realisation, realise
+from ._gpus import (
+    CAPABILITY_PROBE_IMAGE,
+    HELD_GPUS_LABEL,
+    GpuHolder,
+    HostPolicy,
+    Realisation,
+    gpu_routes,
+    realise,
+)
 from ._hijack import hijack
+from ._ledger import ImageLedger, LedgerEntry
 from ._translate import (
     MANAGED_LABEL,
     container_config,
@@ -150,6 +158,11 @@ def valid_workload_name(name: str) -> bool:
     return _CONTAINER_NAME.fullmatch(name) is not None
 
 
+def _labels(info: dict[str, Any]) -> dict[str, str]:
+    """The labels of an inspected container (``Config.Labels``; absent or null = none)."""
+    return dict((info.get("Config") or {}).get("Labels") or {})
+
+
 def _text(data: bytes) -> str:
     text = data.decode("utf-8", "replace").strip()
     return text if len(text) <= _DIAGNOSTIC_BYTES else "…" + text[-_DIAGNOSTIC_BYTES:]
@@ -167,23 +180,6 @@ def _split(frames: list[tuple[int, bytes]], *, combined: bool) -> tuple[bytes, b
         everything = b"".join(p for _, p in frames)
         return everything, everything
     return stdout, b"".join(p for s, p in frames if s == 2)
-
-
-class _Ledger(msgspec.Struct, forbid_unknown_fields=True):
-    """The image ledger file: the references this provider pulled, built or tagged."""
-
-    format: int = 1
-    references: list[str] = []
-
-
-_LEDGER_DECODER = msgspec.json.Decoder(_Ledger)
-_LEDGER_ENCODER = msgspec.json.Encoder()
-
-
-def _ledger_key(image: str) -> str:
-    """The ledger's spelling of a reference (Docker's normal form; an image id as itself)."""
-    ref = parse_reference(image)
-    return image if ref is None else ref.normalized()
 
 
 class DockerBackend:
@@ -214,9 +210,7 @@ class DockerBackend:
         self._host_policy = host_policy
         # This process: containers of the same instance but another incarnation are leftovers.
         self._incarnation = secrets.token_hex(8)
-        self._image_ledger = image_ledger
-        self._ledger: set[str] = set()
-        self._ledger_lock = anyio.Lock()
+        self._ledger = ImageLedger(image_ledger)
         self._docker: aiodocker.Docker | None = None
         # Containers whose removal failed (engine down or restarting): retried by maintain().
         self._pending_removal: set[str] = set()
@@ -229,8 +223,7 @@ class DockerBackend:
         self._gpu_lock = anyio.Lock()
 
     async def __aenter__(self) -> DockerBackend:
-        if self._image_ledger is not None:
-            self._ledger = await anyio.to_thread.run_sync(self._read_ledger, self._image_ledger)
+        await self._ledger.load()
         self._docker = aiodocker.Docker(url=self._url, api_version="v1.41", timeout=_SHORT)
         return self
 
@@ -311,55 +304,15 @@ class DockerBackend:
                     if error := event.get("error") or (event.get("errorDetail") or {}).get("message"):
                         raise RuntimeFailed(action=action, detail=str(error))
 
-    # --- the image ledger ----------------------------------------------------------------
+    # --- the image ledger (_ledger.py) ------------------------------------------------------
 
-    @staticmethod
-    def _read_ledger(path: Path) -> set[str]:
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            return set()
-        except OSError as exc:
-            log.error("image ledger unreadable; image-remove refuses until it is fixed", error=str(exc))
-            return set()
-        try:
-            return set(_LEDGER_DECODER.decode(data).references)
-        except msgspec.DecodeError as exc:
-            log.error("image ledger damaged; image-remove refuses until it is fixed", error=str(exc))
-            return set()
+    async def image_owner(self, image: str) -> LedgerEntry | None:
+        """The ledger's record of `image` (its owner), or None when this provider never recorded it."""
+        return self._ledger.entry(image)
 
-    @staticmethod
-    def _write_ledger(path: Path, references: list[str]) -> None:
-        """Replace the ledger atomically: a fresh 0600 file beside it, fsynced, renamed over it."""
-        temporary = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            with os.fdopen(fd, "wb") as out:
-                out.write(_LEDGER_ENCODER.encode(_Ledger(references=references)) + b"\n")
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(temporary, path)
-        except BaseException:
-            temporary.unlink(missing_ok=True)
-            raise
-        directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
-
-    async def _ledger_update(self, action: str, *, add: str = "", drop: str = "") -> None:
-        if self._image_ledger is None:
-            return
-        async with self._ledger_lock:
-            updated = (self._ledger | {add} if add else set(self._ledger)) - {drop}
-            if updated == self._ledger:
-                return
-            try:
-                await anyio.to_thread.run_sync(self._write_ledger, self._image_ledger, sorted(updated))
-            except OSError as exc:
-                raise RuntimeFailed(action=action, detail=f"cannot record the image ledger: {exc}") from exc
-            self._ledger = updated
+    async def claim_image(self, image: str, uid: int) -> None:
+        """Record `image` as `uid`'s (kept when it already has an owner)."""
+        await self._ledger.update("image-ledger", add=image, owner=uid)
 
     # --- images ----------------------------------------------------------------------
 
@@ -424,7 +377,7 @@ class DockerBackend:
         await self._progress("image-pull", "images/create",
                              params={"fromImage": ref.repository, "tag": ref.pull_tag},
                              headers=self._auth_header(ref.registry), kind="image", ref=image)
-        await self._ledger_update("image-pull", add=_ledger_key(image))
+        await self._ledger.update("image-pull", add=image)
 
     async def image_push(self, image: str) -> None:
         ref = parse_reference(image)
@@ -442,23 +395,22 @@ class DockerBackend:
         info = await self._image(source, "image-tag")
         with docker_errors("image-tag", kind="image", ref=source):
             await self.docker.images.tag(info["Id"], ref.repository, tag=ref.pull_tag)
-        await self._ledger_update("image-tag", add=_ledger_key(target))
+        await self._ledger.update("image-tag", add=target)
 
     async def image_remove(self, image: str) -> None:
-        key = _ledger_key(image)
         try:
             await self._image(image, "image-remove")
         except NotFound:
-            await self._ledger_update("image-remove", drop=key)
+            await self._ledger.update("image-remove", drop=image)
             raise
-        if self._image_ledger is not None and key not in self._ledger:
+        if self._ledger.path is not None and self._ledger.entry(image) is None:
             raise RuntimeFailed(action="image-remove", detail=(
                 f"{image} was not pulled, built or tagged by this provider; image-remove only removes "
                 "references the provider itself pulled, built or tagged"))
         with docker_errors("image-remove", kind="image", ref=image):
             # Exactly this reference: no force, and never prune untagged parents.
             await self.docker.images.delete(image, force=False, noprune=True)
-        await self._ledger_update("image-remove", drop=key)
+        await self._ledger.update("image-remove", drop=image)
 
     async def image_build(self, build: ImageBuild, *, owner: Owner | None = None) -> None:
         """Build `build.tag`; the context directories are read as `owner` (None: the daemon itself)."""
@@ -475,10 +427,10 @@ class DockerBackend:
                   "pull": "1" if build.pull else "0", "buildargs": json.dumps(dict(build.arguments))}
         with tempfile.TemporaryFile(dir=self._spool_dir, prefix="coldsnap-build-") as spool:
             await write_context_tar(spool, context=build.context, contexts=dict(build.contexts),
-                                    dockerfile=build.dockerfile, owner=owner)
+                                    dockerfile=build.dockerfile, owner=owner, max_bytes=self._copy_max_bytes)
             spool.seek(0)
             await self._progress("image-build", "build", params=params, headers=headers, data=spool)
-        await self._ledger_update("image-build", add=_ledger_key(build.tag))
+        await self._ledger.update("image-build", add=build.tag)
 
     @staticmethod
     def _build_registries(build: ImageBuild) -> set[str]:
@@ -486,8 +438,10 @@ class DockerBackend:
             text = rewrite_dockerfile(build.dockerfile.decode("utf-8"), dict(build.contexts))
         except UnicodeDecodeError as exc:
             raise BuildContextError(str(exc)) from exc
-        return {ref.registry for base in base_images(text, dict(build.arguments))
-                if (ref := parse_reference(base)) is not None}
+        # FROM images, and images copied from (`COPY --from=<ref>`; a stage name has no "/" or ":").
+        images = [*base_images(text, dict(build.arguments)),
+                  *(name for name in re.findall(r"--from=(\S+)", text) if "/" in name or ":" in name)]
+        return {ref.registry for image in images if (ref := parse_reference(image)) is not None}
 
     async def _require_local_bases(self, build: ImageBuild) -> None:
         """pull=false must never contact a registry, but the classic builder pulls a missing base."""
@@ -518,6 +472,11 @@ class DockerBackend:
 
     # --- workloads -------------------------------------------------------------------
 
+    async def _labelled(self, action: str, *selectors: str) -> list[aiodocker.containers.DockerContainer]:
+        """Every container (any state) matching all of `selectors` (``key`` or ``key=value`` label filters)."""
+        with docker_errors(action):
+            return list(await self.docker.containers.list(all="1", filters=json.dumps({"label": list(selectors)})))
+
     async def _find(self, name: str, action: str) -> dict[str, Any] | None:
         """The managed container named exactly `name` (or with that full id), else None."""
         if not valid_workload_name(name):
@@ -529,7 +488,7 @@ class DockerBackend:
             return None
         if info.get("Name") != "/" + name and info.get("Id") != name:
             return None  # the engine matched an id prefix or another name: not this workload
-        if (info.get("Config", {}).get("Labels") or {}).get(MANAGED_LABEL) != "true":
+        if _labels(info).get(MANAGED_LABEL) != "true":
             raise RuntimeFailed(action=action, detail=(
                 f"container {name} exists but was not created by coldsnap-provider; refusing to touch it"))
         return info
@@ -573,10 +532,7 @@ class DockerBackend:
         """Remove the containers RPCs of an earlier process of this instance left (e.g. after SIGKILL)."""
         if not self._instance:
             return
-        with docker_errors("recover"):
-            containers = await self.docker.containers.list(
-                all="1", filters=json.dumps({"label": [f"{INSTANCE_LABEL}={self._instance}"]}))
-        for container in containers:
+        for container in await self._labelled("recover", f"{INSTANCE_LABEL}={self._instance}"):
             if self._leftover(dict(container["Labels"] or {})):
                 log.info("removing a leftover of an earlier daemon", container_id=container.id)
                 await self._force_remove(container.id)
@@ -588,7 +544,7 @@ class DockerBackend:
                 info = await self.docker.containers.container(name).show()
         except NotFound:
             return True
-        if info.get("Name") != "/" + name or not self._leftover(dict((info.get("Config") or {}).get("Labels") or {})):
+        if info.get("Name") != "/" + name or not self._leftover(_labels(info)):
             return False
         log.info("reclaiming a name held by a leftover of an earlier daemon", container_id=info["Id"])
         await self._force_remove(str(info["Id"]))
@@ -600,11 +556,8 @@ class DockerBackend:
         What each holds is the HELD_GPUS_LABEL it was created with: one filtered list, which the
         engine keeps across daemon restarts.
         """
-        with docker_errors("workload-run"):
-            containers = await self.docker.containers.list(
-                all="1", filters=json.dumps({"label": [f"{MANAGED_LABEL}=true", HELD_GPUS_LABEL]}))
         holders = []
-        for container in containers:
+        for container in await self._labelled("workload-run", f"{MANAGED_LABEL}=true", HELD_GPUS_LABEL):
             if str(container["State"] or "") in ("exited", "dead"):
                 continue
             held = str((container["Labels"] or {}).get(HELD_GPUS_LABEL) or "")
@@ -612,7 +565,8 @@ class DockerBackend:
             holders.append(GpuHolder(workload=name, gpus=tuple(g for g in held.split(",") if g)))
         return holders
 
-    async def _realise(self, spec: WorkloadSpec, *, exclusive: bool) -> Realisation:
+    async def _realise(self, spec: WorkloadSpec, *, exclusive: bool,
+                       capabilities: tuple[str, ...] | None) -> Realisation:
         """`gpus` and `privileged` as this host allows ([gpus], [runtime] privileged; see _gpus.py)."""
 
         async def engine_info() -> dict[str, Any]:
@@ -632,16 +586,19 @@ class DockerBackend:
 
         return await realise(spec, self._host_policy or HostPolicy(), socket_path=self._socket_path,
                              engine_info=engine_info, image_info=lambda ref: self._image(ref, "workload-run"),
-                             rejects=rejects, holders=self.gpu_holders if exclusive else None)
+                             rejects=rejects, holders=self.gpu_holders if exclusive else None,
+                             capabilities=capabilities)
 
-    async def _create(self, spec: WorkloadSpec) -> aiodocker.containers.DockerContainer:
-        if spec.gpus and (self._host_policy or HostPolicy()).gpus.exclusive:
+    async def _create(self, spec: WorkloadSpec,
+                      capabilities: tuple[str, ...] | None) -> aiodocker.containers.DockerContainer:
+        if (self._host_policy or HostPolicy()).gpus.exclusive and gpu_routes(spec, capabilities):
             async with self._gpu_lock:  # two creates for one GPU: the second sees the first's container
-                return await self._create_now(spec, exclusive=True)
-        return await self._create_now(spec, exclusive=False)
+                return await self._create_now(spec, exclusive=True, capabilities=capabilities)
+        return await self._create_now(spec, exclusive=False, capabilities=capabilities)
 
-    async def _create_now(self, spec: WorkloadSpec, *, exclusive: bool) -> aiodocker.containers.DockerContainer:
-        realised = await self._realise(spec, exclusive=exclusive)
+    async def _create_now(self, spec: WorkloadSpec, *, exclusive: bool,
+                          capabilities: tuple[str, ...] | None) -> aiodocker.containers.DockerContainer:
+        realised = await self._realise(spec, exclusive=exclusive, capabilities=capabilities)
         config = container_config(spec, gpus=realised.gpus, privilege=realised.privilege)
         # What it holds is the backend's to say: a manager's own label of that name is dropped.
         config["Labels"] = {k: v for k, v in config["Labels"].items() if k != HELD_GPUS_LABEL}
@@ -659,12 +616,14 @@ class DockerBackend:
                     raise
             return await self.docker.containers.create(config, name=spec.name)
 
-    async def workload_run(self, spec: WorkloadSpec, *, allow_pull: bool) -> RuntimeResponse:
+    async def workload_run(self, spec: WorkloadSpec, *, allow_pull: bool,
+                           capabilities: tuple[str, ...] | None = None) -> RuntimeResponse:
+        """Run `spec`; `capabilities` (an admission profile's grant): `privileged` is exactly these."""
         if spec.name and not valid_workload_name(spec.name):
             raise RuntimeFailed(action="workload-run", detail=(
                 f"invalid workload name {spec.name!r}: a name matches [a-zA-Z0-9][a-zA-Z0-9_.-]+"))
         await self._ensure_image(spec.image, spec.pull_policy, allow_pull=allow_pull)
-        container = await self._create(spec)
+        container = await self._create(spec, capabilities)
         cid = container.id
         try:
             if spec.detached:
@@ -714,17 +673,14 @@ class DockerBackend:
             exit_code=int(state.get("ExitCode") or 0),
             running=bool(state.get("Running")),
             paused=bool(state.get("Paused")),
-            labels=dict((info.get("Config") or {}).get("Labels") or {}),
+            labels=_labels(info),
             started_at=started if include_start_time and started and started != _ZERO_TIME else UNSET,
         )
 
     async def workload_list(self) -> list[tuple[str, WorkloadInfo]]:
         """Every workload this provider manages, by name (containers carrying the managed label)."""
-        with docker_errors("workload-list"):
-            containers = await self.docker.containers.list(
-                all="1", filters=json.dumps({"label": [f"{MANAGED_LABEL}=true"]}))
         listed = []
-        for container in containers:
+        for container in await self._labelled("workload-list", f"{MANAGED_LABEL}=true"):
             name = str((container["Names"] or ["/"])[0]).lstrip("/")
             try:
                 listed.append((name, await self.workload_inspect(name, include_start_time=True)))
@@ -851,8 +807,9 @@ async def extract_archive(spool: IO[bytes], root: str, destination: str, *, owne
     argv = [sys.executable, "-I", "-S", _ARCHIVE_PROGRAM, root, destination]
     if owner is not None:
         argv += ["--as", f"{owner.uid}:{owner.gid}"]
-    if (os.geteuid() if owner is None else owner.uid) == 0:
+    if os.geteuid() == 0 and (owner is None or owner.uid == 0):
         argv.append("--keep-owner")  # a root writer keeps numeric ownership, as `docker cp` does
+        # (only a root daemon: under the unit, uid 0 holds no CAP_CHOWN after the drop)
     try:
         result = await anyio.run_process(argv, stdin=spool, check=False, cwd="/",
                                          env={"PATH": os.defpath, "LC_ALL": "C.UTF-8"})

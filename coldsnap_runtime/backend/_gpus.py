@@ -79,10 +79,12 @@ __all__ = (
     "engine_bounding_set",
     "engine_capabilities",
     "gpu_conflicts",
+    "gpu_routes",
     "held_gpus",
     "host_devices",
     "native_access",
     "parse_inventory",
+    "reached_gpus",
     "read_bounding_set",
     "realise",
     "refuse_held",
@@ -289,14 +291,49 @@ def gpu_conflicts(wanted: Sequence[str], holders: Sequence[GpuHolder],
     return conflicts
 
 
-def refuse_held(wanted: Sequence[str], holders: Sequence[GpuHolder], inventory: Sequence[HostGpu] | None) -> None:
-    """RuntimeFailed naming the field, each GPU and its holder when `wanted` overlaps a holder's GPUs."""
+def refuse_held(wanted: Sequence[str], holders: Sequence[GpuHolder], inventory: Sequence[HostGpu] | None, *,
+                via: str = "gpus") -> None:
+    """RuntimeFailed naming the field(s) (`via`), each GPU and its holder when `wanted` overlaps a holder's GPUs."""
     conflicts = gpu_conflicts(wanted, holders, inventory)
     if not conflicts:
         return
     held = "; ".join(f"{_describe(gpu, inventory)} is held by workload {workload!r}" for gpu, workload in conflicts)
     raise RuntimeFailed(action=_ACTION, detail=(
-        f"gpus: {held}, and [gpus] exclusive = true gives a GPU to one managed workload at a time"))
+        f"{via}: {held}, and [gpus] exclusive = true gives a GPU to one managed workload at a time"))
+
+
+_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
+
+
+def gpu_routes(spec: WorkloadSpec, capabilities: tuple[str, ...] | None = None) -> list[str]:
+    """The fields through which `spec` reaches GPUs (issue 24, finding 6): `gpus`, a /dev/nvidia<N>
+    device, NVIDIA_VISIBLE_DEVICES (the NVIDIA runtime hook honours it), and `privileged` as the whole
+    host (every /dev/nvidia* node; not a profile's capability grant, which adds no device)."""
+    routes = ["gpus"] if spec.gpus else []
+    if any(_GPU_NODE.match(d.source) for d in spec.devices):
+        routes.append("devices")
+    if spec.environment.get(_VISIBLE_DEVICES, "").strip().lower() not in ("", "none", "void"):
+        routes.append(f"environment.{_VISIBLE_DEVICES}")
+    if spec.privileged and capabilities is None:
+        routes.append("privileged")
+    return routes
+
+
+def reached_gpus(spec: WorkloadSpec, inventory: Sequence[HostGpu] | None,
+                 capabilities: tuple[str, ...] | None = None) -> list[str]:
+    """GPU IDs `spec` reaches by every route of :func:`gpu_routes` (held_gpus resolves them). A device
+    node whose minor the inventory cannot name, and privileged as the whole host, reach every GPU."""
+    ids = list(spec.gpus)
+    for device in spec.devices:
+        if _GPU_NODE.match(device.source):
+            minor = int(device.source[len("/dev/nvidia"):])
+            ids.append(next((g.uuid for g in inventory or () if g.minor == minor), _ALL))
+    visible = spec.environment.get(_VISIBLE_DEVICES, "").strip()
+    if visible.lower() not in ("", "none", "void"):
+        ids += [g.strip() for g in visible.split(",") if g.strip()]
+    if spec.privileged and capabilities is None:
+        ids.append(_ALL)
+    return ids
 
 
 def _is_char_device(path: Path) -> bool:
@@ -604,24 +641,34 @@ async def _privilege(policy: HostPolicy, socket_path: str, gpus: GpuAccess | Non
 
 async def realise(spec: WorkloadSpec, policy: HostPolicy, *, socket_path: str, engine_info: EngineInfo,
                   image_info: ImageInfo, rejects: Callable[[list[str]], Awaitable[str]],
-                  holders: Callable[[], Awaitable[list[GpuHolder]]] | None = None) -> Realisation:
+                  holders: Callable[[], Awaitable[list[GpuHolder]]] | None = None,
+                  capabilities: tuple[str, ...] | None = None) -> Realisation:
     """How this host gives `spec` its GPUs and privilege; RuntimeFailed (before any create) when it cannot.
 
     The engine is asked through the backend's callables: `engine_info` (``/info``), `image_info`
     (the image's inspect), `rejects` (see :func:`engine_capabilities`) and, only to enforce
     ``[gpus] exclusive``, `holders` (the managed containers holding GPUs now). An unknown GPU ID
     fails first, then a GPU another workload holds, then a request no mechanism can honour.
+    `capabilities` (an admission profile's grant): `privileged` is exactly these, nothing more.
     """
-    if not spec.gpus:
-        privilege = await _privilege(policy, socket_path, None, rejects) if spec.privileged else None
-        return Realisation(privilege=privilege)
+    async def privilege_of(gpus: GpuAccess | None) -> PrivilegeGrant | None:
+        if not spec.privileged:
+            return None
+        if capabilities is not None:
+            return PrivilegeGrant(capabilities=capabilities, devices=(), whole_host=False)
+        return await _privilege(policy, socket_path, gpus, rejects)
+
+    via = gpu_routes(spec, capabilities)
+    if not spec.gpus and not (holders is not None and via):
+        return Realisation(privilege=await privilege_of(None))
     inventory = await _inventory(policy)
     known = inventory if isinstance(inventory, list) else None
-    if known is not None:
+    if known is not None and spec.gpus:
         select_gpus(spec.gpus, known)  # an unknown ID fails here, whatever the mechanism
-    held = held_gpus(spec.gpus, known)
+    held = held_gpus(reached_gpus(spec, known, capabilities), known)
     if holders is not None:
-        refuse_held(held, await holders(), known)
+        refuse_held(held, await holders(), known, via=" and ".join(via))
+    if not spec.gpus:
+        return Realisation(privilege=await privilege_of(None), held=held)
     gpus = await _gpu_access(spec, policy, inventory, engine_info, image_info)
-    privilege = await _privilege(policy, socket_path, gpus, rejects) if spec.privileged else None
-    return Realisation(gpus=gpus, privilege=privilege, held=held)
+    return Realisation(gpus=gpus, privilege=await privilege_of(gpus), held=held)

@@ -107,9 +107,11 @@ def _pull_policy(spec: WorkloadSpec, *, allow_pull: bool) -> str:
     return "IfNotPresent"
 
 
-def _security_context(spec: WorkloadSpec) -> dict[str, Any]:
+def _security_context(spec: WorkloadSpec, capabilities: tuple[str, ...] | None) -> dict[str, Any]:
     context: dict[str, Any] = {}
-    if spec.privileged:
+    if spec.privileged and capabilities is not None:  # the admission profile's grant: exactly these
+        context["capabilities"] = {"add": list(capabilities)}
+    elif spec.privileged:
         context["privileged"] = True
     if spec.seccomp_unconfined:
         context["seccompProfile"] = {"type": "Unconfined"}
@@ -124,7 +126,7 @@ def _security_context(spec: WorkloadSpec) -> dict[str, Any]:
     return context
 
 
-def _refusals(spec: WorkloadSpec) -> None:
+def _refusals(spec: WorkloadSpec, capabilities: tuple[str, ...] | None) -> None:
     """The fields core/v1 has no way to honour: refused, never dropped."""
     if spec.gpus:
         raise _refuse("gpus", "core/v1 can only count GPUs (an extended resource such as nvidia.com/gpu), "
@@ -136,9 +138,9 @@ def _refusals(spec: WorkloadSpec) -> None:
     if spec.network == "none":
         raise _refuse("network", "'none' has no Pod equivalent (a Pod always has its own network namespace "
                                  "with the cluster network)")
-    if spec.devices and not spec.privileged:
+    if spec.devices and (not spec.privileged or capabilities is not None):
         raise _refuse("devices", "a Pod reaches a host device only through a hostPath volume, which the device "
-                                 "cgroup lets it open only when `privileged` is true")
+                                 "cgroup lets it open only in a fully privileged Pod (not granted here)")
     if not spec.detached and spec.input is not UNSET:
         raise _refuse("input", "a Pod's stdin is attachable only after its container started, so bytes "
                                "cannot be guaranteed to reach it from the start; use workload-exec")
@@ -149,9 +151,12 @@ def _refusals(spec: WorkloadSpec) -> None:
 
 
 def pod_manifest(spec: WorkloadSpec, *, pod: str, namespace: str, node: str, allow_pull: bool,
-                 extra_labels: dict[str, str]) -> dict[str, Any]:
-    """The core/v1 Pod realising `spec` on Node `node` (raises RuntimeFailed naming a field it cannot realise)."""
-    _refusals(spec)
+                 extra_labels: dict[str, str], capabilities: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """The core/v1 Pod realising `spec` on Node `node` (raises RuntimeFailed naming a field it cannot realise).
+
+    `capabilities` is the admission policy's grant: `privileged` is realised as exactly those capabilities.
+    """
+    _refusals(spec, capabilities)
     labels, annotations = _labels(spec)
     container: dict[str, Any] = {
         "name": CONTAINER,
@@ -164,7 +169,7 @@ def pod_manifest(spec: WorkloadSpec, *, pod: str, namespace: str, node: str, all
         container["command"] = [spec.entrypoint]
     if spec.command:
         container["args"] = list(spec.command)
-    if context := _security_context(spec):
+    if context := _security_context(spec, capabilities):
         container["securityContext"] = context
     volumes: list[dict[str, Any]] = []
     for index, mount in enumerate(spec.mounts):

@@ -67,6 +67,7 @@ from ._k8s_translate import (
     workload_info,
     workload_name,
 )
+from ._ledger import LedgerEntry
 from ._translate import MANAGED_LABEL
 
 __all__ = ("INCARNATION_LABEL", "INSTANCE_LABEL", "KubernetesBackend")
@@ -232,11 +233,20 @@ class KubernetesBackend:
 
     # --- workloads -----------------------------------------------------------------------
 
-    async def workload_run(self, spec: WorkloadSpec, *, allow_pull: bool) -> RuntimeResponse:
+    async def image_owner(self, image: str) -> LedgerEntry | None:
+        """No image ledger: the provider writes no images on a Kubernetes node (image writes are refused)."""
+        return None
+
+    async def claim_image(self, image: str, uid: int) -> None:
+        """Nothing to claim: a pull the kubelet makes for a workload-run is the node's, not a ledger entry."""
+
+    async def workload_run(self, spec: WorkloadSpec, *, allow_pull: bool,
+                           capabilities: tuple[str, ...] | None = None) -> RuntimeResponse:
+        """Run `spec` as a Pod; `capabilities` (an admission profile's grant): `privileged` is exactly these."""
         pod = pod_name(spec.name, self._node)
         extra = {INCARNATION_LABEL: self._incarnation, **({INSTANCE_LABEL: self._instance} if self._instance else {})}
         manifest = pod_manifest(spec, pod=pod, namespace=self._namespace, node=self._node, allow_pull=allow_pull,
-                                extra_labels=extra)
+                                extra_labels=extra, capabilities=capabilities)
         await self._call("workload-run", self._core.read_node(self._node, _preload_content=False),
                          kind="node", ref=self._node)
         try:

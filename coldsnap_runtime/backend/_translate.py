@@ -140,10 +140,12 @@ class GpuAccess:
 
 @dataclass(frozen=True, slots=True)
 class PrivilegeGrant:
-    """`privileged` as the host's capabilities (``[runtime] privileged = "host-capabilities"``)."""
+    """`privileged` as the host's capabilities (``[runtime] privileged = "host-capabilities"``), or, with
+    `whole_host` false, as exactly `capabilities` and nothing else (an admission profile's grant)."""
 
     capabilities: tuple[str, ...]
     devices: tuple[str, ...]
+    whole_host: bool = True
 
 
 def _device(path: str) -> dict[str, str]:
@@ -164,9 +166,14 @@ def _realise_gpus(host: dict[str, Any], spec: WorkloadSpec, gpus: GpuAccess | No
 
 
 def _realise_privilege(host: dict[str, Any], grant: PrivilegeGrant) -> None:
-    """Docker's privileged mode minus what the engine's bounding set cannot grant."""
+    """Docker's privileged mode minus what the engine's bounding set cannot grant (or a profile's capabilities)."""
     host["Privileged"] = False
     host["CapAdd"] = list(grant.capabilities)
+    if not grant.whole_host:
+        # CRIU mounts and ptraces inside the capsule, which the engine's default AppArmor profile
+        # denies; the device cgroup, masked /proc paths and the other host devices stay as they are.
+        host["SecurityOpt"] = [*host.get("SecurityOpt", []), "apparmor=unconfined"]
+        return
     have = {d["PathInContainer"] for d in host["Devices"]}
     host["Devices"] += [_device(d) for d in grant.devices if d not in have]
     host["DeviceCgroupRules"] = ["a *:* rwm"]

@@ -18,7 +18,7 @@ import anyio
 import pytest
 
 from coldsnap_provider._client import exchange
-from tests.helpers import Daemon, Session, control_as, running_daemon
+from tests.helpers import EXEC_AS_NOBODY, Daemon, Session, control_as, running_daemon
 
 NOBODY = 65534
 
@@ -144,7 +144,8 @@ class TestConnectionBudgets:
                 holder.wait()
 
     async def test_one_uid_cannot_take_every_slot(self) -> None:
-        config = f"[server]\nmax_connections_per_uid = 2\ncontrol_uids = [{NOBODY}]\nrequest_read_timeout_s = 20\n"
+        config = (f"{EXEC_AS_NOBODY}[server]\nmax_connections_per_uid = 2\ncontrol_uids = [{NOBODY}]\n"
+                  "request_read_timeout_s = 20\n")
         async with running_daemon(config) as daemon:
             s = await daemon.open_session()
             os.chmod(daemon.state_dir / "control.sock", 0o666)  # nobody is listed; the file mode must let it in
@@ -273,7 +274,7 @@ class TestReviewFindings:
             await still_serving(daemon, s)
 
     async def test_one_uid_cannot_take_the_whole_byte_budget_from_root(self) -> None:
-        config = (f"[server]\ncontrol_uids = [{NOBODY}]\nmax_buffered_bytes = 4194304\n"
+        config = (f"{EXEC_AS_NOBODY}[server]\ncontrol_uids = [{NOBODY}]\nmax_buffered_bytes = 4194304\n"
                   "max_buffered_bytes_per_uid = 4194304\n")
         async with running_daemon(config) as daemon:
             os.chmod(daemon.state_dir / "control.sock", 0o666)
@@ -317,7 +318,8 @@ class TestReviewFindings:
             await still_serving(daemon)
 
     async def test_sessions_per_uid_are_capped(self) -> None:
-        async with running_daemon(f"[server]\ncontrol_uids = [{NOBODY}]\nmax_sessions_per_uid = 2\n") as daemon:
+        config = f"{EXEC_AS_NOBODY}[server]\ncontrol_uids = [{NOBODY}]\nmax_sessions_per_uid = 2\n"
+        async with running_daemon(config) as daemon:
             os.chmod(daemon.state_dir / "control.sock", 0o666)
             replies = [control_as(NOBODY, daemon.state_dir, {"operation": "session-open", "session": f"op-cap-{i}",
                                                              "hosts": ["localhost"]}) for i in range(3)]

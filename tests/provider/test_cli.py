@@ -15,6 +15,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from tests.conftest import BUSYBOX_IMAGE, docker
 from tests.helpers import running_daemon
 
 CLI = [sys.executable, "-m", "coldsnap_provider"]
@@ -84,11 +85,16 @@ async def test_run_serves_the_controller_and_returns_its_status() -> None:
     async with running_daemon() as daemon:
         result = await anyio.to_thread.run_sync(lambda: cli(
             "run", "--state-dir", str(daemon.state_dir), "--request", str(work / "request.json"),
-            "--", str(wrapper), "sh", "-c", script, cwd=work, env={**os.environ, "HF_TOKEN": "secret"}))
+            "--keep-env", "KEEP_ME", "--", str(wrapper), "sh", "-c", script, cwd=work,
+            env={**os.environ, "HF_TOKEN": "secret", "AWS_SECRET_ACCESS_KEY": "secret", "KEEP_ME": "kept",
+                 "LC_ALL": "C.UTF-8"}))
         assert result.returncode == 5, result.stderr
         assert json.loads((work / "stdin.json").read_text()) == request
-        env = (work / "env.txt").read_text()
-        assert "COLDSNAP_HOST_PROVIDER_SOCKET=" in env and "HF_TOKEN" not in env
+        env = dict(line.partition("=")[::2] for line in (work / "env.txt").read_text().splitlines() if "=" in line)
+        assert "COLDSNAP_HOST_PROVIDER_SOCKET" in env and "HF_TOKEN" not in env
+        # Regression: #24 finding 9: only an allow-list (and what the manager keeps) reaches the controller.
+        assert "AWS_SECRET_ACCESS_KEY" not in env and env["KEEP_ME"] == "kept" and env["LC_ALL"] == "C.UTF-8"
+        assert "secret" not in env.values()
         assert json.loads((work / "caps.json").read_text())["ok"] is True
         assert await daemon.control(operation="session-list") == []  # closed after the child exited
 
@@ -249,3 +255,26 @@ def test_run_rejects_a_malformed_label() -> None:
         f.flush()
         result = cli("run", "--request", f.name, "--label", "novalue", "--", "true")
     assert result.returncode == 2 and "expected KEY=VALUE" in result.stderr
+
+
+async def test_readme_first_session_runs_as_written(tmp_path: Path) -> None:
+    """README "First session", run by bash against a real daemon: only the binary, the image (the pull needs
+    Docker Hub), the workload's name (one dockerd is shared) and the state directory are substituted."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    section = readme.split("\n## First session\n", 1)[1]
+    script = section.split("```sh\n", 1)[1].split("\n```", 1)[0]
+    name = f"readme-hello-{os.getpid()}-{time.monotonic_ns()}"
+    script = "\n".join(line for line in script.splitlines() if '"image-pull"' not in line)
+    script = (script.replace(".venv/bin/coldsnap-provider", f"{sys.executable} -m coldsnap_provider")
+              .replace("busybox:1.36", BUSYBOX_IMAGE).replace('"hello"', f'"{name}"')
+              .replace("workload logs hello", f"workload logs {name}"))
+    try:
+        async with running_daemon() as daemon:
+            result = await anyio.to_thread.run_sync(lambda: subprocess.run(
+                ["bash", "-e", "-o", "pipefail", "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                env={**os.environ, "COLDSNAP_PROVIDER_STATE_DIR": str(daemon.state_dir)}, check=False))
+    finally:
+        docker("rm", "-f", name, check=False)  # the block removes it itself unless it failed half-way
+    assert result.returncode == 0, result.stderr
+    assert "hello from " in result.stdout and '"state": "exited"' in result.stdout
+    assert result.stdout.rstrip().endswith('{"session":"first-session","closed":true}')

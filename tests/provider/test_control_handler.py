@@ -12,7 +12,7 @@ from typing import Any
 import anyio
 
 from tests.conftest import docker
-from tests.helpers import ROOT, Session, control_as, running_daemon
+from tests.helpers import EXEC_AS_NOBODY, ROOT, Session, control_as, running_daemon
 
 NOBODY = 65534
 
@@ -26,7 +26,7 @@ def run_detached(session: Session, name: str, image: str, text: str) -> Any:
 async def test_workload_verbs_reach_only_the_callers_workloads_across_sessions(busybox_image: str) -> None:
     suffix = os.urandom(3).hex()
     mine, theirs = f"wl-root-{suffix}", f"wl-nobody-{suffix}"
-    async with running_daemon(f"[server]\ncontrol_uids = [{NOBODY}]\n") as daemon:
+    async with running_daemon(f"{EXEC_AS_NOBODY}[server]\ncontrol_uids = [{NOBODY}]\n") as daemon:
         os.chmod(daemon.state_dir / "control.sock", 0o666)
         root_a = await daemon.open_session()
         opened = control_as(NOBODY, daemon.state_dir, {"operation": "session-open", "session": f"op-n-{suffix}",

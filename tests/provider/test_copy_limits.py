@@ -102,3 +102,24 @@ def test_check_config_copy_max_bytes_below_one_mebibyte_is_an_error(tmp_path: Pa
                           capture_output=True, text=True, cwd=ROOT)
     assert done.returncode != 0
     assert "copy_max_bytes" in done.stderr and "1048576" in done.stderr
+
+
+async def test_build_context_past_copy_max_bytes_fails_and_builds_nothing(busybox_image: str, tmp_path: Path) -> None:
+    """Regression: #24 finding 8 (a build context was spooled as the daemon without a bound)."""
+    import base64
+
+    context = tmp_path / "context"
+    context.mkdir()
+    (context / "big").write_bytes(os.urandom(2 << 20))
+    tag = f"coldsnap-test/capped-build:{os.getpid()}"
+    dockerfile = base64.b64encode(f"FROM {busybox_image}\nCOPY big /big\n".encode()).decode()
+    async with running_daemon("[docker]\ncopy_max_bytes = 1048576\n") as daemon:
+        s = await daemon.open_session(hosts=["localhost"])
+        try:
+            built = await s.runtime("image-build", build={"dockerfile": dockerfile, "context": str(context),
+                                                          "tag": tag, "pull": False})
+            present = docker("image", "inspect", tag, check=False).returncode == 0
+        finally:
+            docker("rmi", "-f", tag, check=False)
+    assert not built.ok and "the build context exceeds 1048576 bytes (docker.copy_max_bytes)" in built.error
+    assert not present

@@ -10,8 +10,19 @@ from pathlib import Path
 
 import anyio
 import msgspec
+import pytest
 
 from tests.helpers import running_daemon
+
+
+@pytest.fixture
+def shared(top: Path) -> Path:
+    """A sticky world-writable directory (like /tmp) that exec can use whatever account it runs as: root,
+    nobody or the systemd unit's own (COLDSNAP_TEST_UNIT=1, docs/systemd.md); pytest's tree is root's 0700."""
+    path = top / "shared"
+    path.mkdir()
+    path.chmod(0o1777)
+    return path
 
 
 async def test_exec_argv_survives_exactly_without_a_shell() -> None:
@@ -69,11 +80,26 @@ async def test_exec_runs_as_configured_user() -> None:
         assert uid.ok and uid.output.strip() == b"65534"
 
 
-async def test_upload_copies_node_local_files_recursively() -> None:
-    src = Path(tempfile.mkdtemp(prefix="cs-up-"))
+async def test_exec_as_another_user_holds_no_capability_and_cannot_regain_any() -> None:
+    """Every drop empties the bounding set and sets no_new_privs (docs/systemd.md), also under a root
+    daemon, where setresuid alone leaves the bounding set full and set-user-ID programs working."""
+    async with running_daemon('[exec]\nuser = "nobody"\n') as daemon:
+        s = await daemon.open_session()
+        status = await s.call("exec", host="localhost",
+                              arguments=["grep", "-E", "^(Cap|NoNewPrivs)", "/proc/self/status"])
+        fields = dict(line.split(":\t") for line in status.output.decode().splitlines())
+        assert {key: int(value, 16) for key, value in fields.items()} == {
+            "CapInh": 0, "CapPrm": 0, "CapEff": 0, "CapBnd": 0, "CapAmb": 0, "NoNewPrivs": 1}, fields
+
+
+async def test_upload_copies_node_local_files_recursively(shared: Path) -> None:
+    src = Path(tempfile.mkdtemp(prefix="cs-up-", dir=shared))
+    src.chmod(0o755)
     (src / "sub").mkdir()
     (src / "sub" / "f").write_bytes(b"payload")
-    dest = Path(tempfile.mkdtemp(prefix="cs-dest-")) / "copy"
+    dest_dir = Path(tempfile.mkdtemp(prefix="cs-dest-", dir=shared))
+    dest_dir.chmod(0o777)
+    dest = dest_dir / "copy"
     async with running_daemon() as daemon:
         s = await daemon.open_session()
         reply = await s.call("upload", host="localhost", sources=[str(src)], destination=str(dest),
@@ -152,9 +178,9 @@ async def _wait_gone(pid: int) -> None:
             await anyio.sleep(0.05)
 
 
-async def test_grandchild_that_ignores_sigterm_is_killed_on_disconnect(tmp_path: Path) -> None:
+async def test_grandchild_that_ignores_sigterm_is_killed_on_disconnect(shared: Path) -> None:
     """Regression: #11 finding 15 (no SIGKILL followed once the main process had exited)."""
-    pid_file = tmp_path / "grandchild"
+    pid_file = shared / "grandchild"
     async with running_daemon() as daemon:
         s = await daemon.open_session()
         stream, pid = await s.exec_in_background(
@@ -164,9 +190,9 @@ async def test_grandchild_that_ignores_sigterm_is_killed_on_disconnect(tmp_path:
         assert (await s.call("capabilities")).ok
 
 
-async def test_exec_children_of_a_killed_daemon_are_ended_at_its_next_start(tmp_path: Path) -> None:
+async def test_exec_children_of_a_killed_daemon_are_ended_at_its_next_start(shared: Path) -> None:
     """Regression: #11 finding 15 (exec children survived a SIGKILL of the daemon)."""
-    pid_file = tmp_path / "child"
+    pid_file = shared / "child"
     state = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
     async with running_daemon(state_dir=state) as daemon:
         s = await daemon.open_session()

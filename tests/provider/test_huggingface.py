@@ -34,8 +34,8 @@ def hub() -> Iterator[HubServer]:
 
 
 @asynccontextmanager
-async def hub_daemon(hub: HubServer, token: str = WRITE_TOKEN,
-                     request_timeout_s: float = 10.0) -> AsyncIterator[tuple[Daemon, Session]]:
+async def hub_daemon(hub: HubServer, token: str = WRITE_TOKEN, request_timeout_s: float = 10.0,
+                     unit: bool | None = None) -> AsyncIterator[tuple[Daemon, Session]]:
     secrets_dir = Path(tempfile.mkdtemp(prefix="cs-hf-token-"))
     token_file = secrets_dir / "token"
     token_file.write_text(token + "\n")
@@ -43,7 +43,7 @@ async def hub_daemon(hub: HubServer, token: str = WRITE_TOKEN,
     config = (f'[exec]\nuser = "nobody"\n[huggingface]\ntoken_file = "{token_file}"\nendpoint = "{hub.url}"\n'
               f'request_timeout_s = {request_timeout_s}\noperation_timeout_s = 15.0\n')
     try:
-        async with running_daemon(config) as daemon:
+        async with running_daemon(config, unit=unit) as daemon:
             yield daemon, await daemon.open_session(hosts=["localhost"])
     finally:
         shutil.rmtree(secrets_dir, ignore_errors=True)
@@ -211,3 +211,21 @@ async def test_requests_with_a_bad_image_repository_or_path_are_rejected_before_
     assert not missing_image.ok and "image" in text(missing_image)
     assert not [r for r in hub.requests if r[0] != "GET" or "revision" not in r[1]]
     assert not hub.requests
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="reproduces the unit's account: needs root")
+async def test_publish_and_resolve_under_the_shipped_unit_open_the_source_as_exec_user(
+        hub: HubServer, top: Path) -> None:
+    """The unit once allowed only AF_UNIX sockets: every Hub call failed. The source opener runs as
+    exec.user with no capability: a root-only source stays unreadable (docs/systemd.md)."""
+    data = os.urandom(2048)
+    secret = payload(top, b"root only", "secret.pack")
+    secret.chmod(0o600)
+    async with hub_daemon(hub, unit=True) as (_, session):
+        published = await publish(session, payload(top, data))
+        assert published.ok, published.error
+        resolved = await resolve(session, "staging")
+        assert resolved.ok and resolved.value == hub.repos[REPO].branches["staging"], resolved
+        refused = await publish(session, secret, destination="native/secret.pack")
+        assert not refused.ok and "Permission denied" in text(refused), refused
+    assert hub.repos[REPO].files("staging") == {"native/objects/0001.pack": data}

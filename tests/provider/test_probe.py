@@ -71,7 +71,7 @@ def test_probe_workloads_realise_the_isolation_rules() -> None:
     assert probe_config["Cmd"] == ["-m", "coldsnap_probe", "profile", "--memory-bytes", "1048576", "--timeout", "30"]
     criu = container_config(criu_workload(options))
     assert criu["Entrypoint"] == ["/opt/coldsnap/criu/bin/criu"] and criu["Cmd"] == ["check"]
-    assert criu["HostConfig"]["NetworkMode"] == "host" and "DeviceRequests" not in criu["HostConfig"]
+    assert criu["HostConfig"]["NetworkMode"] == "none" and "DeviceRequests" not in criu["HostConfig"]
 
 
 @no_driver

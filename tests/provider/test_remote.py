@@ -26,7 +26,9 @@ import anyio
 import pytest
 
 from tests.conftest import Registry, docker
-from tests.helpers import ROOT, Session, running_daemon
+from tests.helpers import EXEC_AS_NOBODY, ROOT, Session, control_as, running_daemon
+
+_NOBODY = 65534
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="node-b needs root (namespaces, a second dockerd)")
 
@@ -519,34 +521,50 @@ async def test_remote_dockerd_restart_fails_then_recovers_naming_the_host(node_b
         assert again.ok, again.error
 
 
+async def _exec_abandoned_by_a_dropped_link(s: Session, node_b: NodeB, marker: str) -> int:
+    """Start a long exec on node-b, drop the link under it; the remote child's pid (still alive)."""
+    assert (await _exec(s, "node-b", "true")).ok  # the link is up
+    script = f"sleep 300 & echo $! > {marker}; wait"
+    result: list[Any] = []
+    async with anyio.create_task_group() as tg:
+        async def run() -> None:
+            result.append(await _exec(s, "node-b", "sh", "-c", script))
+
+        tg.start_soon(run)
+        pid_file = node_b.path(marker)
+        await _wait_until(lambda: pid_file.exists() and pid_file.read_text().strip() != "", "the remote child")
+        pid = int(pid_file.read_text())
+        node_b.drop_links()
+    reply = result[0]
+    assert not reply.ok and reply.error_code == "runtime_failed"
+    assert "remote host node-b" in reply.error and "dropped" in reply.error
+    assert _alive(pid)  # nothing could reach node-b while the link was down
+    return pid
+
+
 async def test_remote_link_dropped_mid_exec_is_reported_and_cleaned_when_it_returns(node_b: NodeB) -> None:
     marker = f"/tmp/coldsnap-remote-{os.getpid()}-drop"
     async with running_daemon(node_b.config()) as daemon:
         s = await daemon.open_session(hosts=["node-b"])
-        assert (await _exec(s, "node-b", "true")).ok  # the link is up
-        script = f"sleep 300 & echo $! > {marker}; wait"
-
-        async def long_exec() -> Any:
-            return await _exec(s, "node-b", "sh", "-c", script)
-
-        result: list[Any] = []
-        async with anyio.create_task_group() as tg:
-            async def run() -> None:
-                result.append(await long_exec())
-
-            tg.start_soon(run)
-            pid_file = node_b.path(marker)
-            await _wait_until(lambda: pid_file.exists() and pid_file.read_text().strip() != "", "the remote child")
-            pid = int(pid_file.read_text())
-            node_b.drop_links()
-        reply = result[0]
-        assert not reply.ok and reply.error_code == "runtime_failed"
-        assert "remote host node-b" in reply.error and "dropped" in reply.error
-        assert _alive(pid)  # nothing could reach node-b while the link was down
+        pid = await _exec_abandoned_by_a_dropped_link(s, node_b, marker)
         again = await _exec(s, "node-b", "true")  # the link returns: the pending kill runs first
         assert again.ok
         await _wait_until(lambda: not _alive(pid), "the abandoned remote child to be killed")
         assert not await _running_on_node_b(s, pid)
+        node_b.path(marker).unlink(missing_ok=True)
+
+
+async def test_remote_link_dropped_mid_exec_is_cleaned_by_the_daemons_maintenance_without_a_call(
+        node_b: NodeB) -> None:
+    """No request reopens the link: the daemon's one maintenance loop (remote nodes every 10 s) does, and runs
+    the pending kill."""
+    marker = f"/tmp/coldsnap-remote-{os.getpid()}-drop-idle"
+    async with running_daemon(node_b.config()) as daemon:
+        s = await daemon.open_session(hosts=["node-b"])
+        pid = await _exec_abandoned_by_a_dropped_link(s, node_b, marker)
+        with anyio.fail_after(30):  # at most one remote maintenance period (10 s) plus a reconnect
+            while await anyio.to_thread.run_sync(_alive, pid):
+                await anyio.sleep(0.2)
         node_b.path(marker).unlink(missing_ok=True)
 
 
@@ -610,3 +628,72 @@ async def test_remote_link_dropped_mid_pull_is_reported_and_the_next_call_reconn
     finally:
         hang.kill()
         hang.wait()
+
+
+async def test_policy_is_enforced_for_remote_hosts_too(node_b: NodeB, busybox_image: str) -> None:
+    """Regression: #24: the admission profile holds on [[remote]] nodes, checked before the SSH link is used."""
+    name = f"coldsnap-remote-pol-{os.getpid()}"
+    config = (f"{EXEC_AS_NOBODY}[server]\ncontrol_uids = [{_NOBODY}, {_NOBODY - 1}]\n" + node_b.config()
+              + '[policy.profiles.tenant]\nmount_roots = ["/srv/coldsnap"]\n'
+              + f'[[policy.assign]]\nuids = [{_NOBODY}, {_NOBODY - 1}]\nprofile = "tenant"\n')
+    async with running_daemon(config) as daemon:
+        os.chmod(daemon.state_dir / "control.sock", 0o666)
+
+        def session(uid: int) -> Session:
+            answer = control_as(uid, daemon.state_dir, {"operation": "session-open", "session": f"op-rp-{uid}",
+                                                        "hosts": ["node-b"]})
+            assert answer["ok"], answer
+            return Session(socket=answer["result"]["socket"], token=answer["result"]["token"],
+                           session=answer["result"]["session"])
+
+        owner, other = session(_NOBODY), session(_NOBODY - 1)
+        try:
+            refused = await owner.runtime("workload-run", host="node-b", workload={
+                "image": busybox_image, "name": name, "command": ["true"],
+                "mounts": [{"source": "/etc", "target": "/e"}]})
+            assert refused.error == "workload.mounts[0].source: /etc is outside the allowed roots of profile tenant"
+            assert node_b.docker("container", "inspect", name, check=False).returncode != 0
+            run = await owner.runtime("workload-run", host="node-b", workload={
+                "image": busybox_image, "name": name, "detached": True, "privileged": True,
+                "command": ["sleep", "60"]})
+            assert run.ok, run.error
+            host = json.loads(node_b.docker("container", "inspect", name).stdout)[0]["HostConfig"]
+            assert host["Privileged"] is False and "SYS_ADMIN" in {c.removeprefix("CAP_") for c in host["CapAdd"]}
+            theirs = await other.runtime("workload-exec", host="node-b", name=name,
+                                         execution={"command": ["hostname"]})
+            assert theirs.error_code == "not_found"
+        finally:
+            node_b.docker("rm", "-f", name, check=False)
+
+
+# --- under the shipped systemd unit (docs/systemd.md) ------------------------------------------
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="reproduces the unit's account: needs root")
+async def test_exec_upload_and_engine_on_node_b_work_under_the_shipped_unit(
+        node_b: NodeB, world_readable_dir: Path, busybox_image: str) -> None:
+    """The unit once allowed only AF_UNIX sockets: SSH to a remote node failed. The upload's local tar
+    runs as exec.user with no capability: a root-only file stays unreadable (the unit's daemon holds
+    CAP_DAC_OVERRIDE, which the tar once inherited)."""
+    source = world_readable_dir / "payload.txt"
+    source.write_text("under the unit\n")
+    source.chmod(0o644)
+    secret = world_readable_dir / "secret.txt"
+    secret.write_text("root only\n")
+    secret.chmod(0o600)
+    dest = f"/tmp/coldsnap-unit-upload-{os.getpid()}"
+    async with running_daemon(node_b.config() + '\n[exec]\nuser = "nobody"\n', unit=True) as daemon:
+        s = await daemon.open_session(hosts=["localhost", "node-b"])
+        try:
+            remote = await _exec(s, "node-b", "hostname")
+            assert remote.ok and _output(remote) == b"node-b\n", remote
+            uploaded = await s.call("upload", host="node-b", sources=[str(source)], destination=dest)
+            assert uploaded.ok, uploaded.error
+            assert node_b.path(dest).read_text() == "under the unit\n"
+            refused = await s.call("upload", host="node-b", sources=[str(secret)], destination=f"{dest}-secret")
+            assert not refused.ok and "Permission denied" in str(refused.error)
+            assert not node_b.path(f"{dest}-secret").exists()
+            inspected = await s.runtime("image-inspect", host="node-b", image=busybox_image)
+            assert inspected.ok, inspected.error
+        finally:
+            node_b.path(dest).unlink(missing_ok=True)

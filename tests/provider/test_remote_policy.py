@@ -16,6 +16,7 @@ import pytest
 
 from tests.conftest import Registry, docker
 from tests.helpers import running_daemon
+from tests.provider.test_copy_limits import small_tmpfs  # noqa: F401 - fixture
 from tests.provider.test_remote import NodeB, node_b, node_b_registry  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="node-b needs root (namespaces, a second dockerd)")
@@ -148,3 +149,32 @@ async def test_remote_upload_and_copy_from_past_copy_max_bytes_fail_and_place_no
         assert not reply.ok and reply.error_code == "runtime_failed"
         assert "exceeds 1048576 bytes (docker.copy_max_bytes)" in reply.error, reply.error
     assert not node_b.path(dest).exists() and not node_b.path(f"{dest}-copy").exists()
+
+
+async def test_remote_copy_from_sparse_file_is_spooled_sparse_both_ways(node_b: NodeB, busybox_image: str,  # noqa: F811
+                                                                        small_tmpfs: Path) -> None:  # noqa: F811
+    """Regression: #24 finding 8 (remote copy-from staged whole trees, sparse files expanded)."""
+    name = f"coldsnap-remote-sparse-{os.getpid()}"
+    dest = f"/tmp/coldsnap-remote-sparse-{os.getpid()}"
+    config = node_b.config() + f'\n[docker]\nspool_dir = "{small_tmpfs}"\n'
+    async with running_daemon(config) as daemon:
+        s = await daemon.open_session(hosts=["node-b"])
+        try:
+            run = await s.runtime("workload-run", host="node-b", workload={
+                "image": busybox_image, "name": name, "detached": True,
+                "command": ["sh", "-c", "truncate -s 64M /sparse && touch /done; sleep 300"]})
+            assert run.ok, run.error
+            with anyio.fail_after(10):
+                while (await s.runtime("workload-exec", host="node-b", name=name,
+                                       execution={"command": ["test", "-e", "/done"]})).error_code:
+                    await anyio.sleep(0.1)
+            copied = await s.runtime("workload-copy-from", host="node-b", name=name, path="/sparse",
+                                     destination=dest)
+        finally:
+            node_b.docker("rm", "-f", name, check=False)
+    try:
+        assert copied.ok, copied.error  # a 16 MiB spool held the 64 MiB file twice: as holes
+        assert node_b.path(dest).stat().st_size == 64 << 20
+        assert os.listdir(small_tmpfs) == []
+    finally:
+        node_b.path(dest).unlink(missing_ok=True)

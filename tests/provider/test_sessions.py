@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from coldsnap_provider import ReplyError
-from tests.helpers import control_as, running_daemon
+from tests.helpers import EXEC_AS_NOBODY, control_as, running_daemon
 
 
 def mode(path: str | Path) -> int:
@@ -35,7 +35,7 @@ async def test_session_socket_and_directory_are_private() -> None:
 
 async def test_session_is_owned_by_the_uid_that_opened_it() -> None:
     nobody = 65534
-    async with running_daemon(f"[server]\ncontrol_uids = [{nobody}]\n") as daemon:
+    async with running_daemon(f"{EXEC_AS_NOBODY}[server]\ncontrol_uids = [{nobody}]\n") as daemon:
         os.chmod(daemon.state_dir / "control.sock", 0o666)
         reply = control_as(nobody, daemon.state_dir, {"operation": "session-open", "session": "op-nobody",
                                                        "hosts": ["localhost"]})
@@ -159,7 +159,7 @@ async def test_session_socket_cannot_be_redirected_by_a_racing_symlink(tmp_path:
     target.write_text("secret\n")
     target.chmod(0o644)
     state = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
-    async with running_daemon(f"[server]\ncontrol_uids = [{NOBODY}]\n", state_dir=state) as daemon:
+    async with running_daemon(f"{EXEC_AS_NOBODY}[server]\ncontrol_uids = [{NOBODY}]\n", state_dir=state) as daemon:
         os.chmod(daemon.state_dir / "control.sock", 0o666)
         reply = control_as(NOBODY, daemon.state_dir, {"operation": "session-open", "session": "op-race",
                                                       "hosts": ["localhost"]})
@@ -204,12 +204,12 @@ async def test_record_with_an_out_of_range_uid_is_skipped_not_fatal() -> None:
 async def test_close_of_a_session_that_is_not_live_checks_its_owner() -> None:
     """Regression: #11 finding 10 (session-close skipped the owner check for sessions not being served)."""
     state = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
-    async with running_daemon(f"[server]\ncontrol_uids = [{NOBODY}]\n", state_dir=state) as daemon:
+    async with running_daemon(f"{EXEC_AS_NOBODY}[server]\ncontrol_uids = [{NOBODY}]\n", state_dir=state) as daemon:
         await daemon.open_session("op-root")
     # A directory where the socket goes: the session cannot be bound at the next start, so it is not live.
     (state / "sessions" / "op-root" / "provider.sock").unlink()
     (state / "sessions" / "op-root" / "provider.sock").mkdir()
-    async with running_daemon(f"[server]\ncontrol_uids = [{NOBODY}]\n", state_dir=state) as daemon:
+    async with running_daemon(f"{EXEC_AS_NOBODY}[server]\ncontrol_uids = [{NOBODY}]\n", state_dir=state) as daemon:
         assert (await daemon.control(operation="status"))["sessions"] == 0
         os.chmod(daemon.state_dir / "control.sock", 0o666)
         reply = control_as(NOBODY, daemon.state_dir, {"operation": "session-close", "session": "op-root"})

@@ -135,3 +135,32 @@ def test_extract_merges_into_an_existing_directory_and_keeps_root_owners_only_as
     # A directory onto an existing file is refused, and so is a missing parent.
     assert b"cannot copy a directory onto the file" in extract(data, "cache", existing / "old").stderr
     assert b"does not exist" in extract(data, "cache", shared / "absent" / "x").stderr
+
+
+def test_extract_name_listed_twice_is_refused_and_nothing_is_written(shared: Path, top: Path) -> None:
+    """Regression: #24 finding 1 (a link, then a file of the same name: the write followed the link)."""
+    outside = top / "outside"
+    outside.mkdir()
+    data = tar_of(member("ctx", type=tarfile.DIRTYPE, mode=0o755),
+                  member("ctx/x", type=tarfile.SYMTYPE, linkname=str(outside / "victim")),
+                  member("ctx/x", b"pwned\n"))
+    for extra in ((), as_nobody()):
+        result = extract(data, "ctx", shared / "copy", *extra)
+        assert result.returncode == 1 and b"archive entry 'ctx/x' is listed twice" in result.stderr, result.stderr
+        assert not (shared / "copy").exists() and list(outside.iterdir()) == []
+
+
+def test_extract_runs_of_zeros_become_holes(shared: Path) -> None:
+    """Regression: #24 finding 8 (a sparse file was written out in full)."""
+    size = 64 << 20
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        info = tarfile.TarInfo("sparse")
+        info.size = size
+        tar.addfile(info, io.BytesIO(b"head" + bytes(size - 8) + b"tail"))
+    result = extract(out.getvalue(), "sparse", shared / "sparse")
+    assert result.returncode == 0, result.stderr
+    placed = shared / "sparse"
+    assert placed.stat().st_size == size and placed.stat().st_blocks * 512 < 4 << 20
+    with placed.open("rb") as f:
+        assert f.read(4) == b"head" and f.seek(size - 4) and f.read(4) == b"tail"

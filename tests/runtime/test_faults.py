@@ -192,9 +192,8 @@ async def test_disconnect_during_copy_from_leaves_nothing_half_written(daemon: D
             for fd in os.listdir(fd_dir):
                 try:
                     target = os.readlink(f"{fd_dir}/{fd}")
-                    # In its own temporary directory, unlinked (O_TMPFILE files have no name there).
-                    if target.startswith(os.environ.get("TMPDIR", "/tmp").rstrip("/") + "/") \
-                            and target.endswith(" (deleted)"):
+                    # In the spool directory (docker.spool_dir, /var/tmp by default), unlinked.
+                    if target.startswith("/var/tmp/") and target.endswith(" (deleted)"):
                         return True
                 except OSError:
                     continue

@@ -444,6 +444,47 @@ async def test_gpus_not_exclusive_held_gpu_is_shared(busybox_image: str, holders
 
 
 @engine
+@no_driver
+@pytest.mark.parametrize(("route", "workload"), [
+    pytest.param("devices", {"devices": [{"source": "/dev/nvidia0"}]}, id="device-node"),
+    pytest.param("environment.NVIDIA_VISIBLE_DEVICES", {"environment": {"NVIDIA_VISIBLE_DEVICES": "0"}}, id="env"),
+    pytest.param("privileged", {"privileged": True}, id="privileged"),
+])
+async def test_gpus_exclusive_gpu_reached_around_gpus_refused_naming_the_route(
+        busybox_image: str, holders: list[str], route: str, workload: dict[str, object]) -> None:
+    """Regression: #24 finding 6: a GPU reached through devices, NVIDIA_VISIBLE_DEVICES or privileged."""
+    holder = _holder(busybox_image, "0")
+    holders.append(holder)
+    name = uniq("gpuroute")
+    config = _EXCLUSIVE + "[runtime]\nprivileged = \"host-capabilities\"\n"
+    async with running_daemon(config) as daemon:
+        reply = await (await daemon.open_session()).runtime("workload-run", workload={
+            "name": name, "image": busybox_image, "detached": True, "command": ["true"], **workload})
+    assert not reply.ok and reply.error_code == "runtime_failed"
+    assert f"{route}: " in str(reply.error) and f"is held by workload {holder!r}" in str(reply.error), reply.error
+    assert not container_exists(name)
+
+
+@engine
+@no_driver
+async def test_gpus_exclusive_privileged_workload_holds_every_gpu(busybox_image: str, holders: list[str]) -> None:
+    """Regression: #24 finding 6: a privileged container sees every /dev/nvidia*: it holds them all."""
+    name = uniq("gpupriv")
+    holders.append(name)
+    config = _EXCLUSIVE + "[runtime]\nprivileged = \"host-capabilities\"\n"
+    async with running_daemon(config) as daemon:
+        session = await daemon.open_session()
+        reply = await session.runtime("workload-run", workload={
+            "name": name, "image": busybox_image, "detached": True, "privileged": True, "command": ["sleep", "60"]})
+        assert reply.ok, reply.error
+        assert inspect_container(name)["Config"]["Labels"][HELD_GPUS_LABEL] == "all"
+    assert inspect_container(name)["State"]["Running"]  # still holding (a shared engine: nobody removed it)
+    second, refused = await run_on_gpu0(busybox_image, "gpuafter", _EXCLUSIVE)
+    assert not refused.ok and f"gpus: GPU 0 is held by workload {name!r}" in str(refused.error), refused.error
+    assert not container_exists(second)
+
+
+@engine
 async def test_workload_run_managers_own_held_gpus_label_is_dropped(busybox_image: str) -> None:
     """A manager cannot claim GPUs it was not given (and so block other managers' workloads)."""
     name = uniq("gpulabel")

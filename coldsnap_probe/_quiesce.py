@@ -1,0 +1,59 @@
+"""What a capture checks in a server it does not control before locking anything (issue 23).
+
+A server people run unchanged has no quiesce call: the worker waits, within a bound, for its open requests
+(established TCP connections) to end and otherwise refuses naming them, and refuses a process holding an
+io_uring instance (CRIU cannot dump one). Both read /proc only.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from ._process import endpoint, readlink
+from .errors import WorkerError
+
+IDLE_WAIT_S = 5.0  # how long a capture waits for a server's open requests to finish
+ESTABLISHED = "01"  # /proc/net/tcp's state column
+
+
+def open_connections(tree: list[int]) -> list[str]:
+    """The tree's established TCP connections (a request being served), as `process P fd F local <- peer`."""
+    found = []
+    for pid in tree:
+        try:
+            links = {fd: readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+            inodes = {link[8:-1]: fd for fd, link in links.items() if link.startswith("socket:[")}
+            for proto in ("tcp", "tcp6"):
+                for line in Path(f"/proc/{pid}/net/{proto}").read_text().splitlines()[1:]:
+                    fields = line.split()
+                    if len(fields) > 9 and fields[3] == ESTABLISHED and fields[9] in inodes:
+                        found.append(f"process {pid} fd {inodes[fields[9]]} {endpoint(fields[1])} <- "
+                                     f"{endpoint(fields[2])}")
+        except OSError:  # the process is gone: it holds nothing
+            continue
+    return found
+
+
+def wait_idle(tree: list[int], bound: float) -> None:
+    """Wait up to `bound` seconds for the tree's open requests to finish, else refuse naming them (CRIU cannot
+    carry an established connection into another unit; its client would hang)."""
+    deadline = time.monotonic() + bound
+    while open_ := open_connections(tree):
+        if time.monotonic() >= deadline:
+            raise WorkerError(f"capture refused: the server still has {len(open_)} open connection(s) after "
+                              f"waiting {bound:g} s for its requests to finish: " + "; ".join(open_[:8]))
+        time.sleep(0.05)
+
+
+def refuse_io_uring(tree: list[int]) -> None:
+    """CRIU cannot dump an io_uring instance: refuse before anything is locked, naming the process."""
+    for pid in tree:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        if "anon_inode:[io_uring]" in maps:
+            raise WorkerError(f"capture refused: process {pid} holds an io_uring instance, which CRIU cannot dump "
+                              "(uvloop's libuv keeps one for epoll batching: leave uvloop out of the capsule)")

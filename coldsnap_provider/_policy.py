@@ -1,0 +1,327 @@
+"""The runtime admission policy (issue 24; docs/policy.md): what a manager's sessions may ask a runtime for.
+
+Every runtime-v1 request and every control-socket `probe` passes :meth:`Policy.admit` (or
+:meth:`Policy.admit_probe`) once, above the host routing, before any backend is asked: the same
+rules hold for this node, for ``[[remote]]`` nodes and for any later host kind. A manager's
+profile is chosen from ``[policy]`` by its uid and primary gid (root and the daemon's uid get
+``policy.admin``). The outcome is a :class:`Decision`, logged here and handed back to the caller;
+a refusal is :class:`PolicyRefused` (a plain ``ok:false``) naming the field, the value and the rule,
+and nothing has been created.
+
+This module does no I/O except reading the host's filesystem to check mount sources of requests
+for this node (:func:`check_source`): dockerd resolves a bind source as root, so a symbolic link
+or a directory the manager can rename would let it escape its roots.
+"""
+
+from __future__ import annotations
+
+import errno
+import fnmatch
+import os
+import stat
+from collections.abc import Iterable
+from typing import NoReturn
+
+import msgspec
+import structlog
+
+from coldsnap_runtime.errors import RequestRejected
+from coldsnap_runtime.schema import (
+    ImageBuildAction,
+    ImagePull,
+    ImagePush,
+    ImageTag,
+    RuntimeRequest,
+    WorkloadRun,
+    WorkloadSpec,
+)
+
+from ._config import CAPSULE_CAPABILITIES, PolicyConfig, ProfileConfig
+from ._envelope import OciPull, OciPush, Request, Runtime
+from ._sessions import SessionRecord
+
+__all__ = ("PROVIDER_LABEL_PREFIX", "Decision", "Policy", "PolicyRefused", "Profile", "check_source")
+
+log = structlog.get_logger(__name__)
+
+PROVIDER_LABEL_PREFIX = "io.coldsnap-provider."
+# Host paths no profile but `unrestricted` mounts, nor any directory above them.
+SYSTEM_PATHS = ("/etc", "/proc", "/sys", "/dev", "/run", "/var/run", "/boot")
+
+
+class Profile(msgspec.Struct, frozen=True, kw_only=True):
+    """A named profile; `unrestricted` admits everything (today's behaviour, for root by default)."""
+
+    name: str
+    rules: ProfileConfig
+    unrestricted: bool = False
+
+
+UNRESTRICTED = Profile(name="unrestricted", rules=ProfileConfig(), unrestricted=True)
+CAPSULE = Profile(name="capsule", rules=ProfileConfig())
+
+
+class Decision(msgspec.Struct, frozen=True, kw_only=True):
+    """One admission decision: who asked for what, under which profile, and the outcome.
+
+    `rule`, `field` and `value` name what refused it ("" when admitted). `capabilities`: a
+    `privileged` request is realised as exactly these (None: as ``[runtime] privileged`` says)."""
+
+    manager_uid: int
+    session: str
+    host: str
+    action: str
+    profile: str
+    admitted: bool
+    rule: str = ""
+    field: str = ""
+    value: str = ""
+    message: str = ""
+    capabilities: tuple[str, ...] | None = None
+
+
+class PolicyRefused(RequestRejected):
+    """The manager's profile refuses the request (nothing was created); carries the decision."""
+
+    def __init__(self, decision: Decision) -> None:
+        super().__init__(decision.message)
+        self.decision = decision
+
+
+class _Refusal(Exception):
+    def __init__(self, rule: str, field: str, value: str, message: str) -> None:
+        super().__init__(message)
+        self.rule, self.field, self.value = rule, field, value
+
+
+class Policy:
+    """The profiles of ``[policy]`` and the rules they impose (pure apart from :func:`check_source`).
+
+    `protected`: host paths that are never mounted under a restricted profile, nor any directory
+    above them (the Docker socket, the state directory, credential files). `trusted_uids`: who may
+    own a directory above a mount source (root and the daemon)."""
+
+    def __init__(self, config: PolicyConfig, *, protected: Iterable[str] = (),
+                 trusted_uids: frozenset[int] | None = None) -> None:
+        self._config = config
+        self._profiles = {"unrestricted": UNRESTRICTED, "capsule": CAPSULE,
+                          **{name: Profile(name=name, rules=rules) for name, rules in config.profiles.items()}}
+        self._protected = tuple(sorted({os.path.normpath(p) for p in protected if p}))
+        self._trusted = trusted_uids if trusted_uids is not None else frozenset({0, os.geteuid()})
+
+    def profile_for(self, uid: int, gid: int) -> Profile:
+        """Root and the daemon's uid: `admin`; else the first [[policy.assign]] naming the uid or gid;
+        else `managers`."""
+        if uid in (0, os.geteuid()):
+            return self._profiles[self._config.admin]
+        for entry in self._config.assign:
+            if uid in entry.uids or gid in entry.gids:
+                return self._profiles[entry.profile]
+        return self._profiles[self._config.managers]
+
+    def admit_operation(self, request: Request, record: SessionRecord, *, local: bool) -> Decision | None:
+        """The one admission call of a session's request: runtime-v1 (and the legacy oci-pull/-push)
+        under the manager's profile; None for what is not a runtime request (exec and upload run as
+        exec.user, the Hub client reads and writes as exec.user)."""
+        match request:
+            case Runtime(runtime=runtime):
+                action: RuntimeRequest = runtime
+            case OciPull(image=image):
+                action = ImagePull(image=image)
+            case OciPush(image=image):
+                action = ImagePush(image=image)
+            case _:
+                return None
+        return self.admit(action, uid=record.uid, gid=record.gid, session=record.session, host=request.host,
+                          local=local)
+
+    def admit(self, request: RuntimeRequest, *, uid: int, gid: int, session: str, host: str,
+              local: bool) -> Decision:
+        """Admit one runtime request or raise PolicyRefused; `local`: the host is this node (mount
+        sources are then checked on this filesystem too, not only by their text)."""
+        profile = self.profile_for(uid, gid)
+        action = str(request.__struct_config__.tag)
+        capabilities = None
+        try:
+            if not profile.unrestricted:
+                self._check_request(profile, request, local=local)
+                if isinstance(request, WorkloadRun) and request.workload.privileged:
+                    capabilities = _grant(profile)
+        except _Refusal as refusal:
+            self._refuse(profile, uid, session, host, action, refusal)
+        return self._admitted(profile, uid, session, host, action, capabilities)
+
+    def admit_probe(self, image: str, *, uid: int, gid: int, host_process: bool) -> Decision:
+        """The control socket's `probe`: its image under the manager's profile; the probe then runs
+        with `capabilities` (what CRIU's check and the CUDA probe need), never privileged."""
+        profile = self.profile_for(uid, gid)
+        rules = profile.rules
+        try:
+            if not profile.unrestricted and not host_process:
+                _check_image(profile, "probe.image", image)
+                if not rules.gpus:
+                    raise _Refusal("gpus", "probe.device", "", f"probe.device: profile {profile.name} gives no GPUs")
+                if rules.privileged == "refuse":
+                    raise _Refusal("privileged", "probe", image, (
+                        f"probe: the probe needs {', '.join(CAPSULE_CAPABILITIES)}, and profile {profile.name} "
+                        "refuses privileged workloads"))
+        except _Refusal as refusal:
+            self._refuse(profile, uid, "", "", "probe", refusal)
+        # A profile whose privileged is the whole host still probes with only what the probe needs.
+        capabilities = (None if profile.unrestricted else _grant(profile)) or CAPSULE_CAPABILITIES
+        return self._admitted(profile, uid, "", "", "probe", capabilities)
+
+    def seccomp_unconfined(self, uid: int, gid: int) -> bool:
+        """Whether the manager's profile lets its workloads (and its probes) run seccomp-unconfined."""
+        profile = self.profile_for(uid, gid)
+        return profile.unrestricted or profile.rules.seccomp_unconfined
+
+    # --- the rules ---------------------------------------------------------------------------
+
+    def _check_request(self, profile: Profile, request: RuntimeRequest, *, local: bool) -> None:
+        match request:
+            case WorkloadRun(workload=spec):
+                self._check_workload(profile, spec, local=local)
+            case ImagePull(image=image) | ImagePush(image=image):
+                _check_image(profile, "image", image)
+            case ImageTag(source=source, target=target):
+                _check_image(profile, "source", source)
+                _check_image(profile, "target", target)
+            case ImageBuildAction(build=build):
+                _check_image(profile, "build.tag", build.tag)
+            case _:
+                pass  # inspect, remove, exec, logs, copy-from: ownership is the runtime's rule (dispatch)
+
+    def _check_workload(self, profile: Profile, spec: WorkloadSpec, *, local: bool) -> None:
+        rules, name = profile.rules, profile.name
+        _check_image(profile, "workload.image", spec.image)
+        if spec.privileged and rules.privileged == "refuse":
+            raise _Refusal("privileged", "workload.privileged", "true",
+                           f"workload.privileged: true is refused by profile {name}")
+        if spec.seccomp_unconfined and not rules.seccomp_unconfined:
+            raise _Refusal("seccomp", "workload.seccomp_unconfined", "true",
+                           f"workload.seccomp_unconfined: true is refused by profile {name}")
+        if spec.network == "host" and not rules.host_network:
+            raise _Refusal("host-network", "workload.network", "host",
+                           f"workload.network: host is refused by profile {name} (the host's network namespace)")
+        if spec.gpus and not rules.gpus:
+            raise _Refusal("gpus", "workload.gpus", ",".join(spec.gpus),
+                           f"workload.gpus: {','.join(spec.gpus)}: profile {name} gives no GPUs")
+        for index, device in enumerate(spec.devices):
+            if device.source not in rules.devices:
+                field = f"workload.devices[{index}].source"
+                raise _Refusal("devices", field, device.source, (
+                    f"{field}: {device.source} is not a device profile {name} allows "
+                    f"({', '.join(rules.devices) or 'none'}; GPUs come through `gpus`)"))
+        for key in spec.environment:
+            if key in rules.denied_environment:
+                raise _Refusal("environment", f"workload.environment.{key}", key, (
+                    f"workload.environment.{key}: profile {name} refuses setting {key} "
+                    "(it reaches host devices around `gpus`)" if key == "NVIDIA_VISIBLE_DEVICES" else
+                    f"workload.environment.{key}: profile {name} refuses setting {key}"))
+        for key in spec.labels:
+            if key.startswith(PROVIDER_LABEL_PREFIX) and not rules.provider_labels:
+                raise _Refusal("provider-labels", f"workload.labels.{key}", key, (
+                    f"workload.labels.{key}: labels under {PROVIDER_LABEL_PREFIX} belong to the provider "
+                    f"(profile {name})"))
+        for index, mount in enumerate(spec.mounts):
+            self._check_mount(profile, f"workload.mounts[{index}].source", mount.source, local=local)
+
+    def _check_mount(self, profile: Profile, field: str, source: str, *, local: bool) -> None:
+        name = profile.name
+        roots = profile.rules.mount_roots
+        if not any(source == root or source.startswith(root.rstrip("/") + "/") for root in roots):
+            raise _Refusal("mount-roots", field, source, (
+                f"{field}: {source} is outside the allowed roots of profile {name}"
+                + ("" if roots else " (it allows no mounts)")))
+        for path in (*SYSTEM_PATHS, *self._protected):
+            if source == path or source.startswith(path + "/") or path.startswith(source.rstrip("/") + "/"):
+                raise _Refusal("protected-paths", field, source, (
+                    f"{field}: {source} is or contains {path}, which profile {name} never mounts"))
+        if local and (problem := check_source(source, self._trusted)):
+            rule, detail = problem
+            raise _Refusal(rule, field, source, f"{field}: {source} {detail} (profile {name})")
+
+    # --- outcomes ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _refuse(profile: Profile, uid: int, session: str, host: str, action: str, refusal: _Refusal) -> NoReturn:
+        decision = Decision(manager_uid=uid, session=session, host=host, action=action, profile=profile.name,
+                            admitted=False, rule=refusal.rule, field=refusal.field, value=refusal.value,
+                            message=str(refusal))
+        log.warning("admission", manager_uid=uid, session=session or None, host=host or None, action=action,
+                    profile=profile.name, decision="refused", rule=refusal.rule, error=decision.message)
+        raise PolicyRefused(decision)
+
+    @staticmethod
+    def _admitted(profile: Profile, uid: int, session: str, host: str, action: str,
+                  capabilities: tuple[str, ...] | None) -> Decision:
+        log.info("admission", manager_uid=uid, session=session or None, host=host or None, action=action,
+                 profile=profile.name, decision="admitted", rule="unrestricted" if profile.unrestricted else "profile")
+        return Decision(manager_uid=uid, session=session, host=host, action=action, profile=profile.name,
+                        admitted=True, capabilities=capabilities)
+
+
+def _grant(profile: Profile) -> tuple[str, ...] | None:
+    """How `privileged: true` is realised: the profile's capabilities, or None ([runtime] privileged)."""
+    return tuple(profile.rules.capabilities) if profile.rules.privileged == "capabilities" else None
+
+
+def _check_image(profile: Profile, field: str, image: str) -> None:
+    patterns = profile.rules.images
+    if not any(fnmatch.fnmatchcase(image, pattern) for pattern in patterns):
+        raise _Refusal("images", field, image, (
+            f"{field}: {image} matches none of the images profile {profile.name} allows ({', '.join(patterns)})"))
+
+
+def check_source(source: str, trusted: frozenset[int]) -> tuple[str, str] | None:
+    """(rule, why) when dockerd, resolving `source` as root, could be led elsewhere than it reads now.
+
+    Each component is opened relative to its parent with O_NOFOLLOW (a symbolic link anywhere is
+    refused, so the text is the path). Nobody but a `trusted` uid may be able to rename or replace
+    a component after this check: every directory above the source must be owned by a trusted uid
+    and not writable by group or others, or be sticky (like /tmp) with the next component owned by
+    a trusted uid. The source must exist (the engine would create a missing one as root) and be a
+    directory or a regular file.
+    """
+    parts = [p for p in source.split("/") if p]
+    fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        parent = os.fstat(fd)
+        walked = ""
+        for part in parts:
+            walked += "/" + part
+            try:
+                child = os.open(part, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except FileNotFoundError:
+                return "mount-missing", "does not exist (the engine would create it as root)"
+            except OSError as exc:
+                if exc.errno == errno.ENOTDIR:
+                    return "mount-kind", f"passes through {walked.rsplit('/', 1)[0]}, which is not a directory"
+                return "mount-missing", f"cannot be checked: {walked}: {exc.strerror}"
+            info = os.fstat(child)
+            os.close(fd)
+            fd = child
+            if stat.S_ISLNK(info.st_mode):
+                return "mount-symlink", f"passes through {walked}, a symbolic link the engine would follow as root"
+            if not _fixed(parent, info, trusted):
+                where = walked.rsplit("/", 1)[0] or "/"
+                return "mount-writable", (
+                    f"lies in {where}, which uid {parent.st_uid} (mode {stat.S_IMODE(parent.st_mode):04o}) could "
+                    "change after this check; every directory above a mount source must be writable only by root")
+            parent = info
+        if not (stat.S_ISDIR(parent.st_mode) or stat.S_ISREG(parent.st_mode)):
+            return "mount-kind", "is neither a directory nor a regular file"
+        return None
+    finally:
+        os.close(fd)
+
+
+def _fixed(directory: os.stat_result, entry: os.stat_result, trusted: frozenset[int]) -> bool:
+    """Whether only a trusted uid can rename or replace `entry` inside `directory`."""
+    if directory.st_uid not in trusted:
+        return False
+    if not directory.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return True
+    # Sticky (e.g. /tmp): only the entry's owner (or the directory's) may rename or remove it.
+    return bool(directory.st_mode & stat.S_ISVTX) and entry.st_uid in trusted
