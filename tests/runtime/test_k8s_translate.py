@@ -17,7 +17,7 @@ from coldsnap_runtime.backend._k8s_translate import (
     workload_info,
 )
 from coldsnap_runtime.errors import RuntimeFailed
-from coldsnap_runtime.schema import WorkloadSpec
+from coldsnap_runtime.schema import Device, WorkloadSpec
 
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
@@ -91,3 +91,13 @@ def test_state_follows_the_container_status() -> None:
     assert (workload_info(ended, include_start_time=False).state, workload_info(ended, include_start_time=False)
             .exit_code) == ("exited", 3)
     assert workload_info(evicted, include_start_time=False).state == "exited"
+
+
+def test_privileged_under_a_capability_grant_is_exactly_those_capabilities() -> None:
+    spec = WorkloadSpec(image="img:1", name="w", detached=True, privileged=True)
+    pod = pod_manifest(spec, pod="p", namespace="ns", node="n", allow_pull=False, extra_labels={},
+                       capabilities=("SYS_ADMIN", "SYS_PTRACE"))
+    assert pod["spec"]["containers"][0]["securityContext"] == {"capabilities": {"add": ["SYS_ADMIN", "SYS_PTRACE"]}}
+    with pytest.raises(RuntimeFailed, match="`devices` cannot be realised"):
+        pod_manifest(msgspec.structs.replace(spec, devices=[msgspec.convert({"source": "/dev/null"}, Device)]),
+                     pod="p", namespace="ns", node="n", allow_pull=False, extra_labels={}, capabilities=("SYS_ADMIN",))
