@@ -15,8 +15,9 @@ from msgspec import Meta, Struct
 
 from ._errors import ConfigError
 
-__all__ = ("BUILTIN_PROFILES", "CAPSULE_CAPABILITIES", "Config", "ConfigError", "MetricsConfig", "PolicyConfig",
-           "ProfileConfig", "RemoteConfig", "default_state_dir", "load_config", "node_names", "spool_dir")
+__all__ = ("BUILTIN_PROFILES", "CAPSULE_CAPABILITIES", "Config", "ConfigError", "KubernetesConfig", "MetricsConfig",
+           "PolicyConfig", "ProfileConfig", "RemoteConfig", "default_state_dir", "load_config", "node_names",
+           "spool_dir")
 
 
 class _Section(Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -125,6 +126,29 @@ class RemoteConfig(_Section, frozen=True, kw_only=True):
     registries: list[Annotated[str, Meta(min_length=1, pattern=r"^[^\s/\x00]+$")]] = []
 
 
+# A DNS-1123 label (a namespace) and subdomain (a Node name), as the apiserver checks them.
+_DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
+_DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"
+_HOST = Annotated[str, Meta(min_length=1)]
+
+
+class KubernetesConfig(_Section, frozen=True, kw_only=True):
+    """One `[[kubernetes]]` cluster; each host one of its Nodes (docs/kubernetes.md)."""
+
+    hosts: Annotated[list[_HOST], Meta(min_length=1)]
+    kubeconfig: Annotated[str, Meta(pattern=_ABSOLUTE)]
+    namespace: Annotated[str, Meta(pattern=_DNS_LABEL)] = "coldsnap"
+    # host -> Node name, for a Node whose name is not the host name.
+    node_names: dict[_HOST, Annotated[str, Meta(pattern=_DNS_SUBDOMAIN)]] = {}
+    # Every apiserver call; an apiserver that is down or slow fails within this bound.
+    request_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
+    # A detached workload-run whose container has not started by then is deleted and fails.
+    start_timeout_s: Annotated[float, Meta(gt=0)] = 120.0
+
+    def node(self, host: str) -> str:
+        return self.node_names.get(host, host)
+
+
 # What CRIU and CUDA checkpoint need inside a capsule, and no more (seen on the H200 machine,
 # /work/shared/device/README.md): CRIU's dump and restore (SYS_ADMIN, SYS_PTRACE, NET_ADMIN,
 # DAC_READ_SEARCH, SYS_CHROOT) and its monotonic clock offset on restore (SYS_TIME).
@@ -187,6 +211,7 @@ class Config(_Section, frozen=True):
     docker: DockerConfig = DockerConfig()
     registry: RegistryConfig = RegistryConfig()
     remote: list[RemoteConfig] = []
+    kubernetes: list[KubernetesConfig] = []
     gpus: GpusConfig = GpusConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     huggingface: HuggingfaceConfig = HuggingfaceConfig()
@@ -212,7 +237,7 @@ def load_config(path: str | os.PathLike[str] | None = None) -> Config:
         raise ConfigError(f"{source}: {exc}") from exc
     except msgspec.DecodeError as exc:
         raise ConfigError(f"{source}: invalid TOML: {exc}") from exc
-    for check in (_remote_problem, _policy_problem, _exec_problem, _metrics_problem):
+    for check in (_remote_problem, _kubernetes_problem, _policy_problem, _exec_problem, _metrics_problem):
         if problem := check(config):
             raise ConfigError(f"{source}: {problem}")
     return config
@@ -278,6 +303,32 @@ def _remote_problem(config: Config) -> str:
                 other = "the same entry" if seen[host] == index else f"remote[{seen[host]}]"
                 return f"{where}: host {host!r} is already listed by {other}; list it once"
             seen[host] = index
+    return ""
+
+
+def _kubernetes_problem(config: Config) -> str:
+    """Each host's runtime is served once: locally, by one [[remote]] or by one [[kubernetes]] entry.
+
+    A host may be both a [[kubernetes]] Node and a [[remote]] entry: the cluster runs its workloads and
+    the SSH connection carries its node-local operations (exec, upload, copy-from destinations).
+    """
+    local = node_names(config)
+    seen: dict[str, int] = {}
+    for index, cluster in enumerate(config.kubernetes):
+        where = f"kubernetes[{index}]"
+        for host in cluster.hosts:
+            if host in local:
+                return f"{where}: host {host!r} is also served locally (node.names); list it once"
+            if host in seen:
+                other = "the same entry" if seen[host] == index else f"kubernetes[{seen[host]}]"
+                return f"{where}: host {host!r} is already listed by {other}; list it once"
+            seen[host] = index
+        for host in cluster.node_names:
+            if host not in cluster.hosts:
+                return f"{where}.node_names: {host!r} is not one of this entry's hosts"
+        nodes = [cluster.node(h) for h in cluster.hosts]
+        if len(set(nodes)) != len(nodes):
+            return f"{where}: two hosts name the same Node; each host is one Node"
     return ""
 
 

@@ -70,9 +70,13 @@ class Probe(_Control, tag="probe", frozen=True):
 class WorkloadList(_Control, tag="workload-list", frozen=True):
     """The managed workloads the caller's sessions ran (root and the daemon's uid: all of them)."""
 
+    # "" = this node's engine; else a Kubernetes host this daemon serves ([[kubernetes]]).
+    host: str = ""
+
 
 class _Named(_Control, frozen=True):
     name: Reference
+    host: str = ""  # as for workload-list
 
 
 class WorkloadInspect(_Named, tag="workload-inspect", frozen=True):

@@ -144,18 +144,18 @@ class ControlHandler:
                 return [_describe(record) for record in self._sessions.visible_to(peer.uid)]
             case Status():
                 return await self.status()
-            case WorkloadList():
-                listed = await self._backend.workload_list()
+            case WorkloadList(host=host):
+                listed = await self._operations.workload_backend(host).workload_list()
                 return [{"name": name, **msgspec.to_builtins(info)} for name, info in listed
                         if self._may_manage(peer, info)]
-            case WorkloadInspect(name=name):
-                return msgspec.to_builtins(await self._managed(name, peer, "workload-inspect"))
-            case WorkloadLogs(name=name, tail=tail):
-                await self._managed(name, peer, "workload-logs")
-                return {"output": await self._backend.workload_logs(name, tail=tail)}
-            case WorkloadStop(name=name, timeout_s=timeout_s):
-                await self._managed(name, peer, "workload-stop")
-                await self._backend.workload_stop(name, timeout_s=timeout_s)
+            case WorkloadInspect(name=name, host=host):
+                return msgspec.to_builtins(await self._managed(name, host, peer, "workload-inspect"))
+            case WorkloadLogs(name=name, host=host, tail=tail):
+                await self._managed(name, host, peer, "workload-logs")
+                return {"output": await self._operations.workload_backend(host).workload_logs(name, tail=tail)}
+            case WorkloadStop(name=name, host=host, timeout_s=timeout_s):
+                await self._managed(name, host, peer, "workload-stop")
+                await self._operations.workload_backend(host).workload_stop(name, timeout_s=timeout_s)
                 return {"name": name, "stopped": True}
             case Probe():
                 return await self._probe(request, peer)
@@ -188,8 +188,8 @@ class ControlHandler:
         """The session rule for workloads: a manager reaches the workloads its sessions ran."""
         return is_admin(peer.uid) or info.labels.get(MANAGER_UID_LABEL) == str(peer.uid)
 
-    async def _managed(self, name: str, peer: Peer, action: str) -> WorkloadInfo:
-        info = await self._backend.workload_inspect(name, include_start_time=True)
+    async def _managed(self, name: str, host: str, peer: Peer, action: str) -> WorkloadInfo:
+        info = await self._operations.workload_backend(host).workload_inspect(name, include_start_time=True)
         if not self._may_manage(peer, info):
             raise RequestRejected(f"{action}: workload {name!r} was run by another manager's session")
         return info
@@ -235,6 +235,7 @@ class ControlHandler:
             "state_dir": str(self._sessions.store.state_dir),
             "budgets": state.statistics(),
             "remotes": await self._operations.remotes.status() if self._operations.remotes is not None else [],
+            "kubernetes": await self._operations.kubernetes.status() if self._operations.kubernetes is not None else [],
         }
 
 

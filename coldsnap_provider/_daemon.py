@@ -180,8 +180,9 @@ class Daemon:
 
     async def _maintain(self, recovered: bool) -> None:
         """The one maintenance loop: deferred recovery if the engine was down at start and the backend's
-        cleanups every 2 s; the remote nodes' pending kills and cleanups every 10 s."""
-        remotes = self.operations.remotes
+        cleanups every 2 s; the remote nodes' pending kills and cleanups, and the Kubernetes hosts' recovery and
+        cleanups, every 10 s."""
+        remotes, kubernetes = self.operations.remotes, self.operations.kubernetes
         remote_due = anyio.current_time() + _REMOTE_MAINTENANCE_S
         while True:
             await anyio.sleep(_MAINTENANCE_S)
@@ -190,8 +191,11 @@ class Daemon:
                 await self.backend.maintain()
             except Exception:
                 log.exception("backend maintenance failed")
-            if remotes is not None and anyio.current_time() >= remote_due:
-                await remotes.maintain()  # contains each node's failure
+            if anyio.current_time() >= remote_due:
+                if remotes is not None:
+                    await remotes.maintain()  # contains each node's failure
+                if kubernetes is not None:
+                    await kubernetes.maintain()  # likewise, per Kubernetes host
                 remote_due = anyio.current_time() + _REMOTE_MAINTENANCE_S
 
 

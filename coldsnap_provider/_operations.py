@@ -33,6 +33,7 @@ from ._sessions import SessionRecord
 if TYPE_CHECKING:
     from ._capsule_reports import CapsuleReports
     from ._huggingface import HuggingfaceClient
+    from ._kubernetes import KubernetesHosts
     from ._remote import Remotes
 __all__ = ("Operation", "Operations", "Outcome", "legacy_registry_action")
 
@@ -64,6 +65,7 @@ class Operations:
         remotes: Remotes | None = None,
         policy: Policy,
         reports: CapsuleReports | None = None,
+        kubernetes: KubernetesHosts | None = None,
     ) -> None:
         self.provider_name = provider_name
         self.backend = backend
@@ -77,11 +79,14 @@ class Operations:
         self.allow_push = allow_push
         self.huggingface = huggingface
         self.remotes = remotes  # hosts served by other nodes over SSH ([[remote]]; _remote.py)
+        self.kubernetes = kubernetes  # hosts that are Kubernetes Nodes ([[kubernetes]]; _kubernetes.py)
         local = LocalHost(backend=backend, identity=identity, groups=groups, huggingface=huggingface)
         # Every host name this daemon serves -> the node that serves it (config forbids overlaps).
         self._hosts: dict[str, Host] = {name: local for name in node_names}
         if remotes is not None:
             self._hosts.update({name: remotes.node(name) for name in remotes.hosts})
+        if kubernetes is not None:  # a Kubernetes host that is also a [[remote]] uses it as its node agent
+            self._hosts.update({name: kubernetes.node(name) for name in kubernetes.hosts})
         self.policy = policy  # the runtime admission policy ([policy]; _policy.py)
         self.reports = reports  # report directories for local units ([metrics]; _capsule_reports.py)
         # Reference order; only what is implemented and enabled.
@@ -122,6 +127,15 @@ class Operations:
             case OciPull() | OciPush():  # legacy top-level forms of the runtime registry actions
                 await host.runtime(legacy_registry_action(request), ctx)
         return None
+
+    def workload_backend(self, host: str) -> Backend:
+        """The runtime the control socket's workload verbs use: "" = this node's engine, or a Kubernetes host's."""
+        if not host or host in self.node_names:
+            return self.backend
+        if self.kubernetes is not None and host in self.kubernetes.hosts:
+            return self.kubernetes.node(host).backend
+        raise RequestRejected(f"host {host!r} is neither this node nor a Kubernetes host it serves ([[kubernetes]]); "
+                              "the control socket's workload verbs reach only those")
 
     def _route(self, host: str, record: SessionRecord) -> Host:
         """Where a request enters host routing: the node serving `host`, if the session may reach it."""

@@ -125,6 +125,11 @@ class RemoteNode:
     def hub(self, operation: str) -> HuggingfaceClient:
         raise RequestRejected(f"host-provider operation {operation!r} is not served for remote host {self.name!r}")
 
+    async def place_local_tree(self, local: str, root: str, destination: str, *, action: str) -> None:
+        """Place a private, already checked local tree at `destination` on the node (a Kubernetes host's copy-from)."""
+        await self._connection(action)
+        await self._files.place_local_tree(local, root, destination, action=action)
+
     # --- operator ------------------------------------------------------------------------
 
     async def status(self) -> dict[str, Any]:

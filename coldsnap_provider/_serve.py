@@ -1,4 +1,5 @@
-"""The composition root of `coldsnap-provider serve`: build the backend, remotes, operations and daemon, and
+"""The composition root of `coldsnap-provider serve`: build the backend, remotes, Kubernetes hosts, operations and
+daemon, and
 turn SIGTERM/SIGINT into a graceful stop.
 
 Task ownership::
@@ -25,6 +26,7 @@ from ._config import Config, node_names, spool_dir
 from ._daemon import Daemon
 from ._exec import ExecIdentity, GroupLedger, resolve_identity
 from ._hosts import instance_id
+from ._kubernetes import KubernetesHosts, NodeAgent
 from ._operations import Operations
 from ._policy import Policy
 from ._remote import Remotes, Spool
@@ -65,6 +67,10 @@ async def serve(config: Config, state_dir: Path) -> None:
     ) as backend:
         remotes = Remotes(config.remote, state_dir=state_dir, identity=identity, spool=spool,
                           credentials_file=credentials, host_policy=host_policy(config, remote=True))
+        # A Kubernetes host that is also a [[remote]] entry reaches its node over that connection.
+        agents: dict[str, NodeAgent] = {host: remotes.node(host) for host in remotes.hosts}
+        kubernetes = KubernetesHosts(config.kubernetes, state_dir=state_dir, agents=agents, spool_dir=spool.directory,
+                                     copy_max_bytes=spool.max_bytes, instance=instance_id(state_dir / "kubernetes"))
         operations = Operations(
             provider_name=config.provider.name,
             backend=backend,
@@ -75,12 +81,13 @@ async def serve(config: Config, state_dir: Path) -> None:
             groups=GroupLedger(state_dir / "exec-groups"),
             huggingface=_huggingface_client(config, identity),
             remotes=remotes,
+            kubernetes=kubernetes,
             policy=_policy(config, state_dir),
             reports=reports,
         )
         daemon = Daemon(config, state_dir=state_dir, operations=operations, backend=backend,
                         control_fd=fds[0] if fds else None, metrics=metrics)
-        async with remotes, anyio.create_task_group() as tg:
+        async with remotes, kubernetes, anyio.create_task_group() as tg:
             tg.start_soon(_stop_on_signals, daemon)
             await daemon.run()
             tg.cancel_scope.cancel()

@@ -56,10 +56,21 @@ def _checked_config(path: str | None) -> Config | None:
         resolve_identity(config.exec.user)
         if not os.path.isdir(spool_dir(config)):
             raise ValueError(f"docker.spool_dir: {spool_dir(config)} is not a directory")
+        _check_kubeconfigs(config)
     except (ConfigError, ValueError) as exc:
         _err(str(exc))
         return None
     return config
+
+
+def _check_kubeconfigs(config: Config) -> None:
+    """Each [[kubernetes]] kubeconfig is a readable file (what it says is checked when the daemon opens it)."""
+    for index, cluster in enumerate(config.kubernetes):
+        try:
+            with open(cluster.kubeconfig, "rb"):
+                pass
+        except OSError as exc:
+            raise ConfigError(f"kubernetes[{index}].kubeconfig: {cluster.kubeconfig}: {exc.strerror}") from exc
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -145,6 +156,8 @@ def cmd_session_list(args: argparse.Namespace) -> int:
 
 def cmd_workload(args: argparse.Namespace) -> int:
     request: dict[str, Any] = {"operation": f"workload-{args.workload_command}"}
+    if args.host:
+        request["host"] = args.host
     if args.workload_command != "list":
         request["name"] = args.name
     if args.workload_command == "logs":
@@ -319,11 +332,15 @@ def _add_session(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 def _add_workload(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     workload = sub.add_parser("workload", help="the managed workloads your sessions ran: list, inspect, logs, stop")
     verbs = workload.add_subparsers(dest="workload_command", required=True)
-    _with_state_dir(verbs.add_parser("list", help="list them")).set_defaults(func=cmd_workload)
+    lister = _with_state_dir(verbs.add_parser("list", help="list them"))
+    lister.set_defaults(func=cmd_workload)
+    host_help = "a Kubernetes host this daemon serves ([[kubernetes]]); default: this node's engine"
+    lister.add_argument("--host", default="", help=host_help)
     for verb, text in (("inspect", "state, exit code, labels"), ("logs", "print its logs"),
                        ("stop", "SIGTERM, then SIGKILL after --timeout; the workload is kept")):
         named = _with_state_dir(verbs.add_parser(verb, help=text))
         named.add_argument("name")
+        named.add_argument("--host", default="", help=host_help)
         if verb == "logs":
             named.add_argument("--tail", type=int, default=0, help="last N lines (0 = all)")
         if verb == "stop":

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
+from tests.kubernetes import Cluster, bring_up
+
 # A 2-core CI box under a live dockerd is slow to generate data; correctness, not speed, is under test.
 settings.register_profile("default", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("default")
@@ -153,3 +155,9 @@ def no_leftovers() -> Iterator[None]:
     for cid in left:
         docker("rm", "-f", cid, check=False)
     assert not left, f"containers left behind: {sorted(left)}"
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Cluster:
+    """The real single-node Kubernetes cluster (tests/kubernetes.py), up once per session; skipped unless root."""
+    return bring_up()

@@ -1,7 +1,7 @@
-"""The backend seam (one async method per runtime action) and the Docker Engine backend.
+"""The backend seam (one async method per runtime action), the Docker Engine and the Kubernetes backends.
 
-``DockerBackend`` is imported on first use (PEP 562): aiodocker and aiohttp cost about
-0.2 s to import, which the control-socket client commands should not pay.
+``DockerBackend`` and ``KubernetesBackend`` are imported on first use (PEP 562): aiodocker, aiohttp and
+kubernetes_asyncio cost tenths of a second to import, which the control-socket client commands should not pay.
 """
 
 from __future__ import annotations
@@ -28,11 +28,12 @@ from ._translate import container_config as container_config
 if TYPE_CHECKING:
     from ._copy import extract_archive as extract_archive
     from ._docker import DockerBackend as DockerBackend
+    from ._kubernetes import KubernetesBackend as KubernetesBackend
 
 __all__ = ("MANAGER_UID_LABEL", "REPORT_DIR_LABEL", "ArchiveRefused", "Backend", "DockerBackend", "GpuPolicy",
-           "HostPolicy", "LedgerEntry", "Owner", "PrivilegeGrant", "RuntimeContext", "check_members",
-           "container_config", "dispatch", "extract_archive", "read_capabilities", "with_manager_labels",
-           "with_report_dir")
+           "HostPolicy", "KubernetesBackend", "LedgerEntry", "Owner", "PrivilegeGrant", "RuntimeContext",
+           "check_members", "container_config", "dispatch", "extract_archive", "read_capabilities",
+           "with_manager_labels", "with_report_dir")
 
 
 def __getattr__(name: str) -> Any:
@@ -45,4 +46,8 @@ def __getattr__(name: str) -> Any:
         from ._copy import extract_archive
 
         return extract_archive
+    if name == "KubernetesBackend":
+        from ._kubernetes import KubernetesBackend
+
+        return KubernetesBackend
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

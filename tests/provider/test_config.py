@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from coldsnap_provider._config import Config, RemoteConfig, load_config
+from coldsnap_provider._config import Config, KubernetesConfig, RemoteConfig, load_config
 from tests.helpers import ROOT
 
 _ROW = re.compile(r"^\| `(?P<key>[a-z_]+(?:\[\])?\.[a-z_]+)` \| (?P<default>`[^`]*`|\*required\*) \|", re.M)
@@ -35,11 +35,13 @@ def _default(field: msgspec.structs.FieldInfo) -> str:
 
 
 def schema_keys() -> Iterator[tuple[str, str]]:
-    """(dotted key, rendered default) of every leaf key of `Config`; `[[remote]]` entries as `remote[].key`."""
+    """(dotted key, rendered default) of every leaf key of `Config`; `[[remote]]` entries as `remote[].key`
+    (and `[[kubernetes]]` ones as `kubernetes[].key`)."""
+    entries: dict[str, Any] = {"remote": RemoteConfig, "kubernetes": KubernetesConfig}
     for section in msgspec.structs.fields(Config):
-        if section.name == "remote":
-            for field in msgspec.structs.fields(RemoteConfig):
-                yield f"remote[].{field.name}", _default(field)
+        if section.name in entries:
+            for field in msgspec.structs.fields(entries[section.name]):
+                yield f"{section.name}[].{field.name}", _default(field)
             continue
         struct = section.default if section.default is not msgspec.NODEFAULT else section.default_factory()
         for field in msgspec.structs.fields(type(struct)):
@@ -72,8 +74,11 @@ def test_embedded_default_configuration_documents_every_key(key: str, default: s
     """Each key is set (or, for a [[remote]] entry, shown commented out) in default-config.toml."""
     text = resources.files("coldsnap_provider").joinpath("default-config.toml").read_text()
     section, name = key.split(".")
-    if section == "remote[]":
-        assert re.search(rf"^# {name} = ", text, re.M), f"[[remote]] {name} is not shown in default-config.toml"
+    if section in ("remote[]", "kubernetes[]"):
+        entry = section.removesuffix("[]")
+        block = re.search(rf"^# \[\[{entry}\]\]\n(?P<body>(?:^#.*\n?)*)", text, re.M)
+        assert block is not None and re.search(rf"^# {name} = ", block["body"], re.M), (
+            f"[[{entry}]] {name} is not shown in default-config.toml")
         return
     body = re.search(rf"^\[{section}\]\n(?P<body>(?:(?!^\[).*\n?)*)", text, re.M)
     assert body is not None, f"default-config.toml has no [{section}] section"
