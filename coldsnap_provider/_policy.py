@@ -225,9 +225,12 @@ class Policy:
                     f"workload.labels.{key}: labels under {PROVIDER_LABEL_PREFIX} belong to the provider "
                     f"(profile {name})"))
         for index, mount in enumerate(spec.mounts):
-            self._check_mount(profile, f"workload.mounts[{index}].source", mount.source, local=local)
+            # CAP_SYS_ADMIN (a privileged capsule) can remount a read-only bind read-write.
+            writable = not mount.read_only or spec.privileged
+            self._check_mount(profile, f"workload.mounts[{index}].source", mount.source, local=local,
+                              writable=writable)
 
-    def _check_mount(self, profile: Profile, field: str, source: str, *, local: bool) -> None:
+    def _check_mount(self, profile: Profile, field: str, source: str, *, local: bool, writable: bool) -> None:
         name = profile.name
         roots = profile.rules.mount_roots
         if not any(source == root or source.startswith(root.rstrip("/") + "/") for root in roots):
@@ -238,7 +241,7 @@ class Policy:
             if source == path or source.startswith(path + "/") or path.startswith(source.rstrip("/") + "/"):
                 raise _Refusal("protected-paths", field, source, (
                     f"{field}: {source} is or contains {path}, which profile {name} never mounts"))
-        if local and (problem := check_source(source, self._trusted)):
+        if local and (problem := check_source(source, self._trusted) or (writable and _check_nosuid(source))):
             rule, detail = problem
             raise _Refusal(rule, field, source, f"{field}: {source} {detail} (profile {name})")
 
@@ -315,6 +318,25 @@ def check_source(source: str, trusted: frozenset[int]) -> tuple[str, str] | None
         return None
     finally:
         os.close(fd)
+
+
+def _check_nosuid(source: str) -> tuple[str, str] | None:
+    """(rule, why) when a capsule writing `source` as root could hand its manager host root.
+
+    The capsule is uid 0 without a user namespace: in a writable mount it can leave a setuid-root
+    program or a device node (CAP_FOWNER, CAP_MKNOD are the engine's defaults) that the manager,
+    who can reach the directory on the host, then runs or opens there. Only a filesystem mounted
+    ``nosuid,nodev`` on the host makes both inert. Called after :func:`check_source` admitted it,
+    so `source` holds no symbolic link and cannot be swapped.
+    """
+    flags = os.statvfs(source).f_flag
+    missing = [opt for opt, bit in (("nosuid", os.ST_NOSUID), ("nodev", os.ST_NODEV)) if not flags & bit]
+    if not missing:
+        return None
+    return "mount-nosuid", (
+        f"lies on a filesystem mounted without {','.join(missing)}: a capsule writing there as root could leave a "
+        "setuid program or a device node its manager runs on the host; mount the root nosuid,nodev, "
+        "or mount the source read_only in a workload that is not privileged")
 
 
 def _fixed(directory: os.stat_result, entry: os.stat_result, trusted: frozenset[int]) -> bool:

@@ -57,8 +57,20 @@ def session_as(uid: int, daemon: Daemon) -> Session:
 
 @pytest.fixture
 def mount_root() -> Iterator[Path]:
-    """A root-owned mount root under /tmp (sticky, root-owned: what a capsule profile may name)."""
+    """A root-owned mount root under /tmp (sticky, root-owned), a filesystem mounted nosuid,nodev:
+    what a capsule profile may name (a capsule writes there as root)."""
     root = Path(tempfile.mkdtemp(prefix="cs-polroot-", dir="/tmp"))
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "nosuid,nodev,mode=0755,size=16m", "cs-polroot", str(root)],
+                   check=True)
+    yield root
+    subprocess.run(["umount", "-l", str(root)], check=False)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def suid_root() -> Iterator[Path]:
+    """A root-owned mount root on a filesystem where setuid bits and device nodes work (/tmp's)."""
+    root = Path(tempfile.mkdtemp(prefix="cs-suidroot-", dir="/tmp"))
     os.chmod(root, 0o755)
     yield root
     shutil.rmtree(root, ignore_errors=True)
@@ -172,6 +184,36 @@ async def test_policy_symlink_and_manager_writable_directory_under_a_root_refuse
                           mounts=[{"source": str(mine), "target": "/x"}])
         assert reply.ok, reply.error
         assert reply.runtime is not None and reply.runtime.output == b"sub\n"
+
+
+async def test_policy_writable_mount_on_a_suid_filesystem_refused(
+        busybox_image: str, suid_root: Path, names: list[str]) -> None:
+    """Review of #24: a capsule is uid 0 on the host's files: in its manager's writable directory it left
+    a setuid-root shell (or a device node) that the manager then ran on the host: host root."""
+    mine = suid_root / "mine"
+    mine.mkdir()
+    os.chown(mine, NOBODY, NOBODY)
+    plant = ["sh", "-c", "cp /bin/busybox /x/sh && chmod 4755 /x/sh && mknod /x/mem c 1 1"]
+    async with running_daemon(policy_config(suid_root)) as daemon:
+        session = session_as(NOBODY, daemon)
+        reply = await run(session, image=busybox_image, remove_after_exit=True, command=plant,
+                          mounts=[{"source": str(mine), "target": "/x"}])
+        assert not reply.ok and not reply.error_code, reply.error
+        assert reply.error == (
+            f"workload.mounts[0].source: {mine} lies on a filesystem mounted without nosuid,nodev: a capsule writing "
+            "there as root could leave a setuid program or a device node its manager runs on the host; mount the "
+            "root nosuid,nodev, or mount the source read_only in a workload that is not privileged (profile tenant)")
+        assert list(mine.iterdir()) == []
+        # CAP_SYS_ADMIN remounts a read-only bind read-write: a privileged capsule is refused it too.
+        reply = await run(session, image=busybox_image, remove_after_exit=True, privileged=True, command=plant,
+                          mounts=[{"source": str(mine), "target": "/x", "read_only": True}])
+        assert str(reply.error).startswith(f"workload.mounts[0].source: {mine} lies on a filesystem mounted without")
+        assert list(mine.iterdir()) == []
+        # Read-only in a capsule without privileges: it cannot write there, so it is admitted.
+        reply = await run(session, image=busybox_image, remove_after_exit=True, command=plant,
+                          mounts=[{"source": str(mine), "target": "/x", "read_only": True}])
+        assert reply.error_code == "runtime_failed" and "Read-only file system" in str(reply.error), reply.error
+        assert list(mine.iterdir()) == []
 
 
 async def test_policy_privileged_capsule_gets_exactly_the_profile_capabilities(
