@@ -171,6 +171,19 @@ class Policy:
         capabilities = (None if profile.unrestricted else _grant(profile)) or CAPSULE_CAPABILITIES
         return self._admitted(profile, uid, "", "", "probe", capabilities)
 
+    def admit_session_labels(self, labels: dict[str, str], *, uid: int, gid: int, session: str) -> None:
+        """session-open's manager labels, which the workloads of its cluster carry after admission:
+        the same `provider_labels` rule as a workload's own labels (PolicyRefused; nothing opened)."""
+        profile = self.profile_for(uid, gid)
+        if profile.unrestricted or profile.rules.provider_labels:
+            return
+        for key in labels:
+            if key.startswith(PROVIDER_LABEL_PREFIX):
+                self._refuse(profile, uid, session, "", "session-open", _Refusal(
+                    "provider-labels", f"labels.{key}", key,
+                    f"labels.{key}: labels under {PROVIDER_LABEL_PREFIX} belong to the provider "
+                    f"(profile {profile.name})"))
+
     def seccomp_unconfined(self, uid: int, gid: int) -> bool:
         """Whether the manager's profile lets its workloads (and its probes) run seccomp-unconfined."""
         profile = self.profile_for(uid, gid)

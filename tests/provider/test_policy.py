@@ -216,6 +216,40 @@ async def test_policy_writable_mount_on_a_suid_filesystem_refused(
         assert list(mine.iterdir()) == []
 
 
+async def test_policy_provider_labels_refused_in_session_open_labels_too(
+        busybox_image: str, mount_root: Path, names: list[str]) -> None:
+    """Review of #24: session-open's manager labels reach the cluster's workloads after admission, so a
+    manager put io.coldsnap-provider.* labels (the daemon's instance and incarnation) on its workloads."""
+    name = uniq("pol-lbl")
+    names.append(name)
+    async with running_daemon(policy_config(mount_root)) as daemon:
+        os.chmod(daemon.state_dir / "control.sock", 0o666)
+        session = uniq("op-lbl")
+        answer = control_as(NOBODY, daemon.state_dir, {
+            "operation": "session-open", "session": session, "hosts": ["localhost"], "cluster_id": "c1",
+            "labels": {"team": "a", "io.coldsnap-provider.instance": "forged"}})
+        assert not answer["ok"] and answer["error"] == (
+            "labels.io.coldsnap-provider.instance: labels under io.coldsnap-provider. belong to the provider "
+            "(profile tenant)"), answer
+        listed = control_as(NOBODY, daemon.state_dir, {"operation": "session-list"})
+        assert session not in json.dumps(listed)
+        [event] = [e for e in daemon.log_events() if e.get("event") == "admission" and e.get("decision") == "refused"]
+        assert event["action"] == "session-open" and event["rule"] == "provider-labels"
+        # Other labels still reach the cluster's workloads; root (unrestricted) may set the provider's.
+        answer = control_as(NOBODY, daemon.state_dir, {
+            "operation": "session-open", "session": session, "hosts": ["localhost"], "cluster_id": "c1",
+            "labels": {"team": "a"}})
+        assert answer["ok"], answer
+        result = answer["result"]
+        reply = await run(Session(socket=result["socket"], token=result["token"], session=result["session"]),
+                          image=busybox_image, name=name, detached=True, labels={"io.sparksq.coldsnap.workload": "c1"},
+                          command=["sleep", "30"])
+        assert reply.ok, reply.error
+        assert inspect(name)["Config"]["Labels"]["team"] == "a"
+        root = await daemon.open_session(labels={"io.coldsnap-provider.note": "root's"})
+        assert root.session
+
+
 async def test_policy_privileged_capsule_gets_exactly_the_profile_capabilities(
         busybox_image: str, mount_root: Path, names: list[str]) -> None:
     """Regression: #24: `privileged` under a restricted profile is its capabilities, not the host."""
