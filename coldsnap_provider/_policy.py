@@ -32,12 +32,13 @@ from coldsnap_runtime.schema import (
     ImagePush,
     ImageTag,
     RuntimeRequest,
+    WorkloadCopyFrom,
     WorkloadRun,
     WorkloadSpec,
 )
 
 from ._config import CAPSULE_CAPABILITIES, PolicyConfig, ProfileConfig
-from ._envelope import OciPull, OciPush, Request, Runtime
+from ._envelope import Exec, HuggingfacePublish, HuggingfaceResolve, OciPull, OciPush, Request, Runtime, Upload
 from ._sessions import SessionRecord
 
 __all__ = ("PROVIDER_LABEL_PREFIX", "Decision", "Policy", "PolicyRefused", "Profile", "check_source")
@@ -122,7 +123,10 @@ class Policy:
     def admit_operation(self, request: Request, record: SessionRecord, *, local: bool) -> Decision | None:
         """The one admission call of a session's request: runtime-v1 (and the legacy oci-pull/-push)
         under the manager's profile; None for what is not a runtime request (exec and upload run as
-        exec.user, the Hub client reads and writes as exec.user)."""
+        exec.user on this node, the Hub client reads and writes as exec.user). On a remote node what
+        runs as its SSH user passes `remote_ssh_user` first."""
+        if not local:
+            self._admit_remote_identity(request, record)
         match request:
             case Runtime(runtime=runtime):
                 action: RuntimeRequest = runtime
@@ -134,6 +138,25 @@ class Policy:
                 return None
         return self.admit(action, uid=record.uid, gid=record.gid, session=record.session, host=request.host,
                           local=local)
+
+    def _admit_remote_identity(self, request: Request, record: SessionRecord) -> None:
+        """A [[remote]] node runs exec and upload, reads build contexts and Hub files and writes copy-from
+        destinations as its SSH user, who holds that node's engine socket: root there, around every other
+        rule. Only a profile that says `remote_ssh_user` (and `unrestricted`) admits them."""
+        match request:
+            case Exec() | Upload() | HuggingfacePublish() | HuggingfaceResolve():
+                action = str(request.__struct_config__.tag)
+            case Runtime(runtime=WorkloadCopyFrom() | ImageBuildAction() as runtime):
+                action = str(runtime.__struct_config__.tag)
+            case _:
+                return
+        profile = self.profile_for(record.uid, record.gid)
+        if profile.unrestricted or profile.rules.remote_ssh_user:
+            return
+        self._refuse(profile, record.uid, record.session, request.host, action, _Refusal(
+            "remote-ssh-user", "host", request.host, (
+                f"{action}: host {request.host} runs it as that node's SSH user, who controls its container "
+                f"engine (root there); profile {profile.name} does not admit that (remote_ssh_user)")))
 
     def admit(self, request: RuntimeRequest, *, uid: int, gid: int, session: str, host: str,
               local: bool) -> Decision:
