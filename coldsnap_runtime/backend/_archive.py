@@ -567,25 +567,15 @@ def _drop(identity: tuple[int, int] | None) -> None:
         raise ArchiveRefused(str(exc)) from exc
 
 
-def _take(args: list[str], flag: str) -> str | None:
-    """Remove ``flag VALUE`` from `args`; its value ("" when the value is missing), or None when absent."""
+def _option(args: list[str], flag: str, count: int) -> tuple[int, ...] | None:
+    """Take ``flag N[:N]`` out of `args`: its `count` non-negative numbers, None when absent, () when malformed."""
     if flag not in args:
         return None
     at = args.index(flag)
-    value = args[at + 1] if at + 1 < len(args) else ""
+    text = args[at + 1] if at + 1 < len(args) else ""
     del args[at:at + 2]
-    return value
-
-
-def _numbers(text: str | None, count: int) -> tuple[int, ...] | None:
-    """``UID:GID`` (count 2) or ``N`` (count 1) as non-negative numbers; None when absent; () when malformed."""
-    if text is None:
-        return None
-    try:
-        numbers = tuple(int(part) for part in text.split(":"))
-    except ValueError:
-        return ()
-    return numbers if len(numbers) == count and min(numbers) >= 0 else ()
+    numbers = tuple(int(p) for p in text.split(":") if p.isdigit())
+    return numbers if len(numbers) == count == len(text.split(":")) else ()
 
 
 def main(argv: list[str]) -> int:
@@ -594,7 +584,7 @@ def main(argv: list[str]) -> int:
     keep_owner = "--keep-owner" in argv
     packing = "--pack" in argv
     args = [a for a in argv if a not in ("--keep-owner", "--pack")]
-    as_ids, limit = _numbers(_take(args, "--as"), 2), _numbers(_take(args, "--max-bytes"), 1)
+    as_ids, limit = _option(args, "--as", 2), _option(args, "--max-bytes", 1)
     identity = (as_ids[0], as_ids[1]) if as_ids else None
     bad = as_ids == () or limit == ()
     if packing and (args or keep_owner or limit is not None or bad):
