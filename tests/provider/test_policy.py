@@ -296,7 +296,7 @@ def test_probe_workloads_run_with_capabilities_not_privileged_nor_host_network()
 
     options = ProbeOptions(driver="n610", image="capsule@sha256:" + "0" * 64)
     grant = PrivilegeGrant(capabilities=options.capabilities, devices=(), whole_host=False)
-    for spec in (criu_workload(options), probe_workload(options)):
+    for spec in (criu_workload(options), probe_workload(options, Path("/state/probe-package-x/coldsnap_probe"))):
         host = container_config(spec, privilege=grant)["HostConfig"]
         assert host["Privileged"] is False and host["CapAdd"] == list(CAPSULE_CAPABILITIES)
         assert host["NetworkMode"] == "none" and not host.get("DeviceCgroupRules")
