@@ -49,16 +49,34 @@ class _Staged:
         return bool(given) and hmac.compare_digest(given, self.ticket.encode())
 
 
-def readable_by(st: os.stat_result, peer: jsonline.Peer) -> bool:
-    """Whether `peer` could open the file itself (its mode bits, as the kernel checks them for one uid and
-    gid): the hydrator hands out a source's bytes only to a peer that could read them anyway."""
+def readable_by(path: str, st: os.stat_result, peer: jsonline.Peer) -> bool:
+    """Whether `peer` could open the file `path` (`st`: the held file's status) itself: read permission on
+    it and search permission on every directory above it, as the kernel checks mode bits for one uid and
+    gid. The hydrator hands out a source's bytes only to a peer that could read them anyway; a world-readable
+    file in another tenant's 0700 directory is not readable by the others."""
     if peer.uid == 0:
         return True
+    if not _permits(st, peer, stat.S_IRUSR, stat.S_IRGRP, stat.S_IROTH):
+        return False
+    directory = os.path.dirname(path)
+    while True:
+        try:
+            above = os.stat(directory)
+        except OSError:
+            return False
+        if not _permits(above, peer, stat.S_IXUSR, stat.S_IXGRP, stat.S_IXOTH):
+            return False
+        if directory == os.path.dirname(directory):
+            return True
+        directory = os.path.dirname(directory)
+
+
+def _permits(st: os.stat_result, peer: jsonline.Peer, user: int, group: int, other: int) -> bool:
     if st.st_uid == peer.uid:
-        return bool(st.st_mode & stat.S_IRUSR)
+        return bool(st.st_mode & user)
     if st.st_gid == peer.gid:
-        return bool(st.st_mode & stat.S_IRGRP)
-    return bool(st.st_mode & stat.S_IROTH)
+        return bool(st.st_mode & group)
+    return bool(st.st_mode & other)
 
 
 class HydratorServer:
@@ -155,7 +173,7 @@ class HydratorServer:
             src = self.sources.get(real)
             if src is None or src.size < region.offset + region.size:
                 raise HydrationError(f"this hydrator does not hold {region.source}", region=region.name)
-            if not readable_by(os.fstat(self._files[real]), peer):
+            if not readable_by(real, os.fstat(self._files[real]), peer):
                 raise HydrationError(f"peer uid {peer.uid} may not read {region.source}", region=region.name)
             jobs.append((region.address - base, src.address + region.offset, region.size))
         return base, size, regions, jobs

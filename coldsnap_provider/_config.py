@@ -182,6 +182,9 @@ class ProfileConfig(_Section, frozen=True):
         default_factory=lambda: ["NVIDIA_VISIBLE_DEVICES"])
     # Whether a workload may carry labels under io.coldsnap-provider. (the provider's own).
     provider_labels: bool = False
+    # Whether exec, upload, Hugging Face, workload-copy-from and image-build contexts may run on [[remote]]
+    # nodes, where they run as the SSH user, who holds that node's engine socket: root there.
+    remote_ssh_user: bool = False
 
 
 class AssignConfig(_Section, frozen=True, kw_only=True):

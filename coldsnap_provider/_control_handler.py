@@ -206,6 +206,7 @@ class ControlHandler:
             raise RequestRejected("session-open needs `session` (or a `request` whose `id` names it)")
         if not hosts:
             raise RequestRejected("session-open needs at least one host")
+        self._operations.policy.admit_session_labels(request.labels, uid=peer.uid, gid=peer.gid, session=session)
         _, token = await self._sessions.open(session, hosts=hosts, uid=peer.uid, gid=peer.gid,
                                              labels=request.labels, cluster_id=request.cluster_id)
         socket_path = str(self._sessions.store.socket_path(session))

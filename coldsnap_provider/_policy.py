@@ -32,12 +32,13 @@ from coldsnap_runtime.schema import (
     ImagePush,
     ImageTag,
     RuntimeRequest,
+    WorkloadCopyFrom,
     WorkloadRun,
     WorkloadSpec,
 )
 
 from ._config import CAPSULE_CAPABILITIES, PolicyConfig, ProfileConfig
-from ._envelope import OciPull, OciPush, Request, Runtime
+from ._envelope import Exec, HuggingfacePublish, HuggingfaceResolve, OciPull, OciPush, Request, Runtime, Upload
 from ._sessions import SessionRecord
 
 __all__ = ("PROVIDER_LABEL_PREFIX", "Decision", "Policy", "PolicyRefused", "Profile", "check_source")
@@ -122,7 +123,10 @@ class Policy:
     def admit_operation(self, request: Request, record: SessionRecord, *, local: bool) -> Decision | None:
         """The one admission call of a session's request: runtime-v1 (and the legacy oci-pull/-push)
         under the manager's profile; None for what is not a runtime request (exec and upload run as
-        exec.user, the Hub client reads and writes as exec.user)."""
+        exec.user on this node, the Hub client reads and writes as exec.user). On a remote node what
+        runs as its SSH user passes `remote_ssh_user` first."""
+        if not local:
+            self._admit_remote_identity(request, record)
         match request:
             case Runtime(runtime=runtime):
                 action: RuntimeRequest = runtime
@@ -134,6 +138,25 @@ class Policy:
                 return None
         return self.admit(action, uid=record.uid, gid=record.gid, session=record.session, host=request.host,
                           local=local)
+
+    def _admit_remote_identity(self, request: Request, record: SessionRecord) -> None:
+        """A [[remote]] node runs exec and upload, reads build contexts and Hub files and writes copy-from
+        destinations as its SSH user, who holds that node's engine socket: root there, around every other
+        rule. Only a profile that says `remote_ssh_user` (and `unrestricted`) admits them."""
+        match request:
+            case Exec() | Upload() | HuggingfacePublish() | HuggingfaceResolve():
+                action = str(request.__struct_config__.tag)
+            case Runtime(runtime=WorkloadCopyFrom() | ImageBuildAction() as runtime):
+                action = str(runtime.__struct_config__.tag)
+            case _:
+                return
+        profile = self.profile_for(record.uid, record.gid)
+        if profile.unrestricted or profile.rules.remote_ssh_user:
+            return
+        self._refuse(profile, record.uid, record.session, request.host, action, _Refusal(
+            "remote-ssh-user", "host", request.host, (
+                f"{action}: host {request.host} runs it as that node's SSH user, who controls its container "
+                f"engine (root there); profile {profile.name} does not admit that (remote_ssh_user)")))
 
     def admit(self, request: RuntimeRequest, *, uid: int, gid: int, session: str, host: str,
               local: bool) -> Decision:
@@ -173,6 +196,19 @@ class Policy:
         # needs a writable ns_last_pid, which a capability-only container lacks (measured on the H200).
         capabilities = None if profile.unrestricted else _grant(profile)
         return self._admitted(profile, uid, "", "", "probe", capabilities)
+
+    def admit_session_labels(self, labels: dict[str, str], *, uid: int, gid: int, session: str) -> None:
+        """session-open's manager labels, which the workloads of its cluster carry after admission:
+        the same `provider_labels` rule as a workload's own labels (PolicyRefused; nothing opened)."""
+        profile = self.profile_for(uid, gid)
+        if profile.unrestricted or profile.rules.provider_labels:
+            return
+        for key in labels:
+            if key.startswith(PROVIDER_LABEL_PREFIX):
+                self._refuse(profile, uid, session, "", "session-open", _Refusal(
+                    "provider-labels", f"labels.{key}", key,
+                    f"labels.{key}: labels under {PROVIDER_LABEL_PREFIX} belong to the provider "
+                    f"(profile {profile.name})"))
 
     def seccomp_unconfined(self, uid: int, gid: int) -> bool:
         """Whether the manager's profile lets its workloads (and its probes) run seccomp-unconfined."""
@@ -228,9 +264,12 @@ class Policy:
                     f"workload.labels.{key}: labels under {PROVIDER_LABEL_PREFIX} belong to the provider "
                     f"(profile {name})"))
         for index, mount in enumerate(spec.mounts):
-            self._check_mount(profile, f"workload.mounts[{index}].source", mount.source, local=local)
+            # CAP_SYS_ADMIN (a privileged capsule) can remount a read-only bind read-write.
+            writable = not mount.read_only or spec.privileged
+            self._check_mount(profile, f"workload.mounts[{index}].source", mount.source, local=local,
+                              writable=writable)
 
-    def _check_mount(self, profile: Profile, field: str, source: str, *, local: bool) -> None:
+    def _check_mount(self, profile: Profile, field: str, source: str, *, local: bool, writable: bool) -> None:
         name = profile.name
         roots = profile.rules.mount_roots
         if not any(source == root or source.startswith(root.rstrip("/") + "/") for root in roots):
@@ -241,7 +280,7 @@ class Policy:
             if source == path or source.startswith(path + "/") or path.startswith(source.rstrip("/") + "/"):
                 raise _Refusal("protected-paths", field, source, (
                     f"{field}: {source} is or contains {path}, which profile {name} never mounts"))
-        if local and (problem := check_source(source, self._trusted)):
+        if local and (problem := check_source(source, self._trusted) or (writable and _check_nosuid(source))):
             rule, detail = problem
             raise _Refusal(rule, field, source, f"{field}: {source} {detail} (profile {name})")
 
@@ -318,6 +357,25 @@ def check_source(source: str, trusted: frozenset[int]) -> tuple[str, str] | None
         return None
     finally:
         os.close(fd)
+
+
+def _check_nosuid(source: str) -> tuple[str, str] | None:
+    """(rule, why) when a capsule writing `source` as root could hand its manager host root.
+
+    The capsule is uid 0 without a user namespace: in a writable mount it can leave a setuid-root
+    program or a device node (CAP_FOWNER, CAP_MKNOD are the engine's defaults) that the manager,
+    who can reach the directory on the host, then runs or opens there. Only a filesystem mounted
+    ``nosuid,nodev`` on the host makes both inert. Called after :func:`check_source` admitted it,
+    so `source` holds no symbolic link and cannot be swapped.
+    """
+    flags = os.statvfs(source).f_flag
+    missing = [opt for opt, bit in (("nosuid", os.ST_NOSUID), ("nodev", os.ST_NODEV)) if not flags & bit]
+    if not missing:
+        return None
+    return "mount-nosuid", (
+        f"lies on a filesystem mounted without {','.join(missing)}: a capsule writing there as root could leave a "
+        "setuid program or a device node its manager runs on the host; mount the root nosuid,nodev, "
+        "or mount the source read_only in a workload that is not privileged")
 
 
 def _fixed(directory: os.stat_result, entry: os.stat_result, trusted: frozenset[int]) -> bool:

@@ -1,8 +1,8 @@
 """Launch the feature probe where the capsule runs, attach CRIU, admit, cache (DESIGN decision 5).
 
 Two places to run: disposable containers of the capsule image through the runtime
-backend (`criu check`, then the profile probe with only the assigned GPU and this package's
-probe mounted read-only; both with network `none` and exactly the capabilities CRIU and CUDA
+backend (`criu check`, then the profile probe with only the assigned GPU and a disposable
+copy of this package mounted read-only; both with network `none` and exactly the capabilities CRIU and CUDA
 checkpoint need, never privileged nor on the host's network), or plain processes on this host
 (`--host-process`, for qualifying a GPU machine). From the control socket, the manager's
 admission profile decides first (``_policy.Policy.admit_probe``).
@@ -10,12 +10,16 @@ admission profile decides first (``_policy.Policy.admit_probe``).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import shutil
 import sys
+import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import anyio.to_thread
 import msgspec
 
 import coldsnap_probe
@@ -28,7 +32,8 @@ from coldsnap_runtime.schema import WorkloadSpec
 from ._config import CAPSULE_CAPABILITIES
 from ._exec import ExecIdentity, ExecResult, run_argv
 
-__all__ = ("PROBE_MOUNT", "ProbeOptions", "cache_scope", "criu_workload", "probe_digest", "probe_workload", "run_probe")
+__all__ = ("PROBE_MOUNT", "ProbeOptions", "cache_scope", "criu_workload", "package_copy", "probe_digest",
+           "probe_workload", "run_probe")
 
 PROBE_MOUNT = "/opt/coldsnap/probe"
 _DAEMON = ExecIdentity()
@@ -113,18 +118,36 @@ def criu_workload(options: ProbeOptions) -> WorkloadSpec:
         "entrypoint": options.criu or CAPSULE_CRIU, "command": ["check"]}, WorkloadSpec)
 
 
-def probe_workload(options: ProbeOptions) -> WorkloadSpec:
-    """The profile probe: only the assigned GPU, no network, this package mounted read-only; stdout only."""
+@contextlib.asynccontextmanager
+async def package_copy(directory: Path) -> AsyncIterator[Path]:
+    """A disposable copy of this package under `directory`, for one probe container, removed after it.
+
+    The probe runs the caller's image with CAP_SYS_ADMIN, which remounts a read-only bind read-write:
+    bound directly, the installed package (code the daemon imports as root) was the image's to rewrite."""
+    parent = Path(await anyio.to_thread.run_sync(lambda: tempfile.mkdtemp(prefix="probe-package-", dir=directory)))
+    try:
+        copy = parent / "coldsnap_probe"
+        await anyio.to_thread.run_sync(lambda: shutil.copytree(
+            _PACKAGE_DIR, copy, symlinks=True, ignore=shutil.ignore_patterns("__pycache__")))
+        yield copy
+    finally:
+        await anyio.to_thread.run_sync(lambda: shutil.rmtree(parent, ignore_errors=True))
+
+
+def probe_workload(options: ProbeOptions, package: Path) -> WorkloadSpec:
+    """The profile probe: only the assigned GPU, no network, `package` (a :func:`package_copy`) mounted
+    read-only; stdout only."""
     return msgspec.convert({
         "name": "", "image": options.image, "remove_after_exit": True, "pull_policy": "never",
         "gpus": [options.device], "privileged": True, "seccomp_unconfined": options.seccomp_unconfined,
         "network": "none",
         "entrypoint": "python3", "command": _probe_args(options), "environment": {"PYTHONPATH": PROBE_MOUNT},
-        "mounts": [{"source": str(_PACKAGE_DIR), "target": f"{PROBE_MOUNT}/coldsnap_probe", "read_only": True}],
+        "mounts": [{"source": str(package), "target": f"{PROBE_MOUNT}/coldsnap_probe", "read_only": True}],
     }, WorkloadSpec)
 
 
-async def _profile_output(options: ProbeOptions, backend: Backend | None, identity: ExecIdentity) -> bytes:
+async def _profile_output(options: ProbeOptions, backend: Backend | None, identity: ExecIdentity,
+                          state_dir: Path) -> bytes:
     args = _probe_args(options)
     if options.host_process:
         # Like the capsule: the probe sees only its GPU (as ordinal 0); NVML is told which one it is.
@@ -135,8 +158,9 @@ async def _profile_output(options: ProbeOptions, backend: Backend | None, identi
             raise ProfileError(f"probe exited {result.exit_code}: {result.stderr.decode(errors='replace').strip()}")
         return result.stdout
     assert backend is not None
-    response = await backend.workload_run(probe_workload(options), allow_pull=False,
-                                          capabilities=options.capabilities)
+    async with package_copy(state_dir) as package:
+        response = await backend.workload_run(probe_workload(options, package), allow_pull=False,
+                                              capabilities=options.capabilities)
     return response.output if isinstance(response.output, bytes) else b""
 
 
@@ -166,7 +190,7 @@ async def run_probe(options: ProbeOptions, *, state_dir: Path, backend: Backend 
             except AdmissionError:
                 pass  # requirements changed: probe afresh
     criu_error = await _criu_check(options, backend, identity)
-    profile = coldsnap_probe.decode_profile(await _profile_output(options, backend, identity))
+    profile = coldsnap_probe.decode_profile(await _profile_output(options, backend, identity, state_dir))
     if criu_error is None:
         profile = coldsnap_probe.attach_criu(profile, options.driver)
     try:

@@ -150,7 +150,7 @@ class RemoteFiles:
             root = await anyio.to_thread.run_sync(_root_directory, spool, remote)
             spool.seek(0)
             os.lseek(spool.fileno(), 0, os.SEEK_SET)  # a seek inside the read buffer moves no descriptor
-            await extract_archive(spool, root, local, owner=None, action=action)
+            await extract_archive(spool, root, local, owner=None, action=action, max_bytes=self.spool.max_bytes)
         return local
 
     async def _receive(self, process: asyncssh.SSHClientProcess[bytes], write: Callable[[bytes], object], *,

@@ -1,46 +1,26 @@
-"""Tars between the engine and the host, as the owner: a small program the backend runs.
+"""Tars between the engine and the host, as the owner: a small program the backend runs by path
+(``python -I -S _archive.py ...``), standard library only, so it starts fast.
 
-Two jobs, both run *by path* in a child process (``python -I -S _archive.py ...``):
+* **extract** (``workload-copy-from``): ``_archive.py ROOT DESTINATION [--as UID:GID] [--keep-owner]
+  [--max-bytes N]``, the tar on stdin;
+* **pack** (``image-build``'s context directories): ``_archive.py --pack [--as UID:GID]``, a JSON job
+  on stdin (:func:`pack`), the tar on stdout.
 
-* **extract** (``workload-copy-from``, ``docker cp CONTAINER:PATH DEST`` for a tar the
-  engine streamed): ``_archive.py ROOT DESTINATION [--as UID:GID] [--keep-owner]``, the
-  tar on stdin;
-* **pack** (``image-build``'s context directories): ``_archive.py --pack [--as UID:GID]``,
-  a JSON job on stdin (see :func:`pack`), the tar on stdout.
+With ``--as`` the child drops to that identity right after its imports (no supplementary groups, all
+ids changed, no capability left: ``_privileges.py``); without it a non-root daemon's child still gives
+up every capability. So the kernel, not this code, decides what may be read or written.
 
-With ``--as`` the child drops to that identity (no supplementary groups, real, effective
-and saved ids all changed, no capability left: ``_privileges.py``); without it a non-root
-daemon's child still gives up every capability. Either happens right after its imports
-and before it looks at any host path, so the kernel, not this code, decides what may be
-written or read. (Dropping inside the child rather than before exec lets it start from an
-interpreter the owner could not reach.) It imports only the standard library: it starts
-fast and never loads the daemon's dependencies.
+Extract: the destination is walked from ``/`` with ``O_NOFOLLOW`` (a symbolic link on the way is
+refused); the copy is staged beside its final place and renamed in, so a failure leaves nothing
+half-written; absolute names, ``..``, entries below an archived link, duplicate names, device nodes and
+FIFOs are refused; a hard link to another entry becomes a copy of its data (counted again against
+``--max-bytes``, checked before anything is written), any other is refused; setuid, setgid and sticky
+bits are dropped; numeric owners are kept only with ``--keep-owner`` (a root writer, as ``docker cp``).
 
-Rules of extract:
-
-* the destination is walked from ``/`` one component at a time with ``O_NOFOLLOW``
-  (``openat`` style): a symbolic link anywhere on the way, a planted one included, is
-  refused and never followed;
-* the copy is extracted into a private directory beside its final place and renamed
-  into place, so a failed or cancelled copy leaves nothing half-written;
-* entries stay inside the copied path: absolute names, ``..`` and entries below a
-  symbolic link of the archive are refused; a hard link to another entry of the copy
-  becomes a copy of its data (no link is ever made on the host), any other hard link is
-  refused;
-* device nodes and FIFOs are refused; setuid, setgid and sticky bits are dropped;
-* numeric ownership is kept only with ``--keep-owner`` (a root writer, as ``docker cp``
-  does); otherwise every file belongs to the identity that runs this program.
-
-Rules of pack (Docker's own rules for a build context, made race-free):
-
-* every directory is walked through descriptors, each entry ``lstat``-ed and opened with
-  ``O_NOFOLLOW`` relative to its parent; a symbolic link is archived as a link (its
-  target text), never followed, so a link to ``/etc/shadow`` carries the text
-  ``/etc/shadow`` and nothing of the file; an entry's header comes from the descriptor
-  that is read (``fstat``), so a file swapped for a link meanwhile is refused, not read;
-* a path the identity cannot read fails the whole build, naming the host path;
-* entries enter the tar owned by 0:0 (as the Docker CLI sends them); sockets are skipped;
-* the main context's ``.dockerignore`` is honoured (ignored directories are not entered).
+Pack (Docker's rules for a build context, race-free): directories are walked through descriptors, each
+entry opened ``O_NOFOLLOW`` relative to its parent and described by ``fstat`` of what is read; a
+symbolic link is archived as its target text, never followed; an unreadable path fails the build
+naming it; entries are owned 0:0; sockets are skipped; the main context's ``.dockerignore`` is honoured.
 
 Exit status 0 on success; 1 with one line on stderr saying why; 2 for bad arguments.
 """
@@ -108,12 +88,17 @@ def _lstat(name: str, dir_fd: int) -> os.stat_result | None:
         return None
 
 
-def check_members(tar: tarfile.TarFile, root: str) -> list[tarfile.TarInfo]:
+def check_members(tar: tarfile.TarFile, root: str, max_bytes: int | None = None) -> list[tarfile.TarInfo]:
     """A copy's members in order, names normalised; every one inside `root`, none reached through
-    a symbolic link of the archive, none listed twice, hard links only to members, no devices or FIFOs."""
+    a symbolic link of the archive, none listed twice, hard links only to members, no devices or FIFOs.
+
+    `max_bytes`: a bound on the bytes extracting them writes. The tar carries a file's data once and
+    each hard link to it as a bare header, but a link is extracted as a copy, so it counts again."""
     members: list[tarfile.TarInfo] = []
     links: set[str] = set()
     seen: set[str] = set()
+    sizes: dict[str, int] = {}
+    total = 0
     for member in tar:
         name = posixpath.normpath(member.name)
         if name.startswith(("/", "../")) or name == ".." or not (name == root or name.startswith(root + "/")):
@@ -128,10 +113,17 @@ def check_members(tar: tarfile.TarFile, root: str) -> list[tarfile.TarInfo]:
             target = posixpath.normpath(member.linkname)
             if not (target == root or target.startswith(root + "/")):
                 raise ArchiveRefused(f"hard link {member.name!r} points outside the copied path")
+            total += sizes.get(target, 0)
         elif member.issym():
             links.add(name)
         elif not (member.isreg() or member.isdir()):
             raise ArchiveRefused(f"archive entry {member.name!r} is a device node or FIFO; those are not copied")
+        if member.isreg():
+            sizes[name] = member.size
+            total += member.size
+        if max_bytes is not None and total > max_bytes:
+            raise ArchiveRefused(f"the copy's files hold more than {max_bytes} bytes (docker.copy_max_bytes; a hard "
+                                 "link counts its file's bytes again); nothing was placed")
         member.name = name
         members.append(member)
     return members
@@ -261,7 +253,8 @@ def _merge(source_parent: int, source_name: str, target_parent: int, target_name
         os.close(source)
 
 
-def extract_copy(archive: IO[bytes], root: str, destination: str, *, keep_owner: bool) -> None:
+def extract_copy(archive: IO[bytes], root: str, destination: str, *, keep_owner: bool,
+                 max_bytes: int | None = None) -> None:
     """Place the archive's `root` entry (the copied path's basename) at `destination`.
 
     `archive` must be seekable (hard links are read back from it).
@@ -285,7 +278,7 @@ def extract_copy(archive: IO[bytes], root: str, destination: str, *, keep_owner:
         try:
             staging = os.open(staging_name, _DIR, dir_fd=final_parent)
             try:
-                _stage(archive, root, staging, keep_owner)
+                _stage(archive, root, staging, keep_owner, max_bytes)
                 _place(staging, root, final_parent, final_name, shown=posixpath.join(destination, final_name)
                        if final_parent != parent else destination)
             finally:
@@ -298,10 +291,10 @@ def extract_copy(archive: IO[bytes], root: str, destination: str, *, keep_owner:
         os.close(parent)
 
 
-def _stage(archive: IO[bytes], root: str, staging: int, keep_owner: bool) -> None:
+def _stage(archive: IO[bytes], root: str, staging: int, keep_owner: bool, max_bytes: int | None) -> None:
     directories: list[tuple[list[str], tarfile.TarInfo]] = []
     with tarfile.open(fileobj=archive, mode="r:") as tar:  # the engine sends a plain tar
-        for member in check_members(tar, root):
+        for member in check_members(tar, root, max_bytes):
             parts = member.name.split("/")
             parent = _open_parent(staging, parts)
             try:
@@ -553,34 +546,40 @@ def _drop(identity: tuple[int, int] | None) -> None:
         raise ArchiveRefused(str(exc)) from exc
 
 
+def _option(args: list[str], flag: str, count: int) -> tuple[int, ...] | None:
+    """Take ``flag N[:N]`` out of `args`: its `count` non-negative numbers, None when absent, () when malformed."""
+    if flag not in args:
+        return None
+    at = args.index(flag)
+    text = args[at + 1] if at + 1 < len(args) else ""
+    del args[at:at + 2]
+    numbers = tuple(int(p) for p in text.split(":") if p.isdigit())
+    return numbers if len(numbers) == count == len(text.split(":")) else ()
+
+
 def main(argv: list[str]) -> int:
-    """``_archive.py ROOT DESTINATION [--as UID:GID] [--keep-owner]`` with the tar on stdin, or
-    ``_archive.py --pack [--as UID:GID]`` with the JSON job on stdin and the tar on stdout."""
+    """``_archive.py ROOT DESTINATION [--as UID:GID] [--keep-owner] [--max-bytes N]`` with the tar on
+    stdin, or ``_archive.py --pack [--as UID:GID]`` with the JSON job on stdin and the tar on stdout."""
     keep_owner = "--keep-owner" in argv
     packing = "--pack" in argv
     args = [a for a in argv if a not in ("--keep-owner", "--pack")]
-    identity: tuple[int, int] | None = None
-    if "--as" in args:
-        at = args.index("--as")
-        try:
-            uid, _, gid = args[at + 1].partition(":")
-            identity = (int(uid), int(gid))
-        except (IndexError, ValueError):
-            identity = (-1, -1)
-        del args[at:at + 2]
-    bad_identity = identity is not None and min(identity) < 0
-    if packing and (args or keep_owner or bad_identity):
+    as_ids, limit = _option(args, "--as", 2), _option(args, "--max-bytes", 1)
+    identity = (as_ids[0], as_ids[1]) if as_ids else None
+    bad = as_ids == () or limit == ()
+    if packing and (args or keep_owner or limit is not None or bad):
         sys.stderr.write("usage: _archive.py --pack [--as UID:GID] < job.json > context.tar\n")
         return 2
-    if not packing and (len(args) != 2 or not args[1].startswith("/") or bad_identity):
-        sys.stderr.write("usage: _archive.py ROOT /ABSOLUTE/DESTINATION [--as UID:GID] [--keep-owner] < archive.tar\n")
+    if not packing and (len(args) != 2 or not args[1].startswith("/") or bad):
+        sys.stderr.write("usage: _archive.py ROOT /ABSOLUTE/DESTINATION [--as UID:GID] [--keep-owner] "
+                         "[--max-bytes N] < archive.tar\n")
         return 2
     try:
         _drop(identity)
         if packing:
             pack(_job(sys.stdin.buffer.read()), sys.stdout.buffer)
         else:
-            extract_copy(sys.stdin.buffer, args[0], args[1], keep_owner=keep_owner)
+            extract_copy(sys.stdin.buffer, args[0], args[1], keep_owner=keep_owner,
+                         max_bytes=limit[0] if limit else None)
     except ArchiveRefused as exc:
         sys.stderr.write(f"{exc}\n")
         return 1

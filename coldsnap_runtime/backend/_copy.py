@@ -51,7 +51,7 @@ async def copy_out(engine: Engine, container_id: str, *, name: str, path: str, d
             raise PathNotFound(workload=name, path=path, action=_ACTION) from exc
         spool.seek(0)
         root = str(stat.get("name") or os.path.basename(path))
-        await extract_archive(spool, root, destination, owner=owner, action=_ACTION)
+        await extract_archive(spool, root, destination, owner=owner, action=_ACTION, max_bytes=max_bytes)
 
 
 async def _spool_copy(content: aiohttp.StreamReader, spool: IO[bytes], *, spool_dir: str | None,
@@ -94,9 +94,12 @@ def _path_stat(header: str) -> dict[str, Any]:
 
 
 async def extract_archive(spool: IO[bytes], root: str, destination: str, *, owner: Owner | None,
-                          action: str) -> None:
-    """Run the extractor program with `spool` on stdin; it drops to `owner` before touching the destination."""
+                          action: str, max_bytes: int | None) -> None:
+    """Run the extractor program with `spool` on stdin; it drops to `owner` before touching the destination,
+    and writes at most `max_bytes` (hard links count again)."""
     argv = [sys.executable, "-I", "-S", _ARCHIVE_PROGRAM, root, destination]
+    if max_bytes is not None:
+        argv += ["--max-bytes", str(max_bytes)]
     if owner is not None:
         argv += ["--as", f"{owner.uid}:{owner.gid}"]
     if os.geteuid() == 0 and (owner is None or owner.uid == 0):

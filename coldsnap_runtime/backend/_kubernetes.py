@@ -538,7 +538,8 @@ class KubernetesBackend:
                     f"tar in the container exited {exit_code}: {diagnostic_text(stderr)}"))
             await anyio.to_thread.run_sync(spool.flush)
             spool.seek(0)
-            await extract_archive(spool, base or "root", destination, owner=owner, action=action)
+            await extract_archive(spool, base or "root", destination, owner=owner, action=action,
+                                  max_bytes=self._copy_max_bytes)
 
     # --- maintenance -----------------------------------------------------------------------
 

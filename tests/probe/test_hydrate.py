@@ -462,22 +462,53 @@ def test_stage_requests_are_keyed_by_the_manifest_digest(tmp_path: Path) -> None
 # --- who may ask (#24, finding 5) ---------------------------------------------------------------------------
 
 
-def test_a_source_is_readable_by_a_peer_only_as_its_mode_allows(tmp_path: Path) -> None:
+@pytest.fixture
+def open_directory() -> Iterator[Path]:
+    """A directory every uid may search (pytest's tmp_path lies under root's 0700 directory)."""
+    import shutil
+    import tempfile
+
+    directory = Path(tempfile.mkdtemp(prefix="cs-readable-", dir="/tmp"))
+    directory.chmod(0o755)
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_source_is_readable_by_a_peer_only_as_its_mode_allows(open_directory: Path) -> None:
     from coldsnap_probe._hydrator import readable_by
     from coldsnap_probe.jsonline import Peer
 
-    path = source(tmp_path, 4096)
+    path = source(open_directory, 4096)
     path.chmod(0o640)
     os.chown(path, 0, 1000)
     st = os.stat(path)
-    assert readable_by(st, Peer(1, 0, 0))  # root
-    assert readable_by(st, Peer(1, 2000, 1000))  # the file's group may read
-    assert not readable_by(st, Peer(1, 65534, 65534))  # others may not
+    assert readable_by(str(path), st, Peer(1, 0, 0))  # root
+    assert readable_by(str(path), st, Peer(1, 2000, 1000))  # the file's group may read
+    assert not readable_by(str(path), st, Peer(1, 65534, 65534))  # others may not
     os.chown(path, 65534, 1000)
     path.chmod(0o040)
-    assert not readable_by(os.stat(path), Peer(1, 65534, 1000))  # the owner's bits decide for the owner
+    assert not readable_by(str(path), os.stat(path), Peer(1, 65534, 1000))  # the owner's bits decide for the owner
     path.chmod(0o604)
-    assert readable_by(os.stat(path), Peer(1, 4242, 4242))
+    assert readable_by(str(path), os.stat(path), Peer(1, 4242, 4242))
+
+
+def test_a_source_in_a_directory_a_peer_cannot_search_is_not_readable_by_it(open_directory: Path) -> None:
+    """Review of #24 finding 5: only the file's own mode was checked, so a world-readable weight file in a
+    tenant's 0700 directory went to every other tenant of the hydrator."""
+    from coldsnap_probe._hydrator import readable_by
+    from coldsnap_probe.jsonline import Peer
+
+    tenant = open_directory / "tenant-a" / "models"
+    tenant.mkdir(parents=True)
+    path = source(tenant, 4096)
+    path.chmod(0o644)
+    os.chown(open_directory / "tenant-a", 4242, 4242)
+    (open_directory / "tenant-a").chmod(0o700)
+    assert not readable_by(str(path), os.stat(path), Peer(1, 65534, 65534))  # tenant-a's 0700 stops others
+    assert readable_by(str(path), os.stat(path), Peer(1, 4242, 4242))  # its owner searches it
+    (open_directory / "tenant-a").chmod(0o750)
+    assert readable_by(str(path), os.stat(path), Peer(1, 65534, 4242))  # its group too
+    assert not readable_by(str(path), os.stat(path), Peer(1, 65534, 65534))
 
 
 def test_a_stage_is_held_only_with_its_ticket() -> None:

@@ -123,3 +123,34 @@ async def test_build_context_past_copy_max_bytes_fails_and_builds_nothing(busybo
             docker("rmi", "-f", tag, check=False)
     assert not built.ok and "the build context exceeds 1048576 bytes (docker.copy_max_bytes)" in built.error
     assert not present
+
+
+async def test_copy_from_hard_links_count_their_data_against_copy_max_bytes(busybox_image: str,
+                                                                            small_tmpfs: Path) -> None:
+    """Review of #24 finding 8: the tar carries a file's data once and every hard link to it as a header,
+    but the extractor writes each link as a copy: 1 MiB and 40 links (a 1.1 MiB tar, under a 4 MiB cap)
+    became 41 MiB at the destination (and so did a remote node's build context, written as root)."""
+    name = f"coldsnap-links-{os.getpid()}"
+    dest = small_tmpfs / "dest"
+    dest.mkdir()
+    config = "[docker]\ncopy_max_bytes = 4194304\n"
+    script = "mkdir /out && head -c 1048576 /dev/urandom > /out/f && for i in $(seq 40); do ln /out/f /out/l$i; done"
+    async with running_daemon(config) as daemon:
+        s = await daemon.open_session(hosts=["localhost"])
+        try:
+            run = await s.runtime("workload-run", workload=_workload(name, busybox_image, f"{script}; touch /done"))
+            assert run.ok, run.error
+            await _ready(s, name, "/done")
+            refused = await s.runtime("workload-copy-from", name=name, path="/out", destination=str(dest / "out"))
+            linked = await s.runtime("workload-exec", name=name, execution={
+                "command": ["sh", "-c", "mkdir /few && head -c 1048576 /dev/urandom > /few/f && ln /few/f /few/g"]})
+            assert linked.ok, linked.error
+            few = await s.runtime("workload-copy-from", name=name, path="/few", destination=str(dest / "few"))
+        finally:
+            docker("rm", "-f", name, check=False)
+    assert not refused.ok and refused.error_code == "runtime_failed"
+    assert refused.error == ("workload-copy-from failed: the copy's files hold more than 4194304 bytes "
+                             "(docker.copy_max_bytes; a hard link counts its file's bytes again); nothing was placed")
+    assert sorted(os.listdir(dest)) == ["few"]
+    assert few.ok, few.error  # under the cap, hard links included: copied as before
+    assert (dest / "few" / "f").read_bytes() == (dest / "few" / "g").read_bytes()

@@ -57,8 +57,20 @@ def session_as(uid: int, daemon: Daemon) -> Session:
 
 @pytest.fixture
 def mount_root() -> Iterator[Path]:
-    """A root-owned mount root under /tmp (sticky, root-owned: what a capsule profile may name)."""
+    """A root-owned mount root under /tmp (sticky, root-owned), a filesystem mounted nosuid,nodev:
+    what a capsule profile may name (a capsule writes there as root)."""
     root = Path(tempfile.mkdtemp(prefix="cs-polroot-", dir="/tmp"))
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "nosuid,nodev,mode=0755,size=16m", "cs-polroot", str(root)],
+                   check=True)
+    yield root
+    subprocess.run(["umount", "-l", str(root)], check=False)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def suid_root() -> Iterator[Path]:
+    """A root-owned mount root on a filesystem where setuid bits and device nodes work (/tmp's)."""
+    root = Path(tempfile.mkdtemp(prefix="cs-suidroot-", dir="/tmp"))
     os.chmod(root, 0o755)
     yield root
     shutil.rmtree(root, ignore_errors=True)
@@ -191,6 +203,70 @@ async def test_policy_symlink_and_manager_writable_directory_under_a_root_refuse
         assert reply.runtime is not None and reply.runtime.output == b"sub\n"
 
 
+async def test_policy_writable_mount_on_a_suid_filesystem_refused(
+        busybox_image: str, suid_root: Path, names: list[str]) -> None:
+    """Review of #24: a capsule is uid 0 on the host's files: in its manager's writable directory it left
+    a setuid-root shell (or a device node) that the manager then ran on the host: host root."""
+    mine = suid_root / "mine"
+    mine.mkdir()
+    os.chown(mine, NOBODY, NOBODY)
+    plant = ["sh", "-c", "cp /bin/busybox /x/sh && chmod 4755 /x/sh && mknod /x/mem c 1 1"]
+    async with running_daemon(policy_config(suid_root)) as daemon:
+        session = session_as(NOBODY, daemon)
+        reply = await run(session, image=busybox_image, remove_after_exit=True, command=plant,
+                          mounts=[{"source": str(mine), "target": "/x"}])
+        assert not reply.ok and not reply.error_code, reply.error
+        assert reply.error == (
+            f"workload.mounts[0].source: {mine} lies on a filesystem mounted without nosuid,nodev: a capsule writing "
+            "there as root could leave a setuid program or a device node its manager runs on the host; mount the "
+            "root nosuid,nodev, or mount the source read_only in a workload that is not privileged (profile tenant)")
+        assert list(mine.iterdir()) == []
+        # CAP_SYS_ADMIN remounts a read-only bind read-write: a privileged capsule is refused it too.
+        reply = await run(session, image=busybox_image, remove_after_exit=True, privileged=True, command=plant,
+                          mounts=[{"source": str(mine), "target": "/x", "read_only": True}])
+        assert str(reply.error).startswith(f"workload.mounts[0].source: {mine} lies on a filesystem mounted without")
+        assert list(mine.iterdir()) == []
+        # Read-only in a capsule without privileges: it cannot write there, so it is admitted.
+        reply = await run(session, image=busybox_image, remove_after_exit=True, command=plant,
+                          mounts=[{"source": str(mine), "target": "/x", "read_only": True}])
+        assert reply.error_code == "runtime_failed" and "Read-only file system" in str(reply.error), reply.error
+        assert list(mine.iterdir()) == []
+
+
+async def test_policy_provider_labels_refused_in_session_open_labels_too(
+        busybox_image: str, mount_root: Path, names: list[str]) -> None:
+    """Review of #24: session-open's manager labels reach the cluster's workloads after admission, so a
+    manager put io.coldsnap-provider.* labels (the daemon's instance and incarnation) on its workloads."""
+    name = uniq("pol-lbl")
+    names.append(name)
+    async with running_daemon(policy_config(mount_root)) as daemon:
+        os.chmod(daemon.state_dir / "control.sock", 0o666)
+        session = uniq("op-lbl")
+        answer = control_as(NOBODY, daemon.state_dir, {
+            "operation": "session-open", "session": session, "hosts": ["localhost"], "cluster_id": "c1",
+            "labels": {"team": "a", "io.coldsnap-provider.instance": "forged"}})
+        assert not answer["ok"] and answer["error"] == (
+            "labels.io.coldsnap-provider.instance: labels under io.coldsnap-provider. belong to the provider "
+            "(profile tenant)"), answer
+        listed = control_as(NOBODY, daemon.state_dir, {"operation": "session-list"})
+        assert session not in json.dumps(listed)
+        [event] = [e for e in daemon.log_events() if e.get("event") == "admission" and e.get("decision") == "refused"]
+        assert event["action"] == "session-open" and event["rule"] == "provider-labels"
+        # Other labels still reach the cluster's workloads; root (unrestricted) may set the provider's.
+        answer = control_as(NOBODY, daemon.state_dir, {
+            "operation": "session-open", "session": session, "hosts": ["localhost"], "cluster_id": "c1",
+            "labels": {"team": "a"}})
+        assert answer["ok"], answer
+        result = answer["result"]
+        reply = await run(Session(socket=result["socket"], token=result["token"], session=result["session"]),
+                          image=busybox_image, name=name, detached=True, labels={"io.sparksq.coldsnap.workload": "c1"},
+                          command=["sleep", "30"])
+        assert reply.ok, reply.error
+        assert inspect(name)["Config"]["Labels"]["team"] == "a"
+        root = await daemon.open_session(labels={"io.coldsnap-provider.note": "root's"})
+        assert root.session
+
+
 async def test_policy_privileged_capsule_gets_exactly_the_profile_capabilities(
         busybox_image: str, mount_root: Path, names: list[str]) -> None:
     """Regression: #24: `privileged` under a restricted profile is its capabilities, not the host."""
@@ -237,7 +313,7 @@ def test_probe_workloads_run_with_capabilities_not_privileged_nor_host_network()
 
     options = ProbeOptions(driver="n610", image="capsule@sha256:" + "0" * 64)
     grant = PrivilegeGrant(capabilities=options.capabilities, devices=(), whole_host=False)
-    for spec in (criu_workload(options), probe_workload(options)):
+    for spec in (criu_workload(options), probe_workload(options, Path("/state/probe-package-x/coldsnap_probe"))):
         host = container_config(spec, privilege=grant)["HostConfig"]
         assert host["Privileged"] is False and host["CapAdd"] == list(CAPSULE_CAPABILITIES)
         assert host["NetworkMode"] == "none" and not host.get("DeviceCgroupRules")

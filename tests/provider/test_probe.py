@@ -63,10 +63,10 @@ def test_probe_usage_errors_exit_2(args: list[str], tmp_path: object) -> None:
 @no_driver
 def test_probe_workloads_realise_the_isolation_rules() -> None:
     options = ProbeOptions(driver="n610", device="3", image="capsule@sha256:" + "0" * 64)
-    probe_config = container_config(probe_workload(options))
+    probe_config = container_config(probe_workload(options, Path("/state/probe-package-x/coldsnap_probe")))
     host = probe_config["HostConfig"]
     assert host["DeviceRequests"][0]["DeviceIDs"] == ["3"] and host["NetworkMode"] == "none"
-    assert host["Binds"][0].endswith(f":{PROBE_MOUNT}/coldsnap_probe:ro")
+    assert host["Binds"][0] == f"/state/probe-package-x/coldsnap_probe:{PROBE_MOUNT}/coldsnap_probe:ro"
     assert probe_config["Entrypoint"] == ["python3"]
     assert probe_config["Cmd"] == ["-m", "coldsnap_probe", "profile", "--memory-bytes", "1048576", "--timeout", "30"]
     criu = container_config(criu_workload(options))
@@ -120,3 +120,27 @@ def test_host_process_probe_admits_caches_and_reuses(driver: str, tmp_path: Path
     third = json.loads(run_provider("probe", "--driver", driver, "--host-process", "--state-dir",
                            str(tmp_path), "--json").stdout)
     assert third["admitted"] is True and third["cached"] is False
+
+
+async def test_probe_container_gets_a_disposable_copy_of_the_package_never_the_installed_one(
+        busybox_image: str, tmp_path: Path) -> None:
+    """Review of #24: the probe bound this package's installed directory (code the daemon imports as root)
+    read-only into the caller's image with CAP_SYS_ADMIN, which remounts the bind read-write: any manager
+    could rewrite the daemon's code. Now the container gets a copy, removed after it."""
+    from coldsnap_provider._probe import _PACKAGE_DIR, package_copy
+
+    options = ProbeOptions(driver="n610", image=busybox_image)
+    planted = f"planted-{os.getpid()}"
+    async with package_copy(tmp_path) as copy:
+        [mount] = probe_workload(options, copy).mounts
+        assert mount.read_only and Path(mount.source) == copy and copy.parent.parent == tmp_path
+        assert sorted(p.name for p in copy.glob("*.py")) == sorted(p.name for p in _PACKAGE_DIR.glob("*.py"))
+        # What a hostile probe image does with the probe's CAP_SYS_ADMIN.
+        done = subprocess.run(["docker", "run", "--rm", "--cap-add", "SYS_ADMIN", "--security-opt",
+                               "apparmor=unconfined", "-v", f"{mount.source}:{mount.target}:ro", busybox_image, "sh",
+                               "-c", f"mount -o remount,rw,bind {mount.target} && touch {mount.target}/{planted}"],
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 0, done.stderr  # the remount works: only a copy makes it harmless
+        assert (copy / planted).exists()
+        assert not (_PACKAGE_DIR / planted).exists()
+    assert not copy.parent.exists()

@@ -666,6 +666,55 @@ async def test_policy_is_enforced_for_remote_hosts_too(node_b: NodeB, busybox_im
             node_b.docker("rm", "-f", name, check=False)
 
 
+async def test_policy_refuses_a_restricted_manager_the_remote_ssh_user(node_b: NodeB, busybox_image: str,
+                                                                        tmp_path: Path) -> None:
+    """Review of #24: exec, upload, copy-from destinations and build contexts on a [[remote]] node run as its
+    SSH user, who holds that node's Docker socket: a `capsule` manager's `exec id -u` answered 0 there, around
+    every rule of its profile. Refused unless the profile says `remote_ssh_user = true`; nothing reaches the node."""
+    name = f"coldsnap-remote-ssh-{os.getpid()}"
+    marker = f"/tmp/coldsnap-remote-ssh-{os.getpid()}"
+    (tmp_path / "f").write_text("x\n")
+    tmp_path.chmod(0o755)
+    (tmp_path / "f").chmod(0o644)
+    config = (f"{EXEC_AS_NOBODY}[server]\ncontrol_uids = [{_NOBODY}, {_NOBODY - 1}]\n" + node_b.config()
+              + "[policy.profiles.trusted]\nremote_ssh_user = true\n"
+              + f'[[policy.assign]]\nuids = [{_NOBODY - 1}]\nprofile = "trusted"\n')
+    async with running_daemon(config) as daemon:
+        os.chmod(daemon.state_dir / "control.sock", 0o666)
+
+        def session(uid: int) -> Session:
+            answer = control_as(uid, daemon.state_dir, {"operation": "session-open", "session": f"op-rs-{uid}",
+                                                        "hosts": ["node-b"]})
+            assert answer["ok"], answer
+            return Session(socket=answer["result"]["socket"], token=answer["result"]["token"],
+                           session=answer["result"]["session"])
+
+        capsule, trusted = session(_NOBODY), session(_NOBODY - 1)
+        rule = ("host node-b runs it as that node's SSH user, who controls its container engine (root there); "
+                "profile capsule does not admit that (remote_ssh_user)")
+        try:
+            refused = await _exec(capsule, "node-b", "sh", "-c", f"id -u; touch {marker}")
+            assert not refused.ok and not refused.error_code and refused.error == f"exec: {rule}", refused.error
+            refused = await capsule.call("upload", host="node-b", sources=[str(tmp_path / "f")], destination=marker)
+            assert refused.error == f"upload: {rule}", refused.error
+            run = await capsule.runtime("workload-run", host="node-b", workload={
+                "image": busybox_image, "name": name, "detached": True, "command": ["sleep", "60"]})
+            assert run.ok, run.error  # the engine itself is the profile's to rule
+            refused = await capsule.runtime("workload-copy-from", host="node-b", name=name, path="/etc/hostname",
+                                            destination=marker)
+            assert refused.error == f"workload-copy-from: {rule}", refused.error
+            dockerfile = base64.b64encode(f"FROM {busybox_image}\n".encode()).decode()
+            refused = await capsule.runtime("image-build", host="node-b", build={
+                "dockerfile": dockerfile, "context": "/root", "tag": f"coldsnap-test/rs:{os.getpid()}"})
+            assert refused.error == f"image-build: {rule}", refused.error
+            assert not node_b.path(marker).exists()
+            allowed = await _exec(trusted, "node-b", "id", "-u")
+            assert allowed.ok and _output(allowed) == b"0\n", allowed
+        finally:
+            node_b.docker("rm", "-f", name, check=False)
+            node_b.path(marker).unlink(missing_ok=True)
+
+
 # --- under the shipped systemd unit (docs/systemd.md) ------------------------------------------
 
 

@@ -175,3 +175,26 @@ async def test_remote_host_certificate_is_not_trusted_only_plain_keys(node_b: No
         accepted = await s.call("exec", host="node-b", arguments=["true"])
     assert not refused.ok and "host key" in refused.error and "remote host node-b" in refused.error
     assert accepted.ok and accepted.exit_code == 0, accepted.error
+
+
+async def test_build_context_hard_links_from_hostile_node_count_against_copy_max_bytes(
+        node_b: NodeB, hostile: Hostile) -> None:  # noqa: F811
+    """Review of #24 finding 8: a remote user's tar of 1 MiB of data and 64 hard links to it (a 1 MiB stream,
+    under a 4 MiB cap) was extracted by this node as root into its state directory as 65 MiB."""
+    tree: list[dict[str, Any]] = [{"name": "ctx", "type": "dir"},
+                                  {"name": "ctx/f", "type": "file", "data": "x" * (1 << 20)}]
+    tree += [{"name": f"ctx/l{i}", "type": "hardlink", "target": "ctx/f"} for i in range(64)]
+    hostile.plant(tree)
+    tag = f"coldsnap-test/hostile-links:{os.getpid()}"
+    dockerfile = base64.b64encode(b"FROM scratch\nCOPY . /\n").decode()
+    try:
+        async with running_daemon(hostile.config(node_b) + "[docker]\ncopy_max_bytes = 4194304\n") as daemon:
+            s = await daemon.open_session(hosts=["node-b"])
+            reply = await s.runtime("image-build", host="node-b", build={
+                "dockerfile": dockerfile, "context": _CONTEXT, "tag": tag})
+            leftovers = [p for p in daemon.state_dir.rglob("*") if p.is_file() and p.stat().st_size >= 1 << 20]
+    finally:
+        node_b.docker("rmi", "-f", tag, check=False)
+    assert not reply.ok and reply.error_code == "runtime_failed"
+    assert "the copy's files hold more than 4194304 bytes" in reply.error, reply.error
+    assert leftovers == []
