@@ -39,7 +39,9 @@ async def _backend(cluster: Cluster, **kwargs: object) -> AsyncIterator[Kubernet
 
 def _sleeper(name: str, **fields: object) -> WorkloadSpec:
     return WorkloadSpec(image=IMAGE, name=name, detached=True, pull_policy="never",
-                        command=["sh", "-c", "echo started; echo to-stderr >&2; exec sleep 3600"], **fields)  # type: ignore[arg-type]
+                        # (the pause orders the two lines: the node's log merges its streams by time)
+                        command=["sh", "-c", "echo started; sleep 0.3; echo to-stderr >&2; exec sleep 3600"],
+                        **fields)  # type: ignore[arg-type]
 
 
 async def test_detached_workload_runs_inspects_logs_execs_and_is_removed(cluster: Cluster) -> None:
