@@ -293,20 +293,24 @@ def _metrics_problem(config: Config) -> str:
     return ""
 
 
-def _remote_problem(config: Config) -> str:
-    """Rules spanning entries: every host is served exactly once (locally or by one remote)."""
-    local = node_names(config)
+def _listed_once(section: str, entries: list[list[str]], local: frozenset[str]) -> str:
+    """Every host of `section`'s entries is listed once across them, and is not also served locally."""
     seen: dict[str, int] = {}
-    for index, remote in enumerate(config.remote):
-        where = f"remote[{index}]"
-        for host in remote.hosts:
+    for index, hosts in enumerate(entries):
+        where = f"{section}[{index}]"
+        for host in hosts:
             if host in local:
                 return f"{where}: host {host!r} is also served locally (node.names); list it once"
             if host in seen:
-                other = "the same entry" if seen[host] == index else f"remote[{seen[host]}]"
+                other = "the same entry" if seen[host] == index else f"{section}[{seen[host]}]"
                 return f"{where}: host {host!r} is already listed by {other}; list it once"
             seen[host] = index
     return ""
+
+
+def _remote_problem(config: Config) -> str:
+    """Rules spanning entries: every host is served exactly once (locally or by one remote)."""
+    return _listed_once("remote", [remote.hosts for remote in config.remote], node_names(config))
 
 
 def _kubernetes_problem(config: Config) -> str:
@@ -315,17 +319,10 @@ def _kubernetes_problem(config: Config) -> str:
     A host may be both a [[kubernetes]] Node and a [[remote]] entry: the cluster runs its workloads and
     the SSH connection carries its node-local operations (exec, upload, copy-from destinations).
     """
-    local = node_names(config)
-    seen: dict[str, int] = {}
+    if problem := _listed_once("kubernetes", [cluster.hosts for cluster in config.kubernetes], node_names(config)):
+        return problem
     for index, cluster in enumerate(config.kubernetes):
         where = f"kubernetes[{index}]"
-        for host in cluster.hosts:
-            if host in local:
-                return f"{where}: host {host!r} is also served locally (node.names); list it once"
-            if host in seen:
-                other = "the same entry" if seen[host] == index else f"kubernetes[{seen[host]}]"
-                return f"{where}: host {host!r} is already listed by {other}; list it once"
-            seen[host] = index
         for host in cluster.node_names:
             if host not in cluster.hosts:
                 return f"{where}.node_names: {host!r} is not one of this entry's hosts"
