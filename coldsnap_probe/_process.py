@@ -14,9 +14,25 @@ from typing import Any
 from ._cuda import Driver
 from .errors import WorkerError
 
-__all__ = ("anonymous_memory", "audit_pre_cuda", "cuda_processes", "endpoint", "image_digest", "images_size",
-           "inet_sockets", "process_state", "process_tree", "readlink", "require_state", "run_criu", "signal_tree",
-           "stop", "tail", "undo_cuda")
+__all__ = (
+    "anonymous_memory",
+    "audit_pre_cuda",
+    "cuda_processes",
+    "endpoint",
+    "image_digest",
+    "images_size",
+    "inet_sockets",
+    "process_state",
+    "process_tree",
+    "readlink",
+    "require_state",
+    "run_criu",
+    "signal_tree",
+    "stop",
+    "tail",
+    "tree_sockets",
+    "undo_cuda",
+)
 
 _NVIDIA_MAPS = ("libcuda.so", "libnvidia-ml.so", "/dev/nvidia")
 
@@ -128,22 +144,27 @@ def images_size(images: Path) -> tuple[int, int]:
     return sum(p.stat().st_size for p in files), len(files)
 
 
-def inet_sockets(tree: list[int]) -> list[str]:
-    """The tree's TCP/UDP sockets as `pid fd proto local -> remote`: none may be left once communicators are gone."""
+def tree_sockets(tree: list[int], protos: tuple[str, ...]) -> list[tuple[int, str, str, list[str]]]:
+    """(pid, fd, proto, its /proc/net/<proto> fields) for every socket of the tree in those tables."""
     found = []
     for pid in tree:
         try:
             links = {fd: readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
             inodes = {link[8:-1]: fd for fd, link in links.items() if link.startswith("socket:[")}
-            for proto in ("tcp", "tcp6", "udp", "udp6"):
+            for proto in protos:
                 for line in Path(f"/proc/{pid}/net/{proto}").read_text().splitlines()[1:]:
                     fields = line.split()
                     if len(fields) > 9 and fields[9] in inodes:
-                        found.append(f"process {pid} fd {inodes[fields[9]]} {proto} {endpoint(fields[1])} -> "
-                                     f"{endpoint(fields[2])}")
-        except OSError:
+                        found.append((pid, inodes[fields[9]], proto, fields))
+        except OSError:  # the process is gone: it holds nothing
             continue
     return found
+
+
+def inet_sockets(tree: list[int]) -> list[str]:
+    """The tree's TCP/UDP sockets as `pid fd proto local -> remote`: none may be left once communicators are gone."""
+    return [f"process {pid} fd {fd} {proto} {endpoint(fields[1])} -> {endpoint(fields[2])}"
+            for pid, fd, proto, fields in tree_sockets(tree, ("tcp", "tcp6", "udp", "udp6"))]
 
 
 def endpoint(hex_address: str) -> str:

@@ -7,11 +7,10 @@ io_uring instance (CRIU cannot dump one). Both read /proc only.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
-from ._process import endpoint, readlink
+from ._process import endpoint, tree_sockets
 from .errors import WorkerError
 
 IDLE_WAIT_S = 5.0  # how long a capture waits for a server's open requests to finish
@@ -20,20 +19,8 @@ ESTABLISHED = "01"  # /proc/net/tcp's state column
 
 def open_connections(tree: list[int]) -> list[str]:
     """The tree's established TCP connections (a request being served), as `process P fd F local <- peer`."""
-    found = []
-    for pid in tree:
-        try:
-            links = {fd: readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
-            inodes = {link[8:-1]: fd for fd, link in links.items() if link.startswith("socket:[")}
-            for proto in ("tcp", "tcp6"):
-                for line in Path(f"/proc/{pid}/net/{proto}").read_text().splitlines()[1:]:
-                    fields = line.split()
-                    if len(fields) > 9 and fields[3] == ESTABLISHED and fields[9] in inodes:
-                        found.append(f"process {pid} fd {inodes[fields[9]]} {endpoint(fields[1])} <- "
-                                     f"{endpoint(fields[2])}")
-        except OSError:  # the process is gone: it holds nothing
-            continue
-    return found
+    return [f"process {pid} fd {fd} {endpoint(fields[1])} <- {endpoint(fields[2])}"
+            for pid, fd, _, fields in tree_sockets(tree, ("tcp", "tcp6")) if fields[3] == ESTABLISHED]
 
 
 def wait_idle(tree: list[int], bound: float) -> None:
