@@ -61,7 +61,7 @@ async def test_session_open_list_close_and_call() -> None:
         assert result["environment"] == {"COLDSNAP_HOST_PROVIDER_SOCKET": result["socket"],
                                          "COLDSNAP_HOST_PROVIDER_TOKEN": result["token"]}
         call = await anyio.to_thread.run_sync(lambda: cli(
-            "call", "--socket", result["socket"], "--token", result["token"], "--session", "op-cli",
+            "call", "--socket", result["socket"], f"--token={result['token']}", "--session", "op-cli",
             "exec", '{"host":"localhost","arguments":["echo","hi"]}'))
         assert call.returncode == 0 and json.loads(call.stdout)["output"] == "aGkK"
         listed = await anyio.to_thread.run_sync(lambda: cli("session", "list", "--state-dir", state))
