@@ -10,7 +10,7 @@ the public client (`call_control` for the session and the probe, `call` for runt
 1. `image-inspect` the capsule and pin it by its image ID (every later workload runs `sha256:<id>`);
 2. the disposable probe container (control-socket `probe`, n610, GPU 0) and a disposable check that the
    capsule carries the restore worker (`coldsnap_probe` and CRIU);
-3. the serving engine (`bench/engine_llama.py`, 8B-shaped, ~16 GB bf16) as a detached workload, timed
+3. the serving engine (`engines/engine_llama.py`, 8B-shaped, ~16 GB bf16) as a detached workload, timed
    from `workload-run` to its first streamed token (cold Docker-to-first-token);
 4. capture with the worker inside that container (`workload-exec python3 -m coldsnap_probe capture`);
    in `hydrate` mode the worker first has the engine release its weights (`--hydration`), so the
@@ -79,7 +79,7 @@ class Layout:
     run_dir: Path
     images_dir: Path
     weights: Path
-    bench_dir: Path = Path(__file__).resolve().parent
+    engines_dir: Path = Path(__file__).resolve().parent.parent / "engines"
     python: str = "/opt/torch/.venv/bin/python3"
     host_mounts: tuple[str, ...] = HOST_MOUNTS
     gpus: tuple[str, ...] = ("0",)
@@ -90,7 +90,7 @@ class Layout:
     def mounts(self) -> list[dict[str, Any]]:
         return ([{"source": p, "target": p, "read_only": True} for p in self.host_mounts]
                 + [{"source": str(self.weights), "target": WEIGHTS, "read_only": True},
-                   {"source": str(self.bench_dir), "target": ENGINE, "read_only": True},
+                   {"source": str(self.engines_dir), "target": ENGINE, "read_only": True},
                    {"source": str(self.run_dir), "target": RUN},
                    {"source": str(self.images_dir), "target": IMAGES}]
                 + ([{"source": str(self.coordinator), "target": COORD}] if self.coordinator else []))
@@ -301,13 +301,13 @@ async def start_serving(d: Driver, image: str, layout: Layout, name: str, *, hyd
 
 
 async def start_hydrator(d: Driver, image: str, layout: Layout, name: str) -> dict[str, Any]:
-    """The node's long-lived hydrator (coldsnap_probe._hydrate serve): the shards page-locked once, then it
+    """The node's long-lived hydrator (coldsnap_probe.hydration serve): the shards page-locked once, then it
     copies them into a restored engine's exported weight allocation. Started before the cold engine; its
     start is not part of any Docker-to-first-token (it serves every restore on the node)."""
     await d.expect(f"evicting {name}", "workload-remove", name=name)
     shards = sorted(p.name for p in layout.weights.glob("*.safetensors"))
     spec = layout.unit(name, image, entrypoint=layout.python, command=[
-        "-m", "coldsnap_probe._hydrate", "serve", "--socket", f"{RUN}/hydrator.sock",
+        "-m", "coldsnap_probe.hydration", "serve", "--socket", f"{RUN}/hydrator.sock",
         *(f"{WEIGHTS}/{s}" for s in shards)])
     created = time.time()
     await d.expect(f"starting the hydrator {name}", "workload-run", workload=spec)

@@ -67,7 +67,7 @@ from bench.e2e_restore import (
     wait_hydrator,
 )
 from bench.serve_client import ClientError, Completion, chat_request, connect, http_post, stream_chat
-from bench.serve_model import ModelFolderError, check_folder
+from engines.serve_model import ModelFolderError, check_folder
 
 HOST = "127.0.0.1"
 PROMPT = "Tell me a story about GPUs and checkpoints."

@@ -7,7 +7,7 @@ Against a running `coldsnap-provider serve` (`[gpus] mode = "native"`, `[runtime
 "host-capabilities"`), through the public client only, as a ColdSnap controller drives a TP activation
 (spec 7.1: one container per launch unit, host network, the unit's GPUs, the coordinator shared):
 
-1. the capsule pinned by its image ID; each rank's weights written once on the host (bench/engine_tp2.py);
+1. the capsule pinned by its image ID; each rank's weights written once on the host (engines/engine_tp2.py);
 2. cold: one detached serving workload per rank (`gpus` = that rank's GPU, or every GPU with `--gpus all`),
    each `engine_llama.py launch` (PID floor, session leader) of `engine_tp2.py serve`, NCCL between the
    containers over the host network; timed from the first `workload-run` to rank 0's first streamed token;
@@ -60,7 +60,7 @@ from bench.e2e_restore import (
 from bench.tp2_restore import generate, start_ranks
 from coldsnap_probe import image_digest
 
-NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "NCCL_RAS_ENABLE": "0"}  # see bench/engine_tp2.py
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "NCCL_RAS_ENABLE": "0"}  # see engines/engine_tp2.py
 # What a step of the sequence can fail with besides E2EError: a garbled report, a missing log line, the engine's
 # socket. Each is recorded as that step's failure, so that the units are still removed.
 FAILURES = (E2EError, OSError, ValueError, KeyError, RuntimeError, TimeoutError)

@@ -2,7 +2,7 @@
 
     python bench/restore_ttft.py --sizes 2,16 --criu /path/to/criu [--root /tmp/coldsnap-ttft]
 
-For each size: a cold start of bench/_ttft_server.py timed from process start to the first
+For each size: a cold start of engines/ttft_server.py timed from process start to the first
 streamed token (with its stages: imports, CUDA init, weight load, graph capture); a capture by
 the worker (`python -m coldsnap_probe capture`); two restores from the same unchanged images,
 each timed from the restore command to the first token. The restored process must produce the
@@ -13,7 +13,7 @@ Mode `hydrate` uses coldsnap_probe's hydration API end to end: the server keeps 
 `WeightArena` (one region: a 64 MiB-aligned prefix of one weights file generated for the largest
 size, so every size shares it), the worker's capture releases them (`--hydration`), the worker's
 restore hydrates and verifies them before the engine serves. `--strategy hydrator` starts one
-long-lived hydrator (`python -m coldsnap_probe._hydrate serve`) that page-locks the weights file
+long-lived hydrator (`python -m coldsnap_probe.hydration serve`) that page-locks the weights file
 once. `--hydrate-bench GIB` first measures the copy strategies (register, ring, O_DIRECT ring,
 hydrator) with the source in /dev/shm, in the page cache and cold on disk.
 """
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-SERVER = ROOT / "bench" / "_ttft_server.py"
+SERVER = ROOT / "engines" / "ttft_server.py"
 BASELINE_MIB = 0  # GPU memory used with no server running (set in main)
 PROMPT = [1, 15043, 29892, 920, 526, 366, 29973, 13]
 sys.path.insert(0, str(ROOT))
@@ -111,7 +111,7 @@ def criu_gaps(log: Path, top: int = 12) -> dict[str, Any]:
             "gaps": [{"seconds": round(g, 4), "after": a, "before": b} for g, a, b in gaps[:top]]}
 
 
-# The server's model shape (bench/_ttft_server.py; not imported here: it imports torch).
+# The server's model shape (engines/ttft_server.py; not imported here: it imports torch).
 VOCAB, HIDDEN = 32000, 4096
 PER_LAYER = 12 * HIDDEN * HIDDEN + 2 * HIDDEN
 CHUNK = 64 << 20
@@ -127,7 +127,7 @@ def start_hydrator(socket_path: Path, weights: Path, log: Path) -> tuple[subproc
     socket_path.unlink(missing_ok=True)
     started = time.time()
     out = open(log, "wb")  # noqa: SIM115 - the hydrator writes here for its whole life
-    proc = subprocess.Popen([sys.executable, "-m", "coldsnap_probe._hydrate", "serve", "--socket", str(socket_path),
+    proc = subprocess.Popen([sys.executable, "-m", "coldsnap_probe.hydration", "serve", "--socket", str(socket_path),
                              "--staging", str(weights)], stdout=out, stderr=out, stdin=subprocess.DEVNULL, cwd=ROOT,
                             start_new_session=True)
     while True:

@@ -8,7 +8,6 @@ from JSON only by their `from_json`/`to_json`; the profile functions the daemon 
 JSON documents it relays. Errors: `coldsnap_probe.errors` (root `ProbeError`).
 """
 
-from ._arena import WeightArena as WeightArena
 from ._cache import boot_id as boot_id
 from ._cache import cache_key as cache_key
 from ._cache import read_cached as read_cached
@@ -42,16 +41,17 @@ from ._model import Profile as Profile
 from ._model import Qualification as Qualification
 from ._model import QualificationScope as QualificationScope
 from ._model import Requirements as Requirements
-from ._weights import WeightRegion as WeightRegion
-from ._weights import chunk_digests as chunk_digests
-from ._weights import combine_digests as combine_digests
-from ._weights import region_digest as region_digest
 from ._worker import anonymous_memory as anonymous_memory
 from ._worker import image_digest as image_digest
 from .errors import AdmissionError as AdmissionError
 from .errors import ContractError as ContractError
 from .errors import ProbeError as ProbeError
 from .errors import ProfileError as ProfileError
+from .hydration import WeightArena as WeightArena
+from .hydration import WeightRegion as WeightRegion
+from .hydration import chunk_digests as chunk_digests
+from .hydration import combine_digests as combine_digests
+from .hydration import region_digest as region_digest
 from .jsonline import request as hydration_request
 
 __all__ = (

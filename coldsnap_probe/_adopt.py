@@ -38,7 +38,7 @@ from .errors import HydrationError
 
 SOCKET_ENV = "COLDSNAP_HYDRATION_SOCKET"
 STRATEGY_ENV = "COLDSNAP_HYDRATION_STRATEGY"  # ring (default) or register
-HYDRATOR_ENV = "COLDSNAP_HYDRATOR_SOCKET"  # a long-lived hydrator (python -m coldsnap_probe._hydrate serve)
+HYDRATOR_ENV = "COLDSNAP_HYDRATOR_SOCKET"  # a long-lived hydrator (python -m coldsnap_probe.hydration serve)
 REGIONS_FILE = "coldsnap-regions.json"  # precomputed region digests beside the shards (optional)
 TARGET_MODULE = "transformers.modeling_utils"
 ALIGN = 2 << 20

@@ -39,8 +39,8 @@ from ._process import (
 from ._profile import identity
 from ._quiesce import IDLE_WAIT_S, refuse_io_uring, wait_idle
 from ._reports import CapturedGraphPolicy, CaptureReport, ReleasedWeights
-from ._weights import HydrationManifest
 from .errors import ProbeError, WorkerError
+from .hydration import HydrationManifest
 
 __all__ = ("capture",)
 

@@ -25,12 +25,11 @@ from typing import Any
 from ._coordinator import Coordinator
 from ._cuda import Driver
 from ._engine import ABORT_POLL, engine_request, resume_engine, validated_graph_record
-from ._hydrator import Stager
 from ._process import process_state, process_tree, require_state, run_criu, stop, tail
 from ._profile import identity
 from ._reports import HydratedWeights, RestoredGraphPolicy, RestoreReport
-from ._weights import HydrationManifest, check_sources
 from .errors import ProbeError, RankAborted, WorkerError
+from .hydration import HydrationManifest, Stager, check_sources
 
 __all__ = ("identity_compatibility", "restore")
 

@@ -16,7 +16,7 @@ back; the tree is then held stopped until every page is in, and a daemon that fa
 Timeline marks are taken by this (fresh) process, never by the restored one. The image directory is
 only read.
 
-Weight hydration (`_hydrate.py`): with `hydration=<engine control socket>` the capture first asks
+Weight hydration (`hydration/`): with `hydration=<engine control socket>` the capture first asks
 the engine to release its weight regions (the engine's fail-before-release gate; the manifest goes
 into the images as `hydration.json`) and, if anything fails afterwards, to hydrate them back so the
 workload keeps serving. A restore whose images hold `hydration.json` checks the weight sources

@@ -93,7 +93,7 @@ async def engine_cold_start(d: Driver, args: argparse.Namespace) -> None:
     run_dir.mkdir(exist_ok=True)
     sock = run_dir / "engine.sock"
     sock.unlink(missing_ok=True)
-    bench = str(Path(__file__).resolve().parent.parent / "bench")
+    bench = str(Path(__file__).resolve().parent.parent / "engines")
     await d.runtime("workload-remove", name="engine-cold")
     workload = {
         "name": "engine-cold", "image": CAPSULE, "detached": True, "pull_policy": "never", "network": "none",

@@ -1,4 +1,4 @@
-"""bench/serve_model.py and e2e_serve's first check: a model folder the server cannot use is refused naming
+"""engines/serve_model.py and e2e_serve's first check: a model folder the server cannot use is refused naming
 what is missing, before any unit exists; the local tokenizer's vocabulary covers the model's ids."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.serve_model import (
+from engines.serve_model import (
     SPECIAL_BASE,
     SPECIALS,
     UNK,

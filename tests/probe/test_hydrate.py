@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from coldsnap_probe._arena import WeightArena
-from coldsnap_probe._weights import (
+from coldsnap_probe.errors import HydrationError
+from coldsnap_probe.hydration._arena import WeightArena
+from coldsnap_probe.hydration._weights import (
     DIGEST_CHUNK,
     HydrationManifest,
     WeightRegion,
@@ -23,7 +24,6 @@ from coldsnap_probe._weights import (
     region_digest,
     validate_regions,
 )
-from coldsnap_probe.errors import HydrationError
 from tests.helpers import ROOT
 from tests.probe.test_main import has_nvidia_driver
 
@@ -219,7 +219,7 @@ def _stop_serving() -> Iterator[None]:
 
 
 def device_bytes(arena: object, size: int) -> bytes:
-    from coldsnap_probe._vmm import cucall
+    from coldsnap_probe.hydration._vmm import cucall
 
     buffer = ctypes.create_string_buffer(size)
     cucall(arena.driver, "cuMemcpyDtoH", ctypes.addressof(buffer), arena.address, size)  # type: ignore[attr-defined]
@@ -244,7 +244,7 @@ def test_arena_release_and_restore_same_address_same_bytes(tmp_path: Path, strat
 
 def with_kv(arena: WeightArena, weights: int) -> WeightArena:
     """Redeclare `arena` with a discarded region after its `weights` bytes, filled with a pattern."""
-    from coldsnap_probe._vmm import cucall
+    from coldsnap_probe.hydration._vmm import cucall
 
     kv = WeightRegion("kv", arena.address + weights, arena.size - weights, "", 0, "", "discard")
     arena.declare([arena.regions[0], kv])
@@ -283,7 +283,7 @@ def test_arena_release_with_an_altered_source_refuses_and_keeps_serving(tmp_path
 
 @gpu
 def test_arena_restore_with_too_little_free_memory_refuses_then_succeeds(tmp_path: Path) -> None:
-    from coldsnap_probe._vmm import cucall
+    from coldsnap_probe.hydration._vmm import cucall
 
     path = source(tmp_path, 64 * MIB)
     arena = declared_arena(path, 64 * MIB)
@@ -335,7 +335,7 @@ def hydrator(tmp_path: Path) -> object:
     """A long-lived hydrator process holding one 16 MiB source page-locked (its GPU is GPU 0, as the arena's)."""
     path = source(tmp_path, 16 * MIB, "shard.bin")
     control = tmp_path / "hydrator.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "coldsnap_probe._hydrate", "serve", "--socket", str(control),
+    proc = subprocess.Popen([sys.executable, "-m", "coldsnap_probe.hydration", "serve", "--socket", str(control),
                              "--staging", "--stage-ttl", "2", str(path)], stdout=subprocess.PIPE, cwd=ROOT)
     try:
         ready = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
@@ -356,7 +356,7 @@ def staged_arena(tmp_path: Path, shard: Path, control: str) -> tuple[object, Hyd
 
 @gpu
 def test_staged_weights_are_adopted_in_place_with_the_same_bytes(tmp_path: Path, hydrator: tuple[Path, str]) -> None:
-    from coldsnap_probe._hydrator import Stager
+    from coldsnap_probe.hydration._hydrator import Stager
 
     shard, control = hydrator
     arena, manifest = staged_arena(tmp_path, shard, control)
@@ -378,7 +378,7 @@ def test_staged_weights_are_adopted_in_place_with_the_same_bytes(tmp_path: Path,
 @gpu
 def test_staged_weights_with_a_discarded_region_come_back_with_it_zeroed(tmp_path: Path,
                                                                          hydrator: tuple[Path, str]) -> None:
-    from coldsnap_probe._hydrator import Stager
+    from coldsnap_probe.hydration._hydrator import Stager
 
     shard, control = hydrator
     arena = declared_arena(shard, 8 * MIB, offset=4 * MIB, exportable=True, size=12 * MIB)
@@ -411,8 +411,8 @@ def test_staging_for_another_gpu_is_refused_and_the_restore_still_hydrates(tmp_p
 def test_an_unadopted_stage_is_freed_after_its_ttl(tmp_path: Path, hydrator: tuple[Path, str]) -> None:
     import time
 
-    from coldsnap_probe._hydrator import Stager
-    from coldsnap_probe._vmm import cucall
+    from coldsnap_probe.hydration._hydrator import Stager
+    from coldsnap_probe.hydration._vmm import cucall
 
     shard, control = hydrator
     arena, manifest = staged_arena(tmp_path, shard, control)
@@ -432,7 +432,7 @@ def test_an_unadopted_stage_is_freed_after_its_ttl(tmp_path: Path, hydrator: tup
 def test_weights_hydrated_through_the_hydrator_are_freed_at_release(tmp_path: Path,
                                                                     hydrator: tuple[Path, str]) -> None:
     """The hydrator closes the descriptor of every allocation it filled: an engine's release frees the memory."""
-    from coldsnap_probe._vmm import cucall
+    from coldsnap_probe.hydration._vmm import cucall
 
     shard, control = hydrator
     arena = declared_arena(shard, 8 * MIB, exportable=True)
@@ -446,14 +446,14 @@ def test_weights_hydrated_through_the_hydrator_are_freed_at_release(tmp_path: Pa
 
 @pytest.mark.parametrize("key", [None, "", "k", "sha256:" + "0" * 63, "sha256:" + "G" * 64, 7])
 def test_a_stage_key_must_be_a_manifest_digest(key: object) -> None:
-    from coldsnap_probe._hydrator import _stage_key
+    from coldsnap_probe.hydration._hydrator import _stage_key
 
     with pytest.raises(HydrationError, match="key must be a manifest digest"):
         _stage_key({"key": key})
 
 
 def test_stage_requests_are_keyed_by_the_manifest_digest(tmp_path: Path) -> None:
-    from coldsnap_probe._hydrator import _stage_key
+    from coldsnap_probe.hydration._hydrator import _stage_key
 
     manifest = manifest_for([region(source(tmp_path))])
     assert _stage_key(manifest.stage_request("stage")) == manifest.manifest_digest
@@ -475,7 +475,7 @@ def open_directory() -> Iterator[Path]:
 
 
 def test_a_source_is_readable_by_a_peer_only_as_its_mode_allows(open_directory: Path) -> None:
-    from coldsnap_probe._hydrator import readable_by
+    from coldsnap_probe.hydration._hydrator import readable_by
     from coldsnap_probe.jsonline import Peer
 
     path = source(open_directory, 4096)
@@ -495,7 +495,7 @@ def test_a_source_is_readable_by_a_peer_only_as_its_mode_allows(open_directory: 
 def test_a_source_in_a_directory_a_peer_cannot_search_is_not_readable_by_it(open_directory: Path) -> None:
     """Review of #24 finding 5: only the file's own mode was checked, so a world-readable weight file in a
     tenant's 0700 directory went to every other tenant of the hydrator."""
-    from coldsnap_probe._hydrator import readable_by
+    from coldsnap_probe.hydration._hydrator import readable_by
     from coldsnap_probe.jsonline import Peer
 
     tenant = open_directory / "tenant-a" / "models"
@@ -512,7 +512,7 @@ def test_a_source_in_a_directory_a_peer_cannot_search_is_not_readable_by_it(open
 
 
 def test_a_stage_is_held_only_with_its_ticket() -> None:
-    from coldsnap_probe._hydrator import _Staged
+    from coldsnap_probe.hydration._hydrator import _Staged
 
     staged = _Staged(None, 0, 1, (), 0.0, 0.0, 0.0, owner=1000, ticket="t" * 43)
     assert staged.held_by("t" * 43)
@@ -535,7 +535,7 @@ def shared_hydrator(tmp_path: Path) -> Iterator[tuple[Path, Path, str]]:
     private.chmod(0o600)
     public.chmod(0o644)
     control = shared / "hydrator.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "coldsnap_probe._hydrate", "serve", "--socket", str(control),
+    proc = subprocess.Popen([sys.executable, "-m", "coldsnap_probe.hydration", "serve", "--socket", str(control),
                              "--staging", "--allow-uid", str(nobody.pw_uid), "--socket-group", str(nobody.pw_gid),
                              str(private), str(public)], stdout=subprocess.PIPE, cwd=ROOT)
     try:
@@ -551,7 +551,7 @@ def shared_hydrator(tmp_path: Path) -> Iterator[tuple[Path, Path, str]]:
 def test_a_hydrator_tenant_cannot_list_adopt_or_discard_another_tenants_stage(
         tmp_path: Path, shared_hydrator: tuple[Path, Path, str]) -> None:
     """Regression: #24 (finding 5): any process reaching the hydrator listed, adopted and discarded stages."""
-    from coldsnap_probe._hydrator import Stager
+    from coldsnap_probe.hydration._hydrator import Stager
     from coldsnap_probe.jsonline import request
     from tests.probe.test_jsonline import ask_as_nobody
 
@@ -582,7 +582,7 @@ def test_a_hydrator_gives_a_peer_no_byte_of_a_source_it_could_not_read(
     manifest = arena.release("g1")
     answer = ask_as_nobody(control, manifest.stage_request("stage", device_uuid=""))
     assert not answer["ok"] and "is not this hydrator's" in answer["error"]  # the GPU is checked first
-    from coldsnap_probe._vmm import device_uuid
+    from coldsnap_probe.hydration._vmm import device_uuid
 
     uuid = device_uuid(arena.driver, 0)
     answer = ask_as_nobody(control, manifest.stage_request("stage", device_uuid=uuid))

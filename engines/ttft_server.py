@@ -1,11 +1,11 @@
 """A small decoder-only transformer served over a local Unix socket (the restore benchmark's workload).
 
-    python bench/_ttft_server.py --gib 2 --weights FILE --socket PATH   serve
-    python bench/_ttft_server.py --gib 2 --weights FILE --generate      write the weights file once
+    python engines/ttft_server.py --gib 2 --weights FILE --socket PATH   serve
+    python engines/ttft_server.py --gib 2 --weights FILE --generate      write the weights file once
 
 Random weights from a fixed seed (no downloads), bf16, loaded from a local file through pinned
 staging buffers; a static KV cache; the decode step is captured as a CUDA graph; greedy
-generation. With --vmm-weights the weights live in a `coldsnap_probe._hydrate.WeightArena`: one
+generation. With --vmm-weights the weights live in a `coldsnap_probe.hydration.WeightArena`: one
 region (a 64 MiB-aligned prefix of the weights file, digest given by --region-digest), released
 and hydrated by the restore worker through --control (the product path, not this server's code);
 with --kv-discard the KV cache sits in the same arena as a discarded region (kept out of the images,

@@ -1,7 +1,7 @@
 """A tensor-parallel engine (issue 16): a Llama-shaped decoder sharded over ranks, NCCL all-reduce in CUDA graphs.
 
-    python bench/engine_tp2.py weights --rank R --world-size N --dir DIR [--layers 16]   write a rank's weights once
-    python bench/engine_tp2.py serve --rank R --world-size N --dir DIR [--layers 16] [--log FILE]
+    python engines/engine_tp2.py weights --rank R --world-size N --dir DIR [--layers 16]   write a rank's weights once
+    python engines/engine_tp2.py serve --rank R --world-size N --dir DIR [--layers 16] [--log FILE]
 
 One process per rank, one GPU each (`cuda:R`, or the only visible one), torch.distributed with NCCL over a
 FileStore in DIR (`NCCL_NVLS_ENABLE=0`, `NCCL_RAS_ENABLE=0`). Attention heads and the MLP are split

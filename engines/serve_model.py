@@ -1,10 +1,10 @@
 """The model folder `transformers serve` loads (issue 23): engine_llama's weights plus a local tokenizer.
 
-    python bench/serve_model.py tokenizer DIR     add a tokenizer with a chat template (built with the
+    python engines/serve_model.py tokenizer DIR     add a tokenizer with a chat template (built with the
                                                   `tokenizers` library, no Hub access) to a model folder
-    python bench/serve_model.py check DIR         what a server needs is there (exit 1 naming what is not)
+    python engines/serve_model.py check DIR         what a server needs is there (exit 1 naming what is not)
 
-The weights come from `bench/engine_llama.py weights DIR` (8B-shaped Llama, random weights from a fixed
+The weights come from `engines/engine_llama.py weights DIR` (8B-shaped Llama, random weights from a fixed
 seed). The tokenizer covers the model's whole vocabulary (128256 ids, so every id a random model emits
 decodes): a word-level vocabulary whose first ids are the words of the benchmark's prompt, then synthetic
 words `w<id>`, `<unk>` at 127999, then Llama 3's special tokens at 128000-128255, with Llama 3's chat
@@ -83,7 +83,7 @@ def check_folder(directory: str | Path) -> list[str]:
         if not path.is_file():
             what = "its tokenizer" if name.startswith("tokenizer") else "its configuration"
             raise ModelFolderError(f"model folder {folder} is missing {what}: no {name} "
-                                   "(bench/serve_model.py tokenizer DIR writes one)")
+                                   "(engines/serve_model.py tokenizer DIR writes one)")
         try:
             value = json.loads(path.read_text())
         except (OSError, ValueError) as exc:

@@ -1,13 +1,13 @@
 """A real-engine-shaped inference server: an 8B-shaped Llama decoder (transformers + torch), issue 12 item 3.
 
-    python bench/engine_llama.py weights DIR              write deterministic bf16 weights once (safetensors)
-    python bench/engine_llama.py serve DIR --socket PATH [--log FILE] [--hydration SOCKET]
+    python engines/engine_llama.py weights DIR              write deterministic bf16 weights once (safetensors)
+    python engines/engine_llama.py serve DIR --socket PATH [--log FILE] [--hydration SOCKET]
         load, warm up (compile + CUDA graphs), serve. With --hydration the weights live in a
-        coldsnap_probe._hydrate.WeightArena (a VMM reservation laid out as the safetensors shards' data
+        coldsnap_probe.hydration.WeightArena (a VMM reservation laid out as the safetensors shards' data
         sections, filled from them, parameters are views of it) whose control socket the restore worker
         uses to release the weights before capture and hydrate them after restore; with --hydrator SOCKET
-        the hydration goes through a long-lived HydratorServer (python -m coldsnap_probe._hydrate serve).
-    python bench/engine_llama.py launch --pid-floor N --log FILE -- ENGINE ARGV...   a container init for a
+        the hydration goes through a long-lived HydratorServer (python -m coldsnap_probe.hydration serve).
+    python engines/engine_llama.py launch --pid-floor N --log FILE -- ENGINE ARGV...   a container init for a
         capturable engine: push the PID allocator past N, start ENGINE as a session leader with its stdio on
         /dev/null (no pipe to the container runtime that a restore could not recreate), then reap children
         and outlive it (a capture's worker must finish after CRIU has killed the engine)
@@ -18,7 +18,7 @@ step with torch.compile and replays it as CUDA graphs; greedy. Every cold-start 
 weight load, warm-up compilation and graph capture) goes to stdout as a JSON line with its wall-clock time,
 so a driver can put them on one timeline with the container's creation; with --log each line is also
 appended to FILE, opened and closed per line (no descriptor held across a checkpoint). Protocol (the same as
-bench/_ttft_server.py): one JSON line {"prompt": [ids], "max_tokens": n} per connection on a Unix socket;
+engines/ttft_server.py): one JSON line {"prompt": [ids], "max_tokens": n} per connection on a Unix socket;
 one {"token": id, "unix": t} line per token as generated, then {"done": true, "first_logits_sha256": hex}.
 """
 

@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import jsonline
+from .. import jsonline
+from ..errors import ChannelError, CudaError, HydrationError
 from ._vmm import Mapped, copy_registered, copy_ring, cucall, device_allocation, fd_handle, map_read_write
 from ._weights import HydrationManifest, WeightRegion, check_sources, plan_for, validate_regions
-from .errors import ChannelError, CudaError, HydrationError
 
 __all__ = ("ADOPT_TIMEOUT", "WeightArena")
 
@@ -30,7 +30,7 @@ class WeightArena:
 
     def __init__(self, size: int, *, device: int = 0, exportable: bool = False, streams: int = 4,
                  driver: Any = None) -> None:
-        from ._cuda import Driver
+        from .._cuda import Driver
 
         self.driver: Any = driver or Driver()
         self.driver.context(device)

@@ -20,15 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._memory import (
+from .._memory import (
     MemoryCheckpointPlan,
     MemoryLayoutDescriptor,
     MemoryRegion,
     ProviderCapabilities,
     require_checkpoint_plan,
 )
-from .canonical import digest
-from .errors import HydrationError, MemoryCapabilityError
+from ..canonical import digest
+from ..errors import HydrationError, MemoryCapabilityError
 
 __all__ = (
     "CAPABILITIES",

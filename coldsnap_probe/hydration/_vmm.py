@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from ..errors import CudaError, HydrationError
 from ._weights import WeightRegion
-from .errors import CudaError, HydrationError
 
 __all__ = ("COPY_CHUNK", "Mapped", "copy_registered", "copy_ring", "cucall", "device_allocation", "device_uuid",
            "fd_handle", "map_read_write")

@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import jsonline
+from .. import jsonline
+from ..errors import ChannelError, HydrationError
 from ._vmm import Mapped, copy_registered, cucall, device_allocation, device_uuid, fd_handle, map_read_write
 from ._weights import HydrationManifest, WeightRegion, validate_regions
-from .errors import ChannelError, HydrationError
 
 __all__ = ("STAGE_MAX", "STAGE_RESERVE", "STAGE_TTL", "HydratorServer", "Stager")
 
@@ -98,7 +98,7 @@ class HydratorServer:
     def __init__(self, sources: Sequence[str], *, streams: int = 4, driver: Any = None,
                  stage_ttl: float = STAGE_TTL, staging: bool = False, peers: jsonline.Peers | None = None,
                  group: int | None = None) -> None:
-        from ._cuda import Driver
+        from .._cuda import Driver
 
         self.driver: Any = driver or Driver()
         self.driver.context()
@@ -300,7 +300,7 @@ class Stager:
         self._thread.start()
 
     def _run(self) -> None:
-        from ._cuda import Driver
+        from .._cuda import Driver
 
         started = time.perf_counter()
         try:

@@ -1,0 +1,70 @@
+"""Weight hydration: an engine's weights leave device memory before capture and come back after restore.
+
+The API (engine side, inside the capsule; standard library + cuda-python)::
+
+    arena = WeightArena(total_bytes)                  # VMM reservation + backing, mapped, exact address
+    arena.declare([WeightRegion(name, arena.address + off, size, source_path, source_offset, digest),
+                   WeightRegion("kv", arena.address + off2, size2, "", 0, "", policy="discard")])  # optional
+    arena.load()                                      # cold start: fill from the sources, verified
+    arena.serve(control_socket)                       # a thread the restore worker talks to
+    ... build tensors over arena.address, serve; before each request: arena.wait_ready() ...
+
+`region_digest(path, offset, size)` computes a region's digest (``sha256-64m:<hex>``: SHA-256 over
+the SHA-256 of each 64 MiB chunk, so it is computed in parallel). The worker side::
+
+    manifest = request(control_socket, {"op": "release", "generation": g})  # before CUDA lock
+    ... CUDA checkpoint, CRIU dump; restore ...
+    report = request(control_socket, {"op": "hydrate"})                  # after CUDA unlock
+
+A `discard` region (a KV cache, scratch buffers) is released with the weights and comes back zero-filled:
+its bytes are in neither the images nor any source (the plan's `kv_cache` layout, spec policy `discard`).
+
+`release` is the fail-before-release gate (memory contracts, `_memory.py`): the regions must lie
+inside the reservation without overlapping, every source must hold its region and match its
+digest, the checkpoint plan must pass `require_checkpoint_plan`; the layout and the sources are
+revalidated just before the backing is unmapped (the reservation is kept, so captured CUDA graphs
+stay valid). Any failure raises `HydrationError` naming the region, and nothing was released.
+`hydrate` (after restore) checks the manifest against the arena (same plan digest), the sources
+against the identities recorded at release (device, inode, size, mtime, ctime; on a mismatch the
+content digest decides), and the free device memory; then it maps fresh backing at the same
+address, copies, verifies sampled blocks against the source, and only then sets `ready`. On a
+failure the backing is released again and the engine stays not ready: nothing half-hydrated serves.
+
+Copy strategies (`strategy=`): ``register`` (the source file is mmapped and page-locked with
+`cuMemHostRegister`, copied by DMA on several streams; the pinning is paid at every hydration),
+``ring`` (reader threads into a ring of pinned buffers; page cache or disk), ``direct`` (the ring
+with O_DIRECT reads), and ``hydrator:<socket>``: a long-lived `HydratorServer` process
+(``python -m coldsnap_probe.hydration serve --socket S FILE...``) keeps the sources page-locked (paid
+once, at its start) and writes into the engine's allocation, which the engine exports
+(`cuMemExportToShareableHandle`, SCM_RIGHTS); an exported allocation is released before the next
+checkpoint anyway (the weights are released before every capture).
+
+Where each part lives (this subpackage): `_weights.py` (regions, digests, sources, the manifest; no
+CUDA), `_vmm.py` (CUDA virtual memory and the copy engines), `_arena.py` (the engine's `WeightArena` and
+its control socket), `_hydrator.py` (the node's `HydratorServer` and the worker's `Stager`) and
+`__main__.py` (the hydrator's command line); the socket protocol and peer checks are
+`coldsnap_probe/jsonline.py`. Every socket here is 0600 from its creation and answers only admitted
+peers (SO_PEERCRED); see `HydratorServer` for what each peer may touch.
+"""
+
+from ._arena import WeightArena as WeightArena
+from ._hydrator import HydratorServer as HydratorServer
+from ._hydrator import Stager as Stager
+from ._weights import HydrationManifest as HydrationManifest
+from ._weights import WeightRegion as WeightRegion
+from ._weights import check_sources as check_sources
+from ._weights import chunk_digests as chunk_digests
+from ._weights import combine_digests as combine_digests
+from ._weights import region_digest as region_digest
+
+__all__ = (
+    "HydrationManifest",
+    "HydratorServer",
+    "Stager",
+    "WeightArena",
+    "WeightRegion",
+    "check_sources",
+    "chunk_digests",
+    "combine_digests",
+    "region_digest",
+)

@@ -1,0 +1,62 @@
+"""The hydrator's command line: ``python -m coldsnap_probe.hydration serve --socket PATH FILE...`` (the node's
+long-lived hydrator, `HydratorServer`) or ``digest FILE OFFSET SIZE`` (a region's digest)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from .. import jsonline
+from ._hydrator import STAGE_TTL, HydratorServer
+from ._weights import region_digest
+
+__all__ = ("main",)
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
+    return value
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m coldsnap_probe.hydration serve --socket PATH FILE...`` (the long-lived hydrator) or
+    ``digest FILE OFFSET SIZE``."""
+    parser = argparse.ArgumentParser(prog="python -m coldsnap_probe.hydration")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve")
+    serve.add_argument("--socket", required=True)
+    serve.add_argument("--staging", action="store_true",
+                       help="accept stage requests: fill an engine's weights while its process is restored, in "
+                            "device memory this hydrator holds until the engine adopts it (or --stage-ttl)")
+    serve.add_argument("--stage-ttl", type=_positive, default=STAGE_TTL,
+                       help="seconds a staged allocation waits for its engine before it is freed")
+    serve.add_argument("--allow-uid", type=int, action="append", default=[], metavar="UID",
+                       help="a uid whose processes may ask (repeatable; root and this process's uid always may)")
+    serve.add_argument("--allow-gid", type=int, action="append", default=[], metavar="GID",
+                       help="a gid whose processes may ask (repeatable; needs --socket-group to reach the socket)")
+    serve.add_argument("--socket-group", type=int, default=None, metavar="GID",
+                       help="the socket's group: mode 0660 instead of 0600")
+    serve.add_argument("sources", nargs="+")
+    dig = sub.add_parser("digest")
+    dig.add_argument("path")
+    dig.add_argument("offset", type=int)
+    dig.add_argument("size", type=int)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "digest":
+            sys.stdout.write(region_digest(args.path, args.offset, args.size) + "\n")
+            return 0
+        peers = jsonline.Peers(uids=frozenset(args.allow_uid), gids=frozenset(args.allow_gid))
+        HydratorServer(args.sources, stage_ttl=args.stage_ttl, staging=args.staging, peers=peers,
+                       group=args.socket_group).serve(args.socket)
+    except Exception as exc:
+        sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
