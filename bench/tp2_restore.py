@@ -4,7 +4,7 @@
                                 [--root /dev/shm/cs-tp2]
 
 One run, on a host with `--world-size` GPUs (`scripts/device-tp2` on nvidia-h200-x2), ranks as host processes:
-1. cold start: every rank of engines/engine_tp2.py from process start (imports, CUDA init, weights, process
+1. cold start: every rank of engines/engine_tp.py from process start (imports, CUDA init, weights, process
    group, graph capture) to the first streamed token; the reference tokens and first-step logits digest.
 2. capture: one `python -m coldsnap_probe capture` worker per rank, meeting through a coordinator directory;
    the engine destroys its communicators and collective graph first (`recreate-from-plan` on driver 580).
@@ -61,7 +61,7 @@ def generate(engine_dir: Path, max_tokens: int) -> dict[str, Any]:
 def start_ranks(command: str, world: int, engine_dir: Path, layers: int, *,
                 ras: bool = False) -> list[subprocess.Popen[bytes]]:
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "NCCL_RAS_ENABLE": "1" if ras else "0"}
-    return [subprocess.Popen([sys.executable, str(ROOT / "engines" / "engine_tp2.py"), command, "--rank", str(r),
+    return [subprocess.Popen([sys.executable, str(ROOT / "engines" / "engine_tp.py"), command, "--rank", str(r),
                               "--world-size", str(world), "--dir", str(engine_dir), "--layers", str(layers),
                               "--log", str(engine_dir / f"rank-{r}.log")],
                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,

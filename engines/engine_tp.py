@@ -1,16 +1,24 @@
-"""A tensor-parallel engine (issue 16): a Llama-shaped decoder sharded over ranks, NCCL all-reduce in CUDA graphs.
+"""A tensor-parallel engine (issues 16, 27, 28): a Llama-shaped decoder sharded over N ranks, NCCL all-reduce in
+CUDA graphs, at any world size and up to 70B/405B layer shapes.
 
-    python engines/engine_tp2.py weights --rank R --world-size N --dir DIR [--layers 16]   write a rank's weights once
-    python engines/engine_tp2.py serve --rank R --world-size N --dir DIR [--layers 16] [--log FILE]
+    python engines/engine_tp.py weights --rank R --world-size N --dir DIR [--shape small|70b|405b] [--layers L]
+    python engines/engine_tp.py serve --rank R --world-size N --dir DIR [--weights WDIR] [--shape S] [--layers L]
+                                      [--hydrator SOCKET] [--log FILE]
 
 One process per rank, one GPU each (`cuda:R`, or the only visible one), torch.distributed with NCCL over a
-FileStore in DIR (`NCCL_NVLS_ENABLE=0`, `NCCL_RAS_ENABLE=0`). Attention heads and the MLP are split
-Megatron-style: q/k/v and gate/up column-parallel, o and down row-parallel, so each layer all-reduces
-twice; embedding, norms and the LM head are replicated, so every rank computes the same logits and the
-same greedy token. Weights come from fixed seeds per (layer, matrix, rank), written once per rank to
-DIR/weights-rank-R.bin; serving loads them into a `coldsnap_probe.WeightArena` (a VMM reservation every
-weight tensor is a view of) whose control socket DIR/rank-R.weights.sock lets the capture worker release
-them and the restore worker hydrate them back at the same addresses, so the CRIU images carry no weights.
+FileStore in DIR (`NCCL_NVLS_ENABLE=0`, `NCCL_RAS_ENABLE=0`; peer-to-peer left on). Attention heads and the MLP
+are split Megatron-style: q/k/v and gate/up column-parallel, o and down row-parallel, so each layer all-reduces
+twice; embedding, norms and the LM head are replicated, so every rank computes the same logits and the same
+greedy token. Shapes (`SHAPES`): `small` (hidden 4096, 32/8 heads, FFN 14336, vocab 32000, 16 layers), `70b`
+(Llama-3-70B: hidden 8192, 64/8 heads, FFN 28672, vocab 128256, 80 layers) and `405b` (hidden 16384, 128/8
+heads, FFN 53248, 126 layers); `--layers` takes fewer (the bench's "largest that fits"). Weights come from fixed
+seeds per (layer, matrix, rank), generated on the rank's GPU and written once per rank to
+WDIR/weights-rank-R.bin (WDIR defaults to DIR; /dev/shm on the GPU machines). Serving loads them into a
+`coldsnap_probe.WeightArena` (a VMM reservation every weight tensor is a view of) whose control socket
+DIR/rank-R.weights.sock lets the capture worker release them and the restore worker hydrate them back at the
+same addresses, so the CRIU images carry no weights. With `--hydrator SOCKET` the arena is exportable and every
+hydration after a restore goes through that node hydrator (the rank's weights page-locked once, staged on the
+rank's GPU while CRIU restores the process, adopted by the engine); the cold load reads the file itself.
 One decode step (token and position in device tensors, static KV cache, masked attention over it, greedy
 argmax) is captured in a CUDA graph *with its collectives*; the prompt is fed through the same graph.
 Cold-start stages go to FILE as JSON lines (opened and closed per line: no descriptor held across a
@@ -18,8 +26,11 @@ checkpoint).
 
 Control socket DIR/rank-R.sock, one JSON line per connection, answer read to EOF:
 * `{"op": "generate", "prompt": [ids], "max_tokens": n}` to rank 0 streams `{"token", "unix"}` lines, then
-  `{"done": true, "tokens", "first_logits_sha256", "peers_agree"}`; rank 0 forwards it to the other ranks
-  (which answer their tokens) so that every rank runs the same collective steps.
+  `{"done": true, "tokens", "first_logits_sha256", "decode_tokens_per_s", "peers_agree"}`; rank 0 forwards it to
+  the other ranks (which answer their tokens) so that every rank runs the same collective steps.
+* `{"op": "allreduce", "bytes": b, "iters": n}` to rank 0: every rank all-reduces a bf16 buffer of b bytes n
+  times (after two warm-up rounds) on the process group; answers each rank's algorithm and bus bandwidth
+  (busbw = algbw * 2(N-1)/N, as nccl-tests reports it). The buffer is freed afterwards.
 * `{"op": "quiesce", "policy": p}`: the capture's request. Drops the graph (it holds NCCL kernels), destroys
   the process group and its communicators, and answers `communicators: 0`. `preserve-nccl-exec` is refused:
   this engine has no in-place NCCL provider.
@@ -47,8 +58,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-SHAPE = {"hidden": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128, "ffn": 14336, "vocab": 32000,
-         "max_seq": 512, "eps": 1e-5, "rope_theta": 500000.0}
+_COMMON = {"head_dim": 128, "max_seq": 512, "eps": 1e-5, "rope_theta": 500000.0}
+SHAPES: dict[str, dict[str, Any]] = {  # bench/tp_plan.py sizes each rank's bytes from the same numbers
+    "small": {"hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336, "vocab": 32000, "layers": 16, **_COMMON},
+    "70b": {"hidden": 8192, "heads": 64, "kv_heads": 8, "ffn": 28672, "vocab": 128256, "layers": 80, **_COMMON},
+    "405b": {"hidden": 16384, "heads": 128, "kv_heads": 8, "ffn": 53248, "vocab": 128256, "layers": 126,
+             **_COMMON},
+}
 LOG_PATH = ""
 
 
@@ -66,42 +82,44 @@ def weight_paths(directory: str, rank: int) -> tuple[Path, Path]:
 
 
 class Engine:
-    def __init__(self, rank: int, world_size: int, layers: int) -> None:
+    def __init__(self, rank: int, world_size: int, layers: int, shape: str = "small") -> None:
         import torch
 
         self.torch = torch
-        self.rank, self.world_size, self.layers = rank, world_size, layers
+        self.rank, self.world_size, self.layers, self.shape = rank, world_size, layers, shape
+        s = self.s = SHAPES[shape]
+        if s["heads"] % world_size or s["kv_heads"] % world_size or s["ffn"] % world_size:
+            raise ValueError(f"the {shape} shape does not split over {world_size} ranks")
+        if not 1 <= layers <= s["layers"]:
+            raise ValueError(f"layers must be within [1, {s['layers']}] for the {shape} shape, got {layers}")
         self.device = torch.device("cuda", rank if torch.cuda.device_count() > rank else 0)
         torch.cuda.set_device(self.device)
         torch.cuda.init()
         stage("cuda_init")
-        s = SHAPE
-        if s["heads"] % world_size or s["kv_heads"] % world_size or s["ffn"] % world_size:
-            raise ValueError(f"the shape does not split over {world_size} ranks")
         self.heads, self.kv_heads, self.ffn = (s["heads"] // world_size, s["kv_heads"] // world_size,
                                                s["ffn"] // world_size)
         self.graph: Any = None
         self.communicators = 0
         self.arena: Any = None
 
-    def generated_weights(self) -> list[tuple[str, Any]]:
-        """Every weight of this rank, from its fixed seed, in file order."""
-        s, d, hidden, r = SHAPE, SHAPE["head_dim"], SHAPE["hidden"], self.rank
-        out = [("embed", self._randn((s["vocab"], hidden), 1, 1)),
-               ("lm_head", self._randn((s["vocab"], hidden), 2, hidden))]
+    def weight_specs(self) -> list[tuple[str, tuple[int, int], int, int]]:
+        """(name, shape, seed, fan-in) of every weight of this rank, in file order (seeds fixed per rank)."""
+        s, d, hidden, r = self.s, self.s["head_dim"], self.s["hidden"], self.rank
+        out = [("embed", (s["vocab"], hidden), 1, 1), ("lm_head", (s["vocab"], hidden), 2, hidden)]
         for layer in range(self.layers):
             seed = 1000 * (layer + 1) + 10 * r
-            out += [(f"{layer}.q", self._randn((self.heads * d, hidden), seed + 1, hidden)),
-                    (f"{layer}.k", self._randn((self.kv_heads * d, hidden), seed + 2, hidden)),
-                    (f"{layer}.v", self._randn((self.kv_heads * d, hidden), seed + 3, hidden)),
-                    (f"{layer}.o", self._randn((hidden, self.heads * d), seed + 4, s["heads"] * d)),
-                    (f"{layer}.gate", self._randn((self.ffn, hidden), seed + 5, hidden)),
-                    (f"{layer}.up", self._randn((self.ffn, hidden), seed + 6, hidden)),
-                    (f"{layer}.down", self._randn((hidden, self.ffn), seed + 7, s["ffn"]))]
+            out += [(f"{layer}.q", (self.heads * d, hidden), seed + 1, hidden),
+                    (f"{layer}.k", (self.kv_heads * d, hidden), seed + 2, hidden),
+                    (f"{layer}.v", (self.kv_heads * d, hidden), seed + 3, hidden),
+                    (f"{layer}.o", (hidden, self.heads * d), seed + 4, s["heads"] * d),
+                    (f"{layer}.gate", (self.ffn, hidden), seed + 5, hidden),
+                    (f"{layer}.up", (self.ffn, hidden), seed + 6, hidden),
+                    (f"{layer}.down", (hidden, self.ffn), seed + 7, s["ffn"])]
         return out
 
-    def load(self, directory: str) -> None:
-        """The rank's weight file into a WeightArena (digests checked); every weight a view of the arena."""
+    def load(self, directory: str, hydrator: str = "") -> None:
+        """The rank's weight file into a WeightArena (digests checked); every weight a view of the arena.
+        With a hydrator the arena is exportable, so that the hydrator can fill it after a restore."""
         from engine_llama import DeviceBytes  # a sibling script: bench/ on the host, /opt/engine in a capsule
 
         from coldsnap_probe import WeightArena, WeightRegion
@@ -109,9 +127,11 @@ class Engine:
         torch = self.torch
         data, index_path = weight_paths(directory, self.rank)
         index = json.loads(index_path.read_text())
-        if (index["layers"], index["world_size"]) != (self.layers, self.world_size):
-            raise ValueError(f"{data} holds {index['layers']} layers of {index['world_size']} ranks")
-        self.arena = WeightArena(index["bytes"], device=self.device.index)
+        found = (index.get("shape", "small"), index["layers"], index["world_size"])
+        if found != (self.shape, self.layers, self.world_size):
+            raise ValueError(f"{data} holds {found[1]} {found[0]} layers of {found[2]} ranks, not {self.layers} "
+                             f"{self.shape} layers of {self.world_size}")
+        self.arena = WeightArena(index["bytes"], device=self.device.index, exportable=bool(hydrator))
         self.arena.declare([WeightRegion(f"rank-{self.rank}", self.arena.address, index["bytes"], str(data), 0,
                                          index["digest"])])
         report = self.arena.load(strategy="ring")
@@ -124,7 +144,7 @@ class Engine:
                        for layer in range(self.layers)]
         self._state()
 
-    def _randn(self, shape: tuple[int, ...], seed: int, fan_in: int) -> Any:
+    def random_weight(self, shape: tuple[int, ...], seed: int, fan_in: int) -> Any:
         torch = self.torch
         gen = torch.Generator(device=self.device).manual_seed(seed)
         return (torch.randn(shape, generator=gen, device=self.device, dtype=torch.float32)
@@ -132,7 +152,7 @@ class Engine:
 
     def _state(self) -> None:
         """The KV cache, rotary tables and the graph's input and output tensors."""
-        torch, s, d = self.torch, SHAPE, SHAPE["head_dim"]
+        torch, s, d = self.torch, self.s, self.s["head_dim"]
         self.kv = torch.zeros((self.layers, 2, s["max_seq"], self.kv_heads, d), dtype=torch.bfloat16,
                               device=self.device)
         inv = 1.0 / (s["rope_theta"] ** (torch.arange(0, d, 2, device=self.device, dtype=torch.float32) / d))
@@ -149,7 +169,7 @@ class Engine:
     def _norm(self, x: Any) -> Any:
         torch = self.torch
         x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + SHAPE["eps"])).to(torch.bfloat16)
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.s["eps"])).to(torch.bfloat16)
 
     def _rope(self, x: Any) -> Any:
         torch = self.torch
@@ -158,7 +178,7 @@ class Engine:
         return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).to(torch.bfloat16)
 
     def _step(self) -> None:
-        torch, d = self.torch, SHAPE["head_dim"]
+        torch, d = self.torch, self.s["head_dim"]
         dist = torch.distributed
         x = self.embed[self.token]  # [1, hidden]
         masked = (self.positions > self.pos).view(1, -1)  # [1, S]
@@ -236,24 +256,62 @@ class Engine:
     def generate(self, prompt: list[int], max_tokens: int, emit: Any = None) -> dict[str, Any]:
         if self.graph is None:
             raise RuntimeError("the engine is quiesced: no graph to run")
-        if not prompt or len(prompt) + max_tokens > SHAPE["max_seq"]:
-            raise ValueError(f"prompt and max_tokens must fit in {SHAPE['max_seq']} positions")
+        if not prompt or max_tokens < 1 or len(prompt) + max_tokens > self.s["max_seq"]:
+            raise ValueError(f"prompt and max_tokens (>= 1) must fit in {self.s['max_seq']} positions")
         tokens: list[int] = []
-        first = ""
+        first, stamps = "", []
         for position in range(len(prompt) + max_tokens - 1):
             if position < len(prompt):
                 self.token.fill_(prompt[position])
             self.pos.fill_(position)
             self.graph.replay()
             if position >= len(prompt) - 1:
-                token = int(self.next.item())
+                token = int(self.next.item())  # waits for the step: each stamp is a finished token
+                stamps.append(time.perf_counter())
                 if not first:
                     first = hashlib.sha256(self.logits.cpu().numpy().tobytes()).hexdigest()
                 tokens.append(token)
                 self.token.copy_(self.next)
                 if emit is not None:
                     emit({"token": token, "unix": time.time()})
-        return {"tokens": tokens, "first_logits_sha256": first}
+        decode = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else None
+        return {"tokens": tokens, "first_logits_sha256": first, "decode_tokens_per_s": decode}
+
+    def allreduce(self, size: int, iters: int) -> dict[str, Any]:
+        """Bus bandwidth of an all-reduce of `size` bytes on the process group (nccl-tests' definition)."""
+        torch = self.torch
+        if self.world_size < 2 or not torch.distributed.is_initialized():
+            raise RuntimeError("no process group to all-reduce on")
+        if not (1 << 20) <= size <= (8 << 30) or not 1 <= iters <= 1000:
+            raise ValueError("bytes must be within [1 MiB, 8 GiB] and iters within [1, 1000]")
+        buffer = torch.ones(size // 2, dtype=torch.bfloat16, device=self.device)
+        try:
+            for _ in range(2):  # warm-up: NCCL sets up its channels for this size
+                torch.distributed.all_reduce(buffer)
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            for _ in range(iters):
+                torch.distributed.all_reduce(buffer)
+            torch.cuda.synchronize()
+            seconds = (time.perf_counter() - started) / iters
+        finally:
+            del buffer
+            torch.cuda.empty_cache()  # nothing of the measurement stays in the device state a capture saves
+        algbw = size / seconds / 1e9
+        return {"rank": self.rank, "bytes": size, "iters": iters, "seconds": seconds, "algbw_gbps": algbw,
+                "busbw_gbps": algbw * 2 * (self.world_size - 1) / self.world_size}
+
+
+def _fan_out(engine: Engine, directory: str, message: dict[str, Any], own: Any) -> tuple[Any, list[dict[str, Any]]]:
+    """Rank 0 sends `message` to every other rank and runs `own()` meanwhile: every rank runs the same collective
+    steps. Returns rank 0's result and the others' answers, in rank order."""
+    from coldsnap_probe import jsonline
+
+    with ThreadPoolExecutor(max(1, engine.world_size - 1)) as pool:
+        peers = [pool.submit(jsonline.request, os.path.join(directory, f"rank-{rank}.sock"), message, timeout=600.0)
+                 for rank in range(1, engine.world_size)]
+        result = own()
+        return result, [peer.result() for peer in peers]
 
 
 def _handle(engine: Engine, directory: str, conn: socket.socket, request: dict[str, Any]) -> dict[str, Any]:
@@ -273,42 +331,63 @@ def _handle(engine: Engine, directory: str, conn: socket.socket, request: dict[s
     if op == "status":
         return {"ok": True, "rank": engine.rank, "communicators": engine.communicators,
                 "graph": engine.graph is not None}
+    if op == "allreduce":
+        size, iters = int(request["bytes"]), int(request["iters"])
+        if engine.rank != 0:
+            return {"ok": True, **engine.allreduce(size, iters)}
+        mine, others = _fan_out(engine, directory, {"op": "allreduce", "bytes": size, "iters": iters},
+                                lambda: engine.allreduce(size, iters))
+        return {"ok": True, "ranks": [mine, *others], "busbw_gbps": min(r["busbw_gbps"] for r in [mine, *others])}
     if op != "generate":
         raise ValueError(f"unknown op {op!r}")
     prompt, max_tokens = [int(t) for t in request["prompt"]], int(request["max_tokens"])
     if engine.rank != 0:
         return {"ok": True, **engine.generate(prompt, max_tokens)}
     message = {"op": "generate", "prompt": prompt, "max_tokens": max_tokens}
-    with ThreadPoolExecutor(max(1, engine.world_size - 1)) as pool:  # every rank runs the same collective steps
-        peers = [pool.submit(jsonline.request, os.path.join(directory, f"rank-{rank}.sock"), message, timeout=600.0)
-                 for rank in range(1, engine.world_size)]
-        result = engine.generate(prompt, max_tokens, emit=lambda line: jsonline.send_line(conn, line))
-        answers = [peer.result() for peer in peers]
+    result, answers = _fan_out(engine, directory, message,
+                               lambda: engine.generate(prompt, max_tokens,
+                                                       emit=lambda line: jsonline.send_line(conn, line)))
     agree = all(a.get("tokens") == result["tokens"] and a.get("first_logits_sha256") == result["first_logits_sha256"]
                 for a in answers)
     return {"done": True, **result, "peers_agree": agree}
 
 
-def write_weights(rank: int, world_size: int, directory: str, layers: int) -> None:
+def write_weights(rank: int, world_size: int, directory: str, layers: int, shape: str) -> None:
+    """The rank's weights, generated on its GPU, written to a new file in `directory` (renamed into place once
+    whole, with its index: a file that exists is complete); the host copy and the write overlap the next
+    tensor's generation."""
     from coldsnap_probe import region_digest
 
-    engine = Engine(rank, world_size, layers)
+    engine = Engine(rank, world_size, layers, shape)
     data, index_path = weight_paths(directory, rank)
-    tensors, offset = {}, 0
-    with open(data, "wb") as f:
-        for name, tensor in engine.generated_weights():
-            raw = tensor.view(engine.torch.uint8).cpu().numpy().tobytes()
-            f.seek(offset)
-            f.write(raw)
-            tensors[name] = (offset, list(tensor.shape))
-            offset = -(-(offset + len(raw)) // ALIGN) * ALIGN
-        f.truncate(offset)
-    index = {"layers": layers, "world_size": world_size, "bytes": offset, "tensors": tensors,
-             "digest": region_digest(data, 0, offset)}
+    partial = data.with_suffix(".partial")
+    tensors, offset, started = {}, 0, time.perf_counter()
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        with ThreadPoolExecutor(2) as writers:
+            pending: list[Any] = []
+            for name, dims, seed, fan_in in engine.weight_specs():
+                host = engine.random_weight(dims, seed, fan_in).view(engine.torch.uint8).cpu().numpy()
+                pending.append(writers.submit(os.pwrite, fd, memoryview(host).cast("B"), offset))
+                tensors[name] = (offset, list(dims))
+                offset = -(-(offset + host.nbytes) // ALIGN) * ALIGN
+                if len(pending) > 2:  # at most three tensors on the host at once
+                    pending.pop(0).result()
+            for done in pending:
+                done.result()
+        os.ftruncate(fd, offset)
+    finally:
+        os.close(fd)
+    written = time.perf_counter() - started
+    index = {"shape": shape, "layers": layers, "world_size": world_size, "bytes": offset, "tensors": tensors,
+             "digest": region_digest(partial, 0, offset)}
+    os.rename(partial, data)
     index_path.write_text(json.dumps(index))
+    stage("weights_written", rank=rank, bytes=offset, write_s=written,
+          digest_s=time.perf_counter() - started - written)
 
 
-def serve(rank: int, world_size: int, directory: str, layers: int) -> None:
+def serve(args: argparse.Namespace) -> None:
     stage("process_start", unix_start=T_START)
     import torch
 
@@ -317,9 +396,11 @@ def serve(rank: int, world_size: int, directory: str, layers: int) -> None:
     # NCCL's RAS service keeps TCP sockets (a listener and links between the ranks) after every communicator is
     # destroyed; a checkpoint cannot carry them, so this engine does without it.
     os.environ.setdefault("NCCL_RAS_ENABLE", "0")
-    engine = Engine(rank, world_size, layers)
-    engine.load(directory)
-    engine.arena.serve(os.path.join(directory, f"rank-{rank}.weights.sock"), strategy="ring")
+    rank, directory = args.rank, args.dir
+    engine = Engine(rank, args.world_size, args.layers, args.shape)
+    engine.load(args.weights or directory, args.hydrator)
+    engine.arena.serve(os.path.join(directory, f"rank-{rank}.weights.sock"),
+                       strategy=f"hydrator:{args.hydrator}" if args.hydrator else "ring")
     stage("process_group", seconds=engine.connect(os.path.join(directory, "init.store")))
     stage("graph_capture", seconds=engine.capture_graph())
     from coldsnap_probe import jsonline
@@ -342,22 +423,26 @@ def serve(rank: int, world_size: int, directory: str, layers: int) -> None:
 
 def main() -> int:
     global LOG_PATH
-    parser = argparse.ArgumentParser(prog="engine_tp2.py")
+    parser = argparse.ArgumentParser(prog="engine_tp.py")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("serve", "weights"):
         run = sub.add_parser(name)
         run.add_argument("--rank", type=int, required=True)
         run.add_argument("--world-size", type=int, required=True)
-        run.add_argument("--dir", required=True)
-        run.add_argument("--layers", type=int, default=16)
+        run.add_argument("--dir", required=True, help="the run directory (sockets, store); weights too by default")
+        run.add_argument("--weights", default="", help="where the weight files are (default: --dir)")
+        run.add_argument("--shape", choices=sorted(SHAPES), default="small")
+        run.add_argument("--layers", type=int, default=0, help="default: the shape's own layer count")
+        run.add_argument("--hydrator", default="", help="hydrate through this node hydrator's socket")
         run.add_argument("--log", default="")
     args = parser.parse_args()
     LOG_PATH = args.log
+    args.layers = args.layers or SHAPES[args.shape]["layers"]
     if args.command == "weights":
-        write_weights(args.rank, args.world_size, args.dir, args.layers)
+        write_weights(args.rank, args.world_size, args.weights or args.dir, args.layers, args.shape)
         return 0
     try:
-        serve(args.rank, args.world_size, args.dir, args.layers)
+        serve(args)
     except BaseException as exc:
         stage("failed", error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc())
         raise

@@ -1,5 +1,5 @@
-"""bench/e2e_tp2.py's rollback against the real daemon and dockerd (the GPU path runs on two H200 through
-scripts/device-e2e-tp2): when any rank's restore unit fails, every rank's unit is removed and the error names
+"""bench/e2e_tp.py's rollback against the real daemon and dockerd (the GPU path runs on two H200 through
+scripts/device-e2e-tp): when any rank's restore unit fails, every rank's unit is removed and the error names
 each rank's cause, as a controller must see a failed TP activation."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.e2e_restore import Driver, E2EError
-from bench.e2e_tp2 import Activation, restore
+from bench.e2e_tp import Activation, restore
 from tests.helpers import running_daemon
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
