@@ -1,32 +1,39 @@
-"""Tensor-parallel restore through the daemon (issue 16): every rank in its own capsule container.
+"""Tensor-parallel restore through the daemon at any world size (issues 16, 27, 28): every rank in its own capsule.
 
-    python bench/e2e_tp2.py --state-dir DIR --capsule TAG --work DIR --out DIR [--world-size 2] [--layers 16]
-                            [--gpus own|all] [--restores 2] [--build CONTEXT=TAG]
+    python bench/e2e_tp.py --state-dir DIR --capsule TAG --work DIR --out DIR [--world-size N] [--shape 70b]
+                           [--layers L] [--memory-limit 256G] [--phase all|weights|run|failures] [--restores 3]
+                           [--gpus own|all] [--no-hydrator] [--build CONTEXT=TAG]
+    python bench/e2e_tp.py --plan --world-size N --shape 70b [--memory-limit 256G] [--work DIR]
 
 Against a running `coldsnap-provider serve` (`[gpus] mode = "native"`, `[runtime] privileged =
 "host-capabilities"`), through the public client only, as a ColdSnap controller drives a TP activation
 (spec 7.1: one container per launch unit, host network, the unit's GPUs, the coordinator shared):
 
-1. the capsule pinned by its image ID; each rank's weights written once on the host (engines/engine_tp2.py);
-2. cold: one detached serving workload per rank (`gpus` = that rank's GPU, or every GPU with `--gpus all`),
-   each `engine_llama.py launch` (PID floor, session leader) of `engine_tp2.py serve`, NCCL between the
-   containers over the host network; timed from the first `workload-run` to rank 0's first streamed token;
-3. capture: one `workload-exec python -m coldsnap_probe capture --rank R ...` per rank container, all at once,
-   meeting through the coordinator directory (communicators destroyed first: `recreate-from-plan` on 580);
-4. `--restores` times: one restore unit per rank, launched together; each unit's worker restores its rank
-   (CRIU paused, CUDA after every rank exists, released together, hydration, communicators recreated, graph
-   re-captured); each unit's readiness check, report and `workload-inspect` (the ColdSnap labels), then the
-   first token; tokens and first-step logits must equal the cold run's on every rank;
-5. what must fail with every unit stopped and removed: a tampered graph policy record on the last rank, a peer
-   unit that never arrives, the last rank's restored process killed mid-restore; then one more restore.
-Prints the tables and writes e2e-tp2.json under --out.
+0. the plan (bench/tp_plan.py): each rank's bytes, host memory against the cgroup's limit (or --memory-limit;
+   never MemTotal), GPU memory; without --layers the largest layer count that fits. `--plan` stops here.
+1. `weights`: each rank's weights written once per machine, all ranks at once (engines/engine_tp.py weights),
+   under --work (kept: a warm machine reuses them);
+2. `run`: one node hydrator per GPU (a unit of that GPU; its rank's weights page-locked once, staging on);
+   cold: one serving unit per rank, `engine_llama.py launch` of `engine_tp.py serve`, NCCL between the units
+   over the host network, timed from the first `workload-run` to rank 0's first streamed token, then the
+   decode rate and an all-reduce's bus bandwidth; capture: one `workload-exec ... coldsnap_probe capture` per
+   rank, at once, meeting at the coordinator (communicators destroyed first); then `--restores` restores: one
+   unit per rank, launched together, under one activation deadline; each rank's worker stages its weights on
+   its own GPU through its hydrator while CRIU restores the process; each unit's readiness, report and inspect,
+   then the first token, the decode rate and the bus bandwidth again; tokens and first-step logits equal to the
+   cold run's on every rank, nothing downgraded by more than 2%. The capture and the cold reference are kept in
+   --work for the next step;
+3. `failures` (on the kept capture): a tampered graph record on the last rank, a peer unit that never arrives,
+   the last rank's process killed after CRIU, a GPU that differs from the captured one, the last rank's
+   hydration source missing, then corrupt (one byte; put back afterwards): each must stop every rank, name the
+   rank, and leave no unit; then one more restore.
+`all` runs 1-3 in one call. Prints the tables and writes e2e-tp-<phase>.json under --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
-import dataclasses
 import json
 import shutil
 import sys
@@ -38,17 +45,14 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import stages, table
+from bench import tp_plan
+from bench._common import table
 from bench.e2e_restore import (
-    COORD,
     CRIU,
-    ENGINE,
     IMAGES,
-    PID_FLOOR,
     RUN,
     Driver,
     E2EError,
-    Layout,
     await_unit,
     inspect_capsule,
     json_in,
@@ -57,60 +61,23 @@ from bench.e2e_restore import (
     restore_command,
     unit_labels,
 )
-from bench.tp2_restore import generate, start_ranks
+from bench.tp2_restore import generate
+from bench.tp_units import Activation, downgrade, hydration_rates, measure, start_hydrators, write_weights
 from coldsnap_probe import image_digest
 
-NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "NCCL_RAS_ENABLE": "0"}  # see engines/engine_tp2.py
 # What a step of the sequence can fail with besides E2EError: a garbled report, a missing log line, the engine's
 # socket. Each is recorded as that step's failure, so that the units are still removed.
 FAILURES = (E2EError, OSError, ValueError, KeyError, RuntimeError, TimeoutError)
-
-
-@dataclasses.dataclass
-class Activation:
-    """The ranks of one TP engine: host directories, one Layout per rank (its GPUs), unit names."""
-
-    args: argparse.Namespace
-    image: str
-    work: Path
-
-    def __post_init__(self) -> None:
-        self.world = self.args.world_size
-        self.run_dir, self.images, self.coord = self.work / "run", self.work / "images", self.work / "coord"
-        base = Layout(run_dir=self.run_dir, images_dir=self.images, weights=self.run_dir, network="host",
-                      coordinator=self.coord, extra_environment=NCCL_ENV)
-        every = tuple(str(g) for g in range(self.world))
-        self.layouts = [dataclasses.replace(base, gpus=(str(r),) if self.args.gpus == "own" else every)
-                        for r in range(self.world)]
-
-    def prepare(self) -> None:
-        self.layouts[0].prepare()
-        self.coord.mkdir(exist_ok=True)
-        written = (self.run_dir / f"weights-rank-{self.world - 1}.json").exists()
-        if not written and any(p.wait() != 0 for p in start_ranks("weights", self.world, self.run_dir,
-                                                                   self.args.layers)):
-            raise E2EError("writing the ranks' weights failed")
-
-    def serve_command(self, rank: int) -> list[str]:
-        layout = self.layouts[rank]
-        return [f"{ENGINE}/engine_llama.py", "launch", "--pid-floor", str(PID_FLOOR), "--log",
-                f"{RUN}/launch-{rank}.log", "--", layout.python, f"{ENGINE}/engine_tp2.py", "serve", "--rank",
-                str(rank), "--world-size", str(self.world), "--dir", RUN, "--layers", str(self.args.layers),
-                "--log", f"{RUN}/rank-{rank}.log"]
-
-    def ranks(self, namespace: str, rank: int, barrier_timeout: float) -> list[str]:
-        return ["--rank", str(rank), "--world-size", str(self.world), "--coordinator", COORD, "--namespace",
-                namespace, "--barrier-timeout", f"{barrier_timeout:g}"]
-
-    def log(self, name: str) -> dict[str, dict[str, Any]]:
-        return stages(self.run_dir / name)
+STATE = "e2e-tp-state.json"  # in --work: the capture and the cold reference, for the `failures` step
 
 
 def _call(fn: Any, *args: Any) -> Any:
     return anyio.to_thread.run_sync(lambda: fn(*args))
 
 
-async def cold_start(d: Driver, tp: Activation, limit: float = 180.0) -> dict[str, Any]:
+async def cold_start(d: Driver, tp: Activation, limit: float = 480.0) -> dict[str, Any]:
+    """Every rank's serving unit at once; Docker-to-first-token, the reference tokens, the decode rate and bus
+    bandwidth the restores are compared with."""
     for stale in [*(f"rank-{r}.{s}" for r in range(tp.world) for s in ("log", "sock", "weights.sock")),
                   *(f"launch-{r}.log" for r in range(tp.world)), "init.store"]:
         (tp.run_dir / stale).unlink(missing_ok=True)
@@ -150,8 +117,10 @@ async def cold_start(d: Driver, tp: Activation, limit: float = 180.0) -> dict[st
         raise E2EError(f"the ranks were not ready within {limit:.0f} s")
     first = await _call(generate, tp.run_dir, tp.args.tokens)
     again = await _call(generate, tp.run_dir, tp.args.tokens)
+    measured = await _call(measure, tp)
     logs = [tp.log(f"rank-{r}.log") for r in range(tp.world)]
-    return {"names": names, "first_token_s": first["first_unix"] - created, "create_start_s": started - created,
+    return {"measured": measured, "names": names, "first_token_s": first["first_unix"] - created,
+            "create_start_s": started - created,
             "tokens": first["tokens"], "first_logits_sha256": first["first_logits_sha256"],
             "peers_agree": first["peers_agree"], "repeatable": again["tokens"] == first["tokens"],
             "engine_pids": [int(tp.log(f"launch-{r}.log")["engine_forked"]["engine_pid"]) for r in range(tp.world)],
@@ -186,76 +155,92 @@ async def capture(d: Driver, tp: Activation, cold: dict[str, Any], capture_id: s
 
 async def restore(d: Driver, tp: Activation, capture_id: str, namespace: str, reference: dict[str, Any], *,
                   images: list[str] | None = None, ranks: list[int] | None = None, barrier_timeout: float = 60,
-                  victim: int | None = None, readiness_timeout: float = 120) -> dict[str, Any]:
-    """One restore unit per rank, launched together; each one's readiness, report and inspect; the first token,
-    compared with `reference` (the cold run's). Any failure removes every unit (the controller's rollback) and
-    raises, naming each rank's cause."""
+                  victim: int | None = None, deadline: float = 180) -> dict[str, Any]:
+    """One restore unit per rank, launched together, every rank ready within one activation `deadline`; each
+    one's readiness, report and inspect; the first token, compared with `reference` (the cold run's), and the
+    decode rate and bus bandwidth. Any failure removes every unit (the controller's rollback) and raises,
+    naming each rank's cause."""
     chosen = list(range(tp.world)) if ranks is None else ranks
     images = images or [f"{capture_id}/rank-{r}" for r in range(tp.world)]
     names = {r: f"tp_node_{r}" for r in chosen}
-    labels = {r: unit_labels(capture_id, "tp", r) for r in chosen}
     units: dict[int, dict[str, Any]] = {}
     errors: list[str] = []
     killed: list[int] = []
+    began = time.time()
 
     async def one(rank: int) -> None:
+        labels = unit_labels(capture_id, "tp", rank)
         try:
             command = restore_command(tp.layouts[rank], images[rank], *tp.ranks(namespace, rank, barrier_timeout))
             created, started = await launch_unit(d, tp.image, tp.layouts[rank], names[rank], capture_id,
-                                                 labels=labels[rank], command=command)
+                                                 labels=labels, command=command)
             units[rank] = {"created": created, "create_start_s": started - created}
-            units[rank].update(await await_unit(d, names[rank], created, labels=labels[rank],
-                                                readiness_timeout=readiness_timeout))
+            units[rank].update(await await_unit(d, names[rank], created, labels=labels,
+                                                readiness_timeout=max(1.0, began + deadline - time.time())))
         except FAILURES as exc:
             errors.append(f"rank {rank}: {exc}")
             units.pop(rank, None)
 
-    async def kill_after_criu(rank: int) -> None:
-        """The fault case: the rank's restored process dies between its CRIU restore and its CUDA restore."""
-        published = tp.coord / namespace / "criu-restored" / f"{rank}.json"
-        with anyio.move_on_after(readiness_timeout):
-            while not published.exists():
-                await anyio.sleep(0.005)
-            pid = int(json.loads(published.read_text())["value"]["pid"])
-            reply = await d.runtime("workload-exec", name=names[rank],
-                                    execution={"command": ["kill", "-KILL", str(pid)]})
-            if reply.get("ok"):
-                killed.append(pid)
-
-    began = time.time()
     async with anyio.create_task_group() as tg:
         if victim is not None:
-            tg.start_soon(kill_after_criu, victim)
-        async with anyio.create_task_group() as ranks_group:
-            for rank in chosen:
-                ranks_group.start_soon(one, rank)
+            tg.start_soon(_kill_after_criu, d, tp, namespace, names[victim], victim, deadline, killed)
+        with anyio.move_on_after(deadline + 5) as activation:  # the units' own checks end first, naming the rank
+            async with anyio.create_task_group() as ranks_group:
+                for rank in chosen:
+                    ranks_group.start_soon(one, rank)
         tg.cancel_scope.cancel()  # the fault injector has nothing left to wait for
+    if activation.cancelled_caught:
+        errors.append(f"the activation was not ready within its {deadline:g} s deadline")
     if errors or len(units) != tp.world:
-        for name in names.values():
-            await d.runtime("workload-remove", name=name)
+        await _remove_all(d, list(names.values()))
         missing = sorted(set(range(tp.world)) - set(units))
         raise E2EError((" | ".join(errors) or f"no restore unit was launched for rank(s) {missing}")
                        + (f" (rank {victim}'s restored process {killed[0]} was killed)" if killed else ""))
     try:
         answer = await _call(generate, tp.run_dir, tp.args.tokens)
+        measured = await _call(measure, tp)
     except FAILURES as exc:
-        for name in names.values():
-            await d.runtime("workload-remove", name=name)
+        await _remove_all(d, list(names.values()))
         raise E2EError(f"the restored ranks did not answer: {type(exc).__name__}: {exc}") from exc
+    return _restored(tp, units, began, answer, measured, reference, list(names.values()))
+
+
+async def _kill_after_criu(d: Driver, tp: Activation, namespace: str, name: str, rank: int, deadline: float,
+                           killed: list[int]) -> None:
+    """The fault case: the rank's restored process dies between its CRIU restore and its CUDA restore."""
+    published = tp.coord / namespace / "criu-restored" / f"{rank}.json"
+    with anyio.move_on_after(deadline):
+        while not published.exists():
+            await anyio.sleep(0.005)
+        pid = int(json.loads(published.read_text())["value"]["pid"])
+        reply = await d.runtime("workload-exec", name=name, execution={"command": ["kill", "-KILL", str(pid)]})
+        if reply.get("ok"):
+            killed.append(pid)
+
+
+def _restored(tp: Activation, units: dict[int, dict[str, Any]], began: float, answer: dict[str, Any],
+              measured: dict[str, Any], reference: dict[str, Any], names: list[str]) -> dict[str, Any]:
     reports = [units[r]["worker_report"] for r in range(tp.world)]
     return {"first_token_s": answer["first_unix"] - began, "tokens": answer["tokens"],
             "first_logits_sha256": answer["first_logits_sha256"], "peers_agree": answer["peers_agree"],
             "identical": answer["tokens"] == reference["tokens"] and answer["peers_agree"]
             and answer["first_logits_sha256"] == reference["first_logits_sha256"],
-            "names": list(names.values()), "ranks": [{
+            "measured": measured, "vs_cold": downgrade(reference["measured"], measured),
+            "hydration": hydration_rates(reports), "names": names, "ranks": [{
                 "create_start_s": units[r]["create_start_s"], "worker_started_s": units[r]["created"] - began
                 + (units[r]["worker_started_s"] or 0), "readiness_s": units[r]["created"] - began
                 + units[r]["readiness_s"], "criu_s": rep.get("criu_restore_seconds"),
                 "cuda_s": rep.get("cuda_restore_seconds"),
                 "hydration_s": (rep.get("hydration") or {}).get("phase_seconds"),
-                "hydration_gbps": (rep.get("hydration") or {}).get("gbps"),
                 "recreate_s": rep.get("communicator_recreate_seconds"), "barrier_wait_s": rep.get("barrier_wait_s"),
                 "started_at": units[r]["started_at"]} for r, rep in enumerate(reports)]}
+
+
+async def _remove_all(d: Driver, names: list[str]) -> None:
+    """The rollback of an activation: every unit removed, whatever else fails (shielded)."""
+    with anyio.CancelScope(shield=True):
+        for name in names:
+            await d.runtime("workload-remove", name=name)
 
 
 async def remove(d: Driver, names: list[str]) -> None:
@@ -263,117 +248,254 @@ async def remove(d: Driver, names: list[str]) -> None:
         await d.expect(f"removing {name}", "workload-remove", name=name)
 
 
-async def failures(d: Driver, tp: Activation, capture_id: str, reference: dict[str, Any]) -> list[dict[str, Any]]:
+async def capture_and_restore(d: Driver, tp: Activation, out: dict[str, Any], outfile: Path) -> None:
+    """The `run` step: cold, capture, then `--restores` restores of that one capture."""
+    cold = out["cold"] = await cold_start(d, tp)
+    print(f"cold: {cold['first_token_s']:.2f} s to the first token, tokens {cold['tokens'][:6]}..., "
+          f"{json.dumps(cold['measured'])[:300]}", flush=True)
+    capture_id = out["capture_id"] = f"tp{tp.world}-{time.strftime('%Y%m%dT%H%M%S')}"
+    out["capture"] = await capture(d, tp, cold, capture_id)
+    print(f"captured: {[c.get('timings_s') for c in out['capture']]}", flush=True)
+    await remove(d, cold["names"])
+    (tp.work / STATE).write_text(json.dumps({"capture_id": capture_id, "cold": cold, "plan": out["plan"]}))
+    out["restores"] = []
+    for i in range(tp.args.restores):
+        result = await restore(d, tp, capture_id, f"restore-{i + 1}", cold, deadline=tp.args.deadline)
+        await remove(d, result["names"])
+        out["restores"].append(result)
+        print(f"restore {i + 1}: {result['first_token_s']:.2f} s, identical {result['identical']}, "
+              f"vs cold {result['vs_cold']}, hydration {result['hydration']['aggregate_gbps']}", flush=True)
+        outfile.write_text(json.dumps(out, indent=1, default=str))
+
+
+def _failure_cases(tp: Activation, capture_id: str) -> list[tuple[str, dict[str, Any], list[str], Any]]:
+    """(case, restore options, what the error must name, what to do before and undo after)."""
     last = tp.world - 1
-    tampered = f"{capture_id}-tampered/rank-{last}"
-    shutil.copytree(tp.images / capture_id / f"rank-{last}", tp.images / tampered)
-    record = json.loads((tp.images / tampered / "graph.json").read_text())
-    record["record"]["decision"] = "qualified_exact_nccl_in_place"
-    (tp.images / tampered / "graph.json").write_text(json.dumps(record))
-    cases: list[tuple[str, dict[str, Any]]] = [
-        ("tampered graph record on the last rank",
-         {"images": [*(f"{capture_id}/rank-{r}" for r in range(last)), tampered]}),
-        ("peer unit never arrives (rank 0 alone, 5 s barrier)", {"ranks": [0], "barrier_timeout": 5}),
-        (f"rank {last}'s restored process killed after CRIU", {"victim": last, "barrier_timeout": 30})]
+    source = tp.weights / f"weights-rank-{last}.bin"
+    every = [f"rank {r}:" for r in range(tp.world)]
+    return [
+        ("tampered graph record on the last rank", {"images": _tampered(tp, capture_id, "graph")},
+         [*every, "graph.json"], None),
+        ("peer unit never arrives (rank 0 alone, 5 s barrier)", {"ranks": [0], "barrier_timeout": 5},
+         ["rank 0:", "never reached validated"], None),
+        (f"rank {last}'s restored process killed after CRIU", {"victim": last, "barrier_timeout": 30},
+         [*every, "was killed"], None),
+        (f"a GPU that differs from the captured one (rank {last})", {"images": _tampered(tp, capture_id, "gpu")},
+         [*every, "this GPU is"], None),
+        (f"rank {last}'s hydration source missing", {"barrier_timeout": 30},
+         [*every, f"rank {last} restore", source.name, "cannot be read"], _Missing(source)),
+        (f"rank {last}'s hydration source corrupt (one byte)", {"barrier_timeout": 120},
+         [*every, f"rank {last} restore", source.name, "does not match the digest"], _Corrupt(source))]
+
+
+def _tampered(tp: Activation, capture_id: str, what: str) -> list[str]:
+    """The capture's image names with the last rank's replaced by a copy whose graph record, or the GPU its
+    identity names, was changed."""
+    last = tp.world - 1
+    name = f"{capture_id}-{what}/rank-{last}"
+    if not (tp.images / name).exists():
+        shutil.copytree(tp.images / capture_id / f"rank-{last}", tp.images / name)
+        if what == "graph":
+            record = json.loads((tp.images / name / "graph.json").read_text())
+            record["record"]["decision"] = "qualified_exact_nccl_in_place"
+            (tp.images / name / "graph.json").write_text(json.dumps(record))
+        else:
+            captured = json.loads((tp.images / name / "capture.json").read_text())
+            captured["identity"]["gpu_name"] = "NVIDIA A100-SXM4-80GB"
+            (tp.images / name / "capture.json").write_text(json.dumps(captured))
+    return [*(f"{capture_id}/rank-{r}" for r in range(last)), name]
+
+
+class _Missing:
+    """The source moved away for the case, and back afterwards (the hydrator keeps its own descriptor)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.away = path, path.with_name(path.name + ".away")
+
+    def __enter__(self) -> None:
+        self.path.rename(self.away)
+
+    def __exit__(self, *exc: object) -> None:
+        self.away.rename(self.path)
+
+
+class _Corrupt:
+    """One byte of the source flipped for the case, and put back afterwards."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = path.stat().st_size // 2
+
+    def __enter__(self) -> None:
+        with open(self.path, "r+b") as f:
+            f.seek(self.offset)
+            self.byte = f.read(1)
+            f.seek(self.offset)
+            f.write(bytes([self.byte[0] ^ 0xFF]))
+
+    def __exit__(self, *exc: object) -> None:
+        with open(self.path, "r+b") as f:
+            f.seek(self.offset)
+            f.write(self.byte)
+
+
+async def failures(d: Driver, tp: Activation, capture_id: str, reference: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
-    for i, (case, options) in enumerate(cases):
+    for i, (case, options, named, around) in enumerate(_failure_cases(tp, capture_id)):
         started = time.time()
         try:
-            result = await restore(d, tp, capture_id, f"fail-{i}", reference, readiness_timeout=60, **options)
+            if around is not None:
+                around.__enter__()
+            try:
+                result = await restore(d, tp, capture_id, f"fail-{i}-{int(started)}", reference, deadline=90,
+                                       **options)
+            finally:
+                if around is not None:
+                    around.__exit__(None, None, None)
             await remove(d, result["names"])
             rows.append({"case": case, "ok": False, "error": "the restore succeeded"})
         except E2EError as exc:
             left = [f"tp_node_{r}" for r in range(tp.world) if not await d.gone(f"tp_node_{r}")]
-            rows.append({"case": case, "ok": not left and exc.code == "runtime_failed", "units_left": left,
-                         "seconds": round(time.time() - started, 2), "error_code": exc.code,
-                         "error": str(exc)[-2500:]})
-        print(f"failure case: {case}: {json.dumps(rows[-1])[:1200]}", flush=True)
+            unnamed = [n for n in named if n not in str(exc)]
+            rows.append({"case": case, "ok": not left and not unnamed and exc.code == "runtime_failed",
+                         "units_left": left, "not_named": unnamed, "seconds": round(time.time() - started, 2),
+                         "error_code": exc.code, "error": str(exc)[-3000:]})
+        print(f"failure case: {case}: {json.dumps(rows[-1])[:1500]}", flush=True)
+    for what in ("graph", "gpu"):
+        shutil.rmtree(tp.images / f"{capture_id}-{what}", ignore_errors=True)
     return rows
 
 
-async def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--state-dir", required=True)
-    parser.add_argument("--capsule", required=True)
+def arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="bench/e2e_tp.py")
+    tp_plan.add_arguments(parser)
+    parser.add_argument("--plan", action="store_true", help="print the plan and check the memory budget; run nothing")
+    parser.add_argument("--phase", choices=["all", "weights", "run", "failures"], default="all")
+    parser.add_argument("--state-dir", default="")
+    parser.add_argument("--capsule", default="")
     parser.add_argument("--build", default="", metavar="CONTEXT=TAG")
     parser.add_argument("--work", required=True, help="host directory for weights, run, coordinator and images")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--weights-dir", default="", help="default: --work/weights-SHAPE-LLAYERS-tpN")
+    parser.add_argument("--out", default=".")
     parser.add_argument("--tokens", type=int, default=16)
-    parser.add_argument("--restores", type=int, default=2)
+    parser.add_argument("--decode-tokens", type=int, default=128, help="tokens per decode-rate generation")
+    parser.add_argument("--allreduce-bytes", type=int, default=1 << 30)
+    parser.add_argument("--allreduce-iters", type=int, default=20)
+    parser.add_argument("--restores", type=int, default=3)
+    parser.add_argument("--deadline", type=float, default=180.0, help="seconds for every rank of a restore")
     parser.add_argument("--gpus", choices=["own", "all"], default="own",
                         help="each rank's unit gets its own GPU (spec 7.1) or every GPU of the host")
-    parser.add_argument("--skip-failures", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument("--no-hydrator", dest="hydrator", action="store_false",
+                        help="hydrate through each engine's pinned ring instead of a node hydrator per GPU")
+    return parser.parse_args()
+
+
+async def open_driver(args: argparse.Namespace) -> tuple[Driver, str]:
+    """The daemon's session, the capsule built if asked, and its image ID."""
+    if not (args.state_dir and args.capsule):
+        raise E2EError("--state-dir and --capsule are needed to run (only --plan and --phase weights run without)")
     d = Driver(Path(args.state_dir))
     await d.open()
-    out: dict[str, Any] = {"world_size": args.world_size, "layers": args.layers, "gpus": args.gpus}
     if args.build:
         context, _, tag = args.build.partition("=")
         await d.expect(f"image-build of {tag}", "image-build", build={
             "dockerfile": base64.b64encode(Path(context, "Dockerfile").read_bytes()).decode(), "context": context,
             "tag": tag, "pull": False})
     capsule = await inspect_capsule(d, args.capsule)
-    tp = Activation(args, str(capsule["id"]), Path(args.work))
-    tp.prepare()
-    outfile = Path(args.out, "e2e-tp2.json")
-    cold: dict[str, Any] = {}
+    return d, str(capsule["id"])
+
+
+async def steps(d: Driver, tp: Activation, out: dict[str, Any], outfile: Path) -> None:
+    """The hydrators, then the `run` and/or `failures` steps; every unit removed whatever happens."""
+    phase = tp.args.phase
     try:
-        cold = await cold_start(d, tp)
-        out["cold"] = cold
-        print(f"cold: {cold['first_token_s']:.2f} s to the first token, tokens {cold['tokens'][:6]}...", flush=True)
-        capture_id = f"tp-{time.strftime('%Y%m%dT%H%M%S')}"
-        out["capture"] = await capture(d, tp, cold, capture_id)
-        print(f"captured: {[c.get('timings_s') for c in out['capture']]}", flush=True)
-        await remove(d, cold["names"])
-        before = [image_digest(tp.images / capture_id / f"rank-{r}") for r in range(tp.world)]
-        out["restores"] = []
-        for i in range(args.restores):
-            result = await restore(d, tp, capture_id, f"restore-{i + 1}", cold)
-            await remove(d, result["names"])
-            out["restores"].append(result)
-            print(f"restore {i + 1}: {result['first_token_s']:.2f} s, identical {result['identical']}", flush=True)
-            outfile.write_text(json.dumps(out, indent=1, default=str))
-        if not args.skip_failures:
+        if tp.hydrators:
+            out["hydrators"] = await start_hydrators(d, tp)
+            print(f"hydrators ready: {[h.get('ready_after_s') for h in out['hydrators']]} s", flush=True)
+        if phase in ("all", "run"):
+            await capture_and_restore(d, tp, out, outfile)
+        if phase in ("all", "failures"):
+            kept = json.loads((tp.work / STATE).read_text())
+            capture_id, cold = out["capture_id"], out["cold"] = kept["capture_id"], kept["cold"]
+            before = [image_digest(tp.images / capture_id / f"rank-{r}") for r in range(tp.world)]
             out["failures"] = await failures(d, tp, capture_id, cold)
-            result = await restore(d, tp, capture_id, "restore-after-failures", cold)
+            result = await restore(d, tp, capture_id, f"after-failures-{int(time.time())}", cold,
+                                   deadline=tp.args.deadline)
             await remove(d, result["names"])
-            out["restores"].append(result)
-        out["images_unchanged"] = before == [image_digest(tp.images / capture_id / f"rank-{r}")
-                                             for r in range(tp.world)]
-        out["image_bytes"] = [sum(p.stat().st_size for p in (tp.images / capture_id / f"rank-{r}").rglob("*")
-                                  if p.is_file()) for r in range(tp.world)]
+            out.setdefault("restores", []).append(result)
+            out["images_unchanged"] = before == [image_digest(tp.images / capture_id / f"rank-{r}")
+                                                 for r in range(tp.world)]
     except FAILURES as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
         print(f"FAILED: {out['error'][-4000:]}", flush=True)
     finally:  # whatever happened, no unit of this activation is left running
-        for name in [*(f"tp-serving-{r}" for r in range(tp.world)), *(f"tp_node_{r}" for r in range(tp.world))]:
-            with anyio.CancelScope(shield=True):
-                await d.runtime("workload-remove", name=name)
-    outfile.write_text(json.dumps(out, indent=1, default=str))
-    rows = []
+        await _remove_all(d, [*(f"tp-serving-{r}" for r in range(tp.world)),
+                              *(f"tp_node_{r}" for r in range(tp.world)), *tp.hydrators])
+
+
+def _per(restored: dict[str, Any], key: str) -> str:
+    return " / ".join(f"{x[key] or 0:.2f}" for x in restored["ranks"])
+
+
+def report(out: dict[str, Any]) -> bool:
+    """Print the tables; True when every goal of the run that can be checked here was met."""
+    cold, rows = out.get("cold"), []
     if cold:
-        rows.append(["cold start", f"{cold['first_token_s']:.2f}", "-", "-", "-", "-", "-", "-", "reference"])
+        m = cold["measured"]
+        rows.append(["cold start", f"{cold['first_token_s']:.2f}", "-", "-", "-", "-", "-", "-",
+                     f"{m['decode_tokens_per_s']:.1f}", f"{m.get('busbw_gbps') or 0:.1f}", "-", "reference"])
     for i, r in enumerate(out.get("restores", [])):
-        ranks = r["ranks"]
-        rows.append([f"restore {i + 1}", f"{r['first_token_s']:.2f}",
-                     " / ".join(f"{x['worker_started_s']:.2f}" for x in ranks),
-                     " / ".join(f"{x['criu_s']:.2f}" for x in ranks), " / ".join(f"{x['cuda_s']:.2f}" for x in ranks),
-                     " / ".join(f"{x['hydration_s'] or 0:.2f}" for x in ranks),
-                     " / ".join(f"{x['recreate_s'] or 0:.2f}" for x in ranks),
-                     f"{cold['first_token_s'] / r['first_token_s']:.1f}x",
+        m, hyd = r["measured"], r["hydration"]
+        rows.append([f"restore {i + 1}", f"{r['first_token_s']:.2f}", _per(r, "criu_s"), _per(r, "cuda_s"),
+                     " / ".join(f"{x['gbps'] or 0:.1f}" for x in hyd["ranks"]), f"{hyd['aggregate_gbps'] or 0:.1f}",
+                     _per(r, "recreate_s"), f"{cold['first_token_s'] / r['first_token_s']:.1f}x" if cold else "-",
+                     f"{m['decode_tokens_per_s']:.1f}", f"{m.get('busbw_gbps') or 0:.1f}",
+                     "ok" if r["vs_cold"]["ok"] else f"DOWNGRADED {r['vs_cold']}",
                      "identical" if r["identical"] else "DIFFERENT"])
     if rows:
-        print(table(["run", "Docker-to-first-token (s)", "worker start per rank", "CRIU per rank", "CUDA per rank",
-                     "hydration per rank", "NCCL + graph per rank", "vs cold", "tokens + first logits"], rows))
+        print(table(["run", "Docker-to-first-token (s)", "CRIU per rank", "CUDA per rank", "hydration GB/s per rank",
+                     "aggregate GB/s", "NCCL + graph per rank", "vs cold", "decode tok/s", "all-reduce busbw GB/s",
+                     "within 2%", "tokens + first logits"], rows))
     if out.get("failures"):
-        print(table(["failure", "refused", "units left", "seconds"],
+        print(table(["failure", "every rank stopped, named", "units left", "seconds"],
                     [[f["case"], f["ok"], f.get("units_left"), f.get("seconds")] for f in out["failures"]]))
-    print(f"images unchanged: {out.get('images_unchanged')}; image bytes per rank: {out.get('image_bytes')}")
-    ok = ("error" not in out and all(r["identical"] for r in out.get("restores", []))
-          and all(f["ok"] for f in out.get("failures", [])) and out.get("images_unchanged", False))
-    return 0 if ok else 1
+    print(f"images unchanged: {out.get('images_unchanged')}")
+    restores = out.get("restores", [])
+    return ("error" not in out and all(r["identical"] and r["vs_cold"]["ok"] for r in restores)
+            and all(f["ok"] for f in out.get("failures", [])) and out.get("images_unchanged", True))
+
+
+async def main() -> int:
+    args = arguments()
+    try:
+        plan = tp_plan.from_arguments(args, args.work)
+    except tp_plan.PlanError as exc:
+        print(f"plan: {exc}", flush=True)
+        return 2
+    print(tp_plan.describe(plan), flush=True)
+    if args.plan or not plan.fits:
+        return 0 if plan.fits else 2
+    args.layers = plan.layers
+    out: dict[str, Any] = {"plan": plan.to_json(), "phase": args.phase, "world_size": args.world_size,
+                           "shape": args.shape, "layers": args.layers, "gpus": args.gpus, "hydrator": args.hydrator}
+    outfile = Path(args.out, f"e2e-tp-{args.phase}.json")
+    if args.phase in ("all", "weights"):
+        tp = Activation(args, "", Path(args.work))
+        tp.prepare()
+        out["weights"] = await _call(write_weights, tp)
+        print(f"weights: {json.dumps(out['weights'])[:600]}", flush=True)
+        if args.phase == "weights":
+            outfile.write_text(json.dumps(out, indent=1, default=str))
+            return 0
+    d, image = await open_driver(args)
+    tp = Activation(args, image, Path(args.work))
+    tp.prepare()
+    if not tp.weights_written():
+        print(f"no weights under {tp.weights}: run --phase weights first", flush=True)
+        return 2
+    await steps(d, tp, out, outfile)
+    outfile.write_text(json.dumps(out, indent=1, default=str))
+    return 0 if report(out) else 1
 
 
 if __name__ == "__main__":

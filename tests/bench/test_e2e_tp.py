@@ -1,17 +1,20 @@
-"""bench/e2e_tp.py's rollback against the real daemon and dockerd (the GPU path runs on two H200 through
-scripts/device-e2e-tp): when any rank's restore unit fails, every rank's unit is removed and the error names
+"""bench/e2e_tp.py's fan-out and rollback against the real daemon and dockerd, for 2, 4 and 8 ranks (the GPU path
+runs on nvidia-h200-x2/x4/x8 through scripts/device-e2e-tp): every rank's restore unit is launched at once, and
+when any rank's unit fails or the activation's deadline passes, every rank's unit is removed and the error names
 each rank's cause, as a controller must see a failed TP activation."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import time
 from pathlib import Path
 
 import pytest
 
 from bench.e2e_restore import Driver, E2EError
-from bench.e2e_tp import Activation, restore
+from bench.e2e_tp import restore
+from bench.tp_units import Activation
 from tests.helpers import running_daemon
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
@@ -19,27 +22,47 @@ pytestmark = pytest.mark.usefixtures("no_leftovers")
 CONFIG = '[runtime]\nprivileged = "host-capabilities"\n'
 
 
-def _activation(tmp_path: Path, image: str) -> Activation:
-    """Two ranks of the busybox test image as a capsule without the worker: no python3, no GPU."""
-    args = argparse.Namespace(world_size=2, gpus="own", layers=1, tokens=1)
+def _activation(tmp_path: Path, image: str, world: int, *, python: str = "python3") -> Activation:
+    """`world` ranks of the busybox test image as a capsule without the worker: no python3, no GPU."""
+    args = argparse.Namespace(world_size=world, gpus="own", layers=1, tokens=1, shape="small", hydrator=True,
+                              weights_dir="")
     tp = Activation(args, image, tmp_path)
-    tp.layouts = [dataclasses.replace(layout, host_mounts=(), gpus=(), python="python3") for layout in tp.layouts]
-    for path in (tp.run_dir, tp.images, tp.coord):
+    tp.layouts = [dataclasses.replace(layout, host_mounts=(), gpus=(), python=python) for layout in tp.layouts]
+    for path in (tp.run_dir, tp.images, tp.coord, tp.weights):
         path.mkdir()
     return tp
 
 
-async def test_failed_rank_units_are_all_removed_naming_each_rank(busybox_image: str, tmp_path: Path) -> None:
-    tp = _activation(tmp_path, busybox_image)
-    assert [layout.network for layout in tp.layouts] == ["host", "host"]
+@pytest.mark.parametrize("world", [2, 4, 8])
+async def test_failed_rank_units_are_all_removed_naming_each_rank(busybox_image: str, tmp_path: Path,
+                                                                  world: int) -> None:
+    tp = _activation(tmp_path, busybox_image, world)
+    assert [layout.network for layout in tp.layouts] == ["host"] * world
+    assert [layout.gpus for layout in Activation(tp.args, busybox_image, tmp_path).layouts] == [
+        (str(r),) for r in range(world)]  # each rank's unit gets its own GPU
     async with running_daemon(CONFIG) as daemon:
         d = Driver(daemon.state_dir)
         await d.open()
         with pytest.raises(E2EError) as caught:
-            await restore(d, tp, "cap-1", "restore-1", {}, readiness_timeout=15)
-        assert await d.gone("tp_node_0") and await d.gone("tp_node_1")
+            await restore(d, tp, "cap-1", "restore-1", {}, deadline=30)
+        assert all([await d.gone(f"tp_node_{r}") for r in range(world)])
     message = str(caught.value)
     assert caught.value.code == "runtime_failed"
-    for rank in (0, 1):
+    for rank in range(world):
         assert f"rank {rank}: restore unit exited (code 1) before its readiness check" in message
     assert "python3: not found" in message
+
+
+async def test_activation_deadline_removes_every_rank_unit(busybox_image: str, tmp_path: Path) -> None:
+    """Four units that run but never become ready: one activation deadline ends them all, naming each rank."""
+    tp = _activation(tmp_path, busybox_image, 4, python="sleep 60; false")
+    async with running_daemon(CONFIG) as daemon:
+        d = Driver(daemon.state_dir)
+        await d.open()
+        started = time.monotonic()
+        with pytest.raises(E2EError) as caught:
+            await restore(d, tp, "cap-1", "restore-1", {}, deadline=3)
+        assert time.monotonic() - started < 45  # not the units' 60 s: the deadline ended the activation
+        assert all([await d.gone(f"tp_node_{r}") for r in range(4)])
+    for rank in range(4):
+        assert f"rank {rank}: readiness check `test -s" in str(caught.value)
