@@ -25,6 +25,8 @@ from coldsnap_probe._coordinator import Coordinator
 from coldsnap_probe._profile import identity
 from coldsnap_probe._worker import tp_execution
 from coldsnap_probe.errors import ContractError, RankAborted, WorkerError
+from coldsnap_probe.hydration import HydrationManifest, WeightRegion, check_sources, region_digest
+from coldsnap_probe.hydration._weights import plan_for
 from tests.helpers import ROOT
 
 RANK_SCRIPT = """
@@ -48,10 +50,18 @@ def ranks(root: Path, world: int, *, only: list[int] | None = None, timeout: flo
     return [json.loads(p.communicate(timeout=60)[0]) for p in procs]
 
 
-def test_barrier_of_four_rank_processes_returns_every_ranks_value_in_rank_order(tmp_path: Path) -> None:
-    answers = ranks(tmp_path, 4)
-    assert all([v["rank"] for v in answer] == [0, 1, 2, 3] for answer in answers)
+@pytest.mark.parametrize("world", [4, 8])
+def test_barrier_of_rank_processes_returns_every_ranks_value_in_rank_order(tmp_path: Path, world: int) -> None:
+    answers = ranks(tmp_path, world)
+    assert all([v["rank"] for v in answer] == list(range(world)) for answer in answers)
     assert len({tuple(v["pid"] for v in answer) for answer in answers}) == 1  # every rank saw the same arrivals
+
+
+def test_barrier_of_eight_ranks_one_never_arriving_aborts_all_seven(tmp_path: Path) -> None:
+    answers = ranks(tmp_path, 8, only=list(range(7)), timeout=1)
+    assert all("rank(s) 7 never reached ready" in a["aborted"] for a in answers)  # whichever rank gave up first
+    [late] = ranks(tmp_path, 8, only=[7])
+    assert "activation aborted at ready" in late["aborted"]
 
 
 def test_barrier_peer_that_never_arrives_aborts_naming_it_and_a_late_peer_sees_the_abort(tmp_path: Path) -> None:
@@ -237,6 +247,111 @@ def test_restore_ranks_whose_records_differ_are_stopped(tmp_path: Path) -> None:
     (images[1] / "graph.json").write_text(json.dumps(stored))
     results = restore_workers(tmp_path, images, [0, 1])
     assert all(rc == 1 and "graph records disagree" in err for rc, err in results)
+
+
+# --- four and eight ranks: whatever stops one rank's restore stops every rank, before CRIU (issues 27, 28) ----
+
+GRANULE = 2 << 20
+BASE = 0x7F0000000000
+
+
+def with_weights(images: Path, rank: int, sources: Path) -> Path:
+    """The rank's images with the hydration manifest a release writes: its weights are rank-R's file."""
+    source = sources / f"weights-rank-{rank}.bin"
+    source.write_bytes(os.urandom(GRANULE + 4096 * (rank + 1)))
+    size = source.stat().st_size
+    region = WeightRegion(f"rank-{rank}", BASE, size, str(source), 0, region_digest(source, 0, size))
+    reservation = -(-size // GRANULE) * GRANULE
+    layout, plan = plan_for([region], address=BASE, size=reservation, granularity=GRANULE, generation="g1")
+    identities = check_sources([region], content=True)
+    manifest = HydrationManifest.create(
+        generation="g1", device=0, reservation_address=BASE, reservation_size=reservation, granularity=GRANULE,
+        regions=(region,), sources=tuple(identities.values()), layout=layout, plan=plan,
+        control=str(sources / f"rank-{rank}.weights.sock"))
+    (images / "hydration.json").write_text(json.dumps(manifest.to_json()))
+    return images
+
+
+def world_images(tmp_path: Path, world: int, **tamper: int) -> list[Path]:
+    """Every rank's images with its weights' manifest; `tamper={"graph": r}` tampers rank r's graph record,
+    `{"host": r}` says rank r was captured on another architecture."""
+    sources = tmp_path / "weights"
+    sources.mkdir()
+    images = [with_weights(rank_images(tmp_path / f"r{r}", r, world, tamper=tamper.get("graph") == r), r, sources)
+              for r in range(world)]
+    if (moved := tamper.get("host")) is not None:
+        captured = json.loads((images[moved] / "capture.json").read_text())
+        captured["identity"]["architecture"] = "riscv64"
+        (images[moved] / "capture.json").write_text(json.dumps(captured))
+    return images
+
+
+def assert_every_rank_stopped_by(results: list[Any], culprit: int, own: str, tmp_path: Path) -> None:
+    """`culprit` failed with `own` in its error; every other rank was aborted naming it; nothing reached CRIU."""
+    for rank, (rc, err) in enumerate(results):
+        assert rc == 1, (rank, err)
+        if rank == culprit:
+            assert own in err, err
+        else:
+            assert f"RankAborted: activation aborted at validated: rank {culprit} restore" in err, (rank, err)
+            assert own in err, (rank, err)  # the peers' errors name the culprit's cause too
+        assert "criu" not in err.lower()
+    assert not list((tmp_path / "coord" / "restore-1").glob("criu-restored/*"))
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_restore_hydration_source_missing_on_one_rank_stops_every_rank_naming_it(tmp_path: Path,
+                                                                                  world: int) -> None:
+    images = world_images(tmp_path, world)
+    culprit = world // 2
+    (tmp_path / "weights" / f"weights-rank-{culprit}.bin").unlink()
+    results = restore_workers(tmp_path, images, list(range(world)))
+    assert_every_rank_stopped_by(results, culprit, f"region rank-{culprit}: source "
+                                 f"{tmp_path}/weights/weights-rank-{culprit}.bin cannot be read", tmp_path)
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_restore_hydration_source_corrupt_on_one_rank_stops_every_rank_naming_it(tmp_path: Path,
+                                                                                 world: int) -> None:
+    images = world_images(tmp_path, world)
+    culprit = world - 1
+    with open(tmp_path / "weights" / f"weights-rank-{culprit}.bin", "r+b") as f:  # one byte, in place
+        f.seek(4096)
+        byte = f.read(1)
+        f.seek(4096)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    results = restore_workers(tmp_path, images, list(range(world)))
+    assert_every_rank_stopped_by(results, culprit, f"region rank-{culprit}: source "
+                                 f"{tmp_path}/weights/weights-rank-{culprit}.bin does not match the digest",
+                                 tmp_path)
+
+
+def test_restore_of_eight_ranks_with_intact_sources_passes_validation_together(tmp_path: Path) -> None:
+    """The control case: the same images with nothing removed get every rank past `validated` (and then to
+    CRIU, which is /bin/false here)."""
+    images = world_images(tmp_path, 8)
+    results = restore_workers(tmp_path, images, list(range(8)))
+    assert all(rc == 1 for rc, _ in results)
+    assert len(list((tmp_path / "coord" / "restore-1" / "validated").glob("*.json"))) == 8
+    assert not any("hydration cannot succeed" in err for _, err in results)
+
+
+@pytest.mark.parametrize(("world", "case", "own"), [
+    (8, "graph", "graph.json: graph policy record"),
+    (4, "host", "captured on riscv64, this host is")])
+def test_restore_one_bad_rank_of_many_stops_every_rank_before_criu(tmp_path: Path, world: int, case: str,
+                                                                   own: str) -> None:
+    culprit = world - 1
+    images = world_images(tmp_path, world, **{case: culprit})
+    results = restore_workers(tmp_path, images, list(range(world)))
+    assert_every_rank_stopped_by(results, culprit, own, tmp_path)
+
+
+def test_restore_of_eight_ranks_one_never_arriving_stops_the_seven(tmp_path: Path) -> None:
+    images = world_images(tmp_path, 8)
+    results = restore_workers(tmp_path, images, list(range(7)), timeout=1)
+    assert all(rc == 1 and "rank(s) 7 never reached validated" in err for rc, err in results)
+    assert not list((tmp_path / "coord" / "restore-1").glob("criu-restored/*"))
 
 
 def test_a_peer_abort_ends_the_wait_for_an_engine_that_never_answers(tmp_path: Path) -> None:
