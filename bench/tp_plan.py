@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engines.engine_tp import ALIGN, SHAPES
+from engines.engine_tp import ALIGN, SHAPES, weight_specs
 
 GIB = 1 << 30
 HOST_PER_RANK = 12 * GIB  # engine process (torch, CUDA context, pinned ring) + its CRIU images + a restored copy
@@ -79,14 +79,9 @@ def cgroup_limit(proc: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys
 
 
 def tensor_bytes(shape: str, world: int, layers: int) -> int:
-    """One rank's weight file, byte for byte as `engine_tp.py weights` writes it."""
-    s = SHAPES[shape]
-    d, hidden = s["head_dim"], s["hidden"]
-    heads, kv, ffn = s["heads"] // world, s["kv_heads"] // world, s["ffn"] // world
-    per_layer = [heads * d * hidden, kv * d * hidden, kv * d * hidden, hidden * heads * d, ffn * hidden,
-                 ffn * hidden, hidden * ffn]
-    elements = [s["vocab"] * hidden] * 2 + per_layer * layers
-    return sum(-(-(2 * n) // ALIGN) * ALIGN for n in elements)
+    """One rank's weight file, byte for byte as `engine_tp.py weights` writes it (every rank's is the same size)."""
+    specs = weight_specs(shape, world, layers, 0)
+    return sum(-(-(2 * rows * cols) // ALIGN) * ALIGN for _, (rows, cols), _, _ in specs)
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,25 @@ def weight_paths(directory: str, rank: int) -> tuple[Path, Path]:
     return Path(directory, f"weights-rank-{rank}.bin"), Path(directory, f"weights-rank-{rank}.json")
 
 
+def weight_specs(shape: str, world_size: int, layers: int, rank: int) -> list[tuple[str, tuple[int, int], int, int]]:
+    """(name, shape, seed, fan-in) of every weight of a rank, in file order (seeds fixed per rank); bench/tp_plan.py
+    sizes the files from the same list."""
+    s = SHAPES[shape]
+    d, hidden = s["head_dim"], s["hidden"]
+    heads, kv_heads, ffn = s["heads"] // world_size, s["kv_heads"] // world_size, s["ffn"] // world_size
+    out = [("embed", (s["vocab"], hidden), 1, 1), ("lm_head", (s["vocab"], hidden), 2, hidden)]
+    for layer in range(layers):
+        seed = 1000 * (layer + 1) + 10 * rank
+        out += [(f"{layer}.q", (heads * d, hidden), seed + 1, hidden),
+                (f"{layer}.k", (kv_heads * d, hidden), seed + 2, hidden),
+                (f"{layer}.v", (kv_heads * d, hidden), seed + 3, hidden),
+                (f"{layer}.o", (hidden, heads * d), seed + 4, s["heads"] * d),
+                (f"{layer}.gate", (ffn, hidden), seed + 5, hidden),
+                (f"{layer}.up", (ffn, hidden), seed + 6, hidden),
+                (f"{layer}.down", (hidden, ffn), seed + 7, s["ffn"])]
+    return out
+
+
 class Engine:
     def __init__(self, rank: int, world_size: int, layers: int, shape: str = "small") -> None:
         import torch
@@ -101,21 +120,6 @@ class Engine:
         self.graph: Any = None
         self.communicators = 0
         self.arena: Any = None
-
-    def weight_specs(self) -> list[tuple[str, tuple[int, int], int, int]]:
-        """(name, shape, seed, fan-in) of every weight of this rank, in file order (seeds fixed per rank)."""
-        s, d, hidden, r = self.s, self.s["head_dim"], self.s["hidden"], self.rank
-        out = [("embed", (s["vocab"], hidden), 1, 1), ("lm_head", (s["vocab"], hidden), 2, hidden)]
-        for layer in range(self.layers):
-            seed = 1000 * (layer + 1) + 10 * r
-            out += [(f"{layer}.q", (self.heads * d, hidden), seed + 1, hidden),
-                    (f"{layer}.k", (self.kv_heads * d, hidden), seed + 2, hidden),
-                    (f"{layer}.v", (self.kv_heads * d, hidden), seed + 3, hidden),
-                    (f"{layer}.o", (hidden, self.heads * d), seed + 4, s["heads"] * d),
-                    (f"{layer}.gate", (self.ffn, hidden), seed + 5, hidden),
-                    (f"{layer}.up", (self.ffn, hidden), seed + 6, hidden),
-                    (f"{layer}.down", (hidden, self.ffn), seed + 7, s["ffn"])]
-        return out
 
     def load(self, directory: str, hydrator: str = "") -> None:
         """The rank's weight file into a WeightArena (digests checked); every weight a view of the arena.
@@ -284,19 +288,20 @@ class Engine:
             raise RuntimeError("no process group to all-reduce on")
         if not (1 << 20) <= size <= (8 << 30) or not 1 <= iters <= 1000:
             raise ValueError("bytes must be within [1 MiB, 8 GiB] and iters within [1, 1000]")
-        buffer = torch.ones(size // 2, dtype=torch.bfloat16, device=self.device)
-        try:
-            for _ in range(2):  # warm-up: NCCL sets up its channels for this size
-                torch.distributed.all_reduce(buffer)
-            torch.cuda.synchronize()
-            started = time.perf_counter()
-            for _ in range(iters):
-                torch.distributed.all_reduce(buffer)
-            torch.cuda.synchronize()
-            seconds = (time.perf_counter() - started) / iters
-        finally:
-            del buffer
-            torch.cuda.empty_cache()  # nothing of the measurement stays in the device state a capture saves
+        with torch.cuda.device(self.device):  # a request's thread starts on device 0: pin it to this rank's GPU
+            buffer = torch.zeros(size // 2, dtype=torch.bfloat16, device=self.device)
+            try:
+                for _ in range(2):  # warm-up: NCCL sets up its channels for this size
+                    torch.distributed.all_reduce(buffer)
+                torch.cuda.synchronize(self.device)
+                started = time.perf_counter()
+                for _ in range(iters):
+                    torch.distributed.all_reduce(buffer)
+                torch.cuda.synchronize(self.device)
+                seconds = (time.perf_counter() - started) / iters
+            finally:
+                del buffer
+                torch.cuda.empty_cache()  # nothing of the measurement stays in the device state a capture saves
         algbw = size / seconds / 1e9
         return {"rank": self.rank, "bytes": size, "iters": iters, "seconds": seconds, "algbw_gbps": algbw,
                 "busbw_gbps": algbw * 2 * (self.world_size - 1) / self.world_size}
@@ -352,6 +357,13 @@ def _handle(engine: Engine, directory: str, conn: socket.socket, request: dict[s
     return {"done": True, **result, "peers_agree": agree}
 
 
+def _write_at(fd: int, data: memoryview, offset: int) -> None:
+    """All of `data` at `offset` (one write moves at most 2 GiB - 4 KiB on Linux; a 405B embedding is 4.2 GB)."""
+    while data:
+        done = os.pwrite(fd, data, offset)
+        data, offset = data[done:], offset + done
+
+
 def write_weights(rank: int, world_size: int, directory: str, layers: int, shape: str) -> None:
     """The rank's weights, generated on its GPU, written to a new file in `directory` (renamed into place once
     whole, with its index: a file that exists is complete); the host copy and the write overlap the next
@@ -366,9 +378,9 @@ def write_weights(rank: int, world_size: int, directory: str, layers: int, shape
     try:
         with ThreadPoolExecutor(2) as writers:
             pending: list[Any] = []
-            for name, dims, seed, fan_in in engine.weight_specs():
+            for name, dims, seed, fan_in in weight_specs(shape, world_size, layers, rank):
                 host = engine.random_weight(dims, seed, fan_in).view(engine.torch.uint8).cpu().numpy()
-                pending.append(writers.submit(os.pwrite, fd, memoryview(host).cast("B"), offset))
+                pending.append(writers.submit(_write_at, fd, memoryview(host).cast("B"), offset))
                 tensors[name] = (offset, list(dims))
                 offset = -(-(offset + host.nbytes) // ALIGN) * ALIGN
                 if len(pending) > 2:  # at most three tensors on the host at once
