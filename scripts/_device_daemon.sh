@@ -1,4 +1,4 @@
-# Sourced by the GPU-machine scripts that drive a real daemon (device-e2e, device-e2e-tp2), after _device_env.sh:
+# Sourced by the GPU-machine scripts that drive a real daemon (device-e2e, device-e2e-tp), after _device_env.sh:
 # the bundled Docker Engine, the capsule build contexts, and `coldsnap-provider serve` on them.
 D=/tmp/dk
 STATE=${STATE:-/tmp/cs-e2e-state}
