@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
 import time
 from pathlib import Path
 
 import pytest
 
 from bench.e2e_restore import Driver, E2EError
-from bench.e2e_tp import restore
+from bench.e2e_tp import failures, restore
 from bench.tp_units import Activation
 from tests.helpers import running_daemon
 
@@ -66,3 +68,27 @@ async def test_activation_deadline_removes_every_rank_unit(busybox_image: str, t
         assert all([await d.gone(f"tp_node_{r}") for r in range(4)])
     for rank in range(4):
         assert f"rank {rank}: readiness check `test -s" in str(caught.value)
+
+
+async def test_failure_cases_restore_what_they_break_and_leave_no_unit(busybox_image: str, tmp_path: Path) -> None:
+    """The bench's own fault injection, through dockerd: every case's units are removed, the copies of tampered
+    images are deleted, and the weight file it moved away or corrupted is back, byte for byte."""
+    tp = _activation(tmp_path, busybox_image, 2)
+    for rank in range(2):
+        images = tp.images / "cap-1" / f"rank-{rank}"
+        images.mkdir(parents=True)
+        (images / "capture.json").write_text(json.dumps({"identity": {"gpu_name": "NVIDIA H200"}}))
+        (images / "graph.json").write_text(json.dumps({"record": {"decision": "x"}, "execution": {}}))
+        (tp.weights / f"weights-rank-{rank}.bin").write_bytes(os.urandom(1 << 16))
+    source = tp.weights / "weights-rank-1.bin"
+    before, inode = source.read_bytes(), source.stat().st_ino
+    async with running_daemon(CONFIG) as daemon:
+        d = Driver(daemon.state_dir)
+        await d.open()
+        rows = await failures(d, tp, "cap-1", {})
+        assert all([await d.gone(f"tp_node_{r}") for r in range(2)])
+    assert len(rows) == 6
+    assert all(row["units_left"] == [] and row["error_code"] == "runtime_failed" for row in rows), rows
+    assert not any(row["ok"] for row in rows)  # busybox has no worker: no case fails for the reason it names
+    assert source.read_bytes() == before and source.stat().st_ino == inode
+    assert sorted(p.name for p in tp.images.iterdir()) == ["cap-1"]
