@@ -38,6 +38,7 @@ import json
 import shutil
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -101,20 +102,7 @@ async def cold_start(d: Driver, tp: Activation, limit: float = 480.0) -> dict[st
     if errors:
         raise E2EError(" | ".join(errors))
     started = time.time()
-    with anyio.move_on_after(limit) as waited:
-        while True:
-            logs = [tp.log(f"rank-{r}.log") for r in range(tp.world)]
-            launches = [tp.log(f"launch-{r}.log") for r in range(tp.world)]
-            bad = [(r, log.get("failed") or launch.get("engine_exited")) for r, (log, launch)
-                   in enumerate(zip(logs, launches, strict=True)) if "failed" in log or "engine_exited" in launch]
-            if bad:
-                tails = [output(await d.expect("logs", "workload-logs", name=n, tail=20))[-1500:] for n in names]
-                raise E2EError(f"a rank failed before it was ready: {bad} {tails}")
-            if all("ready" in log for log in logs):
-                break
-            await anyio.sleep(0.05)
-    if waited.cancelled_caught:
-        raise E2EError(f"the ranks were not ready within {limit:.0f} s")
+    await _until_ready(d, tp, names, limit)
     first = await _call(generate, tp.run_dir, tp.args.tokens)
     again = await _call(generate, tp.run_dir, tp.args.tokens)
     measured = await _call(measure, tp)
@@ -125,6 +113,33 @@ async def cold_start(d: Driver, tp: Activation, limit: float = 480.0) -> dict[st
             "peers_agree": first["peers_agree"], "repeatable": again["tokens"] == first["tokens"],
             "engine_pids": [int(tp.log(f"launch-{r}.log")["engine_forked"]["engine_pid"]) for r in range(tp.world)],
             "stages_s": [{k: round(v["unix"] - created, 3) for k, v in log.items() if "unix" in v} for log in logs]}
+
+
+async def _until_ready(d: Driver, tp: Activation, names: list[str], limit: float) -> None:
+    """Until every rank logged `ready`; a rank that failed, or whose unit exited (even before it could log
+    anything), ends the wait at once, naming the rank, with every unit's last lines."""
+    polls = 0
+    with anyio.move_on_after(limit) as waited:
+        while True:
+            logs = [tp.log(f"rank-{r}.log") for r in range(tp.world)]
+            launches = [tp.log(f"launch-{r}.log") for r in range(tp.world)]
+            bad = [(r, log.get("failed") or launch.get("engine_exited")) for r, (log, launch)
+                   in enumerate(zip(logs, launches, strict=True)) if "failed" in log or "engine_exited" in launch]
+            polls += 1
+            if not bad and polls % 20 == 0:  # about once a second: a unit that exited without a word
+                for rank, name in enumerate(names):
+                    state = await d.runtime("workload-inspect", name=name)
+                    workload = (state.get("runtime") or {}).get("workload") or {}
+                    if not workload.get("running"):
+                        bad.append((rank, {"unit_exited": workload.get("exit_code")}))
+            if bad:
+                tails = [output(await d.expect("logs", "workload-logs", name=n, tail=20))[-1500:] for n in names]
+                raise E2EError(f"rank(s) {[r for r, _ in bad]} failed before they were ready: {bad} {tails}")
+            if all("ready" in log for log in logs):
+                return
+            await anyio.sleep(0.05)
+    if waited.cancelled_caught:
+        raise E2EError(f"the ranks were not ready within {limit:.0f} s")
 
 
 async def capture(d: Driver, tp: Activation, cold: dict[str, Any], capture_id: str) -> list[dict[str, Any]]:
@@ -257,6 +272,7 @@ async def capture_and_restore(d: Driver, tp: Activation, out: dict[str, Any], ou
     out["capture"] = await capture(d, tp, cold, capture_id)
     print(f"captured: {[c.get('timings_s') for c in out['capture']]}", flush=True)
     await remove(d, cold["names"])
+    before = await _call(_digests, tp, capture_id)
     (tp.work / STATE).write_text(json.dumps({"capture_id": capture_id, "cold": cold, "plan": out["plan"]}))
     out["restores"] = []
     for i in range(tp.args.restores):
@@ -266,6 +282,13 @@ async def capture_and_restore(d: Driver, tp: Activation, out: dict[str, Any], ou
         print(f"restore {i + 1}: {result['first_token_s']:.2f} s, identical {result['identical']}, "
               f"vs cold {result['vs_cold']}, hydration {result['hydration']['aggregate_gbps']}", flush=True)
         outfile.write_text(json.dumps(out, indent=1, default=str))
+    out["images_unchanged"] = before == await _call(_digests, tp, capture_id)
+
+
+def _digests(tp: Activation, capture_id: str) -> list[str]:
+    """Every rank's image digest, the ranks hashed at once."""
+    with ThreadPoolExecutor(tp.world) as pool:
+        return list(pool.map(lambda r: image_digest(tp.images / capture_id / f"rank-{r}"), range(tp.world)))
 
 
 def _failure_cases(tp: Activation, capture_id: str) -> list[tuple[str, dict[str, Any], list[str], Any]]:
@@ -417,14 +440,14 @@ async def steps(d: Driver, tp: Activation, out: dict[str, Any], outfile: Path) -
         if phase in ("all", "failures"):
             kept = json.loads((tp.work / STATE).read_text())
             capture_id, cold = out["capture_id"], out["cold"] = kept["capture_id"], kept["cold"]
-            before = [image_digest(tp.images / capture_id / f"rank-{r}") for r in range(tp.world)]
+            before = await _call(_digests, tp, capture_id)
             out["failures"] = await failures(d, tp, capture_id, cold)
             result = await restore(d, tp, capture_id, f"after-failures-{int(time.time())}", cold,
                                    deadline=tp.args.deadline)
             await remove(d, result["names"])
             out.setdefault("restores", []).append(result)
-            out["images_unchanged"] = before == [image_digest(tp.images / capture_id / f"rank-{r}")
-                                                 for r in range(tp.world)]
+            out["images_unchanged"] = before == await _call(_digests, tp, capture_id) and out.get(
+                "images_unchanged", True)
     except FAILURES as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
         print(f"FAILED: {out['error'][-4000:]}", flush=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from bench.e2e_restore import Driver, E2EError
-from bench.e2e_tp import failures, restore
+from bench.e2e_tp import cold_start, failures, remove, restore
 from bench.tp_units import Activation
 from tests.helpers import running_daemon
 
@@ -92,3 +92,23 @@ async def test_failure_cases_restore_what_they_break_and_leave_no_unit(busybox_i
     assert not any(row["ok"] for row in rows)  # busybox has no worker: no case fails for the reason it names
     assert source.read_bytes() == before and source.stat().st_ino == inode
     assert sorted(p.name for p in tp.images.iterdir()) == ["cap-1"]
+
+
+async def test_cold_start_rank_unit_that_exits_silently_ends_the_wait_naming_it(busybox_image: str,
+                                                                                 tmp_path: Path) -> None:
+    """Three serving units that run and one that exits before it could log anything: the cold start fails at
+    once (not after its 480 s limit), naming that rank."""
+    tp = _activation(tmp_path, busybox_image, 4, python="sh")
+    tp.serve_command = lambda rank: ["-c", "exit 3" if rank == 3 else "sleep 60"]  # type: ignore[method-assign]
+    names = [f"tp-serving-{r}" for r in range(4)]
+    async with running_daemon(CONFIG) as daemon:
+        d = Driver(daemon.state_dir)
+        await d.open()
+        started = time.monotonic()
+        try:
+            with pytest.raises(E2EError, match=r"rank\(s\) \[3\] failed before they were ready"):
+                await cold_start(d, tp)
+            assert time.monotonic() - started < 15
+        finally:
+            await remove(d, names)
+        assert all([await d.gone(name) for name in names])
