@@ -306,9 +306,9 @@ def _failure_cases(tp: Activation, capture_id: str) -> list[tuple[str, dict[str,
         (f"a GPU that differs from the captured one (rank {last})", {"images": _tampered(tp, capture_id, "gpu")},
          [*every, "this GPU is"], None),
         (f"rank {last}'s hydration source missing", {"barrier_timeout": 30},
-         [*every, f"rank {last} restore", source.name, "cannot be read"], _Missing(source)),
+         [*every, f"rank {last} restore", source.name, "cannot be read"], MissingSource(source)),
         (f"rank {last}'s hydration source corrupt (one byte)", {"barrier_timeout": 120},
-         [*every, f"rank {last} restore", source.name, "does not match the digest"], _Corrupt(source))]
+         [*every, f"rank {last} restore", source.name, "does not match the digest"], CorruptSource(source))]
 
 
 def _tampered(tp: Activation, capture_id: str, what: str) -> list[str]:
@@ -329,7 +329,7 @@ def _tampered(tp: Activation, capture_id: str, what: str) -> list[str]:
     return [*(f"{capture_id}/rank-{r}" for r in range(last)), name]
 
 
-class _Missing:
+class MissingSource:
     """The source moved away for the case, and back afterwards (the hydrator keeps its own descriptor)."""
 
     def __init__(self, path: Path) -> None:
@@ -342,7 +342,7 @@ class _Missing:
         self.away.rename(self.path)
 
 
-class _Corrupt:
+class CorruptSource:
     """One byte of the source flipped for the case, and put back afterwards."""
 
     def __init__(self, path: Path) -> None:

@@ -14,10 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from bench.e2e_restore import Driver, E2EError
-from bench.e2e_tp import cold_start, failures, remove, restore
+from bench.e2e_restore import RUN, WEIGHTS, Driver, E2EError
+from bench.e2e_tp import CorruptSource, MissingSource, cold_start, failures, remove, restore
 from bench.tp_units import Activation
-from tests.helpers import running_daemon
+from coldsnap_probe.hydration import HydrationManifest, WeightRegion, region_digest
+from coldsnap_probe.hydration._weights import SourceIdentity, plan_for
+from tests.helpers import ROOT, running_daemon
+from tests.probe.test_coordinator import BASE, rank_images
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
@@ -112,3 +115,67 @@ async def test_cold_start_rank_unit_that_exits_silently_ends_the_wait_naming_it(
         finally:
             await remove(d, names)
         assert all([await d.gone(name) for name in names])
+
+
+# --- the worker itself in each rank's unit (the host's python3 and this checkout mounted into busybox units) -----
+
+def _worker_activation(tmp_path: Path, image: str, world: int) -> Activation:
+    """`world` restore units that run the real worker, up to the point where CRIU would run (there is none)."""
+    tp = _activation(tmp_path, image, world)
+    environment = {"PYTHONPATH": str(ROOT)}
+    tp.layouts = [dataclasses.replace(layout, host_mounts=("/usr", "/lib", "/lib64", str(ROOT)),
+                                      python="/usr/bin/python3", extra_environment=environment)
+                  for layout in tp.layouts]
+    for rank in range(world):
+        images = rank_images(tp.images / "cap-1" / f"rank-{rank}", rank, world)
+        host = tp.weights / f"weights-rank-{rank}.bin"
+        host.write_bytes(os.urandom((2 << 20) + 4096 * rank))
+        size = host.stat().st_size
+        # The manifest names the source as every unit sees it: the weights directory is mounted at /weights.
+        region = WeightRegion(f"rank-{rank}", BASE, size, f"{WEIGHTS}/{host.name}", 0, region_digest(host, 0, size))
+        layout, plan = plan_for([region], address=BASE, size=4 << 20, granularity=2 << 20, generation="g1")
+        identity = dataclasses.replace(SourceIdentity.of(str(host)), path=region.source)
+        manifest = HydrationManifest.create(
+            generation="g1", device=0, reservation_address=BASE, reservation_size=4 << 20, granularity=2 << 20,
+            regions=(region,), sources=(identity,), layout=layout, plan=plan, control=f"{RUN}/rank-{rank}.sock")
+        (images / "hydration.json").write_text(json.dumps(manifest.to_json()))
+    return tp
+
+
+@pytest.mark.parametrize(("world", "case"), [(4, "missing"), (8, "corrupt")])
+async def test_hydration_source_of_one_rank_stops_every_rank_unit_naming_it(busybox_image: str, tmp_path: Path,
+                                                                            world: int, case: str) -> None:
+    """Regression: issue 27 item 4. The ranks' workers in their units, through the daemon: one rank's weights
+    file moved away or corrupted fails every rank's restore before CRIU, naming the rank and the file, and no
+    unit is left."""
+    tp = _worker_activation(tmp_path, busybox_image, world)
+    culprit = world - 1
+    source = tp.weights / f"weights-rank-{culprit}.bin"
+    async with running_daemon(CONFIG) as daemon:
+        d = Driver(daemon.state_dir)
+        await d.open()
+        with pytest.raises(E2EError) as caught, (MissingSource(source) if case == "missing" else CorruptSource(source)):
+            await restore(d, tp, "cap-1", "restore-1", {}, deadline=30)
+        assert all([await d.gone(f"tp_node_{r}") for r in range(world)])
+    message = str(caught.value)
+    expected = "cannot be read" if case == "missing" else "does not match the digest"
+    assert f"region rank-{culprit}: source /weights/weights-rank-{culprit}.bin {expected}" in message
+    for rank in range(world):
+        assert f"rank {rank}: restore unit exited (code 1)" in message
+    assert message.count(f"activation aborted at validated: rank {culprit} restore") >= world - 1  # every peer
+    assert "criu" not in message.lower()  # no rank got as far as CRIU
+    assert source.exists() and not list(tp.weights.glob("*.away"))
+
+
+async def test_intact_sources_get_every_rank_unit_past_validation(busybox_image: str, tmp_path: Path) -> None:
+    """The control case: the same four units with every source intact all pass validation and fail only at CRIU,
+    which these units do not have."""
+    tp = _worker_activation(tmp_path, busybox_image, 4)
+    async with running_daemon(CONFIG) as daemon:
+        d = Driver(daemon.state_dir)
+        await d.open()
+        with pytest.raises(E2EError) as caught:
+            await restore(d, tp, "cap-1", "restore-1", {}, deadline=30)
+        assert all([await d.gone(f"tp_node_{r}") for r in range(4)])
+    assert len(list((tp.coord / "restore-1" / "validated").glob("*.json"))) == 4
+    assert "hydration cannot succeed" not in str(caught.value) and "criu" in str(caught.value).lower()
