@@ -179,3 +179,19 @@ async def test_intact_sources_get_every_rank_unit_past_validation(busybox_image:
         assert all([await d.gone(f"tp_node_{r}") for r in range(4)])
     assert len(list((tp.coord / "restore-1" / "validated").glob("*.json"))) == 4
     assert "hydration cannot succeed" not in str(caught.value) and "criu" in str(caught.value).lower()
+
+
+async def test_bench_failure_cases_through_worker_units_name_what_the_worker_reports(busybox_image: str,
+                                                                                     tmp_path: Path) -> None:
+    """The GPU run's failure step on four worker units: each case that needs no GPU and no CRIU (tampered record,
+    missing peer, missing or corrupt source) is refused by every rank, names what the bench expects, and leaves
+    no unit. The other two (another GPU, a process killed after CRIU) need the GPU machine."""
+    tp = _worker_activation(tmp_path, busybox_image, 4)
+    async with running_daemon(CONFIG) as daemon:
+        d = Driver(daemon.state_dir)
+        await d.open()
+        rows = {row["case"]: row for row in await failures(d, tp, "cap-1", {})}
+    cpu = ["tampered graph record on the last rank", "peer unit never arrives (rank 0 alone, 5 s barrier)",
+           "rank 3's hydration source missing", "rank 3's hydration source corrupt (one byte)"]
+    assert {case: (rows[case]["ok"], rows[case]["not_named"]) for case in cpu} == dict.fromkeys(cpu, (True, []))
+    assert all(row["units_left"] == [] for row in rows.values())
