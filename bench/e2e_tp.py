@@ -265,6 +265,7 @@ async def remove(d: Driver, names: list[str]) -> None:
 
 async def capture_and_restore(d: Driver, tp: Activation, out: dict[str, Any], outfile: Path) -> None:
     """The `run` step: cold, capture, then `--restores` restores of that one capture."""
+    out["removed"] = tp.forget_other_runs(weights=False)  # earlier captures: this run's replaces them
     cold = out["cold"] = await cold_start(d, tp)
     print(f"cold: {cold['first_token_s']:.2f} s to the first token, tokens {cold['tokens'][:6]}..., "
           f"{json.dumps(cold['measured'])[:300]}", flush=True)
@@ -505,6 +506,7 @@ async def main() -> int:
     if args.phase in ("all", "weights"):
         tp = Activation(args, "", Path(args.work))
         tp.prepare()
+        out["removed"] = tp.forget_other_runs(weights=True)  # another size's weights: /dev/shm is memory
         out["weights"] = await _call(write_weights, tp)
         print(f"weights: {json.dumps(out['weights'])[:600]}", flush=True)
         if args.phase == "weights":

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -60,6 +61,15 @@ class Activation:
         self.layouts[0].prepare()
         self.coord.mkdir(exist_ok=True)
         self.weights.mkdir(parents=True, exist_ok=True)
+
+    def forget_other_runs(self, *, weights: bool) -> list[str]:
+        """Free /dev/shm of what earlier runs left under --work: other weight sets (`weights`), and every
+        capture's images and coordinator namespaces (before a new capture). Returns what was removed."""
+        stale = [p for p in self.work.glob("weights-*") if weights and p != self.weights]
+        stale += [*self.images.iterdir(), *self.coord.iterdir()] if not weights else []
+        for path in stale:
+            shutil.rmtree(path, ignore_errors=True)
+        return [p.name for p in stale]
 
     def weights_written(self) -> bool:
         return all((self.weights / f"weights-rank-{r}.json").exists() for r in range(self.world))

@@ -55,3 +55,16 @@ def test_hydration_rates_per_rank_and_aggregate_over_the_slowest_rank() -> None:
     assert rates["aggregate_gbps"] == pytest.approx(110e9 / 1.1 / 1e9)
     ring = hydration_rates([{"hydration": {"bytes": 8e9, "seconds": 2.0}}])
     assert ring["ranks"][0]["staged"] is False and ring["aggregate_gbps"] == pytest.approx(4.0)
+
+
+def test_forget_other_runs_frees_other_weight_sets_then_earlier_captures(tmp_path: Path) -> None:
+    tp = Activation(_args(), "sha256:x", tmp_path)
+    tp.prepare()
+    (tmp_path / "weights-405b-L60-tp8").mkdir()
+    (tp.weights / "weights-rank-0.bin").write_bytes(b"kept")
+    (tp.images / "tp4-old" / "rank-0").mkdir(parents=True)
+    (tp.coord / "restore-1").mkdir()
+    assert tp.forget_other_runs(weights=True) == ["weights-405b-L60-tp8"]
+    assert (tp.weights / "weights-rank-0.bin").read_bytes() == b"kept" and (tp.images / "tp4-old").exists()
+    assert sorted(tp.forget_other_runs(weights=False)) == ["restore-1", "tp4-old"]
+    assert not list(tp.images.iterdir()) and not list(tp.coord.iterdir()) and tp.weights.exists()
