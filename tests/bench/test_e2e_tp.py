@@ -14,13 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from bench.e2e_restore import RUN, WEIGHTS, Driver, E2EError
+from bench.e2e_restore import WEIGHTS, Driver, E2EError
 from bench.e2e_tp import CorruptSource, MissingSource, cold_start, failures, remove, restore
 from bench.tp_units import Activation
-from coldsnap_probe.hydration import HydrationManifest, WeightRegion, region_digest
-from coldsnap_probe.hydration._weights import SourceIdentity, plan_for
 from tests.helpers import ROOT, running_daemon
-from tests.probe.test_coordinator import BASE, rank_images
+from tests.probe.test_coordinator import rank_images, with_weights
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
@@ -126,19 +124,9 @@ def _worker_activation(tmp_path: Path, image: str, world: int) -> Activation:
     tp.layouts = [dataclasses.replace(layout, host_mounts=("/usr", "/lib", "/lib64", str(ROOT)),
                                       python="/usr/bin/python3", extra_environment=environment)
                   for layout in tp.layouts]
-    for rank in range(world):
-        images = rank_images(tp.images / "cap-1" / f"rank-{rank}", rank, world)
-        host = tp.weights / f"weights-rank-{rank}.bin"
-        host.write_bytes(os.urandom((2 << 20) + 4096 * rank))
-        size = host.stat().st_size
-        # The manifest names the source as every unit sees it: the weights directory is mounted at /weights.
-        region = WeightRegion(f"rank-{rank}", BASE, size, f"{WEIGHTS}/{host.name}", 0, region_digest(host, 0, size))
-        layout, plan = plan_for([region], address=BASE, size=4 << 20, granularity=2 << 20, generation="g1")
-        identity = dataclasses.replace(SourceIdentity.of(str(host)), path=region.source)
-        manifest = HydrationManifest.create(
-            generation="g1", device=0, reservation_address=BASE, reservation_size=4 << 20, granularity=2 << 20,
-            regions=(region,), sources=(identity,), layout=layout, plan=plan, control=f"{RUN}/rank-{rank}.sock")
-        (images / "hydration.json").write_text(json.dumps(manifest.to_json()))
+    for rank in range(world):  # the units see the weights directory at /weights
+        with_weights(rank_images(tp.images / "cap-1" / f"rank-{rank}", rank, world), rank, tp.weights,
+                     seen_at=WEIGHTS)
     return tp
 
 

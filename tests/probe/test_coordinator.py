@@ -6,6 +6,7 @@ of a TP2 engine) runs on the two-GPU machine: `scripts/device-tp2`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pwd
@@ -255,19 +256,21 @@ GRANULE = 2 << 20
 BASE = 0x7F0000000000
 
 
-def with_weights(images: Path, rank: int, sources: Path) -> Path:
-    """The rank's images with the hydration manifest a release writes: its weights are rank-R's file."""
+def with_weights(images: Path, rank: int, sources: Path, *, seen_at: str = "") -> Path:
+    """The rank's images with the hydration manifest a release writes: its weights are rank-R's file, named
+    as the worker sees it (`seen_at`: the directory `sources` is mounted at in a unit)."""
     source = sources / f"weights-rank-{rank}.bin"
     source.write_bytes(os.urandom(GRANULE + 4096 * (rank + 1)))
     size = source.stat().st_size
-    region = WeightRegion(f"rank-{rank}", BASE, size, str(source), 0, region_digest(source, 0, size))
+    named = f"{seen_at}/{source.name}" if seen_at else str(source)
+    region = WeightRegion(f"rank-{rank}", BASE, size, named, 0, region_digest(source, 0, size))
     reservation = -(-size // GRANULE) * GRANULE
     layout, plan = plan_for([region], address=BASE, size=reservation, granularity=GRANULE, generation="g1")
-    identities = check_sources([region], content=True)
+    identities = check_sources([dataclasses.replace(region, source=str(source))], content=True)
     manifest = HydrationManifest.create(
         generation="g1", device=0, reservation_address=BASE, reservation_size=reservation, granularity=GRANULE,
-        regions=(region,), sources=tuple(identities.values()), layout=layout, plan=plan,
-        control=str(sources / f"rank-{rank}.weights.sock"))
+        regions=(region,), sources=tuple(dataclasses.replace(i, path=named) for i in identities.values()),
+        layout=layout, plan=plan, control=str(sources / f"rank-{rank}.weights.sock"))
     (images / "hydration.json").write_text(json.dumps(manifest.to_json()))
     return images
 
