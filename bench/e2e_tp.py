@@ -25,7 +25,8 @@ Against a running `coldsnap-provider serve` (`[gpus] mode = "native"`, `[runtime
    --work for the next step;
 3. `failures` (on the kept capture): a tampered graph record on the last rank, a peer unit that never arrives,
    the last rank's process killed after CRIU, a GPU that differs from the captured one, the last rank's
-   hydration source missing, then corrupt (one byte; put back afterwards): each must stop every rank, name the
+   hydration source missing, then corrupt (as its unit sees them: another directory is mounted at /weights
+   in that unit; the real files are never touched): each must stop every rank, name the
    rank, and leave no unit; then one more restore.
 `all` runs 1-3 in one call. Prints the tables and writes e2e-tp-<phase>.json under --out.
 """
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
 import json
 import shutil
 import sys
@@ -170,12 +172,16 @@ async def capture(d: Driver, tp: Activation, cold: dict[str, Any], capture_id: s
 
 async def restore(d: Driver, tp: Activation, capture_id: str, namespace: str, reference: dict[str, Any], *,
                   images: list[str] | None = None, ranks: list[int] | None = None, barrier_timeout: float = 60,
-                  victim: int | None = None, deadline: float = 180) -> dict[str, Any]:
+                  victim: int | None = None, deadline: float = 180,
+                  weights: dict[int, Path] | None = None) -> dict[str, Any]:
     """One restore unit per rank, launched together, every rank ready within one activation `deadline`; each
     one's readiness, report and inspect; the first token, compared with `reference` (the cold run's), and the
     decode rate and bus bandwidth. Any failure removes every unit (the controller's rollback) and raises,
-    naming each rank's cause."""
+    naming each rank's cause. `weights` mounts another host directory at /weights in a rank's unit (the
+    failure cases' missing or corrupt source, leaving the real files alone)."""
     chosen = list(range(tp.world)) if ranks is None else ranks
+    layouts = [dataclasses.replace(layout, weights=(weights or {}).get(r, layout.weights))
+               for r, layout in enumerate(tp.layouts)]
     images = images or [f"{capture_id}/rank-{r}" for r in range(tp.world)]
     names = {r: f"tp_node_{r}" for r in chosen}
     units: dict[int, dict[str, Any]] = {}
@@ -186,8 +192,8 @@ async def restore(d: Driver, tp: Activation, capture_id: str, namespace: str, re
     async def one(rank: int) -> None:
         labels = unit_labels(capture_id, "tp", rank)
         try:
-            command = restore_command(tp.layouts[rank], images[rank], *tp.ranks(namespace, rank, barrier_timeout))
-            created, started = await launch_unit(d, tp.image, tp.layouts[rank], names[rank], capture_id,
+            command = restore_command(layouts[rank], images[rank], *tp.ranks(namespace, rank, barrier_timeout))
+            created, started = await launch_unit(d, tp.image, layouts[rank], names[rank], capture_id,
                                                  labels=labels, command=command)
             units[rank] = {"created": created, "create_start_s": started - created}
             units[rank].update(await await_unit(d, names[rank], created, labels=labels,
@@ -292,24 +298,38 @@ def _digests(tp: Activation, capture_id: str) -> list[str]:
         return list(pool.map(lambda r: image_digest(tp.images / capture_id / f"rank-{r}"), range(tp.world)))
 
 
-def _failure_cases(tp: Activation, capture_id: str) -> list[tuple[str, dict[str, Any], list[str], Any]]:
-    """(case, restore options, what the error must name, what to do before and undo after)."""
+def _failure_cases(tp: Activation, capture_id: str) -> list[tuple[str, dict[str, Any], list[str]]]:
+    """(case, restore options, what the error must name)."""
     last = tp.world - 1
-    source = tp.weights / f"weights-rank-{last}.bin"
+    source = f"weights-rank-{last}.bin"
     every = [f"rank {r}:" for r in range(tp.world)]
     return [
         ("tampered graph record on the last rank", {"images": _tampered(tp, capture_id, "graph")},
-         [*every, "graph.json"], None),
+         [*every, "graph.json"]),
         ("peer unit never arrives (rank 0 alone, 5 s barrier)", {"ranks": [0], "barrier_timeout": 5},
-         ["rank 0:", "never reached validated"], None),
+         ["rank 0:", "never reached validated"]),
         (f"rank {last}'s restored process killed after CRIU", {"victim": last, "barrier_timeout": 30},
-         [*every, "was killed"], None),
+         [*every, "was killed"]),
         (f"a GPU that differs from the captured one (rank {last})", {"images": _tampered(tp, capture_id, "gpu")},
-         [*every, "this GPU is"], None),
-        (f"rank {last}'s hydration source missing", {"barrier_timeout": 30},
-         [*every, f"rank {last} restore", source.name, "cannot be read"], MissingSource(source)),
-        (f"rank {last}'s hydration source corrupt (one byte)", {"barrier_timeout": 120},
-         [*every, f"rank {last} restore", source.name, "does not match the digest"], CorruptSource(source))]
+         [*every, "this GPU is"]),
+        (f"rank {last}'s hydration source missing", {"weights": {last: fault_weights(tp, "missing")}},
+         [*every, f"rank {last} restore", source, "cannot be read"]),
+        (f"rank {last}'s hydration source corrupt (same size, other bytes)",
+         {"weights": {last: fault_weights(tp, "corrupt")}, "barrier_timeout": 120},
+         [*every, f"rank {last} restore", source, "does not match the digest"])]
+
+
+def fault_weights(tp: Activation, fault: str) -> Path:
+    """A weights directory for the last rank's unit where its source is missing, or is a file of the same size
+    and other bytes (sparse: it costs no memory). The real weight files are never touched."""
+    directory = tp.work / f"fault-{fault}"
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir()
+    if fault == "corrupt":
+        name = f"weights-rank-{tp.world - 1}.bin"
+        with open(directory / name, "wb") as f:
+            f.truncate((tp.weights / name).stat().st_size)
+    return directory
 
 
 def _tampered(tp: Activation, capture_id: str, what: str) -> list[str]:
@@ -330,52 +350,12 @@ def _tampered(tp: Activation, capture_id: str, what: str) -> list[str]:
     return [*(f"{capture_id}/rank-{r}" for r in range(last)), name]
 
 
-class MissingSource:
-    """The source moved away for the case, and back afterwards (the hydrator keeps its own descriptor)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.away = path, path.with_name(path.name + ".away")
-
-    def __enter__(self) -> None:
-        self.path.rename(self.away)
-
-    def __exit__(self, *exc: object) -> None:
-        self.away.rename(self.path)
-
-
-class CorruptSource:
-    """One byte of the source flipped for the case, and put back afterwards."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = path.stat().st_size // 2
-
-    def __enter__(self) -> None:
-        with open(self.path, "r+b") as f:
-            f.seek(self.offset)
-            self.byte = f.read(1)
-            f.seek(self.offset)
-            f.write(bytes([self.byte[0] ^ 0xFF]))
-
-    def __exit__(self, *exc: object) -> None:
-        with open(self.path, "r+b") as f:
-            f.seek(self.offset)
-            f.write(self.byte)
-
-
 async def failures(d: Driver, tp: Activation, capture_id: str, reference: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
-    for i, (case, options, named, around) in enumerate(_failure_cases(tp, capture_id)):
+    for i, (case, options, named) in enumerate(_failure_cases(tp, capture_id)):
         started = time.time()
         try:
-            if around is not None:
-                around.__enter__()
-            try:
-                result = await restore(d, tp, capture_id, f"fail-{i}-{int(started)}", reference, deadline=90,
-                                       **options)
-            finally:
-                if around is not None:
-                    around.__exit__(None, None, None)
+            result = await restore(d, tp, capture_id, f"fail-{i}-{int(started)}", reference, deadline=90, **options)
             await remove(d, result["names"])
             rows.append({"case": case, "ok": False, "error": "the restore succeeded"})
         except E2EError as exc:
@@ -387,6 +367,8 @@ async def failures(d: Driver, tp: Activation, capture_id: str, reference: dict[s
         print(f"failure case: {case}: {json.dumps(rows[-1])[:1500]}", flush=True)
     for what in ("graph", "gpu"):
         shutil.rmtree(tp.images / f"{capture_id}-{what}", ignore_errors=True)
+    for fault in ("missing", "corrupt"):
+        shutil.rmtree(tp.work / f"fault-{fault}", ignore_errors=True)
     return rows
 
 

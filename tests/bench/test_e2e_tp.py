@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from bench.e2e_restore import WEIGHTS, Driver, E2EError
-from bench.e2e_tp import CorruptSource, MissingSource, cold_start, failures, remove, restore
+from bench.e2e_tp import cold_start, failures, fault_weights, remove, restore
 from bench.tp_units import Activation
 from tests.helpers import ROOT, running_daemon
 from tests.probe.test_coordinator import rank_images, with_weights
@@ -73,7 +73,7 @@ async def test_activation_deadline_removes_every_rank_unit(busybox_image: str, t
 
 async def test_failure_cases_restore_what_they_break_and_leave_no_unit(busybox_image: str, tmp_path: Path) -> None:
     """The bench's own fault injection, through dockerd: every case's units are removed, the copies of tampered
-    images are deleted, and the weight file it moved away or corrupted is back, byte for byte."""
+    images and the fault directories are deleted, and the real weight files were never touched."""
     tp = _activation(tmp_path, busybox_image, 2)
     for rank in range(2):
         images = tp.images / "cap-1" / f"rank-{rank}"
@@ -93,6 +93,7 @@ async def test_failure_cases_restore_what_they_break_and_leave_no_unit(busybox_i
     assert not any(row["ok"] for row in rows)  # busybox has no worker: no case fails for the reason it names
     assert source.read_bytes() == before and source.stat().st_ino == inode
     assert sorted(p.name for p in tp.images.iterdir()) == ["cap-1"]
+    assert not list(tmp_path.glob("fault-*"))
 
 
 async def test_cold_start_rank_unit_that_exits_silently_ends_the_wait_naming_it(busybox_image: str,
@@ -134,16 +135,17 @@ def _worker_activation(tmp_path: Path, image: str, world: int) -> Activation:
 async def test_hydration_source_of_one_rank_stops_every_rank_unit_naming_it(busybox_image: str, tmp_path: Path,
                                                                             world: int, case: str) -> None:
     """Regression: issue 27 item 4. The ranks' workers in their units, through the daemon: one rank's weights
-    file moved away or corrupted fails every rank's restore before CRIU, naming the rank and the file, and no
-    unit is left."""
+    file missing or corrupt (as its unit sees it) fails every rank's restore before CRIU, naming the rank and
+    the file, and no unit is left."""
     tp = _worker_activation(tmp_path, busybox_image, world)
     culprit = world - 1
     source = tp.weights / f"weights-rank-{culprit}.bin"
+    before = source.read_bytes()
     async with running_daemon(CONFIG) as daemon:
         d = Driver(daemon.state_dir)
         await d.open()
-        with pytest.raises(E2EError) as caught, (MissingSource(source) if case == "missing" else CorruptSource(source)):
-            await restore(d, tp, "cap-1", "restore-1", {}, deadline=30)
+        with pytest.raises(E2EError) as caught:
+            await restore(d, tp, "cap-1", "restore-1", {}, deadline=30, weights={culprit: fault_weights(tp, case)})
         assert all([await d.gone(f"tp_node_{r}") for r in range(world)])
     message = str(caught.value)
     expected = "cannot be read" if case == "missing" else "does not match the digest"
@@ -152,7 +154,7 @@ async def test_hydration_source_of_one_rank_stops_every_rank_unit_naming_it(busy
         assert f"rank {rank}: restore unit exited (code 1)" in message
     assert message.count(f"activation aborted at validated: rank {culprit} restore") >= world - 1  # every peer
     assert "criu" not in message.lower()  # no rank got as far as CRIU
-    assert source.exists() and not list(tp.weights.glob("*.away"))
+    assert source.read_bytes() == before  # the real file was never touched
 
 
 async def test_intact_sources_get_every_rank_unit_past_validation(busybox_image: str, tmp_path: Path) -> None:
@@ -180,6 +182,6 @@ async def test_bench_failure_cases_through_worker_units_name_what_the_worker_rep
         await d.open()
         rows = {row["case"]: row for row in await failures(d, tp, "cap-1", {})}
     cpu = ["tampered graph record on the last rank", "peer unit never arrives (rank 0 alone, 5 s barrier)",
-           "rank 3's hydration source missing", "rank 3's hydration source corrupt (one byte)"]
+           "rank 3's hydration source missing", "rank 3's hydration source corrupt (same size, other bytes)"]
     assert {case: (rows[case]["ok"], rows[case]["not_named"]) for case in cpu} == dict.fromkeys(cpu, (True, []))
     assert all(row["units_left"] == [] for row in rows.values())
