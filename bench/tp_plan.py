@@ -116,7 +116,7 @@ class Plan:
 
 def _kv_bytes(shape: str, world: int, layers: int) -> int:
     s = SHAPES[shape]
-    return layers * 2 * s["max_seq"] * (s["kv_heads"] // world) * s["head_dim"] * 2
+    return int(layers * 2 * s["max_seq"] * (s["kv_heads"] // world) * s["head_dim"] * 2)
 
 
 def _needs(shape: str, world: int, layers: int) -> tuple[int, int, int]:

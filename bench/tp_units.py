@@ -183,15 +183,17 @@ def downgrade(cold: dict[str, Any], restored: dict[str, Any]) -> dict[str, Any]:
 def hydration_rates(reports: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-rank and aggregate weight copy rates of one restore: every rank stages concurrently on its own GPU,
     so the aggregate is all the bytes over the slowest rank's copy."""
-    per_rank = []
+    per_rank: list[dict[str, Any]] = []
+    sizes: list[int] = []
+    copies: list[float] = []
     for report in reports:
         hydration = report.get("hydration") or {}
         staged = hydration.get("staged") or {}
-        size = int(staged.get("bytes") or hydration.get("bytes") or 0)
-        seconds = float(staged.get("copy_s") or hydration.get("seconds") or 0.0)
-        per_rank.append({"bytes": size, "copy_s": seconds, "gbps": size / seconds / 1e9 if seconds else None,
-                         "staged": bool(staged), "phase_s": hydration.get("phase_seconds")})
-    slowest = max((r["copy_s"] for r in per_rank), default=0.0)
-    total = sum(r["bytes"] for r in per_rank)
+        sizes.append(int(staged.get("bytes") or hydration.get("bytes") or 0))
+        copies.append(float(staged.get("copy_s") or hydration.get("seconds") or 0.0))
+        per_rank.append({"bytes": sizes[-1], "copy_s": copies[-1],
+                         "gbps": sizes[-1] / copies[-1] / 1e9 if copies[-1] else None, "staged": bool(staged),
+                         "phase_s": hydration.get("phase_seconds")})
+    slowest, total = max(copies, default=0.0), sum(sizes)
     return {"ranks": per_rank, "aggregate_gbps": total / slowest / 1e9 if slowest else None, "bytes": total}
 
