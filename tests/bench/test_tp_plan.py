@@ -122,6 +122,12 @@ def test_device_script_refuses_an_unknown_step() -> None:
     assert done.returncode == 2 and "unknown step everything" in done.stdout
 
 
+def test_device_script_runs_a_large_size_in_steps_only() -> None:
+    """Weights, run and failures of a 70B engine would not fit the 600 s a device command may run."""
+    done = _run("bash", "scripts/device-e2e-tp", "2", "70b", "all")
+    assert done.returncode == 2 and "run 70b as weights, run, failures" in done.stdout
+
+
 def test_plan_json_round_trips_what_the_script_reads() -> None:
     p = tp_plan.plan(4, "70b", memory_limit=512 * GIB, memory_source="flag", shm_size=64 * GIB)
     value = p.to_json()
