@@ -94,21 +94,24 @@ class Activation:
 
 
 def write_weights(tp: Activation) -> dict[str, Any]:
-    """Every rank's weight file at once, each generated on its own GPU (host processes); a complete set is kept."""
-    if tp.weights_written():
+    """Every rank's weight file at once, each generated on its own GPU (host processes). A rank whose file is
+    complete (its index exists: written last) is kept, so a call cut short is finished by the next one."""
+    missing = [r for r in range(tp.world) if not (tp.weights / f"weights-rank-{r}.json").exists()]
+    if not missing:
         return {"reused": True}
     started = time.time()
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "engines" / "engine_tp.py"), "weights",
-                               *tp.engine_options(r, weights=str(tp.weights), run=str(tp.run_dir)),
-                               "--log", str(tp.weights / f"write-{r}.log")],
-                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True, cwd=ROOT)
-             for r in range(tp.world)]
-    if failed := [r for r, p in enumerate(procs) if p.wait() != 0]:
+    procs = {r: subprocess.Popen([sys.executable, str(ROOT / "engines" / "engine_tp.py"), "weights",
+                                  *tp.engine_options(r, weights=str(tp.weights), run=str(tp.run_dir)),
+                                  "--log", str(tp.weights / f"write-{r}.log")],
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, cwd=ROOT)
+             for r in missing}  # in the bench's process group: a step cut short by its timeout ends them too
+    if failed := [r for r, p in procs.items() if p.wait() != 0]:
         raise E2EError(f"writing the weights of rank(s) {failed} failed (see {tp.weights}/write-*.log)")
-    written = [stages(tp.weights / f"write-{r}.log").get("weights_written", {}) for r in range(tp.world)]
+    written = [stages(tp.weights / f"write-{r}.log").get("weights_written", {}) for r in missing]
     total = sum(int(w.get("bytes", 0)) for w in written)
     seconds = time.time() - started
-    return {"reused": False, "seconds": seconds, "bytes": total, "gbps": total / seconds / 1e9, "ranks": written}
+    return {"reused": False, "ranks_written": missing, "seconds": seconds, "bytes": total,
+            "gbps": total / seconds / 1e9, "ranks": written}
 
 
 async def start_hydrators(d: Driver, tp: Activation, limit: float = 300.0) -> list[dict[str, Any]]:
