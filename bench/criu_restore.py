@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._common import table
 from bench.page_fill import fill
 
-COLD_BUDGET_S = 25.0  # a cold-disk row that would take longer than this (at the measured rate) is skipped
+COLD_BUDGET_S = 15.0  # a cold-disk row that would take longer than this (at the measured rate) is skipped
 
 
 def criu_env(criu: Path, threads: int) -> dict[str, str]:
