@@ -143,14 +143,18 @@ def test_restore_writes_every_page_back_and_leaves_the_images_unchanged(tmp_path
     assert image_digest(images, contents=True) == before
 
 
-def test_a_truncated_pages_image_fails_naming_it_and_leaves_no_process(tmp_path: Path, criu: str) -> None:
+@pytest.mark.parametrize("threads", [1, 4])
+def test_a_truncated_pages_image_fails_naming_it_and_leaves_no_process(tmp_path: Path, criu: str, threads: int) -> None:
     _control, images, pid = captured(tmp_path, criu)
     pages = max(images.glob("pages-*.img"), key=lambda p: p.stat().st_size)
     os.truncate(pages, pages.stat().st_size - (8 << 20))
     done = worker("restore", "--images", str(images), "--criu", criu, "--work-dir", str(tmp_path / "work"),
-                  env={"CRIU_RESTORE_THREADS": "4"})
+                  env={"CRIU_RESTORE_THREADS": str(threads)})
     assert done.returncode != 0
-    assert f"{pages.name} ends at offset" in done.stderr, done.stderr
+    # Stock CRIU looped forever here (preadv returning 0); the patch fails: in the restorer with one thread,
+    # naming the file with several.
+    named = "The pages image" if threads == 1 else pages.name
+    assert f"{named} ends at offset" in done.stderr and "before its pagemap's pages" in done.stderr, done.stderr
     assert "criu restore exited" in done.stderr
     assert gone_within(pid, 10), f"a process of the tree ({pid}) is left"
 
