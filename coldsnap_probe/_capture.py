@@ -227,7 +227,7 @@ class _Capture:
         if self.ranks.multi:  # every rank has dumped: the captured tree ends here, as a single-rank dump ends it
             signal_tree(self.tree, signal.SIGKILL)
         report = self.report
-        report.identity = identity(None)
+        report.identity = identity(None, criu=self.criu)
         report.engine_quiesced = self.quiesced
         report.barrier_wait_s = dict(self.ranks.waits)
         report.image_bytes, report.image_files = images_size(self.images)

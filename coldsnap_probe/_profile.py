@@ -7,6 +7,7 @@ import platform
 import shutil
 import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
 from ._cache import boot_id
@@ -14,15 +15,28 @@ from ._canaries import checkpoint_report, checkpoint_results, fresh_state, ipc_c
 from ._features import CRIU_PROBE
 from ._model import FeatureResult, Profile
 
-__all__ = ("build_profile", "identity")
+__all__ = ("build_profile", "criu_identity", "identity")
 
 
-def _criu() -> dict[str, Any]:
-    path = shutil.which("criu")
+def _criu_library_path(path: str) -> str:
+    """The loader path for a CRIU kept with its own libraries: the capsule's /opt/coldsnap/criu/{bin,lib} or an
+    unpacked package's usr/{sbin,lib/<multiarch>} beside the binary, ahead of the caller's."""
+    prefix = Path(path).resolve().parent.parent
+    multiarch = f"{platform.machine()}-linux-gnu"
+    found = [str(d) for d in (prefix / "lib", prefix / "lib" / multiarch) if any(d.glob("*.so*"))]
+    inherited = os.environ.get("LD_LIBRARY_PATH", "")
+    return ":".join([*found, *([inherited] if inherited else [])])
+
+
+def criu_identity(criu: str | None = None) -> dict[str, Any]:
+    """`criu --version` of the CRIU a capture or restore runs (`criu`; default: the one on PATH), run with its
+    library directory so that the version, not a loader error, is what is recorded."""
+    path = shutil.which(criu or "criu")
     if path is None:
-        return {"installed": False}
+        return {"installed": False, "path": criu or "criu"}
+    env = {**os.environ, "LD_LIBRARY_PATH": _criu_library_path(path)}
     try:
-        done = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=5, check=False)
+        done = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=5, check=False, env=env)
         return {"installed": True, "path": path, "version": (done.stdout or done.stderr).strip(),
                 "version_exit_code": done.returncode}
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -60,9 +74,9 @@ def _nvml() -> dict[str, Any]:
             pass
 
 
-def identity(cuda_driver_api: int | None) -> dict[str, Any]:
+def identity(cuda_driver_api: int | None, criu: str | None = None) -> dict[str, Any]:
     return {"boot_id": boot_id(), "hostname": platform.node(), "architecture": platform.machine(),
-            "kernel": platform.release(), **_nvml(), "cuda_driver_api": cuda_driver_api, "criu": _criu()}
+            "kernel": platform.release(), **_nvml(), "cuda_driver_api": cuda_driver_api, "criu": criu_identity(criu)}
 
 
 def build_profile(memory_bytes: int, timeout: float) -> Profile:

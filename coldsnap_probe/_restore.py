@@ -109,7 +109,9 @@ class _Restore:
                 check_sources(self.manifest.regions, self.manifest.identities)
             except (ProbeError, ValueError) as exc:
                 raise WorkerError(f"weight hydration cannot succeed, not restoring: {exc}") from exc
-        compatibility = identity_compatibility(captured.get("identity", {}), identity(None), boundary)
+        current = identity(None, criu=self.criu)
+        require_same_criu(captured.get("identity", {}).get("criu", {}), current["criu"])
+        compatibility = identity_compatibility(captured.get("identity", {}), current, boundary)
         self.cuda = list(captured.get("cuda_pids", []))
         self.engine = captured.get("engine") if captured.get("engine_quiesced") else None
         if ranks.multi and boundary == "n610" and (self.graph is None or self.engine is None):
@@ -239,6 +241,17 @@ def _driver_major(version: Any) -> int | None:
         return int(str(version).split(".")[0])
     except ValueError:
         return None
+
+
+def require_same_criu(captured: dict[str, Any], current: dict[str, Any]) -> None:
+    """A restore runs the CRIU that dumped the images: another version (or patch) could misread them. A capture
+    that recorded no usable version (older workers recorded a loader error) is not refused for it."""
+    if current.get("version_exit_code") != 0:
+        raise WorkerError(f"this capsule's CRIU ({current.get('path')}) does not run: "
+                          f"{current.get('version') or current.get('version_error') or 'not installed'}")
+    if captured.get("version_exit_code") == 0 and captured.get("version") != current.get("version"):
+        raise WorkerError(f"captured with CRIU {captured.get('version')!r}, but this capsule's CRIU "
+                          f"({current.get('path')}) is {current.get('version')!r}: not restoring")
 
 
 def identity_compatibility(captured: dict[str, Any], current: dict[str, Any], boundary: str) -> str:

@@ -22,7 +22,7 @@ docker_() { LD_LIBRARY_PATH=$D/usr/lib/dk command docker "$@"; }
 capsule_context() {
     local dir=$1; shift
     rm -rf "$dir"
-    python3 scripts/_capsule_rootfs.py "$dir" --busybox $D/usr/bin/busybox-static --criu-root "$ROOT/.device-criu" \
+    python3 scripts/_capsule_rootfs.py "$dir" --busybox $D/usr/bin/busybox-static --criu-root "$CRIU_ROOT" \
         ${1:+--worker "$ROOT/coldsnap_probe"}
 }
 

@@ -1,4 +1,6 @@
-# Shared prelude of the GPU-machine scripts (sourced): carried wheels, CRIU from .device-criu, $OUT.
+# Shared prelude of the GPU-machine scripts (sourced): carried wheels, CRIU, $OUT.
+# CRIU: .device-criu42 (scripts/criu/build --bundle .device-criu42: 4.2 with the parallel page restore) when
+# carried, else .device-criu (Debian's 4.1.1); CRIU_ROOT names the one used, for capsules too.
 OUT="${OUT:-$PWD/device-out}"
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -9,7 +11,9 @@ else
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONUNBUFFERED=1
-CRIU_ROOT="$PWD/.device-criu"
+CRIU_ROOT="$PWD/.device-criu42"
+[ -d "$CRIU_ROOT" ] || CRIU_ROOT="$PWD/.device-criu"
+export CRIU_ROOT
 if [ -d "$CRIU_ROOT" ]; then
     # The unpacked CRIU tree may hold its library symlinks as tiny files naming the target: restore them.
     for f in "$CRIU_ROOT"/usr/lib/x86_64-linux-gnu/*.so.*; do
