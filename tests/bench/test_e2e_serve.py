@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.e2e_restore import Driver, E2EError, Layout
-from bench.e2e_serve import restore_once, start_cold
+from bench.serve_units import restore_once, start_cold
 from tests.helpers import running_daemon
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
