@@ -40,6 +40,7 @@ from bench.serve_client import ClientError, chat_request, connect, http_post, st
 from bench.serve_units import (
     HOST,
     PROMPT,
+    ServeLayout,
     body,
     capture_row,
     cluster,
@@ -171,14 +172,14 @@ def forked_verdict(before: dict[int, dict[str, Any]], after: dict[int, dict[str,
     return verdict
 
 
-async def fault_forked_workers(d: Driver, image: str, layout: Layout, mode: str, port: int) -> dict[str, Any]:
+async def fault_forked_workers(d: Driver, image: str, layout: ServeLayout, mode: str, port: int) -> dict[str, Any]:
     """A server that forks workers sharing its listening socket: captured whole, restored, every worker answers."""
     row: dict[str, Any] = {"case": "a server that forks workers", "workers": FORKED_WORKERS, "path": mode}
     work = layout.run_dir.parent / "forked"
     shutil.rmtree(work, ignore_errors=True)
-    interposer = getattr(layout, "interposer_dir", None) is not None
+    interposer = layout.interposer_dir is not None
     forked = dataclasses.replace(layout, run_dir=work / "run", images_dir=work / "images",
-                                 **({"interposer_dir": work / "coldsnap"} if interposer else {}))
+                                 interposer_dir=work / "coldsnap" if interposer else None)
     forked.prepare()
     cold, unit, capture_id = "serve-forked-cold", f"{FORKED_CLUSTER}_node_0", f"serve-forked-{int(time.time())}"
     labels = unit_labels(capture_id, FORKED_CLUSTER)

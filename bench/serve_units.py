@@ -19,7 +19,7 @@ rebinds each restored process's control socket.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -160,7 +160,7 @@ async def _watch_server(d: Driver, layout: Layout, name: str) -> None:
         await anyio.sleep(0.5)
 
 
-async def together(*jobs: Callable[[anyio.CancelScope], Awaitable[None]]) -> None:
+async def together(*jobs: Callable[[anyio.CancelScope], Coroutine[Any, Any, None]]) -> None:
     """Run `jobs` side by side (each may cancel the others through the scope it is given); the first failure
     is raised as itself, not as an exception group."""
     try:

@@ -159,6 +159,8 @@ def ask_workers(host: str, port: int, workers: int, *, limit_s: float = 60.0) ->
             last = f"{type(exc).__name__}: {exc}"
             time.sleep(0.02)
             continue
+        if answer["worker"] in answers:
+            time.sleep(0.05)  # another worker is still starting (importing torch): no need to spin
         answers.setdefault(answer["worker"], answer)
     return answers
 
