@@ -27,8 +27,8 @@ Against a running `coldsnap-provider serve` (`[gpus] mode = "native"`), through 
 With `--faults` (bench/serve_faults.py), on the images of the fastest path that restored: capture while a
 request streams, restore whose port is taken, a client that disconnects during restore, a model folder
 without its tokenizer, and a server that forks workers (each on the GPU, under that path's environment).
-`--images-root` puts the images elsewhere (tmpfs: `/dev/shm/...`); the images of a path the fault cases do
-not use are removed as soon as its run ends.
+`--images-root` puts the images elsewhere (tmpfs: `/dev/shm/...`); at most one path's images are kept once
+its run ends (with `--faults`, the best path for them so far), so two sets at most are on disk at a time.
 """
 
 from __future__ import annotations
@@ -58,23 +58,18 @@ from bench.e2e_restore import (
 from bench.serve_client import ClientError
 from bench.serve_faults import faults
 from bench.serve_units import (
-    FAULT_PREFERENCE,
     MODES,
     capture_row,
     check_interposer,
     cluster,
     descriptors,
+    keep_images,
     plan_modes,
     restore_once,
     serve_layout,
     start_cold,
 )
 from engines.serve_model import ModelFolderError, check_folder
-
-
-def planned_fault_mode(modes: list[str]) -> str | None:
-    """The path whose images the fault cases will want (its images are kept until they ran)."""
-    return next((m for m in FAULT_PREFERENCE if m in modes), None)
 
 
 def images_bytes(images: Path) -> dict[str, int]:
@@ -265,12 +260,13 @@ async def main() -> int:
     out: dict[str, Any] = {"prepare": {"builds": await build_capsules(d, args.build), "shards": shards,
                                        "modes": modes}}
     capsule = out["prepare"]["capsule"] = await inspect_capsule(d, args.capsule)
-    keep = planned_fault_mode(modes) if args.faults else None
-    results = []
+    results: list[dict[str, Any]] = []
+    kept: dict[str, Any] | None = None  # Invariant: the only path whose images are still on disk
     for mode in modes:
         results.append(await run_mode(d, args, mode, str(capsule["id"])))
-        if mode != keep:
-            shutil.rmtree(results[-1]["layout"].images_dir, ignore_errors=True)
+        kept, discard = keep_images(kept, results[-1]) if args.faults else (None, results[-1])
+        if discard is not None:
+            shutil.rmtree(discard["layout"].images_dir, ignore_errors=True)
         Path(args.out, "serve.json").write_text(json.dumps({**out, "results": results}, indent=1, default=str))
     if args.faults:
         out["faults"] = await faults(d, args, str(capsule["id"]), results)

@@ -70,11 +70,30 @@ def plan_modes(text: str) -> list[str]:
     return modes
 
 
+def fault_rank(result: dict[str, Any]) -> int | None:
+    """How much the fault cases want a path's images (lower is better; None: not usable, because the path
+    did not restore, or its node hydrator is gone by then)."""
+    if not result.get("ok") or result.get("mode") not in FAULT_PREFERENCE:
+        return None
+    return FAULT_PREFERENCE.index(result["mode"])
+
+
 def fault_mode(results: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The path whose images the fault cases restore: the first of FAULT_PREFERENCE that captured and restored
-    (the node's hydrator of `adapter-hydrator` is gone by then), else None."""
-    ran = {r["mode"]: r for r in results if r.get("ok")}
-    return next((ran[m] for m in FAULT_PREFERENCE if m in ran), None)
+    """The path whose images the fault cases restore: the best-ranked one that captured and restored."""
+    ranked = [(rank, i) for i, r in enumerate(results) if (rank := fault_rank(r)) is not None]
+    return results[min(ranked)[1]] if ranked else None
+
+
+def keep_images(kept: dict[str, Any] | None,
+                done: dict[str, Any]) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """After a path's run: (the path whose images the fault cases will restore, the path whose images can go
+    now). At most one set is kept, so tmpfs holds two sets at most (the kept one and the running path's)."""
+    rank = fault_rank(done)
+    if rank is None:
+        return kept, done
+    if kept is None or rank < (fault_rank(kept) or 0):
+        return done, kept
+    return kept, done
 
 
 def cluster(mode: str) -> str:

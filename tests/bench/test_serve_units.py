@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from bench.e2e_restore import RUN, WORKER_PATH
-from bench.e2e_serve import capture_line, images_bytes, planned_fault_mode, restore_lines, table
+from bench.e2e_serve import capture_line, images_bytes, restore_lines, table
 from bench.serve_faults import forked_verdict
 from bench.serve_units import (
     ADAPTERS,
@@ -24,6 +24,7 @@ from bench.serve_units import (
     capture_row,
     device_hydration,
     fault_mode,
+    keep_images,
     plan_modes,
     serve_layout,
 )
@@ -71,8 +72,15 @@ class TestModes:
                    {"mode": "adapter", "ok": True}, {"mode": "adapter-hydrator", "ok": True}]
         assert fault_mode(results) == results[2]
         assert fault_mode([{"mode": "adapter-hydrator", "ok": True}]) is None  # its hydrator is gone by then
-        assert planned_fault_mode(["full", "adapter-hydrator", "full-interposer"]) == "full-interposer"
-        assert planned_fault_mode(["adapter-hydrator"]) is None
+
+    def test_one_set_of_images_is_kept_the_best_for_the_faults(self) -> None:
+        full, interposer = {"mode": "full", "ok": True}, {"mode": "full-interposer", "ok": True}
+        hydrator, failed = {"mode": "adapter-hydrator", "ok": True}, {"mode": "adapter", "ok": False}
+        assert keep_images(None, full) == (full, None)
+        assert keep_images(full, interposer) == (interposer, full)  # better: the previous set goes
+        assert keep_images(interposer, full) == (interposer, full)
+        assert keep_images(interposer, hydrator) == (interposer, hydrator)  # its hydrator is gone by the faults
+        assert keep_images(None, failed) == (None, failed)
 
 
 class TestEnvironment:
