@@ -172,8 +172,10 @@ def forked_verdict(before: dict[int, dict[str, Any]], after: dict[int, dict[str,
     return verdict
 
 
-async def fault_forked_workers(d: Driver, image: str, layout: ServeLayout, mode: str, port: int) -> dict[str, Any]:
-    """A server that forks workers sharing its listening socket: captured whole, restored, every worker answers."""
+async def fault_forked_workers(d: Driver, image: str, layout: ServeLayout, mode: str, port: int, *,
+                               cuda: bool = True) -> dict[str, Any]:
+    """A server that forks workers sharing its listening socket: captured whole, restored, every worker answers.
+    (`cuda=False`: workers without device memory, for a capsule without a GPU; its n610 capture then fails.)"""
     row: dict[str, Any] = {"case": "a server that forks workers", "workers": FORKED_WORKERS, "path": mode}
     work = layout.run_dir.parent / "forked"
     shutil.rmtree(work, ignore_errors=True)
@@ -188,8 +190,9 @@ async def fault_forked_workers(d: Driver, image: str, layout: ServeLayout, mode:
         await d.expect(f"starting {cold}", "workload-run", workload=forked.unit(
             cold, image, entrypoint=forked.python, command=launcher([
                 forked.python, f"{ENGINE}/forking_server.py", "serve", "--host", HOST, "--port", str(port),
-                "--workers", str(FORKED_WORKERS), "--cuda"])))
+                "--workers", str(FORKED_WORKERS), *(["--cuda"] if cuda else [])])))
         before = await _forked_answers(port, 300)
+        row["answered_cold"] = sorted(before)
         report = await capture(d, cold, server_pid(forked), forked, capture_id, hydrate=False)
         row["capture"] = phases = capture_row(report)
         await d.expect(f"removing {cold}", "workload-remove", name=cold)
