@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import shutil
 import socket
 import time
@@ -50,8 +49,9 @@ from bench.serve_units import (
     restore_once,
     server_pid,
     together,
+    watch_server,
 )
-from engines.forking_server import ForkingServerError, ask_workers
+from engines.forking_server import ForkingServerError, ask_worker
 from engines.serve_model import ModelFolderError, check_folder
 
 FORKED_WORKERS = 2
@@ -155,8 +155,34 @@ async def fault_missing_tokenizer(d: Driver, args: argparse.Namespace) -> dict[s
     return row
 
 
-async def _forked_answers(port: int, limit: float) -> dict[int, dict[str, Any]]:
-    return await anyio.to_thread.run_sync(functools.partial(ask_workers, HOST, port, FORKED_WORKERS, limit_s=limit))
+async def forked_answers(d: Driver, layout: Layout, name: str, port: int, limit: float, *,
+                         cold: bool) -> dict[int, dict[str, Any]]:
+    """Every worker's answer (one request at a time, each in a thread); for the `cold` server raced against its
+    exit (after a capture the init has logged the captured server's exit, so a restored one is not watched)."""
+    answers: dict[int, dict[str, Any]] = {}
+
+    async def client(scope: anyio.CancelScope) -> None:
+        deadline, last = time.monotonic() + limit, "no request was answered"
+        while len(answers) < FORKED_WORKERS:
+            if time.monotonic() > deadline:
+                raise ForkingServerError(f"workers {sorted(set(range(FORKED_WORKERS)) - set(answers))} never "
+                                         f"answered on {HOST}:{port} within {limit:g} s (last: {last})")
+            try:
+                answer = await anyio.to_thread.run_sync(ask_worker, HOST, port, 5.0)
+            except OSError as exc:  # nothing listens yet (a worker starting, a restore in progress)
+                last = f"{type(exc).__name__}: {exc}"
+                await anyio.sleep(0.05)
+                continue
+            if answer["worker"] in answers:
+                await anyio.sleep(0.05)  # another worker is still starting
+            answers.setdefault(answer["worker"], answer)
+        scope.cancel()
+
+    async def watch(_scope: anyio.CancelScope) -> None:
+        await watch_server(d, layout, name)
+
+    await (together(client, watch) if cold else together(client))
+    return answers
 
 
 def forked_verdict(before: dict[int, dict[str, Any]], after: dict[int, dict[str, Any]],
@@ -191,14 +217,14 @@ async def fault_forked_workers(d: Driver, image: str, layout: ServeLayout, mode:
             cold, image, entrypoint=forked.python, command=launcher([
                 forked.python, f"{ENGINE}/forking_server.py", "serve", "--host", HOST, "--port", str(port),
                 "--workers", str(FORKED_WORKERS), *(["--cuda"] if cuda else [])])))
-        before = await _forked_answers(port, 300)
+        before = await forked_answers(d, forked, cold, port, 300, cold=True)
         row["answered_cold"] = sorted(before)
         report = await capture(d, cold, server_pid(forked), forked, capture_id, hydrate=False)
         row["capture"] = phases = capture_row(report)
         await d.expect(f"removing {cold}", "workload-remove", name=cold)
         created, _ = await launch_unit(d, image, forked, unit, capture_id, labels=labels)
         restored = await await_unit(d, unit, created, labels=labels, readiness_timeout=180)
-        after = await _forked_answers(port, 120)
+        after = await forked_answers(d, forked, unit, port, 120, cold=False)
         row.update(restore={k: restored.get(k) for k in ("criu_s", "cuda_s", "readiness_s")},
                    answered_s=round(time.time() - created, 3),
                    **device_hydration(restored.get("worker_report") or {}),

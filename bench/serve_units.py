@@ -166,7 +166,7 @@ def completion_row(done: Completion, created: float) -> dict[str, Any]:
             "connect_attempts": done.connect_attempts}
 
 
-async def _watch_server(d: Driver, layout: Layout, name: str) -> None:
+async def watch_server(d: Driver, layout: Layout, name: str) -> None:
     """Fails as soon as the server process exits (the client would otherwise wait for the port)."""
     while True:
         stages = {s.get("stage"): s for s in engine_stages(layout)}
@@ -202,7 +202,7 @@ async def first_completion(d: Driver, layout: Layout, name: str, port: int, *, l
         scope.cancel()
 
     async def watch(_scope: anyio.CancelScope) -> None:
-        await _watch_server(d, layout, name)
+        await watch_server(d, layout, name)
 
     await together(client, watch)
     return result[0]

@@ -124,7 +124,8 @@ def serve(host: str, port: int, workers: int, *, cuda: bool) -> int:
     return 1 if failed else 0
 
 
-def _get(host: str, port: int, timeout: float) -> dict[str, Any]:
+def ask_worker(host: str, port: int, timeout: float) -> dict[str, Any]:
+    """One `GET /`: the answering worker's JSON (OSError while nothing listens)."""
     with socket.create_connection((host, port), timeout=timeout) as conn:
         conn.sendall(f"GET / HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n".encode())
         reply = b""
@@ -154,7 +155,7 @@ def ask_workers(host: str, port: int, workers: int, *, limit_s: float = 60.0) ->
             raise ForkingServerError(f"workers {missing} of {workers} never answered on {host}:{port} within "
                                      f"{limit_s:g} s (last: {last})")
         try:
-            answer = _get(host, port, timeout=max(1.0, deadline - time.monotonic()))
+            answer = ask_worker(host, port, timeout=max(1.0, deadline - time.monotonic()))
         except OSError as exc:  # refused while the port is closed (a restore in progress), reset
             last = f"{type(exc).__name__}: {exc}"
             time.sleep(0.02)
