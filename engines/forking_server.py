@@ -9,7 +9,8 @@ pre-fork model of gunicorn, uvicorn's `--workers`, Apache): the parent only supe
 holds a 64 MiB tensor on the GPU (initialised after the fork, as CUDA requires) and answers its sum, computed
 on the device per request, so an answer after a restore proves that worker's device memory came back. If a
 worker dies the parent stops the others and exits 1: a respawned worker would hide the loss (and change the
-PIDs a restore must keep). SIGTERM stops every worker and exits 0. Standard library only, torch with `--cuda`.
+PIDs a restore must keep); a worker whose parent dies gets SIGTERM. SIGTERM stops every worker and exits 0.
+Standard library only, torch with `--cuda`.
 
 `ask` (`ask_workers`) sends requests until every worker has answered once; the kernel wakes the accept
 waiters in turn, so N requests usually reach N workers, and the client retries while the port is closed (a
@@ -19,6 +20,7 @@ restore in progress).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import signal
@@ -29,6 +31,7 @@ from typing import Any
 
 MAX_HEAD = 16 << 10
 TENSOR_ELEMENTS = 16 << 20  # float32: 64 MiB, above the CUDA interposer's 2 MiB threshold
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 class ForkingServerError(Exception):
@@ -66,8 +69,13 @@ class _Device:
         return {"device_sum": float(self.values.sum().item()), "device": self.name}
 
 
-def _worker(listener: socket.socket, index: int, cuda: bool) -> None:
+def _worker(listener: socket.socket, index: int, cuda: bool, parent: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # A worker never outlives its supervisor (SIGKILLed, it cannot stop them): the kernel sends SIGTERM when
+    # the parent dies, and CRIU restores that setting with the tree. The parent may already be gone by now.
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:
+        return
     device = _Device(index) if cuda else None
     served = 0
     while True:
@@ -90,13 +98,13 @@ def _worker(listener: socket.socket, index: int, cuda: bool) -> None:
 def serve(host: str, port: int, workers: int, *, cuda: bool) -> int:
     """Listen, fork `workers` workers on the one socket, supervise them; returns the exit code."""
     listener = socket.create_server((host, port), backlog=128)
-    pids: list[int] = []
+    parent, pids = os.getpid(), list[int]()
     for index in range(workers):
         pid = os.fork()
         if pid == 0:
             code = 1
             try:
-                _worker(listener, index, cuda)
+                _worker(listener, index, cuda, parent)
             except BaseException as exc:  # the child must never return into the parent's code
                 sys.stderr.write(f"worker {index}: {type(exc).__name__}: {exc}\n")
             finally:

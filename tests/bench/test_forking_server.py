@@ -8,6 +8,7 @@ a capsule) is `bench/serve_faults.py`'s forked-workers case on the H200."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -78,9 +79,9 @@ def server() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                start_new_session=True)
     yield process, port
-    if process.poll() is None:
-        process.kill()
-        process.wait()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)  # the server and its workers (its own process group)
+    process.wait()
 
 
 def test_every_worker_answers_on_the_one_listening_socket(server: tuple[subprocess.Popen[bytes], int]) -> None:
@@ -108,6 +109,14 @@ def test_a_dead_worker_stops_the_server_and_its_other_workers(server: tuple[subp
     pids = [a["pid"] for a in ask_workers("127.0.0.1", port, 3, limit_s=30).values()]
     os.kill(pids[1], signal.SIGKILL)
     assert process.wait(timeout=20) == 1
+    assert _gone(pids)
+
+
+def test_a_killed_supervisor_takes_its_workers_with_it(server: tuple[subprocess.Popen[bytes], int]) -> None:
+    process, port = server
+    pids = [a["pid"] for a in ask_workers("127.0.0.1", port, 3, limit_s=30).values()]
+    process.kill()  # SIGKILL: the parent stops nobody
+    process.wait()
     assert _gone(pids)
 
 
