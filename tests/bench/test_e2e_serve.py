@@ -1,18 +1,24 @@
 """bench/e2e_serve.py's failure paths against the real daemon and dockerd (the GPU path runs on the H200
 through scripts/device-serve): a server that dies before its first token, and a restore that fails while the
-client already waits on the port, each fail as one E2EError naming the cause, with no unit left behind."""
+client already waits on the port, each fail as one E2EError naming the cause, with no unit left behind; the
+forked-workers case runs its server in a unit and reports its failed capture the same way."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import socket
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from bench import e2e_serve
 from bench.e2e_restore import Driver, E2EError, Layout
-from bench.e2e_serve import restore_once, start_cold
-from tests.helpers import running_daemon
+from bench.serve_faults import fault_forked_workers
+from bench.serve_units import restore_once, serve_layout, start_cold
+from tests.helpers import open_session, running_daemon
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
@@ -59,3 +65,56 @@ async def test_failed_restore_cancels_the_waiting_client_and_removes_the_unit(bu
     message = str(caught.value)
     assert "restore unit exited (code 1) before its readiness check" in message
     assert "its log ends" in message and "coldsnap_probe" in message and "removed" in message
+
+
+async def test_forked_workers_case_serves_in_a_unit_then_fails_naming_the_capture_and_leaves_no_unit(
+        busybox_image: str, tmp_path: Path) -> None:
+    """The forked-workers fault through the daemon without a GPU: the server (the host's python3, standard library
+    only) forks its workers in the unit and every one answers on the host network; the capsule has no worker
+    and no CUDA, so the capture fails, and the row says so with no unit left."""
+    (tmp_path / "weights").mkdir()
+    layout = dataclasses.replace(serve_layout(tmp_path, tmp_path / "weights", "full"), python="/usr/bin/python3",
+                                 host_mounts=tuple(p for p in ("/usr", "/lib", "/lib64") if Path(p).is_dir()),
+                                 gpus=())
+    async with running_daemon(CONFIG) as daemon:
+        d = Driver(daemon.state_dir)
+        await d.open()
+        row = await fault_forked_workers(d, busybox_image, layout, "full", _free_port(), cuda=False)
+    assert row["answered_cold"] == [0, 1]
+    assert row["ok"] is False and row["no_unit_left"] is True
+    assert row["error"].startswith("E2EError: capture of serve-forked-cold by the in-capsule worker"), row["error"]
+
+
+async def test_a_run_whose_paths_all_fail_still_reports_every_one_and_leaves_no_unit(
+        busybox_image: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver end to end on a capsule without the server: each path fails at its first step (the
+    interposer's check, the cold start), the fault cases run what they can, the table and the JSON are still
+    written, the exit code says so, and no unit is left."""
+    model = tmp_path / "model"
+    model.mkdir()
+    files = {"config.json": {}, "tokenizer.json": {}, "tokenizer_config.json": {"chat_template": "x"}}
+    for name, value in files.items():
+        (model / name).write_text(json.dumps(value))
+    (model / "model.safetensors").write_bytes(b"\0" * 16)
+    out = tmp_path / "out"
+    out.mkdir()
+    async with running_daemon(CONFIG) as daemon:
+        monkeypatch.setattr(sys, "argv", [
+            "e2e_serve.py", "--state-dir", str(daemon.state_dir), "--capsule", busybox_image, "--model", str(model),
+            "--work", str(tmp_path / "work"), "--out", str(out), "--modes", "full-interposer,full",
+            "--port", str(_free_port()), "--faults"])
+        assert await e2e_serve.main() == 1
+        d = Driver(daemon.state_dir)
+        d.session = await open_session(daemon.state_dir, "op-e2e-check")  # the run's session is still open
+        for name in ("serve-full-interposer-cold", "servefullinterposer_node_0", "serve-full-cold",
+                     "servefull_node_0", "serve-forked-cold", "serveforked_node_0"):
+            assert await d.gone(name), name
+    report = json.loads((out / "serve.json").read_text())
+    errors = {r["mode"]: r["error"] for r in report["results"]}
+    assert "carries no loadable CUDA interposer at /opt/coldsnap/lib/libcoldsnap_cuda.so" in errors["full-interposer"]
+    assert "starting the server serve-full-cold" in errors["full"]
+    cases = {row["case"]: row for row in report["faults"]}
+    assert cases["restore cases"]["error"].startswith("no path captured and restored")
+    assert cases["a server that forks workers"]["ok"] is False and cases["a server that forks workers"]["no_unit_left"]
+    table = (out / "serve-table.md").read_text()
+    assert "| full-interposer | failed: E2EError: capsule" in table and "| full | failed: E2EError:" in table

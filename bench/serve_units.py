@@ -1,0 +1,289 @@
+"""The pieces of bench/e2e_serve.py that its paths and fault cases share: the paths (modes) and the unit
+environment each adds, the server's cold unit and a restore unit with the client racing it, and the rows read
+from the worker's reports.
+
+The paths, each enabling something only through the unit's environment (the server's command line is the same):
+
+* `full-interposer`: `LD_PRELOAD` of the CUDA interposer and its socket (`/run/coldsnap/cuda-%p.sock`); the
+  device memory is dumped beside the images and refilled by the interposer at line rate;
+* `full`: nothing; the CUDA checkpoint copies the device memory into the process, CRIU into the images;
+* `adapter`: the adapter on `PYTHONPATH` and `COLDSNAP_HYDRATION_SOCKET`; the weights are refilled from the
+  model's files, the rest travels in the images;
+* `adapter-hydrator`: the same and `COLDSNAP_HYDRATOR_SOCKET`; the weights come from the node's hydrator.
+
+The first two need no cooperation at all. The interposer's sockets live in a run directory of their own,
+mounted at `/run/coldsnap` in the serving and every restore unit, so that CRIU finds the directory where it
+rebinds each restored process's control socket.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from bench.e2e_restore import (
+    ENGINE,
+    PID_FLOOR,
+    RUN,
+    WEIGHTS,
+    WORKER_PATH,
+    Driver,
+    E2EError,
+    Layout,
+    await_unit,
+    engine_stages,
+    launch_unit,
+    output,
+    unit_labels,
+)
+from bench.serve_client import Completion, chat_request, stream_chat
+
+HOST = "127.0.0.1"
+PROMPT = "Tell me a story about GPUs and checkpoints."
+MAX_TOKENS = 32
+SERVER_SITE = "/opt/server/site"  # the server's own dependencies, baked into the capsule
+ADAPTERS = f"{WORKER_PATH}/coldsnap_probe/adapters"
+SERVER = "/opt/torch/.venv/bin/transformers"
+INTERPOSER_LIBRARY = "/opt/coldsnap/lib/libcoldsnap_cuda.so"  # where scripts/_capsule_rootfs.py --worker builds it
+INTERPOSER_RUN = "/run/coldsnap"
+INTERPOSER_SOCKET = f"{INTERPOSER_RUN}/cuda-%p.sock"  # %p: one socket per CUDA process (docs/interposer.md)
+MODES = ("full-interposer", "full", "adapter", "adapter-hydrator")
+FAULT_PREFERENCE = ("full-interposer", "adapter", "full")  # the fault cases' images: the fastest path that ran
+
+
+def plan_modes(text: str) -> list[str]:
+    """The paths of a run, in order, from a comma list (`full-interposer,full,adapter-hydrator`)."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    if not modes:
+        raise ValueError(f"no mode named: give a comma list of {', '.join(MODES)}")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown mode {', '.join(unknown)}: the modes are {', '.join(MODES)}")
+    twice = sorted({m for m in modes if modes.count(m) > 1})
+    if twice:
+        raise ValueError(f"mode {', '.join(twice)} named twice: each path runs once per run")
+    return modes
+
+
+def fault_rank(result: dict[str, Any]) -> int | None:
+    """How much the fault cases want a path's images (lower is better; None: not usable, because the path
+    did not restore, or its node hydrator is gone by then)."""
+    if not result.get("ok") or result.get("mode") not in FAULT_PREFERENCE:
+        return None
+    return FAULT_PREFERENCE.index(result["mode"])
+
+
+def fault_mode(results: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The path whose images the fault cases restore: the best-ranked one that captured and restored."""
+    ranked = [(rank, i) for i, r in enumerate(results) if (rank := fault_rank(r)) is not None]
+    return results[min(ranked)[1]] if ranked else None
+
+
+def keep_images(kept: dict[str, Any] | None,
+                done: dict[str, Any]) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """After a path's run: (the path whose images the fault cases will restore, the path whose images can go
+    now). At most one set is kept, so tmpfs holds two sets at most (the kept one and the running path's)."""
+    rank = fault_rank(done)
+    if rank is None:
+        return kept, done
+    if kept is None or rank < (fault_rank(kept) or 0):
+        return done, kept
+    return kept, done
+
+
+def cluster(mode: str) -> str:
+    """The workload label of a path's units (their names are `<cluster>_node_0`)."""
+    return "serve" + mode.replace("-", "")
+
+
+@dataclass
+class ServeLayout(Layout):
+    """A serve path's layout: with `interposer_dir`, that host directory is every unit's /run/coldsnap."""
+
+    interposer_dir: Path | None = None
+
+    def mounts(self) -> list[dict[str, Any]]:
+        extra = [{"source": str(self.interposer_dir), "target": INTERPOSER_RUN}] if self.interposer_dir else []
+        return super().mounts() + extra
+
+    def prepare(self) -> None:
+        super().prepare()
+        if self.interposer_dir:
+            self.interposer_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            for stale in self.interposer_dir.glob("cuda-*.sock"):  # a killed server's (a restore rebinds its own)
+                stale.unlink()
+
+
+def serve_layout(work: Path, model: Path, mode: str, *, criu_threads: int = 0) -> ServeLayout:
+    """The unit environment of `mode` (the table in the module docstring); `criu_threads`, when set, is the
+    restore's CRIU_RESTORE_THREADS (CRIU 4.2 with the parallel page restore; unset: the CPUs it may use)."""
+    adapter = mode.startswith("adapter")
+    environment = {"PYTHONPATH": ":".join([*([ADAPTERS] if adapter else []), WORKER_PATH, SERVER_SITE]),
+                   "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if adapter:
+        environment["COLDSNAP_HYDRATION_SOCKET"] = f"{RUN}/hydration.sock"
+    if mode == "adapter-hydrator":
+        environment["COLDSNAP_HYDRATOR_SOCKET"] = f"{RUN}/hydrator.sock"
+    if mode == "full-interposer":
+        environment.update(LD_PRELOAD=INTERPOSER_LIBRARY, COLDSNAP_CUDA_INTERPOSER_SOCKET=INTERPOSER_SOCKET)
+    if criu_threads:
+        environment["CRIU_RESTORE_THREADS"] = str(criu_threads)
+    return ServeLayout(run_dir=work / "run", images_dir=work / "images", weights=model, network="host",
+                       extra_environment=environment,
+                       interposer_dir=work / "coldsnap" if mode == "full-interposer" else None)
+
+
+async def check_interposer(d: Driver, image: str, layout: Layout) -> None:
+    """A disposable run of the capsule: the interposer library is there and loads (before any server runs)."""
+    program = f"import ctypes; ctypes.CDLL({INTERPOSER_LIBRARY!r})"
+    reply = await d.runtime("workload-run", workload={
+        "name": "", "image": image, "remove_after_exit": True, "pull_policy": "never", "network": "none",
+        "combined": True, "mounts": [m for m in layout.mounts() if m.get("read_only")],
+        "entrypoint": layout.python, "command": ["-c", program]})
+    if not reply.get("ok"):
+        raise E2EError(f"capsule {image} carries no loadable CUDA interposer at {INTERPOSER_LIBRARY} "
+                       f"(scripts/_capsule_rootfs.py --worker builds it): {reply.get('error')}",
+                       code=reply.get("error_code") or "runtime_failed")
+
+
+def server_command(port: int) -> list[str]:
+    return [SERVER, "serve", WEIGHTS, "--device", "cuda:0", "--host", HOST, "--port", str(port)]
+
+
+def body() -> dict[str, Any]:
+    return chat_request(WEIGHTS, PROMPT, max_tokens=MAX_TOKENS)
+
+
+def completion_row(done: Completion, created: float) -> dict[str, Any]:
+    return {"first_token_s": done.first - created, "connected_s": done.connected - created,
+            "request_to_first_token_s": done.first - done.requested, "completion_s": done.last - created,
+            "text": done.text, "chunks": done.chunks, "finish_reason": done.finish_reason,
+            "connect_attempts": done.connect_attempts}
+
+
+async def watch_server(d: Driver, layout: Layout, name: str) -> None:
+    """Fails as soon as the server process exits (the client would otherwise wait for the port)."""
+    while True:
+        stages = {s.get("stage"): s for s in engine_stages(layout)}
+        if "engine_exited" in stages:
+            raise E2EError(f"the server exited before its first token: {stages['engine_exited']} (its stdio is "
+                           "/dev/null; run the command outside the capsule to see why)")
+        state = await d.runtime("workload-inspect", name=name)
+        if not ((state.get("runtime") or {}).get("workload") or {}).get("running"):
+            raise E2EError(f"unit {name} is no longer running")
+        await anyio.sleep(0.5)
+
+
+async def together(*jobs: Callable[[anyio.CancelScope], Coroutine[Any, Any, None]]) -> None:
+    """Run `jobs` side by side (each may cancel the others through the scope it is given); the first failure
+    is raised as itself, not as an exception group."""
+    try:
+        async with anyio.create_task_group() as tg:
+            for job in jobs:
+                tg.start_soon(job, tg.cancel_scope)
+    except BaseExceptionGroup as group:
+        first: BaseException = group
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        raise first from None
+
+
+async def first_completion(d: Driver, layout: Layout, name: str, port: int, *, limit: float) -> Completion:
+    """The client's request (retried until the port accepts) raced against the server's exit."""
+    result: list[Completion] = []
+
+    async def client(scope: anyio.CancelScope) -> None:
+        result.append(await stream_chat(HOST, port, body(), connect_limit=limit))
+        scope.cancel()
+
+    async def watch(_scope: anyio.CancelScope) -> None:
+        await watch_server(d, layout, name)
+
+    await together(client, watch)
+    return result[0]
+
+
+def launcher(command: list[str]) -> list[str]:
+    """The unit's init around a server command (PID floor, session leader, stdio on /dev/null, reaper)."""
+    return [f"{ENGINE}/engine_llama.py", "launch", "--pid-floor", str(PID_FLOOR), "--log", f"{RUN}/engine.log",
+            "--", *command]
+
+
+def server_pid(layout: Layout) -> int:
+    """The server's PID in its unit, as the init logged it."""
+    forked = next((s for s in engine_stages(layout) if s.get("stage") == "engine_forked"), None)
+    if forked is None:
+        raise E2EError(f"the unit's init logged no engine_forked stage in {layout.run_dir / 'engine.log'}")
+    return int(forked["engine_pid"])
+
+
+async def start_cold(d: Driver, image: str, layout: Layout, name: str, port: int) -> dict[str, Any]:
+    await d.expect(f"evicting {name}", "workload-remove", name=name)
+    spec = layout.unit(name, image, entrypoint=layout.python, command=launcher(server_command(port)))
+    created = time.time()
+    await d.expect(f"starting the server {name}", "workload-run", workload=spec)
+    started = time.time()
+    done = await first_completion(d, layout, name, port, limit=600)
+    return {"name": name, "create_start_s": started - created, "server_pid": server_pid(layout),
+            **completion_row(done, created)}
+
+
+def device_hydration(report: dict[str, Any]) -> dict[str, Any]:
+    """What a restore report says of the interposer's device hydration (None where it hydrated nothing)."""
+    processes = report.get("device_memory") or []
+    moved = sum(int(p.get("bytes") or 0) for p in processes)
+    seconds = report.get("device_hydration_seconds")
+    return {"device_hydration_s": seconds, "device_bytes": moved if processes else None,
+            "device_gbps": moved / seconds / 1e9 if processes and seconds else None,
+            "device_verify": sorted({str((p.get("interposer") or {}).get("verify", "")) for p in processes} - {""})}
+
+
+async def restore_once(d: Driver, image: str, layout: Layout, unit: str, capture_id: str, cluster: str,
+                       port: int) -> dict[str, Any]:
+    """A restore unit and the client's request, sent as soon as the restored port accepts."""
+    labels = unit_labels(capture_id, cluster)
+    created, started = await launch_unit(d, image, layout, unit, capture_id, labels=labels)
+    out: dict[str, Any] = {}
+
+    async def client(_scope: anyio.CancelScope) -> None:
+        out["client"] = await stream_chat(HOST, port, body(), connect_limit=120)
+
+    async def unit_ready(scope: anyio.CancelScope) -> None:
+        out["unit"] = await await_unit(d, unit, created, labels=labels, readiness_timeout=120)
+
+    await together(client, unit_ready)
+    return {**out["unit"], **device_hydration(out["unit"].get("worker_report") or {}),
+            "create_start_s": started - created, **completion_row(out["client"], created)}
+
+
+def capture_row(report: dict[str, Any]) -> dict[str, Any]:
+    """A capture report's phases, in order, with what each moved: the interposer's device release, the weights'
+    release (adapter), the CUDA lock and checkpoint, CRIU's dump; and what stayed on the checkpoint path."""
+    timings = report.get("timings_s") or {}
+    weights = report.get("hydration") or {}
+    devices = report.get("device_memory") or []
+    uncovered: dict[str, int] = {}
+    for process in devices:
+        for kind, seen in (process.get("uncovered") or {}).items():
+            uncovered[kind] = uncovered.get(kind, 0) + int((seen or {}).get("bytes") or 0)
+    released = sum(int(p.get("bytes") or 0) for p in devices)
+    return {"device_release_s": timings.get("device_release"), "device_bytes": released if devices else None,
+            "device_states": [str(p.get("state")) for p in devices],
+            "device_gbps": max((float(p.get("gbps") or 0) for p in devices), default=None),
+            "weights_release_s": weights.get("release_seconds"), "weights_bytes": weights.get("released_bytes"),
+            "cuda_lock_s": timings.get("cuda_lock"), "cuda_checkpoint_s": timings.get("cuda_checkpoint"),
+            "criu_dump_s": timings.get("criu_dump"), "image_bytes": report.get("image_bytes"),
+            "uncovered_bytes": {k: v for k, v in sorted(uncovered.items()) if v}, "exec_s": report.get("exec_seconds")}
+
+
+async def descriptors(d: Driver, name: str, pid: int) -> str:
+    """What the server holds open (a failed capture's first question), read inside its unit."""
+    reply = await d.runtime("workload-exec", name=name, execution={"command": [
+        "sh", "-c", f"ls -l /proc/{pid}/fd | sed 's/.* [0-9][0-9]:[0-9][0-9] //'; grep -v ' 0A ' "
+                    f"/proc/{pid}/net/tcp | head -20"]})
+    return output(reply.get("runtime") or {}) if reply.get("ok") else str(reply.get("error"))

@@ -1,0 +1,214 @@
+"""bench/e2e_serve.py's CPU-checkable parts: the paths a run plans and the unit environment each adds (the
+interposer's only through LD_PRELOAD and its socket), the capture and restore phases read from the workers'
+reports, the fault cases' choice of images and verdicts, the tables, and the capsule carrying the interposer."""
+
+from __future__ import annotations
+
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.e2e_restore import RUN, WORKER_PATH
+from bench.e2e_serve import capture_line, images_bytes, restore_lines, table
+from bench.serve_faults import forked_verdict
+from bench.serve_units import (
+    ADAPTERS,
+    INTERPOSER_LIBRARY,
+    INTERPOSER_SOCKET,
+    SERVER_SITE,
+    capture_row,
+    device_hydration,
+    fault_mode,
+    keep_images,
+    plan_modes,
+    serve_layout,
+)
+from tests.helpers import ROOT
+
+# A capture report's fields as docs/worker-reports.md gives them (the interposer's release, two processes).
+CAPTURE = {"timings_s": {"device_release": 0.41, "cuda_lock": 0.01, "cuda_checkpoint": 0.52, "criu_dump": 1.1},
+           "image_bytes": 2_400_000_000, "exec_seconds": 2.3, "hydration": None,
+           "device_memory": [
+               {"pid": 513, "state": "released", "bytes": 16_000_000_000, "gbps": 40.0,
+                "uncovered": {"below_threshold": {"count": 12, "bytes": 3_000_000}, "managed": {"count": 0,
+                                                                                                 "bytes": 0}}},
+               {"pid": 514, "state": "released", "bytes": 1_000_000_000, "gbps": 38.0,
+                "uncovered": {"below_threshold": {"count": 1, "bytes": 1_000_000}}}]}
+RESTORE = {"device_hydration_seconds": 0.5,
+           "device_memory": [{"pid": 513, "bytes": 16_000_000_000, "seconds": 0.4, "gbps": 41.0,
+                              "interposer": {"verify": "sampled", "fill_s": 0.3}},
+                             {"pid": 514, "bytes": 1_000_000_000, "seconds": 0.1, "gbps": 10.0,
+                              "interposer": {"verify": "sampled"}}]}
+
+
+class TestModes:
+    def test_a_comma_list_plans_the_paths_in_its_order(self) -> None:
+        assert plan_modes("full-interposer, full,adapter-hydrator") == ["full-interposer", "full",
+                                                                         "adapter-hydrator"]
+
+    @pytest.mark.parametrize(("text", "message"), [
+        pytest.param("full,interposer", "unknown mode interposer: the modes are full-interposer, full, adapter, "
+                                        "adapter-hydrator", id="unknown"),
+        pytest.param("full,adapter,full", "mode full named twice", id="twice"),
+        pytest.param(" , ", "no mode named", id="empty")])
+    def test_a_bad_list_is_refused_naming_the_entry(self, text: str, message: str) -> None:
+        with pytest.raises(ValueError, match=message):
+            plan_modes(text)
+
+    def test_the_driver_refuses_a_bad_list_before_anything_else(self, tmp_path: Path) -> None:
+        done = subprocess.run([sys.executable, str(ROOT / "bench/e2e_serve.py"), "--state-dir", str(tmp_path),
+                               "--capsule", "x", "--model", str(tmp_path), "--work", str(tmp_path), "--out",
+                               str(tmp_path), "--modes", "full,bogus"], capture_output=True, text=True, timeout=60,
+                              check=False)
+        assert done.returncode == 2 and "--modes: unknown mode bogus" in done.stderr
+
+    def test_the_faults_use_the_fastest_path_that_restored(self) -> None:
+        results = [{"mode": "full", "ok": True}, {"mode": "full-interposer", "ok": False},
+                   {"mode": "adapter", "ok": True}, {"mode": "adapter-hydrator", "ok": True}]
+        assert fault_mode(results) == results[2]
+        assert fault_mode([{"mode": "adapter-hydrator", "ok": True}]) is None  # its hydrator is gone by then
+
+    def test_one_set_of_images_is_kept_the_best_for_the_faults(self) -> None:
+        full, interposer = {"mode": "full", "ok": True}, {"mode": "full-interposer", "ok": True}
+        hydrator, failed = {"mode": "adapter-hydrator", "ok": True}, {"mode": "adapter", "ok": False}
+        assert keep_images(None, full) == (full, None)
+        assert keep_images(full, interposer) == (interposer, full)  # better: the previous set goes
+        assert keep_images(interposer, full) == (interposer, full)
+        assert keep_images(interposer, hydrator) == (interposer, hydrator)  # its hydrator is gone by the faults
+        assert keep_images(None, failed) == (None, failed)
+
+
+class TestEnvironment:
+    def test_the_interposer_path_adds_only_the_preload_and_its_socket(self, tmp_path: Path) -> None:
+        full = serve_layout(tmp_path / "a", tmp_path / "model", "full")
+        interposer = serve_layout(tmp_path / "b", tmp_path / "model", "full-interposer")
+        added = {k: v for k, v in interposer.environment().items() if full.environment().get(k) != v}
+        assert added == {"LD_PRELOAD": INTERPOSER_LIBRARY, "COLDSNAP_CUDA_INTERPOSER_SOCKET": INTERPOSER_SOCKET}
+        assert INTERPOSER_SOCKET == "/run/coldsnap/cuda-%p.sock"  # the interposer's contract (docs/interposer.md)
+        assert full.environment()["PYTHONPATH"] == f"{WORKER_PATH}:{SERVER_SITE}"  # no adapter
+        extra = [m for m in interposer.mounts() if m not in full.mounts()]
+        assert [(m["target"], m.get("read_only", False)) for m in extra if "/images" not in m["target"]
+                and m["target"] != RUN] == [("/run/coldsnap", False)]
+
+    def test_the_adapter_paths_add_theirs_and_no_preload(self, tmp_path: Path) -> None:
+        env = serve_layout(tmp_path, tmp_path / "model", "adapter-hydrator").environment()
+        assert env["PYTHONPATH"].split(":")[0] == ADAPTERS
+        assert env["COLDSNAP_HYDRATION_SOCKET"] == f"{RUN}/hydration.sock"
+        assert env["COLDSNAP_HYDRATOR_SOCKET"] == f"{RUN}/hydrator.sock"
+        assert "LD_PRELOAD" not in env and "COLDSNAP_CUDA_INTERPOSER_SOCKET" not in env
+
+    def test_criu_threads_reach_the_unit_only_when_asked(self, tmp_path: Path) -> None:
+        assert "CRIU_RESTORE_THREADS" not in serve_layout(tmp_path, tmp_path, "full").environment()
+        assert serve_layout(tmp_path, tmp_path, "full", criu_threads=16).environment()["CRIU_RESTORE_THREADS"] == "16"
+
+    def test_prepare_makes_the_socket_directory_private_and_drops_stale_sockets(self, tmp_path: Path) -> None:
+        layout = serve_layout(tmp_path, tmp_path / "model", "full-interposer")
+        assert layout.interposer_dir is not None
+        layout.interposer_dir.mkdir(parents=True)
+        (layout.interposer_dir / "cuda-513.sock").write_text("")
+        (layout.interposer_dir / "keep.txt").write_text("")
+        layout.prepare()
+        assert sorted(p.name for p in layout.interposer_dir.iterdir()) == ["keep.txt"]
+        fresh = serve_layout(tmp_path / "fresh", tmp_path / "model", "full-interposer")
+        fresh.prepare()
+        assert fresh.interposer_dir is not None and stat.S_IMODE(fresh.interposer_dir.stat().st_mode) == 0o700
+
+
+class TestReports:
+    def test_capture_phases_and_what_stayed_on_the_checkpoint_path(self) -> None:
+        row = capture_row(CAPTURE)
+        assert row["device_release_s"] == 0.41 and row["cuda_checkpoint_s"] == 0.52 and row["criu_dump_s"] == 1.1
+        assert row["device_bytes"] == 17_000_000_000 and row["device_states"] == ["released", "released"]
+        assert row["uncovered_bytes"] == {"below_threshold": 4_000_000}  # summed; empty kinds left out
+        assert row["weights_release_s"] is None
+
+    def test_a_capture_without_the_interposer_has_no_device_phase(self) -> None:
+        row = capture_row({"timings_s": {"criu_dump": 10.7, "cuda_checkpoint": 8.1}, "device_memory": None,
+                           "hydration": {"release_seconds": 1.44, "released_bytes": 16_060_000_000}})
+        assert row["device_release_s"] is None and row["device_bytes"] is None and row["device_states"] == []
+        assert row["weights_release_s"] == 1.44
+
+    def test_device_hydration_rate_is_the_whole_phase_s(self) -> None:
+        assert device_hydration(RESTORE) == {"device_hydration_s": 0.5, "device_bytes": 17_000_000_000,
+                                             "device_gbps": 34.0, "device_verify": ["sampled"]}
+        assert device_hydration({"criu_restore_seconds": 9.5}) == {
+            "device_hydration_s": None, "device_bytes": None, "device_gbps": None, "device_verify": []}
+
+    def test_images_count_the_device_dumps_apart(self, tmp_path: Path) -> None:
+        (tmp_path / "device-513").mkdir()
+        (tmp_path / "device-513/seg-0.bin").write_bytes(b"x" * 100)
+        (tmp_path / "pages-1.img").write_bytes(b"y" * 30)
+        assert images_bytes(tmp_path) == {"images_bytes": 130, "device_dump_bytes": 100}
+
+
+def _answers(sums: tuple[float, float], served: int) -> dict[int, dict[str, Any]]:
+    return {i: {"worker": i, "pid": 600 + i, "parent": 599, "served": served, "device_sum": s}
+            for i, s in enumerate(sums)}
+
+
+class TestForkedVerdict:
+    def test_same_workers_with_their_device_state_pass(self) -> None:
+        verdict = forked_verdict(_answers((1.0, 2.0), 1), _answers((1.0, 2.0), 2),
+                                 {"device_states": ["released", "released"]}, interposer=True)
+        assert verdict == {"same_workers": True, "state_went_on": True, "interposer_released": 2, "ok": True}
+
+    @pytest.mark.parametrize(("after", "phases", "interposer"), [
+        pytest.param(_answers((1.0, 0.0), 2), {}, False, id="device-memory-lost"),
+        pytest.param(_answers((1.0, 2.0), 1), {}, False, id="state-reset"),
+        pytest.param(_answers((1.0, 2.0), 2), {"device_states": ["released", "not-started"]}, True,
+                     id="a-worker-bypassed-the-interposer")])
+    def test_a_worker_that_did_not_come_back_as_itself_fails(self, after: dict[int, dict[str, Any]],
+                                                             phases: dict[str, Any], interposer: bool) -> None:
+        assert not forked_verdict(_answers((1.0, 2.0), 1), after, phases, interposer=interposer)["ok"]
+
+
+class TestTables:
+    def test_restore_rows_show_the_device_hydration_and_its_rate(self) -> None:
+        restore = {"first_token_s": 1.5, "create_start_s": 0.1, "worker_started_s": 0.3, "criu_s": 0.4,
+                   "cuda_s": 0.2, "hydration_s": None, "connected_s": 0.5, "request_to_first_token_s": 1.0,
+                   "completion_s": 2.0, "identical": True, **device_hydration(RESTORE)}
+        cold = {"first_token_s": 21.0, "create_start_s": 0.2, "connected_s": 19.0, "request_to_first_token_s": 2.0,
+                "completion_s": 24.0, "chunks": 33, "finish_reason": "length", "text": "once upon"}
+        result = {"mode": "full-interposer", "cold": cold, "restores": [restore],
+                  "capture_phases": capture_row(CAPTURE), "images_bytes": 19_000_000_000,
+                  "device_dump_bytes": 17_000_000_000}
+        lines = restore_lines(result)
+        assert lines[1] == ("| full-interposer | restore 1 | 1.50 | 14.0x | 0.10 | 0.30 | 0.40 | 0.20 "
+                            "| 0.50 (34.0 GB/s) | - | 0.50 | 1.00 | 2.00 | True |")
+        assert capture_line(result) == (
+            "| full-interposer | 0.41 (17.00 GB at 40.0 GB/s, released/released) | - | 0.01 | 0.52 | 1.10 "
+            "| 19.00 (17.00) | below_threshold 4 MB |")
+        text = table([result, {"mode": "full", "error": "E2EError: boom", "restores": []}], {"id": "sha256:ab"}, 0)
+        assert all(line.count("|") == 15 for line in text.splitlines()[:4])  # 14 columns on every row
+        assert "| full | failed: E2EError: boom |" in text
+
+
+INTERPOSER_SOURCES = ROOT / "coldsnap_probe/interposer"
+
+
+@pytest.mark.skipif(not INTERPOSER_SOURCES.is_dir(), reason="the CUDA interposer (branch interposer) is not merged")
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc (the GPU host has it)")
+def test_the_capsule_carries_the_interposer_where_the_unit_preloads_it(tmp_path: Path) -> None:
+    criu = tmp_path / "criu-root/usr/sbin/criu"
+    criu.parent.mkdir(parents=True)
+    shutil.copy2("/bin/true", criu)  # any dynamically linked program stands in for CRIU here
+    out = tmp_path / "ctx"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts/_capsule_rootfs.py"), str(out), "--busybox",
+                           shutil.which("busybox") or "/bin/busybox", "--criu-root", str(tmp_path / "criu-root"),
+                           "--worker", str(ROOT / "coldsnap_probe")], capture_output=True, text=True, check=False,
+                          timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    library = out / "rootfs" / INTERPOSER_LIBRARY.lstrip("/")
+    assert library.read_bytes()[:4] == b"\x7fELF"
+    # Preloaded with its socket set, a program that never touches CUDA runs as without it (no socket appears).
+    sockets = tmp_path / "run"
+    sockets.mkdir()
+    ran = subprocess.run([sys.executable, "-c", "print('served')"], capture_output=True, text=True, check=False,
+                         env={"LD_PRELOAD": str(library), "COLDSNAP_CUDA_INTERPOSER_SOCKET": f"{sockets}/cuda-%p.sock"})
+    assert ran.returncode == 0 and ran.stdout == "served\n", ran.stderr
+    assert not list(sockets.iterdir())
