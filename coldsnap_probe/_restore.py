@@ -3,7 +3,8 @@
 validate (capture record, graph record, weight sources, host identity) -> [validated] -> stage the weights
 (when a hydrator is named) -> CRIU restore, paused (cuInit meanwhile) -> [criu-restored] -> CUDA restore and
 unlock per process, reverse inventory order -> [cuda-restored] -> every page in (lazy pages) -> resume the tree
--> [process-resumed] -> hydrate the weights -> recreate the communicators -> [ready]. Brackets are barriers.
+-> [process-resumed] -> hydrate the device memory (the CUDA interposer's dumps) -> hydrate the weights
+-> recreate the communicators -> [ready]. Brackets are barriers.
 
 The rollback, whatever phase failed: kill the restored tree (nothing half-restored serves), abort the
 activation for every rank, discard what the hydrator staged, stop the lazy-pages daemon.
@@ -24,6 +25,7 @@ from typing import Any
 
 from ._coordinator import Coordinator
 from ._cuda import Driver
+from ._device_memory import DumpRecord, hydrate_devices, validated_dumps
 from ._engine import ABORT_POLL, engine_request, resume_engine, validated_graph_record
 from ._process import process_state, process_tree, require_state, run_criu, stop, tail
 from ._profile import identity
@@ -38,7 +40,7 @@ LAZY_PAGES_FINISH_S = 120.0  # for it to have copied every page after the restor
 
 
 def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: Coordinator | None = None,
-            lazy_pages: bool = False) -> RestoreReport:
+            lazy_pages: bool = False, device_policy: str = "same-model") -> RestoreReport:
     """Restore the tree captured in `images`; returns the report (the images are only read).
 
     `lazy_pages`: CRIU restores the processes without their memory, which `criu lazy-pages` then fills
@@ -46,6 +48,7 @@ def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: C
     stopped until every page is in, so nothing serves from memory a failed daemon never filled.
     """
     run = _Restore(images, criu=criu, work=work, ranks=coordinator or Coordinator.single(), lazy_pages=lazy_pages)
+    run.device_policy = device_policy
     try:
         run.phases()
     except BaseException as exc:
@@ -69,6 +72,8 @@ class _Restore:
         self.captured: dict[str, Any] = {}
         self.graph: dict[str, Any] | None = None
         self.manifest: HydrationManifest | None = None
+        self.dumps: list[DumpRecord] = []  # the interposers' device dumps, hydrated after the CUDA restore
+        self.device_policy = "same-model"
         self.engine: str | None = None  # the engine's control socket, when its communicators were quiesced
         self.cuda: list[int] = []
         self.driver: Driver | None = None
@@ -87,6 +92,8 @@ class _Restore:
         if self.lazy:
             self._all_pages_in(self.lazy, root)
         self._resume(root)
+        if self.dumps:
+            self._hydrate_devices()
         if self.manifest is not None:
             self._hydrate(self.manifest)
         if self.engine and self.graph is not None:
@@ -109,6 +116,7 @@ class _Restore:
                 check_sources(self.manifest.regions, self.manifest.identities)
             except (ProbeError, ValueError) as exc:
                 raise WorkerError(f"weight hydration cannot succeed, not restoring: {exc}") from exc
+        self.dumps = validated_dumps(self.images)  # every manifest and dump file checked before CRIU runs
         compatibility = identity_compatibility(captured.get("identity", {}), identity(None), boundary)
         self.cuda = list(captured.get("cuda_pids", []))
         self.engine = captured.get("engine") if captured.get("engine_quiesced") else None
@@ -212,6 +220,14 @@ class _Restore:
             bytes=hydrated["bytes"], seconds=hydrated["seconds"], gbps=hydrated["gbps"],
             regions_verified=hydrated["verified_regions"], engine=hydrated, staged=staged,
             phase_seconds=self.timeline.seconds("hydration_begin", "hydration_end"))
+
+    def _hydrate_devices(self) -> None:
+        """Each interposer re-creates its regions at their addresses, fills and verifies them, opens its gate."""
+        self.timeline.mark("device_hydration_begin")
+        self.report.device_memory = hydrate_devices(self.dumps, self.images, self.device_policy)
+        self.timeline.mark("device_hydration_end")
+        self.report.device_hydration_seconds = self.timeline.seconds("device_hydration_begin",
+                                                                     "device_hydration_end")
 
     def _recreate_communicators(self, engine: str, graph: dict[str, Any]) -> None:
         self.timeline.mark("communicator_recreate_begin")

@@ -1,0 +1,154 @@
+"""The workers' side of the CUDA interposer (hydration/_interposer.py): release every CUDA process's device
+memory before the CUDA lock, hydrate it after the CUDA restore, and the record between the two
+(`device-memory.json` in the images, beside each process's dump directory `device-<pid>/`).
+
+A process is asked only when its environment enabled the interposer (or the capture names its socket); a
+process that enabled it but never allocated through it has no socket and restores as before, recorded as such.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._reports import DumpedDevice, HydratedDevice
+from .errors import HydrationError, ProbeError, WorkerError
+from .hydration import DeviceDump, check_dump, interposer_request, interposer_socket, remove_dump
+
+__all__ = ("RECORD", "DeviceRelease", "hydrate_devices", "validated_dumps")
+
+RECORD = "device-memory.json"
+RECORD_KIND = "coldsnap-device-memory"
+
+
+@dataclass(frozen=True, slots=True)
+class DumpRecord:
+    """One CUDA process's release: its socket, its dump directory (a name in the images) and the manifest."""
+
+    pid: int
+    socket: str
+    directory: str
+    dump: DeviceDump
+
+    def to_json(self) -> dict[str, Any]:
+        return {"pid": self.pid, "socket": self.socket, "directory": self.directory, "manifest": self.dump.to_json()}
+
+
+def _owner(pid: int) -> tuple[int, int]:
+    """The process's effective uid and gid (/proc/<pid>/status)."""
+    uid = gid = -1
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Uid:"):
+            uid = int(line.split()[2])
+        elif line.startswith("Gid:"):
+            gid = int(line.split()[2])
+    return uid, gid
+
+
+class DeviceRelease:
+    """Capture: the releases done so far, so that a failed capture hydrates them back and removes their dumps."""
+
+    def __init__(self, images: Path, explicit: str | None = None) -> None:
+        self.images, self.explicit = images, explicit
+        self.records: list[DumpRecord] = []
+        self.asked: list[tuple[str, Path]] = []  # (socket, dump directory) of every release asked, failed ones too
+        self.reports: list[DumpedDevice] = []
+
+    def _socket(self, pid: int, cuda: list[int]) -> str | None:
+        if self.explicit:
+            if len(cuda) != 1:
+                raise WorkerError(f"--interposer names one socket, the tree has {len(cuda)} CUDA processes: enable "
+                                  "the interposer through their environment (COLDSNAP_CUDA_INTERPOSER_SOCKET with %p)")
+            return self.explicit
+        return interposer_socket(pid)
+
+    def release(self, cuda: list[int]) -> None:
+        """Ask every CUDA process with an interposer to dump and release its device memory."""
+        for pid in cuda:
+            socket = self._socket(pid, cuda)
+            if socket is None:
+                continue
+            if not os.path.exists(socket):  # enabled, but nothing was ever allocated through it
+                self.reports.append(DumpedDevice(pid=pid, socket=socket, state="not-started"))
+                continue
+            self._release_one(pid, socket)
+        if self.records:
+            record = {"format": 1, "kind": RECORD_KIND, "processes": [r.to_json() for r in self.records]}
+            (self.images / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+
+    def _release_one(self, pid: int, socket: str) -> None:
+        directory = self.images / f"device-{pid}"
+        directory.mkdir(mode=0o700)
+        uid, gid = _owner(pid)
+        if os.geteuid() == 0 and uid not in (-1, 0):  # the engine writes its own dump (0600 files, its uid)
+            os.chown(directory, uid, gid)
+            os.chmod(self.images, 0o711)  # it may pass through the images directory, not list it
+        self.asked.append((socket, directory))
+        started = time.perf_counter()
+        try:
+            answer = interposer_request(socket, {"op": "release", "dir": str(directory)},
+                                        f"release the device memory of process {pid}")
+            dump = DeviceDump.from_json(answer.get("manifest"), answered=True)
+        except ProbeError as exc:
+            raise WorkerError(f"device memory release: {exc}") from exc
+        if dump.regions:
+            self.records.append(DumpRecord(pid, socket, directory.name, dump))
+        else:  # nothing was routed through it: nothing to hydrate, nothing left in the images
+            remove_dump(directory)
+        self.reports.append(DumpedDevice(
+            pid=pid, socket=socket, state="released" if dump.regions else "empty", bytes=dump.bytes,
+            regions=len(dump.regions), segments=len(dump.segments), seconds=time.perf_counter() - started,
+            gbps=dump.gbps, timings_s=dump.timings_s, uncovered=dump.uncovered, manifest_digest=dump.manifest_digest))
+
+    def roll_back(self) -> None:
+        """A failed capture: every process asked to release gets its memory back; the dumps are removed."""
+        for socket, directory in self.asked:
+            with contextlib.suppress(ProbeError):
+                status = interposer_request(socket, {"op": "status"}, "status", timeout=30.0)
+                if status.get("released"):
+                    interposer_request(socket, {"op": "hydrate", "dir": str(directory)}, "roll back the release")
+            remove_dump(directory)
+        (self.images / RECORD).unlink(missing_ok=True)
+
+
+def validated_dumps(images: Path) -> list[DumpRecord]:
+    """Restore, before CRIU: the record, every manifest's digest and every dump file's size; [] without one."""
+    path = images / RECORD
+    if not path.exists():
+        return []
+    try:
+        stored = json.loads(path.read_text())
+        if not isinstance(stored, dict) or stored.get("kind") != RECORD_KIND or stored.get("format") != 1:
+            raise HydrationError(f"not a format-1 {RECORD_KIND}")
+        records = [DumpRecord(int(p["pid"]), str(p["socket"]), str(p["directory"]), DeviceDump.from_json(p["manifest"]))
+                   for p in stored["processes"]]
+        for record in records:
+            if record.directory != f"device-{record.pid}":
+                raise HydrationError(f"process {record.pid}'s dump directory must be device-{record.pid}")
+            check_dump(record.dump, images / record.directory)
+    except (ValueError, KeyError, TypeError, ProbeError) as exc:
+        raise WorkerError(f"{RECORD}: device memory cannot be hydrated, not restoring: {exc}") from exc
+    return records
+
+
+def hydrate_devices(records: list[DumpRecord], images: Path, policy: str) -> list[HydratedDevice]:
+    """Restore, after the CUDA restore: each process maps, fills and verifies its regions, then runs on."""
+    hydrated = []
+    for record in records:
+        started = time.perf_counter()
+        try:
+            answer = interposer_request(record.socket, {"op": "hydrate", "dir": str(images / record.directory),
+                                                        "policy": policy},
+                                        f"hydrate the device memory of process {record.pid}")
+        except ProbeError as exc:
+            raise WorkerError(f"device memory hydration failed, the restored process is not released: {exc}") from exc
+        report = answer.get("report") or {}
+        hydrated.append(HydratedDevice(pid=record.pid, bytes=int(report.get("bytes", 0)),
+                                       seconds=time.perf_counter() - started, gbps=float(report.get("gbps", 0.0)),
+                                       interposer=report))
+    return hydrated
