@@ -16,6 +16,11 @@ restore hydrates and verifies them before the engine serves. `--strategy hydrato
 long-lived hydrator (`python -m coldsnap_probe.hydration serve`) that page-locks the weights file
 once. `--hydrate-bench GIB` first measures the copy strategies (register, ring, O_DIRECT ring,
 hydrator) with the source in /dev/shm, in the page cache and cold on disk.
+
+Mode `interposer` is the no-cooperation path: the same server, unchanged (no --vmm-weights), run under
+`LD_PRELOAD=libcoldsnap_cuda.so` with `COLDSNAP_CUDA_INTERPOSER_SOCKET`; the worker finds the socket in the
+server's environment, has the interposer dump and release every device allocation before the CUDA lock (into
+the images), and hydrate it after the CUDA restore (docs/interposer.md). Its capture row adds the release.
 """
 
 from __future__ import annotations
@@ -159,13 +164,23 @@ def settle_gpu(limit_mib: int, timeout: float = 3.0) -> dict[str, Any]:
     return {"used_mib": used, "waited_s": round(time.time() - started, 2)}
 
 
+def server_env(root: Path, interposer: Path | None) -> dict[str, str] | None:
+    """The server's environment: under the interposer (its socket per pid in `root`), or inherited."""
+    if interposer is None:
+        return None
+    return {**os.environ, "LD_PRELOAD": str(interposer),
+            "COLDSNAP_CUDA_INTERPOSER_SOCKET": str(root / "cuda-%p.sock")}
+
+
 def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, weights: Path,
              digests: list[bytes], strategy: str, images_root: Path, stack_bytes: int = 0,
-             lazy_pages: bool = False, kv_discard: bool = False) -> dict[str, Any]:
-    """One size in one mode: the whole device state in the images, or weights hydrated after restore."""
+             lazy_pages: bool = False, kv_discard: bool = False, interposer: Path | None = None) -> dict[str, Any]:
+    """One size in one mode: the whole device state in the images, weights hydrated after restore, or (with
+    `interposer`, the library) every device allocation dumped and hydrated by the interposer."""
     from coldsnap_probe import combine_digests
 
-    images = images_root / f"images-{gib:g}g{'-hydrate' if hydrate else ''}"
+    suffix = "-hydrate" if hydrate else "-interposer" if interposer else ""
+    images = images_root / f"images-{gib:g}g{suffix}"
     control = root / f"control-{gib:g}g.sock"
     extra = (["--vmm-weights", "--control", str(control), "--strategy", strategy,
               "--region-digest", combine_digests(digests[:region_bytes(gib) // CHUNK])] if hydrate else [])
@@ -182,7 +197,7 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
         server = subprocess.Popen([sys.executable, str(SERVER), "--gib", str(gib), "--weights", str(weights),
                                    "--socket", str(path), *extra],
                                   stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                  start_new_session=True)
+                                  start_new_session=True, env=server_env(root, interposer))
     while "ready" not in stages(log):
         if server.poll() is not None:
             raise RuntimeError(f"server exited {server.returncode}: {log.read_text()[-2000:]}")
@@ -213,10 +228,11 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
         marks = {m["name"]: m["since_restore_begin_s"] for m in report["timeline"]}
         first, tokens, first_hash = request(path, max_tokens)
         hydration = report.get("hydration", {})
+        wake = hydration.get("phase_seconds", 0.0) + report.get("device_hydration_seconds", 0.0)
         restores.append({"ttft_s": first - t0, "criu_restore_s": report["criu_restore_seconds"],
                          "cuda_restore_s": report["cuda_restore_seconds"],
                          "worker_s": report.get("ready_seconds", report["restore_seconds"]),
-                         "wake_s": hydration.get("phase_seconds", 0.0), "hydration": hydration,
+                         "wake_s": wake, "hydration": hydration, "device_memory": report.get("device_memory"),
                          "worker_start_s": report["timeline"][0]["unix_ns"] / 1e9 - t0,
                          "after_ready_s": first - report["timeline"][-1]["unix_ns"] / 1e9,
                          "criu_log": criu_gaps(work / "restore.log"),
@@ -240,9 +256,11 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
     unchanged = image_digest(images) == digest_before
     for done in (images, *images.parent.glob(f"{images.name}-work-*")):  # the disk holds one size at a time
         subprocess.run(["rm", "-rf", str(done)], check=True)
-    return {"gib": gib, "mode": "weights hydrated" if hydrate else "full image", "device_bytes": device_bytes,
+    mode = "weights hydrated" if hydrate else "interposer (no cooperation)" if interposer else "full image"
+    return {"gib": gib, "mode": mode, "device_bytes": device_bytes,
             "strategy": strategy if hydrate else "", "cold": cold, "capture": capture["timings_s"],
-            "capture_hydration": capture.get("hydration"), "cold_stages": entries,
+            "capture_hydration": capture.get("hydration"), "capture_device_memory": capture.get("device_memory"),
+            "cold_stages": entries,
             "image_bytes": capture["image_bytes"], "image_files": image_files[:12],
             "memory_before_checkpoint": capture.get("memory_before_checkpoint"),
             "memory_after_checkpoint": capture.get("memory_after_checkpoint"),
@@ -292,6 +310,11 @@ def hydrate_bench(gib: float, weights: Path, disk_dir: Path, hydrator: str) -> d
     return results
 
 
+def device_gbps(restore: dict[str, Any]) -> float:
+    """The interposer's fill rate in a restore (0 when it hydrated nothing)."""
+    return max((d.get("gbps", 0.0) for d in restore.get("device_memory") or []), default=0.0)
+
+
 def choices(*allowed: str) -> Callable[[str], list[str]]:
     """An argparse type: a comma-separated list of `allowed` values."""
     def parse(text: str) -> list[str]:
@@ -310,9 +333,9 @@ def main() -> None:
     parser.add_argument("--weights-dir", default="/dev/shm", help="where the weights file lives")
     parser.add_argument("--images-root", default="", help="where the images go (default: --root)")
     parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--modes", default="hydrate", type=choices("full", "hydrate"),
+    parser.add_argument("--modes", default="hydrate", type=choices("full", "hydrate", "interposer"),
                         help="comma-separated: full (whole state in the images), hydrate (weights re-hydrated "
-                        "after restore)")
+                        "after restore), interposer (the unchanged server under the CUDA interposer)")
     parser.add_argument("--strategy", default="hydrator", choices=["register", "ring", "direct", "hydrator"])
     parser.add_argument("--hydrate-bench", type=float, default=0.0, help="GiB for the copy-strategy benchmark")
     parser.add_argument("--stack-bytes", default="0", help="comma-separated CUDA per-thread stack limits to run "
@@ -326,7 +349,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--bench-child", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if "full" in args.modes and "discarded" in args.kv:
+    if ("full" in args.modes or "interposer" in args.modes) and "discarded" in args.kv:
         parser.error("--kv discarded needs --modes hydrate (the KV cache is discarded from the weight arena)")
     if args.bench_child:
         gib, weights, disk_dir, hydrator = json.loads(args.bench_child)
@@ -351,6 +374,11 @@ def main() -> None:
     digests = chunk_digests(weights, 0, region_bytes(largest))
     digest_s = time.time() - started
     h2d = pinned_h2d_gbps()
+    library = None
+    if "interposer" in args.modes:
+        from coldsnap_probe.hydration import library_path
+
+        library = library_path(root / "interposer-lib")
     hydrator_proc, hydrator_ready = None, None
     strategy = args.strategy
     if strategy == "hydrator" or args.hydrate_bench:
@@ -378,7 +406,8 @@ def main() -> None:
         for size, mode, stack, memory, kv in itertools.product(sizes, args.modes, args.stack_bytes.split(","),
                                                                args.memory, args.kv):
             results.append({**run_size(size, root, args.criu, args.tokens, mode == "hydrate", weights, digests,
-                                       strategy, images_root, int(stack), memory == "lazy", kv == "discarded"),
+                                       strategy, images_root, int(stack), memory == "lazy", kv == "discarded",
+                                       library if mode == "interposer" else None),
                             "stack_bytes": int(stack), "memory": memory, "kv": kv})
             Path(args.out, "restore_ttft.partial.json").write_text(json.dumps(results, indent=2))
     finally:
@@ -401,7 +430,9 @@ def main() -> None:
                      f"{best['worker_start_s']:.2f} / {best['criu_restore_s']:.2f} / {best['cuda_restore_s']:.2f} / "
                      f"{best['wake_s']:.2f} / {best['after_ready_s']:.2f}",
                      pages_in or "-", f"{staged.get('copy_s', 0):.2f}" if staged.get("staged") else "-",
-                     f"{hydrated.get('gbps', 0):.1f}", f"{r['image_bytes'] / 1e9:.2f}",
+                     f"{(hydrated.get('gbps') or device_gbps(best)):.1f}", f"{r['image_bytes'] / 1e9:.2f}",
+                     " / ".join(f"{r['capture'].get(k, 0.0):.2f}" for k in ("device_release", "cuda_checkpoint",
+                                                                              "criu_dump")),
                      f"{gbps:.1f} ({gbps / h2d:.0%} of {h2d:.1f})",
                      "yes" if all(x["tokens_identical"] and x["logits_identical"] for x in r["restores"]) else "NO",
                      "yes" if r["images_unchanged"] else "NO"])
@@ -411,6 +442,7 @@ def main() -> None:
     print(table(["model", "mode", "cold TTFT s", "restore TTFT s (best / other)", "speed-up",
                  "restore: worker start / CRIU / CUDA / hydrate / first token after ready s",
                  "every page in s (since restore)", "staged copy s (overlapped)", "hydration GB/s", "images GB",
+                 "capture: device release / CUDA checkpoint / CRIU dump s",
                  "device GB/s back (of pinned H2D)",
                  "identical tokens+logits", "images unchanged"], rows))
     Path(args.out, "restore_ttft.json").write_text(json.dumps(

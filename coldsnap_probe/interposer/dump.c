@@ -114,7 +114,8 @@ static void one_chunk(struct job *job, struct item *it, CUstream s[2], void *buf
             if (full_io(0, fd, buf[slot], n, (off_t)(it->offset + at)))
                 return fail(job, "write %s: %s", seg->file, strerror(errno));
         } else {
-            if (k >= 2 && (rc = d->stream_synchronize(s[slot])))
+            /* The buffer's last copy (this chunk's or the previous one's) must be done before it is refilled. */
+            if ((rc = d->stream_synchronize(s[slot])))
                 return fail(job, "copy to region %#llx: %s", r->address, cscu_error_name(rc));
             if (full_io(1, fd, buf[slot], n, (off_t)(it->offset + at)))
                 return fail(job, "read %s at %zu: %s (the dump is shorter than its manifest or unreadable)",

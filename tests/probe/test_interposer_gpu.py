@@ -1,0 +1,192 @@
+"""The CUDA interposer on a GPU: an unchanged torch process (tensors, a cuBLAS matmul, a captured CUDA graph)
+under the preload is released (dumped, unmapped), CUDA-checkpointed and restored from a second process, then
+hydrated: same digests, the graph replays the same output. A corrupt, a shorter dump and too little device
+memory are refused naming the phase and file, leave nothing mapped and keep the gate closed; a launch made while
+the memory is released waits for the hydration. Skipped without an NVIDIA driver."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coldsnap_probe.errors import HydrationError
+from coldsnap_probe.hydration import DeviceDump, build_library, check_dump
+from coldsnap_probe.hydration._interposer import interposer_request
+from tests.helpers import ROOT
+from tests.probe.test_main import has_nvidia_driver
+
+pytestmark = pytest.mark.skipif(not has_nvidia_driver(), reason="needs an NVIDIA driver")
+MIB = 1 << 20
+TARGET_MIB = 1024
+
+
+def wait_for(path: Path, proc: subprocess.Popen[bytes], timeout: float = 120.0) -> dict[str, Any]:
+    give_up = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"the target exited {proc.returncode}"
+        assert time.monotonic() < give_up, f"no {path.name} within {timeout} s"
+        time.sleep(0.02)
+    value: dict[str, Any] = json.loads(path.read_text())
+    return value
+
+
+class Target:
+    """The torch process and its interposer socket; `ask` leaves a request file and waits for the answer."""
+
+    def __init__(self, root: Path, library: Path) -> None:
+        self.directory = root / "target"
+        self.directory.mkdir()
+        self.socket = str(root / "cuda.sock")
+        env = {**os.environ, "LD_PRELOAD": str(library), "COLDSNAP_CUDA_INTERPOSER_SOCKET": self.socket}
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.probe._torch_target", str(self.directory),
+                                      str(TARGET_MIB)], cwd=ROOT, env=env, start_new_session=True)
+        self.ready = wait_for(self.directory / "ready", self.proc)
+        self.count = 0
+
+    def ask(self, kind: str, timeout: float = 60.0) -> dict[str, Any]:
+        self.count += 1
+        (self.directory / f"{kind}-{self.count}").touch()
+        return wait_for(self.directory / f"answer-{kind}-{self.count}", self.proc, timeout)
+
+    def request(self, message: dict[str, Any], what: str = "interposer") -> dict[str, Any]:
+        return interposer_request(self.socket, message, what)
+
+    def release(self, dump: Path) -> DeviceDump:
+        if dump.exists():
+            shutil.rmtree(dump)
+        dump.mkdir(mode=0o700)
+        answer = self.request({"op": "release", "dir": str(dump)})
+        return DeviceDump.from_json(answer["manifest"], answered=True)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
+    root = tmp_path_factory.mktemp("interposer-gpu")
+    library, diagnostics = build_library(root / "lib")
+    assert diagnostics == ""
+    target = Target(root, library)
+    try:
+        yield target
+    finally:
+        os.killpg(target.proc.pid, 9)
+        target.proc.wait()
+
+
+def test_torch_allocations_go_through_the_interposer(target: Target) -> None:
+    status = target.request({"op": "status"})
+    assert status["regions"] > 0 and status["bytes"] >= TARGET_MIB * MIB and status["gate"] == "open"
+    assert status["released"] is False
+
+
+def test_a_released_dump_matches_its_manifest_and_every_address_stays_reserved(target: Target,
+                                                                             tmp_path: Path) -> None:
+    dump = target.release(tmp_path / "dump")
+    try:
+        assert dump.bytes >= TARGET_MIB * MIB and dump.gbps > 0
+        check_dump(dump, tmp_path / "dump", content=True)  # the C digests equal the Python ones
+        status = target.request({"op": "status"})
+        assert status["released"] is True and status["gate"] == "closed" and status["mapped_bytes"] == 0
+        again = target.request({"op": "release", "dir": str(tmp_path)}, "second release")
+    except HydrationError as exc:
+        assert "released already" in str(exc)
+    else:
+        pytest.fail(f"a second release was accepted: {again}")
+    report = target.request({"op": "hydrate"})["report"]
+    assert report["bytes"] == dump.bytes
+    assert target.ask("check") == {**target.ready, "pid": target.proc.pid}
+
+
+def test_a_corrupt_dump_is_refused_and_nothing_stays_mapped(target: Target, tmp_path: Path) -> None:
+    dump = target.release(tmp_path / "dump")
+    first = tmp_path / "dump" / dump.segments[0].file
+    original = first.read_bytes()[4096:4097]
+    with open(first, "r+b") as f:
+        f.seek(4096)
+        f.write(bytes([original[0] ^ 0xFF]))
+    with pytest.raises(HydrationError, match=rf"hydrate: fill: dump file {first.name} .* does not match its digest"):
+        target.request({"op": "hydrate"})
+    status = target.request({"op": "status"})
+    assert status["released"] is True and status["gate"] == "closed" and status["mapped_bytes"] == 0
+    with open(first, "r+b") as f:
+        f.seek(4096)
+        f.write(original)
+    target.request({"op": "hydrate"})
+    assert target.ask("check") == {**target.ready, "pid": target.proc.pid}
+
+
+def test_a_shorter_dump_is_refused_before_anything_is_created(target: Target, tmp_path: Path) -> None:
+    dump = target.release(tmp_path / "dump")
+    last = tmp_path / "dump" / dump.segments[-1].file
+    kept = tmp_path / "kept.bin"
+    shutil.copy2(last, kept)
+    os.truncate(last, dump.segments[-1].size - 1)
+    with pytest.raises(HydrationError, match=rf"hydrate: dump file .*/{last.name} holds .* the dump is shorter"):
+        target.request({"op": "hydrate"})
+    assert target.request({"op": "status"})["mapped_bytes"] == 0
+    shutil.copy2(kept, last)
+    target.request({"op": "hydrate"})
+    assert target.ask("check") == {**target.ready, "pid": target.proc.pid}
+
+
+def test_too_little_device_memory_is_refused_and_what_was_created_is_released(target: Target,
+                                                                             tmp_path: Path) -> None:
+    from coldsnap_probe._cuda import Driver
+
+    target.release(tmp_path / "dump")
+    driver = Driver()
+    driver.context()
+    free, _total = driver.call("cuMemGetInfo")
+    hog = driver.call("cuMemAlloc_v2", int(free) - 512 * MIB)  # room for some regions, not all
+    try:
+        with pytest.raises(HydrationError, match=r"hydrate: create: region 0x[0-9a-f]+ .*OUT_OF_MEMORY"):
+            target.request({"op": "hydrate"})
+        assert target.request({"op": "status"})["mapped_bytes"] == 0
+    finally:
+        driver.call("cuMemFree_v2", hog)
+    target.request({"op": "hydrate"})
+    assert target.ask("check") == {**target.ready, "pid": target.proc.pid}
+
+
+def test_a_launch_while_released_waits_for_the_hydration(target: Target, tmp_path: Path) -> None:
+    target.release(tmp_path / "dump")
+    target.count += 1
+    (target.directory / f"launch-{target.count}").touch()
+    answer = target.directory / f"answer-launch-{target.count}"
+    time.sleep(1.5)
+    assert not answer.exists(), "a launch ran on released memory"
+    target.request({"op": "hydrate"})
+    hydrated = time.time()
+    done = wait_for(answer, target.proc)
+    assert done["finished_unix"] <= time.time() and done["finished_unix"] >= hydrated - 0.5
+    assert target.ask("check") == {**target.ready, "pid": target.proc.pid}
+
+
+def test_released_checkpointed_restored_hydrated_gives_the_same_bytes_and_graph(target: Target,
+                                                                               tmp_path: Path) -> None:
+    from coldsnap_probe._cuda import Driver
+    from coldsnap_probe._process import require_state
+
+    dump = target.release(tmp_path / "dump")
+    driver = Driver()
+    driver.call("cuInit", 0)
+    pid = target.proc.pid
+    args = driver.cuda.CUcheckpointLockArgs()
+    args.timeoutMs = 30_000
+    driver.call("cuCheckpointProcessLock", pid, args)
+    driver.call("cuCheckpointProcessCheckpoint", pid, None)
+    require_state(driver, [pid], "checkpointed", "after checkpoint")
+    driver.call("cuCheckpointProcessRestore", pid, None)
+    driver.call("cuCheckpointProcessUnlock", pid, None)
+    require_state(driver, [pid], "running", "after unlock")
+    report = target.request({"op": "hydrate", "policy": "same-gpu"})["report"]
+    assert report["bytes"] == dump.bytes and report["policy"] == "same-gpu"
+    assert target.ask("check") == {**target.ready, "pid": pid}
