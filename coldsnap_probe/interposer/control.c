@@ -213,11 +213,13 @@ static void dispatch(const struct request *req, char *out, size_t room)
 /* --- the socket --------------------------------------------------------------------------------------------- */
 static size_t answer_room(void)
 {
-    size_t count;
+    size_t count, segments = 0;
     cscu_regions_lock();
-    cscu_regions(&count);
+    struct cscu_region *r = cscu_regions(&count);
+    for (size_t i = 0; i < count; i++)
+        segments += r[i].size / CSCU_SEGMENT + 1;
     cscu_regions_unlock();
-    return CSCU_ANSWER + count * 1024;  /* a region's manifest entry with a few segments */
+    return CSCU_ANSWER + count * 512 + segments * 256;  /* a region's manifest entry, a segment's */
 }
 
 static void serve_one(int conn)

@@ -112,8 +112,8 @@ struct cscu_config {
     char socket[256];           /* COLDSNAP_CUDA_INTERPOSER_SOCKET, "%p" replaced by the pid; "" = inert */
     size_t threshold;           /* COLDSNAP_CUDA_INTERPOSER_THRESHOLD bytes (default 2 MiB) */
     int exportable;             /* COLDSNAP_CUDA_INTERPOSER_EXPORTABLE (default 1) */
-    int threads;                /* COLDSNAP_CUDA_INTERPOSER_THREADS copy threads (default 8) */
-    size_t staging;             /* COLDSNAP_CUDA_INTERPOSER_STAGING_MIB per pinned buffer (default 16 MiB) */
+    int threads;                /* COLDSNAP_CUDA_INTERPOSER_THREADS copy threads (default: usable CPUs, 4-16) */
+    size_t staging;             /* COLDSNAP_CUDA_INTERPOSER_STAGING_MIB per pinned buffer (default 8 MiB) */
 };
 CSCU_HIDDEN const struct cscu_config *cscu_config(void);
 

@@ -3,6 +3,7 @@
  * the readiness gate; what stayed on the checkpoint path; the configuration and the real driver. */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,10 +35,13 @@ static void config_read(void)
 {
     const char *socket = getenv("COLDSNAP_CUDA_INTERPOSER_SOCKET");
     config.threshold = env_size("COLDSNAP_CUDA_INTERPOSER_THRESHOLD", (size_t)2 << 20, 1);
-    config.threads = (int)env_size("COLDSNAP_CUDA_INTERPOSER_THREADS", 8, 1);
+    cpu_set_t cpus;
+    int usable = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 8;
+    /* Default: one copy thread per CPU the process may use (digesting bounds the rate), 4 to 16. */
+    config.threads = (int)env_size("COLDSNAP_CUDA_INTERPOSER_THREADS", usable < 4 ? 4 : usable > 16 ? 16 : usable, 1);
     if (config.threads > 64)
         config.threads = 64;
-    config.staging = env_size("COLDSNAP_CUDA_INTERPOSER_STAGING_MIB", 16, (size_t)1 << 20);
+    config.staging = env_size("COLDSNAP_CUDA_INTERPOSER_STAGING_MIB", 8, (size_t)1 << 20);
     if (config.staging > CSCU_DIGEST_CHUNK)
         config.staging = CSCU_DIGEST_CHUNK;
     const char *exportable = getenv("COLDSNAP_CUDA_INTERPOSER_EXPORTABLE");
@@ -118,52 +122,70 @@ const char *cscu_error_name(CUresult rc)
 }
 
 /* --- the readiness gate --------------------------------------------------------------------------------------- */
+/* A gated call counts itself in, then looks at the gate; a release closes the gate, then waits for the count to
+ * drop to zero. Both are sequentially consistent, so either the call sees the gate closed (and waits outside) or
+ * the release sees the call (and waits for it): no launch runs on released memory, and an open gate costs two
+ * atomic operations per call. */
 static pthread_mutex_t gate_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t gate_changed = PTHREAD_COND_INITIALIZER;
 static int gate_closed;     /* Invariant: 1 from a release's start until a hydrate succeeds (or a release fails) */
-static int gate_inside;     /* gated calls running now */
+static long gate_inside;    /* gated calls counted in */
 
 void cscu_gate_enter(void)
 {
     if (!cscu_config()->socket[0])
-        return;  /* inert (no socket): no gate, not even a lock */
-    pthread_mutex_lock(&gate_lock);
-    while (gate_closed)
-        pthread_cond_wait(&gate_changed, &gate_lock);
-    gate_inside++;
-    pthread_mutex_unlock(&gate_lock);
+        return;  /* inert (no socket): no gate */
+    for (;;) {
+        __atomic_add_fetch(&gate_inside, 1, __ATOMIC_SEQ_CST);
+        if (!__atomic_load_n(&gate_closed, __ATOMIC_SEQ_CST))
+            return;
+        cscu_gate_leave();
+        pthread_mutex_lock(&gate_lock);
+        while (__atomic_load_n(&gate_closed, __ATOMIC_SEQ_CST))
+            pthread_cond_wait(&gate_changed, &gate_lock);
+        pthread_mutex_unlock(&gate_lock);
+    }
 }
 
 void cscu_gate_leave(void)
 {
     if (!cscu_config()->socket[0])
         return;
-    pthread_mutex_lock(&gate_lock);
-    if (gate_inside > 0 && --gate_inside == 0)
+    if (__atomic_sub_fetch(&gate_inside, 1, __ATOMIC_SEQ_CST) == 0 && __atomic_load_n(&gate_closed, __ATOMIC_SEQ_CST)) {
+        pthread_mutex_lock(&gate_lock);
         pthread_cond_broadcast(&gate_changed);
-    pthread_mutex_unlock(&gate_lock);
+        pthread_mutex_unlock(&gate_lock);
+    }
 }
 
 void cscu_gate_close(void)
 {
+    struct timespec deadline;
     pthread_mutex_lock(&gate_lock);
-    __atomic_store_n(&gate_closed, 1, __ATOMIC_RELEASE);
-    while (gate_inside > 0)  /* a stream/event synchronise ends when its work does */
-        pthread_cond_wait(&gate_changed, &gate_lock);
+    __atomic_store_n(&gate_closed, 1, __ATOMIC_SEQ_CST);
+    while (__atomic_load_n(&gate_inside, __ATOMIC_SEQ_CST) > 0) {  /* a synchronise ends when its work does */
+        clock_gettime(CLOCK_REALTIME, &deadline);
+        deadline.tv_nsec += 10 * 1000 * 1000;  /* and look again every 10 ms, whatever woke us */
+        if (deadline.tv_nsec >= 1000000000L) {
+            deadline.tv_sec++;
+            deadline.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&gate_changed, &gate_lock, &deadline);
+    }
     pthread_mutex_unlock(&gate_lock);
 }
 
 void cscu_gate_open(void)
 {
     pthread_mutex_lock(&gate_lock);
-    __atomic_store_n(&gate_closed, 0, __ATOMIC_RELEASE);
+    __atomic_store_n(&gate_closed, 0, __ATOMIC_SEQ_CST);
     pthread_cond_broadcast(&gate_changed);
     pthread_mutex_unlock(&gate_lock);
 }
 
 int cscu_gate_is_open(void)
 {
-    return !__atomic_load_n(&gate_closed, __ATOMIC_ACQUIRE);
+    return !__atomic_load_n(&gate_closed, __ATOMIC_SEQ_CST);
 }
 
 /* --- what stayed on the checkpoint path ------------------------------------------------------------------------ */

@@ -96,7 +96,10 @@ def engine(library: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], env=env)
     path = str(folder / f"cuda-{proc.pid}.sock")
     give_up = time.monotonic() + 20
-    while not os.path.exists(path) and time.monotonic() < give_up:
+    while time.monotonic() < give_up:  # the file exists from bind, the socket answers from listen
+        with socket.socket(socket.AF_UNIX) as probe:
+            if probe.connect_ex(path) == 0:
+                break
         time.sleep(0.01)
     try:
         yield proc, path
