@@ -169,10 +169,14 @@ static void dispatch(const struct request *req, char *out, size_t room)
     if (strcmp(req->op, "status") == 0) {
         status(out, room);
     } else if (strcmp(req->op, "release") == 0) {
-        if (released)
-            return refuse(out, room, "release", "the regions are released already (hydrate them first)");
-        if (!req->has_dir || req->dir[0] != '/')
-            return refuse(out, room, "release", "`dir` must be the absolute path of the dump directory");
+        if (released) {
+            refuse(out, room, "release", "the regions are released already (hydrate them first)");
+            return;
+        }
+        if (!req->has_dir || req->dir[0] != '/') {
+            refuse(out, room, "release", "`dir` must be the absolute path of the dump directory");
+            return;
+        }
         cscu_gate_close();  /* new launches wait; those running end first */
         cscu_regions_lock();
         cscu_release(req->dir, out, room);
@@ -187,12 +191,18 @@ static void dispatch(const struct request *req, char *out, size_t room)
             cscu_gate_open();  /* nothing was released: the engine keeps running as before */
     } else if (strcmp(req->op, "hydrate") == 0) {
         const char *policy = req->policy[0] ? req->policy : "same-model";
-        if (!released)
-            return refuse(out, room, "hydrate", "nothing is released");
-        if (strcmp(policy, "same-model") != 0 && strcmp(policy, "same-gpu") != 0)
-            return refuse(out, room, "hydrate", "`policy` must be same-model or same-gpu");
-        if (req->has_dir && req->dir[0] != '/')
-            return refuse(out, room, "hydrate", "`dir` must be an absolute path");
+        if (!released) {
+            refuse(out, room, "hydrate", "nothing is released");
+            return;
+        }
+        if (strcmp(policy, "same-model") != 0 && strcmp(policy, "same-gpu") != 0) {
+            refuse(out, room, "hydrate", "`policy` must be same-model or same-gpu");
+            return;
+        }
+        if (req->has_dir && req->dir[0] != '/') {
+            refuse(out, room, "hydrate", "`dir` must be an absolute path");
+            return;
+        }
         cscu_regions_lock();
         cscu_hydrate(req->has_dir ? req->dir : released_dir, policy, out, room);
         size_t count;

@@ -153,6 +153,8 @@ CSCU_HIDDEN CUresult cscu_free(CUdeviceptr ptr);
 CSCU_HIDDEN void cscu_device_prop(CUmemAllocationProp *prop, CUdevice dev);
 /* The UUID (GPU-...) and name of device `dev`; 0, or -1 when the driver cannot say. */
 CSCU_HIDDEN int cscu_device_identity(CUdevice dev, char uuid[48], char name[96]);
+/* Forget what was learnt about the devices (a restore may have brought the process to other GPUs). */
+CSCU_HIDDEN void cscu_devices_forget(void);
 /* New physical memory mapped read-write at r->address (r->handle set); on failure nothing is left behind. */
 CSCU_HIDDEN CUresult cscu_map(struct cscu_region *r);
 /* Unmap and release r's backing (r->handle = 0); the reservation stays. */

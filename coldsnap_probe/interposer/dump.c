@@ -85,8 +85,9 @@ static int full_io(int fill, int fd, void *buffer, size_t size, off_t offset)
     return 0;
 }
 
-/* One chunk: pieces of the staging size through two buffers and two streams. */
-static void one_chunk(struct job *job, struct item *it, CUstream s[2], void *buf[2], size_t staging)
+/* One chunk: pieces of the staging size through two buffers and two streams. 0, or -1 with the job failed. */
+static int copy_pieces(struct job *job, struct item *it, CUstream s[2], void *buf[2], size_t staging,
+                       cscu_sha256 *h)
 {
     const struct cscu_driver *d = cscu_driver();
     size_t count;
@@ -95,37 +96,49 @@ static void one_chunk(struct job *job, struct item *it, CUstream s[2], void *buf
     CUdeviceptr base = r->address + seg->offset + it->offset;
     size_t pieces = (it->size + staging - 1) / staging;
     int fd = job->fds[it->segment];
-    cscu_sha256 h;
-    cscu_sha256_init(&h);
-    if (!job->fill && d->memcpy_dtoh_async(buf[0], base, it->size < staging ? it->size : staging, s[0]))
-        return fail(job, "copy from region %#llx failed", r->address);
+    CUresult rc = CUDA_SUCCESS;
+    if (!job->fill && (rc = d->memcpy_dtoh_async(buf[0], base, it->size < staging ? it->size : staging, s[0])))
+        goto device;
     for (size_t k = 0; k < pieces && !job->failed; k++) {
-        size_t at = k * staging, n = it->size - at < staging ? it->size - at : staging;
+        size_t at = k * staging, n = it->size - at < staging ? it->size - at : staging, next = at + staging;
         int slot = (int)(k % 2);
-        CUresult rc;
-        if (!job->fill) {
-            size_t next = at + staging;
+        if (!job->fill) {  /* the next piece comes off the device while this one is digested and written */
             if (k + 1 < pieces && (rc = d->memcpy_dtoh_async(buf[1 - slot], base + next,
-                                   it->size - next < staging ? it->size - next : staging, s[1 - slot])))
-                return fail(job, "copy from region %#llx: %s", r->address, cscu_error_name(rc));
+                                                             it->size - next < staging ? it->size - next : staging,
+                                                             s[1 - slot])))
+                goto device;
             if ((rc = d->stream_synchronize(s[slot])))
-                return fail(job, "copy from region %#llx: %s", r->address, cscu_error_name(rc));
-            cscu_sha256_update(&h, buf[slot], n);
-            if (full_io(0, fd, buf[slot], n, (off_t)(it->offset + at)))
-                return fail(job, "write %s: %s", seg->file, strerror(errno));
-        } else {
-            /* The buffer's last copy (this chunk's or the previous one's) must be done before it is refilled. */
+                goto device;
+            cscu_sha256_update(h, buf[slot], n);
+            if (full_io(0, fd, buf[slot], n, (off_t)(it->offset + at)) != 0) {
+                fail(job, "write %s: %s", seg->file, strerror(errno));
+                return -1;
+            }
+        } else {  /* the buffer's last copy (this chunk's or the previous one's) is done before it is refilled */
             if ((rc = d->stream_synchronize(s[slot])))
-                return fail(job, "copy to region %#llx: %s", r->address, cscu_error_name(rc));
-            if (full_io(1, fd, buf[slot], n, (off_t)(it->offset + at)))
-                return fail(job, "read %s at %zu: %s (the dump is shorter than its manifest or unreadable)",
-                            seg->file, it->offset + at, errno == EIO ? "it ends early" : strerror(errno));
-            cscu_sha256_update(&h, buf[slot], n);
+                goto device;
+            if (full_io(1, fd, buf[slot], n, (off_t)(it->offset + at)) != 0) {
+                fail(job, "read %s at %zu: %s (the dump is shorter than its manifest or unreadable)", seg->file,
+                     it->offset + at, errno == EIO ? "it ends early" : strerror(errno));
+                return -1;
+            }
+            cscu_sha256_update(h, buf[slot], n);
             if ((rc = d->memcpy_htod_async(base + at, buf[slot], n, s[slot])))
-                return fail(job, "copy to region %#llx: %s", r->address, cscu_error_name(rc));
+                goto device;
         }
     }
-    cscu_sha256_final(&h, it->digest);
+    return job->failed ? -1 : 0;
+device:
+    fail(job, "copy %s region %#llx: %s", job->fill ? "to" : "from", r->address, cscu_error_name(rc));
+    return -1;
+}
+
+static void one_chunk(struct job *job, struct item *it, CUstream s[2], void *buf[2], size_t staging)
+{
+    cscu_sha256 h;
+    cscu_sha256_init(&h);
+    copy_pieces(job, it, s, buf, staging, &h);
+    cscu_sha256_final(&h, it->digest);  /* also on failure: it frees libcrypto's context */
 }
 
 static void *copy_thread(void *arg)
@@ -288,7 +301,8 @@ static void manifest(struct answer *a, const char *dir, double seconds[4], size_
         put(a, "]}");
     }
     put(a, "],\"uncovered\":");
-    a->used += cscu_counts_json(a->out + a->used, a->room > a->used ? a->room - a->used : 0);
+    if (a->used < a->room)
+        a->used += cscu_counts_json(a->out + a->used, a->room - a->used);
     put(a, ",\"timings_s\":{\"synchronize\":%.6f,\"dump\":%.6f,\"unmap\":%.6f},\"gbps\":%.3f}}",
         seconds[1], seconds[2], seconds[3], seconds[2] > 0 ? (double)bytes / seconds[2] / 1e9 : 0.0);
 }
@@ -355,22 +369,27 @@ void cscu_release(const char *dir, char *out, size_t room)
     struct stat st;
     char error[512];
     int dirfd = open(dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-    if (dirfd < 0)
-        return refuse(out, room, "release", "dump directory %s: %s", dir, strerror(errno));
+    if (dirfd < 0) {
+        refuse(out, room, "release", "dump directory %s: %s", dir, strerror(errno));
+        return;
+    }
     if (fstat(dirfd, &st) != 0 || (st.st_uid != geteuid() && st.st_uid != 0) || (st.st_mode & 022)) {
         close(dirfd);
-        return refuse(out, room, "release", "dump directory %s must belong to this process's user or root and be "
-                      "writable by no one else", dir);
+        refuse(out, room, "release", "dump directory %s must belong to this process's user or root and be writable "
+               "by no one else", dir);
+        return;
     }
     if (synchronize_all(regions, count, error, sizeof(error)) != 0) {
         close(dirfd);
-        return refuse(out, room, "release", "%s", error);
+        refuse(out, room, "release", "%s", error);
+        return;
     }
     seconds[1] = now() - t0;
     int *fds = NULL;
     if (plan_segments(regions, count) != 0 || !(fds = malloc((segment_count + 1) * sizeof(int)))) {
         close(dirfd);
-        return refuse(out, room, "release", "out of host memory");
+        refuse(out, room, "release", "out of host memory");
+        return;
     }
     char *take = malloc(segment_count + 1);
     for (size_t i = 0; i < segment_count; i++)
@@ -381,16 +400,18 @@ void cscu_release(const char *dir, char *out, size_t room)
             snprintf(error, sizeof(error), "create %s/%s: %s", dir, segments[i].file, strerror(errno));
             close_files(dirfd, fds, 1);
             free(take);
-            return refuse(out, room, "release", "%s", error);
+            refuse(out, room, "release", "%s", error);
+            return;
         }
     job.fds = fds;
     if (take)
         memset(take, 1, segment_count + 1);
     if (!take || run(&job, 0, take) != 0) {
         close_files(dirfd, fds, 1);  /* nothing was unmapped: the engine runs on as before */
+        refuse(out, room, "release", "dump to %s: %s", dir, take ? job.error : "out of host memory");
         free(job.items);
         free(take);
-        return refuse(out, room, "release", "dump to %s: %s", dir, take ? job.error : "out of host memory");
+        return;
     }
     for (size_t i = 0; i < segment_count; i++) {
         segment_digest(&job, i, segments[i].digest);
@@ -411,8 +432,10 @@ void cscu_release(const char *dir, char *out, size_t room)
                      regions[i].address, cscu_error_name(rc));
     }
     seconds[3] = now() - t0 - seconds[1] - seconds[2];
-    if (error[0])
-        return refuse(out, room, "release", "%s", error);
+    if (error[0]) {
+        refuse(out, room, "release", "%s", error);
+        return;
+    }
     struct answer a = {out, room, 0};
     manifest(&a, dir, seconds, bytes);
     if (a.used >= room)
@@ -457,6 +480,7 @@ static int check_devices(const char *policy, char *error, size_t room)
     const struct cscu_driver *d = cscu_driver();
     size_t count;
     struct cscu_region *regions = cscu_regions(&count);
+    cscu_devices_forget();
     for (size_t i = 0; i < count; i++) {
         struct cscu_region *r = &regions[i];
         char uuid[48], name[96];
@@ -477,6 +501,7 @@ static int check_devices(const char *policy, char *error, size_t room)
             return -1;
         }
         r->device = dev;
+        memcpy(r->uuid, uuid, sizeof(r->uuid));  /* where it lives from now on (same-model may move it) */
     }
     return 0;
 }

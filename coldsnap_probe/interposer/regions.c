@@ -244,6 +244,8 @@ void cscu_untrack(uintptr_t ptr)
 size_t cscu_counts_json(char *out, size_t room)
 {
     size_t used = 0;
+    if (room < 2)
+        return 0;
     pthread_mutex_lock(&track_lock);
     used += (size_t)snprintf(out + used, room - used, "{");
     for (int k = 0; k < CSCU_KINDS && used < room; k++)
@@ -270,7 +272,7 @@ struct cscu_region *cscu_regions(size_t *count)
 }
 
 #define MAX_DEVICES 64
-void cscu_device_prop(CUmemAllocationProp *prop, CUdevice dev);
+static void format_uuid(const CUuuid *id, char out[48]);
 static struct { size_t granularity; char uuid[48]; char name[96]; } devices[MAX_DEVICES];
 
 static int describe(const struct cscu_driver *d, CUdevice dev, const CUmemAllocationProp *prop)
@@ -285,22 +287,32 @@ static int describe(const struct cscu_driver *d, CUdevice dev, const CUmemAlloca
         || d->device_get_uuid(&id, dev) != CUDA_SUCCESS
         || d->device_get_name(devices[dev].name, sizeof(devices[dev].name), dev) != CUDA_SUCCESS)
         return -1;
-    const unsigned char *b = id.bytes;
-    snprintf(devices[dev].uuid, sizeof(devices[dev].uuid),
-             "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1], b[2], b[3],
-             b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
+    format_uuid(&id, devices[dev].uuid);
     __atomic_store_n(&devices[dev].granularity, granularity, __ATOMIC_RELEASE);
     return 0;
 }
 
+static void format_uuid(const CUuuid *id, char out[48])
+{
+    const unsigned char *b = id->bytes;
+    snprintf(out, 48, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1], b[2],
+             b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
+}
+
+void cscu_devices_forget(void)
+{
+    for (int i = 0; i < MAX_DEVICES; i++)
+        __atomic_store_n(&devices[i].granularity, 0, __ATOMIC_RELEASE);
+}
+
 int cscu_device_identity(CUdevice dev, char uuid[48], char name[96])
 {
-    CUmemAllocationProp prop;
-    cscu_device_prop(&prop, dev);
-    if (!cscu_driver() || describe(cscu_driver(), dev, &prop) != 0)
+    /* Asked afresh, never from the allocation cache: after a restore the ordinal may be another GPU. */
+    const struct cscu_driver *d = cscu_driver();
+    CUuuid id;
+    if (!d || d->device_get_uuid(&id, dev) != CUDA_SUCCESS || d->device_get_name(name, 96, dev) != CUDA_SUCCESS)
         return -1;
-    memcpy(uuid, devices[dev].uuid, 48);
-    memcpy(name, devices[dev].name, 96);
+    format_uuid(&id, uuid);
     return 0;
 }
 
