@@ -46,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     restore.add_argument("--device-policy", choices=["same-model", "same-gpu"], default="same-model",
                          help="where the interposer's device dumps may be hydrated: the GPU model they were dumped "
                               "on, or that very GPU (UUID)")
+    restore.add_argument("--device-digests", action="store_true",
+                         help="digest every byte of the interposer's dumps while hydrating (default: only when a "
+                              "dump file is not provably the one written at capture; sampled read-back always)")
     for command in (capture, restore):
         ranks = command.add_argument_group("several ranks (one worker per rank)")
         ranks.add_argument("--rank", type=int, default=0)
@@ -123,7 +126,8 @@ def _worker(args: argparse.Namespace) -> int:
         else:
             report = restore(Path(args.images), criu=args.criu,
                              work=Path(args.work_dir) if args.work_dir else None, coordinator=coordinator,
-                             lazy_pages=args.lazy_pages, device_policy=args.device_policy).to_json()
+                             lazy_pages=args.lazy_pages, device_policy=args.device_policy,
+                             device_digests=args.device_digests).to_json()
     except (ProbeError, OSError, ValueError) as exc:
         sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")
         return 1

@@ -18,7 +18,15 @@ from typing import Any
 
 from ._reports import DumpedDevice, HydratedDevice
 from .errors import HydrationError, ProbeError, WorkerError
-from .hydration import DeviceDump, check_dump, interposer_request, interposer_socket, remove_dump
+from .hydration import (
+    DeviceDump,
+    check_dump,
+    dump_identities,
+    interposer_request,
+    interposer_socket,
+    remove_dump,
+    verification,
+)
 
 __all__ = ("RECORD", "DeviceRelease", "hydrate_devices", "validated_dumps")
 
@@ -28,15 +36,18 @@ RECORD_KIND = "coldsnap-device-memory"
 
 @dataclass(frozen=True, slots=True)
 class DumpRecord:
-    """One CUDA process's release: its socket, its dump directory (a name in the images) and the manifest."""
+    """One CUDA process's release: its socket, its dump directory (a name in the images), the manifest and each
+    dump file's identity when it was written (`verification`)."""
 
     pid: int
     socket: str
     directory: str
     dump: DeviceDump
+    files: dict[str, list[int]]
 
     def to_json(self) -> dict[str, Any]:
-        return {"pid": self.pid, "socket": self.socket, "directory": self.directory, "manifest": self.dump.to_json()}
+        return {"pid": self.pid, "socket": self.socket, "directory": self.directory, "manifest": self.dump.to_json(),
+                "files": self.files}
 
 
 def _owner(pid: int) -> tuple[int, int]:
@@ -97,7 +108,7 @@ class DeviceRelease:
         except ProbeError as exc:
             raise WorkerError(f"device memory release: {exc}") from exc
         if dump.regions:
-            self.records.append(DumpRecord(pid, socket, directory.name, dump))
+            self.records.append(DumpRecord(pid, socket, directory.name, dump, dump_identities(dump, directory)))
         else:  # nothing was routed through it: nothing to hydrate, nothing left in the images
             remove_dump(directory)
         self.reports.append(DumpedDevice(
@@ -125,7 +136,8 @@ def validated_dumps(images: Path) -> list[DumpRecord]:
         stored = json.loads(path.read_text())
         if not isinstance(stored, dict) or stored.get("kind") != RECORD_KIND or stored.get("format") != 1:
             raise HydrationError(f"not a format-1 {RECORD_KIND}")
-        records = [DumpRecord(int(p["pid"]), str(p["socket"]), str(p["directory"]), DeviceDump.from_json(p["manifest"]))
+        records = [DumpRecord(int(p["pid"]), str(p["socket"]), str(p["directory"]), DeviceDump.from_json(p["manifest"]),
+                              {str(k): [int(x) for x in v] for k, v in dict(p.get("files") or {}).items()})
                    for p in stored["processes"]]
         for record in records:
             if record.directory != f"device-{record.pid}":
@@ -136,14 +148,18 @@ def validated_dumps(images: Path) -> list[DumpRecord]:
     return records
 
 
-def hydrate_devices(records: list[DumpRecord], images: Path, policy: str) -> list[HydratedDevice]:
-    """Restore, after the CUDA restore: each process maps, fills and verifies its regions, then runs on."""
+def hydrate_devices(records: list[DumpRecord], images: Path, policy: str, *,
+                    digests: bool = False) -> list[HydratedDevice]:
+    """Restore, after the CUDA restore: each process maps, fills and verifies its regions, then runs on.
+    Every byte is digested when `digests` or when a dump file is not provably the one written at capture."""
     hydrated = []
     for record in records:
         started = time.perf_counter()
+        directory = images / record.directory
+        verify = "digest" if digests else verification(record.dump, directory, record.files)
         try:
-            answer = interposer_request(record.socket, {"op": "hydrate", "dir": str(images / record.directory),
-                                                        "policy": policy},
+            answer = interposer_request(record.socket, {"op": "hydrate", "dir": str(directory), "policy": policy,
+                                                        "verify": verify},
                                         f"hydrate the device memory of process {record.pid}")
         except ProbeError as exc:
             raise WorkerError(f"device memory hydration failed, the restored process is not released: {exc}") from exc

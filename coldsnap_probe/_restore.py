@@ -40,7 +40,7 @@ LAZY_PAGES_FINISH_S = 120.0  # for it to have copied every page after the restor
 
 
 def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: Coordinator | None = None,
-            lazy_pages: bool = False, device_policy: str = "same-model") -> RestoreReport:
+            lazy_pages: bool = False, device_policy: str = "same-model", device_digests: bool = False) -> RestoreReport:
     """Restore the tree captured in `images`; returns the report (the images are only read).
 
     `lazy_pages`: CRIU restores the processes without their memory, which `criu lazy-pages` then fills
@@ -48,7 +48,7 @@ def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: C
     stopped until every page is in, so nothing serves from memory a failed daemon never filled.
     """
     run = _Restore(images, criu=criu, work=work, ranks=coordinator or Coordinator.single(), lazy_pages=lazy_pages)
-    run.device_policy = device_policy
+    run.device_policy, run.device_digests = device_policy, device_digests
     try:
         run.phases()
     except BaseException as exc:
@@ -73,7 +73,7 @@ class _Restore:
         self.graph: dict[str, Any] | None = None
         self.manifest: HydrationManifest | None = None
         self.dumps: list[DumpRecord] = []  # the interposers' device dumps, hydrated after the CUDA restore
-        self.device_policy = "same-model"
+        self.device_policy, self.device_digests = "same-model", False
         self.engine: str | None = None  # the engine's control socket, when its communicators were quiesced
         self.cuda: list[int] = []
         self.driver: Driver | None = None
@@ -224,7 +224,8 @@ class _Restore:
     def _hydrate_devices(self) -> None:
         """Each interposer re-creates its regions at their addresses, fills and verifies them, opens its gate."""
         self.timeline.mark("device_hydration_begin")
-        self.report.device_memory = hydrate_devices(self.dumps, self.images, self.device_policy)
+        self.report.device_memory = hydrate_devices(self.dumps, self.images, self.device_policy,
+                                                    digests=self.device_digests)
         self.timeline.mark("device_hydration_end")
         self.report.device_hydration_seconds = self.timeline.seconds("device_hydration_begin",
                                                                      "device_hydration_end")

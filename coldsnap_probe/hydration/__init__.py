@@ -58,10 +58,12 @@ from ._hydrator import Stager as Stager
 from ._interposer import DeviceDump as DeviceDump
 from ._interposer import build_library as build_library
 from ._interposer import check_dump as check_dump
+from ._interposer import dump_identities as dump_identities
 from ._interposer import interposer_request as interposer_request
 from ._interposer import interposer_socket as interposer_socket
 from ._interposer import library_path as library_path
 from ._interposer import remove_dump as remove_dump
+from ._interposer import verification as verification
 from ._weights import HydrationManifest as HydrationManifest
 from ._weights import WeightRegion as WeightRegion
 from ._weights import check_sources as check_sources
@@ -81,9 +83,11 @@ __all__ = (
     "check_sources",
     "chunk_digests",
     "combine_digests",
+    "dump_identities",
     "interposer_request",
     "interposer_socket",
     "library_path",
     "region_digest",
     "remove_dump",
+    "verification",
 )

@@ -28,8 +28,8 @@ from ..errors import ChannelError, HydrationError
 from ._weights import DIGEST_PREFIX, region_digest
 
 __all__ = ("DUMP_KIND", "ENV_LIBRARY", "ENV_SOCKET", "LIBRARY", "POLICIES", "SOURCES", "DeviceDump", "DumpRegion",
-           "DumpSegment", "build_library", "check_dump", "interposer_request", "interposer_socket", "library_path",
-           "remove_dump")
+           "DumpSegment", "build_library", "check_dump", "dump_identities", "interposer_request", "interposer_socket",
+           "library_path", "remove_dump", "verification")
 
 ENV_SOCKET = "COLDSNAP_CUDA_INTERPOSER_SOCKET"
 ENV_LIBRARY = "COLDSNAP_CUDA_INTERPOSER_LIBRARY"  # a built library to use instead of building one
@@ -262,6 +262,27 @@ def check_dump(dump: DeviceDump, directory: Path, *, content: bool = False) -> N
             if content and (found := region_digest(path, segment.offset, segment.size)) != segment.digest:
                 raise HydrationError(f"{where} does not match its digest: expected {segment.digest}, found {found}: "
                                      "a corrupt or foreign dump")
+
+
+def dump_identities(dump: DeviceDump, directory: Path) -> dict[str, list[int]]:
+    """What a write, truncation or replacement of each dump file changes (device, inode, size, mtime, ctime),
+    recorded right after the release wrote them."""
+    identities = {}
+    for segment in dump.segments:
+        st = os.stat(directory / segment.file, follow_symlinks=False)
+        identities[segment.file] = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+    return identities
+
+
+def verification(dump: DeviceDump, directory: Path, recorded: dict[str, list[int]]) -> str:
+    """`sampled` when every dump file is provably the one the release wrote (the weights' rule, `check_sources`:
+    same identity, and a write changes ctime, which no one can set back), else `digest`: every byte is
+    digested while it is filled."""
+    try:
+        now = dump_identities(dump, directory)
+    except OSError:
+        return "digest"  # the hydration names the missing file
+    return "sampled" if recorded and now == recorded else "digest"
 
 
 def remove_dump(directory: Path) -> None:

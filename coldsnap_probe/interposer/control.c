@@ -29,7 +29,7 @@ static int listener = -1;
 static int released;    /* Invariant: 1 between a release that unmapped anything and the hydrate that succeeds */
 static char released_dir[FIELD];
 
-struct request { char op[32]; char dir[FIELD]; char policy[32]; int has_dir; };
+struct request { char op[32]; char dir[FIELD]; char policy[32]; char verify[32]; int has_dir; };
 
 /* --- a flat JSON object ----------------------------------------------------------------------------------- */
 static const char *skip(const char *p) { while (*p == ' ' || *p == '\t' || *p == '\r' || *p == '\n') p++; return p; }
@@ -82,7 +82,7 @@ static const char *string(const char *p, char *out, size_t room, char *error, si
     return p + 1;
 }
 
-/* Parse {"op": ..., "dir": ..., "policy": ...}; 0, or -1 with `error` naming the key and the rule. */
+/* Parse {"op": ..., "dir": ..., "policy": ..., "verify": ...}; 0, or -1 with `error` naming the key and the rule. */
 static int parse(const char *line, struct request *req, char *error, size_t room)
 {
     char key[64], value[FIELD];
@@ -112,6 +112,8 @@ static int parse(const char *line, struct request *req, char *error, size_t room
             req->has_dir = 1;
         } else if (strcmp(key, "policy") == 0 && strlen(value) < sizeof(req->policy)) {
             strcpy(req->policy, value);
+        } else if (strcmp(key, "verify") == 0 && strlen(value) < sizeof(req->verify)) {
+            strcpy(req->verify, value);
         } else {
             snprintf(error, room, "unknown key `%.60s`", key);
             return -1;
@@ -191,8 +193,9 @@ static void dispatch(const struct request *req, char *out, size_t room)
             cscu_gate_open();  /* nothing was released: the engine keeps running as before */
     } else if (strcmp(req->op, "hydrate") == 0) {
         const char *policy = req->policy[0] ? req->policy : "same-model";
-        if (!released) {
-            refuse(out, room, "hydrate", "nothing is released");
+        const char *verify = req->verify[0] ? req->verify : "digest";
+        if (strcmp(verify, "digest") != 0 && strcmp(verify, "sampled") != 0) {
+            refuse(out, room, "hydrate", "`verify` must be digest or sampled");
             return;
         }
         if (strcmp(policy, "same-model") != 0 && strcmp(policy, "same-gpu") != 0) {
@@ -203,8 +206,12 @@ static void dispatch(const struct request *req, char *out, size_t room)
             refuse(out, room, "hydrate", "`dir` must be an absolute path");
             return;
         }
+        if (!released) {
+            refuse(out, room, "hydrate", "nothing is released");
+            return;
+        }
         cscu_regions_lock();
-        cscu_hydrate(req->has_dir ? req->dir : released_dir, policy, out, room);
+        cscu_hydrate(req->has_dir ? req->dir : released_dir, policy, strcmp(verify, "digest") == 0, out, room);
         size_t count;
         struct cscu_region *r = cscu_regions(&count);
         int all = 1;

@@ -179,9 +179,11 @@ CSCU_HIDDEN int cscu_control_start(void);
 
 /* --- the dump (release) and fill (hydrate) ------------------------------------------------------------------ */
 /* Each writes a JSON answer (`{"ok":...}`) into `out`; `dir` is the dump directory, `policy` "same-model" or
- * "same-gpu". They expect the region table locked and the gate closed. */
+ * "same-gpu"; `digests`: 1 checks every segment's digest while filling, 0 only the sampled read-back (the
+ * worker's choice when the files are provably the ones written at release). They expect the region table
+ * locked and the gate closed. */
 CSCU_HIDDEN void cscu_release(const char *dir, char *out, size_t room);
-CSCU_HIDDEN void cscu_hydrate(const char *dir, const char *policy, char *out, size_t room);
+CSCU_HIDDEN void cscu_hydrate(const char *dir, const char *policy, int digests, char *out, size_t room);
 
 /* --- digests: SHA-256 (libcrypto when present, our own otherwise) ------------------------------------------- */
 typedef struct { uint32_t h[8]; uint64_t length; unsigned char block[64]; size_t used; void *ossl; } cscu_sha256;

@@ -20,7 +20,15 @@ import pytest
 
 from coldsnap_probe._device_memory import RECORD, DeviceRelease, validated_dumps
 from coldsnap_probe.errors import HydrationError, WorkerError
-from coldsnap_probe.hydration import DeviceDump, build_library, check_dump, interposer_socket, region_digest
+from coldsnap_probe.hydration import (
+    DeviceDump,
+    build_library,
+    check_dump,
+    dump_identities,
+    interposer_socket,
+    region_digest,
+    verification,
+)
 from coldsnap_probe.hydration._interposer import DUMP_KIND
 from coldsnap_probe.jsonline import request
 
@@ -142,6 +150,9 @@ def test_the_socket_is_0600_and_found_through_the_process_environment(engine: tu
     pytest.param(b'{"op": "release", "dir": "relative"}\n', "`dir` must be the absolute path", id="relative-dir"),
     pytest.param(b'{"op": "release"}\n', "`dir` must be the absolute path", id="no-dir"),
     pytest.param(b'{"op": "hydrate"}\n', "nothing is released", id="hydrate-before-release"),
+    pytest.param(b'{"op": "hydrate", "verify": "fast"}\n', "`verify` must be digest or sampled", id="bad-verify"),
+    pytest.param(b'{"op": "hydrate", "policy": "any"}\n', "`policy` must be same-model or same-gpu", id="bad-policy"),
+    pytest.param(b'{"op": "hydrate", "dir": "rel"}\n', "`dir` must be an absolute path", id="hydrate-relative"),
     pytest.param(b'{"op": "release", "dir": "/nonexistent/dump"}\n', "dump directory /nonexistent/dump",
                  id="missing-dir"),
     pytest.param(b'{"op": "st\\u00e9"}\n', "printable ASCII", id="non-ascii-escape"),
@@ -277,3 +288,21 @@ def test_a_restore_refuses_images_whose_device_dump_is_short_before_anything_run
     (images / RECORD).write_text(json.dumps(record))
     with pytest.raises(WorkerError, match="dump directory must be device-42"):
         validated_dumps(images)
+
+
+def test_only_the_files_the_release_wrote_skip_the_full_digest(tmp_path: Path) -> None:
+    """The weights' rule: same device, inode, size, mtime and ctime (a write changes ctime, which no one can
+    set back) -> the sampled read-back suffices; anything else -> every byte is digested while filled."""
+    dump = dump_in(tmp_path / "d")
+    recorded = dump_identities(dump, tmp_path / "d")
+    assert verification(dump, tmp_path / "d", recorded) == "sampled"
+    assert verification(dump, tmp_path / "d", {}) == "digest"  # a record without identities
+    stat = os.stat(tmp_path / "d" / "seg-1.bin")
+    with open(tmp_path / "d" / "seg-1.bin", "r+b") as f:
+        f.write(b"\0")
+    os.utime(tmp_path / "d" / "seg-1.bin", ns=(stat.st_atime_ns, stat.st_mtime_ns))  # mtime put back, not ctime
+    assert verification(dump, tmp_path / "d", recorded) == "digest"
+    shutil.copytree(tmp_path / "d", tmp_path / "copy")  # the images moved: other inodes
+    assert verification(dump, tmp_path / "copy", recorded) == "digest"
+    os.unlink(tmp_path / "copy" / "seg-0.bin")
+    assert verification(dump, tmp_path / "copy", recorded) == "digest"

@@ -163,8 +163,9 @@ def test_a_launch_while_released_waits_for_the_hydration(target: Target, tmp_pat
     answer = target.directory / f"answer-launch-{target.count}"
     time.sleep(1.5)
     assert not answer.exists(), "a launch ran on released memory"
-    target.request({"op": "hydrate"})
+    report = target.request({"op": "hydrate", "verify": "sampled"})["report"]
     hydrated = time.time()
+    assert report["verify"] == "sampled"
     done = wait_for(answer, target.proc)
     assert done["finished_unix"] <= time.time() and done["finished_unix"] >= hydrated - 0.5
     assert target.ask("check") == {**target.ready, "pid": target.proc.pid}
