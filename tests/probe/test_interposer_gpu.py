@@ -6,6 +6,8 @@ the memory is released waits for the hydration. Skipped without an NVIDIA driver
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 import shutil
@@ -29,10 +31,16 @@ MIB = 1 << 20
 TARGET_MIB = 1024
 
 
+def log_tail(path: Path) -> str:
+    """The end of the target's log (beside its request directory)."""
+    log = path.parent.parent / "target.log"
+    return log.read_text(errors="replace")[-2000:] if log.exists() else ""
+
+
 def wait_for(path: Path, proc: subprocess.Popen[bytes], timeout: float = 120.0) -> dict[str, Any]:
     give_up = time.monotonic() + timeout
     while not path.exists():
-        assert proc.poll() is None, f"the target exited {proc.returncode}"
+        assert proc.poll() is None, f"the target exited {proc.returncode}: {log_tail(path)}"
         assert time.monotonic() < give_up, f"no {path.name} within {timeout} s"
         time.sleep(0.02)
     value: dict[str, Any] = json.loads(path.read_text())
@@ -42,13 +50,16 @@ def wait_for(path: Path, proc: subprocess.Popen[bytes], timeout: float = 120.0) 
 class Target:
     """The torch process and its interposer socket; `ask` leaves a request file and waits for the answer."""
 
-    def __init__(self, root: Path, library: Path) -> None:
+    def __init__(self, root: Path, library: Path, socket: str = "cuda.sock", mib: int = TARGET_MIB) -> None:
         self.directory = root / "target"
         self.directory.mkdir()
-        self.socket = str(root / "cuda.sock")
+        self.socket = str(root / socket)
         env = {**os.environ, "LD_PRELOAD": str(library), "COLDSNAP_CUDA_INTERPOSER_SOCKET": self.socket}
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.probe._torch_target", str(self.directory),
-                                      str(TARGET_MIB)], cwd=ROOT, env=env, start_new_session=True)
+        self.log = root / "target.log"  # a plain file: CRIU dumps it with the process (not a pipe to pytest)
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.probe._torch_target", str(self.directory),
+                                          str(mib)], cwd=ROOT, env=env, start_new_session=True,
+                                         stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         self.ready = wait_for(self.directory / "ready", self.proc)
         self.count = 0
 
@@ -191,3 +202,62 @@ def test_released_checkpointed_restored_hydrated_gives_the_same_bytes_and_graph(
     report = target.request({"op": "hydrate", "policy": "same-gpu"})["report"]
     assert report["bytes"] == dump.bytes and report["policy"] == "same-gpu"
     assert target.ask("check") == {**target.ready, "pid": pid}
+
+
+# -- through the workers: capture finds the socket in the environment, restore hydrates after CRIU + CUDA ------
+criu_and_gpu = pytest.mark.skipif(not has_nvidia_driver() or shutil.which("criu") is None,
+                                  reason="needs an NVIDIA driver and CRIU (run on the GPU host)")
+
+
+@pytest.fixture
+def torch_target(tmp_path: Path) -> Iterator[Target]:
+    """A fresh torch target whose socket name carries its pid (as a unit's environment would)."""
+    library, _ = build_library(tmp_path / "lib")
+    target = Target(tmp_path, library, socket="cuda-%p.sock", mib=256)
+    try:
+        yield target
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(target.proc.pid, 9)
+        target.proc.wait()
+
+
+@criu_and_gpu
+def test_the_workers_capture_and_restore_an_unchanged_torch_process(torch_target: Target, tmp_path: Path) -> None:
+    from tests.probe.test_worker import kill_and_reap, worker
+
+    ctypes.CDLL(None).prctl(36, 1)  # a subreaper: the restored tree is reparented here
+    images = tmp_path / "images"
+    done = worker("capture", "--pid", str(torch_target.proc.pid), "--images", str(images), "--criu",
+                  shutil.which("criu") or "")
+    assert done.returncode == 0, done.stderr
+    torch_target.proc.wait()  # CRIU killed it: its pid is free for the restore
+    capture = json.loads(done.stdout)
+    [released] = capture["device_memory"]
+    assert released["state"] == "released" and released["bytes"] >= 256 * MIB
+    assert released["socket"] == torch_target.socket.replace("%p", str(torch_target.proc.pid))
+    assert "device_release" in capture["timings_s"] and (images / "device-memory.json").exists()
+    done = worker("restore", "--images", str(images), "--work-dir", str(tmp_path / "work"))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    [hydrated] = report["device_memory"]
+    assert hydrated["bytes"] == released["bytes"] and hydrated["interposer"]["verify"] == "sampled"
+    names = [m["name"] for m in report["timeline"]]
+    assert names.index("process_resumed") < names.index("device_hydration_begin") < names.index("ready")
+    assert torch_target.ask("check") == {**torch_target.ready, "pid": torch_target.proc.pid}
+    kill_and_reap(report["restored_pid"])
+
+
+@criu_and_gpu
+def test_a_failed_capture_hydrates_the_process_back_and_removes_the_dump(torch_target: Target,
+                                                                         tmp_path: Path) -> None:
+    from tests.probe.test_worker import worker
+
+    images = tmp_path / "images"
+    done = worker("capture", "--pid", str(torch_target.proc.pid), "--images", str(images), "--criu", "/bin/false")
+    assert done.returncode == 1 and "criu dump exited 1" in done.stderr
+    socket = torch_target.socket.replace("%p", str(torch_target.proc.pid))
+    status = interposer_request(socket, {"op": "status"}, "status")
+    assert status["released"] is False and status["gate"] == "open" and status["mapped_bytes"] == status["bytes"]
+    assert not list(images.glob("device-*")) and not (images / "device-memory.json").exists()
+    assert torch_target.ask("check") == {**torch_target.ready, "pid": torch_target.proc.pid}
