@@ -164,6 +164,27 @@ def settle_gpu(limit_mib: int, timeout: float = 3.0) -> dict[str, Any]:
     return {"used_mib": used, "waited_s": round(time.time() - started, 2)}
 
 
+STARTED: list[int] = []  # process groups a size's run started (a server, a restored tree): killed if it fails
+
+
+def stop_started(timeout: float = 10.0) -> None:
+    """After a failed run: kill what it started and reap it (only those: the hydrator, a child too, lives on)."""
+    for pid in STARTED:
+        try:
+            os.killpg(pid, 9)
+        except (ProcessLookupError, PermissionError):
+            continue
+        give_up = time.time() + timeout
+        while time.time() < give_up:
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    break
+            except ChildProcessError:
+                break
+            time.sleep(0.05)
+    STARTED.clear()
+
+
 def server_env(root: Path, interposer: Path | None) -> dict[str, str] | None:
     """The server's environment: under the interposer (its socket per pid in `root`), or inherited."""
     if interposer is None:
@@ -198,6 +219,7 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
                                    "--socket", str(path), *extra],
                                   stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                                   start_new_session=True, env=server_env(root, interposer))
+    STARTED[:] = [server.pid]
     while "ready" not in stages(log):
         if server.poll() is not None:
             raise RuntimeError(f"server exited {server.returncode}: {log.read_text()[-2000:]}")
@@ -226,6 +248,7 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
         report = worker("restore", "--images", str(images), "--criu", criu, "--work-dir", str(work),
                         *(["--lazy-pages"] if lazy_pages else []))
         marks = {m["name"]: m["since_restore_begin_s"] for m in report["timeline"]}
+        STARTED[:] = [report["restored_pid"]]
         first, tokens, first_hash = request(path, max_tokens)
         hydration = report.get("hydration", {})
         wake = hydration.get("phase_seconds", 0.0) + report.get("device_hydration_seconds", 0.0)
@@ -389,6 +412,7 @@ def main() -> None:
     BASELINE_MIB = gpu_used_mib()  # the hydrator's context, if any: what stays used between runs
     bench = None
     results: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []
     try:
         if args.hydrate_bench:
             done = subprocess.run([sys.executable, __file__, "--bench-child",
@@ -405,10 +429,17 @@ def main() -> None:
                              for r in bench["runs"]]))
         for size, mode, stack, memory, kv in itertools.product(sizes, args.modes, args.stack_bytes.split(","),
                                                                args.memory, args.kv):
-            results.append({**run_size(size, root, args.criu, args.tokens, mode == "hydrate", weights, digests,
-                                       strategy, images_root, int(stack), memory == "lazy", kv == "discarded",
-                                       library if mode == "interposer" else None),
-                            "stack_bytes": int(stack), "memory": memory, "kv": kv})
+            try:
+                row = run_size(size, root, args.criu, args.tokens, mode == "hydrate", weights, digests, strategy,
+                               images_root, int(stack), memory == "lazy", kv == "discarded",
+                               library if mode == "interposer" else None)
+            except Exception as exc:  # one failed row is a result; the other rows still run
+                stop_started()
+                print(f"{size:g} GiB {mode}: FAILED: {type(exc).__name__}: {str(exc)[-3000:]}", flush=True)
+                failed.append({"gib": size, "mode": mode, "error": f"{type(exc).__name__}: {str(exc)[-6000:]}"})
+                Path(args.out, "restore_ttft.failed.json").write_text(json.dumps(failed, indent=2))
+                continue
+            results.append({**row, "stack_bytes": int(stack), "memory": memory, "kv": kv})
             Path(args.out, "restore_ttft.partial.json").write_text(json.dumps(results, indent=2))
     finally:
         if hydrator_proc is not None:
@@ -448,7 +479,7 @@ def main() -> None:
     Path(args.out, "restore_ttft.json").write_text(json.dumps(
         {"pinned_h2d_gbps": h2d, "strategy": args.strategy, "hydrator": hydrator_ready, "generate_s": generate_s,
          "transparent_hugepage": thp_mode,
-         "digest_s": digest_s, "hydrate_bench": bench, "results": results}, indent=2))
+         "digest_s": digest_s, "hydrate_bench": bench, "results": results, "failed": failed}, indent=2))
 
 
 if __name__ == "__main__":
