@@ -65,7 +65,7 @@ class DeviceRelease:
     """Capture: the releases done so far, so that a failed capture hydrates them back and removes their dumps."""
 
     def __init__(self, images: Path, explicit: str | None = None) -> None:
-        self.images, self.explicit = images, explicit
+        self.images, self.explicit = images.absolute(), explicit  # the engine's cwd is not ours
         self.records: list[DumpRecord] = []
         self.asked: list[tuple[str, Path]] = []  # (socket, dump directory) of every release asked, failed ones too
         self.reports: list[DumpedDevice] = []
@@ -155,7 +155,7 @@ def hydrate_devices(records: list[DumpRecord], images: Path, policy: str, *,
     hydrated = []
     for record in records:
         started = time.perf_counter()
-        directory = images / record.directory
+        directory = images.absolute() / record.directory
         verify = "digest" if digests else verification(record.dump, directory, record.files)
         try:
             answer = interposer_request(record.socket, {"op": "hydrate", "dir": str(directory), "policy": policy,

@@ -306,3 +306,13 @@ def test_only_the_files_the_release_wrote_skip_the_full_digest(tmp_path: Path) -
     assert verification(dump, tmp_path / "copy", recorded) == "digest"
     os.unlink(tmp_path / "copy" / "seg-0.bin")
     assert verification(dump, tmp_path / "copy", recorded) == "digest"
+
+
+def test_a_relative_images_directory_reaches_the_engine_as_an_absolute_one(engine: tuple[Any, str], tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    proc, _ = engine
+    monkeypatch.chdir(tmp_path)
+    Path("images").mkdir(mode=0o700)
+    release = DeviceRelease(Path("images"))
+    release.release([proc.pid])  # the engine would refuse a relative `dir`
+    assert [r.state for r in release.reports] == ["empty"]
