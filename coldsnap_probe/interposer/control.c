@@ -150,7 +150,11 @@ static void status(char *out, size_t room)
                                    released ? "true" : "false", cscu_gate_is_open() ? "open" : "closed",
                                    cscu_config()->threshold, cscu_sha256_engine());
     used += cscu_counts_json(out + used, room - used);
-    snprintf(out + used, room - used, "}");
+    used += (size_t)snprintf(out + used, room - used, ",\"wrapped\":");
+    if (used < room)
+        used += cscu_entries_json(out + used, room - used);
+    if (used < room)
+        snprintf(out + used, room - used, "}");
 }
 
 static void refuse(char *out, size_t room, const char *phase, const char *why)

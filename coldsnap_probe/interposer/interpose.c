@@ -292,6 +292,21 @@ static void *install(const struct entry *e, void *real)
     return real;
 }
 
+size_t cscu_entries_json(char *out, size_t room)
+{
+    size_t used = 0;
+    if (room < 3)
+        return 0;
+    used += (size_t)snprintf(out, room, "[");
+    for (size_t i = 0; i < ENTRIES && used < room; i++)
+        for (int v = 0; v < 2 && used < room; v++)
+            if (table[i].name[v] && __atomic_load_n(&table[i].slots[v], __ATOMIC_ACQUIRE))
+                used += (size_t)snprintf(out + used, room - used, "%s\"%s\"", used > 1 ? "," : "", table[i].name[v]);
+    if (used < room)
+        used += (size_t)snprintf(out + used, room - used, "]");
+    return used < room ? used : room - 1;
+}
+
 /* --- cuGetProcAddress -------------------------------------------------------------------------------------- */
 typedef unsigned long long cuuint64_t;
 typedef int CUdriverProcAddressQueryResult;

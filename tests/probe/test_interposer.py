@@ -138,6 +138,7 @@ def test_the_socket_is_0600_and_found_through_the_process_environment(engine: tu
     status = request(path, {"op": "status"})
     assert status["ok"] and status["pid"] == proc.pid and status["regions"] == 0 and status["gate"] == "open"
     assert status["released"] is False and set(status["uncovered"]) >= {"below_threshold", "managed", "ipc_imported"}
+    assert status["wrapped"] == []  # no driver entry point was resolved through it yet
 
 
 @pytest.mark.parametrize(("payload", "error"), [

@@ -96,6 +96,8 @@ def test_torch_allocations_go_through_the_interposer(target: Target) -> None:
     status = target.request({"op": "status"})
     assert status["regions"] > 0 and status["bytes"] >= TARGET_MIB * MIB and status["gate"] == "open"
     assert status["released"] is False
+    wrapped = set(status["wrapped"])  # torch's runtime reached the driver through cuGetProcAddress, so through us
+    assert "cuMemAlloc_v2" in wrapped and wrapped & {"cuLaunchKernel", "cuLaunchKernel_ptsz"}, wrapped
 
 
 def test_a_released_dump_matches_its_manifest_and_every_address_stays_reserved(target: Target,
