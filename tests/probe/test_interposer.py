@@ -57,6 +57,12 @@ def run_preloaded(library: Path, code: str, env: dict[str, str] | None = None,
                           env={**os.environ, "LD_PRELOAD": preload or str(library), **(env or {})})
 
 
+def has_driver() -> bool:
+    """libcuda.so.1 and every entry point the interposer itself calls can be loaded here."""
+    return subprocess.run([sys.executable, "-c", "import ctypes; ctypes.CDLL('libcuda.so.1')"],
+                          capture_output=True, check=False).returncode == 0
+
+
 def test_without_a_socket_it_is_inert_and_a_driver_call_without_libcuda_fails_cleanly(library: Path) -> None:
     code = ("import ctypes, os\n"
             "lib = ctypes.CDLL(None)\n"
@@ -65,11 +71,9 @@ def test_without_a_socket_it_is_inert_and_a_driver_call_without_libcuda_fails_cl
             "print(rc, ctypes.CDLL('libc.so.6').getpid() == os.getpid())\n")
     done = run_preloaded(library, code)
     assert done.returncode == 0, done.stderr
-    has_driver = subprocess.run([sys.executable, "-c", "import ctypes; ctypes.CDLL('libcuda.so.1')"],
-                                capture_output=True, check=False).returncode == 0
     rc, lookup = done.stdout.split()
     assert lookup == "True"  # dlsym on a real handle, a name that is not ours: the real answer
-    if not has_driver:
+    if not has_driver():
         assert rc == "3"  # CUDA_ERROR_NOT_INITIALIZED: no driver to forward to, nothing made up
 
 
@@ -139,6 +143,7 @@ def test_the_socket_is_0600_and_found_through_the_process_environment(engine: tu
     assert status["ok"] and status["pid"] == proc.pid and status["regions"] == 0 and status["gate"] == "open"
     assert status["released"] is False and set(status["uncovered"]) >= {"below_threshold", "managed", "ipc_imported"}
     assert status["wrapped"] == []  # no driver entry point was resolved through it yet
+    assert status["driver"] is has_driver()
 
 
 @pytest.mark.parametrize(("payload", "error"), [
