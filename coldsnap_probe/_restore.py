@@ -25,7 +25,7 @@ from typing import Any
 
 from ._coordinator import Coordinator
 from ._cuda import Driver
-from ._device_memory import DumpRecord, hydrate_devices, validated_dumps
+from ._device_memory import DumpRecord, hydrate_devices, prefetch_dumps, validated_dumps
 from ._engine import ABORT_POLL, engine_request, resume_engine, validated_graph_record
 from ._process import process_state, process_tree, require_state, run_criu, stop, tail
 from ._profile import identity
@@ -87,6 +87,7 @@ class _Restore:
         self._agree()
         if self.manifest is not None and self.manifest.hydrator:  # the weights are copied while CRIU restores
             self.stager = Stager(self.manifest)
+        prefetch_dumps(self.dumps, self.images)  # device dumps on disk are read ahead meanwhile
         root = self._criu_restore()
         self._cuda_restore(root)
         if self.lazy:

@@ -48,7 +48,7 @@ static pthread_once_t libcuda_once = PTHREAD_ONCE_INIT;
 
 static void libcuda_open(void)
 {
-    libcuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    libcuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);  /* the global scope stays as the engine made it */
 }
 
 void *cscu_real(const char *name)
