@@ -113,7 +113,7 @@ struct cscu_config {
     size_t threshold;           /* COLDSNAP_CUDA_INTERPOSER_THRESHOLD bytes (default 2 MiB) */
     int exportable;             /* COLDSNAP_CUDA_INTERPOSER_EXPORTABLE (default 1) */
     int threads;                /* COLDSNAP_CUDA_INTERPOSER_THREADS copy threads (default: usable CPUs, 4-16) */
-    size_t staging;             /* COLDSNAP_CUDA_INTERPOSER_STAGING_MIB per pinned buffer (default 8 MiB) */
+    size_t staging;             /* COLDSNAP_CUDA_INTERPOSER_STAGING_MIB per pinned buffer (default 4 MiB) */
 };
 CSCU_HIDDEN const struct cscu_config *cscu_config(void);
 

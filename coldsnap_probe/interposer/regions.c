@@ -41,7 +41,7 @@ static void config_read(void)
     config.threads = (int)env_size("COLDSNAP_CUDA_INTERPOSER_THREADS", usable < 4 ? 4 : usable > 16 ? 16 : usable, 1);
     if (config.threads > 64)
         config.threads = 64;
-    config.staging = env_size("COLDSNAP_CUDA_INTERPOSER_STAGING_MIB", 8, (size_t)1 << 20);
+    config.staging = env_size("COLDSNAP_CUDA_INTERPOSER_STAGING_MIB", 4, (size_t)1 << 20);
     if (config.staging > CSCU_DIGEST_CHUNK)
         config.staging = CSCU_DIGEST_CHUNK;
     const char *exportable = getenv("COLDSNAP_CUDA_INTERPOSER_EXPORTABLE");
