@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -163,10 +164,11 @@ def prefetch_dumps(records: list[DumpRecord], images: Path) -> None:
 
 def hydrate_devices(records: list[DumpRecord], images: Path, policy: str, *,
                     digests: bool = False) -> list[HydratedDevice]:
-    """Restore, after the CUDA restore: each process maps, fills and verifies its regions, then runs on.
-    Every byte is digested when `digests` or when a dump file is not provably the one written at capture."""
-    hydrated = []
-    for record in records:
+    """Restore, after the CUDA restore: each process maps, fills and verifies its regions, then runs on (the
+    processes of a tree at once). Every byte is digested when `digests` or when a dump file is not provably the
+    one written at capture. The first failure is raised once every process has answered."""
+
+    def one(record: DumpRecord) -> HydratedDevice:
         started = time.perf_counter()
         directory = images.absolute() / record.directory
         verify = "digest" if digests else verification(record.dump, directory, record.files)
@@ -177,7 +179,12 @@ def hydrate_devices(records: list[DumpRecord], images: Path, policy: str, *,
         except ProbeError as exc:
             raise WorkerError(f"device memory hydration failed, the restored process is not released: {exc}") from exc
         report = answer.get("report") or {}
-        hydrated.append(HydratedDevice(pid=record.pid, bytes=int(report.get("bytes", 0)),
-                                       seconds=time.perf_counter() - started, gbps=float(report.get("gbps", 0.0)),
-                                       interposer=report))
-    return hydrated
+        return HydratedDevice(pid=record.pid, bytes=int(report.get("bytes", 0)), seconds=time.perf_counter() - started,
+                              gbps=float(report.get("gbps", 0.0)), interposer=report)
+
+    if len(records) == 1:
+        return [one(records[0])]
+    with ThreadPoolExecutor(len(records), thread_name_prefix="coldsnap-device-hydrate") as pool:
+        futures = [pool.submit(one, r) for r in records]
+        wait(futures)
+    return [f.result() for f in futures]

@@ -4,6 +4,7 @@ files). tests/probe/test_interposer_gpu.py drives the real thing on the H200."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -18,7 +19,14 @@ from typing import Any
 
 import pytest
 
-from coldsnap_probe._device_memory import RECORD, DeviceRelease, validated_dumps
+from coldsnap_probe._device_memory import (
+    RECORD,
+    DeviceRelease,
+    DumpRecord,
+    hydrate_devices,
+    prefetch_dumps,
+    validated_dumps,
+)
 from coldsnap_probe.errors import HydrationError, WorkerError
 from coldsnap_probe.hydration import (
     DeviceDump,
@@ -100,6 +108,12 @@ def test_a_library_preloaded_after_it_still_finds_its_next_definition(library: P
 
 @pytest.fixture
 def engine(library: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    with listening(library) as started:
+        yield started
+
+
+@contextlib.contextmanager
+def listening(library: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """A process under the interposer that listens from its start (no GPU needed for the socket)."""
     folder = Path(tempfile.mkdtemp(prefix="cs-interposer-", dir="/tmp"))  # others may pass (not list): the
     folder.chmod(0o711)  # socket's own 0600 and the peer check keep them out, test_another_users_peer_is_refused
@@ -322,3 +336,16 @@ def test_a_relative_images_directory_reaches_the_engine_as_an_absolute_one(engin
     release = DeviceRelease(Path("images"))
     release.release([proc.pid])  # the engine would refuse a relative `dir`
     assert [r.state for r in release.reports] == ["empty"]
+
+
+def test_a_hydration_the_engines_refuse_fails_the_restore_naming_each_process(library: Path, tmp_path: Path) -> None:
+    """Two processes of one tree are asked at once; a refusal (here: nothing was released) is the restore's error."""
+    dump = dump_in(tmp_path / "images" / "device-42")
+    with listening(library) as (first, first_socket), listening(library) as (_, second_socket):
+        records = [DumpRecord(first.pid, first_socket, "device-42", dump, {}),
+                   DumpRecord(first.pid + 1, second_socket, "device-42", dump, {})]
+        prefetch_dumps(records, tmp_path / "images")  # reading ahead changes nothing
+        with pytest.raises(WorkerError, match=rf"hydration failed, the restored process is not released: hydrate the "
+                                              rf"device memory of process {first.pid} .*nothing is released"):
+            hydrate_devices(records, tmp_path / "images", "same-model")
+        assert request(first_socket, {"op": "status"})["gate"] == "open"
