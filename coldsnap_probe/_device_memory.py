@@ -17,9 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import jsonline
+from ._device_stage import DeviceStage
 from ._reports import DumpedDevice, HydratedDevice
 from .errors import HydrationError, ProbeError, WorkerError
 from .hydration import (
+    ENV_HYDRATOR,
     DeviceDump,
     check_dump,
     dump_identities,
@@ -45,10 +48,11 @@ class DumpRecord:
     directory: str
     dump: DeviceDump
     files: dict[str, list[int]]
+    hydrator: str = ""  # the node hydrator the engine named (ENV_HYDRATOR): restore stages the dump there
 
     def to_json(self) -> dict[str, Any]:
         return {"pid": self.pid, "socket": self.socket, "directory": self.directory, "manifest": self.dump.to_json(),
-                "files": self.files}
+                "files": self.files, "hydrator": self.hydrator}
 
 
 def _owner(pid: int) -> tuple[int, int]:
@@ -109,7 +113,8 @@ class DeviceRelease:
         except ProbeError as exc:
             raise WorkerError(f"device memory release: {exc}") from exc
         if dump.regions:
-            self.records.append(DumpRecord(pid, socket, directory.name, dump, dump_identities(dump, directory)))
+            self.records.append(DumpRecord(pid, socket, directory.name, dump, dump_identities(dump, directory),
+                                           interposer_socket(pid, ENV_HYDRATOR) or ""))
         else:  # nothing was routed through it: nothing to hydrate, nothing left in the images
             remove_dump(directory)
         self.reports.append(DumpedDevice(
@@ -138,7 +143,8 @@ def validated_dumps(images: Path) -> list[DumpRecord]:
         if not isinstance(stored, dict) or stored.get("kind") != RECORD_KIND or stored.get("format") != 1:
             raise HydrationError(f"not a format-1 {RECORD_KIND}")
         records = [DumpRecord(int(p["pid"]), str(p["socket"]), str(p["directory"]), DeviceDump.from_json(p["manifest"]),
-                              {str(k): [int(x) for x in v] for k, v in dict(p.get("files") or {}).items()})
+                              {str(k): [int(x) for x in v] for k, v in dict(p.get("files") or {}).items()},
+                              str(p.get("hydrator") or ""))
                    for p in stored["processes"]]
         for record in records:
             if record.directory != f"device-{record.pid}":
@@ -162,23 +168,49 @@ def prefetch_dumps(records: list[DumpRecord], images: Path) -> None:
                     os.close(fd)
 
 
-def hydrate_devices(records: list[DumpRecord], images: Path, policy: str, *,
-                    digests: bool = False) -> list[HydratedDevice]:
+def _staged(record: DumpRecord, stage: DeviceStage, directory: Path, policy: str) -> dict[str, Any] | None:
+    """The interposer maps what the hydrator staged; None when there is nothing to map or it refused (then the
+    regular hydration runs: a refused adoption leaves the regions released, the gate closed)."""
+    fd = stage.adopt()
+    if fd is None:
+        return None
+    try:
+        answer = jsonline.request(record.socket, {"op": "hydrate", "dir": str(directory), "policy": policy,
+                                                  "bytes": str(record.dump.bytes)}, fds=[fd], timeout=600.0)
+    except ProbeError as exc:
+        stage.report["adopt_error"] = str(exc)
+        return None
+    finally:
+        os.close(fd)  # the regions' mappings hold the allocation now
+    if not answer.get("ok"):
+        stage.report["adopt_error"] = str(answer.get("error"))
+        return None
+    return dict(answer.get("report") or {})
+
+
+def hydrate_devices(records: list[DumpRecord], images: Path, policy: str, *, digests: bool = False,
+                    stages: dict[int, DeviceStage] | None = None) -> list[HydratedDevice]:
     """Restore, after the CUDA restore: each process maps, fills and verifies its regions, then runs on (the
     processes of a tree at once). Every byte is digested when `digests` or when a dump file is not provably the
-    one written at capture. The first failure is raised once every process has answered."""
+    one written at capture. The first failure is raised once every process has answered. A process with a stage
+    (`stages`, by pid) first maps what the node hydrator filled meanwhile."""
 
     def one(record: DumpRecord) -> HydratedDevice:
         started = time.perf_counter()
         directory = images.absolute() / record.directory
         verify = "digest" if digests else verification(record.dump, directory, record.files)
+        stage = (stages or {}).get(record.pid)
+        if stage is not None and verify == "sampled" and (report := _staged(record, stage, directory, policy)):
+            return HydratedDevice(pid=record.pid, bytes=int(report.get("bytes", 0)),
+                                  seconds=time.perf_counter() - started, gbps=0.0,
+                                  interposer={**report, "stage": stage.report})
         try:
             answer = interposer_request(record.socket, {"op": "hydrate", "dir": str(directory), "policy": policy,
                                                         "verify": verify},
                                         f"hydrate the device memory of process {record.pid}")
         except ProbeError as exc:
             raise WorkerError(f"device memory hydration failed, the restored process is not released: {exc}") from exc
-        report = answer.get("report") or {}
+        report = {**(answer.get("report") or {}), **({"stage": stage.report} if stage is not None else {})}
         return HydratedDevice(pid=record.pid, bytes=int(report.get("bytes", 0)), seconds=time.perf_counter() - started,
                               gbps=float(report.get("gbps", 0.0)), interposer=report)
 

@@ -26,6 +26,7 @@ from typing import Any
 from ._coordinator import Coordinator
 from ._cuda import Driver
 from ._device_memory import DumpRecord, hydrate_devices, prefetch_dumps, validated_dumps
+from ._device_stage import DeviceStage, stages_for
 from ._engine import ABORT_POLL, engine_request, resume_engine, validated_graph_record
 from ._process import process_state, process_tree, require_state, run_criu, stop, tail
 from ._profile import identity
@@ -80,6 +81,7 @@ class _Restore:
         # What was started, for the rollback.
         self.root: int | None = None
         self.stager: Stager | None = None
+        self.device_stages: dict[int, DeviceStage] = {}
         self.lazy: subprocess.Popen[bytes] | None = None
 
     def phases(self) -> None:
@@ -88,6 +90,7 @@ class _Restore:
         if self.manifest is not None and self.manifest.hydrator:  # the weights are copied while CRIU restores
             self.stager = Stager(self.manifest)
         prefetch_dumps(self.dumps, self.images)  # device dumps on disk are read ahead meanwhile
+        self.device_stages = stages_for(self.dumps, self.images)  # and a node hydrator fills them meanwhile
         root = self._criu_restore()
         self._cuda_restore(root)
         if self.lazy:
@@ -226,7 +229,7 @@ class _Restore:
         """Each interposer re-creates its regions at their addresses, fills and verifies them, opens its gate."""
         self.timeline.mark("device_hydration_begin")
         self.report.device_memory = hydrate_devices(self.dumps, self.images, self.device_policy,
-                                                    digests=self.device_digests)
+                                                    digests=self.device_digests, stages=self.device_stages)
         self.timeline.mark("device_hydration_end")
         self.report.device_hydration_seconds = self.timeline.seconds("device_hydration_begin",
                                                                      "device_hydration_end")
@@ -248,6 +251,8 @@ class _Restore:
         self.ranks.abort(f"rank {self.ranks.rank} restore: {error}")
         if self.stager:
             self.stager.discard()
+        for stage in self.device_stages.values():
+            stage.discard()
         if self.lazy:
             stop(self.lazy)
 

@@ -55,6 +55,7 @@ peers (SO_PEERCRED); see `HydratorServer` for what each peer may touch.
 from ._arena import WeightArena as WeightArena
 from ._hydrator import HydratorServer as HydratorServer
 from ._hydrator import Stager as Stager
+from ._interposer import ENV_HYDRATOR as ENV_HYDRATOR
 from ._interposer import DeviceDump as DeviceDump
 from ._interposer import build_library as build_library
 from ._interposer import check_dump as check_dump
@@ -72,6 +73,7 @@ from ._weights import combine_digests as combine_digests
 from ._weights import region_digest as region_digest
 
 __all__ = (
+    "ENV_HYDRATOR",
     "DeviceDump",
     "HydrationManifest",
     "HydratorServer",

@@ -27,11 +27,12 @@ from ..canonical import digest
 from ..errors import ChannelError, HydrationError
 from ._weights import DIGEST_PREFIX, region_digest
 
-__all__ = ("DUMP_KIND", "ENV_LIBRARY", "ENV_SOCKET", "LIBRARY", "POLICIES", "SOURCES", "DeviceDump", "DumpRegion",
-           "DumpSegment", "build_library", "check_dump", "dump_identities", "interposer_request", "interposer_socket",
-           "library_path", "remove_dump", "verification")
+__all__ = ("DUMP_KIND", "ENV_HYDRATOR", "ENV_LIBRARY", "ENV_SOCKET", "LIBRARY", "POLICIES", "SOURCES", "DeviceDump",
+           "DumpRegion", "DumpSegment", "build_library", "check_dump", "dump_identities", "interposer_request",
+           "interposer_socket", "library_path", "remove_dump", "verification")
 
 ENV_SOCKET = "COLDSNAP_CUDA_INTERPOSER_SOCKET"
+ENV_HYDRATOR = "COLDSNAP_CUDA_INTERPOSER_HYDRATOR"  # a node hydrator that fills the regions while CRIU restores
 ENV_LIBRARY = "COLDSNAP_CUDA_INTERPOSER_LIBRARY"  # a built library to use instead of building one
 LIBRARY = "libcoldsnap_cuda.so"
 CAPSULE_LIBRARY = Path("/opt/coldsnap/lib") / LIBRARY  # where _capsule_rootfs.py bakes it
@@ -79,15 +80,16 @@ def library_path(cache: Path | None = None) -> Path:
     return folder / LIBRARY
 
 
-def interposer_socket(pid: int) -> str | None:
+def interposer_socket(pid: int, name: str = ENV_SOCKET) -> str | None:
     """The control socket a process was started with (its environment's COLDSNAP_CUDA_INTERPOSER_SOCKET, ``%p``
-    replaced by its pid), or None when the interposer is not enabled there."""
+    replaced by its pid), or None when the interposer is not enabled there; with `name` ENV_HYDRATOR, the node
+    hydrator it names."""
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:
         return None
     for entry in environ.split(b"\0"):
-        if entry.startswith(ENV_SOCKET.encode() + b"="):
+        if entry.startswith(name.encode() + b"="):
             value = entry.split(b"=", 1)[1].decode(errors="replace")
             return value.replace("%p", str(pid)) if value.startswith("/") else None
     return None

@@ -29,7 +29,7 @@ static int listener = -1;
 static int released;    /* Invariant: 1 between a release that unmapped anything and the hydrate that succeeds */
 static char released_dir[FIELD];
 
-struct request { char op[32]; char dir[FIELD]; char policy[32]; char verify[32]; int has_dir; };
+struct request { char op[32]; char dir[FIELD]; char policy[32]; char verify[32]; char bytes[24]; int has_dir; };
 
 /* --- a flat JSON object ----------------------------------------------------------------------------------- */
 static const char *skip(const char *p) { while (*p == ' ' || *p == '\t' || *p == '\r' || *p == '\n') p++; return p; }
@@ -114,6 +114,8 @@ static int parse(const char *line, struct request *req, char *error, size_t room
             strcpy(req->policy, value);
         } else if (strcmp(key, "verify") == 0 && strlen(value) < sizeof(req->verify)) {
             strcpy(req->verify, value);
+        } else if (strcmp(key, "bytes") == 0 && strlen(value) < sizeof(req->bytes)) {
+            strcpy(req->bytes, value);
         } else {
             snprintf(error, room, "unknown key `%.60s`", key);
             return -1;
@@ -172,8 +174,24 @@ static void refuse(char *out, size_t room, const char *phase, const char *why)
     snprintf(out, room, "{\"ok\":false,\"error\":\"%s: %s\"}", phase, quoted);
 }
 
-static void dispatch(const struct request *req, char *out, size_t room)
+/* The staged allocation's size the asker announced (`bytes`, decimal), or 0 when absent or malformed. */
+static size_t announced(const struct request *req)
 {
+    char *end = NULL;
+    unsigned long long value = req->bytes[0] ? strtoull(req->bytes, &end, 10) : 0;
+    return end && !*end ? (size_t)value : 0;
+}
+
+static void dispatch(const struct request *req, int fd, char *out, size_t room)
+{
+    if (fd >= 0 && strcmp(req->op, "hydrate") != 0) {
+        refuse(out, room, "request", "only a hydrate request may carry a descriptor (a staged allocation)");
+        return;
+    }
+    if (fd >= 0 && !announced(req)) {
+        refuse(out, room, "hydrate", "a staged allocation comes with its size (`bytes`, decimal)");
+        return;
+    }
     if (strcmp(req->op, "status") == 0) {
         status(out, room);
     } else if (strcmp(req->op, "release") == 0) {
@@ -217,7 +235,10 @@ static void dispatch(const struct request *req, char *out, size_t room)
             return;
         }
         cscu_regions_lock();
-        cscu_hydrate(req->has_dir ? req->dir : released_dir, policy, strcmp(verify, "digest") == 0, out, room);
+        if (fd >= 0)  /* a node hydrator filled one allocation while the process was restored: map its parts */
+            cscu_hydrate_staged(req->has_dir ? req->dir : released_dir, policy, fd, announced(req), out, room);
+        else
+            cscu_hydrate(req->has_dir ? req->dir : released_dir, policy, strcmp(verify, "digest") == 0, out, room);
         size_t count;
         struct cscu_region *r = cscu_regions(&count);
         int all = 1;
@@ -245,6 +266,30 @@ static size_t answer_room(void)
     return CSCU_ANSWER + count * 512 + segments * 256;  /* a region's manifest entry, a segment's */
 }
 
+/* recv, also taking a descriptor that rides with the bytes (SCM_RIGHTS); a second one is closed. */
+static ssize_t receive(int conn, char *buffer, size_t size, int *fd)
+{
+    union { struct cmsghdr align; char space[CMSG_SPACE(sizeof(int) * 4)]; } control;
+    struct iovec iov = {buffer, size};
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.space,
+                         .msg_controllen = sizeof(control.space)};
+    ssize_t got = recvmsg(conn, &msg, MSG_CMSG_CLOEXEC);
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); got >= 0 && c; c = CMSG_NXTHDR(&msg, c)) {
+        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+            continue;
+        size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        for (size_t i = 0; i < count; i++) {
+            int received;
+            memcpy(&received, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+            if (*fd < 0)
+                *fd = received;
+            else
+                close(received);
+        }
+    }
+    return got;
+}
+
 static void serve_one(int conn)
 {
     char *line = calloc(1, MAX_LINE + 1), error[512];
@@ -254,6 +299,7 @@ static void serve_one(int conn)
     socklen_t length = sizeof(peer);
     struct timeval timeout = {30, 0};
     struct request req;
+    int fd = -1;
     if (!line || !out) {
         free(line);
         free(out);
@@ -268,15 +314,17 @@ static void serve_one(int conn)
         refuse(out, room, "request", error);
     } else {
         ssize_t got = 0;
-        while (n < MAX_LINE && !memchr(line, '\n', n) && (got = recv(conn, line + n, MAX_LINE - n, 0)) > 0)
+        while (n < MAX_LINE && !memchr(line, '\n', n) && (got = receive(conn, line + n, MAX_LINE - n, &fd)) > 0)
             n += (size_t)got;
         if (!memchr(line, '\n', n))
             refuse(out, room, "request", n >= MAX_LINE ? "longer than 65536 bytes" : "not one newline-terminated line");
         else if (parse(line, &req, error, sizeof(error)) != 0)
             refuse(out, room, "request", error);
         else
-            dispatch(&req, out, room);
+            dispatch(&req, fd, out, room);
     }
+    if (fd >= 0)
+        close(fd);  /* a staged allocation stays alive through its mappings, not through this descriptor */
     size_t size = strlen(out);
     out[size] = '\n';
     for (size_t sent = 0; sent <= size;) {

@@ -634,3 +634,110 @@ failed:
     free(created);
     refuse(out, room, phase, "%s", error);
 }
+
+/* --- hydrate from a staged allocation ---------------------------------------------------------------------- */
+typedef CUresult (*import_fn)(CUmemGenericAllocationHandle *, void *, int);
+typedef CUresult (*retain_fn)(CUmemGenericAllocationHandle *, void *);
+
+/* Map each released region onto its part of `staged` (consecutive, table order); each mapping holds its own
+ * reference (cuMemRetainAllocationHandle), so a later release unmaps and releases it like a created one. */
+static int adopt_parts(CUmemGenericAllocationHandle staged, char *created, char *error, size_t room)
+{
+    const struct cscu_driver *d = cscu_driver();
+    retain_fn retain = (retain_fn)cscu_real("cuMemRetainAllocationHandle");
+    size_t count, at = 0;
+    struct cscu_region *regions = cscu_regions(&count);
+    for (size_t i = 0; i < count; i++) {
+        struct cscu_region *r = &regions[i];
+        CUmemAccessDesc access = {{CU_MEM_LOCATION_TYPE_DEVICE, r->device}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+        CUmemGenericAllocationHandle held = 0;
+        CUresult rc = CUDA_ERROR_NOT_FOUND;
+        if (r->handle)
+            continue;
+        if (retain && (rc = d->ctx_set_current(r->context)) == CUDA_SUCCESS
+            && (rc = d->map(r->address, r->size, at, staged, 0)) == CUDA_SUCCESS) {
+            if ((rc = d->set_access(r->address, r->size, &access, 1)) == CUDA_SUCCESS
+                && (rc = retain(&held, (void *)(uintptr_t)r->address)) == CUDA_SUCCESS) {
+                r->handle = held;
+                created[i] = 1;
+                at += r->size;
+                continue;
+            }
+            d->unmap(r->address, r->size);
+        }
+        snprintf(error, room, "region %#llx (%zu bytes at +%zu of the staged allocation): %s", r->address, r->size,
+                 at, retain ? cscu_error_name(rc) : "cuMemRetainAllocationHandle is missing");
+        return -1;
+    }
+    return 0;
+}
+
+void cscu_hydrate_staged(const char *dir, const char *policy, int fd, size_t bytes, char *out, size_t room)
+{
+    double t0 = now(), check, adopt;
+    size_t count, wanted = 0;
+    struct cscu_region *regions = cscu_regions(&count);
+    char error[1024], *take = calloc(segment_count + 1, 1), *created = calloc(count + 1, 1);
+    int *fds = malloc((segment_count + 1) * sizeof(int));
+    int dirfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    import_fn import = (import_fn)cscu_real("cuMemImportFromShareableHandle");
+    CUmemGenericAllocationHandle staged = 0;
+    const char *phase = "hydrate";
+    if (!take || !created || !fds) {
+        snprintf(error, sizeof(error), "out of host memory");
+        goto failed;
+    }
+    for (size_t i = 0; i < count; i++)
+        wanted += regions[i].handle ? 0 : regions[i].size;
+    for (size_t i = 0; i < segment_count; i++) {
+        fds[i] = -1;
+        take[i] = regions[segments[i].region].handle == 0;
+    }
+    if (dirfd < 0) {
+        snprintf(error, sizeof(error), "dump directory %s: %s", dir, strerror(errno));
+        goto failed;
+    }
+    if (bytes != wanted) {
+        snprintf(error, sizeof(error), "the staged allocation holds %zu bytes, the released regions %zu", bytes, wanted);
+        goto failed;
+    }
+    if (open_dump(dirfd, dir, fds, take, error, sizeof(error)) != 0
+        || check_devices(policy, error, sizeof(error)) != 0)
+        goto failed;
+    check = now() - t0;
+    phase = "hydrate: adopt";
+    CUresult rc = import ? import(&staged, (void *)(intptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+                         : CUDA_ERROR_NOT_FOUND;
+    if (rc != CUDA_SUCCESS) {
+        snprintf(error, sizeof(error), "import the staged allocation: %s", cscu_error_name(rc));
+        goto failed;
+    }
+    if (adopt_parts(staged, created, error, sizeof(error)) != 0)
+        goto failed;
+    cscu_driver()->release(staged);  /* the mappings hold their own references */
+    staged = 0;
+    adopt = now() - t0 - check;
+    phase = "hydrate: verify";
+    if (verify_samples(fds, take, error, sizeof(error)) != 0)
+        goto failed;
+    close_files(dirfd, fds, 0);
+    free(take);
+    free(created);
+    double total = now() - t0;
+    snprintf(out, room, "{\"ok\":true,\"report\":{\"bytes\":%zu,\"segments\":%zu,\"seconds\":%.6f,\"gbps\":0,"
+             "\"check_s\":%.6f,\"adopt_s\":%.6f,\"verify_s\":%.6f,\"policy\":\"%s\",\"verify\":\"sampled\","
+             "\"staged\":true}}", bytes, segment_count, total, check, adopt, total - check - adopt, policy);
+    return;
+failed:
+    if (created)
+        undo(regions, created, count);  /* nothing half-adopted stays mapped; the gate stays closed */
+    if (staged)
+        cscu_driver()->release(staged);
+    if (dirfd >= 0)
+        close_files(dirfd, fds, 0);
+    else
+        free(fds);
+    free(take);
+    free(created);
+    refuse(out, room, phase, "%s", error);
+}

@@ -349,3 +349,73 @@ def test_a_hydration_the_engines_refuse_fails_the_restore_naming_each_process(li
                                               rf"device memory of process {first.pid} .*nothing is released"):
             hydrate_devices(records, tmp_path / "images", "same-model")
         assert request(first_socket, {"op": "status"})["gate"] == "open"
+
+
+def raw_with_fd(path: str, payload: bytes, fd: int) -> dict[str, Any]:
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(10)
+        sock.connect(path)
+        socket.send_fds(sock, [payload], [fd])
+        sock.shutdown(socket.SHUT_WR)
+        data = b""
+        while part := sock.recv(65536):
+            data += part
+    answer: dict[str, Any] = json.loads(data)
+    return answer
+
+
+@pytest.mark.parametrize(("payload", "error"), [
+    pytest.param(b'{"op": "status"}\n', "only a hydrate request may carry a descriptor", id="status-with-fd"),
+    pytest.param(b'{"op": "hydrate"}\n', "comes with its size (`bytes`, decimal)", id="no-size"),
+    pytest.param(b'{"op": "hydrate", "bytes": "12x"}\n', "comes with its size", id="bad-size"),
+    pytest.param(b'{"op": "hydrate", "bytes": "4194304"}\n', "nothing is released", id="nothing-released"),
+])
+def test_a_descriptor_rides_only_with_a_staged_hydration_and_is_never_kept(engine: tuple[Any, str], payload: bytes,
+                                                                           error: str) -> None:
+    proc, path = engine
+    before = len(os.listdir(f"/proc/{proc.pid}/fd"))
+    with open("/dev/null", "rb") as held:
+        answer = raw_with_fd(path, payload, held.fileno())
+    assert answer["ok"] is False and error in answer["error"], answer
+    give_up = time.monotonic() + 5  # the connection itself closes once the server saw ours close
+    while len(os.listdir(f"/proc/{proc.pid}/fd")) != before and time.monotonic() < give_up:
+        time.sleep(0.01)
+    assert len(os.listdir(f"/proc/{proc.pid}/fd")) == before  # the received descriptor was closed too
+
+
+def test_a_stage_is_asked_only_for_the_captures_own_files_and_fails_softly(tmp_path: Path) -> None:
+    """stages_for: a hydrator named and the files unchanged; an unreachable hydrator leaves the regular path."""
+    from coldsnap_probe._device_stage import stages_for
+
+    images = tmp_path / "images"
+    dump = dump_in(images / "device-42")
+    files = dump_identities(dump, images / "device-42")
+    records = [DumpRecord(42, "/run/cuda-42.sock", "device-42", dump, files, str(tmp_path / "absent.sock")),
+               DumpRecord(43, "/run/cuda-43.sock", "device-42", dump, files, ""),  # no hydrator named
+               DumpRecord(44, "/run/cuda-44.sock", "device-42", dump, {}, str(tmp_path / "absent.sock"))]
+    stages = stages_for(records, images)
+    assert list(stages) == [42]  # 44's files are not provably the capture's: no stage
+    assert stages[42].adopt(timeout=10) is None
+    assert stages[42].report["staged"] is False and "absent.sock" in stages[42].report["error"]
+    stages[42].discard()  # nothing staged: nothing sent, nothing raised
+
+
+def test_a_dump_stage_takes_only_whole_files_its_peer_could_read(tmp_path: Path) -> None:
+    from coldsnap_probe.hydration._hydrator import _dump_parts
+    from coldsnap_probe.jsonline import Peer
+
+    root, nobody = Peer(1, 0, 0), Peer(1, 65534, 65534)
+    part = tmp_path / "seg-0.bin"
+    part.write_bytes(b"\0" * (2 * MIB))
+    parts = _dump_parts([{"file": str(part), "bytes": 2 * MIB}], root)
+    assert [(p.address, p.size, p.source) for p in parts] == [(0, 2 * MIB, str(part))]
+    for bad, error in [([], "non-empty list"), ([{"file": "seg-0.bin", "bytes": 2 * MIB}], "absolute path"),
+                       ([{"file": str(part), "bytes": MIB}], "multiple of"),
+                       ([{"file": str(part), "bytes": True}], "positive multiple"),
+                       ([{"file": str(part), "bytes": 4 * MIB}], "at least 4194304 bytes"),
+                       ([{"file": str(tmp_path / "none"), "bytes": 2 * MIB}], "No such file")]:
+        with pytest.raises(HydrationError, match=error):
+            _dump_parts(bad, root)
+    part.chmod(0o600)
+    with pytest.raises(HydrationError, match="peer uid 65534 may not read"):
+        _dump_parts([{"file": str(part), "bytes": 2 * MIB}], nobody)
