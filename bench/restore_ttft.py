@@ -185,12 +185,15 @@ def stop_started(timeout: float = 10.0) -> None:
     STARTED.clear()
 
 
-def server_env(root: Path, interposer: Path | None) -> dict[str, str] | None:
-    """The server's environment: under the interposer (its socket per pid in `root`), or inherited."""
+def server_env(root: Path, interposer: Path | None, strategy: str) -> dict[str, str] | None:
+    """The server's environment: under the interposer (its socket per pid in `root`; the node hydrator, when one
+    runs, stages its dump while CRIU restores), or inherited."""
     if interposer is None:
         return None
+    hydrator = {"COLDSNAP_CUDA_INTERPOSER_HYDRATOR": strategy.split(":", 1)[1]} if strategy.startswith(
+        "hydrator:") else {}
     return {**os.environ, "LD_PRELOAD": str(interposer),
-            "COLDSNAP_CUDA_INTERPOSER_SOCKET": str(root / "cuda-%p.sock")}
+            "COLDSNAP_CUDA_INTERPOSER_SOCKET": str(root / "cuda-%p.sock"), **hydrator}
 
 
 def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, weights: Path,
@@ -218,7 +221,7 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
         server = subprocess.Popen([sys.executable, str(SERVER), "--gib", str(gib), "--weights", str(weights),
                                    "--socket", str(path), *extra],
                                   stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                  start_new_session=True, env=server_env(root, interposer))
+                                  start_new_session=True, env=server_env(root, interposer, strategy))
     STARTED[:] = [server.pid]
     while "ready" not in stages(log):
         if server.poll() is not None:
@@ -331,6 +334,16 @@ def hydrate_bench(gib: float, weights: Path, disk_dir: Path, hydrator: str) -> d
     results["runs"] = rows
     disk.unlink()
     return results
+
+
+def device_stage(restore: dict[str, Any]) -> dict[str, Any]:
+    """The node hydrator's stage of the interposer's dump in a restore ({} when there was none), as the weights'
+    stage reports it: `staged` (and adopted) and its `copy_s`."""
+    for device in restore.get("device_memory") or []:
+        interposer = device.get("interposer") or {}
+        if interposer.get("staged"):
+            return {"staged": True, "copy_s": (interposer.get("stage") or {}).get("copy_s", 0.0)}
+    return {}
 
 
 def device_gbps(restore: dict[str, Any]) -> float:
@@ -453,6 +466,7 @@ def main() -> None:
         gbps = r["device_bytes"] / (best["cuda_restore_s"] + best["wake_s"]) / 1e9
         hydrated = best.get("hydration", {})
         staged = (hydrated.get("staged") or {}) if isinstance(hydrated, dict) else {}
+        staged = staged or device_stage(best)
         pages_in = " / ".join(f"{x['all_pages_in_s']:.2f}" for x in r["restores"] if x.get("all_pages_in_s"))
         rows.append([f"{r['gib']:g} GiB", r["mode"] + (f", stack {r['stack_bytes']} B" if r["stack_bytes"] else "")
                      + (", lazy pages" if r.get("memory") == "lazy" else "")

@@ -263,3 +263,44 @@ def test_a_failed_capture_hydrates_the_process_back_and_removes_the_dump(torch_t
     assert status["released"] is False and status["gate"] == "open" and status["mapped_bytes"] == status["bytes"]
     assert not list(images.glob("device-*")) and not (images / "device-memory.json").exists()
     assert torch_target.ask("check") == {**torch_target.ready, "pid": torch_target.proc.pid}
+
+
+@pytest.fixture(scope="module")
+def dump_hydrator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A node hydrator that holds no weights and stages device dumps (`serve --staging`, no sources)."""
+    root = tmp_path_factory.mktemp("dump-hydrator")
+    path, log = root / "hydrator.sock", root / "hydrator.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "coldsnap_probe.hydration", "serve", "--socket", str(path),
+                                 "--staging"], cwd=ROOT, stdout=out, stderr=out, stdin=subprocess.DEVNULL)
+    try:
+        give_up = time.monotonic() + 60
+        while '"ready"' not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < give_up, log.read_text()[-2000:]
+            time.sleep(0.05)
+        yield str(path)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_dump_staged_by_the_node_hydrator_is_mapped_in_place(target: Target, dump_hydrator: str,
+                                                               tmp_path: Path) -> None:
+    from coldsnap_probe._device_memory import DumpRecord, hydrate_devices
+    from coldsnap_probe._device_stage import stages_for
+    from coldsnap_probe.hydration import dump_identities
+
+    dump = target.release(tmp_path / "dump")
+    record = DumpRecord(target.proc.pid, target.socket, "dump", dump, dump_identities(dump, tmp_path / "dump"),
+                        dump_hydrator)
+    stages = stages_for([record], tmp_path)
+    [hydrated] = hydrate_devices([record], tmp_path, "same-model", stages=stages)
+    assert hydrated.interposer.get("staged") is True, hydrated.interposer
+    assert hydrated.interposer["stage"]["bytes"] == dump.bytes and hydrated.bytes == dump.bytes
+    assert target.ask("check") == {**target.ready, "pid": target.proc.pid}
+    status = interposer_request(dump_hydrator, {"op": "status"}, "hydrator status")
+    assert status["staged"] == []  # adopted: the hydrator keeps nothing
+    # The adopted regions release and come back like created ones.
+    target.release(tmp_path / "again")
+    target.request({"op": "hydrate"})
+    assert target.ask("check") == {**target.ready, "pid": target.proc.pid}
