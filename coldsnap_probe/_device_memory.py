@@ -32,7 +32,7 @@ from .hydration import (
     verification,
 )
 
-__all__ = ("RECORD", "DeviceRelease", "hydrate_devices", "prefetch_dumps", "validated_dumps")
+__all__ = ("RECORD", "DeviceRelease", "hydrate_devices", "prefetch_dumps", "stages_for", "validated_dumps")
 
 RECORD = "device-memory.json"
 RECORD_KIND = "coldsnap-device-memory"
@@ -168,6 +168,19 @@ def prefetch_dumps(records: list[DumpRecord], images: Path) -> None:
                     os.close(fd)
 
 
+def stages_for(records: list[DumpRecord], images: Path) -> dict[int, DeviceStage]:
+    """Restore, before CRIU: a node hydrator stage (docs/interposer.md) per process whose engine named a hydrator,
+    whose regions are on one GPU and whose dump files are the capture's own; by pid."""
+    stages = {}
+    for record in records:
+        directory = images.absolute() / record.directory
+        if not record.hydrator or len({r.device_uuid for r in record.dump.regions}) != 1:
+            continue
+        if verification(record.dump, directory, record.files) == "sampled":
+            stages[record.pid] = DeviceStage(record.hydrator, record.dump, directory)
+    return stages
+
+
 def _staged(record: DumpRecord, stage: DeviceStage, directory: Path, policy: str) -> dict[str, Any] | None:
     """The interposer maps what the hydrator staged; None when there is nothing to map or it refused (then the
     regular hydration runs: a refused adoption leaves the regions released, the gate closed)."""
@@ -204,6 +217,8 @@ def hydrate_devices(records: list[DumpRecord], images: Path, policy: str, *, dig
             return HydratedDevice(pid=record.pid, bytes=int(report.get("bytes", 0)),
                                   seconds=time.perf_counter() - started, gbps=0.0,
                                   interposer={**report, "stage": stage.report})
+        if stage is not None:
+            stage.discard()  # not adopted: the hydrator frees it now rather than at its TTL
         try:
             answer = interposer_request(record.socket, {"op": "hydrate", "dir": str(directory), "policy": policy,
                                                         "verify": verify},

@@ -15,16 +15,13 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import jsonline
 from .errors import ChannelError
-from .hydration import DeviceDump, verification
+from .hydration import DeviceDump
 
-if TYPE_CHECKING:
-    from ._device_memory import DumpRecord
-
-__all__ = ("DeviceStage", "stages_for")
+__all__ = ("DeviceStage",)
 
 
 class DeviceStage:
@@ -91,16 +88,3 @@ class DeviceStage:
         if self.report.get("staged"):
             with contextlib.suppress(ChannelError):
                 jsonline.request(self.hydrator, {"op": "discard", "key": self.key, "ticket": self.ticket}, timeout=5.0)
-
-
-def stages_for(records: list[DumpRecord], images: Path) -> dict[int, DeviceStage]:
-    """A stage per process whose engine named a hydrator, whose regions are on one GPU and whose dump files
-    are the capture's own (by pid)."""
-    stages = {}
-    for record in records:
-        directory = images.absolute() / record.directory
-        if not record.hydrator or len({r.device_uuid for r in record.dump.regions}) != 1:
-            continue
-        if verification(record.dump, directory, record.files) == "sampled":
-            stages[record.pid] = DeviceStage(record.hydrator, record.dump, directory)
-    return stages

@@ -25,8 +25,8 @@ from typing import Any
 
 from ._coordinator import Coordinator
 from ._cuda import Driver
-from ._device_memory import DumpRecord, hydrate_devices, prefetch_dumps, validated_dumps
-from ._device_stage import DeviceStage, stages_for
+from ._device_memory import DumpRecord, hydrate_devices, prefetch_dumps, stages_for, validated_dumps
+from ._device_stage import DeviceStage
 from ._engine import ABORT_POLL, engine_request, resume_engine, validated_graph_record
 from ._process import process_state, process_tree, require_state, run_criu, stop, tail
 from ._profile import identity

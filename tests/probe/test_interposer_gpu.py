@@ -286,8 +286,7 @@ def dump_hydrator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 def test_a_dump_staged_by_the_node_hydrator_is_mapped_in_place(target: Target, dump_hydrator: str,
                                                                tmp_path: Path) -> None:
-    from coldsnap_probe._device_memory import DumpRecord, hydrate_devices
-    from coldsnap_probe._device_stage import stages_for
+    from coldsnap_probe._device_memory import DumpRecord, hydrate_devices, stages_for
     from coldsnap_probe.hydration import dump_identities
 
     dump = target.release(tmp_path / "dump")
