@@ -92,6 +92,13 @@ class DeviceRelease:
             if not os.path.exists(socket):  # enabled, but nothing was ever allocated through it
                 self.reports.append(DumpedDevice(pid=pid, socket=socket, state="not-started"))
                 continue
+            try:
+                owner = interposer_request(socket, {"op": "status"}, f"the interposer of process {pid}").get("pid")
+            except ProbeError as exc:
+                raise WorkerError(f"device memory release: {exc}") from exc
+            if owner != pid:  # one path without %p, taken by another process of the tree: this one is pass-through
+                self.reports.append(DumpedDevice(pid=pid, socket=socket, state="not-started"))
+                continue
             self._release_one(pid, socket)
         if self.records:
             record = {"format": 1, "kind": RECORD_KIND, "processes": [r.to_json() for r in self.records]}
@@ -124,11 +131,15 @@ class DeviceRelease:
 
     def roll_back(self) -> None:
         """A failed capture: every process asked to release gets its memory back; the dumps are removed."""
+        written = {r.socket: r for r in self.records}
         for socket, directory in self.asked:
+            record = written.get(socket)  # a dump just written and recorded needs no digest pass to come back
+            verify = verification(record.dump, directory, record.files) if record else "digest"
             with contextlib.suppress(ProbeError):
                 status = interposer_request(socket, {"op": "status"}, "status", timeout=30.0)
                 if status.get("released"):
-                    interposer_request(socket, {"op": "hydrate", "dir": str(directory)}, "roll back the release")
+                    interposer_request(socket, {"op": "hydrate", "dir": str(directory), "verify": verify},
+                                       "roll back the release")
             remove_dump(directory)
         (self.images / RECORD).unlink(missing_ok=True)
 

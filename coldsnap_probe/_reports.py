@@ -88,8 +88,8 @@ class ReleasedWeights:
 class DumpedDevice:
     """One CUDA process's device memory through the interposer before the CUDA lock: `released` (dumped, then
     unmapped; `uncovered` is what stayed on the CUDA checkpoint path, per kind), `empty` (listening, but holding no
-    region) or `not-started` (enabled, but nothing was ever allocated through it, so no socket): in the last two
-    everything is on the checkpoint path."""
+    region) or `not-started` (enabled, but nothing was ever allocated through it, so no socket, or its socket
+    path is another process's): in the last two everything is on the checkpoint path."""
 
     pid: int
     socket: str

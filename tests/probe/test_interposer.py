@@ -421,3 +421,15 @@ def test_a_dump_stage_takes_only_whole_files_its_peer_could_read(tmp_path: Path)
     part.chmod(0o600)
     with pytest.raises(HydrationError, match="peer uid 65534 may not read"):
         _dump_parts([{"file": str(part), "bytes": 2 * MIB}], nobody)
+
+
+def test_a_socket_another_process_listens_on_is_not_asked_to_release(engine: tuple[Any, str],
+                                                                      tmp_path: Path) -> None:
+    """One socket path without %p in a tree: the process that took it is the only one released through it."""
+    _, path = engine
+    images = tmp_path / "images"
+    images.mkdir(mode=0o700)
+    release = DeviceRelease(images, path)
+    release.release([os.getpid()])  # named explicitly, but the socket answers for another pid
+    assert [(r.state, r.pid) for r in release.reports] == [("not-started", os.getpid())]
+    assert request(path, {"op": "status"})["released"] is False and list(images.iterdir()) == []
