@@ -130,16 +130,28 @@ static pthread_mutex_t gate_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t gate_changed = PTHREAD_COND_INITIALIZER;
 static int gate_closed;     /* Invariant: 1 from a release's start until a hydrate succeeds (or a release fails) */
 static long gate_inside;    /* gated calls counted in */
+/* A gated call made inside another on the same thread (a library calling the driver's exported names from
+ * within a driver call) passes: the outer call already holds the gate, and waiting would deadlock a release. */
+static __thread int gate_depth;
+
+static void count_out(void)
+{
+    if (__atomic_sub_fetch(&gate_inside, 1, __ATOMIC_SEQ_CST) == 0 && __atomic_load_n(&gate_closed, __ATOMIC_SEQ_CST)) {
+        pthread_mutex_lock(&gate_lock);
+        pthread_cond_broadcast(&gate_changed);
+        pthread_mutex_unlock(&gate_lock);
+    }
+}
 
 void cscu_gate_enter(void)
 {
-    if (!cscu_config()->socket[0])
-        return;  /* inert (no socket): no gate */
+    if (!cscu_config()->socket[0] || gate_depth++ > 0)
+        return;  /* inert (no socket): no gate; nested: counted by the outermost call */
     for (;;) {
         __atomic_add_fetch(&gate_inside, 1, __ATOMIC_SEQ_CST);
         if (!__atomic_load_n(&gate_closed, __ATOMIC_SEQ_CST))
             return;
-        cscu_gate_leave();
+        count_out();  /* closed: step back out and wait for it to open */
         pthread_mutex_lock(&gate_lock);
         while (__atomic_load_n(&gate_closed, __ATOMIC_SEQ_CST))
             pthread_cond_wait(&gate_changed, &gate_lock);
@@ -149,13 +161,9 @@ void cscu_gate_enter(void)
 
 void cscu_gate_leave(void)
 {
-    if (!cscu_config()->socket[0])
+    if (!cscu_config()->socket[0] || --gate_depth > 0)
         return;
-    if (__atomic_sub_fetch(&gate_inside, 1, __ATOMIC_SEQ_CST) == 0 && __atomic_load_n(&gate_closed, __ATOMIC_SEQ_CST)) {
-        pthread_mutex_lock(&gate_lock);
-        pthread_cond_broadcast(&gate_changed);
-        pthread_mutex_unlock(&gate_lock);
-    }
+    count_out();
 }
 
 void cscu_gate_close(void)
