@@ -38,9 +38,9 @@ static void config_read(void)
     cpu_set_t cpus;
     int usable = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 8;
     /* Default: one copy thread per CPU the process may use (digesting bounds the rate), 4 to 16. */
-    config.threads = (int)env_size("COLDSNAP_CUDA_INTERPOSER_THREADS", usable < 4 ? 4 : usable > 16 ? 16 : usable, 1);
-    if (config.threads > 64)
-        config.threads = 64;
+    size_t threads = env_size("COLDSNAP_CUDA_INTERPOSER_THREADS", (size_t)(usable < 4 ? 4 : usable > 16 ? 16 : usable),
+                              1);
+    config.threads = threads > 64 ? 64 : (int)threads;
     config.staging = env_size("COLDSNAP_CUDA_INTERPOSER_STAGING_MIB", 4, (size_t)1 << 20);
     if (config.staging > CSCU_DIGEST_CHUNK)
         config.staging = CSCU_DIGEST_CHUNK;
