@@ -276,7 +276,7 @@ static void manifest(struct answer *a, const char *dir, double seconds[4], size_
         put(a, "%s{\"address\":%llu,\"size\":%zu,\"requested\":%zu,\"device\":%d,\"device_uuid\":\"%s\","
             "\"device_name\":\"", i ? "," : "", r->address, r->size, r->requested, r->device, r->uuid);
         put_text(a, r->name);
-        put(a, "\",\"cscu_segments\":[");
+        put(a, "\",\"segments\":[");
         for (int first = 1; s < cscu_segment_count && cscu_segments[s].region == i; s++, first = 0)
             put(a, "%s{\"file\":\"%s\",\"offset\":0,\"address\":%llu,\"size\":%zu,\"digest\":\"%s\"}", first ? "" : ",",
                 cscu_segments[s].file, r->address + cscu_segments[s].offset, cscu_segments[s].size, cscu_segments[s].digest);

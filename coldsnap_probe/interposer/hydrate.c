@@ -186,7 +186,7 @@ void cscu_hydrate(const char *dir, const char *policy, int digests, char *out, s
     free(take);
     free(created);
     double total = cscu_now() - t0;
-    snprintf(out, room, "{\"ok\":true,\"report\":{\"bytes\":%zu,\"regions\":%zu,\"cscu_segments\":%zu,\"seconds\":%.6f,"
+    snprintf(out, room, "{\"ok\":true,\"report\":{\"bytes\":%zu,\"regions\":%zu,\"segments\":%zu,\"seconds\":%.6f,"
              "\"gbps\":%.3f,\"check_s\":%.6f,\"create_s\":%.6f,\"fill_s\":%.6f,\"verify_s\":%.6f,\"policy\":\"%s\","
              "\"verify\":\"%s\",\"digest_engine\":\"%s\",\"threads\":%d}}", bytes, restored, cscu_segment_count, total,
              fill > 0 ? (double)bytes / fill / 1e9 : 0.0, check, create, fill, total - check - create - fill, policy,
@@ -293,7 +293,7 @@ void cscu_hydrate_staged(const char *dir, const char *policy, int fd, size_t byt
     free(take);
     free(created);
     double total = cscu_now() - t0;
-    snprintf(out, room, "{\"ok\":true,\"report\":{\"bytes\":%zu,\"cscu_segments\":%zu,\"seconds\":%.6f,\"gbps\":0,"
+    snprintf(out, room, "{\"ok\":true,\"report\":{\"bytes\":%zu,\"segments\":%zu,\"seconds\":%.6f,\"gbps\":0,"
              "\"check_s\":%.6f,\"adopt_s\":%.6f,\"verify_s\":%.6f,\"policy\":\"%s\",\"verify\":\"sampled\","
              "\"staged\":true}}", bytes, cscu_segment_count, total, check, adopt, total - check - adopt, policy);
     return;
