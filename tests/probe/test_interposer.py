@@ -433,3 +433,62 @@ def test_a_socket_another_process_listens_on_is_not_asked_to_release(engine: tup
     release.release([os.getpid()])  # named explicitly, but the socket answers for another pid
     assert [(r.state, r.pid) for r in release.reports] == [("not-started", os.getpid())]
     assert request(path, {"op": "status"})["released"] is False and list(images.iterdir()) == []
+
+
+HARNESS = r"""
+#include "interpose.c"
+#include "regions.c"
+#include "control.c"
+#include "sha256.c"
+#include "dump.c"
+#include "hydrate.c"
+
+/* The manifest writer with two regions (no driver involved): one of 3 GiB (three segments), one of 2 MiB. */
+int main(void)
+{
+    struct cscu_region r = {0};
+    size_t count, bytes = 0;
+    double seconds[4] = {0, 0.25, 0.5, 0.125};
+    static char out[1 << 20];
+    struct answer a = {out, sizeof(out), 0};
+    r.address = 0x7f0000000000ULL;
+    r.size = (size_t)3 << 30;
+    r.requested = r.size - 5;
+    strcpy(r.uuid, "GPU-01234567-89ab-cdef-0123-456789abcdef");
+    strcpy(r.name, "NVIDIA \"H200\" \\ test");
+    append(&r);
+    r.address += (size_t)4 << 30;
+    r.size = r.requested = (size_t)2 << 20;
+    append(&r);
+    struct cscu_region *regions = cscu_regions(&count);
+    plan_segments(regions, count);
+    for (size_t i = 0; i < cscu_segment_count; i++) {
+        snprintf(cscu_segments[i].digest, 80, "sha256-64m:%064zx", i);
+        bytes += cscu_segments[i].size;
+    }
+    manifest(&a, "/dump/\"dir\"", seconds, bytes);
+    puts(out);
+    return 0;
+}
+"""
+
+
+def test_the_manifest_the_library_writes_is_the_one_the_worker_reads(tmp_path: Path) -> None:
+    """The C writer (compiled with a harness that only fills the region table: no driver is involved) and
+    DeviceDump.from_json agree on every key, type and escape."""
+    from coldsnap_probe.hydration._interposer import SOURCES
+
+    (tmp_path / "harness.c").write_text(HARNESS)
+    subprocess.run(["gcc", "-O1", "-std=gnu11", "-I", str(SOURCES), "-o", str(tmp_path / "harness"),
+                    str(tmp_path / "harness.c"), "-ldl", "-lpthread"], check=True, capture_output=True)
+    answer = json.loads(subprocess.run([str(tmp_path / "harness")], capture_output=True, text=True,
+                                       check=True).stdout)
+    assert answer["ok"] is True
+    dump = DeviceDump.from_json(answer["manifest"], answered=True)
+    assert dump.dir == '/dump/"dir"' and dump.bytes == (3 << 30) + (2 << 20)
+    assert [(r.address, r.size, len(r.segments)) for r in dump.regions] == [
+        (0x7F0000000000, 3 << 30, 3), (0x7F0100000000, 2 << 20, 1)]
+    assert dump.regions[0].device_name == 'NVIDIA "H200" \\ test'
+    assert [s.file for s in dump.segments] == ["seg-0.bin", "seg-1.bin", "seg-2.bin", "seg-3.bin"]
+    assert dump.segments[1].address == 0x7F0000000000 + (1 << 30) and dump.timings_s["dump"] == 0.5
+    assert set(dump.uncovered) >= {"below_threshold", "managed", "stream_ordered", "ipc_imported"}
