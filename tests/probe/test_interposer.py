@@ -492,3 +492,82 @@ def test_the_manifest_the_library_writes_is_the_one_the_worker_reads(tmp_path: P
     assert [s.file for s in dump.segments] == ["seg-0.bin", "seg-1.bin", "seg-2.bin", "seg-3.bin"]
     assert dump.segments[1].address == 0x7F0000000000 + (1 << 30) and dump.timings_s["dump"] == 0.5
     assert set(dump.uncovered) >= {"below_threshold", "managed", "stream_ordered", "ipc_imported"}
+
+
+GATE_HARNESS = r"""
+#include "interpose.c"
+#include "regions.c"
+#include "control.c"
+#include "sha256.c"
+#include "dump.c"
+#include "hydrate.c"
+
+static volatile int released_now, stop, violations, calls, nested_done;
+
+/* An engine thread: every gated call must find the memory mapped. */
+static void *engine(void *unused)
+{
+    (void)unused;
+    while (!stop) {
+        cscu_gate_enter();
+        if (released_now)
+            __atomic_add_fetch(&violations, 1, __ATOMIC_SEQ_CST);
+        __atomic_add_fetch(&calls, 1, __ATOMIC_SEQ_CST);
+        cscu_gate_leave();
+    }
+    return NULL;
+}
+
+/* A call that makes another gated call from inside itself while a release is closing the gate. */
+static void *nesting(void *unused)
+{
+    (void)unused;
+    cscu_gate_enter();
+    usleep(100000);  /* the release starts closing meanwhile and waits for this call */
+    cscu_gate_enter();
+    cscu_gate_leave();
+    nested_done = 1;
+    cscu_gate_leave();
+    return NULL;
+}
+
+int main(void)
+{
+    pthread_t threads[4], nested;
+    for (int i = 0; i < 4; i++)
+        pthread_create(&threads[i], NULL, engine, NULL);
+    for (int round = 0; round < 200; round++) {  /* release, hold, hydrate */
+        cscu_gate_close();
+        released_now = 1;
+        usleep(200);
+        released_now = 0;
+        cscu_gate_open();
+        usleep(200);
+    }
+    stop = 1;
+    for (int i = 0; i < 4; i++)
+        pthread_join(threads[i], NULL);
+    pthread_create(&nested, NULL, nesting, NULL);
+    usleep(20000);
+    cscu_gate_close();  /* returns only once the nesting call has left: it must not wait on itself */
+    int done = nested_done;
+    cscu_gate_open();
+    pthread_join(nested, NULL);
+    printf("%d %d %d\n", violations, calls, done);
+    return 0;
+}
+"""
+
+
+def test_the_gate_lets_no_call_run_while_released_and_never_waits_on_itself(tmp_path: Path) -> None:
+    """The readiness gate with real threads (no driver): 200 release/hydrate rounds against four calling threads,
+    and a release that starts while a call is inside a nested one."""
+    from coldsnap_probe.hydration._interposer import SOURCES
+
+    (tmp_path / "gate.c").write_text(GATE_HARNESS)
+    subprocess.run(["gcc", "-O2", "-std=gnu11", "-I", str(SOURCES), "-o", str(tmp_path / "gate"),
+                    str(tmp_path / "gate.c"), "-ldl", "-lpthread"], check=True, capture_output=True)
+    done = subprocess.run([str(tmp_path / "gate")], capture_output=True, text=True, check=True, timeout=60,
+                          env={**os.environ, "COLDSNAP_CUDA_INTERPOSER_SOCKET": str(tmp_path / "unused.sock")})
+    violations, calls, nested = map(int, done.stdout.split())
+    assert violations == 0 and calls > 0 and nested == 1
