@@ -16,6 +16,11 @@ restore hydrates and verifies them before the engine serves. `--strategy hydrato
 long-lived hydrator (`python -m coldsnap_probe.hydration serve`) that page-locks the weights file
 once. `--hydrate-bench GIB` first measures the copy strategies (register, ring, O_DIRECT ring,
 hydrator) with the source in /dev/shm, in the page cache and cold on disk.
+
+Mode `interposer` is the no-cooperation path: the same server, unchanged (no --vmm-weights), run under
+`LD_PRELOAD=libcoldsnap_cuda.so` with `COLDSNAP_CUDA_INTERPOSER_SOCKET`; the worker finds the socket in the
+server's environment, has the interposer dump and release every device allocation before the CUDA lock (into
+the images), and hydrate it after the CUDA restore (docs/interposer.md). Its capture row adds the release.
 """
 
 from __future__ import annotations
@@ -159,13 +164,47 @@ def settle_gpu(limit_mib: int, timeout: float = 3.0) -> dict[str, Any]:
     return {"used_mib": used, "waited_s": round(time.time() - started, 2)}
 
 
+STARTED: list[int] = []  # process groups a size's run started (a server, a restored tree): killed if it fails
+
+
+def stop_started(timeout: float = 10.0) -> None:
+    """After a failed run: kill what it started and reap it (only those: the hydrator, a child too, lives on)."""
+    for pid in STARTED:
+        try:
+            os.killpg(pid, 9)
+        except (ProcessLookupError, PermissionError):
+            continue
+        give_up = time.time() + timeout
+        while time.time() < give_up:
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    break
+            except ChildProcessError:
+                break
+            time.sleep(0.05)
+    STARTED.clear()
+
+
+def server_env(root: Path, interposer: Path | None, strategy: str) -> dict[str, str] | None:
+    """The server's environment: under the interposer (its socket per pid in `root`; the node hydrator, when one
+    runs, stages its dump while CRIU restores), or inherited."""
+    if interposer is None:
+        return None
+    hydrator = {"COLDSNAP_CUDA_INTERPOSER_HYDRATOR": strategy.split(":", 1)[1]} if strategy.startswith(
+        "hydrator:") else {}
+    return {**os.environ, "LD_PRELOAD": str(interposer),
+            "COLDSNAP_CUDA_INTERPOSER_SOCKET": str(root / "cuda-%p.sock"), **hydrator}
+
+
 def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, weights: Path,
              digests: list[bytes], strategy: str, images_root: Path, stack_bytes: int = 0,
-             lazy_pages: bool = False, kv_discard: bool = False) -> dict[str, Any]:
-    """One size in one mode: the whole device state in the images, or weights hydrated after restore."""
+             lazy_pages: bool = False, kv_discard: bool = False, interposer: Path | None = None) -> dict[str, Any]:
+    """One size in one mode: the whole device state in the images, weights hydrated after restore, or (with
+    `interposer`, the library) every device allocation dumped and hydrated by the interposer."""
     from coldsnap_probe import combine_digests
 
-    images = images_root / f"images-{gib:g}g{'-hydrate' if hydrate else ''}"
+    suffix = "-hydrate" if hydrate else "-interposer" if interposer else ""
+    images = images_root / f"images-{gib:g}g{suffix}"
     control = root / f"control-{gib:g}g.sock"
     extra = (["--vmm-weights", "--control", str(control), "--strategy", strategy,
               "--region-digest", combine_digests(digests[:region_bytes(gib) // CHUNK])] if hydrate else [])
@@ -182,7 +221,8 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
         server = subprocess.Popen([sys.executable, str(SERVER), "--gib", str(gib), "--weights", str(weights),
                                    "--socket", str(path), *extra],
                                   stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                  start_new_session=True)
+                                  start_new_session=True, env=server_env(root, interposer, strategy))
+    STARTED[:] = [server.pid]
     while "ready" not in stages(log):
         if server.poll() is not None:
             raise RuntimeError(f"server exited {server.returncode}: {log.read_text()[-2000:]}")
@@ -211,12 +251,14 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
         report = worker("restore", "--images", str(images), "--criu", criu, "--work-dir", str(work),
                         *(["--lazy-pages"] if lazy_pages else []))
         marks = {m["name"]: m["since_restore_begin_s"] for m in report["timeline"]}
+        STARTED[:] = [report["restored_pid"]]
         first, tokens, first_hash = request(path, max_tokens)
         hydration = report.get("hydration", {})
+        wake = hydration.get("phase_seconds", 0.0) + report.get("device_hydration_seconds", 0.0)
         restores.append({"ttft_s": first - t0, "criu_restore_s": report["criu_restore_seconds"],
                          "cuda_restore_s": report["cuda_restore_seconds"],
                          "worker_s": report.get("ready_seconds", report["restore_seconds"]),
-                         "wake_s": hydration.get("phase_seconds", 0.0), "hydration": hydration,
+                         "wake_s": wake, "hydration": hydration, "device_memory": report.get("device_memory"),
                          "worker_start_s": report["timeline"][0]["unix_ns"] / 1e9 - t0,
                          "after_ready_s": first - report["timeline"][-1]["unix_ns"] / 1e9,
                          "criu_log": criu_gaps(work / "restore.log"),
@@ -240,9 +282,11 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
     unchanged = image_digest(images) == digest_before
     for done in (images, *images.parent.glob(f"{images.name}-work-*")):  # the disk holds one size at a time
         subprocess.run(["rm", "-rf", str(done)], check=True)
-    return {"gib": gib, "mode": "weights hydrated" if hydrate else "full image", "device_bytes": device_bytes,
+    mode = "weights hydrated" if hydrate else "interposer (no cooperation)" if interposer else "full image"
+    return {"gib": gib, "mode": mode, "device_bytes": device_bytes,
             "strategy": strategy if hydrate else "", "cold": cold, "capture": capture["timings_s"],
-            "capture_hydration": capture.get("hydration"), "cold_stages": entries,
+            "capture_hydration": capture.get("hydration"), "capture_device_memory": capture.get("device_memory"),
+            "cold_stages": entries,
             "image_bytes": capture["image_bytes"], "image_files": image_files[:12],
             "memory_before_checkpoint": capture.get("memory_before_checkpoint"),
             "memory_after_checkpoint": capture.get("memory_after_checkpoint"),
@@ -292,6 +336,21 @@ def hydrate_bench(gib: float, weights: Path, disk_dir: Path, hydrator: str) -> d
     return results
 
 
+def device_stage(restore: dict[str, Any]) -> dict[str, Any]:
+    """The node hydrator's stage of the interposer's dump in a restore ({} when there was none), as the weights'
+    stage reports it: `staged` (and adopted) and its `copy_s`."""
+    for device in restore.get("device_memory") or []:
+        interposer = device.get("interposer") or {}
+        if interposer.get("staged"):
+            return {"staged": True, "copy_s": (interposer.get("stage") or {}).get("copy_s", 0.0)}
+    return {}
+
+
+def device_gbps(restore: dict[str, Any]) -> float:
+    """The interposer's fill rate in a restore (0 when it hydrated nothing)."""
+    return max((d.get("gbps", 0.0) for d in restore.get("device_memory") or []), default=0.0)
+
+
 def choices(*allowed: str) -> Callable[[str], list[str]]:
     """An argparse type: a comma-separated list of `allowed` values."""
     def parse(text: str) -> list[str]:
@@ -310,9 +369,9 @@ def main() -> None:
     parser.add_argument("--weights-dir", default="/dev/shm", help="where the weights file lives")
     parser.add_argument("--images-root", default="", help="where the images go (default: --root)")
     parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--modes", default="hydrate", type=choices("full", "hydrate"),
+    parser.add_argument("--modes", default="hydrate", type=choices("full", "hydrate", "interposer"),
                         help="comma-separated: full (whole state in the images), hydrate (weights re-hydrated "
-                        "after restore)")
+                        "after restore), interposer (the unchanged server under the CUDA interposer)")
     parser.add_argument("--strategy", default="hydrator", choices=["register", "ring", "direct", "hydrator"])
     parser.add_argument("--hydrate-bench", type=float, default=0.0, help="GiB for the copy-strategy benchmark")
     parser.add_argument("--stack-bytes", default="0", help="comma-separated CUDA per-thread stack limits to run "
@@ -326,7 +385,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--bench-child", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if "full" in args.modes and "discarded" in args.kv:
+    if ("full" in args.modes or "interposer" in args.modes) and "discarded" in args.kv:
         parser.error("--kv discarded needs --modes hydrate (the KV cache is discarded from the weight arena)")
     if args.bench_child:
         gib, weights, disk_dir, hydrator = json.loads(args.bench_child)
@@ -351,6 +410,11 @@ def main() -> None:
     digests = chunk_digests(weights, 0, region_bytes(largest))
     digest_s = time.time() - started
     h2d = pinned_h2d_gbps()
+    library = None
+    if "interposer" in args.modes:
+        from coldsnap_probe.hydration import library_path
+
+        library = library_path(root / "interposer-lib")
     hydrator_proc, hydrator_ready = None, None
     strategy = args.strategy
     if strategy == "hydrator" or args.hydrate_bench:
@@ -361,6 +425,7 @@ def main() -> None:
     BASELINE_MIB = gpu_used_mib()  # the hydrator's context, if any: what stays used between runs
     bench = None
     results: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []
     try:
         if args.hydrate_bench:
             done = subprocess.run([sys.executable, __file__, "--bench-child",
@@ -377,9 +442,17 @@ def main() -> None:
                              for r in bench["runs"]]))
         for size, mode, stack, memory, kv in itertools.product(sizes, args.modes, args.stack_bytes.split(","),
                                                                args.memory, args.kv):
-            results.append({**run_size(size, root, args.criu, args.tokens, mode == "hydrate", weights, digests,
-                                       strategy, images_root, int(stack), memory == "lazy", kv == "discarded"),
-                            "stack_bytes": int(stack), "memory": memory, "kv": kv})
+            try:
+                row = run_size(size, root, args.criu, args.tokens, mode == "hydrate", weights, digests, strategy,
+                               images_root, int(stack), memory == "lazy", kv == "discarded",
+                               library if mode == "interposer" else None)
+            except Exception as exc:  # one failed row is a result; the other rows still run
+                stop_started()
+                print(f"{size:g} GiB {mode}: FAILED: {type(exc).__name__}: {str(exc)[-3000:]}", flush=True)
+                failed.append({"gib": size, "mode": mode, "error": f"{type(exc).__name__}: {str(exc)[-6000:]}"})
+                Path(args.out, "restore_ttft.failed.json").write_text(json.dumps(failed, indent=2))
+                continue
+            results.append({**row, "stack_bytes": int(stack), "memory": memory, "kv": kv})
             Path(args.out, "restore_ttft.partial.json").write_text(json.dumps(results, indent=2))
     finally:
         if hydrator_proc is not None:
@@ -393,6 +466,7 @@ def main() -> None:
         gbps = r["device_bytes"] / (best["cuda_restore_s"] + best["wake_s"]) / 1e9
         hydrated = best.get("hydration", {})
         staged = (hydrated.get("staged") or {}) if isinstance(hydrated, dict) else {}
+        staged = staged or device_stage(best)
         pages_in = " / ".join(f"{x['all_pages_in_s']:.2f}" for x in r["restores"] if x.get("all_pages_in_s"))
         rows.append([f"{r['gib']:g} GiB", r["mode"] + (f", stack {r['stack_bytes']} B" if r["stack_bytes"] else "")
                      + (", lazy pages" if r.get("memory") == "lazy" else "")
@@ -401,7 +475,9 @@ def main() -> None:
                      f"{best['worker_start_s']:.2f} / {best['criu_restore_s']:.2f} / {best['cuda_restore_s']:.2f} / "
                      f"{best['wake_s']:.2f} / {best['after_ready_s']:.2f}",
                      pages_in or "-", f"{staged.get('copy_s', 0):.2f}" if staged.get("staged") else "-",
-                     f"{hydrated.get('gbps', 0):.1f}", f"{r['image_bytes'] / 1e9:.2f}",
+                     f"{(hydrated.get('gbps') or device_gbps(best)):.1f}", f"{r['image_bytes'] / 1e9:.2f}",
+                     " / ".join(f"{r['capture'].get(k, 0.0):.2f}" for k in ("device_release", "cuda_checkpoint",
+                                                                              "criu_dump")),
                      f"{gbps:.1f} ({gbps / h2d:.0%} of {h2d:.1f})",
                      "yes" if all(x["tokens_identical"] and x["logits_identical"] for x in r["restores"]) else "NO",
                      "yes" if r["images_unchanged"] else "NO"])
@@ -411,12 +487,13 @@ def main() -> None:
     print(table(["model", "mode", "cold TTFT s", "restore TTFT s (best / other)", "speed-up",
                  "restore: worker start / CRIU / CUDA / hydrate / first token after ready s",
                  "every page in s (since restore)", "staged copy s (overlapped)", "hydration GB/s", "images GB",
+                 "capture: device release / CUDA checkpoint / CRIU dump s",
                  "device GB/s back (of pinned H2D)",
                  "identical tokens+logits", "images unchanged"], rows))
     Path(args.out, "restore_ttft.json").write_text(json.dumps(
         {"pinned_h2d_gbps": h2d, "strategy": args.strategy, "hydrator": hydrator_ready, "generate_s": generate_s,
          "transparent_hugepage": thp_mode,
-         "digest_s": digest_s, "hydrate_bench": bench, "results": results}, indent=2))
+         "digest_s": digest_s, "hydrate_bench": bench, "results": results, "failed": failed}, indent=2))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     capture.add_argument("--boundary", choices=["n610", "n580"], default="n610")
     capture.add_argument("--digest", action="store_true", help="record a content digest of the images")
     capture.add_argument("--hydration", help="the engine's hydration control socket: release weights first")
+    capture.add_argument("--interposer", help="the CUDA interposer's control socket of the tree's one CUDA process "
+                         "(default: each process's COLDSNAP_CUDA_INTERPOSER_SOCKET)")
     capture.add_argument("--engine", help="the engine's control socket: quiesce communicators before capture, "
                                           "recreate them after restore")
     capture.add_argument("--graph-policy", default="auto",
@@ -41,6 +43,12 @@ def _parser() -> argparse.ArgumentParser:
     restore.add_argument("--work-dir", help="where CRIU writes its log and pidfile (never the images)")
     restore.add_argument("--lazy-pages", action="store_true",
                          help="restore memory lazily (criu lazy-pages, userfaultfd) while the CUDA state comes back")
+    restore.add_argument("--device-policy", choices=["same-model", "same-gpu"], default="same-model",
+                         help="where the interposer's device dumps may be hydrated: the GPU model they were dumped "
+                              "on, or that very GPU (UUID)")
+    restore.add_argument("--device-digests", action="store_true",
+                         help="digest every byte of the interposer's dumps while hydrating (default: only when a "
+                              "dump file is not provably the one written at capture; sampled read-back always)")
     for command in (capture, restore):
         ranks = command.add_argument_group("several ranks (one worker per rank)")
         ranks.add_argument("--rank", type=int, default=0)
@@ -113,11 +121,13 @@ def _worker(args: argparse.Namespace) -> int:
         if args.command == "capture":
             report = capture(args.pid, Path(args.images), criu=args.criu, boundary=args.boundary,
                              digest=args.digest, hydration=args.hydration, coordinator=coordinator,
-                             engine=args.engine, graph_policy=args.graph_policy).to_json()
+                             engine=args.engine, graph_policy=args.graph_policy,
+                             interposer=args.interposer).to_json()
         else:
             report = restore(Path(args.images), criu=args.criu,
                              work=Path(args.work_dir) if args.work_dir else None, coordinator=coordinator,
-                             lazy_pages=args.lazy_pages).to_json()
+                             lazy_pages=args.lazy_pages, device_policy=args.device_policy,
+                             device_digests=args.device_digests).to_json()
     except (ProbeError, OSError, ValueError) as exc:
         sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")
         return 1

@@ -2,12 +2,14 @@
 
 n580 (a pre-CUDA template): audit -> [capture-ready] -> CRIU dump -> [dumped].
 n610 (initialized CUDA state): find the CUDA processes -> [capture-ready, the ranks agree on the graph policy]
--> quiesce the engine's communicators -> [quiesced] -> release the weights -> CUDA lock -> CUDA checkpoint ->
+-> quiesce the engine's communicators -> [quiesced] -> release the weights -> dump and release the device memory
+(the CUDA interposer, when a process enabled it) -> CUDA lock -> CUDA checkpoint ->
 [checkpointed] -> CRIU dump (+ hydration.json, graph.json) -> [dumped]. Brackets are the ranks' barriers.
 
 The rollback, in this order, whatever phase failed: abort the activation for every rank (peers first), let a
 stopped dumped tree run again, restore and unlock what was checkpointed and locked (reverse order), hydrate the
-released weights back, recreate the communicators the quiesce destroyed, keep CRIU's log beside the images.
+released weights back, hydrate the released device memory back (and remove its dump), recreate the
+communicators the quiesce destroyed, keep CRIU's log beside the images.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 
 from ._coordinator import Coordinator
 from ._cuda import Driver
+from ._device_memory import DeviceRelease
 from ._engine import check_quiesced, engine_request, graph_plan, hydrate_back, resume_engine, write_graph_record
 from ._graph import GraphPlan
 from ._process import (
@@ -47,7 +50,7 @@ __all__ = ("capture",)
 
 def capture(pid: int, images: Path, *, criu: str, boundary: str = "n610", lock_timeout_ms: int = 30_000,
             digest: bool = False, hydration: str | None = None, coordinator: Coordinator | None = None,
-            engine: str | None = None, graph_policy: str = "auto") -> CaptureReport:
+            engine: str | None = None, graph_policy: str = "auto", interposer: str | None = None) -> CaptureReport:
     """Checkpoint and dump the tree rooted at `pid` into `images` (must be new or empty)."""
     if boundary not in ("n580", "n610"):
         raise WorkerError(f"boundary must be n580 or n610, got {boundary!r}")
@@ -59,7 +62,8 @@ def capture(pid: int, images: Path, *, criu: str, boundary: str = "n610", lock_t
                           "communicators before capture")
     images.mkdir(mode=0o700, parents=True, exist_ok=True)
     run = _Capture(pid, images, criu=criu, boundary=boundary, ranks=ranks, hydration=hydration, engine=engine,
-                   plan=graph_plan(graph_policy, ranks.world_size) if engine and boundary == "n610" else None)
+                   plan=graph_plan(graph_policy, ranks.world_size) if engine and boundary == "n610" else None,
+                   interposer=interposer)
     run.run(lock_timeout_ms)
     return run.finish(digest=digest)
 
@@ -68,7 +72,7 @@ class _Capture:
     """One capture's state: what each phase did, so that `roll_back` undoes exactly that."""
 
     def __init__(self, pid: int, images: Path, *, criu: str, boundary: str, ranks: Coordinator,
-                 hydration: str | None, engine: str | None, plan: GraphPlan | None) -> None:
+                 hydration: str | None, engine: str | None, plan: GraphPlan | None, interposer: str | None) -> None:
         self.pid, self.images, self.criu, self.ranks = pid, images, criu, ranks
         self.hydration, self.engine, self.plan = hydration, engine, plan
         self.tree = process_tree(pid)
@@ -81,6 +85,7 @@ class _Capture:
         self.done: list[tuple[int, str]] = []  # (pid, "locked" | "checkpointed"), in the order done
         self.quiesced = self.dumped = False
         self.manifest: HydrationManifest | None = None
+        self.device = DeviceRelease(images, interposer)  # what the interposers released (rolled back by it)
 
     def run(self, lock_timeout_ms: int) -> None:
         try:
@@ -114,6 +119,7 @@ class _Capture:
         self._wait_idle()
         if self.hydration:
             self._release_weights(self.hydration)
+        self._release_device_memory(cuda)
         self.report.memory_before_checkpoint = {str(p): anonymous_memory(p) for p in self.tree}
         self._lock(self.driver, cuda, lock_timeout_ms)
         self._checkpoint(self.driver, cuda)
@@ -180,6 +186,14 @@ class _Capture:
             release_seconds=time.perf_counter() - started, plan_digest=manifest.plan.plan_digest,
             manifest_digest=manifest.manifest_digest)
 
+    def _release_device_memory(self, cuda: list[int]) -> None:
+        """Every interposer dumps its regions into the images and releases them (the addresses stay reserved)."""
+        started = time.perf_counter()
+        self.device.release(cuda)
+        if self.device.reports:
+            self.report.device_memory = self.device.reports
+            self.report.timings_s["device_release"] = time.perf_counter() - started
+
     def _lock(self, driver: Driver, cuda: list[int], timeout_ms: int) -> None:
         started = time.perf_counter()
         for p in cuda:
@@ -215,6 +229,7 @@ class _Capture:
             undo_cuda(self.driver, self.done)
         if self.manifest is not None and self.hydration:
             hydrate_back(self.hydration)
+        self.device.roll_back()
         if self.quiesced and self.engine:  # every rank rolls back: recreate the communicators the capture destroyed
             with contextlib.suppress(WorkerError):
                 resume_engine(self.engine, self.ranks, self.plan.effective if self.plan else "recreate-from-plan",

@@ -12,8 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ("CAPTURE_KIND", "RESTORE_KIND", "CaptureReport", "CapturedGraphPolicy", "HydratedWeights", "Mark",
-           "ReleasedWeights", "RestoreReport", "RestoredGraphPolicy", "Timeline")
+__all__ = ("CAPTURE_KIND", "RESTORE_KIND", "CaptureReport", "CapturedGraphPolicy", "DumpedDevice", "HydratedDevice",
+           "HydratedWeights", "Mark", "ReleasedWeights", "RestoreReport", "RestoredGraphPolicy", "Timeline")
 
 CAPTURE_KIND = "coldsnap-cuda-criu-capture"
 RESTORE_KIND = "coldsnap-cuda-criu-restore"
@@ -84,6 +84,47 @@ class ReleasedWeights:
                 "manifest_digest": self.manifest_digest}
 
 
+@dataclass(frozen=True, slots=True)
+class DumpedDevice:
+    """One CUDA process's device memory through the interposer before the CUDA lock: `released` (dumped, then
+    unmapped; `uncovered` is what stayed on the CUDA checkpoint path, per kind), `empty` (listening, but holding no
+    region) or `not-started` (enabled, but nothing was ever allocated through it, so no socket, or its socket
+    path is another process's): in the last two everything is on the checkpoint path."""
+
+    pid: int
+    socket: str
+    state: str
+    bytes: int = 0
+    regions: int = 0
+    segments: int = 0
+    seconds: float = 0.0  # the whole release, as the worker waited for it
+    gbps: float = 0.0  # the dump's rate (device to files)
+    timings_s: dict[str, float] = field(default_factory=dict)  # synchronize, dump, unmap
+    uncovered: dict[str, dict[str, int]] = field(default_factory=dict)
+    manifest_digest: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"pid": self.pid, "socket": self.socket, "state": self.state, "bytes": self.bytes,
+                "regions": self.regions, "segments": self.segments, "seconds": self.seconds, "gbps": self.gbps,
+                "timings_s": self.timings_s, "uncovered": self.uncovered, "manifest_digest": self.manifest_digest}
+
+
+@dataclass(frozen=True, slots=True)
+class HydratedDevice:
+    """One CUDA process's device memory back after restore: bytes, what the worker waited, the fill's rate and
+    the interposer's own report (check_s, create_s, fill_s, verify_s, policy)."""
+
+    pid: int
+    bytes: int
+    seconds: float
+    gbps: float
+    interposer: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"pid": self.pid, "bytes": self.bytes, "seconds": self.seconds, "gbps": self.gbps,
+                "interposer": self.interposer}
+
+
 @dataclass(slots=True)
 class CaptureReport:
     """`capture.json` in the images, and the capture worker's stdout."""
@@ -99,6 +140,7 @@ class CaptureReport:
     graph_policy: CapturedGraphPolicy | None = None
     engine_quiesce: dict[str, Any] | None = None  # the engine's own answer to `quiesce`
     hydration: ReleasedWeights | None = None
+    device_memory: list[DumpedDevice] | None = None  # the interposer's releases, when a process enabled it
     memory_before_checkpoint: dict[str, dict[str, Any]] | None = None  # pid -> `anonymous_memory`
     memory_after_checkpoint: dict[str, dict[str, Any]] | None = None
     identity: dict[str, Any] = field(default_factory=dict)
@@ -117,6 +159,7 @@ class CaptureReport:
             "graph_policy": self.graph_policy.to_json() if self.graph_policy else None,
             "engine_quiesce": self.engine_quiesce,
             "hydration": self.hydration.to_json() if self.hydration else None,
+            "device_memory": [d.to_json() for d in self.device_memory] if self.device_memory is not None else None,
             "memory_before_checkpoint": self.memory_before_checkpoint,
             "memory_after_checkpoint": self.memory_after_checkpoint, "identity": self.identity,
             "engine_quiesced": self.engine_quiesced, "timings_s": self.timings_s,
@@ -170,6 +213,8 @@ class RestoreReport:
     peer_cuda_restore_seconds: list[Any] | None = None
     all_pages_in_seconds: float | None = None
     hydration: HydratedWeights | None = None
+    device_memory: list[HydratedDevice] | None = None  # the interposer's hydrations, when the capture released any
+    device_hydration_seconds: float | None = None  # the worker's whole device hydration phase
     engine_resume: dict[str, Any] | None = None  # the engine's own answer to `resume`
     communicator_recreate_seconds: float | None = None
     timeline: Timeline = field(default_factory=Timeline)
@@ -187,6 +232,8 @@ class RestoreReport:
             "peer_cuda_restore_seconds": self.peer_cuda_restore_seconds,
             "all_pages_in_seconds": self.all_pages_in_seconds,
             "hydration": self.hydration.to_json() if self.hydration else None, "engine_resume": self.engine_resume,
+            "device_memory": [d.to_json() for d in self.device_memory] if self.device_memory is not None else None,
+            "device_hydration_seconds": self.device_hydration_seconds,
             "communicator_recreate_seconds": self.communicator_recreate_seconds}),
             "timeline": t.to_json(), "barrier_wait_s": self.barrier_wait_s,
             "restore_seconds": t.seconds("restore_begin", "process_resumed"),

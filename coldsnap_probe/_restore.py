@@ -3,7 +3,8 @@
 validate (capture record, graph record, weight sources, host identity) -> [validated] -> stage the weights
 (when a hydrator is named) -> CRIU restore, paused (cuInit meanwhile) -> [criu-restored] -> CUDA restore and
 unlock per process, reverse inventory order -> [cuda-restored] -> every page in (lazy pages) -> resume the tree
--> [process-resumed] -> hydrate the weights -> recreate the communicators -> [ready]. Brackets are barriers.
+-> [process-resumed] -> hydrate the device memory (the CUDA interposer's dumps) -> hydrate the weights
+-> recreate the communicators -> [ready]. Brackets are barriers.
 
 The rollback, whatever phase failed: kill the restored tree (nothing half-restored serves), abort the
 activation for every rank, discard what the hydrator staged, stop the lazy-pages daemon.
@@ -24,6 +25,8 @@ from typing import Any
 
 from ._coordinator import Coordinator
 from ._cuda import Driver
+from ._device_memory import DumpRecord, hydrate_devices, prefetch_dumps, stages_for, validated_dumps
+from ._device_stage import DeviceStage
 from ._engine import ABORT_POLL, engine_request, resume_engine, validated_graph_record
 from ._process import process_state, process_tree, require_state, run_criu, stop, tail
 from ._profile import identity
@@ -38,7 +41,7 @@ LAZY_PAGES_FINISH_S = 120.0  # for it to have copied every page after the restor
 
 
 def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: Coordinator | None = None,
-            lazy_pages: bool = False) -> RestoreReport:
+            lazy_pages: bool = False, device_policy: str = "same-model", device_digests: bool = False) -> RestoreReport:
     """Restore the tree captured in `images`; returns the report (the images are only read).
 
     `lazy_pages`: CRIU restores the processes without their memory, which `criu lazy-pages` then fills
@@ -46,6 +49,7 @@ def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: C
     stopped until every page is in, so nothing serves from memory a failed daemon never filled.
     """
     run = _Restore(images, criu=criu, work=work, ranks=coordinator or Coordinator.single(), lazy_pages=lazy_pages)
+    run.device_policy, run.device_digests = device_policy, device_digests
     try:
         run.phases()
     except BaseException as exc:
@@ -69,12 +73,15 @@ class _Restore:
         self.captured: dict[str, Any] = {}
         self.graph: dict[str, Any] | None = None
         self.manifest: HydrationManifest | None = None
+        self.dumps: list[DumpRecord] = []  # the interposers' device dumps, hydrated after the CUDA restore
+        self.device_policy, self.device_digests = "same-model", False
         self.engine: str | None = None  # the engine's control socket, when its communicators were quiesced
         self.cuda: list[int] = []
         self.driver: Driver | None = None
         # What was started, for the rollback.
         self.root: int | None = None
         self.stager: Stager | None = None
+        self.device_stages: dict[int, DeviceStage] = {}
         self.lazy: subprocess.Popen[bytes] | None = None
 
     def phases(self) -> None:
@@ -82,11 +89,15 @@ class _Restore:
         self._agree()
         if self.manifest is not None and self.manifest.hydrator:  # the weights are copied while CRIU restores
             self.stager = Stager(self.manifest)
+        prefetch_dumps(self.dumps, self.images)  # device dumps on disk are read ahead meanwhile
+        self.device_stages = stages_for(self.dumps, self.images)  # and a node hydrator fills them meanwhile
         root = self._criu_restore()
         self._cuda_restore(root)
         if self.lazy:
             self._all_pages_in(self.lazy, root)
         self._resume(root)
+        if self.dumps:
+            self._hydrate_devices()
         if self.manifest is not None:
             self._hydrate(self.manifest)
         if self.engine and self.graph is not None:
@@ -111,6 +122,7 @@ class _Restore:
                 raise WorkerError(f"weight hydration cannot succeed, not restoring: {exc}") from exc
         current = identity(None, criu=self.criu)
         require_same_criu(captured.get("identity", {}).get("criu", {}), current["criu"])
+        self.dumps = validated_dumps(self.images)  # every manifest and dump file checked before CRIU runs
         compatibility = identity_compatibility(captured.get("identity", {}), current, boundary)
         self.cuda = list(captured.get("cuda_pids", []))
         self.engine = captured.get("engine") if captured.get("engine_quiesced") else None
@@ -215,6 +227,15 @@ class _Restore:
             regions_verified=hydrated["verified_regions"], engine=hydrated, staged=staged,
             phase_seconds=self.timeline.seconds("hydration_begin", "hydration_end"))
 
+    def _hydrate_devices(self) -> None:
+        """Each interposer re-creates its regions at their addresses, fills and verifies them, opens its gate."""
+        self.timeline.mark("device_hydration_begin")
+        self.report.device_memory = hydrate_devices(self.dumps, self.images, self.device_policy,
+                                                    digests=self.device_digests, stages=self.device_stages)
+        self.timeline.mark("device_hydration_end")
+        self.report.device_hydration_seconds = self.timeline.seconds("device_hydration_begin",
+                                                                     "device_hydration_end")
+
     def _recreate_communicators(self, engine: str, graph: dict[str, Any]) -> None:
         self.timeline.mark("communicator_recreate_begin")
         self.report.engine_resume = resume_engine(engine, self.ranks, graph["policy_effective"], "restore",
@@ -232,6 +253,8 @@ class _Restore:
         self.ranks.abort(f"rank {self.ranks.rank} restore: {error}")
         if self.stager:
             self.stager.discard()
+        for stage in self.device_stages.values():
+            stage.discard()
         if self.lazy:
             stop(self.lazy)
 

@@ -69,12 +69,17 @@ class _RestoreHydration(Struct, frozen=True):
     phase_seconds: Seconds
 
 
+class _CapturedDevice(Struct, frozen=True):
+    state: Annotated[str, Meta(max_length=32)]  # released, empty or not-started (the CUDA interposer's)
+
+
 class CaptureReport(Struct, frozen=True, tag="coldsnap-cuda-criu-capture", tag_field="kind"):
     """The fields of the worker's capture report that the metrics use (the rest is ignored)."""
 
     format: Literal[1]
     timings_s: Annotated[dict[Annotated[str, Meta(max_length=64)], Seconds], Meta(max_length=32)]
     hydration: _CaptureHydration | None = None
+    device_memory: Annotated[list[_CapturedDevice], Meta(max_length=256)] | None = None
 
 
 class RestoreReport(Struct, frozen=True, tag="coldsnap-cuda-criu-restore", tag_field="kind"):
@@ -87,6 +92,7 @@ class RestoreReport(Struct, frozen=True, tag="coldsnap-cuda-criu-restore", tag_f
     cuda_restore_seconds: Seconds | None = None
     all_pages_in_seconds: Seconds | None = None
     communicator_recreate_seconds: Seconds | None = None
+    device_hydration_seconds: Seconds | None = None
     hydration: _RestoreHydration | None = None
 
 
@@ -96,19 +102,22 @@ _decode = msgspec.json.Decoder(CaptureReport | RestoreReport).decode
 @dataclass(frozen=True, slots=True)
 class Phases:
     kind: str  # "capture" or "restore"
-    mode: str  # "full" or "hydrate", "-lazy-pages" when the memory came back lazily
+    mode: str  # "full", "hydrate" or "interposer", "-lazy-pages" when the memory came back lazily
     seconds: dict[str, float]
 
 
 def phases_of(report: CaptureReport | RestoreReport) -> Phases:
     if isinstance(report, CaptureReport):
-        return Phases("capture", "hydrate" if report.hydration else "full", dict(report.timings_s))
+        released = any(d.state == "released" for d in report.device_memory or [])
+        mode = "interposer" if released else "hydrate" if report.hydration else "full"
+        return Phases("capture", mode, dict(report.timings_s))
     seconds = {"criu_restore": report.criu_restore_seconds, "cuda_restore": report.cuda_restore_seconds,
-               "all_pages_in": report.all_pages_in_seconds,
+               "all_pages_in": report.all_pages_in_seconds, "device_hydration": report.device_hydration_seconds,
                "hydration": report.hydration.phase_seconds if report.hydration else None,
                "communicator_recreate": report.communicator_recreate_seconds,
                "restore_total": report.restore_seconds, "ready_total": report.ready_seconds}
-    mode = ("hydrate" if report.hydration else "full") + ("-lazy-pages" if report.all_pages_in_seconds else "")
+    mode = ("interposer" if report.device_hydration_seconds is not None else "hydrate" if report.hydration
+            else "full") + ("-lazy-pages" if report.all_pages_in_seconds else "")
     return Phases("restore", mode, {k: v for k, v in seconds.items() if v is not None})
 
 

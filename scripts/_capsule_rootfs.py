@@ -17,6 +17,10 @@ mounts of ``/usr`` and ``/opt/torch`` do not cover), and ``/opt/coldsnap/criu/bi
 own libraries from ``/opt/coldsnap/criu/lib`` (its copies under ``/usr/lib`` are hidden when ``/usr`` is
 mounted from the host).
 
+With ``--worker`` the capsule also carries the CUDA interposer, ``/opt/coldsnap/lib/libcoldsnap_cuda.so``, built
+with gcc from the worker's sources (docs/interposer.md): a workload unit enables it with
+``LD_PRELOAD=/opt/coldsnap/lib/libcoldsnap_cuda.so`` and ``COLDSNAP_CUDA_INTERPOSER_SOCKET``.
+
 With ``--criu-compat SRC`` the worker's CRIU wrapper preloads SRC built with gcc
 (``scripts/capsule/criu_sockopt_compat.c``: CRIU 4.1.1 cannot dump TCP sockets on Linux 6.16 and later).
 
@@ -149,6 +153,10 @@ def main() -> int:
         shutil.copytree(args.worker, worker / "coldsnap_probe", dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("__pycache__"))
         shutil.copy2(pynvml.__file__, worker / "pynvml.py")
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from coldsnap_probe.hydration import build_library
+
+        build_library(rootfs / "opt/coldsnap/lib")  # where hydration._interposer looks for it in a capsule
         if args.criu_root:
             preload = ""
             if args.criu_compat:

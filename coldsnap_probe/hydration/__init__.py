@@ -39,6 +39,11 @@ once, at its start) and writes into the engine's allocation, which the engine ex
 (`cuMemExportToShareableHandle`, SCM_RIGHTS); an exported allocation is released before the next
 checkpoint anyway (the weights are released before every capture).
 
+Any engine, unchanged (docs/interposer.md): `_interposer.py` builds and finds `libcoldsnap_cuda.so`, a CUDA
+driver API interposer (C, `coldsnap_probe/interposer/`) that routes an engine's device allocations through
+VMM, dumps and releases them before the CUDA lock and hydrates them after restore; `DeviceDump` is its
+manifest and `check_dump` its checks.
+
 Where each part lives (this subpackage): `_weights.py` (regions, digests, sources, the manifest; no
 CUDA), `_vmm.py` (CUDA virtual memory and the copy engines), `_arena.py` (the engine's `WeightArena` and
 its control socket), `_hydrator.py` (the node's `HydratorServer` and the worker's `Stager`) and
@@ -50,6 +55,16 @@ peers (SO_PEERCRED); see `HydratorServer` for what each peer may touch.
 from ._arena import WeightArena as WeightArena
 from ._hydrator import HydratorServer as HydratorServer
 from ._hydrator import Stager as Stager
+from ._interposer import ENV_HYDRATOR as ENV_HYDRATOR
+from ._interposer import DeviceDump as DeviceDump
+from ._interposer import build_library as build_library
+from ._interposer import check_dump as check_dump
+from ._interposer import dump_identities as dump_identities
+from ._interposer import interposer_request as interposer_request
+from ._interposer import interposer_socket as interposer_socket
+from ._interposer import library_path as library_path
+from ._interposer import remove_dump as remove_dump
+from ._interposer import verification as verification
 from ._weights import HydrationManifest as HydrationManifest
 from ._weights import WeightRegion as WeightRegion
 from ._weights import check_sources as check_sources
@@ -58,13 +73,23 @@ from ._weights import combine_digests as combine_digests
 from ._weights import region_digest as region_digest
 
 __all__ = (
+    "ENV_HYDRATOR",
+    "DeviceDump",
     "HydrationManifest",
     "HydratorServer",
     "Stager",
     "WeightArena",
     "WeightRegion",
+    "build_library",
+    "check_dump",
     "check_sources",
     "chunk_digests",
     "combine_digests",
+    "dump_identities",
+    "interposer_request",
+    "interposer_socket",
+    "library_path",
     "region_digest",
+    "remove_dump",
+    "verification",
 )

@@ -39,7 +39,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                        help="a gid whose processes may ask (repeatable; needs --socket-group to reach the socket)")
     serve.add_argument("--socket-group", type=int, default=None, metavar="GID",
                        help="the socket's group: mode 0660 instead of 0600")
-    serve.add_argument("sources", nargs="+")
+    serve.add_argument("sources", nargs="*", help="weight files to keep page-locked (none: a hydrator that only "
+                       "stages the CUDA interposer's device dumps, with --staging)")
     dig = sub.add_parser("digest")
     dig.add_argument("path")
     dig.add_argument("offset", type=int)

@@ -18,7 +18,16 @@ from typing import Any
 
 from .. import jsonline
 from ..errors import ChannelError, HydrationError
-from ._vmm import Mapped, copy_registered, cucall, device_allocation, device_uuid, fd_handle, map_read_write
+from ._vmm import (
+    Mapped,
+    copy_registered,
+    copy_ring,
+    cucall,
+    device_allocation,
+    device_uuid,
+    fd_handle,
+    map_read_write,
+)
 from ._weights import HydrationManifest, WeightRegion, validate_regions
 
 __all__ = ("STAGE_MAX", "STAGE_RESERVE", "STAGE_TTL", "HydratorServer", "Stager")
@@ -26,6 +35,8 @@ __all__ = ("STAGE_MAX", "STAGE_RESERVE", "STAGE_TTL", "HydratorServer", "Stager"
 STAGE_TTL = 120.0  # seconds a staged allocation waits for its engine before the hydrator frees it
 STAGE_MAX = 4  # staged allocations a hydrator holds at once
 STAGE_RESERVE = 1 << 30  # device bytes staging leaves free (the engine's restored state needs them)
+DUMP_ALIGN = 2 << 20  # a device dump's parts are whole VMM regions: multiples of the allocation granularity
+DUMP_THREADS, DUMP_CHUNK = 16, 8 << 20  # the ring a dump is read through (page-locked per stage: 256 MiB)
 
 
 @dataclass
@@ -41,6 +52,7 @@ class _Staged:
     expires: float
     owner: int  # the uid of the peer that staged it: its `status` lists it, another uid cannot stage over it
     ticket: str  # a secret answered to the stager only (never in a report), which hands it to its engine
+    dump: bool = False  # filled from an interposer's device dump (`stage-dump`), not from the held sources
 
     def held_by(self, ticket: object) -> bool:
         """Adopting or discarding a stage takes its ticket: the engine may run as another uid than the worker
@@ -144,6 +156,8 @@ class HydratorServer:
                 return self._hydrate(message, fds[0], peer)
             if op == "stage":
                 return self._stage(message, peer)
+            if op == "stage-dump":
+                return self._stage_dump(message, peer)
             if op == "adopt":
                 return self._adopt(message, peer)
             if op == "discard":
@@ -221,12 +235,7 @@ class HydratorServer:
             raise HydrationError(f"{key} is staged by another peer")
         self._discard(key, earlier.ticket if earlier else "")  # a retry of the same stage replaces it
         self._expire()
-        if len(self.staged) >= STAGE_MAX:
-            raise HydrationError(f"{len(self.staged)} allocations are staged already (at most {STAGE_MAX})")
-        free, _total = cucall(self.driver, "cuMemGetInfo")
-        if int(free) - size < STAGE_RESERVE:
-            raise HydrationError(f"staging {size} bytes would leave {int(free) - size} of the GPU's {int(free)} free "
-                                 f"bytes (at least {STAGE_RESERVE} stay free)")
+        self._room_for(size)
         started = time.perf_counter()
         handle = cucall(self.driver, "cuMemCreate", size, device_allocation(self.driver, 0, exportable=True), 0)
         try:
@@ -241,15 +250,67 @@ class HydratorServer:
         return {"ok": True, "staged": True, "stage_s": stage_s, "copy_s": copy_s, "bytes": sum(n for _, _, n in jobs),
                 "ticket": ticket}
 
+    def _room_for(self, size: int) -> None:
+        if len(self.staged) >= STAGE_MAX:
+            raise HydrationError(f"{len(self.staged)} allocations are staged already (at most {STAGE_MAX})")
+        free, _total = cucall(self.driver, "cuMemGetInfo")
+        if int(free) - size < STAGE_RESERVE:
+            raise HydrationError(f"staging {size} bytes would leave {int(free) - size} of the GPU's {int(free)} free "
+                                 f"bytes (at least {STAGE_RESERVE} stay free)")
+
+    def _stage_dump(self, message: dict[str, Any], peer: jsonline.Peer) -> dict[str, Any]:
+        """Fill one allocation from an interposer's device dump (docs/interposer.md) while its process is being
+        restored: `parts` are (file, bytes) in the order the interposer maps them back, each file read whole
+        through a ring of page-locked buffers. Only files `peer` could read itself, on this hydrator's GPU."""
+        if not self.staging:
+            raise HydrationError("staging is off on this hydrator (serve --staging)")
+        key = _stage_key(message)
+        if message.get("device_uuid") != self.device_uuid:
+            raise HydrationError(f"the engine's GPU {message.get('device_uuid')} is not this hydrator's "
+                                 f"{self.device_uuid}")
+        parts = _dump_parts(message.get("parts"), peer)
+        size = sum(r.size for r in parts)
+        if (earlier := self.staged.get(key)) is not None and earlier.owner != peer.uid:
+            raise HydrationError(f"{key} is staged by another peer")
+        self._discard(key, earlier.ticket if earlier else "")
+        self._expire()
+        self._room_for(size)
+        started = time.perf_counter()
+        handle = cucall(self.driver, "cuMemCreate", size, device_allocation(self.driver, 0, exportable=True), 0)
+        va = 0
+        try:
+            va = int(cucall(self.driver, "cuMemAddressReserve", size, 0, 0, 0))
+            cucall(self.driver, "cuMemMap", va, size, 0, handle, 0)
+            map_read_write(self.driver, va, size, 0)
+            copied = time.perf_counter()
+            copy_ring(self.driver, self.context, parts, lambda r: va + r.address, threads=DUMP_THREADS,
+                      chunk=DUMP_CHUNK, direct=False)
+            copy_s = time.perf_counter() - copied
+        except BaseException:
+            self.driver.cuda.cuMemRelease(handle)
+            raise
+        finally:
+            if va:
+                self.driver.cuda.cuMemUnmap(va, size)
+                self.driver.cuda.cuMemAddressFree(va, size)
+        stage_s, ticket = time.perf_counter() - started, secrets.token_urlsafe(32)
+        self.staged[key] = _Staged(handle, 0, size, parts, stage_s, copy_s, time.monotonic() + self.stage_ttl,
+                                   peer.uid, ticket, dump=True)
+        return {"ok": True, "staged": True, "stage_s": stage_s, "copy_s": copy_s, "bytes": size, "ticket": ticket}
+
     def _adopt(self, message: dict[str, Any], peer: jsonline.Peer) -> jsonline.Answer:
         """Hand a staged allocation to its engine as a descriptor; the hydrator keeps no reference to it."""
         key = _stage_key(message)
         staged = self.staged.get(key)
         if staged is None or not staged.held_by(message.get("ticket")):  # another's: as if absent
             return {"ok": False, "staged": False, "error": f"nothing is staged for {key}"}
-        base, size, regions, _jobs = self._jobs(message, peer)  # another layout leaves the stage alone
-        if (base, size, regions) != (staged.base, staged.size, staged.regions):
-            raise HydrationError("the staged allocation was filled for another layout")
+        if staged.dump:  # another layout leaves the stage alone
+            if _dump_parts(message.get("parts"), peer) != staged.regions:
+                raise HydrationError("the staged allocation was filled from another dump")
+        else:
+            base, size, regions, _jobs = self._jobs(message, peer)
+            if (base, size, regions) != (staged.base, staged.size, staged.regions):
+                raise HydrationError("the staged allocation was filled for another layout")
         del self.staged[key]
         try:
             fd = int(cucall(self.driver, "cuMemExportToShareableHandle", staged.handle, fd_handle(self.driver), 0))
@@ -272,6 +333,32 @@ class HydratorServer:
         now = time.monotonic()
         for key in [k for k, v in self.staged.items() if v.expires <= now]:
             self._free(key)
+
+
+def _dump_parts(value: Any, peer: jsonline.Peer) -> tuple[WeightRegion, ...]:
+    """A `stage-dump` request's parts as regions of the staged allocation (address: the offset in it): each a
+    whole regular file `peer` could read, holding at least its bytes, in order, sizes multiples of 2 MiB."""
+    if not isinstance(value, list) or not value:
+        raise HydrationError("parts must be a non-empty list of {file, bytes}")
+    parts, at = [], 0
+    for index, part in enumerate(value):
+        if not isinstance(part, dict) or set(part) != {"file", "bytes"} or not isinstance(part["file"], str) \
+                or not isinstance(part["bytes"], int) or isinstance(part["bytes"], bool) or part["bytes"] <= 0 \
+                or part["bytes"] % DUMP_ALIGN or not os.path.isabs(part["file"]):
+            raise HydrationError(f"part {index} must be {{file: an absolute path, bytes: a positive multiple of "
+                                 f"{DUMP_ALIGN}}}")
+        real = os.path.realpath(part["file"])
+        try:
+            st = os.stat(real)
+        except OSError as exc:
+            raise HydrationError(f"dump file {part['file']}: {exc.strerror}") from exc
+        if not stat.S_ISREG(st.st_mode) or st.st_size < part["bytes"]:
+            raise HydrationError(f"dump file {part['file']} is not a regular file of at least {part['bytes']} bytes")
+        if not readable_by(real, st, peer):
+            raise HydrationError(f"peer uid {peer.uid} may not read {part['file']}")
+        parts.append(WeightRegion(f"part-{index}", at, part["bytes"], real, 0, ""))
+        at += part["bytes"]
+    return tuple(parts)
 
 
 def _stage_key(message: dict[str, Any]) -> str:

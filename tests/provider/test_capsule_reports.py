@@ -182,3 +182,21 @@ async def test_report_directories_of_gone_units_are_reaped(busybox_image: str, t
         reports._allocated[fresh.name] -= 3600
         await reports.reap(backend)  # its unit is gone (or never came): both go now
     assert not fresh.exists() and not held.exists()
+
+
+def test_reports_of_the_cuda_interposer_have_their_own_mode_and_phases() -> None:
+    """A capture whose interposer released device memory, a restore that hydrated it (docs/interposer.md)."""
+    from coldsnap_provider._capsule_reports import _decode, phases_of
+
+    capture = {**CAPTURE_REPORT, "timings_s": {**CAPTURE_REPORT["timings_s"], "device_release": 0.9},
+               "device_memory": [{"pid": 7, "socket": "/run/cuda-7.sock", "state": "released", "bytes": 1 << 34}]}
+    restore = {**RESTORE_REPORT, "device_hydration_seconds": 0.8, "device_memory": [{"pid": 7, "bytes": 1 << 34}]}
+    released, hydrated = phases_of(_decode(json.dumps(capture))), phases_of(_decode(json.dumps(restore)))
+    assert (released.mode, released.seconds["device_release"]) == ("interposer", 0.9)
+    assert (hydrated.mode, hydrated.seconds["device_hydration"]) == ("interposer", 0.8)
+    unused = {**capture, "device_memory": [{"pid": 7, "socket": "/run/cuda-7.sock", "state": "not-started"}]}
+    assert phases_of(_decode(json.dumps(unused))).mode == "full"
+    metrics = Metrics()
+    metrics.phases("restore", hydrated.mode, hydrated.seconds)
+    assert sample(metrics.render("")[0].decode(), "coldsnap_restore_phase_seconds_sum", phase="device_hydration",
+                  mode="interposer") == 0.8

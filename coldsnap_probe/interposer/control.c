@@ -1,0 +1,436 @@
+/* The control socket: the restore worker's `status`, `release` and `hydrate`, one JSON line per connection
+ * (coldsnap_probe/jsonline.py's protocol: one request line, one answer line, then the server closes).
+ *
+ * The socket is created 0600 (mode set before bind) and answers only root and this process's uid
+ * (SO_PEERCRED); anyone else gets {"ok":false,...}. A request is one flat JSON object of at most 64 KiB,
+ * read within 30 s; unknown keys, wrong types and unknown operations are refused and change nothing.
+ * One connection at a time: a release or a hydration is never concurrent with another.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/time.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "cscu.h"
+
+#define MAX_LINE 65536
+#define FIELD 4096
+
+static pthread_mutex_t start_lock = PTHREAD_MUTEX_INITIALIZER;
+static int started;     /* 0: not tried, 1: listening, -1: could not (pass-through for this process's life) */
+static int listener = -1;
+static int released;    /* Invariant: 1 between a release that unmapped anything and the hydrate that succeeds */
+static char released_dir[FIELD];
+
+struct request { char op[32]; char dir[FIELD]; char policy[32]; char verify[32]; char bytes[24]; int has_dir; };
+
+/* --- a flat JSON object ----------------------------------------------------------------------------------- */
+static const char *skip(const char *p) { while (*p == ' ' || *p == '\t' || *p == '\r' || *p == '\n') p++; return p; }
+
+/* A JSON string at p (after its quote) into out; the end, or NULL with `error` set. */
+static const char *string(const char *p, char *out, size_t room, char *error, size_t error_room)
+{
+    size_t n = 0;
+    for (; *p && *p != '"'; p++) {
+        char c = *p;
+        if ((unsigned char)c < 0x20) {
+            snprintf(error, error_room, "control characters must be escaped in strings");
+            return NULL;
+        }
+        if (c == '\\') {
+            p++;
+            switch (*p) {
+            case '"': case '\\': case '/': c = *p; break;
+            case 'n': c = '\n'; break;
+            case 't': c = '\t'; break;
+            case 'r': c = '\r'; break;
+            case 'b': c = '\b'; break;
+            case 'f': c = '\f'; break;
+            case 'u': {
+                unsigned code = 0;
+                if (sscanf(p + 1, "%4x", &code) != 1 || code == 0 || code > 0x7f) {
+                    snprintf(error, error_room, "only printable ASCII \\u escapes are accepted");
+                    return NULL;
+                }
+                c = (char)code;
+                p += 4;
+                break;
+            }
+            default:
+                snprintf(error, error_room, "bad escape in a string");
+                return NULL;
+            }
+        }
+        if (n + 1 >= room) {
+            snprintf(error, error_room, "a string is longer than %zu bytes", room - 1);
+            return NULL;
+        }
+        out[n++] = c;
+    }
+    if (*p != '"') {
+        snprintf(error, error_room, "unterminated string");
+        return NULL;
+    }
+    out[n] = '\0';
+    return p + 1;
+}
+
+/* Parse {"op": ..., "dir": ..., "policy": ..., "verify": ...}; 0, or -1 with `error` naming the key and the rule. */
+static int parse(const char *line, struct request *req, char *error, size_t room)
+{
+    char key[64], value[FIELD];
+    const char *p = skip(line);
+    memset(req, 0, sizeof(*req));
+    if (*p++ != '{') {
+        snprintf(error, room, "the request is not one JSON object");
+        return -1;
+    }
+    for (p = skip(p); *p != '}';) {
+        if (*p != '"') {
+            snprintf(error, room, "expected a key");
+            return -1;
+        }
+        if (!(p = string(p + 1, key, sizeof(key), error, room)))
+            return -1;
+        if (*(p = skip(p)) != ':' || *(p = skip(p + 1)) != '"') {
+            snprintf(error, room, "`%s` must be a string", key);
+            return -1;
+        }
+        if (!(p = string(p + 1, value, sizeof(value), error, room)))
+            return -1;
+        if (strcmp(key, "op") == 0 && strlen(value) < sizeof(req->op)) {
+            strcpy(req->op, value);
+        } else if (strcmp(key, "dir") == 0) {
+            strcpy(req->dir, value);
+            req->has_dir = 1;
+        } else if (strcmp(key, "policy") == 0 && strlen(value) < sizeof(req->policy)) {
+            strcpy(req->policy, value);
+        } else if (strcmp(key, "verify") == 0 && strlen(value) < sizeof(req->verify)) {
+            strcpy(req->verify, value);
+        } else if (strcmp(key, "bytes") == 0 && strlen(value) < sizeof(req->bytes)) {
+            strcpy(req->bytes, value);
+        } else {
+            snprintf(error, room, "unknown key `%.60s`", key);
+            return -1;
+        }
+        p = skip(p);
+        if (*p == ',')
+            p = skip(p + 1);
+        else if (*p != '}') {
+            snprintf(error, room, "expected `,` or `}` after `%s`", key);
+            return -1;
+        }
+    }
+    if (*skip(p + 1)) {
+        snprintf(error, room, "trailing data after the object");
+        return -1;
+    }
+    return 0;
+}
+
+/* --- operations ------------------------------------------------------------------------------------------- */
+static void status(char *out, size_t room)
+{
+    size_t count, bytes = 0, mapped = 0;
+    cscu_regions_lock();
+    struct cscu_region *r = cscu_regions(&count);
+    for (size_t i = 0; i < count; i++) {
+        bytes += r[i].size;
+        mapped += r[i].handle ? r[i].size : 0;
+    }
+    cscu_regions_unlock();
+    size_t used = (size_t)snprintf(out, room, "{\"ok\":true,\"pid\":%d,\"regions\":%zu,\"bytes\":%zu,"
+                                   "\"mapped_bytes\":%zu,\"released\":%s,\"gate\":\"%s\",\"threshold\":%zu,"
+                                   "\"digest_engine\":\"%s\",\"driver\":%s,\"uncovered\":", (int)getpid(), count,
+                                   bytes, mapped,
+                                   released ? "true" : "false", cscu_gate_is_open() ? "open" : "closed",
+                                   cscu_config()->threshold, cscu_sha256_engine(),
+                                   cscu_driver() ? "true" : "false");
+    used += cscu_counts_json(out + used, room - used);
+    used += (size_t)snprintf(out + used, room - used, ",\"wrapped\":");
+    if (used < room)
+        used += cscu_entries_json(out + used, room - used);
+    if (used < room)
+        snprintf(out + used, room - used, "}");
+}
+
+static void refuse(char *out, size_t room, const char *phase, const char *why)
+{
+    char quoted[1024];
+    size_t n = 0;
+    for (const char *p = why; *p && n + 2 < sizeof(quoted); p++) {
+        if (*p == '"' || *p == '\\')
+            quoted[n++] = '\\';
+        quoted[n++] = (unsigned char)*p < 0x20 ? ' ' : *p;
+    }
+    quoted[n] = '\0';
+    snprintf(out, room, "{\"ok\":false,\"error\":\"%s: %s\"}", phase, quoted);
+}
+
+/* The staged allocation's size the asker announced (`bytes`, decimal), or 0 when absent or malformed. */
+static size_t announced(const struct request *req)
+{
+    char *end = NULL;
+    unsigned long long value = req->bytes[0] ? strtoull(req->bytes, &end, 10) : 0;
+    return end && !*end ? (size_t)value : 0;
+}
+
+static void dispatch(const struct request *req, int fd, char *out, size_t room)
+{
+    if (fd >= 0 && strcmp(req->op, "hydrate") != 0) {
+        refuse(out, room, "request", "only a hydrate request may carry a descriptor (a staged allocation)");
+        return;
+    }
+    if (fd >= 0 && !announced(req)) {
+        refuse(out, room, "hydrate", "a staged allocation comes with its size (`bytes`, decimal)");
+        return;
+    }
+    if (strcmp(req->op, "status") == 0) {
+        status(out, room);
+    } else if (strcmp(req->op, "release") == 0) {
+        if (released) {
+            refuse(out, room, "release", "the regions are released already (hydrate them first)");
+            return;
+        }
+        if (!req->has_dir || req->dir[0] != '/') {
+            refuse(out, room, "release", "`dir` must be the absolute path of the dump directory");
+            return;
+        }
+        cscu_gate_close();  /* new launches wait; those running end first */
+        cscu_regions_lock();
+        cscu_release(req->dir, out, room);
+        size_t count;
+        struct cscu_region *r = cscu_regions(&count);
+        for (size_t i = 0; i < count; i++)
+            released |= !r[i].handle;
+        cscu_regions_unlock();
+        if (released)
+            snprintf(released_dir, sizeof(released_dir), "%s", req->dir);
+        else
+            cscu_gate_open();  /* nothing was released: the engine keeps running as before */
+    } else if (strcmp(req->op, "hydrate") == 0) {
+        const char *policy = req->policy[0] ? req->policy : "same-model";
+        const char *verify = req->verify[0] ? req->verify : "digest";
+        if (strcmp(verify, "digest") != 0 && strcmp(verify, "sampled") != 0) {
+            refuse(out, room, "hydrate", "`verify` must be digest or sampled");
+            return;
+        }
+        if (strcmp(policy, "same-model") != 0 && strcmp(policy, "same-gpu") != 0) {
+            refuse(out, room, "hydrate", "`policy` must be same-model or same-gpu");
+            return;
+        }
+        if (req->has_dir && req->dir[0] != '/') {
+            refuse(out, room, "hydrate", "`dir` must be an absolute path");
+            return;
+        }
+        if (!released) {
+            refuse(out, room, "hydrate", "nothing is released");
+            return;
+        }
+        cscu_regions_lock();
+        if (fd >= 0)  /* a node hydrator filled one allocation while the process was restored: map its parts */
+            cscu_hydrate_staged(req->has_dir ? req->dir : released_dir, policy, fd, announced(req), out, room);
+        else
+            cscu_hydrate(req->has_dir ? req->dir : released_dir, policy, strcmp(verify, "digest") == 0, out, room);
+        size_t count;
+        struct cscu_region *r = cscu_regions(&count);
+        int all = 1;
+        for (size_t i = 0; i < count; i++)
+            all &= r[i].handle != 0;
+        cscu_regions_unlock();
+        if (all && strncmp(out, "{\"ok\":true", 10) == 0) {
+            released = 0;
+            cscu_gate_open();  /* every region is back and verified: the engine's threads go on */
+        }
+    } else {
+        refuse(out, room, "request", "unknown `op` (status, release or hydrate)");
+    }
+}
+
+/* --- the socket --------------------------------------------------------------------------------------------- */
+static size_t answer_room(void)
+{
+    size_t count, segments = 0;
+    cscu_regions_lock();
+    struct cscu_region *r = cscu_regions(&count);
+    for (size_t i = 0; i < count; i++)
+        segments += r[i].size / CSCU_SEGMENT + 1;
+    cscu_regions_unlock();
+    return CSCU_ANSWER + count * 512 + segments * 256;  /* a region's manifest entry, a segment's */
+}
+
+/* recv, also taking a descriptor that rides with the bytes (SCM_RIGHTS); a second one is closed. */
+static ssize_t receive(int conn, char *buffer, size_t size, int *fd)
+{
+    union { struct cmsghdr align; char space[CMSG_SPACE(sizeof(int) * 4)]; } control;
+    struct iovec iov = {buffer, size};
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.space,
+                         .msg_controllen = sizeof(control.space)};
+    ssize_t got = recvmsg(conn, &msg, MSG_CMSG_CLOEXEC);
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); got >= 0 && c; c = CMSG_NXTHDR(&msg, c)) {
+        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+            continue;
+        size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        for (size_t i = 0; i < count; i++) {
+            int received;
+            memcpy(&received, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+            if (*fd < 0)
+                *fd = received;
+            else
+                close(received);
+        }
+    }
+    return got;
+}
+
+static void serve_one(int conn)
+{
+    char *line = calloc(1, MAX_LINE + 1), error[512];
+    size_t room = answer_room(), n = 0;
+    char *out = calloc(1, room);
+    struct ucred peer;
+    socklen_t length = sizeof(peer);
+    struct timeval timeout = {30, 0};
+    struct request req;
+    int fd = -1;
+    if (!line || !out) {
+        free(line);
+        free(out);
+        return;
+    }
+    setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+    setsockopt(conn, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
+    if (getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &peer, &length) != 0) {
+        refuse(out, room, "request", "the peer's credentials cannot be read");
+    } else if (peer.uid != 0 && peer.uid != geteuid()) {
+        snprintf(error, sizeof(error), "peer uid %u gid %u is not allowed on this socket", peer.uid, peer.gid);
+        refuse(out, room, "request", error);
+    } else {
+        ssize_t got = 0;
+        while (n < MAX_LINE && !memchr(line, '\n', n) && (got = receive(conn, line + n, MAX_LINE - n, &fd)) > 0)
+            n += (size_t)got;
+        if (!memchr(line, '\n', n))
+            refuse(out, room, "request", n >= MAX_LINE ? "longer than 65536 bytes" : "not one newline-terminated line");
+        else if (parse(line, &req, error, sizeof(error)) != 0)
+            refuse(out, room, "request", error);
+        else
+            dispatch(&req, fd, out, room);
+    }
+    if (fd >= 0)
+        close(fd);  /* a staged allocation stays alive through its mappings, not through this descriptor */
+    size_t size = strlen(out);
+    out[size] = '\n';
+    for (size_t sent = 0; sent <= size;) {
+        ssize_t w = send(conn, out + sent, size + 1 - sent, MSG_NOSIGNAL);
+        if (w <= 0)
+            break;
+        sent += (size_t)w;
+    }
+    shutdown(conn, SHUT_WR);
+    timeout.tv_sec = 1;
+    setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+    while (recv(conn, line, MAX_LINE, 0) > 0) {}  /* closing with unread input would reset the answer */
+    free(line);
+    free(out);
+}
+
+static void *serve(void *unused)
+{
+    (void)unused;
+    for (;;) {
+        int conn = accept4(listener, NULL, NULL, SOCK_CLOEXEC);
+        if (conn < 0) {
+            if (errno == EINTR || errno == ECONNABORTED)
+                continue;
+            if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+                usleep(100000);  /* out of descriptors: the asker retries */
+                continue;
+            }
+            fprintf(stderr, "coldsnap-cuda: control socket closed: %s\n", strerror(errno));
+            return NULL;
+        }
+        serve_one(conn);
+        close(conn);
+    }
+}
+
+/* Bind `path` 0600; a live socket there (another process of the tree) is not replaced. */
+static int bind_socket(const char *path)
+{
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    struct stat st;
+    if (strlen(path) >= sizeof(addr.sun_path))
+        return -1;
+    strcpy(addr.sun_path, path);
+    if (lstat(path, &st) == 0) {
+        if (!S_ISSOCK(st.st_mode))
+            return -1;
+        int probe = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        int live = probe >= 0 && connect(probe, (struct sockaddr *)&addr, sizeof(addr)) == 0;
+        if (probe >= 0)
+            close(probe);
+        if (live || unlink(path) != 0)
+            return -1;
+    }
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return -1;
+    if (fchmod(fd, 0600) != 0 || bind(fd, (struct sockaddr *)&addr, sizeof(addr)) != 0 || listen(fd, 8) != 0) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+int cscu_control_start(void)
+{
+    pthread_mutex_lock(&start_lock);
+    if (!started) {
+        const char *path = cscu_config()->socket;
+        pthread_t thread;
+        pthread_attr_t attr;
+        started = -1;
+        if ((listener = bind_socket(path)) < 0) {
+            fprintf(stderr, "coldsnap-cuda: cannot listen on %s (%s): this process's allocations stay on the "
+                            "CUDA checkpoint path\n", path, errno ? strerror(errno) : "a live socket is there");
+        } else {
+            pthread_attr_init(&attr);
+            pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+            if (pthread_create(&thread, &attr, serve, NULL) == 0) {
+                pthread_setname_np(thread, "coldsnap-cuda");
+                started = 1;
+            } else {
+                close(listener);
+                unlink(path);
+            }
+            pthread_attr_destroy(&attr);
+        }
+    }
+    int result = started == 1 ? 0 : -1;
+    pthread_mutex_unlock(&start_lock);
+    return result;
+}
+
+/* COLDSNAP_CUDA_INTERPOSER_LISTEN=load: listen from the start (a worker may then ask a process that has not
+ * allocated yet; without a GPU it is the only way the socket exists). Otherwise the first allocation above the
+ * threshold starts it: a process that never allocates through us has no socket. */
+__attribute__((constructor)) static void cscu_loaded(void)
+{
+    const char *listen_at = getenv("COLDSNAP_CUDA_INTERPOSER_LISTEN");
+    if (listen_at && strcmp(listen_at, "load") == 0 && cscu_config()->socket[0])
+        cscu_control_start();
+}
+
+/* A process that exits normally removes its socket (one killed leaves it; the next bind replaces it). */
+__attribute__((destructor)) static void cscu_unloaded(void)
+{
+    if (started == 1)
+        unlink(cscu_config()->socket);
+}

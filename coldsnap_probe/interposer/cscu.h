@@ -1,0 +1,208 @@
+/* libcoldsnap_cuda: internal declarations shared by the interposer's translation units.
+ *
+ * No CUDA header is needed (none is guaranteed where this is built): the few driver types, enum values and
+ * struct layouts used here are declared below from the CUDA 13.0 driver API reference (cuda.h of 13.0, ABI
+ * stable since the version noted beside each). Every symbol of our own carries the `cscu_` prefix and is
+ * hidden; the exported ones are the driver's own names (interposed) and `dlsym`.
+ */
+#ifndef CSCU_H
+#define CSCU_H
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define CSCU_HIDDEN __attribute__((visibility("hidden")))
+#define CSCU_EXPORT __attribute__((visibility("default")))
+
+/* --- CUDA driver API types (cuda.h, CUDA 13.0) ---------------------------------------------------------- */
+typedef int CUresult;                       /* CUDA_SUCCESS = 0 */
+typedef unsigned long long CUdeviceptr;     /* CUdeviceptr_v2, since CUDA 3.2 */
+typedef int CUdevice;
+typedef struct CUctx_st *CUcontext;
+typedef struct CUstream_st *CUstream;
+typedef struct CUevent_st *CUevent;
+typedef struct CUfunc_st *CUfunction;
+typedef struct CUgraphExec_st *CUgraphExec;
+typedef struct CUmemPoolHandle_st *CUmemoryPool;
+typedef unsigned long long CUmemGenericAllocationHandle;
+typedef struct { unsigned char bytes[16]; } CUuuid;
+typedef struct { char reserved[64]; } CUipcMemHandle;   /* CU_IPC_HANDLE_SIZE = 64, passed by value */
+typedef struct CUlaunchConfig_st CUlaunchConfig;        /* only passed through */
+typedef struct CUDA_MEMCPY2D_st CUDA_MEMCPY2D;          /* only passed through */
+typedef struct CUDA_MEMCPY3D_st CUDA_MEMCPY3D;          /* only passed through */
+
+#define CUDA_SUCCESS 0
+#define CUDA_ERROR_INVALID_VALUE 1
+#define CUDA_ERROR_OUT_OF_MEMORY 2
+#define CUDA_ERROR_NOT_INITIALIZED 3
+#define CUDA_ERROR_NOT_FOUND 500
+
+typedef struct {
+    int type;                               /* CUmemLocationType: CU_MEM_LOCATION_TYPE_DEVICE = 1 */
+    int id;
+} CUmemLocation;
+
+typedef struct {
+    int type;                               /* CUmemAllocationType: CU_MEM_ALLOCATION_TYPE_PINNED = 1 */
+    int requestedHandleTypes;               /* CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1 */
+    CUmemLocation location;
+    void *win32HandleMetaData;
+    struct {
+        unsigned char compressionType;
+        unsigned char gpuDirectRDMACapable;
+        unsigned short usage;
+        unsigned char reserved[4];
+    } allocFlags;
+} CUmemAllocationProp;                      /* 32 bytes, CUDA 10.2 (allocFlags: 11.0) */
+
+typedef struct {
+    CUmemLocation location;
+    int flags;                              /* CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3 */
+} CUmemAccessDesc;
+
+#define CU_MEM_ALLOCATION_TYPE_PINNED 1
+#define CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR 1
+#define CU_MEM_LOCATION_TYPE_DEVICE 1
+#define CU_MEM_ACCESS_FLAGS_PROT_READWRITE 3
+#define CU_MEM_ALLOC_GRANULARITY_MINIMUM 0
+#define CU_STREAM_NON_BLOCKING 1
+#define CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM 2
+
+/* --- the real driver ------------------------------------------------------------------------------------- */
+/* Driver entry points the interposer itself calls, resolved from libcuda.so.1 (dlopen at first use). */
+struct cscu_driver {
+    CUresult (*ctx_get_current)(CUcontext *);
+    CUresult (*ctx_set_current)(CUcontext);
+    CUresult (*ctx_get_device)(CUdevice *);
+    CUresult (*ctx_synchronize)(void);
+    CUresult (*device_get_uuid)(CUuuid *, CUdevice);
+    CUresult (*device_get_name)(char *, int, CUdevice);
+    CUresult (*get_error_name)(CUresult, const char **);
+    CUresult (*mem_alloc)(CUdeviceptr *, size_t);
+    CUresult (*mem_free)(CUdeviceptr);
+    CUresult (*mem_get_address_range)(CUdeviceptr *, size_t *, CUdeviceptr);
+    CUresult (*granularity)(size_t *, const CUmemAllocationProp *, int);
+    CUresult (*address_reserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+    CUresult (*address_free)(CUdeviceptr, size_t);
+    CUresult (*create)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long);
+    CUresult (*release)(CUmemGenericAllocationHandle);
+    CUresult (*map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
+    CUresult (*unmap)(CUdeviceptr, size_t);
+    CUresult (*set_access)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
+    CUresult (*stream_create)(CUstream *, unsigned int);
+    CUresult (*stream_destroy)(CUstream);
+    CUresult (*stream_synchronize)(CUstream);
+    CUresult (*host_alloc)(void **, size_t, unsigned int);
+    CUresult (*free_host)(void *);
+    CUresult (*memcpy_dtoh_async)(void *, CUdeviceptr, size_t, CUstream);
+    CUresult (*memcpy_htod_async)(CUdeviceptr, const void *, size_t, CUstream);
+    CUresult (*memcpy_dtoh)(void *, CUdeviceptr, size_t);
+};
+
+/* The driver, loaded once; NULL when libcuda.so.1 or one of the entry points above is missing. */
+CSCU_HIDDEN const struct cscu_driver *cscu_driver(void);
+/* The real `name` in libcuda.so.1 (never one of ours), or NULL. */
+CSCU_HIDDEN void *cscu_real(const char *name);
+/* CUDA_ERROR_... name of `rc` (static storage). */
+CSCU_HIDDEN const char *cscu_error_name(CUresult rc);
+
+/* --- configuration (environment, read once) --------------------------------------------------------------- */
+struct cscu_config {
+    char socket[256];           /* COLDSNAP_CUDA_INTERPOSER_SOCKET, "%p" replaced by the pid; "" = inert */
+    size_t threshold;           /* COLDSNAP_CUDA_INTERPOSER_THRESHOLD bytes (default 2 MiB) */
+    int exportable;             /* COLDSNAP_CUDA_INTERPOSER_EXPORTABLE (default 1) */
+    int threads;                /* COLDSNAP_CUDA_INTERPOSER_THREADS copy threads (default: usable CPUs, 4-16) */
+    size_t staging;             /* COLDSNAP_CUDA_INTERPOSER_STAGING_MIB per pinned buffer (default 4 MiB) */
+};
+CSCU_HIDDEN const struct cscu_config *cscu_config(void);
+
+/* Appends the JSON list of the entry points the engine resolved through us (a slot filled), for `status`. */
+CSCU_HIDDEN size_t cscu_entries_json(char *out, size_t room);
+
+/* --- the regions (device allocations routed through VMM) --------------------------------------------------- */
+struct cscu_region {
+    CUdeviceptr address;
+    size_t size;                /* mapped bytes (a multiple of the granularity) */
+    size_t requested;           /* what cuMemAlloc asked for */
+    CUcontext context;
+    CUdevice device;
+    CUmemGenericAllocationHandle handle;    /* 0 while released */
+    char uuid[48];              /* GPU-xxxxxxxx-... */
+    char name[96];              /* the device's name (cuDeviceGetName) */
+};
+
+/* What stayed on the CUDA checkpoint path, per kind (cumulative counts and bytes). */
+enum cscu_kind {
+    CSCU_SMALL, CSCU_FALLBACK, CSCU_PITCH, CSCU_MANAGED, CSCU_ASYNC, CSCU_HOST_REGISTERED, CSCU_HOST_ALLOC,
+    CSCU_IPC_IMPORTED, CSCU_VMM_DIRECT, CSCU_UNWRAPPED_ENTRY, CSCU_KINDS
+};
+/* A live allocation of `kind` at `ptr` (stays on the checkpoint path), and its end (any kind it was). */
+CSCU_HIDDEN void cscu_track(enum cscu_kind kind, uintptr_t ptr, size_t bytes);
+CSCU_HIDDEN void cscu_untrack(uintptr_t ptr);
+/* A resolution that could not be wrapped (counted, never tracked). */
+CSCU_HIDDEN void cscu_count(enum cscu_kind kind);
+/* Appends the counts as a JSON object to `out` (at most `room` bytes); the number of bytes written. */
+CSCU_HIDDEN size_t cscu_counts_json(char *out, size_t room);
+
+/* cuMemAlloc / cuMemFree through VMM. cscu_alloc returns CUDA_ERROR_NOT_FOUND when the allocation is not
+ * ours to take (`*why`: CSCU_SMALL under the threshold, CSCU_FALLBACK when inert, without a control socket or
+ * when the driver refused a VMM step other than for memory): the caller then uses the real cuMemAlloc. */
+CSCU_HIDDEN CUresult cscu_alloc(CUdeviceptr *out, size_t size, enum cscu_kind *why);
+/* CUDA_ERROR_NOT_FOUND when `ptr` is no region of ours. */
+CSCU_HIDDEN CUresult cscu_free(CUdeviceptr ptr);
+
+/* The properties of a pinned allocation on `dev` (exportable as a file descriptor unless configured off). */
+CSCU_HIDDEN void cscu_device_prop(CUmemAllocationProp *prop, CUdevice dev);
+/* The UUID (GPU-...) and name of device `dev`; 0, or -1 when the driver cannot say. */
+CSCU_HIDDEN int cscu_device_identity(CUdevice dev, char uuid[48], char name[96]);
+/* Forget what was learnt about the devices (a restore may have brought the process to other GPUs). */
+CSCU_HIDDEN void cscu_devices_forget(void);
+/* New physical memory mapped read-write at r->address (r->handle set); on failure nothing is left behind. */
+CSCU_HIDDEN CUresult cscu_map(struct cscu_region *r);
+/* Unmap and release r's backing (r->handle = 0); the reservation stays. */
+CSCU_HIDDEN CUresult cscu_unmap(struct cscu_region *r);
+
+/* The region table, locked: the control thread's release and hydrate hold it for their whole duration. */
+CSCU_HIDDEN void cscu_regions_lock(void);
+CSCU_HIDDEN void cscu_regions_unlock(void);
+CSCU_HIDDEN struct cscu_region *cscu_regions(size_t *count);
+
+/* --- the readiness gate ------------------------------------------------------------------------------------ */
+/* Gated calls enter and leave; while the gate is closed `enter` waits. `close` waits for the calls inside. */
+CSCU_HIDDEN void cscu_gate_enter(void);
+CSCU_HIDDEN void cscu_gate_leave(void);
+CSCU_HIDDEN void cscu_gate_close(void);
+CSCU_HIDDEN void cscu_gate_open(void);
+CSCU_HIDDEN int cscu_gate_is_open(void);
+
+/* --- the control socket ------------------------------------------------------------------------------------ */
+/* Starts the control thread once; 0 when it listens, -1 when it cannot (the process then stays pass-through). */
+CSCU_HIDDEN int cscu_control_start(void);
+
+/* --- the dump (release) and fill (hydrate) ------------------------------------------------------------------ */
+/* Each writes a JSON answer (`{"ok":...}`) into `out`; `dir` is the dump directory, `policy` "same-model" or
+ * "same-gpu"; `digests`: 1 checks every segment's digest while filling, 0 only the sampled read-back (the
+ * worker's choice when the files are provably the ones written at release). They expect the region table
+ * locked and the gate closed. */
+CSCU_HIDDEN void cscu_release(const char *dir, char *out, size_t room);
+CSCU_HIDDEN void cscu_hydrate(const char *dir, const char *policy, int digests, char *out, size_t room);
+/* Hydrate from one allocation a node hydrator filled (`fd`, exported as a POSIX descriptor, `bytes` long): the
+ * released regions are mapped onto consecutive parts of it in table order; then the sampled read-back against
+ * the dump in `dir`. The descriptor stays the caller's. */
+CSCU_HIDDEN void cscu_hydrate_staged(const char *dir, const char *policy, int fd, size_t bytes, char *out,
+                                     size_t room);
+
+/* --- digests: SHA-256 (libcrypto when present, our own otherwise) ------------------------------------------- */
+typedef struct { uint32_t h[8]; uint64_t length; unsigned char block[64]; size_t used; void *ossl; } cscu_sha256;
+CSCU_HIDDEN void cscu_sha256_init(cscu_sha256 *ctx);
+CSCU_HIDDEN void cscu_sha256_update(cscu_sha256 *ctx, const void *data, size_t size);
+CSCU_HIDDEN void cscu_sha256_final(cscu_sha256 *ctx, unsigned char out[32]);
+/* "libcrypto" or "builtin". */
+CSCU_HIDDEN const char *cscu_sha256_engine(void);
+
+#define CSCU_DIGEST_CHUNK ((size_t)64 << 20)    /* the sha256-64m digest's chunk (hydration/_weights.py) */
+#define CSCU_SEGMENT ((size_t)1 << 30)          /* bytes of one dump file (tmpfs serialises writes per file) */
+#define CSCU_ANSWER 65536                         /* bytes of a control answer beyond the manifest */
+
+#endif

@@ -1,0 +1,425 @@
+/* The copy engine, and release: dump every region, then unmap and release its backing, the reservation kept
+ * (hydrate.c brings them back: re-create at the same addresses, fill from the dump, verify, then let the engine run).
+ *
+ * The dump is one file per segment (at most 1 GiB of one region: tmpfs serialises the writes to one file, so
+ * several files are written at once), named seg-<n>.bin, 0600, created exclusively in the directory the worker
+ * names. Copy threads (COLDSNAP_CUDA_INTERPOSER_THREADS), each with its own two streams and two page-locked
+ * staging buffers, take 64 MiB chunks in turn: device to host on one buffer while the other is digested and
+ * written (release), read and digested while the other is copied to the device (hydrate). A segment's digest
+ * is hydration/_weights.py's `sha256-64m`: SHA-256 over the SHA-256 of each 64 MiB chunk.
+ *
+ * Failure: a release that fails before unmapping removes its files and changes nothing; a hydrate that fails
+ * (a dump shorter than its manifest, a digest mismatch, another GPU model, out of memory) releases what it
+ * created, and the regions stay released with the gate closed: nothing half-hydrated runs.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "cscu.h"
+#include "dump.h"
+
+struct segment *cscu_segments;  /* see dump.h */
+size_t cscu_segment_count;
+
+double cscu_now(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
+}
+
+static void fail(struct job *job, const char *format, ...)
+{
+    pthread_mutex_lock(&job->lock);
+    if (!job->failed) {
+        va_list args;
+        va_start(args, format);
+        vsnprintf(job->error, sizeof(job->error), format, args);
+        va_end(args);
+        job->failed = 1;
+    }
+    pthread_mutex_unlock(&job->lock);
+}
+
+int cscu_full_io(int fill, int fd, void *buffer, size_t size, off_t offset)
+{
+    for (size_t done = 0; done < size;) {
+        ssize_t n = fill ? pread(fd, (char *)buffer + done, size - done, offset + (off_t)done)
+                         : pwrite(fd, (char *)buffer + done, size - done, offset + (off_t)done);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0) {
+            if (n == 0)
+                errno = EIO;  /* a short file: reported as the dump ending early */
+            return -1;
+        }
+        done += (size_t)n;
+    }
+    return 0;
+}
+
+/* One chunk: pieces of the staging size through two buffers and two streams. 0, or -1 with the job failed. */
+static int copy_pieces(struct job *job, struct item *it, CUstream s[2], void *buf[2], size_t staging,
+                       cscu_sha256 *h)
+{
+    const struct cscu_driver *d = cscu_driver();
+    size_t count;
+    struct segment *seg = &job->segments[it->segment];
+    struct cscu_region *r = &cscu_regions(&count)[seg->region];
+    CUdeviceptr base = r->address + seg->offset + it->offset;
+    size_t pieces = (it->size + staging - 1) / staging;
+    int fd = job->fds[it->segment];
+    CUresult rc = CUDA_SUCCESS;
+    if (!job->fill && (rc = d->memcpy_dtoh_async(buf[0], base, it->size < staging ? it->size : staging, s[0])))
+        goto device;
+    for (size_t k = 0; k < pieces && !job->failed; k++) {
+        size_t at = k * staging, n = it->size - at < staging ? it->size - at : staging, next = at + staging;
+        int slot = (int)(k % 2);
+        if (!job->fill) {  /* the next piece comes off the device while this one is digested and written */
+            if (k + 1 < pieces && (rc = d->memcpy_dtoh_async(buf[1 - slot], base + next,
+                                                             it->size - next < staging ? it->size - next : staging,
+                                                             s[1 - slot])))
+                goto device;
+            if ((rc = d->stream_synchronize(s[slot])))
+                goto device;
+            cscu_sha256_update(h, buf[slot], n);
+            if (cscu_full_io(0, fd, buf[slot], n, (off_t)(it->offset + at)) != 0) {
+                fail(job, "write %s: %s", seg->file, strerror(errno));
+                return -1;
+            }
+        } else {  /* the buffer's last copy (this chunk's or the previous one's) is done before it is refilled */
+            if ((rc = d->stream_synchronize(s[slot])))
+                goto device;
+            if (cscu_full_io(1, fd, buf[slot], n, (off_t)(it->offset + at)) != 0) {
+                fail(job, "read %s at %zu: %s (the dump is shorter than its manifest or unreadable)", seg->file,
+                     it->offset + at, errno == EIO ? "it ends early" : strerror(errno));
+                return -1;
+            }
+            if (job->digests)
+                cscu_sha256_update(h, buf[slot], n);
+            if ((rc = d->memcpy_htod_async(base + at, buf[slot], n, s[slot])))
+                goto device;
+        }
+    }
+    return job->failed ? -1 : 0;
+device:
+    fail(job, "copy %s region %#llx: %s", job->fill ? "to" : "from", r->address, cscu_error_name(rc));
+    return -1;
+}
+
+static void one_chunk(struct job *job, struct item *it, CUstream s[2], void *buf[2], size_t staging)
+{
+    cscu_sha256 h;
+    cscu_sha256_init(&h);
+    copy_pieces(job, it, s, buf, staging, &h);
+    cscu_sha256_final(&h, it->digest);  /* also on failure: it frees libcrypto's context */
+}
+
+static void *copy_thread(void *arg)
+{
+    struct job *job = arg;
+    const struct cscu_driver *d = cscu_driver();
+    const struct cscu_config *cfg = cscu_config();
+    size_t count;
+    struct cscu_region *regions = cscu_regions(&count);
+    CUstream s[2] = {0, 0};
+    void *buf[2] = {0, 0};
+    CUcontext current = NULL;
+    for (;;) {
+        size_t i = __atomic_fetch_add(&job->next, 1, __ATOMIC_ACQ_REL);
+        if (i >= job->count || __atomic_load_n(&job->failed, __ATOMIC_ACQUIRE))
+            break;
+        struct item *it = &job->items[i];
+        CUcontext ctx = regions[job->segments[it->segment].region].context;
+        if (ctx != current) {  /* streams belong to a context; page-locked buffers are portable (flag 1) */
+            for (int k = 0; k < 2; k++)
+                if (s[k]) {
+                    d->stream_synchronize(s[k]);
+                    d->stream_destroy(s[k]);
+                    s[k] = 0;
+                }
+            CUresult rc = d->ctx_set_current(ctx);
+            for (int k = 0; k < 2 && rc == CUDA_SUCCESS; k++)
+                if ((rc = d->stream_create(&s[k], CU_STREAM_NON_BLOCKING)) == CUDA_SUCCESS && !buf[k])
+                    rc = d->host_alloc(&buf[k], cfg->staging, 1);
+            if (rc != CUDA_SUCCESS) {
+                fail(job, "copy thread set-up: %s", cscu_error_name(rc));
+                break;
+            }
+            current = ctx;
+        }
+        one_chunk(job, it, s, buf, cfg->staging);
+    }
+    for (int k = 0; k < 2; k++) {
+        if (s[k]) {
+            CUresult rc = d->stream_synchronize(s[k]);
+            if (rc)
+                fail(job, "copy: %s", cscu_error_name(rc));
+            d->stream_destroy(s[k]);
+        }
+        if (buf[k])
+            d->free_host(buf[k]);
+    }
+    return NULL;
+}
+
+/* Chunks of every segment that `take` marks, interleaved across cscu_segments so that the threads write different
+ * files at once, copied by the threads. 0, or -1 with `job->error` set. */
+int cscu_copy(struct job *job, int fill, const char *take)
+{
+    size_t most = 0, rounds = 0, n = 0;
+    for (size_t i = 0; i < cscu_segment_count; i++) {
+        size_t chunks = (cscu_segments[i].size + CSCU_DIGEST_CHUNK - 1) / CSCU_DIGEST_CHUNK;
+        most += chunks;
+        rounds = chunks > rounds ? chunks : rounds;
+    }
+    job->items = calloc(most ? most : 1, sizeof(struct item));
+    if (!job->items) {
+        snprintf(job->error, sizeof(job->error), "out of host memory");
+        return -1;
+    }
+    for (size_t round = 0; round < rounds; round++)
+        for (size_t i = 0; i < cscu_segment_count; i++) {
+            size_t at = round * CSCU_DIGEST_CHUNK;
+            if (!take[i] || at >= cscu_segments[i].size)
+                continue;
+            size_t size = cscu_segments[i].size - at < CSCU_DIGEST_CHUNK ? cscu_segments[i].size - at : CSCU_DIGEST_CHUNK;
+            job->items[n++] = (struct item){i, at, size, {0}};
+        }
+    job->count = n;
+    job->segments = cscu_segments;
+    job->fill = fill;
+    int threads = cscu_config()->threads < (int)n ? cscu_config()->threads : (int)n;
+    pthread_t ids[64];
+    int made = 0;
+    for (; made < threads; made++)
+        if (pthread_create(&ids[made], NULL, copy_thread, job) != 0)
+            break;
+    if (made == 0 && n)
+        copy_thread(job);
+    for (int i = 0; i < made; i++)
+        pthread_join(ids[i], NULL);
+    return job->failed ? -1 : 0;
+}
+
+/* The segment digest from its chunk digests, in chunk order. */
+void cscu_segment_digest(const struct job *job, size_t segment, char out[80])
+{
+    cscu_sha256 h;
+    unsigned char digest[32];
+    cscu_sha256_init(&h);
+    for (size_t round = 0; round * CSCU_DIGEST_CHUNK < cscu_segments[segment].size; round++)
+        for (size_t i = 0; i < job->count; i++)
+            if (job->items[i].segment == segment && job->items[i].offset == round * CSCU_DIGEST_CHUNK)
+                cscu_sha256_update(&h, job->items[i].digest, 32);
+    cscu_sha256_final(&h, digest);
+    int n = snprintf(out, 80, "sha256-64m:");
+    for (int i = 0; i < 32; i++)
+        n += snprintf(out + n, (size_t)(80 - n), "%02x", digest[i]);
+}
+
+
+/* --- answers ------------------------------------------------------------------------------------------------ */
+struct answer { char *out; size_t room, used; };
+
+static void put(struct answer *a, const char *format, ...)
+{
+    va_list args;
+    va_start(args, format);
+    int n = vsnprintf(a->out + a->used, a->used < a->room ? a->room - a->used : 0, format, args);
+    va_end(args);
+    a->used += n > 0 ? (size_t)n : 0;
+}
+
+/* `text` as a JSON string body (quotes and backslashes escaped, control characters dropped). */
+static void put_text(struct answer *a, const char *text)
+{
+    for (const char *p = text; *p; p++)
+        if (*p == '"' || *p == '\\')
+            put(a, "\\%c", *p);
+        else if ((unsigned char)*p >= 0x20)
+            put(a, "%c", *p);
+}
+
+void cscu_refuse(char *out, size_t room, const char *phase, const char *format, ...)
+{
+    char text[1024];
+    struct answer a = {out, room, 0};
+    va_list args;
+    va_start(args, format);
+    vsnprintf(text, sizeof(text), format, args);
+    va_end(args);
+    put(&a, "{\"ok\":false,\"error\":\"%s: ", phase);
+    put_text(&a, text);
+    put(&a, "\"}");
+}
+
+static void manifest(struct answer *a, const char *dir, double seconds[4], size_t bytes)
+{
+    size_t count;
+    struct cscu_region *regions = cscu_regions(&count);
+    put(a, "{\"ok\":true,\"manifest\":{\"format\":1,\"kind\":\"coldsnap-device-dump\",\"pid\":%d,\"dir\":\"",
+        (int)getpid());
+    put_text(a, dir);
+    put(a, "\",\"digest_engine\":\"%s\",\"segment_bytes\":%zu,\"threshold\":%zu,\"bytes\":%zu,\"regions\":[",
+        cscu_sha256_engine(), CSCU_SEGMENT, cscu_config()->threshold, bytes);
+    for (size_t i = 0, s = 0; i < count; i++) {
+        struct cscu_region *r = &regions[i];
+        put(a, "%s{\"address\":%llu,\"size\":%zu,\"requested\":%zu,\"device\":%d,\"device_uuid\":\"%s\","
+            "\"device_name\":\"", i ? "," : "", r->address, r->size, r->requested, r->device, r->uuid);
+        put_text(a, r->name);
+        put(a, "\",\"segments\":[");
+        for (int first = 1; s < cscu_segment_count && cscu_segments[s].region == i; s++, first = 0)
+            put(a, "%s{\"file\":\"%s\",\"offset\":0,\"address\":%llu,\"size\":%zu,\"digest\":\"%s\"}", first ? "" : ",",
+                cscu_segments[s].file, r->address + cscu_segments[s].offset, cscu_segments[s].size, cscu_segments[s].digest);
+        put(a, "]}");
+    }
+    put(a, "],\"uncovered\":");
+    if (a->used < a->room)
+        a->used += cscu_counts_json(a->out + a->used, a->room - a->used);
+    put(a, ",\"timings_s\":{\"synchronize\":%.6f,\"dump\":%.6f,\"unmap\":%.6f},\"gbps\":%.3f}}",
+        seconds[1], seconds[2], seconds[3], seconds[2] > 0 ? (double)bytes / seconds[2] / 1e9 : 0.0);
+}
+
+/* --- release ------------------------------------------------------------------------------------------------- */
+static int plan_segments(struct cscu_region *regions, size_t count)
+{
+    size_t n = 0;
+    for (size_t i = 0; i < count; i++)
+        n += (regions[i].size + CSCU_SEGMENT - 1) / CSCU_SEGMENT;
+    free(cscu_segments);
+    cscu_segment_count = 0;
+    if (!(cscu_segments = calloc(n ? n : 1, sizeof(*cscu_segments))))
+        return -1;
+    for (size_t i = 0; i < count; i++)
+        for (size_t at = 0; at < regions[i].size; at += CSCU_SEGMENT, cscu_segment_count++) {
+            struct segment *s = &cscu_segments[cscu_segment_count];
+            s->region = i;
+            s->offset = at;
+            s->size = regions[i].size - at < CSCU_SEGMENT ? regions[i].size - at : CSCU_SEGMENT;
+            snprintf(s->file, sizeof(s->file), "seg-%zu.bin", cscu_segment_count);
+        }
+    return 0;
+}
+
+void cscu_close_files(int dirfd, int *fds, int remove)
+{
+    for (size_t i = 0; fds && i < cscu_segment_count; i++)
+        if (fds[i] >= 0) {
+            close(fds[i]);
+            if (remove)
+                unlinkat(dirfd, cscu_segments[i].file, 0);
+        }
+    free(fds);
+    close(dirfd);
+}
+
+static int synchronize_all(struct cscu_region *regions, size_t count, char *error, size_t room)
+{
+    const struct cscu_driver *d = cscu_driver();
+    CUcontext done = NULL;
+    for (size_t i = 0; i < count; i++) {
+        if (regions[i].context == done)
+            continue;
+        CUresult rc = d->ctx_set_current(regions[i].context);
+        if (rc == CUDA_SUCCESS)
+            rc = d->ctx_synchronize();
+        if (rc != CUDA_SUCCESS) {
+            snprintf(error, room, "synchronise the context of region %#llx: %s", regions[i].address,
+                     cscu_error_name(rc));
+            return -1;
+        }
+        done = regions[i].context;
+    }
+    return 0;
+}
+
+void cscu_release(const char *dir, char *out, size_t room)
+{
+    double t0 = cscu_now(), seconds[4] = {0, 0, 0, 0};
+    size_t count, bytes = 0;
+    struct cscu_region *regions = cscu_regions(&count);
+    struct job job = {.lock = PTHREAD_MUTEX_INITIALIZER, .digests = 1};
+    struct stat st;
+    char error[512];
+    int dirfd = open(dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (dirfd < 0) {
+        cscu_refuse(out, room, "release", "dump directory %s: %s", dir, strerror(errno));
+        return;
+    }
+    if (fstat(dirfd, &st) != 0 || (st.st_uid != geteuid() && st.st_uid != 0) || (st.st_mode & 022)) {
+        close(dirfd);
+        cscu_refuse(out, room, "release", "dump directory %s must belong to this process's user or root and be writable "
+               "by no one else", dir);
+        return;
+    }
+    if (synchronize_all(regions, count, error, sizeof(error)) != 0) {
+        close(dirfd);
+        cscu_refuse(out, room, "release", "%s", error);
+        return;
+    }
+    seconds[1] = cscu_now() - t0;
+    int *fds = NULL;
+    if (plan_segments(regions, count) != 0 || !(fds = malloc((cscu_segment_count + 1) * sizeof(int)))) {
+        close(dirfd);
+        cscu_refuse(out, room, "release", "out of host memory");
+        return;
+    }
+    char *take = malloc(cscu_segment_count + 1);
+    for (size_t i = 0; i < cscu_segment_count; i++)
+        fds[i] = -1;
+    for (size_t i = 0; i < cscu_segment_count; i++)
+        if ((fds[i] = openat(dirfd, cscu_segments[i].file, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
+                             0600)) < 0) {
+            snprintf(error, sizeof(error), "create %s/%s: %s", dir, cscu_segments[i].file, strerror(errno));
+            cscu_close_files(dirfd, fds, 1);
+            free(take);
+            cscu_refuse(out, room, "release", "%s", error);
+            return;
+        }
+    job.fds = fds;
+    if (take)
+        memset(take, 1, cscu_segment_count + 1);
+    if (!take || cscu_copy(&job, 0, take) != 0) {
+        cscu_close_files(dirfd, fds, 1);  /* nothing was unmapped: the engine runs on as before */
+        cscu_refuse(out, room, "release", "dump to %s: %s", dir, take ? job.error : "out of host memory");
+        free(job.items);
+        free(take);
+        return;
+    }
+    for (size_t i = 0; i < cscu_segment_count; i++) {
+        cscu_segment_digest(&job, i, cscu_segments[i].digest);
+        bytes += cscu_segments[i].size;
+    }
+    free(job.items);
+    free(take);
+    cscu_close_files(dirfd, fds, 0);
+    seconds[2] = cscu_now() - t0 - seconds[1];
+    const struct cscu_driver *d = cscu_driver();
+    error[0] = '\0';
+    for (size_t i = 0; i < count; i++) {
+        CUresult rc = d->ctx_set_current(regions[i].context);
+        if (rc == CUDA_SUCCESS)
+            rc = cscu_unmap(&regions[i]);
+        if (rc != CUDA_SUCCESS && !error[0])
+            snprintf(error, sizeof(error), "unmap region %#llx: %s (what was released comes back with a hydrate)",
+                     regions[i].address, cscu_error_name(rc));
+    }
+    seconds[3] = cscu_now() - t0 - seconds[1] - seconds[2];
+    if (error[0]) {
+        cscu_refuse(out, room, "release", "%s", error);
+        return;
+    }
+    struct answer a = {out, room, 0};
+    manifest(&a, dir, seconds, bytes);
+    if (a.used >= room)
+        cscu_refuse(out, room, "release", "the manifest is longer than %zu bytes", room);
+}

@@ -1,0 +1,390 @@
+/* How the engine's driver calls reach us: `dlsym`, `cuGetProcAddress` and the driver's exported names.
+ *
+ * The CUDA runtime (libcudart, and so torch, cuBLAS, Triton) loads libcuda.so.1 with dlopen and finds
+ * cuGetProcAddress with dlsym on that handle, which LD_PRELOAD does not intercept; every other entry point
+ * then comes from cuGetProcAddress. So `dlsym` is interposed (a lookup of one of our names on a real handle
+ * returns our wrapper; everything else, RTLD_NEXT and RTLD_DEFAULT included, is a tail call to the real one,
+ * which therefore sees its caller's return address), and so are cuGetProcAddress (v1 and _v2) and each name
+ * below. A name may resolve to two real functions: the legacy default stream one and the per-thread one
+ * (`_ptsz`/`_ptds`, chosen by cuGetProcAddress's flags). Each has its own slot and wrapper. A slot keeps the
+ * first real pointer it saw; a later resolution to a different function (another ABI version) is handed out
+ * unwrapped and counted, never mixed up.
+ *
+ * The wrapped list (keep docs/interposer.md in step):
+ *   allocation: cuMemAlloc_v2, cuMemFree_v2 (VMM above the threshold), and, counted only: cuMemAllocPitch_v2,
+ *     cuMemAllocManaged, cuMemAllocAsync, cuMemAllocFromPoolAsync, cuMemFreeAsync, cuMemHostRegister_v2,
+ *     cuMemHostAlloc, cuMemAllocHost_v2, cuIpcOpenMemHandle_v2, cuMemCreate;
+ *   the readiness gate (wait while the regions are released): the allocation calls above, cuLaunchKernel,
+ *     cuLaunchKernelEx, cuLaunchCooperativeKernel, cuGraphLaunch, cuMemcpy, cuMemcpyAsync, cuMemcpyPeer,
+ *     cuMemcpyPeerAsync, cuMemcpy{HtoD,DtoH,DtoD}{,Async}_v2, cuMemcpy{2D,3D}{,Async}_v2,
+ *     cuMemsetD{8,16,32}_v2, cuMemsetD{8,16,32}Async, cuStreamSynchronize, cuEventSynchronize, cuCtxSynchronize.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cscu.h"
+
+typedef void *(*dlsym_fn)(void *, const char *);
+
+static dlsym_fn real_dlsym_ptr;
+
+static __attribute__((noinline)) dlsym_fn real_dlsym(void)
+{
+    dlsym_fn fn = __atomic_load_n(&real_dlsym_ptr, __ATOMIC_ACQUIRE);
+    if (!fn) {
+        fn = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
+        if (!fn)
+            fn = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
+        __atomic_store_n(&real_dlsym_ptr, fn, __ATOMIC_RELEASE);
+    }
+    return fn;
+}
+
+static void *libcuda;
+static pthread_once_t libcuda_once = PTHREAD_ONCE_INIT;
+
+static void libcuda_open(void)
+{
+    libcuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);  /* the global scope stays as the engine made it */
+}
+
+void *cscu_real(const char *name)
+{
+    pthread_once(&libcuda_once, libcuda_open);
+    return libcuda ? real_dlsym()(libcuda, name) : NULL;
+}
+
+static void *slot(void **place, const char *name)
+{
+    void *fn = __atomic_load_n(place, __ATOMIC_ACQUIRE);
+    if (!fn) {
+        void *expected = NULL;
+        fn = cscu_real(name);
+        if (fn && !__atomic_compare_exchange_n(place, &expected, fn, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            fn = expected;
+    }
+    return fn;
+}
+
+/* --- gated entry points --------------------------------------------------------------------------------------- */
+#define BODY(fn, v, name, args)                                                               \
+    {                                                                                          \
+        __typeof__(&fn) real = (__typeof__(&fn))slot(&fn##_slot[v], name);                     \
+        if (!real)                                                                             \
+            return CUDA_ERROR_NOT_INITIALIZED;                                                 \
+        cscu_gate_enter();                                                                     \
+        CUresult rc = real args;                                                               \
+        cscu_gate_leave();                                                                     \
+        return rc;                                                                             \
+    }
+#define GATED(fn, pt, params, args)                                                           \
+    static void *fn##_slot[2];                                                                 \
+    CSCU_EXPORT CUresult fn params;                                                            \
+    CSCU_EXPORT CUresult pt params;                                                            \
+    CUresult fn params BODY(fn, 0, #fn, args)                                                  \
+    CUresult pt params BODY(fn, 1, #pt, args)
+#define GATED1(fn, params, args)                                                              \
+    static void *fn##_slot[2];                                                                 \
+    CSCU_EXPORT CUresult fn params;                                                            \
+    CUresult fn params BODY(fn, 0, #fn, args)
+
+typedef unsigned int U;
+GATED(cuLaunchKernel, cuLaunchKernel_ptsz, (CUfunction f, U gx, U gy, U gz, U bx, U by, U bz, U shared,
+      CUstream s, void **params, void **extra), (f, gx, gy, gz, bx, by, bz, shared, s, params, extra))
+GATED(cuLaunchKernelEx, cuLaunchKernelEx_ptsz, (const CUlaunchConfig *c, CUfunction f, void **params,
+      void **extra), (c, f, params, extra))
+GATED(cuLaunchCooperativeKernel, cuLaunchCooperativeKernel_ptsz, (CUfunction f, U gx, U gy, U gz, U bx, U by,
+      U bz, U shared, CUstream s, void **params), (f, gx, gy, gz, bx, by, bz, shared, s, params))
+GATED(cuGraphLaunch, cuGraphLaunch_ptsz, (CUgraphExec g, CUstream s), (g, s))
+GATED(cuMemcpy, cuMemcpy_ptds, (CUdeviceptr d, CUdeviceptr s, size_t n), (d, s, n))
+GATED(cuMemcpyAsync, cuMemcpyAsync_ptsz, (CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st), (d, s, n, st))
+GATED(cuMemcpyPeer, cuMemcpyPeer_ptds, (CUdeviceptr d, CUcontext dc, CUdeviceptr s, CUcontext sc, size_t n),
+      (d, dc, s, sc, n))
+GATED(cuMemcpyPeerAsync, cuMemcpyPeerAsync_ptsz, (CUdeviceptr d, CUcontext dc, CUdeviceptr s, CUcontext sc,
+      size_t n, CUstream st), (d, dc, s, sc, n, st))
+GATED(cuMemcpyHtoD_v2, cuMemcpyHtoD_v2_ptds, (CUdeviceptr d, const void *s, size_t n), (d, s, n))
+GATED(cuMemcpyDtoH_v2, cuMemcpyDtoH_v2_ptds, (void *d, CUdeviceptr s, size_t n), (d, s, n))
+GATED(cuMemcpyDtoD_v2, cuMemcpyDtoD_v2_ptds, (CUdeviceptr d, CUdeviceptr s, size_t n), (d, s, n))
+GATED(cuMemcpyHtoDAsync_v2, cuMemcpyHtoDAsync_v2_ptsz, (CUdeviceptr d, const void *s, size_t n, CUstream st),
+      (d, s, n, st))
+GATED(cuMemcpyDtoHAsync_v2, cuMemcpyDtoHAsync_v2_ptsz, (void *d, CUdeviceptr s, size_t n, CUstream st),
+      (d, s, n, st))
+GATED(cuMemcpyDtoDAsync_v2, cuMemcpyDtoDAsync_v2_ptsz, (CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st),
+      (d, s, n, st))
+GATED(cuMemcpy2D_v2, cuMemcpy2D_v2_ptds, (const CUDA_MEMCPY2D *p), (p))
+GATED(cuMemcpy2DAsync_v2, cuMemcpy2DAsync_v2_ptsz, (const CUDA_MEMCPY2D *p, CUstream s), (p, s))
+GATED(cuMemcpy3D_v2, cuMemcpy3D_v2_ptds, (const CUDA_MEMCPY3D *p), (p))
+GATED(cuMemcpy3DAsync_v2, cuMemcpy3DAsync_v2_ptsz, (const CUDA_MEMCPY3D *p, CUstream s), (p, s))
+GATED(cuMemsetD8_v2, cuMemsetD8_v2_ptds, (CUdeviceptr d, unsigned char v, size_t n), (d, v, n))
+GATED(cuMemsetD16_v2, cuMemsetD16_v2_ptds, (CUdeviceptr d, unsigned short v, size_t n), (d, v, n))
+GATED(cuMemsetD32_v2, cuMemsetD32_v2_ptds, (CUdeviceptr d, unsigned int v, size_t n), (d, v, n))
+GATED(cuMemsetD8Async, cuMemsetD8Async_ptsz, (CUdeviceptr d, unsigned char v, size_t n, CUstream s),
+      (d, v, n, s))
+GATED(cuMemsetD16Async, cuMemsetD16Async_ptsz, (CUdeviceptr d, unsigned short v, size_t n, CUstream s),
+      (d, v, n, s))
+GATED(cuMemsetD32Async, cuMemsetD32Async_ptsz, (CUdeviceptr d, unsigned int v, size_t n, CUstream s),
+      (d, v, n, s))
+GATED(cuStreamSynchronize, cuStreamSynchronize_ptsz, (CUstream s), (s))
+GATED1(cuEventSynchronize, (CUevent e), (e))
+GATED1(cuCtxSynchronize, (void), ())
+
+/* --- allocations ------------------------------------------------------------------------------------------ */
+/* Counted (and gated: nothing is allocated while the regions are released) but left to the driver. */
+#define COUNTED(fn, pt, params, args, kind, ptr, bytes)                                      \
+    static void *fn##_slot[2];                                                                 \
+    CSCU_EXPORT CUresult fn params;                                                            \
+    CSCU_EXPORT CUresult pt params;                                                            \
+    CUresult fn params COUNTED_BODY(fn, 0, #fn, args, kind, ptr, bytes)                        \
+    CUresult pt params COUNTED_BODY(fn, 1, #pt, args, kind, ptr, bytes)
+#define COUNTED1(fn, params, args, kind, ptr, bytes)                                          \
+    static void *fn##_slot[2];                                                                 \
+    CSCU_EXPORT CUresult fn params;                                                            \
+    CUresult fn params COUNTED_BODY(fn, 0, #fn, args, kind, ptr, bytes)
+#define COUNTED_BODY(fn, v, name, args, kind, ptr, bytes)                                     \
+    {                                                                                          \
+        __typeof__(&fn) real = (__typeof__(&fn))slot(&fn##_slot[v], name);                     \
+        if (!real)                                                                             \
+            return CUDA_ERROR_NOT_INITIALIZED;                                                 \
+        cscu_gate_enter();                                                                     \
+        CUresult rc = real args;                                                               \
+        if (rc == CUDA_SUCCESS)                                                                \
+            cscu_track(kind, (uintptr_t)(ptr), bytes);                                         \
+        cscu_gate_leave();                                                                     \
+        return rc;                                                                             \
+    }
+
+COUNTED1(cuMemAllocPitch_v2, (CUdeviceptr *p, size_t *pitch, size_t w, size_t h, U e), (p, pitch, w, h, e),
+         CSCU_PITCH, *p, *pitch * h)
+COUNTED1(cuMemAllocManaged, (CUdeviceptr *p, size_t n, U flags), (p, n, flags), CSCU_MANAGED, *p, n)
+COUNTED(cuMemAllocAsync, cuMemAllocAsync_ptsz, (CUdeviceptr *p, size_t n, CUstream s), (p, n, s), CSCU_ASYNC,
+        *p, n)
+COUNTED(cuMemAllocFromPoolAsync, cuMemAllocFromPoolAsync_ptsz, (CUdeviceptr *p, size_t n, CUmemoryPool pool,
+        CUstream s), (p, n, pool, s), CSCU_ASYNC, *p, n)
+COUNTED1(cuMemHostRegister_v2, (void *p, size_t n, U flags), (p, n, flags), CSCU_HOST_REGISTERED, p, n)
+COUNTED1(cuMemHostAlloc, (void **p, size_t n, U flags), (p, n, flags), CSCU_HOST_ALLOC, *p, n)
+COUNTED1(cuMemAllocHost_v2, (void **p, size_t n), (p, n), CSCU_HOST_ALLOC, *p, n)
+COUNTED1(cuIpcOpenMemHandle_v2, (CUdeviceptr *p, CUipcMemHandle h, U flags), (p, h, flags), CSCU_IPC_IMPORTED,
+         *p, 0)
+COUNTED1(cuMemCreate, (CUmemGenericAllocationHandle *h, size_t n, const CUmemAllocationProp *prop,
+         unsigned long long flags), (h, n, prop, flags), CSCU_VMM_DIRECT, *h, n)
+
+/* Ends of the counted allocations: their counts follow what is live. */
+#define UNTRACKED(fn, pt, params, args, ptr)                                                  \
+    static void *fn##_slot[2];                                                                 \
+    CSCU_EXPORT CUresult fn params;                                                            \
+    CSCU_EXPORT CUresult pt params;                                                            \
+    CUresult fn params UNTRACKED_BODY(fn, 0, #fn, args, ptr)                                   \
+    CUresult pt params UNTRACKED_BODY(fn, 1, #pt, args, ptr)
+#define UNTRACKED1(fn, params, args, ptr)                                                     \
+    static void *fn##_slot[2];                                                                 \
+    CSCU_EXPORT CUresult fn params;                                                            \
+    CUresult fn params UNTRACKED_BODY(fn, 0, #fn, args, ptr)
+#define UNTRACKED_BODY(fn, v, name, args, ptr)                                                \
+    {                                                                                          \
+        __typeof__(&fn) real = (__typeof__(&fn))slot(&fn##_slot[v], name);                     \
+        if (!real)                                                                             \
+            return CUDA_ERROR_NOT_INITIALIZED;                                                 \
+        CUresult rc = real args;                                                               \
+        if (rc == CUDA_SUCCESS)                                                                \
+            cscu_untrack((uintptr_t)(ptr));                                                    \
+        return rc;                                                                             \
+    }
+UNTRACKED(cuMemFreeAsync, cuMemFreeAsync_ptsz, (CUdeviceptr p, CUstream s), (p, s), p)
+UNTRACKED1(cuMemHostUnregister, (void *p), (p), p)
+UNTRACKED1(cuMemFreeHost, (void *p), (p), p)
+UNTRACKED1(cuIpcCloseMemHandle, (CUdeviceptr p), (p), p)
+UNTRACKED1(cuMemRelease, (CUmemGenericAllocationHandle h), (h), h)
+
+static void *cuMemAlloc_v2_slot[2];
+static void *cuMemFree_v2_slot[2];
+CSCU_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n);
+CSCU_EXPORT CUresult cuMemFree_v2(CUdeviceptr p);
+
+CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n)
+{
+    __typeof__(&cuMemAlloc_v2) real = (__typeof__(&cuMemAlloc_v2))slot(&cuMemAlloc_v2_slot[0], "cuMemAlloc_v2");
+    if (!real)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    cscu_gate_enter();
+    enum cscu_kind why = CSCU_FALLBACK;
+    CUresult rc = cscu_alloc(p, n, &why);
+    if (rc == CUDA_ERROR_NOT_FOUND && (rc = real(p, n)) == CUDA_SUCCESS)
+        cscu_track(why, (uintptr_t)*p, n);
+    cscu_gate_leave();
+    return rc;
+}
+
+CUresult cuMemFree_v2(CUdeviceptr p)
+{
+    __typeof__(&cuMemFree_v2) real = (__typeof__(&cuMemFree_v2))slot(&cuMemFree_v2_slot[0], "cuMemFree_v2");
+    if (!real)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    cscu_gate_enter();
+    CUresult rc = cscu_free(p);
+    if (rc == CUDA_ERROR_NOT_FOUND && (rc = real(p)) == CUDA_SUCCESS)
+        cscu_untrack((uintptr_t)p);
+    cscu_gate_leave();
+    return rc;
+}
+
+/* --- the table cuGetProcAddress and dlsym consult ------------------------------------------------------------ */
+struct entry {
+    const char *base;           /* the name cuGetProcAddress is asked for */
+    int since;                  /* the CUDA version from which `base` resolves to this ABI */
+    const char *name[2];        /* the exported names: default stream, per-thread stream (or NULL) */
+    void *wrapper[2];
+    void **slots;
+};
+#define E2(base, since, fn, pt) {base, since, {#fn, #pt}, {(void *)fn, (void *)pt}, fn##_slot}
+#define E1(base, since, fn) {base, since, {#fn, NULL}, {(void *)fn, NULL}, fn##_slot}
+
+static const struct entry table[] = {
+    E1("cuMemAlloc", 3020, cuMemAlloc_v2), E1("cuMemFree", 3020, cuMemFree_v2),
+    E1("cuMemAllocPitch", 3020, cuMemAllocPitch_v2), E1("cuMemAllocManaged", 0, cuMemAllocManaged),
+    E2("cuMemAllocAsync", 0, cuMemAllocAsync, cuMemAllocAsync_ptsz),
+    E2("cuMemAllocFromPoolAsync", 0, cuMemAllocFromPoolAsync, cuMemAllocFromPoolAsync_ptsz),
+    E2("cuMemFreeAsync", 0, cuMemFreeAsync, cuMemFreeAsync_ptsz),
+    E1("cuMemHostRegister", 6050, cuMemHostRegister_v2), E1("cuMemHostUnregister", 0, cuMemHostUnregister),
+    E1("cuMemHostAlloc", 0, cuMemHostAlloc), E1("cuMemAllocHost", 3020, cuMemAllocHost_v2),
+    E1("cuMemFreeHost", 0, cuMemFreeHost), E1("cuIpcOpenMemHandle", 11000, cuIpcOpenMemHandle_v2),
+    E1("cuIpcCloseMemHandle", 0, cuIpcCloseMemHandle), E1("cuMemCreate", 0, cuMemCreate),
+    E1("cuMemRelease", 0, cuMemRelease),
+    E2("cuLaunchKernel", 0, cuLaunchKernel, cuLaunchKernel_ptsz),
+    E2("cuLaunchKernelEx", 0, cuLaunchKernelEx, cuLaunchKernelEx_ptsz),
+    E2("cuLaunchCooperativeKernel", 0, cuLaunchCooperativeKernel, cuLaunchCooperativeKernel_ptsz),
+    E2("cuGraphLaunch", 0, cuGraphLaunch, cuGraphLaunch_ptsz),
+    E2("cuMemcpy", 0, cuMemcpy, cuMemcpy_ptds), E2("cuMemcpyAsync", 0, cuMemcpyAsync, cuMemcpyAsync_ptsz),
+    E2("cuMemcpyPeer", 0, cuMemcpyPeer, cuMemcpyPeer_ptds),
+    E2("cuMemcpyPeerAsync", 0, cuMemcpyPeerAsync, cuMemcpyPeerAsync_ptsz),
+    E2("cuMemcpyHtoD", 3020, cuMemcpyHtoD_v2, cuMemcpyHtoD_v2_ptds),
+    E2("cuMemcpyDtoH", 3020, cuMemcpyDtoH_v2, cuMemcpyDtoH_v2_ptds),
+    E2("cuMemcpyDtoD", 3020, cuMemcpyDtoD_v2, cuMemcpyDtoD_v2_ptds),
+    E2("cuMemcpyHtoDAsync", 3020, cuMemcpyHtoDAsync_v2, cuMemcpyHtoDAsync_v2_ptsz),
+    E2("cuMemcpyDtoHAsync", 3020, cuMemcpyDtoHAsync_v2, cuMemcpyDtoHAsync_v2_ptsz),
+    E2("cuMemcpyDtoDAsync", 3020, cuMemcpyDtoDAsync_v2, cuMemcpyDtoDAsync_v2_ptsz),
+    E2("cuMemcpy2D", 3020, cuMemcpy2D_v2, cuMemcpy2D_v2_ptds),
+    E2("cuMemcpy2DAsync", 3020, cuMemcpy2DAsync_v2, cuMemcpy2DAsync_v2_ptsz),
+    E2("cuMemcpy3D", 3020, cuMemcpy3D_v2, cuMemcpy3D_v2_ptds),
+    E2("cuMemcpy3DAsync", 3020, cuMemcpy3DAsync_v2, cuMemcpy3DAsync_v2_ptsz),
+    E2("cuMemsetD8", 3020, cuMemsetD8_v2, cuMemsetD8_v2_ptds),
+    E2("cuMemsetD16", 3020, cuMemsetD16_v2, cuMemsetD16_v2_ptds),
+    E2("cuMemsetD32", 3020, cuMemsetD32_v2, cuMemsetD32_v2_ptds),
+    E2("cuMemsetD8Async", 0, cuMemsetD8Async, cuMemsetD8Async_ptsz),
+    E2("cuMemsetD16Async", 0, cuMemsetD16Async, cuMemsetD16Async_ptsz),
+    E2("cuMemsetD32Async", 0, cuMemsetD32Async, cuMemsetD32Async_ptsz),
+    E2("cuStreamSynchronize", 0, cuStreamSynchronize, cuStreamSynchronize_ptsz),
+    E1("cuEventSynchronize", 0, cuEventSynchronize), E1("cuCtxSynchronize", 0, cuCtxSynchronize),
+};
+#define ENTRIES (sizeof(table) / sizeof(table[0]))
+
+/* Our wrapper for the real function `real` that `e` resolved to (variant by identity), or `real` itself. */
+static void *install(const struct entry *e, void *real)
+{
+    int v = e->name[1] && real == cscu_real(e->name[1]) ? 1 : 0;
+    void *expected = NULL;
+    if (__atomic_compare_exchange_n(&e->slots[v], &expected, real, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)
+        || expected == real)
+        return e->wrapper[v];
+    cscu_count(CSCU_UNWRAPPED_ENTRY);  /* another ABI version of the same name: never mixed up */
+    return real;
+}
+
+size_t cscu_entries_json(char *out, size_t room)
+{
+    size_t used = 0;
+    if (room < 3)
+        return 0;
+    used += (size_t)snprintf(out, room, "[");
+    for (size_t i = 0; i < ENTRIES && used < room; i++)
+        for (int v = 0; v < 2 && used < room; v++)
+            if (table[i].name[v] && __atomic_load_n(&table[i].slots[v], __ATOMIC_ACQUIRE))
+                used += (size_t)snprintf(out + used, room - used, "%s\"%s\"", used > 1 ? "," : "", table[i].name[v]);
+    if (used < room)
+        used += (size_t)snprintf(out + used, room - used, "]");
+    return used < room ? used : room - 1;
+}
+
+/* --- cuGetProcAddress -------------------------------------------------------------------------------------- */
+typedef unsigned long long cuuint64_t;
+typedef int CUdriverProcAddressQueryResult;
+static void *gpa_slot[2];
+CSCU_EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, cuuint64_t flags);
+CSCU_EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, cuuint64_t flags,
+                                         CUdriverProcAddressQueryResult *status);
+
+static void resolved(const char *symbol, void **pfn, int version)
+{
+    if (!symbol || !pfn || !*pfn)
+        return;
+    if (strcmp(symbol, "cuGetProcAddress") == 0) {
+        *pfn = version >= 12000 ? (void *)cuGetProcAddress_v2 : (void *)cuGetProcAddress;
+        return;
+    }
+    for (size_t i = 0; i < ENTRIES; i++)
+        if (strcmp(table[i].base, symbol) == 0 && version >= table[i].since) {
+            *pfn = install(&table[i], *pfn);
+            return;
+        }
+}
+
+CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, cuuint64_t flags)
+{
+    __typeof__(&cuGetProcAddress) real = (__typeof__(&cuGetProcAddress))slot(&gpa_slot[0], "cuGetProcAddress");
+    if (!real)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    CUresult rc = real(symbol, pfn, version, flags);
+    if (rc == CUDA_SUCCESS)
+        resolved(symbol, pfn, version);
+    return rc;
+}
+
+CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, cuuint64_t flags,
+                             CUdriverProcAddressQueryResult *status)
+{
+    __typeof__(&cuGetProcAddress_v2) real = (__typeof__(&cuGetProcAddress_v2))slot(&gpa_slot[1],
+                                                                                    "cuGetProcAddress_v2");
+    if (!real)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    CUresult rc = real(symbol, pfn, version, flags, status);
+    if (rc == CUDA_SUCCESS)
+        resolved(symbol, pfn, version);
+    return rc;
+}
+
+/* --- dlsym ------------------------------------------------------------------------------------------------- */
+static __attribute__((noinline)) void *wrapped(dlsym_fn real, void *handle, const char *name)
+{
+    void *found = real(handle, name);
+    if (!found)
+        return NULL;
+    if (strcmp(name, "cuGetProcAddress") == 0)
+        return slot(&gpa_slot[0], name) == found ? (void *)cuGetProcAddress : found;
+    if (strcmp(name, "cuGetProcAddress_v2") == 0)
+        return slot(&gpa_slot[1], name) == found ? (void *)cuGetProcAddress_v2 : found;
+    for (size_t i = 0; i < ENTRIES; i++)
+        for (int v = 0; v < 2; v++)
+            if (table[i].name[v] && strcmp(table[i].name[v], name) == 0) {
+                void *expected = NULL;
+                if (found == table[i].wrapper[v])  /* the lookup found us (a global-scope handle): nothing to wrap */
+                    return found;
+                if (__atomic_compare_exchange_n(&table[i].slots[v], &expected, found, 0, __ATOMIC_ACQ_REL,
+                                                __ATOMIC_ACQUIRE) || expected == found)
+                    return table[i].wrapper[v];
+                return found;
+            }
+    return found;
+}
+
+CSCU_EXPORT void *dlsym(void *handle, const char *name);
+
+void *dlsym(void *handle, const char *name)
+{
+    dlsym_fn real = real_dlsym();
+    /* A tail call: the real dlsym sees our caller's return address (RTLD_NEXT is relative to the caller). */
+    if (handle == RTLD_NEXT || handle == RTLD_DEFAULT || name[0] != 'c' || name[1] != 'u')
+        return real(handle, name);
+    return wrapped(real, handle, name);
+}

@@ -1,0 +1,305 @@
+"""The CUDA interposer on a GPU: an unchanged torch process (tensors, a cuBLAS matmul, a captured CUDA graph)
+under the preload is released (dumped, unmapped), CUDA-checkpointed and restored from a second process, then
+hydrated: same digests, the graph replays the same output. A corrupt, a shorter dump and too little device
+memory are refused naming the phase and file, leave nothing mapped and keep the gate closed; a launch made while
+the memory is released waits for the hydration. Skipped without an NVIDIA driver."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coldsnap_probe.errors import HydrationError
+from coldsnap_probe.hydration import DeviceDump, build_library, check_dump
+from coldsnap_probe.hydration._interposer import interposer_request
+from tests.helpers import ROOT
+from tests.probe.test_main import has_nvidia_driver
+
+pytestmark = pytest.mark.skipif(not has_nvidia_driver(), reason="needs an NVIDIA driver")
+MIB = 1 << 20
+TARGET_MIB = 1024
+
+
+def log_tail(path: Path) -> str:
+    """The end of the target's log (beside its request directory)."""
+    log = path.parent.parent / "target.log"
+    return log.read_text(errors="replace")[-2000:] if log.exists() else ""
+
+
+def wait_for(path: Path, proc: subprocess.Popen[bytes], timeout: float = 120.0) -> dict[str, Any]:
+    give_up = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"the target exited {proc.returncode}: {log_tail(path)}"
+        assert time.monotonic() < give_up, f"no {path.name} within {timeout} s"
+        time.sleep(0.02)
+    value: dict[str, Any] = json.loads(path.read_text())
+    return value
+
+
+class Target:
+    """The torch process and its interposer socket; `ask` leaves a request file and waits for the answer."""
+
+    def __init__(self, root: Path, library: Path, socket: str = "cuda.sock", mib: int = TARGET_MIB) -> None:
+        self.directory = root / "target"
+        self.directory.mkdir()
+        self.socket = str(root / socket)
+        env = {**os.environ, "LD_PRELOAD": str(library), "COLDSNAP_CUDA_INTERPOSER_SOCKET": self.socket}
+        self.log = root / "target.log"  # a plain file: CRIU dumps it with the process (not a pipe to pytest)
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.probe._torch_target", str(self.directory),
+                                          str(mib)], cwd=ROOT, env=env, start_new_session=True,
+                                         stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        self.ready = wait_for(self.directory / "ready", self.proc)
+        self.count = 0
+
+    def ask(self, kind: str, timeout: float = 60.0) -> dict[str, Any]:
+        self.count += 1
+        (self.directory / f"{kind}-{self.count}").touch()
+        return wait_for(self.directory / f"answer-{kind}-{self.count}", self.proc, timeout)
+
+    def request(self, message: dict[str, Any], what: str = "interposer") -> dict[str, Any]:
+        return interposer_request(self.socket, message, what)
+
+    def release(self, dump: Path) -> DeviceDump:
+        if dump.exists():
+            shutil.rmtree(dump)
+        dump.mkdir(mode=0o700)
+        answer = self.request({"op": "release", "dir": str(dump)})
+        return DeviceDump.from_json(answer["manifest"], answered=True)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
+    root = tmp_path_factory.mktemp("interposer-gpu")
+    library, diagnostics = build_library(root / "lib")
+    assert diagnostics == ""
+    target = Target(root, library)
+    try:
+        yield target
+    finally:
+        os.killpg(target.proc.pid, 9)
+        target.proc.wait()
+
+
+def test_torch_allocations_go_through_the_interposer(target: Target) -> None:
+    status = target.request({"op": "status"})
+    assert status["regions"] > 0 and status["bytes"] >= TARGET_MIB * MIB and status["gate"] == "open"
+    assert status["released"] is False
+    wrapped = set(status["wrapped"])  # torch's runtime reached the driver through cuGetProcAddress, so through us
+    assert "cuMemAlloc_v2" in wrapped and wrapped & {"cuLaunchKernel", "cuLaunchKernel_ptsz"}, wrapped
+
+
+def test_a_released_dump_matches_its_manifest_and_every_address_stays_reserved(target: Target,
+                                                                             tmp_path: Path) -> None:
+    dump = target.release(tmp_path / "dump")
+    try:
+        assert dump.bytes >= TARGET_MIB * MIB and dump.gbps > 0
+        check_dump(dump, tmp_path / "dump", content=True)  # the C digests equal the Python ones
+        status = target.request({"op": "status"})
+        assert status["released"] is True and status["gate"] == "closed" and status["mapped_bytes"] == 0
+        again = target.request({"op": "release", "dir": str(tmp_path)}, "second release")
+    except HydrationError as exc:
+        assert "released already" in str(exc)
+    else:
+        pytest.fail(f"a second release was accepted: {again}")
+    report = target.request({"op": "hydrate"})["report"]
+    assert report["bytes"] == dump.bytes
+    assert target.ask("check") == {**target.ready, "pid": target.proc.pid}
+
+
+def test_a_corrupt_dump_is_refused_and_nothing_stays_mapped(target: Target, tmp_path: Path) -> None:
+    dump = target.release(tmp_path / "dump")
+    first = tmp_path / "dump" / dump.segments[0].file
+    original = first.read_bytes()[4096:4097]
+    with open(first, "r+b") as f:
+        f.seek(4096)
+        f.write(bytes([original[0] ^ 0xFF]))
+    with pytest.raises(HydrationError, match=rf"hydrate: fill: dump file {first.name} .* does not match its digest"):
+        target.request({"op": "hydrate"})
+    status = target.request({"op": "status"})
+    assert status["released"] is True and status["gate"] == "closed" and status["mapped_bytes"] == 0
+    with open(first, "r+b") as f:
+        f.seek(4096)
+        f.write(original)
+    target.request({"op": "hydrate"})
+    assert target.ask("check") == {**target.ready, "pid": target.proc.pid}
+
+
+def test_a_shorter_dump_is_refused_before_anything_is_created(target: Target, tmp_path: Path) -> None:
+    dump = target.release(tmp_path / "dump")
+    last = tmp_path / "dump" / dump.segments[-1].file
+    kept = tmp_path / "kept.bin"
+    shutil.copy2(last, kept)
+    os.truncate(last, dump.segments[-1].size - 1)
+    with pytest.raises(HydrationError, match=rf"hydrate: dump file .*/{last.name} holds .* the dump is shorter"):
+        target.request({"op": "hydrate"})
+    assert target.request({"op": "status"})["mapped_bytes"] == 0
+    shutil.copy2(kept, last)
+    target.request({"op": "hydrate"})
+    assert target.ask("check") == {**target.ready, "pid": target.proc.pid}
+
+
+def test_too_little_device_memory_is_refused_and_what_was_created_is_released(target: Target,
+                                                                             tmp_path: Path) -> None:
+    from coldsnap_probe._cuda import Driver
+
+    target.release(tmp_path / "dump")
+    driver = Driver()
+    driver.context()
+    free, _total = driver.call("cuMemGetInfo")
+    hog = driver.call("cuMemAlloc_v2", int(free) - 512 * MIB)  # room for some regions, not all
+    try:
+        with pytest.raises(HydrationError, match=r"hydrate: create: region 0x[0-9a-f]+ .*OUT_OF_MEMORY"):
+            target.request({"op": "hydrate"})
+        assert target.request({"op": "status"})["mapped_bytes"] == 0
+    finally:
+        driver.call("cuMemFree_v2", hog)
+    target.request({"op": "hydrate"})
+    assert target.ask("check") == {**target.ready, "pid": target.proc.pid}
+
+
+def test_a_launch_while_released_waits_for_the_hydration(target: Target, tmp_path: Path) -> None:
+    target.release(tmp_path / "dump")
+    target.count += 1
+    (target.directory / f"launch-{target.count}").touch()
+    answer = target.directory / f"answer-launch-{target.count}"
+    time.sleep(1.5)
+    assert not answer.exists(), "a launch ran on released memory"
+    report = target.request({"op": "hydrate", "verify": "sampled"})["report"]
+    hydrated = time.time()
+    assert report["verify"] == "sampled"
+    done = wait_for(answer, target.proc)
+    assert done["finished_unix"] <= time.time() and done["finished_unix"] >= hydrated - 0.5
+    assert target.ask("check") == {**target.ready, "pid": target.proc.pid}
+
+
+def test_released_checkpointed_restored_hydrated_gives_the_same_bytes_and_graph(target: Target,
+                                                                               tmp_path: Path) -> None:
+    from coldsnap_probe._cuda import Driver
+    from coldsnap_probe._process import require_state
+
+    dump = target.release(tmp_path / "dump")
+    driver = Driver()
+    driver.call("cuInit", 0)
+    pid = target.proc.pid
+    args = driver.cuda.CUcheckpointLockArgs()
+    args.timeoutMs = 30_000
+    driver.call("cuCheckpointProcessLock", pid, args)
+    driver.call("cuCheckpointProcessCheckpoint", pid, None)
+    require_state(driver, [pid], "checkpointed", "after checkpoint")
+    driver.call("cuCheckpointProcessRestore", pid, None)
+    driver.call("cuCheckpointProcessUnlock", pid, None)
+    require_state(driver, [pid], "running", "after unlock")
+    report = target.request({"op": "hydrate", "policy": "same-gpu"})["report"]
+    assert report["bytes"] == dump.bytes and report["policy"] == "same-gpu"
+    assert target.ask("check") == {**target.ready, "pid": pid}
+
+
+# -- through the workers: capture finds the socket in the environment, restore hydrates after CRIU + CUDA ------
+criu_and_gpu = pytest.mark.skipif(not has_nvidia_driver() or shutil.which("criu") is None,
+                                  reason="needs an NVIDIA driver and CRIU (run on the GPU host)")
+
+
+@pytest.fixture
+def torch_target(tmp_path: Path) -> Iterator[Target]:
+    """A fresh torch target whose socket name carries its pid (as a unit's environment would)."""
+    library, _ = build_library(tmp_path / "lib")
+    target = Target(tmp_path, library, socket="cuda-%p.sock", mib=256)
+    try:
+        yield target
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(target.proc.pid, 9)
+        target.proc.wait()
+
+
+@criu_and_gpu
+def test_the_workers_capture_and_restore_an_unchanged_torch_process(torch_target: Target, tmp_path: Path) -> None:
+    from tests.probe.test_worker import kill_and_reap, worker
+
+    ctypes.CDLL(None).prctl(36, 1)  # a subreaper: the restored tree is reparented here
+    images = tmp_path / "images"
+    done = worker("capture", "--pid", str(torch_target.proc.pid), "--images", str(images), "--criu",
+                  shutil.which("criu") or "")
+    assert done.returncode == 0, done.stderr
+    torch_target.proc.wait()  # CRIU killed it: its pid is free for the restore
+    capture = json.loads(done.stdout)
+    [released] = capture["device_memory"]
+    assert released["state"] == "released" and released["bytes"] >= 256 * MIB
+    assert released["socket"] == torch_target.socket.replace("%p", str(torch_target.proc.pid))
+    assert "device_release" in capture["timings_s"] and (images / "device-memory.json").exists()
+    done = worker("restore", "--images", str(images), "--work-dir", str(tmp_path / "work"))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    [hydrated] = report["device_memory"]
+    assert hydrated["bytes"] == released["bytes"] and hydrated["interposer"]["verify"] == "sampled"
+    names = [m["name"] for m in report["timeline"]]
+    assert names.index("process_resumed") < names.index("device_hydration_begin") < names.index("ready")
+    assert torch_target.ask("check") == {**torch_target.ready, "pid": torch_target.proc.pid}
+    kill_and_reap(report["restored_pid"])
+
+
+@criu_and_gpu
+def test_a_failed_capture_hydrates_the_process_back_and_removes_the_dump(torch_target: Target,
+                                                                         tmp_path: Path) -> None:
+    from tests.probe.test_worker import worker
+
+    images = tmp_path / "images"
+    done = worker("capture", "--pid", str(torch_target.proc.pid), "--images", str(images), "--criu", "/bin/false")
+    assert done.returncode == 1 and "criu dump exited 1" in done.stderr
+    socket = torch_target.socket.replace("%p", str(torch_target.proc.pid))
+    status = interposer_request(socket, {"op": "status"}, "status")
+    assert status["released"] is False and status["gate"] == "open" and status["mapped_bytes"] == status["bytes"]
+    assert not list(images.glob("device-*")) and not (images / "device-memory.json").exists()
+    assert torch_target.ask("check") == {**torch_target.ready, "pid": torch_target.proc.pid}
+
+
+@pytest.fixture(scope="module")
+def dump_hydrator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A node hydrator that holds no weights and stages device dumps (`serve --staging`, no sources)."""
+    root = tmp_path_factory.mktemp("dump-hydrator")
+    path, log = root / "hydrator.sock", root / "hydrator.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "coldsnap_probe.hydration", "serve", "--socket", str(path),
+                                 "--staging"], cwd=ROOT, stdout=out, stderr=out, stdin=subprocess.DEVNULL)
+    try:
+        give_up = time.monotonic() + 60
+        while '"ready"' not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < give_up, log.read_text()[-2000:]
+            time.sleep(0.05)
+        yield str(path)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_dump_staged_by_the_node_hydrator_is_mapped_in_place(target: Target, dump_hydrator: str,
+                                                               tmp_path: Path) -> None:
+    from coldsnap_probe._device_memory import DumpRecord, hydrate_devices, stages_for
+    from coldsnap_probe.hydration import dump_identities
+
+    dump = target.release(tmp_path / "dump")
+    record = DumpRecord(target.proc.pid, target.socket, "dump", dump, dump_identities(dump, tmp_path / "dump"),
+                        dump_hydrator)
+    stages = stages_for([record], tmp_path)
+    [hydrated] = hydrate_devices([record], tmp_path, "same-model", stages=stages)
+    assert hydrated.interposer.get("staged") is True, hydrated.interposer
+    assert hydrated.interposer["stage"]["bytes"] == dump.bytes and hydrated.bytes == dump.bytes
+    assert target.ask("check") == {**target.ready, "pid": target.proc.pid}
+    status = interposer_request(dump_hydrator, {"op": "status"}, "hydrator status")
+    assert status["staged"] == []  # adopted: the hydrator keeps nothing
+    # The adopted regions release and come back like created ones.
+    target.release(tmp_path / "again")
+    target.request({"op": "hydrate"})
+    assert target.ask("check") == {**target.ready, "pid": target.proc.pid}
