@@ -39,7 +39,7 @@ PACKAGES = ("coldsnap_provider", "coldsnap_runtime", "coldsnap_probe", "nccl_shi
 # tests/<folder> may import the private modules of the package it mirrors; nothing else may.
 MIRRORS = {"provider": "coldsnap_provider", "runtime": "coldsnap_runtime", "probe": "coldsnap_probe",
            "shim": "nccl_shim"}
-WALKED = (*PACKAGES, "bench", "tests")
+WALKED = (*PACKAGES, "bench", "engines", "tests")
 
 
 def _private(dotted: str) -> bool:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from coldsnap_probe._process import image_digest
+from coldsnap_probe import image_digest
 from engines.forking_server import ForkingServerError, ask_workers
 from tests.helpers import ROOT
 

@@ -192,12 +192,22 @@ def test_default_graph_policy_without_a_driver_version_is_refused() -> None:
 
 # --- the restore path of several ranks, up to the point where CRIU would run ---------------------------------
 
+def stand_in_criu(directory: Path) -> Path:
+    """A CRIU that answers `--version` (the restore checks that the capsule's CRIU runs before anything else) and
+    fails anything else: these restores must stop before CRIU is reached."""
+    path = directory / "criu"
+    if not path.exists():
+        path.write_text('#!/bin/sh\n[ "$1" = --version ] && { echo "Version: 4.2"; exit 0; }\nexit 1\n')
+        path.chmod(0o755)
+    return path
+
+
 def rank_images(directory: Path, rank: int, world: int, *, tamper: bool = False) -> Path:
     """Images of a pre-CUDA rank as capture writes their records (no CRIU images: CRIU must never be reached)."""
     directory.mkdir(parents=True)
     (directory / "capture.json").write_text(json.dumps({
         "format": 1, "boundary": "n580", "root_pid": 4242, "rank": rank, "world_size": world, "cuda_pids": [],
-        "identity": identity(None)}))
+        "identity": identity(None, criu=str(stand_in_criu(directory.parent)))}))
     execution = tp_execution(world, "coldsnap-engine")
     record = graph_record(async_graphs=True, graph_policy="recreate-from-plan", engine="coldsnap-engine",
                           execution=execution)
@@ -208,8 +218,9 @@ def rank_images(directory: Path, rank: int, world: int, *, tamper: bool = False)
 
 
 def restore_workers(tmp_path: Path, images: list[Path], only: list[int], timeout: float = 20) -> list[Any]:
+    criu = str(stand_in_criu(tmp_path))
     procs = [subprocess.Popen([sys.executable, "-m", "coldsnap_probe", "restore", "--images", str(images[r]),
-                               "--criu", "/bin/false", "--rank", str(r), "--world-size", str(len(images)),
+                               "--criu", criu, "--rank", str(r), "--world-size", str(len(images)),
                                "--coordinator", str(tmp_path / "coord"), "--namespace", "restore-1",
                                "--barrier-timeout", str(timeout), "--work-dir", str(tmp_path / f"work-{r}")],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
@@ -331,7 +342,7 @@ def test_restore_hydration_source_corrupt_on_one_rank_stops_every_rank_naming_it
 
 def test_restore_of_eight_ranks_with_intact_sources_passes_validation_together(tmp_path: Path) -> None:
     """The control case: the same images with nothing removed get every rank past `validated` (and then to
-    CRIU, which is /bin/false here)."""
+    CRIU, which is a stand-in that only answers --version here)."""
     images = world_images(tmp_path, 8)
     results = restore_workers(tmp_path, images, list(range(8)))
     assert all(rc == 1 for rc, _ in results)
