@@ -262,22 +262,24 @@ def test_huge_page_advice_and_the_mappings_are_restored_exactly(tmp_path: Path, 
     huge pages where the system's THP mode allows them."""
     before: list[Vma] = []
     control, images, pid = captured(tmp_path, criu, nothp_mib=16, before=before)
-    done = worker("restore", "--images", str(images), "--criu", criu, "--work-dir", str(tmp_path / "work"),
-                  env={"CRIU_RESTORE_THREADS": str(threads)})
-    assert done.returncode == 0, done.stderr
-    result = verified(control)
-    assert result["ok"] and result["bad"] == [], result
-    after = mappings(pid)
-    spans = json.loads((control / "regions.json").read_text())
-    # Stock CRIU itself changes some flags (`ac` on private file text it maps writable first): THP's are compared.
-    shown = [layout(vmas) for vmas in (before, after)]
-    assert shown[1] == shown[0], "\n".join(difflib.unified_diff(shown[0], shown[1], "dumped", "restored"))
-    thp, nothp = holding(after, *spans["thp"]), holding(after, *spans["nothp"])
-    assert thp and all("hg" in v.flags and "nh" not in v.flags for v in thp), thp
-    assert nothp and all("nh" in v.flags and "hg" not in v.flags for v in nothp), nothp
-    assert sum(v.anon_huge_kb for v in nothp) == 0, nothp
-    if threads > 1:
-        if thp_mode() == "never":
-            pytest.skip("/sys/kernel/mm/transparent_hugepage/enabled is never: no huge page to check")
-        assert sum(v.anon_huge_kb for v in thp) > 0, (thp, "no huge page in the MADV_HUGEPAGE region")
-    end(control, pid)
+    try:
+        done = worker("restore", "--images", str(images), "--criu", criu, "--work-dir", str(tmp_path / "work"),
+                      env={"CRIU_RESTORE_THREADS": str(threads)})
+        assert done.returncode == 0, done.stderr
+        result = verified(control)
+        assert result["ok"] and result["bad"] == [], result
+        after = mappings(pid)
+        spans = json.loads((control / "regions.json").read_text())
+        # Stock CRIU itself changes some flags (`ac` on private file text it maps writable first): THP's are compared.
+        shown = [layout(vmas) for vmas in (before, after)]
+        assert shown[1] == shown[0], "\n".join(difflib.unified_diff(shown[0], shown[1], "dumped", "restored"))
+        thp, nothp = holding(after, *spans["thp"]), holding(after, *spans["nothp"])
+        assert thp and all("hg" in v.flags and "nh" not in v.flags for v in thp), thp
+        assert nothp and all("nh" in v.flags and "hg" not in v.flags for v in nothp), nothp
+        assert sum(v.anon_huge_kb for v in nothp) == 0, nothp
+        if threads > 1:
+            if thp_mode() == "never":
+                pytest.skip("/sys/kernel/mm/transparent_hugepage/enabled is never: no huge page to check")
+            assert sum(v.anon_huge_kb for v in thp) > 0, (thp, "no huge page in the MADV_HUGEPAGE region")
+    finally:
+        end(control, pid)  # a failed assertion or the skip leaves no restored process behind
