@@ -69,16 +69,16 @@ def wait_file(path: Path, timeout: float = 120) -> str:
     return path.read_text()
 
 
-def captured(tmp_path: Path, criu: str, nothp_mib: int = 0,
-             before: list[Vma] | None = None) -> tuple[Path, Path, int]:
-    """The target (private, THP, shared anonymous and file-backed memory; `nothp_mib` MiB advised NOHUGEPAGE)
-    dumped by the worker (n580) and reaped: (its control directory, the images, its PID). `before` receives
-    its mappings as they were just before the dump."""
+def captured(tmp_path: Path, criu: str, nothp_mib: int = 0, before: list[Vma] | None = None,
+             fork: bool = False) -> tuple[Path, Path, int]:
+    """The target (private, THP, shared anonymous and file-backed memory; `nothp_mib` MiB advised NOHUGEPAGE;
+    with `fork` a child sharing it copy-on-write) dumped by the worker (n580) and reaped: (its control
+    directory, the images, its PID). `before` receives its mappings as they were just before the dump."""
     control, images = tmp_path / "control", tmp_path / "images"
     control.mkdir()
     target = subprocess.Popen([sys.executable, str(ROOT / "bench/criu_target.py"), "--dir", str(control),
                                "--mib", str(TARGET_MIB), "--thp-mib", "64", "--nothp-mib", str(nothp_mib),
-                               "--shared-mib", "16", "--file-mib", "8"],
+                               "--shared-mib", "16", "--file-mib", "8", *(["--fork"] if fork else [])],
                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True)
     wait_file(control / "ready")
@@ -88,6 +88,8 @@ def captured(tmp_path: Path, criu: str, nothp_mib: int = 0,
                   "--criu", criu)
     assert done.returncode == 0, done.stderr
     target.wait()  # CRIU killed it: reap, so that its PID is free for the restore
+    if fork:  # and its child, orphaned to this process (the subreaper)
+        assert gone_within(int((control / "child").read_text()), 10)
     return control, images, target.pid
 
 
@@ -140,10 +142,11 @@ def thp_mode() -> str:
     return text.split("[", 1)[1].split("]", 1)[0]
 
 
-def verified(control: Path) -> dict[str, object]:
-    (control / "result").unlink(missing_ok=True)
-    (control / "verify").touch()
-    result: dict[str, object] = json.loads(wait_file(control / "result"))
+def verified(control: Path, prefix: str = "") -> dict[str, object]:
+    """The target's own check of its memory (`prefix` "child-": its forked child's)."""
+    (control / f"{prefix}result").unlink(missing_ok=True)
+    (control / f"{prefix}verify").touch()
+    result: dict[str, object] = json.loads(wait_file(control / f"{prefix}result"))
     return result
 
 
@@ -283,3 +286,26 @@ def test_huge_page_advice_and_the_mappings_are_restored_exactly(tmp_path: Path, 
             assert sum(v.anon_huge_kb for v in thp) > 0, (thp, "no huge page in the MADV_HUGEPAGE region")
     finally:
         end(control, pid)  # a failed assertion or the skip leaves no restored process behind
+
+
+def test_a_forked_child_s_copy_on_write_memory_comes_back_with_its_huge_pages(tmp_path: Path, criu: str) -> None:
+    """A child's private memory shared copy-on-write with its parent is filled in the parent's premapped area
+    and moved into the child's: both check every byte, and both have huge pages in the MADV_HUGEPAGE region
+    (the move between the two premapped areas is 2 MiB-congruent too)."""
+    control, images, pid = captured(tmp_path, criu, fork=True)
+    child = int((control / "child").read_text())
+    try:
+        done = worker("restore", "--images", str(images), "--criu", criu, "--work-dir", str(tmp_path / "work"),
+                      env={"CRIU_RESTORE_THREADS": "4"})
+        assert done.returncode == 0, done.stderr
+        for prefix, who in (("", pid), ("child-", child)):
+            result = verified(control, prefix)
+            assert result["ok"] and result["bad"] == [] and result["pid"] == who, (prefix, result)
+        spans = json.loads((control / "regions.json").read_text())
+        if thp_mode() == "never":
+            pytest.skip("/sys/kernel/mm/transparent_hugepage/enabled is never: no huge page to check")
+        for who in (pid, child):
+            assert sum(v.anon_huge_kb for v in holding(mappings(who), *spans["thp"])) > 0, who
+    finally:
+        end(control, pid)
+        assert gone_within(child, 10), f"the restored child {child} outlived its parent"
