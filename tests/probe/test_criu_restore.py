@@ -8,6 +8,7 @@ with `scripts/criu/build --print-dir` and skip only when it was never built (or 
 from __future__ import annotations
 
 import ctypes
+import difflib
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,7 @@ from coldsnap_probe._process import image_digest
 from tests.helpers import ROOT
 
 TARGET_MIB = 512
+THP_FLAGS = frozenset({"hg", "nh"})  # smaps VmFlags of MADV_HUGEPAGE and MADV_NOHUGEPAGE
 
 
 def built_criu() -> Path | None:
@@ -66,27 +69,84 @@ def wait_file(path: Path, timeout: float = 120) -> str:
     return path.read_text()
 
 
-def captured(tmp_path: Path, criu: str) -> tuple[Path, Path, int]:
-    """The target (private, THP, shared anonymous and file-backed memory) dumped by the worker (n580) and reaped:
-    (its control directory, the images, its PID)."""
+def captured(tmp_path: Path, criu: str, nothp_mib: int = 0, before: list[Vma] | None = None,
+             fork: bool = False) -> tuple[Path, Path, int]:
+    """The target (private, THP, shared anonymous and file-backed memory; `nothp_mib` MiB advised NOHUGEPAGE;
+    with `fork` a child sharing it copy-on-write) dumped by the worker (n580) and reaped: (its control
+    directory, the images, its PID). `before` receives its mappings as they were just before the dump."""
     control, images = tmp_path / "control", tmp_path / "images"
     control.mkdir()
     target = subprocess.Popen([sys.executable, str(ROOT / "bench/criu_target.py"), "--dir", str(control),
-                               "--mib", str(TARGET_MIB), "--thp-mib", "64", "--shared-mib", "16", "--file-mib", "8"],
+                               "--mib", str(TARGET_MIB), "--thp-mib", "64", "--nothp-mib", str(nothp_mib),
+                               "--shared-mib", "16", "--file-mib", "8", *(["--fork"] if fork else [])],
                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True)
     wait_file(control / "ready")
+    if before is not None:
+        before.extend(mappings(target.pid))
     done = worker("capture", "--pid", str(target.pid), "--images", str(images), "--boundary", "n580",
                   "--criu", criu)
     assert done.returncode == 0, done.stderr
     target.wait()  # CRIU killed it: reap, so that its PID is free for the restore
+    if fork:  # and its child, orphaned to this process (the subreaper)
+        assert gone_within(int((control / "child").read_text()), 10)
     return control, images, target.pid
 
 
-def verified(control: Path) -> dict[str, object]:
-    (control / "result").unlink(missing_ok=True)
-    (control / "verify").touch()
-    result: dict[str, object] = json.loads(wait_file(control / "result"))
+@dataclass(frozen=True)
+class Vma:
+    """One mapping of /proc/PID/smaps: its range, permissions, VmFlags and PMD-mapped huge page kB."""
+    start: int
+    end: int
+    perms: str
+    flags: frozenset[str]
+    anon_huge_kb: int
+
+
+def mappings(pid: int) -> list[Vma]:
+    out: list[Vma] = []
+    span: list[str] = []
+    huge = 0
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split()
+        if "-" in head[0] and not head[0].endswith(":"):
+            span = head
+        elif head[0] == "AnonHugePages:":
+            huge = int(head[1])
+        elif head[0] == "VmFlags:":
+            start, end = (int(x, 16) for x in span[0].split("-"))
+            out.append(Vma(start, end, span[1], frozenset(head[1:]), huge))
+    return out
+
+
+def holding(vmas: list[Vma], at: int, size: int) -> list[Vma]:
+    """The mappings that cover [at, at + size)."""
+    return [v for v in vmas if v.start < at + size and v.end > at]
+
+
+def layout(vmas: list[Vma]) -> list[str]:
+    """Address ranges with their permissions and THP flags, neighbours alike joined: premapping every private
+    VMA lets the kernel merge a library's read-only data with its (then read-only) relocated part, a split
+    the restored process never sees."""
+    joined: list[tuple[int, int, str, frozenset[str]]] = []
+    for v in vmas:
+        if joined and joined[-1][1] == v.start and joined[-1][2:] == (v.perms, v.flags & THP_FLAGS):
+            joined[-1] = (joined[-1][0], v.end, v.perms, v.flags & THP_FLAGS)
+        else:
+            joined.append((v.start, v.end, v.perms, v.flags & THP_FLAGS))
+    return [f"{start:x}-{end:x} {perms} {' '.join(sorted(flags))}" for start, end, perms, flags in joined]
+
+
+def thp_mode() -> str:
+    text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    return text.split("[", 1)[1].split("]", 1)[0]
+
+
+def verified(control: Path, prefix: str = "") -> dict[str, object]:
+    """The target's own check of its memory (`prefix` "child-": its forked child's)."""
+    (control / f"{prefix}result").unlink(missing_ok=True)
+    (control / f"{prefix}verify").touch()
+    result: dict[str, object] = json.loads(wait_file(control / f"{prefix}result"))
     return result
 
 
@@ -195,3 +255,57 @@ def test_the_capture_records_criu_s_version_and_a_different_criu_is_refused(tmp_
     assert f"captured with CRIU {recorded['version']!r}" in done.stderr and "'Version: 4.1.1'" in done.stderr
     assert not (tmp_path / "work/restore.log").exists() and not alive(pid)
     assert image_digest(images, contents=True) == before
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_huge_page_advice_and_the_mappings_are_restored_exactly(tmp_path: Path, criu: str, threads: int) -> None:
+    """With the parallel fill the premapped copies are 2 MiB-congruent to their final addresses and carry the
+    dumped MADV_[NO]HUGEPAGE: every byte comes back, every mapping has its range, permissions and VmFlags
+    (no premap padding is left behind), the NOHUGEPAGE region has no huge page and the HUGEPAGE one has
+    huge pages where the system's THP mode allows them."""
+    before: list[Vma] = []
+    control, images, pid = captured(tmp_path, criu, nothp_mib=16, before=before)
+    try:
+        done = worker("restore", "--images", str(images), "--criu", criu, "--work-dir", str(tmp_path / "work"),
+                      env={"CRIU_RESTORE_THREADS": str(threads)})
+        assert done.returncode == 0, done.stderr
+        result = verified(control)
+        assert result["ok"] and result["bad"] == [], result
+        after = mappings(pid)
+        spans = json.loads((control / "regions.json").read_text())
+        # Stock CRIU itself changes some flags (`ac` on private file text it maps writable first): THP's are compared.
+        shown = [layout(vmas) for vmas in (before, after)]
+        assert shown[1] == shown[0], "\n".join(difflib.unified_diff(shown[0], shown[1], "dumped", "restored"))
+        thp, nothp = holding(after, *spans["thp"]), holding(after, *spans["nothp"])
+        assert thp and all("hg" in v.flags and "nh" not in v.flags for v in thp), thp
+        assert nothp and all("nh" in v.flags and "hg" not in v.flags for v in nothp), nothp
+        assert sum(v.anon_huge_kb for v in nothp) == 0, nothp
+        if threads > 1:
+            if thp_mode() == "never":
+                pytest.skip("/sys/kernel/mm/transparent_hugepage/enabled is never: no huge page to check")
+            assert sum(v.anon_huge_kb for v in thp) > 0, (thp, "no huge page in the MADV_HUGEPAGE region")
+    finally:
+        end(control, pid)  # a failed assertion or the skip leaves no restored process behind
+
+
+def test_a_forked_child_s_copy_on_write_memory_comes_back_with_its_huge_pages(tmp_path: Path, criu: str) -> None:
+    """A child's private memory shared copy-on-write with its parent is filled in the parent's premapped area
+    and moved into the child's: both check every byte, and both have huge pages in the MADV_HUGEPAGE region
+    (the move between the two premapped areas is 2 MiB-congruent too)."""
+    control, images, pid = captured(tmp_path, criu, fork=True)
+    child = int((control / "child").read_text())
+    try:
+        done = worker("restore", "--images", str(images), "--criu", criu, "--work-dir", str(tmp_path / "work"),
+                      env={"CRIU_RESTORE_THREADS": "4"})
+        assert done.returncode == 0, done.stderr
+        for prefix, who in (("", pid), ("child-", child)):
+            result = verified(control, prefix)
+            assert result["ok"] and result["bad"] == [] and result["pid"] == who, (prefix, result)
+        spans = json.loads((control / "regions.json").read_text())
+        if thp_mode() == "never":
+            pytest.skip("/sys/kernel/mm/transparent_hugepage/enabled is never: no huge page to check")
+        for who in (pid, child):
+            assert sum(v.anon_huge_kb for v in holding(mappings(who), *spans["thp"])) > 0, who
+    finally:
+        end(control, pid)
+        assert gone_within(child, 10), f"the restored child {child} outlived its parent"
