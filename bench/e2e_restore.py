@@ -86,6 +86,7 @@ class Layout:
     network: str = "none"
     coordinator: Path | None = None  # the ranks' shared coordinator directory, mounted at COORD
     extra_environment: dict[str, str] = field(default_factory=dict)
+    criu: str = CRIU  # where the capsule carries CRIU (the worker's --criu)
 
     def mounts(self) -> list[dict[str, Any]]:
         return ([{"source": p, "target": p, "read_only": True} for p in self.host_mounts]
@@ -336,7 +337,8 @@ async def wait_hydrator(d: Driver, name: str, created: float, limit: float = 120
 
 async def capture(d: Driver, name: str, pid: int, layout: Layout, capture_id: str, *, hydrate: bool) -> dict[str, Any]:
     command = [layout.python, "-m", "coldsnap_probe", "capture", "--pid", str(pid), "--images",
-               f"{IMAGES}/{capture_id}", "--criu", CRIU, *(["--hydration", f"{RUN}/hydration.sock"] if hydrate else [])]
+               f"{IMAGES}/{capture_id}", "--criu", layout.criu,
+               *(["--hydration", f"{RUN}/hydration.sock"] if hydrate else [])]
     started = time.time()
     runtime = await d.expect(f"capture of {name} by the in-capsule worker", "workload-exec", name=name,
                              execution={"command": command})
@@ -349,7 +351,7 @@ def restore_command(layout: Layout, capture_id: str, *ranks: str) -> list[str]:
     """The restore unit's command: the worker restores, its report becomes the ready file, the unit holds.
     `ranks` are the worker's multi-rank options (--rank, --coordinator, ...), when there are several."""
     worker = " ".join([layout.python, "-m", "coldsnap_probe", "restore", "--images", f"{IMAGES}/{capture_id}",
-                       "--criu", CRIU, "--work-dir", "/tmp/coldsnap-restore", *ranks])
+                       "--criu", layout.criu, "--work-dir", "/tmp/coldsnap-restore", *ranks])
     return ["-c", f"{worker} > {READY}.tmp || exit 1; mv {READY}.tmp {READY}; exec sleep 2147483647"]
 
 

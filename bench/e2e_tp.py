@@ -51,7 +51,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import tp_plan
 from bench._common import table
 from bench.e2e_restore import (
-    CRIU,
     IMAGES,
     RUN,
     Driver,
@@ -152,7 +151,7 @@ async def capture(d: Driver, tp: Activation, cold: dict[str, Any], capture_id: s
 
     async def one(rank: int) -> None:
         command = [tp.layouts[rank].python, "-m", "coldsnap_probe", "capture", "--pid", str(cold["engine_pids"][rank]),
-                   "--images", f"{IMAGES}/{capture_id}/rank-{rank}", "--criu", CRIU,
+                   "--images", f"{IMAGES}/{capture_id}/rank-{rank}", "--criu", tp.layouts[rank].criu,
                    "--engine", f"{RUN}/rank-{rank}.sock", "--hydration", f"{RUN}/rank-{rank}.weights.sock",
                    *tp.ranks(capture_id, rank, 120)]
         try:

@@ -18,7 +18,7 @@ from bench.e2e_restore import WEIGHTS, Driver, E2EError
 from bench.e2e_tp import cold_start, failures, fault_weights, remove, restore
 from bench.tp_units import Activation
 from tests.helpers import ROOT, running_daemon
-from tests.probe.test_coordinator import rank_images, with_weights
+from tests.probe.test_coordinator import rank_images, stand_in_criu, with_weights
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
@@ -119,11 +119,13 @@ async def test_cold_start_rank_unit_that_exits_silently_ends_the_wait_naming_it(
 # --- the worker itself in each rank's unit (the host's python3 and this checkout mounted into busybox units) -----
 
 def _worker_activation(tmp_path: Path, image: str, world: int) -> Activation:
-    """`world` restore units that run the real worker, up to the point where CRIU would run (there is none)."""
+    """`world` restore units that run the real worker, up to the point where CRIU would run: their CRIU is a
+    stand-in that answers `--version` (the worker checks first that its CRIU runs) and fails anything else."""
     tp = _activation(tmp_path, image, world)
     environment = {"PYTHONPATH": str(ROOT)}
-    tp.layouts = [dataclasses.replace(layout, host_mounts=("/usr", "/lib", "/lib64", str(ROOT)),
-                                      python="/usr/bin/python3", extra_environment=environment)
+    criu = stand_in_criu(tmp_path)
+    tp.layouts = [dataclasses.replace(layout, host_mounts=("/usr", "/lib", "/lib64", str(ROOT), str(tmp_path)),
+                                      python="/usr/bin/python3", extra_environment=environment, criu=str(criu))
                   for layout in tp.layouts]
     for rank in range(world):  # the units see the weights directory at /weights
         with_weights(rank_images(tp.images / "cap-1" / f"rank-{rank}", rank, world), rank, tp.weights,
