@@ -16,17 +16,18 @@
 static struct cscu_config config;
 static pthread_once_t config_once = PTHREAD_ONCE_INIT;
 
+/* $name in `unit`s, or `fallback` (also in `unit`s: the default staging is 4 MiB, not 4 bytes). */
 static size_t env_size(const char *name, size_t fallback, size_t unit)
 {
     const char *text = getenv(name);
     char *end = NULL;
     if (!text || !*text)
-        return fallback;
+        return fallback * unit;
     errno = 0;
     unsigned long long value = strtoull(text, &end, 10);
     if (errno || *end || value == 0) {
         fprintf(stderr, "coldsnap-cuda: %s=%s is not a positive integer, using %zu\n", name, text, fallback);
-        return fallback;
+        return fallback * unit;
     }
     return (size_t)value * unit;
 }
@@ -157,6 +158,11 @@ void cscu_gate_enter(void)
             pthread_cond_wait(&gate_changed, &gate_lock);
         pthread_mutex_unlock(&gate_lock);
     }
+}
+
+void cscu_gate_exempt(void)
+{
+    gate_depth = 1;  /* as if inside a gated call for the thread's whole life: enter and leave only nest */
 }
 
 void cscu_gate_leave(void)
