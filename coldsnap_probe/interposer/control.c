@@ -148,11 +148,11 @@ static void status(char *out, size_t room)
     cscu_regions_unlock();
     size_t used = (size_t)snprintf(out, room, "{\"ok\":true,\"pid\":%d,\"regions\":%zu,\"bytes\":%zu,"
                                    "\"mapped_bytes\":%zu,\"released\":%s,\"gate\":\"%s\",\"threshold\":%zu,"
-                                   "\"digest_engine\":\"%s\",\"driver\":%s,\"uncovered\":", (int)getpid(), count,
-                                   bytes, mapped,
+                                   "\"threads\":%d,\"staging_bytes\":%zu,\"digest_engine\":\"%s\",\"driver\":%s,"
+                                   "\"uncovered\":", (int)getpid(), count, bytes, mapped,
                                    released ? "true" : "false", cscu_gate_is_open() ? "open" : "closed",
-                                   cscu_config()->threshold, cscu_sha256_engine(),
-                                   cscu_driver() ? "true" : "false");
+                                   cscu_config()->threshold, cscu_config()->threads, cscu_config()->staging,
+                                   cscu_sha256_engine(), cscu_driver() ? "true" : "false");
     used += cscu_counts_json(out + used, room - used);
     used += (size_t)snprintf(out + used, room - used, ",\"wrapped\":");
     if (used < room)
