@@ -158,6 +158,10 @@ static void status(char *out, size_t room)
     if (used < room)
         used += cscu_entries_json(out + used, room - used);
     if (used < room)
+        used += (size_t)snprintf(out + used, room - used, ",\"unwrapped\":");
+    if (used < room)
+        used += cscu_unwrapped_json(out + used, room - used);
+    if (used < room)
         snprintf(out + used, room - used, "}");
 }
 

@@ -119,6 +119,8 @@ CSCU_HIDDEN const struct cscu_config *cscu_config(void);
 
 /* Appends the JSON list of the entry points the engine resolved through us (a slot filled), for `status`. */
 CSCU_HIDDEN size_t cscu_entries_json(char *out, size_t room);
+/* Appends the JSON list of the names handed out unwrapped (the first 16), for `status`. */
+CSCU_HIDDEN size_t cscu_unwrapped_json(char *out, size_t room);
 
 /* --- the regions (device allocations routed through VMM) --------------------------------------------------- */
 struct cscu_region {

@@ -29,7 +29,7 @@ def test_the_staging_buffer_is_the_configured_mebibytes(library: Path, setting: 
     with listening(library) as (_proc, path):
         status = request(path, {"op": "status"})
     assert status["staging_bytes"] == staging  # at most one digest chunk (64 MiB)
-    assert 4 <= status["threads"] <= 16 and status["threshold"] == 2 * MIB
+    assert 4 <= status["threads"] <= 16 and status["threshold"] == 2 * MIB and status["unwrapped"] == []
 
 
 EXEMPT_HARNESS = r"""
