@@ -148,10 +148,10 @@ static void status(char *out, size_t room)
     cscu_regions_unlock();
     size_t used = (size_t)snprintf(out, room, "{\"ok\":true,\"pid\":%d,\"regions\":%zu,\"bytes\":%zu,"
                                    "\"mapped_bytes\":%zu,\"released\":%s,\"gate\":\"%s\",\"threshold\":%zu,"
-                                   "\"threads\":%d,\"staging_bytes\":%zu,\"digest_engine\":\"%s\",\"driver\":%s,"
+                                   "\"threads\":%d,\"staging_bytes\":%zu,\"drain_s\":%d,\"digest_engine\":\"%s\",\"driver\":%s,"
                                    "\"uncovered\":", (int)getpid(), count, bytes, mapped,
                                    released ? "true" : "false", cscu_gate_is_open() ? "open" : "closed",
-                                   cscu_config()->threshold, cscu_config()->threads, cscu_config()->staging,
+                                   cscu_config()->threshold, cscu_config()->threads, cscu_config()->staging, cscu_config()->drain_s,
                                    cscu_sha256_engine(), cscu_driver() ? "true" : "false");
     used += cscu_counts_json(out + used, room - used);
     used += (size_t)snprintf(out + used, room - used, ",\"wrapped\":");
@@ -207,7 +207,15 @@ static void dispatch(const struct request *req, int fd, char *out, size_t room)
             refuse(out, room, "release", "`dir` must be the absolute path of the dump directory");
             return;
         }
-        cscu_gate_close();  /* new launches wait; those running end first */
+        long inside = cscu_gate_close();  /* new launches wait; those running end first */
+        if (inside) {
+            char why[256];
+            snprintf(why, sizeof(why), "%ld engine call(s) stayed inside the driver for %d s (a synchronise on "
+                     "work that does not end?): nothing was released, the engine runs on", inside,
+                     cscu_config()->drain_s);
+            refuse(out, room, "release", why);
+            return;
+        }
         cscu_regions_lock();
         cscu_release(req->dir, out, room);
         size_t count;

@@ -43,6 +43,8 @@ static void config_read(void)
                               1);
     config.threads = threads > 64 ? 64 : (int)threads;
     config.staging = env_size("COLDSNAP_CUDA_INTERPOSER_STAGING_MIB", 4, (size_t)1 << 20);
+    size_t drain = env_size("COLDSNAP_CUDA_INTERPOSER_DRAIN_S", 10, 1);
+    config.drain_s = drain > 3600 ? 3600 : (int)drain;
     if (config.staging > CSCU_DIGEST_CHUNK)
         config.staging = CSCU_DIGEST_CHUNK;
     const char *exportable = getenv("COLDSNAP_CUDA_INTERPOSER_EXPORTABLE");
@@ -172,12 +174,22 @@ void cscu_gate_leave(void)
     count_out();
 }
 
-void cscu_gate_close(void)
+long cscu_gate_close(void)
 {
-    struct timespec deadline;
+    struct timespec deadline, give_up, now;
+    long inside;
+    clock_gettime(CLOCK_MONOTONIC, &give_up);
+    give_up.tv_sec += cscu_config()->drain_s;
     pthread_mutex_lock(&gate_lock);
     __atomic_store_n(&gate_closed, 1, __ATOMIC_SEQ_CST);
-    while (__atomic_load_n(&gate_inside, __ATOMIC_SEQ_CST) > 0) {  /* a synchronise ends when its work does */
+    while ((inside = __atomic_load_n(&gate_inside, __ATOMIC_SEQ_CST)) > 0) {  /* a synchronise ends when its work does */
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        if (now.tv_sec > give_up.tv_sec || (now.tv_sec == give_up.tv_sec && now.tv_nsec >= give_up.tv_nsec)) {
+            __atomic_store_n(&gate_closed, 0, __ATOMIC_SEQ_CST);  /* never a frozen engine for a refused release */
+            pthread_cond_broadcast(&gate_changed);
+            pthread_mutex_unlock(&gate_lock);
+            return inside;
+        }
         clock_gettime(CLOCK_REALTIME, &deadline);
         deadline.tv_nsec += 10 * 1000 * 1000;  /* and look again every 10 ms, whatever woke us */
         if (deadline.tv_nsec >= 1000000000L) {
@@ -187,6 +199,7 @@ void cscu_gate_close(void)
         pthread_cond_timedwait(&gate_changed, &gate_lock, &deadline);
     }
     pthread_mutex_unlock(&gate_lock);
+    return 0;
 }
 
 void cscu_gate_open(void)
