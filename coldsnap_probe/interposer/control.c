@@ -16,6 +16,7 @@
 #include <sys/stat.h>
 #include <sys/time.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "cscu.h"
@@ -186,6 +187,23 @@ static size_t announced(const struct request *req)
     return end && !*end ? (size_t)value : 0;
 }
 
+/* A release or hydration says on the engine's stderr when it starts and how it ended (one line each): a slow or
+ * stuck one is visible in the engine's log even when its asker has given up. */
+static double note(const char *op, const char *dir, const char *out, double since)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    double now = (double)t.tv_sec + (double)t.tv_nsec / 1e9;
+    if (!out)
+        fprintf(stderr, "coldsnap-cuda: %s (%s): started, %d copy threads, %zu-byte staging buffers\n", op,
+                dir[0] ? dir : "the released dump", cscu_config()->threads, cscu_config()->staging);
+    else
+        fprintf(stderr, "coldsnap-cuda: %s: %s after %.3f s%s%.300s\n", op,
+                strncmp(out, "{\"ok\":true", 10) == 0 ? "done" : "refused", now - since,
+                strncmp(out, "{\"ok\":true", 10) == 0 ? "" : ": ", strncmp(out, "{\"ok\":true", 10) == 0 ? "" : out);
+    return now;
+}
+
 static void dispatch(const struct request *req, int fd, char *out, size_t room)
 {
     if (fd >= 0 && strcmp(req->op, "hydrate") != 0) {
@@ -332,7 +350,11 @@ static void serve_one(int conn)
             refuse(out, room, "request", n >= MAX_LINE ? "longer than 65536 bytes" : "not one newline-terminated line");
         else if (parse(line, &req, error, sizeof(error)) != 0)
             refuse(out, room, "request", error);
-        else
+        else if (strcmp(req.op, "release") == 0 || strcmp(req.op, "hydrate") == 0) {
+            double since = note(req.op, req.dir, NULL, 0);
+            dispatch(&req, fd, out, room);
+            note(req.op, req.dir, out, since);
+        } else
             dispatch(&req, fd, out, room);
     }
     if (fd >= 0)
