@@ -185,6 +185,24 @@ def stop_started(timeout: float = 10.0) -> None:
     STARTED.clear()
 
 
+BEGAN = time.time()
+
+
+def progress(message: str) -> None:
+    """One line as it happens (a device run that ends early still says where it was)."""
+    print(f"[{time.time() - BEGAN:6.1f} s] {message}", flush=True)
+
+
+def show_stages(log: Path, shown: set[str], t0: float) -> dict[str, dict[str, Any]]:
+    """The server's stages so far (printing those not shown yet, seconds since its start)."""
+    entries = stages(log)
+    for name, entry in entries.items():
+        if name not in shown:
+            shown.add(name)
+            progress(f"  server stage {name} at {entry['unix'] - t0:.2f} s")
+    return entries
+
+
 def server_env(root: Path, interposer: Path | None, strategy: str) -> dict[str, str] | None:
     """The server's environment: under the interposer (its socket per pid in `root`; the node hydrator, when one
     runs, stages its dump while CRIU restores), or inherited."""
@@ -217,17 +235,20 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
     path.unlink(missing_ok=True)
     # Cold start: from process start to the first token.
     t0 = time.time()
+    progress(f"{gib:g} GiB {'hydrate' if hydrate else 'interposer' if interposer else 'full'}: cold start")
     with open(log, "wb") as out:
         server = subprocess.Popen([sys.executable, str(SERVER), "--gib", str(gib), "--weights", str(weights),
                                    "--socket", str(path), *extra],
                                   stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                                   start_new_session=True, env=server_env(root, interposer, strategy))
     STARTED[:] = [server.pid]
-    while "ready" not in stages(log):
+    shown: set[str] = set()
+    while "ready" not in show_stages(log, shown, t0):
         if server.poll() is not None:
             raise RuntimeError(f"server exited {server.returncode}: {log.read_text()[-2000:]}")
         time.sleep(0.01)
     cold_first, cold_tokens, cold_hash = request(path, max_tokens)
+    progress(f"  cold first token at {cold_first - t0:.2f} s; capture")
     entries = stages(log)
     device_bytes = entries["graph_captured"]["device_bytes"]
     marks = {name: entry["unix"] for name, entry in entries.items()}
@@ -241,6 +262,7 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
     capture = worker("capture", "--pid", str(server.pid), "--images", str(images), "--criu", criu,
                      *(["--hydration", str(control)] if hydrate else []))
     server.wait()
+    progress(f"  captured: {json.dumps(capture.get('timings_s'))[:200]}")
     digest_before = image_digest(images)
     image_files = sorted(((p.stat().st_size, p.name) for p in images.iterdir() if p.is_file()), reverse=True)
     restores = []
@@ -248,6 +270,7 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
         path.unlink(missing_ok=True)  # the dead process's socket file; the restored one binds it again
         t0 = time.time()
         work = images.with_name(f"{images.name}-work-{attempt}")
+        progress(f"  restore {attempt}")
         report = worker("restore", "--images", str(images), "--criu", criu, "--work-dir", str(work),
                         *(["--lazy-pages"] if lazy_pages else []))
         marks = {m["name"]: m["since_restore_begin_s"] for m in report["timeline"]}
@@ -401,12 +424,14 @@ def main() -> None:
     weights = Path(args.weights_dir) / f"coldsnap-weights-{largest:g}g.bin"
     started = time.time()
     if not weights.exists() or weights.stat().st_size < region_bytes(largest):
+        progress(f"generating the {largest:g} GiB weights file {weights}")
         subprocess.run([sys.executable, str(SERVER), "--gib", str(largest), "--weights", str(weights),
                         "--generate"], check=True)
     from coldsnap_probe import chunk_digests
 
     generate_s = time.time() - started
     started = time.time()
+    progress("digesting the weights")
     digests = chunk_digests(weights, 0, region_bytes(largest))
     digest_s = time.time() - started
     h2d = pinned_h2d_gbps()

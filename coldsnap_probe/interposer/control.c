@@ -16,6 +16,7 @@
 #include <sys/stat.h>
 #include <sys/time.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "cscu.h"
@@ -148,15 +149,19 @@ static void status(char *out, size_t room)
     cscu_regions_unlock();
     size_t used = (size_t)snprintf(out, room, "{\"ok\":true,\"pid\":%d,\"regions\":%zu,\"bytes\":%zu,"
                                    "\"mapped_bytes\":%zu,\"released\":%s,\"gate\":\"%s\",\"threshold\":%zu,"
-                                   "\"digest_engine\":\"%s\",\"driver\":%s,\"uncovered\":", (int)getpid(), count,
-                                   bytes, mapped,
+                                   "\"threads\":%d,\"staging_bytes\":%zu,\"drain_s\":%d,\"digest_engine\":\"%s\",\"driver\":%s,"
+                                   "\"uncovered\":", (int)getpid(), count, bytes, mapped,
                                    released ? "true" : "false", cscu_gate_is_open() ? "open" : "closed",
-                                   cscu_config()->threshold, cscu_sha256_engine(),
-                                   cscu_driver() ? "true" : "false");
+                                   cscu_config()->threshold, cscu_config()->threads, cscu_config()->staging, cscu_config()->drain_s,
+                                   cscu_sha256_engine(), cscu_driver() ? "true" : "false");
     used += cscu_counts_json(out + used, room - used);
     used += (size_t)snprintf(out + used, room - used, ",\"wrapped\":");
     if (used < room)
         used += cscu_entries_json(out + used, room - used);
+    if (used < room)
+        used += (size_t)snprintf(out + used, room - used, ",\"unwrapped\":");
+    if (used < room)
+        used += cscu_unwrapped_json(out + used, room - used);
     if (used < room)
         snprintf(out + used, room - used, "}");
 }
@@ -182,6 +187,23 @@ static size_t announced(const struct request *req)
     return end && !*end ? (size_t)value : 0;
 }
 
+/* A release or hydration says on the engine's stderr when it starts and how it ended (one line each): a slow or
+ * stuck one is visible in the engine's log even when its asker has given up. */
+static double note(const char *op, const char *dir, const char *out, double since)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    double now = (double)t.tv_sec + (double)t.tv_nsec / 1e9;
+    if (!out)
+        fprintf(stderr, "coldsnap-cuda: %s (%s): started, %d copy threads, %zu-byte staging buffers\n", op,
+                dir[0] ? dir : "the released dump", cscu_config()->threads, cscu_config()->staging);
+    else
+        fprintf(stderr, "coldsnap-cuda: %s: %s after %.3f s%s%.300s\n", op,
+                strncmp(out, "{\"ok\":true", 10) == 0 ? "done" : "refused", now - since,
+                strncmp(out, "{\"ok\":true", 10) == 0 ? "" : ": ", strncmp(out, "{\"ok\":true", 10) == 0 ? "" : out);
+    return now;
+}
+
 static void dispatch(const struct request *req, int fd, char *out, size_t room)
 {
     if (fd >= 0 && strcmp(req->op, "hydrate") != 0) {
@@ -203,7 +225,15 @@ static void dispatch(const struct request *req, int fd, char *out, size_t room)
             refuse(out, room, "release", "`dir` must be the absolute path of the dump directory");
             return;
         }
-        cscu_gate_close();  /* new launches wait; those running end first */
+        long inside = cscu_gate_close();  /* new launches wait; those running end first */
+        if (inside) {
+            char why[256];
+            snprintf(why, sizeof(why), "%ld engine call(s) stayed inside the driver for %d s (a synchronise on "
+                     "work that does not end?): nothing was released, the engine runs on", inside,
+                     cscu_config()->drain_s);
+            refuse(out, room, "release", why);
+            return;
+        }
         cscu_regions_lock();
         cscu_release(req->dir, out, room);
         size_t count;
@@ -320,7 +350,11 @@ static void serve_one(int conn)
             refuse(out, room, "request", n >= MAX_LINE ? "longer than 65536 bytes" : "not one newline-terminated line");
         else if (parse(line, &req, error, sizeof(error)) != 0)
             refuse(out, room, "request", error);
-        else
+        else if (strcmp(req.op, "release") == 0 || strcmp(req.op, "hydrate") == 0) {
+            double since = note(req.op, req.dir, NULL, 0);
+            dispatch(&req, fd, out, room);
+            note(req.op, req.dir, out, since);
+        } else
             dispatch(&req, fd, out, room);
     }
     if (fd >= 0)
@@ -344,6 +378,7 @@ static void serve_one(int conn)
 static void *serve(void *unused)
 {
     (void)unused;
+    cscu_gate_exempt();  /* the gate is closed by this thread's release: its own driver calls pass */
     for (;;) {
         int conn = accept4(listener, NULL, NULL, SOCK_CLOEXEC);
         if (conn < 0) {

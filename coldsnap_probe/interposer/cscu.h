@@ -114,11 +114,14 @@ struct cscu_config {
     int exportable;             /* COLDSNAP_CUDA_INTERPOSER_EXPORTABLE (default 1) */
     int threads;                /* COLDSNAP_CUDA_INTERPOSER_THREADS copy threads (default: usable CPUs, 4-16) */
     size_t staging;             /* COLDSNAP_CUDA_INTERPOSER_STAGING_MIB per pinned buffer (default 4 MiB) */
+    int drain_s;                /* COLDSNAP_CUDA_INTERPOSER_DRAIN_S: a release waits this long for calls inside */
 };
 CSCU_HIDDEN const struct cscu_config *cscu_config(void);
 
 /* Appends the JSON list of the entry points the engine resolved through us (a slot filled), for `status`. */
 CSCU_HIDDEN size_t cscu_entries_json(char *out, size_t room);
+/* Appends the JSON list of the names handed out unwrapped (the first 16), for `status`. */
+CSCU_HIDDEN size_t cscu_unwrapped_json(char *out, size_t room);
 
 /* --- the regions (device allocations routed through VMM) --------------------------------------------------- */
 struct cscu_region {
@@ -169,12 +172,17 @@ CSCU_HIDDEN void cscu_regions_unlock(void);
 CSCU_HIDDEN struct cscu_region *cscu_regions(size_t *count);
 
 /* --- the readiness gate ------------------------------------------------------------------------------------ */
-/* Gated calls enter and leave; while the gate is closed `enter` waits. `close` waits for the calls inside. */
+/* Gated calls enter and leave; while the gate is closed `enter` waits. `close` waits for the calls inside, at
+ * most the configured drain time: it returns 0 (closed, nothing inside), or the number of calls still inside
+ * when it gave up, the gate open again (a synchronise waiting on work that does not end: nothing is released). */
 CSCU_HIDDEN void cscu_gate_enter(void);
 CSCU_HIDDEN void cscu_gate_leave(void);
-CSCU_HIDDEN void cscu_gate_close(void);
+CSCU_HIDDEN long cscu_gate_close(void);
 CSCU_HIDDEN void cscu_gate_open(void);
 CSCU_HIDDEN int cscu_gate_is_open(void);
+/* The calling thread never waits at the gate (the control thread and the copy threads: a driver that reaches one
+ * of our gated names from inside the release's or the hydration's own calls must not wait for their end). */
+CSCU_HIDDEN void cscu_gate_exempt(void);
 
 /* --- the control socket ------------------------------------------------------------------------------------ */
 /* Starts the control thread once; 0 when it listens, -1 when it cannot (the process then stays pass-through). */

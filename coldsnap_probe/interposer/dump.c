@@ -133,6 +133,7 @@ static void *copy_thread(void *arg)
     CUstream s[2] = {0, 0};
     void *buf[2] = {0, 0};
     CUcontext current = NULL;
+    cscu_gate_exempt();  /* the release's own copies run while the gate is closed */
     for (;;) {
         size_t i = __atomic_fetch_add(&job->next, 1, __ATOMIC_ACQ_REL);
         if (i >= job->count || __atomic_load_n(&job->failed, __ATOMIC_ACQUIRE))

@@ -280,6 +280,38 @@ static const struct entry table[] = {
 };
 #define ENTRIES (sizeof(table) / sizeof(table[0]))
 
+/* The names handed out unwrapped (another function than the one their slot holds), for `status`: each such
+ * entry point bypasses the gate, so the next GPU run must say which. */
+#define UNWRAPPED_NAMES 16
+static const char *unwrapped_names[UNWRAPPED_NAMES];
+static int unwrapped_count;
+
+static void *unwrapped(const char *name, void *real)
+{
+    int at = __atomic_fetch_add(&unwrapped_count, 1, __ATOMIC_ACQ_REL);
+    if (at < UNWRAPPED_NAMES)
+        __atomic_store_n(&unwrapped_names[at], name, __ATOMIC_RELEASE);
+    cscu_count(CSCU_UNWRAPPED_ENTRY);  /* another ABI version of the same name: never mixed up */
+    return real;
+}
+
+size_t cscu_unwrapped_json(char *out, size_t room)
+{
+    size_t used = 0;
+    int count = __atomic_load_n(&unwrapped_count, __ATOMIC_ACQUIRE);
+    if (room < 3)
+        return 0;
+    used += (size_t)snprintf(out, room, "[");
+    for (int i = 0; i < count && i < UNWRAPPED_NAMES && used < room; i++) {
+        const char *name = __atomic_load_n(&unwrapped_names[i], __ATOMIC_ACQUIRE);
+        if (name)
+            used += (size_t)snprintf(out + used, room - used, "%s\"%s\"", used > 1 ? "," : "", name);
+    }
+    if (used < room)
+        used += (size_t)snprintf(out + used, room - used, "]");
+    return used < room ? used : room - 1;
+}
+
 /* Our wrapper for the real function `real` that `e` resolved to (variant by identity), or `real` itself. */
 static void *install(const struct entry *e, void *real)
 {
@@ -288,8 +320,7 @@ static void *install(const struct entry *e, void *real)
     if (__atomic_compare_exchange_n(&e->slots[v], &expected, real, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)
         || expected == real)
         return e->wrapper[v];
-    cscu_count(CSCU_UNWRAPPED_ENTRY);  /* another ABI version of the same name: never mixed up */
-    return real;
+    return unwrapped(e->base, real);
 }
 
 size_t cscu_entries_json(char *out, size_t room)
@@ -373,7 +404,7 @@ static __attribute__((noinline)) void *wrapped(dlsym_fn real, void *handle, cons
                 if (__atomic_compare_exchange_n(&table[i].slots[v], &expected, found, 0, __ATOMIC_ACQ_REL,
                                                 __ATOMIC_ACQUIRE) || expected == found)
                     return table[i].wrapper[v];
-                return found;
+                return unwrapped(table[i].name[v], found);
             }
     return found;
 }

@@ -16,17 +16,18 @@
 static struct cscu_config config;
 static pthread_once_t config_once = PTHREAD_ONCE_INIT;
 
+/* $name in `unit`s, or `fallback` (also in `unit`s: the default staging is 4 MiB, not 4 bytes). */
 static size_t env_size(const char *name, size_t fallback, size_t unit)
 {
     const char *text = getenv(name);
     char *end = NULL;
     if (!text || !*text)
-        return fallback;
+        return fallback * unit;
     errno = 0;
     unsigned long long value = strtoull(text, &end, 10);
     if (errno || *end || value == 0) {
         fprintf(stderr, "coldsnap-cuda: %s=%s is not a positive integer, using %zu\n", name, text, fallback);
-        return fallback;
+        return fallback * unit;
     }
     return (size_t)value * unit;
 }
@@ -42,6 +43,8 @@ static void config_read(void)
                               1);
     config.threads = threads > 64 ? 64 : (int)threads;
     config.staging = env_size("COLDSNAP_CUDA_INTERPOSER_STAGING_MIB", 4, (size_t)1 << 20);
+    size_t drain = env_size("COLDSNAP_CUDA_INTERPOSER_DRAIN_S", 10, 1);
+    config.drain_s = drain > 3600 ? 3600 : (int)drain;
     if (config.staging > CSCU_DIGEST_CHUNK)
         config.staging = CSCU_DIGEST_CHUNK;
     const char *exportable = getenv("COLDSNAP_CUDA_INTERPOSER_EXPORTABLE");
@@ -159,6 +162,11 @@ void cscu_gate_enter(void)
     }
 }
 
+void cscu_gate_exempt(void)
+{
+    gate_depth = 1;  /* as if inside a gated call for the thread's whole life: enter and leave only nest */
+}
+
 void cscu_gate_leave(void)
 {
     if (!cscu_config()->socket[0] || --gate_depth > 0)
@@ -166,12 +174,22 @@ void cscu_gate_leave(void)
     count_out();
 }
 
-void cscu_gate_close(void)
+long cscu_gate_close(void)
 {
-    struct timespec deadline;
+    struct timespec deadline, give_up, now;
+    long inside;
+    clock_gettime(CLOCK_MONOTONIC, &give_up);
+    give_up.tv_sec += cscu_config()->drain_s;
     pthread_mutex_lock(&gate_lock);
     __atomic_store_n(&gate_closed, 1, __ATOMIC_SEQ_CST);
-    while (__atomic_load_n(&gate_inside, __ATOMIC_SEQ_CST) > 0) {  /* a synchronise ends when its work does */
+    while ((inside = __atomic_load_n(&gate_inside, __ATOMIC_SEQ_CST)) > 0) {  /* a synchronise ends when its work does */
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        if (now.tv_sec > give_up.tv_sec || (now.tv_sec == give_up.tv_sec && now.tv_nsec >= give_up.tv_nsec)) {
+            __atomic_store_n(&gate_closed, 0, __ATOMIC_SEQ_CST);  /* never a frozen engine for a refused release */
+            pthread_cond_broadcast(&gate_changed);
+            pthread_mutex_unlock(&gate_lock);
+            return inside;
+        }
         clock_gettime(CLOCK_REALTIME, &deadline);
         deadline.tv_nsec += 10 * 1000 * 1000;  /* and look again every 10 ms, whatever woke us */
         if (deadline.tv_nsec >= 1000000000L) {
@@ -181,6 +199,7 @@ void cscu_gate_close(void)
         pthread_cond_timedwait(&gate_changed, &gate_lock, &deadline);
     }
     pthread_mutex_unlock(&gate_lock);
+    return 0;
 }
 
 void cscu_gate_open(void)

@@ -1,0 +1,155 @@
+"""The interposer's configuration and the release's own threads, without a GPU: the copy engine's defaults
+reach the control socket as configured (a 4 MiB staging buffer, not 4 bytes: a release of 1 GiB then never
+ended on the H200), and the threads a release runs on never wait at the gate that release closed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from coldsnap_probe.jsonline import request
+from tests.probe.test_interposer import library, listening
+
+__all__ = ("library",)  # the module fixture, shared
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize(("setting", "staging"), [
+    (None, 4 * MIB), ("8", 8 * MIB), ("0", 4 * MIB), ("many", 4 * MIB), ("4096", 64 * MIB)])
+def test_the_staging_buffer_is_the_configured_mebibytes(library: Path, setting: str | None, staging: int,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    if setting is None:
+        monkeypatch.delenv("COLDSNAP_CUDA_INTERPOSER_STAGING_MIB", raising=False)
+    else:
+        monkeypatch.setenv("COLDSNAP_CUDA_INTERPOSER_STAGING_MIB", setting)
+    monkeypatch.delenv("COLDSNAP_CUDA_INTERPOSER_THREADS", raising=False)
+    with listening(library) as (_proc, path):
+        status = request(path, {"op": "status"})
+    assert status["staging_bytes"] == staging  # at most one digest chunk (64 MiB)
+    assert 4 <= status["threads"] <= 16 and status["threshold"] == 2 * MIB and status["unwrapped"] == []
+    assert status["drain_s"] == 10
+
+
+EXEMPT_HARNESS = r"""
+#include "interpose.c"
+#include "regions.c"
+#include "control.c"
+#include "sha256.c"
+#include "dump.c"
+#include "hydrate.c"
+
+static volatile int passed[2];
+
+/* A gated call from a thread: exempt (a copy thread of the release) or not (an engine thread). */
+static void *call(void *exempt)
+{
+    if (exempt)
+        cscu_gate_exempt();
+    cscu_gate_enter();
+    cscu_gate_enter();  /* nested, as a driver reaching another gated name */
+    cscu_gate_leave();
+    cscu_gate_leave();
+    passed[exempt ? 1 : 0] = 1;
+    return NULL;
+}
+
+int main(void)
+{
+    pthread_t engine, copier;
+    cscu_gate_close();  /* the release */
+    pthread_create(&engine, NULL, call, NULL);
+    pthread_create(&copier, NULL, call, (void *)1);
+    pthread_join(copier, NULL);  /* returns: the release's own calls pass the closed gate */
+    usleep(100000);
+    int engine_waited = !passed[0];
+    cscu_gate_exempt();  /* the control thread: its own calls pass too, and count nothing */
+    cscu_gate_enter();
+    cscu_gate_leave();
+    cscu_gate_open();  /* the hydration */
+    pthread_join(engine, NULL);
+    printf("%d %d %d %ld\n", passed[1], engine_waited, passed[0], __atomic_load_n(&gate_inside, __ATOMIC_SEQ_CST));
+    return 0;
+}
+"""
+
+
+def test_the_releases_own_threads_pass_the_gate_it_closed(tmp_path: Path) -> None:
+    """Compiled with the sources and a harness (no driver): a copy thread's gated call, nested or not, passes the
+    closed gate; an engine thread's waits until the gate opens; nothing stays counted in."""
+    from coldsnap_probe.hydration._interposer import SOURCES
+
+    (tmp_path / "exempt.c").write_text(EXEMPT_HARNESS)
+    subprocess.run(["gcc", "-O2", "-std=gnu11", "-I", str(SOURCES), "-o", str(tmp_path / "exempt"),
+                    str(tmp_path / "exempt.c"), "-ldl", "-lpthread"], check=True, capture_output=True)
+    done = subprocess.run([str(tmp_path / "exempt")], capture_output=True, text=True, check=True, timeout=30,
+                          env={**os.environ, "COLDSNAP_CUDA_INTERPOSER_SOCKET": str(tmp_path / "unused.sock")})
+    copier_passed, engine_waited, engine_passed, inside = map(int, done.stdout.split())
+    assert copier_passed == 1 and engine_waited == 1 and engine_passed == 1 and inside == 0
+
+
+DRAIN_HARNESS = r"""
+#include "interpose.c"
+#include "regions.c"
+#include "control.c"
+#include "sha256.c"
+#include "dump.c"
+#include "hydrate.c"
+
+static volatile int later_passed;
+
+static void *stuck(void *unused)  /* an engine call inside the driver for 3 s (a synchronise on long work) */
+{
+    (void)unused;
+    cscu_gate_enter();
+    sleep(3);
+    cscu_gate_leave();
+    return NULL;
+}
+
+static void *later(void *unused)  /* an engine call made after the release gave up */
+{
+    (void)unused;
+    cscu_gate_enter();
+    later_passed = 1;
+    cscu_gate_leave();
+    return NULL;
+}
+
+int main(void)
+{
+    pthread_t a, b;
+    struct timespec t0, t1;
+    pthread_create(&a, NULL, stuck, NULL);
+    usleep(100000);
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    long inside = cscu_gate_close();  /* gives up after the drain time (1 s), the gate open again */
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    pthread_create(&b, NULL, later, NULL);
+    pthread_join(b, NULL);
+    pthread_join(a, NULL);
+    long after = cscu_gate_close();  /* nothing inside now: closes at once */
+    int waited_ms = (int)((t1.tv_sec - t0.tv_sec) * 1000 + (t1.tv_nsec - t0.tv_nsec) / 1000000);
+    printf("%ld %d %d %ld %d\n", inside, waited_ms, later_passed, after, cscu_gate_is_open());
+    return 0;
+}
+"""
+
+
+def test_a_release_that_cannot_drain_the_engines_calls_gives_up_and_reopens_the_gate(tmp_path: Path) -> None:
+    """A call that stays inside longer than COLDSNAP_CUDA_INTERPOSER_DRAIN_S: the close gives up (naming one call
+    inside) after about that long and leaves the gate open, so the engine is never frozen by a refused release;
+    once the call has left, a close succeeds."""
+    from coldsnap_probe.hydration._interposer import SOURCES
+
+    (tmp_path / "drain.c").write_text(DRAIN_HARNESS)
+    subprocess.run(["gcc", "-O2", "-std=gnu11", "-I", str(SOURCES), "-o", str(tmp_path / "drain"),
+                    str(tmp_path / "drain.c"), "-ldl", "-lpthread"], check=True, capture_output=True)
+    done = subprocess.run([str(tmp_path / "drain")], capture_output=True, text=True, check=True, timeout=30,
+                          env={**os.environ, "COLDSNAP_CUDA_INTERPOSER_SOCKET": str(tmp_path / "unused.sock"),
+                               "COLDSNAP_CUDA_INTERPOSER_DRAIN_S": "1"})
+    inside, waited_ms, later_passed, after, open_now = map(int, done.stdout.split())
+    assert inside == 1 and 900 <= waited_ms < 2900 and later_passed == 1  # gave up before the call ended (3 s)
+    assert after == 0 and open_now == 0
