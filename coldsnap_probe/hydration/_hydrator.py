@@ -61,13 +61,18 @@ class _Staged:
         return bool(given) and hmac.compare_digest(given, self.ticket.encode())
 
 
-def readable_by(path: str, st: os.stat_result, peer: jsonline.Peer) -> bool:
+def readable_by(path: str, st: os.stat_result, peer: jsonline.Peer, *, search: bool | None = None) -> bool:
     """Whether `peer` could open the file `path` (`st`: the held file's status) itself: read permission on
     it and search permission on every directory above it, as the kernel checks mode bits for one uid and
     gid. The hydrator hands out a source's bytes only to a peer that could read them anyway; a world-readable
-    file in another tenant's 0700 directory is not readable by the others."""
+    file in another tenant's 0700 directory is not readable by the others. With `search` given, only `st`
+    itself is checked (search permission of a held directory, or read permission of a held file): the caller
+    walked the path by descriptors."""
     if peer.uid == 0:
         return True
+    if search is not None:
+        return _permits(st, peer, *((stat.S_IXUSR, stat.S_IXGRP, stat.S_IXOTH) if search else
+                                    (stat.S_IRUSR, stat.S_IRGRP, stat.S_IROTH)))
     if not _permits(st, peer, stat.S_IRUSR, stat.S_IRGRP, stat.S_IROTH):
         return False
     directory = os.path.dirname(path)
@@ -268,10 +273,19 @@ class HydratorServer:
         if message.get("device_uuid") != self.device_uuid:
             raise HydrationError(f"the engine's GPU {message.get('device_uuid')} is not this hydrator's "
                                  f"{self.device_uuid}")
-        parts = _dump_parts(message.get("parts"), peer)
-        size = sum(r.size for r in parts)
         if (earlier := self.staged.get(key)) is not None and earlier.owner != peer.uid:
             raise HydrationError(f"{key} is staged by another peer")
+        parts, fds = _open_dump_parts(message.get("parts"), peer)
+        try:
+            return self._fill_from_dump(key, parts, fds, earlier, peer)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def _fill_from_dump(self, key: str, parts: tuple[WeightRegion, ...], fds: dict[str, int],
+                        earlier: _Staged | None, peer: jsonline.Peer) -> dict[str, Any]:
+        """A new exportable allocation filled from the opened dump files (`fds`), kept under `key`."""
+        size = sum(r.size for r in parts)
         self._discard(key, earlier.ticket if earlier else "")
         self._expire()
         self._room_for(size)
@@ -284,7 +298,7 @@ class HydratorServer:
             map_read_write(self.driver, va, size, 0)
             copied = time.perf_counter()
             copy_ring(self.driver, self.context, parts, lambda r: va + r.address, threads=DUMP_THREADS,
-                      chunk=DUMP_CHUNK, direct=False)
+                      chunk=DUMP_CHUNK, direct=False, opened=fds)
             copy_s = time.perf_counter() - copied
         except BaseException:
             self.driver.cuda.cuMemRelease(handle)
@@ -336,29 +350,74 @@ class HydratorServer:
 
 
 def _dump_parts(value: Any, peer: jsonline.Peer) -> tuple[WeightRegion, ...]:
+    """`_open_dump_parts` for a comparison (an adopt names the dump it expects): the regions, nothing held open."""
+    parts, fds = _open_dump_parts(value, peer)
+    for fd in fds.values():
+        os.close(fd)
+    return parts
+
+
+def _open_dump_parts(value: Any, peer: jsonline.Peer) -> tuple[tuple[WeightRegion, ...], dict[str, int]]:
     """A `stage-dump` request's parts as regions of the staged allocation (address: the offset in it): each a
-    whole regular file `peer` could read, holding at least its bytes, in order, sizes multiples of 2 MiB."""
+    whole regular file `peer` could read, holding at least its bytes, in order, sizes multiples of 2 MiB; and
+    each file open (by resolved path), so that the copy reads the very file checked, not what the path names
+    by then (the peer may own a directory on it and swap a symlink or a FIFO in)."""
     if not isinstance(value, list) or not value:
         raise HydrationError("parts must be a non-empty list of {file, bytes}")
-    parts, at = [], 0
-    for index, part in enumerate(value):
-        if not isinstance(part, dict) or set(part) != {"file", "bytes"} or not isinstance(part["file"], str) \
-                or not isinstance(part["bytes"], int) or isinstance(part["bytes"], bool) or part["bytes"] <= 0 \
-                or part["bytes"] % DUMP_ALIGN or not os.path.isabs(part["file"]):
-            raise HydrationError(f"part {index} must be {{file: an absolute path, bytes: a positive multiple of "
-                                 f"{DUMP_ALIGN}}}")
-        real = os.path.realpath(part["file"])
-        try:
-            st = os.stat(real)
-        except OSError as exc:
-            raise HydrationError(f"dump file {part['file']}: {exc.strerror}") from exc
-        if not stat.S_ISREG(st.st_mode) or st.st_size < part["bytes"]:
-            raise HydrationError(f"dump file {part['file']} is not a regular file of at least {part['bytes']} bytes")
-        if not readable_by(real, st, peer):
-            raise HydrationError(f"peer uid {peer.uid} may not read {part['file']}")
-        parts.append(WeightRegion(f"part-{index}", at, part["bytes"], real, 0, ""))
-        at += part["bytes"]
-    return tuple(parts)
+    parts: list[WeightRegion] = []
+    fds: dict[str, int] = {}
+    at = 0
+    try:
+        for index, part in enumerate(value):
+            if not isinstance(part, dict) or set(part) != {"file", "bytes"} or not isinstance(part["file"], str) \
+                    or not isinstance(part["bytes"], int) or isinstance(part["bytes"], bool) or part["bytes"] <= 0 \
+                    or part["bytes"] % DUMP_ALIGN or not os.path.isabs(part["file"]):
+                raise HydrationError(f"part {index} must be {{file: an absolute path, bytes: a positive multiple "
+                                     f"of {DUMP_ALIGN}}}")
+            real = os.path.realpath(part["file"])
+            if real not in fds:
+                fds[real] = _open_readable(real, part["file"], part["bytes"], peer)
+            elif os.fstat(fds[real]).st_size < part["bytes"]:
+                raise HydrationError(f"dump file {part['file']} is not a regular file of at least {part['bytes']} "
+                                     f"bytes")
+            parts.append(WeightRegion(f"part-{index}", at, part["bytes"], real, 0, ""))
+            at += part["bytes"]
+    except BaseException:
+        for fd in fds.values():
+            os.close(fd)
+        raise
+    return tuple(parts), fds
+
+
+def _open_readable(real: str, named: str, size: int, peer: jsonline.Peer) -> int:
+    """Open `real` (a resolved absolute path) for reading as `peer` could: one component at a time, never
+    following a link (a link there now was swapped in since `realpath`), each directory searchable by the peer
+    and the file a regular one it may read, of at least `size` bytes; opened O_PATH first, so that no FIFO
+    or device is ever opened for reading. The descriptor (O_RDONLY)."""
+    names = [n for n in real.split("/") if n]
+    if not names:
+        raise HydrationError(f"dump file {named} is not a regular file of at least {size} bytes")
+    path_flags = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+    held = os.open("/", path_flags | os.O_DIRECTORY)
+    try:
+        for index, name in enumerate(names):
+            if not readable_by("/", os.fstat(held), peer, search=True):
+                raise HydrationError(f"peer uid {peer.uid} may not read {named}")
+            flags = path_flags | (os.O_DIRECTORY if index < len(names) - 1 else 0)
+            try:
+                opened = os.open(name, flags, dir_fd=held)
+            except OSError as exc:
+                raise HydrationError(f"dump file {named}: {exc.strerror} (at {name})") from exc
+            os.close(held)
+            held = opened
+        st = os.fstat(held)
+        if not stat.S_ISREG(st.st_mode) or st.st_size < size:
+            raise HydrationError(f"dump file {named} is not a regular file of at least {size} bytes")
+        if not readable_by("/", st, peer, search=False):
+            raise HydrationError(f"peer uid {peer.uid} may not read {named}")
+        return os.open(f"/proc/self/fd/{held}", os.O_RDONLY | os.O_CLOEXEC)  # the same inode, for reading
+    finally:
+        os.close(held)
 
 
 def _stage_key(message: dict[str, Any]) -> str:
