@@ -359,7 +359,8 @@ def _dump_parts(value: Any, peer: jsonline.Peer) -> tuple[WeightRegion, ...]:
 
 def _open_dump_parts(value: Any, peer: jsonline.Peer) -> tuple[tuple[WeightRegion, ...], dict[str, int]]:
     """A `stage-dump` request's parts as regions of the staged allocation (address: the offset in it): each a
-    whole regular file `peer` could read, holding at least its bytes, in order, sizes multiples of 2 MiB; and
+    whole regular file (not a link) `peer` could read, holding at least its bytes, in order, sizes multiples of
+    2 MiB; and
     each file open (by resolved path), so that the copy reads the very file checked, not what the path names
     by then (the peer may own a directory on it and swap a symlink or a FIFO in)."""
     if not isinstance(value, list) or not value:
@@ -374,7 +375,9 @@ def _open_dump_parts(value: Any, peer: jsonline.Peer) -> tuple[tuple[WeightRegio
                     or part["bytes"] % DUMP_ALIGN or not os.path.isabs(part["file"]):
                 raise HydrationError(f"part {index} must be {{file: an absolute path, bytes: a positive multiple "
                                      f"of {DUMP_ALIGN}}}")
-            real = os.path.realpath(part["file"])
+            # The directory resolved (links above the dump are the node's own), the file itself never a link:
+            # the dump's directory belongs to the engine, which may plant one there.
+            real = os.path.join(os.path.realpath(os.path.dirname(part["file"])), os.path.basename(part["file"]))
             if real not in fds:
                 fds[real] = _open_readable(real, part["file"], part["bytes"], peer)
             elif os.fstat(fds[real]).st_size < part["bytes"]:

@@ -59,6 +59,15 @@ def test_the_copy_reads_the_file_that_was_checked_not_what_a_swapped_path_names(
         _open_dump_parts([{"file": str(part), "bytes": 2 * MIB}], NOBODY)
 
 
+def test_a_part_that_is_a_link_is_refused_even_for_a_root_peer(tree: Path) -> None:
+    """The restore worker asks as root; the engine owns the dump directory and could leave a link there."""
+    part = tree / "att" / "d" / "seg-0.bin"
+    part.unlink()
+    part.symlink_to(tree / "secret" / "seg-0.bin")
+    with pytest.raises(HydrationError, match="not a regular file"):
+        _open_dump_parts([{"file": str(part), "bytes": 2 * MIB}], Peer(1, 0, 0))
+
+
 def test_a_link_swapped_in_after_the_path_was_resolved_is_not_followed(tree: Path) -> None:
     (tree / "att" / "d" / "seg-0.bin").unlink()
     (tree / "att" / "d" / "seg-0.bin").symlink_to(tree / "secret" / "seg-0.bin")
