@@ -12,8 +12,8 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .. import jsonline
@@ -197,8 +197,8 @@ class HydratorServer:
             jobs.append((region.address - base, src.address + region.offset, region.size))
         return base, size, regions, jobs
 
-    def _fill(self, handle: Any, size: int, jobs: Sequence[tuple[int, int, int]]) -> float:
-        """Map `handle` here, copy the jobs into it from the pinned sources, unmap; the copy's seconds."""
+    def _fill(self, handle: Any, size: int, copy: Callable[[int], object]) -> float:
+        """Map `handle` here, `copy` into it (given the mapped address), unmap; the copy's seconds."""
         cu, d = self.driver.cuda, self.driver
         va = 0
         try:
@@ -206,12 +206,16 @@ class HydratorServer:
             cucall(d, "cuMemMap", va, size, 0, handle, 0)
             map_read_write(d, va, size, 0)
             started = time.perf_counter()
-            copy_registered(d, [(va + off, src, n) for off, src, n in jobs], self._streams)
+            copy(va)
             return time.perf_counter() - started
         finally:
             if va:
                 cu.cuMemUnmap(va, size)
                 cu.cuMemAddressFree(va, size)
+
+    def _pinned(self, jobs: Sequence[tuple[int, int, int]]) -> Callable[[int], object]:
+        """The copy of `jobs` ((offset, pinned source address, bytes)) into an allocation mapped at its argument."""
+        return lambda va: copy_registered(self.driver, [(va + off, src, n) for off, src, n in jobs], self._streams)
 
     def _hydrate(self, message: dict[str, Any], fd: int, peer: jsonline.Peer) -> dict[str, Any]:
         """Fill an engine's exported allocation. The descriptor is the caller's to close: while it is open, it
@@ -220,40 +224,54 @@ class HydratorServer:
         started = time.perf_counter()
         handle = cucall(self.driver, "cuMemImportFromShareableHandle", fd, fd_handle(self.driver))
         try:
-            copy_s = self._fill(handle, size, jobs)
+            copy_s = self._fill(handle, size, self._pinned(jobs))
         finally:
             self.driver.cuda.cuMemRelease(handle)
         return {"ok": True, "import_map_s": time.perf_counter() - started - copy_s, "copy_s": copy_s,
                 "bytes": sum(n for _, _, n in jobs)}
 
-    def _stage(self, message: dict[str, Any], peer: jsonline.Peer) -> dict[str, Any]:
-        """Allocate and fill ahead of the engine's restore; refused for an engine on another GPU. The answer's
-        `ticket` is what the engine presents to adopt it."""
+    def _stage_slot(self, message: dict[str, Any], peer: jsonline.Peer) -> tuple[str, _Staged | None]:
+        """A `stage` or `stage-dump` request's key and the stage it replaces (a retry of the same stage): refused
+        when staging is off, for an engine on another GPU, or over another uid's stage."""
         if not self.staging:
             raise HydrationError("staging is off on this hydrator (serve --staging)")
         key = _stage_key(message)
         if message.get("device_uuid") != self.device_uuid:
             raise HydrationError(f"the engine's GPU {message.get('device_uuid')} is not this hydrator's "
                                  f"{self.device_uuid}")
-        base, size, regions, jobs = self._jobs(message, peer)
         if (earlier := self.staged.get(key)) is not None and earlier.owner != peer.uid:
             raise HydrationError(f"{key} is staged by another peer")
-        self._discard(key, earlier.ticket if earlier else "")  # a retry of the same stage replaces it
+        return key, earlier
+
+    def _stage_into(self, key: str, earlier: _Staged | None, peer: jsonline.Peer, staged: _Staged,
+                    copy: Callable[[int], object], copied: int) -> dict[str, Any]:
+        """Replace `earlier`, allocate `staged.size` bytes (within STAGE_MAX and STAGE_RESERVE), `copy` into them
+        and keep them as `staged` (its handle, timings, expiry, owner and ticket set here) under `key`."""
+        self._discard(key, earlier.ticket if earlier else "")
         self._expire()
-        self._room_for(size)
+        self._room_for(staged.size)
         started = time.perf_counter()
-        handle = cucall(self.driver, "cuMemCreate", size, device_allocation(self.driver, 0, exportable=True), 0)
+        handle = cucall(self.driver, "cuMemCreate", staged.size, device_allocation(self.driver, 0, exportable=True),
+                        0)
         try:
-            copy_s = self._fill(handle, size, jobs)
+            copy_s = self._fill(handle, staged.size, copy)
         except BaseException:
             self.driver.cuda.cuMemRelease(handle)
             raise
         stage_s = time.perf_counter() - started
-        ticket = secrets.token_urlsafe(32)
-        self.staged[key] = _Staged(handle, base, size, regions, stage_s, copy_s, time.monotonic() + self.stage_ttl,
-                                   peer.uid, ticket)
-        return {"ok": True, "staged": True, "stage_s": stage_s, "copy_s": copy_s, "bytes": sum(n for _, _, n in jobs),
-                "ticket": ticket}
+        self.staged[key] = replace(staged, handle=handle, stage_s=stage_s, copy_s=copy_s,
+                                   expires=time.monotonic() + self.stage_ttl, owner=peer.uid,
+                                   ticket=secrets.token_urlsafe(32))
+        return {"ok": True, "staged": True, "stage_s": stage_s, "copy_s": copy_s, "bytes": copied,
+                "ticket": self.staged[key].ticket}
+
+    def _stage(self, message: dict[str, Any], peer: jsonline.Peer) -> dict[str, Any]:
+        """Allocate and fill ahead of the engine's restore; refused for an engine on another GPU. The answer's
+        `ticket` is what the engine presents to adopt it."""
+        key, earlier = self._stage_slot(message, peer)
+        base, size, regions, jobs = self._jobs(message, peer)
+        return self._stage_into(key, earlier, peer, _Staged(None, base, size, regions, 0.0, 0.0, 0.0, 0, ""),
+                                self._pinned(jobs), sum(n for _, _, n in jobs))
 
     def _room_for(self, size: int) -> None:
         if len(self.staged) >= STAGE_MAX:
@@ -267,50 +285,17 @@ class HydratorServer:
         """Fill one allocation from an interposer's device dump (docs/interposer.md) while its process is being
         restored: `parts` are (file, bytes) in the order the interposer maps them back, each file read whole
         through a ring of page-locked buffers. Only files `peer` could read itself, on this hydrator's GPU."""
-        if not self.staging:
-            raise HydrationError("staging is off on this hydrator (serve --staging)")
-        key = _stage_key(message)
-        if message.get("device_uuid") != self.device_uuid:
-            raise HydrationError(f"the engine's GPU {message.get('device_uuid')} is not this hydrator's "
-                                 f"{self.device_uuid}")
-        if (earlier := self.staged.get(key)) is not None and earlier.owner != peer.uid:
-            raise HydrationError(f"{key} is staged by another peer")
+        key, earlier = self._stage_slot(message, peer)
         parts, fds = _open_dump_parts(message.get("parts"), peer)
+        size = sum(r.size for r in parts)
         try:
-            return self._fill_from_dump(key, parts, fds, earlier, peer)
+            return self._stage_into(key, earlier, peer, _Staged(None, 0, size, parts, 0.0, 0.0, 0.0, 0, "", dump=True),
+                                    lambda va: copy_ring(self.driver, self.context, parts, lambda r: va + r.address,
+                                                         threads=DUMP_THREADS, chunk=DUMP_CHUNK, direct=False,
+                                                         opened=fds), size)
         finally:
             for fd in fds.values():
                 os.close(fd)
-
-    def _fill_from_dump(self, key: str, parts: tuple[WeightRegion, ...], fds: dict[str, int],
-                        earlier: _Staged | None, peer: jsonline.Peer) -> dict[str, Any]:
-        """A new exportable allocation filled from the opened dump files (`fds`), kept under `key`."""
-        size = sum(r.size for r in parts)
-        self._discard(key, earlier.ticket if earlier else "")
-        self._expire()
-        self._room_for(size)
-        started = time.perf_counter()
-        handle = cucall(self.driver, "cuMemCreate", size, device_allocation(self.driver, 0, exportable=True), 0)
-        va = 0
-        try:
-            va = int(cucall(self.driver, "cuMemAddressReserve", size, 0, 0, 0))
-            cucall(self.driver, "cuMemMap", va, size, 0, handle, 0)
-            map_read_write(self.driver, va, size, 0)
-            copied = time.perf_counter()
-            copy_ring(self.driver, self.context, parts, lambda r: va + r.address, threads=DUMP_THREADS,
-                      chunk=DUMP_CHUNK, direct=False, opened=fds)
-            copy_s = time.perf_counter() - copied
-        except BaseException:
-            self.driver.cuda.cuMemRelease(handle)
-            raise
-        finally:
-            if va:
-                self.driver.cuda.cuMemUnmap(va, size)
-                self.driver.cuda.cuMemAddressFree(va, size)
-        stage_s, ticket = time.perf_counter() - started, secrets.token_urlsafe(32)
-        self.staged[key] = _Staged(handle, 0, size, parts, stage_s, copy_s, time.monotonic() + self.stage_ttl,
-                                   peer.uid, ticket, dump=True)
-        return {"ok": True, "staged": True, "stage_s": stage_s, "copy_s": copy_s, "bytes": size, "ticket": ticket}
 
     def _adopt(self, message: dict[str, Any], peer: jsonline.Peer) -> jsonline.Answer:
         """Hand a staged allocation to its engine as a descriptor; the hydrator keeps no reference to it."""
