@@ -17,6 +17,7 @@ import pytest
 from coldsnap_probe.errors import HydrationError
 from coldsnap_probe.hydration._hydrator import _open_dump_parts, _open_readable
 from coldsnap_probe.jsonline import Peer
+from tests.probe.test_main import has_nvidia_driver
 
 MIB = 1 << 20
 NOBODY = Peer(1, 65534, 65534)
@@ -108,3 +109,62 @@ def test_a_directory_the_peer_cannot_search_is_refused_on_the_walk(tree: Path) -
         assert os.pread(fd, 4, 0) == b"SSSS"
     finally:
         os.close(fd)
+
+
+@pytest.mark.skipif(not has_nvidia_driver(), reason="needs an NVIDIA driver")
+def test_a_dump_staged_on_a_hydrator_is_adopted_with_its_files_bytes(tmp_path: Path) -> None:
+    """The real hydrator process: stage-dump fills one allocation from the parts (read through the descriptors it
+    opened), adopt hands it over with exactly the files' bytes; a part that became a link is refused, and the
+    hydrator goes on answering."""
+    import ctypes
+    import hashlib
+    import json
+    import subprocess
+    import sys
+
+    from coldsnap_probe._cuda import Driver
+    from coldsnap_probe.hydration._vmm import cucall, device_uuid, fd_handle, map_read_write
+    from coldsnap_probe.jsonline import request, request_with_fds
+    from tests.helpers import ROOT
+
+    first, second = tmp_path / "seg-0.bin", tmp_path / "seg-1.bin"
+    first.write_bytes(os.urandom(2 * MIB))
+    second.write_bytes(os.urandom(4 * MIB))
+    control = tmp_path / "hydrator.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "coldsnap_probe.hydration", "serve", "--socket", str(control),
+                             "--staging", "--stage-ttl", "30"], stdout=subprocess.PIPE, cwd=ROOT)
+    try:
+        ready = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+        parts = [{"file": str(first), "bytes": 2 * MIB}, {"file": str(second), "bytes": 4 * MIB}]
+        key = "sha256:" + hashlib.sha256(b"review2-stage-dump").hexdigest()
+        staged = request(str(control), {"op": "stage-dump", "key": key, "parts": parts,
+                                        "device_uuid": ready["device_uuid"]}, timeout=120.0)
+        assert staged["ok"] and staged["bytes"] == 6 * MIB, staged
+        answer, fds = request_with_fds(str(control), {"op": "adopt", "key": key, "ticket": staged["ticket"],
+                                                      "parts": parts}, timeout=60.0)
+        assert answer["ok"] and len(fds) == 1, answer
+        driver = Driver()
+        driver.context(0)
+        assert device_uuid(driver, 0) == ready["device_uuid"]
+        handle = cucall(driver, "cuMemImportFromShareableHandle", fds[0], fd_handle(driver))
+        os.close(fds[0])
+        va = int(cucall(driver, "cuMemAddressReserve", 6 * MIB, 0, 0, 0))
+        try:
+            cucall(driver, "cuMemMap", va, 6 * MIB, 0, handle, 0)
+            map_read_write(driver, va, 6 * MIB, 0)
+            buffer = ctypes.create_string_buffer(6 * MIB)
+            cucall(driver, "cuMemcpyDtoH", ctypes.addressof(buffer), va, 6 * MIB)
+            assert buffer.raw == first.read_bytes() + second.read_bytes()
+            cucall(driver, "cuMemUnmap", va, 6 * MIB)
+        finally:
+            cucall(driver, "cuMemAddressFree", va, 6 * MIB)
+            cucall(driver, "cuMemRelease", handle)
+        second.unlink()
+        second.symlink_to(first)  # a link where a part was: refused, and the hydrator still answers
+        refused = request(str(control), {"op": "stage-dump", "key": key, "parts": parts,
+                                         "device_uuid": ready["device_uuid"]}, timeout=60.0)
+        assert not refused["ok"] and "not a regular file" in str(refused["error"]), refused
+        assert request(str(control), {"op": "status"}, timeout=10.0)["ok"]
+    finally:
+        proc.kill()
+        proc.wait()
