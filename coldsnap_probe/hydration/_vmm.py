@@ -121,8 +121,14 @@ def copy_ring(driver: Any, context: Any, regions: Sequence[WeightRegion], dst_of
     pieces = [(dst_of(r) + s, r.source, r.offset + s, min(chunk, r.size - s))
               for r in regions for s in range(0, r.size, chunk)]
     held = opened or {}
-    own = {src: os.open(src, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
-           for src in {r.source for r in regions} if src not in held}
+    own: dict[str, int] = {}
+    try:
+        for src in sorted({r.source for r in regions} - set(held)):
+            own[src] = os.open(src, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
+    except BaseException:  # a source that cannot be opened: the ones opened before it are closed
+        for fd in own.values():
+            os.close(fd)
+        raise
     fds = {**held, **own}
     pin_seconds = [0.0] * threads
 

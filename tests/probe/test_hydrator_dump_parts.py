@@ -168,3 +168,17 @@ def test_a_dump_staged_on_a_hydrator_is_adopted_with_its_files_bytes(tmp_path: P
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_ring_copy_whose_source_cannot_be_opened_leaves_no_descriptor_open(tmp_path: Path) -> None:
+    """copy_ring opens its sources before any CUDA call: one that is missing fails it with nothing left open."""
+    from coldsnap_probe.hydration._vmm import copy_ring
+    from coldsnap_probe.hydration._weights import WeightRegion
+
+    for name in ("a.bin", "b.bin"):
+        (tmp_path / name).write_bytes(b"\0" * 4096)
+    regions = [WeightRegion(name, 0, 4096, str(tmp_path / name), 0, "") for name in ("a.bin", "b.bin", "zz-gone.bin")]
+    before = sorted(os.listdir("/proc/self/fd"))
+    with pytest.raises(FileNotFoundError):
+        copy_ring(None, None, regions, lambda r: r.address, threads=1, chunk=4096, direct=False)
+    assert sorted(os.listdir("/proc/self/fd")) == before
