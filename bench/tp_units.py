@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import shutil
 import statistics
 import subprocess
@@ -26,7 +25,7 @@ import anyio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import stages
-from bench.e2e_restore import COORD, ENGINE, PID_FLOOR, RUN, WEIGHTS, Driver, E2EError, Layout, output
+from bench.e2e_restore import COORD, ENGINE, PID_FLOOR, RUN, WEIGHTS, Driver, E2EError, Layout, wait_hydrator
 from bench.tp2_restore import generate
 from coldsnap_probe import jsonline
 
@@ -131,7 +130,7 @@ async def start_hydrators(d: Driver, tp: Activation, limit: float = 300.0) -> li
             await d.expect(f"evicting {name}", "workload-remove", name=name)
             created = time.time()
             await d.expect(f"starting the hydrator {name}", "workload-run", workload=spec)
-            results[rank] = await _hydrator_ready(d, name, created, limit)
+            results[rank] = await wait_hydrator(d, name, created, limit)
         except E2EError as exc:
             errors.append(f"rank {rank}'s hydrator: {exc}")
 
@@ -141,21 +140,6 @@ async def start_hydrators(d: Driver, tp: Activation, limit: float = 300.0) -> li
     if errors:
         raise E2EError(" | ".join(errors))
     return results
-
-
-async def _hydrator_ready(d: Driver, name: str, created: float, limit: float) -> dict[str, Any]:
-    with anyio.move_on_after(limit):
-        while True:
-            logs = output(await d.expect(f"logs of {name}", "workload-logs", name=name, tail=20))
-            for line in logs.splitlines():
-                if line.startswith("{") and '"ready"' in line:
-                    ready: dict[str, Any] = json.loads(line)
-                    return {**ready, "ready_after_s": time.time() - created}
-            state = await d.expect(f"inspecting {name}", "workload-inspect", name=name)
-            if not (state.get("workload") or {}).get("running"):
-                raise E2EError(f"the hydrator exited: {logs[-2000:]}")
-            await anyio.sleep(0.5)
-    raise E2EError(f"the hydrator was not ready within {limit:.0f} s")
 
 
 def measure(tp: Activation) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -107,14 +108,22 @@ def run_criu(criu: str, args: list[str], log: Path) -> float:
     return time.perf_counter() - started
 
 
+def _image_files(images: Path) -> list[Path]:
+    """The images' regular files, never through a link: an engine writes its own device dump into the images
+    (`device-<pid>/`, its uid) and may leave a link there to a file only this root worker can read."""
+    return sorted(p for p in images.rglob("*") if stat.S_ISREG(p.lstat().st_mode))
+
+
 def image_digest(images: Path, *, contents: bool = False) -> str:
     """Every file's name, size, mtime and ctime (any write changes them), optionally its bytes."""
     h = hashlib.sha256()
-    for path in sorted(p for p in images.rglob("*") if p.is_file()):
-        st = path.stat()
+    for path in _image_files(images):
+        st = path.lstat()
         h.update(f"{path.relative_to(images)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\0".encode())
-        if contents:
-            with path.open("rb") as f:
+        if contents:  # O_NOFOLLOW: not a link swapped in since the listing; O_NONBLOCK: nor a FIFO
+            with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    raise WorkerError(f"image file {path} is no longer a regular file")
                 while chunk := f.read(1 << 24):
                     h.update(chunk)
     return "sha256:" + h.hexdigest()
@@ -140,8 +149,8 @@ def anonymous_memory(pid: int, top: int = 6) -> dict[str, Any]:
 
 
 def images_size(images: Path) -> tuple[int, int]:
-    files = [p for p in images.rglob("*") if p.is_file()]
-    return sum(p.stat().st_size for p in files), len(files)
+    files = _image_files(images)
+    return sum(p.lstat().st_size for p in files), len(files)
 
 
 def tree_sockets(tree: list[int], protos: tuple[str, ...]) -> list[tuple[int, str, str, list[str]]]:

@@ -32,6 +32,9 @@ __all__ = ("MAX_REQUEST", "REQUEST_TIMEOUT", "Answer", "LineServer", "Peer", "Pe
 
 MAX_REQUEST = 1 << 20  # bytes of one request line (regions lists stay far below it)
 REQUEST_TIMEOUT = 30.0  # seconds a connection has to send its whole request
+# An answer read by a root worker may come from an engine's socket (its hydration or interposer control):
+# bounded in bytes (a 70B engine's device dump manifest is a few MiB) and in descriptors.
+MAX_ANSWER, MAX_ANSWER_FDS = 64 << 20, 16
 _CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 _CLOSED_ERRNOS = frozenset({errno.EBADF, errno.EINVAL, errno.ENOTSOCK})  # accept on a closed/shut listener
 
@@ -233,8 +236,10 @@ def request(path: str | Path, message: dict[str, Any], *, fds: Sequence[int] = (
 
 def request_with_fds(path: str | Path, message: dict[str, Any], *, fds: Sequence[int] = (),
                      timeout: float = 300.0) -> tuple[dict[str, Any], list[int]]:
-    """`request`, also returning the descriptors the answer carried (the caller closes them)."""
+    """`request`, also returning the descriptors the answer carried (the caller closes them). `timeout` bounds
+    the whole exchange, not each read: a peer trickling bytes holds the asker no longer than a silent one."""
     received: list[int] = []
+    deadline = time.monotonic() + timeout
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         try:
@@ -242,14 +247,20 @@ def request_with_fds(path: str | Path, message: dict[str, Any], *, fds: Sequence
             send(sock, json.dumps(message).encode() + b"\n", fds)
             data = b""
             while True:
+                sock.settimeout(max(0.001, deadline - time.monotonic()))
                 part, more, _flags, _addr = socket.recv_fds(sock, 1 << 20, 4)
                 received += more
                 if not part:
                     break
                 data += part
-        except OSError as exc:
+                if len(data) > MAX_ANSWER or len(received) > MAX_ANSWER_FDS:
+                    raise ChannelError(f"channel {path}: an answer over {MAX_ANSWER} bytes or "
+                                       f"{MAX_ANSWER_FDS} descriptors")
+        except (OSError, ChannelError) as exc:
             for fd in received:
                 os.close(fd)
+            if isinstance(exc, ChannelError):
+                raise
             raise ChannelError(f"channel {path}: {exc}") from exc
     try:
         answer = json.loads(data)

@@ -12,8 +12,8 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .. import jsonline
@@ -61,13 +61,18 @@ class _Staged:
         return bool(given) and hmac.compare_digest(given, self.ticket.encode())
 
 
-def readable_by(path: str, st: os.stat_result, peer: jsonline.Peer) -> bool:
+def readable_by(path: str, st: os.stat_result, peer: jsonline.Peer, *, search: bool | None = None) -> bool:
     """Whether `peer` could open the file `path` (`st`: the held file's status) itself: read permission on
     it and search permission on every directory above it, as the kernel checks mode bits for one uid and
     gid. The hydrator hands out a source's bytes only to a peer that could read them anyway; a world-readable
-    file in another tenant's 0700 directory is not readable by the others."""
+    file in another tenant's 0700 directory is not readable by the others. With `search` given, only `st`
+    itself is checked (search permission of a held directory, or read permission of a held file): the caller
+    walked the path by descriptors."""
     if peer.uid == 0:
         return True
+    if search is not None:
+        return _permits(st, peer, *((stat.S_IXUSR, stat.S_IXGRP, stat.S_IXOTH) if search else
+                                    (stat.S_IRUSR, stat.S_IRGRP, stat.S_IROTH)))
     if not _permits(st, peer, stat.S_IRUSR, stat.S_IRGRP, stat.S_IROTH):
         return False
     directory = os.path.dirname(path)
@@ -192,8 +197,8 @@ class HydratorServer:
             jobs.append((region.address - base, src.address + region.offset, region.size))
         return base, size, regions, jobs
 
-    def _fill(self, handle: Any, size: int, jobs: Sequence[tuple[int, int, int]]) -> float:
-        """Map `handle` here, copy the jobs into it from the pinned sources, unmap; the copy's seconds."""
+    def _fill(self, handle: Any, size: int, copy: Callable[[int], object]) -> float:
+        """Map `handle` here, `copy` into it (given the mapped address), unmap; the copy's seconds."""
         cu, d = self.driver.cuda, self.driver
         va = 0
         try:
@@ -201,12 +206,16 @@ class HydratorServer:
             cucall(d, "cuMemMap", va, size, 0, handle, 0)
             map_read_write(d, va, size, 0)
             started = time.perf_counter()
-            copy_registered(d, [(va + off, src, n) for off, src, n in jobs], self._streams)
+            copy(va)
             return time.perf_counter() - started
         finally:
             if va:
                 cu.cuMemUnmap(va, size)
                 cu.cuMemAddressFree(va, size)
+
+    def _pinned(self, jobs: Sequence[tuple[int, int, int]]) -> Callable[[int], object]:
+        """The copy of `jobs` ((offset, pinned source address, bytes)) into an allocation mapped at its argument."""
+        return lambda va: copy_registered(self.driver, [(va + off, src, n) for off, src, n in jobs], self._streams)
 
     def _hydrate(self, message: dict[str, Any], fd: int, peer: jsonline.Peer) -> dict[str, Any]:
         """Fill an engine's exported allocation. The descriptor is the caller's to close: while it is open, it
@@ -215,40 +224,54 @@ class HydratorServer:
         started = time.perf_counter()
         handle = cucall(self.driver, "cuMemImportFromShareableHandle", fd, fd_handle(self.driver))
         try:
-            copy_s = self._fill(handle, size, jobs)
+            copy_s = self._fill(handle, size, self._pinned(jobs))
         finally:
             self.driver.cuda.cuMemRelease(handle)
         return {"ok": True, "import_map_s": time.perf_counter() - started - copy_s, "copy_s": copy_s,
                 "bytes": sum(n for _, _, n in jobs)}
 
-    def _stage(self, message: dict[str, Any], peer: jsonline.Peer) -> dict[str, Any]:
-        """Allocate and fill ahead of the engine's restore; refused for an engine on another GPU. The answer's
-        `ticket` is what the engine presents to adopt it."""
+    def _stage_slot(self, message: dict[str, Any], peer: jsonline.Peer) -> tuple[str, _Staged | None]:
+        """A `stage` or `stage-dump` request's key and the stage it replaces (a retry of the same stage): refused
+        when staging is off, for an engine on another GPU, or over another uid's stage."""
         if not self.staging:
             raise HydrationError("staging is off on this hydrator (serve --staging)")
         key = _stage_key(message)
         if message.get("device_uuid") != self.device_uuid:
             raise HydrationError(f"the engine's GPU {message.get('device_uuid')} is not this hydrator's "
                                  f"{self.device_uuid}")
-        base, size, regions, jobs = self._jobs(message, peer)
         if (earlier := self.staged.get(key)) is not None and earlier.owner != peer.uid:
             raise HydrationError(f"{key} is staged by another peer")
-        self._discard(key, earlier.ticket if earlier else "")  # a retry of the same stage replaces it
+        return key, earlier
+
+    def _stage_into(self, key: str, earlier: _Staged | None, peer: jsonline.Peer, staged: _Staged,
+                    copy: Callable[[int], object], copied: int) -> dict[str, Any]:
+        """Replace `earlier`, allocate `staged.size` bytes (within STAGE_MAX and STAGE_RESERVE), `copy` into them
+        and keep them as `staged` (its handle, timings, expiry, owner and ticket set here) under `key`."""
+        self._discard(key, earlier.ticket if earlier else "")
         self._expire()
-        self._room_for(size)
+        self._room_for(staged.size)
         started = time.perf_counter()
-        handle = cucall(self.driver, "cuMemCreate", size, device_allocation(self.driver, 0, exportable=True), 0)
+        handle = cucall(self.driver, "cuMemCreate", staged.size, device_allocation(self.driver, 0, exportable=True),
+                        0)
         try:
-            copy_s = self._fill(handle, size, jobs)
+            copy_s = self._fill(handle, staged.size, copy)
         except BaseException:
             self.driver.cuda.cuMemRelease(handle)
             raise
         stage_s = time.perf_counter() - started
-        ticket = secrets.token_urlsafe(32)
-        self.staged[key] = _Staged(handle, base, size, regions, stage_s, copy_s, time.monotonic() + self.stage_ttl,
-                                   peer.uid, ticket)
-        return {"ok": True, "staged": True, "stage_s": stage_s, "copy_s": copy_s, "bytes": sum(n for _, _, n in jobs),
-                "ticket": ticket}
+        self.staged[key] = replace(staged, handle=handle, stage_s=stage_s, copy_s=copy_s,
+                                   expires=time.monotonic() + self.stage_ttl, owner=peer.uid,
+                                   ticket=secrets.token_urlsafe(32))
+        return {"ok": True, "staged": True, "stage_s": stage_s, "copy_s": copy_s, "bytes": copied,
+                "ticket": self.staged[key].ticket}
+
+    def _stage(self, message: dict[str, Any], peer: jsonline.Peer) -> dict[str, Any]:
+        """Allocate and fill ahead of the engine's restore; refused for an engine on another GPU. The answer's
+        `ticket` is what the engine presents to adopt it."""
+        key, earlier = self._stage_slot(message, peer)
+        base, size, regions, jobs = self._jobs(message, peer)
+        return self._stage_into(key, earlier, peer, _Staged(None, base, size, regions, 0.0, 0.0, 0.0, 0, ""),
+                                self._pinned(jobs), sum(n for _, _, n in jobs))
 
     def _room_for(self, size: int) -> None:
         if len(self.staged) >= STAGE_MAX:
@@ -262,41 +285,17 @@ class HydratorServer:
         """Fill one allocation from an interposer's device dump (docs/interposer.md) while its process is being
         restored: `parts` are (file, bytes) in the order the interposer maps them back, each file read whole
         through a ring of page-locked buffers. Only files `peer` could read itself, on this hydrator's GPU."""
-        if not self.staging:
-            raise HydrationError("staging is off on this hydrator (serve --staging)")
-        key = _stage_key(message)
-        if message.get("device_uuid") != self.device_uuid:
-            raise HydrationError(f"the engine's GPU {message.get('device_uuid')} is not this hydrator's "
-                                 f"{self.device_uuid}")
-        parts = _dump_parts(message.get("parts"), peer)
+        key, earlier = self._stage_slot(message, peer)
+        parts, fds = _open_dump_parts(message.get("parts"), peer)
         size = sum(r.size for r in parts)
-        if (earlier := self.staged.get(key)) is not None and earlier.owner != peer.uid:
-            raise HydrationError(f"{key} is staged by another peer")
-        self._discard(key, earlier.ticket if earlier else "")
-        self._expire()
-        self._room_for(size)
-        started = time.perf_counter()
-        handle = cucall(self.driver, "cuMemCreate", size, device_allocation(self.driver, 0, exportable=True), 0)
-        va = 0
         try:
-            va = int(cucall(self.driver, "cuMemAddressReserve", size, 0, 0, 0))
-            cucall(self.driver, "cuMemMap", va, size, 0, handle, 0)
-            map_read_write(self.driver, va, size, 0)
-            copied = time.perf_counter()
-            copy_ring(self.driver, self.context, parts, lambda r: va + r.address, threads=DUMP_THREADS,
-                      chunk=DUMP_CHUNK, direct=False)
-            copy_s = time.perf_counter() - copied
-        except BaseException:
-            self.driver.cuda.cuMemRelease(handle)
-            raise
+            return self._stage_into(key, earlier, peer, _Staged(None, 0, size, parts, 0.0, 0.0, 0.0, 0, "", dump=True),
+                                    lambda va: copy_ring(self.driver, self.context, parts, lambda r: va + r.address,
+                                                         threads=DUMP_THREADS, chunk=DUMP_CHUNK, direct=False,
+                                                         opened=fds), size)
         finally:
-            if va:
-                self.driver.cuda.cuMemUnmap(va, size)
-                self.driver.cuda.cuMemAddressFree(va, size)
-        stage_s, ticket = time.perf_counter() - started, secrets.token_urlsafe(32)
-        self.staged[key] = _Staged(handle, 0, size, parts, stage_s, copy_s, time.monotonic() + self.stage_ttl,
-                                   peer.uid, ticket, dump=True)
-        return {"ok": True, "staged": True, "stage_s": stage_s, "copy_s": copy_s, "bytes": size, "ticket": ticket}
+            for fd in fds.values():
+                os.close(fd)
 
     def _adopt(self, message: dict[str, Any], peer: jsonline.Peer) -> jsonline.Answer:
         """Hand a staged allocation to its engine as a descriptor; the hydrator keeps no reference to it."""
@@ -336,29 +335,77 @@ class HydratorServer:
 
 
 def _dump_parts(value: Any, peer: jsonline.Peer) -> tuple[WeightRegion, ...]:
+    """`_open_dump_parts` for a comparison (an adopt names the dump it expects): the regions, nothing held open."""
+    parts, fds = _open_dump_parts(value, peer)
+    for fd in fds.values():
+        os.close(fd)
+    return parts
+
+
+def _open_dump_parts(value: Any, peer: jsonline.Peer) -> tuple[tuple[WeightRegion, ...], dict[str, int]]:
     """A `stage-dump` request's parts as regions of the staged allocation (address: the offset in it): each a
-    whole regular file `peer` could read, holding at least its bytes, in order, sizes multiples of 2 MiB."""
+    whole regular file (not a link) `peer` could read, holding at least its bytes, in order, sizes multiples of
+    2 MiB; and
+    each file open (by resolved path), so that the copy reads the very file checked, not what the path names
+    by then (the peer may own a directory on it and swap a symlink or a FIFO in)."""
     if not isinstance(value, list) or not value:
         raise HydrationError("parts must be a non-empty list of {file, bytes}")
-    parts, at = [], 0
-    for index, part in enumerate(value):
-        if not isinstance(part, dict) or set(part) != {"file", "bytes"} or not isinstance(part["file"], str) \
-                or not isinstance(part["bytes"], int) or isinstance(part["bytes"], bool) or part["bytes"] <= 0 \
-                or part["bytes"] % DUMP_ALIGN or not os.path.isabs(part["file"]):
-            raise HydrationError(f"part {index} must be {{file: an absolute path, bytes: a positive multiple of "
-                                 f"{DUMP_ALIGN}}}")
-        real = os.path.realpath(part["file"])
-        try:
-            st = os.stat(real)
-        except OSError as exc:
-            raise HydrationError(f"dump file {part['file']}: {exc.strerror}") from exc
-        if not stat.S_ISREG(st.st_mode) or st.st_size < part["bytes"]:
-            raise HydrationError(f"dump file {part['file']} is not a regular file of at least {part['bytes']} bytes")
-        if not readable_by(real, st, peer):
-            raise HydrationError(f"peer uid {peer.uid} may not read {part['file']}")
-        parts.append(WeightRegion(f"part-{index}", at, part["bytes"], real, 0, ""))
-        at += part["bytes"]
-    return tuple(parts)
+    parts: list[WeightRegion] = []
+    fds: dict[str, int] = {}
+    at = 0
+    try:
+        for index, part in enumerate(value):
+            if not isinstance(part, dict) or set(part) != {"file", "bytes"} or not isinstance(part["file"], str) \
+                    or not isinstance(part["bytes"], int) or isinstance(part["bytes"], bool) or part["bytes"] <= 0 \
+                    or part["bytes"] % DUMP_ALIGN or not os.path.isabs(part["file"]):
+                raise HydrationError(f"part {index} must be {{file: an absolute path, bytes: a positive multiple "
+                                     f"of {DUMP_ALIGN}}}")
+            # The directory resolved (links above the dump are the node's own), the file itself never a link:
+            # the dump's directory belongs to the engine, which may plant one there.
+            real = os.path.join(os.path.realpath(os.path.dirname(part["file"])), os.path.basename(part["file"]))
+            if real not in fds:
+                fds[real] = _open_readable(real, part["file"], part["bytes"], peer)
+            elif os.fstat(fds[real]).st_size < part["bytes"]:
+                raise HydrationError(f"dump file {part['file']} is not a regular file of at least {part['bytes']} "
+                                     f"bytes")
+            parts.append(WeightRegion(f"part-{index}", at, part["bytes"], real, 0, ""))
+            at += part["bytes"]
+    except BaseException:
+        for fd in fds.values():
+            os.close(fd)
+        raise
+    return tuple(parts), fds
+
+
+def _open_readable(real: str, named: str, size: int, peer: jsonline.Peer) -> int:
+    """Open `real` (a resolved absolute path) for reading as `peer` could: one component at a time, never
+    following a link (a link there now was swapped in since `realpath`), each directory searchable by the peer
+    and the file a regular one it may read, of at least `size` bytes; opened O_PATH first, so that no FIFO
+    or device is ever opened for reading. The descriptor (O_RDONLY)."""
+    names = [n for n in real.split("/") if n]
+    if not names:
+        raise HydrationError(f"dump file {named} is not a regular file of at least {size} bytes")
+    path_flags = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+    held = os.open("/", path_flags | os.O_DIRECTORY)
+    try:
+        for index, name in enumerate(names):
+            if not readable_by("/", os.fstat(held), peer, search=True):
+                raise HydrationError(f"peer uid {peer.uid} may not read {named}")
+            flags = path_flags | (os.O_DIRECTORY if index < len(names) - 1 else 0)
+            try:
+                opened = os.open(name, flags, dir_fd=held)
+            except OSError as exc:
+                raise HydrationError(f"dump file {named}: {exc.strerror} (at {name})") from exc
+            os.close(held)
+            held = opened
+        st = os.fstat(held)
+        if not stat.S_ISREG(st.st_mode) or st.st_size < size:
+            raise HydrationError(f"dump file {named} is not a regular file of at least {size} bytes")
+        if not readable_by("/", st, peer, search=False):
+            raise HydrationError(f"peer uid {peer.uid} may not read {named}")
+        return os.open(f"/proc/self/fd/{held}", os.O_RDONLY | os.O_CLOEXEC)  # the same inode, for reading
+    finally:
+        os.close(held)
 
 
 def _stage_key(message: dict[str, Any]) -> str:

@@ -8,7 +8,7 @@ import ctypes
 import mmap
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -114,13 +114,22 @@ def copy_registered(driver: Any, jobs: Sequence[tuple[int, int, int]], streams: 
 
 
 def copy_ring(driver: Any, context: Any, regions: Sequence[WeightRegion], dst_of: Callable[[WeightRegion], int],
-               *, threads: int, chunk: int, direct: bool) -> dict[str, float]:
-    """Reader threads, each with two pinned buffers and a stream: pread (O_DIRECT when `direct`), then H2D."""
+               *, threads: int, chunk: int, direct: bool, opened: Mapping[str, int] | None = None) -> dict[str, float]:
+    """Reader threads, each with two pinned buffers and a stream: pread (O_DIRECT when `direct`), then H2D.
+    `opened`: sources the caller opened (and checked) already, read through those descriptors (left open)."""
     align = 4096 if direct else 1
     pieces = [(dst_of(r) + s, r.source, r.offset + s, min(chunk, r.size - s))
               for r in regions for s in range(0, r.size, chunk)]
-    fds = {src: os.open(src, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
-           for src in {r.source for r in regions}}
+    held = opened or {}
+    own: dict[str, int] = {}
+    try:
+        for src in sorted({r.source for r in regions} - set(held)):
+            own[src] = os.open(src, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
+    except BaseException:  # a source that cannot be opened: the ones opened before it are closed
+        for fd in own.values():
+            os.close(fd)
+        raise
+    fds = {**held, **own}
     pin_seconds = [0.0] * threads
 
     def work(worker: int) -> None:
@@ -157,7 +166,7 @@ def copy_ring(driver: Any, context: Any, regions: Sequence[WeightRegion], dst_of
         with ThreadPoolExecutor(threads) as pool:
             list(pool.map(work, range(threads)))
     finally:
-        for fd in fds.values():
+        for fd in own.values():
             os.close(fd)
     return {"pin_s": max(pin_seconds)}
 

@@ -5,6 +5,7 @@ Peers of another uid are real processes running as `nobody` (setpriv); the tests
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pwd
@@ -14,7 +15,8 @@ import stat
 import subprocess
 import tempfile
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -179,3 +181,47 @@ def test_an_answer_that_raises_is_an_ok_false_reply(tmp_path: Path) -> None:
 def test_request_to_nothing_names_the_channel(tmp_path: Path) -> None:
     with pytest.raises(ChannelError, match=f"channel {tmp_path}/absent.sock: "):
         jsonline.request(tmp_path / "absent.sock", {})
+
+
+def _answering(tmp_path: Path, answer: Callable[[socket.socket], None]) -> tuple[str, threading.Thread]:
+    """A peer (an engine's control socket, say) that reads one request line and answers with `answer`."""
+    path = tmp_path / "peer.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+
+    def serve() -> None:
+        with listener, contextlib.suppress(OSError):
+            conn, _ = listener.accept()
+            with conn:
+                jsonline.read_line(conn)
+                answer(conn)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return str(path), thread
+
+
+def test_an_answer_without_end_is_cut_off_at_its_bound(tmp_path: Path) -> None:
+    def flood(conn: socket.socket) -> None:
+        conn.sendall(b'{"ok": true, "x": "')
+        block = b"x" * (1 << 20)
+        for _ in range((jsonline.MAX_ANSWER >> 20) + 8):
+            conn.sendall(block)
+
+    path, thread = _answering(tmp_path, flood)
+    with pytest.raises(ChannelError, match="answer over"):
+        jsonline.request(path, {"op": "status"}, timeout=60.0)
+    thread.join(10)
+
+
+def test_a_trickled_answer_is_held_to_the_whole_timeout_not_each_read(tmp_path: Path) -> None:
+    def trickle(conn: socket.socket) -> None:  # a byte every 0.2 s: each read returns well within 1 s
+        for byte in b'{"ok": true, "pid": 42, "trickled": "........................"}':
+            conn.sendall(bytes([byte]))
+            time.sleep(0.2)
+
+    path, thread = _answering(tmp_path, trickle)
+    with pytest.raises(ChannelError, match="timed out"):
+        jsonline.request(path, {"op": "status"}, timeout=1.0)
+    thread.join(30)

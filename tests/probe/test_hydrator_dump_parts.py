@@ -1,0 +1,184 @@
+"""The node hydrator's `stage-dump` runs as root for peers that may not be: the dump files it copies are
+opened once, by descriptor, as the peer could open them, and the copy reads those descriptors. A peer that owns
+a directory on a part's path cannot swap in a link to another tenant's file (which the hydrator would then
+copy into an allocation the peer adopts) or a FIFO (which would block the hydrator's one request thread)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from coldsnap_probe.errors import HydrationError
+from coldsnap_probe.hydration._hydrator import _open_dump_parts, _open_readable
+from coldsnap_probe.jsonline import Peer
+from tests.probe.test_main import has_nvidia_driver
+
+MIB = 1 << 20
+NOBODY = Peer(1, 65534, 65534)
+
+
+@pytest.fixture
+def tree() -> Iterator[Path]:
+    """/tmp/<new>/ (0755, root) holding `att/d/seg-0.bin` (the peer's own, 'A') and `secret/seg-0.bin`
+    (another tenant's 0700 directory, 'S')."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the hydrator's peers are other uids")
+    top = Path(tempfile.mkdtemp(prefix="coldsnap-dump-parts-", dir="/tmp"))
+    top.chmod(0o755)
+    try:
+        (top / "att" / "d").mkdir(parents=True)
+        (top / "att" / "d" / "seg-0.bin").write_bytes(b"A" * (2 * MIB))
+        for p in (top / "att", top / "att" / "d", top / "att" / "d" / "seg-0.bin"):
+            os.chown(p, NOBODY.uid, NOBODY.gid)
+        (top / "secret").mkdir(mode=0o700)
+        (top / "secret" / "seg-0.bin").write_bytes(b"S" * (2 * MIB))
+        (top / "secret" / "seg-0.bin").chmod(0o644)
+        yield top
+    finally:
+        shutil.rmtree(top)
+
+
+def test_the_copy_reads_the_file_that_was_checked_not_what_a_swapped_path_names(tree: Path) -> None:
+    part = tree / "att" / "d" / "seg-0.bin"
+    parts, fds = _open_dump_parts([{"file": str(part), "bytes": 2 * MIB}], NOBODY)
+    try:
+        # The peer swaps its directory for a link to the other tenant's after the check, before the copy.
+        (tree / "att" / "d").rename(tree / "att" / "d.old")
+        (tree / "att" / "d").symlink_to(tree / "secret")
+        assert [p.source for p in parts] == [str(part)]
+        assert os.pread(fds[str(part)], 16, 0) == b"A" * 16  # what the copy (copy_ring, opened=) reads
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    with pytest.raises(HydrationError, match="may not read"):  # once swapped, the path is checked as it is
+        _open_dump_parts([{"file": str(part), "bytes": 2 * MIB}], NOBODY)
+
+
+def test_a_part_that_is_a_link_is_refused_even_for_a_root_peer(tree: Path) -> None:
+    """The restore worker asks as root; the engine owns the dump directory and could leave a link there."""
+    part = tree / "att" / "d" / "seg-0.bin"
+    part.unlink()
+    part.symlink_to(tree / "secret" / "seg-0.bin")
+    with pytest.raises(HydrationError, match="not a regular file"):
+        _open_dump_parts([{"file": str(part), "bytes": 2 * MIB}], Peer(1, 0, 0))
+
+
+def test_a_link_swapped_in_after_the_path_was_resolved_is_not_followed(tree: Path) -> None:
+    (tree / "att" / "d" / "seg-0.bin").unlink()
+    (tree / "att" / "d" / "seg-0.bin").symlink_to(tree / "secret" / "seg-0.bin")
+    with pytest.raises(HydrationError, match="not a regular file"):  # root asks: only the link rule refuses
+        _open_readable(str(tree / "att" / "d" / "seg-0.bin"), "seg-0.bin", 2 * MIB, Peer(1, 0, 0))
+    (tree / "att" / "link").symlink_to(tree / "secret")
+    with pytest.raises(HydrationError, match="at link"):
+        _open_readable(str(tree / "att" / "link" / "seg-0.bin"), "seg-0.bin", 2 * MIB, Peer(1, 0, 0))
+
+
+def test_a_fifo_in_place_of_a_part_is_refused_without_blocking(tree: Path) -> None:
+    fifo = tree / "att" / "d" / "seg-1.bin"
+    os.mkfifo(fifo)
+    os.chown(fifo, NOBODY.uid, NOBODY.gid)
+    outcome: list[BaseException] = []
+
+    def ask() -> None:
+        try:
+            _open_readable(str(fifo), "seg-1.bin", 2 * MIB, NOBODY)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    asking = threading.Thread(target=ask, daemon=True)
+    asking.start()
+    asking.join(10)
+    if asking.is_alive():  # unblock it (a writer opens the FIFO) before failing
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("opening a FIFO part blocked the hydrator")
+    assert len(outcome) == 1 and isinstance(outcome[0], HydrationError)
+    assert "not a regular file" in str(outcome[0])
+
+
+def test_a_directory_the_peer_cannot_search_is_refused_on_the_walk(tree: Path) -> None:
+    with pytest.raises(HydrationError, match="peer uid 65534 may not read"):
+        _open_readable(str(tree / "secret" / "seg-0.bin"), "seg-0.bin", 2 * MIB, NOBODY)
+    fd = _open_readable(str(tree / "secret" / "seg-0.bin"), "seg-0.bin", 2 * MIB, Peer(1, 0, 0))
+    try:
+        assert os.pread(fd, 4, 0) == b"SSSS"
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(not has_nvidia_driver(), reason="needs an NVIDIA driver")
+def test_a_dump_staged_on_a_hydrator_is_adopted_with_its_files_bytes(tmp_path: Path) -> None:
+    """The real hydrator process: stage-dump fills one allocation from the parts (read through the descriptors it
+    opened), adopt hands it over with exactly the files' bytes; a part that became a link is refused, and the
+    hydrator goes on answering."""
+    import ctypes
+    import hashlib
+    import json
+    import subprocess
+    import sys
+
+    from coldsnap_probe._cuda import Driver
+    from coldsnap_probe.hydration._vmm import cucall, device_uuid, fd_handle, map_read_write
+    from coldsnap_probe.jsonline import request, request_with_fds
+    from tests.helpers import ROOT
+
+    first, second = tmp_path / "seg-0.bin", tmp_path / "seg-1.bin"
+    first.write_bytes(os.urandom(2 * MIB))
+    second.write_bytes(os.urandom(4 * MIB))
+    control = tmp_path / "hydrator.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "coldsnap_probe.hydration", "serve", "--socket", str(control),
+                             "--staging", "--stage-ttl", "30"], stdout=subprocess.PIPE, cwd=ROOT)
+    try:
+        ready = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+        parts = [{"file": str(first), "bytes": 2 * MIB}, {"file": str(second), "bytes": 4 * MIB}]
+        key = "sha256:" + hashlib.sha256(b"review2-stage-dump").hexdigest()
+        staged = request(str(control), {"op": "stage-dump", "key": key, "parts": parts,
+                                        "device_uuid": ready["device_uuid"]}, timeout=120.0)
+        assert staged["ok"] and staged["bytes"] == 6 * MIB, staged
+        answer, fds = request_with_fds(str(control), {"op": "adopt", "key": key, "ticket": staged["ticket"],
+                                                      "parts": parts}, timeout=60.0)
+        assert answer["ok"] and len(fds) == 1, answer
+        driver = Driver()
+        driver.context(0)
+        assert device_uuid(driver, 0) == ready["device_uuid"]
+        handle = cucall(driver, "cuMemImportFromShareableHandle", fds[0], fd_handle(driver))
+        os.close(fds[0])
+        va = int(cucall(driver, "cuMemAddressReserve", 6 * MIB, 0, 0, 0))
+        try:
+            cucall(driver, "cuMemMap", va, 6 * MIB, 0, handle, 0)
+            map_read_write(driver, va, 6 * MIB, 0)
+            buffer = ctypes.create_string_buffer(6 * MIB)
+            cucall(driver, "cuMemcpyDtoH", ctypes.addressof(buffer), va, 6 * MIB)
+            assert buffer.raw == first.read_bytes() + second.read_bytes()
+            cucall(driver, "cuMemUnmap", va, 6 * MIB)
+        finally:
+            cucall(driver, "cuMemAddressFree", va, 6 * MIB)
+            cucall(driver, "cuMemRelease", handle)
+        second.unlink()
+        second.symlink_to(first)  # a link where a part was: refused, and the hydrator still answers
+        refused = request(str(control), {"op": "stage-dump", "key": key, "parts": parts,
+                                         "device_uuid": ready["device_uuid"]}, timeout=60.0)
+        assert not refused["ok"] and "not a regular file" in str(refused["error"]), refused
+        assert request(str(control), {"op": "status"}, timeout=10.0)["ok"]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_ring_copy_whose_source_cannot_be_opened_leaves_no_descriptor_open(tmp_path: Path) -> None:
+    """copy_ring opens its sources before any CUDA call: one that is missing fails it with nothing left open."""
+    from coldsnap_probe.hydration._vmm import copy_ring
+    from coldsnap_probe.hydration._weights import WeightRegion
+
+    for name in ("a.bin", "b.bin"):
+        (tmp_path / name).write_bytes(b"\0" * 4096)
+    regions = [WeightRegion(name, 0, 4096, str(tmp_path / name), 0, "") for name in ("a.bin", "b.bin", "zz-gone.bin")]
+    before = sorted(os.listdir("/proc/self/fd"))
+    with pytest.raises(FileNotFoundError):
+        copy_ring(None, None, regions, lambda r: r.address, threads=1, chunk=4096, direct=False)
+    assert sorted(os.listdir("/proc/self/fd")) == before
