@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -93,7 +94,8 @@ class DeviceRelease:
                 self.reports.append(DumpedDevice(pid=pid, socket=socket, state="not-started"))
                 continue
             try:
-                owner = interposer_request(socket, {"op": "status"}, f"the interposer of process {pid}").get("pid")
+                owner = interposer_request(socket, {"op": "status"}, f"the interposer of process {pid}",
+                                           timeout=30.0).get("pid")
             except ProbeError as exc:
                 raise WorkerError(f"device memory release: {exc}") from exc
             if owner != pid:  # one path without %p, taken by another process of the tree: this one is pass-through
@@ -172,8 +174,12 @@ def prefetch_dumps(records: list[DumpRecord], images: Path) -> None:
     for record in records:
         for segment in record.dump.segments:
             with contextlib.suppress(OSError):
-                fd = os.open(images / record.directory / segment.file, os.O_RDONLY | os.O_CLOEXEC)
+                # The engine's uid wrote these files: never follow a link it left, never block on a FIFO.
+                fd = os.open(images / record.directory / segment.file,
+                             os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
                 try:
+                    if not stat.S_ISREG(os.fstat(fd).st_mode):
+                        continue
                     os.posix_fadvise(fd, segment.offset, segment.size, os.POSIX_FADV_WILLNEED)
                 finally:
                     os.close(fd)

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -571,3 +572,23 @@ def test_the_gate_lets_no_call_run_while_released_and_never_waits_on_itself(tmp_
                           env={**os.environ, "COLDSNAP_CUDA_INTERPOSER_SOCKET": str(tmp_path / "unused.sock")})
     violations, calls, nested = map(int, done.stdout.split())
     assert violations == 0 and calls > 0 and nested == 1
+
+
+def test_reading_ahead_never_blocks_on_a_fifo_nor_follows_a_link_the_engine_left(tmp_path: Path) -> None:
+    """Regression (review): the root restore worker reads dump files the engine's uid wrote; a FIFO swapped in for a
+    segment used to block the restore in open(), a link was followed."""
+    images = tmp_path / "images"
+    dump = dump_in(images / "device-42")
+    segment = images / "device-42" / dump.segments[0].file
+    segment.unlink()
+    os.mkfifo(segment)
+    records = [DumpRecord(42, "/run/cuda-42.sock", "device-42", dump, {})]
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (prefetch_dumps(records, images), done.set()), daemon=True)
+    worker.start()
+    assert done.wait(10), "prefetch_dumps blocked on a FIFO"
+    segment.unlink()
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"S" * 4096)
+    segment.symlink_to(secret)
+    prefetch_dumps(records, images)  # refused quietly (O_NOFOLLOW): nothing to assert but that it returns
