@@ -2,7 +2,7 @@
 with the bench's tuning where it applies, and the two tables.
 
     python bench/e2e_restore.py --state-dir DIR --capsule TAG --weights DIR --work DIR --out DIR
-                                [--modes interposer,hydrator,full] [--restores 3] [--images-root /dev/shm/cs-e2e-img]
+                                [--modes interposer,interposer-hydrator,hydrator,full] [--restores 3] [--images-root /dev/shm/cs-e2e-img]
                                 [--criu-threads N] [--stack-bytes 256] [--plain-capsule TAG] [--budget S]
 
 The modes (the engine is bench/e2e_restore.py's `engines/engine_llama.py`, the same model and tokens in each):
@@ -15,6 +15,10 @@ The modes (the engine is bench/e2e_restore.py's `engines/engine_llama.py`, the s
   sockets live in a host directory mounted at `/run/coldsnap` in the serving and every restore unit (CRIU
   rebinds each restored process's socket there); every device allocation is dumped beside the images and
   released before the CUDA checkpoint, and refilled at line rate after restore;
+* `interposer-hydrator` (no cooperation): the same, and `COLDSNAP_CUDA_INTERPOSER_HYDRATOR` names a node
+  hydrator (`python -m coldsnap_probe.hydration serve --staging`, no weight files, its socket in the same
+  /run/coldsnap directory, itself not under the interposer) that stages the device dump on the GPU while CRIU
+  restores the process; its start is not part of any figure (a node service, like `hydrator`'s);
 * `full` (no cooperation): nothing added; the CUDA checkpoint copies device memory into the CRIU images.
 
 Every mode: `CRIU_RESTORE_THREADS` in the units (default: the CPUs this host gives the unit, CRIU 4.2's parallel
@@ -57,6 +61,7 @@ from bench.e2e_restore import (
 )
 from bench.serve_units import (
     INTERPOSER_LIBRARY,
+    INTERPOSER_RUN,
     INTERPOSER_SOCKET,
     ServeLayout,
     capture_row,
@@ -64,9 +69,10 @@ from bench.serve_units import (
     device_hydration,
 )
 
-MODES = ("hydrate", "hydrator", "interposer", "full")
+MODES = ("hydrate", "hydrator", "interposer", "interposer-hydrator", "full")
 COOPERATIVE = ("hydrate", "hydrator")
-GOAL_S = {"hydrate": 1.2, "hydrator": 1.2, "interposer": 2.0, "full": 2.0}  # issue 22 item 3, at 16 GiB
+GOAL_S = {"hydrate": 1.2, "hydrator": 1.2, "interposer": 2.0, "interposer-hydrator": 2.0, "full": 2.0}  # at 16 GiB
+STAGING_SOCKET = f"{INTERPOSER_RUN}/hydrator.sock"  # the interposer-hydrator mode's node hydrator
 THP_FILE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 DIGEST_CHUNK = 256 << 20  # the images' digest hashes chunks of this size in parallel (one file can be 19 GB)
 
@@ -83,6 +89,11 @@ def plan_modes(text: str) -> list[str]:
     if twice:
         raise ValueError(f"mode {', '.join(twice)} named twice: each mode runs once per run")
     return modes
+
+
+def cluster(mode: str) -> str:
+    """The workload label of a mode's restore units (their names are `<cluster>_node_0`): letters only."""
+    return "e2e" + mode.replace("-", "")
 
 
 @dataclass(frozen=True)
@@ -119,14 +130,35 @@ def node_thp() -> str:
 
 def mode_layout(work: Path, weights: Path, mode: str, tuning: Tuning, images_root: Path | None = None) -> ServeLayout:
     """A mode's units: the run directory and images under `work/mode` (or `images_root/mode`), and the
-    environment the mode adds; only `interposer` mounts the interposer's run directory at /run/coldsnap."""
+    environment the mode adds; only the interposer modes mount the interposer's run directory at /run/coldsnap."""
     environment = {"CRIU_RESTORE_THREADS": str(tuning.criu_threads)} if tuning.criu_threads else {}
-    if mode == "interposer":
+    interposer = mode.startswith("interposer")
+    if interposer:
         environment.update(LD_PRELOAD=INTERPOSER_LIBRARY, COLDSNAP_CUDA_INTERPOSER_SOCKET=INTERPOSER_SOCKET)
+    if mode == "interposer-hydrator":
+        environment["COLDSNAP_CUDA_INTERPOSER_HYDRATOR"] = STAGING_SOCKET
     base = work / mode
     return ServeLayout(run_dir=base / "run", images_dir=images_root / mode if images_root else base / "images",
                        weights=weights, extra_environment=environment,
-                       interposer_dir=base / "coldsnap" if mode == "interposer" else None)
+                       interposer_dir=base / "coldsnap" if interposer else None)
+
+
+def staging_unit(layout: Layout, image: str, name: str) -> dict[str, Any]:
+    """The interposer-hydrator mode's node hydrator: staging only (no weight files), its socket in the mode's
+    /run/coldsnap, not itself under the interposer (it holds the staged allocation the engine adopts)."""
+    spec = layout.unit(name, image, entrypoint=layout.python, command=[
+        "-m", "coldsnap_probe.hydration", "serve", "--staging", "--socket", STAGING_SOCKET])
+    spec["environment"] = {k: v for k, v in spec["environment"].items()
+                           if k != "LD_PRELOAD" and not k.startswith("COLDSNAP_CUDA_INTERPOSER")}
+    return spec
+
+
+async def start_staging_hydrator(d: Driver, image: str, layout: Layout, name: str) -> dict[str, Any]:
+    await d.expect(f"evicting {name}", "workload-remove", name=name)
+    spec = staging_unit(layout, image, name)
+    created = time.time()
+    await d.expect(f"starting the staging hydrator {name}", "workload-run", workload=spec)
+    return {"name": name, "created_unix": created}
 
 
 def _chunk_digest(path: Path, offset: int, size: int) -> bytes:
@@ -172,15 +204,17 @@ def restore_columns(restored: dict[str, Any]) -> dict[str, Any]:
 async def _cold_and_capture(d: Driver, args: argparse.Namespace, mode: str, pinned: str, layout: Layout,
                             tuning: Tuning, result: dict[str, Any]) -> str:
     """The serving engine cold (and the node's hydrator in `hydrator` mode), then the capture; the capture's ID."""
-    hydrator = mode == "hydrator"
-    if mode == "interposer":
+    hydrator, sidecar = mode == "hydrator", f"e2e-{mode}-hydrator"
+    if mode.startswith("interposer"):
         await check_interposer(d, pinned, layout)
-    service = await start_hydrator(d, pinned, layout, f"e2e-{mode}-hydrator") if hydrator else None
+    service = (await start_hydrator(d, pinned, layout, sidecar) if hydrator
+               else await start_staging_hydrator(d, pinned, layout, sidecar) if mode == "interposer-hydrator"
+               else None)
     cold = result["cold"] = await start_serving(d, pinned, layout, f"e2e-{mode}-serving",
                                                 hydrate=mode in COOPERATIVE, hydrator=hydrator,
                                                 engine_options=tuning.engine_options(mode))
     if service:
-        result["hydrator"] = await wait_hydrator(d, f"e2e-{mode}-hydrator", service["created_unix"])
+        result["hydrator"] = await wait_hydrator(d, sidecar, service["created_unix"])
     print(f"[{mode}] cold Docker-to-first-token {cold['first_token_s']:.2f} s", flush=True)
     capture_id = f"e2e-{mode}-{time.strftime('%Y%m%dT%H%M%S')}"
     result["capture"] = await capture(d, f"e2e-{mode}-serving", int(cold["engine_pid"]), layout, capture_id,
@@ -200,10 +234,10 @@ async def _cold_and_capture(d: Driver, args: argparse.Namespace, mode: str, pinn
 async def _restores(d: Driver, args: argparse.Namespace, mode: str, pinned: str, layout: Layout, capture_id: str,
                     result: dict[str, Any]) -> None:
     cold = result["cold"]
-    unit = f"e2e{mode}_node_0"
+    unit = f"{cluster(mode)}_node_0"
     for attempt in range(args.restores):
         restored = await restore_unit(d, pinned, layout, unit, capture_id,
-                                      labels=unit_labels(capture_id, f"e2e{mode}"))
+                                      labels=unit_labels(capture_id, cluster(mode)))
         restored.update(restore_columns(restored))
         restored["identical_tokens"] = restored["tokens"] == cold["tokens"]
         restored["identical_first_logits"] = restored["first_logits_sha256"] == cold["first_logits_sha256"]
@@ -237,7 +271,7 @@ async def run_mode(d: Driver, args: argparse.Namespace, mode: str, pinned: str, 
         print(f"[{mode}] FAILED: {result['error'][:3000]}", flush=True)
         result["engine_log_tail"] = engine_stages(layout)[-6:]
     finally:
-        for name in (f"e2e-{mode}-serving", f"e2e{mode}_node_0", f"e2e-{mode}-hydrator"):
+        for name in (f"e2e-{mode}-serving", f"{cluster(mode)}_node_0", f"e2e-{mode}-hydrator"):
             await d.runtime("workload-remove", name=name)
         if not args.keep_images:
             shutil.rmtree(layout.images_dir, ignore_errors=True)

@@ -46,7 +46,7 @@ class TestModes:
 
     @pytest.mark.parametrize(("text", "message"), [
         pytest.param("full,full-interposer", "unknown mode full-interposer: the modes are hydrate, hydrator, "
-                                             "interposer, full", id="unknown"),
+                                             "interposer, interposer-hydrator, full", id="unknown"),
         pytest.param("interposer,full,interposer", "mode interposer named twice", id="twice"),
         pytest.param(",", "no mode named", id="empty")])
     def test_a_bad_list_is_refused_naming_the_entry(self, text: str, message: str) -> None:
@@ -65,6 +65,9 @@ class TestModes:
                                str(tmp_path), "--out", str(tmp_path), *extra], capture_output=True, text=True,
                               timeout=60, check=False)
         assert done.returncode == 2 and message in done.stderr, done.stderr
+
+    def test_a_modes_units_are_named_by_a_cluster_without_dashes(self) -> None:
+        assert [e2e_modes.cluster(m) for m in ("interposer-hydrator", "full")] == ["e2einterposerhydrator", "e2efull"]
 
     def test_defaults_are_three_restores_and_the_drivers_own_tuning(self, tmp_path: Path) -> None:
         args = parse(["--state-dir", "s", "--capsule", "c", "--weights", "w", "--work", "k", "--out", "o"])
@@ -90,16 +93,29 @@ class TestEnvironment:
         layout = mode_layout(tmp_path / "work", tmp_path / "w", mode, TUNING, tmp_path / "shm")
         assert layout.environment()["CRIU_RESTORE_THREADS"] == "16"
         assert layout.images_dir == tmp_path / "shm" / mode
-        assert ("LD_PRELOAD" in layout.environment()) == (mode == "interposer")
+        assert ("LD_PRELOAD" in layout.environment()) == mode.startswith("interposer")
         assert mode_layout(tmp_path, tmp_path, mode, TUNING).images_dir == tmp_path / mode / "images"
 
     def test_no_criu_threads_variable_when_none_is_given(self, tmp_path: Path) -> None:
         layout = mode_layout(tmp_path, tmp_path, "full", Tuning(criu_threads=0))
         assert "CRIU_RESTORE_THREADS" not in layout.environment()
 
+    def test_the_staged_interposer_mode_names_its_node_hydrator_in_the_same_directory(self, tmp_path: Path) -> None:
+        plain = mode_layout(tmp_path, tmp_path / "w", "interposer", TUNING).environment()
+        staged = mode_layout(tmp_path, tmp_path / "w", "interposer-hydrator", TUNING)
+        added = {k: v for k, v in staged.environment().items() if plain.get(k) != v}
+        assert added == {"COLDSNAP_CUDA_INTERPOSER_HYDRATOR": "/run/coldsnap/hydrator.sock"}
+        assert "/run/coldsnap" in {m["target"] for m in staged.mounts()}
+        hydrator = e2e_modes.staging_unit(staged, "img", "e2e-interposer-hydrator-hydrator")
+        assert hydrator["command"][-4:] == ["serve", "--staging", "--socket", "/run/coldsnap/hydrator.sock"]
+        assert hydrator["mounts"] == staged.mounts() and hydrator["gpus"] == ["0"]
+        assert not {k for k in hydrator["environment"] if k == "LD_PRELOAD" or "INTERPOSER" in k}  # not under it
+        assert hydrator["environment"]["CRIU_RESTORE_THREADS"] == "16"
+
     def test_only_a_cooperative_engine_is_asked_for_the_stack_limit(self) -> None:
         assert TUNING.engine_options("hydrator") == TUNING.engine_options("hydrate") == ("--stack-bytes", "256")
-        assert TUNING.engine_options("interposer") == TUNING.engine_options("full") == ()
+        assert TUNING.engine_options("interposer") == TUNING.engine_options("interposer-hydrator") == ()
+        assert TUNING.engine_options("full") == ()
         assert Tuning(criu_threads=4).engine_options("hydrator") == ()
         assert "engine unchanged: no CUDA stack limit, KV kept" in TUNING.notes("interposer")
         assert "CUDA stack limit 256 B" in TUNING.notes("hydrator") and "THP always" in TUNING.notes("full")
