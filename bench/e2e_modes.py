@@ -2,8 +2,9 @@
 with the bench's tuning where it applies, and the two tables.
 
     python bench/e2e_restore.py --state-dir DIR --capsule TAG --weights DIR --work DIR --out DIR
-                                [--modes interposer,interposer-hydrator,hydrator,full] [--restores 3] [--images-root /dev/shm/cs-e2e-img]
-                                [--criu-threads N] [--stack-bytes 256] [--plain-capsule TAG] [--budget S]
+                                [--modes interposer,interposer-hydrator,hydrator,full] [--restores 3]
+                                [--images-root /dev/shm/cs-e2e-img] [--criu-threads N] [--stack-bytes 256]
+                                [--plain-capsule TAG] [--budget S]
 
 The modes (the engine is bench/e2e_restore.py's `engines/engine_llama.py`, the same model and tokens in each):
 
@@ -176,16 +177,22 @@ def _chunk_digest(path: Path, offset: int, size: int) -> bytes:
 
 
 def images_digest(images: Path, threads: int) -> str:
-    """One SHA-256 over every file under `images` (relative path, size, and its chunks' digests in order),
-    the chunks hashed on `threads` threads (hashlib releases the GIL): a 19 GB image in seconds, not minutes."""
+    """One SHA-256 over every file under `images`: its relative path, size, mtime and ctime (as
+    coldsnap_probe.image_digest: any write changes them, even one that puts the same bytes back) and its
+    chunks' digests in order (a changed byte, whatever the times say), the chunks hashed on `threads` threads
+    (hashlib releases the GIL): a 19 GB image in seconds, not minutes."""
     files = sorted(p for p in images.rglob("*") if p.is_file())
-    jobs = [(p, offset, min(DIGEST_CHUNK, p.stat().st_size - offset))
-            for p in files for offset in range(0, max(p.stat().st_size, 1), DIGEST_CHUNK)]
+    stats = {p: p.stat() for p in files}
+    jobs = [(p, offset, min(DIGEST_CHUNK, stats[p].st_size - offset))
+            for p in files for offset in range(0, max(stats[p].st_size, 1), DIGEST_CHUNK)]
     with ThreadPoolExecutor(max(1, threads)) as pool:
         chunks = list(pool.map(lambda job: _chunk_digest(*job), jobs))
     total = hashlib.sha256()
     for (path, offset, size), chunk in zip(jobs, chunks, strict=True):
-        total.update(f"{path.relative_to(images)}\0{offset}\0{size}\0".encode())
+        if offset == 0:
+            st = stats[path]
+            total.update(f"{path.relative_to(images)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\0".encode())
+        total.update(f"{offset}\0{size}\0".encode())
         total.update(chunk)
     return total.hexdigest()
 
