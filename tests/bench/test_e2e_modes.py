@@ -6,8 +6,10 @@ first step through the real daemon and dockerd with nothing left behind (the GPU
 from __future__ import annotations
 
 import argparse
+import base64
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -30,8 +32,9 @@ from bench.e2e_modes import (
     run_mode,
     table,
 )
-from bench.e2e_restore import Driver
-from bench.serve_units import INTERPOSER_LIBRARY, INTERPOSER_SOCKET
+from bench.e2e_restore import Driver, E2EError, check_worker, inspect_capsule
+from bench.serve_units import INTERPOSER_LIBRARY, INTERPOSER_SOCKET, check_interposer
+from tests.conftest import docker
 from tests.helpers import ROOT, running_daemon
 
 CONFIG = '[runtime]\nprivileged = "host-capabilities"\n'
@@ -228,3 +231,42 @@ async def test_the_interposer_mode_on_a_capsule_without_the_library_fails_first_
     assert f"carries no loadable CUDA interposer at {INTERPOSER_LIBRARY}" in result["error"]
     assert result["environment"]["LD_PRELOAD"] == INTERPOSER_LIBRARY and result["engine_options"] == []
     assert not (tmp_path / "shm" / "interposer").exists()
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc (the GPU host has it)")
+async def test_a_capsule_built_with_the_worker_passes_the_interposer_and_worker_checks_through_the_daemon(
+        tmp_path: Path) -> None:
+    """scripts/_capsule_rootfs.py --worker (CRIU stood in by a dynamically linked program), built by the
+    daemon's image-build as scripts/device-e2e does: the interposer mode's throwaway unit loads the library
+    the units preload, and the worker's check passes, in the capsule's own interpreter (no host mounts)."""
+    criu = tmp_path / "criu-root/usr/sbin/criu"
+    criu.parent.mkdir(parents=True)
+    shutil.copy2("/bin/true", criu)
+    context = tmp_path / "ctx"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts/_capsule_rootfs.py"), str(context), "--busybox",
+                           shutil.which("busybox") or "/bin/busybox", "--criu-root", str(criu.parent.parent.parent),
+                           "--worker", str(ROOT / "coldsnap_probe")], capture_output=True, text=True, check=False,
+                          timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    python = next(line for line in done.stdout.splitlines() if line.startswith("capsule rootfs:")).split(
+        "python ")[1].split(",")[0]  # the capsule carries its interpreter at the host's real path
+    (tmp_path / "weights").mkdir()
+    layout = mode_layout(tmp_path / "work", tmp_path / "weights", "interposer", TUNING)
+    layout.python, layout.host_mounts, layout.gpus = python, (), ()
+    layout.prepare()
+    tag = f"coldsnap-test/e2e-capsule:{os.getpid()}"
+    async with running_daemon(CONFIG) as daemon:
+        d = Driver(daemon.state_dir)
+        await d.open()
+        try:
+            await d.expect("image-build", "image-build", build={
+                "dockerfile": base64.b64encode((context / "Dockerfile").read_bytes()).decode(),
+                "context": str(context), "tag": tag, "pull": False})
+            image = str((await inspect_capsule(d, tag))["id"])
+            await check_interposer(d, image, layout)
+            await check_worker(d, image, layout)
+            layout.python = "/no/python3"  # the same checks fail, naming the library, when it cannot load
+            with pytest.raises(E2EError, match=f"carries no loadable CUDA interposer at {INTERPOSER_LIBRARY}"):
+                await check_interposer(d, image, layout)
+        finally:
+            docker("rmi", "-f", tag, check=False)
