@@ -198,10 +198,16 @@ def images_digest(images: Path, threads: int) -> str:
 
 
 def restore_columns(restored: dict[str, Any]) -> dict[str, Any]:
-    """A restore's row beyond bench/e2e_restore.py's: the interposer's device hydration (bytes, GB/s) and the
-    first token after the ready file was seen."""
+    """A restore's row beyond bench/e2e_restore.py's: the interposer's device hydration (bytes, GB/s, whether
+    the node hydrator staged it) and the first token after the ready file was seen."""
     report = restored.get("worker_report") or {}
-    return {**device_hydration(report), "after_ready_s": restored["first_token_s"] - restored["readiness_s"]}
+    stages = [(p.get("interposer") or {}).get("stage") for p in report.get("device_memory") or []]
+    asked = [s for s in stages if isinstance(s, dict)]
+    return {**device_hydration(report), "after_ready_s": restored["first_token_s"] - restored["readiness_s"],
+            # interposer-hydrator: was the dump staged by the node hydrator, or did the interposer fill it?
+            "device_staged": all(s.get("staged") and "adopt_error" not in s for s in asked) if asked else None,
+            "device_stage_errors": sorted({str(s.get("error") or s.get("adopt_error")) for s in asked
+                                           if s.get("error") or s.get("adopt_error")})}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -324,7 +330,8 @@ def _yes(value: Any) -> str:
 def _device(row: dict[str, Any]) -> str:
     if row.get("device_hydration_s") is None:
         return "-"
-    return f"{_f(row['device_hydration_s'])} ({_f(row.get('device_gbps'), 1)} GB/s)"
+    staged = {None: "", True: ", staged", False: ", not staged"}[row.get("device_staged")]
+    return f"{_f(row['device_hydration_s'])} ({_f(row.get('device_gbps'), 1)} GB/s{staged})"
 
 
 def restore_table(results: list[dict[str, Any]]) -> list[str]:

@@ -182,6 +182,24 @@ def _restore(first: float, ready: float, **extra: Any) -> dict[str, Any]:
     return {**row, **restore_columns(row)}
 
 
+class TestStaging:
+    def test_a_restore_says_whether_the_node_hydrator_staged_the_dump(self) -> None:
+        staged = {**REPORT, "device_memory": [{**p, "interposer": {"stage": {"staged": True, "stage_s": 0.2}}}
+                                              for p in REPORT["device_memory"]]}
+        row = _restore(1.0, 0.9, worker_report=staged)
+        assert row["device_staged"] is True and row["device_stage_errors"] == []
+        assert e2e_modes._device(row) == "0.50 (34.0 GB/s, staged)"
+
+    def test_a_refused_or_unadopted_stage_is_not_staged_and_says_why(self) -> None:
+        late = {**REPORT, "device_memory": [
+            {"pid": 513, "bytes": 1, "interposer": {"stage": {"staged": True, "adopt_error": "late"}}},
+            {"pid": 514, "bytes": 1, "interposer": {"stage": {"staged": False, "error": "ProbeError: refused"}}}]}
+        row = _restore(1.0, 0.9, worker_report=late)
+        assert row["device_staged"] is False and row["device_stage_errors"] == ["ProbeError: refused", "late"]
+        assert e2e_modes._device(row).endswith(", not staged)")
+        assert _restore(1.0, 0.9)["device_staged"] is None  # no stage asked for: the plain interposer mode
+
+
 class TestTables:
     def _result(self) -> dict[str, Any]:
         capture = {"timings_s": {"device_release": 0.41, "cuda_checkpoint": 0.52, "criu_dump": 1.1},
