@@ -214,8 +214,8 @@ def restore_columns(restored: dict[str, Any]) -> dict[str, Any]:
 # One mode end to end, bad input
 
 
-async def _cold_and_capture(d: Driver, args: argparse.Namespace, mode: str, pinned: str, layout: Layout,
-                            tuning: Tuning, result: dict[str, Any]) -> str:
+async def _cold_and_capture(d: Driver, mode: str, pinned: str, layout: Layout, tuning: Tuning,
+                            result: dict[str, Any]) -> str:
     """The serving engine cold (and the node's hydrator in `hydrator` mode), then the capture; the capture's ID."""
     hydrator, sidecar = mode == "hydrator", f"e2e-{mode}-hydrator"
     if mode.startswith("interposer"):
@@ -272,7 +272,7 @@ async def run_mode(d: Driver, args: argparse.Namespace, mode: str, pinned: str, 
                               "environment": layout.extra_environment,
                               "engine_options": list(tuning.engine_options(mode))}
     try:
-        capture_id = await _cold_and_capture(d, args, mode, pinned, layout, tuning, result)
+        capture_id = await _cold_and_capture(d, mode, pinned, layout, tuning, result)
         await _restores(d, args, mode, pinned, layout, capture_id, result)
         after = images_digest(layout.images_dir / capture_id, tuning.criu_threads)
         result["images_unchanged"] = after == result["images_digest_before"]
