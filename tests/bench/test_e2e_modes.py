@@ -232,6 +232,7 @@ class TestTables:
         assert "weights 16.00 GB" in text
 
 
+@pytest.mark.usefixtures("no_leftovers")
 async def test_the_interposer_mode_on_a_capsule_without_the_library_fails_first_and_leaves_nothing(
         busybox_image: str, tmp_path: Path) -> None:
     """The busybox test image as a capsule: the throwaway unit checking the interposer library is refused
@@ -251,6 +252,7 @@ async def test_the_interposer_mode_on_a_capsule_without_the_library_fails_first_
     assert not (tmp_path / "shm" / "interposer").exists()
 
 
+@pytest.mark.usefixtures("no_leftovers")
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc (the GPU host has it)")
 async def test_a_capsule_built_with_the_worker_passes_the_interposer_and_worker_checks_through_the_daemon(
         tmp_path: Path) -> None:
