@@ -1,7 +1,9 @@
 """The restore users run (issue 12 item 4): ColdSnap's restore sequence over the format-1 envelope, timed.
 
     python bench/e2e_restore.py --state-dir DIR --capsule TAG --weights DIR --work DIR --out DIR
-                                [--mode hydrate|full ...] [--restores 2] [--plain-capsule TAG]
+                                [--modes interposer,hydrator,full] [--restores 3] [--plain-capsule TAG] ...
+
+(the run, its modes, their tuning and the tables: bench/e2e_modes.py; this module is the sequence's steps)
 
 Against a running `coldsnap-provider serve` (state dir DIR; `[gpus] mode = "native"` and
 `[runtime] privileged = "host-capabilities"` on a host whose bounding set lacks a capability), using only
@@ -17,7 +19,7 @@ the public client (`call_control` for the session and the probe, `call` for runt
    images hold everything but the weights, which the engine's WeightArena copies back from the shards
    through a ring of pinned buffers; `hydrator` is the same with the copy done by a long-lived
    hydrator workload keeping the shards page-locked; in `full` mode the whole device state goes into
-   the images;
+   the images; `interposer` is `full`'s engine with the CUDA interposer preloaded by the unit's environment;
 5. then, `--restores` times: evict the unit's name, launch the restore unit (`workload-run` detached,
    same image, mounts and options, the worker restoring as its command, then holding the container),
    the readiness check (`workload-exec` of `test -s <ready file>`, waiting inside the unit for up to 2 s
@@ -31,11 +33,9 @@ adapter would see it: an `E2EError` with `runtime_failed` naming the cause, and 
 
 from __future__ import annotations
 
-import argparse
 import base64
 import json
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -265,12 +265,13 @@ def engine_stages(layout: Layout) -> list[dict[str, Any]]:
 
 
 async def start_serving(d: Driver, image: str, layout: Layout, name: str, *, hydrate: bool, hydrator: bool = False,
-                        limit: float = 480.0) -> dict[str, Any]:
-    """The serving engine as a detached workload; timed from workload-run to the first streamed token."""
+                        limit: float = 480.0, engine_options: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The serving engine as a detached workload; timed from workload-run to the first streamed token.
+    `engine_options` go on the engine's `serve` command line (the cooperative modes' tuning)."""
     await d.expect(f"evicting {name}", "workload-remove", name=name)
     serve = [layout.python, f"{ENGINE}/engine_llama.py", "serve", WEIGHTS, "--socket", f"{RUN}/engine.sock",
              "--log", f"{RUN}/engine.log", *(["--hydration", f"{RUN}/hydration.sock"] if hydrate else []),
-             *(["--hydrator", f"{RUN}/hydrator.sock"] if hydrator else [])]
+             *(["--hydrator", f"{RUN}/hydrator.sock"] if hydrator else []), *engine_options]
     spec = layout.unit(name, image, entrypoint=layout.python, command=[
         f"{ENGINE}/engine_llama.py", "launch", "--pid-floor", str(PID_FLOOR), "--log", f"{RUN}/engine.log", "--",
         *serve])
@@ -444,184 +445,9 @@ async def restore_unit(d: Driver, image: str, layout: Layout, name: str, capture
             "first_logits_sha256": tokens.done.get("first_logits_sha256")}
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# One mode end to end, bad input, the table
-
-
-async def run_mode(d: Driver, args: argparse.Namespace, mode: str, pinned: str) -> dict[str, Any]:
-    work = Path(args.work) / mode
-    shutil.rmtree(work, ignore_errors=True)
-    layout = Layout(run_dir=work / "run", images_dir=work / "images", weights=Path(args.weights))
-    hydrate, hydrator = mode in ("hydrate", "hydrator"), mode == "hydrator"
-    result: dict[str, Any] = {"mode": mode, "ok": False}
-    serving = f"e2e-{mode}-serving"
-    sidecar = f"e2e-{mode}-hydrator"
-    layout.prepare()
-    try:
-        service = await start_hydrator(d, pinned, layout, sidecar) if hydrator else None
-        cold = await start_serving(d, pinned, layout, serving, hydrate=hydrate, hydrator=hydrator)
-        result["cold"] = cold
-        if service:
-            result["hydrator"] = await wait_hydrator(d, sidecar, service["created_unix"])
-        print(f"[{mode}] cold Docker-to-first-token {cold['first_token_s']:.2f} s", flush=True)
-        capture_id = f"e2e-{mode}-{time.strftime('%Y%m%dT%H%M%S')}"
-        result["capture"] = await capture(d, serving, int(cold["engine_pid"]), layout, capture_id, hydrate=hydrate)
-        print(f"[{mode}] captured: {json.dumps(result['capture'].get('timings_s'))}", flush=True)
-        await d.expect(f"removing {serving}", "workload-remove", name=serving)
-        unit = f"e2e{mode}_node_0"
-        result["restores"] = []
-        for attempt in range(args.restores):
-            restored = await restore_unit(d, pinned, layout, unit, capture_id, labels=unit_labels(capture_id,
-                                                                                                  f"e2e{mode}"))
-            restored["identical_tokens"] = restored["tokens"] == cold["tokens"]
-            restored["identical_first_logits"] = restored["first_logits_sha256"] == cold["first_logits_sha256"]
-            result["restores"].append(restored)
-            print(f"[{mode}] restore {attempt + 1}: Docker-to-first-token {restored['first_token_s']:.2f} s, "
-                  f"identical tokens {restored['identical_tokens']}, logits {restored['identical_first_logits']}",
-                  flush=True)
-        await d.expect(f"removing {unit}", "workload-remove", name=unit)
-        images = layout.images_dir / capture_id
-        result["images_bytes"] = sum(p.stat().st_size for p in images.rglob("*") if p.is_file())
-        result["ok"] = all(r["identical_tokens"] and r["identical_first_logits"] for r in result["restores"])
-    except (E2EError, OSError, ValueError, KeyError, TimeoutError) as exc:
-        result["error"] = f"{type(exc).__name__}: {exc}"
-        result["error_code"] = getattr(exc, "code", "")
-        print(f"[{mode}] FAILED: {result['error'][:3000]}", flush=True)
-        stages = engine_stages(layout)
-        result["engine_log_tail"] = stages[-6:]
-        for name in (serving, f"e2e{mode}_node_0"):
-            await d.runtime("workload-remove", name=name)
-    finally:
-        if hydrator:
-            await d.runtime("workload-remove", name=sidecar)
-        if args.keep_images is False:
-            shutil.rmtree(layout.images_dir, ignore_errors=True)
-    return result
-
-
-async def bad_input(d: Driver, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """A capsule without the worker: refused by the check and by the restore unit, nothing left behind."""
-    rows = []
-    plain = (await inspect_capsule(d, args.plain_capsule))["id"]
-    layout = Layout(run_dir=Path(args.work) / "bad" / "run", images_dir=Path(args.work) / "bad" / "images",
-                    weights=Path(args.weights))
-    layout.prepare()
-    for what in ("check", "restore unit"):
-        started = time.time()
-        try:
-            if what == "check":
-                await check_worker(d, plain, layout)
-            else:
-                await restore_unit(d, plain, layout, "e2ebad_node_0", "none", labels=unit_labels("none", "e2ebad"),
-                                   readiness_timeout=60)
-            rows.append({"case": f"capsule without the worker ({what})", "ok": False, "error": "accepted"})
-        except E2EError as exc:
-            left = await d.gone("e2ebad_node_0")
-            rows.append({"case": f"capsule without the worker ({what})", "ok": exc.code == "runtime_failed" and left,
-                         "error_code": exc.code, "error": str(exc)[:1500], "no_container_left": left,
-                         "seconds": round(time.time() - started, 3)})
-    return rows
-
-
-def _f(value: Any) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
-def table(results: list[dict[str, Any]], capsule: dict[str, Any], weights_bytes: int) -> str:
-    head = ("| mode | run | Docker-to-first-token s | speed-up | create/start s | worker start s | CRIU s | CUDA s "
-            "| hydration s | ready s | request->first token s | tokens = cold | first logits = cold |")
-    lines = [head, "|" + " --- |" * 13]
-    for result in results:
-        cold = result.get("cold")
-        if not cold:
-            lines.append(f"| {result['mode']} | failed: {result.get('error', '')[:200]} |" + " |" * 11)
-            continue
-        lines.append(f"| {result['mode']} | cold | {_f(cold['first_token_s'])} | 1x | {_f(cold['create_start_s'])} "
-                     f"| - | - | - | - | - | {_f(cold['request_to_first_token_s'])} | - | - |")
-        for i, r in enumerate(result.get("restores", []), 1):
-            lines.append(
-                f"| {result['mode']} | restore {i} | {_f(r['first_token_s'])} "
-                f"| {cold['first_token_s'] / r['first_token_s']:.1f}x | {_f(r['create_start_s'])} "
-                f"| {_f(r['worker_started_s'])} | {_f(r['criu_s'])} | {_f(r['cuda_s'])} | {_f(r['hydration_s'])} "
-                f"| {_f(r['readiness_s'])} | {_f(r['request_to_first_token_s'])} | {r['identical_tokens']} "
-                f"| {r['identical_first_logits']} |")
-        if result.get("error"):
-            lines.append(f"| {result['mode']} | failed: {result['error'][:300]} |" + " |" * 11)
-    lines.append("")
-    lines.append(f"Capsule {capsule.get('id', '')[:19]}: {capsule.get('size', 0) / 1e6:.0f} MB; weights "
-                 f"{weights_bytes / 1e9:.2f} GB; " + "; ".join(
-                     f"{r['mode']} CRIU images {r['images_bytes'] / 1e9:.2f} GB" for r in results
-                     if r.get("images_bytes")))
-    for result in results:
-        cold = result.get("cold")
-        if cold:
-            marks = ", ".join(f"{s['stage']} {s['since_create_s']:.2f}" for s in cold["stages"]
-                              if s["stage"] not in ("served",))
-            lines.append(f"{result['mode']} cold stages (s after workload-run): {marks}")
-        if result.get("capture"):
-            lines.append(f"{result['mode']} capture: {json.dumps(result['capture'].get('timings_s'))}, "
-                         f"hydration {json.dumps(result['capture'].get('hydration'))}")
-    return "\n".join(lines)
-
-
-async def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--state-dir", required=True)
-    parser.add_argument("--capsule", required=True, help="the capsule tag (with the worker)")
-    parser.add_argument("--plain-capsule", default="", help="a capsule without the worker: the bad-input case")
-    parser.add_argument("--weights", required=True)
-    parser.add_argument("--work", required=True, help="host directory for run directories and CRIU images")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--mode", action="append", choices=["hydrate", "hydrator", "full"])
-    parser.add_argument("--restores", type=int, default=2)
-    parser.add_argument("--keep-images", action="store_true")
-    parser.add_argument("--budget", type=float, default=0.0, help="skip later modes past this many seconds")
-    parser.add_argument("--build", action="append", default=[], metavar="CONTEXT=TAG",
-                        help="first build this capsule through the daemon's image-build (CONTEXT/Dockerfile)")
-    args = parser.parse_args()
-    began = time.monotonic()
-    d = Driver(Path(args.state_dir))
-    await d.open()
-    out: dict[str, Any] = {"prepare": {"builds": []}}
-    for item in args.build:
-        context, _, tag = item.partition("=")
-        started = time.time()
-        await d.expect(f"image-build of {tag}", "image-build", build={
-            "dockerfile": base64.b64encode(Path(context, "Dockerfile").read_bytes()).decode(), "context": context,
-            "tag": tag, "pull": False})
-        out["prepare"]["builds"].append({"tag": tag, "seconds": time.time() - started})
-    capsule = await inspect_capsule(d, args.capsule)
-    pinned = str(capsule["id"])
-    out["prepare"]["capsule"] = capsule
-    started = time.time()
-    probe = await probe_capsule(d, args.capsule)
-    out["prepare"]["probe"] = {"admitted": probe.get("admitted"), "cached": probe.get("cached"),
-                               "seconds": time.time() - started}
-    started = time.time()
-    await check_worker(d, pinned, Layout(run_dir=Path(args.work), images_dir=Path(args.work),
-                                         weights=Path(args.weights)))
-    out["prepare"]["worker_check_s"] = time.time() - started
-    print(f"prepared: {json.dumps(out['prepare'])[:600]}", flush=True)
-    results: list[dict[str, Any]] = []
-    for mode in args.mode or ["hydrate"]:
-        if results and args.budget and time.monotonic() - began > args.budget:
-            results.append({"mode": mode, "ok": False, "error": f"skipped: past the {args.budget:.0f} s budget"})
-            continue
-        results.append(await run_mode(d, args, mode, pinned))
-        Path(args.out, "e2e.json").write_text(json.dumps({**out, "results": results}, indent=1))
-    out["results"] = results
-    if args.plain_capsule:
-        out["bad_input"] = await bad_input(d, args)
-        for row in out["bad_input"]:
-            print(json.dumps(row)[:800], flush=True)
-    weights_bytes = sum(p.stat().st_size for p in Path(args.weights).iterdir() if p.is_file())
-    text = table(results, capsule, weights_bytes)
-    print(text, flush=True)
-    Path(args.out, "e2e.json").write_text(json.dumps(out, indent=1))
-    Path(args.out, "e2e-table.md").write_text(text + "\n")
-    ok = all(r["ok"] for r in results) and all(r["ok"] for r in out.get("bad_input", []))
-    return 0 if ok else 1
-
-
 if __name__ == "__main__":
+    # The run lives in bench/e2e_modes.py (it builds on this module and on bench/serve_units.py, which imports
+    # this one by name): run it there, so that every class is the one bench.e2e_restore defines.
+    from bench.e2e_modes import main
+
     sys.exit(anyio.run(main))

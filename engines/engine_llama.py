@@ -1,8 +1,11 @@
 """A real-engine-shaped inference server: an 8B-shaped Llama decoder (transformers + torch), issue 12 item 3.
 
     python engines/engine_llama.py weights DIR              write deterministic bf16 weights once (safetensors)
-    python engines/engine_llama.py serve DIR --socket PATH [--log FILE] [--hydration SOCKET]
-        load, warm up (compile + CUDA graphs), serve. With --hydration the weights live in a
+    python engines/engine_llama.py serve DIR --socket PATH [--log FILE] [--hydration SOCKET] [--stack-bytes N]
+        load, warm up (compile + CUDA graphs), serve. Without --hydration the weights are plain torch tensors
+        (what an engine that does not cooperate holds). --stack-bytes sets the CUDA per-thread stack limit
+        (less local memory reserved per thread: less device state to checkpoint and restore); 0 keeps the
+        driver's. With --hydration the weights live in a
         coldsnap_probe.hydration.WeightArena (a VMM reservation laid out as the safetensors shards' data
         sections, filled from them, parameters are views of it) whose control socket the restore worker
         uses to release the weights before capture and hydrate them after restore; with --hydrator SOCKET
@@ -232,15 +235,23 @@ class _Streamer:
         pass
 
 
-def serve(directory: str, socket_path: str, hydration: str = "", hydrator: str = "") -> None:
+def serve(directory: str, socket_path: str, hydration: str = "", hydrator: str = "", stack_bytes: int = 0) -> None:
     try:
-        _serve(directory, socket_path, hydration, hydrator)
+        _serve(directory, socket_path, hydration, hydrator, stack_bytes)
     except BaseException as exc:
         stage("failed", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-4000:])
         raise
 
 
-def _serve(directory: str, socket_path: str, hydration: str, hydrator: str) -> None:
+def _set_stack_limit(stack_bytes: int) -> None:
+    from cuda.bindings import driver
+
+    (err,) = driver.cuCtxSetLimit(driver.CUlimit.CU_LIMIT_STACK_SIZE, stack_bytes)
+    if int(err):
+        raise RuntimeError(f"cuCtxSetLimit(CU_LIMIT_STACK_SIZE, {stack_bytes}): {err}")
+
+
+def _serve(directory: str, socket_path: str, hydration: str, hydrator: str, stack_bytes: int) -> None:
     stage("process_start", since=T_START)
     import torch
 
@@ -250,7 +261,9 @@ def _serve(directory: str, socket_path: str, hydration: str, hydrator: str) -> N
 
     stage("import_transformers", version=transformers.__version__)
     torch.zeros(1, device="cuda").sum().item()
-    stage("cuda_init", device=torch.cuda.get_device_name(0))
+    if stack_bytes:  # on torch's primary context, before anything compiles or captures a graph
+        _set_stack_limit(stack_bytes)
+    stage("cuda_init", device=torch.cuda.get_device_name(0), stack_bytes=stack_bytes)
     arena = None
     if hydration:
         model, arena = _arena_model(directory, hydration, hydrator)
@@ -318,6 +331,7 @@ def main() -> int:
     server.add_argument("--log", default="")
     server.add_argument("--hydration", default="", help="weights in a WeightArena; its control socket")
     server.add_argument("--hydrator", default="", help="hydrate through this HydratorServer socket")
+    server.add_argument("--stack-bytes", type=int, default=0, help="CUDA per-thread stack limit (0: the driver's)")
     launcher = sub.add_parser("launch")
     launcher.add_argument("--pid-floor", type=int, default=512)
     launcher.add_argument("--log", default="")
@@ -333,7 +347,9 @@ def main() -> int:
             parser.error("launch needs an engine command after --")
         launch(argv, args.pid_floor)
     else:
-        serve(args.directory, args.socket, args.hydration, args.hydrator)
+        if args.stack_bytes < 0:
+            parser.error(f"--stack-bytes {args.stack_bytes}: give 0 (the driver's) or a positive byte count")
+        serve(args.directory, args.socket, args.hydration, args.hydrator, args.stack_bytes)
     return 0
 
 
