@@ -16,8 +16,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.helpers import Daemon, Session, running_daemon
 
-__all__ = ("Daemon", "Session", "become_subreaper", "kill_and_reap", "percentile", "process_stats", "running_daemon",
-           "stages", "summary", "table")
+__all__ = ("Daemon", "Session", "become_subreaper", "kill_and_reap", "mode_list", "percentile", "process_stats",
+           "running_daemon", "stages", "summary", "table")
+
+
+def mode_list(text: str, known: Sequence[str]) -> list[str]:
+    """A run's modes, in order, from a comma list; each must be one of `known`, named once."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    if not modes:
+        raise ValueError(f"no mode named: give a comma list of {', '.join(known)}")
+    unknown = [m for m in modes if m not in known]
+    if unknown:
+        raise ValueError(f"unknown mode {', '.join(unknown)}: the modes are {', '.join(known)}")
+    twice = sorted({m for m in modes if modes.count(m) > 1})
+    if twice:
+        raise ValueError(f"mode {', '.join(twice)} named twice: each mode runs once per run")
+    return modes
 
 
 def percentile(samples: Sequence[float], q: float) -> float:

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench._common import mode_list
 from bench.e2e_restore import (
     Driver,
     E2EError,
@@ -80,16 +81,7 @@ DIGEST_CHUNK = 256 << 20  # the images' digest hashes chunks of this size in par
 
 def plan_modes(text: str) -> list[str]:
     """The modes of a run, in order, from a comma list (`interposer,hydrator,full`)."""
-    modes = [m.strip() for m in text.split(",") if m.strip()]
-    if not modes:
-        raise ValueError(f"no mode named: give a comma list of {', '.join(MODES)}")
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        raise ValueError(f"unknown mode {', '.join(unknown)}: the modes are {', '.join(MODES)}")
-    twice = sorted({m for m in modes if modes.count(m) > 1})
-    if twice:
-        raise ValueError(f"mode {', '.join(twice)} named twice: each mode runs once per run")
-    return modes
+    return mode_list(text, MODES)
 
 
 def cluster(mode: str) -> str:

@@ -26,6 +26,7 @@ from typing import Any
 
 import anyio
 
+from bench._common import mode_list
 from bench.e2e_restore import (
     ENGINE,
     PID_FLOOR,
@@ -58,16 +59,7 @@ FAULT_PREFERENCE = ("full-interposer", "adapter", "full")  # the fault cases' im
 
 def plan_modes(text: str) -> list[str]:
     """The paths of a run, in order, from a comma list (`full-interposer,full,adapter-hydrator`)."""
-    modes = [m.strip() for m in text.split(",") if m.strip()]
-    if not modes:
-        raise ValueError(f"no mode named: give a comma list of {', '.join(MODES)}")
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        raise ValueError(f"unknown mode {', '.join(unknown)}: the modes are {', '.join(MODES)}")
-    twice = sorted({m for m in modes if modes.count(m) > 1})
-    if twice:
-        raise ValueError(f"mode {', '.join(twice)} named twice: each path runs once per run")
-    return modes
+    return mode_list(text, MODES)
 
 
 def fault_rank(result: dict[str, Any]) -> int | None:

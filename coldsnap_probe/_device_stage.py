@@ -10,56 +10,37 @@ not digest them, and the interposer's sampled read-back compares the device with
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
 from . import jsonline
 from .errors import ChannelError
-from .hydration import DeviceDump
+from .hydration import DeviceDump, StageRequest
 
 __all__ = ("DeviceStage",)
 
 
-class DeviceStage:
+class DeviceStage(StageRequest):
     """One process's stage: asked at once (a thread), adopted after the CUDA restore, discarded on failure."""
 
     def __init__(self, hydrator: str, dump: DeviceDump, directory: Path) -> None:
-        self.hydrator, self.key = hydrator, dump.manifest_digest
+        self.key = dump.manifest_digest
         self.parts = [{"file": str(directory / s.file), "bytes": s.size} for s in dump.segments]
         self.bytes = dump.bytes
         self.device_uuid = dump.regions[0].device_uuid
-        self.report: dict[str, Any] = {}
-        self.ticket = ""  # the hydrator's, for the adopt: kept out of the report
-        self._lock = threading.Lock()  # exactly one of the thread and discard() sends the discard
-        self._finished = self._discarded = False
-        self._thread = threading.Thread(target=self._run, name="coldsnap-device-stage", daemon=True)
-        self._thread.start()
+        super().__init__(hydrator, "coldsnap-device-stage")
 
-    def _run(self) -> None:
-        started = time.perf_counter()
-        try:
-            answer = jsonline.request(self.hydrator, {"op": "stage-dump", "key": self.key, "parts": self.parts,
-                                                      "device_uuid": self.device_uuid}, timeout=600.0)
-            self.ticket = str(answer.get("ticket", ""))
-            self.report = {k: v for k, v in answer.items() if k not in ("ok", "ticket")} if answer.get("ok") else {
-                "staged": False, "error": str(answer.get("error"))}
-        except Exception as exc:  # staging is an optimisation: the regular hydration still runs
-            self.report = {"staged": False, "error": f"{type(exc).__name__}: {exc}"}
-        self.report["worker_s"] = time.perf_counter() - started
-        with self._lock:
-            self._finished = True
-            discarded = self._discarded
-        if discarded:  # the restore failed while this stage was being filled
-            self._send_discard()
+    def _ask(self) -> dict[str, Any]:
+        return jsonline.request(self.hydrator, {"op": "stage-dump", "key": self.key, "parts": self.parts,
+                                                "device_uuid": self.device_uuid}, timeout=600.0)
+
+    def _discard(self) -> dict[str, Any]:
+        return {"op": "discard", "key": self.key, "ticket": self.ticket}
 
     def adopt(self, timeout: float = 600.0) -> int | None:
         """The staged allocation as a descriptor (the caller closes it), or None (`report` says why)."""
-        self._thread.join(timeout)
-        if self._thread.is_alive() or not self.report.get("staged"):
+        if not self.wait(timeout) or not self.report.get("staged"):
             self.report.setdefault("error", "still staging")
             return None
         try:
@@ -75,16 +56,3 @@ class DeviceStage:
             self.report["adopt_error"] = str(answer.get("error") or "no descriptor")
             return None
         return fds[0]
-
-    def discard(self) -> None:
-        """After a failed restore: the hydrator frees what will not be adopted (it would expire anyway)."""
-        with self._lock:
-            self._discarded = True
-            finished = self._finished
-        if finished:
-            self._send_discard()
-
-    def _send_discard(self) -> None:
-        if self.report.get("staged"):
-            with contextlib.suppress(ChannelError):
-                jsonline.request(self.hydrator, {"op": "discard", "key": self.key, "ticket": self.ticket}, timeout=5.0)

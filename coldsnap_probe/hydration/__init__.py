@@ -65,6 +65,7 @@ from ._interposer import interposer_socket as interposer_socket
 from ._interposer import library_path as library_path
 from ._interposer import remove_dump as remove_dump
 from ._interposer import verification as verification
+from ._staging import StageRequest as StageRequest
 from ._weights import HydrationManifest as HydrationManifest
 from ._weights import WeightRegion as WeightRegion
 from ._weights import check_sources as check_sources
@@ -77,6 +78,7 @@ __all__ = (
     "DeviceDump",
     "HydrationManifest",
     "HydratorServer",
+    "StageRequest",
     "Stager",
     "WeightArena",
     "WeightRegion",

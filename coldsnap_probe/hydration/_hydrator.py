@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import hmac
 import json
 import os
@@ -10,14 +9,14 @@ import secrets
 import socket
 import stat
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from .. import jsonline
-from ..errors import ChannelError, HydrationError
+from ..errors import HydrationError
+from ._staging import StageRequest
 from ._vmm import (
     Mapped,
     copy_registered,
@@ -417,7 +416,7 @@ def _stage_key(message: dict[str, Any]) -> str:
     return key
 
 
-class Stager:
+class Stager(StageRequest):
     """The restore worker's side of staging: while CRIU and CUDA restore the engine, the hydrator named in the
     manifest fills an allocation for it on the engine's GPU, which the engine then adopts when asked to hydrate.
 
@@ -426,51 +425,19 @@ class Stager:
 
     def __init__(self, manifest: HydrationManifest) -> None:
         self.manifest = manifest
-        self.report: dict[str, Any] = {}
-        self.ticket = ""  # the hydrator's, for the engine's adopt: kept out of the report
-        self._lock = threading.Lock()  # exactly one of the thread and discard() sends the discard
-        self._finished = self._discarded = False
-        self._thread = threading.Thread(target=self._run, name="coldsnap-stage", daemon=True)
-        self._thread.start()
+        super().__init__(manifest.hydrator, "coldsnap-stage")
 
-    def _run(self) -> None:
+    def _ask(self) -> dict[str, Any]:
         from .._cuda import Driver
 
-        started = time.perf_counter()
-        try:
-            driver = Driver()
-            driver.call("cuInit", 0)
-            uuid = device_uuid(driver, self.manifest.device)
-            answer = jsonline.request(self.manifest.hydrator,
-                                      self.manifest.stage_request("stage", device_uuid=uuid), timeout=600.0)
-            self.ticket = str(answer.get("ticket", ""))
-            self.report = {k: v for k, v in answer.items() if k not in ("ok", "ticket")} if answer.get("ok") else {
-                "staged": False, "error": str(answer.get("error"))}
-        except Exception as exc:  # staging is an optimisation: the regular hydration still runs
-            self.report = {"staged": False, "error": f"{type(exc).__name__}: {exc}"}
-        self.report["worker_s"] = time.perf_counter() - started
-        with self._lock:
-            self._finished = True
-            discarded = self._discarded
-        if discarded:  # the restore failed while this stage was being filled
-            self._send_discard()
+        driver = Driver()
+        driver.call("cuInit", 0)
+        uuid = device_uuid(driver, self.manifest.device)
+        return jsonline.request(self.hydrator, self.manifest.stage_request("stage", device_uuid=uuid), timeout=600.0)
+
+    def _discard(self) -> dict[str, Any]:
+        return self.manifest.stage_request("discard", ticket=self.ticket)
 
     def result(self, timeout: float = 600.0) -> dict[str, Any]:
         """Wait for the stage request's answer (the hydrator serves it before the engine's adopt)."""
-        self._thread.join(timeout)
-        return self.report if not self._thread.is_alive() else {"staged": False, "error": "still staging"}
-
-    def discard(self) -> None:
-        """After a failed restore: the hydrator frees what no engine will adopt (it would expire anyway). Never
-        waits for a stage still being filled: that thread discards it when its answer comes."""
-        with self._lock:
-            self._discarded = True
-            finished = self._finished
-        if finished:
-            self._send_discard()
-
-    def _send_discard(self) -> None:
-        if self.report.get("staged"):
-            with contextlib.suppress(ChannelError):
-                jsonline.request(self.manifest.hydrator, self.manifest.stage_request("discard", ticket=self.ticket),
-                                 timeout=5.0)
+        return self.report if self.wait(timeout) else {"staged": False, "error": "still staging"}
