@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import signal
 import stat
 import subprocess
@@ -99,10 +100,21 @@ def readlink(path: str) -> str:
         return ""
 
 
+def criu_environment(criu: str) -> dict[str, str]:
+    """The environment CRIU runs in, its version check included (so both load the same libraries): a CRIU kept
+    with its own libraries (the capsule's /opt/coldsnap/criu/{bin,lib}, or an unpacked package's
+    usr/{sbin,lib/<multiarch>} beside the binary) finds them ahead of the caller's LD_LIBRARY_PATH."""
+    prefix = Path(criu).resolve().parent.parent
+    multiarch = f"{platform.machine()}-linux-gnu"
+    found = [str(d) for d in (prefix / "lib", prefix / "lib" / multiarch) if any(d.glob("*.so*"))]
+    inherited = os.environ.get("LD_LIBRARY_PATH", "")
+    return {**os.environ, "LD_LIBRARY_PATH": ":".join([*found, *([inherited] if inherited else [])])}
+
+
 def run_criu(criu: str, args: list[str], log: Path) -> float:
     started = time.perf_counter()
     done = subprocess.run([criu, *args, "--log-file", str(log), "-v4"], capture_output=True, text=True,
-                          check=False)
+                          check=False, env=criu_environment(criu))
     if done.returncode != 0:
         raise WorkerError(f"criu {args[0]} exited {done.returncode}: {(done.stderr or '').strip()}\n{tail(log)}")
     return time.perf_counter() - started

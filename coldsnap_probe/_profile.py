@@ -7,25 +7,15 @@ import platform
 import shutil
 import subprocess
 import time
-from pathlib import Path
 from typing import Any
 
 from ._cache import boot_id
 from ._canaries import checkpoint_report, checkpoint_results, fresh_state, ipc_canary, known_negatives, vmm_canary
 from ._features import CRIU_PROBE
 from ._model import FeatureResult, Profile
+from ._process import criu_environment
 
 __all__ = ("build_profile", "criu_identity", "identity")
-
-
-def _criu_library_path(path: str) -> str:
-    """The loader path for a CRIU kept with its own libraries: the capsule's /opt/coldsnap/criu/{bin,lib} or an
-    unpacked package's usr/{sbin,lib/<multiarch>} beside the binary, ahead of the caller's."""
-    prefix = Path(path).resolve().parent.parent
-    multiarch = f"{platform.machine()}-linux-gnu"
-    found = [str(d) for d in (prefix / "lib", prefix / "lib" / multiarch) if any(d.glob("*.so*"))]
-    inherited = os.environ.get("LD_LIBRARY_PATH", "")
-    return ":".join([*found, *([inherited] if inherited else [])])
 
 
 def criu_identity(criu: str | None = None) -> dict[str, Any]:
@@ -34,7 +24,7 @@ def criu_identity(criu: str | None = None) -> dict[str, Any]:
     path = shutil.which(criu or "criu")
     if path is None:
         return {"installed": False, "path": criu or "criu"}
-    env = {**os.environ, "LD_LIBRARY_PATH": _criu_library_path(path)}
+    env = criu_environment(path)
     try:
         done = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=5, check=False, env=env)
         return {"installed": True, "path": path, "version": (done.stdout or done.stderr).strip(),

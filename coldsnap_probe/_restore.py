@@ -28,7 +28,7 @@ from ._cuda import Driver
 from ._device_memory import DumpRecord, hydrate_devices, prefetch_dumps, stages_for, validated_dumps
 from ._device_stage import DeviceStage
 from ._engine import ABORT_POLL, engine_request, resume_engine, validated_graph_record
-from ._process import process_state, process_tree, require_state, run_criu, stop, tail
+from ._process import criu_environment, process_state, process_tree, require_state, run_criu, stop, tail
 from ._profile import identity
 from ._reports import HydratedWeights, RestoredGraphPolicy, RestoreReport
 from .errors import ProbeError, RankAborted, WorkerError
@@ -302,7 +302,7 @@ def _start_lazy_pages(criu: str, images: Path, work: Path) -> subprocess.Popen[b
     log = work / "lazy-pages.log"
     daemon = subprocess.Popen([criu, "lazy-pages", "--images-dir", str(images), "--work-dir", str(work),
                                "--log-file", str(log), "-v4"], stdin=subprocess.DEVNULL,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=criu_environment(criu))
     give_up = time.monotonic() + LAZY_PAGES_START_S
     while not listening.exists():
         if daemon.poll() is not None:

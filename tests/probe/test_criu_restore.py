@@ -309,3 +309,18 @@ def test_a_forked_child_s_copy_on_write_memory_comes_back_with_its_huge_pages(tm
     finally:
         end(control, pid)
         assert gone_within(child, 10), f"the restored child {child} outlived its parent"
+
+
+def test_the_worker_runs_a_criu_kept_with_its_libraries_as_its_version_check_does(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (review): `criu --version` ran with CRIU's own library directory but the dump and restore with
+    the caller's environment, so the two could load different libraries. Both use `criu_environment` now."""
+    from coldsnap_probe._process import criu_environment, run_criu
+    from coldsnap_probe._profile import criu_identity
+
+    assert CRIU is not None
+    monkeypatch.delenv("LD_LIBRARY_PATH", raising=False)
+    libraries = str(CRIU.parent.parent / "lib" / "x86_64-linux-gnu")
+    assert criu_environment(str(CRIU))["LD_LIBRARY_PATH"].split(":")[0] == libraries
+    assert criu_identity(str(CRIU))["version_exit_code"] == 0
+    assert run_criu(str(CRIU), ["check"], tmp_path / "check.log") > 0  # the binary, not a wrapper, runs
