@@ -206,5 +206,18 @@ def control_as(uid: int, state_dir: Path, request: dict[str, Any]) -> dict[str, 
     answer: dict[str, Any] = json.loads(b"".join(chunks))
     return answer
 
+
+def session_as(uid: int, daemon: Daemon, *, hosts: tuple[str, ...] = ("localhost",),
+               prefix: str = "op-as") -> Session:
+    """A session opened by a manager running as `uid` (the control socket is opened to it first)."""
+    os.chmod(daemon.state_dir / "control.sock", 0o666)
+    # the id's last 9 digits keep the session socket's path short (sun_path)
+    answer = control_as(uid, daemon.state_dir, {"operation": "session-open", "session": f"{prefix}-{next_id()[-9:]}",
+                                                "hosts": list(hosts)})
+    assert answer["ok"], answer
+    result = answer["result"]
+    return Session(socket=result["socket"], token=result["token"], session=result["session"])
+
+
 # Non-root managers (server.control_uids/control_gids) need an unprivileged exec.user (issue 24, finding 9).
 EXEC_AS_NOBODY = "[exec]\nuser = 'nobody'\n"

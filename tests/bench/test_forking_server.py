@@ -9,7 +9,6 @@ a capsule) is `bench/serve_faults.py`'s forked-workers case on the H200."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import signal
@@ -24,22 +23,10 @@ import pytest
 
 from coldsnap_probe import image_digest
 from engines.forking_server import ForkingServerError, ask_workers
+from tests.criu import CRIU, alive, criu_wrapper
 from tests.helpers import ROOT
 
 SERVER = ROOT / "engines/forking_server.py"
-
-
-def _criu() -> Path | None:
-    if named := os.environ.get("COLDSNAP_TEST_CRIU"):
-        return Path(named)
-    build = ROOT / "scripts/criu/build"
-    if not build.exists():
-        return None
-    done = subprocess.run(["bash", str(build), "--print-dir"], capture_output=True, text=True, check=False)
-    return Path(done.stdout.strip()) / "usr/sbin/criu" if done.returncode == 0 else None
-
-
-CRIU = _criu() if os.geteuid() == 0 else None
 
 
 def _free_port() -> int:
@@ -48,23 +35,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _alive(pid: int) -> bool:
-    """Runs (a zombie of ours is reaped here and counts as gone)."""
-    try:
-        if os.waitpid(pid, os.WNOHANG)[0] == pid:
-            return False
-    except ChildProcessError:
-        pass
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state not in ("Z", "X")
-
-
 def _gone(pids: list[int], seconds: float = 20.0) -> bool:
     deadline = time.monotonic() + seconds
-    while any(_alive(p) for p in pids):
+    while any(alive(p) for p in pids):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
@@ -138,17 +111,10 @@ def test_asking_a_closed_port_names_the_workers_that_never_answered() -> None:
 
 @pytest.fixture
 def criu_env(tmp_path: Path) -> Iterator[str]:
-    """CRIU behind a wrapper that sets its library path (as the capsule's criu-env does); this process is the
-    subreaper of the restored tree meanwhile, so the test can wait for it."""
     if CRIU is None:
         pytest.skip("needs root and a CRIU (COLDSNAP_TEST_CRIU or scripts/criu/build)")
-    wrapper = tmp_path / "criu-env"
-    wrapper.write_text(f"#!/bin/sh\nLD_LIBRARY_PATH={CRIU.parent.parent / 'lib/x86_64-linux-gnu'} exec {CRIU} \"$@\"\n")
-    wrapper.chmod(0o755)
-    libc = ctypes.CDLL(None)
-    libc.prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
-    yield str(wrapper)
-    libc.prctl(36, 0)
+    with criu_wrapper(tmp_path) as wrapper:
+        yield wrapper
 
 
 def _worker(*args: str) -> subprocess.CompletedProcess[str]:

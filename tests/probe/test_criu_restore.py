@@ -7,7 +7,6 @@ with `scripts/criu/build --print-dir` and skip only when it was never built (or 
 
 from __future__ import annotations
 
-import ctypes
 import difflib
 import json
 import os
@@ -22,38 +21,20 @@ from pathlib import Path
 import pytest
 
 from coldsnap_probe._process import image_digest
+from tests.criu import CRIU, alive, criu_wrapper
 from tests.helpers import ROOT
 
 TARGET_MIB = 512
 THP_FLAGS = frozenset({"hg", "nh"})  # smaps VmFlags of MADV_HUGEPAGE and MADV_NOHUGEPAGE
 
 
-def built_criu() -> Path | None:
-    named = os.environ.get("COLDSNAP_TEST_CRIU")
-    if named:
-        assert os.access(named, os.X_OK), f"COLDSNAP_TEST_CRIU={named} is not an executable: the CRIU build is missing"
-        return Path(named)
-    done = subprocess.run(["bash", str(ROOT / "scripts/criu/build"), "--print-dir"], capture_output=True, text=True,
-                          check=False)
-    return Path(done.stdout.strip()) / "usr/sbin/criu" if done.returncode == 0 else None
-
-
-CRIU = built_criu() if os.geteuid() == 0 else None
 pytestmark = pytest.mark.skipif(CRIU is None, reason="needs root and scripts/criu/build's CRIU")
 
 
 @pytest.fixture
 def criu(tmp_path: Path) -> Iterator[str]:
-    """The built CRIU behind a wrapper that sets its library path, as the capsule's criu-env does; this process
-    is the subreaper of the restored trees meanwhile."""
-    assert CRIU is not None
-    wrapper = tmp_path / "criu-env"
-    wrapper.write_text(f"#!/bin/sh\nLD_LIBRARY_PATH={CRIU.parent.parent / 'lib/x86_64-linux-gnu'} exec {CRIU} \"$@\"\n")
-    wrapper.chmod(0o755)
-    libc = ctypes.CDLL(None)
-    libc.prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
-    yield str(wrapper)
-    libc.prctl(36, 0)
+    with criu_wrapper(tmp_path) as wrapper:
+        yield wrapper
 
 
 def worker(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -148,20 +129,6 @@ def verified(control: Path, prefix: str = "") -> dict[str, object]:
     (control / f"{prefix}verify").touch()
     result: dict[str, object] = json.loads(wait_file(control / f"{prefix}result"))
     return result
-
-
-def alive(pid: int) -> bool:
-    """Runs (a zombie of ours is reaped here and counts as gone)."""
-    try:
-        if os.waitpid(pid, os.WNOHANG)[0] == pid:
-            return False
-    except ChildProcessError:
-        pass
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state not in ("Z", "X")
 
 
 def end(control: Path, pid: int) -> None:

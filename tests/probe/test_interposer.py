@@ -136,11 +136,15 @@ def listening(library: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def raw(path: str, payload: bytes) -> dict[str, Any]:
+def raw(path: str, payload: bytes, fd: int | None = None) -> dict[str, Any]:
+    """One exchange with `payload` as sent (and `fd` riding with it, SCM_RIGHTS), read to EOF."""
     with socket.socket(socket.AF_UNIX) as sock:
         sock.settimeout(10)
         sock.connect(path)
-        sock.sendall(payload)
+        if fd is None:
+            sock.sendall(payload)
+        else:
+            socket.send_fds(sock, [payload], [fd])
         sock.shutdown(socket.SHUT_WR)
         data = b""
         while part := sock.recv(65536):
@@ -352,19 +356,6 @@ def test_a_hydration_the_engines_refuse_fails_the_restore_naming_each_process(li
         assert request(first_socket, {"op": "status"})["gate"] == "open"
 
 
-def raw_with_fd(path: str, payload: bytes, fd: int) -> dict[str, Any]:
-    with socket.socket(socket.AF_UNIX) as sock:
-        sock.settimeout(10)
-        sock.connect(path)
-        socket.send_fds(sock, [payload], [fd])
-        sock.shutdown(socket.SHUT_WR)
-        data = b""
-        while part := sock.recv(65536):
-            data += part
-    answer: dict[str, Any] = json.loads(data)
-    return answer
-
-
 @pytest.mark.parametrize(("payload", "error"), [
     pytest.param(b'{"op": "status"}\n', "only a hydrate request may carry a descriptor", id="status-with-fd"),
     pytest.param(b'{"op": "hydrate"}\n', "comes with its size (`bytes`, decimal)", id="no-size"),
@@ -377,7 +368,7 @@ def test_a_descriptor_rides_only_with_a_staged_hydration_and_is_never_kept(engin
     marker = tmp_path / "passed-descriptor"
     marker.write_bytes(b"")
     with open(marker, "rb") as held:
-        answer = raw_with_fd(path, payload, held.fileno())
+        answer = raw(path, payload, held.fileno())
     assert answer["ok"] is False and error in answer["error"], answer
     held_there = []
     for fd in os.listdir(f"/proc/{proc.pid}/fd"):

@@ -26,7 +26,7 @@ from coldsnap_provider._logging import ADMISSION_KEYS
 from coldsnap_provider._policy import Policy, PolicyRefused
 from coldsnap_runtime.schema import WorkloadRun, WorkloadSpec
 from tests.conftest import docker
-from tests.helpers import EXEC_AS_NOBODY, ROOT, Daemon, Session, control_as, next_id, running_daemon
+from tests.helpers import EXEC_AS_NOBODY, ROOT, Session, control_as, next_id, running_daemon, session_as
 
 NOBODY = 65534
 OTHER = 65533  # a second non-root manager (any uid: the control socket checks SO_PEERCRED, not passwd)
@@ -43,16 +43,6 @@ def container_exists(name: str) -> bool:
 def inspect(name: str) -> dict[str, Any]:
     data: list[dict[str, Any]] = json.loads(docker("container", "inspect", name).stdout)
     return data[0]
-
-
-def session_as(uid: int, daemon: Daemon) -> Session:
-    """A session opened by a manager running as `uid` (its socket is reachable by root too)."""
-    os.chmod(daemon.state_dir / "control.sock", 0o666)
-    answer = control_as(uid, daemon.state_dir, {"operation": "session-open", "session": uniq("op-pol"),
-                                                "hosts": ["localhost"]})
-    assert answer["ok"], answer
-    result = answer["result"]
-    return Session(socket=result["socket"], token=result["token"], session=result["session"])
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ import anyio
 import pytest
 
 from tests.conftest import Registry, docker
-from tests.helpers import EXEC_AS_NOBODY, ROOT, Session, control_as, running_daemon
+from tests.helpers import EXEC_AS_NOBODY, ROOT, Session, running_daemon, session_as
 
 _NOBODY = 65534
 
@@ -637,14 +637,8 @@ async def test_policy_is_enforced_for_remote_hosts_too(node_b: NodeB, busybox_im
               + '[policy.profiles.tenant]\nmount_roots = ["/srv/coldsnap"]\n'
               + f'[[policy.assign]]\nuids = [{_NOBODY}, {_NOBODY - 1}]\nprofile = "tenant"\n')
     async with running_daemon(config) as daemon:
-        os.chmod(daemon.state_dir / "control.sock", 0o666)
-
         def session(uid: int) -> Session:
-            answer = control_as(uid, daemon.state_dir, {"operation": "session-open", "session": f"op-rp-{uid}",
-                                                        "hosts": ["node-b"]})
-            assert answer["ok"], answer
-            return Session(socket=answer["result"]["socket"], token=answer["result"]["token"],
-                           session=answer["result"]["session"])
+            return session_as(uid, daemon, hosts=("node-b",), prefix="op-rp")
 
         owner, other = session(_NOBODY), session(_NOBODY - 1)
         try:
@@ -680,14 +674,8 @@ async def test_policy_refuses_a_restricted_manager_the_remote_ssh_user(node_b: N
               + "[policy.profiles.trusted]\nremote_ssh_user = true\n"
               + f'[[policy.assign]]\nuids = [{_NOBODY - 1}]\nprofile = "trusted"\n')
     async with running_daemon(config) as daemon:
-        os.chmod(daemon.state_dir / "control.sock", 0o666)
-
         def session(uid: int) -> Session:
-            answer = control_as(uid, daemon.state_dir, {"operation": "session-open", "session": f"op-rs-{uid}",
-                                                        "hosts": ["node-b"]})
-            assert answer["ok"], answer
-            return Session(socket=answer["result"]["socket"], token=answer["result"]["token"],
-                           session=answer["result"]["session"])
+            return session_as(uid, daemon, hosts=("node-b",), prefix="op-rs")
 
         capsule, trusted = session(_NOBODY), session(_NOBODY - 1)
         rule = ("host node-b runs it as that node's SSH user, who controls its container engine (root there); "
