@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Protocol
 import structlog
 
 from coldsnap_runtime import RuntimeContext, dispatch
-from coldsnap_runtime.backend import KubernetesBackend
 from coldsnap_runtime.errors import BackendError, RequestRejected
 from coldsnap_runtime.schema import RuntimeRequest, RuntimeResponse, WorkloadCopyFrom
 
@@ -28,6 +27,8 @@ from ._envelope import Exec, Upload
 from ._errors import ConfigError
 
 if TYPE_CHECKING:
+    from coldsnap_runtime.backend import KubernetesBackend
+
     from ._exec import ExecResult
     from ._huggingface import HuggingfaceClient
 
@@ -104,6 +105,8 @@ class KubernetesHosts:
                  copy_max_bytes: int | None = None) -> None:
         self._work_dir = state_dir / "kubernetes"
         self._nodes = {}
+        if configs:  # the client and aiohttp load only for a daemon that has Kubernetes hosts
+            from coldsnap_runtime.backend import KubernetesBackend
         for config in configs:
             for host in config.hosts:
                 backend = KubernetesBackend(
