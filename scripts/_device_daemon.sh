@@ -12,10 +12,12 @@ start_docker() {
     (LD_LIBRARY_PATH=$D/usr/lib/dk setsid dockerd --data-root $D/data --exec-root $D/exec --pidfile $D/docker.pid \
         -H unix://$D/docker.sock --iptables=false --bridge=none >$D/dockerd.log 2>&1 &)
     export DOCKER_HOST=unix://$D/docker.sock
-    for _ in $(seq 60); do docker_ version >/dev/null 2>&1 && break; sleep 0.5; done
-    docker_ version --format 'engine {{.Server.Version}} api {{.Server.APIVersion}}'
+    python3 scripts/_docker_api.py $D/docker.sock wait
 }
 
+# The docker CLI, for the scripts that run containers by hand (device-gpus): the full bundle has it; the slim one
+# (the bundle without it, small enough to carry with the serving wheels: `xz -dc docker-min.tar.xz | tar --delete
+# usr/bin/docker | xz -T0 -9 > slim.tar.xz`, renamed docker-min.tar.xz) does not.
 docker_() { LD_LIBRARY_PATH=$D/usr/lib/dk command docker "$@"; }
 
 # capsule_context DIR [--worker]: a capsule build context (busybox, CRIU, and with --worker coldsnap_probe)
@@ -60,8 +62,8 @@ save_scrape() {
 }
 
 stop_all() {
-    docker_ images --format '{{.Repository}}:{{.Tag}} {{.Size}}'
-    echo "containers left: $(docker_ ps -aq | wc -l)"
+    python3 scripts/_docker_api.py $D/docker.sock images
+    echo "containers left: $(python3 scripts/_docker_api.py $D/docker.sock containers)"
     kill -TERM $SERVE; wait $SERVE; echo "serve exit $?"  # (not in a pipeline: $SERVE is this shell's child)
     kill -TERM "$(cat $D/docker.pid)" 2>/dev/null
     for _ in $(seq 40); do [ -e "$D/docker.pid" ] || break; sleep 0.25; done
