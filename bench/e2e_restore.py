@@ -303,13 +303,14 @@ async def start_serving(d: Driver, image: str, layout: Layout, name: str, *, hyd
 
 
 async def start_hydrator(d: Driver, image: str, layout: Layout, name: str) -> dict[str, Any]:
-    """The node's long-lived hydrator (coldsnap_probe.hydration serve): the shards page-locked once, then it
-    copies them into a restored engine's exported weight allocation. Started before the cold engine; its
-    start is not part of any Docker-to-first-token (it serves every restore on the node)."""
+    """The node's long-lived hydrator (coldsnap_probe.hydration serve --staging): the shards page-locked once;
+    while CRIU restores an engine it fills an allocation that the engine then adopts (else it copies them into
+    the restored engine's exported weight allocation). Started before the cold engine; its start is not part of
+    any Docker-to-first-token (it serves every restore on the node)."""
     await d.expect(f"evicting {name}", "workload-remove", name=name)
     shards = sorted(p.name for p in layout.weights.glob("*.safetensors"))
     spec = layout.unit(name, image, entrypoint=layout.python, command=[
-        "-m", "coldsnap_probe.hydration", "serve", "--socket", f"{RUN}/hydrator.sock",
+        "-m", "coldsnap_probe.hydration", "serve", "--staging", "--socket", f"{RUN}/hydrator.sock",
         *(f"{WEIGHTS}/{s}" for s in shards)])
     created = time.time()
     await d.expect(f"starting the hydrator {name}", "workload-run", workload=spec)
