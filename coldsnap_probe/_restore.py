@@ -87,6 +87,7 @@ class _Restore:
     def phases(self) -> None:
         self._validate()
         self._agree()
+        self.timeline.mark("validated")  # what the checks before CRIU cost (identity, dumps, sources)
         if self.manifest is not None and self.manifest.hydrator:  # the weights are copied while CRIU restores
             self.stager = Stager(self.manifest)
         prefetch_dumps(self.dumps, self.images)  # device dumps on disk are read ahead meanwhile
