@@ -256,8 +256,12 @@ def request_with_fds(path: str | Path, message: dict[str, Any], *, fds: Sequence
             data = b""
             while True:
                 sock.settimeout(max(0.001, deadline - time.monotonic()))
-                part, more, _flags, _addr = socket.recv_fds(sock, 1 << 20, 4)
+                # Room for a whole answer's descriptors: the kernel closes those that do not fit (MSG_CTRUNC).
+                part, more, flags, _addr = socket.recv_fds(sock, 1 << 20, MAX_ANSWER_FDS)
                 received += more
+                if flags & socket.MSG_CTRUNC:
+                    raise ChannelError(f"channel {path}: an answer's message carried over {MAX_ANSWER_FDS} "
+                                       "descriptors")
                 if not part:
                     break
                 data += part

@@ -445,7 +445,8 @@ static void answer_one(int conn, char *line, char *out, size_t room, struct rece
         snprintf(error, sizeof(error), "`allocations` must count the staged allocations in decimal, 1 to %zu (this "
                  "process's regions)", got->room);
         refuse(out, room, "hydrate", error);
-    } else if (want > 0 && read_pages(conn, (size_t)want, after, got, deadline, error, sizeof(error)) != 0) {
+    } else if (want > 0 && strcmp(req.op, "hydrate") == 0
+               && read_pages(conn, (size_t)want, after, got, deadline, error, sizeof(error)) != 0) {
         refuse(out, room, "hydrate", error);
     } else if (strcmp(req.op, "release") == 0 || strcmp(req.op, "hydrate") == 0) {
         double since = note(req.op, req.dir, NULL, 0);
