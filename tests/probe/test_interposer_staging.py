@@ -211,8 +211,11 @@ int main(int argc, char **argv)
 """
 
 
+Served = tuple[int, str, dict[str, str]]  # the harness's pid, its socket, its descriptors when idle
+
+
 @pytest.fixture(scope="module")
-def pages_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, str, dict[str, str]]]:
+def pages_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """The harness serving, and its descriptors when idle (what every test must find again)."""
     from coldsnap_probe.hydration._interposer import SOURCES
 
@@ -285,7 +288,7 @@ COUNTED = "hydrate: dump directory /nonexistent/dump: No such file"  # every des
     pytest.param(b'{"op": "status", "allocations": "1"}\n', [], 0, "only a hydrate request may carry",
                  id="status-announcing"),
 ])
-def test_the_control_socket_counts_every_descriptor_and_keeps_none(pages_server: tuple[int, str, dict[str, str]], tmp_path: Path,
+def test_the_control_socket_counts_every_descriptor_and_keeps_none(pages_server: Served, tmp_path: Path,
                                                                    line: bytes, pages: list[list[int]],
                                                                    with_line: int, error: str) -> None:
     pid, path, before = pages_server
@@ -299,7 +302,7 @@ def test_the_control_socket_counts_every_descriptor_and_keeps_none(pages_server:
     assert settled(pid, before) == before
 
 
-def test_pages_without_descriptors_are_refused(pages_server: tuple[int, str, dict[str, str]], tmp_path: Path) -> None:
+def test_pages_without_descriptors_are_refused(pages_server: Served, tmp_path: Path) -> None:
     pid, path, before = pages_server
     [fd] = markers(tmp_path, 1)
     try:
@@ -312,7 +315,7 @@ def test_pages_without_descriptors_are_refused(pages_server: tuple[int, str, dic
     assert settled(pid, before) == before
 
 
-def test_a_peer_that_leaves_midway_leaves_nothing_and_the_next_one_is_served(pages_server: tuple[int, str, dict[str, str]],
+def test_a_peer_that_leaves_midway_leaves_nothing_and_the_next_one_is_served(pages_server: Served,
                                                                             tmp_path: Path) -> None:
     pid, path, before = pages_server
     fds = markers(tmp_path, 3)
@@ -325,7 +328,7 @@ def test_a_peer_that_leaves_midway_leaves_nothing_and_the_next_one_is_served(pag
     assert jsonline.request(path, {"op": "status"}, timeout=10)["released"] is True
 
 
-def test_the_worker_sends_its_descriptors_in_pages_of_16(pages_server: tuple[int, str, dict[str, str]], tmp_path: Path) -> None:
+def test_the_worker_sends_its_descriptors_in_pages_of_16(pages_server: Served, tmp_path: Path) -> None:
     """jsonline's `page`: the line alone, then pages; the interposer takes what the worker sends (here three)."""
     from coldsnap_probe._device_memory import INTERPOSER_PAGE
 
