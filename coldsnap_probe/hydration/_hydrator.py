@@ -70,8 +70,9 @@ class HydratorServer:
     `stage` (from a restore worker, before its CRIU restore; only with `staging`, see `serve --staging`)
     allocates and fills one on the hydrator's GPU while the engine is still being restored, kept under the
     manifest's digest for `stage_ttl` seconds (at most STAGE_MAX at once, never leaving less than STAGE_RESERVE
-    free); `adopt` (from the restored engine) hands that allocation over as a descriptor, so the engine only
-    maps it; `discard` frees one that will not be adopted; `status` lists what is staged.
+    free); `stage-dump` does the same from a CUDA interposer's device dump, one allocation per region; `adopt`
+    (from the restored engine) hands the allocations over as descriptors, ADOPT_PAGE an answer, so the engine
+    only maps them; `discard` frees a stage that will not be adopted; `status` lists what is staged.
 
     Who may ask what (a hydrator may serve several tenants): the socket is 0600 (0660 with a group) and only
     the peers `peers` admits are answered (SO_PEERCRED); a `hydrate` or `stage` gets a source's bytes only for
