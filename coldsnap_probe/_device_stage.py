@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from . import jsonline
-from .errors import ChannelError
+from .errors import ChannelError, HydrationError
 from .hydration import ADOPT_PAGE, DeviceDump, StageRequest
 
 __all__ = ("DeviceStage",)
@@ -52,7 +52,7 @@ class DeviceStage(StageRequest):
         try:
             while len(taken) < len(self.sizes):
                 taken += self._page(len(taken))
-        except (ChannelError, ValueError) as exc:
+        except (ChannelError, HydrationError) as exc:
             for fd in taken:
                 os.close(fd)
             self.report["adopt_error"] = str(exc)
@@ -60,7 +60,8 @@ class DeviceStage(StageRequest):
         return taken
 
     def _page(self, first: int) -> list[int]:
-        """The descriptors of the page at `first` (ValueError, nothing left open, unless exactly the regions')."""
+        """The descriptors of the page at `first` (HydrationError, nothing left open, unless exactly the
+        regions')."""
         answer, fds = jsonline.request_with_fds(self.hydrator, {"op": "adopt", "key": self.key, "ticket": self.ticket,
                                                                 "parts": self.parts, "first": first}, timeout=60.0)
         expected = self.sizes[first:first + ADOPT_PAGE]
@@ -73,5 +74,5 @@ class DeviceStage(StageRequest):
         if problem:
             for fd in fds:
                 os.close(fd)
-            raise ValueError(problem)
+            raise HydrationError(f"adopt: {problem}")
         return fds
