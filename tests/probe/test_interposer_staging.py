@@ -159,6 +159,8 @@ def test_the_worker_takes_every_page_in_order(regions: tuple[Path, list[Path]]) 
     pytest.param(lambda first: (({"ok": True, "first": 0, "count": 20, "sizes": [2 * MIB] * 16}, range(16))
                                 if first == 0 else ({"ok": False, "error": "expired"}, range(2))), "expired",
                  id="refused-midway"),
+    pytest.param(lambda first: ({"ok": True, "first": first, "count": 20, "sizes": [2 * MIB] * 16}, range(17)),
+                 "an answer's message carried over 16 descriptors", id="over-16-in-an-answer"),
 ])
 def test_a_page_that_does_not_fit_leaves_nothing_open(regions: tuple[Path, list[Path]], answer: Any,
                                                       error: str) -> None:
