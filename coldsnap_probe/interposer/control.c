@@ -28,10 +28,12 @@
 #include <unistd.h>
 
 #include "cscu.h"
+#include "dump.h"
 
 #define MAX_LINE 65536
 #define FIELD 4096
 #define PAGE_FDS 16     /* descriptors one page may carry (the worker's INTERPOSER_PAGE) */
+#define STAGED_MAX 4096 /* descriptors one request may bring: the node hydrator's STAGE_ALLOCATIONS */
 #define REQUEST_S 30    /* seconds a connection has for its request line and its pages */
 
 static pthread_mutex_t start_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -43,7 +45,7 @@ static char released_dir[FIELD];
 struct request { char op[32]; char dir[FIELD]; char policy[32]; char verify[32]; char allocations[24]; int has_dir; };
 
 /* The descriptors a connection brought, in arrival order. Invariant: every one is in `fds` (closed by `forget`)
- * or was closed on arrival (`dropped`: beyond `room`, the most this process could take: its region count). */
+ * or was closed on arrival (`dropped`: beyond STAGED_MAX, or when `fds` could not grow). */
 struct received { int *fds; size_t count, room, dropped; int truncated; };
 
 /* --- a flat JSON object ----------------------------------------------------------------------------------- */
@@ -204,18 +206,13 @@ static long announced(const struct request *req, size_t most)
     return *end || req->allocations[0] == '-' || value == 0 || value > most ? -1 : (long)value;
 }
 
-static double monotonic(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
-}
-
 /* A release or hydration says on the engine's stderr when it starts and how it ended (one line each): a slow or
  * stuck one is visible in the engine's log even when its asker has given up. */
 static double note(const char *op, const char *dir, const char *out, double since)
 {
-    double now = monotonic();
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    double now = (double)t.tv_sec + (double)t.tv_nsec / 1e9;
     if (!out)
         fprintf(stderr, "coldsnap-cuda: %s (%s): started, %d copy threads, %zu-byte staging buffers\n", op,
                 dir[0] ? dir : "the released dump", cscu_config()->threads, cscu_config()->staging);
@@ -308,8 +305,7 @@ static void dispatch(const struct request *req, const struct received *got, char
 }
 
 /* --- the socket --------------------------------------------------------------------------------------------- */
-/* The answer's room; `*regions`: how many descriptors this process could take (its regions, at least one). */
-static size_t answer_room(size_t *regions)
+static size_t answer_room(void)
 {
     size_t count, segments = 0;
     cscu_regions_lock();
@@ -317,12 +313,19 @@ static size_t answer_room(size_t *regions)
     for (size_t i = 0; i < count; i++)
         segments += r[i].size / CSCU_SEGMENT + 1;
     cscu_regions_unlock();
-    *regions = count ? count : 1;
     return CSCU_ANSWER + count * 512 + segments * 256;  /* a region's manifest entry, a segment's */
 }
 
 static void keep(struct received *got, int fd)
 {
+    if (got->count == got->room && got->room < STAGED_MAX) {  /* grown as they come: 16, 32, ... STAGED_MAX */
+        size_t room = got->room ? got->room * 2 : PAGE_FDS;
+        int *grown = realloc(got->fds, room * sizeof(int));
+        if (grown) {
+            got->fds = grown;
+            got->room = room;
+        }
+    }
     if (got->count < got->room) {
         got->fds[got->count++] = fd;
     } else {
@@ -366,7 +369,7 @@ static ssize_t receive(int conn, char *buffer, size_t size, struct received *got
 /* Wait at most until `deadline` (and at least 10 ms) for the next receive. */
 static void receive_by(int conn, double deadline)
 {
-    double left = deadline - monotonic();
+    double left = deadline - cscu_now();
     struct timeval timeout = {(time_t)left, (suseconds_t)((left - (double)(time_t)left) * 1e6)};
     if (left < 0.01)
         timeout = (struct timeval){0, 10000};
@@ -385,7 +388,7 @@ static int read_pages(int conn, size_t want, size_t pages, struct received *got,
                      got->count + got->dropped, PAGE_FDS);
             return -1;
         }
-        if (monotonic() >= deadline) {
+        if (cscu_now() >= deadline) {
             snprintf(error, room, "%zu of the %zu announced descriptors arrived within %d s", got->count + got->dropped,
                      want, REQUEST_S);
             return -1;
@@ -416,7 +419,7 @@ static long read_line(int conn, char *line, struct received *got, double deadlin
     size_t n = 0;
     ssize_t got_bytes = 0;
     char *end;
-    while (n < MAX_LINE && !memchr(line, '\n', n) && monotonic() < deadline) {
+    while (n < MAX_LINE && !memchr(line, '\n', n) && cscu_now() < deadline) {
         receive_by(conn, deadline);
         if ((got_bytes = receive(conn, line + n, MAX_LINE - n, got)) <= 0)
             break;
@@ -435,19 +438,23 @@ static void answer_one(int conn, char *line, char *out, size_t room, struct rece
     char error[512];
     struct request req;
     size_t after = 0;
-    double deadline = monotonic() + REQUEST_S;
+    double deadline = cscu_now() + REQUEST_S;
     long want, length = read_line(conn, line, got, deadline, &after);
     if (length < 0) {
         refuse(out, room, "request", length == -2 ? "longer than 65536 bytes" : "not one newline-terminated line");
     } else if (parse(line, &req, error, sizeof(error)) != 0) {
         refuse(out, room, "request", error);
-    } else if ((want = announced(&req, got->room)) < 0) {
-        snprintf(error, sizeof(error), "`allocations` must count the staged allocations in decimal, 1 to %zu (this "
-                 "process's regions)", got->room);
+    } else if ((want = announced(&req, STAGED_MAX)) < 0) {
+        snprintf(error, sizeof(error), "`allocations` must count the staged allocations in decimal, 1 to %d",
+                 STAGED_MAX);
         refuse(out, room, "hydrate", error);
     } else if (want > 0 && strcmp(req.op, "hydrate") == 0
                && read_pages(conn, (size_t)want, after, got, deadline, error, sizeof(error)) != 0) {
         refuse(out, room, "hydrate", error);
+    } else if (got->dropped) {
+        snprintf(error, sizeof(error), "%zu descriptor(s) could not be kept (at most %d a request)", got->dropped,
+                 STAGED_MAX);
+        refuse(out, room, "request", error);
     } else if (strcmp(req.op, "release") == 0 || strcmp(req.op, "hydrate") == 0) {
         double since = note(req.op, req.dir, NULL, 0);
         dispatch(&req, got, out, room);
@@ -460,16 +467,15 @@ static void answer_one(int conn, char *line, char *out, size_t room, struct rece
 
 static void serve_one(int conn)
 {
-    size_t regions, room = answer_room(&regions);
+    size_t room = answer_room();
     char *line = calloc(1, MAX_LINE + 1), *out = calloc(1, room), error[512];
-    struct received got = {calloc(regions, sizeof(int)), 0, regions, 0, 0};
+    struct received got = {NULL, 0, 0, 0, 0};
     struct ucred peer;
     socklen_t length = sizeof(peer);
     struct timeval timeout = {REQUEST_S, 0};
-    if (!line || !out || !got.fds) {
+    if (!line || !out) {
         free(line);
         free(out);
-        free(got.fds);
         return;
     }
     setsockopt(conn, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
