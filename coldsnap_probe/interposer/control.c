@@ -198,12 +198,15 @@ static void refuse(char *out, size_t room, const char *phase, const char *why)
 /* The staged allocations the asker announced (`allocations`, decimal, 1 to `most`), 0 when absent, or -1. */
 static long announced(const struct request *req, size_t most)
 {
-    char *end = NULL;
-    unsigned long long value;
+    unsigned long long value = 0;
     if (!req->allocations[0])
         return 0;
-    value = strtoull(req->allocations, &end, 10);
-    return *end || req->allocations[0] == '-' || value == 0 || value > most ? -1 : (long)value;
+    for (const char *p = req->allocations; *p; p++) {  /* digits only: no sign, space or exponent */
+        if (*p < '0' || *p > '9' || value > most)
+            return -1;
+        value = value * 10 + (unsigned long long)(*p - '0');
+    }
+    return value == 0 || value > most ? -1 : (long)value;
 }
 
 /* A release or hydration says on the engine's stderr when it starts and how it ended (one line each): a slow or

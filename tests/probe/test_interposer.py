@@ -361,6 +361,9 @@ def test_a_hydration_the_engines_refuse_fails_the_restore_naming_each_process(li
     pytest.param(b'{"op": "hydrate"}\n', "come with their count (`allocations`, decimal)", id="no-count"),
     pytest.param(b'{"op": "hydrate", "allocations": "12x"}\n', "`allocations` must count", id="bad-count"),
     pytest.param(b'{"op": "hydrate", "allocations": "0"}\n', "`allocations` must count", id="zero-count"),
+    pytest.param(b'{"op": "hydrate", "allocations": "+1"}\n', "`allocations` must count", id="signed-count"),
+    pytest.param(b'{"op": "hydrate", "allocations": "99999999999999999999999"}\n', "`allocations` must count",
+                 id="huge-count"),
     pytest.param(b'{"op": "hydrate", "allocations": "1"}\n', "nothing is released", id="nothing-released"),
 ])
 def test_a_descriptor_rides_only_with_a_staged_hydration_and_is_never_kept(engine: tuple[Any, str], payload: bytes,
