@@ -37,6 +37,7 @@ __all__ = ("RECORD", "DeviceRelease", "hydrate_devices", "prefetch_dumps", "stag
 
 RECORD = "device-memory.json"
 RECORD_KIND = "coldsnap-device-memory"
+INTERPOSER_PAGE = 16  # descriptors per page to the interposer's control socket (control.c's PAGE_FDS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,19 +200,22 @@ def stages_for(records: list[DumpRecord], images: Path) -> dict[int, DeviceStage
 
 
 def _staged(record: DumpRecord, stage: DeviceStage, directory: Path, policy: str) -> dict[str, Any] | None:
-    """The interposer maps what the hydrator staged; None when there is nothing to map or it refused (then the
+    """The interposer maps what the hydrator staged (one allocation per released region, passed in pages of
+    INTERPOSER_PAGE descriptors on one connection); None when there is nothing to map or it refused (then the
     regular hydration runs: a refused adoption leaves the regions released, the gate closed)."""
-    fd = stage.adopt()
-    if fd is None:
+    fds = stage.adopt()
+    if fds is None:
         return None
     try:
         answer = jsonline.request(record.socket, {"op": "hydrate", "dir": str(directory), "policy": policy,
-                                                  "bytes": str(record.dump.bytes)}, fds=[fd], timeout=600.0)
+                                                  "allocations": str(len(fds))}, fds=fds, page=INTERPOSER_PAGE,
+                                  timeout=600.0)
     except ProbeError as exc:
         stage.report["adopt_error"] = str(exc)
         return None
     finally:
-        os.close(fd)  # the regions' mappings hold the allocation now
+        for fd in fds:
+            os.close(fd)  # the regions' mappings hold the allocations now
     if not answer.get("ok"):
         stage.report["adopt_error"] = str(answer.get("error"))
         return None

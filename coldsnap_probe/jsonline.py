@@ -27,14 +27,15 @@ from typing import Any
 
 from .errors import ChannelError
 
-__all__ = ("MAX_REQUEST", "REQUEST_TIMEOUT", "Answer", "LineServer", "Peer", "Peers", "listen", "read_line",
-           "read_request", "request", "request_with_fds", "send", "send_line")
+__all__ = ("MAX_ANSWER_FDS", "MAX_REQUEST", "PAGE_MARK", "REQUEST_TIMEOUT", "Answer", "LineServer", "Peer", "Peers",
+           "listen", "read_line", "read_request", "request", "request_with_fds", "send", "send_line")
 
 MAX_REQUEST = 1 << 20  # bytes of one request line (regions lists stay far below it)
 REQUEST_TIMEOUT = 30.0  # seconds a connection has to send its whole request
 # An answer read by a root worker may come from an engine's socket (its hydration or interposer control):
 # bounded in bytes (a 70B engine's device dump manifest is a few MiB) and in descriptors.
 MAX_ANSWER, MAX_ANSWER_FDS = 64 << 20, 16
+PAGE_MARK = b"."  # the byte a page of descriptors rides with, after a request line (`send`'s `page`)
 _CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 _CLOSED_ERRNOS = frozenset({errno.EBADF, errno.EINVAL, errno.ENOTSOCK})  # accept on a closed/shut listener
 
@@ -219,22 +220,29 @@ def send_line(sock: socket.socket, value: dict[str, Any]) -> None:
     send(sock, json.dumps(value).encode() + b"\n")
 
 
-def send(sock: socket.socket, payload: bytes, fds: Sequence[int] = ()) -> None:
-    """All of `payload`, the descriptors with its first bytes (one sendmsg may send only part)."""
+def send(sock: socket.socket, payload: bytes, fds: Sequence[int] = (), *, page: int = 0) -> None:
+    """All of `payload`, the descriptors with its first bytes (one sendmsg may send only part); with `page`,
+    the payload alone, then the descriptors in pages of at most `page`, each riding with one byte `PAGE_MARK`
+    (a server that reads a bounded number per message: the CUDA interposer's control socket)."""
+    if page:
+        sock.sendall(payload)
+        for first in range(0, len(fds), page):
+            socket.send_fds(sock, [PAGE_MARK], list(fds[first:first + page]))
+        return
     sent = socket.send_fds(sock, [payload], list(fds)) if fds else 0
     sock.sendall(payload[sent:])
 
 
-def request(path: str | Path, message: dict[str, Any], *, fds: Sequence[int] = (),
+def request(path: str | Path, message: dict[str, Any], *, fds: Sequence[int] = (), page: int = 0,
             timeout: float = 300.0) -> dict[str, Any]:
-    """One JSON request to the socket at `path`; its JSON answer (read to EOF)."""
-    answer, received = request_with_fds(path, message, fds=fds, timeout=timeout)
+    """One JSON request to the socket at `path` (`fds` sent as `send` does); its JSON answer (read to EOF)."""
+    answer, received = request_with_fds(path, message, fds=fds, page=page, timeout=timeout)
     for fd in received:
         os.close(fd)
     return answer
 
 
-def request_with_fds(path: str | Path, message: dict[str, Any], *, fds: Sequence[int] = (),
+def request_with_fds(path: str | Path, message: dict[str, Any], *, fds: Sequence[int] = (), page: int = 0,
                      timeout: float = 300.0) -> tuple[dict[str, Any], list[int]]:
     """`request`, also returning the descriptors the answer carried (the caller closes them). `timeout` bounds
     the whole exchange, not each read: a peer trickling bytes holds the asker no longer than a silent one."""
@@ -244,12 +252,16 @@ def request_with_fds(path: str | Path, message: dict[str, Any], *, fds: Sequence
         sock.settimeout(timeout)
         try:
             sock.connect(str(path))
-            send(sock, json.dumps(message).encode() + b"\n", fds)
+            send(sock, json.dumps(message).encode() + b"\n", fds, page=page)
             data = b""
             while True:
                 sock.settimeout(max(0.001, deadline - time.monotonic()))
-                part, more, _flags, _addr = socket.recv_fds(sock, 1 << 20, 4)
+                # Room for a whole answer's descriptors: the kernel closes those that do not fit (MSG_CTRUNC).
+                part, more, flags, _addr = socket.recv_fds(sock, 1 << 20, MAX_ANSWER_FDS)
                 received += more
+                if flags & socket.MSG_CTRUNC:
+                    raise ChannelError(f"channel {path}: an answer's message carried over {MAX_ANSWER_FDS} "
+                                       "descriptors")
                 if not part:
                     break
                 data += part

@@ -46,13 +46,15 @@ manifest and `check_dump` its checks.
 
 Where each part lives (this subpackage): `_weights.py` (regions, digests, sources, the manifest; no
 CUDA), `_vmm.py` (CUDA virtual memory and the copy engines), `_arena.py` (the engine's `WeightArena` and
-its control socket), `_hydrator.py` (the node's `HydratorServer` and the worker's `Stager`) and
+its control socket), `_hydrator.py` (the node's `HydratorServer` and the worker's `Stager`),
+`_peer_files.py` (what a hydrator's peer may have read: the permission rule, a stage-dump's parts) and
 `__main__.py` (the hydrator's command line); the socket protocol and peer checks are
 `coldsnap_probe/jsonline.py`. Every socket here is 0600 from its creation and answers only admitted
 peers (SO_PEERCRED); see `HydratorServer` for what each peer may touch.
 """
 
 from ._arena import WeightArena as WeightArena
+from ._hydrator import ADOPT_PAGE as ADOPT_PAGE
 from ._hydrator import HydratorServer as HydratorServer
 from ._hydrator import Stager as Stager
 from ._interposer import ENV_HYDRATOR as ENV_HYDRATOR
@@ -74,6 +76,7 @@ from ._weights import combine_digests as combine_digests
 from ._weights import region_digest as region_digest
 
 __all__ = (
+    "ADOPT_PAGE",
     "ENV_HYDRATOR",
     "DeviceDump",
     "HydrationManifest",

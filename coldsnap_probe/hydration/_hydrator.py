@@ -7,7 +7,6 @@ import json
 import os
 import secrets
 import socket
-import stat
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -16,6 +15,7 @@ from typing import Any
 
 from .. import jsonline
 from ..errors import HydrationError
+from ._peer_files import DumpLayout, dump_layout, open_dump_parts, readable_by
 from ._staging import StageRequest
 from ._vmm import (
     Mapped,
@@ -29,12 +29,12 @@ from ._vmm import (
 )
 from ._weights import HydrationManifest, WeightRegion, validate_regions
 
-__all__ = ("STAGE_MAX", "STAGE_RESERVE", "STAGE_TTL", "HydratorServer", "Stager")
+__all__ = ("ADOPT_PAGE", "STAGE_MAX", "STAGE_RESERVE", "STAGE_TTL", "HydratorServer", "Stager")
 
 STAGE_TTL = 120.0  # seconds a staged allocation waits for its engine before the hydrator frees it
 STAGE_MAX = 4  # staged allocations a hydrator holds at once
 STAGE_RESERVE = 1 << 30  # device bytes staging leaves free (the engine's restored state needs them)
-DUMP_ALIGN = 2 << 20  # a device dump's parts are whole VMM regions: multiples of the allocation granularity
+ADOPT_PAGE = jsonline.MAX_ANSWER_FDS  # descriptors one `adopt` answer carries (a stage of more takes pages)
 DUMP_THREADS, DUMP_CHUNK = 16, 8 << 20  # the ring a dump is read through (page-locked per stage: 256 MiB)
 
 
@@ -42,7 +42,7 @@ DUMP_THREADS, DUMP_CHUNK = 16, 8 << 20  # the ring a dump is read through (page-
 class _Staged:
     """An allocation the hydrator filled ahead of its engine's restore (see HydratorServer)."""
 
-    handle: Any
+    handles: tuple[Any, ...]  # one allocation, or one per region of a device dump, mapped back to back
     base: int
     size: int
     regions: tuple[WeightRegion, ...]
@@ -51,48 +51,16 @@ class _Staged:
     expires: float
     owner: int  # the uid of the peer that staged it: its `status` lists it, another uid cannot stage over it
     ticket: str  # a secret answered to the stager only (never in a report), which hands it to its engine
-    dump: bool = False  # filled from an interposer's device dump (`stage-dump`), not from the held sources
+    layout: DumpLayout = ()  # a device dump's parts as the stager named them (`stage-dump`); () for weights
+    sizes: tuple[int, ...] = ()  # each allocation's bytes, in handles' order
+    # Invariant: the pages [0, taken) were handed out by `adopt`; the stage is dropped with the last page.
+    taken: int = 0
 
     def held_by(self, ticket: object) -> bool:
         """Adopting or discarding a stage takes its ticket: the engine may run as another uid than the worker
         that staged for it, and the worker gives the ticket only to it (over the engine's 0600 socket)."""
         given = ticket.encode("utf-8", "surrogatepass") if isinstance(ticket, str) else b""
         return bool(given) and hmac.compare_digest(given, self.ticket.encode())
-
-
-def readable_by(path: str, st: os.stat_result, peer: jsonline.Peer, *, search: bool | None = None) -> bool:
-    """Whether `peer` could open the file `path` (`st`: the held file's status) itself: read permission on
-    it and search permission on every directory above it, as the kernel checks mode bits for one uid and
-    gid. The hydrator hands out a source's bytes only to a peer that could read them anyway; a world-readable
-    file in another tenant's 0700 directory is not readable by the others. With `search` given, only `st`
-    itself is checked (search permission of a held directory, or read permission of a held file): the caller
-    walked the path by descriptors."""
-    if peer.uid == 0:
-        return True
-    if search is not None:
-        return _permits(st, peer, *((stat.S_IXUSR, stat.S_IXGRP, stat.S_IXOTH) if search else
-                                    (stat.S_IRUSR, stat.S_IRGRP, stat.S_IROTH)))
-    if not _permits(st, peer, stat.S_IRUSR, stat.S_IRGRP, stat.S_IROTH):
-        return False
-    directory = os.path.dirname(path)
-    while True:
-        try:
-            above = os.stat(directory)
-        except OSError:
-            return False
-        if not _permits(above, peer, stat.S_IXUSR, stat.S_IXGRP, stat.S_IXOTH):
-            return False
-        if directory == os.path.dirname(directory):
-            return True
-        directory = os.path.dirname(directory)
-
-
-def _permits(st: os.stat_result, peer: jsonline.Peer, user: int, group: int, other: int) -> bool:
-    if st.st_uid == peer.uid:
-        return bool(st.st_mode & user)
-    if st.st_gid == peer.gid:
-        return bool(st.st_mode & group)
-    return bool(st.st_mode & other)
 
 
 class HydratorServer:
@@ -102,8 +70,9 @@ class HydratorServer:
     `stage` (from a restore worker, before its CRIU restore; only with `staging`, see `serve --staging`)
     allocates and fills one on the hydrator's GPU while the engine is still being restored, kept under the
     manifest's digest for `stage_ttl` seconds (at most STAGE_MAX at once, never leaving less than STAGE_RESERVE
-    free); `adopt` (from the restored engine) hands that allocation over as a descriptor, so the engine only
-    maps it; `discard` frees one that will not be adopted; `status` lists what is staged.
+    free); `stage-dump` does the same from a CUDA interposer's device dump, one allocation per region; `adopt`
+    (from the restored engine) hands the allocations over as descriptors, ADOPT_PAGE an answer, so the engine
+    only maps them; `discard` frees a stage that will not be adopted; `status` lists what is staged.
 
     Who may ask what (a hydrator may serve several tenants): the socket is 0600 (0660 with a group) and only
     the peers `peers` admits are answered (SO_PEERCRED); a `hydrate` or `stage` gets a source's bytes only for
@@ -196,20 +165,28 @@ class HydratorServer:
             jobs.append((region.address - base, src.address + region.offset, region.size))
         return base, size, regions, jobs
 
-    def _fill(self, handle: Any, size: int, copy: Callable[[int], object]) -> float:
-        """Map `handle` here, `copy` into it (given the mapped address), unmap; the copy's seconds."""
+    def _fill(self, allocations: Sequence[tuple[Any, int]], copy: Callable[[int], object]) -> float:
+        """Map `allocations` ((handle, bytes)) back to back in one range here, `copy` into it (given the range's
+        address), unmap; the copy's seconds. Each is mapped whole at offset 0 of its own (cuMemMap's offset must
+        be zero), so the copy sees one contiguous range however many allocations there are."""
         cu, d = self.driver.cuda, self.driver
-        va = 0
+        size = sum(n for _, n in allocations)
+        va, mapped = 0, []
         try:
             va = int(cucall(d, "cuMemAddressReserve", size, 0, 0, 0))
-            cucall(d, "cuMemMap", va, size, 0, handle, 0)
-            map_read_write(d, va, size, 0)
+            at = va
+            for handle, n in allocations:
+                cucall(d, "cuMemMap", at, n, 0, handle, 0)
+                mapped.append((at, n))
+                map_read_write(d, at, n, 0)
+                at += n
             started = time.perf_counter()
             copy(va)
             return time.perf_counter() - started
         finally:
+            for at, n in mapped:
+                cu.cuMemUnmap(at, n)
             if va:
-                cu.cuMemUnmap(va, size)
                 cu.cuMemAddressFree(va, size)
 
     def _pinned(self, jobs: Sequence[tuple[int, int, int]]) -> Callable[[int], object]:
@@ -223,7 +200,7 @@ class HydratorServer:
         started = time.perf_counter()
         handle = cucall(self.driver, "cuMemImportFromShareableHandle", fd, fd_handle(self.driver))
         try:
-            copy_s = self._fill(handle, size, self._pinned(jobs))
+            copy_s = self._fill([(handle, size)], self._pinned(jobs))
         finally:
             self.driver.cuda.cuMemRelease(handle)
         return {"ok": True, "import_map_s": time.perf_counter() - started - copy_s, "copy_s": copy_s,
@@ -244,32 +221,37 @@ class HydratorServer:
 
     def _stage_into(self, key: str, earlier: _Staged | None, peer: jsonline.Peer, staged: _Staged,
                     copy: Callable[[int], object], copied: int) -> dict[str, Any]:
-        """Replace `earlier`, allocate `staged.size` bytes (within STAGE_MAX and STAGE_RESERVE), `copy` into them
-        and keep them as `staged` (its handle, timings, expiry, owner and ticket set here) under `key`."""
+        """Replace `earlier`, allocate `staged.size` bytes (within STAGE_MAX and STAGE_RESERVE) as one allocation
+        per `staged.sizes`, `copy` into them and keep them as `staged` (its handles, timings, expiry, owner and
+        ticket set here) under `key`. A failure releases every allocation made."""
         self._discard(key, earlier.ticket if earlier else "")
         self._expire()
         self._room_for(staged.size)
         started = time.perf_counter()
-        handle = cucall(self.driver, "cuMemCreate", staged.size, device_allocation(self.driver, 0, exportable=True),
-                        0)
+        handles: list[Any] = []
         try:
-            copy_s = self._fill(handle, staged.size, copy)
+            prop = device_allocation(self.driver, 0, exportable=True)
+            for n in staged.sizes:
+                handles.append(cucall(self.driver, "cuMemCreate", n, prop, 0))
+            copy_s = self._fill(list(zip(handles, staged.sizes, strict=True)), copy)
         except BaseException:
-            self.driver.cuda.cuMemRelease(handle)
+            for handle in handles:
+                self.driver.cuda.cuMemRelease(handle)
             raise
         stage_s = time.perf_counter() - started
-        self.staged[key] = replace(staged, handle=handle, stage_s=stage_s, copy_s=copy_s,
+        self.staged[key] = replace(staged, handles=tuple(handles), stage_s=stage_s, copy_s=copy_s,
                                    expires=time.monotonic() + self.stage_ttl, owner=peer.uid,
                                    ticket=secrets.token_urlsafe(32))
         return {"ok": True, "staged": True, "stage_s": stage_s, "copy_s": copy_s, "bytes": copied,
-                "ticket": self.staged[key].ticket}
+                "allocations": len(handles), "ticket": self.staged[key].ticket}
 
     def _stage(self, message: dict[str, Any], peer: jsonline.Peer) -> dict[str, Any]:
         """Allocate and fill ahead of the engine's restore; refused for an engine on another GPU. The answer's
         `ticket` is what the engine presents to adopt it."""
         key, earlier = self._stage_slot(message, peer)
         base, size, regions, jobs = self._jobs(message, peer)
-        return self._stage_into(key, earlier, peer, _Staged(None, base, size, regions, 0.0, 0.0, 0.0, 0, ""),
+        return self._stage_into(key, earlier, peer, _Staged((), base, size, regions, 0.0, 0.0, 0.0, 0, "",
+                                                            sizes=(size,)),
                                 self._pinned(jobs), sum(n for _, _, n in jobs))
 
     def _room_for(self, size: int) -> None:
@@ -281,14 +263,17 @@ class HydratorServer:
                                  f"bytes (at least {STAGE_RESERVE} stay free)")
 
     def _stage_dump(self, message: dict[str, Any], peer: jsonline.Peer) -> dict[str, Any]:
-        """Fill one allocation from an interposer's device dump (docs/interposer.md) while its process is being
-        restored: `parts` are (file, bytes) in the order the interposer maps them back, each file read whole
-        through a ring of page-locked buffers. Only files `peer` could read itself, on this hydrator's GPU."""
+        """Fill one allocation per released region from an interposer's device dump (docs/interposer.md) while
+        its process is being restored: `parts` are (file, bytes, region) in the order the interposer maps them
+        back (`dump_layout`), each file read whole through a ring of page-locked buffers into the allocations
+        mapped back to back. Only files `peer` could read itself, on this hydrator's GPU."""
         key, earlier = self._stage_slot(message, peer)
-        parts, fds = _open_dump_parts(message.get("parts"), peer)
-        size = sum(r.size for r in parts)
+        layout, sizes = dump_layout(message.get("parts"))
+        parts, fds = open_dump_parts(layout, peer)
+        size = sum(sizes)
         try:
-            return self._stage_into(key, earlier, peer, _Staged(None, 0, size, parts, 0.0, 0.0, 0.0, 0, "", dump=True),
+            return self._stage_into(key, earlier, peer, _Staged((), 0, size, parts, 0.0, 0.0, 0.0, 0, "",
+                                                                layout=layout, sizes=sizes),
                                     lambda va: copy_ring(self.driver, self.context, parts, lambda r: va + r.address,
                                                          threads=DUMP_THREADS, chunk=DUMP_CHUNK, direct=False,
                                                          opened=fds), size)
@@ -297,24 +282,38 @@ class HydratorServer:
                 os.close(fd)
 
     def _adopt(self, message: dict[str, Any], peer: jsonline.Peer) -> jsonline.Answer:
-        """Hand a staged allocation to its engine as a descriptor; the hydrator keeps no reference to it."""
+        """Hand a stage's allocations to its engine as descriptors, ADOPT_PAGE at a time from `first` (default 0):
+        the answer says `first` and `count` (all of the stage's). The stage stays until its last page is taken
+        (or its TTL ends); a page may be asked again until then (a retry), never one beyond the next. Handing
+        out the last page drops the stage: the descriptors keep the allocations alive."""
         key = _stage_key(message)
         staged = self.staged.get(key)
         if staged is None or not staged.held_by(message.get("ticket")):  # another's: as if absent
             return {"ok": False, "staged": False, "error": f"nothing is staged for {key}"}
-        if staged.dump:  # another layout leaves the stage alone
-            if _dump_parts(message.get("parts"), peer) != staged.regions:
-                raise HydrationError("the staged allocation was filled from another dump")
+        first = _first_page(message.get("first", 0), len(staged.handles), staged.taken)
+        if staged.layout:  # another layout leaves the stage alone
+            if dump_layout(message.get("parts"))[0] != staged.layout:
+                raise HydrationError("the staged allocations were filled from another dump")
         else:
             base, size, regions, _jobs = self._jobs(message, peer)
             if (base, size, regions) != (staged.base, staged.size, staged.regions):
                 raise HydrationError("the staged allocation was filled for another layout")
-        del self.staged[key]
+        page = staged.handles[first:first + ADOPT_PAGE]
+        fds: list[int] = []
         try:
-            fd = int(cucall(self.driver, "cuMemExportToShareableHandle", staged.handle, fd_handle(self.driver), 0))
-        finally:
-            self.driver.cuda.cuMemRelease(staged.handle)  # the descriptor keeps the allocation alive
-        return {"ok": True, "staged": True, "stage_s": staged.stage_s, "copy_s": staged.copy_s}, [fd]
+            for handle in page:
+                fds.append(int(cucall(self.driver, "cuMemExportToShareableHandle", handle, fd_handle(self.driver),
+                                      0)))
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        if first + len(page) == len(staged.handles):
+            self._free(key)  # the descriptors keep the allocations alive
+        else:
+            staged.taken = max(staged.taken, first + len(page))
+        return {"ok": True, "staged": True, "stage_s": staged.stage_s, "copy_s": staged.copy_s, "first": first,
+                "count": len(staged.handles), "sizes": list(staged.sizes[first:first + len(page)])}, fds
 
     def _discard(self, key: str, ticket: object) -> bool:
         staged = self.staged.get(key)
@@ -324,7 +323,8 @@ class HydratorServer:
         return True
 
     def _free(self, key: str) -> None:
-        self.driver.cuda.cuMemRelease(self.staged.pop(key).handle)
+        for handle in self.staged.pop(key).handles:
+            self.driver.cuda.cuMemRelease(handle)
 
     def _expire(self) -> None:
         """Free what no engine adopted in time (a restore that failed after its worker staged)."""
@@ -333,78 +333,13 @@ class HydratorServer:
             self._free(key)
 
 
-def _dump_parts(value: Any, peer: jsonline.Peer) -> tuple[WeightRegion, ...]:
-    """`_open_dump_parts` for a comparison (an adopt names the dump it expects): the regions, nothing held open."""
-    parts, fds = _open_dump_parts(value, peer)
-    for fd in fds.values():
-        os.close(fd)
-    return parts
-
-
-def _open_dump_parts(value: Any, peer: jsonline.Peer) -> tuple[tuple[WeightRegion, ...], dict[str, int]]:
-    """A `stage-dump` request's parts as regions of the staged allocation (address: the offset in it): each a
-    whole regular file (not a link) `peer` could read, holding at least its bytes, in order, sizes multiples of
-    2 MiB; and
-    each file open (by resolved path), so that the copy reads the very file checked, not what the path names
-    by then (the peer may own a directory on it and swap a symlink or a FIFO in)."""
-    if not isinstance(value, list) or not value:
-        raise HydrationError("parts must be a non-empty list of {file, bytes}")
-    parts: list[WeightRegion] = []
-    fds: dict[str, int] = {}
-    at = 0
-    try:
-        for index, part in enumerate(value):
-            if not isinstance(part, dict) or set(part) != {"file", "bytes"} or not isinstance(part["file"], str) \
-                    or not isinstance(part["bytes"], int) or isinstance(part["bytes"], bool) or part["bytes"] <= 0 \
-                    or part["bytes"] % DUMP_ALIGN or not os.path.isabs(part["file"]):
-                raise HydrationError(f"part {index} must be {{file: an absolute path, bytes: a positive multiple "
-                                     f"of {DUMP_ALIGN}}}")
-            # The directory resolved (links above the dump are the node's own), the file itself never a link:
-            # the dump's directory belongs to the engine, which may plant one there.
-            real = os.path.join(os.path.realpath(os.path.dirname(part["file"])), os.path.basename(part["file"]))
-            if real not in fds:
-                fds[real] = _open_readable(real, part["file"], part["bytes"], peer)
-            elif os.fstat(fds[real]).st_size < part["bytes"]:
-                raise HydrationError(f"dump file {part['file']} is not a regular file of at least {part['bytes']} "
-                                     f"bytes")
-            parts.append(WeightRegion(f"part-{index}", at, part["bytes"], real, 0, ""))
-            at += part["bytes"]
-    except BaseException:
-        for fd in fds.values():
-            os.close(fd)
-        raise
-    return tuple(parts), fds
-
-
-def _open_readable(real: str, named: str, size: int, peer: jsonline.Peer) -> int:
-    """Open `real` (a resolved absolute path) for reading as `peer` could: one component at a time, never
-    following a link (a link there now was swapped in since `realpath`), each directory searchable by the peer
-    and the file a regular one it may read, of at least `size` bytes; opened O_PATH first, so that no FIFO
-    or device is ever opened for reading. The descriptor (O_RDONLY)."""
-    names = [n for n in real.split("/") if n]
-    if not names:
-        raise HydrationError(f"dump file {named} is not a regular file of at least {size} bytes")
-    path_flags = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
-    held = os.open("/", path_flags | os.O_DIRECTORY)
-    try:
-        for index, name in enumerate(names):
-            if not readable_by("/", os.fstat(held), peer, search=True):
-                raise HydrationError(f"peer uid {peer.uid} may not read {named}")
-            flags = path_flags | (os.O_DIRECTORY if index < len(names) - 1 else 0)
-            try:
-                opened = os.open(name, flags, dir_fd=held)
-            except OSError as exc:
-                raise HydrationError(f"dump file {named}: {exc.strerror} (at {name})") from exc
-            os.close(held)
-            held = opened
-        st = os.fstat(held)
-        if not stat.S_ISREG(st.st_mode) or st.st_size < size:
-            raise HydrationError(f"dump file {named} is not a regular file of at least {size} bytes")
-        if not readable_by("/", st, peer, search=False):
-            raise HydrationError(f"peer uid {peer.uid} may not read {named}")
-        return os.open(f"/proc/self/fd/{held}", os.O_RDONLY | os.O_CLOEXEC)  # the same inode, for reading
-    finally:
-        os.close(held)
+def _first_page(value: Any, count: int, taken: int) -> int:
+    """An `adopt` request's `first`: a multiple of ADOPT_PAGE below `count`, at most `taken` (the next page)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value % ADOPT_PAGE or value >= count \
+            or value > taken:
+        raise HydrationError(f"first must be a multiple of {ADOPT_PAGE} below the stage's {count} allocation(s) and "
+                             f"at most the next page ({taken}), not {value!r:.40}")
+    return value
 
 
 def _stage_key(message: dict[str, Any]) -> str:

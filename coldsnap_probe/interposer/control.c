@@ -5,6 +5,14 @@
  * (SO_PEERCRED); anyone else gets {"ok":false,...}. A request is one flat JSON object of at most 64 KiB,
  * read within 30 s; unknown keys, wrong types and unknown operations are refused and change nothing.
  * One connection at a time: a release or a hydration is never concurrent with another.
+ *
+ * Descriptors (SCM_RIGHTS) ride only with a `hydrate` that announces them (`allocations`: the allocations a node
+ * hydrator staged, one per released region, in region order): they come with the request line and after it in
+ * pages, each one byte with at most PAGE_FDS descriptors (a larger page is refused: the kernel closes what does
+ * not fit), until as many as announced arrived, within the request's 30 s. Every descriptor received is closed
+ * before the answer, whatever happened: one over the announced count, a page cut short, a peer that stops
+ * sending or leaves midway; descriptors sent after the announced count are never received (the kernel drops
+ * them with the connection).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -20,9 +28,13 @@
 #include <unistd.h>
 
 #include "cscu.h"
+#include "dump.h"
 
 #define MAX_LINE 65536
 #define FIELD 4096
+#define PAGE_FDS 16     /* descriptors one page may carry (the worker's INTERPOSER_PAGE) */
+#define STAGED_MAX 4096 /* descriptors one request may bring: the node hydrator's STAGE_ALLOCATIONS */
+#define REQUEST_S 30    /* seconds a connection has for its request line and its pages */
 
 static pthread_mutex_t start_lock = PTHREAD_MUTEX_INITIALIZER;
 static int started;     /* 0: not tried, 1: listening, -1: could not (pass-through for this process's life) */
@@ -30,7 +42,11 @@ static int listener = -1;
 static int released;    /* Invariant: 1 between a release that unmapped anything and the hydrate that succeeds */
 static char released_dir[FIELD];
 
-struct request { char op[32]; char dir[FIELD]; char policy[32]; char verify[32]; char bytes[24]; int has_dir; };
+struct request { char op[32]; char dir[FIELD]; char policy[32]; char verify[32]; char allocations[24]; int has_dir; };
+
+/* The descriptors a connection brought, in arrival order. Invariant: every one is in `fds` (closed by `forget`)
+ * or was closed on arrival (`dropped`: beyond STAGED_MAX, or when `fds` could not grow). */
+struct received { int *fds; size_t count, room, dropped; int truncated; };
 
 /* --- a flat JSON object ----------------------------------------------------------------------------------- */
 static const char *skip(const char *p) { while (*p == ' ' || *p == '\t' || *p == '\r' || *p == '\n') p++; return p; }
@@ -115,8 +131,8 @@ static int parse(const char *line, struct request *req, char *error, size_t room
             strcpy(req->policy, value);
         } else if (strcmp(key, "verify") == 0 && strlen(value) < sizeof(req->verify)) {
             strcpy(req->verify, value);
-        } else if (strcmp(key, "bytes") == 0 && strlen(value) < sizeof(req->bytes)) {
-            strcpy(req->bytes, value);
+        } else if (strcmp(key, "allocations") == 0 && strlen(value) < sizeof(req->allocations)) {
+            strcpy(req->allocations, value);
         } else {
             snprintf(error, room, "unknown key `%.60s`", key);
             return -1;
@@ -179,12 +195,18 @@ static void refuse(char *out, size_t room, const char *phase, const char *why)
     snprintf(out, room, "{\"ok\":false,\"error\":\"%s: %s\"}", phase, quoted);
 }
 
-/* The staged allocation's size the asker announced (`bytes`, decimal), or 0 when absent or malformed. */
-static size_t announced(const struct request *req)
+/* The staged allocations the asker announced (`allocations`, decimal, 1 to `most`), 0 when absent, or -1. */
+static long announced(const struct request *req, size_t most)
 {
-    char *end = NULL;
-    unsigned long long value = req->bytes[0] ? strtoull(req->bytes, &end, 10) : 0;
-    return end && !*end ? (size_t)value : 0;
+    unsigned long long value = 0;
+    if (!req->allocations[0])
+        return 0;
+    for (const char *p = req->allocations; *p; p++) {  /* digits only: no sign, space or exponent */
+        if (*p < '0' || *p > '9' || value > most)
+            return -1;
+        value = value * 10 + (unsigned long long)(*p - '0');
+    }
+    return value == 0 || value > most ? -1 : (long)value;
 }
 
 /* A release or hydration says on the engine's stderr when it starts and how it ended (one line each): a slow or
@@ -204,14 +226,15 @@ static double note(const char *op, const char *dir, const char *out, double sinc
     return now;
 }
 
-static void dispatch(const struct request *req, int fd, char *out, size_t room)
+static void dispatch(const struct request *req, const struct received *got, char *out, size_t room)
 {
-    if (fd >= 0 && strcmp(req->op, "hydrate") != 0) {
-        refuse(out, room, "request", "only a hydrate request may carry a descriptor (a staged allocation)");
+    size_t arrived = got->count + got->dropped;
+    if ((arrived || req->allocations[0]) && strcmp(req->op, "hydrate") != 0) {
+        refuse(out, room, "request", "only a hydrate request may carry descriptors (staged allocations)");
         return;
     }
-    if (fd >= 0 && !announced(req)) {
-        refuse(out, room, "hydrate", "a staged allocation comes with its size (`bytes`, decimal)");
+    if (arrived && !req->allocations[0]) {
+        refuse(out, room, "hydrate", "staged allocations come with their count (`allocations`, decimal)");
         return;
     }
     if (strcmp(req->op, "status") == 0) {
@@ -265,8 +288,8 @@ static void dispatch(const struct request *req, int fd, char *out, size_t room)
             return;
         }
         cscu_regions_lock();
-        if (fd >= 0)  /* a node hydrator filled one allocation while the process was restored: map its parts */
-            cscu_hydrate_staged(req->has_dir ? req->dir : released_dir, policy, fd, announced(req), out, room);
+        if (got->count)  /* a node hydrator filled one allocation per region while the process was restored */
+            cscu_hydrate_staged(req->has_dir ? req->dir : released_dir, policy, got->fds, got->count, out, room);
         else
             cscu_hydrate(req->has_dir ? req->dir : released_dir, policy, strcmp(verify, "digest") == 0, out, room);
         size_t count;
@@ -296,46 +319,168 @@ static size_t answer_room(void)
     return CSCU_ANSWER + count * 512 + segments * 256;  /* a region's manifest entry, a segment's */
 }
 
-/* recv, also taking a descriptor that rides with the bytes (SCM_RIGHTS); a second one is closed. */
-static ssize_t receive(int conn, char *buffer, size_t size, int *fd)
+static void keep(struct received *got, int fd)
 {
-    union { struct cmsghdr align; char space[CMSG_SPACE(sizeof(int) * 4)]; } control;
+    if (got->count == got->room && got->room < STAGED_MAX) {  /* grown as they come: 16, 32, ... STAGED_MAX */
+        size_t room = got->room ? got->room * 2 : PAGE_FDS;
+        int *grown = realloc(got->fds, room * sizeof(int));
+        if (grown) {
+            got->fds = grown;
+            got->room = room;
+        }
+    }
+    if (got->count < got->room) {
+        got->fds[got->count++] = fd;
+    } else {
+        close(fd);
+        got->dropped++;
+    }
+}
+
+static void forget(struct received *got)
+{
+    for (size_t i = 0; i < got->count; i++)
+        close(got->fds[i]);
+    got->count = 0;
+}
+
+/* recv, also taking the descriptors that ride with the bytes (SCM_RIGHTS, at most PAGE_FDS a message) into `got`;
+ * a message that carried more is marked truncated (the kernel closed the ones that did not fit). */
+static ssize_t receive(int conn, char *buffer, size_t size, struct received *got)
+{
+    union { struct cmsghdr align; char space[CMSG_SPACE(sizeof(int) * PAGE_FDS)]; } control;
     struct iovec iov = {buffer, size};
     struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.space,
                          .msg_controllen = sizeof(control.space)};
-    ssize_t got = recvmsg(conn, &msg, MSG_CMSG_CLOEXEC);
-    for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); got >= 0 && c; c = CMSG_NXTHDR(&msg, c)) {
+    ssize_t got_bytes = recvmsg(conn, &msg, MSG_CMSG_CLOEXEC);
+    if (got_bytes < 0)
+        return got_bytes;
+    got->truncated |= (msg.msg_flags & MSG_CTRUNC) != 0;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
         if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
             continue;
         size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
         for (size_t i = 0; i < count; i++) {
-            int received;
-            memcpy(&received, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-            if (*fd < 0)
-                *fd = received;
-            else
-                close(received);
+            int fd;
+            memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+            keep(got, fd);
         }
     }
-    return got;
+    return got_bytes;
+}
+
+/* Wait at most until `deadline` (and at least 10 ms) for the next receive. */
+static void receive_by(int conn, double deadline)
+{
+    double left = deadline - cscu_now();
+    struct timeval timeout = {(time_t)left, (suseconds_t)((left - (double)(time_t)left) * 1e6)};
+    if (left < 0.01)
+        timeout = (struct timeval){0, 10000};
+    setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+}
+
+/* After the request line (`pages` page bytes came with it): the pages until `want` descriptors arrived, by
+ * `deadline`. 0, or -1 with `error` saying what the peer did (its descriptors stay in `got`, for `forget`). */
+static int read_pages(int conn, size_t want, size_t pages, struct received *got, double deadline, char *error,
+                      size_t room)
+{
+    char marks[PAGE_FDS];
+    while (got->count + got->dropped < want && !got->truncated) {
+        if (pages > want) {
+            snprintf(error, room, "%zu pages brought %zu descriptors: a page carries 1 to %d", pages,
+                     got->count + got->dropped, PAGE_FDS);
+            return -1;
+        }
+        if (cscu_now() >= deadline) {
+            snprintf(error, room, "%zu of the %zu announced descriptors arrived within %d s", got->count + got->dropped,
+                     want, REQUEST_S);
+            return -1;
+        }
+        receive_by(conn, deadline);
+        ssize_t n = receive(conn, marks, sizeof(marks), got);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0) {
+            snprintf(error, room, "%zu of the %zu announced descriptors arrived before the peer %s",
+                     got->count + got->dropped, want, n == 0 ? "stopped sending" : "went silent");
+            return -1;
+        }
+        pages += (size_t)n;
+    }
+    if (got->truncated)
+        snprintf(error, room, "a page carried more than %d descriptors", PAGE_FDS);
+    else if (got->count + got->dropped > want)
+        snprintf(error, room, "%zu descriptors arrived, %zu were announced", got->count + got->dropped, want);
+    return got->truncated || got->count + got->dropped > want ? -1 : 0;
+}
+
+/* The request line (descriptors riding with it go to `got`), NUL-terminated in place of its newline: its length,
+ * -1 when the peer sent no newline by the deadline, -2 when not within MAX_LINE bytes. `*after`: the bytes read
+ * past the newline (the first pages). */
+static long read_line(int conn, char *line, struct received *got, double deadline, size_t *after)
+{
+    size_t n = 0;
+    ssize_t got_bytes = 0;
+    char *end;
+    while (n < MAX_LINE && !memchr(line, '\n', n) && cscu_now() < deadline) {
+        receive_by(conn, deadline);
+        if ((got_bytes = receive(conn, line + n, MAX_LINE - n, got)) <= 0)
+            break;
+        n += (size_t)got_bytes;
+    }
+    if (!(end = memchr(line, '\n', n)))
+        return n >= MAX_LINE ? -2 : -1;
+    *end = '\0';
+    *after = n - (size_t)(end - line) - 1;
+    return end - line;
+}
+
+/* Read, check and answer one request into `out`; every descriptor it brought is closed on return. */
+static void answer_one(int conn, char *line, char *out, size_t room, struct received *got)
+{
+    char error[512];
+    struct request req;
+    size_t after = 0;
+    double deadline = cscu_now() + REQUEST_S;
+    long want, length = read_line(conn, line, got, deadline, &after);
+    if (length < 0) {
+        refuse(out, room, "request", length == -2 ? "longer than 65536 bytes" : "not one newline-terminated line");
+    } else if (parse(line, &req, error, sizeof(error)) != 0) {
+        refuse(out, room, "request", error);
+    } else if ((want = announced(&req, STAGED_MAX)) < 0) {
+        snprintf(error, sizeof(error), "`allocations` must count the staged allocations in decimal, 1 to %d",
+                 STAGED_MAX);
+        refuse(out, room, "hydrate", error);
+    } else if (want > 0 && strcmp(req.op, "hydrate") == 0
+               && read_pages(conn, (size_t)want, after, got, deadline, error, sizeof(error)) != 0) {
+        refuse(out, room, "hydrate", error);
+    } else if (got->dropped) {
+        snprintf(error, sizeof(error), "%zu descriptor(s) could not be kept (at most %d a request)", got->dropped,
+                 STAGED_MAX);
+        refuse(out, room, "request", error);
+    } else if (strcmp(req.op, "release") == 0 || strcmp(req.op, "hydrate") == 0) {
+        double since = note(req.op, req.dir, NULL, 0);
+        dispatch(&req, got, out, room);
+        note(req.op, req.dir, out, since);
+    } else {
+        dispatch(&req, got, out, room);
+    }
+    forget(got);  /* a staged allocation stays alive through its mapping, not through its descriptor */
 }
 
 static void serve_one(int conn)
 {
-    char *line = calloc(1, MAX_LINE + 1), error[512];
-    size_t room = answer_room(), n = 0;
-    char *out = calloc(1, room);
+    size_t room = answer_room();
+    char *line = calloc(1, MAX_LINE + 1), *out = calloc(1, room), error[512];
+    struct received got = {NULL, 0, 0, 0, 0};
     struct ucred peer;
     socklen_t length = sizeof(peer);
-    struct timeval timeout = {30, 0};
-    struct request req;
-    int fd = -1;
+    struct timeval timeout = {REQUEST_S, 0};
     if (!line || !out) {
         free(line);
         free(out);
         return;
     }
-    setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
     setsockopt(conn, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
     if (getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &peer, &length) != 0) {
         refuse(out, room, "request", "the peer's credentials cannot be read");
@@ -343,22 +488,8 @@ static void serve_one(int conn)
         snprintf(error, sizeof(error), "peer uid %u gid %u is not allowed on this socket", peer.uid, peer.gid);
         refuse(out, room, "request", error);
     } else {
-        ssize_t got = 0;
-        while (n < MAX_LINE && !memchr(line, '\n', n) && (got = receive(conn, line + n, MAX_LINE - n, &fd)) > 0)
-            n += (size_t)got;
-        if (!memchr(line, '\n', n))
-            refuse(out, room, "request", n >= MAX_LINE ? "longer than 65536 bytes" : "not one newline-terminated line");
-        else if (parse(line, &req, error, sizeof(error)) != 0)
-            refuse(out, room, "request", error);
-        else if (strcmp(req.op, "release") == 0 || strcmp(req.op, "hydrate") == 0) {
-            double since = note(req.op, req.dir, NULL, 0);
-            dispatch(&req, fd, out, room);
-            note(req.op, req.dir, out, since);
-        } else
-            dispatch(&req, fd, out, room);
+        answer_one(conn, line, out, room, &got);
     }
-    if (fd >= 0)
-        close(fd);  /* a staged allocation stays alive through its mappings, not through this descriptor */
     size_t size = strlen(out);
     out[size] = '\n';
     for (size_t sent = 0; sent <= size;) {
@@ -370,9 +501,12 @@ static void serve_one(int conn)
     shutdown(conn, SHUT_WR);
     timeout.tv_sec = 1;
     setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
-    while (recv(conn, line, MAX_LINE, 0) > 0) {}  /* closing with unread input would reset the answer */
+    /* Closing with unread input would reset the answer; recv without a control buffer never installs a
+     * descriptor (the kernel drops what rides with these bytes). */
+    while (recv(conn, line, MAX_LINE, 0) > 0) {}
     free(line);
     free(out);
+    free(got.fds);
 }
 
 static void *serve(void *unused)

@@ -195,10 +195,10 @@ CSCU_HIDDEN int cscu_control_start(void);
  * locked and the gate closed. */
 CSCU_HIDDEN void cscu_release(const char *dir, char *out, size_t room);
 CSCU_HIDDEN void cscu_hydrate(const char *dir, const char *policy, int digests, char *out, size_t room);
-/* Hydrate from one allocation a node hydrator filled (`fd`, exported as a POSIX descriptor, `bytes` long): the
- * released regions are mapped onto consecutive parts of it in table order; then the sampled read-back against
- * the dump in `dir`. The descriptor stays the caller's. */
-CSCU_HIDDEN void cscu_hydrate_staged(const char *dir, const char *policy, int fd, size_t bytes, char *out,
+/* Hydrate from the allocations a node hydrator filled (`fds`, `n` of them, exported as POSIX descriptors): the
+ * k-th is imported and mapped whole at the k-th released region (table order), so `n` must equal the released
+ * regions; then the sampled read-back against the dump in `dir`. The descriptors stay the caller's. */
+CSCU_HIDDEN void cscu_hydrate_staged(const char *dir, const char *policy, const int *fds, size_t n, char *out,
                                      size_t room);
 
 /* --- digests: SHA-256 (libcrypto when present, our own otherwise) ------------------------------------------- */

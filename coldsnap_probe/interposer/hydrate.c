@@ -1,5 +1,5 @@
-/* Hydrate: re-create the released regions at their addresses (or map the parts of an allocation a node hydrator
- * staged), fill them from the dump, verify, and only then let the engine run. A failure (a dump shorter than its
+/* Hydrate: re-create the released regions at their addresses and fill them from the dump (or map at each the
+ * allocation a node hydrator staged and filled for it), verify, and only then let the engine run. A failure (a dump shorter than its
  * manifest, a digest mismatch, another GPU model, out of memory) releases what was created: the regions stay
  * released and the gate closed, nothing half-hydrated runs. */
 #define _GNU_SOURCE
@@ -134,179 +134,189 @@ static int fill_and_check(int *fds, const char *take, int digests, char *error, 
     return 0;
 }
 
-void cscu_hydrate(const char *dir, const char *policy, int digests, char *out, size_t room)
+/* One hydration, from its checks to its answer: shared by the fill (cscu_hydrate) and the adoption of staged
+ * allocations (cscu_hydrate_staged), which differ only in how the released regions get their memory. */
+struct hydration {
+    struct cscu_region *regions;
+    size_t count, bytes, restored;
+    char *take;                 /* per segment: its region is released (filled or adopted now) */
+    char *created;              /* per region: mapped by this hydration (undone on failure) */
+    int *fds, dirfd;
+    double t0, check_s, place_s, fill_s;    /* place: re-create (fill) or import and map (staged) */
+    const char *phase;
+    char error[1024];
+};
+
+/* Open the dump and check it and the devices; 0, or -1 with h->error set (finish() answers either way). */
+static int begin(struct hydration *h, const char *dir, const char *policy)
 {
-    double t0 = cscu_now(), check, create, fill;
-    size_t count, bytes = 0, restored = 0;
-    struct cscu_region *regions = cscu_regions(&count);
-    char error[1024], *take = calloc(cscu_segment_count + 1, 1), *created = calloc(count + 1, 1);
-    int *fds = malloc((cscu_segment_count + 1) * sizeof(int));
-    int dirfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    const char *phase = "hydrate";
-    if (!take || !created || !fds) {
-        snprintf(error, sizeof(error), "out of host memory");
-        goto failed;
+    memset(h, 0, sizeof(*h));
+    h->t0 = cscu_now();
+    h->phase = "hydrate";
+    h->dirfd = -1;
+    h->regions = cscu_regions(&h->count);
+    h->take = calloc(cscu_segment_count + 1, 1);
+    h->created = calloc(h->count + 1, 1);
+    h->fds = malloc((cscu_segment_count + 1) * sizeof(int));
+    if (!h->take || !h->created || !h->fds) {
+        snprintf(h->error, sizeof(h->error), "out of host memory");
+        return -1;
     }
     for (size_t i = 0; i < cscu_segment_count; i++) {
-        fds[i] = -1;
-        take[i] = regions[cscu_segments[i].region].handle == 0;
-        bytes += take[i] ? cscu_segments[i].size : 0;
+        h->fds[i] = -1;
+        h->take[i] = h->regions[cscu_segments[i].region].handle == 0;
+        h->bytes += h->take[i] ? cscu_segments[i].size : 0;
     }
-    if (dirfd < 0) {
-        snprintf(error, sizeof(error), "dump directory %s: %s", dir, strerror(errno));
-        goto failed;
+    if ((h->dirfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC)) < 0) {
+        snprintf(h->error, sizeof(h->error), "dump directory %s: %s", dir, strerror(errno));
+        return -1;
     }
-    if (open_dump(dirfd, dir, fds, take, error, sizeof(error)) != 0
-        || check_devices(policy, error, sizeof(error)) != 0)
-        goto failed;
-    check = cscu_now() - t0;
-    phase = "hydrate: create";
-    for (size_t i = 0; i < count; i++) {
-        CUresult rc;
-        if (regions[i].handle)
-            continue;
-        if ((rc = cscu_driver()->ctx_set_current(regions[i].context)) != CUDA_SUCCESS
-            || (rc = cscu_map(&regions[i])) != CUDA_SUCCESS) {
-            snprintf(error, sizeof(error), "region %#llx (%zu bytes) on %s: %s", regions[i].address, regions[i].size,
-                     regions[i].uuid, cscu_error_name(rc));
-            goto failed;
-        }
-        created[i] = 1;
-        restored++;
-    }
-    create = cscu_now() - t0 - check;
-    phase = "hydrate: fill";
-    if (fill_and_check(fds, take, digests, error, sizeof(error)) != 0)
-        goto failed;
-    fill = cscu_now() - t0 - check - create;
-    phase = "hydrate: verify";
-    if (verify_samples(fds, take, error, sizeof(error)) != 0)
-        goto failed;
-    cscu_close_files(dirfd, fds, 0);
-    free(take);
-    free(created);
-    double total = cscu_now() - t0;
-    snprintf(out, room, "{\"ok\":true,\"report\":{\"bytes\":%zu,\"regions\":%zu,\"segments\":%zu,\"seconds\":%.6f,"
-             "\"gbps\":%.3f,\"check_s\":%.6f,\"create_s\":%.6f,\"fill_s\":%.6f,\"verify_s\":%.6f,\"policy\":\"%s\","
-             "\"verify\":\"%s\",\"digest_engine\":\"%s\",\"threads\":%d}}", bytes, restored, cscu_segment_count, total,
-             fill > 0 ? (double)bytes / fill / 1e9 : 0.0, check, create, fill, total - check - create - fill, policy,
-             digests ? "digest" : "sampled", cscu_sha256_engine(), cscu_config()->threads);
-    return;
-failed:
-    if (created)
-        undo(regions, created, count);  /* nothing half-hydrated stays mapped; the gate stays closed */
-    if (dirfd >= 0)
-        cscu_close_files(dirfd, fds, 0);
-    else
-        free(fds);
-    free(take);
-    free(created);
-    cscu_refuse(out, room, phase, "%s", error);
+    if (open_dump(h->dirfd, dir, h->fds, h->take, h->error, sizeof(h->error)) != 0
+        || check_devices(policy, h->error, sizeof(h->error)) != 0)
+        return -1;
+    h->check_s = cscu_now() - h->t0;
+    return 0;
 }
 
-/* --- hydrate from a staged allocation ---------------------------------------------------------------------- */
-typedef CUresult (*import_fn)(CUmemGenericAllocationHandle *, void *, int);
-typedef CUresult (*retain_fn)(CUmemGenericAllocationHandle *, void *);
+/* Verify (when `ok`), then answer: the report, or the refusal with everything this hydration mapped undone (the
+ * regions stay released, the gate closed). Frees what begin() took. */
+static void finish(struct hydration *h, int ok, const char *policy, int digests, int staged, char *out, size_t room)
+{
+    double verify_started = cscu_now();
+    if (ok) {
+        h->phase = "hydrate: verify";
+        ok = verify_samples(h->fds, h->take, h->error, sizeof(h->error)) == 0;
+    }
+    if (!ok && h->created)
+        undo(h->regions, h->created, h->count);  /* nothing half-hydrated stays mapped; the gate stays closed */
+    if (h->dirfd >= 0)
+        cscu_close_files(h->dirfd, h->fds, 0);
+    else
+        free(h->fds);
+    free(h->take);
+    free(h->created);
+    if (!ok) {
+        cscu_refuse(out, room, h->phase, "%s", h->error);
+        return;
+    }
+    double total = cscu_now() - h->t0;
+    snprintf(out, room, "{\"ok\":true,\"report\":{\"bytes\":%zu,\"regions\":%zu,\"segments\":%zu,\"seconds\":%.6f,"
+             "\"gbps\":%.3f,\"check_s\":%.6f,\"%s\":%.6f,\"fill_s\":%.6f,\"verify_s\":%.6f,\"policy\":\"%s\","
+             "\"verify\":\"%s\",\"digest_engine\":\"%s\",\"threads\":%d,\"staged\":%s}}", h->bytes, h->restored,
+             cscu_segment_count, total, h->fill_s > 0 ? (double)h->bytes / h->fill_s / 1e9 : 0.0, h->check_s,
+             staged ? "adopt_s" : "create_s", h->place_s, h->fill_s, cscu_now() - verify_started, policy,
+             digests ? "digest" : "sampled", cscu_sha256_engine(), cscu_config()->threads, staged ? "true" : "false");
+}
 
-/* Map each released region onto its part of `staged` (consecutive, table order); each mapping holds its own
- * reference (cuMemRetainAllocationHandle), so a later release unmaps and releases it like a created one. */
-static int adopt_parts(CUmemGenericAllocationHandle staged, char *created, char *error, size_t room)
+void cscu_hydrate(const char *dir, const char *policy, int digests, char *out, size_t room)
+{
+    struct hydration h;
+    int ok = begin(&h, dir, policy) == 0;
+    h.phase = ok ? "hydrate: create" : h.phase;
+    for (size_t i = 0; ok && i < h.count; i++) {
+        CUresult rc;
+        if (h.regions[i].handle)
+            continue;
+        if ((rc = cscu_driver()->ctx_set_current(h.regions[i].context)) != CUDA_SUCCESS
+            || (rc = cscu_map(&h.regions[i])) != CUDA_SUCCESS) {
+            snprintf(h.error, sizeof(h.error), "region %#llx (%zu bytes) on %s: %s", h.regions[i].address,
+                     h.regions[i].size, h.regions[i].uuid, cscu_error_name(rc));
+            ok = 0;
+            break;
+        }
+        h.created[i] = 1;
+        h.restored++;
+    }
+    if (ok) {
+        h.place_s = cscu_now() - h.t0 - h.check_s;
+        h.phase = "hydrate: fill";
+        ok = fill_and_check(h.fds, h.take, digests, h.error, sizeof(h.error)) == 0;
+        h.fill_s = cscu_now() - h.t0 - h.check_s - h.place_s;
+    }
+    finish(&h, ok, policy, digests, 0, out, room);
+}
+
+/* --- hydrate from staged allocations ------------------------------------------------------------------------ */
+typedef CUresult (*import_fn)(CUmemGenericAllocationHandle *, void *, int);
+typedef CUresult (*props_fn)(CUmemAllocationProp *, CUmemGenericAllocationHandle);
+
+/* Import staged allocation `fd` and map it whole (offset 0: cuMemMap's offset must be zero, and a part of a larger
+ * allocation is refused) at region r's address, read-write for r's device. The imported handle is the mapping's
+ * own reference (r->handle), so the next release unmaps and releases it like a created one. */
+static CUresult adopt_one(struct cscu_region *r, int fd, import_fn import, props_fn props, char *why, size_t room)
 {
     const struct cscu_driver *d = cscu_driver();
-    retain_fn retain = (retain_fn)cscu_real("cuMemRetainAllocationHandle");
-    size_t count, at = 0;
-    struct cscu_region *regions = cscu_regions(&count);
-    for (size_t i = 0; i < count; i++) {
-        struct cscu_region *r = &regions[i];
-        CUmemAccessDesc access = {{CU_MEM_LOCATION_TYPE_DEVICE, r->device}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
-        CUmemGenericAllocationHandle held = 0;
-        CUresult rc = CUDA_ERROR_NOT_FOUND;
+    CUmemAccessDesc access = {{CU_MEM_LOCATION_TYPE_DEVICE, r->device}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+    CUmemGenericAllocationHandle held = 0;
+    CUmemAllocationProp prop;
+    CUresult rc;
+    if ((rc = d->ctx_set_current(r->context)) != CUDA_SUCCESS
+        || (rc = import(&held, (void *)(intptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)) != CUDA_SUCCESS)
+        return rc;
+    memset(&prop, 0, sizeof(prop));
+    /* The hydrator stages only on the engine's GPU (by UUID); where the driver can say, check it again here. */
+    if (props && props(&prop, held) == CUDA_SUCCESS
+        && (prop.location.type != CU_MEM_LOCATION_TYPE_DEVICE || prop.location.id != r->device)) {
+        snprintf(why, room, "it lives on device %d, the region on device %d", prop.location.id, r->device);
+        d->release(held);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    if ((rc = d->map(r->address, r->size, 0, held, 0)) == CUDA_SUCCESS) {
+        if ((rc = d->set_access(r->address, r->size, &access, 1)) == CUDA_SUCCESS) {
+            r->handle = held;
+            return CUDA_SUCCESS;
+        }
+        d->unmap(r->address, r->size);
+    }
+    d->release(held);
+    return rc;
+}
+
+/* Map staged allocation k onto the k-th released region (table order); 0, or -1 with h->error naming both. */
+static int adopt_all(struct hydration *h, const int *staged, size_t n)
+{
+    import_fn import = (import_fn)cscu_real("cuMemImportFromShareableHandle");
+    props_fn props = (props_fn)cscu_real("cuMemGetAllocationPropertiesFromHandle");
+    size_t k = 0;
+    if (!import) {
+        snprintf(h->error, sizeof(h->error), "the driver has no cuMemImportFromShareableHandle");
+        return -1;
+    }
+    k = 0;
+    for (size_t i = 0; i < h->count; i++) {
+        struct cscu_region *r = &h->regions[i];
+        char why[128] = "";
         if (r->handle)
             continue;
-        if (retain && (rc = d->ctx_set_current(r->context)) == CUDA_SUCCESS
-            && (rc = d->map(r->address, r->size, at, staged, 0)) == CUDA_SUCCESS) {
-            if ((rc = d->set_access(r->address, r->size, &access, 1)) == CUDA_SUCCESS
-                && (rc = retain(&held, (void *)(uintptr_t)r->address)) == CUDA_SUCCESS) {
-                r->handle = held;
-                created[i] = 1;
-                at += r->size;
-                continue;
-            }
-            d->unmap(r->address, r->size);
+        CUresult rc = adopt_one(r, staged[k], import, props, why, sizeof(why));
+        if (rc != CUDA_SUCCESS) {
+            snprintf(h->error, sizeof(h->error), "region %#llx (%zu bytes), staged allocation %zu of %zu: %s%s%s",
+                     r->address, r->size, k, n, cscu_error_name(rc), why[0] ? ": " : "", why);
+            return -1;
         }
-        snprintf(error, room, "region %#llx (%zu bytes at +%zu of the staged allocation): %s", r->address, r->size,
-                 at, retain ? cscu_error_name(rc) : "cuMemRetainAllocationHandle is missing");
-        return -1;
+        h->created[i] = 1;
+        h->restored++;
+        k++;
     }
     return 0;
 }
 
-void cscu_hydrate_staged(const char *dir, const char *policy, int fd, size_t bytes, char *out, size_t room)
+void cscu_hydrate_staged(const char *dir, const char *policy, const int *fds, size_t n, char *out, size_t room)
 {
-    double t0 = cscu_now(), check, adopt;
-    size_t count, wanted = 0;
+    struct hydration h;
+    size_t count, released = 0;
     struct cscu_region *regions = cscu_regions(&count);
-    char error[1024], *take = calloc(cscu_segment_count + 1, 1), *created = calloc(count + 1, 1);
-    int *fds = malloc((cscu_segment_count + 1) * sizeof(int));
-    int dirfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    import_fn import = (import_fn)cscu_real("cuMemImportFromShareableHandle");
-    CUmemGenericAllocationHandle staged = 0;
-    const char *phase = "hydrate";
-    if (!take || !created || !fds) {
-        snprintf(error, sizeof(error), "out of host memory");
-        goto failed;
-    }
     for (size_t i = 0; i < count; i++)
-        wanted += regions[i].handle ? 0 : regions[i].size;
-    for (size_t i = 0; i < cscu_segment_count; i++) {
-        fds[i] = -1;
-        take[i] = regions[cscu_segments[i].region].handle == 0;
+        released += regions[i].handle == 0;
+    if (n != released) {  /* before anything is opened or asked of the driver */
+        cscu_refuse(out, room, "hydrate", "%zu staged allocations for %zu released regions (one each)", n, released);
+        return;
     }
-    if (dirfd < 0) {
-        snprintf(error, sizeof(error), "dump directory %s: %s", dir, strerror(errno));
-        goto failed;
+    int ok = begin(&h, dir, policy) == 0;
+    if (ok) {
+        h.phase = "hydrate: adopt";
+        ok = adopt_all(&h, fds, n) == 0;
+        h.place_s = cscu_now() - h.t0 - h.check_s;
     }
-    if (bytes != wanted) {
-        snprintf(error, sizeof(error), "the staged allocation holds %zu bytes, the released regions %zu", bytes, wanted);
-        goto failed;
-    }
-    if (open_dump(dirfd, dir, fds, take, error, sizeof(error)) != 0
-        || check_devices(policy, error, sizeof(error)) != 0)
-        goto failed;
-    check = cscu_now() - t0;
-    phase = "hydrate: adopt";
-    CUresult rc = import ? import(&staged, (void *)(intptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
-                         : CUDA_ERROR_NOT_FOUND;
-    if (rc != CUDA_SUCCESS) {
-        snprintf(error, sizeof(error), "import the staged allocation: %s", cscu_error_name(rc));
-        goto failed;
-    }
-    if (adopt_parts(staged, created, error, sizeof(error)) != 0)
-        goto failed;
-    cscu_driver()->release(staged);  /* the mappings hold their own references */
-    staged = 0;
-    adopt = cscu_now() - t0 - check;
-    phase = "hydrate: verify";
-    if (verify_samples(fds, take, error, sizeof(error)) != 0)
-        goto failed;
-    cscu_close_files(dirfd, fds, 0);
-    free(take);
-    free(created);
-    double total = cscu_now() - t0;
-    snprintf(out, room, "{\"ok\":true,\"report\":{\"bytes\":%zu,\"segments\":%zu,\"seconds\":%.6f,\"gbps\":0,"
-             "\"check_s\":%.6f,\"adopt_s\":%.6f,\"verify_s\":%.6f,\"policy\":\"%s\",\"verify\":\"sampled\","
-             "\"staged\":true}}", bytes, cscu_segment_count, total, check, adopt, total - check - adopt, policy);
-    return;
-failed:
-    if (created)
-        undo(regions, created, count);  /* nothing half-adopted stays mapped; the gate stays closed */
-    if (staged)
-        cscu_driver()->release(staged);
-    if (dirfd >= 0)
-        cscu_close_files(dirfd, fds, 0);
-    else
-        free(fds);
-    free(take);
-    free(created);
-    cscu_refuse(out, room, phase, "%s", error);
+    finish(&h, ok, policy, 0, 1, out, room);
 }

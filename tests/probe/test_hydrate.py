@@ -514,7 +514,7 @@ def test_a_source_in_a_directory_a_peer_cannot_search_is_not_readable_by_it(open
 def test_a_stage_is_held_only_with_its_ticket() -> None:
     from coldsnap_probe.hydration._hydrator import _Staged
 
-    staged = _Staged(None, 0, 1, (), 0.0, 0.0, 0.0, owner=1000, ticket="t" * 43)
+    staged = _Staged((), 0, 1, (), 0.0, 0.0, 0.0, owner=1000, ticket="t" * 43)
     assert staged.held_by("t" * 43)
     assert not staged.held_by("u" * 43) and not staged.held_by("") and not staged.held_by(None)
     assert not staged.held_by("\udcff")  # whatever JSON can carry: refused, never an error

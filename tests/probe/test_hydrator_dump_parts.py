@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from coldsnap_probe.errors import HydrationError
-from coldsnap_probe.hydration._hydrator import _open_dump_parts, _open_readable
+from coldsnap_probe.hydration._peer_files import dump_layout, open_dump_parts, open_readable
 from coldsnap_probe.jsonline import Peer
 from tests.probe.test_main import has_nvidia_driver
 
@@ -46,7 +46,7 @@ def tree() -> Iterator[Path]:
 
 def test_the_copy_reads_the_file_that_was_checked_not_what_a_swapped_path_names(tree: Path) -> None:
     part = tree / "att" / "d" / "seg-0.bin"
-    parts, fds = _open_dump_parts([{"file": str(part), "bytes": 2 * MIB}], NOBODY)
+    parts, fds = open_dump_parts(dump_layout([{"file": str(part), "bytes": 2 * MIB, "region": 0}])[0], NOBODY)
     try:
         # The peer swaps its directory for a link to the other tenant's after the check, before the copy.
         (tree / "att" / "d").rename(tree / "att" / "d.old")
@@ -57,7 +57,7 @@ def test_the_copy_reads_the_file_that_was_checked_not_what_a_swapped_path_names(
         for fd in fds.values():
             os.close(fd)
     with pytest.raises(HydrationError, match="may not read"):  # once swapped, the path is checked as it is
-        _open_dump_parts([{"file": str(part), "bytes": 2 * MIB}], NOBODY)
+        open_dump_parts(dump_layout([{"file": str(part), "bytes": 2 * MIB, "region": 0}])[0], NOBODY)
 
 
 def test_a_part_that_is_a_link_is_refused_even_for_a_root_peer(tree: Path) -> None:
@@ -66,17 +66,17 @@ def test_a_part_that_is_a_link_is_refused_even_for_a_root_peer(tree: Path) -> No
     part.unlink()
     part.symlink_to(tree / "secret" / "seg-0.bin")
     with pytest.raises(HydrationError, match="not a regular file"):
-        _open_dump_parts([{"file": str(part), "bytes": 2 * MIB}], Peer(1, 0, 0))
+        open_dump_parts(dump_layout([{"file": str(part), "bytes": 2 * MIB, "region": 0}])[0], Peer(1, 0, 0))
 
 
 def test_a_link_swapped_in_after_the_path_was_resolved_is_not_followed(tree: Path) -> None:
     (tree / "att" / "d" / "seg-0.bin").unlink()
     (tree / "att" / "d" / "seg-0.bin").symlink_to(tree / "secret" / "seg-0.bin")
     with pytest.raises(HydrationError, match="not a regular file"):  # root asks: only the link rule refuses
-        _open_readable(str(tree / "att" / "d" / "seg-0.bin"), "seg-0.bin", 2 * MIB, Peer(1, 0, 0))
+        open_readable(str(tree / "att" / "d" / "seg-0.bin"), "seg-0.bin", 2 * MIB, Peer(1, 0, 0))
     (tree / "att" / "link").symlink_to(tree / "secret")
     with pytest.raises(HydrationError, match="at link"):
-        _open_readable(str(tree / "att" / "link" / "seg-0.bin"), "seg-0.bin", 2 * MIB, Peer(1, 0, 0))
+        open_readable(str(tree / "att" / "link" / "seg-0.bin"), "seg-0.bin", 2 * MIB, Peer(1, 0, 0))
 
 
 def test_a_fifo_in_place_of_a_part_is_refused_without_blocking(tree: Path) -> None:
@@ -87,7 +87,7 @@ def test_a_fifo_in_place_of_a_part_is_refused_without_blocking(tree: Path) -> No
 
     def ask() -> None:
         try:
-            _open_readable(str(fifo), "seg-1.bin", 2 * MIB, NOBODY)
+            open_readable(str(fifo), "seg-1.bin", 2 * MIB, NOBODY)
         except BaseException as exc:
             outcome.append(exc)
 
@@ -103,8 +103,8 @@ def test_a_fifo_in_place_of_a_part_is_refused_without_blocking(tree: Path) -> No
 
 def test_a_directory_the_peer_cannot_search_is_refused_on_the_walk(tree: Path) -> None:
     with pytest.raises(HydrationError, match="peer uid 65534 may not read"):
-        _open_readable(str(tree / "secret" / "seg-0.bin"), "seg-0.bin", 2 * MIB, NOBODY)
-    fd = _open_readable(str(tree / "secret" / "seg-0.bin"), "seg-0.bin", 2 * MIB, Peer(1, 0, 0))
+        open_readable(str(tree / "secret" / "seg-0.bin"), "seg-0.bin", 2 * MIB, NOBODY)
+    fd = open_readable(str(tree / "secret" / "seg-0.bin"), "seg-0.bin", 2 * MIB, Peer(1, 0, 0))
     try:
         assert os.pread(fd, 4, 0) == b"SSSS"
     finally:
@@ -135,14 +135,16 @@ def test_a_dump_staged_on_a_hydrator_is_adopted_with_its_files_bytes(tmp_path: P
                              "--staging", "--stage-ttl", "30"], stdout=subprocess.PIPE, cwd=ROOT)
     try:
         ready = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
-        parts = [{"file": str(first), "bytes": 2 * MIB}, {"file": str(second), "bytes": 4 * MIB}]
+        # One region in two segment files: one allocation of both (the interposer maps it whole).
+        parts = [{"file": str(first), "bytes": 2 * MIB, "region": 0}, {"file": str(second), "bytes": 4 * MIB,
+                                                                        "region": 0}]
         key = "sha256:" + hashlib.sha256(b"review2-stage-dump").hexdigest()
         staged = request(str(control), {"op": "stage-dump", "key": key, "parts": parts,
                                         "device_uuid": ready["device_uuid"]}, timeout=120.0)
         assert staged["ok"] and staged["bytes"] == 6 * MIB, staged
         answer, fds = request_with_fds(str(control), {"op": "adopt", "key": key, "ticket": staged["ticket"],
                                                       "parts": parts}, timeout=60.0)
-        assert answer["ok"] and len(fds) == 1, answer
+        assert answer["ok"] and len(fds) == 1 and answer["count"] == 1 and answer["sizes"] == [6 * MIB], answer
         driver = Driver()
         driver.context(0)
         assert device_uuid(driver, 0) == ready["device_uuid"]

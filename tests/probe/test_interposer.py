@@ -357,10 +357,14 @@ def test_a_hydration_the_engines_refuse_fails_the_restore_naming_each_process(li
 
 
 @pytest.mark.parametrize(("payload", "error"), [
-    pytest.param(b'{"op": "status"}\n', "only a hydrate request may carry a descriptor", id="status-with-fd"),
-    pytest.param(b'{"op": "hydrate"}\n', "comes with its size (`bytes`, decimal)", id="no-size"),
-    pytest.param(b'{"op": "hydrate", "bytes": "12x"}\n', "comes with its size", id="bad-size"),
-    pytest.param(b'{"op": "hydrate", "bytes": "4194304"}\n', "nothing is released", id="nothing-released"),
+    pytest.param(b'{"op": "status"}\n', "only a hydrate request may carry descriptors", id="status-with-fd"),
+    pytest.param(b'{"op": "hydrate"}\n', "come with their count (`allocations`, decimal)", id="no-count"),
+    pytest.param(b'{"op": "hydrate", "allocations": "12x"}\n', "`allocations` must count", id="bad-count"),
+    pytest.param(b'{"op": "hydrate", "allocations": "0"}\n', "`allocations` must count", id="zero-count"),
+    pytest.param(b'{"op": "hydrate", "allocations": "+1"}\n', "`allocations` must count", id="signed-count"),
+    pytest.param(b'{"op": "hydrate", "allocations": "99999999999999999999999"}\n', "`allocations` must count",
+                 id="huge-count"),
+    pytest.param(b'{"op": "hydrate", "allocations": "1"}\n', "nothing is released", id="nothing-released"),
 ])
 def test_a_descriptor_rides_only_with_a_staged_hydration_and_is_never_kept(engine: tuple[Any, str], payload: bytes,
                                                                            error: str, tmp_path: Path) -> None:
@@ -395,24 +399,24 @@ def test_a_stage_is_asked_only_for_the_captures_own_files_and_fails_softly(tmp_p
 
 
 def test_a_dump_stage_takes_only_whole_files_its_peer_could_read(tmp_path: Path) -> None:
-    from coldsnap_probe.hydration._hydrator import _dump_parts
+    from coldsnap_probe.hydration._peer_files import dump_layout, open_dump_parts
     from coldsnap_probe.jsonline import Peer
 
     root, nobody = Peer(1, 0, 0), Peer(1, 65534, 65534)
     part = tmp_path / "seg-0.bin"
     part.write_bytes(b"\0" * (2 * MIB))
-    parts = _dump_parts([{"file": str(part), "bytes": 2 * MIB}], root)
-    assert [(p.address, p.size, p.source) for p in parts] == [(0, 2 * MIB, str(part))]
-    for bad, error in [([], "non-empty list"), ([{"file": "seg-0.bin", "bytes": 2 * MIB}], "absolute path"),
-                       ([{"file": str(part), "bytes": MIB}], "multiple of"),
-                       ([{"file": str(part), "bytes": True}], "positive multiple"),
-                       ([{"file": str(part), "bytes": 4 * MIB}], "at least 4194304 bytes"),
-                       ([{"file": str(tmp_path / "none"), "bytes": 2 * MIB}], "No such file")]:
+    layout, sizes = dump_layout([{"file": str(part), "bytes": 2 * MIB, "region": 0}])
+    parts, fds = open_dump_parts(layout, root)
+    for fd in fds.values():
+        os.close(fd)
+    assert [(p.address, p.size, p.source) for p in parts] == [(0, 2 * MIB, str(part))] and sizes == (2 * MIB,)
+    for bad, error in [([{"file": str(part), "bytes": 4 * MIB, "region": 0}], "at least 4194304 bytes"),
+                       ([{"file": str(tmp_path / "none"), "bytes": 2 * MIB, "region": 0}], "No such file")]:
         with pytest.raises(HydrationError, match=error):
-            _dump_parts(bad, root)
+            open_dump_parts(dump_layout(bad)[0], root)
     part.chmod(0o600)
     with pytest.raises(HydrationError, match="peer uid 65534 may not read"):
-        _dump_parts([{"file": str(part), "bytes": 2 * MIB}], nobody)
+        open_dump_parts(layout, nobody)
 
 
 def test_a_socket_another_process_listens_on_is_not_asked_to_release(engine: tuple[Any, str],

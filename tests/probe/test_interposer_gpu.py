@@ -285,22 +285,38 @@ def dump_hydrator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         proc.wait()
 
 
-def test_a_dump_staged_by_the_node_hydrator_is_mapped_in_place(target: Target, dump_hydrator: str,
-                                                               tmp_path: Path) -> None:
+def test_a_dump_staged_by_the_node_hydrator_is_mapped_in_place(dump_hydrator: str, tmp_path: Path) -> None:
+    """Regression: cuMemMap's offset must be zero, and a part of a larger allocation is refused (the H200 answered
+    CUDA_ERROR_NOT_SUPPORTED when every region was mapped onto a part of one staged allocation): the hydrator stages
+    one allocation per region, and the interposer maps each whole at its region. Several regions, one over 1 GiB
+    (two segment files, one allocation); every byte adopted is compared with the dump (a second release digests
+    what the device holds), then the torch tensors, matmul and graph."""
     from coldsnap_probe._device_memory import DumpRecord, hydrate_devices, stages_for
     from coldsnap_probe.hydration import dump_identities
 
-    dump = target.release(tmp_path / "dump")
-    record = DumpRecord(target.proc.pid, target.socket, "dump", dump, dump_identities(dump, tmp_path / "dump"),
-                        dump_hydrator)
-    stages = stages_for([record], tmp_path)
-    [hydrated] = hydrate_devices([record], tmp_path, "same-model", stages=stages)
-    assert hydrated.interposer.get("staged") is True, hydrated.interposer
-    assert hydrated.interposer["stage"]["bytes"] == dump.bytes and hydrated.bytes == dump.bytes
-    assert target.ask("check") == {**target.ready, "pid": target.proc.pid}
-    status = interposer_request(dump_hydrator, {"op": "status"}, "hydrator status")
-    assert status["staged"] == []  # adopted: the hydrator keeps nothing
-    # The adopted regions release and come back like created ones.
-    target.release(tmp_path / "again")
-    target.request({"op": "hydrate"})
-    assert target.ask("check") == {**target.ready, "pid": target.proc.pid}
+    library, _ = build_library(tmp_path / "lib")
+    target = Target(tmp_path, library, socket="staged.sock", mib=1100)
+    try:
+        dump = target.release(tmp_path / "dump")
+        assert len(dump.regions) >= 2, [r.size for r in dump.regions]
+        assert any(r.size > 1 << 30 and len(r.segments) == 2 for r in dump.regions), [r.size for r in dump.regions]
+        record = DumpRecord(target.proc.pid, target.socket, "dump", dump, dump_identities(dump, tmp_path / "dump"),
+                            dump_hydrator)
+        stages = stages_for([record], tmp_path)
+        [hydrated] = hydrate_devices([record], tmp_path, "same-model", stages=stages)
+        assert hydrated.interposer.get("staged") is True, hydrated.interposer
+        assert hydrated.interposer["regions"] == len(dump.regions) and hydrated.bytes == dump.bytes
+        assert hydrated.interposer["stage"]["bytes"] == dump.bytes
+        assert hydrated.interposer["stage"]["allocations"] == len(dump.regions)
+        status = target.request({"op": "status"})
+        assert status["gate"] == "open" and status["mapped_bytes"] == dump.bytes, status
+        assert interposer_request(dump_hydrator, {"op": "status"}, "hydrator status")["staged"] == []  # all taken
+        # Nothing ran on the device since: a release now dumps exactly what the adopted allocations hold.
+        again = target.release(tmp_path / "again")
+        assert [(s.address, s.size, s.digest) for s in again.segments] == [
+            (s.address, s.size, s.digest) for s in dump.segments]
+        target.request({"op": "hydrate", "verify": "sampled"})  # adopted regions come back like created ones
+        assert target.ask("check") == {**target.ready, "pid": target.proc.pid}
+    finally:
+        os.killpg(target.proc.pid, 9)
+        target.proc.wait()

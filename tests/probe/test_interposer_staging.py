@@ -1,0 +1,347 @@
+"""A node hydrator's stage of a device dump, without a GPU: the `stage-dump` layout (one allocation per region),
+the `adopt` pages, the worker collecting every page, and the interposer's control socket taking the descriptors
+in pages on one connection (compiled with a harness that only fills the region table: no driver is involved),
+with every descriptor closed on every path. tests/probe/test_interposer_gpu.py adopts for real on the H200."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coldsnap_probe import jsonline
+from coldsnap_probe.errors import HydrationError
+from coldsnap_probe.hydration._hydrator import _first_page
+from coldsnap_probe.hydration._peer_files import STAGE_ALLOCATIONS, dump_layout
+
+MIB = 1 << 20
+
+
+def part(region: int, size: int = 2 * MIB, name: str = "seg-0.bin") -> dict[str, Any]:
+    return {"file": f"/images/device-42/{name}", "bytes": size, "region": region}
+
+
+class TestDumpLayout:
+    def test_parts_name_their_region_and_each_region_is_one_allocation(self) -> None:
+        layout, sizes = dump_layout([part(0, 4 * MIB), part(1, 1 << 30, "seg-1.bin"), part(1, 6 * MIB, "seg-2.bin"),
+                                     part(2, 2 * MIB, "seg-3.bin")])
+        assert sizes == (4 * MIB, (1 << 30) + 6 * MIB, 2 * MIB)
+        assert layout[1] == ("/images/device-42/seg-1.bin", 1 << 30, 1)
+
+    @pytest.mark.parametrize(("parts", "error"), [
+        pytest.param([], "non-empty list", id="empty"),
+        pytest.param([{"file": "/a", "bytes": 2 * MIB}], r"parts\[0\] must be .*region: an integer", id="no-region"),
+        pytest.param([part(0) | {"extra": 1}], r"parts\[0\] must be", id="extra-key"),
+        pytest.param([part(0) | {"region": True}], r"parts\[0\] must be", id="bool-region"),
+        pytest.param([part(0) | {"region": -1}], r"parts\[0\] must be", id="negative-region"),
+        pytest.param([part(0) | {"region": "0"}], r"parts\[0\] must be", id="string-region"),
+        pytest.param([part(0) | {"bytes": MIB}], "positive multiple of 2097152", id="unaligned"),
+        pytest.param([part(0) | {"file": "seg-0.bin"}], "absolute path", id="relative"),
+        pytest.param([part(1)], r"parts\[0\]\.region is 1: regions are numbered from 0 in order", id="starts-at-1"),
+        pytest.param([part(0), part(2)], r"parts\[1\]\.region is 2: .*\(0 or 1\)", id="skips-one"),
+        pytest.param([part(0), part(1), part(0)], r"parts\[2\]\.region is 0: .*\(1 or 2\)", id="goes-back"),
+    ])
+    def test_a_bad_layout_is_refused_naming_the_part_and_the_rule(self, parts: list[Any], error: str) -> None:
+        with pytest.raises(HydrationError, match=error):
+            dump_layout(parts)
+
+    def test_the_number_of_allocations_is_bounded(self) -> None:
+        dump_layout([part(i) for i in range(STAGE_ALLOCATIONS)])
+        with pytest.raises(HydrationError, match=f"more than {STAGE_ALLOCATIONS} regions"):
+            dump_layout([part(i) for i in range(STAGE_ALLOCATIONS + 1)])
+
+
+class TestAdoptPages:
+    @pytest.mark.parametrize(("first", "count", "taken"), [(0, 1, 0), (0, 40, 0), (16, 40, 16), (0, 40, 32),
+                                                          (32, 40, 32)])
+    def test_the_next_page_or_a_retry_of_an_earlier_one_is_served(self, first: int, count: int, taken: int) -> None:
+        assert _first_page(first, count, taken) == first
+
+    @pytest.mark.parametrize(("first", "count", "taken"), [
+        pytest.param(8, 40, 16, id="not-a-page"), pytest.param(48, 40, 48, id="beyond-the-stage"),
+        pytest.param(32, 40, 16, id="skips-a-page"), pytest.param(-16, 40, 0, id="negative"),
+        pytest.param(True, 40, 0, id="bool"), pytest.param("0", 40, 0, id="string"),
+    ])
+    def test_any_other_page_is_refused(self, first: Any, count: int, taken: int) -> None:
+        with pytest.raises(HydrationError, match="first must be a multiple of 16 below the stage's"):
+            _first_page(first, count, taken)
+
+
+def open_fds(pid: int) -> dict[str, str]:
+    """A process's descriptors and what they name."""
+    held = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            held[fd] = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            pass
+    return held
+
+
+def settled(pid: int, before: dict[str, str]) -> dict[str, str]:
+    """The server's descriptors once it is done with the last connection (it closes it after the asker left)."""
+    give_up = time.monotonic() + 10
+    while (now := open_fds(pid)) != before and time.monotonic() < give_up:
+        time.sleep(0.02)
+    return now
+
+
+# -- the worker's side: every page, or nothing left open ----------------------------------------------------------
+class Pages:
+    """A hydrator peer answering `adopt` pages as told (`answer(first)`), with real descriptors (of `files`): what
+    the worker must defend itself against when a hydrator is wrong or hostile. Records the `first`s asked."""
+
+    def __init__(self, path: Path, files: list[Path], answer: Any) -> None:
+        self.files, self.answer, self.asked = files, answer, []
+        self.server = jsonline.LineServer(jsonline.listen(path), self._one, peers=jsonline.Peers()).start()
+
+    def _one(self, conn: socket.socket, _peer: jsonline.Peer) -> jsonline.Answer:
+        message = jsonline.read_request(conn)
+        self.asked.append(message.get("first"))
+        reply, indexes = self.answer(message.get("first"))
+        return reply, [os.open(self.files[i], os.O_RDONLY | os.O_CLOEXEC) for i in indexes]
+
+
+@pytest.fixture
+def regions(tmp_path: Path) -> Iterator[tuple[Path, list[Path]]]:
+    files = []
+    for index in range(20):
+        (tmp_path / f"alloc-{index}").write_bytes(b"")
+        files.append(tmp_path / f"alloc-{index}")
+    yield tmp_path, files
+
+
+def device_stage(hydrator: Path, count: int) -> Any:
+    """A DeviceStage of `count` regions of 2 MiB whose stage was answered (the adopt is what is tested)."""
+    from coldsnap_probe._device_stage import DeviceStage
+    from tests.probe.test_interposer import dump_in
+
+    dump = dump_in(hydrator.parent / "dump", (2 * MIB,) * count)
+    stage = DeviceStage(str(hydrator.parent / "absent.sock"), dump, hydrator.parent / "dump")
+    stage.wait(10)
+    stage.hydrator, stage.report, stage.ticket = str(hydrator), {"staged": True}, "t"
+    return stage
+
+
+def test_the_worker_takes_every_page_in_order(regions: tuple[Path, list[Path]]) -> None:
+    folder, files = regions
+    peer = Pages(folder / "h.sock", files, lambda first: ({"ok": True, "first": first, "count": 20,
+                                                           "sizes": [2 * MIB] * min(16, 20 - first)},
+                                                          range(first, min(first + 16, 20))))
+    try:
+        fds = device_stage(folder / "h.sock", 20).adopt(timeout=10)
+    finally:
+        peer.server.close()
+    assert fds is not None and peer.asked == [0, 16]
+    try:
+        assert [os.readlink(f"/proc/self/fd/{fd}") for fd in fds] == [str(f) for f in files]
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+@pytest.mark.parametrize(("answer", "error"), [
+    pytest.param(lambda first: ({"ok": True, "first": first, "count": 19, "sizes": [2 * MIB] * 16}, range(16)),
+                 "the hydrator holds 19 allocations, the dump 20 regions", id="other-count"),
+    pytest.param(lambda first: ({"ok": True, "first": first, "count": 20, "sizes": [2 * MIB] * 16},
+                                range(16 if first == 0 else 3)), "page 16: 3 descriptors", id="short-page"),
+    pytest.param(lambda first: ({"ok": True, "first": first, "count": 20, "sizes": [4 * MIB] * 16}, range(16)),
+                 "page 0: 16 descriptors of", id="other-sizes"),
+    pytest.param(lambda first: ({"ok": True, "first": 0, "count": 20, "sizes": [2 * MIB] * 16}, range(16)),
+                 "page 16", id="same-page-again"),
+    pytest.param(lambda first: (({"ok": True, "first": 0, "count": 20, "sizes": [2 * MIB] * 16}, range(16))
+                                if first == 0 else ({"ok": False, "error": "expired"}, range(2))), "expired",
+                 id="refused-midway"),
+    pytest.param(lambda first: ({"ok": True, "first": first, "count": 20, "sizes": [2 * MIB] * 16}, range(17)),
+                 "an answer's message carried over 16 descriptors", id="over-16-in-an-answer"),
+])
+def test_a_page_that_does_not_fit_leaves_nothing_open(regions: tuple[Path, list[Path]], answer: Any,
+                                                      error: str) -> None:
+    folder, files = regions
+    peer = Pages(folder / "h.sock", files, answer)
+    stage = device_stage(folder / "h.sock", 20)
+    before = open_fds(os.getpid())
+    try:
+        assert stage.adopt(timeout=10) is None
+    finally:
+        peer.server.close()
+    assert error in stage.report["adopt_error"]
+    assert not {str(f) for f in files} & set(open_fds(os.getpid()).values())
+    assert len(open_fds(os.getpid())) <= len(before)
+
+
+# -- the interposer's side: the control socket's pages (C, no driver) ---------------------------------------------
+PAGES_HARNESS = r"""
+#include "interpose.c"
+#include "regions.c"
+#include "control.c"
+#include "sha256.c"
+#include "dump.c"
+#include "hydrate.c"
+
+/* Three released regions of 2 MiB (no driver: a staged hydration is refused at the dump directory, after the
+ * descriptors were counted and before any driver call), the control socket serving at argv[1]. */
+int main(int argc, char **argv)
+{
+    struct cscu_region r = {0};
+    if (argc != 2)
+        return 2;
+    r.address = 0x7f0000000000ULL;
+    r.size = r.requested = (size_t)2 << 20;
+    for (int i = 0; i < 3; i++, r.address += (size_t)1 << 30)
+        append(&r);
+    released = 1;
+    if ((listener = bind_socket(argv[1])) < 0)
+        return 1;
+    puts("ready");
+    fflush(stdout);
+    for (;;) {
+        int conn = accept4(listener, NULL, NULL, SOCK_CLOEXEC);
+        if (conn < 0)
+            return 1;
+        serve_one(conn);
+        close(conn);
+    }
+}
+"""
+
+
+Served = tuple[int, str, dict[str, str]]  # the harness's pid, its socket, its descriptors when idle
+
+
+@pytest.fixture(scope="module")
+def pages_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """The harness serving, and its descriptors when idle (what every test must find again)."""
+    from coldsnap_probe.hydration._interposer import SOURCES
+
+    folder = tmp_path_factory.mktemp("pages")
+    (folder / "pages.c").write_text(PAGES_HARNESS)
+    subprocess.run(["gcc", "-O1", "-std=gnu11", "-Wall", "-Wextra", "-I", str(SOURCES), "-o", str(folder / "pages"),
+                    str(folder / "pages.c"), "-ldl", "-lpthread"], check=True, capture_output=True)
+    path = str(folder / "control.sock")
+    proc = subprocess.Popen([str(folder / "pages"), path], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+        yield proc.pid, path, open_fds(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def exchange(path: str, line: bytes, pages: list[list[int]], *, marks: bytes = b".", leave: bool = False,
+             with_line: list[int] | None = None) -> dict[str, Any] | None:
+    """The request `line` (with `with_line` descriptors), then one message per page (`marks`, its descriptors);
+    the answer, or None when `leave` (the asker goes away without reading it)."""
+    import json
+
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(40)
+        sock.connect(path)
+        if with_line:
+            socket.send_fds(sock, [line], with_line)
+        else:
+            sock.sendall(line)
+        for page in pages:
+            socket.send_fds(sock, [marks], page)
+        if leave:
+            return None
+        sock.shutdown(socket.SHUT_WR)
+        data = b""
+        while part := sock.recv(65536):
+            data += part
+    answer: dict[str, Any] = json.loads(data)
+    return answer
+
+
+def markers(folder: Path, count: int) -> list[int]:
+    """`count` descriptors of files named after this test, to look for in the server afterwards."""
+    fds = []
+    for index in range(count):
+        (folder / f"marker-{index}").write_bytes(b"")
+        fds.append(os.open(folder / f"marker-{index}", os.O_RDONLY | os.O_CLOEXEC))
+    return fds
+
+
+HYDRATE = b'{"op": "hydrate", "dir": "/nonexistent/dump", "allocations": "%d"}\n'
+COUNTED = "hydrate: dump directory /nonexistent/dump: No such file"  # every descriptor arrived and was counted
+
+
+@pytest.mark.parametrize(("line", "pages", "with_line", "error"), [
+    pytest.param(HYDRATE % 3, [[0], [1, 2]], 0, COUNTED, id="in-pages"),
+    pytest.param(HYDRATE % 3, [], 3, COUNTED, id="with-the-line"),
+    pytest.param(HYDRATE % 3, [[2]], 2, COUNTED, id="with-the-line-and-a-page"),
+    pytest.param(HYDRATE % 3, [[0, 1]], 0, "2 of the 3 announced descriptors arrived before the peer stopped",
+                 id="fewer"),
+    pytest.param(HYDRATE % 3, [[0, 1], [2, 3]], 0, "4 descriptors arrived, 3 were announced", id="more"),
+    pytest.param(HYDRATE % 2, [[0, 1]], 0, "hydrate: 2 staged allocations for 3 released regions", id="not-one-each"),
+    pytest.param(HYDRATE % 4, [[0, 1, 2, 3]], 0, "hydrate: 4 staged allocations for 3 released regions",
+                 id="over-the-regions"),
+    pytest.param(HYDRATE % 4097, [[0]], 0, "`allocations` must count the staged allocations in decimal, 1 to 4096",
+                 id="over-the-cap"),
+    pytest.param(HYDRATE % 3, [list(range(17))], 0, "a page carried more than 16 descriptors", id="page-over-16"),
+    pytest.param(b'{"op": "hydrate", "dir": "/nonexistent/dump"}\n', [], 1, "come with their count",
+                 id="not-announced"),
+    pytest.param(b'{"op": "status"}\n', [], 1, "only a hydrate request may carry descriptors", id="status"),
+    pytest.param(b'{"op": "status", "allocations": "1"}\n', [], 0, "only a hydrate request may carry",
+                 id="status-announcing"),
+])
+def test_the_control_socket_counts_every_descriptor_and_keeps_none(pages_server: Served, tmp_path: Path,
+                                                                   line: bytes, pages: list[list[int]],
+                                                                   with_line: int, error: str) -> None:
+    pid, path, before = pages_server
+    fds = markers(tmp_path, 20)
+    try:
+        answer = exchange(path, line, [[fds[i] for i in page] for page in pages], with_line=fds[20 - with_line:])
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert answer is not None and answer["ok"] is False and error in answer["error"], answer
+    assert settled(pid, before) == before
+
+
+def test_pages_without_descriptors_are_refused(pages_server: Served, tmp_path: Path) -> None:
+    pid, path, before = pages_server
+    [fd] = markers(tmp_path, 1)
+    try:
+        answer = exchange(path, HYDRATE % 3 + b"....", [[fd]])
+    finally:
+        os.close(fd)
+    # However the bytes were glued together on the way: more pages than descriptors is refused.
+    assert answer is not None and re.search(r"hydrate: [45] pages brought [01] descriptors: a page carries 1 to 16",
+                                            answer["error"]), answer
+    assert settled(pid, before) == before
+
+
+def test_a_peer_that_leaves_midway_leaves_nothing_and_the_next_one_is_served(pages_server: Served,
+                                                                            tmp_path: Path) -> None:
+    pid, path, before = pages_server
+    fds = markers(tmp_path, 3)
+    try:
+        exchange(path, HYDRATE % 3, [[fds[0]]], leave=True)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert settled(pid, before) == before  # the server noticed the end of the connection
+    assert jsonline.request(path, {"op": "status"}, timeout=10)["released"] is True
+
+
+def test_the_worker_sends_its_descriptors_in_pages_of_16(pages_server: Served, tmp_path: Path) -> None:
+    """jsonline's `page`: the line alone, then pages; the interposer takes what the worker sends (here three)."""
+    from coldsnap_probe._device_memory import INTERPOSER_PAGE
+
+    pid, path, before = pages_server
+    fds = markers(tmp_path, 3)
+    try:
+        answer = jsonline.request(path, {"op": "hydrate", "dir": "/nonexistent/dump", "allocations": "3"}, fds=fds,
+                                  page=INTERPOSER_PAGE, timeout=30)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert COUNTED in answer["error"] and settled(pid, before) == before
