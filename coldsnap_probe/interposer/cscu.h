@@ -31,6 +31,20 @@ typedef struct { char reserved[64]; } CUipcMemHandle;   /* CU_IPC_HANDLE_SIZE = 
 typedef struct CUlaunchConfig_st CUlaunchConfig;        /* only passed through */
 typedef struct CUDA_MEMCPY2D_st CUDA_MEMCPY2D;          /* only passed through */
 typedef struct CUDA_MEMCPY3D_st CUDA_MEMCPY3D;          /* only passed through */
+typedef struct CUarray_st *CUarray;
+typedef struct CUgraph_st *CUgraph;
+typedef void (*CUhostFn)(void *userData);
+typedef void (*CUstreamCallback)(CUstream hStream, CUresult status, void *userData);
+typedef uint32_t cuuint32_t;
+typedef uint64_t cuuint64_t;
+/* Only passed through (pointers to them): */
+typedef struct CUDA_MEMCPY3D_PEER_st CUDA_MEMCPY3D_PEER;
+typedef struct CUDA_MEMCPY3D_BATCH_OP_st CUDA_MEMCPY3D_BATCH_OP;
+typedef struct CUmemcpyAttributes_st CUmemcpyAttributes;
+typedef union CUstreamBatchMemOpParams_union CUstreamBatchMemOpParams;
+typedef struct CUDA_GRAPH_INSTANTIATE_PARAMS_st CUDA_GRAPH_INSTANTIATE_PARAMS;
+typedef struct CUDA_LAUNCH_PARAMS_st CUDA_LAUNCH_PARAMS;
+typedef struct CUmemDecompressParams_st CUmemDecompressParams;
 
 #define CUDA_SUCCESS 0
 #define CUDA_ERROR_INVALID_VALUE 1
@@ -41,7 +55,7 @@ typedef struct CUDA_MEMCPY3D_st CUDA_MEMCPY3D;          /* only passed through *
 typedef struct {
     int type;                               /* CUmemLocationType: CU_MEM_LOCATION_TYPE_DEVICE = 1 */
     int id;
-} CUmemLocation;
+} CUmemLocation;                            /* 8 bytes, passed by value to cuMemPrefetchAsync_v2 */
 
 typedef struct {
     int type;                               /* CUmemAllocationType: CU_MEM_ALLOCATION_TYPE_PINNED = 1 */
