@@ -129,6 +129,7 @@ struct cscu_config {
     int threads;                /* COLDSNAP_CUDA_INTERPOSER_THREADS copy threads (default: usable CPUs, 4-16) */
     size_t staging;             /* COLDSNAP_CUDA_INTERPOSER_STAGING_MIB per pinned buffer (default 4 MiB) */
     int drain_s;                /* COLDSNAP_CUDA_INTERPOSER_DRAIN_S: a release waits this long for calls inside */
+    int request_s;              /* COLDSNAP_CUDA_INTERPOSER_REQUEST_S: a peer's whole request line within this */
 };
 CSCU_HIDDEN const struct cscu_config *cscu_config(void);
 
@@ -183,6 +184,8 @@ CSCU_HIDDEN CUresult cscu_unmap(struct cscu_region *r);
 /* The region table, locked: the control thread's release and hydrate hold it for their whole duration. */
 CSCU_HIDDEN void cscu_regions_lock(void);
 CSCU_HIDDEN void cscu_regions_unlock(void);
+/* 0 when the table is now locked by the caller, nonzero when another thread holds it (pthread_mutex_trylock). */
+CSCU_HIDDEN int cscu_regions_trylock(void);
 CSCU_HIDDEN struct cscu_region *cscu_regions(size_t *count);
 
 /* --- the readiness gate ------------------------------------------------------------------------------------ */
