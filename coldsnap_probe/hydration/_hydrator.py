@@ -16,6 +16,7 @@ from typing import Any
 
 from .. import jsonline
 from ..errors import HydrationError
+from ._stage_quota import StageQuota, check_stage_quota
 from ._staging import StageRequest
 from ._vmm import (
     Mapped,
@@ -102,8 +103,9 @@ class HydratorServer:
     `stage` (from a restore worker, before its CRIU restore; only with `staging`, see `serve --staging`)
     allocates and fills one on the hydrator's GPU while the engine is still being restored, kept under the
     manifest's digest for `stage_ttl` seconds (at most STAGE_MAX at once, never leaving less than STAGE_RESERVE
-    free); `adopt` (from the restored engine) hands that allocation over as a descriptor, so the engine only
-    maps it; `discard` frees one that will not be adopted; `status` lists what is staged.
+    free, and within each peer uid's `quota`, _stage_quota.py); `adopt` (from the restored engine) hands that
+    allocation over as a descriptor, so the engine only maps it; `discard` frees one that will not be adopted;
+    `status` lists what is staged.
 
     Who may ask what (a hydrator may serve several tenants): the socket is 0600 (0660 with a group) and only
     the peers `peers` admits are answered (SO_PEERCRED); a `hydrate` or `stage` gets a source's bytes only for
@@ -113,13 +115,16 @@ class HydratorServer:
 
     def __init__(self, sources: Sequence[str], *, streams: int = 4, driver: Any = None,
                  stage_ttl: float = STAGE_TTL, staging: bool = False, peers: jsonline.Peers | None = None,
-                 group: int | None = None) -> None:
+                 group: int | None = None, stage_uid_count: int | None = None,
+                 stage_uid_bytes: int | None = None) -> None:
         from .._cuda import Driver
 
         self.driver: Any = driver or Driver()
         self.driver.context()
         self.context = cucall(self.driver, "cuCtxGetCurrent")
         self.device_uuid = device_uuid(self.driver, 0)
+        _free, total = cucall(self.driver, "cuMemGetInfo")
+        self.quota = StageQuota.default(int(total), count=stage_uid_count, size=stage_uid_bytes)
         started = time.perf_counter()
         self.sources: dict[str, Mapped] = {}
         self._files: dict[str, int] = {}  # the same files held open: their owner and mode are checked per peer
@@ -170,7 +175,7 @@ class HydratorServer:
                 now = time.monotonic()
                 return {"ok": True, "device_uuid": self.device_uuid, "staged": [
                     {"key": k, "bytes": v.size, "expires_in_s": v.expires - now} for k, v in self.staged.items()
-                    if v.owner == peer.uid]}
+                    if v.owner == peer.uid], "quota": {"count": self.quota.count, "bytes": self.quota.bytes}}
             raise HydrationError(f"unknown request {op!r}")
         finally:
             for fd in fds:
@@ -244,10 +249,12 @@ class HydratorServer:
 
     def _stage_into(self, key: str, earlier: _Staged | None, peer: jsonline.Peer, staged: _Staged,
                     copy: Callable[[int], object], copied: int) -> dict[str, Any]:
-        """Replace `earlier`, allocate `staged.size` bytes (within STAGE_MAX and STAGE_RESERVE), `copy` into them
+        """Replace `earlier`, allocate `staged.size` bytes (within the peer's quota, STAGE_MAX and STAGE_RESERVE;
+        a refusal frees nothing, not even `earlier`), `copy` into them
         and keep them as `staged` (its handle, timings, expiry, owner and ticket set here) under `key`."""
-        self._discard(key, earlier.ticket if earlier else "")
         self._expire()
+        check_stage_quota(self.staged, key=key, uid=peer.uid, size=staged.size, quota=self.quota)  # before any free
+        self._discard(key, earlier.ticket if earlier else "")
         self._room_for(staged.size)
         started = time.perf_counter()
         handle = cucall(self.driver, "cuMemCreate", staged.size, device_allocation(self.driver, 0, exportable=True),
