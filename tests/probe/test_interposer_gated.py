@@ -208,10 +208,11 @@ CUDA_H = next((p for p in (Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) 
 
 
 def wrapper_declarations() -> list[tuple[str, str]]:
-    """(exported name, parameter list) of every GATED/GATED1 wrapper in interpose.c, read from its macro calls."""
+    """(exported name, parameter list) of every wrapper interpose.c defines with a macro (GATED, COUNTED, UNTRACKED
+    and their one-name forms), read from its macro calls."""
     text = (SOURCES / "interpose.c").read_text()
     found = []
-    for match in re.finditer(r"^GATED1?\(", text, re.MULTILINE):
+    for match in re.finditer(r"^(?:GATED|COUNTED|UNTRACKED)1?\(", text, re.MULTILINE):
         depth, at, parts, start = 1, match.end(), [], match.end()
         while depth:
             c = text[at]
@@ -223,7 +224,7 @@ def wrapper_declarations() -> list[tuple[str, str]]:
                 parts.append(text[start:at].strip())
                 start = at + 1
             at += 1
-        names, params = (parts[:2], parts[2]) if match.group().startswith("GATED(") else (parts[:1], parts[1])
+        names, params = (parts[:1], parts[1]) if match.group().endswith("1(") else (parts[:2], parts[2])
         found += [(name, " ".join(params.split())) for name in names]
     return found
 
