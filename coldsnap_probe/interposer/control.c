@@ -6,8 +6,9 @@
  * read within COLDSNAP_CUDA_INTERPOSER_REQUEST_S (10 s) from the connection, however slowly it trickles in;
  * unknown keys, wrong types and unknown operations are refused and change nothing.
  * Each connection has its own thread (at most CONNECTIONS at once; more wait in the listen backlog until one
- * ends, at most that deadline), so a silent or slow peer never holds up `status` or the worker's requests. Releases and
- * hydrations are serialised: a second one, while one runs, is refused naming it; `status` answers meanwhile.
+ * ends, at most that deadline), so a silent or slow peer never holds up `status` or the worker's requests.
+ * Releases and hydrations are serialised: a second one, while one runs, is refused naming it; `status` answers
+ * meanwhile.
  */
 #define _GNU_SOURCE
 #include <errno.h>
