@@ -7,8 +7,8 @@
  * unknown keys, wrong types and unknown operations are refused and change nothing.
  * Each connection has its own thread (at most CONNECTIONS at once; more wait in the listen backlog until one
  * ends, at most that deadline), so a silent or slow peer never holds up `status` or the worker's requests.
- * Releases and hydrations are serialised: a second one, while one runs, is refused naming it; `status` answers
- * meanwhile.
+ * Releases and hydrations are serialised: a second release while one runs (or hydrate while one runs) is refused
+ * naming it, a hydrate waits for a release to end (and the reverse); `status` answers meanwhile.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -40,6 +40,7 @@ static char released_dir[FIELD];
  * (never while waiting for the region table). */
 struct totals { size_t count, bytes, mapped, segments; };
 static pthread_mutex_t op_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t op_done = PTHREAD_COND_INITIALIZER;
 static const char *operation;   /* "release", "hydrate" or NULL */
 static double operation_since;
 static struct totals last_totals;
@@ -160,11 +161,16 @@ static double monotonic(void)
 
 static void refuse(char *out, size_t room, const char *phase, const char *why);
 
-/* Claims the one mutating operation for `op`: 0, or -1 with the refusal naming the one in progress in `out`. */
+/* Claims the one mutating operation for `op`: 0, or -1 with the refusal naming the one in progress in `out`.
+ * The same operation twice at once is refused (a second release while one runs is a mistake); the other one
+ * waits for it to end (a capture's rollback `hydrate` after its asker gave up on a slow `release` must still
+ * bring the memory back, as it did when connections were served one at a time). */
 static int op_begin(const char *op, char *out, size_t room)
 {
     char why[160];
     pthread_mutex_lock(&op_lock);
+    while (operation && strcmp(operation, op) != 0)
+        pthread_cond_wait(&op_done, &op_lock);
     const char *running = operation;
     double for_s = monotonic() - operation_since;
     if (!running) {
@@ -183,6 +189,7 @@ static void op_end(void)
 {
     pthread_mutex_lock(&op_lock);
     operation = NULL;
+    pthread_cond_broadcast(&op_done);
     pthread_mutex_unlock(&op_lock);
 }
 

@@ -186,6 +186,26 @@ def test_status_answers_during_a_release_and_a_second_release_is_refused_naming_
         assert after["operation"] is None and after["gate"] == "open" and list(dump.iterdir()) == []
 
 
+def test_a_hydrate_during_a_release_waits_for_it_and_then_runs(library: Path, tmp_path: Path) -> None:
+    """A capture's rollback asks `hydrate` after giving up on a slow `release`: it must run once the release ended
+    (as when connections were served one at a time), not be refused while the memory stays released."""
+    dump = tmp_path / "dump"
+    dump.mkdir(mode=0o700)
+    with engine(library, "busy") as (_proc, path):
+        released: dict[str, Any] = {}
+        releasing = threading.Thread(target=lambda: released.update(
+            request(path, {"op": "release", "dir": str(dump)}, timeout=20)))
+        releasing.start()
+        time.sleep(0.3)
+        started = time.monotonic()
+        hydrated = request(path, {"op": "hydrate", "dir": str(dump)}, timeout=20)
+        waited = time.monotonic() - started
+        releasing.join(20)
+        assert "stayed inside the driver for 2 s" in released["error"]  # the release gave up after its 2 s drain
+        assert hydrated == {"ok": False, "error": "hydrate: nothing is released"}  # then the hydrate ran
+        assert 1.3 < waited < 5  # for the rest of the release, not refused at once
+
+
 @pytest.mark.parametrize("payload", [b"", b"\n", b"{\"op\": \"status\"}"])
 def test_a_peer_that_hangs_up_early_leaves_nothing_behind(library: Path, payload: bytes) -> None:
     with engine(library) as (proc, path):
