@@ -54,10 +54,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.add_argument("--stage-ttl", type=_positive, default=STAGE_TTL,
                        help="seconds a staged allocation waits for its engine before it is freed")
     serve.add_argument("--stage-uid-count", type=_count, default=None, metavar="N",
-                       help=f"stages one peer uid may hold at once (default {STAGE_UID_COUNT})")
+                       help=f"stages one peer uid may hold at once (default with --allow-uid/--allow-gid: "
+                            f"{STAGE_UID_COUNT}; without: every stage)")
     serve.add_argument("--stage-uid-bytes", type=_bytes, default=None, metavar="SIZE",
-                       help=f"device bytes one peer uid may hold in stages at once, e.g. 40G (default: "
-                            f"1/{STAGE_UID_SHARE} of the GPU's memory)")
+                       help=f"device bytes one peer uid may hold in stages at once, e.g. 40G (default with "
+                            f"--allow-uid/--allow-gid: 1/{STAGE_UID_SHARE} of the GPU's memory; without: all of it)")
     serve.add_argument("--allow-uid", type=int, action="append", default=[], metavar="UID",
                        help="a uid whose processes may ask (repeatable; root and this process's uid always may)")
     serve.add_argument("--allow-gid", type=int, action="append", default=[], metavar="GID",

@@ -123,8 +123,6 @@ class HydratorServer:
         self.driver.context()
         self.context = cucall(self.driver, "cuCtxGetCurrent")
         self.device_uuid = device_uuid(self.driver, 0)
-        _free, total = cucall(self.driver, "cuMemGetInfo")
-        self.quota = StageQuota.default(int(total), count=stage_uid_count, size=stage_uid_bytes)
         started = time.perf_counter()
         self.sources: dict[str, Mapped] = {}
         self._files: dict[str, int] = {}  # the same files held open: their owner and mode are checked per peer
@@ -142,6 +140,9 @@ class HydratorServer:
         self.staged: dict[str, _Staged] = {}
         self.stage_ttl, self.staging = stage_ttl, staging
         self.peers, self.group = peers or jsonline.Peers(), group
+        _free, total = cucall(self.driver, "cuMemGetInfo")
+        self.quota = StageQuota.default(int(total), shared=bool(self.peers.uids or self.peers.gids), stages=STAGE_MAX,
+                                        count=stage_uid_count, size=stage_uid_bytes)
 
     def serve(self, path: str) -> None:
         """Answer requests on `path` until the process ends (ready line on stdout once it listens)."""

@@ -7,6 +7,11 @@ rule, a pure function of the stage table and the request: a stage beyond the uid
 uid, the cap and what the uid holds, and nothing of anyone's is freed to make room. Tenants are told apart by
 the peer's uid (SO_PEERCRED), so restore workers that all run as root share root's cap: run them under
 distinct uids, or size the cap for all of them.
+
+The default depends on who may ask. A hydrator shared with other uids or gids (`--allow-uid`, `--allow-gid`)
+caps each uid at STAGE_UID_COUNT stages and 1/STAGE_UID_SHARE of the GPU; one that only root and its own uid
+may ask serves one tenant, whose single engine may need most of the GPU staged (an engine that keeps 90% of
+it, KV cache included): there the cap is the hydrator's own limits (every slot, the whole GPU).
 """
 
 from __future__ import annotations
@@ -46,11 +51,13 @@ class StageQuota:
                                  f"and {self.bytes} bytes")
 
     @classmethod
-    def default(cls, total_bytes: int, *, count: int | None = None, size: int | None = None) -> StageQuota:
-        """The quota for a GPU of `total_bytes`: `count` and `size` where given, else STAGE_UID_COUNT stages and
-        1/STAGE_UID_SHARE of its memory."""
-        return cls(count=STAGE_UID_COUNT if count is None else count,
-                   bytes=total_bytes // STAGE_UID_SHARE if size is None else size)
+    def default(cls, total_bytes: int, *, shared: bool, stages: int, count: int | None = None,
+                size: int | None = None) -> StageQuota:
+        """The quota on a GPU of `total_bytes` for a hydrator holding at most `stages`: `count` and `size` where
+        given; otherwise, when `shared` with other uids, STAGE_UID_COUNT stages and 1/STAGE_UID_SHARE of the
+        GPU, else every stage and the whole GPU."""
+        return cls(count=count if count is not None else STAGE_UID_COUNT if shared else stages,
+                   bytes=size if size is not None else total_bytes // STAGE_UID_SHARE if shared else total_bytes)
 
 
 def check_stage_quota(staged: Mapping[str, Held], *, key: str, uid: int, size: int, quota: StageQuota) -> None:

@@ -72,9 +72,22 @@ def test_a_retry_of_the_uids_own_stage_replaces_it_rather_than_counting_twice() 
         check_stage_quota(staged, key=key(2), uid=1001, size=10 * GIB + 1, quota=QUOTA)
 
 
-def test_the_default_quota_is_two_stages_and_half_the_gpu() -> None:
-    assert StageQuota.default(141 * GIB) == StageQuota(count=STAGE_UID_COUNT, bytes=141 * GIB // 2)
-    assert StageQuota.default(141 * GIB, count=1, size=8 * GIB) == StageQuota(count=1, bytes=8 * GIB)
+def test_a_shared_hydrator_defaults_to_two_stages_and_half_the_gpu_per_uid() -> None:
+    assert StageQuota.default(141 * GIB, shared=True, stages=4) == StageQuota(count=STAGE_UID_COUNT,
+                                                                             bytes=141 * GIB // 2)
+    assert StageQuota.default(141 * GIB, shared=True, stages=4, count=1, size=8 * GIB) == StageQuota(1, 8 * GIB)
+
+
+def test_a_single_tenant_hydrator_defaults_to_its_own_limits_so_one_engine_may_stage_most_of_the_gpu() -> None:
+    """Only root and the hydrator's uid may ask: one tenant, whose engine may keep 90% of the GPU (vLLM's
+    default), dump and all; a cap of half the GPU would have sent every such restore to the slow path."""
+    quota = StageQuota.default(141 * GIB, shared=False, stages=4)
+    assert quota == StageQuota(count=4, bytes=141 * GIB)
+    check_stage_quota({}, key=key(1), uid=0, size=127 * GIB, quota=quota)
+    assert StageQuota.default(141 * GIB, shared=False, stages=4, size=8 * GIB) == StageQuota(4, 8 * GIB)
+
+
+def test_a_quota_of_nothing_is_refused() -> None:
     with pytest.raises(HydrationError, match="at least one stage and one byte"):
         StageQuota(count=0, bytes=GIB)
 
