@@ -181,7 +181,7 @@ CSCU_HIDDEN CUresult cscu_map(struct cscu_region *r);
 /* Unmap and release r's backing (r->handle = 0); the reservation stays. */
 CSCU_HIDDEN CUresult cscu_unmap(struct cscu_region *r);
 
-/* The region table, locked: the control thread's release and hydrate hold it for their whole duration. */
+/* The region table, locked: a release or hydrate (one at a time, on its connection thread) holds it throughout. */
 CSCU_HIDDEN void cscu_regions_lock(void);
 CSCU_HIDDEN void cscu_regions_unlock(void);
 /* 0 when the table is now locked by the caller, nonzero when another thread holds it (pthread_mutex_trylock). */
@@ -197,7 +197,7 @@ CSCU_HIDDEN void cscu_gate_leave(void);
 CSCU_HIDDEN long cscu_gate_close(void);
 CSCU_HIDDEN void cscu_gate_open(void);
 CSCU_HIDDEN int cscu_gate_is_open(void);
-/* The calling thread never waits at the gate (the control thread and the copy threads: a driver that reaches one
+/* The calling thread never waits at the gate (the control socket's threads and the copy threads: a driver that reaches one
  * of our gated names from inside the release's or the hydration's own calls must not wait for their end). */
 CSCU_HIDDEN void cscu_gate_exempt(void);
 
