@@ -197,8 +197,9 @@ CSCU_HIDDEN void cscu_gate_leave(void);
 CSCU_HIDDEN long cscu_gate_close(void);
 CSCU_HIDDEN void cscu_gate_open(void);
 CSCU_HIDDEN int cscu_gate_is_open(void);
-/* The calling thread never waits at the gate (the control socket's threads and the copy threads: a driver that reaches one
- * of our gated names from inside the release's or the hydration's own calls must not wait for their end). */
+/* The calling thread never waits at the gate (the control socket's threads and the copy threads: a driver that
+ * reaches one of our gated names from inside the release's or the hydration's own calls must not wait for their
+ * end). */
 CSCU_HIDDEN void cscu_gate_exempt(void);
 
 /* --- the control socket ------------------------------------------------------------------------------------ */
