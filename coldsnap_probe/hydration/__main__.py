@@ -4,11 +4,13 @@ long-lived hydrator, `HydratorServer`) or ``digest FILE OFFSET SIZE`` (a region'
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
 
 from .. import jsonline
 from ._hydrator import STAGE_TTL, HydratorServer
+from ._stage_quota import STAGE_UID_COUNT, STAGE_UID_SHARE
 from ._weights import region_digest
 
 __all__ = ("main",)
@@ -19,6 +21,24 @@ def _positive(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
     return value
+
+
+def _count(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive whole number, not {text}")
+    return int(text)
+
+
+_SIZE = re.compile(r"([0-9]+)\s*([kmgt]?)(?:i?b)?", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def _bytes(text: str) -> int:
+    """A size: bytes, or a number with K, M, G or T (binary units; 40G, 40GiB and 40GB are the same)."""
+    match = _SIZE.fullmatch(text.strip())
+    if not match or int(match.group(1)) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive size (bytes, or with K, M, G, T), not {text}")
+    return int(match.group(1)) * _UNITS[match.group(2).lower()]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -33,6 +53,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                             "device memory this hydrator holds until the engine adopts it (or --stage-ttl)")
     serve.add_argument("--stage-ttl", type=_positive, default=STAGE_TTL,
                        help="seconds a staged allocation waits for its engine before it is freed")
+    serve.add_argument("--stage-uid-count", type=_count, default=None, metavar="N",
+                       help=f"stages one peer uid may hold at once (default with --allow-uid/--allow-gid: "
+                            f"{STAGE_UID_COUNT}; without: every stage)")
+    serve.add_argument("--stage-uid-bytes", type=_bytes, default=None, metavar="SIZE",
+                       help=f"device bytes one peer uid may hold in stages at once, e.g. 40G (default with "
+                            f"--allow-uid/--allow-gid: 1/{STAGE_UID_SHARE} of the GPU's memory; without: all of it)")
     serve.add_argument("--allow-uid", type=int, action="append", default=[], metavar="UID",
                        help="a uid whose processes may ask (repeatable; root and this process's uid always may)")
     serve.add_argument("--allow-gid", type=int, action="append", default=[], metavar="GID",
@@ -52,7 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         peers = jsonline.Peers(uids=frozenset(args.allow_uid), gids=frozenset(args.allow_gid))
         HydratorServer(args.sources, stage_ttl=args.stage_ttl, staging=args.staging, peers=peers,
-                       group=args.socket_group).serve(args.socket)
+                       group=args.socket_group, stage_uid_count=args.stage_uid_count,
+                       stage_uid_bytes=args.stage_uid_bytes).serve(args.socket)
     except Exception as exc:
         sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")
         return 1

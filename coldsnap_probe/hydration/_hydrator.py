@@ -16,6 +16,7 @@ from typing import Any
 from .. import jsonline
 from ..errors import HydrationError
 from ._peer_files import DumpLayout, dump_layout, open_dump_parts, readable_by
+from ._stage_quota import StageQuota, check_stage_quota
 from ._staging import StageRequest
 from ._vmm import (
     Mapped,
@@ -70,9 +71,10 @@ class HydratorServer:
     `stage` (from a restore worker, before its CRIU restore; only with `staging`, see `serve --staging`)
     allocates and fills one on the hydrator's GPU while the engine is still being restored, kept under the
     manifest's digest for `stage_ttl` seconds (at most STAGE_MAX at once, never leaving less than STAGE_RESERVE
-    free); `stage-dump` does the same from a CUDA interposer's device dump, one allocation per region; `adopt`
-    (from the restored engine) hands the allocations over as descriptors, ADOPT_PAGE an answer, so the engine
-    only maps them; `discard` frees a stage that will not be adopted; `status` lists what is staged.
+    free, and within each peer uid's `quota`, _stage_quota.py); `stage-dump` does the same from a CUDA
+    interposer's device dump, one allocation per region; `adopt` (from the restored engine) hands the allocations
+    over as descriptors, ADOPT_PAGE an answer, so the engine only maps them; `discard` frees a stage that will not
+    be adopted; `status` lists what is staged.
 
     Who may ask what (a hydrator may serve several tenants): the socket is 0600 (0660 with a group) and only
     the peers `peers` admits are answered (SO_PEERCRED); a `hydrate` or `stage` gets a source's bytes only for
@@ -82,7 +84,8 @@ class HydratorServer:
 
     def __init__(self, sources: Sequence[str], *, streams: int = 4, driver: Any = None,
                  stage_ttl: float = STAGE_TTL, staging: bool = False, peers: jsonline.Peers | None = None,
-                 group: int | None = None) -> None:
+                 group: int | None = None, stage_uid_count: int | None = None,
+                 stage_uid_bytes: int | None = None) -> None:
         from .._cuda import Driver
 
         self.driver: Any = driver or Driver()
@@ -106,6 +109,9 @@ class HydratorServer:
         self.staged: dict[str, _Staged] = {}
         self.stage_ttl, self.staging = stage_ttl, staging
         self.peers, self.group = peers or jsonline.Peers(), group
+        _free, total = cucall(self.driver, "cuMemGetInfo")
+        self.quota = StageQuota.default(int(total), shared=bool(self.peers.uids or self.peers.gids), stages=STAGE_MAX,
+                                        count=stage_uid_count, size=stage_uid_bytes)
 
     def serve(self, path: str) -> None:
         """Answer requests on `path` until the process ends (ready line on stdout once it listens)."""
@@ -139,7 +145,7 @@ class HydratorServer:
                 now = time.monotonic()
                 return {"ok": True, "device_uuid": self.device_uuid, "staged": [
                     {"key": k, "bytes": v.size, "expires_in_s": v.expires - now} for k, v in self.staged.items()
-                    if v.owner == peer.uid]}
+                    if v.owner == peer.uid], "quota": {"count": self.quota.count, "bytes": self.quota.bytes}}
             raise HydrationError(f"unknown request {op!r}")
         finally:
             for fd in fds:
@@ -221,11 +227,13 @@ class HydratorServer:
 
     def _stage_into(self, key: str, earlier: _Staged | None, peer: jsonline.Peer, staged: _Staged,
                     copy: Callable[[int], object], copied: int) -> dict[str, Any]:
-        """Replace `earlier`, allocate `staged.size` bytes (within STAGE_MAX and STAGE_RESERVE) as one allocation
-        per `staged.sizes`, `copy` into them and keep them as `staged` (its handles, timings, expiry, owner and
-        ticket set here) under `key`. A failure releases every allocation made."""
-        self._discard(key, earlier.ticket if earlier else "")
+        """Replace `earlier`, allocate `staged.size` bytes (within the peer's quota, STAGE_MAX and STAGE_RESERVE;
+        a refusal frees nothing, not even `earlier`) as one allocation per `staged.sizes`, `copy` into them and keep
+        them as `staged` (its handles, timings, expiry, owner and ticket set here) under `key`. A failure releases
+        every allocation made."""
         self._expire()
+        check_stage_quota(self.staged, key=key, uid=peer.uid, size=staged.size, quota=self.quota)  # before any free
+        self._discard(key, earlier.ticket if earlier else "")
         self._room_for(staged.size)
         started = time.perf_counter()
         handles: list[Any] = []

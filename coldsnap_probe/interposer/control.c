@@ -3,20 +3,25 @@
  *
  * The socket is created 0600 (mode set before bind) and answers only root and this process's uid
  * (SO_PEERCRED); anyone else gets {"ok":false,...}. A request is one flat JSON object of at most 64 KiB,
- * read within 30 s; unknown keys, wrong types and unknown operations are refused and change nothing.
- * One connection at a time: a release or a hydration is never concurrent with another.
+ * read within COLDSNAP_CUDA_INTERPOSER_REQUEST_S (10 s) from the connection, however slowly it trickles in;
+ * unknown keys, wrong types and unknown operations are refused and change nothing.
+ * Each connection has its own thread (at most CONNECTIONS at once; more wait in the listen backlog until one
+ * ends, at most that deadline), so a silent or slow peer never holds up `status` or the worker's requests.
+ * Releases and hydrations are serialised: a second release while one runs (or hydrate while one runs) is refused
+ * naming it, a hydrate waits for a release to end (and the reverse); `status` answers meanwhile.
  *
  * Descriptors (SCM_RIGHTS) ride only with a `hydrate` that announces them (`allocations`: the allocations a node
  * hydrator staged, one per released region, in region order): they come with the request line and after it in
  * pages, each one byte with at most PAGE_FDS descriptors (a larger page is refused: the kernel closes what does
- * not fit), until as many as announced arrived, within the request's 30 s. Every descriptor received is closed
- * before the answer, whatever happened: one over the announced count, a page cut short, a peer that stops
+ * not fit), until as many as announced arrived, within the request's deadline. Every descriptor received is
+ * closed before the answer, whatever happened: one over the announced count, a page cut short, a peer that stops
  * sending or leaves midway; descriptors sent after the announced count are never received (the kernel drops
  * them with the connection).
  */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -41,6 +46,16 @@ static int started;     /* 0: not tried, 1: listening, -1: could not (pass-throu
 static int listener = -1;
 static int released;    /* Invariant: 1 between a release that unmapped anything and the hydrate that succeeds */
 static char released_dir[FIELD];
+
+/* The one mutating operation (release or hydrate) running, and the region table's totals last seen, so that
+ * `status` answers while that operation holds the table. Guarded by op_lock, which is only ever held briefly
+ * (never while waiting for the region table). */
+struct totals { size_t count, bytes, mapped, segments; };
+static pthread_mutex_t op_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t op_done = PTHREAD_COND_INITIALIZER;
+static const char *operation;   /* "release", "hydrate" or NULL */
+static double operation_since;
+static struct totals last_totals;
 
 struct request { char op[32]; char dir[FIELD]; char policy[32]; char verify[32]; char allocations[24]; int has_dir; };
 
@@ -153,23 +168,90 @@ static int parse(const char *line, struct request *req, char *error, size_t room
 }
 
 /* --- operations ------------------------------------------------------------------------------------------- */
-static void status(char *out, size_t room)
+static double monotonic(void)
 {
-    size_t count, bytes = 0, mapped = 0;
-    cscu_regions_lock();
-    struct cscu_region *r = cscu_regions(&count);
-    for (size_t i = 0; i < count; i++) {
-        bytes += r[i].size;
-        mapped += r[i].handle ? r[i].size : 0;
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
+}
+
+static void refuse(char *out, size_t room, const char *phase, const char *why);
+
+/* Claims the one mutating operation for `op`: 0, or -1 with the refusal naming the one in progress in `out`.
+ * The same operation twice at once is refused (a second release while one runs is a mistake); the other one
+ * waits for it to end (a capture's rollback `hydrate` after its asker gave up on a slow `release` must still
+ * bring the memory back, as it did when connections were served one at a time). */
+static int op_begin(const char *op, char *out, size_t room)
+{
+    char why[160];
+    pthread_mutex_lock(&op_lock);
+    while (operation && strcmp(operation, op) != 0)
+        pthread_cond_wait(&op_done, &op_lock);
+    const char *running = operation;
+    double for_s = monotonic() - operation_since;
+    if (!running) {
+        operation = op;
+        operation_since = monotonic();
+    }
+    pthread_mutex_unlock(&op_lock);
+    if (!running)
+        return 0;
+    snprintf(why, sizeof(why), "a %s is in progress (for %.1f s): one release or hydrate at a time", running, for_s);
+    refuse(out, room, op, why);
+    return -1;
+}
+
+static void op_end(void)
+{
+    pthread_mutex_lock(&op_lock);
+    operation = NULL;
+    pthread_cond_broadcast(&op_done);
+    pthread_mutex_unlock(&op_lock);
+}
+
+/* The region table's totals, counted under its lock; while a release or hydration holds it, the last counted. */
+static struct totals tally(void)
+{
+    struct totals t = {0, 0, 0, 0};
+    while (cscu_regions_trylock() != 0) {
+        pthread_mutex_lock(&op_lock);
+        int busy = operation != NULL;
+        t = last_totals;
+        pthread_mutex_unlock(&op_lock);
+        if (busy)
+            return t;
+        usleep(1000);  /* an allocation, a free or another status holds it for a moment */
+    }
+    struct cscu_region *r = cscu_regions(&t.count);
+    for (size_t i = 0; i < t.count; i++) {
+        t.bytes += r[i].size;
+        t.mapped += r[i].handle ? r[i].size : 0;
+        t.segments += r[i].size / CSCU_SEGMENT + 1;
     }
     cscu_regions_unlock();
+    pthread_mutex_lock(&op_lock);
+    last_totals = t;
+    pthread_mutex_unlock(&op_lock);
+    return t;
+}
+
+static void status(char *out, size_t room)
+{
+    struct totals t = tally();
+    pthread_mutex_lock(&op_lock);
+    const char *running = operation;
+    pthread_mutex_unlock(&op_lock);
     size_t used = (size_t)snprintf(out, room, "{\"ok\":true,\"pid\":%d,\"regions\":%zu,\"bytes\":%zu,"
-                                   "\"mapped_bytes\":%zu,\"released\":%s,\"gate\":\"%s\",\"threshold\":%zu,"
-                                   "\"threads\":%d,\"staging_bytes\":%zu,\"drain_s\":%d,\"digest_engine\":\"%s\",\"driver\":%s,"
-                                   "\"uncovered\":", (int)getpid(), count, bytes, mapped,
-                                   released ? "true" : "false", cscu_gate_is_open() ? "open" : "closed",
-                                   cscu_config()->threshold, cscu_config()->threads, cscu_config()->staging, cscu_config()->drain_s,
-                                   cscu_sha256_engine(), cscu_driver() ? "true" : "false");
+                                   "\"mapped_bytes\":%zu,\"released\":%s,\"operation\":%s%s%s,\"gate\":\"%s\","
+                                   "\"threshold\":%zu,\"threads\":%d,\"staging_bytes\":%zu,\"drain_s\":%d,"
+                                   "\"request_s\":%d,\"digest_engine\":\"%s\",\"driver\":%s,"
+                                   "\"uncovered\":", (int)getpid(), t.count, t.bytes, t.mapped,
+                                   __atomic_load_n(&released, __ATOMIC_ACQUIRE) ? "true" : "false",
+                                   running ? "\"" : "", running ? running : "null", running ? "\"" : "",
+                                   cscu_gate_is_open() ? "open" : "closed",
+                                   cscu_config()->threshold, cscu_config()->threads, cscu_config()->staging,
+                                   cscu_config()->drain_s, cscu_config()->request_s, cscu_sha256_engine(),
+                                   cscu_driver() ? "true" : "false");
     used += cscu_counts_json(out + used, room - used);
     used += (size_t)snprintf(out + used, room - used, ",\"wrapped\":");
     if (used < room)
@@ -213,9 +295,7 @@ static long announced(const struct request *req, size_t most)
  * stuck one is visible in the engine's log even when its asker has given up. */
 static double note(const char *op, const char *dir, const char *out, double since)
 {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    double now = (double)t.tv_sec + (double)t.tv_nsec / 1e9;
+    double now = monotonic();
     if (!out)
         fprintf(stderr, "coldsnap-cuda: %s (%s): started, %d copy threads, %zu-byte staging buffers\n", op,
                 dir[0] ? dir : "the released dump", cscu_config()->threads, cscu_config()->staging);
@@ -310,13 +390,8 @@ static void dispatch(const struct request *req, const struct received *got, char
 /* --- the socket --------------------------------------------------------------------------------------------- */
 static size_t answer_room(void)
 {
-    size_t count, segments = 0;
-    cscu_regions_lock();
-    struct cscu_region *r = cscu_regions(&count);
-    for (size_t i = 0; i < count; i++)
-        segments += r[i].size / CSCU_SEGMENT + 1;
-    cscu_regions_unlock();
-    return CSCU_ANSWER + count * 512 + segments * 256;  /* a region's manifest entry, a segment's */
+    struct totals t = tally();
+    return CSCU_ANSWER + t.count * 512 + t.segments * 256;  /* a region's manifest entry, a segment's */
 }
 
 static void keep(struct received *got, int fd)
@@ -459,9 +534,12 @@ static void answer_one(int conn, char *line, char *out, size_t room, struct rece
                  STAGED_MAX);
         refuse(out, room, "request", error);
     } else if (strcmp(req.op, "release") == 0 || strcmp(req.op, "hydrate") == 0) {
-        double since = note(req.op, req.dir, NULL, 0);
-        dispatch(&req, got, out, room);
-        note(req.op, req.dir, out, since);
+        if (op_begin(req.op, out, room) == 0) {
+            double since = note(req.op, req.dir, NULL, 0);
+            dispatch(&req, got, out, room);
+            note(req.op, req.dir, out, since);
+            op_end();
+        }
     } else {
         dispatch(&req, got, out, room);
     }
@@ -509,14 +587,102 @@ static void serve_one(int conn)
     free(got.fds);
 }
 
+/* --- connections: a thread each, at most CONNECTIONS at once, each within its request deadline ------------- */
+#define CONNECTIONS 8
+
+/* Invariant: a used slot's fd is open and owned by its connection thread; it is closed only under conn_lock, so
+ * the reaper never shuts down a descriptor number the process has reused for something else. */
+static pthread_mutex_t conn_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct { int used, fd, cut; double since; } conns[CONNECTIONS];
+
+static int conn_take(int fd)
+{
+    int slot = -1;
+    pthread_mutex_lock(&conn_lock);
+    for (int i = 0; i < CONNECTIONS && slot < 0; i++)
+        if (!conns[i].used) {
+            conns[i].used = 1, conns[i].fd = fd, conns[i].cut = 0, conns[i].since = monotonic();
+            slot = i;
+        }
+    pthread_mutex_unlock(&conn_lock);
+    return slot;
+}
+
+static void conn_close(int slot)
+{
+    pthread_mutex_lock(&conn_lock);
+    close(conns[slot].fd);
+    conns[slot].used = 0;
+    pthread_mutex_unlock(&conn_lock);
+}
+
+/* A connection older than the request deadline has its reading side shut: a silent or trickling peer's read ends
+ * (refused as not one line). An operation already read goes on: only what the peer might still send is cut. */
+static void conn_reap(void)
+{
+    double now = monotonic();
+    pthread_mutex_lock(&conn_lock);
+    for (int i = 0; i < CONNECTIONS; i++)
+        if (conns[i].used && !conns[i].cut && now - conns[i].since > cscu_config()->request_s) {
+            shutdown(conns[i].fd, SHUT_RD);
+            conns[i].cut = 1;
+        }
+    pthread_mutex_unlock(&conn_lock);
+}
+
+static void *connection(void *arg)
+{
+    int slot = (int)(intptr_t)arg;
+    cscu_gate_exempt();  /* a release closes the gate from this thread: its own driver calls pass */
+    serve_one(conns[slot].fd);  /* the slot is this thread's until conn_close */
+    conn_close(slot);
+    return NULL;
+}
+
+static int conn_room(void)
+{
+    int room = 0;
+    pthread_mutex_lock(&conn_lock);
+    for (int i = 0; i < CONNECTIONS; i++)
+        room += !conns[i].used;
+    pthread_mutex_unlock(&conn_lock);
+    return room;
+}
+
+/* A thread for `conn`; if none can be started, it is served on this one (as before threads: it still ends at its
+ * deadline, only the others wait meanwhile). */
+static void spawn(int conn)
+{
+    pthread_t thread;
+    pthread_attr_t attr;
+    int slot = conn_take(conn);  /* there is room: only this thread takes slots */
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    if (slot < 0 || pthread_create(&thread, &attr, connection, (void *)(intptr_t)slot) != 0) {
+        serve_one(conn);
+        if (slot >= 0)
+            conn_close(slot);
+        else
+            close(conn);
+    }
+    pthread_attr_destroy(&attr);
+}
+
+/* While every slot is taken, new connections wait in the backlog (64) rather than being refused: a slot frees
+ * within the request deadline, since the reaper cuts every peer that has not sent its line by then. */
 static void *serve(void *unused)
 {
     (void)unused;
-    cscu_gate_exempt();  /* the gate is closed by this thread's release: its own driver calls pass */
+    cscu_gate_exempt();  /* only when no thread could be started does a release run here */
     for (;;) {
+        struct pollfd ready = {conn_room() ? listener : -1, POLLIN, 0};
+        int events = poll(&ready, 1, 250);  /* a quarter second: the request deadline's granularity */
+        conn_reap();
+        if (events <= 0)
+            continue;
         int conn = accept4(listener, NULL, NULL, SOCK_CLOEXEC);
         if (conn < 0) {
-            if (errno == EINTR || errno == ECONNABORTED)
+            if (errno == EINTR || errno == ECONNABORTED || errno == EAGAIN)
                 continue;
             if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
                 usleep(100000);  /* out of descriptors: the asker retries */
@@ -525,8 +691,7 @@ static void *serve(void *unused)
             fprintf(stderr, "coldsnap-cuda: control socket closed: %s\n", strerror(errno));
             return NULL;
         }
-        serve_one(conn);
-        close(conn);
+        spawn(conn);
     }
 }
 
@@ -551,7 +716,7 @@ static int bind_socket(const char *path)
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0)
         return -1;
-    if (fchmod(fd, 0600) != 0 || bind(fd, (struct sockaddr *)&addr, sizeof(addr)) != 0 || listen(fd, 8) != 0) {
+    if (fchmod(fd, 0600) != 0 || bind(fd, (struct sockaddr *)&addr, sizeof(addr)) != 0 || listen(fd, 64) != 0) {
         close(fd);
         return -1;
     }

@@ -31,6 +31,20 @@ typedef struct { char reserved[64]; } CUipcMemHandle;   /* CU_IPC_HANDLE_SIZE = 
 typedef struct CUlaunchConfig_st CUlaunchConfig;        /* only passed through */
 typedef struct CUDA_MEMCPY2D_st CUDA_MEMCPY2D;          /* only passed through */
 typedef struct CUDA_MEMCPY3D_st CUDA_MEMCPY3D;          /* only passed through */
+typedef struct CUarray_st *CUarray;
+typedef struct CUgraph_st *CUgraph;
+typedef void (*CUhostFn)(void *userData);
+typedef void (*CUstreamCallback)(CUstream hStream, CUresult status, void *userData);
+typedef uint32_t cuuint32_t;
+typedef uint64_t cuuint64_t;
+/* Only passed through (pointers to them): */
+typedef struct CUDA_MEMCPY3D_PEER_st CUDA_MEMCPY3D_PEER;
+typedef struct CUDA_MEMCPY3D_BATCH_OP_st CUDA_MEMCPY3D_BATCH_OP;
+typedef struct CUmemcpyAttributes_st CUmemcpyAttributes;
+typedef union CUstreamBatchMemOpParams_union CUstreamBatchMemOpParams;
+typedef struct CUDA_GRAPH_INSTANTIATE_PARAMS_st CUDA_GRAPH_INSTANTIATE_PARAMS;
+typedef struct CUDA_LAUNCH_PARAMS_st CUDA_LAUNCH_PARAMS;
+typedef struct CUmemDecompressParams_st CUmemDecompressParams;
 
 #define CUDA_SUCCESS 0
 #define CUDA_ERROR_INVALID_VALUE 1
@@ -41,7 +55,7 @@ typedef struct CUDA_MEMCPY3D_st CUDA_MEMCPY3D;          /* only passed through *
 typedef struct {
     int type;                               /* CUmemLocationType: CU_MEM_LOCATION_TYPE_DEVICE = 1 */
     int id;
-} CUmemLocation;
+} CUmemLocation;                            /* 8 bytes, passed by value to cuMemPrefetchAsync_v2 */
 
 typedef struct {
     int type;                               /* CUmemAllocationType: CU_MEM_ALLOCATION_TYPE_PINNED = 1 */
@@ -115,6 +129,7 @@ struct cscu_config {
     int threads;                /* COLDSNAP_CUDA_INTERPOSER_THREADS copy threads (default: usable CPUs, 4-16) */
     size_t staging;             /* COLDSNAP_CUDA_INTERPOSER_STAGING_MIB per pinned buffer (default 4 MiB) */
     int drain_s;                /* COLDSNAP_CUDA_INTERPOSER_DRAIN_S: a release waits this long for calls inside */
+    int request_s;              /* COLDSNAP_CUDA_INTERPOSER_REQUEST_S: a peer's whole request line within this */
 };
 CSCU_HIDDEN const struct cscu_config *cscu_config(void);
 
@@ -166,9 +181,11 @@ CSCU_HIDDEN CUresult cscu_map(struct cscu_region *r);
 /* Unmap and release r's backing (r->handle = 0); the reservation stays. */
 CSCU_HIDDEN CUresult cscu_unmap(struct cscu_region *r);
 
-/* The region table, locked: the control thread's release and hydrate hold it for their whole duration. */
+/* The region table, locked: a release or hydrate (one at a time, on its connection thread) holds it throughout. */
 CSCU_HIDDEN void cscu_regions_lock(void);
 CSCU_HIDDEN void cscu_regions_unlock(void);
+/* 0 when the table is now locked by the caller, nonzero when another thread holds it (pthread_mutex_trylock). */
+CSCU_HIDDEN int cscu_regions_trylock(void);
 CSCU_HIDDEN struct cscu_region *cscu_regions(size_t *count);
 
 /* --- the readiness gate ------------------------------------------------------------------------------------ */
@@ -180,8 +197,9 @@ CSCU_HIDDEN void cscu_gate_leave(void);
 CSCU_HIDDEN long cscu_gate_close(void);
 CSCU_HIDDEN void cscu_gate_open(void);
 CSCU_HIDDEN int cscu_gate_is_open(void);
-/* The calling thread never waits at the gate (the control thread and the copy threads: a driver that reaches one
- * of our gated names from inside the release's or the hydration's own calls must not wait for their end). */
+/* The calling thread never waits at the gate (the control socket's threads and the copy threads: a driver that
+ * reaches one of our gated names from inside the release's or the hydration's own calls must not wait for their
+ * end). */
 CSCU_HIDDEN void cscu_gate_exempt(void);
 
 /* --- the control socket ------------------------------------------------------------------------------------ */

@@ -17,7 +17,16 @@
  *   the readiness gate (wait while the regions are released): the allocation calls above, cuLaunchKernel,
  *     cuLaunchKernelEx, cuLaunchCooperativeKernel, cuGraphLaunch, cuMemcpy, cuMemcpyAsync, cuMemcpyPeer,
  *     cuMemcpyPeerAsync, cuMemcpy{HtoD,DtoH,DtoD}{,Async}_v2, cuMemcpy{2D,3D}{,Async}_v2,
- *     cuMemsetD{8,16,32}_v2, cuMemsetD{8,16,32}Async, cuStreamSynchronize, cuEventSynchronize, cuCtxSynchronize.
+ *     cuMemsetD{8,16,32}_v2, cuMemsetD{8,16,32}Async, cuStreamSynchronize, cuEventSynchronize, cuCtxSynchronize
+ *     (and its CUDA 13 _v2), the array copies cuMemcpy{AtoA,AtoD,AtoH,DtoA,HtoA}_v2, cuMemcpy{AtoH,HtoA}Async_v2,
+ *     cuMemcpy2DUnaligned_v2, cuMemcpy3DPeer{,Async}, cuMemcpyBatchAsync and cuMemcpy3DBatchAsync (12.8 and 13.0
+ *     ABIs), cuMemsetD2D{8,16,32}{_v2,Async}, cuStream{Write,Wait}Value{32,64} and cuStreamBatchMemOp (both ABIs),
+ *     cuMemPrefetchAsync (both ABIs), cuMemPrefetchBatchAsync, cuMemDiscardBatchAsync,
+ *     cuMemDiscardAndPrefetchBatchAsync, cuMemBatchDecompressAsync, cuLaunchHostFunc, cuStreamAddCallback,
+ *     cuGraphUpload, cuGraphInstantiateWithParams (it may upload), cuLaunchCooperativeKernelMultiDevice and the
+ *     deprecated cuLaunch, cuLaunchGrid, cuLaunchGridAsync; each with its per-thread-stream variant where the
+ *     driver has one. tests/probe/test_interposer_gated.py pins the list and checks every prototype against
+ *     cuda.h.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -130,6 +139,89 @@ GATED(cuMemsetD32Async, cuMemsetD32Async_ptsz, (CUdeviceptr d, unsigned int v, s
 GATED(cuStreamSynchronize, cuStreamSynchronize_ptsz, (CUstream s), (s))
 GATED1(cuEventSynchronize, (CUevent e), (e))
 GATED1(cuCtxSynchronize, (void), ())
+GATED1(cuCtxSynchronize_v2, (CUcontext c), (c))  /* what "cuCtxSynchronize" resolves to from CUDA 13.0 */
+
+/* Every other entry point that reads or writes device memory or runs device work (cuda.h and cudaTypedefs.h of
+ * CUDA 13.0; the version a name's ABI dates from is in the table below). */
+typedef size_t Z;
+GATED(cuMemcpyAtoA_v2, cuMemcpyAtoA_v2_ptds, (CUarray d, Z doff, CUarray s, Z soff, Z n), (d, doff, s, soff, n))
+GATED(cuMemcpyAtoD_v2, cuMemcpyAtoD_v2_ptds, (CUdeviceptr d, CUarray s, Z soff, Z n), (d, s, soff, n))
+GATED(cuMemcpyAtoH_v2, cuMemcpyAtoH_v2_ptds, (void *d, CUarray s, Z soff, Z n), (d, s, soff, n))
+GATED(cuMemcpyDtoA_v2, cuMemcpyDtoA_v2_ptds, (CUarray d, Z doff, CUdeviceptr s, Z n), (d, doff, s, n))
+GATED(cuMemcpyHtoA_v2, cuMemcpyHtoA_v2_ptds, (CUarray d, Z doff, const void *s, Z n), (d, doff, s, n))
+GATED(cuMemcpyAtoHAsync_v2, cuMemcpyAtoHAsync_v2_ptsz, (void *d, CUarray s, Z soff, Z n, CUstream st),
+      (d, s, soff, n, st))
+GATED(cuMemcpyHtoAAsync_v2, cuMemcpyHtoAAsync_v2_ptsz, (CUarray d, Z doff, const void *s, Z n, CUstream st),
+      (d, doff, s, n, st))
+GATED(cuMemcpy2DUnaligned_v2, cuMemcpy2DUnaligned_v2_ptds, (const CUDA_MEMCPY2D *p), (p))
+GATED(cuMemcpy3DPeer, cuMemcpy3DPeer_ptds, (const CUDA_MEMCPY3D_PEER *p), (p))
+GATED(cuMemcpy3DPeerAsync, cuMemcpy3DPeerAsync_ptsz, (const CUDA_MEMCPY3D_PEER *p, CUstream s), (p, s))
+/* The batches: 12.8's ABI reports the failing index, 13.0's (_v2) does not. */
+GATED(cuMemcpyBatchAsync, cuMemcpyBatchAsync_ptsz, (CUdeviceptr *d, CUdeviceptr *s, Z *sizes, Z count,
+      CUmemcpyAttributes *attrs, Z *attrs_idx, Z attrs_count, Z *fail, CUstream st),
+      (d, s, sizes, count, attrs, attrs_idx, attrs_count, fail, st))
+GATED(cuMemcpyBatchAsync_v2, cuMemcpyBatchAsync_v2_ptsz, (CUdeviceptr *d, CUdeviceptr *s, Z *sizes, Z count,
+      CUmemcpyAttributes *attrs, Z *attrs_idx, Z attrs_count, CUstream st),
+      (d, s, sizes, count, attrs, attrs_idx, attrs_count, st))
+GATED(cuMemcpy3DBatchAsync, cuMemcpy3DBatchAsync_ptsz, (Z count, CUDA_MEMCPY3D_BATCH_OP *ops, Z *fail,
+      unsigned long long flags, CUstream st), (count, ops, fail, flags, st))
+GATED(cuMemcpy3DBatchAsync_v2, cuMemcpy3DBatchAsync_v2_ptsz, (Z count, CUDA_MEMCPY3D_BATCH_OP *ops,
+      unsigned long long flags, CUstream st), (count, ops, flags, st))
+GATED(cuMemsetD2D8_v2, cuMemsetD2D8_v2_ptds, (CUdeviceptr d, Z pitch, unsigned char v, Z w, Z h), (d, pitch, v, w, h))
+GATED(cuMemsetD2D16_v2, cuMemsetD2D16_v2_ptds, (CUdeviceptr d, Z pitch, unsigned short v, Z w, Z h),
+      (d, pitch, v, w, h))
+GATED(cuMemsetD2D32_v2, cuMemsetD2D32_v2_ptds, (CUdeviceptr d, Z pitch, unsigned int v, Z w, Z h), (d, pitch, v, w, h))
+GATED(cuMemsetD2D8Async, cuMemsetD2D8Async_ptsz, (CUdeviceptr d, Z pitch, unsigned char v, Z w, Z h, CUstream s),
+      (d, pitch, v, w, h, s))
+GATED(cuMemsetD2D16Async, cuMemsetD2D16Async_ptsz, (CUdeviceptr d, Z pitch, unsigned short v, Z w, Z h,
+      CUstream s), (d, pitch, v, w, h, s))
+GATED(cuMemsetD2D32Async, cuMemsetD2D32Async_ptsz, (CUdeviceptr d, Z pitch, unsigned int v, Z w, Z h, CUstream s),
+      (d, pitch, v, w, h, s))
+/* Stream memory operations: the unsuffixed ABI (CUDA 8.0/9.0) and _v2 (11.7) take the same arguments. */
+GATED(cuStreamWriteValue32, cuStreamWriteValue32_ptsz, (CUstream s, CUdeviceptr a, cuuint32_t v, U flags),
+      (s, a, v, flags))
+GATED(cuStreamWriteValue32_v2, cuStreamWriteValue32_v2_ptsz, (CUstream s, CUdeviceptr a, cuuint32_t v, U flags),
+      (s, a, v, flags))
+GATED(cuStreamWriteValue64, cuStreamWriteValue64_ptsz, (CUstream s, CUdeviceptr a, cuuint64_t v, U flags),
+      (s, a, v, flags))
+GATED(cuStreamWriteValue64_v2, cuStreamWriteValue64_v2_ptsz, (CUstream s, CUdeviceptr a, cuuint64_t v, U flags),
+      (s, a, v, flags))
+GATED(cuStreamWaitValue32, cuStreamWaitValue32_ptsz, (CUstream s, CUdeviceptr a, cuuint32_t v, U flags),
+      (s, a, v, flags))
+GATED(cuStreamWaitValue32_v2, cuStreamWaitValue32_v2_ptsz, (CUstream s, CUdeviceptr a, cuuint32_t v, U flags),
+      (s, a, v, flags))
+GATED(cuStreamWaitValue64, cuStreamWaitValue64_ptsz, (CUstream s, CUdeviceptr a, cuuint64_t v, U flags),
+      (s, a, v, flags))
+GATED(cuStreamWaitValue64_v2, cuStreamWaitValue64_v2_ptsz, (CUstream s, CUdeviceptr a, cuuint64_t v, U flags),
+      (s, a, v, flags))
+GATED(cuStreamBatchMemOp, cuStreamBatchMemOp_ptsz, (CUstream s, U count, CUstreamBatchMemOpParams *ops, U flags),
+      (s, count, ops, flags))
+GATED(cuStreamBatchMemOp_v2, cuStreamBatchMemOp_v2_ptsz, (CUstream s, U count, CUstreamBatchMemOpParams *ops,
+      U flags), (s, count, ops, flags))
+/* Managed memory moved by the driver (its own pages, not our regions, but device work all the same). */
+GATED(cuMemPrefetchAsync, cuMemPrefetchAsync_ptsz, (CUdeviceptr p, Z n, CUdevice d, CUstream s), (p, n, d, s))
+GATED(cuMemPrefetchAsync_v2, cuMemPrefetchAsync_v2_ptsz, (CUdeviceptr p, Z n, CUmemLocation to, U flags,
+      CUstream s), (p, n, to, flags, s))
+GATED(cuMemPrefetchBatchAsync, cuMemPrefetchBatchAsync_ptsz, (CUdeviceptr *p, Z *sizes, Z count, CUmemLocation *to,
+      Z *to_idx, Z to_count, unsigned long long flags, CUstream s), (p, sizes, count, to, to_idx, to_count, flags, s))
+GATED(cuMemDiscardBatchAsync, cuMemDiscardBatchAsync_ptsz, (CUdeviceptr *p, Z *sizes, Z count,
+      unsigned long long flags, CUstream s), (p, sizes, count, flags, s))
+GATED(cuMemDiscardAndPrefetchBatchAsync, cuMemDiscardAndPrefetchBatchAsync_ptsz, (CUdeviceptr *p, Z *sizes,
+      Z count, CUmemLocation *to, Z *to_idx, Z to_count, unsigned long long flags, CUstream s),
+      (p, sizes, count, to, to_idx, to_count, flags, s))
+GATED(cuMemBatchDecompressAsync, cuMemBatchDecompressAsync_ptsz, (CUmemDecompressParams *params, Z count, U flags,
+      Z *fail, CUstream s), (params, count, flags, fail, s))
+/* Work enqueued on a stream, and graphs uploaded to the device. */
+GATED(cuLaunchHostFunc, cuLaunchHostFunc_ptsz, (CUstream s, CUhostFn fn, void *data), (s, fn, data))
+GATED(cuStreamAddCallback, cuStreamAddCallback_ptsz, (CUstream s, CUstreamCallback fn, void *data, U flags),
+      (s, fn, data, flags))
+GATED(cuGraphUpload, cuGraphUpload_ptsz, (CUgraphExec g, CUstream s), (g, s))
+GATED(cuGraphInstantiateWithParams, cuGraphInstantiateWithParams_ptsz, (CUgraphExec *g, CUgraph graph,
+      CUDA_GRAPH_INSTANTIATE_PARAMS *params), (g, graph, params))
+GATED1(cuLaunchCooperativeKernelMultiDevice, (CUDA_LAUNCH_PARAMS *list, U devices, U flags), (list, devices, flags))
+GATED1(cuLaunch, (CUfunction f), (f))  /* the deprecated launches (CUDA 2.0), still exported */
+GATED1(cuLaunchGrid, (CUfunction f, int w, int h), (f, w, h))
+GATED1(cuLaunchGridAsync, (CUfunction f, int w, int h, CUstream s), (f, w, h, s))
 
 /* --- allocations ------------------------------------------------------------------------------------------ */
 /* Counted (and gated: nothing is allocated while the regions are released) but left to the driver. */
@@ -276,7 +368,52 @@ static const struct entry table[] = {
     E2("cuMemsetD16Async", 0, cuMemsetD16Async, cuMemsetD16Async_ptsz),
     E2("cuMemsetD32Async", 0, cuMemsetD32Async, cuMemsetD32Async_ptsz),
     E2("cuStreamSynchronize", 0, cuStreamSynchronize, cuStreamSynchronize_ptsz),
-    E1("cuEventSynchronize", 0, cuEventSynchronize), E1("cuCtxSynchronize", 0, cuCtxSynchronize),
+    E1("cuEventSynchronize", 0, cuEventSynchronize),
+    /* One name, two ABIs: the newer entry first (a request for at least its version gets it). */
+    E1("cuCtxSynchronize", 13000, cuCtxSynchronize_v2), E1("cuCtxSynchronize", 0, cuCtxSynchronize),
+    E2("cuMemcpyAtoA", 3020, cuMemcpyAtoA_v2, cuMemcpyAtoA_v2_ptds),
+    E2("cuMemcpyAtoD", 3020, cuMemcpyAtoD_v2, cuMemcpyAtoD_v2_ptds),
+    E2("cuMemcpyAtoH", 3020, cuMemcpyAtoH_v2, cuMemcpyAtoH_v2_ptds),
+    E2("cuMemcpyDtoA", 3020, cuMemcpyDtoA_v2, cuMemcpyDtoA_v2_ptds),
+    E2("cuMemcpyHtoA", 3020, cuMemcpyHtoA_v2, cuMemcpyHtoA_v2_ptds),
+    E2("cuMemcpyAtoHAsync", 3020, cuMemcpyAtoHAsync_v2, cuMemcpyAtoHAsync_v2_ptsz),
+    E2("cuMemcpyHtoAAsync", 3020, cuMemcpyHtoAAsync_v2, cuMemcpyHtoAAsync_v2_ptsz),
+    E2("cuMemcpy2DUnaligned", 3020, cuMemcpy2DUnaligned_v2, cuMemcpy2DUnaligned_v2_ptds),
+    E2("cuMemcpy3DPeer", 0, cuMemcpy3DPeer, cuMemcpy3DPeer_ptds),
+    E2("cuMemcpy3DPeerAsync", 0, cuMemcpy3DPeerAsync, cuMemcpy3DPeerAsync_ptsz),
+    E2("cuMemcpyBatchAsync", 13000, cuMemcpyBatchAsync_v2, cuMemcpyBatchAsync_v2_ptsz),
+    E2("cuMemcpyBatchAsync", 12080, cuMemcpyBatchAsync, cuMemcpyBatchAsync_ptsz),
+    E2("cuMemcpy3DBatchAsync", 13000, cuMemcpy3DBatchAsync_v2, cuMemcpy3DBatchAsync_v2_ptsz),
+    E2("cuMemcpy3DBatchAsync", 12080, cuMemcpy3DBatchAsync, cuMemcpy3DBatchAsync_ptsz),
+    E2("cuMemsetD2D8", 3020, cuMemsetD2D8_v2, cuMemsetD2D8_v2_ptds),
+    E2("cuMemsetD2D16", 3020, cuMemsetD2D16_v2, cuMemsetD2D16_v2_ptds),
+    E2("cuMemsetD2D32", 3020, cuMemsetD2D32_v2, cuMemsetD2D32_v2_ptds),
+    E2("cuMemsetD2D8Async", 0, cuMemsetD2D8Async, cuMemsetD2D8Async_ptsz),
+    E2("cuMemsetD2D16Async", 0, cuMemsetD2D16Async, cuMemsetD2D16Async_ptsz),
+    E2("cuMemsetD2D32Async", 0, cuMemsetD2D32Async, cuMemsetD2D32Async_ptsz),
+    E2("cuStreamWriteValue32", 11070, cuStreamWriteValue32_v2, cuStreamWriteValue32_v2_ptsz),
+    E2("cuStreamWriteValue32", 0, cuStreamWriteValue32, cuStreamWriteValue32_ptsz),
+    E2("cuStreamWriteValue64", 11070, cuStreamWriteValue64_v2, cuStreamWriteValue64_v2_ptsz),
+    E2("cuStreamWriteValue64", 0, cuStreamWriteValue64, cuStreamWriteValue64_ptsz),
+    E2("cuStreamWaitValue32", 11070, cuStreamWaitValue32_v2, cuStreamWaitValue32_v2_ptsz),
+    E2("cuStreamWaitValue32", 0, cuStreamWaitValue32, cuStreamWaitValue32_ptsz),
+    E2("cuStreamWaitValue64", 11070, cuStreamWaitValue64_v2, cuStreamWaitValue64_v2_ptsz),
+    E2("cuStreamWaitValue64", 0, cuStreamWaitValue64, cuStreamWaitValue64_ptsz),
+    E2("cuStreamBatchMemOp", 11070, cuStreamBatchMemOp_v2, cuStreamBatchMemOp_v2_ptsz),
+    E2("cuStreamBatchMemOp", 0, cuStreamBatchMemOp, cuStreamBatchMemOp_ptsz),
+    E2("cuMemPrefetchAsync", 12020, cuMemPrefetchAsync_v2, cuMemPrefetchAsync_v2_ptsz),
+    E2("cuMemPrefetchAsync", 0, cuMemPrefetchAsync, cuMemPrefetchAsync_ptsz),
+    E2("cuMemPrefetchBatchAsync", 0, cuMemPrefetchBatchAsync, cuMemPrefetchBatchAsync_ptsz),
+    E2("cuMemDiscardBatchAsync", 0, cuMemDiscardBatchAsync, cuMemDiscardBatchAsync_ptsz),
+    E2("cuMemDiscardAndPrefetchBatchAsync", 0, cuMemDiscardAndPrefetchBatchAsync,
+       cuMemDiscardAndPrefetchBatchAsync_ptsz),
+    E2("cuMemBatchDecompressAsync", 0, cuMemBatchDecompressAsync, cuMemBatchDecompressAsync_ptsz),
+    E2("cuLaunchHostFunc", 0, cuLaunchHostFunc, cuLaunchHostFunc_ptsz),
+    E2("cuStreamAddCallback", 0, cuStreamAddCallback, cuStreamAddCallback_ptsz),
+    E2("cuGraphUpload", 0, cuGraphUpload, cuGraphUpload_ptsz),
+    E2("cuGraphInstantiateWithParams", 0, cuGraphInstantiateWithParams, cuGraphInstantiateWithParams_ptsz),
+    E1("cuLaunchCooperativeKernelMultiDevice", 0, cuLaunchCooperativeKernelMultiDevice),
+    E1("cuLaunch", 0, cuLaunch), E1("cuLaunchGrid", 0, cuLaunchGrid), E1("cuLaunchGridAsync", 0, cuLaunchGridAsync),
 };
 #define ENTRIES (sizeof(table) / sizeof(table[0]))
 
@@ -339,7 +476,6 @@ size_t cscu_entries_json(char *out, size_t room)
 }
 
 /* --- cuGetProcAddress -------------------------------------------------------------------------------------- */
-typedef unsigned long long cuuint64_t;
 typedef int CUdriverProcAddressQueryResult;
 static void *gpa_slot[2];
 CSCU_EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, cuuint64_t flags);

@@ -45,6 +45,8 @@ static void config_read(void)
     config.staging = env_size("COLDSNAP_CUDA_INTERPOSER_STAGING_MIB", 4, (size_t)1 << 20);
     size_t drain = env_size("COLDSNAP_CUDA_INTERPOSER_DRAIN_S", 10, 1);
     config.drain_s = drain > 3600 ? 3600 : (int)drain;
+    size_t request = env_size("COLDSNAP_CUDA_INTERPOSER_REQUEST_S", 10, 1);
+    config.request_s = request > 600 ? 600 : (int)request;
     if (config.staging > CSCU_DIGEST_CHUNK)
         config.staging = CSCU_DIGEST_CHUNK;
     const char *exportable = getenv("COLDSNAP_CUDA_INTERPOSER_EXPORTABLE");
@@ -291,6 +293,7 @@ static size_t region_count, region_room;
 
 void cscu_regions_lock(void) { pthread_mutex_lock(&regions_lock); }
 void cscu_regions_unlock(void) { pthread_mutex_unlock(&regions_lock); }
+int cscu_regions_trylock(void) { return pthread_mutex_trylock(&regions_lock); }
 
 struct cscu_region *cscu_regions(size_t *count)
 {

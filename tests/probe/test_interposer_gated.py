@@ -1,0 +1,268 @@
+"""Regression (issue 22, review): every driver entry point that reads or writes device memory or runs device work
+waits at the interposer's readiness gate, whichever ABI version of its name `cuGetProcAddress` hands out.
+
+Without a GPU: a stand-in `libcuda.so.1` (one function per exported name, and a `cuGetProcAddress_v2` that answers
+like the driver: the newest ABI a requested version reaches, the per-thread-stream variant under the flag) and a
+harness compiled with the interposer's sources: each name must resolve to our wrapper, and a call made while the
+gate is closed must reach the driver only once it opens. Where CUDA 13's cuda.h is installed, every wrapper's
+prototype is checked against it by the compiler; on a GPU host, every name against the real driver's exports."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from coldsnap_probe.hydration._interposer import SOURCES
+from tests.probe.test_interposer import has_driver, library
+
+__all__ = ("library",)  # the module fixture, shared
+
+# (name cuGetProcAddress is asked for, CUDA version its ABI dates from, default-stream export, per-thread export):
+# cudaTypedefs.h of CUDA 13.0 (PFN_<name>_v<version>[_ptsz|_ptds]); one name with two ABIs is listed newest first.
+GATED = (
+    ("cuCtxSynchronize", 13000, "cuCtxSynchronize_v2", None),
+    ("cuCtxSynchronize", 2000, "cuCtxSynchronize", None),
+    ("cuMemcpyAtoA", 3020, "cuMemcpyAtoA_v2", "cuMemcpyAtoA_v2_ptds"),
+    ("cuMemcpyAtoD", 3020, "cuMemcpyAtoD_v2", "cuMemcpyAtoD_v2_ptds"),
+    ("cuMemcpyAtoH", 3020, "cuMemcpyAtoH_v2", "cuMemcpyAtoH_v2_ptds"),
+    ("cuMemcpyDtoA", 3020, "cuMemcpyDtoA_v2", "cuMemcpyDtoA_v2_ptds"),
+    ("cuMemcpyHtoA", 3020, "cuMemcpyHtoA_v2", "cuMemcpyHtoA_v2_ptds"),
+    ("cuMemcpyAtoHAsync", 3020, "cuMemcpyAtoHAsync_v2", "cuMemcpyAtoHAsync_v2_ptsz"),
+    ("cuMemcpyHtoAAsync", 3020, "cuMemcpyHtoAAsync_v2", "cuMemcpyHtoAAsync_v2_ptsz"),
+    ("cuMemcpy2DUnaligned", 3020, "cuMemcpy2DUnaligned_v2", "cuMemcpy2DUnaligned_v2_ptds"),
+    ("cuMemcpy3DPeer", 4000, "cuMemcpy3DPeer", "cuMemcpy3DPeer_ptds"),
+    ("cuMemcpy3DPeerAsync", 4000, "cuMemcpy3DPeerAsync", "cuMemcpy3DPeerAsync_ptsz"),
+    ("cuMemcpyBatchAsync", 13000, "cuMemcpyBatchAsync_v2", "cuMemcpyBatchAsync_v2_ptsz"),
+    ("cuMemcpyBatchAsync", 12080, "cuMemcpyBatchAsync", "cuMemcpyBatchAsync_ptsz"),
+    ("cuMemcpy3DBatchAsync", 13000, "cuMemcpy3DBatchAsync_v2", "cuMemcpy3DBatchAsync_v2_ptsz"),
+    ("cuMemcpy3DBatchAsync", 12080, "cuMemcpy3DBatchAsync", "cuMemcpy3DBatchAsync_ptsz"),
+    ("cuMemsetD2D8", 3020, "cuMemsetD2D8_v2", "cuMemsetD2D8_v2_ptds"),
+    ("cuMemsetD2D16", 3020, "cuMemsetD2D16_v2", "cuMemsetD2D16_v2_ptds"),
+    ("cuMemsetD2D32", 3020, "cuMemsetD2D32_v2", "cuMemsetD2D32_v2_ptds"),
+    ("cuMemsetD2D8Async", 3020, "cuMemsetD2D8Async", "cuMemsetD2D8Async_ptsz"),
+    ("cuMemsetD2D16Async", 3020, "cuMemsetD2D16Async", "cuMemsetD2D16Async_ptsz"),
+    ("cuMemsetD2D32Async", 3020, "cuMemsetD2D32Async", "cuMemsetD2D32Async_ptsz"),
+    ("cuStreamWriteValue32", 11070, "cuStreamWriteValue32_v2", "cuStreamWriteValue32_v2_ptsz"),
+    ("cuStreamWriteValue32", 8000, "cuStreamWriteValue32", "cuStreamWriteValue32_ptsz"),
+    ("cuStreamWriteValue64", 11070, "cuStreamWriteValue64_v2", "cuStreamWriteValue64_v2_ptsz"),
+    ("cuStreamWriteValue64", 9000, "cuStreamWriteValue64", "cuStreamWriteValue64_ptsz"),
+    ("cuStreamWaitValue32", 11070, "cuStreamWaitValue32_v2", "cuStreamWaitValue32_v2_ptsz"),
+    ("cuStreamWaitValue32", 8000, "cuStreamWaitValue32", "cuStreamWaitValue32_ptsz"),
+    ("cuStreamWaitValue64", 11070, "cuStreamWaitValue64_v2", "cuStreamWaitValue64_v2_ptsz"),
+    ("cuStreamWaitValue64", 9000, "cuStreamWaitValue64", "cuStreamWaitValue64_ptsz"),
+    ("cuStreamBatchMemOp", 11070, "cuStreamBatchMemOp_v2", "cuStreamBatchMemOp_v2_ptsz"),
+    ("cuStreamBatchMemOp", 8000, "cuStreamBatchMemOp", "cuStreamBatchMemOp_ptsz"),
+    ("cuMemPrefetchAsync", 12020, "cuMemPrefetchAsync_v2", "cuMemPrefetchAsync_v2_ptsz"),
+    ("cuMemPrefetchAsync", 8000, "cuMemPrefetchAsync", "cuMemPrefetchAsync_ptsz"),
+    ("cuMemPrefetchBatchAsync", 13000, "cuMemPrefetchBatchAsync", "cuMemPrefetchBatchAsync_ptsz"),
+    ("cuMemDiscardBatchAsync", 13000, "cuMemDiscardBatchAsync", "cuMemDiscardBatchAsync_ptsz"),
+    ("cuMemDiscardAndPrefetchBatchAsync", 13000, "cuMemDiscardAndPrefetchBatchAsync",
+     "cuMemDiscardAndPrefetchBatchAsync_ptsz"),
+    ("cuMemBatchDecompressAsync", 12060, "cuMemBatchDecompressAsync", "cuMemBatchDecompressAsync_ptsz"),
+    ("cuLaunchHostFunc", 10000, "cuLaunchHostFunc", "cuLaunchHostFunc_ptsz"),
+    ("cuStreamAddCallback", 5000, "cuStreamAddCallback", "cuStreamAddCallback_ptsz"),
+    ("cuGraphUpload", 11010, "cuGraphUpload", "cuGraphUpload_ptsz"),
+    ("cuGraphInstantiateWithParams", 12000, "cuGraphInstantiateWithParams", "cuGraphInstantiateWithParams_ptsz"),
+    ("cuLaunchCooperativeKernelMultiDevice", 9000, "cuLaunchCooperativeKernelMultiDevice", None),
+    ("cuLaunch", 2000, "cuLaunch", None),
+    ("cuLaunchGrid", 2000, "cuLaunchGrid", None),
+    ("cuLaunchGridAsync", 2000, "cuLaunchGridAsync", None),
+    # gated before this change (kept here so the whole list is pinned)
+    ("cuLaunchKernel", 4000, "cuLaunchKernel", "cuLaunchKernel_ptsz"),
+    ("cuLaunchKernelEx", 11060, "cuLaunchKernelEx", "cuLaunchKernelEx_ptsz"),
+    ("cuLaunchCooperativeKernel", 9000, "cuLaunchCooperativeKernel", "cuLaunchCooperativeKernel_ptsz"),
+    ("cuGraphLaunch", 10000, "cuGraphLaunch", "cuGraphLaunch_ptsz"),
+    ("cuMemcpy", 4000, "cuMemcpy", "cuMemcpy_ptds"),
+    ("cuMemcpyAsync", 4000, "cuMemcpyAsync", "cuMemcpyAsync_ptsz"),
+    ("cuMemcpyPeer", 4000, "cuMemcpyPeer", "cuMemcpyPeer_ptds"),
+    ("cuMemcpyPeerAsync", 4000, "cuMemcpyPeerAsync", "cuMemcpyPeerAsync_ptsz"),
+    ("cuMemcpyHtoD", 3020, "cuMemcpyHtoD_v2", "cuMemcpyHtoD_v2_ptds"),
+    ("cuMemcpyDtoH", 3020, "cuMemcpyDtoH_v2", "cuMemcpyDtoH_v2_ptds"),
+    ("cuMemcpyDtoD", 3020, "cuMemcpyDtoD_v2", "cuMemcpyDtoD_v2_ptds"),
+    ("cuMemcpyHtoDAsync", 3020, "cuMemcpyHtoDAsync_v2", "cuMemcpyHtoDAsync_v2_ptsz"),
+    ("cuMemcpyDtoHAsync", 3020, "cuMemcpyDtoHAsync_v2", "cuMemcpyDtoHAsync_v2_ptsz"),
+    ("cuMemcpyDtoDAsync", 3020, "cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync_v2_ptsz"),
+    ("cuMemcpy2D", 3020, "cuMemcpy2D_v2", "cuMemcpy2D_v2_ptds"),
+    ("cuMemcpy2DAsync", 3020, "cuMemcpy2DAsync_v2", "cuMemcpy2DAsync_v2_ptsz"),
+    ("cuMemcpy3D", 3020, "cuMemcpy3D_v2", "cuMemcpy3D_v2_ptds"),
+    ("cuMemcpy3DAsync", 3020, "cuMemcpy3DAsync_v2", "cuMemcpy3DAsync_v2_ptsz"),
+    ("cuMemsetD8", 3020, "cuMemsetD8_v2", "cuMemsetD8_v2_ptds"),
+    ("cuMemsetD16", 3020, "cuMemsetD16_v2", "cuMemsetD16_v2_ptds"),
+    ("cuMemsetD32", 3020, "cuMemsetD32_v2", "cuMemsetD32_v2_ptds"),
+    ("cuMemsetD8Async", 3020, "cuMemsetD8Async", "cuMemsetD8Async_ptsz"),
+    ("cuMemsetD16Async", 3020, "cuMemsetD16Async", "cuMemsetD16Async_ptsz"),
+    ("cuMemsetD32Async", 3020, "cuMemsetD32Async", "cuMemsetD32Async_ptsz"),
+    ("cuStreamSynchronize", 2000, "cuStreamSynchronize", "cuStreamSynchronize_ptsz"),
+    ("cuEventSynchronize", 2000, "cuEventSynchronize", None),
+)
+EXPORTS = tuple(n for _base, _since, *names in GATED for n in names if n)
+PER_THREAD = 2  # CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
+
+
+def standin_driver(folder: Path) -> Path:
+    """A libcuda.so.1 of host code: each exported name records that it ran; cuGetProcAddress_v2 answers as the
+    driver does (the first entry of GATED whose version the request reaches, per-thread under the flag)."""
+    functions = "".join(f"int {name}(void) {{ __atomic_store_n(&standin_hits, {i + 1}, __ATOMIC_SEQ_CST); "
+                        f"return 0; }}\n" for i, name in enumerate(EXPORTS))
+    rows = "".join(f'    {{"{base}", {since}, (void *){default}, (void *){per_thread or "0"}}},\n'
+                   for base, since, default, per_thread in GATED)
+    source = folder / "standin.c"
+    source.write_text(
+        "#include <string.h>\nint standin_hits;\n" + functions +
+        "static const struct { const char *base; int since; void *fn[2]; } rows[] = {\n" + rows + "};\n"
+        "int cuGetProcAddress_v2(const char *s, void **pfn, int version, unsigned long long flags, int *status)\n"
+        "{\n    for (unsigned i = 0; i < sizeof(rows) / sizeof(rows[0]); i++)\n"
+        "        if (strcmp(rows[i].base, s) == 0 && version >= rows[i].since) {\n"
+        f"            *pfn = (flags & {PER_THREAD}) && rows[i].fn[1] ? rows[i].fn[1] : rows[i].fn[0];\n"
+        "            if (status) *status = 1;\n            return 0;\n        }\n"
+        "    *pfn = 0;\n    return 500;\n}\n")
+    target = folder / "libcuda.so.1"
+    # -Bsymbolic: its table names its own functions, not the harness's wrappers of the same names (as the driver's)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-Wl,-Bsymbolic", "-o", str(target), str(source)], check=True,
+                   capture_output=True)
+    return target
+
+
+HARNESS = r"""
+#include "interpose.c"
+#include "regions.c"
+#include "control.c"
+#include "sha256.c"
+#include "dump.c"
+#include "hydrate.c"
+
+static int *hits;
+static void *pending;
+
+static void *call(void *unused)  /* an engine thread: the wrapper, called with no meaningful arguments */
+{
+    (void)unused;
+    ((CUresult (*)(void))pending)();
+    return NULL;
+}
+
+/* argv: base version per-thread expected-export ... ; prints one line per case: "export wrapped waited ran". */
+int main(int argc, char **argv)
+{
+    void *driver = dlopen("libcuda.so.1", RTLD_NOW);
+    hits = driver ? (int *)dlsym(driver, "standin_hits") : NULL;
+    if (!hits)
+        return 2;
+    for (int i = 1; i + 3 < argc; i += 4) {
+        void *fn = NULL;
+        int status = 0;
+        CUresult rc = cuGetProcAddress_v2(argv[i], &fn, atoi(argv[i + 1]), (cuuint64_t)atoi(argv[i + 2]), &status);
+        void *ours = dlsym(RTLD_DEFAULT, argv[i + 3]);  /* this executable's own wrapper (-rdynamic) */
+        pthread_t thread;
+        __atomic_store_n(hits, 0, __ATOMIC_SEQ_CST);
+        cscu_gate_close();  /* a release */
+        pending = fn;
+        pthread_create(&thread, NULL, call, NULL);
+        usleep(20000);
+        int waited = __atomic_load_n(hits, __ATOMIC_SEQ_CST) == 0;
+        cscu_gate_open();  /* the hydration */
+        pthread_join(thread, NULL);
+        printf("%s %d %d %d\n", argv[i + 3], rc == CUDA_SUCCESS && fn && fn == ours, waited,
+               __atomic_load_n(hits, __ATOMIC_SEQ_CST) != 0);
+    }
+    return 0;
+}
+"""
+
+
+def test_every_gated_entry_point_resolves_to_its_wrapper_and_waits_while_released(library: Path,
+                                                                                 tmp_path: Path) -> None:
+    """Regression (issue 22): cuMemcpyBatchAsync, the stream memory operations, the 2D memsets, the array copies,
+    prefetches, host functions and graph uploads ran straight to the driver while the regions were released; and
+    from CUDA 13.0 "cuCtxSynchronize" resolves to cuCtxSynchronize_v2 (one argument), which the wrapper of the
+    argument-less one called without its context."""
+    exported = set(subprocess.run(["nm", "-D", "--defined-only", str(library)], capture_output=True, text=True,
+                                  check=True).stdout.split())
+    assert not [n for n in EXPORTS if n not in exported], "gated names the library does not export"
+    standin_driver(tmp_path)
+    (tmp_path / "gated.c").write_text(HARNESS)
+    subprocess.run(["gcc", "-O1", "-std=gnu11", "-rdynamic", "-I", str(SOURCES), "-o", str(tmp_path / "gated"),
+                    str(tmp_path / "gated.c"), "-ldl", "-lpthread"], check=True, capture_output=True)
+    cases = [(base, since, 0, default) for base, since, default, _pt in GATED]
+    cases += [(base, since, PER_THREAD, pt) for base, since, _default, pt in GATED if pt]
+    argv = [str(a) for case in cases for a in case]
+    done = subprocess.run([str(tmp_path / "gated"), *argv], capture_output=True, text=True, timeout=120,
+                          check=False, env={**os.environ, "LD_LIBRARY_PATH": str(tmp_path),
+                                            "COLDSNAP_CUDA_INTERPOSER_SOCKET": str(tmp_path / "unused.sock")})
+    assert done.returncode == 0, done.stderr
+    results = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines()}
+    assert set(results) == {c[3] for c in cases}
+    assert [n for n, (wrapped, _w, _r) in results.items() if wrapped != "1"] == [], "not resolved to our wrapper"
+    assert [n for n, (_wr, waited, _r) in results.items() if waited != "1"] == [], "ran while the gate was closed"
+    assert [n for n, (_wr, _w, ran) in results.items() if ran != "1"] == [], "never reached the driver"
+
+
+CUDA_H = next((p for p in (Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include" / "cuda.h",
+                           Path("/usr/local/cuda-13.0/include/cuda.h"), Path("/usr/include/cuda.h")) if p.is_file()),
+              None)
+
+
+def wrapper_declarations() -> list[tuple[str, str]]:
+    """(exported name, parameter list) of every wrapper interpose.c defines with a macro (GATED, COUNTED, UNTRACKED
+    and their one-name forms), read from its macro calls."""
+    text = (SOURCES / "interpose.c").read_text()
+    found = []
+    for match in re.finditer(r"^(?:GATED|COUNTED|UNTRACKED)1?\(", text, re.MULTILINE):
+        depth, at, parts, start = 1, match.end(), [], match.end()
+        while depth:
+            c = text[at]
+            if c == "(":
+                depth += 1
+            elif c == ")":
+                depth -= 1
+            if (c == "," and depth == 1) or depth == 0:
+                parts.append(text[start:at].strip())
+                start = at + 1
+            at += 1
+        names, params = (parts[:1], parts[1]) if match.group().endswith("1(") else (parts[:2], parts[2])
+        found += [(name, " ".join(params.split())) for name in names]
+    return found
+
+
+MODES = ("", "-DCUDA_API_PER_THREAD_DEFAULT_STREAM", "-D__CUDA_API_VERSION_INTERNAL")  # which names cuda.h declares
+
+
+def redeclared(folder: Path, mode: str) -> tuple[subprocess.CompletedProcess[str], set[str]]:
+    """Compile every wrapper's declaration after cuda.h (in `mode`): gcc's result, and the names cuda.h declared
+    (-Wredundant-decls names them), so the check cannot pass by declaring nothing."""
+    assert CUDA_H is not None
+    lines = ["#include <cuda.h>", "typedef unsigned int U;", "typedef size_t Z;"]
+    lines += [f"#undef {name}\nCUresult {name}{params};" for name, params in wrapper_declarations()]
+    (folder / "abi.c").write_text("\n".join(lines) + "\n")
+    done = subprocess.run(["gcc", "-c", "-std=gnu11", "-Wredundant-decls", *([mode] if mode else []),
+                           "-I", str(CUDA_H.parent), "-o", os.devnull, str(folder / "abi.c")],
+                          capture_output=True, text=True, check=False)
+    return done, set(re.findall(r"redundant redeclaration of .([A-Za-z0-9_]+).", done.stderr))
+
+
+@pytest.mark.skipif(CUDA_H is None, reason="no cuda.h (CUDA toolkit) here")
+@pytest.mark.parametrize("mode", MODES)
+def test_every_gated_wrapper_has_the_prototype_of_cuda_h(tmp_path: Path, mode: str) -> None:
+    """Each wrapper redeclared with its own parameter list after cuda.h: gcc refuses a conflicting type (an ABI
+    bug such as a 12.8 batch copy called with 13.0's arguments)."""
+    assert len(wrapper_declarations()) >= len(EXPORTS)
+    done, checked = redeclared(tmp_path, mode)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert checked, done.stderr[-2000:]
+
+
+@pytest.mark.skipif(CUDA_H is None, reason="no cuda.h (CUDA toolkit) here")
+def test_cuda_h_declares_every_gated_name_in_one_of_its_modes(tmp_path: Path) -> None:
+    checked = set().union(*(redeclared(tmp_path, mode)[1] for mode in MODES))
+    assert sorted({name for name, _ in wrapper_declarations()} - checked) == []
+
+
+@pytest.mark.skipif(not has_driver(), reason="no NVIDIA driver (libcuda.so.1)")
+def test_the_real_driver_exports_every_gated_name() -> None:
+    driver = ctypes.CDLL("libcuda.so.1")
+    assert [n for n in EXPORTS if not hasattr(driver, n)] == []
