@@ -39,7 +39,6 @@
 #define FIELD 4096
 #define PAGE_FDS 16     /* descriptors one page may carry (the worker's INTERPOSER_PAGE) */
 #define STAGED_MAX 4096 /* descriptors one request may bring: the node hydrator's STAGE_ALLOCATIONS */
-#define REQUEST_S 30    /* seconds a connection has for its request line and its pages */
 
 static pthread_mutex_t start_lock = PTHREAD_MUTEX_INITIALIZER;
 static int started;     /* 0: not tried, 1: listening, -1: could not (pass-through for this process's life) */
@@ -468,7 +467,7 @@ static int read_pages(int conn, size_t want, size_t pages, struct received *got,
         }
         if (cscu_now() >= deadline) {
             snprintf(error, room, "%zu of the %zu announced descriptors arrived within %d s", got->count + got->dropped,
-                     want, REQUEST_S);
+                     want, cscu_config()->request_s);
             return -1;
         }
         receive_by(conn, deadline);
@@ -516,7 +515,7 @@ static void answer_one(int conn, char *line, char *out, size_t room, struct rece
     char error[512];
     struct request req;
     size_t after = 0;
-    double deadline = cscu_now() + REQUEST_S;
+    double deadline = cscu_now() + cscu_config()->request_s;
     long want, length = read_line(conn, line, got, deadline, &after);
     if (length < 0) {
         refuse(out, room, "request", length == -2 ? "longer than 65536 bytes" : "not one newline-terminated line");
@@ -553,7 +552,7 @@ static void serve_one(int conn)
     struct received got = {NULL, 0, 0, 0, 0};
     struct ucred peer;
     socklen_t length = sizeof(peer);
-    struct timeval timeout = {REQUEST_S, 0};
+    struct timeval timeout = {cscu_config()->request_s, 0};
     if (!line || !out) {
         free(line);
         free(out);

@@ -129,7 +129,7 @@ def test_the_hydrator_refuses_a_stage_beyond_the_cap_and_keeps_the_earlier_one(t
 
         def stage(n: int, path: Path, size: int) -> dict[str, object]:
             return request(str(control), {"op": "stage-dump", "key": key(n), "device_uuid": ready["device_uuid"],
-                                          "parts": [{"file": str(path), "bytes": size}]}, timeout=120.0)
+                                          "parts": [{"file": str(path), "bytes": size, "region": 0}]}, timeout=120.0)
 
         first = stage(1, part, 4 * MIB)
         assert first["ok"], first
