@@ -23,6 +23,7 @@ import pytest
 from coldsnap_probe.errors import HydrationError
 from coldsnap_probe.hydration import DeviceDump, build_library, check_dump
 from coldsnap_probe.hydration._interposer import interposer_request
+from tests.criu import alive
 from tests.helpers import ROOT
 from tests.probe.test_main import has_nvidia_driver
 
@@ -40,7 +41,8 @@ def log_tail(path: Path) -> str:
 def wait_for(path: Path, proc: subprocess.Popen[bytes], timeout: float = 120.0) -> dict[str, Any]:
     give_up = time.monotonic() + timeout
     while not path.exists():
-        assert proc.poll() is None, f"the target exited {proc.returncode}: {log_tail(path)}"
+        # After a restore, `proc` (CRIU killed it, it was reaped) is gone and the restored process has its pid.
+        assert proc.poll() is None or alive(proc.pid), f"the target exited {proc.returncode}: {log_tail(path)}"
         assert time.monotonic() < give_up, f"no {path.name} within {timeout} s"
         time.sleep(0.02)
     value: dict[str, Any] = json.loads(path.read_text())

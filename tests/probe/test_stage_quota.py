@@ -134,8 +134,9 @@ def test_the_hydrator_refuses_a_stage_beyond_the_cap_and_keeps_the_earlier_one(t
         first = stage(1, part, 4 * MIB)
         assert first["ok"], first
         second = stage(2, part, 4 * MIB)
-        assert not second["ok"] and str(second["error"]).startswith(
-            f"uid {os.geteuid()} holds 1 stage(s) of {4 * MIB} bytes already: at most 1 per uid"), second
+        # The answer names the error class first (HydrationError: ...), then the uid, what it holds and the cap.
+        assert not second["ok"] and (f"uid {os.geteuid()} holds 1 stage(s) of {4 * MIB} bytes already: at most 1 "
+                                     "per uid") in str(second["error"]), second
         retry = stage(1, big, 10 * MIB)  # replacing its own stage, but beyond the byte cap: refused, first kept
         assert not retry["ok"] and f"its cap of {8 * MIB} bytes" in str(retry["error"]), retry
         status = request(str(control), {"op": "status"}, timeout=10.0)
