@@ -262,12 +262,16 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
     capture = worker("capture", "--pid", str(server.pid), "--images", str(images), "--criu", criu,
                      *(["--hydration", str(control)] if hydrate else []))
     server.wait()
+    # CRIU restores the server's log descriptor only if the file has the size it dumped; a restored server (and
+    # the interposer in it) writes more, so each restore starts from the captured log, as a fresh unit would.
+    captured_log = log.stat().st_size
     progress(f"  captured: {json.dumps(capture.get('timings_s'))[:200]}")
     digest_before = image_digest(images)
     image_files = sorted(((p.stat().st_size, p.name) for p in images.iterdir() if p.is_file()), reverse=True)
     restores = []
     for attempt in (1, 2):
         path.unlink(missing_ok=True)  # the dead process's socket file; the restored one binds it again
+        os.truncate(log, captured_log)
         t0 = time.time()
         work = images.with_name(f"{images.name}-work-{attempt}")
         progress(f"  restore {attempt}")
@@ -290,10 +294,10 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
                          "all_pages_in_s": marks.get("all_pages_in"), "timeline": report["timeline"]})
         kill_and_reap([report["restored_pid"]])
         if lazy_pages:  # kept for reading: where the daemon spent its time (its last 8 MB)
-            with open(work / "lazy-pages.log", "rb") as log:
-                log.seek(max(0, log.seek(0, os.SEEK_END) - (8 << 20)))
+            with open(work / "lazy-pages.log", "rb") as lazy_log:
+                lazy_log.seek(max(0, lazy_log.seek(0, os.SEEK_END) - (8 << 20)))
                 Path(os.environ.get("OUT", "."), f"lazy-pages-{gib:g}g-{attempt}.log.xz").write_bytes(
-                    lzma.compress(log.read()))
+                    lzma.compress(lazy_log.read()))
         if strategy.startswith("hydrator:"):  # recorded, and printed below: nothing should stay staged
             try:
                 restores[-1]["hydrator_status"] = hydration_request(strategy.split(":", 1)[1], {"op": "status"})
