@@ -35,15 +35,14 @@ from bench.e2e_restore import (
     launch_unit,
     unit_labels,
 )
+from bench.interposer_units import InterposerLayout, device_hydration
 from bench.serve_client import ClientError, chat_request, connect, http_post, stream_chat
 from bench.serve_units import (
     HOST,
     PROMPT,
-    ServeLayout,
     body,
     capture_row,
     cluster,
-    device_hydration,
     fault_mode,
     launcher,
     restore_once,
@@ -198,7 +197,7 @@ def forked_verdict(before: dict[int, dict[str, Any]], after: dict[int, dict[str,
     return verdict
 
 
-async def fault_forked_workers(d: Driver, image: str, layout: ServeLayout, mode: str, port: int, *,
+async def fault_forked_workers(d: Driver, image: str, layout: InterposerLayout, mode: str, port: int, *,
                                cuda: bool = True) -> dict[str, Any]:
     """A server that forks workers sharing its listening socket: captured whole, restored, every worker answers.
     (`cuda=False`: workers without device memory, for a capsule without a GPU; its n610 capture then fails.)"""
