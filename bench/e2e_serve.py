@@ -315,6 +315,7 @@ async def main() -> int:
     out: dict[str, Any] = {"prepare": {"builds": await build_capsules(d, args.build), "shards": shards,
                                        "modes": modes}}
     capsule = out["prepare"]["capsule"] = await inspect_capsule(d, args.capsule)
+    model_bytes = sum(p.stat().st_size for p in Path(args.model).iterdir() if p.is_file())
     results: list[dict[str, Any]] = []
     kept: dict[str, Any] | None = None  # Invariant: the only path whose images are still on disk
     for mode in modes:
@@ -322,14 +323,15 @@ async def main() -> int:
         kept, discard = keep_images(kept, results[-1]) if args.faults else (None, results[-1])
         if discard is not None:
             shutil.rmtree(discard["layout"].images_dir, ignore_errors=True)
+        # After each path, so that a run cut short by its time limit still leaves the paths it finished.
         Path(args.out, "serve.json").write_text(json.dumps({**out, "results": results}, indent=1, default=str))
+        Path(args.out, "serve-table.md").write_text(table(results, capsule, model_bytes) + "\n")
     if args.faults:
         out["faults"] = await faults(d, args, str(capsule["id"]), results)
         for row in out["faults"]:
             print(json.dumps(row)[:1200], flush=True)
     for r in results:
         shutil.rmtree(r.pop("layout").images_dir, ignore_errors=True)
-    model_bytes = sum(p.stat().st_size for p in Path(args.model).iterdir() if p.is_file())
     text = table(results, capsule, model_bytes)
     print(text, flush=True)
     out["results"] = results
