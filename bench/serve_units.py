@@ -4,12 +4,12 @@ from the worker's reports.
 
 The paths, each enabling something only through the unit's environment (the server's command line is the same):
 
+* `full-interposer`: `LD_PRELOAD` of the CUDA interposer and its socket (`/run/coldsnap/cuda-%p.sock`); the
+  device memory is dumped beside the images and refilled by the interposer at line rate;
 * `full-interposer-hydrator`: the same, and `COLDSNAP_CUDA_INTERPOSER_HYDRATOR` naming the staging node
   hydrator (`python -m coldsnap_probe.hydration serve --staging`, a unit of its own, started once per path and
   removed at its end), which fills the device dump on the GPU while CRIU restores the server; the interposer
   then only maps the staged allocations (it fills them itself when a stage fails);
-* `full-interposer`: `LD_PRELOAD` of the CUDA interposer and its socket (`/run/coldsnap/cuda-%p.sock`); the
-  device memory is dumped beside the images and refilled by the interposer at line rate;
 * `full`: nothing; the CUDA checkpoint copies the device memory into the process, CRIU into the images;
 * `adapter`: the adapter on `PYTHONPATH` and `COLDSNAP_HYDRATION_SOCKET`; the weights are refilled from the
   model's files, the rest travels in the images;
