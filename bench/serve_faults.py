@@ -38,6 +38,7 @@ from bench.e2e_restore import (
 from bench.interposer_units import InterposerLayout, device_hydration
 from bench.serve_client import ClientError, chat_request, connect, http_post, stream_chat
 from bench.serve_units import (
+    FAULT_PREFERENCE,
     HOST,
     PROMPT,
     body,
@@ -246,8 +247,9 @@ async def faults(d: Driver, args: argparse.Namespace, image: str,
     rows = [await fault_missing_tokenizer(d, args)]
     first = fault_mode(results)
     if first is None:
-        rows.append({"case": "restore cases", "ok": False, "error": "no path captured and restored: nothing to "
-                     "restore the fault cases from"})
+        rows.append({"case": "restore cases", "ok": False, "error": "no path captured and restored that the fault "
+                     f"cases can restore ({', '.join(FAULT_PREFERENCE)}; a path with a node hydrator has removed it "
+                     "by then): nothing to restore the fault cases from"})
     else:
         rows += await _restore_faults(d, args, image, first)
     layout, mode = (first or results[0])["layout"], (first or results[0])["mode"]
