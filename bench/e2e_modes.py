@@ -61,20 +61,20 @@ from bench.e2e_restore import (
     unit_labels,
     wait_hydrator,
 )
-from bench.serve_units import (
-    INTERPOSER_LIBRARY,
-    INTERPOSER_RUN,
-    INTERPOSER_SOCKET,
-    ServeLayout,
-    capture_row,
+from bench.interposer_units import (
+    InterposerLayout,
     check_interposer,
+    device_cell,
     device_hydration,
+    device_staging,
+    interposer_environment,
+    start_staging_hydrator,
 )
+from bench.serve_units import capture_row
 
 MODES = ("hydrate", "hydrator", "interposer", "interposer-hydrator", "full")
 COOPERATIVE = ("hydrate", "hydrator")
 GOAL_S = {"hydrate": 1.2, "hydrator": 1.2, "interposer": 2.0, "interposer-hydrator": 2.0, "full": 2.0}  # at 16 GiB
-STAGING_SOCKET = f"{INTERPOSER_RUN}/hydrator.sock"  # the interposer-hydrator mode's node hydrator
 THP_FILE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 DIGEST_CHUNK = 256 << 20  # the images' digest hashes chunks of this size in parallel (one file can be 19 GB)
 
@@ -121,37 +121,18 @@ def node_thp() -> str:
     return text[start + 1:end] if 0 <= start < end else text.strip()
 
 
-def mode_layout(work: Path, weights: Path, mode: str, tuning: Tuning, images_root: Path | None = None) -> ServeLayout:
+def mode_layout(work: Path, weights: Path, mode: str, tuning: Tuning,
+                images_root: Path | None = None) -> InterposerLayout:
     """A mode's units: the run directory and images under `work/mode` (or `images_root/mode`), and the
     environment the mode adds; only the interposer modes mount the interposer's run directory at /run/coldsnap."""
     environment = {"CRIU_RESTORE_THREADS": str(tuning.criu_threads)} if tuning.criu_threads else {}
     interposer = mode.startswith("interposer")
     if interposer:
-        environment.update(LD_PRELOAD=INTERPOSER_LIBRARY, COLDSNAP_CUDA_INTERPOSER_SOCKET=INTERPOSER_SOCKET)
-    if mode == "interposer-hydrator":
-        environment["COLDSNAP_CUDA_INTERPOSER_HYDRATOR"] = STAGING_SOCKET
+        environment.update(interposer_environment(staged=mode == "interposer-hydrator"))
     base = work / mode
-    return ServeLayout(run_dir=base / "run", images_dir=images_root / mode if images_root else base / "images",
-                       weights=weights, extra_environment=environment,
-                       interposer_dir=base / "coldsnap" if interposer else None)
-
-
-def staging_unit(layout: Layout, image: str, name: str) -> dict[str, Any]:
-    """The interposer-hydrator mode's node hydrator: staging only (no weight files), its socket in the mode's
-    /run/coldsnap, not itself under the interposer (it holds the staged allocation the engine adopts)."""
-    spec = layout.unit(name, image, entrypoint=layout.python, command=[
-        "-m", "coldsnap_probe.hydration", "serve", "--staging", "--socket", STAGING_SOCKET])
-    spec["environment"] = {k: v for k, v in spec["environment"].items()
-                           if k != "LD_PRELOAD" and not k.startswith("COLDSNAP_CUDA_INTERPOSER")}
-    return spec
-
-
-async def start_staging_hydrator(d: Driver, image: str, layout: Layout, name: str) -> dict[str, Any]:
-    await d.expect(f"evicting {name}", "workload-remove", name=name)
-    spec = staging_unit(layout, image, name)
-    created = time.time()
-    await d.expect(f"starting the staging hydrator {name}", "workload-run", workload=spec)
-    return {"name": name, "created_unix": created}
+    return InterposerLayout(run_dir=base / "run", images_dir=images_root / mode if images_root else base / "images",
+                            weights=weights, extra_environment=environment,
+                            interposer_dir=base / "coldsnap" if interposer else None)
 
 
 def _chunk_digest(path: Path, offset: int, size: int) -> bytes:
@@ -193,13 +174,9 @@ def restore_columns(restored: dict[str, Any]) -> dict[str, Any]:
     """A restore's row beyond bench/e2e_restore.py's: the interposer's device hydration (bytes, GB/s, whether
     the node hydrator staged it) and the first token after the ready file was seen."""
     report = restored.get("worker_report") or {}
-    stages = [(p.get("interposer") or {}).get("stage") for p in report.get("device_memory") or []]
-    asked = [s for s in stages if isinstance(s, dict)]
-    return {**device_hydration(report), "after_ready_s": restored["first_token_s"] - restored["readiness_s"],
-            # interposer-hydrator: was the dump staged by the node hydrator, or did the interposer fill it?
-            "device_staged": all(s.get("staged") and "adopt_error" not in s for s in asked) if asked else None,
-            "device_stage_errors": sorted({str(s.get("error") or s.get("adopt_error")) for s in asked
-                                           if s.get("error") or s.get("adopt_error")})}
+    # interposer-hydrator: was the dump staged by the node hydrator, or did the interposer fill it?
+    return {**device_hydration(report), **device_staging(report),
+            "after_ready_s": restored["first_token_s"] - restored["readiness_s"]}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -319,13 +296,6 @@ def _yes(value: Any) -> str:
     return "-" if value is None else ("yes" if value else "**no**")
 
 
-def _device(row: dict[str, Any]) -> str:
-    if row.get("device_hydration_s") is None:
-        return "-"
-    staged = {None: "", True: ", staged", False: ", not staged"}[row.get("device_staged")]
-    return f"{_f(row['device_hydration_s'])} ({_f(row.get('device_gbps'), 1)} GB/s{staged})"
-
-
 def restore_table(results: list[dict[str, Any]]) -> list[str]:
     lines = ["| mode | run | Docker-to-first-token s | vs cold | worker start s | CRIU s | CUDA s "
              "| device hydration s (GB/s) | weights hydration s | first token after ready s | tokens = cold "
@@ -338,7 +308,7 @@ def restore_table(results: list[dict[str, Any]]) -> list[str]:
         for i, r in enumerate(result.get("restores", []), 1):
             speed = f"{cold['first_token_s'] / r['first_token_s']:.1f}x" if cold and r["first_token_s"] else "-"
             lines.append(f"| {mode} | restore {i} | {_f(r['first_token_s'])} | {speed} | {_f(r['worker_started_s'])} "
-                         f"| {_f(r['criu_s'])} | {_f(r['cuda_s'])} | {_device(r)} | {_f(r['hydration_s'])} "
+                         f"| {_f(r['criu_s'])} | {_f(r['cuda_s'])} | {device_cell(r)} | {_f(r['hydration_s'])} "
                          f"| {_f(r.get('after_ready_s'))} | {_yes(r['identical_tokens'])} "
                          f"| {_yes(r['identical_first_logits'])} |")
         if result.get("error"):

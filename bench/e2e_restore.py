@@ -447,8 +447,9 @@ async def restore_unit(d: Driver, image: str, layout: Layout, name: str, capture
 
 
 if __name__ == "__main__":
-    # The run lives in bench/e2e_modes.py (it builds on this module and on bench/serve_units.py, which imports
-    # this one by name): run it there, so that every class is the one bench.e2e_restore defines.
+    # The run lives in bench/e2e_modes.py (it builds on this module and on bench/interposer_units.py and
+    # bench/serve_units.py, which import this one by name): run it there, so that every class is the one
+    # bench.e2e_restore defines.
     from bench.e2e_modes import main
 
     sys.exit(anyio.run(main))

@@ -1,7 +1,8 @@
 """A server people run, unchanged (issue 23): `transformers serve` captured and restored through the daemon.
 
     python bench/e2e_serve.py --state-dir DIR --capsule TAG --model DIR --work DIR --out DIR
-                              [--modes full-interposer,full,adapter-hydrator] [--restores 3] [--port 18471]
+                              [--modes full-interposer-hydrator,full-interposer,adapter-hydrator,full]
+                              [--restores 3] [--port 18471]
                               [--images-root DIR] [--criu-threads N] [--build CONTEXT=TAG] [--faults]
 
 Against a running `coldsnap-provider serve` (`[gpus] mode = "native"`), through the public client only
@@ -9,20 +10,23 @@ Against a running `coldsnap-provider serve` (`[gpus] mode = "native"`), through 
 (bench/serve_units.py says what each path's unit environment adds; the server's command line never changes):
 
 1. the model folder is checked (weights, config, tokenizer with a chat template) before any unit exists, and
-   for `full-interposer` a disposable run checks that the capsule's interposer library loads;
+   for `full-interposer*` a disposable run checks that the capsule's interposer library loads; a path with a
+   node hydrator starts it once, beside the cold server (not part of any Docker-to-first-token): the weights'
+   (`adapter-hydrator`) or the staging one (`full-interposer-hydrator`), removed with the path's units;
 2. the capsule is pinned by image ID; the server runs as a detached unit on the host network with GPU 0:
    `transformers serve /weights --device cuda:0 --host 127.0.0.1 --port P` (its own command line, uvicorn
    and all) under the capsule's init (`engine_llama.py launch`: PID floor, session leader, stdio on
    /dev/null); cold Docker-to-first-token runs from `workload-run` to the first content chunk of a
    streaming `/v1/chat/completions` request (greedy, fixed seed), retried while the port is closed;
 3. capture with the worker in the capsule (`workload-exec python3 -m coldsnap_probe capture`), the server
-   idle: `full-interposer` has the CUDA interposer dump and release every device allocation before the CUDA
+   idle: `full-interposer*` has the CUDA interposer dump and release every device allocation before the CUDA
    lock (the worker finds its socket in the server's environment), `adapter*` release the weights, `full`
    checkpoints everything; the capture's phases go into the capture table;
 4. `--restores` times: a new restore unit (the worker restoring as its command), and the client's
    request sent as soon as the restored port accepts a connection; restored Docker-to-first-token runs
    from that unit's `workload-run` to the first content chunk, with the worker's phases (CRIU, CUDA, the
-   interposer's device hydration, the weights' hydration). Every completion must equal the cold one.
+   interposer's device hydration, "staged" where the node hydrator filled it while CRIU ran, the weights'
+   hydration). Every completion must equal the cold one, and no unit of the path is left at its end.
 
 With `--faults` (bench/serve_faults.py), on the images of the fastest path that restored: capture while a
 request streams, restore whose port is taken, a client that disconnects during restore, a model folder
@@ -55,15 +59,16 @@ from bench.e2e_restore import (
     start_hydrator,
     wait_hydrator,
 )
+from bench.interposer_units import InterposerLayout, check_interposer, device_cell, start_staging_hydrator
 from bench.serve_client import ClientError
 from bench.serve_faults import faults
 from bench.serve_units import (
     MODES,
     capture_row,
-    check_interposer,
     cluster,
     descriptors,
     keep_images,
+    node_hydrator,
     plan_modes,
     restore_once,
     serve_layout,
@@ -80,7 +85,7 @@ def images_bytes(images: Path) -> dict[str, int]:
             "device_dump_bytes": sum(p.stat().st_size for p in dumps)}
 
 
-async def capture_server(d: Driver, mode: str, layout: Any, serving: str, pid: int,
+async def capture_server(d: Driver, mode: str, layout: InterposerLayout, serving: str, pid: int,
                          result: dict[str, Any]) -> str:
     """The worker captures the idle server; its phases go into `result`; returns the capture's ID."""
     capture_id = f"serve-{mode}-{time.strftime('%Y%m%dT%H%M%S')}"
@@ -96,6 +101,58 @@ async def capture_server(d: Driver, mode: str, layout: Any, serving: str, pid: i
     return capture_id
 
 
+def unit_names(mode: str) -> tuple[str, str, str]:
+    """A path's units: its cold server, its restore unit, its node hydrator (if the path runs one)."""
+    return f"serve-{mode}-cold", f"{cluster(mode)}_node_0", f"serve-{mode}-hydrator"
+
+
+async def start_node_hydrator(d: Driver, mode: str, image: str, layout: InterposerLayout) -> dict[str, Any] | None:
+    """The path's node hydrator, started once before its cold server (None: the path runs none): the weights'
+    (the shards page-locked once) or the staging one (the interposer's dumps staged while CRIU restores). A
+    node service serving every restore on the node, so not part of any Docker-to-first-token."""
+    kind, name = node_hydrator(mode), unit_names(mode)[2]
+    if kind == "weights":
+        return await start_hydrator(d, image, layout, name)
+    if kind == "staging":
+        return await start_staging_hydrator(d, image, layout, name)
+    return None
+
+
+async def serve_and_capture(d: Driver, args: argparse.Namespace, mode: str, image: str, layout: InterposerLayout,
+                            result: dict[str, Any]) -> str:
+    """The checks, the node hydrator, the cold server and its first token, the capture; the capture's ID."""
+    serving, _, sidecar = unit_names(mode)
+    if mode.startswith("full-interposer"):
+        await check_interposer(d, image, layout)
+    service = await start_node_hydrator(d, mode, image, layout)
+    cold = result["cold"] = await start_cold(d, image, layout, serving, args.port)
+    if service:
+        result["hydrator"] = await wait_hydrator(d, sidecar, service["created_unix"])
+    print(f"[{mode}] cold Docker-to-first-token {cold['first_token_s']:.2f} s: {cold['text'][:80]!r}", flush=True)
+    capture_id = await capture_server(d, mode, layout, serving, int(cold["server_pid"]), result)
+    await d.expect(f"removing {serving}", "workload-remove", name=serving)
+    return capture_id
+
+
+def restore_summary(restored: dict[str, Any]) -> str:
+    """A restore's phases in one line (the run's log)."""
+    staged = {None: "", True: ", staged", False: f", not staged: {restored.get('device_stage_errors')}"}
+    return (f"Docker-to-first-token {restored['first_token_s']:.2f} s (CRIU {restored['criu_s']}, CUDA "
+            f"{restored['cuda_s']}, device {restored['device_hydration_s']}{staged[restored.get('device_staged')]}, "
+            f"weights {restored['hydration_s']}), identical {restored['identical']}")
+
+
+async def remove_units(d: Driver, mode: str, result: dict[str, Any]) -> None:
+    """Remove every unit of the path, then check with the daemon that none is left (a failed path too)."""
+    names = unit_names(mode)
+    for name in names:
+        await d.runtime("workload-remove", name=name)
+    left = [name for name in names if not await d.gone(name)]
+    if left:
+        result.update(ok=False, units_left=left)
+        print(f"[{mode}] units left after the path: {', '.join(left)}", flush=True)
+
+
 async def run_mode(d: Driver, args: argparse.Namespace, mode: str, image: str) -> dict[str, Any]:
     work = Path(args.work) / mode
     shutil.rmtree(work, ignore_errors=True)
@@ -104,28 +161,15 @@ async def run_mode(d: Driver, args: argparse.Namespace, mode: str, image: str) -
         layout.images_dir = Path(args.images_root) / mode
         shutil.rmtree(layout.images_dir, ignore_errors=True)
     layout.prepare()
-    serving, unit, sidecar = f"serve-{mode}-cold", f"{cluster(mode)}_node_0", f"serve-{mode}-hydrator"
+    unit = unit_names(mode)[1]
     result: dict[str, Any] = {"mode": mode, "ok": False, "restores": [], "environment": layout.extra_environment}
     try:
-        if mode == "full-interposer":
-            await check_interposer(d, image, layout)
-        # The node's hydrator (the shards page-locked once, for every restore on the node) is not part of any
-        # Docker-to-first-token; it starts beside the cold server.
-        service = await start_hydrator(d, image, layout, sidecar) if mode == "adapter-hydrator" else None
-        cold = result["cold"] = await start_cold(d, image, layout, serving, args.port)
-        if service:
-            result["hydrator"] = await wait_hydrator(d, sidecar, service["created_unix"])
-        print(f"[{mode}] cold Docker-to-first-token {cold['first_token_s']:.2f} s: {cold['text'][:80]!r}",
-              flush=True)
-        capture_id = await capture_server(d, mode, layout, serving, int(cold["server_pid"]), result)
-        await d.expect(f"removing {serving}", "workload-remove", name=serving)
+        capture_id = await serve_and_capture(d, args, mode, image, layout, result)
         for attempt in range(args.restores):
             restored = await restore_once(d, image, layout, unit, capture_id, cluster(mode), args.port)
-            restored["identical"] = restored["text"] == cold["text"]
+            restored["identical"] = restored["text"] == result["cold"]["text"]
             result["restores"].append(restored)
-            print(f"[{mode}] restore {attempt + 1}: Docker-to-first-token {restored['first_token_s']:.2f} s "
-                  f"(CRIU {restored['criu_s']}, CUDA {restored['cuda_s']}, device {restored['device_hydration_s']}, "
-                  f"weights {restored['hydration_s']}), identical {restored['identical']}", flush=True)
+            print(f"[{mode}] restore {attempt + 1}: {restore_summary(restored)}", flush=True)
         result["capture_id"] = capture_id
         result["ok"] = bool(result["restores"]) and all(r["identical"] for r in result["restores"])
     except (E2EError, ClientError, OSError, ValueError, KeyError, TimeoutError) as exc:
@@ -133,8 +177,7 @@ async def run_mode(d: Driver, args: argparse.Namespace, mode: str, image: str) -
         print(f"[{mode}] FAILED: {result['error'][:3000]}", flush=True)
         result["server_log_tail"] = engine_stages(layout)[-6:]
     finally:
-        for name in (serving, unit, sidecar):
-            await d.runtime("workload-remove", name=name)
+        await remove_units(d, mode, result)
     result["layout"] = layout
     return result
 
@@ -161,9 +204,7 @@ def restore_lines(r: dict[str, Any]) -> list[str]:
                      f"| {_f(cold['completion_s'])} | - |")
     for i, x in enumerate(r.get("restores", []), 1):
         speed = f"{cold['first_token_s'] / x['first_token_s']:.1f}x" if cold and x["first_token_s"] else "-"
-        device = _f(x.get("device_hydration_s"))
-        if x.get("device_gbps"):
-            device += f" ({x['device_gbps']:.1f} GB/s)"
+        device = device_cell(x)
         lines.append(
             f"| {r['mode']} | restore {i} | {_f(x['first_token_s'])} | {speed} | {_f(x['create_start_s'])} "
             f"| {_f(x['worker_started_s'])} | {_f(x['criu_s'])} | {_f(x['cuda_s'])} | {device} "
@@ -206,10 +247,24 @@ def table(results: list[dict[str, Any]], capsule: dict[str, Any], model_bytes: i
     lines += ["", f"Capsule {capsule.get('id', '')[:19]}: {capsule.get('size', 0) / 1e6:.0f} MB; model "
               f"{model_bytes / 1e9:.2f} GB."]
     for r in results:
-        if r.get("cold"):
-            lines.append(f"{r['mode']} cold completion ({r['cold']['chunks']} chunks, "
-                         f"{r['cold']['finish_reason']}): {r['cold']['text'][:120]!r}")
+        lines += path_notes(r)
     return "\n".join(lines)
+
+
+def path_notes(r: dict[str, Any]) -> list[str]:
+    """What a path's rows cannot say: its cold completion, each restore whose device dump the node hydrator
+    was asked to stage but did not (and why), and any unit the path left behind."""
+    lines = []
+    if r.get("cold"):
+        lines.append(f"{r['mode']} cold completion ({r['cold']['chunks']} chunks, "
+                     f"{r['cold']['finish_reason']}): {r['cold']['text'][:120]!r}")
+    for i, x in enumerate(r.get("restores", []), 1):
+        if x.get("device_staged") is False:
+            why = "; ".join(x.get("device_stage_errors") or []) or "no reason reported"
+            lines.append(f"{r['mode']} restore {i}: the device dump was not staged, the interposer filled it: {why}")
+    if r.get("units_left"):
+        lines.append(f"{r['mode']}: units left after the path: {', '.join(r['units_left'])}")
+    return lines
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -219,7 +274,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True, help="the model folder (weights, config, tokenizer)")
     parser.add_argument("--work", required=True, help="host directory for run directories (and the images)")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--modes", default="full-interposer,full,adapter-hydrator",
+    parser.add_argument("--modes", default="full-interposer-hydrator,full-interposer,adapter-hydrator,full",
                         help=f"comma list, run in this order: {', '.join(MODES)}")
     parser.add_argument("--restores", type=int, default=3)
     parser.add_argument("--port", type=int, default=18471)
@@ -260,6 +315,7 @@ async def main() -> int:
     out: dict[str, Any] = {"prepare": {"builds": await build_capsules(d, args.build), "shards": shards,
                                        "modes": modes}}
     capsule = out["prepare"]["capsule"] = await inspect_capsule(d, args.capsule)
+    model_bytes = sum(p.stat().st_size for p in Path(args.model).iterdir() if p.is_file())
     results: list[dict[str, Any]] = []
     kept: dict[str, Any] | None = None  # Invariant: the only path whose images are still on disk
     for mode in modes:
@@ -267,14 +323,15 @@ async def main() -> int:
         kept, discard = keep_images(kept, results[-1]) if args.faults else (None, results[-1])
         if discard is not None:
             shutil.rmtree(discard["layout"].images_dir, ignore_errors=True)
+        # After each path, so that a run cut short by its time limit still leaves the paths it finished.
         Path(args.out, "serve.json").write_text(json.dumps({**out, "results": results}, indent=1, default=str))
+        Path(args.out, "serve-table.md").write_text(table(results, capsule, model_bytes) + "\n")
     if args.faults:
         out["faults"] = await faults(d, args, str(capsule["id"]), results)
         for row in out["faults"]:
             print(json.dumps(row)[:1200], flush=True)
     for r in results:
         shutil.rmtree(r.pop("layout").images_dir, ignore_errors=True)
-    model_bytes = sum(p.stat().st_size for p in Path(args.model).iterdir() if p.is_file())
     text = table(results, capsule, model_bytes)
     print(text, flush=True)
     out["results"] = results

@@ -35,15 +35,15 @@ from bench.e2e_restore import (
     launch_unit,
     unit_labels,
 )
+from bench.interposer_units import InterposerLayout, device_hydration
 from bench.serve_client import ClientError, chat_request, connect, http_post, stream_chat
 from bench.serve_units import (
+    FAULT_PREFERENCE,
     HOST,
     PROMPT,
-    ServeLayout,
     body,
     capture_row,
     cluster,
-    device_hydration,
     fault_mode,
     launcher,
     restore_once,
@@ -198,7 +198,7 @@ def forked_verdict(before: dict[int, dict[str, Any]], after: dict[int, dict[str,
     return verdict
 
 
-async def fault_forked_workers(d: Driver, image: str, layout: ServeLayout, mode: str, port: int, *,
+async def fault_forked_workers(d: Driver, image: str, layout: InterposerLayout, mode: str, port: int, *,
                                cuda: bool = True) -> dict[str, Any]:
     """A server that forks workers sharing its listening socket: captured whole, restored, every worker answers.
     (`cuda=False`: workers without device memory, for a capsule without a GPU; its n610 capture then fails.)"""
@@ -247,8 +247,9 @@ async def faults(d: Driver, args: argparse.Namespace, image: str,
     rows = [await fault_missing_tokenizer(d, args)]
     first = fault_mode(results)
     if first is None:
-        rows.append({"case": "restore cases", "ok": False, "error": "no path captured and restored: nothing to "
-                     "restore the fault cases from"})
+        rows.append({"case": "restore cases", "ok": False, "error": "no path captured and restored that the fault "
+                     f"cases can restore ({', '.join(FAULT_PREFERENCE)}; a path with a node hydrator has removed it "
+                     "by then): nothing to restore the fault cases from"})
     else:
         rows += await _restore_faults(d, args, image, first)
     layout, mode = (first or results[0])["layout"], (first or results[0])["mode"]

@@ -6,21 +6,24 @@ The paths, each enabling something only through the unit's environment (the serv
 
 * `full-interposer`: `LD_PRELOAD` of the CUDA interposer and its socket (`/run/coldsnap/cuda-%p.sock`); the
   device memory is dumped beside the images and refilled by the interposer at line rate;
+* `full-interposer-hydrator`: the same, and `COLDSNAP_CUDA_INTERPOSER_HYDRATOR` naming the staging node
+  hydrator (`python -m coldsnap_probe.hydration serve --staging`, a unit of its own, started once per path and
+  removed at its end), which fills the device dump on the GPU while CRIU restores the server; the interposer
+  then only maps the staged allocations (it fills them itself when a stage fails);
 * `full`: nothing; the CUDA checkpoint copies the device memory into the process, CRIU into the images;
 * `adapter`: the adapter on `PYTHONPATH` and `COLDSNAP_HYDRATION_SOCKET`; the weights are refilled from the
   model's files, the rest travels in the images;
 * `adapter-hydrator`: the same and `COLDSNAP_HYDRATOR_SOCKET`; the weights come from the node's hydrator.
 
-The first two need no cooperation at all. The interposer's sockets live in a run directory of their own,
-mounted at `/run/coldsnap` in the serving and every restore unit, so that CRIU finds the directory where it
-rebinds each restored process's control socket.
+The first three need no cooperation at all. The interposer's sockets (bench/interposer_units.py) live in a
+run directory of their own, mounted at `/run/coldsnap` in the serving unit, every restore unit and the staging
+hydrator, so that CRIU finds the directory where it rebinds each restored process's control socket.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +45,7 @@ from bench.e2e_restore import (
     output,
     unit_labels,
 )
+from bench.interposer_units import InterposerLayout, device_hydration, device_staging, interposer_environment
 from bench.serve_client import Completion, chat_request, stream_chat
 
 HOST = "127.0.0.1"
@@ -50,21 +54,20 @@ MAX_TOKENS = 32
 SERVER_SITE = "/opt/server/site"  # the server's own dependencies, baked into the capsule
 ADAPTERS = f"{WORKER_PATH}/coldsnap_probe/adapters"
 SERVER = "/opt/torch/.venv/bin/transformers"
-INTERPOSER_LIBRARY = "/opt/coldsnap/lib/libcoldsnap_cuda.so"  # where scripts/_capsule_rootfs.py --worker builds it
-INTERPOSER_RUN = "/run/coldsnap"
-INTERPOSER_SOCKET = f"{INTERPOSER_RUN}/cuda-%p.sock"  # %p: one socket per CUDA process (docs/interposer.md)
-MODES = ("full-interposer", "full", "adapter", "adapter-hydrator")
-FAULT_PREFERENCE = ("full-interposer", "adapter", "full")  # the fault cases' images: the fastest path that ran
+MODES = ("full-interposer-hydrator", "full-interposer", "full", "adapter", "adapter-hydrator")
+# The fault cases' images: the fastest path that ran whose restores need no node hydrator (it is gone by then).
+FAULT_PREFERENCE = ("full-interposer", "adapter", "full")
+STAGED = "full-interposer-hydrator"  # the path whose node hydrator stages the interposer's device dumps
 
 
 def plan_modes(text: str) -> list[str]:
-    """The paths of a run, in order, from a comma list (`full-interposer,full,adapter-hydrator`)."""
+    """The paths of a run, in order, from a comma list (`full-interposer-hydrator,full-interposer,full`)."""
     return mode_list(text, MODES)
 
 
 def fault_rank(result: dict[str, Any]) -> int | None:
     """How much the fault cases want a path's images (lower is better; None: not usable, because the path
-    did not restore, or its node hydrator is gone by then)."""
+    did not restore, or its node hydrator is gone by then: `adapter-hydrator`, `full-interposer-hydrator`)."""
     if not result.get("ok") or result.get("mode") not in FAULT_PREFERENCE:
         return None
     return FAULT_PREFERENCE.index(result["mode"])
@@ -93,25 +96,13 @@ def cluster(mode: str) -> str:
     return "serve" + mode.replace("-", "")
 
 
-@dataclass
-class ServeLayout(Layout):
-    """A serve path's layout: with `interposer_dir`, that host directory is every unit's /run/coldsnap."""
-
-    interposer_dir: Path | None = None
-
-    def mounts(self) -> list[dict[str, Any]]:
-        extra = [{"source": str(self.interposer_dir), "target": INTERPOSER_RUN}] if self.interposer_dir else []
-        return super().mounts() + extra
-
-    def prepare(self) -> None:
-        super().prepare()
-        if self.interposer_dir:
-            self.interposer_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-            for stale in self.interposer_dir.glob("cuda-*.sock"):  # a killed server's (a restore rebinds its own)
-                stale.unlink()
+def node_hydrator(mode: str) -> str | None:
+    """The kind of node hydrator a path runs beside its server (None: none): `weights` (the shards
+    page-locked, for the adapter) or `staging` (the interposer's device dumps staged on the GPU)."""
+    return {"adapter-hydrator": "weights", STAGED: "staging"}.get(mode)
 
 
-def serve_layout(work: Path, model: Path, mode: str, *, criu_threads: int = 0) -> ServeLayout:
+def serve_layout(work: Path, model: Path, mode: str, *, criu_threads: int = 0) -> InterposerLayout:
     """The unit environment of `mode` (the table in the module docstring); `criu_threads`, when set, is the
     restore's CRIU_RESTORE_THREADS (CRIU 4.2 with the parallel page restore; unset: the CPUs it may use)."""
     adapter = mode.startswith("adapter")
@@ -121,26 +112,13 @@ def serve_layout(work: Path, model: Path, mode: str, *, criu_threads: int = 0) -
         environment["COLDSNAP_HYDRATION_SOCKET"] = f"{RUN}/hydration.sock"
     if mode == "adapter-hydrator":
         environment["COLDSNAP_HYDRATOR_SOCKET"] = f"{RUN}/hydrator.sock"
-    if mode == "full-interposer":
-        environment.update(LD_PRELOAD=INTERPOSER_LIBRARY, COLDSNAP_CUDA_INTERPOSER_SOCKET=INTERPOSER_SOCKET)
+    interposer = mode.startswith("full-interposer")
+    if interposer:
+        environment.update(interposer_environment(staged=mode == STAGED))
     if criu_threads:
         environment["CRIU_RESTORE_THREADS"] = str(criu_threads)
-    return ServeLayout(run_dir=work / "run", images_dir=work / "images", weights=model, network="host",
-                       extra_environment=environment,
-                       interposer_dir=work / "coldsnap" if mode == "full-interposer" else None)
-
-
-async def check_interposer(d: Driver, image: str, layout: Layout) -> None:
-    """A disposable run of the capsule: the interposer library is there and loads (before any server runs)."""
-    program = f"import ctypes; ctypes.CDLL({INTERPOSER_LIBRARY!r})"
-    reply = await d.runtime("workload-run", workload={
-        "name": "", "image": image, "remove_after_exit": True, "pull_policy": "never", "network": "none",
-        "combined": True, "mounts": [m for m in layout.mounts() if m.get("read_only")],
-        "entrypoint": layout.python, "command": ["-c", program]})
-    if not reply.get("ok"):
-        raise E2EError(f"capsule {image} carries no loadable CUDA interposer at {INTERPOSER_LIBRARY} "
-                       f"(scripts/_capsule_rootfs.py --worker builds it): {reply.get('error')}",
-                       code=reply.get("error_code") or "runtime_failed")
+    return InterposerLayout(run_dir=work / "run", images_dir=work / "images", weights=model, network="host",
+                            extra_environment=environment, interposer_dir=work / "coldsnap" if interposer else None)
 
 
 def server_command(port: int) -> list[str]:
@@ -225,16 +203,6 @@ async def start_cold(d: Driver, image: str, layout: Layout, name: str, port: int
             **completion_row(done, created)}
 
 
-def device_hydration(report: dict[str, Any]) -> dict[str, Any]:
-    """What a restore report says of the interposer's device hydration (None where it hydrated nothing)."""
-    processes = report.get("device_memory") or []
-    moved = sum(int(p.get("bytes") or 0) for p in processes)
-    seconds = report.get("device_hydration_seconds")
-    return {"device_hydration_s": seconds, "device_bytes": moved if processes else None,
-            "device_gbps": moved / seconds / 1e9 if processes and seconds else None,
-            "device_verify": sorted({str((p.get("interposer") or {}).get("verify", "")) for p in processes} - {""})}
-
-
 async def restore_once(d: Driver, image: str, layout: Layout, unit: str, capture_id: str, cluster: str,
                        port: int) -> dict[str, Any]:
     """A restore unit and the client's request, sent as soon as the restored port accepts."""
@@ -249,8 +217,9 @@ async def restore_once(d: Driver, image: str, layout: Layout, unit: str, capture
         out["unit"] = await await_unit(d, unit, created, labels=labels, readiness_timeout=120)
 
     await together(client, unit_ready)
-    return {**out["unit"], **device_hydration(out["unit"].get("worker_report") or {}),
-            "create_start_s": started - created, **completion_row(out["client"], created)}
+    report = out["unit"].get("worker_report") or {}
+    return {**out["unit"], **device_hydration(report), **device_staging(report), "create_start_s": started - created,
+            **completion_row(out["client"], created)}
 
 
 def capture_row(report: dict[str, Any]) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from bench.e2e_modes import (
     table,
 )
 from bench.e2e_restore import Driver, E2EError, check_worker, inspect_capsule
-from bench.serve_units import INTERPOSER_LIBRARY, INTERPOSER_SOCKET, check_interposer
+from bench.interposer_units import INTERPOSER_LIBRARY, INTERPOSER_SOCKET, check_interposer, device_cell, staging_unit
 from tests.conftest import docker
 from tests.helpers import ROOT, running_daemon
 
@@ -111,7 +111,7 @@ class TestEnvironment:
         added = {k: v for k, v in staged.environment().items() if plain.get(k) != v}
         assert added == {"COLDSNAP_CUDA_INTERPOSER_HYDRATOR": "/run/coldsnap/hydrator.sock"}
         assert "/run/coldsnap" in {m["target"] for m in staged.mounts()}
-        hydrator = e2e_modes.staging_unit(staged, "img", "e2e-interposer-hydrator-hydrator")
+        hydrator = staging_unit(staged, "img", "e2e-interposer-hydrator-hydrator")
         assert hydrator["command"][-4:] == ["serve", "--staging", "--socket", "/run/coldsnap/hydrator.sock"]
         assert hydrator["mounts"] == staged.mounts() and hydrator["gpus"] == ["0"]
         assert not {k for k in hydrator["environment"] if k == "LD_PRELOAD" or "INTERPOSER" in k}  # not under it
@@ -188,7 +188,7 @@ class TestStaging:
                                               for p in REPORT["device_memory"]]}
         row = _restore(1.0, 0.9, worker_report=staged)
         assert row["device_staged"] is True and row["device_stage_errors"] == []
-        assert e2e_modes._device(row) == "0.50 (34.0 GB/s, staged)"
+        assert device_cell(row) == "0.50 (34.0 GB/s, staged)"
 
     def test_a_refused_or_unadopted_stage_is_not_staged_and_says_why(self) -> None:
         late = {**REPORT, "device_memory": [
@@ -196,7 +196,7 @@ class TestStaging:
             {"pid": 514, "bytes": 1, "interposer": {"stage": {"staged": False, "error": "ProbeError: refused"}}}]}
         row = _restore(1.0, 0.9, worker_report=late)
         assert row["device_staged"] is False and row["device_stage_errors"] == ["ProbeError: refused", "late"]
-        assert e2e_modes._device(row).endswith(", not staged)")
+        assert device_cell(row).endswith(", not staged)")
         assert _restore(1.0, 0.9)["device_staged"] is None  # no stage asked for: the plain interposer mode
 
 

@@ -1,6 +1,7 @@
 """bench/e2e_serve.py's CPU-checkable parts: the paths a run plans and the unit environment each adds (the
-interposer's only through LD_PRELOAD and its socket), the capture and restore phases read from the workers'
-reports, the fault cases' choice of images and verdicts, the tables, and the capsule carrying the interposer."""
+interposer's only through LD_PRELOAD and its socket; the staged path's node hydrator and what its unit and the
+restore unit get), the capture and restore phases read from the workers' reports, the fault cases' choice of
+images and verdicts, the tables, and the capsule carrying the interposer."""
 
 from __future__ import annotations
 
@@ -13,18 +14,26 @@ from typing import Any
 
 import pytest
 
-from bench.e2e_restore import RUN, WORKER_PATH
-from bench.e2e_serve import capture_line, images_bytes, restore_lines, table
+from bench.e2e_restore import IMAGES, RUN, WORKER_PATH, restore_command, unit_labels
+from bench.e2e_serve import _parser, capture_line, images_bytes, path_notes, restore_lines, table, unit_names
+from bench.interposer_units import (
+    INTERPOSER_LIBRARY,
+    INTERPOSER_RUN,
+    INTERPOSER_SOCKET,
+    STAGING_SOCKET,
+    device_hydration,
+    device_staging,
+    staging_unit,
+)
 from bench.serve_faults import forked_verdict
 from bench.serve_units import (
     ADAPTERS,
-    INTERPOSER_LIBRARY,
-    INTERPOSER_SOCKET,
     SERVER_SITE,
     capture_row,
-    device_hydration,
+    cluster,
     fault_mode,
     keep_images,
+    node_hydrator,
     plan_modes,
     serve_layout,
 )
@@ -52,8 +61,10 @@ class TestModes:
                                                                          "adapter-hydrator"]
 
     @pytest.mark.parametrize(("text", "message"), [
-        pytest.param("full,interposer", "unknown mode interposer: the modes are full-interposer, full, adapter, "
-                                        "adapter-hydrator", id="unknown"),
+        pytest.param("full,interposer", "unknown mode interposer: the modes are full-interposer-hydrator, "
+                                        "full-interposer, full, adapter, adapter-hydrator", id="unknown"),
+        pytest.param("full-interposer-hydrator,full-interposer-hydrator", "mode full-interposer-hydrator named twice",
+                     id="staged-twice"),
         pytest.param("full,adapter,full", "mode full named twice", id="twice"),
         pytest.param(" , ", "no mode named", id="empty")])
     def test_a_bad_list_is_refused_naming_the_entry(self, text: str, message: str) -> None:
@@ -67,11 +78,28 @@ class TestModes:
                               check=False)
         assert done.returncode == 2 and "--modes: unknown mode bogus" in done.stderr
 
+    def test_the_default_runs_the_staged_path_first_then_the_interposer_the_adapter_and_full(self) -> None:
+        args = _parser().parse_args(["--state-dir", "s", "--capsule", "c", "--model", "m", "--work", "w", "--out", "o"])
+        assert plan_modes(args.modes) == ["full-interposer-hydrator", "full-interposer", "adapter-hydrator", "full"]
+        device_serve = (ROOT / "scripts/device-serve").read_text()
+        assert "MODES=${3:-full-interposer-hydrator,full-interposer,adapter-hydrator,full}" in device_serve
+
+    def test_a_path_names_the_node_hydrator_it_runs_and_its_units(self) -> None:
+        assert [node_hydrator(m) for m in ("full-interposer-hydrator", "adapter-hydrator", "full-interposer", "full",
+                                           "adapter")] == ["staging", "weights", None, None, None]
+        assert unit_names("full-interposer-hydrator") == ("serve-full-interposer-hydrator-cold",
+                                                          "servefullinterposerhydrator_node_0",
+                                                          "serve-full-interposer-hydrator-hydrator")
+        assert cluster("full-interposer-hydrator").isalpha()  # a ColdSnap workload label: letters only
+
     def test_the_faults_use_the_fastest_path_that_restored(self) -> None:
         results = [{"mode": "full", "ok": True}, {"mode": "full-interposer", "ok": False},
                    {"mode": "adapter", "ok": True}, {"mode": "adapter-hydrator", "ok": True}]
         assert fault_mode(results) == results[2]
         assert fault_mode([{"mode": "adapter-hydrator", "ok": True}]) is None  # its hydrator is gone by then
+        staged_first = [{"mode": "full-interposer-hydrator", "ok": True}, {"mode": "full-interposer", "ok": True},
+                        {"mode": "adapter-hydrator", "ok": True}, {"mode": "full", "ok": True}]
+        assert fault_mode(staged_first) == staged_first[1]  # the default order: on full-interposer
 
     def test_one_set_of_images_is_kept_the_best_for_the_faults(self) -> None:
         full, interposer = {"mode": "full", "ok": True}, {"mode": "full-interposer", "ok": True}
@@ -81,6 +109,8 @@ class TestModes:
         assert keep_images(interposer, full) == (interposer, full)
         assert keep_images(interposer, hydrator) == (interposer, hydrator)  # its hydrator is gone by the faults
         assert keep_images(None, failed) == (None, failed)
+        staged = {"mode": "full-interposer-hydrator", "ok": True}
+        assert keep_images(None, staged) == (None, staged)  # its images go at once: two sets on tmpfs at most
 
 
 class TestEnvironment:
@@ -94,6 +124,48 @@ class TestEnvironment:
         extra = [m for m in interposer.mounts() if m not in full.mounts()]
         assert [(m["target"], m.get("read_only", False)) for m in extra if "/images" not in m["target"]
                 and m["target"] != RUN] == [("/run/coldsnap", False)]
+
+    def test_the_staged_path_adds_only_its_node_hydrators_socket_in_the_same_directory(self, tmp_path: Path) -> None:
+        plain = serve_layout(tmp_path / "a", tmp_path / "model", "full-interposer")
+        staged = serve_layout(tmp_path / "b", tmp_path / "model", "full-interposer-hydrator")
+        added = {k: v for k, v in staged.environment().items() if plain.environment().get(k) != v}
+        assert added == {"COLDSNAP_CUDA_INTERPOSER_HYDRATOR": "/run/coldsnap/hydrator.sock"}
+        assert STAGING_SOCKET.rpartition("/")[0] == INTERPOSER_RUN  # inside the directory every unit mounts
+        assert {m["target"]: m for m in staged.mounts()}[INTERPOSER_RUN] == {
+            "source": str(tmp_path / "b/coldsnap"), "target": INTERPOSER_RUN}  # writable: sockets are bound there
+
+    def test_the_staged_paths_serving_and_restore_units_name_the_hydrator_under_the_interposer(
+            self, tmp_path: Path) -> None:
+        """What the server and every restore unit get: the preload, its socket and the hydrator's, the worker
+        on the path, the mounts (the socket directory among them), the GPU and the host network; the restore
+        unit's command is the worker restoring the capture, which finds the hydrator in the recorded environment."""
+        staged = serve_layout(tmp_path, tmp_path / "model", "full-interposer-hydrator")
+        name = unit_names("full-interposer-hydrator")[1]
+        labels = unit_labels("cap-1", cluster("full-interposer-hydrator"))
+        restore = staged.unit(name, "img", entrypoint="sh", command=restore_command(staged, "cap-1"), labels=labels)
+        env = restore["environment"]
+        assert [env[k] for k in ("LD_PRELOAD", "COLDSNAP_CUDA_INTERPOSER_SOCKET", "COLDSNAP_CUDA_INTERPOSER_HYDRATOR")
+                ] == [INTERPOSER_LIBRARY, INTERPOSER_SOCKET, STAGING_SOCKET]
+        assert env["PYTHONPATH"] == f"{WORKER_PATH}:{SERVER_SITE}" and "COLDSNAP_HYDRATION_SOCKET" not in env
+        assert restore["mounts"] == staged.mounts() and INTERPOSER_RUN in {m["target"] for m in restore["mounts"]}
+        assert (restore["gpus"], restore["network"], restore["labels"]) == (["0"], "host", labels)
+        assert f"-m coldsnap_probe restore --images {IMAGES}/cap-1 " in restore["command"][1]
+        assert "hydrator" not in restore["command"][1]  # no option: the worker reads the capture's environment
+
+    def test_the_staged_paths_hydrator_unit_stages_only_and_is_not_under_the_interposer(self, tmp_path: Path) -> None:
+        staged = serve_layout(tmp_path, tmp_path / "model", "full-interposer-hydrator", criu_threads=8)
+        hydrator = staging_unit(staged, "img", unit_names("full-interposer-hydrator")[2])
+        assert hydrator["name"] == "serve-full-interposer-hydrator-hydrator" and hydrator["detached"] is True
+        assert [hydrator["entrypoint"], *hydrator["command"]] == [
+            staged.python, "-m", "coldsnap_probe.hydration", "serve", "--staging", "--socket", STAGING_SOCKET]
+        env = hydrator["environment"]
+        assert not {k for k in env if k == "LD_PRELOAD" or k.startswith("COLDSNAP_CUDA_INTERPOSER")}
+        assert {k: v for k, v in staged.environment().items() if k not in env} == {
+            "LD_PRELOAD": INTERPOSER_LIBRARY, "COLDSNAP_CUDA_INTERPOSER_SOCKET": INTERPOSER_SOCKET,
+            "COLDSNAP_CUDA_INTERPOSER_HYDRATOR": STAGING_SOCKET}  # everything else as the server's unit
+        assert env["PYTHONPATH"].split(":")[0] == WORKER_PATH  # it imports coldsnap_probe from the capsule
+        # The same mounts (the images it reads the dumps from, the socket directory), the GPU it stages on.
+        assert hydrator["mounts"] == staged.mounts() and (hydrator["gpus"], hydrator["network"]) == (["0"], "host")
 
     def test_the_adapter_paths_add_theirs_and_no_preload(self, tmp_path: Path) -> None:
         env = serve_layout(tmp_path, tmp_path / "model", "adapter-hydrator").environment()
@@ -186,6 +258,33 @@ class TestTables:
         text = table([result, {"mode": "full", "error": "E2EError: boom", "restores": []}], {"id": "sha256:ab"}, 0)
         assert all(line.count("|") == 15 for line in text.splitlines()[:4])  # 14 columns on every row
         assert "| full | failed: E2EError: boom |" in text
+
+    def test_a_staged_row_says_staged_and_a_stage_that_failed_says_why_below_the_table(self) -> None:
+        staged = {**RESTORE, "device_hydration_seconds": 0.05, "device_memory": [
+            {**p, "interposer": {**p["interposer"], "stage": {"staged": True, "stage_s": 0.3}}}
+            for p in RESTORE["device_memory"]]}
+        late = {**staged, "device_hydration_seconds": 0.5, "device_memory": [
+            {**staged["device_memory"][0], "interposer": {"stage": {"staged": True, "adopt_error": "stage expired"}}},
+            staged["device_memory"][1]]}
+        rows = [{"first_token_s": first, "create_start_s": 0.1, "worker_started_s": 0.3, "criu_s": 0.4, "cuda_s": 0.2,
+                 "hydration_s": None, "connected_s": 0.5, "request_to_first_token_s": 0.6, "completion_s": 2.0,
+                 "identical": True, **device_hydration(report), **device_staging(report)}
+                for first, report in ((1.05, staged), (1.5, late), (1.6, RESTORE))]
+        result = {"mode": "full-interposer-hydrator", "cold": {
+            "first_token_s": 21.0, "create_start_s": 0.2, "connected_s": 19.0, "request_to_first_token_s": 2.0,
+            "completion_s": 24.0, "chunks": 33, "finish_reason": "length", "text": "once"}, "restores": rows}
+        lines = restore_lines(result)
+        assert lines[1] == ("| full-interposer-hydrator | restore 1 | 1.05 | 20.0x | 0.10 | 0.30 | 0.40 | 0.20 "
+                            "| 0.05 (340.0 GB/s, staged) | - | 0.50 | 0.60 | 2.00 | True |")
+        assert "| 0.50 (34.0 GB/s, not staged) |" in lines[2]
+        assert "| 0.50 (34.0 GB/s) |" in lines[3]  # no stage asked for: said as the plain interposer path
+        assert all(line.count("|") == 15 for line in lines)
+        notes = path_notes({**result, "units_left": ["serve-full-interposer-hydrator-hydrator"]})
+        assert notes[1:] == [
+            "full-interposer-hydrator restore 2: the device dump was not staged, the interposer filled it: "
+            "stage expired",
+            "full-interposer-hydrator: units left after the path: serve-full-interposer-hydrator-hydrator"]
+        assert path_notes({"mode": "full", "restores": []}) == []
 
 
 INTERPOSER_SOURCES = ROOT / "coldsnap_probe/interposer"

@@ -1,0 +1,120 @@
+"""The CUDA interposer's side of a unit, shared by the daemon benches that run an engine unchanged under it
+(bench/e2e_modes.py's `interposer*` modes, bench/e2e_serve.py's `full-interposer*` paths): what the unit's
+environment adds, the socket directory every unit of a path mounts, the check that the capsule carries the
+library, the staging node hydrator, and what a restore report says of the device hydration.
+
+Two environment lines make an engine's device memory go through the interposer (docs/interposer.md):
+`LD_PRELOAD` of the library and `COLDSNAP_CUDA_INTERPOSER_SOCKET` (`/run/coldsnap/cuda-%p.sock`, one socket per
+CUDA process). A staged path adds a third, `COLDSNAP_CUDA_INTERPOSER_HYDRATOR`: the node hydrator's socket,
+recorded in the dump's manifest at capture, which the restore worker asks to stage the dump on the GPU while CRIU
+restores the process. That hydrator (`python -m coldsnap_probe.hydration serve --staging`, no weight files) is a
+unit of its own beside the engine's, with the same mounts, not itself under the interposer; its socket lives in
+the same /run/coldsnap directory, so every restore unit of the path reaches it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.e2e_restore import Driver, E2EError, Layout
+
+INTERPOSER_LIBRARY = "/opt/coldsnap/lib/libcoldsnap_cuda.so"  # where scripts/_capsule_rootfs.py --worker builds it
+INTERPOSER_RUN = "/run/coldsnap"
+INTERPOSER_SOCKET = f"{INTERPOSER_RUN}/cuda-%p.sock"  # %p: one socket per CUDA process (docs/interposer.md)
+STAGING_SOCKET = f"{INTERPOSER_RUN}/hydrator.sock"  # a staged path's node hydrator
+INTERPOSER_HYDRATOR = "COLDSNAP_CUDA_INTERPOSER_HYDRATOR"  # the variable that names it to the engine's interposer
+
+
+def interposer_environment(*, staged: bool) -> dict[str, str]:
+    """What a unit's environment adds for the interposer; `staged`: and the node hydrator that stages its dump."""
+    environment = {"LD_PRELOAD": INTERPOSER_LIBRARY, "COLDSNAP_CUDA_INTERPOSER_SOCKET": INTERPOSER_SOCKET}
+    if staged:
+        environment[INTERPOSER_HYDRATOR] = STAGING_SOCKET
+    return environment
+
+
+@dataclass
+class InterposerLayout(Layout):
+    """A path's layout: with `interposer_dir`, that host directory is every unit's /run/coldsnap (the serving
+    unit's, each restore unit's and the staging hydrator's), so that CRIU finds the directory where it rebinds
+    each restored process's control socket, and the restore worker finds the hydrator's socket."""
+
+    interposer_dir: Path | None = None
+
+    def mounts(self) -> list[dict[str, Any]]:
+        extra = [{"source": str(self.interposer_dir), "target": INTERPOSER_RUN}] if self.interposer_dir else []
+        return super().mounts() + extra
+
+    def prepare(self) -> None:
+        super().prepare()
+        if self.interposer_dir:
+            self.interposer_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            for stale in self.interposer_dir.glob("cuda-*.sock"):  # a killed engine's (a restore rebinds its own)
+                stale.unlink()
+
+
+async def check_interposer(d: Driver, image: str, layout: Layout) -> None:
+    """A disposable run of the capsule: the interposer library is there and loads (before any engine runs)."""
+    program = f"import ctypes; ctypes.CDLL({INTERPOSER_LIBRARY!r})"
+    reply = await d.runtime("workload-run", workload={
+        "name": "", "image": image, "remove_after_exit": True, "pull_policy": "never", "network": "none",
+        "combined": True, "mounts": [m for m in layout.mounts() if m.get("read_only")],
+        "entrypoint": layout.python, "command": ["-c", program]})
+    if not reply.get("ok"):
+        raise E2EError(f"capsule {image} carries no loadable CUDA interposer at {INTERPOSER_LIBRARY} "
+                       f"(scripts/_capsule_rootfs.py --worker builds it): {reply.get('error')}",
+                       code=reply.get("error_code") or "runtime_failed")
+
+
+def staging_unit(layout: Layout, image: str, name: str) -> dict[str, Any]:
+    """A staged path's node hydrator: staging only (no weight files), its socket in the path's /run/coldsnap,
+    the path's mounts and GPU, not itself under the interposer (it holds the staged allocations the engine
+    adopts)."""
+    spec = layout.unit(name, image, entrypoint=layout.python, command=[
+        "-m", "coldsnap_probe.hydration", "serve", "--staging", "--socket", STAGING_SOCKET])
+    spec["environment"] = {k: v for k, v in spec["environment"].items()
+                           if k != "LD_PRELOAD" and not k.startswith("COLDSNAP_CUDA_INTERPOSER")}
+    return spec
+
+
+async def start_staging_hydrator(d: Driver, image: str, layout: Layout, name: str) -> dict[str, Any]:
+    """Start a staged path's node hydrator (once per path, before its serving unit: a node service, not part
+    of any Docker-to-first-token); bench/e2e_restore.py's `wait_hydrator` waits for its ready line."""
+    await d.expect(f"evicting {name}", "workload-remove", name=name)
+    spec = staging_unit(layout, image, name)
+    created = time.time()
+    await d.expect(f"starting the staging hydrator {name}", "workload-run", workload=spec)
+    return {"name": name, "created_unix": created}
+
+
+def device_hydration(report: dict[str, Any]) -> dict[str, Any]:
+    """What a restore report says of the interposer's device hydration (None where it hydrated nothing)."""
+    processes = report.get("device_memory") or []
+    moved = sum(int(p.get("bytes") or 0) for p in processes)
+    seconds = report.get("device_hydration_seconds")
+    return {"device_hydration_s": seconds, "device_bytes": moved if processes else None,
+            "device_gbps": moved / seconds / 1e9 if processes and seconds else None,
+            "device_verify": sorted({str((p.get("interposer") or {}).get("verify", "")) for p in processes} - {""})}
+
+
+def device_staging(report: dict[str, Any]) -> dict[str, Any]:
+    """Whether the node hydrator staged every process's dump (None: no stage was asked for, the plain
+    interposer path), and why not where it did not (a refusal, a late stage, an adoption that failed)."""
+    stages = [(p.get("interposer") or {}).get("stage") for p in report.get("device_memory") or []]
+    asked = [s for s in stages if isinstance(s, dict)]
+    return {"device_staged": all(s.get("staged") and "adopt_error" not in s for s in asked) if asked else None,
+            "device_stage_errors": sorted({str(s.get("error") or s.get("adopt_error")) for s in asked
+                                           if s.get("error") or s.get("adopt_error")})}
+
+
+def device_cell(row: dict[str, Any]) -> str:
+    """A restore row's device hydration cell: seconds (rate, and whether the node hydrator staged it)."""
+    seconds = row.get("device_hydration_s")
+    if seconds is None:
+        return "-"
+    notes = [f"{row['device_gbps']:.1f} GB/s"] if row.get("device_gbps") else []
+    notes += {None: [], True: ["staged"], False: ["not staged"]}[row.get("device_staged")]
+    return f"{seconds:.2f}" + (f" ({', '.join(notes)})" if notes else "")
