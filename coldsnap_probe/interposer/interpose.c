@@ -139,7 +139,7 @@ GATED(cuMemsetD32Async, cuMemsetD32Async_ptsz, (CUdeviceptr d, unsigned int v, s
 GATED(cuStreamSynchronize, cuStreamSynchronize_ptsz, (CUstream s), (s))
 GATED1(cuEventSynchronize, (CUevent e), (e))
 GATED1(cuCtxSynchronize, (void), ())
-GATED1(cuCtxSynchronize_v2, (CUcontext c), (c))  /* what "cuCtxSynchronize" resolves to from CUDA 13.0 */
+GATED1(cuCtxSynchronize_v2, (CUcontext c), (c))  /* CUDA 13.0: a name of its own, not a version of the above */
 
 /* Every other entry point that reads or writes device memory or runs device work (cuda.h and cudaTypedefs.h of
  * CUDA 13.0; the version a name's ABI dates from is in the table below). */
@@ -369,8 +369,10 @@ static const struct entry table[] = {
     E2("cuMemsetD32Async", 0, cuMemsetD32Async, cuMemsetD32Async_ptsz),
     E2("cuStreamSynchronize", 0, cuStreamSynchronize, cuStreamSynchronize_ptsz),
     E1("cuEventSynchronize", 0, cuEventSynchronize),
-    /* One name, two ABIs: the newer entry first (a request for at least its version gets it). */
-    E1("cuCtxSynchronize", 13000, cuCtxSynchronize_v2), E1("cuCtxSynchronize", 0, cuCtxSynchronize),
+    /* Two names, not two ABIs of one: CUDA 13.0 added cuCtxSynchronize_v2 (a context argument) under its own name
+     * (cuda-python's bindings ask for "cuCtxSynchronize_v2" at 13000 and "cuCtxSynchronize" at 2000); the plain
+     * name keeps its argument-less ABI at every version. */
+    E1("cuCtxSynchronize_v2", 13000, cuCtxSynchronize_v2), E1("cuCtxSynchronize", 0, cuCtxSynchronize),
     E2("cuMemcpyAtoA", 3020, cuMemcpyAtoA_v2, cuMemcpyAtoA_v2_ptds),
     E2("cuMemcpyAtoD", 3020, cuMemcpyAtoD_v2, cuMemcpyAtoD_v2_ptds),
     E2("cuMemcpyAtoH", 3020, cuMemcpyAtoH_v2, cuMemcpyAtoH_v2_ptds),
