@@ -43,6 +43,7 @@
 static pthread_mutex_t start_lock = PTHREAD_MUTEX_INITIALIZER;
 static int started;     /* 0: not tried, 1: listening, -1: could not (pass-through for this process's life) */
 static int listener = -1;
+static pid_t listening_pid;  /* the process that bound the socket: a forked child inherits `started`, not the socket */
 static int released;    /* Invariant: 1 between a release that unmapped anything and the hydrate that succeeds */
 static char released_dir[FIELD];
 
@@ -769,6 +770,7 @@ int cscu_control_start(void)
             pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
             if (pthread_create(&thread, &attr, serve, NULL) == 0) {
                 pthread_setname_np(thread, "coldsnap-cuda");
+                listening_pid = getpid();
                 started = 1;
             } else {
                 close(listener);
@@ -792,9 +794,11 @@ __attribute__((constructor)) static void cscu_loaded(void)
         cscu_control_start();
 }
 
-/* A process that exits normally removes its socket (one killed leaves it; the next bind replaces it). */
+/* A process that exits normally removes its socket (one killed leaves it; the next bind replaces it). Only the
+ * process that bound it: a child forked without exec (a prefork server's worker) inherits `started` and the path,
+ * and its normal exit removed its parent's socket, so the worker could no longer release or hydrate it. */
 __attribute__((destructor)) static void cscu_unloaded(void)
 {
-    if (started == 1)
+    if (started == 1 && getpid() == listening_pid)
         unlink(cscu_config()->socket);
 }

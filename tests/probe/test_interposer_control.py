@@ -27,9 +27,11 @@ from tests.probe.test_interposer import library
 __all__ = ("library",)  # the module fixture, shared
 
 SLOW_DRIVER = "#include <unistd.h>\nint cuStreamSynchronize(void *stream) { (void)stream; sleep(4); return 0; }\n"
-ENGINE = ("import ctypes, sys, threading, time\n"
+ENGINE = ("import ctypes, os, sys, threading, time\n"
           "if sys.argv[1] == 'busy':  # an engine thread inside a synchronise for 4 s (a release must drain it)\n"
           "    threading.Thread(target=ctypes.CDLL(None).cuStreamSynchronize, args=(None,), daemon=True).start()\n"
+          "if sys.argv[1] == 'fork' and os.fork() == 0:  # a prefork worker that ends normally (exit(), destructors)\n"
+          "    sys.exit(0)\n"
           "time.sleep(120)\n")
 
 
@@ -256,3 +258,13 @@ def test_peers_crowding_the_socket_with_descriptors_share_one_hydrates_worth(lib
         assert [a.startswith("hydrate: 4080 of the 4096 announced descriptors arrived") for a in answers] == \
             [True, True], answers
         assert settled(proc.pid, baseline) == baseline
+
+
+def test_a_forked_child_that_exits_normally_leaves_its_parents_socket(library: Path) -> None:
+    """Regression (review3): a child forked without exec inherited `started` and the socket's path, and its
+    normal exit (the library's destructor) unlinked its parent's socket: the worker could then neither release
+    nor hydrate the engine."""
+    with engine(library, "fork") as (proc, path):
+        time.sleep(0.5)  # the child has exited (it was forked before the engine slept)
+        assert os.path.exists(path)
+        assert request(path, {"op": "status"}, timeout=10)["pid"] == proc.pid
