@@ -492,6 +492,17 @@ static void resolved(const char *symbol, void **pfn, int version)
         *pfn = version >= 12000 ? (void *)cuGetProcAddress_v2 : (void *)cuGetProcAddress;
         return;
     }
+    /* The wrapper of the very function the driver handed out, when it is one of the exports a name of ours starts
+     * with: what decides an ABI is the function, not our reading of the driver's version table (a `since` off by
+     * a minor version gave a 4-argument function a 5-argument wrapper). Otherwise the newest the version reaches. */
+    size_t length = strlen(symbol);
+    for (size_t i = 0; i < ENTRIES; i++)
+        for (int v = 0; v < 2; v++)
+            if (table[i].name[v] && strncmp(table[i].name[v], symbol, length) == 0
+                && cscu_real(table[i].name[v]) == *pfn) {
+                *pfn = install(&table[i], *pfn);
+                return;
+            }
     for (size_t i = 0; i < ENTRIES; i++)
         if (strcmp(table[i].base, symbol) == 0 && version >= table[i].since) {
             *pfn = install(&table[i], *pfn);
