@@ -189,7 +189,8 @@ def test_every_gated_entry_point_resolves_to_its_wrapper_and_waits_while_release
     "cuCtxSynchronize_v2" itself unwrapped, past the gate. And the wrapper is chosen by the function the driver
     handed out, not by the interposer's reading of the driver's version table: where the two differ (here the
     stand-in's cuMemPrefetchAsync switches ABI at 12.8, ours at 12.2), a 4-argument function got the 5-argument
-    wrapper, which passed the stream where the driver reads the stream from the flags' register (an ABI bug)."""
+    wrapper, which read the caller's stream as its 32-bit flags and so handed the driver a truncated stream (an
+    ABI bug)."""
     exported = set(subprocess.run(["nm", "-D", "--defined-only", str(library)], capture_output=True, text=True,
                                   check=True).stdout.split())
     assert not [n for n in EXPORTS if n not in exported], "gated names the library does not export"
