@@ -6,7 +6,8 @@
  * returns our wrapper; everything else, RTLD_NEXT and RTLD_DEFAULT included, is a tail call to the real one,
  * which therefore sees its caller's return address), and so are cuGetProcAddress (v1 and _v2) and each name
  * below. A name may resolve to two real functions: the legacy default stream one and the per-thread one
- * (`_ptsz`/`_ptds`, chosen by cuGetProcAddress's flags). Each has its own slot and wrapper. A slot keeps the
+ * (`_ptsz`/`_ptds`, chosen by cuGetProcAddress's flags). Each has its own slot and wrapper, picked by the function
+ * the driver handed out (the version table below only when that is none of the driver's exports). A slot keeps the
  * first real pointer it saw; a later resolution to a different function (another ABI version) is handed out
  * unwrapped and counted, never mixed up.
  *
