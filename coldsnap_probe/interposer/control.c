@@ -132,6 +132,12 @@ static int parse(const char *line, struct request *req, char *error, size_t room
     char key[64], value[FIELD];
     const char *p = skip(line);
     memset(req, 0, sizeof(*req));
+    const struct { const char *name; char *into; size_t room; } fields[] = {
+        {"op", req->op, sizeof(req->op)}, {"dir", req->dir, sizeof(req->dir)},
+        {"policy", req->policy, sizeof(req->policy)}, {"verify", req->verify, sizeof(req->verify)},
+        {"allocations", req->allocations, sizeof(req->allocations)}};
+    enum { FIELDS = sizeof(fields) / sizeof(fields[0]) };
+    unsigned seen = 0;
     if (*p++ != '{') {
         snprintf(error, room, "the request is not one JSON object");
         return -1;
@@ -149,21 +155,22 @@ static int parse(const char *line, struct request *req, char *error, size_t room
         }
         if (!(p = string(p + 1, value, sizeof(value), error, room)))
             return -1;
-        if (strcmp(key, "op") == 0 && strlen(value) < sizeof(req->op)) {
-            strcpy(req->op, value);
-        } else if (strcmp(key, "dir") == 0) {
-            strcpy(req->dir, value);
-            req->has_dir = 1;
-        } else if (strcmp(key, "policy") == 0 && strlen(value) < sizeof(req->policy)) {
-            strcpy(req->policy, value);
-        } else if (strcmp(key, "verify") == 0 && strlen(value) < sizeof(req->verify)) {
-            strcpy(req->verify, value);
-        } else if (strcmp(key, "allocations") == 0 && strlen(value) < sizeof(req->allocations)) {
-            strcpy(req->allocations, value);
-        } else {
+        /* Each key once (a second `op` or `dir` is refused, not the last one taken), each within its field. */
+        size_t f = 0;
+        while (f < FIELDS && strcmp(key, fields[f].name) != 0)
+            f++;
+        if (f == FIELDS) {
             snprintf(error, room, "unknown key `%.60s`", key);
             return -1;
         }
+        if (seen & (1u << f) || strlen(value) >= fields[f].room) {
+            snprintf(error, room, seen & (1u << f) ? "`%s` appears twice" : "`%s` is longer than %zu bytes",
+                     fields[f].name, fields[f].room - 1);
+            return -1;
+        }
+        strcpy(fields[f].into, value);
+        seen |= 1u << f;
+        req->has_dir = (seen & 2u) != 0;
         p = skip(p);
         if (*p == ',')
             p = skip(p + 1);

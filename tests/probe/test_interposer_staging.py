@@ -398,3 +398,19 @@ def test_descriptors_trickled_with_the_request_line_stop_at_one_page(pages_serve
                                                       "line (send them in pages after it)"}
     assert peak <= len(before) + 33  # the connection, and at most two messages' descriptors
     assert settled(pid, before) == before
+
+
+@pytest.mark.parametrize(("line", "error"), [
+    pytest.param(b'{"op": "release", "op": "status"}\n', "`op` appears twice", id="op-twice"),
+    pytest.param(b'{"op": "hydrate", "dir": "/a", "dir": "/nonexistent/dump"}\n', "`dir` appears twice",
+                 id="dir-twice"),
+    pytest.param(b'{"op": "' + b"s" * 40 + b'"}\n', "`op` is longer than 31 bytes", id="op-too-long"),
+    pytest.param(b'{"op": "hydrate", "allocations": "' + b"0" * 30 + b'1"}\n', "`allocations` is longer than 23 bytes",
+                 id="allocations-too-long"),
+])
+def test_a_key_given_twice_or_too_long_is_refused_naming_it(pages_server: Served, line: bytes, error: str) -> None:
+    """Regression (review3): a second `op` or `dir` silently replaced the first (`{"op": "release", "op":
+    "status"}` was answered as a status), and an over-long value was refused as an unknown key."""
+    pid, path, before = pages_server
+    assert exchange(path, line, []) == {"ok": False, "error": f"request: {error}"}
+    assert settled(pid, before) == before
