@@ -36,6 +36,7 @@ STAGE_TTL = 120.0  # seconds a staged allocation waits for its engine before the
 STAGE_MAX = 4  # staged allocations a hydrator holds at once
 STAGE_RESERVE = 1 << 30  # device bytes staging leaves free (the engine's restored state needs them)
 ADOPT_PAGE = jsonline.MAX_ANSWER_FDS  # descriptors one `adopt` answer carries (a stage of more takes pages)
+_Slot = tuple[int, str]  # a stage's place: (the uid that staged it, its key), so tenants never share one
 DUMP_THREADS, DUMP_CHUNK = 16, 8 << 20  # the ring a dump is read through (page-locked per stage: 256 MiB)
 
 
@@ -50,7 +51,7 @@ class _Staged:
     stage_s: float
     copy_s: float
     expires: float
-    owner: int  # the uid of the peer that staged it: its `status` lists it, another uid cannot stage over it
+    owner: int  # the uid of the peer that staged it: its `status` lists it; stages are keyed per owner (_Slot)
     ticket: str  # a secret answered to the stager only (never in a report), which hands it to its engine
     layout: DumpLayout = ()  # a device dump's parts as the stager named them (`stage-dump`); () for weights
     sizes: tuple[int, ...] = ()  # each allocation's bytes, in handles' order
@@ -79,7 +80,8 @@ class HydratorServer:
     Who may ask what (a hydrator may serve several tenants): the socket is 0600 (0660 with a group) and only
     the peers `peers` admits are answered (SO_PEERCRED); a `hydrate` or `stage` gets a source's bytes only for
     a peer that could read the source file itself; `adopt` and `discard` need the stage's ticket (answered to
-    the stager only), another uid cannot stage over a stage, and `status` lists only the asker's own stages.
+    the stager only), each uid's stages are its own (another uid staging the same key, the same model's manifest,
+    stages beside it and never replaces nor blocks it), and `status` lists only the asker's own stages.
     """
 
     def __init__(self, sources: Sequence[str], *, streams: int = 4, driver: Any = None,
@@ -106,7 +108,7 @@ class HydratorServer:
         self._streams = [cucall(self.driver, "cuStreamCreate", 1) for _ in range(streams)]
         if stage_ttl <= 0:
             raise HydrationError(f"stage_ttl must be positive, not {stage_ttl}")
-        self.staged: dict[str, _Staged] = {}
+        self.staged: dict[_Slot, _Staged] = {}
         self.stage_ttl, self.staging = stage_ttl, staging
         self.peers, self.group = peers or jsonline.Peers(), group
         _free, total = cucall(self.driver, "cuMemGetInfo")
@@ -144,7 +146,7 @@ class HydratorServer:
             if op == "status":
                 now = time.monotonic()
                 return {"ok": True, "device_uuid": self.device_uuid, "staged": [
-                    {"key": k, "bytes": v.size, "expires_in_s": v.expires - now} for k, v in self.staged.items()
+                    {"key": k[1], "bytes": v.size, "expires_in_s": v.expires - now} for k, v in self.staged.items()
                     if v.owner == peer.uid], "quota": {"count": self.quota.count, "bytes": self.quota.bytes}}
             raise HydrationError(f"unknown request {op!r}")
         finally:
@@ -213,17 +215,16 @@ class HydratorServer:
                 "bytes": sum(n for _, _, n in jobs)}
 
     def _stage_slot(self, message: dict[str, Any], peer: jsonline.Peer) -> tuple[str, _Staged | None]:
-        """A `stage` or `stage-dump` request's key and the stage it replaces (a retry of the same stage): refused
-        when staging is off, for an engine on another GPU, or over another uid's stage."""
+        """A `stage` or `stage-dump` request's key and the stage it replaces (a retry of the same stage by the same
+        uid; another uid's stage under the same key is not touched): refused when staging is off, or for an engine on
+        another GPU."""
         if not self.staging:
             raise HydrationError("staging is off on this hydrator (serve --staging)")
         key = _stage_key(message)
         if message.get("device_uuid") != self.device_uuid:
             raise HydrationError(f"the engine's GPU {message.get('device_uuid')} is not this hydrator's "
                                  f"{self.device_uuid}")
-        if (earlier := self.staged.get(key)) is not None and earlier.owner != peer.uid:
-            raise HydrationError(f"{key} is staged by another peer")
-        return key, earlier
+        return key, self.staged.get((peer.uid, key))
 
     def _stage_into(self, key: str, earlier: _Staged | None, peer: jsonline.Peer, staged: _Staged,
                     copy: Callable[[int], object], copied: int) -> dict[str, Any]:
@@ -232,7 +233,8 @@ class HydratorServer:
         them as `staged` (its handles, timings, expiry, owner and ticket set here) under `key`. A failure releases
         every allocation made."""
         self._expire()
-        check_stage_quota(self.staged, key=key, uid=peer.uid, size=staged.size, quota=self.quota)  # before any free
+        check_stage_quota(self.staged, key=(peer.uid, key), uid=peer.uid, size=staged.size,
+                          quota=self.quota)  # before any free
         self._discard(key, earlier.ticket if earlier else "")
         self._room_for(staged.size)
         started = time.perf_counter()
@@ -247,11 +249,11 @@ class HydratorServer:
                 self.driver.cuda.cuMemRelease(handle)
             raise
         stage_s = time.perf_counter() - started
-        self.staged[key] = replace(staged, handles=tuple(handles), stage_s=stage_s, copy_s=copy_s,
-                                   expires=time.monotonic() + self.stage_ttl, owner=peer.uid,
-                                   ticket=secrets.token_urlsafe(32))
+        done = self.staged[(peer.uid, key)] = replace(staged, handles=tuple(handles), stage_s=stage_s, copy_s=copy_s,
+                                                      expires=time.monotonic() + self.stage_ttl, owner=peer.uid,
+                                                      ticket=secrets.token_urlsafe(32))
         return {"ok": True, "staged": True, "stage_s": stage_s, "copy_s": copy_s, "bytes": copied,
-                "allocations": len(handles), "ticket": self.staged[key].ticket}
+                "allocations": len(handles), "ticket": done.ticket}
 
     def _stage(self, message: dict[str, Any], peer: jsonline.Peer) -> dict[str, Any]:
         """Allocate and fill ahead of the engine's restore; refused for an engine on another GPU. The answer's
@@ -295,9 +297,9 @@ class HydratorServer:
         (or its TTL ends); a page may be asked again until then (a retry), never one beyond the next. Handing
         out the last page drops the stage: the descriptors keep the allocations alive."""
         key = _stage_key(message)
-        staged = self.staged.get(key)
-        if staged is None or not staged.held_by(message.get("ticket")):  # another's: as if absent
+        if (held := self._held(key, message.get("ticket"))) is None:  # another's: as if absent
             return {"ok": False, "staged": False, "error": f"nothing is staged for {key}"}
+        slot, staged = held
         first = _first_page(message.get("first", 0), len(staged.handles), staged.taken)
         if staged.layout:  # another layout leaves the stage alone
             if dump_layout(message.get("parts"))[0] != staged.layout:
@@ -317,21 +319,24 @@ class HydratorServer:
                 os.close(fd)
             raise
         if first + len(page) == len(staged.handles):
-            self._free(key)  # the descriptors keep the allocations alive
+            self._free(slot)  # the descriptors keep the allocations alive
         else:
             staged.taken = max(staged.taken, first + len(page))
         return {"ok": True, "staged": True, "stage_s": staged.stage_s, "copy_s": staged.copy_s, "first": first,
                 "count": len(staged.handles), "sizes": list(staged.sizes[first:first + len(page)])}, fds
 
+    def _held(self, key: str, ticket: object) -> tuple[_Slot, _Staged] | None:
+        """The stage under `key` that `ticket` opens, whoever staged it (the engine may run as another uid)."""
+        return next(((slot, v) for slot, v in self.staged.items() if slot[1] == key and v.held_by(ticket)), None)
+
     def _discard(self, key: str, ticket: object) -> bool:
-        staged = self.staged.get(key)
-        if staged is None or not staged.held_by(ticket):
+        if (held := self._held(key, ticket)) is None:
             return False
-        self._free(key)
+        self._free(held[0])
         return True
 
-    def _free(self, key: str) -> None:
-        for handle in self.staged.pop(key).handles:
+    def _free(self, slot: _Slot) -> None:
+        for handle in self.staged.pop(slot).handles:
             self.driver.cuda.cuMemRelease(handle)
 
     def _expire(self) -> None:

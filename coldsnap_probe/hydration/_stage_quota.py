@@ -16,9 +16,9 @@ it, KV cache included): there the cap is the hydrator's own limits (every slot, 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from ..errors import HydrationError
 
@@ -26,6 +26,7 @@ __all__ = ("STAGE_UID_COUNT", "STAGE_UID_SHARE", "Held", "StageQuota", "check_st
 
 STAGE_UID_COUNT = 2  # stages one uid may hold at once (of the hydrator's STAGE_MAX): two tenants always fit
 STAGE_UID_SHARE = 2  # by default one uid may hold 1/STAGE_UID_SHARE of the GPU's memory in stages
+Slot = TypeVar("Slot", bound=Hashable)  # how the stage table names a stage (the hydrator: its uid and key)
 
 
 class Held(Protocol):
@@ -60,7 +61,7 @@ class StageQuota:
                    bytes=size if size is not None else total_bytes // STAGE_UID_SHARE if shared else total_bytes)
 
 
-def check_stage_quota(staged: Mapping[str, Held], *, key: str, uid: int, size: int, quota: StageQuota) -> None:
+def check_stage_quota(staged: Mapping[Slot, Held], *, key: Slot, uid: int, size: int, quota: StageQuota) -> None:
     """Refuse (HydrationError) a stage of `size` bytes under `key` for `uid` that would take it beyond `quota`.
 
     The uid's own stage under `key`, if any, does not count: the request replaces it (a retry). The others'

@@ -43,6 +43,7 @@
 static pthread_mutex_t start_lock = PTHREAD_MUTEX_INITIALIZER;
 static int started;     /* 0: not tried, 1: listening, -1: could not (pass-through for this process's life) */
 static int listener = -1;
+static pid_t listening_pid;  /* the process that bound the socket: a forked child inherits `started`, not the socket */
 static int released;    /* Invariant: 1 between a release that unmapped anything and the hydrate that succeeds */
 static char released_dir[FIELD];
 
@@ -85,9 +86,21 @@ static const char *string(const char *p, char *out, size_t room, char *error, si
             case 'b': c = '\b'; break;
             case 'f': c = '\f'; break;
             case 'u': {
+                /* Exactly four hex digits (sscanf's %4x took fewer, a sign or spaces, and the parse then went on
+                 * past them: past the line's end, or reading "\u73XXtatus" as "status"). */
                 unsigned code = 0;
-                if (sscanf(p + 1, "%4x", &code) != 1 || code == 0 || code > 0x7f) {
-                    snprintf(error, error_room, "only printable ASCII \\u escapes are accepted");
+                for (int k = 1; k <= 4; k++) {
+                    char h = p[k];  /* a NUL ends the digits: nothing past the string is read */
+                    int digit = h >= '0' && h <= '9' ? h - '0' : h >= 'a' && h <= 'f' ? h - 'a' + 10
+                                : h >= 'A' && h <= 'F' ? h - 'A' + 10 : -1;
+                    if (digit < 0) {
+                        code = 0;
+                        break;
+                    }
+                    code = code * 16 + (unsigned)digit;
+                }
+                if (code == 0 || code > 0x7f) {
+                    snprintf(error, error_room, "only printable ASCII \\u escapes (four hex digits) are accepted");
                     return NULL;
                 }
                 c = (char)code;
@@ -119,6 +132,12 @@ static int parse(const char *line, struct request *req, char *error, size_t room
     char key[64], value[FIELD];
     const char *p = skip(line);
     memset(req, 0, sizeof(*req));
+    const struct { const char *name; char *into; size_t room; } fields[] = {
+        {"op", req->op, sizeof(req->op)}, {"dir", req->dir, sizeof(req->dir)},
+        {"policy", req->policy, sizeof(req->policy)}, {"verify", req->verify, sizeof(req->verify)},
+        {"allocations", req->allocations, sizeof(req->allocations)}};
+    enum { FIELDS = sizeof(fields) / sizeof(fields[0]) };
+    unsigned seen = 0;
     if (*p++ != '{') {
         snprintf(error, room, "the request is not one JSON object");
         return -1;
@@ -136,21 +155,22 @@ static int parse(const char *line, struct request *req, char *error, size_t room
         }
         if (!(p = string(p + 1, value, sizeof(value), error, room)))
             return -1;
-        if (strcmp(key, "op") == 0 && strlen(value) < sizeof(req->op)) {
-            strcpy(req->op, value);
-        } else if (strcmp(key, "dir") == 0) {
-            strcpy(req->dir, value);
-            req->has_dir = 1;
-        } else if (strcmp(key, "policy") == 0 && strlen(value) < sizeof(req->policy)) {
-            strcpy(req->policy, value);
-        } else if (strcmp(key, "verify") == 0 && strlen(value) < sizeof(req->verify)) {
-            strcpy(req->verify, value);
-        } else if (strcmp(key, "allocations") == 0 && strlen(value) < sizeof(req->allocations)) {
-            strcpy(req->allocations, value);
-        } else {
+        /* Each key once (a second `op` or `dir` is refused, not the last one taken), each within its field. */
+        size_t f = 0;
+        while (f < FIELDS && strcmp(key, fields[f].name) != 0)
+            f++;
+        if (f == FIELDS) {
             snprintf(error, room, "unknown key `%.60s`", key);
             return -1;
         }
+        if (seen & (1u << f) || strlen(value) >= fields[f].room) {
+            snprintf(error, room, seen & (1u << f) ? "`%s` appears twice" : "`%s` is longer than %zu bytes",
+                     fields[f].name, fields[f].room - 1);
+            return -1;
+        }
+        strcpy(fields[f].into, value);
+        seen |= 1u << f;
+        req->has_dir = (seen & 2u) != 0;
         p = skip(p);
         if (*p == ',')
             p = skip(p + 1);
@@ -393,8 +413,19 @@ static size_t answer_room(void)
     return CSCU_ANSWER + t.count * 512 + t.segments * 256;  /* a region's manifest entry, a segment's */
 }
 
+/* Descriptors held by every connection together. Invariant: at most STAGED_MAX (one hydrate's worth: a second one
+ * at once would be refused anyway), so that peers crowding the socket with descriptors, each within its own
+ * request's cap, cannot take the engine's descriptor table (its own opens would fail with EMFILE). */
+static long held_fds;
+
 static void keep(struct received *got, int fd)
 {
+    if (__atomic_add_fetch(&held_fds, 1, __ATOMIC_ACQ_REL) > STAGED_MAX) {
+        __atomic_sub_fetch(&held_fds, 1, __ATOMIC_ACQ_REL);
+        close(fd);
+        got->dropped++;
+        return;
+    }
     if (got->count == got->room && got->room < STAGED_MAX) {  /* grown as they come: 16, 32, ... STAGED_MAX */
         size_t room = got->room ? got->room * 2 : PAGE_FDS;
         int *grown = realloc(got->fds, room * sizeof(int));
@@ -407,6 +438,7 @@ static void keep(struct received *got, int fd)
         got->fds[got->count++] = fd;
     } else {
         close(fd);
+        __atomic_sub_fetch(&held_fds, 1, __ATOMIC_ACQ_REL);
         got->dropped++;
     }
 }
@@ -415,6 +447,7 @@ static void forget(struct received *got)
 {
     for (size_t i = 0; i < got->count; i++)
         close(got->fds[i]);
+    __atomic_sub_fetch(&held_fds, (long)got->count, __ATOMIC_ACQ_REL);
     got->count = 0;
 }
 
@@ -489,8 +522,10 @@ static int read_pages(int conn, size_t want, size_t pages, struct received *got,
 }
 
 /* The request line (descriptors riding with it go to `got`), NUL-terminated in place of its newline: its length,
- * -1 when the peer sent no newline by the deadline, -2 when not within MAX_LINE bytes. `*after`: the bytes read
- * past the newline (the first pages). */
+ * -1 when the peer sent no newline by the deadline, -2 when not within MAX_LINE bytes, -3 when more than a page
+ * of descriptors rode with it (an asker sends them with the line's first bytes or in pages after it: one that
+ * trickles the line with a page on every byte is stopped there, not at STAGED_MAX). `*after`: the bytes read past
+ * the newline (the first pages). */
 static long read_line(int conn, char *line, struct received *got, double deadline, size_t *after)
 {
     size_t n = 0;
@@ -501,6 +536,8 @@ static long read_line(int conn, char *line, struct received *got, double deadlin
         if ((got_bytes = receive(conn, line + n, MAX_LINE - n, got)) <= 0)
             break;
         n += (size_t)got_bytes;
+        if (got->count + got->dropped > PAGE_FDS)
+            return -3;
     }
     if (!(end = memchr(line, '\n', n)))
         return n >= MAX_LINE ? -2 : -1;
@@ -518,7 +555,9 @@ static void answer_one(int conn, char *line, char *out, size_t room, struct rece
     double deadline = cscu_now() + cscu_config()->request_s;
     long want, length = read_line(conn, line, got, deadline, &after);
     if (length < 0) {
-        refuse(out, room, "request", length == -2 ? "longer than 65536 bytes" : "not one newline-terminated line");
+        refuse(out, room, "request", length == -2 ? "longer than 65536 bytes" : length == -3 ? "more than 16 "
+               "descriptors came with the request line (send them in pages after it)"
+               : "not one newline-terminated line");
     } else if (parse(line, &req, error, sizeof(error)) != 0) {
         refuse(out, room, "request", error);
     } else if ((want = announced(&req, STAGED_MAX)) < 0) {
@@ -529,8 +568,8 @@ static void answer_one(int conn, char *line, char *out, size_t room, struct rece
                && read_pages(conn, (size_t)want, after, got, deadline, error, sizeof(error)) != 0) {
         refuse(out, room, "hydrate", error);
     } else if (got->dropped) {
-        snprintf(error, sizeof(error), "%zu descriptor(s) could not be kept (at most %d a request)", got->dropped,
-                 STAGED_MAX);
+        snprintf(error, sizeof(error), "%zu descriptor(s) could not be kept (at most %d a request, and held by all "
+                 "connections at once)", got->dropped, STAGED_MAX);
         refuse(out, room, "request", error);
     } else if (strcmp(req.op, "release") == 0 || strcmp(req.op, "hydrate") == 0) {
         if (op_begin(req.op, out, room) == 0) {
@@ -738,6 +777,7 @@ int cscu_control_start(void)
             pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
             if (pthread_create(&thread, &attr, serve, NULL) == 0) {
                 pthread_setname_np(thread, "coldsnap-cuda");
+                listening_pid = getpid();
                 started = 1;
             } else {
                 close(listener);
@@ -761,9 +801,11 @@ __attribute__((constructor)) static void cscu_loaded(void)
         cscu_control_start();
 }
 
-/* A process that exits normally removes its socket (one killed leaves it; the next bind replaces it). */
+/* A process that exits normally removes its socket (one killed leaves it; the next bind replaces it). Only the
+ * process that bound it: a child forked without exec (a prefork server's worker) inherits `started` and the path,
+ * and its normal exit removed its parent's socket, so the worker could no longer release or hydrate it. */
 __attribute__((destructor)) static void cscu_unloaded(void)
 {
-    if (started == 1)
+    if (started == 1 && getpid() == listening_pid)
         unlink(cscu_config()->socket);
 }

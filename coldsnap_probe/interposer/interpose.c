@@ -6,7 +6,8 @@
  * returns our wrapper; everything else, RTLD_NEXT and RTLD_DEFAULT included, is a tail call to the real one,
  * which therefore sees its caller's return address), and so are cuGetProcAddress (v1 and _v2) and each name
  * below. A name may resolve to two real functions: the legacy default stream one and the per-thread one
- * (`_ptsz`/`_ptds`, chosen by cuGetProcAddress's flags). Each has its own slot and wrapper. A slot keeps the
+ * (`_ptsz`/`_ptds`, chosen by cuGetProcAddress's flags). Each has its own slot and wrapper, picked by the function
+ * the driver handed out (the version table below only when that is none of the driver's exports). A slot keeps the
  * first real pointer it saw; a later resolution to a different function (another ABI version) is handed out
  * unwrapped and counted, never mixed up.
  *
@@ -139,7 +140,7 @@ GATED(cuMemsetD32Async, cuMemsetD32Async_ptsz, (CUdeviceptr d, unsigned int v, s
 GATED(cuStreamSynchronize, cuStreamSynchronize_ptsz, (CUstream s), (s))
 GATED1(cuEventSynchronize, (CUevent e), (e))
 GATED1(cuCtxSynchronize, (void), ())
-GATED1(cuCtxSynchronize_v2, (CUcontext c), (c))  /* what "cuCtxSynchronize" resolves to from CUDA 13.0 */
+GATED1(cuCtxSynchronize_v2, (CUcontext c), (c))  /* CUDA 13.0: a name of its own, not a version of the above */
 
 /* Every other entry point that reads or writes device memory or runs device work (cuda.h and cudaTypedefs.h of
  * CUDA 13.0; the version a name's ABI dates from is in the table below). */
@@ -369,8 +370,10 @@ static const struct entry table[] = {
     E2("cuMemsetD32Async", 0, cuMemsetD32Async, cuMemsetD32Async_ptsz),
     E2("cuStreamSynchronize", 0, cuStreamSynchronize, cuStreamSynchronize_ptsz),
     E1("cuEventSynchronize", 0, cuEventSynchronize),
-    /* One name, two ABIs: the newer entry first (a request for at least its version gets it). */
-    E1("cuCtxSynchronize", 13000, cuCtxSynchronize_v2), E1("cuCtxSynchronize", 0, cuCtxSynchronize),
+    /* Two names, not two ABIs of one: CUDA 13.0 added cuCtxSynchronize_v2 (a context argument) under its own name
+     * (cuda-python's bindings ask for "cuCtxSynchronize_v2" at 13000 and "cuCtxSynchronize" at 2000); the plain
+     * name keeps its argument-less ABI at every version. */
+    E1("cuCtxSynchronize_v2", 13000, cuCtxSynchronize_v2), E1("cuCtxSynchronize", 0, cuCtxSynchronize),
     E2("cuMemcpyAtoA", 3020, cuMemcpyAtoA_v2, cuMemcpyAtoA_v2_ptds),
     E2("cuMemcpyAtoD", 3020, cuMemcpyAtoD_v2, cuMemcpyAtoD_v2_ptds),
     E2("cuMemcpyAtoH", 3020, cuMemcpyAtoH_v2, cuMemcpyAtoH_v2_ptds),
@@ -490,6 +493,17 @@ static void resolved(const char *symbol, void **pfn, int version)
         *pfn = version >= 12000 ? (void *)cuGetProcAddress_v2 : (void *)cuGetProcAddress;
         return;
     }
+    /* The wrapper of the very function the driver handed out, when it is one of the exports a name of ours starts
+     * with: what decides an ABI is the function, not our reading of the driver's version table (a `since` off by
+     * a minor version gave a 4-argument function a 5-argument wrapper). Otherwise the newest the version reaches. */
+    size_t length = strlen(symbol);
+    for (size_t i = 0; i < ENTRIES; i++)
+        for (int v = 0; v < 2; v++)
+            if (table[i].name[v] && strncmp(table[i].name[v], symbol, length) == 0
+                && cscu_real(table[i].name[v]) == *pfn) {
+                *pfn = install(&table[i], *pfn);
+                return;
+            }
     for (size_t i = 0; i < ENTRIES; i++)
         if (strcmp(table[i].base, symbol) == 0 && version >= table[i].since) {
             *pfn = install(&table[i], *pfn);

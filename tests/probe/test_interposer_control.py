@@ -27,9 +27,11 @@ from tests.probe.test_interposer import library
 __all__ = ("library",)  # the module fixture, shared
 
 SLOW_DRIVER = "#include <unistd.h>\nint cuStreamSynchronize(void *stream) { (void)stream; sleep(4); return 0; }\n"
-ENGINE = ("import ctypes, sys, threading, time\n"
+ENGINE = ("import ctypes, os, sys, threading, time\n"
           "if sys.argv[1] == 'busy':  # an engine thread inside a synchronise for 4 s (a release must drain it)\n"
           "    threading.Thread(target=ctypes.CDLL(None).cuStreamSynchronize, args=(None,), daemon=True).start()\n"
+          "if sys.argv[1] == 'fork' and os.fork() == 0:  # a prefork worker that ends normally (exit(), destructors)\n"
+          "    sys.exit(0)\n"
           "time.sleep(120)\n")
 
 
@@ -219,3 +221,50 @@ def test_a_peer_that_hangs_up_early_leaves_nothing_behind(library: Path, payload
             time.sleep(0.1)  # every slot may still be busy with the ones that hung up: told so, never reset
         assert answer["ok"] is True, answer
         assert settled(proc.pid, baseline) == baseline
+
+
+def test_peers_crowding_the_socket_with_descriptors_share_one_hydrates_worth(library: Path, tmp_path: Path) -> None:
+    """Regression (review3): each connection could hold 4096 descriptors while its pages came (the cap was per
+    request), so eight connections announcing a hydrate took 32768 slots of the engine's descriptor table (its
+    own opens then fail with EMFILE). Now all connections together hold at most 4096; the one that could not keep
+    its descriptors is refused, and every descriptor is closed."""
+    marker = tmp_path / "marker"
+    marker.write_bytes(b"")
+    fd = os.open(marker, os.O_RDONLY | os.O_CLOEXEC)
+    line = b'{"op": "hydrate", "dir": "/nonexistent/dump", "allocations": "4096"}\n'
+    with engine(library) as (proc, path):
+        baseline = resources(proc.pid)
+        socks = [socket.socket(socket.AF_UNIX) for _ in range(2)]
+        peak = 0
+        try:
+            for sock in socks:
+                sock.settimeout(10)
+                sock.connect(path)
+                sock.sendall(line)
+            for _page in range(255):  # 4080 each: both wait for their last page until the 1 s deadline
+                for sock in socks:
+                    socket.send_fds(sock, [b"."], [fd] * 16)
+            give_up = time.monotonic() + 0.8
+            while time.monotonic() < give_up:
+                peak = max(peak, resources(proc.pid)[0])
+                time.sleep(0.01)
+            answers = [answer_of(sock)["error"] for sock in socks]
+        finally:
+            os.close(fd)
+            for sock in socks:
+                sock.close()
+        assert peak <= baseline[0] + 4096 + 8, peak - baseline[0]
+        # each counted what it sent (kept or closed at once), and waited for the rest within its deadline
+        assert [a.startswith("hydrate: 4080 of the 4096 announced descriptors arrived") for a in answers] == \
+            [True, True], answers
+        assert settled(proc.pid, baseline) == baseline
+
+
+def test_a_forked_child_that_exits_normally_leaves_its_parents_socket(library: Path) -> None:
+    """Regression (review3): a child forked without exec inherited `started` and the socket's path, and its
+    normal exit (the library's destructor) unlinked its parent's socket: the worker could then neither release
+    nor hydrate the engine."""
+    with engine(library, "fork") as (proc, path):
+        time.sleep(0.5)  # the child has exited (it was forked before the engine slept)
+        assert os.path.exists(path)
+        assert request(path, {"op": "status"}, timeout=10)["pid"] == proc.pid

@@ -25,7 +25,7 @@ __all__ = ("library",)  # the module fixture, shared
 # (name cuGetProcAddress is asked for, CUDA version its ABI dates from, default-stream export, per-thread export):
 # cudaTypedefs.h of CUDA 13.0 (PFN_<name>_v<version>[_ptsz|_ptds]); one name with two ABIs is listed newest first.
 GATED = (
-    ("cuCtxSynchronize", 13000, "cuCtxSynchronize_v2", None),
+    ("cuCtxSynchronize_v2", 13000, "cuCtxSynchronize_v2", None),  # its own name (cuda-python asks for it so)
     ("cuCtxSynchronize", 2000, "cuCtxSynchronize", None),
     ("cuMemcpyAtoA", 3020, "cuMemcpyAtoA_v2", "cuMemcpyAtoA_v2_ptds"),
     ("cuMemcpyAtoD", 3020, "cuMemcpyAtoD_v2", "cuMemcpyAtoD_v2_ptds"),
@@ -102,15 +102,19 @@ GATED = (
 )
 EXPORTS = tuple(n for _base, _since, *names in GATED for n in names if n)
 PER_THREAD = 2  # CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
+# The stand-in driver's own version table: GATED, except that its cuMemPrefetchAsync switches to the 5-argument
+# ABI at 12.8, not at 12.2 as the interposer's table says (a driver whose table we read wrong, review3).
+STANDIN = tuple((base, 12080 if (base, default) == ("cuMemPrefetchAsync", "cuMemPrefetchAsync_v2") else since,
+                 default, pt) for base, since, default, pt in GATED)
 
 
-def standin_driver(folder: Path) -> Path:
+def standin_driver(folder: Path, table: tuple[tuple[str, int, str, str | None], ...] = GATED) -> Path:
     """A libcuda.so.1 of host code: each exported name records that it ran; cuGetProcAddress_v2 answers as the
     driver does (the first entry of GATED whose version the request reaches, per-thread under the flag)."""
     functions = "".join(f"int {name}(void) {{ __atomic_store_n(&standin_hits, {i + 1}, __ATOMIC_SEQ_CST); "
                         f"return 0; }}\n" for i, name in enumerate(EXPORTS))
     rows = "".join(f'    {{"{base}", {since}, (void *){default}, (void *){per_thread or "0"}}},\n'
-                   for base, since, default, per_thread in GATED)
+                   for base, since, default, per_thread in table)
     source = folder / "standin.c"
     source.write_text(
         "#include <string.h>\nint standin_hits;\n" + functions +
@@ -178,28 +182,39 @@ int main(int argc, char **argv)
 def test_every_gated_entry_point_resolves_to_its_wrapper_and_waits_while_released(library: Path,
                                                                                  tmp_path: Path) -> None:
     """Regression (issue 22): cuMemcpyBatchAsync, the stream memory operations, the 2D memsets, the array copies,
-    prefetches, host functions and graph uploads ran straight to the driver while the regions were released; and
-    from CUDA 13.0 "cuCtxSynchronize" resolves to cuCtxSynchronize_v2 (one argument), which the wrapper of the
-    argument-less one called without its context."""
+    prefetches, host functions and graph uploads ran straight to the driver while the regions were released.
+    Regression (review3): CUDA 13.0's cuCtxSynchronize_v2 is a name of its own; taking it for a 13.0 version of
+    "cuCtxSynchronize" handed a CUDA 13 caller of the plain name the _v2 wrapper (its slot then held the plain
+    function, so a later cuCtxSynchronize_v2(ctx) synchronised the current context instead), and left a lookup of
+    "cuCtxSynchronize_v2" itself unwrapped, past the gate. And the wrapper is chosen by the function the driver
+    handed out, not by the interposer's reading of the driver's version table: where the two differ (here the
+    stand-in's cuMemPrefetchAsync switches ABI at 12.8, ours at 12.2), a 4-argument function got the 5-argument
+    wrapper, which read the caller's stream as its 32-bit flags and so handed the driver a truncated stream (an
+    ABI bug)."""
     exported = set(subprocess.run(["nm", "-D", "--defined-only", str(library)], capture_output=True, text=True,
                                   check=True).stdout.split())
     assert not [n for n in EXPORTS if n not in exported], "gated names the library does not export"
-    standin_driver(tmp_path)
+    standin_driver(tmp_path, STANDIN)
     (tmp_path / "gated.c").write_text(HARNESS)
     subprocess.run(["gcc", "-O1", "-std=gnu11", "-rdynamic", "-I", str(SOURCES), "-o", str(tmp_path / "gated"),
                     str(tmp_path / "gated.c"), "-ldl", "-lpthread"], check=True, capture_output=True)
-    cases = [(base, since, 0, default) for base, since, default, _pt in GATED]
-    cases += [(base, since, PER_THREAD, pt) for base, since, _default, pt in GATED if pt]
+    cases = [(base, since, 0, default) for base, since, default, _pt in STANDIN]
+    cases += [(base, since, PER_THREAD, pt) for base, since, _default, pt in STANDIN if pt]
+    cases += [("cuCtxSynchronize", 13000, 0, "cuCtxSynchronize")]  # a CUDA 13 caller's version: still argument-less
+    # Between the interposer's 12.2 and this driver's 12.8 the driver hands out the 4-argument function: its wrapper
+    # is the 4-argument one (chosen by the function, not by the version), not the 5-argument _v2 over it.
+    cases += [("cuMemPrefetchAsync", 12050, 0, "cuMemPrefetchAsync"),
+              ("cuMemPrefetchAsync", 12050, PER_THREAD, "cuMemPrefetchAsync_ptsz")]
     argv = [str(a) for case in cases for a in case]
     done = subprocess.run([str(tmp_path / "gated"), *argv], capture_output=True, text=True, timeout=120,
                           check=False, env={**os.environ, "LD_LIBRARY_PATH": str(tmp_path),
                                             "COLDSNAP_CUDA_INTERPOSER_SOCKET": str(tmp_path / "unused.sock")})
     assert done.returncode == 0, done.stderr
-    results = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines()}
-    assert set(results) == {c[3] for c in cases}
-    assert [n for n, (wrapped, _w, _r) in results.items() if wrapped != "1"] == [], "not resolved to our wrapper"
-    assert [n for n, (_wr, waited, _r) in results.items() if waited != "1"] == [], "ran while the gate was closed"
-    assert [n for n, (_wr, _w, ran) in results.items() if ran != "1"] == [], "never reached the driver"
+    results = [(line.split()[0], line.split()[1:]) for line in done.stdout.splitlines()]
+    assert [n for n, _ in results] == [c[3] for c in cases]
+    assert [n for n, (wrapped, _w, _r) in results if wrapped != "1"] == [], "not resolved to our wrapper"
+    assert [n for n, (_wr, waited, _r) in results if waited != "1"] == [], "ran while the gate was closed"
+    assert [n for n, (_wr, _w, ran) in results if ran != "1"] == [], "never reached the driver"
 
 
 CUDA_H = next((p for p in (Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include" / "cuda.h",

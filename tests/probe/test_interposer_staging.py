@@ -5,6 +5,8 @@ with every descriptor closed on every path. tests/probe/test_interposer_gpu.py a
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import socket
@@ -345,3 +347,70 @@ def test_the_worker_sends_its_descriptors_in_pages_of_16(pages_server: Served, t
         for fd in fds:
             os.close(fd)
     assert COUNTED in answer["error"] and settled(pid, before) == before
+
+
+@pytest.mark.parametrize("line", [
+    pytest.param(b'{"op": "\\u73XXtatus"}\n', id="two-digits-then-skipped-bytes"),
+    pytest.param(b'{"op": "status\\u9"}\n', id="one-digit-at-the-end"),
+    pytest.param(b'{"op": "\\u 73status"}\n', id="a-space"),
+    pytest.param(b'{"op": "\\u+073status"}\n', id="a-sign"),
+])
+def test_a_unicode_escape_takes_exactly_four_hex_digits(pages_server: Served, line: bytes) -> None:
+    """Regression (review3): sscanf's %4x took one to four digits (after spaces or a sign) and the parse then
+    skipped four bytes whatever it took: "\\u73XXtatus" was read as "status" and answered, and an escape at the
+    line's end sent the parse past its end."""
+    pid, path, before = pages_server
+    answer = exchange(path, line, [])
+    assert answer == {"ok": False, "error": "request: only printable ASCII \\u escapes (four hex digits) are "
+                                            "accepted"}, answer
+    assert jsonline.request(path, {"op": "\u0073tatus"}, timeout=10)["ok"] is True  # a real escape still parses
+    assert exchange(path, b'{"op": "\\u0073tatus"}\n', [])["ok"] is True  # type: ignore[index]
+    assert settled(pid, before) == before
+
+
+def test_descriptors_trickled_with_the_request_line_stop_at_one_page(pages_server: Served, tmp_path: Path) -> None:
+    """Regression (review3): a peer sending its line a byte at a time, 16 descriptors on every byte, had the
+    interposer hold up to 4096 of them in the engine until the request's deadline; now more than one page with the
+    line is refused at once, and none is kept."""
+    pid, path, before = pages_server
+    [fd] = markers(tmp_path, 1)
+    peak = 0
+    try:
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.settimeout(20)
+            sock.connect(path)
+            try:
+                for byte in b'{"op": "hydrate", "allocations": "4096", "dir": "/nonexistent/dump"':
+                    socket.send_fds(sock, [bytes([byte])], [fd] * 16)
+                    time.sleep(0.005)
+                    peak = max(peak, len(open_fds(pid)))
+            except OSError:
+                pass  # refused and closed: the rest is not sent
+            peak = max(peak, len(open_fds(pid)))
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_WR)
+            data = b""
+            while part := sock.recv(65536):
+                data += part
+    finally:
+        os.close(fd)
+    assert json.loads(data) == {"ok": False, "error": "request: more than 16 descriptors came with the request "
+                                                      "line (send them in pages after it)"}
+    assert peak <= len(before) + 33  # the connection, and at most two messages' descriptors
+    assert settled(pid, before) == before
+
+
+@pytest.mark.parametrize(("line", "error"), [
+    pytest.param(b'{"op": "release", "op": "status"}\n', "`op` appears twice", id="op-twice"),
+    pytest.param(b'{"op": "hydrate", "dir": "/a", "dir": "/nonexistent/dump"}\n', "`dir` appears twice",
+                 id="dir-twice"),
+    pytest.param(b'{"op": "' + b"s" * 40 + b'"}\n', "`op` is longer than 31 bytes", id="op-too-long"),
+    pytest.param(b'{"op": "hydrate", "allocations": "' + b"0" * 30 + b'1"}\n', "`allocations` is longer than 23 bytes",
+                 id="allocations-too-long"),
+])
+def test_a_key_given_twice_or_too_long_is_refused_naming_it(pages_server: Served, line: bytes, error: str) -> None:
+    """Regression (review3): a second `op` or `dir` silently replaced the first (`{"op": "release", "op":
+    "status"}` was answered as a status), and an over-long value was refused as an unknown key."""
+    pid, path, before = pages_server
+    assert exchange(path, line, []) == {"ok": False, "error": f"request: {error}"}
+    assert settled(pid, before) == before

@@ -146,3 +146,72 @@ def test_the_hydrator_refuses_a_stage_beyond_the_cap_and_keeps_the_earlier_one(t
     finally:
         proc.kill()
         proc.wait()
+
+
+def as_nobody(path: str, message: dict[str, object]) -> dict[str, object]:
+    """One request to the hydrator at `path` from a child process running as uid/gid 65534 (another tenant)."""
+    from coldsnap_probe.jsonline import request
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: drop to nobody, ask, write the answer, leave without running the parent's cleanups
+        code = 0
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            os.write(write, json.dumps(request(path, message, timeout=120.0)).encode())
+        except BaseException as exc:
+            os.write(write, json.dumps({"ok": False, "error": f"child: {exc!r}"}).encode())
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as answer:
+        data = answer.read()
+    os.waitpid(pid, 0)
+    decoded: dict[str, object] = json.loads(data)
+    return decoded
+
+
+@pytest.mark.skipif(not has_nvidia_driver() or os.geteuid() != 0, reason="needs an NVIDIA driver and root")
+def test_another_uid_staging_the_same_key_neither_blocks_nor_replaces_a_stage() -> None:
+    """Regression (review3): stages were keyed by the manifest digest alone, so a tenant that staged first under
+    another's key (the same model's manifest, or one it guessed from the images) had the other's stage refused
+    ("staged by another peer") for the stage TTL. Now each uid's stage is its own: both stage under one key, each
+    lists and discards only its own with its own ticket."""
+    import shutil
+    import tempfile
+
+    from coldsnap_probe.jsonline import request
+    from tests.helpers import ROOT
+
+    folder = Path(tempfile.mkdtemp(prefix="cs-squat-", dir="/tmp"))
+    folder.chmod(0o755)  # nobody may search it (the socket) and read the part (the hydrator checks as the peer)
+    part = folder / "seg-0.bin"
+    part.write_bytes(os.urandom(4 * MIB))
+    part.chmod(0o644)
+    control = folder / "hydrator.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "coldsnap_probe.hydration", "serve", "--socket", str(control),
+                             "--staging", "--stage-ttl", "60", "--allow-uid", "65534", "--socket-group", "65534"],
+                            stdout=subprocess.PIPE, cwd=ROOT)
+    try:
+        ready = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+        stage = {"op": "stage-dump", "key": key(7), "device_uuid": ready["device_uuid"],
+                 "parts": [{"file": str(part), "bytes": 4 * MIB, "region": 0}]}
+        squatter = as_nobody(str(control), stage)
+        assert squatter["ok"], squatter
+        mine = request(str(control), stage, timeout=120.0)
+        assert mine["ok"], mine  # was: HydrationError: sha256:... is staged by another peer
+        assert [s["key"] for s in request(str(control), {"op": "status"}, timeout=10.0)["staged"]] == [key(7)]
+        assert [s["key"] for s in as_nobody(str(control), {"op": "status"})["staged"]] == [key(7)]  # type: ignore
+        # a ticket opens only its own stage: the squatter's discards its own, mine stays adoptable
+        assert as_nobody(str(control), {"op": "discard", "key": key(7), "ticket": squatter["ticket"]})["discarded"]
+        assert as_nobody(str(control), {"op": "status"})["staged"] == []
+        assert request(str(control), {"op": "discard", "key": key(7), "ticket": mine["ticket"]},
+                       timeout=10.0)["discarded"] is True
+    finally:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(folder, ignore_errors=True)
