@@ -122,12 +122,7 @@ def listening(library: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
            "COLDSNAP_CUDA_INTERPOSER_LISTEN": "load"}
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], env=env)
     path = str(folder / f"cuda-{proc.pid}.sock")
-    give_up = time.monotonic() + 20
-    while time.monotonic() < give_up:  # the file exists from bind, the socket answers from listen
-        with socket.socket(socket.AF_UNIX) as probe:
-            if probe.connect_ex(path) == 0:
-                break
-        time.sleep(0.01)
+    wait_listening(path)
     try:
         yield proc, path
     finally:
@@ -146,9 +141,24 @@ def raw(path: str, payload: bytes, fd: int | None = None) -> dict[str, Any]:
         else:
             socket.send_fds(sock, [payload], [fd])
         sock.shutdown(socket.SHUT_WR)
-        data = b""
-        while part := sock.recv(65536):
-            data += part
+        return read_answer(sock)
+
+
+def wait_listening(path: str, limit: float = 20.0) -> None:
+    """Until the socket at `path` accepts (the file exists from bind, the socket answers from listen)."""
+    give_up = time.monotonic() + limit
+    while time.monotonic() < give_up:
+        with socket.socket(socket.AF_UNIX) as probe:
+            if probe.connect_ex(path) == 0:
+                return
+        time.sleep(0.01)
+
+
+def read_answer(sock: socket.socket) -> dict[str, Any]:
+    """The answer line, read to EOF (the control socket closes after answering)."""
+    data = b""
+    while part := sock.recv(65536):
+        data += part
     answer: dict[str, Any] = json.loads(data)
     return answer
 

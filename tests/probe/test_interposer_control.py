@@ -6,7 +6,6 @@ request deadline, while `status` and the worker's requests still get answers; a 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import socket
@@ -22,7 +21,7 @@ from typing import Any
 import pytest
 
 from coldsnap_probe.jsonline import request
-from tests.probe.test_interposer import library
+from tests.probe.test_interposer import library, read_answer, wait_listening
 
 __all__ = ("library",)  # the module fixture, shared
 
@@ -48,12 +47,7 @@ def engine(library: Path, mode: str = "idle") -> Iterator[tuple[subprocess.Popen
            "COLDSNAP_CUDA_INTERPOSER_REQUEST_S": "1", "COLDSNAP_CUDA_INTERPOSER_DRAIN_S": "2"}
     proc = subprocess.Popen([sys.executable, "-c", ENGINE, mode], env=env)
     path = str(folder / f"cuda-{proc.pid}.sock")
-    give_up = time.monotonic() + 20
-    while time.monotonic() < give_up:
-        with socket.socket(socket.AF_UNIX) as probe:
-            if probe.connect_ex(path) == 0:
-                break
-        time.sleep(0.01)
+    wait_listening(path)
     time.sleep(0.3)  # the busy thread is inside its synchronise
     try:
         yield proc, path
@@ -61,14 +55,6 @@ def engine(library: Path, mode: str = "idle") -> Iterator[tuple[subprocess.Popen
         proc.kill()
         proc.wait()
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def answer_of(sock: socket.socket) -> dict[str, Any]:
-    data = b""
-    while part := sock.recv(65536):
-        data += part
-    decoded: dict[str, Any] = json.loads(data)
-    return decoded
 
 
 def timed_status(path: str) -> tuple[dict[str, Any], float]:
@@ -99,7 +85,7 @@ def test_a_silent_peer_holds_up_nobody_and_is_dropped_at_the_deadline(library: P
         started = time.monotonic()
         answer, seconds = timed_status(path)
         assert answer["ok"] is True and seconds < 0.5 and answer["request_s"] == 1
-        dropped = answer_of(silent)
+        dropped = read_answer(silent)
         assert dropped == {"ok": False, "error": "request: not one newline-terminated line"}
         assert 0.9 < time.monotonic() - started < 3.0
         assert settled(proc.pid, baseline) == baseline
@@ -121,7 +107,7 @@ def test_a_peer_trickling_its_request_is_cut_at_the_deadline_not_at_each_bytes_t
                 time.sleep(0.2)
                 if time.monotonic() - started > 4:
                     break
-        assert answer_of(slow)["error"] == "request: not one newline-terminated line"
+        assert read_answer(slow)["error"] == "request: not one newline-terminated line"
         assert time.monotonic() - started < 3.5 and sent < 20
         assert settled(proc.pid, baseline) == baseline
 
@@ -133,7 +119,7 @@ def test_an_oversized_line_is_refused_and_the_socket_serves_on(library: Path) ->
         big.connect(path)
         with contextlib.suppress(OSError):
             big.sendall(b"{" + b" " * (1 << 17))
-        assert answer_of(big) == {"ok": False, "error": "request: longer than 65536 bytes"}
+        assert read_answer(big) == {"ok": False, "error": "request: longer than 65536 bytes"}
         assert request(path, {"op": "status"})["ok"] is True
         assert settled(proc.pid, baseline) == baseline
 
@@ -151,7 +137,7 @@ def test_a_crowd_of_connections_is_served_eight_at_a_time_and_leaves_nothing_beh
                 sock.settimeout(15)
                 sock.connect(path)
             answers: list[str] = []
-            reader = threading.Thread(target=lambda: answers.extend(answer_of(s)["error"] for s in crowd))
+            reader = threading.Thread(target=lambda: answers.extend(read_answer(s)["error"] for s in crowd))
             reader.start()
             while reader.is_alive():
                 threads.append(resources(proc.pid)[1])
@@ -248,7 +234,7 @@ def test_peers_crowding_the_socket_with_descriptors_share_one_hydrates_worth(lib
             while time.monotonic() < give_up:
                 peak = max(peak, resources(proc.pid)[0])
                 time.sleep(0.01)
-            answers = [answer_of(sock)["error"] for sock in socks]
+            answers = [read_answer(sock)["error"] for sock in socks]
         finally:
             os.close(fd)
             for sock in socks:

@@ -241,7 +241,7 @@ def exchange(path: str, line: bytes, pages: list[list[int]], *, marks: bytes = b
              with_line: list[int] | None = None) -> dict[str, Any] | None:
     """The request `line` (with `with_line` descriptors), then one message per page (`marks`, its descriptors);
     the answer, or None when `leave` (the asker goes away without reading it)."""
-    import json
+    from tests.probe.test_interposer import read_answer
 
     with socket.socket(socket.AF_UNIX) as sock:
         sock.settimeout(40)
@@ -255,11 +255,7 @@ def exchange(path: str, line: bytes, pages: list[list[int]], *, marks: bytes = b
         if leave:
             return None
         sock.shutdown(socket.SHUT_WR)
-        data = b""
-        while part := sock.recv(65536):
-            data += part
-    answer: dict[str, Any] = json.loads(data)
-    return answer
+        return read_answer(sock)
 
 
 def markers(folder: Path, count: int) -> list[int]:
