@@ -8,6 +8,7 @@ import os
 import signal
 import statistics
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -97,3 +98,26 @@ def kill_and_reap(pids: Sequence[int]) -> None:
         except ChildProcessError:
             break
         pending.discard(pid)
+
+
+def drop_caches() -> bool:
+    """Write back and drop the page cache (root only): False when it could not."""
+    if os.geteuid() != 0:
+        return False
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError:
+        return False
+    return True
+
+
+def disk_read_rate(path: Path, limit: int = 2 << 30) -> float:
+    """Sequential read rate (bytes/s) of `path` after dropping the caches (up to `limit` bytes)."""
+    buf = bytearray(16 << 20)
+    got = 0
+    started = time.perf_counter()
+    with path.open("rb", buffering=0) as f:
+        while got < limit and (n := f.readinto(buf)):
+            got += n
+    return got / (time.perf_counter() - started)

@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import table
+from bench._common import disk_read_rate, drop_caches, table
 from bench.page_fill import fill
 
 COLD_BUDGET_S = 15.0  # a cold-disk row that would take longer than this (at the measured rate) is skipped
@@ -117,28 +117,6 @@ def restore(criu: Path, images: Path, threads: int, pid: int) -> dict[str, Any]:
     fill = re.search(r"page-fill: pages-\d+\.img: (\d+) bytes .* by (\d+) threads in ([\d.]+) s", log)
     return {"threads": threads, "seconds": seconds, "fill_threads": int(fill.group(2)) if fill else 1,
             "fill_seconds": float(fill.group(3)) if fill else None, "huge_bytes": huge}
-
-
-def drop_caches() -> bool:
-    if os.geteuid() != 0:
-        return False
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    except OSError:
-        return False
-    return True
-
-
-def disk_read_rate(path: Path, limit: int = 2 << 30) -> float:
-    """Sequential read rate (bytes/s) of `path` after dropping the caches (up to `limit` bytes)."""
-    buf = bytearray(16 << 20)
-    got = 0
-    started = time.perf_counter()
-    with path.open("rb", buffering=0) as f:
-        while got < limit and (n := f.readinto(buf)):
-            got += n
-    return got / (time.perf_counter() - started)
 
 
 def ceiling(images: Path, threads: int) -> list[dict[str, Any]]:

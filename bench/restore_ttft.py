@@ -44,7 +44,7 @@ BASELINE_MIB = 0  # GPU memory used with no server running (set in main)
 PROMPT = [1, 15043, 29892, 920, 526, 366, 29973, 13]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import become_subreaper, kill_and_reap, stages, table
+from bench._common import become_subreaper, disk_read_rate, drop_caches, kill_and_reap, stages, table
 from coldsnap_probe import ProbeError, hydration_request, image_digest
 
 
@@ -216,9 +216,11 @@ def server_env(root: Path, interposer: Path | None, strategy: str) -> dict[str, 
 
 def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, weights: Path,
              digests: list[bytes], strategy: str, images_root: Path, stack_bytes: int = 0,
-             lazy_pages: bool = False, kv_discard: bool = False, interposer: Path | None = None) -> dict[str, Any]:
+             lazy_pages: bool = False, kv_discard: bool = False, interposer: Path | None = None,
+             cold_cache: bool = False) -> dict[str, Any]:
     """One size in one mode: the whole device state in the images, weights hydrated after restore, or (with
-    `interposer`, the library) every device allocation dumped and hydrated by the interposer."""
+    `interposer`, the library) every device allocation dumped and hydrated by the interposer. `cold_cache`: the
+    page cache is dropped before each restore (the images read from the disk under `images_root`)."""
     from coldsnap_probe import combine_digests
 
     suffix = "-hydrate" if hydrate else "-interposer" if interposer else ""
@@ -272,6 +274,8 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
     for attempt in (1, 2):
         path.unlink(missing_ok=True)  # the dead process's socket file; the restored one binds it again
         os.truncate(log, captured_log)
+        if cold_cache and not drop_caches():
+            raise RuntimeError("--cache cold: dropping the page cache needs root")
         t0 = time.time()
         work = images.with_name(f"{images.name}-work-{attempt}")
         progress(f"  restore {attempt}")
@@ -307,6 +311,10 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
         print(f"{gib:g} GiB restore {attempt}: {restores[-1]['ttft_s']:.2f} s; GPU used after the kill "
               f"{restores[-1]['gpu_after_kill']}; hydrator {restores[-1].get('hydrator_status')}", flush=True)
     unchanged = image_digest(images) == digest_before
+    disk_gbps = None
+    if cold_cache:  # what bounds a cold row: the disk's own sequential read rate, measured here, caches dropped
+        drop_caches()
+        disk_gbps = disk_read_rate(images / image_files[0][1]) / 1e9
     for done in (images, *images.parent.glob(f"{images.name}-work-*")):  # the disk holds one size at a time
         subprocess.run(["rm", "-rf", str(done)], check=True)
     mode = "weights hydrated" if hydrate else "interposer (no cooperation)" if interposer else "full image"
@@ -318,6 +326,7 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
             "memory_before_checkpoint": capture.get("memory_before_checkpoint"),
             "memory_after_checkpoint": capture.get("memory_after_checkpoint"),
             "restores": restores, "images_unchanged": unchanged, "gpu_before_cold": settled,
+            "cache": "cold" if cold_cache else "warm", "disk_read_gbps": disk_gbps,
             "tokens": cold_tokens}
 
 
@@ -406,6 +415,10 @@ def main() -> None:
     parser.add_argument("--kv", default="kept", type=choices("kept", "discarded"),
                         help="comma-separated: kept (the KV cache in the images), discarded "
                         "(in a discarded arena region: zeroed at restore; hydrate mode)")
+    parser.add_argument("--cache", default="warm", type=choices("warm", "cold"),
+                        help="comma list: warm restores read the images from where they were written (tmpfs, or "
+                             "the page cache for a disk --images-root); cold drops the page cache before each "
+                             "restore (root; put --images-root on a disk) and measures the disk's read rate")
     parser.add_argument("--memory", default="eager", type=choices("eager", "lazy"),
                         help="comma-separated: eager (CRIU fills the memory), lazy "
                         "(criu lazy-pages fills it while the CUDA state comes back); each size runs with each")
@@ -469,12 +482,12 @@ def main() -> None:
                               f"{r.get('copy_s', r.get('seconds', 0)):.2f}", f"{r.get('verify_s', 0):.3f}"]
                              if "error" not in r else [r["source"], r["strategy"], r["error"][:60], "", "", ""]
                              for r in bench["runs"]]))
-        for size, mode, stack, memory, kv in itertools.product(sizes, args.modes, args.stack_bytes.split(","),
-                                                               args.memory, args.kv):
+        for size, mode, stack, memory, kv, cache in itertools.product(sizes, args.modes, args.stack_bytes.split(","),
+                                                                      args.memory, args.kv, args.cache):
             try:
                 row = run_size(size, root, args.criu, args.tokens, mode == "hydrate", weights, digests, strategy,
                                images_root, int(stack), memory == "lazy", kv == "discarded",
-                               library if mode == "interposer" else None)
+                               library if mode == "interposer" else None, cache == "cold")
             except Exception as exc:  # one failed row is a result; the other rows still run
                 stop_started()
                 print(f"{size:g} GiB {mode}: FAILED: {type(exc).__name__}: {str(exc)[-3000:]}", flush=True)
@@ -499,7 +512,8 @@ def main() -> None:
         pages_in = " / ".join(f"{x['all_pages_in_s']:.2f}" for x in r["restores"] if x.get("all_pages_in_s"))
         rows.append([f"{r['gib']:g} GiB", r["mode"] + (f", stack {r['stack_bytes']} B" if r["stack_bytes"] else "")
                      + (", lazy pages" if r.get("memory") == "lazy" else "")
-                     + (", KV discarded" if r.get("kv") == "discarded" else ""),
+                     + (", KV discarded" if r.get("kv") == "discarded" else "")
+                     + (f", cold disk ({r['disk_read_gbps']:.2f} GB/s)" if r.get("cache") == "cold" else ""),
                      f"{c['ttft_s']:.2f}", f"{best['ttft_s']:.2f} / {others}", f"{c['ttft_s'] / best['ttft_s']:.2f}x",
                      f"{best['worker_start_s']:.2f} / {best['criu_restore_s']:.2f} / {best['cuda_restore_s']:.2f} / "
                      f"{best['wake_s']:.2f} / {best['after_ready_s']:.2f}",
