@@ -25,7 +25,7 @@ from typing import Any
 from .. import jsonline
 from ..canonical import digest
 from ..errors import ChannelError, HydrationError
-from ._weights import DIGEST_PREFIX, region_digest
+from ._weights import DIGEST_PREFIX, is_region_digest, region_digest
 
 __all__ = ("DUMP_KIND", "ENV_HYDRATOR", "ENV_LIBRARY", "ENV_SOCKET", "LIBRARY", "POLICIES", "SOURCES", "DeviceDump",
            "DumpRegion", "DumpSegment", "build_library", "check_dump", "dump_identities", "interposer_request",
@@ -137,7 +137,7 @@ class DumpSegment:
                       size=_integer(value["size"], "size", where), digest=_text(value["digest"], "digest", where))
         if not _SEGMENT_FILE.fullmatch(segment.file):
             raise HydrationError(f"{where}: file {segment.file!r} must be seg-<n>.bin (a name in the dump directory)")
-        if not segment.digest.startswith(DIGEST_PREFIX) or len(segment.digest) != len(DIGEST_PREFIX) + 64:
+        if not is_region_digest(segment.digest):
             raise HydrationError(f"{where}: digest must be {DIGEST_PREFIX}<64 hex digits>")
         if segment.size == 0:
             raise HydrationError(f"{where}: a segment is not empty")

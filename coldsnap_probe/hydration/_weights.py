@@ -41,6 +41,7 @@ __all__ = (
     "check_sources",
     "chunk_digests",
     "combine_digests",
+    "is_region_digest",
     "plan_for",
     "region_digest",
     "validate_regions",
@@ -141,6 +142,11 @@ def combine_digests(parts: Sequence[bytes]) -> str:
     return DIGEST_PREFIX + hashlib.sha256(b"".join(parts)).hexdigest()
 
 
+def is_region_digest(text: str) -> bool:
+    """Shaped as `region_digest` writes it: DIGEST_PREFIX and 64 characters (a weight region's, a dump segment's)."""
+    return text.startswith(DIGEST_PREFIX) and len(text) == len(DIGEST_PREFIX) + 64
+
+
 def region_digest(path: str | Path, offset: int, size: int, *, threads: int = 0) -> str:
     """``sha256-64m:`` + SHA-256 of the concatenated SHA-256 of each 64 MiB chunk of the region (parallel)."""
     return combine_digests(chunk_digests(path, offset, size, threads=threads))
@@ -172,7 +178,7 @@ def validate_regions(regions: Sequence[WeightRegion], reservation_address: int,
                                          f"{getattr(region, field)!r}", region=region.name)
         elif not region.source:
             raise HydrationError("names no source file", region=region.name)
-        elif not region.digest.startswith(DIGEST_PREFIX) or len(region.digest) != len(DIGEST_PREFIX) + 64:
+        elif not is_region_digest(region.digest):
             raise HydrationError(f"digest must be {DIGEST_PREFIX}<64 hex digits>", region=region.name)
         end, limit = region.address + region.size, reservation_address + reservation_size
         if region.address < reservation_address or end > limit:
