@@ -44,6 +44,7 @@ BASELINE_MIB = 0  # GPU memory used with no server running (set in main)
 PROMPT = [1, 15043, 29892, 920, 526, 366, 29973, 13]
 sys.path.insert(0, str(ROOT))
 
+from bench import page_fill
 from bench._common import become_subreaper, disk_read_rate, drop_caches, kill_and_reap, stages, table
 from coldsnap_probe import ProbeError, hydration_request, image_digest
 
@@ -91,6 +92,12 @@ def pinned_h2d_gbps() -> float:
     return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
 
 
+def host_ceilings(images_root: Path) -> dict[str, float]:
+    """The host's own rates where the images live, measured in this run (bench/page_fill.py): writing files, what
+    bounds the interposer's release, and filling fresh memory from a file, what bounds CRIU's page restore."""
+    return page_fill.ceilings(str(images_root), 4 << 30, min(16, os.cpu_count() or 1))
+
+
 def worker(*args: str) -> dict[str, Any]:
     done = subprocess.run([sys.executable, "-m", "coldsnap_probe", *args], capture_output=True, text=True,
                           cwd=ROOT, check=False)
@@ -127,13 +134,16 @@ def region_bytes(gib: float) -> int:
     return -(-(VOCAB * HIDDEN + HIDDEN + layers * PER_LAYER) * 2 // CHUNK) * CHUNK
 
 
-def start_hydrator(socket_path: Path, weights: Path, log: Path) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
-    """The long-lived hydrator: page-locks the weights file once (its start-up time is the pinning cost)."""
+def start_hydrator(socket_path: Path, weights: Path | None,
+                   log: Path) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    """The long-lived, staging hydrator: page-locks the weights file once (its start-up time is the pinning cost);
+    without one it only stages the interposer's dumps."""
     socket_path.unlink(missing_ok=True)
     started = time.time()
     out = open(log, "wb")  # noqa: SIM115 - the hydrator writes here for its whole life
     proc = subprocess.Popen([sys.executable, "-m", "coldsnap_probe.hydration", "serve", "--socket", str(socket_path),
-                             "--staging", str(weights)], stdout=out, stderr=out, stdin=subprocess.DEVNULL, cwd=ROOT,
+                             "--staging", *([str(weights)] if weights else [])],
+                            stdout=out, stderr=out, stdin=subprocess.DEVNULL, cwd=ROOT,
                             start_new_session=True)
     while True:
         text = log.read_text() if log.exists() else ""
@@ -217,10 +227,11 @@ def server_env(root: Path, interposer: Path | None, strategy: str) -> dict[str, 
 def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, weights: Path,
              digests: list[bytes], strategy: str, images_root: Path, stack_bytes: int = 0,
              lazy_pages: bool = False, kv_discard: bool = False, interposer: Path | None = None,
-             cold_cache: bool = False) -> dict[str, Any]:
+             cold_cache: bool = False, device_weights: bool = False) -> dict[str, Any]:
     """One size in one mode: the whole device state in the images, weights hydrated after restore, or (with
     `interposer`, the library) every device allocation dumped and hydrated by the interposer. `cold_cache`: the
-    page cache is dropped before each restore (the images read from the disk under `images_root`)."""
+    page cache is dropped before each restore (the images read from the disk under `images_root`).
+    `device_weights`: a full or interposer row's server generates its weights on the GPU (no file read)."""
     from coldsnap_probe import combine_digests
 
     suffix = "-hydrate" if hydrate else "-interposer" if interposer else ""
@@ -239,7 +250,8 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
     t0 = time.time()
     progress(f"{gib:g} GiB {'hydrate' if hydrate else 'interposer' if interposer else 'full'}: cold start")
     with open(log, "wb") as out:
-        server = subprocess.Popen([sys.executable, str(SERVER), "--gib", str(gib), "--weights", str(weights),
+        server = subprocess.Popen([sys.executable, str(SERVER), "--gib", str(gib),
+                                   "--weights", str(weights) if hydrate or not device_weights else "device",
                                    "--socket", str(path), *extra],
                                   stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                                   start_new_session=True, env=server_env(root, interposer, strategy))
@@ -318,6 +330,7 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
     for done in (images, *images.parent.glob(f"{images.name}-work-*")):  # the disk holds one size at a time
         subprocess.run(["rm", "-rf", str(done)], check=True)
     mode = "weights hydrated" if hydrate else "interposer (no cooperation)" if interposer else "full image"
+    mode += ", weights made on the GPU" if device_weights and not hydrate else ""
     return {"gib": gib, "mode": mode, "device_bytes": device_bytes,
             "strategy": strategy if hydrate else "", "cold": cold, "capture": capture["timings_s"],
             "capture_hydration": capture.get("hydration"), "capture_device_memory": capture.get("device_memory"),
@@ -414,7 +427,8 @@ def main() -> None:
                         "each size with (0: the driver's default)")
     parser.add_argument("--kv", default="kept", type=choices("kept", "discarded"),
                         help="comma-separated: kept (the KV cache in the images), discarded "
-                        "(in a discarded arena region: zeroed at restore; hydrate mode)")
+                        "(in a discarded arena region: zeroed at restore; hydrate rows only, the other modes run "
+                        "once with it kept)")
     parser.add_argument("--cache", default="warm", type=choices("warm", "cold"),
                         help="comma list: warm restores read the images from where they were written (tmpfs, or "
                              "the page cache for a disk --images-root); cold drops the page cache before each "
@@ -422,10 +436,13 @@ def main() -> None:
     parser.add_argument("--memory", default="eager", type=choices("eager", "lazy"),
                         help="comma-separated: eager (CRIU fills the memory), lazy "
                         "(criu lazy-pages fills it while the CUDA state comes back); each size runs with each")
+    parser.add_argument("--device-weights", action="store_true",
+                        help="full and interposer rows generate their weights on the GPU: no weights file unless a "
+                             "hydrate row needs one (host memory for a 64 GiB dump beside no 64 GiB file)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--bench-child", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if ("full" in args.modes or "interposer" in args.modes) and "discarded" in args.kv:
+    if "discarded" in args.kv and "hydrate" not in args.modes:
         parser.error("--kv discarded needs --modes hydrate (the KV cache is discarded from the weight arena)")
     if args.bench_child:
         gib, weights, disk_dir, hydrator = json.loads(args.bench_child)
@@ -439,8 +456,10 @@ def main() -> None:
     sizes = [float(size) for size in args.sizes.split(",")]
     largest = max([*sizes, args.hydrate_bench])
     weights = Path(args.weights_dir) / f"coldsnap-weights-{largest:g}g.bin"
+    # The file is needed by hydrate rows (and, without --device-weights, read by every server's cold start).
+    needs_file = "hydrate" in args.modes or not args.device_weights or bool(args.hydrate_bench)
     started = time.time()
-    if not weights.exists() or weights.stat().st_size < region_bytes(largest):
+    if needs_file and (not weights.exists() or weights.stat().st_size < region_bytes(largest)):
         progress(f"generating the {largest:g} GiB weights file {weights}")
         subprocess.run([sys.executable, str(SERVER), "--gib", str(largest), "--weights", str(weights),
                         "--generate"], check=True)
@@ -449,9 +468,11 @@ def main() -> None:
     generate_s = time.time() - started
     started = time.time()
     progress("digesting the weights")
-    digests = chunk_digests(weights, 0, region_bytes(largest))
+    digests = chunk_digests(weights, 0, region_bytes(largest)) if "hydrate" in args.modes else []
     digest_s = time.time() - started
     h2d = pinned_h2d_gbps()
+    ceilings = host_ceilings(images_root)
+    progress(f"ceilings: pinned H2D {h2d:.1f} GB/s; {json.dumps(ceilings)}")
     library = None
     if "interposer" in args.modes:
         from coldsnap_probe.hydration import library_path
@@ -460,7 +481,8 @@ def main() -> None:
     hydrator_proc, hydrator_ready = None, None
     strategy = args.strategy
     if strategy == "hydrator" or args.hydrate_bench:
-        hydrator_proc, hydrator_ready = start_hydrator(root / "hydrator.sock", weights, root / "hydrator.log")
+        hydrator_proc, hydrator_ready = start_hydrator(root / "hydrator.sock", weights if needs_file else None,
+                                                       root / "hydrator.log")
     if strategy == "hydrator":
         strategy = f"hydrator:{root / 'hydrator.sock'}"
     global BASELINE_MIB
@@ -484,10 +506,14 @@ def main() -> None:
                              for r in bench["runs"]]))
         for size, mode, stack, memory, kv, cache in itertools.product(sizes, args.modes, args.stack_bytes.split(","),
                                                                       args.memory, args.kv, args.cache):
+            if mode != "hydrate":  # only the weight arena can discard the KV cache: other modes run once, kept
+                if kv != args.kv[0]:
+                    continue
+                kv = "kept"
             try:
                 row = run_size(size, root, args.criu, args.tokens, mode == "hydrate", weights, digests, strategy,
                                images_root, int(stack), memory == "lazy", kv == "discarded",
-                               library if mode == "interposer" else None, cache == "cold")
+                               library if mode == "interposer" else None, cache == "cold", args.device_weights)
             except Exception as exc:  # one failed row is a result; the other rows still run
                 stop_started()
                 print(f"{size:g} GiB {mode}: FAILED: {type(exc).__name__}: {str(exc)[-3000:]}", flush=True)
@@ -527,6 +553,8 @@ def main() -> None:
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     thp_mode = thp.read_text().strip() if thp.exists() else "unknown"
     print(f"transparent huge pages: {thp_mode}")
+    print(f"ceilings, measured in this run: pinned host-to-device {h2d:.1f} GB/s; "
+          + "; ".join(f"{name} {gbps:.1f} GB/s" for name, gbps in ceilings.items()))
     print(table(["model", "mode", "cold TTFT s", "restore TTFT s (best / other)", "speed-up",
                  "restore: worker start / CRIU / CUDA / hydrate / first token after ready s",
                  "every page in s (since restore)", "staged copy s (overlapped)", "hydration GB/s", "images GB",
@@ -534,7 +562,8 @@ def main() -> None:
                  "device GB/s back (of pinned H2D)",
                  "identical tokens+logits", "images unchanged"], rows))
     Path(args.out, "restore_ttft.json").write_text(json.dumps(
-        {"pinned_h2d_gbps": h2d, "strategy": args.strategy, "hydrator": hydrator_ready, "generate_s": generate_s,
+        {"pinned_h2d_gbps": h2d, "ceilings": ceilings, "strategy": args.strategy, "hydrator": hydrator_ready,
+         "generate_s": generate_s,
          "transparent_hugepage": thp_mode,
          "digest_s": digest_s, "hydrate_bench": bench, "results": results, "failed": failed}, indent=2))
 

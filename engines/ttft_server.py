@@ -26,6 +26,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Iterator
 
 T_START = time.time()
 
@@ -63,16 +64,20 @@ def region_bytes(gib: float) -> int:
     return -(-param_count(layers_for(gib)) * 2 // (64 << 20)) * (64 << 20)
 
 
-def generate(path: str, gib: float, seed: int) -> None:
-    """Write the weights once: seeded normal(0, 0.02) in bf16, generated on the GPU in chunks."""
-    total = region_bytes(gib) // 2
+def random_chunks(total: int, seed: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """Seeded normal(0, 0.02) in bf16, generated on the GPU: (first element, chunk) up to `total` elements."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     chunk = 1 << 28
+    for start in range(0, total, chunk):
+        n = min(chunk, total - start)
+        yield start, (torch.randn(n, generator=gen, device="cuda", dtype=torch.float32) * 0.02).to(torch.bfloat16)
+
+
+def generate(path: str, gib: float, seed: int) -> None:
+    """Write the weights once."""
     with open(path + ".tmp", "wb") as f:
-        for start in range(0, total, chunk):
-            n = min(chunk, total - start)
-            block = (torch.randn(n, generator=gen, device="cuda", dtype=torch.float32) * 0.02).to(torch.bfloat16)
-            f.write(block.view(torch.int16).cpu().numpy().tobytes())
+        for _, block in random_chunks(region_bytes(gib) // 2, seed):
+            f.write(block.view(torch.int16).cpu().numpy().data)
     os.replace(path + ".tmp", path)
 
 
@@ -179,10 +184,15 @@ def hydrate(path: str, flat: torch.Tensor, *, threads: int = 8, chunk_bytes: int
     torch.cuda.synchronize()
 
 
-def load(path: str, gib: float) -> Model:
+def load(path: str, gib: float, seed: int) -> Model:
+    """The weights from the file, or (`path` is "device") generated on the GPU: no file to read, none to keep."""
     layers = layers_for(gib)
     flat = torch.empty(param_count(layers), dtype=torch.bfloat16, device="cuda")
-    hydrate(path, flat)
+    if path == "device":
+        for start, block in random_chunks(flat.numel(), seed):
+            flat[start:start + block.numel()].copy_(block)
+    else:
+        hydrate(path, flat)
     return Model(flat, layers)
 
 
@@ -244,7 +254,8 @@ def serve(model: Model, path: str, arena: object = None) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--gib", type=float, required=True)
-    parser.add_argument("--weights", required=True)
+    parser.add_argument("--weights", required=True, help="the weights file, or \"device\": generated on the GPU "
+                        "from --seed (not with --vmm-weights or --generate)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--socket", default="")
     parser.add_argument("--generate", action="store_true")
@@ -256,6 +267,8 @@ def main() -> None:
     parser.add_argument("--kv-discard", action="store_true", help="the KV cache in a discarded arena region "
                         "(--vmm-weights)")
     args = parser.parse_args()
+    if args.weights == "device" and (args.vmm_weights or args.generate):
+        parser.error("--weights device: the weights are generated on the GPU; --vmm-weights and --generate need a file")
     if args.generate:
         generate(args.weights, args.gib, args.seed)
         return
@@ -271,7 +284,7 @@ def main() -> None:
     if args.vmm_weights:
         model, arena = load_arena(args.weights, args.gib, args.region_digest, args.strategy, args.kv_discard)
     else:
-        model = load(args.weights, args.gib)
+        model = load(args.weights, args.gib, args.seed)
     vmm_bytes = arena.size if arena else 0  # type: ignore[attr-defined]  # torch's allocator does not see it
     stage("weights_loaded", device_bytes=torch.cuda.memory_allocated() + vmm_bytes)
     model.capture()
