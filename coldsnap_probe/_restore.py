@@ -1,9 +1,10 @@
 """Restore as phases (admission spec 7.4): each phase records what it started, and one rollback stops it all.
 
-validate (capture record, graph record, weight sources, host identity) -> [validated] -> stage the weights
-(when a hydrator is named) -> CRIU restore, paused (cuInit meanwhile) -> [criu-restored] -> CUDA restore and
-unlock per process, reverse inventory order -> [cuda-restored] -> every page in (lazy pages) -> resume the tree
--> [process-resumed] -> hydrate the device memory (the CUDA interposer's dumps) -> hydrate the weights
+read the records (capture, graph, weight sources, device dumps) -> stage the weights and dumps (when a hydrator
+is named), while the host's identity is checked -> [validated] -> CRIU restore, paused (cuInit meanwhile)
+-> [criu-restored] -> CUDA restore and unlock per process, reverse inventory order -> [cuda-restored] -> every
+page in (lazy pages) -> resume the tree -> [process-resumed] -> hydrate the device memory (the CUDA interposer's
+dumps) -> hydrate the weights
 -> recreate the communicators -> [ready]. Brackets are barriers.
 
 The rollback, whatever phase failed: kill the restored tree (nothing half-restored serves), abort the
@@ -85,13 +86,15 @@ class _Restore:
         self.lazy: subprocess.Popen[bytes] | None = None
 
     def phases(self) -> None:
-        self._validate()
+        with ThreadPoolExecutor(1, thread_name_prefix="coldsnap-identity") as pool:
+            # NVML and `criu --version` take tens of milliseconds: they run while the records are read and the
+            # hydrator's stages start (a stage copies for as long as CRIU and CUDA restore, so it starts first).
+            current = pool.submit(identity, None, criu=self.criu)
+            self._read_records()
+            self._start_stages()
+            self._check_host(current.result())
         self._agree()
         self.timeline.mark("validated")  # what the checks before CRIU cost (identity, dumps, sources)
-        if self.manifest is not None and self.manifest.hydrator:  # the weights are copied while CRIU restores
-            self.stager = Stager(self.manifest)
-        prefetch_dumps(self.dumps, self.images)  # device dumps on disk are read ahead meanwhile
-        self.device_stages = stages_for(self.dumps, self.images)  # and a node hydrator fills them meanwhile
         root = self._criu_restore()
         self._cuda_restore(root)
         if self.lazy:
@@ -107,8 +110,9 @@ class _Restore:
         self.timeline.mark("ready")
 
     # -- the phases, in order ----------------------------------------------------------------------------------
-    def _validate(self) -> None:
-        """Everything that can be known before CRIU runs: a restore that cannot succeed never starts."""
+    def _read_records(self) -> None:
+        """The images' records, checked: everything that can be known before CRIU runs but the host's identity (a
+        restore that cannot succeed never starts)."""
         captured = self.captured = json.loads((self.images / "capture.json").read_text())
         boundary, ranks = captured["boundary"], self.ranks
         if (captured.get("rank", 0), captured.get("world_size", 1)) != (ranks.rank, ranks.world_size):
@@ -121,18 +125,14 @@ class _Restore:
                 check_sources(self.manifest.regions, self.manifest.identities)
             except (ProbeError, ValueError) as exc:
                 raise WorkerError(f"weight hydration cannot succeed, not restoring: {exc}") from exc
-        current = identity(None, criu=self.criu)
-        require_same_criu(captured.get("identity", {}).get("criu", {}), current["criu"])
         self.dumps = validated_dumps(self.images)  # every manifest and dump file checked before CRIU runs
-        compatibility = identity_compatibility(captured.get("identity", {}), current, boundary)
         self.cuda = list(captured.get("cuda_pids", []))
         self.engine = captured.get("engine") if captured.get("engine_quiesced") else None
         if ranks.multi and boundary == "n610" and (self.graph is None or self.engine is None):
             raise WorkerError("these multi-rank images lack the graph record or the engine's quiesce: their "
                               "communicators could not be recreated")
         report = self.report
-        report.boundary, report.captured_root_pid = boundary, captured["root_pid"]
-        report.cuda_pids, report.identity_compatibility = self.cuda, compatibility
+        report.boundary, report.captured_root_pid, report.cuda_pids = boundary, captured["root_pid"], self.cuda
         if self.graph is not None:
             graph = self.graph
             report.graph_policy = RestoredGraphPolicy(effective=graph["policy_effective"], decision=graph["decision"],
@@ -140,6 +140,20 @@ class _Restore:
             if graph["policy_effective"] == "preserve-nccl-exec":
                 raise WorkerError("the record retains NCCL graph executables in place, which needs the engine's "
                                   "admitted in-place NCCL provider; this engine recreates its communicators")
+
+    def _start_stages(self) -> None:
+        """The node hydrator's stages, started now (the rollback discards them): the weights, and each device
+        dump on disk read ahead and staged."""
+        if self.manifest is not None and self.manifest.hydrator:
+            self.stager = Stager(self.manifest)
+        prefetch_dumps(self.dumps, self.images)
+        self.device_stages = stages_for(self.dumps, self.images)
+
+    def _check_host(self, current: dict[str, Any]) -> None:
+        """This host against the captured one: the same CRIU, a compatible driver and GPU."""
+        captured = self.captured.get("identity", {})
+        require_same_criu(captured.get("criu", {}), current["criu"])
+        self.report.identity_compatibility = identity_compatibility(captured, current, self.captured["boundary"])
 
     def _agree(self) -> None:
         """Nothing is restored on any rank until every rank's images, record and identity are good."""
