@@ -4,7 +4,7 @@
 
 For each size: a cold start of engines/ttft_server.py timed from process start to the first
 streamed token (with its stages: imports, CUDA init, weight load, graph capture); a capture by
-the worker (`python -m coldsnap_probe capture`); two restores from the same unchanged images,
+the worker (`python -m coldsnap_probe capture`); two (--restores) restores from the same unchanged images,
 each timed from the restore command to the first token. The restored process must produce the
 same tokens and the same first-step logits (bitwise) as the original. Pinned host-to-device
 bandwidth is measured in the same run. Results: a table on stdout and JSON in --out.
@@ -227,7 +227,7 @@ def server_env(root: Path, interposer: Path | None, strategy: str) -> dict[str, 
 def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, weights: Path,
              digests: list[bytes], strategy: str, images_root: Path, stack_bytes: int = 0,
              lazy_pages: bool = False, kv_discard: bool = False, interposer: Path | None = None,
-             cold_cache: bool = False, device_weights: bool = False) -> dict[str, Any]:
+             cold_cache: bool = False, device_weights: bool = False, count: int = 2) -> dict[str, Any]:
     """One size in one mode: the whole device state in the images, weights hydrated after restore, or (with
     `interposer`, the library) every device allocation dumped and hydrated by the interposer. `cold_cache`: the
     page cache is dropped before each restore (the images read from the disk under `images_root`).
@@ -283,7 +283,7 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
     digest_before = image_digest(images)
     image_files = sorted(((p.stat().st_size, p.name) for p in images.iterdir() if p.is_file()), reverse=True)
     restores = []
-    for attempt in (1, 2):
+    for attempt in range(1, count + 1):
         path.unlink(missing_ok=True)  # the dead process's socket file; the restored one binds it again
         os.truncate(log, captured_log)
         if cold_cache and not drop_caches():
@@ -436,6 +436,7 @@ def main() -> None:
     parser.add_argument("--memory", default="eager", type=choices("eager", "lazy"),
                         help="comma-separated: eager (CRIU fills the memory), lazy "
                         "(criu lazy-pages fills it while the CUDA state comes back); each size runs with each")
+    parser.add_argument("--restores", type=int, default=2, help="restores of each capture (each from the same images)")
     parser.add_argument("--device-weights", action="store_true",
                         help="full and interposer rows generate their weights on the GPU: no weights file unless a "
                              "hydrate row needs one (host memory for a 64 GiB dump beside no 64 GiB file)")
@@ -513,7 +514,8 @@ def main() -> None:
             try:
                 row = run_size(size, root, args.criu, args.tokens, mode == "hydrate", weights, digests, strategy,
                                images_root, int(stack), memory == "lazy", kv == "discarded",
-                               library if mode == "interposer" else None, cache == "cold", args.device_weights)
+                               library if mode == "interposer" else None, cache == "cold", args.device_weights,
+                               args.restores)
             except Exception as exc:  # one failed row is a result; the other rows still run
                 stop_started()
                 print(f"{size:g} GiB {mode}: FAILED: {type(exc).__name__}: {str(exc)[-3000:]}", flush=True)
