@@ -92,6 +92,10 @@ def pinned_h2d_gbps() -> float:
     return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
 
 
+# The capture's parts in order (the dump's digests run during the checkpoint and the CRIU dump: what is left after).
+CAPTURE_PARTS = ("device_release", "cuda_checkpoint", "criu_dump", "device_digests_wait")
+
+
 def host_ceilings(images_root: Path) -> dict[str, float]:
     """The host's own rates where the images live, measured in this run (bench/page_fill.py): writing files, what
     bounds the interposer's release, and filling fresh memory from a file, what bounds CRIU's page restore."""
@@ -547,8 +551,8 @@ def main() -> None:
                      f"{best['wake_s']:.2f} / {best['after_ready_s']:.2f}",
                      pages_in or "-", f"{staged.get('copy_s', 0):.2f}" if staged.get("staged") else "-",
                      f"{(hydrated.get('gbps') or device_gbps(best)):.1f}", f"{r['image_bytes'] / 1e9:.2f}",
-                     " / ".join(f"{r['capture'].get(k, 0.0):.2f}" for k in ("device_release", "cuda_checkpoint",
-                                                                              "criu_dump")),
+                     " / ".join(f"{r['capture'].get(k, 0.0):.2f}" for k in CAPTURE_PARTS)
+                     + f" = {sum(r['capture'].get(k, 0.0) for k in CAPTURE_PARTS):.2f}",
                      f"{gbps:.1f} ({gbps / h2d:.0%} of {h2d:.1f})",
                      "yes" if all(x["tokens_identical"] and x["logits_identical"] for x in r["restores"]) else "NO",
                      "yes" if r["images_unchanged"] else "NO"])
@@ -560,7 +564,7 @@ def main() -> None:
     print(table(["model", "mode", "cold TTFT s", "restore TTFT s (best / other)", "speed-up",
                  "restore: worker start / CRIU / CUDA / hydrate / first token after ready s",
                  "every page in s (since restore)", "staged copy s (overlapped)", "hydration GB/s", "images GB",
-                 "capture: device release / CUDA checkpoint / CRIU dump s",
+                 "capture: device release / CUDA checkpoint / CRIU dump / digests after it = s",
                  "device GB/s back (of pinned H2D)",
                  "identical tokens+logits", "images unchanged"], rows))
     Path(args.out, "restore_ttft.json").write_text(json.dumps(
