@@ -253,7 +253,7 @@ class TestTables:
         assert lines[1] == ("| full-interposer | restore 1 | 1.50 | 14.0x | 0.10 | 0.30 | 0.40 | 0.20 "
                             "| 0.50 (34.0 GB/s) | - | 0.50 | 1.00 | 2.00 | True |")
         assert capture_line(result) == (
-            "| full-interposer | 0.41 (17.00 GB at 40.0 GB/s, released/released) | - | 0.01 | 0.52 | 1.10 | - "
+            "| full-interposer | 0.41 (17.00 GB at 40.0 GB/s, released/released) | - | 0.01 | 0.52 | 1.10 "
             "| 19.00 (17.00) | below_threshold 4 MB |")
         text = table([result, {"mode": "full", "error": "E2EError: boom", "restores": []}], {"id": "sha256:ab"}, 0)
         assert all(line.count("|") == 15 for line in text.splitlines()[:4])  # 14 columns on every row
