@@ -317,9 +317,8 @@ def restore_table(results: list[dict[str, Any]]) -> list[str]:
 
 
 def capture_table(results: list[dict[str, Any]]) -> list[str]:
-    lines = ["| mode | device release s (GB) | CUDA checkpoint s | CRIU dump s | digests after it s | capture s "
-             "| images GB | device dumps GB | images unchanged by restores | goal | restores within it |",
-             "| --- |" + " ---: |" * 7 + " --- |" * 3]
+    lines = ["| mode | device release s (GB) | CUDA checkpoint s | CRIU dump s | images GB | device dumps GB "
+             "| images unchanged by restores | goal | restores within it |", "| --- |" + " ---: |" * 5 + " --- |" * 3]
     for result in results:
         phases = result.get("capture_phases")
         if not phases:
@@ -328,11 +327,8 @@ def capture_table(results: list[dict[str, Any]]) -> list[str]:
         release = f"{_f(phases['device_release_s'])} ({released / 1e9:.2f})" if released else "-"
         goal = GOAL_S[result["mode"]]
         within = sum(1 for r in result["restores"] if r["first_token_s"] <= goal)
-        total = sum(phases.get(k) or 0.0 for k in ("device_release_s", "weights_release_s", "cuda_lock_s",
-                                                    "cuda_checkpoint_s", "criu_dump_s", "digests_wait_s"))
         lines.append(f"| {result['mode']} | {release} | {_f(phases['cuda_checkpoint_s'])} "
-                     f"| {_f(phases['criu_dump_s'])} | {_f(phases.get('digests_wait_s'))} | {_f(total)} "
-                     f"| {_f(result['images_bytes'] / 1e9)} "
+                     f"| {_f(phases['criu_dump_s'])} | {_f(result['images_bytes'] / 1e9)} "
                      f"| {_f(result.get('device_dump_bytes', 0) / 1e9)} | {_yes(result.get('images_unchanged'))} "
                      f"| <= {goal:g} s | {within} of {len(result['restores'])} |")
     return lines

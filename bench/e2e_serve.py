@@ -216,7 +216,7 @@ def restore_lines(r: dict[str, Any]) -> list[str]:
 
 
 CAPTURE_HEAD = ("| mode | device release s | weights release s | CUDA lock s | CUDA checkpoint s | CRIU dump s "
-                "| digests after it s | images GB (device dumps GB) | left on the checkpoint path |")
+                "| images GB (device dumps GB) | left on the checkpoint path |")
 
 
 def capture_line(r: dict[str, Any]) -> str | None:
@@ -233,7 +233,7 @@ def capture_line(r: dict[str, Any]) -> str | None:
         weights += f" ({c['weights_bytes'] / 1e9:.2f} GB)"
     left = ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in c["uncovered_bytes"].items()) or "-"
     return (f"| {r['mode']} | {device} | {weights} | {_f(c['cuda_lock_s'])} | {_f(c['cuda_checkpoint_s'])} "
-            f"| {_f(c['criu_dump_s'])} | {_f(c.get('digests_wait_s'))} | {r.get('images_bytes', 0) / 1e9:.2f} "
+            f"| {_f(c['criu_dump_s'])} | {r.get('images_bytes', 0) / 1e9:.2f} "
             f"({r.get('device_dump_bytes', 0) / 1e9:.2f}) "
             f"| {left} |")
 
@@ -242,7 +242,7 @@ def table(results: list[dict[str, Any]], capsule: dict[str, Any], model_bytes: i
     lines = [RESTORE_HEAD, "|" + " --- |" * 14]
     for r in results:
         lines += restore_lines(r)
-    lines += ["", CAPTURE_HEAD, "|" + " --- |" * 9]
+    lines += ["", CAPTURE_HEAD, "|" + " --- |" * 8]
     lines += [line for r in results if (line := capture_line(r))]
     lines += ["", f"Capsule {capsule.get('id', '')[:19]}: {capsule.get('size', 0) / 1e6:.0f} MB; model "
               f"{model_bytes / 1e9:.2f} GB."]

@@ -238,8 +238,7 @@ def capture_row(report: dict[str, Any]) -> dict[str, Any]:
             "device_gbps": max((float(p.get("gbps") or 0) for p in devices), default=None),
             "weights_release_s": weights.get("release_seconds"), "weights_bytes": weights.get("released_bytes"),
             "cuda_lock_s": timings.get("cuda_lock"), "cuda_checkpoint_s": timings.get("cuda_checkpoint"),
-            "criu_dump_s": timings.get("criu_dump"), "digests_wait_s": timings.get("device_digests_wait"),
-            "image_bytes": report.get("image_bytes"),
+            "criu_dump_s": timings.get("criu_dump"), "image_bytes": report.get("image_bytes"),
             "uncovered_bytes": {k: v for k, v in sorted(uncovered.items()) if v}, "exec_s": report.get("exec_seconds")}
 
 

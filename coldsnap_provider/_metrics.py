@@ -47,8 +47,7 @@ OUTCOMES = frozenset({"ok", "runtime_failed", "not_found", "path_not_found", "re
 PROBE_DRIVERS = frozenset({"auto", "n580", "n610"})
 PROBE_RESULTS = frozenset({"admitted", "refused", "failed"})
 # The phases the capture and restore workers time (coldsnap_probe/_worker.py), as this daemon names them.
-CAPTURE_PHASES = frozenset({"engine_quiesce", "device_release", "cuda_lock", "cuda_checkpoint", "criu_dump",
-                            "device_digests_wait"})
+CAPTURE_PHASES = frozenset({"engine_quiesce", "device_release", "cuda_lock", "cuda_checkpoint", "criu_dump"})
 RESTORE_PHASES = frozenset({"criu_restore", "cuda_restore", "all_pages_in", "device_hydration", "hydration",
                             "communicator_recreate",
                             "restore_total", "ready_total"})
