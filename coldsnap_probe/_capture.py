@@ -126,7 +126,6 @@ class _Capture:
         self.ranks.barrier("checkpointed")
         self.report.memory_after_checkpoint = {str(p): anonymous_memory(p) for p in self.tree}
         self._dump()
-        self.report.timings_s["device_digests_wait"] = self.device.finish()  # they ran during the checkpoint
         if self.manifest is not None:
             (self.images / "hydration.json").write_text(json.dumps(self.manifest.to_json(), indent=2) + "\n")
         if self.plan is not None:

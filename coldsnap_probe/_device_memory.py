@@ -13,8 +13,8 @@ import json
 import os
 import stat
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, replace
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,6 @@ from .hydration import (
     ENV_HYDRATOR,
     DeviceDump,
     check_dump,
-    digest_dump,
     dump_identities,
     interposer_request,
     interposer_socket,
@@ -70,20 +69,13 @@ def _owner(pid: int) -> tuple[int, int]:
 
 
 class DeviceRelease:
-    """Capture: the releases done so far, so that a failed capture hydrates them back and removes their dumps.
-
-    Each interposer only writes its dump (digests deferred): the files are digested here, in the background,
-    while the CUDA checkpoint and the CRIU dump run; `finish` waits for them and writes the record."""
+    """Capture: the releases done so far, so that a failed capture hydrates them back and removes their dumps."""
 
     def __init__(self, images: Path, explicit: str | None = None) -> None:
         self.images, self.explicit = images.absolute(), explicit  # the engine's cwd is not ours
         self.records: list[DumpRecord] = []
         self.asked: list[tuple[str, Path]] = []  # (socket, dump directory) of every release asked, failed ones too
         self.reports: list[DumpedDevice] = []
-        # Left a CPU or two for CRIU and the driver, which run meanwhile.
-        self._pool = ThreadPoolExecutor(4, thread_name_prefix="coldsnap-dump-digest")
-        self._threads = max(1, len(os.sched_getaffinity(0)) - 2)
-        self._digesting: dict[int, Future[DeviceDump]] = {}  # by pid
 
     def _socket(self, pid: int, cuda: list[int]) -> str | None:
         if self.explicit:
@@ -111,25 +103,9 @@ class DeviceRelease:
                 self.reports.append(DumpedDevice(pid=pid, socket=socket, state="not-started"))
                 continue
             self._release_one(pid, socket)
-
-    def finish(self) -> float:
-        """After the CRIU dump: every dump's digests in its record, the record written; the seconds waited."""
-        started = time.perf_counter()
-        try:
-            for k, record in enumerate(self.records):
-                if (future := self._digesting.pop(record.pid, None)) is not None:
-                    dump = future.result()
-                    self.records[k] = replace(record, dump=dump)
-                    self.reports = [replace(r, manifest_digest=dump.manifest_digest) if r.pid == record.pid else r
-                                    for r in self.reports]
-        except ProbeError as exc:
-            raise WorkerError(f"device memory digests: {exc}") from exc
-        finally:
-            self._pool.shutdown(wait=True, cancel_futures=True)
         if self.records:
-            body = {"format": 1, "kind": RECORD_KIND, "processes": [r.to_json() for r in self.records]}
-            (self.images / RECORD).write_text(json.dumps(body, indent=2) + "\n")
-        return time.perf_counter() - started
+            record = {"format": 1, "kind": RECORD_KIND, "processes": [r.to_json() for r in self.records]}
+            (self.images / RECORD).write_text(json.dumps(record, indent=2) + "\n")
 
     def _release_one(self, pid: int, socket: str) -> None:
         directory = self.images / f"device-{pid}"
@@ -141,7 +117,7 @@ class DeviceRelease:
         self.asked.append((socket, directory))
         started = time.perf_counter()
         try:
-            answer = interposer_request(socket, {"op": "release", "dir": str(directory), "digests": "deferred"},
+            answer = interposer_request(socket, {"op": "release", "dir": str(directory)},
                                         f"release the device memory of process {pid}")
             dump = DeviceDump.from_json(answer.get("manifest"), answered=True)
         except ProbeError as exc:
@@ -149,7 +125,6 @@ class DeviceRelease:
         if dump.regions:
             self.records.append(DumpRecord(pid, socket, directory.name, dump, dump_identities(dump, directory),
                                            interposer_socket(pid, ENV_HYDRATOR) or ""))
-            self._digesting[pid] = self._pool.submit(digest_dump, dump, directory, threads=self._threads)
         else:  # nothing was routed through it: nothing to hydrate, nothing left in the images
             remove_dump(directory)
         self.reports.append(DumpedDevice(
@@ -159,13 +134,10 @@ class DeviceRelease:
 
     def roll_back(self) -> None:
         """A failed capture: every process asked to release gets its memory back; the dumps are removed."""
-        self._pool.shutdown(wait=True, cancel_futures=True)  # no digest reads what is removed below
         written = {r.socket: r for r in self.records}
         for socket, directory in self.asked:
             record = written.get(socket)  # a dump just written and recorded needs no digest pass to come back
             verify = verification(record.dump, directory, record.files) if record else "digest"
-            if record and not record.dump.interposer_digests:
-                verify = "sampled"  # its own dump of moments ago, which it never digested: it can only sample it
             with contextlib.suppress(ProbeError):
                 status = interposer_request(socket, {"op": "status"}, "status", timeout=30.0)
                 if status.get("released"):
@@ -261,14 +233,6 @@ def hydrate_devices(records: list[DumpRecord], images: Path, policy: str, *, dig
         started = time.perf_counter()
         directory = images.absolute() / record.directory
         verify = "digest" if digests else verification(record.dump, directory, record.files)
-        if verify == "digest" and not record.dump.interposer_digests:
-            # The capture worker digested these files, so the interposer holds no digests: they are checked
-            # here, then it fills with the sampled read-back.
-            try:
-                check_dump(record.dump, directory, content=True)
-            except ProbeError as exc:
-                raise WorkerError(f"device memory of process {record.pid}, not hydrated: {exc}") from exc
-            verify = "checked"
         stage = (stages or {}).get(record.pid)
         if stage is not None and verify == "sampled" and (report := _staged(record, stage, directory, policy)):
             return HydratedDevice(pid=record.pid, bytes=int(report.get("bytes", 0)),
@@ -278,7 +242,7 @@ def hydrate_devices(records: list[DumpRecord], images: Path, policy: str, *, dig
             stage.discard()  # not adopted: the hydrator frees it now rather than at its TTL
         try:
             answer = interposer_request(record.socket, {"op": "hydrate", "dir": str(directory), "policy": policy,
-                                                        "verify": "sampled" if verify == "checked" else verify},
+                                                        "verify": verify},
                                         f"hydrate the device memory of process {record.pid}")
         except ProbeError as exc:
             raise WorkerError(f"device memory hydration failed, the restored process is not released: {exc}") from exc

@@ -58,11 +58,9 @@ from ._hydrator import ADOPT_PAGE as ADOPT_PAGE
 from ._hydrator import HydratorServer as HydratorServer
 from ._hydrator import Stager as Stager
 from ._interposer import ENV_HYDRATOR as ENV_HYDRATOR
-from ._interposer import WORKER_DIGESTS as WORKER_DIGESTS
 from ._interposer import DeviceDump as DeviceDump
 from ._interposer import build_library as build_library
 from ._interposer import check_dump as check_dump
-from ._interposer import digest_dump as digest_dump
 from ._interposer import dump_identities as dump_identities
 from ._interposer import interposer_request as interposer_request
 from ._interposer import interposer_socket as interposer_socket
@@ -80,7 +78,6 @@ from ._weights import region_digest as region_digest
 __all__ = (
     "ADOPT_PAGE",
     "ENV_HYDRATOR",
-    "WORKER_DIGESTS",
     "DeviceDump",
     "HydrationManifest",
     "HydratorServer",
@@ -93,7 +90,6 @@ __all__ = (
     "check_sources",
     "chunk_digests",
     "combine_digests",
-    "digest_dump",
     "dump_identities",
     "interposer_request",
     "interposer_socket",

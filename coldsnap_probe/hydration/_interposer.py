@@ -16,7 +16,6 @@ import hashlib
 import os
 import re
 import shutil
-import stat
 import subprocess
 import tempfile
 from dataclasses import asdict, dataclass, replace
@@ -28,9 +27,8 @@ from ..canonical import digest
 from ..errors import ChannelError, HydrationError
 from ._weights import DIGEST_PREFIX, is_region_digest, region_digest
 
-__all__ = ("DUMP_KIND", "ENV_HYDRATOR", "ENV_LIBRARY", "ENV_SOCKET", "LIBRARY", "POLICIES", "SOURCES", "WORKER_DIGESTS",
-           "DeviceDump", "DumpRegion", "DumpSegment", "build_library", "check_dump", "digest_dump", "dump_identities",
-           "interposer_request",
+__all__ = ("DUMP_KIND", "ENV_HYDRATOR", "ENV_LIBRARY", "ENV_SOCKET", "LIBRARY", "POLICIES", "SOURCES", "DeviceDump",
+           "DumpRegion", "DumpSegment", "build_library", "check_dump", "dump_identities", "interposer_request",
            "interposer_socket", "library_path", "remove_dump", "verification")
 
 ENV_SOCKET = "COLDSNAP_CUDA_INTERPOSER_SOCKET"
@@ -40,8 +38,6 @@ LIBRARY = "libcoldsnap_cuda.so"
 CAPSULE_LIBRARY = Path("/opt/coldsnap/lib") / LIBRARY  # where _capsule_rootfs.py bakes it
 SOURCES = Path(__file__).resolve().parent.parent / "interposer"
 DUMP_KIND = "coldsnap-device-dump"
-DEFERRED = "deferred"  # the release's digest_engine when it left the digests to its asker (empty segment digests)
-WORKER_DIGESTS = "worker-sha256"  # ... and once the capture worker digested the files (the interposer has none)
 POLICIES = ("same-model", "same-gpu")
 GCC_FLAGS = ("-shared", "-fPIC", "-O2", "-std=gnu11", "-Wall", "-Wextra", "-fvisibility=hidden")
 _SEGMENT_FILE = re.compile(r"seg-[0-9]{1,9}\.bin")
@@ -133,8 +129,7 @@ class DumpSegment:
     digest: str
 
     @classmethod
-    def from_json(cls, value: Any, where: str, *, deferred: bool = False) -> DumpSegment:
-        """`deferred`: the release left the digest to its asker (it must then be empty)."""
+    def from_json(cls, value: Any, where: str) -> DumpSegment:
         if not isinstance(value, dict) or set(value) != {"file", "offset", "address", "size", "digest"}:
             raise HydrationError(f"{where}: a segment has exactly file, offset, address, size and digest")
         segment = cls(file=_text(value["file"], "file", where), offset=_integer(value["offset"], "offset", where),
@@ -142,9 +137,7 @@ class DumpSegment:
                       size=_integer(value["size"], "size", where), digest=_text(value["digest"], "digest", where))
         if not _SEGMENT_FILE.fullmatch(segment.file):
             raise HydrationError(f"{where}: file {segment.file!r} must be seg-<n>.bin (a name in the dump directory)")
-        if deferred and segment.digest:
-            raise HydrationError(f"{where}: a release that deferred its digests has none")
-        if not deferred and not is_region_digest(segment.digest):
+        if not is_region_digest(segment.digest):
             raise HydrationError(f"{where}: digest must be {DIGEST_PREFIX}<64 hex digits>")
         if segment.size == 0:
             raise HydrationError(f"{where}: a segment is not empty")
@@ -164,7 +157,7 @@ class DumpRegion:
     segments: tuple[DumpSegment, ...]
 
     @classmethod
-    def from_json(cls, value: Any, *, deferred: bool = False) -> DumpRegion:
+    def from_json(cls, value: Any) -> DumpRegion:
         keys = {"address", "size", "requested", "device", "device_uuid", "device_name", "segments"}
         if not isinstance(value, dict) or set(value) != keys:
             raise HydrationError(f"a dump region has exactly {', '.join(sorted(keys))}")
@@ -176,7 +169,7 @@ class DumpRegion:
                      device=_integer(value["device"], "device", where),
                      device_uuid=_text(value["device_uuid"], "device_uuid", where),
                      device_name=_text(value["device_name"], "device_name", where),
-                     segments=tuple(DumpSegment.from_json(s, where, deferred=deferred) for s in value["segments"]))
+                     segments=tuple(DumpSegment.from_json(s, where) for s in value["segments"]))
         at = region.address
         for segment in region.segments:  # in order, back to back, covering the region exactly
             if segment.address != at:
@@ -218,11 +211,6 @@ class DeviceDump:
         return {**self.body(), "manifest_digest": self.manifest_digest}
 
     @property
-    def interposer_digests(self) -> bool:
-        """Whether the interposer digested its segments itself (and can check them while filling)."""
-        return self.digest_engine != WORKER_DIGESTS
-
-    @property
     def segments(self) -> tuple[DumpSegment, ...]:
         return tuple(s for r in self.regions for s in r.segments)
 
@@ -235,16 +223,12 @@ class DeviceDump:
             regions = value["regions"]
             if not isinstance(regions, list) or not isinstance(value["uncovered"], dict):
                 raise HydrationError("regions must be a list and uncovered an object")
-            deferred = value["digest_engine"] == DEFERRED
-            if deferred and not answered:
-                raise HydrationError("the dump's digests were never computed (the release deferred them)")
             dump = cls(pid=_integer(value["pid"], "pid", "dump"), dir=_text(value["dir"], "dir", "dump"),
                        digest_engine=_text(value["digest_engine"], "digest_engine", "dump"),
                        segment_bytes=_integer(value["segment_bytes"], "segment_bytes", "dump"),
                        threshold=_integer(value["threshold"], "threshold", "dump"),
                        bytes=_integer(value["bytes"], "bytes", "dump"),
-                       regions=tuple(DumpRegion.from_json(r, deferred=deferred) for r in regions),
-                       uncovered=dict(value["uncovered"]),
+                       regions=tuple(DumpRegion.from_json(r) for r in regions), uncovered=dict(value["uncovered"]),
                        timings_s=dict(value["timings_s"]), gbps=float(value["gbps"]),
                        manifest_digest="" if answered else str(value["manifest_digest"]))
         except (KeyError, TypeError, ValueError) as exc:
@@ -259,31 +243,6 @@ class DeviceDump:
         if dump.manifest_digest != recomputed:
             raise HydrationError("the device dump manifest's digest does not recompute (changed since capture)")
         return dump
-
-
-def digest_dump(dump: DeviceDump, directory: Path, *, threads: int) -> DeviceDump:
-    """The dump with every segment's digest computed here from its file (a release that deferred them): the
-    files are the engine's, so each is opened without following a link or blocking on a FIFO, and must be a
-    regular file holding its bytes. HydrationError names the file."""
-    regions = []
-    for region in dump.regions:
-        segments = []
-        for segment in region.segments:
-            path = directory / segment.file
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-            except OSError as exc:
-                raise HydrationError(f"dump file {path} (region {region.address:#x}): {exc.strerror}") from exc
-            try:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    raise HydrationError(f"dump file {path} (region {region.address:#x}) is not a regular file")
-                segments.append(replace(segment, digest=region_digest(fd, segment.offset, segment.size,
-                                                                      threads=threads)))
-            finally:
-                os.close(fd)
-        regions.append(replace(region, segments=tuple(segments)))
-    digested = replace(dump, regions=tuple(regions), digest_engine=WORKER_DIGESTS)
-    return replace(digested, manifest_digest=digest(digested.body()))
 
 
 def check_dump(dump: DeviceDump, directory: Path, *, content: bool = False) -> None:

@@ -109,21 +109,19 @@ class WeightRegion:
                 raise HydrationError(f"{name} must be a string, got {type(value).__name__}", region=str(self.name))
 
 
-def chunk_digests(source: str | Path | int, offset: int, size: int, *, threads: int = 0) -> list[bytes]:
-    """SHA-256 of each 64 MiB chunk of the region, computed by parallel threads over a shared mapping. `source`:
-    a path, or a descriptor the caller opened (and checked), left open."""
-    fd = source if isinstance(source, int) else os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+def chunk_digests(path: str | Path, offset: int, size: int, *, threads: int = 0) -> list[bytes]:
+    """SHA-256 of each 64 MiB chunk of the region, computed by parallel threads over a shared mapping."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         have = os.fstat(fd).st_size
         if have < offset + size:
-            raise HydrationError(f"source {source} is truncated: {have} bytes, the region needs {offset + size}")
+            raise HydrationError(f"source {path} is truncated: {have} bytes, the region needs {offset + size}")
         if size == 0:
             return []
         base = offset - offset % mmap.ALLOCATIONGRANULARITY
         view = mmap.mmap(fd, offset + size - base, mmap.MAP_SHARED, mmap.PROT_READ, offset=base)
     finally:
-        if fd is not source:
-            os.close(fd)
+        os.close(fd)
     try:
         memory = memoryview(view)
         end = offset - base + size
@@ -149,10 +147,9 @@ def is_region_digest(text: str) -> bool:
     return text.startswith(DIGEST_PREFIX) and len(text) == len(DIGEST_PREFIX) + 64
 
 
-def region_digest(source: str | Path | int, offset: int, size: int, *, threads: int = 0) -> str:
-    """``sha256-64m:`` + SHA-256 of the concatenated SHA-256 of each 64 MiB chunk of the region (parallel);
-    `source` as for `chunk_digests`."""
-    return combine_digests(chunk_digests(source, offset, size, threads=threads))
+def region_digest(path: str | Path, offset: int, size: int, *, threads: int = 0) -> str:
+    """``sha256-64m:`` + SHA-256 of the concatenated SHA-256 of each 64 MiB chunk of the region (parallel)."""
+    return combine_digests(chunk_digests(path, offset, size, threads=threads))
 
 
 def validate_regions(regions: Sequence[WeightRegion], reservation_address: int,

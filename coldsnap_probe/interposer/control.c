@@ -57,10 +57,7 @@ static const char *operation;   /* "release", "hydrate" or NULL */
 static double operation_since;
 static struct totals last_totals;
 
-struct request {
-    char op[32]; char dir[FIELD]; char policy[32]; char verify[32]; char digests[32]; char allocations[24];
-    int has_dir;
-};
+struct request { char op[32]; char dir[FIELD]; char policy[32]; char verify[32]; char allocations[24]; int has_dir; };
 
 /* The descriptors a connection brought, in arrival order. Invariant: every one is in `fds` (closed by `forget`)
  * or was closed on arrival (`dropped`: beyond STAGED_MAX, or when `fds` could not grow). */
@@ -129,8 +126,7 @@ static const char *string(const char *p, char *out, size_t room, char *error, si
     return p + 1;
 }
 
-/* Parse {"op": ..., "dir": ..., "policy": ..., "verify": ..., "digests": ...}; 0, or -1 with `error` naming the key and
- * the rule. */
+/* Parse {"op": ..., "dir": ..., "policy": ..., "verify": ...}; 0, or -1 with `error` naming the key and the rule. */
 static int parse(const char *line, struct request *req, char *error, size_t room)
 {
     char key[64], value[FIELD];
@@ -139,7 +135,7 @@ static int parse(const char *line, struct request *req, char *error, size_t room
     const struct { const char *name; char *into; size_t room; } fields[] = {
         {"op", req->op, sizeof(req->op)}, {"dir", req->dir, sizeof(req->dir)},
         {"policy", req->policy, sizeof(req->policy)}, {"verify", req->verify, sizeof(req->verify)},
-        {"allocations", req->allocations, sizeof(req->allocations)}, {"digests", req->digests, sizeof(req->digests)}};
+        {"allocations", req->allocations, sizeof(req->allocations)}};
     enum { FIELDS = sizeof(fields) / sizeof(fields[0]) };
     unsigned seen = 0;
     if (*p++ != '{') {
@@ -351,11 +347,6 @@ static void dispatch(const struct request *req, const struct received *got, char
             refuse(out, room, "release", "`dir` must be the absolute path of the dump directory");
             return;
         }
-        const char *digests = req->digests[0] ? req->digests : "inline";
-        if (strcmp(digests, "inline") != 0 && strcmp(digests, "deferred") != 0) {
-            refuse(out, room, "release", "`digests` must be inline or deferred");
-            return;
-        }
         long inside = cscu_gate_close();  /* new launches wait; those running end first */
         if (inside) {
             char why[256];
@@ -366,7 +357,7 @@ static void dispatch(const struct request *req, const struct received *got, char
             return;
         }
         cscu_regions_lock();
-        cscu_release(req->dir, strcmp(digests, "inline") == 0, out, room);
+        cscu_release(req->dir, out, room);
         size_t count;
         struct cscu_region *r = cscu_regions(&count);
         for (size_t i = 0; i < count; i++)
@@ -393,11 +384,6 @@ static void dispatch(const struct request *req, const struct received *got, char
         }
         if (!released) {
             refuse(out, room, "hydrate", "nothing is released");
-            return;
-        }
-        if (strcmp(verify, "digest") == 0 && !got->count && !cscu_segment_digests_known()) {
-            refuse(out, room, "hydrate", "the release deferred its digests to its asker, which checks the files: "
-                   "`verify` must be sampled");
             return;
         }
         cscu_regions_lock();

@@ -208,15 +208,11 @@ CSCU_HIDDEN int cscu_control_start(void);
 
 /* --- the dump (release) and fill (hydrate) ------------------------------------------------------------------ */
 /* Each writes a JSON answer (`{"ok":...}`) into `out`; `dir` is the dump directory, `policy` "same-model" or
- * "same-gpu"; `digests`: on release, 1 digests every segment while writing it, 0 leaves that to the asker (the
- * capture worker digests the files while the CUDA checkpoint and CRIU dump run: the manifest's digests are then
- * empty); on hydrate, 1 checks every segment's digest while filling, 0 only the sampled read-back (the worker's
- * choice when the files are provably the ones written at release). They expect the region table locked and the
- * gate closed. */
-CSCU_HIDDEN void cscu_release(const char *dir, int digests, char *out, size_t room);
+ * "same-gpu"; `digests`: 1 checks every segment's digest while filling, 0 only the sampled read-back (the
+ * worker's choice when the files are provably the ones written at release). They expect the region table
+ * locked and the gate closed. */
+CSCU_HIDDEN void cscu_release(const char *dir, char *out, size_t room);
 CSCU_HIDDEN void cscu_hydrate(const char *dir, const char *policy, int digests, char *out, size_t room);
-/* 1 when the last release digested every segment (a digest-checked hydrate can compare against them), else 0. */
-CSCU_HIDDEN int cscu_segment_digests_known(void);
 /* Hydrate from the allocations a node hydrator filled (`fds`, `n` of them, exported as POSIX descriptors): the
  * k-th is imported and mapped whole at the k-th released region (table order), so `n` must equal the released
  * regions; then the sampled read-back against the dump in `dir`. The descriptors stay the caller's. */

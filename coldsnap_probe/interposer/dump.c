@@ -90,8 +90,7 @@ static int copy_pieces(struct job *job, struct item *it, CUstream s[2], void *bu
                 goto device;
             if ((rc = d->stream_synchronize(s[slot])))
                 goto device;
-            if (job->digests)
-                cscu_sha256_update(h, buf[slot], n);
+            cscu_sha256_update(h, buf[slot], n);
             if (cscu_full_io(0, fd, buf[slot], n, (off_t)(it->offset + at)) != 0) {
                 fail(job, "write %s: %s", seg->file, strerror(errno));
                 return -1;
@@ -264,14 +263,6 @@ void cscu_refuse(char *out, size_t room, const char *phase, const char *format, 
     put(&a, "\"}");
 }
 
-int cscu_segment_digests_known(void)
-{
-    for (size_t i = 0; i < cscu_segment_count; i++)
-        if (!cscu_segments[i].digest[0])
-            return 0;
-    return 1;
-}
-
 static void manifest(struct answer *a, const char *dir, double seconds[4], size_t bytes)
 {
     size_t count;
@@ -280,8 +271,7 @@ static void manifest(struct answer *a, const char *dir, double seconds[4], size_
         (int)getpid());
     put_text(a, dir);
     put(a, "\",\"digest_engine\":\"%s\",\"segment_bytes\":%zu,\"threshold\":%zu,\"bytes\":%zu,\"regions\":[",
-        cscu_segment_digests_known() ? cscu_sha256_engine() : "deferred", CSCU_SEGMENT, cscu_config()->threshold,
-        bytes);
+        cscu_sha256_engine(), CSCU_SEGMENT, cscu_config()->threshold, bytes);
     for (size_t i = 0, s = 0; i < count; i++) {
         struct cscu_region *r = &regions[i];
         put(a, "%s{\"address\":%llu,\"size\":%zu,\"requested\":%zu,\"device\":%d,\"device_uuid\":\"%s\","
@@ -353,12 +343,12 @@ static int synchronize_all(struct cscu_region *regions, size_t count, char *erro
     return 0;
 }
 
-void cscu_release(const char *dir, int digests, char *out, size_t room)
+void cscu_release(const char *dir, char *out, size_t room)
 {
     double t0 = cscu_now(), seconds[4] = {0, 0, 0, 0};
     size_t count, bytes = 0;
     struct cscu_region *regions = cscu_regions(&count);
-    struct job job = {.lock = PTHREAD_MUTEX_INITIALIZER, .digests = digests};
+    struct job job = {.lock = PTHREAD_MUTEX_INITIALIZER, .digests = 1};
     struct stat st;
     char error[512];
     int dirfd = open(dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
@@ -407,10 +397,7 @@ void cscu_release(const char *dir, int digests, char *out, size_t room)
         return;
     }
     for (size_t i = 0; i < cscu_segment_count; i++) {
-        if (digests)
-            cscu_segment_digest(&job, i, cscu_segments[i].digest);
-        else
-            cscu_segments[i].digest[0] = '\0';  /* the asker digests the files (cscu_segment_digests_known) */
+        cscu_segment_digest(&job, i, cscu_segments[i].digest);
         bytes += cscu_segments[i].size;
     }
     free(job.items);

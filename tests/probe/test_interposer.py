@@ -30,11 +30,9 @@ from coldsnap_probe._device_memory import (
 )
 from coldsnap_probe.errors import HydrationError, WorkerError
 from coldsnap_probe.hydration import (
-    WORKER_DIGESTS,
     DeviceDump,
     build_library,
     check_dump,
-    digest_dump,
     dump_identities,
     interposer_socket,
     region_digest,
@@ -186,8 +184,6 @@ def test_the_socket_is_0600_and_found_through_the_process_environment(engine: tu
     pytest.param(b'{"op": "status"} trailing\n', "trailing data", id="trailing"),
     pytest.param(b'{"op": "release", "dir": "relative"}\n', "`dir` must be the absolute path", id="relative-dir"),
     pytest.param(b'{"op": "release"}\n', "`dir` must be the absolute path", id="no-dir"),
-    pytest.param(b'{"op": "release", "dir": "/tmp", "digests": "later"}\n', "`digests` must be inline or deferred",
-                 id="bad-digests"),
     pytest.param(b'{"op": "hydrate"}\n', "nothing is released", id="hydrate-before-release"),
     pytest.param(b'{"op": "hydrate", "verify": "fast"}\n', "`verify` must be digest or sampled", id="bad-verify"),
     pytest.param(b'{"op": "hydrate", "policy": "any"}\n', "`policy` must be same-model or same-gpu", id="bad-policy"),
@@ -245,75 +241,21 @@ def test_an_explicit_socket_needs_exactly_one_cuda_process(tmp_path: Path) -> No
 
 
 # -- the manifest (Python side) -------------------------------------------------------------------------------
-def dump_answer(folder: Path, sizes: tuple[int, ...] = (3 * MIB, 2 * MIB), *, deferred: bool = False) -> Any:
-    """An interposer's release answer (its manifest) over random files written into `folder`; `deferred`: as a
-    release that left the digests to its asker."""
+def dump_in(folder: Path, sizes: tuple[int, ...] = (3 * MIB, 2 * MIB)) -> DeviceDump:
     folder.mkdir(parents=True, exist_ok=True)
     regions, address = [], 0x7F0000000000
     for index, size in enumerate(sizes):
         (folder / f"seg-{index}.bin").write_bytes(os.urandom(size))
         segment = {"file": f"seg-{index}.bin", "offset": 0, "address": address, "size": size,
-                   "digest": "" if deferred else region_digest(folder / f"seg-{index}.bin", 0, size)}
+                   "digest": region_digest(folder / f"seg-{index}.bin", 0, size)}
         regions.append({"address": address, "size": size, "requested": size - 5, "device": 0,
                         "device_uuid": "GPU-00000000-0000-0000-0000-000000000000", "device_name": "NVIDIA H200",
                         "segments": [segment]})
         address += 1 << 30
-    return {"format": 1, "kind": DUMP_KIND, "pid": 42, "dir": str(folder),
-            "digest_engine": "deferred" if deferred else "libcrypto", "segment_bytes": 1 << 30, "threshold": 2 * MIB,
-            "bytes": sum(sizes), "regions": regions, "uncovered": {"managed": {"count": 0, "bytes": 0}},
-            "timings_s": {"dump": 0.1}, "gbps": 1.0}
-
-
-def dump_in(folder: Path, sizes: tuple[int, ...] = (3 * MIB, 2 * MIB)) -> DeviceDump:
-    return DeviceDump.from_json(dump_answer(folder, sizes), answered=True)
-
-
-def test_a_deferred_release_is_digested_from_its_files_by_the_worker(tmp_path: Path) -> None:
-    """The capture worker digests what the release wrote (while the checkpoint and CRIU run): the same digests
-    the interposer would have written, in a manifest that only then becomes a record."""
-    answer = dump_answer(tmp_path / "d", deferred=True)
-    dump = DeviceDump.from_json(answer, answered=True)
-    assert [s.digest for s in dump.segments] == ["", ""]
-    with pytest.raises(HydrationError, match="digests were never computed"):
-        DeviceDump.from_json(dump.to_json())  # a record must hold them
-    digested = digest_dump(dump, tmp_path / "d", threads=2)
-    assert [s.digest for s in digested.segments] == [
-        region_digest(tmp_path / "d" / s.file, 0, s.size) for s in dump.segments]
-    assert digested.digest_engine == WORKER_DIGESTS and not digested.interposer_digests and dump.interposer_digests
-    assert DeviceDump.from_json(json.loads(json.dumps(digested.to_json()))) == digested
-    check_dump(digested, tmp_path / "d", content=True)
-    answer["regions"][0]["segments"][0]["digest"] = digested.segments[0].digest
-    with pytest.raises(HydrationError, match="deferred its digests has none"):
-        DeviceDump.from_json(answer, answered=True)
-    inline = dump_answer(tmp_path / "e")
-    inline["regions"][0]["segments"][0]["digest"] = ""
-    with pytest.raises(HydrationError, match="digest must be sha256-64m:"):
-        DeviceDump.from_json(inline, answered=True)
-
-
-@pytest.mark.parametrize("kind", ["symlink", "fifo"])
-def test_the_worker_digests_only_regular_files_the_engine_left(tmp_path: Path, kind: str) -> None:
-    dump = DeviceDump.from_json(dump_answer(tmp_path / "d", deferred=True), answered=True)
-    target = tmp_path / "d" / "seg-1.bin"
-    target.unlink()
-    if kind == "symlink":
-        target.symlink_to(tmp_path / "d" / "seg-0.bin")
-    else:
-        os.mkfifo(target)  # a reader that blocked on it would hang the capture
-    with pytest.raises(HydrationError, match=r"seg-1\.bin \(region 0x7f0040000000\)"):
-        digest_dump(dump, tmp_path / "d", threads=1)
-
-
-def test_a_changed_file_of_a_worker_digested_dump_is_caught_before_the_interposer_is_asked(tmp_path: Path) -> None:
-    images = tmp_path / "images"
-    dump = digest_dump(DeviceDump.from_json(dump_answer(images / "device-42", deferred=True), answered=True),
-                       images / "device-42", threads=1)
-    record = DumpRecord(42, str(tmp_path / "no-interposer.sock"), "device-42", dump,
-                        dump_identities(dump, images / "device-42"))
-    with open(images / "device-42" / "seg-0.bin", "r+b") as f:
-        f.write(b"\xff")
-    with pytest.raises(WorkerError, match=r"process 42, not hydrated: .*seg-0\.bin .* does not match its digest"):
-        hydrate_devices([record], images, "same-model")
+    answer = {"format": 1, "kind": DUMP_KIND, "pid": 42, "dir": str(folder), "digest_engine": "libcrypto",
+              "segment_bytes": 1 << 30, "threshold": 2 * MIB, "bytes": sum(sizes), "regions": regions,
+              "uncovered": {"managed": {"count": 0, "bytes": 0}}, "timings_s": {"dump": 0.1}, "gbps": 1.0}
+    return DeviceDump.from_json(answer, answered=True)
 
 
 def test_a_dump_round_trips_and_its_files_check_out(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from coldsnap_probe.errors import HydrationError
-from coldsnap_probe.hydration import DeviceDump, build_library, check_dump, digest_dump
+from coldsnap_probe.hydration import DeviceDump, build_library, check_dump
 from coldsnap_probe.hydration._interposer import interposer_request
 from tests.criu import alive
 from tests.helpers import ROOT
@@ -78,11 +78,11 @@ class Target:
         except HydrationError as exc:
             raise HydrationError(f"{exc}\n--- target log ---\n{log_tail(self.directory / 'ready')}") from exc
 
-    def release(self, dump: Path, digests: str = "inline") -> DeviceDump:
+    def release(self, dump: Path) -> DeviceDump:
         if dump.exists():
             shutil.rmtree(dump)
         dump.mkdir(mode=0o700)
-        answer = self.request({"op": "release", "dir": str(dump), "digests": digests})
+        answer = self.request({"op": "release", "dir": str(dump)})
         return DeviceDump.from_json(answer["manifest"], answered=True)
 
 
@@ -118,23 +118,6 @@ def test_a_released_dump_matches_its_manifest_and_every_address_stays_reserved(t
     check_dump(dump, tmp_path / "dump", content=True)  # the C digests equal the Python ones
     report = target.request({"op": "hydrate"})["report"]
     assert report["bytes"] == dump.bytes
-    assert target.ask("check") == {**target.ready, "pid": target.proc.pid}
-
-
-def test_a_release_that_defers_its_digests_writes_the_same_files_and_hydrates_only_sampled(target: Target,
-                                                                                          tmp_path: Path) -> None:
-    inline = target.release(tmp_path / "inline")
-    target.request({"op": "hydrate"})
-    deferred = target.release(tmp_path / "deferred", "deferred")
-    assert deferred.digest_engine == "deferred" and {s.digest for s in deferred.segments} == {""}
-    digested = digest_dump(deferred, tmp_path / "deferred", threads=4)  # what the capture worker does
-    # The same memory, unchanged between the two releases: the same files, so the same digests.
-    assert [s.digest for s in digested.segments] == [s.digest for s in inline.segments]
-    with pytest.raises(HydrationError, match=r"deferred its digests .* `verify` must be sampled"):
-        target.request({"op": "hydrate", "verify": "digest"}, "digest-checked hydrate")
-    assert target.request({"op": "status"})["released"] is True  # the refusal changed nothing
-    report = target.request({"op": "hydrate", "verify": "sampled"})["report"]
-    assert report["bytes"] == deferred.bytes and report["verify"] == "sampled"
     assert target.ask("check") == {**target.ready, "pid": target.proc.pid}
 
 
