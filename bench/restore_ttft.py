@@ -92,8 +92,7 @@ def pinned_h2d_gbps() -> float:
     return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
 
 
-# The capture's parts in order (the dump's digests run during the checkpoint and the CRIU dump: what is left after).
-CAPTURE_PARTS = ("device_release", "cuda_checkpoint", "criu_dump", "device_digests_wait")
+CAPTURE_PARTS = ("device_release", "cuda_checkpoint", "criu_dump")  # the capture's timed parts, in order
 
 
 def host_ceilings(images_root: Path) -> dict[str, float]:
@@ -564,7 +563,7 @@ def main() -> None:
     print(table(["model", "mode", "cold TTFT s", "restore TTFT s (best / other)", "speed-up",
                  "restore: worker start / CRIU / CUDA / hydrate / first token after ready s",
                  "every page in s (since restore)", "staged copy s (overlapped)", "hydration GB/s", "images GB",
-                 "capture: device release / CUDA checkpoint / CRIU dump / digests after it = s",
+                 "capture: device release / CUDA checkpoint / CRIU dump = s",
                  "device GB/s back (of pinned H2D)",
                  "identical tokens+logits", "images unchanged"], rows))
     Path(args.out, "restore_ttft.json").write_text(json.dumps(
