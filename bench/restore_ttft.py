@@ -283,6 +283,8 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
     # the interposer in it) writes more, so each restore starts from the captured log, as a fresh unit would.
     captured_log = log.stat().st_size
     progress(f"  captured: {json.dumps(capture.get('timings_s'))[:200]}")
+    for device in capture.get("device_memory") or []:  # where the release's copy threads spent their time
+        progress(f"  release of {device.get('bytes', 0) / 1e9:.1f} GB: {json.dumps(device.get('timings_s'))}")
     digest_before = image_digest(images)
     image_files = sorted(((p.stat().st_size, p.name) for p in images.iterdir() if p.is_file()), reverse=True)
     restores = []

@@ -66,9 +66,12 @@ int cscu_full_io(int fill, int fd, void *buffer, size_t size, off_t offset)
     return 0;
 }
 
+/* Where one copy thread's time went (thread-seconds), added to the job's when the thread ends. */
+struct spent { double device, digest, io; };
+
 /* One chunk: pieces of the staging size through two buffers and two streams. 0, or -1 with the job failed. */
 static int copy_pieces(struct job *job, struct item *it, CUstream s[2], void *buf[2], size_t staging,
-                       cscu_sha256 *h)
+                       cscu_sha256 *h, struct spent *t)
 {
     const struct cscu_driver *d = cscu_driver();
     size_t count;
@@ -83,6 +86,7 @@ static int copy_pieces(struct job *job, struct item *it, CUstream s[2], void *bu
     for (size_t k = 0; k < pieces && !job->failed; k++) {
         size_t at = k * staging, n = it->size - at < staging ? it->size - at : staging, next = at + staging;
         int slot = (int)(k % 2);
+        double t0 = cscu_now(), t1, t2;
         if (!job->fill) {  /* the next piece comes off the device while this one is digested and written */
             if (k + 1 < pieces && (rc = d->memcpy_dtoh_async(buf[1 - slot], base + next,
                                                              it->size - next < staging ? it->size - next : staging,
@@ -90,23 +94,29 @@ static int copy_pieces(struct job *job, struct item *it, CUstream s[2], void *bu
                 goto device;
             if ((rc = d->stream_synchronize(s[slot])))
                 goto device;
+            t1 = cscu_now();
             cscu_sha256_update(h, buf[slot], n);
+            t2 = cscu_now();
             if (cscu_full_io(0, fd, buf[slot], n, (off_t)(it->offset + at)) != 0) {
                 fail(job, "write %s: %s", seg->file, strerror(errno));
                 return -1;
             }
+            t->device += t1 - t0, t->digest += t2 - t1, t->io += cscu_now() - t2;
         } else {  /* the buffer's last copy (this chunk's or the previous one's) is done before it is refilled */
             if ((rc = d->stream_synchronize(s[slot])))
                 goto device;
+            t1 = cscu_now();
             if (cscu_full_io(1, fd, buf[slot], n, (off_t)(it->offset + at)) != 0) {
                 fail(job, "read %s at %zu: %s (the dump is shorter than its manifest or unreadable)", seg->file,
                      it->offset + at, errno == EIO ? "it ends early" : strerror(errno));
                 return -1;
             }
+            t2 = cscu_now();
             if (job->digests)
                 cscu_sha256_update(h, buf[slot], n);
             if ((rc = d->memcpy_htod_async(base + at, buf[slot], n, s[slot])))
                 goto device;
+            t->device += t1 - t0, t->io += t2 - t1, t->digest += cscu_now() - t2;
         }
     }
     return job->failed ? -1 : 0;
@@ -115,11 +125,12 @@ device:
     return -1;
 }
 
-static void one_chunk(struct job *job, struct item *it, CUstream s[2], void *buf[2], size_t staging)
+static void one_chunk(struct job *job, struct item *it, CUstream s[2], void *buf[2], size_t staging,
+                      struct spent *t)
 {
     cscu_sha256 h;
     cscu_sha256_init(&h);
-    copy_pieces(job, it, s, buf, staging, &h);
+    copy_pieces(job, it, s, buf, staging, &h, t);
     cscu_sha256_final(&h, it->digest);  /* also on failure: it frees libcrypto's context */
 }
 
@@ -133,6 +144,7 @@ static void *copy_thread(void *arg)
     CUstream s[2] = {0, 0};
     void *buf[2] = {0, 0};
     CUcontext current = NULL;
+    struct spent t = {0, 0, 0};
     cscu_gate_exempt();  /* the release's own copies run while the gate is closed */
     for (;;) {
         size_t i = __atomic_fetch_add(&job->next, 1, __ATOMIC_ACQ_REL);
@@ -157,7 +169,7 @@ static void *copy_thread(void *arg)
             }
             current = ctx;
         }
-        one_chunk(job, it, s, buf, cfg->staging);
+        one_chunk(job, it, s, buf, cfg->staging, &t);
     }
     for (int k = 0; k < 2; k++) {
         if (s[k]) {
@@ -169,6 +181,9 @@ static void *copy_thread(void *arg)
         if (buf[k])
             d->free_host(buf[k]);
     }
+    pthread_mutex_lock(&job->lock);
+    job->device_s += t.device, job->digest_s += t.digest, job->io_s += t.io;
+    pthread_mutex_unlock(&job->lock);
     return NULL;
 }
 
@@ -263,7 +278,9 @@ void cscu_refuse(char *out, size_t room, const char *phase, const char *format, 
     put(&a, "\"}");
 }
 
-static void manifest(struct answer *a, const char *dir, double seconds[4], size_t bytes)
+/* `seconds`: 0 unused, 1 synchronize, 2 dump, 3 unmap, then the copy threads' thread-seconds: 4 waiting for
+ * the device, 5 digesting, 6 writing. */
+static void manifest(struct answer *a, const char *dir, double seconds[7], size_t bytes)
 {
     size_t count;
     struct cscu_region *regions = cscu_regions(&count);
@@ -286,8 +303,9 @@ static void manifest(struct answer *a, const char *dir, double seconds[4], size_
     put(a, "],\"uncovered\":");
     if (a->used < a->room)
         a->used += cscu_counts_json(a->out + a->used, a->room - a->used);
-    put(a, ",\"timings_s\":{\"synchronize\":%.6f,\"dump\":%.6f,\"unmap\":%.6f},\"gbps\":%.3f}}",
-        seconds[1], seconds[2], seconds[3], seconds[2] > 0 ? (double)bytes / seconds[2] / 1e9 : 0.0);
+    put(a, ",\"timings_s\":{\"synchronize\":%.6f,\"dump\":%.6f,\"unmap\":%.6f,\"dump_device_thread_s\":%.6f,"
+        "\"dump_digest_thread_s\":%.6f,\"dump_write_thread_s\":%.6f},\"gbps\":%.3f}}", seconds[1], seconds[2], seconds[3],
+        seconds[4], seconds[5], seconds[6], seconds[2] > 0 ? (double)bytes / seconds[2] / 1e9 : 0.0);
 }
 
 /* --- release ------------------------------------------------------------------------------------------------- */
@@ -345,7 +363,7 @@ static int synchronize_all(struct cscu_region *regions, size_t count, char *erro
 
 void cscu_release(const char *dir, char *out, size_t room)
 {
-    double t0 = cscu_now(), seconds[4] = {0, 0, 0, 0};
+    double t0 = cscu_now(), seconds[7] = {0, 0, 0, 0, 0, 0, 0};
     size_t count, bytes = 0;
     struct cscu_region *regions = cscu_regions(&count);
     struct job job = {.lock = PTHREAD_MUTEX_INITIALIZER, .digests = 1};
@@ -404,6 +422,7 @@ void cscu_release(const char *dir, char *out, size_t room)
     free(take);
     cscu_close_files(dirfd, fds, 0);
     seconds[2] = cscu_now() - t0 - seconds[1];
+    seconds[4] = job.device_s, seconds[5] = job.digest_s, seconds[6] = job.io_s;
     const struct cscu_driver *d = cscu_driver();
     error[0] = '\0';
     for (size_t i = 0; i < count; i++) {

@@ -26,6 +26,9 @@ struct job {
     int failed;
     pthread_mutex_t lock;
     char error[512];
+    /* Thread-seconds summed over the copy threads (under `lock`): waiting for the device's copies, digesting,
+     * and the file I/O (writes on release, reads on hydrate): what bounds a dump or a fill. */
+    double device_s, digest_s, io_s;
 };
 
 /* Invariant: while released, the segments describe the dump of the current region table (alloc/free wait). */

@@ -107,12 +107,15 @@ static int verify_samples(const int *fds, const char *take, char *error, size_t 
     return bad ? -1 : 0;
 }
 
-static int fill_and_check(int *fds, const char *take, int digests, char *error, size_t room)
+/* `spent`: the copy threads' thread-seconds waiting for the device, reading the files, digesting. */
+static int fill_and_check(int *fds, const char *take, int digests, double spent[3], char *error, size_t room)
 {
     struct job job = {.lock = PTHREAD_MUTEX_INITIALIZER, .fds = fds, .digests = digests};
     size_t count;
     struct cscu_region *regions = cscu_regions(&count);
-    if (cscu_copy(&job, 1, take) != 0) {
+    int copied = cscu_copy(&job, 1, take);
+    spent[0] = job.device_s, spent[1] = job.io_s, spent[2] = job.digest_s;
+    if (copied != 0) {
         snprintf(error, room, "%s", job.error);
         free(job.items);
         return -1;
@@ -143,6 +146,7 @@ struct hydration {
     char *created;              /* per region: mapped by this hydration (undone on failure) */
     int *fds, dirfd;
     double t0, check_s, place_s, fill_s;    /* place: re-create (fill) or import and map (staged) */
+    double spent[3];                        /* the fill's thread-seconds: device, read, digest */
     const char *phase;
     char error[1024];
 };
@@ -202,10 +206,12 @@ static void finish(struct hydration *h, int ok, const char *policy, int digests,
     double total = cscu_now() - h->t0;
     snprintf(out, room, "{\"ok\":true,\"report\":{\"bytes\":%zu,\"regions\":%zu,\"segments\":%zu,\"seconds\":%.6f,"
              "\"gbps\":%.3f,\"check_s\":%.6f,\"%s\":%.6f,\"fill_s\":%.6f,\"verify_s\":%.6f,\"policy\":\"%s\","
-             "\"verify\":\"%s\",\"digest_engine\":\"%s\",\"threads\":%d,\"staged\":%s}}", h->bytes, h->restored,
+             "\"verify\":\"%s\",\"digest_engine\":\"%s\",\"threads\":%d,\"staged\":%s,\"fill_device_thread_s\":%.6f,"
+             "\"fill_read_thread_s\":%.6f,\"fill_digest_thread_s\":%.6f}}", h->bytes, h->restored,
              cscu_segment_count, total, h->fill_s > 0 ? (double)h->bytes / h->fill_s / 1e9 : 0.0, h->check_s,
              staged ? "adopt_s" : "create_s", h->place_s, h->fill_s, cscu_now() - verify_started, policy,
-             digests ? "digest" : "sampled", cscu_sha256_engine(), cscu_config()->threads, staged ? "true" : "false");
+             digests ? "digest" : "sampled", cscu_sha256_engine(), cscu_config()->threads, staged ? "true" : "false",
+             h->spent[0], h->spent[1], h->spent[2]);
 }
 
 void cscu_hydrate(const char *dir, const char *policy, int digests, char *out, size_t room)
@@ -230,7 +236,7 @@ void cscu_hydrate(const char *dir, const char *policy, int digests, char *out, s
     if (ok) {
         h.place_s = cscu_now() - h.t0 - h.check_s;
         h.phase = "hydrate: fill";
-        ok = fill_and_check(h.fds, h.take, digests, h.error, sizeof(h.error)) == 0;
+        ok = fill_and_check(h.fds, h.take, digests, h.spent, h.error, sizeof(h.error)) == 0;
         h.fill_s = cscu_now() - h.t0 - h.check_s - h.place_s;
     }
     finish(&h, ok, policy, digests, 0, out, room);

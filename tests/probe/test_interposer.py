@@ -454,7 +454,7 @@ int main(void)
 {
     struct cscu_region r = {0};
     size_t count, bytes = 0;
-    double seconds[4] = {0, 0.25, 0.5, 0.125};
+    double seconds[7] = {0, 0.25, 0.5, 0.125, 4.0, 2.0, 1.0};
     static char out[1 << 20];
     struct answer a = {out, sizeof(out), 0};
     r.address = 0x7f0000000000ULL;
