@@ -4,8 +4,13 @@
 OUT="${OUT:-$PWD/device-out}"
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl || exit 1
+    # Once per set of wheels (a script that runs several parts sources this each time).
+    WHEELS=$(ls -l .whl/*.whl | md5sum)
+    if [ "$(cat /tmp/site/.coldsnap-wheels 2>/dev/null)" != "$WHEELS" ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            .whl/*.whl || exit 1
+        echo "$WHEELS" > /tmp/site/.coldsnap-wheels
+    fi
     export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 else
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
