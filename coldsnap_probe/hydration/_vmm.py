@@ -131,6 +131,7 @@ def copy_ring(driver: Any, context: Any, regions: Sequence[WeightRegion], dst_of
         raise
     fds = {**held, **own}
     pin_seconds = [0.0] * threads
+    spent = [[0.0, 0.0] for _ in range(threads)]  # per thread: reading the files, waiting for the device
 
     def work(worker: int) -> None:
         cucall(driver, "cuCtxSetCurrent", context)
@@ -143,8 +144,11 @@ def copy_ring(driver: Any, context: Any, regions: Sequence[WeightRegion], dst_of
         try:
             for k, (dst, src, offset, n) in enumerate(pieces[worker::threads]):
                 slot = k % 2
+                waited = time.perf_counter()
                 if k >= 2:
                     cucall(driver, "cuEventSynchronize", events[slot])
+                read = time.perf_counter()
+                spent[worker][1] += read - waited
                 first = offset - offset % align
                 length = -(-(offset + n - first) // align) * align
                 view = memoryview((ctypes.c_char * size).from_address(buffers[slot])).cast("B")
@@ -152,9 +156,12 @@ def copy_ring(driver: Any, context: Any, regions: Sequence[WeightRegion], dst_of
                 view.release()
                 if got < offset - first + n:
                     raise HydrationError(f"source {src} ended at {first + got} while reading {offset + n}")
+                spent[worker][0] += time.perf_counter() - read
                 cucall(driver, "cuMemcpyHtoDAsync", dst, buffers[slot] + (offset - first), n, stream)
                 cucall(driver, "cuEventRecord", events[slot], stream)
+            waited = time.perf_counter()
             cucall(driver, "cuStreamSynchronize", stream)
+            spent[worker][1] += time.perf_counter() - waited
         finally:
             for event in events:
                 driver.cuda.cuEventDestroy(event)
@@ -168,7 +175,9 @@ def copy_ring(driver: Any, context: Any, regions: Sequence[WeightRegion], dst_of
     finally:
         for fd in own.values():
             os.close(fd)
-    return {"pin_s": max(pin_seconds)}
+    # Thread-seconds: what bounds the ring (the files' reads, or the link).
+    return {"pin_s": max(pin_seconds), "read_thread_s": sum(s[0] for s in spent),
+            "device_thread_s": sum(s[1] for s in spent), "threads": threads}
 
 
 def device_uuid(driver: Any, ordinal: int) -> str:
