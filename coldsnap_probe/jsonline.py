@@ -109,10 +109,12 @@ class LineServer:
     that streams, such as generated tokens, sends its earlier lines itself with `send_line`); an exception
     becomes ``{"ok": false, "error": "<Type>: <message>"}`` to that peer only. Each connection has
     `request_timeout` for its whole request, so a silent peer holds only its own thread. With ``threads=1`` (the
-    default) connections are answered one after another: for owners whose `answer` is not safe to run twice at
-    once (an engine's arena control). `idle` runs on the accept thread, after each connection is handed over and
-    at least every `idle_every` seconds, so it may run while connections are answered. The loop ends when the
-    listener is closed (`close()`)."""
+    default) each connection is answered on the accept thread itself, one after another, as before threads
+    existed: for owners whose `answer` must not run twice at once (an engine's arena control) or relies on its
+    thread's state (an engine's current CUDA context, torch's current stream and grad mode are per thread).
+    `idle` runs on the accept thread, after each connection is answered (with more threads: handed over, so it
+    runs while others are answered) and at least every `idle_every` seconds. The loop ends when the listener
+    is closed (`close()`)."""
 
     def __init__(self, listener: socket.socket, answer: Callable[[socket.socket, Peer], Answer], *,
                  peers: Peers, idle: Callable[[], None] | None = None, idle_every: float = 1.0,
@@ -122,7 +124,7 @@ class LineServer:
         self.listener, self.peers = listener, peers
         self._answer, self._idle, self._request_timeout = answer, idle, request_timeout
         self._idle_every, self._name = idle_every, name
-        self._slots = threading.BoundedSemaphore(threads)  # one per connection being answered
+        self._threads, self._slots = threads, threading.BoundedSemaphore(threads)  # one per connection being answered
         self._serving: set[threading.Thread] = set()  # the connections' threads still running (close joins them)
         self._serving_lock = threading.Lock()
         self._thread = threading.Thread(target=self.run, name=name, daemon=True)
@@ -178,7 +180,7 @@ class LineServer:
                 self._idle()
 
     def _hand_over(self, conn: socket.socket) -> None:
-        """Answer `conn` on a thread of its own, which gives its slot back when done."""
+        """Answer `conn` on a thread of its own (here, with one thread), which gives its slot back when done."""
         def serve() -> None:
             try:
                 with conn:
@@ -188,6 +190,9 @@ class LineServer:
                     self._serving.discard(threading.current_thread())
                 self._slots.release()
 
+        if self._threads == 1:  # on the accept thread itself (see the class docstring)
+            serve()
+            return
         thread = threading.Thread(target=serve, name=f"{self._name}-conn", daemon=True)
         with self._serving_lock:
             self._serving.add(thread)

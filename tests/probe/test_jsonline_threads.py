@@ -30,6 +30,7 @@ class Holding:
         self.release = threading.Event()
         self.lock = threading.Lock()
         self.running = self.most = self.entered = 0
+        self.threads: set[str] = set()  # the names of the threads that answered
 
     def __call__(self, conn: socket.socket, peer: jsonline.Peer) -> jsonline.Answer:
         message = jsonline.read_request(conn)
@@ -37,6 +38,7 @@ class Holding:
             self.running += 1
             self.entered += 1
             self.most = max(self.most, self.running)
+            self.threads.add(threading.current_thread().name)
         try:
             if message.get("fail"):
                 raise ChannelError("this request fails")
@@ -108,6 +110,7 @@ def test_at_most_threads_answers_run_at_once_and_the_rest_wait_in_the_backlog(tm
         for asker in askers:
             asker.join(WAIT)
         assert sorted(a["n"] for a in answers) == list(range(5)) and answer.most == 3
+        assert answer.threads == {"coldsnap-jsonline-conn"}
 
 
 def test_a_failing_answer_fails_only_its_own_peer(tmp_path: Path) -> None:
@@ -124,8 +127,9 @@ def test_a_failing_answer_fails_only_its_own_peer(tmp_path: Path) -> None:
         assert jsonline.request(path, {"n": 5}, timeout=WAIT) == {"ok": True, "n": 5}
 
 
-def test_one_thread_answers_one_connection_at_a_time(tmp_path: Path) -> None:
-    """The default, for owners whose answer must not run twice at once (an engine's arena control)."""
+def test_one_thread_answers_one_connection_at_a_time_on_the_accept_thread(tmp_path: Path) -> None:
+    """The default, for owners whose answer must not run twice at once (an engine's arena control) or uses its
+    thread's state (the engines' current CUDA context, torch's stream and grad mode): the accept thread answers."""
     answer = Holding()
     with serving(tmp_path, answer) as path:
         answers: list[dict[str, Any]] = []
@@ -136,7 +140,7 @@ def test_one_thread_answers_one_connection_at_a_time(tmp_path: Path) -> None:
         answer.release.set()
         for asker in askers:
             asker.join(WAIT)
-        assert len(answers) == 2 and answer.most == 1
+        assert len(answers) == 2 and answer.most == 1 and answer.threads == {"coldsnap-jsonline"}
 
 
 def test_idle_runs_while_a_connection_is_answered(tmp_path: Path) -> None:
