@@ -223,8 +223,9 @@ class HydratorServer:
                 for _ in range(self.streams):
                     streams.append(cucall(self.driver, "cuStreamCreate", 1))
                 copy_registered(self.driver, [(va + off, src, n) for off, src, n in jobs], streams)
-            finally:
+            finally:  # after a failed enqueue too: nothing in flight outlives the caller's mapping
                 for stream in streams:
+                    self.driver.cuda.cuStreamSynchronize(stream)
                     self.driver.cuda.cuStreamDestroy(stream)
         return copy
 

@@ -155,7 +155,8 @@ def copy_ring(driver: Any, context: Any, regions: Sequence[WeightRegion], dst_of
                 cucall(driver, "cuMemcpyHtoDAsync", dst, buffers[slot] + (offset - first), n, stream)
                 cucall(driver, "cuEventRecord", events[slot], stream)
             cucall(driver, "cuStreamSynchronize", stream)
-        finally:
+        finally:  # a failed read leaves copies in flight: none may outlive the buffers or the caller's mapping
+            driver.cuda.cuStreamSynchronize(stream)
             for event in events:
                 driver.cuda.cuEventDestroy(event)
             for buffer in buffers:

@@ -82,10 +82,7 @@ def test_peers_are_answered_while_another_peers_large_stage_fills(tmp_path: Path
         silent.connect(control)  # says nothing: holds one of the hydrator's threads until its deadline
         big_answer: list[dict[str, Any]] = []
         filling = in_thread(big_answer, stage_dump, control, uuid, 1, big, 32 * GIB)
-        deadline = time.monotonic() + WAIT
-        while not any(s["key"] == key(1) and s["filling"] for s in ask(control, {"op": "status"})["staged"]):
-            assert time.monotonic() < deadline and not big_answer, big_answer  # status answered meanwhile
-            time.sleep(0.005)
+        wait_filling(control, 1, big_answer)  # status answered while it fills
         again = stage_dump(control, uuid, 1, small, 4 * MIB)  # the same slot, while it fills: refused
         assert not again["ok"] and "is being staged for uid" in str(again["error"]), again
         other = stage_dump(control, uuid, 2, small, 4 * MIB)  # another key of the same uid: staged at once
@@ -96,6 +93,32 @@ def test_peers_are_answered_while_another_peers_large_stage_fills(tmp_path: Path
         staged = ask(control, {"op": "status"})["staged"]
         assert [(s["key"], s["filling"]) for s in staged] == [(key(1), False)]
         assert ask(control, {"op": "discard", "key": key(1), "ticket": big_answer[0]["ticket"]})["discarded"]
+
+
+def wait_filling(control: str, n: int, done: list[dict[str, Any]]) -> None:
+    """Until `status` lists stage `n` as being filled (answered while it fills)."""
+    deadline = time.monotonic() + WAIT
+    while not any(s["key"] == key(n) and s["filling"] for s in ask(control, {"op": "status"})["staged"]):
+        assert time.monotonic() < deadline and not done, done
+        time.sleep(0.005)
+
+
+def test_a_fill_that_fails_gives_its_reservation_back(tmp_path: Path) -> None:
+    """The dump is cut short while it is being read: the stage is refused naming the file, nothing of it stays
+    (not listed, its slot free for the same key at once)."""
+    big, small = sparse(tmp_path / "cut.bin", 32 * GIB), tmp_path / "small.bin"
+    small.write_bytes(os.urandom(4 * MIB))
+    with hydrator(tmp_path) as (control, uuid):
+        answers: list[dict[str, Any]] = []
+        filling = in_thread(answers, stage_dump, control, uuid, 1, big, 32 * GIB)
+        wait_filling(control, 1, answers)
+        os.truncate(big, 2 * MIB)
+        filling.join(WAIT)
+        assert answers and not answers[0]["ok"] and "cut.bin ended at" in str(answers[0]["error"]), answers
+        assert ask(control, {"op": "status"})["staged"] == []
+        again = stage_dump(control, uuid, 1, small, 4 * MIB)
+        assert again["ok"], again
+        assert ask(control, {"op": "discard", "key": key(1), "ticket": again["ticket"]})["discarded"] is True
 
 
 def test_two_concurrent_stages_of_one_uid_cannot_together_exceed_its_quota(tmp_path: Path) -> None:
