@@ -7,7 +7,8 @@ hydration control socket, the node hydrator and the bench engines all speak it.
 Who may ask is decided before anything is read: a listener is created by `listen` with its mode set before
 `bind` (so it never exists with the umask's bits), and `LineServer` checks each peer's SO_PEERCRED against a
 `Peers` rule; a refused peer gets ``{"ok": false, "error": ...}`` and nothing else. A `LineServer` ends
-cleanly when its listener is closed (`close()` shuts it down, wakes the accept and joins the thread).
+cleanly when its listener is closed (`close()` shuts it down, wakes the accept and joins its threads); it
+answers each connection on a thread of its own, `threads` at once (one by default).
 """
 
 from __future__ import annotations
@@ -101,19 +102,31 @@ def listen(path: str | Path, *, group: int | None = None) -> socket.socket:
 
 
 class LineServer:
-    """Answers a listener's connections one at a time on a thread it owns, for peers `peers` admits.
+    """Answers a listener's connections for peers `peers` admits, each on a thread of its own, at most `threads`
+    at once (more wait in the listen backlog); the accept loop runs on a thread it owns.
 
     `answer(conn, peer)` reads its request (`read_request`) and returns the answer (the last line: an answer
     that streams, such as generated tokens, sends its earlier lines itself with `send_line`); an exception
-    becomes ``{"ok": false, "error": "<Type>: <message>"}``. `idle` runs between connections and at least every
-    `idle_every` seconds. The loop ends when the listener is closed (`close()`)."""
+    becomes ``{"ok": false, "error": "<Type>: <message>"}`` to that peer only. Each connection has
+    `request_timeout` for its whole request, so a silent peer holds only its own thread. With ``threads=1`` (the
+    default) each connection is answered on the accept thread itself, one after another, as before threads
+    existed: for owners whose `answer` must not run twice at once (an engine's arena control) or relies on its
+    thread's state (an engine's current CUDA context, torch's current stream and grad mode are per thread).
+    `idle` runs on the accept thread, after each connection is answered (with more threads: handed over, so it
+    runs while others are answered) and at least every `idle_every` seconds. The loop ends when the listener
+    is closed (`close()`)."""
 
     def __init__(self, listener: socket.socket, answer: Callable[[socket.socket, Peer], Answer], *,
                  peers: Peers, idle: Callable[[], None] | None = None, idle_every: float = 1.0,
-                 request_timeout: float = REQUEST_TIMEOUT, name: str = "coldsnap-jsonline") -> None:
+                 request_timeout: float = REQUEST_TIMEOUT, threads: int = 1, name: str = "coldsnap-jsonline") -> None:
+        if threads < 1:
+            raise ChannelError(f"a LineServer needs at least one thread, not {threads}")
         self.listener, self.peers = listener, peers
         self._answer, self._idle, self._request_timeout = answer, idle, request_timeout
-        self._idle_every = idle_every
+        self._idle_every, self._name = idle_every, name
+        self._threads, self._slots = threads, threading.BoundedSemaphore(threads)  # one per connection being answered
+        self._serving: set[threading.Thread] = set()  # the connections' threads still running (close joins them)
+        self._serving_lock = threading.Lock()
         self._thread = threading.Thread(target=self.run, name=name, daemon=True)
 
     def start(self) -> LineServer:
@@ -121,36 +134,76 @@ class LineServer:
         return self
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop accepting (a blocked accept wakes up), close the listener, wait for the thread."""
+        """Stop accepting (a blocked accept wakes up), close the listener, wait for the accept thread and the
+        connections still being answered (`timeout` for all of them)."""
         try:
             self.listener.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass  # never listened, or closed already
         self.listener.close()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+        deadline = time.monotonic() + timeout
+        with self._serving_lock:
+            threads = [self._thread, *self._serving]
+        for thread in threads:
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
 
     def run(self) -> None:
         """The accept loop, in the calling thread; returns once the listener is closed."""
-        self.listener.settimeout(self._idle_every if self._idle else None)
+        wait = self._idle_every if self._idle else None
+        self.listener.settimeout(wait)
         while True:
+            # A slot first, then accept: while every slot is busy, new askers wait in the backlog.
+            if not self._slots.acquire(timeout=self._idle_every):
+                if self.listener.fileno() == -1:
+                    return
+                if self._idle:
+                    self._idle()
+                continue
             try:
                 conn, _ = self.listener.accept()
             except TimeoutError:
+                self._slots.release()
                 if self._idle:
                     self._idle()
                 continue
             except OSError as exc:
+                self._slots.release()
                 if self.listener.fileno() == -1 or exc.errno in _CLOSED_ERRNOS:
                     return
                 if exc.errno in _CAPACITY_ERRNOS:  # out of descriptors: back off, the asker retries
                     time.sleep(0.1)
                     continue
                 raise
-            with conn:
-                self._one(conn)
+            self._hand_over(conn)
             if self._idle:
                 self._idle()
+
+    def _hand_over(self, conn: socket.socket) -> None:
+        """Answer `conn` on a thread of its own (here, with one thread), which gives its slot back when done."""
+        def serve() -> None:
+            try:
+                with conn:
+                    self._one(conn)
+            finally:
+                with self._serving_lock:
+                    self._serving.discard(threading.current_thread())
+                self._slots.release()
+
+        if self._threads == 1:  # on the accept thread itself (see the class docstring)
+            serve()
+            return
+        thread = threading.Thread(target=serve, name=f"{self._name}-conn", daemon=True)
+        with self._serving_lock:
+            self._serving.add(thread)
+        try:
+            thread.start()
+        except RuntimeError:  # no thread to be had (the process's limit): this asker is dropped, the loop goes on
+            with self._serving_lock:
+                self._serving.discard(thread)
+            self._slots.release()
+            conn.close()
+            time.sleep(0.1)
 
     def _one(self, conn: socket.socket) -> None:
         conn.settimeout(self._request_timeout)  # the whole request, see read_line
@@ -187,7 +240,7 @@ def _drain(conn: socket.socket) -> None:
 
 def read_line(conn: socket.socket, data: bytes = b"") -> bytes:
     """One request line (after `data`, already read), within the connection's timeout as a whole, so that an
-    asker trickling bytes cannot hold a one-at-a-time server longer than a silent one."""
+    asker trickling bytes cannot hold a server's thread longer than a silent one."""
     given = conn.gettimeout()
     deadline = time.monotonic() + (given or REQUEST_TIMEOUT)
     try:

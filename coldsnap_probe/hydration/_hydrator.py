@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
 import os
 import secrets
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -30,7 +32,7 @@ from ._vmm import (
 )
 from ._weights import HydrationManifest, WeightRegion, validate_regions
 
-__all__ = ("ADOPT_PAGE", "STAGE_MAX", "STAGE_RESERVE", "STAGE_TTL", "HydratorServer", "Stager")
+__all__ = ("ADOPT_PAGE", "CONNECTIONS", "STAGE_MAX", "STAGE_RESERVE", "STAGE_TTL", "HydratorServer", "Stager")
 
 STAGE_TTL = 120.0  # seconds a staged allocation waits for its engine before the hydrator frees it
 STAGE_MAX = 4  # staged allocations a hydrator holds at once
@@ -38,6 +40,7 @@ STAGE_RESERVE = 1 << 30  # device bytes staging leaves free (the engine's restor
 ADOPT_PAGE = jsonline.MAX_ANSWER_FDS  # descriptors one `adopt` answer carries (a stage of more takes pages)
 _Slot = tuple[int, str]  # a stage's place: (the uid that staged it, its key), so tenants never share one
 DUMP_THREADS, DUMP_CHUNK = 16, 8 << 20  # the ring a dump is read through (page-locked per stage: 256 MiB)
+CONNECTIONS = 8  # peers answered at once, as the interposer's control socket: more wait in the listen backlog
 
 
 @dataclass
@@ -57,6 +60,10 @@ class _Staged:
     sizes: tuple[int, ...] = ()  # each allocation's bytes, in handles' order
     # Invariant: the pages [0, taken) were handed out by `adopt`; the stage is dropped with the last page.
     taken: int = 0
+    # Invariant: a stage is `ready` once filled (only then adoptable, discardable, expirable); until then its
+    # `unallocated` bytes are reserved (counted as used by the next stage's free-memory check) and `expires` is inf.
+    ready: bool = False
+    unallocated: int = 0
 
     def held_by(self, ticket: object) -> bool:
         """Adopting or discarding a stage takes its ticket: the engine may run as another uid than the worker
@@ -82,6 +89,15 @@ class HydratorServer:
     a peer that could read the source file itself; `adopt` and `discard` need the stage's ticket (answered to
     the stager only), each uid's stages are its own (another uid staging the same key, the same model's manifest,
     stages beside it and never replaces nor blocks it), and `status` lists only the asker's own stages.
+
+    Concurrency: each connection is answered on a thread of its own, CONNECTIONS at once (jsonline.LineServer),
+    each within the request deadline, so a slow copy or a silent peer holds up no one else. Each thread makes the
+    hydrator's context current before any driver call, and each copy makes its own streams. The locking rule:
+    `self.staged` and every stage in it are read and changed only under `self._lock`, and every check-then-act
+    on them (quota, STAGE_MAX and free memory then reserve; find a ticket's stage then export or free it; expiry)
+    happens in one hold of it. A stage is reserved under the lock (its slot, and its bytes as `unallocated`) and
+    allocated and filled outside it; until it is `ready` no one can adopt, discard or expire it, a second stage of
+    the same slot is refused, and a failed fill gives its reservation back. Nothing slow (a copy) runs under it.
     """
 
     def __init__(self, sources: Sequence[str], *, streams: int = 4, driver: Any = None,
@@ -105,10 +121,11 @@ class HydratorServer:
         for m in self.sources.values():
             m.register(self.driver)
         self.pin_seconds = time.perf_counter() - started - self.map_seconds
-        self._streams = [cucall(self.driver, "cuStreamCreate", 1) for _ in range(streams)]
+        self.streams = streams  # a copy's own streams (see _pinned)
         if stage_ttl <= 0:
             raise HydrationError(f"stage_ttl must be positive, not {stage_ttl}")
         self.staged: dict[_Slot, _Staged] = {}
+        self._lock = threading.Lock()  # the stage table and its stages: see the locking rule above
         self.stage_ttl, self.staging = stage_ttl, staging
         self.peers, self.group = peers or jsonline.Peers(), group
         _free, total = cucall(self.driver, "cuMemGetInfo")
@@ -122,9 +139,11 @@ class HydratorServer:
                                          "bytes": sum(m.size for m in self.sources.values()),
                                          "device_uuid": self.device_uuid}) + "\n")
             sys.stdout.flush()
-            jsonline.LineServer(listener, self._one, peers=self.peers, idle=self._expire).run()
+            jsonline.LineServer(listener, self._one, peers=self.peers, idle=self._expire,
+                                threads=CONNECTIONS).run()
 
     def _one(self, conn: socket.socket, peer: jsonline.Peer) -> jsonline.Answer:
+        cucall(self.driver, "cuCtxSetCurrent", self.context)  # this connection's thread, for every call below
         data, fds, _flags, _addr = socket.recv_fds(conn, jsonline.MAX_REQUEST, 1)
         try:
             message = json.loads(jsonline.read_line(conn, data))
@@ -144,10 +163,7 @@ class HydratorServer:
             if op == "discard":
                 return {"ok": True, "discarded": self._discard(_stage_key(message), message.get("ticket"))}
             if op == "status":
-                now = time.monotonic()
-                return {"ok": True, "device_uuid": self.device_uuid, "staged": [
-                    {"key": k[1], "bytes": v.size, "expires_in_s": v.expires - now} for k, v in self.staged.items()
-                    if v.owner == peer.uid], "quota": {"count": self.quota.count, "bytes": self.quota.bytes}}
+                return self._status(peer)
             raise HydrationError(f"unknown request {op!r}")
         finally:
             for fd in fds:
@@ -198,8 +214,20 @@ class HydratorServer:
                 cu.cuMemAddressFree(va, size)
 
     def _pinned(self, jobs: Sequence[tuple[int, int, int]]) -> Callable[[int], object]:
-        """The copy of `jobs` ((offset, pinned source address, bytes)) into an allocation mapped at its argument."""
-        return lambda va: copy_registered(self.driver, [(va + off, src, n) for off, src, n in jobs], self._streams)
+        """The copy of `jobs` ((offset, pinned source address, bytes)) into an allocation mapped at its argument.
+        Each copy makes its own streams (microseconds next to a copy): copy_registered waits for its streams, and
+        on streams shared with another peer's copy that wait would also take in the other copy's work."""
+        def copy(va: int) -> None:
+            streams: list[Any] = []
+            try:
+                for _ in range(self.streams):
+                    streams.append(cucall(self.driver, "cuStreamCreate", 1))
+                copy_registered(self.driver, [(va + off, src, n) for off, src, n in jobs], streams)
+            finally:  # after a failed enqueue too: nothing in flight outlives the caller's mapping
+                for stream in streams:
+                    self.driver.cuda.cuStreamSynchronize(stream)
+                    self.driver.cuda.cuStreamDestroy(stream)
+        return copy
 
     def _hydrate(self, message: dict[str, Any], fd: int, peer: jsonline.Peer) -> dict[str, Any]:
         """Fill an engine's exported allocation. The descriptor is the caller's to close: while it is open, it
@@ -214,76 +242,97 @@ class HydratorServer:
         return {"ok": True, "import_map_s": time.perf_counter() - started - copy_s, "copy_s": copy_s,
                 "bytes": sum(n for _, _, n in jobs)}
 
-    def _stage_slot(self, message: dict[str, Any], peer: jsonline.Peer) -> tuple[str, _Staged | None]:
-        """A `stage` or `stage-dump` request's key and the stage it replaces (a retry of the same stage by the same
-        uid; another uid's stage under the same key is not touched): refused when staging is off, or for an engine on
-        another GPU."""
+    def _stage_slot(self, message: dict[str, Any]) -> str:
+        """A `stage` or `stage-dump` request's key: refused when staging is off, or for an engine on another GPU."""
         if not self.staging:
             raise HydrationError("staging is off on this hydrator (serve --staging)")
         key = _stage_key(message)
         if message.get("device_uuid") != self.device_uuid:
             raise HydrationError(f"the engine's GPU {message.get('device_uuid')} is not this hydrator's "
                                  f"{self.device_uuid}")
-        return key, self.staged.get((peer.uid, key))
+        return key
 
-    def _stage_into(self, key: str, earlier: _Staged | None, peer: jsonline.Peer, staged: _Staged,
-                    copy: Callable[[int], object], copied: int) -> dict[str, Any]:
-        """Replace `earlier`, allocate `staged.size` bytes (within the peer's quota, STAGE_MAX and STAGE_RESERVE;
-        a refusal frees nothing, not even `earlier`) as one allocation per `staged.sizes`, `copy` into them and keep
-        them as `staged` (its handles, timings, expiry, owner and ticket set here) under `key`. A failure releases
-        every allocation made."""
-        self._expire()
-        check_stage_quota(self.staged, key=(peer.uid, key), uid=peer.uid, size=staged.size,
-                          quota=self.quota)  # before any free
-        self._discard(key, earlier.ticket if earlier else "")
-        self._room_for(staged.size)
+    def _reserve(self, slot: _Slot, staged: _Staged) -> _Staged:
+        """In one hold of the lock: refuse a stage beyond the uid's quota, STAGE_MAX or the free memory (a refusal
+        frees nothing), else replace the slot's earlier stage (a retry) with `staged`, reserved (not ready, its
+        bytes unallocated, its ticket drawn) for the caller to fill."""
+        with self._lock:
+            self._expire_locked()
+            earlier = self.staged.get(slot)
+            if earlier is not None and not earlier.ready:
+                raise HydrationError(f"{slot[1]} is being staged for uid {slot[0]} by another request already "
+                                     "(one stage per key and uid at once)")
+            check_stage_quota(self.staged, key=slot, uid=slot[0], size=staged.size, quota=self.quota)
+            self._room_for(staged.size, earlier)
+            if earlier is not None:
+                self._free(slot)
+            reserved = self.staged[slot] = replace(staged, expires=math.inf, owner=slot[0],
+                                                   ticket=secrets.token_urlsafe(32), ready=False,
+                                                   unallocated=staged.size)
+            return reserved
+
+    def _stage_into(self, key: str, peer: jsonline.Peer, staged: _Staged, copy: Callable[[int], object],
+                    copied: int) -> dict[str, Any]:
+        """Reserve `staged` under `key` (`_reserve`), allocate its bytes as one allocation per `staged.sizes` and
+        `copy` into them outside the lock, then make it ready (handles, timings, expiry). A failure releases every
+        allocation made and the reservation."""
+        slot = (peer.uid, key)
+        reserved = self._reserve(slot, staged)
         started = time.perf_counter()
         handles: list[Any] = []
         try:
             prop = device_allocation(self.driver, 0, exportable=True)
             for n in staged.sizes:
                 handles.append(cucall(self.driver, "cuMemCreate", n, prop, 0))
+                with self._lock:  # now counted by cuMemGetInfo instead
+                    reserved.unallocated -= n
             copy_s = self._fill(list(zip(handles, staged.sizes, strict=True)), copy)
         except BaseException:
+            with self._lock:
+                if self.staged.get(slot) is reserved:
+                    del self.staged[slot]
             for handle in handles:
                 self.driver.cuda.cuMemRelease(handle)
             raise
         stage_s = time.perf_counter() - started
-        done = self.staged[(peer.uid, key)] = replace(staged, handles=tuple(handles), stage_s=stage_s, copy_s=copy_s,
-                                                      expires=time.monotonic() + self.stage_ttl, owner=peer.uid,
-                                                      ticket=secrets.token_urlsafe(32))
+        with self._lock:
+            reserved.handles, reserved.stage_s, reserved.copy_s = tuple(handles), stage_s, copy_s
+            reserved.expires, reserved.ready = time.monotonic() + self.stage_ttl, True
         return {"ok": True, "staged": True, "stage_s": stage_s, "copy_s": copy_s, "bytes": copied,
-                "allocations": len(handles), "ticket": done.ticket}
+                "allocations": len(handles), "ticket": reserved.ticket}
 
     def _stage(self, message: dict[str, Any], peer: jsonline.Peer) -> dict[str, Any]:
         """Allocate and fill ahead of the engine's restore; refused for an engine on another GPU. The answer's
         `ticket` is what the engine presents to adopt it."""
-        key, earlier = self._stage_slot(message, peer)
+        key = self._stage_slot(message)
         base, size, regions, jobs = self._jobs(message, peer)
-        return self._stage_into(key, earlier, peer, _Staged((), base, size, regions, 0.0, 0.0, 0.0, 0, "",
-                                                            sizes=(size,)),
+        return self._stage_into(key, peer, _Staged((), base, size, regions, 0.0, 0.0, 0.0, 0, "", sizes=(size,)),
                                 self._pinned(jobs), sum(n for _, _, n in jobs))
 
-    def _room_for(self, size: int) -> None:
-        if len(self.staged) >= STAGE_MAX:
-            raise HydrationError(f"{len(self.staged)} allocations are staged already (at most {STAGE_MAX})")
+    def _room_for(self, size: int, replacing: _Staged | None) -> None:
+        """Under the lock: refuse a stage of `size` bytes (replacing `replacing`) beyond STAGE_MAX, or one that
+        would leave less than STAGE_RESERVE free once the stages being filled have their bytes."""
+        count = len(self.staged) - (replacing is not None)
+        if count >= STAGE_MAX:
+            raise HydrationError(f"{count} allocations are staged already (at most {STAGE_MAX})")
         free, _total = cucall(self.driver, "cuMemGetInfo")
-        if int(free) - size < STAGE_RESERVE:
-            raise HydrationError(f"staging {size} bytes would leave {int(free) - size} of the GPU's {int(free)} free "
-                                 f"bytes (at least {STAGE_RESERVE} stay free)")
+        free = int(free) + (replacing.size if replacing else 0) - sum(v.unallocated for v in self.staged.values())
+        if free - size < STAGE_RESERVE:
+            raise HydrationError(f"staging {size} bytes would leave {free - size} of the GPU's {free} free bytes "
+                                 f"(at least {STAGE_RESERVE} stay free; stages being filled count as used)")
 
     def _stage_dump(self, message: dict[str, Any], peer: jsonline.Peer) -> dict[str, Any]:
         """Fill one allocation per released region from an interposer's device dump (docs/interposer.md) while
         its process is being restored: `parts` are (file, bytes, region) in the order the interposer maps them
         back (`dump_layout`), each file read whole through a ring of page-locked buffers into the allocations
         mapped back to back. Only files `peer` could read itself, on this hydrator's GPU."""
-        key, earlier = self._stage_slot(message, peer)
+        key = self._stage_slot(message)
         layout, sizes = dump_layout(message.get("parts"))
         parts, fds = open_dump_parts(layout, peer)
         size = sum(sizes)
         try:
-            return self._stage_into(key, earlier, peer, _Staged((), 0, size, parts, 0.0, 0.0, 0.0, 0, "",
-                                                                layout=layout, sizes=sizes),
+            return self._stage_into(key, peer, _Staged((), 0, size, parts, 0.0, 0.0, 0.0, 0, "", layout=layout,
+                                                       sizes=sizes),
                                     lambda va: copy_ring(self.driver, self.context, parts, lambda r: va + r.address,
                                                          threads=DUMP_THREADS, chunk=DUMP_CHUNK, direct=False,
                                                          opened=fds), size)
@@ -295,54 +344,77 @@ class HydratorServer:
         """Hand a stage's allocations to its engine as descriptors, ADOPT_PAGE at a time from `first` (default 0):
         the answer says `first` and `count` (all of the stage's). The stage stays until its last page is taken
         (or its TTL ends); a page may be asked again until then (a retry), never one beyond the next. Handing
-        out the last page drops the stage: the descriptors keep the allocations alive."""
+        out the last page drops the stage: the descriptors keep the allocations alive. All in one hold of the
+        lock (exporting a page is quick), so an expiry, a discard or another adopt of the same ticket comes wholly
+        before or after it: of two adopts of a one-page stage exactly one gets it."""
         key = _stage_key(message)
-        if (held := self._held(key, message.get("ticket"))) is None:  # another's: as if absent
-            return {"ok": False, "staged": False, "error": f"nothing is staged for {key}"}
-        slot, staged = held
-        first = _first_page(message.get("first", 0), len(staged.handles), staged.taken)
-        if staged.layout:  # another layout leaves the stage alone
-            if dump_layout(message.get("parts"))[0] != staged.layout:
-                raise HydrationError("the staged allocations were filled from another dump")
-        else:
-            base, size, regions, _jobs = self._jobs(message, peer)
-            if (base, size, regions) != (staged.base, staged.size, staged.regions):
-                raise HydrationError("the staged allocation was filled for another layout")
-        page = staged.handles[first:first + ADOPT_PAGE]
-        fds: list[int] = []
-        try:
-            for handle in page:
-                fds.append(int(cucall(self.driver, "cuMemExportToShareableHandle", handle, fd_handle(self.driver),
-                                      0)))
-        except BaseException:
-            for fd in fds:
-                os.close(fd)
-            raise
-        if first + len(page) == len(staged.handles):
-            self._free(slot)  # the descriptors keep the allocations alive
-        else:
-            staged.taken = max(staged.taken, first + len(page))
+        with self._lock:
+            if (held := self._held(key, message.get("ticket"))) is None:  # another's, or still filling: as if absent
+                return {"ok": False, "staged": False, "error": f"nothing is staged for {key}"}
+            slot, staged = held
+            first = _first_page(message.get("first", 0), len(staged.handles), staged.taken)
+            if staged.layout:  # another layout leaves the stage alone
+                if dump_layout(message.get("parts"))[0] != staged.layout:
+                    raise HydrationError("the staged allocations were filled from another dump")
+            else:
+                base, size, regions, _jobs = self._jobs(message, peer)
+                if (base, size, regions) != (staged.base, staged.size, staged.regions):
+                    raise HydrationError("the staged allocation was filled for another layout")
+            page = staged.handles[first:first + ADOPT_PAGE]
+            fds: list[int] = []
+            try:
+                for handle in page:
+                    fds.append(int(cucall(self.driver, "cuMemExportToShareableHandle", handle,
+                                          fd_handle(self.driver), 0)))
+            except BaseException:
+                for fd in fds:
+                    os.close(fd)
+                raise
+            if first + len(page) == len(staged.handles):
+                self._free(slot)  # the descriptors keep the allocations alive
+            else:
+                staged.taken = max(staged.taken, first + len(page))
         return {"ok": True, "staged": True, "stage_s": staged.stage_s, "copy_s": staged.copy_s, "first": first,
                 "count": len(staged.handles), "sizes": list(staged.sizes[first:first + len(page)])}, fds
 
+    def _status(self, peer: jsonline.Peer) -> dict[str, Any]:
+        """The asker's own stages (one being filled says so, with no expiry yet) and the per-uid quota."""
+        now = time.monotonic()
+        with self._lock:
+            staged = [{"key": k[1], "bytes": v.size, "filling": not v.ready,
+                       "expires_in_s": v.expires - now if v.ready else None}
+                      for k, v in self.staged.items() if v.owner == peer.uid]
+        return {"ok": True, "device_uuid": self.device_uuid, "staged": staged,
+                "quota": {"count": self.quota.count, "bytes": self.quota.bytes}}
+
     def _held(self, key: str, ticket: object) -> tuple[_Slot, _Staged] | None:
-        """The stage under `key` that `ticket` opens, whoever staged it (the engine may run as another uid)."""
-        return next(((slot, v) for slot, v in self.staged.items() if slot[1] == key and v.held_by(ticket)), None)
+        """Under the lock: the ready stage under `key` that `ticket` opens, whoever staged it (the engine may run
+        as another uid)."""
+        return next(((slot, v) for slot, v in self.staged.items()
+                     if slot[1] == key and v.ready and v.held_by(ticket)), None)
 
     def _discard(self, key: str, ticket: object) -> bool:
-        if (held := self._held(key, ticket)) is None:
-            return False
-        self._free(held[0])
-        return True
+        with self._lock:
+            if (held := self._held(key, ticket)) is None:
+                return False
+            self._free(held[0])
+            return True
 
     def _free(self, slot: _Slot) -> None:
+        """Under the lock: drop a ready stage and release its allocations (a handed-out descriptor keeps its own)."""
         for handle in self.staged.pop(slot).handles:
             self.driver.cuda.cuMemRelease(handle)
 
     def _expire(self) -> None:
-        """Free what no engine adopted in time (a restore that failed after its worker staged)."""
-        now = time.monotonic()
-        for key in [k for k, v in self.staged.items() if v.expires <= now]:
+        """Free what no engine adopted in time (a restore that failed after its worker staged): the server's idle
+        call, on the accept thread, alongside the connections' threads."""
+        cucall(self.driver, "cuCtxSetCurrent", self.context)
+        with self._lock:
+            self._expire_locked()
+
+    def _expire_locked(self) -> None:
+        now = time.monotonic()  # a stage being filled expires at inf: never freed under its filler
+        for key in [k for k, v in self.staged.items() if v.ready and v.expires <= now]:
             self._free(key)
 
 

@@ -162,7 +162,8 @@ def copy_ring(driver: Any, context: Any, regions: Sequence[WeightRegion], dst_of
             waited = time.perf_counter()
             cucall(driver, "cuStreamSynchronize", stream)
             spent[worker][1] += time.perf_counter() - waited
-        finally:
+        finally:  # a failed read leaves copies in flight: none may outlive the buffers or the caller's mapping
+            driver.cuda.cuStreamSynchronize(stream)
             for event in events:
                 driver.cuda.cuEventDestroy(event)
             for buffer in buffers:
