@@ -113,10 +113,38 @@ def copy_registered(driver: Any, jobs: Sequence[tuple[int, int, int]], streams: 
         cucall(driver, "cuStreamSynchronize", stream)
 
 
+def _ring_pieces(driver: Any, stream: Any, buffers: Sequence[int], events: Sequence[Any], size: int, align: int,
+                 pieces: Sequence[tuple[int, str, int, int]], fds: Mapping[str, int]) -> tuple[float, float]:
+    """One reader thread's pieces (device address, source, offset, bytes) through its two pinned buffers: each
+    read while the other's copy runs. Its seconds reading the files and waiting for the device."""
+    read_s = device_s = 0.0
+    for k, (dst, src, offset, n) in enumerate(pieces):
+        slot = k % 2
+        waited = time.perf_counter()
+        if k >= 2:
+            cucall(driver, "cuEventSynchronize", events[slot])
+        read = time.perf_counter()
+        device_s += read - waited
+        first = offset - offset % align
+        length = -(-(offset + n - first) // align) * align
+        view = memoryview((ctypes.c_char * size).from_address(buffers[slot])).cast("B")
+        got = os.preadv(fds[src], [view[:length]], first)
+        view.release()
+        if got < offset - first + n:
+            raise HydrationError(f"source {src} ended at {first + got} while reading {offset + n}")
+        read_s += time.perf_counter() - read
+        cucall(driver, "cuMemcpyHtoDAsync", dst, buffers[slot] + (offset - first), n, stream)
+        cucall(driver, "cuEventRecord", events[slot], stream)
+    waited = time.perf_counter()
+    cucall(driver, "cuStreamSynchronize", stream)
+    return read_s, device_s + time.perf_counter() - waited
+
+
 def copy_ring(driver: Any, context: Any, regions: Sequence[WeightRegion], dst_of: Callable[[WeightRegion], int],
                *, threads: int, chunk: int, direct: bool, opened: Mapping[str, int] | None = None) -> dict[str, float]:
     """Reader threads, each with two pinned buffers and a stream: pread (O_DIRECT when `direct`), then H2D.
-    `opened`: sources the caller opened (and checked) already, read through those descriptors (left open)."""
+    `opened`: sources the caller opened (and checked) already, read through those descriptors (left open).
+    The report's thread-seconds say what bounds it: the files' reads or the link."""
     align = 4096 if direct else 1
     pieces = [(dst_of(r) + s, r.source, r.offset + s, min(chunk, r.size - s))
               for r in regions for s in range(0, r.size, chunk)]
@@ -130,8 +158,7 @@ def copy_ring(driver: Any, context: Any, regions: Sequence[WeightRegion], dst_of
             os.close(fd)
         raise
     fds = {**held, **own}
-    pin_seconds = [0.0] * threads
-    spent = [[0.0, 0.0] for _ in range(threads)]  # per thread: reading the files, waiting for the device
+    spent = [(0.0, 0.0, 0.0)] * threads  # per thread: pinning, reading the files, waiting for the device
 
     def work(worker: int) -> None:
         cucall(driver, "cuCtxSetCurrent", context)
@@ -140,28 +167,10 @@ def copy_ring(driver: Any, context: Any, regions: Sequence[WeightRegion], dst_of
         size = chunk + 2 * align
         buffers = [int(cucall(driver, "cuMemHostAlloc", size, 0)) for _ in range(2)]
         events = [cucall(driver, "cuEventCreate", 2) for _ in range(2)]
-        pin_seconds[worker] = time.perf_counter() - started
+        pinned = time.perf_counter() - started
         try:
-            for k, (dst, src, offset, n) in enumerate(pieces[worker::threads]):
-                slot = k % 2
-                waited = time.perf_counter()
-                if k >= 2:
-                    cucall(driver, "cuEventSynchronize", events[slot])
-                read = time.perf_counter()
-                spent[worker][1] += read - waited
-                first = offset - offset % align
-                length = -(-(offset + n - first) // align) * align
-                view = memoryview((ctypes.c_char * size).from_address(buffers[slot])).cast("B")
-                got = os.preadv(fds[src], [view[:length]], first)
-                view.release()
-                if got < offset - first + n:
-                    raise HydrationError(f"source {src} ended at {first + got} while reading {offset + n}")
-                spent[worker][0] += time.perf_counter() - read
-                cucall(driver, "cuMemcpyHtoDAsync", dst, buffers[slot] + (offset - first), n, stream)
-                cucall(driver, "cuEventRecord", events[slot], stream)
-            waited = time.perf_counter()
-            cucall(driver, "cuStreamSynchronize", stream)
-            spent[worker][1] += time.perf_counter() - waited
+            spent[worker] = (pinned, *_ring_pieces(driver, stream, buffers, events, size, align,
+                                                    pieces[worker::threads], fds))
         finally:  # a failed read leaves copies in flight: none may outlive the buffers or the caller's mapping
             driver.cuda.cuStreamSynchronize(stream)
             for event in events:
@@ -176,9 +185,8 @@ def copy_ring(driver: Any, context: Any, regions: Sequence[WeightRegion], dst_of
     finally:
         for fd in own.values():
             os.close(fd)
-    # Thread-seconds: what bounds the ring (the files' reads, or the link).
-    return {"pin_s": max(pin_seconds), "read_thread_s": sum(s[0] for s in spent),
-            "device_thread_s": sum(s[1] for s in spent), "threads": threads}
+    return {"pin_s": max(s[0] for s in spent), "read_thread_s": sum(s[1] for s in spent),
+            "device_thread_s": sum(s[2] for s in spent), "threads": threads}
 
 
 def device_uuid(driver: Any, ordinal: int) -> str:
