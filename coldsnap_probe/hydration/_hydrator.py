@@ -189,10 +189,11 @@ class HydratorServer:
             jobs.append((region.address - base, src.address + region.offset, region.size))
         return base, size, regions, jobs
 
-    def _fill(self, allocations: Sequence[tuple[Any, int]], copy: Callable[[int], object]) -> float:
+    def _fill(self, allocations: Sequence[tuple[Any, int]], copy: Callable[[int], object]) -> tuple[float, Any]:
         """Map `allocations` ((handle, bytes)) back to back in one range here, `copy` into it (given the range's
-        address), unmap; the copy's seconds. Each is mapped whole at offset 0 of its own (cuMemMap's offset must
-        be zero), so the copy sees one contiguous range however many allocations there are."""
+        address), unmap; the copy's seconds and what it returned. Each is mapped whole at offset 0 of its own
+        (cuMemMap's offset must be zero), so the copy sees one contiguous range however many allocations there
+        are."""
         cu, d = self.driver.cuda, self.driver
         size = sum(n for _, n in allocations)
         va, mapped = 0, []
@@ -205,8 +206,8 @@ class HydratorServer:
                 map_read_write(d, at, n, 0)
                 at += n
             started = time.perf_counter()
-            copy(va)
-            return time.perf_counter() - started
+            done = copy(va)
+            return time.perf_counter() - started, done
         finally:
             for at, n in mapped:
                 cu.cuMemUnmap(at, n)
@@ -236,7 +237,7 @@ class HydratorServer:
         started = time.perf_counter()
         handle = cucall(self.driver, "cuMemImportFromShareableHandle", fd, fd_handle(self.driver))
         try:
-            copy_s = self._fill([(handle, size)], self._pinned(jobs))
+            copy_s, _ = self._fill([(handle, size)], self._pinned(jobs))
         finally:
             self.driver.cuda.cuMemRelease(handle)
         return {"ok": True, "import_map_s": time.perf_counter() - started - copy_s, "copy_s": copy_s,
@@ -286,7 +287,7 @@ class HydratorServer:
                 handles.append(cucall(self.driver, "cuMemCreate", n, prop, 0))
                 with self._lock:  # now counted by cuMemGetInfo instead
                     reserved.unallocated -= n
-            copy_s = self._fill(list(zip(handles, staged.sizes, strict=True)), copy)
+            copy_s, report = self._fill(list(zip(handles, staged.sizes, strict=True)), copy)
         except BaseException:
             with self._lock:
                 if self.staged.get(slot) is reserved:
@@ -299,7 +300,8 @@ class HydratorServer:
             reserved.handles, reserved.stage_s, reserved.copy_s = tuple(handles), stage_s, copy_s
             reserved.expires, reserved.ready = time.monotonic() + self.stage_ttl, True
         return {"ok": True, "staged": True, "stage_s": stage_s, "copy_s": copy_s, "bytes": copied,
-                "allocations": len(handles), "ticket": reserved.ticket}
+                "allocations": len(handles), "ticket": reserved.ticket,
+                **({"copy": report} if isinstance(report, dict) else {})}  # the ring's thread-seconds
 
     def _stage(self, message: dict[str, Any], peer: jsonline.Peer) -> dict[str, Any]:
         """Allocate and fill ahead of the engine's restore; refused for an engine on another GPU. The answer's
