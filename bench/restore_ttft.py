@@ -325,6 +325,10 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
             except ProbeError as exc:
                 restores[-1]["hydrator_status"] = {"error": str(exc)}
         restores[-1]["gpu_after_kill"] = settle_gpu(BASELINE_MIB + 2048)
+        for device in report.get("device_memory") or []:  # a staged dump: where the hydrator's ring spent its time
+            if (stage := (device.get("interposer") or {}).get("stage")) and stage.get("copy"):
+                progress(f"  staged {stage.get('bytes', 0) / 1e9:.1f} GB in {stage.get('copy_s', 0):.2f} s: "
+                         f"{json.dumps(stage['copy'])}")
         print(f"{gib:g} GiB restore {attempt}: {restores[-1]['ttft_s']:.2f} s; GPU used after the kill "
               f"{restores[-1]['gpu_after_kill']}; hydrator {restores[-1].get('hydrator_status')}", flush=True)
     unchanged = image_digest(images) == digest_before
