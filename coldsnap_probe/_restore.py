@@ -29,8 +29,8 @@ from ._cuda import Driver
 from ._device_memory import DumpRecord, hydrate_devices, prefetch_dumps, stages_for, validated_dumps
 from ._device_stage import DeviceStage
 from ._engine import ABORT_POLL, engine_request, resume_engine, validated_graph_record
+from ._host import gpu_identity, host_identity
 from ._process import criu_environment, process_state, process_tree, require_state, run_criu, stop, tail
-from ._profile import identity
 from ._reports import HydratedWeights, RestoredGraphPolicy, RestoreReport
 from .errors import ProbeError, RankAborted, WorkerError
 from .hydration import HydrationManifest, Stager, check_sources
@@ -87,9 +87,10 @@ class _Restore:
 
     def phases(self) -> None:
         with ThreadPoolExecutor(1, thread_name_prefix="coldsnap-identity") as pool:
-            # NVML and `criu --version` take tens of milliseconds: they run while the records are read and the
-            # hydrator's stages start (a stage copies for as long as CRIU and CUDA restore, so it starts first).
-            current = pool.submit(identity, None, criu=self.criu)
+            # The host's identity (procfs, or NVML where procfs cannot tell) and `criu --version` take milliseconds
+            # to tens of them: they run while the records are read and the hydrator's stages start (a stage copies
+            # for as long as CRIU and CUDA restore, so it starts first).
+            current = pool.submit(host_identity, self.criu)
             self._read_records()
             self._start_stages()
             self._check_host(current.result())
@@ -151,9 +152,15 @@ class _Restore:
 
     def _check_host(self, current: dict[str, Any]) -> None:
         """This host against the captured one: the same CRIU, a compatible driver and GPU."""
-        captured = self.captured.get("identity", {})
+        captured, boundary = self.captured.get("identity", {}), self.captured["boundary"]
         require_same_criu(captured.get("criu", {}), current["criu"])
-        self.report.identity_compatibility = identity_compatibility(captured, current, self.captured["boundary"])
+        if (boundary != "n580" and current["gpu_identity_source"] == "procfs"
+                and any(captured.get(key) != current.get(key) for key in ("driver_version", "gpu_name"))):
+            # procfs only confirms an exact match: an upgrade or a refusal is NVML's verdict, as the captured
+            # identity is NVML's (a GPU whose procfs model differs from NVML's name is then not refused for it).
+            current = {**current, **gpu_identity(nvml=True)}
+        self.report.identity_compatibility = identity_compatibility(captured, current, boundary)
+        self.report.identity_source = current["gpu_identity_source"]
 
     def _agree(self) -> None:
         """Nothing is restored on any rank until every rank's images, record and identity are good."""
