@@ -13,7 +13,6 @@ and not the profile's or the capture's, which a restore would otherwise pay for 
 
 from __future__ import annotations
 
-import importlib
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -168,7 +167,8 @@ def __getattr__(name: str) -> Any:
         module, _, attribute = _EXPORTS[name].partition(":")
     except KeyError:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(module, __name__), attribute or name)
+    # __import__, not importlib.import_module: `python -X importtime` then shows what each first use costs.
+    value = getattr(__import__(module.lstrip("."), globals(), None, [attribute or name], 1), attribute or name)
     globals()[name] = value
     return value
 

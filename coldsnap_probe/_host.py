@@ -17,10 +17,13 @@ from typing import Any
 from ._nvidia_procfs import KernelGpu, kernel_gpu
 from ._process import criu_environment
 
-__all__ = ("DEVICE_SELECTOR_ENV", "boot_id", "criu_identity", "gpu_identity", "host_identity", "nvml_identity",
-           "system_identity")
+__all__ = ("DEVICE_SELECTOR_ENV", "GPU_FACTS", "boot_id", "criu_identity", "gpu_identity", "host_identity",
+           "nvml_identity", "system_identity")
 
 DEVICE_SELECTOR_ENV = "COLDSNAP_PROBE_NVML_DEVICE"  # an NVML index or a GPU-/MIG- UUID; default "0"
+# What `gpu_identity` gives, from one source or the other.
+GPU_FACTS = frozenset({"driver_version", "gpu_uuid", "gpu_name", "compute_capability", "nvml_error",
+                       "gpu_identity_source", "procfs_unused"})
 
 
 def boot_id() -> str | None:

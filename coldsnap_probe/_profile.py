@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ._canaries import checkpoint_report, checkpoint_results, fresh_state, ipc_canary, known_negatives, vmm_canary
-from ._features import CRIU_PROBE
 from ._host import DEVICE_SELECTOR_ENV, criu_identity, nvml_identity, system_identity
-from ._model import FeatureResult, Profile
+
+if TYPE_CHECKING:
+    from ._model import Profile
 
 __all__ = ("build_profile", "identity")
 
@@ -24,6 +24,11 @@ def identity(cuda_driver_api: int | None, criu: str | None = None) -> dict[str, 
 
 def build_profile(memory_bytes: int, timeout: float) -> Profile:
     """Run the round trip, the VMM canary and the IPC canary (in that order) and emit ten results."""
+    # Imported here: the capture worker records `identity` and needs none of the canaries or the profile model.
+    from ._canaries import checkpoint_report, checkpoint_results, fresh_state, ipc_canary, known_negatives, vmm_canary
+    from ._features import CRIU_PROBE
+    from ._model import FeatureResult, Profile
+
     started = time.time()
     report = checkpoint_report(memory_bytes, timeout)
     vmm = vmm_canary()

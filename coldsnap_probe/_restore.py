@@ -29,13 +29,13 @@ from ._cuda import Driver
 from ._device_memory import DumpRecord, hydrate_devices, prefetch_dumps, stages_for, validated_dumps
 from ._device_stage import DeviceStage
 from ._engine import ABORT_POLL, engine_request, resume_engine, validated_graph_record
-from ._host import gpu_identity, host_identity
+from ._host import GPU_FACTS, gpu_identity, host_identity
 from ._process import criu_environment, process_state, process_tree, require_state, run_criu, stop, tail
 from ._reports import HydratedWeights, RestoredGraphPolicy, RestoreReport
 from .errors import ProbeError, RankAborted, WorkerError
 from .hydration import HydrationManifest, Stager, check_sources
 
-__all__ = ("identity_compatibility", "restore")
+__all__ = ("confirmed_identity", "identity_compatibility", "restore")
 
 LAZY_PAGES_START_S = 10.0  # for `criu lazy-pages` to listen
 LAZY_PAGES_FINISH_S = 120.0  # for it to have copied every page after the restore
@@ -154,11 +154,7 @@ class _Restore:
         """This host against the captured one: the same CRIU, a compatible driver and GPU."""
         captured, boundary = self.captured.get("identity", {}), self.captured["boundary"]
         require_same_criu(captured.get("criu", {}), current["criu"])
-        if (boundary != "n580" and current["gpu_identity_source"] == "procfs"
-                and any(captured.get(key) != current.get(key) for key in ("driver_version", "gpu_name"))):
-            # procfs only confirms an exact match: an upgrade or a refusal is NVML's verdict, as the captured
-            # identity is NVML's (a GPU whose procfs model differs from NVML's name is then not refused for it).
-            current = {**current, **gpu_identity(nvml=True)}
+        current = confirmed_identity(captured, current, boundary)
         self.report.identity_compatibility = identity_compatibility(captured, current, boundary)
         self.report.identity_source = current["gpu_identity_source"]
 
@@ -297,6 +293,18 @@ def require_same_criu(captured: dict[str, Any], current: dict[str, Any]) -> None
     if captured.get("version_exit_code") == 0 and captured.get("version") != current.get("version"):
         raise WorkerError(f"captured with CRIU {captured.get('version')!r}, but this capsule's CRIU "
                           f"({current.get('path')}) is {current.get('version')!r}: not restoring")
+
+
+def confirmed_identity(captured: dict[str, Any], current: dict[str, Any], boundary: str) -> dict[str, Any]:
+    """`current` where procfs gave its GPU facts and they match the captured ones exactly (or a pre-CUDA template
+    does not compare them), else `current` with NVML's facts: procfs only confirms an exact match, so an upgrade
+    or a refusal is NVML's verdict, as the captured identity is NVML's (a GPU whose procfs model were written
+    unlike NVML's name is then not refused for it)."""
+    if (boundary == "n580" or current.get("gpu_identity_source") != "procfs"
+            or all(captured.get(key) == current.get(key) for key in ("driver_version", "gpu_name"))):
+        return current
+    system = {key: value for key, value in current.items() if key not in GPU_FACTS}  # none of procfs's is kept
+    return {**system, **gpu_identity(nvml=True)}
 
 
 def identity_compatibility(captured: dict[str, Any], current: dict[str, Any], boundary: str) -> str:
