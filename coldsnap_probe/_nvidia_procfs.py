@@ -35,6 +35,7 @@ MAX_FILE_BYTES = 16384  # both files are a few hundred bytes; a larger one is no
 MAX_GPUS = 256  # more directories than any host has GPUs: not a procfs listing to trust
 _VERSION = re.compile(r"NVRM version: NVIDIA UNIX (?:Open Kernel Module for [\w.-]+|[\w.-]+ Kernel Module) +"
                       r"(\d+\.\d+(?:\.\d+)?)(?: |$)", re.MULTILINE)
+_INDEX = re.compile(r"[0-9]{1,6}")  # an NVML index as int() reads it, within reason
 _BUS_ID = re.compile(r"[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
 _GPU_UUID = re.compile(r"GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -55,7 +56,7 @@ def kernel_gpu(selector: str, root: Path = PROC_NVIDIA) -> KernelGpu | str:
     from there (then NVML must answer)."""
     if selector.startswith("MIG-"):
         return "a MIG device is not listed in procfs"
-    if not (selector.isdecimal() or _GPU_UUID.fullmatch(selector)):
+    if not (_INDEX.fullmatch(selector) or _GPU_UUID.fullmatch(selector)):
         return f"the device selector {selector!r} is neither an index nor a GPU UUID"
     try:
         root_fd = os.open(root, _DIRECTORY)
@@ -74,7 +75,7 @@ def kernel_gpu(selector: str, root: Path = PROC_NVIDIA) -> KernelGpu | str:
 
 
 def _select(selector: str, gpus: dict[str, dict[str, str]], version: str, root: Path) -> KernelGpu | str:
-    if selector.isdecimal():
+    if _INDEX.fullmatch(selector):
         if len(gpus) != 1 or int(selector) != 0:
             return (f"device index {selector} with {len(gpus)} GPU(s) in {root}/gpus: only a lone GPU's index is "
                     "certain there")

@@ -72,6 +72,8 @@ def test_kernel_gpu_finds_a_uuid_among_several_gpus(tmp_path: Path) -> None:
     ("GPU-" + H200_UUID[4:].upper(), "neither an index nor a GPU UUID"),  # NVML writes lower-case hex
     ("MIG-2b1e0c7a-5f3d-8e41-9a6c-0d2f4b7e8c15", "a MIG device is not listed in procfs"),
     ("-1", "neither an index nor a GPU UUID"),
+    ("0" * 5000, "neither an index nor a GPU UUID"),  # int() would refuse it (over 4300 digits)
+    ("\u0660", "neither an index nor a GPU UUID"),  # a decimal digit, not an ASCII one
     ("", "neither an index nor a GPU UUID"),
 ])
 def test_kernel_gpu_leaves_an_uncertain_selection_to_nvml(tmp_path: Path, selector: str, reason: str) -> None:
