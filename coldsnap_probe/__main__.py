@@ -107,7 +107,6 @@ def _worker(args: argparse.Namespace) -> int:
 
     from ._coordinator import Coordinator
     from ._report_dir import leave_report
-    from ._worker import capture, restore
     from .errors import ProbeError
 
     if (args.world_size > 1 or args.coordinator) and not (args.coordinator and args.namespace):
@@ -118,12 +117,16 @@ def _worker(args: argparse.Namespace) -> int:
         if args.coordinator:
             coordinator = Coordinator(Path(args.coordinator), args.namespace, args.rank, args.world_size,
                                       timeout=args.barrier_timeout)
-        if args.command == "capture":
+        if args.command == "capture":  # each subcommand imports only its own side (issue 22: a restore's start)
+            from ._capture import capture
+
             report = capture(args.pid, Path(args.images), criu=args.criu, boundary=args.boundary,
                              digest=args.digest, hydration=args.hydration, coordinator=coordinator,
                              engine=args.engine, graph_policy=args.graph_policy,
                              interposer=args.interposer).to_json()
         else:
+            from ._restore import restore
+
             report = restore(Path(args.images), criu=args.criu,
                              work=Path(args.work_dir) if args.work_dir else None, coordinator=coordinator,
                              lazy_pages=args.lazy_pages, device_policy=args.device_policy,

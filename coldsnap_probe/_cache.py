@@ -1,4 +1,5 @@
-"""The host feature profile cache (spec 4): key and its boot id, atomic write of admitted profiles, tolerant read."""
+"""The host feature profile cache (spec 4): key (its boot id is `_host.boot_id`), atomic write of admitted profiles,
+tolerant read."""
 
 from __future__ import annotations
 
@@ -12,16 +13,7 @@ from typing import Any
 from ._features import attach_criu, decode_profile
 from .errors import ProfileError
 
-__all__ = ("boot_id", "cache_key", "cache_path", "read_cached", "write_cached")
-
-
-def boot_id() -> str | None:
-    """This boot's id (/proc/sys/kernel/random/boot_id), or None where it cannot be read (key input 1)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return None
+__all__ = ("cache_key", "cache_path", "read_cached", "write_cached")
 
 
 def cache_key(boot_id: str, device_identity: str, capsule_digest: str, probe_digest: str, driver: str,

@@ -11,8 +11,8 @@ from typing import Any
 
 from ._coordinator import Coordinator
 from ._graph import GraphPlan, default_graph_policy, graph_record, plan_graph_policy, validate_graph_record
+from ._host import gpu_identity
 from ._process import inet_sockets
-from ._profile import identity
 from .errors import ContractError, ProbeError, RankAborted, WorkerError
 from .jsonline import request
 
@@ -74,7 +74,7 @@ def tp_execution(world_size: int, engine: str) -> dict[str, Any]:
 
 def graph_plan(requested: str, world_size: int) -> GraphPlan:
     if requested == "auto":
-        requested = default_graph_policy(str(identity(None).get("driver_version", "")))
+        requested = default_graph_policy(str(gpu_identity().get("driver_version", "")))
     # Retaining NCCL graph executables needs an admitted in-place provider driven inside the engine, and a
     # restore path for it; this worker has neither, so such a request is recorded as the valid downgrade.
     mode = os.environ.get("COLDSNAP_NCCL_IN_PLACE_MODE", "").strip()

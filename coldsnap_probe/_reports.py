@@ -205,6 +205,7 @@ class RestoreReport:
     captured_root_pid: int | None = None
     cuda_pids: list[int] | None = None
     identity_compatibility: str | None = None
+    identity_source: str | None = None  # where the GPU facts checked came from: `procfs` or `nvml`
     graph_policy: RestoredGraphPolicy | None = None
     criu_restore_seconds: float | None = None
     restored_pid: int | None = None
@@ -224,7 +225,7 @@ class RestoreReport:
         t = self.timeline
         return {"format": 1, "kind": RESTORE_KIND, "rank": self.rank, "world_size": self.world_size, **_present({
             "boundary": self.boundary, "captured_root_pid": self.captured_root_pid, "cuda_pids": self.cuda_pids,
-            "identity_compatibility": self.identity_compatibility,
+            "identity_compatibility": self.identity_compatibility, "identity_source": self.identity_source,
             "graph_policy": self.graph_policy.to_json() if self.graph_policy else None,
             "criu_restore_seconds": self.criu_restore_seconds, "restored_pid": self.restored_pid,
             "peer_criu_restore_seconds": self.peer_criu_restore_seconds,

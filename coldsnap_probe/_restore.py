@@ -29,13 +29,13 @@ from ._cuda import Driver
 from ._device_memory import DumpRecord, hydrate_devices, prefetch_dumps, stages_for, validated_dumps
 from ._device_stage import DeviceStage
 from ._engine import ABORT_POLL, engine_request, resume_engine, validated_graph_record
+from ._host import GPU_FACTS, gpu_identity, host_identity
 from ._process import criu_environment, process_state, process_tree, require_state, run_criu, stop, tail
-from ._profile import identity
 from ._reports import HydratedWeights, RestoredGraphPolicy, RestoreReport
 from .errors import ProbeError, RankAborted, WorkerError
 from .hydration import HydrationManifest, Stager, check_sources
 
-__all__ = ("identity_compatibility", "restore")
+__all__ = ("confirmed_identity", "identity_compatibility", "restore")
 
 LAZY_PAGES_START_S = 10.0  # for `criu lazy-pages` to listen
 LAZY_PAGES_FINISH_S = 120.0  # for it to have copied every page after the restore
@@ -87,9 +87,10 @@ class _Restore:
 
     def phases(self) -> None:
         with ThreadPoolExecutor(1, thread_name_prefix="coldsnap-identity") as pool:
-            # NVML and `criu --version` take tens of milliseconds: they run while the records are read and the
-            # hydrator's stages start (a stage copies for as long as CRIU and CUDA restore, so it starts first).
-            current = pool.submit(identity, None, criu=self.criu)
+            # The host's identity (procfs, or NVML where procfs cannot tell) and `criu --version` take milliseconds
+            # to tens of them: they run while the records are read and the hydrator's stages start (a stage copies
+            # for as long as CRIU and CUDA restore, so it starts first).
+            current = pool.submit(host_identity, self.criu)
             self._read_records()
             self._start_stages()
             self._check_host(current.result())
@@ -151,9 +152,11 @@ class _Restore:
 
     def _check_host(self, current: dict[str, Any]) -> None:
         """This host against the captured one: the same CRIU, a compatible driver and GPU."""
-        captured = self.captured.get("identity", {})
+        captured, boundary = self.captured.get("identity", {}), self.captured["boundary"]
         require_same_criu(captured.get("criu", {}), current["criu"])
-        self.report.identity_compatibility = identity_compatibility(captured, current, self.captured["boundary"])
+        current = confirmed_identity(captured, current, boundary)
+        self.report.identity_compatibility = identity_compatibility(captured, current, boundary)
+        self.report.identity_source = current["gpu_identity_source"]
 
     def _agree(self) -> None:
         """Nothing is restored on any rank until every rank's images, record and identity are good."""
@@ -290,6 +293,18 @@ def require_same_criu(captured: dict[str, Any], current: dict[str, Any]) -> None
     if captured.get("version_exit_code") == 0 and captured.get("version") != current.get("version"):
         raise WorkerError(f"captured with CRIU {captured.get('version')!r}, but this capsule's CRIU "
                           f"({current.get('path')}) is {current.get('version')!r}: not restoring")
+
+
+def confirmed_identity(captured: dict[str, Any], current: dict[str, Any], boundary: str) -> dict[str, Any]:
+    """`current` where procfs gave its GPU facts and they match the captured ones exactly (or a pre-CUDA template
+    does not compare them), else `current` with NVML's facts: procfs only confirms an exact match, so an upgrade
+    or a refusal is NVML's verdict, as the captured identity is NVML's (a GPU whose procfs model were written
+    unlike NVML's name is then not refused for it)."""
+    if (boundary == "n580" or current.get("gpu_identity_source") != "procfs"
+            or all(captured.get(key) == current.get(key) for key in ("driver_version", "gpu_name"))):
+        return current
+    system = {key: value for key, value in current.items() if key not in GPU_FACTS}  # none of procfs's is kept
+    return {**system, **gpu_identity(nvml=True)}
 
 
 def identity_compatibility(captured: dict[str, Any], current: dict[str, Any], boundary: str) -> str:

@@ -41,7 +41,8 @@ has dumped, so a failed peer rolls every rank back to serving.
 Where each part lives: `_capture.py` and `_restore.py` (the phases, each with its one rollback),
 `_reports.py` (the typed reports and their JSON, docs/worker-reports.md), `_process.py` (the process tree,
 CRIU, memory), `_engine.py` (the engine's control socket, the graph record), `_coordinator.py` (ranks).
-This module is the worker's front: what the command line and the benches use.
+This module is the worker's front: what the benches use. The command line imports `_capture` or `_restore`
+alone, so that a restore worker does not load the capture side before its first mark (issue 22).
 """
 
 from __future__ import annotations

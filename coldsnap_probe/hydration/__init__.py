@@ -51,29 +51,62 @@ its control socket), `_hydrator.py` (the node's `HydratorServer` and the worker'
 `__main__.py` (the hydrator's command line); the socket protocol and peer checks are
 `coldsnap_probe/jsonline.py`. Every socket here is 0600 from its creation and answers only admitted
 peers (SO_PEERCRED); see `HydratorServer` for what each peer may touch.
+
+Each name is imported on first use (PEP 562), as in the package above: a restore worker loads the stager and the
+interposer's records, not the engine's `WeightArena`.
 """
 
-from ._arena import WeightArena as WeightArena
-from ._hydrator import ADOPT_PAGE as ADOPT_PAGE
-from ._hydrator import HydratorServer as HydratorServer
-from ._hydrator import Stager as Stager
-from ._interposer import ENV_HYDRATOR as ENV_HYDRATOR
-from ._interposer import DeviceDump as DeviceDump
-from ._interposer import build_library as build_library
-from ._interposer import check_dump as check_dump
-from ._interposer import dump_identities as dump_identities
-from ._interposer import interposer_request as interposer_request
-from ._interposer import interposer_socket as interposer_socket
-from ._interposer import library_path as library_path
-from ._interposer import remove_dump as remove_dump
-from ._interposer import verification as verification
-from ._staging import StageRequest as StageRequest
-from ._weights import HydrationManifest as HydrationManifest
-from ._weights import WeightRegion as WeightRegion
-from ._weights import check_sources as check_sources
-from ._weights import chunk_digests as chunk_digests
-from ._weights import combine_digests as combine_digests
-from ._weights import region_digest as region_digest
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what each name is, for mypy and readers; at run time `__getattr__` imports it
+    from ._arena import WeightArena as WeightArena
+    from ._hydrator import ADOPT_PAGE as ADOPT_PAGE
+    from ._hydrator import HydratorServer as HydratorServer
+    from ._hydrator import Stager as Stager
+    from ._interposer import ENV_HYDRATOR as ENV_HYDRATOR
+    from ._interposer import DeviceDump as DeviceDump
+    from ._interposer import build_library as build_library
+    from ._interposer import check_dump as check_dump
+    from ._interposer import dump_identities as dump_identities
+    from ._interposer import interposer_request as interposer_request
+    from ._interposer import interposer_socket as interposer_socket
+    from ._interposer import library_path as library_path
+    from ._interposer import remove_dump as remove_dump
+    from ._interposer import verification as verification
+    from ._staging import StageRequest as StageRequest
+    from ._weights import HydrationManifest as HydrationManifest
+    from ._weights import WeightRegion as WeightRegion
+    from ._weights import check_sources as check_sources
+    from ._weights import chunk_digests as chunk_digests
+    from ._weights import combine_digests as combine_digests
+    from ._weights import region_digest as region_digest
+
+_EXPORTS = MappingProxyType({  # public name -> its module
+    "WeightArena": "._arena",
+    "ADOPT_PAGE": "._hydrator",
+    "HydratorServer": "._hydrator",
+    "Stager": "._hydrator",
+    "ENV_HYDRATOR": "._interposer",
+    "DeviceDump": "._interposer",
+    "build_library": "._interposer",
+    "check_dump": "._interposer",
+    "dump_identities": "._interposer",
+    "interposer_request": "._interposer",
+    "interposer_socket": "._interposer",
+    "library_path": "._interposer",
+    "remove_dump": "._interposer",
+    "verification": "._interposer",
+    "StageRequest": "._staging",
+    "HydrationManifest": "._weights",
+    "WeightRegion": "._weights",
+    "check_sources": "._weights",
+    "chunk_digests": "._weights",
+    "combine_digests": "._weights",
+    "region_digest": "._weights",
+})
 
 __all__ = (
     "ADOPT_PAGE",
@@ -98,3 +131,19 @@ __all__ = (
     "remove_dump",
     "verification",
 )
+
+
+def __getattr__(name: str) -> Any:
+    """`name` imported from its module on first use, then kept as this module's attribute."""
+    try:
+        module = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    # __import__, not importlib.import_module: `python -X importtime` then shows what each first use costs.
+    value = getattr(__import__(module.lstrip("."), globals(), None, [name], 1), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -4,9 +4,12 @@ compatibility preload it builds, run for real: gcc, ldd, and sockets on this ker
 from __future__ import annotations
 
 import errno
+import importlib.util
+import marshal
 import shutil
 import subprocess
 import sys
+import sysconfig
 import textwrap
 from pathlib import Path
 
@@ -87,3 +90,18 @@ def test_capsule_carries_the_server_site_and_a_preloading_criu_wrapper(tmp_path:
     wrapper = (rootfs / "opt/coldsnap/criu/bin/criu-env").read_text()
     assert "LD_PRELOAD=/opt/coldsnap/criu/lib/criu-compat.so " in wrapper
     assert (rootfs / "opt/coldsnap/criu/lib/criu-compat.so").read_bytes()[:4] == b"\x7fELF"
+    assert_bytecode_is_baked_in(rootfs)
+
+
+def assert_bytecode_is_baked_in(rootfs: Path) -> None:
+    """Regression: #22. A unit is a fresh container: without bytecode in the image every worker start compiled its
+    modules. The worker's is checked-hash (whatever mtimes the image keeps) and names the paths in the capsule."""
+    for name in ("coldsnap_probe/_restore.py", "coldsnap_probe/hydration/_hydrator.py", "pynvml.py"):
+        source = rootfs / "opt/coldsnap/worker" / name
+        data = Path(importlib.util.cache_from_source(str(source))).read_bytes()
+        assert data[:4] == importlib.util.MAGIC_NUMBER and int.from_bytes(data[4:8], "little") == 0b11, name
+        assert data[8:16] == importlib.util.source_hash(source.read_bytes()), name
+        assert marshal.loads(data[16:]).co_filename == f"/opt/coldsnap/worker/{name}"
+    stdlib = rootfs / sysconfig.get_paths()["stdlib"].lstrip("/")
+    assert Path(importlib.util.cache_from_source(str(stdlib / "argparse.py"))).is_file()  # the top level too
+    assert not list(stdlib.rglob("*.opt-[12].pyc"))  # nothing runs python3 -O

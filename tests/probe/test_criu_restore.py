@@ -282,8 +282,8 @@ def test_the_worker_runs_a_criu_kept_with_its_libraries_as_its_version_check_doe
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Regression (review): `criu --version` ran with CRIU's own library directory but the dump and restore with
     the caller's environment, so the two could load different libraries. Both use `criu_environment` now."""
+    from coldsnap_probe._host import criu_identity
     from coldsnap_probe._process import criu_environment, run_criu
-    from coldsnap_probe._profile import criu_identity
 
     assert CRIU is not None
     monkeypatch.delenv("LD_LIBRARY_PATH", raising=False)

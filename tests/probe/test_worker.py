@@ -15,7 +15,9 @@ from typing import Any
 
 import pytest
 
+from coldsnap_probe._host import DEVICE_SELECTOR_ENV, nvml_identity
 from coldsnap_probe._process import audit_pre_cuda
+from coldsnap_probe._restore import confirmed_identity
 from coldsnap_probe._worker import identity_compatibility, image_digest, process_tree
 from coldsnap_probe.errors import WorkerError
 from tests.helpers import ROOT
@@ -99,6 +101,28 @@ def test_identity_compatibility(current: dict[str, Any], boundary: str, outcome:
     else:
         with pytest.raises(WorkerError, match=outcome):
             identity_compatibility(H200, current, boundary)
+
+
+def test_confirmed_identity_keeps_a_procfs_identity_that_matches_the_capture() -> None:
+    current = {**H200, "gpu_identity_source": "procfs"}
+    assert confirmed_identity(H200, current, "n610") is current
+    upgraded = {**H200, "driver_version": "610.43.02", "gpu_identity_source": "procfs"}
+    assert confirmed_identity(H200, upgraded, "n580") is upgraded  # a template compares no GPU fact
+
+
+@pytest.mark.parametrize("changed", [{"driver_version": "610.43.02"}, {"driver_version": "575.1"},
+                                     {"gpu_name": "NVIDIA H200 NVL"}, {"driver_version": None}])
+def test_confirmed_identity_leaves_any_difference_to_nvml(changed: dict[str, Any]) -> None:
+    """procfs only confirms an exact match; NVML (the captures' source) decides the rest: here, without a driver,
+    the driver version is then unknown and the restore refuses; on the GPU host NVML's real facts are compared."""
+    confirmed = confirmed_identity(H200, {**H200, **changed, "gpu_identity_source": "procfs"}, "n610")
+    nvml = nvml_identity(os.environ.get(DEVICE_SELECTOR_ENV, "0"))
+    assert confirmed["gpu_identity_source"] == "nvml" and confirmed["architecture"] == "x86_64"
+    assert {k: confirmed.get(k) for k in ("driver_version", "gpu_uuid", "gpu_name")} == {
+        k: nvml.get(k) for k in ("driver_version", "gpu_uuid", "gpu_name")}
+    if not has_nvidia_driver():
+        with pytest.raises(WorkerError, match="driver version is unknown"):
+            identity_compatibility(H200, confirmed, "n610")
 
 
 def test_image_digest_sees_any_write(tmp_path: Path) -> None:

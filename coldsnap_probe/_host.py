@@ -1,0 +1,107 @@
+"""This host's identity: boot, kernel, the NVIDIA driver and GPU, and the CRIU a worker runs.
+
+Two readers of the GPU facts (docs/host-identity.md): NVML (`nvml_identity`: driver version, UUID, name and
+compute capability of the selected device), and the kernel module's procfs (`_nvidia_procfs`: the same driver
+version, UUID and name, without loading NVML). The profile and the capture record NVML's; a restore checks the
+host with `host_identity`, which reads procfs where it answers for the selected device and NVML otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+from typing import Any
+
+from ._nvidia_procfs import KernelGpu, kernel_gpu
+from ._process import criu_environment
+
+__all__ = ("DEVICE_SELECTOR_ENV", "GPU_FACTS", "boot_id", "criu_identity", "gpu_identity", "host_identity",
+           "nvml_identity", "system_identity")
+
+DEVICE_SELECTOR_ENV = "COLDSNAP_PROBE_NVML_DEVICE"  # an NVML index or a GPU-/MIG- UUID; default "0"
+# What `gpu_identity` gives, from one source or the other.
+GPU_FACTS = frozenset({"driver_version", "gpu_uuid", "gpu_name", "compute_capability", "nvml_error",
+                       "gpu_identity_source", "procfs_unused"})
+
+
+def boot_id() -> str | None:
+    """This boot's id (/proc/sys/kernel/random/boot_id), or None where it cannot be read (cache key input 1)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def criu_identity(criu: str | None = None) -> dict[str, Any]:
+    """`criu --version` of the CRIU a capture or restore runs (`criu`; default: the one on PATH), run with its
+    library directory so that the version, not a loader error, is what is recorded."""
+    path = shutil.which(criu or "criu")
+    if path is None:
+        return {"installed": False, "path": criu or "criu"}
+    env = criu_environment(path)
+    try:
+        done = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=5, check=False, env=env)
+        return {"installed": True, "path": path, "version": (done.stdout or done.stderr).strip(),
+                "version_exit_code": done.returncode}
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"installed": True, "path": path, "version_error": f"{type(exc).__name__}: {exc}"}
+
+
+def _str(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def nvml_identity(selector: str) -> dict[str, Any]:
+    """Driver version and the selected device's UUID, name and compute capability, through NVML (imported here:
+    pynvml and nvmlInit are most of an identity's cost)."""
+    try:
+        import pynvml
+    except ImportError as exc:
+        return {"driver_version": None, "nvml_error": f"ImportError: {exc}"}
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:
+        return {"driver_version": None, "nvml_error": f"{type(exc).__name__}: {exc}"}
+    try:
+        handle = (pynvml.nvmlDeviceGetHandleByUUID(selector) if selector.startswith(("GPU-", "MIG-"))
+                  else pynvml.nvmlDeviceGetHandleByIndex(int(selector)))
+        major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+        return {"driver_version": _str(pynvml.nvmlSystemGetDriverVersion()),
+                "gpu_uuid": _str(pynvml.nvmlDeviceGetUUID(handle)), "gpu_name": _str(pynvml.nvmlDeviceGetName(handle)),
+                "compute_capability": f"{major}.{minor}"}
+    except Exception as exc:
+        return {"driver_version": None, "nvml_error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def gpu_identity(*, nvml: bool = False) -> dict[str, Any]:
+    """The selected device's driver version, UUID and name, and `gpu_identity_source`: `procfs` where the kernel
+    module states all three for exactly that device (and `nvml` is false), else `nvml` (with `procfs_unused`, the
+    reason, when procfs was tried)."""
+    selector = os.environ.get(DEVICE_SELECTOR_ENV, "0")
+    if nvml:
+        return {**nvml_identity(selector), "gpu_identity_source": "nvml"}
+    found = kernel_gpu(selector)
+    if isinstance(found, KernelGpu):
+        return {"driver_version": found.driver_version, "gpu_uuid": found.gpu_uuid, "gpu_name": found.gpu_name,
+                "gpu_identity_source": "procfs"}
+    return {**nvml_identity(selector), "gpu_identity_source": "nvml", "procfs_unused": found}
+
+
+def system_identity() -> dict[str, Any]:
+    """Boot id, hostname, architecture and kernel release."""
+    return {"boot_id": boot_id(), "hostname": platform.node(), "architecture": platform.machine(),
+            "kernel": platform.release()}
+
+
+def host_identity(criu: str | None = None) -> dict[str, Any]:
+    """This host as a restore checks it against the captured identity: the system, the GPU facts (procfs first,
+    `gpu_identity`) and the CRIU that will restore."""
+    return {**system_identity(), **gpu_identity(), "criu": criu_identity(criu)}
