@@ -28,6 +28,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import ProbeError
+
 __all__ = ("PROC_NVIDIA", "KernelGpu", "kernel_gpu")
 
 PROC_NVIDIA = Path("/proc/driver/nvidia")
@@ -67,7 +69,7 @@ def kernel_gpu(selector: str, root: Path = PROC_NVIDIA) -> KernelGpu | str:
         if version is None:
             return f"{root}/version does not state the driver version"
         gpus = _gpus(root_fd)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, ProbeError) as exc:  # ValueError: not ASCII
         return f"{root}: {exc}"
     finally:
         os.close(root_fd)
@@ -102,7 +104,7 @@ def _gpus(root_fd: int) -> dict[str, dict[str, str]]:
     try:
         names = sorted(name for name in os.listdir(gpus_fd) if _BUS_ID.fullmatch(name))
         if len(names) > MAX_GPUS:
-            raise ValueError(f"{len(names)} GPU directories (at most {MAX_GPUS})")
+            raise ProbeError(f"{len(names)} GPU directories (at most {MAX_GPUS})")
         found: dict[str, dict[str, str]] = {}
         for name in names:
             gpu_fd = os.open(name, _DIRECTORY, dir_fd=gpus_fd)
@@ -122,7 +124,7 @@ def _fields(text: str) -> dict[str, str]:
         key, colon, value = line.partition(":")
         if colon:
             if key.strip() in fields:
-                raise ValueError(f"the key {key.strip()!r} appears twice in a GPU's information")
+                raise ProbeError(f"the key {key.strip()!r} appears twice in a GPU's information")
             fields[key.strip()] = value.strip()
     return fields
 
@@ -132,14 +134,14 @@ def _read(dir_fd: int, name: str) -> str:
     fd = os.open(name, _FILE, dir_fd=dir_fd)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"{name} is not a regular file")
+            raise ProbeError(f"{name} is not a regular file")
         chunks: list[bytes] = []
         size = 0
         while chunk := os.read(fd, MAX_FILE_BYTES + 1 - size):
             chunks.append(chunk)
             size += len(chunk)
             if size > MAX_FILE_BYTES:
-                raise ValueError(f"{name} is larger than {MAX_FILE_BYTES} bytes")
+                raise ProbeError(f"{name} is larger than {MAX_FILE_BYTES} bytes")
         return b"".join(chunks).decode("ascii")
     finally:
         os.close(fd)
