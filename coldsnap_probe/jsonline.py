@@ -33,6 +33,7 @@ __all__ = ("MAX_ANSWER_FDS", "MAX_REQUEST", "PAGE_MARK", "REQUEST_TIMEOUT", "Ans
 
 MAX_REQUEST = 1 << 20  # bytes of one request line (regions lists stay far below it)
 REQUEST_TIMEOUT = 30.0  # seconds a connection has to send its whole request
+DRAIN_TIMEOUT = 1.0  # seconds, in all, an answered asker has to close before the server closes on it
 # An answer read by a root worker may come from an engine's socket (its hydration or interposer control):
 # bounded in bytes (a 70B engine's device dump manifest is a few MiB) and in descriptors.
 MAX_ANSWER, MAX_ANSWER_FDS = 64 << 20, 16
@@ -142,11 +143,12 @@ class LineServer:
             pass  # never listened, or closed already
         self.listener.close()
         deadline = time.monotonic() + timeout
-        with self._serving_lock:
-            threads = [self._thread, *self._serving]
-        for thread in threads:
-            if thread.is_alive() and thread is not threading.current_thread():
-                thread.join(max(0.0, deadline - time.monotonic()))
+        for first in (True, False):  # the accept thread first: a connection it hands over meanwhile is then seen
+            with self._serving_lock:
+                threads = [self._thread] if first else list(self._serving)
+            for thread in threads:
+                if thread.is_alive() and thread is not threading.current_thread():
+                    thread.join(max(0.0, deadline - time.monotonic()))
 
     def run(self) -> None:
         """The accept loop, in the calling thread; returns once the listener is closed."""
@@ -229,12 +231,16 @@ class LineServer:
 
 
 def _drain(conn: socket.socket) -> None:
-    """After the answer: end our side and read what the asker still sends until it closes (briefly), because
-    closing a socket with unread input resets the connection and the asker may lose the answer."""
+    """After the answer: end our side and read what the asker still sends until it closes, within DRAIN_TIMEOUT
+    in all (an asker trickling bytes holds the thread no longer than a silent one), because closing a socket with
+    unread input resets the connection and the asker may lose the answer."""
     conn.shutdown(socket.SHUT_WR)
-    conn.settimeout(1.0)
+    deadline = time.monotonic() + DRAIN_TIMEOUT
     received = 0
-    while received <= MAX_REQUEST and (part := conn.recv(65536)):
+    while received <= MAX_REQUEST and (left := deadline - time.monotonic()) > 0:
+        conn.settimeout(left)
+        if not (part := conn.recv(65536)):
+            return
         received += len(part)
 
 

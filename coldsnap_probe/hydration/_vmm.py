@@ -163,21 +163,27 @@ def copy_ring(driver: Any, context: Any, regions: Sequence[WeightRegion], dst_of
     def work(worker: int) -> None:
         cucall(driver, "cuCtxSetCurrent", context)
         started = time.perf_counter()
-        stream = cucall(driver, "cuStreamCreate", 1)
         size = chunk + 2 * align
-        buffers = [int(cucall(driver, "cuMemHostAlloc", size, 0)) for _ in range(2)]
-        events = [cucall(driver, "cuEventCreate", 2) for _ in range(2)]
-        pinned = time.perf_counter() - started
-        try:
-            spent[worker] = (pinned, *_ring_pieces(driver, stream, buffers, events, size, align,
+        streams: list[Any] = []
+        buffers: list[int] = []
+        events: list[Any] = []
+        try:  # the set-up inside: a failed page-locked allocation (concurrent stages) frees what came before it
+            streams.append(cucall(driver, "cuStreamCreate", 1))
+            for _ in range(2):
+                buffers.append(int(cucall(driver, "cuMemHostAlloc", size, 0)))
+                events.append(cucall(driver, "cuEventCreate", 2))
+            pinned = time.perf_counter() - started
+            spent[worker] = (pinned, *_ring_pieces(driver, streams[0], buffers, events, size, align,
                                                     pieces[worker::threads], fds))
         finally:  # a failed read leaves copies in flight: none may outlive the buffers or the caller's mapping
-            driver.cuda.cuStreamSynchronize(stream)
+            for stream in streams:
+                driver.cuda.cuStreamSynchronize(stream)
             for event in events:
                 driver.cuda.cuEventDestroy(event)
             for buffer in buffers:
                 driver.cuda.cuMemFreeHost(buffer)
-            driver.cuda.cuStreamDestroy(stream)
+            for stream in streams:
+                driver.cuda.cuStreamDestroy(stream)
 
     try:
         with ThreadPoolExecutor(threads) as pool:
