@@ -109,3 +109,19 @@ def test_a_star_import_binds_every_public_name() -> None:
             "print(json.dumps([n for n in names if n not in globals()]))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert json.loads(done.stdout) == []
+
+
+def test_a_misspelt_public_name_is_a_type_error(tmp_path: Path) -> None:
+    """Regression (review4): mypy typed every attribute of a module with a PEP 562 `__getattr__` as its return
+    type (Any), so `from coldsnap_probe import misspelt` passed `mypy --strict` and failed only when run."""
+    use = tmp_path / "use.py"
+    use.write_text("from coldsnap_probe import cache_key, not_a_name\nfrom coldsnap_probe.hydration import also_not\n"
+                   "x: int = cache_key\n")
+    done = subprocess.run([sys.executable, "-m", "mypy", "--strict", "--cache-dir", str(tmp_path / "cache"),
+                           str(use)], capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
+    errors = sorted(line.split(": error: ")[1] for line in done.stdout.splitlines() if ": error: " in line)
+    assert errors == [
+        'Incompatible types in assignment (expression has type "Callable[[str, str, str, str, str, str], str]", '
+        'variable has type "int")  [assignment]',
+        'Module "coldsnap_probe" has no attribute "not_a_name"  [attr-defined]',
+        'Module "coldsnap_probe.hydration" has no attribute "also_not"  [attr-defined]'], done.stdout
