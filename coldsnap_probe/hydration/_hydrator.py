@@ -323,7 +323,9 @@ class HydratorServer:
         if count >= STAGE_MAX:
             raise HydrationError(f"{count} allocations are staged already (at most {STAGE_MAX})")
         free, _total = cucall(self.driver, "cuMemGetInfo")
-        free = int(free) + (replacing.size if replacing else 0) - sum(v.unallocated for v in self.staged.values())
+        # A replaced stage gives back only its pages not handed out yet: an adopted page lives on in its engine.
+        returned = sum(replacing.sizes[replacing.taken:]) if replacing else 0
+        free = int(free) + returned - sum(v.unallocated for v in self.staged.values())
         if free - size < STAGE_RESERVE:
             raise HydrationError(f"staging {size} bytes would leave {free - size} of the GPU's {free} free bytes "
                                  f"(at least {STAGE_RESERVE} stay free; stages being filled count as used)")
