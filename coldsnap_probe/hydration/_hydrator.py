@@ -33,7 +33,8 @@ from ._vmm import (
 )
 from ._weights import HydrationManifest, WeightRegion, validate_regions
 
-__all__ = ("ADOPT_PAGE", "CONNECTIONS", "STAGE_MAX", "STAGE_RESERVE", "STAGE_TTL", "HydratorServer", "Stager")
+__all__ = ("ADOPT_PAGE", "CONNECTIONS", "STAGE_MAX", "STAGE_RESERVE", "STAGE_TTL", "UID_CONNECTIONS", "HydratorServer",
+           "Stager")
 
 STAGE_TTL = 120.0  # seconds a staged allocation waits for its engine before the hydrator frees it
 STAGE_MAX = 4  # staged allocations a hydrator holds at once
@@ -42,6 +43,7 @@ ADOPT_PAGE = jsonline.MAX_ANSWER_FDS  # descriptors one `adopt` answer carries (
 _Slot = tuple[int, str]  # a stage's place: (the uid that staged it, its key), so tenants never share one
 DUMP_THREADS, DUMP_CHUNK = 16, 8 << 20  # the ring a dump is read through (page-locked per stage: 256 MiB)
 CONNECTIONS = 8  # peers answered at once, as the interposer's control socket: more wait in the listen backlog
+UID_CONNECTIONS = CONNECTIONS // 2  # of them, one tenant uid's at most (root's and ours are not capped)
 
 
 @dataclass
@@ -91,14 +93,16 @@ class HydratorServer:
     the stager only), each uid's stages are its own (another uid staging the same key, the same model's manifest,
     stages beside it and never replaces nor blocks it), and `status` lists only the asker's own stages.
 
-    Concurrency: each connection is answered on a thread of its own, CONNECTIONS at once (jsonline.LineServer),
-    each within the request deadline, so a slow copy or a silent peer holds up no one else. Each thread makes the
-    hydrator's context current before any driver call, and each copy makes its own streams. The locking rule:
-    `self.staged` and every stage in it are read and changed only under `self._lock`, and every check-then-act
-    on them (quota, STAGE_MAX and free memory then reserve; find a ticket's stage then export or free it; expiry)
-    happens in one hold of it. A stage is reserved under the lock (its slot, and its bytes as `unallocated`) and
-    allocated and filled outside it; until it is `ready` no one can adopt, discard or expire it, a second stage of
-    the same slot is refused, and a failed fill gives its reservation back. Nothing slow (a copy) runs under it.
+    Concurrency: each connection is answered on a thread of its own, CONNECTIONS at once (jsonline.LineServer), each
+    within the request deadline, so a slow copy or a silent peer holds up no one else; one tenant uid gets at most
+    UID_CONNECTIONS of them (its others wait for one of its own to end, holding no thread), so its silent
+    connections cannot take them all. Each thread makes the hydrator's context current before any driver call, and
+    each copy makes its own streams. The locking rule: `self.staged` and every stage in it are read and changed only
+    under `self._lock`, and every check-then-act on them (quota, STAGE_MAX and free memory then reserve; find a
+    ticket's stage then export or free it; expiry) happens in one hold of it. A stage is reserved under the lock
+    (its slot, and its bytes as `unallocated`) and allocated and filled outside it; until it is `ready` no one can
+    adopt, discard or expire it, a second stage of the same slot is refused, and a failed fill gives its reservation
+    back. Nothing slow (a copy) runs under it.
     """
 
     def __init__(self, sources: Sequence[str], *, streams: int = 4, driver: Any = None,
@@ -141,7 +145,7 @@ class HydratorServer:
                                          "device_uuid": self.device_uuid}) + "\n")
             sys.stdout.flush()
             jsonline.LineServer(listener, self._one, peers=self.peers, idle=self._expire,
-                                threads=CONNECTIONS).run()
+                                threads=CONNECTIONS, per_uid=UID_CONNECTIONS).run()
 
     def _one(self, conn: socket.socket, peer: jsonline.Peer) -> jsonline.Answer:
         cucall(self.driver, "cuCtxSetCurrent", self.context)  # this connection's thread, for every call below

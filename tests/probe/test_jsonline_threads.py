@@ -190,3 +190,6 @@ def test_a_peer_trickling_after_its_answer_is_cut_off_and_the_next_is_answered(t
             other.join(0.5)
         other.join(WAIT)
         assert answers == [{"ok": True, "n": 8}]
+    with jsonline.listen(tmp_path / "uncapped.sock") as listener, \
+            pytest.raises(ChannelError, match="per_uid must be at least one connection, not 0"):
+        jsonline.LineServer(listener, Holding(), peers=jsonline.Peers(), threads=2, per_uid=0)
