@@ -238,6 +238,8 @@ class LineServer:
                 self._serving.discard(thread)
             self._slots.release()
             conn.close()
+            for parked in self._forget(uid):  # its uid's count goes back; those waiting on it would wait forever
+                parked.close()
             time.sleep(0.1)
 
     def _one(self, conn: socket.socket) -> None:
@@ -261,7 +263,6 @@ class LineServer:
         finally:
             for fd in fds:
                 os.close(fd)
-
 
     def _capped_uid(self, conn: socket.socket) -> int | None:
         """The uid of `conn`'s peer when it is capped (`per_uid`, more than one thread, neither root nor ours)."""
