@@ -452,6 +452,8 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--bench-child", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.restores < 1:  # the table is made of the restores: without one the run would end on an empty list
+        parser.error(f"--restores must be at least 1, not {args.restores}")
     if "discarded" in args.kv and "hydrate" not in args.modes:
         parser.error("--kv discarded needs --modes hydrate (the KV cache is discarded from the weight arena)")
     if args.bench_child:

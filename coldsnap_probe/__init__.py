@@ -161,17 +161,18 @@ __all__ = (
 )
 
 
-def __getattr__(name: str) -> Any:
-    """`name` imported from its module on first use, then kept as this module's attribute."""
-    try:
-        module, _, attribute = _EXPORTS[name].partition(":")
-    except KeyError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    # __import__, not importlib.import_module: `python -X importtime` then shows what each first use costs.
-    value = getattr(__import__(module.lstrip("."), globals(), None, [attribute or name], 1), attribute or name)
-    globals()[name] = value
-    return value
+if not TYPE_CHECKING:  # mypy sees only the imports above: a misspelt name is then an error, not Any
 
+    def __getattr__(name: str) -> Any:
+        """`name` imported from its module on first use, then kept as this module's attribute."""
+        try:
+            module, _, attribute = _EXPORTS[name].partition(":")
+        except KeyError:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+        # __import__, not importlib.import_module: `python -X importtime` then shows what each first use costs.
+        value = getattr(__import__(module.lstrip("."), globals(), None, [attribute or name], 1), attribute or name)
+        globals()[name] = value
+        return value
 
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    def __dir__() -> list[str]:
+        return sorted({*globals(), *__all__})

@@ -21,6 +21,7 @@ import stat
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,8 @@ __all__ = ("MAX_ANSWER_FDS", "MAX_REQUEST", "PAGE_MARK", "REQUEST_TIMEOUT", "Ans
 
 MAX_REQUEST = 1 << 20  # bytes of one request line (regions lists stay far below it)
 REQUEST_TIMEOUT = 30.0  # seconds a connection has to send its whole request
+PARKED_PER_UID = 64  # a capped uid's connections waiting for one of its threads (LineServer's per_uid)
+DRAIN_TIMEOUT = 1.0  # seconds, in all, an answered asker has to close before the server closes on it
 # An answer read by a root worker may come from an engine's socket (its hydration or interposer control):
 # bounded in bytes (a 70B engine's device dump manifest is a few MiB) and in descriptors.
 MAX_ANSWER, MAX_ANSWER_FDS = 64 << 20, 16
@@ -114,19 +117,32 @@ class LineServer:
     thread's state (an engine's current CUDA context, torch's current stream and grad mode are per thread).
     `idle` runs on the accept thread, after each connection is answered (with more threads: handed over, so it
     runs while others are answered) and at least every `idle_every` seconds. The loop ends when the listener
-    is closed (`close()`)."""
+    is closed (`close()`).
+
+    With `per_uid` (and more than one thread), one uid is answered on at most that many threads at once: its
+    further connections wait, holding no thread, for one of its own to end (at most PARKED_PER_UID of them; more
+    are closed unanswered). Root and this process's uid are not capped (they could stop the process anyway). So a
+    tenant that opens connections and stays silent, each within its deadline, cannot keep every thread and starve
+    the others (whose connections would wait in the backlog behind its own), and a burst of one tenant's requests
+    (an engine's ranks adopting at once) waits its turn rather than being refused."""
 
     def __init__(self, listener: socket.socket, answer: Callable[[socket.socket, Peer], Answer], *,
                  peers: Peers, idle: Callable[[], None] | None = None, idle_every: float = 1.0,
-                 request_timeout: float = REQUEST_TIMEOUT, threads: int = 1, name: str = "coldsnap-jsonline") -> None:
+                 request_timeout: float = REQUEST_TIMEOUT, threads: int = 1, per_uid: int | None = None,
+                 name: str = "coldsnap-jsonline") -> None:
         if threads < 1:
             raise ChannelError(f"a LineServer needs at least one thread, not {threads}")
+        if per_uid is not None and per_uid < 1:
+            raise ChannelError(f"a LineServer's per_uid must be at least one connection, not {per_uid}")
         self.listener, self.peers = listener, peers
         self._answer, self._idle, self._request_timeout = answer, idle, request_timeout
         self._idle_every, self._name = idle_every, name
         self._threads, self._slots = threads, threading.BoundedSemaphore(threads)  # one per connection being answered
         self._serving: set[threading.Thread] = set()  # the connections' threads still running (close joins them)
-        self._serving_lock = threading.Lock()
+        self._serving_lock = threading.Lock()  # also over `_by_uid` and `_parked`
+        # Invariant: a capped uid has `_by_uid[uid]` connections being answered (at most per_uid), and connections
+        # parked only while that is at per_uid; the thread that ends one of them answers the next parked.
+        self._per_uid, self._by_uid, self._parked = per_uid, dict[int, int](), dict[int, deque[socket.socket]]()
         self._thread = threading.Thread(target=self.run, name=name, daemon=True)
 
     def start(self) -> LineServer:
@@ -142,11 +158,18 @@ class LineServer:
             pass  # never listened, or closed already
         self.listener.close()
         deadline = time.monotonic() + timeout
-        with self._serving_lock:
-            threads = [self._thread, *self._serving]
-        for thread in threads:
-            if thread.is_alive() and thread is not threading.current_thread():
-                thread.join(max(0.0, deadline - time.monotonic()))
+        for first in (True, False):  # the accept thread first: a connection it hands over meanwhile is then seen
+            with self._serving_lock:
+                threads = [self._thread] if first else list(self._serving)
+            for thread in threads:
+                if thread.is_alive() and thread is not threading.current_thread():
+                    thread.join(max(0.0, deadline - time.monotonic()))
+            if first:  # nothing is accepted any more: what waits for a thread of its uid is not answered
+                with self._serving_lock:
+                    waiting = [conn for parked in self._parked.values() for conn in parked]
+                    self._parked.clear()
+                for conn in waiting:
+                    conn.close()
 
     def run(self) -> None:
         """The accept loop, in the calling thread; returns once the listener is closed."""
@@ -180,18 +203,30 @@ class LineServer:
                 self._idle()
 
     def _hand_over(self, conn: socket.socket) -> None:
-        """Answer `conn` on a thread of its own (here, with one thread), which gives its slot back when done."""
+        """Answer `conn` on a thread of its own (here, with one thread), which then answers its uid's parked
+        connections, if any, and gives its slot back when done; or park it (its uid is at its cap)."""
+        uid = self._capped_uid(conn)
+
         def serve() -> None:
+            current: socket.socket | None = conn
             try:
-                with conn:
-                    self._one(conn)
+                while current is not None:
+                    with current:
+                        self._one(current)
+                    current = self._next_parked(uid)
             finally:
+                if current is not None:  # `_one` raised: the uid's count goes, its parked ones are closed
+                    for parked in self._forget(uid):
+                        parked.close()
                 with self._serving_lock:
                     self._serving.discard(threading.current_thread())
                 self._slots.release()
 
         if self._threads == 1:  # on the accept thread itself (see the class docstring)
             serve()
+            return
+        if not self._enter(uid, conn):  # parked (or, beyond PARKED_PER_UID, closed): no thread, no slot
+            self._slots.release()
             return
         thread = threading.Thread(target=serve, name=f"{self._name}-conn", daemon=True)
         with self._serving_lock:
@@ -203,6 +238,8 @@ class LineServer:
                 self._serving.discard(thread)
             self._slots.release()
             conn.close()
+            for parked in self._forget(uid):  # its uid's count goes back; those waiting on it would wait forever
+                parked.close()
             time.sleep(0.1)
 
     def _one(self, conn: socket.socket) -> None:
@@ -227,14 +264,70 @@ class LineServer:
             for fd in fds:
                 os.close(fd)
 
+    def _capped_uid(self, conn: socket.socket) -> int | None:
+        """The uid of `conn`'s peer when it is capped (`per_uid`, more than one thread, neither root nor ours)."""
+        if self._per_uid is None or self._threads == 1:
+            return None
+        try:
+            uid = Peer.of(conn).uid
+        except OSError:
+            return None  # `_one` answers it (and finds the same)
+        return None if uid in (0, os.geteuid()) else uid
+
+    def _enter(self, uid: int | None, conn: socket.socket) -> bool:
+        """Whether `conn` is answered now (counted in for its uid); if not, it was parked or closed."""
+        if uid is None or self._per_uid is None:
+            return True
+        with self._serving_lock:
+            if (count := self._by_uid.get(uid, 0)) < self._per_uid:
+                self._by_uid[uid] = count + 1
+                return True
+            parked = self._parked.setdefault(uid, deque())
+            if len(parked) < PARKED_PER_UID:
+                parked.append(conn)
+                return False
+        conn.close()  # the asker sees the connection end unanswered: it may ask again
+        return False
+
+    def _next_parked(self, uid: int | None) -> socket.socket | None:
+        """After one of `uid`'s connections: its next parked one (answered on the same thread), or None (its count
+        goes down)."""
+        if uid is None:
+            return None
+        with self._serving_lock:
+            if parked := self._parked.get(uid):
+                conn = parked.popleft()
+                if not parked:
+                    del self._parked[uid]
+                return conn
+            self._by_uid[uid] -= 1
+            if not self._by_uid[uid]:
+                del self._by_uid[uid]
+            return None
+
+    def _forget(self, uid: int | None) -> list[socket.socket]:
+        """One of `uid`'s connections ended in an error: its count goes down; its parked ones, returned, are the
+        caller's to close."""
+        if uid is None:
+            return []
+        with self._serving_lock:
+            self._by_uid[uid] -= 1
+            if not self._by_uid[uid]:
+                del self._by_uid[uid]
+            return list(self._parked.pop(uid, ()))
+
 
 def _drain(conn: socket.socket) -> None:
-    """After the answer: end our side and read what the asker still sends until it closes (briefly), because
-    closing a socket with unread input resets the connection and the asker may lose the answer."""
+    """After the answer: end our side and read what the asker still sends until it closes, within DRAIN_TIMEOUT
+    in all (an asker trickling bytes holds the thread no longer than a silent one), because closing a socket with
+    unread input resets the connection and the asker may lose the answer."""
     conn.shutdown(socket.SHUT_WR)
-    conn.settimeout(1.0)
+    deadline = time.monotonic() + DRAIN_TIMEOUT
     received = 0
-    while received <= MAX_REQUEST and (part := conn.recv(65536)):
+    while received <= MAX_REQUEST and (left := deadline - time.monotonic()) > 0:
+        conn.settimeout(left)
+        if not (part := conn.recv(65536)):
+            return
         received += len(part)
 
 

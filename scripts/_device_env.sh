@@ -3,15 +3,19 @@
 # carried, else .device-criu (Debian's 4.1.1); CRIU_ROOT names the one used, for capsules too.
 OUT="${OUT:-$PWD/device-out}"
 mkdir -p "$OUT"
+DEVICE_SITE="${COLDSNAP_DEVICE_SITE:-/tmp/site}"  # where the wheels go (kept while the machine stays warm)
 if ls .whl/*.whl >/dev/null 2>&1; then
-    # Once per set of wheels (a script that runs several parts sources this each time).
-    WHEELS=$(ls -l .whl/*.whl | md5sum)
-    if [ "$(cat /tmp/site/.coldsnap-wheels 2>/dev/null)" != "$WHEELS" ]; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    # Once per set of wheels (a script that runs several parts sources this each time). A set is named by its
+    # wheels' names and bytes (a rebuilt wheel keeps its name, often its size, and a copy sets its time), and
+    # another set's site is removed first: `pip --target --upgrade` would leave its packages this set lacks.
+    WHEELS=$(cd .whl && sha256sum -- *.whl | sha256sum)
+    if [ "$(cat "$DEVICE_SITE/.coldsnap-wheels" 2>/dev/null)" != "$WHEELS" ]; then
+        rm -rf "$DEVICE_SITE"
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$DEVICE_SITE" \
             .whl/*.whl || exit 1
-        echo "$WHEELS" > /tmp/site/.coldsnap-wheels
+        echo "$WHEELS" > "$DEVICE_SITE/.coldsnap-wheels"
     fi
-    export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    export PYTHONPATH="$DEVICE_SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 else
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi

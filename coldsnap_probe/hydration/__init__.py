@@ -133,17 +133,18 @@ __all__ = (
 )
 
 
-def __getattr__(name: str) -> Any:
-    """`name` imported from its module on first use, then kept as this module's attribute."""
-    try:
-        module = _EXPORTS[name]
-    except KeyError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    # __import__, not importlib.import_module: `python -X importtime` then shows what each first use costs.
-    value = getattr(__import__(module.lstrip("."), globals(), None, [name], 1), name)
-    globals()[name] = value
-    return value
+if not TYPE_CHECKING:  # mypy sees only the imports above: a misspelt name is then an error, not Any
 
+    def __getattr__(name: str) -> Any:
+        """`name` imported from its module on first use, then kept as this module's attribute."""
+        try:
+            module = _EXPORTS[name]
+        except KeyError:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+        # __import__, not importlib.import_module: `python -X importtime` then shows what each first use costs.
+        value = getattr(__import__(module.lstrip("."), globals(), None, [name], 1), name)
+        globals()[name] = value
+        return value
 
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    def __dir__() -> list[str]:
+        return sorted({*globals(), *__all__})

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import secrets
+import select
 import socket
 import sys
 import threading
@@ -32,7 +33,8 @@ from ._vmm import (
 )
 from ._weights import HydrationManifest, WeightRegion, validate_regions
 
-__all__ = ("ADOPT_PAGE", "CONNECTIONS", "STAGE_MAX", "STAGE_RESERVE", "STAGE_TTL", "HydratorServer", "Stager")
+__all__ = ("ADOPT_PAGE", "CONNECTIONS", "STAGE_MAX", "STAGE_RESERVE", "STAGE_TTL", "UID_CONNECTIONS", "HydratorServer",
+           "Stager")
 
 STAGE_TTL = 120.0  # seconds a staged allocation waits for its engine before the hydrator frees it
 STAGE_MAX = 4  # staged allocations a hydrator holds at once
@@ -41,6 +43,7 @@ ADOPT_PAGE = jsonline.MAX_ANSWER_FDS  # descriptors one `adopt` answer carries (
 _Slot = tuple[int, str]  # a stage's place: (the uid that staged it, its key), so tenants never share one
 DUMP_THREADS, DUMP_CHUNK = 16, 8 << 20  # the ring a dump is read through (page-locked per stage: 256 MiB)
 CONNECTIONS = 8  # peers answered at once, as the interposer's control socket: more wait in the listen backlog
+UID_CONNECTIONS = CONNECTIONS // 2  # of them, one tenant uid's at most (root's and ours are not capped)
 
 
 @dataclass
@@ -90,14 +93,16 @@ class HydratorServer:
     the stager only), each uid's stages are its own (another uid staging the same key, the same model's manifest,
     stages beside it and never replaces nor blocks it), and `status` lists only the asker's own stages.
 
-    Concurrency: each connection is answered on a thread of its own, CONNECTIONS at once (jsonline.LineServer),
-    each within the request deadline, so a slow copy or a silent peer holds up no one else. Each thread makes the
-    hydrator's context current before any driver call, and each copy makes its own streams. The locking rule:
-    `self.staged` and every stage in it are read and changed only under `self._lock`, and every check-then-act
-    on them (quota, STAGE_MAX and free memory then reserve; find a ticket's stage then export or free it; expiry)
-    happens in one hold of it. A stage is reserved under the lock (its slot, and its bytes as `unallocated`) and
-    allocated and filled outside it; until it is `ready` no one can adopt, discard or expire it, a second stage of
-    the same slot is refused, and a failed fill gives its reservation back. Nothing slow (a copy) runs under it.
+    Concurrency: each connection is answered on a thread of its own, CONNECTIONS at once (jsonline.LineServer), each
+    within the request deadline, so a slow copy or a silent peer holds up no one else; one tenant uid gets at most
+    UID_CONNECTIONS of them (its others wait for one of its own to end, holding no thread), so its silent
+    connections cannot take them all. Each thread makes the hydrator's context current before any driver call, and
+    each copy makes its own streams. The locking rule: `self.staged` and every stage in it are read and changed only
+    under `self._lock`, and every check-then-act on them (quota, STAGE_MAX and free memory then reserve; find a
+    ticket's stage then export or free it; expiry) happens in one hold of it. A stage is reserved under the lock
+    (its slot, and its bytes as `unallocated`) and allocated and filled outside it; until it is `ready` no one can
+    adopt, discard or expire it, a second stage of the same slot is refused, and a failed fill gives its reservation
+    back. Nothing slow (a copy) runs under it.
     """
 
     def __init__(self, sources: Sequence[str], *, streams: int = 4, driver: Any = None,
@@ -140,13 +145,20 @@ class HydratorServer:
                                          "device_uuid": self.device_uuid}) + "\n")
             sys.stdout.flush()
             jsonline.LineServer(listener, self._one, peers=self.peers, idle=self._expire,
-                                threads=CONNECTIONS).run()
+                                threads=CONNECTIONS, per_uid=UID_CONNECTIONS).run()
 
     def _one(self, conn: socket.socket, peer: jsonline.Peer) -> jsonline.Answer:
         cucall(self.driver, "cuCtxSetCurrent", self.context)  # this connection's thread, for every call below
+        given, started = conn.gettimeout(), time.monotonic()
         data, fds, _flags, _addr = socket.recv_fds(conn, jsonline.MAX_REQUEST, 1)
         try:
-            message = json.loads(jsonline.read_line(conn, data))
+            # One deadline for the whole request line: the wait for its first bytes is not given again to the rest.
+            conn.settimeout(max(0.001, (given or jsonline.REQUEST_TIMEOUT) - (time.monotonic() - started)))
+            try:
+                line = jsonline.read_line(conn, data)
+            finally:
+                conn.settimeout(given)  # the answer's sends get the connection's whole timeout
+            message = json.loads(line)
             op = message.get("op", "hydrate") if isinstance(message, dict) else None
             if op != "hydrate" and fds:
                 raise HydrationError(f"a {op} request carries no descriptor")
@@ -155,9 +167,9 @@ class HydratorServer:
                     raise HydrationError("a hydrate request carries exactly one allocation descriptor")
                 return self._hydrate(message, fds[0], peer)
             if op == "stage":
-                return self._stage(message, peer)
+                return self._stage(message, peer, conn)
             if op == "stage-dump":
-                return self._stage_dump(message, peer)
+                return self._stage_dump(message, peer, conn)
             if op == "adopt":
                 return self._adopt(message, peer)
             if op == "discard":
@@ -272,11 +284,12 @@ class HydratorServer:
                                                    unallocated=staged.size)
             return reserved
 
-    def _stage_into(self, key: str, peer: jsonline.Peer, staged: _Staged, copy: Callable[[int], object],
-                    copied: int) -> dict[str, Any]:
+    def _stage_into(self, key: str, peer: jsonline.Peer, conn: socket.socket, staged: _Staged,
+                    copy: Callable[[int], object], copied: int) -> dict[str, Any]:
         """Reserve `staged` under `key` (`_reserve`), allocate its bytes as one allocation per `staged.sizes` and
         `copy` into them outside the lock, then make it ready (handles, timings, expiry). A failure releases every
-        allocation made and the reservation."""
+        allocation made and the reservation; so does a stager that hung up (`conn` closed) meanwhile: a restore
+        refused after it started its stages, or a worker that died, leaves nothing staged for the TTL."""
         slot = (peer.uid, key)
         reserved = self._reserve(slot, staged)
         started = time.perf_counter()
@@ -288,6 +301,8 @@ class HydratorServer:
                 with self._lock:  # now counted by cuMemGetInfo instead
                     reserved.unallocated -= n
             copy_s, report = self._fill(list(zip(handles, staged.sizes, strict=True)), copy)
+            if _hung_up(conn):  # no one will ever get the ticket: kept, it would hold the GPU for the whole TTL
+                raise HydrationError(f"the stager of {key} hung up while its stage was filled: freed")
         except BaseException:
             with self._lock:
                 if self.staged.get(slot) is reserved:
@@ -303,12 +318,13 @@ class HydratorServer:
                 "allocations": len(handles), "ticket": reserved.ticket,
                 **({"copy": report} if isinstance(report, dict) else {})}  # the ring's thread-seconds
 
-    def _stage(self, message: dict[str, Any], peer: jsonline.Peer) -> dict[str, Any]:
+    def _stage(self, message: dict[str, Any], peer: jsonline.Peer, conn: socket.socket) -> dict[str, Any]:
         """Allocate and fill ahead of the engine's restore; refused for an engine on another GPU. The answer's
         `ticket` is what the engine presents to adopt it."""
         key = self._stage_slot(message)
         base, size, regions, jobs = self._jobs(message, peer)
-        return self._stage_into(key, peer, _Staged((), base, size, regions, 0.0, 0.0, 0.0, 0, "", sizes=(size,)),
+        return self._stage_into(key, peer, conn, _Staged((), base, size, regions, 0.0, 0.0, 0.0, 0, "",
+                                                         sizes=(size,)),
                                 self._pinned(jobs), sum(n for _, _, n in jobs))
 
     def _room_for(self, size: int, replacing: _Staged | None) -> None:
@@ -318,12 +334,14 @@ class HydratorServer:
         if count >= STAGE_MAX:
             raise HydrationError(f"{count} allocations are staged already (at most {STAGE_MAX})")
         free, _total = cucall(self.driver, "cuMemGetInfo")
-        free = int(free) + (replacing.size if replacing else 0) - sum(v.unallocated for v in self.staged.values())
+        # A replaced stage gives back only its pages not handed out yet: an adopted page lives on in its engine.
+        returned = sum(replacing.sizes[replacing.taken:]) if replacing else 0
+        free = int(free) + returned - sum(v.unallocated for v in self.staged.values())
         if free - size < STAGE_RESERVE:
             raise HydrationError(f"staging {size} bytes would leave {free - size} of the GPU's {free} free bytes "
                                  f"(at least {STAGE_RESERVE} stay free; stages being filled count as used)")
 
-    def _stage_dump(self, message: dict[str, Any], peer: jsonline.Peer) -> dict[str, Any]:
+    def _stage_dump(self, message: dict[str, Any], peer: jsonline.Peer, conn: socket.socket) -> dict[str, Any]:
         """Fill one allocation per released region from an interposer's device dump (docs/interposer.md) while
         its process is being restored: `parts` are (file, bytes, region) in the order the interposer maps them
         back (`dump_layout`), each file read whole through a ring of page-locked buffers into the allocations
@@ -333,8 +351,8 @@ class HydratorServer:
         parts, fds = open_dump_parts(layout, peer)
         size = sum(sizes)
         try:
-            return self._stage_into(key, peer, _Staged((), 0, size, parts, 0.0, 0.0, 0.0, 0, "", layout=layout,
-                                                       sizes=sizes),
+            return self._stage_into(key, peer, conn, _Staged((), 0, size, parts, 0.0, 0.0, 0.0, 0, "",
+                                                             layout=layout, sizes=sizes),
                                     lambda va: copy_ring(self.driver, self.context, parts, lambda r: va + r.address,
                                                          threads=DUMP_THREADS, chunk=DUMP_CHUNK, direct=False,
                                                          opened=fds), size)
@@ -350,6 +368,13 @@ class HydratorServer:
         lock (exporting a page is quick), so an expiry, a discard or another adopt of the same ticket comes wholly
         before or after it: of two adopts of a one-page stage exactly one gets it."""
         key = _stage_key(message)
+        # A weights stage's layout is worked out before the lock: `_jobs` resolves and stats the paths the peer
+        # names, and a filesystem that hangs there (the peer's own FUSE mount) must hold this thread only, not
+        # every peer's stages. Its refusal is raised only for a stage the ticket opens, as before.
+        try:
+            weights: tuple[int, int, tuple[WeightRegion, ...]] | Exception = self._jobs(message, peer)[:3]
+        except Exception as exc:  # a dump's adopt has no weights layout: unused then
+            weights = exc
         with self._lock:
             if (held := self._held(key, message.get("ticket"))) is None:  # another's, or still filling: as if absent
                 return {"ok": False, "staged": False, "error": f"nothing is staged for {key}"}
@@ -359,8 +384,9 @@ class HydratorServer:
                 if dump_layout(message.get("parts"))[0] != staged.layout:
                     raise HydrationError("the staged allocations were filled from another dump")
             else:
-                base, size, regions, _jobs = self._jobs(message, peer)
-                if (base, size, regions) != (staged.base, staged.size, staged.regions):
+                if isinstance(weights, Exception):
+                    raise weights
+                if weights != (staged.base, staged.size, staged.regions):
                     raise HydrationError("the staged allocation was filled for another layout")
             page = staged.handles[first:first + ADOPT_PAGE]
             fds: list[int] = []
@@ -427,6 +453,14 @@ def _first_page(value: Any, count: int, taken: int) -> int:
         raise HydrationError(f"first must be a multiple of {ADOPT_PAGE} below the stage's {count} allocation(s) and "
                              f"at most the next page ({taken}), not {value!r:.40}")
     return value
+
+
+def _hung_up(conn: socket.socket) -> bool:
+    """Whether the asker has closed its end of `conn` (both directions: POLLHUP). A request is sent whole, so an
+    asker that only ended its writing (POLLRDHUP) still waits for the answer."""
+    poller = select.poll()
+    poller.register(conn, select.POLLIN)
+    return any(events & select.POLLHUP for _fd, events in poller.poll(0))
 
 
 def _stage_key(message: dict[str, Any]) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -114,11 +115,15 @@ def copy_registered(driver: Any, jobs: Sequence[tuple[int, int, int]], streams: 
 
 
 def _ring_pieces(driver: Any, stream: Any, buffers: Sequence[int], events: Sequence[Any], size: int, align: int,
-                 pieces: Sequence[tuple[int, str, int, int]], fds: Mapping[str, int]) -> tuple[float, float]:
+                 pieces: Sequence[tuple[int, str, int, int]], fds: Mapping[str, int],
+                 failed: threading.Event) -> tuple[float, float]:
     """One reader thread's pieces (device address, source, offset, bytes) through its two pinned buffers: each
-    read while the other's copy runs. Its seconds reading the files and waiting for the device."""
+    read while the other's copy runs, until they end or another thread `failed`. Its seconds reading the files
+    and waiting for the device."""
     read_s = device_s = 0.0
     for k, (dst, src, offset, n) in enumerate(pieces):
+        if failed.is_set():  # the copy is refused anyway: the rest of a large stage is not read for nothing
+            break
         slot = k % 2
         waited = time.perf_counter()
         if k >= 2:
@@ -159,25 +164,35 @@ def copy_ring(driver: Any, context: Any, regions: Sequence[WeightRegion], dst_of
         raise
     fds = {**held, **own}
     spent = [(0.0, 0.0, 0.0)] * threads  # per thread: pinning, reading the files, waiting for the device
+    failed = threading.Event()
 
     def work(worker: int) -> None:
         cucall(driver, "cuCtxSetCurrent", context)
         started = time.perf_counter()
-        stream = cucall(driver, "cuStreamCreate", 1)
         size = chunk + 2 * align
-        buffers = [int(cucall(driver, "cuMemHostAlloc", size, 0)) for _ in range(2)]
-        events = [cucall(driver, "cuEventCreate", 2) for _ in range(2)]
-        pinned = time.perf_counter() - started
-        try:
-            spent[worker] = (pinned, *_ring_pieces(driver, stream, buffers, events, size, align,
-                                                    pieces[worker::threads], fds))
+        streams: list[Any] = []
+        buffers: list[int] = []
+        events: list[Any] = []
+        try:  # the set-up inside: a failed page-locked allocation (concurrent stages) frees what came before it
+            streams.append(cucall(driver, "cuStreamCreate", 1))
+            for _ in range(2):
+                buffers.append(int(cucall(driver, "cuMemHostAlloc", size, 0)))
+                events.append(cucall(driver, "cuEventCreate", 2))
+            pinned = time.perf_counter() - started
+            spent[worker] = (pinned, *_ring_pieces(driver, streams[0], buffers, events, size, align,
+                                                    pieces[worker::threads], fds, failed))
+        except BaseException:
+            failed.set()
+            raise
         finally:  # a failed read leaves copies in flight: none may outlive the buffers or the caller's mapping
-            driver.cuda.cuStreamSynchronize(stream)
+            for stream in streams:
+                driver.cuda.cuStreamSynchronize(stream)
             for event in events:
                 driver.cuda.cuEventDestroy(event)
             for buffer in buffers:
                 driver.cuda.cuMemFreeHost(buffer)
-            driver.cuda.cuStreamDestroy(stream)
+            for stream in streams:
+                driver.cuda.cuStreamDestroy(stream)
 
     try:
         with ThreadPoolExecutor(threads) as pool:

@@ -186,3 +186,21 @@ def test_of_concurrent_adopts_and_discards_of_one_ticket_exactly_one_wins(tmp_pa
             won = race_one_ticket(control, {"key": key(10 + round_), "ticket": staged["ticket"], "parts": parts})
             assert len(won) == 1, (round_, won)
             assert ask(control, {"op": "status"})["staged"] == []
+
+
+def test_a_stage_whose_stager_hung_up_while_it_filled_is_freed(tmp_path: Path) -> None:
+    """Regression (review4): a restore starts its stages before the host check; refused there, its worker exits
+    and the answer (the only copy of the ticket) goes nowhere, so the filled stage held the GPU for the whole
+    TTL. A stager that hangs up while its stage fills now gets nothing staged."""
+    big = sparse(tmp_path / "left.bin", 32 * GIB)
+    with hydrator(tmp_path) as (control, uuid):
+        with socket.socket(socket.AF_UNIX) as stager:
+            stager.connect(control)
+            stager.sendall(json.dumps({"op": "stage-dump", "key": key(1), "device_uuid": uuid, "parts": [
+                {"file": str(big), "bytes": 32 * GIB, "region": 0}]}).encode() + b"\n")
+            wait_filling(control, 1, [])
+        deadline = time.monotonic() + WAIT  # the stager is gone: its fill ends, and then nothing is staged
+        while (staged := ask(control, {"op": "status"})["staged"]) and staged[0]["filling"]:
+            assert time.monotonic() < deadline, staged
+            time.sleep(0.05)
+        assert staged == []

@@ -225,3 +225,46 @@ def test_a_trickled_answer_is_held_to_the_whole_timeout_not_each_read(tmp_path: 
     with pytest.raises(ChannelError, match="timed out"):
         jsonline.request(path, {"op": "status"}, timeout=1.0)
     thread.join(30)
+
+
+# A peer that opens two connections and says nothing on them; told to go on (a line on stdin), it closes the first,
+# asks on the second and prints the answer.
+SILENT = """
+import socket, sys
+first, second = socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX)
+first.connect(sys.argv[1])
+second.connect(sys.argv[1])
+print("connected", flush=True)
+sys.stdin.readline()
+first.close()
+second.sendall(b'{"op": "after"}\\n')
+second.settimeout(20)
+print(b"".join(iter(lambda: second.recv(65536), b"")).decode().strip(), flush=True)
+"""
+
+
+def test_a_tenant_holding_silent_connections_keeps_at_most_its_share_of_the_threads(shared_dir: Path) -> None:
+    """Regression (review4): one admitted uid could open as many silent connections as the server had threads
+    (each within its request deadline, again and again) and every other peer waited in the backlog behind them.
+    With `per_uid`, a uid's connections beyond its cap wait for its own to end, holding no thread: the others
+    are answered meanwhile, and the waiting one is answered once the uid's first ends."""
+    path = shared_dir / "capped.sock"
+    server = jsonline.LineServer(jsonline.listen(path, group=NOBODY.pw_gid), echo, threads=2, per_uid=1,
+                                 request_timeout=60.0, peers=jsonline.Peers(uids=frozenset({NOBODY.pw_uid}))).start()
+    silent = subprocess.Popen([*AS_NOBODY, "/usr/bin/python3", "-c", SILENT, str(path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert silent.stdout is not None and silent.stdin is not None
+        assert silent.stdout.readline().strip() == "connected"
+        # within a tenth of the silent connections' deadline: without the cap both threads would be theirs
+        for _ in range(3):
+            assert jsonline.request(path, {"op": "status"}, timeout=6.0) == {
+                "ok": True, "echo": {"op": "status"}, "uid": 0}
+        silent.stdin.write("\n")
+        silent.stdin.flush()
+        assert json.loads(silent.stdout.readline()) == {"ok": True, "echo": {"op": "after"}, "uid": NOBODY.pw_uid}
+    finally:
+        silent.kill()
+        silent.wait()
+        server.close()
+    assert not server._thread.is_alive() and not server._parked and not server._by_uid

@@ -161,3 +161,35 @@ def test_a_server_of_no_threads_is_refused(tmp_path: Path) -> None:
     with jsonline.listen(tmp_path / "none.sock") as listener, \
             pytest.raises(ChannelError, match="at least one thread, not 0"):
         jsonline.LineServer(listener, Holding(), peers=jsonline.Peers(), threads=0)
+
+
+def test_a_peer_trickling_after_its_answer_is_cut_off_and_the_next_is_answered(tmp_path: Path) -> None:
+    """Regression (review4): after the answer the server read what its asker still sent until it closed, one
+    second per read and up to MAX_REQUEST bytes, so a byte every half second held the thread for days (with
+    `threads` such peers, every thread); the whole drain now has one short deadline."""
+    answer = Holding()
+    with serving(tmp_path, answer) as path, socket.socket(socket.AF_UNIX) as trickler:
+        trickler.connect(str(path))
+        trickler.sendall(b'{"n": 7}\n')
+        assert trickler.recv(4096).startswith(b'{"ok": true')
+        answers: list[Any] = []
+
+        def ask() -> None:
+            try:
+                answers.append(jsonline.request(path, {"n": 8}, timeout=8.0))
+            except ChannelError as exc:  # the bound below: still held by the trickler
+                answers.append(str(exc))
+
+        other = threading.Thread(target=ask)
+        other.start()
+        while other.is_alive():
+            try:
+                trickler.send(b" ")  # never the end the drain waits for
+            except OSError:
+                break  # the server closed its side: the drain is over
+            other.join(0.5)
+        other.join(WAIT)
+        assert answers == [{"ok": True, "n": 8}]
+    with jsonline.listen(tmp_path / "uncapped.sock") as listener, \
+            pytest.raises(ChannelError, match="per_uid must be at least one connection, not 0"):
+        jsonline.LineServer(listener, Holding(), peers=jsonline.Peers(), threads=2, per_uid=0)
