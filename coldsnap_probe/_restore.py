@@ -1,10 +1,10 @@
 """Restore as phases (admission spec 7.4): each phase records what it started, and one rollback stops it all.
 
-read the records (capture, graph, weight sources, device dumps) -> stage the weights and dumps (when a hydrator
-is named), while the host's identity is checked -> [validated] -> CRIU restore, paused (cuInit meanwhile)
--> [criu-restored] -> CUDA restore and unlock per process, reverse inventory order -> [cuda-restored] -> every
-page in (lazy pages) -> resume the tree -> [process-resumed] -> hydrate the device memory (the CUDA interposer's
-dumps) -> hydrate the weights
+read the records (capture, graph, weight sources, device dumps) while the host's identity is read, check the
+host -> [validated] -> stage the weights and dumps (when a hydrator is named) -> CRIU restore, paused (cuInit
+meanwhile) -> [criu-restored] -> CUDA restore and unlock per process, reverse inventory order -> [cuda-restored]
+-> every page in (lazy pages) -> resume the tree -> [process-resumed] -> hydrate the device memory (the CUDA
+interposer's dumps) -> hydrate the weights
 -> recreate the communicators -> [ready]. Brackets are barriers.
 
 The rollback, whatever phase failed: kill the restored tree (nothing half-restored serves), abort the
@@ -88,14 +88,15 @@ class _Restore:
     def phases(self) -> None:
         with ThreadPoolExecutor(1, thread_name_prefix="coldsnap-identity") as pool:
             # The host's identity (procfs, or NVML where procfs cannot tell) and `criu --version` take milliseconds
-            # to tens of them: they run while the records are read and the hydrator's stages start (a stage copies
-            # for as long as CRIU and CUDA restore, so it starts first).
+            # to tens of them: they run while the records are read.
             current = pool.submit(host_identity, self.criu)
             self._read_records()
-            self._start_stages()
             self._check_host(current.result())
         self._agree()
         self.timeline.mark("validated")  # what the checks before CRIU cost (identity, dumps, sources)
+        # Only now: a restore refused by the checks (on any rank) leaves nothing staged on the node hydrator; the
+        # checks take milliseconds with the GPU's facts from procfs.
+        self._start_stages()
         root = self._criu_restore()
         self._cuda_restore(root)
         if self.lazy:

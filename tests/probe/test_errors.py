@@ -49,7 +49,7 @@ def test_no_module_raises_a_built_in_exception() -> None:
     names = set(dir(builtins)) - {"SystemExit"}
     for path in sorted((ROOT / "coldsnap_probe").glob("*.py")):
         tree = ast.parse(path.read_text())
-        protocol = {id(n) for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "__getattr__"
+        protocol = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "__getattr__"
                     for n in ast.walk(f)}
         for node in ast.walk(tree):
             if isinstance(node, ast.Raise) and node.exc is not None and id(node) not in protocol:

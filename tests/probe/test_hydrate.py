@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -615,3 +616,18 @@ def test_the_engine_control_socket_answers_no_other_uid(tmp_path: Path) -> None:
         assert arena.mapped and arena.ready.is_set()  # nothing was released
     finally:
         shutil.rmtree(shared)
+
+
+def test_a_stager_is_hung_up_only_once_it_closed_its_end_not_when_it_only_ended_its_request() -> None:
+    """The hydrator frees a filled stage whose stager left (a refused or dead restore worker); one that only
+    ended its writing after the request still waits for the answer, and must get it."""
+    from coldsnap_probe.hydration._hydrator import _hung_up
+
+    server, stager = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with server, stager:
+        assert not _hung_up(server)
+        stager.sendall(b'{"op": "status"}\n')
+        stager.shutdown(socket.SHUT_WR)
+        assert not _hung_up(server)
+        stager.close()
+        assert _hung_up(server)
