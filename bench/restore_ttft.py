@@ -479,8 +479,10 @@ def main() -> None:
 
     generate_s = time.time() - started
     started = time.time()
-    progress("digesting the weights")
-    digests = chunk_digests(weights, 0, region_bytes(largest)) if "hydrate" in args.modes else []
+    digests: list[bytes] = []
+    if "hydrate" in args.modes:  # only the hydrated rows name their region's digest
+        progress("digesting the weights")
+        digests = chunk_digests(weights, 0, region_bytes(largest))
     digest_s = time.time() - started
     h2d = pinned_h2d_gbps()
     ceilings = host_ceilings(images_root)
