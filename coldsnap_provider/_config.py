@@ -150,9 +150,11 @@ class KubernetesConfig(_Section, frozen=True, kw_only=True):
 
 
 # What CRIU and CUDA checkpoint need inside a capsule, and no more (seen on the H200 machine,
-# /work/shared/device/README.md): CRIU's dump and restore (SYS_ADMIN, SYS_PTRACE, NET_ADMIN,
-# DAC_READ_SEARCH, SYS_CHROOT) and its monotonic clock offset on restore (SYS_TIME).
-CAPSULE_CAPABILITIES = ("SYS_ADMIN", "SYS_PTRACE", "NET_ADMIN", "DAC_READ_SEARCH", "SYS_CHROOT", "SYS_TIME")
+# /work/shared/device/README.md): CRIU's dump and restore (SYS_ADMIN, SYS_PTRACE, NET_ADMIN, SYS_CHROOT)
+# and its monotonic clock offset on restore (SYS_TIME, through a time namespace; the calls that set the
+# host's clock are refused by the capsule seccomp profile). Not DAC_READ_SEARCH: it is what
+# open_by_handle_at checks, which opens any file of a filesystem the container has a file of (issue 37).
+CAPSULE_CAPABILITIES = ("SYS_ADMIN", "SYS_PTRACE", "NET_ADMIN", "SYS_CHROOT", "SYS_TIME")
 # Built-in profile names: an administrator defines profiles of other names.
 BUILTIN_PROFILES = ("unrestricted", "capsule")
 _PROFILE_NAME = r"^[a-z0-9][a-z0-9_.-]{0,62}$"

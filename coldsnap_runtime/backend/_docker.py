@@ -200,7 +200,8 @@ class DockerBackend:
     async def _create_now(self, spec: WorkloadSpec, *, exclusive: bool,
                           capabilities: tuple[str, ...] | None) -> aiodocker.containers.DockerContainer:
         realised = await self._realise(spec, exclusive=exclusive, capabilities=capabilities)
-        config = container_config(spec, gpus=realised.gpus, privilege=realised.privilege)
+        config = container_config(spec, gpus=realised.gpus, privilege=realised.privilege,
+                                  confined=capabilities is not None)
         # What it holds is the backend's to say: a manager's own label of that name is dropped.
         config["Labels"] = {k: v for k, v in config["Labels"].items() if k != HELD_GPUS_LABEL}
         if realised.held:

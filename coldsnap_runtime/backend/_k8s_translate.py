@@ -107,11 +107,9 @@ def _pull_policy(spec: WorkloadSpec, *, allow_pull: bool) -> str:
     return "IfNotPresent"
 
 
-def _security_context(spec: WorkloadSpec, capabilities: tuple[str, ...] | None) -> dict[str, Any]:
+def _security_context(spec: WorkloadSpec) -> dict[str, Any]:
     context: dict[str, Any] = {}
-    if spec.privileged and capabilities is not None:  # the admission profile's grant: exactly these
-        context["capabilities"] = {"add": list(capabilities)}
-    elif spec.privileged:
+    if spec.privileged:  # unrestricted only: a profile's privileged Pod is refused (_refusals)
         context["privileged"] = True
     if spec.seccomp_unconfined:
         context["seccompProfile"] = {"type": "Unconfined"}
@@ -138,6 +136,12 @@ def _refusals(spec: WorkloadSpec, capabilities: tuple[str, ...] | None) -> None:
     if spec.network == "none":
         raise _refuse("network", "'none' has no Pod equivalent (a Pod always has its own network namespace "
                                  "with the cluster network)")
+    if capabilities is not None and (spec.privileged or spec.seccomp_unconfined):
+        field = "privileged" if spec.privileged else "seccomp_unconfined"
+        raise _refuse(field, "under an admission profile a capsule runs only under the provider's capsule seccomp "
+                             "profile (no mount: CAP_SYS_ADMIN mounts a procfs whose core_pattern is host root), "
+                             "and Kubernetes 1.20 takes a seccomp profile only from a file on the node "
+                             "(docs/threat-model.md)")
     if spec.devices and (not spec.privileged or capabilities is not None):
         raise _refuse("devices", "a Pod reaches a host device only through a hostPath volume, which the device "
                                  "cgroup lets it open only in a fully privileged Pod (not granted here)")
@@ -169,7 +173,7 @@ def pod_manifest(spec: WorkloadSpec, *, pod: str, namespace: str, node: str, all
         container["command"] = [spec.entrypoint]
     if spec.command:
         container["args"] = list(spec.command)
-    if context := _security_context(spec, capabilities):
+    if context := _security_context(spec):
         container["securityContext"] = context
     volumes: list[dict[str, Any]] = []
     for index, mount in enumerate(spec.mounts):

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from msgspec import UNSET
 
 from ..schema import WorkloadSpec
+from ._confine import confine
 
 __all__ = (
     "CAPABILITIES",
@@ -183,11 +184,12 @@ def _realise_privilege(host: dict[str, Any], grant: PrivilegeGrant) -> None:
 
 
 def container_config(spec: WorkloadSpec, *, gpus: GpuAccess | None = None,
-                     privilege: PrivilegeGrant | None = None) -> dict[str, Any]:
+                     privilege: PrivilegeGrant | None = None, confined: bool = False) -> dict[str, Any]:
     """The Engine API create body realising every WorkloadSpec field (or failing loudly).
 
     `gpus` and `privilege` carry what the host decided (``_gpus.realise``); without them `gpus`
-    is an ``nvidia`` DeviceRequest and `privileged` Docker's own.
+    is an ``nvidia`` DeviceRequest and `privileged` Docker's own. `confined`: the workload of an
+    admission profile's grant (``_confine.confine``: never seccomp-unconfined, its own cgroup namespace).
     """
     host: dict[str, Any] = {
         "NetworkMode": spec.network if spec.network in ("host", "none") else "default",
@@ -209,6 +211,8 @@ def container_config(spec: WorkloadSpec, *, gpus: GpuAccess | None = None,
     _realise_gpus(host, spec, gpus)
     if privilege is not None and spec.privileged:
         _realise_privilege(host, privilege)
+    if confined:
+        confine(host)
     environment = {**spec.environment, **(gpus.environment if gpus is not None else {})}
     # Like `docker run -i`: stdin is attached whenever the request carries `input`.
     attach_stdin = not spec.detached and spec.input is not UNSET

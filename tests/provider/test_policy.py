@@ -270,8 +270,10 @@ async def test_policy_privileged_capsule_gets_exactly_the_profile_capabilities(
     assert host["Privileged"] is False
     assert sorted(c.removeprefix("CAP_") for c in host["CapAdd"]) == sorted(CAPSULE_CAPABILITIES)
     assert not host["Devices"] and not host.get("DeviceCgroupRules")
-    assert "seccomp=unconfined" in host["SecurityOpt"] and "apparmor=unconfined" in host["SecurityOpt"]
-    assert host["NetworkMode"] != "host"
+    assert "apparmor=unconfined" in host["SecurityOpt"] and "seccomp=unconfined" not in host["SecurityOpt"]
+    assert [json.loads(o.removeprefix("seccomp="))["defaultAction"] for o in host["SecurityOpt"]
+            if o.startswith("seccomp=")] == ["SCMP_ACT_ALLOW"]  # the capsule profile (test_capsule_boundary.py)
+    assert host["NetworkMode"] != "host" and host["CgroupnsMode"] == "private"
 
 
 async def test_policy_root_keeps_unrestricted_by_default(busybox_image: str, mount_root: Path) -> None:

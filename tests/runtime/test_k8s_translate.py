@@ -93,11 +93,17 @@ def test_state_follows_the_container_status() -> None:
     assert workload_info(evicted, include_start_time=False).state == "exited"
 
 
-def test_privileged_under_a_capability_grant_is_exactly_those_capabilities() -> None:
+def test_privileged_under_a_capability_grant_is_refused_for_want_of_the_capsule_seccomp_profile() -> None:
+    """Issue 37 finding 1: a profile's capsule runs only under the provider's seccomp profile (no mount)."""
     spec = WorkloadSpec(image="img:1", name="w", detached=True, privileged=True)
-    pod = pod_manifest(spec, pod="p", namespace="ns", node="n", allow_pull=False, extra_labels={},
-                       capabilities=("SYS_ADMIN", "SYS_PTRACE"))
-    assert pod["spec"]["containers"][0]["securityContext"] == {"capabilities": {"add": ["SYS_ADMIN", "SYS_PTRACE"]}}
+    unconfined = msgspec.structs.replace(spec, privileged=False, seccomp_unconfined=True)
+    for asked, field in ((spec, "privileged"), (unconfined, "seccomp_unconfined")):
+        with pytest.raises(RuntimeFailed, match=f"`{field}` cannot be realised on Kubernetes: under an admission"):
+            pod_manifest(asked, pod="p", namespace="ns", node="n", allow_pull=False, extra_labels={},
+                         capabilities=("SYS_ADMIN", "SYS_PTRACE"))
     with pytest.raises(RuntimeFailed, match="`devices` cannot be realised"):
-        pod_manifest(msgspec.structs.replace(spec, devices=[msgspec.convert({"source": "/dev/null"}, Device)]),
-                     pod="p", namespace="ns", node="n", allow_pull=False, extra_labels={}, capabilities=("SYS_ADMIN",))
+        pod_manifest(msgspec.structs.replace(spec, privileged=False, devices=[msgspec.convert(
+            {"source": "/dev/null"}, Device)]), pod="p", namespace="ns", node="n", allow_pull=False, extra_labels={},
+            capabilities=("SYS_ADMIN",))
+    unrestricted = pod_manifest(spec, pod="p", namespace="ns", node="n", allow_pull=False, extra_labels={})
+    assert unrestricted["spec"]["containers"][0]["securityContext"] == {"privileged": True}
