@@ -12,8 +12,17 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from coldsnap_runtime import Backend, Owner, RuntimeContext
-from coldsnap_runtime.errors import RequestRejected
-from coldsnap_runtime.schema import ImagePull, ImagePush, RuntimeResponse, WorkloadRun
+from coldsnap_runtime.errors import NotFound, RequestRejected
+from coldsnap_runtime.schema import (
+    ImagePull,
+    ImagePush,
+    RuntimeRequest,
+    RuntimeResponse,
+    WorkloadInfo,
+    WorkloadInspect,
+    WorkloadRemove,
+    WorkloadRun,
+)
 
 from ._envelope import (
     Exec,
@@ -27,6 +36,7 @@ from ._envelope import (
 from ._exec import ExecIdentity, ExecResult, GroupLedger
 from ._hosts import Host, LocalHost
 from ._listener import is_admin
+from ._ownership import inspect_reached, owned_name, require_reach
 from ._policy import Decision, Policy
 from ._sessions import SessionRecord
 
@@ -110,6 +120,8 @@ class Operations:
         into the reply."""
         host = self._route(request.host, record)
         ctx = self._runtime_context(request.host, record, decision.capabilities if decision else None)
+        if isinstance(request, Runtime) and not await self._require_owner(host, request.runtime, record, ctx):
+            return RuntimeResponse()  # another manager's workload-remove: absent to this one, so success
         match request:
             case Exec():
                 return await host.exec(request)
@@ -128,6 +140,16 @@ class Operations:
                 await host.runtime(legacy_registry_action(request), ctx)
         return None
 
+    async def managed_workload(self, host: str, name: str, *, uid: int, action: str) -> tuple[Backend, WorkloadInfo]:
+        """A control-socket workload verb's workload and runtime, under the one ownership rule (_ownership.py):
+        another manager's workload is NotFound, in the same words as an absent one."""
+        backend = self.workload_backend(host)
+
+        async def inspect(workload: str) -> WorkloadInfo:
+            return await backend.workload_inspect(workload, include_start_time=True)
+
+        return backend, await inspect_reached(inspect, name, uid=uid, action=action)
+
     def workload_backend(self, host: str) -> Backend:
         """The runtime the control socket's workload verbs use: "" = this node's engine, or a Kubernetes host's."""
         if not host or host in self.node_names:
@@ -136,6 +158,27 @@ class Operations:
             return self.kubernetes.node(host).backend
         raise RequestRejected(f"host {host!r} is neither this node nor a Kubernetes host it serves ([[kubernetes]]); "
                               "the control socket's workload verbs reach only those")
+
+    async def _require_owner(self, host: Host, request: RuntimeRequest, record: SessionRecord,
+                             ctx: RuntimeContext) -> bool:
+        """The ownership rule for a runtime-v1 workload action, here above the host seam so that no host kind
+        skips it (issue 37, finding 3); False: a workload-remove with nothing of this manager's to remove."""
+        if not (name := owned_name(request)):
+            return True
+
+        async def inspect(workload: str) -> WorkloadInfo:  # the host's own inspect, as the action will see it
+            info = (await host.runtime(WorkloadInspect(name=workload), ctx)).workload
+            if isinstance(info, WorkloadInfo):
+                return info
+            raise NotFound(kind="workload", ref=workload, action="workload-inspect")  # pragma: no cover
+
+        try:
+            await require_reach(inspect, name, uid=record.uid, action=str(request.__struct_config__.tag))
+        except NotFound:
+            if isinstance(request, WorkloadRemove):
+                return False  # removing an absent workload is success in the protocol
+            raise
+        return True
 
     def _route(self, host: str, record: SessionRecord) -> Host:
         """Where a request enters host routing: the node serving `host`, if the session may reach it."""
