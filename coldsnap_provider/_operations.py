@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import anyio
 import msgspec
 
 from coldsnap_runtime import Backend, Owner, RuntimeContext
@@ -42,6 +43,7 @@ from ._sessions import SessionRecord
 
 if TYPE_CHECKING:
     from ._capsule_reports import CapsuleReports
+    from ._hub_owners import HubOwners
     from ._huggingface import HuggingfaceClient
     from ._kubernetes import KubernetesHosts
     from ._remote import Remotes
@@ -72,6 +74,7 @@ class Operations:
         allow_pull: bool,
         allow_push: bool,
         huggingface: HuggingfaceClient | None = None,
+        hub_owners: HubOwners | None = None,
         remotes: Remotes | None = None,
         policy: Policy,
         reports: CapsuleReports | None = None,
@@ -88,6 +91,7 @@ class Operations:
         self.allow_pull = allow_pull
         self.allow_push = allow_push
         self.huggingface = huggingface
+        self.hub_owners = hub_owners  # who owns each Hub repository this provider published to (_hub_owners.py)
         self.remotes = remotes  # hosts served by other nodes over SSH ([[remote]]; _remote.py)
         self.kubernetes = kubernetes  # hosts that are Kubernetes Nodes ([[kubernetes]]; _kubernetes.py)
         local = LocalHost(backend=backend, identity=identity, groups=groups, huggingface=huggingface)
@@ -111,9 +115,18 @@ class Operations:
 
     def admit(self, request: Operation, record: SessionRecord) -> Decision | None:
         """The one admission point, above the host routing (every host kind sees admitted requests only):
-        the decision for a runtime request (PolicyRefused carries a refusal's), None for the others."""
+        the decision for a runtime or Hub request (PolicyRefused carries a refusal's), None for the others.
+
+        An admitted publish reserves its repository for the manager here, with no await between the owner
+        check and the reservation (two first publishes cannot both pass); `run` settles it."""
         self._route(request.host, record)
-        return self.policy.admit_operation(request, record, local=request.host in self.node_names)
+        local = request.host in self.node_names
+        if not isinstance(request, HuggingfacePublish) or self.hub_owners is None:
+            return self.policy.admit_operation(request, record, local=local)
+        owners, repository = self.hub_owners, request.repository
+        decision = self.policy.admit_operation(request, record, local=local, hub_owner=owners.owner(repository))
+        owners.reserve(repository, record.uid)  # `run` settles it (it awaits nothing before its `try`)
+        return decision
 
     async def run(self, request: Operation, record: SessionRecord, decision: Decision | None) -> Outcome:
         """Run one authenticated, capability-checked, admitted operation; the handler turns the outcome
@@ -133,7 +146,7 @@ class Operations:
             case Runtime():
                 return await host.runtime(request.runtime, ctx)
             case HuggingfacePublish():
-                await host.hub("huggingface-publish").publish(request)
+                await self._publish(host, request)
             case HuggingfaceResolve():
                 return await host.hub("huggingface-resolve").resolve(request)
             case OciPull() | OciPush():  # legacy top-level forms of the runtime registry actions
@@ -158,6 +171,23 @@ class Operations:
             return self.kubernetes.node(host).backend
         raise RequestRejected(f"host {host!r} is neither this node nor a Kubernetes host it serves ([[kubernetes]]); "
                               "the control socket's workload verbs reach only those")
+
+    async def _publish(self, host: Host, request: HuggingfacePublish) -> None:
+        """A publish whose repository admission reserved: the owner is on disk before a byte goes up, and a
+        reservation that no publish succeeded on is given back (_hub_owners.py)."""
+        owners = self.hub_owners
+        if owners is None:  # pragma: no cover - the daemon always has the ledger when it has the client
+            await host.hub("huggingface-publish").publish(request)
+            return
+        published = False
+        try:
+            client = host.hub("huggingface-publish")  # a host without the Hub refuses: the reservation goes back
+            await owners.persist("huggingface-publish")
+            await client.publish(request)
+            published = True
+        finally:
+            with anyio.CancelScope(shield=True):
+                await owners.settle(request.repository, published=published, action="huggingface-publish")
 
     async def _require_owner(self, host: Host, request: RuntimeRequest, record: SessionRecord,
                              ctx: RuntimeContext) -> bool:
