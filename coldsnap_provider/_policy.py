@@ -1,8 +1,9 @@
 """The runtime admission policy (issue 24; docs/policy.md): what a manager's sessions may ask a runtime for.
 
-Every runtime-v1 request and every control-socket `probe` passes :meth:`Policy.admit` (or
+Every runtime-v1 request, every Hugging Face request (its repository: ``huggingface_repos`` and
+the owner, issue 37) and every control-socket `probe` passes :meth:`Policy.admit_operation` (or
 :meth:`Policy.admit_probe`) once, above the host routing, before any backend is asked: the same
-rules hold for this node, for ``[[remote]]`` nodes and for any later host kind. A manager's
+rules hold for this node, for ``[[remote]]`` nodes and for Kubernetes nodes. A manager's
 profile is chosen from ``[policy]`` by its uid and primary gid (root and the daemon's uid get
 ``policy.admin``). The outcome is a :class:`Decision`, logged here and handed back to the caller;
 a refusal is :class:`PolicyRefused` (a plain ``ok:false``) naming the field, the value and the rule,
