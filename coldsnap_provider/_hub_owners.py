@@ -47,14 +47,15 @@ def _key(repository: str) -> str:
 
 
 class HubOwners:
-    """The ledger, in memory and written through; one per daemon (None path: nothing persisted)."""
+    """The ledger, in memory and written through to `path`; one per daemon."""
 
-    def __init__(self, path: Path | None) -> None:
+    def __init__(self, path: Path) -> None:
         self.path = path
-        self._owners: dict[str, int] = _read(path) if path is not None else {}
+        self._owners: dict[str, int] = _read(path)
         # Invariant: a key here is in _owners too, reserved by that many publishes in flight and on no
         # successful publish yet; it is dropped from both when the last of them failed.
         self._pending: dict[str, int] = {}
+        self._dirty = False  # _owners differs from the file
         self._lock = anyio.Lock()
 
     def owner(self, repository: str) -> int | None:
@@ -67,13 +68,21 @@ class HubOwners:
         if key not in self._owners:
             self._owners[key] = uid
             self._pending[key] = 0
+            self._dirty = True
         if key in self._pending:
             self._pending[key] += 1
 
     async def persist(self, action: str) -> None:
-        """Put the ledger, reservations included, on disk (before a publish uploads anything)."""
+        """Put the ledger, reservations included, on disk (before a publish uploads anything); a no-op
+        when nothing changed since the last write."""
         async with self._lock:
-            await self._write(action)
+            if self._dirty:
+                self._dirty = False
+                try:
+                    await self._write(action)
+                except BaseException:
+                    self._dirty = True
+                    raise
 
     async def settle(self, repository: str, *, published: bool, action: str) -> None:
         """After a publish: a reservation it succeeded on is the owner's for good; one that only failed
@@ -88,14 +97,13 @@ class HubOwners:
             return
         if self._pending[key] == 0:
             del self._pending[key], self._owners[key]
+            self._dirty = True
             try:
                 await self.persist(action)
             except RuntimeFailed as exc:
                 log.error("Hugging Face reservation not given back on disk", error=str(exc))
 
     async def _write(self, action: str) -> None:
-        if self.path is None:
-            return
         data = _ENCODER.encode(_File(owners=dict(sorted(self._owners.items())))) + b"\n"
         try:
             await anyio.to_thread.run_sync(write_atomically, self.path, data)
