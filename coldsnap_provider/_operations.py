@@ -74,7 +74,7 @@ class Operations:
         allow_pull: bool,
         allow_push: bool,
         huggingface: HuggingfaceClient | None = None,
-        hub_owners: HubOwners | None = None,
+        hub_owners: HubOwners,
         remotes: Remotes | None = None,
         policy: Policy,
         reports: CapsuleReports | None = None,
@@ -121,7 +121,7 @@ class Operations:
         check and the reservation (two first publishes cannot both pass); `run` settles it."""
         self._route(request.host, record)
         local = request.host in self.node_names
-        if not isinstance(request, HuggingfacePublish) or self.hub_owners is None:
+        if not isinstance(request, HuggingfacePublish):
             return self.policy.admit_operation(request, record, local=local)
         owners, repository = self.hub_owners, request.repository
         decision = self.policy.admit_operation(request, record, local=local, hub_owner=owners.owner(repository))
@@ -176,9 +176,6 @@ class Operations:
         """A publish whose repository admission reserved: the owner is on disk before a byte goes up, and a
         reservation that no publish succeeded on is given back (_hub_owners.py)."""
         owners = self.hub_owners
-        if owners is None:  # pragma: no cover - the daemon always has the ledger when it has the client
-            await host.hub("huggingface-publish").publish(request)
-            return
         published = False
         try:
             client = host.hub("huggingface-publish")  # a host without the Hub refuses: the reservation goes back
