@@ -187,6 +187,10 @@ class ProfileConfig(_Section, frozen=True):
     # Whether exec, upload, Hugging Face, workload-copy-from and image-build contexts may run on [[remote]]
     # nodes, where they run as the SSH user, who holds that node's engine socket: root there.
     remote_ssh_user: bool = False
+    # Hugging Face repositories (`namespace/name`, fnmatch patterns) huggingface-publish and -resolve may
+    # name. [] = none: the daemon publishes with the node's one token, which may write far more than a
+    # manager's own repositories, so an administrator names those (docs/policy.md, "Hugging Face").
+    huggingface_repos: list[Annotated[str, Meta(min_length=1, pattern=r"^[^\s\x00]+$")]] = []
 
 
 class AssignConfig(_Section, frozen=True, kw_only=True):

@@ -1,5 +1,6 @@
 """The control socket's handler: placement managers open, list and close sessions, ask status, probe,
-and look after the workloads their sessions ran (list, inspect, logs, stop) once the operation is over.
+and look after the workloads their sessions ran (list, inspect, logs, stop) once the operation is over
+(another manager's workload is absent to them: the one ownership rule of ``_ownership.py``).
 
 Who may use it is decided before a byte is read (SO_PEERCRED: root, the daemon's uid,
 ``server.control_uids`` and ``server.control_gids``); what each may touch is the session
@@ -18,9 +19,8 @@ import structlog
 from msgspec import UNSET
 
 from coldsnap_probe import ProfileError
-from coldsnap_runtime import MANAGER_UID_LABEL, Backend
+from coldsnap_runtime import Backend
 from coldsnap_runtime.errors import ColdsnapError, RequestRejected
-from coldsnap_runtime.schema import WorkloadInfo
 
 from . import __version__
 from ._audit import AUDITED_CONTROL, Audit, AuditEvent
@@ -43,6 +43,7 @@ from ._control import (
 from ._envelope import lenient_id
 from ._listener import Peer, ServerState, is_admin
 from ._operations import Operations
+from ._ownership import reaches
 from ._probe import ProbeOptions, run_probe
 from ._sessions import SessionManager, SessionRecord, hosts_from_request
 
@@ -147,15 +148,16 @@ class ControlHandler:
             case WorkloadList(host=host):
                 listed = await self._operations.workload_backend(host).workload_list()
                 return [{"name": name, **msgspec.to_builtins(info)} for name, info in listed
-                        if self._may_manage(peer, info)]
+                        if reaches(peer.uid, info)]
             case WorkloadInspect(name=name, host=host):
-                return msgspec.to_builtins(await self._managed(name, host, peer, "workload-inspect"))
+                _, info = await self._operations.managed_workload(host, name, uid=peer.uid, action="workload-inspect")
+                return msgspec.to_builtins(info)
             case WorkloadLogs(name=name, host=host, tail=tail):
-                await self._managed(name, host, peer, "workload-logs")
-                return {"output": await self._operations.workload_backend(host).workload_logs(name, tail=tail)}
+                backend, _ = await self._operations.managed_workload(host, name, uid=peer.uid, action="workload-logs")
+                return {"output": await backend.workload_logs(name, tail=tail)}
             case WorkloadStop(name=name, host=host, timeout_s=timeout_s):
-                await self._managed(name, host, peer, "workload-stop")
-                await self._operations.workload_backend(host).workload_stop(name, timeout_s=timeout_s)
+                backend, _ = await self._operations.managed_workload(host, name, uid=peer.uid, action="workload-stop")
+                await backend.workload_stop(name, timeout_s=timeout_s)
                 return {"name": name, "stopped": True}
             case Probe():
                 return await self._probe(request, peer)
@@ -182,17 +184,6 @@ class ControlHandler:
         finally:
             if self._metrics is not None:
                 self._metrics.probe(driver=request.driver, result=result, cached=cached)
-
-    @staticmethod
-    def _may_manage(peer: Peer, info: WorkloadInfo) -> bool:
-        """The session rule for workloads: a manager reaches the workloads its sessions ran."""
-        return is_admin(peer.uid) or info.labels.get(MANAGER_UID_LABEL) == str(peer.uid)
-
-    async def _managed(self, name: str, host: str, peer: Peer, action: str) -> WorkloadInfo:
-        info = await self._operations.workload_backend(host).workload_inspect(name, include_start_time=True)
-        if not self._may_manage(peer, info):
-            raise RequestRejected(f"{action}: workload {name!r} was run by another manager's session")
-        return info
 
     async def _open(self, request: SessionOpen, peer: Peer) -> dict[str, Any]:
         session, hosts = request.session, list(request.hosts)

@@ -9,11 +9,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import anyio
 import msgspec
 
 from coldsnap_runtime import Backend, Owner, RuntimeContext
-from coldsnap_runtime.errors import RequestRejected
-from coldsnap_runtime.schema import ImagePull, ImagePush, RuntimeResponse, WorkloadRun
+from coldsnap_runtime.errors import NotFound, RequestRejected
+from coldsnap_runtime.schema import (
+    ImagePull,
+    ImagePush,
+    RuntimeRequest,
+    RuntimeResponse,
+    WorkloadInfo,
+    WorkloadInspect,
+    WorkloadRemove,
+    WorkloadRun,
+)
 
 from ._envelope import (
     Exec,
@@ -27,11 +37,13 @@ from ._envelope import (
 from ._exec import ExecIdentity, ExecResult, GroupLedger
 from ._hosts import Host, LocalHost
 from ._listener import is_admin
+from ._ownership import inspect_reached, owned_name, require_reach
 from ._policy import Decision, Policy
 from ._sessions import SessionRecord
 
 if TYPE_CHECKING:
     from ._capsule_reports import CapsuleReports
+    from ._hub_owners import HubOwners
     from ._huggingface import HuggingfaceClient
     from ._kubernetes import KubernetesHosts
     from ._remote import Remotes
@@ -62,6 +74,7 @@ class Operations:
         allow_pull: bool,
         allow_push: bool,
         huggingface: HuggingfaceClient | None = None,
+        hub_owners: HubOwners,
         remotes: Remotes | None = None,
         policy: Policy,
         reports: CapsuleReports | None = None,
@@ -78,6 +91,7 @@ class Operations:
         self.allow_pull = allow_pull
         self.allow_push = allow_push
         self.huggingface = huggingface
+        self.hub_owners = hub_owners  # who owns each Hub repository this provider published to (_hub_owners.py)
         self.remotes = remotes  # hosts served by other nodes over SSH ([[remote]]; _remote.py)
         self.kubernetes = kubernetes  # hosts that are Kubernetes Nodes ([[kubernetes]]; _kubernetes.py)
         local = LocalHost(backend=backend, identity=identity, groups=groups, huggingface=huggingface)
@@ -101,15 +115,26 @@ class Operations:
 
     def admit(self, request: Operation, record: SessionRecord) -> Decision | None:
         """The one admission point, above the host routing (every host kind sees admitted requests only):
-        the decision for a runtime request (PolicyRefused carries a refusal's), None for the others."""
+        the decision for a runtime or Hub request (PolicyRefused carries a refusal's), None for the others.
+
+        An admitted publish reserves its repository for the manager here, with no await between the owner
+        check and the reservation (two first publishes cannot both pass); `run` settles it."""
         self._route(request.host, record)
-        return self.policy.admit_operation(request, record, local=request.host in self.node_names)
+        local = request.host in self.node_names
+        if not isinstance(request, HuggingfacePublish):
+            return self.policy.admit_operation(request, record, local=local)
+        owners, repository = self.hub_owners, request.repository
+        decision = self.policy.admit_operation(request, record, local=local, hub_owner=owners.owner(repository))
+        owners.reserve(repository, record.uid)  # `run` settles it (it awaits nothing before its `try`)
+        return decision
 
     async def run(self, request: Operation, record: SessionRecord, decision: Decision | None) -> Outcome:
         """Run one authenticated, capability-checked, admitted operation; the handler turns the outcome
         into the reply."""
         host = self._route(request.host, record)
         ctx = self._runtime_context(request.host, record, decision.capabilities if decision else None)
+        if isinstance(request, Runtime) and not await self._require_owner(host, request.runtime, record, ctx):
+            return RuntimeResponse()  # another manager's workload-remove: absent to this one, so success
         match request:
             case Exec():
                 return await host.exec(request)
@@ -121,12 +146,22 @@ class Operations:
             case Runtime():
                 return await host.runtime(request.runtime, ctx)
             case HuggingfacePublish():
-                await host.hub("huggingface-publish").publish(request)
+                await self._publish(host, request)
             case HuggingfaceResolve():
                 return await host.hub("huggingface-resolve").resolve(request)
             case OciPull() | OciPush():  # legacy top-level forms of the runtime registry actions
                 await host.runtime(legacy_registry_action(request), ctx)
         return None
+
+    async def managed_workload(self, host: str, name: str, *, uid: int, action: str) -> tuple[Backend, WorkloadInfo]:
+        """A control-socket workload verb's workload and runtime, under the one ownership rule (_ownership.py):
+        another manager's workload is NotFound, in the same words as an absent one."""
+        backend = self.workload_backend(host)
+
+        async def inspect(workload: str) -> WorkloadInfo:
+            return await backend.workload_inspect(workload, include_start_time=True)
+
+        return backend, await inspect_reached(inspect, name, uid=uid, action=action)
 
     def workload_backend(self, host: str) -> Backend:
         """The runtime the control socket's workload verbs use: "" = this node's engine, or a Kubernetes host's."""
@@ -136,6 +171,41 @@ class Operations:
             return self.kubernetes.node(host).backend
         raise RequestRejected(f"host {host!r} is neither this node nor a Kubernetes host it serves ([[kubernetes]]); "
                               "the control socket's workload verbs reach only those")
+
+    async def _publish(self, host: Host, request: HuggingfacePublish) -> None:
+        """A publish whose repository admission reserved: the owner is on disk before a byte goes up, and a
+        reservation that no publish succeeded on is given back (_hub_owners.py)."""
+        owners = self.hub_owners
+        published = False
+        try:
+            client = host.hub("huggingface-publish")  # a host without the Hub refuses: the reservation goes back
+            await owners.persist("huggingface-publish")
+            await client.publish(request)
+            published = True
+        finally:
+            with anyio.CancelScope(shield=True):
+                await owners.settle(request.repository, published=published, action="huggingface-publish")
+
+    async def _require_owner(self, host: Host, request: RuntimeRequest, record: SessionRecord,
+                             ctx: RuntimeContext) -> bool:
+        """The ownership rule for a runtime-v1 workload action, here above the host seam so that no host kind
+        skips it (issue 37, finding 3); False: a workload-remove with nothing of this manager's to remove."""
+        if not (name := owned_name(request)):
+            return True
+
+        async def inspect(workload: str) -> WorkloadInfo:  # the host's own inspect, as the action will see it
+            info = (await host.runtime(WorkloadInspect(name=workload), ctx)).workload
+            if isinstance(info, WorkloadInfo):
+                return info
+            raise NotFound(kind="workload", ref=workload, action="workload-inspect")  # pragma: no cover
+
+        try:
+            await require_reach(inspect, name, uid=record.uid, action=str(request.__struct_config__.tag))
+        except NotFound:
+            if isinstance(request, WorkloadRemove):
+                return False  # removing an absent workload is success in the protocol
+            raise
+        return True
 
     def _route(self, host: str, record: SessionRecord) -> Host:
         """Where a request enters host routing: the node serving `host`, if the session may reach it."""

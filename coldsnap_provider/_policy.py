@@ -1,8 +1,9 @@
 """The runtime admission policy (issue 24; docs/policy.md): what a manager's sessions may ask a runtime for.
 
-Every runtime-v1 request and every control-socket `probe` passes :meth:`Policy.admit` (or
+Every runtime-v1 request, every Hugging Face request (its repository: ``huggingface_repos`` and
+the owner, issue 37) and every control-socket `probe` passes :meth:`Policy.admit_operation` (or
 :meth:`Policy.admit_probe`) once, above the host routing, before any backend is asked: the same
-rules hold for this node, for ``[[remote]]`` nodes and for any later host kind. A manager's
+rules hold for this node, for ``[[remote]]`` nodes and for Kubernetes nodes. A manager's
 profile is chosen from ``[policy]`` by its uid and primary gid (root and the daemon's uid get
 ``policy.admin``). The outcome is a :class:`Decision`, logged here and handed back to the caller;
 a refusal is :class:`PolicyRefused` (a plain ``ok:false``) naming the field, the value and the rule,
@@ -120,14 +121,17 @@ class Policy:
                 return self._profiles[entry.profile]
         return self._profiles[self._config.managers]
 
-    def admit_operation(self, request: Request, record: SessionRecord, *, local: bool) -> Decision | None:
+    def admit_operation(self, request: Request, record: SessionRecord, *, local: bool,
+                        hub_owner: int | None = None) -> Decision | None:
         """The one admission call of a session's request: runtime-v1 (and the legacy oci-pull/-push)
-        under the manager's profile; None for what is not a runtime request (exec and upload run as
-        exec.user on this node, the Hub client reads and writes as exec.user). On a remote node what
-        runs as its SSH user passes `remote_ssh_user` first."""
+        and the Hub operations under the manager's profile; None for exec and upload (they run as
+        exec.user on this node). On a remote node what runs as its SSH user passes `remote_ssh_user`
+        first. `hub_owner`: the manager that owns a publish's repository (_hub_owners.py), if any."""
         if not local:
             self._admit_remote_identity(request, record)
         match request:
+            case HuggingfacePublish() | HuggingfaceResolve():
+                return self._admit_hub(request, record, hub_owner)
             case Runtime(runtime=runtime):
                 action: RuntimeRequest = runtime
             case OciPull(image=image):
@@ -173,6 +177,28 @@ class Policy:
         except _Refusal as refusal:
             self._refuse(profile, uid, session, host, action, refusal)
         return self._admitted(profile, uid, session, host, action, capabilities)
+
+    def _admit_hub(self, request: HuggingfacePublish | HuggingfaceResolve, record: SessionRecord,
+                   owner: int | None) -> Decision:
+        """A Hub request (issue 37, finding 2): its repository against the profile's `huggingface_repos`
+        (not for `unrestricted`), and a publish only into a repository that no other manager owns (root
+        and the daemon's uid reach every one; reading, resolve, is the allow-list's alone, as images are)."""
+        uid, profile = record.uid, self.profile_for(record.uid, record.gid)
+        action, repository = str(request.__struct_config__.tag), request.repository
+        patterns = profile.rules.huggingface_repos
+        try:
+            if not profile.unrestricted and not any(fnmatch.fnmatchcase(repository, p) for p in patterns):
+                raise _Refusal("huggingface-repos", "repository", repository, (
+                    f"repository: {repository} matches none of the Hugging Face repositories profile {profile.name} "
+                    f"allows ({', '.join(patterns) or 'none: set huggingface_repos'})"))
+            if (isinstance(request, HuggingfacePublish) and owner is not None and owner != uid
+                    and uid not in (0, os.geteuid())):
+                raise _Refusal("huggingface-owner", "repository", repository, (
+                    f"repository: {repository} belongs to another manager (its sessions published there first); "
+                    "a manager publishes only to repositories that are its own or that no session published to"))
+        except _Refusal as refusal:
+            self._refuse(profile, uid, record.session, request.host, action, refusal)
+        return self._admitted(profile, uid, record.session, request.host, action, None)
 
     def admit_probe(self, image: str, *, uid: int, gid: int, host_process: bool) -> Decision:
         """The control socket's `probe`: its image under the manager's profile; the probe then runs

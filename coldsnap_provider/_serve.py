@@ -26,6 +26,7 @@ from ._config import Config, node_names, spool_dir
 from ._daemon import Daemon
 from ._exec import ExecIdentity, GroupLedger, resolve_identity
 from ._hosts import instance_id
+from ._hub_owners import HubOwners
 from ._kubernetes import KubernetesHosts, NodeAgent
 from ._operations import Operations
 from ._policy import Policy
@@ -80,6 +81,8 @@ async def serve(config: Config, state_dir: Path) -> None:
             allow_push=config.registry.push,
             groups=GroupLedger(state_dir / "exec-groups"),
             huggingface=_huggingface_client(config, identity),
+            # Read at start even without a token: ownership outlives a configuration without [huggingface].
+            hub_owners=HubOwners(state_dir / "huggingface-owners.json"),
             remotes=remotes,
             kubernetes=kubernetes,
             policy=_policy(config, state_dir),

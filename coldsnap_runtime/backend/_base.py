@@ -3,8 +3,10 @@
 A backend implements one coroutine per runtime-v1 action, ``recover()`` and
 ``aclose()``. Requests reach it already validated and already authorised (capability
 gating is the provider's job: this package knows no wire text); :func:`dispatch` applies
-the rules that do not depend on the engine (manager labels, the host identity that
-owns copied files) and routes by action.
+the rules that do not depend on the engine (manager labels, image ownership, the host
+identity that owns copied files) and routes by action. Which workloads a manager reaches is
+not decided here: the provider applies that rule above its hosts, once for every host kind
+(``coldsnap_provider/_ownership.py``), since a host kind may serve an action without dispatch.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Protocol
 
 import msgspec
 
-from ..errors import NotFound, RuntimeFailed
+from ..errors import RuntimeFailed
 from ..schema import (
     Execution,
     ImageBuild,
@@ -73,10 +75,11 @@ class RuntimeContext(msgspec.Struct, frozen=True, kw_only=True):
     cluster_id: str = ""
     manager_labels: dict[str, str] = {}
     # The placement manager whose session runs this: recorded on every workload it runs
-    # (MANAGER_UID_LABEL), so that lifecycle calls made outside a session reach only its own.
+    # (MANAGER_UID_LABEL) and every image reference it records. Which workloads a manager reaches
+    # is decided above the hosts, by the provider (one rule for every host kind), not here.
     manager_uid: int | None = None
-    # Whether this caller reaches every workload (root and the daemon's uid); otherwise workload
-    # actions reach only workloads whose MANAGER_UID_LABEL is `manager_uid` (others: not_found).
+    # Whether this caller reaches every image reference (root and the daemon's uid); otherwise it
+    # pushes, removes and re-points only the references its sessions recorded (require_own_image).
     reaches_all: bool = True
     # The admission policy's grant: `privileged: true` realised as exactly these capabilities
     # (None: as the host's [runtime] privileged says).
@@ -137,16 +140,6 @@ def with_report_dir(spec: WorkloadSpec, ctx: RuntimeContext) -> WorkloadSpec:
 _EMPTY = RuntimeResponse()
 
 
-async def require_own(backend: Backend, name: str, ctx: RuntimeContext, action: str) -> None:
-    """NotFound unless the caller reaches workload `name`: its own (MANAGER_UID_LABEL) or, for root
-    and the daemon's uid, any. Another manager's workload is answered as absent, like one that is."""
-    if ctx.reaches_all or ctx.manager_uid is None:
-        return
-    info = await backend.workload_inspect(name, include_start_time=False)
-    if info.labels.get(MANAGER_UID_LABEL) != str(ctx.manager_uid):
-        raise NotFound(kind="workload", ref=name, action=action)
-
-
 async def require_own_image(backend: Backend, request: RuntimeRequest, ctx: RuntimeContext) -> str:
     """The reference a manager's image request records (""), after refusing what it may not touch.
 
@@ -195,13 +188,6 @@ async def dispatch(backend: Backend, request: RuntimeRequest, ctx: RuntimeContex
 
 
 async def _dispatch(backend: Backend, request: RuntimeRequest, ctx: RuntimeContext) -> RuntimeResponse:
-    if isinstance(request, WorkloadRemove | WorkloadInspect | WorkloadExec | WorkloadLogs | WorkloadCopyFrom):
-        try:
-            await require_own(backend, request.name, ctx, str(request.__struct_config__.tag))
-        except NotFound:
-            if isinstance(request, WorkloadRemove):
-                return _EMPTY  # absent is success for remove, and another manager's is absent to this one
-            raise
     match request:
         case ImageInspect(image=image):
             return RuntimeResponse(image=await backend.image_inspect(image))

@@ -3,6 +3,7 @@ a local Hub server (tests/provider/_hubserver.py), and the payload opened as exe
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from coldsnap_provider._envelope import Reply
-from tests.helpers import Daemon, Session, running_daemon
+from tests.helpers import Daemon, Session, running_daemon, session_as
 from tests.provider._hubserver import HubRepo, HubServer, running_hub
 
 WRITE_TOKEN = "hf_writer_" + "w" * 24
@@ -229,3 +230,135 @@ async def test_publish_and_resolve_under_the_shipped_unit_open_the_source_as_exe
         refused = await publish(session, secret, destination="native/secret.pack")
         assert not refused.ok and "Permission denied" in text(refused), refused
     assert hub.repos[REPO].files("staging") == {"native/objects/0001.pack": data}
+
+
+# --- issue 37, finding 2: Hub repositories have owners and profiles name them ---------------------------------
+
+MANAGER_A, MANAGER_B, CAPSULE_MANAGER = 65534, 65533, 65532
+OWNED = "Org/Model-Native"  # REPO as another spelling: the Hub compares repository ids without regard to case
+
+
+@asynccontextmanager
+async def managers_daemon(hub: HubServer, state_dir: Path, audit: Path,
+                          patterns: str = '["org/*", "Org/*"]') -> AsyncIterator[Daemon]:
+    """A daemon whose managers A and B share the profile `tenant` (Hub repositories `patterns`); a third
+    manager gets the built-in `capsule`. `state_dir` outlives the daemon (ownership survives restarts)."""
+    secrets_dir = Path(tempfile.mkdtemp(prefix="cs-hf-token-"))
+    token_file = secrets_dir / "token"
+    token_file.write_text(WRITE_TOKEN + "\n")
+    token_file.chmod(0o600)
+    config = (f'[exec]\nuser = "nobody"\n[huggingface]\ntoken_file = "{token_file}"\nendpoint = "{hub.url}"\n'
+              f"[server]\ncontrol_uids = [{MANAGER_A}, {MANAGER_B}, {CAPSULE_MANAGER}]\n"
+              f'[audit]\nfile = "{audit}"\n'
+              f"[policy.profiles.tenant]\nhuggingface_repos = {patterns}\n"
+              f'[[policy.assign]]\nuids = [{MANAGER_A}, {MANAGER_B}]\nprofile = "tenant"\n')
+    try:
+        async with running_daemon(config, state_dir=state_dir) as daemon:
+            yield daemon
+    finally:
+        shutil.rmtree(secrets_dir, ignore_errors=True)
+
+
+def audited(audit: Path, operation: str) -> list[tuple[str, str, str, int, str]]:
+    events = [json.loads(line) for line in audit.read_text().splitlines()]
+    return [(e["outcome"], e["decision"], e["profile"], e["uid"], e["error"]) for e in events
+            if e["operation"] == operation]
+
+
+async def test_publish_over_another_managers_repository_is_refused_audited_and_uploads_nothing(
+        hub: HubServer, top: Path) -> None:
+    """Regression: #37 finding 2: manager B published its own bytes over manager A's repository with the
+    node's one token. The first manager to publish owns the repository, across restarts; root reaches all."""
+    hub.repos["org/b-model"] = HubRepo.new()
+    state_dir, audit = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp")), top / "audit.jsonl"
+    refusal = (f"repository: {REPO} belongs to another manager (its sessions published there first); a manager "
+               "publishes only to repositories that are its own or that no session published to")
+    try:
+        async with managers_daemon(hub, state_dir, audit) as daemon:
+            a, b = session_as(MANAGER_A, daemon), session_as(MANAGER_B, daemon)
+            first = await publish(a, payload(top, b"A's weights", "a.pack"))
+            assert first.ok, first.error
+            before = len(hub.requests)
+            theirs = await publish(b, payload(top, b"B's bytes", "b.pack"))
+            assert not theirs.ok and not theirs.error_code and theirs.error == refusal, theirs
+            spelled = await publish(b, payload(top, b"B's bytes", "b.pack"), repository=OWNED)
+            assert spelled.error == refusal.replace(REPO, OWNED), spelled
+            assert len(hub.requests) == before  # refused before the Hub was asked anything
+            read = await resolve(b, "staging")  # reading stays the allow-list's alone
+            assert read.ok and read.value == hub.repos[REPO].branches["staging"], read
+            own = await publish(b, payload(top, b"B's own", "b2.pack"), repository="org/b-model", revision="main")
+            assert own.ok, own.error
+            mine = await publish(a, payload(top, b"A again", "a2.pack"), repository="org/b-model", revision="main")
+            assert not mine.ok and "repository: org/b-model belongs to another manager" in text(mine)
+            admin = await publish(await daemon.open_session(), payload(top, b"root", "r.pack"),
+                                  destination="native/root.pack")
+            assert admin.ok, admin.error  # root and the daemon's uid reach every repository
+        owners = json.loads((state_dir / "huggingface-owners.json").read_text())
+        assert owners["owners"] == {"org/model-native": MANAGER_A, "org/b-model": MANAGER_B}
+        async with managers_daemon(hub, state_dir, audit) as daemon:  # the owners survive a restart
+            a, b = session_as(MANAGER_A, daemon), session_as(MANAGER_B, daemon)
+            again = await publish(b, payload(top, b"B's bytes", "b.pack"))
+            assert not again.ok and again.error == refusal, again
+            assert (await publish(a, payload(top, b"A's next", "a3.pack"), destination="native/next.pack")).ok
+    finally:
+        shutil.rmtree(state_dir, ignore_errors=True)
+    assert hub.repos[REPO].files("staging") == {"native/objects/0001.pack": b"A's weights",
+                                                 "native/root.pack": b"root", "native/next.pack": b"A's next"}
+    assert hub.repos["org/b-model"].files("main") == {"native/objects/0001.pack": b"B's own"}
+    events = audited(audit, "huggingface-publish")
+    assert ("rejected", "refused", "tenant", MANAGER_B, refusal) in events
+    assert [e[:4] for e in events] == [
+        ("ok", "admitted", "tenant", MANAGER_A), ("rejected", "refused", "tenant", MANAGER_B),
+        ("rejected", "refused", "tenant", MANAGER_B), ("ok", "admitted", "tenant", MANAGER_B),
+        ("rejected", "refused", "tenant", MANAGER_A),
+        ("ok", "admitted", "unrestricted", 0), ("rejected", "refused", "tenant", MANAGER_B),
+        ("ok", "admitted", "tenant", MANAGER_A)]
+
+
+async def test_hub_repositories_outside_the_profile_are_refused_naming_the_field_value_and_rule(
+        hub: HubServer, top: Path) -> None:
+    """Regression: #37 finding 2: no policy rule covered Hub repositories; `capsule` now names none."""
+    state_dir, audit = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp")), top / "audit.jsonl"
+    try:
+        async with managers_daemon(hub, state_dir, audit, patterns='["org/model-*"]') as daemon:
+            tenant, capsule = session_as(MANAGER_A, daemon), session_as(CAPSULE_MANAGER, daemon)
+            source = payload(top, b"x")
+            outside = await publish(tenant, source, repository="elsewhere/model")
+            read = await resolve(tenant, "main", repository="elsewhere/model")
+            none = await publish(capsule, source)
+            none_read = await resolve(capsule, "main")
+            inside = await resolve(tenant, "main")
+            log = daemon.log_events()
+    finally:
+        shutil.rmtree(state_dir, ignore_errors=True)
+    assert outside.error == ("repository: elsewhere/model matches none of the Hugging Face repositories profile "
+                             "tenant allows (org/model-*)"), outside
+    assert read.error == outside.error and not read.error_code
+    assert none.error == (f"repository: {REPO} matches none of the Hugging Face repositories profile capsule "
+                          "allows (none: set huggingface_repos)"), none
+    assert none_read.error == none.error
+    assert inside.ok and inside.value == hub.repos[REPO].branches["main"]
+    assert [path for _, path, _ in hub.requests] == [f"/api/models/{REPO}/revision/main"]  # only the admitted one
+    refused = [(e["action"], e["rule"]) for e in log if e.get("event") == "admission" and e["decision"] == "refused"]
+    assert refused == [("huggingface-publish", "huggingface-repos"), ("huggingface-resolve", "huggingface-repos")] * 2
+    assert [e[:4] for e in audited(audit, "huggingface-publish")] == [
+        ("rejected", "refused", "tenant", MANAGER_A), ("rejected", "refused", "capsule", CAPSULE_MANAGER)]
+
+
+async def test_a_first_publish_that_fails_keeps_no_repository(hub: HubServer, top: Path) -> None:
+    """A reservation is given back when the publish fails: a manager cannot hold a repository (one the
+    Hub does not have yet, say) that it never published to."""
+    state_dir, audit = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp")), top / "audit.jsonl"
+    try:
+        async with managers_daemon(hub, state_dir, audit) as daemon:
+            a, b = session_as(MANAGER_A, daemon), session_as(MANAGER_B, daemon)
+            failed = await publish(b, payload(top, b"B", "b.pack"), repository="org/later")
+            assert failed.error_code == "runtime_failed" and "repository not found" in text(failed), failed
+            hub.repos["org/later"] = HubRepo.new()
+            published = await publish(a, payload(top, b"A", "a.pack"), repository="org/later")
+            assert published.ok, published.error
+            refused = await publish(b, payload(top, b"B", "b.pack"), repository="org/later")
+            assert "org/later belongs to another manager" in text(refused), refused
+        assert json.loads((state_dir / "huggingface-owners.json").read_text())["owners"] == {"org/later": MANAGER_A}
+    finally:
+        shutil.rmtree(state_dir, ignore_errors=True)

@@ -410,6 +410,8 @@ def test_config_non_root_managers_with_exec_as_root_or_daemon_refused(tmp_path: 
                  "Invalid enum value 'yes' - at `$.policy.profiles[...].privileged`", id="privileged"),
     pytest.param("[policy.profiles.p]\ncapabilities = [\"cap_sys_admin\"]\n", "capabilities", id="cap-name"),
     pytest.param("[policy.profiles.p]\nimagez = []\n", "unknown field `imagez`", id="typo"),
+    pytest.param("[policy.profiles.p]\nhuggingface_repos = [\"org/ x\"]\n",
+                 "at `$.policy.profiles[...].huggingface_repos[0]`", id="hub-pattern"),
 ])
 def test_config_policy_mistakes_refused_naming_the_key(tmp_path: Path, text: str, expected: str) -> None:
     path = tmp_path / "c.toml"
