@@ -90,7 +90,9 @@ class HydratorServer:
 
     Who may ask what (a hydrator may serve several tenants): the socket is 0600 (0660 with a group) and only
     the peers `peers` admits are answered (SO_PEERCRED); a `hydrate` or `stage` gets a source's bytes only for
-    a peer that could read the source file itself; `adopt` and `discard` need the stage's ticket (answered to
+    a peer that could read the source file itself, in its own view (its root, uid, groups and DAC capabilities:
+    `_peer_view.PeerView`; uid 0 alone reads nothing), and so does a `stage-dump` for each part; `adopt` and
+    `discard` need the stage's ticket (answered to
     the stager only), each uid's stages are its own (another uid staging the same key, the same model's manifest,
     stages beside it and never replaces nor blocks it), and `status` lists only the asker's own stages.
 
@@ -350,7 +352,7 @@ class HydratorServer:
         """Fill one allocation per released region from an interposer's device dump (docs/interposer.md) while
         its process is being restored: `parts` are (file, bytes, region) in the order the interposer maps them
         back (`dump_layout`), each file read whole through a ring of page-locked buffers into the allocations
-        mapped back to back. Only files `peer` could read itself, on this hydrator's GPU."""
+        mapped back to back. Only files `peer` could read itself in its own view, on this hydrator's GPU."""
         key = self._stage_slot(message)
         layout, sizes = dump_layout(message.get("parts"))
         with PeerView.of(conn, peer, openers=self._openers) as view:
