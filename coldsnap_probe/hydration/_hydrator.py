@@ -35,7 +35,7 @@ from ._vmm import (
 from ._weights import HydrationManifest, WeightRegion, validate_regions
 
 __all__ = ("ADOPT_PAGE", "CONNECTIONS", "STAGE_MAX", "STAGE_RESERVE", "STAGE_TTL", "UID_CONNECTIONS", "HydratorServer",
-           "Stager")
+           "Stager", "request_regions")
 
 STAGE_TTL = 120.0  # seconds a staged allocation waits for its engine before the hydrator frees it
 STAGE_MAX = 4  # staged allocations a hydrator holds at once
@@ -163,10 +163,10 @@ class HydratorServer:
                 line = jsonline.read_line(conn, data)
             finally:
                 conn.settimeout(given)  # the answer's sends get the connection's whole timeout
-            message = json.loads(line)
-            op = message.get("op", "hydrate") if isinstance(message, dict) else None
+            message = jsonline.parse_request(line)
+            op = message.get("op", "hydrate")
             if op != "hydrate" and fds:
-                raise HydrationError(f"a {op} request carries no descriptor")
+                raise HydrationError(f"a {op!r:.80} request carries no descriptor")
             if op == "hydrate":
                 if len(fds) != 1:
                     raise HydrationError("a hydrate request carries exactly one allocation descriptor")
@@ -181,7 +181,7 @@ class HydratorServer:
                 return {"ok": True, "discarded": self._discard(_stage_key(message), message.get("ticket"))}
             if op == "status":
                 return self._status(peer)
-            raise HydrationError(f"unknown request {op!r}")
+            raise HydrationError(f"unknown request {op!r:.80}")
         finally:
             for fd in fds:
                 os.close(fd)
@@ -190,11 +190,7 @@ class HydratorServer:
             tuple[int, int, tuple[WeightRegion, ...], list[tuple[int, int, int]]]:
         """The request's reservation and regions (validated), and (offset, pinned source address, bytes) copies
         of the held sources they name, each one the peer could read itself in its own view (`held_sources`)."""
-        try:
-            base, size = int(message["base"]), int(message["size"])
-            regions = validate_regions([WeightRegion.from_json(r) for r in message["regions"]], base, size)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise HydrationError(f"malformed request: {type(exc).__name__}: {exc}") from exc
+        base, size, regions = request_regions(message)
         preserved = [r for r in regions if r.preserved]  # discarded regions: the engine zeroes them
         if not preserved:
             return base, size, regions, []
@@ -452,6 +448,23 @@ class HydratorServer:
         now = time.monotonic()  # a stage being filled expires at inf: never freed under its filler
         for key in [k for k, v in self.staged.items() if v.ready and v.expires <= now]:
             self._free(key)
+
+
+def request_regions(message: dict[str, Any]) -> tuple[int, int, tuple[WeightRegion, ...]]:
+    """A `hydrate`, `stage` or weights `adopt` request's reservation and regions, checked without touching a file:
+    `base` and `size` non-negative integers (not booleans, nor a float such as JSON's Infinity), `regions` a list
+    of weight regions inside that reservation (`validate_regions`); HydrationError naming the field otherwise."""
+    base, size, regions = _whole_field(message, "base"), _whole_field(message, "size"), message.get("regions")
+    if not isinstance(regions, list):
+        raise HydrationError(f"malformed request: regions must be a list of weight regions, not {regions!r:.40}")
+    return base, size, validate_regions([WeightRegion.from_json(r) for r in regions], base, size)
+
+
+def _whole_field(message: dict[str, Any], name: str) -> int:
+    value = message.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise HydrationError(f"malformed request: {name} must be a non-negative integer, not {value!r:.40}")
+    return value
 
 
 def _first_page(value: Any, count: int, taken: int) -> int:
