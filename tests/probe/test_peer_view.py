@@ -224,3 +224,40 @@ def test_a_hydrator_that_cannot_see_its_peers_checks_them_in_their_mount_namespa
     assert "No such file or directory (in the view of peer pid 0, uid 0)" in answers[0]["error"]
     assert "peer uid 0 may not read" in answers[1]["error"]  # root, but no capability is known
     assert answers[2]["read"] == "TTTT"  # the tenant reads its own file
+
+
+def _others_reach(path: Path) -> bool:
+    """Whether a uid with no privilege can reach `path` (every directory above it searchable by others)."""
+    return all(os.stat(p).st_mode & 0o001 for p in [path, *path.parents])
+
+
+@pytest.mark.skipif(not _others_reach(Path(ROOT)), reason="nobody cannot reach this checkout to import the probe")
+def test_a_hydrator_that_is_not_root_serves_its_own_uid_and_refuses_what_it_cannot_inspect(tree: Path) -> None:
+    """Without privilege the hydrator takes no other credentials and reads no other uid's /proc entries: its own
+    uid is checked as any peer (its own file read, another's refused by the kernel); root's view is unreadable."""
+    (tree / "nobody.bin").write_bytes(b"N" * 4096)
+    os.chown(tree / "nobody.bin", 65534, 65534)
+    (tree / "nobody.bin").chmod(0o600)
+    with tempfile.TemporaryDirectory(prefix="cs-unprivileged-", dir="/tmp") as directory:
+        Path(directory).chmod(0o777)
+        sock = Path(directory) / "h.sock"
+        answers = []
+        for target, prefix in ((tree / "nobody.bin", AS_NOBODY), (tree / "tenant" / "w.bin", AS_NOBODY),
+                               (tree / "nobody.bin", ())):
+            server = subprocess.Popen([*AS_NOBODY, "/usr/bin/python3", "-c", SERVE, str(sock), str(target), "1"],
+                                      cwd=ROOT, env={"PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
+            try:
+                assert server.stdout is not None and server.stdout.readline().strip() == "listening"
+                peer = subprocess.Popen([*prefix, "/usr/bin/python3", "-c", HOLD, str(sock)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.DEVNULL)
+                answers.append(json.loads(server.stdout.readline()))
+                assert peer.stdin is not None
+                peer.stdin.close()
+                peer.wait(20)
+            finally:
+                server.kill()
+                server.wait()
+                sock.unlink(missing_ok=True)
+    assert answers[0]["read"] == "NNNN"
+    assert "peer uid 65534 may not read" in answers[1]["error"]
+    assert "(uid 0) cannot be read: Permission denied" in answers[2]["error"]
