@@ -226,6 +226,43 @@ def test_a_hydrator_that_cannot_see_its_peers_checks_them_in_their_mount_namespa
     assert answers[2]["read"] == "TTTT"  # the tenant reads its own file
 
 
+def in_container(image: str, *mounts: Path, options: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """A prefix that runs the peer as root in a real container of `image` (the real dockerd): its own mount, pid
+    and network namespaces, the host's /usr (for /usr/bin/python3) and `mounts` at their own paths."""
+    binds = ["-v", "/usr:/usr:ro", "-v", "/usr/lib:/lib:ro"]
+    if os.path.isdir("/usr/lib64"):
+        binds += ["-v", "/usr/lib64:/lib64:ro"]
+    for mount in mounts:
+        binds += ["-v", f"{mount}:{mount}"]
+    return ("docker", "run", "--rm", "-i", "--network", "none", *binds, *options, image)
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_root_in_a_container_is_served_only_what_its_mounts_and_capabilities_let_it_read(
+        tree: Path, busybox_image: str) -> None:
+    """Regression: #37 finding 6, as reported: root in another container (Docker's default capabilities, which
+    hold CAP_DAC_OVERRIDE) does not have the tenant's directory, so it is not served the tenant's 0600 file; with
+    the directory mounted it is; with it mounted but every capability dropped it is not."""
+    weights = tree / "tenant" / "w.bin"
+    semaphore = threading.BoundedSemaphore(OPENERS)
+    outcomes = []
+    with listening() as (listener, sock):
+        for mounts, options in (((), ()), ((tree,), ()), ((tree,), ("--cap-drop", "ALL"))):
+            prefix = in_container(busybox_image, sock.parent, *mounts, options=options)
+            with connected(listener, sock, prefix) as (conn, peer, _), \
+                    PeerView.of(conn, peer, openers=semaphore) as view:
+                assert peer.uid == 0 and view.root is not None  # root, and visible from here
+                try:
+                    fds = view.open([(str(weights), 1)], what="source", follow=True)
+                    outcomes.append(read_all(fds[str(weights)])[:4].decode())
+                    os.close(fds[str(weights)])
+                except HydrationError as exc:
+                    outcomes.append(str(exc))
+    assert "No such file or directory (in the view of peer pid" in outcomes[0], outcomes
+    assert outcomes[1] == "TTTT", outcomes
+    assert "peer uid 0 may not read source" in outcomes[2], outcomes
+
+
 def _others_reach(path: Path) -> bool:
     """Whether a uid with no privilege can reach `path` (every directory above it searchable by others)."""
     return all(os.stat(p).st_mode & 0o001 for p in [path, *path.parents])
