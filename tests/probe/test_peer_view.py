@@ -237,6 +237,7 @@ def in_container(image: str, *mounts: Path, options: tuple[str, ...] = ()) -> tu
     return ("docker", "run", "--rm", "-i", "--network", "none", *binds, *options, image)
 
 
+@pytest.mark.skipif(shutil.which("docker") is None, reason="needs the docker CLI and a dockerd")
 @pytest.mark.usefixtures("no_leftovers")
 def test_root_in_a_container_is_served_only_what_its_mounts_and_capabilities_let_it_read(
         tree: Path, busybox_image: str) -> None:
