@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -194,7 +195,7 @@ for _ in range(count):
 """
 
 
-@pytest.mark.skipif(tuple(map(int, platform.release().split(".")[:2])) < (6, 5),
+@pytest.mark.skipif(tuple(map(int, re.findall(r"\d+", platform.release())[:2])) < (6, 5),
                     reason="a peer outside the hydrator's pid namespace is pinned with SO_PEERPIDFD (Linux 6.5)")
 def test_a_hydrator_that_cannot_see_its_peers_checks_them_in_their_mount_namespace(tree: Path) -> None:
     """SO_PEERCRED's pid is 0 there: the peer's mount namespace is joined through its pidfd, and a peer the
