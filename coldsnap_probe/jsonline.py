@@ -30,7 +30,7 @@ from typing import Any
 from .errors import ChannelError
 
 __all__ = ("MAX_ANSWER_FDS", "MAX_REQUEST", "PAGE_MARK", "REQUEST_TIMEOUT", "Answer", "LineServer", "Peer", "Peers",
-           "listen", "read_line", "read_request", "request", "request_with_fds", "send", "send_line")
+           "listen", "parse_request", "read_line", "read_request", "request", "request_with_fds", "send", "send_line")
 
 MAX_REQUEST = 1 << 20  # bytes of one request line (regions lists stay far below it)
 REQUEST_TIMEOUT = 30.0  # seconds a connection has to send its whole request
@@ -352,10 +352,18 @@ def read_line(conn: socket.socket, data: bytes = b"") -> bytes:
 
 def read_request(conn: socket.socket) -> dict[str, Any]:
     """The request line as one JSON object (ChannelError when it is anything else)."""
+    return parse_request(read_line(conn))
+
+
+def parse_request(line: bytes) -> dict[str, Any]:
+    """A request line (bytes as read, its newline included or not) as one JSON object; ChannelError when it is
+    anything else, whatever the bytes (no I/O)."""
     try:
-        value = json.loads(read_line(conn))
-    except ValueError as exc:
+        value = json.loads(line)
+    except ValueError as exc:  # UnicodeDecodeError included
         raise ChannelError(f"the request is not JSON: {exc}") from exc
+    except RecursionError as exc:  # "[[[[...": the decoder's nesting is bounded by the interpreter's stack
+        raise ChannelError("the request nests deeper than its decoder goes") from exc
     if not isinstance(value, dict):
         raise ChannelError("the request is not one JSON object")
     return value

@@ -26,7 +26,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from ._errors import ConfigError
 from ._metrics import Metrics
 
-__all__ = ("MetricsEndpoint", "open_listener", "parse_address")
+__all__ = ("MetricsEndpoint", "open_listener", "parse_address", "parse_head")
 
 log = structlog.get_logger(__name__)
 
@@ -123,23 +123,38 @@ class MetricsEndpoint:
             return _response(431, b"request head exceeds 8192 bytes\n")
         except (anyio.IncompleteRead, anyio.EndOfStream):
             return None
-        lines = head.split(b"\r\n")
-        parts = lines[0].split(b" ")
-        if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
-            return _response(400, b"malformed request line\n")
-        method, target = parts[0], parts[1].split(b"?", 1)[0]
-        if method not in (b"GET", b"HEAD"):
-            return _response(405, b"only GET and HEAD\n", extra=b"Allow: GET, HEAD\r\n")
-        if target != b"/metrics":
-            return _response(404, b"the metrics are at /metrics\n")
-        accept = b""
-        for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            if name.strip().lower() == b"accept":
-                accept = value.strip()
+        asked = parse_head(head)
+        if isinstance(asked, bytes):
+            return asked
+        method, accept = asked
         # In a worker thread: rendering is milliseconds of pure Python the loop's sockets should not wait behind.
-        body, content_type = await anyio.to_thread.run_sync(self._metrics.render, accept.decode("latin-1"))
+        body, content_type = await anyio.to_thread.run_sync(self._metrics.render, accept)
         return _response(200, body, content_type=content_type, head_only=method == b"HEAD")
+
+
+def parse_head(head: bytes) -> tuple[bytes, str] | bytes:
+    """A request head (up to its blank line, which is not in `head`): the method (GET or HEAD) and the Accept
+    header's value of a request for /metrics, or the whole refusal to send (431, 400, 405 or 404). No I/O.
+
+    The size is checked here, not only by the reader's bound: `receive_until` returns a head it finds in one
+    read however long it is (a 9 KiB head that arrived at once was answered 200)."""
+    if len(head) + 4 > MAX_HEAD_BYTES:
+        return _response(431, b"request head exceeds 8192 bytes\n")
+    lines = head.split(b"\r\n")
+    parts = lines[0].split(b" ")
+    if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
+        return _response(400, b"malformed request line\n")
+    method, target = parts[0], parts[1].split(b"?", 1)[0]
+    if method not in (b"GET", b"HEAD"):
+        return _response(405, b"only GET and HEAD\n", extra=b"Allow: GET, HEAD\r\n")
+    if target != b"/metrics":
+        return _response(404, b"the metrics are at /metrics\n")
+    accept = b""
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"accept":
+            accept = value.strip()
+    return method, accept.decode("latin-1")
 
 
 async def _discard_unread(stream: ByteStream) -> None:

@@ -47,7 +47,8 @@ manifest and `check_dump` its checks.
 Where each part lives (this subpackage): `_weights.py` (regions, digests, sources, the manifest; no
 CUDA), `_vmm.py` (CUDA virtual memory and the copy engines), `_arena.py` (the engine's `WeightArena` and
 its control socket), `_hydrator.py` (the node's `HydratorServer` and the worker's `Stager`),
-`_peer_files.py` (what a hydrator's peer may have read: the permission rule, a stage-dump's parts) and
+`_peer_files.py` (what a hydrator's peer may have read: its sources, a stage-dump's parts), `_peer_view.py`
+(a peer's files opened in its own view: its root and credentials, never "uid 0 reads everything") and
 `__main__.py` (the hydrator's command line); the socket protocol and peer checks are
 `coldsnap_probe/jsonline.py`. Every socket here is 0600 from its creation and answers only admitted
 peers (SO_PEERCRED); see `HydratorServer` for what each peer may touch.

@@ -18,7 +18,8 @@ from typing import Any
 
 from .. import jsonline
 from ..errors import HydrationError
-from ._peer_files import DumpLayout, dump_layout, open_dump_parts, readable_by
+from ._peer_files import DumpLayout, dump_layout, held_sources, open_dump_parts
+from ._peer_view import OPENERS, PeerView
 from ._stage_quota import StageQuota, check_stage_quota
 from ._staging import StageRequest
 from ._vmm import (
@@ -34,7 +35,7 @@ from ._vmm import (
 from ._weights import HydrationManifest, WeightRegion, validate_regions
 
 __all__ = ("ADOPT_PAGE", "CONNECTIONS", "STAGE_MAX", "STAGE_RESERVE", "STAGE_TTL", "UID_CONNECTIONS", "HydratorServer",
-           "Stager")
+           "Stager", "request_regions")
 
 STAGE_TTL = 120.0  # seconds a staged allocation waits for its engine before the hydrator frees it
 STAGE_MAX = 4  # staged allocations a hydrator holds at once
@@ -89,7 +90,9 @@ class HydratorServer:
 
     Who may ask what (a hydrator may serve several tenants): the socket is 0600 (0660 with a group) and only
     the peers `peers` admits are answered (SO_PEERCRED); a `hydrate` or `stage` gets a source's bytes only for
-    a peer that could read the source file itself; `adopt` and `discard` need the stage's ticket (answered to
+    a peer that could read the source file itself, in its own view (its root, uid, groups and DAC capabilities:
+    `_peer_view.PeerView`; uid 0 alone reads nothing), and so does a `stage-dump` for each part; `adopt` and
+    `discard` need the stage's ticket (answered to
     the stager only), each uid's stages are its own (another uid staging the same key, the same model's manifest,
     stages beside it and never replaces nor blocks it), and `status` lists only the asker's own stages.
 
@@ -117,11 +120,12 @@ class HydratorServer:
         self.device_uuid = device_uuid(self.driver, 0)
         started = time.perf_counter()
         self.sources: dict[str, Mapped] = {}
-        self._files: dict[str, int] = {}  # the same files held open: their owner and mode are checked per peer
+        # The held files by (device, inode): a peer's source is the file its own path names in its own view.
+        self._identities: dict[tuple[int, int], str] = {}
         for source in sources:
             real = os.path.realpath(source)
-            self._files[real] = os.open(real, os.O_RDONLY | os.O_CLOEXEC)
             self.sources[real] = Mapped(real)
+            self._identities[self.sources[real].identity] = real
         self.map_seconds = time.perf_counter() - started
         for m in self.sources.values():
             m.register(self.driver)
@@ -133,6 +137,7 @@ class HydratorServer:
         self._lock = threading.Lock()  # the stage table and its stages: see the locking rule above
         self.stage_ttl, self.staging = stage_ttl, staging
         self.peers, self.group = peers or jsonline.Peers(), group
+        self._openers = threading.BoundedSemaphore(OPENERS)  # threads opening files in peers' views (_peer_view)
         _free, total = cucall(self.driver, "cuMemGetInfo")
         self.quota = StageQuota.default(int(total), shared=bool(self.peers.uids or self.peers.gids), stages=STAGE_MAX,
                                         count=stage_uid_count, size=stage_uid_bytes)
@@ -158,46 +163,44 @@ class HydratorServer:
                 line = jsonline.read_line(conn, data)
             finally:
                 conn.settimeout(given)  # the answer's sends get the connection's whole timeout
-            message = json.loads(line)
-            op = message.get("op", "hydrate") if isinstance(message, dict) else None
+            message = jsonline.parse_request(line)
+            op = message.get("op", "hydrate")
             if op != "hydrate" and fds:
-                raise HydrationError(f"a {op} request carries no descriptor")
+                raise HydrationError(f"a {op!r:.80} request carries no descriptor")
             if op == "hydrate":
                 if len(fds) != 1:
                     raise HydrationError("a hydrate request carries exactly one allocation descriptor")
-                return self._hydrate(message, fds[0], peer)
+                return self._hydrate(message, fds[0], peer, conn)
             if op == "stage":
                 return self._stage(message, peer, conn)
             if op == "stage-dump":
                 return self._stage_dump(message, peer, conn)
             if op == "adopt":
-                return self._adopt(message, peer)
+                return self._adopt(message, peer, conn)
             if op == "discard":
                 return {"ok": True, "discarded": self._discard(_stage_key(message), message.get("ticket"))}
             if op == "status":
                 return self._status(peer)
-            raise HydrationError(f"unknown request {op!r}")
+            raise HydrationError(f"unknown request {op!r:.80}")
         finally:
             for fd in fds:
                 os.close(fd)
 
-    def _jobs(self, message: dict[str, Any], peer: jsonline.Peer) -> tuple[int, int, tuple[WeightRegion, ...],
-                                                                           list[tuple[int, int, int]]]:
+    def _jobs(self, message: dict[str, Any], peer: jsonline.Peer, conn: socket.socket) -> \
+            tuple[int, int, tuple[WeightRegion, ...], list[tuple[int, int, int]]]:
         """The request's reservation and regions (validated), and (offset, pinned source address, bytes) copies
-        of the sources `peer` may read."""
-        try:
-            base, size = int(message["base"]), int(message["size"])
-            regions = validate_regions([WeightRegion.from_json(r) for r in message["regions"]], base, size)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise HydrationError(f"malformed request: {type(exc).__name__}: {exc}") from exc
+        of the held sources they name, each one the peer could read itself in its own view (`held_sources`)."""
+        base, size, regions = request_regions(message)
+        preserved = [r for r in regions if r.preserved]  # discarded regions: the engine zeroes them
+        if not preserved:
+            return base, size, regions, []
+        with PeerView.of(conn, peer, openers=self._openers) as view:
+            held = held_sources(view, (r.source for r in preserved), self._identities)
         jobs = []
-        for region in (r for r in regions if r.preserved):  # discarded regions: the engine zeroes them
-            real = os.path.realpath(region.source)
-            src = self.sources.get(real)
-            if src is None or src.size < region.offset + region.size:
+        for region in preserved:
+            src = self.sources[held[region.source]]
+            if src.size < region.offset + region.size:
                 raise HydrationError(f"this hydrator does not hold {region.source}", region=region.name)
-            if not readable_by(real, os.fstat(self._files[real]), peer):
-                raise HydrationError(f"peer uid {peer.uid} may not read {region.source}", region=region.name)
             jobs.append((region.address - base, src.address + region.offset, region.size))
         return base, size, regions, jobs
 
@@ -242,10 +245,10 @@ class HydratorServer:
                     self.driver.cuda.cuStreamDestroy(stream)
         return copy
 
-    def _hydrate(self, message: dict[str, Any], fd: int, peer: jsonline.Peer) -> dict[str, Any]:
+    def _hydrate(self, message: dict[str, Any], fd: int, peer: jsonline.Peer, conn: socket.socket) -> dict[str, Any]:
         """Fill an engine's exported allocation. The descriptor is the caller's to close: while it is open, it
         keeps the engine's allocation alive, even after the engine released it."""
-        _base, size, _regions, jobs = self._jobs(message, peer)
+        _base, size, _regions, jobs = self._jobs(message, peer, conn)
         started = time.perf_counter()
         handle = cucall(self.driver, "cuMemImportFromShareableHandle", fd, fd_handle(self.driver))
         try:
@@ -322,7 +325,7 @@ class HydratorServer:
         """Allocate and fill ahead of the engine's restore; refused for an engine on another GPU. The answer's
         `ticket` is what the engine presents to adopt it."""
         key = self._stage_slot(message)
-        base, size, regions, jobs = self._jobs(message, peer)
+        base, size, regions, jobs = self._jobs(message, peer, conn)
         return self._stage_into(key, peer, conn, _Staged((), base, size, regions, 0.0, 0.0, 0.0, 0, "",
                                                          sizes=(size,)),
                                 self._pinned(jobs), sum(n for _, _, n in jobs))
@@ -345,10 +348,11 @@ class HydratorServer:
         """Fill one allocation per released region from an interposer's device dump (docs/interposer.md) while
         its process is being restored: `parts` are (file, bytes, region) in the order the interposer maps them
         back (`dump_layout`), each file read whole through a ring of page-locked buffers into the allocations
-        mapped back to back. Only files `peer` could read itself, on this hydrator's GPU."""
+        mapped back to back. Only files `peer` could read itself in its own view, on this hydrator's GPU."""
         key = self._stage_slot(message)
         layout, sizes = dump_layout(message.get("parts"))
-        parts, fds = open_dump_parts(layout, peer)
+        with PeerView.of(conn, peer, openers=self._openers) as view:
+            parts, fds = open_dump_parts(layout, view)
         size = sum(sizes)
         try:
             return self._stage_into(key, peer, conn, _Staged((), 0, size, parts, 0.0, 0.0, 0.0, 0, "",
@@ -360,7 +364,7 @@ class HydratorServer:
             for fd in fds.values():
                 os.close(fd)
 
-    def _adopt(self, message: dict[str, Any], peer: jsonline.Peer) -> jsonline.Answer:
+    def _adopt(self, message: dict[str, Any], peer: jsonline.Peer, conn: socket.socket) -> jsonline.Answer:
         """Hand a stage's allocations to its engine as descriptors, ADOPT_PAGE at a time from `first` (default 0):
         the answer says `first` and `count` (all of the stage's). The stage stays until its last page is taken
         (or its TTL ends); a page may be asked again until then (a retry), never one beyond the next. Handing
@@ -372,7 +376,7 @@ class HydratorServer:
         # names, and a filesystem that hangs there (the peer's own FUSE mount) must hold this thread only, not
         # every peer's stages. Its refusal is raised only for a stage the ticket opens, as before.
         try:
-            weights: tuple[int, int, tuple[WeightRegion, ...]] | Exception = self._jobs(message, peer)[:3]
+            weights: tuple[int, int, tuple[WeightRegion, ...]] | Exception = self._jobs(message, peer, conn)[:3]
         except Exception as exc:  # a dump's adopt has no weights layout: unused then
             weights = exc
         with self._lock:
@@ -444,6 +448,23 @@ class HydratorServer:
         now = time.monotonic()  # a stage being filled expires at inf: never freed under its filler
         for key in [k for k, v in self.staged.items() if v.ready and v.expires <= now]:
             self._free(key)
+
+
+def request_regions(message: dict[str, Any]) -> tuple[int, int, tuple[WeightRegion, ...]]:
+    """A `hydrate`, `stage` or weights `adopt` request's reservation and regions, checked without touching a file:
+    `base` and `size` non-negative integers (not booleans, nor a float such as JSON's Infinity), `regions` a list
+    of weight regions inside that reservation (`validate_regions`); HydrationError naming the field otherwise."""
+    base, size, regions = _whole_field(message, "base"), _whole_field(message, "size"), message.get("regions")
+    if not isinstance(regions, list):
+        raise HydrationError(f"malformed request: regions must be a list of weight regions, not {regions!r:.40}")
+    return base, size, validate_regions([WeightRegion.from_json(r) for r in regions], base, size)
+
+
+def _whole_field(message: dict[str, Any], name: str) -> int:
+    value = message.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise HydrationError(f"malformed request: {name} must be a non-negative integer, not {value!r:.40}")
+    return value
 
 
 def _first_page(value: Any, count: int, taken: int) -> int:

@@ -79,7 +79,9 @@ class Mapped:
     def __init__(self, path: str, *, populate: bool = True) -> None:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            self.size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            self.size = st.st_size
+            self.identity = (st.st_dev, st.st_ino)  # the file mapped, whatever its path names later
             flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
             address = _libc.mmap(None, self.size, mmap.PROT_READ, flags, fd, 0)
         finally:

@@ -8,6 +8,7 @@ records so that restore can put the weights back (digested, every part recompute
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import itertools
@@ -159,11 +160,11 @@ def validate_regions(regions: Sequence[WeightRegion], reservation_address: int,
         raise HydrationError("no weight regions declared")
     for region in regions:
         region.check_types()
-    names = [r.name for r in regions]
+    names = collections.Counter(r.name for r in regions)  # counted once: a peer's request may list thousands
     for region in regions:
         if not region.name or any(c.isspace() for c in region.name):
             raise HydrationError(f"region name {region.name!r} must be non-empty without whitespace")
-        if names.count(region.name) > 1:
+        if names[region.name] > 1:
             raise HydrationError("declared more than once", region=region.name)
         if region.size <= 0 or region.offset < 0 or region.address < 0:
             raise HydrationError(f"size must be > 0 and address, offset >= 0 (size {region.size}, "

@@ -4,7 +4,7 @@
  * The socket is created 0600 (mode set before bind) and answers only root and this process's uid
  * (SO_PEERCRED); anyone else gets {"ok":false,...}. A request is one flat JSON object of at most 64 KiB,
  * read within COLDSNAP_CUDA_INTERPOSER_REQUEST_S (10 s) from the connection, however slowly it trickles in;
- * unknown keys, wrong types and unknown operations are refused and change nothing.
+ * unknown keys, wrong types and unknown operations are refused and change nothing (request.c parses it).
  * Each connection has its own thread (at most CONNECTIONS at once; more wait in the listen backlog until one
  * ends, at most that deadline), so a silent or slow peer never holds up `status` or the worker's requests.
  * Releases and hydrations are serialised: a second release while one runs (or hydrate while one runs) is refused
@@ -34,9 +34,10 @@
 
 #include "cscu.h"
 #include "dump.h"
+#include "request.h"
 
 #define MAX_LINE 65536
-#define FIELD 4096
+#define FIELD CSCU_REQUEST_FIELD
 #define PAGE_FDS 16     /* descriptors one page may carry (the worker's INTERPOSER_PAGE) */
 #define STAGED_MAX 4096 /* descriptors one request may bring: the node hydrator's STAGE_ALLOCATIONS */
 
@@ -57,134 +58,9 @@ static const char *operation;   /* "release", "hydrate" or NULL */
 static double operation_since;
 static struct totals last_totals;
 
-struct request { char op[32]; char dir[FIELD]; char policy[32]; char verify[32]; char allocations[24]; int has_dir; };
-
 /* The descriptors a connection brought, in arrival order. Invariant: every one is in `fds` (closed by `forget`)
  * or was closed on arrival (`dropped`: beyond STAGED_MAX, or when `fds` could not grow). */
 struct received { int *fds; size_t count, room, dropped; int truncated; };
-
-/* --- a flat JSON object ----------------------------------------------------------------------------------- */
-static const char *skip(const char *p) { while (*p == ' ' || *p == '\t' || *p == '\r' || *p == '\n') p++; return p; }
-
-/* A JSON string at p (after its quote) into out; the end, or NULL with `error` set. */
-static const char *string(const char *p, char *out, size_t room, char *error, size_t error_room)
-{
-    size_t n = 0;
-    for (; *p && *p != '"'; p++) {
-        char c = *p;
-        if ((unsigned char)c < 0x20) {
-            snprintf(error, error_room, "control characters must be escaped in strings");
-            return NULL;
-        }
-        if (c == '\\') {
-            p++;
-            switch (*p) {
-            case '"': case '\\': case '/': c = *p; break;
-            case 'n': c = '\n'; break;
-            case 't': c = '\t'; break;
-            case 'r': c = '\r'; break;
-            case 'b': c = '\b'; break;
-            case 'f': c = '\f'; break;
-            case 'u': {
-                /* Exactly four hex digits (sscanf's %4x took fewer, a sign or spaces, and the parse then went on
-                 * past them: past the line's end, or reading "\u73XXtatus" as "status"). */
-                unsigned code = 0;
-                for (int k = 1; k <= 4; k++) {
-                    char h = p[k];  /* a NUL ends the digits: nothing past the string is read */
-                    int digit = h >= '0' && h <= '9' ? h - '0' : h >= 'a' && h <= 'f' ? h - 'a' + 10
-                                : h >= 'A' && h <= 'F' ? h - 'A' + 10 : -1;
-                    if (digit < 0) {
-                        code = 0;
-                        break;
-                    }
-                    code = code * 16 + (unsigned)digit;
-                }
-                if (code == 0 || code > 0x7f) {
-                    snprintf(error, error_room, "only printable ASCII \\u escapes (four hex digits) are accepted");
-                    return NULL;
-                }
-                c = (char)code;
-                p += 4;
-                break;
-            }
-            default:
-                snprintf(error, error_room, "bad escape in a string");
-                return NULL;
-            }
-        }
-        if (n + 1 >= room) {
-            snprintf(error, error_room, "a string is longer than %zu bytes", room - 1);
-            return NULL;
-        }
-        out[n++] = c;
-    }
-    if (*p != '"') {
-        snprintf(error, error_room, "unterminated string");
-        return NULL;
-    }
-    out[n] = '\0';
-    return p + 1;
-}
-
-/* Parse {"op": ..., "dir": ..., "policy": ..., "verify": ...}; 0, or -1 with `error` naming the key and the rule. */
-static int parse(const char *line, struct request *req, char *error, size_t room)
-{
-    char key[64], value[FIELD];
-    const char *p = skip(line);
-    memset(req, 0, sizeof(*req));
-    const struct { const char *name; char *into; size_t room; } fields[] = {
-        {"op", req->op, sizeof(req->op)}, {"dir", req->dir, sizeof(req->dir)},
-        {"policy", req->policy, sizeof(req->policy)}, {"verify", req->verify, sizeof(req->verify)},
-        {"allocations", req->allocations, sizeof(req->allocations)}};
-    enum { FIELDS = sizeof(fields) / sizeof(fields[0]) };
-    unsigned seen = 0;
-    if (*p++ != '{') {
-        snprintf(error, room, "the request is not one JSON object");
-        return -1;
-    }
-    for (p = skip(p); *p != '}';) {
-        if (*p != '"') {
-            snprintf(error, room, "expected a key");
-            return -1;
-        }
-        if (!(p = string(p + 1, key, sizeof(key), error, room)))
-            return -1;
-        if (*(p = skip(p)) != ':' || *(p = skip(p + 1)) != '"') {
-            snprintf(error, room, "`%s` must be a string", key);
-            return -1;
-        }
-        if (!(p = string(p + 1, value, sizeof(value), error, room)))
-            return -1;
-        /* Each key once (a second `op` or `dir` is refused, not the last one taken), each within its field. */
-        size_t f = 0;
-        while (f < FIELDS && strcmp(key, fields[f].name) != 0)
-            f++;
-        if (f == FIELDS) {
-            snprintf(error, room, "unknown key `%.60s`", key);
-            return -1;
-        }
-        if (seen & (1u << f) || strlen(value) >= fields[f].room) {
-            snprintf(error, room, seen & (1u << f) ? "`%s` appears twice" : "`%s` is longer than %zu bytes",
-                     fields[f].name, fields[f].room - 1);
-            return -1;
-        }
-        strcpy(fields[f].into, value);
-        seen |= 1u << f;
-        req->has_dir = (seen & 2u) != 0;
-        p = skip(p);
-        if (*p == ',')
-            p = skip(p + 1);
-        else if (*p != '}') {
-            snprintf(error, room, "expected `,` or `}` after `%s`", key);
-            return -1;
-        }
-    }
-    if (*skip(p + 1)) {
-        snprintf(error, room, "trailing data after the object");
-        return -1;
-    }
-    return 0;
-}
 
 /* --- operations ------------------------------------------------------------------------------------------- */
 static double monotonic(void)
@@ -296,20 +172,6 @@ static void refuse(char *out, size_t room, const char *phase, const char *why)
     snprintf(out, room, "{\"ok\":false,\"error\":\"%s: %s\"}", phase, quoted);
 }
 
-/* The staged allocations the asker announced (`allocations`, decimal, 1 to `most`), 0 when absent, or -1. */
-static long announced(const struct request *req, size_t most)
-{
-    unsigned long long value = 0;
-    if (!req->allocations[0])
-        return 0;
-    for (const char *p = req->allocations; *p; p++) {  /* digits only: no sign, space or exponent */
-        if (*p < '0' || *p > '9' || value > most)
-            return -1;
-        value = value * 10 + (unsigned long long)(*p - '0');
-    }
-    return value == 0 || value > most ? -1 : (long)value;
-}
-
 /* A release or hydration says on the engine's stderr when it starts and how it ended (one line each): a slow or
  * stuck one is visible in the engine's log even when its asker has given up. */
 static double note(const char *op, const char *dir, const char *out, double since)
@@ -325,7 +187,7 @@ static double note(const char *op, const char *dir, const char *out, double sinc
     return now;
 }
 
-static void dispatch(const struct request *req, const struct received *got, char *out, size_t room)
+static void dispatch(const struct cscu_request *req, const struct received *got, char *out, size_t room)
 {
     size_t arrived = got->count + got->dropped;
     if ((arrived || req->allocations[0]) && strcmp(req->op, "hydrate") != 0) {
@@ -550,7 +412,7 @@ static long read_line(int conn, char *line, struct received *got, double deadlin
 static void answer_one(int conn, char *line, char *out, size_t room, struct received *got)
 {
     char error[512];
-    struct request req;
+    struct cscu_request req;
     size_t after = 0;
     double deadline = cscu_now() + cscu_config()->request_s;
     long want, length = read_line(conn, line, got, deadline, &after);
@@ -558,9 +420,9 @@ static void answer_one(int conn, char *line, char *out, size_t room, struct rece
         refuse(out, room, "request", length == -2 ? "longer than 65536 bytes" : length == -3 ? "more than 16 "
                "descriptors came with the request line (send them in pages after it)"
                : "not one newline-terminated line");
-    } else if (parse(line, &req, error, sizeof(error)) != 0) {
+    } else if (cscu_request_parse(line, &req, error, sizeof(error)) != 0) {
         refuse(out, room, "request", error);
-    } else if ((want = announced(&req, STAGED_MAX)) < 0) {
+    } else if ((want = cscu_request_allocations(&req, STAGED_MAX)) < 0) {
         snprintf(error, sizeof(error), "`allocations` must count the staged allocations in decimal, 1 to %d",
                  STAGED_MAX);
         refuse(out, room, "hydrate", error);

@@ -463,53 +463,7 @@ def test_stage_requests_are_keyed_by_the_manifest_digest(tmp_path: Path) -> None
 # --- who may ask (#24, finding 5) ---------------------------------------------------------------------------
 
 
-@pytest.fixture
-def open_directory() -> Iterator[Path]:
-    """A directory every uid may search (pytest's tmp_path lies under root's 0700 directory)."""
-    import shutil
-    import tempfile
-
-    directory = Path(tempfile.mkdtemp(prefix="cs-readable-", dir="/tmp"))
-    directory.chmod(0o755)
-    yield directory
-    shutil.rmtree(directory, ignore_errors=True)
-
-
-def test_a_source_is_readable_by_a_peer_only_as_its_mode_allows(open_directory: Path) -> None:
-    from coldsnap_probe.hydration._hydrator import readable_by
-    from coldsnap_probe.jsonline import Peer
-
-    path = source(open_directory, 4096)
-    path.chmod(0o640)
-    os.chown(path, 0, 1000)
-    st = os.stat(path)
-    assert readable_by(str(path), st, Peer(1, 0, 0))  # root
-    assert readable_by(str(path), st, Peer(1, 2000, 1000))  # the file's group may read
-    assert not readable_by(str(path), st, Peer(1, 65534, 65534))  # others may not
-    os.chown(path, 65534, 1000)
-    path.chmod(0o040)
-    assert not readable_by(str(path), os.stat(path), Peer(1, 65534, 1000))  # the owner's bits decide for the owner
-    path.chmod(0o604)
-    assert readable_by(str(path), os.stat(path), Peer(1, 4242, 4242))
-
-
-def test_a_source_in_a_directory_a_peer_cannot_search_is_not_readable_by_it(open_directory: Path) -> None:
-    """Review of #24 finding 5: only the file's own mode was checked, so a world-readable weight file in a
-    tenant's 0700 directory went to every other tenant of the hydrator."""
-    from coldsnap_probe.hydration._hydrator import readable_by
-    from coldsnap_probe.jsonline import Peer
-
-    tenant = open_directory / "tenant-a" / "models"
-    tenant.mkdir(parents=True)
-    path = source(tenant, 4096)
-    path.chmod(0o644)
-    os.chown(open_directory / "tenant-a", 4242, 4242)
-    (open_directory / "tenant-a").chmod(0o700)
-    assert not readable_by(str(path), os.stat(path), Peer(1, 65534, 65534))  # tenant-a's 0700 stops others
-    assert readable_by(str(path), os.stat(path), Peer(1, 4242, 4242))  # its owner searches it
-    (open_directory / "tenant-a").chmod(0o750)
-    assert readable_by(str(path), os.stat(path), Peer(1, 65534, 4242))  # its group too
-    assert not readable_by(str(path), os.stat(path), Peer(1, 65534, 65534))
+# The read rule itself (a peer is served only what it could open in its own view): tests/probe/test_peer_view.py.
 
 
 def test_a_stage_is_held_only_with_its_ticket() -> None:
@@ -587,7 +541,51 @@ def test_a_hydrator_gives_a_peer_no_byte_of_a_source_it_could_not_read(
 
     uuid = device_uuid(arena.driver, 0)
     answer = ask_as_nobody(control, manifest.stage_request("stage", device_uuid=uuid))
-    assert answer == {"ok": False, "error": f"HydrationError: region weights: peer uid 65534 may not read {private}"}
+    assert answer == {"ok": False, "error": f"HydrationError: peer uid 65534 may not read source {private}: "
+                                            "Permission denied (in its own view)"}
+
+
+@gpu
+def test_a_hydrator_serves_a_root_peer_only_what_it_can_see_and_read_itself(tmp_path: Path) -> None:
+    """Regression: #37 finding 6: root in another container (another mount namespace, where the tenant's
+    directory is not), or root without CAP_DAC_OVERRIDE, was served a tenant's 0600 source for being uid 0."""
+    import shutil
+    import tempfile
+
+    from coldsnap_probe.hydration._vmm import device_uuid
+    from coldsnap_probe.jsonline import request
+    from tests.probe._peers import NO_CAPABILITIES, ask_as, hiding
+
+    shared = Path(tempfile.mkdtemp(prefix="cs-hydrator-view-", dir="/tmp"))
+    try:
+        shared.chmod(0o755)
+        (shared / "tenant").mkdir(mode=0o755)
+        weights = source(shared / "tenant", 16 * MIB)
+        weights.chmod(0o600)
+        for path in (shared / "tenant", weights):
+            os.chown(path, 4242, 4242)
+        control = shared / "hydrator.sock"
+        proc = subprocess.Popen([sys.executable, "-m", "coldsnap_probe.hydration", "serve", "--socket", str(control),
+                                 "--staging", str(weights)], stdout=subprocess.PIPE, cwd=ROOT)
+        try:
+            assert json.loads(proc.stdout.readline())["ready"]  # type: ignore[union-attr]
+            arena = declared_arena(weights, 8 * MIB, exportable=True)
+            manifest = arena.release("g1")
+            ask = manifest.stage_request("stage", device_uuid=device_uuid(arena.driver, 0))
+            hidden = ask_as(hiding(shared / "tenant"), control, ask)
+            assert not hidden["ok"] and f"source {weights}: No such file or directory (in the view of peer pid " \
+                in hidden["error"], hidden
+            assert ask_as(NO_CAPABILITIES, control, ask) == {
+                "ok": False, "error": f"HydrationError: peer uid 0 may not read source {weights}: Permission denied "
+                                      "(in its own view)"}
+            served = ask_as((), control, ask)  # root that sees the file and holds its capabilities
+            assert served["ok"] and served["staged"], served
+            assert request(str(control), manifest.stage_request("discard", ticket=served["ticket"]))["discarded"]
+        finally:
+            proc.kill()
+            proc.wait()
+    finally:
+        shutil.rmtree(shared)
 
 
 @gpu

@@ -5,6 +5,7 @@ copy into an allocation the peer adopts) or a FIFO (which would block the hydrat
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -15,12 +16,13 @@ from pathlib import Path
 import pytest
 
 from coldsnap_probe.errors import HydrationError
-from coldsnap_probe.hydration._peer_files import dump_layout, open_dump_parts, open_readable
-from coldsnap_probe.jsonline import Peer
+from coldsnap_probe.hydration._peer_files import dump_layout, open_dump_parts
+from coldsnap_probe.hydration._peer_view import OPENERS, PeerView
+from tests.probe._peers import AS_NOBODY, connected, listening
 from tests.probe.test_main import has_nvidia_driver
 
 MIB = 1 << 20
-NOBODY = Peer(1, 65534, 65534)
+NOBODY_UID = 65534
 
 
 @pytest.fixture
@@ -35,7 +37,7 @@ def tree() -> Iterator[Path]:
         (top / "att" / "d").mkdir(parents=True)
         (top / "att" / "d" / "seg-0.bin").write_bytes(b"A" * (2 * MIB))
         for p in (top / "att", top / "att" / "d", top / "att" / "d" / "seg-0.bin"):
-            os.chown(p, NOBODY.uid, NOBODY.gid)
+            os.chown(p, NOBODY_UID, NOBODY_UID)
         (top / "secret").mkdir(mode=0o700)
         (top / "secret" / "seg-0.bin").write_bytes(b"S" * (2 * MIB))
         (top / "secret" / "seg-0.bin").chmod(0o644)
@@ -44,20 +46,33 @@ def tree() -> Iterator[Path]:
         shutil.rmtree(top)
 
 
+@contextlib.contextmanager
+def view_of(prefix: tuple[str, ...] = ()) -> Iterator[PeerView]:
+    """The view of a real peer process (root, or as `prefix` starts it) connected over a real socket."""
+    with listening() as (listener, sock), connected(listener, sock, prefix) as (conn, peer, _), \
+            PeerView.of(conn, peer, openers=threading.BoundedSemaphore(OPENERS)) as view:
+        yield view
+
+
+def parts_of(*parts: tuple[Path, int]) -> tuple[tuple[str, int, int], ...]:
+    return dump_layout([{"file": str(path), "bytes": size, "region": 0} for path, size in parts])[0]
+
+
 def test_the_copy_reads_the_file_that_was_checked_not_what_a_swapped_path_names(tree: Path) -> None:
     part = tree / "att" / "d" / "seg-0.bin"
-    parts, fds = open_dump_parts(dump_layout([{"file": str(part), "bytes": 2 * MIB, "region": 0}])[0], NOBODY)
-    try:
-        # The peer swaps its directory for a link to the other tenant's after the check, before the copy.
-        (tree / "att" / "d").rename(tree / "att" / "d.old")
-        (tree / "att" / "d").symlink_to(tree / "secret")
-        assert [p.source for p in parts] == [str(part)]
-        assert os.pread(fds[str(part)], 16, 0) == b"A" * 16  # what the copy (copy_ring, opened=) reads
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    with pytest.raises(HydrationError, match="may not read"):  # once swapped, the path is checked as it is
-        open_dump_parts(dump_layout([{"file": str(part), "bytes": 2 * MIB, "region": 0}])[0], NOBODY)
+    with view_of(AS_NOBODY) as nobody:
+        parts, fds = open_dump_parts(parts_of((part, 2 * MIB)), nobody)
+        try:
+            # The peer swaps its directory for a link to the other tenant's after the check, before the copy.
+            (tree / "att" / "d").rename(tree / "att" / "d.old")
+            (tree / "att" / "d").symlink_to(tree / "secret")
+            assert [p.source for p in parts] == [str(part)]
+            assert os.pread(fds[str(part)], 16, 0) == b"A" * 16  # what the copy (copy_ring, opened=) reads
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        with pytest.raises(HydrationError, match="may not read"):  # once swapped, the path is checked as it is
+            open_dump_parts(parts_of((part, 2 * MIB)), nobody)
 
 
 def test_a_part_that_is_a_link_is_refused_even_for_a_root_peer(tree: Path) -> None:
@@ -65,50 +80,75 @@ def test_a_part_that_is_a_link_is_refused_even_for_a_root_peer(tree: Path) -> No
     part = tree / "att" / "d" / "seg-0.bin"
     part.unlink()
     part.symlink_to(tree / "secret" / "seg-0.bin")
-    with pytest.raises(HydrationError, match="not a regular file"):
-        open_dump_parts(dump_layout([{"file": str(part), "bytes": 2 * MIB, "region": 0}])[0], Peer(1, 0, 0))
+    with view_of() as root, pytest.raises(HydrationError, match="not a regular file"):
+        open_dump_parts(parts_of((part, 2 * MIB)), root)
 
 
-def test_a_link_swapped_in_after_the_path_was_resolved_is_not_followed(tree: Path) -> None:
-    (tree / "att" / "d" / "seg-0.bin").unlink()
-    (tree / "att" / "d" / "seg-0.bin").symlink_to(tree / "secret" / "seg-0.bin")
-    with pytest.raises(HydrationError, match="not a regular file"):  # root asks: only the link rule refuses
-        open_readable(str(tree / "att" / "d" / "seg-0.bin"), "seg-0.bin", 2 * MIB, Peer(1, 0, 0))
+def test_a_link_on_the_path_is_resolved_as_the_peer_would_with_its_permissions(tree: Path) -> None:
+    """A directory link the peer planted leads where the peer itself could go, and no further."""
     (tree / "att" / "link").symlink_to(tree / "secret")
-    with pytest.raises(HydrationError, match="at link"):
-        open_readable(str(tree / "att" / "link" / "seg-0.bin"), "seg-0.bin", 2 * MIB, Peer(1, 0, 0))
+    with view_of(AS_NOBODY) as nobody, pytest.raises(HydrationError, match="peer uid 65534 may not read"):
+        open_dump_parts(parts_of((tree / "att" / "link" / "seg-0.bin", 2 * MIB)), nobody)
+    with view_of() as root:
+        _parts, fds = open_dump_parts(parts_of((tree / "att" / "link" / "seg-0.bin", 2 * MIB)), root)
+        assert [os.pread(fd, 4, 0) for fd in fds.values()] == [b"SSSS"]  # root may search 0700: so may its peer
+        for fd in fds.values():
+            os.close(fd)
 
 
 def test_a_fifo_in_place_of_a_part_is_refused_without_blocking(tree: Path) -> None:
     fifo = tree / "att" / "d" / "seg-1.bin"
     os.mkfifo(fifo)
-    os.chown(fifo, NOBODY.uid, NOBODY.gid)
+    os.chown(fifo, NOBODY_UID, NOBODY_UID)
     outcome: list[BaseException] = []
+    with view_of(AS_NOBODY) as nobody:
+        def ask() -> None:
+            try:
+                open_dump_parts(parts_of((fifo, 2 * MIB)), nobody)
+            except BaseException as exc:
+                outcome.append(exc)
 
-    def ask() -> None:
-        try:
-            open_readable(str(fifo), "seg-1.bin", 2 * MIB, NOBODY)
-        except BaseException as exc:
-            outcome.append(exc)
-
-    asking = threading.Thread(target=ask, daemon=True)
-    asking.start()
-    asking.join(10)
-    if asking.is_alive():  # unblock it (a writer opens the FIFO) before failing
-        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-        pytest.fail("opening a FIFO part blocked the hydrator")
+        asking = threading.Thread(target=ask, daemon=True)
+        asking.start()
+        asking.join(10)
+        if asking.is_alive():  # unblock it (a writer opens the FIFO) before failing
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            pytest.fail("opening a FIFO part blocked the hydrator")
     assert len(outcome) == 1 and isinstance(outcome[0], HydrationError)
     assert "not a regular file" in str(outcome[0])
 
 
 def test_a_directory_the_peer_cannot_search_is_refused_on_the_walk(tree: Path) -> None:
-    with pytest.raises(HydrationError, match="peer uid 65534 may not read"):
-        open_readable(str(tree / "secret" / "seg-0.bin"), "seg-0.bin", 2 * MIB, NOBODY)
-    fd = open_readable(str(tree / "secret" / "seg-0.bin"), "seg-0.bin", 2 * MIB, Peer(1, 0, 0))
-    try:
-        assert os.pread(fd, 4, 0) == b"SSSS"
-    finally:
-        os.close(fd)
+    with view_of(AS_NOBODY) as nobody, pytest.raises(HydrationError, match="peer uid 65534 may not read"):
+        open_dump_parts(parts_of((tree / "secret" / "seg-0.bin", 2 * MIB)), nobody)
+    with view_of() as root:
+        _parts, fds = open_dump_parts(parts_of((tree / "secret" / "seg-0.bin", 2 * MIB)), root)
+        try:
+            assert os.pread(fds[str(tree / "secret" / "seg-0.bin")], 4, 0) == b"SSSS"
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+
+def test_a_dump_stage_takes_only_whole_files_its_peer_could_read(tree: Path) -> None:
+    part = tree / "att" / "d" / "seg-0.bin"
+    layout, sizes = dump_layout([{"file": str(part), "bytes": 2 * MIB, "region": 0},
+                                 {"file": str(part), "bytes": 2 * MIB, "region": 1}])
+    with view_of() as root:
+        parts, fds = open_dump_parts(layout, root)
+        for fd in fds.values():
+            os.close(fd)
+        assert [(p.address, p.size, p.source) for p in parts] == [(0, 2 * MIB, str(part)),
+                                                                   (2 * MIB, 2 * MIB, str(part))]
+        assert sizes == (2 * MIB, 2 * MIB) and len(fds) == 1  # one file, opened once
+        for bad, error in [(parts_of((part, 4 * MIB)), "at least 4194304 bytes"),
+                           (parts_of((tree / "none", 2 * MIB)), "No such file")]:
+            with pytest.raises(HydrationError, match=error):
+                open_dump_parts(bad, root)
+    part.chmod(0o600)
+    os.chown(part, 0, 0)
+    with view_of(AS_NOBODY) as nobody, pytest.raises(HydrationError, match="peer uid 65534 may not read"):
+        open_dump_parts(parts_of((part, 2 * MIB)), nobody)
 
 
 @pytest.mark.skipif(not has_nvidia_driver(), reason="needs an NVIDIA driver")

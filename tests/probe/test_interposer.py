@@ -408,27 +408,6 @@ def test_a_stage_is_asked_only_for_the_captures_own_files_and_fails_softly(tmp_p
     stages[42].discard()  # nothing staged: nothing sent, nothing raised
 
 
-def test_a_dump_stage_takes_only_whole_files_its_peer_could_read(tmp_path: Path) -> None:
-    from coldsnap_probe.hydration._peer_files import dump_layout, open_dump_parts
-    from coldsnap_probe.jsonline import Peer
-
-    root, nobody = Peer(1, 0, 0), Peer(1, 65534, 65534)
-    part = tmp_path / "seg-0.bin"
-    part.write_bytes(b"\0" * (2 * MIB))
-    layout, sizes = dump_layout([{"file": str(part), "bytes": 2 * MIB, "region": 0}])
-    parts, fds = open_dump_parts(layout, root)
-    for fd in fds.values():
-        os.close(fd)
-    assert [(p.address, p.size, p.source) for p in parts] == [(0, 2 * MIB, str(part))] and sizes == (2 * MIB,)
-    for bad, error in [([{"file": str(part), "bytes": 4 * MIB, "region": 0}], "at least 4194304 bytes"),
-                       ([{"file": str(tmp_path / "none"), "bytes": 2 * MIB, "region": 0}], "No such file")]:
-        with pytest.raises(HydrationError, match=error):
-            open_dump_parts(dump_layout(bad)[0], root)
-    part.chmod(0o600)
-    with pytest.raises(HydrationError, match="peer uid 65534 may not read"):
-        open_dump_parts(layout, nobody)
-
-
 def test_a_socket_another_process_listens_on_is_not_asked_to_release(engine: tuple[Any, str],
                                                                       tmp_path: Path) -> None:
     """One socket path without %p in a tree: the process that took it is the only one released through it."""
@@ -445,6 +424,7 @@ HARNESS = r"""
 #include "interpose.c"
 #include "regions.c"
 #include "control.c"
+#include "request.c"
 #include "sha256.c"
 #include "dump.c"
 #include "hydrate.c"
@@ -504,6 +484,7 @@ GATE_HARNESS = r"""
 #include "interpose.c"
 #include "regions.c"
 #include "control.c"
+#include "request.c"
 #include "sha256.c"
 #include "dump.c"
 #include "hydrate.c"

@@ -120,6 +120,21 @@ async def test_metrics_openmetrics_when_asked_and_http_errors() -> None:
         assert (await anyio.to_thread.run_sync(http, sock, huge))[0] == 431
 
 
+async def test_metrics_a_head_over_8_kib_in_one_read_is_refused_431() -> None:
+    """Regression: #37 (informational): a request head over 8 KiB that arrived in one read was answered 200 (the
+    reader's bound applies only while it waits for more)."""
+    def head(size: int) -> bytes:  # a GET of /metrics of exactly `size` bytes, its blank line included
+        start = b"GET /metrics HTTP/1.1\r\nX-Pad: "
+        return start + b"a" * (size - len(start) - 4) + b"\r\n\r\n"
+
+    sock = _scratch() / "metrics.sock"
+    async with running_daemon(_metrics_config(sock)):
+        assert (await anyio.to_thread.run_sync(http, sock, head(8192)))[0] == 200  # the bound itself
+        for size in (8193, 9 * 1024, 60_000):  # each sent in one write: one read takes it whole
+            status, _, body = await anyio.to_thread.run_sync(http, sock, head(size))
+            assert (status, body) == (431, b"request head exceeds 8192 bytes\n"), size
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
