@@ -91,9 +91,8 @@ def main() -> int:
         wall = time.perf_counter() - t0
         same = code == 0 and verify(control, attempt)
         result["restores"].append({"exit": code, "wall_s": wall, "verified": same,
-                                   "timings_s": report.get("timings_s", {}), "error": error if code else ""})
-        print(f"[{label}] restore {attempt} exit {code} {wall:.2f} s verified {same} {report.get('timings_s', {})}",
-              flush=True)
+                                   "timeline": report.get("timeline", []), "error": error if code else ""})
+        print(f"[{label}] restore {attempt} exit {code} {wall:.2f} s verified {same}", flush=True)
         if code == 0:
             reap(report["restored_pid"])
         else:
