@@ -70,7 +70,8 @@ class AuditEvent(msgspec.Struct, frozen=True, kw_only=True):
     socket: str  # "session" or "control"
     operation: str  # the envelope's or the control request's `operation`
     action: str = ""  # the runtime-v1 action, for operation "runtime"
-    outcome: str  # "ok", the wire error_code, "rejected" (refused before it ran) or "internal"
+    outcome: str  # "ok", the wire error_code, "rejected" (refused before it ran), "internal",
+    # "client-gone" (it hung up before the reply) or "cancelled" (the daemon stopped it)
     uid: int | None  # the manager: the session's owner (session socket) or the peer (control socket)
     peer_uid: int | None = None  # the connected process (SO_PEERCRED); differs from uid only for root
     peer_pid: int | None = None
