@@ -200,7 +200,7 @@ async def test_failed_commands_output_never_reaches_the_audit_or_the_log(busybox
                 "name": name, "image": busybox_image, "detached": True, "entrypoint": "sleep",
                 "command": ["60"]})).ok
             executed = await session.runtime("workload-exec", name=name, execution={
-                "arguments": ["sh", "-c", f"{_PRINT_MARKER}; exit 5"], "combined": True})
+                "command": ["sh", "-c", f"{_PRINT_MARKER}; exit 5"], "combined": True})
             assert (await session.runtime("workload-remove", name=name)).ok
             built = await session.runtime("image-build", build={
                 "dockerfile": base64.b64encode(f"FROM {busybox_image}\nRUN echo {_MARKER} && false\n".encode())
@@ -217,7 +217,7 @@ async def test_failed_commands_output_never_reaches_the_audit_or_the_log(busybox
     assert on_host.ok and on_host.exit_code == 1 and _MARKER.encode() in on_host.output
     # ...the audit trail and the daemon's own output get the status, a length and a digest.
     assert _MARKER not in audit.read_text() and _MARKER not in log
-    events = {e["action"] or e["operation"]: e for e in _events(audit)}
+    events = {e["action"] or e["operation"]: e for e in _events(audit) if e["outcome"] != "ok"}
     digest = hashlib.sha256(str(run.error).removeprefix("workload-run failed: exited 3: ").encode()).hexdigest()
     assert events["workload-run"]["error"] == (
         f"workload-run failed: exited 3 (output withheld: {len(_MARKER)} bytes, sha256 {digest[:16]})")
