@@ -185,6 +185,9 @@ class ProfileConfig(_Section, frozen=True):
     # Whether exec, upload, Hugging Face, workload-copy-from and image-build contexts may run on [[remote]]
     # nodes, where they run as the SSH user, who holds that node's engine socket: root there.
     remote_ssh_user: bool = False
+    # Whether image-build may name sources the engine fetches itself (ADD of a URL): it fetches them
+    # in the host's network namespace, where the host's loopback services answer.
+    build_remote_sources: bool = False
 
 
 class AssignConfig(_Section, frozen=True, kw_only=True):
