@@ -19,11 +19,11 @@ from msgspec import UNSET
 
 from coldsnap_probe import ProfileError
 from coldsnap_runtime import MANAGER_UID_LABEL, Backend
-from coldsnap_runtime.errors import ColdsnapError, RequestRejected, loggable
+from coldsnap_runtime.errors import ColdsnapError, RequestRejected
 from coldsnap_runtime.schema import WorkloadInfo
 
 from . import __version__
-from ._audit import AUDITED_CONTROL, Audit, AuditEvent
+from ._audit import AUDITED_CONTROL, Audit, AuditEvent, loggable
 from ._config import ServerConfig
 from ._control import (
     ControlReply,

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import structlog
 
-from coldsnap_runtime.errors import ColdsnapError, RequestRejected, loggable
+from coldsnap_runtime.errors import ColdsnapError, RequestRejected
 from coldsnap_runtime.schema import RuntimeResponse
 
-from ._audit import Audit, AuditEvent, audited_action, runtime_target
+from ._audit import Audit, AuditEvent, audited_action, loggable, runtime_target
 from ._envelope import (
     Capabilities,
     HuggingfacePublish,

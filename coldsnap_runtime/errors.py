@@ -22,7 +22,7 @@ Dependency errors (aiodocker, aiohttp, sockets) become these classes in one plac
 the registry reads of ``image.id`` on the containerd store), always chained with ``from exc``.
 Misusing our own API raises ``RuntimeError``/``TypeError`` and never reaches the wire.
 
-The reply carries ``str(error)``; logs and the audit trail carry :func:`loggable` (issue 37, finding 7):
+The reply carries ``str(error)``; logs and the audit trail carry ``error.loggable()`` (issue 37, finding 7):
 the same text, except that a :class:`CommandFailed` keeps its output out (a length and a digest instead).
 """
 
@@ -44,7 +44,6 @@ __all__ = (
     "PathNotFound",
     "RequestRejected",
     "RuntimeFailed",
-    "loggable",
 )
 
 
@@ -52,6 +51,10 @@ class ColdsnapError(Exception):
     """Root of every failure that becomes an ``ok:false`` reply."""
 
     error_code: ClassVar[str | None] = None
+
+    def loggable(self) -> str:
+        """The message as a log line or the audit trail may carry it (the reply carries ``str(self)``)."""
+        return str(self) or type(self).__name__
 
 
 class RequestRejected(ColdsnapError):
@@ -97,13 +100,12 @@ class RuntimeFailed(BackendError):
 
 
 class CommandFailed(RuntimeFailed):
-    """A program ran and failed: a workload, an exec in one, a build step, the probe.
+    """A program ran and failed (a workload, an exec in one, a build step); the message ends with its output."""
 
-    The message (the reply's `error`) ends with the program's diagnostics, the only channel the
-    protocol has for them (spec: the Go client discards `output` on failure). Whatever secrets the
-    program printed are in there, so logs and the audit trail get :meth:`loggable`: `status` (e.g.
-    ``exited 3``), the output's length and a digest to match it with what the client saw."""
-
+    # The message (the reply's `error`) ends with the program's diagnostics, the only channel the protocol
+    # has for them (spec: the Go client discards `output` on failure). Whatever secrets the program printed
+    # are in there, so logs and the audit trail get `loggable()`: `status` (e.g. "exited 3"), the output's
+    # length and a digest to match it with what the client saw (issue 37, finding 7).
     def __init__(self, *, action: str, status: str, output: str) -> None:
         super().__init__(action=action, detail=": ".join(part for part in (status, output) if part))
         self.status, self.output = status, output
@@ -113,11 +115,6 @@ class CommandFailed(RuntimeFailed):
         digest = hashlib.sha256(data).hexdigest()[:16]
         status = f": {self.status}" if self.status else ""
         return f"{self.action} failed{status} (output withheld: {len(data)} bytes, sha256 {digest})"
-
-
-def loggable(error: BaseException) -> str:
-    """An error's text as logs and the audit trail may carry it: never a program's output."""
-    return error.loggable() if isinstance(error, CommandFailed) else str(error) or type(error).__name__
 
 
 class OutputTooLarge(RuntimeFailed):
