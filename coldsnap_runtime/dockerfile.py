@@ -40,6 +40,7 @@ _WORDS = re.compile(r"[\t\v\f\r ]+")
 # Leading --flag words (--chown, --chmod, --checksum, --link, --keep-git-dir, and a bare --).
 _FLAGS = re.compile(r"\A(?:--[^\t\v\f\r ]*(?:[\t\v\f\r ]+|\Z))*")
 _UNICODE_ESCAPE = re.compile(r"\\u([0-9a-fA-F]{4})")
+_DIRECTIVE = re.compile(r"#[ \t]*([a-zA-Z][a-zA-Z0-9]*)[ \t]*=[ \t]*(.+?)[ \t]*")
 _USERINFO = re.compile(r"(://)[^/@\s]*@")
 _MAX_ONBUILD = 4  # ONBUILD ONBUILD is an error for the builder; a few levels are plenty to look through
 
@@ -57,13 +58,28 @@ def remote_sources(text: str) -> list[RemoteSource]:
     """Every ``ADD`` source of `text` that is, or may expand to, something fetched over the network.
 
     Never raises on any text; an empty list means no ``ADD`` reaches the network."""
-    found: dict[tuple[int, str], RemoteSource] = {}
     lines = text.removeprefix("\ufeff").split("\n")
-    for escape in _ESCAPES:
+    directive = _directive_escape(lines)
+    found: dict[int, list[RemoteSource]] = {}
+    # The directive's reading first; the other escape's only adds lines the first found nothing on.
+    for escape in sorted(_ESCAPES, key=lambda e: e != directive):
+        seen = set(found)
         for number, line in _logical_lines(lines, escape):
-            for source in _instruction_sources(line, "", 0):
-                found.setdefault((number, source.source), msgspec.structs.replace(source, line=number))
-    return sorted(found.values(), key=lambda s: (s.line, s.source))
+            sources = [] if number in seen else _instruction_sources(line, "", 0)
+            if sources:
+                found.setdefault(number, []).extend(msgspec.structs.replace(s, line=number) for s in sources)
+    return [source for number in sorted(found) for source in found[number]]
+
+
+def _directive_escape(lines: list[str]) -> str:
+    """The escape character the ``# escape=`` directive names (``\\`` when there is none)."""
+    for line in lines:
+        match = _DIRECTIVE.fullmatch(line.removesuffix("\r"))
+        if match is None:
+            break
+        if match.group(1).lower() == "escape" and match.group(2) in _ESCAPES:
+            return match.group(2)
+    return "\\"
 
 
 def _is_comment(line: str) -> bool:
