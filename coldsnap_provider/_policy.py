@@ -216,6 +216,12 @@ class Policy:
         profile = self.profile_for(uid, gid)
         return profile.unrestricted or profile.rules.seccomp_unconfined
 
+    def build_remote_sources(self, uid: int, gid: int) -> bool:
+        """Whether the manager's builds may have the engine fetch from the network (an ADD of a URL): the
+        Dockerfile is checked at admission, its base images' ONBUILD triggers by the backend (issue 37)."""
+        profile = self.profile_for(uid, gid)
+        return profile.unrestricted or profile.rules.build_remote_sources
+
     # --- the rules ---------------------------------------------------------------------------
 
     def _check_request(self, profile: Profile, request: RuntimeRequest, *, local: bool) -> None:

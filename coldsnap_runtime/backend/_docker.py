@@ -158,9 +158,11 @@ class DockerBackend:
     async def image_remove(self, image: str) -> None:
         await self._images.remove(image)
 
-    async def image_build(self, build: ImageBuild, *, owner: Owner | None = None) -> None:
-        """Build `build.tag`; the context directories are read as `owner` (None: the daemon itself)."""
-        await self._images.build(build, owner=owner)
+    async def image_build(self, build: ImageBuild, *, owner: Owner | None = None,
+                          remote_sources: bool = True) -> None:
+        """Build `build.tag`; the context directories are read as `owner` (None: the daemon itself);
+        `remote_sources` False: no base image's ONBUILD trigger may have the engine fetch a URL."""
+        await self._images.build(build, owner=owner, remote_sources=remote_sources)
 
     # --- workloads -------------------------------------------------------------------
 

@@ -227,7 +227,8 @@ class KubernetesBackend:
         raise RuntimeFailed(action="image-remove", detail=_NO_IMAGE_API + " (the kubelet's image GC removes "
                                                                           "unused images)")
 
-    async def image_build(self, build: ImageBuild, *, owner: Owner | None = None) -> None:
+    async def image_build(self, build: ImageBuild, *, owner: Owner | None = None,
+                          remote_sources: bool = True) -> None:
         raise RuntimeFailed(action="image-build", detail=_NO_IMAGE_API + "; build on a Docker host and push "
                                                                          "to a registry the node pulls from")
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import base64
 import http.server
 import json
+import os
+import subprocess
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import docker
+from tests.conftest import Registry, docker
 from tests.helpers import EXEC_AS_NOBODY, next_id, running_daemon, session_as
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
@@ -151,3 +153,40 @@ async def test_build_run_step_cannot_reach_the_host_loopback(
         assert requests == []
     finally:
         docker("image", "rm", "-f", tag, check=False)
+
+
+async def test_build_from_a_base_whose_onbuild_trigger_adds_a_url_refused_under_capsule(
+        busybox_image: str, loopback: tuple[int, list[str]], registry: Registry) -> None:
+    """A base image's ONBUILD triggers run in the build FROM it, and the engine fetches an ADD of a URL among
+    them like one in the Dockerfile (measured: `FROM` such an image read the host-loopback server). A capsule
+    manager gets such an image without writing the ONBUILD itself (image-pull of any image its profile
+    admits), so the backend checks the bases' triggers: resident, or pulled first when the build pulls."""
+    port, requests = loopback
+    context = Path(tempfile.mkdtemp(prefix="cs-bs-", dir="/tmp"))
+    context.chmod(0o755)
+    (context / "Dockerfile").write_text(f"FROM {busybox_image}\nONBUILD ADD http://127.0.0.1:{port}/trigger /t\n")
+    base = f"{registry.address}/capsules/onbuild-{next_id()[-9:]}:1"
+    tag = f"coldsnap-capsule/bs-{next_id()[-9:]}:1"
+    env = {**os.environ, "DOCKER_BUILDKIT": "0"}
+    subprocess.run(["docker", "build", "-q", "-t", base, str(context)], env=env, check=True, capture_output=True)
+    (context / "Dockerfile").unlink()
+    config = (f'{EXEC_AS_NOBODY}[server]\ncontrol_uids = [{NOBODY}]\n'
+              f'[registry]\ncredentials_file = "{registry.credentials_file}"\n')
+    try:
+        async with running_daemon(config) as daemon:
+            session = session_as(NOBODY, daemon)
+            resident = await session.runtime("image-build", build=_build(f"FROM {base}\n", str(context), tag))
+            root = await daemon.open_session()
+            assert (await root.runtime("image-push", image=base)).ok
+            docker("image", "rm", base)
+            pulled = await session.runtime("image-build", build=_build(f"FROM {base}\n", str(context), tag)
+                                           | {"pull": True})
+        for reply in (resident, pulled):
+            assert not reply.ok and not reply.error_code, reply.error
+            assert reply.error == (
+                f"build.dockerfile: FROM {base}: its ONBUILD trigger ADD http://127.0.0.1:{port}/trigger would have "
+                "the engine fetch from the network itself, in the host's network namespace; this manager's profile "
+                "refuses remote build sources (build_remote_sources)")
+        assert requests == [] and not _image_exists(tag)
+    finally:
+        docker("image", "rm", "-f", base, tag, check=False)
