@@ -232,3 +232,28 @@ def _json_or_empty(line: str) -> dict[str, Any]:
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
+
+
+async def test_control_request_whose_client_hangs_up_is_audited_as_client_gone(busybox_image: str) -> None:
+    """Regression: #37 (finding 5), the control socket: a workload-stop whose manager hung up left no event."""
+    audit = Path(tempfile.mkdtemp(prefix="cs-au-", dir="/tmp")) / "audit.jsonl"
+    name = f"cs-audit-{next_id()[-8:]}"
+    async with running_daemon(f'[audit]\nfile = "{audit}"\n') as daemon:
+        session = await daemon.open_session()
+        assert (await session.runtime("workload-run", workload={  # sleep as PID 1 ignores SIGTERM: stop waits
+            "name": name, "image": busybox_image, "detached": True, "entrypoint": "sleep", "command": ["60"]})).ok
+        try:
+            stream = await anyio.connect_unix(daemon.state_dir / "control.sock")
+            await stream.send(json.dumps({"format": 1, "id": "stop-then-gone", "operation": "workload-stop",
+                                          "name": name, "timeout_s": 30}).encode() + b"\n")
+            await stream.send_eof()
+            await anyio.sleep(1.0)  # the stop is waiting for its timeout
+            await stream.aclose()
+            event = await _audited(audit, lambda e: e["operation"] == "workload-stop")
+            lines = [e for e in daemon.log_events() if e.get("event") == "control"
+                     and e.get("request_id") == "stop-then-gone"]
+        finally:
+            assert (await session.runtime("workload-remove", name=name)).ok
+    assert (event["socket"], event["outcome"], event["target"]) == ("control", "client-gone", name)
+    assert event["request_id"] == "stop-then-gone" and event["uid"] == 0
+    assert [(e["outcome"], e["ok"]) for e in lines] == [("client-gone", False)]
