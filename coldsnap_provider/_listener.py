@@ -133,7 +133,6 @@ class ServerState:
     by_uid: Counter[int] = field(default_factory=Counter)
     in_flight: int = 0  # every request being answered (what shutdown drains)
     operations: int = 0  # provider-socket operations among them (what status reports)
-    aborting: bool = False
     # In-flight requests by socket fd: the hang-up watcher cancels those whose peer left.
     watched: dict[int, InFlight] = field(default_factory=dict)
 
@@ -151,7 +150,6 @@ class ServerState:
 
     def cancel_in_flight(self) -> None:
         """Shutdown after the grace: each request is cancelled on its own so it still answers."""
-        self.aborting = True
         for flight in list(self.watched.values()):
             flight.cancel(CANCELLED)
 
