@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 import structlog
 
+from coldsnap_runtime.errors import ColdsnapError
 from coldsnap_runtime.schema import (
     ImageBuildAction,
     ImagePull,
@@ -31,7 +32,7 @@ from coldsnap_runtime.schema import (
 
 from ._errors import ConfigError
 
-__all__ = ("AUDITED_CONTROL", "Audit", "AuditEvent", "audited_action", "runtime_target")
+__all__ = ("AUDITED_CONTROL", "Audit", "AuditEvent", "audited_action", "loggable", "runtime_target")
 
 log = structlog.get_logger(__name__)
 
@@ -45,6 +46,12 @@ _READ_ONLY_ACTIONS = frozenset({"image-inspect", "workload-inspect", "workload-l
 def audited_action(operation: str, action: str) -> bool:
     """...unless they were refused before they ran (an unauthorized attempt is worth recording too)."""
     return operation not in _READ_ONLY_OPERATIONS and action not in _READ_ONLY_ACTIONS
+
+
+def loggable(error: BaseException) -> str:
+    """An error's text as a log line and the audit trail may carry it: never a program's output
+    (``CommandFailed.loggable``: its status, length and digest), whatever the reply carries."""
+    return error.loggable() if isinstance(error, ColdsnapError) else str(error) or type(error).__name__
 
 
 def runtime_target(request: RuntimeRequest) -> str:
@@ -70,7 +77,8 @@ class AuditEvent(msgspec.Struct, frozen=True, kw_only=True):
     socket: str  # "session" or "control"
     operation: str  # the envelope's or the control request's `operation`
     action: str = ""  # the runtime-v1 action, for operation "runtime"
-    outcome: str  # "ok", the wire error_code, "rejected" (refused before it ran) or "internal"
+    outcome: str  # "ok", the wire error_code, "rejected" (refused before it ran), "internal",
+    # "client-gone" (it hung up before the reply) or "cancelled" (the daemon stopped it)
     uid: int | None  # the manager: the session's owner (session socket) or the peer (control socket)
     peer_uid: int | None = None  # the connected process (SO_PEERCRED); differs from uid only for root
     peer_pid: int | None = None

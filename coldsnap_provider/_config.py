@@ -191,6 +191,9 @@ class ProfileConfig(_Section, frozen=True):
     # name. [] = none: the daemon publishes with the node's one token, which may write far more than a
     # manager's own repositories, so an administrator names those (docs/policy.md, "Hugging Face").
     huggingface_repos: list[Annotated[str, Meta(min_length=1, pattern=r"^[^\s\x00]+$")]] = []
+    # Whether image-build may name sources the engine fetches itself (ADD of a URL): it fetches them
+    # in the host's network namespace, where the host's loopback services answer.
+    build_remote_sources: bool = False
 
 
 class AssignConfig(_Section, frozen=True, kw_only=True):

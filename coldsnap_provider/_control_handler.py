@@ -23,7 +23,7 @@ from coldsnap_runtime import Backend
 from coldsnap_runtime.errors import ColdsnapError, RequestRejected
 
 from . import __version__
-from ._audit import AUDITED_CONTROL, Audit, AuditEvent
+from ._audit import AUDITED_CONTROL, Audit, AuditEvent, loggable
 from ._config import ServerConfig
 from ._control import (
     ControlReply,
@@ -41,7 +41,7 @@ from ._control import (
     encode_control,
 )
 from ._envelope import lenient_id
-from ._listener import Peer, ServerState, is_admin
+from ._listener import InFlight, Peer, ServerState, is_admin
 from ._operations import Operations
 from ._ownership import reaches
 from ._probe import ProbeOptions, run_probe
@@ -96,34 +96,45 @@ class ControlHandler:
                                           error=error))
         return encode_control(ControlReply(format=1, id="", ok=False, error=error))
 
-    async def handle(self, line: bytearray, peer: Peer) -> bytes:
+    async def handle(self, line: bytearray, peer: Peer, flight: InFlight) -> bytes:
         started = time.monotonic()
         request: ControlRequest | None = None
-        outcome = "ok"
         try:
             request = decode_control(line)
             reply = ControlReply(format=1, id=request.id, ok=True, result=await self._run(request, peer))
         except ColdsnapError as exc:
-            outcome = exc.error_code or "rejected"
-            reply = ControlReply(format=1, id=request.id if request else lenient_id(line), ok=False, error=str(exc))
+            return self._failed(exc, line, peer, request=request, outcome=exc.error_code or "rejected",
+                                started=started)
         except Exception:
             log.exception("control request failed unexpectedly")
-            outcome = "internal"
-            reply = ControlReply(format=1, id=request.id if request else lenient_id(line), ok=False,
-                                 error="internal error; see the daemon log")
-        return self._answer(reply, peer, request=request, outcome=outcome, started=started)
+            return self._failed(RuntimeError("internal error; see the daemon log"), line, peer, request=request,
+                                outcome="internal", started=started)
+        except anyio.get_cancelled_exc_class():
+            # A probe or a stop whose peer left, or that shutdown cancelled, is accounted for all the same.
+            # The accounting never awaits (the audit write is one blocking write): no cancellation can cut it.
+            flight.leave(self._failed(flight.error(), line, peer, request=request, outcome=flight.outcome,
+                                      started=started))
+            raise
+        return self._answer(reply, peer, request=request, outcome="ok", started=started)
 
     def refuse(self, error: ColdsnapError, line: bytes | bytearray, peer: Peer) -> bytes:
-        return self._answer(ControlReply(format=1, id=lenient_id(line), ok=False, error=str(error)), peer,
-                            request=None, outcome="rejected", started=time.monotonic())
+        return self._failed(error, line, peer, request=None, outcome="rejected", started=time.monotonic())
+
+    def _failed(self, error: Exception, line: bytes | bytearray, peer: Peer, *, request: ControlRequest | None,
+                outcome: str, started: float) -> bytes:
+        """The ok:false reply to `error`, accounted for; logs and the audit get its loggable text."""
+        reply = ControlReply(format=1, id=request.id if request else lenient_id(line), ok=False, error=str(error))
+        return self._answer(reply, peer, request=request, outcome=outcome, started=started,
+                            logged_error=loggable(error))
 
     def _answer(self, reply: ControlReply, peer: Peer, *, request: ControlRequest | None, outcome: str,
-                started: float) -> bytes:
-        """The one place a control request is accounted for: its log line, its metrics, its audit event."""
+                started: float, logged_error: str = "") -> bytes:
+        """The one place a control request is accounted for: its log line, its metrics, its audit event
+        (`logged_error`: the error as logs and the audit may carry it, never a program's output)."""
         seconds = time.monotonic() - started
         operation = str(request.__struct_config__.tag) if request is not None else ""
         log.info("control", request_id=reply.id, peer_uid=peer.uid, operation=operation or None, ok=reply.ok,
-                 error=reply.error if not reply.ok else None, duration_ms=round(seconds * 1000, 3))
+                 outcome=outcome, error=logged_error if not reply.ok else None, duration_ms=round(seconds * 1000, 3))
         if self._metrics is not None:
             self._metrics.request(socket="control", operation=operation, action="", outcome=outcome, seconds=seconds)
         if self._audit is not None and operation in AUDITED_CONTROL:
@@ -131,7 +142,7 @@ class ControlHandler:
                 time=time.time(), socket="control", operation=operation, outcome=outcome, uid=peer.uid,
                 peer_uid=peer.uid, peer_pid=peer.pid, session=_session_of(request, reply),
                 target=getattr(request, "name", "") or getattr(request, "driver", ""), request_id=reply.id,
-                error=reply.error if isinstance(reply.error, str) else "", duration_ms=round(seconds * 1000, 3)))
+                error=logged_error, duration_ms=round(seconds * 1000, 3)))
         return encode_control(reply)
 
     async def _run(self, request: ControlRequest, peer: Peer) -> Any:

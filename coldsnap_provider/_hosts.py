@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from coldsnap_runtime import Backend, RuntimeContext, dispatch
-from coldsnap_runtime.errors import RequestRejected, RuntimeFailed
+from coldsnap_runtime.errors import CommandFailed, RequestRejected
 from coldsnap_runtime.schema import RuntimeRequest, RuntimeResponse
 
 from ._envelope import Exec, Upload
@@ -77,7 +77,7 @@ class LocalHost:
         result = await run_argv(argv, identity=self.identity, groups=self.groups)
         if result.exit_code != 0:
             detail = result.stderr.decode("utf-8", "replace").strip()
-            raise RuntimeFailed(action="upload", detail=f"cp exited {result.exit_code}: {detail}")
+            raise CommandFailed(action="upload", status=f"cp exited {result.exit_code}", output=detail)
 
     async def runtime(self, request: RuntimeRequest, ctx: RuntimeContext) -> RuntimeResponse:
         return await dispatch(self.backend, request, ctx)

@@ -3,7 +3,7 @@
 One connection carries one request. For each accepted connection::
 
     peer credentials ─► handler.admit(peer) ─► a connection slot (total and per uid)
-        ─► read one line (read timeout, byte budget) ─► handler.handle(line, peer) ─► send (write timeout)
+        ─► read one line (read timeout, byte budget) ─► handler.handle(line, peer, flight) ─► send (write timeout)
 
 What the bytes mean, and every reply, belong to the handler (see ``_provider_handler`` and
 ``_control_handler``). Failures stay inside their connection: a handler that raises, a peer
@@ -34,7 +34,8 @@ from coldsnap_runtime.errors import ColdsnapError, RequestRejected, RuntimeFaile
 
 from ._framing import Account, ByteBudget, FramingError, current_account, read_request_line
 
-__all__ = ("ConnectionServer", "Handler", "Limits", "Peer", "ServerState", "is_admin")
+__all__ = ("CANCELLED", "CLIENT_GONE", "ConnectionServer", "Handler", "InFlight", "Limits", "Peer", "ServerState",
+           "is_admin")
 
 log = structlog.get_logger(__name__)
 
@@ -42,6 +43,9 @@ _CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EN
 _HANGUP_POLL_S = 0.2
 _DISCARD_S = 0.5
 _DISCARD_BYTES = 64 << 10
+# Why a request's handling was cancelled: the outcome its handler records (audit, log line, metrics).
+CLIENT_GONE = "client-gone"  # the peer closed its connection before the reply (the hang-up watcher)
+CANCELLED = "cancelled"  # the daemon cancelled it: shutdown past its grace, or the daemon's own end
 
 
 def is_admin(uid: int) -> bool:
@@ -64,6 +68,36 @@ class Peer:
         return cls(*struct.unpack("3i", data))
 
 
+@dataclass(eq=False, slots=True)
+class InFlight:
+    """One request being answered: the scope its handling runs in, and why that scope was cancelled.
+
+    Whoever cancels says why first (:meth:`cancel`), so the handler, which accounts for every request it
+    decoded, records the right outcome; a cancellation nobody explained (the daemon's task group ending) is
+    :data:`CANCELLED`. The handler leaves in `reply` what the peer is answered, if anything."""
+
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    ended_by: str = ""  # the first reason given: CLIENT_GONE or CANCELLED
+    reply: bytes | bytearray | None = None  # the answer to a cancelled request (None: nobody to answer)
+
+    def cancel(self, why: str) -> None:
+        self.ended_by = self.ended_by or why
+        self.scope.cancel()
+
+    @property
+    def outcome(self) -> str:
+        return self.ended_by or CANCELLED
+
+    def error(self) -> RuntimeFailed:
+        """What a cancelled request is answered, and accounted for, with."""
+        why = "the client hung up before the reply" if self.outcome == CLIENT_GONE else "the provider is shutting down"
+        return RuntimeFailed(action="request", detail=f"cancelled: {why}")
+
+    def leave(self, answer: bytes | bytearray) -> None:
+        """The handler's answer to a cancelled request: sent, unless nobody is left to read it."""
+        self.reply = None if self.outcome == CLIENT_GONE else answer
+
+
 class Handler(Protocol):
     """What one kind of socket answers; it builds every reply, success or error."""
 
@@ -73,8 +107,9 @@ class Handler(Protocol):
     def admit(self, peer: Peer) -> bytes | None:
         """A refusal for a peer that may not use this socket at all (sent before reading), else None."""
 
-    async def handle(self, line: bytearray, peer: Peer) -> bytes | bytearray:
-        """The reply to one request line; never raises for a bad request."""
+    async def handle(self, line: bytearray, peer: Peer, flight: InFlight) -> bytes | bytearray:
+        """The reply to one request line; never raises for a bad request. Cancelled (`flight.scope`), it
+        accounts for the request with `flight.outcome`, leaves any answer in `flight.reply` and re-raises."""
 
     def refuse(self, error: ColdsnapError, line: bytes | bytearray, peer: Peer) -> bytes | bytearray:
         """The reply to bytes that are not one request, or to a request that cannot be served now."""
@@ -98,9 +133,8 @@ class ServerState:
     by_uid: Counter[int] = field(default_factory=Counter)
     in_flight: int = 0  # every request being answered (what shutdown drains)
     operations: int = 0  # provider-socket operations among them (what status reports)
-    aborting: bool = False
-    # In-flight request scopes by socket fd: the hang-up watcher cancels those whose peer left.
-    watched: dict[int, anyio.CancelScope] = field(default_factory=dict)
+    # In-flight requests by socket fd: the hang-up watcher cancels those whose peer left.
+    watched: dict[int, InFlight] = field(default_factory=dict)
 
     def statistics(self) -> dict[str, Any]:
         return {
@@ -116,9 +150,8 @@ class ServerState:
 
     def cancel_in_flight(self) -> None:
         """Shutdown after the grace: each request is cancelled on its own so it still answers."""
-        self.aborting = True
-        for scope in list(self.watched.values()):
-            scope.cancel()
+        for flight in list(self.watched.values()):
+            flight.cancel(CANCELLED)
 
     async def wait_drained(self) -> None:
         while self.in_flight:
@@ -139,8 +172,8 @@ class ServerState:
             for fd in self.watched:
                 poller.register(fd, select.POLLHUP | select.POLLERR)
             for fd, _ in poller.poll(0):
-                if (scope := self.watched.get(fd)) is not None:
-                    scope.cancel()
+                if (flight := self.watched.get(fd)) is not None:
+                    flight.cancel(CLIENT_GONE)
 
     def slot_refusal(self, uid: int) -> RequestRejected | None:
         limits = self.limits
@@ -240,17 +273,13 @@ class ConnectionServer:
                 f"{handler.request_name} was not received within {timeout:g} s"), b"", peer)
         state.in_flight += 1
         fd = stream.extra(SocketAttribute.raw_socket).fileno()
-        scope = anyio.CancelScope()
-        state.watched[fd] = scope
+        flight = InFlight()
+        state.watched[fd] = flight
         charged = current_account.set(account)
         try:
-            with scope:
-                return await handler.handle(line, peer)
-            if state.aborting:
-                return handler.refuse(RuntimeFailed(
-                    action="request", detail="cancelled: the provider is shutting down"), line, peer)
-            log.warning("client disconnected mid-operation; operation cancelled", peer_uid=peer.uid)
-            return None
+            with flight.scope:
+                return await handler.handle(line, peer, flight)
+            return flight.reply  # cancelled: the handler accounted for it and left the answer, if any
         finally:
             current_account.reset(charged)
             del state.watched[fd]

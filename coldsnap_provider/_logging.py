@@ -20,6 +20,7 @@ REQUEST_KEYS = (
     "error_code",
     "error",
     "duration_ms",
+    "outcome",  # ok, the error code, rejected, internal, client-gone or cancelled (docs/metrics.md)
     "profile",  # the admission profile that admitted or refused a runtime action (_policy.py)
 )
 

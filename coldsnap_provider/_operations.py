@@ -223,4 +223,5 @@ class Operations:
                          capabilities: tuple[str, ...] | None) -> RuntimeContext:
         return RuntimeContext(host=host, allow_pull=self.allow_pull, owner=self.owner,
                               cluster_id=record.cluster_id, manager_labels=record.labels,
-                              manager_uid=record.uid, reaches_all=is_admin(record.uid), capabilities=capabilities)
+                              manager_uid=record.uid, reaches_all=is_admin(record.uid), capabilities=capabilities,
+                              remote_build_sources=self.policy.build_remote_sources(record.uid, record.gid))

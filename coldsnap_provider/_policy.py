@@ -26,6 +26,7 @@ from typing import NoReturn
 import msgspec
 import structlog
 
+from coldsnap_runtime.dockerfile import remote_sources
 from coldsnap_runtime.errors import RequestRejected
 from coldsnap_runtime.schema import (
     ImageBuildAction,
@@ -241,6 +242,12 @@ class Policy:
         profile = self.profile_for(uid, gid)
         return profile.unrestricted or profile.rules.seccomp_unconfined
 
+    def build_remote_sources(self, uid: int, gid: int) -> bool:
+        """Whether the manager's builds may have the engine fetch from the network (an ADD of a URL): the
+        Dockerfile is checked at admission, its base images' ONBUILD triggers by the backend (issue 37)."""
+        profile = self.profile_for(uid, gid)
+        return profile.unrestricted or profile.rules.build_remote_sources
+
     # --- the rules ---------------------------------------------------------------------------
 
     def _check_request(self, profile: Profile, request: RuntimeRequest, *, local: bool) -> None:
@@ -254,6 +261,8 @@ class Policy:
                 _check_image(profile, "target", target)
             case ImageBuildAction(build=build):
                 _check_image(profile, "build.tag", build.tag)
+                if not profile.rules.build_remote_sources:
+                    _check_build_sources(profile, build.dockerfile)
             case _:
                 pass  # inspect, remove, exec, logs, copy-from: ownership is the runtime's rule (dispatch)
 
@@ -340,6 +349,22 @@ def _check_image(profile: Profile, field: str, image: str) -> None:
     if not any(fnmatch.fnmatchcase(image, pattern) for pattern in patterns):
         raise _Refusal("images", field, image, (
             f"{field}: {image} matches none of the images profile {profile.name} allows ({', '.join(patterns)})"))
+
+
+_REMOTE_WHY = {
+    "url": "the engine fetches a URL itself, in the host's network namespace (the host's loopback included)",
+    "git": "a git source is fetched over the network",
+    "variable": "a build argument or an ENV could make it a URL the engine fetches",
+}
+
+
+def _check_build_sources(profile: Profile, dockerfile: bytes) -> None:
+    """An ADD the engine would fetch from the network (issue 37, finding 4): the first one refuses."""
+    for source in remote_sources(dockerfile.decode("utf-8", "replace")):
+        field = f"build.dockerfile line {source.line}"
+        raise _Refusal("build-remote-sources", field, source.source, (
+            f"{field}: {source.instruction} {source.source}: {_REMOTE_WHY[source.why]}; profile {profile.name} "
+            "refuses remote build sources (build_remote_sources; COPY files from the context instead)"))
 
 
 def check_source(source: str, trusted: frozenset[int]) -> tuple[str, str] | None:

@@ -23,10 +23,10 @@ import anyio.to_thread
 import msgspec
 
 import coldsnap_probe
-from coldsnap_probe import AdmissionError, ProfileError
+from coldsnap_probe import AdmissionError
 from coldsnap_probe import boot_id as this_boot
 from coldsnap_runtime import Backend
-from coldsnap_runtime.errors import BackendError
+from coldsnap_runtime.errors import BackendError, CommandFailed
 from coldsnap_runtime.schema import WorkloadSpec
 
 from ._config import CAPSULE_CAPABILITIES
@@ -155,7 +155,8 @@ async def _profile_output(options: ProbeOptions, backend: Backend | None, identi
                                  f"COLDSNAP_PROBE_NVML_DEVICE={options.device}",
                                  f"PYTHONPATH={_PACKAGE_DIR.parent}", sys.executable, *args], identity=identity)
         if result.exit_code != 0:
-            raise ProfileError(f"probe exited {result.exit_code}: {result.stderr.decode(errors='replace').strip()}")
+            raise CommandFailed(action="probe", status=f"exited {result.exit_code}",
+                                output=result.stderr.decode(errors="replace").strip())
         return result.stdout
     assert backend is not None
     async with package_copy(state_dir) as package:

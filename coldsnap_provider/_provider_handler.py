@@ -2,7 +2,8 @@
 
 decode (strict, once) ─► authenticate (token + session, constant time) ─► capability gate
 ─► operations (an outcome) ─► reply; every reply, success or error, the one log line per
-request, its metrics and its audit event are built here (``_answer``).
+request, its metrics and its audit event are built here (``_answer``), whatever ends the request:
+an answer, an error, the client hanging up, or the daemon cancelling it (issue 37, finding 5).
 """
 
 from __future__ import annotations
@@ -10,12 +11,13 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import structlog
 
 from coldsnap_runtime.errors import ColdsnapError, RequestRejected
 from coldsnap_runtime.schema import RuntimeResponse
 
-from ._audit import Audit, AuditEvent, audited_action, runtime_target
+from ._audit import Audit, AuditEvent, audited_action, loggable, runtime_target
 from ._envelope import (
     Capabilities,
     HuggingfacePublish,
@@ -33,7 +35,7 @@ from ._envelope import (
 )
 from ._exec import ExecResult
 from ._framing import MAX_MESSAGE_BYTES
-from ._listener import Peer, ServerState
+from ._listener import InFlight, Peer, ServerState
 from ._operations import Operation, Operations, Outcome
 from ._policy import Decision, PolicyRefused
 from ._sessions import SessionRecord
@@ -66,12 +68,11 @@ class ProviderHandler:
     def admit(self, peer: Peer) -> bytes | None:
         return None
 
-    async def handle(self, line: bytearray, peer: Peer) -> bytearray:
+    async def handle(self, line: bytearray, peer: Peer, flight: InFlight) -> bytearray:
         started = time.monotonic()
         fields: dict[str, Any] = {"session": self.record.session}
         request: Request | None = None
         decision: Decision | None = None
-        internal = False
         try:
             request = decode_request(line)
             fields.update(_describe(request))
@@ -87,19 +88,33 @@ class ProviderHandler:
                 finally:
                     self._state.operations -= 1
         except PolicyRefused as exc:
-            decision = exc.decision
-            reply = error_reply(request.id if request is not None else lenient_id(line), exc)
+            return self._failed(exc, line, fields, started, request=request, peer=peer, decision=exc.decision)
         except ColdsnapError as exc:
-            reply = error_reply(request.id if request is not None else lenient_id(line), exc)
+            return self._failed(exc, line, fields, started, request=request, peer=peer, decision=decision)
         except Exception:
             log.exception("request failed unexpectedly", **fields)
-            internal = True
-            reply = error_reply(request.id if request is not None else lenient_id(line), RuntimeError(_INTERNAL))
-        return self._answer(reply, fields, started, request=request, peer=peer, internal=internal, decision=decision)
+            return self._failed(RuntimeError(_INTERNAL), line, fields, started, request=request, peer=peer,
+                                decision=decision, outcome="internal")
+        except anyio.get_cancelled_exc_class():
+            # The client hung up or the daemon is stopping: what ran stays done (an exec's files), so the
+            # request is accounted for like any other. The accounting never awaits (the audit write is one
+            # blocking write), so no further cancellation can cut it short.
+            flight.leave(self._failed(flight.error(), line, fields, started, request=request, peer=peer,
+                                      decision=decision, outcome=flight.outcome))
+            raise
+        return self._answer(reply, fields, started, request=request, peer=peer, decision=decision)
 
     def refuse(self, error: ColdsnapError, line: bytes | bytearray, peer: Peer) -> bytearray:
         fields = {"session": self.record.session}
-        return self._answer(error_reply(lenient_id(line), error), fields, time.monotonic(), request=None, peer=peer)
+        return self._failed(error, line, fields, time.monotonic(), request=None, peer=peer)
+
+    def _failed(self, error: Exception, line: bytes | bytearray, fields: dict[str, Any], started: float, *,
+                request: Request | None, peer: Peer, decision: Decision | None = None,
+                outcome: str | None = None) -> bytearray:
+        """The ok:false reply to `error`, accounted for; logs and the audit get its loggable text."""
+        reply = error_reply(request.id if request is not None else lenient_id(line), error)
+        return self._answer(reply, fields, started, request=request, peer=peer, decision=decision, outcome=outcome,
+                            logged_error=loggable(error))
 
     def _authorize(self, request: Request) -> None:
         if not self.record.token_matches(request.token, request.session):
@@ -109,16 +124,20 @@ class ProviderHandler:
             raise RequestRejected(f"unsupported host-provider capability '{capability}'")
 
     def _answer(self, reply: Reply, fields: dict[str, Any], started: float, *, request: Request | None,
-                peer: Peer, internal: bool = False, decision: Decision | None = None) -> bytearray:
-        """The one place a request is accounted for: its log line, its metrics, its audit event."""
+                peer: Peer, decision: Decision | None = None, outcome: str | None = None,
+                logged_error: str = "") -> bytearray:
+        """The one place a request is accounted for: its log line, its metrics, its audit event.
+
+        `outcome` overrides what the reply says (internal, client-gone, cancelled); `logged_error` is the
+        error as logs and the audit may carry it (never a command's output, which the reply may)."""
         seconds = time.monotonic() - started
-        fields.update(ok=reply.ok, duration_ms=round(seconds * 1000, 3))
+        outcome = outcome or ("ok" if reply.ok else reply.error_code or "rejected")
+        fields.update(ok=reply.ok, outcome=outcome, duration_ms=round(seconds * 1000, 3))
         if decision is not None:
             fields["profile"] = decision.profile
         if not reply.ok:
-            fields.update(error_code=reply.error_code or None, error=reply.error)
+            fields.update(error_code=reply.error_code or None, error=logged_error)
         log.info("request", **fields)
-        outcome = "ok" if reply.ok else "internal" if internal else reply.error_code or "rejected"
         operation, action = fields.get("operation", ""), fields.get("action", "")
         if self._metrics is not None:
             self._metrics.request(socket="session", operation=operation, action=action, outcome=outcome,
@@ -129,7 +148,7 @@ class ProviderHandler:
                 time=time.time(), socket="session", operation=operation, action=action, outcome=outcome,
                 uid=self.record.uid, peer_uid=peer.uid, peer_pid=peer.pid, session=self.record.session,
                 host=fields.get("host", ""), request_id=request.id, target=_target(request),
-                error=reply.error if isinstance(reply.error, str) else "", duration_ms=fields["duration_ms"],
+                error=logged_error, duration_ms=fields["duration_ms"],
                 decision="" if decision is None else "admitted" if decision.admitted else "refused",
                 profile="" if decision is None else decision.profile))
         return encode_reply(reply)

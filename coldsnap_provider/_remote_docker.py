@@ -50,7 +50,8 @@ class RemoteDocker(DockerBackend):
             await self._files.place_local_tree(os.path.join(staging, root), root, destination,
                                                action="workload-copy-from")
 
-    async def image_build(self, build: ImageBuild, *, owner: Owner | None = None) -> None:
+    async def image_build(self, build: ImageBuild, *, owner: Owner | None = None,
+                          remote_sources: bool = True) -> None:
         """The context directories are on the remote node: fetch them (a tar made there), then build.
 
         The node's tar reads as the SSH user (the identity remote exec runs as); the fetched copy is the
@@ -60,7 +61,8 @@ class RemoteDocker(DockerBackend):
             context = await self._files.fetch_tree(build.context, os.path.join(staging, "context"))
             contexts = {key: await self._files.fetch_tree(value, os.path.join(staging, f"context-{i}"))
                         for i, (key, value) in enumerate(sorted(build.contexts.items()))}
-            await super().image_build(msgspec.structs.replace(build, context=context, contexts=contexts))
+            await super().image_build(msgspec.structs.replace(build, context=context, contexts=contexts),
+                                      remote_sources=remote_sources)
 
     async def _kill_exec(self, exec_id: str) -> None:
         """The exec's pid is in the remote node's namespace: kill it there, never a local process."""

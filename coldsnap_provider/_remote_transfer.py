@@ -30,7 +30,7 @@ import anyio.to_thread
 import asyncssh
 
 from coldsnap_runtime.backend import extract_archive
-from coldsnap_runtime.errors import RuntimeFailed
+from coldsnap_runtime.errors import CommandFailed, RuntimeFailed
 
 from ._errors import PlacementError
 from ._exec import ExecIdentity, as_identity, child_environment
@@ -123,7 +123,7 @@ class RemoteFiles:
                 if code == _TOO_LARGE:
                     raise self.spool.too_large("upload")
                 if code != 0:
-                    raise RuntimeFailed(action="upload", detail=f"cannot read {source}: {message}")
+                    raise CommandFailed(action="upload", status=f"cannot read {source}", output=message)
                 if not recursive and await anyio.to_thread.run_sync(_first_is_dir, archive):
                     raise RuntimeFailed(action="upload", detail=f"-r not specified; omitting directory {source}")
                 await self._place(archive, base, destination, action="upload")
@@ -143,8 +143,8 @@ class RemoteFiles:
                     finally:
                         process.close()
             if process.exit_status != 0:
-                raise RuntimeFailed(action=action, detail=(
-                    f"build context {remote} on host {self._link.name}: {message or 'tar failed'}"))
+                raise CommandFailed(action=action, status=f"build context {remote} on host {self._link.name}",
+                                    output=message or "tar failed")
             await anyio.to_thread.run_sync(spool.flush)
             spool.seek(0)
             root = await anyio.to_thread.run_sync(_root_directory, spool, remote)

@@ -8,6 +8,7 @@
         ├── NotFound                   the image or workload itself is absent   (not_found)
         ├── PathNotFound               a path inside an existing workload       (path_not_found)
         ├── RuntimeFailed              a non-zero exit, an engine error, a refused operation
+        │   ├── CommandFailed          a program ran and failed; the message ends with its output
         │   ├── OutputTooLarge         collected output would pass the reply limit
         │   ├── BuildContextError      a build the classic builder cannot express
         │   └── EngineRejected         the engine answered a hijacked request with an error status
@@ -20,10 +21,14 @@ Dependency errors (aiodocker, aiohttp, sockets) become these classes in one plac
 ``coldsnap_runtime.backend._engine.docker_errors`` (and its sibling ``registry_errors`` for
 the registry reads of ``image.id`` on the containerd store), always chained with ``from exc``.
 Misusing our own API raises ``RuntimeError``/``TypeError`` and never reaches the wire.
+
+The reply carries ``str(error)``; logs and the audit trail carry ``error.loggable()`` (issue 37, finding 7):
+the same text, except that a :class:`CommandFailed` keeps its output out (a length and a digest instead).
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import ClassVar
 
 __all__ = (
@@ -32,6 +37,7 @@ __all__ = (
     "BackendUnavailable",
     "BuildContextError",
     "ColdsnapError",
+    "CommandFailed",
     "EngineRejected",
     "NotFound",
     "OutputTooLarge",
@@ -45,6 +51,10 @@ class ColdsnapError(Exception):
     """Root of every failure that becomes an ``ok:false`` reply."""
 
     error_code: ClassVar[str | None] = None
+
+    def loggable(self) -> str:
+        """The message as a log line or the audit trail may carry it (the reply carries ``str(self)``)."""
+        return str(self) or type(self).__name__
 
 
 class RequestRejected(ColdsnapError):
@@ -87,6 +97,24 @@ class RuntimeFailed(BackendError):
     def __init__(self, *, action: str, detail: str) -> None:
         super().__init__(f"{action} failed: {detail}", action=action)
         self.detail = detail
+
+
+class CommandFailed(RuntimeFailed):
+    """A program ran and failed (a workload, an exec in one, a build step); the message ends with its output."""
+
+    # The message (the reply's `error`) ends with the program's diagnostics, the only channel the protocol
+    # has for them (spec: the Go client discards `output` on failure). Whatever secrets the program printed
+    # are in there, so logs and the audit trail get `loggable()`: `status` (e.g. "exited 3"), the output's
+    # length and a digest to match it with what the client saw (issue 37, finding 7).
+    def __init__(self, *, action: str, status: str, output: str) -> None:
+        super().__init__(action=action, detail=": ".join(part for part in (status, output) if part))
+        self.status, self.output = status, output
+
+    def loggable(self) -> str:
+        data = self.output.encode("utf-8", "surrogateescape")
+        digest = hashlib.sha256(data).hexdigest()[:16]
+        status = f": {self.status}" if self.status else ""
+        return f"{self.action} failed{status} (output withheld: {len(data)} bytes, sha256 {digest})"
 
 
 class OutputTooLarge(RuntimeFailed):

@@ -87,6 +87,10 @@ class RuntimeContext(msgspec.Struct, frozen=True, kw_only=True):
     # A host directory for the in-capsule worker's reports, mounted read-write at REPORT_TARGET of
     # a workload-run (the daemon's phase metrics); "" = none.
     report_dir: str = ""
+    # Whether image-build may have the engine fetch from the network itself (an ADD of a URL): it does
+    # so in the host's network namespace. False: the admission policy refused such ADDs in the Dockerfile,
+    # and the backend refuses a base image whose ONBUILD triggers hold one.
+    remote_build_sources: bool = True
 
 
 class Backend(Protocol):
@@ -95,7 +99,8 @@ class Backend(Protocol):
     async def image_push(self, image: str) -> None: ...
     async def image_tag(self, source: str, target: str) -> None: ...
     async def image_remove(self, image: str) -> None: ...
-    async def image_build(self, build: ImageBuild, *, owner: Owner | None = None) -> None: ...
+    async def image_build(self, build: ImageBuild, *, owner: Owner | None = None,
+                          remote_sources: bool = True) -> None: ...
     async def image_owner(self, image: str) -> LedgerEntry | None:
         """The image ledger's record of `image` (None: never pulled, built or tagged by this provider)."""
         ...
@@ -200,7 +205,7 @@ async def _dispatch(backend: Backend, request: RuntimeRequest, ctx: RuntimeConte
         case ImageRemove(image=image):
             await backend.image_remove(image)
         case ImageBuildAction(build=build):
-            await backend.image_build(build, owner=ctx.owner)
+            await backend.image_build(build, owner=ctx.owner, remote_sources=ctx.remote_build_sources)
         case WorkloadRun(workload=spec):
             spec = with_report_dir(with_manager_labels(spec, ctx), ctx)
             if ctx.manager_uid is not None:

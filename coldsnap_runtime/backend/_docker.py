@@ -29,7 +29,7 @@ import anyio
 import structlog
 from msgspec import UNSET, UnsetType
 
-from ..errors import BackendError, NotFound, OutputTooLarge, RuntimeFailed
+from ..errors import BackendError, CommandFailed, NotFound, OutputTooLarge, RuntimeFailed
 from ..limits import CLEANUP_BUDGET_S, OUTPUT_LIMIT
 from ..schema import Execution, ImageBuild, ImageInfo, RuntimeResponse, WorkloadInfo, WorkloadSpec
 from ._base import Owner
@@ -158,9 +158,11 @@ class DockerBackend:
     async def image_remove(self, image: str) -> None:
         await self._images.remove(image)
 
-    async def image_build(self, build: ImageBuild, *, owner: Owner | None = None) -> None:
-        """Build `build.tag`; the context directories are read as `owner` (None: the daemon itself)."""
-        await self._images.build(build, owner=owner)
+    async def image_build(self, build: ImageBuild, *, owner: Owner | None = None,
+                          remote_sources: bool = True) -> None:
+        """Build `build.tag`; the context directories are read as `owner` (None: the daemon itself);
+        `remote_sources` False: no base image's ONBUILD trigger may have the engine fetch a URL."""
+        await self._images.build(build, owner=owner, remote_sources=remote_sources)
 
     # --- workloads -------------------------------------------------------------------
 
@@ -240,7 +242,7 @@ class DockerBackend:
             await self._containers.force_remove(cid)
         output, diagnostics = _split(frames, combined=spec.combined)
         if exit_code != 0:
-            raise RuntimeFailed(action="workload-run", detail=f"exited {exit_code}: {_text(diagnostics)}")
+            raise CommandFailed(action="workload-run", status=f"exited {exit_code}", output=_text(diagnostics))
         return RuntimeResponse(output=output)
 
     async def _run_attached(self, cid: str, spec: WorkloadSpec) -> tuple[list[tuple[int, bytes]], int]:
@@ -312,7 +314,7 @@ class DockerBackend:
         output, diagnostics = _split(frames, combined=execution.combined)
         exit_code = result.get("ExitCode")
         if exit_code != 0:
-            raise RuntimeFailed(action="workload-exec", detail=f"exited {exit_code}: {_text(diagnostics)}")
+            raise CommandFailed(action="workload-exec", status=f"exited {exit_code}", output=_text(diagnostics))
         return output
 
     async def _kill_exec(self, exec_id: str) -> None:

@@ -18,7 +18,7 @@ import aiodocker
 import aiohttp
 import anyio
 
-from ..errors import BackendTimeout, BackendUnavailable, EngineRejected, NotFound, RuntimeFailed
+from ..errors import BackendTimeout, BackendUnavailable, CommandFailed, EngineRejected, NotFound, RuntimeFailed
 
 __all__ = ("SHORT", "Engine", "docker_errors", "registry_errors")
 
@@ -126,6 +126,8 @@ class Engine:
             async with self.stream(path, method="POST", params=params, headers=headers, data=data) as response:
                 async for event in _json_lines(response.content):
                     if error := event.get("error") or (event.get("errorDetail") or {}).get("message"):
+                        if action == "image-build":  # its message can echo the build's steps and their output
+                            raise CommandFailed(action=action, status="", output=str(error))
                         raise RuntimeFailed(action=action, detail=str(error))
 
 

@@ -21,7 +21,8 @@ from urllib.parse import quote
 
 import aiohttp
 
-from ..errors import BuildContextError, NotFound, RuntimeFailed
+from .. import dockerfile
+from ..errors import BuildContextError, NotFound, RequestRejected, RuntimeFailed
 from ..schema import ImageBuild, ImageInfo
 from ._base import Owner
 from ._buildctx import DOCKERFILE_PATH, base_images, rewrite_dockerfile, write_context_tar
@@ -200,7 +201,7 @@ class Images:
 
     # --- build -----------------------------------------------------------------------
 
-    async def build(self, build: ImageBuild, *, owner: Owner | None) -> None:
+    async def build(self, build: ImageBuild, *, owner: Owner | None, remote_sources: bool = True) -> None:
         """Build `build.tag`; the context directories are read as `owner` (None: the daemon itself)."""
         headers = {"Content-Type": "application/x-tar"}
         # Only the credentials of the registries the build's base images come from: the engine needs no more.
@@ -209,16 +210,42 @@ class Images:
                  if (entry := self._auth(registry, credentials))}
         if auths:
             headers["X-Registry-Config"] = base64.urlsafe_b64encode(json.dumps(auths).encode()).decode()
-        if not build.pull:
+        pull = build.pull
+        if not remote_sources:
+            await self._refuse_remote_triggers(build)
+            pull = False  # its bases are the ones just checked: the builder must not pull others in their place
+        elif not build.pull:
             await self._require_local_bases(build)
         params = {"t": build.tag, "dockerfile": DOCKERFILE_PATH, "rm": "1", "forcerm": "1",
-                  "pull": "1" if build.pull else "0", "buildargs": json.dumps(dict(build.arguments))}
+                  "pull": "1" if pull else "0", "buildargs": json.dumps(dict(build.arguments))}
         with tempfile.TemporaryFile(dir=self._spool_dir, prefix="coldsnap-build-") as spool:
             await write_context_tar(spool, context=build.context, contexts=dict(build.contexts),
                                     dockerfile=build.dockerfile, owner=owner, max_bytes=self._copy_max_bytes)
             spool.seek(0)
             await self._engine.progress("image-build", "build", params=params, headers=headers, data=spool)
         await self.ledger.update("image-build", add=build.tag)
+
+    async def _refuse_remote_triggers(self, build: ImageBuild) -> None:
+        """A base image's ONBUILD triggers run in the build that uses it, and the engine fetches an ADD of a URL
+        among them itself, in the host's network namespace, like one written in the Dockerfile (issue 37,
+        finding 4). So each base is checked as the builder will use it: pulled first when the build pulls
+        (the builder then pulls nothing), else resident."""
+        for base in base_images(_dockerfile(build), dict(build.arguments)):
+            if build.pull and (ref := parse_reference(base)) is not None:
+                await self._engine.progress("image-build", "images/create",
+                                            params={"fromImage": ref.repository, "tag": ref.pull_tag},
+                                            headers=self._auth_header(ref.registry), kind="image", ref=base)
+            try:
+                info = await self.exact(base, "image-build")
+            except NotFound as exc:
+                raise RuntimeFailed(action="image-build", detail=(
+                    f"base image {base} is not resident and pull is false (no registry is contacted)")) from exc
+            triggers = [str(t) for t in (info.get("Config") or {}).get("OnBuild") or []]
+            if found := dockerfile.remote_sources("\n".join(triggers)):
+                raise RequestRejected(
+                    f"build.dockerfile: FROM {base}: its ONBUILD trigger {found[0].instruction} {found[0].source} "
+                    "would have the engine fetch from the network itself, in the host's network namespace; "
+                    "this manager's profile refuses remote build sources (build_remote_sources)")
 
     async def _require_local_bases(self, build: ImageBuild) -> None:
         """pull=false must never contact a registry, but the classic builder pulls a missing base."""

@@ -39,7 +39,7 @@ from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio import config as k8s_config
 from msgspec import UNSET
 
-from ..errors import BackendError, NotFound, OutputTooLarge, PathNotFound, RuntimeFailed
+from ..errors import BackendError, CommandFailed, NotFound, OutputTooLarge, PathNotFound, RuntimeFailed
 from ..limits import CLEANUP_BUDGET_S, OUTPUT_LIMIT
 from ..schema import Execution, ImageBuild, ImageInfo, RuntimeResponse, WorkloadInfo, WorkloadSpec
 from ._base import Owner
@@ -227,7 +227,8 @@ class KubernetesBackend:
         raise RuntimeFailed(action="image-remove", detail=_NO_IMAGE_API + " (the kubelet's image GC removes "
                                                                           "unused images)")
 
-    async def image_build(self, build: ImageBuild, *, owner: Owner | None = None) -> None:
+    async def image_build(self, build: ImageBuild, *, owner: Owner | None = None,
+                          remote_sources: bool = True) -> None:
         raise RuntimeFailed(action="image-build", detail=_NO_IMAGE_API + "; build on a Docker host and push "
                                                                          "to a registry the node pulls from")
 
@@ -273,7 +274,7 @@ class KubernetesBackend:
         if not spec.name or spec.remove_after_exit:
             await self._delete_own(pod)
         if exit_code != 0:
-            raise RuntimeFailed(action="workload-run", detail=f"exited {exit_code}: {diagnostic_text(output)}")
+            raise CommandFailed(action="workload-run", status=f"exited {exit_code}", output=diagnostic_text(output))
         return RuntimeResponse(output=output)
 
     async def _conflict(self, name: str, pod: str) -> RuntimeFailed:
@@ -450,7 +451,7 @@ class KubernetesBackend:
                                                      action="workload-exec")
         if exit_code != 0:
             both = stdout + stderr if execution.combined else stderr
-            raise RuntimeFailed(action="workload-exec", detail=f"exited {exit_code}: {diagnostic_text(both)}")
+            raise CommandFailed(action="workload-exec", status=f"exited {exit_code}", output=diagnostic_text(both))
         return stdout + stderr if execution.combined else stdout
 
     @asynccontextmanager
@@ -534,8 +535,8 @@ class KubernetesBackend:
             if exit_code != 0:
                 if b"No such file" in stderr or b"not found" in stderr.lower():
                     raise PathNotFound(workload=name, path=path, action=action)
-                raise RuntimeFailed(action=action, detail=(
-                    f"tar in the container exited {exit_code}: {diagnostic_text(stderr)}"))
+                raise CommandFailed(action=action, status=f"tar in the container exited {exit_code}",
+                                    output=diagnostic_text(stderr))
             await anyio.to_thread.run_sync(spool.flush)
             spool.seek(0)
             await extract_archive(spool, base or "root", destination, owner=owner, action=action,
