@@ -94,6 +94,8 @@ def main() -> int:
                                    "timeline": report.get("timeline", []), "error": error if code else ""})
         print(f"[{label}] restore {attempt} exit {code} {wall:.2f} s verified {same}", flush=True)
         if code == 0:
+            status = Path(f"/proc/{report['restored_pid']}/status").read_text().splitlines()
+            result["restores"][-1]["status"] = [line for line in status if line.startswith(("Seccomp", "Speculation"))]
             reap(report["restored_pid"])
         else:
             print(error, flush=True)

@@ -24,8 +24,9 @@ from coldsnap_runtime.backend import CAPSULE_DENIED_SYSCALLS, seccomp_profile
 from tests.conftest import docker
 from tests.helpers import running_daemon, session_as
 from tests.provider.test_policy import NOBODY, inspect, mount_root, names, policy_config, uniq
+from tests.provider.test_remote import NodeB, node_b
 
-__all__ = ("mount_root", "names")  # the fixtures these tests use
+__all__ = ("mount_root", "names", "node_b")  # the fixtures these tests use
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
@@ -98,6 +99,26 @@ async def test_privileged_capsule_reaches_no_host_file_clock_or_release_agent(
     assert host["CgroupnsMode"] == "private"
     assert "seccomp=unconfined" not in host["SecurityOpt"]
     assert "CAP_DAC_READ_SEARCH" not in host["CapAdd"] and "DAC_READ_SEARCH" not in host["CapAdd"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="node-b needs root (namespaces, a second dockerd)")
+async def test_a_remote_nodes_privileged_capsule_is_confined_the_same(
+        node_b: NodeB, busybox_image: str, mount_root: Path, probe_program: bytes) -> None:
+    name = uniq("boundary-remote")
+    async with running_daemon(node_b.config() + policy_config(mount_root)) as daemon:
+        try:
+            reply = await session_as(NOBODY, daemon, hosts=("node-b",)).runtime("workload-run", host="node-b",
+                                                                                 workload={
+                "name": name, "image": busybox_image, "privileged": True, "seccomp_unconfined": True,
+                "input": base64.b64encode(probe_program).decode(), "entrypoint": "sh", "command": ["-c", SCRIPT]})
+            host = json.loads(node_b.docker("container", "inspect", name).stdout)[0]["HostConfig"]
+        finally:
+            node_b.docker("rm", "-f", name, check=False)
+    assert reply.ok and reply.runtime is not None and isinstance(reply.runtime.output, bytes), reply.error
+    said = outcomes(reply.runtime.output)
+    assert said.get("open_by_handle_at") == "Operation not permitted", reply.runtime.output
+    assert said.get("procfs") == "refused" and said.get("cgroup") == "refused", said
+    assert host["CgroupnsMode"] == "private" and "seccomp=unconfined" not in host["SecurityOpt"]
 
 
 async def test_root_unrestricted_workloads_keep_what_they_ask(busybox_image: str, names: list[str]) -> None:
