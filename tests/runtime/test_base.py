@@ -43,7 +43,7 @@ def test_runtime_context_has_no_push_permission_and_an_optional_owner() -> None:
     """The provider gates image-pull/image-push; the runtime knows no capability wire text."""
     fields = {f.name for f in msgspec.structs.fields(RuntimeContext)}
     assert fields == {"host", "allow_pull", "owner", "cluster_id", "manager_labels", "manager_uid", "reaches_all",
-                      "capabilities", "report_dir"}
+                      "capabilities", "report_dir", "remote_build_sources"}
     assert RuntimeContext(host="h", allow_pull=False).owner is None
     assert RuntimeContext(host="h", allow_pull=False).manager_uid is None
     assert RuntimeContext(host="h", allow_pull=False, owner=Owner(65534, 65534)).owner == Owner(uid=65534, gid=65534)
