@@ -16,8 +16,8 @@ from msgspec import Meta, Struct
 from ._errors import ConfigError
 
 __all__ = ("BUILTIN_PROFILES", "CAPSULE_CAPABILITIES", "Config", "ConfigError", "KubernetesConfig", "MetricsConfig",
-           "PolicyConfig", "ProfileConfig", "RemoteConfig", "default_state_dir", "load_config", "node_names",
-           "spool_dir")
+           "PolicyConfig", "ProfileConfig", "RemoteConfig", "default_state_dir", "load_config", "local_host_label",
+           "node_names", "spool_dir")
 
 
 class _Section(Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -101,6 +101,8 @@ class MetricsConfig(_Section, frozen=True):
     address: Annotated[str, Meta(pattern=_METRICS_ADDRESS)] = ""
     # Give each local workload-run a report directory its in-capsule worker writes phase timings to.
     capsule_reports: bool = True
+    # How often every backend is asked whether it answers (coldsnap_provider_backend_up; `status` asks too).
+    backend_probe_interval_s: Annotated[float, Meta(ge=1)] = 15.0
 
 
 class AuditConfig(_Section, frozen=True):
@@ -365,6 +367,12 @@ def default_state_dir(uid: int | None = None, environ: Mapping[str, str] | None 
 def spool_dir(config: Config) -> str:
     """Where the daemon spools copies and build contexts: on disk, not the (tmpfs) state directory."""
     return config.docker.spool_dir or "/var/tmp"
+
+
+def local_host_label(config: Config) -> str:
+    """The host name the local Docker Engine's health is reported under: the first of node.names, else this
+    machine's name (configuration, never a request: a bounded metric label)."""
+    return config.node.names[0] if config.node.names else socket.gethostname()
 
 
 def node_names(config: Config) -> frozenset[str]:

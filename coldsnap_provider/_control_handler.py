@@ -41,6 +41,7 @@ from ._control import (
     encode_control,
 )
 from ._envelope import lenient_id
+from ._health import BackendHealth
 from ._listener import InFlight, Peer, ServerState, is_admin
 from ._operations import Operations
 from ._ownership import reaches
@@ -54,7 +55,6 @@ __all__ = ("ControlHandler",)
 
 log = structlog.get_logger(__name__)
 
-_STATUS_PING_S = 2.0
 _MAX_REQUEST_BYTES = 1 << 20
 
 
@@ -70,10 +70,12 @@ class ControlHandler:
         operations: Operations,
         backend: Backend,
         state: ServerState,
+        health: BackendHealth,
         metrics: Metrics | None = None,
         audit: Audit | None = None,
     ) -> None:
         self._server = server
+        self._health = health
         self._metrics = metrics
         self._audit = audit
         self._sessions = sessions
@@ -223,9 +225,11 @@ class ControlHandler:
         }
 
     async def status(self) -> dict[str, Any]:
-        docker_ok = False
-        with anyio.move_on_after(_STATUS_PING_S):
-            docker_ok = await self._backend.ping()
+        """The daemon's state and every backend's answer; `healthy` is false when one does not answer (the CLI's
+        `status` then exits 3). Fields are only ever added: managers parse this."""
+        report = await self._health.check()
+        up = {(s.backend, s.host): s.up for s in report.states}
+        kubernetes = self._operations.kubernetes
         state = self._state
         return {
             "version": __version__,
@@ -233,12 +237,15 @@ class ControlHandler:
             "sessions": len(self._sessions),
             "connections": state.connections,
             "in_flight": state.operations,
-            "docker_reachable": docker_ok,
+            "docker_reachable": any(s.up for s in report.states if s.backend == "docker"),
             "capabilities": list(self._operations.capabilities),
             "state_dir": str(self._sessions.store.state_dir),
             "budgets": state.statistics(),
-            "remotes": await self._operations.remotes.status() if self._operations.remotes is not None else [],
-            "kubernetes": await self._operations.kubernetes.status() if self._operations.kubernetes is not None else [],
+            "remotes": report.remotes,
+            "kubernetes": kubernetes.status({h: up[("kubernetes", h)] for h in kubernetes.hosts})
+            if kubernetes is not None else [],
+            "healthy": all(s.up for s in report.states),
+            "backends": msgspec.to_builtins(report.states),
         }
 
 

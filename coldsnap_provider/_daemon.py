@@ -6,6 +6,7 @@ Task ownership::
                 ├─ SessionManager: one Session task per session ── its ConnectionServer ── its connections
                 ├─ metrics endpoint ── its connections; capsule report collector ([metrics])
                 ├─ hang-up watcher, maintenance (backend and remote nodes), watchdog
+                ├─ backend health probe ([metrics]: coldsnap_provider_backend_up)
 
 Start: take the state directory's lock (one daemon per state directory), finish what a
 killed predecessor left (process groups, RPC-owned containers), bind, re-serve sessions,
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import grp
 import os
 import resource
@@ -32,10 +34,11 @@ from coldsnap_runtime import CLEANUP_BUDGET_S, Backend, BackendError
 
 from . import __version__
 from ._audit import Audit
-from ._config import Config
+from ._config import Config, local_host_label
 from ._control_handler import ControlHandler
 from ._errors import ConfigError
 from ._framing import ByteBudget
+from ._health import BackendHealth
 from ._listener import ConnectionServer, Limits, ServerState
 from ._operations import Operations
 from ._provider_handler import ProviderHandler
@@ -84,10 +87,12 @@ class Daemon:
         self.sessions = SessionManager(SessionStore(state_dir), self._session_server,
                                        max_per_uid=server.max_sessions_per_uid)
         self.audit = Audit(config.audit.file)  # closed when run() ends
+        self.health = BackendHealth(backend=backend, local_host=local_host_label(config), remotes=operations.remotes,
+                                    kubernetes=operations.kubernetes)
         if metrics is not None:
             remotes = operations.remotes
             metrics.watch(sessions=lambda: len(self.sessions), connections=lambda: self.state.connections,
-                          remotes=remotes.link_states if remotes is not None else None)
+                          remotes=remotes.link_states if remotes is not None else None, backends=self.health.states)
 
     def stop(self) -> None:
         """Begin a graceful shutdown (safe to call more than once)."""
@@ -112,7 +117,8 @@ class Daemon:
             control = ConnectionServer(
                 await self._control_listener(),
                 ControlHandler(self.config.server, sessions=self.sessions, operations=self.operations,
-                               backend=self.backend, state=self.state, metrics=self.metrics, audit=self.audit),
+                               backend=self.backend, state=self.state, health=self.health, metrics=self.metrics,
+                               audit=self.audit),
                 self.state,
             )
             async with anyio.create_task_group() as tg:
@@ -128,6 +134,9 @@ class Daemon:
                 tg.start_soon(self._maintain, recovered)
                 if self.operations.reports is not None:
                     tg.start_soon(self.operations.reports.run, self.backend)
+                if self.metrics is not None:  # coldsnap_provider_backend_up stays current without a status call
+                    tg.start_soon(functools.partial(self.health.run,
+                                                    interval_s=self.config.metrics.backend_probe_interval_s))
                 if (interval := watchdog_interval()) is not None:
                     tg.start_soon(_watchdog, interval)
                 await self._stop.wait()

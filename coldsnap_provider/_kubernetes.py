@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -147,10 +148,10 @@ class KubernetesHosts:
         for node in self._nodes.values():
             await node.backend.aclose()
 
-    async def status(self) -> list[dict[str, object]]:
-        """One entry per host: its Node and whether the apiserver answers (bounded by the entry's request timeout)."""
+    def status(self, reachable: Mapping[str, bool]) -> list[dict[str, object]]:
+        """One entry per host: its Node and whether the apiserver answered the probe (`reachable`, _health.py)."""
         return [{"host": name, "node": node.backend.node_name, "namespace": node.backend.namespace,
-                 "apiserver_reachable": await node.backend.ping(), "node_agent": node.has_agent}
+                 "apiserver_reachable": reachable.get(name, False), "node_agent": node.has_agent}
                 for name, node in sorted(self._nodes.items())]
 
     async def maintain(self) -> None:

@@ -1,10 +1,10 @@
 """What the daemon counts: one private Prometheus registry, and the only place a metric is named.
 
 Every label value is drawn from a fixed set known at import (the protocol's operations and
-actions, the wire error codes, the worker's phase names) or from the configuration (remote
-host names): a client that sends an unknown operation, or a capsule that reports an unknown
-phase, cannot create a series. Sessions, tokens, workload and image names and paths never
-become labels (docs/metrics.md).
+actions, the wire error codes, the worker's phase names, the backend kinds) or from the configuration
+(remote, Kubernetes and this node's host names): a client that sends an unknown operation, or a
+capsule that reports an unknown phase, cannot create a series. Sessions, tokens, workload and image
+names and paths never become labels (docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -82,6 +82,21 @@ class _RemoteCollector(Collector):
         yield family
 
 
+class _BackendCollector(Collector):
+    """coldsnap_provider_backend_up{backend, host}: the last answers of the backend probe (_health.py)."""
+
+    def __init__(self, states: Callable[[], Iterable[tuple[str, str, bool]]]) -> None:
+        self._states = states
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily("coldsnap_provider_backend_up",
+                                   "1 when the backend serving this host answered the last probe, else 0",
+                                   labels=["backend", "host"])
+        for backend, host, up in self._states():
+            family.add_metric([backend, host], 1.0 if up else 0.0)
+        yield family
+
+
 class Metrics:
     """The daemon's metrics; the handlers, the session manager and the report collector feed it."""
 
@@ -119,12 +134,15 @@ class Metrics:
             self._rejected.labels(reason=reason)
 
     def watch(self, *, sessions: Callable[[], int], connections: Callable[[], int],
-              remotes: Callable[[], Iterable[tuple[str, bool]]] | None = None) -> None:
+              remotes: Callable[[], Iterable[tuple[str, bool]]] | None = None,
+              backends: Callable[[], Iterable[tuple[str, str, bool]]] | None = None) -> None:
         """Gauges read from their owners at scrape time (nothing to keep in step)."""
         self.sessions.set_function(lambda: float(sessions()))
         self.connections.set_function(lambda: float(connections()))
         if remotes is not None:
             self.registry.register(_RemoteCollector(remotes))
+        if backends is not None:
+            self.registry.register(_BackendCollector(backends))
 
     def request(self, *, socket: str, operation: str, action: str, outcome: str, seconds: float) -> None:
         if socket == "session":

@@ -148,7 +148,10 @@ class RemoteNode:
                 entry["error"] = str(exc)
         if scope.cancelled_caught:
             entry["error"] = f"remote host {self.name}: no answer within {_STATUS_BUDGET_S:g} s"
-        entry["docker_reachable"] = entry["reachable"] and await self._docker.ping()
+        why = await self._docker.health() if entry["reachable"] else "the SSH link is down"
+        entry["docker_reachable"] = entry["reachable"] and not why
+        if entry["reachable"] and why:  # the link answers, the node's engine does not: say which and why
+            entry["error"] = f"remote host {self.name}: its Docker Engine ({cfg.docker_socket}) does not answer: {why}"
         return entry
 
     async def maintain(self) -> None:

@@ -175,8 +175,25 @@ def cmd_workload(args: argparse.Namespace) -> int:
     return _control(args, request)
 
 
+EXIT_UNHEALTHY = 3
+
+
 def cmd_status(args: argparse.Namespace) -> int:
-    return _control(args, {"operation": "status"})
+    """The daemon's status; 0 when every configured backend answers, 3 (each one named on stderr) when one does not,
+    1 when the daemon itself cannot be reached."""
+    try:
+        result = anyio.run(call_control, _state_dir(args), {"operation": "status"})
+    except (ReplyError, ProtocolError) as exc:
+        _err(str(exc))
+        return 1
+    except OSError as exc:
+        _err(f"cannot reach the daemon at {_state_dir(args) / 'control.sock'}: {exc.strerror or exc}")
+        return 1
+    _out(result)
+    down = [b for b in result.get("backends", []) if not b.get("up")] if isinstance(result, dict) else []
+    for backend in down:
+        _err(f"status: the {backend['backend']} backend of host {backend['host']!r} is unreachable: {backend['error']}")
+    return EXIT_UNHEALTHY if down else 0
 
 
 def cmd_call(args: argparse.Namespace) -> int:
@@ -302,7 +319,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
     _add_session(sub)
     _add_workload(sub)
-    _with_state_dir(sub.add_parser("status", help="daemon status")).set_defaults(func=cmd_status)
+    _with_state_dir(sub.add_parser(
+        "status", help="daemon status; exit 3 when a configured backend does not answer")).set_defaults(func=cmd_status)
     _add_run(sub)
     _add_call(sub)
     _add_probe(sub)

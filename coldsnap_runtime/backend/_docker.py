@@ -118,12 +118,16 @@ class DockerBackend:
         return self._engine.docker
 
     async def ping(self) -> bool:
+        return not await self.health()
+
+    async def health(self) -> str:
+        """"" when the engine answers, else why not (status and the backend_up probe say it)."""
         try:
             with docker_errors("ping"):
                 await self.docker.version()
-        except BackendError:
-            return False
-        return True
+        except BackendError as exc:
+            return str(exc)
+        return ""
 
     async def maintain(self) -> None:
         """Retry removals that failed while the engine was unreachable (called periodically by the daemon)."""

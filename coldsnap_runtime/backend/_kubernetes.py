@@ -162,11 +162,17 @@ class KubernetesBackend:
         return data if isinstance(data, dict) else {}
 
     async def ping(self) -> bool:
+        return not await self.health()
+
+    async def health(self) -> str:
+        """"" when the apiserver answers /version, else why not (status and the backend_up probe say it)."""
         try:
             await self._call("ping", k8s.VersionApi(self._api).get_code(_preload_content=False))
-        except (BackendError, anyio.ClosedResourceError):
-            return False
-        return True
+        except BackendError as exc:
+            return str(exc)
+        except anyio.ClosedResourceError:
+            return "the Kubernetes client is closed"
+        return ""
 
     async def _read_pod(self, pod: str, action: str, *, ref: str) -> dict[str, Any]:
         return await self._call(action, self._core.read_namespaced_pod(pod, self._namespace, _preload_content=False),
