@@ -18,6 +18,7 @@ import msgspec
 from . import __version__
 from ._client import call, call_control
 from ._config import Config, default_state_dir, load_config, spool_dir
+from ._config_files import account_named, file_problems, kubeconfig_problems
 from ._errors import ConfigError, ControllerRefused, ProtocolError, ReplyError
 
 __all__ = ("main",)
@@ -56,21 +57,12 @@ def _checked_config(path: str | None) -> Config | None:
         resolve_identity(config.exec.user)
         if not os.path.isdir(spool_dir(config)):
             raise ValueError(f"docker.spool_dir: {spool_dir(config)} is not a directory")
-        _check_kubeconfigs(config)
+        if problems := kubeconfig_problems(config):  # what the backend would die of at start, in one line
+            raise ConfigError(problems[0])
     except (ConfigError, ValueError) as exc:
         _err(str(exc))
         return None
     return config
-
-
-def _check_kubeconfigs(config: Config) -> None:
-    """Each [[kubernetes]] kubeconfig is a readable file (what it says is checked when the daemon opens it)."""
-    for index, cluster in enumerate(config.kubernetes):
-        try:
-            with open(cluster.kubeconfig, "rb"):
-                pass
-        except OSError as exc:
-            raise ConfigError(f"kubernetes[{index}].kubeconfig: {cluster.kubeconfig}: {exc.strerror}") from exc
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -92,7 +84,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
+    """The configuration, and every file it names as the daemon will read it, as the account it runs as."""
     if (config := _checked_config(args.file)) is None:
+        return EXIT_USAGE
+    try:
+        account = account_named(args.as_user)
+        problems = file_problems(config, account)
+    except ConfigError as exc:
+        problems = [str(exc)]
+    for problem in dict.fromkeys(problems):  # a kubeconfig's problem is found by both checks
+        _err(problem)
+    if problems:
         return EXIT_USAGE
     _out({"ok": True, "config": msgspec.to_builtins(config)})
     return 0
@@ -325,8 +327,11 @@ def _parser() -> argparse.ArgumentParser:
     _add_call(sub)
     _add_probe(sub)
     sub.add_parser("version", help="print the version").set_defaults(func=cmd_version)
-    check = sub.add_parser("check-config", help="validate a configuration file")
+    check = sub.add_parser("check-config", help="validate a configuration file and the files it names")
     check.add_argument("file")
+    check.add_argument("--as-user", metavar="USER", default=None,
+                       help="check that USER (the account the unit runs as, e.g. coldsnap-provider) can read every "
+                            "file the configuration names (default: the current user; another user needs root)")
     check.set_defaults(func=cmd_check_config)
     return parser
 

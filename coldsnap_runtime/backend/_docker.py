@@ -117,9 +117,6 @@ class DockerBackend:
     def docker(self) -> aiodocker.Docker:
         return self._engine.docker
 
-    async def ping(self) -> bool:
-        return not await self.health()
-
     async def health(self) -> str:
         """"" when the engine answers, else why not (status and the backend_up probe say it)."""
         try:

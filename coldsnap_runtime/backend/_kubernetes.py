@@ -161,9 +161,6 @@ class KubernetesBackend:
             raise RuntimeFailed(action=action, detail="the apiserver answered with something not JSON") from exc
         return data if isinstance(data, dict) else {}
 
-    async def ping(self) -> bool:
-        return not await self.health()
-
     async def health(self) -> str:
         """"" when the apiserver answers /version, else why not (status and the backend_up probe say it)."""
         try:
