@@ -77,8 +77,9 @@ def file_problems(config: Config, account: Account) -> list[str]:
         named.append(("huggingface.token_file", path))
         problems += _content_problem("huggingface.token_file", path, _token_rule)
     unreadable = _unreadable_as(account, sorted({path for _, path in named}))
+    named_already = {path for _, path in named if any(f": {path}: " in problem for problem in problems)}
     problems += [f"{key}: {path}: not readable by {account.describe()}: {unreadable[path]}"
-                 for key, path in named if path in unreadable]
+                 for key, path in named if path in unreadable and path not in named_already]
     return problems
 
 

@@ -15,7 +15,10 @@ _ENTRY = '[[kubernetes]]\nhosts = {hosts}\nkubeconfig = "{kubeconfig}"\n{extra}\
 def _entry(tmp_path: Path, hosts: str = '["node-k"]', extra: str = "", kubeconfig: str = "") -> str:
     if not kubeconfig:
         kubeconfig = str(tmp_path / "kubeconfig")
-        Path(kubeconfig).write_text("apiVersion: v1\nkind: Config\n")
+        Path(kubeconfig).write_text(  # check-config loads it as the backend will (#38 item 7): a whole one
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster: {server: 'https://127.0.0.1:6443'}\n"
+            "users:\n- name: u\n  user: {token: not-a-secret}\ncontexts:\n- name: x\n  context: {cluster: c, user: u}\n"
+            "current-context: x\n")
     return _ENTRY.format(hosts=hosts, kubeconfig=kubeconfig, extra=extra)
 
 

@@ -162,7 +162,11 @@ def test_check_config_relative_known_hosts_is_an_error(tmp_path: Path) -> None:
 
 
 def test_check_config_remote_entry_is_accepted_with_defaults(tmp_path: Path) -> None:
-    text = NodeB(env=_fake_env()).config().replace("connect_timeout_s = 3.0\n", "").replace(
+    key = tmp_path / "id"  # check-config loads the key and known_hosts as the daemon will (#38 item 7)
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+    (tmp_path / "known_hosts").write_text("[127.0.0.2]:2222 " + " ".join((tmp_path / "id.pub").read_text().split()[:2]))
+    env = {**_fake_env(), "NODE_B_CLIENT_KEY": str(key), "NODE_B_KNOWN_HOSTS": str(tmp_path / "known_hosts")}
+    text = NodeB(env=env).config().replace("connect_timeout_s = 3.0\n", "").replace(
         'docker_socket = "/x/docker.sock"\n', "")
     result = _check_config(text, tmp_path)
     assert result.returncode == 0, result.stderr
