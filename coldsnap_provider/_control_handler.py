@@ -42,6 +42,7 @@ from ._control import (
 )
 from ._envelope import lenient_id
 from ._listener import InFlight, Peer, ServerState, is_admin
+from ._logging import outcome_level
 from ._operations import Operations
 from ._ownership import reaches
 from ._probe import ProbeOptions, run_probe
@@ -133,8 +134,9 @@ class ControlHandler:
         (`logged_error`: the error as logs and the audit may carry it, never a program's output)."""
         seconds = time.monotonic() - started
         operation = str(request.__struct_config__.tag) if request is not None else ""
-        log.info("control", request_id=reply.id, peer_uid=peer.uid, operation=operation or None, ok=reply.ok,
-                 outcome=outcome, error=logged_error if not reply.ok else None, duration_ms=round(seconds * 1000, 3))
+        log.log(outcome_level(outcome), "control", request_id=reply.id, peer_uid=peer.uid,
+                operation=operation or None, ok=reply.ok, outcome=outcome,
+                error=logged_error if not reply.ok else None, duration_ms=round(seconds * 1000, 3))
         if self._metrics is not None:
             self._metrics.request(socket="control", operation=operation, action="", outcome=outcome, seconds=seconds)
         if self._audit is not None and operation in AUDITED_CONTROL:
