@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import json
 import os
@@ -22,7 +23,6 @@ import anyio
 import anyio.abc
 
 from coldsnap_provider import Reply, call, call_control, exchange
-from coldsnap_provider._hosts import instance_id
 from tests import unit_sandbox
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,9 +59,15 @@ class Made:
     def add(self, *marks: str) -> None:
         self.marks.update(m for m in marks if m)
 
+    @staticmethod
+    def instance(path: Path) -> str:
+        """The instance label of a backend of a daemon serving `path`: the daemon's rule (_hosts.instance_id;
+        tests/provider/test_leftovers.py holds the two equal)."""
+        return hashlib.sha256(os.fsencode(path.absolute())).hexdigest()[:16]
+
     def daemon(self, state_dir: Path) -> None:
         """A daemon serving `state_dir`: its Docker backend's instance and its Kubernetes hosts' (_serve.py)."""
-        self.add(instance_id(state_dir), instance_id(state_dir / "kubernetes"))
+        self.add(self.instance(state_dir), self.instance(state_dir / "kubernetes"))
 
     def envelope(self, fields: dict[str, Any]) -> None:
         """The workload name of a `workload-run` sent to a daemon."""

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import secrets
 import subprocess
+from pathlib import Path
 
 import pytest
 
+from coldsnap_provider._hosts import instance_id
 from tests.conftest import all_containers, docker, leftovers
-from tests.helpers import running_daemon
+from tests.helpers import MADE, running_daemon
 
 
 def _foreign_container(image: str) -> str:
@@ -74,3 +76,8 @@ def test_another_clients_container_outlived_the_fixture() -> None:
 
 
 _STRANGERS: list[str] = []
+
+
+def test_the_daemons_instance_labels_are_recognised(tmp_path: Path) -> None:
+    """Containers an RPC owns carry the daemon's instance label: the check computes it as the daemon does."""
+    assert MADE.instance(tmp_path) == instance_id(tmp_path)
