@@ -62,8 +62,9 @@ class Reloader:
         self._flag_level = log_level  # serve --log-level: the level while server.log_level is ""
         self._policy = policy
 
-    def reload(self) -> None:
-        """Load, check, then apply all or nothing; one log line says which."""
+    def reload(self) -> dict[str, list[str]]:
+        """Load, check, then apply all or nothing; one log line says which, and the answer (for the control
+        socket's `reload`) too. ConfigError, naming the key and the rule, when nothing changed."""
         running = self._daemon.config
         try:
             loaded = checked_config(self._path)
@@ -74,11 +75,13 @@ class Reloader:
             self._daemon.audit.reopen(loaded.audit.file)  # the last step that can fail
         except ConfigError as exc:
             log.error("reload refused; nothing changed", error=str(exc))
-            return
+            raise
         self._daemon.operations.policy = policy
         self._daemon.config = applied
         changed = changed_keys(running, loaded)
+        report = {"changed": [k for k in changed if _reloadable(k)],
+                  "needs_restart": [k for k in changed if not _reloadable(k)]}
         at_least_info()  # the report shows whichever way the level moves
-        log.info("reloaded", changed=[k for k in changed if _reloadable(k)],
-                 needs_restart=[k for k in changed if not _reloadable(k)], audit_file=loaded.audit.file or None)
+        log.info("reloaded", **report, audit_file=loaded.audit.file or None)
         set_log_level(loaded.server.log_level or self._flag_level)
+        return report

@@ -11,6 +11,7 @@ Task ownership::
 
 from __future__ import annotations
 
+import contextlib
 import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,6 +24,7 @@ from coldsnap_runtime.backend import GpuPolicy, HostPolicy
 from ._capsule_reports import CapsuleReports
 from ._config import Config, node_names, spool_dir
 from ._daemon import Daemon
+from ._errors import ConfigError
 from ._exec import ExecIdentity, GroupLedger, resolve_identity
 from ._hosts import instance_id
 from ._hub_owners import HubOwners
@@ -91,8 +93,9 @@ async def serve(config: Config, state_dir: Path, *, config_path: str | None = No
         )
         daemon = Daemon(config, state_dir=state_dir, operations=operations, backend=backend,
                         control_fd=fds[0] if fds else None, metrics=metrics)
+        reloader = Reloader(config_path, daemon, log_level=log_level, policy=lambda c: _policy(c, state_dir))
+        daemon.reload = reloader.reload
         async with remotes, kubernetes, anyio.create_task_group() as tg:
-            reloader = Reloader(config_path, daemon, log_level=log_level, policy=lambda c: _policy(c, state_dir))
             tg.start_soon(_handle_signals, daemon, reloader)
             await daemon.run()
             tg.cancel_scope.cancel()
@@ -103,10 +106,11 @@ async def _handle_signals(daemon: Daemon, reloader: Reloader) -> None:
     SIGHUP reloads the configuration (`systemctl reload`, logrotate's postrotate)."""
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async for signum in signals:
-            if signum == signal.SIGHUP:
-                reloader.reload()
-            else:
+            if signum != signal.SIGHUP:
                 daemon.stop()
+                continue
+            with contextlib.suppress(ConfigError):  # logged by reload(); the daemon serves on unchanged
+                reloader.reload()
 
 
 def _metrics(config: Config) -> Metrics | None:

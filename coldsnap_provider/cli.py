@@ -160,6 +160,11 @@ def cmd_workload(args: argparse.Namespace) -> int:
     return _control(args, request)
 
 
+def cmd_reload(args: argparse.Namespace) -> int:
+    """{"changed": [...], "needs_restart": [...]}; exit 1 with the key and the rule when nothing changed."""
+    return _control(args, {"operation": "reload"})
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     return _control(args, {"operation": "status"})
 
@@ -288,6 +293,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_session(sub)
     _add_workload(sub)
     _with_state_dir(sub.add_parser("status", help="daemon status")).set_defaults(func=cmd_status)
+    _with_state_dir(sub.add_parser(
+        "reload", help="apply the daemon's configuration file again, as SIGHUP does, and print what changed",
+    )).set_defaults(func=cmd_reload)
     _add_run(sub)
     _add_call(sub)
     _add_probe(sub)

@@ -16,9 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import pytest
 
+from coldsnap_provider import ReplyError
 from tests.conftest import docker
-from tests.helpers import Daemon, running_daemon
+from tests.helpers import EXEC_AS_NOBODY, Daemon, control_as, running_daemon
 
 _SITE = """
 [policy]
@@ -124,3 +126,21 @@ async def test_sighup_reopens_the_audit_file_after_it_was_renamed_away_and_nothi
     assert _audit_sessions(directory / "audit.jsonl.1") == [first.session, second.session]
     assert _audit_sessions(audit) == [third.session]
     assert stat.S_IMODE(audit.stat().st_mode) == 0o600
+
+
+async def test_the_control_operation_reload_answers_what_changed_and_is_for_administrators_only() -> None:
+    nobody = 65534
+    base = EXEC_AS_NOBODY + f"[server]\ncontrol_uids = [{nobody}]\n"
+    async with running_daemon(base) as daemon:
+        daemon.config_path.write_text(base + "max_connections = 100\n" + _policy('"registry.invalid/*"'))
+        assert await daemon.control(operation="reload") == {"changed": ["policy.admin", "policy.profiles"],
+                                                           "needs_restart": ["server.max_connections"]}
+        daemon.config_path.write_text(base + '[policy]\nmanagers = "no-such-profile"\n')
+        with pytest.raises(ReplyError, match=r"reload refused; nothing changed: .*policy\.managers"):
+            await daemon.control(operation="reload")
+        os.chmod(daemon.state_dir / "control.sock", 0o666)
+        answer = await anyio.to_thread.run_sync(control_as, nobody, daemon.state_dir, {"operation": "reload"})
+        assert not answer["ok"] and "may not reload" in answer["error"]
+        audited = [e["audit"] for e in daemon.log_events() if e.get("event") == "audit"
+                   and e["audit"]["operation"] == "reload"]
+        assert [a["outcome"] for a in audited] == ["ok", "rejected", "rejected"]
