@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import stat
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -20,7 +22,7 @@ import pytest
 
 from coldsnap_provider import ReplyError
 from tests.conftest import docker
-from tests.helpers import EXEC_AS_NOBODY, Daemon, control_as, running_daemon
+from tests.helpers import EXEC_AS_NOBODY, ROOT, Daemon, control_as, running_daemon
 
 _SITE = """
 [policy]
@@ -126,6 +128,7 @@ async def test_sighup_reopens_the_audit_file_after_it_was_renamed_away_and_nothi
     assert _audit_sessions(directory / "audit.jsonl.1") == [first.session, second.session]
     assert _audit_sessions(audit) == [third.session]
     assert stat.S_IMODE(audit.stat().st_mode) == 0o600
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 async def test_the_control_operation_reload_answers_what_changed_and_is_for_administrators_only() -> None:
@@ -144,3 +147,30 @@ async def test_the_control_operation_reload_answers_what_changed_and_is_for_admi
         audited = [e["audit"] for e in daemon.log_events() if e.get("event") == "audit"
                    and e["audit"]["operation"] == "reload"]
         assert [a["outcome"] for a in audited] == ["ok", "rejected", "rejected"]
+
+
+@pytest.mark.skipif(shutil.which("logrotate") is None, reason="needs logrotate (scripts/test installs it)")
+async def test_logrotate_with_the_shipped_snippet_loses_no_audit_event(tmp_path: Path) -> None:
+    directory = Path(tempfile.mkdtemp(prefix="cs-au-", dir="/tmp"))
+    audit = directory / "audit.jsonl"
+    async with running_daemon(f'[audit]\nfile = "{audit}"\n') as daemon:
+        assert daemon.process is not None
+        # The snippet as shipped, at this audit file, with systemctl's reload as the unit's ExecReload does it.
+        snippet = (ROOT / "systemd" / "coldsnap-provider.logrotate").read_text()
+        assert "/var/log/coldsnap-provider/audit.jsonl {" in snippet and "systemctl reload coldsnap-provider" in snippet
+        conf = tmp_path / "logrotate.conf"
+        conf.write_text(snippet.replace("/var/log/coldsnap-provider/audit.jsonl", str(audit))
+                        .replace("systemctl reload coldsnap-provider.service", f"/bin/kill -HUP {daemon.process.pid}"))
+        conf.chmod(0o644)
+        first = await daemon.open_session()
+        seen = len(_events(daemon, "reloaded"))
+        done = subprocess.run(["logrotate", "-f", "-s", str(tmp_path / "state"), str(conf)], capture_output=True,
+                              text=True)
+        assert done.returncode == 0, done.stderr
+        with anyio.fail_after(10):
+            while len(_events(daemon, "reloaded")) == seen:
+                await anyio.sleep(0.05)
+        second = await daemon.open_session()
+    assert _audit_sessions(directory / "audit.jsonl.1") == [first.session]
+    assert _audit_sessions(audit) == [second.session]
+    shutil.rmtree(directory, ignore_errors=True)
