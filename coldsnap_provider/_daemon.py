@@ -20,7 +20,7 @@ import fcntl
 import grp
 import os
 import resource
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -84,6 +84,8 @@ class Daemon:
         self.sessions = SessionManager(SessionStore(state_dir), self._session_server,
                                        max_per_uid=server.max_sessions_per_uid)
         self.audit = Audit(config.audit.file)  # closed when run() ends
+        # The control socket's `reload`, set by serve: _reload.Reloader.reload (SIGHUP calls it too).
+        self.reload: Callable[[], dict[str, list[str]]] | None = None
         if metrics is not None:
             remotes = operations.remotes
             metrics.watch(sessions=lambda: len(self.sessions), connections=lambda: self.state.connections,
@@ -112,7 +114,8 @@ class Daemon:
             control = ConnectionServer(
                 await self._control_listener(),
                 ControlHandler(self.config.server, sessions=self.sessions, operations=self.operations,
-                               backend=self.backend, state=self.state, metrics=self.metrics, audit=self.audit),
+                               backend=self.backend, state=self.state, metrics=self.metrics, audit=self.audit,
+                               reload=self.reload),
                 self.state,
             )
             async with anyio.create_task_group() as tg:
