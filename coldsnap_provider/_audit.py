@@ -4,7 +4,7 @@ Each event is one log line (``"event": "audit"``, the fields under ``audit``: JS
 which is what the journal takes under systemd) and, with ``[audit] file`` set, one JSON line
 appended to that file. Events never carry a token, input bytes, exec arguments or environment
 values (docs/metrics.md lists every field). A file that cannot be written costs an error line,
-never the request.
+never the request. SIGHUP reopens the file (logrotate's ``postrotate``: systemd/coldsnap-provider.logrotate).
 """
 
 from __future__ import annotations
@@ -31,13 +31,14 @@ from coldsnap_runtime.schema import (
 )
 
 from ._errors import ConfigError
+from ._logging import outcome_level
 
 __all__ = ("AUDITED_CONTROL", "Audit", "AuditEvent", "audited_action", "loggable", "runtime_target")
 
 log = structlog.get_logger(__name__)
 
 # Control-socket operations that change state or run something on the node.
-AUDITED_CONTROL = frozenset({"session-open", "session-close", "workload-stop", "probe"})
+AUDITED_CONTROL = frozenset({"session-open", "session-close", "workload-stop", "probe", "reload"})
 # Provider operations that only read (inspect, logs, resolve, capabilities) are not audited...
 _READ_ONLY_OPERATIONS = frozenset({"capabilities", "huggingface-resolve"})
 _READ_ONLY_ACTIONS = frozenset({"image-inspect", "workload-inspect", "workload-logs"})
@@ -104,13 +105,22 @@ class Audit:
 
     def record(self, event: AuditEvent) -> None:
         fields: dict[str, Any] = msgspec.to_builtins(event)
-        log.info("audit", audit=fields)
+        log.log(outcome_level(event.outcome), "audit", audit=fields)  # failed actions reach `journalctl -p err`
         if self._fd is None:
             return
         try:
             os.write(self._fd, _encode(event) + b"\n")  # one write: O_APPEND keeps lines whole
         except OSError as exc:
             log.error("audit file write failed", error=f"{self.path}: {exc.strerror}")
+
+    def reopen(self, path: str) -> None:
+        """Write to `path` from now on, opened anew (SIGHUP: after logrotate renamed the file away, events go to
+        a new file there). The new file is opened before the old one is closed: a path that cannot be opened
+        raises ConfigError and changes nothing; no event is written in between (one thread)."""
+        fd = _open_append(path) if path else None
+        old, self._fd, self.path = self._fd, fd, path
+        if old is not None:
+            os.close(old)
 
     def close(self) -> None:
         fd, self._fd = self._fd, None

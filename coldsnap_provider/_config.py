@@ -16,8 +16,8 @@ from msgspec import Meta, Struct
 from ._errors import ConfigError
 
 __all__ = ("BUILTIN_PROFILES", "CAPSULE_CAPABILITIES", "Config", "ConfigError", "KubernetesConfig", "MetricsConfig",
-           "PolicyConfig", "ProfileConfig", "RemoteConfig", "default_state_dir", "load_config", "local_host_label",
-           "node_names", "spool_dir")
+           "PolicyConfig", "ProfileConfig", "RemoteConfig", "checked_config", "default_state_dir", "load_config",
+           "local_host_label", "node_names", "spool_dir")
 
 
 class _Section(Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -37,6 +37,8 @@ class ServerConfig(_Section, frozen=True):
     request_read_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
     reply_write_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
     shutdown_grace_s: Annotated[float, Meta(ge=0)] = 60.0
+    # "" = serve's --log-level (default info); set, it wins, and SIGHUP applies a change (_reload.py).
+    log_level: Literal["", "debug", "info", "warning", "error"] = ""
 
 
 class ProviderConfig(_Section, frozen=True):
@@ -362,6 +364,26 @@ def default_state_dir(uid: int | None = None, environ: Mapping[str, str] | None 
     if runtime_dir and os.path.isabs(runtime_dir) and os.path.isdir(runtime_dir):
         return Path(runtime_dir) / "coldsnap-provider"
     return Path(f"/tmp/coldsnap-provider-{uid}")
+
+
+def checked_config(path: str | None) -> Config:
+    """`path` (None: the embedded default) loaded, with what only this host can say checked too: exec.user,
+    the spool directory, each kubeconfig as the backend loads it (check-config, serve and SIGHUP all check these)."""
+    from ._exec import resolve_identity  # setpriv and capabilities: not needed to decode a file
+
+    config = load_config(path)
+    try:
+        resolve_identity(config.exec.user)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    if not os.path.isdir(spool_dir(config)):
+        raise ConfigError(f"docker.spool_dir: {spool_dir(config)} is not a directory")
+    from ._config_files import kubeconfig_problems  # the Kubernetes client: only for a config that names one
+
+    # What the backend would die of at start, said in one line.
+    if problems := kubeconfig_problems([cluster.kubeconfig for cluster in config.kubernetes]):
+        raise ConfigError(problems[0])
+    return config
 
 
 def spool_dir(config: Config) -> str:

@@ -22,10 +22,9 @@ from typing import Any
 
 import msgspec
 
-from ._config import Config
 from ._errors import ConfigError
 
-__all__ = ("Account", "account_named", "file_problems", "kubeconfig_problems")
+__all__ = ("Account", "NamedFiles", "account_named", "file_problems", "kubeconfig_problems")
 
 _TOKEN_LIMIT = 4096  # a Hub token is tens of bytes; the daemon reads at most this much (_huggingface.py)
 
@@ -59,21 +58,30 @@ def account_named(name: str | None) -> Account:
     return Account(name=entry.pw_name, uid=entry.pw_uid, gid=entry.pw_gid, groups=groups)
 
 
-def file_problems(config: Config, account: Account) -> list[str]:
-    """Every problem of every file `config` names (content checked by this process, reading by `account`)."""
-    problems = kubeconfig_problems(config)
+class NamedFiles(msgspec.Struct, frozen=True, kw_only=True):
+    """The files a configuration names (cli.py fills it from Config: this module does not import _config)."""
+
+    kubeconfigs: list[str]  # [[kubernetes]] kubeconfig, by entry
+    ssh: list[tuple[str, str]]  # [[remote]] (identity_file, known_hosts), by entry
+    credentials_file: str = ""  # [registry]
+    token_file: str = ""  # [huggingface]
+
+
+def file_problems(files: NamedFiles, account: Account) -> list[str]:
+    """Every problem of every named file (content checked by this process, reading by `account`)."""
+    problems = kubeconfig_problems(files.kubeconfigs)
     named: list[tuple[str, str]] = []  # (key, path) the daemon opens
-    for index, cluster in enumerate(config.kubernetes):
-        named.append((f"kubernetes[{index}].kubeconfig", cluster.kubeconfig))
-        named += _kubeconfig_files(f"kubernetes[{index}].kubeconfig", cluster.kubeconfig)
-    for index, remote in enumerate(config.remote):
+    for index, kubeconfig in enumerate(files.kubeconfigs):
+        named.append((f"kubernetes[{index}].kubeconfig", kubeconfig))
+        named += _kubeconfig_files(f"kubernetes[{index}].kubeconfig", kubeconfig)
+    for index, (identity_file, known_hosts) in enumerate(files.ssh):
         key = f"remote[{index}]"
-        named += [(f"{key}.identity_file", remote.identity_file), (f"{key}.known_hosts", remote.known_hosts)]
-        problems += _ssh_problems(key, remote.identity_file, remote.known_hosts)
-    if path := config.registry.credentials_file:
+        named += [(f"{key}.identity_file", identity_file), (f"{key}.known_hosts", known_hosts)]
+        problems += _ssh_problems(key, identity_file, known_hosts)
+    if path := files.credentials_file:
         named.append(("registry.credentials_file", path))
         problems += _content_problem("registry.credentials_file", path, _credentials_rule)
-    if path := config.huggingface.token_file:
+    if path := files.token_file:
         named.append(("huggingface.token_file", path))
         problems += _content_problem("huggingface.token_file", path, _token_rule)
     unreadable = _unreadable_as(account, sorted({path for _, path in named}))
@@ -83,13 +91,13 @@ def file_problems(config: Config, account: Account) -> list[str]:
     return problems
 
 
-def kubeconfig_problems(config: Config) -> list[str]:
+def kubeconfig_problems(kubeconfigs: list[str]) -> list[str]:
     """Each [[kubernetes]] kubeconfig: readable, YAML, a current context whose cluster and user it lists, and
     accepted by kubernetes_asyncio's loader (the backend's own), certificate files included."""
     problems = []
-    for index, cluster in enumerate(config.kubernetes):
-        if problem := _kubeconfig_problem(cluster.kubeconfig):
-            problems.append(f"kubernetes[{index}].kubeconfig: {cluster.kubeconfig}: {problem}")
+    for index, kubeconfig in enumerate(kubeconfigs):
+        if problem := _kubeconfig_problem(kubeconfig):
+            problems.append(f"kubernetes[{index}].kubeconfig: {kubeconfig}: {problem}")
     return problems
 
 
@@ -102,6 +110,8 @@ def _kubeconfig_problem(path: str) -> str:
         return str(exc)
     if problem := _kubeconfig_shape(document):
         return problem
+    from concurrent.futures import ThreadPoolExecutor
+
     import anyio
     from kubernetes_asyncio import client, config
 
@@ -109,8 +119,9 @@ def _kubeconfig_problem(path: str) -> str:
         await config.load_kube_config(config_file=path, client_configuration=client.Configuration(),
                                       persist_config=False)
 
-    try:
-        anyio.run(load, backend="asyncio")
+    try:  # in a thread of its own: a reload (SIGHUP) checks from inside the daemon's running event loop
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            pool.submit(lambda: anyio.run(load, backend="asyncio")).result()
     except Exception as exc:  # the loader's errors are of many kinds (ConfigException, TypeError, OSError)
         return f"kubernetes_asyncio refuses it: {exc}"
     return ""

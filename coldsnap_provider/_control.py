@@ -16,6 +16,7 @@ __all__ = (
     "ControlReply",
     "ControlRequest",
     "Probe",
+    "Reload",
     "SessionClose",
     "SessionList",
     "SessionOpen",
@@ -58,6 +59,10 @@ class Status(_Control, tag="status", frozen=True):
     pass
 
 
+class Reload(_Control, tag="reload", frozen=True):
+    """Reload the configuration file as SIGHUP does, and answer what changed (root and the daemon's uid only)."""
+
+
 class Probe(_Control, tag="probe", frozen=True):
     """Probe, admit and cache the host feature profile for one device (see `coldsnap-provider probe`)."""
 
@@ -94,7 +99,7 @@ class WorkloadStop(_Named, tag="workload-stop", frozen=True):
 
 
 ControlRequest = (SessionOpen | SessionClose | SessionList | Status | Probe
-                  | WorkloadList | WorkloadInspect | WorkloadLogs | WorkloadStop)
+                  | WorkloadList | WorkloadInspect | WorkloadLogs | WorkloadStop | Reload)
 
 
 class ControlReply(Struct, omit_defaults=True, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -11,6 +11,7 @@ event are built here (``_answer``).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -29,6 +30,7 @@ from ._control import (
     ControlReply,
     ControlRequest,
     Probe,
+    Reload,
     SessionClose,
     SessionList,
     SessionOpen,
@@ -41,8 +43,10 @@ from ._control import (
     encode_control,
 )
 from ._envelope import lenient_id
+from ._errors import ConfigError
 from ._health import BackendHealth
 from ._listener import InFlight, Peer, ServerState, is_admin
+from ._logging import outcome_level
 from ._operations import Operations
 from ._ownership import reaches
 from ._probe import ProbeOptions, run_probe
@@ -73,9 +77,11 @@ class ControlHandler:
         health: BackendHealth,
         metrics: Metrics | None = None,
         audit: Audit | None = None,
+        reload: Callable[[], dict[str, list[str]]] | None = None,
     ) -> None:
         self._server = server
         self._health = health
+        self._reload = reload  # _reload.Reloader.reload: the configuration file applied, or ConfigError
         self._metrics = metrics
         self._audit = audit
         self._sessions = sessions
@@ -135,8 +141,9 @@ class ControlHandler:
         (`logged_error`: the error as logs and the audit may carry it, never a program's output)."""
         seconds = time.monotonic() - started
         operation = str(request.__struct_config__.tag) if request is not None else ""
-        log.info("control", request_id=reply.id, peer_uid=peer.uid, operation=operation or None, ok=reply.ok,
-                 outcome=outcome, error=logged_error if not reply.ok else None, duration_ms=round(seconds * 1000, 3))
+        log.log(outcome_level(outcome), "control", request_id=reply.id, peer_uid=peer.uid,
+                operation=operation or None, ok=reply.ok, outcome=outcome,
+                error=logged_error if not reply.ok else None, duration_ms=round(seconds * 1000, 3))
         if self._metrics is not None:
             self._metrics.request(socket="control", operation=operation, action="", outcome=outcome, seconds=seconds)
         if self._audit is not None and operation in AUDITED_CONTROL:
@@ -174,7 +181,21 @@ class ControlHandler:
                 return {"name": name, "stopped": True}
             case Probe():
                 return await self._probe(request, peer)
+            case Reload():
+                return self._reloaded(peer)
         raise TypeError(f"unhandled control request {request!r}")  # pragma: no cover
+
+    def _reloaded(self, peer: Peer) -> dict[str, list[str]]:
+        """What SIGHUP does, answered: only the daemon's administrators change its configuration."""
+        if not is_admin(peer.uid):
+            raise RequestRejected(f"reload: uid {peer.uid} may not reload the configuration (root and the "
+                                  "daemon's account may)")
+        if self._reload is None:
+            raise RequestRejected("reload: this daemon has no configuration file to reload")
+        try:
+            return self._reload()
+        except ConfigError as exc:
+            raise RequestRejected(f"reload refused; nothing changed: {exc}") from exc
 
     async def _probe(self, request: Probe, peer: Peer) -> Any:
         """The probe under the caller's admission profile, with the capabilities it grants (finding 3)."""

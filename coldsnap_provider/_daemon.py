@@ -22,7 +22,7 @@ import functools
 import grp
 import os
 import resource
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -89,6 +89,8 @@ class Daemon:
         self.audit = Audit(config.audit.file)  # closed when run() ends
         self.health = BackendHealth(backend=backend, local_host=local_host_label(config), remotes=operations.remotes,
                                     kubernetes=operations.kubernetes)
+        # The control socket's `reload`, set by serve: _reload.Reloader.reload (SIGHUP calls it too).
+        self.reload: Callable[[], dict[str, list[str]]] | None = None
         if metrics is not None:
             remotes = operations.remotes
             metrics.watch(sessions=lambda: len(self.sessions), connections=lambda: self.state.connections,
@@ -118,7 +120,7 @@ class Daemon:
                 await self._control_listener(),
                 ControlHandler(self.config.server, sessions=self.sessions, operations=self.operations,
                                backend=self.backend, state=self.state, health=self.health, metrics=self.metrics,
-                               audit=self.audit),
+                               audit=self.audit, reload=self.reload),
                 self.state,
             )
             async with anyio.create_task_group() as tg:

@@ -36,6 +36,7 @@ from ._envelope import (
 from ._exec import ExecResult
 from ._framing import MAX_MESSAGE_BYTES
 from ._listener import InFlight, Peer, ServerState
+from ._logging import outcome_level
 from ._operations import Operation, Operations, Outcome
 from ._policy import Decision, PolicyRefused
 from ._sessions import SessionRecord
@@ -137,7 +138,7 @@ class ProviderHandler:
             fields["profile"] = decision.profile
         if not reply.ok:
             fields.update(error_code=reply.error_code or None, error=logged_error)
-        log.info("request", **fields)
+        log.log(outcome_level(outcome), "request", **fields)
         operation, action = fields.get("operation", ""), fields.get("action", "")
         if self._metrics is not None:
             self._metrics.request(socket="session", operation=operation, action=action, outcome=outcome,

@@ -1,17 +1,17 @@
 """The composition root of `coldsnap-provider serve`: build the backend, remotes, Kubernetes hosts, operations and
-daemon, and
-turn SIGTERM/SIGINT into a graceful stop.
+daemon, turn SIGTERM/SIGINT into a graceful stop and SIGHUP into a reload.
 
 Task ownership::
 
     serve ─┬─ Daemon.run (everything the daemon owns, including the one maintenance loop)
-           └─ signal watcher: SIGTERM/SIGINT → Daemon.stop()
+           └─ signal watcher: SIGTERM/SIGINT → Daemon.stop(); SIGHUP → Reloader.reload() (_reload.py)
 
 `cli.py` parses arguments, checks the configuration and calls :func:`serve` under ``anyio.run``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,12 +24,14 @@ from coldsnap_runtime.backend import GpuPolicy, HostPolicy
 from ._capsule_reports import CapsuleReports
 from ._config import Config, node_names, spool_dir
 from ._daemon import Daemon
+from ._errors import ConfigError
 from ._exec import ExecIdentity, GroupLedger, resolve_identity
 from ._hosts import instance_id
 from ._hub_owners import HubOwners
 from ._kubernetes import KubernetesHosts, NodeAgent
 from ._operations import Operations
 from ._policy import Policy
+from ._reload import Reloader
 from ._remote import Remotes, Spool
 from ._systemd import listen_fds
 
@@ -48,8 +50,9 @@ def host_policy(config: Config, *, remote: bool = False) -> HostPolicy:
                       privileged=config.runtime.privileged, root=None if remote else "/")
 
 
-async def serve(config: Config, state_dir: Path) -> None:
-    """Run the daemon until SIGTERM/SIGINT, then drain it (ConfigError if the state directory is served)."""
+async def serve(config: Config, state_dir: Path, *, config_path: str | None = None, log_level: str = "info") -> None:
+    """Run the daemon until SIGTERM/SIGINT, then drain it (ConfigError if the state directory is served);
+    SIGHUP reloads `config_path` (None: the embedded default) and `log_level` is --log-level's."""
     identity = resolve_identity(config.exec.user)
     fds = listen_fds()
     metrics = _metrics(config)
@@ -90,17 +93,24 @@ async def serve(config: Config, state_dir: Path) -> None:
         )
         daemon = Daemon(config, state_dir=state_dir, operations=operations, backend=backend,
                         control_fd=fds[0] if fds else None, metrics=metrics)
+        reloader = Reloader(config_path, daemon, log_level=log_level, policy=lambda c: _policy(c, state_dir))
+        daemon.reload = reloader.reload
         async with remotes, kubernetes, anyio.create_task_group() as tg:
-            tg.start_soon(_stop_on_signals, daemon)
+            tg.start_soon(_handle_signals, daemon, reloader)
             await daemon.run()
             tg.cancel_scope.cancel()
 
 
-async def _stop_on_signals(daemon: Daemon) -> None:
-    """Each SIGTERM/SIGINT asks for a graceful stop; the daemon's drain bounds how long it takes."""
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for _ in signals:
-            daemon.stop()
+async def _handle_signals(daemon: Daemon, reloader: Reloader) -> None:
+    """Each SIGTERM/SIGINT asks for a graceful stop (the daemon's drain bounds how long it takes); each
+    SIGHUP reloads the configuration (`systemctl reload`, logrotate's postrotate)."""
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async for signum in signals:
+            if signum != signal.SIGHUP:
+                daemon.stop()
+                continue
+            with contextlib.suppress(ConfigError):  # logged by reload(); the daemon serves on unchanged
+                reloader.reload()
 
 
 def _metrics(config: Config) -> Metrics | None:

@@ -9,6 +9,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,8 @@ import msgspec
 
 from . import __version__
 from ._client import call, call_control
-from ._config import Config, default_state_dir, load_config, spool_dir
-from ._config_files import account_named, file_problems, kubeconfig_problems
+from ._config import Config, checked_config, default_state_dir, load_config
+from ._config_files import NamedFiles, account_named, file_problems
 from ._errors import ConfigError, ControllerRefused, ProtocolError, ReplyError
 
 __all__ = ("main",)
@@ -50,32 +51,25 @@ def _state_dir(args: argparse.Namespace, config: Config | None = None) -> Path:
 
 def _checked_config(path: str | None) -> Config | None:
     """The configuration, with what can only be checked at run time (exec.user, the spool) checked too."""
-    from ._exec import resolve_identity
-
     try:
-        config = load_config(path)
-        resolve_identity(config.exec.user)
-        if not os.path.isdir(spool_dir(config)):
-            raise ValueError(f"docker.spool_dir: {spool_dir(config)} is not a directory")
-        if problems := kubeconfig_problems(config):  # what the backend would die of at start, in one line
-            raise ConfigError(problems[0])
-    except (ConfigError, ValueError) as exc:
+        return checked_config(path)
+    except ConfigError as exc:
         _err(str(exc))
         return None
-    return config
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ._logging import configure_logging
+    from ._logging import configure_logging, set_log_level
     from ._serve import serve, uvloop_available  # the backend's imports: only for serve
 
     configure_logging(args.log_level)
     if (config := _checked_config(args.config)) is None:
         return EXIT_USAGE
+    set_log_level(config.server.log_level or args.log_level)
     refused = False
     try:
-        anyio.run(serve, config, _state_dir(args, config), backend="asyncio",
-                  backend_options={"use_uvloop": uvloop_available()})
+        anyio.run(partial(serve, config, _state_dir(args, config), config_path=args.config, log_level=args.log_level),
+                  backend="asyncio", backend_options={"use_uvloop": uvloop_available()})
     except* ConfigError as group:  # e.g. the state directory is already served
         for exc in group.exceptions:
             _err(str(exc))
@@ -89,7 +83,10 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     try:
         account = account_named(args.as_user)
-        problems = file_problems(config, account)
+        problems = file_problems(NamedFiles(
+            kubeconfigs=[cluster.kubeconfig for cluster in config.kubernetes],
+            ssh=[(remote.identity_file, remote.known_hosts) for remote in config.remote],
+            credentials_file=config.registry.credentials_file, token_file=config.huggingface.token_file), account)
     except ConfigError as exc:
         problems = [str(exc)]
     for problem in dict.fromkeys(problems):  # a kubeconfig's problem is found by both checks
@@ -175,6 +172,11 @@ def cmd_workload(args: argparse.Namespace) -> int:
     if args.workload_command == "stop":
         request["timeout_s"] = args.timeout
     return _control(args, request)
+
+
+def cmd_reload(args: argparse.Namespace) -> int:
+    """{"changed": [...], "needs_restart": [...]}; exit 1 with the key and the rule when nothing changed."""
+    return _control(args, {"operation": "reload"})
 
 
 EXIT_UNHEALTHY = 3
@@ -323,6 +325,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_workload(sub)
     _with_state_dir(sub.add_parser(
         "status", help="daemon status; exit 3 when a configured backend does not answer")).set_defaults(func=cmd_status)
+    _with_state_dir(sub.add_parser(
+        "reload", help="apply the daemon's configuration file again, as SIGHUP does, and print what changed",
+    )).set_defaults(func=cmd_reload)
     _add_run(sub)
     _add_call(sub)
     _add_probe(sub)

@@ -66,6 +66,15 @@ ensure_dockerd() {
     exit 1
 }
 
+# The package build compiles the NCCL shim (setup.py): a C compiler and the C library's headers. The shim
+# includes no Python.h, so python3-dev is not needed. (gcc only recommends libc6-dev: checked on its own.)
+ensure_compiler() {
+    install_packages gcc:gcc
+    if [ ! -e /usr/include/dlfcn.h ]; then
+        install_packages "no-such-command-coldsnap:libc6-dev"
+    fi
+}
+
 # ensure_venv EXTRAS — create the venv and (re)install the package when pyproject.toml changed.
 ensure_venv() {
     local extras="$1" stamp
@@ -74,6 +83,7 @@ ensure_venv() {
     stamp="$(cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT"/nccl_shim/src/*.c "$ROOT"/nccl_shim/include/*.h \
         | sha256sum | cut -c1-16)-$extras"
     if [ "$(cat "$VENV/.coldsnap-stamp" 2>/dev/null)" != "$stamp" ]; then
+        ensure_compiler
         say "installing coldsnap-provider[$extras] into $VENV"
         "$VENV/bin/pip" install -q --upgrade pip >/dev/null
         "$VENV/bin/pip" install -q -e "$ROOT[$extras]"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -15,6 +17,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
+from tests.helpers import MADE
 from tests.kubernetes import Cluster, bring_up
 
 # A 2-core CI box under a live dockerd is slow to generate data; correctness, not speed, is under test.
@@ -26,8 +29,22 @@ MANAGED_LABEL = "io.coldsnap-provider.managed"
 
 
 def docker(*args: str, input: bytes | None = None, check: bool = True) -> subprocess.CompletedProcess[bytes]:
-    """The Docker CLI, used only by test set-up and assertions, never by the code under test."""
-    return subprocess.run(["docker", *args], input=input, capture_output=True, check=check)
+    """The Docker CLI, used only by test set-up and assertions, never by the code under test. A container it
+    creates carries this process's label and is recorded by name and id (tests.helpers.Made)."""
+    verb = 1 if args[:1] == ("container",) else 0
+    creates = args[verb:verb + 1] in (("run",), ("create",))
+    if creates:
+        args = (*args[:verb + 1], "--label", f"{MADE.LABEL}={MADE.token}", *args[verb + 1:])
+        for index, arg in enumerate(args):
+            if arg == "--name" and index + 1 < len(args):
+                MADE.add(args[index + 1])
+            elif arg.startswith("--name="):
+                MADE.add(arg.removeprefix("--name="))
+    done = subprocess.run(["docker", *args], input=input, capture_output=True, check=check)
+    if creates and done.returncode == 0 and re.fullmatch(
+            rb"[0-9a-f]{64}", last := done.stdout.strip().rsplit(b"\n", 1)[-1]):
+        MADE.add(last.decode())  # `create` and `run -d` print the container's id
+    return done
 
 
 @pytest.fixture
@@ -145,16 +162,26 @@ def all_containers() -> set[str]:
     return set(docker("ps", "-aq", "--no-trunc").stdout.decode().split())
 
 
+def leftovers(before: set[str]) -> dict[str, str]:
+    """The containers (id: name) that appeared since `before` and that this process's tests made
+    (tests.helpers.Made): what other clients of the engine made meanwhile is not counted."""
+    new = sorted(all_containers() - before)
+    if not new:
+        return {}
+    # A container removed since the listing is simply gone: inspect reports the others.
+    infos = json.loads(docker("inspect", *new, check=False).stdout or b"[]")
+    return {info["Id"]: info["Name"].lstrip("/") for info in infos if MADE.owns(info)}
+
+
 @pytest.fixture
 def no_leftovers() -> Iterator[None]:
-    """Fail the test if it leaves any container behind that was not there before."""
+    """Fail the test if it leaves behind a container it made (removing those, and only those)."""
     before = all_containers()
     yield
-    after = all_containers()
-    left = after - before
+    left = leftovers(before)
     for cid in left:
         docker("rm", "-f", cid, check=False)
-    assert not left, f"containers left behind: {sorted(left)}"
+    assert not left, f"containers left behind: {sorted(left.values())}"
 
 
 @pytest.fixture(scope="session")

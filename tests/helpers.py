@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -37,6 +39,52 @@ def next_id() -> str:
     return str(next(_ids))
 
 
+class Made:
+    """What this pytest process's tests asked an engine for, so that the leftover check (tests/conftest.py,
+    `no_leftovers`) judges only those: the engine is shared with other clients (another test run, an admin's own
+    containers), whose containers are not this test's to count or remove.
+
+    A container is this process's when its id or name is one the tests asked for (a workload name sent to a
+    daemon, a name or id of the Docker CLI helper), it carries the instance label of a daemon or backend the tests
+    started (every container an RPC owns does), or the label the CLI helper puts on what it creates.
+    """
+
+    LABEL = "io.coldsnap-tests.process"  # on containers the tests' `docker run/create` make
+    INSTANCE_LABEL = "io.coldsnap-provider.instance"
+
+    def __init__(self) -> None:
+        self.token = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self.marks: set[str] = set()
+
+    def add(self, *marks: str) -> None:
+        self.marks.update(m for m in marks if m)
+
+    @staticmethod
+    def instance(path: Path) -> str:
+        """The instance label of a backend of a daemon serving `path`: the daemon's rule (_hosts.instance_id;
+        tests/provider/test_leftovers.py holds the two equal)."""
+        return hashlib.sha256(os.fsencode(path.absolute())).hexdigest()[:16]
+
+    def daemon(self, state_dir: Path) -> None:
+        """A daemon serving `state_dir`: its Docker backend's instance and its Kubernetes hosts' (_serve.py)."""
+        self.add(self.instance(state_dir), self.instance(state_dir / "kubernetes"))
+
+    def envelope(self, fields: dict[str, Any]) -> None:
+        """The workload name of a `workload-run` sent to a daemon."""
+        runtime = fields.get("runtime")
+        if isinstance(runtime, dict) and isinstance(workload := runtime.get("workload"), dict):
+            self.add(str(workload.get("name") or ""))
+
+    def owns(self, info: dict[str, Any]) -> bool:
+        """Whether an inspected container is one this process's tests made."""
+        labels = (info.get("Config") or {}).get("Labels") or {}
+        return (labels.get(self.LABEL) == self.token or labels.get(self.INSTANCE_LABEL, "") in self.marks
+                or info.get("Id", "") in self.marks or str(info.get("Name", "")).lstrip("/") in self.marks)
+
+
+MADE = Made()
+
+
 @dataclass
 class Session:
     """A provider session as the adapter sees it: socket, token, session id."""
@@ -46,6 +94,7 @@ class Session:
     session: str
 
     def envelope(self, operation: str, **fields: Any) -> dict[str, Any]:
+        MADE.envelope(fields)
         return {"format": 1, "id": next_id(), "token": self.token, "session": self.session,
                 "operation": operation, **fields}
 
@@ -57,6 +106,8 @@ class Session:
         return await self.call("runtime", host=host, runtime={"action": action, **fields}, check=check)
 
     async def raw(self, payload: bytes) -> bytes:
+        with contextlib.suppress(ValueError, AttributeError):
+            MADE.envelope(json.loads(payload))
         return await exchange(self.socket, payload)
 
     async def exec_in_background(self, script: str, pid_file: Path) -> tuple[anyio.abc.SocketStream, int]:
@@ -81,6 +132,7 @@ class Daemon:
     unit: bool = field(default_factory=unit_sandbox.enabled)
 
     def start(self, *, env: dict[str, str] | None = None, wait: bool = True) -> None:
+        MADE.daemon(self.state_dir)
         self._log = open(self.log_path, "ab")
         argv = [sys.executable, "-m", "coldsnap_provider", "serve", "--config", str(self.config_path),
                 "--state-dir", str(self.state_dir), "--log-level", "debug"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import stat
 import subprocess
@@ -78,10 +79,18 @@ def test_probe_workloads_realise_the_isolation_rules() -> None:
 @pytest.mark.usefixtures("no_leftovers")
 def test_image_probe_runs_in_disposable_containers_and_fails_cleanly_without_nvidia(
         busybox_image: str, tmp_path: object) -> None:
-    done = provider_probe("--driver", "n610", "--image", busybox_image, "--criu", "/bin/true", state=str(tmp_path))
-    assert done.returncode == 1
-    assert "no mechanism can give this container GPU 0" in done.stderr  # [gpus] mode auto, no NVIDIA here
-    assert docker("ps", "-aq", "--filter", f"ancestor={busybox_image}").stdout.strip() == b""
+    # A tag of its own: other clients of the engine may run busybox containers meanwhile. (`ancestor=` would
+    # match theirs too: it resolves the tag to the image; a container's Image column is the reference it was
+    # created from.)
+    image = f"coldsnap-test/busybox:probe-{secrets.token_hex(4)}"
+    docker("tag", busybox_image, image)
+    try:
+        done = provider_probe("--driver", "n610", "--image", image, "--criu", "/bin/true", state=str(tmp_path))
+        assert done.returncode == 1
+        assert "no mechanism can give this container GPU 0" in done.stderr  # [gpus] mode auto, no NVIDIA here
+        assert image not in docker("ps", "-a", "--no-trunc", "--format", "{{.Image}}").stdout.decode().split()
+    finally:
+        docker("rmi", image, check=False)
 
 
 @no_driver

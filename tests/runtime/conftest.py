@@ -16,7 +16,7 @@ import anyio
 import pytest
 
 from tests.conftest import Registry, docker
-from tests.helpers import Daemon, Session, write_config
+from tests.helpers import MADE, Daemon, Session, write_config
 
 
 def module_daemon(registry: Registry, extra_config: str = "") -> Iterator[Daemon]:
@@ -46,7 +46,10 @@ def session(daemon: Daemon) -> Session:
 
 
 def uniq(prefix: str = "cst") -> str:
-    return f"{prefix}-{secrets.token_hex(4)}"
+    """A fresh name, recorded as this process's (a workload or backend instance the tests name: tests.helpers.Made)."""
+    name = f"{prefix}-{secrets.token_hex(4)}"
+    MADE.add(name)
+    return name
 
 
 def inspect_container(name: str) -> dict[str, Any]:
