@@ -100,7 +100,8 @@ def test_the_wheel_carries_the_units_and_install_units_installs_a_tree_systemd_a
     assert "coldsnap_provider/_system/doc/docs/upgrade.md" in names
 
     entry_point = _fresh_venv(tmp_path / "venv", wheel)
-    where = subprocess.run([str(entry_point.parent / "python"), "-c", "import coldsnap_provider as p; print(p.__file__)"],
+    python = str(entry_point.parent / "python")
+    where = subprocess.run([python, "-c", "import coldsnap_provider as p; print(p.__file__)"],
                            capture_output=True, text=True, check=True, cwd=tmp_path).stdout
     assert where.startswith(str(tmp_path / "venv")), where  # the wheel's copy runs, not the source tree
     version = subprocess.run([str(entry_point), "--version"], capture_output=True, text=True, check=False,
