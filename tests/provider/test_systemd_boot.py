@@ -63,7 +63,8 @@ def _rootfs() -> bytes:
 
         def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
             wants = ("etc/systemd/system/multi-user.target.wants/", "etc/systemd/system/sockets.target.wants/")
-            return None if info.name.startswith(wants) or info.name == "etc/machine-id" else info
+            secret = info.name.startswith("etc/ssh/ssh_host_")  # the image is local and removed, but still
+            return None if info.name.startswith(wants) or info.name == "etc/machine-id" or secret else info
 
         tar.add("/etc", arcname="etc", filter=keep)
         for name, data in (("etc/machine-id", b""), ("etc/systemd/system/coldsnap-test.target", _TARGET)):
@@ -147,3 +148,12 @@ def test_stop_then_start_keeps_the_control_socket_and_the_sessions(booted: str) 
         socket = _in(booted, "test -S /run/coldsnap-provider/sessions/kept/provider.sock && "
                              "stat -c '%a %U' /run/coldsnap-provider/control.sock")
         assert socket.stdout.split() == ["660", "coldsnap-provider"], socket
+
+    # The upgrade of docs/upgrade.md: the units installed again, daemon-reload, a restart of the service only.
+    # (/usr is the host's, read-only: the staged files go to /etc, where systemd reads them first.)
+    upgraded = _in(booted, f"""set -e
+        cd / && PYTHONPATH={ROOT} {sys.executable} -m coldsnap_provider install-units --prefix /stage --exec {program}
+        cp /stage/etc/systemd/system/* /etc/systemd/system/
+        systemctl daemon-reload && systemctl restart coldsnap-provider.service && {csp} session list""")
+    assert upgraded.returncode == 0, upgraded.stderr
+    assert [s["session"] for s in json.loads(upgraded.stdout.splitlines()[-1])] == ["kept"]
