@@ -52,7 +52,7 @@ def _build_inputs() -> list[Path]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     tops = sorted({name.split(".")[0] for name in project["tool"]["setuptools"]["packages"]})
     paths = [ROOT / name for name in ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "CHANGELOG.md")]
-    paths += sorted((ROOT / "systemd").iterdir()) + sorted((ROOT / "docs").glob("*.md"))
+    paths += sorted(p for p in (ROOT / "systemd").iterdir() if p.is_file()) + sorted((ROOT / "docs").glob("*.md"))
     for top in tops:
         paths += sorted(p for p in (ROOT / top).rglob("*") if p.is_file() and "__pycache__" not in p.parts
                         and p.suffix not in (".so", ".pyc"))
