@@ -1,4 +1,4 @@
-"""`coldsnap-provider`: serve, sessions, run a controller, call, status, version, check-config."""
+"""`coldsnap-provider`: serve, sessions, run a controller, call, status, version, check-config, install-units."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from typing import Any
 import anyio
 import msgspec
 
-from . import __version__
 from ._client import call, call_control
 from ._config import Config, checked_config, default_state_dir, load_config
 from ._config_files import NamedFiles, account_named, file_problems
@@ -263,7 +262,25 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
 
 def cmd_version(args: argparse.Namespace) -> int:
-    _out({"version": __version__})
+    from ._packaging import package_version
+
+    _out({"version": package_version()})
+    return 0
+
+
+def cmd_install_units(args: argparse.Namespace) -> int:
+    from ._packaging import default_entry_point, install_units
+
+    entry_point = Path(args.exec) if args.exec else default_entry_point()
+    try:
+        done = install_units(Path(args.prefix).absolute(), entry_point=entry_point, dry_run=args.dry_run)
+    except ConfigError as exc:
+        _err(f"install-units: {exc}")
+        return EXIT_USAGE
+    except OSError as exc:
+        _err(f"install-units: {exc}")
+        return 1
+    _out(msgspec.to_builtins(done))
     return 0
 
 
@@ -315,7 +332,10 @@ def _with_state_dir(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from ._packaging import package_version
+
     parser = argparse.ArgumentParser(prog="coldsnap-provider", description=__doc__)
+    parser.add_argument("-V", "--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command_name", required=True)
     serve = _with_state_dir(sub.add_parser("serve", help="run the daemon"))
     serve.add_argument("--config", help="TOML configuration (default: the embedded one)")
@@ -338,7 +358,21 @@ def _parser() -> argparse.ArgumentParser:
                        help="check that USER (the account the unit runs as, e.g. coldsnap-provider) can read every "
                             "file the configuration names (default: the current user; another user needs root)")
     check.set_defaults(func=cmd_check_config)
+    _add_install_units(sub)
     return parser
+
+
+def _add_install_units(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    units = sub.add_parser("install-units", help="install the systemd units, sysusers/tmpfiles snippets and docs",
+                           description="Copy the packaged units to PREFIX/etc/systemd/system, the sysusers.d and "
+                                       "tmpfiles.d snippets to PREFIX/usr/lib, the docs to PREFIX/usr/share/doc/"
+                                       "coldsnap-provider and, if absent, the default configuration to PREFIX/etc/"
+                                       "coldsnap-provider/config.toml; the unit runs --exec (docs/upgrade.md).")
+    units.add_argument("--prefix", default="/", help="root to install under (default /)")
+    units.add_argument("--exec", help="the coldsnap-provider program the unit runs "
+                                      "(default: this Python environment's script)")
+    units.add_argument("--dry-run", action="store_true", help="print what would be written; write nothing")
+    units.set_defaults(func=cmd_install_units)
 
 
 def _add_session(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
