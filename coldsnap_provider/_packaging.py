@@ -35,6 +35,7 @@ _PLACES = {
     "coldsnap-provider.socket": "etc/systemd/system/coldsnap-provider.socket",
     "coldsnap-provider.sysusers.conf": "usr/lib/sysusers.d/coldsnap-provider.conf",
     "coldsnap-provider.tmpfiles.conf": "usr/lib/tmpfiles.d/coldsnap-provider.conf",
+    "coldsnap-provider.logrotate": "etc/logrotate.d/coldsnap-provider",
 }
 _CONFIG = "etc/coldsnap-provider/config.toml"
 

@@ -67,8 +67,9 @@ CAPSULE = Profile(name="capsule", rules=ProfileConfig())
 class Decision(msgspec.Struct, frozen=True, kw_only=True):
     """One admission decision: who asked for what, under which profile, and the outcome.
 
-    `rule`, `field` and `value` name what refused it ("" when admitted). `capabilities`: a
-    `privileged` request is realised as exactly these (None: as ``[runtime] privileged`` says)."""
+    `rule`, `field` and `value` name what refused it ("" when admitted). `capabilities`: a restricted
+    profile's grant: the workload is confined and a `privileged` request is exactly these (None: unconfined,
+    `privileged` as ``[runtime] privileged`` says)."""
 
     manager_uid: int
     session: str
@@ -173,7 +174,7 @@ class Policy:
         try:
             if not profile.unrestricted:
                 self._check_request(profile, request, local=local)
-                if isinstance(request, WorkloadRun) and request.workload.privileged:
+                if isinstance(request, WorkloadRun):  # a profile's workload is confined, privileged or not
                     capabilities = _grant(profile)
         except _Refusal as refusal:
             self._refuse(profile, uid, session, host, action, refusal)
@@ -340,8 +341,16 @@ class Policy:
 
 
 def _grant(profile: Profile) -> tuple[str, ...] | None:
-    """How `privileged: true` is realised: the profile's capabilities, or None ([runtime] privileged)."""
-    return tuple(profile.rules.capabilities) if profile.rules.privileged == "capabilities" else None
+    """A restricted profile's grant: `privileged: true` realised as its capabilities (none where it refuses
+    `privileged`), and the workload confined (coldsnap_runtime.backend._confine); None where the profile gives
+    the host's privilege (`privileged = "host"`: [runtime] privileged, unconfined)."""
+    match profile.rules.privileged:
+        case "capabilities":
+            return tuple(profile.rules.capabilities)
+        case "refuse":
+            return ()
+        case _:
+            return None
 
 
 def _check_image(profile: Profile, field: str, image: str) -> None:

@@ -18,6 +18,7 @@ from ._base import RuntimeContext as RuntimeContext
 from ._base import dispatch as dispatch
 from ._base import with_manager_labels as with_manager_labels
 from ._base import with_report_dir as with_report_dir
+from ._confine import CAPSULE_DENIED_IOCTL_TYPES as CAPSULE_DENIED_IOCTL_TYPES
 from ._confine import CAPSULE_DENIED_SYSCALLS as CAPSULE_DENIED_SYSCALLS
 from ._confine import seccomp_profile as seccomp_profile
 from ._gpus import GpuPolicy as GpuPolicy
@@ -32,10 +33,11 @@ if TYPE_CHECKING:
     from ._docker import DockerBackend as DockerBackend
     from ._kubernetes import KubernetesBackend as KubernetesBackend
 
-__all__ = ("CAPSULE_DENIED_SYSCALLS", "MANAGER_UID_LABEL", "REPORT_DIR_LABEL", "ArchiveRefused", "Backend",
-           "DockerBackend", "GpuPolicy", "HostPolicy", "KubernetesBackend", "LedgerEntry", "Owner", "PrivilegeGrant",
-           "RuntimeContext", "check_members", "container_config", "dispatch", "extract_archive", "read_capabilities",
-           "seccomp_profile", "with_manager_labels", "with_report_dir")
+__all__ = ("CAPSULE_DENIED_IOCTL_TYPES", "CAPSULE_DENIED_SYSCALLS", "MANAGER_UID_LABEL", "REPORT_DIR_LABEL",
+           "ArchiveRefused", "Backend", "DockerBackend", "GpuPolicy", "HostPolicy", "KubernetesBackend",
+           "LedgerEntry", "Owner", "PrivilegeGrant", "RuntimeContext", "check_members", "container_config",
+           "dispatch", "extract_archive", "read_capabilities", "seccomp_profile", "with_manager_labels",
+           "with_report_dir")
 
 
 def __getattr__(name: str) -> Any:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from coldsnap_runtime.backend import CAPSULE_DENIED_SYSCALLS, seccomp_profile
+from coldsnap_runtime.backend import CAPSULE_DENIED_IOCTL_TYPES, CAPSULE_DENIED_SYSCALLS, seccomp_profile
 from tests.conftest import docker
 from tests.helpers import running_daemon, session_as
 from tests.provider.test_policy import NOBODY, inspect, mount_root, names, policy_config, uniq
@@ -37,6 +37,8 @@ PROBE = r"""
 #include <fcntl.h>
 #include <stdio.h>
 #include <string.h>
+#include <linux/fs.h>
+#include <sys/ioctl.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -50,6 +52,10 @@ int main(void) {
     printf("open_by_handle_at %s\n", said(open_by_handle_at(dir, &handle.head, O_RDONLY)));
     /* the system call itself (glibc's wrapper reads *tv): checks CAP_SYS_TIME, then sets nothing */
     printf("settimeofday %s\n", said((int)syscall(SYS_settimeofday, NULL, NULL)));
+    /* thaws nothing (nothing is frozen): EINVAL once past CAP_SYS_ADMIN's check against the host */
+    printf("FITHAW %s\n", said(ioctl(dir, FITHAW, 0)));
+    /* Linux 6.15's open_tree_attr (467): a writable clone of the read-only /proc/sys, never written */
+    printf("open_tree_attr %s\n", said((int)syscall(467, AT_FDCWD, "/proc/sys", 1, NULL, 0)));
     return 0;
 }
 """
@@ -94,11 +100,29 @@ async def test_privileged_capsule_reaches_no_host_file_clock_or_release_agent(
     # The handle itself is harmless to learn; opening by it is what reaches every file of that filesystem.
     assert said.get("open_by_handle_at") == "Operation not permitted", reply.runtime.output
     assert said.get("settimeofday") == "Operation not permitted", said
+    assert said.get("FITHAW") == "Operation not permitted", said
+    assert said.get("open_tree_attr") in ("Function not implemented", "Operation not permitted"), said
     assert said.get("procfs") == "refused" and said.get("cgroup") == "refused", said
     host = inspect(name)["HostConfig"]
     assert host["CgroupnsMode"] == "private"
     assert "seccomp=unconfined" not in host["SecurityOpt"]
     assert "CAP_DAC_READ_SEARCH" not in host["CapAdd"] and "DAC_READ_SEARCH" not in host["CapAdd"]
+
+
+async def test_an_unprivileged_capsule_asking_seccomp_unconfined_is_confined_too(
+        busybox_image: str, mount_root: Path, names: list[str], probe_program: bytes) -> None:
+    name = uniq("boundary-unpriv")
+    names.append(name)
+    async with running_daemon(policy_config(mount_root)) as daemon:
+        reply = await session_as(NOBODY, daemon).runtime("workload-run", workload={
+            "name": name, "image": busybox_image, "seccomp_unconfined": True,
+            "input": base64.b64encode(probe_program).decode(), "entrypoint": "sh", "command": ["-c", SCRIPT]})
+        assert reply.ok and reply.runtime is not None and isinstance(reply.runtime.output, bytes), reply.error
+    said = outcomes(reply.runtime.output)
+    assert said.get("open_tree_attr") in ("Function not implemented", "Operation not permitted"), said
+    host = inspect(name)["HostConfig"]
+    assert host["CgroupnsMode"] == "private" and "seccomp=unconfined" not in host["SecurityOpt"]
+    assert any(o.startswith("seccomp={") for o in host["SecurityOpt"]), host["SecurityOpt"]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="node-b needs root (namespaces, a second dockerd)")
@@ -134,14 +158,26 @@ async def test_root_unrestricted_workloads_keep_what_they_ask(busybox_image: str
     assert host["SecurityOpt"] == ["seccomp=unconfined"] and host.get("CgroupnsMode") != "private"
 
 
-def test_the_profile_refuses_each_denied_call_on_every_abi_of_the_machine() -> None:
+def test_the_profile_allows_a_known_kernels_calls_but_the_denied_and_refuses_any_newer() -> None:
     profile = json.loads(seccomp_profile("x86_64"))
-    assert profile["defaultAction"] == "SCMP_ACT_ALLOW"
+    assert (profile["defaultAction"], profile["defaultErrnoRet"]) == ("SCMP_ACT_ERRNO", 38)  # ENOSYS: libc falls back
     assert profile["architectures"] == ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"]
-    [rule] = profile["syscalls"]
-    assert rule == {"names": list(CAPSULE_DENIED_SYSCALLS), "action": "SCMP_ACT_ERRNO", "errnoRet": 1}
-    assert {"open_by_handle_at", "settimeofday", "clock_settime", "bpf", "keyctl", "fanotify_init"} <= set(
-        CAPSULE_DENIED_SYSCALLS)
+    allowed, denied, *ioctl = profile["syscalls"]
+    assert denied == {"names": list(CAPSULE_DENIED_SYSCALLS), "action": "SCMP_ACT_ERRNO", "errnoRet": 1}
+    assert not set(allowed["names"]) & {*CAPSULE_DENIED_SYSCALLS, "ioctl", "open_tree_attr"}
+    assert {"read", "clone3", "ptrace", "process_vm_readv", "userfaultfd", "setns", "unshare"} <= set(allowed["names"])
+    assert {"open_by_handle_at", "settimeofday", "clock_settime", "bpf", "keyctl", "fanotify_init", "mount",
+            "umount2", "open_tree", "fsopen"} <= set(CAPSULE_DENIED_SYSCALLS)
+
+    def verdict(command: int) -> list[str]:
+        return [rule["action"] for rule in ioctl
+                if command & rule["args"][0]["value"] == rule["args"][0]["valueTwo"]]
+
+    # Every ioctl command meets exactly one rule: the filesystem-wide ones are refused, the rest allowed.
+    for command in range(1 << 16):
+        kind, nr = command >> 8, command & 0xFF
+        refused = kind in CAPSULE_DENIED_IOCTL_TYPES or (kind == 0x66 and nr in (17, 43, 44))
+        assert verdict(command) == ["SCMP_ACT_ERRNO" if refused else "SCMP_ACT_ALLOW"], hex(command)
 
 
 # --- CRIU still works in a confined capsule -------------------------------------------------------------------

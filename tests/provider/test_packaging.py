@@ -25,6 +25,7 @@ INSTALLED = {
     "etc/systemd/system/coldsnap-provider.socket",
     "usr/lib/sysusers.d/coldsnap-provider.conf",
     "usr/lib/tmpfiles.d/coldsnap-provider.conf",
+    "etc/logrotate.d/coldsnap-provider",
     "usr/share/doc/coldsnap-provider/README.md",
     "usr/share/doc/coldsnap-provider/CHANGELOG.md",
     "usr/share/doc/coldsnap-provider/docs/systemd.md",
