@@ -32,7 +32,7 @@ import re
 
 import msgspec
 
-__all__ = ("RemoteSource", "remote_sources")
+__all__ = ("RemoteSource", "instructions", "remote_sources")
 
 _ESCAPES = ("\\", "`")
 # The builder splits non-JSON arguments on these (ASCII only, as its Go regexp does).
@@ -71,15 +71,26 @@ def remote_sources(text: str) -> list[RemoteSource]:
     return [source for number in sorted(found) for source in found[number]]
 
 
+def instructions(text: str) -> list[str]:
+    """Every instruction of `text` as the builder joins it; where an ``# escape=`` directive is written, under
+    it and under the other escape too (engines differ on when they honour it): what a FROM check must read."""
+    lines = text.removeprefix("\ufeff").split("\n")
+    directive = _directive_escape(lines)
+    seen: dict[str, None] = {}
+    for escape in sorted(_ESCAPES, key=lambda e: e != directive) if directive else ("\\",):
+        seen.update((line, None) for _, line in _logical_lines(lines, escape))
+    return list(seen)
+
+
 def _directive_escape(lines: list[str]) -> str:
-    """The escape character the ``# escape=`` directive names (``\\`` when there is none)."""
+    """The escape character the ``# escape=`` directive names ("" when there is none: ``\\``)."""
     for line in lines:
         match = _DIRECTIVE.fullmatch(line.removesuffix("\r"))
         if match is None:
             break
         if match.group(1).lower() == "escape" and match.group(2) in _ESCAPES:
             return match.group(2)
-    return "\\"
+    return ""
 
 
 def _is_comment(line: str) -> bool:

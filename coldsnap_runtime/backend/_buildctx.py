@@ -30,6 +30,7 @@ from typing import IO
 
 import anyio
 
+from ..dockerfile import instructions
 from ..errors import BuildContextError
 from ._base import Owner
 
@@ -42,15 +43,17 @@ _INSTRUCTION = re.compile(r"(\s*)(\w+)(\s+)(.*)", re.DOTALL)  # fullmatch
 
 
 def _logical_lines(text: str) -> list[str]:
-    """Join backslash continuations (comments inside continuations are dropped, as Docker does)."""
+    """Join backslash continuations as the builder does: lines end at "\\n" only (not at the other line
+    breaks str.splitlines knows, which would let the policy read other lines than the engine), pieces join
+    with nothing between, comments inside continuations are dropped."""
     out: list[str] = []
     pending = ""
-    for raw in text.splitlines():
+    for raw in (line.removesuffix("\r") for line in text.removesuffix("\n").split("\n")):
         if pending and raw.lstrip().startswith("#"):
             continue
         stripped = raw.rstrip()
         if stripped.endswith("\\") and not raw.lstrip().startswith("#"):
-            pending += stripped[:-1] + " "
+            pending += stripped[:-1]
             continue
         out.append(pending + raw)
         pending = ""
@@ -136,7 +139,7 @@ def base_images(text: str, arguments: dict[str, str]) -> list[str]:
     stages: set[str] = set()
     bases: list[str] = []
     seen_from = False
-    for line in _logical_lines(text):
+    for line in instructions(text):  # under either escape: a base one reading hides is still checked
         m = _INSTRUCTION.fullmatch(line)
         if not m or line.lstrip().startswith("#"):
             continue

@@ -53,7 +53,7 @@ def test_from_a_named_context_becomes_its_directory_as_rootfs() -> None:
 def test_unrelated_instructions_stages_and_images_pass_through() -> None:
     text = "FROM img:1 AS b\nCOPY --from=b /x /y\nARG SOURCE_DATE_EPOCH=0\n# comment\nRUN echo \\\n  hi\n"
     out = rewrite_dockerfile(text, CTX)
-    assert "FROM img:1 AS b" in out and "COPY --from=b /x /y" in out and "RUN echo    hi" in out
+    assert "FROM img:1 AS b" in out and "COPY --from=b /x /y" in out and "RUN echo   hi" in out  # the builder joins with nothing between
 
 
 def test_buildkit_only_mounts_are_refused() -> None:
@@ -169,3 +169,15 @@ def test_base_images_skip_stages_and_scratch_and_substitute_args() -> None:
     text = "ARG BASE=img:1\nFROM ${BASE} AS a\nFROM scratch\nFROM a\nFROM --platform=linux/amd64 other:2 AS b\n"
     assert base_images(text, {}) == ["img:1", "other:2"]
     assert base_images(text, {"BASE": "local:9"}) == ["local:9", "other:2"]
+
+
+def test_lines_end_only_where_the_builders_do_and_continuations_join_with_nothing_between() -> None:
+    """Regression: #37 review: str.splitlines() also broke lines at \\r, \\f, \\x85, U+2028 ..., so the
+    rewritten Dockerfile held an `ADD <url>` line the policy had read as part of a RUN; and a continued FROM
+    was joined with a space, so the ONBUILD check inspected a decoy base."""
+    for separator in ("\r", "\x0c", "\x0b", "\x1c", "\x85", "\u2028", "\u2029"):
+        out = rewrite_dockerfile(f"FROM x\nRUN true{separator}ADD http://127.0.0.1:1/s /s\n", {"c": "/d"})
+        assert not [line for line in out.split("\n") if line.lstrip().upper().startswith("ADD")], repr(out)
+    assert base_images("FROM review-x/o\\\nnb000001:1\nRUN true\n", {}) == ["review-x/onb000001:1"]
+    # Under either escape character (engines differ on when they honour the directive), every base is checked.
+    assert set(base_images("# escape=`\nFROM a/b`\nc:1\n", {})) >= {"a/bc:1"}
