@@ -99,17 +99,23 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 # --- control-socket clients -------------------------------------------------------------
 
 
-def _control(args: argparse.Namespace, request: dict[str, Any]) -> int:
+def _ask(args: argparse.Namespace, request: dict[str, Any]) -> tuple[bool, Any]:
+    """(answered, the control socket's result, printed); False with the reason on stderr when it refused or was
+    not reached (a result may itself be null)."""
     try:
         result = anyio.run(call_control, _state_dir(args), request)
     except (ReplyError, ProtocolError) as exc:
         _err(str(exc))
-        return 1
+        return False, None
     except OSError as exc:
         _err(f"cannot reach the daemon at {_state_dir(args) / 'control.sock'}: {exc.strerror or exc}")
-        return 1
+        return False, None
     _out(result)
-    return 0
+    return True, result
+
+
+def _control(args: argparse.Namespace, request: dict[str, Any]) -> int:
+    return 0 if _ask(args, request)[0] else 1
 
 
 def _parse_labels(pairs: Sequence[str]) -> dict[str, str]:
@@ -184,15 +190,9 @@ EXIT_UNHEALTHY = 3
 def cmd_status(args: argparse.Namespace) -> int:
     """The daemon's status; 0 when every configured backend answers, 3 (each one named on stderr) when one does not,
     1 when the daemon itself cannot be reached."""
-    try:
-        result = anyio.run(call_control, _state_dir(args), {"operation": "status"})
-    except (ReplyError, ProtocolError) as exc:
-        _err(str(exc))
+    answered, result = _ask(args, {"operation": "status"})
+    if not answered:
         return 1
-    except OSError as exc:
-        _err(f"cannot reach the daemon at {_state_dir(args) / 'control.sock'}: {exc.strerror or exc}")
-        return 1
-    _out(result)
     down = [b for b in result.get("backends", []) if not b.get("up")] if isinstance(result, dict) else []
     for backend in down:
         _err(f"status: the {backend['backend']} backend of host {backend['host']!r} is unreachable: {backend['error']}")

@@ -195,6 +195,20 @@ for _ in range(count):
 """
 
 
+def answer_to(server: subprocess.Popen[str], sock: Path, prefix: tuple[str, ...]) -> dict[str, str]:
+    """What the SERVE hydrator printed for one peer connecting to `sock` as `prefix` runs it; the peer then ends."""
+    assert server.stdout is not None
+    peer = subprocess.Popen([*prefix, "/usr/bin/python3", "-c", HOLD, str(sock)], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL)
+    try:
+        answer: dict[str, str] = json.loads(server.stdout.readline())
+    finally:
+        assert peer.stdin is not None
+        peer.stdin.close()
+        peer.wait(20)
+    return answer
+
+
 @pytest.mark.skipif(tuple(map(int, re.findall(r"\d+", platform.release())[:2])) < (6, 5),
                     reason="a peer outside the hydrator's pid namespace is pinned with SO_PEERPIDFD (Linux 6.5)")
 def test_a_hydrator_that_cannot_see_its_peers_checks_them_in_their_mount_namespace(tree: Path) -> None:
@@ -212,12 +226,7 @@ def test_a_hydrator_that_cannot_see_its_peers_checks_them_in_their_mount_namespa
             assert server.stdout is not None and server.stdout.readline().strip() == "listening"
             answers = []
             for prefix in peers:
-                peer = subprocess.Popen([*prefix, "/usr/bin/python3", "-c", HOLD, str(sock)], stdin=subprocess.PIPE,
-                                        stdout=subprocess.DEVNULL)
-                answers.append(json.loads(server.stdout.readline()))
-                assert peer.stdin is not None
-                peer.stdin.close()
-                peer.wait(20)
+                answers.append(answer_to(server, sock, prefix))
         finally:
             server.kill()
             server.wait()
@@ -287,12 +296,7 @@ def test_a_hydrator_that_is_not_root_serves_its_own_uid_and_refuses_what_it_cann
                                       cwd=ROOT, env={"PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
             try:
                 assert server.stdout is not None and server.stdout.readline().strip() == "listening"
-                peer = subprocess.Popen([*prefix, "/usr/bin/python3", "-c", HOLD, str(sock)], stdin=subprocess.PIPE,
-                                        stdout=subprocess.DEVNULL)
-                answers.append(json.loads(server.stdout.readline()))
-                assert peer.stdin is not None
-                peer.stdin.close()
-                peer.wait(20)
+                answers.append(answer_to(server, sock, prefix))
             finally:
                 server.kill()
                 server.wait()

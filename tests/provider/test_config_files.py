@@ -9,11 +9,8 @@ from __future__ import annotations
 import json
 import os
 import pwd
-import shutil
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,12 +26,9 @@ def cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture
-def work() -> Iterator[Path]:
+def work(top: Path) -> Path:
     """A directory every account may traverse (pytest's tmp_path is 0700: nobody could reach anything in it)."""
-    path = Path(tempfile.mkdtemp(prefix="cs-cf-", dir="/tmp"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    return top
 
 
 def _config(work: Path, text: str) -> str:
