@@ -15,6 +15,7 @@ What this does not confine, and why, is in docs/threat-model.md ("What a `privil
 
 from __future__ import annotations
 
+import functools
 import json
 import platform
 from typing import Any
@@ -91,6 +92,7 @@ def _ioctl_rules() -> list[dict[str, Any]]:
     ]
 
 
+@functools.cache  # the same text for every workload of this daemon: built once
 def seccomp_profile(machine: str = "") -> str:
     """The capsule seccomp profile, in the Engine's JSON form (the value of ``seccomp=`` in SecurityOpt)."""
     denied = {*CAPSULE_DENIED_SYSCALLS, "ioctl"}
