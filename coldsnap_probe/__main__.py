@@ -108,6 +108,7 @@ def _worker(args: argparse.Namespace) -> int:
     from ._coordinator import Coordinator
     from ._report_dir import leave_report
     from .errors import ProbeError
+    from .memory import MemoryOptions
 
     if (args.world_size > 1 or args.coordinator) and not (args.coordinator and args.namespace):
         sys.stderr.write("error: several ranks need --coordinator and --namespace\n")
@@ -121,16 +122,18 @@ def _worker(args: argparse.Namespace) -> int:
             from ._capture import capture
 
             report = capture(args.pid, Path(args.images), criu=args.criu, boundary=args.boundary,
-                             digest=args.digest, hydration=args.hydration, coordinator=coordinator,
-                             engine=args.engine, graph_policy=args.graph_policy,
-                             interposer=args.interposer).to_json()
+                             digest=args.digest, coordinator=coordinator, engine=args.engine,
+                             graph_policy=args.graph_policy,
+                             memory=MemoryOptions(weights_control=args.hydration,
+                                                  interposer=args.interposer)).to_json()
         else:
             from ._restore import restore
 
             report = restore(Path(args.images), criu=args.criu,
                              work=Path(args.work_dir) if args.work_dir else None, coordinator=coordinator,
-                             lazy_pages=args.lazy_pages, device_policy=args.device_policy,
-                             device_digests=args.device_digests).to_json()
+                             lazy_pages=args.lazy_pages,
+                             memory=MemoryOptions(device_policy=args.device_policy,
+                                                  device_digests=args.device_digests)).to_json()
     except (ProbeError, OSError, ValueError) as exc:
         sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")
         return 1
