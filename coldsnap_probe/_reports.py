@@ -27,11 +27,6 @@ class SourceReport(Protocol):
         """Its JSON object."""
 
 
-def _sources(reports: dict[str, SourceReport]) -> dict[str, Any] | None:
-    """`memory_sources` in a report's JSON: absent while no such source reported."""
-    return {name: r.to_json() for name, r in sorted(reports.items())} or None
-
-
 def _present(values: dict[str, Any]) -> dict[str, Any]:
     """The keys whose value is not None: an optional field that was never set is absent, as before."""
     return {k: v for k, v in values.items() if v is not None}
@@ -174,7 +169,7 @@ class CaptureReport:
             "engine_quiesce": self.engine_quiesce,
             "hydration": self.hydration.to_json() if self.hydration else None,
             "device_memory": [d.to_json() for d in self.device_memory] if self.device_memory is not None else None,
-            "memory_sources": _sources(self.memory_sources),
+            "memory_sources": {n: r.to_json() for n, r in sorted(self.memory_sources.items())} or None,
             "memory_before_checkpoint": self.memory_before_checkpoint,
             "memory_after_checkpoint": self.memory_after_checkpoint, "identity": self.identity,
             "engine_quiesced": self.engine_quiesced, "timings_s": self.timings_s,
@@ -251,7 +246,7 @@ class RestoreReport:
             "hydration": self.hydration.to_json() if self.hydration else None, "engine_resume": self.engine_resume,
             "device_memory": [d.to_json() for d in self.device_memory] if self.device_memory is not None else None,
             "device_hydration_seconds": self.device_hydration_seconds,
-            "memory_sources": _sources(self.memory_sources),
+            "memory_sources": {n: r.to_json() for n, r in sorted(self.memory_sources.items())} or None,
             "communicator_recreate_seconds": self.communicator_recreate_seconds}),
             "timeline": t.to_json(), "barrier_wait_s": self.barrier_wait_s,
             "restore_seconds": t.seconds("restore_begin", "process_resumed"),

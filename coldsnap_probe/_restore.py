@@ -71,7 +71,7 @@ class _Restore:
         self.timeline = self.report.timeline
         self.timeline.mark("restore_begin")
         self.captured: dict[str, Any] = {}
-        self.graph: dict[str, Any] | None = None
+        self.graph: RestoredGraphPolicy | None = None  # the graph policy record, when the capture wrote one
         self.memory_options = MemoryOptions()
         self.memory: MemoryRestores | None = None  # the memory sources whose records the images hold
         self.engine: str | None = None  # the engine's control socket, when its communicators were quiesced
@@ -124,13 +124,10 @@ class _Restore:
                               "communicators could not be recreated")
         report = self.report
         report.boundary, report.captured_root_pid, report.cuda_pids = boundary, captured["root_pid"], self.cuda
-        if self.graph is not None:
-            graph = self.graph
-            report.graph_policy = RestoredGraphPolicy(effective=graph["policy_effective"], decision=graph["decision"],
-                                                      plan_sha256=graph["recipe"]["plan_sha256"])
-            if graph["policy_effective"] == "preserve-nccl-exec":
-                raise WorkerError("the record retains NCCL graph executables in place, which needs the engine's "
-                                  "admitted in-place NCCL provider; this engine recreates its communicators")
+        report.graph_policy = self.graph
+        if self.graph is not None and self.graph.effective == "preserve-nccl-exec":
+            raise WorkerError("the record retains NCCL graph executables in place, which needs the engine's "
+                              "admitted in-place NCCL provider; this engine recreates its communicators")
 
     def _start_stages(self) -> None:
         """What each memory source starts before CRIU (a node hydrator's stages, read-ahead); the rollback
@@ -148,7 +145,7 @@ class _Restore:
 
     def _agree(self) -> None:
         """Nothing is restored on any rank until every rank's images, record and identity are good."""
-        peers = self.ranks.barrier("validated", {"plan_sha256": self.graph["recipe"]["plan_sha256"]
+        peers = self.ranks.barrier("validated", {"plan_sha256": self.graph.plan_sha256
                                                  if self.graph else None})
         if len({str(p.get("plan_sha256")) for p in peers}) != 1:
             raise WorkerError(f"the ranks' graph records disagree: {[p.get('plan_sha256') for p in peers]}")
@@ -219,9 +216,9 @@ class _Restore:
             self.ranks.barrier("process-resumed")
         self.timeline.mark("process_resumed")  # without CUDA, one rank, eager: the tree was restored running
 
-    def _recreate_communicators(self, engine: str, graph: dict[str, Any]) -> None:
+    def _recreate_communicators(self, engine: str, graph: RestoredGraphPolicy) -> None:
         self.timeline.mark("communicator_recreate_begin")
-        self.report.engine_resume = resume_engine(engine, self.ranks, graph["policy_effective"], "restore",
+        self.report.engine_resume = resume_engine(engine, self.ranks, graph.effective, "restore",
                                                   self.work or Path())
         self.timeline.mark("communicator_recreate_end")
         self.report.communicator_recreate_seconds = self.timeline.seconds("communicator_recreate_begin",

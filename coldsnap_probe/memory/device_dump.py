@@ -279,10 +279,12 @@ def stages_for(records: list[DumpRecord], images: Path) -> dict[int, DeviceStage
     return stages
 
 
-def _staged(record: DumpRecord, stage: DeviceStage, directory: Path, policy: str) -> dict[str, Any] | None:
+def _staged(record: DumpRecord, stage: DeviceStage, directory: Path, policy: str,
+            started: float) -> HydratedDevice | None:
     """The interposer maps what the hydrator staged (one allocation per released region, passed in pages of
-    INTERPOSER_PAGE descriptors on one connection); None when there is nothing to map or it refused (then the
-    regular hydration runs: a refused adoption leaves the regions released, the gate closed)."""
+    INTERPOSER_PAGE descriptors on one connection), reported as hydrated since `started`; None when there is
+    nothing to map or it refused (then the regular hydration runs: a refused adoption leaves the regions released,
+    the gate closed)."""
     fds = stage.adopt()
     if fds is None:
         return None
@@ -299,7 +301,9 @@ def _staged(record: DumpRecord, stage: DeviceStage, directory: Path, policy: str
     if not answer.get("ok"):
         stage.report["adopt_error"] = str(answer.get("error"))
         return None
-    return dict(answer.get("report") or {})
+    report = dict(answer.get("report") or {})
+    return HydratedDevice(pid=record.pid, bytes=int(report.get("bytes", 0)), seconds=time.perf_counter() - started,
+                          gbps=0.0, interposer={**report, "stage": stage.report})
 
 
 def hydrate_devices(records: list[DumpRecord], images: Path, policy: str, *, digests: bool = False,
@@ -314,10 +318,9 @@ def hydrate_devices(records: list[DumpRecord], images: Path, policy: str, *, dig
         directory = images.absolute() / record.directory
         verify = "digest" if digests else verification(record.dump, directory, record.files)
         stage = (stages or {}).get(record.pid)
-        if stage is not None and verify == "sampled" and (report := _staged(record, stage, directory, policy)):
-            return HydratedDevice(pid=record.pid, bytes=int(report.get("bytes", 0)),
-                                  seconds=time.perf_counter() - started, gbps=0.0,
-                                  interposer={**report, "stage": stage.report})
+        if stage is not None and verify == "sampled" and (staged := _staged(record, stage, directory, policy,
+                                                                            started)):
+            return staged
         if stage is not None:
             stage.discard()  # not adopted: the hydrator frees it now rather than at its TTL
         try:
