@@ -32,8 +32,8 @@ from typing import Protocol
 from .._coordinator import Coordinator
 from .._reports import CaptureReport, RestoreReport
 from ..errors import ProbeError
-from .device_dump import DeviceDumpSource
-from .weights import WeightsSource
+from ._device_dump import DeviceDumpSource
+from ._weights import WeightsSource
 
 __all__ = ("SOURCES", "CaptureScope", "MemoryCaptures", "MemoryOptions", "MemoryRestores", "MemorySource",
            "RestoreScope", "SourceCapture", "SourceRestore")

@@ -33,7 +33,7 @@ from coldsnap_probe.hydration import (
 )
 from coldsnap_probe.hydration._interposer import DUMP_KIND
 from coldsnap_probe.jsonline import request
-from coldsnap_probe.memory.device_dump import (
+from coldsnap_probe.memory._device_dump import (
     RECORD,
     DeviceRelease,
     DumpRecord,
@@ -400,7 +400,7 @@ def test_a_descriptor_rides_only_with_a_staged_hydration_and_is_never_kept(engin
 
 def test_a_stage_is_asked_only_for_the_captures_own_files_and_fails_softly(tmp_path: Path) -> None:
     """stages_for: a hydrator named and the files unchanged; an unreachable hydrator leaves the regular path."""
-    from coldsnap_probe.memory.device_dump import stages_for
+    from coldsnap_probe.memory._device_dump import stages_for
 
     images = tmp_path / "images"
     dump = dump_in(images / "device-42")

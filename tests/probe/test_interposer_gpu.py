@@ -294,7 +294,7 @@ def test_a_dump_staged_by_the_node_hydrator_is_mapped_in_place(dump_hydrator: st
     (two segment files, one allocation); every byte adopted is compared with the dump (a second release digests
     what the device holds), then the torch tensors, matmul and graph."""
     from coldsnap_probe.hydration import dump_identities
-    from coldsnap_probe.memory.device_dump import DumpRecord, hydrate_devices, stages_for
+    from coldsnap_probe.memory._device_dump import DumpRecord, hydrate_devices, stages_for
 
     library, _ = build_library(tmp_path / "lib")
     target = Target(tmp_path, library, socket="staged.sock", mib=1100)

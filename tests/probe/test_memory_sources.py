@@ -29,9 +29,9 @@ from coldsnap_probe.memory import (
     MemoryOptions,
     MemoryRestores,
     RestoreScope,
-    device_dump,
-    weights,
 )
+from coldsnap_probe.memory import _device_dump as device_dump
+from coldsnap_probe.memory import _weights as weights
 from tests.criu import CRIU, alive, criu_wrapper
 from tests.helpers import ROOT
 from tests.probe.test_hydrate import manifest_for, region, source
