@@ -1,4 +1,4 @@
-"""Issue 12 items 1, 2 and 5 through a running `coldsnap-provider serve` (driven by scripts/device-gpus).
+"""Issue 12 items 1, 2 and 5 through a running `coldsnap-provider serve` (driven by `scripts/device daemon-gpus`).
 
     python3 scripts/_device_gpus.py --state-dir DIR --context DIR --out DIR --docker-host unix://SOCK
 

@@ -3,7 +3,7 @@
 # bench/e2e_restore.py (bench/e2e_modes.py) against a real `coldsnap-provider serve` on the bundled Docker
 # Engine, cold vs restored Docker-to-first-token of the 8B-shaped engine (engines/engine_llama.py, 16 GiB of
 # weights written first) in capsule containers, the modes side by side in one run.
-#   scripts/device-e2e [--smoke] [MODES] [BUDGET_S]
+#   scripts/device e2e [--smoke] [MODES] [BUDGET_S]
 #     MODES: comma list of interposer,interposer-hydrator,hydrator,hydrate,full (default
 #            interposer,interposer-hydrator,hydrator,full: the engine without cooperation under the CUDA
 #            interposer, filling itself or staged by a node hydrator; the cooperative hydrator; the full image);
