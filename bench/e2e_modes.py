@@ -24,7 +24,7 @@ The modes (the engine is bench/e2e_restore.py's `engines/engine_llama.py`, the s
 
 Every mode: `CRIU_RESTORE_THREADS` in the units (default: the CPUs this host gives the unit, CRIU 4.2's parallel
 page restore), the images where `--images-root` says (tmpfs: `/dev/shm/...`), transparent huge pages as the
-node has them (scripts/device-e2e sets `always` for the run and puts the old mode back). The CUDA stack limit
+node has them (scripts/device e2e sets `always` for the run and puts the old mode back). The CUDA stack limit
 and a discarded KV cache need a call inside the engine: the no-cooperation rows never get them, and
 engine_llama's KV cache (transformers' static cache, torch tensors) is kept in every mode. Every restore must
 give the cold start's tokens and first-step logits, and the images' digest must be the same after the restores
