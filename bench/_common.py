@@ -15,9 +15,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._daemon import Daemon, Session, open_session, running_daemon
+from bench._daemon import Daemon, Session, running_daemon
 
-__all__ = ("Daemon", "Session", "open_session", "become_subreaper", "kill_and_reap", "mode_list", "percentile", "process_stats",
+__all__ = ("Daemon", "Session", "become_subreaper", "kill_and_reap", "mode_list", "percentile", "process_stats",
            "running_daemon", "stages", "summary", "table")
 
 

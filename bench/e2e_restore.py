@@ -48,8 +48,8 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from coldsnap_provider import call_control
 from bench._daemon import Session, open_session
+from coldsnap_provider import call_control
 
 PROMPT = [128000, 3923, 374, 279, 6864, 315, 9822, 30]
 MAX_TOKENS = 16

@@ -1,5 +1,5 @@
-"""bench/e2e_modes.py's modes (the run of bench/e2e_restore.py's steps), CPU-checkable parts: the modes a run plans, the unit
-environment and mounts each adds (the interposer's only through the environment, the engine unchanged), the
+"""bench/e2e_modes.py's modes (it runs bench/e2e_restore.py's steps), CPU-checkable parts: the modes a run plans,
+the unit environment and mounts each adds (the interposer's only through the environment, the engine unchanged), the
 tuning each mode gets, the images' digest, the tables, the driver's refusals, and a mode's run failing at its
 first step through the real daemon and dockerd with nothing left behind (the GPU path: scripts/device e2e)."""
 
