@@ -77,3 +77,25 @@ def test_gpu_only_chooses_tests_by_the_reason_they_skip() -> None:
     assert chosen == {"tests/probe/test_interposer_gpu.py", "tests/probe/test_host.py"}, done.stdout
     host = [line for line in done.stdout.splitlines() if line.startswith("tests/probe/test_host.py")]
     assert len(host) == 2  # its two driver tests, not its no-kernel-module ones
+
+
+def test_more_than_eight_result_files_are_packed_into_one_tarball(tmp_path: Path) -> None:
+    """The device machine sends back at most 8 files from $OUT: the dispatcher's pack() (run here as the script
+    defines it) leaves the tarball and the step's summary, and the tarball holds every other file."""
+    out = tmp_path / "out"
+    (out / "logs").mkdir(parents=True)
+    for index in range(9):
+        (out / f"part-{index}.txt").write_text(str(index))
+    (out / "logs" / "daemon.log").write_text("log")
+    (out / "summary.txt").write_text("summary")
+    script = f'source <(sed -n "/^pack() {{/,/^}}/p" "{ROOT}/scripts/device"); OUT="{out}"; pack e2e'
+    subprocess.run(["bash", "-c", script], check=True, capture_output=True, timeout=60)
+    assert sorted(p.name for p in out.iterdir()) == ["e2e-results.tar.xz", "summary.txt"]
+    listed = subprocess.run(["tar", "-tJf", str(out / "e2e-results.tar.xz")], capture_output=True, text=True,
+                            check=True).stdout.split()
+    assert sorted(listed) == sorted([f"./part-{i}.txt" for i in range(9)] + ["./logs/daemon.log"])
+    few = tmp_path / "few"
+    few.mkdir()
+    (few / "a.txt").write_text("a")
+    subprocess.run(["bash", "-c", script.replace(str(out), str(few))], check=True, timeout=60)
+    assert [p.name for p in few.iterdir()] == ["a.txt"]  # eight or fewer come back as they are
