@@ -25,8 +25,10 @@ settings.register_profile("default", deadline=None, suppress_health_check=[Healt
 settings.load_profile("default")
 
 # `scripts/device gpu-tests` runs every GPU test of the repository once, chosen by what the tests themselves say
-# they need (a skip mark whose reason names an NVIDIA driver) rather than by a list kept by hand beside them.
-GPU_REASON = re.compile(r"\bneeds an NVIDIA driver\b")
+# they need (a skip mark whose reason says it needs, or skips for want of, an NVIDIA driver) rather than by a list
+# kept by hand beside them; the reasons of the no-driver tests ("this host has an NVIDIA driver", "asserts the
+# no-driver path") do not match.
+GPU_REASON = re.compile(r"^(needs an|no) NVIDIA driver\b")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -297,3 +297,8 @@ def test_the_graph_rules_can_fail(tmp_path: Path) -> None:
     assert graph_circles(graph) == [["bench._common", "bench.e2e_modes", "bench.e2e_restore", "tests.helpers"]]
     assert upward_arrows(graph) == ["bench._common -> tests.helpers", "bench.e2e_restore -> bench.e2e_modes",
                                     "coldsnap_probe._cuda -> scripts.tool"]
+
+
+# --- The C side: the call graph between the C files (helper cmem's check, issue 39's goal "0 circles, 0 upward
+# arrows" for C calls between files) belongs here, beside the Python graph's: its own reader of *.c, the same
+# graph_circles() over it. ---
