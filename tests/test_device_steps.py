@@ -92,9 +92,10 @@ def test_more_than_eight_result_files_are_packed_into_one_tarball(tmp_path: Path
         (out / f"part-{index}.txt").write_text(str(index))
     (out / "logs" / "daemon.log").write_text("log")
     (out / "summary.txt").write_text("summary")
+    (out / "line-rate.tar.xz").write_bytes(b"a step's own tarball")
     script = f'source <(sed -n "/^pack() {{/,/^}}/p" "{ROOT}/scripts/device"); OUT="{out}"; pack e2e'
     subprocess.run(["bash", "-c", script], check=True, capture_output=True, timeout=60)
-    assert sorted(p.name for p in out.iterdir()) == ["e2e-results.tar.xz", "summary.txt"]
+    assert sorted(p.name for p in out.iterdir()) == ["e2e-results.tar.xz", "line-rate.tar.xz", "summary.txt"]
     listed = subprocess.run(["tar", "-tJf", str(out / "e2e-results.tar.xz")], capture_output=True, text=True,
                             check=True).stdout.split()
     assert sorted(listed) == sorted([f"./part-{i}.txt" for i in range(9)] + ["./logs/daemon.log"])
