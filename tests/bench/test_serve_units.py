@@ -81,7 +81,7 @@ class TestModes:
     def test_the_default_runs_the_staged_path_first_then_the_interposer_the_adapter_and_full(self) -> None:
         args = _parser().parse_args(["--state-dir", "s", "--capsule", "c", "--model", "m", "--work", "w", "--out", "o"])
         assert plan_modes(args.modes) == ["full-interposer-hydrator", "full-interposer", "adapter-hydrator", "full"]
-        device_serve = (ROOT / "scripts/device-serve").read_text()
+        device_serve = (ROOT / "scripts/_device_serve.sh").read_text()
         assert "MODES=${3:-full-interposer-hydrator,full-interposer,adapter-hydrator,full}" in device_serve
 
     def test_a_path_names_the_node_hydrator_it_runs_and_its_units(self) -> None:

@@ -133,7 +133,7 @@ def test_image_digest_sees_any_write(tmp_path: Path) -> None:
     assert image_digest(tmp_path) != before
 
 
-# --- on a GPU host (scripts/device-worker runs these there) ----------------------------
+# --- on a GPU host (scripts/device gpu-tests runs these there) ----------------------------
 
 gpu = pytest.mark.skipif(not has_nvidia_driver() or shutil.which("criu") is None,
                          reason="needs an NVIDIA driver and CRIU (run on the GPU host)")
