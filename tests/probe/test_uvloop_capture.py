@@ -7,6 +7,7 @@ to epoll: the same server is captured by the real worker and CRIU, restored, and
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -21,16 +22,26 @@ import pytest
 
 from tests.criu import CRIU, alive, criu_wrapper
 from tests.helpers import ROOT
+from tests.probe.test_main import has_nvidia_driver
 
 pytestmark = pytest.mark.skipif(CRIU is None, reason="needs root and scripts/criu/build's CRIU")
+gpu = pytest.mark.skipif(not has_nvidia_driver() or importlib.util.find_spec("torch") is None,
+                         reason="needs an NVIDIA driver and torch (run on the GPU host)")
 
 SERVER = """
 import asyncio, os, sys, uvloop
 
+DEVICE = None
+if os.environ.get("HOLD_CUDA"):  # initialized CUDA state: 256 MiB on the GPU, read back for every answer
+    import torch
+    DEVICE = torch.full((64 << 20,), 3.0, device="cuda")
+    torch.cuda.synchronize()
+
 async def answer(reader, writer):
     line = await reader.readline()
     loop = type(asyncio.get_running_loop())
-    writer.write(f"{loop.__module__}.{loop.__name__} {line.decode().strip()}\\n".encode())
+    held = "" if DEVICE is None else f" {int(DEVICE.sum().item())}"
+    writer.write(f"{loop.__module__}.{loop.__name__} {line.decode().strip()}{held}\\n".encode())
     await writer.drain()
     writer.close()
 
@@ -59,12 +70,12 @@ def no_io_uring(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return library
 
 
-def start_server(tmp_path: Path, preload: Path | None) -> tuple[subprocess.Popen[bytes], int]:
+def start_server(tmp_path: Path, preload: Path | None, *, cuda: bool = False) -> tuple[subprocess.Popen[bytes], int]:
     port_file = tmp_path / "port"
-    env = {**os.environ, **({"LD_PRELOAD": str(preload)} if preload else {})}
+    env = {**os.environ, **({"LD_PRELOAD": str(preload)} if preload else {}), **({"HOLD_CUDA": "1"} if cuda else {})}
     server = subprocess.Popen([sys.executable, "-c", SERVER, str(port_file)], env=env, start_new_session=True,
                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120
     while not port_file.exists():
         assert server.poll() is None and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.02)
@@ -99,12 +110,16 @@ def test_uvloop_s_io_uring_ring_is_refused_by_name_and_the_server_keeps_serving(
         server.wait()
 
 
+@pytest.mark.parametrize("cuda", [False, pytest.param(True, marks=gpu)], ids=["cpu", "cuda"])
 def test_a_uvloop_server_under_the_preload_is_captured_restored_and_answers_on_uvloop(
-        tmp_path: Path, criu: str, no_io_uring: Path) -> None:
-    server, port = start_server(tmp_path, no_io_uring)
-    assert rings(server.pid) == 0 and ask(port, "cold") == "uvloop.Loop cold"
+        tmp_path: Path, criu: str, no_io_uring: Path, cuda: bool) -> None:
+    """On the GPU host the server also holds initialized CUDA state (n610: CUDA checkpoint + CRIU)."""
+    server, port = start_server(tmp_path, no_io_uring, cuda=cuda)
+    held = f" {3 * (64 << 20)}" if cuda else ""
+    assert rings(server.pid) == 0 and ask(port, "cold") == f"uvloop.Loop cold{held}"
     images = tmp_path / "images"
-    done = worker("capture", "--pid", str(server.pid), "--images", str(images), "--boundary", "n580", "--criu", criu)
+    done = worker("capture", "--pid", str(server.pid), "--images", str(images), "--boundary",
+                  "n610" if cuda else "n580", "--criu", criu)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["event_loops"] == {str(server.pid): "uvloop"}  # the report names its loop
     server.wait()  # CRIU ended it: its PID is free for the restore
@@ -114,6 +129,6 @@ def test_a_uvloop_server_under_the_preload_is_captured_restored_and_answers_on_u
         assert alive(server.pid) and rings(server.pid) == 0
         maps = Path(f"/proc/{server.pid}/maps").read_text()
         assert "uvloop/loop." in maps and str(no_io_uring) in maps  # the same process, uvloop and the preload in it
-        assert ask(port, "restored") == "uvloop.Loop restored"
+        assert ask(port, "restored") == f"uvloop.Loop restored{held}"
     finally:
         os.killpg(server.pid, signal.SIGKILL)
