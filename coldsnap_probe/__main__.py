@@ -1,7 +1,9 @@
 """`python -m coldsnap_probe profile [--qualification RECORD]|capture|restore|_target|_ipc_target`: JSON on
 stdout, diagnostics on stderr.
 
-Exit status: 0 after printing the JSON; 1 with `error: <Type>: <msg>` on stderr; 2 for bad arguments.
+Exit status: 0 after printing the JSON; 1 with `error: <Type>: <msg>` on stderr; 2 for bad arguments; 3 when a
+restore is refused before any work because this host cannot restore the capture (stdout: the `restore-refused` JSON,
+one reason code per mismatched fact with both values).
 """
 
 from __future__ import annotations
@@ -107,7 +109,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     from ._coordinator import Coordinator
     from ._report_dir import leave_report
-    from .errors import ProbeError
+    from .errors import ProbeError, TargetRefused
     from .memory import MemoryOptions
 
     if (args.world_size > 1 or args.coordinator) and not (args.coordinator and args.namespace):
@@ -134,6 +136,11 @@ def _worker(args: argparse.Namespace) -> int:
                              lazy_pages=args.lazy_pages,
                              memory=MemoryOptions(device_policy=args.device_policy,
                                                   device_digests=args.device_digests)).to_json()
+    except TargetRefused as exc:
+        sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")
+        sys.stdout.write(json.dumps({"kind": "restore-refused", "refused": list(exc.mismatches),
+                                     "checked_seconds": exc.seconds}, indent=2, sort_keys=True) + "\n")
+        return 3
     except (ProbeError, OSError, ValueError) as exc:
         sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")
         return 1

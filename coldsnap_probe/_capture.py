@@ -40,7 +40,7 @@ from ._process import (
     undo_cuda,
 )
 from ._profile import identity
-from ._quiesce import IDLE_WAIT_S, refuse_io_uring, wait_idle
+from ._quiesce import IDLE_WAIT_S, event_loops, wait_idle
 from ._reports import CapturedGraphPolicy, CaptureReport
 from .errors import WorkerError
 from .memory import CaptureScope, MemoryCaptures, MemoryOptions
@@ -103,6 +103,7 @@ class _Capture:
     def _template(self) -> None:
         """n580: no CUDA state may be in the tree; a CPU-only dump."""
         audit_pre_cuda(self.tree)
+        self.report.event_loops = event_loops(self.tree)  # an io_uring ring would fail deep in CRIU's dump
         self.report.cuda_pids = []
         self.ranks.barrier("capture-ready", {"pid": self.pid})
         self._dump()
@@ -162,7 +163,7 @@ class _Capture:
         if self.plan is not None:
             return
         started = time.perf_counter()
-        refuse_io_uring(self.tree)
+        self.report.event_loops = event_loops(self.tree)
         wait_idle(self.tree, IDLE_WAIT_S)
         self.report.timings_s["wait_idle"] = time.perf_counter() - started
 

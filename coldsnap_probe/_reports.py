@@ -153,6 +153,7 @@ class CaptureReport:
     memory_before_checkpoint: dict[str, dict[str, Any]] | None = None  # pid -> `anonymous_memory`
     memory_after_checkpoint: dict[str, dict[str, Any]] | None = None
     identity: dict[str, Any] = field(default_factory=dict)
+    event_loops: dict[str, str] | None = None  # pid -> "uvloop", for the processes running it (unchanged servers)
     engine_quiesced: bool = False
     timings_s: dict[str, float] = field(default_factory=dict)  # engine_quiesce, cuda_lock, cuda_checkpoint, criu_dump
     barrier_wait_s: dict[str, float] = field(default_factory=dict)
@@ -172,7 +173,7 @@ class CaptureReport:
             "memory_sources": {n: r.to_json() for n, r in sorted(self.memory_sources.items())} or None,
             "memory_before_checkpoint": self.memory_before_checkpoint,
             "memory_after_checkpoint": self.memory_after_checkpoint, "identity": self.identity,
-            "engine_quiesced": self.engine_quiesced, "timings_s": self.timings_s,
+            "event_loops": self.event_loops, "engine_quiesced": self.engine_quiesced, "timings_s": self.timings_s,
             "barrier_wait_s": self.barrier_wait_s, "image_bytes": self.image_bytes, "image_files": self.image_files,
             "image_digest": self.image_digest, "completed_unix": self.completed_unix}), "engine": self.engine}
 

@@ -27,13 +27,14 @@ from typing import Any
 from ._coordinator import Coordinator
 from ._cuda import Driver
 from ._engine import ABORT_POLL, resume_engine, validated_graph_record
-from ._host import GPU_FACTS, gpu_identity, host_identity
+from ._host import host_identity
 from ._process import criu_environment, process_state, process_tree, require_state, run_criu, stop, tail
 from ._reports import RestoredGraphPolicy, RestoreReport
-from .errors import RankAborted, WorkerError
+from ._target import check_target, confirmed_identity
+from .errors import RankAborted, TargetRefused, WorkerError
 from .memory import MemoryOptions, MemoryRestores, RestoreScope
 
-__all__ = ("confirmed_identity", "identity_compatibility", "restore")
+__all__ = ("restore",)
 
 LAZY_PAGES_START_S = 10.0  # for `criu lazy-pages` to listen
 LAZY_PAGES_FINISH_S = 120.0  # for it to have copied every page after the restore
@@ -136,11 +137,16 @@ class _Restore:
             self.memory.stage()
 
     def _check_host(self, current: dict[str, Any]) -> None:
-        """This host against the captured one: the same CRIU, a compatible driver and GPU."""
+        """This host against the captured one, every fact (`_target`): nothing is started on a host that cannot
+        restore the capture."""
         captured, boundary = self.captured.get("identity", {}), self.captured["boundary"]
-        require_same_criu(captured.get("criu", {}), current["criu"])
         current = confirmed_identity(captured, current, boundary)
-        self.report.identity_compatibility = identity_compatibility(captured, current, boundary)
+        try:
+            self.report.identity_compatibility = check_target(captured, current, boundary)
+        except TargetRefused as exc:
+            self.timeline.mark("refused")
+            exc.seconds = self.timeline.seconds("restore_begin", "refused")
+            raise
         self.report.identity_source = current["gpu_identity_source"]
 
     def _agree(self) -> None:
@@ -235,53 +241,6 @@ class _Restore:
             self.memory.discard()
         if self.lazy:
             stop(self.lazy)
-
-
-def _driver_major(version: Any) -> int | None:
-    try:
-        return int(str(version).split(".")[0])
-    except ValueError:
-        return None
-
-
-def require_same_criu(captured: dict[str, Any], current: dict[str, Any]) -> None:
-    """A restore runs the CRIU that dumped the images: another version (or patch) could misread them. A capture
-    that recorded no usable version (older workers recorded a loader error) is not refused for it."""
-    if current.get("version_exit_code") != 0:
-        raise WorkerError(f"this capsule's CRIU ({current.get('path')}) does not run: "
-                          f"{current.get('version') or current.get('version_error') or 'not installed'}")
-    if captured.get("version_exit_code") == 0 and captured.get("version") != current.get("version"):
-        raise WorkerError(f"captured with CRIU {captured.get('version')!r}, but this capsule's CRIU "
-                          f"({current.get('path')}) is {current.get('version')!r}: not restoring")
-
-
-def confirmed_identity(captured: dict[str, Any], current: dict[str, Any], boundary: str) -> dict[str, Any]:
-    """`current` where procfs gave its GPU facts and they match the captured ones exactly (or a pre-CUDA template
-    does not compare them), else `current` with NVML's facts: procfs only confirms an exact match, so an upgrade
-    or a refusal is NVML's verdict, as the captured identity is NVML's (a GPU whose procfs model were written
-    unlike NVML's name is then not refused for it)."""
-    if (boundary == "n580" or current.get("gpu_identity_source") != "procfs"
-            or all(captured.get(key) == current.get(key) for key in ("driver_version", "gpu_name"))):
-        return current
-    system = {key: value for key, value in current.items() if key not in GPU_FACTS}  # none of procfs's is kept
-    return {**system, **gpu_identity(nvml=True)}
-
-
-def identity_compatibility(captured: dict[str, Any], current: dict[str, Any], boundary: str) -> str:
-    """`exact`, `driver-upgraded` or `pre-cuda-template`; raises when the state cannot restore here."""
-    if captured.get("architecture") != current.get("architecture"):
-        raise WorkerError(f"captured on {captured.get('architecture')}, this host is {current.get('architecture')}")
-    if boundary == "n580":
-        return "pre-cuda-template"  # no CUDA state was captured: the process initializes CUDA fresh
-    was, now = _driver_major(captured.get("driver_version")), _driver_major(current.get("driver_version"))
-    if was is None or now is None:
-        raise WorkerError("the NVIDIA driver version is unknown: initialized CUDA state cannot be checked")
-    if now < was:
-        raise WorkerError(f"driver {current.get('driver_version')} is older than the captured "
-                          f"{captured.get('driver_version')}")
-    if captured.get("gpu_name") != current.get("gpu_name"):
-        raise WorkerError(f"captured on {captured.get('gpu_name')}, this GPU is {current.get('gpu_name')}")
-    return "exact" if captured.get("driver_version") == current.get("driver_version") else "driver-upgraded"
 
 
 def _start_lazy_pages(criu: str, images: Path, work: Path) -> subprocess.Popen[bytes]:

@@ -50,11 +50,8 @@ WRITER=$!
 
 step "the server's dependencies (wheels) into $SITE"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/serve/*.whl || exit 1
-# uvicorn picks uvloop when it imports; uvloop's libuv keeps an io_uring ring (epoll batching, whatever
-# UV_USE_IO_URING says) and CRIU cannot dump io_uring. The capsule leaves uvloop out: uvicorn then runs on asyncio.
-mkdir -p "$SITE/uvloop"
-echo 'raise ImportError("uvloop is left out of this capsule: CRIU cannot dump the io_uring ring its libuv keeps")' \
-    > "$SITE/uvloop/__init__.py"
+# uvloop stays (when the server's wheels bring it): every server unit preloads libcoldsnap_no_io_uring.so, so its
+# libuv keeps to epoll (docs/restoring-your-own-server.md).
 
 step "docker engine (bundled)"
 start_docker

@@ -20,7 +20,7 @@ CAPTURE_ALWAYS = {"format", "kind", "boundary", "root_pid", "tree", "started_uni
                   "cuda_pids", "identity", "engine_quiesced", "timings_s", "barrier_wait_s", "image_bytes",
                   "image_files", "completed_unix"}
 CAPTURE_OPTIONAL = {"graph_policy", "engine_quiesce", "hydration", "memory_sources", "memory_before_checkpoint",
-                    "memory_after_checkpoint", "image_digest"}
+                    "memory_after_checkpoint", "image_digest", "event_loops"}
 RESTORE_ALWAYS = {"format", "kind", "rank", "world_size", "timeline", "barrier_wait_s", "restore_seconds",
                   "ready_seconds"}
 RESTORE_OPTIONAL = {"boundary", "captured_root_pid", "cuda_pids", "identity_compatibility", "graph_policy",
@@ -54,6 +54,7 @@ def test_a_full_capture_report_adds_each_optional_key_in_its_shape() -> None:
     report.memory_before_checkpoint = report.memory_after_checkpoint = {"7": {"anonymous_bytes": 1}}
     report.image_digest = "sha256:i"
     report.memory_sources["disk"] = DiskRead(5)
+    report.event_loops = {"7": "uvloop"}
     value = json.loads(json.dumps(report.to_json()))
     assert value["memory_sources"] == {"disk": {"bytes": 5}}
     assert set(value) == CAPTURE_ALWAYS | CAPTURE_OPTIONAL
