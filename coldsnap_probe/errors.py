@@ -140,11 +140,10 @@ class RankAborted(WorkerError):
 
 
 class TargetRefused(WorkerError):
-    """This host cannot restore the capture (`_target.check_target`): `mismatches` holds one
-    ``{"code", "fact", "captured", "current"}`` per fact; `seconds`, what the checks took from the restore's start.
-    Nothing was restored, staged or started."""
+    """This host cannot restore the capture (`_target.check_target`); nothing was restored, staged or started."""
 
     def __init__(self, mismatches: list[dict[str, object]]) -> None:
+        # `mismatches`: one {"code", "fact", "captured", "current"} per fact; `seconds`: the checks' cost so far.
         super().__init__("not restoring on this host: " + "; ".join(
             f"{m['code']} ({m['fact']}: captured {m['captured']!r}, this host {m['current']!r})" for m in mismatches))
         self.mismatches = tuple(mismatches)

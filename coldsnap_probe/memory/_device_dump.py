@@ -26,7 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .. import jsonline
 from .._reports import CaptureReport, DumpedDevice, HydratedDevice, RestoreReport
@@ -43,9 +43,7 @@ from ..hydration import (
     remove_dump,
     verification,
 )
-
-if TYPE_CHECKING:
-    from . import CaptureScope, RestoreScope
+from ._protocol import CaptureScope, RestoreScope
 
 __all__ = ("INTERPOSER_PAGE", "RECORD", "DeviceDumpSource", "DeviceRelease", "DeviceRestore", "DeviceStage",
            "DumpRecord", "hydrate_devices", "prefetch_dumps", "stages_for", "validated_dumps")

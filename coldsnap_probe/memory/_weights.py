@@ -12,16 +12,13 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from .._engine import engine_request
 from .._reports import CaptureReport, HydratedWeights, ReleasedWeights, RestoreReport
 from ..errors import ProbeError, WorkerError
 from ..hydration import HydrationManifest, Stager, check_sources
 from ..jsonline import request
-
-if TYPE_CHECKING:
-    from . import CaptureScope, RestoreScope
+from ._protocol import CaptureScope, RestoreScope
 
 __all__ = ("RECORD", "WeightsSource", "hydrate_back")
 
