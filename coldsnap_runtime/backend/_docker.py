@@ -223,8 +223,13 @@ class DockerBackend:
             try:
                 return await self.docker.containers.create(config, name=spec.name or None)
             except aiodocker.DockerError as exc:
-                if not (exc.status == 409 and spec.name and await self._containers.reclaim(spec.name)):
+                if exc.status != 409 or not spec.name:
                     raise
+                if not await self._containers.reclaim(spec.name):
+                    # The engine's text names the holder's container id: names are node-global, so whoever holds
+                    # the name (another manager's workload included) gets this one answer, as on Kubernetes.
+                    raise RuntimeFailed(action="workload-run",
+                                        detail=f"Conflict: workload {spec.name} already exists") from exc
             return await self.docker.containers.create(config, name=spec.name)
 
     async def workload_run(self, spec: WorkloadSpec, *, allow_pull: bool,
