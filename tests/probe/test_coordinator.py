@@ -1,7 +1,7 @@
 """Several ranks: the coordinator's barriers and aborts, and the restore path's checks that stop every rank.
 
 The rank workers here are real processes meeting through a real directory, up to eight of them. The GPU half
-(capture and restore of a TP engine) runs on the 2/4/8-GPU machines: `scripts/device-tp2`, `scripts/device-e2e-tp`.
+(capture and restore of a TP engine) runs on the 2/4/8-GPU machines: `scripts/device tp-bare`, `scripts/device tp`.
 """
 
 from __future__ import annotations

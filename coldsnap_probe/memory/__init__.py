@@ -1,0 +1,147 @@
+"""The memory-source seam: every way device memory leaves a process before the CUDA checkpoint and comes back
+after the restore, behind one small protocol, registered in one place (`SOURCES`).
+
+A source is one module with one `MemorySource`:
+
+- at capture, `capture(scope)` gives its `SourceCapture` for this capture: `release(report)` gets its memory out
+  of the tree's CUDA processes and records into the images what a restore needs; `roll_back()` gives back
+  whatever it released (including a release that failed half-way) and removes what it recorded;
+- at restore, `load(scope)` reads and validates its records from the images (before CRIU runs: a restore that
+  cannot succeed never starts) and gives its `SourceRestore`, or None when the images hold none of its records;
+  `stage()` starts what can run while CRIU and CUDA restore the tree (a node hydrator's stages, read-ahead),
+  `hydrate(report)` brings the memory back once the tree runs, `discard()` frees what was staged after a failure.
+
+The order is the registry's, and it is part of the contract:
+- capture releases in registry order, and a failed capture rolls back in registry order too (the weights are
+  hydrated back before the device memory, and its dump removed);
+- restore loads, stages and discards in registry order, and hydrates in reverse registry order: the memory
+  released last is hydrated first (the interposer's device memory, whose gate holds the engine's CUDA calls,
+  comes back before the engine is asked to hydrate its weights).
+
+Each source fills its own part of the capture and restore reports (`_reports.py`: `hydration`, `device_memory`,
+their timings); a new source whose report has no field there records it under `memory_sources[name]`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from .._coordinator import Coordinator
+from .._reports import CaptureReport, RestoreReport
+from ..errors import ProbeError
+from ._device_dump import DeviceDumpSource
+from ._weights import WeightsSource
+
+__all__ = ("SOURCES", "CaptureScope", "MemoryCaptures", "MemoryOptions", "MemoryRestores", "MemorySource",
+           "RestoreScope", "SourceCapture", "SourceRestore")
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryOptions:
+    """What the worker's command line says about memory; each source reads its own options."""
+
+    weights_control: str | None = None  # the engine's weights-arena control socket (`--hydration`)
+    interposer: str | None = None  # the one CUDA process's interposer socket (`--interposer`)
+    device_policy: str = "same-model"  # where the interposer's dumps may be hydrated (`--device-policy`)
+    device_digests: bool = False  # digest every byte of the interposer's dumps (`--device-digests`)
+
+
+@dataclass(frozen=True, slots=True)
+class CaptureScope:
+    """One capture, as a source sees it: the (new) images, the tree's CUDA processes, the options."""
+
+    images: Path
+    cuda: list[int]
+    options: MemoryOptions
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreScope:
+    """One restore, as a source sees it: the images (only read), the ranks (a peer's abort ends a wait)."""
+
+    images: Path
+    ranks: Coordinator
+    options: MemoryOptions = field(default_factory=MemoryOptions)
+
+
+class SourceCapture(Protocol):
+    """One source in one capture."""
+
+    def release(self, report: CaptureReport) -> None:
+        """Release the memory and record it into the images; a WorkerError names what failed."""
+
+    def roll_back(self) -> None:
+        """Give back what was released (also after a release that failed half-way); never raises."""
+
+
+class SourceRestore(Protocol):
+    """One source in one restore, its records validated."""
+
+    def stage(self) -> None:
+        """Start what may run while CRIU and CUDA restore the tree (best effort: never raises)."""
+
+    def hydrate(self, report: RestoreReport) -> None:
+        """Bring the memory back into the running tree; a WorkerError when it did not come back."""
+
+    def discard(self) -> None:
+        """After a failed restore: free what `stage` started (never raises)."""
+
+
+class MemorySource(Protocol):
+    """A way of getting device memory out before the CUDA checkpoint and back after the restore."""
+
+    name: str
+
+    def capture(self, scope: CaptureScope) -> SourceCapture:
+        """This source's part of the capture in `scope` (nothing released yet)."""
+
+    def load(self, scope: RestoreScope) -> SourceRestore | None:
+        """This source's records in the images, validated; None when there are none. WorkerError if invalid."""
+
+
+# The registry: the one place a source is named. Its order is the contract above.
+SOURCES: tuple[MemorySource, ...] = (WeightsSource(), DeviceDumpSource())
+
+
+class MemoryCaptures:
+    """A capture's sources: released in registry order; what was begun is rolled back in registry order."""
+
+    def __init__(self, scope: CaptureScope, sources: tuple[MemorySource, ...] = SOURCES) -> None:
+        self.scope, self.sources = scope, sources
+        self.begun: list[SourceCapture] = []
+
+    def release(self, report: CaptureReport) -> None:
+        for source in self.sources:
+            begun = source.capture(self.scope)
+            self.begun.append(begun)  # before its release: a release that fails half-way is rolled back too
+            begun.release(report)
+
+    def roll_back(self) -> None:
+        for begun in self.begun:
+            with contextlib.suppress(ProbeError):  # one source's failure never keeps the next one's memory away
+                begun.roll_back()
+
+
+class MemoryRestores:
+    """A restore's sources whose records the images hold, loaded (validated) in registry order."""
+
+    def __init__(self, scope: RestoreScope, sources: tuple[MemorySource, ...] = SOURCES) -> None:
+        self.loaded = [restore for source in sources if (restore := source.load(scope)) is not None]
+        self.staged: list[SourceRestore] = []
+
+    def stage(self) -> None:
+        for restore in self.loaded:
+            self.staged.append(restore)
+            restore.stage()
+
+    def hydrate(self, report: RestoreReport) -> None:
+        for restore in reversed(self.loaded):  # released last at capture, hydrated first
+            restore.hydrate(report)
+
+    def discard(self) -> None:
+        for restore in self.staged:
+            with contextlib.suppress(ProbeError):
+                restore.discard()
