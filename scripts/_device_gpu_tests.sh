@@ -25,6 +25,15 @@ DRY=0
 if [ "${1:-}" = --dry-run ]; then DRY=1; shift; fi
 source "$(dirname "$0")/_device_env.sh"
 export PYTHONPATH="$PWD:$PYTHONPATH"
+if [ "$DRY" = 0 ] && [ -x "$CRIU_ROOT/usr/sbin/criu" ]; then
+    # `criu` on PATH runs with its own libraries whatever the caller's environment: the daemon runs a host
+    # process's `criu check` with a clean environment (tests/provider/test_probe.py), as installed CRIU would run.
+    mkdir -p /tmp/coldsnap-criu-bin
+    printf '#!/bin/sh\nLD_LIBRARY_PATH=%s exec %s "$@"\n' "$CRIU_ROOT/usr/lib/x86_64-linux-gnu" \
+        "$CRIU_ROOT/usr/sbin/criu" > /tmp/coldsnap-criu-bin/criu
+    chmod 755 /tmp/coldsnap-criu-bin/criu
+    export PATH="/tmp/coldsnap-criu-bin:$PATH"
+fi
 BUDGET=${GPU_TESTS_BUDGET:-500}
 PER_TEST=${GPU_TEST_TIMEOUT:-150}
 RUN="$OUT/gpu-tests"
