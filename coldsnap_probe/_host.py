@@ -20,7 +20,7 @@ from ._nvidia_procfs import KernelGpu, kernel_gpu
 from ._process import criu_environment
 
 __all__ = ("CAPSULE_IMAGE_ENV", "DEVICE_SELECTOR_ENV", "GPU_FACTS", "boot_id", "capsule_facts", "criu_identity",
-           "gpu_identity", "host_identity", "nvml_identity", "system_identity")
+           "gpu_identity", "host_identity", "nvml_identity", "procfs_identity", "system_identity")
 
 DEVICE_SELECTOR_ENV = "COLDSNAP_PROBE_NVML_DEVICE"  # an NVML index or a GPU-/MIG- UUID; default "0"
 # The capsule image's ID, which the provider puts in every workload's environment (a container cannot read it).
@@ -87,6 +87,17 @@ def nvml_identity(selector: str) -> dict[str, Any]:
             pass
 
 
+def _procfs_facts(found: KernelGpu) -> dict[str, Any]:
+    return {"driver_version": found.driver_version, "gpu_uuid": found.gpu_uuid, "gpu_name": found.gpu_name}
+
+
+def procfs_identity(selector: str) -> dict[str, Any] | None:
+    """The kernel module's own words for the selected GPU (driver version, UUID, model), None where procfs cannot
+    tell: a capture records them beside NVML's, so that a restore compares procfs with procfs."""
+    found = kernel_gpu(selector)
+    return _procfs_facts(found) if isinstance(found, KernelGpu) else None
+
+
 def gpu_identity(*, nvml: bool = False) -> dict[str, Any]:
     """The selected device's driver version, UUID and name, and `gpu_identity_source`: `procfs` where the kernel
     module states all three for exactly that device (and `nvml` is false), else `nvml` (with `procfs_unused`, the
@@ -96,8 +107,7 @@ def gpu_identity(*, nvml: bool = False) -> dict[str, Any]:
         return {**nvml_identity(selector), "gpu_identity_source": "nvml"}
     found = kernel_gpu(selector)
     if isinstance(found, KernelGpu):
-        return {"driver_version": found.driver_version, "gpu_uuid": found.gpu_uuid, "gpu_name": found.gpu_name,
-                "gpu_identity_source": "procfs"}
+        return {**_procfs_facts(found), "gpu_identity_source": "procfs"}
     return {**nvml_identity(selector), "gpu_identity_source": "nvml", "procfs_unused": found}
 
 

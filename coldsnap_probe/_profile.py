@@ -6,7 +6,14 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from ._host import DEVICE_SELECTOR_ENV, capsule_facts, criu_identity, nvml_identity, system_identity
+from ._host import (
+    DEVICE_SELECTOR_ENV,
+    capsule_facts,
+    criu_identity,
+    nvml_identity,
+    procfs_identity,
+    system_identity,
+)
 
 if TYPE_CHECKING:
     from ._model import Profile
@@ -15,14 +22,17 @@ __all__ = ("build_profile", "identity")
 
 
 def identity(cuda_driver_api: int | None, criu: str | None = None) -> dict[str, Any]:
-    """The full identity, recorded by the profile and the capture: every GPU fact through NVML, what the capsule
-    sees (`cuda_driver_api` the given one, else the driver's), and the CRIU (the restore checks the host with the
-    lighter `_host.host_identity`)."""
+    """The full identity, recorded by the profile and the capture: every GPU fact through NVML (and, under
+    `procfs`, the kernel module's own words where it states them), what the capsule sees (`cuda_driver_api` the
+    given one, else the driver's), and the CRIU (the restore checks the host with the lighter
+    `_host.host_identity`)."""
     selector = os.environ.get(DEVICE_SELECTOR_ENV, "0")
     seen = capsule_facts()
     if cuda_driver_api is not None:
         seen["cuda_driver_api"] = cuda_driver_api
-    return {**system_identity(), **nvml_identity(selector), **seen, "criu": criu_identity(criu)}
+    procfs = procfs_identity(selector)  # the kernel module's words too: a restore then compares like with like
+    return {**system_identity(), **nvml_identity(selector), **seen, **({"procfs": procfs} if procfs else {}),
+            "criu": criu_identity(criu)}
 
 
 def build_profile(memory_bytes: int, timeout: float) -> Profile:

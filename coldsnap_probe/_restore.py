@@ -30,7 +30,7 @@ from ._engine import ABORT_POLL, resume_engine, validated_graph_record
 from ._host import host_identity
 from ._process import criu_environment, process_state, process_tree, require_state, run_criu, stop, tail
 from ._reports import RestoredGraphPolicy, RestoreReport
-from ._target import check_target, confirmed_identity
+from ._target import check_target, comparable
 from .errors import RankAborted, TargetRefused, WorkerError
 from .memory import MemoryOptions, MemoryRestores, RestoreScope
 
@@ -140,7 +140,7 @@ class _Restore:
         """This host against the captured one, every fact (`_target`): nothing is started on a host that cannot
         restore the capture."""
         captured, boundary = self.captured.get("identity", {}), self.captured["boundary"]
-        current = confirmed_identity(captured, current, boundary)
+        captured, current = comparable(captured, current, boundary)
         try:
             self.report.identity_compatibility = check_target(captured, current, boundary)
         except TargetRefused as exc:

@@ -30,7 +30,7 @@ from typing import Any
 from ._host import GPU_FACTS, gpu_identity
 from .errors import TargetRefused
 
-__all__ = ("Mismatch", "check_target", "confirmed_identity")
+__all__ = ("Mismatch", "check_target", "comparable")
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,8 @@ class Mismatch:
 def check_target(captured: dict[str, Any], current: dict[str, Any], boundary: str) -> str:
     """`exact`, `driver-upgraded` or `pre-cuda-template`; raises `TargetRefused` naming every mismatched fact.
 
-    `captured` is the capture's `identity`, `current` this host's (`host_identity`, with NVML's facts where procfs
-    could not confirm the captured ones: `confirmed_identity`)."""
+    `captured` is the capture's `identity`, `current` this host's (`host_identity`), both in one vocabulary
+    (`comparable`)."""
     found = [*_system(captured, current), *_criu(captured.get("criu") or {}, current.get("criu") or {})]
     if boundary != "n580":
         found += _gpu(captured, current)
@@ -110,16 +110,21 @@ def _known_differ(code: str, fact: str, captured: dict[str, Any], current: dict[
     return [Mismatch(code, fact, was, now)] if was is not None and now is not None and was != now else []
 
 
-def confirmed_identity(captured: dict[str, Any], current: dict[str, Any], boundary: str) -> dict[str, Any]:
-    """`current` where procfs gave its GPU facts and they match the captured ones exactly (or a pre-CUDA template
-    does not compare them), else `current` with NVML's facts: procfs only confirms an exact match, so an upgrade
-    or a refusal is NVML's verdict, as the captured identity is NVML's (a GPU whose procfs model were written
-    unlike NVML's name is then not refused for it)."""
-    if (boundary == "n580" or current.get("gpu_identity_source") != "procfs"
-            or all(captured.get(key) == current.get(key) for key in ("driver_version", "gpu_name"))):
-        return current
+def comparable(captured: dict[str, Any], current: dict[str, Any],
+               boundary: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The captured and current identities in one vocabulary. The capture records NVML's GPU facts (and, since
+    issue 36, the kernel module's under `procfs`); a restore reads procfs where it answers (milliseconds, against
+    NVML's ~0.1 s). procfs against a recorded procfs compares like with like, a match or a mismatch alike. Against
+    an older capture without it, procfs only confirms an exact match, and anything else is NVML's verdict (a GPU
+    whose procfs model were written unlike NVML's name is then not refused for it)."""
+    if boundary == "n580" or current.get("gpu_identity_source") != "procfs":
+        return captured, current
+    if isinstance(recorded := captured.get("procfs"), dict):
+        return {**captured, **recorded}, current
+    if all(captured.get(key) == current.get(key) for key in ("driver_version", "gpu_name")):
+        return captured, current
     system = {key: value for key, value in current.items() if key not in GPU_FACTS}  # none of procfs's is kept
-    return {**system, **gpu_identity(nvml=True)}
+    return captured, {**system, **gpu_identity(nvml=True)}
 
 
 def _leading_int(version: Any) -> int | None:

@@ -17,7 +17,7 @@ import pytest
 
 from coldsnap_probe._host import DEVICE_SELECTOR_ENV, nvml_identity
 from coldsnap_probe._process import audit_pre_cuda
-from coldsnap_probe._target import check_target, confirmed_identity
+from coldsnap_probe._target import check_target, comparable
 from coldsnap_probe._worker import image_digest, process_tree
 from coldsnap_probe.errors import TargetRefused, WorkerError
 from tests.helpers import ROOT
@@ -86,26 +86,44 @@ def test_n580_audit_refuses_a_process_that_maps_a_cuda_driver_library(tmp_path: 
 H200 = {"architecture": "x86_64", "driver_version": "580.159.04", "gpu_name": "NVIDIA H200"}
 
 
-def test_confirmed_identity_keeps_a_procfs_identity_that_matches_the_capture() -> None:
+def test_a_procfs_identity_that_matches_an_older_capture_is_kept() -> None:
     current = {**H200, "gpu_identity_source": "procfs"}
-    assert confirmed_identity(H200, current, "n610") is current
+    assert comparable(H200, current, "n610") == (H200, current)
     upgraded = {**H200, "driver_version": "610.43.02", "gpu_identity_source": "procfs"}
-    assert confirmed_identity(H200, upgraded, "n580") is upgraded  # a template compares no GPU fact
+    assert comparable(H200, upgraded, "n580") == (H200, upgraded)  # a template compares no GPU fact
 
 
 @pytest.mark.parametrize("changed", [{"driver_version": "610.43.02"}, {"driver_version": "575.1"},
                                      {"gpu_name": "NVIDIA H200 NVL"}, {"driver_version": None}])
-def test_confirmed_identity_leaves_any_difference_to_nvml(changed: dict[str, Any]) -> None:
-    """procfs only confirms an exact match; NVML (the captures' source) decides the rest: here, without a driver,
-    the driver version is then unknown and the restore refuses; on the GPU host NVML's real facts are compared."""
-    confirmed = confirmed_identity(H200, {**H200, **changed, "gpu_identity_source": "procfs"}, "n610")
+def test_against_an_older_capture_procfs_leaves_any_difference_to_nvml(changed: dict[str, Any]) -> None:
+    """A capture without its procfs facts: procfs only confirms an exact match; NVML (the capture's source)
+    decides the rest: here, without a driver, the driver version is then unknown and the restore refuses; on the
+    GPU host NVML's real facts are compared."""
+    captured, confirmed = comparable(H200, {**H200, **changed, "gpu_identity_source": "procfs"}, "n610")
     nvml = nvml_identity(os.environ.get(DEVICE_SELECTOR_ENV, "0"))
-    assert confirmed["gpu_identity_source"] == "nvml" and confirmed["architecture"] == "x86_64"
+    assert captured == H200 and confirmed["gpu_identity_source"] == "nvml" and confirmed["architecture"] == "x86_64"
     assert {k: confirmed.get(k) for k in ("driver_version", "gpu_uuid", "gpu_name")} == {
         k: nvml.get(k) for k in ("driver_version", "gpu_uuid", "gpu_name")}
     if not has_nvidia_driver():
         with pytest.raises(TargetRefused, match="driver-unknown"):
-            check_target(H200, confirmed, "n610")
+            check_target(captured, confirmed, "n610")
+
+
+def test_a_capture_that_recorded_procfs_is_compared_procfs_to_procfs_without_nvml() -> None:
+    """Issue 36 item 4 (<= 50 ms): a mismatch read from procfs is refused on procfs's own words, as a match is
+    accepted, when the capture recorded them (`identity.procfs`)."""
+    criu = {"version": "Version: 4.2", "version_exit_code": 0}
+    recorded = {**H200, "criu": criu, "gpu_name": "NVIDIA H200 (NVML)",
+                "procfs": {"driver_version": "580.159.04", "gpu_uuid": "GPU-1", "gpu_name": "NVIDIA H200"}}
+    here = {**H200, "criu": criu, "gpu_uuid": "GPU-1", "gpu_identity_source": "procfs"}
+    captured, current = comparable(recorded, here, "n610")
+    assert current is here and check_target(captured, current, "n610") == "exact"
+    elsewhere = {**here, "gpu_name": "NVIDIA GB10"}
+    captured, current = comparable(recorded, elsewhere, "n610")
+    assert current is elsewhere  # no NVML read
+    with pytest.raises(TargetRefused, match=r"gpu-model-mismatch \(gpu_name: captured 'NVIDIA H200', this host "
+                                            r"'NVIDIA GB10'\)"):
+        check_target(captured, current, "n610")
 
 
 def test_image_digest_sees_any_write(tmp_path: Path) -> None:
