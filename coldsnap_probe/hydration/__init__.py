@@ -40,7 +40,7 @@ once, at its start) and writes into the engine's allocation, which the engine ex
 checkpoint anyway (the weights are released before every capture).
 
 Any engine, unchanged (docs/interposer.md): `_interposer.py` builds and finds `libcoldsnap_cuda.so`, a CUDA
-driver API interposer (C, `coldsnap_probe/interposer/`) that routes an engine's device allocations through
+driver API interposer (C, `coldsnap_probe/hydration/interposer/`) that routes an engine's device allocations through
 VMM, dumps and releases them before the CUDA lock and hydrates them after restore; `DeviceDump` is its
 manifest and `check_dump` its checks.
 

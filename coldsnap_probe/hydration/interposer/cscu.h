@@ -116,6 +116,9 @@ struct cscu_driver {
 
 /* The driver, loaded once; NULL when libcuda.so.1 or one of the entry points above is missing. */
 CSCU_HIDDEN const struct cscu_driver *cscu_driver(void);
+/* The C library's own dlsym (the next one after ours: never our wrapper). */
+typedef void *(*dlsym_fn)(void *, const char *);
+CSCU_HIDDEN dlsym_fn cscu_real_dlsym(void);
 /* The real `name` in libcuda.so.1 (never one of ours), or NULL. */
 CSCU_HIDDEN void *cscu_real(const char *name);
 /* CUDA_ERROR_... name of `rc` (static storage). */
@@ -163,6 +166,11 @@ CSCU_HIDDEN void cscu_count(enum cscu_kind kind);
 /* Appends the counts as a JSON object to `out` (at most `room` bytes); the number of bytes written. */
 CSCU_HIDDEN size_t cscu_counts_json(char *out, size_t room);
 
+/* What the first allocation taken starts (the control socket: control.c registers it at load, so that the
+ * regions never call up into the socket that drives them): 0 when running, nonzero to leave allocations to the
+ * real cuMemAlloc. Without a registered hook no allocation is taken. */
+CSCU_HIDDEN void cscu_regions_on_start(int (*start)(void));
+
 /* cuMemAlloc / cuMemFree through VMM. cscu_alloc returns CUDA_ERROR_NOT_FOUND when the allocation is not
  * ours to take (`*why`: CSCU_SMALL under the threshold, CSCU_FALLBACK when inert, without a control socket or
  * when the driver refused a VMM step other than for memory): the caller then uses the real cuMemAlloc. */
@@ -201,10 +209,6 @@ CSCU_HIDDEN int cscu_gate_is_open(void);
  * reaches one of our gated names from inside the release's or the hydration's own calls must not wait for their
  * end). */
 CSCU_HIDDEN void cscu_gate_exempt(void);
-
-/* --- the control socket ------------------------------------------------------------------------------------ */
-/* Starts the control thread once; 0 when it listens, -1 when it cannot (the process then stays pass-through). */
-CSCU_HIDDEN int cscu_control_start(void);
 
 /* --- the dump (release) and fill (hydrate) ------------------------------------------------------------------ */
 /* Each writes a JSON answer (`{"ok":...}`) into `out`; `dir` is the dump directory, `policy` "same-model" or
