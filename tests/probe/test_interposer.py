@@ -421,9 +421,12 @@ def test_a_socket_another_process_listens_on_is_not_asked_to_release(engine: tup
 
 
 HARNESS = r"""
+#include "driver.c"
 #include "interpose.c"
 #include "regions.c"
 #include "control.c"
+#include "connection.c"
+#include "operations.c"
 #include "request.c"
 #include "sha256.c"
 #include "dump.c"
@@ -481,9 +484,12 @@ def test_the_manifest_the_library_writes_is_the_one_the_worker_reads(tmp_path: P
 
 
 GATE_HARNESS = r"""
+#include "driver.c"
 #include "interpose.c"
 #include "regions.c"
 #include "control.c"
+#include "connection.c"
+#include "operations.c"
 #include "request.c"
 #include "sha256.c"
 #include "dump.c"

@@ -296,7 +296,7 @@ void cscu_regions_on_start(int (*start)(void))
     __atomic_store_n(&start_hook, start, __ATOMIC_RELEASE);
 }
 
-static int started(void)
+static int socket_started(void)
 {
     int (*start)(void) = __atomic_load_n(&start_hook, __ATOMIC_ACQUIRE);
     return start && start() == 0;
@@ -315,7 +315,7 @@ CUresult cscu_alloc(CUdeviceptr *out, size_t size, enum cscu_kind *why)
         *why = CSCU_SMALL;
         return CUDA_ERROR_NOT_FOUND;
     }
-    if (!started() || d->ctx_get_current(&r.context) != CUDA_SUCCESS || !r.context
+    if (!socket_started() || d->ctx_get_current(&r.context) != CUDA_SUCCESS || !r.context
         || d->ctx_get_device(&r.device) != CUDA_SUCCESS)
         return CUDA_ERROR_NOT_FOUND;
     cscu_device_prop(&prop, r.device);
