@@ -27,8 +27,6 @@
 #include "control.h"
 #include "dump.h"
 
-#define MAX_LINE 65536
-
 /* The descriptors a connection brought, in arrival order. Invariant: every one is in `fds` (closed by `forget`)
  * or was closed on arrival (`dropped`: beyond CSCU_STAGED_MAX, or when `fds` could not grow). */
 struct received { int *fds; size_t count, room, dropped; int truncated; };
@@ -142,7 +140,7 @@ static int read_pages(int conn, size_t want, size_t pages, struct received *got,
 }
 
 /* The request line (descriptors riding with it go to `got`), NUL-terminated in place of its newline: its length,
- * -1 when the peer sent no newline by the deadline, -2 when not within MAX_LINE bytes, -3 when more than a page
+ * -1 when the peer sent no newline by the deadline, -2 when not within CSCU_REQUEST_LINE bytes, -3 when more than a page
  * of descriptors rode with it (an asker sends them with the line's first bytes or in pages after it: one that
  * trickles the line with a page on every byte is stopped there, not at CSCU_STAGED_MAX). `*after`: the bytes read past
  * the newline (the first pages). */
@@ -151,16 +149,16 @@ static long read_line(int conn, char *line, struct received *got, double deadlin
     size_t n = 0;
     ssize_t got_bytes = 0;
     char *end;
-    while (n < MAX_LINE && !memchr(line, '\n', n) && cscu_now() < deadline) {
+    while (n < CSCU_REQUEST_LINE && !memchr(line, '\n', n) && cscu_now() < deadline) {
         receive_by(conn, deadline);
-        if ((got_bytes = receive(conn, line + n, MAX_LINE - n, got)) <= 0)
+        if ((got_bytes = receive(conn, line + n, CSCU_REQUEST_LINE - n, got)) <= 0)
             break;
         n += (size_t)got_bytes;
         if (got->count + got->dropped > CSCU_PAGE_FDS)
             return -3;
     }
     if (!(end = memchr(line, '\n', n)))
-        return n >= MAX_LINE ? -2 : -1;
+        return n >= CSCU_REQUEST_LINE ? -2 : -1;
     *end = '\0';
     *after = n - (size_t)(end - line) - 1;
     return end - line;
@@ -175,9 +173,11 @@ static void answer_one(int conn, char *line, char *out, size_t room, struct rece
     double deadline = cscu_now() + cscu_config()->request_s;
     long want, length = read_line(conn, line, got, deadline, &after);
     if (length < 0) {
-        cscu_refuse(out, room, "request", "%s", length == -2 ? "longer than 65536 bytes" : length == -3 ? "more "
-                    "than 16 descriptors came with the request line (send them in pages after it)"
-                    : "not one newline-terminated line");
+        if (length == -2)
+            cscu_refuse(out, room, "request", "longer than %d bytes", CSCU_REQUEST_LINE);
+        else
+            cscu_refuse(out, room, "request", "%s", length == -3 ? "more than 16 descriptors came with the request "
+                        "line (send them in pages after it)" : "not one newline-terminated line");
     } else if (cscu_request_parse(line, &req, error, sizeof(error)) != 0) {
         cscu_refuse(out, room, "request", "%s", error);
     } else if ((want = cscu_request_allocations(&req, CSCU_STAGED_MAX)) < 0) {
@@ -226,13 +226,13 @@ static void send_answer(int conn, char *out, char *scratch)
     }
     shutdown(conn, SHUT_WR);
     setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
-    while (recv(conn, scratch, MAX_LINE, 0) > 0) {}
+    while (recv(conn, scratch, CSCU_REQUEST_LINE, 0) > 0) {}
 }
 
 void cscu_serve_connection(int conn)
 {
     size_t room = cscu_answer_room();
-    char *line = calloc(1, MAX_LINE + 1), *out = calloc(1, room);
+    char *line = calloc(1, CSCU_REQUEST_LINE + 1), *out = calloc(1, room);
     struct received got = {NULL, 0, 0, 0, 0};
     struct timeval timeout = {cscu_config()->request_s, 0};
     if (!line || !out)

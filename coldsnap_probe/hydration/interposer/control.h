@@ -9,8 +9,6 @@
 #include "cscu.h"
 #include "request.h"
 
-#define CSCU_PAGE_FDS 16     /* descriptors one page may carry (the worker's INTERPOSER_PAGE) */
-#define CSCU_STAGED_MAX 4096 /* descriptors one request may bring: the node hydrator's STAGE_ALLOCATIONS */
 
 /* Serve connection `conn` (a request, its answer); the descriptor stays the caller's. */
 CSCU_HIDDEN void cscu_serve_connection(int conn);

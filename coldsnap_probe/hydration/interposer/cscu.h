@@ -12,6 +12,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "constants.h"
+
 #define CSCU_HIDDEN __attribute__((visibility("hidden")))
 #define CSCU_EXPORT __attribute__((visibility("default")))
 
@@ -46,6 +48,10 @@ typedef struct CUDA_GRAPH_INSTANTIATE_PARAMS_st CUDA_GRAPH_INSTANTIATE_PARAMS;
 typedef struct CUDA_LAUNCH_PARAMS_st CUDA_LAUNCH_PARAMS;
 typedef struct CUmemDecompressParams_st CUmemDecompressParams;
 
+/* The layouts the driver ABI fixes (cuda.h), checked where they are declared. */
+_Static_assert(sizeof(CUuuid) == 16, "CUuuid is 16 bytes");
+_Static_assert(sizeof(CUipcMemHandle) == 64, "CU_IPC_HANDLE_SIZE is 64");
+
 #define CUDA_SUCCESS 0
 #define CUDA_ERROR_INVALID_VALUE 1
 #define CUDA_ERROR_OUT_OF_MEMORY 2
@@ -74,6 +80,12 @@ typedef struct {
     CUmemLocation location;
     int flags;                              /* CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3 */
 } CUmemAccessDesc;
+
+_Static_assert(sizeof(CUmemLocation) == 8, "CUmemLocation is 8 bytes (passed by value)");
+_Static_assert(sizeof(CUmemAllocationProp) == 32 && offsetof(CUmemAllocationProp, location) == 8
+               && offsetof(CUmemAllocationProp, win32HandleMetaData) == 16
+               && offsetof(CUmemAllocationProp, allocFlags) == 24, "CUmemAllocationProp's CUDA 11 layout");
+_Static_assert(sizeof(CUmemAccessDesc) == 12, "CUmemAccessDesc is 12 bytes");
 
 #define CU_MEM_ALLOCATION_TYPE_PINNED 1
 #define CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR 1
@@ -231,8 +243,5 @@ CSCU_HIDDEN void cscu_sha256_final(cscu_sha256 *ctx, unsigned char out[32]);
 /* "libcrypto" or "builtin". */
 CSCU_HIDDEN const char *cscu_sha256_engine(void);
 
-#define CSCU_DIGEST_CHUNK ((size_t)64 << 20)    /* the sha256-64m digest's chunk (hydration/_weights.py) */
-#define CSCU_SEGMENT ((size_t)1 << 30)          /* bytes of one dump file (tmpfs serialises writes per file) */
-#define CSCU_ANSWER 65536                         /* bytes of a control answer beyond the manifest */
 
 #endif

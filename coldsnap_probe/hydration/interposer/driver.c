@@ -63,7 +63,7 @@ static size_t env_size(const char *name, size_t fallback, size_t unit)
 
 static void config_read(void)
 {
-    const char *socket = getenv("COLDSNAP_CUDA_INTERPOSER_SOCKET");
+    const char *socket = getenv(CSCU_ENV_SOCKET);
     config.threshold = env_size("COLDSNAP_CUDA_INTERPOSER_THRESHOLD", (size_t)2 << 20, 1);
     cpu_set_t cpus;
     int usable = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 8;

@@ -237,7 +237,7 @@ void cscu_segment_digest(const struct job *job, size_t segment, char out[80])
             if (job->items[i].segment == segment && job->items[i].offset == round * CSCU_DIGEST_CHUNK)
                 cscu_sha256_update(&h, job->items[i].digest, 32);
     cscu_sha256_final(&h, digest);
-    int n = snprintf(out, 80, "sha256-64m:");
+    int n = snprintf(out, 80, CSCU_DIGEST_PREFIX);
     for (int i = 0; i < 32; i++)
         n += snprintf(out + n, (size_t)(80 - n), "%02x", digest[i]);
 }
@@ -284,7 +284,7 @@ static void manifest(struct answer *a, const char *dir, double seconds[7], size_
 {
     size_t count;
     struct cscu_region *regions = cscu_regions(&count);
-    put(a, "{\"ok\":true,\"manifest\":{\"format\":1,\"kind\":\"coldsnap-device-dump\",\"pid\":%d,\"dir\":\"",
+    put(a, "{\"ok\":true,\"manifest\":{\"format\":1,\"kind\":\"" CSCU_DUMP_KIND "\",\"pid\":%d,\"dir\":\"",
         (int)getpid());
     put_text(a, dir);
     put(a, "\",\"digest_engine\":\"%s\",\"segment_bytes\":%zu,\"threshold\":%zu,\"bytes\":%zu,\"regions\":[",
@@ -324,7 +324,7 @@ static int plan_segments(struct cscu_region *regions, size_t count)
             s->region = i;
             s->offset = at;
             s->size = regions[i].size - at < CSCU_SEGMENT ? regions[i].size - at : CSCU_SEGMENT;
-            snprintf(s->file, sizeof(s->file), "seg-%zu.bin", cscu_segment_count);
+            snprintf(s->file, sizeof(s->file), CSCU_SEGMENT_FILE, cscu_segment_count);
         }
     return 0;
 }

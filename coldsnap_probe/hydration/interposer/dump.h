@@ -15,6 +15,7 @@ struct segment {
     char file[32];
     char digest[80];                /* sha256-64m:<hex>, recorded at release */
 };
+_Static_assert(sizeof(((struct segment *)0)->digest) >= CSCU_DIGEST_TEXT, "a digest's text fits");
 struct item { size_t segment, offset, size; unsigned char digest[32]; };
 struct job {
     struct item *items;

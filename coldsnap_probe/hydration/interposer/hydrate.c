@@ -65,7 +65,7 @@ static int check_devices(const char *policy, char *error, size_t room)
                      cscu_error_name(rc));
             return -1;
         }
-        if (strcmp(name, r->name) != 0 || (strcmp(policy, "same-gpu") == 0 && strcmp(uuid, r->uuid) != 0)) {
+        if (strcmp(name, r->name) != 0 || (strcmp(policy, CSCU_POLICY_SAME_GPU) == 0 && strcmp(uuid, r->uuid) != 0)) {
             snprintf(error, room, "region %#llx was dumped on %s (%s), this GPU is %s (%s): policy %s refuses %s",
                      r->address, r->name, r->uuid, name, uuid, policy,
                      strcmp(name, r->name) != 0 ? "another GPU model" : "another GPU");

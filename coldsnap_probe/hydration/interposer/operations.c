@@ -174,9 +174,9 @@ static void release(const struct cscu_request *req, char *out, size_t room)
 /* The refusal of a hydrate request's fields, or NULL when it may go on. */
 static const char *hydrate_refusal(const struct cscu_request *req, const char *policy, const char *verify)
 {
-    if (strcmp(verify, "digest") != 0 && strcmp(verify, "sampled") != 0)
+    if (strcmp(verify, CSCU_VERIFY_DIGEST) != 0 && strcmp(verify, CSCU_VERIFY_SAMPLED) != 0)
         return "`verify` must be digest or sampled";
-    if (strcmp(policy, "same-model") != 0 && strcmp(policy, "same-gpu") != 0)
+    if (strcmp(policy, CSCU_POLICY_SAME_MODEL) != 0 && strcmp(policy, CSCU_POLICY_SAME_GPU) != 0)
         return "`policy` must be same-model or same-gpu";
     if (req->has_dir && req->dir[0] != '/')
         return "`dir` must be an absolute path";
@@ -185,8 +185,8 @@ static const char *hydrate_refusal(const struct cscu_request *req, const char *p
 
 static void hydrate(const struct cscu_request *req, const int *fds, size_t count, char *out, size_t room)
 {
-    const char *policy = req->policy[0] ? req->policy : "same-model";
-    const char *verify = req->verify[0] ? req->verify : "digest";
+    const char *policy = req->policy[0] ? req->policy : CSCU_POLICY_SAME_MODEL;
+    const char *verify = req->verify[0] ? req->verify : CSCU_VERIFY_DIGEST;
     const char *dir = req->has_dir ? req->dir : released_dir;
     const char *why = hydrate_refusal(req, policy, verify);
     if (why) {
@@ -197,7 +197,7 @@ static void hydrate(const struct cscu_request *req, const int *fds, size_t count
     if (count)  /* a node hydrator filled one allocation per region while the process was restored */
         cscu_hydrate_staged(dir, policy, fds, count, out, room);
     else
-        cscu_hydrate(dir, policy, strcmp(verify, "digest") == 0, out, room);
+        cscu_hydrate(dir, policy, strcmp(verify, CSCU_VERIFY_DIGEST) == 0, out, room);
     int all = regions_mapped(1);
     cscu_regions_unlock();
     if (all && strncmp(out, "{\"ok\":true", 10) == 0) {
