@@ -45,7 +45,8 @@ VMM, dumps and releases them before the CUDA lock and hydrates them after restor
 manifest and `check_dump` its checks.
 
 Where each part lives (this subpackage): `_weights.py` (regions, digests, sources, the manifest; no
-CUDA), `_vmm.py` (CUDA virtual memory and the copy engines), `_arena.py` (the engine's `WeightArena` and
+CUDA), `_vmm.py` (CUDA virtual memory), `_copy.py` (the copy engine: files or page-locked memory to
+the device, the way they are read a strategy), `_arena.py` (the engine's `WeightArena` and
 its control socket), `_hydrator.py` (the node's `HydratorServer` and the worker's `Stager`),
 `_peer_files.py` (what a hydrator's peer may have read: its sources, a stage-dump's parts), `_peer_view.py`
 (a peer's files opened in its own view: its root and credentials, never "uid 0 reads everything") and
