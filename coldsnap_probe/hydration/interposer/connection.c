@@ -175,9 +175,11 @@ static void answer_one(int conn, char *line, char *out, size_t room, struct rece
     if (length < 0) {
         if (length == -2)
             cscu_refuse(out, room, "request", "longer than %d bytes", CSCU_REQUEST_LINE);
+        else if (length == -3)
+            cscu_refuse(out, room, "request", "more than %d descriptors came with the request line (send them in "
+                        "pages after it)", CSCU_PAGE_FDS);
         else
-            cscu_refuse(out, room, "request", "%s", length == -3 ? "more than 16 descriptors came with the request "
-                        "line (send them in pages after it)" : "not one newline-terminated line");
+            cscu_refuse(out, room, "request", "not one newline-terminated line");
     } else if (cscu_request_parse(line, &req, error, sizeof(error)) != 0) {
         cscu_refuse(out, room, "request", "%s", error);
     } else if ((want = cscu_request_allocations(&req, CSCU_STAGED_MAX)) < 0) {

@@ -227,7 +227,7 @@ int cscu_copy(struct job *job, int fill, const char *take)
 }
 
 /* The segment digest from its chunk digests, in chunk order. */
-void cscu_segment_digest(const struct job *job, size_t segment, char out[80])
+void cscu_segment_digest(const struct job *job, size_t segment, char out[CSCU_DIGEST_TEXT])
 {
     cscu_sha256 h;
     unsigned char digest[32];
@@ -237,9 +237,9 @@ void cscu_segment_digest(const struct job *job, size_t segment, char out[80])
             if (job->items[i].segment == segment && job->items[i].offset == round * CSCU_DIGEST_CHUNK)
                 cscu_sha256_update(&h, job->items[i].digest, 32);
     cscu_sha256_final(&h, digest);
-    int n = snprintf(out, 80, CSCU_DIGEST_PREFIX);
+    int n = snprintf(out, CSCU_DIGEST_TEXT, CSCU_DIGEST_PREFIX);
     for (int i = 0; i < 32; i++)
-        n += snprintf(out + n, (size_t)(80 - n), "%02x", digest[i]);
+        n += snprintf(out + n, CSCU_DIGEST_TEXT - (size_t)n, "%02x", digest[i]);
 }
 
 

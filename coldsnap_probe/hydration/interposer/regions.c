@@ -248,20 +248,22 @@ CUresult cscu_map(struct cscu_region *r)
     CUmemAccessDesc access = {{CU_MEM_LOCATION_TYPE_DEVICE, r->device}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
     CUmemGenericAllocationHandle handle = 0;
     cscu_device_prop(&prop, r->device);
+    int mapped = 0;
     CUresult rc = d->create(&handle, r->size, &prop, 0);
     if (rc != CUDA_SUCCESS)
-        return rc;
-    if ((rc = d->map(r->address, r->size, 0, handle, 0)) != CUDA_SUCCESS) {
-        d->release(handle);
-        return rc;
-    }
-    if ((rc = d->set_access(r->address, r->size, &access, 1)) != CUDA_SUCCESS) {
-        d->unmap(r->address, r->size);
-        d->release(handle);
-        return rc;
-    }
+        return rc;  /* nothing made yet */
+    if ((rc = d->map(r->address, r->size, 0, handle, 0)) != CUDA_SUCCESS)
+        goto undo;
+    mapped = 1;
+    if ((rc = d->set_access(r->address, r->size, &access, 1)) != CUDA_SUCCESS)
+        goto undo;
     r->handle = handle;
     return CUDA_SUCCESS;
+undo:  /* on failure nothing is left behind */
+    if (mapped)
+        d->unmap(r->address, r->size);
+    d->release(handle);
+    return rc;
 }
 
 CUresult cscu_unmap(struct cscu_region *r)
