@@ -47,7 +47,7 @@ MIB = 1 << 20
 @pytest.fixture(scope="module")
 def library(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path, diagnostics = build_library(tmp_path_factory.mktemp("interposer"))
-    assert diagnostics == "", f"gcc -Wall -Wextra is not clean:\n{diagnostics}"
+    assert diagnostics == "", f"gcc -Wall -Wextra -Werror is not clean:\n{diagnostics}"
     return path
 
 
