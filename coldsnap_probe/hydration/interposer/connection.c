@@ -140,10 +140,10 @@ static int read_pages(int conn, size_t want, size_t pages, struct received *got,
 }
 
 /* The request line (descriptors riding with it go to `got`), NUL-terminated in place of its newline: its length,
- * -1 when the peer sent no newline by the deadline, -2 when not within CSCU_REQUEST_LINE bytes, -3 when more than a page
- * of descriptors rode with it (an asker sends them with the line's first bytes or in pages after it: one that
- * trickles the line with a page on every byte is stopped there, not at CSCU_STAGED_MAX). `*after`: the bytes read past
- * the newline (the first pages). */
+ * -1 when the peer sent no newline by the deadline, -2 when not within CSCU_REQUEST_LINE bytes, -3 when more than
+ * a page of descriptors rode with it (an asker sends them with the line's first bytes or in pages after it: one
+ * that trickles the line with a page on every byte is stopped there, not at CSCU_STAGED_MAX). `*after`: the bytes
+ * read past the newline (the first pages). */
 static long read_line(int conn, char *line, struct received *got, double deadline, size_t *after)
 {
     size_t n = 0;
