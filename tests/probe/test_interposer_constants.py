@@ -5,6 +5,7 @@ the driver-ABI layouts the header asserts (`_Static_assert`s) hold where the lib
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import shutil
@@ -15,9 +16,10 @@ from typing import Any
 import pytest
 
 from coldsnap_probe._device_memory import INTERPOSER_PAGE
-from coldsnap_probe.hydration._interposer import _SEGMENT_FILE, DUMP_KIND, ENV_SOCKET, POLICIES, SOURCES
+from coldsnap_probe.hydration._interposer import _SEGMENT_FILE, DUMP_KIND, ENV_SOCKET, GCC_FLAGS, POLICIES, SOURCES
 from coldsnap_probe.hydration._peer_files import STAGE_ALLOCATIONS
 from coldsnap_probe.hydration._weights import DIGEST_CHUNK, DIGEST_PREFIX
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 
@@ -83,3 +85,12 @@ def test_no_constant_is_left_in_the_sources_it_names(header: dict[str, Any]) -> 
         for value in (header["dump_kind"], '"seg-', f'"{header["digest_prefix"]}', f'"{header["env_socket"]}"',
                       '"same-model"', '"same-gpu"'):
             assert value not in text, f"{path.name} spells out {value} (use constants.h)"
+
+
+def test_the_interposer_is_built_as_strictly_as_nccl_shim() -> None:
+    """The interposer (built on the node, `_interposer.build_library`) gets every warning flag the shim's build
+    (setup.py) gives it, -Werror included; only the dialect differs (gnu11: dlvsym, __typeof__)."""
+    setup = ast.parse((ROOT / "setup.py").read_text())
+    shim = next(ast.literal_eval(k.value) for node in ast.walk(setup) if isinstance(node, ast.Call)
+                for k in node.keywords if k.arg == "extra_compile_args")
+    assert "-Werror" in shim and {f for f in shim if not f.startswith("-std=")} <= set(GCC_FLAGS)
