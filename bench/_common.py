@@ -1,4 +1,4 @@
-"""Shared bench helpers: percentiles, a table printer, and the real daemon from the test helpers."""
+"""Shared bench helpers: percentiles, a table printer, and the real daemon (bench/_daemon.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.helpers import Daemon, Session, running_daemon
+from bench._daemon import Daemon, Session, running_daemon
 
 __all__ = ("Daemon", "Session", "become_subreaper", "kill_and_reap", "mode_list", "percentile", "process_stats",
            "running_daemon", "stages", "summary", "table")

@@ -2,7 +2,7 @@
 
     python3 bench/capsule_confinement.py LABEL MIB RESTORES OUT_JSON
 
-Run by ``scripts/device-confine`` in a container of each confinement side by side (the confined capsule of
+Run by ``scripts/device confine`` in a container of each confinement side by side (the confined capsule of
 today, the grant of before): a target holding MIB MiB of device memory (``tests/probe/_gpu_target.py``, run as
 a program) is verified, captured by ``python3 -m coldsnap_probe capture`` and restored RESTORES times by
 ``python3 -m coldsnap_probe restore``, each restore verified on the device and killed again. Writes the

@@ -1,10 +1,10 @@
-"""bench/e2e_restore.py's run (issue 22 item 3, "through the daemon"): the modes side by side in one run, each
-with the bench's tuning where it applies, and the two tables.
+"""The restore through the daemon, run (issue 22 item 3): the modes side by side in one run, each with the
+bench's tuning where it applies, and the two tables; the sequence's steps are bench/e2e_restore.py's.
 
-    python bench/e2e_restore.py --state-dir DIR --capsule TAG --weights DIR --work DIR --out DIR
-                                [--modes interposer,interposer-hydrator,hydrator,full] [--restores 3]
-                                [--images-root /dev/shm/cs-e2e-img] [--criu-threads N] [--stack-bytes 256]
-                                [--plain-capsule TAG] [--budget S]
+    python bench/e2e_modes.py --state-dir DIR --capsule TAG --weights DIR --work DIR --out DIR
+                              [--modes interposer,interposer-hydrator,hydrator,full] [--restores 3]
+                              [--images-root /dev/shm/cs-e2e-img] [--criu-threads N] [--stack-bytes 256]
+                              [--plain-capsule TAG] [--budget S]
 
 The modes (the engine is bench/e2e_restore.py's `engines/engine_llama.py`, the same model and tokens in each):
 
@@ -24,7 +24,7 @@ The modes (the engine is bench/e2e_restore.py's `engines/engine_llama.py`, the s
 
 Every mode: `CRIU_RESTORE_THREADS` in the units (default: the CPUs this host gives the unit, CRIU 4.2's parallel
 page restore), the images where `--images-root` says (tmpfs: `/dev/shm/...`), transparent huge pages as the
-node has them (scripts/device-e2e sets `always` for the run and puts the old mode back). The CUDA stack limit
+node has them (scripts/device e2e sets `always` for the run and puts the old mode back). The CUDA stack limit
 and a discarded KV cache need a call inside the engine: the no-cooperation rows never get them, and
 engine_llama's KV cache (transformers' static cache, torch tensors) is kept in every mode. Every restore must
 give the cold start's tokens and first-step logits, and the images' digest must be the same after the restores
@@ -39,11 +39,16 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import anyio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import mode_list
 from bench.e2e_restore import (
@@ -355,7 +360,7 @@ def table(results: list[dict[str, Any]], capsule: dict[str, Any], weights_bytes:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="bench/e2e_restore.py")
+    parser = argparse.ArgumentParser(prog="bench/e2e_modes.py")
     parser.add_argument("--state-dir", required=True)
     parser.add_argument("--capsule", required=True, help="the capsule tag (with the worker and the interposer)")
     parser.add_argument("--plain-capsule", default="", help="a capsule without the worker: the bad-input case")
@@ -436,3 +441,7 @@ async def main() -> int:
     Path(args.out, "e2e-table.md").write_text(text + "\n")
     ok = all(r["ok"] for r in results) and all(r["ok"] for r in out.get("bad_input", []))
     return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(anyio.run(main))

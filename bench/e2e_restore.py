@@ -1,9 +1,10 @@
 """The restore users run (issue 12 item 4): ColdSnap's restore sequence over the format-1 envelope, timed.
 
-    python bench/e2e_restore.py --state-dir DIR --capsule TAG --weights DIR --work DIR --out DIR
-                                [--modes interposer,hydrator,full] [--restores 3] [--plain-capsule TAG] ...
+    python bench/e2e_modes.py --state-dir DIR --capsule TAG --weights DIR --work DIR --out DIR
+                              [--modes interposer,hydrator,full] [--restores 3] [--plain-capsule TAG] ...
 
-(the run, its modes, their tuning and the tables: bench/e2e_modes.py; this module is the sequence's steps)
+(the run, its modes, their tuning and the tables: bench/e2e_modes.py, the runner; this module is the sequence's
+steps, below the units (bench/interposer_units.py, bench/serve_units.py) that build on it)
 
 Against a running `coldsnap-provider serve` (state dir DIR; `[gpus] mode = "native"` and
 `[runtime] privileged = "host-capabilities"` on a host whose bounding set lacks a capability), using only
@@ -47,8 +48,8 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench._daemon import Session, open_session
 from coldsnap_provider import call_control
-from tests.helpers import Session, open_session
 
 PROMPT = [128000, 3923, 374, 279, 6864, 315, 9822, 30]
 MAX_TOKENS = 16
@@ -445,11 +446,3 @@ async def restore_unit(d: Driver, image: str, layout: Layout, name: str, capture
             "request_to_first_token_s": tokens.first - tokens.requested, "tokens": tokens.tokens,
             "first_logits_sha256": tokens.done.get("first_logits_sha256")}
 
-
-if __name__ == "__main__":
-    # The run lives in bench/e2e_modes.py (it builds on this module and on bench/interposer_units.py and
-    # bench/serve_units.py, which import this one by name): run it there, so that every class is the one
-    # bench.e2e_restore defines.
-    from bench.e2e_modes import main
-
-    sys.exit(anyio.run(main))

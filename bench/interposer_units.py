@@ -22,6 +22,7 @@ from typing import Any
 from bench.e2e_restore import Driver, E2EError, Layout
 
 INTERPOSER_LIBRARY = "/opt/coldsnap/lib/libcoldsnap_cuda.so"  # where scripts/_capsule_rootfs.py --worker builds it
+NO_IO_URING_LIBRARY = "/opt/coldsnap/lib/libcoldsnap_no_io_uring.so"  # the same: uvloop without an io_uring ring
 INTERPOSER_RUN = "/run/coldsnap"
 INTERPOSER_SOCKET = f"{INTERPOSER_RUN}/cuda-%p.sock"  # %p: one socket per CUDA process (docs/interposer.md)
 STAGING_SOCKET = f"{INTERPOSER_RUN}/hydrator.sock"  # a staged path's node hydrator

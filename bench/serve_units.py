@@ -45,7 +45,13 @@ from bench.e2e_restore import (
     output,
     unit_labels,
 )
-from bench.interposer_units import InterposerLayout, device_hydration, device_staging, interposer_environment
+from bench.interposer_units import (
+    NO_IO_URING_LIBRARY,
+    InterposerLayout,
+    device_hydration,
+    device_staging,
+    interposer_environment,
+)
 from bench.serve_client import Completion, chat_request, stream_chat
 
 HOST = "127.0.0.1"
@@ -115,6 +121,8 @@ def serve_layout(work: Path, model: Path, mode: str, *, criu_threads: int = 0) -
     interposer = mode.startswith("full-interposer")
     if interposer:
         environment.update(interposer_environment(staged=mode == STAGED))
+    # uvicorn runs on uvloop, whose libuv then keeps to epoll (no io_uring ring for CRIU to refuse)
+    environment["LD_PRELOAD"] = ":".join(filter(None, [environment.get("LD_PRELOAD"), NO_IO_URING_LIBRARY]))
     if criu_threads:
         environment["CRIU_RESTORE_THREADS"] = str(criu_threads)
     return InterposerLayout(run_dir=work / "run", images_dir=work / "images", weights=model, network="host",

@@ -3,7 +3,7 @@
     python bench/tp2_restore.py --criu CRIU --out DIR [--world-size 2] [--layers 16] [--tokens 16]
                                 [--root /dev/shm/cs-tp2]
 
-One run, on a host with `--world-size` GPUs (`scripts/device-tp2` on nvidia-h200-x2), ranks as host processes:
+One run, on a host with `--world-size` GPUs (`scripts/device tp-bare` on nvidia-h200-x2), ranks as host processes:
 1. cold start: every rank of engines/engine_tp.py from process start (imports, CUDA init, weights, process
    group, graph capture) to the first streamed token; the reference tokens and first-step logits digest.
 2. capture: one `python -m coldsnap_probe capture` worker per rank, meeting through a coordinator directory;

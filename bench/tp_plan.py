@@ -14,7 +14,7 @@ alignment), then checks the host's memory and each GPU's:
 * **GPU**: the weights, the KV cache and `GPU_WORKSPACE` (context, graph pool, NCCL buffers, the 1 GiB all-reduce
   buffer). While a rank restores, the hydrator stages its weights on the GPU while the restored engine holds
   everything but them: the same total.
-* **/dev/shm**: its size (statvfs of `--work`) must hold the weights and the images; `scripts/device-e2e-tp`
+* **/dev/shm**: its size (statvfs of `--work`) must hold the weights and the images; `scripts/device tp`
   enlarges it when the plan says so.
 Without `--layers` the shape's own layer count is used when it fits, else the largest count that fits ("the
 largest that fits", e.g. the 405B shape at TP8 on 560 GiB). Exit 0 when the run fits, 2 when it does not.

@@ -1,7 +1,9 @@
 """`python -m coldsnap_probe profile [--qualification RECORD]|capture|restore|_target|_ipc_target`: JSON on
 stdout, diagnostics on stderr.
 
-Exit status: 0 after printing the JSON; 1 with `error: <Type>: <msg>` on stderr; 2 for bad arguments.
+Exit status: 0 after printing the JSON; 1 with `error: <Type>: <msg>` on stderr; 2 for bad arguments; 3 when a
+restore is refused before any work because this host cannot restore the capture (stdout: the `restore-refused` JSON,
+one reason code per mismatched fact with both values).
 """
 
 from __future__ import annotations
@@ -107,7 +109,8 @@ def _worker(args: argparse.Namespace) -> int:
 
     from ._coordinator import Coordinator
     from ._report_dir import leave_report
-    from .errors import ProbeError
+    from .errors import ProbeError, TargetRefused
+    from .memory import MemoryOptions
 
     if (args.world_size > 1 or args.coordinator) and not (args.coordinator and args.namespace):
         sys.stderr.write("error: several ranks need --coordinator and --namespace\n")
@@ -121,16 +124,23 @@ def _worker(args: argparse.Namespace) -> int:
             from ._capture import capture
 
             report = capture(args.pid, Path(args.images), criu=args.criu, boundary=args.boundary,
-                             digest=args.digest, hydration=args.hydration, coordinator=coordinator,
-                             engine=args.engine, graph_policy=args.graph_policy,
-                             interposer=args.interposer).to_json()
+                             digest=args.digest, coordinator=coordinator, engine=args.engine,
+                             graph_policy=args.graph_policy,
+                             memory=MemoryOptions(weights_control=args.hydration,
+                                                  interposer=args.interposer)).to_json()
         else:
             from ._restore import restore
 
             report = restore(Path(args.images), criu=args.criu,
                              work=Path(args.work_dir) if args.work_dir else None, coordinator=coordinator,
-                             lazy_pages=args.lazy_pages, device_policy=args.device_policy,
-                             device_digests=args.device_digests).to_json()
+                             lazy_pages=args.lazy_pages,
+                             memory=MemoryOptions(device_policy=args.device_policy,
+                                                  device_digests=args.device_digests)).to_json()
+    except TargetRefused as exc:
+        sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")
+        sys.stdout.write(json.dumps({"kind": "restore-refused", "refused": list(exc.mismatches),
+                                     "checked_seconds": exc.seconds}, indent=2, sort_keys=True) + "\n")
+        return 3
     except (ProbeError, OSError, ValueError) as exc:
         sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")
         return 1

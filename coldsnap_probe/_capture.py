@@ -2,14 +2,15 @@
 
 n580 (a pre-CUDA template): audit -> [capture-ready] -> CRIU dump -> [dumped].
 n610 (initialized CUDA state): find the CUDA processes -> [capture-ready, the ranks agree on the graph policy]
--> quiesce the engine's communicators -> [quiesced] -> release the weights -> dump and release the device memory
-(the CUDA interposer, when a process enabled it) -> CUDA lock -> CUDA checkpoint ->
-[checkpointed] -> CRIU dump (+ hydration.json, graph.json) -> [dumped]. Brackets are the ranks' barriers.
+-> quiesce the engine's communicators -> [quiesced] -> release every memory source, in registry order
+(`memory.SOURCES`: the engine's weights, then the CUDA interposer's device memory, each recorded into the images)
+-> CUDA lock -> CUDA checkpoint -> [checkpointed] -> CRIU dump (+ graph.json) -> [dumped]. Brackets are the
+ranks' barriers.
 
 The rollback, in this order, whatever phase failed: abort the activation for every rank (peers first), let a
-stopped dumped tree run again, restore and unlock what was checkpointed and locked (reverse order), hydrate the
-released weights back, hydrate the released device memory back (and remove its dump), recreate the
-communicators the quiesce destroyed, keep CRIU's log beside the images.
+stopped dumped tree run again, restore and unlock what was checkpointed and locked (reverse order), give back
+what each memory source released, in registry order (the weights hydrated back, then the device memory hydrated
+back and its dump removed), recreate the communicators the quiesce destroyed, keep CRIU's log beside the images.
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ from pathlib import Path
 
 from ._coordinator import Coordinator
 from ._cuda import Driver
-from ._device_memory import DeviceRelease
-from ._engine import check_quiesced, engine_request, graph_plan, hydrate_back, resume_engine, write_graph_record
+from ._engine import check_quiesced, engine_request, graph_plan, resume_engine, write_graph_record
 from ._graph import GraphPlan
 from ._process import (
     anonymous_memory,
@@ -40,18 +40,19 @@ from ._process import (
     undo_cuda,
 )
 from ._profile import identity
-from ._quiesce import IDLE_WAIT_S, refuse_io_uring, wait_idle
-from ._reports import CapturedGraphPolicy, CaptureReport, ReleasedWeights
-from .errors import ProbeError, WorkerError
-from .hydration import HydrationManifest
+from ._quiesce import IDLE_WAIT_S, event_loops, wait_idle
+from ._reports import CapturedGraphPolicy, CaptureReport
+from .errors import WorkerError
+from .memory import CaptureScope, MemoryCaptures, MemoryOptions
 
 __all__ = ("capture",)
 
 
 def capture(pid: int, images: Path, *, criu: str, boundary: str = "n610", lock_timeout_ms: int = 30_000,
-            digest: bool = False, hydration: str | None = None, coordinator: Coordinator | None = None,
-            engine: str | None = None, graph_policy: str = "auto", interposer: str | None = None) -> CaptureReport:
-    """Checkpoint and dump the tree rooted at `pid` into `images` (must be new or empty)."""
+            digest: bool = False, memory: MemoryOptions | None = None, coordinator: Coordinator | None = None,
+            engine: str | None = None, graph_policy: str = "auto") -> CaptureReport:
+    """Checkpoint and dump the tree rooted at `pid` into `images` (must be new or empty); `memory` says what
+    the memory sources release."""
     if boundary not in ("n580", "n610"):
         raise WorkerError(f"boundary must be n580 or n610, got {boundary!r}")
     if images.exists() and any(images.iterdir()):
@@ -61,9 +62,9 @@ def capture(pid: int, images: Path, *, criu: str, boundary: str = "n610", lock_t
         raise WorkerError("several ranks need the engine's control socket (engine=) to release their "
                           "communicators before capture")
     images.mkdir(mode=0o700, parents=True, exist_ok=True)
-    run = _Capture(pid, images, criu=criu, boundary=boundary, ranks=ranks, hydration=hydration, engine=engine,
-                   plan=graph_plan(graph_policy, ranks.world_size) if engine and boundary == "n610" else None,
-                   interposer=interposer)
+    run = _Capture(pid, images, criu=criu, boundary=boundary, ranks=ranks, memory=memory or MemoryOptions(),
+                   engine=engine,
+                   plan=graph_plan(graph_policy, ranks.world_size) if engine and boundary == "n610" else None)
     run.run(lock_timeout_ms)
     return run.finish(digest=digest)
 
@@ -72,9 +73,9 @@ class _Capture:
     """One capture's state: what each phase did, so that `roll_back` undoes exactly that."""
 
     def __init__(self, pid: int, images: Path, *, criu: str, boundary: str, ranks: Coordinator,
-                 hydration: str | None, engine: str | None, plan: GraphPlan | None, interposer: str | None) -> None:
+                 memory: MemoryOptions, engine: str | None, plan: GraphPlan | None) -> None:
         self.pid, self.images, self.criu, self.ranks = pid, images, criu, ranks
-        self.hydration, self.engine, self.plan = hydration, engine, plan
+        self.memory_options, self.engine, self.plan = memory, engine, plan
         self.tree = process_tree(pid)
         self.report = CaptureReport(boundary=boundary, root_pid=pid, tree=self.tree, rank=ranks.rank,
                                     world_size=ranks.world_size, engine=engine)
@@ -84,8 +85,7 @@ class _Capture:
         self.driver: Driver | None = None
         self.done: list[tuple[int, str]] = []  # (pid, "locked" | "checkpointed"), in the order done
         self.quiesced = self.dumped = False
-        self.manifest: HydrationManifest | None = None
-        self.device = DeviceRelease(images, interposer)  # what the interposers released (rolled back by it)
+        self.memory: MemoryCaptures | None = None  # what the memory sources released (each rolls back its own)
 
     def run(self, lock_timeout_ms: int) -> None:
         try:
@@ -103,6 +103,7 @@ class _Capture:
     def _template(self) -> None:
         """n580: no CUDA state may be in the tree; a CPU-only dump."""
         audit_pre_cuda(self.tree)
+        self.report.event_loops = event_loops(self.tree)  # an io_uring ring would fail deep in CRIU's dump
         self.report.cuda_pids = []
         self.ranks.barrier("capture-ready", {"pid": self.pid})
         self._dump()
@@ -117,17 +118,13 @@ class _Capture:
         self._quiesce()
         self.ranks.barrier("quiesced")
         self._wait_idle()
-        if self.hydration:
-            self._release_weights(self.hydration)
-        self._release_device_memory(cuda)
+        self._release_memory(cuda)
         self.report.memory_before_checkpoint = {str(p): anonymous_memory(p) for p in self.tree}
         self._lock(self.driver, cuda, lock_timeout_ms)
         self._checkpoint(self.driver, cuda)
         self.ranks.barrier("checkpointed")
         self.report.memory_after_checkpoint = {str(p): anonymous_memory(p) for p in self.tree}
         self._dump()
-        if self.manifest is not None:
-            (self.images / "hydration.json").write_text(json.dumps(self.manifest.to_json(), indent=2) + "\n")
         if self.plan is not None:
             write_graph_record(self.images, self.plan, self.ranks.world_size)
         self.ranks.barrier("dumped")
@@ -166,33 +163,14 @@ class _Capture:
         if self.plan is not None:
             return
         started = time.perf_counter()
-        refuse_io_uring(self.tree)
+        self.report.event_loops = event_loops(self.tree)
         wait_idle(self.tree, IDLE_WAIT_S)
         self.report.timings_s["wait_idle"] = time.perf_counter() - started
 
-    def _release_weights(self, control: str) -> None:
-        """The engine's fail-before-release gate; its manifest goes into the images after the dump."""
-        started = time.perf_counter()
-        answer = engine_request(control, {"op": "release", "generation": f"capture-{time.time_ns()}"},
-                                "the engine did not release its weights (nothing was released)")
-        try:
-            manifest = HydrationManifest.from_json(answer.get("manifest"))
-        except ProbeError as exc:
-            hydrate_back(control)  # released, but not restorable from this manifest: take them back now
-            raise WorkerError(f"the engine's hydration manifest is invalid: {exc}") from exc
-        self.manifest = manifest
-        self.report.hydration = ReleasedWeights(
-            released_bytes=sum(r.size for r in manifest.regions), regions=len(manifest.regions),
-            release_seconds=time.perf_counter() - started, plan_digest=manifest.plan.plan_digest,
-            manifest_digest=manifest.manifest_digest)
-
-    def _release_device_memory(self, cuda: list[int]) -> None:
-        """Every interposer dumps its regions into the images and releases them (the addresses stay reserved)."""
-        started = time.perf_counter()
-        self.device.release(cuda)
-        if self.device.reports:
-            self.report.device_memory = self.device.reports
-            self.report.timings_s["device_release"] = time.perf_counter() - started
+    def _release_memory(self, cuda: list[int]) -> None:
+        """Every registered memory source gets its memory out of the tree and records it into the images."""
+        self.memory = MemoryCaptures(CaptureScope(self.images, cuda, self.memory_options))
+        self.memory.release(self.report)
 
     def _lock(self, driver: Driver, cuda: list[int], timeout_ms: int) -> None:
         started = time.perf_counter()
@@ -227,9 +205,8 @@ class _Capture:
             signal_tree(self.tree, signal.SIGCONT)  # the CUDA restore thread of a stopped tree must run
         if self.driver is not None:
             undo_cuda(self.driver, self.done)
-        if self.manifest is not None and self.hydration:
-            hydrate_back(self.hydration)
-        self.device.roll_back()
+        if self.memory is not None:
+            self.memory.roll_back()
         if self.quiesced and self.engine:  # every rank rolls back: recreate the communicators the capture destroyed
             with contextlib.suppress(WorkerError):
                 resume_engine(self.engine, self.ranks, self.plan.effective if self.plan else "recreate-from-plan",

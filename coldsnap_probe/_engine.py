@@ -13,11 +13,12 @@ from ._coordinator import Coordinator
 from ._graph import GraphPlan, default_graph_policy, graph_record, plan_graph_policy, validate_graph_record
 from ._host import gpu_identity
 from ._process import inet_sockets
+from ._reports import RestoredGraphPolicy
 from .errors import ContractError, ProbeError, RankAborted, WorkerError
 from .jsonline import request
 
-__all__ = ("ABORT_POLL", "check_quiesced", "engine_request", "graph_plan", "hydrate_back", "resume_engine",
-           "tp_execution", "validated_graph_record", "write_graph_record")
+__all__ = ("ABORT_POLL", "check_quiesced", "engine_request", "graph_plan", "resume_engine", "tp_execution",
+           "validated_graph_record", "write_graph_record")
 
 ABORT_POLL = 0.05  # seconds between looks at the activation's abort while the engine works
 
@@ -51,14 +52,6 @@ def engine_request(control: str, message: dict[str, Any], what: str, *, timeout:
     if not answer.get("ok"):
         raise WorkerError(f"{what}: {answer.get('error')}")
     return answer
-
-
-def hydrate_back(control: str) -> None:
-    """Rollback after a failed capture: the engine maps and hydrates its weights again and keeps serving."""
-    try:
-        request(control, {"op": "hydrate"})
-    except ProbeError:
-        pass
 
 
 def tp_execution(world_size: int, engine: str) -> dict[str, Any]:
@@ -112,8 +105,9 @@ def write_graph_record(images: Path, plan: GraphPlan, world_size: int) -> None:
     (images / "graph.json").write_text(json.dumps({"record": record, "execution": execution}, indent=2) + "\n")
 
 
-def validated_graph_record(images: Path) -> dict[str, Any] | None:
-    """The record written at capture, every rule checked and its digest recomputed; None if there is none."""
+def validated_graph_record(images: Path) -> RestoredGraphPolicy | None:
+    """The record written at capture, every rule checked and its digest recomputed: the policy it recorded, the
+    decision and the plan's digest; None if there is none."""
     path = images / "graph.json"
     if not path.exists():
         return None
@@ -121,6 +115,7 @@ def validated_graph_record(images: Path) -> dict[str, Any] | None:
         stored = json.loads(path.read_text())
         record, execution = stored["record"], stored["execution"]
         validate_graph_record(record, engine="coldsnap-engine", execution=execution, coverage=None)
+        return RestoredGraphPolicy(effective=str(record["policy_effective"]), decision=str(record["decision"]),
+                                   plan_sha256=str(record["recipe"]["plan_sha256"]))
     except (ValueError, KeyError, TypeError, AttributeError, ContractError) as exc:
         raise WorkerError(f"graph.json: {exc}") from exc
-    return dict(record)

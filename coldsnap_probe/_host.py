@@ -8,8 +8,10 @@ host with `host_identity`, which reads procfs where it answers for the selected 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
+import re
 import shutil
 import subprocess
 from typing import Any
@@ -17,13 +19,16 @@ from typing import Any
 from ._nvidia_procfs import KernelGpu, kernel_gpu
 from ._process import criu_environment
 
-__all__ = ("DEVICE_SELECTOR_ENV", "GPU_FACTS", "boot_id", "criu_identity", "gpu_identity", "host_identity",
-           "nvml_identity", "system_identity")
+__all__ = ("CAPSULE_IMAGE_ENV", "DEVICE_SELECTOR_ENV", "GPU_FACTS", "boot_id", "capsule_facts", "criu_identity",
+           "gpu_identity", "host_identity", "nvml_identity", "system_identity")
 
 DEVICE_SELECTOR_ENV = "COLDSNAP_PROBE_NVML_DEVICE"  # an NVML index or a GPU-/MIG- UUID; default "0"
+# The capsule image's ID, which the provider puts in every workload's environment (a container cannot read it).
+CAPSULE_IMAGE_ENV = "COLDSNAP_CAPSULE_IMAGE"
 # What `gpu_identity` gives, from one source or the other.
-GPU_FACTS = frozenset({"driver_version", "gpu_uuid", "gpu_name", "compute_capability", "nvml_error",
-                       "gpu_identity_source", "procfs_unused"})
+GPU_FACTS = frozenset({"driver_version", "gpu_uuid", "gpu_name", "compute_capability", "gpu_memory_bytes",
+                       "nvml_error", "gpu_identity_source", "procfs_unused"})
+_GPU_DEVICE_NODE = re.compile(r"nvidia[0-9]+")
 
 
 def boot_id() -> str | None:
@@ -71,7 +76,8 @@ def nvml_identity(selector: str) -> dict[str, Any]:
         major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
         return {"driver_version": _str(pynvml.nvmlSystemGetDriverVersion()),
                 "gpu_uuid": _str(pynvml.nvmlDeviceGetUUID(handle)), "gpu_name": _str(pynvml.nvmlDeviceGetName(handle)),
-                "compute_capability": f"{major}.{minor}"}
+                "compute_capability": f"{major}.{minor}",
+                "gpu_memory_bytes": int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)}
     except Exception as exc:
         return {"driver_version": None, "nvml_error": f"{type(exc).__name__}: {exc}"}
     finally:
@@ -101,7 +107,30 @@ def system_identity() -> dict[str, Any]:
             "kernel": platform.release()}
 
 
+def _cuda_driver_api() -> int | None:
+    """The driver's CUDA API version (`cuDriverGetVersion`, e.g. 13000), which needs neither cuInit nor a context;
+    None where libcuda cannot be loaded."""
+    try:
+        version = ctypes.c_int(0)
+        if ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version)) == 0:
+            return version.value
+    except (OSError, AttributeError):
+        pass
+    return None
+
+
+def capsule_facts() -> dict[str, Any]:
+    """What the capsule sees besides the host: the GPUs visible to it (their device nodes), the driver's CUDA API
+    version and the capsule image (the provider's environment variable; None outside a provider's workload)."""
+    try:
+        devices = sum(1 for name in os.listdir("/dev") if _GPU_DEVICE_NODE.fullmatch(name))
+    except OSError:
+        devices = 0
+    return {"gpu_devices": devices, "cuda_driver_api": _cuda_driver_api(),
+            "capsule_image": os.environ.get(CAPSULE_IMAGE_ENV) or None}
+
+
 def host_identity(criu: str | None = None) -> dict[str, Any]:
     """This host as a restore checks it against the captured identity: the system, the GPU facts (procfs first,
-    `gpu_identity`) and the CRIU that will restore."""
-    return {**system_identity(), **gpu_identity(), "criu": criu_identity(criu)}
+    `gpu_identity`), what the capsule sees and the CRIU that will restore."""
+    return {**system_identity(), **gpu_identity(), **capsule_facts(), "criu": criu_identity(criu)}

@@ -6,7 +6,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from ._host import DEVICE_SELECTOR_ENV, criu_identity, nvml_identity, system_identity
+from ._host import DEVICE_SELECTOR_ENV, capsule_facts, criu_identity, nvml_identity, system_identity
 
 if TYPE_CHECKING:
     from ._model import Profile
@@ -15,11 +15,14 @@ __all__ = ("build_profile", "identity")
 
 
 def identity(cuda_driver_api: int | None, criu: str | None = None) -> dict[str, Any]:
-    """The full identity, recorded by the profile and the capture: every GPU fact through NVML (the restore checks
-    the host with the lighter `_host.host_identity`)."""
+    """The full identity, recorded by the profile and the capture: every GPU fact through NVML, what the capsule
+    sees (`cuda_driver_api` the given one, else the driver's), and the CRIU (the restore checks the host with the
+    lighter `_host.host_identity`)."""
     selector = os.environ.get(DEVICE_SELECTOR_ENV, "0")
-    return {**system_identity(), **nvml_identity(selector), "cuda_driver_api": cuda_driver_api,
-            "criu": criu_identity(criu)}
+    seen = capsule_facts()
+    if cuda_driver_api is not None:
+        seen["cuda_driver_api"] = cuda_driver_api
+    return {**system_identity(), **nvml_identity(selector), **seen, "criu": criu_identity(criu)}
 
 
 def build_profile(memory_bytes: int, timeout: float) -> Profile:

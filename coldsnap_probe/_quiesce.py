@@ -2,7 +2,7 @@
 
 A server people run unchanged has no quiesce call: the worker waits, within a bound, for its open requests
 (established TCP connections) to end and otherwise refuses naming them, and refuses a process holding an
-io_uring instance (CRIU cannot dump one). Both read /proc only.
+io_uring instance (CRIU cannot dump one), noting which run uvloop. Both read /proc only.
 """
 
 from __future__ import annotations
@@ -34,8 +34,10 @@ def wait_idle(tree: list[int], bound: float) -> None:
         time.sleep(0.05)
 
 
-def refuse_io_uring(tree: list[int]) -> None:
-    """CRIU cannot dump an io_uring instance: refuse before anything is locked, naming the process."""
+def event_loops(tree: list[int]) -> dict[str, str]:
+    """Refuse a process holding an io_uring instance (CRIU cannot dump one; refused before anything is locked,
+    naming the process); the processes running uvloop, `{pid: "uvloop"}`, for the capture report."""
+    found = {}
     for pid in tree:
         try:
             maps = Path(f"/proc/{pid}/maps").read_text()
@@ -43,4 +45,8 @@ def refuse_io_uring(tree: list[int]) -> None:
             continue
         if "anon_inode:[io_uring]" in maps:
             raise WorkerError(f"capture refused: process {pid} holds an io_uring instance, which CRIU cannot dump "
-                              "(uvloop's libuv keeps one for epoll batching: leave uvloop out of the capsule)")
+                              "(uvloop's libuv keeps one for epoll batching unless the server's unit preloads "
+                              "/opt/coldsnap/lib/libcoldsnap_no_io_uring.so: docs/restoring-your-own-server.md)")
+        if "/uvloop/loop." in maps:
+            found[str(pid)] = "uvloop"
+    return found

@@ -10,13 +10,21 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 __all__ = ("CAPTURE_KIND", "RESTORE_KIND", "CaptureReport", "CapturedGraphPolicy", "DumpedDevice", "HydratedDevice",
-           "HydratedWeights", "Mark", "ReleasedWeights", "RestoreReport", "RestoredGraphPolicy", "Timeline")
+           "HydratedWeights", "Mark", "ReleasedWeights", "RestoreReport", "RestoredGraphPolicy", "SourceReport",
+           "Timeline")
 
 CAPTURE_KIND = "coldsnap-cuda-criu-capture"
 RESTORE_KIND = "coldsnap-cuda-criu-restore"
+
+
+class SourceReport(Protocol):
+    """A memory source's report with no field of its own here (`memory_sources`, by the source's name)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """Its JSON object."""
 
 
 def _present(values: dict[str, Any]) -> dict[str, Any]:
@@ -141,9 +149,11 @@ class CaptureReport:
     engine_quiesce: dict[str, Any] | None = None  # the engine's own answer to `quiesce`
     hydration: ReleasedWeights | None = None
     device_memory: list[DumpedDevice] | None = None  # the interposer's releases, when a process enabled it
+    memory_sources: dict[str, SourceReport] = field(default_factory=dict)  # other memory sources, by name
     memory_before_checkpoint: dict[str, dict[str, Any]] | None = None  # pid -> `anonymous_memory`
     memory_after_checkpoint: dict[str, dict[str, Any]] | None = None
     identity: dict[str, Any] = field(default_factory=dict)
+    event_loops: dict[str, str] | None = None  # pid -> "uvloop", for the processes running it (unchanged servers)
     engine_quiesced: bool = False
     timings_s: dict[str, float] = field(default_factory=dict)  # engine_quiesce, cuda_lock, cuda_checkpoint, criu_dump
     barrier_wait_s: dict[str, float] = field(default_factory=dict)
@@ -160,9 +170,10 @@ class CaptureReport:
             "engine_quiesce": self.engine_quiesce,
             "hydration": self.hydration.to_json() if self.hydration else None,
             "device_memory": [d.to_json() for d in self.device_memory] if self.device_memory is not None else None,
+            "memory_sources": {n: r.to_json() for n, r in sorted(self.memory_sources.items())} or None,
             "memory_before_checkpoint": self.memory_before_checkpoint,
             "memory_after_checkpoint": self.memory_after_checkpoint, "identity": self.identity,
-            "engine_quiesced": self.engine_quiesced, "timings_s": self.timings_s,
+            "event_loops": self.event_loops, "engine_quiesced": self.engine_quiesced, "timings_s": self.timings_s,
             "barrier_wait_s": self.barrier_wait_s, "image_bytes": self.image_bytes, "image_files": self.image_files,
             "image_digest": self.image_digest, "completed_unix": self.completed_unix}), "engine": self.engine}
 
@@ -216,6 +227,7 @@ class RestoreReport:
     hydration: HydratedWeights | None = None
     device_memory: list[HydratedDevice] | None = None  # the interposer's hydrations, when the capture released any
     device_hydration_seconds: float | None = None  # the worker's whole device hydration phase
+    memory_sources: dict[str, SourceReport] = field(default_factory=dict)  # other memory sources, by name
     engine_resume: dict[str, Any] | None = None  # the engine's own answer to `resume`
     communicator_recreate_seconds: float | None = None
     timeline: Timeline = field(default_factory=Timeline)
@@ -235,6 +247,7 @@ class RestoreReport:
             "hydration": self.hydration.to_json() if self.hydration else None, "engine_resume": self.engine_resume,
             "device_memory": [d.to_json() for d in self.device_memory] if self.device_memory is not None else None,
             "device_hydration_seconds": self.device_hydration_seconds,
+            "memory_sources": {n: r.to_json() for n, r in sorted(self.memory_sources.items())} or None,
             "communicator_recreate_seconds": self.communicator_recreate_seconds}),
             "timeline": t.to_json(), "barrier_wait_s": self.barrier_wait_s,
             "restore_seconds": t.seconds("restore_begin", "process_resumed"),

@@ -1,14 +1,14 @@
 """Restore as phases (admission spec 7.4): each phase records what it started, and one rollback stops it all.
 
-read the records (capture, graph, weight sources, device dumps) while the host's identity is read, check the
-host -> [validated] -> stage the weights and dumps (when a hydrator is named) -> CRIU restore, paused (cuInit
-meanwhile) -> [criu-restored] -> CUDA restore and unlock per process, reverse inventory order -> [cuda-restored]
--> every page in (lazy pages) -> resume the tree -> [process-resumed] -> hydrate the device memory (the CUDA
-interposer's dumps) -> hydrate the weights
--> recreate the communicators -> [ready]. Brackets are barriers.
+read the records (capture, graph, and each memory source's: the weight sources, the device dumps) while the
+host's identity is read, check the host -> [validated] -> stage every memory source, in registry order (a node
+hydrator's stages, read-ahead) -> CRIU restore, paused (cuInit meanwhile) -> [criu-restored] -> CUDA restore and
+unlock per process, reverse inventory order -> [cuda-restored] -> every page in (lazy pages) -> resume the tree
+-> [process-resumed] -> hydrate every memory source, in reverse registry order (the CUDA interposer's device
+memory, then the engine's weights) -> recreate the communicators -> [ready]. Brackets are barriers.
 
 The rollback, whatever phase failed: kill the restored tree (nothing half-restored serves), abort the
-activation for every rank, discard what the hydrator staged, stop the lazy-pages daemon.
+activation for every rank, discard what the memory sources staged (registry order), stop the lazy-pages daemon.
 """
 
 from __future__ import annotations
@@ -26,31 +26,31 @@ from typing import Any
 
 from ._coordinator import Coordinator
 from ._cuda import Driver
-from ._device_memory import DumpRecord, hydrate_devices, prefetch_dumps, stages_for, validated_dumps
-from ._device_stage import DeviceStage
-from ._engine import ABORT_POLL, engine_request, resume_engine, validated_graph_record
-from ._host import GPU_FACTS, gpu_identity, host_identity
+from ._engine import ABORT_POLL, resume_engine, validated_graph_record
+from ._host import host_identity
 from ._process import criu_environment, process_state, process_tree, require_state, run_criu, stop, tail
-from ._reports import HydratedWeights, RestoredGraphPolicy, RestoreReport
-from .errors import ProbeError, RankAborted, WorkerError
-from .hydration import HydrationManifest, Stager, check_sources
+from ._reports import RestoredGraphPolicy, RestoreReport
+from ._target import check_target, confirmed_identity
+from .errors import RankAborted, TargetRefused, WorkerError
+from .memory import MemoryOptions, MemoryRestores, RestoreScope
 
-__all__ = ("confirmed_identity", "identity_compatibility", "restore")
+__all__ = ("restore",)
 
 LAZY_PAGES_START_S = 10.0  # for `criu lazy-pages` to listen
 LAZY_PAGES_FINISH_S = 120.0  # for it to have copied every page after the restore
 
 
 def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: Coordinator | None = None,
-            lazy_pages: bool = False, device_policy: str = "same-model", device_digests: bool = False) -> RestoreReport:
+            lazy_pages: bool = False, memory: MemoryOptions | None = None) -> RestoreReport:
     """Restore the tree captured in `images`; returns the report (the images are only read).
 
     `lazy_pages`: CRIU restores the processes without their memory, which `criu lazy-pages` then fills
     (faults first, the rest in the background) while the CUDA state is restored. The tree is then held
-    stopped until every page is in, so nothing serves from memory a failed daemon never filled.
+    stopped until every page is in, so nothing serves from memory a failed daemon never filled. `memory` says
+    how the memory sources hydrate.
     """
     run = _Restore(images, criu=criu, work=work, ranks=coordinator or Coordinator.single(), lazy_pages=lazy_pages)
-    run.device_policy, run.device_digests = device_policy, device_digests
+    run.memory_options = memory or MemoryOptions()
     try:
         run.phases()
     except BaseException as exc:
@@ -72,17 +72,14 @@ class _Restore:
         self.timeline = self.report.timeline
         self.timeline.mark("restore_begin")
         self.captured: dict[str, Any] = {}
-        self.graph: dict[str, Any] | None = None
-        self.manifest: HydrationManifest | None = None
-        self.dumps: list[DumpRecord] = []  # the interposers' device dumps, hydrated after the CUDA restore
-        self.device_policy, self.device_digests = "same-model", False
+        self.graph: RestoredGraphPolicy | None = None  # the graph policy record, when the capture wrote one
+        self.memory_options = MemoryOptions()
+        self.memory: MemoryRestores | None = None  # the memory sources whose records the images hold
         self.engine: str | None = None  # the engine's control socket, when its communicators were quiesced
         self.cuda: list[int] = []
         self.driver: Driver | None = None
         # What was started, for the rollback.
         self.root: int | None = None
-        self.stager: Stager | None = None
-        self.device_stages: dict[int, DeviceStage] = {}
         self.lazy: subprocess.Popen[bytes] | None = None
 
     def phases(self) -> None:
@@ -102,10 +99,8 @@ class _Restore:
         if self.lazy:
             self._all_pages_in(self.lazy, root)
         self._resume(root)
-        if self.dumps:
-            self._hydrate_devices()
-        if self.manifest is not None:
-            self._hydrate(self.manifest)
+        if self.memory is not None:
+            self.memory.hydrate(self.report)
         if self.engine and self.graph is not None:
             self._recreate_communicators(self.engine, self.graph)
         self.ranks.barrier("ready")
@@ -121,13 +116,8 @@ class _Restore:
             raise WorkerError(f"these images are rank {captured.get('rank', 0)} of {captured.get('world_size', 1)}, "
                               f"not rank {ranks.rank} of {ranks.world_size}")
         self.graph = validated_graph_record(self.images)
-        if (self.images / "hydration.json").exists():  # check the weight sources before spending a CRIU restore
-            try:
-                self.manifest = HydrationManifest.from_json(json.loads((self.images / "hydration.json").read_text()))
-                check_sources(self.manifest.regions, self.manifest.identities)
-            except (ProbeError, ValueError) as exc:
-                raise WorkerError(f"weight hydration cannot succeed, not restoring: {exc}") from exc
-        self.dumps = validated_dumps(self.images)  # every manifest and dump file checked before CRIU runs
+        # Every memory source's records checked before spending a CRIU restore.
+        self.memory = MemoryRestores(RestoreScope(self.images, self.ranks, self.memory_options))
         self.cuda = list(captured.get("cuda_pids", []))
         self.engine = captured.get("engine") if captured.get("engine_quiesced") else None
         if ranks.multi and boundary == "n610" and (self.graph is None or self.engine is None):
@@ -135,33 +125,33 @@ class _Restore:
                               "communicators could not be recreated")
         report = self.report
         report.boundary, report.captured_root_pid, report.cuda_pids = boundary, captured["root_pid"], self.cuda
-        if self.graph is not None:
-            graph = self.graph
-            report.graph_policy = RestoredGraphPolicy(effective=graph["policy_effective"], decision=graph["decision"],
-                                                      plan_sha256=graph["recipe"]["plan_sha256"])
-            if graph["policy_effective"] == "preserve-nccl-exec":
-                raise WorkerError("the record retains NCCL graph executables in place, which needs the engine's "
-                                  "admitted in-place NCCL provider; this engine recreates its communicators")
+        report.graph_policy = self.graph
+        if self.graph is not None and self.graph.effective == "preserve-nccl-exec":
+            raise WorkerError("the record retains NCCL graph executables in place, which needs the engine's "
+                              "admitted in-place NCCL provider; this engine recreates its communicators")
 
     def _start_stages(self) -> None:
-        """The node hydrator's stages, started now (the rollback discards them): the weights, and each device
-        dump on disk read ahead and staged."""
-        if self.manifest is not None and self.manifest.hydrator:
-            self.stager = Stager(self.manifest)
-        prefetch_dumps(self.dumps, self.images)
-        self.device_stages = stages_for(self.dumps, self.images)
+        """What each memory source starts before CRIU (a node hydrator's stages, read-ahead); the rollback
+        discards it."""
+        if self.memory is not None:
+            self.memory.stage()
 
     def _check_host(self, current: dict[str, Any]) -> None:
-        """This host against the captured one: the same CRIU, a compatible driver and GPU."""
+        """This host against the captured one, every fact (`_target`): nothing is started on a host that cannot
+        restore the capture."""
         captured, boundary = self.captured.get("identity", {}), self.captured["boundary"]
-        require_same_criu(captured.get("criu", {}), current["criu"])
         current = confirmed_identity(captured, current, boundary)
-        self.report.identity_compatibility = identity_compatibility(captured, current, boundary)
+        try:
+            self.report.identity_compatibility = check_target(captured, current, boundary)
+        except TargetRefused as exc:
+            self.timeline.mark("refused")
+            exc.seconds = self.timeline.seconds("restore_begin", "refused")
+            raise
         self.report.identity_source = current["gpu_identity_source"]
 
     def _agree(self) -> None:
         """Nothing is restored on any rank until every rank's images, record and identity are good."""
-        peers = self.ranks.barrier("validated", {"plan_sha256": self.graph["recipe"]["plan_sha256"]
+        peers = self.ranks.barrier("validated", {"plan_sha256": self.graph.plan_sha256
                                                  if self.graph else None})
         if len({str(p.get("plan_sha256")) for p in peers}) != 1:
             raise WorkerError(f"the ranks' graph records disagree: {[p.get('plan_sha256') for p in peers]}")
@@ -232,32 +222,9 @@ class _Restore:
             self.ranks.barrier("process-resumed")
         self.timeline.mark("process_resumed")  # without CUDA, one rank, eager: the tree was restored running
 
-    def _hydrate(self, manifest: HydrationManifest) -> None:
-        """The engine maps, fills and verifies its weights (adopting what the hydrator staged for it)."""
-        self.timeline.mark("hydration_begin")
-        staged = self.stager.result() if self.stager else None
-        ticket = {"ticket": self.stager.ticket} if self.stager and self.stager.ticket else {}  # adopts only its own
-        answer = engine_request(manifest.control, {"op": "hydrate", **ticket},
-                                "weight hydration failed, the restored engine is not released", ranks=self.ranks)
-        self.timeline.mark("hydration_end")
-        hydrated = answer["report"]
-        self.report.hydration = HydratedWeights(
-            bytes=hydrated["bytes"], seconds=hydrated["seconds"], gbps=hydrated["gbps"],
-            regions_verified=hydrated["verified_regions"], engine=hydrated, staged=staged,
-            phase_seconds=self.timeline.seconds("hydration_begin", "hydration_end"))
-
-    def _hydrate_devices(self) -> None:
-        """Each interposer re-creates its regions at their addresses, fills and verifies them, opens its gate."""
-        self.timeline.mark("device_hydration_begin")
-        self.report.device_memory = hydrate_devices(self.dumps, self.images, self.device_policy,
-                                                    digests=self.device_digests, stages=self.device_stages)
-        self.timeline.mark("device_hydration_end")
-        self.report.device_hydration_seconds = self.timeline.seconds("device_hydration_begin",
-                                                                     "device_hydration_end")
-
-    def _recreate_communicators(self, engine: str, graph: dict[str, Any]) -> None:
+    def _recreate_communicators(self, engine: str, graph: RestoredGraphPolicy) -> None:
         self.timeline.mark("communicator_recreate_begin")
-        self.report.engine_resume = resume_engine(engine, self.ranks, graph["policy_effective"], "restore",
+        self.report.engine_resume = resume_engine(engine, self.ranks, graph.effective, "restore",
                                                   self.work or Path())
         self.timeline.mark("communicator_recreate_end")
         self.report.communicator_recreate_seconds = self.timeline.seconds("communicator_recreate_begin",
@@ -270,59 +237,10 @@ class _Restore:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.root, signal.SIGKILL)
         self.ranks.abort(f"rank {self.ranks.rank} restore: {error}")
-        if self.stager:
-            self.stager.discard()
-        for stage in self.device_stages.values():
-            stage.discard()
+        if self.memory is not None:
+            self.memory.discard()
         if self.lazy:
             stop(self.lazy)
-
-
-def _driver_major(version: Any) -> int | None:
-    try:
-        return int(str(version).split(".")[0])
-    except ValueError:
-        return None
-
-
-def require_same_criu(captured: dict[str, Any], current: dict[str, Any]) -> None:
-    """A restore runs the CRIU that dumped the images: another version (or patch) could misread them. A capture
-    that recorded no usable version (older workers recorded a loader error) is not refused for it."""
-    if current.get("version_exit_code") != 0:
-        raise WorkerError(f"this capsule's CRIU ({current.get('path')}) does not run: "
-                          f"{current.get('version') or current.get('version_error') or 'not installed'}")
-    if captured.get("version_exit_code") == 0 and captured.get("version") != current.get("version"):
-        raise WorkerError(f"captured with CRIU {captured.get('version')!r}, but this capsule's CRIU "
-                          f"({current.get('path')}) is {current.get('version')!r}: not restoring")
-
-
-def confirmed_identity(captured: dict[str, Any], current: dict[str, Any], boundary: str) -> dict[str, Any]:
-    """`current` where procfs gave its GPU facts and they match the captured ones exactly (or a pre-CUDA template
-    does not compare them), else `current` with NVML's facts: procfs only confirms an exact match, so an upgrade
-    or a refusal is NVML's verdict, as the captured identity is NVML's (a GPU whose procfs model were written
-    unlike NVML's name is then not refused for it)."""
-    if (boundary == "n580" or current.get("gpu_identity_source") != "procfs"
-            or all(captured.get(key) == current.get(key) for key in ("driver_version", "gpu_name"))):
-        return current
-    system = {key: value for key, value in current.items() if key not in GPU_FACTS}  # none of procfs's is kept
-    return {**system, **gpu_identity(nvml=True)}
-
-
-def identity_compatibility(captured: dict[str, Any], current: dict[str, Any], boundary: str) -> str:
-    """`exact`, `driver-upgraded` or `pre-cuda-template`; raises when the state cannot restore here."""
-    if captured.get("architecture") != current.get("architecture"):
-        raise WorkerError(f"captured on {captured.get('architecture')}, this host is {current.get('architecture')}")
-    if boundary == "n580":
-        return "pre-cuda-template"  # no CUDA state was captured: the process initializes CUDA fresh
-    was, now = _driver_major(captured.get("driver_version")), _driver_major(current.get("driver_version"))
-    if was is None or now is None:
-        raise WorkerError("the NVIDIA driver version is unknown: initialized CUDA state cannot be checked")
-    if now < was:
-        raise WorkerError(f"driver {current.get('driver_version')} is older than the captured "
-                          f"{captured.get('driver_version')}")
-    if captured.get("gpu_name") != current.get("gpu_name"):
-        raise WorkerError(f"captured on {captured.get('gpu_name')}, this GPU is {current.get('gpu_name')}")
-    return "exact" if captured.get("driver_version") == current.get("driver_version") else "driver-upgraded"
 
 
 def _start_lazy_pages(criu: str, images: Path, work: Path) -> subprocess.Popen[bytes]:

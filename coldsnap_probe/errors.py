@@ -14,7 +14,8 @@
     │   ├── MemoryCapabilityError   a memory contract is violated or a provider lacks a capability
     │   └── NotCanonical            a value has no canonical JSON (NaN or an infinity), so no digest
     ├── WorkerError                 a capture or restore step failed
-    │   └── RankAborted             a multi-rank activation was aborted (by a rank, or a peer never arrived)
+    │   ├── RankAborted             a multi-rank activation was aborted (by a rank, or a peer never arrived)
+    │   └── TargetRefused           this host cannot restore the capture (every mismatched fact, before any work)
     ├── HydrationError              weight hydration refused or failed (names the region when one is at fault)
     └── ChannelError                a JSON-line socket (`jsonline`) could not be reached, refused or answered badly
 
@@ -43,6 +44,7 @@ __all__ = (
     "ProbeError",
     "ProfileError",
     "RankAborted",
+    "TargetRefused",
     "UnknownDriver",
     "WorkerError",
 )
@@ -135,3 +137,14 @@ class ChannelError(ProbeError):
 
 class RankAborted(WorkerError):
     """A multi-rank activation was aborted: by this rank, by a peer, or because a peer never arrived."""
+
+
+class TargetRefused(WorkerError):
+    """This host cannot restore the capture (`_target.check_target`); nothing was restored, staged or started."""
+
+    def __init__(self, mismatches: list[dict[str, object]]) -> None:
+        # `mismatches`: one {"code", "fact", "captured", "current"} per fact; `seconds`: the checks' cost so far.
+        super().__init__("not restoring on this host: " + "; ".join(
+            f"{m['code']} ({m['fact']}: captured {m['captured']!r}, this host {m['current']!r})" for m in mismatches))
+        self.mismatches = tuple(mismatches)
+        self.seconds = 0.0

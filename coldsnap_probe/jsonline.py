@@ -4,6 +4,13 @@ One request per connection: the asker sends one JSON line (descriptors may ride 
 SCM_RIGHTS), the server answers one JSON line and closes; the asker reads the answer to EOF. The engine's
 hydration control socket, the node hydrator and the bench engines all speak it.
 
+This module is the capsule side's one implementation of it: no other module of the probe or the engines reads
+these sockets' bytes (``tests/test_architecture.py``). Two other ends exist, across boundaries no code crosses:
+the daemon's sockets speak the same shape (``coldsnap_provider/_framing.py``, anyio, the asker half-closes),
+which this module cannot import (it runs on a capsule's python3, standard library only), and the CUDA
+interposer's control socket is its server end in C inside the engine process (``hydration/interposer/connection.c``, its
+parser ``request.c``), which the worker asks through `request` (descriptors in pages, `send`'s `page`).
+
 Who may ask is decided before anything is read: a listener is created by `listen` with its mode set before
 `bind` (so it never exists with the umask's bits), and `LineServer` checks each peer's SO_PEERCRED against a
 `Peers` rule; a refused peer gets ``{"ok": false, "error": ...}`` and nothing else. A `LineServer` ends
@@ -30,7 +37,8 @@ from typing import Any
 from .errors import ChannelError
 
 __all__ = ("MAX_ANSWER_FDS", "MAX_REQUEST", "PAGE_MARK", "REQUEST_TIMEOUT", "Answer", "LineServer", "Peer", "Peers",
-           "listen", "parse_request", "read_line", "read_request", "request", "request_with_fds", "send", "send_line")
+           "listen", "parse_request", "read_line", "read_request", "read_request_with_fds", "request",
+           "request_with_fds", "send", "send_line")
 
 MAX_REQUEST = 1 << 20  # bytes of one request line (regions lists stay far below it)
 REQUEST_TIMEOUT = 30.0  # seconds a connection has to send its whole request
@@ -353,6 +361,29 @@ def read_line(conn: socket.socket, data: bytes = b"") -> bytes:
 def read_request(conn: socket.socket) -> dict[str, Any]:
     """The request line as one JSON object (ChannelError when it is anything else)."""
     return parse_request(read_line(conn))
+
+
+def read_request_with_fds(conn: socket.socket, max_fds: int) -> tuple[dict[str, Any], list[int]]:
+    """`read_request` for a request whose descriptors ride with its first bytes (`send`): the object and at most
+    `max_fds` descriptors, which the caller closes. One deadline, the connection's timeout, covers the wait for the
+    first bytes and the rest of the line. More descriptors than `max_fds` (the kernel closed the extra ones) or a
+    request that is not one JSON object is a ChannelError, and the descriptors received are closed."""
+    given = conn.gettimeout()
+    started = time.monotonic()
+    data, fds, flags, _addr = socket.recv_fds(conn, MAX_REQUEST, max_fds)
+    try:
+        if flags & socket.MSG_CTRUNC:
+            raise ChannelError(f"a request carries at most {max_fds} descriptor(s)")
+        conn.settimeout(max(0.001, (given or REQUEST_TIMEOUT) - (time.monotonic() - started)))
+        try:
+            line = read_line(conn, data)
+        finally:
+            conn.settimeout(given)  # the answer's sends get the connection's whole timeout
+        return parse_request(line), fds
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
 
 
 def parse_request(line: bytes) -> dict[str, Any]:

@@ -12,12 +12,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import anyio
 import msgspec
 
 from ._control import ControlReply
 from ._envelope import MAX_MESSAGE_BYTES, Reply
 from ._errors import ProtocolError, ReplyError
+from ._framing import exchange
 
 __all__ = ("ProtocolError", "ReplyError", "call", "call_control", "exchange")
 
@@ -25,25 +25,6 @@ __all__ = ("ProtocolError", "ReplyError", "call", "call_control", "exchange")
 _reply_decoder = msgspec.json.Decoder(Reply)
 _control_decoder = msgspec.json.Decoder(ControlReply)
 _encoder = msgspec.json.Encoder()
-
-
-async def exchange(socket_path: str | os.PathLike[str], payload: bytes) -> bytes:
-    """Send raw bytes, half-close, and return everything until EOF (bounded)."""
-    async with await anyio.connect_unix(os.fspath(socket_path)) as stream:
-        await stream.send(payload)
-        await stream.send_eof()
-        chunks: list[bytes] = []
-        total = 0
-        while True:
-            try:
-                chunk = await stream.receive()
-            except anyio.EndOfStream:
-                break
-            total += len(chunk)
-            if total > MAX_MESSAGE_BYTES:
-                raise ProtocolError(f"response exceeds {MAX_MESSAGE_BYTES} bytes")
-            chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def check_reply(data: bytes, request_id: str) -> Reply:

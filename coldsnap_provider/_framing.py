@@ -1,18 +1,32 @@
-"""One request per connection, as bytes: read one newline-terminated line, then require EOF.
+"""The daemon side's JSON-line channel, both ends: one request per connection, as bytes.
 
-Every byte read is charged to the daemon's :class:`ByteBudget` (shared by all connections),
+The protocol of the session and control sockets (the Go client's, ``docs/conformance.md``): the asker sends one
+newline-terminated JSON line and half-closes; the server reads that line, requires EOF, answers and closes; the
+asker reads the answer to EOF. The server's end is :func:`read_request_line` (and, for a refused peer,
+:func:`read_head`, :func:`discard_briefly`, :func:`discard_rest`); the asker's is :func:`exchange`. Nothing else
+in the daemon reads or writes these sockets' bytes (``tests/test_architecture.py``).
+
+Every byte the server reads is charged to the daemon's :class:`ByteBudget` (shared by all connections),
 so many large requests at once cannot make the daemon's memory grow without bound.
+
+The capsule side speaks the same shape of protocol in ``coldsnap_probe/jsonline.py`` (descriptors may ride with
+a request there, and the asker need not half-close). The two cannot share code: the probe runs on a capsule's own
+python3 with the standard library only and must not import the daemon, and the daemon's end is anyio's, never a
+blocking socket on its event loop.
 """
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from contextvars import ContextVar
 
 import anyio
-from anyio.abc import ByteReceiveStream
+from anyio.abc import ByteReceiveStream, ByteStream
 
 from coldsnap_runtime.errors import RequestRejected
+
+from ._errors import ProtocolError
 
 __all__ = (
     "MAX_MESSAGE_BYTES",
@@ -22,11 +36,19 @@ __all__ = (
     "OverBudget",
     "charge",
     "current_account",
+    "discard_briefly",
+    "discard_rest",
+    "exchange",
+    "read_head",
     "read_request_line",
 )
 
 MAX_MESSAGE_BYTES = 64 << 20
 _CHUNK = 1 << 20
+# A refused peer: how long, and how many bytes, it may still write before the connection closes (so it reads
+# our reply, not a reset), and how much of its request is read to echo its id.
+_DISCARD_S = 0.5
+_DISCARD_BYTES = 64 << 10
 
 
 class FramingError(RequestRejected):
@@ -143,3 +165,55 @@ async def read_request_line(stream: ByteReceiveStream, account: Account, *,
 def _head(buf: bytes | bytearray) -> bytes:
     """The start of a refused request: enough for the reply to echo its id, no more."""
     return bytes(buf[:4096])
+
+
+async def discard_briefly(stream: ByteStream) -> None:
+    """Let a refused peer finish writing (so it reads our reply, not EPIPE), within small bounds."""
+    discarded = 0
+    with anyio.move_on_after(_DISCARD_S):
+        try:
+            await stream.send_eof()
+            while discarded < _DISCARD_BYTES:
+                discarded += len(await stream.receive(_DISCARD_BYTES))
+        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            pass
+
+
+async def read_head(stream: ByteReceiveStream) -> bytes:
+    """Up to the first line of a request, within small bounds (enough to echo its id)."""
+    head = b""
+    with anyio.move_on_after(_DISCARD_S):
+        try:
+            while len(head) < _DISCARD_BYTES and b"\n" not in head:
+                head += await stream.receive(_DISCARD_BYTES)
+        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            pass
+    return head.split(b"\n", 1)[0]
+
+
+async def discard_rest(stream: ByteReceiveStream) -> None:
+    """Read a refused request to its end without keeping it, so the peer can read our reply."""
+    try:
+        while await stream.receive(1 << 20):
+            pass
+    except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+        pass
+
+
+async def exchange(socket_path: str | os.PathLike[str], payload: bytes) -> bytes:
+    """Send raw bytes, half-close, and return everything until EOF (bounded)."""
+    async with await anyio.connect_unix(os.fspath(socket_path)) as stream:
+        await stream.send(payload)
+        await stream.send_eof()
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            try:
+                chunk = await stream.receive()
+            except anyio.EndOfStream:
+                break
+            total += len(chunk)
+            if total > MAX_MESSAGE_BYTES:
+                raise ProtocolError(f"response exceeds {MAX_MESSAGE_BYTES} bytes")
+            chunks.append(chunk)
+    return b"".join(chunks)

@@ -6,7 +6,10 @@ Implementations:
 
 * :class:`LocalHost`: this node (exec as `exec.user`, the local Docker Engine, the Hub client);
 * ``RemoteNode`` (``_remote.py``): a node reached over SSH, with its own Docker Engine;
-* a Kubernetes node, later: one more class with these three methods.
+* ``KubernetesNode`` (``_kubernetes.py``): a Node of a ``[[kubernetes]]`` cluster, its workloads Pods through the
+  apiserver (``KubernetesBackend``), its node-local work through the same node's ``[[remote]]`` entry, if any.
+
+A new host kind is one more class with these four methods (docs/architecture.md, "Adding a host kind").
 
 Dependencies run one way: operations -> hosts -> runtime backends. A host never imports the
 operations.

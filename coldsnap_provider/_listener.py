@@ -32,7 +32,16 @@ from anyio.abc import SocketAttribute, SocketListener, SocketStream, TaskStatus
 
 from coldsnap_runtime.errors import ColdsnapError, RequestRejected, RuntimeFailed
 
-from ._framing import Account, ByteBudget, FramingError, current_account, read_request_line
+from ._framing import (
+    Account,
+    ByteBudget,
+    FramingError,
+    current_account,
+    discard_briefly,
+    discard_rest,
+    read_head,
+    read_request_line,
+)
 
 __all__ = ("CANCELLED", "CLIENT_GONE", "ConnectionServer", "Handler", "InFlight", "Limits", "Peer", "ServerState",
            "is_admin")
@@ -41,8 +50,6 @@ log = structlog.get_logger(__name__)
 
 _CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 _HANGUP_POLL_S = 0.2
-_DISCARD_S = 0.5
-_DISCARD_BYTES = 64 << 10
 # Why a request's handling was cancelled: the outcome its handler records (audit, log line, metrics).
 CLIENT_GONE = "client-gone"  # the peer closed its connection before the reply (the hang-up watcher)
 CANCELLED = "cancelled"  # the daemon cancelled it: shutdown past its grace, or the daemon's own end
@@ -235,10 +242,10 @@ class ConnectionServer:
             refusal: bytes | bytearray | None = self._handler.admit(peer)
             if refusal is None and (busy := state.slot_refusal(peer.uid)) is not None:
                 log.warning("connection refused: at connection limit", peer_uid=peer.uid)
-                refusal = self._handler.refuse(busy, await _read_head(stream), peer)
+                refusal = self._handler.refuse(busy, await read_head(stream), peer)
             if refusal is not None:
                 await self._send(stream, refusal)
-                await _discard_briefly(stream)
+                await discard_briefly(stream)
                 return
             state.connections += 1
             state.by_uid[peer.uid] += 1
@@ -264,7 +271,7 @@ class ConnectionServer:
                                                what=handler.request_name)
             except FramingError as exc:
                 account.close()  # what was read is dropped; the rest of the request is read and discarded
-                await _discard_rest(stream)
+                await discard_rest(stream)
                 return handler.refuse(exc, exc.partial, peer)
             except (anyio.BrokenResourceError, OSError):
                 return None
@@ -295,36 +302,3 @@ class ConnectionServer:
         if writing.cancelled_caught:
             log.warning("reply not read within the write timeout; connection dropped",
                         timeout_s=self._state.limits.write_timeout_s)
-
-
-async def _discard_briefly(stream: SocketStream) -> None:
-    """Let a refused peer finish writing (so it reads our reply, not EPIPE), within small bounds."""
-    discarded = 0
-    with anyio.move_on_after(_DISCARD_S):
-        try:
-            await stream.send_eof()
-            while discarded < _DISCARD_BYTES:
-                discarded += len(await stream.receive(_DISCARD_BYTES))
-        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-            pass
-
-
-async def _read_head(stream: SocketStream) -> bytes:
-    """Up to the first line of a request, within small bounds (enough to echo its id)."""
-    head = b""
-    with anyio.move_on_after(_DISCARD_S):
-        try:
-            while len(head) < _DISCARD_BYTES and b"\n" not in head:
-                head += await stream.receive(_DISCARD_BYTES)
-        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-            pass
-    return head.split(b"\n", 1)[0]
-
-
-async def _discard_rest(stream: SocketStream) -> None:
-    """Read a refused request to its end without keeping it, so the peer can read our reply."""
-    try:
-        while await stream.receive(1 << 20):
-            pass
-    except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-        pass

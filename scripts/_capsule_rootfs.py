@@ -19,7 +19,9 @@ mounted from the host).
 
 With ``--worker`` the capsule also carries the CUDA interposer, ``/opt/coldsnap/lib/libcoldsnap_cuda.so``, built
 with gcc from the worker's sources (docs/interposer.md): a workload unit enables it with
-``LD_PRELOAD=/opt/coldsnap/lib/libcoldsnap_cuda.so`` and ``COLDSNAP_CUDA_INTERPOSER_SOCKET``.
+``LD_PRELOAD=/opt/coldsnap/lib/libcoldsnap_cuda.so`` and ``COLDSNAP_CUDA_INTERPOSER_SOCKET``; and
+``/opt/coldsnap/lib/libcoldsnap_no_io_uring.so`` (``scripts/capsule/no_io_uring.c``), which every server unit
+preloads so that uvloop's libuv keeps to epoll without the io_uring ring CRIU cannot dump.
 
 With ``--criu-compat SRC`` the worker's CRIU wrapper preloads SRC built with gcc
 (``scripts/capsule/criu_sockopt_compat.c``: CRIU 4.1.1 cannot dump TCP sockets on Linux 6.16 and later).
@@ -167,6 +169,10 @@ def main() -> int:
         from coldsnap_probe.hydration import build_library
 
         build_library(rootfs / "opt/coldsnap/lib")  # where hydration._interposer looks for it in a capsule
+        # Every server unit preloads it: uvloop then runs without the io_uring ring CRIU cannot dump.
+        subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-Werror",
+                        "-o", str(rootfs / "opt/coldsnap/lib/libcoldsnap_no_io_uring.so"),
+                        str(Path(__file__).resolve().parent / "capsule/no_io_uring.c"), "-ldl"], check=True)
         _compile(exe, rootfs, worker, target / "cuda", target / "pynvml.py")
         if args.criu_root:
             preload = ""

@@ -1,4 +1,4 @@
-# Sourced by the GPU-machine scripts that drive a real daemon (device-e2e, device-e2e-tp), after _device_env.sh:
+# Sourced by the GPU-machine scripts that drive a real daemon (the e2e, serve, tp, confine and daemon-gpus steps of scripts/device), after _device_env.sh:
 # the bundled Docker Engine, the capsule build contexts, and `coldsnap-provider serve` on them.
 D=/tmp/dk
 STATE=${STATE:-/tmp/cs-e2e-state}
@@ -15,7 +15,7 @@ start_docker() {
     python3 scripts/_docker_api.py $D/docker.sock wait
 }
 
-# The docker CLI, for the scripts that run containers by hand (device-gpus): the full bundle has it; the slim one
+# The docker CLI, for the scripts that run containers by hand (the confine step): the full bundle has it; the slim one
 # (the bundle without it, small enough to carry with the serving wheels: `xz -dc docker-min.tar.xz | tar --delete
 # usr/bin/docker | xz -T0 -9 > slim.tar.xz`, renamed docker-min.tar.xz) does not.
 docker_() { LD_LIBRARY_PATH=$D/usr/lib/dk command docker "$@"; }

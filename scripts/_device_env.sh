@@ -4,7 +4,7 @@
 OUT="${OUT:-$PWD/device-out}"
 mkdir -p "$OUT"
 DEVICE_SITE="${COLDSNAP_DEVICE_SITE:-/tmp/site}"  # where the wheels go (kept while the machine stays warm)
-if ls .whl/*.whl >/dev/null 2>&1; then
+if [ "${DRY:-0}" != 1 ] && ls .whl/*.whl >/dev/null 2>&1; then  # (a dry run installs nothing)
     # Once per set of wheels (a script that runs several parts sources this each time). A set is named by its
     # wheels' names and bytes (a rebuilt wheel keeps its name, often its size, and a copy sets its time), and
     # another set's site is removed first: `pip --target --upgrade` would leave its packages this set lacks.

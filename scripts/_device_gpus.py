@@ -1,4 +1,4 @@
-"""Issue 12 items 1, 2 and 5 through a running `coldsnap-provider serve` (driven by scripts/device-gpus).
+"""Issue 12 items 1, 2 and 5 through a running `coldsnap-provider serve` (driven by `scripts/device daemon-gpus`).
 
     python3 scripts/_device_gpus.py --state-dir DIR --context DIR --out DIR --docker-host unix://SOCK
 
@@ -25,9 +25,9 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench._daemon import Session, open_session
 from bench.e2e_restore import E2EError, Stream, stream_tokens
 from coldsnap_provider import call_control
-from tests.helpers import Session, open_session
 
 CAPSULE = "coldsnap/capsule-probe:h200"
 VISIBLE = r"""

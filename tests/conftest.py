@@ -24,6 +24,31 @@ from tests.kubernetes import Cluster, bring_up
 settings.register_profile("default", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("default")
 
+# `scripts/device gpu-tests` runs every GPU test of the repository once, chosen by what the tests themselves say
+# they need (a skip mark whose reason says it needs, or skips for want of, an NVIDIA driver) rather than by a list
+# kept by hand beside them; the reasons of the no-driver tests ("this host has an NVIDIA driver", "asserts the
+# no-driver path") do not match.
+GPU_REASON = re.compile(r"^(needs an|no) NVIDIA driver\b")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--gpu-only", action="store_true",
+                     help="run only the tests marked as needing an NVIDIA driver (scripts/device gpu-tests)")
+
+
+def needs_gpu(item: pytest.Item) -> bool:
+    """Whether a skip mark of the test names the NVIDIA driver as what it needs."""
+    return any(GPU_REASON.search(str(mark.kwargs.get("reason", ""))) for mark in item.iter_markers("skipif"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.getoption("--gpu-only"):
+        return
+    kept = [item for item in items if needs_gpu(item)]
+    config.hook.pytest_deselected(items=[item for item in items if not needs_gpu(item)])
+    items[:] = kept
+
+
 BUSYBOX_IMAGE = "coldsnap-test/busybox:1"
 MANAGED_LABEL = "io.coldsnap-provider.managed"
 

@@ -152,3 +152,153 @@ def test_the_circle_rule_can_fail(tmp_path: Path) -> None:
     (tmp_path / "_a.py").write_text("from ._b import x\n")
     (tmp_path / "_b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ._a import y\n")
     assert import_circles(tmp_path) == [["_a", "_b", "_a"]]
+
+
+# The whole repository's Python import graph (issue 39): every module of the packages, engines, bench, scripts/*.py
+# and tests is a node; an import (at any depth of the file: function-level and type-only ones included) is an
+# arrow. Rooms, from the top: an arrow may point down or sideways within its room, never up. The packages are the
+# floor, engines (the capsule-side model servers) stand on the probe, bench drives the daemon and the engines,
+# scripts drive bench, and tests may import anything. (The C side's call graph between files: helper cmem's
+# check, beside this one.)
+ROOMS = {"coldsnap_probe": 0, "coldsnap_runtime": 0, "nccl_shim": 0, "coldsnap_provider": 1, "engines": 2,
+         "bench": 3, "scripts": 4, "tests": 5}
+# bench/'s own floors: the shared helpers, the e2e sequence's steps and the small parts a run builds on, the
+# units composed of them, and the runners (every module not named here) on top.
+BENCH_FLOORS = {"bench._common": 0, "bench._daemon": 0,
+                "bench.e2e_restore": 1, "bench.page_fill": 1, "bench.serve_client": 1, "bench.tp_plan": 1,
+                "bench.tp2_restore": 1,
+                "bench.interposer_units": 2, "bench.serve_units": 2, "bench.serve_faults": 2, "bench.tp_units": 2}
+BENCH_RUNNERS = 3
+
+
+def repository_modules(root: Path) -> dict[str, Path]:
+    """Dotted module name -> file, for every Python file of the rooms (scripts: its top-level *.py)."""
+    files = [p for room in ROOMS if room != "scripts" for p in sorted((root / room).rglob("*.py"))]
+    files += sorted((root / "scripts").glob("*.py"))
+    modules = {}
+    for path in files:
+        parts = path.relative_to(root).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def module_imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The repository's modules `name` imports: `from a import b` names a.b when that is a module, else a; a
+    relative import is resolved against the package, and a script's `from _common import x` against its folder."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            dotted = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join([*parts[:len(parts) - node.level + 1], *([base] if base else [])])
+            elif base.split(".")[0] not in ROOMS and f"{package}.{base}" in modules:
+                base = f"{package}.{base}"
+            dotted = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+        else:
+            continue
+        for target in dotted:
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    modules = repository_modules(root)
+    return {name: module_imports(name, path, modules) for name, path in modules.items()}
+
+
+def graph_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's circles: each strongly connected set of two or more modules, sorted (Tarjan's, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        while work:
+            node, targets = work[-1]
+            target = next(targets, None)
+            if target is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    members = stack[stack.index(node):]
+                    del stack[stack.index(node):]
+                    if len(members) > 1:
+                        circles.append(sorted(members))
+            elif target not in index:
+                index[target] = low[target] = len(index)
+                stack.append(target)
+                work.append((target, iter(sorted(graph.get(target, ())))))
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+    return sorted(circles)
+
+
+def floor(module: str) -> tuple[int, int]:
+    """(room, floor within bench/) of a module: the order an arrow must not climb."""
+    room = ROOMS[module.split(".")[0]]
+    return room, BENCH_FLOORS.get(module, BENCH_RUNNERS) if module.startswith("bench.") else 0
+
+
+def upward_arrows(graph: dict[str, set[str]]) -> list[str]:
+    """Each arrow to a higher room or bench floor, or sideways between two rooms of the same height."""
+    wrong = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            (room, level), (to_room, to_level) = floor(module), floor(target)
+            across = module.split(".")[0] != target.split(".")[0]
+            if to_room > room or (to_room == room and across) or (to_room == room and to_level > level):
+                wrong.append(f"{module} -> {target}")
+    return wrong
+
+
+def test_the_repositorys_import_graph_has_no_circle() -> None:
+    """Regression (issue 39): bench.e2e_restore's `__main__` imported bench.e2e_modes, which (through the units)
+    imports bench.e2e_restore."""
+    assert graph_circles(import_graph(ROOT)) == []
+
+
+def test_no_import_climbs_a_room_or_a_bench_floor() -> None:
+    """Regression (issue 39): bench._common and bench.e2e_restore imported tests.helpers; scripts/_device_gpus.py
+    too. Packages import neither bench nor tests, bench imports no test code, scripts import no test code."""
+    assert upward_arrows(import_graph(ROOT)) == []
+
+
+def test_every_bench_floor_names_a_module() -> None:
+    modules = repository_modules(ROOT)
+    assert sorted(set(BENCH_FLOORS) - set(modules)) == []
+
+
+def test_the_graph_rules_can_fail(tmp_path: Path) -> None:
+    """A circle through a function-level import and a script-style sibling import, and three upward arrows."""
+    for folder in ("bench", "tests", "coldsnap_probe", "scripts"):
+        (tmp_path / folder).mkdir()
+    (tmp_path / "bench" / "_common.py").write_text("from tests.helpers import ROOT\n")
+    (tmp_path / "bench" / "e2e_restore.py").write_text("def main():\n    from bench.e2e_modes import main\n")
+    (tmp_path / "bench" / "e2e_modes.py").write_text("from _common import x\nfrom bench import e2e_restore\n")
+    (tmp_path / "tests" / "helpers.py").write_text("import bench.e2e_modes\n")
+    (tmp_path / "coldsnap_probe" / "__init__.py").write_text("from . import _cuda\n")
+    (tmp_path / "coldsnap_probe" / "_cuda.py").write_text("import scripts.tool\n")
+    (tmp_path / "scripts" / "tool.py").write_text("")
+    graph = import_graph(tmp_path)
+    assert graph["bench.e2e_modes"] == {"bench._common", "bench.e2e_restore"}
+    assert graph_circles(graph) == [["bench._common", "bench.e2e_modes", "bench.e2e_restore", "tests.helpers"]]
+    assert upward_arrows(graph) == ["bench._common -> tests.helpers", "bench.e2e_restore -> bench.e2e_modes",
+                                    "coldsnap_probe._cuda -> scripts.tool"]
+
+
+# --- The C side: the call graph between the C files (helper cmem's check, issue 39's goal "0 circles, 0 upward
+# arrows" for C calls between files) belongs here, beside the Python graph's: its own reader of *.c, the same
+# graph_circles() over it. ---

@@ -1,4 +1,4 @@
-"""scripts/_device_env.sh, the prelude every GPU-machine script sources: the carried wheels are installed once
+"""scripts/_device_env.sh, the prelude every step of scripts/device sources: the carried wheels are installed once
 per set into a site directory that persists between runs on a warm machine. Real wheels, a real pip, a real
 bash; the site directory is the test's own (COLDSNAP_DEVICE_SITE)."""
 

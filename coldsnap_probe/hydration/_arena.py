@@ -4,7 +4,6 @@ and re-created in place after restore, and its control socket for the restore wo
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import random
 import threading
@@ -319,7 +318,7 @@ class WeightArena:
         listener = jsonline.listen(path, group=group)
         self.strategy = strategy
         self._control = jsonline.LineServer(
-            listener, lambda conn, _peer: self._handle_request(json.loads(jsonline.read_line(conn)), strategy),
+            listener, lambda conn, _peer: self._handle_request(jsonline.read_request(conn), strategy),
             peers=peers or jsonline.Peers(), name="coldsnap-hydration").start()
 
     def stop_serving(self) -> None:

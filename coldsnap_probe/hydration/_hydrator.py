@@ -153,16 +153,8 @@ class HydratorServer:
 
     def _one(self, conn: socket.socket, peer: jsonline.Peer) -> jsonline.Answer:
         cucall(self.driver, "cuCtxSetCurrent", self.context)  # this connection's thread, for every call below
-        given, started = conn.gettimeout(), time.monotonic()
-        data, fds, _flags, _addr = socket.recv_fds(conn, jsonline.MAX_REQUEST, 1)
+        message, fds = jsonline.read_request_with_fds(conn, 1)
         try:
-            # One deadline for the whole request line: the wait for its first bytes is not given again to the rest.
-            conn.settimeout(max(0.001, (given or jsonline.REQUEST_TIMEOUT) - (time.monotonic() - started)))
-            try:
-                line = jsonline.read_line(conn, data)
-            finally:
-                conn.settimeout(given)  # the answer's sends get the connection's whole timeout
-            message = jsonline.parse_request(line)
             op = message.get("op", "hydrate")
             if op != "hydrate" and fds:
                 raise HydrationError(f"a {op!r:.80} request carries no descriptor")

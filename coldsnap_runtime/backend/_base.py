@@ -94,37 +94,127 @@ class RuntimeContext(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Backend(Protocol):
-    async def image_inspect(self, image: str) -> ImageInfo: ...
-    async def image_pull(self, image: str) -> None: ...
-    async def image_push(self, image: str) -> None: ...
-    async def image_tag(self, source: str, target: str) -> None: ...
-    async def image_remove(self, image: str) -> None: ...
+    """One host's runtime: one coroutine per runtime-v1 action, plus what the daemon's lifecycle calls.
+
+    The contract every implementation keeps (``DockerBackend``, ``KubernetesBackend``): requests arrive validated
+    and authorised (``dispatch`` applied the engine-independent rules; the provider the ownership rule), every
+    failure is a :class:`~coldsnap_runtime.errors.BackendError` (``NotFound`` for an absent image or workload,
+    ``RuntimeFailed`` and its ``CommandFailed``/``OutputTooLarge``, ``BackendTimeout``, ``BackendUnavailable``),
+    never an engine's or a client library's own exception, and a method that cannot be done on this host kind
+    raises ``RuntimeFailed`` saying why rather than half-doing it. Cancellation (a client that hangs up, the
+    daemon's drain) may arrive at any await: what the call created for itself is removed under a shielded,
+    bounded cleanup, and what it was asked to keep (a named workload) stays.
+    """
+
+    async def image_inspect(self, image: str) -> ImageInfo:
+        """The image `image` as runtime-v1 describes it (`id` is its OCI config digest); NotFound when the host
+        does not hold it; RuntimeFailed when the host cannot tell the config digest. Reads only."""
+        ...
+
+    async def image_pull(self, image: str) -> None:
+        """Pull `image` from its registry with the credentials the host's configuration allows for that registry,
+        and record it in the image ledger. An error inside the engine's progress stream is a failure (RuntimeFailed),
+        never a success; pulling what is already present is a pull like any other (idempotent)."""
+        ...
+
+    async def image_push(self, image: str) -> None:
+        """Push the tag `image` (a digest reference is refused: RuntimeFailed); NotFound when the host does not hold
+        it. Pushing again pushes the same bytes (idempotent)."""
+        ...
+
+    async def image_tag(self, source: str, target: str) -> None:
+        """Point the reference `target` (repository[:tag]) at the image `source` and record `target` in the ledger;
+        NotFound when `source` is absent. Re-tagging to the same image changes nothing."""
+        ...
+
+    async def image_remove(self, image: str) -> None:
+        """Remove exactly the reference `image` (never forced, never pruning untagged parents); NotFound when it is
+        absent (its ledger entry goes too); RuntimeFailed for a reference this provider never recorded."""
+        ...
+
     async def image_build(self, build: ImageBuild, *, owner: Owner | None = None,
-                          remote_sources: bool = True) -> None: ...
+                          remote_sources: bool = True) -> None:
+        """Build `build.tag` from its context directories, read as `owner` (None: the daemon itself), and record the
+        tag. `remote_sources` False refuses a base image whose ONBUILD triggers would have the engine fetch a URL.
+        A build error inside the engine's stream is RuntimeFailed; a context that cannot be read, BuildContextError."""
+        ...
+
     async def image_owner(self, image: str) -> LedgerEntry | None:
-        """The image ledger's record of `image` (None: never pulled, built or tagged by this provider)."""
+        """The image ledger's record of `image` (None: never pulled, built or tagged by this provider). Reads only;
+        `dispatch` asks it before a manager's image write (the image-ownership rule)."""
         ...
 
-    async def claim_image(self, image: str, uid: int) -> None: ...
+    async def claim_image(self, image: str, uid: int) -> None:
+        """Record `image` as manager `uid`'s after a write succeeded (an owner already recorded is kept:
+        idempotent)."""
+        ...
+
     async def workload_run(self, spec: WorkloadSpec, *, allow_pull: bool,
-                           capabilities: tuple[str, ...] | None = None) -> RuntimeResponse: ...
-    async def workload_remove(self, name: str) -> None: ...
-    async def workload_inspect(self, name: str, *, include_start_time: bool) -> WorkloadInfo: ...
-    async def workload_list(self) -> list[tuple[str, WorkloadInfo]]: ...
-    async def workload_stop(self, name: str, *, timeout_s: float) -> None: ...
-    async def workload_exec(self, name: str, execution: Execution) -> bytes: ...
-    async def workload_logs(self, name: str, *, tail: int) -> bytes: ...
-    async def workload_copy_from(self, name: str, path: str, destination: str, *,
-                                 owner: Owner | None = None) -> None: ...
-    async def health(self) -> str:
-        """"" when the runtime answers, else why not (the text of the error that asking it raised)."""
-        ...
-    async def recover(self) -> None:
-        """Called once at daemon start-up: remove what RPCs of an earlier instance left behind."""
+                           capabilities: tuple[str, ...] | None = None) -> RuntimeResponse:
+        """Run `spec`, realising every field or refusing the request (RuntimeFailed naming the field) before
+        anything is created; `allow_pull` lets `pull_policy` pull; `capabilities` (an admission grant) is exactly
+        what `privileged` becomes. Detached: started, answered with its id. Attached: waited for with no deadline,
+        answered with its output; a non-zero exit is CommandFailed. A name already taken is RuntimeFailed (never
+        adopted, never replaced; only a leftover of an earlier daemon's own RPC is reclaimed). Cancelled or failed
+        after the create, the workload is removed (shielded) unless it is a named, detached one already started."""
         ...
 
-    async def maintain(self) -> None: ...
-    async def aclose(self) -> None: ...
+    async def workload_remove(self, name: str) -> None:
+        """Remove the managed workload `name`, killing it if it runs. An absent one is success (idempotent: it
+        precedes every named launch); a name held by something this provider does not manage is refused."""
+        ...
+
+    async def workload_inspect(self, name: str, *, include_start_time: bool) -> WorkloadInfo:
+        """The managed workload `name` (state, exit code, labels; `started_at` only with `include_start_time`);
+        NotFound when there is none. Reads only."""
+        ...
+
+    async def workload_list(self) -> list[tuple[str, WorkloadInfo]]:
+        """Every named workload this provider manages on this host, sorted by name, each as `workload_inspect` sees
+        it (one removed meanwhile is left out). Reads only; the caller filters by manager."""
+        ...
+
+    async def workload_stop(self, name: str, *, timeout_s: float) -> None:
+        """SIGTERM the workload `name`, SIGKILL after `timeout_s`, and keep it (its logs and state stay readable);
+        NotFound when absent; RuntimeFailed where the host kind cannot stop and keep (a Pod)."""
+        ...
+
+    async def workload_exec(self, name: str, execution: Execution) -> bytes:
+        """Run `execution` in the running workload `name` as its `user`, feeding its `input`; its stdout (with
+        stderr when `combined`). NotFound when absent; CommandFailed on a non-zero exit; OutputTooLarge past the
+        reply limit. Cancelled, the exec's process is killed: nothing keeps running for a client that left."""
+        ...
+
+    async def workload_logs(self, name: str, *, tail: int) -> bytes:
+        """The workload's combined output, its last `tail` lines (0: all); NotFound when absent; OutputTooLarge
+        past the reply limit. Reads only."""
+        ...
+
+    async def workload_copy_from(self, name: str, path: str, destination: str, *,
+                                 owner: Owner | None = None) -> None:
+        """Copy `path` out of the workload `name` to the host path `destination`, written as `owner` (None: the
+        daemon), never following a link there; spooled within the copy cap. NotFound when the workload is absent,
+        PathNotFound when `path` is."""
+        ...
+
+    async def health(self) -> str:
+        """"" when the runtime answers, else why not (the text of the error that asking it raised). Never raises;
+        `status` and the `backend_up` metric call it, each within its own deadline."""
+        ...
+
+    async def recover(self) -> None:
+        """Called once at daemon start-up: remove what RPCs of an earlier instance left behind (anonymous runs
+        only; named workloads are managers' keys and stay). Safe to call again."""
+        ...
+
+    async def maintain(self) -> None:
+        """Called by the daemon's maintenance loop: retry removals that failed while the runtime was unreachable.
+        Idempotent; a runtime still down leaves them pending for the next call."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release the connection to the runtime. Safe to call twice; releases even when cancelled."""
+        ...
 
 
 def with_manager_labels(spec: WorkloadSpec, ctx: RuntimeContext) -> WorkloadSpec:

@@ -111,10 +111,12 @@ class DockerBackend:
         await self.aclose()
 
     async def aclose(self) -> None:
+        """Close the engine connection (safe to call twice)."""
         await self._engine.aclose()
 
     @property
     def docker(self) -> aiodocker.Docker:
+        """The aiodocker client of the engine connection (a [[remote]] node's backend inspects its execs with it)."""
         return self._engine.docker
 
     async def health(self) -> str:
@@ -145,18 +147,23 @@ class DockerBackend:
         await self._images.ledger.update("image-ledger", add=image, owner=uid)
 
     async def image_inspect(self, image: str) -> ImageInfo:
+        """Backend.image_inspect: the config digest read on either image store (_digests.py)."""
         return await self._images.inspect(image)
 
     async def image_pull(self, image: str) -> None:
+        """Backend.image_pull through the engine, with the credentials the entry allows for its registry."""
         await self._images.pull(image)
 
     async def image_push(self, image: str) -> None:
+        """Backend.image_push through the engine; the tag must be held here (NotFound otherwise)."""
         await self._images.push(image)
 
     async def image_tag(self, source: str, target: str) -> None:
+        """Backend.image_tag: `source` resolved to its exact image first, so a tag never follows a moving name."""
         await self._images.tag(source, target)
 
     async def image_remove(self, image: str) -> None:
+        """Backend.image_remove: with a ledger, only references this provider recorded."""
         await self._images.remove(image)
 
     async def image_build(self, build: ImageBuild, *, owner: Owner | None = None,
@@ -193,18 +200,18 @@ class DockerBackend:
                              rejects=rejects, holders=self.gpu_holders if exclusive else None,
                              capabilities=capabilities)
 
-    async def _create(self, spec: WorkloadSpec,
-                      capabilities: tuple[str, ...] | None) -> aiodocker.containers.DockerContainer:
+    async def _create(self, spec: WorkloadSpec, capabilities: tuple[str, ...] | None,
+                      image_id: str) -> aiodocker.containers.DockerContainer:
         if self._host_policy.gpus.exclusive and gpu_routes(spec, capabilities):
             async with self._gpu_lock:  # two creates for one GPU: the second sees the first's container
-                return await self._create_now(spec, exclusive=True, capabilities=capabilities)
-        return await self._create_now(spec, exclusive=False, capabilities=capabilities)
+                return await self._create_now(spec, exclusive=True, capabilities=capabilities, image_id=image_id)
+        return await self._create_now(spec, exclusive=False, capabilities=capabilities, image_id=image_id)
 
-    async def _create_now(self, spec: WorkloadSpec, *, exclusive: bool,
-                          capabilities: tuple[str, ...] | None) -> aiodocker.containers.DockerContainer:
+    async def _create_now(self, spec: WorkloadSpec, *, exclusive: bool, capabilities: tuple[str, ...] | None,
+                          image_id: str) -> aiodocker.containers.DockerContainer:
         realised = await self._realise(spec, exclusive=exclusive, capabilities=capabilities)
         config = container_config(spec, gpus=realised.gpus, privilege=realised.privilege,
-                                  confined=capabilities is not None)
+                                  confined=capabilities is not None, image_id=image_id)
         # What it holds is the backend's to say: a manager's own label of that name is dropped.
         config["Labels"] = {k: v for k, v in config["Labels"].items() if k != HELD_GPUS_LABEL}
         if realised.held:
@@ -216,8 +223,13 @@ class DockerBackend:
             try:
                 return await self.docker.containers.create(config, name=spec.name or None)
             except aiodocker.DockerError as exc:
-                if not (exc.status == 409 and spec.name and await self._containers.reclaim(spec.name)):
+                if exc.status != 409 or not spec.name:
                     raise
+                if not await self._containers.reclaim(spec.name):
+                    # The engine's text names the holder's container id: names are node-global, so whoever holds
+                    # the name (another manager's workload included) gets this one answer, as on Kubernetes.
+                    raise RuntimeFailed(action="workload-run",
+                                        detail=f"Conflict: workload {spec.name} already exists") from exc
             return await self.docker.containers.create(config, name=spec.name)
 
     async def workload_run(self, spec: WorkloadSpec, *, allow_pull: bool,
@@ -226,8 +238,8 @@ class DockerBackend:
         if spec.name and not valid_workload_name(spec.name):
             raise RuntimeFailed(action="workload-run", detail=(
                 f"invalid workload name {spec.name!r}: a name matches [a-zA-Z0-9][a-zA-Z0-9_.-]+"))
-        await self._images.ensure(spec.image, spec.pull_policy, allow_pull=allow_pull)
-        container = await self._create(spec, capabilities)
+        image_id = await self._images.ensure(spec.image, spec.pull_policy, allow_pull=allow_pull)
+        container = await self._create(spec, capabilities, image_id)
         cid = container.id
         try:
             if spec.detached:
@@ -257,6 +269,7 @@ class DockerBackend:
         return frames, int(result.get("StatusCode", -1))
 
     async def workload_remove(self, name: str) -> None:
+        """Backend.workload_remove: force-removes the managed container and its anonymous volumes."""
         info = await self._containers.find(name, "workload-remove")
         if info is None:
             return  # already absent is success: it precedes every named launch
@@ -267,6 +280,7 @@ class DockerBackend:
             return
 
     async def workload_inspect(self, name: str, *, include_start_time: bool) -> WorkloadInfo:
+        """Backend.workload_inspect from the managed container's engine state."""
         info = await self._containers.require(name, "workload-inspect")
         state = info.get("State") or {}
         started = state.get("StartedAt") or ""
@@ -300,6 +314,8 @@ class DockerBackend:
                 t=max(0, round(timeout_s)), timeout=aiohttp.ClientTimeout(total=timeout_s + 30))
 
     async def workload_exec(self, name: str, execution: Execution) -> bytes:
+        """Backend.workload_exec over a hijacked exec stream; the engine keeps an abandoned exec, so a cancelled one
+        is killed here."""
         info = await self._containers.require(name, "workload-exec")
         with docker_errors("workload-exec", kind="workload", ref=name):
             created = await self.docker.containers.container(info["Id"]).exec(
@@ -334,6 +350,7 @@ class DockerBackend:
                     pass
 
     async def workload_logs(self, name: str, *, tail: int) -> bytes:
+        """Backend.workload_logs, demultiplexed from the engine's log stream, bounded while it is read."""
         info = await self._containers.require(name, "workload-logs")
         params = {"stdout": "1", "stderr": "1", "tail": str(tail) if tail else "all"}
         buffer = bytearray()
@@ -353,6 +370,8 @@ class DockerBackend:
 
     async def workload_copy_from(self, name: str, path: str, destination: str, *,
                                  owner: Owner | None = None) -> None:
+        """Backend.workload_copy_from: the engine's archive spooled (sparse, capped), extracted as `owner` by
+        _archive.py."""
         info = await self._containers.require(name, "workload-copy-from")
         await copy_out(self._engine, info["Id"], name=name, path=path, destination=destination, owner=owner,
                        spool_dir=self._spool_dir, max_bytes=self._copy_max_bytes)

@@ -184,20 +184,22 @@ class Images:
             await self._engine.docker.images.delete(image, force=False, noprune=True)
         await self.ledger.update("image-remove", drop=image)
 
-    async def ensure(self, image: str, policy: str, *, allow_pull: bool) -> None:
-        """workload-run's `pull_policy` for `image` (pulling needs `allow_pull`, the oci-pull capability)."""
+    async def ensure(self, image: str, policy: str, *, allow_pull: bool) -> str:
+        """workload-run's `pull_policy` for `image` (pulling needs `allow_pull`, the oci-pull capability); the
+        image's ID, which the workload is told (`CAPSULE_IMAGE_ENV`)."""
         if policy == "always":
             if not allow_pull:
                 raise RuntimeFailed(action="workload-run",
                                     detail="pull_policy 'always' needs the oci-pull capability")
             await self.pull(image)
-            return
-        try:
-            await self.exact(image, "workload-run")
-        except NotFound:
-            if policy == "never" or not allow_pull or parse_reference(image) is None:
-                raise
-            await self.pull(image)
+        else:
+            try:
+                return str((await self.exact(image, "workload-run"))["Id"])
+            except NotFound:
+                if policy == "never" or not allow_pull or parse_reference(image) is None:
+                    raise
+                await self.pull(image)
+        return str((await self.exact(image, "workload-run"))["Id"])
 
     # --- build -----------------------------------------------------------------------
 

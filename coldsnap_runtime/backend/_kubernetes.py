@@ -109,10 +109,12 @@ class KubernetesBackend:
 
     @property
     def node_name(self) -> str:
+        """The Node this backend's workloads are pinned to (spec.nodeName)."""
         return self._node
 
     @property
     def namespace(self) -> str:
+        """The namespace its Pods live in."""
         return self._namespace
 
     async def __aenter__(self) -> KubernetesBackend:
@@ -128,6 +130,7 @@ class KubernetesBackend:
         await self.aclose()
 
     async def aclose(self) -> None:
+        """Close the apiserver client and the exec channel client (safe twice)."""
         api, ws, self._api, self._ws = self._api, self._ws, None, None
         with anyio.CancelScope(shield=True):
             for one in (api, ws):
@@ -203,6 +206,8 @@ class KubernetesBackend:
     # --- images: what the apiserver allows ------------------------------------------------
 
     async def image_inspect(self, image: str) -> ImageInfo:
+        """Backend.image_inspect as far as the Node's status tells: NotFound when the Node does not list `image`;
+        RuntimeFailed when it does (the apiserver never gives the config digest)."""
         node = await self._call("image-inspect", self._core.read_node(self._node, _preload_content=False),
                                 kind="node", ref=self._node)
         images = (node.get("status") or {}).get("images") or []
@@ -217,21 +222,26 @@ class KubernetesBackend:
             "only, never by the OCI config digest runtime-v1's `id` must be; inspect it on the node"))
 
     async def image_pull(self, image: str) -> None:
+        """Refused (RuntimeFailed): the apiserver has no image API; workload-run pulls per its pull_policy."""
         raise RuntimeFailed(action="image-pull", detail=_NO_IMAGE_API + "; workload-run pulls per its pull_policy "
                                                                         "(imagePullPolicy) when the session may pull")
 
     async def image_push(self, image: str) -> None:
+        """Refused (RuntimeFailed): the apiserver has no image API."""
         raise RuntimeFailed(action="image-push", detail=_NO_IMAGE_API)
 
     async def image_tag(self, source: str, target: str) -> None:
+        """Refused (RuntimeFailed): the apiserver has no image API."""
         raise RuntimeFailed(action="image-tag", detail=_NO_IMAGE_API)
 
     async def image_remove(self, image: str) -> None:
+        """Refused (RuntimeFailed): the kubelet's image garbage collection removes unused images."""
         raise RuntimeFailed(action="image-remove", detail=_NO_IMAGE_API + " (the kubelet's image GC removes "
                                                                           "unused images)")
 
     async def image_build(self, build: ImageBuild, *, owner: Owner | None = None,
                           remote_sources: bool = True) -> None:
+        """Refused (RuntimeFailed): build on a Docker host and push to a registry the Node pulls from."""
         raise RuntimeFailed(action="image-build", detail=_NO_IMAGE_API + "; build on a Docker host and push "
                                                                          "to a registry the node pulls from")
 
@@ -387,6 +397,7 @@ class KubernetesBackend:
         self._pending_removal.add(pod)
 
     async def workload_remove(self, name: str) -> None:
+        """Backend.workload_remove: deletes exactly the workload's Pod (by uid) and waits until nothing of it runs."""
         pod = await self._find(name, "workload-remove")
         if pod is None:
             return  # already absent is success: it precedes every named launch
@@ -396,6 +407,7 @@ class KubernetesBackend:
             raise RuntimeFailed(action="workload-remove", detail=f"Pod of {name} still present after deletion") from exc
 
     async def workload_inspect(self, name: str, *, include_start_time: bool) -> WorkloadInfo:
+        """Backend.workload_inspect from the managed Pod's status."""
         return workload_info(await self._require(name, "workload-inspect"), include_start_time=include_start_time)
 
     async def _managed_pods(self, action: str, selector: str = "") -> list[dict[str, Any]]:
@@ -411,12 +423,14 @@ class KubernetesBackend:
                        if workload_name(p)), key=lambda item: item[0])
 
     async def workload_stop(self, name: str, *, timeout_s: float) -> None:
+        """Refused (RuntimeFailed) for an existing workload: a Pod cannot be stopped and kept."""
         await self._require(name, "workload-stop")
         raise RuntimeFailed(action="workload-stop", detail=(
             "a Pod's container cannot be stopped and kept on Kubernetes (restartPolicy Never ends it only by "
             "deletion); remove the workload instead"))
 
     async def workload_logs(self, name: str, *, tail: int) -> bytes:
+        """Backend.workload_logs through pods/log, bounded while it is read."""
         pod = await self._require(name, "workload-logs")
         return await self._logs(str(pod["metadata"]["name"]), name, tail=tail, action="workload-logs")
 
@@ -444,6 +458,7 @@ class KubernetesBackend:
     # --- exec and copy-from -----------------------------------------------------------------
 
     async def workload_exec(self, name: str, execution: Execution) -> bytes:
+        """Backend.workload_exec through pods/exec; the exit code comes from the status channel."""
         if execution.user:
             raise RuntimeFailed(action="workload-exec", detail=(
                 "`user` cannot be realised on Kubernetes: an exec runs as the container's user"))

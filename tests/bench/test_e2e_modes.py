@@ -1,7 +1,7 @@
-"""bench/e2e_restore.py's modes (bench/e2e_modes.py), CPU-checkable parts: the modes a run plans, the unit
-environment and mounts each adds (the interposer's only through the environment, the engine unchanged), the
+"""bench/e2e_modes.py's modes (it runs bench/e2e_restore.py's steps), CPU-checkable parts: the modes a run plans,
+the unit environment and mounts each adds (the interposer's only through the environment, the engine unchanged), the
 tuning each mode gets, the images' digest, the tables, the driver's refusals, and a mode's run failing at its
-first step through the real daemon and dockerd with nothing left behind (the GPU path: scripts/device-e2e)."""
+first step through the real daemon and dockerd with nothing left behind (the GPU path: scripts/device e2e)."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ class TestModes:
         pytest.param(["--criu-threads", "-2"], "--criu-threads -2: 0 or more", id="threads")])
     def test_the_driver_refuses_bad_options_before_it_talks_to_the_daemon(self, tmp_path: Path, extra: list[str],
                                                                           message: str) -> None:
-        done = subprocess.run([sys.executable, str(ROOT / "bench/e2e_restore.py"), "--state-dir",
+        done = subprocess.run([sys.executable, str(ROOT / "bench/e2e_modes.py"), "--state-dir",
                                str(tmp_path / "no-daemon"), "--capsule", "x", "--weights", str(tmp_path), "--work",
                                str(tmp_path), "--out", str(tmp_path), *extra], capture_output=True, text=True,
                               timeout=60, check=False)
@@ -257,7 +257,7 @@ async def test_the_interposer_mode_on_a_capsule_without_the_library_fails_first_
 async def test_a_capsule_built_with_the_worker_passes_the_interposer_and_worker_checks_through_the_daemon(
         tmp_path: Path) -> None:
     """scripts/_capsule_rootfs.py --worker (CRIU stood in by a dynamically linked program), built by the
-    daemon's image-build as scripts/device-e2e does: the interposer mode's throwaway unit loads the library
+    daemon's image-build as scripts/device e2e does: the interposer mode's throwaway unit loads the library
     the units preload, and the worker's check passes, in the capsule's own interpreter (no host mounts)."""
     criu = tmp_path / "criu-root/usr/sbin/criu"
     criu.parent.mkdir(parents=True)

@@ -1,5 +1,5 @@
 """bench/e2e_restore.py's failure paths against the real daemon and dockerd (the GPU path runs on the H200
-through scripts/device-e2e): a capsule without the restore worker, and a restore unit whose readiness check
+through scripts/device e2e): a capsule without the restore worker, and a restore unit whose readiness check
 never passes, each fail as `runtime_failed` naming the cause, with no container left behind."""
 
 from __future__ import annotations

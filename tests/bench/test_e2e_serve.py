@@ -1,5 +1,5 @@
 """bench/e2e_serve.py's failure paths against the real daemon and dockerd (the GPU path runs on the H200
-through scripts/device-serve): a server that dies before its first token, and a restore that fails while the
+through scripts/device serve): a server that dies before its first token, and a restore that fails while the
 client already waits on the port, each fail as one E2EError naming the cause, with no unit left behind; the
 forked-workers case runs its server in a unit and reports its failed capture the same way; the staged path's
 node hydrator runs in its own unit and a hydrator that cannot start is reported in its own words."""

@@ -1,5 +1,5 @@
 """bench/e2e_tp.py's fan-out and rollback against the real daemon and dockerd, for 2, 4 and 8 ranks (the GPU path
-runs on nvidia-h200-x2/x4/x8 through scripts/device-e2e-tp): every rank's restore unit is launched at once, and
+runs on nvidia-h200-x2/x4/x8 through scripts/device tp): every rank's restore unit is launched at once, and
 when any rank's unit fails or the activation's deadline passes, every rank's unit is removed and the error names
 each rank's cause, as a controller must see a failed TP activation."""
 

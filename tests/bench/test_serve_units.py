@@ -20,6 +20,7 @@ from bench.interposer_units import (
     INTERPOSER_LIBRARY,
     INTERPOSER_RUN,
     INTERPOSER_SOCKET,
+    NO_IO_URING_LIBRARY,
     STAGING_SOCKET,
     device_hydration,
     device_staging,
@@ -81,7 +82,7 @@ class TestModes:
     def test_the_default_runs_the_staged_path_first_then_the_interposer_the_adapter_and_full(self) -> None:
         args = _parser().parse_args(["--state-dir", "s", "--capsule", "c", "--model", "m", "--work", "w", "--out", "o"])
         assert plan_modes(args.modes) == ["full-interposer-hydrator", "full-interposer", "adapter-hydrator", "full"]
-        device_serve = (ROOT / "scripts/device-serve").read_text()
+        device_serve = (ROOT / "scripts/_device_serve.sh").read_text()
         assert "MODES=${3:-full-interposer-hydrator,full-interposer,adapter-hydrator,full}" in device_serve
 
     def test_a_path_names_the_node_hydrator_it_runs_and_its_units(self) -> None:
@@ -118,7 +119,9 @@ class TestEnvironment:
         full = serve_layout(tmp_path / "a", tmp_path / "model", "full")
         interposer = serve_layout(tmp_path / "b", tmp_path / "model", "full-interposer")
         added = {k: v for k, v in interposer.environment().items() if full.environment().get(k) != v}
-        assert added == {"LD_PRELOAD": INTERPOSER_LIBRARY, "COLDSNAP_CUDA_INTERPOSER_SOCKET": INTERPOSER_SOCKET}
+        assert added == {"LD_PRELOAD": f"{INTERPOSER_LIBRARY}:{NO_IO_URING_LIBRARY}",
+                         "COLDSNAP_CUDA_INTERPOSER_SOCKET": INTERPOSER_SOCKET}
+        assert full.environment()["LD_PRELOAD"] == NO_IO_URING_LIBRARY  # every server keeps uvloop, on epoll
         assert INTERPOSER_SOCKET == "/run/coldsnap/cuda-%p.sock"  # the interposer's contract (docs/interposer.md)
         assert full.environment()["PYTHONPATH"] == f"{WORKER_PATH}:{SERVER_SITE}"  # no adapter
         extra = [m for m in interposer.mounts() if m not in full.mounts()]
@@ -145,7 +148,7 @@ class TestEnvironment:
         restore = staged.unit(name, "img", entrypoint="sh", command=restore_command(staged, "cap-1"), labels=labels)
         env = restore["environment"]
         assert [env[k] for k in ("LD_PRELOAD", "COLDSNAP_CUDA_INTERPOSER_SOCKET", "COLDSNAP_CUDA_INTERPOSER_HYDRATOR")
-                ] == [INTERPOSER_LIBRARY, INTERPOSER_SOCKET, STAGING_SOCKET]
+                ] == [f"{INTERPOSER_LIBRARY}:{NO_IO_URING_LIBRARY}", INTERPOSER_SOCKET, STAGING_SOCKET]
         assert env["PYTHONPATH"] == f"{WORKER_PATH}:{SERVER_SITE}" and "COLDSNAP_HYDRATION_SOCKET" not in env
         assert restore["mounts"] == staged.mounts() and INTERPOSER_RUN in {m["target"] for m in restore["mounts"]}
         assert (restore["gpus"], restore["network"], restore["labels"]) == (["0"], "host", labels)
@@ -161,18 +164,19 @@ class TestEnvironment:
         env = hydrator["environment"]
         assert not {k for k in env if k == "LD_PRELOAD" or k.startswith("COLDSNAP_CUDA_INTERPOSER")}
         assert {k: v for k, v in staged.environment().items() if k not in env} == {
-            "LD_PRELOAD": INTERPOSER_LIBRARY, "COLDSNAP_CUDA_INTERPOSER_SOCKET": INTERPOSER_SOCKET,
+            "LD_PRELOAD": f"{INTERPOSER_LIBRARY}:{NO_IO_URING_LIBRARY}",
+            "COLDSNAP_CUDA_INTERPOSER_SOCKET": INTERPOSER_SOCKET,
             "COLDSNAP_CUDA_INTERPOSER_HYDRATOR": STAGING_SOCKET}  # everything else as the server's unit
         assert env["PYTHONPATH"].split(":")[0] == WORKER_PATH  # it imports coldsnap_probe from the capsule
         # The same mounts (the images it reads the dumps from, the socket directory), the GPU it stages on.
         assert hydrator["mounts"] == staged.mounts() and (hydrator["gpus"], hydrator["network"]) == (["0"], "host")
 
-    def test_the_adapter_paths_add_theirs_and_no_preload(self, tmp_path: Path) -> None:
+    def test_the_adapter_paths_add_theirs_and_only_the_io_uring_preload(self, tmp_path: Path) -> None:
         env = serve_layout(tmp_path, tmp_path / "model", "adapter-hydrator").environment()
         assert env["PYTHONPATH"].split(":")[0] == ADAPTERS
         assert env["COLDSNAP_HYDRATION_SOCKET"] == f"{RUN}/hydration.sock"
         assert env["COLDSNAP_HYDRATOR_SOCKET"] == f"{RUN}/hydrator.sock"
-        assert "LD_PRELOAD" not in env and "COLDSNAP_CUDA_INTERPOSER_SOCKET" not in env
+        assert env["LD_PRELOAD"] == NO_IO_URING_LIBRARY and "COLDSNAP_CUDA_INTERPOSER_SOCKET" not in env
 
     def test_criu_threads_reach_the_unit_only_when_asked(self, tmp_path: Path) -> None:
         assert "CRIU_RESTORE_THREADS" not in serve_layout(tmp_path, tmp_path, "full").environment()

@@ -1,4 +1,4 @@
-"""bench/tp_plan.py and the dry modes that use it (`bench/e2e_tp.py --plan`, `scripts/device-e2e-tp N SIZE plan`):
+"""bench/tp_plan.py and the dry modes that use it (`bench/e2e_tp.py --plan`, `scripts/device tp N SIZE plan`):
 what a TP run at size needs, checked on a CPU machine before a GPU machine is spent on it (issues 27, 28)."""
 
 from __future__ import annotations
@@ -109,22 +109,22 @@ def test_e2e_tp_plan_that_does_not_fit_exits_2(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("world", "size"), [(2, "70b"), (4, "70b"), (8, "405b")])
 def test_device_script_plan_step_runs_on_cpu(tmp_path: Path, world: int, size: str) -> None:
-    done = _run("bash", "scripts/device-e2e-tp", str(world), size, "plan",
+    done = _run("bash", "scripts/device", "tp", str(world), size, "plan",
                 env={"TP_WORK": str(tmp_path), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"TP{world} {size}-shaped" in done.stdout and "\nfits\n" in done.stdout
     for step in ("weights", "run", "failures"):
-        assert f"scripts/device-e2e-tp {world} {size} {step}" in done.stdout
+        assert f"scripts/device tp {world} {size} {step}" in done.stdout
 
 
 def test_device_script_refuses_an_unknown_step() -> None:
-    done = _run("bash", "scripts/device-e2e-tp", "2", "70b", "everything")
+    done = _run("bash", "scripts/device", "tp", "2", "70b", "everything")
     assert done.returncode == 2 and "unknown step everything" in done.stdout
 
 
 def test_device_script_runs_a_large_size_in_steps_only() -> None:
     """Weights, run and failures of a 70B engine would not fit the 600 s a device command may run."""
-    done = _run("bash", "scripts/device-e2e-tp", "2", "70b", "all")
+    done = _run("bash", "scripts/device", "tp", "2", "70b", "all")
     assert done.returncode == 2 and "run 70b as weights, run, failures" in done.stdout
 
 

@@ -1,7 +1,7 @@
 """The CUDA canaries (`_canaries.py`): their mapping to typed results everywhere, the real thing on a GPU host.
 
 CI has no GPU: there the mapping and the no-driver behaviour (test_main.py) are what is checked;
-scripts/device-qualify runs the GPU tests on the H200.
+scripts/device gpu-tests runs the GPU tests on the H200.
 """
 
 from __future__ import annotations

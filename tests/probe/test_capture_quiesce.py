@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from coldsnap_probe._quiesce import event_loops as _event_loops
 from coldsnap_probe._quiesce import open_connections as _open_connections
-from coldsnap_probe._quiesce import refuse_io_uring as _refuse_io_uring
 from coldsnap_probe._quiesce import wait_idle as _wait_idle
 from coldsnap_probe.errors import WorkerError
 
@@ -96,7 +96,7 @@ def test_a_process_without_connections_or_io_uring_passes() -> None:
     try:
         assert _open_connections([child.pid]) == []
         _wait_idle([child.pid], 0.0)
-        _refuse_io_uring([child.pid])
+        assert _event_loops([child.pid]) == {}  # nor uvloop
     finally:
         child.kill()
         child.wait()
@@ -110,6 +110,6 @@ def test_io_uring_holder_is_refused_by_name() -> None:
             pytest.skip(f"io_uring is not available here ({first})")
         assert first == "ready"
         with pytest.raises(WorkerError, match=f"process {child.pid} holds an io_uring instance"):
-            _refuse_io_uring([child.pid])
+            _event_loops([child.pid])
     finally:
         child.communicate("", timeout=10)

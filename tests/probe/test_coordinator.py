@@ -1,7 +1,7 @@
 """Several ranks: the coordinator's barriers and aborts, and the restore path's checks that stop every rank.
 
 The rank workers here are real processes meeting through a real directory, up to eight of them. The GPU half
-(capture and restore of a TP engine) runs on the 2/4/8-GPU machines: `scripts/device-tp2`, `scripts/device-e2e-tp`.
+(capture and restore of a TP engine) runs on the 2/4/8-GPU machines: `scripts/device tp-bare`, `scripts/device tp`.
 """
 
 from __future__ import annotations
@@ -300,10 +300,12 @@ def world_images(tmp_path: Path, world: int, **tamper: int) -> list[Path]:
     return images
 
 
-def assert_every_rank_stopped_by(results: list[Any], culprit: int, own: str, tmp_path: Path) -> None:
-    """`culprit` failed with `own` in its error; every other rank was aborted naming it; nothing reached CRIU."""
+def assert_every_rank_stopped_by(results: list[Any], culprit: int, own: str, tmp_path: Path,
+                                 culprit_exit: int = 1) -> None:
+    """`culprit` failed with `own` in its error (exiting `culprit_exit`: 3 for a host refused before any work);
+    every other rank was aborted naming it; nothing reached CRIU."""
     for rank, (rc, err) in enumerate(results):
-        assert rc == 1, (rank, err)
+        assert rc == (culprit_exit if rank == culprit else 1), (rank, err)
         if rank == culprit:
             assert own in err, err
         else:
@@ -352,13 +354,13 @@ def test_restore_of_eight_ranks_with_intact_sources_passes_validation_together(t
 
 @pytest.mark.parametrize(("world", "case", "own"), [
     (8, "graph", "graph.json: graph policy record"),
-    (4, "host", "captured on riscv64, this host is")])
+    (4, "host", "architecture-mismatch (architecture: captured 'riscv64'")])
 def test_restore_one_bad_rank_of_many_stops_every_rank_before_criu(tmp_path: Path, world: int, case: str,
                                                                    own: str) -> None:
     culprit = world - 1
     images = world_images(tmp_path, world, **{case: culprit})
     results = restore_workers(tmp_path, images, list(range(world)))
-    assert_every_rank_stopped_by(results, culprit, own, tmp_path)
+    assert_every_rank_stopped_by(results, culprit, own, tmp_path, culprit_exit=3 if case == "host" else 1)
 
 
 def test_restore_of_eight_ranks_one_never_arriving_stops_the_seven(tmp_path: Path) -> None:

@@ -51,7 +51,7 @@ def wait_file(path: Path, timeout: float = 120) -> str:
 
 
 def captured(tmp_path: Path, criu: str, nothp_mib: int = 0, before: list[Vma] | None = None,
-             fork: bool = False) -> tuple[Path, Path, int]:
+             fork: bool = False, env: dict[str, str] | None = None) -> tuple[Path, Path, int]:
     """The target (private, THP, shared anonymous and file-backed memory; `nothp_mib` MiB advised NOHUGEPAGE;
     with `fork` a child sharing it copy-on-write) dumped by the worker (n580) and reaped: (its control
     directory, the images, its PID). `before` receives its mappings as they were just before the dump."""
@@ -66,7 +66,7 @@ def captured(tmp_path: Path, criu: str, nothp_mib: int = 0, before: list[Vma] | 
     if before is not None:
         before.extend(mappings(target.pid))
     done = worker("capture", "--pid", str(target.pid), "--images", str(images), "--boundary", "n580",
-                  "--criu", criu)
+                  "--criu", criu, env=env)
     assert done.returncode == 0, done.stderr
     target.wait()  # CRIU killed it: reap, so that its PID is free for the restore
     if fork:  # and its child, orphaned to this process (the subreaper)
@@ -218,10 +218,47 @@ def test_the_capture_records_criu_s_version_and_a_different_criu_is_refused(tmp_
     other.chmod(0o755)
     before = image_digest(images, contents=True)
     done = worker("restore", "--images", str(images), "--criu", str(other), "--work-dir", str(tmp_path / "work"))
-    assert done.returncode != 0
-    assert f"captured with CRIU {recorded['version']!r}" in done.stderr and "'Version: 4.1.1'" in done.stderr
+    assert done.returncode == 3, done.stderr
+    assert json.loads(done.stdout)["refused"] == [
+        {"code": "criu-mismatch", "fact": "criu", "captured": recorded["version"], "current": "Version: 4.1.1"}]
     assert not (tmp_path / "work/restore.log").exists() and not alive(pid)
     assert image_digest(images, contents=True) == before
+
+
+def test_a_host_that_cannot_restore_is_refused_before_any_work_naming_every_fact(tmp_path: Path, criu: str) -> None:
+    """Issue 36 item 4: the capture records the capsule image the provider named, the kernel and what the capsule
+    sees; a restore elsewhere is refused (exit 3) with one code and both values per fact, before CRIU runs."""
+    image = "sha256:" + "c" * 64
+    control, images, pid = captured(tmp_path, criu, env={"COLDSNAP_CAPSULE_IMAGE": image})
+    record = json.loads((images / "capture.json").read_text())
+    facts = record["identity"]
+    assert facts["capsule_image"] == image and facts["kernel"] == os.uname().release
+    assert {"gpu_devices", "cuda_driver_api"} <= set(facts)
+    facts["kernel"] = "2.6.32-754.el6.x86_64"  # what another node would have recorded
+    (images / "capture.json").write_text(json.dumps(record))
+    before = image_digest(images, contents=True)
+    other = "sha256:" + "d" * 64
+    done = worker("restore", "--images", str(images), "--criu", criu, "--work-dir", str(tmp_path / "work"),
+                  env={"COLDSNAP_CAPSULE_IMAGE": other})
+    assert done.returncode == 3, done.stderr
+    answer = json.loads(done.stdout)
+    assert answer["kind"] == "restore-refused" and answer["checked_seconds"] > 0
+    here = os.uname().release
+    assert answer["refused"] == [
+        {"code": "kernel-mismatch", "fact": "kernel", "captured": "2.6.32-754.el6.x86_64", "current": here},
+        {"code": "capsule-image-mismatch", "fact": "capsule_image", "captured": image, "current": other}]
+    assert "error: TargetRefused: not restoring on this host: kernel-mismatch" in done.stderr
+    assert not (tmp_path / "work/restore.log").exists() and not alive(pid)
+    assert image_digest(images, contents=True) == before
+    facts["kernel"] = here  # this node, in the captured capsule image: restored
+    (images / "capture.json").write_text(json.dumps(record))
+    done = worker("restore", "--images", str(images), "--criu", criu, "--work-dir", str(tmp_path / "work-2"),
+                  env={"COLDSNAP_CAPSULE_IMAGE": image})
+    try:
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["identity_compatibility"] == "pre-cuda-template" and verified(control)["ok"]
+    finally:
+        end(control, pid)
 
 
 @pytest.mark.parametrize("threads", [1, 4])

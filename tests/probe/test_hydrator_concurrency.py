@@ -1,4 +1,4 @@
-"""The real node hydrator serving its peers at once (GPU hosts only; scripts/device-hydr runs these): a peer's
+"""The real node hydrator serving its peers at once (GPU hosts only; scripts/device gpu-tests runs these): a peer's
 `status`, its other stages and a silent connection do not wait for another's large `stage-dump`; a stage being
 filled is neither adoptable nor replaceable; two concurrent stages of one uid cannot together pass its quota;
 of concurrent adopts and discards of one ticket exactly one wins.

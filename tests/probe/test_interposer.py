@@ -20,14 +20,7 @@ from typing import Any
 
 import pytest
 
-from coldsnap_probe._device_memory import (
-    RECORD,
-    DeviceRelease,
-    DumpRecord,
-    hydrate_devices,
-    prefetch_dumps,
-    validated_dumps,
-)
+from coldsnap_probe._reports import CaptureReport
 from coldsnap_probe.errors import HydrationError, WorkerError
 from coldsnap_probe.hydration import (
     DeviceDump,
@@ -40,6 +33,14 @@ from coldsnap_probe.hydration import (
 )
 from coldsnap_probe.hydration._interposer import DUMP_KIND
 from coldsnap_probe.jsonline import request
+from coldsnap_probe.memory._device_dump import (
+    RECORD,
+    DeviceRelease,
+    DumpRecord,
+    hydrate_devices,
+    prefetch_dumps,
+    validated_dumps,
+)
 
 MIB = 1 << 20
 
@@ -227,8 +228,9 @@ def test_a_release_of_nothing_leaves_no_record_and_nothing_released(engine: tupl
     proc, _ = engine
     images = tmp_path / "images"
     images.mkdir(mode=0o700)
-    release = DeviceRelease(images)
-    release.release([proc.pid, os.getpid()])  # this process has no interposer: skipped
+    release = DeviceRelease(images, [proc.pid, os.getpid()])
+    release.release(report := capture_report())  # this process has no interposer: skipped
+    assert report.device_memory == release.reports and "device_release" in report.timings_s
     assert [r.state for r in release.reports] == ["empty"]
     assert release.reports[0].uncovered["below_threshold"] == {"count": 0, "bytes": 0}
     assert not (images / RECORD).exists() and list(images.iterdir()) == []
@@ -237,7 +239,12 @@ def test_a_release_of_nothing_leaves_no_record_and_nothing_released(engine: tupl
 
 def test_an_explicit_socket_needs_exactly_one_cuda_process(tmp_path: Path) -> None:
     with pytest.raises(WorkerError, match="names one socket, the tree has 2"):
-        DeviceRelease(tmp_path, "/run/x.sock").release([1, 2])
+        DeviceRelease(tmp_path, [1, 2], "/run/x.sock").release(capture_report())
+
+
+def capture_report() -> CaptureReport:
+    """An empty capture's report, for a release to fill in."""
+    return CaptureReport(boundary="n610", root_pid=os.getpid(), tree=[os.getpid()], rank=0, world_size=1, engine=None)
 
 
 # -- the manifest (Python side) -------------------------------------------------------------------------------
@@ -348,8 +355,8 @@ def test_a_relative_images_directory_reaches_the_engine_as_an_absolute_one(engin
     proc, _ = engine
     monkeypatch.chdir(tmp_path)
     Path("images").mkdir(mode=0o700)
-    release = DeviceRelease(Path("images"))
-    release.release([proc.pid])  # the engine would refuse a relative `dir`
+    release = DeviceRelease(Path("images"), [proc.pid])
+    release.release(capture_report())  # the engine would refuse a relative `dir`
     assert [r.state for r in release.reports] == ["empty"]
 
 
@@ -393,7 +400,7 @@ def test_a_descriptor_rides_only_with_a_staged_hydration_and_is_never_kept(engin
 
 def test_a_stage_is_asked_only_for_the_captures_own_files_and_fails_softly(tmp_path: Path) -> None:
     """stages_for: a hydrator named and the files unchanged; an unreachable hydrator leaves the regular path."""
-    from coldsnap_probe._device_memory import stages_for
+    from coldsnap_probe.memory._device_dump import stages_for
 
     images = tmp_path / "images"
     dump = dump_in(images / "device-42")
@@ -414,8 +421,8 @@ def test_a_socket_another_process_listens_on_is_not_asked_to_release(engine: tup
     _, path = engine
     images = tmp_path / "images"
     images.mkdir(mode=0o700)
-    release = DeviceRelease(images, path)
-    release.release([os.getpid()])  # named explicitly, but the socket answers for another pid
+    release = DeviceRelease(images, [os.getpid()], path)
+    release.release(capture_report())  # named explicitly, but the socket answers for another pid
     assert [(r.state, r.pid) for r in release.reports] == [("not-started", os.getpid())]
     assert request(path, {"op": "status"})["released"] is False and list(images.iterdir()) == []
 

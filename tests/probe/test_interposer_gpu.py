@@ -293,8 +293,8 @@ def test_a_dump_staged_by_the_node_hydrator_is_mapped_in_place(dump_hydrator: st
     one allocation per region, and the interposer maps each whole at its region. Several regions, one over 1 GiB
     (two segment files, one allocation); every byte adopted is compared with the dump (a second release digests
     what the device holds), then the torch tensors, matmul and graph."""
-    from coldsnap_probe._device_memory import DumpRecord, hydrate_devices, stages_for
     from coldsnap_probe.hydration import dump_identities
+    from coldsnap_probe.memory._device_dump import DumpRecord, hydrate_devices, stages_for
 
     library, _ = build_library(tmp_path / "lib")
     target = Target(tmp_path, library, socket="staged.sock", mib=1100)

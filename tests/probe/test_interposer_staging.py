@@ -122,7 +122,7 @@ def regions(tmp_path: Path) -> Iterator[tuple[Path, list[Path]]]:
 
 def device_stage(hydrator: Path, count: int) -> Any:
     """A DeviceStage of `count` regions of 2 MiB whose stage was answered (the adopt is what is tested)."""
-    from coldsnap_probe._device_stage import DeviceStage
+    from coldsnap_probe.memory._device_dump import DeviceStage
     from tests.probe.test_interposer import dump_in
 
     dump = dump_in(hydrator.parent / "dump", (2 * MIB,) * count)
@@ -336,7 +336,7 @@ def test_a_peer_that_leaves_midway_leaves_nothing_and_the_next_one_is_served(pag
 
 def test_the_worker_sends_its_descriptors_in_pages_of_16(pages_server: Served, tmp_path: Path) -> None:
     """jsonline's `page`: the line alone, then pages; the interposer takes what the worker sends (here three)."""
-    from coldsnap_probe._device_memory import INTERPOSER_PAGE
+    from coldsnap_probe.memory._device_dump import INTERPOSER_PAGE
 
     pid, path, before = pages_server
     fds = markers(tmp_path, 3)

@@ -268,3 +268,88 @@ def test_a_tenant_holding_silent_connections_keeps_at_most_its_share_of_the_thre
         silent.wait()
         server.close()
     assert not server._thread.is_alive() and not server._parked and not server._by_uid
+
+
+# --- a request whose descriptors ride with its first bytes (the node hydrator's hydrate) --------------------------
+
+def _pipe_with(data: bytes) -> int:
+    """The read end of a pipe holding `data` (a descriptor whose identity the receiver can check by reading)."""
+    read, write = os.pipe()
+    os.write(write, data)
+    os.close(write)
+    return read
+
+
+def test_a_request_with_its_descriptor_is_read_whole_and_the_descriptor_works() -> None:
+    asker, server = socket.socketpair()
+    with asker, server:
+        fd = _pipe_with(b"through the socket")
+        line = json.dumps({"op": "hydrate", "regions": ["x" * 300_000]}).encode() + b"\n"
+        # A line longer than the socket's buffer: the rest follows the descriptor's message while it is read.
+        sender = threading.Thread(target=jsonline.send, args=(asker, line, [fd]), daemon=True)
+        sender.start()
+        server.settimeout(5.0)
+        try:
+            message, fds = jsonline.read_request_with_fds(server, 1)
+        finally:
+            sender.join(10)
+            os.close(fd)
+        try:
+            assert message["op"] == "hydrate" and len(message["regions"][0]) == 300_000
+            assert len(fds) == 1 and os.read(fds[0], 100) == b"through the socket"
+            assert server.gettimeout() == 5.0  # the answer's sends get the connection's whole timeout again
+        finally:
+            for received in fds:
+                os.close(received)
+
+
+@pytest.mark.parametrize(("payload", "count", "error"), [
+    (b'{"op": "hydrate"}\n', 2, "at most 1 descriptor"),  # the kernel closed the extra one: refused, not used
+    (b'["op", "hydrate"]\n', 1, "not one JSON object"),
+    (b'{"op": \n', 1, "not JSON"),
+])
+def test_a_bad_request_with_descriptors_is_refused_and_leaks_none(payload: bytes, count: int, error: str) -> None:
+    asker, server = socket.socketpair()
+    with asker, server:
+        sent = [_pipe_with(b"") for _ in range(count)]
+        try:
+            jsonline.send(asker, payload, sent)
+            asker.shutdown(socket.SHUT_WR)
+        finally:
+            for fd in sent:
+                os.close(fd)
+        server.settimeout(5.0)
+        before = sorted(os.listdir("/proc/self/fd"))
+        with pytest.raises(ChannelError, match=error):
+            jsonline.read_request_with_fds(server, 1)
+        assert sorted(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_trickled_request_with_a_descriptor_is_held_to_one_deadline() -> None:
+    """The wait for the first bytes and the rest of the line share the connection's timeout: a peer sending a byte
+    at a time cannot hold the server's thread longer than a silent one."""
+    asker, server = socket.socketpair()
+    with asker, server:
+        fd = _pipe_with(b"")
+        try:
+            jsonline.send(asker, b"{", [fd])
+        finally:
+            os.close(fd)
+
+        def trickle() -> None:
+            with contextlib.suppress(OSError):
+                for byte in b'"op": "hydrate", "pad": "........................"}\n':
+                    asker.send(bytes([byte]))
+                    time.sleep(0.2)
+
+        thread = threading.Thread(target=trickle, daemon=True)
+        thread.start()
+        server.settimeout(1.0)
+        before = sorted(os.listdir("/proc/self/fd"))
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            jsonline.read_request_with_fds(server, 1)
+        assert time.monotonic() - started < 2.0
+        assert sorted(os.listdir("/proc/self/fd")) == before
+        asker.shutdown(socket.SHUT_RDWR)
+        thread.join(20)

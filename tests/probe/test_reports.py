@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+from typing import Any
 
 from coldsnap_probe._reports import (
     CapturedGraphPolicy,
@@ -17,14 +19,24 @@ from coldsnap_probe._reports import (
 CAPTURE_ALWAYS = {"format", "kind", "boundary", "root_pid", "tree", "started_unix", "rank", "world_size", "engine",
                   "cuda_pids", "identity", "engine_quiesced", "timings_s", "barrier_wait_s", "image_bytes",
                   "image_files", "completed_unix"}
-CAPTURE_OPTIONAL = {"graph_policy", "engine_quiesce", "hydration", "memory_before_checkpoint",
-                    "memory_after_checkpoint", "image_digest"}
+CAPTURE_OPTIONAL = {"graph_policy", "engine_quiesce", "hydration", "memory_sources", "memory_before_checkpoint",
+                    "memory_after_checkpoint", "image_digest", "event_loops"}
 RESTORE_ALWAYS = {"format", "kind", "rank", "world_size", "timeline", "barrier_wait_s", "restore_seconds",
                   "ready_seconds"}
 RESTORE_OPTIONAL = {"boundary", "captured_root_pid", "cuda_pids", "identity_compatibility", "graph_policy",
                     "criu_restore_seconds", "restored_pid", "peer_criu_restore_seconds", "cuda_restore_seconds",
                     "peer_cuda_restore_seconds", "all_pages_in_seconds", "hydration", "engine_resume",
-                    "communicator_recreate_seconds"}
+                    "communicator_recreate_seconds", "memory_sources"}
+
+
+@dataclass(frozen=True)
+class DiskRead:
+    """A memory source's report with no field of its own (`memory_sources`, by name)."""
+
+    bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"bytes": self.bytes}
 
 
 def test_a_minimal_capture_report_has_exactly_the_keys_always_written() -> None:
@@ -41,7 +53,10 @@ def test_a_full_capture_report_adds_each_optional_key_in_its_shape() -> None:
     report.hydration = ReleasedWeights(4096, 2, 0.5, "sha256:p", "sha256:m")
     report.memory_before_checkpoint = report.memory_after_checkpoint = {"7": {"anonymous_bytes": 1}}
     report.image_digest = "sha256:i"
+    report.memory_sources["disk"] = DiskRead(5)
+    report.event_loops = {"7": "uvloop"}
     value = json.loads(json.dumps(report.to_json()))
+    assert value["memory_sources"] == {"disk": {"bytes": 5}}
     assert set(value) == CAPTURE_ALWAYS | CAPTURE_OPTIONAL
     assert value["graph_policy"] == {"requested": "auto", "recorded": "recreate-from-plan",
                                      "effective": "recreate-from-plan", "reason": "why"}
@@ -73,9 +88,11 @@ def test_a_full_restore_report_adds_each_optional_key_in_its_shape() -> None:
                            cuda_restore_seconds=0.5, peer_cuda_restore_seconds=[0.5, 0.6], all_pages_in_seconds=2.0,
                            hydration=HydratedWeights(10, 0.1, 1e-7, 1, {"strategy": "ring"}, None, 0.2),
                            engine_resume={"ok": True}, communicator_recreate_seconds=0.3,
-                           timeline=timeline("restore_begin", "process_resumed", "ready"))
+                           timeline=timeline("restore_begin", "process_resumed", "ready"),
+                           memory_sources={"disk": DiskRead(5)})
     value = json.loads(json.dumps(report.to_json()))
     assert set(value) == RESTORE_ALWAYS | RESTORE_OPTIONAL
+    assert value["memory_sources"] == {"disk": {"bytes": 5}}
     assert value["hydration"] == {"bytes": 10, "seconds": 0.1, "gbps": 1e-7, "regions_verified": 1,
                                   "engine": {"strategy": "ring"}, "staged": None, "phase_seconds": 0.2}
     assert value["graph_policy"] == {"effective": "recreate-from-plan", "decision": "d", "plan_sha256": "sha256:x"}

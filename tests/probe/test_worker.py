@@ -17,9 +17,9 @@ import pytest
 
 from coldsnap_probe._host import DEVICE_SELECTOR_ENV, nvml_identity
 from coldsnap_probe._process import audit_pre_cuda
-from coldsnap_probe._restore import confirmed_identity
-from coldsnap_probe._worker import identity_compatibility, image_digest, process_tree
-from coldsnap_probe.errors import WorkerError
+from coldsnap_probe._target import check_target, confirmed_identity
+from coldsnap_probe._worker import image_digest, process_tree
+from coldsnap_probe.errors import TargetRefused, WorkerError
 from tests.helpers import ROOT
 from tests.probe.test_main import has_nvidia_driver
 
@@ -86,23 +86,6 @@ def test_n580_audit_refuses_a_process_that_maps_a_cuda_driver_library(tmp_path: 
 H200 = {"architecture": "x86_64", "driver_version": "580.159.04", "gpu_name": "NVIDIA H200"}
 
 
-@pytest.mark.parametrize(("current", "boundary", "outcome"), [
-    (H200, "n610", "exact"),
-    ({**H200, "driver_version": "610.43.02"}, "n610", "driver-upgraded"),
-    ({**H200, "driver_version": "575.1"}, "n610", "driver 575.1 is older than the captured 580.159.04"),
-    ({**H200, "gpu_name": "NVIDIA GB10"}, "n610", "this GPU is NVIDIA GB10"),
-    ({**H200, "driver_version": None}, "n610", "driver version is unknown"),
-    ({**H200, "driver_version": "575.1"}, "n580", "pre-cuda-template"),
-    ({**H200, "architecture": "aarch64"}, "n580", "this host is aarch64"),
-])
-def test_identity_compatibility(current: dict[str, Any], boundary: str, outcome: str) -> None:
-    if outcome in ("exact", "driver-upgraded", "pre-cuda-template"):
-        assert identity_compatibility(H200, current, boundary) == outcome
-    else:
-        with pytest.raises(WorkerError, match=outcome):
-            identity_compatibility(H200, current, boundary)
-
-
 def test_confirmed_identity_keeps_a_procfs_identity_that_matches_the_capture() -> None:
     current = {**H200, "gpu_identity_source": "procfs"}
     assert confirmed_identity(H200, current, "n610") is current
@@ -121,8 +104,8 @@ def test_confirmed_identity_leaves_any_difference_to_nvml(changed: dict[str, Any
     assert {k: confirmed.get(k) for k in ("driver_version", "gpu_uuid", "gpu_name")} == {
         k: nvml.get(k) for k in ("driver_version", "gpu_uuid", "gpu_name")}
     if not has_nvidia_driver():
-        with pytest.raises(WorkerError, match="driver version is unknown"):
-            identity_compatibility(H200, confirmed, "n610")
+        with pytest.raises(TargetRefused, match="driver-unknown"):
+            check_target(H200, confirmed, "n610")
 
 
 def test_image_digest_sees_any_write(tmp_path: Path) -> None:
@@ -133,7 +116,7 @@ def test_image_digest_sees_any_write(tmp_path: Path) -> None:
     assert image_digest(tmp_path) != before
 
 
-# --- on a GPU host (scripts/device-worker runs these there) ----------------------------
+# --- on a GPU host (scripts/device gpu-tests runs these there) ----------------------------
 
 gpu = pytest.mark.skipif(not has_nvidia_driver() or shutil.which("criu") is None,
                          reason="needs an NVIDIA driver and CRIU (run on the GPU host)")

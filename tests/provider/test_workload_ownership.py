@@ -223,3 +223,21 @@ async def test_control_workload_verbs_answer_another_managers_workload_as_absent
             assert "cannot be stopped and kept on Kubernetes" in mine["error"]  # the owner reaches it
         else:
             assert mine["ok"], mine
+
+
+@pytest.mark.parametrize("kind", ["local", "remote", "kubernetes"])
+async def test_running_over_another_managers_workload_name_tells_only_that_the_name_is_taken(
+        kind: str, request: pytest.FixtureRequest) -> None:
+    """Names are node-global, so B's workload-run over A's name must fail; its answer is the one A gets running
+    over its own workload, and names nothing of A's workload (the engine's conflict text named its container id)."""
+    async with owned_workload(kind, request) as (place, _, owner, other, name):
+        spec = {"image": place.image, "name": name, "detached": True, "pull_policy": "never", "command": COMMAND}
+        theirs = await other.runtime("workload-run", host=place.host, workload=spec)
+        mine = await owner.runtime("workload-run", host=place.host, workload=spec)
+        assert _answer(theirs, name, name) == _answer(mine, name, name), (theirs, mine)
+        assert (theirs.ok, theirs.error_code, theirs.error) == (False, "runtime_failed", theirs.error)
+        assert isinstance(theirs.error, str) and f"workload {name} already exists" in theirs.error
+        inspected = await owner.runtime("workload-inspect", host=place.host, name=name)
+        assert inspected.ok and inspected.runtime.workload.running  # type: ignore[union-attr]
+        workload_id = inspected.runtime.workload.id  # type: ignore[union-attr]
+        assert workload_id not in theirs.error and workload_id[:12] not in theirs.error

@@ -2,7 +2,7 @@
 
 The discovery units read a fake /dev + /proc + driver tree under tmp_path (real files and real
 device nodes, made with mknod); the engine round trips talk to the real dockerd through a real
-daemon. The H200 round trip (native GPUs, CUDA inside) is scripts/device-gpus.
+daemon. The H200 round trip (native GPUs, CUDA inside) is scripts/device daemon-gpus.
 """
 
 from __future__ import annotations

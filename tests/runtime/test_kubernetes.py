@@ -15,6 +15,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+pytest.importorskip("kubernetes_asyncio", reason="the Kubernetes client is not installed (the GPU machine's wheels)")
 from coldsnap_runtime import RuntimeContext, dispatch
 from coldsnap_runtime.backend import KubernetesBackend
 from coldsnap_runtime.backend._k8s_translate import NAME_ANNOTATION, pod_name

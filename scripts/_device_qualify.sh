@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Qualify a GPU machine for real: the probe, CRIU, admission for n580 and n610, and the cache.
+#   scripts/device qualify     (the GPU tests, test_canaries among them, are `scripts/device gpu-tests`)
 # Run on the GPU host from the repository root, with CRIU unpacked under .device-criu and the
 # wheels the host lacks (msgspec, structlog, aiodocker) under .whl; results go to $OUT.
 set -uo pipefail
@@ -35,6 +36,3 @@ for p in sorted(out.glob("probe-*.json")):
         print(p.name, "unreadable:", e)
 PY
 ls -la "$STATE/host-feature-profiles" 2>&1 | tee -a "$OUT/host.txt"
-echo "== GPU tests"
-python3 -m pytest -q -p no:cacheprovider tests/probe/test_canaries.py tests/probe/test_features.py \
-    tests/probe/test_canonical.py tests/probe/test_cache.py 2>&1 | tee "$OUT/pytest.txt" | tail -15

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Tensor-parallel capture and restore on a host with two GPUs (nvidia-h200-x2; CRIU under .device-criu, wheels
 # under .whl): cold TP2 engine vs two restores, plus the failures that must stop every rank. See bench/README.md.
-#   scripts/device-tp2 [--layers 16] [--tokens 16] [--world-size 2]
+#   scripts/device tp-bare [--layers 16] [--tokens 16] [--world-size 2]
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh"
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader

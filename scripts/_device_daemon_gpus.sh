@@ -4,9 +4,9 @@
 #   `coldsnap-provider serve` with [gpus] mode = "native" and [runtime] privileged = "host-capabilities",
 #   a capsule image built by the daemon's image-build, GPU visibility / bad-id / privileged runs, and the
 #   in-capsule probe (control-socket `probe`) for n610 and n580, each twice (fresh, then cached).
-# Then the project's GPU-only tests (tests/probe GPU paths, tests/shim against the real NCCL).
+# The project's GPU tests are `scripts/device gpu-tests`; tests/shim against the real NCCL is `scripts/device nccl`.
 # Run from the repository root with .device-criu, .device-docker and .whl carried; results go to $OUT.
-#   scripts/device-gpus [--no-tests] [--engine]   (--engine: also item 3's cold start of the 8B-shaped engine)
+#   scripts/device daemon-gpus [--engine]   (--engine: also item 3's cold start of the 8B-shaped engine)
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh"
 STATE=/tmp/cs-gpus-state
@@ -51,7 +51,7 @@ for _ in $(seq 100); do [ -S "$STATE/control.sock" ] && break; sleep 0.2; done
 ls -la "$STATE"
 
 ENGINE=()
-if [ "${1:-}" = "--engine" ] || [ "${2:-}" = "--engine" ]; then
+if [ "${1:-}" = "--engine" ]; then
     step "engine weights (8B-shaped Llama, bf16, fixed seed) written once to /dev/shm"
     /usr/bin/time -f "weights written in %e s" python3 engines/engine_llama.py weights /dev/shm/engine-8b 2>&1 | tail -2
     ENGINE=(--engine /dev/shm/engine-8b)
@@ -72,19 +72,3 @@ echo "containers left: $(docker ps -aq | wc -l)"
 kill -TERM $SERVE; wait $SERVE; echo "serve exit $?"
 kill -TERM "$(cat $D/docker.pid)" 2>/dev/null
 grep -c '"level": *"warning"' "$OUT/daemon.log" || true
-
-if [ "${1:-}" != "--no-tests" ]; then
-    # tests/probe and tests/shim whole: their GPU paths run only here (the rest pass or skip as on a CPU host).
-    step "GPU tests: tests/probe"
-    python3 -m pytest -q -p no:cacheprovider -rA tests/probe > /tmp/probe-tests.txt 2>&1
-    echo "tests/probe exit $?"; grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" /tmp/probe-tests.txt \
-        | grep -vE "^PASSED" | tail -25
-    step "GPU tests: tests/shim (real NCCL)"
-    BUILD=$(mktemp -d /tmp/csns-XXXX)
-    gcc -std=c11 -Wall -Wextra -Werror -fPIC -shared -Inccl_shim/include -fvisibility=hidden \
-        nccl_shim/src/coldsnap_nccl_shim.c -o "$BUILD/libcsns.so" -ldl -lpthread
-    COLDSNAP_NCCL_SHIM_LIBRARY="$BUILD/libcsns.so" python3 -m pytest -q -p no:cacheprovider -rA tests/shim \
-        > /tmp/shim-tests.txt 2>&1
-    echo "tests/shim exit $?"; grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" /tmp/shim-tests.txt | tail -15
-    cat /tmp/probe-tests.txt /tmp/shim-tests.txt > "$OUT/tests.txt"
-fi

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The restore-to-first-token benchmark on a GPU host (CRIU under .device-criu, wheels under .whl).
-#   [THP=always|madvise|never] scripts/device-ttft [--sizes 16,32,64] [--modes hydrate] [--strategy hydrator]
+#   [THP=always|madvise|never] scripts/device ttft [--sizes 16,32,64] [--modes hydrate] [--strategy hydrator]
 #                       [--hydrate-bench 8] [--images-root /dev/shm/cs-img] [--tokens 32] [--stack-bytes 0,256]
 #                       [--memory eager,lazy] [--kv kept,discarded]
 # Weights live in /dev/shm (one file, generated once for the largest size); see bench/README.md.

@@ -4,7 +4,7 @@
 # profile written by coldsnap_runtime/backend/_confine.py, a private cgroup namespace, CRIU with
 # capsule.patch) and as the grant was before (DAC_READ_SEARCH, seccomp unconfined, the host's cgroup
 # namespace), side by side in one run (bench/capsule_confinement.py), then the escapes tried in the confined one.
-#   scripts/device-confine [MIB] [RESTORES] [ROUNDS]       (default 4096 MiB, 3 restores, 2 rounds)
+#   scripts/device confine [MIB] [RESTORES] [ROUNDS]       (default 4096 MiB, 3 restores, 2 rounds)
 # carries: .device-docker (the full bundle, with the docker CLI), .device-criu42 (scripts/criu/build --bundle).
 # Results: $OUT/confine-*.json, $OUT/confine.txt.
 set -uo pipefail

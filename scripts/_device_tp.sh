@@ -4,7 +4,7 @@
 # (its own GPU, host network), a node hydrator per GPU, cold vs restores of one capture, the failures that must stop
 # every rank. Run from the repository root with .device-criu, .device-docker and .whl carried; results go to
 # $OUT/tp$N-$SIZE.
-#   scripts/device-e2e-tp N SIZE [STEP] [options of bench/e2e_tp.py]
+#   scripts/device tp N SIZE [STEP] [options of bench/e2e_tp.py]
 # N: the world size (2, 4, 8). SIZE: small, 70b (Llama-3-70B layer shapes) or 405b (the largest layer count
 # that fits). STEP, each within the 600 s a command may run (a warm machine keeps /dev/shm between calls):
 #   plan      print the plan and the commands, check the memory budget; runs on a CPU machine, needs no GPU
@@ -15,8 +15,8 @@
 # MEMORY_LIMIT: host memory the run may use (default: the lent machine's, 256G / 512G / 560G for 2 / 4 / 8 GPUs);
 # the memory cgroup's memory.max wins when smaller. MemTotal is never used: it reads low at first there.
 set -uo pipefail
-N=${1:?usage: scripts/device-e2e-tp N SIZE [plan|weights|run|failures|all] [bench options]}
-SIZE=${2:?usage: scripts/device-e2e-tp N SIZE [plan|weights|run|failures|all] [bench options]}
+N=${1:?usage: scripts/device tp N SIZE [plan|weights|run|failures|all] [bench options]}
+SIZE=${2:?usage: scripts/device tp N SIZE [plan|weights|run|failures|all] [bench options]}
 STEP=${3:-all}
 shift 2; [ $# -gt 0 ] && shift
 case "$N" in 2) MEM=256G ;; 4) MEM=512G ;; 8) MEM=560G ;; *) MEM=$((N * 70))G ;; esac
@@ -32,7 +32,7 @@ fi
 if [ "$STEP" = plan ]; then  # CPU-only: what would run, and whether it fits
     python3 bench/tp_plan.py "${PLAN[@]}" --work "$WORK" "$@"; RC=$?
     echo "would run, one command each (nvidia-h200-x$N):"
-    for step in weights run failures; do echo "  scripts/device-e2e-tp $N $SIZE $step"; done
+    for step in weights run failures; do echo "  scripts/device tp $N $SIZE $step"; done
     echo "  = python3 ${BENCH[*]} --phase STEP --state-dir ... --capsule coldsnap/capsule-engine:h200 --out \$OUT/tp$N-$SIZE"
     exit "$RC"
 fi

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Issues 12 item 4 and 22 item 3 on the H200, from a clean device machine, in one call of at most 600 s:
-# bench/e2e_restore.py (bench/e2e_modes.py) against a real `coldsnap-provider serve` on the bundled Docker
+# bench/e2e_modes.py (the steps: bench/e2e_restore.py) against a real `coldsnap-provider serve` on the bundled Docker
 # Engine, cold vs restored Docker-to-first-token of the 8B-shaped engine (engines/engine_llama.py, 16 GiB of
 # weights written first) in capsule containers, the modes side by side in one run.
-#   scripts/device-e2e [--smoke] [MODES] [BUDGET_S]
+#   scripts/device e2e [--smoke] [MODES] [BUDGET_S]
 #     MODES: comma list of interposer,interposer-hydrator,hydrator,hydrate,full (default
 #            interposer,interposer-hydrator,hydrator,full: the engine without cooperation under the CUDA
 #            interposer, filling itself or staged by a node hydrator; the cooperative hydrator; the full image);
@@ -75,8 +75,8 @@ grep -q "weights exit 0" /tmp/weights.log || { cp /tmp/weights.log "$OUT/"; exit
 # What the call has left, less 25 s for the scrape and teardown; the last mode must start with 150 s to go.
 DRIVER_S=$((CALL_S - SECONDS - 25))
 BUDGET=${2:-$((DRIVER_S - 150))}
-step "bench/e2e_restore.py (modes $MODES, $RESTORES restores each, driver ${DRIVER_S} s, modes started until ${BUDGET} s)"
-timeout "$DRIVER_S" python3 bench/e2e_restore.py --state-dir "$STATE" --capsule coldsnap/capsule-engine:h200 \
+step "bench/e2e_modes.py (modes $MODES, $RESTORES restores each, driver ${DRIVER_S} s, modes started until ${BUDGET} s)"
+timeout "$DRIVER_S" python3 bench/e2e_modes.py --state-dir "$STATE" --capsule coldsnap/capsule-engine:h200 \
     --plain-capsule coldsnap/capsule-probe:h200 --build /tmp/cs-capsule-engine=coldsnap/capsule-engine:h200 \
     --build /tmp/cs-capsule-plain=coldsnap/capsule-probe:h200 --weights "$WEIGHTS" --work "$WORK" --out "$OUT" \
     --images-root "$IMAGES" --modes "$MODES" --budget "$BUDGET" --restores "$RESTORES" \

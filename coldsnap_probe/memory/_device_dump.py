@@ -1,9 +1,19 @@
-"""The workers' side of the CUDA interposer (hydration/_interposer.py): release every CUDA process's device
-memory before the CUDA lock, hydrate it after the CUDA restore, and the record between the two
-(`device-memory.json` in the images, beside each process's dump directory `device-<pid>/`).
+"""Memory source: the CUDA interposer's device dump (hydration/_interposer.py, docs/interposer.md).
 
-A process is asked only when its environment enabled the interposer (or the capture names its socket); a
-process that enabled it but never allocated through it has no socket and restores as before, recorded as such.
+Capture: every CUDA process whose environment enabled the interposer (or the one the capture names) dumps its
+regions into `device-<pid>/` in the images and releases them before the CUDA lock (the addresses stay reserved);
+`device-memory.json` records each dump. A failed capture hydrates every process asked back and removes its dump.
+A process that enabled the interposer but never allocated through it has no socket and restores as before,
+recorded as such.
+Restore: the record, every manifest's digest and every dump file's size are checked before CRIU runs; the dump
+files are read ahead, and a node hydrator the engine named stages each process's dump (`DeviceStage`) while CRIU
+and CUDA restore the tree; once the tree runs, each interposer maps what was staged or re-creates its regions at
+their addresses, fills and verifies them, and opens its gate. A failed restore discards the stages.
+
+The stage is best effort by design, as the weights' `Stager`: a stage that fails, is late or is refused is
+reported, and the regular hydration (the interposer fills the regions itself) runs. It is asked for only when
+every dump file is provably the one the capture wrote (`verification` is `sampled`): the hydrator copies bytes,
+it does not digest them, and the interposer's sampled read-back compares the device with the files.
 """
 
 from __future__ import annotations
@@ -18,13 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import jsonline
-from ._device_stage import DeviceStage
-from ._reports import DumpedDevice, HydratedDevice
-from .errors import HydrationError, ProbeError, WorkerError
-from .hydration import (
+from .. import jsonline
+from .._reports import CaptureReport, DumpedDevice, HydratedDevice, RestoreReport
+from ..errors import ChannelError, HydrationError, ProbeError, WorkerError
+from ..hydration import (
+    ADOPT_PAGE,
     ENV_HYDRATOR,
     DeviceDump,
+    StageRequest,
     check_dump,
     dump_identities,
     interposer_request,
@@ -32,8 +43,10 @@ from .hydration import (
     remove_dump,
     verification,
 )
+from ._protocol import CaptureScope, RestoreScope
 
-__all__ = ("RECORD", "DeviceRelease", "hydrate_devices", "prefetch_dumps", "stages_for", "validated_dumps")
+__all__ = ("INTERPOSER_PAGE", "RECORD", "DeviceDumpSource", "DeviceRelease", "DeviceRestore", "DeviceStage",
+           "DumpRecord", "hydrate_devices", "prefetch_dumps", "stages_for", "validated_dumps")
 
 RECORD = "device-memory.json"
 RECORD_KIND = "coldsnap-device-memory"
@@ -57,6 +70,63 @@ class DumpRecord:
                 "files": self.files, "hydrator": self.hydrator}
 
 
+class DeviceStage(StageRequest):
+    """One process's stage: asked at once (a thread), adopted after the CUDA restore, discarded on failure."""
+
+    def __init__(self, hydrator: str, dump: DeviceDump, directory: Path) -> None:
+        self.key = dump.manifest_digest
+        # Each segment file names its region: the hydrator makes one allocation per region (the interposer maps
+        # each whole at the region's address; a mapping of a part of a larger allocation is refused).
+        self.parts = [{"file": str(directory / s.file), "bytes": s.size, "region": index}
+                      for index, region in enumerate(dump.regions) for s in region.segments]
+        self.sizes = [r.size for r in dump.regions]
+        self.device_uuid = dump.regions[0].device_uuid
+        super().__init__(hydrator, "coldsnap-device-stage")
+
+    def _ask(self) -> dict[str, Any]:
+        return jsonline.request(self.hydrator, {"op": "stage-dump", "key": self.key, "parts": self.parts,
+                                                "device_uuid": self.device_uuid}, timeout=600.0)
+
+    def _discard(self) -> dict[str, Any]:
+        return {"op": "discard", "key": self.key, "ticket": self.ticket}
+
+    def adopt(self, timeout: float = 600.0) -> list[int] | None:
+        """The staged allocations as descriptors, one per region in order (the caller closes them), taken from
+        the hydrator ADOPT_PAGE at a time; None (`report` says why, nothing is left open) when there is no stage,
+        or an answer is refused or does not fit: a count other than the regions', a page of other sizes."""
+        if not self.wait(timeout) or not self.report.get("staged"):
+            self.report.setdefault("error", "still staging")
+            return None
+        taken: list[int] = []
+        try:
+            while len(taken) < len(self.sizes):
+                taken += self._page(len(taken))
+        except (ChannelError, HydrationError) as exc:
+            for fd in taken:
+                os.close(fd)
+            self.report["adopt_error"] = str(exc)
+            return None
+        return taken
+
+    def _page(self, first: int) -> list[int]:
+        """The descriptors of the page at `first` (HydrationError, nothing left open, unless exactly the
+        regions')."""
+        answer, fds = jsonline.request_with_fds(self.hydrator, {"op": "adopt", "key": self.key, "ticket": self.ticket,
+                                                                "parts": self.parts, "first": first}, timeout=60.0)
+        expected = self.sizes[first:first + ADOPT_PAGE]
+        problem = (str(answer.get("error") or "refused") if not answer.get("ok") else
+                   f"the hydrator holds {answer.get('count')} allocations, the dump {len(self.sizes)} regions"
+                   if answer.get("count") != len(self.sizes) else
+                   f"page {first}: {len(fds)} descriptors of {answer.get('sizes')} bytes, expected {expected}"
+                   if answer.get("first") != first or answer.get("sizes") != expected or len(fds) != len(expected)
+                   else "")
+        if problem:
+            for fd in fds:
+                os.close(fd)
+            raise HydrationError(f"adopt: {problem}")
+        return fds
+
+
 def _owner(pid: int) -> tuple[int, int]:
     """The process's effective uid and gid (/proc/<pid>/status)."""
     uid = gid = -1
@@ -71,8 +141,8 @@ def _owner(pid: int) -> tuple[int, int]:
 class DeviceRelease:
     """Capture: the releases done so far, so that a failed capture hydrates them back and removes their dumps."""
 
-    def __init__(self, images: Path, explicit: str | None = None) -> None:
-        self.images, self.explicit = images.absolute(), explicit  # the engine's cwd is not ours
+    def __init__(self, images: Path, cuda: list[int], explicit: str | None = None) -> None:
+        self.images, self.cuda, self.explicit = images.absolute(), cuda, explicit  # the engine's cwd is not ours
         self.records: list[DumpRecord] = []
         self.asked: list[tuple[str, Path]] = []  # (socket, dump directory) of every release asked, failed ones too
         self.reports: list[DumpedDevice] = []
@@ -85,8 +155,16 @@ class DeviceRelease:
             return self.explicit
         return interposer_socket(pid)
 
-    def release(self, cuda: list[int]) -> None:
+    def release(self, report: CaptureReport) -> None:
         """Ask every CUDA process with an interposer to dump and release its device memory."""
+        started = time.perf_counter()
+        self._release_all()
+        if self.reports:
+            report.device_memory = self.reports
+            report.timings_s["device_release"] = time.perf_counter() - started
+
+    def _release_all(self) -> None:
+        cuda = self.cuda
         for pid in cuda:
             socket = self._socket(pid, cuda)
             if socket is None:
@@ -199,10 +277,12 @@ def stages_for(records: list[DumpRecord], images: Path) -> dict[int, DeviceStage
     return stages
 
 
-def _staged(record: DumpRecord, stage: DeviceStage, directory: Path, policy: str) -> dict[str, Any] | None:
+def _staged(record: DumpRecord, stage: DeviceStage, directory: Path, policy: str,
+            started: float) -> HydratedDevice | None:
     """The interposer maps what the hydrator staged (one allocation per released region, passed in pages of
-    INTERPOSER_PAGE descriptors on one connection); None when there is nothing to map or it refused (then the
-    regular hydration runs: a refused adoption leaves the regions released, the gate closed)."""
+    INTERPOSER_PAGE descriptors on one connection), reported as hydrated since `started`; None when there is
+    nothing to map or it refused (then the regular hydration runs: a refused adoption leaves the regions released,
+    the gate closed)."""
     fds = stage.adopt()
     if fds is None:
         return None
@@ -219,7 +299,9 @@ def _staged(record: DumpRecord, stage: DeviceStage, directory: Path, policy: str
     if not answer.get("ok"):
         stage.report["adopt_error"] = str(answer.get("error"))
         return None
-    return dict(answer.get("report") or {})
+    report = dict(answer.get("report") or {})
+    return HydratedDevice(pid=record.pid, bytes=int(report.get("bytes", 0)), seconds=time.perf_counter() - started,
+                          gbps=0.0, interposer={**report, "stage": stage.report})
 
 
 def hydrate_devices(records: list[DumpRecord], images: Path, policy: str, *, digests: bool = False,
@@ -234,10 +316,9 @@ def hydrate_devices(records: list[DumpRecord], images: Path, policy: str, *, dig
         directory = images.absolute() / record.directory
         verify = "digest" if digests else verification(record.dump, directory, record.files)
         stage = (stages or {}).get(record.pid)
-        if stage is not None and verify == "sampled" and (report := _staged(record, stage, directory, policy)):
-            return HydratedDevice(pid=record.pid, bytes=int(report.get("bytes", 0)),
-                                  seconds=time.perf_counter() - started, gbps=0.0,
-                                  interposer={**report, "stage": stage.report})
+        if stage is not None and verify == "sampled" and (staged := _staged(record, stage, directory, policy,
+                                                                            started)):
+            return staged
         if stage is not None:
             stage.discard()  # not adopted: the hydrator frees it now rather than at its TTL
         try:
@@ -256,3 +337,40 @@ def hydrate_devices(records: list[DumpRecord], images: Path, policy: str, *, dig
         futures = [pool.submit(one, r) for r in records]
         wait(futures)
     return [f.result() for f in futures]
+
+
+class DeviceDumpSource:
+    """The CUDA interposer's device dump: released for every CUDA process that enabled the interposer."""
+
+    name = "device-dump"
+
+    def capture(self, scope: CaptureScope) -> DeviceRelease:
+        return DeviceRelease(scope.images, scope.cuda, scope.options.interposer)
+
+    def load(self, scope: RestoreScope) -> DeviceRestore | None:
+        records = validated_dumps(scope.images)  # every manifest and dump file checked before CRIU runs
+        return DeviceRestore(records, scope) if records else None
+
+
+class DeviceRestore:
+    """One restore's device dumps: read ahead and staged before CRIU, hydrated once the tree runs."""
+
+    def __init__(self, records: list[DumpRecord], scope: RestoreScope) -> None:
+        self.records, self.images, self.options = records, scope.images, scope.options
+        self.stages: dict[int, DeviceStage] = {}
+
+    def stage(self) -> None:
+        prefetch_dumps(self.records, self.images)
+        self.stages = stages_for(self.records, self.images)
+
+    def hydrate(self, report: RestoreReport) -> None:
+        """Each interposer re-creates its regions at their addresses, fills and verifies them, opens its gate."""
+        report.timeline.mark("device_hydration_begin")
+        report.device_memory = hydrate_devices(self.records, self.images, self.options.device_policy,
+                                               digests=self.options.device_digests, stages=self.stages)
+        report.timeline.mark("device_hydration_end")
+        report.device_hydration_seconds = report.timeline.seconds("device_hydration_begin", "device_hydration_end")
+
+    def discard(self) -> None:
+        for stage in self.stages.values():
+            stage.discard()

@@ -2,7 +2,7 @@
 # Issue 23 on the H200, from a clean device machine: `transformers serve`, unchanged, captured and restored
 # through a real `coldsnap-provider serve` on the bundled Docker Engine (bench/e2e_serve.py), cold vs
 # restored Docker-to-first-token over HTTP, the paths side by side in one run.
-#   scripts/device-serve [LAYERS] [RESTORES] [MODES]   LAYERS: 32 = the 8B shape (default); fewer for a
+#   scripts/device serve [LAYERS] [RESTORES] [MODES]   LAYERS: 32 = the 8B shape (default); fewer for a
 #                                                     shakedown, which first runs the server outside Docker
 #                                                     (with the adapter, and under the CUDA interposer when
 #                                                     MODES has a full-interposer path; SMOKE=0 skips it; stdio
@@ -13,7 +13,7 @@
 #                                                     (forked workers included) run on the first of
 #                                                     full-interposer/adapter/full that restored (a path with
 #                                                     a node hydrator has removed it by then).
-# Environment: DRIVER_TIMEOUT bounds the driver (default 560 s); FAULTS=0 leaves the fault cases out; THP (default always) is the node's transparent
+# Environment: DRIVER_TIMEOUT bounds the driver (default: what a 590 s call has left after the set-up, less 20 s); FAULTS=0 leaves the fault cases out; THP (default always) is the node's transparent
 # huge page mode for the run, put back afterwards; IMAGES (default /dev/shm/cs-serve-img) is where the images
 # and device dumps go; CRIU_THREADS sets CRIU_RESTORE_THREADS in the units (default unset: the CPUs CRIU may
 # use). The CUDA stack limit and a discarded KV cache need a call inside the server: not set for an unchanged one.
@@ -50,11 +50,8 @@ WRITER=$!
 
 step "the server's dependencies (wheels) into $SITE"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/serve/*.whl || exit 1
-# uvicorn picks uvloop when it imports; uvloop's libuv keeps an io_uring ring (epoll batching, whatever
-# UV_USE_IO_URING says) and CRIU cannot dump io_uring. The capsule leaves uvloop out: uvicorn then runs on asyncio.
-mkdir -p "$SITE/uvloop"
-echo 'raise ImportError("uvloop is left out of this capsule: CRIU cannot dump the io_uring ring its libuv keeps")' \
-    > "$SITE/uvloop/__init__.py"
+# uvloop stays (when the server's wheels bring it): every server unit preloads libcoldsnap_no_io_uring.so, so its
+# libuv keeps to epoll (docs/restoring-your-own-server.md).
 
 step "docker engine (bundled)"
 start_docker
@@ -110,7 +107,7 @@ assert sockets and all(s.get('regions') for s in status), 'no allocation of the 
 fi
 
 step "bench/e2e_serve.py (modes $MODES, $RESTORES restores, faults)"
-timeout "${DRIVER_TIMEOUT:-560}" python3 bench/e2e_serve.py --state-dir "$STATE" --capsule coldsnap/capsule-serve:h200 \
+timeout "${DRIVER_TIMEOUT:-$((590 - SECONDS - 20))}" python3 bench/e2e_serve.py --state-dir "$STATE" --capsule coldsnap/capsule-serve:h200 \
     --build /tmp/cs-capsule-serve=coldsnap/capsule-serve:h200 --model "$MODEL" --work "$WORK" --out "$OUT" \
     --images-root "$IMAGES" --port $PORT --restores "$RESTORES" --modes "$MODES" ${CRIU_THREADS:+--criu-threads "$CRIU_THREADS"} \
     $([ "${FAULTS:-1}" = 1 ] && echo --faults) 2>&1 | tee "$OUT/serve.txt"

@@ -1,0 +1,138 @@
+"""Whether this host can restore a capture: every recorded fact against the target's, before any CRIU or CUDA work.
+
+A restore that cannot succeed must fail in milliseconds, not deep inside CRIU or the driver's restore (where a
+mismatch costs tens of seconds and leaves work to undo). `check_target` compares what the capture recorded with
+what `_host.host_identity` read here and raises `errors.TargetRefused` with one `Mismatch` per fact (all of them,
+not the first), each with a stable reason code and both values:
+
+    architecture-mismatch     the CPU architecture differs (the images hold its machine code)
+    kernel-mismatch           the kernel's major.minor differs (a patch release restores; CRIU's view of the
+                              kernel's features may change across minor releases)
+    criu-unusable             this capsule's CRIU does not run
+    criu-mismatch             another CRIU version (or patch) than the one that dumped the images
+    capsule-image-mismatch    another capsule image than the captured one (the provider names it in every
+                              workload's environment, `CAPSULE_IMAGE_ENV`); not compared where either is unknown
+    driver-unknown            initialized CUDA state, and the driver version here or in the record is unknown
+    driver-older              the NVIDIA driver is older than the captured one (a newer one restores: upgraded)
+    cuda-older                the driver's CUDA API version is older than the captured one
+    gpu-model-mismatch        another GPU model
+    gpu-memory-mismatch       the GPU's memory differs (a MIG slice of another size); compared where both are known
+    device-count-mismatch     another number of GPUs visible to the capsule than the captured process saw
+
+A pre-CUDA template (n580) holds no CUDA state: only the architecture, kernel, CRIU and capsule image are compared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ._host import GPU_FACTS, gpu_identity
+from .errors import TargetRefused
+
+__all__ = ("Mismatch", "check_target", "confirmed_identity")
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """One fact this host cannot restore: its stable reason code, the fact's name and both values."""
+
+    code: str
+    fact: str
+    captured: Any
+    current: Any
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+
+def check_target(captured: dict[str, Any], current: dict[str, Any], boundary: str) -> str:
+    """`exact`, `driver-upgraded` or `pre-cuda-template`; raises `TargetRefused` naming every mismatched fact.
+
+    `captured` is the capture's `identity`, `current` this host's (`host_identity`, with NVML's facts where procfs
+    could not confirm the captured ones: `confirmed_identity`)."""
+    found = [*_system(captured, current), *_criu(captured.get("criu") or {}, current.get("criu") or {})]
+    if boundary != "n580":
+        found += _gpu(captured, current)
+    if found:
+        raise TargetRefused([m.to_json() for m in found])
+    if boundary == "n580":
+        return "pre-cuda-template"  # no CUDA state was captured: the process initializes CUDA fresh
+    return "exact" if captured.get("driver_version") == current.get("driver_version") else "driver-upgraded"
+
+
+def _system(captured: dict[str, Any], current: dict[str, Any]) -> list[Mismatch]:
+    found = []
+    if captured.get("architecture") != current.get("architecture"):
+        found.append(Mismatch("architecture-mismatch", "architecture", captured.get("architecture"),
+                              current.get("architecture")))
+    was, now = _major_minor(captured.get("kernel")), _major_minor(current.get("kernel"))
+    if was is not None and was != now:
+        found.append(Mismatch("kernel-mismatch", "kernel", captured.get("kernel"), current.get("kernel")))
+    found += _known_differ("capsule-image-mismatch", "capsule_image", captured, current)
+    return found
+
+
+def _criu(captured: dict[str, Any], current: dict[str, Any]) -> list[Mismatch]:
+    """A restore runs the CRIU that dumped the images: another version (or patch) could misread them. A capture
+    that recorded no usable version (older workers recorded a loader error) is not refused for it."""
+    if current.get("version_exit_code") != 0:
+        return [Mismatch("criu-unusable", "criu", captured.get("version"),
+                         current.get("version") or current.get("version_error") or f"{current.get('path')}: absent")]
+    if captured.get("version_exit_code") == 0 and captured.get("version") != current.get("version"):
+        return [Mismatch("criu-mismatch", "criu", captured.get("version"), current.get("version"))]
+    return []
+
+
+def _gpu(captured: dict[str, Any], current: dict[str, Any]) -> list[Mismatch]:
+    found = []
+    was, now = _leading_int(captured.get("driver_version")), _leading_int(current.get("driver_version"))
+    if was is None or now is None:
+        found.append(Mismatch("driver-unknown", "driver_version", captured.get("driver_version"),
+                              current.get("driver_version")))
+    elif now < was:
+        found.append(Mismatch("driver-older", "driver_version", captured.get("driver_version"),
+                              current.get("driver_version")))
+    cuda_was, cuda_now = captured.get("cuda_driver_api"), current.get("cuda_driver_api")
+    if isinstance(cuda_was, int) and isinstance(cuda_now, int) and cuda_now < cuda_was:
+        found.append(Mismatch("cuda-older", "cuda_driver_api", cuda_was, cuda_now))
+    if captured.get("gpu_name") != current.get("gpu_name"):
+        found.append(Mismatch("gpu-model-mismatch", "gpu_name", captured.get("gpu_name"), current.get("gpu_name")))
+    found += _known_differ("gpu-memory-mismatch", "gpu_memory_bytes", captured, current)
+    found += _known_differ("device-count-mismatch", "gpu_devices", captured, current)
+    return found
+
+
+def _known_differ(code: str, fact: str, captured: dict[str, Any], current: dict[str, Any]) -> list[Mismatch]:
+    """A fact an older capture (or another backend) may not have recorded: compared only where both know it."""
+    was, now = captured.get(fact), current.get(fact)
+    return [Mismatch(code, fact, was, now)] if was is not None and now is not None and was != now else []
+
+
+def confirmed_identity(captured: dict[str, Any], current: dict[str, Any], boundary: str) -> dict[str, Any]:
+    """`current` where procfs gave its GPU facts and they match the captured ones exactly (or a pre-CUDA template
+    does not compare them), else `current` with NVML's facts: procfs only confirms an exact match, so an upgrade
+    or a refusal is NVML's verdict, as the captured identity is NVML's (a GPU whose procfs model were written
+    unlike NVML's name is then not refused for it)."""
+    if (boundary == "n580" or current.get("gpu_identity_source") != "procfs"
+            or all(captured.get(key) == current.get(key) for key in ("driver_version", "gpu_name"))):
+        return current
+    system = {key: value for key, value in current.items() if key not in GPU_FACTS}  # none of procfs's is kept
+    return {**system, **gpu_identity(nvml=True)}
+
+
+def _leading_int(version: Any) -> int | None:
+    try:
+        return int(str(version).split(".")[0])
+    except ValueError:
+        return None
+
+
+def _major_minor(release: Any) -> tuple[int, ...] | None:
+    """`6.1` of `6.1.0-28-amd64`; None where the release was not recorded or does not read as one."""
+    parts = str(release or "").split(".")[:2]
+    try:
+        return tuple(int(part.split("-")[0]) for part in parts) if len(parts) == 2 else None
+    except ValueError:
+        return None

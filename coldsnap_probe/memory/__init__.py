@@ -1,0 +1,81 @@
+"""The memory-source seam: every way device memory leaves a process before the CUDA checkpoint and comes back
+after the restore, behind one small protocol, registered in one place (`SOURCES`).
+
+A source is one module with one `MemorySource`:
+
+- at capture, `capture(scope)` gives its `SourceCapture` for this capture: `release(report)` gets its memory out
+  of the tree's CUDA processes and records into the images what a restore needs; `roll_back()` gives back
+  whatever it released (including a release that failed half-way) and removes what it recorded;
+- at restore, `load(scope)` reads and validates its records from the images (before CRIU runs: a restore that
+  cannot succeed never starts) and gives its `SourceRestore`, or None when the images hold none of its records;
+  `stage()` starts what can run while CRIU and CUDA restore the tree (a node hydrator's stages, read-ahead),
+  `hydrate(report)` brings the memory back once the tree runs, `discard()` frees what was staged after a failure.
+
+The order is the registry's, and it is part of the contract:
+- capture releases in registry order, and a failed capture rolls back in registry order too (the weights are
+  hydrated back before the device memory, and its dump removed);
+- restore loads, stages and discards in registry order, and hydrates in reverse registry order: the memory
+  released last is hydrated first (the interposer's device memory, whose gate holds the engine's CUDA calls,
+  comes back before the engine is asked to hydrate its weights).
+
+Each source fills its own part of the capture and restore reports (`_reports.py`: `hydration`, `device_memory`,
+their timings); a new source whose report has no field there records it under `memory_sources[name]`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from .._reports import CaptureReport, RestoreReport
+from ..errors import ProbeError
+from ._device_dump import DeviceDumpSource
+from ._protocol import CaptureScope, MemoryOptions, MemorySource, RestoreScope, SourceCapture, SourceRestore
+from ._weights import WeightsSource
+
+__all__ = ("SOURCES", "CaptureScope", "MemoryCaptures", "MemoryOptions", "MemoryRestores", "MemorySource",
+           "RestoreScope", "SourceCapture", "SourceRestore")
+
+
+# The registry: the one place a source is named. Its order is the contract above.
+SOURCES: tuple[MemorySource, ...] = (WeightsSource(), DeviceDumpSource())
+
+
+class MemoryCaptures:
+    """A capture's sources: released in registry order; what was begun is rolled back in registry order."""
+
+    def __init__(self, scope: CaptureScope, sources: tuple[MemorySource, ...] = SOURCES) -> None:
+        self.scope, self.sources = scope, sources
+        self.begun: list[SourceCapture] = []
+
+    def release(self, report: CaptureReport) -> None:
+        for source in self.sources:
+            begun = source.capture(self.scope)
+            self.begun.append(begun)  # before its release: a release that fails half-way is rolled back too
+            begun.release(report)
+
+    def roll_back(self) -> None:
+        for begun in self.begun:
+            with contextlib.suppress(ProbeError):  # one source's failure never keeps the next one's memory away
+                begun.roll_back()
+
+
+class MemoryRestores:
+    """A restore's sources whose records the images hold, loaded (validated) in registry order."""
+
+    def __init__(self, scope: RestoreScope, sources: tuple[MemorySource, ...] = SOURCES) -> None:
+        self.loaded = [restore for source in sources if (restore := source.load(scope)) is not None]
+        self.staged: list[SourceRestore] = []
+
+    def stage(self) -> None:
+        for restore in self.loaded:
+            self.staged.append(restore)
+            restore.stage()
+
+    def hydrate(self, report: RestoreReport) -> None:
+        for restore in reversed(self.loaded):  # released last at capture, hydrated first
+            restore.hydrate(report)
+
+    def discard(self) -> None:
+        for restore in self.staged:
+            with contextlib.suppress(ProbeError):
+                restore.discard()
