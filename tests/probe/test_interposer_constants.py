@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from coldsnap_probe.memory._device_dump import INTERPOSER_PAGE
 from coldsnap_probe.hydration._interposer import _SEGMENT_FILE, DUMP_KIND, ENV_SOCKET, GCC_FLAGS, POLICIES, SOURCES
 from coldsnap_probe.hydration._peer_files import STAGE_ALLOCATIONS
 from coldsnap_probe.hydration._weights import DIGEST_CHUNK, DIGEST_PREFIX
+from coldsnap_probe.memory._device_dump import INTERPOSER_PAGE
 from tests.helpers import ROOT
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
