@@ -8,8 +8,9 @@ This module is the capsule side's one implementation of it: no other module of t
 these sockets' bytes (``tests/test_architecture.py``). Two other ends exist, across boundaries no code crosses:
 the daemon's sockets speak the same shape (``coldsnap_provider/_framing.py``, anyio, the asker half-closes),
 which this module cannot import (it runs on a capsule's python3, standard library only), and the CUDA
-interposer's control socket is its server end in C inside the engine process (``interposer/control.c``, its
-parser ``request.c``), which the worker asks through `request` (descriptors in pages, `send`'s `page`).
+interposer's control socket is its server end in C inside the engine process
+(``hydration/interposer/connection.c``, its parser ``request.c``), which the worker asks through `request`
+(descriptors in pages, `send`'s `page`).
 
 Who may ask is decided before anything is read: a listener is created by `listen` with its mode set before
 `bind` (so it never exists with the umask's bits), and `LineServer` checks each peer's SO_PEERCRED against a

@@ -6,7 +6,7 @@
 # The interposer's GPU tests (tests/probe/test_interposer_gpu.py and the rest) are in `scripts/device gpu-tests`.
 # carries: .device-criu42 or .device-criu (CRIU), .whl (the daemon's wheels). Steps, each logged with its elapsed
 # time; a failing step does not stop the independent ones after it; everything a failure says is printed:
-#   1. build libcoldsnap_cuda.so (gcc -Wall -Wextra, warnings kept) and list its exports (the gated cu* names counted);
+#   1. build libcoldsnap_cuda.so (gcc -Wall -Wextra -Werror) and list its exports (the gated cu* names counted);
 #   2. smoke: an unchanged torch process under the preload allocates, computes, reports its regions and the copy
 #      engine's configuration; `unwrapped` must be [] (every entry point the runtime resolved went through us),
 #      `request_s` 10 and `operation` null;

@@ -299,6 +299,32 @@ def test_the_graph_rules_can_fail(tmp_path: Path) -> None:
                                     "coldsnap_probe._cuda -> scripts.tool"]
 
 
-# --- The C side: the call graph between the C files (helper cmem's check, issue 39's goal "0 circles, 0 upward
-# arrows" for C calls between files) belongs here, beside the Python graph's: its own reader of *.c, the same
-# graph_circles() over it. ---
+# --- The C side: the call graph between the C files (issue 39's goal "0 circles" for C calls between files),
+# beside the Python graph's: tests/test_c_rules.py reads the C (a file that calls, or takes the address of, a
+# non-static function another file defines is an arrow to it; an `#include "..."` is an arrow too), the same
+# graph_circles() runs over it. ---
+def test_the_c_files_call_and_include_each_other_without_a_circle() -> None:
+    from tests.test_c_rules import c_files, call_graph, include_graph
+
+    files = c_files(ROOT)
+    calls = call_graph(files, ROOT)
+    assert graph_circles(calls) == []
+    assert graph_circles(include_graph(files, ROOT)) == []
+    interposer = "coldsnap_probe/hydration/interposer/"
+    assert f"{interposer}request.c" in calls[f"{interposer}connection.c"]  # the reader sees the arrows
+    assert f"{interposer}control.c" not in calls[f"{interposer}regions.c"]  # the start hook, registered
+
+
+def test_the_c_circle_rule_can_fail(tmp_path: Path) -> None:
+    """Two files calling each other, and two headers including each other, are a circle each."""
+    from tests.test_c_rules import call_graph, include_graph
+
+    (tmp_path / "a.c").write_text("int b(void);\nint a(void) { return b(); }\n")
+    (tmp_path / "b.c").write_text('/* a() */\nint a(void);\nstatic int own(void) { return 1; }\n'
+                                  "int b(void) { return own() ? a() : 0; }\n")
+    (tmp_path / "c.c").write_text('static int a(void) { return 0; }\nint c(void) { return a() + b(); }\n')
+    graph = call_graph(sorted(tmp_path.glob("*.c")), tmp_path)
+    assert graph["c.c"] == {"b.c"} and graph_circles(graph) == [["a.c", "b.c"]]  # c.c's static a() is its own
+    (tmp_path / "a.h").write_text('#include "b.h"\n')
+    (tmp_path / "b.h").write_text('#include "a.h"\n')
+    assert graph_circles(include_graph(sorted(tmp_path.glob("*.h")), tmp_path)) == [["a.h", "b.h"]]

@@ -40,12 +40,13 @@ once, at its start) and writes into the engine's allocation, which the engine ex
 checkpoint anyway (the weights are released before every capture).
 
 Any engine, unchanged (docs/interposer.md): `_interposer.py` builds and finds `libcoldsnap_cuda.so`, a CUDA
-driver API interposer (C, `coldsnap_probe/interposer/`) that routes an engine's device allocations through
+driver API interposer (C, `coldsnap_probe/hydration/interposer/`) that routes an engine's device allocations through
 VMM, dumps and releases them before the CUDA lock and hydrates them after restore; `DeviceDump` is its
 manifest and `check_dump` its checks.
 
 Where each part lives (this subpackage): `_weights.py` (regions, digests, sources, the manifest; no
-CUDA), `_vmm.py` (CUDA virtual memory and the copy engines), `_arena.py` (the engine's `WeightArena` and
+CUDA), `_vmm.py` (CUDA virtual memory), `_copy.py` (the copy engine: files or page-locked memory to
+the device, the way they are read a strategy), `_arena.py` (the engine's `WeightArena` and
 its control socket), `_hydrator.py` (the node's `HydratorServer` and the worker's `Stager`),
 `_peer_files.py` (what a hydrator's peer may have read: its sources, a stage-dump's parts), `_peer_view.py`
 (a peer's files opened in its own view: its root and credentials, never "uid 0 reads everything") and

@@ -14,7 +14,8 @@ from typing import Any
 
 from .. import jsonline
 from ..errors import ChannelError, CudaError, HydrationError
-from ._vmm import Mapped, copy_registered, copy_ring, cucall, device_allocation, fd_handle, map_read_write
+from ._copy import Pinned, Pread, copy_to_device, region_pieces
+from ._vmm import Mapped, cucall, device_allocation, fd_handle, map_read_write
 from ._weights import HydrationManifest, WeightRegion, check_sources, plan_for, validate_regions
 
 __all__ = ("ADOPT_TIMEOUT", "WeightArena")
@@ -211,15 +212,15 @@ class WeightArena:
                     m.register(self.driver)
                 report["pin_s"] = time.perf_counter() - started - report["map_s"]
                 copy_started = time.perf_counter()
-                copy_registered(self.driver, [(r.address, mapped[r.source].address + r.offset, r.size)
-                                               for r in regions], self._streams)
+                copy_to_device(self.driver, self.context, region_pieces(regions),
+                               Pinned({source: m.address for source, m in mapped.items()}, self._streams))
                 report["copy_s"] = time.perf_counter() - copy_started
             finally:
                 for m in mapped.values():
                     m.close(self.driver)
         elif strategy in ("ring", "direct"):
-            report.update(copy_ring(self.driver, self.context, regions, lambda r: r.address, threads=8,
-                                     chunk=64 << 20, direct=strategy == "direct"))
+            report.update(copy_to_device(self.driver, self.context, region_pieces(regions),
+                                         Pread(threads=8, chunk=64 << 20, direct=strategy == "direct")))
         elif strategy.startswith("hydrator:"):
             report.update(self._via_hydrator(strategy.split(":", 1)[1]))
         else:

@@ -18,14 +18,13 @@ from typing import Any
 
 from .. import jsonline
 from ..errors import HydrationError
+from ._copy import Piece, Pinned, Pread, copy_to_device, region_pieces
 from ._peer_files import DumpLayout, dump_layout, held_sources, open_dump_parts
 from ._peer_view import OPENERS, PeerView
 from ._stage_quota import StageQuota, check_stage_quota
 from ._staging import StageRequest
 from ._vmm import (
     Mapped,
-    copy_registered,
-    copy_ring,
     cucall,
     device_allocation,
     device_uuid,
@@ -179,22 +178,21 @@ class HydratorServer:
                 os.close(fd)
 
     def _jobs(self, message: dict[str, Any], peer: jsonline.Peer, conn: socket.socket) -> \
-            tuple[int, int, tuple[WeightRegion, ...], list[tuple[int, int, int]]]:
-        """The request's reservation and regions (validated), and (offset, pinned source address, bytes) copies
-        of the held sources they name, each one the peer could read itself in its own view (`held_sources`)."""
+            tuple[int, int, tuple[WeightRegion, ...], list[Piece]]:
+        """The request's reservation and regions (validated), and the pieces of the held sources they name (to
+        their offsets in the reservation), each one the peer could read itself in its own view (`held_sources`)."""
         base, size, regions = request_regions(message)
         preserved = [r for r in regions if r.preserved]  # discarded regions: the engine zeroes them
         if not preserved:
             return base, size, regions, []
         with PeerView.of(conn, peer, openers=self._openers) as view:
             held = held_sources(view, (r.source for r in preserved), self._identities)
-        jobs = []
+        pieces = []
         for region in preserved:
-            src = self.sources[held[region.source]]
-            if src.size < region.offset + region.size:
+            if self.sources[held[region.source]].size < region.offset + region.size:
                 raise HydrationError(f"this hydrator does not hold {region.source}", region=region.name)
-            jobs.append((region.address - base, src.address + region.offset, region.size))
-        return base, size, regions, jobs
+            pieces.append(Piece(region.address - base, held[region.source], region.offset, region.size))
+        return base, size, regions, pieces
 
     def _fill(self, allocations: Sequence[tuple[Any, int]], copy: Callable[[int], object]) -> tuple[float, Any]:
         """Map `allocations` ((handle, bytes)) back to back in one range here, `copy` into it (given the range's
@@ -221,16 +219,19 @@ class HydratorServer:
             if va:
                 cu.cuMemAddressFree(va, size)
 
-    def _pinned(self, jobs: Sequence[tuple[int, int, int]]) -> Callable[[int], object]:
-        """The copy of `jobs` ((offset, pinned source address, bytes)) into an allocation mapped at its argument.
-        Each copy makes its own streams (microseconds next to a copy): copy_registered waits for its streams, and
+    def _pinned(self, pieces: Sequence[Piece]) -> Callable[[int], object]:
+        """The copy of `pieces` (of the held sources, to offsets) into an allocation mapped at its argument.
+        Each copy makes its own streams (microseconds next to a copy): a Pinned copy waits for its streams, and
         on streams shared with another peer's copy that wait would also take in the other copy's work."""
+        addresses = {source: mapped.address for source, mapped in self.sources.items()}
+
         def copy(va: int) -> None:
             streams: list[Any] = []
             try:
                 for _ in range(self.streams):
                     streams.append(cucall(self.driver, "cuStreamCreate", 1))
-                copy_registered(self.driver, [(va + off, src, n) for off, src, n in jobs], streams)
+                copy_to_device(self.driver, self.context, [p._replace(dst=va + p.dst) for p in pieces],
+                               Pinned(addresses, streams))
             finally:  # after a failed enqueue too: nothing in flight outlives the caller's mapping
                 for stream in streams:
                     self.driver.cuda.cuStreamSynchronize(stream)
@@ -248,7 +249,7 @@ class HydratorServer:
         finally:
             self.driver.cuda.cuMemRelease(handle)
         return {"ok": True, "import_map_s": time.perf_counter() - started - copy_s, "copy_s": copy_s,
-                "bytes": sum(n for _, _, n in jobs)}
+                "bytes": sum(p.size for p in jobs)}
 
     def _stage_slot(self, message: dict[str, Any]) -> str:
         """A `stage` or `stage-dump` request's key: refused when staging is off, or for an engine on another GPU."""
@@ -320,7 +321,7 @@ class HydratorServer:
         base, size, regions, jobs = self._jobs(message, peer, conn)
         return self._stage_into(key, peer, conn, _Staged((), base, size, regions, 0.0, 0.0, 0.0, 0, "",
                                                          sizes=(size,)),
-                                self._pinned(jobs), sum(n for _, _, n in jobs))
+                                self._pinned(jobs), sum(p.size for p in jobs))
 
     def _room_for(self, size: int, replacing: _Staged | None) -> None:
         """Under the lock: refuse a stage of `size` bytes (replacing `replacing`) beyond STAGE_MAX, or one that
@@ -349,9 +350,9 @@ class HydratorServer:
         try:
             return self._stage_into(key, peer, conn, _Staged((), 0, size, parts, 0.0, 0.0, 0.0, 0, "",
                                                              layout=layout, sizes=sizes),
-                                    lambda va: copy_ring(self.driver, self.context, parts, lambda r: va + r.address,
-                                                         threads=DUMP_THREADS, chunk=DUMP_CHUNK, direct=False,
-                                                         opened=fds), size)
+                                    lambda va: copy_to_device(self.driver, self.context, region_pieces(parts, va),
+                                                              Pread(threads=DUMP_THREADS, chunk=DUMP_CHUNK,
+                                                                    opened=fds)), size)
         finally:
             for fd in fds.values():
                 os.close(fd)

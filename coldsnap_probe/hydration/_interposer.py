@@ -1,5 +1,6 @@
-"""The CUDA interposer's Python side: the library (built from `coldsnap_probe/interposer/*.c` with gcc), its
-control socket (found in a process's environment), and the device dump's manifest.
+"""The CUDA interposer's Python side: the library (built from `interposer/*.c` beside this module with gcc, as
+strictly as nccl_shim: -Wall -Wextra -Werror), its control socket (found in a process's environment), and the
+device dump's manifest.
 
 An engine started with ``LD_PRELOAD=libcoldsnap_cuda.so`` and ``COLDSNAP_CUDA_INTERPOSER_SOCKET=PATH`` (``%p``
 becomes its pid) gets every device allocation of at least the threshold as an exportable VMM allocation. The
@@ -36,10 +37,10 @@ ENV_HYDRATOR = "COLDSNAP_CUDA_INTERPOSER_HYDRATOR"  # a node hydrator that fills
 ENV_LIBRARY = "COLDSNAP_CUDA_INTERPOSER_LIBRARY"  # a built library to use instead of building one
 LIBRARY = "libcoldsnap_cuda.so"
 CAPSULE_LIBRARY = Path("/opt/coldsnap/lib") / LIBRARY  # where _capsule_rootfs.py bakes it
-SOURCES = Path(__file__).resolve().parent.parent / "interposer"
+SOURCES = Path(__file__).resolve().parent / "interposer"
 DUMP_KIND = "coldsnap-device-dump"
 POLICIES = ("same-model", "same-gpu")
-GCC_FLAGS = ("-shared", "-fPIC", "-O2", "-std=gnu11", "-Wall", "-Wextra", "-fvisibility=hidden")
+GCC_FLAGS = ("-shared", "-fPIC", "-O2", "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden")
 _SEGMENT_FILE = re.compile(r"seg-[0-9]{1,9}\.bin")
 
 

@@ -86,7 +86,7 @@ def test_capsule_carries_the_server_site_and_a_preloading_criu_wrapper(tmp_path:
     assert not (rootfs / "opt/server/site/fastapi/__pycache__").exists()
     assert (rootfs / "opt/coldsnap/worker/coldsnap_probe/adapters/sitecustomize.py").is_file()
     assert (rootfs / "opt/coldsnap/lib/libcoldsnap_cuda.so").read_bytes()[:4] == b"\x7fELF"  # the CUDA interposer
-    assert (rootfs / "opt/coldsnap/worker/coldsnap_probe/interposer/dump.c").is_file()  # and its sources
+    assert (rootfs / "opt/coldsnap/worker/coldsnap_probe/hydration/interposer/dump.c").is_file()  # and its sources
     wrapper = (rootfs / "opt/coldsnap/criu/bin/criu-env").read_text()
     assert "LD_PRELOAD=/opt/coldsnap/criu/lib/criu-compat.so " in wrapper
     assert (rootfs / "opt/coldsnap/criu/lib/criu-compat.so").read_bytes()[:4] == b"\x7fELF"

@@ -291,7 +291,7 @@ class TestTables:
         assert path_notes({"mode": "full", "restores": []}) == []
 
 
-INTERPOSER_SOURCES = ROOT / "coldsnap_probe/interposer"
+INTERPOSER_SOURCES = ROOT / "coldsnap_probe/hydration/interposer"
 
 
 @pytest.mark.skipif(not INTERPOSER_SOURCES.is_dir(), reason="the CUDA interposer (branch interposer) is not merged")

@@ -1,4 +1,4 @@
-/* A deterministic mutation fuzzer of the interposer's control-socket request parser (coldsnap_probe/interposer/
+/* A deterministic mutation fuzzer of the interposer's control-socket request parser (hydration/interposer/
  * request.c), built with gcc -fsanitize=address,undefined -fno-sanitize-recover=all by
  * tests/probe/test_interposer_request_fuzz.py: any out-of-bounds read or write, overflow or other undefined
  * behaviour aborts the run with the sanitizer's report.

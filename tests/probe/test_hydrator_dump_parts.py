@@ -67,7 +67,7 @@ def test_the_copy_reads_the_file_that_was_checked_not_what_a_swapped_path_names(
             (tree / "att" / "d").rename(tree / "att" / "d.old")
             (tree / "att" / "d").symlink_to(tree / "secret")
             assert [p.source for p in parts] == [str(part)]
-            assert os.pread(fds[str(part)], 16, 0) == b"A" * 16  # what the copy (copy_ring, opened=) reads
+            assert os.pread(fds[str(part)], 16, 0) == b"A" * 16  # what the copy (Pread, opened=) reads
         finally:
             for fd in fds.values():
                 os.close(fd)
@@ -213,8 +213,8 @@ def test_a_dump_staged_on_a_hydrator_is_adopted_with_its_files_bytes(tmp_path: P
 
 
 def test_a_ring_copy_whose_source_cannot_be_opened_leaves_no_descriptor_open(tmp_path: Path) -> None:
-    """copy_ring opens its sources before any CUDA call: one that is missing fails it with nothing left open."""
-    from coldsnap_probe.hydration._vmm import copy_ring
+    """A Pread copy opens its sources before any CUDA call: one that is missing fails it with nothing left open."""
+    from coldsnap_probe.hydration._copy import Pread, copy_to_device, region_pieces
     from coldsnap_probe.hydration._weights import WeightRegion
 
     for name in ("a.bin", "b.bin"):
@@ -222,5 +222,5 @@ def test_a_ring_copy_whose_source_cannot_be_opened_leaves_no_descriptor_open(tmp
     regions = [WeightRegion(name, 0, 4096, str(tmp_path / name), 0, "") for name in ("a.bin", "b.bin", "zz-gone.bin")]
     before = sorted(os.listdir("/proc/self/fd"))
     with pytest.raises(FileNotFoundError):
-        copy_ring(None, None, regions, lambda r: r.address, threads=1, chunk=4096, direct=False)
+        copy_to_device(None, None, region_pieces(regions), Pread(threads=1, chunk=4096))
     assert sorted(os.listdir("/proc/self/fd")) == before

@@ -48,7 +48,7 @@ MIB = 1 << 20
 @pytest.fixture(scope="module")
 def library(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path, diagnostics = build_library(tmp_path_factory.mktemp("interposer"))
-    assert diagnostics == "", f"gcc -Wall -Wextra is not clean:\n{diagnostics}"
+    assert diagnostics == "", f"gcc -Wall -Wextra -Werror is not clean:\n{diagnostics}"
     return path
 
 
@@ -428,9 +428,12 @@ def test_a_socket_another_process_listens_on_is_not_asked_to_release(engine: tup
 
 
 HARNESS = r"""
+#include "driver.c"
 #include "interpose.c"
 #include "regions.c"
 #include "control.c"
+#include "connection.c"
+#include "operations.c"
 #include "request.c"
 #include "sha256.c"
 #include "dump.c"
@@ -488,9 +491,12 @@ def test_the_manifest_the_library_writes_is_the_one_the_worker_reads(tmp_path: P
 
 
 GATE_HARNESS = r"""
+#include "driver.c"
 #include "interpose.c"
 #include "regions.c"
 #include "control.c"
+#include "connection.c"
+#include "operations.c"
 #include "request.c"
 #include "sha256.c"
 #include "dump.c"

@@ -133,9 +133,12 @@ def standin_driver(folder: Path, table: tuple[tuple[str, int, str, str | None], 
 
 
 HARNESS = r"""
+#include "driver.c"
 #include "interpose.c"
 #include "regions.c"
 #include "control.c"
+#include "connection.c"
+#include "operations.c"
 #include "request.c"
 #include "sha256.c"
 #include "dump.c"

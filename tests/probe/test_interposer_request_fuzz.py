@@ -1,4 +1,4 @@
-"""Issue 37 item 8: the interposer's control-socket request parser (coldsnap_probe/interposer/request.c) under a
+"""Issue 37 item 8: the interposer's control-socket request parser (hydration/interposer/request.c) under a
 deterministic mutation fuzzer (tests/probe/fuzz_interposer_request.c), compiled by gcc with AddressSanitizer and
 UndefinedBehaviorSanitizer, every report fatal. The review fed it 3 million mutated requests by hand; this runs
 4 million on every test run (two seeds, one per core, a few seconds each) and requires no sanitizer report, the

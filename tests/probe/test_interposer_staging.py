@@ -181,9 +181,12 @@ def test_a_page_that_does_not_fit_leaves_nothing_open(regions: tuple[Path, list[
 
 # -- the interposer's side: the control socket's pages (C, no driver) ---------------------------------------------
 PAGES_HARNESS = r"""
+#include "driver.c"
 #include "interpose.c"
 #include "regions.c"
 #include "control.c"
+#include "connection.c"
+#include "operations.c"
 #include "request.c"
 #include "sha256.c"
 #include "dump.c"
@@ -209,7 +212,7 @@ int main(int argc, char **argv)
         int conn = accept4(listener, NULL, NULL, SOCK_CLOEXEC);
         if (conn < 0)
             return 1;
-        serve_one(conn);
+        cscu_serve_connection(conn);
         close(conn);
     }
 }

@@ -34,9 +34,12 @@ def test_the_staging_buffer_is_the_configured_mebibytes(library: Path, setting: 
 
 
 EXEMPT_HARNESS = r"""
+#include "driver.c"
 #include "interpose.c"
 #include "regions.c"
 #include "control.c"
+#include "connection.c"
+#include "operations.c"
 #include "request.c"
 #include "sha256.c"
 #include "dump.c"
@@ -92,9 +95,12 @@ def test_the_releases_own_threads_pass_the_gate_it_closed(tmp_path: Path) -> Non
 
 
 DRAIN_HARNESS = r"""
+#include "driver.c"
 #include "interpose.c"
 #include "regions.c"
 #include "control.c"
+#include "connection.c"
+#include "operations.c"
 #include "request.c"
 #include "sha256.c"
 #include "dump.c"

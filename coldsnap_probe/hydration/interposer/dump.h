@@ -13,8 +13,9 @@
 struct segment {
     size_t region, offset, size;    /* a part of region `region` at `offset` */
     char file[32];
-    char digest[80];                /* sha256-64m:<hex>, recorded at release */
+    char digest[CSCU_DIGEST_TEXT];  /* sha256-64m:<hex>, recorded at release */
 };
+_Static_assert(sizeof(((struct segment *)0)->digest) == CSCU_DIGEST_TEXT, "a digest's text, its NUL included");
 struct item { size_t segment, offset, size; unsigned char digest[32]; };
 struct job {
     struct item *items;
@@ -43,7 +44,7 @@ CSCU_HIDDEN int cscu_full_io(int fill, int fd, void *buffer, size_t size, off_t 
  * job->error set. The caller frees job->items. */
 CSCU_HIDDEN int cscu_copy(struct job *job, int fill, const char *take);
 /* A segment's sha256-64m digest from its chunks' digests (after cscu_copy). */
-CSCU_HIDDEN void cscu_segment_digest(const struct job *job, size_t segment, char out[80]);
+CSCU_HIDDEN void cscu_segment_digest(const struct job *job, size_t segment, char out[CSCU_DIGEST_TEXT]);
 /* {"ok":false,"error":"<phase>: <message>"} into out. */
 CSCU_HIDDEN void cscu_refuse(char *out, size_t room, const char *phase, const char *format, ...)
     __attribute__((format(printf, 4, 5)));

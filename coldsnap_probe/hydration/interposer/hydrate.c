@@ -65,7 +65,7 @@ static int check_devices(const char *policy, char *error, size_t room)
                      cscu_error_name(rc));
             return -1;
         }
-        if (strcmp(name, r->name) != 0 || (strcmp(policy, "same-gpu") == 0 && strcmp(uuid, r->uuid) != 0)) {
+        if (strcmp(name, r->name) != 0 || (strcmp(policy, CSCU_POLICY_SAME_GPU) == 0 && strcmp(uuid, r->uuid) != 0)) {
             snprintf(error, room, "region %#llx was dumped on %s (%s), this GPU is %s (%s): policy %s refuses %s",
                      r->address, r->name, r->uuid, name, uuid, policy,
                      strcmp(name, r->name) != 0 ? "another GPU model" : "another GPU");
@@ -113,15 +113,14 @@ static int fill_and_check(int *fds, const char *take, int digests, double spent[
     struct job job = {.lock = PTHREAD_MUTEX_INITIALIZER, .fds = fds, .digests = digests};
     size_t count;
     struct cscu_region *regions = cscu_regions(&count);
-    int copied = cscu_copy(&job, 1, take);
+    int rc = cscu_copy(&job, 1, take);
     spent[0] = job.device_s, spent[1] = job.io_s, spent[2] = job.digest_s;
-    if (copied != 0) {
+    if (rc != 0) {
         snprintf(error, room, "%s", job.error);
-        free(job.items);
-        return -1;
+        goto cleanup;
     }
-    for (size_t i = 0; i < cscu_segment_count; i++) {
-        char found[80];
+    for (size_t i = 0; i < cscu_segment_count && rc == 0; i++) {
+        char found[CSCU_DIGEST_TEXT];
         if (!take[i] || !digests)
             continue;
         cscu_segment_digest(&job, i, found);
@@ -129,12 +128,12 @@ static int fill_and_check(int *fds, const char *take, int digests, double spent[
             snprintf(error, room, "dump file %s (region %#llx, +%zu) does not match its digest: expected %s, found "
                      "%s: a corrupt or foreign dump", cscu_segments[i].file, regions[cscu_segments[i].region].address,
                      cscu_segments[i].offset, cscu_segments[i].digest, found);
-            free(job.items);
-            return -1;
+            rc = -1;
         }
     }
+cleanup:
     free(job.items);
-    return 0;
+    return rc;
 }
 
 /* One hydration, from its checks to its answer: shared by the fill (cscu_hydrate) and the adoption of staged

@@ -227,7 +227,7 @@ int cscu_copy(struct job *job, int fill, const char *take)
 }
 
 /* The segment digest from its chunk digests, in chunk order. */
-void cscu_segment_digest(const struct job *job, size_t segment, char out[80])
+void cscu_segment_digest(const struct job *job, size_t segment, char out[CSCU_DIGEST_TEXT])
 {
     cscu_sha256 h;
     unsigned char digest[32];
@@ -237,9 +237,9 @@ void cscu_segment_digest(const struct job *job, size_t segment, char out[80])
             if (job->items[i].segment == segment && job->items[i].offset == round * CSCU_DIGEST_CHUNK)
                 cscu_sha256_update(&h, job->items[i].digest, 32);
     cscu_sha256_final(&h, digest);
-    int n = snprintf(out, 80, "sha256-64m:");
+    int n = snprintf(out, CSCU_DIGEST_TEXT, CSCU_DIGEST_PREFIX);
     for (int i = 0; i < 32; i++)
-        n += snprintf(out + n, (size_t)(80 - n), "%02x", digest[i]);
+        n += snprintf(out + n, CSCU_DIGEST_TEXT - (size_t)n, "%02x", digest[i]);
 }
 
 
@@ -284,7 +284,7 @@ static void manifest(struct answer *a, const char *dir, double seconds[7], size_
 {
     size_t count;
     struct cscu_region *regions = cscu_regions(&count);
-    put(a, "{\"ok\":true,\"manifest\":{\"format\":1,\"kind\":\"coldsnap-device-dump\",\"pid\":%d,\"dir\":\"",
+    put(a, "{\"ok\":true,\"manifest\":{\"format\":1,\"kind\":\"" CSCU_DUMP_KIND "\",\"pid\":%d,\"dir\":\"",
         (int)getpid());
     put_text(a, dir);
     put(a, "\",\"digest_engine\":\"%s\",\"segment_bytes\":%zu,\"threshold\":%zu,\"bytes\":%zu,\"regions\":[",
@@ -324,7 +324,7 @@ static int plan_segments(struct cscu_region *regions, size_t count)
             s->region = i;
             s->offset = at;
             s->size = regions[i].size - at < CSCU_SEGMENT ? regions[i].size - at : CSCU_SEGMENT;
-            snprintf(s->file, sizeof(s->file), "seg-%zu.bin", cscu_segment_count);
+            snprintf(s->file, sizeof(s->file), CSCU_SEGMENT_FILE, cscu_segment_count);
         }
     return 0;
 }
@@ -361,68 +361,65 @@ static int synchronize_all(struct cscu_region *regions, size_t count, char *erro
     return 0;
 }
 
-void cscu_release(const char *dir, char *out, size_t room)
+/* The dump directory, opened: belonging to this process's user or root and writable by no one else. The
+ * descriptor, or -1 with `error` set. */
+static int open_dump_dir(const char *dir, char *error, size_t room)
 {
-    double t0 = cscu_now(), seconds[7] = {0, 0, 0, 0, 0, 0, 0};
-    size_t count, bytes = 0;
-    struct cscu_region *regions = cscu_regions(&count);
-    struct job job = {.lock = PTHREAD_MUTEX_INITIALIZER, .digests = 1};
     struct stat st;
-    char error[512];
     int dirfd = open(dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
     if (dirfd < 0) {
-        cscu_refuse(out, room, "release", "dump directory %s: %s", dir, strerror(errno));
-        return;
+        snprintf(error, room, "dump directory %s: %s", dir, strerror(errno));
+        return -1;
     }
     if (fstat(dirfd, &st) != 0 || (st.st_uid != geteuid() && st.st_uid != 0) || (st.st_mode & 022)) {
         close(dirfd);
-        cscu_refuse(out, room, "release", "dump directory %s must belong to this process's user or root and be writable "
-               "by no one else", dir);
-        return;
+        snprintf(error, room, "dump directory %s must belong to this process's user or root and be writable by no "
+                 "one else", dir);
+        return -1;
     }
-    if (synchronize_all(regions, count, error, sizeof(error)) != 0) {
-        close(dirfd);
-        cscu_refuse(out, room, "release", "%s", error);
-        return;
+    return dirfd;
+}
+
+/* Every region copied into new segment files of `dirfd` (closed here, as are the files), their digests recorded
+ * in cscu_segments: 0, or -1 with `error` set and every file made removed (nothing was unmapped). */
+static int dump_all(int dirfd, const char *dir, struct cscu_region *regions, size_t count, struct job *job,
+                    char *error, size_t room)
+{
+    int *fds = NULL, rc = -1;
+    char *take = NULL;
+    if (plan_segments(regions, count) != 0 || !(fds = malloc((cscu_segment_count + 1) * sizeof(int)))
+        || !(take = malloc(cscu_segment_count + 1))) {
+        snprintf(error, room, "out of host memory");
+        goto cleanup;
     }
-    seconds[1] = cscu_now() - t0;
-    int *fds = NULL;
-    if (plan_segments(regions, count) != 0 || !(fds = malloc((cscu_segment_count + 1) * sizeof(int)))) {
-        close(dirfd);
-        cscu_refuse(out, room, "release", "out of host memory");
-        return;
-    }
-    char *take = malloc(cscu_segment_count + 1);
     for (size_t i = 0; i < cscu_segment_count; i++)
         fds[i] = -1;
     for (size_t i = 0; i < cscu_segment_count; i++)
         if ((fds[i] = openat(dirfd, cscu_segments[i].file, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
                              0600)) < 0) {
-            snprintf(error, sizeof(error), "create %s/%s: %s", dir, cscu_segments[i].file, strerror(errno));
-            cscu_close_files(dirfd, fds, 1);
-            free(take);
-            cscu_refuse(out, room, "release", "%s", error);
-            return;
+            snprintf(error, room, "create %s/%s: %s", dir, cscu_segments[i].file, strerror(errno));
+            goto cleanup;
         }
-    job.fds = fds;
-    if (take)
-        memset(take, 1, cscu_segment_count + 1);
-    if (!take || cscu_copy(&job, 0, take) != 0) {
-        cscu_close_files(dirfd, fds, 1);  /* nothing was unmapped: the engine runs on as before */
-        cscu_refuse(out, room, "release", "dump to %s: %s", dir, take ? job.error : "out of host memory");
-        free(job.items);
-        free(take);
-        return;
+    job->fds = fds;
+    memset(take, 1, cscu_segment_count + 1);
+    if (cscu_copy(job, 0, take) != 0) {
+        snprintf(error, room, "dump to %s: %s", dir, job->error);
+        goto cleanup;
     }
-    for (size_t i = 0; i < cscu_segment_count; i++) {
-        cscu_segment_digest(&job, i, cscu_segments[i].digest);
-        bytes += cscu_segments[i].size;
-    }
-    free(job.items);
+    for (size_t i = 0; i < cscu_segment_count; i++)
+        cscu_segment_digest(job, i, cscu_segments[i].digest);
+    rc = 0;
+cleanup:
+    cscu_close_files(dirfd, fds, rc != 0);  /* also closes dirfd (fds may be NULL) */
+    free(job->items);
     free(take);
-    cscu_close_files(dirfd, fds, 0);
-    seconds[2] = cscu_now() - t0 - seconds[1];
-    seconds[4] = job.device_s, seconds[5] = job.digest_s, seconds[6] = job.io_s;
+    return rc;
+}
+
+/* Every region's backing unmapped and released (the reservations stay): 0, or -1 with the first failure in
+ * `error` (the others are still tried). */
+static int unmap_all(struct cscu_region *regions, size_t count, char *error, size_t room)
+{
     const struct cscu_driver *d = cscu_driver();
     error[0] = '\0';
     for (size_t i = 0; i < count; i++) {
@@ -430,16 +427,42 @@ void cscu_release(const char *dir, char *out, size_t room)
         if (rc == CUDA_SUCCESS)
             rc = cscu_unmap(&regions[i]);
         if (rc != CUDA_SUCCESS && !error[0])
-            snprintf(error, sizeof(error), "unmap region %#llx: %s (what was released comes back with a hydrate)",
+            snprintf(error, room, "unmap region %#llx: %s (what was released comes back with a hydrate)",
                      regions[i].address, cscu_error_name(rc));
     }
-    seconds[3] = cscu_now() - t0 - seconds[1] - seconds[2];
-    if (error[0]) {
-        cscu_refuse(out, room, "release", "%s", error);
-        return;
+    return error[0] ? -1 : 0;
+}
+
+void cscu_release(const char *dir, char *out, size_t room)
+{
+    double t0 = cscu_now(), seconds[7] = {0, 0, 0, 0, 0, 0, 0};
+    size_t count, bytes = 0;
+    struct cscu_region *regions = cscu_regions(&count);
+    struct job job = {.lock = PTHREAD_MUTEX_INITIALIZER, .digests = 1};
+    char error[1024];  /* a job's error and a path */
+    int dirfd = open_dump_dir(dir, error, sizeof(error));
+    if (dirfd < 0)
+        goto refused;
+    if (synchronize_all(regions, count, error, sizeof(error)) != 0) {
+        close(dirfd);
+        goto refused;
     }
+    seconds[1] = cscu_now() - t0;
+    if (dump_all(dirfd, dir, regions, count, &job, error, sizeof(error)) != 0)
+        goto refused;  /* nothing was unmapped: the engine runs on as before */
+    for (size_t i = 0; i < cscu_segment_count; i++)
+        bytes += cscu_segments[i].size;
+    seconds[2] = cscu_now() - t0 - seconds[1];
+    seconds[4] = job.device_s, seconds[5] = job.digest_s, seconds[6] = job.io_s;
+    int unmapped = unmap_all(regions, count, error, sizeof(error));
+    seconds[3] = cscu_now() - t0 - seconds[1] - seconds[2];
+    if (unmapped != 0)
+        goto refused;
     struct answer a = {out, room, 0};
     manifest(&a, dir, seconds, bytes);
     if (a.used >= room)
         cscu_refuse(out, room, "release", "the manifest is longer than %zu bytes", room);
+    return;
+refused:
+    cscu_refuse(out, room, "release", "%s", error);
 }

@@ -37,36 +37,6 @@
 
 #include "cscu.h"
 
-typedef void *(*dlsym_fn)(void *, const char *);
-
-static dlsym_fn real_dlsym_ptr;
-
-static __attribute__((noinline)) dlsym_fn real_dlsym(void)
-{
-    dlsym_fn fn = __atomic_load_n(&real_dlsym_ptr, __ATOMIC_ACQUIRE);
-    if (!fn) {
-        fn = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
-        if (!fn)
-            fn = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
-        __atomic_store_n(&real_dlsym_ptr, fn, __ATOMIC_RELEASE);
-    }
-    return fn;
-}
-
-static void *libcuda;
-static pthread_once_t libcuda_once = PTHREAD_ONCE_INIT;
-
-static void libcuda_open(void)
-{
-    libcuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);  /* the global scope stays as the engine made it */
-}
-
-void *cscu_real(const char *name)
-{
-    pthread_once(&libcuda_once, libcuda_open);
-    return libcuda ? real_dlsym()(libcuda, name) : NULL;
-}
-
 static void *slot(void **place, const char *name)
 {
     void *fn = __atomic_load_n(place, __ATOMIC_ACQUIRE);
@@ -563,7 +533,7 @@ CSCU_EXPORT void *dlsym(void *handle, const char *name);
 
 void *dlsym(void *handle, const char *name)
 {
-    dlsym_fn real = real_dlsym();
+    dlsym_fn real = cscu_real_dlsym();
     /* A tail call: the real dlsym sees our caller's return address (RTLD_NEXT is relative to the caller). */
     if (handle == RTLD_NEXT || handle == RTLD_DEFAULT || name[0] != 'c' || name[1] != 'u')
         return real(handle, name);

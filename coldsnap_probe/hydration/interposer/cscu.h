@@ -12,6 +12,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "constants.h"
+
 #define CSCU_HIDDEN __attribute__((visibility("hidden")))
 #define CSCU_EXPORT __attribute__((visibility("default")))
 
@@ -46,6 +48,10 @@ typedef struct CUDA_GRAPH_INSTANTIATE_PARAMS_st CUDA_GRAPH_INSTANTIATE_PARAMS;
 typedef struct CUDA_LAUNCH_PARAMS_st CUDA_LAUNCH_PARAMS;
 typedef struct CUmemDecompressParams_st CUmemDecompressParams;
 
+/* The layouts the driver ABI fixes (cuda.h), checked where they are declared. */
+_Static_assert(sizeof(CUuuid) == 16, "CUuuid is 16 bytes");
+_Static_assert(sizeof(CUipcMemHandle) == 64, "CU_IPC_HANDLE_SIZE is 64");
+
 #define CUDA_SUCCESS 0
 #define CUDA_ERROR_INVALID_VALUE 1
 #define CUDA_ERROR_OUT_OF_MEMORY 2
@@ -74,6 +80,12 @@ typedef struct {
     CUmemLocation location;
     int flags;                              /* CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3 */
 } CUmemAccessDesc;
+
+_Static_assert(sizeof(CUmemLocation) == 8, "CUmemLocation is 8 bytes (passed by value)");
+_Static_assert(sizeof(CUmemAllocationProp) == 32 && offsetof(CUmemAllocationProp, location) == 8
+               && offsetof(CUmemAllocationProp, win32HandleMetaData) == 16
+               && offsetof(CUmemAllocationProp, allocFlags) == 24, "CUmemAllocationProp's CUDA 11 layout");
+_Static_assert(sizeof(CUmemAccessDesc) == 12, "CUmemAccessDesc is 12 bytes");
 
 #define CU_MEM_ALLOCATION_TYPE_PINNED 1
 #define CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR 1
@@ -116,6 +128,9 @@ struct cscu_driver {
 
 /* The driver, loaded once; NULL when libcuda.so.1 or one of the entry points above is missing. */
 CSCU_HIDDEN const struct cscu_driver *cscu_driver(void);
+/* The C library's own dlsym (the next one after ours: never our wrapper). */
+typedef void *(*dlsym_fn)(void *, const char *);
+CSCU_HIDDEN dlsym_fn cscu_real_dlsym(void);
 /* The real `name` in libcuda.so.1 (never one of ours), or NULL. */
 CSCU_HIDDEN void *cscu_real(const char *name);
 /* CUDA_ERROR_... name of `rc` (static storage). */
@@ -163,6 +178,11 @@ CSCU_HIDDEN void cscu_count(enum cscu_kind kind);
 /* Appends the counts as a JSON object to `out` (at most `room` bytes); the number of bytes written. */
 CSCU_HIDDEN size_t cscu_counts_json(char *out, size_t room);
 
+/* What the first allocation taken starts (the control socket: control.c registers it at load, so that the
+ * regions never call up into the socket that drives them): 0 when running, nonzero to leave allocations to the
+ * real cuMemAlloc. Without a registered hook no allocation is taken. */
+CSCU_HIDDEN void cscu_regions_on_start(int (*start)(void));
+
 /* cuMemAlloc / cuMemFree through VMM. cscu_alloc returns CUDA_ERROR_NOT_FOUND when the allocation is not
  * ours to take (`*why`: CSCU_SMALL under the threshold, CSCU_FALLBACK when inert, without a control socket or
  * when the driver refused a VMM step other than for memory): the caller then uses the real cuMemAlloc. */
@@ -202,10 +222,6 @@ CSCU_HIDDEN int cscu_gate_is_open(void);
  * end). */
 CSCU_HIDDEN void cscu_gate_exempt(void);
 
-/* --- the control socket ------------------------------------------------------------------------------------ */
-/* Starts the control thread once; 0 when it listens, -1 when it cannot (the process then stays pass-through). */
-CSCU_HIDDEN int cscu_control_start(void);
-
 /* --- the dump (release) and fill (hydrate) ------------------------------------------------------------------ */
 /* Each writes a JSON answer (`{"ok":...}`) into `out`; `dir` is the dump directory, `policy` "same-model" or
  * "same-gpu"; `digests`: 1 checks every segment's digest while filling, 0 only the sampled read-back (the
@@ -227,8 +243,5 @@ CSCU_HIDDEN void cscu_sha256_final(cscu_sha256 *ctx, unsigned char out[32]);
 /* "libcrypto" or "builtin". */
 CSCU_HIDDEN const char *cscu_sha256_engine(void);
 
-#define CSCU_DIGEST_CHUNK ((size_t)64 << 20)    /* the sha256-64m digest's chunk (hydration/_weights.py) */
-#define CSCU_SEGMENT ((size_t)1 << 30)          /* bytes of one dump file (tmpfs serialises writes per file) */
-#define CSCU_ANSWER 65536                         /* bytes of a control answer beyond the manifest */
 
 #endif

@@ -1,6 +1,6 @@
 /* The regions: device allocations above the threshold, made with cuMemAddressReserve + cuMemCreate + cuMemMap
  * + cuMemSetAccess instead of cuMemAlloc (so their backing can be released and re-created at the same address);
- * the readiness gate; what stayed on the checkpoint path; the configuration and the real driver. */
+ * the readiness gate; what stayed on the checkpoint path. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <sched.h>
@@ -11,120 +11,6 @@
 #include <unistd.h>
 
 #include "cscu.h"
-
-/* --- configuration ----------------------------------------------------------------------------------------- */
-static struct cscu_config config;
-static pthread_once_t config_once = PTHREAD_ONCE_INIT;
-
-/* $name in `unit`s, or `fallback` (also in `unit`s: the default staging is 4 MiB, not 4 bytes). */
-static size_t env_size(const char *name, size_t fallback, size_t unit)
-{
-    const char *text = getenv(name);
-    char *end = NULL;
-    if (!text || !*text)
-        return fallback * unit;
-    errno = 0;
-    unsigned long long value = strtoull(text, &end, 10);
-    if (errno || *end || value == 0) {
-        fprintf(stderr, "coldsnap-cuda: %s=%s is not a positive integer, using %zu\n", name, text, fallback);
-        return fallback * unit;
-    }
-    return (size_t)value * unit;
-}
-
-static void config_read(void)
-{
-    const char *socket = getenv("COLDSNAP_CUDA_INTERPOSER_SOCKET");
-    config.threshold = env_size("COLDSNAP_CUDA_INTERPOSER_THRESHOLD", (size_t)2 << 20, 1);
-    cpu_set_t cpus;
-    int usable = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 8;
-    /* Default: one copy thread per CPU the process may use (digesting bounds the rate), 4 to 16. */
-    size_t threads = env_size("COLDSNAP_CUDA_INTERPOSER_THREADS", (size_t)(usable < 4 ? 4 : usable > 16 ? 16 : usable),
-                              1);
-    config.threads = threads > 64 ? 64 : (int)threads;
-    config.staging = env_size("COLDSNAP_CUDA_INTERPOSER_STAGING_MIB", 4, (size_t)1 << 20);
-    size_t drain = env_size("COLDSNAP_CUDA_INTERPOSER_DRAIN_S", 10, 1);
-    config.drain_s = drain > 3600 ? 3600 : (int)drain;
-    size_t request = env_size("COLDSNAP_CUDA_INTERPOSER_REQUEST_S", 10, 1);
-    config.request_s = request > 600 ? 600 : (int)request;
-    if (config.staging > CSCU_DIGEST_CHUNK)
-        config.staging = CSCU_DIGEST_CHUNK;
-    const char *exportable = getenv("COLDSNAP_CUDA_INTERPOSER_EXPORTABLE");
-    config.exportable = !(exportable && strcmp(exportable, "0") == 0);
-    if (!socket || !*socket)
-        return;
-    /* "%p" becomes the pid, so that every CUDA process of a tree gets its own socket. */
-    char *out = config.socket, *limit = config.socket + sizeof(config.socket) - 1;
-    for (const char *p = socket; *p; p++) {
-        if (p[0] == '%' && p[1] == 'p') {
-            out += snprintf(out, (size_t)(limit - out) + 1, "%d", (int)getpid());
-            if (out > limit) break;
-            p++;
-        } else if (out < limit) {
-            *out++ = *p;
-        } else {
-            out = limit + 1;
-            break;
-        }
-    }
-    if (out > limit || socket[0] != '/') {
-        fprintf(stderr, "coldsnap-cuda: COLDSNAP_CUDA_INTERPOSER_SOCKET must be an absolute path under %zu "
-                        "bytes: inert\n", sizeof(config.socket));
-        config.socket[0] = '\0';
-    } else {
-        *out = '\0';
-    }
-}
-
-const struct cscu_config *cscu_config(void)
-{
-    pthread_once(&config_once, config_read);
-    return &config;
-}
-
-/* --- the real driver ---------------------------------------------------------------------------------------- */
-static struct cscu_driver driver;
-static int driver_ok;
-static pthread_once_t driver_once = PTHREAD_ONCE_INIT;
-
-static void driver_load(void)
-{
-    struct { void **place; const char *name; } need[] = {
-        {(void **)&driver.ctx_get_current, "cuCtxGetCurrent"}, {(void **)&driver.ctx_set_current, "cuCtxSetCurrent"},
-        {(void **)&driver.ctx_get_device, "cuCtxGetDevice"}, {(void **)&driver.ctx_synchronize, "cuCtxSynchronize"},
-        {(void **)&driver.device_get_uuid, "cuDeviceGetUuid_v2"}, {(void **)&driver.device_get_name, "cuDeviceGetName"},
-        {(void **)&driver.get_error_name, "cuGetErrorName"}, {(void **)&driver.mem_alloc, "cuMemAlloc_v2"},
-        {(void **)&driver.mem_free, "cuMemFree_v2"}, {(void **)&driver.mem_get_address_range, "cuMemGetAddressRange_v2"},
-        {(void **)&driver.granularity, "cuMemGetAllocationGranularity"},
-        {(void **)&driver.address_reserve, "cuMemAddressReserve"}, {(void **)&driver.address_free, "cuMemAddressFree"},
-        {(void **)&driver.create, "cuMemCreate"}, {(void **)&driver.release, "cuMemRelease"},
-        {(void **)&driver.map, "cuMemMap"}, {(void **)&driver.unmap, "cuMemUnmap"},
-        {(void **)&driver.set_access, "cuMemSetAccess"}, {(void **)&driver.stream_create, "cuStreamCreate"},
-        {(void **)&driver.stream_destroy, "cuStreamDestroy_v2"}, {(void **)&driver.stream_synchronize, "cuStreamSynchronize"},
-        {(void **)&driver.host_alloc, "cuMemHostAlloc"}, {(void **)&driver.free_host, "cuMemFreeHost"},
-        {(void **)&driver.memcpy_dtoh_async, "cuMemcpyDtoHAsync_v2"},
-        {(void **)&driver.memcpy_htod_async, "cuMemcpyHtoDAsync_v2"}, {(void **)&driver.memcpy_dtoh, "cuMemcpyDtoH_v2"},
-    };
-    for (size_t i = 0; i < sizeof(need) / sizeof(need[0]); i++)
-        if (!(*need[i].place = cscu_real(need[i].name)))
-            return;
-    driver_ok = 1;
-}
-
-const struct cscu_driver *cscu_driver(void)
-{
-    pthread_once(&driver_once, driver_load);
-    return driver_ok ? &driver : NULL;
-}
-
-const char *cscu_error_name(CUresult rc)
-{
-    const char *name = NULL;
-    const struct cscu_driver *d = cscu_driver();
-    if (d && d->get_error_name(rc, &name) == CUDA_SUCCESS && name)
-        return name;
-    return "CUDA_ERROR_UNKNOWN";
-}
 
 /* --- the readiness gate --------------------------------------------------------------------------------------- */
 /* A gated call counts itself in, then looks at the gate; a release closes the gate, then waits for the count to
@@ -236,7 +122,7 @@ void cscu_count(enum cscu_kind kind)
 
 void cscu_track(enum cscu_kind kind, uintptr_t ptr, size_t bytes)
 {
-    if (!config.socket[0])
+    if (!cscu_config()->socket[0])
         return;  /* inert: nobody asks */
     pthread_mutex_lock(&track_lock);
     if (live_count == live_room) {
@@ -257,7 +143,7 @@ void cscu_track(enum cscu_kind kind, uintptr_t ptr, size_t bytes)
 
 void cscu_untrack(uintptr_t ptr)
 {
-    if (!config.socket[0])
+    if (!cscu_config()->socket[0])
         return;
     pthread_mutex_lock(&track_lock);
     for (size_t i = live_count; i-- > 0;)
@@ -362,20 +248,22 @@ CUresult cscu_map(struct cscu_region *r)
     CUmemAccessDesc access = {{CU_MEM_LOCATION_TYPE_DEVICE, r->device}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
     CUmemGenericAllocationHandle handle = 0;
     cscu_device_prop(&prop, r->device);
+    int mapped = 0;
     CUresult rc = d->create(&handle, r->size, &prop, 0);
     if (rc != CUDA_SUCCESS)
-        return rc;
-    if ((rc = d->map(r->address, r->size, 0, handle, 0)) != CUDA_SUCCESS) {
-        d->release(handle);
-        return rc;
-    }
-    if ((rc = d->set_access(r->address, r->size, &access, 1)) != CUDA_SUCCESS) {
-        d->unmap(r->address, r->size);
-        d->release(handle);
-        return rc;
-    }
+        return rc;  /* nothing made yet */
+    if ((rc = d->map(r->address, r->size, 0, handle, 0)) != CUDA_SUCCESS)
+        goto undo;
+    mapped = 1;
+    if ((rc = d->set_access(r->address, r->size, &access, 1)) != CUDA_SUCCESS)
+        goto undo;
     r->handle = handle;
     return CUDA_SUCCESS;
+undo:  /* on failure nothing is left behind */
+    if (mapped)
+        d->unmap(r->address, r->size);
+    d->release(handle);
+    return rc;
 }
 
 CUresult cscu_unmap(struct cscu_region *r)
@@ -403,6 +291,19 @@ static int append(const struct cscu_region *r)
     return 0;
 }
 
+static int (*start_hook)(void);
+
+void cscu_regions_on_start(int (*start)(void))
+{
+    __atomic_store_n(&start_hook, start, __ATOMIC_RELEASE);
+}
+
+static int socket_started(void)
+{
+    int (*start)(void) = __atomic_load_n(&start_hook, __ATOMIC_ACQUIRE);
+    return start && start() == 0;
+}
+
 CUresult cscu_alloc(CUdeviceptr *out, size_t size, enum cscu_kind *why)
 {
     const struct cscu_config *cfg = cscu_config();
@@ -416,7 +317,7 @@ CUresult cscu_alloc(CUdeviceptr *out, size_t size, enum cscu_kind *why)
         *why = CSCU_SMALL;
         return CUDA_ERROR_NOT_FOUND;
     }
-    if (cscu_control_start() != 0 || d->ctx_get_current(&r.context) != CUDA_SUCCESS || !r.context
+    if (!socket_started() || d->ctx_get_current(&r.context) != CUDA_SUCCESS || !r.context
         || d->ctx_get_device(&r.device) != CUDA_SUCCESS)
         return CUDA_ERROR_NOT_FOUND;
     cscu_device_prop(&prop, r.device);
@@ -450,7 +351,7 @@ CUresult cscu_alloc(CUdeviceptr *out, size_t size, enum cscu_kind *why)
 CUresult cscu_free(CUdeviceptr ptr)
 {
     const struct cscu_driver *d = cscu_driver();
-    if (!d || !config.socket[0])
+    if (!d || !cscu_config()->socket[0])
         return CUDA_ERROR_NOT_FOUND;
     cscu_regions_lock();
     size_t i = 0;

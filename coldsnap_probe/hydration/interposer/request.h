@@ -7,7 +7,7 @@
 
 #include <stddef.h>
 
-#define CSCU_REQUEST_FIELD 4096 /* bytes of a `dir` value, its NUL included */
+#include "constants.h"
 
 struct cscu_request {
     char op[32];
@@ -17,6 +17,9 @@ struct cscu_request {
     char allocations[24];
     int has_dir;                /* 1 when the request named `dir` (an empty one included) */
 };
+
+_Static_assert(sizeof(((struct cscu_request *)0)->policy) > sizeof(CSCU_POLICY_SAME_MODEL)
+               && sizeof(((struct cscu_request *)0)->verify) > sizeof(CSCU_VERIFY_SAMPLED), "the values fit");
 
 /* Parse `line` (NUL-terminated) as {"op": ..., "dir": ..., "policy": ..., "verify": ..., "allocations": ...},
  * every key optional, each at most once and within its field: 0 with `req` filled (absent keys empty), or -1
