@@ -50,7 +50,7 @@ __all__ = ("INTERPOSER_PAGE", "RECORD", "DeviceDumpSource", "DeviceRelease", "De
 
 RECORD = "device-memory.json"
 RECORD_KIND = "coldsnap-device-memory"
-INTERPOSER_PAGE = 16  # descriptors per page to the interposer's control socket (control.c's PAGE_FDS)
+INTERPOSER_PAGE = 16  # descriptors per page to the interposer's control socket (constants.h's CSCU_PAGE_FDS)
 
 
 @dataclass(frozen=True, slots=True)
