@@ -51,6 +51,7 @@ EOF
 # What the test command's set-up leaves must work: the CRIU it built runs, the venv has the test tools.
 test_setup_works() {
     local criu
+    say "the CRIU build inside scripts/test: $(grep -h 'built in\|make failed' /tmp/coldsnap-criu-build.log || echo 'not built (cached?)')"
     criu="$(scripts/criu/build --print-dir)"
     LD_LIBRARY_PATH="$criu/usr/lib/x86_64-linux-gnu" "$criu/usr/sbin/criu" --version
     .venv/bin/python -c 'import pytest, coldsnap_provider, coldsnap_probe, nccl_shim'
