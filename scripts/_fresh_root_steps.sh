@@ -51,9 +51,11 @@ EOF
 # What the test command's set-up leaves must work: the CRIU it built runs, the venv has the test tools.
 test_setup_works() {
     local criu
-    say "the CRIU build inside scripts/test: $(grep -h 'built in\|make failed' /tmp/coldsnap-criu-build.log || echo 'not built (cached?)')"
+    say "the CRIU build inside scripts/test: $(grep -h 'built in\|make failed' /tmp/coldsnap-criu-build.log \
+        || echo 'not built (cached?)')"
     if [ "${COLDSNAP_FRESH_K8S:-0}" = 1 ]; then
-        say "the Kubernetes build inside scripts/test: $(grep -h 'built \|done in' /tmp/coldsnap-k8s-build.log | paste -sd ';' -)"
+        say "the Kubernetes build inside scripts/test:" \
+            "$(grep -h 'built \|done in' /tmp/coldsnap-k8s-build.log | paste -sd ';' -)"
     fi
     criu="$(scripts/criu/build --print-dir)"
     LD_LIBRARY_PATH="$criu/usr/lib/x86_64-linux-gnu" "$criu/usr/sbin/criu" --version
