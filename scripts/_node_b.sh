@@ -6,7 +6,8 @@
 #     the host's network namespace would delete the first one's docker0 bridge), with its own data root, exec
 #     root and socket; only node-b's docker_socket names it.
 # Everything lives under $NODE_B_DIR (default /run/coldsnap-node-b) plus a data root under /var/lib.
-# Usage: scripts/_node_b.sh [up|down|env]  (up is the default; env prints the paths as shell assignments).
+# Usage: scripts/_node_b.sh [up|down|env|packages]  (up is the default; env prints the paths as shell assignments;
+# packages only installs what node-b needs: scripts/test --setup-only).
 # All traffic stays on 127.0.0.0/8.
 set -euo pipefail
 
@@ -157,6 +158,7 @@ if [ "${BASH_SOURCE[0]}" = "$0" ]; then
         up) nb_up; nb_env ;;
         down) nb_down ;;
         env) nb_env ;;
-        *) echo "usage: $0 [up|down|env]" >&2; exit 2 ;;
+        packages) nb_packages ;;
+        *) echo "usage: $0 [up|down|env|packages]" >&2; exit 2 ;;
     esac
 fi

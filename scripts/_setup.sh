@@ -27,6 +27,8 @@ install_packages() {
 
 ensure_python() {
     PYTHON="${PYTHON:-python3}"
+    # A minimal Debian (debootstrap minbase, a container image) has no Python at all.
+    [ "$PYTHON" != python3 ] || install_packages python3:python3
     if ! "$PYTHON" -c 'import sys; assert sys.version_info >= (3, 11)' 2>/dev/null; then
         echo "coldsnap-provider needs Python >= 3.11 ($PYTHON is too old)" >&2
         exit 1
