@@ -301,11 +301,11 @@ k8s_rbac() {  # the provider's user: Pods (and their logs, exec) in namespace co
     "${api[@]}" -X POST "$base/api/v1/namespaces" \
         -d '{"apiVersion":"v1","kind":"Namespace","metadata":{"name":"coldsnap-test"}}' >/dev/null 2>&1 || true
     "${api[@]}" -X POST "$base/apis/rbac.authorization.k8s.io/v1/clusterroles" -d '{"apiVersion":"rbac.authorization.k8s.io/v1",
-        "kind":"ClusterRole","metadata":{"name":"coldsnap-provider-nodes"},"rules":[{"apiGroups":[""],"resources":["nodes"],
+        "kind":"ClusterRole","metadata":{"name":"coldsnap-test-provider-nodes"},"rules":[{"apiGroups":[""],"resources":["nodes"],
         "verbs":["get","list"]}]}' >/dev/null 2>&1 || true
     "${api[@]}" -X POST "$base/apis/rbac.authorization.k8s.io/v1/clusterrolebindings" -d '{"apiVersion":"rbac.authorization.k8s.io/v1",
-        "kind":"ClusterRoleBinding","metadata":{"name":"coldsnap-provider-nodes"},"roleRef":{"apiGroup":"rbac.authorization.k8s.io",
-        "kind":"ClusterRole","name":"coldsnap-provider-nodes"},"subjects":[{"kind":"User","name":"coldsnap-provider"}]}' >/dev/null 2>&1 || true
+        "kind":"ClusterRoleBinding","metadata":{"name":"coldsnap-test-provider-nodes"},"roleRef":{"apiGroup":"rbac.authorization.k8s.io",
+        "kind":"ClusterRole","name":"coldsnap-test-provider-nodes"},"subjects":[{"kind":"User","name":"coldsnap-provider"}]}' >/dev/null 2>&1 || true
     "${api[@]}" -X POST "$base/apis/rbac.authorization.k8s.io/v1/namespaces/coldsnap-test/roles" -d '{"apiVersion":"rbac.authorization.k8s.io/v1",
         "kind":"Role","metadata":{"name":"coldsnap-provider"},"rules":[{"apiGroups":[""],"resources":["pods"],
         "verbs":["get","list","watch","create","delete"]},{"apiGroups":[""],"resources":["pods/log"],"verbs":["get"]},
