@@ -61,7 +61,8 @@ def _page(path: list[str], command: click.Command, version: str, date: str) -> s
              ".SH SYNOPSIS", f".B {_escape(' '.join(path))}",
              _escape(" ".join(command.collect_usage_pieces(context))),
              ".SH DESCRIPTION", _paragraphs(command.help or command.short_help or "")]
-    options = [record for p in command.get_params(context) if (record := p.get_help_record(context))]
+    options = [record for p in command.get_params(context)
+               if isinstance(p, click.Option) and (record := p.get_help_record(context))]
     if options:
         lines.append(".SH OPTIONS")
         for names, text in options:

@@ -68,7 +68,7 @@ def _inspect(state_dir: Path | None, host: str, name: str, output: str) -> None:
     emit(output, info, lambda: fields_text({
         "name": name, "state": _state(info), "running": info.running, "exit_code": info.exit_code,
         "image": info.image, "id": info.id, "started": f"{when(started)} ({started})" if started else "-",
-        "labels": info.labels}))
+        "labels": ", ".join(f"{k}={v}" for k, v in sorted(info.labels.items()))}))
 
 
 def _write(data: bytes, raw: bool) -> None:
