@@ -50,7 +50,9 @@ _T = TypeVar("_T")
 
 
 def state_dir_option(function: _F) -> _F:
-    return click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), envvar=STATE_DIR_ENV,
+    # readable=False: a manager may search the state directory (0711) without listing it
+    return click.option("--state-dir", type=click.Path(file_okay=False, readable=False, path_type=Path),
+                        envvar=STATE_DIR_ENV,
                         show_envvar=True,
                         help="the daemon's state directory (default: /run/coldsnap-provider for root, "
                              "$XDG_RUNTIME_DIR/coldsnap-provider otherwise)")(function)

@@ -35,6 +35,34 @@ async def in_thread(*args: str, **kwargs: Any) -> Any:
     return await anyio.to_thread.run_sync(lambda: cli(*args, **kwargs))
 
 
+def cli_as(uid: int, *args: str) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of the CLI run as `uid`, in a forked child (the venv's interpreter is not
+    one that uid may execute); the child runs the same `main` the script does."""
+    out, err = (os.open(os.devnull, os.O_RDONLY), os.pipe(), os.pipe())[1:]
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        code = 70
+        try:
+            os.dup2(out[1], 1)
+            os.dup2(err[1], 2)
+            sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)  # not pytest's capture
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            from coldsnap_provider.cli import main
+
+            code = main(list(args))
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    os.close(out[1])
+    os.close(err[1])
+    with os.fdopen(out[0]) as stdout, os.fdopen(err[0]) as stderr:
+        texts = stdout.read(), stderr.read()
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), *texts
+
+
 async def opened(daemon: Daemon, session: str, tmp_path: Path) -> dict[str, str]:
     """A session opened by the CLI; its token in a 0600 file and the socket in the environment `call` reads."""
     result = await in_thread("session", "open", "--state-dir", str(daemon.state_dir), "--session", session,
@@ -89,7 +117,7 @@ async def test_tokens_come_from_a_private_file_or_the_environment(tmp_path: Path
         wrong.write_text("not-the-token")
         wrong.chmod(0o600)
         refused = await in_thread(*base, "--token-file", str(wrong), env=env)
-        assert refused.returncode == 1 and "token" in refused.stderr
+        assert refused.returncode == 1 and refused.stderr == "coldsnap-provider: refused: host-provider session is unauthorized\n"
 
 
 def _lines_with_times(process: subprocess.Popen[str]) -> list[tuple[float, str]]:
@@ -178,14 +206,13 @@ async def test_close_all_and_rm_reach_only_the_callers_own(busybox_image: str, t
                                                                "session": f"nobody-{n}", "hosts": ["localhost"]})
                 assert answer["ok"], answer
 
-            as_nobody = {"user": NOBODY, "env": {"HOME": "/tmp"}}
-            refused = await in_thread("workload", "rm", mine, *state, **as_nobody)
-            assert refused.returncode == 1 and f"workload-remove: no such workload: {mine}" in refused.stderr
+            code, _, stderr = await anyio.to_thread.run_sync(lambda: cli_as(NOBODY, "workload", "rm", mine, *state))
+            assert code == 1 and stderr == f"coldsnap-provider: workload-remove: no such workload: {mine}\n"
             assert docker("inspect", "-f", "{{.State.Running}}", mine).stdout.strip() == b"true"
 
-            closed = await in_thread("session", "close", "--all", *state, "-o", "json", **as_nobody)
-            assert closed.returncode == 0 and json.loads(closed.stdout) == {"closed": ["nobody-0", "nobody-1"],
-                                                                             "failed": []}
+            code, stdout, _ = await anyio.to_thread.run_sync(
+                lambda: cli_as(NOBODY, "session", "close", "--all", *state, "-o", "json"))
+            assert code == 0 and json.loads(stdout) == {"closed": ["nobody-0", "nobody-1"], "failed": []}
             assert [s["session"] for s in await daemon.control(operation="session-list")] == [root_session.session]
             neither = await in_thread("session", "close", *state)
             assert neither.returncode == 2 and "give session IDs or --all" in neither.stderr
@@ -222,7 +249,7 @@ def test_shell_completion_comes_from_the_command_definitions(tmp_path: Path) -> 
                                                  "coldsnap_provider \"$@\"\n")
     (tmp_path / "coldsnap-provider").chmod(0o755)
     (tmp_path / "completion.bash").write_text(cli("completion", "bash").stdout)
-    probe = ('source completion.bash; complete() { COMP_WORDS=("$@"); COMP_CWORD=$(($# - 1)); '
+    probe = ('source completion.bash; complete() { COMP_WORDS=("$@"); COMP_CWORD=$(($# - 1)); COMPREPLY=(); '
              '_coldsnap_provider_completion coldsnap-provider; echo "${COMPREPLY[*]}"; }; '
              'complete coldsnap-provider workload l; complete coldsnap-provider session close --a; '
              'complete coldsnap-provider workload logs --')
