@@ -117,7 +117,8 @@ async def test_tokens_come_from_a_private_file_or_the_environment(tmp_path: Path
         wrong.write_text("not-the-token")
         wrong.chmod(0o600)
         refused = await in_thread(*base, "--token-file", str(wrong), env=env)
-        assert refused.returncode == 1 and refused.stderr == "coldsnap-provider: refused: host-provider session is unauthorized\n"
+        assert refused.returncode == 1
+        assert refused.stderr == "coldsnap-provider: refused: host-provider session is unauthorized\n"
 
 
 def _lines_with_times(process: subprocess.Popen[str]) -> list[tuple[float, str]]:
