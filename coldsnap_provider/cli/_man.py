@@ -49,8 +49,10 @@ def _sections(epilog: str) -> str:
 def _walk(command: click.Command, path: list[str]) -> Iterator[tuple[list[str], click.Command]]:
     yield path, command
     if isinstance(command, click.Group):
-        for name in sorted(command.commands):
-            yield from _walk(command.commands[name], [*path, name])
+        context = click.Context(command, info_name=path[-1])
+        for name in command.list_commands(context):  # click's own listing and lookup, aliases included
+            if (sub := command.get_command(context, name)) is not None:
+                yield from _walk(sub, [*path, name])
 
 
 def _page(path: list[str], command: click.Command, version: str, date: str) -> str:
