@@ -90,10 +90,12 @@ class WorkloadInspect(_Named, tag="workload-inspect", frozen=True):
 
 
 class WorkloadLogs(_Named, tag="workload-logs", frozen=True):
-    """The workload's output. To follow it, ask again with `offset` (the previous answer's) and `wait_s`: the
-    answer comes once there is output past `offset`, the workload has ended, or `wait_s` has passed."""
+    """The workload's output. To follow it, ask with `follow` (the answer then carries `offset` and `running`),
+    then again with the last answer's `offset` and a `wait_s`: the answer comes once there is output past
+    `offset`, the workload has ended, or `wait_s` has passed."""
 
     tail: Annotated[int, Meta(ge=0)] = 0
+    follow: bool = False
     offset: Annotated[int, Meta(ge=0)] = 0
     wait_s: Annotated[float, Meta(ge=0, le=60)] = 0.0
 

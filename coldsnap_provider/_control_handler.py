@@ -176,9 +176,11 @@ class ControlHandler:
             case WorkloadInspect(name=name, host=host):
                 _, info = await self._operations.managed_workload(host, name, uid=peer.uid, action="workload-inspect")
                 return msgspec.to_builtins(info)
-            case WorkloadLogs(name=name, host=host, tail=tail, offset=offset, wait_s=wait_s):
+            case WorkloadLogs(name=name, host=host, tail=tail, follow=follow, offset=offset, wait_s=wait_s):
                 backend, _ = await self._operations.managed_workload(host, name, uid=peer.uid, action="workload-logs")
-                return await followed_logs(backend, name, tail=tail, offset=offset, wait_s=wait_s)
+                if follow:
+                    return await followed_logs(backend, name, tail=tail, offset=offset, wait_s=wait_s)
+                return {"output": await backend.workload_logs(name, tail=tail)}
             case WorkloadStop(name=name, host=host, timeout_s=timeout_s):
                 backend, _ = await self._operations.managed_workload(host, name, uid=peer.uid, action="workload-stop")
                 await backend.workload_stop(name, timeout_s=timeout_s)

@@ -1,11 +1,13 @@
 """`workload-logs` followed: one long-poll per answer, in the control socket's one-request-one-reply framing.
 
-A follower asks with the `offset` of the output it already has and a `wait_s`; the answer comes as soon
+A follower asks with `follow`, the `offset` of the output it already has and a `wait_s` (a request
+without `follow` is answered as before: the runtime's own `tail`, no offset); the answer comes as soon
 as the workload's log is longer than `offset`, the workload is no longer running, or `wait_s` has
 passed, and carries the new bytes, the new `offset` and `running`. Offsets count the bytes of the
 whole log as the runtime answers it (stdout and stderr in the engine's order), so nothing is sent
 twice and nothing is skipped while the engine keeps the log whole (a rotated json-file log restarts
-the count: the follower then gets the log again from the start).
+the count: the follower then gets the log again from the start). Each look reads the whole log from the
+runtime, bounded as every logs answer is (OUTPUT_LIMIT): following is for logs of that size.
 """
 
 from __future__ import annotations

@@ -164,21 +164,26 @@ class ControlClient:
     async def inspect_workload(self, name: str, *, host: str = "") -> Workload:
         return _as(Workload, await self.request("workload-inspect", name=name, host=host))
 
-    async def workload_logs(self, name: str, *, host: str = "", tail: int = 0, offset: int = 0,
-                            wait_s: float = 0.0) -> LogChunk:
-        """The log (its last `tail` lines), or with `offset` and `wait_s` what came after `offset`."""
-        return _as(LogChunk, await self.request("workload-logs", name=name, host=host, tail=tail, offset=offset,
-                                                wait_s=wait_s))
+    async def workload_logs(self, name: str, *, host: str = "", tail: int = 0) -> bytes:
+        """The log (its last `tail` lines; 0 = all)."""
+        answer = await self.request("workload-logs", name=name, host=host, tail=tail)
+        return _as(LogChunk, {"offset": 0, "running": False, **answer}).output
+
+    async def logs_after(self, name: str, *, host: str = "", tail: int = 0, offset: int = 0,
+                         wait_s: float = 0.0) -> LogChunk:
+        """Followed: what came after `offset` (the first time, the last `tail` lines), waiting up to `wait_s`."""
+        return _as(LogChunk, await self.request("workload-logs", name=name, host=host, tail=tail, follow=True,
+                                                offset=offset, wait_s=wait_s))
 
     async def follow_logs(self, name: str, *, host: str = "", tail: int = 0) -> AsyncIterator[bytes]:
         """The log as it grows, chunk by chunk, until the workload is no longer running."""
-        chunk = await self.workload_logs(name, host=host, tail=tail)
+        chunk = await self.logs_after(name, host=host, tail=tail)
         while True:
             if chunk.output:
                 yield chunk.output
             if not chunk.running:
                 return
-            chunk = await self.workload_logs(name, host=host, offset=chunk.offset, wait_s=FOLLOW_WAIT_S)
+            chunk = await self.logs_after(name, host=host, offset=chunk.offset, wait_s=FOLLOW_WAIT_S)
 
     async def stop_workload(self, name: str, *, host: str = "", timeout_s: float = 10.0) -> None:
         """SIGTERM, then SIGKILL after `timeout_s`; the workload is kept."""

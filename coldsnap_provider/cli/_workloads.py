@@ -109,11 +109,11 @@ def _logs(state_dir: Path | None, host: str, name: str, tail: int, follow: bool,
         except KeyboardInterrupt:
             sys.exit(130)
         return
-    chunk = ask(state_dir, lambda client: client.workload_logs(name, host=host, tail=tail))
+    data = ask(state_dir, lambda client: client.workload_logs(name, host=host, tail=tail))
     if output == "json":
-        emit(output, {"output": chunk.output, "offset": chunk.offset, "running": chunk.running}, str)
+        emit(output, {"output": data}, str)
     else:
-        _write(chunk.output, raw)
+        _write(data, raw)
 
 
 @WORKLOAD.command("stop", epilog="""\b
