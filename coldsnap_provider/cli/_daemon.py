@@ -88,7 +88,19 @@ def _status_text(result: dict[str, Any]) -> str:
     backends = table(["backend", "host", "up", "error"],
                      [[b.get("backend", ""), b.get("host", ""), "yes" if b.get("up") else "NO", b.get("error") or "-"]
                       for b in result.get("backends", [])])
-    return f"{fields_text(head)}\n\n{backends}"
+    parts = [fields_text(head), backends]
+    for key in ("remotes", "kubernetes"):  # one row per host: every key the daemon reports, as a column
+        rows = [r for r in result.get(key) or [] if isinstance(r, dict)]
+        if rows:
+            columns = list(dict.fromkeys(k for r in rows for k in r))
+            parts.append(f"{key}:\n" + table(columns, [[_cell(r.get(c)) for c in columns] for r in rows]))
+    return "\n\n".join(parts)
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return "-" if value in (None, "", [], {}) else str(value)
 
 
 @click.command("status", epilog="""\b
