@@ -281,3 +281,18 @@ def test_man_pages_are_generated_for_every_command_and_render_cleanly(tmp_path: 
     assert "EXIT STATUS" in root and "coldsnap-provider-workload(1)" in root
 
 
+
+
+async def test_status_is_a_table_for_people_and_json_for_scripts() -> None:
+    async with running_daemon() as daemon:
+        state = ("--state-dir", str(daemon.state_dir))
+        text = await in_thread("status", *state)
+        assert text.returncode == 0 and re.search(r"^healthy: +true$", text.stdout, re.M), text.stdout
+        assert re.search(r"^BACKEND +HOST +UP +ERROR$", text.stdout, re.M)
+        assert re.search(r"^docker +\S+ +yes +-$", text.stdout, re.M)
+        wire = json.loads((await in_thread("status", *state, "-o", "json")).stdout)
+        assert wire["healthy"] is True and wire["state_dir"] == str(daemon.state_dir)
+        scripted = await in_thread("status", *state, env={"COLDSNAP_OUTPUT": "json"})
+        assert json.loads(scripted.stdout)["healthy"] is True
+        gone = await in_thread("status", "--state-dir", str(daemon.state_dir / "absent"))
+        assert gone.returncode == 1 and gone.stderr.startswith("coldsnap-provider: cannot reach the daemon at ")
