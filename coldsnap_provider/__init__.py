@@ -2,7 +2,8 @@
 
 The public surface besides the CLI: a strict client of the format-1 envelope (what the
 Go controller does, used by the tests, the benchmarks and `coldsnap-provider call`), the
-envelope's request decoder and reply type, and the JSON Schema generator.
+envelope's request decoder and reply type, and the JSON Schema generator. Placement managers
+import ``coldsnap_provider.client`` (typed, async: docs/control-protocol.md).
 """
 
 __version__ = "0.1.0"

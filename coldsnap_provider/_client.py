@@ -16,7 +16,7 @@ import msgspec
 
 from ._control import ControlReply
 from ._envelope import MAX_MESSAGE_BYTES, Reply
-from ._errors import ProtocolError, ReplyError
+from ._errors import ProtocolError, ReplyError, reply_error
 from ._framing import exchange
 
 __all__ = ("ProtocolError", "ReplyError", "call", "call_control", "exchange")
@@ -46,9 +46,8 @@ async def call(socket_path: str | os.PathLike[str], request: dict[str, Any], *, 
         raise ProtocolError(f"request exceeds {MAX_MESSAGE_BYTES} bytes")
     reply = check_reply(await exchange(socket_path, payload), str(request.get("id", "")))
     if check and not reply.ok:
-        error = reply.error if isinstance(reply.error, str) and reply.error else ""
-        error = error or "provider returned an unspecified failure"
-        raise ReplyError(error, code=reply.error_code if isinstance(reply.error_code, str) else "")
+        raise reply_error(reply.error if isinstance(reply.error, str) else "",
+                          reply.error_code if isinstance(reply.error_code, str) else "")
     return reply
 
 
@@ -63,6 +62,7 @@ async def call_control(state_dir: Path, request: dict[str, Any]) -> Any:
     if reply.format != 1 or reply.id != request["id"]:
         raise ProtocolError("control response identity is invalid")
     if not reply.ok:
-        raise ReplyError(reply.error if isinstance(reply.error, str) else "unspecified failure")
+        raise reply_error(reply.error if isinstance(reply.error, str) else "",
+                          reply.error_code if isinstance(reply.error_code, str) else "")
     return reply.result
 

@@ -24,6 +24,7 @@ __all__ = (
     "WorkloadInspect",
     "WorkloadList",
     "WorkloadLogs",
+    "WorkloadRemove",
     "WorkloadStop",
     "decode_control",
     "encode_control",
@@ -89,7 +90,14 @@ class WorkloadInspect(_Named, tag="workload-inspect", frozen=True):
 
 
 class WorkloadLogs(_Named, tag="workload-logs", frozen=True):
+    """The workload's output. To follow it, ask with `follow` (the answer then carries `offset` and `running`),
+    then again with the last answer's `offset` and a `wait_s`: the answer comes once there is output past
+    `offset`, the workload has ended, or `wait_s` has passed."""
+
     tail: Annotated[int, Meta(ge=0)] = 0
+    follow: bool = False
+    offset: Annotated[int, Meta(ge=0)] = 0
+    wait_s: Annotated[float, Meta(ge=0, le=60)] = 0.0
 
 
 class WorkloadStop(_Named, tag="workload-stop", frozen=True):
@@ -98,8 +106,12 @@ class WorkloadStop(_Named, tag="workload-stop", frozen=True):
     timeout_s: Annotated[float, Meta(ge=0, le=3600)] = 10.0
 
 
+class WorkloadRemove(_Named, tag="workload-remove", frozen=True):
+    """Remove the workload (stopping it first, as runtime-v1's workload-remove does); only the caller's own."""
+
+
 ControlRequest = (SessionOpen | SessionClose | SessionList | Status | Probe
-                  | WorkloadList | WorkloadInspect | WorkloadLogs | WorkloadStop | Reload)
+                  | WorkloadList | WorkloadInspect | WorkloadLogs | WorkloadStop | WorkloadRemove | Reload)
 
 
 class ControlReply(Struct, omit_defaults=True, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -107,6 +119,7 @@ class ControlReply(Struct, omit_defaults=True, frozen=True, kw_only=True, forbid
     id: str
     ok: bool
     error: str | UnsetType = UNSET
+    error_code: str | UnsetType = UNSET  # as in the envelope: not_found, runtime_failed...; absent when refused
     result: Any = UNSET
 
 

@@ -38,6 +38,7 @@ from ._control import (
     WorkloadInspect,
     WorkloadList,
     WorkloadLogs,
+    WorkloadRemove,
     WorkloadStop,
     decode_control,
     encode_control,
@@ -46,6 +47,7 @@ from ._envelope import lenient_id
 from ._errors import ConfigError
 from ._health import BackendHealth
 from ._listener import InFlight, Peer, ServerState, is_admin
+from ._log_follow import followed_logs
 from ._logging import outcome_level
 from ._operations import Operations
 from ._ownership import reaches
@@ -131,7 +133,9 @@ class ControlHandler:
     def _failed(self, error: Exception, line: bytes | bytearray, peer: Peer, *, request: ControlRequest | None,
                 outcome: str, started: float) -> bytes:
         """The ok:false reply to `error`, accounted for; logs and the audit get its loggable text."""
-        reply = ControlReply(format=1, id=request.id if request else lenient_id(line), ok=False, error=str(error))
+        code = getattr(error, "error_code", None)  # a runtime failure's wire class, as the envelope carries it
+        reply = ControlReply(format=1, id=request.id if request else lenient_id(line), ok=False, error=str(error),
+                             error_code=code if isinstance(code, str) else UNSET)
         return self._answer(reply, peer, request=request, outcome=outcome, started=started,
                             logged_error=loggable(error))
 
@@ -172,13 +176,20 @@ class ControlHandler:
             case WorkloadInspect(name=name, host=host):
                 _, info = await self._operations.managed_workload(host, name, uid=peer.uid, action="workload-inspect")
                 return msgspec.to_builtins(info)
-            case WorkloadLogs(name=name, host=host, tail=tail):
+            case WorkloadLogs(name=name, host=host, tail=tail, follow=follow, offset=offset, wait_s=wait_s):
                 backend, _ = await self._operations.managed_workload(host, name, uid=peer.uid, action="workload-logs")
+                if follow:
+                    return await followed_logs(backend, name, tail=tail, offset=offset, wait_s=wait_s)
                 return {"output": await backend.workload_logs(name, tail=tail)}
             case WorkloadStop(name=name, host=host, timeout_s=timeout_s):
                 backend, _ = await self._operations.managed_workload(host, name, uid=peer.uid, action="workload-stop")
                 await backend.workload_stop(name, timeout_s=timeout_s)
                 return {"name": name, "stopped": True}
+            case WorkloadRemove(name=name, host=host):
+                backend, _ = await self._operations.managed_workload(host, name, uid=peer.uid,
+                                                                     action="workload-remove")
+                await backend.workload_remove(name)
+                return {"name": name, "removed": True}
             case Probe():
                 return await self._probe(request, peer)
             case Reload():

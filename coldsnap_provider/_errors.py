@@ -10,6 +10,9 @@ by the handlers); these are the rest::
     └── ClientError                the strict client's view of a failed exchange
         ├── ProtocolError          the reply broke the protocol (size, shape, identity)
         └── ReplyError             the provider answered ok:false (carries its error_code)
+            ├── NotFoundError      error_code not_found (another manager's workload reads the same)
+            ├── PathNotFoundError  error_code path_not_found
+            └── RuntimeFailedError error_code runtime_failed: the runtime was asked and failed
 """
 
 from __future__ import annotations
@@ -18,10 +21,14 @@ __all__ = (
     "ClientError",
     "ConfigError",
     "ControllerRefused",
+    "NotFoundError",
+    "PathNotFoundError",
     "PlacementError",
     "ProtocolError",
     "ProviderError",
     "ReplyError",
+    "RuntimeFailedError",
+    "reply_error",
 )
 
 
@@ -55,3 +62,24 @@ class ReplyError(ClientError):
     def __init__(self, message: str, *, code: str = "") -> None:
         super().__init__(message)
         self.code = code
+
+
+class NotFoundError(ReplyError):
+    """The image or workload named does not exist (or is another manager's)."""
+
+
+class PathNotFoundError(ReplyError):
+    """A path inside an existing workload does not exist."""
+
+
+class RuntimeFailedError(ReplyError):
+    """The runtime was asked and failed (an engine error, a non-zero exit, a refused operation)."""
+
+
+_BY_CODE: dict[str, type[ReplyError]] = {
+    "not_found": NotFoundError, "path_not_found": PathNotFoundError, "runtime_failed": RuntimeFailedError}
+
+
+def reply_error(message: str, code: str) -> ReplyError:
+    """The ReplyError subclass an ok:false reply's `error_code` names (ReplyError itself for a refusal)."""
+    return _BY_CODE.get(code, ReplyError)(message or "provider returned an unspecified failure", code=code)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -16,7 +17,7 @@ import anyio
 import pytest
 
 from tests.conftest import BUSYBOX_IMAGE, docker
-from tests.helpers import running_daemon
+from tests.helpers import ROOT, running_daemon
 
 CLI = [sys.executable, "-m", "coldsnap_provider"]
 
@@ -25,8 +26,9 @@ def cli(*args: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, check=False, **kwargs)  # type: ignore[call-overload]
 
 
-def test_version_prints_json() -> None:
-    result = cli("version")
+def test_version_prints_text_and_json() -> None:
+    assert cli("version").stdout == "coldsnap-provider 0.1.0\n"
+    result = cli("version", "-o", "json")
     assert result.returncode == 0 and json.loads(result.stdout) == {"version": "0.1.0"}
 
 
@@ -45,8 +47,9 @@ def test_check_config_names_unknown_keys_and_bad_types() -> None:
 
 def test_embedded_default_config_checks_clean() -> None:
     default = Path(__file__).resolve().parents[2] / "coldsnap_provider" / "default-config.toml"
-    result = cli("check-config", str(default))
+    result = cli("check-config", str(default), "-o", "json")
     assert result.returncode == 0 and json.loads(result.stdout)["config"]["server"]["max_connections"] == 512
+    assert cli("check-config", str(default)).stdout == f"{default}: valid; every file it names is readable\n"
 
 
 async def test_session_open_list_close_and_call() -> None:
@@ -54,7 +57,7 @@ async def test_session_open_list_close_and_call() -> None:
         state = str(daemon.state_dir)
         opened = await anyio.to_thread.run_sync(lambda: cli(
             "session", "open", "--state-dir", state, "--session", "op-cli", "--host", "localhost",
-            "--host", "node-b", "--label", "sparkrun.cluster_id=c", "--cluster-id", "c"))
+            "--host", "node-b", "--label", "sparkrun.cluster_id=c", "--cluster-id", "c", "-o", "json"))
         assert opened.returncode == 0, opened.stderr
         result = json.loads(opened.stdout)
         assert set(result) == {"session", "token", "socket", "environment"}
@@ -62,13 +65,17 @@ async def test_session_open_list_close_and_call() -> None:
                                          "COLDSNAP_HOST_PROVIDER_TOKEN": result["token"]}
         call = await anyio.to_thread.run_sync(lambda: cli(
             "call", "--socket", result["socket"], f"--token={result['token']}", "--session", "op-cli",
-            "exec", '{"host":"localhost","arguments":["echo","hi"]}'))
+            "exec", '{"host":"localhost","arguments":["echo","hi"]}', "-o", "json"))
         assert call.returncode == 0 and json.loads(call.stdout)["output"] == "aGkK"
-        listed = await anyio.to_thread.run_sync(lambda: cli("session", "list", "--state-dir", state))
+        listed = await anyio.to_thread.run_sync(lambda: cli("session", "list", "--state-dir", state, "-o", "json"))
         assert [s["session"] for s in json.loads(listed.stdout)] == ["op-cli"]
+        table = await anyio.to_thread.run_sync(lambda: cli("session", "ls", "--state-dir", state))
+        assert table.stdout.splitlines()[0].split() == ["SESSION", "HOSTS", "UID", "CLUSTER", "LABELS", "OPENED"]
+        assert re.fullmatch(r"op-cli +localhost,node-b +0 +c +sparkrun.cluster_id=c +(just now|\d s ago)",
+                            table.stdout.splitlines()[1])
         closed = await anyio.to_thread.run_sync(lambda: cli("session", "close", "--state-dir", state, "op-cli"))
-        assert closed.returncode == 0 and not Path(result["socket"]).exists()
-        status = await anyio.to_thread.run_sync(lambda: cli("status", "--state-dir", state))
+        assert closed.returncode == 0 and closed.stdout == "closed op-cli\n" and not Path(result["socket"]).exists()
+        status = await anyio.to_thread.run_sync(lambda: cli("status", "--state-dir", state, "-o", "json"))
         assert json.loads(status.stdout)["sessions"] == 0
 
 
@@ -79,8 +86,8 @@ async def test_run_serves_the_controller_and_returns_its_status() -> None:
     (work / "request.json").write_text(json.dumps(request))
     script = (
         'cat > stdin.json; env > env.txt; '
-        f'{sys.executable} -m coldsnap_provider call --socket "$COLDSNAP_HOST_PROVIDER_SOCKET" '
-        '--token "$COLDSNAP_HOST_PROVIDER_TOKEN" --session req-run capabilities > caps.json; exit 5'
+        f'(cd {ROOT} && {sys.executable} -m coldsnap_provider call --session req-run capabilities -o json) '
+        '> caps.json; exit 5'
     )
     async with running_daemon() as daemon:
         result = await anyio.to_thread.run_sync(lambda: cli(
@@ -137,7 +144,7 @@ def test_serve_without_configuration_uses_the_embedded_default(tmp_path: Path) -
     try:
         deadline = time.monotonic() + 20
         while True:
-            status = cli("status")
+            status = cli("status", "-o", "json")
             if status.returncode == 0:
                 break
             assert time.monotonic() < deadline and process.poll() is None, status.stderr
@@ -189,7 +196,7 @@ async def run_with(capabilities: object, *extra: str, exit_code: int = 0, script
     (work / "request.json").write_text(json.dumps({"id": "req-neg", "launch": {"units": [{"host": "localhost"}]}}))
     wrapper = controller(work, capabilities, exit_code=exit_code)
     async with running_daemon() as daemon:
-        listing = (f"{script}; {sys.executable} -m coldsnap_provider session list "
+        listing = (f"{script}; cd {ROOT} && {sys.executable} -m coldsnap_provider session list -o json "
                    f"--state-dir {daemon.state_dir} > {work}/sessions.json")
         result = await anyio.to_thread.run_sync(lambda: cli(
             "run", "--state-dir", str(daemon.state_dir), "--request", str(work / "request.json"), *extra,
@@ -265,16 +272,23 @@ async def test_readme_first_session_runs_as_written(tmp_path: Path) -> None:
     script = section.split("```sh\n", 1)[1].split("\n```", 1)[0]
     name = f"readme-hello-{os.getpid()}-{time.monotonic_ns()}"
     script = "\n".join(line for line in script.splitlines() if '"image-pull"' not in line)
+    script = "\n".join(line.replace(" hello", f" {name}") if line.startswith("csp workload") else line
+                       for line in script.splitlines())
     script = (script.replace(".venv/bin/coldsnap-provider", f"{sys.executable} -m coldsnap_provider")
-              .replace("busybox:1.36", BUSYBOX_IMAGE).replace('"hello"', f'"{name}"')
-              .replace("workload logs hello", f"workload logs {name}"))
+              .replace("busybox:1.36", BUSYBOX_IMAGE).replace('"hello"', f'"{name}"'))
     try:
         async with running_daemon() as daemon:
             result = await anyio.to_thread.run_sync(lambda: subprocess.run(
                 ["bash", "-e", "-o", "pipefail", "-c", script], cwd=tmp_path, capture_output=True, text=True,
-                env={**os.environ, "COLDSNAP_PROVIDER_STATE_DIR": str(daemon.state_dir)}, check=False))
+                env={**os.environ, "COLDSNAP_PROVIDER_STATE_DIR": str(daemon.state_dir), "PYTHONPATH": str(ROOT)},
+                check=False))
     finally:
         docker("rm", "-f", name, check=False)  # the block removes it itself unless it failed half-way
     assert result.returncode == 0, result.stderr
-    assert "hello from " in result.stdout and '"state": "exited"' in result.stdout
-    assert result.stdout.rstrip().endswith('{"session":"first-session","closed":true}')
+    lines = result.stdout.splitlines()
+    assert re.search(r"^healthy: +true$", result.stdout, re.M) and re.search(r"^Linux \S+$", result.stdout, re.M)
+    assert any(line.startswith("hello from ") for line in lines)
+    assert re.search(r"^state: +exited \(0\)$", result.stdout, re.M)
+    assert f"removed {name}" in lines and lines[-1] == "closed first-session"
+    assert (tmp_path / "session.token").stat().st_mode & 0o077 == 0
+    assert docker("inspect", name, check=False).returncode != 0  # `workload rm` removed it

@@ -155,7 +155,7 @@ def test_a_key_readable_by_root_only_fails_as_nobody_and_passes_once_nobody_owns
         "Permission denied"]
     os.chown(key, pwd.getpwnam("nobody").pw_uid, -1)
     assert cli("check-config", config, "--as-user", "nobody").returncode == 0
-    assert json.loads(cli("check-config", config, "--as-user", "65534").stdout)["ok"] is True
+    assert json.loads(cli("check-config", config, "--as-user", "65534", "-o", "json").stdout)["ok"] is True
 
 
 def test_check_config_as_an_unknown_user_names_it(work: Path) -> None:

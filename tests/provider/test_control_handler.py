@@ -79,10 +79,10 @@ async def test_workload_verbs_reach_only_the_callers_workloads_across_sessions(b
                                        "--state-dir", str(daemon.state_dir)], capture_output=True, cwd=ROOT,
                                       check=False, timeout=60)
 
-            listed_cli = cli("list")
+            listed_cli = cli("list", "-o", "json")
             assert listed_cli.returncode == 0 and {mine, theirs} <= {w["name"] for w in json.loads(listed_cli.stdout)}
             assert cli("logs", mine).stdout == b"hello-root\n"
-            assert json.loads(cli("inspect", mine).stdout)["running"] is True
+            assert json.loads(cli("inspect", mine, "-o", "json").stdout)["running"] is True
             missing = cli("inspect", f"wl-absent-{suffix}")
             assert missing.returncode == 1 and b"no such workload" in missing.stderr
         finally:

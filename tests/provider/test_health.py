@@ -27,7 +27,7 @@ GRAFANA = ROOT / "packaging" / "grafana"
 
 
 def _status(state_dir: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CLI, "status", "--state-dir", str(state_dir)], capture_output=True, text=True,
+    return subprocess.run([*CLI, "status", "--state-dir", str(state_dir), "-o", "json"], capture_output=True, text=True,
                           check=False)
 
 

@@ -110,11 +110,11 @@ def test_the_wheel_carries_the_units_and_install_units_installs_a_tree_systemd_a
     assert version.returncode == 0 and version.stdout == f"coldsnap-provider {__version__}\n", version
 
     root = tmp_path / "root"
-    dry = subprocess.run([str(entry_point), "install-units", "--prefix", str(root), "--dry-run"],
+    dry = subprocess.run([str(entry_point), "install-units", "--prefix", str(root), "--dry-run", "-o", "json"],
                          capture_output=True, text=True, check=False, cwd=tmp_path)
     assert dry.returncode == 0, dry.stderr
     assert not root.exists()
-    done = subprocess.run([str(entry_point), "install-units", "--prefix", str(root)],
+    done = subprocess.run([str(entry_point), "install-units", "--prefix", str(root), "-o", "json"],
                           capture_output=True, text=True, check=False, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
@@ -147,7 +147,7 @@ def test_install_units_keeps_an_existing_configuration_and_refuses_an_unusable_p
     config.write_text("# the admin's own\n")
     program = shutil.which("true")
     assert program
-    result = cli("install-units", "--prefix", str(tmp_path), "--exec", program)
+    result = cli("install-units", "--prefix", str(tmp_path), "--exec", program, "-o", "json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["kept"] == [str(config)]
     assert config.read_text() == "# the admin's own\n"

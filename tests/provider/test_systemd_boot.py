@@ -139,7 +139,7 @@ def test_stop_then_start_keeps_the_control_socket_and_the_sessions(booted: str) 
         stopped = _in(booted, "systemctl stop coldsnap-provider.service; systemctl is-active coldsnap-provider.service")
         assert stopped.stdout.strip() == "inactive", stopped
         began = time.monotonic()
-        started = _in(booted, f"systemctl start coldsnap-provider.service && {csp} session list")
+        started = _in(booted, f"systemctl start coldsnap-provider.service && {csp} session list -o json")
         took = time.monotonic() - began
         assert started.returncode == 0, started.stderr + _in(booted, "ls -la /run/coldsnap-provider").stdout
         assert [s["session"] for s in json.loads(started.stdout)] == ["kept"]
@@ -154,6 +154,6 @@ def test_stop_then_start_keeps_the_control_socket_and_the_sessions(booted: str) 
     upgraded = _in(booted, f"""set -e
         cd / && PYTHONPATH={ROOT} {sys.executable} -m coldsnap_provider install-units --prefix /stage --exec {program}
         cp /stage/etc/systemd/system/* /etc/systemd/system/
-        systemctl daemon-reload && systemctl restart coldsnap-provider.service && {csp} session list""")
+        systemctl daemon-reload && systemctl restart coldsnap-provider.service && {csp} session list -o json""")
     assert upgraded.returncode == 0, upgraded.stderr
     assert [s["session"] for s in json.loads(upgraded.stdout.splitlines()[-1])] == ["kept"]
