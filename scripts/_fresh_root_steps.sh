@@ -14,8 +14,8 @@ step() {  # step NAME COMMAND...: run it, report its time
     say "step $name: passed in $(( $(date +%s) - start ))s"
 }
 
-# The README's "First session" block, as tests/provider/test_cli.py runs it: the Docker Hub pull is dropped, the
-# image is a local one and the workload's name is unique (one dockerd is shared with the host).
+# The README's "First session" block, as tests/provider/test_cli.py runs it (and checks its output): the Docker Hub
+# pull is dropped, the image is a local one and the workload's name is unique (one dockerd is shared with the host).
 first_session() {
     local name="fresh-root-hello-$$" daemon log=/tmp/serve.log out=/tmp/first-session.out i
     say "apt-get install jq (the README's first session reads its replies with jq)"
@@ -34,13 +34,14 @@ image, name = sys.argv[1], sys.argv[2]
 section = open("README.md").read().split("\n## First session\n", 1)[1]
 block = section.split("```sh\n", 1)[1].split("\n```", 1)[0]
 block = "\n".join(line for line in block.splitlines() if '"image-pull"' not in line)
-print(block.replace("busybox:1.36", image).replace('"hello"', f'"{name}"')
-      .replace("workload logs hello", f"workload logs {name}"))
+block = "\n".join(line.replace(" hello", f" {name}") if line.startswith("csp workload") else line
+                  for line in block.splitlines())
+print(block.replace("busybox:1.36", image).replace('"hello"', f'"{name}"'))
 EOF
     if ! bash -e -o pipefail /tmp/first-session.sh > "$out" 2>&1; then
         cat "$out" >&2; tail -30 "$log" >&2; kill -TERM "$daemon"; say "the README's first session failed"; return 1
     fi
-    grep -q "hello from " "$out" && tail -1 "$out" | grep -qF '{"session":"first-session","closed":true}' \
+    grep -q "^hello from " "$out" && grep -qx "removed $name" "$out" && [ "$(tail -1 "$out")" = "closed first-session" ] \
         || { cat "$out" >&2; kill -TERM "$daemon"; say "the first session's output is not the README's"; return 1; }
     rm -f session.json
     kill -TERM "$daemon"
