@@ -153,6 +153,16 @@ async def remove_units(d: Driver, mode: str, result: dict[str, Any]) -> None:
         print(f"[{mode}] units left after the path: {', '.join(left)}", flush=True)
 
 
+def progress(out: str, mode: str, result: dict[str, Any]) -> None:
+    """The path's restores so far (`restores-<mode>.json`, for bench/restore_tail.py): a long run cut short by its
+    time limit keeps every restore it finished."""
+    capture = result.get("capture") or {}
+    Path(out, f"restores-{mode}.json").write_text(json.dumps({
+        "mode": mode, "cold": result.get("cold"), "capture_phases": result.get("capture_phases"),
+        "event_loops": capture.get("event_loops") if isinstance(capture, dict) else None,
+        "restores": result["restores"]}, indent=1, default=str))
+
+
 async def run_mode(d: Driver, args: argparse.Namespace, mode: str, image: str) -> dict[str, Any]:
     work = Path(args.work) / mode
     shutil.rmtree(work, ignore_errors=True)
@@ -170,6 +180,7 @@ async def run_mode(d: Driver, args: argparse.Namespace, mode: str, image: str) -
             restored["identical"] = restored["text"] == result["cold"]["text"]
             result["restores"].append(restored)
             print(f"[{mode}] restore {attempt + 1}: {restore_summary(restored)}", flush=True)
+            progress(args.out, mode, result)
         result["capture_id"] = capture_id
         result["ok"] = bool(result["restores"]) and all(r["identical"] for r in result["restores"])
     except (E2EError, ClientError, OSError, ValueError, KeyError, TimeoutError) as exc:
