@@ -28,7 +28,7 @@ from tests.provider.test_systemd_boot import SYSTEMD, _binds, _capabilities, _in
 IMAGE = "coldsnap-test/systemd-deb:1"
 LINTIAN_CACHE = Path("/var/cache/coldsnap-deb/lintian")
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not SYSTEMD.exists() or not shutil.which("docker"),
-                                reason="builds a .deb and boots systemd in a container: needs root, docker, dpkg-dev")
+                                reason="builds a .deb and boots systemd in a container: needs root, docker and systemd")
 # An overlay makes the bound /usr writable (the writes land in a tmpfs), then the same boot as test_systemd_boot.py.
 _BOOT = ("mkdir -p /overlay/upper /overlay/work && mount -t overlay overlay "
          "-o lowerdir=/usr,upperdir=/overlay/upper,workdir=/overlay/work /usr && "

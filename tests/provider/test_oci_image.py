@@ -24,7 +24,7 @@ from tests.conftest import BUSYBOX_IMAGE, Registry, docker
 from tests.helpers import ROOT, Session
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("docker"),
-                                reason="builds the image from the .deb: needs root, docker and dpkg-dev")
+                                reason="builds the image from the .deb: needs root and docker")
 
 
 def _control(runtime_dir: Path, request: dict[str, object]) -> dict[str, object]:
