@@ -4,7 +4,7 @@
 The shim is loaded with ctypes, not imported: it is a plain shared object that happens to be
 built as an extension so `pip install .` compiles it. NCCL is never linked.
 
-The systemd units, the sysusers.d and tmpfiles.d snippets and the documentation the unit names stay where
+The systemd units, the sysusers.d and tmpfiles.d snippets and the documentation the unit names, the LICENSE and the Kubernetes manifests stay where
 they are in the repository (`systemd/`, `README.md`, `docs/`): the build copies them into the wheel as
 `coldsnap_provider/_system/`, which `coldsnap-provider install-units` installs onto a machine.
 """
@@ -21,7 +21,11 @@ SYSTEM_FILES = [
     *((f"systemd/{p.name}", f"systemd/{p.name}") for p in sorted((HERE / "systemd").glob("coldsnap-provider.*"))),
     ("README.md", "doc/README.md"),
     ("CHANGELOG.md", "doc/CHANGELOG.md"),
+    ("LICENSE", "doc/LICENSE"),
     *((f"docs/{p.name}", f"doc/docs/{p.name}") for p in sorted((HERE / "docs").glob("*.md"))),
+    # The namespace and RBAC manifests for [[kubernetes]] hosts (docs/kubernetes.md).
+    *((f"packaging/kubernetes/{p.name}", f"doc/kubernetes/{p.name}")
+      for p in sorted((HERE / "packaging" / "kubernetes").glob("*.yaml"))),
 ]
 
 

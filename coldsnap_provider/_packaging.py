@@ -79,8 +79,9 @@ def _shipped_files() -> dict[str, bytes]:
         return files
     root = Path(__file__).resolve().parent.parent
     sources = {f"systemd/{p.name}": p for p in (root / "systemd").glob("coldsnap-provider.*")}
-    sources |= {f"doc/{name}": root / name for name in ("README.md", "CHANGELOG.md")}
+    sources |= {f"doc/{name}": root / name for name in ("README.md", "CHANGELOG.md", "LICENSE")}
     sources |= {f"doc/docs/{p.name}": p for p in (root / "docs").glob("*.md")}
+    sources |= {f"doc/kubernetes/{p.name}": p for p in (root / "packaging" / "kubernetes").glob("*.yaml")}
     if "systemd/coldsnap-provider.service" not in sources:
         raise ConfigError(f"no system files: neither an installed coldsnap_provider/_system nor {root}/systemd")
     return {name: path.read_bytes() for name, path in sources.items()}

@@ -10,8 +10,8 @@ import pytest
 
 from tests.helpers import ROOT
 
-DOCS = ("README.md", "docs/architecture.md", "docs/conformance.md", "docs/threat-model.md", "bench/README.md",
-        "bench/HISTORY.md")
+DOCS = ("README.md", "docs/architecture.md", "docs/conformance.md", "docs/threat-model.md", "docs/install.md",
+        "bench/README.md", "bench/HISTORY.md")
 _LINK = re.compile(r"\]\((?!https?://)(?P<path>[^)#\s]*)(?:#(?P<anchor>[^)\s]+))?\)")
 _HEADING = re.compile(r"^#+ (.*)$", re.M)
 

@@ -30,6 +30,8 @@ INSTALLED = {
     "usr/share/doc/coldsnap-provider/CHANGELOG.md",
     "usr/share/doc/coldsnap-provider/docs/systemd.md",
     "usr/share/doc/coldsnap-provider/docs/upgrade.md",
+    "usr/share/doc/coldsnap-provider/LICENSE",
+    "usr/share/doc/coldsnap-provider/kubernetes/rbac.yaml",
     "etc/coldsnap-provider/config.toml",
 }
 
@@ -52,8 +54,10 @@ def _build_inputs() -> list[Path]:
     """What `pip wheel .` reads: the project files, the system files it copies in, and the packages."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     tops = sorted({name.split(".")[0] for name in project["tool"]["setuptools"]["packages"]})
-    paths = [ROOT / name for name in ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "CHANGELOG.md")]
+    paths = [ROOT / name for name in ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "CHANGELOG.md",
+                                      "LICENSE")]
     paths += sorted(p for p in (ROOT / "systemd").iterdir() if p.is_file()) + sorted((ROOT / "docs").glob("*.md"))
+    paths += sorted((ROOT / "packaging" / "kubernetes").glob("*.yaml"))
     for top in tops:
         paths += sorted(p for p in (ROOT / top).rglob("*") if p.is_file() and "__pycache__" not in p.parts
                         and p.suffix not in (".so", ".pyc"))
@@ -99,6 +103,10 @@ def test_the_wheel_carries_the_units_and_install_units_installs_a_tree_systemd_a
     for name in (*UNITS, "coldsnap-provider.sysusers.conf", "coldsnap-provider.tmpfiles.conf"):
         assert f"coldsnap_provider/_system/systemd/{name}" in names, sorted(names)
     assert "coldsnap_provider/_system/doc/docs/upgrade.md" in names
+    # The license text twice: in the metadata (setuptools' license_files) and among the installed docs.
+    licenses = [n for n in names if n.endswith("/LICENSE")]
+    assert {n.split("/")[0].endswith(".dist-info") for n in licenses} == {True, False}, licenses
+    assert zipfile.ZipFile(wheel).read("coldsnap_provider/_system/doc/LICENSE") == (ROOT / "LICENSE").read_bytes()
 
     entry_point = _fresh_venv(tmp_path / "venv", wheel)
     python = str(entry_point.parent / "python")
