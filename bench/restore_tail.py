@@ -76,7 +76,7 @@ def plot(mode: str, rows: list[dict[str, Any]], png: Path) -> None:
     cdf.set(title=f"{mode}: Docker-to-first-token, {len(firsts)} restores", xlabel="seconds",
             ylabel="fraction of restores")
     names = [k for k in spread if k != HEADLINE and spread[k]]
-    phase.boxplot([spread[k] for k in names], vert=False, whis=(0, 100))
+    phase.boxplot([spread[k] for k in names], orientation="horizontal", whis=(0, 100))
     phase.set_yticks(range(1, len(names) + 1), [k.removesuffix("_s").replace("_", " ") for k in names])
     phase.set(title="each phase (whiskers: min and max)", xlabel="seconds")
     figure.tight_layout()
