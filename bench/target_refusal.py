@@ -4,7 +4,7 @@
 
 Captures one target with the worker (a CPU process, n580; with `--cuda` a process holding 256 MiB of device memory
 through PyTorch, n610), then restores it `--repeat` times per row, the rows taking turns. Each row is one fact the
-target lacks (the capsule image, told in the environment as the provider tells it; the kernel, rewritten in
+target lacks (the capsule image's layers, told in the environment as the provider tells them; the kernel, rewritten in
 `capture.json` as another node would have recorded it; with `--cuda` also the GPU model and the device count).
 Columns: the worker's `checked_seconds` (from the restore's start to the refusal), the worker process's wall time
 (its interpreter start included), and whether anything ran (CRIU's restore log). The last row is the same images
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench._common import table
 
-IMAGE, OTHER_IMAGE = "sha256:" + "c" * 64, "sha256:" + "d" * 64
+IMAGE, OTHER_IMAGE = "sha256:" + "c" * 64, "sha256:" + "d" * 64  # one-layer images' layers
 CPU_TARGET = "import sys, time; b = bytearray(64 << 20); open(sys.argv[1], 'w').write('ready'); time.sleep(600)"
 CUDA_TARGET = ("import sys, time, torch; x = torch.ones(64 << 20, device='cuda'); torch.cuda.synchronize(); "
                "open(sys.argv[1], 'w').write('ready'); time.sleep(600)")
@@ -39,7 +39,7 @@ CUDA_TARGET = ("import sys, time, torch; x = torch.ones(64 << 20, device='cuda')
 def worker(*args: str, image: str) -> tuple[subprocess.CompletedProcess[str], float]:
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "coldsnap_probe", *args], cwd=ROOT, capture_output=True, text=True,
-                          check=False, timeout=300, env={**os.environ, "COLDSNAP_CAPSULE_IMAGE": image})
+                          check=False, timeout=300, env={**os.environ, "COLDSNAP_CAPSULE_LAYERS": image})
     return done, time.perf_counter() - started
 
 

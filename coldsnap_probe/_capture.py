@@ -9,8 +9,9 @@ ranks' barriers.
 
 The rollback, in this order, whatever phase failed: abort the activation for every rank (peers first), let a
 stopped dumped tree run again, restore and unlock what was checkpointed and locked (reverse order), give back
-what each memory source released, in registry order (the weights hydrated back, then the device memory hydrated
-back and its dump removed), recreate the communicators the quiesce destroyed, keep CRIU's log beside the images.
+what each memory source released, in reverse registry order (the device memory hydrated back and its dump
+removed, which opens the interposer's gate, then the weights hydrated back), recreate the communicators the
+quiesce destroyed, keep CRIU's log beside the images.
 """
 
 from __future__ import annotations

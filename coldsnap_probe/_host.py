@@ -19,12 +19,13 @@ from typing import Any
 from ._nvidia_procfs import KernelGpu, kernel_gpu
 from ._process import criu_environment
 
-__all__ = ("CAPSULE_IMAGE_ENV", "DEVICE_SELECTOR_ENV", "GPU_FACTS", "boot_id", "capsule_facts", "criu_identity",
+__all__ = ("CAPSULE_LAYERS_ENV", "DEVICE_SELECTOR_ENV", "GPU_FACTS", "boot_id", "capsule_facts", "criu_identity",
            "gpu_identity", "host_identity", "nvml_identity", "procfs_identity", "system_identity")
 
 DEVICE_SELECTOR_ENV = "COLDSNAP_PROBE_NVML_DEVICE"  # an NVML index or a GPU-/MIG- UUID; default "0"
-# The capsule image's ID, which the provider puts in every workload's environment (a container cannot read it).
-CAPSULE_IMAGE_ENV = "COLDSNAP_CAPSULE_IMAGE"
+# The capsule image's layers (diff IDs, bottom first, comma-separated), which the provider puts in every
+# workload's environment (a container cannot read them).
+CAPSULE_LAYERS_ENV = "COLDSNAP_CAPSULE_LAYERS"
 # What `gpu_identity` gives, from one source or the other.
 GPU_FACTS = frozenset({"driver_version", "gpu_uuid", "gpu_name", "compute_capability", "gpu_memory_bytes",
                        "nvml_error", "gpu_identity_source", "procfs_unused"})
@@ -131,13 +132,13 @@ def _cuda_driver_api() -> int | None:
 
 def capsule_facts() -> dict[str, Any]:
     """What the capsule sees besides the host: the GPUs visible to it (their device nodes), the driver's CUDA API
-    version and the capsule image (the provider's environment variable; None outside a provider's workload)."""
+    version and the image's layers (the provider's environment variable; None outside a provider's workload)."""
     try:
         devices = sum(1 for name in os.listdir("/dev") if _GPU_DEVICE_NODE.fullmatch(name))
     except OSError:
         devices = 0
     return {"gpu_devices": devices, "cuda_driver_api": _cuda_driver_api(),
-            "capsule_image": os.environ.get(CAPSULE_IMAGE_ENV) or None}
+            "image_layers": [layer for layer in os.environ.get(CAPSULE_LAYERS_ENV, "").split(",") if layer] or None}
 
 
 def host_identity(criu: str | None = None) -> dict[str, Any]:

@@ -10,8 +10,11 @@ not the first), each with a stable reason code and both values:
                               kernel's features may change across minor releases)
     criu-unusable             this capsule's CRIU does not run
     criu-mismatch             another CRIU version (or patch) than the one that dumped the images
-    capsule-image-mismatch    another capsule image than the captured one (the provider names it in every
-                              workload's environment, `CAPSULE_IMAGE_ENV`); not compared where either is unknown
+    capsule-image-mismatch    the capsule image is not built on the image the capture ran in: the captured
+                              image's layers are not the first layers of this one (the upstream flow captures in
+                              the base image and restores in a capsule image built FROM it; the provider names
+                              every workload's layers, `CAPSULE_LAYERS_ENV`); not compared where either is unknown
+    record-invalid            the record's identity is not of the shape a capture writes
     driver-unknown            initialized CUDA state, and the driver version here or in the record is unknown
     driver-older              the NVIDIA driver is older than the captured one (a newer one restores: upgraded)
     cuda-older                the driver's CUDA API version is older than the captured one
@@ -20,6 +23,7 @@ not the first), each with a stable reason code and both values:
     device-count-mismatch     another number of GPUs visible to the capsule than the captured process saw
 
 A pre-CUDA template (n580) holds no CUDA state: only the architecture, kernel, CRIU and capsule image are compared.
+The capsule image is a safety check, not a boundary: a manager controls its own capsule's environment.
 """
 
 from __future__ import annotations
@@ -52,6 +56,9 @@ def check_target(captured: dict[str, Any], current: dict[str, Any], boundary: st
 
     `captured` is the capture's `identity`, `current` this host's (`host_identity`), both in one vocabulary
     (`comparable`)."""
+    if shape := _misshapen(captured):
+        raise TargetRefused([Mismatch("record-invalid", "identity", shape, "an identity as a capture writes it")
+                             .to_json()])
     found = [*_system(captured, current), *_criu(captured.get("criu") or {}, current.get("criu") or {})]
     if boundary != "n580":
         found += _gpu(captured, current)
@@ -70,8 +77,36 @@ def _system(captured: dict[str, Any], current: dict[str, Any]) -> list[Mismatch]
     was, now = _major_minor(captured.get("kernel")), _major_minor(current.get("kernel"))
     if was is not None and was != now:
         found.append(Mismatch("kernel-mismatch", "kernel", captured.get("kernel"), current.get("kernel")))
-    found += _known_differ("capsule-image-mismatch", "capsule_image", captured, current)
+    was_layers, now_layers = captured.get("image_layers"), current.get("image_layers")
+    if was_layers and now_layers and now_layers[:len(was_layers)] != was_layers:
+        found.append(Mismatch("capsule-image-mismatch", "image_layers", _layers_text(was_layers),
+                              _layers_text(now_layers)))
     return found
+
+
+def _layers_text(layers: list[str]) -> str:
+    return f"{len(layers)} layers, the top {layers[-1]}"
+
+
+_SHAPES: dict[str, tuple[type, ...]] = {
+    "architecture": (str,), "kernel": (str,), "criu": (dict,), "driver_version": (str,), "gpu_name": (str,),
+    "gpu_memory_bytes": (int,), "cuda_driver_api": (int,), "gpu_devices": (int,), "image_layers": (list,),
+    "procfs": (dict,)}
+
+
+def _misshapen(captured: Any) -> str:
+    """'' when `captured` has the shape a capture writes (a fact may be absent or null), else what is wrong: a
+    record the manager's capsule wrote is refused by name, never crashes the check."""
+    if not isinstance(captured, dict):
+        return f"the identity is {type(captured).__name__}, not an object"
+    for fact, types in _SHAPES.items():
+        value = captured.get(fact)
+        if value is not None and (not isinstance(value, types) or isinstance(value, bool)):
+            return f"{fact} is {type(value).__name__}, not {types[0].__name__}"
+    layers = captured.get("image_layers")
+    if layers is not None and not all(isinstance(layer, str) for layer in layers):
+        return "image_layers holds a value that is not a string"
+    return ""
 
 
 def _criu(captured: dict[str, Any], current: dict[str, Any]) -> list[Mismatch]:
@@ -117,8 +152,8 @@ def comparable(captured: dict[str, Any], current: dict[str, Any],
     NVML's ~0.1 s). procfs against a recorded procfs compares like with like, a match or a mismatch alike. Against
     an older capture without it, procfs only confirms an exact match, and anything else is NVML's verdict (a GPU
     whose procfs model were written unlike NVML's name is then not refused for it)."""
-    if boundary == "n580" or current.get("gpu_identity_source") != "procfs":
-        return captured, current
+    if not isinstance(captured, dict) or boundary == "n580" or current.get("gpu_identity_source") != "procfs":
+        return captured, current  # (a record of another shape is refused by `check_target`, naming it)
     if isinstance(recorded := captured.get("procfs"), dict):
         return {**captured, **recorded}, current
     if all(captured.get(key) == current.get(key) for key in ("driver_version", "gpu_name")):

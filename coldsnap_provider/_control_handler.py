@@ -47,7 +47,7 @@ from ._envelope import lenient_id
 from ._errors import ConfigError
 from ._health import BackendHealth
 from ._listener import InFlight, Peer, ServerState, is_admin
-from ._log_follow import followed_logs
+from ._log_follow import Followers, followed_logs
 from ._logging import outcome_level
 from ._operations import Operations
 from ._ownership import reaches
@@ -91,6 +91,7 @@ class ControlHandler:
         self._backend = backend
         self._state = state
         self._started = time.monotonic()
+        self._followers = Followers()
 
     def admit(self, peer: Peer) -> bytes | None:
         server = self._server
@@ -177,9 +178,12 @@ class ControlHandler:
                 _, info = await self._operations.managed_workload(host, name, uid=peer.uid, action="workload-inspect")
                 return msgspec.to_builtins(info)
             case WorkloadLogs(name=name, host=host, tail=tail, follow=follow, offset=offset, wait_s=wait_s):
-                backend, _ = await self._operations.managed_workload(host, name, uid=peer.uid, action="workload-logs")
+                backend, info = await self._operations.managed_workload(host, name, uid=peer.uid,
+                                                                        action="workload-logs")
                 if follow:
-                    return await followed_logs(backend, name, tail=tail, offset=offset, wait_s=wait_s)
+                    async with self._followers.hold(peer.uid):
+                        return await followed_logs(backend, name, workload_id=info.id, tail=tail, offset=offset,
+                                                   wait_s=wait_s)
                 return {"output": await backend.workload_logs(name, tail=tail)}
             case WorkloadStop(name=name, host=host, timeout_s=timeout_s):
                 backend, _ = await self._operations.managed_workload(host, name, uid=peer.uid, action="workload-stop")

@@ -12,8 +12,10 @@ A source is one module with one `MemorySource`:
   `hydrate(report)` brings the memory back once the tree runs, `discard()` frees what was staged after a failure.
 
 The order is the registry's, and it is part of the contract:
-- capture releases in registry order, and a failed capture rolls back in registry order too (the weights are
-  hydrated back before the device memory, and its dump removed);
+- capture releases in registry order, and a failed capture rolls back in reverse registry order: the memory
+  released last is given back first (the interposer's device memory, and with it the gate that holds the
+  engine's CUDA copies, comes back before the engine is asked to hydrate its weights back, which needs those
+  copies);
 - restore loads, stages and discards in registry order, and hydrates in reverse registry order: the memory
   released last is hydrated first (the interposer's device memory, whose gate holds the engine's CUDA calls,
   comes back before the engine is asked to hydrate its weights).
@@ -41,7 +43,7 @@ SOURCES: tuple[MemorySource, ...] = (WeightsSource(), DeviceDumpSource())
 
 
 class MemoryCaptures:
-    """A capture's sources: released in registry order; what was begun is rolled back in registry order."""
+    """A capture's sources: released in registry order; what was begun is rolled back in reverse order."""
 
     def __init__(self, scope: CaptureScope, sources: tuple[MemorySource, ...] = SOURCES) -> None:
         self.scope, self.sources = scope, sources
@@ -54,7 +56,7 @@ class MemoryCaptures:
             begun.release(report)
 
     def roll_back(self) -> None:
-        for begun in self.begun:
+        for begun in reversed(self.begun):  # the last released first: its gate may hold the others' copies
             with contextlib.suppress(ProbeError):  # one source's failure never keeps the next one's memory away
                 begun.roll_back()
 

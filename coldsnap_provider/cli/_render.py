@@ -42,9 +42,15 @@ def emit(output: str, value: Any, text: Callable[[], str]) -> None:
     sys.stdout.flush()
 
 
+def _printable(text: str) -> str:
+    """`text` with every character a terminal would act on escaped (`\\x1b`, `\\u202e`, ...): tables and fields show
+    what other managers chose (labels, names, hosts), which must never move an admin's cursor or clipboard."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
     """Columns padded to their widest cell (the last one left ragged); "(none)" for no rows."""
-    cells = [[str(cell) for cell in row] for row in rows]
+    cells = [[_printable(str(cell)) for cell in row] for row in rows]
     if not cells:
         return "(none)"
     widths = [max(len(h), *(len(row[i]) for row in cells)) for i, h in enumerate(headers)]
@@ -71,7 +77,7 @@ def _flat(value: Any, prefix: str = "") -> Iterable[tuple[str, str]]:
 
 def fields_text(value: Any) -> str:
     """A mapping as aligned `key: value` lines; nested keys dotted (`budgets.used`), lists comma-joined."""
-    pairs = list(_flat(msgspec.to_builtins(value)))
+    pairs = [(_printable(key), _printable(text)) for key, text in _flat(msgspec.to_builtins(value))]
     width = max((len(key) for key, _ in pairs), default=0)
     return "\n".join(f"{key + ':':<{width + 1}} {text}" for key, text in pairs)
 

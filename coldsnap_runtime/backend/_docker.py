@@ -201,17 +201,17 @@ class DockerBackend:
                              capabilities=capabilities)
 
     async def _create(self, spec: WorkloadSpec, capabilities: tuple[str, ...] | None,
-                      image_id: str) -> aiodocker.containers.DockerContainer:
+                      layers: list[str]) -> aiodocker.containers.DockerContainer:
         if self._host_policy.gpus.exclusive and gpu_routes(spec, capabilities):
             async with self._gpu_lock:  # two creates for one GPU: the second sees the first's container
-                return await self._create_now(spec, exclusive=True, capabilities=capabilities, image_id=image_id)
-        return await self._create_now(spec, exclusive=False, capabilities=capabilities, image_id=image_id)
+                return await self._create_now(spec, exclusive=True, capabilities=capabilities, layers=layers)
+        return await self._create_now(spec, exclusive=False, capabilities=capabilities, layers=layers)
 
     async def _create_now(self, spec: WorkloadSpec, *, exclusive: bool, capabilities: tuple[str, ...] | None,
-                          image_id: str) -> aiodocker.containers.DockerContainer:
+                          layers: list[str]) -> aiodocker.containers.DockerContainer:
         realised = await self._realise(spec, exclusive=exclusive, capabilities=capabilities)
         config = container_config(spec, gpus=realised.gpus, privilege=realised.privilege,
-                                  confined=capabilities is not None, image_id=image_id)
+                                  confined=capabilities is not None, image_layers=layers)
         # What it holds is the backend's to say: a manager's own label of that name is dropped.
         config["Labels"] = {k: v for k, v in config["Labels"].items() if k != HELD_GPUS_LABEL}
         if realised.held:
@@ -238,8 +238,8 @@ class DockerBackend:
         if spec.name and not valid_workload_name(spec.name):
             raise RuntimeFailed(action="workload-run", detail=(
                 f"invalid workload name {spec.name!r}: a name matches [a-zA-Z0-9][a-zA-Z0-9_.-]+"))
-        image_id = await self._images.ensure(spec.image, spec.pull_policy, allow_pull=allow_pull)
-        container = await self._create(spec, capabilities, image_id)
+        layers = await self._images.ensure(spec.image, spec.pull_policy, allow_pull=allow_pull)
+        container = await self._create(spec, capabilities, layers)
         cid = container.id
         try:
             if spec.detached:

@@ -184,9 +184,9 @@ class Images:
             await self._engine.docker.images.delete(image, force=False, noprune=True)
         await self.ledger.update("image-remove", drop=image)
 
-    async def ensure(self, image: str, policy: str, *, allow_pull: bool) -> str:
+    async def ensure(self, image: str, policy: str, *, allow_pull: bool) -> list[str]:
         """workload-run's `pull_policy` for `image` (pulling needs `allow_pull`, the oci-pull capability); the
-        image's ID, which the workload is told (`CAPSULE_IMAGE_ENV`)."""
+        image's layers (diff IDs, bottom first), which the workload is told (`CAPSULE_LAYERS_ENV`)."""
         if policy == "always":
             if not allow_pull:
                 raise RuntimeFailed(action="workload-run",
@@ -194,12 +194,12 @@ class Images:
             await self.pull(image)
         else:
             try:
-                return str((await self.exact(image, "workload-run"))["Id"])
+                return _layers(await self.exact(image, "workload-run"))
             except NotFound:
                 if policy == "never" or not allow_pull or parse_reference(image) is None:
                     raise
                 await self.pull(image)
-        return str((await self.exact(image, "workload-run"))["Id"])
+        return _layers(await self.exact(image, "workload-run"))
 
     # --- build -----------------------------------------------------------------------
 
@@ -273,3 +273,8 @@ def _build_registries(build: ImageBuild) -> set[str]:
     images = [*base_images(text, dict(build.arguments)),
               *(name for name in re.findall(r"--from=(\S+)", text) if "/" in name or ":" in name)]
     return {ref.registry for image in images if (ref := parse_reference(image)) is not None}
+
+
+def _layers(info: dict[str, Any]) -> list[str]:
+    """An image's layer diff IDs, bottom first (content digests: the same on every node and image store)."""
+    return [str(layer) for layer in (info.get("RootFS") or {}).get("Layers") or []]

@@ -17,7 +17,7 @@ from ._confine import confine
 
 __all__ = (
     "CAPABILITIES",
-    "CAPSULE_IMAGE_ENV",
+    "CAPSULE_LAYERS_ENV",
     "MANAGED_LABEL",
     "GpuAccess",
     "ImageRef",
@@ -34,9 +34,10 @@ __all__ = (
 
 # Marks containers this provider created: only those are inspected, exec'd or removed by name.
 MANAGED_LABEL = "io.coldsnap-provider.managed"
-# Every workload is told its image's ID (a container cannot read it): a restore refuses images dumped in another
-# capsule image before any work (the probe's `_host.CAPSULE_IMAGE_ENV`, the same name).
-CAPSULE_IMAGE_ENV = "COLDSNAP_CAPSULE_IMAGE"
+# Every workload is told its image's layers (a container cannot read them): a restore refuses, before any work,
+# images dumped in an image its capsule is not built on (the probe's `_host.CAPSULE_LAYERS_ENV`, the same name).
+# A safety check, not a boundary: a manager controls its own capsule's entrypoint and environment.
+CAPSULE_LAYERS_ENV = "COLDSNAP_CAPSULE_LAYERS"
 
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")  # always fullmatch: `$` would accept a final "\n"
 _DEFAULT_REGISTRY = "docker.io"
@@ -189,13 +190,14 @@ def _realise_privilege(host: dict[str, Any], grant: PrivilegeGrant) -> None:
 
 def container_config(spec: WorkloadSpec, *, gpus: GpuAccess | None = None,
                      privilege: PrivilegeGrant | None = None, confined: bool = False,
-                     image_id: str = "") -> dict[str, Any]:
+                     image_layers: list[str] | None = None) -> dict[str, Any]:
     """The Engine API create body realising every WorkloadSpec field (or failing loudly).
 
     `gpus` and `privilege` carry what the host decided (``_gpus.realise``); without them `gpus`
     is an ``nvidia`` DeviceRequest and `privileged` Docker's own. `confined`: the workload of an
     admission profile's grant (``_confine.confine``: never seccomp-unconfined, its own cgroup namespace).
-    `image_id`: the ID `spec.image` resolved to, told to the workload (`CAPSULE_IMAGE_ENV`, never the manager's).
+    `image_layers`: the layers `spec.image` resolved to, told to the workload (`CAPSULE_LAYERS_ENV`, comma-separated,
+    never the manager's value).
     """
     host: dict[str, Any] = {
         "NetworkMode": spec.network if spec.network in ("host", "none") else "default",
@@ -220,9 +222,9 @@ def container_config(spec: WorkloadSpec, *, gpus: GpuAccess | None = None,
     if confined:
         confine(host)
     environment = {**spec.environment, **(gpus.environment if gpus is not None else {})}
-    environment.pop(CAPSULE_IMAGE_ENV, None)
-    if image_id:
-        environment[CAPSULE_IMAGE_ENV] = image_id
+    environment.pop(CAPSULE_LAYERS_ENV, None)
+    if image_layers:
+        environment[CAPSULE_LAYERS_ENV] = ",".join(image_layers)
     # Like `docker run -i`: stdin is attached whenever the request carries `input`.
     attach_stdin = not spec.detached and spec.input is not UNSET
     config: dict[str, Any] = {

@@ -226,34 +226,36 @@ def test_the_capture_records_criu_s_version_and_a_different_criu_is_refused(tmp_
 
 
 def test_a_host_that_cannot_restore_is_refused_before_any_work_naming_every_fact(tmp_path: Path, criu: str) -> None:
-    """Issue 36 item 4: the capture records the capsule image the provider named, the kernel and what the capsule
-    sees; a restore elsewhere is refused (exit 3) with one code and both values per fact, before CRIU runs."""
-    image = "sha256:" + "c" * 64
-    control, images, pid = captured(tmp_path, criu, env={"COLDSNAP_CAPSULE_IMAGE": image})
+    """Issue 36 item 4: the capture records the layers of the image it ran in (the provider names them), the
+    kernel and what the capsule sees; a restore elsewhere is refused (exit 3) with one code and both values per
+    fact, before CRIU runs; a capsule image built on the captured one (upstream's flow) restores."""
+    base = ["sha256:" + "a" * 64, "sha256:" + "b" * 64]
+    control, images, pid = captured(tmp_path, criu, env={"COLDSNAP_CAPSULE_LAYERS": ",".join(base)})
     record = json.loads((images / "capture.json").read_text())
     facts = record["identity"]
-    assert facts["capsule_image"] == image and facts["kernel"] == os.uname().release
+    assert facts["image_layers"] == base and facts["kernel"] == os.uname().release
     assert {"gpu_devices", "cuda_driver_api"} <= set(facts)
     facts["kernel"] = "2.6.32-754.el6.x86_64"  # what another node would have recorded
     (images / "capture.json").write_text(json.dumps(record))
     before = image_digest(images, contents=True)
-    other = "sha256:" + "d" * 64
+    other = ["sha256:" + "d" * 64, "sha256:" + "b" * 64, "sha256:" + "c" * 64]  # not built on the captured image
     done = worker("restore", "--images", str(images), "--criu", criu, "--work-dir", str(tmp_path / "work"),
-                  env={"COLDSNAP_CAPSULE_IMAGE": other})
+                  env={"COLDSNAP_CAPSULE_LAYERS": ",".join(other)})
     assert done.returncode == 3, done.stderr
     answer = json.loads(done.stdout)
     assert answer["kind"] == "restore-refused" and answer["checked_seconds"] > 0
     here = os.uname().release
     assert answer["refused"] == [
         {"code": "kernel-mismatch", "fact": "kernel", "captured": "2.6.32-754.el6.x86_64", "current": here},
-        {"code": "capsule-image-mismatch", "fact": "capsule_image", "captured": image, "current": other}]
+        {"code": "capsule-image-mismatch", "fact": "image_layers", "captured": f"2 layers, the top {base[-1]}",
+         "current": f"3 layers, the top {other[-1]}"}]
     assert "error: TargetRefused: not restoring on this host: kernel-mismatch" in done.stderr
     assert not (tmp_path / "work/restore.log").exists() and not alive(pid)
     assert image_digest(images, contents=True) == before
-    facts["kernel"] = here  # this node, in the captured capsule image: restored
+    facts["kernel"] = here  # this node, in a capsule image built FROM the captured one: restored
     (images / "capture.json").write_text(json.dumps(record))
     done = worker("restore", "--images", str(images), "--criu", criu, "--work-dir", str(tmp_path / "work-2"),
-                  env={"COLDSNAP_CAPSULE_IMAGE": image})
+                  env={"COLDSNAP_CAPSULE_LAYERS": ",".join([*base, "sha256:" + "e" * 64])})
     try:
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout)["identity_compatibility"] == "pre-cuda-template" and verified(control)["ok"]

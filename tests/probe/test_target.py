@@ -12,7 +12,7 @@ from coldsnap_probe.errors import TargetRefused, WorkerError
 CRIU = {"installed": True, "path": "/usr/sbin/criu", "version": "Version: 4.2", "version_exit_code": 0}
 H200 = {"architecture": "x86_64", "kernel": "6.1.0-28-amd64", "driver_version": "580.159.04",
         "gpu_name": "NVIDIA H200", "gpu_memory_bytes": 150_754_820_096, "cuda_driver_api": 13000, "gpu_devices": 1,
-        "capsule_image": "sha256:" + "a" * 64, "criu": CRIU}
+        "image_layers": ["sha256:" + "a" * 64, "sha256:" + "b" * 64], "criu": CRIU}
 
 
 def refused(current: dict[str, Any], boundary: str = "n610", captured: dict[str, Any] = H200) -> list[dict[str, Any]]:
@@ -29,7 +29,9 @@ def refused(current: dict[str, Any], boundary: str = "n610", captured: dict[str,
     ({"kernel": "6.1.0-31-amd64"}, "n610", "exact"),  # a patch release of the same kernel
     ({"cuda_driver_api": 13010}, "n610", "exact"),  # a newer CUDA API
     ({"driver_version": "575.1", "gpu_name": "NVIDIA GB10", "gpu_devices": 2}, "n580", "pre-cuda-template"),
-    ({"capsule_image": None, "gpu_memory_bytes": None, "gpu_devices": None}, "n610", "exact"),  # unknown here
+    ({"image_layers": None, "gpu_memory_bytes": None, "gpu_devices": None}, "n610", "exact"),  # unknown here
+    # the upstream flow: captured in the base image, restored in a capsule image built FROM it (more layers)
+    ({"image_layers": [*H200["image_layers"], "sha256:" + "c" * 64]}, "n610", "exact"),
 ])
 def test_a_compatible_host_restores(changed: dict[str, Any], boundary: str, outcome: str) -> None:
     assert check_target(H200, {**H200, **changed}, boundary) == outcome
@@ -38,7 +40,9 @@ def test_a_compatible_host_restores(changed: dict[str, Any], boundary: str, outc
 @pytest.mark.parametrize(("changed", "code", "fact"), [
     ({"architecture": "aarch64"}, "architecture-mismatch", "architecture"),
     ({"kernel": "6.12.9-amd64"}, "kernel-mismatch", "kernel"),
-    ({"capsule_image": "sha256:" + "b" * 64}, "capsule-image-mismatch", "capsule_image"),
+    ({"image_layers": ["sha256:" + "a" * 64]}, "capsule-image-mismatch", "image_layers"),
+    ({"image_layers": ["sha256:" + "d" * 64, "sha256:" + "b" * 64, "sha256:" + "c" * 64]}, "capsule-image-mismatch",
+     "image_layers"),
     ({"criu": {**CRIU, "version": "Version: 4.1.1"}}, "criu-mismatch", "criu"),
     ({"criu": {"installed": False, "path": "criu"}}, "criu-unusable", "criu"),
     ({"driver_version": "575.1"}, "driver-older", "driver_version"),
@@ -51,7 +55,10 @@ def test_a_compatible_host_restores(changed: dict[str, Any], boundary: str, outc
 def test_each_fact_has_its_code_and_both_values(changed: dict[str, Any], code: str, fact: str) -> None:
     [mismatch] = refused({**H200, **changed})
     assert (mismatch["code"], mismatch["fact"]) == (code, fact)
-    if fact != "criu":
+    if fact == "image_layers":
+        assert mismatch["captured"] == f"2 layers, the top sha256:{'b' * 64}"
+        assert mismatch["current"].startswith(f"{len(changed[fact])} layers, the top sha256:")
+    elif fact != "criu":
         assert (mismatch["captured"], mismatch["current"]) == (H200[fact], changed[fact])
 
 
@@ -78,3 +85,17 @@ def test_an_older_capture_without_the_new_facts_still_restores() -> None:
 def test_a_capture_whose_criu_could_not_say_its_version_is_not_refused_for_it() -> None:
     older = {**H200, "criu": {"installed": True, "path": "criu", "version_error": "OSError: boom"}}
     assert check_target(older, H200, "n610") == "exact"
+
+
+@pytest.mark.parametrize(("identity", "why"), [
+    ([], "the identity is list, not an object"),
+    (None, "the identity is NoneType, not an object"),
+    ({**H200, "criu": "Version: 4.2"}, "criu is str, not dict"),
+    ({**H200, "kernel": ["6", "1"]}, "kernel is list, not str"),
+    ({**H200, "gpu_devices": True}, "gpu_devices is bool, not int"),
+    ({**H200, "image_layers": [1, 2]}, "image_layers holds a value that is not a string"),
+])
+def test_a_record_of_another_shape_is_refused_by_name_never_a_crash(identity: Any, why: str) -> None:
+    """Review finding: the manager's own capsule writes the record; a crafted one is refused, with its code."""
+    [mismatch] = refused(H200, captured=identity)
+    assert (mismatch["code"], mismatch["fact"], mismatch["captured"]) == ("record-invalid", "identity", why)

@@ -296,3 +296,49 @@ async def test_status_is_a_table_for_people_and_json_for_scripts() -> None:
         assert json.loads(scripted.stdout)["healthy"] is True
         gone = await in_thread("status", "--state-dir", str(daemon.state_dir / "absent"))
         assert gone.returncode == 1 and gone.stderr.startswith("coldsnap-provider: cannot reach the daemon at ")
+
+
+async def test_one_uid_follows_at_most_four_logs_at_once_and_a_stopped_workloads_last_lines_arrive(
+        busybox_image: str) -> None:
+    """Review findings: each followed look reads the whole log, so one uid may hold only FOLLOWERS_PER_UID
+    follows at a time (the fifth is refused naming the limit, and a slot frees when a follow ends); and a
+    workload that writes its last line and exits between two looks still gets that line to its follower."""
+    from coldsnap_provider._log_follow import FOLLOWERS_PER_UID
+    from coldsnap_provider.client import ControlClient, ReplyError
+
+    name = f"cli-follow-cap-{os.getpid()}-{time.monotonic_ns()}"
+    last = f"cli-follow-last-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        async with running_daemon() as daemon:
+            session = await daemon.open_session()
+            await session.runtime("workload-run", check=True, workload={
+                "name": name, "image": busybox_image, "detached": True, "command": ["sh", "-c", "exec sleep 300"]})
+            client = ControlClient(daemon.state_dir)
+            async with anyio.create_task_group() as group:
+                for _ in range(FOLLOWERS_PER_UID):
+                    group.start_soon(lambda: client.logs_after(name, offset=0, wait_s=3))
+                await anyio.sleep(1)
+                try:
+                    await client.logs_after(name, offset=0, wait_s=1)
+                except ReplyError as exc:
+                    assert f"already follows {FOLLOWERS_PER_UID} logs (the limit per uid)" in str(exc)
+                else:
+                    raise AssertionError("a fifth concurrent follow of one uid was answered")
+            assert (await client.logs_after(name, offset=0, wait_s=0)).running  # the slots are free again
+            await session.runtime("workload-run", check=True, workload={
+                "name": last, "image": busybox_image, "detached": True,
+                "command": ["sh", "-c", "echo first; sleep 1; echo the last line; exit 3"]})
+            chunks = [chunk async for chunk in client.follow_logs(last)]
+            assert b"".join(chunks) == b"first\nthe last line\n"
+    finally:
+        docker("rm", "-f", name, last, check=False)
+
+
+def test_text_output_escapes_what_a_terminal_would_act_on() -> None:
+    """Review finding: root's `session ls` and `workload ls` show other managers' labels and names; an escape
+    sequence there (OSC 52 clipboard write, clear screen, a right-to-left override) is shown, never obeyed."""
+    from coldsnap_provider.cli._render import fields_text, table
+
+    shown = table(["name", "label"], [["w\x1b]52;c;AAAA\x07", "ok\u202eevil"]])
+    assert "\x1b" not in shown and "\u202e" not in shown and "w\\x1b]52;c;AAAA\\x07" in shown
+    assert fields_text({"labels": {"k\x1b[2J": "v\r\n"}}) == "labels.k\\x1b[2J: v\\r\\n"

@@ -387,8 +387,9 @@ static int dump_all(int dirfd, const char *dir, struct cscu_region *regions, siz
 {
     int *fds = NULL, rc = -1;
     char *take = NULL;
-    if (plan_segments(regions, count) != 0 || !(fds = malloc((cscu_segment_count + 1) * sizeof(int)))
-        || !(take = malloc(cscu_segment_count + 1))) {
+    /* `take` first: the cleanup closes `fds`, so `fds` exists only with every entry set. */
+    if (plan_segments(regions, count) != 0 || !(take = malloc(cscu_segment_count + 1))
+        || !(fds = malloc((cscu_segment_count + 1) * sizeof(int)))) {
         snprintf(error, room, "out of host memory");
         goto cleanup;
     }
