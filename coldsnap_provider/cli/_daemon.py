@@ -32,7 +32,7 @@ Examples:
   coldsnap-provider serve                                   # embedded defaults, as root
   coldsnap-provider serve --config /etc/coldsnap-provider/config.toml --log-level debug""")
 @state_dir_option
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML configuration "
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, readable=False), help="TOML configuration "
               "(default: the embedded one)")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
@@ -60,7 +60,7 @@ Examples:
   coldsnap-provider check-config /etc/coldsnap-provider/config.toml
   coldsnap-provider check-config config.toml --as-user coldsnap-provider   # as root
   coldsnap-provider check-config config.toml -o json | jq .config.server""")
-@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("file", type=click.Path(dir_okay=False, readable=False))
 @click.option("--as-user", metavar="USER", help="check that USER (the account the unit runs as) can read every "
               "file the configuration names (default: the current user; another user needs root)")
 @output_option

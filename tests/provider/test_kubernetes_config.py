@@ -25,7 +25,7 @@ def _entry(tmp_path: Path, hosts: str = '["node-k"]', extra: str = "", kubeconfi
 def _check(text: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     path = tmp_path / "config.toml"
     path.write_text('[node]\nnames = ["node-a"]\n' + text)
-    return subprocess.run([sys.executable, "-m", "coldsnap_provider", "check-config", str(path)],
+    return subprocess.run([sys.executable, "-m", "coldsnap_provider", "check-config", "-o", "json", str(path)],
                           capture_output=True, text=True, cwd=ROOT)
 
 

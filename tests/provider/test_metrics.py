@@ -160,7 +160,10 @@ async def test_metrics_hostile_peers_cannot_delay_the_daemons_sockets() -> None:
             # The endpoint itself is full: the excess is closed at once, unread.
             with _connect(address) as extra:
                 extra.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
-                assert extra.recv(100) == b""
+                try:  # closed unread: an orderly end, or a reset when the close met the request's bytes
+                    assert extra.recv(100) == b""
+                except ConnectionResetError:
+                    pass
         finally:
             for s in idle:
                 s.close()

@@ -137,7 +137,7 @@ def _alive(pid: int) -> bool:
 def _check_config(text: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     path = tmp_path / "config.toml"
     path.write_text(text)
-    return subprocess.run([sys.executable, "-m", "coldsnap_provider", "check-config", str(path)],
+    return subprocess.run([sys.executable, "-m", "coldsnap_provider", "check-config", "-o", "json", str(path)],
                           capture_output=True, text=True, cwd=ROOT)
 
 

@@ -214,7 +214,8 @@ async def test_control_workload_verbs_answer_another_managers_workload_as_absent
                                                                  name=name, **extra))
         expected = await anyio.to_thread.run_sync(lambda: _control(OTHER, daemon, operation=action, host=host,
                                                                    name=absent, **extra))
-        assert answer == {"format": 1, "id": "as-uid", "ok": False, "error": f"{action}: no such workload: {name}"}
+        assert answer == {"format": 1, "id": "as-uid", "ok": False, "error": f"{action}: no such workload: {name}",
+                          "error_code": "not_found"}
         assert json.dumps(expected).replace(absent, name) == json.dumps(answer)
         assert place.exists(name)
         mine = await anyio.to_thread.run_sync(lambda: _control(OWNER, daemon, operation=action, host=host, name=name,
