@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import pytest
 from coldsnap_provider import __version__
 from tests.conftest import docker
 from tests.helpers import ROOT
-from tests.provider.test_systemd_boot import SYSTEMD, _binds, _capabilities, _in, _rootfs
+from tests.provider.test_systemd_boot import SYSTEMD, _in, boot_container
 
 IMAGE = "coldsnap-test/systemd-deb:1"
 LINTIAN_CACHE = Path("/var/cache/coldsnap-deb/lintian")
@@ -84,32 +83,12 @@ def test_the_package_has_no_lintian_errors(debs: tuple[Path, Path]) -> None:
 @pytest.fixture
 def booted() -> Iterator[str]:
     """test_systemd_boot.py's container, with a writable /usr overlay and this machine's dpkg database."""
-    docker("import", "-", IMAGE, input=_rootfs())
-    name = f"coldsnap-test-deb-{os.getpid()}"
-    started = docker("run", "-d", "--name", name, "--cap-drop", "ALL",
-                     *(f"--cap-add={c}" for c in _capabilities()), "--security-opt", "seccomp=unconfined",
-                     "--cgroupns=private", "--tmpfs", "/run", "--tmpfs", "/run/lock", "--tmpfs", "/tmp",
-                     "--tmpfs", "/overlay", "-e", "container=docker", *_binds(), IMAGE, "/bin/bash", "-c", _BOOT,
-                     check=False)
-    try:
-        if started.returncode != 0:
-            pytest.skip(f"no container with systemd here: {started.stderr.decode().strip()}")
-        state = ""
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and state not in ("running", "degraded"):
-            time.sleep(0.2)
-            state = _in(name, "systemctl is-system-running").stdout.strip()
-        if state not in ("running", "degraded"):
-            pytest.skip(f"systemd did not boot in the container ({state!r}): "
-                        + docker("logs", name, check=False).stderr.decode()[-2000:])
+    with boot_container(f"coldsnap-test-deb-{os.getpid()}", IMAGE, _BOOT, "--tmpfs", "/overlay") as name:
         docker("cp", "/var/lib/dpkg", f"{name}:/var/lib/")
         # This machine is itself an image whose /usr/sbin/policy-rc.d forbids starting services (exit 101); a real
         # machine has none, and with it postinst would start nothing. Removed in the overlay only.
         assert _in(name, "rm -f /usr/sbin/policy-rc.d").returncode == 0
         yield name
-    finally:
-        docker("rm", "-f", name, check=False)
-        docker("rmi", IMAGE, check=False)
 
 
 def _control(container: str, request: dict[str, object]) -> dict[str, object]:

@@ -18,6 +18,7 @@ import sys
 import tarfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -84,15 +85,17 @@ def _binds() -> list[str]:
     return [option for path in paths for option in ("-v", f"{path}:{path}:ro")]
 
 
-@pytest.fixture
-def booted() -> Iterator[str]:
-    """A container whose PID 1 is systemd, running; removed afterwards."""
-    docker("import", "-", IMAGE, input=_rootfs())
-    name = f"coldsnap-test-systemd-{os.getpid()}"
+@contextmanager
+def boot_container(name: str, image: str = IMAGE, boot: str = _BOOT, *run_options: str) -> Iterator[str]:
+    """A container `name` of `image` (this machine's root, imported) whose PID 1 is systemd started by `boot`,
+    running (a skip when this machine cannot boot one); removed, with its image, afterwards. `run_options` go to
+    `docker run` before the image (more tmpfs mounts, ...)."""
+    docker("import", "-", image, input=_rootfs())
     started = docker("run", "-d", "--name", name, "--cap-drop", "ALL",
                      *(f"--cap-add={c}" for c in _capabilities()), "--security-opt", "seccomp=unconfined",
                      "--cgroupns=private", "--tmpfs", "/run", "--tmpfs", "/run/lock", "--tmpfs", "/tmp",
-                     "-e", "container=docker", *_binds(), IMAGE, "/bin/bash", "-c", _BOOT, check=False)
+                     *run_options, "-e", "container=docker", *_binds(), image, "/bin/bash", "-c", boot,
+                     check=False)
     try:
         if started.returncode != 0:
             pytest.skip(f"no container with systemd here: {started.stderr.decode().strip()}")
@@ -102,11 +105,19 @@ def booted() -> Iterator[str]:
             time.sleep(0.2)
             state = _in(name, "systemctl is-system-running").stdout.strip()
         if state not in ("running", "degraded"):
-            pytest.skip(f"systemd did not boot in the container ({state!r})")
+            pytest.skip(f"systemd did not boot in the container ({state!r}): "
+                        + docker("logs", name, check=False).stderr.decode()[-2000:])
         yield name
     finally:
         docker("rm", "-f", name, check=False)
-        docker("rmi", IMAGE, check=False)
+        docker("rmi", image, check=False)
+
+
+@pytest.fixture
+def booted() -> Iterator[str]:
+    """A container whose PID 1 is systemd, running; removed afterwards."""
+    with boot_container(f"coldsnap-test-systemd-{os.getpid()}") as name:
+        yield name
 
 
 def _in(container: str, script: str) -> subprocess.CompletedProcess[str]:
