@@ -6,6 +6,7 @@ import ctypes
 import json
 import os
 import signal
+import socket
 import statistics
 import sys
 import time
@@ -17,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._daemon import Daemon, Session, running_daemon
 
-__all__ = ("Daemon", "Session", "become_subreaper", "kill_and_reap", "mode_list", "percentile", "process_stats",
-           "running_daemon", "stages", "summary", "table")
+__all__ = ("Daemon", "Session", "become_subreaper", "free_port", "kill_and_reap", "mode_list", "percentile",
+           "process_stats", "running_daemon", "stages", "summary", "table")
 
 
 def mode_list(text: str, known: Sequence[str]) -> list[str]:
@@ -33,6 +34,13 @@ def mode_list(text: str, known: Sequence[str]) -> list[str]:
     if twice:
         raise ValueError(f"mode {', '.join(twice)} named twice: each mode runs once per run")
     return modes
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def percentile(samples: Sequence[float], q: float) -> float:

@@ -32,16 +32,11 @@ import anyio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._common import table
+from bench._common import free_port, table
 from bench._daemon import Session, running_daemon
 
 CHUNK = 8 << 20
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_registry(work: Path) -> tuple[subprocess.Popen[bytes], str]:

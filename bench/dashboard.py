@@ -24,7 +24,6 @@ import argparse
 import json
 import random
 import re
-import socket
 import subprocess
 import tempfile
 import time
@@ -34,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-from _common import Session, running_daemon
+from _common import Session, free_port, running_daemon
 
 from coldsnap_provider import ReplyError
 
@@ -47,11 +46,6 @@ RESTORE = {"criu_restore_seconds": (0.62, 0.85), "cuda_restore_seconds": (0.21, 
            "hydration": (0.004, 0.02), "restore_seconds": (0.9, 1.3), "ready_seconds": (1.0, 1.5)}
 CAPTURE = {"cuda_lock": (0.005, 0.02), "cuda_checkpoint": (1.5, 2.5), "criu_dump": (3.0, 5.0)}
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def get_json(url: str) -> Any:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._common import table
+from bench._common import percentile, table
 
 HEADLINE = "first_token_s"  # Docker-to-first-token
 
@@ -34,12 +33,6 @@ def restores_of(document: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
         return str(document.get("mode", "?")), list(document["restores"])
     first = document["results"][0]
     return str(first["mode"]), list(first["restores"])
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The nearest-rank percentile (no interpolation: p99 of 100 restores is the 99th slowest, a real sample)."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 def phases(rows: list[dict[str, Any]]) -> dict[str, list[float]]:

@@ -51,6 +51,5 @@ from ._capture import capture
 from ._engine import tp_execution
 from ._process import anonymous_memory, image_digest, process_tree
 from ._restore import restore
-from ._target import check_target
 
-__all__ = ("anonymous_memory", "capture", "check_target", "image_digest", "process_tree", "restore", "tp_execution")
+__all__ = ("anonymous_memory", "capture", "image_digest", "process_tree", "restore", "tp_execution")
