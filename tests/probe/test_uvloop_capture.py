@@ -132,3 +132,7 @@ def test_a_uvloop_server_under_the_preload_is_captured_restored_and_answers_on_u
         assert ask(port, "restored") == f"uvloop.Loop restored{held}"
     finally:
         os.killpg(server.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10  # reaped here (this process is the restored tree's subreaper)
+        while alive(server.pid):
+            assert time.monotonic() < deadline, f"the restored server {server.pid} outlived SIGKILL"
+            time.sleep(0.02)
