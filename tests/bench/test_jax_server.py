@@ -181,6 +181,7 @@ def test_the_workers_capture_and_restore_an_unchanged_jax_server(tmp_path: Path,
     small preallocated pool (XLA's default, at 5 % so the test stays cheap) restores identically too, whatever
     path its arena takes (one cuMemAlloc_v2, or cuMemCreate in XLA's growable arena: `vmm_by_engine`)."""
     from coldsnap_probe.hydration import build_library
+    from coldsnap_probe.hydration._interposer import interposer_request
     from tests.probe.test_worker import kill_and_reap, worker
 
     ctypes.CDLL(None).prctl(36, 1)  # a subreaper: the restored tree is reparented here
@@ -193,6 +194,10 @@ def test_the_workers_capture_and_restore_an_unchanged_jax_server(tmp_path: Path,
     stages = server.wait_ready()
     assert stages["cuda_init"]["platform"] == "gpu", stages["cuda_init"]
     cold = server.ask(16)
+    # JAX's CUDA 13 runtime resolves the driver through cuGetProcAddress at 13000: every entry point the gate
+    # needs came back wrapped (an unwrapped one would bypass it during a release).
+    status = interposer_request(str(tmp_path / f"cuda-{server.proc.pid}.sock"), {"op": "status"}, "status")
+    assert status["unwrapped"] == [] and "cuLaunchKernel" in str(status["wrapped"]), status
     images = tmp_path / "images"
     done = worker("capture", "--pid", str(server.proc.pid), "--images", str(images), "--criu",
                   shutil.which("criu") or "")
