@@ -180,8 +180,7 @@ def test_the_workers_capture_and_restore_an_unchanged_jax_server(tmp_path: Path,
     """The capsule's environment (a growing BFC pool) moves >= 95 % of the device bytes through the interposer; a
     small preallocated pool (XLA's default, at 5 % so the test stays cheap) restores identically too, whatever
     path its arena takes (one cuMemAlloc_v2, or cuMemCreate in XLA's growable arena: `vmm_by_engine`)."""
-    from coldsnap_probe.hydration import build_library
-    from coldsnap_probe.hydration._interposer import interposer_request
+    from coldsnap_probe.hydration import build_library, interposer_request
     from tests.probe.test_worker import kill_and_reap, worker
 
     ctypes.CDLL(None).prctl(36, 1)  # a subreaper: the restored tree is reparented here
