@@ -62,6 +62,9 @@ ROWS = {
     # The capsule's environment for a JAX engine (docs/interposer.md, "JAX and XLA"): a pool that grows.
     "jax": Row("JAX (XLA BFC, XLA_PYTHON_CLIENT_PREALLOCATE=false)", "engines/jax_server.py",
                {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}),
+    # No pool: each buffer its own cuMemAlloc_v2, so only what is live is dumped (small ones below the threshold).
+    "jax-platform": Row("JAX (XLA_PYTHON_CLIENT_ALLOCATOR=platform)", "engines/jax_server.py",
+                        {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}),
 }
 
 

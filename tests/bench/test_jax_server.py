@@ -193,10 +193,11 @@ def test_the_workers_capture_and_restore_an_unchanged_jax_server(tmp_path: Path,
     stages = server.wait_ready()
     assert stages["cuda_init"]["platform"] == "gpu", stages["cuda_init"]
     cold = server.ask(16)
-    # JAX's CUDA 13 runtime resolves the driver through cuGetProcAddress at 13000: every entry point the gate
-    # needs came back wrapped (an unwrapped one would bypass it during a release).
-    status = interposer_request(str(tmp_path / f"cuda-{server.proc.pid}.sock"), {"op": "status"}, "status")
-    assert status["unwrapped"] == [] and "cuLaunchKernel" in str(status["wrapped"]), status
+    if allocator == "capsule":
+        # JAX's CUDA 13 runtime resolves the driver through cuGetProcAddress at 13000: every entry point the gate
+        # needs came back wrapped (an unwrapped one would bypass it during a release).
+        status = interposer_request(str(tmp_path / f"cuda-{server.proc.pid}.sock"), {"op": "status"}, "status")
+        assert status["unwrapped"] == [] and "cuLaunchKernel" in str(status["wrapped"]), status
     images = tmp_path / "images"
     done = worker("capture", "--pid", str(server.proc.pid), "--images", str(images), "--criu",
                   shutil.which("criu") or "")
@@ -205,17 +206,18 @@ def test_the_workers_capture_and_restore_an_unchanged_jax_server(tmp_path: Path,
     capture = json.loads(done.stdout)
     [released] = capture["device_memory"]
     covered, uncovered = device_coverage(released)
-    assert released["state"] == "released", released
     if allocator == "capsule":
+        assert released["state"] == "released", released
         assert released["bytes"] >= stages["graph_captured"]["device_bytes"], (released, stages["graph_captured"])
         assert covered >= 0.95, (covered, uncovered, stages["graph_captured"]["xla_memory"])
+    else:  # XLA versions whose preallocated pool is cuMemCreate'd leave the interposer nothing (`not-started`)
+        assert released["state"] in ("released", "empty", "not-started"), released
     server.socket.unlink(missing_ok=True)  # the dead process's; the restored one has it bound again
     done = worker("restore", "--images", str(images), "--work-dir", str(tmp_path / "work"))
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     try:
-        [hydrated] = report["device_memory"]
-        assert hydrated["bytes"] == released["bytes"]
+        assert sum(d["bytes"] for d in report.get("device_memory") or []) == released["bytes"], report
         assert server.ask(16) == cold, (covered, uncovered)  # the same tokens, bitwise the same first logits
     finally:
         kill_and_reap(report["restored_pid"])

@@ -14,7 +14,7 @@ from tests.helpers import ROOT
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--rows", "torch,nope"], "--rows: nope: not one of torch, torch-expandable, torch-async, jax"),
+    (["--rows", "torch,nope"], "--rows: nope: not one of torch, torch-expandable, torch-async, jax, jax-platform"),
     (["--restores", "0"], "--restores must be at least 1, not 0"),
     (["--serve-result", "/nonexistent.json"], "--serve-result: /nonexistent.json is not a file"),
 ], ids=["row", "restores", "serve-result"])
