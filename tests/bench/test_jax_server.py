@@ -2,7 +2,8 @@
 
 On a CPU (JAX_PLATFORMS=cpu, a tiny shape; where this interpreter has jax): the protocol and stages, bitwise
 determinism from the seed (the restore check compares a restored server's first logits with its cold start's),
-the weights file read in ttft_server.py's layout, bad arguments refused naming the field. On the GPU host: the
+the weights file read in ttft_server.py's layout, bad arguments refused naming the field, a CRIU dump and restore
+answering bitwise as before. On the GPU host: the
 server, unchanged, under the CUDA interposer with the capsule's JAX environment (docs/interposer.md, "JAX and
 XLA"), captured and restored through the workers: the same tokens and first-step logits, and the device bytes
 the interposer moved."""
@@ -25,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from tests.criu import CRIU, criu_wrapper
 from tests.helpers import ROOT
 from tests.probe.test_main import has_nvidia_driver
 
@@ -157,6 +159,34 @@ def test_a_short_weights_file_is_refused_before_serving(tmp_path: Path) -> None:
     need = (256 * 64 + 64 + 2 * (12 * 64 * 64 + 2 * 64)) * 2
     assert done.returncode == 1 and f"holds 1000 bytes; a 2-layer model needs {need}" in done.stderr, done.stderr
     assert not (tmp_path / "s.sock").exists()
+
+
+@cpu_jax
+@pytest.mark.skipif(CRIU is None, reason="CRIU needs root and its build (scripts/criu/build)")
+def test_criu_restores_the_cpu_server_answering_bitwise_as_before(tmp_path: Path, servers: list[Server]) -> None:
+    """XLA's runtime (its thread pools, its descriptors) survives a CRIU dump and restore: the host half of what
+    the GPU test adds the CUDA checkpoint and the interposer to."""
+    server = Server(tmp_path, "criu", *TINY, "--weights", "device", env={"JAX_PLATFORMS": "cpu"})
+    servers.append(server)
+    server.wait_ready()
+    cold = server.ask(16)
+    images = tmp_path / "images"
+    images.mkdir()
+    with criu_wrapper(tmp_path) as criu:
+        done = subprocess.run([criu, "dump", "-t", str(server.proc.pid), "-D", str(images), "-o", "dump.log"],
+                              capture_output=True, text=True, timeout=120, check=False)
+        assert done.returncode == 0, (images / "dump.log").read_text()[-2000:]
+        server.proc.wait()  # CRIU killed it: its pid is free for the restore
+        server.socket.unlink(missing_ok=True)
+        done = subprocess.run([criu, "restore", "-D", str(images), "-o", "restore.log", "-d"],
+                              capture_output=True, text=True, timeout=120, check=False)
+        assert done.returncode == 0, (images / "restore.log").read_text()[-2000:]
+        try:
+            assert server.ask(16) == cold
+        finally:
+            os.kill(server.proc.pid, 9)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(server.proc.pid, 0)
 
 
 # -- the GPU host: through the workers under the interposer -------------------------------------------------------
