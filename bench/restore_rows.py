@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import restore_ttft
 from bench._common import become_subreaper, table
+from coldsnap_probe.hydration import ENGINE_DEFAULTS
 
 # Allocations that are not the engine's device memory (host memory CRIU moves, a count of entry points).
 HOST_KINDS = frozenset({"host_pinned", "host_registered", "unwrapped_entry_points"})
@@ -60,8 +61,7 @@ ROWS = {
     "torch-async": Row("PyTorch, backend:cudaMallocAsync", "engines/ttft_server.py",
                        {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}),
     # The capsule's environment for a JAX engine (docs/interposer.md, "JAX and XLA"): a pool that grows.
-    "jax": Row("JAX (XLA BFC, XLA_PYTHON_CLIENT_PREALLOCATE=false)", "engines/jax_server.py",
-               {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}),
+    "jax": Row("JAX (XLA BFC, XLA_PYTHON_CLIENT_PREALLOCATE=false)", "engines/jax_server.py", dict(ENGINE_DEFAULTS)),
     # No pool: each buffer its own cuMemAlloc_v2, so only what is live is dumped (small ones below the threshold).
     "jax-platform": Row("JAX (XLA_PYTHON_CLIENT_ALLOCATOR=platform)", "engines/jax_server.py",
                         {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}),

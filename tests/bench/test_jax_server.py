@@ -35,9 +35,6 @@ HAS_JAX = importlib.util.find_spec("jax") is not None
 cpu_jax = pytest.mark.skipif(not HAS_JAX, reason="jax is not installed in this interpreter (pip install jax)")
 TINY = ["--hidden", "64", "--heads", "4", "--vocab", "256", "--gib", "0.0003"]  # two layers
 PROMPT = [1, 15, 29, 92, 52]
-# The capsule's default environment for a JAX engine under the interposer (docs/interposer.md, "JAX and XLA"):
-# a BFC pool that grows by cuMemAlloc_v2 regions the interposer moves, not a 75 % arena moved whole.
-JAX_CAPSULE_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 
 
 class Server:
@@ -210,13 +207,13 @@ def test_the_workers_capture_and_restore_an_unchanged_jax_server(tmp_path: Path,
     """The capsule's environment (a growing BFC pool) moves >= 95 % of the device bytes through the interposer; a
     small preallocated pool (XLA's default, at 5 % so the test stays cheap) restores identically too, whatever
     path its arena takes (one cuMemAlloc_v2, or cuMemCreate in XLA's growable arena: `vmm_by_engine`)."""
-    from coldsnap_probe.hydration import build_library, interposer_request
+    from coldsnap_probe.hydration import ENGINE_DEFAULTS, build_library, interposer_request
     from tests.probe.test_worker import kill_and_reap, worker
 
     ctypes.CDLL(None).prctl(36, 1)  # a subreaper: the restored tree is reparented here
     library, _ = build_library(tmp_path / "lib")
     env = {"LD_PRELOAD": str(library), "COLDSNAP_CUDA_INTERPOSER_SOCKET": str(tmp_path / "cuda-%p.sock"),
-           **(JAX_CAPSULE_ENV if allocator == "capsule" else {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".05",
+           **(ENGINE_DEFAULTS if allocator == "capsule" else {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".05",
                                                              "XLA_CLIENT_MEM_FRACTION": ".05"})}
     server = Server(tmp_path, "jax", "--gib", "1", "--weights", "device", env=env)
     servers.append(server)
