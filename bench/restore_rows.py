@@ -49,9 +49,10 @@ class Row:
     label: str
     script: str
     env: dict[str, str] = field(default_factory=dict)
+    args: tuple[str, ...] = ()  # the engine's own options, before run_size's --gib/--weights/--socket
 
     def command(self) -> list[str]:
-        return [sys.executable, str(ROOT / self.script)]
+        return [sys.executable, str(ROOT / self.script), *self.args]
 
 
 ROWS = {
@@ -191,7 +192,8 @@ def main() -> None:
     for fail in failed:
         print(f"FAILED {fail['gib']:g} GiB {fail['row']}: {fail['error'][-400:]}")
     Path(args.out, "restore_rows.json").write_text(json.dumps(
-        {"rows": {name: {"label": row.label, "script": row.script, "env": row.env} for name, row in ROWS.items()},
+        {"rows": {name: {"label": row.label, "script": row.script, "env": row.env, "args": row.args}
+                  for name, row in ROWS.items()},
          "seconds": time.time() - started, "results": results, "failed": failed, "serve_result": args.serve_result},
         indent=2))
     sys.exit(1 if failed else 0)
