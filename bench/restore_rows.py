@@ -63,7 +63,7 @@ ROWS = {
                        {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}),
     # The capsule's environment for a JAX engine (docs/interposer.md, "JAX and XLA"): a pool that grows.
     "jax": Row("JAX (XLA BFC, XLA_PYTHON_CLIENT_PREALLOCATE=false)", "engines/jax_server.py", dict(ENGINE_DEFAULTS)),
-    # No pool: each buffer its own cuMemAlloc_v2, so only what is live is dumped (small ones below the threshold).
+    # No pool: each buffer its own allocation (cuMemCreate in the CUDA 13 plugin), so only what is live is moved.
     "jax-platform": Row("JAX (XLA_PYTHON_CLIENT_ALLOCATOR=platform)", "engines/jax_server.py",
                         {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}),
 }

@@ -38,8 +38,8 @@ ENV_SOCKET = "COLDSNAP_CUDA_INTERPOSER_SOCKET"
 ENV_HYDRATOR = "COLDSNAP_CUDA_INTERPOSER_HYDRATOR"  # a node hydrator that fills the regions while CRIU restores
 ENV_LIBRARY = "COLDSNAP_CUDA_INTERPOSER_LIBRARY"  # a built library to use instead of building one
 # What a unit under the interposer runs with besides the two variables above (docs/interposer.md, "JAX and XLA"):
-# XLA's pool grows by cuMemAlloc_v2 regions the interposer moves at line rate rather than preallocating 75 % of
-# the GPU in one arena dumped whole at every capture. Engines without XLA ignore it.
+# XLA's pool grows with what the engine uses rather than preallocating 75 % of the GPU (112.6 GB on an H200), which
+# a capture would have to move whole. Engines without XLA ignore it.
 ENGINE_DEFAULTS: Mapping[str, str] = MappingProxyType({"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
 LIBRARY = "libcoldsnap_cuda.so"
 CAPSULE_LIBRARY = Path("/opt/coldsnap/lib") / LIBRARY  # where _capsule_rootfs.py bakes it

@@ -204,9 +204,10 @@ def device_coverage(released: dict[str, Any]) -> tuple[float, dict[str, dict[str
 @pytest.mark.parametrize("allocator", ["capsule", "preallocated-5%"])
 def test_the_workers_capture_and_restore_an_unchanged_jax_server(tmp_path: Path, servers: list[Server],
                                                                  allocator: str) -> None:
-    """The capsule's environment (a growing BFC pool) moves >= 95 % of the device bytes through the interposer; a
-    small preallocated pool (XLA's default, at 5 % so the test stays cheap) restores identically too, whatever
-    path its arena takes (one cuMemAlloc_v2, or cuMemCreate in XLA's growable arena: `vmm_by_engine`)."""
+    """The capsule's environment (a growing BFC pool) has >= 95 % of its device bytes moved by the interposer (the
+    CUDA 13 plugin's XLA backs its pool with its own cuMemCreate: this holds once the interposer moves engine VMM
+    allocations; the message names what stayed); a small preallocated pool (XLA's default, at 5 % so the test
+    stays cheap) restores identically too, whichever path its pool takes."""
     from coldsnap_probe.hydration import ENGINE_DEFAULTS, build_library, interposer_request
     from tests.probe.test_worker import kill_and_reap, worker
 
@@ -233,19 +234,18 @@ def test_the_workers_capture_and_restore_an_unchanged_jax_server(tmp_path: Path,
     server.proc.wait()  # CRIU killed it: its pid is free for the restore
     capture = json.loads(done.stdout)
     [released] = capture["device_memory"]
-    covered, uncovered = device_coverage(released)
-    if allocator == "capsule":
-        assert released["state"] == "released", released
-        assert released["bytes"] >= stages["graph_captured"]["device_bytes"], (released, stages["graph_captured"])
-        assert covered >= 0.95, (covered, uncovered, stages["graph_captured"]["xla_memory"])
-    else:  # XLA versions whose preallocated pool is cuMemCreate'd leave the interposer nothing (`not-started`)
-        assert released["state"] in ("released", "empty", "not-started"), released
+    assert released["state"] in ("released", "empty", "not-started"), released
     server.socket.unlink(missing_ok=True)  # the dead process's; the restored one has it bound again
     done = worker("restore", "--images", str(images), "--work-dir", str(tmp_path / "work"))
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     try:
         assert sum(d["bytes"] for d in report.get("device_memory") or []) == released["bytes"], report
-        assert server.ask(16) == cold, (covered, uncovered)  # the same tokens, bitwise the same first logits
+        assert server.ask(16) == cold  # the same tokens, bitwise the same first logits
     finally:
         kill_and_reap(report["restored_pid"])
+    if allocator == "capsule":  # after the restore: identical outputs are checked whatever path the bytes took
+        covered, uncovered = device_coverage(released)
+        assert covered >= 0.95, (f"{covered:.0%} of the device bytes moved by the interposer", uncovered,
+                                 stages["graph_captured"]["xla_memory"])
+        assert released["bytes"] >= stages["graph_captured"]["device_bytes"], (released, stages["graph_captured"])
