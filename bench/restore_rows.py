@@ -128,7 +128,8 @@ def run_rows(args: argparse.Namespace, root: Path, library: Path, strategy: str)
             restore_ttft.progress(f"row {name}: {row.label}, {size:g} GiB")
             try:
                 result = restore_ttft.run_size(size, root, args.criu, args.tokens, False, Path("device"), [],
-                                               strategy, root, interposer=library, device_weights=True,
+                                               strategy, Path(args.images_root), interposer=library,
+                                               device_weights=True,
                                                count=args.restores, command=row.command(), engine_env=row.env)
             except Exception as exc:  # one failed row is a result; the other rows still run
                 restore_ttft.stop_started()
@@ -155,6 +156,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--criu", default="criu")
     parser.add_argument("--root", default="/tmp/coldsnap-rows")
+    parser.add_argument("--images-root", default="/dev/shm/coldsnap-rows", help="where the images go (tmpfs: one "
+                        "row's at a time, removed after it)")
     parser.add_argument("--no-hydrator", action="store_true", help="the interposer fills its regions itself")
     parser.add_argument("--serve-result", default=str(SERVE_RESULT), help="a recorded bench/e2e_serve.py "
                         "restores-*.json for the uvicorn-on-uvloop row (\"\" for none)")
@@ -167,6 +170,7 @@ def main() -> None:
     become_subreaper()
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
+    Path(args.images_root).mkdir(parents=True, exist_ok=True)
     from coldsnap_probe.hydration import library_path
 
     library = library_path(root / "interposer-lib")
