@@ -28,6 +28,7 @@ from ._coordinator import Coordinator
 from ._cuda import Driver
 from ._engine import ABORT_POLL, resume_engine, validated_graph_record
 from ._host import host_identity
+from ._phase import PhaseLog
 from ._process import criu_environment, process_state, process_tree, require_state, run_criu, stop, tail
 from ._reports import RestoredGraphPolicy, RestoreReport
 from ._target import check_target, comparable
@@ -41,15 +42,17 @@ LAZY_PAGES_FINISH_S = 120.0  # for it to have copied every page after the restor
 
 
 def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: Coordinator | None = None,
-            lazy_pages: bool = False, memory: MemoryOptions | None = None) -> RestoreReport:
+            lazy_pages: bool = False, memory: MemoryOptions | None = None,
+            phases: PhaseLog | None = None) -> RestoreReport:
     """Restore the tree captured in `images`; returns the report (the images are only read).
 
     `lazy_pages`: CRIU restores the processes without their memory, which `criu lazy-pages` then fills
     (faults first, the rest in the background) while the CUDA state is restored. The tree is then held
     stopped until every page is in, so nothing serves from memory a failed daemon never filled. `memory` says
-    how the memory sources hydrate.
+    how the memory sources hydrate; `phases` publishes each phase as it begins.
     """
-    run = _Restore(images, criu=criu, work=work, ranks=coordinator or Coordinator.single(), lazy_pages=lazy_pages)
+    run = _Restore(images, criu=criu, work=work, ranks=coordinator or Coordinator.single(), lazy_pages=lazy_pages,
+                   phases=phases or PhaseLog("restore", publish=False))
     run.memory_options = memory or MemoryOptions()
     try:
         run.phases()
@@ -66,8 +69,11 @@ def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: C
 class _Restore:
     """One restore's state: what each phase started, so that `roll_back` stops exactly that."""
 
-    def __init__(self, images: Path, *, criu: str, work: Path | None, ranks: Coordinator, lazy_pages: bool) -> None:
+    def __init__(self, images: Path, *, criu: str, work: Path | None, ranks: Coordinator, lazy_pages: bool,
+                 phases: PhaseLog) -> None:
         self.images, self.criu, self.work, self.ranks, self.lazy_pages = images, criu, work, ranks, lazy_pages
+        self.phase = phases
+        phases.enter("validate")
         self.report = RestoreReport(rank=ranks.rank, world_size=ranks.world_size)
         self.timeline = self.report.timeline
         self.timeline.mark("restore_begin")
@@ -93,15 +99,22 @@ class _Restore:
         self.timeline.mark("validated")  # what the checks before CRIU cost (identity, dumps, sources)
         # Only now: a restore refused by the checks (on any rank) leaves nothing staged on the node hydrator; the
         # checks take milliseconds with the GPU's facts from procfs.
+        self.phase.enter("stage")
         self._start_stages()
+        self.phase.enter("criu-restore")
         root = self._criu_restore()
+        self.phase.enter("cuda-restore")
         self._cuda_restore(root)
         if self.lazy:
+            self.phase.enter("pages-in")
             self._all_pages_in(self.lazy, root)
+        self.phase.enter("resume")
         self._resume(root)
         if self.memory is not None:
+            self.phase.enter("hydrate")
             self.memory.hydrate(self.report)
         if self.engine and self.graph is not None:
+            self.phase.enter("communicators")
             self._recreate_communicators(self.engine, self.graph)
         self.ranks.barrier("ready")
         self.timeline.mark("ready")
