@@ -16,12 +16,10 @@ import pytest
 
 from bench.fault_checks import Watcher, host_pid_of
 from bench.restore_faults import FAULTS, Run, clean_verdict, named_phase, phase_named, summary, totals
-from coldsnap_probe._phase import PhaseLog
 
 # A stand-in worker: its command line has the words the watcher looks for; it publishes phases as the real one does.
 WORKER = """
 import os, sys, time
-from coldsnap_probe._phase import PhaseLog
 phases = PhaseLog("restore")
 for phase in sys.argv[1].split(","):
     phases.enter(phase)
@@ -118,11 +116,3 @@ def test_the_counts_say_what_was_left_and_how_many_failures_named_their_phase() 
     assert lines[0] == [FAULTS[0], 2, 1, "failed 2", "0.40", "1/2", 2]
     assert lines[1][0] == f"restore after {FAULTS[0]}"
 
-
-def test_a_phase_log_without_a_report_directory_still_says_the_phase(monkeypatch: pytest.MonkeyPatch,
-                                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.delenv("COLDSNAP_REPORT_DIR", raising=False)
-    phases = PhaseLog("capture")
-    phases.enter("cuda-lock")
-    phases.close()
-    assert capsys.readouterr().err == "coldsnap-worker: capture phase cuda-lock\n"

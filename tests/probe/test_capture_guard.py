@@ -123,3 +123,12 @@ def test_a_phase_log_replaces_its_file_whole_and_removes_it(tmp_path: Path, monk
     assert list(tmp_path.iterdir()) == [] and phases.current == "criu-restore"
     assert capsys.readouterr().err == ("coldsnap-worker: restore phase validate\n"
                                        "coldsnap-worker: restore phase criu-restore\n")
+
+
+def test_a_phase_log_without_a_report_directory_still_says_the_phase(monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("COLDSNAP_REPORT_DIR", raising=False)
+    phases = PhaseLog("capture")
+    phases.enter("cuda-lock")
+    phases.close()
+    assert capsys.readouterr().err == "coldsnap-worker: capture phase cuda-lock\n"
