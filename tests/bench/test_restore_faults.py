@@ -20,7 +20,8 @@ from bench.restore_faults import FAULTS, Run, clean_verdict, named_phase, phase_
 # A stand-in worker: its command line has the words the watcher looks for; it publishes phases as the real one does.
 WORKER = """
 import os, sys, time
-phases = PhaseLog("restore")
+from coldsnap_probe import _phase
+phases = _phase.PhaseLog("restore")
 for phase in sys.argv[1].split(","):
     phases.enter(phase)
     time.sleep(0.3)
