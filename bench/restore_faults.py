@@ -132,6 +132,9 @@ async def fault_capture(run: Run, phase: str) -> dict[str, Any]:
     row["guard_undid"] = "capture guard: the worker died" in row.get("error", "")
     row["images_left"] = (run.layout.images_dir / target).exists()
     shutil.rmtree(run.layout.images_dir / target, ignore_errors=True)  # a completed capture's (the fault missed)
+    if row["outcome"] == "captured":  # the fault missed its phase: a capture that completed ends its server
+        await run.remove_unit()
+        return row
     try:
         served = await stream_chat(HOST, run.args.port, body(), connect_limit=10)
         row["served_after"] = served.text == run.cold_text
@@ -286,7 +289,7 @@ def clean_verdict(row: dict[str, Any]) -> bool:
     left nothing, and (a capture) left the server serving and no images."""
     if row["leftovers"] or row.get("images_left") or row.get("served_after") is False:
         return False
-    if row["outcome"] in ("restored", "captured"):
+    if row["outcome"] in ("restored", "captured"):  # the operation succeeded (a fault that missed its phase too)
         return row.get("identical", True) is not False and row.get("restore_identical", True) is not False
     return row["outcome"] == "failed" and bool(row.get("phase_named")) and float(row.get("seconds", 99)) <= CLEAN_S
 

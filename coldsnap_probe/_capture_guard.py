@@ -64,8 +64,13 @@ class CaptureGuard:
         self._fd = write
 
     def note(self, **step: Any) -> None:
-        if self._fd >= 0:
+        if self._fd < 0:
+            return
+        try:
             os.write(self._fd, json.dumps(step).encode() + b"\n")  # one write, under PIPE_BUF: whole or not at all
+        except OSError:  # the guard is gone (killed with the worker's group?): the capture goes on unguarded
+            os.close(self._fd)
+            self._fd = -1
 
     def end(self) -> None:
         """The capture is over (done, or rolled back by the worker itself): the guard leaves without undoing."""
