@@ -38,6 +38,7 @@ from typing import Any
 __all__ = ("CaptureGuard", "remove_contents")
 
 CRIU_LET_GO_S = 60.0  # for a CRIU dump the dead worker started to finish with the tree
+CRIU_START_S = 0.1  # for a CRIU the worker forked just before it died to show itself (its exec)
 
 
 class CaptureGuard:
@@ -117,9 +118,13 @@ def _undo(steps: list[dict[str, Any]]) -> list[str]:
 
 
 def _let_tree_run(tree: list[int]) -> str:
-    """CRIU (the dead worker's child) finishes or fails on its own; the tree is left stopped either way, or dead."""
-    give_up = time.monotonic() + CRIU_LET_GO_S
-    while any(_traced(p) for p in tree) and time.monotonic() < give_up:
+    """CRIU (the dead worker's child, maybe still starting) finishes or fails on its own, leaving the tree stopped
+    (or dead); only then does the tree run again."""
+    now = time.monotonic()
+    give_up, grace = now + CRIU_LET_GO_S, now + CRIU_START_S
+    while time.monotonic() < give_up:
+        if not (_criu_dumping(tree[0]) or any(_traced(p) for p in tree)) and time.monotonic() > grace:
+            break
         time.sleep(0.005)
     for pid in tree:
         with contextlib.suppress(ProcessLookupError):
@@ -133,6 +138,21 @@ def _end_tree(tree: list[int]) -> str:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     return f"the capture was complete: tree {tree} ended, images kept"
+
+
+def _criu_dumping(root: int) -> bool:
+    """A `criu dump --tree <root>` runs (the worker's, orphaned)."""
+    wanted = [b"dump", b"--tree", str(root).encode()]
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(argv[i:i + 3] == wanted for i in range(len(argv) - 2)):
+            return True
+    return False
 
 
 def _traced(pid: int) -> bool:
