@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from coldsnap_probe._phase import PhaseLog
 from tests.criu import CRIU, alive, criu_wrapper
 from tests.helpers import ROOT
 from tests.probe.test_criu_restore import end, verified, wait_file, worker
+from tests.probe.test_main import has_nvidia_driver
 
 TARGET_MIB = 256
 
@@ -132,3 +134,44 @@ def test_a_phase_log_without_a_report_directory_still_says_the_phase(monkeypatch
     phases.enter("cuda-lock")
     phases.close()
     assert capsys.readouterr().err == "coldsnap-worker: capture phase cuda-lock\n"
+
+
+gpu_and_criu = pytest.mark.skipif(not (has_nvidia_driver() and shutil.which("criu")),
+                                  reason="needs an NVIDIA driver and CRIU (run on the GPU host)")
+
+
+@gpu_and_criu
+@pytest.mark.parametrize("phase", ["cuda-lock", "cuda-checkpoint", "criu-dump"])
+def test_a_worker_killed_in_a_gpu_phase_leaves_its_target_running_on_the_gpu(tmp_path: Path, phase: str) -> None:
+    """Issue 35 item 4: the capture worker SIGKILLed from outside as `phase` begins (its live phase read from its
+    report directory): the guard unlocks and restores the target, which computes on its device memory as before,
+    the driver says `running`, and no image is left."""
+    from coldsnap_probe._cuda import Driver
+    from tests.probe.test_worker import start_target, verify
+
+    control, images, reports = tmp_path / "control", tmp_path / "images", tmp_path / "reports"
+    reports.mkdir()
+    target = start_target("n610", control, "64")
+    try:
+        assert verify(control, 0)
+        run = subprocess.Popen([sys.executable, "-m", "coldsnap_probe", "capture", "--pid", str(target.pid),
+                                "--images", str(images), "--criu", shutil.which("criu") or ""], cwd=ROOT, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env={**os.environ, "COLDSNAP_REPORT_DIR": str(reports)})
+        order = ["find-cuda", "wait-idle", "release-memory", "cuda-lock", "cuda-checkpoint", "criu-dump"]
+        deadline = time.monotonic() + 120
+        while live_phase(reports, run.pid) not in order[order.index(phase):]:  # a lock of milliseconds: or just after
+            assert run.poll() is None and time.monotonic() < deadline, f"the capture ended before {phase}"
+            time.sleep(0.0002)
+        os.kill(run.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        _out, err = run.communicate(timeout=120)
+        assert "capture guard: the worker died" in err and f"capture phase {phase}\n" in err, err
+        assert time.monotonic() - killed < 2.0 and not images.exists()
+        driver = Driver()
+        driver.call("cuInit", 0)
+        assert driver.state(target.pid) == "running"
+        assert target.poll() is None and verify(control, 1)  # unlocked, restored, computing as before
+    finally:
+        os.killpg(target.pid, signal.SIGKILL)
+        target.wait()
