@@ -129,10 +129,10 @@ def _worker(args: argparse.Namespace) -> int:
                                       timeout=args.barrier_timeout)
         if args.command == "capture":  # each subcommand imports only its own side (issue 22: a restore's start)
             from ._capture import capture
-            from ._capture_guard import CaptureGuard
+            from ._worker_guard import WorkerGuard
 
-            guard = CaptureGuard()
-            guard.start()  # before any CUDA call: the guard may need the driver itself
+            guard = WorkerGuard()
+            guard.start("capture")  # before any CUDA call: the guard may need the driver itself
             report = capture(args.pid, Path(args.images), criu=args.criu, boundary=args.boundary,
                              digest=args.digest, coordinator=coordinator, engine=args.engine,
                              graph_policy=args.graph_policy, phases=phases, guard=guard,
@@ -140,10 +140,13 @@ def _worker(args: argparse.Namespace) -> int:
                                                   interposer=args.interposer)).to_json()
         else:
             from ._restore import restore
+            from ._worker_guard import WorkerGuard
 
+            guard = WorkerGuard()
+            guard.start("restore")  # before CRIU and the CUDA driver: a worker that dies leaves no restored tree
             report = restore(Path(args.images), criu=args.criu,
                              work=Path(args.work_dir) if args.work_dir else None, coordinator=coordinator,
-                             lazy_pages=args.lazy_pages, phases=phases,
+                             lazy_pages=args.lazy_pages, phases=phases, guard=guard,
                              memory=MemoryOptions(device_policy=args.device_policy,
                                                   device_digests=args.device_digests)).to_json()
     except TargetRefused as exc:

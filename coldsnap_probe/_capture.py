@@ -24,7 +24,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from ._capture_guard import CaptureGuard, remove_contents
 from ._coordinator import Coordinator
 from ._cuda import Driver
 from ._engine import check_quiesced, engine_request, graph_plan, resume_engine, write_graph_record
@@ -45,6 +44,7 @@ from ._process import (
 from ._profile import identity
 from ._quiesce import IDLE_WAIT_S, event_loops, wait_idle
 from ._reports import CapturedGraphPolicy, CaptureReport
+from ._worker_guard import WorkerGuard, remove_contents
 from .errors import WorkerError
 from .memory import CaptureScope, MemoryCaptures, MemoryOptions
 
@@ -54,7 +54,7 @@ __all__ = ("capture",)
 def capture(pid: int, images: Path, *, criu: str, boundary: str = "n610", lock_timeout_ms: int = 30_000,
             digest: bool = False, memory: MemoryOptions | None = None, coordinator: Coordinator | None = None,
             engine: str | None = None, graph_policy: str = "auto", phases: PhaseLog | None = None,
-            guard: CaptureGuard | None = None) -> CaptureReport:
+            guard: WorkerGuard | None = None) -> CaptureReport:
     """Checkpoint and dump the tree rooted at `pid` into `images` (must be new or empty); `memory` says what
     the memory sources release; `phases` publishes each phase as it begins; `guard` (started) undoes the capture
     if this process dies before it ends."""
@@ -66,7 +66,7 @@ def capture(pid: int, images: Path, *, criu: str, boundary: str = "n610", lock_t
     if ranks.multi and boundary == "n610" and not engine:
         raise WorkerError("several ranks need the engine's control socket (engine=) to release their "
                           "communicators before capture")
-    journal = guard or CaptureGuard()
+    journal = guard or WorkerGuard()
     journal.note(images=str(images.absolute()), created=not images.exists())
     images.mkdir(mode=0o700, parents=True, exist_ok=True)
     run = _Capture(pid, images, criu=criu, boundary=boundary, ranks=ranks, memory=memory or MemoryOptions(),
@@ -86,7 +86,7 @@ class _Capture:
 
     def __init__(self, pid: int, images: Path, *, criu: str, boundary: str, ranks: Coordinator,
                  memory: MemoryOptions, engine: str | None, plan: GraphPlan | None, phases: PhaseLog,
-                 journal: CaptureGuard) -> None:
+                 journal: WorkerGuard) -> None:
         self.pid, self.images, self.criu, self.ranks, self.phase = pid, images, criu, ranks, phases
         self.journal = journal  # each step is noted before it is taken: a guard undoes it if this process dies
         self.memory_options, self.engine, self.plan = memory, engine, plan

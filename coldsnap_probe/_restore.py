@@ -32,6 +32,7 @@ from ._phase import PhaseLog
 from ._process import criu_environment, process_state, process_tree, require_state, run_criu, stop, tail
 from ._reports import RestoredGraphPolicy, RestoreReport
 from ._target import check_target, comparable
+from ._worker_guard import WorkerGuard
 from .errors import RankAborted, TargetRefused, WorkerError
 from .memory import MemoryOptions, MemoryRestores, RestoreScope
 
@@ -43,17 +44,19 @@ LAZY_PAGES_FINISH_S = 120.0  # for it to have copied every page after the restor
 
 def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: Coordinator | None = None,
             lazy_pages: bool = False, memory: MemoryOptions | None = None,
-            phases: PhaseLog | None = None) -> RestoreReport:
+            phases: PhaseLog | None = None, guard: WorkerGuard | None = None) -> RestoreReport:
     """Restore the tree captured in `images`; returns the report (the images are only read).
 
     `lazy_pages`: CRIU restores the processes without their memory, which `criu lazy-pages` then fills
     (faults first, the rest in the background) while the CUDA state is restored. The tree is then held
     stopped until every page is in, so nothing serves from memory a failed daemon never filled. `memory` says
-    how the memory sources hydrate; `phases` publishes each phase as it begins.
+    how the memory sources hydrate; `phases` publishes each phase as it begins; `guard` (started) kills the restored
+    tree if this process dies before the restore ends.
     """
     run = _Restore(images, criu=criu, work=work, ranks=coordinator or Coordinator.single(), lazy_pages=lazy_pages,
                    phases=phases or PhaseLog("restore", publish=False))
     run.memory_options = memory or MemoryOptions()
+    run.journal = guard or WorkerGuard()
     try:
         run.phases()
     except BaseException as exc:
@@ -62,6 +65,8 @@ def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: C
         if isinstance(exc, WorkerError):
             raise
         raise WorkerError(error) from exc
+    finally:
+        run.journal.end()
     run.report.barrier_wait_s = dict(run.ranks.waits)
     return run.report
 
@@ -73,6 +78,7 @@ class _Restore:
                  phases: PhaseLog) -> None:
         self.images, self.criu, self.work, self.ranks, self.lazy_pages = images, criu, work, ranks, lazy_pages
         self.phase = phases
+        self.journal = WorkerGuard()  # CRIU's restore and the restored root are noted: a guard kills the tree
         phases.enter("validate")
         self.report = RestoreReport(rank=ranks.rank, world_size=ranks.world_size)
         self.timeline = self.report.timeline
@@ -183,12 +189,14 @@ class _Restore:
                 "--pidfile", str(pidfile), *(["--leave-stopped"] if paused else []),
                 *(["--lazy-pages"] if self.lazy else [])]
         self.driver = driver = Driver() if self.cuda else None
+        self.journal.note(restore=str(self.images), pidfile=str(pidfile))
         with ThreadPoolExecutor(1, thread_name_prefix="coldsnap-cuinit") as pool:
             # The driver initialises while CRIU runs (cuInit is a good part of the CUDA restore otherwise).
             initialised = pool.submit(driver.call, "cuInit", 0) if driver is not None else None
             seconds = self.report.criu_restore_seconds = run_criu(self.criu, args, work / "restore.log")
             self.timeline.mark("criu_restore_end")
             root = self.root = int(pidfile.read_text().split()[0])  # first: the rollback kills the tree then
+            self.journal.note(root=root)
             if initialised is not None:
                 initialised.result()
         self.report.restored_pid = root

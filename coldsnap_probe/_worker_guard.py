@@ -1,4 +1,4 @@
-"""A capture's guard: what the capture worker is about to do, undone if the worker dies before the capture ends.
+"""A worker's guard: what a capture or restore worker is about to do, undone if the worker dies before it ends.
 
 A worker can be killed in any phase (the kernel's OOM killer, a node agent's timeout, a client whose exec is torn
 down): the capture's own rollback (`_capture.py`) then never runs, and the workload would stay locked or
@@ -7,6 +7,7 @@ half-written images. So the worker command forks a guard before its first step (
 may initialise the driver itself): a child in its own session that reads the worker's journal on a pipe, one JSON
 line per step *about to be taken*:
 
+    {"worker": "capture" | "restore"}      first, from `start`
     {"images": path, "created": bool}      the images directory (removed, or emptied, on undo)
     {"memory": weights_control}            the memory sources are about to release (undone from their records)
     {"cuda": pid, "state": "locked" | "checkpointed"}
@@ -21,6 +22,13 @@ rollback: it waits for CRIU to let go of the tree (no process of it traced any m
 records in the images say it released, and removes the images.
 Each undo checks the state first (a step journalled but never taken is a no-op). What it undid goes to stderr,
 which it shares with the worker: the exec's reply ends with it, and comes only once it is done.
+
+A restore journals two steps, `{"restore": images, "pidfile": path}` before CRIU runs and `{"root": pid}` once the
+restored tree exists: a restore worker that dies leaves no restored tree (nothing half-restored serves: stopped,
+checkpointed on the GPU, or running unreported), as its own rollback would: the guard waits for an orphaned CRIU
+restore of those images and its lazy-pages daemon, then kills the tree's process group. (In a restore unit the
+container's end kills everything too; a worker run on a host has only its guard.) A stage the worker asked of a
+node hydrator is freed by the hydrator when the worker exits (its pidfd rode with the request).
 """
 
 from __future__ import annotations
@@ -32,23 +40,25 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ("CaptureGuard", "remove_contents")
+__all__ = ("WorkerGuard", "remove_contents")
 
 CRIU_LET_GO_S = 60.0  # for a CRIU dump the dead worker started to finish with the tree
 CRIU_START_S = 0.1  # for a CRIU the worker forked just before it died to show itself (its exec)
 
 
-class CaptureGuard:
+class WorkerGuard:
     """The worker's end of the journal (`note`, `end`); `start` forks the guard. Without `start`, a journal that
     only keeps nothing (a capture called in-process, whose caller's own rollback is enough)."""
 
     def __init__(self) -> None:
         self._fd = -1
 
-    def start(self) -> None:
+    def start(self, kind: str) -> None:
+        """Fork the guard of a `kind` worker (capture, restore)."""
         read, write = os.pipe()
         child = os.fork()
         if child == 0:  # the guard: never returns into the worker's code
@@ -63,6 +73,7 @@ class CaptureGuard:
                 os._exit(code)
         os.close(read)
         self._fd = write
+        self.note(worker=kind)
 
     def note(self, **step: Any) -> None:
         if self._fd < 0:
@@ -93,8 +104,10 @@ def _guard(fd: int) -> None:
         return
     started = time.monotonic()
     committed = [s["commit"] for s in steps if "commit" in s]
-    undone = [_end_tree([int(p) for p in committed[-1]])] if committed else _undo(steps)
-    sys.stderr.write(f"coldsnap-worker: capture guard: the worker died; undone in {time.monotonic() - started:.2f} s:"
+    kind = str(steps[0].get("worker", "capture"))
+    undone = (_undo_restore(steps) if kind == "restore" else [_end_tree([int(p) for p in committed[-1]])]
+              if committed else _undo(steps))
+    sys.stderr.write(f"coldsnap-worker: {kind} guard: the worker died; undone in {time.monotonic() - started:.2f} s:"
                      f" {'; '.join(undone) or 'nothing was begun'}\n")
     sys.stderr.flush()
 
@@ -117,15 +130,40 @@ def _undo(steps: list[dict[str, Any]]) -> list[str]:
     return undone
 
 
+def _undo_restore(steps: list[dict[str, Any]]) -> list[str]:
+    """No restored tree is left: CRIU's (orphaned) restore ends first, then its tree's process group is killed."""
+    roots = [int(s["root"]) for s in steps if "root" in s]
+    began = next((s for s in steps if "restore" in s), None)
+    if not roots and began is not None:
+        images = str(began["restore"]).encode()
+        _wait_while(lambda: _running([b"restore", b"--images-dir", images]), grace=CRIU_START_S)
+        with contextlib.suppress(OSError, ValueError):
+            roots = [int(Path(began["pidfile"]).read_text().split()[0])]
+    if began is not None:
+        for pid in _pids_of([b"lazy-pages", b"--images-dir", str(began["restore"]).encode()]):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    for root in roots:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(root, signal.SIGKILL)
+    return [f"restored tree {roots} killed" if roots else "no tree was restored"]
+
+
+def _wait_while(busy: Callable[[], bool], *, grace: float) -> None:
+    """Until `busy` is false (after `grace` seconds at least, for a child still starting), CRIU_LET_GO_S at most."""
+    now = time.monotonic()
+    give_up, grace_end = now + CRIU_LET_GO_S, now + grace
+    while time.monotonic() < give_up:
+        if not busy() and time.monotonic() > grace_end:
+            return
+        time.sleep(0.005)
+
+
 def _let_tree_run(tree: list[int]) -> str:
     """CRIU (the dead worker's child, maybe still starting) finishes or fails on its own, leaving the tree stopped
     (or dead); only then does the tree run again."""
-    now = time.monotonic()
-    give_up, grace = now + CRIU_LET_GO_S, now + CRIU_START_S
-    while time.monotonic() < give_up:
-        if not (_criu_dumping(tree[0]) or any(_traced(p) for p in tree)) and time.monotonic() > grace:
-            break
-        time.sleep(0.005)
+    dump = [b"dump", b"--tree", str(tree[0]).encode()]
+    _wait_while(lambda: _running(dump) or any(_traced(p) for p in tree), grace=CRIU_START_S)
     for pid in tree:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
@@ -140,9 +178,9 @@ def _end_tree(tree: list[int]) -> str:
     return f"the capture was complete: tree {tree} ended, images kept"
 
 
-def _criu_dumping(root: int) -> bool:
-    """A `criu dump --tree <root>` runs (the worker's, orphaned)."""
-    wanted = [b"dump", b"--tree", str(root).encode()]
+def _pids_of(words: list[bytes]) -> list[int]:
+    """The processes whose command line holds `words` in a row (a CRIU the dead worker started, orphaned)."""
+    found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -150,9 +188,13 @@ def _criu_dumping(root: int) -> bool:
             argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if any(argv[i:i + 3] == wanted for i in range(len(argv) - 2)):
-            return True
-    return False
+        if any(argv[i:i + len(words)] == words for i in range(len(argv) - len(words) + 1)):
+            found.append(int(entry))
+    return found
+
+
+def _running(words: list[bytes]) -> bool:
+    return bool(_pids_of(words))
 
 
 def _traced(pid: int) -> bool:

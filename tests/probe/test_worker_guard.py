@@ -1,4 +1,4 @@
-"""coldsnap_probe._capture_guard and _phase, for real: a capture worker SIGKILLed from outside while CRIU dumps its
+"""coldsnap_probe._worker_guard and _phase, for real: a capture worker SIGKILLed from outside while CRIU dumps its
 target (a watcher that reads the worker's live phase from its report directory and waits until CRIU has seized
 the tree) leaves the target running with every page intact and no images; the guard's account ends the worker's
 stderr; a failed restore names its phase; a finished worker leaves no live phase behind."""
@@ -20,7 +20,7 @@ import pytest
 from coldsnap_probe._phase import PhaseLog
 from tests.criu import CRIU, alive, criu_wrapper
 from tests.helpers import ROOT
-from tests.probe.test_criu_restore import end, verified, wait_file, worker
+from tests.probe.test_criu_restore import end, gone_within, verified, wait_file, worker
 from tests.probe.test_main import has_nvidia_driver
 
 TARGET_MIB = 256
@@ -51,6 +51,18 @@ def live_phase(reports: Path, pid: int) -> str:
         return str(json.loads((reports / f".phase-{pid}").read_text())["phase"])
     except (OSError, ValueError):
         return ""
+
+
+def criu_restoring(images: Path) -> bool:
+    words = [b"restore", b"--images-dir", str(images).encode()]
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(argv[i:i + 3] == words for i in range(len(argv) - 2)):
+            return True
+    return False
 
 
 def kill_in_dump(reports: Path, run: subprocess.Popen[str], target: int) -> None:
@@ -175,3 +187,30 @@ def test_a_worker_killed_in_a_gpu_phase_leaves_its_target_running_on_the_gpu(tmp
     finally:
         os.killpg(target.pid, signal.SIGKILL)
         target.wait()
+
+
+@pytest.mark.skipif(CRIU is None, reason="needs root and scripts/criu/build's CRIU")
+@pytest.mark.parametrize("phase", ["criu-restore", "resume"])
+def test_a_restore_worker_killed_mid_restore_leaves_no_restored_tree(tmp_path: Path, criu: str, phase: str) -> None:
+    """A restore worker SIGKILLed from outside as `phase` begins: its guard waits for the orphaned CRIU restore and
+    kills the restored tree (a worker run on a host has no container whose end would)."""
+    control, images, reports = tmp_path / "control", tmp_path / "images", tmp_path / "reports"
+    reports.mkdir()
+    target = start_target(control)
+    done = worker("capture", "--pid", str(target.pid), "--images", str(images), "--boundary", "n580", "--criu", criu)
+    assert done.returncode == 0, done.stderr
+    target.wait()
+    run = subprocess.Popen([sys.executable, "-m", "coldsnap_probe", "restore", "--images", str(images), "--criu", criu,
+                            "--work-dir", str(tmp_path / "work")], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, env={**os.environ, "COLDSNAP_REPORT_DIR": str(reports)})
+    deadline = time.monotonic() + 60
+    # in criu-restore: once CRIU restores (its command line); in resume: as the phase begins
+    while not (live_phase(reports, run.pid) == phase and (phase != "criu-restore" or criu_restoring(images))):
+        assert run.poll() is None and time.monotonic() < deadline, f"the restore ended before {phase}"
+        time.sleep(0.0002)
+    os.kill(run.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    out, err = run.communicate(timeout=60)
+    assert out == "" and f"restore phase {phase}\n" in err and "restore guard: the worker died" in err, err
+    assert time.monotonic() - killed < 2.0
+    assert gone_within(target.pid, 5), f"the restored tree ({target.pid}) outlived its killed worker: {err}"
