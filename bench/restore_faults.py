@@ -15,8 +15,9 @@ each one fault and the clean restore after it, the faults in turn:
 * restore: the restore unit's worker killed in criu-restore, cuda-restore or hydrate, the same way;
 * the node hydrator killed during a stage (as the restore's CRIU phase begins) or between restores (before it);
   it is started again after;
-* an image: the pages image truncated (a truncated copy in its place), a device dump file unreadable (a dangling
-  link in its place); put back after.
+* an image: the pages image truncated (a truncated copy in its place), the pagemap image unreadable (a dangling
+  link in its place); put back after (the same inode: a device dump file is not touched, since a changed file
+  identity would make every later restore digest its dump and skip the node hydrator's stage).
 
 The watcher (bench/fault_checks.py) acts from outside: it reads the worker's live phase from the report directory
 and kills with a signal. A faulted operation must restore or fail within 2 s of the fault, its reply naming the
@@ -64,7 +65,7 @@ MODE = "full-interposer-hydrator"
 CLEAN_S = 2.0  # a faulted operation restores or fails within this many seconds of the fault
 FAULTS = ("capture:cuda-lock", "capture:cuda-checkpoint", "capture:criu-dump", "restore:criu-restore",
           "restore:cuda-restore", "restore:hydrate", "hydrator:during-stage", "hydrator:between-restores",
-          "image:pages-truncated", "image:dump-unreadable")
+          "image:pages-truncated", "image:pagemap-unreadable")
 
 
 class Run:
@@ -208,12 +209,10 @@ def _spoil(victim: Path, *, truncate: bool) -> Path:
 
 
 async def fault_image(run: Run, how: str) -> dict[str, Any]:
-    """A pages image truncated, or a device dump file unreadable (a dangling link in its place): the restore
+    """The pages image truncated, or the pagemap image unreadable (a dangling link in its place): the restore
     fails naming the phase (or restores), and the file is put back."""
-    if how == "pages-truncated":
-        victim, phase = _largest(list(run.images.glob("pages-*.img"))), "criu-restore"
-    else:
-        victim, phase = _largest([p for p in run.images.glob("device-*/*") if p.is_file()]), "validate"
+    phase = "criu-restore"
+    victim = _largest(list(run.images.glob("pages-*.img" if how == "pages-truncated" else "pagemap-*.img")))
     aside = _spoil(victim, truncate=how == "pages-truncated")
     row: dict[str, Any] = {"file": str(victim.relative_to(run.images))}
     run.restores += 1

@@ -4,7 +4,7 @@
 # captured once through a real `coldsnap-provider serve`, then restored RESTORES times (default 100) with a fault
 # in every phase in turn, each followed by a clean restore (bench/restore_faults.py): the capture worker killed in
 # cuda-lock / cuda-checkpoint / criu-dump, the restore worker in criu-restore / cuda-restore / hydrate, the node
-# hydrator killed during a stage and between restores, the pages image truncated, a device dump file unreadable.
+# hydrator killed during a stage and between restores, the pages image truncated, the pagemap image unreadable.
 # After every step: the CUDA driver's state of every GPU process, units left (the daemon's inspect), stages left
 # (the hydrator's status).
 #   scripts/device faults [LAYERS] [RESTORES]   LAYERS: the model's layers (default 4: the run fits one call)
