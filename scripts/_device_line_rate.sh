@@ -9,7 +9,8 @@
 #             64 GiB weights file), RESTORES restores;
 #     64h     64 GiB: the weights hydrated, KV cache discarded (its own run: the weights file and no dump);
 #     release 16 GiB: the interposer's release with other copy settings (COLDSNAP_CUDA_INTERPOSER_STAGING_MIB,
-#             _THREADS), one restore each: where its copy threads spend their time, by setting.
+#             _THREADS, _DIGEST), one restore each: where its copy threads spend their time, by setting (the
+#             "release of" line: wall s, then thread-seconds D2H / digest / zero / write).
 # Environment: RESTORES (default 3). Carries .whl and .device-criu42 (or .device-criu); each part's output in
 # $OUT/<part>/ (its table in <part>.txt, the JSON beside it), then everything in $OUT/line-rate.tar.xz.
 set -uo pipefail
@@ -44,10 +45,11 @@ for p in ${PARTS//,/ }; do
             part 64 150 --sizes 64 --modes interposer --device-weights "${COMMON[@]}" ;;
         64h) part 64h 200 --sizes 64 --modes hydrate --kv discarded "${COMMON[@]}" ;;
         release)
-            for setting in "4 16" "16 16" "8 8" "16 12"; do
-                read -r mib threads <<< "$setting"
+            for setting in "4 16 crc32-64m" "4 16 sha256-64m" "16 16 crc32-64m" "8 8 crc32-64m"; do
+                read -r mib threads digest <<< "$setting"
                 COLDSNAP_CUDA_INTERPOSER_STAGING_MIB=$mib COLDSNAP_CUDA_INTERPOSER_THREADS=$threads \
-                    part "release-${mib}m-${threads}t" 60 --sizes 16 --modes interposer --device-weights \
+                    COLDSNAP_CUDA_INTERPOSER_DIGEST=$digest \
+                    part "release-${mib}m-${threads}t-${digest}" 60 --sizes 16 --modes interposer --device-weights \
                     --stack-bytes 256 --images-root /dev/shm/cs-img --root /tmp/cs --tokens 16 --restores 1
             done ;;
         *) echo "unknown part $p"; exit 2 ;;
