@@ -45,7 +45,7 @@ PROMPT = [1, 15043, 29892, 920, 526, 366, 29973, 13]
 sys.path.insert(0, str(ROOT))
 
 from bench import page_fill
-from bench._common import become_subreaper, disk_read_rate, drop_caches, kill_and_reap, stages, table
+from bench._common import become_subreaper, criu_zero_pages, disk_read_rate, drop_caches, kill_and_reap, stages, table
 from coldsnap_probe import ProbeError, hydration_request, image_digest
 
 
@@ -295,6 +295,8 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
     progress(f"  captured: {json.dumps(capture.get('timings_s'))[:200]}")
     for device in capture.get("device_memory") or []:  # where the release's copy threads spent their time
         progress(f"  release of {device.get('bytes', 0) / 1e9:.1f} GB: {release_split(device)}")
+    criu_pages, criu_zeros = criu_zero_pages(images)  # what a zero-page skip in CRIU's dump would save
+    progress(f"  CRIU pages: {criu_pages / 1e9:.2f} GB, of it 4 KiB pages of zeros {criu_zeros / 1e9:.2f} GB")
     digest_before = image_digest(images)
     image_files = sorted(((p.stat().st_size, p.name) for p in images.iterdir() if p.is_file()), reverse=True)
     restores = []
