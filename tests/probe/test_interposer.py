@@ -211,6 +211,20 @@ def test_a_dump_directory_others_may_write_is_refused(engine: tuple[Any, str], t
     assert not answer["ok"] and "writable by no one else" in answer["error"]
 
 
+def test_a_digest_kind_the_interposer_does_not_know_refuses_the_release(library: Path, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """COLDSNAP_CUDA_INTERPOSER_DIGEST names the dump's digest; a misspelt one refuses the release before anything
+    is written, naming the variable and both kinds, and the gate opens again."""
+    monkeypatch.setenv("COLDSNAP_CUDA_INTERPOSER_DIGEST", "md5-64m")
+    dump = tmp_path / "dump"
+    dump.mkdir(mode=0o700)
+    with listening(library) as (_, path):
+        answer = request(path, {"op": "release", "dir": str(dump)})
+        assert not answer["ok"] and answer["error"] == ("release: COLDSNAP_CUDA_INTERPOSER_DIGEST=md5-64m names no "
+                                                        "digest: crc32-64m or sha256-64m"), answer
+        assert list(dump.iterdir()) == [] and request(path, {"op": "status"})["gate"] == "open"
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to ask as another user")
 def test_another_users_peer_is_refused(engine: tuple[Any, str]) -> None:
     _, path = engine
