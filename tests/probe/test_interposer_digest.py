@@ -134,9 +134,11 @@ def run(harness: Path, path: Path, kind: str, engine: str, out: Path) -> tuple[s
 @pytest.mark.parametrize(("kind", "engine"), ENGINES, ids=[f"{k}-{e}" for k, e in ENGINES])
 def test_c_and_python_give_one_digest(harness: Path, files: dict[int, Path], tmp_path: Path, kind: str,
                                       engine: str) -> None:
-    python = {size: (crc_digest if kind.startswith("crc") else region_digest)(path, 0, size)
-              for size, path in files.items()}
-    for size, path in files.items():
+    # The built-in SHA-256 (0.1 GB/s) skips the largest file: the chunks' combination is the same for every engine.
+    sizes = SIZES[:-1] if engine == "builtin" else SIZES
+    python = {size: (crc_digest if kind.startswith("crc") else region_digest)(files[size], 0, size) for size in sizes}
+    for size in sizes:
+        path = files[size]
         used, digest, zero = run(harness, path, kind, engine, tmp_path / "out.bin")
         assert engine == "auto" or used == engine, used
         assert (digest, zero) == (python[size], 0), size
