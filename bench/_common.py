@@ -129,3 +129,17 @@ def disk_read_rate(path: Path, limit: int = 2 << 30) -> float:
         while got < limit and (n := f.readinto(buf)):
             got += n
     return got / (time.perf_counter() - started)
+
+
+def criu_zero_pages(images: Path) -> tuple[int, int]:
+    """Bytes of a CRIU image set's pages images (`pages-*.img`) and how many of them are 4 KiB pages of zeros
+    (what CRIU writes for pages that were written with zeros: it skips only never-written ones)."""
+    size = zeros = 0
+    empty = bytes(4096)
+    for path in images.glob("pages-*.img"):
+        with path.open("rb", buffering=0) as f:
+            while block := f.read(16 << 20):
+                size += len(block)
+                view = memoryview(block)
+                zeros += 4096 * sum(view[at:at + 4096] == empty for at in range(0, len(block) - 4095, 4096))
+    return size, zeros

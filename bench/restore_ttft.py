@@ -45,8 +45,18 @@ PROMPT = [1, 15043, 29892, 920, 526, 366, 29973, 13]
 sys.path.insert(0, str(ROOT))
 
 from bench import page_fill
-from bench._common import become_subreaper, disk_read_rate, drop_caches, kill_and_reap, stages, table
+from bench._common import become_subreaper, criu_zero_pages, disk_read_rate, drop_caches, kill_and_reap, stages, table
 from coldsnap_probe import ProbeError, hydration_request, image_digest
+
+
+def release_split(device: dict[str, Any]) -> str:
+    """A release's phases in one line: wall seconds, then the copy threads' thread-seconds waiting for the
+    device-to-host copies, digesting, looking for zeros and writing, and the raw timings."""
+    t = device.get("timings_s") or {}
+    return (f"{t.get('dump', 0.0):.2f} s ({device.get('gbps', 0.0):.1f} GB/s); thread-s D2H "
+            f"{t.get('dump_device_thread_s', 0.0):.2f} / digest {t.get('dump_digest_thread_s', 0.0):.2f} / zero "
+            f"{t.get('dump_zero_thread_s', 0.0):.2f} / write {t.get('dump_write_thread_s', 0.0):.2f}; "
+            f"{json.dumps(t)}")
 
 
 def connect(path: Path, deadline_s: float = 120.0) -> socket.socket:
@@ -288,7 +298,9 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
     captured_log = log.stat().st_size
     progress(f"  captured: {json.dumps(capture.get('timings_s'))[:200]}")
     for device in capture.get("device_memory") or []:  # where the release's copy threads spent their time
-        progress(f"  release of {device.get('bytes', 0) / 1e9:.1f} GB: {json.dumps(device.get('timings_s'))}")
+        progress(f"  release of {device.get('bytes', 0) / 1e9:.1f} GB: {release_split(device)}")
+    criu_pages, criu_zeros = criu_zero_pages(images)  # what a zero-page skip in CRIU's dump would save
+    progress(f"  CRIU pages: {criu_pages / 1e9:.2f} GB, of it 4 KiB pages of zeros {criu_zeros / 1e9:.2f} GB")
     digest_before = image_digest(images)
     image_files = sorted(((p.stat().st_size, p.name) for p in images.iterdir() if p.is_file()), reverse=True)
     restores = []

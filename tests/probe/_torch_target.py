@@ -2,8 +2,9 @@
 
     python -m tests.probe._torch_target DIR MIB
 
-It holds MIB of random tensors, a cuBLAS matmul's output and a captured CUDA graph, writes `ready` with their
-digests, then answers requests left as files in DIR (so it keeps no descriptor CRIU would carry):
+It holds MIB of random tensors, 160 MiB of zeros (the dump's zero chunks), a cuBLAS matmul's output and a
+captured CUDA graph, writes `ready` with their digests, then answers requests left as files in DIR (so it keeps
+no descriptor CRIU would carry):
 `check-<n>` -> `answer-check-<n>` (the digests recomputed: tensors read back, the matmul redone, the graph
 replayed onto a zeroed output) and `launch-<n>` -> `answer-launch-<n>` (a matmul launched and synchronised
 by a thread; `finished_unix` says when it could run).
@@ -32,6 +33,7 @@ def main() -> None:
     directory, mib = Path(sys.argv[1]), int(sys.argv[2])
     torch.manual_seed(0)
     data = torch.randn(mib << 18, device="cuda")  # MIB of float32
+    zeros = torch.zeros(160 << 18, device="cuda")  # a region of its own with 64 MiB chunks of zeros (never written)
     x, w = torch.randn(1024, 1024, device="cuda"), torch.randn(1024, 1024, device="cuda")
     static_in = torch.randn(1024, 1024, device="cuda")
     side = torch.cuda.Stream()
@@ -50,7 +52,7 @@ def main() -> None:
         static_out.zero_()
         graph.replay()
         torch.cuda.synchronize()
-        return {"tensor": digest(data), "matmul": digest(x @ w), "graph": digest(static_out)}
+        return {"tensor": digest(data), "matmul": digest(x @ w), "graph": digest(static_out), "zeros": digest(zeros)}
 
     answer(directory, "ready", digests())
     served: set[str] = set()

@@ -141,6 +141,8 @@ HARNESS = r"""
 #include "operations.c"
 #include "request.c"
 #include "sha256.c"
+#include "crc32.c"
+#include "digest.c"
 #include "dump.c"
 #include "hydrate.c"
 
