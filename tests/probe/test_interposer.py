@@ -438,6 +438,9 @@ HARNESS = r"""
 #include "sha256.c"
 #include "dump.c"
 #include "hydrate.c"
+#include "engine_vmm.c"
+#include "vmm_backing.c"
+#include "stream_ordered.c"
 
 /* The manifest writer with two regions (no driver involved): one of 3 GiB (three segments), one of 2 MiB. */
 int main(void)
@@ -501,6 +504,9 @@ GATE_HARNESS = r"""
 #include "sha256.c"
 #include "dump.c"
 #include "hydrate.c"
+#include "engine_vmm.c"
+#include "vmm_backing.c"
+#include "stream_ordered.c"
 
 static volatile int released_now, stop, violations, calls, nested_done;
 

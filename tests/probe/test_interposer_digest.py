@@ -30,6 +30,9 @@ HARNESS = r"""
 #include "sha256.c"
 #include "dump.c"
 #include "hydrate.c"
+#include "engine_vmm.c"
+#include "vmm_backing.c"
+#include "stream_ordered.c"
 
 static void no_libcrypto(void) {}
 

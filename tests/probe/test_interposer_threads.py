@@ -44,6 +44,9 @@ EXEMPT_HARNESS = r"""
 #include "sha256.c"
 #include "dump.c"
 #include "hydrate.c"
+#include "engine_vmm.c"
+#include "vmm_backing.c"
+#include "stream_ordered.c"
 
 static volatile int passed[2];
 
@@ -105,6 +108,9 @@ DRAIN_HARNESS = r"""
 #include "sha256.c"
 #include "dump.c"
 #include "hydrate.c"
+#include "engine_vmm.c"
+#include "vmm_backing.c"
+#include "stream_ordered.c"
 
 static volatile int later_passed;
 

@@ -89,6 +89,28 @@ size_t cscu_answer_room(void)
     return CSCU_ANSWER + t.count * 512 + t.segments * 256;  /* a region's manifest entry, a segment's */
 }
 
+/* `,"moved":{...}` from the table (null while a release or hydration holds it). */
+static size_t moved(char *out, size_t room)
+{
+    size_t used = (size_t)snprintf(out, room, ",\"moved\":");
+    if (used >= room)
+        return room ? room - 1 : 0;
+    for (int tries = 0; tries < 100; tries++) {
+        if (cscu_regions_trylock() == 0) {
+            used += cscu_moved_json(out + used, room - used);
+            cscu_regions_unlock();
+            return used;
+        }
+        pthread_mutex_lock(&op_lock);
+        int busy = operation != NULL;
+        pthread_mutex_unlock(&op_lock);
+        if (busy)
+            break;
+        usleep(1000);
+    }
+    return used + (size_t)snprintf(out + used, room - used, "null");
+}
+
 static void status(char *out, size_t room)
 {
     struct totals t = tally();
@@ -107,6 +129,7 @@ static void status(char *out, size_t room)
                                    cfg->staging, cfg->drain_s, cfg->request_s, cscu_sha256_engine(),
                                    cscu_driver() ? "true" : "false");
     used += cscu_counts_json(out + used, room - used);
+    used += moved(out + used, room - used);
     used += (size_t)snprintf(out + used, room - used, ",\"wrapped\":");
     if (used < room)
         used += cscu_entries_json(out + used, room - used);
@@ -161,6 +184,7 @@ static void release(const struct cscu_request *req, char *out, size_t room)
                     cscu_config()->drain_s);
         return;
     }
+    cscu_async_settle();  /* stream-ordered frees done, the freed regions kept for reuse let go: none is dumped */
     cscu_regions_lock();
     cscu_release(req->dir, out, room);
     released = regions_mapped(0);
