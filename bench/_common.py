@@ -129,3 +129,23 @@ def disk_read_rate(path: Path, limit: int = 2 << 30) -> float:
         while got < limit and (n := f.readinto(buf)):
             got += n
     return got / (time.perf_counter() - started)
+
+
+HOST_KINDS = {"host_registered", "host_pinned", "unwrapped_entry_points"}  # uncovered, but not device memory
+
+
+def line_rate(devices: list[dict[str, Any]] | None) -> str:
+    """What the capture moved at line rate, as a share of the device bytes the interposer saw, and the largest kind
+    left on the CUDA checkpoint path ("-" without the interposer)."""
+    moved = stayed = 0
+    left: dict[str, int] = {}
+    for device in devices or []:
+        moved += sum(int(k.get("bytes", 0)) for k in (device.get("moved") or {}).values())
+        for kind, seen in (device.get("uncovered") or {}).items():
+            if kind not in HOST_KINDS and int(seen.get("bytes", 0)):
+                stayed += int(seen["bytes"])
+                left[kind] = left.get(kind, 0) + int(seen["bytes"])
+    if not moved and not stayed:
+        return "-"
+    top = max(left, key=lambda k: left[k]) if left else ""
+    return f"{moved / (moved + stayed):.1%}" + (f" ({top} {left[top] / 1e6:.0f} MB left)" if top else "")

@@ -5,8 +5,10 @@
 It holds MIB of random tensors, a cuBLAS matmul's output and a captured CUDA graph, writes `ready` with their
 digests, then answers requests left as files in DIR (so it keeps no descriptor CRIU would carry):
 `check-<n>` -> `answer-check-<n>` (the digests recomputed: tensors read back, the matmul redone, the graph
-replayed onto a zeroed output) and `launch-<n>` -> `answer-launch-<n>` (a matmul launched and synchronised
-by a thread; `finished_unix` says when it could run).
+replayed onto a zeroed output), `launch-<n>` -> `answer-launch-<n>` (a matmul launched and synchronised
+by a thread; `finished_unix` says when it could run) and `churn-<n>` -> `answer-churn-<n>` (tensors of several
+sizes made, half freed, the allocator's cache emptied, more made: `ok` when every value reads back as written).
+`ready` and each check also name the allocator backend (PYTORCH_CUDA_ALLOC_CONF's `backend`).
 """
 
 from __future__ import annotations
@@ -50,17 +52,32 @@ def main() -> None:
         static_out.zero_()
         graph.replay()
         torch.cuda.synchronize()
-        return {"tensor": digest(data), "matmul": digest(x @ w), "graph": digest(static_out)}
+        return {"tensor": digest(data), "matmul": digest(x @ w), "graph": digest(static_out),
+                "backend": torch.cuda.get_allocator_backend()}
+
+    def churn() -> dict[str, Any]:
+        """Frees and allocations after a restore: the allocator's own (torch's cache, expandable pages, the
+        stream-ordered pool) must still hand out memory that holds what is written."""
+        made = [torch.full((n << 18,), float(n), device="cuda") for n in (1, 3, 8, 40, 130)]
+        del made[1::2]
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # expandable segments unmap and release pages; the async pool trims
+        made += [torch.full((n << 18,), float(n), device="cuda") for n in (64, 2, 96)]
+        ok = all(bool(torch.all(t == float(t.numel() >> 18)).item()) for t in made)
+        return {"ok": ok, "matmul": digest(x @ w)}
 
     answer(directory, "ready", digests())
     served: set[str] = set()
     while True:
-        for request in sorted(directory.glob("check-*")) + sorted(directory.glob("launch-*")):
+        for request in sorted(directory.glob("check-*")) + sorted(directory.glob("launch-*")) + sorted(
+                directory.glob("churn-*")):
             if request.name in served:
                 continue
             served.add(request.name)
             if request.name.startswith("check-"):
                 answer(directory, "answer-" + request.name, digests())
+            elif request.name.startswith("churn-"):
+                answer(directory, "answer-" + request.name, churn())
             else:
                 started = time.time()
                 (x @ w).sum().item()  # a launch and a synchronisation: both wait while the memory is released

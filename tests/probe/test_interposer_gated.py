@@ -265,7 +265,8 @@ def redeclared(folder: Path, mode: str) -> tuple[subprocess.CompletedProcess[str
     """Compile every wrapper's declaration after cuda.h (in `mode`): gcc's result, and the names cuda.h declared
     (-Wredundant-decls names them), so the check cannot pass by declaring nothing."""
     assert CUDA_H is not None
-    lines = ["#include <cuda.h>", "typedef unsigned int U;", "typedef size_t Z;", "typedef CUmemGenericAllocationHandle H;"]
+    lines = ["#include <cuda.h>", "typedef unsigned int U;", "typedef size_t Z;",
+             "typedef CUmemGenericAllocationHandle H;"]
     lines += [f"#undef {name}\nCUresult {name}{params};" for name, params in wrapper_declarations()]
     (folder / "abi.c").write_text("\n".join(lines) + "\n")
     done = subprocess.run(["gcc", "-c", "-std=gnu11", "-Wredundant-decls", *([mode] if mode else []),
