@@ -238,10 +238,10 @@ CUDA_H = next((p for p in (Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) 
 
 def wrapper_declarations() -> list[tuple[str, str]]:
     """(exported name, parameter list) of every wrapper interpose.c defines with a macro (GATED, COUNTED, UNTRACKED,
-    ROUTED, ASYNC, FREED and their one-name forms), read from its macro calls."""
+    ROUTED, ORDERED and their one-name forms), read from its macro calls."""
     text = (SOURCES / "interpose.c").read_text()
     found = []
-    for match in re.finditer(r"^(?:GATED|COUNTED|UNTRACKED|ROUTED|ASYNC|FREED)1?\(", text, re.MULTILINE):
+    for match in re.finditer(r"^(?:GATED|COUNTED|UNTRACKED|ROUTED|ORDERED)1?\(", text, re.MULTILINE):
         depth, at, parts, start = 1, match.end(), [], match.end()
         while depth:
             c = text[at]

@@ -12,9 +12,11 @@
  * unwrapped and counted, never mixed up.
  *
  * The wrapped list (keep docs/interposer.md in step):
- *   allocation: cuMemAlloc_v2, cuMemFree_v2 (VMM above the threshold), and, counted only: cuMemAllocPitch_v2,
- *     cuMemAllocManaged, cuMemAllocAsync, cuMemAllocFromPoolAsync, cuMemFreeAsync, cuMemHostRegister_v2,
- *     cuMemHostAlloc, cuMemAllocHost_v2, cuIpcOpenMemHandle_v2, cuMemCreate;
+ *   allocation: cuMemAlloc_v2, cuMemFree_v2, cuMemAllocAsync, cuMemAllocFromPoolAsync, cuMemFreeAsync (regions above
+ *     the threshold), the engine's VMM (cuMemCreate, cuMemRelease, cuMemMap, cuMemUnmap, cuMemSetAccess,
+ *     cuMemRetainAllocationHandle, cuMemGetAllocationPropertiesFromHandle, cuMemExportToShareableHandle: its handles
+ *     translated), and, counted only: cuMemAllocPitch_v2, cuMemAllocManaged, cuMemHostRegister_v2, cuMemHostAlloc,
+ *     cuMemAllocHost_v2, cuIpcOpenMemHandle_v2;
  *   the readiness gate (wait while the regions are released): the allocation calls above, cuLaunchKernel,
  *     cuLaunchKernelEx, cuLaunchCooperativeKernel, cuGraphLaunch, cuMemcpy, cuMemcpyAsync, cuMemcpyPeer,
  *     cuMemcpyPeerAsync, cuMemcpy{HtoD,DtoH,DtoD}{,Async}_v2, cuMemcpy{2D,3D}{,Async}_v2,
@@ -282,48 +284,34 @@ ROUTED1(cuMemGetAllocationPropertiesFromHandle, (CUmemAllocationProp *prop, H h)
 ROUTED1(cuMemExportToShareableHandle, (void *out, H h, U type, unsigned long long flags), (out, h, type, flags),
         cscu_vmm_export)
 
-/* Stream-ordered allocations (stream_ordered.c): of the threshold or more, regions; the rest the driver's,
- * counted. */
-#define ASYNC(fn, pt, params, args, pool, from_pool, s)                                       \
+/* Stream-ordered allocations (stream_ordered.c): `ours` of the threshold or more (regions); the rest go to the
+ * driver, and `done` counts them. */
+#define ORDERED(fn, pt, params, args, ours, done)                                             \
     static void *fn##_slot[2];                                                                 \
     CSCU_EXPORT CUresult fn params;                                                            \
     CSCU_EXPORT CUresult pt params;                                                            \
-    CUresult fn params ASYNC_BODY(fn, 0, #fn, args, pool, from_pool, s)                        \
-    CUresult pt params ASYNC_BODY(fn, 1, #pt, args, pool, from_pool, s)
-#define ASYNC_BODY(fn, v, name, args, pool, from_pool, s)                                     \
+    CUresult fn params ORDERED_BODY(fn, 0, #fn, args, ours, done)                              \
+    CUresult pt params ORDERED_BODY(fn, 1, #pt, args, ours, done)
+#define ORDERED_BODY(fn, v, name, args, ours, done)                                           \
     {                                                                                          \
         __typeof__(&fn) real = (__typeof__(&fn))slot(&fn##_slot[v], name);                     \
+        const int per_thread = v;                                                              \
         if (!real)                                                                             \
             return CUDA_ERROR_NOT_INITIALIZED;                                                 \
         cscu_gate_enter();                                                                     \
-        CUresult rc = cscu_async_alloc(v, p, n, pool, from_pool, s);                           \
+        CUresult rc = ours;                                                                    \
         if (rc == CUDA_ERROR_NOT_FOUND && (rc = real args) == CUDA_SUCCESS)                    \
-            cscu_track(CSCU_ASYNC, (uintptr_t)*p, n);                                          \
+            done;                                                                              \
         cscu_gate_leave();                                                                     \
         return rc;                                                                             \
     }
-ASYNC(cuMemAllocAsync, cuMemAllocAsync_ptsz, (CUdeviceptr *p, size_t n, CUstream s), (p, n, s), NULL, 0, s)
-ASYNC(cuMemAllocFromPoolAsync, cuMemAllocFromPoolAsync_ptsz, (CUdeviceptr *p, size_t n, CUmemoryPool pool,
-      CUstream s), (p, n, pool, s), pool, 1, s)
-#define FREED(fn, pt, params, args)                                                           \
-    static void *fn##_slot[2];                                                                 \
-    CSCU_EXPORT CUresult fn params;                                                            \
-    CSCU_EXPORT CUresult pt params;                                                            \
-    CUresult fn params FREED_BODY(fn, 0, #fn, args)                                            \
-    CUresult pt params FREED_BODY(fn, 1, #pt, args)
-#define FREED_BODY(fn, v, name, args)                                                         \
-    {                                                                                          \
-        __typeof__(&fn) real = (__typeof__(&fn))slot(&fn##_slot[v], name);                     \
-        if (!real)                                                                             \
-            return CUDA_ERROR_NOT_INITIALIZED;                                                 \
-        cscu_gate_enter();                                                                     \
-        CUresult rc = cscu_async_free(v, p, s);                                                \
-        if (rc == CUDA_ERROR_NOT_FOUND && (rc = real args) == CUDA_SUCCESS)                    \
-            cscu_untrack((uintptr_t)p);                                                        \
-        cscu_gate_leave();                                                                     \
-        return rc;                                                                             \
-    }
-FREED(cuMemFreeAsync, cuMemFreeAsync_ptsz, (CUdeviceptr p, CUstream s), (p, s))
+ORDERED(cuMemAllocAsync, cuMemAllocAsync_ptsz, (CUdeviceptr *p, size_t n, CUstream s), (p, n, s),
+        cscu_async_alloc(per_thread, p, n, NULL, 0, s), cscu_track(CSCU_ASYNC, (uintptr_t)*p, n))
+ORDERED(cuMemAllocFromPoolAsync, cuMemAllocFromPoolAsync_ptsz, (CUdeviceptr *p, size_t n, CUmemoryPool pool,
+        CUstream s), (p, n, pool, s), cscu_async_alloc(per_thread, p, n, pool, 1, s),
+        cscu_track(CSCU_ASYNC, (uintptr_t)*p, n))
+ORDERED(cuMemFreeAsync, cuMemFreeAsync_ptsz, (CUdeviceptr p, CUstream s), (p, s), cscu_async_free(per_thread, p, s),
+        cscu_untrack((uintptr_t)p))
 
 static void *cuMemAlloc_v2_slot[2];
 static void *cuMemFree_v2_slot[2];
