@@ -145,6 +145,8 @@ struct cscu_config {
     size_t staging;             /* COLDSNAP_CUDA_INTERPOSER_STAGING_MIB per pinned buffer (default 4 MiB) */
     int drain_s;                /* COLDSNAP_CUDA_INTERPOSER_DRAIN_S: a release waits this long for calls inside */
     int request_s;              /* COLDSNAP_CUDA_INTERPOSER_REQUEST_S: a peer's whole request line within this */
+    int engine_vmm;             /* COLDSNAP_CUDA_INTERPOSER_ENGINE_VMM (default 1): the engine's cuMemCreate moved */
+    int stream_ordered;         /* COLDSNAP_CUDA_INTERPOSER_STREAM_ORDERED (default 1): cuMemAllocAsync moved */
 };
 CSCU_HIDDEN const struct cscu_config *cscu_config(void);
 

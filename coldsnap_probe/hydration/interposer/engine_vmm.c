@@ -167,7 +167,8 @@ static int add_record(struct cscu_vmm *v)
  * with the driver and the control socket there. */
 static int routable(const CUmemAllocationProp *prop, size_t n)
 {
-    return cscu_config()->socket[0] && cscu_driver() && prop && prop->type == CU_MEM_ALLOCATION_TYPE_PINNED
+    return cscu_config()->socket[0] && cscu_config()->engine_vmm && cscu_driver() && prop
+           && prop->type == CU_MEM_ALLOCATION_TYPE_PINNED
            && prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE && n >= cscu_config()->threshold
            && cscu_regions_start() == 0;
 }

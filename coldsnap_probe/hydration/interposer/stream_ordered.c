@@ -16,6 +16,7 @@
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "cscu.h"
 
@@ -50,8 +51,8 @@ static void fn_load(void)
         {(void **)&fn.default_pool, "cuDeviceGetDefaultMemPool"}, {(void **)&fn.current_pool, "cuDeviceGetMemPool"},
     };
     for (size_t i = 0; i < sizeof(need) / sizeof(need[0]); i++)
-        if (!(*need[i].place = cscu_real(need[i].name)))
-            return;
+        if (!(*need[i].place = cscu_real(need[i].name)) && !strstr(need[i].name, "_ptsz"))
+            return;  /* a per-thread variant may be missing: its callers then stay on the driver's path */
     fn_ok = cscu_driver() != NULL;
 }
 
@@ -79,7 +80,18 @@ static void freed_remove(size_t i)
 static int capturing(int pt, CUstream s)
 {
     int status = 1;
-    return fn.is_capturing[pt](s, &status) != CUDA_SUCCESS || status != 0;  /* unsure: treat as capturing */
+    return !fn.is_capturing[pt] || fn.is_capturing[pt](s, &status) != CUDA_SUCCESS
+           || status != 0;  /* unsure (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT...): as if capturing */
+}
+
+/* The NULL, legacy and per-thread default streams (0, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD) are the current
+ * context's by definition. */
+static int in_context(int pt, CUstream s, CUcontext current)
+{
+    CUcontext ctx = NULL;
+    if ((uintptr_t)s <= 2)
+        return 1;
+    return fn.stream_ctx[pt] && fn.stream_ctx[pt](s, &ctx) == CUDA_SUCCESS && ctx == current;
 }
 
 /* 1 when an allocation on `s` from `pool` (from_pool) or the device's current pool may be a region: not in a
@@ -87,11 +99,11 @@ static int capturing(int pt, CUstream s)
 static int plain(int pt, CUstream s, CUmemoryPool pool, int from_pool)
 {
     const struct cscu_driver *d = cscu_driver();
-    CUcontext current = NULL, ctx = NULL;
+    CUcontext current = NULL;
     CUdevice dev;
     CUmemoryPool fallback = NULL, used = pool;
-    if (capturing(pt, s) || d->ctx_get_current(&current) != CUDA_SUCCESS || !current
-        || fn.stream_ctx[pt](s, &ctx) != CUDA_SUCCESS || ctx != current || d->ctx_get_device(&dev) != CUDA_SUCCESS
+    if (!fn.event_record[pt] || capturing(pt, s) || d->ctx_get_current(&current) != CUDA_SUCCESS || !current
+        || !in_context(pt, s, current) || d->ctx_get_device(&dev) != CUDA_SUCCESS
         || fn.default_pool(&fallback, dev) != CUDA_SUCCESS)
         return 0;
     if (!from_pool && fn.current_pool(&used, dev) != CUDA_SUCCESS)
@@ -147,7 +159,8 @@ CUresult cscu_async_alloc(int per_thread, CUdeviceptr *p, size_t n, CUmemoryPool
 {
     enum cscu_kind why;
     int pt = per_thread ? 1 : 0;
-    if (!p || n < cscu_config()->threshold || !ready() || !plain(pt, s, pool, from_pool))
+    if (!p || n < cscu_config()->threshold || !cscu_config()->stream_ordered || !ready()
+        || !plain(pt, s, pool, from_pool))
         return CUDA_ERROR_NOT_FOUND;
     pthread_mutex_lock(&freed_lock);
     reap(0);
@@ -167,6 +180,8 @@ CUresult cscu_async_free(int per_thread, CUdeviceptr p, CUstream s)
     int pt = per_thread ? 1 : 0;
     if (!ready() || cscu_region_of(p, &r) != 0)
         return CUDA_ERROR_NOT_FOUND;
+    if (!fn.event_record[pt] || !fn.is_capturing[pt])  /* no per-thread entry points: as cuMemFree */
+        return cscu_free(p);
     pthread_mutex_lock(&freed_lock);
     CUresult rc = CUDA_SUCCESS;
     for (size_t i = 0; i < freed_count; i++)
