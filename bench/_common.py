@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import json
 import os
+import re
 import signal
 import socket
 import statistics
@@ -149,3 +151,11 @@ def line_rate(devices: list[dict[str, Any]] | None) -> str:
         return "-"
     top = max(left, key=lambda k: left[k]) if left else ""
     return f"{moved / (moved + stayed):.1%}" + (f" ({top} {left[top] / 1e6:.0f} MB left)" if top else "")
+
+
+def alloc_conf(text: str) -> str:
+    """An --alloc-conf value: `default` (unset), or PYTORCH_CUDA_ALLOC_CONF's `key:value[,key:value...]`."""
+    if text != "default" and not re.fullmatch(r"[A-Za-z_]+:[^,:\s]+(,[A-Za-z_]+:[^,:\s]+)*", text):
+        raise argparse.ArgumentTypeError(f"{text!r} must be `default` or PYTORCH_CUDA_ALLOC_CONF's "
+                                         "key:value[,key:value]")
+    return text

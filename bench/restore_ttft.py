@@ -44,8 +44,8 @@ BASELINE_MIB = 0  # GPU memory used with no server running (set in main)
 PROMPT = [1, 15043, 29892, 920, 526, 366, 29973, 13]
 sys.path.insert(0, str(ROOT))
 
-from bench import page_fill
-from bench._common import become_subreaper, disk_read_rate, drop_caches, kill_and_reap, line_rate, stages, table
+from bench import _common, page_fill
+from bench._common import become_subreaper, disk_read_rate, drop_caches, kill_and_reap, stages, table
 from coldsnap_probe import ProbeError, hydration_request, image_digest
 
 
@@ -449,7 +449,7 @@ def main() -> None:
     parser.add_argument("--memory", default="eager", type=choices("eager", "lazy"),
                         help="comma-separated: eager (CRIU fills the memory), lazy "
                         "(criu lazy-pages fills it while the CUDA state comes back); each size runs with each")
-    parser.add_argument("--alloc-conf", action="append", default=None,
+    parser.add_argument("--alloc-conf", action="append", default=None, type=_common.alloc_conf,
                         help="a PYTORCH_CUDA_ALLOC_CONF for the servers (repeat it for several rows; `default`: "
                         "unset), e.g. --alloc-conf default --alloc-conf expandable_segments:True "
                         "--alloc-conf backend:cudaMallocAsync")
@@ -574,7 +574,7 @@ def main() -> None:
                      + f" = {sum(r['capture'].get(k, 0.0) for k in CAPTURE_PARTS):.2f}",
                      f"{gbps:.1f} ({gbps / h2d:.0%} of {h2d:.1f})",
                      "yes" if all(x["tokens_identical"] and x["logits_identical"] for x in r["restores"]) else "NO",
-                     "yes" if r["images_unchanged"] else "NO", line_rate(r.get("capture_device_memory"))])
+                     "yes" if r["images_unchanged"] else "NO", _common.line_rate(r.get("capture_device_memory"))])
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     thp_mode = thp.read_text().strip() if thp.exists() else "unknown"
     print(f"transparent huge pages: {thp_mode}")
