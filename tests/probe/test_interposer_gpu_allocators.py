@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(not has_nvidia_driver(), reason="needs an NVIDIA
 CONFS = {"expandable_segments:True": ("vmm_by_engine", "native"), "backend:cudaMallocAsync": ("stream_ordered",
                                                                                                 "cudaMallocAsync")}
 HOST_KINDS = {"host_registered", "host_pinned", "unwrapped_entry_points"}  # not device memory
-MOVED_MIB = 512
+MOVED_MIB = 1024  # beside it, what stays is small: a graph-owned output, cuBLAS workspaces made in the capture
 
 
 def coverage(moved: dict[str, dict[str, int]], uncovered: dict[str, dict[str, int]]) -> float:
