@@ -79,6 +79,7 @@ GATED = (
     ("cuMemRetainAllocationHandle", 11000, "cuMemRetainAllocationHandle", None),
     ("cuMemGetAllocationPropertiesFromHandle", 10020, "cuMemGetAllocationPropertiesFromHandle", None),
     ("cuMemExportToShareableHandle", 10020, "cuMemExportToShareableHandle", None),
+    ("cuMulticastBindMem", 12010, "cuMulticastBindMem", None),
     # gated before this change (kept here so the whole list is pinned)
     ("cuLaunchKernel", 4000, "cuLaunchKernel", "cuLaunchKernel_ptsz"),
     ("cuLaunchKernelEx", 11060, "cuLaunchKernelEx", "cuLaunchKernelEx_ptsz"),

@@ -119,6 +119,13 @@ int cuMemExportToShareableHandle(void *out, H h, unsigned t, unsigned long long 
     *(int *)out = 99;
     return find(h) ? 0 : 1;
 }
+H last_bound;
+int cuMulticastBindMem(H mc, size_t mo, H h, size_t o, size_t n, unsigned long long f)
+{
+    (void)mc; (void)mo; (void)o; (void)n; (void)f;
+    last_bound = h;
+    return find(h) ? 0 : 1;
+}
 int cuStreamCreate(void **s, unsigned f) { (void)f; *s = (void *)0x2000; return 0; }
 int cuStreamDestroy_v2(void *s) { (void)s; return 0; }
 int cuStreamSynchronize(void *s) { (void)s; return 0; }
@@ -228,8 +235,15 @@ static void expandable(void)
     cuMemExportToShareableHandle(&fd, h[2], 1, 0);
     CHECK("exported: the driver's handle, and it stays on the checkpoint path",
           fd == 99 && (*u("last_exported") >> 48) == 0 && from(CSCU_FROM_ENGINE, &bytes) == 1);
+    cuMulticastBindMem(0x77, 0, h[1], 0, 2 * MIB, 0);
+    CHECK("bound to a multicast object: the driver's handle, and it stays",
+          (*u("last_bound") >> 48) == 0 && *u("last_bound") != 0 && from(CSCU_FROM_ENGINE, &bytes) == 0);
     CUmemAccessDesc peer = {{CU_MEM_LOCATION_TYPE_DEVICE, 1}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
-    cuMemSetAccess(base + 2 * MIB, MIB, &peer, 1);  /* half of a page */
+    cuMemCreate(&h[0], 2 * MIB, &prop, 0);
+    cuMemMap(base + 6 * MIB, 2 * MIB, 0, h[0], 0);
+    cuMemSetAccess(base + 6 * MIB, 2 * MIB, &rw, 1);
+    CHECK("a fourth page: a region", from(CSCU_FROM_ENGINE, &bytes) == 1);
+    cuMemSetAccess(base + 6 * MIB, MIB, &peer, 1);  /* half of a page */
     CHECK("access over part of a mapping pins it", from(CSCU_FROM_ENGINE, &bytes) == 0);
     prop.location.type = 2;  /* host memory: not ours to move */
     cuMemCreate(&again, 4 * MIB, &prop, 0);
@@ -300,4 +314,4 @@ def test_engine_vmm_and_stream_ordered_allocations_against_a_recording_driver(tm
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert [line for line in lines if not line.startswith("ok ")] == [], done.stdout
-    assert len(lines) == 24, done.stdout
+    assert len(lines) == 26, done.stdout

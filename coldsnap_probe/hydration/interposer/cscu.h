@@ -196,7 +196,7 @@ struct cscu_vmm {
     size_t map_count;
     struct cscu_mapping maps[CSCU_VMM_MAPS];
 };
-#define CSCU_PINNED_EXPORTED 1  /* cuMemExportToShareableHandle: another process may hold it */
+#define CSCU_PINNED_EXPORTED 1  /* exported (another process may hold it) or bound to a multicast object */
 #define CSCU_PINNED_MAPS 2      /* mapped more often than recorded, or accessed over part of a mapping */
 
 /* What stayed on the CUDA checkpoint path, per kind (cumulative counts and bytes). */
@@ -249,6 +249,8 @@ typedef CUresult (*cscu_access_fn)(CUdeviceptr, size_t, const CUmemAccessDesc *,
 typedef CUresult (*cscu_retain_fn)(CUmemGenericAllocationHandle *, void *);
 typedef CUresult (*cscu_props_fn)(CUmemAllocationProp *, CUmemGenericAllocationHandle);
 typedef CUresult (*cscu_export_fn)(void *, CUmemGenericAllocationHandle, unsigned int, unsigned long long);
+typedef CUresult (*cscu_bind_fn)(CUmemGenericAllocationHandle, size_t, CUmemGenericAllocationHandle, size_t, size_t,
+                                 unsigned long long);
 /* The wrappers' work: each calls `real` with the driver's handle for the engine's, and keeps the records. */
 CSCU_HIDDEN CUresult cscu_vmm_create(cscu_create_fn real, CUmemGenericAllocationHandle *h, size_t n,
                                      const CUmemAllocationProp *prop, unsigned long long flags);
@@ -263,6 +265,9 @@ CSCU_HIDDEN CUresult cscu_vmm_properties(cscu_props_fn real, CUmemAllocationProp
                                          CUmemGenericAllocationHandle h);
 CSCU_HIDDEN CUresult cscu_vmm_export(cscu_export_fn real, void *out, CUmemGenericAllocationHandle h, unsigned int type,
                                      unsigned long long flags);
+/* cuMulticastBindMem: the allocation bound to a multicast object (another device's writes land in it) stays. */
+CSCU_HIDDEN CUresult cscu_vmm_bind(cscu_bind_fn real, CUmemGenericAllocationHandle mc, size_t mc_offset,
+                                   CUmemGenericAllocationHandle h, size_t offset, size_t n, unsigned long long flags);
 /* An engine region's backing: re-created (the engine's properties, every mapping, its access) or unmapped and
  * released (the reservations stay); on failure nothing is left half-done. */
 CSCU_HIDDEN CUresult cscu_vmm_back(struct cscu_region *r);

@@ -350,21 +350,45 @@ CUresult cscu_vmm_properties(cscu_props_fn real, CUmemAllocationProp *prop, CUme
     return v && !use ? (prop ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE) : real(prop, use);
 }
 
-CUresult cscu_vmm_export(cscu_export_fn real, void *out, CUmemGenericAllocationHandle h, unsigned int type,
-                         unsigned long long flags)
+/* The driver's handle for the engine's `h` (h itself when it is none of ours, `*ours` then 0). */
+static CUmemGenericAllocationHandle translate(CUmemGenericAllocationHandle h, int *ours)
 {
     cscu_regions_lock();
     struct cscu_vmm *v = by_handle(h);
     CUmemGenericAllocationHandle use = v ? v->real : h;
+    *ours = v != NULL;
     cscu_regions_unlock();
-    CUresult rc = real(out, use, type, flags);
-    if (rc != CUDA_SUCCESS || !v)
-        return rc;
+    return use;
+}
+
+/* After a call that let the memory of `h` out of this process's hands: it stays on the checkpoint path for good. */
+static void pin(CUmemGenericAllocationHandle h)
+{
     cscu_regions_lock();
-    if ((v = by_handle(h)) != NULL) {
-        v->pinned |= CSCU_PINNED_EXPORTED;  /* another process may import it: its memory must stay where it is */
+    struct cscu_vmm *v = by_handle(h);
+    if (v) {
+        v->pinned |= CSCU_PINNED_EXPORTED;
         refresh(v);
     }
     cscu_regions_unlock();
+}
+
+CUresult cscu_vmm_export(cscu_export_fn real, void *out, CUmemGenericAllocationHandle h, unsigned int type,
+                         unsigned long long flags)
+{
+    int ours;
+    CUresult rc = real(out, translate(h, &ours), type, flags);
+    if (rc == CUDA_SUCCESS && ours)
+        pin(h);  /* another process may import it: its memory must stay where it is */
+    return rc;
+}
+
+CUresult cscu_vmm_bind(cscu_bind_fn real, CUmemGenericAllocationHandle mc, size_t mc_offset,
+                       CUmemGenericAllocationHandle h, size_t offset, size_t n, unsigned long long flags)
+{
+    int ours;
+    CUresult rc = real(mc, mc_offset, translate(h, &ours), offset, n, flags);
+    if (rc == CUDA_SUCCESS && ours)
+        pin(h);  /* a re-created allocation would not be bound */
     return rc;
 }

@@ -14,8 +14,8 @@
  * The wrapped list (keep docs/interposer.md in step):
  *   allocation: cuMemAlloc_v2, cuMemFree_v2, cuMemAllocAsync, cuMemAllocFromPoolAsync, cuMemFreeAsync (regions above
  *     the threshold), the engine's VMM (cuMemCreate, cuMemRelease, cuMemMap, cuMemUnmap, cuMemSetAccess,
- *     cuMemRetainAllocationHandle, cuMemGetAllocationPropertiesFromHandle, cuMemExportToShareableHandle: its handles
- *     translated), and, counted only: cuMemAllocPitch_v2, cuMemAllocManaged, cuMemHostRegister_v2, cuMemHostAlloc,
+ *     cuMemRetainAllocationHandle, cuMemGetAllocationPropertiesFromHandle, cuMemExportToShareableHandle,
+ *     cuMulticastBindMem: its handles translated), and, counted only: cuMemAllocPitch_v2, cuMemAllocManaged, cuMemHostRegister_v2, cuMemHostAlloc,
  *     cuMemAllocHost_v2, cuIpcOpenMemHandle_v2;
  *   the readiness gate (wait while the regions are released): the allocation calls above, cuLaunchKernel,
  *     cuLaunchKernelEx, cuLaunchCooperativeKernel, cuGraphLaunch, cuMemcpy, cuMemcpyAsync, cuMemcpyPeer,
@@ -259,8 +259,7 @@ UNTRACKED1(cuIpcCloseMemHandle, (CUdeviceptr p), (p), p)
 #define UNPAREN(...) __VA_ARGS__
 #define ROUTED1(fn, params, args, hook)                                                       \
     static void *fn##_slot[2];                                                                 \
-    CSCU_EXPORT CUresult fn params;                                                            \
-    CUresult fn params                                                                         \
+    CSCU_EXPORT CUresult fn params                                                             \
     {                                                                                          \
         __typeof__(&fn) real = (__typeof__(&fn))slot(&fn##_slot[0], #fn);                      \
         if (!real)                                                                             \
@@ -283,15 +282,15 @@ ROUTED1(cuMemRetainAllocationHandle, (H *h, void *addr), (h, addr), cscu_vmm_ret
 ROUTED1(cuMemGetAllocationPropertiesFromHandle, (CUmemAllocationProp *prop, H h), (prop, h), cscu_vmm_properties)
 ROUTED1(cuMemExportToShareableHandle, (void *out, H h, U type, unsigned long long flags), (out, h, type, flags),
         cscu_vmm_export)
+ROUTED1(cuMulticastBindMem, (H mc, size_t mc_offset, H h, size_t offset, size_t n, unsigned long long flags),
+        (mc, mc_offset, h, offset, n, flags), cscu_vmm_bind)  /* NCCL's NVLS buffers */
 
 /* Stream-ordered allocations (stream_ordered.c): `ours` of the threshold or more (regions); the rest go to the
  * driver, and `done` counts them. */
 #define ORDERED(fn, pt, params, args, ours, done)                                             \
     static void *fn##_slot[2];                                                                 \
-    CSCU_EXPORT CUresult fn params;                                                            \
-    CSCU_EXPORT CUresult pt params;                                                            \
-    CUresult fn params ORDERED_BODY(fn, 0, #fn, args, ours, done)                              \
-    CUresult pt params ORDERED_BODY(fn, 1, #pt, args, ours, done)
+    CSCU_EXPORT CUresult fn params ORDERED_BODY(fn, 0, #fn, args, ours, done)                  \
+    CSCU_EXPORT CUresult pt params ORDERED_BODY(fn, 1, #pt, args, ours, done)
 #define ORDERED_BODY(fn, v, name, args, ours, done)                                           \
     {                                                                                          \
         __typeof__(&fn) real = (__typeof__(&fn))slot(&fn##_slot[v], name);                     \
@@ -370,7 +369,7 @@ static const struct entry table[] = {
     E1("cuMemRelease", 0, cuMemRelease), E1("cuMemMap", 0, cuMemMap), E1("cuMemUnmap", 0, cuMemUnmap),
     E1("cuMemSetAccess", 0, cuMemSetAccess), E1("cuMemRetainAllocationHandle", 0, cuMemRetainAllocationHandle),
     E1("cuMemGetAllocationPropertiesFromHandle", 0, cuMemGetAllocationPropertiesFromHandle),
-    E1("cuMemExportToShareableHandle", 0, cuMemExportToShareableHandle),
+    E1("cuMemExportToShareableHandle", 0, cuMemExportToShareableHandle), E1("cuMulticastBindMem", 0, cuMulticastBindMem),
     E2("cuLaunchKernel", 0, cuLaunchKernel, cuLaunchKernel_ptsz),
     E2("cuLaunchKernelEx", 0, cuLaunchKernelEx, cuLaunchKernelEx_ptsz),
     E2("cuLaunchCooperativeKernel", 0, cuLaunchCooperativeKernel, cuLaunchCooperativeKernel_ptsz),
