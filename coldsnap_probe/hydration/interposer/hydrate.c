@@ -266,6 +266,12 @@ static CUresult adopt_one(struct cscu_region *r, int fd, import_fn import, props
         d->release(held);
         return CUDA_ERROR_INVALID_VALUE;
     }
+    if (r->vmm && r->vmm->prop.allocFlags.gpuDirectRDMACapable  /* the engine's asked for it: so must this one */
+        && (!props || props(&prop, held) != CUDA_SUCCESS || !prop.allocFlags.gpuDirectRDMACapable)) {
+        snprintf(why, room, "the engine's allocation is GPUDirect RDMA capable, the staged one is not");
+        d->release(held);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
     if ((rc = d->map(r->address, r->size, 0, held, 0)) == CUDA_SUCCESS) {
         if ((rc = d->set_access(r->address, r->size, &access, 1)) == CUDA_SUCCESS) {
             r->handle = held;
