@@ -36,14 +36,20 @@ def main() -> None:
     data = torch.randn(mib << 18, device="cuda")  # MIB of float32
     x, w = torch.randn(1024, 1024, device="cuda"), torch.randn(1024, 1024, device="cuda")
     static_in = torch.randn(1024, 1024, device="cuda")
+    # The graph's output is made before the capture and written in place (H200, review of issue 36): under
+    # `backend:cudaMallocAsync` a tensor the capture allocates is the graph's own memory, which the driver backs for
+    # the graph's runs (zeroing it before the first replay was an illegal access), and rebinding a name made outside
+    # the capture frees that tensor inside it ("freeAsync() was called on an uncaptured allocation").
+    static_out = torch.empty(1024, 1024, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the capture, as torch asks
-        static_out = static_in @ w + 1
+    with torch.cuda.stream(side):  # warm-up outside the capture, on the stream the capture uses, as torch asks
+        torch.add(static_in @ w, 1, out=static_out)
     torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = static_in @ w + 1
+    with torch.cuda.graph(graph, stream=side):
+        torch.add(static_in @ w, 1, out=static_out)
 
     def digest(t: Any) -> str:
         return hashlib.sha256(t.cpu().numpy().tobytes()).hexdigest()
