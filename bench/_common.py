@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import json
 import os
+import re
 import signal
 import socket
 import statistics
@@ -143,3 +145,30 @@ def criu_zero_pages(images: Path) -> tuple[int, int]:
                 view = memoryview(block)
                 zeros += 4096 * sum(view[at:at + 4096] == empty for at in range(0, len(block) - 4095, 4096))
     return size, zeros
+
+HOST_KINDS = {"host_registered", "host_pinned", "unwrapped_entry_points"}  # uncovered, but not device memory
+
+
+def line_rate(devices: list[dict[str, Any]] | None) -> str:
+    """What the capture moved at line rate, as a share of the device bytes the interposer saw, and the largest kind
+    left on the CUDA checkpoint path ("-" without the interposer)."""
+    moved = stayed = 0
+    left: dict[str, int] = {}
+    for device in devices or []:
+        moved += sum(int(k.get("bytes", 0)) for k in (device.get("moved") or {}).values())
+        for kind, seen in (device.get("uncovered") or {}).items():
+            if kind not in HOST_KINDS and int(seen.get("bytes", 0)):
+                stayed += int(seen["bytes"])
+                left[kind] = left.get(kind, 0) + int(seen["bytes"])
+    if not moved and not stayed:
+        return "-"
+    top = max(left, key=lambda k: left[k]) if left else ""
+    return f"{moved / (moved + stayed):.1%}" + (f" ({top} {left[top] / 1e6:.0f} MB left)" if top else "")
+
+
+def alloc_conf(text: str) -> str:
+    """An --alloc-conf value: `default` (unset), or PYTORCH_CUDA_ALLOC_CONF's `key:value[,key:value...]`."""
+    if text != "default" and not re.fullmatch(r"[A-Za-z_]+:[^,:\s]+(,[A-Za-z_]+:[^,:\s]+)*", text):
+        raise argparse.ArgumentTypeError(f"{text!r} must be `default` or PYTORCH_CUDA_ALLOC_CONF's "
+                                         "key:value[,key:value]")
+    return text

@@ -21,7 +21,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -211,8 +211,9 @@ class DumpRegion:
 
 @dataclass(frozen=True, slots=True)
 class DeviceDump:
-    """A release's manifest: the regions (dumped, then unmapped), what stayed on the CUDA checkpoint path
-    (`uncovered`: per kind, count and bytes), the timings; `manifest_digest` covers all of it."""
+    """A release's manifest: the regions (dumped, then unmapped), what they came from (`moved`: per source, count
+    and bytes; absent from manifests written before it was), what stayed on the CUDA checkpoint path (`uncovered`:
+    per kind, count and bytes), the timings; `manifest_digest` covers all of it."""
 
     pid: int
     dir: str
@@ -225,12 +226,13 @@ class DeviceDump:
     timings_s: dict[str, float]
     gbps: float
     manifest_digest: str = ""
+    moved: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def body(self) -> dict[str, Any]:
         return {"format": 1, "kind": DUMP_KIND, "pid": self.pid, "dir": self.dir, "digest_engine": self.digest_engine,
                 "segment_bytes": self.segment_bytes, "threshold": self.threshold, "bytes": self.bytes,
                 "regions": [r.to_json() for r in self.regions], "uncovered": self.uncovered,
-                "timings_s": self.timings_s, "gbps": self.gbps}
+                "timings_s": self.timings_s, "gbps": self.gbps} | ({"moved": self.moved} if self.moved else {})
 
     def to_json(self) -> dict[str, Any]:
         return {**self.body(), "manifest_digest": self.manifest_digest}
@@ -248,13 +250,15 @@ class DeviceDump:
             regions = value["regions"]
             if not isinstance(regions, list) or not isinstance(value["uncovered"], dict):
                 raise HydrationError("regions must be a list and uncovered an object")
+            if not isinstance(moved := value.get("moved", {}), dict):
+                raise HydrationError("moved must be an object")
             dump = cls(pid=_integer(value["pid"], "pid", "dump"), dir=_text(value["dir"], "dir", "dump"),
                        digest_engine=_text(value["digest_engine"], "digest_engine", "dump"),
                        segment_bytes=_integer(value["segment_bytes"], "segment_bytes", "dump"),
                        threshold=_integer(value["threshold"], "threshold", "dump"),
                        bytes=_integer(value["bytes"], "bytes", "dump"),
                        regions=tuple(DumpRegion.from_json(r) for r in regions), uncovered=dict(value["uncovered"]),
-                       timings_s=dict(value["timings_s"]), gbps=float(value["gbps"]),
+                       timings_s=dict(value["timings_s"]), gbps=float(value["gbps"]), moved=dict(moved),
                        manifest_digest="" if answered else str(value["manifest_digest"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise HydrationError(f"malformed device dump manifest: {type(exc).__name__}: {exc}") from exc

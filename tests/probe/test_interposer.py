@@ -454,6 +454,9 @@ HARNESS = r"""
 #include "digest.c"
 #include "dump.c"
 #include "hydrate.c"
+#include "engine_vmm.c"
+#include "vmm_backing.c"
+#include "stream_ordered.c"
 
 /* The manifest writer with two regions (no driver involved): one of 3 GiB (three segments), one of 2 MiB; crc32-64m
  * digests, chunks 0 and 2 of the second segment zeros. */
@@ -528,6 +531,9 @@ GATE_HARNESS = r"""
 #include "digest.c"
 #include "dump.c"
 #include "hydrate.c"
+#include "engine_vmm.c"
+#include "vmm_backing.c"
+#include "stream_ordered.c"
 
 static volatile int released_now, stop, violations, calls, nested_done;
 

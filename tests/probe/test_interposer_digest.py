@@ -36,6 +36,9 @@ HARNESS = r"""
 #include "digest.c"
 #include "dump.c"
 #include "hydrate.c"
+#include "engine_vmm.c"
+#include "vmm_backing.c"
+#include "stream_ordered.c"
 
 static void no_libcrypto(void) {}
 

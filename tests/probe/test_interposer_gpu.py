@@ -52,11 +52,14 @@ def wait_for(path: Path, proc: subprocess.Popen[bytes], timeout: float = 120.0) 
 class Target:
     """The torch process and its interposer socket; `ask` leaves a request file and waits for the answer."""
 
-    def __init__(self, root: Path, library: Path, socket: str = "cuda.sock", mib: int = TARGET_MIB) -> None:
+    def __init__(self, root: Path, library: Path, socket: str = "cuda.sock", mib: int = TARGET_MIB,
+                 alloc_conf: str = "") -> None:
         self.directory = root / "target"
         self.directory.mkdir()
         self.socket = str(root / socket)
         env = {**os.environ, "LD_PRELOAD": str(library), "COLDSNAP_CUDA_INTERPOSER_SOCKET": self.socket}
+        if alloc_conf:  # PyTorch's allocator settings (tests/probe/test_interposer_gpu_allocators.py)
+            env["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
         self.log = root / "target.log"  # a plain file: CRIU dumps it with the process (not a pipe to pytest)
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "tests.probe._torch_target", str(self.directory),

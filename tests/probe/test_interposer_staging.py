@@ -193,6 +193,9 @@ PAGES_HARNESS = r"""
 #include "digest.c"
 #include "dump.c"
 #include "hydrate.c"
+#include "engine_vmm.c"
+#include "vmm_backing.c"
+#include "stream_ordered.c"
 
 /* Three released regions of 2 MiB (no driver: a staged hydration is refused at the dump directory, after the
  * descriptors were counted and before any driver call), the control socket serving at argv[1]. */

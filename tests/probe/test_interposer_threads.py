@@ -46,6 +46,9 @@ EXEMPT_HARNESS = r"""
 #include "digest.c"
 #include "dump.c"
 #include "hydrate.c"
+#include "engine_vmm.c"
+#include "vmm_backing.c"
+#include "stream_ordered.c"
 
 static volatile int passed[2];
 
@@ -109,6 +112,9 @@ DRAIN_HARNESS = r"""
 #include "digest.c"
 #include "dump.c"
 #include "hydrate.c"
+#include "engine_vmm.c"
+#include "vmm_backing.c"
+#include "stream_ordered.c"
 
 static volatile int later_passed;
 

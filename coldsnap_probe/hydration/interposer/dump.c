@@ -361,6 +361,9 @@ static void manifest(struct answer *a, const char *dir, double seconds[8], size_
     put(a, "],\"uncovered\":");
     if (a->used < a->room)
         a->used += cscu_counts_json(a->out + a->used, a->room - a->used);
+    put(a, ",\"moved\":");  /* per source: what this release moves at line rate */
+    if (a->used < a->room)
+        a->used += cscu_moved_json(a->out + a->used, a->room - a->used);
     put(a, ",\"timings_s\":{\"synchronize\":%.6f,\"dump\":%.6f,\"unmap\":%.6f,\"dump_device_thread_s\":%.6f,"
         "\"dump_digest_thread_s\":%.6f,\"dump_write_thread_s\":%.6f,\"dump_zero_thread_s\":%.6f},\"gbps\":%.3f}}",
         seconds[1], seconds[2], seconds[3], seconds[4], seconds[5], seconds[6], seconds[7],

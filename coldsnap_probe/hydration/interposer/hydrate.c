@@ -270,9 +270,17 @@ static CUresult adopt_one(struct cscu_region *r, int fd, import_fn import, props
         d->release(held);
         return CUDA_ERROR_INVALID_VALUE;
     }
+    if (r->vmm && r->vmm->prop.allocFlags.gpuDirectRDMACapable  /* the engine's asked for it: so must this one */
+        && (!props || props(&prop, held) != CUDA_SUCCESS || !prop.allocFlags.gpuDirectRDMACapable)) {
+        snprintf(why, room, "the engine's allocation is GPUDirect RDMA capable, the staged one is not");
+        d->release(held);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
     if ((rc = d->map(r->address, r->size, 0, held, 0)) == CUDA_SUCCESS) {
         if ((rc = d->set_access(r->address, r->size, &access, 1)) == CUDA_SUCCESS) {
             r->handle = held;
+            if (r->vmm)  /* an engine allocation: its record holds the new backing (cscu_vmm_stageable) */
+                r->vmm->real = held, r->vmm->maps[0].mapped = 1;
             return CUDA_SUCCESS;
         }
         d->unmap(r->address, r->size);
@@ -315,8 +323,16 @@ void cscu_hydrate_staged(const char *dir, const char *policy, const int *fds, si
     struct hydration h;
     size_t count, released = 0;
     struct cscu_region *regions = cscu_regions(&count);
-    for (size_t i = 0; i < count; i++)
+    int stageable = 1;
+    for (size_t i = 0; i < count; i++) {
         released += regions[i].handle == 0;
+        stageable = stageable && (regions[i].handle || cscu_vmm_stageable(&regions[i]));
+    }
+    if (!stageable) {  /* the worker then fills them itself */
+        cscu_refuse(out, room, "hydrate", "an engine allocation has more than one mapping, other access or "
+                    "properties a staged allocation lacks: it is re-created, not adopted");
+        return;
+    }
     if (n != released) {  /* before anything is opened or asked of the driver */
         cscu_refuse(out, room, "hydrate", "%zu staged allocations for %zu released regions (one each)", n, released);
         return;
