@@ -110,9 +110,9 @@ class Layout:
         """The restore worker's PYTHONPATH, for `python -S` (a shell assignment): the worker needs only the standard
         library, cuda-python and itself, so the interpreter skips `site` and the server's .pth files (the GPU
         image's numba-cuda redirector alone cost 41 ms of a 57 ms `site`), with the interpreter's own
-        site-packages named instead (where cuda-python is)."""
+        site-packages added to the unit's (where cuda-python is)."""
         venv = Path(self.python).parent.parent
-        return f'PYTHONPATH="{WORKER_PATH}:$(echo {venv}/lib/python3*/site-packages)"'
+        return f'PYTHONPATH="$PYTHONPATH:$(echo {venv}/lib/python3*/site-packages)"'
 
     def unit(self, name: str, image: str, *, entrypoint: str, command: list[str],
              labels: dict[str, str] | None = None) -> dict[str, Any]:

@@ -61,12 +61,14 @@ async def test_failed_restore_cancels_the_waiting_client_and_removes_the_unit(bu
         d = Driver(daemon.state_dir)
         await d.open()
         with pytest.raises(E2EError) as caught:  # one error, not an exception group
-            await restore_once(d, busybox_image, _layout(tmp_path), "servetest_node_0", "cap-1", "servetest",
+            # the worker's interpreter is missing: the unit's log names it
+            layout = dataclasses.replace(_layout(tmp_path), python="/opt/no-python3")
+            await restore_once(d, busybox_image, layout, "servetest_node_0", "cap-1", "servetest",
                                _free_port())
         assert await d.gone("servetest_node_0")
     message = str(caught.value)
     assert "restore unit exited (code 1) before its readiness check" in message
-    assert "its log ends" in message and "coldsnap_probe" in message and "removed" in message
+    assert "its log ends" in message and "no-python3" in message and "removed" in message
 
 
 async def test_forked_workers_case_serves_in_a_unit_then_fails_naming_the_capture_and_leaves_no_unit(
