@@ -37,6 +37,50 @@ def criu(tmp_path: Path) -> Iterator[str]:
         yield wrapper
 
 
+@dataclass(frozen=True)
+class Capture:
+    """A capture of the default target (see `captured`): its control directory, the images, its PID."""
+    control: Path
+    images: Path
+    pid: int
+
+
+@pytest.fixture(scope="module")
+def shared_capture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Capture]]:
+    """One capture of the default target for this module's tests that restore it (ending the restored process) or
+    refuse to, without changing it: a capture is about 3.5 s of the 2-core CI box, and seven tests need one.
+    A list, so that `plain` can replace it when its PID was taken meanwhile (pid_max may be 32768)."""
+    base = tmp_path_factory.mktemp("capture")
+    with criu_wrapper(base) as wrapper:
+        yield [Capture(*captured(base, wrapper))]
+
+
+@pytest.fixture
+def plain(shared_capture: list[Capture], criu: str, tmp_path: Path) -> Iterator[Capture]:
+    """The shared capture, its target not running and its control directory as the capture left it; a fresh one
+    when another process holds its PID now. Whatever the test restored is ended afterwards."""
+    current = shared_capture[0]
+    if Path(f"/proc/{current.pid}").exists():
+        (tmp_path / "recaptured").mkdir()
+        current = shared_capture[0] = Capture(*captured(tmp_path / "recaptured", criu))
+    for name in ("exit", "verify", "result"):
+        (current.control / name).unlink(missing_ok=True)
+    try:
+        yield current
+    finally:
+        if alive(current.pid):  # a failed assertion before the test's own end()
+            end(current.control, current.pid)
+
+
+def private_images(images: Path, into: Path) -> Path:
+    """A copy of `images` that a test may change: links to every file, so a test must replace (never write into)
+    the files it changes."""
+    into.mkdir()
+    for f in images.iterdir():
+        os.link(f, into / f.name)
+    return into
+
+
 def worker(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "coldsnap_probe", *args], capture_output=True, text=True,
                           cwd=ROOT, check=False, timeout=280, env={**os.environ, **(env or {})})
@@ -149,9 +193,9 @@ def gone_within(pid: int, seconds: float) -> bool:
 
 
 @pytest.mark.parametrize("threads", [1, 4])
-def test_restore_writes_every_page_back_and_leaves_the_images_unchanged(tmp_path: Path, criu: str,
+def test_restore_writes_every_page_back_and_leaves_the_images_unchanged(tmp_path: Path, criu: str, plain: Capture,
                                                                         threads: int) -> None:
-    control, images, pid = captured(tmp_path, criu)
+    control, images, pid = plain.control, plain.images, plain.pid
     before = image_digest(images, contents=True)
     done = worker("restore", "--images", str(images), "--criu", criu, "--work-dir", str(tmp_path / "work"),
                   env={"CRIU_RESTORE_THREADS": str(threads)})
@@ -171,10 +215,15 @@ def test_restore_writes_every_page_back_and_leaves_the_images_unchanged(tmp_path
 
 
 @pytest.mark.parametrize("threads", [1, 4])
-def test_a_truncated_pages_image_fails_naming_it_and_leaves_no_process(tmp_path: Path, criu: str, threads: int) -> None:
-    _control, images, pid = captured(tmp_path, criu)
+def test_a_truncated_pages_image_fails_naming_it_and_leaves_no_process(tmp_path: Path, criu: str, plain: Capture,
+                                                                       threads: int) -> None:
+    images, pid = private_images(plain.images, tmp_path / "images"), plain.pid
     pages = max(images.glob("pages-*.img"), key=lambda p: p.stat().st_size)
-    os.truncate(pages, pages.stat().st_size - (8 << 20))
+    pages.unlink()  # a link to the shared capture's file: a copy short of its last 8 MiB replaces it
+    with open(plain.images / pages.name, "rb") as whole, open(pages, "wb") as short:
+        left = os.fstat(whole.fileno()).st_size - (8 << 20)
+        while left > 0:
+            left -= os.sendfile(short.fileno(), whole.fileno(), None, left)
     done = worker("restore", "--images", str(images), "--criu", criu, "--work-dir", str(tmp_path / "work"),
                   env={"CRIU_RESTORE_THREADS": str(threads)})
     assert done.returncode != 0
@@ -186,8 +235,10 @@ def test_a_truncated_pages_image_fails_naming_it_and_leaves_no_process(tmp_path:
     assert gone_within(pid, 10), f"a process of the tree ({pid}) is left"
 
 
-def test_a_killed_restore_leaves_no_process(tmp_path: Path, criu: str) -> None:
-    _control, images, pid = captured(tmp_path, criu)
+def test_a_killed_restore_leaves_no_process(tmp_path: Path, criu: str, plain: Capture) -> None:
+    # CRIU run bare keeps its work files (stats-restore.img) beside the images: links, so the shared ones stay as
+    # they were.
+    images, pid = private_images(plain.images, tmp_path / "images"), plain.pid
     restore = subprocess.Popen([criu, "restore", "--images-dir", str(images), "--restore-detached", "-v4",
                                 "--log-file", str(tmp_path / "killed.log")],
                                env={**os.environ, "CRIU_RESTORE_THREADS": "4"}, stdout=subprocess.DEVNULL,
@@ -201,16 +252,17 @@ def test_a_killed_restore_leaves_no_process(tmp_path: Path, criu: str) -> None:
     assert gone_within(pid, 10), f"a process of the tree ({pid}) outlived the killed restore"
 
 
-def test_a_bad_thread_count_is_refused_before_anything_is_restored(tmp_path: Path, criu: str) -> None:
-    _control, images, pid = captured(tmp_path, criu)
+def test_a_bad_thread_count_is_refused_before_anything_is_restored(tmp_path: Path, criu: str, plain: Capture) -> None:
+    images, pid = plain.images, plain.pid
     done = worker("restore", "--images", str(images), "--criu", criu, "--work-dir", str(tmp_path / "work"),
                   env={"CRIU_RESTORE_THREADS": "lots"})
     assert done.returncode != 0 and "CRIU_RESTORE_THREADS=lots: must be a whole number from 1 to 256" in done.stderr
     assert not alive(pid)
 
 
-def test_the_capture_records_criu_s_version_and_a_different_criu_is_refused(tmp_path: Path, criu: str) -> None:
-    _control, images, pid = captured(tmp_path, criu)
+def test_the_capture_records_criu_s_version_and_a_different_criu_is_refused(tmp_path: Path, criu: str,
+                                                                             plain: Capture) -> None:
+    images, pid = plain.images, plain.pid
     recorded = json.loads((images / "capture.json").read_text())["identity"]["criu"]
     assert recorded["version_exit_code"] == 0 and recorded["version"].startswith("Version: 4.2\nGitID: v4.2-coldsnap")
     other = tmp_path / "other-criu"
