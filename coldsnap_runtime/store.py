@@ -271,13 +271,14 @@ class CaptureStore:
 
     # --- trees (the files a workload sees) --------------------------------------------
 
-    def tree(self, capture: str) -> Path:
-        """The capture's files as plain files (made once, holes for zero chunks); every chunk is checked
-        against its digest on the way, so a corrupt or truncated blob fails here, naming it."""
+    def tree(self, capture: str) -> tuple[Path, int]:
+        """The capture's files as plain files (made once, holes for zero chunks), and the bytes read from the
+        chunks to make them (0: they were there); every chunk is checked against its digest on the way, so a
+        corrupt or truncated blob fails here, naming it."""
         target = self._trees / _digest_name(capture)
         if target.is_dir():
             self.touch(capture)
-            return target
+            return target, 0
         data = self.data(capture)
         temporary = self._tmp / f"tree-{target.name}.{secrets.token_hex(4)}"
         temporary.mkdir(mode=0o700)
@@ -295,7 +296,8 @@ class CaptureStore:
             if temporary.exists():
                 shutil.rmtree(temporary, ignore_errors=True)
         self.touch(capture)
-        return target
+        return target, sum(min(CHUNK_BYTES, f.size - i * CHUNK_BYTES) for f in data.files
+                           for i, chunk in enumerate(f.chunks) if chunk is not None)
 
     def _assemble(self, path: Path, stored: StoredFile) -> None:
         path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)

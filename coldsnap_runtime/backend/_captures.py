@@ -26,17 +26,24 @@ from ._translate import parse_reference
 __all__ = ("CAPTURE_LABEL", "Captures")
 
 Auth = Callable[[str], dict[str, str] | None]
+# Where a workload's capture files came from (the metrics' tier label: a fixed set): its files already made
+# ("tree"), made from the chunks on this node's disk ("disk"), chunks fetched from a registry ("registry").
+TIERS = ("tree", "disk", "registry")
 
 
 class Captures:
     """The capture store of one engine's node (`store` None: this host has none; images that need one are
     refused, naming the image)."""
 
-    def __init__(self, engine: Engine, store: CaptureStore | None, *, spool_dir: str | None) -> None:
+    def __init__(self, engine: Engine, store: CaptureStore | None, *, spool_dir: str | None,
+                 owned_refs: Callable[[int], list[str]]) -> None:
         self._engine = engine
         self.store = store
         self._spool_dir = spool_dir
+        self._owned_refs = owned_refs  # the image references a manager recorded (the image ledger)
         self._opened = False
+        # tier -> [bytes read from it, hits]; read by the metrics endpoint at scrape time.
+        self._tiers: dict[str, list[int]] = {tier: [0, 0] for tier in TIERS}
         # Held from making a capture's files to creating the container that pins it, and by removal.
         self.lock = anyio.Lock()
 
@@ -87,7 +94,17 @@ class Captures:
         store = await self._ready("image-pull")
         if store.has(found):
             return Transferred()
-        return await (await self._registry(image, store, auth, "image-pull")).pull(found)
+        moved = await (await self._registry(image, store, auth, "image-pull")).pull(found)
+        self._count("registry", moved.bytes)
+        return moved
+
+    def _count(self, tier: str, read: int) -> None:
+        self._tiers[tier][0] += read
+        self._tiers[tier][1] += 1
+
+    def tier_stats(self) -> list[tuple[str, int, int]]:
+        """(tier, bytes read from it, hits) for each tier: the metrics endpoint's view."""
+        return [(tier, read, hits) for tier, (read, hits) in self._tiers.items()]
 
     async def _registry(self, image: str, store: CaptureStore, auth: Auth, action: str) -> CaptureRegistry:
         from ._digests import registry_is_insecure
@@ -122,10 +139,11 @@ class Captures:
         capture, files = found
         store = await self._ready("workload-run")
         try:
-            tree = await anyio.to_thread.run_sync(store.tree, capture)
+            tree, read = await anyio.to_thread.run_sync(store.tree, capture)
         except StoreError as exc:
             raise RuntimeFailed(action="workload-run", detail=(
                 f"{image} carries capture {capture}: {exc}; nothing was started (pull the image again)")) from exc
+        self._count("disk" if read else "tree", read)
         return capture, [{"Type": "bind", "Source": str(tree / source), "Target": target, "ReadOnly": True}
                          for target, source in sorted(files.items())]
 
@@ -137,20 +155,41 @@ class Captures:
             containers = await self._engine.docker.containers.list(all=True, filters={"label": [CAPTURE_LABEL]})
         return {str(labels[CAPTURE_LABEL]) for c in containers if CAPTURE_LABEL in (labels := c["Labels"] or {})}
 
-    async def describe(self, capture: str | None = None) -> list[CaptureInfo]:
-        """Every capture (or the one named: NotFound when absent)."""
+    async def visible(self, uid: int | None, action: str) -> set[str] | None:
+        """The captures manager `uid` reaches: those of the images it recorded (None: every one, for root and
+        the daemon's account). Another manager's capture is answered as absent."""
+        if uid is None:
+            return None
+        found: set[str] = set()
+        for ref in self._owned_refs(uid):
+            try:
+                with docker_errors(action, kind="image", ref=ref):
+                    info = await self._engine.docker.images.inspect(ref)
+            except NotFound:
+                continue
+            if (capture := self._capture(ref, info, action)) is not None:
+                found.add(capture)
+        return found
+
+    async def describe(self, capture: str | None = None, *, uid: int | None = None) -> list[CaptureInfo]:
+        """Every capture `uid` reaches (or the one named: NotFound when absent or not its own)."""
         store = await self._ready("capture-inspect")
+        mine = await self.visible(uid, "capture-inspect")
         try:
             if capture is None:
-                return await anyio.to_thread.run_sync(store.describe_all)
-            if not store.has(capture):
+                listed = await anyio.to_thread.run_sync(store.describe_all)
+                return [info for info in listed if mine is None or info.capture in mine]
+            if not store.has(capture) or (mine is not None and capture not in mine):
                 raise NotFound(kind="capture", ref=capture, action="capture-inspect")
             return [await anyio.to_thread.run_sync(lambda: store.describe(capture))]
         except StoreError as exc:
             raise RuntimeFailed(action="capture-inspect", detail=str(exc)) from exc
 
-    async def remove(self, capture: str) -> None:
-        """Remove one capture; refused while a container uses it; NotFound when absent."""
+    async def remove(self, capture: str, *, uid: int | None = None) -> None:
+        """Remove one capture `uid` reaches; refused while a container uses it; NotFound when absent."""
+        mine = await self.visible(uid, "capture-remove")
+        if mine is not None and capture not in mine:
+            raise NotFound(kind="capture", ref=capture, action="capture-remove")
         await self._under_lock("capture-remove", lambda store, used: self._remove_one(store, used, capture))
 
     async def collect(self, *, max_bytes: int | None, older_than_s: float | None) -> list[str]:
