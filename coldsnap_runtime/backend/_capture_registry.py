@@ -190,14 +190,24 @@ class CaptureRegistry:
             temporary.unlink(missing_ok=True)
         return True
 
-    @staticmethod
-    async def _each(blobs: list[tuple[str, int]], run: Any) -> None:
+    async def _each(self, blobs: list[tuple[str, int]], run: Any) -> None:
+        """`run` each blob, PARALLEL at a time; the first failure (translated) cancels the others and is raised."""
         limit = anyio.Semaphore(PARALLEL)
 
         async def one(blob: tuple[str, int]) -> None:
             async with limit:
-                await run(blob)
+                with registry_errors(self._action, self._registry):
+                    try:
+                        await run(blob)
+                    except StoreError as exc:
+                        raise RuntimeFailed(action=self._action, detail=str(exc)) from exc
 
-        async with anyio.create_task_group() as group:
-            for blob in blobs:
-                group.start_soon(one, blob)
+        try:
+            async with anyio.create_task_group() as group:
+                for blob in blobs:
+                    group.start_soon(one, blob)
+        except BaseExceptionGroup as failures:  # the task group's wrapping: the caller gets our one error
+            first: BaseException = failures
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            raise first from failures

@@ -4,10 +4,12 @@ the capture's large files in the store, image-push moves its chunks beside the i
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,19 +17,24 @@ from pathlib import Path
 import anyio
 import pytest
 
+from coldsnap_provider.client import ReplyError
 from coldsnap_runtime.store import CHUNK_BYTES
 from tests.conftest import Registry, docker
-from tests.helpers import Daemon, Session
+from tests.helpers import EXEC_AS_NOBODY, Daemon, Session, control_as
 from tests.runtime.conftest import module_daemon, uniq
 from tests.runtime.test_images import build_request
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
 
+OTHER_UID = 4242  # a manager that is not root (server.control_uids)
+
+
 def _store_daemon(registry: Registry, tag: str) -> Iterator[tuple[Daemon, Path]]:
     store = Path(tempfile.mkdtemp(prefix=f"cs-store-{tag}-", dir="/var/tmp"))
     try:
-        for daemon in module_daemon(registry, f'[docker]\ncapture_store = "{store}"\n'):
+        for daemon in module_daemon(registry, f'[server]\ncontrol_uids = [{OTHER_UID}]\n{EXEC_AS_NOBODY}'
+                                              f'[docker]\ncapture_store = "{store}"\n'):
             yield daemon, store
     finally:
         shutil.rmtree(store, ignore_errors=True)
@@ -52,6 +59,7 @@ def capture_context() -> Iterator[tuple[Path, dict[str, str]]]:
     """A unit's build context with an images directory: a page file (one random chunk, a zero chunk, a random
     tail), a device dump of zeros only, and small files that stay in the image. The files' SHA-256."""
     root = Path(tempfile.mkdtemp(prefix="cs-capctx-", dir="/var/tmp"))
+    root.chmod(0o755)  # the build reads it as exec.user
     images = root / "images"
     (images / "dump").mkdir(parents=True)
     (images / "capture.json").write_text('{"ok": true}\n')
@@ -123,3 +131,125 @@ def test_capsule_through_the_store_build_push_pull_run_on_another_node(
         anyio.run(run)
     finally:
         docker("image", "rm", "-f", tag, check=False)
+
+
+@pytest.fixture(scope="module")
+def capsule(node_a: tuple[Daemon, Path], registry: Registry, busybox_image: str,
+            capture_context: tuple[Path, dict[str, str]]) -> Iterator[tuple[str, str]]:
+    """A capsule built and pushed by node A (its image stays on the engine both daemons share): (tag, capture)."""
+    root, _ = capture_context
+    session = _session(node_a[0])
+    tag = f"{registry.address}/capsules/{uniq('capf')}:1"
+    dockerfile = f"FROM {busybox_image}\nCOPY images /capsule/images\n"
+
+    async def build() -> None:
+        assert (built := await session.runtime("image-build", build=build_request(dockerfile, str(root), tag))).ok, \
+            built.error
+        assert (pushed := await session.runtime("image-push", image=tag)).ok, pushed.error
+
+    anyio.run(build)
+    labels = json.loads(docker("image", "inspect", tag).stdout)[0]["Config"]["Labels"]
+    yield tag, labels["io.coldsnap-provider.capture"]
+    docker("image", "rm", "-f", tag, check=False)
+
+
+def _pull(daemon: Daemon, tag: str) -> None:
+    session = _session(daemon)
+    reply = anyio.run(lambda: session.runtime("image-pull", image=tag))
+    assert reply.ok, reply.error
+
+
+def test_an_interrupted_pull_resumes_from_the_verified_chunks(node_b: tuple[Daemon, Path],
+                                                              capsule: tuple[str, str]) -> None:
+    (daemon, store), (tag, capture) = node_b, capsule
+    _pull(daemon, tag)
+    record = store / "captures" / f"{capture.split(':')[1]}.json"
+    blobs = sorted((store / "blobs" / "sha256").iterdir(), key=lambda p: p.stat().st_size)
+    kept, lost = blobs[-1], blobs[-2]  # the random chunk stays; the tail and the record are "not yet fetched"
+    inode = kept.stat().st_ino
+    record.unlink()
+    lost.unlink()
+    _pull(daemon, tag)
+    assert record.exists() and lost.exists() and kept.stat().st_ino == inode  # only what was missing came again
+
+
+def test_a_damaged_chunk_refuses_the_run_naming_it_before_anything_starts(node_b: tuple[Daemon, Path],
+                                                                         capsule: tuple[str, str]) -> None:
+    (daemon, store), (tag, _) = node_b, capsule
+    _pull(daemon, tag)
+    shutil.rmtree(store / "trees", ignore_errors=True)
+    (store / "trees").mkdir()
+    blob = max((store / "blobs" / "sha256").iterdir(), key=lambda p: p.stat().st_size)
+    original = blob.read_bytes()
+    blob.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+    session = _session(daemon)
+    try:
+        run = anyio.run(lambda: session.runtime("workload-run", workload={
+            "name": "", "image": tag, "remove_after_exit": True, "command": ["true"]}))
+        assert not run.ok and f"chunk sha256:{blob.name} is corrupt or truncated" in str(run.error)
+        assert "nothing was started" in str(run.error)
+    finally:
+        blob.write_bytes(original)
+
+
+def test_the_registry_down_is_named(node_a: tuple[Daemon, Path], capsule: tuple[str, str]) -> None:
+    session = _session(node_a[0])
+    with socket_closed() as address:
+        target = f"{address}/capsules/{uniq('down')}:1"
+
+        async def push() -> None:
+            assert (await session.runtime("image-tag", source=capsule[0], target=target)).ok
+            try:
+                pushed = await session.runtime("image-push", image=target)
+                assert not pushed.ok and f"registry {address}" in str(pushed.error), pushed.error
+            finally:
+                await session.runtime("image-remove", image=target)
+
+        anyio.run(push)
+
+
+@contextlib.contextmanager
+def socket_closed() -> Iterator[str]:
+    """A 127.0.0.1 port nothing listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+    yield address
+
+
+def test_collection_never_takes_a_capture_in_use_and_managers_see_only_their_own(
+        node_b: tuple[Daemon, Path], capsule: tuple[str, str]) -> None:
+    (daemon, store), (tag, capture) = node_b, capsule
+    _pull(daemon, tag)
+    name = uniq("capuse")
+
+    async def run() -> None:
+        session = await daemon.open_session(hosts=["localhost"])
+        assert (await session.runtime("workload-run", workload={
+            "name": name, "image": tag, "detached": True, "command": ["sleep", "60"]})).ok
+        try:
+            listed = await daemon.control(operation="capture-list")
+            assert capture in [c["capture"] for c in listed]
+            assert (await daemon.control(operation="capture-gc", max_bytes=0))["removed"] == []
+            with pytest.raises(ReplyError, match="in use by a container"):
+                await daemon.control(operation="capture-remove", capture=capture)
+        finally:
+            assert (await session.runtime("workload-remove", name=name)).ok
+        assert capture in (await daemon.control(operation="capture-gc", max_bytes=0))["removed"]
+        assert not list((store / "captures").iterdir())
+        with pytest.raises(ReplyError, match=r"capture-inspect: no such capture: sha256:[0-9a-f]{64}"):
+            await daemon.control(operation="capture-inspect", capture=capture)
+
+    anyio.run(run)
+    os.chmod(daemon.state_dir / "control.sock", 0o666)
+    other = control_as(OTHER_UID, daemon.state_dir, {"operation": "capture-list"})
+    assert other["ok"] and other["result"] == []  # root's images: not this manager's
+    refused = control_as(OTHER_UID, daemon.state_dir, {"operation": "capture-gc", "max_bytes": 0})
+    assert not refused["ok"] and "may not collect" in refused["error"]
+
+
+def test_a_host_without_a_store_refuses_a_capsule_that_needs_one(daemon: Daemon, capsule: tuple[str, str]) -> None:
+    session = _session(daemon)
+    run = anyio.run(lambda: session.runtime("workload-run", workload={
+        "name": "", "image": capsule[0], "remove_after_exit": True, "command": ["true"]}))
+    assert not run.ok and "has no capture store" in str(run.error)
