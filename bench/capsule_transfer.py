@@ -1,7 +1,7 @@
 """A capture's path through a registry as the controller drives it (issue 34): Docker's path and the store's.
 
-    python bench/capsule_transfer.py --base IMAGE [--mib 1024] [--zero-percent 57] [--change-percent 4]
-                                     [--paths docker,store] [--out FILE.json]
+    python bench/capsule_transfer.py --base IMAGE | --busybox PATH [--mib 1024] [--zero-percent 57]
+                                     [--change-percent 4] [--paths docker,store] [--docker-url URL] [--out FILE.json]
 
 Through a real `coldsnap-provider serve` and runtime-v1 only: `image-build` of a capsule that carries a capture's
 images directory (`capture.json` and `pages.img`: random bytes, then `--zero-percent` of zeros, the share one public
@@ -195,6 +195,21 @@ async def timed(session: Session, action: str, **fields: Any) -> float:
     return time.perf_counter() - started
 
 
+async def busybox_base(work: Path, busybox: Path, docker: str) -> str:
+    """A base image with a shell, built from a static busybox through runtime-v1 (the GPU machine has no images)."""
+    context = work / "base"
+    (context / "bin").mkdir(parents=True)
+    shutil.copy2(busybox, context / "bin" / "busybox")
+    for applet in ("sh", "cat", "sha256sum"):
+        (context / "bin" / applet).symlink_to("busybox")
+    dockerfile = b'FROM scratch\nCOPY bin /bin\nENV PATH=/bin\nCMD ["sh"]\n'
+    async with running_daemon(docker) as daemon:
+        await timed(await daemon.open_session(), "image-build", build={
+            "dockerfile": base64.b64encode(dockerfile).decode(), "context": str(context),
+            "tag": "coldsnap-bench/busybox:transfer"})
+    return "coldsnap-bench/busybox:transfer"
+
+
 async def build_and_push(session: Session, context: Path, reference: str, base: str) -> dict[str, float]:
     dockerfile = f"FROM {base}\nCOPY images /images\n".encode()
     phases = {"image-build": await timed(session, "image-build", build={
@@ -215,13 +230,13 @@ async def pull_and_read(session: Session, reference: str) -> dict[str, float]:
     return phases
 
 
-async def store_path(work: Path, address: str, base: str, change_percent: int) -> tuple[dict[str, float],
-                                                                                          dict[str, int]]:
+async def store_path(work: Path, address: str, base: str, change_percent: int, docker: str
+                     ) -> tuple[dict[str, float], dict[str, int]]:
     """The store's path (build + push on node A, pull + read on node B), then a second capture on node A."""
     registry_before = directory_bytes(work / "registry")
     store_a, store_b = work / "store-a", work / "store-b"
-    async with running_daemon(f'[docker]\ncapture_store = "{store_a}"\n') as node_a, \
-            running_daemon(f'[docker]\ncapture_store = "{store_b}"\n') as node_b:
+    async with running_daemon(f'{docker}capture_store = "{store_a}"\n') as node_a, \
+            running_daemon(f'{docker}capture_store = "{store_b}"\n') as node_b:
         session_a, session_b = await node_a.open_session(), await node_b.open_session()
         phases = await build_and_push(session_a, work / "context", f"{address}/coldsnap/capsule-store:1", base)
         first = {"registry": directory_bytes(work / "registry") - registry_before,
@@ -240,13 +255,17 @@ async def store_path(work: Path, address: str, base: str, change_percent: int) -
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--base", required=True, help="a local image to build the capsule FROM")
+    parser.add_argument("--base", help="a local image to build the capsule FROM (with a shell)")
+    parser.add_argument("--busybox", type=Path, help="or a static busybox to build such a base from")
+    parser.add_argument("--docker-url", default="unix:///var/run/docker.sock")
     parser.add_argument("--mib", type=int, default=1024)
     parser.add_argument("--zero-percent", type=int, default=57)
     parser.add_argument("--change-percent", type=int, default=4)
     parser.add_argument("--paths", default="docker,store")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if (args.base is None) == (args.busybox is None):
+        parser.error("give --base or --busybox")
     work = Path(tempfile.mkdtemp(prefix="cs-transfer-", dir="/var/tmp"))
     registry, address = start_registry(work)
     phases: dict[str, dict[str, float]] = {}
@@ -260,14 +279,17 @@ async def main() -> None:
                     for k, v in registry_link(address, pages).items()},
                  **{f"registry link, {k} (64 MiB blobs, 8 at a time)": v
                     for k, v in registry_link_parallel(address, pages).items()}}
+        docker = f'[docker]\nurl = "{args.docker_url}"\n'
+        if args.busybox is not None:
+            args.base = await busybox_base(work, args.busybox, docker)
         if "docker" in args.paths.split(","):
-            async with running_daemon() as daemon:
+            async with running_daemon(docker) as daemon:
                 session = await daemon.open_session()
                 reference = f"{address}/coldsnap/capsule-transfer:1"
                 phases["docker"] = await build_and_push(session, work / "context", reference, args.base)
                 phases["docker"] |= await pull_and_read(session, reference)
         if "store" in args.paths.split(","):
-            phases["store"], added = await store_path(work, address, args.base, args.change_percent)
+            phases["store"], added = await store_path(work, address, args.base, args.change_percent, docker)
     finally:
         registry.kill()
         registry.wait()
