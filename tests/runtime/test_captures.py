@@ -21,6 +21,7 @@ from coldsnap_provider.client import ReplyError
 from coldsnap_runtime.store import CHUNK_BYTES
 from tests.conftest import Registry, docker
 from tests.helpers import EXEC_AS_NOBODY, Daemon, Session, control_as
+from tests.provider.test_metrics import sample, scrape
 from tests.runtime.conftest import module_daemon, uniq
 from tests.runtime.test_images import build_request
 
@@ -30,11 +31,16 @@ pytestmark = pytest.mark.usefixtures("no_leftovers")
 OTHER_UID = 4242  # a manager that is not root (server.control_uids)
 
 
+def _metrics_socket(store: Path) -> Path:
+    return Path("/tmp") / f"csm-{store.name[-8:]}.sock"
+
+
 def _store_daemon(registry: Registry, tag: str) -> Iterator[tuple[Daemon, Path]]:
     store = Path(tempfile.mkdtemp(prefix=f"cs-store-{tag}-", dir="/var/tmp"))
     try:
         for daemon in module_daemon(registry, f'[server]\ncontrol_uids = [{OTHER_UID}]\n{EXEC_AS_NOBODY}'
-                                              f'[docker]\ncapture_store = "{store}"\n'):
+                                              f'[docker]\ncapture_store = "{store}"\n'
+                                              f'[metrics]\naddress = "unix:{_metrics_socket(store)}"\n'):
             yield daemon, store
     finally:
         shutil.rmtree(store, ignore_errors=True)
@@ -125,6 +131,11 @@ def test_capsule_through_the_store_build_push_pull_run_on_another_node(
         tree = store_b / "trees" / capture.split(":")[1] / "images"
         assert (tree / "dump" / "seg-0.bin").stat().st_blocks == 0
         assert (tree / "pages-1.img").stat().st_blocks * 512 < CHUNK_BYTES + (8 << 20)
+        metrics = scrape(_metrics_socket(store_b))
+        assert sample(metrics, "coldsnap_provider_capture_store_hits_total", tier="registry") == 1
+        assert sample(metrics, "coldsnap_provider_capture_store_read_bytes_total", tier="registry") == \
+            CHUNK_BYTES + (3 << 20)  # the random chunk and the tail: no zeros moved
+        assert sample(metrics, "coldsnap_provider_capture_store_hits_total", tier="disk") == 1
         assert (await session_b.runtime("image-remove", image=tag)).ok
 
     try:
