@@ -8,8 +8,10 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -241,6 +243,10 @@ def test_collection_never_takes_a_capture_in_use_and_managers_see_only_their_own
         try:
             listed = await daemon.control(operation="capture-list")
             assert capture in [c["capture"] for c in listed]
+            cli = await anyio.run_process([sys.executable, "-m", "coldsnap_provider", "capture", "inspect",
+                                           "--state-dir", str(daemon.state_dir), capture])
+            # zeros: the page file's second chunk and the whole device dump (65 MiB), never stored
+            assert re.search(rf"capture: +{capture}\n(.*\n)*zero: +129.0 MiB \(never stored\)", cli.stdout.decode())
             assert (await daemon.control(operation="capture-gc", max_bytes=0))["removed"] == []
             with pytest.raises(ReplyError, match="in use by a container"):
                 await daemon.control(operation="capture-remove", capture=capture)
