@@ -21,6 +21,7 @@ caller's knowledge (the engine's containers): :meth:`CaptureStore.collect` is gi
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -287,11 +288,10 @@ class CaptureStore:
                 self._assemble(temporary / stored.path, stored)
             _fsync_directory(temporary)
             os.rename(temporary, target)
-        except FileExistsError:  # another caller made it meanwhile
-            pass
         except OSError as exc:
-            shutil.rmtree(temporary, ignore_errors=True)
-            raise StoreError(f"capture {capture}: cannot make its files: {exc}") from exc
+            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not target.is_dir():
+                raise StoreError(f"capture {capture}: cannot make its files: {exc}") from exc
+            # another caller made them meanwhile: theirs are the same bytes
         finally:
             if temporary.exists():
                 shutil.rmtree(temporary, ignore_errors=True)
