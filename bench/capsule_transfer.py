@@ -310,6 +310,14 @@ def report(args: argparse.Namespace, size: int, phases: dict[str, dict[str, floa
         print()
         print(table(["bytes added (store path)", "MiB", "share of the capture"],
                     [[k, f"{v / 2**20:.1f}", f"{100 * v / size:.1f} %"] for k, v in added.items()]))
+        moved, store = added["registry, first capture"], phases.get("store", {})
+        link = {kind: max(v for k, v in rates.items() if k.startswith(f"registry link, {kind}")) for kind in
+                ("push", "pull")}
+        print()
+        print(table(["store path, the bytes it moved", "GB/s", "of the best link rate"],
+                    [[f"image-{kind} ({moved / 2**20:.0f} MiB)", f"{moved / store[f'image-{kind}'] / 1e9:.3f}",
+                      f"{100 * moved / store[f'image-{kind}'] / 1e9 / link[kind]:.0f} %"]
+                     for kind in ("push", "pull") if f"image-{kind}" in store]))
     if args.out:
         args.out.write_text(json.dumps({"mib": args.mib, "zero_percent": args.zero_percent, "bytes": size,
                                         "change_percent": args.change_percent, "phases_s": phases,
