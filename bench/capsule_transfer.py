@@ -1,19 +1,25 @@
-"""A capture's path through a registry as the controller drives it (issue 34, item 1: measure it first).
+"""A capture's path through a registry as the controller drives it (issue 34): Docker's path and the store's.
 
-    python bench/capsule_transfer.py --base IMAGE [--mib 1024] [--zero-percent 57] [--out FILE.json]
+    python bench/capsule_transfer.py --base IMAGE | --busybox PATH [--mib 1024] [--zero-percent 57]
+                                     [--change-percent 4] [--paths docker,store] [--docker-url URL] [--out FILE.json]
 
 Through a real `coldsnap-provider serve` and runtime-v1 only: `image-build` of a capsule that carries a capture's
-data (`pages.img`: random bytes, then `--zero-percent` of zeros, the share one public tool reports for an inference
-server's CRIU images), `image-push` to a real registry (Debian's docker-registry on 127.0.0.1, no auth), `image-remove`,
-the page cache dropped, `image-pull`, and a `workload-run` that reads the capture back from the pulled capsule. Beside
-them, in the same run, the machine's own rates: a memory copy, the disk read with O_DIRECT, and the registry link
-(the same bytes as one blob, pushed and fetched through the registry's HTTP API with nothing compressed).
+images directory (`capture.json` and `pages.img`: random bytes, then `--zero-percent` of zeros, the share one public
+tool reports for an inference server's CRIU images), `image-push` to a real registry (Debian's docker-registry on
+127.0.0.1, no auth), `image-remove`, the page cache dropped, `image-pull`, and a `workload-run` that reads the capture
+back from the pulled capsule. Each path runs it: `docker` (a daemon without a capture store: the bytes in the image's
+layers) and `store` (`[docker] capture_store`: the build by one daemon with its own store, the pull and the run by
+another daemon with an empty one, as another node would). Then the store's second capture of the same data, with
+`--change-percent` of its random bytes changed: what it adds to the registry and to a node store. Beside them, in the
+same run, the machine's own rates: a memory copy, the disk read with O_DIRECT, and the registry link (the same bytes
+through the registry's HTTP API, nothing compressed: as one blob, and as 64 MiB blobs eight at a time).
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import hashlib
 import http.client
 import json
 import mmap
@@ -24,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +43,7 @@ from bench._common import free_port, table
 from bench._daemon import Session, running_daemon
 
 CHUNK = 8 << 20
+BLOB = 64 << 20  # the capture store's chunk
 
 
 
@@ -56,14 +64,32 @@ def start_registry(work: Path) -> tuple[subprocess.Popen[bytes], str]:
     raise SystemExit("docker-registry did not listen")
 
 
-def write_capture(path: Path, mib: int, zero_percent: int) -> None:
+def write_capture(images: Path, mib: int, zero_percent: int) -> None:
+    images.mkdir(parents=True)
+    (images / "capture.json").write_text('{"bench": "capsule_transfer"}\n')
     random_mib = mib * (100 - zero_percent) // 100
-    with open(path, "wb") as out:
+    with open(images / "pages.img", "wb") as out:
         for _ in range(random_mib // 8):
             out.write(os.urandom(CHUNK))
         zeros = bytes(CHUNK)
         for _ in range((mib - random_mib) // 8):
             out.write(zeros)
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def second_capture(first: Path, second: Path, change_percent: int) -> None:
+    """The same capture again, with `change_percent` of its 64 MiB chunks of random bytes rewritten (a later capture
+    of the same model: the same weights and most pages, a few pages that changed)."""
+    shutil.copytree(first, second)
+    size = (second / "pages.img").stat().st_size
+    chunks = size // BLOB
+    with open(second / "pages.img", "r+b") as out:
+        for index in range(0, chunks, max(1, 100 // max(1, change_percent))):
+            out.seek(index * BLOB)
+            if out.read(1) != b"\0":
+                out.seek(index * BLOB)
+                out.write(os.urandom(1 << 20))
         out.flush()
         os.fsync(out.fileno())
 
@@ -123,6 +149,53 @@ def registry_link(address: str, path: Path) -> dict[str, float]:
     return {"push_gbps": size / up / 1e9, "pull_gbps": size / down / 1e9}
 
 
+def registry_link_parallel(address: str, path: Path, parallel: int = 8) -> dict[str, float]:
+    """The same bytes as 64 MiB blobs (the zero ones too), `parallel` at a time, up (POST + PUT) and down (GET)."""
+    with open(path, "rb") as source:  # each blob's first byte changed: bytes no other repository holds
+        blobs = [bytes([blob[0] ^ 0x5A]) + blob[1:] for blob in iter(lambda: source.read(BLOB), b"")]
+    digests = ["sha256:" + hashlib.sha256(blob).hexdigest() for blob in blobs]
+
+    def up(index: int) -> None:
+        connection = http.client.HTTPConnection(address, timeout=600)
+        connection.request("POST", "/v2/coldsnap/link-parallel/blobs/uploads/")
+        answer = connection.getresponse()
+        answer.read()
+        location = answer.getheader("Location") or ""
+        separator = "&" if "?" in location else "?"
+        connection.request("PUT", f"{location}{separator}digest={digests[index]}", body=blobs[index],
+                           headers={"Content-Type": "application/octet-stream"})
+        connection.getresponse().read()
+
+    def down(index: int) -> None:
+        connection = http.client.HTTPConnection(address, timeout=600)
+        connection.request("GET", f"/v2/coldsnap/link-parallel/blobs/{digests[index]}")
+        answer = connection.getresponse()
+        while answer.read(CHUNK):
+            pass
+
+    rates = {}
+    for name, work in (("push", up), ("pull", down)):
+        started = time.perf_counter()
+        with ThreadPoolExecutor(parallel) as pool:
+            list(pool.map(work, range(len(blobs))))
+        rates[name] = sum(map(len, blobs)) / (time.perf_counter() - started) / 1e9
+    return rates
+
+
+def link_sample(pages: Path, sample: Path, limit: int = 2 << 30) -> Path:
+    """The capture's first `limit` bytes: the link is measured on at most 2 GiB, so a 16 GiB run still fits the disk."""
+    with open(pages, "rb") as source, open(sample, "wb") as out:
+        copied = 0
+        while copied < limit and (block := source.read(min(CHUNK, limit - copied))):
+            copied += out.write(block)
+    return sample
+
+
+def directory_bytes(path: Path) -> int:
+    """Bytes on disk under `path` (allocated blocks: holes count nothing)."""
+    return sum(p.stat().st_blocks * 512 for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
 async def timed(session: Session, action: str, **fields: Any) -> float:
     started = time.perf_counter()
     reply = await session.runtime(action, **fields)
@@ -131,14 +204,33 @@ async def timed(session: Session, action: str, **fields: Any) -> float:
     return time.perf_counter() - started
 
 
-async def controller_path(session: Session, context: Path, reference: str, base: str) -> dict[str, float]:
-    dockerfile = f"FROM {base}\nCOPY pages.img /images/pages.img\n".encode()
+async def busybox_base(work: Path, busybox: Path, docker: str) -> str:
+    """A base image with a shell, built from a static busybox through runtime-v1 (the GPU machine has no images)."""
+    context = work / "base"
+    (context / "bin").mkdir(parents=True)
+    shutil.copy2(busybox, context / "bin" / "busybox")
+    for applet in ("sh", "cat", "sha256sum"):
+        (context / "bin" / applet).symlink_to("busybox")
+    dockerfile = b'FROM scratch\nCOPY bin /bin\nENV PATH=/bin\nCMD ["sh"]\n'
+    async with running_daemon(docker) as daemon:
+        await timed(await daemon.open_session(), "image-build", build={
+            "dockerfile": base64.b64encode(dockerfile).decode(), "context": str(context),
+            "tag": "coldsnap-bench/busybox:transfer"})
+    return "coldsnap-bench/busybox:transfer"
+
+
+async def build_and_push(session: Session, context: Path, reference: str, base: str) -> dict[str, float]:
+    dockerfile = f"FROM {base}\nCOPY images /images\n".encode()
     phases = {"image-build": await timed(session, "image-build", build={
         "dockerfile": base64.b64encode(dockerfile).decode(), "context": str(context), "tag": reference})}
     phases["image-push"] = await timed(session, "image-push", image=reference)
     phases["image-remove"] = await timed(session, "image-remove", image=reference)
+    return phases
+
+
+async def pull_and_read(session: Session, reference: str) -> dict[str, float]:
     drop_caches()
-    phases["image-pull"] = await timed(session, "image-pull", image=reference)
+    phases = {"image-pull": await timed(session, "image-pull", image=reference)}
     drop_caches()
     phases["read the capture in the pulled capsule (cold cache)"] = await timed(
         session, "workload-run", workload={"image": reference, "name": "", "remove_after_exit": True,
@@ -147,38 +239,103 @@ async def controller_path(session: Session, context: Path, reference: str, base:
     return phases
 
 
+async def store_path(work: Path, address: str, base: str, change_percent: int, docker: str
+                     ) -> tuple[dict[str, float], dict[str, int]]:
+    """The store's path (build + push on node A, pull + read on node B), then a second capture on node A."""
+    registry_before = directory_bytes(work / "registry")
+    store_a, store_b = work / "store-a", work / "store-b"
+    async with running_daemon(f'{docker}capture_store = "{store_a}"\n') as node_a, \
+            running_daemon(f'{docker}capture_store = "{store_b}"\n') as node_b:
+        session_a, session_b = await node_a.open_session(), await node_b.open_session()
+        phases = await build_and_push(session_a, work / "context", f"{address}/coldsnap/capsule-store:1", base)
+        first = {"registry": directory_bytes(work / "registry") - registry_before,
+                 "node store": directory_bytes(store_a)}
+        phases |= await pull_and_read(session_b, f"{address}/coldsnap/capsule-store:1")
+        if not change_percent:  # --change-percent 0: no second capture (it copies the capture: disk space)
+            return phases, {"registry, first capture": first["registry"], "node store, first capture":
+                            first["node store"]}
+        second_capture(work / "context" / "images", work / "context-2" / "images", change_percent)
+        second = await build_and_push(session_a, work / "context-2", f"{address}/coldsnap/capsule-store:2", base)
+        phases |= {f"second capture: {k}": v for k, v in second.items()}
+    added = {"registry, first capture": first["registry"],
+             "registry, second capture (new bytes)": directory_bytes(work / "registry") - registry_before
+             - first["registry"],
+             "node store, first capture": first["node store"],
+             "node store, second capture (new bytes)": directory_bytes(store_a) - first["node store"]}
+    return phases, added
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--base", required=True, help="a local image to build the capsule FROM")
+    parser.add_argument("--base", help="a local image to build the capsule FROM (with a shell)")
+    parser.add_argument("--busybox", type=Path, help="or a static busybox to build such a base from")
+    parser.add_argument("--docker-url", default="unix:///var/run/docker.sock")
     parser.add_argument("--mib", type=int, default=1024)
     parser.add_argument("--zero-percent", type=int, default=57)
+    parser.add_argument("--change-percent", type=int, default=4)
+    parser.add_argument("--paths", default="docker,store")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if (args.base is None) == (args.busybox is None):
+        parser.error("give --base or --busybox")
     work = Path(tempfile.mkdtemp(prefix="cs-transfer-", dir="/var/tmp"))
     registry, address = start_registry(work)
+    phases: dict[str, dict[str, float]] = {}
+    added: dict[str, int] = {}
     try:
-        context = work / "context"
-        context.mkdir()
-        write_capture(context / "pages.img", args.mib, args.zero_percent)
-        size = (context / "pages.img").stat().st_size
-        rates = {"memory copy": memory_copy_gbps(), "disk read, O_DIRECT": direct_read_gbps(context / "pages.img"),
+        write_capture(work / "context" / "images", args.mib, args.zero_percent)
+        pages = work / "context" / "images" / "pages.img"
+        size = pages.stat().st_size
+        sample = link_sample(pages, work / "link-sample.bin")
+        rates = {"memory copy": memory_copy_gbps(), "disk read, O_DIRECT": direct_read_gbps(pages),
                  **{f"registry link, {k.split('_')[0]} (one uncompressed blob)": v
-                    for k, v in registry_link(address, context / "pages.img").items()}}
-        async with running_daemon() as daemon:
-            session = await daemon.open_session()
-            phases = await controller_path(session, context, f"{address}/coldsnap/capsule-transfer:1", args.base)
+                    for k, v in registry_link(address, sample).items()},
+                 **{f"registry link, {k} (64 MiB blobs, 8 at a time)": v
+                    for k, v in registry_link_parallel(address, sample).items()}}
+        sample.unlink()
+        docker = f'[docker]\nurl = "{args.docker_url}"\n'
+        if args.busybox is not None:
+            args.base = await busybox_base(work, args.busybox, docker)
+        if "docker" in args.paths.split(","):
+            async with running_daemon(docker) as daemon:
+                session = await daemon.open_session()
+                reference = f"{address}/coldsnap/capsule-transfer:1"
+                phases["docker"] = await build_and_push(session, work / "context", reference, args.base)
+                phases["docker"] |= await pull_and_read(session, reference)
+        if "store" in args.paths.split(","):
+            phases["store"], added = await store_path(work, address, args.base, args.change_percent, docker)
     finally:
         registry.kill()
         registry.wait()
         shutil.rmtree(work, ignore_errors=True)
-    rows = [[name, f"{seconds:.2f}", f"{size / seconds / 1e9:.3f}"] for name, seconds in phases.items()]
+    report(args, size, phases, rates, added)
+
+
+def report(args: argparse.Namespace, size: int, phases: dict[str, dict[str, float]], rates: dict[str, float],
+           added: dict[str, int]) -> None:
+    names = list(dict.fromkeys(name for path in phases.values() for name in path))
+    rows = [[name, *(f"{p[name]:.2f} s, {size / p[name] / 1e9:.3f} GB/s" if name in p else "" for p in
+                     phases.values())] for name in names]
     print(f"capture data: {size / 2**20:.0f} MiB, {args.zero_percent}% zeros")
-    print(table(["runtime-v1 phase", "seconds", "GB/s of capture data"], rows))
+    print(table(["runtime-v1 phase", *(f"{path} path" for path in phases)], rows))
     print()
     print(table(["the machine's own rate, same run", "GB/s"], [[k, f"{v:.3f}"] for k, v in rates.items()]))
+    if added:
+        print()
+        print(table(["bytes added (store path)", "MiB", "share of the capture"],
+                    [[k, f"{v / 2**20:.1f}", f"{100 * v / size:.1f} %"] for k, v in added.items()]))
+        moved, store = added["registry, first capture"], phases.get("store", {})
+        link = {kind: max(v for k, v in rates.items() if k.startswith(f"registry link, {kind}")) for kind in
+                ("push", "pull")}
+        print()
+        print(table(["store path, the bytes it moved", "GB/s", "of the best link rate"],
+                    [[f"image-{kind} ({moved / 2**20:.0f} MiB)", f"{moved / store[f'image-{kind}'] / 1e9:.3f}",
+                      f"{100 * moved / store[f'image-{kind}'] / 1e9 / link[kind]:.0f} %"]
+                     for kind in ("push", "pull") if f"image-{kind}" in store]))
     if args.out:
         args.out.write_text(json.dumps({"mib": args.mib, "zero_percent": args.zero_percent, "bytes": size,
-                                        "phases_s": phases, "rates_gbps": rates}, indent=1) + "\n")
+                                        "change_percent": args.change_percent, "phases_s": phases,
+                                        "rates_gbps": rates, "bytes_added": added}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

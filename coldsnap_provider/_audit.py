@@ -38,7 +38,8 @@ __all__ = ("AUDITED_CONTROL", "Audit", "AuditEvent", "audited_action", "loggable
 log = structlog.get_logger(__name__)
 
 # Control-socket operations that change state or run something on the node.
-AUDITED_CONTROL = frozenset({"session-open", "session-close", "workload-stop", "workload-remove", "probe", "reload"})
+AUDITED_CONTROL = frozenset({"session-open", "session-close", "workload-stop", "workload-remove", "probe", "reload",
+                             "capture-remove", "capture-gc"})
 # Provider operations that only read (inspect, logs, resolve, capabilities) are not audited...
 _READ_ONLY_OPERATIONS = frozenset({"capabilities", "huggingface-resolve"})
 _READ_ONLY_ACTIONS = frozenset({"image-inspect", "workload-inspect", "workload-logs"})

@@ -59,6 +59,8 @@ class DockerConfig(_Section, frozen=True):
     spool_dir: Annotated[str, Meta(pattern=r"^(?:/[^\x00]*)?\Z")] = ""
     # The most bytes one copy may spool (its tar's size: a sparse file counts in full).
     copy_max_bytes: Annotated[int, Meta(ge=1 << 20)] = 32 << 30
+    # The node's capture store (coldsnap_runtime/store.py): capsules' capture data as chunks ("" = none).
+    capture_store: Annotated[str, Meta(pattern=r"^(?:/[^\x00]*)?\Z")] = ""
 
 
 class RegistryConfig(_Section, frozen=True):

@@ -13,6 +13,11 @@ from coldsnap_runtime.schema import Reference
 from ._envelope import check_unique_keys
 
 __all__ = (
+    "CaptureCollect",
+    "CaptureInspect",
+    "CaptureList",
+    "CaptureRemove",
+    "CaptureVerb",
     "ControlReply",
     "ControlRequest",
     "Probe",
@@ -110,8 +115,37 @@ class WorkloadRemove(_Named, tag="workload-remove", frozen=True):
     """Remove the workload (stopping it first, as runtime-v1's workload-remove does); only the caller's own."""
 
 
+Digest = Annotated[str, Meta(pattern=r"^sha256:[0-9a-f]{64}\Z")]
+
+
+class CaptureList(_Control, tag="capture-list", frozen=True):
+    """The node's capture store: every capture the caller reaches (those of the images its sessions recorded;
+    root and the daemon's uid: all), with its bytes on disk, shared and zero, tiers and last use."""
+
+
+class CaptureInspect(_Control, tag="capture-inspect", frozen=True):
+    capture: Digest
+
+
+class CaptureRemove(_Control, tag="capture-remove", frozen=True):
+    """Remove one capture from the node's store (refused while a container uses it)."""
+
+    capture: Digest
+
+
+class CaptureCollect(_Control, tag="capture-gc", frozen=True):
+    """Collect captures no container uses: those unused for `older_than_s`, then the least recently used until
+    the store holds at most `max_bytes` (root and the daemon's uid only: it touches every manager's)."""
+
+    max_bytes: Annotated[int, Meta(ge=0)] | None = None
+    older_than_s: Annotated[float, Meta(ge=0)] | None = None
+
+
+CaptureVerb = CaptureList | CaptureInspect | CaptureRemove | CaptureCollect
+
 ControlRequest = (SessionOpen | SessionClose | SessionList | Status | Probe
-                  | WorkloadList | WorkloadInspect | WorkloadLogs | WorkloadStop | WorkloadRemove | Reload)
+                  | WorkloadList | WorkloadInspect | WorkloadLogs | WorkloadStop | WorkloadRemove | Reload
+                  | CaptureList | CaptureInspect | CaptureRemove | CaptureCollect)
 
 
 class ControlReply(Struct, omit_defaults=True, frozen=True, kw_only=True, forbid_unknown_fields=True):

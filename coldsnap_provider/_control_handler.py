@@ -25,8 +25,13 @@ from coldsnap_runtime.errors import ColdsnapError, RequestRejected
 
 from . import __version__
 from ._audit import AUDITED_CONTROL, Audit, AuditEvent, loggable
+from ._capture_admin import capture_verb
 from ._config import ServerConfig
 from ._control import (
+    CaptureCollect,
+    CaptureInspect,
+    CaptureList,
+    CaptureRemove,
     ControlReply,
     ControlRequest,
     Probe,
@@ -55,6 +60,8 @@ from ._probe import ProbeOptions, run_probe
 from ._sessions import SessionManager, SessionRecord, hosts_from_request
 
 if TYPE_CHECKING:
+    from coldsnap_runtime.backend import Captures
+
     from ._metrics import Metrics  # prometheus_client is needed only with [metrics] on
 
 __all__ = ("ControlHandler",)
@@ -80,7 +87,9 @@ class ControlHandler:
         metrics: Metrics | None = None,
         audit: Audit | None = None,
         reload: Callable[[], dict[str, list[str]]] | None = None,
+        captures: Captures | None = None,
     ) -> None:
+        self._captures = captures  # this node's capture store (None: a backend without one)
         self._server = server
         self._health = health
         self._reload = reload  # _reload.Reloader.reload: the configuration file applied, or ConfigError
@@ -155,8 +164,8 @@ class ControlHandler:
             self._audit.record(AuditEvent(
                 time=time.time(), socket="control", operation=operation, outcome=outcome, uid=peer.uid,
                 peer_uid=peer.uid, peer_pid=peer.pid, session=_session_of(request, reply),
-                target=getattr(request, "name", "") or getattr(request, "driver", ""), request_id=reply.id,
-                error=logged_error, duration_ms=round(seconds * 1000, 3)))
+                target=_target_of(request), request_id=reply.id, error=logged_error,
+                duration_ms=round(seconds * 1000, 3)))
         return encode_control(reply)
 
     async def _run(self, request: ControlRequest, peer: Peer) -> Any:
@@ -198,6 +207,8 @@ class ControlHandler:
                 return await self._probe(request, peer)
             case Reload():
                 return self._reloaded(peer)
+            case CaptureList() | CaptureInspect() | CaptureRemove() | CaptureCollect():
+                return await capture_verb(self._captures, request, peer.uid)
         raise TypeError(f"unhandled control request {request!r}")  # pragma: no cover
 
     def _reloaded(self, peer: Peer) -> dict[str, list[str]]:
@@ -283,6 +294,11 @@ class ControlHandler:
             "healthy": all(s.up for s in report.states),
             "backends": msgspec.to_builtins(report.states),
         }
+
+
+def _target_of(request: ControlRequest | None) -> str:
+    """What a control request acts on, for its audit event: a workload, a probe's driver, a capture."""
+    return str(getattr(request, "name", "") or getattr(request, "driver", "") or getattr(request, "capture", ""))
 
 
 def _session_of(request: ControlRequest | None, reply: ControlReply) -> str:

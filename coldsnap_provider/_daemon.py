@@ -46,6 +46,8 @@ from ._sessions import SessionManager, SessionRecord, SessionStore
 from ._systemd import notify, watchdog_interval
 
 if TYPE_CHECKING:
+    from coldsnap_runtime.backend import Captures
+
     from ._metrics import Metrics  # prometheus_client is needed only with [metrics] on
     from ._metrics_http import MetricsEndpoint
 
@@ -70,8 +72,10 @@ class Daemon:
         backend: Backend,
         control_fd: int | None = None,
         metrics: Metrics | None = None,
+        captures: Captures | None = None,
     ) -> None:
         self.config = config
+        self.captures = captures  # this node's capture store (the control socket's capture verbs)
         self.metrics = metrics  # None: no [metrics] address
         self.state_dir = state_dir
         self.operations = operations
@@ -94,7 +98,8 @@ class Daemon:
         if metrics is not None:
             remotes = operations.remotes
             metrics.watch(sessions=lambda: len(self.sessions), connections=lambda: self.state.connections,
-                          remotes=remotes.link_states if remotes is not None else None, backends=self.health.states)
+                          remotes=remotes.link_states if remotes is not None else None, backends=self.health.states,
+                          capture_tiers=captures.tier_stats if captures is not None and captures.store else None)
 
     def stop(self) -> None:
         """Begin a graceful shutdown (safe to call more than once)."""
@@ -120,7 +125,7 @@ class Daemon:
                 await self._control_listener(),
                 ControlHandler(self.config.server, sessions=self.sessions, operations=self.operations,
                                backend=self.backend, state=self.state, health=self.health, metrics=self.metrics,
-                               audit=self.audit, reload=self.reload),
+                               audit=self.audit, reload=self.reload, captures=self.captures),
                 self.state,
             )
             async with anyio.create_task_group() as tg:

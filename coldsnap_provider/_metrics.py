@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
 from prometheus_client.openmetrics.exposition import ALLOWUTF8
 from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_CONTENT_TYPE
@@ -97,6 +97,31 @@ class _BackendCollector(Collector):
         yield family
 
 
+# The capture store's tiers (coldsnap_runtime/backend/_captures.py TIERS): a fixed set.
+CAPTURE_TIERS = frozenset({"tree", "disk", "registry"})
+
+
+class _CaptureTierCollector(Collector):
+    """coldsnap_provider_capture_store_{read_bytes,hits}_total{tier}: read from the node's store at scrape time."""
+
+    def __init__(self, tiers: Callable[[], Iterable[tuple[str, int, int]]]) -> None:
+        self._tiers = tiers
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        read = CounterMetricFamily("coldsnap_provider_capture_store_read_bytes",
+                                   "Bytes of capture data read from each tier of the node's capture store for "
+                                   "workloads and pulls (disk: chunks made into files; registry: chunks fetched)",
+                                   labels=["tier"])
+        hits = CounterMetricFamily("coldsnap_provider_capture_store_hits",
+                                   "Captures served from each tier (tree: files already made; disk: made from "
+                                   "chunks on disk; registry: chunks fetched by a pull)", labels=["tier"])
+        for tier, count, hit in self._tiers():
+            read.add_metric([bounded(tier, CAPTURE_TIERS)], float(count))
+            hits.add_metric([bounded(tier, CAPTURE_TIERS)], float(hit))
+        yield read
+        yield hits
+
+
 class Metrics:
     """The daemon's metrics; the handlers, the session manager and the report collector feed it."""
 
@@ -135,7 +160,8 @@ class Metrics:
 
     def watch(self, *, sessions: Callable[[], int], connections: Callable[[], int],
               remotes: Callable[[], Iterable[tuple[str, bool]]] | None = None,
-              backends: Callable[[], Iterable[tuple[str, str, bool]]] | None = None) -> None:
+              backends: Callable[[], Iterable[tuple[str, str, bool]]] | None = None,
+              capture_tiers: Callable[[], Iterable[tuple[str, int, int]]] | None = None) -> None:
         """Gauges read from their owners at scrape time (nothing to keep in step)."""
         self.sessions.set_function(lambda: float(sessions()))
         self.connections.set_function(lambda: float(connections()))
@@ -143,6 +169,8 @@ class Metrics:
             self.registry.register(_RemoteCollector(remotes))
         if backends is not None:
             self.registry.register(_BackendCollector(backends))
+        if capture_tiers is not None:
+            self.registry.register(_CaptureTierCollector(capture_tiers))
 
     def request(self, *, socket: str, operation: str, action: str, outcome: str, seconds: float) -> None:
         if socket == "session":

@@ -68,6 +68,7 @@ async def serve(config: Config, state_dir: Path, *, config_path: str | None = No
         host_policy=host_policy(config),
         instance=instance_id(state_dir),
         image_ledger=state_dir / "images.json",
+        capture_store=Path(config.docker.capture_store) if config.docker.capture_store else None,
     ) as backend:
         remotes = Remotes(config.remote, state_dir=state_dir, identity=identity, spool=spool,
                           credentials_file=credentials, host_policy=host_policy(config, remote=True))
@@ -92,7 +93,7 @@ async def serve(config: Config, state_dir: Path, *, config_path: str | None = No
             reports=reports,
         )
         daemon = Daemon(config, state_dir=state_dir, operations=operations, backend=backend,
-                        control_fd=fds[0] if fds else None, metrics=metrics)
+                        control_fd=fds[0] if fds else None, metrics=metrics, captures=backend.captures)
         reloader = Reloader(config_path, daemon, log_level=log_level, policy=lambda c: _policy(c, state_dir))
         daemon.reload = reloader.reload
         async with remotes, kubernetes, anyio.create_task_group() as tg:

@@ -43,6 +43,7 @@ from ._errors import (
 
 __all__ = (
     "FOLLOW_WAIT_S",
+    "Capture",
     "ClientError",
     "ControlClient",
     "LogChunk",
@@ -111,6 +112,22 @@ def _as(kind: type[_T], value: Any) -> _T:
         return msgspec.convert(value, kind)
     except msgspec.ValidationError as exc:
         raise ProtocolError(f"control result has an unexpected shape: {exc}") from exc
+
+
+class Capture(Struct, frozen=True, kw_only=True):
+    """A capture in the node's capture store (coldsnap_runtime.store.CaptureInfo): its id (the digest of its
+    registry artifact), files, bytes (apparent, stored, shared with other captures, zero), tiers, times."""
+
+    capture: str
+    files: int
+    size: int
+    stored: int
+    shared: int
+    zero: int
+    tree: int
+    created: float
+    used: float
+    tiers: list[str]
 
 
 class ControlClient:
@@ -192,6 +209,22 @@ class ControlClient:
     async def remove_workload(self, name: str, *, host: str = "") -> None:
         """Remove one of the caller's own workloads (running or not)."""
         await self.request("workload-remove", name=name, host=host)
+
+    async def captures(self) -> list[Capture]:
+        """The node store's captures the caller reaches (those of images its sessions recorded; admins: all)."""
+        return _as(list[Capture], await self.request("capture-list"))
+
+    async def inspect_capture(self, capture: str) -> Capture:
+        return _as(Capture, await self.request("capture-inspect", capture=capture))
+
+    async def remove_capture(self, capture: str) -> None:
+        """Remove one capture (refused while a container uses it)."""
+        await self.request("capture-remove", capture=capture)
+
+    async def collect_captures(self, *, max_bytes: int | None = None, older_than_s: float | None = None) -> list[str]:
+        """Collect captures no container uses, by age and then by capacity; the captures removed."""
+        answer = await self.request("capture-gc", max_bytes=max_bytes, older_than_s=older_than_s)
+        return [str(c) for c in answer["removed"]]
 
 
 class SessionClient:

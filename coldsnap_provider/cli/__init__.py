@@ -15,6 +15,7 @@ from click.shell_completion import get_completion_class
 
 from .. import __version__
 from ._call import CALL
+from ._captures import CAPTURE
 from ._common import EXIT_CODES, EXIT_USAGE
 from ._daemon import DAEMON_COMMANDS
 from ._man import write_man_pages
@@ -83,7 +84,7 @@ def _man(directory: Path) -> None:
         click.echo(str(path))
 
 
-for _command in (*DAEMON_COMMANDS, SESSION, WORKLOAD, CALL, RUN):
+for _command in (*DAEMON_COMMANDS, SESSION, WORKLOAD, CAPTURE, CALL, RUN):
     ROOT.add_command(_command)
 
 

@@ -29,12 +29,13 @@ from ._translate import PrivilegeGrant as PrivilegeGrant
 from ._translate import container_config as container_config
 
 if TYPE_CHECKING:
+    from ._captures import Captures as Captures
     from ._copy import extract_archive as extract_archive
     from ._docker import DockerBackend as DockerBackend
     from ._kubernetes import KubernetesBackend as KubernetesBackend
 
 __all__ = ("CAPSULE_DENIED_IOCTL_TYPES", "CAPSULE_DENIED_SYSCALLS", "MANAGER_UID_LABEL", "REPORT_DIR_LABEL",
-           "ArchiveRefused", "Backend", "DockerBackend", "GpuPolicy", "HostPolicy", "KubernetesBackend",
+           "ArchiveRefused", "Backend", "Captures", "DockerBackend", "GpuPolicy", "HostPolicy", "KubernetesBackend",
            "LedgerEntry", "Owner", "PrivilegeGrant", "RuntimeContext", "check_members", "container_config",
            "dispatch", "extract_archive", "read_capabilities", "seccomp_profile", "with_manager_labels",
            "with_report_dir")
@@ -46,6 +47,10 @@ def __getattr__(name: str) -> Any:
         from ._docker import DockerBackend
 
         return DockerBackend
+    if name == "Captures":
+        from ._captures import Captures
+
+        return Captures
     if name == "extract_archive":
         from ._copy import extract_archive
 

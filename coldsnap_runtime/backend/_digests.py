@@ -40,6 +40,7 @@ __all__ = (
     "CONTAINERD_SNAPSHOTTER",
     "Platform",
     "RegistryReader",
+    "answer_challenge",
     "config_digest",
     "id_needs_resolution",
     "registry_is_insecure",
@@ -249,26 +250,31 @@ class RegistryReader:
         raise RuntimeFailed(action="image-inspect", detail=f"registry refused the credentials for {digest}")
 
     async def _answer(self, challenge: str) -> str:
-        scheme, _, rest = challenge.partition(" ")
-        username, password = self._auth.get("username", ""), self._auth.get("password", "")
-        basic = "Basic " + base64.b64encode(f"{username}:{password}".encode()).decode() if username else ""
-        if scheme.lower() == "basic":
-            if not basic:
-                raise RuntimeFailed(action="image-inspect", detail="registry needs credentials; none are configured")
-            return basic
-        if scheme.lower() != "bearer":
-            raise RuntimeFailed(action="image-inspect", detail=f"unsupported registry challenge {scheme!r}")
-        fields = dict(_BEARER_FIELD.findall(rest))
-        realm = fields.pop("realm", "")
-        if not realm.startswith(("https://", "http://")):
-            raise RuntimeFailed(action="image-inspect", detail="registry's Bearer challenge has no realm")
-        async with self._session.get(realm, params=fields, headers={"Authorization": basic} if basic else {}
-                                     ) as response:
-            if response.status != 200:
-                raise RuntimeFailed(action="image-inspect",
-                                    detail=f"registry token endpoint answered {response.status}")
-            body = json.loads(await response.content.read(1 << 20) or b"{}")
-        token = (body.get("token") or body.get("access_token")) if isinstance(body, dict) else None
-        if not isinstance(token, str) or not token:
-            raise RuntimeFailed(action="image-inspect", detail="registry token endpoint gave no token")
-        return f"Bearer {token}"
+        return await answer_challenge(self._session, challenge, self._auth)
+
+
+async def answer_challenge(session: aiohttp.ClientSession, challenge: str, auth: Mapping[str, str],
+                           action: str = "image-inspect") -> str:
+    """The Authorization header that answers a registry's 401 `challenge` with `auth` (Basic, or a Bearer
+    token from the challenge's realm)."""
+    scheme, _, rest = challenge.partition(" ")
+    username, password = auth.get("username", ""), auth.get("password", "")
+    basic = "Basic " + base64.b64encode(f"{username}:{password}".encode()).decode() if username else ""
+    if scheme.lower() == "basic":
+        if not basic:
+            raise RuntimeFailed(action=action, detail="registry needs credentials; none are configured")
+        return basic
+    if scheme.lower() != "bearer":
+        raise RuntimeFailed(action=action, detail=f"unsupported registry challenge {scheme!r}")
+    fields = dict(_BEARER_FIELD.findall(rest))
+    realm = fields.pop("realm", "")
+    if not realm.startswith(("https://", "http://")):
+        raise RuntimeFailed(action=action, detail="registry's Bearer challenge has no realm")
+    async with session.get(realm, params=fields, headers={"Authorization": basic} if basic else {}) as response:
+        if response.status != 200:
+            raise RuntimeFailed(action=action, detail=f"registry token endpoint answered {response.status}")
+        body = json.loads(await response.content.read(1 << 20) or b"{}")
+    token = (body.get("token") or body.get("access_token")) if isinstance(body, dict) else None
+    if not isinstance(token, str) or not token:
+        raise RuntimeFailed(action=action, detail="registry token endpoint gave no token")
+    return f"Bearer {token}"

@@ -32,7 +32,9 @@ from msgspec import UNSET, UnsetType
 from ..errors import BackendError, CommandFailed, NotFound, OutputTooLarge, RuntimeFailed
 from ..limits import CLEANUP_BUDGET_S, OUTPUT_LIMIT
 from ..schema import Execution, ImageBuild, ImageInfo, RuntimeResponse, WorkloadInfo, WorkloadSpec
+from ..store import CaptureStore
 from ._base import Owner
+from ._captures import CAPTURE_LABEL, Captures
 from ._containers import Containers, labels, valid_workload_name
 from ._copy import copy_out
 from ._engine import SHORT, Engine, docker_errors
@@ -90,10 +92,13 @@ class DockerBackend:
     def __init__(self, *, url: str = "unix:///var/run/docker.sock", credentials_file: str | None = None,
                  spool_dir: str | None = None, instance: str = "", image_ledger: Path | None = None,
                  host_policy: HostPolicy | None = None, registries: frozenset[str] | None = None,
-                 copy_max_bytes: int | None = None) -> None:
+                 copy_max_bytes: int | None = None, capture_store: Path | None = None) -> None:
         self._engine = Engine(url)
+        self.captures = Captures(self._engine, CaptureStore(capture_store) if capture_store else None,
+                                 spool_dir=spool_dir, owned_refs=lambda uid: self._images.ledger.owned_by(uid))
         self._images = Images(self._engine, credentials_file=credentials_file, registries=registries,
-                              ledger=image_ledger, spool_dir=spool_dir, copy_max_bytes=copy_max_bytes)
+                              ledger=image_ledger, spool_dir=spool_dir, copy_max_bytes=copy_max_bytes,
+                              captures=self.captures)
         self._containers = Containers(self._engine, instance)
         self._spool_dir = spool_dir
         # The most bytes one workload-copy-from archive may spool (None: unbounded, for library callers).
@@ -202,16 +207,32 @@ class DockerBackend:
 
     async def _create(self, spec: WorkloadSpec, capabilities: tuple[str, ...] | None,
                       layers: list[str]) -> aiodocker.containers.DockerContainer:
+        info = await self._images.exact(spec.image, "workload-run")
+        if CAPTURE_LABEL not in ((info.get("Config") or {}).get("Labels") or {}):
+            return await self._create_exclusive(spec, capabilities, layers, None)
+        async with self.captures.lock:  # the files made, then the container that pins them: one step for gc
+            captured = await self.captures.mounts(spec.image, info)
+            return await self._create_exclusive(spec, capabilities, layers, captured)
+
+    async def _create_exclusive(self, spec: WorkloadSpec, capabilities: tuple[str, ...] | None, layers: list[str],
+                                captured: tuple[str, list[dict[str, Any]]] | None
+                                ) -> aiodocker.containers.DockerContainer:
         if self._host_policy.gpus.exclusive and gpu_routes(spec, capabilities):
             async with self._gpu_lock:  # two creates for one GPU: the second sees the first's container
-                return await self._create_now(spec, exclusive=True, capabilities=capabilities, layers=layers)
-        return await self._create_now(spec, exclusive=False, capabilities=capabilities, layers=layers)
+                return await self._create_now(spec, exclusive=True, capabilities=capabilities, layers=layers,
+                                              captured=captured)
+        return await self._create_now(spec, exclusive=False, capabilities=capabilities, layers=layers,
+                                      captured=captured)
 
     async def _create_now(self, spec: WorkloadSpec, *, exclusive: bool, capabilities: tuple[str, ...] | None,
-                          layers: list[str]) -> aiodocker.containers.DockerContainer:
+                          layers: list[str], captured: tuple[str, list[dict[str, Any]]] | None
+                          ) -> aiodocker.containers.DockerContainer:
         realised = await self._realise(spec, exclusive=exclusive, capabilities=capabilities)
         config = container_config(spec, gpus=realised.gpus, privilege=realised.privilege,
                                   confined=capabilities is not None, image_layers=layers)
+        if captured is not None:  # the capture's files over the image's stubs; the label pins the capture
+            config["HostConfig"]["Mounts"] = [*config["HostConfig"].get("Mounts", []), *captured[1]]
+            config["Labels"] = {**config["Labels"], CAPTURE_LABEL: captured[0]}
         # What it holds is the backend's to say: a manager's own label of that name is dropped.
         config["Labels"] = {k: v for k, v in config["Labels"].items() if k != HELD_GPUS_LABEL}
         if realised.held:

@@ -26,6 +26,7 @@ from ..errors import BuildContextError, NotFound, RequestRejected, RuntimeFailed
 from ..schema import ImageBuild, ImageInfo
 from ._base import Owner
 from ._buildctx import DOCKERFILE_PATH, base_images, rewrite_dockerfile, write_context_tar
+from ._captures import Captures
 from ._digests import (
     Platform,
     RegistryReader,
@@ -47,8 +48,9 @@ class Images:
     in `credentials_file`); `copy_max_bytes` bounds a build context (None: unbounded)."""
 
     def __init__(self, engine: Engine, *, credentials_file: str | None, registries: frozenset[str] | None,
-                 ledger: Path | None, spool_dir: str | None, copy_max_bytes: int | None) -> None:
+                 ledger: Path | None, spool_dir: str | None, copy_max_bytes: int | None, captures: Captures) -> None:
         self._engine = engine
+        self.captures = captures
         self._credentials_file = credentials_file
         self._registries = registries
         self.ledger = ImageLedger(ledger)
@@ -150,12 +152,15 @@ class Images:
                                     params={"fromImage": ref.repository, "tag": ref.pull_tag},
                                     headers=self._auth_header(ref.registry), kind="image", ref=image)
         await self.ledger.update("image-pull", add=image)
+        # The capture the capsule carries comes beside it, straight into the node's store.
+        await self.captures.pull(image, await self.exact(image, "image-pull"), self._auth)
 
     async def push(self, image: str) -> None:
         ref = parse_reference(image)
         if ref is None or ref.digest:
             raise RuntimeFailed(action="image-push", detail=f"{image} is not a tag; only tags can be pushed")
-        await self.exact(image, "image-push")
+        # Its capture first: once the tag is in the registry, so is everything it names.
+        await self.captures.push(image, await self.exact(image, "image-push"), self._auth)
         await self._engine.progress("image-push", f"images/{quote(ref.repository, safe='/:')}/push",
                                     params={"tag": ref.pull_tag},
                                     headers=self._auth_header(ref.registry), kind="image", ref=image)
@@ -220,11 +225,14 @@ class Images:
             await self._require_local_bases(build)
         params = {"t": build.tag, "dockerfile": DOCKERFILE_PATH, "rm": "1", "forcerm": "1",
                   "pull": "1" if pull else "0", "buildargs": json.dumps(dict(build.arguments))}
-        with tempfile.TemporaryFile(dir=self._spool_dir, prefix="coldsnap-build-") as spool:
+        with tempfile.TemporaryFile(dir=self._spool_dir, prefix="coldsnap-build-") as spool, \
+                tempfile.TemporaryFile(dir=self._spool_dir, prefix="coldsnap-build-") as filtered:
             await write_context_tar(spool, context=build.context, contexts=dict(build.contexts),
                                     dockerfile=build.dockerfile, owner=owner, max_bytes=self._copy_max_bytes)
             spool.seek(0)
-            await self._engine.progress("image-build", "build", params=params, headers=headers, data=spool)
+            stored = await self.captures.filter_context(spool, filtered)
+            await self._engine.progress("image-build", "build", params=params, headers=headers,
+                                        data=filtered if stored else spool)
         await self.ledger.update("image-build", add=build.tag)
 
     async def _refuse_remote_triggers(self, build: ImageBuild) -> None:

@@ -66,6 +66,10 @@ class ImageLedger:
         """The record of `image`, or None when this provider never recorded it."""
         return self._entries.get(ledger_key(image))
 
+    def owned_by(self, uid: int) -> list[str]:
+        """The references manager `uid` recorded (the capture store's admin verbs show it their captures)."""
+        return sorted(ref for ref, entry in self._entries.items() if entry.owner == uid)
+
     async def update(self, action: str, *, add: str = "", drop: str = "", owner: int | None = None) -> None:
         """Record `add` (owned by `owner` when it is new or has no owner yet) and forget `drop`."""
         if self.path is None:

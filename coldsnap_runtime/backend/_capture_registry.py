@@ -1,0 +1,213 @@
+"""A capture's chunks through a registry, beside its capsule image (DESIGN decision 16).
+
+The capture travels as an OCI artifact in the image's own repository: a manifest (``artifactType``
+``application/vnd.coldsnap-provider.capture.v1``) whose config is the capture's data document and whose
+layers are its distinct non-zero 64 MiB chunks, each a blob named by its SHA-256, uncompressed. The image
+names the manifest's digest in a label, so whoever pulls the image finds its capture.
+
+Push asks the registry which blobs it already has (HEAD) and uploads only the others (one POST and one
+monolithic PUT each), several at once, before the manifest. Pull reads the manifest by digest (checked),
+then fetches the chunks the node's store lacks, several at once; each is checked against its digest and
+size before it takes its name in the store, so an interrupted pull resumes from what is already there and
+a corrupt or truncated blob is refused, naming it. Credentials are the engine's (the same per-registry
+rule as ``_images.py``); plain HTTP only where the engine itself uses it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+import anyio
+
+from ..errors import RuntimeFailed
+from ..store import OCI_MANIFEST, CaptureStore, StoreError
+from ._digests import answer_challenge
+from ._engine import registry_errors
+
+__all__ = ("CaptureRegistry", "Transferred")
+
+PARALLEL = 8  # blobs in flight at once: enough to fill a link that one stream cannot (each at most 64 MiB)
+_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=300)
+_MAX_DOCUMENT = 4 << 20  # a registry's own manifest limit
+
+
+class Transferred:
+    """What one push or pull moved: blobs and bytes sent or fetched, and those already there."""
+
+    def __init__(self) -> None:
+        self.blobs = 0
+        self.bytes = 0
+        self.present_blobs = 0
+        self.present_bytes = 0
+
+    def add(self, size: int, *, present: bool) -> None:
+        if present:
+            self.present_blobs, self.present_bytes = self.present_blobs + 1, self.present_bytes + size
+        else:
+            self.blobs, self.bytes = self.blobs + 1, self.bytes + size
+
+
+class CaptureRegistry:
+    """One repository of one registry, for the captures of `store`."""
+
+    def __init__(self, store: CaptureStore, *, registry: str, repository: str, auth: Mapping[str, str] | None,
+                 insecure: bool, action: str) -> None:
+        self._store = store
+        self._registry = registry
+        host = "registry-1.docker.io" if registry == "docker.io" else registry
+        self._origin = f"{'http' if insecure else 'https'}://{host}"
+        self._base = f"{self._origin}/v2/{repository}"
+        self._auth = auth or {}
+        self._authorization = ""
+        self._action = action
+
+    # --- HTTP with the registry's challenge answered once --------------------------------
+
+    async def _send(self, session: aiohttp.ClientSession, method: str, url: str, *,
+                    headers: dict[str, str] | None = None, data: bytes | None = None) -> tuple[int, Any, bytes]:
+        for attempt in range(2):
+            sent = dict(headers or {})
+            if self._authorization:
+                sent["Authorization"] = self._authorization
+            async with session.request(method, url, headers=sent, data=data) as response:
+                if response.status == 401 and attempt == 0:
+                    challenge = response.headers.get("WWW-Authenticate", "")
+                    self._authorization = await answer_challenge(session, challenge, self._auth, self._action)
+                    continue
+                body = await response.read() if method != "HEAD" else b""
+                return response.status, response.headers, body
+        raise RuntimeFailed(action=self._action, detail=f"registry {self._registry} refused the credentials")
+
+    def _fail(self, what: str, status: int, body: bytes) -> RuntimeFailed:
+        text = body[:300].decode("utf-8", "replace").strip()
+        return RuntimeFailed(action=self._action,
+                             detail=f"registry {self._registry} answered {status} for {what}: {text}")
+
+    # --- push ------------------------------------------------------------------------
+
+    async def push(self, capture: str) -> Transferred:
+        """Upload the capture's blobs the registry lacks, then its manifest (by digest)."""
+        manifest = await anyio.to_thread.run_sync(self._store.manifest, capture)
+        document = json.loads(manifest)
+        blobs = [(document["config"]["digest"], int(document["config"]["size"]))]
+        blobs += [(layer["digest"], int(layer["size"])) for layer in document["layers"]]
+        done = Transferred()
+        with registry_errors(self._action, self._registry):
+            async with aiohttp.ClientSession(timeout=_TIMEOUT) as session:
+                await self._each(blobs, lambda blob: self._push_blob(session, blob, done))
+                status, _, body = await self._send(session, "PUT", f"{self._base}/manifests/{capture}",
+                                                   headers={"Content-Type": OCI_MANIFEST}, data=manifest)
+                if status not in (200, 201):
+                    raise self._fail(f"manifest {capture}", status, body)
+        return done
+
+    async def _push_blob(self, session: aiohttp.ClientSession, blob: tuple[str, int], done: Transferred) -> None:
+        digest, size = blob
+        status, _, _ = await self._send(session, "HEAD", f"{self._base}/blobs/{digest}")
+        if status == 200:
+            done.add(size, present=True)
+            return
+        status, headers, body = await self._send(session, "POST", f"{self._base}/blobs/uploads/")
+        location = headers.get("Location", "")
+        if status != 202 or not location:
+            raise self._fail(f"an upload of {digest}", status, body)
+        if location.startswith("/"):
+            location = self._origin + location
+        data = await anyio.to_thread.run_sync(self._read_blob, digest)
+        separator = "&" if "?" in location else "?"
+        status, _, body = await self._send(session, "PUT", f"{location}{separator}digest={digest}", data=data,
+                                           headers={"Content-Type": "application/octet-stream"})
+        if status != 201:
+            raise self._fail(f"blob {digest}", status, body)
+        done.add(size, present=False)
+
+    def _read_blob(self, digest: str) -> bytes:
+        try:
+            return self._store.blob_path(digest).read_bytes()
+        except FileNotFoundError:
+            raise StoreError(f"blob {digest} is missing from the node's store") from None
+
+    # --- pull ------------------------------------------------------------------------
+
+    async def pull(self, capture: str) -> Transferred:
+        """Fetch the capture's manifest and the chunks the store lacks, and list it in the store."""
+        done = Transferred()
+        with registry_errors(self._action, self._registry):
+            async with aiohttp.ClientSession(timeout=_TIMEOUT) as session:
+                manifest = await self._document(session, "manifests", capture, {"Accept": OCI_MANIFEST})
+                document = json.loads(manifest)
+                config = document.get("config") or {}
+                data = await self._document(session, "blobs", str(config.get("digest")), {})
+                layers = [(str(layer["digest"]), int(layer["size"])) for layer in document.get("layers") or []]
+                await self._each(layers, lambda blob: self._pull_blob(session, blob, done))
+        try:
+            await anyio.to_thread.run_sync(self._store.record, manifest, data)
+        except StoreError as exc:
+            raise RuntimeFailed(action=self._action, detail=f"capture {capture}: {exc}") from exc
+        return done
+
+    async def _document(self, session: aiohttp.ClientSession, kind: str, digest: str,
+                        headers: dict[str, str]) -> bytes:
+        status, _, body = await self._send(session, "GET", f"{self._base}/{kind}/{digest}", headers=headers)
+        if status != 200:
+            raise self._fail(f"{kind.rstrip('s')} {digest}", status, body)
+        if len(body) > _MAX_DOCUMENT or "sha256:" + hashlib.sha256(body).hexdigest() != digest:
+            raise RuntimeFailed(action=self._action, detail=(
+                f"registry {self._registry}: the document read as {digest} has another digest"))
+        return body
+
+    async def _pull_blob(self, session: aiohttp.ClientSession, blob: tuple[str, int], done: Transferred) -> None:
+        digest, size = blob
+        if self._store.has_blob(digest):
+            done.add(size, present=True)
+            return
+        status, _, body = await self._send(session, "GET", f"{self._base}/blobs/{digest}")
+        if status != 200:
+            raise self._fail(f"blob {digest}", status, body)
+        if not await anyio.to_thread.run_sync(self._keep, digest, size, body):
+            raise RuntimeFailed(action=self._action, detail=(
+                f"registry {self._registry}: blob {digest} is corrupt or truncated "
+                f"({len(body)} bytes, {size} expected); nothing of it was kept"))
+        done.add(size, present=False)
+
+    def _keep(self, digest: str, size: int, body: bytes) -> bool:
+        """Store `body` as `digest` if it is those bytes (hashed here, off the event loop)."""
+        if len(body) != size or "sha256:" + hashlib.sha256(body).hexdigest() != digest:
+            return False
+        temporary = self._store.temporary(digest)
+        try:
+            with open(temporary, "xb") as out:
+                out.write(body)
+                out.flush()
+                os.fsync(out.fileno())
+            self._store.adopt_blob(temporary, digest)
+        finally:
+            temporary.unlink(missing_ok=True)
+        return True
+
+    async def _each(self, blobs: list[tuple[str, int]], run: Any) -> None:
+        """`run` each blob, PARALLEL at a time; the first failure (translated) cancels the others and is raised."""
+        limit = anyio.Semaphore(PARALLEL)
+
+        async def one(blob: tuple[str, int]) -> None:
+            async with limit:
+                with registry_errors(self._action, self._registry):
+                    try:
+                        await run(blob)
+                    except StoreError as exc:
+                        raise RuntimeFailed(action=self._action, detail=str(exc)) from exc
+
+        try:
+            async with anyio.create_task_group() as group:
+                for blob in blobs:
+                    group.start_soon(one, blob)
+        except BaseExceptionGroup as failures:  # the task group's wrapping: the caller gets our one error
+            first: BaseException = failures
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            raise first from failures

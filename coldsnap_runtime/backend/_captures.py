@@ -1,0 +1,221 @@
+"""The Docker backend's side of the node's capture store: what image-build, -push, -pull and workload-run
+do with a capsule that carries a capture (``_capture_build.py``, ``_capture_registry.py``), and the admin's
+list, inspect, remove and collect, which never touch a capture a container of this engine uses.
+
+A container that sees a capture's files carries :data:`CAPTURE_LABEL` naming it: that label is the pin.
+Collection and removal ask the engine which captures are pinned, under the same lock that workload-run
+holds from making a capture's files to creating its container, so a collection racing a restore either
+runs first (and the restore makes the files again, or fails naming the missing capture) or sees the pin.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import IO, Any
+
+import anyio
+
+from ..errors import NotFound, RuntimeFailed
+from ..store import CaptureInfo, CaptureStore, StoreError
+from ._capture_build import CAPTURE_LABEL, image_files, store_context
+from ._capture_registry import CaptureRegistry, Transferred
+from ._digests import repository_path
+from ._engine import Engine, docker_errors
+from ._translate import parse_reference
+
+__all__ = ("CAPTURE_LABEL", "Captures")
+
+Auth = Callable[[str], dict[str, str] | None]
+# Where a workload's capture files came from (the metrics' tier label: a fixed set): its files already made
+# ("tree"), made from the chunks on this node's disk ("disk"), chunks fetched from a registry ("registry").
+TIERS = ("tree", "disk", "registry")
+
+
+class Captures:
+    """The capture store of one engine's node (`store` None: this host has none; images that need one are
+    refused, naming the image)."""
+
+    def __init__(self, engine: Engine, store: CaptureStore | None, *, spool_dir: str | None,
+                 owned_refs: Callable[[int], list[str]]) -> None:
+        self._engine = engine
+        self.store = store
+        self._spool_dir = spool_dir
+        self._owned_refs = owned_refs  # the image references a manager recorded (the image ledger)
+        self._opened = False
+        # tier -> [bytes read from it, hits]; read by the metrics endpoint at scrape time.
+        self._tiers: dict[str, list[int]] = {tier: [0, 0] for tier in TIERS}
+        # Held from making a capture's files to creating the container that pins it, and by removal.
+        self.lock = anyio.Lock()
+
+    async def _ready(self, action: str) -> CaptureStore:
+        if self.store is None:
+            raise RuntimeFailed(action=action, detail="this host has no capture store ([captures] store)")
+        if not self._opened:
+            try:
+                await anyio.to_thread.run_sync(self.store.open)
+            except OSError as exc:
+                raise RuntimeFailed(action=action, detail=f"the capture store cannot be opened: {exc}") from exc
+            self._opened = True
+        return self.store
+
+    # --- build, push, pull -------------------------------------------------------------
+
+    async def filter_context(self, spool: IO[bytes], out: IO[bytes]) -> bool:
+        """Whether the context tar `spool` carried a capture that went into the store: then `out` holds the
+        context to build (stubs in its place), from its start; else `spool` is built as it is."""
+        if self.store is None:
+            return False
+        store = await self._ready("image-build")
+        try:
+            capture = await anyio.to_thread.run_sync(store_context, spool, out, store)
+        except (StoreError, OSError) as exc:
+            raise RuntimeFailed(action="image-build", detail=f"the capture store: {exc}") from exc
+        spool.seek(0)
+        out.seek(0)
+        return capture is not None
+
+    async def push(self, image: str, info: dict[str, Any], auth: Auth) -> Transferred | None:
+        """Push the capture `image` carries beside it (before the image, so its tag never names a capture the
+        registry lacks); None for an image without one."""
+        found = self._capture(image, info, "image-push")
+        if found is None:
+            return None
+        store = await self._ready("image-push")
+        if not store.has(found):
+            raise RuntimeFailed(action="image-push", detail=f"{image} carries capture {found}, which is not in "
+                                "the node's capture store (removed or collected): build or pull it again")
+        return await (await self._registry(image, store, auth, "image-push")).push(found)
+
+    async def pull(self, image: str, info: dict[str, Any], auth: Auth) -> Transferred | None:
+        """Fetch the capture the pulled `image` carries into the store (what it lacks); None without one."""
+        found = self._capture(image, info, "image-pull")
+        if found is None:
+            return None
+        store = await self._ready("image-pull")
+        if store.has(found):
+            return Transferred()
+        moved = await (await self._registry(image, store, auth, "image-pull")).pull(found)
+        self._count("registry", moved.bytes)
+        return moved
+
+    def _count(self, tier: str, read: int) -> None:
+        self._tiers[tier][0] += read
+        self._tiers[tier][1] += 1
+
+    def tier_stats(self) -> list[tuple[str, int, int]]:
+        """(tier, bytes read from it, hits) for each tier: the metrics endpoint's view."""
+        return [(tier, read, hits) for tier, (read, hits) in self._tiers.items()]
+
+    async def _registry(self, image: str, store: CaptureStore, auth: Auth, action: str) -> CaptureRegistry:
+        from ._digests import registry_is_insecure
+
+        ref = parse_reference(image)
+        if ref is None:
+            raise RuntimeFailed(action=action, detail=f"{image} names no registry to move its capture through")
+        info = await self._engine.info(action)
+        return CaptureRegistry(store, registry=ref.registry, repository=repository_path(ref.repository),
+                               auth=auth(ref.registry), insecure=registry_is_insecure(info, ref.registry),
+                               action=action)
+
+    @staticmethod
+    def _capture(image: str, info: dict[str, Any], action: str) -> str | None:
+        try:
+            found = image_files(dict((info.get("Config") or {}).get("Labels") or {}))
+        except ValueError as exc:
+            raise RuntimeFailed(action=action, detail=f"{image}: {exc}") from exc
+        return None if found is None else found[0]
+
+    # --- workload-run ------------------------------------------------------------------
+
+    async def mounts(self, image: str, info: dict[str, Any]) -> tuple[str, list[dict[str, Any]]] | None:
+        """The capture `image` carries and the read-only binds of its files over the image's stubs; None
+        without one. The caller holds :attr:`lock` until its container (labelled with the capture) exists."""
+        try:
+            found = image_files(dict((info.get("Config") or {}).get("Labels") or {}))
+        except ValueError as exc:
+            raise RuntimeFailed(action="workload-run", detail=f"{image}: {exc}") from exc
+        if found is None:
+            return None
+        capture, files = found
+        store = await self._ready("workload-run")
+        try:
+            tree, read = await anyio.to_thread.run_sync(store.tree, capture)
+        except StoreError as exc:
+            raise RuntimeFailed(action="workload-run", detail=(
+                f"{image} carries capture {capture}: {exc}; nothing was started (pull the image again)")) from exc
+        self._count("disk" if read else "tree", read)
+        return capture, [{"Type": "bind", "Source": str(tree / source), "Target": target, "ReadOnly": True}
+                         for target, source in sorted(files.items())]
+
+    # --- admin -----------------------------------------------------------------------
+
+    async def in_use(self, action: str) -> set[str]:
+        """Captures some container of this engine (any state) pins."""
+        with docker_errors(action):
+            containers = await self._engine.docker.containers.list(all=True, filters={"label": [CAPTURE_LABEL]})
+        return {str(labels[CAPTURE_LABEL]) for c in containers if CAPTURE_LABEL in (labels := c["Labels"] or {})}
+
+    async def visible(self, uid: int | None, action: str) -> set[str] | None:
+        """The captures manager `uid` reaches: those of the images it recorded (None: every one, for root and
+        the daemon's account). Another manager's capture is answered as absent."""
+        if uid is None:
+            return None
+        found: set[str] = set()
+        for ref in self._owned_refs(uid):
+            try:
+                with docker_errors(action, kind="image", ref=ref):
+                    info = await self._engine.docker.images.inspect(ref)
+            except NotFound:
+                continue
+            if (capture := self._capture(ref, info, action)) is not None:
+                found.add(capture)
+        return found
+
+    async def describe(self, capture: str | None = None, *, uid: int | None = None) -> list[CaptureInfo]:
+        """Every capture `uid` reaches (or the one named: NotFound when absent or not its own)."""
+        store = await self._ready("capture-inspect")
+        mine = await self.visible(uid, "capture-inspect")
+        try:
+            if capture is None:
+                listed = await anyio.to_thread.run_sync(store.describe_all)
+                return [info for info in listed if mine is None or info.capture in mine]
+            if not store.has(capture) or (mine is not None and capture not in mine):
+                raise NotFound(kind="capture", ref=capture, action="capture-inspect")
+            return [await anyio.to_thread.run_sync(lambda: store.describe(capture))]
+        except StoreError as exc:
+            raise RuntimeFailed(action="capture-inspect", detail=str(exc)) from exc
+
+    async def remove(self, capture: str, *, uid: int | None = None) -> None:
+        """Remove one capture `uid` reaches; refused while a container uses it; NotFound when absent."""
+        mine = await self.visible(uid, "capture-remove")
+        if mine is not None and capture not in mine:
+            raise NotFound(kind="capture", ref=capture, action="capture-remove")
+        await self._under_lock("capture-remove", lambda store, used: self._remove_one(store, used, capture))
+
+    async def collect(self, *, max_bytes: int | None, older_than_s: float | None) -> list[str]:
+        """Collect by capacity and age, never a capture in use; the captures removed."""
+        removed: list[str] = []
+
+        async def run(store: CaptureStore, used: set[str]) -> None:
+            removed.extend(await anyio.to_thread.run_sync(
+                lambda: store.collect(in_use=used, max_bytes=max_bytes, older_than_s=older_than_s)))
+
+        await self._under_lock("capture-gc", run)
+        return removed
+
+    async def _under_lock(self, action: str, run: Callable[[CaptureStore, set[str]], Awaitable[None]]) -> None:
+        store = await self._ready(action)
+        async with self.lock:
+            used = await self.in_use(action)
+            try:
+                await run(store, used)
+            except StoreError as exc:
+                raise RuntimeFailed(action=action, detail=str(exc)) from exc
+
+    @staticmethod
+    async def _remove_one(store: CaptureStore, used: set[str], capture: str) -> None:
+        if not store.has(capture):
+            raise NotFound(kind="capture", ref=capture, action="capture-remove")
+        if capture in used:
+            raise RuntimeFailed(action="capture-remove", detail=f"capture {capture} is in use by a container")
+        await anyio.to_thread.run_sync(store.remove, capture)

@@ -1,0 +1,419 @@
+"""The node's capture store: capture data as content-addressed 64 MiB chunks (DESIGN decision 16).
+
+::
+
+    <root>/blobs/sha256/<hex>      one chunk (at most 64 MiB), named by the SHA-256 of its bytes; also
+                                   each capture's data document (the OCI config of its registry artifact)
+    <root>/captures/<hex>.json     a capture: the OCI manifest (artifact) whose digest is sha256:<hex>;
+                                   written last, so a capture listed is one whose every blob is present
+    <root>/trees/<hex>/<path>      the capture's files as plain (sparse) files, made on first use
+    <root>/tmp/                    what is being written (a blob before its digest is checked, a tree)
+
+A file is a list of chunks, each a digest or ``None`` for a chunk of zeros: zeros are never stored, moved
+or read, and come back as holes. The same bytes are one blob, whichever captures hold them. Every name
+appears only after its bytes are fsynced under a temporary name (rename), so a disk that fills up, or a
+process that dies, leaves nothing half-listed; a blob is checked against its name before it takes it, so
+what is in ``blobs/`` is always verified, and an interrupted pull resumes from it.
+
+The store does blocking I/O: the backend calls it from worker threads. Which captures are in use is the
+caller's knowledge (the engine's containers): :meth:`CaptureStore.collect` is given the set it must keep.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import IO
+
+import msgspec
+
+__all__ = (
+    "CAPTURE_MEDIA_TYPE",
+    "CHUNK_BYTES",
+    "CHUNK_MEDIA_TYPE",
+    "DATA_MEDIA_TYPE",
+    "CaptureData",
+    "CaptureInfo",
+    "CaptureStore",
+    "StoreError",
+    "StoredFile",
+    "artifact_manifest",
+)
+
+CHUNK_BYTES = 64 << 20  # the dumps' sha256-64m chunk: one registry blob, one unit of dedupe
+CAPTURE_MEDIA_TYPE = "application/vnd.coldsnap-provider.capture.v1"
+DATA_MEDIA_TYPE = "application/vnd.coldsnap-provider.capture.data.v1+json"
+CHUNK_MEDIA_TYPE = "application/vnd.coldsnap-provider.chunk.v1"
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+_HEX = frozenset("0123456789abcdef")
+_ZEROS = bytes(CHUNK_BYTES)
+INGEST_THREADS = 4  # chunks hashed and written at once: 256 MiB in memory at most
+
+
+class StoreError(Exception):
+    """The store cannot do what it was asked; the message names the capture, blob or file."""
+
+
+class StoredFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One file of a capture: its path inside the capture, size, mode, and its chunks (None: zeros)."""
+
+    path: str
+    size: int
+    mode: int
+    chunks: list[str | None]
+
+
+class CaptureData(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A capture's data document: the files the store holds for it (the artifact's config blob)."""
+
+    files: list[StoredFile]
+    format: int = 1
+
+
+class CaptureInfo(msgspec.Struct, frozen=True):
+    """What an admin sees of one capture (``capture ls``/``inspect``)."""
+
+    capture: str
+    files: int
+    size: int  # the files' apparent size
+    stored: int  # bytes of its distinct non-zero chunks on disk
+    shared: int  # of those, bytes other captures also hold
+    zero: int  # bytes of zero chunks (neither stored nor moved)
+    tree: int  # bytes of its materialised files (tier "tree": made on first use, reclaimable)
+    created: float
+    used: float
+    tiers: list[str]
+
+
+def _digest_name(digest: str) -> str:
+    algorithm, _, hexa = digest.partition(":")
+    if algorithm != "sha256" or len(hexa) != 64 or not set(hexa) <= _HEX:
+        raise StoreError(f"{digest!r} is not a sha256 digest")
+    return hexa
+
+
+def artifact_manifest(data: bytes, files: Iterable[StoredFile]) -> bytes:
+    """The OCI manifest (artifact) of a capture whose data document is `data`: its distinct chunks as layers.
+    Deterministic, so the image's label can name its digest before anything is pushed."""
+    sizes: dict[str, int] = {}
+    for stored in files:
+        for index, chunk in enumerate(stored.chunks):
+            if chunk is not None:
+                sizes[chunk] = min(CHUNK_BYTES, stored.size - index * CHUNK_BYTES)
+    document = {
+        "schemaVersion": 2, "mediaType": OCI_MANIFEST, "artifactType": CAPTURE_MEDIA_TYPE,
+        "config": {"mediaType": DATA_MEDIA_TYPE, "digest": "sha256:" + hashlib.sha256(data).hexdigest(),
+                   "size": len(data)},
+        "layers": [{"mediaType": CHUNK_MEDIA_TYPE, "digest": d, "size": s} for d, s in sorted(sizes.items())],
+    }
+    return json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _fsync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CaptureStore:
+    """One node's store under `root` (created 0700 on first use)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._blobs = root / "blobs" / "sha256"
+        self._captures = root / "captures"
+        self._trees = root / "trees"
+        self._tmp = root / "tmp"
+
+    def open(self) -> None:
+        """Create the layout and drop what an earlier process left half-written (tmp/ only)."""
+        for directory in (self.root, self._blobs, self._captures, self._trees, self._tmp):
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for leftover in self._tmp.iterdir():
+            if leftover.is_dir():
+                shutil.rmtree(leftover, ignore_errors=True)
+            else:
+                leftover.unlink(missing_ok=True)
+
+    # --- blobs -----------------------------------------------------------------------
+
+    def blob_path(self, digest: str) -> Path:
+        return self._blobs / _digest_name(digest)
+
+    def has_blob(self, digest: str) -> bool:
+        return self.blob_path(digest).exists()
+
+    def temporary(self, digest: str) -> Path:
+        """A fresh temporary name for a blob being written (a pull streams into it)."""
+        return self._tmp / f"{_digest_name(digest)}.{secrets.token_hex(4)}"
+
+    def adopt_blob(self, temporary: Path, digest: str) -> None:
+        """Give the fsynced, verified `temporary` the blob's name (a concurrent writer of the same bytes wins
+        equally: the name holds the same bytes either way)."""
+        os.replace(temporary, self.blob_path(digest))
+
+    def put_blob(self, data: bytes | bytearray | memoryview) -> str:
+        """Store `data` as a blob (once: present bytes are not written again); its digest."""
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        if self.has_blob(digest):
+            return digest
+        temporary = self.temporary(digest)
+        try:
+            with open(temporary, "xb") as out:
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+            self.adopt_blob(temporary, digest)
+        finally:
+            temporary.unlink(missing_ok=True)
+        return digest
+
+    def ingest(self, path: str, size: int, mode: int, source: IO[bytes]) -> StoredFile:
+        """Read `size` bytes of one file from `source` into chunks: zeros skipped, present chunks not rewritten.
+        Reading is sequential; hashing and writing run in :data:`INGEST_THREADS` threads (SHA-256 and writes
+        release the GIL), at most that many chunks in memory."""
+        pending: deque[Future[str | None]] = deque()
+        chunks: list[str | None] = []
+        remaining = size
+        with ThreadPoolExecutor(INGEST_THREADS, thread_name_prefix="store-ingest") as pool:
+            while remaining:
+                buffer = bytearray(min(CHUNK_BYTES, remaining))
+                view, filled = memoryview(buffer), 0
+                while filled < len(buffer):
+                    n = source.readinto(view[filled:])  # type: ignore[attr-defined]
+                    if not n:
+                        raise StoreError(f"{path}: the source ended after {size - remaining + filled} of {size} bytes")
+                    filled += n
+                del view
+                if len(pending) >= INGEST_THREADS:
+                    chunks.append(pending.popleft().result())
+                pending.append(pool.submit(self._chunk, buffer))
+                remaining -= len(buffer)
+            chunks += [future.result() for future in pending]
+        return StoredFile(path=path, size=size, mode=mode & 0o7777, chunks=chunks)
+
+    def _chunk(self, buffer: bytearray) -> str | None:
+        # bytearray == bytes is one memcmp (a memoryview comparison goes element by element, 10x slower).
+        return None if buffer == (_ZEROS if len(buffer) == CHUNK_BYTES else bytes(len(buffer))) \
+            else self.put_blob(buffer)
+
+    # --- captures --------------------------------------------------------------------
+
+    def record(self, manifest: bytes, data: bytes) -> str:
+        """List a capture whose every chunk is present: its data document stored, then its manifest named.
+        The capture's id (the manifest's digest)."""
+        files = self.decode_data(data).files
+        if missing := [c for f in files for c in f.chunks if c is not None and not self.has_blob(c)]:
+            raise StoreError(f"capture data names {len(missing)} chunks the store lacks, e.g. {missing[0]}")
+        self.put_blob(data)
+        capture = "sha256:" + hashlib.sha256(manifest).hexdigest()
+        target = self._captures / f"{_digest_name(capture)}.json"
+        if not target.exists():
+            temporary = self._tmp / f"{target.name}.{secrets.token_hex(4)}"
+            with open(temporary, "xb") as out:
+                out.write(manifest)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(temporary, target)
+            _fsync_directory(self._captures)
+        self.touch(capture)
+        return capture
+
+    @staticmethod
+    def decode_data(data: bytes) -> CaptureData:
+        try:
+            decoded = msgspec.json.decode(data, type=CaptureData)
+        except msgspec.ValidationError as exc:
+            raise StoreError(f"capture data document: {exc}") from exc
+        for stored in decoded.files:
+            if stored.path.startswith("/") or ".." in stored.path.split("/") or not stored.path:
+                raise StoreError(f"capture data document: file path {stored.path!r} must be relative, without ..")
+            if stored.size < 0 or len(stored.chunks) != -(-stored.size // CHUNK_BYTES):
+                raise StoreError(f"capture data document: {stored.path}: {len(stored.chunks)} chunks for "
+                                 f"{stored.size} bytes")
+            for chunk in stored.chunks:
+                if chunk is not None:
+                    _digest_name(chunk)
+        return decoded
+
+    def manifest(self, capture: str) -> bytes:
+        try:
+            return (self._captures / f"{_digest_name(capture)}.json").read_bytes()
+        except FileNotFoundError:
+            raise StoreError(f"capture {capture} is not in the node's store") from None
+
+    def data(self, capture: str) -> CaptureData:
+        config = json.loads(self.manifest(capture))["config"]["digest"]
+        try:
+            return self.decode_data(self.blob_path(config).read_bytes())
+        except FileNotFoundError:
+            raise StoreError(f"capture {capture}: its data document {config} is missing") from None
+
+    def captures(self) -> list[str]:
+        return sorted("sha256:" + p.name.removesuffix(".json") for p in self._captures.glob("*.json"))
+
+    def has(self, capture: str) -> bool:
+        return (self._captures / f"{_digest_name(capture)}.json").exists()
+
+    def touch(self, capture: str) -> None:
+        """Mark the capture used now (gc by age counts from its last use)."""
+        os.utime(self._captures / f"{_digest_name(capture)}.json")
+
+    # --- trees (the files a workload sees) --------------------------------------------
+
+    def tree(self, capture: str) -> tuple[Path, int]:
+        """The capture's files as plain files (made once, holes for zero chunks), and the bytes read from the
+        chunks to make them (0: they were there); every chunk is checked against its digest on the way, so a
+        corrupt or truncated blob fails here, naming it."""
+        target = self._trees / _digest_name(capture)
+        if target.is_dir():
+            self.touch(capture)
+            return target, 0
+        data = self.data(capture)
+        temporary = self._tmp / f"tree-{target.name}.{secrets.token_hex(4)}"
+        temporary.mkdir(mode=0o700)
+        try:
+            for stored in data.files:
+                self._assemble(temporary / stored.path, stored)
+            _fsync_directory(temporary)
+            os.rename(temporary, target)
+        except OSError as exc:
+            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not target.is_dir():
+                raise StoreError(f"capture {capture}: cannot make its files: {exc}") from exc
+            # another caller made them meanwhile: theirs are the same bytes
+        finally:
+            if temporary.exists():
+                shutil.rmtree(temporary, ignore_errors=True)
+        self.touch(capture)
+        return target, sum(min(CHUNK_BYTES, f.size - i * CHUNK_BYTES) for f in data.files
+                           for i, chunk in enumerate(f.chunks) if chunk is not None)
+
+    def _assemble(self, path: Path, stored: StoredFile) -> None:
+        path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, stored.mode or 0o600)
+        try:
+            with ThreadPoolExecutor(INGEST_THREADS, thread_name_prefix="store-tree") as pool:
+                jobs = [pool.submit(self._copy_chunk, chunk, fd, index * CHUNK_BYTES,
+                                    min(CHUNK_BYTES, stored.size - index * CHUNK_BYTES), stored.path)
+                        for index, chunk in enumerate(stored.chunks) if chunk is not None]
+                for job in jobs:
+                    job.result()
+            os.ftruncate(fd, stored.size)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _copy_chunk(self, chunk: str, fd: int, offset: int, length: int, name: str) -> None:
+        try:
+            with open(self.blob_path(chunk), "rb") as source:
+                data = source.read(length + 1)
+        except FileNotFoundError:
+            raise StoreError(f"{name}: chunk {chunk} is missing from the node's store") from None
+        if len(data) != length or "sha256:" + hashlib.sha256(data).hexdigest() != chunk:
+            raise StoreError(f"{name}: chunk {chunk} is corrupt or truncated in the node's store")
+        view = memoryview(data)
+        while view:
+            view = view[os.pwrite(fd, view, offset + (len(data) - len(view))):]
+
+    # --- admin -----------------------------------------------------------------------
+
+    def describe(self, capture: str, *, holders: dict[str, int] | None = None) -> CaptureInfo:
+        """Its bytes: apparent, stored, shared with other captures (`holders`: chunk -> captures holding it)."""
+        data = self.data(capture)
+        holders = holders if holders is not None else self._holders()
+        distinct: dict[str, int] = {}
+        zero = size = 0
+        for stored in data.files:
+            size += stored.size
+            for index, chunk in enumerate(stored.chunks):
+                length = min(CHUNK_BYTES, stored.size - index * CHUNK_BYTES)
+                if chunk is None:
+                    zero += length
+                else:
+                    distinct[chunk] = length
+        record = (self._captures / f"{_digest_name(capture)}.json").stat()
+        tree_dir = self._trees / _digest_name(capture)
+        tree = sum(p.stat().st_blocks * 512 for p in tree_dir.rglob("*") if p.is_file()) if tree_dir.is_dir() else 0
+        return CaptureInfo(capture=capture, files=len(data.files), size=size, stored=sum(distinct.values()),
+                           shared=sum(n for c, n in distinct.items() if holders.get(c, 0) > 1), zero=zero,
+                           tree=tree, created=record.st_ctime, used=record.st_mtime,
+                           tiers=["disk", "tree"] if tree_dir.is_dir() else ["disk"])
+
+    def _holders(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for capture in self.captures():
+            for chunk in self._chunks(capture):
+                counts[chunk] = counts.get(chunk, 0) + 1
+        return counts
+
+    def _chunks(self, capture: str) -> set[str]:
+        try:
+            return {c for f in self.data(capture).files for c in f.chunks if c is not None}
+        except StoreError:
+            return set()
+
+    def describe_all(self) -> list[CaptureInfo]:
+        holders = self._holders()
+        return [self.describe(capture, holders=holders) for capture in self.captures()]
+
+    def remove(self, capture: str) -> None:
+        """Unlist the capture (its record first, so it is never half-listed), drop its tree, then every blob no
+        other capture holds. Removing an absent capture is an error naming it."""
+        record = self._captures / f"{_digest_name(capture)}.json"
+        keep = set().union(*(self._chunks(c) for c in self.captures() if c != capture))
+        try:
+            manifest = json.loads(record.read_bytes())
+        except FileNotFoundError:
+            raise StoreError(f"capture {capture} is not in the node's store") from None
+        mine = self._chunks(capture) | {manifest["config"]["digest"]}
+        record.unlink()
+        _fsync_directory(self._captures)
+        self.drop_tree(capture)
+        for blob in mine - keep:
+            self.blob_path(blob).unlink(missing_ok=True)
+
+    def drop_tree(self, capture: str) -> None:
+        tree = self._trees / _digest_name(capture)
+        if tree.is_dir():
+            doomed = self._tmp / f"drop-{tree.name}.{secrets.token_hex(4)}"
+            os.rename(tree, doomed)  # gone from trees/ at once, deleted after
+            shutil.rmtree(doomed, ignore_errors=True)
+
+    def collect(self, *, in_use: set[str], max_bytes: int | None, older_than_s: float | None) -> list[str]:
+        """Remove captures not `in_use`: those unused for `older_than_s`, then the least recently used until
+        the store holds at most `max_bytes`. The captures removed."""
+        now = time.time()
+        removed: list[str] = []
+        candidates = sorted((info for info in self.describe_all() if info.capture not in in_use),
+                            key=lambda info: info.used)
+        for info in candidates:
+            if older_than_s is not None and now - info.used >= older_than_s:
+                self.remove(info.capture)
+                removed.append(info.capture)
+        if max_bytes is not None:
+            for info in candidates:
+                if info.capture in removed:
+                    continue
+                if self.bytes_on_disk() <= max_bytes:
+                    break
+                self.remove(info.capture)
+                removed.append(info.capture)
+        return removed
+
+    def bytes_on_disk(self) -> int:
+        return sum(p.stat().st_blocks * 512 for p in self._walk())
+
+    def _walk(self) -> Iterator[Path]:
+        for top in (self._blobs, self._captures, self._trees):
+            yield from (p for p in top.rglob("*") if p.is_file())

@@ -1,0 +1,272 @@
+"""Capsules that carry a capture, through the node's capture store (DESIGN decision 16, issue 34): image-build puts
+the capture's large files in the store, image-push moves its chunks beside the image, image-pull on another node
+(here: another daemon with its own store, on the same engine) fetches them, workload-run shows the same bytes."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from coldsnap_provider.client import ReplyError
+from coldsnap_runtime.store import CHUNK_BYTES
+from tests.conftest import Registry, docker
+from tests.helpers import EXEC_AS_NOBODY, Daemon, Session, control_as
+from tests.provider.test_metrics import sample, scrape
+from tests.runtime.conftest import module_daemon, uniq
+from tests.runtime.test_images import build_request
+
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+
+
+OTHER_UID = 4242  # a manager that is not root (server.control_uids)
+
+
+def _metrics_socket(store: Path) -> Path:
+    return Path("/tmp") / f"csm-{store.name[-8:]}.sock"
+
+
+def _store_daemon(registry: Registry, tag: str) -> Iterator[tuple[Daemon, Path]]:
+    store = Path(tempfile.mkdtemp(prefix=f"cs-store-{tag}-", dir="/var/tmp"))
+    try:
+        for daemon in module_daemon(registry, f'[server]\ncontrol_uids = [{OTHER_UID}]\n{EXEC_AS_NOBODY}'
+                                              f'[docker]\ncapture_store = "{store}"\n'
+                                              f'[metrics]\naddress = "unix:{_metrics_socket(store)}"\n'):
+            yield daemon, store
+    finally:
+        shutil.rmtree(store, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def node_a(registry: Registry, busybox_image: str) -> Iterator[tuple[Daemon, Path]]:
+    yield from _store_daemon(registry, "a")
+
+
+@pytest.fixture(scope="module")
+def node_b(registry: Registry, busybox_image: str) -> Iterator[tuple[Daemon, Path]]:
+    yield from _store_daemon(registry, "b")
+
+
+def _session(daemon: Daemon) -> Session:
+    return anyio.run(lambda: daemon.open_session(hosts=["localhost"]))
+
+
+@pytest.fixture(scope="module")
+def capture_context() -> Iterator[tuple[Path, dict[str, str]]]:
+    """A unit's build context with an images directory: a page file (one random chunk, a zero chunk, a random
+    tail), a device dump of zeros only, and small files that stay in the image. The files' SHA-256."""
+    root = Path(tempfile.mkdtemp(prefix="cs-capctx-", dir="/var/tmp"))
+    root.chmod(0o755)  # the build reads it as exec.user
+    images = root / "images"
+    (images / "dump").mkdir(parents=True)
+    (images / "capture.json").write_text('{"ok": true}\n')
+    (images / "small.img").write_bytes(os.urandom(4096))
+    random_chunk = os.urandom(CHUNK_BYTES)
+    with open(images / "pages-1.img", "wb") as out:
+        out.write(random_chunk)
+        out.seek(2 * CHUNK_BYTES)
+        out.write(os.urandom(3 << 20))
+    with open(images / "dump" / "seg-0.bin", "wb") as out:
+        out.truncate(CHUNK_BYTES + (1 << 20))
+    sums = {str(p.relative_to(images)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in images.rglob("*") if p.is_file()}
+    yield root, sums
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _checksums_command() -> list[str]:
+    return ["sh", "-c", "cd /capsule/images && sha256sum capture.json small.img pages-1.img dump/seg-0.bin"]
+
+
+def _sums(output: bytes) -> dict[str, str]:
+    return {name: digest for digest, name in (line.split() for line in output.decode().splitlines())}
+
+
+def _store_bytes(store: Path) -> int:
+    return sum(p.stat().st_size for p in (store / "blobs").rglob("*") if p.is_file())
+
+
+def test_capsule_through_the_store_build_push_pull_run_on_another_node(
+        node_a: tuple[Daemon, Path], node_b: tuple[Daemon, Path], registry: Registry, busybox_image: str,
+        capture_context: tuple[Path, dict[str, str]]) -> None:
+    root, sums = capture_context
+    (daemon_a, store_a), (daemon_b, store_b) = node_a, node_b
+    session_a, session_b = _session(daemon_a), _session(daemon_b)
+    tag = f"{registry.address}/capsules/{uniq('cap')}:1"
+    dockerfile = f"FROM {busybox_image}\nWORKDIR /capsule\nCOPY images images/\n"
+
+    async def run() -> None:
+        built = await session_a.runtime("image-build", build=build_request(dockerfile, str(root), tag))
+        assert built.ok, built.error
+        labels = json.loads(docker("image", "inspect", tag).stdout)[0]["Config"]["Labels"]
+        capture = labels["io.coldsnap-provider.capture"]
+        # Stored: one random chunk and the tail; neither zero chunk, not the small files.
+        assert _store_bytes(store_a) < CHUNK_BYTES + (4 << 20) + 8192
+        image_size = json.loads(docker("image", "inspect", tag).stdout)[0]["Size"]
+        assert image_size < 8 << 20  # the capture's bytes are not in the layers
+        here = await session_a.runtime("workload-run", workload={
+            "name": "", "image": tag, "remove_after_exit": True, "command": _checksums_command()})
+        assert here.ok, here.error
+        assert _sums(here.runtime.output) == sums  # type: ignore[union-attr]
+        pushed = await session_a.runtime("image-push", image=tag)
+        assert pushed.ok, pushed.error
+        assert (await session_a.runtime("image-remove", image=tag)).ok
+        pulled = await session_b.runtime("image-pull", image=tag)
+        assert pulled.ok, pulled.error
+        assert (store_b / "captures" / f"{capture.split(':')[1]}.json").exists()
+        there = await session_b.runtime("workload-run", workload={
+            "name": "", "image": tag, "remove_after_exit": True, "command": _checksums_command()})
+        assert there.ok, there.error
+        assert _sums(there.runtime.output) == sums  # type: ignore[union-attr]
+        # Zero chunks come back as holes: the tree's page file holds only its non-zero chunks.
+        tree = store_b / "trees" / capture.split(":")[1] / "images"
+        assert (tree / "dump" / "seg-0.bin").stat().st_blocks == 0
+        assert (tree / "pages-1.img").stat().st_blocks * 512 < CHUNK_BYTES + (8 << 20)
+        metrics = scrape(_metrics_socket(store_b))
+        assert sample(metrics, "coldsnap_provider_capture_store_hits_total", tier="registry") == 1
+        assert sample(metrics, "coldsnap_provider_capture_store_read_bytes_total", tier="registry") == \
+            CHUNK_BYTES + (3 << 20)  # the random chunk and the tail: no zeros moved
+        assert sample(metrics, "coldsnap_provider_capture_store_hits_total", tier="disk") == 1
+        assert (await session_b.runtime("image-remove", image=tag)).ok
+
+    try:
+        anyio.run(run)
+    finally:
+        docker("image", "rm", "-f", tag, check=False)
+
+
+@pytest.fixture(scope="module")
+def capsule(node_a: tuple[Daemon, Path], registry: Registry, busybox_image: str,
+            capture_context: tuple[Path, dict[str, str]]) -> Iterator[tuple[str, str]]:
+    """A capsule built and pushed by node A (its image stays on the engine both daemons share): (tag, capture)."""
+    root, _ = capture_context
+    session = _session(node_a[0])
+    tag = f"{registry.address}/capsules/{uniq('capf')}:1"
+    dockerfile = f"FROM {busybox_image}\nCOPY images /capsule/images\n"
+
+    async def build() -> None:
+        assert (built := await session.runtime("image-build", build=build_request(dockerfile, str(root), tag))).ok, \
+            built.error
+        assert (pushed := await session.runtime("image-push", image=tag)).ok, pushed.error
+
+    anyio.run(build)
+    labels = json.loads(docker("image", "inspect", tag).stdout)[0]["Config"]["Labels"]
+    yield tag, labels["io.coldsnap-provider.capture"]
+    docker("image", "rm", "-f", tag, check=False)
+
+
+def _pull(daemon: Daemon, tag: str) -> None:
+    session = _session(daemon)
+    reply = anyio.run(lambda: session.runtime("image-pull", image=tag))
+    assert reply.ok, reply.error
+
+
+def test_an_interrupted_pull_resumes_from_the_verified_chunks(node_b: tuple[Daemon, Path],
+                                                              capsule: tuple[str, str]) -> None:
+    (daemon, store), (tag, capture) = node_b, capsule
+    _pull(daemon, tag)
+    record = store / "captures" / f"{capture.split(':')[1]}.json"
+    blobs = sorted((store / "blobs" / "sha256").iterdir(), key=lambda p: p.stat().st_size)
+    kept, lost = blobs[-1], blobs[-2]  # the random chunk stays; the tail and the record are "not yet fetched"
+    inode = kept.stat().st_ino
+    record.unlink()
+    lost.unlink()
+    _pull(daemon, tag)
+    assert record.exists() and lost.exists() and kept.stat().st_ino == inode  # only what was missing came again
+
+
+def test_a_damaged_chunk_refuses_the_run_naming_it_before_anything_starts(node_b: tuple[Daemon, Path],
+                                                                         capsule: tuple[str, str]) -> None:
+    (daemon, store), (tag, _) = node_b, capsule
+    _pull(daemon, tag)
+    shutil.rmtree(store / "trees", ignore_errors=True)
+    (store / "trees").mkdir()
+    blob = max((store / "blobs" / "sha256").iterdir(), key=lambda p: p.stat().st_size)
+    original = blob.read_bytes()
+    blob.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+    session = _session(daemon)
+    try:
+        run = anyio.run(lambda: session.runtime("workload-run", workload={
+            "name": "", "image": tag, "remove_after_exit": True, "command": ["true"]}))
+        assert not run.ok and f"chunk sha256:{blob.name} is corrupt or truncated" in str(run.error)
+        assert "nothing was started" in str(run.error)
+    finally:
+        blob.write_bytes(original)
+
+
+def test_the_registry_down_is_named(node_a: tuple[Daemon, Path], capsule: tuple[str, str]) -> None:
+    session = _session(node_a[0])
+    with socket_closed() as address:
+        target = f"{address}/capsules/{uniq('down')}:1"
+
+        async def push() -> None:
+            assert (await session.runtime("image-tag", source=capsule[0], target=target)).ok
+            try:
+                pushed = await session.runtime("image-push", image=target)
+                assert not pushed.ok and f"registry {address}" in str(pushed.error), pushed.error
+            finally:
+                await session.runtime("image-remove", image=target)
+
+        anyio.run(push)
+
+
+@contextlib.contextmanager
+def socket_closed() -> Iterator[str]:
+    """A 127.0.0.1 port nothing listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+    yield address
+
+
+def test_collection_never_takes_a_capture_in_use_and_managers_see_only_their_own(
+        node_b: tuple[Daemon, Path], capsule: tuple[str, str]) -> None:
+    (daemon, store), (tag, capture) = node_b, capsule
+    _pull(daemon, tag)
+    name = uniq("capuse")
+
+    async def run() -> None:
+        session = await daemon.open_session(hosts=["localhost"])
+        assert (await session.runtime("workload-run", workload={
+            "name": name, "image": tag, "detached": True, "command": ["sleep", "60"]})).ok
+        try:
+            listed = await daemon.control(operation="capture-list")
+            assert capture in [c["capture"] for c in listed]
+            cli = await anyio.run_process([sys.executable, "-m", "coldsnap_provider", "capture", "inspect",
+                                           "--state-dir", str(daemon.state_dir), capture])
+            # zeros: the page file's second chunk and the whole device dump (65 MiB), never stored
+            assert re.search(rf"capture: +{capture}\n(.*\n)*zero: +129.0 MiB \(never stored\)", cli.stdout.decode())
+            assert (await daemon.control(operation="capture-gc", max_bytes=0))["removed"] == []
+            with pytest.raises(ReplyError, match="in use by a container"):
+                await daemon.control(operation="capture-remove", capture=capture)
+        finally:
+            assert (await session.runtime("workload-remove", name=name)).ok
+        assert capture in (await daemon.control(operation="capture-gc", max_bytes=0))["removed"]
+        assert not list((store / "captures").iterdir())
+        with pytest.raises(ReplyError, match=r"capture-inspect: no such capture: sha256:[0-9a-f]{64}"):
+            await daemon.control(operation="capture-inspect", capture=capture)
+
+    anyio.run(run)
+    os.chmod(daemon.state_dir / "control.sock", 0o666)
+    other = control_as(OTHER_UID, daemon.state_dir, {"operation": "capture-list"})
+    assert other["ok"] and other["result"] == []  # root's images: not this manager's
+    refused = control_as(OTHER_UID, daemon.state_dir, {"operation": "capture-gc", "max_bytes": 0})
+    assert not refused["ok"] and "may not collect" in refused["error"]
+
+
+def test_a_host_without_a_store_refuses_a_capsule_that_needs_one(daemon: Daemon, capsule: tuple[str, str]) -> None:
+    session = _session(daemon)
+    run = anyio.run(lambda: session.runtime("workload-run", workload={
+        "name": "", "image": capsule[0], "remove_after_exit": True, "command": ["true"]}))
+    assert not run.ok and "has no capture store" in str(run.error)

@@ -1,0 +1,157 @@
+"""The node's capture store on a real filesystem (coldsnap_runtime/store.py), and where a Dockerfile puts a build
+context's files (backend/_capture_build.destinations): no engine needed."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from coldsnap_runtime.backend._capture_build import destinations
+from coldsnap_runtime.store import CHUNK_BYTES, CaptureData, CaptureStore, StoredFile, StoreError, artifact_manifest
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> CaptureStore:
+    opened = CaptureStore(tmp_path / "store")
+    opened.open()
+    return opened
+
+
+def _capture(store: CaptureStore, files: dict[str, bytes]) -> tuple[str, list[StoredFile]]:
+    stored = [store.ingest(name, len(data), 0o600, io.BytesIO(data)) for name, data in sorted(files.items())]
+    document = msgspec_data(stored)
+    return store.record(artifact_manifest(document, stored), document), stored
+
+
+def msgspec_data(stored: list[StoredFile]) -> bytes:
+    import msgspec
+
+    return msgspec.json.encode(CaptureData(files=stored))
+
+
+def _blobs(store: CaptureStore) -> set[str]:
+    return {p.name for p in (store.root / "blobs" / "sha256").iterdir()}
+
+
+def test_ingest_skips_zero_chunks_and_stores_the_same_bytes_once(store: CaptureStore) -> None:
+    random = os.urandom(CHUNK_BYTES)
+    pages = random + bytes(CHUNK_BYTES) + b"tail" * 1000
+    first, stored = _capture(store, {"images/pages-1.img": pages, "images/dump.bin": random})
+    assert stored[1].chunks[1] is None  # the zero chunk: recorded, not stored
+    assert stored[0].chunks == [stored[1].chunks[0]]  # the same 64 MiB, one blob
+    chunk_blobs = {c.removeprefix("sha256:") for f in stored for c in f.chunks if c}
+    assert chunk_blobs <= _blobs(store) and len(chunk_blobs) == 2
+    # A second capture sharing the random chunk adds only its new bytes.
+    before = _blobs(store)
+    second, _ = _capture(store, {"images/pages-1.img": random + os.urandom(MIB)})
+    assert second != first and len(_blobs(store) - before) == 2  # one new chunk and its data document, no more
+    info = {i.capture: i for i in store.describe_all()}
+    assert info[first].zero == CHUNK_BYTES and info[first].shared == CHUNK_BYTES
+    assert info[second].stored == CHUNK_BYTES + MIB
+
+
+def test_tree_gives_back_the_same_bytes_with_holes_for_zeros(store: CaptureStore) -> None:
+    pages = os.urandom(3 * MIB) + bytes(CHUNK_BYTES) + os.urandom(MIB)
+    capture, _ = _capture(store, {"images/pages-1.img": pages, "images/zero.bin": bytes(CHUNK_BYTES + 7)})
+    tree, read = store.tree(capture)
+    assert read == len(pages)  # both of its chunks hold random bytes; the zero file is read from nothing
+    assert hashlib.sha256((tree / "images/pages-1.img").read_bytes()).digest() == hashlib.sha256(pages).digest()
+    zero = tree / "images/zero.bin"
+    assert zero.stat().st_size == CHUNK_BYTES + 7 and zero.stat().st_blocks == 0
+    assert store.tree(capture) == (tree, 0)  # made once
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncated", "missing"])
+def test_tree_refuses_a_damaged_chunk_naming_it_and_leaves_nothing(store: CaptureStore, damage: str) -> None:
+    capture, stored = _capture(store, {"images/pages-1.img": os.urandom(2 * MIB)})
+    chunk = stored[0].chunks[0]
+    assert chunk is not None
+    blob = store.blob_path(chunk)
+    if damage == "corrupt":
+        with open(blob, "r+b") as out:
+            out.seek(MIB)
+            out.write(b"\xff")
+    elif damage == "truncated":
+        os.truncate(blob, MIB)
+    else:
+        blob.unlink()
+    with pytest.raises(StoreError, match=f"images/pages-1.img: chunk {chunk} is"):
+        store.tree(capture)
+    assert not list((store.root / "trees").iterdir()) and not list((store.root / "tmp").iterdir())
+
+
+def test_record_refuses_a_capture_whose_chunks_are_not_all_there(store: CaptureStore) -> None:
+    stored = [StoredFile(path="images/p.img", size=10, mode=0o600, chunks=["sha256:" + "a" * 64])]
+    document = msgspec_data(stored)
+    with pytest.raises(StoreError, match="names 1 chunks the store lacks"):
+        store.record(artifact_manifest(document, stored), document)
+    assert store.captures() == []
+
+
+def test_remove_keeps_chunks_other_captures_hold_and_collect_keeps_those_in_use(store: CaptureStore) -> None:
+    shared = os.urandom(CHUNK_BYTES)
+    first, _ = _capture(store, {"a.img": shared + os.urandom(MIB)})
+    second, _ = _capture(store, {"b.img": shared})
+    third, _ = _capture(store, {"c.img": os.urandom(MIB)})
+    store.tree(first)
+    store.remove(first)
+    assert store.captures() == sorted([second, third]) and not list((store.root / "trees").iterdir())
+    assert store.tree(second)[0].joinpath("b.img").read_bytes() == shared  # its chunk survived
+    with pytest.raises(StoreError, match="not in the node's store"):
+        store.remove(first)
+    assert store.collect(in_use={second, third}, max_bytes=0, older_than_s=0) == []
+    assert store.collect(in_use={second}, max_bytes=0, older_than_s=None) == [third]
+    assert store.captures() == [second]
+
+
+def test_a_full_disk_while_storing_leaves_nothing_half_written(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    mount = tmp_path / "small"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mount)], check=True)
+    try:
+        store = CaptureStore(mount / "store")
+        store.open()
+        with pytest.raises(OSError, match="No space left"):
+            store.ingest("images/pages-1.img", CHUNK_BYTES, 0o600, io.BytesIO(os.urandom(CHUNK_BYTES)))
+        assert not list((mount / "store" / "tmp").iterdir()) and not _blobs(store) and store.captures() == []
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.fixture
+def paths() -> Iterator[set[str]]:
+    yield {"unit/images/pages-1.img", "unit/images/dump/seg-0.bin"}
+
+
+def test_destinations_follow_copy_and_workdir(paths: set[str]) -> None:
+    assert destinations("FROM base\nWORKDIR /capsule\nCOPY unit/images images/\n", paths) == {
+        "/capsule/images/pages-1.img": "unit/images/pages-1.img",
+        "/capsule/images/dump/seg-0.bin": "unit/images/dump/seg-0.bin"}
+    assert destinations("FROM base\nCOPY . /c\n", paths) == {"/c/unit/images/pages-1.img": "unit/images/pages-1.img",
+                                                             "/c/unit/images/dump/seg-0.bin":
+                                                                 "unit/images/dump/seg-0.bin"}
+    assert destinations('FROM base\nCOPY ["unit/images/pages-1.img", "/p.img"]\n', paths) == {
+        "/p.img": "unit/images/pages-1.img"}
+    assert destinations("FROM base\nCOPY other /o\nRUN true\n", paths) == {}  # nothing of the capture copied
+
+
+@pytest.mark.parametrize("dockerfile", [
+    "FROM base AS one\nCOPY unit /u\nFROM base\nCOPY --from=one /u /u\n",  # the copy is in an intermediate stage
+    "FROM base\nCOPY unit /u\nRUN sha256sum /u/images/pages-1.img\n",  # a RUN would read a stub
+    "FROM base\nADD unit /u\n",
+    "FROM base\nCOPY --chown=1:1 unit /u\n",
+    "FROM base\nCOPY unit/images/*.img /u/\n",
+    "FROM base\nARG D=/u\nCOPY unit $D\n",
+], ids=["stages", "run-after", "add", "flags", "wildcard", "variable"])
+def test_destinations_keep_every_byte_when_the_dockerfile_is_not_followed(paths: set[str], dockerfile: str) -> None:
+    assert destinations(dockerfile, paths) is None
