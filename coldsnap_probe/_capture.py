@@ -43,6 +43,7 @@ from ._process import (
 from ._profile import identity
 from ._quiesce import IDLE_WAIT_S, event_loops, wait_idle
 from ._reports import CapturedGraphPolicy, CaptureReport
+from ._shm_files import save_shared_files, shared_files
 from .errors import WorkerError
 from .memory import CaptureScope, MemoryCaptures, MemoryOptions
 
@@ -86,6 +87,7 @@ class _Capture:
         self.driver: Driver | None = None
         self.done: list[tuple[int, str]] = []  # (pid, "locked" | "checkpointed"), in the order done
         self.quiesced = self.dumped = False
+        self.stopped = False  # the dumped tree was left stopped (several ranks, shared files to copy): killed at the end
         self.memory: MemoryCaptures | None = None  # what the memory sources released (each rolls back its own)
 
     def run(self, lock_timeout_ms: int) -> None:
@@ -193,16 +195,23 @@ class _Capture:
 
     def _dump(self) -> None:
         # Several ranks: the dumped tree stays stopped until every rank has dumped, so a failed peer can roll back.
+        # Shared-memory files: it stays stopped while they are copied (nothing writes them; a failed copy resumes it).
+        shared = shared_files(self.tree)
+        self.stopped = self.ranks.multi or bool(shared)
         args = ["dump", "--tree", str(self.pid), "--images-dir", str(self.images), "--work-dir", str(self.work),
-                *(["--leave-stopped"] if self.ranks.multi else [])]
+                *(["--leave-stopped"] if self.stopped else [])]
         self.report.timings_s["criu_dump"] = run_criu(self.criu, args, self.work / "dump.log")
         self.dumped = True
+        if shared:
+            started = time.perf_counter()
+            self.report.shared_files = [f.to_json() for f in save_shared_files(shared, self.images)]
+            self.report.timings_s["shared_files"] = time.perf_counter() - started
 
     # -- the one rollback ----------------------------------------------------------------------------------------
     def _roll_back(self, exc: BaseException) -> None:
         """Undo what was done, so that the workload keeps running on every rank."""
         self.ranks.abort(f"rank {self.ranks.rank} capture: {type(exc).__name__}: {exc}")  # peers first, then undo
-        if self.dumped and self.ranks.multi:
+        if self.dumped and self.stopped:
             signal_tree(self.tree, signal.SIGCONT)  # the CUDA restore thread of a stopped tree must run
         if self.driver is not None:
             undo_cuda(self.driver, self.done)
@@ -217,7 +226,7 @@ class _Capture:
 
     # -- after the last phase --------------------------------------------------------------------------------
     def finish(self, *, digest: bool) -> CaptureReport:
-        if self.ranks.multi:  # every rank has dumped: the captured tree ends here, as a single-rank dump ends it
+        if self.stopped:  # every rank has dumped, every file is kept: the tree ends here, as a plain dump ends it
             signal_tree(self.tree, signal.SIGKILL)
         report = self.report
         report.identity = identity(None, criu=self.criu)
