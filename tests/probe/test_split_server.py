@@ -77,6 +77,14 @@ class Split:
         kids = Path(f"/proc/{self.pid}/task/{self.pid}/children").read_text().split()
         return [self.pid, *sorted(int(k) for k in kids)]
 
+    def reap(self, tree: list[int]) -> None:
+        """After the capture ended the tree: every PID of it free again (the orphans are this process's)."""
+        self.proc.wait()
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in tree):
+            assert time.monotonic() < deadline, f"the captured tree {tree} did not end"
+            time.sleep(0.02)
+
     def stop(self) -> None:
         """Kill the (restored) tree and wait until every process of it is gone (this process is its subreaper)."""
         pids = [p for p in self.tree() if alive(p)] if alive(self.pid) else []
@@ -121,7 +129,7 @@ def test_the_two_process_server_is_restored_as_one_tree_with_every_process_s_sta
         captured = json.loads(done.stdout)
         ring = f"/dev/shm/{before['ring']}"
         assert [f["path"] for f in captured["shared_files"]] == [ring] and captured["tree"] == tree
-        split.proc.wait()
+        split.reap(tree)
         Path(ring).unlink()  # what a fresh node or container has: no such file
         for attempt in (1, 2):
             report = restore(images, criu, split, tmp_path / f"work-{attempt}")
@@ -139,11 +147,11 @@ def test_a_corrupt_copy_of_a_shared_file_refuses_the_restore_before_criu(tmp_pat
     split = Split(tmp_path / "server")
     images = tmp_path / "images"
     try:
-        ring = split.state()["ring"]
+        ring, tree = split.state()["ring"], split.tree()
         done = worker("capture", "--pid", str(split.pid), "--images", str(images), "--boundary", "n580",
                       "--criu", criu)
         assert done.returncode == 0, done.stderr
-        split.proc.wait()
+        split.reap(tree)
         copy = images / "shm" / ring
         data = bytearray(copy.read_bytes())
         data[100] ^= 1
