@@ -109,7 +109,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     from ._coordinator import Coordinator
     from ._report_dir import leave_report
-    from .errors import ProbeError, TargetRefused
+    from .errors import CaptureRefused, ProbeError, TargetRefused
     from .memory import MemoryOptions
 
     if (args.world_size > 1 or args.coordinator) and not (args.coordinator and args.namespace):
@@ -136,6 +136,11 @@ def _worker(args: argparse.Namespace) -> int:
                              lazy_pages=args.lazy_pages,
                              memory=MemoryOptions(device_policy=args.device_policy,
                                                   device_digests=args.device_digests)).to_json()
+    except CaptureRefused as exc:  # before anything was done to the tree: it runs on, untouched
+        sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")
+        sys.stdout.write(json.dumps({"kind": "capture-refused", "refused": list(exc.reasons)}, indent=2,
+                                    sort_keys=True) + "\n")
+        return 3
     except TargetRefused as exc:
         sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")
         sys.stdout.write(json.dumps({"kind": "restore-refused", "refused": list(exc.mismatches),

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from ._coordinator import Coordinator
 from ._cuda import Driver
+from ._cuda_ipc import refuse_cuda_ipc
 from ._engine import check_quiesced, engine_request, graph_plan, resume_engine, write_graph_record
 from ._graph import GraphPlan
 from ._process import (
@@ -87,7 +88,7 @@ class _Capture:
         self.driver: Driver | None = None
         self.done: list[tuple[int, str]] = []  # (pid, "locked" | "checkpointed"), in the order done
         self.quiesced = self.dumped = False
-        self.stopped = False  # the dumped tree was left stopped (several ranks, shared files to copy): killed at the end
+        self.stopped = False  # the dumped tree left stopped (several ranks, shared files to copy), killed at the end
         self.memory: MemoryCaptures | None = None  # what the memory sources released (each rolls back its own)
 
     def run(self, lock_timeout_ms: int) -> None:
@@ -117,6 +118,7 @@ class _Capture:
         self.driver = Driver()
         self.driver.call("cuInit", 0)
         cuda = self._find_cuda(self.driver)
+        refuse_cuda_ipc(cuda, self.memory_options.interposer)  # before anything is asked of the tree
         self._agree_on_policy()
         self._quiesce()
         self.ranks.barrier("quiesced")

@@ -174,7 +174,8 @@ class CaptureReport:
             "memory_sources": {n: r.to_json() for n, r in sorted(self.memory_sources.items())} or None,
             "memory_before_checkpoint": self.memory_before_checkpoint,
             "memory_after_checkpoint": self.memory_after_checkpoint, "identity": self.identity,
-            "event_loops": self.event_loops, "shared_files": self.shared_files, "engine_quiesced": self.engine_quiesced, "timings_s": self.timings_s,
+            "event_loops": self.event_loops, "shared_files": self.shared_files,
+            "engine_quiesced": self.engine_quiesced, "timings_s": self.timings_s,
             "barrier_wait_s": self.barrier_wait_s, "image_bytes": self.image_bytes, "image_files": self.image_files,
             "image_digest": self.image_digest, "completed_unix": self.completed_unix}), "engine": self.engine}
 

@@ -67,7 +67,7 @@ class Split:
             conn.connect(str(self.socket))
             conn.sendall(json.dumps(message).encode() + b"\n")
             lines = [json.loads(line) for line in conn.makefile("rb")]
-        assert lines and lines[-1].get("done") or "front_pid" in lines[-1], lines
+        assert lines and (lines[-1].get("done") or "front_pid" in lines[-1]), lines
         return lines
 
     def state(self) -> dict[str, Any]:
@@ -158,7 +158,7 @@ def test_a_corrupt_copy_of_a_shared_file_refuses_the_restore_before_criu(tmp_pat
         copy.write_bytes(bytes(data))
         split.socket.unlink(missing_ok=True)
         done = worker("restore", "--images", str(images), "--criu", criu, "--work-dir", str(tmp_path / "work"))
-        assert done.returncode == 1 and f"shm-files.json: the tree's shared-memory files cannot be put back" \
+        assert done.returncode == 1 and "shm-files.json: the tree's shared-memory files cannot be put back" \
             in done.stderr and f"/dev/shm/{ring}" in done.stderr
         assert not (tmp_path / "work" / "restore.log").exists() and not alive(split.pid)  # CRIU never ran
     finally:

@@ -168,7 +168,7 @@ struct cscu_region {
 /* What stayed on the CUDA checkpoint path, per kind (cumulative counts and bytes). */
 enum cscu_kind {
     CSCU_SMALL, CSCU_FALLBACK, CSCU_PITCH, CSCU_MANAGED, CSCU_ASYNC, CSCU_HOST_REGISTERED, CSCU_HOST_ALLOC,
-    CSCU_IPC_IMPORTED, CSCU_VMM_DIRECT, CSCU_UNWRAPPED_ENTRY, CSCU_KINDS
+    CSCU_IPC_IMPORTED, CSCU_VMM_DIRECT, CSCU_UNWRAPPED_ENTRY, CSCU_IPC_EXPORTED, CSCU_KINDS
 };
 /* A live allocation of `kind` at `ptr` (stays on the checkpoint path), and its end (any kind it was). */
 CSCU_HIDDEN void cscu_track(enum cscu_kind kind, uintptr_t ptr, size_t bytes);

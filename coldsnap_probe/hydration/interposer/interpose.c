@@ -14,7 +14,7 @@
  * The wrapped list (keep docs/interposer.md in step):
  *   allocation: cuMemAlloc_v2, cuMemFree_v2 (VMM above the threshold), and, counted only: cuMemAllocPitch_v2,
  *     cuMemAllocManaged, cuMemAllocAsync, cuMemAllocFromPoolAsync, cuMemFreeAsync, cuMemHostRegister_v2,
- *     cuMemHostAlloc, cuMemAllocHost_v2, cuIpcOpenMemHandle_v2, cuMemCreate;
+ *     cuMemHostAlloc, cuMemAllocHost_v2, cuIpcOpenMemHandle_v2, cuIpcGetMemHandle, cuMemCreate;
  *   the readiness gate (wait while the regions are released): the allocation calls above, cuLaunchKernel,
  *     cuLaunchKernelEx, cuLaunchCooperativeKernel, cuGraphLaunch, cuMemcpy, cuMemcpyAsync, cuMemcpyPeer,
  *     cuMemcpyPeerAsync, cuMemcpy{HtoD,DtoH,DtoD}{,Async}_v2, cuMemcpy{2D,3D}{,Async}_v2,
@@ -229,8 +229,22 @@ COUNTED(cuMemAllocFromPoolAsync, cuMemAllocFromPoolAsync_ptsz, (CUdeviceptr *p, 
 COUNTED1(cuMemHostRegister_v2, (void *p, size_t n, U flags), (p, n, flags), CSCU_HOST_REGISTERED, p, n)
 COUNTED1(cuMemHostAlloc, (void **p, size_t n, U flags), (p, n, flags), CSCU_HOST_ALLOC, *p, n)
 COUNTED1(cuMemAllocHost_v2, (void **p, size_t n), (p, n), CSCU_HOST_ALLOC, *p, n)
+/* The whole allocation `p` lies in, as the driver knows it: its base (`size` 0) or its bytes (1). */
+static uintptr_t allocation(CUdeviceptr p, int size)
+{
+    const struct cscu_driver *d = cscu_driver();
+    CUdeviceptr base = p;
+    size_t bytes = 0;
+    if (!d || d->mem_get_address_range(&base, &bytes, p) != CUDA_SUCCESS)
+        return size ? 0 : (uintptr_t)p;
+    return size ? (uintptr_t)bytes : (uintptr_t)base;
+}
+/* Legacy CUDA IPC, both sides (the CUDA checkpoint restores neither): each allocation counted once, whole, so that
+ * a capture refuses the tree before it locks or releases anything (coldsnap_probe/_cuda_ipc.py). */
 COUNTED1(cuIpcOpenMemHandle_v2, (CUdeviceptr *p, CUipcMemHandle h, U flags), (p, h, flags), CSCU_IPC_IMPORTED,
-         *p, 0)
+         *p, allocation(*p, 1))
+COUNTED1(cuIpcGetMemHandle, (CUipcMemHandle *h, CUdeviceptr p), (h, p), CSCU_IPC_EXPORTED, allocation(p, 0),
+         allocation(p, 1))
 COUNTED1(cuMemCreate, (CUmemGenericAllocationHandle *h, size_t n, const CUmemAllocationProp *prop,
          unsigned long long flags), (h, n, prop, flags), CSCU_VMM_DIRECT, *h, n)
 
@@ -313,7 +327,8 @@ static const struct entry table[] = {
     E1("cuMemHostRegister", 6050, cuMemHostRegister_v2), E1("cuMemHostUnregister", 0, cuMemHostUnregister),
     E1("cuMemHostAlloc", 0, cuMemHostAlloc), E1("cuMemAllocHost", 3020, cuMemAllocHost_v2),
     E1("cuMemFreeHost", 0, cuMemFreeHost), E1("cuIpcOpenMemHandle", 11000, cuIpcOpenMemHandle_v2),
-    E1("cuIpcCloseMemHandle", 0, cuIpcCloseMemHandle), E1("cuMemCreate", 0, cuMemCreate),
+    E1("cuIpcCloseMemHandle", 0, cuIpcCloseMemHandle),
+    E1("cuIpcGetMemHandle", 0, cuIpcGetMemHandle), E1("cuMemCreate", 0, cuMemCreate),
     E1("cuMemRelease", 0, cuMemRelease),
     E2("cuLaunchKernel", 0, cuLaunchKernel, cuLaunchKernel_ptsz),
     E2("cuLaunchKernelEx", 0, cuLaunchKernelEx, cuLaunchKernelEx_ptsz),
