@@ -133,12 +133,18 @@ class ToyModel:
 class CudaModel:
     """engines/ttft_server.py's transformer, loaded and graph-captured as ttft_server does it."""
 
-    def __init__(self, gib: float, weights: str, seed: int) -> None:
+    def __init__(self, gib: float, weights: str, seed: int, stack_bytes: int) -> None:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import torch
         import ttft_server
 
         torch.zeros(1, device="cuda").sum().item()
+        if stack_bytes:  # as ttft_server's --stack-bytes: less local memory reserved per thread
+            from cuda.bindings import driver
+
+            (err,) = driver.cuCtxSetLimit(driver.CUlimit.CU_LIMIT_STACK_SIZE, stack_bytes)
+            if int(err):
+                raise RuntimeError(f"cuCtxSetLimit(CU_LIMIT_STACK_SIZE, {stack_bytes}): {err}")
         stage("cuda_init")
         self.torch, self.model = torch, ttft_server.load(weights, gib, seed)
         stage("weights_loaded", device_bytes=torch.cuda.memory_allocated())
@@ -175,7 +181,7 @@ def core(channel: socket.socket, segment: str, args: argparse.Namespace) -> None
         ring = Ring(mmap.mmap(fd, RING_BYTES))
     finally:
         os.close(fd)
-    model = CudaModel(args.gib, args.weights, args.seed) if args.cuda else ToyModel()
+    model = CudaModel(args.gib, args.weights, args.seed, args.stack_bytes) if args.cuda else ToyModel()
     conversations: dict[int, list[int]] = {}
     served = 0
     send_record(channel, b"RDY\0", 0, os.getpid())
@@ -264,7 +270,8 @@ def serve(args: argparse.Namespace) -> None:
     try:
         process = subprocess.Popen([sys.executable, os.path.abspath(__file__), "core", "--fd", str(theirs.fileno()),
                                     "--segment", segment.name, *(["--cuda"] if args.cuda else []),
-                                    "--gib", str(args.gib), "--weights", args.weights, "--seed", str(args.seed)],
+                                    "--gib", str(args.gib), "--weights", args.weights, "--seed", str(args.seed),
+                                    "--stack-bytes", str(args.stack_bytes)],
                                    pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
         theirs.close()
         kind, _, core_pid, _, _ = read_record(ours)
@@ -294,6 +301,7 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=2.0, help="the CUDA model's size")
     parser.add_argument("--weights", default="device", help="its weights file, or \"device\" (made on the GPU)")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--stack-bytes", type=int, default=0, help="CUDA per-thread stack limit (0: the driver's)")
     parser.add_argument("--fd", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--segment", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -164,3 +164,83 @@ def test_a_corrupt_copy_of_a_shared_file_refuses_the_restore_before_criu(tmp_pat
     finally:
         split.stop()
         Path(f"/dev/shm/{ring}").unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def interposer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from coldsnap_probe.hydration import build_library
+
+    library, _ = build_library(tmp_path_factory.mktemp("interposer"))
+    return library
+
+
+def under_interposer(library: Path, root: Path, **extra: str) -> dict[str, str]:
+    """Every process of the tree preloads it; each CUDA process listens on its own socket (%p)."""
+    return {**os.environ, "LD_PRELOAD": str(library), "COLDSNAP_CUDA_INTERPOSER_SOCKET": str(root / "cuda-%p.sock"),
+            **extra}
+
+
+@gpu
+def test_the_two_process_server_with_cuda_in_its_core_restores_to_the_same_tokens_under_the_interposer(
+        tmp_path: Path, criu: str, interposer: Path) -> None:
+    """Only the core holds CUDA (and the interposer's regions); the front end preloads the library and never
+    allocates. Two restores from the same images: the same tokens and first logits, the same PIDs."""
+    split = Split(tmp_path / "server", "--cuda", "--gib", "0.25", "--weights", "device",
+                  env=under_interposer(interposer, tmp_path))
+    prompt = {"prompt": [1, 15043, 29892, 920, 526], "max_tokens": 12}
+    try:
+        cold, before, tree = split.ask(prompt), split.state(), split.tree()
+        done = worker("capture", "--pid", str(split.pid), "--images", str(tmp_path / "images"), "--criu", criu)
+        assert done.returncode == 0, done.stderr
+        captured = json.loads(done.stdout)
+        assert captured["cuda_pids"] == [before["core_pid"]]  # the front end holds no CUDA
+        assert [(d["pid"], d["state"]) for d in captured["device_memory"]] == [(before["core_pid"], "released")]
+        assert [f["path"] for f in captured["shared_files"]] == [f"/dev/shm/{before['ring']}"]
+        split.reap(tree)
+        for attempt in (1, 2):
+            report = restore(tmp_path / "images", criu, split, tmp_path / f"work-{attempt}")
+            assert [d["pid"] for d in report["device_memory"]] == [before["core_pid"]]
+            assert split.tree() == tree and split.state() == before
+            assert split.ask(prompt) == cold  # tokens, pieces and the first logits' digest
+            split.stop()
+    finally:
+        split.stop()
+
+
+@gpu
+def test_cuda_ipc_between_two_processes_is_refused_before_capture_naming_both(tmp_path: Path, criu: str,
+                                                                             interposer: Path) -> None:
+    """The threshold keeps torch's segments on cuMemAlloc (legacy IPC cannot export VMM memory); every process
+    listens from the start. The refusal names the exporter and the importer with their counts and bytes, and the
+    tree runs on untouched: the child still reads the shared tensor."""
+    directory = tmp_path / "target"
+    directory.mkdir()
+    env = under_interposer(interposer, tmp_path, COLDSNAP_CUDA_INTERPOSER_THRESHOLD=str(1 << 40),
+                           COLDSNAP_CUDA_INTERPOSER_LISTEN="load")
+    with open(tmp_path / "target.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "tests.probe._ipc_target", str(directory)], cwd=ROOT, env=env,
+                                start_new_session=True, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 240
+        while not (directory / "ready-child").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "target.log").read_text()[-3000:]
+            time.sleep(0.05)
+        parent = json.loads((directory / "ready-parent").read_text())
+        done = worker("capture", "--pid", str(proc.pid), "--images", str(tmp_path / "images"), "--criu", criu)
+        assert done.returncode == 3, done.stderr
+        refused = json.loads(done.stdout)
+        assert refused["kind"] == "capture-refused" and "cuda-ipc" in done.stderr
+        by_pid = {r["pid"]: r for r in refused["refused"]}
+        assert set(by_pid) == {proc.pid, parent["child"]} and all(r["code"] == "cuda-ipc" for r in by_pid.values())
+        assert by_pid[proc.pid]["exported"]["count"] >= 1 and by_pid[proc.pid]["exported"]["bytes"] >= 64 << 20
+        assert by_pid[parent["child"]]["imported"]["count"] >= 1
+        assert "tests.probe._ipc_target" in by_pid[proc.pid]["command"]
+        assert not any((tmp_path / "images").iterdir())  # nothing dumped, nothing released
+        (directory / "ask-1").touch()
+        while not (directory / "answer-1").exists():
+            assert time.monotonic() < deadline + 60, "the child stopped answering after the refusal"
+            time.sleep(0.05)
+        assert json.loads((directory / "answer-1").read_text())["sum"] == 2.0 * (16 << 20)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
