@@ -128,6 +128,10 @@ def _digest(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _refused(detail: object) -> WorkerError:
+    return WorkerError(f"{RECORD}: the tree's shared-memory files cannot be put back, not restoring: {detail}")
+
+
 def load_shared_files(images: Path) -> list[SharedFile]:
     """Before CRIU: the record, and every copy's size and digest checked against it; [] without a record."""
     path = images / RECORD
@@ -136,17 +140,16 @@ def load_shared_files(images: Path) -> list[SharedFile]:
     try:
         stored = json.loads(path.read_text())
         if not isinstance(stored, dict) or stored.get("kind") != RECORD_KIND or stored.get("format") != 1:
-            raise ValueError(f"not a format-1 {RECORD_KIND}")
+            raise _refused(f"not a format-1 {RECORD_KIND}")
         files = [SharedFile(str(f["path"]), int(f["bytes"]), int(f["mode"]), int(f["uid"]), int(f["gid"]),
                             str(f["sha256"])) for f in stored["files"]]
         for shared in files:
             copy = images / COPIES / _name(shared.path)
             if copy.lstat().st_size != shared.bytes or _digest(copy) != shared.sha256:
-                raise ValueError(f"{copy} is not the copy the capture recorded for {shared.path} "
+                raise _refused(f"{copy} is not the copy the capture recorded for {shared.path} "
                                  f"({shared.bytes} bytes, sha256 {shared.sha256})")
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise WorkerError(f"{RECORD}: the tree's shared-memory files cannot be put back, not restoring: {exc}") \
-            from exc
+        raise _refused(exc) from exc
     return files
 
 
