@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .errors import CaptureRefused, ProbeError, WorkerError
 from .hydration import interposer_request, interposer_socket
+from .memory import MemoryOptions
 
 __all__ = ("refuse_cuda_ipc",)
 
@@ -47,11 +48,11 @@ def _holding(pid: int, socket: str) -> dict[str, object] | None:
             "why": "the CUDA checkpoint does not restore CUDA IPC memory"}
 
 
-def refuse_cuda_ipc(cuda: list[int], explicit: str | None = None) -> None:
+def refuse_cuda_ipc(cuda: list[int], options: MemoryOptions) -> None:
     """CaptureRefused naming every CUDA process of the tree that exported or imported device memory through CUDA
     IPC (pid, command, count and bytes of each side); nothing is asked of a process without an interposer socket.
-    `explicit`: the one CUDA process's socket the capture was given (`--interposer`)."""
-    holders = []
+    `options.interposer`: the one CUDA process's socket the capture was given (`--interposer`)."""
+    holders, explicit = [], options.interposer
     for pid in cuda:
         socket = explicit if explicit and len(cuda) == 1 else interposer_socket(pid)
         if socket and os.path.exists(socket) and (held := _holding(pid, socket)):

@@ -34,6 +34,7 @@ from coldsnap_probe.hydration import (
 )
 from coldsnap_probe.hydration._interposer import DUMP_KIND
 from coldsnap_probe.jsonline import request
+from coldsnap_probe.memory import MemoryOptions
 from coldsnap_probe.memory._device_dump import (
     RECORD,
     DeviceRelease,
@@ -138,8 +139,8 @@ def test_the_cuda_ipc_check_asks_each_process_s_interposer_and_refuses_none_that
     """The capture's check reads the process's socket from its environment and the counts from its `status`
     (a handle needs a GPU: tests/probe/test_split_server.py's refusal); a socket that is not there is not asked."""
     proc, _ = engine
-    refuse_cuda_ipc([proc.pid])
-    refuse_cuda_ipc([proc.pid], str(tmp_path / "absent.sock"))
+    refuse_cuda_ipc([proc.pid], MemoryOptions())
+    refuse_cuda_ipc([proc.pid], MemoryOptions(interposer=str(tmp_path / "absent.sock")))
 
 
 def raw(path: str, payload: bytes, fd: int | None = None) -> dict[str, Any]:
