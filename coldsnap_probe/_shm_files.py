@@ -88,7 +88,8 @@ def shared_files(tree: list[int]) -> list[str]:
             found |= _written_fds(pid)
         except OSError:  # the process is gone: it holds nothing
             continue
-    return sorted(p for p in found if os.path.isfile(p))
+    # A segment is a name directly in /dev/shm (shm_open's); a folder there (an images root, say) holds no segment.
+    return sorted(p for p in found if "/" not in p[len(SHM):] and os.path.isfile(p))
 
 
 def _copy(source: str, target: Path) -> SharedFile:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ os.ftruncate(gone, 4096)
 gone_map = mmap.mmap(gone, 4096)
 os.unlink(f"/dev/shm/{sys.argv[1]}-gone")
 log = os.open(f"/dev/shm/{sys.argv[1]}-log", os.O_WRONLY | os.O_CREAT, 0o600)              # written: kept
+dump = os.open(f"/dev/shm/{sys.argv[1]}-dir/seg-0.bin", os.O_WRONLY | os.O_CREAT, 0o600)   # in a folder: not one
 print("ready", flush=True)
 time.sleep(60)
 """
@@ -37,7 +39,9 @@ time.sleep(60)
 def prefix() -> Iterator[str]:
     name = f"coldsnap-test-{secrets.token_hex(4)}"
     Path(f"/dev/shm/{name}-ro").write_bytes(b"x" * 4096)
+    Path(f"/dev/shm/{name}-dir").mkdir()
     yield name
+    shutil.rmtree(f"/dev/shm/{name}-dir")
     for suffix in ("ring", "ro", "gone", "log"):
         Path(f"/dev/shm/{name}-{suffix}").unlink(missing_ok=True)
 
