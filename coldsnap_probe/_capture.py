@@ -118,7 +118,7 @@ class _Capture:
         self.driver = Driver()
         self.driver.call("cuInit", 0)
         cuda = self._find_cuda(self.driver)
-        refuse_cuda_ipc(cuda, self.memory_options)  # before anything is asked of the tree
+        self.report.cuda_ipc = refuse_cuda_ipc(cuda, self.memory_options)  # before anything is done to the tree
         self._agree_on_policy()
         self._quiesce()
         self.ranks.barrier("quiesced")

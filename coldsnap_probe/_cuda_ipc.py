@@ -48,14 +48,21 @@ def _holding(pid: int, socket: str) -> dict[str, object] | None:
             "why": "the CUDA checkpoint does not restore CUDA IPC memory"}
 
 
-def refuse_cuda_ipc(cuda: list[int], options: MemoryOptions) -> None:
+def refuse_cuda_ipc(cuda: list[int], options: MemoryOptions) -> dict[str, list[int]]:
     """CaptureRefused naming every CUDA process of the tree that exported or imported device memory through CUDA
-    IPC (pid, command, count and bytes of each side); nothing is asked of a process without an interposer socket.
-    `options.interposer`: the one CUDA process's socket the capture was given (`--interposer`)."""
+    IPC (pid, command, count and bytes of each side); otherwise which processes were `checked` and which could not
+    be (`unchecked`: no interposer socket). `options.interposer`: the one CUDA process's socket the capture was
+    given (`--interposer`)."""
     holders, explicit = [], options.interposer
+    seen: dict[str, list[int]] = {"checked": [], "unchecked": []}
     for pid in cuda:
         socket = explicit if explicit and len(cuda) == 1 else interposer_socket(pid)
-        if socket and os.path.exists(socket) and (held := _holding(pid, socket)):
+        if not socket or not os.path.exists(socket):
+            seen["unchecked"].append(pid)
+            continue
+        seen["checked"].append(pid)
+        if held := _holding(pid, socket):
             holders.append(held)
     if holders:
         raise CaptureRefused(holders)
+    return seen

@@ -155,6 +155,7 @@ class CaptureReport:
     identity: dict[str, Any] = field(default_factory=dict)
     event_loops: dict[str, str] | None = None  # pid -> "uvloop", for the processes running it (unchanged servers)
     shared_files: list[dict[str, Any]] | None = None  # the tree's /dev/shm files kept with the images (_shm_files)
+    cuda_ipc: dict[str, list[int]] | None = None  # the CUDA processes checked for CUDA IPC, and those that could not be
     engine_quiesced: bool = False
     timings_s: dict[str, float] = field(default_factory=dict)  # engine_quiesce, cuda_lock, cuda_checkpoint, criu_dump
     barrier_wait_s: dict[str, float] = field(default_factory=dict)
@@ -174,7 +175,7 @@ class CaptureReport:
             "memory_sources": {n: r.to_json() for n, r in sorted(self.memory_sources.items())} or None,
             "memory_before_checkpoint": self.memory_before_checkpoint,
             "memory_after_checkpoint": self.memory_after_checkpoint, "identity": self.identity,
-            "event_loops": self.event_loops, "shared_files": self.shared_files,
+            "event_loops": self.event_loops, "shared_files": self.shared_files, "cuda_ipc": self.cuda_ipc,
             "engine_quiesced": self.engine_quiesced, "timings_s": self.timings_s,
             "barrier_wait_s": self.barrier_wait_s, "image_bytes": self.image_bytes, "image_files": self.image_files,
             "image_digest": self.image_digest, "completed_unix": self.completed_unix}), "engine": self.engine}

@@ -139,8 +139,9 @@ def test_the_cuda_ipc_check_asks_each_process_s_interposer_and_refuses_none_that
     """The capture's check reads the process's socket from its environment and the counts from its `status`
     (a handle needs a GPU: tests/probe/test_split_server.py's refusal); a socket that is not there is not asked."""
     proc, _ = engine
-    refuse_cuda_ipc([proc.pid], MemoryOptions())
-    refuse_cuda_ipc([proc.pid], MemoryOptions(interposer=str(tmp_path / "absent.sock")))
+    assert refuse_cuda_ipc([proc.pid], MemoryOptions()) == {"checked": [proc.pid], "unchecked": []}
+    absent = MemoryOptions(interposer=str(tmp_path / "absent.sock"))
+    assert refuse_cuda_ipc([proc.pid], absent) == {"checked": [], "unchecked": [proc.pid]}
 
 
 def raw(path: str, payload: bytes, fd: int | None = None) -> dict[str, Any]:

@@ -194,6 +194,7 @@ def test_the_two_process_server_with_cuda_in_its_core_restores_to_the_same_token
         assert done.returncode == 0, done.stderr
         captured = json.loads(done.stdout)
         assert captured["cuda_pids"] == [before["core_pid"]]  # the front end holds no CUDA
+        assert captured["cuda_ipc"] == {"checked": [before["core_pid"]], "unchecked": []}
         assert [(d["pid"], d["state"]) for d in captured["device_memory"]] == [(before["core_pid"], "released")]
         assert [f["path"] for f in captured["shared_files"]] == [f"/dev/shm/{before['ring']}"]
         split.reap(tree)
