@@ -147,6 +147,7 @@ class CudaModel:
                 raise RuntimeError(f"cuCtxSetLimit(CU_LIMIT_STACK_SIZE, {stack_bytes}): {err}")
         stage("cuda_init")
         self.torch, self.model = torch, ttft_server.load(weights, gib, seed)
+        self.positions = ttft_server.MAX_LEN
         stage("weights_loaded", device_bytes=torch.cuda.memory_allocated())
         self.model.capture()
         torch.cuda.empty_cache()
@@ -157,6 +158,8 @@ class CudaModel:
     def generate(self, context: list[int], prompt: list[int], max_tokens: int) -> tuple[bytes, list[int]]:
         if context:
             raise ValueError("conversations are the toy model's (the CUDA model's KV cache holds 128 positions)")
+        if len(prompt) + max_tokens > self.positions:
+            raise ValueError(f"prompt and max_tokens exceed the model's {self.positions} positions")
         for pos, token in enumerate(prompt[:-1]):
             self.model.step(token, pos)
         last, pos, first, out = prompt[-1], len(prompt) - 1, b"", []
@@ -199,7 +202,12 @@ def core(channel: socket.socket, segment: str, args: argparse.Namespace) -> None
             raise ValueError(f"record {kind!r} {number} does not match the ring (request {written}, "
                              f"{len(prompt)} tokens)")
         context = conversations.get(c, [])
-        first, tokens = model.generate(context, prompt, b)
+        try:
+            first, tokens = model.generate(context, prompt, b)
+        except ValueError as exc:  # a request the model cannot serve: refused, the core serves on
+            sys.stderr.write(f"split_server core: request {number} refused: {exc}\n")
+            send_record(channel, b"ERR\0", number)
+            continue
         ring.put_digest(first)
         for index, token in enumerate(tokens):
             ring.put_token(index, token)
@@ -223,7 +231,7 @@ class FrontEnd:
     def request(self, request: dict[str, Any], send: Any) -> dict[str, Any]:
         if request.get("op") == "state":
             return self.state()
-        prompt = request["prompt"] if "prompt" in request else tokenize(str(request["text"]))
+        prompt = [int(t) for t in request["prompt"]] if "prompt" in request else tokenize(str(request["text"]))
         max_tokens = int(request["max_tokens"])
         if not prompt or len(prompt) > MAX_PROMPT or not 1 <= max_tokens <= MAX_TOKENS:
             raise ValueError(f"a prompt of 1 to {MAX_PROMPT} tokens and max_tokens 1 to {MAX_TOKENS}")
@@ -231,7 +239,7 @@ class FrontEnd:
             name = str(request.get("conversation") or "")
             conversation = self.conversations.setdefault(name, len(self.conversations) + 1) if name else 0
             number = self.served + 1
-            self.ring.put_prompt(number, [int(t) for t in prompt])
+            self.ring.put_prompt(number, prompt)
             send_record(self.channel, b"GEN\0", number, len(prompt), max_tokens, conversation)
             text = []
             while True:
@@ -240,6 +248,8 @@ class FrontEnd:
                     raise ValueError(f"the core answered request {answered} during request {number}")
                 if kind == b"END\0":
                     break
+                if kind == b"ERR\0":
+                    raise ValueError(f"the engine core refused request {number} (its log says why)")
                 token = self.ring.token(index)
                 text.append(detokenize(token))
                 send({"token": token, "text": text[-1]})
