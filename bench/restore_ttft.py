@@ -21,10 +21,6 @@ Mode `interposer` is the no-cooperation path: the same server, unchanged (no --v
 `LD_PRELOAD=libcoldsnap_cuda.so` with `COLDSNAP_CUDA_INTERPOSER_SOCKET`; the worker finds the socket in the
 server's environment, has the interposer dump and release every device allocation before the CUDA lock (into
 the images), and hydrate it after the CUDA restore (docs/interposer.md). Its capture row adds the release.
-
-Mode `split` is the interposer row for a server split in two processes as vLLM's V1 engine is
-(engines/split_server.py: a front end and its engine core, the only process holding the GPU, over a socketpair and
-a /dev/shm ring): the worker captures and restores the tree as one (docs/restoring-your-own-server.md).
 """
 
 from __future__ import annotations
@@ -44,7 +40,6 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVER = ROOT / "engines" / "ttft_server.py"
-SPLIT = ROOT / "engines" / "split_server.py"  # mode `split`: the same model in an engine core behind a front end
 BASELINE_MIB = 0  # GPU memory used with no server running (set in main)
 PROMPT = [1, 15043, 29892, 920, 526, 366, 29973, 13]
 sys.path.insert(0, str(ROOT))
@@ -182,21 +177,6 @@ def settle_gpu(limit_mib: int, timeout: float = 3.0) -> dict[str, Any]:
     return {"used_mib": used, "waited_s": round(time.time() - started, 2)}
 
 
-def reap_tree(pids: list[int], timeout: float = 10.0) -> None:
-    """Until every PID of a captured or killed tree is free (its orphans are this subreaper's zombies meanwhile,
-    and CRIU cannot restore a process whose PID is taken)."""
-    left, give_up = set(pids), time.time() + timeout
-    while left and time.time() < give_up:
-        for pid in list(left):
-            try:
-                os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                pass  # not (yet) ours: its parent is still ending
-            if not os.path.exists(f"/proc/{pid}"):
-                left.discard(pid)
-        time.sleep(0.01)
-
-
 STARTED: list[int] = []  # process groups a size's run started (a server, a restored tree): killed if it fails
 
 
@@ -250,15 +230,14 @@ def server_env(root: Path, interposer: Path | None, strategy: str) -> dict[str, 
 def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, weights: Path,
              digests: list[bytes], strategy: str, images_root: Path, stack_bytes: int = 0,
              lazy_pages: bool = False, kv_discard: bool = False, interposer: Path | None = None,
-             cold_cache: bool = False, device_weights: bool = False, count: int = 2,
-             split: bool = False) -> dict[str, Any]:
+             cold_cache: bool = False, device_weights: bool = False, count: int = 2) -> dict[str, Any]:
     """One size in one mode: the whole device state in the images, weights hydrated after restore, or (with
     `interposer`, the library) every device allocation dumped and hydrated by the interposer. `cold_cache`: the
     page cache is dropped before each restore (the images read from the disk under `images_root`).
     `device_weights`: a full or interposer row's server generates its weights on the GPU (no file read)."""
     from coldsnap_probe import combine_digests
 
-    suffix = "-hydrate" if hydrate else "-split" if split else "-interposer" if interposer else ""
+    suffix = "-hydrate" if hydrate else "-interposer" if interposer else ""
     images = images_root / f"images-{gib:g}g{suffix}"
     control = root / f"control-{gib:g}g.sock"
     extra = (["--vmm-weights", "--control", str(control), "--strategy", strategy,
@@ -274,8 +253,7 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
     t0 = time.time()
     progress(f"{gib:g} GiB {'hydrate' if hydrate else 'interposer' if interposer else 'full'}: cold start")
     with open(log, "wb") as out:
-        server = subprocess.Popen([sys.executable, str(SPLIT if split else SERVER), *(["--cuda"] if split else []),
-                                   "--gib", str(gib),
+        server = subprocess.Popen([sys.executable, str(SERVER), "--gib", str(gib),
                                    "--weights", str(weights) if hydrate or not device_weights else "device",
                                    "--socket", str(path), *extra],
                                   stdin=subprocess.DEVNULL, stdout=out, stderr=out,
@@ -301,7 +279,6 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
     capture = worker("capture", "--pid", str(server.pid), "--images", str(images), "--criu", criu,
                      *(["--hydration", str(control)] if hydrate else []))
     server.wait()
-    reap_tree(capture["tree"])  # the two-process server's engine core (and resource tracker) too
     # CRIU restores the server's log descriptor only if the file has the size it dumped; a restored server (and
     # the interposer in it) writes more, so each restore starts from the captured log, as a fresh unit would.
     captured_log = log.stat().st_size
@@ -337,7 +314,6 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
                          "tokens_identical": tokens == cold_tokens, "logits_identical": first_hash == cold_hash,
                          "all_pages_in_s": marks.get("all_pages_in"), "timeline": report["timeline"]})
         kill_and_reap([report["restored_pid"]])
-        reap_tree(capture["tree"])
         if lazy_pages:  # kept for reading: where the daemon spent its time (its last 8 MB)
             with open(work / "lazy-pages.log", "rb") as lazy_log:
                 lazy_log.seek(max(0, lazy_log.seek(0, os.SEEK_END) - (8 << 20)))
@@ -363,7 +339,6 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
     for done in (images, *images.parent.glob(f"{images.name}-work-*")):  # the disk holds one size at a time
         subprocess.run(["rm", "-rf", str(done)], check=True)
     mode = "weights hydrated" if hydrate else "interposer (no cooperation)" if interposer else "full image"
-    mode = "two processes, interposer (no cooperation)" if split else mode
     mode += ", weights made on the GPU" if device_weights and not hydrate else ""
     return {"gib": gib, "mode": mode, "device_bytes": device_bytes,
             "strategy": strategy if hydrate else "", "cold": cold, "capture": capture["timings_s"],
@@ -452,10 +427,9 @@ def main() -> None:
     parser.add_argument("--weights-dir", default="/dev/shm", help="where the weights file lives")
     parser.add_argument("--images-root", default="", help="where the images go (default: --root)")
     parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--modes", default="hydrate", type=choices("full", "hydrate", "interposer", "split"),
+    parser.add_argument("--modes", default="hydrate", type=choices("full", "hydrate", "interposer"),
                         help="comma-separated: full (whole state in the images), hydrate (weights re-hydrated "
-                        "after restore), interposer (the unchanged server under the CUDA interposer), split (the "
-                        "two-process server, engines/split_server.py, under it)")
+                        "after restore), interposer (the unchanged server under the CUDA interposer)")
     parser.add_argument("--strategy", default="hydrator", choices=["register", "ring", "direct", "hydrator"])
     parser.add_argument("--hydrate-bench", type=float, default=0.0, help="GiB for the copy-strategy benchmark")
     parser.add_argument("--stack-bytes", default="0", help="comma-separated CUDA per-thread stack limits to run "
@@ -514,7 +488,7 @@ def main() -> None:
     ceilings = host_ceilings(images_root)
     progress(f"ceilings: pinned H2D {h2d:.1f} GB/s; {json.dumps(ceilings)}")
     library = None
-    if "interposer" in args.modes or "split" in args.modes:
+    if "interposer" in args.modes:
         from coldsnap_probe.hydration import library_path
 
         library = library_path(root / "interposer-lib")
@@ -553,8 +527,8 @@ def main() -> None:
             try:
                 row = run_size(size, root, args.criu, args.tokens, mode == "hydrate", weights, digests, strategy,
                                images_root, int(stack), memory == "lazy", kv == "discarded",
-                               library if mode in ("interposer", "split") else None, cache == "cold",
-                               args.device_weights, args.restores, split=mode == "split")
+                               library if mode == "interposer" else None, cache == "cold", args.device_weights,
+                               args.restores)
             except Exception as exc:  # one failed row is a result; the other rows still run
                 stop_started()
                 print(f"{size:g} GiB {mode}: FAILED: {type(exc).__name__}: {str(exc)[-3000:]}", flush=True)
