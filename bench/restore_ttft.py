@@ -34,7 +34,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -216,25 +216,29 @@ def show_stages(log: Path, shown: set[str], t0: float) -> dict[str, dict[str, An
     return entries
 
 
-def server_env(root: Path, interposer: Path | None, strategy: str) -> dict[str, str] | None:
+def server_env(root: Path, interposer: Path | None, strategy: str,
+               engine_env: Mapping[str, str] | None = None) -> dict[str, str] | None:
     """The server's environment: under the interposer (its socket per pid in `root`; the node hydrator, when one
-    runs, stages its dump while CRIU restores), or inherited."""
+    runs, stages its dump while CRIU restores), or inherited; `engine_env` (a row's allocator settings) on top."""
     if interposer is None:
-        return None
+        return {**os.environ, **engine_env} if engine_env else None
     hydrator = {"COLDSNAP_CUDA_INTERPOSER_HYDRATOR": strategy.split(":", 1)[1]} if strategy.startswith(
         "hydrator:") else {}
     return {**os.environ, "LD_PRELOAD": str(interposer),
-            "COLDSNAP_CUDA_INTERPOSER_SOCKET": str(root / "cuda-%p.sock"), **hydrator}
+            "COLDSNAP_CUDA_INTERPOSER_SOCKET": str(root / "cuda-%p.sock"), **hydrator, **(engine_env or {})}
 
 
 def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, weights: Path,
              digests: list[bytes], strategy: str, images_root: Path, stack_bytes: int = 0,
              lazy_pages: bool = False, kv_discard: bool = False, interposer: Path | None = None,
-             cold_cache: bool = False, device_weights: bool = False, count: int = 2) -> dict[str, Any]:
+             cold_cache: bool = False, device_weights: bool = False, count: int = 2, command: Sequence[str] = (),
+             engine_env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """One size in one mode: the whole device state in the images, weights hydrated after restore, or (with
     `interposer`, the library) every device allocation dumped and hydrated by the interposer. `cold_cache`: the
     page cache is dropped before each restore (the images read from the disk under `images_root`).
-    `device_weights`: a full or interposer row's server generates its weights on the GPU (no file read)."""
+    `device_weights`: a full or interposer row's server generates its weights on the GPU (no file read).
+    `command` (the interpreter and script of another engine speaking ttft_server.py's arguments, stages and
+    protocol) and `engine_env` (added to its environment) make other rows (bench/restore_rows.py)."""
     from coldsnap_probe import combine_digests
 
     suffix = "-hydrate" if hydrate else "-interposer" if interposer else ""
@@ -253,11 +257,11 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
     t0 = time.time()
     progress(f"{gib:g} GiB {'hydrate' if hydrate else 'interposer' if interposer else 'full'}: cold start")
     with open(log, "wb") as out:
-        server = subprocess.Popen([sys.executable, str(SERVER), "--gib", str(gib),
+        server = subprocess.Popen([*(command or (sys.executable, str(SERVER))), "--gib", str(gib),
                                    "--weights", str(weights) if hydrate or not device_weights else "device",
                                    "--socket", str(path), *extra],
                                   stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                  start_new_session=True, env=server_env(root, interposer, strategy))
+                                  start_new_session=True, env=server_env(root, interposer, strategy, engine_env))
     STARTED[:] = [server.pid]
     shown: set[str] = set()
     while "ready" not in show_stages(log, shown, t0):

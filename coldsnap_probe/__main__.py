@@ -1,9 +1,10 @@
 """`python -m coldsnap_probe profile [--qualification RECORD]|capture|restore|_target|_ipc_target`: JSON on
 stdout, diagnostics on stderr.
 
-Exit status: 0 after printing the JSON; 1 with `error: <Type>: <msg>` on stderr; 2 for bad arguments; 3 when a
-restore is refused before any work because this host cannot restore the capture (stdout: the `restore-refused` JSON,
-one reason code per mismatched fact with both values).
+Exit status: 0 after printing the JSON; 1 with `error: <Type>: <msg>` on stderr (a capture or restore: `error:
+<capture|restore> phase <phase>: <Type>: <msg>`, each phase also announced on stderr as it begins, `_phase.py`); 2
+for bad arguments; 3 when a restore is refused before any work because this host cannot restore the capture (stdout:
+the `restore-refused` JSON, one reason code per mismatched fact with both values).
 """
 
 from __future__ import annotations
@@ -11,6 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._phase import PhaseLog
 
 MIN_MEMORY, MAX_MEMORY = 4096, 1 << 30
 
@@ -108,6 +113,7 @@ def _worker(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ._coordinator import Coordinator
+    from ._phase import PhaseLog
     from ._report_dir import leave_report
     from .errors import CaptureRefused, ProbeError, TargetRefused
     from .memory import MemoryOptions
@@ -116,45 +122,60 @@ def _worker(args: argparse.Namespace) -> int:
         sys.stderr.write("error: several ranks need --coordinator and --namespace\n")
         return 2
     coordinator = None
+    phases = PhaseLog(args.command)
     try:
         if args.coordinator:
             coordinator = Coordinator(Path(args.coordinator), args.namespace, args.rank, args.world_size,
                                       timeout=args.barrier_timeout)
         if args.command == "capture":  # each subcommand imports only its own side (issue 22: a restore's start)
             from ._capture import capture
+            from ._worker_guard import WorkerGuard
 
+            guard = WorkerGuard()
+            guard.start("capture")  # before any CUDA call: the guard may need the driver itself
             report = capture(args.pid, Path(args.images), criu=args.criu, boundary=args.boundary,
                              digest=args.digest, coordinator=coordinator, engine=args.engine,
-                             graph_policy=args.graph_policy,
+                             graph_policy=args.graph_policy, phases=phases, guard=guard,
                              memory=MemoryOptions(weights_control=args.hydration,
                                                   interposer=args.interposer)).to_json()
         else:
             from ._restore import restore
+            from ._worker_guard import WorkerGuard
 
+            guard = WorkerGuard()
+            guard.start("restore")  # before CRIU and the CUDA driver: a worker that dies leaves no restored tree
             report = restore(Path(args.images), criu=args.criu,
                              work=Path(args.work_dir) if args.work_dir else None, coordinator=coordinator,
-                             lazy_pages=args.lazy_pages,
+                             lazy_pages=args.lazy_pages, phases=phases, guard=guard,
                              memory=MemoryOptions(device_policy=args.device_policy,
                                                   device_digests=args.device_digests)).to_json()
     except CaptureRefused as exc:  # before anything was done to the tree: it runs on, untouched
-        sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")
-        sys.stdout.write(json.dumps({"kind": "capture-refused", "refused": list(exc.reasons)}, indent=2,
-                                    sort_keys=True) + "\n")
+        sys.stderr.write(f"error: {_where(phases)}{type(exc).__name__}: {exc}\n")
+        sys.stdout.write(json.dumps({"kind": "capture-refused", "refused": list(exc.reasons),
+                                     "phase": phases.current}, indent=2, sort_keys=True) + "\n")
         return 3
     except TargetRefused as exc:
-        sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")
+        sys.stderr.write(f"error: {_where(phases)}{type(exc).__name__}: {exc}\n")
         sys.stdout.write(json.dumps({"kind": "restore-refused", "refused": list(exc.mismatches),
-                                     "checked_seconds": exc.seconds}, indent=2, sort_keys=True) + "\n")
+                                     "checked_seconds": exc.seconds, "phase": phases.current},
+                                    indent=2, sort_keys=True) + "\n")
         return 3
     except (ProbeError, OSError, ValueError) as exc:
-        sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")
+        sys.stderr.write(f"error: {_where(phases)}{type(exc).__name__}: {exc}\n")
         return 1
     finally:
+        phases.close()
         if coordinator is not None:
             coordinator.close()
     sys.stdout.write(json.dumps(report, indent=2, sort_keys=True) + "\n")
     leave_report(report)  # for the daemon's phase metrics, when it gave this unit a report directory
     return 0
+
+
+def _where(phases: PhaseLog) -> str:
+    """The phase a failure happened in, first on its `error:` line (a reply cut to its end still has the phase line
+    before it)."""
+    return f"{phases.kind} phase {phases.current}: " if phases.current else ""
 
 
 if __name__ == "__main__":

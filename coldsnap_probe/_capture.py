@@ -29,6 +29,7 @@ from ._cuda import Driver
 from ._cuda_ipc import refuse_cuda_ipc
 from ._engine import check_quiesced, engine_request, graph_plan, resume_engine, write_graph_record
 from ._graph import GraphPlan
+from ._phase import PhaseLog
 from ._process import (
     anonymous_memory,
     audit_pre_cuda,
@@ -45,6 +46,7 @@ from ._profile import identity
 from ._quiesce import IDLE_WAIT_S, event_loops, wait_idle
 from ._reports import CapturedGraphPolicy, CaptureReport
 from ._shm_files import save_shared_files, shared_files
+from ._worker_guard import WorkerGuard, remove_contents
 from .errors import WorkerError
 from .memory import CaptureScope, MemoryCaptures, MemoryOptions
 
@@ -53,9 +55,11 @@ __all__ = ("capture",)
 
 def capture(pid: int, images: Path, *, criu: str, boundary: str = "n610", lock_timeout_ms: int = 30_000,
             digest: bool = False, memory: MemoryOptions | None = None, coordinator: Coordinator | None = None,
-            engine: str | None = None, graph_policy: str = "auto") -> CaptureReport:
+            engine: str | None = None, graph_policy: str = "auto", phases: PhaseLog | None = None,
+            guard: WorkerGuard | None = None) -> CaptureReport:
     """Checkpoint and dump the tree rooted at `pid` into `images` (must be new or empty); `memory` says what
-    the memory sources release."""
+    the memory sources release; `phases` publishes each phase as it begins; `guard` (started) undoes the capture
+    if this process dies before it ends."""
     if boundary not in ("n580", "n610"):
         raise WorkerError(f"boundary must be n580 or n610, got {boundary!r}")
     if images.exists() and any(images.iterdir()):
@@ -64,20 +68,29 @@ def capture(pid: int, images: Path, *, criu: str, boundary: str = "n610", lock_t
     if ranks.multi and boundary == "n610" and not engine:
         raise WorkerError("several ranks need the engine's control socket (engine=) to release their "
                           "communicators before capture")
+    journal = guard or WorkerGuard()
+    journal.note(images=str(images.absolute()), created=not images.exists())
     images.mkdir(mode=0o700, parents=True, exist_ok=True)
     run = _Capture(pid, images, criu=criu, boundary=boundary, ranks=ranks, memory=memory or MemoryOptions(),
                    engine=engine,
-                   plan=graph_plan(graph_policy, ranks.world_size) if engine and boundary == "n610" else None)
-    run.run(lock_timeout_ms)
-    return run.finish(digest=digest)
+                   plan=graph_plan(graph_policy, ranks.world_size) if engine and boundary == "n610" else None,
+                   phases=phases or PhaseLog("capture", publish=False), journal=journal)
+    try:
+        run.run(lock_timeout_ms)
+        run.phase.enter("finish")
+        return run.finish(digest=digest)
+    finally:
+        journal.end()
 
 
 class _Capture:
     """One capture's state: what each phase did, so that `roll_back` undoes exactly that."""
 
     def __init__(self, pid: int, images: Path, *, criu: str, boundary: str, ranks: Coordinator,
-                 memory: MemoryOptions, engine: str | None, plan: GraphPlan | None) -> None:
-        self.pid, self.images, self.criu, self.ranks = pid, images, criu, ranks
+                 memory: MemoryOptions, engine: str | None, plan: GraphPlan | None, phases: PhaseLog,
+                 journal: WorkerGuard) -> None:
+        self.pid, self.images, self.criu, self.ranks, self.phase = pid, images, criu, ranks, phases
+        self.journal = journal  # each step is noted before it is taken: a guard undoes it if this process dies
         self.memory_options, self.engine, self.plan = memory, engine, plan
         self.tree = process_tree(pid)
         self.report = CaptureReport(boundary=boundary, root_pid=pid, tree=self.tree, rank=ranks.rank,
@@ -88,7 +101,6 @@ class _Capture:
         self.driver: Driver | None = None
         self.done: list[tuple[int, str]] = []  # (pid, "locked" | "checkpointed"), in the order done
         self.quiesced = self.dumped = False
-        self.stopped = False  # the dumped tree left stopped (several ranks, shared files to copy), killed at the end
         self.memory: MemoryCaptures | None = None  # what the memory sources released (each rolls back its own)
 
     def run(self, lock_timeout_ms: int) -> None:
@@ -106,6 +118,7 @@ class _Capture:
     # -- the phases, in order ----------------------------------------------------------------------------------
     def _template(self) -> None:
         """n580: no CUDA state may be in the tree; a CPU-only dump."""
+        self.phase.enter("audit")
         audit_pre_cuda(self.tree)
         self.report.event_loops = event_loops(self.tree)  # an io_uring ring would fail deep in CRIU's dump
         self.report.cuda_pids = []
@@ -115,6 +128,7 @@ class _Capture:
 
     def _initialized(self, lock_timeout_ms: int) -> None:
         """n610: every CUDA process of the tree locked and checkpointed, then dumped with the rest."""
+        self.phase.enter("find-cuda")
         self.driver = Driver()
         self.driver.call("cuInit", 0)
         cuda = self._find_cuda(self.driver)
@@ -153,6 +167,7 @@ class _Capture:
         if self.plan is None:
             return
         plan = self.plan
+        self.phase.enter("quiesce")
         self.report.graph_policy = CapturedGraphPolicy(requested=plan.requested, recorded=plan.recorded,
                                                        effective=plan.effective, reason=plan.reason)
         started = time.perf_counter()
@@ -167,6 +182,7 @@ class _Capture:
         """Without a graph policy the tree may be a server we do not control: its own requests end first."""
         if self.plan is not None:
             return
+        self.phase.enter("wait-idle")
         started = time.perf_counter()
         self.report.event_loops = event_loops(self.tree)
         wait_idle(self.tree, IDLE_WAIT_S)
@@ -174,34 +190,42 @@ class _Capture:
 
     def _release_memory(self, cuda: list[int]) -> None:
         """Every registered memory source gets its memory out of the tree and records it into the images."""
+        self.phase.enter("release-memory")
+        self.journal.note(memory=self.memory_options.weights_control)
         self.memory = MemoryCaptures(CaptureScope(self.images, cuda, self.memory_options))
         self.memory.release(self.report)
 
     def _lock(self, driver: Driver, cuda: list[int], timeout_ms: int) -> None:
+        self.phase.enter("cuda-lock")
         started = time.perf_counter()
         for p in cuda:
             args = driver.cuda.CUcheckpointLockArgs()
             args.timeoutMs = timeout_ms
+            self.journal.note(cuda=p, state="locked")
             driver.call("cuCheckpointProcessLock", p, args)
             self.done.append((p, "locked"))
         require_state(driver, cuda, "locked", "after lock")
         self.report.timings_s["cuda_lock"] = time.perf_counter() - started
 
     def _checkpoint(self, driver: Driver, cuda: list[int]) -> None:
+        self.phase.enter("cuda-checkpoint")
         started = time.perf_counter()
         for p in cuda:
+            self.journal.note(cuda=p, state="checkpointed")
             driver.call("cuCheckpointProcessCheckpoint", p, None)
             self.done.append((p, "checkpointed"))
         require_state(driver, cuda, "checkpointed", "after checkpoint")
         self.report.timings_s["cuda_checkpoint"] = time.perf_counter() - started
 
     def _dump(self) -> None:
-        # Several ranks: the dumped tree stays stopped until every rank has dumped, so a failed peer can roll back.
-        # Shared-memory files: it stays stopped while they are copied (nothing writes them; a failed copy resumes it).
+        # The dumped tree stays stopped until the images are complete (capture.json) and, with several ranks, until
+        # every rank has dumped: a failed peer, or a guard whose worker died meanwhile, lets it run again. Its
+        # shared-memory files are copied meanwhile (nothing writes them; a failed copy lets it run again too).
+        self.phase.enter("criu-dump")
+        self.journal.note(dump=self.tree)
         shared = shared_files(self.tree)
-        self.stopped = self.ranks.multi or bool(shared)
         args = ["dump", "--tree", str(self.pid), "--images-dir", str(self.images), "--work-dir", str(self.work),
-                *(["--leave-stopped"] if self.stopped else [])]
+                "--leave-stopped"]
         self.report.timings_s["criu_dump"] = run_criu(self.criu, args, self.work / "dump.log")
         self.dumped = True
         if shared:
@@ -213,7 +237,7 @@ class _Capture:
     def _roll_back(self, exc: BaseException) -> None:
         """Undo what was done, so that the workload keeps running on every rank."""
         self.ranks.abort(f"rank {self.ranks.rank} capture: {type(exc).__name__}: {exc}")  # peers first, then undo
-        if self.dumped and self.stopped:
+        if self.dumped:
             signal_tree(self.tree, signal.SIGCONT)  # the CUDA restore thread of a stopped tree must run
         if self.driver is not None:
             undo_cuda(self.driver, self.done)
@@ -223,13 +247,12 @@ class _Capture:
             with contextlib.suppress(WorkerError):
                 resume_engine(self.engine, self.ranks, self.plan.effective if self.plan else "recreate-from-plan",
                               "rollback", self.work)
+        remove_contents(self.images)  # no half-written images: nothing there restores
         if (self.work / "dump.log").exists():  # keep the evidence of a failed dump
             shutil.copy2(self.work / "dump.log", self.images / "dump.log")
 
     # -- after the last phase --------------------------------------------------------------------------------
     def finish(self, *, digest: bool) -> CaptureReport:
-        if self.stopped:  # every rank has dumped, every file is kept: the tree ends here, as a plain dump ends it
-            signal_tree(self.tree, signal.SIGKILL)
         report = self.report
         report.identity = identity(None, criu=self.criu)
         report.engine_quiesced = self.quiesced
@@ -239,4 +262,8 @@ class _Capture:
             report.image_digest = image_digest(self.images, contents=True)
         report.completed_unix = time.time()
         (self.images / "capture.json").write_text(json.dumps(report.to_json(), indent=2, sort_keys=True) + "\n")
+        # The images are complete (and, with several ranks, every rank's): the captured tree ends here.
+        self.journal.note(commit=self.tree)
+        signal_tree(self.tree, signal.SIGKILL)
         return report
+

@@ -28,10 +28,12 @@ from ._coordinator import Coordinator
 from ._cuda import Driver
 from ._engine import ABORT_POLL, resume_engine, validated_graph_record
 from ._host import host_identity
+from ._phase import PhaseLog
 from ._process import criu_environment, process_state, process_tree, require_state, run_criu, stop, tail
 from ._reports import RestoredGraphPolicy, RestoreReport
 from ._shm_files import SharedFile, load_shared_files, put_back
 from ._target import check_target, comparable
+from ._worker_guard import WorkerGuard
 from .errors import RankAborted, TargetRefused, WorkerError
 from .memory import MemoryOptions, MemoryRestores, RestoreScope
 
@@ -42,16 +44,20 @@ LAZY_PAGES_FINISH_S = 120.0  # for it to have copied every page after the restor
 
 
 def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: Coordinator | None = None,
-            lazy_pages: bool = False, memory: MemoryOptions | None = None) -> RestoreReport:
+            lazy_pages: bool = False, memory: MemoryOptions | None = None,
+            phases: PhaseLog | None = None, guard: WorkerGuard | None = None) -> RestoreReport:
     """Restore the tree captured in `images`; returns the report (the images are only read).
 
     `lazy_pages`: CRIU restores the processes without their memory, which `criu lazy-pages` then fills
     (faults first, the rest in the background) while the CUDA state is restored. The tree is then held
     stopped until every page is in, so nothing serves from memory a failed daemon never filled. `memory` says
-    how the memory sources hydrate.
+    how the memory sources hydrate; `phases` publishes each phase as it begins; `guard` (started) kills the restored
+    tree if this process dies before the restore ends.
     """
-    run = _Restore(images, criu=criu, work=work, ranks=coordinator or Coordinator.single(), lazy_pages=lazy_pages)
+    run = _Restore(images, criu=criu, work=work, ranks=coordinator or Coordinator.single(), lazy_pages=lazy_pages,
+                   phases=phases or PhaseLog("restore", publish=False))
     run.memory_options = memory or MemoryOptions()
+    run.journal = guard or WorkerGuard()
     try:
         run.phases()
     except BaseException as exc:
@@ -60,6 +66,8 @@ def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: C
         if isinstance(exc, WorkerError):
             raise
         raise WorkerError(error) from exc
+    finally:
+        run.journal.end()
     run.report.barrier_wait_s = dict(run.ranks.waits)
     return run.report
 
@@ -67,8 +75,12 @@ def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: C
 class _Restore:
     """One restore's state: what each phase started, so that `roll_back` stops exactly that."""
 
-    def __init__(self, images: Path, *, criu: str, work: Path | None, ranks: Coordinator, lazy_pages: bool) -> None:
+    def __init__(self, images: Path, *, criu: str, work: Path | None, ranks: Coordinator, lazy_pages: bool,
+                 phases: PhaseLog) -> None:
         self.images, self.criu, self.work, self.ranks, self.lazy_pages = images, criu, work, ranks, lazy_pages
+        self.phase = phases
+        self.journal = WorkerGuard()  # CRIU's restore and the restored root are noted: a guard kills the tree
+        phases.enter("validate")
         self.report = RestoreReport(rank=ranks.rank, world_size=ranks.world_size)
         self.timeline = self.report.timeline
         self.timeline.mark("restore_begin")
@@ -95,15 +107,22 @@ class _Restore:
         self.timeline.mark("validated")  # what the checks before CRIU cost (identity, dumps, sources)
         # Only now: a restore refused by the checks (on any rank) leaves nothing staged on the node hydrator; the
         # checks take milliseconds with the GPU's facts from procfs.
+        self.phase.enter("stage")
         self._start_stages()
+        self.phase.enter("criu-restore")
         root = self._criu_restore()
+        self.phase.enter("cuda-restore")
         self._cuda_restore(root)
         if self.lazy:
+            self.phase.enter("pages-in")
             self._all_pages_in(self.lazy, root)
+        self.phase.enter("resume")
         self._resume(root)
         if self.memory is not None:
+            self.phase.enter("hydrate")
             self.memory.hydrate(self.report)
         if self.engine and self.graph is not None:
+            self.phase.enter("communicators")
             self._recreate_communicators(self.engine, self.graph)
         self.ranks.barrier("ready")
         self.timeline.mark("ready")
@@ -175,12 +194,14 @@ class _Restore:
         put_back(self.shared, self.images)  # what CRIU maps is what the tree had when it was dumped
         self.report.shared_files = [f.path for f in self.shared] or None
         self.driver = driver = Driver() if self.cuda else None
+        self.journal.note(restore=str(self.images), pidfile=str(pidfile))
         with ThreadPoolExecutor(1, thread_name_prefix="coldsnap-cuinit") as pool:
             # The driver initialises while CRIU runs (cuInit is a good part of the CUDA restore otherwise).
             initialised = pool.submit(driver.call, "cuInit", 0) if driver is not None else None
             seconds = self.report.criu_restore_seconds = run_criu(self.criu, args, work / "restore.log")
             self.timeline.mark("criu_restore_end")
             root = self.root = int(pidfile.read_text().split()[0])  # first: the rollback kills the tree then
+            self.journal.note(root=root)
             if initialised is not None:
                 initialised.result()
         self.report.restored_pid = root

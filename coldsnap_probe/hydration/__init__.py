@@ -68,6 +68,7 @@ if TYPE_CHECKING:  # what each name is, for mypy and readers; at run time `__get
     from ._hydrator import ADOPT_PAGE as ADOPT_PAGE
     from ._hydrator import HydratorServer as HydratorServer
     from ._hydrator import Stager as Stager
+    from ._interposer import ENGINE_DEFAULTS as ENGINE_DEFAULTS
     from ._interposer import ENV_HYDRATOR as ENV_HYDRATOR
     from ._interposer import DeviceDump as DeviceDump
     from ._interposer import build_library as build_library
@@ -91,6 +92,7 @@ _EXPORTS = MappingProxyType({  # public name -> its module
     "ADOPT_PAGE": "._hydrator",
     "HydratorServer": "._hydrator",
     "Stager": "._hydrator",
+    "ENGINE_DEFAULTS": "._interposer",
     "ENV_HYDRATOR": "._interposer",
     "DeviceDump": "._interposer",
     "build_library": "._interposer",
@@ -112,6 +114,7 @@ _EXPORTS = MappingProxyType({  # public name -> its module
 
 __all__ = (
     "ADOPT_PAGE",
+    "ENGINE_DEFAULTS",
     "ENV_HYDRATOR",
     "DeviceDump",
     "HydrationManifest",

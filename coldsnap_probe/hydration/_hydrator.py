@@ -67,6 +67,7 @@ class _Staged:
     # `unallocated` bytes are reserved (counted as used by the next stage's free-memory check) and `expires` is inf.
     ready: bool = False
     unallocated: int = 0
+    stager: int = -1  # the stager's pidfd (owned here; -1: none sent): a ready stage is freed once it exits
 
     def held_by(self, ticket: object) -> bool:
         """Adopting or discarding a stage takes its ticket: the engine may run as another uid than the worker
@@ -156,16 +157,16 @@ class HydratorServer:
         message, fds = jsonline.read_request_with_fds(conn, 1)
         try:
             op = message.get("op", "hydrate")
-            if op != "hydrate" and fds:
+            if op not in ("hydrate", "stage", "stage-dump") and fds:
                 raise HydrationError(f"a {op!r:.80} request carries no descriptor")
             if op == "hydrate":
                 if len(fds) != 1:
                     raise HydrationError("a hydrate request carries exactly one allocation descriptor")
                 return self._hydrate(message, fds[0], peer, conn)
             if op == "stage":
-                return self._stage(message, peer, conn)
+                return self._stage(message, peer, conn, _stager(fds))
             if op == "stage-dump":
-                return self._stage_dump(message, peer, conn)
+                return self._stage_dump(message, peer, conn, _stager(fds))
             if op == "adopt":
                 return self._adopt(message, peer, conn)
             if op == "discard":
@@ -281,13 +282,18 @@ class HydratorServer:
             return reserved
 
     def _stage_into(self, key: str, peer: jsonline.Peer, conn: socket.socket, staged: _Staged,
-                    copy: Callable[[int], object], copied: int) -> dict[str, Any]:
+                    copy: Callable[[int], object], copied: int, stager: int) -> dict[str, Any]:
         """Reserve `staged` under `key` (`_reserve`), allocate its bytes as one allocation per `staged.sizes` and
         `copy` into them outside the lock, then make it ready (handles, timings, expiry). A failure releases every
         allocation made and the reservation; so does a stager that hung up (`conn` closed) meanwhile: a restore
         refused after it started its stages, or a worker that died, leaves nothing staged for the TTL."""
         slot = (peer.uid, key)
-        reserved = self._reserve(slot, staged)
+        kept = replace(staged, stager=os.dup(stager) if stager >= 0 else -1)  # the request's own is closed after it
+        try:
+            reserved = self._reserve(slot, kept)
+        except BaseException:
+            _close_stager(kept)
+            raise
         started = time.perf_counter()
         handles: list[Any] = []
         try:
@@ -303,6 +309,7 @@ class HydratorServer:
             with self._lock:
                 if self.staged.get(slot) is reserved:
                     del self.staged[slot]
+            _close_stager(reserved)
             for handle in handles:
                 self.driver.cuda.cuMemRelease(handle)
             raise
@@ -314,14 +321,15 @@ class HydratorServer:
                 "allocations": len(handles), "ticket": reserved.ticket,
                 **({"copy": report} if isinstance(report, dict) else {})}  # the ring's thread-seconds
 
-    def _stage(self, message: dict[str, Any], peer: jsonline.Peer, conn: socket.socket) -> dict[str, Any]:
+    def _stage(self, message: dict[str, Any], peer: jsonline.Peer, conn: socket.socket,
+               stager: int) -> dict[str, Any]:
         """Allocate and fill ahead of the engine's restore; refused for an engine on another GPU. The answer's
         `ticket` is what the engine presents to adopt it."""
         key = self._stage_slot(message)
         base, size, regions, jobs = self._jobs(message, peer, conn)
         return self._stage_into(key, peer, conn, _Staged((), base, size, regions, 0.0, 0.0, 0.0, 0, "",
                                                          sizes=(size,)),
-                                self._pinned(jobs), sum(p.size for p in jobs))
+                                self._pinned(jobs), sum(p.size for p in jobs), stager)
 
     def _room_for(self, size: int, replacing: _Staged | None) -> None:
         """Under the lock: refuse a stage of `size` bytes (replacing `replacing`) beyond STAGE_MAX, or one that
@@ -337,7 +345,8 @@ class HydratorServer:
             raise HydrationError(f"staging {size} bytes would leave {free - size} of the GPU's {free} free bytes "
                                  f"(at least {STAGE_RESERVE} stay free; stages being filled count as used)")
 
-    def _stage_dump(self, message: dict[str, Any], peer: jsonline.Peer, conn: socket.socket) -> dict[str, Any]:
+    def _stage_dump(self, message: dict[str, Any], peer: jsonline.Peer, conn: socket.socket,
+                    stager: int) -> dict[str, Any]:
         """Fill one allocation per released region from an interposer's device dump (docs/interposer.md) while
         its process is being restored: `parts` are (file, bytes, region) in the order the interposer maps them
         back (`dump_layout`), each file read whole through a ring of page-locked buffers into the allocations
@@ -352,7 +361,7 @@ class HydratorServer:
                                                              layout=layout, sizes=sizes),
                                     lambda va: copy_to_device(self.driver, self.context, region_pieces(parts, va),
                                                               Pread(threads=DUMP_THREADS, chunk=DUMP_CHUNK,
-                                                                    opened=fds)), size)
+                                                                    opened=fds)), size, stager)
         finally:
             for fd in fds.values():
                 os.close(fd)
@@ -427,7 +436,9 @@ class HydratorServer:
 
     def _free(self, slot: _Slot) -> None:
         """Under the lock: drop a ready stage and release its allocations (a handed-out descriptor keeps its own)."""
-        for handle in self.staged.pop(slot).handles:
+        dropped = self.staged.pop(slot)
+        _close_stager(dropped)
+        for handle in dropped.handles:
             self.driver.cuda.cuMemRelease(handle)
 
     def _expire(self) -> None:
@@ -439,8 +450,31 @@ class HydratorServer:
 
     def _expire_locked(self) -> None:
         now = time.monotonic()  # a stage being filled expires at inf: never freed under its filler
-        for key in [k for k, v in self.staged.items() if v.ready and v.expires <= now]:
+        for key in [k for k, v in self.staged.items() if v.ready and (v.expires <= now or _exited(v.stager))]:
             self._free(key)
+
+
+def _stager(fds: list[int]) -> int:
+    """A stage request's one optional descriptor: its stager's pidfd (-1 without one), the caller's to close."""
+    if not fds:
+        return -1
+    if len(fds) > 1 or os.readlink(f"/proc/self/fd/{fds[0]}") != "anon_inode:[pidfd]":
+        raise HydrationError("a stage request carries at most one descriptor, its stager's pidfd")
+    return fds[0]
+
+
+def _exited(pidfd: int) -> bool:
+    """A pidfd polls readable once its process has exited."""
+    if pidfd < 0:
+        return False
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+def _close_stager(staged: _Staged) -> None:
+    if staged.stager >= 0:
+        os.close(staged.stager)
 
 
 def request_regions(message: dict[str, Any]) -> tuple[int, int, tuple[WeightRegion, ...]]:
@@ -503,7 +537,7 @@ class Stager(StageRequest):
         driver = Driver()
         driver.call("cuInit", 0)
         uuid = device_uuid(driver, self.manifest.device)
-        return jsonline.request(self.hydrator, self.manifest.stage_request("stage", device_uuid=uuid), timeout=600.0)
+        return self._stage(self.manifest.stage_request("stage", device_uuid=uuid))
 
     def _discard(self) -> dict[str, Any]:
         return self.manifest.stage_request("discard", ticket=self.ticket)

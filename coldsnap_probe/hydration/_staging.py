@@ -3,11 +3,15 @@
 what was staged afterwards, and a failed restore discards it.
 
 Best effort by design: whatever goes wrong is reported (`report`) and the regular hydration runs.
+
+A stage request carries the worker's pidfd: the hydrator keeps a stage only while its stager lives (or until it
+is adopted), so a worker killed after its stage was filled leaves nothing on the GPU for the stage's TTL.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from typing import Any
@@ -37,6 +41,17 @@ class StageRequest:
     def _discard(self) -> dict[str, Any]:
         """The request that frees this stage on the hydrator."""
         raise NotImplementedError
+
+    def _stage(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Send a stage request with this process's pidfd (the stage's life is tied to it); its answer."""
+        pidfd = os.pidfd_open(os.getpid())
+        try:
+            answer, fds = jsonline.request_with_fds(self.hydrator, message, fds=[pidfd], timeout=600.0)
+        finally:
+            os.close(pidfd)
+        for fd in fds:
+            os.close(fd)
+        return answer
 
     def _run(self) -> None:
         started = time.perf_counter()

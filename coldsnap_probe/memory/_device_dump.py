@@ -84,8 +84,8 @@ class DeviceStage(StageRequest):
         super().__init__(hydrator, "coldsnap-device-stage")
 
     def _ask(self) -> dict[str, Any]:
-        return jsonline.request(self.hydrator, {"op": "stage-dump", "key": self.key, "parts": self.parts,
-                                                "device_uuid": self.device_uuid}, timeout=600.0)
+        return self._stage({"op": "stage-dump", "key": self.key, "parts": self.parts,
+                            "device_uuid": self.device_uuid})
 
     def _discard(self) -> dict[str, Any]:
         return {"op": "discard", "key": self.key, "ticket": self.ticket}

@@ -249,7 +249,7 @@ def test_a_host_that_cannot_restore_is_refused_before_any_work_naming_every_fact
         {"code": "kernel-mismatch", "fact": "kernel", "captured": "2.6.32-754.el6.x86_64", "current": here},
         {"code": "capsule-image-mismatch", "fact": "image_layers", "captured": f"2 layers, the top {base[-1]}",
          "current": f"3 layers, the top {other[-1]}"}]
-    assert "error: TargetRefused: not restoring on this host: kernel-mismatch" in done.stderr
+    assert "error: restore phase validate: TargetRefused: not restoring on this host: kernel-mismatch" in done.stderr
     assert not (tmp_path / "work/restore.log").exists() and not alive(pid)
     assert image_digest(images, contents=True) == before
     facts["kernel"] = here  # this node, in a capsule image built FROM the captured one: restored

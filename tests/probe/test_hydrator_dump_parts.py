@@ -212,6 +212,54 @@ def test_a_dump_staged_on_a_hydrator_is_adopted_with_its_files_bytes(tmp_path: P
         proc.wait()
 
 
+
+STAGER = """
+import json, os, sys, time
+from coldsnap_probe.jsonline import request_with_fds
+answer, _ = request_with_fds(sys.argv[1], json.loads(sys.argv[2]), fds=[os.pidfd_open(os.getpid())], timeout=120.0)
+print(json.dumps(answer), flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.mark.skipif(not has_nvidia_driver(), reason="needs an NVIDIA driver")
+def test_a_stage_whose_stager_was_killed_is_freed_within_seconds_not_its_ttl(tmp_path: Path) -> None:
+    """Issue 35 item 4: a restore worker killed after its stage was filled (it sent its pidfd with the request)
+    leaves nothing staged: the hydrator frees the stage at its next idle pass, not after the 120 s TTL."""
+    import hashlib
+    import json
+    import subprocess
+    import sys
+    import time
+
+    from coldsnap_probe.jsonline import request
+    from tests.helpers import ROOT
+
+    part = tmp_path / "seg-0.bin"
+    part.write_bytes(os.urandom(2 * MIB))
+    control = tmp_path / "hydrator.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "coldsnap_probe.hydration", "serve", "--socket", str(control),
+                             "--staging"], stdout=subprocess.PIPE, cwd=ROOT)
+    try:
+        ready = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+        ask = {"op": "stage-dump", "key": "sha256:" + hashlib.sha256(b"killed-stager").hexdigest(),
+               "parts": [{"file": str(part), "bytes": 2 * MIB, "region": 0}], "device_uuid": ready["device_uuid"]}
+        stager = subprocess.Popen([sys.executable, "-c", STAGER, str(control), json.dumps(ask)],
+                                  stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        staged = json.loads(stager.stdout.readline())  # type: ignore[union-attr]
+        assert staged["ok"] and staged["staged"], staged
+        assert len(request(str(control), {"op": "status"}, timeout=10.0)["staged"]) == 1
+        stager.kill()
+        stager.wait()
+        killed, left = time.monotonic(), [None]
+        while left and time.monotonic() - killed < 5:
+            left = request(str(control), {"op": "status"}, timeout=10.0)["staged"]
+            time.sleep(0.05)
+        assert left == [], f"the killed stager's stage is still held after 5 s: {left}"
+    finally:
+        proc.kill()
+        proc.wait()
+
 def test_a_ring_copy_whose_source_cannot_be_opened_leaves_no_descriptor_open(tmp_path: Path) -> None:
     """A Pread copy opens its sources before any CUDA call: one that is missing fails it with nothing left open."""
     from coldsnap_probe.hydration._copy import Pread, copy_to_device, region_pieces

@@ -8,8 +8,10 @@ by strategies come back as they were."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
+import subprocess
 import threading
 from typing import Any
 
@@ -19,7 +21,7 @@ from hypothesis import strategies as st
 
 from coldsnap_probe import jsonline
 from coldsnap_probe.errors import ChannelError, HydrationError
-from coldsnap_probe.hydration._hydrator import ADOPT_PAGE, _first_page, _stage_key, request_regions
+from coldsnap_probe.hydration._hydrator import ADOPT_PAGE, _exited, _first_page, _stage_key, _stager, request_regions
 from coldsnap_probe.hydration._peer_files import DUMP_ALIGN, STAGE_ALLOCATIONS, dump_layout
 from coldsnap_probe.hydration._weights import WeightRegion
 
@@ -147,3 +149,23 @@ class TestStageRequests:
         layout, sizes = dump_layout(json.loads(json.dumps(parts)))
         assert layout == tuple((p["file"], p["bytes"], p["region"]) for p in parts)
         assert sizes == tuple(sum(p["bytes"] for p in parts if p["region"] == r) for r in range(region + 1))
+
+
+def test_a_stage_request_s_descriptor_is_its_stager_s_pidfd_and_says_when_it_exits() -> None:
+    """A stage lives while its stager does: the one descriptor a stage request may carry is the stager's pidfd
+    (anything else is refused naming the rule), and it polls readable once that process exits."""
+    assert _stager([]) == -1 and not _exited(-1)
+    child = subprocess.Popen(["sleep", "30"])
+    pidfd = os.pidfd_open(child.pid)
+    read, write = os.pipe()
+    try:
+        assert _stager([pidfd]) == pidfd and not _exited(pidfd)
+        for wrong in ([read], [pidfd, pidfd]):
+            with pytest.raises(HydrationError, match="at most one descriptor, its stager's pidfd"):
+                _stager(wrong)
+        child.kill()
+        child.wait()
+        assert _exited(pidfd)
+    finally:
+        for fd in (pidfd, read, write):
+            os.close(fd)

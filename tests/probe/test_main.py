@@ -70,7 +70,9 @@ def test_worker_probe_errors_exit_1_with_type_and_message(tmp_path: Path) -> Non
     """Any ProbeError (here the CUDA driver layer's) is one `error:` line, not a traceback."""
     done = probe("capture", "--pid", str(os.getpid()), "--images", str(tmp_path / "images"), "--boundary", "n610")
     assert done.returncode == 1 and done.stdout == ""
-    assert done.stderr.startswith("error: CudaLibraryMissing: libcuda.so.1 could not be loaded")
+    # the phase it began, then the error naming it
+    assert done.stderr.startswith("coldsnap-worker: capture phase find-cuda\nerror: capture phase find-cuda: "
+                                  "CudaLibraryMissing: libcuda.so.1 could not be loaded")
     assert "Traceback" not in done.stderr
 
 
