@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import json
 import os
+import re
 import signal
 import socket
 import statistics
@@ -129,3 +131,44 @@ def disk_read_rate(path: Path, limit: int = 2 << 30) -> float:
         while got < limit and (n := f.readinto(buf)):
             got += n
     return got / (time.perf_counter() - started)
+
+
+def criu_zero_pages(images: Path) -> tuple[int, int]:
+    """Bytes of a CRIU image set's pages images (`pages-*.img`) and how many of them are 4 KiB pages of zeros
+    (what CRIU writes for pages that were written with zeros: it skips only never-written ones)."""
+    size = zeros = 0
+    empty = bytes(4096)
+    for path in images.glob("pages-*.img"):
+        with path.open("rb", buffering=0) as f:
+            while block := f.read(16 << 20):
+                size += len(block)
+                view = memoryview(block)
+                zeros += 4096 * sum(view[at:at + 4096] == empty for at in range(0, len(block) - 4095, 4096))
+    return size, zeros
+
+HOST_KINDS = {"host_registered", "host_pinned", "unwrapped_entry_points"}  # uncovered, but not device memory
+
+
+def line_rate(devices: list[dict[str, Any]] | None) -> str:
+    """What the capture moved at line rate, as a share of the device bytes the interposer saw, and the largest kind
+    left on the CUDA checkpoint path ("-" without the interposer)."""
+    moved = stayed = 0
+    left: dict[str, int] = {}
+    for device in devices or []:
+        moved += sum(int(k.get("bytes", 0)) for k in (device.get("moved") or {}).values())
+        for kind, seen in (device.get("uncovered") or {}).items():
+            if kind not in HOST_KINDS and int(seen.get("bytes", 0)):
+                stayed += int(seen["bytes"])
+                left[kind] = left.get(kind, 0) + int(seen["bytes"])
+    if not moved and not stayed:
+        return "-"
+    top = max(left, key=lambda k: left[k]) if left else ""
+    return f"{moved / (moved + stayed):.1%}" + (f" ({top} {left[top] / 1e6:.0f} MB left)" if top else "")
+
+
+def alloc_conf(text: str) -> str:
+    """An --alloc-conf value: `default` (unset), or PYTORCH_CUDA_ALLOC_CONF's `key:value[,key:value...]`."""
+    if text != "default" and not re.fullmatch(r"[A-Za-z_]+:[^,:\s]+(,[A-Za-z_]+:[^,:\s]+)*", text):
+        raise argparse.ArgumentTypeError(f"{text!r} must be `default` or PYTORCH_CUDA_ALLOC_CONF's "
+                                         "key:value[,key:value]")
+    return text

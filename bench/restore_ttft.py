@@ -44,9 +44,19 @@ BASELINE_MIB = 0  # GPU memory used with no server running (set in main)
 PROMPT = [1, 15043, 29892, 920, 526, 366, 29973, 13]
 sys.path.insert(0, str(ROOT))
 
-from bench import page_fill
-from bench._common import become_subreaper, disk_read_rate, drop_caches, kill_and_reap, stages, table
+from bench import _common, page_fill
+from bench._common import become_subreaper, criu_zero_pages, disk_read_rate, drop_caches, kill_and_reap, stages, table
 from coldsnap_probe import ProbeError, hydration_request, image_digest
+
+
+def release_split(device: dict[str, Any]) -> str:
+    """A release's phases in one line: wall seconds, then the copy threads' thread-seconds waiting for the
+    device-to-host copies, digesting, looking for zeros and writing, and the raw timings."""
+    t = device.get("timings_s") or {}
+    return (f"{t.get('dump', 0.0):.2f} s ({device.get('gbps', 0.0):.1f} GB/s); thread-s D2H "
+            f"{t.get('dump_device_thread_s', 0.0):.2f} / digest {t.get('dump_digest_thread_s', 0.0):.2f} / zero "
+            f"{t.get('dump_zero_thread_s', 0.0):.2f} / write {t.get('dump_write_thread_s', 0.0):.2f}; "
+            f"{json.dumps(t)}")
 
 
 def connect(path: Path, deadline_s: float = 120.0) -> socket.socket:
@@ -304,7 +314,9 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
     captured_log = log.stat().st_size
     progress(f"  captured: {json.dumps(capture.get('timings_s'))[:200]}")
     for device in capture.get("device_memory") or []:  # where the release's copy threads spent their time
-        progress(f"  release of {device.get('bytes', 0) / 1e9:.1f} GB: {json.dumps(device.get('timings_s'))}")
+        progress(f"  release of {device.get('bytes', 0) / 1e9:.1f} GB: {release_split(device)}")
+    criu_pages, criu_zeros = criu_zero_pages(images)  # what a zero-page skip in CRIU's dump would save
+    progress(f"  CRIU pages: {criu_pages / 1e9:.2f} GB, of it 4 KiB pages of zeros {criu_zeros / 1e9:.2f} GB")
     digest_before = image_digest(images)
     image_files = sorted(((p.stat().st_size, p.name) for p in images.iterdir() if p.is_file()), reverse=True)
     restores = []
@@ -361,7 +373,9 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
         subprocess.run(["rm", "-rf", str(done)], check=True)
     mode = "weights hydrated" if hydrate else "interposer (no cooperation)" if interposer else "full image"
     mode += ", weights made on the GPU" if device_weights and not hydrate else ""
-    return {"gib": gib, "mode": mode, "device_bytes": device_bytes,
+    alloc_conf = (engine_env or {}).get("PYTORCH_CUDA_ALLOC_CONF", "")
+    mode += f", {alloc_conf}" if alloc_conf else ""
+    return {"gib": gib, "mode": mode, "device_bytes": device_bytes, "alloc_conf": alloc_conf,
             "strategy": strategy if hydrate else "", "cold": cold, "capture": capture["timings_s"],
             "capture_hydration": capture.get("hydration"), "capture_device_memory": capture.get("device_memory"),
             "cold_stages": entries,
@@ -466,6 +480,10 @@ def main() -> None:
     parser.add_argument("--memory", default="eager", type=choices("eager", "lazy"),
                         help="comma-separated: eager (CRIU fills the memory), lazy "
                         "(criu lazy-pages fills it while the CUDA state comes back); each size runs with each")
+    parser.add_argument("--alloc-conf", action="append", default=None, type=_common.alloc_conf,
+                        help="a PYTORCH_CUDA_ALLOC_CONF for the servers (repeat it for several rows; `default`: "
+                        "unset), e.g. --alloc-conf default --alloc-conf expandable_segments:True "
+                        "--alloc-conf backend:cudaMallocAsync")
     parser.add_argument("--restores", type=int, default=2, help="restores of each capture (each from the same images)")
     parser.add_argument("--device-weights", action="store_true",
                         help="full and interposer rows generate their weights on the GPU: no weights file unless a "
@@ -539,8 +557,9 @@ def main() -> None:
                               f"{r.get('copy_s', r.get('seconds', 0)):.2f}", f"{r.get('verify_s', 0):.3f}"]
                              if "error" not in r else [r["source"], r["strategy"], r["error"][:60], "", "", ""]
                              for r in bench["runs"]]))
-        for size, mode, stack, memory, kv, cache in itertools.product(sizes, args.modes, args.stack_bytes.split(","),
-                                                                      args.memory, args.kv, args.cache):
+        confs = ["" if c == "default" else c for c in (args.alloc_conf or ["default"])]
+        for size, mode, stack, memory, kv, cache, conf in itertools.product(
+                sizes, args.modes, args.stack_bytes.split(","), args.memory, args.kv, args.cache, confs):
             if mode != "hydrate":  # only the weight arena can discard the KV cache: other modes run once, kept
                 if kv != args.kv[0]:
                     continue
@@ -549,11 +568,12 @@ def main() -> None:
                 row = run_size(size, root, args.criu, args.tokens, mode == "hydrate", weights, digests, strategy,
                                images_root, int(stack), memory == "lazy", kv == "discarded",
                                library if mode == "interposer" else None, cache == "cold", args.device_weights,
-                               args.restores)
+                               args.restores, engine_env={"PYTORCH_CUDA_ALLOC_CONF": conf} if conf else None)
             except Exception as exc:  # one failed row is a result; the other rows still run
                 stop_started()
-                print(f"{size:g} GiB {mode}: FAILED: {type(exc).__name__}: {str(exc)[-3000:]}", flush=True)
-                failed.append({"gib": size, "mode": mode, "error": f"{type(exc).__name__}: {str(exc)[-6000:]}"})
+                print(f"{size:g} GiB {mode} {conf}: FAILED: {type(exc).__name__}: {str(exc)[-3000:]}", flush=True)
+                failed.append({"gib": size, "mode": mode, "alloc_conf": conf,
+                               "error": f"{type(exc).__name__}: {str(exc)[-6000:]}"})
                 Path(args.out, "restore_ttft.failed.json").write_text(json.dumps(failed, indent=2))
                 continue
             results.append({**row, "stack_bytes": int(stack), "memory": memory, "kv": kv})
@@ -585,7 +605,7 @@ def main() -> None:
                      + f" = {sum(r['capture'].get(k, 0.0) for k in CAPTURE_PARTS):.2f}",
                      f"{gbps:.1f} ({gbps / h2d:.0%} of {h2d:.1f})",
                      "yes" if all(x["tokens_identical"] and x["logits_identical"] for x in r["restores"]) else "NO",
-                     "yes" if r["images_unchanged"] else "NO"])
+                     "yes" if r["images_unchanged"] else "NO", _common.line_rate(r.get("capture_device_memory"))])
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     thp_mode = thp.read_text().strip() if thp.exists() else "unknown"
     print(f"transparent huge pages: {thp_mode}")
@@ -596,7 +616,7 @@ def main() -> None:
                  "every page in s (since restore)", "staged copy s (overlapped)", "hydration GB/s", "images GB",
                  "capture: device release / CUDA checkpoint / CRIU dump = s",
                  "device GB/s back (of pinned H2D)",
-                 "identical tokens+logits", "images unchanged"], rows))
+                 "identical tokens+logits", "images unchanged", "device bytes at line rate"], rows))
     Path(args.out, "restore_ttft.json").write_text(json.dumps(
         {"pinned_h2d_gbps": h2d, "ceilings": ceilings, "strategy": args.strategy, "hydrator": hydrator_ready,
          "generate_s": generate_s,

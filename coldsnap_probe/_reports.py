@@ -95,7 +95,9 @@ class ReleasedWeights:
 @dataclass(frozen=True, slots=True)
 class DumpedDevice:
     """One CUDA process's device memory through the interposer before the CUDA lock: `released` (dumped, then
-    unmapped; `uncovered` is what stayed on the CUDA checkpoint path, per kind), `empty` (listening, but holding no
+    unmapped; `moved` is what went at line rate, per source: `alloc` (cuMemAlloc), `stream_ordered`
+    (cuMemAllocAsync), `vmm_by_engine` (the engine's own cuMemCreate); `uncovered` is what stayed on the CUDA
+    checkpoint path, per kind; each `{count, bytes}`), `empty` (listening, but holding no
     region) or `not-started` (enabled, but nothing was ever allocated through it, so no socket, or its socket
     path is another process's): in the last two everything is on the checkpoint path."""
 
@@ -109,12 +111,14 @@ class DumpedDevice:
     gbps: float = 0.0  # the dump's rate (device to files)
     timings_s: dict[str, float] = field(default_factory=dict)  # synchronize, dump, unmap
     uncovered: dict[str, dict[str, int]] = field(default_factory=dict)
+    moved: dict[str, dict[str, int]] = field(default_factory=dict)
     manifest_digest: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {"pid": self.pid, "socket": self.socket, "state": self.state, "bytes": self.bytes,
                 "regions": self.regions, "segments": self.segments, "seconds": self.seconds, "gbps": self.gbps,
-                "timings_s": self.timings_s, "uncovered": self.uncovered, "manifest_digest": self.manifest_digest}
+                "timings_s": self.timings_s, "uncovered": self.uncovered, "moved": self.moved,
+                "manifest_digest": self.manifest_digest}
 
 
 @dataclass(frozen=True, slots=True)

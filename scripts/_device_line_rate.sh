@@ -2,14 +2,17 @@
 # Issue 22's restore-to-first-token rows on a GPU host, in one call (bench/restore_ttft.py through
 # scripts/device ttft, THP always, CUDA stack limit 256 B, images on tmpfs, the fill and copy ceilings measured
 # in each part):
-#   scripts/device line-rate [PARTS]     PARTS: comma list of (default 16,64; the other call: 64h,release)
+#   scripts/device line-rate [PARTS]     PARTS: comma list of (default 16,64; the other call: 64h,release,cpu)
 #     16      16 GiB: the interposer (no cooperation), the weights hydrated (KV cache discarded) and the full
 #             device image, side by side, RESTORES restores each;
 #     64      64 GiB: the interposer, weights made on the GPU (a 64 GiB dump fits in host memory beside no
 #             64 GiB weights file), RESTORES restores;
 #     64h     64 GiB: the weights hydrated, KV cache discarded (its own run: the weights file and no dump);
 #     release 16 GiB: the interposer's release with other copy settings (COLDSNAP_CUDA_INTERPOSER_STAGING_MIB,
-#             _THREADS), one restore each: where its copy threads spend their time, by setting.
+#             _THREADS, _DIGEST), one restore each: where its copy threads spend their time, by setting (the
+#             "release of" line: wall s, then thread-seconds D2H / digest / zero / write);
+#     cpu     the release's CPU part on this host's cores, no GPU (bench/release_cpu.py: digests per engine, tmpfs
+#             writes by threads and files, the release's block loop), 4 GiB into /dev/shm.
 # Environment: RESTORES (default 3). Carries .whl and .device-criu42 (or .device-criu); each part's output in
 # $OUT/<part>/ (its table in <part>.txt, the JSON beside it), then everything in $OUT/line-rate.tar.xz.
 set -uo pipefail
@@ -28,10 +31,10 @@ part() {  # part NAME SECONDS ARGS...: one restore_ttft run in its own $OUT, bou
     grep -v "server stage" "$ALL/$name/$name.txt" | grep -E "^\||ceilings|FAILED|release of|captured" | cut -c1-400
 }
 # Each part has its bound (below); the four together (830 s) do not fit one call of 600 s: two calls.
-declare -A BOUND=([16]=240 [64]=150 [64h]=200 [release]=240)
+declare -A BOUND=([16]=240 [64]=150 [64h]=200 [release]=240 [cpu]=120)
 TOTAL=0
 for p in ${PARTS//,/ }; do
-    [ -n "${BOUND[$p]:-}" ] || { echo "unknown part $p (16, 64, 64h, release)"; exit 2; }
+    [ -n "${BOUND[$p]:-}" ] || { echo "unknown part $p (16, 64, 64h, release, cpu)"; exit 2; }
     TOTAL=$((TOTAL + BOUND[$p]))
 done
 if [ "$TOTAL" -gt 570 ]; then
@@ -44,12 +47,19 @@ for p in ${PARTS//,/ }; do
             part 64 150 --sizes 64 --modes interposer --device-weights "${COMMON[@]}" ;;
         64h) part 64h 200 --sizes 64 --modes hydrate --kv discarded "${COMMON[@]}" ;;
         release)
-            for setting in "4 16" "16 16" "8 8" "16 12"; do
-                read -r mib threads <<< "$setting"
+            for setting in "4 16 crc32-64m" "4 16 sha256-64m" "16 16 crc32-64m" "8 8 crc32-64m"; do
+                read -r mib threads digest <<< "$setting"
                 COLDSNAP_CUDA_INTERPOSER_STAGING_MIB=$mib COLDSNAP_CUDA_INTERPOSER_THREADS=$threads \
-                    part "release-${mib}m-${threads}t" 60 --sizes 16 --modes interposer --device-weights \
+                    COLDSNAP_CUDA_INTERPOSER_DIGEST=$digest \
+                    part "release-${mib}m-${threads}t-${digest}" 60 --sizes 16 --modes interposer --device-weights \
                     --stack-bytes 256 --images-root /dev/shm/cs-img --root /tmp/cs --tokens 16 --restores 1
             done ;;
+        cpu) mkdir -p "$ALL/cpu"
+            echo "== cpu: bench/release_cpu.py"
+            timeout -s INT -k 15 120 python3 bench/release_cpu.py --gib 4 --threads 1,8,16 --files 1,16 \
+                --dir /dev/shm --out "$ALL/cpu" > "$ALL/cpu/cpu.txt" 2>&1
+            echo "   exit $?"
+            grep "^|" "$ALL/cpu/cpu.txt" ;;
         *) echo "unknown part $p"; exit 2 ;;
     esac
 done

@@ -297,7 +297,7 @@ class HydratorServer:
         started = time.perf_counter()
         handles: list[Any] = []
         try:
-            prop = device_allocation(self.driver, 0, exportable=True)
+            prop = device_allocation(self.driver, 0, exportable=True, rdma=True)  # adoptable for RDMA-capable ones
             for n in staged.sizes:
                 handles.append(cucall(self.driver, "cuMemCreate", n, prop, 0))
                 with self._lock:  # now counted by cuMemGetInfo instead

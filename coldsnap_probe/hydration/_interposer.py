@@ -6,8 +6,9 @@ An engine started with ``LD_PRELOAD=libcoldsnap_cuda.so`` and ``COLDSNAP_CUDA_IN
 becomes its pid) gets every device allocation of at least the threshold as an exportable VMM allocation. The
 capture worker asks it to `release` (dump every region into a directory, then unmap, the addresses kept) before
 the CUDA lock; the restore worker asks it to `hydrate` (map, fill, verify, open the gate) after the CUDA restore.
-`DeviceDump` is what a release answered: each region's address, size and GPU, each segment's file and
-`sha256-64m` digest (the weights' digest, `_weights.region_digest`), and what stayed on the CUDA checkpoint path.
+`DeviceDump` is what a release answered: each region's address, size and GPU, each segment's file, digest per
+64 MiB chunk (`crc32-64m` by default, `_weights.crc_digest`; `sha256-64m`, the weights' `region_digest`, when
+ENV_DIGEST asks for a content address) and chunks of zeros, and what stayed on the CUDA checkpoint path.
 docs/interposer.md says what is covered and how each failure is reported.
 """
 
@@ -20,7 +21,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -28,7 +29,7 @@ from typing import Any
 from .. import jsonline
 from ..canonical import digest
 from ..errors import ChannelError, HydrationError
-from ._weights import DIGEST_PREFIX, is_region_digest, region_digest
+from ._weights import CRC_PREFIX, DIGEST_CHUNK, DIGEST_PREFIX, digest_like, is_dump_digest
 
 __all__ = ("DUMP_KIND", "ENGINE_DEFAULTS", "ENV_HYDRATOR", "ENV_LIBRARY", "ENV_SOCKET", "LIBRARY", "POLICIES",
            "SOURCES", "DeviceDump", "DumpRegion", "DumpSegment", "build_library", "check_dump", "dump_identities",
@@ -41,6 +42,7 @@ ENV_LIBRARY = "COLDSNAP_CUDA_INTERPOSER_LIBRARY"  # a built library to use inste
 # XLA's pool grows with what the engine uses rather than preallocating 75 % of the GPU (112.6 GB on an H200), which
 # a capture would have to move whole. Engines without XLA ignore it.
 ENGINE_DEFAULTS: Mapping[str, str] = MappingProxyType({"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+ENV_DIGEST = "COLDSNAP_CUDA_INTERPOSER_DIGEST"  # the engine's: crc32-64m (default) or sha256-64m
 LIBRARY = "libcoldsnap_cuda.so"
 CAPSULE_LIBRARY = Path("/opt/coldsnap/lib") / LIBRARY  # where _capsule_rootfs.py bakes it
 SOURCES = Path(__file__).resolve().parent / "interposer"
@@ -127,28 +129,44 @@ def _text(value: Any, name: str, where: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class DumpSegment:
-    """`size` bytes of a region at `address`, stored at `offset` of `file` in the dump directory."""
+    """`size` bytes of a region at `address`, stored at `offset` of `file` in the dump directory; `zero`: a mask
+    of its 64 MiB chunks that are all zeros (never written: the file's holes; the hydration sets them on the
+    device), absent from manifests without any."""
 
     file: str
     offset: int
     address: int
     size: int
     digest: str
+    zero: int = 0
 
     @classmethod
     def from_json(cls, value: Any, where: str) -> DumpSegment:
-        if not isinstance(value, dict) or set(value) != {"file", "offset", "address", "size", "digest"}:
-            raise HydrationError(f"{where}: a segment has exactly file, offset, address, size and digest")
+        keys = {"file", "offset", "address", "size", "digest"}
+        if not isinstance(value, dict) or not keys <= set(value) <= keys | {"zero"}:
+            raise HydrationError(f"{where}: a segment has exactly file, offset, address, size, digest and "
+                                 "optionally zero")
         segment = cls(file=_text(value["file"], "file", where), offset=_integer(value["offset"], "offset", where),
                       address=_integer(value["address"], "address", where),
-                      size=_integer(value["size"], "size", where), digest=_text(value["digest"], "digest", where))
+                      size=_integer(value["size"], "size", where), digest=_text(value["digest"], "digest", where),
+                      zero=_integer(value.get("zero", 0), "zero", where))
         if not _SEGMENT_FILE.fullmatch(segment.file):
             raise HydrationError(f"{where}: file {segment.file!r} must be seg-<n>.bin (a name in the dump directory)")
-        if not is_region_digest(segment.digest):
-            raise HydrationError(f"{where}: digest must be {DIGEST_PREFIX}<64 hex digits>")
         if segment.size == 0:
             raise HydrationError(f"{where}: a segment is not empty")
+        if not is_dump_digest(segment.digest, segment.size):
+            raise HydrationError(f"{where}: digest must be {DIGEST_PREFIX}<64 hex digits> or {CRC_PREFIX}<8 hex "
+                                 "digits per 64 MiB chunk>")
+        if segment.zero >> -(-segment.size // DIGEST_CHUNK):
+            raise HydrationError(f"{where}: zero {segment.zero:#x} marks chunks beyond the segment's "
+                                 f"{-(-segment.size // DIGEST_CHUNK)}")
         return segment
+
+    def to_json(self) -> dict[str, Any]:
+        body = asdict(self)
+        if not self.zero:
+            del body["zero"]  # a manifest without zero chunks keeps the text (and digest) it had before them
+        return body
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,13 +206,14 @@ class DumpRegion:
         return region
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self) | {"segments": [asdict(s) for s in self.segments]}
+        return asdict(self) | {"segments": [s.to_json() for s in self.segments]}
 
 
 @dataclass(frozen=True, slots=True)
 class DeviceDump:
-    """A release's manifest: the regions (dumped, then unmapped), what stayed on the CUDA checkpoint path
-    (`uncovered`: per kind, count and bytes), the timings; `manifest_digest` covers all of it."""
+    """A release's manifest: the regions (dumped, then unmapped), what they came from (`moved`: per source, count
+    and bytes; absent from manifests written before it was), what stayed on the CUDA checkpoint path (`uncovered`:
+    per kind, count and bytes), the timings; `manifest_digest` covers all of it."""
 
     pid: int
     dir: str
@@ -207,12 +226,13 @@ class DeviceDump:
     timings_s: dict[str, float]
     gbps: float
     manifest_digest: str = ""
+    moved: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def body(self) -> dict[str, Any]:
         return {"format": 1, "kind": DUMP_KIND, "pid": self.pid, "dir": self.dir, "digest_engine": self.digest_engine,
                 "segment_bytes": self.segment_bytes, "threshold": self.threshold, "bytes": self.bytes,
                 "regions": [r.to_json() for r in self.regions], "uncovered": self.uncovered,
-                "timings_s": self.timings_s, "gbps": self.gbps}
+                "timings_s": self.timings_s, "gbps": self.gbps} | ({"moved": self.moved} if self.moved else {})
 
     def to_json(self) -> dict[str, Any]:
         return {**self.body(), "manifest_digest": self.manifest_digest}
@@ -230,13 +250,15 @@ class DeviceDump:
             regions = value["regions"]
             if not isinstance(regions, list) or not isinstance(value["uncovered"], dict):
                 raise HydrationError("regions must be a list and uncovered an object")
+            if not isinstance(moved := value.get("moved", {}), dict):
+                raise HydrationError("moved must be an object")
             dump = cls(pid=_integer(value["pid"], "pid", "dump"), dir=_text(value["dir"], "dir", "dump"),
                        digest_engine=_text(value["digest_engine"], "digest_engine", "dump"),
                        segment_bytes=_integer(value["segment_bytes"], "segment_bytes", "dump"),
                        threshold=_integer(value["threshold"], "threshold", "dump"),
                        bytes=_integer(value["bytes"], "bytes", "dump"),
                        regions=tuple(DumpRegion.from_json(r) for r in regions), uncovered=dict(value["uncovered"]),
-                       timings_s=dict(value["timings_s"]), gbps=float(value["gbps"]),
+                       timings_s=dict(value["timings_s"]), gbps=float(value["gbps"]), moved=dict(moved),
                        manifest_digest="" if answered else str(value["manifest_digest"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise HydrationError(f"malformed device dump manifest: {type(exc).__name__}: {exc}") from exc
@@ -268,7 +290,7 @@ def check_dump(dump: DeviceDump, directory: Path, *, content: bool = False) -> N
             if st.st_size < segment.offset + segment.size:
                 raise HydrationError(f"{where} holds {st.st_size} bytes, its manifest says "
                                      f"{segment.offset + segment.size}: the dump is shorter than its manifest")
-            if content and (found := region_digest(path, segment.offset, segment.size)) != segment.digest:
+            if content and (found := digest_like(segment.digest, path, segment.offset, segment.size)) != segment.digest:
                 raise HydrationError(f"{where} does not match its digest: expected {segment.digest}, found {found}: "
                                      "a corrupt or foreign dump")
 

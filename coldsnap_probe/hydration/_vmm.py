@@ -35,8 +35,9 @@ def fd_handle(driver: Any) -> Any:
     return driver.cuda.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 
 
-def device_allocation(driver: Any, device: int, *, exportable: bool) -> Any:
-    """Properties of a pinned device allocation on `device` (exportable: as a file descriptor)."""
+def device_allocation(driver: Any, device: int, *, exportable: bool, rdma: bool = False) -> Any:
+    """Properties of a pinned device allocation on `device` (exportable: as a file descriptor; `rdma`:
+    GPUDirect RDMA capable where the device supports it with VMM, as PyTorch's expandable segments ask)."""
     cu = driver.cuda
     prop = cu.CUmemAllocationProp()
     prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
@@ -44,7 +45,23 @@ def device_allocation(driver: Any, device: int, *, exportable: bool) -> Any:
     prop.location.id = device
     if exportable:
         prop.requestedHandleTypes = fd_handle(driver)
+    if rdma and _rdma_with_vmm(driver, device):
+        try:
+            prop.allocFlags.gpuDirectRDMACapable = 1
+        except (AttributeError, TypeError):  # a binding without the field: made without it (never adopted then)
+            pass
     return prop
+
+
+def _rdma_with_vmm(driver: Any, device: int) -> bool:
+    """Whether `device` makes GPUDirect RDMA capable VMM allocations; False when the driver or binding cannot say
+    (the allocation is then made without the flag, and an engine allocation that has it is filled, not adopted)."""
+    cu = driver.cuda
+    try:
+        attribute = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED
+        return bool(cucall(driver, "cuDeviceGetAttribute", attribute, device))
+    except (AttributeError, TypeError, ValueError, CudaError):
+        return False
 
 
 def map_read_write(driver: Any, address: int, size: int, device: int) -> None:

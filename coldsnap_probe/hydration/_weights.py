@@ -15,6 +15,7 @@ import itertools
 import mmap
 import os
 import stat
+import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from ..errors import HydrationError, MemoryCapabilityError
 
 __all__ = (
     "CAPABILITIES",
+    "CRC_PREFIX",
     "DIGEST_CHUNK",
     "MANIFEST_KIND",
     "PROVIDER",
@@ -42,6 +44,9 @@ __all__ = (
     "check_sources",
     "chunk_digests",
     "combine_digests",
+    "crc_digest",
+    "digest_like",
+    "is_dump_digest",
     "is_region_digest",
     "plan_for",
     "region_digest",
@@ -50,6 +55,7 @@ __all__ = (
 
 DIGEST_CHUNK = 64 << 20
 DIGEST_PREFIX = "sha256-64m:"
+CRC_PREFIX = "crc32-64m:"  # the interposer's fast dump digest (interposer/crc32.c computes it in C)
 MANIFEST_KIND = "coldsnap-hydration-manifest"
 PROVIDER = "coldsnap-vmm-weights"
 REGION_POLICIES = ("preserve", "discard")
@@ -110,8 +116,17 @@ class WeightRegion:
                 raise HydrationError(f"{name} must be a string, got {type(value).__name__}", region=str(self.name))
 
 
-def chunk_digests(path: str | Path, offset: int, size: int, *, threads: int = 0) -> list[bytes]:
-    """SHA-256 of each 64 MiB chunk of the region, computed by parallel threads over a shared mapping."""
+def _sha256(data: memoryview) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def _crc32(data: memoryview) -> bytes:
+    return zlib.crc32(data).to_bytes(4, "big")  # zlib lets go of the GIL over large buffers, as hashlib does
+
+
+def chunk_digests(path: str | Path, offset: int, size: int, *, threads: int = 0, crc: bool = False) -> list[bytes]:
+    """SHA-256 (with `crc`: CRC-32, 4 bytes big-endian) of each 64 MiB chunk of the region, computed by
+    parallel threads over a shared mapping."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         have = os.fstat(fd).st_size
@@ -127,8 +142,10 @@ def chunk_digests(path: str | Path, offset: int, size: int, *, threads: int = 0)
         memory = memoryview(view)
         end = offset - base + size
 
+        chunk = _crc32 if crc else _sha256
+
         def one(start: int) -> bytes:
-            return hashlib.sha256(memory[start:min(start + DIGEST_CHUNK, end)]).digest()
+            return chunk(memory[start:min(start + DIGEST_CHUNK, end)])
 
         with ThreadPoolExecutor(threads or min(16, os.cpu_count() or 1)) as pool:
             parts = list(pool.map(one, range(offset - base, end, DIGEST_CHUNK)))
@@ -151,6 +168,25 @@ def is_region_digest(text: str) -> bool:
 def region_digest(path: str | Path, offset: int, size: int, *, threads: int = 0) -> str:
     """``sha256-64m:`` + SHA-256 of the concatenated SHA-256 of each 64 MiB chunk of the region (parallel)."""
     return combine_digests(chunk_digests(path, offset, size, threads=threads))
+
+
+def crc_digest(path: str | Path, offset: int, size: int, *, threads: int = 0) -> str:
+    """``crc32-64m:`` + each 64 MiB chunk's CRC-32 (zlib's), 8 hex digits a chunk, in order: the interposer's
+    dump digest on the release's critical path; it finds corruption and says which chunk, it is no content
+    address (a publisher computes `region_digest` for that)."""
+    return CRC_PREFIX + "".join(part.hex() for part in chunk_digests(path, offset, size, threads=threads, crc=True))
+
+
+def is_dump_digest(text: str, size: int) -> bool:
+    """Shaped as a device dump segment's digest of `size` bytes: `region_digest`'s or `crc_digest`'s."""
+    chunks = -(-size // DIGEST_CHUNK)
+    return is_region_digest(text) or (text.startswith(CRC_PREFIX) and len(text) == len(CRC_PREFIX) + 8 * chunks
+                                      and all(c in "0123456789abcdef" for c in text[len(CRC_PREFIX):]))
+
+
+def digest_like(expected: str, path: str | Path, offset: int, size: int) -> str:
+    """The region's digest of the kind `expected` is (by its prefix): what a check compares it with."""
+    return (crc_digest if expected.startswith(CRC_PREFIX) else region_digest)(path, offset, size)
 
 
 def validate_regions(regions: Sequence[WeightRegion], reservation_address: int,

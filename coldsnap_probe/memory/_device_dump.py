@@ -208,7 +208,8 @@ class DeviceRelease:
         self.reports.append(DumpedDevice(
             pid=pid, socket=socket, state="released" if dump.regions else "empty", bytes=dump.bytes,
             regions=len(dump.regions), segments=len(dump.segments), seconds=time.perf_counter() - started,
-            gbps=dump.gbps, timings_s=dump.timings_s, uncovered=dump.uncovered, manifest_digest=dump.manifest_digest))
+            gbps=dump.gbps, timings_s=dump.timings_s, uncovered=dump.uncovered, moved=dump.moved,
+            manifest_digest=dump.manifest_digest))
 
     def roll_back(self) -> None:
         """A failed capture: every process asked to release gets its memory back; the dumps are removed."""

@@ -6,6 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from bench._common import line_rate
 from tests.helpers import ROOT
 
 
@@ -17,3 +20,24 @@ def test_fewer_than_one_restore_is_refused_before_anything_runs(tmp_path: Path) 
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2 and "--restores must be at least 1, not 0" in done.stderr, done.stderr[-500:]
     assert not (tmp_path / "root").exists()
+
+
+def test_an_allocator_setting_that_is_not_key_value_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "restore_ttft.py"), "--alloc-conf", "expandable",
+                           "--root", str(tmp_path / "root"), "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2 and "--alloc-conf" in done.stderr and "key:value" in done.stderr, done.stderr[-500:]
+    assert not (tmp_path / "root").exists()
+
+
+@pytest.mark.parametrize(("devices", "shown"), [
+    (None, "-"),
+    ([{"moved": {"alloc": {"count": 1, "bytes": 64}, "vmm_by_engine": {"count": 9, "bytes": 900}},
+       "uncovered": {"below_threshold": {"count": 2, "bytes": 36}, "host_pinned": {"count": 1, "bytes": 10**9}}}],
+     "96.4% (below_threshold 0 MB left)"),
+    ([{"moved": {}, "uncovered": {"stream_ordered": {"count": 3, "bytes": 3 * 10**9}}}],
+     "0.0% (stream_ordered 3000 MB left)"),
+])
+def test_the_line_rate_column_counts_device_bytes_only(devices: list[dict[str, object]] | None, shown: str) -> None:
+    """Host memory the interposer counts (pinned, registered) is CRIU's, not the device's: not in the share."""
+    assert line_rate(devices) == shown  # type: ignore[arg-type]

@@ -224,6 +224,20 @@ def test_a_dump_directory_others_may_write_is_refused(engine: tuple[Any, str], t
     assert not answer["ok"] and "writable by no one else" in answer["error"]
 
 
+def test_a_digest_kind_the_interposer_does_not_know_refuses_the_release(library: Path, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """COLDSNAP_CUDA_INTERPOSER_DIGEST names the dump's digest; a misspelt one refuses the release before anything
+    is written, naming the variable and both kinds, and the gate opens again."""
+    monkeypatch.setenv("COLDSNAP_CUDA_INTERPOSER_DIGEST", "md5-64m")
+    dump = tmp_path / "dump"
+    dump.mkdir(mode=0o700)
+    with listening(library) as (_, path):
+        answer = request(path, {"op": "release", "dir": str(dump)})
+        assert not answer["ok"] and answer["error"] == ("release: COLDSNAP_CUDA_INTERPOSER_DIGEST=md5-64m names no "
+                                                        "digest: crc32-64m or sha256-64m"), answer
+        assert list(dump.iterdir()) == [] and request(path, {"op": "status"})["gate"] == "open"
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to ask as another user")
 def test_another_users_peer_is_refused(engine: tuple[Any, str]) -> None:
     _, path = engine
@@ -449,15 +463,22 @@ HARNESS = r"""
 #include "operations.c"
 #include "request.c"
 #include "sha256.c"
+#include "crc32.c"
+#include "digest.c"
 #include "dump.c"
 #include "hydrate.c"
+#include "engine_vmm.c"
+#include "vmm_backing.c"
+#include "stream_ordered.c"
 
-/* The manifest writer with two regions (no driver involved): one of 3 GiB (three segments), one of 2 MiB. */
+/* The manifest writer with two regions (no driver involved): one of 3 GiB (three segments), one of 2 MiB; crc32-64m
+ * digests, chunks 0 and 2 of the second segment zeros. */
 int main(void)
 {
     struct cscu_region r = {0};
     size_t count, bytes = 0;
-    double seconds[7] = {0, 0.25, 0.5, 0.125, 4.0, 2.0, 1.0};
+    double seconds[8] = {0, 0.25, 0.5, 0.125, 4.0, 2.0, 1.0, 0.0625};
+    unsigned char chunks[CSCU_SEGMENT_CHUNKS][32] = {{0}};
     static char out[1 << 20];
     struct answer a = {out, sizeof(out), 0};
     r.address = 0x7f0000000000ULL;
@@ -470,12 +491,15 @@ int main(void)
     r.size = r.requested = (size_t)2 << 20;
     append(&r);
     struct cscu_region *regions = cscu_regions(&count);
-    plan_segments(regions, count);
+    plan_segments(regions, count, CSCU_KIND_CRC32);
     for (size_t i = 0; i < cscu_segment_count; i++) {
-        snprintf(cscu_segments[i].digest, 80, "sha256-64m:%064zx", i);
+        chunks[0][3] = (unsigned char)i;
+        cscu_digest_text(CSCU_KIND_CRC32, (const unsigned char (*)[32])chunks,
+                         (cscu_segments[i].size + CSCU_DIGEST_CHUNK - 1) / CSCU_DIGEST_CHUNK, cscu_segments[i].digest);
         bytes += cscu_segments[i].size;
     }
-    manifest(&a, "/dump/\"dir\"", seconds, bytes);
+    cscu_segments[1].zero = 5;
+    manifest(&a, "/dump/\"dir\"", seconds, bytes, CSCU_KIND_CRC32);
     puts(out);
     return 0;
 }
@@ -501,6 +525,10 @@ def test_the_manifest_the_library_writes_is_the_one_the_worker_reads(tmp_path: P
     assert [s.file for s in dump.segments] == ["seg-0.bin", "seg-1.bin", "seg-2.bin", "seg-3.bin"]
     assert dump.segments[1].address == 0x7F0000000000 + (1 << 30) and dump.timings_s["dump"] == 0.5
     assert set(dump.uncovered) >= {"below_threshold", "managed", "stream_ordered", "ipc_imported"}
+    assert dump.segments[1].digest == "crc32-64m:00000001" + "00000000" * 15
+    assert dump.segments[3].digest == "crc32-64m:00000003" and dump.digest_engine in {"vpclmul", "pclmul", "tables"}
+    assert [s.zero for s in dump.segments] == [0, 5, 0, 0] and dump.timings_s["dump_zero_thread_s"] == 0.0625
+    assert "zero" not in dump.to_json()["regions"][0]["segments"][0]  # absent unless a chunk is all zeros
 
 
 GATE_HARNESS = r"""
@@ -512,8 +540,13 @@ GATE_HARNESS = r"""
 #include "operations.c"
 #include "request.c"
 #include "sha256.c"
+#include "crc32.c"
+#include "digest.c"
 #include "dump.c"
 #include "hydrate.c"
+#include "engine_vmm.c"
+#include "vmm_backing.c"
+#include "stream_ordered.c"
 
 static volatile int released_now, stop, violations, calls, nested_done;
 

@@ -15,9 +15,17 @@ from typing import Any
 
 import pytest
 
-from coldsnap_probe.hydration._interposer import _SEGMENT_FILE, DUMP_KIND, ENV_SOCKET, GCC_FLAGS, POLICIES, SOURCES
+from coldsnap_probe.hydration._interposer import (
+    _SEGMENT_FILE,
+    DUMP_KIND,
+    ENV_DIGEST,
+    ENV_SOCKET,
+    GCC_FLAGS,
+    POLICIES,
+    SOURCES,
+)
 from coldsnap_probe.hydration._peer_files import STAGE_ALLOCATIONS
-from coldsnap_probe.hydration._weights import DIGEST_CHUNK, DIGEST_PREFIX
+from coldsnap_probe.hydration._weights import CRC_PREFIX, DIGEST_CHUNK, DIGEST_PREFIX
 from coldsnap_probe.memory._device_dump import INTERPOSER_PAGE
 from tests.helpers import ROOT
 
@@ -38,10 +46,11 @@ int main(void)
     printf("{\"dump_kind\":\"%s\",\"segment_files\":[\"%s\",\"%s\"],\"segment\":%zu,\"digest_prefix\":\"%s\","
            "\"digest_chunk\":%zu,\"digest_text\":%zu,\"env_socket\":\"%s\",\"policies\":[\"%s\",\"%s\"],"
            "\"verify\":[\"%s\",\"%s\"],\"page_fds\":%d,\"staged_max\":%d,\"request_line\":%d,"
-           "\"request_field\":%d}\n",
+           "\"request_field\":%d,\"crc_prefix\":\"%s\",\"env_digest\":\"%s\",\"segment_chunks\":%zu}\n",
            CSCU_DUMP_KIND, first, other, CSCU_SEGMENT, CSCU_DIGEST_PREFIX, CSCU_DIGEST_CHUNK, CSCU_DIGEST_TEXT,
            CSCU_ENV_SOCKET, CSCU_POLICY_SAME_MODEL, CSCU_POLICY_SAME_GPU, CSCU_VERIFY_DIGEST, CSCU_VERIFY_SAMPLED,
-           CSCU_PAGE_FDS, CSCU_STAGED_MAX, CSCU_REQUEST_LINE, CSCU_REQUEST_FIELD);
+           CSCU_PAGE_FDS, CSCU_STAGED_MAX, CSCU_REQUEST_LINE, CSCU_REQUEST_FIELD, CSCU_CRC_PREFIX, CSCU_ENV_DIGEST,
+           CSCU_SEGMENT_CHUNKS);
     return 0;
 }
 """
@@ -65,7 +74,10 @@ def test_the_dump_format_is_the_one_python_reads(header: dict[str, Any]) -> None
 
 def test_the_digest_format_is_one(header: dict[str, Any]) -> None:
     assert (header["digest_prefix"], header["digest_chunk"]) == (DIGEST_PREFIX, DIGEST_CHUNK)
-    assert header["digest_text"] == len(DIGEST_PREFIX) + 64 + 1
+    assert header["crc_prefix"] == CRC_PREFIX and header["env_digest"] == ENV_DIGEST
+    assert header["segment_chunks"] == header["segment"] // DIGEST_CHUNK
+    # The longer of the two texts of a full segment, NUL included: crc32-64m's 8 hex digits a chunk.
+    assert header["digest_text"] == max(len(DIGEST_PREFIX) + 64, len(CRC_PREFIX) + 8 * header["segment_chunks"]) + 1
 
 
 def test_the_control_socket_speaks_what_the_worker_sends(header: dict[str, Any]) -> None:
@@ -83,7 +95,7 @@ def test_no_constant_is_left_in_the_sources_it_names(header: dict[str, Any]) -> 
             continue
         text = re.sub(r"/\*.*?\*/|//[^\n]*", "", path.read_text(), flags=re.S)  # comments may name them
         for value in (header["dump_kind"], '"seg-', f'"{header["digest_prefix"]}', f'"{header["env_socket"]}"',
-                      '"same-model"', '"same-gpu"'):
+                      '"same-model"', '"same-gpu"', f'"{header["crc_prefix"]}', f'"{header["env_digest"]}"'):
             assert value not in text, f"{path.name} spells out {value} (use constants.h)"
 
 

@@ -72,6 +72,14 @@ GATED = (
     ("cuLaunch", 2000, "cuLaunch", None),
     ("cuLaunchGrid", 2000, "cuLaunchGrid", None),
     ("cuLaunchGridAsync", 2000, "cuLaunchGridAsync", None),
+    # the engine's own VMM allocations (issue 36): each takes or gives a handle the interposer translates
+    ("cuMemMap", 10020, "cuMemMap", None),
+    ("cuMemUnmap", 10020, "cuMemUnmap", None),
+    ("cuMemSetAccess", 10020, "cuMemSetAccess", None),
+    ("cuMemRetainAllocationHandle", 11000, "cuMemRetainAllocationHandle", None),
+    ("cuMemGetAllocationPropertiesFromHandle", 10020, "cuMemGetAllocationPropertiesFromHandle", None),
+    ("cuMemExportToShareableHandle", 10020, "cuMemExportToShareableHandle", None),
+    ("cuMulticastBindMem", 12010, "cuMulticastBindMem", None),
     # gated before this change (kept here so the whole list is pinned)
     ("cuLaunchKernel", 4000, "cuLaunchKernel", "cuLaunchKernel_ptsz"),
     ("cuLaunchKernelEx", 11060, "cuLaunchKernelEx", "cuLaunchKernelEx_ptsz"),
@@ -141,8 +149,13 @@ HARNESS = r"""
 #include "operations.c"
 #include "request.c"
 #include "sha256.c"
+#include "crc32.c"
+#include "digest.c"
 #include "dump.c"
 #include "hydrate.c"
+#include "engine_vmm.c"
+#include "vmm_backing.c"
+#include "stream_ordered.c"
 
 static int *hits;
 static void *pending;
@@ -227,11 +240,11 @@ CUDA_H = next((p for p in (Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) 
 
 
 def wrapper_declarations() -> list[tuple[str, str]]:
-    """(exported name, parameter list) of every wrapper interpose.c defines with a macro (GATED, COUNTED, UNTRACKED
-    and their one-name forms), read from its macro calls."""
+    """(exported name, parameter list) of every wrapper interpose.c defines with a macro (GATED, COUNTED, UNTRACKED,
+    ROUTED, ORDERED and their one-name forms), read from its macro calls."""
     text = (SOURCES / "interpose.c").read_text()
     found = []
-    for match in re.finditer(r"^(?:GATED|COUNTED|UNTRACKED)1?\(", text, re.MULTILINE):
+    for match in re.finditer(r"^(?:GATED|COUNTED|UNTRACKED|ROUTED|ORDERED)1?\(", text, re.MULTILINE):
         depth, at, parts, start = 1, match.end(), [], match.end()
         while depth:
             c = text[at]
@@ -255,7 +268,8 @@ def redeclared(folder: Path, mode: str) -> tuple[subprocess.CompletedProcess[str
     """Compile every wrapper's declaration after cuda.h (in `mode`): gcc's result, and the names cuda.h declared
     (-Wredundant-decls names them), so the check cannot pass by declaring nothing."""
     assert CUDA_H is not None
-    lines = ["#include <cuda.h>", "typedef unsigned int U;", "typedef size_t Z;"]
+    lines = ["#include <cuda.h>", "typedef unsigned int U;", "typedef size_t Z;",
+             "typedef CUmemGenericAllocationHandle H;"]
     lines += [f"#undef {name}\nCUresult {name}{params};" for name, params in wrapper_declarations()]
     (folder / "abi.c").write_text("\n".join(lines) + "\n")
     done = subprocess.run(["gcc", "-c", "-std=gnu11", "-Wredundant-decls", *([mode] if mode else []),

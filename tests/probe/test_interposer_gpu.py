@@ -52,11 +52,14 @@ def wait_for(path: Path, proc: subprocess.Popen[bytes], timeout: float = 120.0) 
 class Target:
     """The torch process and its interposer socket; `ask` leaves a request file and waits for the answer."""
 
-    def __init__(self, root: Path, library: Path, socket: str = "cuda.sock", mib: int = TARGET_MIB) -> None:
+    def __init__(self, root: Path, library: Path, socket: str = "cuda.sock", mib: int = TARGET_MIB,
+                 alloc_conf: str = "") -> None:
         self.directory = root / "target"
         self.directory.mkdir()
         self.socket = str(root / socket)
         env = {**os.environ, "LD_PRELOAD": str(library), "COLDSNAP_CUDA_INTERPOSER_SOCKET": self.socket}
+        if alloc_conf:  # PyTorch's allocator settings (tests/probe/test_interposer_gpu_allocators.py)
+            env["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
         self.log = root / "target.log"  # a plain file: CRIU dumps it with the process (not a pipe to pytest)
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "tests.probe._torch_target", str(self.directory),
@@ -116,6 +119,12 @@ def test_a_released_dump_matches_its_manifest_and_every_address_stays_reserved(t
     with pytest.raises(HydrationError, match="released already"):
         target.request({"op": "release", "dir": str(tmp_path)}, "second release")
     check_dump(dump, tmp_path / "dump", content=True)  # the C digests equal the Python ones
+    assert dump.segments[0].digest.startswith("crc32-64m:"), dump.segments[0].digest  # the default kind
+    # The target's 160 MiB of zeros: its chunks are recorded and never written (holes: less on disk than held).
+    zero_chunks = sum(bin(s.zero).count("1") for s in dump.segments)
+    assert zero_chunks >= 2, [(s.file, s.size, s.zero) for s in dump.segments]
+    held = sum((tmp_path / "dump" / s.file).stat().st_blocks * 512 for s in dump.segments)
+    assert held <= dump.bytes - 128 * MIB, (held, dump.bytes)
     report = target.request({"op": "hydrate"})["report"]
     assert report["bytes"] == dump.bytes
     assert target.ask("check") == {**target.ready, "pid": target.proc.pid}
@@ -181,7 +190,7 @@ def test_a_launch_while_released_waits_for_the_hydration(target: Target, tmp_pat
     assert not answer.exists(), "a launch ran on released memory"
     report = target.request({"op": "hydrate", "verify": "sampled"})["report"]
     hydrated = time.time()
-    assert report["verify"] == "sampled"
+    assert report["verify"] == "sampled" and report["zero_bytes"] >= 128 * MIB  # set on the device, not copied
     done = wait_for(answer, target.proc)
     assert done["finished_unix"] <= time.time() and done["finished_unix"] >= hydrated - 0.5
     assert target.ask("check") == {**target.ready, "pid": target.proc.pid}

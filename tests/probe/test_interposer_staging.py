@@ -189,8 +189,13 @@ PAGES_HARNESS = r"""
 #include "operations.c"
 #include "request.c"
 #include "sha256.c"
+#include "crc32.c"
+#include "digest.c"
 #include "dump.c"
 #include "hydrate.c"
+#include "engine_vmm.c"
+#include "vmm_backing.c"
+#include "stream_ordered.c"
 
 /* Three released regions of 2 MiB (no driver: a staged hydration is refused at the dump directory, after the
  * descriptors were counted and before any driver call), the control socket serving at argv[1]. */

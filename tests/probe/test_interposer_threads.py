@@ -42,8 +42,13 @@ EXEMPT_HARNESS = r"""
 #include "operations.c"
 #include "request.c"
 #include "sha256.c"
+#include "crc32.c"
+#include "digest.c"
 #include "dump.c"
 #include "hydrate.c"
+#include "engine_vmm.c"
+#include "vmm_backing.c"
+#include "stream_ordered.c"
 
 static volatile int passed[2];
 
@@ -103,8 +108,13 @@ DRAIN_HARNESS = r"""
 #include "operations.c"
 #include "request.c"
 #include "sha256.c"
+#include "crc32.c"
+#include "digest.c"
 #include "dump.c"
 #include "hydrate.c"
+#include "engine_vmm.c"
+#include "vmm_backing.c"
+#include "stream_ordered.c"
 
 static volatile int later_passed;
 

@@ -5,6 +5,7 @@ stderr; a failed restore names its phase; a finished worker leaves no live phase
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -200,14 +201,26 @@ def test_a_restore_worker_killed_mid_restore_leaves_no_restored_tree(tmp_path: P
     done = worker("capture", "--pid", str(target.pid), "--images", str(images), "--boundary", "n580", "--criu", criu)
     assert done.returncode == 0, done.stderr
     target.wait()
-    run = subprocess.Popen([sys.executable, "-m", "coldsnap_probe", "restore", "--images", str(images), "--criu", criu,
-                            "--work-dir", str(tmp_path / "work")], cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, env={**os.environ, "COLDSNAP_REPORT_DIR": str(reports)})
-    deadline = time.monotonic() + 60
-    # in criu-restore: once CRIU restores (its command line); in resume: as the phase begins
-    while not (live_phase(reports, run.pid) == phase and (phase != "criu-restore" or criu_restoring(images))):
-        assert run.poll() is None and time.monotonic() < deadline, f"the restore ended before {phase}"
-        time.sleep(0.0002)
+    for _attempt in range(5):  # a short phase on a busy machine can pass unseen: the restore is done again
+        run = subprocess.Popen([sys.executable, "-m", "coldsnap_probe", "restore", "--images", str(images), "--criu",
+                                criu, "--work-dir", str(tmp_path / "work")], cwd=ROOT, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env={**os.environ, "COLDSNAP_REPORT_DIR": str(reports)})
+        deadline = time.monotonic() + 60
+        # in criu-restore: once CRIU restores (its command line); in resume: as the phase begins
+        while not (live_phase(reports, run.pid) == phase and (phase != "criu-restore" or criu_restoring(images))):
+            if run.poll() is not None:
+                break
+            assert time.monotonic() < deadline, f"no {phase} within 60 s"
+            time.sleep(0.0002)
+        else:
+            break
+        run.communicate(timeout=60)  # it restored before the watcher saw the phase: undo that and try again
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(target.pid, signal.SIGKILL)
+        assert gone_within(target.pid, 5), f"the restored tree ({target.pid}) could not be removed"
+    else:
+        pytest.fail(f"the restore passed {phase} unseen 5 times")
     os.kill(run.pid, signal.SIGKILL)
     killed = time.monotonic()
     out, err = run.communicate(timeout=60)

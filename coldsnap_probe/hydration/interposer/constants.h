@@ -10,11 +10,16 @@
 #define CSCU_SEGMENT_FILE "seg-%zu.bin"             /* a dump file's name, numbered from 0 */
 #define CSCU_SEGMENT ((size_t)1 << 30)              /* bytes of one dump file (tmpfs serialises writes per file) */
 
-/* The sha256-64m digest: SHA-256 over the SHA-256 of each 64 MiB chunk (hydration/_weights.py: DIGEST_PREFIX,
- * DIGEST_CHUNK, region_digest). */
+/* The dump's digests, per 64 MiB chunk (hydration/_weights.py: DIGEST_PREFIX, CRC_PREFIX, DIGEST_CHUNK,
+ * region_digest, crc_digest): sha256-64m, SHA-256 over the SHA-256 of each chunk (a content address); crc32-64m,
+ * each chunk's CRC-32 (zlib's), 8 hex digits a chunk: the release's default (hydration/_interposer.py:
+ * ENV_DIGEST names the other). */
 #define CSCU_DIGEST_PREFIX "sha256-64m:"
+#define CSCU_CRC_PREFIX "crc32-64m:"
+#define CSCU_ENV_DIGEST "COLDSNAP_CUDA_INTERPOSER_DIGEST"
 #define CSCU_DIGEST_CHUNK ((size_t)64 << 20)
-#define CSCU_DIGEST_TEXT (sizeof(CSCU_DIGEST_PREFIX) + 64)  /* prefix, 64 hex digits, NUL */
+#define CSCU_SEGMENT_CHUNKS (CSCU_SEGMENT / CSCU_DIGEST_CHUNK)  /* chunks of a full dump file (16) */
+#define CSCU_DIGEST_TEXT (sizeof(CSCU_CRC_PREFIX) + 8 * CSCU_SEGMENT_CHUNKS)  /* the longer of the two, NUL */
 
 /* The control socket (hydration/_interposer.py: ENV_SOCKET, POLICIES; _device_memory.py: INTERPOSER_PAGE;
  * hydration/_peer_files.py: STAGE_ALLOCATIONS). */
@@ -30,6 +35,8 @@
 #define CSCU_ANSWER 65536                           /* bytes of a control answer beyond the manifest */
 
 _Static_assert(CSCU_SEGMENT % CSCU_DIGEST_CHUNK == 0, "a dump file holds whole digest chunks");
+_Static_assert(CSCU_DIGEST_TEXT >= sizeof(CSCU_DIGEST_PREFIX) + 64, "a sha256-64m digest fits too");
+_Static_assert(CSCU_SEGMENT_CHUNKS <= 32, "a segment's zero chunks are one 32-bit mask");
 _Static_assert(CSCU_PAGE_FDS <= CSCU_STAGED_MAX, "a page carries at most one request's descriptors");
 _Static_assert(CSCU_REQUEST_FIELD < CSCU_REQUEST_LINE, "a `dir` fits in a request line");
 

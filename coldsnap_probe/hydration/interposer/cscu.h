@@ -145,6 +145,8 @@ struct cscu_config {
     size_t staging;             /* COLDSNAP_CUDA_INTERPOSER_STAGING_MIB per pinned buffer (default 4 MiB) */
     int drain_s;                /* COLDSNAP_CUDA_INTERPOSER_DRAIN_S: a release waits this long for calls inside */
     int request_s;              /* COLDSNAP_CUDA_INTERPOSER_REQUEST_S: a peer's whole request line within this */
+    int engine_vmm;             /* COLDSNAP_CUDA_INTERPOSER_ENGINE_VMM (default 1): the engine's cuMemCreate moved */
+    int stream_ordered;         /* COLDSNAP_CUDA_INTERPOSER_STREAM_ORDERED (default 1): cuMemAllocAsync moved */
 };
 CSCU_HIDDEN const struct cscu_config *cscu_config(void);
 
@@ -154,6 +156,9 @@ CSCU_HIDDEN size_t cscu_entries_json(char *out, size_t room);
 CSCU_HIDDEN size_t cscu_unwrapped_json(char *out, size_t room);
 
 /* --- the regions (device allocations routed through VMM) --------------------------------------------------- */
+struct cscu_vmm;
+/* Where a region came from (the capture report's `moved`, per kind). */
+enum cscu_source { CSCU_FROM_ALLOC, CSCU_FROM_ASYNC, CSCU_FROM_ENGINE, CSCU_SOURCES };
 struct cscu_region {
     CUdeviceptr address;
     size_t size;                /* mapped bytes (a multiple of the granularity) */
@@ -163,7 +168,36 @@ struct cscu_region {
     CUmemGenericAllocationHandle handle;    /* 0 while released */
     char uuid[48];              /* GPU-xxxxxxxx-... */
     char name[96];              /* the device's name (cuDeviceGetName) */
+    enum cscu_source source;
+    struct cscu_vmm *vmm;       /* the engine's own allocation (engine_vmm.c), NULL for ours */
 };
+
+/* An allocation the engine made itself with cuMemCreate and mapped with cuMemMap (PyTorch's expandable segments,
+ * vLLM's CuMemAllocator), as engine_vmm.c records it: what re-creates it at the same addresses (vmm_backing.c). */
+#define CSCU_VMM_MAPS 4         /* mappings of one allocation recorded; more pins it to the checkpoint path */
+#define CSCU_VMM_ACCESS 8       /* access descriptors (locations) recorded per mapping */
+struct cscu_mapping {
+    CUdeviceptr address;
+    size_t size, offset;
+    int mapped;                 /* backed by the allocation now (0 while released) */
+    int accesses;
+    CUmemAccessDesc access[CSCU_VMM_ACCESS];    /* the engine's cuMemSetAccess, one per location */
+};
+struct cscu_vmm {
+    CUmemGenericAllocationHandle handle;    /* the value the engine holds (engine_vmm.c hands out its own) */
+    CUmemGenericAllocationHandle real;      /* the driver's; 0 while released */
+    CUmemAllocationProp prop;
+    unsigned long long flags;
+    size_t size;
+    CUcontext context;          /* a context on the allocation's device, for the copies */
+    long refs;                  /* the engine's references: cuMemCreate and each retain, less each cuMemRelease */
+    int pinned;                 /* CSCU_PINNED_*: why it stays on the checkpoint path for good (0: movable) */
+    int tracked;                /* counted as vmm_by_engine now */
+    size_t map_count;
+    struct cscu_mapping maps[CSCU_VMM_MAPS];
+};
+#define CSCU_PINNED_EXPORTED 1  /* exported (another process may hold it) or bound to a multicast object */
+#define CSCU_PINNED_MAPS 2      /* mapped more often than recorded, or accessed over part of a mapping */
 
 /* What stayed on the CUDA checkpoint path, per kind (cumulative counts and bytes). */
 enum cscu_kind {
@@ -173,6 +207,8 @@ enum cscu_kind {
 /* A live allocation of `kind` at `ptr` (stays on the checkpoint path), and its end (any kind it was). */
 CSCU_HIDDEN void cscu_track(enum cscu_kind kind, uintptr_t ptr, size_t bytes);
 CSCU_HIDDEN void cscu_untrack(uintptr_t ptr);
+/* The whole allocation `p` lies in, as the driver knows it: its base (`size` 0) or its bytes (1). */
+CSCU_HIDDEN uintptr_t cscu_allocation(CUdeviceptr p, int size);
 /* A resolution that could not be wrapped (counted, never tracked). */
 CSCU_HIDDEN void cscu_count(enum cscu_kind kind);
 /* Appends the counts as a JSON object to `out` (at most `room` bytes); the number of bytes written. */
@@ -186,9 +222,73 @@ CSCU_HIDDEN void cscu_regions_on_start(int (*start)(void));
 /* cuMemAlloc / cuMemFree through VMM. cscu_alloc returns CUDA_ERROR_NOT_FOUND when the allocation is not
  * ours to take (`*why`: CSCU_SMALL under the threshold, CSCU_FALLBACK when inert, without a control socket or
  * when the driver refused a VMM step other than for memory): the caller then uses the real cuMemAlloc. */
-CSCU_HIDDEN CUresult cscu_alloc(CUdeviceptr *out, size_t size, enum cscu_kind *why);
-/* CUDA_ERROR_NOT_FOUND when `ptr` is no region of ours. */
+CSCU_HIDDEN CUresult cscu_alloc(CUdeviceptr *out, size_t size, enum cscu_kind *why, enum cscu_source source);
+/* CUDA_ERROR_NOT_FOUND when `ptr` is no region of ours (cuMemAlloc's or cuMemAllocAsync's). cscu_free waits for
+ * the context's work first (as cuMemFree does); cscu_discard does not (the caller knows the work is done). */
 CSCU_HIDDEN CUresult cscu_free(CUdeviceptr ptr);
+CSCU_HIDDEN CUresult cscu_discard(CUdeviceptr ptr);
+/* A copy of the region of ours (not the engine's) starting at `ptr`: 0, or -1 when there is none. */
+CSCU_HIDDEN int cscu_region_of(CUdeviceptr ptr, struct cscu_region *out);
+/* The allocation granularity learnt for `dev` (0: none yet). */
+CSCU_HIDDEN size_t cscu_granularity(CUdevice dev);
+/* 0 when the control socket runs (started now if needed): allocations may become regions. */
+CSCU_HIDDEN int cscu_regions_start(void);
+/* Appends `r` to the table, which the caller holds locked: 0, or -1 out of host memory. */
+CSCU_HIDDEN int cscu_regions_append(const struct cscu_region *r);
+/* Removes entry `i` of the table, which the caller holds locked (the last entry takes its place). */
+CSCU_HIDDEN void cscu_regions_remove(size_t i);
+/* Appends per source the regions' count and bytes as a JSON object (the report's `moved`); the caller holds the
+ * table. */
+CSCU_HIDDEN size_t cscu_moved_json(char *out, size_t room);
+
+/* --- the engine's own VMM allocations (engine_vmm.c; vmm_backing.c re-creates them) ------------------------ */
+typedef CUresult (*cscu_create_fn)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *,
+                                   unsigned long long);
+typedef CUresult (*cscu_release_fn)(CUmemGenericAllocationHandle);
+typedef CUresult (*cscu_map_fn)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
+typedef CUresult (*cscu_unmap_fn)(CUdeviceptr, size_t);
+typedef CUresult (*cscu_access_fn)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
+typedef CUresult (*cscu_retain_fn)(CUmemGenericAllocationHandle *, void *);
+typedef CUresult (*cscu_props_fn)(CUmemAllocationProp *, CUmemGenericAllocationHandle);
+typedef CUresult (*cscu_export_fn)(void *, CUmemGenericAllocationHandle, unsigned int, unsigned long long);
+typedef CUresult (*cscu_bind_fn)(CUmemGenericAllocationHandle, size_t, CUmemGenericAllocationHandle, size_t, size_t,
+                                 unsigned long long);
+/* The wrappers' work: each calls `real` with the driver's handle for the engine's, and keeps the records. */
+CSCU_HIDDEN CUresult cscu_vmm_create(cscu_create_fn real, CUmemGenericAllocationHandle *h, size_t n,
+                                     const CUmemAllocationProp *prop, unsigned long long flags);
+CSCU_HIDDEN CUresult cscu_vmm_release(cscu_release_fn real, CUmemGenericAllocationHandle h);
+CSCU_HIDDEN CUresult cscu_vmm_map(cscu_map_fn real, CUdeviceptr p, size_t n, size_t offset,
+                                  CUmemGenericAllocationHandle h, unsigned long long flags);
+CSCU_HIDDEN CUresult cscu_vmm_unmap(cscu_unmap_fn real, CUdeviceptr p, size_t n);
+CSCU_HIDDEN CUresult cscu_vmm_set_access(cscu_access_fn real, CUdeviceptr p, size_t n, const CUmemAccessDesc *desc,
+                                         size_t count);
+CSCU_HIDDEN CUresult cscu_vmm_retain(cscu_retain_fn real, CUmemGenericAllocationHandle *h, void *addr);
+CSCU_HIDDEN CUresult cscu_vmm_properties(cscu_props_fn real, CUmemAllocationProp *prop,
+                                         CUmemGenericAllocationHandle h);
+CSCU_HIDDEN CUresult cscu_vmm_export(cscu_export_fn real, void *out, CUmemGenericAllocationHandle h, unsigned int type,
+                                     unsigned long long flags);
+/* cuMulticastBindMem: the allocation bound to a multicast object (another device's writes land in it) stays. */
+CSCU_HIDDEN CUresult cscu_vmm_bind(cscu_bind_fn real, CUmemGenericAllocationHandle mc, size_t mc_offset,
+                                   CUmemGenericAllocationHandle h, size_t offset, size_t n, unsigned long long flags);
+/* An engine region's backing: re-created (the engine's properties, every mapping, its access) or unmapped and
+ * released (the reservations stay); on failure nothing is left half-done. */
+CSCU_HIDDEN CUresult cscu_vmm_back(struct cscu_region *r);
+CSCU_HIDDEN CUresult cscu_vmm_unback(struct cscu_region *r);
+/* 1 when a node hydrator's staged allocation may stand in for region r (ours, or the engine's with one whole
+ * mapping, read-write for its device only, and no property a staged allocation lacks). */
+CSCU_HIDDEN int cscu_vmm_stageable(const struct cscu_region *r);
+
+/* --- stream-ordered allocations (stream_ordered.c) --------------------------------------------------------- */
+/* cuMemAllocAsync / cuMemAllocFromPoolAsync (pool NULL: the device's current pool) of the threshold or more as
+ * a region; CUDA_ERROR_NOT_FOUND when the driver's own must serve it (`per_thread`: the _ptsz entry point). */
+CSCU_HIDDEN CUresult cscu_async_alloc(int per_thread, CUdeviceptr *p, size_t n, CUmemoryPool pool, int from_pool,
+                                      CUstream s);
+/* cuMemFreeAsync of a region: released once the work queued on `s` before it is done. NOT_FOUND: not ours. */
+CSCU_HIDDEN CUresult cscu_async_free(int per_thread, CUdeviceptr p, CUstream s);
+/* A region freed otherwise (cuMemFree) is no longer waited for. */
+CSCU_HIDDEN void cscu_async_forget(CUdeviceptr p);
+/* Before a release: every deferred free waited for and done, the freed regions kept for reuse released. */
+CSCU_HIDDEN void cscu_async_settle(void);
 
 /* The properties of a pinned allocation on `dev` (exportable as a file descriptor unless configured off). */
 CSCU_HIDDEN void cscu_device_prop(CUmemAllocationProp *prop, CUdevice dev);

@@ -80,6 +80,10 @@ static void config_read(void)
         config.staging = CSCU_DIGEST_CHUNK;
     const char *exportable = getenv("COLDSNAP_CUDA_INTERPOSER_EXPORTABLE");
     config.exportable = !(exportable && strcmp(exportable, "0") == 0);
+    const char *engine_vmm = getenv("COLDSNAP_CUDA_INTERPOSER_ENGINE_VMM"), *ordered =
+        getenv("COLDSNAP_CUDA_INTERPOSER_STREAM_ORDERED");
+    config.engine_vmm = !(engine_vmm && strcmp(engine_vmm, "0") == 0);  /* 0: left on the checkpoint path */
+    config.stream_ordered = !(ordered && strcmp(ordered, "0") == 0);
     if (!socket || !*socket)
         return;
     /* "%p" becomes the pid, so that every CUDA process of a tree gets its own socket. */

@@ -6,7 +6,9 @@
  * names. Copy threads (COLDSNAP_CUDA_INTERPOSER_THREADS), each with its own two streams and two page-locked
  * staging buffers, take 64 MiB chunks in turn: device to host on one buffer while the other is digested and
  * written (release), read and digested while the other is copied to the device (hydrate). A segment's digest
- * is hydration/_weights.py's `sha256-64m`: SHA-256 over the SHA-256 of each 64 MiB chunk.
+ * is per 64 MiB chunk (digest.h): `crc32-64m` by default, `sha256-64m` when COLDSNAP_CUDA_INTERPOSER_DIGEST says so
+ * (hydration/_weights.py computes both). A block of zeros is not written: the file is created at its full size, so
+ * the hole reads as zeros, and a chunk of zeros is recorded as such (the hydration sets it on the device).
  *
  * Failure: a release that fails before unmapping removes its files and changes nothing; a hydrate that fails
  * (a dump shorter than its manifest, a digest mismatch, another GPU model, out of memory) releases what it
@@ -67,71 +69,127 @@ int cscu_full_io(int fill, int fd, void *buffer, size_t size, off_t offset)
 }
 
 /* Where one copy thread's time went (thread-seconds), added to the job's when the thread ends. */
-struct spent { double device, digest, io; };
+struct spent { double device, digest, io, zero; };
 
-/* One chunk: pieces of the staging size through two buffers and two streams. 0, or -1 with the job failed. */
-static int copy_pieces(struct job *job, struct item *it, CUstream s[2], void *buf[2], size_t staging,
-                       cscu_sha256 *h, struct spent *t)
+/* Bytes digested then written at once: small enough to stay in the core's cache between the two passes. */
+#define BLOCK ((size_t)256 << 10)
+
+static int all_zero(const unsigned char *p, size_t n)
 {
+    return n == 0 || (p[0] == 0 && memcmp(p, p + 1, n - 1) == 0);  /* memcmp stops at the first byte that is not */
+}
+
+/* `n` bytes of chunk `it` at `at`, in `buf`: digested and written block by block (each block read once from
+ * memory), a block of zeros not written (the file's hole reads as zeros); `it->zero` cleared by any other. */
+static int digest_and_write(struct job *job, struct item *it, const unsigned char *buf, size_t n, size_t at,
+                            struct cscu_chunk_digest *h, struct spent *t)
+{
+    int fd = job->fds[it->segment];
+    for (size_t done = 0; done < n; done += BLOCK) {
+        size_t k = n - done < BLOCK ? n - done : BLOCK;
+        double t0 = cscu_now();
+        cscu_chunk_update(h, buf + done, k);
+        double t1 = cscu_now();
+        int zero = all_zero(buf + done, k);
+        double t2 = cscu_now();
+        if (!zero && cscu_full_io(0, fd, (void *)(buf + done), k, (off_t)(it->offset + at + done)) != 0) {
+            fail(job, "write %s: %s", job->segments[it->segment].file, strerror(errno));
+            return -1;
+        }
+        it->zero &= zero;
+        t->digest += t1 - t0, t->zero += t2 - t1, t->io += cscu_now() - t2;
+    }
+    return 0;
+}
+
+/* Release, one chunk: pieces of the staging size come off the device into one buffer while the other is
+ * digested and written. 0, or -1 with the job failed. */
+static int dump_pieces(struct job *job, struct item *it, CUstream s[2], void *buf[2], size_t staging,
+                       struct cscu_chunk_digest *h, struct spent *t)
+{
+    const struct cscu_driver *d = cscu_driver();
+    size_t count;
+    struct cscu_region *r = &cscu_regions(&count)[job->segments[it->segment].region];
+    CUdeviceptr base = r->address + job->segments[it->segment].offset + it->offset;
+    size_t pieces = (it->size + staging - 1) / staging;
+    CUresult rc = d->memcpy_dtoh_async(buf[0], base, it->size < staging ? it->size : staging, s[0]);
+    it->zero = 1;
+    for (size_t k = 0; k < pieces && rc == CUDA_SUCCESS && !job->failed; k++) {
+        size_t at = k * staging, n = it->size - at < staging ? it->size - at : staging, next = at + staging;
+        int slot = (int)(k % 2);
+        double t0 = cscu_now();
+        if (k + 1 < pieces && (rc = d->memcpy_dtoh_async(buf[1 - slot], base + next,
+                                                         it->size - next < staging ? it->size - next : staging,
+                                                         s[1 - slot])))
+            break;
+        if ((rc = d->stream_synchronize(s[slot])))
+            break;
+        t->device += cscu_now() - t0;
+        if (digest_and_write(job, it, buf[slot], n, at, h, t) != 0)
+            return -1;
+    }
+    if (rc != CUDA_SUCCESS)
+        fail(job, "copy from region %#llx: %s", r->address, cscu_error_name(rc));
+    return job->failed ? -1 : 0;
+}
+
+typedef CUresult (*memset_fn)(CUdeviceptr, unsigned char, size_t, CUstream);
+
+/* Hydrate, one chunk: each buffer's last copy is done before it is refilled from the file, digested (when asked)
+ * and copied to the device. A chunk of zeros the release never wrote is set on the device instead, when the
+ * files are the release's own (no digest asked). 0, or -1 with the job failed. */
+static int fill_pieces(struct job *job, struct item *it, CUstream s[2], void *buf[2], size_t staging,
+                       struct cscu_chunk_digest *h, struct spent *t)
+{
+    static memset_fn memset_async;
     const struct cscu_driver *d = cscu_driver();
     size_t count;
     struct segment *seg = &job->segments[it->segment];
     struct cscu_region *r = &cscu_regions(&count)[seg->region];
     CUdeviceptr base = r->address + seg->offset + it->offset;
     size_t pieces = (it->size + staging - 1) / staging;
-    int fd = job->fds[it->segment];
     CUresult rc = CUDA_SUCCESS;
-    if (!job->fill && (rc = d->memcpy_dtoh_async(buf[0], base, it->size < staging ? it->size : staging, s[0])))
-        goto device;
-    for (size_t k = 0; k < pieces && !job->failed; k++) {
-        size_t at = k * staging, n = it->size - at < staging ? it->size - at : staging, next = at + staging;
+    if (!memset_async)
+        memset_async = (memset_fn)cscu_real("cuMemsetD8Async");
+    if (it->zero && !job->digests && memset_async) {
+        double t0 = cscu_now();
+        rc = memset_async(base, 0, it->size, s[0]);
+        t->device += cscu_now() - t0;
+        pieces = 0;
+    }
+    for (size_t k = 0; k < pieces && rc == CUDA_SUCCESS && !job->failed; k++) {
+        size_t at = k * staging, n = it->size - at < staging ? it->size - at : staging;
         int slot = (int)(k % 2);
         double t0 = cscu_now(), t1, t2;
-        if (!job->fill) {  /* the next piece comes off the device while this one is digested and written */
-            if (k + 1 < pieces && (rc = d->memcpy_dtoh_async(buf[1 - slot], base + next,
-                                                             it->size - next < staging ? it->size - next : staging,
-                                                             s[1 - slot])))
-                goto device;
-            if ((rc = d->stream_synchronize(s[slot])))
-                goto device;
-            t1 = cscu_now();
-            cscu_sha256_update(h, buf[slot], n);
-            t2 = cscu_now();
-            if (cscu_full_io(0, fd, buf[slot], n, (off_t)(it->offset + at)) != 0) {
-                fail(job, "write %s: %s", seg->file, strerror(errno));
-                return -1;
-            }
-            t->device += t1 - t0, t->digest += t2 - t1, t->io += cscu_now() - t2;
-        } else {  /* the buffer's last copy (this chunk's or the previous one's) is done before it is refilled */
-            if ((rc = d->stream_synchronize(s[slot])))
-                goto device;
-            t1 = cscu_now();
-            if (cscu_full_io(1, fd, buf[slot], n, (off_t)(it->offset + at)) != 0) {
-                fail(job, "read %s at %zu: %s (the dump is shorter than its manifest or unreadable)", seg->file,
-                     it->offset + at, errno == EIO ? "it ends early" : strerror(errno));
-                return -1;
-            }
-            t2 = cscu_now();
-            if (job->digests)
-                cscu_sha256_update(h, buf[slot], n);
-            if ((rc = d->memcpy_htod_async(base + at, buf[slot], n, s[slot])))
-                goto device;
-            t->device += t1 - t0, t->io += t2 - t1, t->digest += cscu_now() - t2;
+        if ((rc = d->stream_synchronize(s[slot])))
+            break;
+        t1 = cscu_now();
+        if (cscu_full_io(1, job->fds[it->segment], buf[slot], n, (off_t)(it->offset + at)) != 0) {
+            fail(job, "read %s at %zu: %s (the dump is shorter than its manifest or unreadable)", seg->file,
+                 it->offset + at, errno == EIO ? "it ends early" : strerror(errno));
+            return -1;
         }
+        t2 = cscu_now();
+        if (job->digests)
+            cscu_chunk_update(h, buf[slot], n);
+        rc = d->memcpy_htod_async(base + at, buf[slot], n, s[slot]);
+        t->device += t1 - t0, t->io += t2 - t1, t->digest += cscu_now() - t2;
     }
+    if (rc != CUDA_SUCCESS)
+        fail(job, "copy to region %#llx: %s", r->address, cscu_error_name(rc));
     return job->failed ? -1 : 0;
-device:
-    fail(job, "copy %s region %#llx: %s", job->fill ? "to" : "from", r->address, cscu_error_name(rc));
-    return -1;
 }
 
 static void one_chunk(struct job *job, struct item *it, CUstream s[2], void *buf[2], size_t staging,
                       struct spent *t)
 {
-    cscu_sha256 h;
-    cscu_sha256_init(&h);
-    copy_pieces(job, it, s, buf, staging, &h, t);
-    cscu_sha256_final(&h, it->digest);  /* also on failure: it frees libcrypto's context */
+    struct cscu_chunk_digest h;
+    cscu_chunk_init(&h, job->segments[it->segment].kind);
+    if (job->fill)
+        fill_pieces(job, it, s, buf, staging, &h, t);
+    else
+        dump_pieces(job, it, s, buf, staging, &h, t);
+    cscu_chunk_final(&h, it->digest);  /* also on failure: it frees libcrypto's context */
 }
 
 static void *copy_thread(void *arg)
@@ -144,7 +202,7 @@ static void *copy_thread(void *arg)
     CUstream s[2] = {0, 0};
     void *buf[2] = {0, 0};
     CUcontext current = NULL;
-    struct spent t = {0, 0, 0};
+    struct spent t = {0, 0, 0, 0};
     cscu_gate_exempt();  /* the release's own copies run while the gate is closed */
     for (;;) {
         size_t i = __atomic_fetch_add(&job->next, 1, __ATOMIC_ACQ_REL);
@@ -182,7 +240,7 @@ static void *copy_thread(void *arg)
             d->free_host(buf[k]);
     }
     pthread_mutex_lock(&job->lock);
-    job->device_s += t.device, job->digest_s += t.digest, job->io_s += t.io;
+    job->device_s += t.device, job->digest_s += t.digest, job->io_s += t.io, job->zero_s += t.zero;
     pthread_mutex_unlock(&job->lock);
     return NULL;
 }
@@ -208,7 +266,8 @@ int cscu_copy(struct job *job, int fill, const char *take)
             if (!take[i] || at >= cscu_segments[i].size)
                 continue;
             size_t size = cscu_segments[i].size - at < CSCU_DIGEST_CHUNK ? cscu_segments[i].size - at : CSCU_DIGEST_CHUNK;
-            job->items[n++] = (struct item){i, at, size, {0}};
+            int zero = fill && (cscu_segments[i].zero >> (at / CSCU_DIGEST_CHUNK) & 1);
+            job->items[n++] = (struct item){i, at, size, {0}, zero};
         }
     job->count = n;
     job->segments = cscu_segments;
@@ -229,17 +288,13 @@ int cscu_copy(struct job *job, int fill, const char *take)
 /* The segment digest from its chunk digests, in chunk order. */
 void cscu_segment_digest(const struct job *job, size_t segment, char out[CSCU_DIGEST_TEXT])
 {
-    cscu_sha256 h;
-    unsigned char digest[32];
-    cscu_sha256_init(&h);
-    for (size_t round = 0; round * CSCU_DIGEST_CHUNK < cscu_segments[segment].size; round++)
+    unsigned char chunks[CSCU_SEGMENT_CHUNKS][32];
+    size_t n = 0;
+    for (size_t round = 0; round * CSCU_DIGEST_CHUNK < cscu_segments[segment].size && n < CSCU_SEGMENT_CHUNKS; round++)
         for (size_t i = 0; i < job->count; i++)
             if (job->items[i].segment == segment && job->items[i].offset == round * CSCU_DIGEST_CHUNK)
-                cscu_sha256_update(&h, job->items[i].digest, 32);
-    cscu_sha256_final(&h, digest);
-    int n = snprintf(out, CSCU_DIGEST_TEXT, CSCU_DIGEST_PREFIX);
-    for (int i = 0; i < 32; i++)
-        n += snprintf(out + n, CSCU_DIGEST_TEXT - (size_t)n, "%02x", digest[i]);
+                memcpy(chunks[n++], job->items[i].digest, 32);
+    cscu_digest_text(cscu_segments[segment].kind, (const unsigned char (*)[32])chunks, n, out);
 }
 
 
@@ -279,8 +334,9 @@ void cscu_refuse(char *out, size_t room, const char *phase, const char *format, 
 }
 
 /* `seconds`: 0 unused, 1 synchronize, 2 dump, 3 unmap, then the copy threads' thread-seconds: 4 waiting for
- * the device, 5 digesting, 6 writing. */
-static void manifest(struct answer *a, const char *dir, double seconds[7], size_t bytes)
+ * the device, 5 digesting, 6 writing, 7 looking for zeros. A segment with chunks of zeros says which ("zero":
+ * a mask of its chunks), and only then (the manifests before zero chunks stay the same text). */
+static void manifest(struct answer *a, const char *dir, double seconds[8], size_t bytes, int kind)
 {
     size_t count;
     struct cscu_region *regions = cscu_regions(&count);
@@ -288,28 +344,34 @@ static void manifest(struct answer *a, const char *dir, double seconds[7], size_
         (int)getpid());
     put_text(a, dir);
     put(a, "\",\"digest_engine\":\"%s\",\"segment_bytes\":%zu,\"threshold\":%zu,\"bytes\":%zu,\"regions\":[",
-        cscu_sha256_engine(), CSCU_SEGMENT, cscu_config()->threshold, bytes);
+        cscu_digest_engine(kind), CSCU_SEGMENT, cscu_config()->threshold, bytes);
     for (size_t i = 0, s = 0; i < count; i++) {
         struct cscu_region *r = &regions[i];
         put(a, "%s{\"address\":%llu,\"size\":%zu,\"requested\":%zu,\"device\":%d,\"device_uuid\":\"%s\","
             "\"device_name\":\"", i ? "," : "", r->address, r->size, r->requested, r->device, r->uuid);
         put_text(a, r->name);
         put(a, "\",\"segments\":[");
-        for (int first = 1; s < cscu_segment_count && cscu_segments[s].region == i; s++, first = 0)
-            put(a, "%s{\"file\":\"%s\",\"offset\":0,\"address\":%llu,\"size\":%zu,\"digest\":\"%s\"}", first ? "" : ",",
+        for (int first = 1; s < cscu_segment_count && cscu_segments[s].region == i; s++, first = 0) {
+            put(a, "%s{\"file\":\"%s\",\"offset\":0,\"address\":%llu,\"size\":%zu,\"digest\":\"%s\"", first ? "" : ",",
                 cscu_segments[s].file, r->address + cscu_segments[s].offset, cscu_segments[s].size, cscu_segments[s].digest);
+            put(a, cscu_segments[s].zero ? ",\"zero\":%u}" : "}", (unsigned)cscu_segments[s].zero);
+        }
         put(a, "]}");
     }
     put(a, "],\"uncovered\":");
     if (a->used < a->room)
         a->used += cscu_counts_json(a->out + a->used, a->room - a->used);
+    put(a, ",\"moved\":");  /* per source: what this release moves at line rate */
+    if (a->used < a->room)
+        a->used += cscu_moved_json(a->out + a->used, a->room - a->used);
     put(a, ",\"timings_s\":{\"synchronize\":%.6f,\"dump\":%.6f,\"unmap\":%.6f,\"dump_device_thread_s\":%.6f,"
-        "\"dump_digest_thread_s\":%.6f,\"dump_write_thread_s\":%.6f},\"gbps\":%.3f}}", seconds[1], seconds[2], seconds[3],
-        seconds[4], seconds[5], seconds[6], seconds[2] > 0 ? (double)bytes / seconds[2] / 1e9 : 0.0);
+        "\"dump_digest_thread_s\":%.6f,\"dump_write_thread_s\":%.6f,\"dump_zero_thread_s\":%.6f},\"gbps\":%.3f}}",
+        seconds[1], seconds[2], seconds[3], seconds[4], seconds[5], seconds[6], seconds[7],
+        seconds[2] > 0 ? (double)bytes / seconds[2] / 1e9 : 0.0);
 }
 
 /* --- release ------------------------------------------------------------------------------------------------- */
-static int plan_segments(struct cscu_region *regions, size_t count)
+static int plan_segments(struct cscu_region *regions, size_t count, int kind)
 {
     size_t n = 0;
     for (size_t i = 0; i < count; i++)
@@ -324,6 +386,7 @@ static int plan_segments(struct cscu_region *regions, size_t count)
             s->region = i;
             s->offset = at;
             s->size = regions[i].size - at < CSCU_SEGMENT ? regions[i].size - at : CSCU_SEGMENT;
+            s->kind = kind;
             snprintf(s->file, sizeof(s->file), CSCU_SEGMENT_FILE, cscu_segment_count);
         }
     return 0;
@@ -383,12 +446,12 @@ static int open_dump_dir(const char *dir, char *error, size_t room)
 /* Every region copied into new segment files of `dirfd` (closed here, as are the files), their digests recorded
  * in cscu_segments: 0, or -1 with `error` set and every file made removed (nothing was unmapped). */
 static int dump_all(int dirfd, const char *dir, struct cscu_region *regions, size_t count, struct job *job,
-                    char *error, size_t room)
+                    int kind, char *error, size_t room)
 {
     int *fds = NULL, rc = -1;
     char *take = NULL;
     /* `take` first: the cleanup closes `fds`, so `fds` exists only with every entry set. */
-    if (plan_segments(regions, count) != 0 || !(take = malloc(cscu_segment_count + 1))
+    if (plan_segments(regions, count, kind) != 0 || !(take = malloc(cscu_segment_count + 1))
         || !(fds = malloc((cscu_segment_count + 1) * sizeof(int)))) {
         snprintf(error, room, "out of host memory");
         goto cleanup;
@@ -397,7 +460,7 @@ static int dump_all(int dirfd, const char *dir, struct cscu_region *regions, siz
         fds[i] = -1;
     for (size_t i = 0; i < cscu_segment_count; i++)
         if ((fds[i] = openat(dirfd, cscu_segments[i].file, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
-                             0600)) < 0) {
+                             0600)) < 0 || ftruncate(fds[i], (off_t)cscu_segments[i].size) != 0) {  /* holes: zeros */
             snprintf(error, room, "create %s/%s: %s", dir, cscu_segments[i].file, strerror(errno));
             goto cleanup;
         }
@@ -407,6 +470,9 @@ static int dump_all(int dirfd, const char *dir, struct cscu_region *regions, siz
         snprintf(error, room, "dump to %s: %s", dir, job->error);
         goto cleanup;
     }
+    for (size_t i = 0; i < job->count; i++)
+        cscu_segments[job->items[i].segment].zero |= (uint32_t)job->items[i].zero
+                                                     << (job->items[i].offset / CSCU_DIGEST_CHUNK);
     for (size_t i = 0; i < cscu_segment_count; i++)
         cscu_segment_digest(job, i, cscu_segments[i].digest);
     rc = 0;
@@ -436,11 +502,18 @@ static int unmap_all(struct cscu_region *regions, size_t count, char *error, siz
 
 void cscu_release(const char *dir, char *out, size_t room)
 {
-    double t0 = cscu_now(), seconds[7] = {0, 0, 0, 0, 0, 0, 0};
+    double t0 = cscu_now(), seconds[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int kind = cscu_digest_configured();
     size_t count, bytes = 0;
     struct cscu_region *regions = cscu_regions(&count);
     struct job job = {.lock = PTHREAD_MUTEX_INITIALIZER, .digests = 1};
     char error[1024];  /* a job's error and a path */
+    if (kind < 0) {
+        cscu_refuse(out, room, "release", "%s=%s names no digest: %.*s or %.*s", CSCU_ENV_DIGEST,
+                    getenv(CSCU_ENV_DIGEST), (int)strlen(CSCU_CRC_PREFIX) - 1, CSCU_CRC_PREFIX,
+                    (int)strlen(CSCU_DIGEST_PREFIX) - 1, CSCU_DIGEST_PREFIX);
+        return;
+    }
     int dirfd = open_dump_dir(dir, error, sizeof(error));
     if (dirfd < 0)
         goto refused;
@@ -449,18 +522,18 @@ void cscu_release(const char *dir, char *out, size_t room)
         goto refused;
     }
     seconds[1] = cscu_now() - t0;
-    if (dump_all(dirfd, dir, regions, count, &job, error, sizeof(error)) != 0)
+    if (dump_all(dirfd, dir, regions, count, &job, kind, error, sizeof(error)) != 0)
         goto refused;  /* nothing was unmapped: the engine runs on as before */
     for (size_t i = 0; i < cscu_segment_count; i++)
         bytes += cscu_segments[i].size;
     seconds[2] = cscu_now() - t0 - seconds[1];
-    seconds[4] = job.device_s, seconds[5] = job.digest_s, seconds[6] = job.io_s;
+    seconds[4] = job.device_s, seconds[5] = job.digest_s, seconds[6] = job.io_s, seconds[7] = job.zero_s;
     int unmapped = unmap_all(regions, count, error, sizeof(error));
     seconds[3] = cscu_now() - t0 - seconds[1] - seconds[2];
     if (unmapped != 0)
         goto refused;
     struct answer a = {out, room, 0};
-    manifest(&a, dir, seconds, bytes);
+    manifest(&a, dir, seconds, bytes, kind);
     if (a.used >= room)
         cscu_refuse(out, room, "release", "the manifest is longer than %zu bytes", room);
     return;

@@ -7,16 +7,20 @@
 #include <sys/types.h>
 
 #include "cscu.h"
+#include "digest.h"
 
 #define SAMPLE ((size_t)64 << 10)
 
 struct segment {
     size_t region, offset, size;    /* a part of region `region` at `offset` */
     char file[32];
-    char digest[CSCU_DIGEST_TEXT];  /* sha256-64m:<hex>, recorded at release */
+    char digest[CSCU_DIGEST_TEXT];  /* sha256-64m:<hex> or crc32-64m:<hex>, recorded at release */
+    int kind;                       /* the digest's kind (digest.h), the release's choice */
+    uint32_t zero;                  /* bit c: chunk c is all zeros (never written: a hole; hydrate may memset it) */
 };
 _Static_assert(sizeof(((struct segment *)0)->digest) == CSCU_DIGEST_TEXT, "a digest's text, its NUL included");
-struct item { size_t segment, offset, size; unsigned char digest[32]; };
+/* One 64 MiB chunk (or a segment's shorter last one); `zero`: all zeros (found at release, used at hydrate). */
+struct item { size_t segment, offset, size; unsigned char digest[32]; int zero; };
 struct job {
     struct item *items;
     size_t count, next;
@@ -29,7 +33,7 @@ struct job {
     char error[512];
     /* Thread-seconds summed over the copy threads (under `lock`): waiting for the device's copies, digesting,
      * and the file I/O (writes on release, reads on hydrate): what bounds a dump or a fill. */
-    double device_s, digest_s, io_s;
+    double device_s, digest_s, io_s, zero_s;  /* zero_s: looking for all-zero blocks (release) */
 };
 
 /* Invariant: while released, the segments describe the dump of the current region table (alloc/free wait). */
@@ -43,7 +47,7 @@ CSCU_HIDDEN int cscu_full_io(int fill, int fd, void *buffer, size_t size, off_t 
 /* The chunks of every segment `take` marks, copied by the threads (fill: files to device); 0, or -1 with
  * job->error set. The caller frees job->items. */
 CSCU_HIDDEN int cscu_copy(struct job *job, int fill, const char *take);
-/* A segment's sha256-64m digest from its chunks' digests (after cscu_copy). */
+/* A segment's digest text from its chunks' digests, of the segment's kind (after cscu_copy). */
 CSCU_HIDDEN void cscu_segment_digest(const struct job *job, size_t segment, char out[CSCU_DIGEST_TEXT]);
 /* {"ok":false,"error":"<phase>: <message>"} into out. */
 CSCU_HIDDEN void cscu_refuse(char *out, size_t room, const char *phase, const char *format, ...)

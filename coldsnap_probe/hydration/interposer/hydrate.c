@@ -140,7 +140,7 @@ cleanup:
  * allocations (cscu_hydrate_staged), which differ only in how the released regions get their memory. */
 struct hydration {
     struct cscu_region *regions;
-    size_t count, bytes, restored;
+    size_t count, bytes, restored, zero;   /* zero: bytes of chunks of zeros the release recorded */
     char *take;                 /* per segment: its region is released (filled or adopted now) */
     char *created;              /* per region: mapped by this hydration (undone on failure) */
     int *fds, dirfd;
@@ -169,6 +169,9 @@ static int begin(struct hydration *h, const char *dir, const char *policy)
         h->fds[i] = -1;
         h->take[i] = h->regions[cscu_segments[i].region].handle == 0;
         h->bytes += h->take[i] ? cscu_segments[i].size : 0;
+        for (size_t at = 0; h->take[i] && at < cscu_segments[i].size; at += CSCU_DIGEST_CHUNK)
+            if (cscu_segments[i].zero >> (at / CSCU_DIGEST_CHUNK) & 1)
+                h->zero += cscu_segments[i].size - at < CSCU_DIGEST_CHUNK ? cscu_segments[i].size - at : CSCU_DIGEST_CHUNK;
     }
     if ((h->dirfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC)) < 0) {
         snprintf(h->error, sizeof(h->error), "dump directory %s: %s", dir, strerror(errno));
@@ -206,11 +209,12 @@ static void finish(struct hydration *h, int ok, const char *policy, int digests,
     snprintf(out, room, "{\"ok\":true,\"report\":{\"bytes\":%zu,\"regions\":%zu,\"segments\":%zu,\"seconds\":%.6f,"
              "\"gbps\":%.3f,\"check_s\":%.6f,\"%s\":%.6f,\"fill_s\":%.6f,\"verify_s\":%.6f,\"policy\":\"%s\","
              "\"verify\":\"%s\",\"digest_engine\":\"%s\",\"threads\":%d,\"staged\":%s,\"fill_device_thread_s\":%.6f,"
-             "\"fill_read_thread_s\":%.6f,\"fill_digest_thread_s\":%.6f}}", h->bytes, h->restored,
+             "\"fill_read_thread_s\":%.6f,\"fill_digest_thread_s\":%.6f,\"zero_bytes\":%zu}}", h->bytes, h->restored,
              cscu_segment_count, total, h->fill_s > 0 ? (double)h->bytes / h->fill_s / 1e9 : 0.0, h->check_s,
              staged ? "adopt_s" : "create_s", h->place_s, h->fill_s, cscu_now() - verify_started, policy,
-             digests ? "digest" : "sampled", cscu_sha256_engine(), cscu_config()->threads, staged ? "true" : "false",
-             h->spent[0], h->spent[1], h->spent[2]);
+             digests ? "digest" : "sampled",
+             cscu_digest_engine(cscu_segment_count ? cscu_segments[0].kind : CSCU_KIND_CRC32),
+             cscu_config()->threads, staged ? "true" : "false", h->spent[0], h->spent[1], h->spent[2], h->zero);
 }
 
 void cscu_hydrate(const char *dir, const char *policy, int digests, char *out, size_t room)
@@ -266,9 +270,17 @@ static CUresult adopt_one(struct cscu_region *r, int fd, import_fn import, props
         d->release(held);
         return CUDA_ERROR_INVALID_VALUE;
     }
+    if (r->vmm && r->vmm->prop.allocFlags.gpuDirectRDMACapable  /* the engine's asked for it: so must this one */
+        && (!props || props(&prop, held) != CUDA_SUCCESS || !prop.allocFlags.gpuDirectRDMACapable)) {
+        snprintf(why, room, "the engine's allocation is GPUDirect RDMA capable, the staged one is not");
+        d->release(held);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
     if ((rc = d->map(r->address, r->size, 0, held, 0)) == CUDA_SUCCESS) {
         if ((rc = d->set_access(r->address, r->size, &access, 1)) == CUDA_SUCCESS) {
             r->handle = held;
+            if (r->vmm)  /* an engine allocation: its record holds the new backing (cscu_vmm_stageable) */
+                r->vmm->real = held, r->vmm->maps[0].mapped = 1;
             return CUDA_SUCCESS;
         }
         d->unmap(r->address, r->size);
@@ -311,8 +323,16 @@ void cscu_hydrate_staged(const char *dir, const char *policy, const int *fds, si
     struct hydration h;
     size_t count, released = 0;
     struct cscu_region *regions = cscu_regions(&count);
-    for (size_t i = 0; i < count; i++)
+    int stageable = 1;
+    for (size_t i = 0; i < count; i++) {
         released += regions[i].handle == 0;
+        stageable = stageable && (regions[i].handle || cscu_vmm_stageable(&regions[i]));
+    }
+    if (!stageable) {  /* the worker then fills them itself */
+        cscu_refuse(out, room, "hydrate", "an engine allocation has more than one mapping, other access or "
+                    "properties a staged allocation lacks: it is re-created, not adopted");
+        return;
+    }
     if (n != released) {  /* before anything is opened or asked of the driver */
         cscu_refuse(out, room, "hydrate", "%zu staged allocations for %zu released regions (one each)", n, released);
         return;

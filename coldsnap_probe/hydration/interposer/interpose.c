@@ -12,9 +12,11 @@
  * unwrapped and counted, never mixed up.
  *
  * The wrapped list (keep docs/interposer.md in step):
- *   allocation: cuMemAlloc_v2, cuMemFree_v2 (VMM above the threshold), and, counted only: cuMemAllocPitch_v2,
- *     cuMemAllocManaged, cuMemAllocAsync, cuMemAllocFromPoolAsync, cuMemFreeAsync, cuMemHostRegister_v2,
- *     cuMemHostAlloc, cuMemAllocHost_v2, cuIpcOpenMemHandle_v2, cuIpcGetMemHandle, cuMemCreate;
+ *   allocation: cuMemAlloc_v2, cuMemFree_v2, cuMemAllocAsync, cuMemAllocFromPoolAsync, cuMemFreeAsync (regions above
+ *     the threshold), the engine's VMM (cuMemCreate, cuMemRelease, cuMemMap, cuMemUnmap, cuMemSetAccess,
+ *     cuMemRetainAllocationHandle, cuMemGetAllocationPropertiesFromHandle, cuMemExportToShareableHandle,
+ *     cuMulticastBindMem: its handles translated), and, counted only: cuMemAllocPitch_v2, cuMemAllocManaged, cuMemHostRegister_v2, cuMemHostAlloc,
+ *     cuMemAllocHost_v2, cuIpcOpenMemHandle_v2, cuIpcGetMemHandle;
  *   the readiness gate (wait while the regions are released): the allocation calls above, cuLaunchKernel,
  *     cuLaunchKernelEx, cuLaunchCooperativeKernel, cuGraphLaunch, cuMemcpy, cuMemcpyAsync, cuMemcpyPeer,
  *     cuMemcpyPeerAsync, cuMemcpy{HtoD,DtoH,DtoD}{,Async}_v2, cuMemcpy{2D,3D}{,Async}_v2,
@@ -222,31 +224,14 @@ GATED1(cuLaunchGridAsync, (CUfunction f, int w, int h, CUstream s), (f, w, h, s)
 COUNTED1(cuMemAllocPitch_v2, (CUdeviceptr *p, size_t *pitch, size_t w, size_t h, U e), (p, pitch, w, h, e),
          CSCU_PITCH, *p, *pitch * h)
 COUNTED1(cuMemAllocManaged, (CUdeviceptr *p, size_t n, U flags), (p, n, flags), CSCU_MANAGED, *p, n)
-COUNTED(cuMemAllocAsync, cuMemAllocAsync_ptsz, (CUdeviceptr *p, size_t n, CUstream s), (p, n, s), CSCU_ASYNC,
-        *p, n)
-COUNTED(cuMemAllocFromPoolAsync, cuMemAllocFromPoolAsync_ptsz, (CUdeviceptr *p, size_t n, CUmemoryPool pool,
-        CUstream s), (p, n, pool, s), CSCU_ASYNC, *p, n)
 COUNTED1(cuMemHostRegister_v2, (void *p, size_t n, U flags), (p, n, flags), CSCU_HOST_REGISTERED, p, n)
 COUNTED1(cuMemHostAlloc, (void **p, size_t n, U flags), (p, n, flags), CSCU_HOST_ALLOC, *p, n)
 COUNTED1(cuMemAllocHost_v2, (void **p, size_t n), (p, n), CSCU_HOST_ALLOC, *p, n)
-/* The whole allocation `p` lies in, as the driver knows it: its base (`size` 0) or its bytes (1). */
-static uintptr_t allocation(CUdeviceptr p, int size)
-{
-    const struct cscu_driver *d = cscu_driver();
-    CUdeviceptr base = p;
-    size_t bytes = 0;
-    if (!d || d->mem_get_address_range(&base, &bytes, p) != CUDA_SUCCESS)
-        return size ? 0 : (uintptr_t)p;
-    return size ? (uintptr_t)bytes : (uintptr_t)base;
-}
-/* Legacy CUDA IPC, both sides (the CUDA checkpoint restores neither): each allocation counted once, whole, so that
- * a capture refuses the tree before it locks or releases anything (coldsnap_probe/_cuda_ipc.py). */
+/* Legacy CUDA IPC, both sides, each allocation once and whole: a capture refuses it first (_cuda_ipc.py). */
 COUNTED1(cuIpcOpenMemHandle_v2, (CUdeviceptr *p, CUipcMemHandle h, U flags), (p, h, flags), CSCU_IPC_IMPORTED,
-         *p, allocation(*p, 1))
-COUNTED1(cuIpcGetMemHandle, (CUipcMemHandle *h, CUdeviceptr p), (h, p), CSCU_IPC_EXPORTED, allocation(p, 0),
-         allocation(p, 1))
-COUNTED1(cuMemCreate, (CUmemGenericAllocationHandle *h, size_t n, const CUmemAllocationProp *prop,
-         unsigned long long flags), (h, n, prop, flags), CSCU_VMM_DIRECT, *h, n)
+         *p, cscu_allocation(*p, 1))
+COUNTED1(cuIpcGetMemHandle, (CUipcMemHandle *h, CUdeviceptr p), (h, p), CSCU_IPC_EXPORTED, cscu_allocation(p, 0),
+         cscu_allocation(p, 1))
 
 /* Ends of the counted allocations: their counts follow what is live. */
 #define UNTRACKED(fn, pt, params, args, ptr)                                                  \
@@ -269,11 +254,66 @@ COUNTED1(cuMemCreate, (CUmemGenericAllocationHandle *h, size_t n, const CUmemAll
             cscu_untrack((uintptr_t)(ptr));                                                    \
         return rc;                                                                             \
     }
-UNTRACKED(cuMemFreeAsync, cuMemFreeAsync_ptsz, (CUdeviceptr p, CUstream s), (p, s), p)
 UNTRACKED1(cuMemHostUnregister, (void *p), (p), p)
 UNTRACKED1(cuMemFreeHost, (void *p), (p), p)
 UNTRACKED1(cuIpcCloseMemHandle, (CUdeviceptr p), (p), p)
-UNTRACKED1(cuMemRelease, (CUmemGenericAllocationHandle h), (h), h)
+
+/* The engine's own VMM allocations (engine_vmm.c): each call with a handle gets the driver's for the engine's. */
+#define UNPAREN(...) __VA_ARGS__
+#define ROUTED1(fn, params, args, hook)                                                       \
+    static void *fn##_slot[2];                                                                 \
+    CSCU_EXPORT CUresult fn params                                                             \
+    {                                                                                          \
+        __typeof__(&fn) real = (__typeof__(&fn))slot(&fn##_slot[0], #fn);                      \
+        if (!real)                                                                             \
+            return CUDA_ERROR_NOT_INITIALIZED;                                                 \
+        cscu_gate_enter();                                                                     \
+        CUresult rc = hook(real, UNPAREN args);                                                \
+        cscu_gate_leave();                                                                     \
+        return rc;                                                                             \
+    }
+typedef CUmemGenericAllocationHandle H;
+ROUTED1(cuMemCreate, (H *h, size_t n, const CUmemAllocationProp *prop, unsigned long long flags),
+        (h, n, prop, flags), cscu_vmm_create)
+ROUTED1(cuMemRelease, (H h), (h), cscu_vmm_release)
+ROUTED1(cuMemMap, (CUdeviceptr p, size_t n, size_t offset, H h, unsigned long long flags), (p, n, offset, h, flags),
+        cscu_vmm_map)
+ROUTED1(cuMemUnmap, (CUdeviceptr p, size_t n), (p, n), cscu_vmm_unmap)
+ROUTED1(cuMemSetAccess, (CUdeviceptr p, size_t n, const CUmemAccessDesc *desc, size_t count), (p, n, desc, count),
+        cscu_vmm_set_access)
+ROUTED1(cuMemRetainAllocationHandle, (H *h, void *addr), (h, addr), cscu_vmm_retain)
+ROUTED1(cuMemGetAllocationPropertiesFromHandle, (CUmemAllocationProp *prop, H h), (prop, h), cscu_vmm_properties)
+ROUTED1(cuMemExportToShareableHandle, (void *out, H h, U type, unsigned long long flags), (out, h, type, flags),
+        cscu_vmm_export)
+ROUTED1(cuMulticastBindMem, (H mc, size_t mc_offset, H h, size_t offset, size_t n, unsigned long long flags),
+        (mc, mc_offset, h, offset, n, flags), cscu_vmm_bind)  /* NCCL's NVLS buffers */
+
+/* Stream-ordered allocations (stream_ordered.c): `ours` of the threshold or more (regions); the rest go to the
+ * driver, and `done` counts them. */
+#define ORDERED(fn, pt, params, args, ours, done)                                             \
+    static void *fn##_slot[2];                                                                 \
+    CSCU_EXPORT CUresult fn params ORDERED_BODY(fn, 0, #fn, args, ours, done)                  \
+    CSCU_EXPORT CUresult pt params ORDERED_BODY(fn, 1, #pt, args, ours, done)
+#define ORDERED_BODY(fn, v, name, args, ours, done)                                           \
+    {                                                                                          \
+        __typeof__(&fn) real = (__typeof__(&fn))slot(&fn##_slot[v], name);                     \
+        const int per_thread = v;                                                              \
+        if (!real)                                                                             \
+            return CUDA_ERROR_NOT_INITIALIZED;                                                 \
+        cscu_gate_enter();                                                                     \
+        CUresult rc = ours;                                                                    \
+        if (rc == CUDA_ERROR_NOT_FOUND && (rc = real args) == CUDA_SUCCESS)                    \
+            done;                                                                              \
+        cscu_gate_leave();                                                                     \
+        return rc;                                                                             \
+    }
+ORDERED(cuMemAllocAsync, cuMemAllocAsync_ptsz, (CUdeviceptr *p, size_t n, CUstream s), (p, n, s),
+        cscu_async_alloc(per_thread, p, n, NULL, 0, s), cscu_track(CSCU_ASYNC, (uintptr_t)*p, n))
+ORDERED(cuMemAllocFromPoolAsync, cuMemAllocFromPoolAsync_ptsz, (CUdeviceptr *p, size_t n, CUmemoryPool pool,
+        CUstream s), (p, n, pool, s), cscu_async_alloc(per_thread, p, n, pool, 1, s),
+        cscu_track(CSCU_ASYNC, (uintptr_t)*p, n))
+ORDERED(cuMemFreeAsync, cuMemFreeAsync_ptsz, (CUdeviceptr p, CUstream s), (p, s), cscu_async_free(per_thread, p, s),
+        cscu_untrack((uintptr_t)p))
 
 static void *cuMemAlloc_v2_slot[2];
 static void *cuMemFree_v2_slot[2];
@@ -287,7 +327,7 @@ CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n)
         return CUDA_ERROR_NOT_INITIALIZED;
     cscu_gate_enter();
     enum cscu_kind why = CSCU_FALLBACK;
-    CUresult rc = cscu_alloc(p, n, &why);
+    CUresult rc = cscu_alloc(p, n, &why, CSCU_FROM_ALLOC);
     if (rc == CUDA_ERROR_NOT_FOUND && (rc = real(p, n)) == CUDA_SUCCESS)
         cscu_track(why, (uintptr_t)*p, n);
     cscu_gate_leave();
@@ -300,6 +340,7 @@ CUresult cuMemFree_v2(CUdeviceptr p)
     if (!real)
         return CUDA_ERROR_NOT_INITIALIZED;
     cscu_gate_enter();
+    cscu_async_forget(p);  /* freed at once, not after a stream's event */
     CUresult rc = cscu_free(p);
     if (rc == CUDA_ERROR_NOT_FOUND && (rc = real(p)) == CUDA_SUCCESS)
         cscu_untrack((uintptr_t)p);
@@ -327,9 +368,12 @@ static const struct entry table[] = {
     E1("cuMemHostRegister", 6050, cuMemHostRegister_v2), E1("cuMemHostUnregister", 0, cuMemHostUnregister),
     E1("cuMemHostAlloc", 0, cuMemHostAlloc), E1("cuMemAllocHost", 3020, cuMemAllocHost_v2),
     E1("cuMemFreeHost", 0, cuMemFreeHost), E1("cuIpcOpenMemHandle", 11000, cuIpcOpenMemHandle_v2),
-    E1("cuIpcCloseMemHandle", 0, cuIpcCloseMemHandle),
-    E1("cuIpcGetMemHandle", 0, cuIpcGetMemHandle), E1("cuMemCreate", 0, cuMemCreate),
-    E1("cuMemRelease", 0, cuMemRelease),
+    E1("cuIpcCloseMemHandle", 0, cuIpcCloseMemHandle), E1("cuIpcGetMemHandle", 0, cuIpcGetMemHandle),
+    E1("cuMemCreate", 0, cuMemCreate),
+    E1("cuMemRelease", 0, cuMemRelease), E1("cuMemMap", 0, cuMemMap), E1("cuMemUnmap", 0, cuMemUnmap),
+    E1("cuMemSetAccess", 0, cuMemSetAccess), E1("cuMemRetainAllocationHandle", 0, cuMemRetainAllocationHandle),
+    E1("cuMemGetAllocationPropertiesFromHandle", 0, cuMemGetAllocationPropertiesFromHandle),
+    E1("cuMemExportToShareableHandle", 0, cuMemExportToShareableHandle), E1("cuMulticastBindMem", 0, cuMulticastBindMem),
     E2("cuLaunchKernel", 0, cuLaunchKernel, cuLaunchKernel_ptsz),
     E2("cuLaunchKernelEx", 0, cuLaunchKernelEx, cuLaunchKernelEx_ptsz),
     E2("cuLaunchCooperativeKernel", 0, cuLaunchCooperativeKernel, cuLaunchCooperativeKernel_ptsz),

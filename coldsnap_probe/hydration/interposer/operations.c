@@ -89,6 +89,28 @@ size_t cscu_answer_room(void)
     return CSCU_ANSWER + t.count * 512 + t.segments * 256;  /* a region's manifest entry, a segment's */
 }
 
+/* `,"moved":{...}` from the table (null while a release or hydration holds it). */
+static size_t moved(char *out, size_t room)
+{
+    size_t used = (size_t)snprintf(out, room, ",\"moved\":");
+    if (used >= room)
+        return room ? room - 1 : 0;
+    for (int tries = 0; tries < 100; tries++) {
+        if (cscu_regions_trylock() == 0) {
+            used += cscu_moved_json(out + used, room - used);
+            cscu_regions_unlock();
+            return used;
+        }
+        pthread_mutex_lock(&op_lock);
+        int busy = operation != NULL;
+        pthread_mutex_unlock(&op_lock);
+        if (busy)
+            break;
+        usleep(1000);
+    }
+    return used + (size_t)snprintf(out + used, room - used, "null");
+}
+
 static void status(char *out, size_t room)
 {
     struct totals t = tally();
@@ -99,14 +121,17 @@ static void status(char *out, size_t room)
     size_t used = (size_t)snprintf(out, room, "{\"ok\":true,\"pid\":%d,\"regions\":%zu,\"bytes\":%zu,"
                                    "\"mapped_bytes\":%zu,\"released\":%s,\"operation\":%s%s%s,\"gate\":\"%s\","
                                    "\"threshold\":%zu,\"threads\":%d,\"staging_bytes\":%zu,\"drain_s\":%d,"
-                                   "\"request_s\":%d,\"digest_engine\":\"%s\",\"driver\":%s,"
+                                   "\"request_s\":%d,\"engine_vmm\":%s,\"stream_ordered\":%s,"
+                                   "\"digest_engine\":\"%s\",\"driver\":%s,"
                                    "\"uncovered\":", (int)getpid(), t.count, t.bytes, t.mapped,
                                    __atomic_load_n(&released, __ATOMIC_ACQUIRE) ? "true" : "false",
                                    running ? "\"" : "", running ? running : "null", running ? "\"" : "",
                                    cscu_gate_is_open() ? "open" : "closed", cfg->threshold, cfg->threads,
-                                   cfg->staging, cfg->drain_s, cfg->request_s, cscu_sha256_engine(),
+                                   cfg->staging, cfg->drain_s, cfg->request_s, cfg->engine_vmm ? "true" : "false",
+                                   cfg->stream_ordered ? "true" : "false", cscu_sha256_engine(),
                                    cscu_driver() ? "true" : "false");
     used += cscu_counts_json(out + used, room - used);
+    used += moved(out + used, room - used);
     used += (size_t)snprintf(out + used, room - used, ",\"wrapped\":");
     if (used < room)
         used += cscu_entries_json(out + used, room - used);
@@ -161,6 +186,7 @@ static void release(const struct cscu_request *req, char *out, size_t room)
                     cscu_config()->drain_s);
         return;
     }
+    cscu_async_settle();  /* stream-ordered frees done, the freed regions kept for reuse let go: none is dumped */
     cscu_regions_lock();
     cscu_release(req->dir, out, room);
     released = regions_mapped(0);

@@ -146,6 +146,16 @@ void cscu_track(enum cscu_kind kind, uintptr_t ptr, size_t bytes)
     pthread_mutex_unlock(&track_lock);
 }
 
+uintptr_t cscu_allocation(CUdeviceptr p, int size)
+{
+    const struct cscu_driver *d = cscu_driver();
+    CUdeviceptr base = p;
+    size_t bytes = 0;
+    if (!d || d->mem_get_address_range(&base, &bytes, p) != CUDA_SUCCESS)
+        return size ? 0 : (uintptr_t)p;
+    return size ? (uintptr_t)bytes : (uintptr_t)base;
+}
+
 void cscu_untrack(uintptr_t ptr)
 {
     if (!cscu_config()->socket[0])
@@ -247,6 +257,8 @@ void cscu_device_prop(CUmemAllocationProp *prop, CUdevice dev)
 
 CUresult cscu_map(struct cscu_region *r)
 {
+    if (r->vmm)
+        return cscu_vmm_back(r);  /* the engine's own: its properties, mappings and access */
     const struct cscu_driver *d = cscu_driver();
     CUmemAllocationProp prop;
     CUmemAccessDesc access = {{CU_MEM_LOCATION_TYPE_DEVICE, r->device}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
@@ -272,6 +284,8 @@ undo:  /* on failure nothing is left behind */
 
 CUresult cscu_unmap(struct cscu_region *r)
 {
+    if (r->vmm)
+        return cscu_vmm_unback(r);
     const struct cscu_driver *d = cscu_driver();
     if (!r->handle)
         return CUDA_SUCCESS;
@@ -308,7 +322,43 @@ static int socket_started(void)
     return start && start() == 0;
 }
 
-CUresult cscu_alloc(CUdeviceptr *out, size_t size, enum cscu_kind *why)
+int cscu_regions_start(void)
+{
+    return socket_started() ? 0 : -1;
+}
+
+int cscu_regions_append(const struct cscu_region *r)
+{
+    return append(r);
+}
+
+void cscu_regions_remove(size_t i)
+{
+    if (i < region_count)
+        regions[i] = regions[--region_count];
+}
+
+size_t cscu_granularity(CUdevice dev)
+{
+    return dev >= 0 && dev < MAX_DEVICES ? __atomic_load_n(&devices[dev].granularity, __ATOMIC_ACQUIRE) : 0;
+}
+
+size_t cscu_moved_json(char *out, size_t room)
+{
+    static const char *names[CSCU_SOURCES] = {"alloc", "stream_ordered", "vmm_by_engine"};
+    unsigned long long count[CSCU_SOURCES] = {0}, bytes[CSCU_SOURCES] = {0};
+    size_t used = 0;
+    for (size_t i = 0; i < region_count; i++) {  /* the caller holds the table */
+        count[regions[i].source]++;
+        bytes[regions[i].source] += regions[i].size;
+    }
+    for (int k = 0; k < CSCU_SOURCES && used < room; k++)
+        used += (size_t)snprintf(out + used, room - used, "%s\"%s\":{\"count\":%llu,\"bytes\":%llu}%s",
+                                 k ? "," : "{", names[k], count[k], bytes[k], k + 1 == CSCU_SOURCES ? "}" : "");
+    return used < room ? used : (room ? room - 1 : 0);
+}
+
+CUresult cscu_alloc(CUdeviceptr *out, size_t size, enum cscu_kind *why, enum cscu_source source)
 {
     const struct cscu_config *cfg = cscu_config();
     const struct cscu_driver *d = cscu_driver();
@@ -330,6 +380,7 @@ CUresult cscu_alloc(CUdeviceptr *out, size_t size, enum cscu_kind *why)
     size_t granularity = devices[r.device].granularity;
     r.size = (size + granularity - 1) / granularity * granularity;
     r.requested = size;
+    r.source = source;
     memcpy(r.uuid, devices[r.device].uuid, sizeof(r.uuid));
     memcpy(r.name, devices[r.device].name, sizeof(r.name));
     if (d->address_reserve(&r.address, r.size, 0, 0, 0) != CUDA_SUCCESS)
@@ -352,24 +403,44 @@ CUresult cscu_alloc(CUdeviceptr *out, size_t size, enum cscu_kind *why)
     return rc == CUDA_ERROR_OUT_OF_MEMORY ? rc : CUDA_ERROR_NOT_FOUND;
 }
 
-CUresult cscu_free(CUdeviceptr ptr)
+/* Our region at `ptr` taken out of the table (into `r`): 0, or -1 when there is none. */
+static int take_out(CUdeviceptr ptr, struct cscu_region *r)
 {
-    const struct cscu_driver *d = cscu_driver();
-    if (!d || !cscu_config()->socket[0])
-        return CUDA_ERROR_NOT_FOUND;
     cscu_regions_lock();
     size_t i = 0;
-    while (i < region_count && regions[i].address != ptr)
+    while (i < region_count && (regions[i].address != ptr || regions[i].vmm))
         i++;
-    if (i == region_count) {
-        cscu_regions_unlock();
-        return CUDA_ERROR_NOT_FOUND;
+    int found = i < region_count;
+    if (found) {
+        *r = regions[i];
+        regions[i] = regions[--region_count];
     }
-    struct cscu_region r = regions[i];
-    regions[i] = regions[--region_count];
     cscu_regions_unlock();
-    /* cuMemFree waits for the work using the memory; an unmap does not, so synchronise first. */
-    CUresult rc = d->ctx_synchronize();
+    return found ? 0 : -1;
+}
+
+int cscu_region_of(CUdeviceptr ptr, struct cscu_region *out)
+{
+    int found = 0;
+    cscu_regions_lock();
+    for (size_t i = 0; i < region_count && !found; i++)
+        if (regions[i].address == ptr && !regions[i].vmm) {
+            *out = regions[i];
+            found = 1;
+        }
+    cscu_regions_unlock();
+    return found ? 0 : -1;
+}
+
+static CUresult drop(CUdeviceptr ptr, int synchronize)
+{
+    const struct cscu_driver *d = cscu_driver();
+    struct cscu_region r;
+    if (!d || !cscu_config()->socket[0] || take_out(ptr, &r) != 0)
+        return CUDA_ERROR_NOT_FOUND;
+    /* cuMemFree waits for the work using the memory; an unmap does not, so synchronise first (a stream-ordered
+     * free has waited for its stream's event instead). */
+    CUresult rc = synchronize ? d->ctx_synchronize() : CUDA_SUCCESS;
     if (rc == CUDA_SUCCESS)
         rc = cscu_unmap(&r);
     if (rc != CUDA_SUCCESS) {  /* still ours (mapped or reserved): a later free or release finds it */
@@ -380,4 +451,14 @@ CUresult cscu_free(CUdeviceptr ptr)
         return rc;
     }
     return d->address_free(r.address, r.size);
+}
+
+CUresult cscu_free(CUdeviceptr ptr)
+{
+    return drop(ptr, 1);
+}
+
+CUresult cscu_discard(CUdeviceptr ptr)
+{
+    return drop(ptr, 0);
 }

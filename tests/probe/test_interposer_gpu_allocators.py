@@ -1,0 +1,136 @@
+"""Issue 36 item 1 on a GPU: PyTorch's two other allocators moved at line rate by the interposer, the engine
+unchanged. With `expandable_segments:True` torch maps its own cuMemCreate pages into one large reservation; with
+`backend:cudaMallocAsync` it allocates stream-ordered from the device's pool. Each: tensors, a cuBLAS matmul and a
+captured CUDA graph; the status and the release say ≥ 95 % of the device bytes go at line rate (`moved`), the rest
+named in `uncovered`; release, CUDA checkpoint and restore from a second process, hydrate: same digests and graph
+output; then frees and allocations after the restore (torch's cache emptied: expandable pages unmapped and released
+through the engine's handles, the pool trimmed) read back what they were given, and a second release and hydration
+still holds. Through the workers (CRIU): the capture report's `moved` and `uncovered`. Skipped without a driver."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coldsnap_probe.hydration import build_library, check_dump
+from tests.probe.test_interposer_gpu import MIB, Target
+from tests.probe.test_main import has_nvidia_driver
+
+pytestmark = pytest.mark.skipif(not has_nvidia_driver(), reason="needs an NVIDIA driver")
+CONFS = {"expandable_segments:True": ("vmm_by_engine", "native"), "backend:cudaMallocAsync": ("stream_ordered",
+                                                                                                "cudaMallocAsync")}
+HOST_KINDS = {"host_registered", "host_pinned", "unwrapped_entry_points"}  # not device memory
+MOVED_MIB = 1024  # beside it, what stays is small: a graph-owned output, cuBLAS workspaces made in the capture
+
+
+def coverage(moved: dict[str, dict[str, int]], uncovered: dict[str, dict[str, int]]) -> float:
+    """The share of device bytes moved at line rate: moved over moved plus what stayed on the checkpoint path."""
+    at_line_rate = sum(k["bytes"] for k in moved.values())
+    stayed = sum(v["bytes"] for kind, v in uncovered.items() if kind not in HOST_KINDS)
+    return at_line_rate / max(1, at_line_rate + stayed)
+
+
+@pytest.fixture(params=sorted(CONFS))
+def conf_target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, Target]]:
+    library, diagnostics = build_library(tmp_path / "lib")
+    assert diagnostics == ""
+    target = Target(tmp_path, library, socket="cuda-%p.sock", mib=MOVED_MIB, alloc_conf=request.param)
+    try:
+        yield request.param, target
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(target.proc.pid, 9)
+        target.proc.wait()
+
+
+def socket_of(target: Target) -> str:
+    return target.socket.replace("%p", str(target.proc.pid))
+
+
+def status(target: Target) -> dict[str, Any]:
+    from coldsnap_probe.hydration._interposer import interposer_request
+
+    return interposer_request(socket_of(target), {"op": "status"}, "status")
+
+
+def checkpoint_and_restore(pid: int) -> None:
+    from coldsnap_probe._cuda import Driver
+    from coldsnap_probe._process import require_state
+
+    driver = Driver()
+    driver.call("cuInit", 0)
+    args = driver.cuda.CUcheckpointLockArgs()
+    args.timeoutMs = 30_000
+    driver.call("cuCheckpointProcessLock", pid, args)
+    driver.call("cuCheckpointProcessCheckpoint", pid, None)
+    require_state(driver, [pid], "checkpointed", "after checkpoint")
+    driver.call("cuCheckpointProcessRestore", pid, None)
+    driver.call("cuCheckpointProcessUnlock", pid, None)
+    require_state(driver, [pid], "running", "after unlock")
+
+
+def test_each_allocator_is_moved_at_line_rate_through_a_cuda_checkpoint(conf_target: tuple[str, Target],
+                                                                      tmp_path: Path) -> None:
+    conf, target = conf_target
+    source, backend = CONFS[conf]
+    target.socket = socket_of(target)
+    assert target.ready["backend"] == backend, target.ready  # the setting took
+    before = status(target)
+    assert before["moved"][source]["bytes"] >= MOVED_MIB * MIB, before
+    assert coverage(before["moved"], before["uncovered"]) >= 0.95, (before["moved"], before["uncovered"])
+    dump = target.release(tmp_path / "dump")  # (freed stream-ordered regions kept for reuse are let go first)
+    assert dump.moved[source]["bytes"] >= MOVED_MIB * MIB and dump.bytes == sum(k["bytes"] for k in dump.moved.values())
+    assert coverage(dump.moved, dump.uncovered) >= 0.95, (dump.moved, dump.uncovered)
+    check_dump(dump, tmp_path / "dump", content=True)
+    released = status(target)
+    assert released["released"] is True and released["mapped_bytes"] == 0 and released["gate"] == "closed"
+    checkpoint_and_restore(target.proc.pid)
+    report = target.request({"op": "hydrate", "policy": "same-gpu"})["report"]
+    assert report["bytes"] == dump.bytes and report["regions"] == len(dump.regions)
+    assert target.ask("check") == {**target.ready, "pid": target.proc.pid}
+    churned = target.ask("churn")
+    assert churned["ok"] is True and churned["matmul"] == target.ready["matmul"], churned
+    after = status(target)
+    assert after["gate"] == "open" and after["mapped_bytes"] == after["bytes"], after
+    again = target.release(tmp_path / "again")  # what the allocator made or let go after the restore moves too
+    assert coverage(again.moved, again.uncovered) >= 0.95, (again.moved, again.uncovered)
+    target.request({"op": "hydrate", "verify": "sampled"})
+    assert target.ask("check") == {**target.ready, "pid": target.proc.pid}
+
+
+criu_and_gpu = pytest.mark.skipif(not has_nvidia_driver() or shutil.which("criu") is None,
+                                  reason="needs an NVIDIA driver and CRIU (run on the GPU host)")
+
+
+@criu_and_gpu
+def test_the_capture_report_says_what_was_moved_and_what_stayed(conf_target: tuple[str, Target],
+                                                                tmp_path: Path) -> None:
+    from tests.probe.test_worker import kill_and_reap, worker
+
+    conf, target = conf_target
+    source, _backend = CONFS[conf]
+    ctypes.CDLL(None).prctl(36, 1)  # a subreaper: the restored tree is reparented here
+    images = tmp_path / "images"
+    done = worker("capture", "--pid", str(target.proc.pid), "--images", str(images), "--criu",
+                  shutil.which("criu") or "")
+    assert done.returncode == 0, done.stderr
+    target.proc.wait()
+    [released] = json.loads(done.stdout)["device_memory"]
+    assert released["state"] == "released" and released["moved"][source]["bytes"] >= MOVED_MIB * MIB, released
+    assert coverage(released["moved"], released["uncovered"]) >= 0.95, released
+    done = worker("restore", "--images", str(images), "--work-dir", str(tmp_path / "work"))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    [hydrated] = report["device_memory"]
+    assert hydrated["bytes"] == released["bytes"]
+    assert target.ask("check") == {**target.ready, "pid": target.proc.pid}
+    assert target.ask("churn")["ok"] is True
+    kill_and_reap(report["restored_pid"])

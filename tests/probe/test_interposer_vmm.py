@@ -1,0 +1,317 @@
+"""Issue 36 item 1 without a GPU: what the interposer asks of the driver for the engine's own VMM allocations and for
+stream-ordered ones. A stand-in `libcuda.so.1` records each call (which handle reached cuMemMap, which handles are
+still referenced, which mappings hold which access) and a harness compiled with the interposer's sources plays the
+engine: PyTorch's expandable segments (one 2 MiB handle per page of one reservation, cuMemSetAccess over several
+pages at once), a retain by address, a release and a hydration of the backing as a release and a hydration do them,
+an export, a partial access, and a cudaMallocAsync engine (a free deferred to its stream's event, reuse, a capture,
+another pool). tests/probe/test_interposer_gpu_allocators.py does all of it on the real driver with torch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from coldsnap_probe.hydration._interposer import SOURCES
+
+STANDIN = r"""
+#include <stdlib.h>
+#include <string.h>
+typedef unsigned long long H, P;
+struct handle { H id; long refs; size_t size; int alive, type, handle_types, location_type, location_id; };
+struct mapping { P address; size_t size; H handle; int live, flags, device; };
+struct handle handles[256];
+struct mapping mappings[256];
+int handle_count, mapping_count, freed, set_access_calls, events_done, capturing, custom_pool;
+int async_by_driver, async_freed_by_driver, unmapped;
+H last_mapped, last_props, last_exported;
+static struct handle *find(H id)
+{
+    for (int i = 0; i < handle_count; i++)
+        if (handles[i].id == id && handles[i].alive)
+            return &handles[i];
+    return 0;
+}
+static void unref(struct handle *h) { if (--h->refs == 0) { h->alive = 0; freed++; } }
+int cuCtxGetCurrent(void **c) { *c = (void *)0x1000; return 0; }
+int cuCtxSetCurrent(void *c) { (void)c; return 0; }
+int cuCtxGetDevice(int *d) { *d = 0; return 0; }
+int cuCtxSynchronize(void) { return 0; }
+int cuDeviceGetUuid_v2(unsigned char *u, int d) { (void)d; memset(u, 0x11, 16); return 0; }
+int cuDeviceGetName(char *n, int len, int d) { (void)d; strncpy(n, "stand-in", (size_t)len); return 0; }
+int cuGetErrorName(int rc, const char **s) { *s = rc ? "CUDA_ERROR_STANDIN" : "CUDA_SUCCESS"; return 0; }
+int cuMemAlloc_v2(P *p, size_t n) { static P next = 0x500000000000ULL; *p = next; next += n; return 0; }
+int cuMemFree_v2(P p) { (void)p; return 0; }
+int cuMemGetAddressRange_v2(P *b, size_t *s, P p) { (void)b; (void)s; (void)p; return 0; }
+int cuMemGetAllocationGranularity(size_t *g, const void *p, int f) { (void)p; (void)f; *g = 2 << 20; return 0; }
+int cuMemAddressReserve(P *p, size_t n, size_t a, P at, unsigned long long f)
+{
+    static P next = 0x600000000000ULL;
+    (void)a; (void)at; (void)f;
+    *p = next;
+    next += n + (1ULL << 30);
+    return 0;
+}
+int cuMemAddressFree(P p, size_t n) { (void)p; (void)n; return 0; }
+int cuMemCreate(H *h, size_t n, const int *prop, unsigned long long f)
+{
+    struct handle *x = &handles[handle_count++];
+    (void)f;
+    *x = (struct handle){0x7f1000ULL + 16ULL * (H)handle_count, 1, n, 1, prop[0], prop[1], prop[2], prop[3]};
+    *h = x->id;
+    return 0;
+}
+int cuMemRelease(H h) { struct handle *x = find(h); if (!x) return 1; unref(x); return 0; }
+int cuMemMap(P p, size_t n, size_t off, H h, unsigned long long f)
+{
+    struct handle *x = find(h);
+    (void)off; (void)f;
+    if (!x)
+        return 1;
+    x->refs++;
+    mappings[mapping_count++] = (struct mapping){p, n, h, 1, 0, -1};
+    last_mapped = h;
+    return 0;
+}
+int cuMemUnmap(P p, size_t n)
+{
+    for (int i = 0; i < mapping_count; i++)
+        if (mappings[i].live && mappings[i].address >= p && mappings[i].address < p + n) {
+            mappings[i].live = 0;
+            unmapped++;
+            unref(find(mappings[i].handle));
+        }
+    return 0;
+}
+int cuMemSetAccess(P p, size_t n, const int *desc, size_t count)
+{
+    (void)count;
+    set_access_calls++;
+    for (int i = 0; i < mapping_count; i++)
+        if (mappings[i].live && mappings[i].address >= p && mappings[i].address < p + n)
+            mappings[i].device = desc[1], mappings[i].flags = desc[2];
+    return 0;
+}
+int cuMemRetainAllocationHandle(H *h, void *addr)
+{
+    P a = (P)addr;
+    for (int i = 0; i < mapping_count; i++)
+        if (mappings[i].live && a >= mappings[i].address && a < mappings[i].address + mappings[i].size) {
+            find(mappings[i].handle)->refs++;
+            *h = mappings[i].handle;
+            return 0;
+        }
+    return 1;
+}
+int cuMemGetAllocationPropertiesFromHandle(int *prop, H h)
+{
+    struct handle *x = find(h);
+    last_props = h;
+    if (!x)
+        return 1;
+    prop[0] = x->type, prop[1] = x->handle_types, prop[2] = x->location_type, prop[3] = x->location_id;
+    return 0;
+}
+int cuMemExportToShareableHandle(void *out, H h, unsigned t, unsigned long long f)
+{
+    (void)t; (void)f;
+    last_exported = h;
+    *(int *)out = 99;
+    return find(h) ? 0 : 1;
+}
+H last_bound;
+int cuMulticastBindMem(H mc, size_t mo, H h, size_t o, size_t n, unsigned long long f)
+{
+    (void)mc; (void)mo; (void)o; (void)n; (void)f;
+    last_bound = h;
+    return find(h) ? 0 : 1;
+}
+int cuStreamCreate(void **s, unsigned f) { (void)f; *s = (void *)0x2000; return 0; }
+int cuStreamDestroy_v2(void *s) { (void)s; return 0; }
+int cuStreamSynchronize(void *s) { (void)s; return 0; }
+int cuMemHostAlloc(void **p, size_t n, unsigned f) { (void)f; *p = malloc(n); return 0; }
+int cuMemFreeHost(void *p) { free(p); return 0; }
+int cuMemcpyDtoHAsync_v2(void *d, P s, size_t n, void *st) { (void)d; (void)s; (void)n; (void)st; return 0; }
+int cuMemcpyHtoDAsync_v2(P d, const void *s, size_t n, void *st) { (void)d; (void)s; (void)n; (void)st; return 0; }
+int cuMemcpyDtoH_v2(void *d, P s, size_t n) { (void)d; (void)s; (void)n; return 0; }
+int cuEventCreate(void **e, unsigned f) { static long n; (void)f; *e = (void *)(0x3000L + ++n); return 0; }
+int cuEventRecord(void *e, void *s) { (void)e; (void)s; return 0; }
+int cuEventRecord_ptsz(void *e, void *s) { (void)e; (void)s; return 0; }
+int cuEventQuery(void *e) { (void)e; return events_done ? 0 : 600; }
+int cuEventSynchronize(void *e) { (void)e; return 0; }
+int cuEventDestroy_v2(void *e) { (void)e; return 0; }
+int cuStreamIsCapturing(void *s, int *status) { (void)s; *status = capturing; return 0; }
+int cuStreamIsCapturing_ptsz(void *s, int *status) { (void)s; *status = capturing; return 0; }
+int cuStreamGetCtx(void *s, void **c) { (void)s; *c = (void *)0x1000; return 0; }
+int cuStreamGetCtx_ptsz(void *s, void **c) { (void)s; *c = (void *)0x1000; return 0; }
+int cuDeviceGetDefaultMemPool(void **p, int d) { (void)d; *p = (void *)0x4000; return 0; }
+int cuDeviceGetMemPool(void **p, int d) { (void)d; *p = custom_pool ? (void *)0x4444 : (void *)0x4000; return 0; }
+int cuMemAllocAsync(P *p, size_t n, void *s) { static P next = 0x900000000000ULL; (void)s; *p = next; next += n;
+    async_by_driver++; return 0; }
+int cuMemFreeAsync(P p, void *s) { (void)p; (void)s; async_freed_by_driver++; return 0; }
+"""
+
+HARNESS = r"""
+#include "driver.c"
+#include "interpose.c"
+#include "regions.c"
+#include "control.c"
+#include "connection.c"
+#include "operations.c"
+#include "request.c"
+#include "sha256.c"
+#include "dump.c"
+#include "hydrate.c"
+#include "engine_vmm.c"
+#include "vmm_backing.c"
+#include "stream_ordered.c"
+
+#define MIB ((size_t)1 << 20)
+#define CHECK(name, expr) printf("%s %s\n", (expr) ? "ok" : "FAIL", name)
+static void *standin;
+static int *v(const char *name) { return (int *)dlsym(standin, name); }
+static unsigned long long *u(const char *name) { return (unsigned long long *)dlsym(standin, name); }
+
+static size_t from(enum cscu_source source, size_t *bytes)
+{
+    size_t count, n = 0;
+    struct cscu_region *r = cscu_regions(&count);
+    *bytes = 0;
+    for (size_t i = 0; i < count; i++)
+        if (r[i].source == source)
+            n++, *bytes += r[i].size;
+    return n;
+}
+
+static void release_and_hydrate(void)  /* what a release and a hydration do to every region's backing */
+{
+    size_t count;
+    struct cscu_region *r = cscu_regions(&count);
+    for (size_t i = 0; i < count; i++)
+        cscu_unmap(&r[i]);
+    CHECK("released: every region's backing gone", r[0].handle == 0 && r[count - 1].handle == 0);
+    for (size_t i = 0; i < count; i++)
+        cscu_map(&r[i]);
+}
+
+static void expandable(void)
+{
+    CUmemAllocationProp prop = {0};
+    CUmemAccessDesc rw = {{CU_MEM_LOCATION_TYPE_DEVICE, 0}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+    CUmemGenericAllocationHandle h[3], again, real0;
+    CUdeviceptr base;
+    size_t bytes;
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED, prop.requestedHandleTypes = 1;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE, prop.location.id = 0;
+    cuMemAddressReserve_standin(&base);
+    for (int i = 0; i < 3; i++)
+        cuMemCreate(&h[i], 2 * MIB, &prop, 0);
+    CHECK("create: the engine holds our handles", (h[0] >> 48) == 0xc5c5 && h[1] != h[0]);
+    for (int i = 0; i < 3; i++)
+        cuMemMap(base + (size_t)i * 2 * MIB, 2 * MIB, 0, h[i], 0);
+    CHECK("map: the driver got its own handle", (*u("last_mapped") >> 48) == 0 && *u("last_mapped") != 0);
+    CHECK("not a region before its access is set", from(CSCU_FROM_ENGINE, &bytes) == 0);
+    cuMemSetAccess(base, 6 * MIB, &rw, 1);  /* one call over three pages, as expandable segments do */
+    CHECK("set access over three pages: three regions", from(CSCU_FROM_ENGINE, &bytes) == 3 && bytes == 6 * MIB);
+    CHECK("retain by an address inside a page", cuMemRetainAllocationHandle(&again, (void *)(base + 2 * MIB + 64))
+          == CUDA_SUCCESS && again == h[1]);
+    cuMemRelease(again);
+    real0 = records[0]->handle == h[0] ? records[0]->real : 0;
+    release_and_hydrate();
+    CHECK("released: the driver freed all three", *v("freed") == 3);
+    CHECK("hydrated: new driver handles, the same engine handles", records[0]->real && records[0]->real != real0
+          && records[0]->handle == h[0]);
+    CHECK("hydrated: mapped at the same addresses with the engine's access",
+          *v("mapping_count") == 6 && *v("set_access_calls") == 4);
+    CUmemAllocationProp seen = {0};
+    CHECK("properties of the engine's handle from the new driver handle",
+          cuMemGetAllocationPropertiesFromHandle(&seen, h[2]) == CUDA_SUCCESS && *u("last_props") == records[2]->real
+          && seen.requestedHandleTypes == 1 && seen.location.type == CU_MEM_LOCATION_TYPE_DEVICE);
+    cuMemUnmap(base, 2 * MIB);  /* expandable segments give a page back: unmap, then release */
+    CHECK("unmapped page: no longer a region", from(CSCU_FROM_ENGINE, &bytes) == 2);
+    CHECK("release of the engine's handle", cuMemRelease(h[0]) == CUDA_SUCCESS && *v("freed") == 4);
+    CHECK("a second release is refused", cuMemRelease(h[0]) != CUDA_SUCCESS);
+    int fd = 0;
+    cuMemExportToShareableHandle(&fd, h[2], 1, 0);
+    CHECK("exported: the driver's handle, and it stays on the checkpoint path",
+          fd == 99 && (*u("last_exported") >> 48) == 0 && from(CSCU_FROM_ENGINE, &bytes) == 1);
+    cuMulticastBindMem(0x77, 0, h[1], 0, 2 * MIB, 0);
+    CHECK("bound to a multicast object: the driver's handle, and it stays",
+          (*u("last_bound") >> 48) == 0 && *u("last_bound") != 0 && from(CSCU_FROM_ENGINE, &bytes) == 0);
+    CUmemAccessDesc peer = {{CU_MEM_LOCATION_TYPE_DEVICE, 1}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+    cuMemCreate(&h[0], 2 * MIB, &prop, 0);
+    cuMemMap(base + 6 * MIB, 2 * MIB, 0, h[0], 0);
+    cuMemSetAccess(base + 6 * MIB, 2 * MIB, &rw, 1);
+    CHECK("a fourth page: a region", from(CSCU_FROM_ENGINE, &bytes) == 1);
+    cuMemSetAccess(base + 6 * MIB, MIB, &peer, 1);  /* half of a page */
+    CHECK("access over part of a mapping pins it", from(CSCU_FROM_ENGINE, &bytes) == 0);
+    prop.location.type = 2;  /* host memory: not ours to move */
+    cuMemCreate(&again, 4 * MIB, &prop, 0);
+    CHECK("host memory keeps the driver's handle", (again >> 48) == 0);
+}
+
+static void stream_ordered(void)
+{
+    CUdeviceptr p, q, r, c;
+    size_t bytes;
+    int *done = v("events_done"), *capturing = v("capturing"), *pool = v("custom_pool");
+    cuMemAllocAsync(&p, 8 * MIB, 0);
+    CHECK("cudaMallocAsync of 8 MiB: a region", from(CSCU_FROM_ASYNC, &bytes) == 1 && *v("async_by_driver") == 0);
+    cuMemFreeAsync(p, 0);
+    CHECK("freed on a stream: kept until its event completes", from(CSCU_FROM_ASYNC, &bytes) == 1
+          && *v("async_freed_by_driver") == 0);
+    cuMemAllocAsync(&q, 8 * MIB, 0);
+    CHECK("its event pending: not reused", q != p && from(CSCU_FROM_ASYNC, &bytes) == 2);
+    *done = 1;
+    cuMemAllocAsync(&r, 8 * MIB, 0);
+    CHECK("its event completed: reused", r == p && from(CSCU_FROM_ASYNC, &bytes) == 2);
+    *capturing = 1;
+    cuMemAllocAsync(&c, 8 * MIB, 0);
+    CHECK("in a capture: the driver's (the graph owns it)", *v("async_by_driver") == 1);
+    cuMemFreeAsync(c, 0);
+    cuMemFreeAsync(q, 0);
+    CHECK("a region freed in a capture is kept",
+          *v("async_freed_by_driver") == 1 && from(CSCU_FROM_ASYNC, &bytes) == 2);
+    *capturing = 0, *pool = 1;
+    cuMemAllocAsync(&c, 8 * MIB, 0);
+    CHECK("another pool: the driver's", *v("async_by_driver") == 2);
+    *pool = 0, *done = 0;
+    int before = *v("unmapped");
+    cuMemFreeAsync(r, 0);
+    cscu_async_settle();  /* a release begins */
+    CHECK("a release waits for the frees and lets every freed region go", *v("unmapped") == before + 1
+          && from(CSCU_FROM_ASYNC, &bytes) == 1);
+}
+
+int main(void)
+{
+    standin = dlopen("libcuda.so.1", RTLD_NOW);
+    if (!standin || !cscu_driver())
+        return 2;
+    expandable();
+    stream_ordered();
+    return 0;
+}
+"""
+
+
+def test_engine_vmm_and_stream_ordered_allocations_against_a_recording_driver(tmp_path: Path) -> None:
+    (tmp_path / "standin.c").write_text(STANDIN)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-Wl,-Bsymbolic", "-o", str(tmp_path / "libcuda.so.1"),
+                    str(tmp_path / "standin.c")], check=True, capture_output=True)
+    # The harness reserves through the stand-in directly (the engine's cuMemAddressReserve is not wrapped).
+    harness = HARNESS.replace("cuMemAddressReserve_standin(&base);",
+                              "((CUresult (*)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long))"
+                              "dlsym(standin, \"cuMemAddressReserve\"))(&base, 64 * MIB, 0, 0, 0);")
+    (tmp_path / "vmm.c").write_text(harness)
+    built = subprocess.run(["gcc", "-O1", "-std=gnu11", "-Wall", "-Wextra", "-I", str(SOURCES), "-o",
+                            str(tmp_path / "vmm"), str(tmp_path / "vmm.c"), "-ldl", "-lpthread"],
+                           capture_output=True, text=True, check=False)
+    assert built.returncode == 0, built.stderr[-3000:]
+    done = subprocess.run([str(tmp_path / "vmm")], capture_output=True, text=True, timeout=60, check=False,
+                          env={**os.environ, "LD_LIBRARY_PATH": str(tmp_path),
+                               "COLDSNAP_CUDA_INTERPOSER_SOCKET": str(tmp_path / "cuda.sock")})
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert [line for line in lines if not line.startswith("ok ")] == [], done.stdout
+    assert len(lines) == 26, done.stdout
