@@ -66,6 +66,9 @@ ROWS = {
     # No pool: each buffer its own allocation (cuMemCreate in the CUDA 13 plugin), so only what is live is moved.
     "jax-platform": Row("JAX (XLA_PYTHON_CLIENT_ALLOCATOR=platform)", "engines/jax_server.py",
                         {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}),
+    # Two processes, vLLM V1's shape: a front end and its engine core (the only one holding the GPU), one tree.
+    "split": Row("two processes: front end + engine core (ttft_server's model)", "engines/split_server.py",
+                 args=("--cuda",)),
 }
 
 

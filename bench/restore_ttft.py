@@ -187,6 +187,21 @@ def settle_gpu(limit_mib: int, timeout: float = 3.0) -> dict[str, Any]:
     return {"used_mib": used, "waited_s": round(time.time() - started, 2)}
 
 
+def reap_tree(pids: list[int], timeout: float = 10.0) -> None:
+    """Until every PID of a captured or killed tree is free: a server of several processes leaves orphans, this
+    subreaper's zombies meanwhile, and CRIU cannot restore a process whose PID is taken."""
+    left, give_up = set(pids), time.time() + timeout
+    while left and time.time() < give_up:
+        for pid in list(left):
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass  # not (yet) ours: its parent is still ending
+            if not os.path.exists(f"/proc/{pid}"):
+                left.discard(pid)
+        time.sleep(0.01)
+
+
 STARTED: list[int] = []  # process groups a size's run started (a server, a restored tree): killed if it fails
 
 
@@ -293,6 +308,7 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
     capture = worker("capture", "--pid", str(server.pid), "--images", str(images), "--criu", criu,
                      *(["--hydration", str(control)] if hydrate else []))
     server.wait()
+    reap_tree(capture["tree"])  # a server's other processes too (engines/split_server.py's engine core)
     # CRIU restores the server's log descriptor only if the file has the size it dumped; a restored server (and
     # the interposer in it) writes more, so each restore starts from the captured log, as a fresh unit would.
     captured_log = log.stat().st_size
@@ -330,6 +346,7 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
                          "tokens_identical": tokens == cold_tokens, "logits_identical": first_hash == cold_hash,
                          "all_pages_in_s": marks.get("all_pages_in"), "timeline": report["timeline"]})
         kill_and_reap([report["restored_pid"]])
+        reap_tree(capture["tree"])
         if lazy_pages:  # kept for reading: where the daemon spent its time (its last 8 MB)
             with open(work / "lazy-pages.log", "rb") as lazy_log:
                 lazy_log.seek(max(0, lazy_log.seek(0, os.SEEK_END) - (8 << 20)))

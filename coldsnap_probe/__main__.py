@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ._phase import PhaseLog
+    from .errors import CaptureRefused, TargetRefused
 
 MIN_MEMORY, MAX_MEMORY = 4096, 1 << 30
 
@@ -115,7 +116,7 @@ def _worker(args: argparse.Namespace) -> int:
     from ._coordinator import Coordinator
     from ._phase import PhaseLog
     from ._report_dir import leave_report
-    from .errors import ProbeError, TargetRefused
+    from .errors import CaptureRefused, ProbeError, TargetRefused
     from .memory import MemoryOptions
 
     if (args.world_size > 1 or args.coordinator) and not (args.coordinator and args.namespace):
@@ -149,11 +150,9 @@ def _worker(args: argparse.Namespace) -> int:
                              lazy_pages=args.lazy_pages, phases=phases, guard=guard,
                              memory=MemoryOptions(device_policy=args.device_policy,
                                                   device_digests=args.device_digests)).to_json()
-    except TargetRefused as exc:
+    except (CaptureRefused, TargetRefused) as exc:  # before any work: the tree runs on, nothing was restored
         sys.stderr.write(f"error: {_where(phases)}{type(exc).__name__}: {exc}\n")
-        sys.stdout.write(json.dumps({"kind": "restore-refused", "refused": list(exc.mismatches),
-                                     "checked_seconds": exc.seconds, "phase": phases.current},
-                                    indent=2, sort_keys=True) + "\n")
+        sys.stdout.write(json.dumps(_refusal(exc, phases), indent=2, sort_keys=True) + "\n")
         return 3
     except (ProbeError, OSError, ValueError) as exc:
         sys.stderr.write(f"error: {_where(phases)}{type(exc).__name__}: {exc}\n")
@@ -165,6 +164,16 @@ def _worker(args: argparse.Namespace) -> int:
     sys.stdout.write(json.dumps(report, indent=2, sort_keys=True) + "\n")
     leave_report(report)  # for the daemon's phase metrics, when it gave this unit a report directory
     return 0
+
+
+def _refusal(exc: CaptureRefused | TargetRefused, phases: PhaseLog) -> dict[str, object]:
+    """A refusal's JSON on stdout: every reason, with the phase it was found in."""
+    from .errors import CaptureRefused
+
+    if isinstance(exc, CaptureRefused):
+        return {"kind": "capture-refused", "refused": list(exc.reasons), "phase": phases.current}
+    return {"kind": "restore-refused", "refused": list(exc.mismatches), "checked_seconds": exc.seconds,
+            "phase": phases.current}
 
 
 def _where(phases: PhaseLog) -> str:

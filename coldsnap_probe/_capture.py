@@ -26,6 +26,7 @@ from pathlib import Path
 
 from ._coordinator import Coordinator
 from ._cuda import Driver
+from ._cuda_ipc import refuse_cuda_ipc
 from ._engine import check_quiesced, engine_request, graph_plan, resume_engine, write_graph_record
 from ._graph import GraphPlan
 from ._phase import PhaseLog
@@ -44,6 +45,7 @@ from ._process import (
 from ._profile import identity
 from ._quiesce import IDLE_WAIT_S, event_loops, wait_idle
 from ._reports import CapturedGraphPolicy, CaptureReport
+from ._shm_files import save_shared_files, shared_files
 from ._worker_guard import WorkerGuard, remove_contents
 from .errors import WorkerError
 from .memory import CaptureScope, MemoryCaptures, MemoryOptions
@@ -130,6 +132,7 @@ class _Capture:
         self.driver = Driver()
         self.driver.call("cuInit", 0)
         cuda = self._find_cuda(self.driver)
+        self.report.cuda_ipc = refuse_cuda_ipc(cuda, self.memory_options)  # before anything is done to the tree
         self._agree_on_policy()
         self._quiesce()
         self.ranks.barrier("quiesced")
@@ -216,13 +219,19 @@ class _Capture:
 
     def _dump(self) -> None:
         # The dumped tree stays stopped until the images are complete (capture.json) and, with several ranks, until
-        # every rank has dumped: a failed peer, or a guard whose worker died meanwhile, lets it run again.
+        # every rank has dumped: a failed peer, or a guard whose worker died meanwhile, lets it run again. Its
+        # shared-memory files are copied meanwhile (nothing writes them; a failed copy lets it run again too).
         self.phase.enter("criu-dump")
         self.journal.note(dump=self.tree)
+        shared = shared_files(self.tree)
         args = ["dump", "--tree", str(self.pid), "--images-dir", str(self.images), "--work-dir", str(self.work),
                 "--leave-stopped"]
         self.report.timings_s["criu_dump"] = run_criu(self.criu, args, self.work / "dump.log")
         self.dumped = True
+        if shared:
+            started = time.perf_counter()
+            self.report.shared_files = [f.to_json() for f in save_shared_files(shared, self.images)]
+            self.report.timings_s["shared_files"] = time.perf_counter() - started
 
     # -- the one rollback ----------------------------------------------------------------------------------------
     def _roll_back(self, exc: BaseException) -> None:

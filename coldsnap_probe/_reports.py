@@ -158,6 +158,8 @@ class CaptureReport:
     memory_after_checkpoint: dict[str, dict[str, Any]] | None = None
     identity: dict[str, Any] = field(default_factory=dict)
     event_loops: dict[str, str] | None = None  # pid -> "uvloop", for the processes running it (unchanged servers)
+    shared_files: list[dict[str, Any]] | None = None  # the tree's /dev/shm files kept with the images (_shm_files)
+    cuda_ipc: dict[str, list[int]] | None = None  # the CUDA processes checked for CUDA IPC, and those that could not be
     engine_quiesced: bool = False
     timings_s: dict[str, float] = field(default_factory=dict)  # engine_quiesce, cuda_lock, cuda_checkpoint, criu_dump
     barrier_wait_s: dict[str, float] = field(default_factory=dict)
@@ -177,7 +179,8 @@ class CaptureReport:
             "memory_sources": {n: r.to_json() for n, r in sorted(self.memory_sources.items())} or None,
             "memory_before_checkpoint": self.memory_before_checkpoint,
             "memory_after_checkpoint": self.memory_after_checkpoint, "identity": self.identity,
-            "event_loops": self.event_loops, "engine_quiesced": self.engine_quiesced, "timings_s": self.timings_s,
+            "event_loops": self.event_loops, "shared_files": self.shared_files, "cuda_ipc": self.cuda_ipc,
+            "engine_quiesced": self.engine_quiesced, "timings_s": self.timings_s,
             "barrier_wait_s": self.barrier_wait_s, "image_bytes": self.image_bytes, "image_files": self.image_files,
             "image_digest": self.image_digest, "completed_unix": self.completed_unix}), "engine": self.engine}
 
@@ -234,6 +237,7 @@ class RestoreReport:
     memory_sources: dict[str, SourceReport] = field(default_factory=dict)  # other memory sources, by name
     engine_resume: dict[str, Any] | None = None  # the engine's own answer to `resume`
     communicator_recreate_seconds: float | None = None
+    shared_files: list[str] | None = None  # the /dev/shm files put back before CRIU (_shm_files)
     timeline: Timeline = field(default_factory=Timeline)
     barrier_wait_s: dict[str, float] = field(default_factory=dict)
 
@@ -252,7 +256,8 @@ class RestoreReport:
             "device_memory": [d.to_json() for d in self.device_memory] if self.device_memory is not None else None,
             "device_hydration_seconds": self.device_hydration_seconds,
             "memory_sources": {n: r.to_json() for n, r in sorted(self.memory_sources.items())} or None,
-            "communicator_recreate_seconds": self.communicator_recreate_seconds}),
+            "communicator_recreate_seconds": self.communicator_recreate_seconds,
+            "shared_files": self.shared_files}),
             "timeline": t.to_json(), "barrier_wait_s": self.barrier_wait_s,
             "restore_seconds": t.seconds("restore_begin", "process_resumed"),
             "ready_seconds": t.seconds("restore_begin", "ready")}

@@ -31,6 +31,7 @@ from ._host import host_identity
 from ._phase import PhaseLog
 from ._process import criu_environment, process_state, process_tree, require_state, run_criu, stop, tail
 from ._reports import RestoredGraphPolicy, RestoreReport
+from ._shm_files import SharedFile, load_shared_files, put_back
 from ._target import check_target, comparable
 from ._worker_guard import WorkerGuard
 from .errors import RankAborted, TargetRefused, WorkerError
@@ -88,6 +89,7 @@ class _Restore:
         self.memory_options = MemoryOptions()
         self.memory: MemoryRestores | None = None  # the memory sources whose records the images hold
         self.engine: str | None = None  # the engine's control socket, when its communicators were quiesced
+        self.shared: list[SharedFile] = []  # the tree's /dev/shm files, put back just before CRIU
         self.cuda: list[int] = []
         self.driver: Driver | None = None
         # What was started, for the rollback.
@@ -137,6 +139,7 @@ class _Restore:
         self.graph = validated_graph_record(self.images)
         # Every memory source's records checked before spending a CRIU restore.
         self.memory = MemoryRestores(RestoreScope(self.images, self.ranks, self.memory_options))
+        self.shared = load_shared_files(self.images)
         self.cuda = list(captured.get("cuda_pids", []))
         self.engine = captured.get("engine") if captured.get("engine_quiesced") else None
         if ranks.multi and boundary == "n610" and (self.graph is None or self.engine is None):
@@ -188,6 +191,8 @@ class _Restore:
         args = ["restore", "--images-dir", str(self.images), "--work-dir", str(work), "--restore-detached",
                 "--pidfile", str(pidfile), *(["--leave-stopped"] if paused else []),
                 *(["--lazy-pages"] if self.lazy else [])]
+        put_back(self.shared, self.images)  # what CRIU maps is what the tree had when it was dumped
+        self.report.shared_files = [f.path for f in self.shared] or None
         self.driver = driver = Driver() if self.cuda else None
         self.journal.note(restore=str(self.images), pidfile=str(pidfile))
         with ThreadPoolExecutor(1, thread_name_prefix="coldsnap-cuinit") as pool:

@@ -15,6 +15,7 @@
     │   └── NotCanonical            a value has no canonical JSON (NaN or an infinity), so no digest
     ├── WorkerError                 a capture or restore step failed
     │   ├── RankAborted             a multi-rank activation was aborted (by a rank, or a peer never arrived)
+    │   ├── CaptureRefused          this tree cannot be captured (every reason, before anything is locked)
     │   └── TargetRefused           this host cannot restore the capture (every mismatched fact, before any work)
     ├── HydrationError              weight hydration refused or failed (names the region when one is at fault)
     └── ChannelError                a JSON-line socket (`jsonline`) could not be reached, refused or answered badly
@@ -31,6 +32,7 @@ from __future__ import annotations
 __all__ = (
     "AdmissionError",
     "CanaryFailed",
+    "CaptureRefused",
     "ChannelError",
     "ContractError",
     "CudaError",
@@ -137,6 +139,18 @@ class ChannelError(ProbeError):
 
 class RankAborted(WorkerError):
     """A multi-rank activation was aborted: by this rank, by a peer, or because a peer never arrived."""
+
+
+class CaptureRefused(WorkerError):
+    """This tree cannot be captured (`_cuda_ipc`); refused before anything was locked, released or dumped."""
+
+    def __init__(self, reasons: list[dict[str, object]]) -> None:
+        # `reasons`: one {"code", "pid", "command", ...the facts of that code} per process refused.
+        super().__init__("capture refused before anything was locked or released: " + "; ".join(
+            f"{r['code']} (process {r['pid']} `{str(r['command'])[:120]}`: "
+            + ", ".join(f"{k} {v}" for k, v in r.items() if k not in ("code", "pid", "command")) + ")"
+            for r in reasons))
+        self.reasons = tuple(reasons)
 
 
 class TargetRefused(WorkerError):

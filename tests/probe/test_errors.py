@@ -70,6 +70,15 @@ def test_feature_not_passed_builds_the_controllers_text() -> None:
         "required feature cuda-fresh-state is unsupported: none"
 
 
+def test_capture_refused_names_each_process_its_command_and_its_handles() -> None:
+    exc = errors.CaptureRefused([{"code": "cuda-ipc", "pid": 41, "command": "python -m engine", "exported":
+                                  {"count": 1, "bytes": 67108864}, "imported": {"count": 0, "bytes": 0}}])
+    assert str(exc) == ("capture refused before anything was locked or released: cuda-ipc (process 41 "
+                        "`python -m engine`: exported {'count': 1, 'bytes': 67108864}, imported {'count': 0, "
+                        "'bytes': 0})")
+    assert exc.reasons[0]["pid"] == 41 and isinstance(exc, errors.WorkerError)
+
+
 @pytest.mark.skipif(has_nvidia_driver(), reason="asserts the no-driver translation")
 def test_a_missing_libcuda_is_translated_once_and_chained() -> None:
     with pytest.raises(errors.CudaLibraryMissing, match=r"libcuda\.so\.1 could not be loaded") as info:

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from coldsnap_probe._cuda_ipc import refuse_cuda_ipc
 from coldsnap_probe._reports import CaptureReport
 from coldsnap_probe.errors import HydrationError, WorkerError
 from coldsnap_probe.hydration import (
@@ -33,6 +34,7 @@ from coldsnap_probe.hydration import (
 )
 from coldsnap_probe.hydration._interposer import DUMP_KIND
 from coldsnap_probe.jsonline import request
+from coldsnap_probe.memory import MemoryOptions
 from coldsnap_probe.memory._device_dump import (
     RECORD,
     DeviceRelease,
@@ -132,6 +134,16 @@ def listening(library: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def test_the_cuda_ipc_check_asks_each_process_s_interposer_and_refuses_none_that_holds_no_handle(
+        engine: tuple[Any, str], tmp_path: Path) -> None:
+    """The capture's check reads the process's socket from its environment and the counts from its `status`
+    (a handle needs a GPU: tests/probe/test_split_server.py's refusal); a socket that is not there is not asked."""
+    proc, _ = engine
+    assert refuse_cuda_ipc([proc.pid], MemoryOptions()) == {"checked": [proc.pid], "unchecked": []}
+    absent = MemoryOptions(interposer=str(tmp_path / "absent.sock"))
+    assert refuse_cuda_ipc([proc.pid], absent) == {"checked": [], "unchecked": [proc.pid]}
+
+
 def raw(path: str, payload: bytes, fd: int | None = None) -> dict[str, Any]:
     """One exchange with `payload` as sent (and `fd` riding with it, SCM_RIGHTS), read to EOF."""
     with socket.socket(socket.AF_UNIX) as sock:
@@ -171,7 +183,8 @@ def test_the_socket_is_0600_and_found_through_the_process_environment(engine: tu
     assert interposer_socket(os.getpid()) is None
     status = request(path, {"op": "status"})
     assert status["ok"] and status["pid"] == proc.pid and status["regions"] == 0 and status["gate"] == "open"
-    assert status["released"] is False and set(status["uncovered"]) >= {"below_threshold", "managed", "ipc_imported"}
+    assert status["released"] is False and set(status["uncovered"]) >= {"below_threshold", "managed", "ipc_imported",
+                                                                         "ipc_exported"}
     assert status["wrapped"] == []  # no driver entry point was resolved through it yet
     assert status["driver"] is has_driver()
 

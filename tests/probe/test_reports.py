@@ -20,13 +20,13 @@ CAPTURE_ALWAYS = {"format", "kind", "boundary", "root_pid", "tree", "started_uni
                   "cuda_pids", "identity", "engine_quiesced", "timings_s", "barrier_wait_s", "image_bytes",
                   "image_files", "completed_unix"}
 CAPTURE_OPTIONAL = {"graph_policy", "engine_quiesce", "hydration", "memory_sources", "memory_before_checkpoint",
-                    "memory_after_checkpoint", "image_digest", "event_loops"}
+                    "memory_after_checkpoint", "image_digest", "event_loops", "shared_files", "cuda_ipc"}
 RESTORE_ALWAYS = {"format", "kind", "rank", "world_size", "timeline", "barrier_wait_s", "restore_seconds",
                   "ready_seconds"}
 RESTORE_OPTIONAL = {"boundary", "captured_root_pid", "cuda_pids", "identity_compatibility", "graph_policy",
                     "criu_restore_seconds", "restored_pid", "peer_criu_restore_seconds", "cuda_restore_seconds",
                     "peer_cuda_restore_seconds", "all_pages_in_seconds", "hydration", "engine_resume",
-                    "communicator_recreate_seconds", "memory_sources"}
+                    "communicator_recreate_seconds", "memory_sources", "shared_files"}
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,9 @@ def test_a_full_capture_report_adds_each_optional_key_in_its_shape() -> None:
     report.image_digest = "sha256:i"
     report.memory_sources["disk"] = DiskRead(5)
     report.event_loops = {"7": "uvloop"}
+    report.shared_files = [{"path": "/dev/shm/psm_1", "bytes": 4096, "mode": 0o600, "uid": 0, "gid": 0,
+                            "sha256": "0" * 64}]
+    report.cuda_ipc = {"checked": [7], "unchecked": []}
     value = json.loads(json.dumps(report.to_json()))
     assert value["memory_sources"] == {"disk": {"bytes": 5}}
     assert set(value) == CAPTURE_ALWAYS | CAPTURE_OPTIONAL
@@ -89,7 +92,7 @@ def test_a_full_restore_report_adds_each_optional_key_in_its_shape() -> None:
                            hydration=HydratedWeights(10, 0.1, 1e-7, 1, {"strategy": "ring"}, None, 0.2),
                            engine_resume={"ok": True}, communicator_recreate_seconds=0.3,
                            timeline=timeline("restore_begin", "process_resumed", "ready"),
-                           memory_sources={"disk": DiskRead(5)})
+                           memory_sources={"disk": DiskRead(5)}, shared_files=["/dev/shm/psm_1"])
     value = json.loads(json.dumps(report.to_json()))
     assert set(value) == RESTORE_ALWAYS | RESTORE_OPTIONAL
     assert value["memory_sources"] == {"disk": {"bytes": 5}}

@@ -202,11 +202,13 @@ struct cscu_vmm {
 /* What stayed on the CUDA checkpoint path, per kind (cumulative counts and bytes). */
 enum cscu_kind {
     CSCU_SMALL, CSCU_FALLBACK, CSCU_PITCH, CSCU_MANAGED, CSCU_ASYNC, CSCU_HOST_REGISTERED, CSCU_HOST_ALLOC,
-    CSCU_IPC_IMPORTED, CSCU_VMM_DIRECT, CSCU_UNWRAPPED_ENTRY, CSCU_KINDS
+    CSCU_IPC_IMPORTED, CSCU_VMM_DIRECT, CSCU_UNWRAPPED_ENTRY, CSCU_IPC_EXPORTED, CSCU_KINDS
 };
 /* A live allocation of `kind` at `ptr` (stays on the checkpoint path), and its end (any kind it was). */
 CSCU_HIDDEN void cscu_track(enum cscu_kind kind, uintptr_t ptr, size_t bytes);
 CSCU_HIDDEN void cscu_untrack(uintptr_t ptr);
+/* The whole allocation `p` lies in, as the driver knows it: its base (`size` 0) or its bytes (1). */
+CSCU_HIDDEN uintptr_t cscu_allocation(CUdeviceptr p, int size);
 /* A resolution that could not be wrapped (counted, never tracked). */
 CSCU_HIDDEN void cscu_count(enum cscu_kind kind);
 /* Appends the counts as a JSON object to `out` (at most `room` bytes); the number of bytes written. */

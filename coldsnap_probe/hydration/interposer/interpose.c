@@ -16,7 +16,7 @@
  *     the threshold), the engine's VMM (cuMemCreate, cuMemRelease, cuMemMap, cuMemUnmap, cuMemSetAccess,
  *     cuMemRetainAllocationHandle, cuMemGetAllocationPropertiesFromHandle, cuMemExportToShareableHandle,
  *     cuMulticastBindMem: its handles translated), and, counted only: cuMemAllocPitch_v2, cuMemAllocManaged, cuMemHostRegister_v2, cuMemHostAlloc,
- *     cuMemAllocHost_v2, cuIpcOpenMemHandle_v2;
+ *     cuMemAllocHost_v2, cuIpcOpenMemHandle_v2, cuIpcGetMemHandle;
  *   the readiness gate (wait while the regions are released): the allocation calls above, cuLaunchKernel,
  *     cuLaunchKernelEx, cuLaunchCooperativeKernel, cuGraphLaunch, cuMemcpy, cuMemcpyAsync, cuMemcpyPeer,
  *     cuMemcpyPeerAsync, cuMemcpy{HtoD,DtoH,DtoD}{,Async}_v2, cuMemcpy{2D,3D}{,Async}_v2,
@@ -227,8 +227,11 @@ COUNTED1(cuMemAllocManaged, (CUdeviceptr *p, size_t n, U flags), (p, n, flags), 
 COUNTED1(cuMemHostRegister_v2, (void *p, size_t n, U flags), (p, n, flags), CSCU_HOST_REGISTERED, p, n)
 COUNTED1(cuMemHostAlloc, (void **p, size_t n, U flags), (p, n, flags), CSCU_HOST_ALLOC, *p, n)
 COUNTED1(cuMemAllocHost_v2, (void **p, size_t n), (p, n), CSCU_HOST_ALLOC, *p, n)
+/* Legacy CUDA IPC, both sides, each allocation once and whole: a capture refuses it first (_cuda_ipc.py). */
 COUNTED1(cuIpcOpenMemHandle_v2, (CUdeviceptr *p, CUipcMemHandle h, U flags), (p, h, flags), CSCU_IPC_IMPORTED,
-         *p, 0)
+         *p, cscu_allocation(*p, 1))
+COUNTED1(cuIpcGetMemHandle, (CUipcMemHandle *h, CUdeviceptr p), (h, p), CSCU_IPC_EXPORTED, cscu_allocation(p, 0),
+         cscu_allocation(p, 1))
 
 /* Ends of the counted allocations: their counts follow what is live. */
 #define UNTRACKED(fn, pt, params, args, ptr)                                                  \
@@ -365,7 +368,8 @@ static const struct entry table[] = {
     E1("cuMemHostRegister", 6050, cuMemHostRegister_v2), E1("cuMemHostUnregister", 0, cuMemHostUnregister),
     E1("cuMemHostAlloc", 0, cuMemHostAlloc), E1("cuMemAllocHost", 3020, cuMemAllocHost_v2),
     E1("cuMemFreeHost", 0, cuMemFreeHost), E1("cuIpcOpenMemHandle", 11000, cuIpcOpenMemHandle_v2),
-    E1("cuIpcCloseMemHandle", 0, cuIpcCloseMemHandle), E1("cuMemCreate", 0, cuMemCreate),
+    E1("cuIpcCloseMemHandle", 0, cuIpcCloseMemHandle), E1("cuIpcGetMemHandle", 0, cuIpcGetMemHandle),
+    E1("cuMemCreate", 0, cuMemCreate),
     E1("cuMemRelease", 0, cuMemRelease), E1("cuMemMap", 0, cuMemMap), E1("cuMemUnmap", 0, cuMemUnmap),
     E1("cuMemSetAccess", 0, cuMemSetAccess), E1("cuMemRetainAllocationHandle", 0, cuMemRetainAllocationHandle),
     E1("cuMemGetAllocationPropertiesFromHandle", 0, cuMemGetAllocationPropertiesFromHandle),

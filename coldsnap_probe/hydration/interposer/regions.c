@@ -106,7 +106,7 @@ int cscu_gate_is_open(void)
 /* --- what stayed on the checkpoint path ------------------------------------------------------------------------ */
 static const char *kind_names[CSCU_KINDS] = {
     "below_threshold", "vmm_refused", "pitched", "managed", "stream_ordered", "host_registered", "host_pinned",
-    "ipc_imported", "vmm_by_engine", "unwrapped_entry_points"};
+    "ipc_imported", "vmm_by_engine", "unwrapped_entry_points", "ipc_exported"};
 struct tracked { uintptr_t ptr; size_t bytes; enum cscu_kind kind; };
 static pthread_mutex_t track_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct tracked *live;
@@ -125,6 +125,11 @@ void cscu_track(enum cscu_kind kind, uintptr_t ptr, size_t bytes)
     if (!cscu_config()->socket[0])
         return;  /* inert: nobody asks */
     pthread_mutex_lock(&track_lock);
+    for (size_t i = 0; i < live_count; i++)
+        if (live[i].ptr == ptr && live[i].kind == kind) {  /* one allocation exported again: counted once */
+            pthread_mutex_unlock(&track_lock);
+            return;
+        }
     if (live_count == live_room) {
         size_t room = live_room ? live_room * 2 : 256;
         struct tracked *grown = realloc(live, room * sizeof(*grown));
@@ -141,17 +146,26 @@ void cscu_track(enum cscu_kind kind, uintptr_t ptr, size_t bytes)
     pthread_mutex_unlock(&track_lock);
 }
 
+uintptr_t cscu_allocation(CUdeviceptr p, int size)
+{
+    const struct cscu_driver *d = cscu_driver();
+    CUdeviceptr base = p;
+    size_t bytes = 0;
+    if (!d || d->mem_get_address_range(&base, &bytes, p) != CUDA_SUCCESS)
+        return size ? 0 : (uintptr_t)p;
+    return size ? (uintptr_t)bytes : (uintptr_t)base;
+}
+
 void cscu_untrack(uintptr_t ptr)
 {
     if (!cscu_config()->socket[0])
         return;
     pthread_mutex_lock(&track_lock);
     for (size_t i = live_count; i-- > 0;)
-        if (live[i].ptr == ptr) {
+        if (live[i].ptr == ptr) {  /* every kind it was counted as (an allocation also exported) */
             kind_count[live[i].kind]--;
             kind_bytes[live[i].kind] -= live[i].bytes;
             live[i] = live[--live_count];
-            break;
         }
     pthread_mutex_unlock(&track_lock);
 }
