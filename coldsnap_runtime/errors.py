@@ -4,6 +4,8 @@
 
     ColdsnapError                      any failure we report on the wire
     ├── RequestRejected                bad framing, envelope, auth or validation (plain ok:false)
+    ├── StoreError                     the node's capture store lacks or refuses a capture, chunk or blob
+    │                                  (never on the wire: the backend translates it into RuntimeFailed)
     └── BackendError                   the runtime failed                        (runtime_failed)
         ├── NotFound                   the image or workload itself is absent   (not_found)
         ├── PathNotFound               a path inside an existing workload       (path_not_found)
@@ -44,6 +46,7 @@ __all__ = (
     "PathNotFound",
     "RequestRejected",
     "RuntimeFailed",
+    "StoreError",
 )
 
 
@@ -153,3 +156,7 @@ class BackendUnavailable(BackendError):
     def __init__(self, *, action: str, detail: str) -> None:
         super().__init__(f"{action} failed: container engine unavailable: {detail}", action=action)
         self.detail = detail
+
+
+class StoreError(ColdsnapError):
+    """The node's capture store lacks or refuses a capture, chunk or blob (named); translated into RuntimeFailed."""

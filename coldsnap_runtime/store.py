@@ -36,6 +36,8 @@ from typing import IO
 
 import msgspec
 
+from .errors import StoreError
+
 __all__ = (
     "CAPTURE_MEDIA_TYPE",
     "CHUNK_BYTES",
@@ -44,7 +46,6 @@ __all__ = (
     "CaptureData",
     "CaptureInfo",
     "CaptureStore",
-    "StoreError",
     "StoredFile",
     "artifact_manifest",
 )
@@ -57,10 +58,6 @@ OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 _HEX = frozenset("0123456789abcdef")
 _ZEROS = bytes(CHUNK_BYTES)
 INGEST_THREADS = 4  # chunks hashed and written at once: 256 MiB in memory at most
-
-
-class StoreError(Exception):
-    """The store cannot do what it was asked; the message names the capture, blob or file."""
 
 
 class StoredFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -250,15 +247,15 @@ class CaptureStore:
     def manifest(self, capture: str) -> bytes:
         try:
             return (self._captures / f"{_digest_name(capture)}.json").read_bytes()
-        except FileNotFoundError:
-            raise StoreError(f"capture {capture} is not in the node's store") from None
+        except FileNotFoundError as exc:
+            raise StoreError(f"capture {capture} is not in the node's store") from exc
 
     def data(self, capture: str) -> CaptureData:
         config = json.loads(self.manifest(capture))["config"]["digest"]
         try:
             return self.decode_data(self.blob_path(config).read_bytes())
-        except FileNotFoundError:
-            raise StoreError(f"capture {capture}: its data document {config} is missing") from None
+        except FileNotFoundError as exc:
+            raise StoreError(f"capture {capture}: its data document {config} is missing") from exc
 
     def captures(self) -> list[str]:
         return sorted("sha256:" + p.name.removesuffix(".json") for p in self._captures.glob("*.json"))
@@ -318,8 +315,8 @@ class CaptureStore:
         try:
             with open(self.blob_path(chunk), "rb") as source:
                 data = source.read(length + 1)
-        except FileNotFoundError:
-            raise StoreError(f"{name}: chunk {chunk} is missing from the node's store") from None
+        except FileNotFoundError as exc:
+            raise StoreError(f"{name}: chunk {chunk} is missing from the node's store") from exc
         if len(data) != length or "sha256:" + hashlib.sha256(data).hexdigest() != chunk:
             raise StoreError(f"{name}: chunk {chunk} is corrupt or truncated in the node's store")
         view = memoryview(data)
@@ -374,8 +371,8 @@ class CaptureStore:
         keep = set().union(*(self._chunks(c) for c in self.captures() if c != capture))
         try:
             manifest = json.loads(record.read_bytes())
-        except FileNotFoundError:
-            raise StoreError(f"capture {capture} is not in the node's store") from None
+        except FileNotFoundError as exc:
+            raise StoreError(f"capture {capture} is not in the node's store") from exc
         mine = self._chunks(capture) | {manifest["config"]["digest"]}
         record.unlink()
         _fsync_directory(self._captures)

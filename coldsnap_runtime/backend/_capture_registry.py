@@ -24,8 +24,8 @@ from typing import Any
 import aiohttp
 import anyio
 
-from ..errors import RuntimeFailed
-from ..store import OCI_MANIFEST, CaptureStore, StoreError
+from ..errors import RuntimeFailed, StoreError
+from ..store import OCI_MANIFEST, CaptureStore
 from ._digests import answer_challenge
 from ._engine import registry_errors
 
@@ -129,8 +129,8 @@ class CaptureRegistry:
     def _read_blob(self, digest: str) -> bytes:
         try:
             return self._store.blob_path(digest).read_bytes()
-        except FileNotFoundError:
-            raise StoreError(f"blob {digest} is missing from the node's store") from None
+        except FileNotFoundError as exc:
+            raise StoreError(f"blob {digest} is missing from the node's store") from exc
 
     # --- pull ------------------------------------------------------------------------
 

@@ -15,8 +15,8 @@ from typing import IO, Any
 
 import anyio
 
-from ..errors import NotFound, RuntimeFailed
-from ..store import CaptureInfo, CaptureStore, StoreError
+from ..errors import NotFound, RuntimeFailed, StoreError
+from ..store import CaptureInfo, CaptureStore
 from ._capture_build import CAPTURE_LABEL, image_files, store_context
 from ._capture_registry import CaptureRegistry, Transferred
 from ._digests import repository_path

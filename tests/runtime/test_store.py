@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from coldsnap_runtime.backend._capture_build import destinations
-from coldsnap_runtime.store import CHUNK_BYTES, CaptureData, CaptureStore, StoredFile, StoreError, artifact_manifest
+from coldsnap_runtime.errors import StoreError
+from coldsnap_runtime.store import CHUNK_BYTES, CaptureData, CaptureStore, StoredFile, artifact_manifest
 
 MIB = 1 << 20
 
