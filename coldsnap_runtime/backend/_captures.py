@@ -17,7 +17,7 @@ import anyio
 
 from ..errors import NotFound, RuntimeFailed, StoreError
 from ..store import CaptureInfo, CaptureStore
-from ._capture_build import CAPTURE_LABEL, image_files, store_context
+from ._capture_build import CAPTURE_LABEL, FILES_LABEL, image_files, store_context
 from ._capture_registry import CaptureRegistry, Transferred
 from ._digests import repository_path
 from ._engine import Engine, docker_errors
@@ -140,9 +140,15 @@ class Captures:
         store = await self._ready("workload-run")
         try:
             tree, read = await anyio.to_thread.run_sync(store.tree, capture)
+            known = {stored.path for stored in (await anyio.to_thread.run_sync(store.data, capture)).files}
         except StoreError as exc:
             raise RuntimeFailed(action="workload-run", detail=(
                 f"{image} carries capture {capture}: {exc}; nothing was started (pull the image again)")) from exc
+        # The label is the image's (a manager's Dockerfile, a registry): only the capture's own files are mounted,
+        # never a path it names outside the tree (``..``) or anything else on the host.
+        if strays := sorted(source for source in files.values() if source not in known):
+            raise RuntimeFailed(action="workload-run", detail=(
+                f"{image}: label {FILES_LABEL} names {strays[0]!r}, which is not a file of capture {capture}"))
         self._count("disk" if read else "tree", read)
         return capture, [{"Type": "bind", "Source": str(tree / source), "Target": target, "ReadOnly": True}
                          for target, source in sorted(files.items())]

@@ -270,3 +270,36 @@ def test_a_host_without_a_store_refuses_a_capsule_that_needs_one(daemon: Daemon,
     run = anyio.run(lambda: session.runtime("workload-run", workload={
         "name": "", "image": capsule[0], "remove_after_exit": True, "command": ["true"]}))
     assert not run.ok and "has no capture store" in str(run.error)
+
+
+def test_an_image_label_naming_a_path_outside_the_capture_is_refused(
+        node_a: tuple[Daemon, Path], capsule: tuple[str, str], busybox_image: str) -> None:
+    """review: the files label is the image's own (any Dockerfile's LABEL): a source with .. must not become a
+    bind of a host path."""
+    import base64
+
+    (daemon, _), (_, capture) = node_a, capsule
+    secret = Path(tempfile.mkdtemp(prefix="cs-secret-", dir="/var/tmp"))
+    (secret / "key").write_text("host-only-secret\n")
+    context = Path(tempfile.mkdtemp(prefix="cs-lblctx-", dir="/var/tmp"))
+    context.chmod(0o755)
+    files = base64.urlsafe_b64encode(json.dumps({"/leak": "../" * 24 + str(secret / "key").lstrip("/")}).encode())
+    dockerfile = (f"FROM {busybox_image}\nLABEL io.coldsnap-provider.capture={capture} "
+                  f"io.coldsnap-provider.capture-files={files.decode()}\n")
+    tag = f"localhost/{uniq('leak')}:1"
+    session = _session(daemon)
+
+    async def run() -> None:
+        built = await session.runtime("image-build", build=build_request(dockerfile, str(context), tag))
+        assert built.ok, built.error
+        ran = await session.runtime("workload-run", workload={
+            "name": "", "image": tag, "remove_after_exit": True, "command": ["cat", "/leak"]})
+        assert not ran.ok, ran.runtime.output  # type: ignore[union-attr]
+        assert "is not a file of capture" in str(ran.error)
+
+    try:
+        anyio.run(run)
+    finally:
+        docker("image", "rm", "-f", tag, check=False)
+        shutil.rmtree(secret, ignore_errors=True)
+        shutil.rmtree(context, ignore_errors=True)
