@@ -25,7 +25,7 @@ import aiohttp
 import anyio
 
 from ..errors import RuntimeFailed, StoreError
-from ..store import OCI_MANIFEST, CaptureStore
+from ..store import CHUNK_BYTES, OCI_MANIFEST, CaptureStore
 from ._digests import answer_challenge
 from ._engine import registry_errors
 
@@ -69,7 +69,8 @@ class CaptureRegistry:
     # --- HTTP with the registry's challenge answered once --------------------------------
 
     async def _send(self, session: aiohttp.ClientSession, method: str, url: str, *,
-                    headers: dict[str, str] | None = None, data: bytes | None = None) -> tuple[int, Any, bytes]:
+                    headers: dict[str, str] | None = None, data: bytes | None = None,
+                    limit: int = _MAX_DOCUMENT) -> tuple[int, Any, bytes]:
         for attempt in range(2):
             sent = dict(headers or {})
             if self._authorization:
@@ -79,9 +80,19 @@ class CaptureRegistry:
                     challenge = response.headers.get("WWW-Authenticate", "")
                     self._authorization = await answer_challenge(session, challenge, self._auth, self._action)
                     continue
-                body = await response.read() if method != "HEAD" else b""
+                body = await self._read(response, limit) if method != "HEAD" else b""
                 return response.status, response.headers, body
         raise RuntimeFailed(action=self._action, detail=f"registry {self._registry} refused the credentials")
+
+    async def _read(self, response: aiohttp.ClientResponse, limit: int) -> bytes:
+        """The body, refused past `limit` bytes (a registry's answer is untrusted: never read it whole)."""
+        body = bytearray()
+        async for piece in response.content.iter_chunked(1 << 20):
+            body += piece
+            if len(body) > limit:
+                raise RuntimeFailed(action=self._action, detail=(
+                    f"registry {self._registry} answered more than {limit} bytes for {response.url.path}"))
+        return bytes(body)
 
     def _fail(self, what: str, status: int, body: bytes) -> RuntimeFailed:
         text = body[:300].decode("utf-8", "replace").strip()
@@ -140,10 +151,20 @@ class CaptureRegistry:
         with registry_errors(self._action, self._registry):
             async with aiohttp.ClientSession(timeout=_TIMEOUT) as session:
                 manifest = await self._document(session, "manifests", capture, {"Accept": OCI_MANIFEST})
-                document = json.loads(manifest)
-                config = document.get("config") or {}
-                data = await self._document(session, "blobs", str(config.get("digest")), {})
-                layers = [(str(layer["digest"]), int(layer["size"])) for layer in document.get("layers") or []]
+                try:
+                    config = str(json.loads(manifest)["config"]["digest"])
+                except (ValueError, TypeError, KeyError) as exc:
+                    raise RuntimeFailed(action=self._action, detail=(
+                        f"registry {self._registry}: manifest {capture} is not a capture's: {exc!r}")) from exc
+                data = await self._document(session, "blobs", config, {})
+                # The chunks the data document names (their sizes from its files), never the manifest's layers:
+                # those could name any blob, of any size, which nothing would ever collect.
+                try:
+                    files = self._store.decode_data(data).files
+                except StoreError as exc:
+                    raise RuntimeFailed(action=self._action, detail=f"capture {capture}: {exc}") from exc
+                layers = sorted({(chunk, min(CHUNK_BYTES, stored.size - index * CHUNK_BYTES))
+                                 for stored in files for index, chunk in enumerate(stored.chunks) if chunk})
                 await self._each(layers, lambda blob: self._pull_blob(session, blob, done))
         try:
             await anyio.to_thread.run_sync(self._store.record, manifest, data)
@@ -166,7 +187,7 @@ class CaptureRegistry:
         if self._store.has_blob(digest):
             done.add(size, present=True)
             return
-        status, _, body = await self._send(session, "GET", f"{self._base}/blobs/{digest}")
+        status, _, body = await self._send(session, "GET", f"{self._base}/blobs/{digest}", limit=size)
         if status != 200:
             raise self._fail(f"blob {digest}", status, body)
         if not await anyio.to_thread.run_sync(self._keep, digest, size, body):

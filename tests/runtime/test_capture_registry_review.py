@@ -1,0 +1,43 @@
+"""review: what a registry's capture manifest may make the daemon fetch (the real registry on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import anyio
+
+from coldsnap_runtime.backend._capture_registry import CaptureRegistry
+from coldsnap_runtime.store import CHUNK_MEDIA_TYPE, CaptureStore, StoredFile, artifact_manifest
+from tests.conftest import Registry
+
+
+def _registry(store: CaptureStore, registry: Registry, repository: str) -> CaptureRegistry:
+    return CaptureRegistry(store, registry=registry.address, repository=repository, insecure=True,
+                           auth={"username": registry.username, "password": registry.password}, action="image-pull")
+
+
+def test_a_pull_fetches_only_the_chunks_the_data_document_names(registry: Registry, tmp_path: Path) -> None:
+    """A manifest's extra layers (any blob, any size) were fetched into the store and never collected."""
+    source = CaptureStore(tmp_path / "a")
+    source.open()
+    chunk = source.put_blob(os.urandom(4096))
+    extra = source.put_blob(os.urandom(8192))  # in the registry, named by the manifest, not by the capture
+    files = [StoredFile(path="images/pages-1.img", size=4096, mode=0o644, chunks=[chunk])]
+    data = json.dumps({"format": 1, "files": [{"path": f.path, "size": f.size, "mode": f.mode, "chunks": f.chunks}
+                                                for f in files]}, sort_keys=True, separators=(",", ":")).encode()
+    document = json.loads(artifact_manifest(data, files))
+    document["layers"].append({"mediaType": CHUNK_MEDIA_TYPE, "digest": extra, "size": 8192})
+    manifest = json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
+    capture = source.record(manifest, data)
+    assert capture == "sha256:" + hashlib.sha256(manifest).hexdigest()
+    repository = f"review/extra{os.getpid()}"
+    anyio.run(_registry(source, registry, repository).push, capture)
+
+    target = CaptureStore(tmp_path / "b")
+    target.open()
+    anyio.run(_registry(target, registry, repository).pull, capture)
+    assert target.has(capture) and target.has_blob(chunk)
+    assert not target.has_blob(extra)
