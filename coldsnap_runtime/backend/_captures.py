@@ -60,11 +60,11 @@ class Captures:
 
     # --- build, push, pull -------------------------------------------------------------
 
-    async def filter_context(self, spool: IO[bytes], out: IO[bytes]) -> bool:
-        """Whether the context tar `spool` carried a capture that went into the store: then `out` holds the
-        context to build (stubs in its place), from its start; else `spool` is built as it is."""
+    async def filter_context(self, spool: IO[bytes], out: IO[bytes]) -> str | None:
+        """The capture the context tar `spool` carried into the store, if any: then `out` holds the context to
+        build (stubs in its place), from its start; else (None) `spool` is built as it is."""
         if self.store is None:
-            return False
+            return None
         store = await self._ready("image-build")
         try:
             capture = await anyio.to_thread.run_sync(store_context, spool, out, store)
@@ -72,7 +72,7 @@ class Captures:
             raise RuntimeFailed(action="image-build", detail=f"the capture store: {exc}") from exc
         spool.seek(0)
         out.seek(0)
-        return capture is not None
+        return capture
 
     async def push(self, image: str, info: dict[str, Any], auth: Auth) -> Transferred | None:
         """Push the capture `image` carries beside it (before the image, so its tag never names a capture the

@@ -26,6 +26,7 @@ from ..errors import BuildContextError, NotFound, RequestRejected, RuntimeFailed
 from ..schema import ImageBuild, ImageInfo
 from ._base import Owner
 from ._buildctx import DOCKERFILE_PATH, base_images, rewrite_dockerfile, write_context_tar
+from ._capture_build import CAPTURE_LABEL, FILES_LABEL
 from ._captures import Captures
 from ._digests import (
     Platform,
@@ -233,7 +234,31 @@ class Images:
             stored = await self.captures.filter_context(spool, filtered)
             await self._engine.progress("image-build", "build", params=params, headers=headers,
                                         data=filtered if stored else spool)
+        await self._refuse_forged_capture(build, stored)
         await self.ledger.update("image-build", add=build.tag)
+
+    async def _refuse_forged_capture(self, build: ImageBuild, stored: str | None) -> None:
+        """The capture labels are the daemon's to write (the capture this build stored) or a base image's: a
+        Dockerfile's own LABEL (or a build argument's) naming some capture would mount another manager's files
+        at workload-run. Such an image is removed and the build refused."""
+        def pair(info: dict[str, Any]) -> tuple[str | None, str | None]:
+            found = (info.get("Config") or {}).get("Labels") or {}
+            return found.get(CAPTURE_LABEL), found.get(FILES_LABEL)
+
+        built = pair(await self.exact(build.tag, "image-build"))
+        if built[0] is None or (stored is not None and built[0] == stored):
+            return
+        for base in base_images(_dockerfile(build), dict(build.arguments)):
+            try:
+                if pair(await self.exact(base, "image-build")) == built:
+                    return
+            except NotFound:
+                continue
+        with docker_errors("image-build", kind="image", ref=build.tag):
+            await self._engine.docker.images.delete(build.tag, force=True)
+        raise RuntimeFailed(action="image-build", detail=(
+            f"{build.tag}: label {CAPTURE_LABEL} is written by the daemon (a capture in the build context) or "
+            "inherited from a base image, never set by a Dockerfile; the image was removed"))
 
     async def _refuse_remote_triggers(self, build: ImageBuild) -> None:
         """A base image's ONBUILD triggers run in the build that uses it, and the engine fetches an ADD of a URL

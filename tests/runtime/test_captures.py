@@ -291,7 +291,9 @@ def test_an_image_label_naming_a_path_outside_the_capture_is_refused(
 
     async def run() -> None:
         built = await session.runtime("image-build", build=build_request(dockerfile, str(context), tag))
-        assert built.ok, built.error
+        if not built.ok:  # refused at build (a Dockerfile may not set the label): then nothing is left to run
+            assert "is written by the daemon" in str(built.error), built.error
+            return
         ran = await session.runtime("workload-run", workload={
             "name": "", "image": tag, "remove_after_exit": True, "command": ["cat", "/leak"]})
         assert not ran.ok, ran.runtime.output  # type: ignore[union-attr]
@@ -302,4 +304,37 @@ def test_an_image_label_naming_a_path_outside_the_capture_is_refused(
     finally:
         docker("image", "rm", "-f", tag, check=False)
         shutil.rmtree(secret, ignore_errors=True)
+        shutil.rmtree(context, ignore_errors=True)
+
+
+def test_a_dockerfile_may_not_name_a_capture_itself(node_a: tuple[Daemon, Path], capsule: tuple[str, str],
+                                                    busybox_image: str) -> None:
+    """review: a manager's own LABEL naming another's capture (its id from an image it can see) would mount that
+    capture's files into its container: refused at build, the image removed; a capsule's derivation (FROM it)
+    keeps the label it inherits."""
+    import base64
+
+    (daemon, _), (capsule_tag, capture) = node_a, capsule
+    context = Path(tempfile.mkdtemp(prefix="cs-forgectx-", dir="/var/tmp"))
+    context.chmod(0o755)
+    files = base64.urlsafe_b64encode(json.dumps({"/stolen": "images/pages-1.img"}).encode()).decode()
+    forged = f"localhost/{uniq('forged')}:1"
+    derived = f"localhost/{uniq('derived')}:1"
+    session = _session(daemon)
+
+    async def run() -> None:
+        built = await session.runtime("image-build", build=build_request(
+            f"FROM {busybox_image}\nLABEL io.coldsnap-provider.capture={capture} "
+            f"io.coldsnap-provider.capture-files={files}\n", str(context), forged))
+        assert not built.ok and "is written by the daemon" in str(built.error), built.error
+        assert docker("image", "inspect", forged, check=False).returncode != 0
+        built = await session.runtime("image-build", build=build_request(
+            f"FROM {capsule_tag}\nENV X=1\n", str(context), derived))
+        assert built.ok, built.error
+
+    try:
+        anyio.run(run)
+    finally:
+        docker("image", "rm", "-f", forged, check=False)
+        docker("image", "rm", "-f", derived, check=False)
         shutil.rmtree(context, ignore_errors=True)
