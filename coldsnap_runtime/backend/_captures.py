@@ -92,10 +92,12 @@ class Captures:
         if found is None:
             return None
         store = await self._ready("image-pull")
-        if store.has(found):
-            return Transferred()
+        # Asked of the registry even when the store holds it: an image's label may name any capture (another
+        # manager's), and only a registry that serves its manifest and data shows the image comes with it.
+        present = store.has(found)
         moved = await (await self._registry(image, store, auth, "image-pull")).pull(found)
-        self._count("registry", moved.bytes)
+        if not present:
+            self._count("registry", moved.bytes)
         return moved
 
     def _count(self, tier: str, read: int) -> None:

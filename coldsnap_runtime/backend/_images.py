@@ -12,6 +12,7 @@ the credentials of the registries a build's base images come from reach the engi
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import re
 import tempfile
@@ -154,7 +155,13 @@ class Images:
                                     headers=self._auth_header(ref.registry), kind="image", ref=image)
         await self.ledger.update("image-pull", add=image)
         # The capture the capsule carries comes beside it, straight into the node's store.
-        await self.captures.pull(image, await self.exact(image, "image-pull"), self._auth)
+        try:
+            await self.captures.pull(image, await self.exact(image, "image-pull"), self._auth)
+        except Exception:  # an image whose capture its registry did not give must not run with the node's copy
+            with contextlib.suppress(Exception), docker_errors("image-pull", kind="image", ref=image):
+                await self._engine.docker.images.delete(image, force=True)
+            await self.ledger.update("image-pull", drop=image)
+            raise
 
     async def push(self, image: str) -> None:
         ref = parse_reference(image)

@@ -338,3 +338,31 @@ def test_a_dockerfile_may_not_name_a_capture_itself(node_a: tuple[Daemon, Path],
         docker("image", "rm", "-f", forged, check=False)
         docker("image", "rm", "-f", derived, check=False)
         shutil.rmtree(context, ignore_errors=True)
+
+
+def test_a_pulled_image_naming_a_capture_its_registry_lacks_is_refused(
+        node_a: tuple[Daemon, Path], capsule: tuple[str, str], registry: Registry, busybox_image: str) -> None:
+    """review: an image from a registry whose label names a capture the node already holds (another manager's)
+    was pulled without asking the registry for the capture, then ran with that capture's files."""
+    import base64
+    import subprocess
+
+    (daemon, _), (_, capture) = node_a, capsule
+    files = base64.urlsafe_b64encode(json.dumps({"/stolen": "images/pages-1.img"}).encode()).decode()
+    tag = f"{registry.address}/forged/{uniq('pulled')}:1"
+    config = Path(tempfile.mkdtemp(prefix="cs-dockercfg-", dir="/var/tmp"))
+    shutil.copy(registry.credentials_file, config / "config.json")
+    try:
+        subprocess.run(["docker", "--config", str(config), "build", "-q", "-t", tag,
+                        "--label", f"io.coldsnap-provider.capture={capture}",
+                        "--label", f"io.coldsnap-provider.capture-files={files}", "-"],
+                       input=f"FROM {busybox_image}\n".encode(), check=True, capture_output=True)
+        subprocess.run(["docker", "--config", str(config), "push", "-q", tag], check=True, capture_output=True)
+        docker("image", "rm", "-f", tag)
+        session = _session(daemon)
+        pulled = anyio.run(lambda: session.runtime("image-pull", image=tag))
+        assert not pulled.ok and capture in str(pulled.error), pulled.error
+        assert docker("image", "inspect", tag, check=False).returncode != 0  # nothing left to run
+    finally:
+        docker("image", "rm", "-f", tag, check=False)
+        shutil.rmtree(config, ignore_errors=True)
