@@ -92,14 +92,35 @@ class WorkerGuard:
             self._fd = -1
 
 
+# The tree's processes as the journal named them, by pidfd (opened as each step is read, while the tree lives): a
+# process that took a pid of the tree after it ended is never signalled.
+_PIDFDS: dict[int, int] = {}
+
+
+def _hold(pids: object) -> None:
+    for pid in pids if isinstance(pids, list) else []:
+        if isinstance(pid, int) and pid > 0 and pid not in _PIDFDS:
+            with contextlib.suppress(OSError):
+                _PIDFDS[pid] = os.pidfd_open(pid)
+
+
+def _signal(pid: int, sig: int) -> None:
+    """`sig` to the tree's `pid`, through the pidfd held for it (none: it had ended already, nothing is sent)."""
+    if (fd := _PIDFDS.get(pid)) is not None:
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(fd, sig)
+
+
 def _guard(fd: int) -> None:
     steps: list[dict[str, Any]] = []
-    with os.fdopen(fd, "rb") as journal:
+    with os.fdopen(fd, "rb", buffering=0) as journal:
         for line in journal:
             try:
                 steps.append(json.loads(line))
             except ValueError:
                 continue
+            if isinstance(steps[-1], dict):
+                _hold(steps[-1].get("dump"))
     if not steps or steps[-1].get("end"):
         return
     started = time.monotonic()
@@ -165,16 +186,14 @@ def _let_tree_run(tree: list[int]) -> str:
     dump = [b"dump", b"--tree", str(tree[0]).encode()]
     _wait_while(lambda: _running(dump) or any(_traced(p) for p in tree), grace=CRIU_START_S)
     for pid in tree:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
+        _signal(pid, signal.SIGCONT)
     alive = [p for p in tree if Path(f"/proc/{p}").exists()]
     return f"tree {tree} running again ({len(alive)} alive)"
 
 
 def _end_tree(tree: list[int]) -> str:
     for pid in tree:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+        _signal(pid, signal.SIGKILL)
     return f"the capture was complete: tree {tree} ended, images kept"
 
 
