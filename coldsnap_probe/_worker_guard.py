@@ -164,6 +164,7 @@ def _undo_restore(steps: list[dict[str, Any]]) -> list[str]:
         for pid in _pids_of([b"lazy-pages", b"--images-dir", str(began["restore"]).encode()]):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+    roots = [root for root in roots if root > 1]  # killpg(1) is kill(-1): every process; killpg(0) the guard's own
     for root in roots:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(root, signal.SIGKILL)

@@ -54,3 +54,23 @@ def test_a_guard_never_kills_a_process_that_reused_a_tree_pid() -> None:
             os.kill(innocent, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+RESTORE = textwrap.dedent("""
+    import os, sys
+    from coldsnap_probe._worker_guard import WorkerGuard
+
+    guard = WorkerGuard()
+    guard.start("restore")
+    guard.note(restore=sys.argv[1], pidfile=sys.argv[2])
+    os._exit(0)
+""")
+
+
+def test_a_restore_guard_never_kills_process_group_0_or_1(tmp_path: Path) -> None:
+    """review: a pidfile that reads 0 or 1 (killpg(1) is kill(-1, ...): every process the guard may signal)."""
+    pidfile = tmp_path / "restored.pid"
+    pidfile.write_text("0\n")
+    worker = subprocess.run([sys.executable, "-c", RESTORE, str(tmp_path / "images"), str(pidfile)], cwd=ROOT,
+                            capture_output=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert b"guard: the worker died" in worker.stderr and b"no tree was restored" in worker.stderr, worker.stderr
