@@ -165,7 +165,7 @@ def put_back(files: list[SharedFile], images: Path) -> None:
                     shutil.copyfileobj(src, dst, 1 << 22)
                 if os.geteuid() == 0:
                     os.fchown(fd, shared.uid, shared.gid)
-                os.fchmod(fd, shared.mode)
+                os.fchmod(fd, shared.mode & 0o777)  # never set-id or sticky: the record is the images' to say
             finally:
                 os.close(fd)
             os.replace(partial, shared.path)

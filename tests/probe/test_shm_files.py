@@ -86,3 +86,17 @@ def test_a_record_naming_a_file_outside_dev_shm_refuses_the_restore(tmp_path: Pa
 def test_images_without_a_record_put_nothing_back(tmp_path: Path) -> None:
     assert load_shared_files(tmp_path) == [] and save_shared_files([], tmp_path) == []
     assert os.listdir(tmp_path) == []
+
+
+def test_a_record_cannot_put_back_a_set_id_file(tmp_path: Path, prefix: str) -> None:
+    """review: the record's mode is the images' (a manager's image): a setuid root file in /dev/shm is never made."""
+    path = Path(f"/dev/shm/{prefix}-ring")
+    path.write_bytes(b"#!/bin/sh\nid\n")
+    images = tmp_path / "images"
+    images.mkdir()
+    save_shared_files([str(path)], images)
+    record = json.loads((images / RECORD).read_text())
+    record["files"][0].update(mode=0o6755, uid=0, gid=0)
+    (images / RECORD).write_text(json.dumps(record))
+    put_back(load_shared_files(images), images)
+    assert path.stat().st_mode & 0o7777 == 0o755
