@@ -298,7 +298,7 @@ class CaptureStore:
 
     def _assemble(self, path: Path, stored: StoredFile) -> None:
         path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, stored.mode or 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, (stored.mode & 0o777) or 0o600)
         try:
             with ThreadPoolExecutor(INGEST_THREADS, thread_name_prefix="store-tree") as pool:
                 jobs = [pool.submit(self._copy_chunk, chunk, fd, index * CHUNK_BYTES,

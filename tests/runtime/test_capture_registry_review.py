@@ -41,3 +41,16 @@ def test_a_pull_fetches_only_the_chunks_the_data_document_names(registry: Regist
     anyio.run(_registry(target, registry, repository).pull, capture)
     assert target.has(capture) and target.has_blob(chunk)
     assert not target.has_blob(extra)
+
+
+def test_a_capture_file_is_never_made_set_id(tmp_path: Path) -> None:
+    """review: a data document's mode (a registry's) is not trusted with set-id bits on the host's tree."""
+    store = CaptureStore(tmp_path / "s")
+    store.open()
+    chunk = store.put_blob(os.urandom(4096))
+    files = [StoredFile(path="images/x", size=4096, mode=0o6755, chunks=[chunk])]
+    data = json.dumps({"format": 1, "files": [{"path": "images/x", "size": 4096, "mode": 0o6755, "chunks": [chunk]}]},
+                      sort_keys=True, separators=(",", ":")).encode()
+    capture = store.record(artifact_manifest(data, files), data)
+    tree, _ = store.tree(capture)
+    assert (tree / "images" / "x").stat().st_mode & 0o7000 == 0
