@@ -27,6 +27,7 @@ import json
 import os
 import secrets
 import shutil
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -132,6 +133,9 @@ class CaptureStore:
         self._captures = root / "captures"
         self._trees = root / "trees"
         self._tmp = root / "tmp"
+        # Held by record (its chunks checked, then its manifest named) and remove (what others keep, then deleted):
+        # a removal never deletes a chunk a capture being recorded has just found present.
+        self._listing = threading.Lock()
 
     def open(self) -> None:
         """Create the layout and drop what an earlier process left half-written (tmp/ only)."""
@@ -211,20 +215,21 @@ class CaptureStore:
         """List a capture whose every chunk is present: its data document stored, then its manifest named.
         The capture's id (the manifest's digest)."""
         files = self.decode_data(data).files
-        if missing := [c for f in files for c in f.chunks if c is not None and not self.has_blob(c)]:
-            raise StoreError(f"capture data names {len(missing)} chunks the store lacks, e.g. {missing[0]}")
-        self.put_blob(data)
-        capture = "sha256:" + hashlib.sha256(manifest).hexdigest()
-        target = self._captures / f"{_digest_name(capture)}.json"
-        if not target.exists():
-            temporary = self._tmp / f"{target.name}.{secrets.token_hex(4)}"
-            with open(temporary, "xb") as out:
-                out.write(manifest)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(temporary, target)
-            _fsync_directory(self._captures)
-        self.touch(capture)
+        with self._listing:
+            if missing := [c for f in files for c in f.chunks if c is not None and not self.has_blob(c)]:
+                raise StoreError(f"capture data names {len(missing)} chunks the store lacks, e.g. {missing[0]}")
+            self.put_blob(data)
+            capture = "sha256:" + hashlib.sha256(manifest).hexdigest()
+            target = self._captures / f"{_digest_name(capture)}.json"
+            if not target.exists():
+                temporary = self._tmp / f"{target.name}.{secrets.token_hex(4)}"
+                with open(temporary, "xb") as out:
+                    out.write(manifest)
+                    out.flush()
+                    os.fsync(out.fileno())
+                os.replace(temporary, target)
+                _fsync_directory(self._captures)
+            self.touch(capture)
         return capture
 
     @staticmethod
@@ -354,6 +359,13 @@ class CaptureStore:
                 counts[chunk] = counts.get(chunk, 0) + 1
         return counts
 
+    def _config(self, capture: str) -> str | None:
+        """The digest of the capture's data document (another capture's manifest may name the same one)."""
+        try:
+            return str(json.loads(self.manifest(capture))["config"]["digest"])
+        except (StoreError, ValueError, KeyError, TypeError):
+            return None
+
     def _chunks(self, capture: str) -> set[str]:
         try:
             return {c for f in self.data(capture).files for c in f.chunks if c is not None}
@@ -368,17 +380,19 @@ class CaptureStore:
         """Unlist the capture (its record first, so it is never half-listed), drop its tree, then every blob no
         other capture holds. Removing an absent capture is an error naming it."""
         record = self._captures / f"{_digest_name(capture)}.json"
-        keep = set().union(*(self._chunks(c) for c in self.captures() if c != capture))
-        try:
-            manifest = json.loads(record.read_bytes())
-        except FileNotFoundError as exc:
-            raise StoreError(f"capture {capture} is not in the node's store") from exc
-        mine = self._chunks(capture) | {manifest["config"]["digest"]}
-        record.unlink()
-        _fsync_directory(self._captures)
-        self.drop_tree(capture)
-        for blob in mine - keep:
-            self.blob_path(blob).unlink(missing_ok=True)
+        with self._listing:
+            keep = set().union(*(self._chunks(c) for c in self.captures() if c != capture))
+            keep |= {config for c in self.captures() if c != capture and (config := self._config(c))}
+            try:
+                manifest = json.loads(record.read_bytes())
+            except FileNotFoundError as exc:
+                raise StoreError(f"capture {capture} is not in the node's store") from exc
+            mine = self._chunks(capture) | {manifest["config"]["digest"]}
+            record.unlink()
+            _fsync_directory(self._captures)
+            self.drop_tree(capture)
+            for blob in mine - keep:
+                self.blob_path(blob).unlink(missing_ok=True)
 
     def drop_tree(self, capture: str) -> None:
         tree = self._trees / _digest_name(capture)
