@@ -36,11 +36,12 @@ class Captures:
     refused, naming the image)."""
 
     def __init__(self, engine: Engine, store: CaptureStore | None, *, spool_dir: str | None,
-                 owned_refs: Callable[[int], list[str]]) -> None:
+                 owned_refs: Callable[[int], list[str]], others_refs: Callable[[int], list[str]]) -> None:
         self._engine = engine
         self.store = store
         self._spool_dir = spool_dir
         self._owned_refs = owned_refs  # the image references a manager recorded (the image ledger)
+        self._others_refs = others_refs  # the references anyone else recorded
         self._opened = False
         # tier -> [bytes read from it, hits]; read by the metrics endpoint at scrape time.
         self._tiers: dict[str, list[int]] = {tier: [0, 0] for tier in TIERS}
@@ -168,8 +169,12 @@ class Captures:
         the daemon's account). Another manager's capture is answered as absent."""
         if uid is None:
             return None
+        return await self._carried_by(self._owned_refs(uid), action)
+
+    async def _carried_by(self, refs: list[str], action: str) -> set[str]:
+        """The captures these image references carry (a reference gone from the engine carries none)."""
         found: set[str] = set()
-        for ref in self._owned_refs(uid):
+        for ref in refs:
             try:
                 with docker_errors(action, kind="image", ref=ref):
                     info = await self._engine.docker.images.inspect(ref)
@@ -198,6 +203,12 @@ class Captures:
         mine = await self.visible(uid, "capture-remove")
         if mine is not None and capture not in mine:
             raise NotFound(kind="capture", ref=capture, action="capture-remove")
+        # Captures are content-addressed: a manager holding the same bytes must not remove them from under images
+        # of others (review of issue 34, finding 10).
+        if uid is not None and capture in await self._carried_by(self._others_refs(uid), "capture-remove"):
+            raise RuntimeFailed(action="capture-remove", detail=(
+                f"capture {capture} is also carried by images this manager did not record; only root or the "
+                "daemon's account can remove it"))
         await self._under_lock("capture-remove", lambda store, used: self._remove_one(store, used, capture))
 
     async def collect(self, *, max_bytes: int | None, older_than_s: float | None) -> list[str]:

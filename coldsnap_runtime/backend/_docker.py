@@ -95,7 +95,8 @@ class DockerBackend:
                  copy_max_bytes: int | None = None, capture_store: Path | None = None) -> None:
         self._engine = Engine(url)
         self.captures = Captures(self._engine, CaptureStore(capture_store) if capture_store else None,
-                                 spool_dir=spool_dir, owned_refs=lambda uid: self._images.ledger.owned_by(uid))
+                                 spool_dir=spool_dir, owned_refs=lambda uid: self._images.ledger.owned_by(uid),
+                                 others_refs=lambda uid: self._images.ledger.not_owned_by(uid))
         self._images = Images(self._engine, credentials_file=credentials_file, registries=registries,
                               ledger=image_ledger, spool_dir=spool_dir, copy_max_bytes=copy_max_bytes,
                               captures=self.captures)

@@ -70,6 +70,10 @@ class ImageLedger:
         """The references manager `uid` recorded (the capture store's admin verbs show it their captures)."""
         return sorted(ref for ref, entry in self._entries.items() if entry.owner == uid)
 
+    def not_owned_by(self, uid: int) -> list[str]:
+        """The references anyone but manager `uid` recorded (a capture they carry is not that manager's to remove)."""
+        return sorted(ref for ref, entry in self._entries.items() if entry.owner != uid)
+
     async def update(self, action: str, *, add: str = "", drop: str = "", owner: int | None = None) -> None:
         """Record `add` (owned by `owner` when it is new or has no owner yet) and forget `drop`."""
         if self.path is None:

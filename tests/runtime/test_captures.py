@@ -22,7 +22,7 @@ import pytest
 from coldsnap_provider.client import ReplyError
 from coldsnap_runtime.store import CHUNK_BYTES
 from tests.conftest import Registry, docker
-from tests.helpers import EXEC_AS_NOBODY, Daemon, Session, control_as
+from tests.helpers import EXEC_AS_NOBODY, Daemon, Session, control_as, session_as
 from tests.provider.test_metrics import sample, scrape
 from tests.runtime.conftest import module_daemon, uniq
 from tests.runtime.test_images import build_request
@@ -366,3 +366,27 @@ def test_a_pulled_image_naming_a_capture_its_registry_lacks_is_refused(
     finally:
         docker("image", "rm", "-f", tag, check=False)
         shutil.rmtree(config, ignore_errors=True)
+
+
+def test_a_manager_holding_the_same_bytes_cannot_remove_a_capture_others_images_carry(
+        node_a: tuple[Daemon, Path], capsule: tuple[str, str], registry: Registry, busybox_image: str,
+        capture_context: tuple[Path, dict[str, str]]) -> None:
+    """Captures are content-addressed: a manager who builds the same capture (the same Dockerfile over the same
+    bytes) reaches it, but removing it would take it from the capsule root built (review, finding 10)."""
+    daemon, store = node_a
+    tag = f"{registry.address}/capsules/{uniq('capo')}:1"
+    session = session_as(OTHER_UID, daemon, prefix="op-cap")
+    dockerfile = f"FROM {busybox_image}\nCOPY images /capsule/images\n"
+    built = anyio.run(lambda: session.runtime("image-build", build=build_request(dockerfile, str(capture_context[0]),
+                                                                                 tag)))
+    try:
+        assert built.ok, built.error
+        assert json.loads(docker("image", "inspect", tag).stdout)[0]["Config"]["Labels"][
+            "io.coldsnap-provider.capture"] == capsule[1]
+        listed = control_as(OTHER_UID, daemon.state_dir, {"operation": "capture-list"})
+        assert listed["ok"] and [c["capture"] for c in listed["result"]] == [capsule[1]]
+        refused = control_as(OTHER_UID, daemon.state_dir, {"operation": "capture-remove", "capture": capsule[1]})
+        assert not refused["ok"] and "also carried by images this manager did not record" in refused["error"]
+        assert (store / "captures" / f"{capsule[1].split(':')[1]}.json").exists()
+    finally:
+        docker("image", "rm", "-f", tag, check=False)
