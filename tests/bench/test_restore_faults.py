@@ -62,6 +62,10 @@ def test_a_watcher_whose_phase_never_comes_kills_nothing(tmp_path: Path) -> None
 def test_host_pid_of_matches_the_namespace_pid_and_the_command_line() -> None:
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "coldsnap_probe", "capture"])
     try:
+        deadline = time.monotonic() + 10  # until the child has exec'd (its command line is the parent's before)
+        while b"coldsnap_probe" not in Path(f"/proc/{sleeper.pid}/cmdline").read_bytes():
+            assert time.monotonic() < deadline, "the sleeper never showed its command line"
+            time.sleep(0.01)
         assert host_pid_of(sleeper.pid, "coldsnap_probe capture") == sleeper.pid  # one namespace here
         assert host_pid_of(sleeper.pid, "coldsnap_probe restore") is None
     finally:
