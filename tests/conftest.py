@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-from tests.helpers import MADE
+from tests.helpers import MADE, refuse_engine
 from tests.kubernetes import Cluster, bring_up
 
 # A 2-core CI box under a live dockerd is slow to generate data; correctness, not speed, is under test.
@@ -56,6 +56,7 @@ MANAGED_LABEL = "io.coldsnap-provider.managed"
 def docker(*args: str, input: bytes | None = None, check: bool = True) -> subprocess.CompletedProcess[bytes]:
     """The Docker CLI, used only by test set-up and assertions, never by the code under test. A container it
     creates carries this process's label and is recorded by name and id (tests.helpers.Made)."""
+    refuse_engine("the Docker CLI")
     verb = 1 if args[:1] == ("container",) else 0
     creates = args[verb:verb + 1] in (("run",), ("create",))
     if creates:
@@ -96,6 +97,7 @@ def scratch_in_pytest_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 @pytest.fixture(scope="session")
 def busybox_image() -> str:
     """A tiny local-only image made from Debian's busybox-static (nothing is pulled)."""
+    refuse_engine("the busybox image")
     if docker("image", "inspect", BUSYBOX_IMAGE, check=False).returncode == 0:
         return BUSYBOX_IMAGE
     busybox = shutil.which("busybox") or "/bin/busybox"
@@ -134,6 +136,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="session")
 def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
     """Debian's docker-registry on 127.0.0.1 with htpasswd (bcrypt) credentials."""
+    refuse_engine("the registry")
     base = tmp_path_factory.mktemp("registry")
     user, password = "coldsnap", "s3cret-pass"
     subprocess.run(["htpasswd", "-Bbc", str(base / "htpasswd"), user, password], check=True, capture_output=True)
@@ -212,4 +215,5 @@ def no_leftovers() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def cluster() -> Cluster:
     """The real single-node Kubernetes cluster (tests/kubernetes.py), up once per session; skipped unless root."""
+    refuse_engine("the Kubernetes cluster")
     return bring_up()
