@@ -8,6 +8,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-from tests.helpers import MADE, refuse_engine
+from tests.helpers import MADE, ROOT, refuse_engine
 from tests.kubernetes import Cluster, bring_up
 
 # A 2-core CI box under a live dockerd is slow to generate data; correctness, not speed, is under test.
@@ -117,6 +118,29 @@ def busybox_image() -> str:
         tar = subprocess.run(["tar", "-C", root, "-c", "."], capture_output=True, check=True).stdout
         docker("import", "--change", "ENV PATH=/bin", "--change", 'CMD ["sh"]', "-", BUSYBOX_IMAGE, input=tar)
     return BUSYBOX_IMAGE
+
+
+@dataclass(frozen=True)
+class WorkerCapsule:
+    context: Path  # the image build's context: its Dockerfile and rootfs/
+    stdout: str  # what scripts/_capsule_rootfs.py printed (the capsule's interpreter among it)
+
+
+@pytest.fixture(scope="session")
+def worker_capsule(tmp_path_factory: pytest.TempPathFactory) -> WorkerCapsule:
+    """scripts/_capsule_rootfs.py --worker, built once for the tests that read or build it (never write into it):
+    CRIU stood in by a dynamically linked program. Its bytecode pass over the interpreter's library costs seconds."""
+    base = tmp_path_factory.mktemp("worker-capsule")
+    criu = base / "criu-root/usr/sbin/criu"
+    criu.parent.mkdir(parents=True)
+    shutil.copy2("/bin/true", criu)
+    context = base / "ctx"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts/_capsule_rootfs.py"), str(context), "--busybox",
+                           shutil.which("busybox") or "/bin/busybox", "--criu-root", str(base / "criu-root"),
+                           "--worker", str(ROOT / "coldsnap_probe")], capture_output=True, text=True, check=False,
+                          timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return WorkerCapsule(context=context, stdout=done.stdout)
 
 
 @dataclass(frozen=True)
