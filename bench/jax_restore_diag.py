@@ -9,7 +9,9 @@ A case is a program (engines/jax_server.py, or a minimal JAX or torch program: `
   worker   `python -m coldsnap_probe capture` and `restore`, as the product runs them;
   manual   the worker's capture, then the restore by hand, as the worker does it (CRIU --leave-stopped, SIGCONT,
            GetState, Restore, Unlock), every driver answer and the restore thread's state recorded, GetState
-           retried over 3 s should it fail (does it settle?).
+           retried over 3 s should it fail (does it settle?);
+  frozen   manual, but every thread of the restored process held in a ptrace stop but the driver's restore thread
+           until the CUDA restore and unlock are done (as CRIU's own CUDA plugin resumes only that thread).
 CRIU runs through a hook (this script as `criu`): before the dump (the process is checkpointed) and after the
 restore (stopped, before any CUDA restore) it records the tree's /proc maps, threads and descriptors. Per case:
 the worker's error lines, dmesg after a marker, the restored process's end (this is a subreaper: a crash is seen
@@ -89,9 +91,15 @@ CASES = {
     "server-interposer-worker": Case("server", "worker", 1024, interposer=True, env=PREALLOC_OFF),
     "server-interposer-manual": Case("server", "manual", 1024, interposer=True, env=PREALLOC_OFF),
     "server16-interposer-manual": Case("server", "manual", 16384, interposer=True, env=PREALLOC_OFF),
+    "torch-frozen": Case("torch", "frozen", 512),
+    "jax-frozen": Case("jax", "frozen", 256, env=PREALLOC_OFF),
+    "server-frozen": Case("server", "frozen", 1024, env=PREALLOC_OFF),
+    "server16-interposer-frozen": Case("server", "frozen", 16384, interposer=True, env=PREALLOC_OFF),
 }
-DEFAULT = ("torch-manual,jax-toggle,jax-manual,jax-platform-manual,jax-async-manual,server-toggle,server-manual,"
-           "server-manual-settle,server-interposer-worker,jax-worker,server16-interposer-manual")
+# The most telling first: whatever the budget cuts is at the end.
+DEFAULT = ("torch-manual,jax-manual,server-manual,server-frozen,jax-frozen,torch-frozen,server-toggle,jax-toggle,"
+           "server16-interposer-frozen,server16-interposer-manual,server-interposer-worker,server-manual-settle,"
+           "jax-platform-manual,jax-async-manual")
 
 
 class Log:
@@ -271,6 +279,82 @@ class Checkpoint:
         return self.call("cuCheckpointProcessLock", pid, args)[0]
 
 
+# -- every thread held but the driver's restore thread (as CRIU's CUDA plugin runs the restore) ------------------------
+class Frozen:
+    """The stopped process's threads, each held in a ptrace stop (PTRACE_SEIZE of a stopped task traps it): only
+    the thread `release` continues runs; `detach`, then a SIGCONT of the group, lets them all go."""
+
+    SEIZE, INTERRUPT, CONT, DETACH, GETSIGMASK, SETSIGMASK = 0x4206, 0x4207, 7, 17, 0x420A, 0x420B
+    WALL = 0x40000000
+
+    def __init__(self, pid: int, log: Log) -> None:
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.libc.ptrace.restype = ctypes.c_long
+        self.libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+        self.log, self.pid, self.released = log, pid, 0
+        self.mask = ctypes.c_uint64(0)
+        self.tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+        for tid in self.tids:
+            self._ptrace(self.SEIZE, tid)
+        for tid in self.tids:
+            self._wait(tid)
+
+    def _ptrace(self, request: int, tid: int, addr: int = 0, data: Any = None) -> None:
+        for _ in range(50):  # ESRCH while the tracee is between stops (the kernel's transient RUNNING)
+            if self.libc.ptrace(request, tid, addr, data) == 0:
+                return
+            errno = ctypes.get_errno()
+            if errno != 3:
+                break
+            time.sleep(0.005)
+        raise OSError(errno, f"ptrace({request:#x}, {tid}): {os.strerror(errno)}")
+
+    def _wait(self, tid: int, timeout: float = 2.0) -> str:
+        give_up = time.monotonic() + timeout
+        while time.monotonic() < give_up:
+            got, status = os.waitpid(tid, os.WNOHANG | self.WALL)
+            if got:
+                return f"stopped sig {os.WSTOPSIG(status)} event {status >> 16}" if os.WIFSTOPPED(status) else \
+                    f"status {status:#x}"
+            time.sleep(0.002)
+        return "no stop reported"
+
+    def drain(self) -> None:
+        for tid in self.tids:
+            try:
+                os.waitpid(tid, os.WNOHANG | self.WALL)
+            except ChildProcessError:
+                continue
+
+    def release(self, tid: int) -> None:
+        """Run only `tid`, every signal blocked on it meanwhile (a signal stop would hold it in the driver)."""
+        self.drain()
+        self._ptrace(self.GETSIGMASK, tid, 8, ctypes.byref(self.mask))
+        blocked = ctypes.c_uint64(~(1 << (signal.SIGTRAP - 1)) & (2**64 - 1))
+        self._ptrace(self.SETSIGMASK, tid, 8, ctypes.byref(blocked))
+        self._ptrace(self.CONT, tid)
+        self.released = tid
+        settled = time.monotonic() + 0.05
+        while time.monotonic() < settled:  # a pending group-stop notification traps it once more: continue it
+            got, status = os.waitpid(tid, os.WNOHANG | self.WALL)
+            if got and os.WIFSTOPPED(status):
+                self.log(f"     restore thread {tid} trapped again (sig {os.WSTOPSIG(status)}, event "
+                         f"{status >> 16}): continued")
+                self._ptrace(self.CONT, tid)
+            time.sleep(0.002)
+
+    def detach(self) -> None:
+        if self.released:
+            self._ptrace(self.INTERRUPT, self.released)
+            self.log(f"     restore thread {self.released} interrupted: {self._wait(self.released)}")
+            self._ptrace(self.SETSIGMASK, self.released, 8, ctypes.byref(self.mask))
+        for tid in self.tids:
+            try:
+                self._ptrace(self.DETACH, tid)
+            except OSError as exc:
+                self.log(f"     detach {tid}: {exc}")
+
+
 # -- CRIU through a hook: the tree seen before the dump and after the restore ---------------------------------------
 def hook(real: str, where: Path, args: list[str]) -> int:
     """Run as `criu` by the worker: snapshot the checkpointed tree before `dump`, the stopped restored tree after
@@ -428,7 +512,8 @@ def toggle(program: Program, log: Log) -> str:
     return "restored" if driver.state(pid) == "running" and code == "CUDA_SUCCESS" else "FAILED"
 
 
-def manual_restore(case: Case, images: Path, work: Path, criu: str, log: Log) -> tuple[str, int | None]:
+def manual_restore(case: Case, images: Path, work: Path, criu: str, log: Log,
+                   frozen: bool = False) -> tuple[str, int | None]:
     """The worker's restore by hand (`coldsnap_probe._restore`: cuInit, CRIU paused, SIGCONT, GetState, Restore,
     Unlock), with every driver answer, a failed GetState retried, the restore thread and the process's end."""
     driver = Checkpoint(log)
@@ -446,7 +531,14 @@ def manual_restore(case: Case, images: Path, work: Path, criu: str, log: Log) ->
     root = int(pidfile.read_text().split()[0])
     snaps = work / "snaps"
     restored = {pid: snapshot(pid, "criu-restored", snaps) for pid in tree(root)}
-    os.killpg(root, signal.SIGCONT)
+    held = None
+    if frozen:  # CRIU's CUDA plugin's way: only the restore thread runs until the driver restored the process
+        held = Frozen(root, log)
+        code, tid = driver.call("cuCheckpointProcessGetRestoreThreadId", root)
+        log(f"     {len(held.tids)} threads held; restore thread {tid} ({code})")
+        held.release(int(tid))
+    else:
+        os.killpg(root, signal.SIGCONT)
     continued = time.monotonic()
     state = driver.state(root)
     retries = 0
@@ -474,6 +566,9 @@ def manual_restore(case: Case, images: Path, work: Path, criu: str, log: Log) ->
         return f"FAILED at Restore: {code}, then {after}", root
     driver.call("cuCheckpointProcessUnlock", root, None)
     final = driver.state(root)
+    if held is not None:
+        held.detach()
+        os.killpg(root, signal.SIGCONT)  # the group stop CRIU left ends for every thread at once
     maps_report(restored.get(root), snapshot(root, "cuda-restored", snaps), log)
     return ("restored" if final == "running" else f"FAILED at Unlock: {final}"), root
 
@@ -526,7 +621,7 @@ def run_case(name: str, case: Case, base: Path, criu: str, library: Path | None,
                     log(f"   worker restore FAILED (exit {rc}):\n{error_lines(stderr)}")
                     log(f"   the restored root {pid}: {reap(pid)}")
             else:
-                result["outcome"], root = manual_restore(case, images, work, criu, log)
+                result["outcome"], root = manual_restore(case, images, work, criu, log, case.path == "frozen")
             threads_report(latest(snaps, "criu-restored", pid), log)
             maps_report(latest(snaps, "checkpointed", pid), latest(snaps, "criu-restored", pid), log)
         if result["outcome"] == "restored" and not (case.interposer and case.path == "manual"):
