@@ -97,9 +97,9 @@ CASES = {
     "server16-interposer-frozen": Case("server", "frozen", 16384, interposer=True, env=PREALLOC_OFF),
 }
 # The most telling first: whatever the budget cuts is at the end.
-DEFAULT = ("torch-manual,jax-manual,server-manual,server-frozen,jax-frozen,torch-frozen,server-toggle,jax-toggle,"
-           "server16-interposer-frozen,server16-interposer-manual,server-interposer-worker,server-manual-settle,"
-           "jax-platform-manual,jax-async-manual")
+DEFAULT = ("torch-manual,jax-manual,server-manual,server-frozen,server-worker,jax-frozen,torch-frozen,server-toggle,"
+           "server16-interposer-frozen,server-interposer-worker,server16-interposer-manual,jax-toggle,"
+           "server-manual-settle,jax-platform-manual,jax-async-manual")
 
 
 class Log:
