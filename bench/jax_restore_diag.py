@@ -95,6 +95,7 @@ CASES = {
     "jax-frozen": Case("jax", "frozen", 256, env=PREALLOC_OFF),
     "server-frozen": Case("server", "frozen", 1024, env=PREALLOC_OFF),
     "server16-interposer-frozen": Case("server", "frozen", 16384, interposer=True, env=PREALLOC_OFF),
+    "server16-interposer-worker": Case("server", "worker", 16384, interposer=True, env=PREALLOC_OFF),
 }
 # The most telling first: whatever the budget cuts is at the end.
 DEFAULT = ("torch-manual,jax-manual,server-manual,server-frozen,server-worker,jax-frozen,torch-frozen,server-toggle,"
@@ -673,6 +674,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("jaxdiag-out"))
     parser.add_argument("--cases", default=DEFAULT)
     parser.add_argument("--budget", type=float, default=280.0, help="no case starts after this many seconds")
+    parser.add_argument("--repeat", type=int, default=1, help="run each case this many times (does it flip?)")
     args = parser.parse_args()
     if args.command == "hook":
         sys.exit(hook(args.real, args.dir, args.args[1:] if args.args[:1] == ["--"] else args.args))
@@ -691,12 +693,13 @@ def main() -> None:
 
         library, _ = build_library(args.out / "work" / "lib")
     results = []
-    for name in names:
+    for name, run in ((n, r) for n in names for r in range(1, args.repeat + 1)):
+        label = f"{name}-{run}" if args.repeat > 1 else name
         if time.monotonic() - started > args.budget:
-            log(f"== {name}: skipped (past the {args.budget:g} s budget)")
+            log(f"== {label}: skipped (past the {args.budget:g} s budget)")
             continue
-        log(f"== {name} ({CASES[name]}) at {time.monotonic() - started:.0f} s")
-        results.append(run_case(name, CASES[name], args.out / "work", args.criu, library, log))
+        log(f"== {label} ({CASES[name]}) at {time.monotonic() - started:.0f} s")
+        results.append(run_case(label, CASES[name], args.out / "work", args.criu, library, log))
     log("\n| case | outcome | same answer | s |\n| --- | --- | --- | --- |")
     for result in results:
         log(f"| {result['case']} | {result.get('outcome')} | {result.get('same_answer')} | {result['seconds']} |")
