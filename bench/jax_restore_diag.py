@@ -618,6 +618,9 @@ def run_case(name: str, case: Case, base: Path, criu: str, library: Path | None,
                                             "--work-dir", str(work / "restore"))
                 root = (report or {}).get("restored_pid")
                 result["outcome"] = "restored" if rc == 0 else "FAILED"
+                result["restore_s"] = {k: (report or {}).get(k) for k in ("criu_restore_seconds",
+                                                                          "cuda_restore_seconds")}
+                log(f"   worker restore: {result['restore_s']}, timeline {(report or {}).get('timeline')}")
                 if rc != 0:
                     log(f"   worker restore FAILED (exit {rc}):\n{error_lines(stderr)}")
                     log(f"   the restored root {pid}: {reap(pid)}")

@@ -28,7 +28,7 @@ _SEIZE, _INTERRUPT, _CONT, _DETACH, _GETSIGMASK, _SETSIGMASK = 0x4206, 0x4207, 7
 _WALL = 0x40000000  # waitpid: threads too
 _SIGSET_BYTES = 8  # the kernel's sigset_t on Linux
 _STOP_WAIT_S = 2.0  # for a thread to report the stop it was asked for
-_RETRAP_S = 0.05  # a group-stop notification pending when a thread is continued traps it once more
+_RETRAP_S = 0.005  # a group-stop notification pending when a thread is continued traps it at once
 
 
 class ThreadHold:
