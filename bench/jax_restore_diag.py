@@ -73,6 +73,7 @@ class Case:
     interposer: bool = False
     env: dict[str, str] = field(default_factory=dict)
     settle_s: float = 0.0  # wait after the capture's kill before the restore (the old process's teardown)
+    delay_s: float = 0.0  # manual, frozen: the process runs (or its restore thread alone) this long before the driver
 
 
 PREALLOC_OFF = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
@@ -96,6 +97,11 @@ CASES = {
     "server-frozen": Case("server", "frozen", 1024, env=PREALLOC_OFF),
     "server16-interposer-frozen": Case("server", "frozen", 16384, interposer=True, env=PREALLOC_OFF),
     "server16-interposer-worker": Case("server", "worker", 16384, interposer=True, env=PREALLOC_OFF),
+    # The race made wide: 2 s between letting the process run and the driver's restore.
+    "server-manual-delay": Case("server", "manual", 1024, env=PREALLOC_OFF, delay_s=2.0),
+    "server-frozen-delay": Case("server", "frozen", 1024, env=PREALLOC_OFF, delay_s=2.0),
+    "jax-manual-delay": Case("jax", "manual", 256, env=PREALLOC_OFF, delay_s=2.0),
+    "torch-manual-delay": Case("torch", "manual", 512, delay_s=2.0),
 }
 # The most telling first: whatever the budget cuts is at the end.
 DEFAULT = ("torch-manual,jax-manual,server-manual,server-frozen,server-worker,jax-frozen,torch-frozen,server-toggle,"
@@ -541,6 +547,9 @@ def manual_restore(case: Case, images: Path, work: Path, criu: str, log: Log,
     else:
         os.killpg(root, signal.SIGCONT)
     continued = time.monotonic()
+    if case.delay_s:
+        time.sleep(case.delay_s)
+        log(f"     (+{case.delay_s:g} s before the driver: root {reap(root)})")
     state = driver.state(root)
     retries = 0
     while state not in ("running", "locked", "checkpointed") and time.monotonic() - continued < 3.0:
