@@ -3,7 +3,8 @@
 read the records (capture, graph, and each memory source's: the weight sources, the device dumps) while the
 host's identity is read, check the host -> [validated] -> stage every memory source, in registry order (a node
 hydrator's stages, read-ahead) -> CRIU restore, paused (cuInit meanwhile) -> [criu-restored] -> CUDA restore and
-unlock per process, reverse inventory order -> [cuda-restored] -> every page in (lazy pages) -> resume the tree
+unlock per process, reverse inventory order, only its restore thread running -> [cuda-restored] -> every page in
+(lazy pages) -> resume the tree
 -> [process-resumed] -> hydrate every memory source, in reverse registry order (the CUDA interposer's device
 memory, then the engine's weights) -> recreate the communicators -> [ready]. Brackets are barriers.
 
@@ -33,6 +34,7 @@ from ._process import criu_environment, process_state, process_tree, require_sta
 from ._reports import RestoredGraphPolicy, RestoreReport
 from ._shm_files import SharedFile, load_shared_files, put_back
 from ._target import check_target, comparable
+from ._thread_hold import ThreadHold
 from ._worker_guard import WorkerGuard
 from .errors import RankAborted, TargetRefused, WorkerError
 from .memory import MemoryOptions, MemoryRestores, RestoreScope
@@ -219,15 +221,18 @@ class _Restore:
         if driver is None:
             return
         self.timeline.mark("deferred_cuda_restore_begin")
-        os.killpg(root, signal.SIGCONT)  # leave-stopped tree: the CUDA restore thread must run
         for pid in reversed(self.cuda):
-            require_state(driver, [pid], "checkpointed", "before CUDA restore")
-            driver.call("cuCheckpointProcessRestore", pid, None)
-            require_state(driver, [pid], "locked", "after CUDA restore")
-            driver.call("cuCheckpointProcessUnlock", pid, None)
-            require_state(driver, [pid], "running", "after unlock")
-        if self.ranks.multi or self.lazy:
-            os.killpg(root, signal.SIGSTOP)  # held until every rank's CUDA state is back, every page is in
+            # CRIU left the tree stopped: only the driver's restore thread runs until the process's CUDA state is
+            # back (a thread running meanwhile may touch mappings not yet restored: `_thread_hold`).
+            with ThreadHold(pid) as hold:
+                hold.run_only(int(driver.call("cuCheckpointProcessGetRestoreThreadId", pid)))
+                require_state(driver, [pid], "checkpointed", "before CUDA restore")
+                driver.call("cuCheckpointProcessRestore", pid, None)
+                require_state(driver, [pid], "locked", "after CUDA restore")
+                driver.call("cuCheckpointProcessUnlock", pid, None)
+                require_state(driver, [pid], "running", "after unlock")
+        if not (self.ranks.multi or self.lazy):
+            os.killpg(root, signal.SIGCONT)  # else held until every rank's CUDA state is back, every page is in
         self.timeline.mark("deferred_cuda_restore_end")
         seconds = self.report.cuda_restore_seconds = self.timeline.seconds("deferred_cuda_restore_begin",
                                                                            "deferred_cuda_restore_end")
