@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -108,12 +109,13 @@ class Split:
         self.ns = Namespace([sys.executable, str(LAUNCHER), "launch", "--pid-floor", str(PID_FLOOR), "--log",
                              str(directory / "init.log"), "--", "/bin/sh", "-c", 'exec "$@" >> "$0" 2>&1',
                              str(self.log), *server], directory / "namespace.log", env)
-        deadline = time.monotonic() + 240
+        deadline, init_log = time.monotonic() + 240, directory / "init.log"
         while '"ready"' not in (self.log.read_text() if self.log.exists() else ""):
-            assert self.ns.process.poll() is None and "engine_exited" not in (directory / "init.log").read_text() \
-                and time.monotonic() < deadline, self.log.read_text()[-3000:] if self.log.exists() else ""
+            assert self.ns.process.poll() is None and time.monotonic() < deadline, \
+                (directory / "namespace.log").read_text()
+            assert "engine_exited" not in (init_log.read_text() if init_log.exists() else ""), self.log.read_text()
             time.sleep(0.02)
-        forked = [json.loads(line) for line in (directory / "init.log").read_text().splitlines() if "forked" in line]
+        forked = [json.loads(line) for line in init_log.read_text().splitlines() if "forked" in line]
         self.pid = int(forked[0]["engine_pid"])  # in the namespace: what the worker and the server see
         assert self.pid >= PID_FLOOR
 
@@ -165,6 +167,29 @@ class Split:
         self.ns.end()
 
 
+@contextmanager
+def host_pid_taken(pid: int) -> Iterator[None]:
+    """The host's PID `pid` held by a process of the host's meanwhile (one of ours, through ns_last_pid, unless
+    another holds it already): a restore wanting that PID in the host's PID space would fail."""
+    holder = None
+    for _ in range(20):
+        if Path(f"/proc/{pid}").exists():
+            break
+        Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
+        holder = subprocess.Popen(["sleep", "600"])
+        if holder.pid != pid:  # another fork came first: try again
+            holder.kill()
+            holder.wait()
+            holder = None
+    assert Path(f"/proc/{pid}").exists(), f"could not take the host's PID {pid}"
+    try:
+        yield
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait()
+
+
 def restore(images: Path, criu: str, split: Split, work: Path) -> dict[str, Any]:
     code, out, err = split.restore(images, criu, work)
     assert code == 0, err
@@ -197,7 +222,8 @@ def test_the_two_process_server_is_restored_as_one_tree_with_every_process_s_sta
         split.reap(tree)
         Path(ring).unlink()  # what a fresh node or container has: no such file
         for attempt in (1, 2):
-            report = restore(images, criu, split, tmp_path / f"work-{attempt}")
+            with host_pid_taken(split.pid):  # the restore's namespace is its own: the captured PIDs are free there
+                report = restore(images, criu, split, tmp_path / f"work-{attempt}")
             assert report["restored_pid"] == split.pid and report["shared_files"] == [ring]
             assert split.tree() == tree and split.state() == before
             answer = split.ask({"text": " again", "max_tokens": 6, "conversation": "c"})[-1]
@@ -262,7 +288,8 @@ def test_the_two_process_server_with_cuda_in_its_core_restores_to_the_same_token
         assert [f["path"] for f in captured["shared_files"]] == [f"/dev/shm/{before['ring']}"]
         split.reap(tree)
         for attempt in (1, 2):
-            report = restore(tmp_path / "images", criu, split, tmp_path / f"work-{attempt}")
+            with host_pid_taken(split.pid):  # as on the H200 once: "Can't fork for <pid>: File exists" no more
+                report = restore(tmp_path / "images", criu, split, tmp_path / f"work-{attempt}")
             assert [d["pid"] for d in report["device_memory"]] == [before["core_pid"]]
             assert split.tree() == tree and split.state() == before
             assert split.ask(prompt) == cold  # tokens, pieces and the first logits' digest
