@@ -235,7 +235,7 @@ async def run_uvloop(d: Driver, args: argparse.Namespace, image: str) -> dict[st
 
 
 HEAD = ("row", "engine, allocator", "cold s", "restores: Docker-to-first-token s",
-        "fastest: worker start / CRIU / CUDA / device hydration s", "moved at line rate (of device bytes)",
+        "fastest: worker start / CRIU / CUDA / device hydration s", "moved at line rate (of device bytes): kinds",
         "left on the checkpoint path", "event loop", "identical", f"<= {GOAL_S:g} s, >= {GOAL_SHARE:.0%}")
 
 
@@ -256,7 +256,8 @@ def row_cells(r: dict[str, Any]) -> list[str]:
             " / ".join(f"{x['first_token_s']:.2f}" for x in restores) or "-",
             f"{_f(best.get('worker_started_s'))} / {_f(best['criu_s'])} / {_f(best['cuda_s'])} / {device_cell(best)}"
             if best else "-",
-            f"{seen['moved_bytes'] / 1e9:.2f} GB ({seen['moved_share']:.1%})", left_text(seen["left_bytes"]),
+            f"{seen['moved_bytes'] / 1e9:.2f} GB ({seen['moved_share']:.1%})"
+            + (f": {left_text(seen['moved_kinds'])}" if seen.get("moved_kinds") else ""), left_text(seen["left_bytes"]),
             "/".join(sorted(set((r.get("event_loops") or {}).values()))) or "-", "yes" if identical else "NO",
             "yes" if goal else "no"]
 

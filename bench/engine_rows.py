@@ -72,24 +72,29 @@ def row_list(text: str, known: Sequence[str] = tuple(ROWS)) -> list[str]:
     return names
 
 
-def _moved_bytes(device: dict[str, Any]) -> int:
+def _moved(device: dict[str, Any]) -> dict[str, int]:
+    """A process's bytes moved at line rate, per allocation kind."""
     moved = device.get("moved")
     if moved is None:  # a report from before the per-kind counts: a released process moved all it dumped
-        return int(device.get("bytes") or 0) if device.get("state") == "released" else 0
-    return sum(int((kind or {}).get("bytes") or 0) for kind in moved.values())
+        return {"released": int(device.get("bytes") or 0)} if device.get("state") == "released" else {}
+    return {kind: int((seen or {}).get("bytes") or 0) for kind, seen in moved.items()}
 
 
 def coverage(device_memory: list[dict[str, Any]] | None) -> dict[str, Any]:
-    """What a capture moved at line rate, what stayed on the checkpoint path per device kind, and the moved share
-    of both (0.0 when the interposer saw nothing)."""
-    moved, left = 0, {}
+    """What a capture moved at line rate (in all and per allocation kind), what stayed on the checkpoint path per
+    device kind, and the moved share of both (0.0 when the interposer saw nothing)."""
+    kinds: dict[str, int] = {}
+    left: dict[str, int] = {}
     for device in device_memory or []:
-        moved += _moved_bytes(device)
+        for kind, size in _moved(device).items():
+            kinds[kind] = kinds.get(kind, 0) + size
         for kind, value in (device.get("uncovered") or {}).items():
             if kind not in HOST_KINDS and (value or {}).get("bytes"):
                 left[kind] = left.get(kind, 0) + int(value["bytes"])
+    moved = sum(kinds.values())
     total = moved + sum(left.values())
-    return {"moved_bytes": moved, "left_bytes": left, "moved_share": moved / total if total else 0.0}
+    return {"moved_bytes": moved, "moved_kinds": {k: v for k, v in sorted(kinds.items()) if v}, "left_bytes": left,
+            "moved_share": moved / total if total else 0.0}
 
 
 def left_text(left: dict[str, int]) -> str:

@@ -64,7 +64,8 @@ def restored(seconds: float, *, identical: bool = True) -> dict[str, Any]:
 
 
 def test_the_table_says_per_row_what_moved_what_stayed_the_event_loop_and_the_goal() -> None:
-    moved = {"moved_bytes": 17_364_418_560, "left_bytes": {"stream_ordered": 33_683_488}, "moved_share": 0.998}
+    moved = {"moved_bytes": 17_364_418_560, "moved_kinds": {"alloc": 17_000_000_000, "stream_ordered": 364_418_560},
+             "left_bytes": {"stream_ordered": 33_683_488}, "moved_share": 0.998}
     rows = [{"row": "torch-async", "label": ROWS["torch-async"].label, "cold": {"first_token_s": 12.5},
              "restores": [restored(1.31), restored(1.16), restored(1.2)], "coverage": moved, "event_loops": None},
             {"row": "uvloop", "label": "transformers serve", "cold": {"first_token_s": 20.8},
@@ -74,7 +75,8 @@ def test_the_table_says_per_row_what_moved_what_stayed_the_event_loop_and_the_go
              "units_left": ["rowsjax_node_0"]}]
     cells = [e2e_rows.row_cells(r) for r in rows]
     assert cells[0][2:] == ["12.50", "1.31 / 1.16 / 1.20", "0.05 / 0.30 / 0.40 / 0.10 (160.0 GB/s, staged)",
-                            "17.36 GB (99.8%)", "stream_ordered 33.7 MB", "-", "yes", "yes"]
+                            "17.36 GB (99.8%): alloc 17.00 GB, stream_ordered 364.4 MB", "stream_ordered 33.7 MB", "-",
+                            "yes", "yes"]
     assert cells[1][7:] == ["uvloop", "yes", "no"]  # one restore over 1.5 s misses the goal
     assert cells[2][8:] == ["NO", "no"]
     assert cells[3][0].startswith("jax (FAILED: E2EError: restore unit exited") and "units left: rowsjax_node_0" in \
