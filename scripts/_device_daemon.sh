@@ -43,15 +43,18 @@ wait_model() {
     grep -q "model exit 0" /tmp/weights.log || { cp /tmp/weights.log "$OUT/"; exit 1; }
 }
 
-# serve_capsule DIR SITE: the server's dependencies (.whl/serve: fastapi, starlette, uvicorn, uvloop, pydantic, openai
-# and theirs) into SITE, then a capsule build context with the worker, CRIU and that site (its log: $OUT/capsule.txt).
-# uvloop stays (when the wheels bring it): every server unit preloads libcoldsnap_no_io_uring.so, so its libuv keeps
-# to epoll (docs/restoring-your-own-server.md).
+# serve_capsule DIR [SITE]: the server's dependencies (.whl/serve: fastapi, starlette, uvicorn, uvloop, pydantic,
+# openai and theirs) into SITE, then a capsule build context with the worker, CRIU and that site (without SITE: no
+# server site); its log: $OUT/capsule.txt. uvloop stays (when the wheels bring it): every server unit preloads
+# libcoldsnap_no_io_uring.so, so its libuv keeps to epoll (docs/restoring-your-own-server.md).
 serve_capsule() {
-    rm -rf "$2" "$1"
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$2" .whl/serve/*.whl || exit 1
+    rm -rf "$1" ${2:+"$2"}
+    if [ -n "${2:-}" ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$2" .whl/serve/*.whl \
+            || exit 1
+    fi
     python3 scripts/_capsule_rootfs.py "$1" --busybox $D/usr/bin/busybox-static --criu-root "$CRIU_ROOT" \
-        --worker "$ROOT/coldsnap_probe" --server-site "$2" --criu-compat scripts/capsule/criu_sockopt_compat.c \
+        --worker "$ROOT/coldsnap_probe" ${2:+--server-site "$2"} --criu-compat scripts/capsule/criu_sockopt_compat.c \
         2>&1 | tee "$OUT/capsule.txt"
 }
 

@@ -11,7 +11,7 @@
 # (`--rows torch,torch-expandable,torch-async,split` then `--rows uvloop,jax,jax-platform`).
 # Environment: DRIVER_TIMEOUT bounds the driver (default: what a 590 s call has left after the set-up, less 20 s);
 # THP (default always) as in the serve step; IMAGES (default /dev/shm/cs-rows-img) is where the images go (one
-# row's at a time). Carries .device-criu42 (or .device-criu), .device-docker and .whl (with .whl/serve for uvloop).
+# row's at a time). Carries .device-criu42 (or .device-criu), .device-docker and .whl (and .whl/serve for uvloop).
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh"
 source "$(dirname "$0")/_device_daemon.sh"
@@ -42,8 +42,8 @@ fi
 step "docker engine (bundled)"
 start_docker
 
-step "capsule build context: worker, CRIU, the interposer, the server's site"
-serve_capsule /tmp/cs-capsule-rows "$SITE"
+step "capsule build context: worker, CRIU, the interposer (and the server's site for uvloop)"
+serve_capsule /tmp/cs-capsule-rows "$([ "$UVLOOP" = 1 ] && echo "$SITE")"
 
 step "coldsnap-provider serve"
 start_serve
