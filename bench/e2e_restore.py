@@ -226,8 +226,10 @@ class Stream:
     done: dict[str, Any] = field(default_factory=dict)
 
 
-async def stream_tokens(socket_path: Path, *, limit: float = 120.0) -> Stream:
-    """One request on the engine's socket; each token's arrival time (host clock)."""
+async def stream_tokens(socket_path: Path, *, limit: float = 120.0, prompt: list[int] | None = None,
+                        max_tokens: int = MAX_TOKENS) -> Stream:
+    """One request on the engine's socket (engine_llama's prompt unless another engine's vocabulary needs its
+    own); each token's arrival time (host clock)."""
     result = Stream(requested=time.time())
     with anyio.fail_after(limit):
         while True:
@@ -237,7 +239,7 @@ async def stream_tokens(socket_path: Path, *, limit: float = 120.0) -> Stream:
             except OSError:  # not yet listening
                 await anyio.sleep(0.01)
         async with connection:
-            await connection.send(json.dumps({"prompt": PROMPT, "max_tokens": MAX_TOKENS}).encode() + b"\n")
+            await connection.send(json.dumps({"prompt": prompt or PROMPT, "max_tokens": max_tokens}).encode() + b"\n")
             buffer = bytearray()
             while not result.done:
                 try:
@@ -254,7 +256,8 @@ async def stream_tokens(socket_path: Path, *, limit: float = 120.0) -> Stream:
                         result.tokens.append(int(event["token"]))
                     elif event.get("done"):
                         result.done = event
-    if not result.done or result.done.get("tokens") != result.tokens or len(result.tokens) != MAX_TOKENS:
+    # engine_llama repeats its tokens in the `done` line; ttft_server's protocol ends with the digest alone
+    if not result.done or result.done.get("tokens", result.tokens) != result.tokens or len(result.tokens) != max_tokens:
         raise E2EError(f"the engine's answer is incomplete: {len(result.tokens)} tokens, end {result.done}")
     return result
 
@@ -346,9 +349,11 @@ async def wait_hydrator(d: Driver, name: str, created: float, limit: float = 120
 # Capture and restore with the worker in the capsule
 
 
-async def capture(d: Driver, name: str, pid: int, layout: Layout, capture_id: str, *, hydrate: bool) -> dict[str, Any]:
+async def capture(d: Driver, name: str, pid: int, layout: Layout, capture_id: str, *, hydrate: bool,
+                  boundary: str = "n610") -> dict[str, Any]:
+    """The worker captures `pid` inside the unit `name` (`boundary` n580: a tree without CUDA); its report."""
     command = [layout.python, "-m", "coldsnap_probe", "capture", "--pid", str(pid), "--images",
-               f"{IMAGES}/{capture_id}", "--criu", layout.criu,
+               f"{IMAGES}/{capture_id}", "--criu", layout.criu, "--boundary", boundary,
                *(["--hydration", f"{RUN}/hydration.sock"] if hydrate else [])]
     started = time.time()
     runtime = await d.expect(f"capture of {name} by the in-capsule worker", "workload-exec", name=name,
