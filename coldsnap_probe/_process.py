@@ -24,6 +24,7 @@ __all__ = (
     "image_digest",
     "images_size",
     "inet_sockets",
+    "pids_by_argv",
     "process_state",
     "process_tree",
     "readlink",
@@ -212,6 +213,24 @@ def undo_cuda(driver: Driver, done: list[tuple[int, str]]) -> None:
                 driver.call("cuCheckpointProcessUnlock", pid, None, required=False)
         except Exception:
             continue
+
+
+def pids_by_argv(words: list[str]) -> list[int]:
+    """The processes whose command line has each of `words` as an argument, in any order. For looking at a host
+    (a benchmark's watcher, a test), never for acting on: a worker acts on the pids it started or journalled,
+    since any process can be named like CRIU."""
+    wanted = [word.encode() for word in words]
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:  # it ended while we looked
+            continue
+        if all(word in argv for word in wanted):
+            found.append(int(entry))
+    return found
 
 
 def process_state(pid: int) -> str:
