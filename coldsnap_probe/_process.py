@@ -112,10 +112,12 @@ def criu_environment(criu: str) -> dict[str, str]:
     return {**os.environ, "LD_LIBRARY_PATH": ":".join([*found, *([inherited] if inherited else [])])}
 
 
-def run_criu(criu: str, args: list[str], log: Path) -> float:
+def run_criu(criu: str, args: list[str], log: Path, *, lifeline: tuple[int, ...] = ()) -> float:
+    """CRIU `args`, logged to `log`; `lifeline`: descriptors it holds open until it exits (a worker guard's
+    journal: the guard of a worker that dies meanwhile undoes only once this CRIU has ended too)."""
     started = time.perf_counter()
     done = subprocess.run([criu, *args, "--log-file", str(log), "-v4"], capture_output=True, text=True,
-                          check=False, env=criu_environment(criu))
+                          check=False, env=criu_environment(criu), pass_fds=lifeline)
     if done.returncode != 0:
         raise WorkerError(f"criu {args[0]} exited {done.returncode}: {(done.stderr or '').strip()}\n{tail(log)}")
     return time.perf_counter() - started
