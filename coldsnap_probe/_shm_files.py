@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import WorkerError
+from .memory import read_record
 
 __all__ = ("RECORD", "SharedFile", "load_shared_files", "put_back", "save_shared_files", "shared_files")
 
@@ -135,13 +136,9 @@ def _refused(detail: object) -> WorkerError:
 
 def load_shared_files(images: Path) -> list[SharedFile]:
     """Before CRIU: the record, and every copy's size and digest checked against it; [] without a record."""
-    path = images / RECORD
-    if not path.exists():
-        return []
     try:
-        stored = json.loads(path.read_text())
-        if not isinstance(stored, dict) or stored.get("kind") != RECORD_KIND or stored.get("format") != 1:
-            raise _refused(f"not a format-1 {RECORD_KIND}")
+        if (stored := read_record(images, RECORD, RECORD_KIND)) is None:
+            return []
         files = [SharedFile(str(f["path"]), int(f["bytes"]), int(f["mode"]), int(f["uid"]), int(f["gid"]),
                             str(f["sha256"])) for f in stored["files"]]
         for shared in files:
