@@ -10,7 +10,8 @@ stays an optimisation, never a different image.
 
 The image is read through a container created from it and never started (the engine's archive API; the path's
 stat first, so a large file put there is never read), removed at once; it carries the RPC ownership labels, so a
-daemon that dies meanwhile removes it at its next start. An image is immutable: its answer is kept by image id.
+daemon that dies meanwhile removes it at its next start. An image is immutable: its answer is kept by image id, and
+is read when the daemon builds or pulls the image, so that its first run does not wait for it.
 """
 
 from __future__ import annotations

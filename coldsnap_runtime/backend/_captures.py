@@ -10,12 +10,13 @@ runs first (and the restore makes the files again, or fails naming the missing c
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import IO, Any
 
 import anyio
 
-from ..errors import NotFound, RuntimeFailed, StoreError
+from ..errors import BackendError, NotFound, RuntimeFailed, StoreError
 from ..store import CaptureInfo, CaptureStore
 from ._capture_build import CAPTURE_LABEL, FILES_LABEL, image_files, store_context
 from ._capture_registry import CaptureRegistry, Transferred
@@ -161,6 +162,18 @@ class Captures:
         stubs = await self._stubs.holding(str(info.get("Id") or image), sorted(files), "workload-run")
         return capture, [{"Type": "bind", "Source": str(tree / source), "Target": target, "ReadOnly": True}
                          for target, source in sorted(files.items()) if target in stubs]
+
+    async def read_stubs(self, image: str, action: str) -> None:
+        """Read now which paths of `image` (just built or pulled) hold the stub, so that its first workload-run
+        binds without reading the image (0.2 s on the CPU machine); a failure here leaves that to the run."""
+        if self.store is None:
+            return
+        with contextlib.suppress(BackendError, ValueError):
+            with docker_errors(action, kind="image", ref=image):
+                info = await self._engine.docker.images.inspect(image)
+            found = image_files(dict((info.get("Config") or {}).get("Labels") or {}))
+            if found is not None:
+                await self._stubs.holding(str(info.get("Id") or image), sorted(found[1]), action)
 
     # --- admin -----------------------------------------------------------------------
 
