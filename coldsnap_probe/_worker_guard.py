@@ -217,10 +217,16 @@ def _alive(pid: int) -> bool:
 
 
 def _hang_up(path: str) -> None:
-    """End a lazy-pages daemon still waiting for its restore: a connection that sends nothing is a failed one."""
-    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as peer:
-        peer.settimeout(1.0)
-        peer.connect(path)
+    """End a lazy-pages daemon still waiting for its restore: a connection that sends nothing is a failed one.
+    (Through the directory's descriptor: a socket's path may be longer than a socket address holds.)"""
+    with contextlib.suppress(OSError):
+        folder = os.open(os.path.dirname(path), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as peer:
+                peer.settimeout(1.0)
+                peer.connect(f"/proc/self/fd/{folder}/{os.path.basename(path)}")
+        finally:
+            os.close(folder)
 
 
 def _images(steps: list[dict[str, Any]]) -> Path | None:

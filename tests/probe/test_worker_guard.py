@@ -36,10 +36,10 @@ def criu(tmp_path: Path) -> Iterator[str]:
         yield wrapper
 
 
-def start_target(control: Path) -> subprocess.Popen[bytes]:
+def start_target(control: Path, mib: int = TARGET_MIB) -> subprocess.Popen[bytes]:
     control.mkdir()
     target = subprocess.Popen([sys.executable, str(ROOT / "bench/criu_target.py"), "--dir", str(control),
-                               "--mib", str(TARGET_MIB)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               "--mib", str(mib)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, start_new_session=True)
     wait_file(control / "ready")
     return target
@@ -260,3 +260,57 @@ def _restore_killed_in(phase: str, images: Path, criu: str, reports: Path, scrat
             os.killpg(tree, signal.SIGKILL)
         assert gone_within(tree, 5), f"the restored tree ({tree}) could not be removed"
     pytest.fail(f"the restore passed {phase} unseen 5 times")
+
+
+# A restore worker that starts its lazy-pages daemon (`named`: as the restore does; else the worker dies between
+# starting it and naming it: only the socket is journalled), says the daemon's pid and waits to be killed.
+LAZY_WORKER = """
+import subprocess, sys, time
+from pathlib import Path
+from coldsnap_probe._process import criu_environment
+from coldsnap_probe._restore import _start_lazy_pages
+from coldsnap_probe._worker_guard import WorkerGuard
+criu, images, named = sys.argv[1], Path(sys.argv[2]), sys.argv[3] == "named"
+guard = WorkerGuard()
+guard.start("restore")
+work = guard.scratch("coldsnap-restore-")
+if named:
+    daemon = _start_lazy_pages(criu, images, work, guard)
+else:
+    guard.note(lazy_socket=str(work / "lazy-pages.socket"))
+    daemon = subprocess.Popen([criu, "lazy-pages", "--images-dir", str(images), "--work-dir", str(work),
+                               "--log-file", str(images.parent / "lazy-pages.log"), "-v4"],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env=criu_environment(criu))
+    while not (work / "lazy-pages.socket").exists():
+        time.sleep(0.001)
+print(daemon.pid, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(CRIU is None, reason="needs root and scripts/criu/build's CRIU")
+@pytest.mark.parametrize("named", [True, False], ids=["named", "started-not-named"])
+def test_a_lazy_pages_daemon_ends_with_its_dead_workers_guard(tmp_path: Path, criu: str, named: bool) -> None:
+    """Regression (review #12): the guard ends the lazy-pages daemon its worker journalled, through its pidfd, or
+    through the socket the worker journalled before starting it (a connection that sends nothing ends its wait),
+    never by its name; the worker's scratch directory goes too."""
+    control, images, scratch = tmp_path / "control", tmp_path / "images", tmp_path / "tmp"
+    scratch.mkdir()
+    target = start_target(control, mib=16)
+    done = worker("capture", "--pid", str(target.pid), "--images", str(images), "--boundary", "n580", "--criu", criu)
+    assert done.returncode == 0, done.stderr
+    target.wait()
+    run = subprocess.Popen([sys.executable, "-c", LAZY_WORKER, criu, str(images), "named" if named else "not"],
+                           cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           env={**os.environ, "TMPDIR": str(scratch)})
+    assert run.stdout is not None
+    daemon = int(run.stdout.readline() or 0)
+    assert daemon and alive(daemon), run.communicate(timeout=30)
+    run.kill()
+    _out, err = run.communicate(timeout=30)
+    assert "restore guard: the worker died" in err, err
+    log = tmp_path / "lazy-pages.log"
+    assert gone_within(daemon, 5), (f"the lazy-pages daemon {daemon} outlived its worker's guard: {err}"
+                                    f"{log.read_text()[-3000:] if log.exists() else ''}")
+    assert list(scratch.iterdir()) == [], err
