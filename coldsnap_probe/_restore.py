@@ -193,7 +193,7 @@ class _Restore:
         args = ["restore", "--images-dir", str(self.images), "--work-dir", str(work), "--restore-detached",
                 "--pidfile", str(pidfile), *(["--leave-stopped"] if paused else []),
                 *(["--lazy-pages"] if self.lazy else [])]
-        put_back(self.shared, self.images)  # what CRIU maps is what the tree had when it was dumped
+        put_back(self.shared, self.images, self.journal.note)  # what CRIU maps is what the tree had when dumped
         self.report.shared_files = [f.path for f in self.shared] or None
         self.driver = driver = Driver() if self.cuda else None
         self.journal.note(restore=str(self.images), pidfile=str(pidfile))

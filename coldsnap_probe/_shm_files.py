@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -151,12 +152,17 @@ def load_shared_files(images: Path) -> list[SharedFile]:
     return files
 
 
-def put_back(files: list[SharedFile], images: Path) -> None:
-    """Just before CRIU: each file at its path again, as captured (written beside it, then renamed over it)."""
+def put_back(files: list[SharedFile], images: Path, note: Callable[..., None] = lambda **_: None) -> None:
+    """Just before CRIU: each file at its path again, as captured (written beside it, then renamed over it). Each
+    file written beside one is first `note`d (the worker's journal: its guard removes it if the worker dies)."""
     for shared in files:
         partial = f"{shared.path}.coldsnap-{os.getpid()}"
+        note(partial=partial)
         try:
             fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:  # one that was there is not ours to remove
+            raise WorkerError(f"shared-memory file {shared.path} could not be put back: {exc}") from exc
+        try:
             try:
                 with open(images / COPIES / _name(shared.path), "rb") as src, open(fd, "wb", closefd=False) as dst:
                     shutil.copyfileobj(src, dst, 1 << 22)

@@ -25,7 +25,8 @@ kept in an images directory that stays, as the worker's own rollback keeps it).
 Each undo checks the state first (a step journalled but never taken is a no-op). What it undid goes to stderr,
 which it shares with the worker: the exec's reply ends with it, and comes only once it is done.
 
-A restore journals `{"lazy_socket": path}` and `{"lazy_pages": pid}` around starting a lazy-pages daemon,
+A restore journals `{"partial": path}` before it writes a /dev/shm file beside the one it puts back (removed),
+`{"lazy_socket": path}` and `{"lazy_pages": pid}` around starting a lazy-pages daemon,
 `{"restore": images, "pidfile": path}` before CRIU runs and `{"root": pid}` once the restored tree exists: a restore
 worker that dies leaves no restored tree (nothing half-restored serves: stopped, checkpointed on the GPU, or running
 unreported), as its own rollback would: the guard kills the lazy-pages daemon and the tree's process group. (In a
@@ -189,6 +190,9 @@ def _undo(steps: list[dict[str, Any]]) -> list[str]:
 def _undo_restore(steps: list[dict[str, Any]]) -> list[str]:
     """No restored tree is left: the lazy-pages daemon ends, then the restored tree's process group is killed. The
     CRIU restore has ended (it held the journal), so its pidfile names the tree if the worker could not."""
+    for partial in [str(s["partial"]) for s in steps if "partial" in s]:  # a /dev/shm file being put back
+        with contextlib.suppress(OSError):
+            os.unlink(partial)
     roots = [int(s["root"]) for s in steps if "root" in s]
     began = next((s for s in steps if "restore" in s), None)
     if not roots and began is not None:
