@@ -127,10 +127,7 @@ async def fault_capture(run: Run, phase: str) -> dict[str, Any]:
         row["outcome"] = "captured"
     except E2EError as exc:
         row.update(outcome="failed", error=str(exc)[-2000:], replied_unix=time.time())
-    seen = row["watch"] = watcher.result()
-    if seen["killed"] and "replied_unix" in row:
-        row["seconds"] = row.pop("replied_unix") - watcher.killed_at  # type: ignore[operator]
-    row["phase_named"] = phase_named(row.get("error", ""), "capture", seen["killed_in"])
+    _watched(row, watcher, "capture")
     row["guard_undid"] = "capture guard: the worker died" in row.get("error", "")
     row["images_left"] = (run.layout.images_dir / target).exists()
     shutil.rmtree(run.layout.images_dir / target, ignore_errors=True)  # a completed capture's (the fault missed)
@@ -146,6 +143,15 @@ async def fault_capture(run: Run, phase: str) -> dict[str, Any]:
     return row
 
 
+def _watched(row: dict[str, Any], watcher: Watcher, kind: str) -> None:
+    """What the watcher saw into `row`: its account, the seconds from the kill to the failed reply, and whether
+    the reply named the phase the worker was killed in."""
+    seen = row["watch"] = watcher.result()
+    if seen["killed"] and "replied_unix" in row:
+        row["seconds"] = row.pop("replied_unix") - watcher.killed_at  # type: ignore[operator]
+    row["phase_named"] = phase_named(row.get("error", ""), kind, seen["killed_in"])
+
+
 async def fault_restore(run: Run, phase: str) -> dict[str, Any]:
     """The restore unit's worker killed as `phase` begins: the unit fails naming the phase, and is removed."""
     run.restores += 1
@@ -158,10 +164,7 @@ async def fault_restore(run: Run, phase: str) -> dict[str, Any]:
         row["outcome"] = "restored"
     except E2EError as exc:
         row.update(outcome="failed", error=str(exc)[-2000:], replied_unix=time.time())
-    seen = row["watch"] = watcher.result()
-    if seen["killed"] and "replied_unix" in row:
-        row["seconds"] = row.pop("replied_unix") - watcher.killed_at  # type: ignore[operator]
-    row["phase_named"] = phase_named(row.get("error", ""), "restore", seen["killed_in"])
+    _watched(row, watcher, "restore")
     await run.remove_unit()
     return row
 
