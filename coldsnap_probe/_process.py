@@ -24,6 +24,7 @@ __all__ = (
     "image_digest",
     "images_size",
     "inet_sockets",
+    "pids_by_argv",
     "process_state",
     "process_tree",
     "readlink",
@@ -111,10 +112,12 @@ def criu_environment(criu: str) -> dict[str, str]:
     return {**os.environ, "LD_LIBRARY_PATH": ":".join([*found, *([inherited] if inherited else [])])}
 
 
-def run_criu(criu: str, args: list[str], log: Path) -> float:
+def run_criu(criu: str, args: list[str], log: Path, *, lifeline: tuple[int, ...] = ()) -> float:
+    """CRIU `args`, logged to `log`; `lifeline`: descriptors it holds open until it exits (a worker guard's
+    journal: the guard of a worker that dies meanwhile undoes only once this CRIU has ended too)."""
     started = time.perf_counter()
     done = subprocess.run([criu, *args, "--log-file", str(log), "-v4"], capture_output=True, text=True,
-                          check=False, env=criu_environment(criu))
+                          check=False, env=criu_environment(criu), pass_fds=lifeline)
     if done.returncode != 0:
         raise WorkerError(f"criu {args[0]} exited {done.returncode}: {(done.stderr or '').strip()}\n{tail(log)}")
     return time.perf_counter() - started
@@ -212,6 +215,24 @@ def undo_cuda(driver: Driver, done: list[tuple[int, str]]) -> None:
                 driver.call("cuCheckpointProcessUnlock", pid, None, required=False)
         except Exception:
             continue
+
+
+def pids_by_argv(words: list[str]) -> list[int]:
+    """The processes whose command line has each of `words` as an argument, in any order. For looking at a host
+    (a benchmark's watcher, a test), never for acting on: a worker acts on the pids it started or journalled,
+    since any process can be named like CRIU."""
+    wanted = [word.encode() for word in words]
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:  # it ended while we looked
+            continue
+        if all(word in argv for word in wanted):
+            found.append(int(entry))
+    return found
 
 
 def process_state(pid: int) -> str:

@@ -17,9 +17,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -69,6 +69,8 @@ def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: C
             raise
         raise WorkerError(error) from exc
     finally:
+        if work is None and run.work is not None:  # its own scratch (the logs' tails are in the error already)
+            shutil.rmtree(run.work, ignore_errors=True)
         run.journal.end()
     run.report.barrier_wait_s = dict(run.ranks.waits)
     return run.report
@@ -182,25 +184,26 @@ class _Restore:
 
     def _criu_restore(self) -> int:
         """CRIU restores the tree (paused when anything follows); the driver initialises meanwhile."""
-        work = self.work = self.work or Path(tempfile.mkdtemp(prefix="coldsnap-restore-"))
+        work = self.work = self.work or self.journal.scratch("coldsnap-restore-")
         work.mkdir(parents=True, exist_ok=True)
         pidfile = work / "restored.pid"
         pidfile.unlink(missing_ok=True)  # CRIU refuses to overwrite one left by an earlier restore
         # Every rank is restored paused and released together; a lazy tree is released once its pages are in.
         paused = bool(self.cuda) or self.ranks.multi or self.lazy_pages
         if self.lazy_pages:
-            self.lazy = _start_lazy_pages(self.criu, self.images, work)
+            self.lazy = _start_lazy_pages(self.criu, self.images, work, self.journal)
         args = ["restore", "--images-dir", str(self.images), "--work-dir", str(work), "--restore-detached",
                 "--pidfile", str(pidfile), *(["--leave-stopped"] if paused else []),
                 *(["--lazy-pages"] if self.lazy else [])]
-        put_back(self.shared, self.images)  # what CRIU maps is what the tree had when it was dumped
+        put_back(self.shared, self.images, self.journal.note)  # what CRIU maps is what the tree had when dumped
         self.report.shared_files = [f.path for f in self.shared] or None
         self.driver = driver = Driver() if self.cuda else None
         self.journal.note(restore=str(self.images), pidfile=str(pidfile))
         with ThreadPoolExecutor(1, thread_name_prefix="coldsnap-cuinit") as pool:
             # The driver initialises while CRIU runs (cuInit is a good part of the CUDA restore otherwise).
             initialised = pool.submit(driver.call, "cuInit", 0) if driver is not None else None
-            seconds = self.report.criu_restore_seconds = run_criu(self.criu, args, work / "restore.log")
+            seconds = self.report.criu_restore_seconds = run_criu(self.criu, args, work / "restore.log",
+                                                                  lifeline=self.journal.lifeline())
             self.timeline.mark("criu_restore_end")
             root = self.root = int(pidfile.read_text().split()[0])  # first: the rollback kills the tree then
             self.journal.note(root=root)
@@ -274,15 +277,18 @@ class _Restore:
             stop(self.lazy)
 
 
-def _start_lazy_pages(criu: str, images: Path, work: Path) -> subprocess.Popen[bytes]:
+def _start_lazy_pages(criu: str, images: Path, work: Path, journal: WorkerGuard) -> subprocess.Popen[bytes]:
     """`criu lazy-pages` for the restore that follows: it serves the restored process's page faults from the
-    images (userfaultfd) and copies every other page in the background, then exits 0."""
+    images (userfaultfd) and copies every other page in the background, then exits 0. Its socket, then its pid,
+    are journalled: the guard of a worker that dies ends it."""
     listening = work / "lazy-pages.socket"
     listening.unlink(missing_ok=True)
     log = work / "lazy-pages.log"
+    journal.note(lazy_socket=str(listening))
     daemon = subprocess.Popen([criu, "lazy-pages", "--images-dir", str(images), "--work-dir", str(work),
                                "--log-file", str(log), "-v4"], stdin=subprocess.DEVNULL,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=criu_environment(criu))
+    journal.note(lazy_pages=daemon.pid)
     give_up = time.monotonic() + LAZY_PAGES_START_S
     while not listening.exists():
         if daemon.poll() is not None:

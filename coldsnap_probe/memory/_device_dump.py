@@ -43,7 +43,7 @@ from ..hydration import (
     remove_dump,
     verification,
 )
-from ._protocol import CaptureScope, RestoreScope
+from ._protocol import CaptureScope, RestoreScope, read_record
 
 __all__ = ("INTERPOSER_PAGE", "RECORD", "DeviceDumpSource", "DeviceRelease", "DeviceRestore", "DeviceStage",
            "DumpRecord", "hydrate_devices", "prefetch_dumps", "stages_for", "validated_dumps")
@@ -228,13 +228,10 @@ class DeviceRelease:
 
 def validated_dumps(images: Path) -> list[DumpRecord]:
     """Restore, before CRIU: the record, every manifest's digest and every dump file's size; [] without one."""
-    path = images / RECORD
-    if not path.exists():
-        return []
     try:
-        stored = json.loads(path.read_text())
-        if not isinstance(stored, dict) or stored.get("kind") != RECORD_KIND or stored.get("format") != 1:
-            raise HydrationError(f"not a format-1 {RECORD_KIND}")
+        stored = read_record(images, RECORD, RECORD_KIND)
+        if stored is None:
+            return []
         records = [DumpRecord(int(p["pid"]), str(p["socket"]), str(p["directory"]), DeviceDump.from_json(p["manifest"]),
                               {str(k): [int(x) for x in v] for k, v in dict(p.get("files") or {}).items()},
                               str(p.get("hydrator") or ""))

@@ -18,7 +18,7 @@ from .._reports import CaptureReport, HydratedWeights, ReleasedWeights, RestoreR
 from ..errors import ProbeError, WorkerError
 from ..hydration import HydrationManifest, Stager, check_sources
 from ..jsonline import request
-from ._protocol import CaptureScope, RestoreScope
+from ._protocol import CaptureScope, RestoreScope, read_record
 
 __all__ = ("RECORD", "WeightsSource", "hydrate_back")
 
@@ -42,11 +42,10 @@ class WeightsSource:
         return WeightsCapture(scope.images, scope.options.weights_control)
 
     def load(self, scope: RestoreScope) -> WeightsRestore | None:
-        path = scope.images / RECORD
-        if not path.exists():
-            return None
         try:  # the weight sources are checked before a CRIU restore is spent
-            manifest = HydrationManifest.from_json(json.loads(path.read_text()))
+            if (stored := read_record(scope.images, RECORD, None)) is None:
+                return None
+            manifest = HydrationManifest.from_json(stored)
             check_sources(manifest.regions, manifest.identities)
         except (ProbeError, ValueError) as exc:
             raise WorkerError(f"weight hydration cannot succeed, not restoring: {exc}") from exc

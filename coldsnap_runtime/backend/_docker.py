@@ -94,13 +94,14 @@ class DockerBackend:
                  host_policy: HostPolicy | None = None, registries: frozenset[str] | None = None,
                  copy_max_bytes: int | None = None, capture_store: Path | None = None) -> None:
         self._engine = Engine(url)
+        self._containers = Containers(self._engine, instance)
         self.captures = Captures(self._engine, CaptureStore(capture_store) if capture_store else None,
-                                 spool_dir=spool_dir, owned_refs=lambda uid: self._images.ledger.owned_by(uid),
+                                 spool_dir=spool_dir, containers=self._containers,
+                                 owned_refs=lambda uid: self._images.ledger.owned_by(uid),
                                  others_refs=lambda uid: self._images.ledger.not_owned_by(uid))
         self._images = Images(self._engine, credentials_file=credentials_file, registries=registries,
                               ledger=image_ledger, spool_dir=spool_dir, copy_max_bytes=copy_max_bytes,
                               captures=self.captures)
-        self._containers = Containers(self._engine, instance)
         self._spool_dir = spool_dir
         # The most bytes one workload-copy-from archive may spool (None: unbounded, for library callers).
         self._copy_max_bytes = copy_max_bytes

@@ -162,6 +162,7 @@ class Images:
                 await self._engine.docker.images.delete(image, force=True)
             await self.ledger.update("image-pull", drop=image)
             raise
+        await self.captures.read_stubs(image, "image-pull")
 
     async def push(self, image: str) -> None:
         ref = parse_reference(image)
@@ -243,6 +244,7 @@ class Images:
                                         data=filtered if stored else spool)
         await self._refuse_forged_capture(build, stored)
         await self.ledger.update("image-build", add=build.tag)
+        await self.captures.read_stubs(build.tag, "image-build")
 
     async def _refuse_forged_capture(self, build: ImageBuild, stored: str | None) -> None:
         """The capture labels are the daemon's to write (the capture this build stored) or a base image's: a

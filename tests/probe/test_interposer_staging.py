@@ -22,6 +22,7 @@ from coldsnap_probe import jsonline
 from coldsnap_probe.errors import HydrationError
 from coldsnap_probe.hydration._hydrator import _first_page
 from coldsnap_probe.hydration._peer_files import STAGE_ALLOCATIONS, dump_layout
+from tests.probe.interposer_harness import UNITY
 
 MIB = 1 << 20
 
@@ -180,22 +181,7 @@ def test_a_page_that_does_not_fit_leaves_nothing_open(regions: tuple[Path, list[
 
 
 # -- the interposer's side: the control socket's pages (C, no driver) ---------------------------------------------
-PAGES_HARNESS = r"""
-#include "driver.c"
-#include "interpose.c"
-#include "regions.c"
-#include "control.c"
-#include "connection.c"
-#include "operations.c"
-#include "request.c"
-#include "sha256.c"
-#include "crc32.c"
-#include "digest.c"
-#include "dump.c"
-#include "hydrate.c"
-#include "engine_vmm.c"
-#include "vmm_backing.c"
-#include "stream_ordered.c"
+PAGES_HARNESS = UNITY + r"""
 
 /* Three released regions of 2 MiB (no driver: a staged hydration is refused at the dump directory, after the
  * descriptors were counted and before any driver call), the control socket serving at argv[1]. */

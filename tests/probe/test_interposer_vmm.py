@@ -13,6 +13,7 @@ import subprocess
 from pathlib import Path
 
 from coldsnap_probe.hydration._interposer import SOURCES
+from tests.probe.interposer_harness import UNITY
 
 STANDIN = r"""
 #include <stdlib.h>
@@ -151,22 +152,7 @@ int cuMemAllocAsync(P *p, size_t n, void *s) { static P next = 0x900000000000ULL
 int cuMemFreeAsync(P p, void *s) { (void)p; (void)s; async_freed_by_driver++; return 0; }
 """
 
-HARNESS = r"""
-#include "driver.c"
-#include "interpose.c"
-#include "regions.c"
-#include "control.c"
-#include "connection.c"
-#include "operations.c"
-#include "request.c"
-#include "sha256.c"
-#include "crc32.c"
-#include "digest.c"
-#include "dump.c"
-#include "hydrate.c"
-#include "engine_vmm.c"
-#include "vmm_backing.c"
-#include "stream_ordered.c"
+HARNESS = UNITY + r"""
 
 #define MIB ((size_t)1 << 20)
 #define CHECK(name, expr) printf("%s %s\n", (expr) ? "ok" : "FAIL", name)

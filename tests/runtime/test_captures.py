@@ -340,6 +340,40 @@ def test_a_dockerfile_may_not_name_a_capture_itself(node_a: tuple[Daemon, Path],
         shutil.rmtree(context, ignore_errors=True)
 
 
+def test_a_later_layer_over_a_stub_path_is_what_the_workload_sees(
+        node_a: tuple[Daemon, Path], capsule: tuple[str, str], capture_context: tuple[Path, dict[str, str]]) -> None:
+    """Regression: review #14. An image built FROM a capsule (its capture labels inherited) puts its own file at a
+    stub path: the workload sees that file, as the image shows it without a store (the capture's file is not bound
+    over it), and the capture's other files still come from the store."""
+    (daemon, _), (capsule_tag, _) = node_a, capsule
+    _, sums = capture_context
+    context = Path(tempfile.mkdtemp(prefix="cs-overctx-", dir="/var/tmp"))
+    context.chmod(0o755)
+    (context / "mine.img").write_bytes(b"the manager's own pages\n")
+    (context / "mine.img").chmod(0o644)
+    derived = f"localhost/{uniq('over')}:1"
+    session = _session(daemon)
+
+    async def run() -> None:
+        built = await session.runtime("image-build", build=build_request(
+            f"FROM {capsule_tag}\nCOPY mine.img /capsule/images/pages-1.img\n", str(context), derived))
+        assert built.ok, built.error
+        for _ in range(2):  # the second run of the image is answered from what the first one read of it
+            ran = await session.runtime("workload-run", workload={
+                "name": "", "image": derived, "remove_after_exit": True, "command": [
+                    "sh", "-c", "head -c 64 /capsule/images/pages-1.img; sha256sum /capsule/images/dump/seg-0.bin"]})
+            assert ran.ok, ran.error
+            output = ran.runtime.output  # type: ignore[union-attr]
+            assert output.startswith(b"the manager's own pages\n"), output[:64]
+            assert sums["dump/seg-0.bin"].encode() in output
+
+    try:
+        anyio.run(run)
+    finally:
+        docker("image", "rm", "-f", derived, check=False)
+        shutil.rmtree(context, ignore_errors=True)
+
+
 def test_a_pulled_image_naming_a_capture_its_registry_lacks_is_refused(
         node_a: tuple[Daemon, Path], capsule: tuple[str, str], registry: Registry, busybox_image: str) -> None:
     """review: an image from a registry whose label names a capture the node already holds (another manager's)
