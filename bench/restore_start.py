@@ -24,7 +24,6 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,17 @@ sys.path.insert(0, str(ROOT))
 
 from bench._common import table
 from bench._daemon import running_daemon
-from bench.e2e_restore import IMAGES, WORKER_PATH, Driver, E2EError, Layout, await_unit, launch_unit, output
+from bench.e2e_restore import (
+    IMAGES,
+    WORKER_PATH,
+    Driver,
+    E2EError,
+    Layout,
+    await_unit,
+    launch_unit,
+    output,
+    unix,
+)
 
 CRIU_IN_UNIT = "/opt/coldsnap/criu/criu"
 PYTHON = "/usr/bin/python3"
@@ -90,12 +99,6 @@ def worker_copy(parent: Path, ref: str | None) -> Path:
     subprocess.run([PYTHON, "-m", "compileall", "-q", "--invalidation-mode", "checked-hash", str(parent)],
                    check=True, stdout=subprocess.DEVNULL)
     return parent
-
-
-def unix(stamp: str) -> float:
-    """Docker's RFC 3339 time with nanoseconds, as unix seconds."""
-    whole, _, fraction = stamp.rstrip("Z").partition(".")
-    return datetime.fromisoformat(whole + "+00:00").timestamp() + float(f"0.{fraction or '0'}")
 
 
 async def capture(d: Driver, layout: CpuLayout, image: str, mib: int) -> str:
