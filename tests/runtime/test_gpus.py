@@ -14,6 +14,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiodocker
 import anyio
 import msgspec
 import pytest
@@ -36,8 +37,10 @@ from coldsnap_runtime.backend._gpus import (
     select_gpus,
 )
 from coldsnap_runtime.backend._host_privilege import (
+    CAPABILITY_PROBE_IMAGE,
     engine_bounding_set,
     host_devices,
+    host_privilege,
     read_bounding_set,
     unknown_capability,
 )
@@ -243,6 +246,31 @@ _ENGINE_MISSING = missing_capabilities(_ENGINE_BOUNDING, 40) if _ENGINE_BOUNDING
 needs_partial_engine = pytest.mark.skipif(
     not _ENGINE_MISSING, reason="the engine here can grant every capability (Docker's privileged mode works)")
 
+
+@engine
+@needs_partial_engine
+async def test_host_capabilities_asks_each_engine_process_once_which_capabilities_it_can_name(tmp_path: Path) -> None:
+    """The probe creates (refused by the real engine: nothing is created) run for the first privileged run only."""
+    asked: list[list[str]] = []
+    socket_path = tmp_path / "engine.sock"  # the same engine, under a path no other test's grant was kept for
+    socket_path.symlink_to("/var/run/docker.sock")
+    async with aiodocker.Docker() as engine_api:
+
+        async def rejects(caps: list[str]) -> str:
+            asked.append(caps)
+            try:
+                created = await engine_api.containers.create({"Image": CAPABILITY_PROBE_IMAGE,
+                                                               "HostConfig": {"CapAdd": caps}})
+            except aiodocker.DockerError as exc:
+                return str(exc.message)
+            await created.delete(force=True)
+            return ""
+
+        first = await host_privilege("/", "host-capabilities", str(socket_path), None, rejects)
+        probes = len(asked)
+        second = await host_privilege("/", "host-capabilities", str(socket_path), None, rejects)
+    assert first is not None and second == first and probes >= 1 and len(asked) == probes
+    assert not set(_ENGINE_MISSING) & set(first.capabilities)
 
 @engine
 @needs_partial_engine
