@@ -189,9 +189,12 @@ def _where(phases: PhaseLog) -> str:
 
 if __name__ == "__main__":
     code = main()
-    # Everything is written: leave without the interpreter's teardown of every module it loaded (10-40 ms that a
-    # restore unit's readiness waited for, its command publishing the report once this process has exited). No
-    # thread of ours is left running by then (every pool is joined where it was opened, the rest are daemons).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    if code == 0:
+        # Everything is written: leave without the interpreter's teardown of every module it loaded (10-40 ms that
+        # a restore unit's readiness waited for, its command publishing the report once this process has exited).
+        # No thread of ours is left running by then (every pool is joined where it was opened, the rest are
+        # daemons). A failure leaves the usual way.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    raise SystemExit(code)
