@@ -33,8 +33,8 @@ __all__ = (
     "CAPABILITY_PROBE_IMAGE",
     "GPU_NODE",
     "PrivilegedPolicy",
-    "engine_bounding_set",
     "engine_capabilities",
+    "engine_process",
     "host_devices",
     "host_privilege",
     "read_bounding_set",
@@ -117,22 +117,16 @@ async def engine_capabilities(wanted: Sequence[str], rejects: Callable[[list[str
 # --- host I/O -----------------------------------------------------------------------------------
 
 
-def engine_bounding_set(socket_path: str, root: str | os.PathLike[str] = "/") -> int | None:
-    """The capability bounding set of the process serving `socket_path` (the engine), or None.
-
-    The peer's pid comes from SO_PEERCRED; None when it cannot be read (another pid namespace,
-    a proxy that exits, no permission): then nothing can be said before the engine tries.
-    """
-    engine = _engine_process(socket_path, root)
-    return engine[0] if engine else None
-
-
 # Per (engine socket, engine process, capabilities wanted): the capabilities that engine can name.
 _NAMED: dict[tuple[str, tuple[int, int, str], tuple[str, ...]], tuple[str, ...]] = {}
 
 
-def _engine_process(socket_path: str, root: str | os.PathLike[str]) -> tuple[int, int, str] | None:
-    """(bounding set, pid, start time) of the process serving `socket_path`, or None (see `engine_bounding_set`)."""
+def engine_process(socket_path: str, root: str | os.PathLike[str] = "/") -> tuple[int, int, str] | None:
+    """(capability bounding set, pid, start time) of the process serving `socket_path` (the engine), or None.
+
+    The peer's pid comes from SO_PEERCRED; None when it cannot be read (another pid namespace,
+    a proxy that exits, no permission): then nothing can be said before the engine tries.
+    """
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(5.0)
@@ -163,7 +157,7 @@ async def host_privilege(root: str | None, policy: PrivilegedPolicy, socket_path
     """
     if root is None:
         return None  # another node's engine: its bounding set is not readable from here
-    engine = await anyio.to_thread.run_sync(_engine_process, socket_path, root)
+    engine = await anyio.to_thread.run_sync(engine_process, socket_path, root)
     if engine is None:
         return None  # unknown: Docker's privileged mode, and the engine's own error if it fails
     bounding = engine[0]

@@ -38,7 +38,7 @@ from coldsnap_runtime.backend._gpus import (
 )
 from coldsnap_runtime.backend._host_privilege import (
     CAPABILITY_PROBE_IMAGE,
-    engine_bounding_set,
+    engine_process,
     host_devices,
     host_privilege,
     read_bounding_set,
@@ -241,7 +241,7 @@ class TestPrivilege:
 # --- the real engine, through a real daemon --------------------------------------------------
 
 engine = pytest.mark.usefixtures("no_leftovers")
-_ENGINE_BOUNDING = engine_bounding_set("/var/run/docker.sock")
+_ENGINE_BOUNDING = (engine_process("/var/run/docker.sock") or (None,))[0]
 _ENGINE_MISSING = missing_capabilities(_ENGINE_BOUNDING, 40) if _ENGINE_BOUNDING is not None else ()
 needs_partial_engine = pytest.mark.skipif(
     not _ENGINE_MISSING, reason="the engine here can grant every capability (Docker's privileged mode works)")
