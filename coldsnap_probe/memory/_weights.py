@@ -98,7 +98,7 @@ class WeightsRestore:
 
     def stage(self) -> None:
         if self.manifest.hydrator:
-            from ..hydration import Stager  # only here: the node hydrator's module is the restore worker's heaviest
+            from ..hydration import Stager  # only for a stage: the hydrator's module is no part of the worker's start
 
             self.stager = Stager(self.manifest)
 
