@@ -8,14 +8,16 @@ host's /usr, /lib and /lib64 and the worker (`coldsnap_probe`, compiled, as a ca
 the worker captures it there (`capture --boundary n580`, CRIU `--criu`). Then `--restores` restore units, each
 launched, awaited and inspected as bench/e2e_restore.py does it for the H200 (the same `launch_unit` and
 `await_unit`: the readiness check through `workload-exec`, the report, `workload-inspect`). With `--before REF`,
-the worker of that git ref restores the same images too, the two taking turns: the columns are side by side, one
-run. Each phase's median and 90th percentile over the restores, in milliseconds, from the host clock, Docker's
-`StartedAt` and the worker's own marks (`timeline`, `worker_start`; a worker without a mark shows "-").
+that git ref's daemon and worker restore the same images too (a second daemon, run from that ref's packages), the
+two taking turns: the columns are side by side, one run. Each phase's median and 90th percentile over the
+restores, in milliseconds, from the host clock, Docker's `StartedAt` and the worker's own marks (`timeline`,
+`worker_start`; a worker without a mark shows "-").
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -91,14 +93,15 @@ class CpuLayout(Layout):
 
 
 def worker_copy(parent: Path, ref: str | None) -> Path:
-    """`coldsnap_probe` of `ref` (None: this checkout) under `parent`, compiled as a capsule carries it."""
+    """`coldsnap_probe` of `ref` (None: this checkout) under `parent`, compiled as a capsule carries it; for a ref,
+    its daemon's packages beside it (the daemon of that side runs from there)."""
     parent.mkdir(parents=True)
     if ref is None:
         shutil.copytree(ROOT / "coldsnap_probe", parent / "coldsnap_probe",
                         ignore=shutil.ignore_patterns("__pycache__"))
     else:
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "coldsnap_probe"], check=True,
-                                 capture_output=True).stdout
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "coldsnap_probe", "coldsnap_provider",
+                                  "coldsnap_runtime", "nccl_shim"], check=True, capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", str(parent)], input=archive, check=True)
     subprocess.run([PYTHON, "-m", "compileall", "-q", "--invalidation-mode", "checked-hash", str(parent)],
                    check=True, stdout=subprocess.DEVNULL)
@@ -160,26 +163,32 @@ def rows(runs: dict[str, list[dict[str, float]]]) -> list[list[str]]:
 
 
 async def run(args: argparse.Namespace, work: Path) -> dict[str, list[dict[str, float]]]:
-    workers = {"this checkout": worker_copy(work / "after", None)}
+    sides = {"this checkout": (worker_copy(work / "after", None), ROOT)}  # label -> (worker, the daemon's checkout)
     if args.before:
-        workers = {f"before ({args.before})": worker_copy(work / "before", args.before), **workers}
+        before = worker_copy(work / "before", args.before)
+        sides = {f"before ({args.before}): its daemon and worker": (before, before), **sides}
     (work / "weights").mkdir()
     layouts = {label: CpuLayout(run_dir=work / "run", images_dir=work / "images", weights=work / "weights",
                                 python=PYTHON, host_mounts=("/usr", "/lib", "/lib64"), gpus=(), criu=CRIU_IN_UNIT,
-                                worker=path, criu_binary=Path(args.criu).resolve())
-               for label, path in workers.items()}
+                                worker=worker, criu_binary=Path(args.criu).resolve())
+               for label, (worker, _) in sides.items()}
     layouts["this checkout"].prepare()
     runs: dict[str, list[dict[str, float]]] = {label: [] for label in layouts}
-    metrics = work / "metrics.sock"  # as on the GPU machine: every unit gets a report directory (the live phase)
-    # As on the GPU machine: privileged units get the engine's capabilities (its bounding set lacks one here too).
-    config = f'[runtime]\nprivileged = "host-capabilities"\n[metrics]\naddress = "unix:{metrics}"\n'
-    async with running_daemon(config) as daemon:
-        d = Driver(daemon.state_dir)
-        await d.open()
-        capture_id = await capture(d, layouts["this checkout"], args.image, args.mib)
+    async with contextlib.AsyncExitStack() as stack:
+        drivers = {}
+        for n, (label, (_, checkout)) in enumerate(sides.items()):
+            # As on the GPU machine: privileged units get the engine's capabilities (its bounding set lacks one
+            # here too), and every unit gets a report directory (the live phase).
+            config = (f'[runtime]\nprivileged = "host-capabilities"\n'
+                      f'[metrics]\naddress = "unix:{work}/metrics-{n}.sock"\n')
+            daemon = await stack.enter_async_context(running_daemon(config, cwd=checkout))
+            drivers[label] = Driver(daemon.state_dir)
+            await drivers[label].open()
+        capture_id = await capture(drivers["this checkout"], layouts["this checkout"], args.image, args.mib)
         for attempt in range(args.restores):
             for label, layout in layouts.items():
-                runs[label].append(await restore(d, layout, args.image, capture_id, f"rs-restore-{os.getpid()}"))
+                runs[label].append(await restore(drivers[label], layout, args.image, capture_id,
+                                                 f"rs-restore-{os.getpid()}"))
                 print(f"[{label}] restore {attempt + 1}: request -> restore_begin "
                       f"{(runs[label][-1]['restore_begin'] - runs[label][-1]['request']) * 1e3:.1f} ms", flush=True)
     return runs
