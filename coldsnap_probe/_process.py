@@ -17,6 +17,7 @@ from ._cuda import Driver
 from .errors import WorkerError
 
 __all__ = (
+    "CriuRun",
     "anonymous_memory",
     "audit_pre_cuda",
     "cuda_processes",
@@ -113,14 +114,28 @@ def criu_environment(criu: str) -> dict[str, str]:
 
 
 def run_criu(criu: str, args: list[str], log: Path, *, lifeline: tuple[int, ...] = ()) -> float:
-    """CRIU `args`, logged to `log`; `lifeline`: descriptors it holds open until it exits (a worker guard's
-    journal: the guard of a worker that dies meanwhile undoes only once this CRIU has ended too)."""
-    started = time.perf_counter()
-    done = subprocess.run([criu, *args, "--log-file", str(log), "-v4"], capture_output=True, text=True,
-                          check=False, env=criu_environment(criu), pass_fds=lifeline)
-    if done.returncode != 0:
-        raise WorkerError(f"criu {args[0]} exited {done.returncode}: {(done.stderr or '').strip()}\n{tail(log)}")
-    return time.perf_counter() - started
+    return CriuRun(criu, args, log, lifeline=lifeline).wait()
+
+
+class CriuRun:
+    """One CRIU command, started at once; `wait` returns its seconds (start to exit) or raises naming its failure.
+    Started before `wait`, so that the worker does meanwhile what does not need CRIU's result. `lifeline`:
+    descriptors it holds open until it exits (a worker guard's journal: the guard of a worker that dies meanwhile
+    undoes only once this CRIU has ended too)."""
+
+    def __init__(self, criu: str, args: list[str], log: Path, *, lifeline: tuple[int, ...] = ()) -> None:
+        self.args, self.log = args, log
+        self.started = time.perf_counter()
+        self.process = subprocess.Popen([criu, *args, "--log-file", str(log), "-v4"], stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                        env=criu_environment(criu), pass_fds=lifeline)
+
+    def wait(self) -> float:
+        _, stderr = self.process.communicate()
+        if self.process.returncode != 0:
+            raise WorkerError(f"criu {self.args[0]} exited {self.process.returncode}: {(stderr or '').strip()}\n"
+                              f"{tail(self.log)}")
+        return time.perf_counter() - self.started
 
 
 def _image_files(images: Path) -> list[Path]:

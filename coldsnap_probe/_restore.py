@@ -23,21 +23,23 @@ import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._coordinator import Coordinator
-from ._cuda import Driver
 from ._engine import ABORT_POLL, resume_engine, validated_graph_record
 from ._host import host_identity
 from ._phase import PhaseLog
-from ._process import criu_environment, process_state, process_tree, require_state, run_criu, stop, tail
-from ._reports import RestoredGraphPolicy, RestoreReport
+from ._process import CriuRun, criu_environment, process_state, process_tree, require_state, stop, tail
+from ._reports import Mark, RestoredGraphPolicy, RestoreReport
 from ._shm_files import SharedFile, load_shared_files, put_back
 from ._target import check_target, comparable
 from ._thread_hold import ThreadHold
 from ._worker_guard import WorkerGuard
 from .errors import RankAborted, TargetRefused, WorkerError
 from .memory import MemoryOptions, MemoryRestores, RestoreScope
+
+if TYPE_CHECKING:
+    from ._cuda import Driver
 
 __all__ = ("restore",)
 
@@ -47,17 +49,20 @@ LAZY_PAGES_FINISH_S = 120.0  # for it to have copied every page after the restor
 
 def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: Coordinator | None = None,
             lazy_pages: bool = False, memory: MemoryOptions | None = None,
-            phases: PhaseLog | None = None, guard: WorkerGuard | None = None) -> RestoreReport:
+            phases: PhaseLog | None = None, guard: WorkerGuard | None = None,
+            startup: dict[str, int] | None = None) -> RestoreReport:
     """Restore the tree captured in `images`; returns the report (the images are only read).
 
     `lazy_pages`: CRIU restores the processes without their memory, which `criu lazy-pages` then fills
     (faults first, the rest in the background) while the CUDA state is restored. The tree is then held
     stopped until every page is in, so nothing serves from memory a failed daemon never filled. `memory` says
     how the memory sources hydrate; `phases` publishes each phase as it begins; `guard` (started) kills the restored
-    tree if this process dies before the restore ends.
+    tree if this process dies before the restore ends. `startup`: what the worker's command did before this call
+    (mark name -> unix ns), reported as `worker_start`.
     """
     run = _Restore(images, criu=criu, work=work, ranks=coordinator or Coordinator.single(), lazy_pages=lazy_pages,
                    phases=phases or PhaseLog("restore", publish=False))
+    run.report.worker_start = [Mark(name, ns, (ns - run.began) / 1e9) for name, ns in (startup or {}).items()] or None
     run.memory_options = memory or MemoryOptions()
     run.journal = guard or WorkerGuard()
     try:
@@ -88,6 +93,7 @@ class _Restore:
         self.report = RestoreReport(rank=ranks.rank, world_size=ranks.world_size)
         self.timeline = self.report.timeline
         self.timeline.mark("restore_begin")
+        self.began = self.timeline.marks[0].unix_ns
         self.captured: dict[str, Any] = {}
         self.graph: RestoredGraphPolicy | None = None  # the graph policy record, when the capture wrote one
         self.memory_options = MemoryOptions()
@@ -197,18 +203,25 @@ class _Restore:
                 *(["--lazy-pages"] if self.lazy else [])]
         put_back(self.shared, self.images, self.journal.note)  # what CRIU maps is what the tree had when dumped
         self.report.shared_files = [f.path for f in self.shared] or None
-        self.driver = driver = Driver() if self.cuda else None
         self.journal.note(restore=str(self.images), pidfile=str(pidfile))
-        with ThreadPoolExecutor(1, thread_name_prefix="coldsnap-cuinit") as pool:
-            # The driver initialises while CRIU runs (cuInit is a good part of the CUDA restore otherwise).
-            initialised = pool.submit(driver.call, "cuInit", 0) if driver is not None else None
-            seconds = self.report.criu_restore_seconds = run_criu(self.criu, args, work / "restore.log",
-                                                                  lifeline=self.journal.lifeline())
-            self.timeline.mark("criu_restore_end")
-            root = self.root = int(pidfile.read_text().split()[0])  # first: the rollback kills the tree then
-            self.journal.note(root=root)
-            if initialised is not None:
-                initialised.result()
+        self.timeline.mark("criu_restore_begin")
+        criu = CriuRun(self.criu, args, work / "restore.log", lifeline=self.journal.lifeline())
+        # CRIU first, then the CUDA driver while it runs: cuda-python's import, libcuda's load and cuInit took tens
+        # of milliseconds before CRIU started, and cuInit alone a good part of the CUDA restore otherwise.
+        failed: BaseException | None = None
+        try:
+            self.driver = _initialised_driver() if self.cuda else None
+        except BaseException as exc:  # CRIU is running: its tree is found (and killed by the rollback) first
+            failed = exc
+        try:
+            seconds = self.report.criu_restore_seconds = criu.wait()
+        except WorkerError as exc:
+            raise exc from failed
+        self.timeline.mark("criu_restore_end")
+        root = self.root = int(pidfile.read_text().split()[0])  # first: the rollback kills the tree then
+        self.journal.note(root=root)
+        if failed is not None:
+            raise failed
         self.report.restored_pid = root
         if not set(self.cuda) <= set(process_tree(root)):
             raise WorkerError(f"the recorded CUDA processes {self.cuda} are not in the restored tree of {root}")
@@ -317,3 +330,13 @@ def _finish_lazy_pages(daemon: subprocess.Popen[bytes], work: Path, root: int, r
                           f"{tail(work / 'lazy-pages.log')}")
     if process_state(root) in ("", "Z", "X"):
         raise WorkerError(f"the restored process {root} exited while its pages were restored")
+
+
+def _initialised_driver() -> Driver:
+    """The CUDA driver, initialised: imported here, while CRIU runs (cuda-python's bindings are the largest import
+    of a restore worker), never before it."""
+    from ._cuda import Driver
+
+    driver = Driver()
+    driver.call("cuInit", 0)
+    return driver

@@ -65,7 +65,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what each name is, for mypy and readers; at run time `__getattr__` imports it
     from ._arena import WeightArena as WeightArena
-    from ._hydrator import ADOPT_PAGE as ADOPT_PAGE
     from ._hydrator import HydratorServer as HydratorServer
     from ._hydrator import Stager as Stager
     from ._interposer import ENGINE_DEFAULTS as ENGINE_DEFAULTS
@@ -79,6 +78,7 @@ if TYPE_CHECKING:  # what each name is, for mypy and readers; at run time `__get
     from ._interposer import library_path as library_path
     from ._interposer import remove_dump as remove_dump
     from ._interposer import verification as verification
+    from ._staging import ADOPT_PAGE as ADOPT_PAGE
     from ._staging import StageRequest as StageRequest
     from ._weights import HydrationManifest as HydrationManifest
     from ._weights import WeightRegion as WeightRegion
@@ -89,7 +89,6 @@ if TYPE_CHECKING:  # what each name is, for mypy and readers; at run time `__get
 
 _EXPORTS = MappingProxyType({  # public name -> its module
     "WeightArena": "._arena",
-    "ADOPT_PAGE": "._hydrator",
     "HydratorServer": "._hydrator",
     "Stager": "._hydrator",
     "ENGINE_DEFAULTS": "._interposer",
@@ -103,6 +102,7 @@ _EXPORTS = MappingProxyType({  # public name -> its module
     "library_path": "._interposer",
     "remove_dump": "._interposer",
     "verification": "._interposer",
+    "ADOPT_PAGE": "._staging",
     "StageRequest": "._staging",
     "HydrationManifest": "._weights",
     "WeightRegion": "._weights",

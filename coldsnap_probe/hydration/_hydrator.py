@@ -22,7 +22,7 @@ from ._copy import Piece, Pinned, Pread, copy_to_device, region_pieces
 from ._peer_files import DumpLayout, dump_layout, held_sources, open_dump_parts
 from ._peer_view import OPENERS, PeerView
 from ._stage_quota import StageQuota, check_stage_quota
-from ._staging import StageRequest
+from ._staging import ADOPT_PAGE, StageRequest
 from ._vmm import (
     Mapped,
     cucall,
@@ -33,13 +33,12 @@ from ._vmm import (
 )
 from ._weights import HydrationManifest, WeightRegion, validate_regions
 
-__all__ = ("ADOPT_PAGE", "CONNECTIONS", "STAGE_MAX", "STAGE_RESERVE", "STAGE_TTL", "UID_CONNECTIONS", "HydratorServer",
+__all__ = ("CONNECTIONS", "STAGE_MAX", "STAGE_RESERVE", "STAGE_TTL", "UID_CONNECTIONS", "HydratorServer",
            "Stager", "request_regions")
 
 STAGE_TTL = 120.0  # seconds a staged allocation waits for its engine before the hydrator frees it
 STAGE_MAX = 4  # staged allocations a hydrator holds at once
 STAGE_RESERVE = 1 << 30  # device bytes staging leaves free (the engine's restored state needs them)
-ADOPT_PAGE = jsonline.MAX_ANSWER_FDS  # descriptors one `adopt` answer carries (a stage of more takes pages)
 _Slot = tuple[int, str]  # a stage's place: (the uid that staged it, its key), so tenants never share one
 DUMP_THREADS, DUMP_CHUNK = 16, 8 << 20  # the ring a dump is read through (page-locked per stage: 256 MiB)
 CONNECTIONS = 8  # peers answered at once, as the interposer's control socket: more wait in the listen backlog

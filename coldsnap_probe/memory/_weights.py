@@ -12,13 +12,17 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .._engine import engine_request
 from .._reports import CaptureReport, HydratedWeights, ReleasedWeights, RestoreReport
 from ..errors import ProbeError, WorkerError
-from ..hydration import HydrationManifest, Stager, check_sources
+from ..hydration import HydrationManifest, check_sources
 from ..jsonline import request
 from ._protocol import CaptureScope, RestoreScope, read_record
+
+if TYPE_CHECKING:
+    from ..hydration import Stager
 
 __all__ = ("RECORD", "WeightsSource", "hydrate_back")
 
@@ -93,6 +97,8 @@ class WeightsRestore:
 
     def stage(self) -> None:
         if self.manifest.hydrator:
+            from ..hydration import Stager  # only for a stage: the hydrator's module is no part of the worker's start
+
             self.stager = Stager(self.manifest)
 
     def hydrate(self, report: RestoreReport) -> None:

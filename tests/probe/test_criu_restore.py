@@ -7,6 +7,7 @@ with `scripts/criu/build --print-dir` and skip only when it was never built (or 
 
 from __future__ import annotations
 
+import ctypes
 import difflib
 import json
 import os
@@ -202,6 +203,13 @@ def test_restore_writes_every_page_back_and_leaves_the_images_unchanged(tmp_path
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["restored_pid"] == pid
+    # The worker's own start, then CRIU's run inside the restore, in order (issue 35: each phase measured).
+    start = [(m["name"], m["unix_ns"], m["since_restore_begin_s"]) for m in report["worker_start"]]
+    assert [name for name, _, _ in start] == ["worker_main", "imports_done", "guard_started"]
+    assert [ns for _, ns, _ in start] == sorted(ns for _, ns, _ in start) and all(s < 0 for _, _, s in start)
+    marks = {m["name"]: m["unix_ns"] for m in report["timeline"]}
+    assert start[-1][1] <= marks["restore_begin"] <= marks["validated"] <= marks["criu_restore_begin"]
+    assert marks["criu_restore_end"] - marks["criu_restore_begin"] >= report["criu_restore_seconds"] * 1e9 * 0.9
     result = verified(control)
     assert result == {"ok": True, "bad": [], "bytes": (TARGET_MIB + 64 + 16 + 8) << 20, "pid": pid}
     log = (tmp_path / "work/restore.log").read_text()
@@ -234,6 +242,32 @@ def test_a_truncated_pages_image_fails_naming_it_and_leaves_no_process(tmp_path:
     assert "criu restore exited" in done.stderr
     assert gone_within(pid, 10), f"a process of the tree ({pid}) is left"
 
+
+
+def _libcuda_loads() -> bool:
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(_libcuda_loads(), reason="this host's libcuda loads: the failure below cannot happen here")
+def test_a_cuda_driver_that_fails_while_criu_restores_leaves_no_process(tmp_path: Path, criu: str,
+                                                                        plain: Capture) -> None:
+    """CRIU starts before the CUDA driver loads (issue 35): a driver that cannot load meanwhile fails the restore
+    naming CRIU's phase, once CRIU's tree exists, and the rollback kills that tree."""
+    images, pid = private_images(plain.images, tmp_path / "images"), plain.pid
+    record = images / "capture.json"
+    captured = json.loads(record.read_text())
+    record.unlink()  # a link to the shared capture's: a copy that records the target as a CUDA process replaces it
+    record.write_text(json.dumps({**captured, "cuda_pids": [pid]}))
+    done = worker("restore", "--images", str(images), "--criu", criu, "--work-dir", str(tmp_path / "work"))
+    assert done.returncode == 1
+    assert "error: restore phase criu-restore: WorkerError: CudaLibraryMissing: libcuda.so.1 could not be loaded" \
+        in done.stderr, done.stderr
+    assert "Restore finished successfully" in (tmp_path / "work/restore.log").read_text()  # CRIU ran meanwhile
+    assert gone_within(pid, 10), f"the restored tree ({pid}) outlived the failed restore"
 
 def test_a_killed_restore_leaves_no_process(tmp_path: Path, criu: str, plain: Capture) -> None:
     # CRIU run bare keeps its work files (stats-restore.img) beside the images: links, so the shared ones stay as
