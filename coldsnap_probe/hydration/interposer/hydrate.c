@@ -248,6 +248,24 @@ void cscu_hydrate(const char *dir, const char *policy, int digests, char *out, s
 /* --- hydrate from staged allocations ------------------------------------------------------------------------ */
 typedef CUresult (*import_fn)(CUmemGenericAllocationHandle *, void *, int);
 typedef CUresult (*props_fn)(CUmemAllocationProp *, CUmemGenericAllocationHandle);
+typedef CUresult (*pointer_fn)(void *, int, CUdeviceptr);
+
+/* Whether the staged allocation `held`, mapped at r's address, is GPUDirect RDMA capable as the engine's was asked
+ * to be. Its properties say so where the driver reports an imported handle's allocation flags; where they do not,
+ * the driver's answer for the mapped memory itself (cuPointerGetAttribute) decides. */
+static int rdma_as_asked(const struct cscu_region *r, CUmemGenericAllocationHandle held, props_fn props)
+{
+    CUmemAllocationProp prop;
+    int capable = 0;
+    pointer_fn attribute = (pointer_fn)cscu_real("cuPointerGetAttribute");
+    if (!r->vmm || !r->vmm->prop.allocFlags.gpuDirectRDMACapable)
+        return 1;
+    memset(&prop, 0, sizeof(prop));
+    if (props && props(&prop, held) == CUDA_SUCCESS && prop.allocFlags.gpuDirectRDMACapable)
+        return 1;
+    return attribute && attribute(&capable, CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE, r->address)
+                            == CUDA_SUCCESS && capable;
+}
 
 /* Import staged allocation `fd` and map it whole (offset 0: cuMemMap's offset must be zero, and a part of a larger
  * allocation is refused) at region r's address, read-write for r's device. The imported handle is the mapping's
@@ -270,14 +288,12 @@ static CUresult adopt_one(struct cscu_region *r, int fd, import_fn import, props
         d->release(held);
         return CUDA_ERROR_INVALID_VALUE;
     }
-    if (r->vmm && r->vmm->prop.allocFlags.gpuDirectRDMACapable  /* the engine's asked for it: so must this one */
-        && (!props || props(&prop, held) != CUDA_SUCCESS || !prop.allocFlags.gpuDirectRDMACapable)) {
-        snprintf(why, room, "the engine's allocation is GPUDirect RDMA capable, the staged one is not");
-        d->release(held);
-        return CUDA_ERROR_INVALID_VALUE;
-    }
     if ((rc = d->map(r->address, r->size, 0, held, 0)) == CUDA_SUCCESS) {
-        if ((rc = d->set_access(r->address, r->size, &access, 1)) == CUDA_SUCCESS) {
+        if ((rc = d->set_access(r->address, r->size, &access, 1)) == CUDA_SUCCESS && !rdma_as_asked(r, held, props)) {
+            snprintf(why, room, "the engine's allocation is GPUDirect RDMA capable, the staged one is not");
+            rc = CUDA_ERROR_INVALID_VALUE;
+        }
+        if (rc == CUDA_SUCCESS) {
             r->handle = held;
             if (r->vmm)  /* an engine allocation: its record holds the new backing (cscu_vmm_stageable) */
                 r->vmm->real = held, r->vmm->maps[0].mapped = 1;
