@@ -94,9 +94,12 @@ class DeviceStage(StageRequest):
         """The staged allocations as descriptors, one per region in order (the caller closes them), taken from
         the hydrator ADOPT_PAGE at a time; None (`report` says why, nothing is left open) when there is no stage,
         or an answer is refused or does not fit: a count other than the regions', a page of other sizes."""
+        started = time.perf_counter()
         if not self.wait(timeout) or not self.report.get("staged"):
             self.report.setdefault("error", "still staging")
             return None
+        waited = time.perf_counter()
+        self.report["wait_s"] = waited - started  # after the CUDA restore, for the stage to be filled
         taken: list[int] = []
         try:
             while len(taken) < len(self.sizes):
@@ -106,6 +109,7 @@ class DeviceStage(StageRequest):
                 os.close(fd)
             self.report["adopt_error"] = str(exc)
             return None
+        self.report["pages_s"] = time.perf_counter() - waited  # the descriptors taken from the hydrator
         return taken
 
     def _page(self, first: int) -> list[int]:
