@@ -4,7 +4,10 @@ still referenced, which mappings hold which access) and a harness compiled with 
 engine: PyTorch's expandable segments (one 2 MiB handle per page of one reservation, cuMemSetAccess over several
 pages at once), a retain by address, a release and a hydration of the backing as a release and a hydration do them,
 an export, a partial access, and a cudaMallocAsync engine (a free deferred to its stream's event, reuse, a capture,
-another pool). tests/probe/test_interposer_gpu_allocators.py does all of it on the real driver with torch."""
+another pool). Then the review's findings: a stale handle of ours (released twice) is refused and never reaches the
+driver (#11); a release whose unmap and undo both fail leaves the mapping it never unmapped (#13); and a staged
+allocation is adopted for an RDMA-capable engine page only where the driver calls its mapped memory RDMA capable.
+tests/probe/test_interposer_gpu_allocators.py does it on the real driver with torch."""
 
 from __future__ import annotations
 
@@ -61,20 +64,52 @@ int cuMemCreate(H *h, size_t n, const int *prop, unsigned long long f)
     *h = x->id;
     return 0;
 }
-int cuMemRelease(H h) { struct handle *x = find(h); if (!x) return 1; unref(x); return 0; }
+H last_released;
+P fail_map_at, fail_unmap_at;  /* the next cuMemMap / cuMemUnmap at this address fails, once */
+int pointer_rdma;              /* what cuPointerGetAttribute says of GPUDirect RDMA */
+int cuMemRelease(H h) { struct handle *x = find(h); last_released = h; if (!x) return 1; unref(x); return 0; }
 int cuMemMap(P p, size_t n, size_t off, H h, unsigned long long f)
 {
     struct handle *x = find(h);
     (void)off; (void)f;
+    last_mapped = h;  /* whatever reached the driver */
+    if (p == fail_map_at) {
+        fail_map_at = 0;
+        return 1;
+    }
     if (!x)
         return 1;
     x->refs++;
     mappings[mapping_count++] = (struct mapping){p, n, h, 1, 0, -1};
-    last_mapped = h;
     return 0;
+}
+int live_at(P p)
+{
+    for (int i = 0; i < mapping_count; i++)
+        if (mappings[i].live && mappings[i].address == p)
+            return 1;
+    return 0;
+}
+int cuMemImportFromShareableHandle(H *h, void *fd, int type)
+{
+    struct handle *x = &handles[handle_count++];
+    (void)fd; (void)type;
+    *x = (struct handle){0x7f1000ULL + 16ULL * (H)handle_count, 1, 2 << 20, 1, 1, 1, 1, 0};
+    *h = x->id;
+    return 0;
+}
+int cuPointerGetAttribute(void *data, int attribute, P p)
+{
+    (void)p;
+    *(int *)data = pointer_rdma;
+    return attribute == 15 ? 0 : 1;
 }
 int cuMemUnmap(P p, size_t n)
 {
+    if (p == fail_unmap_at) {
+        fail_unmap_at = 0;
+        return 1;
+    }
     for (int i = 0; i < mapping_count; i++)
         if (mappings[i].live && mappings[i].address >= p && mappings[i].address < p + n) {
             mappings[i].live = 0;
@@ -285,6 +320,93 @@ static void stream_ordered(void)
           && from(CSCU_FROM_ASYNC, &bytes) == 1);
 }
 
+static CUdeviceptr reserved(size_t n)
+{
+    CUdeviceptr base = 0;
+    ((CUresult (*)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long))dlsym(standin,
+        "cuMemAddressReserve"))(&base, n, 0, 0, 0);
+    return base;
+}
+
+static int mapped_at(CUdeviceptr p) { return ((int (*)(CUdeviceptr))dlsym(standin, "live_at"))(p); }
+
+static struct cscu_region *region_of(CUmemGenericAllocationHandle h)
+{
+    size_t count;
+    struct cscu_region *r = cscu_regions(&count);
+    for (size_t i = 0; i < count; i++)
+        if (r[i].vmm && r[i].vmm->handle == h)
+            return &r[i];
+    return NULL;
+}
+
+static CUmemGenericAllocationHandle engine_page(CUdeviceptr at, int rdma)  /* created, mapped, read-write */
+{
+    CUmemAllocationProp prop = {0};
+    CUmemAccessDesc rw = {{CU_MEM_LOCATION_TYPE_DEVICE, 0}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+    CUmemGenericAllocationHandle h;
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED, prop.requestedHandleTypes = 1;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE, prop.allocFlags.gpuDirectRDMACapable = (unsigned char)rdma;
+    cuMemCreate(&h, 2 * MIB, &prop, 0);
+    cuMemMap(at, 2 * MIB, 0, h, 0);
+    cuMemSetAccess(at, 2 * MIB, &rw, 1);
+    return h;
+}
+
+static void stale_handles(void)  /* review finding 11 */
+{
+    CUdeviceptr base = reserved(8 * MIB);
+    CUmemGenericAllocationHandle h = engine_page(base, 0);
+    CUmemAllocationProp seen;
+    int fd = -1;
+    cuMemUnmap(base, 2 * MIB);
+    CHECK("unmapped and released: the record is gone", cuMemRelease(h) == CUDA_SUCCESS && !region_of(h));
+    *u("last_released") = *u("last_mapped") = *u("last_props") = *u("last_exported") = *u("last_bound") = 0;
+    CHECK("a stale handle of ours: release refused, the driver never sees it",
+          cuMemRelease(h) == CUDA_ERROR_INVALID_VALUE && *u("last_released") == 0);
+    CHECK("a stale handle of ours: map refused, the driver never sees it",
+          cuMemMap(base, 2 * MIB, 0, h, 0) == CUDA_ERROR_INVALID_VALUE && *u("last_mapped") == 0);
+    CHECK("a stale handle of ours: properties refused, the driver never sees it",
+          cuMemGetAllocationPropertiesFromHandle(&seen, h) == CUDA_ERROR_INVALID_VALUE && *u("last_props") == 0);
+    CHECK("a stale handle of ours: export and bind refused, the driver never sees them",
+          cuMemExportToShareableHandle(&fd, h, 1, 0) == CUDA_ERROR_INVALID_VALUE && *u("last_exported") == 0
+          && cuMulticastBindMem(0x77, 0, h, 0, 2 * MIB, 0) == CUDA_ERROR_INVALID_VALUE && *u("last_bound") == 0);
+}
+
+static void unback_undoes_only_its_own(void)  /* review finding 13 */
+{
+    CUdeviceptr base = reserved(16 * MIB);
+    CUmemAccessDesc rw = {{CU_MEM_LOCATION_TYPE_DEVICE, 0}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+    CUmemGenericAllocationHandle h = engine_page(base, 0);
+    cuMemMap(base + 8 * MIB, 2 * MIB, 0, h, 0);  /* the same allocation mapped a second time */
+    cuMemSetAccess(base + 8 * MIB, 2 * MIB, &rw, 1);
+    struct cscu_region *r = region_of(h);
+    *u("fail_unmap_at") = base + 8 * MIB;  /* the release's unmap fails at the second mapping, */
+    *u("fail_map_at") = base;              /* and mapping the first back fails too */
+    CHECK("an unback whose undo fails keeps the mapping it never unmapped",
+          r && cscu_unmap(r) != CUDA_SUCCESS && mapped_at(base + 8 * MIB) && r->vmm->real != 0);
+}
+
+static void rdma_adoption(void)
+{
+    CUdeviceptr base = reserved(8 * MIB);
+    CUmemGenericAllocationHandle h = engine_page(base, 1);
+    struct cscu_region *r = region_of(h);
+    import_fn import = (import_fn)cscu_real("cuMemImportFromShareableHandle");
+    props_fn props = (props_fn)cscu_real("cuMemGetAllocationPropertiesFromHandle");
+    char why[128] = "";
+    if (!r || cscu_unmap(r) != CUDA_SUCCESS)
+        return;
+    *v("pointer_rdma") = 0;
+    CHECK("a staged allocation the driver does not call RDMA capable is refused, nothing left mapped",
+          adopt_one(r, 7, import, props, why, sizeof(why)) == CUDA_ERROR_INVALID_VALUE && strstr(why, "RDMA")
+          && !mapped_at(base) && r->handle == 0);
+    *v("pointer_rdma") = 1;
+    CHECK("one whose mapped memory the driver calls RDMA capable is adopted (its flags unreported)",
+          adopt_one(r, 7, import, props, why, sizeof(why)) == CUDA_SUCCESS && r->handle && r->vmm->real == r->handle
+          && mapped_at(base));
+}
+
 int main(void)
 {
     standin = dlopen("libcuda.so.1", RTLD_NOW);
@@ -292,6 +414,9 @@ int main(void)
         return 2;
     expandable();
     stream_ordered();
+    stale_handles();
+    unback_undoes_only_its_own();
+    rdma_adoption();
     return 0;
 }
 """
@@ -316,4 +441,4 @@ def test_engine_vmm_and_stream_ordered_allocations_against_a_recording_driver(tm
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert [line for line in lines if not line.startswith("ok ")] == [], done.stdout
-    assert len(lines) == 26, done.stdout
+    assert len(lines) == 26 + 8, done.stdout
