@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from coldsnap_probe.hydration import build_library, check_dump
-from tests.probe.test_interposer_gpu import MIB, Target
+from coldsnap_probe.hydration import DeviceDump, build_library, check_dump, dump_identities
+from tests.probe.test_interposer_gpu import MIB, Target, dump_hydrator  # noqa: F401 - a fixture
 from tests.probe.test_main import has_nvidia_driver
 
 pytestmark = pytest.mark.skipif(not has_nvidia_driver(), reason="needs an NVIDIA driver")
@@ -134,3 +134,49 @@ def test_the_capture_report_says_what_was_moved_and_what_stayed(conf_target: tup
     assert target.ask("check") == {**target.ready, "pid": target.proc.pid}
     assert target.ask("churn")["ok"] is True
     kill_and_reap(report["restored_pid"])
+
+
+def staged_hydration(target: Target, dump: DeviceDump, images: Path, name: str, hydrator: str) -> dict[str, Any]:
+    """The restore worker's staged path for `target`'s dump under `images/name`: the node hydrator stages one
+    allocation per page, the interposer adopts them; the interposer's report."""
+    from coldsnap_probe.memory._device_dump import DumpRecord, hydrate_devices, stages_for
+
+    record = DumpRecord(target.proc.pid, target.socket, name, dump, dump_identities(dump, images / name), hydrator)
+    stages = stages_for([record], images)
+    assert stages, "no stage asked"
+    [hydrated] = hydrate_devices([record], images, "same-model", stages=stages)
+    assert hydrated.bytes == dump.bytes
+    return hydrated.interposer
+
+
+def test_expandable_segments_are_adopted_from_a_node_hydrators_stage(dump_hydrator: str,  # noqa: F811
+                                                                     tmp_path: Path) -> None:
+    """Regression: the H200 staged every page of an expandable-segments engine and then refused them all ("the
+    engine's allocation is GPUDirect RDMA capable, the staged one is not"), filling the pages itself after the
+    stage: 2.4 s to the first token at 16 GiB instead of 1.3. Each engine page (one cuMemCreate handle, mapped
+    whole into torch's reservation, RDMA capable) is adopted from the hydrator's stage: the fast path is taken
+    (`staged`, no `adopt_error`), through a CUDA checkpoint, then the engine frees and allocates through its own
+    handles, and a second release and staged hydration (capture, restore, capture, restore) holds too."""
+    library, diagnostics = build_library(tmp_path / "lib")
+    assert diagnostics == ""
+    target = Target(tmp_path, library, socket="cuda-%p.sock", mib=MOVED_MIB, alloc_conf="expandable_segments:True")
+    try:
+        target.socket = socket_of(target)
+        dump = target.release(tmp_path / "dump")
+        engine_pages = dump.moved["vmm_by_engine"]["count"]
+        assert engine_pages > 16, dump.moved  # more than one page of descriptors each way
+        checkpoint_and_restore(target.proc.pid)
+        report = staged_hydration(target, dump, tmp_path, "dump", dump_hydrator)
+        assert report.get("staged") is True and "adopt_error" not in report["stage"], report
+        assert report["regions"] == len(dump.regions) and report["stage"]["allocations"] == len(dump.regions)
+        assert target.ask("check") == {**target.ready, "pid": target.proc.pid}
+        assert target.ask("churn")["ok"] is True  # empty_cache: adopted pages unmapped, released by the engine
+        again = target.release(tmp_path / "again")
+        assert again.moved["vmm_by_engine"]["count"] > 0 and coverage(again.moved, again.uncovered) >= 0.95
+        report = staged_hydration(target, again, tmp_path, "again", dump_hydrator)
+        assert report.get("staged") is True and "adopt_error" not in report["stage"], report
+        assert target.ask("check") == {**target.ready, "pid": target.proc.pid}
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(target.proc.pid, 9)
+        target.proc.wait()
