@@ -405,6 +405,11 @@ static void rdma_adoption(void)
     CHECK("one whose mapped memory the driver calls RDMA capable is adopted (its flags unreported)",
           adopt_one(r, 7, import, props, why, sizeof(why)) == CUDA_SUCCESS && r->handle && r->vmm->real == r->handle
           && mapped_at(base));
+    CUmemAllocationProp seen;
+    memset(&seen, 0, sizeof(seen));
+    CHECK("the adopted page's properties are the engine's, checked by the driver on the adopted handle",
+          cuMemGetAllocationPropertiesFromHandle(&seen, h) == CUDA_SUCCESS && *u("last_props") == r->handle
+          && seen.allocFlags.gpuDirectRDMACapable == 1 && seen.requestedHandleTypes == 1);
 }
 
 int main(void)
@@ -441,4 +446,4 @@ def test_engine_vmm_and_stream_ordered_allocations_against_a_recording_driver(tm
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert [line for line in lines if not line.startswith("ok ")] == [], done.stdout
-    assert len(lines) == 26 + 8, done.stdout
+    assert len(lines) == 26 + 9, done.stdout

@@ -278,6 +278,9 @@ CSCU_HIDDEN CUresult cscu_vmm_unback(struct cscu_region *r);
 /* 1 when a node hydrator's staged allocation may stand in for region r (ours, or the engine's with one whole
  * mapping, read-write for its device only, and no property a staged allocation lacks). */
 CSCU_HIDDEN int cscu_vmm_stageable(const struct cscu_region *r);
+/* Region r's allocation now lives on r's device, backed by `handle` (re-created or adopted): the record follows
+ * (its device, and the access it recorded for the old device, so that the next hydration gives it again). */
+CSCU_HIDDEN void cscu_vmm_backed(struct cscu_region *r, CUmemGenericAllocationHandle handle);
 
 /* --- stream-ordered allocations (stream_ordered.c) --------------------------------------------------------- */
 /* cuMemAllocAsync / cuMemAllocFromPoolAsync (pool NULL: the device's current pool) of the threshold or more as

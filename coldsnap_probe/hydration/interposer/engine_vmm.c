@@ -359,13 +359,23 @@ CUresult cscu_vmm_properties(cscu_props_fn real, CUmemAllocationProp *prop, CUme
     cscu_regions_lock();
     struct cscu_vmm *v = by_handle(h);
     CUmemGenericAllocationHandle use = v ? v->real : h;
+    CUmemAllocationProp made;
     int gone = !v && stale(h);
-    if (v && !v->real && prop)  /* released (only the control thread runs then): the properties it will have */
-        *prop = v->prop;
+    if (v)
+        made = v->prop;
     cscu_regions_unlock();
-    if (gone)
+    if (gone || (v && !prop))
         return CUDA_ERROR_INVALID_VALUE;
-    return v && !use ? (prop ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE) : real(prop, use);
+    if (v && !use) {  /* released (only the control thread runs then): the properties it will have */
+        *prop = made;
+        return CUDA_SUCCESS;
+    }
+    CUresult rc = real(prop, use);
+    /* The engine's own answer as it made it: a staged allocation adopted in its place is exportable and an imported
+     * handle may not report its allocation flags. */
+    if (rc == CUDA_SUCCESS && v)
+        *prop = made;
+    return rc;
 }
 
 /* The driver's handle for the engine's `h` (h itself when it is none of ours, `*ours` then 0; 0 for a stale one of

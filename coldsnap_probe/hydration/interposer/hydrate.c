@@ -295,8 +295,8 @@ static CUresult adopt_one(struct cscu_region *r, int fd, import_fn import, props
         }
         if (rc == CUDA_SUCCESS) {
             r->handle = held;
-            if (r->vmm)  /* an engine allocation: its record holds the new backing (cscu_vmm_stageable) */
-                r->vmm->real = held, r->vmm->maps[0].mapped = 1;
+            if (r->vmm)  /* an engine allocation (one whole mapping, cscu_vmm_stageable): its record follows */
+                cscu_vmm_backed(r, held);
             return CUDA_SUCCESS;
         }
         d->unmap(r->address, r->size);

@@ -82,9 +82,23 @@ CUresult cscu_vmm_back(struct cscu_region *r)
         d->release(handle);
         return rc;
     }
+    cscu_vmm_backed(r, handle);
+    return CUDA_SUCCESS;
+}
+
+void cscu_vmm_backed(struct cscu_region *r, CUmemGenericAllocationHandle handle)
+{
+    struct cscu_vmm *v = r->vmm;
+    for (size_t i = 0; i < v->map_count; i++) {
+        struct cscu_mapping *m = &v->maps[i];
+        m->mapped = 1;
+        for (int a = 0; a < m->accesses && a < CSCU_VMM_ACCESS; a++)
+            if (m->access[a].location.type == CU_MEM_LOCATION_TYPE_DEVICE
+                && m->access[a].location.id == v->prop.location.id)
+                m->access[a].location.id = r->device;
+    }
     v->prop.location.id = r->device;
     v->real = r->handle = handle;
-    return CUDA_SUCCESS;
 }
 
 CUresult cscu_vmm_unback(struct cscu_region *r)
