@@ -168,7 +168,8 @@ int cuMemHostAlloc(void **p, size_t n, unsigned f) { (void)f; *p = malloc(n); re
 int cuMemFreeHost(void *p) { free(p); return 0; }
 int cuMemcpyDtoHAsync_v2(void *d, P s, size_t n, void *st) { (void)d; (void)s; (void)n; (void)st; return 0; }
 int cuMemcpyHtoDAsync_v2(P d, const void *s, size_t n, void *st) { (void)d; (void)s; (void)n; (void)st; return 0; }
-int cuMemcpyDtoH_v2(void *d, P s, size_t n) { (void)d; (void)s; (void)n; return 0; }
+int device_byte;  /* what every device-to-host copy reads */
+int cuMemcpyDtoH_v2(void *d, P s, size_t n) { (void)s; memset(d, device_byte, n); return 0; }
 int cuEventCreate(void **e, unsigned f) { static long n; (void)f; *e = (void *)(0x3000L + ++n); return 0; }
 int cuEventRecord(void *e, void *s) { (void)e; (void)s; return 0; }
 int cuEventRecord_ptsz(void *e, void *s) { (void)e; (void)s; return 0; }
@@ -412,6 +413,33 @@ static void rdma_adoption(void)
           && seen.allocFlags.gpuDirectRDMACapable == 1 && seen.requestedHandleTypes == 1);
 }
 
+static void sampled_read_back(void)  /* many small segments (an engine's pages), read back by several threads */
+{
+    enum { SEGMENTS = 40 };
+    static struct segment segments[SEGMENTS];
+    int fds[SEGMENTS];
+    char take[SEGMENTS], error[512] = "", *page = malloc(128 << 10);
+    memset(page, 0x5a, 128 << 10);
+    for (int i = 0; i < SEGMENTS; i++) {
+        FILE *f = tmpfile();
+        fwrite(page, 1, 128 << 10, f);
+        fflush(f);
+        fds[i] = dup(fileno(f));  /* the FILE's own descriptor goes with it at exit */
+        take[i] = 1;
+        segments[i] = (struct segment){.region = 0, .offset = 0, .size = 128 << 10};
+        snprintf(segments[i].file, sizeof(segments[i].file), "seg-%d.bin", i);
+    }
+    cscu_segments = segments, cscu_segment_count = SEGMENTS;
+    *v("device_byte") = 0x5a;
+    CHECK("every segment's samples equal the device's", verify_samples(fds, take, error, sizeof(error)) == 0);
+    memset(page, 0, 64 << 10);
+    pwrite(fds[37], page, 64 << 10, 64 << 10);
+    CHECK("one segment's last sample differs: refused naming it and where",
+          verify_samples(fds, take, error, sizeof(error)) == -1 && strstr(error, "seg-37.bin at +65536") != NULL);
+    cscu_segments = NULL, cscu_segment_count = 0;
+    free(page);
+}
+
 int main(void)
 {
     standin = dlopen("libcuda.so.1", RTLD_NOW);
@@ -422,6 +450,7 @@ int main(void)
     stale_handles();
     unback_undoes_only_its_own();
     rdma_adoption();
+    sampled_read_back();
     return 0;
 }
 """
@@ -446,4 +475,4 @@ def test_engine_vmm_and_stream_ordered_allocations_against_a_recording_driver(tm
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert [line for line in lines if not line.startswith("ok ")] == [], done.stdout
-    assert len(lines) == 26 + 9, done.stdout
+    assert len(lines) == 26 + 11, done.stdout

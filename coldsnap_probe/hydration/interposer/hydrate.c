@@ -77,34 +77,78 @@ static int check_devices(const char *policy, char *error, size_t room)
     return 0;
 }
 
-/* Sampled read-back: the first and last bytes of each segment on the device equal the file's. */
-static int verify_samples(const int *fds, const char *take, char *error, size_t room)
+/* Sampled read-back, shared by its threads: the next segment to check, and the first mismatch. */
+struct samples {
+    const int *fds;
+    const char *take;
+    size_t next;
+    int bad;
+    pthread_mutex_t lock;
+    char *error;
+    size_t room;
+};
+
+/* Segment i's first and last bytes on the device against its file (`device`, `file`: SAMPLE bytes each); 0, or -1
+ * with `why` set. */
+static int sample_one(size_t i, int fd, char *device, char *file, char *why, size_t room)
 {
     const struct cscu_driver *d = cscu_driver();
     size_t count;
-    struct cscu_region *regions = cscu_regions(&count);
-    char *device = malloc(SAMPLE), *file = malloc(SAMPLE);
-    int bad = !device || !file;
-    for (size_t i = 0; i < cscu_segment_count && !bad; i++) {
-        struct cscu_region *r = &regions[cscu_segments[i].region];
-        size_t n = cscu_segments[i].size < SAMPLE ? cscu_segments[i].size : SAMPLE;
-        size_t starts[2] = {0, cscu_segments[i].size - n};
-        if (!take[i])
-            continue;
-        for (int k = 0; k < 2 && !bad; k++) {
-            CUresult rc = d->ctx_set_current(r->context);
-            if (rc == CUDA_SUCCESS)
-                rc = d->memcpy_dtoh(device, r->address + cscu_segments[i].offset + starts[k], n);
-            bad = rc != CUDA_SUCCESS || cscu_full_io(1, fds[i], file, n, (off_t)starts[k]) != 0
-                  || memcmp(device, file, n) != 0;
-            if (bad)
-                snprintf(error, room, "%s at +%zu: the device bytes differ from the dump after the fill (%s)",
-                         cscu_segments[i].file, starts[k], cscu_error_name(rc));
+    struct cscu_region *r = &cscu_regions(&count)[cscu_segments[i].region];
+    size_t n = cscu_segments[i].size < SAMPLE ? cscu_segments[i].size : SAMPLE;
+    size_t starts[2] = {0, cscu_segments[i].size - n};
+    for (int k = 0; k < 2; k++) {
+        CUresult rc = d->ctx_set_current(r->context);
+        if (rc == CUDA_SUCCESS)
+            rc = d->memcpy_dtoh(device, r->address + cscu_segments[i].offset + starts[k], n);
+        if (rc != CUDA_SUCCESS || cscu_full_io(1, fd, file, n, (off_t)starts[k]) != 0 || memcmp(device, file, n) != 0) {
+            snprintf(why, room, "%s at +%zu: the device bytes differ from the dump after the fill (%s)",
+                     cscu_segments[i].file, starts[k], cscu_error_name(rc));
+            return -1;
         }
+    }
+    return 0;
+}
+
+static void *sample_thread(void *arg)
+{
+    struct samples *s = arg;
+    char *device = malloc(SAMPLE), *file = malloc(SAMPLE), why[512] = "out of host memory";
+    cscu_gate_exempt();  /* runs while the gate is closed, like the copy threads */
+    for (;;) {
+        pthread_mutex_lock(&s->lock);
+        size_t i = s->next++;
+        int stop = s->bad || i >= cscu_segment_count;
+        pthread_mutex_unlock(&s->lock);
+        if (stop)
+            break;
+        if (!s->take[i] || (device && file && sample_one(i, s->fds[i], device, file, why, sizeof(why)) == 0))
+            continue;
+        pthread_mutex_lock(&s->lock);
+        if (!s->bad++)
+            snprintf(s->error, s->room, "%s", why);
+        pthread_mutex_unlock(&s->lock);
     }
     free(device);
     free(file);
-    return bad ? -1 : 0;
+    return NULL;
+}
+
+/* Sampled read-back: the first and last bytes of each segment on the device equal the file's. Many small regions
+ * (an engine's VMM pages: ~830 at 16 GiB) are sampled by the copy threads at once, not one after another. */
+static int verify_samples(const int *fds, const char *take, char *error, size_t room)
+{
+    struct samples s = {.fds = fds, .take = take, .lock = PTHREAD_MUTEX_INITIALIZER, .error = error, .room = room};
+    size_t want = cscu_segment_count / 16 + 1, made = 0;
+    pthread_t ids[64];  /* the copy threads at most (driver.c caps COLDSNAP_CUDA_INTERPOSER_THREADS) */
+    if (want > (size_t)cscu_config()->threads)
+        want = (size_t)cscu_config()->threads;
+    while (made + 1 < want && made < 64 && pthread_create(&ids[made], NULL, sample_thread, &s) == 0)
+        made++;
+    sample_thread(&s);  /* this thread too (exempt already: the control socket's) */
+    for (size_t t = 0; t < made; t++)
+        pthread_join(ids[t], NULL);
+    return s.bad ? -1 : 0;
 }
 
 /* `spent`: the copy threads' thread-seconds waiting for the device, reading the files, digesting. */
