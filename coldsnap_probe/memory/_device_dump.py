@@ -45,12 +45,14 @@ from ..hydration import (
 )
 from ._protocol import CaptureScope, RestoreScope
 
-__all__ = ("INTERPOSER_PAGE", "RECORD", "DeviceDumpSource", "DeviceRelease", "DeviceRestore", "DeviceStage",
-           "DumpRecord", "hydrate_devices", "prefetch_dumps", "stages_for", "validated_dumps")
+__all__ = ("INTERPOSER_PAGE", "RECORD", "STAGE_GROUP", "DeviceDumpSource", "DeviceRelease", "DeviceRestore",
+           "DeviceStage", "DumpRecord", "hydrate_devices", "prefetch_dumps", "stage_groups", "stages_for",
+           "validated_dumps")
 
 RECORD = "device-memory.json"
 RECORD_KIND = "coldsnap-device-memory"
 INTERPOSER_PAGE = 16  # descriptors per page to the interposer's control socket (constants.h's CSCU_PAGE_FDS)
+STAGE_GROUP = 1 << 30  # bytes of regions one staged allocation backs when the stage is copied (CSCU_STAGE_GROUP)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,11 +77,19 @@ class DeviceStage(StageRequest):
 
     def __init__(self, hydrator: str, dump: DeviceDump, directory: Path) -> None:
         self.key = dump.manifest_digest
-        # Each segment file names its region: the hydrator makes one allocation per region (the interposer maps
-        # each whole at the region's address; a mapping of a part of a larger allocation is refused).
-        self.parts = [{"file": str(directory / s.file), "bytes": s.size, "region": index}
+        # Each segment file names the allocation it is staged in. One per region where the interposer adopts them
+        # (it maps each whole at its region's address: a mapping of a part of a larger allocation is refused).
+        # An engine's own VMM allocations come in many small pages whose flags no staged allocation can carry
+        # (PyTorch's expandable segments: ~830 pages of 20 MiB at 16 GiB, GPUDirect RDMA capable): the interposer
+        # re-creates them as the engine made them and copies them from the stage on the device, so consecutive
+        # regions share one staged allocation of up to STAGE_GROUP bytes (`stage_groups`, hydrate.c's twin).
+        grouped = dump.moved.get("vmm_by_engine", {}).get("count", 0) > 0
+        groups = stage_groups([r.size for r in dump.regions]) if grouped else list(range(len(dump.regions)))
+        self.parts = [{"file": str(directory / s.file), "bytes": s.size, "region": groups[index]}
                       for index, region in enumerate(dump.regions) for s in region.segments]
-        self.sizes = [r.size for r in dump.regions]
+        self.sizes = [0] * (groups[-1] + 1 if groups else 0)
+        for index, region in enumerate(dump.regions):
+            self.sizes[groups[index]] += region.size
         self.device_uuid = dump.regions[0].device_uuid
         super().__init__(hydrator, "coldsnap-device-stage")
 
@@ -129,6 +139,21 @@ class DeviceStage(StageRequest):
                 os.close(fd)
             raise HydrationError(f"adopt: {problem}")
         return fds
+
+
+def stage_groups(sizes: list[int]) -> list[int]:
+    """The staged allocation of each region (by index) when a stage is copied from: consecutive regions up to
+    STAGE_GROUP bytes share one, a larger region has its own (hydrate.c's stage_groups, the same rule)."""
+    groups: list[int] = []
+    used = 0
+    for size in sizes:
+        if not groups or used + size > STAGE_GROUP:
+            groups.append(groups[-1] + 1 if groups else 0)
+            used = 0
+        else:
+            groups.append(groups[-1])
+        used += size
+    return groups
 
 
 def _owner(pid: int) -> tuple[int, int]:

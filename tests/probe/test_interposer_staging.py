@@ -287,9 +287,11 @@ COUNTED = "hydrate: dump directory /nonexistent/dump: No such file"  # every des
     pytest.param(HYDRATE % 3, [[0, 1]], 0, "2 of the 3 announced descriptors arrived before the peer stopped",
                  id="fewer"),
     pytest.param(HYDRATE % 3, [[0, 1], [2, 3]], 0, "4 descriptors arrived, 3 were announced", id="more"),
-    pytest.param(HYDRATE % 2, [[0, 1]], 0, "hydrate: 2 staged allocations for 3 released regions", id="not-one-each"),
-    pytest.param(HYDRATE % 4, [[0, 1, 2, 3]], 0, "hydrate: 4 staged allocations for 3 released regions",
-                 id="over-the-regions"),
+    pytest.param(HYDRATE % 1, [[0]], 0, COUNTED, id="one-for-the-group"),  # copied from (the 3 regions: 6 MiB)
+    pytest.param(HYDRATE % 2, [[0, 1]], 0, "hydrate: 2 staged allocations: neither one per released region (3, "
+                 "each adoptable: yes) nor one per group of them", id="not-one-each"),
+    pytest.param(HYDRATE % 4, [[0, 1, 2, 3]], 0, "hydrate: 4 staged allocations: neither one per released region "
+                 "(3", id="over-the-regions"),
     pytest.param(HYDRATE % 4097, [[0]], 0, "`allocations` must count the staged allocations in decimal, 1 to 4096",
                  id="over-the-cap"),
     pytest.param(HYDRATE % 3, [list(range(17))], 0, "a page carried more than 16 descriptors", id="page-over-16"),

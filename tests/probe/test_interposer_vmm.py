@@ -5,8 +5,9 @@ engine: PyTorch's expandable segments (one 2 MiB handle per page of one reservat
 pages at once), a retain by address, a release and a hydration of the backing as a release and a hydration do them,
 an export, a partial access, and a cudaMallocAsync engine (a free deferred to its stream's event, reuse, a capture,
 another pool). Then the review's findings: a stale handle of ours (released twice) is refused and never reaches the
-driver (#11); a release whose unmap and undo both fail leaves the mapping it never unmapped (#13); and a staged
-allocation is adopted for an RDMA-capable engine page only where the driver calls its mapped memory RDMA capable.
+driver (#11); a release whose unmap and undo both fail leaves the mapping it never unmapped (#13); RDMA-capable
+engine pages are not adopted from a stage but re-created as the engine made them and copied from one staged
+allocation per group of pages; the sampled read-back on several threads names the segment that differs.
 tests/probe/test_interposer_gpu_allocators.py does it on the real driver with torch."""
 
 from __future__ import annotations
@@ -66,7 +67,6 @@ int cuMemCreate(H *h, size_t n, const int *prop, unsigned long long f)
 }
 H last_released;
 P fail_map_at, fail_unmap_at;  /* the next cuMemMap / cuMemUnmap at this address fails, once */
-int pointer_rdma;              /* what cuPointerGetAttribute says of GPUDirect RDMA */
 int cuMemRelease(H h) { struct handle *x = find(h); last_released = h; if (!x) return 1; unref(x); return 0; }
 int cuMemMap(P p, size_t n, size_t off, H h, unsigned long long f)
 {
@@ -98,12 +98,9 @@ int cuMemImportFromShareableHandle(H *h, void *fd, int type)
     *h = x->id;
     return 0;
 }
-int cuPointerGetAttribute(void *data, int attribute, P p)
-{
-    (void)p;
-    *(int *)data = pointer_rdma;
-    return attribute == 15 ? 0 : 1;
-}
+int dtod_calls;
+size_t dtod_bytes;
+int cuMemcpyDtoD_v2(P d, P s, size_t n) { (void)d; (void)s; dtod_calls++; dtod_bytes += n; return 0; }
 int cuMemUnmap(P p, size_t n)
 {
     if (p == fail_unmap_at) {
@@ -388,29 +385,37 @@ static void unback_undoes_only_its_own(void)  /* review finding 13 */
           r && cscu_unmap(r) != CUDA_SUCCESS && mapped_at(base + 8 * MIB) && r->vmm->real != 0);
 }
 
-static void rdma_adoption(void)
+static void staged_copy(void)  /* RDMA-capable engine pages: re-created as made, copied from a grouped stage */
 {
     CUdeviceptr base = reserved(8 * MIB);
-    CUmemGenericAllocationHandle h = engine_page(base, 1);
-    struct cscu_region *r = region_of(h);
-    import_fn import = (import_fn)cscu_real("cuMemImportFromShareableHandle");
-    props_fn props = (props_fn)cscu_real("cuMemGetAllocationPropertiesFromHandle");
-    char why[128] = "";
-    if (!r || cscu_unmap(r) != CUDA_SUCCESS)
-        return;
-    *v("pointer_rdma") = 0;
-    CHECK("a staged allocation the driver does not call RDMA capable is refused, nothing left mapped",
-          adopt_one(r, 7, import, props, why, sizeof(why)) == CUDA_ERROR_INVALID_VALUE && strstr(why, "RDMA")
-          && !mapped_at(base) && r->handle == 0);
-    *v("pointer_rdma") = 1;
-    CHECK("one whose mapped memory the driver calls RDMA capable is adopted (its flags unreported)",
-          adopt_one(r, 7, import, props, why, sizeof(why)) == CUDA_SUCCESS && r->handle && r->vmm->real == r->handle
-          && mapped_at(base));
+    CUmemGenericAllocationHandle h[3];
+    struct cscu_region *r[3];
+    struct hydration hy;
+    char why[256] = "";
+    int imported = 0;
+    for (int k = 0; k < 3; k++)
+        h[k] = engine_page(base + (size_t)k * 2 * MIB, 1);
+    for (int k = 0; k < 3; k++)
+        cscu_unmap(r[k] = region_of(h[k]));
+    CHECK("an RDMA-capable engine page is not adoptable: three staged for three pages are refused",
+          !cscu_vmm_stageable(r[0]) && stage_mode(3, why, sizeof(why)) == 0 && strstr(why, "adoptable: no"));
+    CHECK("one staged allocation for the three pages (one group): copied from", stage_mode(1, why, sizeof(why)) == 2);
+    memset(&hy, 0, sizeof(hy));
+    hy.regions = cscu_regions(&hy.count);
+    hy.created = calloc(hy.count + 1, 1);
+    *v("dtod_calls") = 0;
+    int freed = *v("freed");
+    CHECK("each page re-created with the engine's handle kept and copied from the stage on the device",
+          copy_all(&hy, &imported, 1) == 0 && *v("dtod_calls") == 3 && *u("dtod_bytes") == 6 * MIB
+          && r[0]->handle && r[2]->handle && r[1]->vmm->real == r[1]->handle && r[1]->vmm->handle == h[1]
+          && mapped_at(base) && mapped_at(base + 4 * MIB) && hy.restored == 3);
+    CHECK("the staged allocation let go once copied", *v("freed") == freed + 1);
     CUmemAllocationProp seen;
     memset(&seen, 0, sizeof(seen));
-    CHECK("the adopted page's properties are the engine's, checked by the driver on the adopted handle",
-          cuMemGetAllocationPropertiesFromHandle(&seen, h) == CUDA_SUCCESS && *u("last_props") == r->handle
+    CHECK("a page's properties are the engine's, checked by the driver on the page's new handle",
+          cuMemGetAllocationPropertiesFromHandle(&seen, h[1]) == CUDA_SUCCESS && *u("last_props") == r[1]->handle
           && seen.allocFlags.gpuDirectRDMACapable == 1 && seen.requestedHandleTypes == 1);
+    free(hy.created);
 }
 
 static void sampled_read_back(void)  /* many small segments (an engine's pages), read back by several threads */
@@ -449,7 +454,7 @@ int main(void)
     stream_ordered();
     stale_handles();
     unback_undoes_only_its_own();
-    rdma_adoption();
+    staged_copy();
     sampled_read_back();
     return 0;
 }
@@ -475,4 +480,4 @@ def test_engine_vmm_and_stream_ordered_allocations_against_a_recording_driver(tm
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert [line for line in lines if not line.startswith("ok ")] == [], done.stdout
-    assert len(lines) == 26 + 11, done.stdout
+    assert len(lines) == 26 + 13, done.stdout

@@ -92,7 +92,6 @@ _Static_assert(sizeof(CUmemAccessDesc) == 12, "CUmemAccessDesc is 12 bytes");
 #define CU_MEM_LOCATION_TYPE_DEVICE 1
 #define CU_MEM_ACCESS_FLAGS_PROT_READWRITE 3
 #define CU_MEM_ALLOC_GRANULARITY_MINIMUM 0
-#define CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE 15  /* CUDA 11.0 */
 #define CU_STREAM_NON_BLOCKING 1
 #define CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM 2
 
@@ -276,7 +275,8 @@ CSCU_HIDDEN CUresult cscu_vmm_bind(cscu_bind_fn real, CUmemGenericAllocationHand
 CSCU_HIDDEN CUresult cscu_vmm_back(struct cscu_region *r);
 CSCU_HIDDEN CUresult cscu_vmm_unback(struct cscu_region *r);
 /* 1 when a node hydrator's staged allocation may stand in for region r (ours, or the engine's with one whole
- * mapping, read-write for its device only, and no property a staged allocation lacks). */
+ * mapping, read-write for its device only, and no property a staged allocation lacks: GPUDirect RDMA included,
+ * which no imported allocation has in the importing process). Otherwise a stage is copied from (hydrate.c). */
 CSCU_HIDDEN int cscu_vmm_stageable(const struct cscu_region *r);
 /* Region r's allocation now lives on r's device, backed by `handle` (re-created or adopted): the record follows
  * (its device, and the access it recorded for the old device, so that the next hydration gives it again). */

@@ -229,7 +229,8 @@ static int begin(struct hydration *h, const char *dir, const char *policy)
 }
 
 /* Verify (when `ok`), then answer: the report, or the refusal with everything this hydration mapped undone (the
- * regions stay released, the gate closed). Frees what begin() took. */
+ * regions stay released, the gate closed). `staged`: 0 filled from the files, 1 staged allocations adopted, 2
+ * copied from staged allocations. Frees what begin() took. */
 static void finish(struct hydration *h, int ok, const char *policy, int digests, int staged, char *out, size_t room)
 {
     double verify_started = cscu_now();
@@ -255,7 +256,7 @@ static void finish(struct hydration *h, int ok, const char *policy, int digests,
              "\"verify\":\"%s\",\"digest_engine\":\"%s\",\"threads\":%d,\"staged\":%s,\"fill_device_thread_s\":%.6f,"
              "\"fill_read_thread_s\":%.6f,\"fill_digest_thread_s\":%.6f,\"zero_bytes\":%zu}}", h->bytes, h->restored,
              cscu_segment_count, total, h->fill_s > 0 ? (double)h->bytes / h->fill_s / 1e9 : 0.0, h->check_s,
-             staged ? "adopt_s" : "create_s", h->place_s, h->fill_s, cscu_now() - verify_started, policy,
+             staged == 2 ? "copy_s" : staged ? "adopt_s" : "create_s", h->place_s, h->fill_s, cscu_now() - verify_started, policy,
              digests ? "digest" : "sampled",
              cscu_digest_engine(cscu_segment_count ? cscu_segments[0].kind : CSCU_KIND_CRC32),
              cscu_config()->threads, staged ? "true" : "false", h->spent[0], h->spent[1], h->spent[2], h->zero);
@@ -292,25 +293,6 @@ void cscu_hydrate(const char *dir, const char *policy, int digests, char *out, s
 /* --- hydrate from staged allocations ------------------------------------------------------------------------ */
 typedef CUresult (*import_fn)(CUmemGenericAllocationHandle *, void *, int);
 typedef CUresult (*props_fn)(CUmemAllocationProp *, CUmemGenericAllocationHandle);
-typedef CUresult (*pointer_fn)(void *, int, CUdeviceptr);
-
-/* Whether the staged allocation `held`, mapped at r's address, is GPUDirect RDMA capable as the engine's was asked
- * to be. Its properties say so where the driver reports an imported handle's allocation flags; where they do not,
- * the driver's answer for the mapped memory itself (cuPointerGetAttribute) decides. */
-static int rdma_as_asked(const struct cscu_region *r, CUmemGenericAllocationHandle held, props_fn props)
-{
-    CUmemAllocationProp prop;
-    int capable = 0;
-    pointer_fn attribute = (pointer_fn)cscu_real("cuPointerGetAttribute");
-    if (!r->vmm || !r->vmm->prop.allocFlags.gpuDirectRDMACapable)
-        return 1;
-    memset(&prop, 0, sizeof(prop));
-    if (props && props(&prop, held) == CUDA_SUCCESS && prop.allocFlags.gpuDirectRDMACapable)
-        return 1;
-    return attribute && attribute(&capable, CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE, r->address)
-                            == CUDA_SUCCESS && capable;
-}
-
 /* Import staged allocation `fd` and map it whole (offset 0: cuMemMap's offset must be zero, and a part of a larger
  * allocation is refused) at region r's address, read-write for r's device. The imported handle is the mapping's
  * own reference (r->handle), so the next release unmaps and releases it like a created one. */
@@ -333,11 +315,7 @@ static CUresult adopt_one(struct cscu_region *r, int fd, import_fn import, props
         return CUDA_ERROR_INVALID_VALUE;
     }
     if ((rc = d->map(r->address, r->size, 0, held, 0)) == CUDA_SUCCESS) {
-        if ((rc = d->set_access(r->address, r->size, &access, 1)) == CUDA_SUCCESS && !rdma_as_asked(r, held, props)) {
-            snprintf(why, room, "the engine's allocation is GPUDirect RDMA capable, the staged one is not");
-            rc = CUDA_ERROR_INVALID_VALUE;
-        }
-        if (rc == CUDA_SUCCESS) {
+        if ((rc = d->set_access(r->address, r->size, &access, 1)) == CUDA_SUCCESS) {
             r->handle = held;
             if (r->vmm)  /* an engine allocation (one whole mapping, cscu_vmm_stageable): its record follows */
                 cscu_vmm_backed(r, held);
@@ -378,30 +356,134 @@ static int adopt_all(struct hydration *h, const int *staged, size_t n)
     return 0;
 }
 
-void cscu_hydrate_staged(const char *dir, const char *policy, const int *fds, size_t n, char *out, size_t room)
+/* --- hydrate by copying from staged groups ------------------------------------------------------------------ */
+typedef CUresult (*dtod_fn)(CUdeviceptr, CUdeviceptr, size_t);
+
+/* The group of each released region (`group[i]`, table order; SIZE_MAX for one not released) and its offset in
+ * the group's staged allocation: consecutive regions up to CSCU_STAGE_GROUP bytes, a larger one alone, as the
+ * worker asked the node hydrator to stage them (memory/_device_dump.py). The number of groups. */
+static size_t stage_groups(const struct cscu_region *regions, size_t count, size_t *group, size_t *offset)
 {
-    struct hydration h;
+    size_t groups = 0, bytes = 0;
+    for (size_t i = 0; i < count; i++) {
+        group[i] = SIZE_MAX;
+        if (regions[i].handle)
+            continue;
+        if (groups == 0 || bytes + regions[i].size > CSCU_STAGE_GROUP)
+            groups++, bytes = 0;
+        group[i] = groups - 1, offset[i] = bytes;
+        bytes += regions[i].size;
+    }
+    return groups;
+}
+
+/* Group g: its staged allocation (`fd`) imported and mapped at a range of our own, each of its regions re-created
+ * as a fill would (the engine's own with its properties, flags, mappings and access) and copied from it on the
+ * device, then the staged allocation let go. 0, or -1 with h->error naming the group. */
+static int copy_group(struct hydration *h, const size_t *group, const size_t *offset, size_t g, int fd,
+                      import_fn import, dtod_fn dtod)
+{
+    const struct cscu_driver *d = cscu_driver();
+    size_t bytes = 0, first = SIZE_MAX;
+    for (size_t i = 0; i < h->count; i++)
+        if (group[i] == g)
+            first = first == SIZE_MAX ? i : first, bytes = offset[i] + h->regions[i].size;
+    struct cscu_region *lead = &h->regions[first];
+    CUmemAccessDesc access = {{CU_MEM_LOCATION_TYPE_DEVICE, lead->device}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+    CUmemGenericAllocationHandle held = 0;
+    CUdeviceptr va = 0;
+    int mapped = 0;
+    CUresult rc = d->ctx_set_current(lead->context);
+    if (rc == CUDA_SUCCESS)
+        rc = import(&held, (void *)(intptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    if (rc == CUDA_SUCCESS)
+        rc = d->address_reserve(&va, bytes, 0, 0, 0);
+    if (rc == CUDA_SUCCESS && (rc = d->map(va, bytes, 0, held, 0)) == CUDA_SUCCESS)
+        mapped = 1;
+    if (rc == CUDA_SUCCESS)
+        rc = d->set_access(va, bytes, &access, 1);
+    for (size_t i = first; i < h->count && rc == CUDA_SUCCESS; i++) {
+        struct cscu_region *r = &h->regions[i];
+        if (group[i] != g)
+            continue;
+        if ((rc = d->ctx_set_current(r->context)) != CUDA_SUCCESS || (rc = cscu_map(r)) != CUDA_SUCCESS)
+            break;
+        h->created[i] = 1, h->restored++;
+        rc = dtod(r->address, va + offset[i], r->size);
+    }
+    if (rc == CUDA_SUCCESS)  /* the copies are done before the staged allocation goes */
+        rc = d->ctx_synchronize();
+    if (rc != CUDA_SUCCESS)
+        snprintf(h->error, sizeof(h->error), "staged allocation %zu (%zu bytes, from region %#llx): %s", g, bytes,
+                 lead->address, cscu_error_name(rc));
+    if (mapped)
+        d->unmap(va, bytes);
+    if (va)
+        d->address_free(va, bytes);
+    if (held)
+        d->release(held);
+    return rc == CUDA_SUCCESS ? 0 : -1;
+}
+
+/* Every group copied in turn (a group's staged allocation is let go before the next one's regions are made, so a
+ * hydration needs at most one group's bytes beyond what the stage holds); 0, or -1 with h->error set. */
+static int copy_all(struct hydration *h, const int *staged, size_t n)
+{
+    import_fn import = (import_fn)cscu_real("cuMemImportFromShareableHandle");
+    dtod_fn dtod = (dtod_fn)cscu_real("cuMemcpyDtoD_v2");
+    size_t *group = malloc((h->count + 1) * sizeof(size_t)), *offset = malloc((h->count + 1) * sizeof(size_t));
+    int rc = -1;
+    if (!group || !offset || !import || !dtod)
+        snprintf(h->error, sizeof(h->error), "%s", !import || !dtod ? "the driver has no cuMemImportFromShareableHandle "
+                 "or cuMemcpyDtoD_v2" : "out of host memory");
+    else if (stage_groups(h->regions, h->count, group, offset) != n)
+        snprintf(h->error, sizeof(h->error), "%zu staged allocations for another grouping of the regions", n);
+    else
+        for (size_t g = rc = 0; g < n && rc == 0; g++)
+            rc = copy_group(h, group, offset, g, staged[g], import, dtod);
+    free(group);
+    free(offset);
+    return rc;
+}
+
+/* How the staged allocations stand in for the released regions: 1 adopted, one per region (each adoptable), 2
+ * copied from, one per group of them (stage_groups), 0 neither (the refusal in `why`). */
+static int stage_mode(size_t n, char *why, size_t room)
+{
     size_t count, released = 0;
     struct cscu_region *regions = cscu_regions(&count);
-    int stageable = 1;
+    size_t *group = malloc((count + 1) * sizeof(size_t)), *offset = malloc((count + 1) * sizeof(size_t));
+    int stageable = 1, mode = 0;
     for (size_t i = 0; i < count; i++) {
         released += regions[i].handle == 0;
         stageable = stageable && (regions[i].handle || cscu_vmm_stageable(&regions[i]));
     }
-    if (!stageable) {  /* the worker then fills them itself */
-        cscu_refuse(out, room, "hydrate", "an engine allocation has more than one mapping, other access or "
-                    "properties a staged allocation lacks: it is re-created, not adopted");
-        return;
-    }
-    if (n != released) {  /* before anything is opened or asked of the driver */
-        cscu_refuse(out, room, "hydrate", "%zu staged allocations for %zu released regions (one each)", n, released);
+    if (stageable && n == released)
+        mode = 1;
+    else if (group && offset && stage_groups(regions, count, group, offset) == n)
+        mode = 2;
+    else
+        snprintf(why, room, "%zu staged allocations: neither one per released region (%zu, each adoptable: %s) nor "
+                 "one per group of them", n, released, stageable ? "yes" : "no");
+    free(group);
+    free(offset);
+    return mode;
+}
+
+void cscu_hydrate_staged(const char *dir, const char *policy, const int *fds, size_t n, char *out, size_t room)
+{
+    struct hydration h;
+    char why[256];
+    int mode = stage_mode(n, why, sizeof(why));
+    if (!mode) {  /* before anything is opened or asked of the driver; the worker then fills them itself */
+        cscu_refuse(out, room, "hydrate", "%s", why);
         return;
     }
     int ok = begin(&h, dir, policy) == 0;
     if (ok) {
-        h.phase = "hydrate: adopt";
-        ok = adopt_all(&h, fds, n) == 0;
+        h.phase = mode == 1 ? "hydrate: adopt" : "hydrate: copy";
+        ok = (mode == 1 ? adopt_all(&h, fds, n) : copy_all(&h, fds, n)) == 0;
         h.place_s = cscu_now() - h.t0 - h.check_s;
     }
-    finish(&h, ok, policy, 0, 1, out, room);
+    finish(&h, ok, policy, 0, mode, out, room);
 }
