@@ -316,16 +316,21 @@ def _staged(record: DumpRecord, stage: DeviceStage, directory: Path, policy: str
     fds = stage.adopt()
     if fds is None:
         return None
+    held = list(fds)
+
+    def let_go() -> None:  # sent: the interposer's copies keep the allocations (it frees one copied from at once)
+        while held:
+            os.close(held.pop())
+
     try:
         answer = jsonline.request(record.socket, {"op": "hydrate", "dir": str(directory), "policy": policy,
                                                   "allocations": str(len(fds))}, fds=fds, page=INTERPOSER_PAGE,
-                                  timeout=600.0)
+                                  timeout=600.0, sent=let_go)
     except ProbeError as exc:
         stage.report["adopt_error"] = str(exc)
         return None
     finally:
-        for fd in fds:
-            os.close(fd)  # the regions' mappings hold the allocations now
+        let_go()  # the regions' mappings hold the allocations now
     if not answer.get("ok"):
         stage.report["adopt_error"] = str(answer.get("error"))
         return None

@@ -356,6 +356,31 @@ def test_the_worker_sends_its_descriptors_in_pages_of_16(pages_server: Served, t
     assert COUNTED in answer["error"] and settled(pid, before) == before
 
 
+def test_the_worker_lets_its_descriptors_go_once_sent(pages_server: Served, tmp_path: Path) -> None:
+    """jsonline's `sent`: called once the line and every page are out, before the answer is read (the worker closes
+    its descriptors then, so that a staged allocation the interposer copied from is freed as soon as it lets go):
+    the interposer still counts every descriptor, in flight when the asker closed its own."""
+    from coldsnap_probe.memory._device_dump import INTERPOSER_PAGE
+
+    pid, path, before = pages_server
+    fds, order = markers(tmp_path, 20), []
+
+    def let_go() -> None:
+        order.append("sent")
+        while fds:
+            os.close(fds.pop())
+
+    try:
+        answer = jsonline.request(path, {"op": "hydrate", "dir": "/nonexistent/dump", "allocations": "20"},
+                                  fds=list(fds), page=INTERPOSER_PAGE, timeout=30, sent=let_go)
+        order.append("answered")
+    finally:
+        let_go()
+    # All 20 arrived (fewer would be "N of the 20 announced descriptors arrived"), then were weighed: 3 regions.
+    assert order[:2] == ["sent", "answered"] and "hydrate: 20 staged allocations: neither" in answer["error"]
+    assert settled(pid, before) == before
+
+
 @pytest.mark.parametrize("line", [
     pytest.param(b'{"op": "\\u73XXtatus"}\n', id="two-digits-then-skipped-bytes"),
     pytest.param(b'{"op": "status\\u9"}\n', id="one-digit-at-the-end"),

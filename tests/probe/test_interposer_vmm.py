@@ -392,7 +392,7 @@ static void staged_copy(void)  /* RDMA-capable engine pages: re-created as made,
     struct cscu_region *r[3];
     struct hydration hy;
     char why[256] = "";
-    int imported = 0;
+    int imported = open("/dev/null", O_RDONLY);  /* stands for the staged allocation's descriptor */
     for (int k = 0; k < 3; k++)
         h[k] = engine_page(base + (size_t)k * 2 * MIB, 1);
     for (int k = 0; k < 3; k++)
@@ -409,7 +409,8 @@ static void staged_copy(void)  /* RDMA-capable engine pages: re-created as made,
           copy_all(&hy, &imported, 1) == 0 && *v("dtod_calls") == 3 && *u("dtod_bytes") == 6 * MIB
           && r[0]->handle && r[2]->handle && r[1]->vmm->real == r[1]->handle && r[1]->vmm->handle == h[1]
           && mapped_at(base) && mapped_at(base + 4 * MIB) && hy.restored == 3);
-    CHECK("the staged allocation let go once copied", *v("freed") == freed + 1);
+    CHECK("the staged allocation let go once copied, its descriptor closed",
+          *v("freed") == freed + 1 && imported == -1);
     CUmemAllocationProp seen;
     memset(&seen, 0, sizeof(seen));
     CHECK("a page's properties are the engine's, checked by the driver on the page's new handle",

@@ -333,10 +333,12 @@ CSCU_HIDDEN void cscu_gate_exempt(void);
  * locked and the gate closed. */
 CSCU_HIDDEN void cscu_release(const char *dir, char *out, size_t room);
 CSCU_HIDDEN void cscu_hydrate(const char *dir, const char *policy, int digests, char *out, size_t room);
-/* Hydrate from the allocations a node hydrator filled (`fds`, `n` of them, exported as POSIX descriptors): the
- * k-th is imported and mapped whole at the k-th released region (table order), so `n` must equal the released
- * regions; then the sampled read-back against the dump in `dir`. The descriptors stay the caller's. */
-CSCU_HIDDEN void cscu_hydrate_staged(const char *dir, const char *policy, const int *fds, size_t n, char *out,
+/* Hydrate from the allocations a node hydrator filled (`fds`, `n` of them, exported as POSIX descriptors): one per
+ * released region (table order), each adoptable, is imported and mapped whole at its region; one per group of
+ * them (hydrate.c's stage_groups) is copied from, each region re-created as a fill would; then the sampled
+ * read-back against the dump in `dir`. The descriptors stay the caller's; one copied from is closed once imported
+ * and set to -1 (its allocation is then freed as soon as its copies are done). */
+CSCU_HIDDEN void cscu_hydrate_staged(const char *dir, const char *policy, int *fds, size_t n, char *out,
                                      size_t room);
 
 /* --- digests: SHA-256 (libcrypto when present, our own otherwise) ------------------------------------------- */

@@ -377,10 +377,10 @@ static size_t stage_groups(const struct cscu_region *regions, size_t count, size
     return groups;
 }
 
-/* Group g: its staged allocation (`fd`) imported and mapped at a range of our own, each of its regions re-created
+/* Group g: its staged allocation (`*fd`, closed and set to -1 once imported) imported and mapped at a range of our own, each of its regions re-created
  * as a fill would (the engine's own with its properties, flags, mappings and access) and copied from it on the
  * device, then the staged allocation let go. 0, or -1 with h->error naming the group. */
-static int copy_group(struct hydration *h, const size_t *group, const size_t *offset, size_t g, int fd,
+static int copy_group(struct hydration *h, const size_t *group, const size_t *offset, size_t g, int *fd,
                       import_fn import, dtod_fn dtod)
 {
     const struct cscu_driver *d = cscu_driver();
@@ -394,8 +394,11 @@ static int copy_group(struct hydration *h, const size_t *group, const size_t *of
     CUdeviceptr va = 0;
     int mapped = 0;
     CUresult rc = d->ctx_set_current(lead->context);
-    if (rc == CUDA_SUCCESS)
-        rc = import(&held, (void *)(intptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    if (rc == CUDA_SUCCESS && (rc = import(&held, (void *)(intptr_t)*fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
+        == CUDA_SUCCESS) {
+        close(*fd);  /* the imported handle holds the allocation now: released below, it is freed */
+        *fd = -1;
+    }
     if (rc == CUDA_SUCCESS)
         rc = d->address_reserve(&va, bytes, 0, 0, 0);
     if (rc == CUDA_SUCCESS && (rc = d->map(va, bytes, 0, held, 0)) == CUDA_SUCCESS)
@@ -425,9 +428,10 @@ static int copy_group(struct hydration *h, const size_t *group, const size_t *of
     return rc == CUDA_SUCCESS ? 0 : -1;
 }
 
-/* Every group copied in turn (a group's staged allocation is let go before the next one's regions are made, so a
- * hydration needs at most one group's bytes beyond what the stage holds); 0, or -1 with h->error set. */
-static int copy_all(struct hydration *h, const int *staged, size_t n)
+/* Every group copied in turn: a group's staged allocation is let go (its descriptor closed, its handle released)
+ * before the next one's regions are made, so a hydration needs at most one group's bytes beyond what the stage
+ * holds, once the worker and the hydrator have let go of their descriptors. 0, or -1 with h->error set. */
+static int copy_all(struct hydration *h, int *staged, size_t n)
 {
     import_fn import = (import_fn)cscu_real("cuMemImportFromShareableHandle");
     dtod_fn dtod = (dtod_fn)cscu_real("cuMemcpyDtoD_v2");
@@ -440,7 +444,7 @@ static int copy_all(struct hydration *h, const int *staged, size_t n)
         snprintf(h->error, sizeof(h->error), "%zu staged allocations for another grouping of the regions", n);
     else
         for (size_t g = rc = 0; g < n && rc == 0; g++)
-            rc = copy_group(h, group, offset, g, staged[g], import, dtod);
+            rc = copy_group(h, group, offset, g, &staged[g], import, dtod);
     free(group);
     free(offset);
     return rc;
@@ -470,7 +474,7 @@ static int stage_mode(size_t n, char *why, size_t room)
     return mode;
 }
 
-void cscu_hydrate_staged(const char *dir, const char *policy, const int *fds, size_t n, char *out, size_t room)
+void cscu_hydrate_staged(const char *dir, const char *policy, int *fds, size_t n, char *out, size_t room)
 {
     struct hydration h;
     char why[256];
