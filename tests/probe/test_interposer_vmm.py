@@ -163,9 +163,11 @@ int cuStreamDestroy_v2(void *s) { (void)s; return 0; }
 int cuStreamSynchronize(void *s) { (void)s; return 0; }
 int cuMemHostAlloc(void **p, size_t n, unsigned f) { (void)f; *p = malloc(n); return 0; }
 int cuMemFreeHost(void *p) { free(p); return 0; }
-int cuMemcpyDtoHAsync_v2(void *d, P s, size_t n, void *st) { (void)d; (void)s; (void)n; (void)st; return 0; }
-int cuMemcpyHtoDAsync_v2(P d, const void *s, size_t n, void *st) { (void)d; (void)s; (void)n; (void)st; return 0; }
 int device_byte;  /* what every device-to-host copy reads */
+int dtoh_async;
+int cuMemcpyDtoHAsync_v2(void *d, P s, size_t n, void *st) { (void)s; (void)st; dtoh_async++; memset(d, device_byte, n);
+    return 0; }
+int cuMemcpyHtoDAsync_v2(P d, const void *s, size_t n, void *st) { (void)d; (void)s; (void)n; (void)st; return 0; }
 int cuMemcpyDtoH_v2(void *d, P s, size_t n) { (void)s; memset(d, device_byte, n); return 0; }
 int cuEventCreate(void **e, unsigned f) { static long n; (void)f; *e = (void *)(0x3000L + ++n); return 0; }
 int cuEventRecord(void *e, void *s) { (void)e; (void)s; return 0; }
@@ -437,7 +439,8 @@ static void sampled_read_back(void)  /* many small segments (an engine's pages),
     }
     cscu_segments = segments, cscu_segment_count = SEGMENTS;
     *v("device_byte") = 0x5a;
-    CHECK("every segment's samples equal the device's", verify_samples(fds, take, error, sizeof(error)) == 0);
+    CHECK("every segment's samples equal the device's, read on the threads' own streams",
+          verify_samples(fds, take, error, sizeof(error)) == 0 && *v("dtoh_async") == 2 * SEGMENTS);
     memset(page, 0, 64 << 10);
     pwrite(fds[37], page, 64 << 10, 64 << 10);
     CHECK("one segment's last sample differs: refused naming it and where",
