@@ -23,54 +23,93 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
-
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from coldsnap_probe._cuda import Driver
-from coldsnap_probe.errors import ProbeError
-from coldsnap_probe.hydration._vmm import cucall, device_allocation, fd_handle, map_read_write
 
 MIB = 1 << 20
 
 
-def flags_of(driver: Driver, handle: Any) -> dict[str, Any]:
+class CudaFailed(RuntimeError):
+    """A driver call answered an error (its name and the driver's name for the error)."""
+
+
+def driver() -> Any:
+    """cuda-python's driver module, with the GPU's primary context current (cuInit first)."""
+    from cuda.bindings import driver as cu
+
+    call(cu, "cuInit", 0)
+    call(cu, "cuCtxSetCurrent", call(cu, "cuDevicePrimaryCtxRetain", call(cu, "cuDeviceGet", 0)))
+    return cu
+
+
+def error_name(cu: Any, err: Any) -> str:
+    name = cu.cuGetErrorName(err)[1]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def call(cu: Any, name: str, *args: Any) -> Any:
+    """The driver's outputs of `name` (one unwrapped, none as None), or CudaFailed."""
+    err, *outputs = getattr(cu, name)(*args)
+    if int(err) != 0:
+        raise CudaFailed(f"{name}: {error_name(cu, err)}")
+    return outputs[0] if len(outputs) == 1 else tuple(outputs) if outputs else None
+
+
+def fd_handle(cu: Any) -> Any:
+    return cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+
+
+def allocation(cu: Any, *, rdma: bool) -> Any:
+    """A pinned, exportable device allocation's properties on GPU 0, GPUDirect RDMA capable when `rdma`."""
+    prop = cu.CUmemAllocationProp()
+    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = 0
+    prop.requestedHandleTypes = fd_handle(cu)
+    prop.allocFlags.gpuDirectRDMACapable = 1 if rdma else 0
+    return prop
+
+
+def map_read_write(cu: Any, address: int, size: int) -> None:
+    access = cu.CUmemAccessDesc()
+    access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    access.location.id = 0
+    access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    call(cu, "cuMemSetAccess", address, size, [access], 1)
+
+
+def flags_of(cu: Any, handle: Any) -> dict[str, Any]:
     """What the driver says of an allocation handle: its device, handle types and GPUDirect RDMA flag."""
-    prop = cucall(driver, "cuMemGetAllocationPropertiesFromHandle", handle)
+    prop = call(cu, "cuMemGetAllocationPropertiesFromHandle", handle)
     return {"device": int(prop.location.id), "handle_types": int(prop.requestedHandleTypes),
             "rdma": int(prop.allocFlags.gpuDirectRDMACapable)}
 
 
-def try_offset_map(driver: Driver, handle: Any, size: int, page: int) -> str:
+def try_offset_map(cu: Any, handle: Any, size: int, page: int) -> str:
     """cuMemMap of `page` bytes at offset `page` into an allocation of `size`: the driver's answer."""
-    va = int(cucall(driver, "cuMemAddressReserve", size, 0, 0, 0))
+    va = int(call(cu, "cuMemAddressReserve", size, 0, 0, 0))
     try:
-        err = driver.cuda.cuMemMap(va, page, page, handle, 0)[0]
-        name = driver._error_text(err)[0]
+        err = cu.cuMemMap(va, page, page, handle, 0)[0]
         if int(err) == 0:
-            map_read_write(driver, va, page, 0)
-            driver.cuda.cuMemUnmap(va, page)
-        return name
+            map_read_write(cu, va, page)
+            cu.cuMemUnmap(va, page)
+        return error_name(cu, err)
     finally:
-        driver.cuda.cuMemAddressFree(va, size)
+        cu.cuMemAddressFree(va, size)
 
 
-def pointer_rdma(driver: Driver, prop: Any, page: int) -> int:
+def pointer_rdma(cu: Any, prop: Any, page: int) -> int:
     """cuPointerGetAttribute(IS_GPU_DIRECT_RDMA_CAPABLE) of a page made with `prop`, mapped read-write."""
-    handle = cucall(driver, "cuMemCreate", page, prop, 0)
-    va = int(cucall(driver, "cuMemAddressReserve", page, 0, 0, 0))
+    handle = call(cu, "cuMemCreate", page, prop, 0)
+    va = int(call(cu, "cuMemAddressReserve", page, 0, 0, 0))
     try:
-        cucall(driver, "cuMemMap", va, page, 0, handle, 0)
-        map_read_write(driver, va, page, 0)
-        attribute = driver.cuda.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE
-        return int(cucall(driver, "cuPointerGetAttribute", attribute, va))
+        call(cu, "cuMemMap", va, page, 0, handle, 0)
+        map_read_write(cu, va, page)
+        attribute = cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE
+        return int(call(cu, "cuPointerGetAttribute", attribute, va))
     finally:
-        driver.cuda.cuMemUnmap(va, page)
-        driver.cuda.cuMemAddressFree(va, page)
-        driver.cuda.cuMemRelease(handle)
+        cu.cuMemUnmap(va, page)
+        cu.cuMemAddressFree(va, page)
+        cu.cuMemRelease(handle)
 
 
 def timed(steps: dict[str, float], name: str, started: float) -> None:
@@ -79,8 +118,7 @@ def timed(steps: dict[str, float], name: str, started: float) -> None:
 
 def adopter(sock_fd: int, pages: int, page: int) -> None:
     """The second process: receives the page descriptors and a large allocation's, imports and maps them."""
-    driver = Driver()
-    driver.context(0)
+    cu = driver()
     conn = socket.socket(fileno=sock_fd)
     fds: list[int] = []
     while len(fds) < pages + 1:
@@ -88,59 +126,58 @@ def adopter(sock_fd: int, pages: int, page: int) -> None:
         fds += got
     steps: dict[str, float] = {}
     started = time.perf_counter()
-    handles = [cucall(driver, "cuMemImportFromShareableHandle", fd, fd_handle(driver)) for fd in fds[:pages]]
+    handles = [call(cu, "cuMemImportFromShareableHandle", fd, fd_handle(cu)) for fd in fds[:pages]]
     timed(steps, "import_s", started)
-    imported_flags = flags_of(driver, handles[0])
-    va = int(cucall(driver, "cuMemAddressReserve", pages * page, 0, 0, 0))
+    imported_flags = flags_of(cu, handles[0])
+    va = int(call(cu, "cuMemAddressReserve", pages * page, 0, 0, 0))
     started = time.perf_counter()
     for i, h in enumerate(handles):
-        cucall(driver, "cuMemMap", va + i * page, page, 0, h, 0)
+        call(cu, "cuMemMap", va + i * page, page, 0, h, 0)
     timed(steps, "map_s", started)
     started = time.perf_counter()
     for i in range(pages):
-        map_read_write(driver, va + i * page, page, 0)
+        map_read_write(cu, va + i * page, page)
     timed(steps, "set_access_each_s", started)
     started = time.perf_counter()
-    map_read_write(driver, va, pages * page, 0)
+    map_read_write(cu, va, pages * page)
     timed(steps, "set_access_once_s", started)
-    attribute = driver.cuda.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE
-    pointer_rdma = int(cucall(driver, "cuPointerGetAttribute", attribute, va))
+    attribute = cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE
+    pointer_rdma = int(call(cu, "cuPointerGetAttribute", attribute, va))
     started = time.perf_counter()
-    cucall(driver, "cuMemUnmap", va, pages * page)
+    call(cu, "cuMemUnmap", va, pages * page)
     for h in handles:
-        cucall(driver, "cuMemRelease", h)
+        call(cu, "cuMemRelease", h)
     timed(steps, "unmap_release_s", started)
-    cucall(driver, "cuMemAddressFree", va, pages * page)
-    big = cucall(driver, "cuMemImportFromShareableHandle", fds[pages], fd_handle(driver))
+    call(cu, "cuMemAddressFree", va, pages * page)
+    big = call(cu, "cuMemImportFromShareableHandle", fds[pages], fd_handle(cu))
     answer = {"steps": steps, "imported_flags": imported_flags, "imported_pointer_rdma": pointer_rdma,
-              "imported_big_flags": flags_of(driver, big),
-              "offset_map_imported": try_offset_map(driver, big, 4 * page, page)}
-    cucall(driver, "cuMemRelease", big)
+              "imported_big_flags": flags_of(cu, big),
+              "offset_map_imported": try_offset_map(cu, big, 4 * page, page)}
+    call(cu, "cuMemRelease", big)
     for fd in fds:
         os.close(fd)
     conn.sendall(json.dumps(answer).encode() + b"\n")
 
 
 def creator(pages: int, page: int) -> dict[str, Any]:
-    driver = Driver()
-    driver.context(0)
-    attribute = driver.cuda.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED
-    report: dict[str, Any] = {"rdma_with_vmm": int(cucall(driver, "cuDeviceGetAttribute", attribute, 0))}
-    prop = device_allocation(driver, 0, exportable=True, rdma=True)
+    cu = driver()
+    attribute = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED
+    report: dict[str, Any] = {"rdma_with_vmm": int(call(cu, "cuDeviceGetAttribute", attribute, 0))}
+    prop = allocation(cu, rdma=bool(report["rdma_with_vmm"]))
     report["asked_rdma"] = int(prop.allocFlags.gpuDirectRDMACapable)
-    report["pointer_rdma_with_flag"] = pointer_rdma(driver, prop, page)
-    report["pointer_rdma_without_flag"] = pointer_rdma(driver, device_allocation(driver, 0, exportable=True), page)
+    report["pointer_rdma_with_flag"] = pointer_rdma(cu, prop, page)
+    report["pointer_rdma_without_flag"] = pointer_rdma(cu, allocation(cu, rdma=False), page)
     steps: dict[str, float] = {}
     started = time.perf_counter()
-    handles = [cucall(driver, "cuMemCreate", page, prop, 0) for _ in range(pages)]
+    handles = [call(cu, "cuMemCreate", page, prop, 0) for _ in range(pages)]
     timed(steps, "create_s", started)
-    report["created_flags"] = flags_of(driver, handles[0])
+    report["created_flags"] = flags_of(cu, handles[0])
     started = time.perf_counter()
-    fds = [int(cucall(driver, "cuMemExportToShareableHandle", h, fd_handle(driver), 0)) for h in handles]
+    fds = [int(call(cu, "cuMemExportToShareableHandle", h, fd_handle(cu), 0)) for h in handles]
     timed(steps, "export_s", started)
-    big = cucall(driver, "cuMemCreate", 4 * page, prop, 0)
-    report["offset_map_created"] = try_offset_map(driver, big, 4 * page, page)
-    fds.append(int(cucall(driver, "cuMemExportToShareableHandle", big, fd_handle(driver), 0)))
+    big = call(cu, "cuMemCreate", 4 * page, prop, 0)
+    report["offset_map_created"] = try_offset_map(cu, big, 4 * page, page)
+    fds.append(int(call(cu, "cuMemExportToShareableHandle", big, fd_handle(cu), 0)))
     ours, theirs = socket.socketpair()
     child = subprocess.Popen([sys.executable, __file__, "--adopter", str(theirs.fileno()), "--pages", str(pages),
                               "--page-mib", str(page // MIB)], pass_fds=(theirs.fileno(),))
@@ -152,7 +189,7 @@ def creator(pages: int, page: int) -> dict[str, Any]:
     for fd in fds:
         os.close(fd)
     for h in [*handles, big]:
-        cucall(driver, "cuMemRelease", h)
+        call(cu, "cuMemRelease", h)
     report["creator_steps"] = steps
     report.update(answer)
     return report
@@ -170,7 +207,7 @@ def main() -> int:
         return 0
     try:
         report = creator(args.pages, page)
-    except ProbeError as exc:
+    except (RuntimeError, ImportError, OSError) as exc:  # CudaFailed, or no driver to load
         print(f"vmm_pages: {exc}", file=sys.stderr)
         return 1
     steps = {**report.pop("creator_steps"), **report.pop("steps", {})}
