@@ -33,8 +33,8 @@ from ._vmm import (
 )
 from ._weights import HydrationManifest, WeightRegion, validate_regions
 
-__all__ = ("ADOPT_PAGE", "CONNECTIONS", "STAGE_MAX", "STAGE_RESERVE", "STAGE_TTL", "UID_CONNECTIONS", "HydratorServer",
-           "Stager", "request_regions")
+__all__ = ("ADOPT_PAGE", "CONNECTIONS", "DUMP_CHUNK", "DUMP_THREADS", "STAGE_MAX", "STAGE_RESERVE", "STAGE_TTL",
+           "UID_CONNECTIONS", "HydratorServer", "Stager", "request_regions")
 
 STAGE_TTL = 120.0  # seconds a staged allocation waits for its engine before the hydrator frees it
 STAGE_MAX = 4  # staged allocations a hydrator holds at once
@@ -350,7 +350,9 @@ class HydratorServer:
         """Fill one allocation per released region from an interposer's device dump (docs/interposer.md) while
         its process is being restored: `parts` are (file, bytes, region) in the order the interposer maps them
         back (`dump_layout`), each file read whole through a ring of page-locked buffers into the allocations
-        mapped back to back. Only files `peer` could read itself in its own view, on this hydrator's GPU."""
+        mapped back to back; a file the page cache mostly lacks (a store's file after a pull or a drop) with
+        O_DIRECT, at the disk's rate and through the cache zero times. Only files `peer` could read itself in its
+        own view, on this hydrator's GPU."""
         key = self._stage_slot(message)
         layout, sizes = dump_layout(message.get("parts"))
         with PeerView.of(conn, peer, openers=self._openers) as view:
@@ -361,7 +363,8 @@ class HydratorServer:
                                                              layout=layout, sizes=sizes),
                                     lambda va: copy_to_device(self.driver, self.context, region_pieces(parts, va),
                                                               Pread(threads=DUMP_THREADS, chunk=DUMP_CHUNK,
-                                                                    opened=fds)), size, stager)
+                                                                    opened=fds, direct_when_cold=True)),
+                                    size, stager)
         finally:
             for fd in fds.values():
                 os.close(fd)
