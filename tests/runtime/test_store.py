@@ -70,8 +70,56 @@ def test_tree_gives_back_the_same_bytes_with_holes_for_zeros(store: CaptureStore
     assert store.tree(capture) == (tree, 0)  # made once
 
 
+def cached_share(path: Path, samples: int = 64) -> float:
+    """The share of the file's pages in the page cache (one-byte RWF_NOWAIT reads, which fail for the others)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size, hits = os.fstat(fd).st_size, 0
+        for k in range(samples):
+            try:
+                os.preadv(fd, [bytearray(1)], size * k // samples, os.RWF_NOWAIT)
+                hits += 1
+            except BlockingIOError:
+                pass
+        return hits / samples
+    finally:
+        os.close(fd)
+
+
+def drop(path: Path) -> None:
+    """Write the file back and drop it from the page cache (a chunk long after its pull, or after a drop)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("cold", [False, True], ids=["cached", "cold"])
+def test_tree_reads_each_chunk_once_and_leaves_only_the_tree_in_the_page_cache(store: CaptureStore,
+                                                                                cold: bool) -> None:
+    """Cold chunks are read with O_DIRECT (never cached), cached ones (just pulled) are dropped once copied: the
+    page cache never holds a chunk and its tree copy, the same bytes twice."""
+    pages = os.urandom(CHUNK_BYTES + 3 * MIB + 123)  # a tail that is not a whole page
+    capture, stored = _capture(store, {"images/pages-1.img": pages})
+    blobs = [store.blob_path(c) for c in stored[0].chunks if c]
+    for blob in blobs:
+        if cold:
+            drop(blob)
+        else:
+            blob.read_bytes()
+        assert cached_share(blob) == (0.0 if cold else 1.0)
+    tree, read = store.tree(capture)
+    assert read == len(pages) and (tree / "images/pages-1.img").read_bytes() == pages
+    assert [cached_share(blob) for blob in blobs] == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("cold", [False, True], ids=["cached", "cold"])
 @pytest.mark.parametrize("damage", ["corrupt", "truncated", "missing"])
-def test_tree_refuses_a_damaged_chunk_naming_it_and_leaves_nothing(store: CaptureStore, damage: str) -> None:
+def test_tree_refuses_a_damaged_chunk_naming_it_and_leaves_nothing(store: CaptureStore, damage: str,
+                                                                   cold: bool) -> None:
+    """Through the page cache or with O_DIRECT (a cold chunk), a damaged chunk is refused by name."""
     capture, stored = _capture(store, {"images/pages-1.img": os.urandom(2 * MIB)})
     chunk = stored[0].chunks[0]
     assert chunk is not None
@@ -81,9 +129,12 @@ def test_tree_refuses_a_damaged_chunk_naming_it_and_leaves_nothing(store: Captur
             out.seek(MIB)
             out.write(b"\xff")
     elif damage == "truncated":
-        os.truncate(blob, MIB)
+        os.truncate(blob, MIB + 5)
     else:
         blob.unlink()
+    if cold and damage != "missing":
+        drop(blob)
+        assert cached_share(blob) == 0.0
     with pytest.raises(StoreError, match=f"images/pages-1.img: chunk {chunk} is"):
         store.tree(capture)
     assert not list((store.root / "trees").iterdir()) and not list((store.root / "tmp").iterdir())
