@@ -10,7 +10,7 @@ disk cannot hold the registry beside the store). One run, each phase timed, the 
 that fails and saying which:
 
 1. the machine's own rates: a memory copy, the store's disk with O_DIRECT (write; read by one reader and by the
-   node hydrator's ring of 16), the registry link (2 GiB up and down, one blob and 64 MiB blobs 8 at a time);
+   node hydrator's ring of 16), the registry link (2 GiB up and down by default, one blob and 64 MiB blobs 8 at a time);
 2. `transformers serve`, unchanged, cold in its capsule and captured by the in-capsule worker (bench/e2e_serve.py's
    plumbing, path `--mode`), the images written into `--context`/images;
 3. `image-build` of a capsule `FROM` the capsule with `COPY images /images`: the daemon takes the capture into the
@@ -118,7 +118,7 @@ class Run:
 
 
 def measure_rates(run: Run, args: argparse.Namespace, address: str) -> None:
-    """The memory copy, the store's disk with O_DIRECT, the registry link (a 2 GiB sample on tmpfs)."""
+    """The memory copy, the store's disk with O_DIRECT, the registry link (a `--link-mib` sample on tmpfs)."""
     rates = run.rates
     rates["memory copy"] = memory_copy_gbps()
     probe = Path(args.store).parent / "rate.bin"
@@ -131,7 +131,7 @@ def measure_rates(run: Run, args: argparse.Namespace, address: str) -> None:
     probe.unlink()
     sample = Path(args.registry_root) / "link-sample.bin"
     with sample.open("wb") as out:
-        for _ in range(256):
+        for _ in range(args.link_mib // 8):
             out.write(os.urandom(8 << 20))
     for kind, rate in registry_link(address, sample).items():
         rates[f"registry link, {kind.split('_')[0]} (one uncompressed blob)"] = rate
@@ -265,6 +265,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--restores", type=int, default=3)
     parser.add_argument("--port", type=int, default=18471)
     parser.add_argument("--rate-mib", type=int, default=4096, help="the disk-rate probe's size")
+    parser.add_argument("--link-mib", type=int, default=2048, help="the registry-link probe's size (on tmpfs)")
     parser.add_argument("--criu-threads", type=int, default=0)
     return parser
 
