@@ -202,7 +202,8 @@ def test_a_damaged_blob_in_the_registry_fails_the_pull_naming_it_and_nothing_of_
     record.unlink()
     served.write_bytes(original[:-1] + bytes([original[-1] ^ 1]) if damage == "corrupt" else original[:-4096])
     try:
-        reply = anyio.run(lambda: _session(daemon).runtime("image-pull", image=tag))
+        session = _session(daemon)
+        reply = anyio.run(lambda: session.runtime("image-pull", image=tag))
         assert not reply.ok and f"registry {registry.address}: blob sha256:{blob.name} is corrupt or truncated" \
             in str(reply.error), reply.error
         assert not blob.exists() and not record.exists() and not list((store / "tmp").iterdir())
