@@ -221,16 +221,25 @@ def goal_lines(run: Run, restores: list[dict[str, Any]]) -> list[list[str]]:
     return lines
 
 
+def phase_cells(r: dict[str, Any]) -> list[str]:
+    moved = r["bytes"]
+    return [r["phase"], f"{r['seconds']:.2f}", "-" if moved is None else f"{moved / 1e9:.2f}",
+            f"{moved / r['seconds'] / 1e9:.3f}" if moved else "-", f"{r['disk_read'] / 1e9:.2f}",
+            f"{r['disk_written'] / 1e9:.2f}"]
+
+
 def report(run: Run, restores: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    """The run's tables (the phases that ran, the rates measured, the restores against the goal) and notes."""
     lines = [f"mode {args.mode}; store {args.store} (disk: {run.disk.stat}); registry storage {args.registry_root} "
-             "(tmpfs: the disk cannot hold it beside the store); build context and images on tmpfs", "",
-             table(["phase", "s", "bytes moved GB", "GB/s", "disk read GB", "disk written GB"],
-                   [[r["phase"], f"{r['seconds']:.2f}", "-" if r["bytes"] is None else f"{r['bytes'] / 1e9:.2f}",
-                     "-" if not r["bytes"] else f"{r['bytes'] / r['seconds'] / 1e9:.3f}",
-                     f"{r['disk_read'] / 1e9:.2f}", f"{r['disk_written'] / 1e9:.2f}"] for r in run.rows]), "",
-             table(["the machine's own rate, same run", "GB/s"], [[k, f"{v:.3f}"] for k, v in run.rates.items()])]
+             "(tmpfs: the disk cannot hold it beside the store); build context and images on tmpfs"]
+    if run.rows:
+        lines += ["", table(["phase", "s", "bytes moved GB", "GB/s", "disk read GB", "disk written GB"],
+                            [phase_cells(r) for r in run.rows])]
+    if run.rates:
+        lines += ["", table(["the machine's own rate, same run", "GB/s"],
+                            [[k, f"{v:.3f}"] for k, v in run.rates.items()])]
     if restores and run.rates:
-        lines += ["", table(["restore", "Docker-to-first-token s", "disk read GB", "goal s (read/O_DIRECT + 1.0)",
+        lines += ["", table(["restore", "Docker-to-first-token s", "disk read GB", "goal s (read/best disk rate + 1.0)",
                              "goal", "workload-run s (files made, container)", "device dump staged", "= cold"],
                             goal_lines(run, restores))]
     lines += ["", *run.notes]
