@@ -7,8 +7,9 @@ it there), then each row runs after the page cache is dropped (root):
 
 1. the capture's files made from its chunks (`CaptureStore.tree`: what workload-run does on a capture's first use);
 2. the tree's file read through the page cache by one thread (how CRIU and `cat` read);
-3. read through the page cache by `--threads` readers of 8 MiB (the node hydrator's stage-dump ring before);
-4. read with O_DIRECT by `--threads` readers of 8 MiB into aligned buffers (the ring now, `direct_when_cold`);
+3. read through the page cache by `--threads` readers of 8 MiB (the node hydrator's stage-dump ring);
+4. read with O_DIRECT by `--threads` readers of 8 MiB into aligned buffers (measured, and rejected for the ring:
+   slower on the disks measured, CPU and H200 machines alike);
 5. the disk's own rates: O_DIRECT by one reader (`capsule_transfer.direct_read_gbps`), O_DIRECT writes.
 
 Each row says the seconds, the rate and the share of the file the page cache holds afterwards: bytes read once and
@@ -132,9 +133,9 @@ def rows_for(store: CaptureStore, capture: str, tree_file: Path, threads: int) -
     rows.append(("files made from the chunks (CaptureStore.tree, workload-run's first use)",
                  size / (time.perf_counter() - started) / 1e9, cached_share(tree_file)))
     ways = [("read through the page cache, 1 thread (CRIU, cat)", lambda: read_one_thread(tree_file)),
-            (f"read through the page cache, {threads} readers x 8 MiB (the stage ring before)",
+            (f"read through the page cache, {threads} readers x 8 MiB (the stage ring)",
              lambda: read_parallel(tree_file, threads=threads, direct=False)),
-            (f"read with O_DIRECT, {threads} readers x 8 MiB (the stage ring now)",
+            (f"read with O_DIRECT, {threads} readers x 8 MiB (rejected)",
              lambda: read_parallel(tree_file, threads=threads, direct=True)),
             ("disk: O_DIRECT, 1 reader x 8 MiB", lambda: read_parallel(tree_file, threads=1, direct=True))]
     for name, way in ways:

@@ -9,9 +9,9 @@ Against a running `coldsnap-provider serve` whose `[docker] capture_store` is `-
 disk cannot hold the registry beside the store). One run, each phase timed, the run stopping at the first phase
 that fails and saying which:
 
-1. the machine's own rates: a memory copy, the store's disk with O_DIRECT (write; read by one reader and by the
-   node hydrator's ring of 16; through the page cache by the ring, as before), the registry link (2 GiB up and
-   down by default, one blob and 64 MiB blobs 8 at a time);
+1. the machine's own rates: a memory copy, the store's disk (an O_DIRECT write; O_DIRECT reads by 1 and by 16
+   readers; a read through the page cache by 16, as the node hydrator's ring reads), the registry link (2 GiB up
+   and down by default, one blob and 64 MiB blobs 8 at a time);
 2. `transformers serve`, unchanged, cold in its capsule and captured by the in-capsule worker (bench/e2e_serve.py's
    plumbing, path `--mode`), the images written into `--context`/images;
 3. `image-build` of a capsule `FROM` the capsule with `COPY images /images`: the daemon takes the capture into the
@@ -128,9 +128,10 @@ def measure_rates(run: Run, args: argparse.Namespace, address: str) -> None:
     drop_caches()
     rates["disk read, O_DIRECT (1 reader x 8 MiB)"] = read_parallel(probe, threads=1, direct=True)
     drop_caches()
-    rates["disk read, O_DIRECT (16 readers x 8 MiB: the hydrator's ring)"] = read_parallel(probe, direct=True)
+    rates["disk read, O_DIRECT (16 readers x 8 MiB)"] = read_parallel(probe, direct=True)
     drop_caches()
-    rates["disk read through the page cache (16 readers x 8 MiB: the ring before)"] = read_parallel(probe, direct=False)
+    rates["disk read through the page cache (16 readers x 8 MiB: the hydrator's ring)"] = read_parallel(probe,
+                                                                                                      direct=False)
     probe.unlink()
     sample = Path(args.registry_root) / "link-sample.bin"
     with sample.open("wb") as out:

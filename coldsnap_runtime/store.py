@@ -21,12 +21,9 @@ caller's knowledge (the engine's containers): :meth:`CaptureStore.collect` is gi
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import fcntl
 import hashlib
 import json
-import mmap
 import os
 import secrets
 import shutil
@@ -62,8 +59,6 @@ OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 _HEX = frozenset("0123456789abcdef")
 _ZEROS = bytes(CHUNK_BYTES)
 INGEST_THREADS = 4  # chunks hashed and written at once: 256 MiB in memory at most
-_CACHE_SAMPLES = 16  # pages a chunk's residency is judged by
-_ALIGN = 4096  # O_DIRECT's alignment of offsets, lengths and buffers
 
 
 class StoredFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -119,27 +114,6 @@ def artifact_manifest(data: bytes, files: Iterable[StoredFile]) -> bytes:
         "layers": [{"mediaType": CHUNK_MEDIA_TYPE, "digest": d, "size": s} for d, s in sorted(sizes.items())],
     }
     return json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
-
-
-def _mostly_uncached(fd: int) -> bool:
-    """Whether most of the open file's pages are not in the page cache: _CACHE_SAMPLES one-byte RWF_NOWAIT reads
-    over it (a page the cache lacks fails with EAGAIN, unread). A file system without RWF_NOWAIT counts as
-    cached. (The capsule side's twin is coldsnap_probe's `mostly_uncached`: neither package imports the other.)"""
-    size, probe, missing = os.fstat(fd).st_size, bytearray(1), 0
-    for k in range(_CACHE_SAMPLES if size else 0):
-        try:
-            os.preadv(fd, [probe], size * k // _CACHE_SAMPLES, os.RWF_NOWAIT)
-        except BlockingIOError:
-            missing += 1
-        except OSError:
-            return False
-    return missing * 2 > _CACHE_SAMPLES
-
-
-def _direct(fd: int) -> None:
-    """O_DIRECT on an open file, where its file system has direct I/O (elsewhere it stays buffered)."""
-    with contextlib.suppress(OSError):
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
 
 
 def _fsync_directory(path: Path) -> None:
@@ -346,30 +320,21 @@ class CaptureStore:
         data = self._read_chunk(chunk, length, name)
         if len(data) != length or "sha256:" + hashlib.sha256(data).hexdigest() != chunk:
             raise StoreError(f"{name}: chunk {chunk} is corrupt or truncated in the node's store")
-        view = data
+        view = memoryview(data)
         while view:
             view = view[os.pwrite(fd, view, offset + (len(data) - len(view))):]
 
-    def _read_chunk(self, chunk: str, length: int, name: str) -> memoryview:
-        """The chunk's bytes (up to `length` + 1: a longer blob shows), in an aligned buffer. A chunk the page
-        cache mostly lacks (after a cache drop, or long after its pull) is read with O_DIRECT, at the disk's
-        rate and never cached; one it holds (just pulled) is read from it and then dropped from it: the tree's
-        copy is the one a restore reads, so the same bytes are never cached twice."""
+    def _read_chunk(self, chunk: str, length: int, name: str) -> bytes:
+        """The chunk's bytes (up to `length` + 1: a longer blob shows), then the chunk dropped from the page cache:
+        the tree's copy is the one a restore reads, so the same bytes are never cached twice. Read through the
+        cache, not with O_DIRECT: on the H200 machine's disk that read 1.45 GB/s against O_DIRECT's 1.02."""
         try:
-            fd = os.open(self.blob_path(chunk), os.O_RDONLY | os.O_CLOEXEC)
+            with open(self.blob_path(chunk), "rb") as source:
+                data = source.read(length + 1)
+                os.posix_fadvise(source.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         except FileNotFoundError as exc:
             raise StoreError(f"{name}: chunk {chunk} is missing from the node's store") from exc
-        try:
-            if _mostly_uncached(fd):
-                _direct(fd)
-            buffer = memoryview(mmap.mmap(-1, -(-(length + 1) // _ALIGN) * _ALIGN))  # page-aligned, as O_DIRECT wants
-            got = 0
-            while got < len(buffer) and (n := os.preadv(fd, [buffer[got:]], got)):
-                got += n
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-        return buffer[:got]
+        return data
 
     # --- admin -----------------------------------------------------------------------
 

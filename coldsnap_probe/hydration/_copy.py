@@ -6,9 +6,7 @@ call, `copy_to_device`, with the way the bytes are read as a strategy:
   sources, the arena's `register` strategy.
 * `Pread`: reader threads, each with two page-locked buffers and a stream, `pread` (O_DIRECT with `direct`) of
   one chunk while the other's copy runs. The arena's `ring` and `direct` strategies, the node hydrator's
-  staged device dumps (`direct_when_cold`: a dump file mostly absent from the page cache, as a capture store's
-  file after a pull or a cache drop, is read with O_DIRECT, so its bytes cross the page cache zero times and
-  many readers keep the disk busy; one the cache holds, as right after a capture, is read from the cache).
+  staged device dumps.
 
 A new reader (a registry or a disk reader) is one more strategy here. The CUDA interposer's in-process fill
 (`interposer/dump.c` and `hydrate.c`) stays in C: it runs inside an unchanged engine with no Python; when a node
@@ -18,7 +16,6 @@ hydrator is named it hands the fill to this engine instead (the staged path, `Pr
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import os
 import threading
 import time
@@ -31,11 +28,9 @@ from ..errors import HydrationError
 from ._vmm import cucall
 from ._weights import WeightRegion
 
-__all__ = ("COPY_CHUNK", "Piece", "Pinned", "Pread", "Reader", "copy_to_device", "mostly_uncached", "region_pieces")
+__all__ = ("COPY_CHUNK", "Piece", "Pinned", "Pread", "Reader", "copy_to_device", "region_pieces")
 
 COPY_CHUNK = 256 << 20  # a Pinned copy's piece: large enough for the link, small enough to spread over streams
-CACHE_SAMPLES = 64  # pages a file's residency is judged by: a few syscalls, whatever its size
-DIRECT_ALIGN = 4096  # O_DIRECT's offset, length and buffer alignment (the logical block size of any disk here)
 
 
 class Piece(NamedTuple):
@@ -86,50 +81,19 @@ class Pinned:
         return {}
 
 
-def mostly_uncached(fd: int) -> bool:
-    """Whether most of the open file's pages are not in the page cache, judged by CACHE_SAMPLES one-byte reads
-    spread over it with RWF_NOWAIT (a page the cache lacks fails with EAGAIN instead of being read). A file
-    system without RWF_NOWAIT counts as cached: such a file is read as before."""
-    size = os.fstat(fd).st_size
-    if size == 0:
-        return False
-    probe, missing = bytearray(1), 0
-    for k in range(CACHE_SAMPLES):
-        try:
-            os.preadv(fd, [probe], size * k // CACHE_SAMPLES, os.RWF_NOWAIT)
-        except BlockingIOError:
-            missing += 1
-        except OSError:
-            return False
-    return missing * 2 > CACHE_SAMPLES
-
-
-def _direct(fd: int) -> bool:
-    """Switch an open file to O_DIRECT (False: its file system has no direct I/O; it stays buffered)."""
-    try:
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
-    except OSError:
-        return False
-    return True
-
-
 @dataclass(frozen=True, slots=True)
 class Pread:
     """Reader threads through page-locked buffers: `threads` of them, `chunk` bytes a read, O_DIRECT when
     `direct`. `opened`: sources the caller opened (and checked) already, read through those descriptors (left
-    open); the others are opened here, before any driver call, and closed after. `direct_when_cold`: each opened
-    source that is `mostly_uncached` is switched to O_DIRECT (its flag stays set: the caller's descriptor was
-    opened for this copy), every read aligned."""
+    open); the others are opened here, before any driver call, and closed after."""
 
     threads: int
     chunk: int
     direct: bool = False
     opened: Mapping[str, int] = field(default_factory=dict)
-    direct_when_cold: bool = False
 
     def copy(self, driver: Any, context: Any, pieces: Sequence[Piece]) -> dict[str, float]:
-        align = DIRECT_ALIGN if self.direct or self.direct_when_cold else 1
-        direct_files = sum(_direct(fd) for fd in self.opened.values() if self.direct_when_cold and mostly_uncached(fd))
+        align = 4096 if self.direct else 1
         parts = [Piece(dst + s, source, offset + s, min(self.chunk, size - s))
                  for dst, source, offset, size in pieces for s in range(0, size, self.chunk)]
         own: dict[str, int] = {}
@@ -149,8 +113,7 @@ class Pread:
                 os.close(fd)
         spent = ring.spent.values()
         return {"pin_s": max((s[0] for s in spent), default=0.0), "read_thread_s": sum(s[1] for s in spent),
-                "device_thread_s": sum(s[2] for s in spent), "threads": self.threads,
-                "direct_files": direct_files + (len(own) if self.direct else 0)}
+                "device_thread_s": sum(s[2] for s in spent), "threads": self.threads}
 
 
 class _Ring:
