@@ -5,11 +5,11 @@
 # carrying the capture (into the node store), image-push to Debian's docker-registry on 127.0.0.1, image-remove +
 # the capture removed from the store + the page cache dropped, image-pull, then RESTORES restores of the pulled
 # capsule from a dropped page cache to the first token (identical completions), beside the machine's own rates.
-#   scripts/device store [LAYERS] [RESTORES] [MODE]   LAYERS default 16 (8.6 GB of weights): the root disk (~30 GB
-#                                                    free) holds the store's chunks and the capture's files made
-#                                                    from them, twice the images (~2 x 10 GB at 16 layers; the 8B
-#                                                    shape's 2 x 19 GB do not fit). MODE default
-#                                                    full-interposer-hydrator (the staging hydrator reads the dumps).
+#   scripts/device store [LAYERS] [RESTORES] [MODE]   LAYERS default 16 (8.6 GB of weights): the root disk holds the
+#                                                    store's chunks and the capture's files made from them, twice
+#                                                    the images (2 x 10.5 GB at 16 layers, ran in ~4 min; the 8B
+#                                                    shape's 2 x 19 GB need ~45 GB free: the machine has had 30 and
+#                                                    64). MODE default full-interposer-hydrator.
 # Where each part lives: the store (/var/tmp/cs-store/store) and Docker's data on the root disk; the model, the
 # capture's images (the build context), the daemon's build spool and the registry's storage on /dev/shm (tmpfs:
 # the disk cannot hold them beside the store).
