@@ -23,7 +23,6 @@ import json
 import os
 import stat
 import time
-from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -249,15 +248,10 @@ def validated_dumps(images: Path) -> list[DumpRecord]:
     return records
 
 
-def prefetch_dumps(records: list[DumpRecord], images: Path, *, staged: Collection[int] = ()) -> None:
+def prefetch_dumps(records: list[DumpRecord], images: Path) -> None:
     """Before CRIU runs: ask the kernel to read the dump files ahead (images on disk come into the page cache
-    while CRIU and CUDA restore the process; on tmpfs it does nothing). Asynchronous; a failure changes nothing.
-    Not the dumps of the processes in `staged`: their node hydrator reads them itself (with O_DIRECT when the
-    cache lacks them), and a read-ahead would read the same bytes a second time, through the cache, competing
-    with it for the disk."""
+    while CRIU and CUDA restore the process; on tmpfs it does nothing). Asynchronous; a failure changes nothing."""
     for record in records:
-        if record.pid in staged:
-            continue
         for segment in record.dump.segments:
             with contextlib.suppress(OSError):
                 # The engine's uid wrote these files: never follow a link it left, never block on a FIFO.
@@ -367,8 +361,8 @@ class DeviceRestore:
         self.stages: dict[int, DeviceStage] = {}
 
     def stage(self) -> None:
-        self.stages = stages_for(self.records, self.images)  # each asked at once (a thread of its own)
-        prefetch_dumps(self.records, self.images, staged=self.stages)
+        prefetch_dumps(self.records, self.images)
+        self.stages = stages_for(self.records, self.images)
 
     def hydrate(self, report: RestoreReport) -> None:
         """Each interposer re-creates its regions at their addresses, fills and verifies them, opens its gate."""

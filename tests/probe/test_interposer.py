@@ -637,36 +637,3 @@ def test_reading_ahead_never_blocks_on_a_fifo_nor_follows_a_link_the_engine_left
     secret.write_bytes(b"S" * 4096)
     segment.symlink_to(secret)
     prefetch_dumps(records, images)  # refused quietly (O_NOFOLLOW): nothing to assert but that it returns
-
-
-def _cached(path: Path) -> bool:
-    """Whether the file's first page is in the page cache (a one-byte RWF_NOWAIT read fails for one that is not)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)
-        return True
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
-
-
-def test_reading_ahead_leaves_the_dumps_a_node_hydrator_stages_to_it(tmp_path: Path) -> None:
-    """The staged dump is read by its node hydrator alone (O_DIRECT when cold): a read-ahead of it too would read
-    the same bytes twice from the disk. The other process's dump is read ahead as before. Real files on ext4."""
-    images = tmp_path / "images"
-    records = [DumpRecord(pid, f"/run/cuda-{pid}.sock", f"device-{pid}", dump_in(images / f"device-{pid}"), {})
-               for pid in (42, 43)]
-    first = {pid: images / f"device-{pid}" / "seg-0.bin" for pid in (42, 43)}
-    for path in first.values():
-        with path.open("rb") as f:
-            os.fsync(f.fileno())
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    if _cached(first[43]):
-        pytest.skip(f"{tmp_path} keeps its pages in memory (tmpfs): nothing to read ahead")
-    prefetch_dumps(records, images, staged={42})
-    deadline = time.monotonic() + 10
-    while not _cached(first[43]):
-        assert time.monotonic() < deadline, "the unstaged dump was not read ahead"
-        time.sleep(0.01)
-    assert not _cached(first[42])
