@@ -17,11 +17,11 @@ that fails and saying which:
 3. `image-build` of a capsule `FROM` the capsule with `COPY images /images`: the daemon takes the capture into the
    node store (chunks; the image keeps stubs); `image-push` to the registry (the capture beside the image);
 4. `image-remove`, the capture removed from the node store (`coldsnap-provider capture rm`), the page cache dropped;
-5. `image-pull` (the chunks back into the store, each checked), then `--restores` restores of the pulled capsule,
-   each from a dropped page cache: the first makes the capture's files from the chunks (workload-run's first use),
-   the later ones find them made ("capsule already pulled, page cache dropped": the issue's goal). Each to the first
-   token of a streamed completion, which must equal the cold one; the disk's bytes read during it (the block
-   device's counters) beside the goal, bytes read / the disk's O_DIRECT rate + 1.0 s.
+5. `image-pull` (the chunks back into the store, each checked, and the capture's files made from them), then
+   `--restores` restores of the pulled capsule, each from a dropped page cache ("capsule already pulled, page cache
+   dropped": the issue's goal). Each to the first token of a streamed completion, which must equal the cold one;
+   the disk's bytes read during it (the block device's counters) beside the goal, bytes read / the disk's best read
+   rate + 1.0 s.
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ async def pull_and_restore(d: Driver, run: Run, args: argparse.Namespace, refere
                            capture_id: str, cold_text: str) -> list[dict[str, Any]]:
     """image-pull, then the restores of the pulled capsule, each from a dropped page cache."""
     stored = directory_bytes(Path(args.store))
-    await run.phase("image-pull (the image, then the chunks the store lacks)",
+    await run.phase("image-pull (the image, the chunks the store lacks, the capture's files)",
                     lambda: d.expect("image-pull", "image-pull", image=reference),
                     moved=lambda _: directory_bytes(Path(args.store)) - stored)
     restores = []
@@ -196,9 +196,8 @@ async def pull_and_restore(d: Driver, run: Run, args: argparse.Namespace, refere
     for attempt in range(1, args.restores + 1):
         await d.expect(f"removing {unit}", "workload-remove", name=unit)
         drop_caches()
-        what = "first use: files made from the chunks" if attempt == 1 else "files made already"
         restored = await run.phase(
-            f"restore {attempt} to the first token, page cache dropped ({what})",
+            f"restore {attempt} to the first token, page cache dropped",
             lambda: restore_once(d, reference, layout, unit, capture_id, cluster(args.mode), args.port))
         restored["identical"] = restored["text"] == cold_text
         restored["disk_read"] = run.rows[-1]["disk_read"]
@@ -241,7 +240,7 @@ def report(run: Run, restores: list[dict[str, Any]], args: argparse.Namespace) -
                             [[k, f"{v:.3f}"] for k, v in run.rates.items()])]
     if restores and run.rates:
         lines += ["", table(["restore", "Docker-to-first-token s", "disk read GB", "goal s (read/best disk rate + 1.0)",
-                             "goal", "workload-run s (files made, container)", "device dump staged", "= cold"],
+                             "goal", "workload-run s", "device dump staged", "= cold"],
                             goal_lines(run, restores))]
     lines += ["", *run.notes]
     if run.failed:

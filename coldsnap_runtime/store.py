@@ -6,7 +6,7 @@
                                    each capture's data document (the OCI config of its registry artifact)
     <root>/captures/<hex>.json     a capture: the OCI manifest (artifact) whose digest is sha256:<hex>;
                                    written last, so a capture listed is one whose every blob is present
-    <root>/trees/<hex>/<path>      the capture's files as plain (sparse) files, made on first use
+    <root>/trees/<hex>/<path>      the capture's files as plain (sparse) files, made at a pull or on first use
     <root>/tmp/                    what is being written (a blob before its digest is checked, a tree)
 
 A file is a list of chunks, each a digest or ``None`` for a chunk of zeros: zeros are never stored, moved

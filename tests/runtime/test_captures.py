@@ -125,6 +125,8 @@ def test_capsule_through_the_store_build_push_pull_run_on_another_node(
         pulled = await session_b.runtime("image-pull", image=tag)
         assert pulled.ok, pulled.error
         assert (store_b / "captures" / f"{capture.split(':')[1]}.json").exists()
+        # The pull made the capture's files: the first run after it mounts them at once (tier "tree").
+        assert (store_b / "trees" / capture.split(":")[1] / "images" / "pages-1.img").is_file()
         there = await session_b.runtime("workload-run", workload={
             "name": "", "image": tag, "remove_after_exit": True, "command": _checksums_command()})
         assert there.ok, there.error
@@ -137,7 +139,8 @@ def test_capsule_through_the_store_build_push_pull_run_on_another_node(
         assert sample(metrics, "coldsnap_provider_capture_store_hits_total", tier="registry") == 1
         assert sample(metrics, "coldsnap_provider_capture_store_read_bytes_total", tier="registry") == \
             CHUNK_BYTES + (3 << 20)  # the random chunk and the tail: no zeros moved
-        assert sample(metrics, "coldsnap_provider_capture_store_hits_total", tier="disk") == 1
+        assert sample(metrics, "coldsnap_provider_capture_store_hits_total", tier="disk") == 1  # at the pull
+        assert sample(metrics, "coldsnap_provider_capture_store_hits_total", tier="tree") == 1  # the run
         assert (await session_b.runtime("image-remove", image=tag)).ok
 
     try:
