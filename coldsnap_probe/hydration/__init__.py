@@ -65,6 +65,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what each name is, for mypy and readers; at run time `__getattr__` imports it
     from ._arena import WeightArena as WeightArena
+    from ._hydrator import DUMP_CHUNK as DUMP_CHUNK
+    from ._hydrator import DUMP_THREADS as DUMP_THREADS
     from ._hydrator import HydratorServer as HydratorServer
     from ._hydrator import Stager as Stager
     from ._interposer import ENGINE_DEFAULTS as ENGINE_DEFAULTS
@@ -89,6 +91,8 @@ if TYPE_CHECKING:  # what each name is, for mypy and readers; at run time `__get
 
 _EXPORTS = MappingProxyType({  # public name -> its module
     "WeightArena": "._arena",
+    "DUMP_CHUNK": "._hydrator",
+    "DUMP_THREADS": "._hydrator",
     "HydratorServer": "._hydrator",
     "Stager": "._hydrator",
     "ENGINE_DEFAULTS": "._interposer",
@@ -114,6 +118,8 @@ _EXPORTS = MappingProxyType({  # public name -> its module
 
 __all__ = (
     "ADOPT_PAGE",
+    "DUMP_CHUNK",
+    "DUMP_THREADS",
     "ENGINE_DEFAULTS",
     "ENV_HYDRATOR",
     "DeviceDump",

@@ -92,7 +92,8 @@ class Captures:
         return await (await self._registry(image, store, auth, "image-push")).push(found)
 
     async def pull(self, image: str, info: dict[str, Any], auth: Auth) -> Transferred | None:
-        """Fetch the capture the pulled `image` carries into the store (what it lacks); None without one."""
+        """Fetch the capture the pulled `image` carries into the store (what it lacks) and make its files; None
+        without one."""
         found = self._capture(image, info, "image-pull")
         if found is None:
             return None
@@ -103,6 +104,16 @@ class Captures:
         moved = await (await self._registry(image, store, auth, "image-pull")).pull(found)
         if not present:
             self._count("registry", moved.bytes)
+        # Its files made now, not at the first workload-run: a node pulls ahead of restoring, and making them was
+        # 16.4 of the first restore's 18.9 s on the H200 (10.5 GB read and written).
+        try:
+            async with self.lock:  # removal and collection hold it: none drops the capture while its files are made
+                _tree, read = await anyio.to_thread.run_sync(store.tree, found)
+        except StoreError as exc:
+            raise RuntimeFailed(action="image-pull", detail=(
+                f"{image} carries capture {found}: its files could not be made: {exc}; pull it again")) from exc
+        if read:
+            self._count("disk", read)
         return moved
 
     def _count(self, tier: str, read: int) -> None:
