@@ -408,7 +408,7 @@ def test_pages_of_zeros_are_not_dumped_and_come_back_as_zeros_in_parent_child_an
         refused = bare_dump(criu, pid, tmp_path / "refused", "none")
         assert refused.returncode != 0
         assert "CRIU_DUMP_ZERO_PAGES=none: must be skip or write" in (tmp_path / "refused/dump.log").read_text()
-        assert not list((tmp_path / "refused").glob("pages-*.img"))
+        assert not list((tmp_path / "refused").glob("*.img"))  # refused before anything was seized or written
         for who in (child, pid):  # both dumps see the same memory
             os.kill(who, signal.SIGSTOP)
         for zero_pages in ("skip", "write"):
@@ -423,10 +423,10 @@ def test_pages_of_zeros_are_not_dumped_and_come_back_as_zeros_in_parent_child_an
         target.wait()
         raise
     (skipped, kept), (written, zeros) = pages_of_zeros(tmp_path / "skip"), pages_of_zeros(tmp_path / "write")
-    # Each process has 2596 pages of zeros in its zero region and 649 over the file's data; the child 540 more
-    # over its parent's data and the parent 526 under its child's; Python's own heap has some.
+    # Each process has 2596 pages of zeros in its zero region and 649 over the file's data; the child 270 more
+    # over its parent's data and the parent 263 under its child's; Python's own heap has some.
     assert kept == 2 * 649, "the file mapping's private pages of zeros (and only those) are kept"
-    assert zeros - kept >= 2 * 2596 + 540 + 526
+    assert zeros - kept >= 2 * 2596 + 270 + 263
     assert written - skipped == (zeros - kept) * 4096  # every other page is written as before
     images = tmp_path / "images"
     done = worker("capture", "--pid", str(pid), "--images", str(images), "--boundary", "n580", "--criu", criu)
