@@ -283,6 +283,7 @@ def _give_memory_back(images: Path, weights_control: str | None) -> str:
     """Every memory source's release, as its records in the images say (a release the worker died in before it
     wrote a record stays with the engine's own gate)."""
     from .hydration import HydrationManifest
+    from .memory import read_record
     from .memory._device_dump import RECORD, DeviceRelease, validated_dumps
     from .memory._weights import RECORD as WEIGHTS_RECORD
     from .memory._weights import WeightsCapture
@@ -298,7 +299,7 @@ def _give_memory_back(images: Path, weights_control: str | None) -> str:
     if weights_control and (images / WEIGHTS_RECORD).exists():
         weights = WeightsCapture(images, weights_control)
         with contextlib.suppress(Exception):
-            weights.manifest = HydrationManifest.from_json(json.loads((images / WEIGHTS_RECORD).read_text()))
+            weights.manifest = HydrationManifest.from_json(read_record(images, WEIGHTS_RECORD, None))
         weights.roll_back()
         given.append("weights")
     return f"memory given back: {', '.join(given) or 'none was released'}"
