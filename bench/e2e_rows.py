@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import sys
 import time
@@ -61,6 +62,7 @@ from bench.e2e_restore import (
     capture,
     inspect_capsule,
     launch_unit,
+    output,
     stream_tokens,
     unit_labels,
     wait_hydrator,
@@ -111,11 +113,26 @@ def row_layout(work: Path, name: str, *, cpu: bool, images_root: Path | None = N
                             gpus=() if cpu else ("0",), interposer_dir=None if cpu else work / "coldsnap")
 
 
-def engine_command(layout: Layout, name: str, gib: float, *, cpu: bool) -> list[str]:
-    """The row's engine under the capsule's init: its weights made on the GPU, its socket in the run directory."""
+def engine_argv(layout: Layout, name: str, gib: float, *, cpu: bool) -> list[str]:
+    """The row's engine: its weights made on the GPU, its socket in the run directory."""
     engine = ROWS[name].command(layout.python, ENGINE)
     engine = engine[:2] if cpu else engine  # the toy model: no GPU options
-    return launcher([*engine, "--gib", f"{gib:g}", "--weights", "device", "--socket", f"{RUN}/engine.sock"])
+    return [*engine, "--gib", f"{gib:g}", "--weights", "device", "--socket", f"{RUN}/engine.sock"]
+
+
+def engine_command(layout: Layout, name: str, gib: float, *, cpu: bool) -> list[str]:
+    """The row's engine under the capsule's init (PID floor, session leader, stdio on /dev/null)."""
+    return launcher(engine_argv(layout, name, gib, cpu=cpu))
+
+
+async def engine_output(d: Driver, image: str, layout: Layout, name: str, gib: float, *, cpu: bool) -> str:
+    """The engine's own last words: its command once more in a disposable unit of the row's (output combined, at
+    most 120 s), for a cold start that failed without them."""
+    engine = shlex.join(engine_argv(layout, name, gib, cpu=cpu))
+    spec = layout.unit("", image, entrypoint="sh", command=["-c", f"timeout 120 {engine} 2>&1 | tail -40"])
+    spec.update(detached=False, remove_after_exit=True, combined=True)
+    reply = await d.runtime("workload-run", workload=spec)
+    return output(reply.get("runtime") or {}) if reply.get("ok") else str(reply.get("error"))
 
 
 async def request(layout: Layout, *, limit: float) -> Stream:
@@ -139,7 +156,11 @@ async def start_cold(d: Driver, image: str, layout: Layout, name: str, gib: floa
     async def watch(_scope: anyio.CancelScope) -> None:
         await watch_server(d, layout, unit)
 
-    await together(client, watch)
+    try:
+        await together(client, watch)
+    except E2EError as exc:  # the unit's init keeps the engine's stdio off the container: ask the engine itself
+        said = await engine_output(d, image, layout, name, gib, cpu=cpu)
+        raise E2EError(f"{exc}; the engine run alone says:\n{said}", code=exc.code) from exc
     return {"unit": unit, "create_start_s": started - created, "first_token_s": got[0].first - created,
             "tokens": got[0].tokens, "first_logits_sha256": got[0].done.get("first_logits_sha256"),
             "server_pid": server_pid(layout)}

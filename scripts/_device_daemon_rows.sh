@@ -25,7 +25,11 @@ THP_FILE=/sys/kernel/mm/transparent_hugepage/enabled
 THP_WAS=$(sed 's/.*\[\(.*\)\].*/\1/' "$THP_FILE")
 trap 'echo "$THP_WAS" > "$THP_FILE"; rm -rf "$IMAGES"' EXIT
 echo "${THP:-always}" > "$THP_FILE" || { echo "cannot set transparent huge pages to ${THP:-always}"; exit 1; }
-ROWS=$(python3 -c "import sys; a = sys.argv[1:]; print(a[a.index('--rows') + 1] if '--rows' in a else '')" "$@")
+ROWS=$(python3 -c "
+import sys
+a = sys.argv[1:]
+print(next((x.split('=', 1)[1] for x in a if x.startswith('--rows=')), a[a.index('--rows') + 1] if '--rows' in a[:-1] else ''))
+" "$@")
 UVLOOP=0
 [ -z "$ROWS" ] || [[ ",$ROWS," == *,uvloop,* ]] && UVLOOP=1
 

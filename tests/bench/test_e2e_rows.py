@@ -1,7 +1,8 @@
 """bench/e2e_rows.py without a GPU (the GPU rows run on the H200 through scripts/device daemon-rows): the rows a run
 plans and what it refuses before starting anything, the table's cells from what the capture and the restores said,
 and a whole row through the real daemon and dockerd: the two-process server's toy model as a detached unit, the
-worker's capture inside it with real CRIU, two restore units, each to its first token with the same tokens."""
+worker's capture inside it with real CRIU, two restore units, each to its first token with the same tokens; and a
+row whose engine cannot start, reported with the engine's own words."""
 
 from __future__ import annotations
 
@@ -100,7 +101,12 @@ async def test_a_row_runs_through_the_daemon_from_its_cold_start_to_its_restores
             d = Driver(daemon.state_dir)
             await d.open()
             result = await e2e_rows.run_row(d, busybox_image, layout, "split", gib=1, restores=2, cpu=True)
+            layout.extra_environment["PYTHONPATH"] = "/nonexistent"  # the engine cannot import the probe's jsonline
+            failed = await e2e_rows.run_row(d, busybox_image, layout, "split", gib=1, restores=1, cpu=True)
     assert result["ok"], result.get("error")
+    # A row that fails is a row of the table, with the engine's own last words and no unit left behind.
+    assert not failed["ok"] and "units_left" not in failed and "the server exited before its first token" in \
+        failed["error"] and "ModuleNotFoundError: No module named 'coldsnap_probe'" in failed["error"], failed
     cold, restores = result["cold"], result["restores"]
     assert len(cold["tokens"]) == e2e_rows.TOKENS and cold["server_pid"] >= 512  # above the capsule init's floor
     assert len(result["tree"]) == 3 and result["tree"][0] == cold["server_pid"]  # front end, core, tracker
