@@ -190,7 +190,8 @@ async def restore_row(d: Driver, image: str, layout: Layout, name: str, capture_
     digest = stream.done.get("first_logits_sha256")
     return {**out["unit"], **device_hydration(report), **device_staging(report), "create_start_s": started - created,
             "first_token_s": stream.first - created, "tokens": stream.tokens, "first_logits_sha256": digest,
-            "identical": stream.tokens == cold["tokens"] and digest == cold["first_logits_sha256"]}
+            "identical": stream.tokens == cold["tokens"] and digest == cold["first_logits_sha256"],
+            "timeline": report.get("timeline"), "device_memory": report.get("device_memory")}
 
 
 async def capture_cold(d: Driver, layout: Layout, name: str, cold: dict[str, Any], result: dict[str, Any], *,
@@ -200,7 +201,8 @@ async def capture_cold(d: Driver, layout: Layout, name: str, cold: dict[str, Any
     report = await capture(d, cold["unit"], int(cold["server_pid"]), layout, capture_id, hydrate=False,
                            boundary="n580" if cpu else "n610")
     result.update(capture=capture_row(report), coverage=coverage(report.get("device_memory")),
-                  event_loops=report.get("event_loops"), tree=report.get("tree"))
+                  event_loops=report.get("event_loops"), tree=report.get("tree"),
+                  device_memory=report.get("device_memory"), timings_s=report.get("timings_s"))
     print(f"[{name}] captured: {json.dumps(result['capture'])}", flush=True)
     return capture_id
 
