@@ -1,7 +1,7 @@
 """Each way engines hold device memory, restored to its first token through the daemon (issue 36 item 5).
 
     python bench/e2e_rows.py --state-dir DIR --capsule TAG --work DIR --out DIR
-                             [--rows torch,torch-expandable,torch-async,split,jax,jax-platform,uvloop] [--gib 16]
+                             [--rows torch,torch-expandable,torch-async,split,uvloop,jax,jax-platform] [--gib 16]
                              [--restores 3] [--build CONTEXT=TAG] [--images-root DIR] [--model DIR] [--cpu]
 
 Against a running `coldsnap-provider serve`, as the controller drives it: runtime-v1 envelopes through the public
@@ -83,6 +83,9 @@ from engines.serve_model import ModelFolderError, check_folder
 
 UVLOOP = "uvloop"  # transformers serve on uvicorn with uvloop: bench/e2e_serve.py's staged interposer path
 E2E_ROWS = (*ROWS, UVLOOP)
+# A run's default order: the rows that restore today first, JAX's last (its CUDA restore is being diagnosed), so a
+# run cut by its call's time limit loses the least (rows.partial.json keeps each row as it ends).
+DEFAULT_ROWS = ("torch", "torch-expandable", "torch-async", "split", UVLOOP, "jax", "jax-platform")
 CPU_ROWS = ("split",)  # engines that serve without a GPU when the row's own options are left out (a toy model)
 HYDRATOR_UNIT = "rows-node-hydrator"
 TOKENS = 16
@@ -301,7 +304,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--capsule", required=True)
     parser.add_argument("--work", required=True, help="host directory for the rows' run directories")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--rows", default=",".join(E2E_ROWS),
+    parser.add_argument("--rows", default=",".join(DEFAULT_ROWS),
                         help=f"comma list, run in this order: {', '.join(E2E_ROWS)}")
     parser.add_argument("--gib", type=float, default=16.0, help="each engine's weights (made on the GPU)")
     parser.add_argument("--restores", type=int, default=3)
@@ -309,9 +312,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default="", help="the uvloop row's model folder (engines/serve_model.py)")
     parser.add_argument("--port", type=int, default=18471, help="the uvloop row's port")
     parser.add_argument("--criu-threads", type=int, default=0, help="the uvloop row's CRIU_RESTORE_THREADS")
-    parser.add_argument("--python", default=Layout.python, help="the interpreter in the units")
+    parser.add_argument("--python", default=Layout.python,
+                        help="the interpreter in the units (the uvloop row's: bench/e2e_serve.py's)")
     parser.add_argument("--host-mounts", default=",".join(HOST_MOUNTS),
-                        help="host paths every unit mounts read-only at the same path (\"\": the capsule's own)")
+                        help="host paths every unit mounts read-only at the same path (\"\": the capsule's own; the "
+                        "uvloop row's: bench/e2e_serve.py's)")
     parser.add_argument("--cpu", action="store_true", help=f"no GPU: the rows {', '.join(CPU_ROWS)} (toy model)")
     parser.add_argument("--build", action="append", default=[], metavar="CONTEXT=TAG")
     return parser

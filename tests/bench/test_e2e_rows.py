@@ -48,7 +48,8 @@ def test_the_command_line_refuses_before_any_daemon_is_asked(tmp_path: Path) -> 
 def test_every_row_of_the_shared_table_is_a_daemon_row_and_its_engine_is_mounted_in_the_units() -> None:
     layout = e2e_rows.row_layout(Path("/w"), "torch-async", cpu=False)
     command = e2e_rows.engine_command(layout, "split", 16, cpu=False)
-    assert set(ROWS) < set(e2e_rows.E2E_ROWS) and command[:2] == ["/opt/engine/engine_llama.py", "launch"]
+    assert set(ROWS) < set(e2e_rows.E2E_ROWS) == set(e2e_rows.DEFAULT_ROWS)  # a new row runs by default
+    assert command[:2] == ["/opt/engine/engine_llama.py", "launch"]
     assert command[-9:] == [layout.python, "/opt/engine/split_server.py", "--cuda", "--gib", "16", "--weights",
                             "device", "--socket", "/run/engine/engine.sock"]
     assert layout.extra_environment["PYTORCH_CUDA_ALLOC_CONF"] == "backend:cudaMallocAsync"
