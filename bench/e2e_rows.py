@@ -29,7 +29,7 @@ hydration, what the capture moved at line rate and what stayed on the checkpoint
 `device_memory[].moved` / `uncovered`), the event loop the capture saw, identical outputs, and the goal (every
 restore ≤ 1.5 s with ≥ 95 % moved). `--cpu` runs the rows whose engine runs without a GPU (the two-process
 server's toy model) with no GPU, interposer or node hydrator: the daemon path alone, on any Docker host.
-Results: the table on stdout and in rows-table.md, JSON in rows.json (rows.partial.json after each row).
+Results: the table on stdout and in rows-table.md, JSON in rows.json (rows.partial.json until the run ends).
 """
 
 from __future__ import annotations
@@ -374,6 +374,7 @@ async def main() -> int:
     Path(args.out, "rows-table.md").write_text(text + "\n")
     Path(args.out, "rows.json").write_text(json.dumps({"builds": builds, "capsule": capsule, "rows": rows,
                                                        "gib": args.gib, "results": results}, indent=1, default=str))
+    Path(args.out, "rows.partial.json").unlink(missing_ok=True)  # rows.json holds it all now
     return 0 if all(r["ok"] for r in results) else 1
 
 
