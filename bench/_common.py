@@ -20,7 +20,7 @@ from bench._daemon import Daemon, Session, running_daemon
 from bench.engine_rows import coverage
 
 __all__ = ("Daemon", "Session", "become_subreaper", "free_port", "kill_and_reap", "mode_list", "percentile",
-           "process_stats", "running_daemon", "stages", "summary", "table")
+           "process_stats", "running_daemon", "stages", "summary", "table", "wait_file")
 
 
 def mode_list(text: str, known: Sequence[str]) -> list[str]:
@@ -86,6 +86,16 @@ def stages(log: Path) -> dict[str, dict[str, Any]]:
             continue
         marks.setdefault(entry["stage"], entry)
     return marks
+
+
+def wait_file(path: Path, timeout: float = 60.0) -> str:
+    """`path`'s text once it exists (a target's control file); TimeoutError after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} never appeared")
+        time.sleep(0.01)
+    return path.read_text()
 
 
 def become_subreaper() -> None:

@@ -60,6 +60,8 @@ serve_capsule() {
 
 METRICS="unix:$STATE/metrics.sock"  # the daemon's Prometheus endpoint (issue 26); save_scrape reads it
 
+# start_serve [SUFFIX]: the daemon on the bundled engine; DOCKER_EXTRA adds lines to its [docker] section (the store
+# step's capture_store and spool_dir).
 start_serve() {
     mkdir -p "$STATE" && chmod 700 "$STATE"
     python3 -c "import prometheus_client" 2>/dev/null || {
@@ -67,6 +69,7 @@ start_serve() {
     cat > /tmp/cs-e2e.toml <<CONF
 [docker]
 url = "unix://$D/docker.sock"
+${DOCKER_EXTRA:-}
 [gpus]
 mode = "native"
 [runtime]

@@ -1,0 +1,126 @@
+"""A CRIU-restored process held still while the driver restores its CUDA state: every thread in a ptrace stop
+but the one the driver restores with (`cuCheckpointProcessGetRestoreThreadId`), as CRIU's own CUDA plugin runs a
+restore. Until the restore is done the process's device-backed mappings are not back; any other thread that ran
+meanwhile (XLA's runtime threads do, torch's sit in futex waits) could touch them (issue 36, docs/interposer.md
+"JAX and XLA").
+
+CRIU leaves the tree stopped (`--leave-stopped`): seizing a stopped thread traps it (PTRACE_SEIZE), so nothing runs
+between CRIU and the hold. `run_only` lets one thread run, every signal blocked on it (a signal stop would leave
+it parked inside the driver's restore); `release` puts its mask back and detaches every thread, which then stays in
+the group stop CRIU left until the caller's SIGCONT. Raises `WorkerError` naming the thread and the errno.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import signal
+import time
+from types import TracebackType
+
+from .errors import WorkerError
+
+__all__ = ("ThreadHold",)
+
+_SEIZE, _INTERRUPT, _CONT, _DETACH, _GETSIGMASK, _SETSIGMASK = 0x4206, 0x4207, 7, 17, 0x420A, 0x420B
+_WALL = 0x40000000  # waitpid: threads too
+_SIGSET_BYTES = 8  # the kernel's sigset_t on Linux
+_STOP_WAIT_S = 2.0  # for a thread to report the stop it was asked for
+_RETRAP_S = 0.005  # a group-stop notification pending when a thread is continued traps it at once
+
+
+class ThreadHold:
+    """Every thread of `pid` held (the process must be stopped); a context manager that releases them on exit."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self._libc.ptrace.restype = ctypes.c_long
+        self._libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+        self._mask = ctypes.c_uint64(0)
+        self.running: int | None = None  # the one thread let run
+        self.threads: list[int] = []
+        try:
+            self.threads = sorted(int(tid) for tid in os.listdir(f"/proc/{pid}/task"))
+        except OSError as exc:
+            raise WorkerError(f"cannot hold process {pid}'s threads: {exc.strerror}") from exc
+        seized: list[int] = []
+        try:
+            for tid in self.threads:
+                self._ptrace(_SEIZE, tid)
+                seized.append(tid)
+            for tid in self.threads:
+                self._wait_stop(tid)
+        except WorkerError:
+            self.threads = seized  # what was seized is let go: nothing stays traced by a failed hold
+            with contextlib.suppress(WorkerError):
+                self.release()
+            raise
+
+    def __enter__(self) -> ThreadHold:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if kind is None:
+            self.release()
+            return
+        with contextlib.suppress(WorkerError):  # the failure in flight is the one to report
+            self.release()
+
+    def run_only(self, tid: int) -> None:
+        """Let thread `tid` run, every signal blocked on it (its own mask comes back at `release`)."""
+        if tid not in self.threads:
+            raise WorkerError(f"thread {tid} is not one of process {self.pid}'s {len(self.threads)} threads")
+        self._ptrace(_GETSIGMASK, tid, _SIGSET_BYTES, ctypes.byref(self._mask))
+        blocked = ctypes.c_uint64(~(1 << (signal.SIGTRAP - 1)) & (2**64 - 1))
+        self._ptrace(_SETSIGMASK, tid, _SIGSET_BYTES, ctypes.byref(blocked))
+        self._ptrace(_CONT, tid)
+        self.running = tid
+        settled = time.monotonic() + _RETRAP_S
+        while time.monotonic() < settled:
+            got, status = os.waitpid(tid, os.WNOHANG | _WALL)
+            if got and os.WIFSTOPPED(status):
+                self._ptrace(_CONT, tid)
+            time.sleep(0.001)
+
+    def release(self) -> None:
+        """Stop the running thread, give it its mask back, detach every thread (they stay group-stopped)."""
+        if self.running is not None:
+            tid, self.running = self.running, None
+            self._ptrace(_INTERRUPT, tid)
+            self._wait_stop(tid)
+            self._ptrace(_SETSIGMASK, tid, _SIGSET_BYTES, ctypes.byref(self._mask))
+        threads, self.threads = self.threads, []
+        for tid in threads:
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile holds nothing
+                self._ptrace(_DETACH, tid, gone_ok=True)
+
+    def _ptrace(self, request: int, tid: int, addr: int = 0, data: object = None, *, gone_ok: bool = False) -> None:
+        for _ in range(100):  # ESRCH while the thread is between two stops (the kernel's transient RUNNING)
+            if self._libc.ptrace(request, tid, addr, data) == 0:
+                return
+            code = ctypes.get_errno()
+            if code != errno.ESRCH:
+                break
+            if gone_ok and not os.path.exists(f"/proc/{self.pid}/task/{tid}"):
+                raise ProcessLookupError(tid)
+            time.sleep(0.002)
+        raise WorkerError(f"ptrace request {request:#x} on thread {tid} of process {self.pid}: "
+                          f"{errno.errorcode.get(code, code)} ({os.strerror(code)})")
+
+    def _wait_stop(self, tid: int) -> None:
+        give_up = time.monotonic() + _STOP_WAIT_S
+        while time.monotonic() < give_up:
+            try:
+                got, status = os.waitpid(tid, os.WNOHANG | _WALL)
+            except ChildProcessError as exc:
+                raise WorkerError(f"thread {tid} of process {self.pid} is gone: {exc}") from exc
+            if got:
+                if not os.WIFSTOPPED(status):
+                    raise WorkerError(f"thread {tid} of process {self.pid} ended (wait status {status:#x})")
+                return
+            time.sleep(0.001)
+        raise WorkerError(f"thread {tid} of process {self.pid} reported no stop within {_STOP_WAIT_S:g} s")
