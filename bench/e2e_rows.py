@@ -1,7 +1,7 @@
 """Each way engines hold device memory, restored to its first token through the daemon (issue 36 item 5).
 
     python bench/e2e_rows.py --state-dir DIR --capsule TAG --work DIR --out DIR
-                             [--rows torch,torch-expandable,torch-async,split,jax,jax-platform,uvloop] [--gib 16]
+                             [--rows torch,torch-expandable,torch-async,split,uvloop,jax,jax-platform] [--gib 16]
                              [--restores 3] [--build CONTEXT=TAG] [--images-root DIR] [--model DIR] [--cpu]
 
 Against a running `coldsnap-provider serve`, as the controller drives it: runtime-v1 envelopes through the public
@@ -29,13 +29,14 @@ hydration, what the capture moved at line rate and what stayed on the checkpoint
 `device_memory[].moved` / `uncovered`), the event loop the capture saw, identical outputs, and the goal (every
 restore ≤ 1.5 s with ≥ 95 % moved). `--cpu` runs the rows whose engine runs without a GPU (the two-process
 server's toy model) with no GPU, interposer or node hydrator: the daemon path alone, on any Docker host.
-Results: the table on stdout and in rows-table.md, JSON in rows.json (rows.partial.json after each row).
+Results: the table on stdout and in rows-table.md, JSON in rows.json (rows.partial.json until the run ends).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import sys
 import time
@@ -61,6 +62,7 @@ from bench.e2e_restore import (
     capture,
     inspect_capsule,
     launch_unit,
+    output,
     stream_tokens,
     unit_labels,
     wait_hydrator,
@@ -81,6 +83,9 @@ from engines.serve_model import ModelFolderError, check_folder
 
 UVLOOP = "uvloop"  # transformers serve on uvicorn with uvloop: bench/e2e_serve.py's staged interposer path
 E2E_ROWS = (*ROWS, UVLOOP)
+# A run's default order: the rows that restore today first, JAX's last (its CUDA restore is being diagnosed), so a
+# run cut by its call's time limit loses the least (rows.partial.json keeps each row as it ends).
+DEFAULT_ROWS = ("torch", "torch-expandable", "torch-async", "split", UVLOOP, "jax", "jax-platform")
 CPU_ROWS = ("split",)  # engines that serve without a GPU when the row's own options are left out (a toy model)
 HYDRATOR_UNIT = "rows-node-hydrator"
 TOKENS = 16
@@ -111,11 +116,26 @@ def row_layout(work: Path, name: str, *, cpu: bool, images_root: Path | None = N
                             gpus=() if cpu else ("0",), interposer_dir=None if cpu else work / "coldsnap")
 
 
-def engine_command(layout: Layout, name: str, gib: float, *, cpu: bool) -> list[str]:
-    """The row's engine under the capsule's init: its weights made on the GPU, its socket in the run directory."""
+def engine_argv(layout: Layout, name: str, gib: float, *, cpu: bool) -> list[str]:
+    """The row's engine: its weights made on the GPU, its socket in the run directory."""
     engine = ROWS[name].command(layout.python, ENGINE)
     engine = engine[:2] if cpu else engine  # the toy model: no GPU options
-    return launcher([*engine, "--gib", f"{gib:g}", "--weights", "device", "--socket", f"{RUN}/engine.sock"])
+    return [*engine, "--gib", f"{gib:g}", "--weights", "device", "--socket", f"{RUN}/engine.sock"]
+
+
+def engine_command(layout: Layout, name: str, gib: float, *, cpu: bool) -> list[str]:
+    """The row's engine under the capsule's init (PID floor, session leader, stdio on /dev/null)."""
+    return launcher(engine_argv(layout, name, gib, cpu=cpu))
+
+
+async def engine_output(d: Driver, image: str, layout: Layout, name: str, gib: float, *, cpu: bool) -> str:
+    """The engine's own last words: its command once more in a disposable unit of the row's (output combined, at
+    most 120 s), for a cold start that failed without them."""
+    engine = shlex.join(engine_argv(layout, name, gib, cpu=cpu))
+    spec = layout.unit("", image, entrypoint="sh", command=["-c", f"timeout 120 {engine} 2>&1 | tail -40"])
+    spec.update(detached=False, remove_after_exit=True, combined=True)
+    reply = await d.runtime("workload-run", workload=spec)
+    return output(reply.get("runtime") or {}) if reply.get("ok") else str(reply.get("error"))
 
 
 async def request(layout: Layout, *, limit: float) -> Stream:
@@ -139,7 +159,11 @@ async def start_cold(d: Driver, image: str, layout: Layout, name: str, gib: floa
     async def watch(_scope: anyio.CancelScope) -> None:
         await watch_server(d, layout, unit)
 
-    await together(client, watch)
+    try:
+        await together(client, watch)
+    except E2EError as exc:  # the unit's init keeps the engine's stdio off the container: ask the engine itself
+        said = await engine_output(d, image, layout, name, gib, cpu=cpu)
+        raise E2EError(f"{exc}; the engine run alone says:\n{said}", code=exc.code) from exc
     return {"unit": unit, "create_start_s": started - created, "first_token_s": got[0].first - created,
             "tokens": got[0].tokens, "first_logits_sha256": got[0].done.get("first_logits_sha256"),
             "server_pid": server_pid(layout)}
@@ -169,7 +193,8 @@ async def restore_row(d: Driver, image: str, layout: Layout, name: str, capture_
     digest = stream.done.get("first_logits_sha256")
     return {**out["unit"], **device_hydration(report), **device_staging(report), "create_start_s": started - created,
             "first_token_s": stream.first - created, "tokens": stream.tokens, "first_logits_sha256": digest,
-            "identical": stream.tokens == cold["tokens"] and digest == cold["first_logits_sha256"]}
+            "identical": stream.tokens == cold["tokens"] and digest == cold["first_logits_sha256"],
+            "timeline": report.get("timeline"), "device_memory": report.get("device_memory")}
 
 
 async def capture_cold(d: Driver, layout: Layout, name: str, cold: dict[str, Any], result: dict[str, Any], *,
@@ -179,7 +204,8 @@ async def capture_cold(d: Driver, layout: Layout, name: str, cold: dict[str, Any
     report = await capture(d, cold["unit"], int(cold["server_pid"]), layout, capture_id, hydrate=False,
                            boundary="n580" if cpu else "n610")
     result.update(capture=capture_row(report), coverage=coverage(report.get("device_memory")),
-                  event_loops=report.get("event_loops"), tree=report.get("tree"))
+                  event_loops=report.get("event_loops"), tree=report.get("tree"),
+                  device_memory=report.get("device_memory"), timings_s=report.get("timings_s"))
     print(f"[{name}] captured: {json.dumps(result['capture'])}", flush=True)
     return capture_id
 
@@ -278,7 +304,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--capsule", required=True)
     parser.add_argument("--work", required=True, help="host directory for the rows' run directories")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--rows", default=",".join(E2E_ROWS),
+    parser.add_argument("--rows", default=",".join(DEFAULT_ROWS),
                         help=f"comma list, run in this order: {', '.join(E2E_ROWS)}")
     parser.add_argument("--gib", type=float, default=16.0, help="each engine's weights (made on the GPU)")
     parser.add_argument("--restores", type=int, default=3)
@@ -286,9 +312,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default="", help="the uvloop row's model folder (engines/serve_model.py)")
     parser.add_argument("--port", type=int, default=18471, help="the uvloop row's port")
     parser.add_argument("--criu-threads", type=int, default=0, help="the uvloop row's CRIU_RESTORE_THREADS")
-    parser.add_argument("--python", default=Layout.python, help="the interpreter in the units")
+    parser.add_argument("--python", default=Layout.python,
+                        help="the interpreter in the units (the uvloop row's: bench/e2e_serve.py's)")
     parser.add_argument("--host-mounts", default=",".join(HOST_MOUNTS),
-                        help="host paths every unit mounts read-only at the same path (\"\": the capsule's own)")
+                        help="host paths every unit mounts read-only at the same path (\"\": the capsule's own; the "
+                        "uvloop row's: bench/e2e_serve.py's)")
     parser.add_argument("--cpu", action="store_true", help=f"no GPU: the rows {', '.join(CPU_ROWS)} (toy model)")
     parser.add_argument("--build", action="append", default=[], metavar="CONTEXT=TAG")
     return parser
@@ -346,6 +374,7 @@ async def main() -> int:
     Path(args.out, "rows-table.md").write_text(text + "\n")
     Path(args.out, "rows.json").write_text(json.dumps({"builds": builds, "capsule": capsule, "rows": rows,
                                                        "gib": args.gib, "results": results}, indent=1, default=str))
+    Path(args.out, "rows.partial.json").unlink(missing_ok=True)  # rows.json holds it all now
     return 0 if all(r["ok"] for r in results) else 1
 
 

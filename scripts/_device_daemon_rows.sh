@@ -2,7 +2,7 @@
 # Issue 36 item 5 on the H200: each way an engine holds device memory, restored to its first token through a real
 # `coldsnap-provider serve` on the bundled Docker Engine, as the controller drives it (bench/e2e_rows.py): the
 # capsule's image-build, the engine's workload-run, the worker's capture, --restores restore units, one table.
-#   scripts/device daemon-rows [--rows torch,torch-expandable,torch-async,split,jax,jax-platform,uvloop]
+#   scripts/device daemon-rows [--rows torch,torch-expandable,torch-async,split,uvloop,jax,jax-platform]
 #                              [--gib 16] [--restores 3]
 # The rows are bench/engine_rows.py's (PyTorch default, expandable_segments:True, backend:cudaMallocAsync, the
 # two-process server, JAX's BFC pool and its platform allocator) under the CUDA interposer with one staging node
@@ -25,7 +25,11 @@ THP_FILE=/sys/kernel/mm/transparent_hugepage/enabled
 THP_WAS=$(sed 's/.*\[\(.*\)\].*/\1/' "$THP_FILE")
 trap 'echo "$THP_WAS" > "$THP_FILE"; rm -rf "$IMAGES"' EXIT
 echo "${THP:-always}" > "$THP_FILE" || { echo "cannot set transparent huge pages to ${THP:-always}"; exit 1; }
-ROWS=$(python3 -c "import sys; a = sys.argv[1:]; print(a[a.index('--rows') + 1] if '--rows' in a else '')" "$@")
+ROWS=$(python3 -c "
+import sys
+a = sys.argv[1:]
+print(next((x.split('=', 1)[1] for x in a if x.startswith('--rows=')), a[a.index('--rows') + 1] if '--rows' in a[:-1] else ''))
+" "$@")
 UVLOOP=0
 [ -z "$ROWS" ] || [[ ",$ROWS," == *,uvloop,* ]] && UVLOOP=1
 

@@ -1,7 +1,8 @@
 """bench/e2e_rows.py without a GPU (the GPU rows run on the H200 through scripts/device daemon-rows): the rows a run
 plans and what it refuses before starting anything, the table's cells from what the capture and the restores said,
 and a whole row through the real daemon and dockerd: the two-process server's toy model as a detached unit, the
-worker's capture inside it with real CRIU, two restore units, each to its first token with the same tokens."""
+worker's capture inside it with real CRIU, two restore units, each to its first token with the same tokens; and a
+row whose engine cannot start, reported with the engine's own words."""
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def test_the_command_line_refuses_before_any_daemon_is_asked(tmp_path: Path) -> 
 def test_every_row_of_the_shared_table_is_a_daemon_row_and_its_engine_is_mounted_in_the_units() -> None:
     layout = e2e_rows.row_layout(Path("/w"), "torch-async", cpu=False)
     command = e2e_rows.engine_command(layout, "split", 16, cpu=False)
-    assert set(ROWS) < set(e2e_rows.E2E_ROWS) and command[:2] == ["/opt/engine/engine_llama.py", "launch"]
+    assert set(ROWS) < set(e2e_rows.E2E_ROWS) == set(e2e_rows.DEFAULT_ROWS)  # a new row runs by default
+    assert command[:2] == ["/opt/engine/engine_llama.py", "launch"]
     assert command[-9:] == [layout.python, "/opt/engine/split_server.py", "--cuda", "--gib", "16", "--weights",
                             "device", "--socket", "/run/engine/engine.sock"]
     assert layout.extra_environment["PYTORCH_CUDA_ALLOC_CONF"] == "backend:cudaMallocAsync"
@@ -100,7 +102,12 @@ async def test_a_row_runs_through_the_daemon_from_its_cold_start_to_its_restores
             d = Driver(daemon.state_dir)
             await d.open()
             result = await e2e_rows.run_row(d, busybox_image, layout, "split", gib=1, restores=2, cpu=True)
+            layout.extra_environment["PYTHONPATH"] = "/nonexistent"  # the engine cannot import the probe's jsonline
+            failed = await e2e_rows.run_row(d, busybox_image, layout, "split", gib=1, restores=1, cpu=True)
     assert result["ok"], result.get("error")
+    # A row that fails is a row of the table, with the engine's own last words and no unit left behind.
+    assert not failed["ok"] and "units_left" not in failed and "the server exited before its first token" in \
+        failed["error"] and "ModuleNotFoundError: No module named 'coldsnap_probe'" in failed["error"], failed
     cold, restores = result["cold"], result["restores"]
     assert len(cold["tokens"]) == e2e_rows.TOKENS and cold["server_pid"] >= 512  # above the capsule init's floor
     assert len(result["tree"]) == 3 and result["tree"][0] == cold["server_pid"]  # front end, core, tracker
