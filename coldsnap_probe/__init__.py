@@ -52,6 +52,7 @@ if TYPE_CHECKING:  # what each name is, for mypy and readers; at run time `__get
     from ._model import Requirements as Requirements
     from ._process import anonymous_memory as anonymous_memory
     from ._process import image_digest as image_digest
+    from ._thread_hold import ThreadHold as ThreadHold
     from .errors import AdmissionError as AdmissionError
     from .errors import ContractError as ContractError
     from .errors import ProbeError as ProbeError
@@ -100,6 +101,7 @@ _EXPORTS = MappingProxyType({
     "Requirements": "._model",
     "anonymous_memory": "._process",
     "image_digest": "._process",
+    "ThreadHold": "._thread_hold",
     "AdmissionError": ".errors",
     "ContractError": ".errors",
     "ProbeError": ".errors",
@@ -131,6 +133,7 @@ __all__ = (
     "QualificationScope",
     "Requirements",
     "ResourceAudit",
+    "ThreadHold",
     "WeightArena",
     "WeightRegion",
     "admit",
