@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import os
-import re
 import signal
 import socket
 import statistics
@@ -19,9 +17,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._daemon import Daemon, Session, running_daemon
+from bench.engine_rows import coverage
 
 __all__ = ("Daemon", "Session", "become_subreaper", "free_port", "kill_and_reap", "mode_list", "percentile",
-           "process_stats", "running_daemon", "stages", "summary", "table")
+           "process_stats", "running_daemon", "stages", "summary", "table", "wait_file")
 
 
 def mode_list(text: str, known: Sequence[str]) -> list[str]:
@@ -89,6 +88,16 @@ def stages(log: Path) -> dict[str, dict[str, Any]]:
     return marks
 
 
+def wait_file(path: Path, timeout: float = 60.0) -> str:
+    """`path`'s text once it exists (a target's control file); TimeoutError after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} never appeared")
+        time.sleep(0.01)
+    return path.read_text()
+
+
 def become_subreaper() -> None:
     """Restored trees (CRIU --restore-detached) are reparented to this process, which must reap them."""
     ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
@@ -146,29 +155,13 @@ def criu_zero_pages(images: Path) -> tuple[int, int]:
                 zeros += 4096 * sum(view[at:at + 4096] == empty for at in range(0, len(block) - 4095, 4096))
     return size, zeros
 
-HOST_KINDS = {"host_registered", "host_pinned", "unwrapped_entry_points"}  # uncovered, but not device memory
-
 
 def line_rate(devices: list[dict[str, Any]] | None) -> str:
     """What the capture moved at line rate, as a share of the device bytes the interposer saw, and the largest kind
-    left on the CUDA checkpoint path ("-" without the interposer)."""
-    moved = stayed = 0
-    left: dict[str, int] = {}
-    for device in devices or []:
-        moved += sum(int(k.get("bytes", 0)) for k in (device.get("moved") or {}).values())
-        for kind, seen in (device.get("uncovered") or {}).items():
-            if kind not in HOST_KINDS and int(seen.get("bytes", 0)):
-                stayed += int(seen["bytes"])
-                left[kind] = left.get(kind, 0) + int(seen["bytes"])
-    if not moved and not stayed:
+    left on the CUDA checkpoint path ("-" without the interposer): bench/engine_rows.py's `coverage` in one cell."""
+    seen = coverage(devices)
+    left: dict[str, int] = seen["left_bytes"]
+    if not seen["moved_bytes"] and not left:
         return "-"
     top = max(left, key=lambda k: left[k]) if left else ""
-    return f"{moved / (moved + stayed):.1%}" + (f" ({top} {left[top] / 1e6:.0f} MB left)" if top else "")
-
-
-def alloc_conf(text: str) -> str:
-    """An --alloc-conf value: `default` (unset), or PYTORCH_CUDA_ALLOC_CONF's `key:value[,key:value...]`."""
-    if text != "default" and not re.fullmatch(r"[A-Za-z_]+:[^,:\s]+(,[A-Za-z_]+:[^,:\s]+)*", text):
-        raise argparse.ArgumentTypeError(f"{text!r} must be `default` or PYTORCH_CUDA_ALLOC_CONF's "
-                                         "key:value[,key:value]")
-    return text
+    return f"{seen['moved_share']:.1%}" + (f" ({top} {left[top] / 1e6:.0f} MB left)" if top else "")

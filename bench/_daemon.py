@@ -69,6 +69,7 @@ class Daemon:
     state_dir: Path
     config_path: Path
     process: subprocess.Popen[bytes] | None = None
+    cwd: Path | None = None  # where it starts: `-m` imports the daemon found there first (another checkout's)
     log_path: Path = field(default_factory=lambda: Path(tempfile.mkstemp(prefix="cs-bench-log-")[1]))
 
     def start(self, *, env: dict[str, str] | None = None, timeout: float = 20.0) -> None:
@@ -77,7 +78,7 @@ class Daemon:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "coldsnap_provider", "serve", "--config", str(self.config_path),
                  "--state-dir", str(self.state_dir), "--log-level", "debug"],
-                stdout=log, stderr=log, env={**os.environ, **(env or {})})
+                stdout=log, stderr=log, env={**os.environ, **(env or {})}, cwd=self.cwd)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -115,14 +116,15 @@ class Daemon:
 
 @contextlib.asynccontextmanager
 async def running_daemon(config: str = "", *, state_dir: Path | None = None,
-                         env: dict[str, str] | None = None) -> AsyncIterator[Daemon]:
+                         env: dict[str, str] | None = None, cwd: Path | None = None) -> AsyncIterator[Daemon]:
     """A real `coldsnap-provider serve` with `config` as its configuration and a short private state dir (or
-    `state_dir`, kept afterwards); stopped, and what it was given removed, on the way out."""
+    `state_dir`, kept afterwards), started in `cwd` (another checkout: its daemon); stopped, and what it was given
+    removed, on the way out."""
     own = state_dir is None
     state = state_dir or Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
     conf_dir = Path(tempfile.mkdtemp(prefix="cs-conf-", dir="/tmp"))
     (conf_dir / "config.toml").write_text(config)
-    daemon = Daemon(state_dir=state, config_path=conf_dir / "config.toml")
+    daemon = Daemon(state_dir=state, config_path=conf_dir / "config.toml", cwd=cwd)
     await anyio.to_thread.run_sync(lambda: daemon.start(env=env))
     try:
         yield daemon

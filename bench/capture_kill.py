@@ -28,17 +28,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._common import become_subreaper, percentile, table
+from bench._common import become_subreaper, percentile, table, wait_file
 from bench.fault_checks import Watcher
-
-
-def wait_for(path: Path, limit: float = 60.0) -> str:
-    deadline = time.monotonic() + limit
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} never appeared")
-        time.sleep(0.01)
-    return path.read_text()
 
 
 def target_ok(control: Path, pid: int, mib: int) -> bool:
@@ -48,7 +39,7 @@ def target_ok(control: Path, pid: int, mib: int) -> bool:
         return False
     (control / "result").unlink(missing_ok=True)
     (control / "verify").touch()
-    result = json.loads(wait_for(control / "result", 120))
+    result = json.loads(wait_file(control / "result", 120))
     return bool(result.get("ok")) and result.get("bytes") == mib << 20
 
 
@@ -62,7 +53,7 @@ def one_round(work: Path, criu: str, mib: int, phase: str | None) -> dict[str, A
                               stderr=subprocess.DEVNULL, start_new_session=True)
     row: dict[str, Any] = {"phase": phase or "(none)"}
     try:
-        wait_for(control / "ready")
+        wait_file(control / "ready")
         watcher = Watcher(state, "capture", phase, "worker") if phase else None
         started = time.monotonic()
         worker = subprocess.Popen([sys.executable, "-m", "coldsnap_probe", "capture", "--pid", str(target.pid),

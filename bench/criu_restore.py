@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import disk_read_rate, drop_caches, table
+from bench._common import disk_read_rate, drop_caches, table, wait_file
 from bench.page_fill import fill
 
 COLD_BUDGET_S = 15.0  # a cold-disk row that would take longer than this (at the measured rate) is skipped
@@ -42,14 +42,6 @@ COLD_BUDGET_S = 15.0  # a cold-disk row that would take longer than this (at the
 def criu_env(criu: Path, threads: int) -> dict[str, str]:
     libs = criu.resolve().parent.parent / "lib/x86_64-linux-gnu"
     return {**os.environ, "LD_LIBRARY_PATH": str(libs), "CRIU_RESTORE_THREADS": str(threads)}
-
-
-def wait_file(path: Path, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} never appeared")
-        time.sleep(0.02)
 
 
 def reap(pid: int) -> None:
@@ -76,7 +68,7 @@ def dumped(criu: Path, gib: float, work: Path, thp: bool) -> tuple[Path, int]:
     target = subprocess.Popen([sys.executable, str(Path(__file__).parent / "criu_target.py"), "--dir", str(control),
                                *size, "--repeat"], stdin=subprocess.DEVNULL,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    wait_file(control / "ready")
+    wait_file(control / "ready", 600)
     started = time.perf_counter()
     done = subprocess.run([str(criu), "dump", "-t", str(target.pid), "-D", str(images), "-o", "dump.log", "-v4"],
                           env=criu_env(criu, 1), capture_output=True, text=True, check=False)

@@ -40,6 +40,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -226,8 +227,10 @@ class Stream:
     done: dict[str, Any] = field(default_factory=dict)
 
 
-async def stream_tokens(socket_path: Path, *, limit: float = 120.0) -> Stream:
-    """One request on the engine's socket; each token's arrival time (host clock)."""
+async def stream_tokens(socket_path: Path, *, limit: float = 120.0, prompt: list[int] | None = None,
+                        max_tokens: int = MAX_TOKENS) -> Stream:
+    """One request on the engine's socket (engine_llama's prompt unless another engine's vocabulary needs its
+    own); each token's arrival time (host clock)."""
     result = Stream(requested=time.time())
     with anyio.fail_after(limit):
         while True:
@@ -237,7 +240,7 @@ async def stream_tokens(socket_path: Path, *, limit: float = 120.0) -> Stream:
             except OSError:  # not yet listening
                 await anyio.sleep(0.01)
         async with connection:
-            await connection.send(json.dumps({"prompt": PROMPT, "max_tokens": MAX_TOKENS}).encode() + b"\n")
+            await connection.send(json.dumps({"prompt": prompt or PROMPT, "max_tokens": max_tokens}).encode() + b"\n")
             buffer = bytearray()
             while not result.done:
                 try:
@@ -254,7 +257,8 @@ async def stream_tokens(socket_path: Path, *, limit: float = 120.0) -> Stream:
                         result.tokens.append(int(event["token"]))
                     elif event.get("done"):
                         result.done = event
-    if not result.done or result.done.get("tokens") != result.tokens or len(result.tokens) != MAX_TOKENS:
+    # engine_llama repeats its tokens in the `done` line; ttft_server's protocol ends with the digest alone
+    if not result.done or result.done.get("tokens", result.tokens) != result.tokens or len(result.tokens) != max_tokens:
         raise E2EError(f"the engine's answer is incomplete: {len(result.tokens)} tokens, end {result.done}")
     return result
 
@@ -346,9 +350,11 @@ async def wait_hydrator(d: Driver, name: str, created: float, limit: float = 120
 # Capture and restore with the worker in the capsule
 
 
-async def capture(d: Driver, name: str, pid: int, layout: Layout, capture_id: str, *, hydrate: bool) -> dict[str, Any]:
+async def capture(d: Driver, name: str, pid: int, layout: Layout, capture_id: str, *, hydrate: bool,
+                  boundary: str = "n610") -> dict[str, Any]:
+    """The worker captures `pid` inside the unit `name` (`boundary` n580: a tree without CUDA); its report."""
     command = [layout.python, "-m", "coldsnap_probe", "capture", "--pid", str(pid), "--images",
-               f"{IMAGES}/{capture_id}", "--criu", layout.criu,
+               f"{IMAGES}/{capture_id}", "--criu", layout.criu, "--boundary", boundary,
                *(["--hydration", f"{RUN}/hydration.sock"] if hydrate else [])]
     started = time.time()
     runtime = await d.expect(f"capture of {name} by the in-capsule worker", "workload-exec", name=name,
@@ -399,10 +405,11 @@ async def launch_unit(d: Driver, image: str, layout: Layout, name: str, capture_
 
 def _readiness(window_s: float) -> dict[str, Any]:
     """The readiness check, waiting inside the unit for up to `window_s` (10 ms steps): readiness is seen
-    when it happens rather than at the next poll, and the unit's state is still checked between windows."""
+    when it happens rather than at the next poll, and the unit's state is still checked between windows. Ready, it
+    prints the worker's report: reading it in an exec of its own cost a second exec, ~40 ms after readiness."""
     steps = max(1, int(window_s / 0.01))
     return {"command": ["sh", "-c", f"n=0; until test -s {READY}; do n=$((n+1)); [ $n -gt {steps} ] && exit 1; "
-                                    f"sleep 0.01; done"]}
+                                    f"sleep 0.01; done; cat {READY}"]}
 
 
 async def await_unit(d: Driver, name: str, created: float, *, labels: dict[str, str],
@@ -425,8 +432,7 @@ async def await_unit(d: Driver, name: str, created: float, *, labels: dict[str, 
             raise await _fail_unit(d, name, f"readiness check `test -s {READY}` never passed within "
                                             f"{readiness_timeout:g} s")
     readied = time.time()
-    report = json_in(output(await d.expect("the worker's restore report", "workload-exec", name=name,
-                                           execution={"command": ["cat", READY]})))
+    report = json_in(output(ready.get("runtime") or {}))
     inspected = await d.expect(f"inspecting {name}", "workload-inspect", name=name, include_start_time=True)
     workload = inspected.get("workload") or {}
     inspected_at = time.time()
@@ -441,7 +447,26 @@ async def await_unit(d: Driver, name: str, created: float, *, labels: dict[str, 
             "criu_s": report.get("criu_restore_seconds"), "cuda_s": report.get("cuda_restore_seconds"),
             "hydration_s": hydration.get("phase_seconds"), "hydration": hydration,
             "readiness_s": readied - created, "readiness_checks": polls, "inspect_s": inspected_at - readied,
+            **start_phases(report, created, workload.get("started_at")),
             "started_at": workload.get("started_at"), "worker_report": report}
+
+
+def unix(stamp: str) -> float:
+    """Docker's RFC 3339 time with nanoseconds, as unix seconds."""
+    whole, _, fraction = stamp.rstrip("Z").partition(".")
+    return datetime.fromisoformat(whole + "+00:00").timestamp() + float(f"0.{fraction or '0'}")
+
+
+def start_phases(report: dict[str, Any], created: float, started_at: str | None) -> dict[str, float | None]:
+    """What a restore unit's start is made of, each from the `workload-run` request (host clock): the container
+    started (Docker's `StartedAt`), the worker's interpreter up (`worker_main`), its imports done, CRIU started."""
+    marks = {m["name"]: m["unix_ns"] / 1e9 for m in [*report.get("worker_start", []), *report.get("timeline", [])]}
+    if "criu_restore_end" in marks and "criu_restore_begin" not in marks and report.get("criu_restore_seconds"):
+        marks["criu_restore_begin"] = marks["criu_restore_end"] - report["criu_restore_seconds"]  # a worker before
+    since = {k: marks[m] - created if m in marks else None for k, m in (
+        ("worker_main_s", "worker_main"), ("worker_imported_s", "imports_done"),
+        ("criu_started_s", "criu_restore_begin"))}
+    return {"container_started_s": unix(started_at) - created if started_at else None, **since}
 
 
 async def restore_unit(d: Driver, image: str, layout: Layout, name: str, capture_id: str, *,

@@ -22,31 +22,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from coldsnap_probe import jsonline
+from coldsnap_probe import jsonline, pids_by_argv
 
 STATES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}  # CUprocessState
 POLL_S = 0.0002
 
 
-def host_pids(needle: str) -> list[int]:
-    """Host PIDs whose command line holds every word of `needle` (space separated)."""
-    words = needle.split()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if all(w.encode() in argv for w in words):
-            found.append(int(entry))
-    return found
-
-
 def host_pid_of(ns_pid: int, needle: str) -> int | None:
     """The host PID of the process whose PID in its own namespace is `ns_pid` and whose command line has `needle`."""
-    for pid in host_pids(needle):
+    for pid in pids_by_argv(needle.split()):
         try:
             status = Path(f"/proc/{pid}/status").read_text()
         except OSError:

@@ -56,10 +56,11 @@ from bench.e2e_restore import (
     wait_hydrator,
 )
 from bench.e2e_serve import build_capsules, unit_names
-from bench.fault_checks import Watcher, gpu_states, host_pids, stages_left
+from bench.fault_checks import Watcher, gpu_states, stages_left
 from bench.interposer_units import STAGING_SOCKET, InterposerLayout, start_staging_hydrator
 from bench.serve_client import ClientError, stream_chat
 from bench.serve_units import HOST, body, cluster, restore_once, serve_layout, start_cold
+from coldsnap_probe import pids_by_argv
 
 MODE = "full-interposer-hydrator"
 CLEAN_S = 2.0  # a faulted operation restores or fails within this many seconds of the fault
@@ -126,10 +127,7 @@ async def fault_capture(run: Run, phase: str) -> dict[str, Any]:
         row["outcome"] = "captured"
     except E2EError as exc:
         row.update(outcome="failed", error=str(exc)[-2000:], replied_unix=time.time())
-    seen = row["watch"] = watcher.result()
-    if seen["killed"] and "replied_unix" in row:
-        row["seconds"] = row.pop("replied_unix") - watcher.killed_at  # type: ignore[operator]
-    row["phase_named"] = phase_named(row.get("error", ""), "capture", seen["killed_in"])
+    _watched(row, watcher, "capture")
     row["guard_undid"] = "capture guard: the worker died" in row.get("error", "")
     row["images_left"] = (run.layout.images_dir / target).exists()
     shutil.rmtree(run.layout.images_dir / target, ignore_errors=True)  # a completed capture's (the fault missed)
@@ -145,6 +143,15 @@ async def fault_capture(run: Run, phase: str) -> dict[str, Any]:
     return row
 
 
+def _watched(row: dict[str, Any], watcher: Watcher, kind: str) -> None:
+    """What the watcher saw into `row`: its account, the seconds from the kill to the failed reply, and whether
+    the reply named the phase the worker was killed in."""
+    seen = row["watch"] = watcher.result()
+    if seen["killed"] and "replied_unix" in row:
+        row["seconds"] = row.pop("replied_unix") - watcher.killed_at  # type: ignore[operator]
+    row["phase_named"] = phase_named(row.get("error", ""), kind, seen["killed_in"])
+
+
 async def fault_restore(run: Run, phase: str) -> dict[str, Any]:
     """The restore unit's worker killed as `phase` begins: the unit fails naming the phase, and is removed."""
     run.restores += 1
@@ -157,10 +164,7 @@ async def fault_restore(run: Run, phase: str) -> dict[str, Any]:
         row["outcome"] = "restored"
     except E2EError as exc:
         row.update(outcome="failed", error=str(exc)[-2000:], replied_unix=time.time())
-    seen = row["watch"] = watcher.result()
-    if seen["killed"] and "replied_unix" in row:
-        row["seconds"] = row.pop("replied_unix") - watcher.killed_at  # type: ignore[operator]
-    row["phase_named"] = phase_named(row.get("error", ""), "restore", seen["killed_in"])
+    _watched(row, watcher, "restore")
     await run.remove_unit()
     return row
 
@@ -168,7 +172,7 @@ async def fault_restore(run: Run, phase: str) -> dict[str, Any]:
 async def fault_hydrator(run: Run, during: bool) -> dict[str, Any]:
     """The node hydrator killed while a restore stages on it, or before a restore: the restore still succeeds (the
     interposer fills the device memory itself) with the same completion; the hydrator is started again."""
-    pids = host_pids("coldsnap_probe.hydration serve --staging")
+    pids = pids_by_argv(["coldsnap_probe.hydration", "serve", "--staging"])
     row: dict[str, Any] = {"hydrator_pids": pids}
     watcher = Watcher(run.d.state_dir, "restore", "criu-restore", pids[0]) if during and pids else None
     if not during:
@@ -237,7 +241,7 @@ async def leftovers(run: Run) -> list[str]:
     idle pass to see a removed unit's processes go)."""
     left: list[str] = []
     deadline = time.monotonic() + 3.0
-    hydrators = set(host_pids("coldsnap_probe.hydration serve --staging"))
+    hydrators = set(pids_by_argv(["coldsnap_probe.hydration", "serve", "--staging"]))
     while True:
         states = await anyio.to_thread.run_sync(gpu_states)
         held = {p: s for p, s in states.items() if s != "running"}

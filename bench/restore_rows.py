@@ -2,18 +2,18 @@
 
     python bench/restore_rows.py --criu /path/to/criu [--sizes 2,16] [--restores 3] [--rows torch,jax,...]
 
-A row is an engine command and its environment (`ROWS`; another engine or allocator is one more entry): each is
-run, unchanged, under the CUDA interposer by bench/restore_ttft.py's `run_size` (weights made on the GPU, the
-node hydrator staging the dumps while CRIU restores unless `--no-hydrator`): a cold start to its first token, a
-capture by the worker, `--restores` restores from the same images, each to its first token, with the same
-tokens and bitwise the same first-step logits as the cold start. Per row the table says what the capture saw:
-the engine's device bytes, the share the interposer moved at line rate (released regions against everything the
-process allocated from the device), and what stayed on the CUDA checkpoint path, per kind
-(`device_memory[].uncovered`: docs/interposer.md).
+A row is an engine command and its environment (bench/engine_rows.py's `ROWS`, which bench/e2e_rows.py runs
+through the daemon and bench/restore_ttft.py's `--rows` beside its other dimensions): each is run, unchanged,
+under the CUDA interposer by bench/restore_ttft.py's `run_size` (weights made on the GPU, the node hydrator
+staging the dumps while CRIU restores unless `--no-hydrator`): a cold start to its first token, a capture by the
+worker, `--restores` restores from the same images, each to its first token, with the same tokens and bitwise the
+same first-step logits as the cold start. Per row the table says what the capture saw: the engine's device bytes,
+the share the interposer moved at line rate, and what stayed on the CUDA checkpoint path, per kind
+(`device_memory[].moved` / `uncovered`: docs/interposer.md).
 
-The uvicorn-on-uvloop row is not run here: it needs the daemon and a capsule (bench/e2e_serve.py, `scripts/device
-serve`), and would not fit this call beside the others. Its recorded run (`--serve-result`, a `restores-*.json`
-of bench/e2e_serve.py) is printed beside the rows, named as recorded, with its date.
+The uvicorn-on-uvloop row is not run here: bench/e2e_rows.py runs it through the daemon beside the other rows
+(`scripts/device daemon-rows`). Its recorded run (`--serve-result`, a `restores-*.json` of bench/e2e_serve.py) is
+printed beside the rows, named as recorded, with its date.
 Results: a table on stdout, JSON in --out (restore_rows.json).
 """
 
@@ -24,7 +24,6 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,62 +32,10 @@ sys.path.insert(0, str(ROOT))
 
 from bench import restore_ttft
 from bench._common import become_subreaper, table
-from coldsnap_probe.hydration import ENGINE_DEFAULTS
+from bench.engine_rows import HOST_KINDS, ROWS, coverage, left_text, row_list
 
-# Allocations that are not the engine's device memory (host memory CRIU moves, a count of entry points).
-HOST_KINDS = frozenset({"host_pinned", "host_registered", "unwrapped_entry_points"})
 SERVE_RESULT = ROOT / "bench" / "results" / "h200-serve-100-restores-uvloop-2026-12-01" / \
     "restores-full-interposer-hydrator.json"
-
-
-@dataclass(frozen=True)
-class Row:
-    """An engine (its command, taking ttft_server.py's --gib/--weights/--socket and speaking its protocol and
-    stages) and the environment it runs with."""
-
-    label: str
-    script: str
-    env: dict[str, str] = field(default_factory=dict)
-    args: tuple[str, ...] = ()  # the engine's own options, before run_size's --gib/--weights/--socket
-
-    def command(self) -> list[str]:
-        return [sys.executable, str(ROOT / self.script), *self.args]
-
-
-ROWS = {
-    "torch": Row("PyTorch, default caching allocator", "engines/ttft_server.py"),
-    "torch-expandable": Row("PyTorch, expandable_segments:True", "engines/ttft_server.py",
-                            {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
-    "torch-async": Row("PyTorch, backend:cudaMallocAsync", "engines/ttft_server.py",
-                       {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}),
-    # The capsule's environment for a JAX engine (docs/interposer.md, "JAX and XLA"): a pool that grows.
-    "jax": Row("JAX (XLA BFC, XLA_PYTHON_CLIENT_PREALLOCATE=false)", "engines/jax_server.py", dict(ENGINE_DEFAULTS)),
-    # No pool: each buffer its own allocation (cuMemCreate in the CUDA 13 plugin), so only what is live is moved.
-    "jax-platform": Row("JAX (XLA_PYTHON_CLIENT_ALLOCATOR=platform)", "engines/jax_server.py",
-                        {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}),
-    # Two processes, vLLM V1's shape: a front end and its engine core (the only one holding the GPU), one tree.
-    "split": Row("two processes: front end + engine core (ttft_server's model)", "engines/split_server.py",
-                 args=("--cuda",)),
-}
-
-
-def coverage(device_memory: list[dict[str, Any]] | None) -> dict[str, Any]:
-    """What a capture's interposer moved (released regions' bytes), what stayed on the checkpoint path per kind
-    (device memory only) and the moved share of both."""
-    moved, left = 0, {}
-    for device in device_memory or []:
-        if device.get("state") == "released":
-            moved += int(device.get("bytes", 0))
-        for kind, value in (device.get("uncovered") or {}).items():
-            if kind not in HOST_KINDS and value.get("bytes"):
-                left[kind] = left.get(kind, 0) + int(value["bytes"])
-    total = moved + sum(left.values())
-    return {"moved_bytes": moved, "left_bytes": left, "moved_share": moved / total if total else 0.0}
-
-
-def left_text(left: dict[str, int]) -> str:
-    return ", ".join(f"{kind} {size / 1e9:.2f} GB" if size >= 1e9 else f"{kind} {size / 1e6:.1f} MB"
-                     for kind, size in sorted(left.items())) or "-"
 
 
 def row_cells(name: str, result: dict[str, Any]) -> list[str]:
@@ -126,7 +73,7 @@ def serve_cells(path: Path) -> list[str]:
 def run_rows(args: argparse.Namespace, root: Path, library: Path, strategy: str) -> tuple[list[Any], list[Any]]:
     results, failed = [], []
     for size in [float(s) for s in args.sizes.split(",")]:
-        for name in args.rows.split(","):
+        for name in args.rows:
             row = ROWS[name]
             restore_ttft.progress(f"row {name}: {row.label}, {size:g} GiB")
             try:
@@ -145,16 +92,10 @@ def run_rows(args: argparse.Namespace, root: Path, library: Path, strategy: str)
     return results, failed
 
 
-def known_rows(text: str) -> str:
-    if unknown := [r for r in text.split(",") if r not in ROWS]:
-        raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: not one of {', '.join(ROWS)}")
-    return text
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="2,16")
-    parser.add_argument("--rows", default=",".join(ROWS), type=known_rows, help=f"comma-separated: {', '.join(ROWS)}")
+    parser.add_argument("--rows", default=list(ROWS), type=row_list, help=f"comma-separated: {', '.join(ROWS)}")
     parser.add_argument("--restores", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--criu", default="criu")

@@ -21,6 +21,10 @@ Mode `interposer` is the no-cooperation path: the same server, unchanged (no --v
 `LD_PRELOAD=libcoldsnap_cuda.so` with `COLDSNAP_CUDA_INTERPOSER_SOCKET`; the worker finds the socket in the
 server's environment, has the interposer dump and release every device allocation before the CUDA lock (into
 the images), and hydrate it after the CUDA restore (docs/interposer.md). Its capture row adds the release.
+
+`--rows` runs other engines or allocators (bench/engine_rows.py's rows: `torch-expandable`, `torch-async`, `jax`,
+`split`, ...) in every other dimension; bench/restore_rows.py puts them side by side, bench/e2e_rows.py through the
+daemon.
 """
 
 from __future__ import annotations
@@ -41,11 +45,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 SERVER = ROOT / "engines" / "ttft_server.py"
 BASELINE_MIB = 0  # GPU memory used with no server running (set in main)
-PROMPT = [1, 15043, 29892, 920, 526, 366, 29973, 13]
 sys.path.insert(0, str(ROOT))
 
-from bench import _common, page_fill
+from bench import _common, engine_rows, page_fill
 from bench._common import become_subreaper, criu_zero_pages, disk_read_rate, drop_caches, kill_and_reap, stages, table
+from bench.engine_rows import PROMPT, ROWS
 from coldsnap_probe import ProbeError, hydration_request, image_digest
 
 
@@ -480,10 +484,9 @@ def main() -> None:
     parser.add_argument("--memory", default="eager", type=choices("eager", "lazy"),
                         help="comma-separated: eager (CRIU fills the memory), lazy "
                         "(criu lazy-pages fills it while the CUDA state comes back); each size runs with each")
-    parser.add_argument("--alloc-conf", action="append", default=None, type=_common.alloc_conf,
-                        help="a PYTORCH_CUDA_ALLOC_CONF for the servers (repeat it for several rows; `default`: "
-                        "unset), e.g. --alloc-conf default --alloc-conf expandable_segments:True "
-                        "--alloc-conf backend:cudaMallocAsync")
+    parser.add_argument("--rows", default=["torch"], type=engine_rows.row_list,
+                        help="comma-separated rows of bench/engine_rows.py, each run in every other dimension "
+                        f"(default torch: ttft_server.py with PyTorch's default allocator): {', '.join(ROWS)}")
     parser.add_argument("--restores", type=int, default=2, help="restores of each capture (each from the same images)")
     parser.add_argument("--device-weights", action="store_true",
                         help="full and interposer rows generate their weights on the GPU: no weights file unless a "
@@ -493,6 +496,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.restores < 1:  # the table is made of the restores: without one the run would end on an empty list
         parser.error(f"--restores must be at least 1, not {args.restores}")
+    if "hydrate" in args.modes and (other := [r for r in args.rows if ROWS[r].script != "engines/ttft_server.py"]):
+        parser.error(f"--rows {','.join(other)}: --modes hydrate needs ttft_server.py's weight arena (its rows only)")
     if "discarded" in args.kv and "hydrate" not in args.modes:
         parser.error("--kv discarded needs --modes hydrate (the KV cache is discarded from the weight arena)")
     if args.bench_child:
@@ -557,9 +562,8 @@ def main() -> None:
                               f"{r.get('copy_s', r.get('seconds', 0)):.2f}", f"{r.get('verify_s', 0):.3f}"]
                              if "error" not in r else [r["source"], r["strategy"], r["error"][:60], "", "", ""]
                              for r in bench["runs"]]))
-        confs = ["" if c == "default" else c for c in (args.alloc_conf or ["default"])]
-        for size, mode, stack, memory, kv, cache, conf in itertools.product(
-                sizes, args.modes, args.stack_bytes.split(","), args.memory, args.kv, args.cache, confs):
+        for size, mode, stack, memory, kv, cache, name in itertools.product(
+                sizes, args.modes, args.stack_bytes.split(","), args.memory, args.kv, args.cache, args.rows):
             if mode != "hydrate":  # only the weight arena can discard the KV cache: other modes run once, kept
                 if kv != args.kv[0]:
                     continue
@@ -568,11 +572,11 @@ def main() -> None:
                 row = run_size(size, root, args.criu, args.tokens, mode == "hydrate", weights, digests, strategy,
                                images_root, int(stack), memory == "lazy", kv == "discarded",
                                library if mode == "interposer" else None, cache == "cold", args.device_weights,
-                               args.restores, engine_env={"PYTORCH_CUDA_ALLOC_CONF": conf} if conf else None)
+                               args.restores, command=ROWS[name].command(), engine_env=ROWS[name].env)
             except Exception as exc:  # one failed row is a result; the other rows still run
                 stop_started()
-                print(f"{size:g} GiB {mode} {conf}: FAILED: {type(exc).__name__}: {str(exc)[-3000:]}", flush=True)
-                failed.append({"gib": size, "mode": mode, "alloc_conf": conf,
+                print(f"{size:g} GiB {mode} {name}: FAILED: {type(exc).__name__}: {str(exc)[-3000:]}", flush=True)
+                failed.append({"gib": size, "mode": mode, "row": name,
                                "error": f"{type(exc).__name__}: {str(exc)[-6000:]}"})
                 Path(args.out, "restore_ttft.failed.json").write_text(json.dumps(failed, indent=2))
                 continue

@@ -52,6 +52,7 @@ if TYPE_CHECKING:  # what each name is, for mypy and readers; at run time `__get
     from ._model import Requirements as Requirements
     from ._process import anonymous_memory as anonymous_memory
     from ._process import image_digest as image_digest
+    from ._process import pids_by_argv as pids_by_argv
     from ._thread_hold import ThreadHold as ThreadHold
     from .errors import AdmissionError as AdmissionError
     from .errors import ContractError as ContractError
@@ -101,6 +102,7 @@ _EXPORTS = MappingProxyType({
     "Requirements": "._model",
     "anonymous_memory": "._process",
     "image_digest": "._process",
+    "pids_by_argv": "._process",
     "ThreadHold": "._thread_hold",
     "AdmissionError": ".errors",
     "ContractError": ".errors",
@@ -151,6 +153,7 @@ __all__ = (
     "graph_record",
     "hydration_request",
     "image_digest",
+    "pids_by_argv",
     "plan_graph_policy",
     "qualify",
     "read_cached",

@@ -20,7 +20,6 @@ import contextlib
 import json
 import shutil
 import signal
-import tempfile
 import time
 from pathlib import Path
 
@@ -95,7 +94,7 @@ class _Capture:
         self.tree = process_tree(pid)
         self.report = CaptureReport(boundary=boundary, root_pid=pid, tree=self.tree, rank=ranks.rank,
                                     world_size=ranks.world_size, engine=engine)
-        self.work = Path(tempfile.mkdtemp(prefix="coldsnap-capture-"))
+        self.work = journal.scratch("coldsnap-capture-")  # CRIU's work dir: the guard removes it if we die
         # What was done, for the rollback. Invariant: each is set right after its step succeeded (or began, for
         # `quiesced`: a quiesce that failed half-way still needs its communicators back).
         self.driver: Driver | None = None
@@ -226,7 +225,8 @@ class _Capture:
         shared = shared_files(self.tree)
         args = ["dump", "--tree", str(self.pid), "--images-dir", str(self.images), "--work-dir", str(self.work),
                 "--leave-stopped"]
-        self.report.timings_s["criu_dump"] = run_criu(self.criu, args, self.work / "dump.log")
+        self.report.timings_s["criu_dump"] = run_criu(self.criu, args, self.work / "dump.log",
+                                                      lifeline=self.journal.lifeline())
         self.dumped = True
         if shared:
             started = time.perf_counter()

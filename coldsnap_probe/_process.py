@@ -17,6 +17,7 @@ from ._cuda import Driver
 from .errors import WorkerError
 
 __all__ = (
+    "CriuRun",
     "anonymous_memory",
     "audit_pre_cuda",
     "cuda_processes",
@@ -24,6 +25,7 @@ __all__ = (
     "image_digest",
     "images_size",
     "inet_sockets",
+    "pids_by_argv",
     "process_state",
     "process_tree",
     "readlink",
@@ -111,13 +113,29 @@ def criu_environment(criu: str) -> dict[str, str]:
     return {**os.environ, "LD_LIBRARY_PATH": ":".join([*found, *([inherited] if inherited else [])])}
 
 
-def run_criu(criu: str, args: list[str], log: Path) -> float:
-    started = time.perf_counter()
-    done = subprocess.run([criu, *args, "--log-file", str(log), "-v4"], capture_output=True, text=True,
-                          check=False, env=criu_environment(criu))
-    if done.returncode != 0:
-        raise WorkerError(f"criu {args[0]} exited {done.returncode}: {(done.stderr or '').strip()}\n{tail(log)}")
-    return time.perf_counter() - started
+def run_criu(criu: str, args: list[str], log: Path, *, lifeline: tuple[int, ...] = ()) -> float:
+    return CriuRun(criu, args, log, lifeline=lifeline).wait()
+
+
+class CriuRun:
+    """One CRIU command, started at once; `wait` returns its seconds (start to exit) or raises naming its failure.
+    Started before `wait`, so that the worker does meanwhile what does not need CRIU's result. `lifeline`:
+    descriptors it holds open until it exits (a worker guard's journal: the guard of a worker that dies meanwhile
+    undoes only once this CRIU has ended too)."""
+
+    def __init__(self, criu: str, args: list[str], log: Path, *, lifeline: tuple[int, ...] = ()) -> None:
+        self.args, self.log = args, log
+        self.started = time.perf_counter()
+        self.process = subprocess.Popen([criu, *args, "--log-file", str(log), "-v4"], stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                        env=criu_environment(criu), pass_fds=lifeline)
+
+    def wait(self) -> float:
+        _, stderr = self.process.communicate()
+        if self.process.returncode != 0:
+            raise WorkerError(f"criu {self.args[0]} exited {self.process.returncode}: {(stderr or '').strip()}\n"
+                              f"{tail(self.log)}")
+        return time.perf_counter() - self.started
 
 
 def _image_files(images: Path) -> list[Path]:
@@ -212,6 +230,24 @@ def undo_cuda(driver: Driver, done: list[tuple[int, str]]) -> None:
                 driver.call("cuCheckpointProcessUnlock", pid, None, required=False)
         except Exception:
             continue
+
+
+def pids_by_argv(words: list[str]) -> list[int]:
+    """The processes whose command line has each of `words` as an argument, in any order. For looking at a host
+    (a benchmark's watcher, a test), never for acting on: a worker acts on the pids it started or journalled,
+    since any process can be named like CRIU."""
+    wanted = [word.encode() for word in words]
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:  # it ended while we looked
+            continue
+        if all(word in argv for word in wanted):
+            found.append(int(entry))
+    return found
 
 
 def process_state(pid: int) -> str:

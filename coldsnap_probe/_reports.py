@@ -240,6 +240,7 @@ class RestoreReport:
     shared_files: list[str] | None = None  # the /dev/shm files put back before CRIU (_shm_files)
     timeline: Timeline = field(default_factory=Timeline)
     barrier_wait_s: dict[str, float] = field(default_factory=dict)
+    worker_start: list[Mark] | None = None  # the worker command's steps before `restore_begin` (negative offsets)
 
     def to_json(self) -> dict[str, Any]:
         t = self.timeline
@@ -257,7 +258,8 @@ class RestoreReport:
             "device_hydration_seconds": self.device_hydration_seconds,
             "memory_sources": {n: r.to_json() for n, r in sorted(self.memory_sources.items())} or None,
             "communicator_recreate_seconds": self.communicator_recreate_seconds,
-            "shared_files": self.shared_files}),
+            "shared_files": self.shared_files,
+            "worker_start": [m.to_json() for m in self.worker_start] if self.worker_start else None}),
             "timeline": t.to_json(), "barrier_wait_s": self.barrier_wait_s,
             "restore_seconds": t.seconds("restore_begin", "process_resumed"),
             "ready_seconds": t.seconds("restore_begin", "ready")}

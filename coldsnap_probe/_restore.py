@@ -17,27 +17,29 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._coordinator import Coordinator
-from ._cuda import Driver
 from ._engine import ABORT_POLL, resume_engine, validated_graph_record
 from ._host import host_identity
 from ._phase import PhaseLog
-from ._process import criu_environment, process_state, process_tree, require_state, run_criu, stop, tail
-from ._reports import RestoredGraphPolicy, RestoreReport
+from ._process import CriuRun, criu_environment, process_state, process_tree, require_state, stop, tail
+from ._reports import Mark, RestoredGraphPolicy, RestoreReport
 from ._shm_files import SharedFile, load_shared_files, put_back
 from ._target import check_target, comparable
 from ._thread_hold import ThreadHold
 from ._worker_guard import WorkerGuard
 from .errors import RankAborted, TargetRefused, WorkerError
 from .memory import MemoryOptions, MemoryRestores, RestoreScope
+
+if TYPE_CHECKING:
+    from ._cuda import Driver
 
 __all__ = ("restore",)
 
@@ -47,17 +49,20 @@ LAZY_PAGES_FINISH_S = 120.0  # for it to have copied every page after the restor
 
 def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: Coordinator | None = None,
             lazy_pages: bool = False, memory: MemoryOptions | None = None,
-            phases: PhaseLog | None = None, guard: WorkerGuard | None = None) -> RestoreReport:
+            phases: PhaseLog | None = None, guard: WorkerGuard | None = None,
+            startup: dict[str, int] | None = None) -> RestoreReport:
     """Restore the tree captured in `images`; returns the report (the images are only read).
 
     `lazy_pages`: CRIU restores the processes without their memory, which `criu lazy-pages` then fills
     (faults first, the rest in the background) while the CUDA state is restored. The tree is then held
     stopped until every page is in, so nothing serves from memory a failed daemon never filled. `memory` says
     how the memory sources hydrate; `phases` publishes each phase as it begins; `guard` (started) kills the restored
-    tree if this process dies before the restore ends.
+    tree if this process dies before the restore ends. `startup`: what the worker's command did before this call
+    (mark name -> unix ns), reported as `worker_start`.
     """
     run = _Restore(images, criu=criu, work=work, ranks=coordinator or Coordinator.single(), lazy_pages=lazy_pages,
                    phases=phases or PhaseLog("restore", publish=False))
+    run.report.worker_start = [Mark(name, ns, (ns - run.began) / 1e9) for name, ns in (startup or {}).items()] or None
     run.memory_options = memory or MemoryOptions()
     run.journal = guard or WorkerGuard()
     try:
@@ -69,6 +74,8 @@ def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: C
             raise
         raise WorkerError(error) from exc
     finally:
+        if work is None and run.work is not None:  # its own scratch (the logs' tails are in the error already)
+            shutil.rmtree(run.work, ignore_errors=True)
         run.journal.end()
     run.report.barrier_wait_s = dict(run.ranks.waits)
     return run.report
@@ -86,6 +93,7 @@ class _Restore:
         self.report = RestoreReport(rank=ranks.rank, world_size=ranks.world_size)
         self.timeline = self.report.timeline
         self.timeline.mark("restore_begin")
+        self.began = self.timeline.marks[0].unix_ns
         self.captured: dict[str, Any] = {}
         self.graph: RestoredGraphPolicy | None = None  # the graph policy record, when the capture wrote one
         self.memory_options = MemoryOptions()
@@ -182,30 +190,38 @@ class _Restore:
 
     def _criu_restore(self) -> int:
         """CRIU restores the tree (paused when anything follows); the driver initialises meanwhile."""
-        work = self.work = self.work or Path(tempfile.mkdtemp(prefix="coldsnap-restore-"))
+        work = self.work = self.work or self.journal.scratch("coldsnap-restore-")
         work.mkdir(parents=True, exist_ok=True)
         pidfile = work / "restored.pid"
         pidfile.unlink(missing_ok=True)  # CRIU refuses to overwrite one left by an earlier restore
         # Every rank is restored paused and released together; a lazy tree is released once its pages are in.
         paused = bool(self.cuda) or self.ranks.multi or self.lazy_pages
         if self.lazy_pages:
-            self.lazy = _start_lazy_pages(self.criu, self.images, work)
+            self.lazy = _start_lazy_pages(self.criu, self.images, work, self.journal)
         args = ["restore", "--images-dir", str(self.images), "--work-dir", str(work), "--restore-detached",
                 "--pidfile", str(pidfile), *(["--leave-stopped"] if paused else []),
                 *(["--lazy-pages"] if self.lazy else [])]
-        put_back(self.shared, self.images)  # what CRIU maps is what the tree had when it was dumped
+        put_back(self.shared, self.images, self.journal.note)  # what CRIU maps is what the tree had when dumped
         self.report.shared_files = [f.path for f in self.shared] or None
-        self.driver = driver = Driver() if self.cuda else None
         self.journal.note(restore=str(self.images), pidfile=str(pidfile))
-        with ThreadPoolExecutor(1, thread_name_prefix="coldsnap-cuinit") as pool:
-            # The driver initialises while CRIU runs (cuInit is a good part of the CUDA restore otherwise).
-            initialised = pool.submit(driver.call, "cuInit", 0) if driver is not None else None
-            seconds = self.report.criu_restore_seconds = run_criu(self.criu, args, work / "restore.log")
-            self.timeline.mark("criu_restore_end")
-            root = self.root = int(pidfile.read_text().split()[0])  # first: the rollback kills the tree then
-            self.journal.note(root=root)
-            if initialised is not None:
-                initialised.result()
+        self.timeline.mark("criu_restore_begin")
+        criu = CriuRun(self.criu, args, work / "restore.log", lifeline=self.journal.lifeline())
+        # CRIU first, then the CUDA driver while it runs: cuda-python's import, libcuda's load and cuInit took tens
+        # of milliseconds before CRIU started, and cuInit alone a good part of the CUDA restore otherwise.
+        failed: BaseException | None = None
+        try:
+            self.driver = _initialised_driver() if self.cuda else None
+        except BaseException as exc:  # CRIU is running: its tree is found (and killed by the rollback) first
+            failed = exc
+        try:
+            seconds = self.report.criu_restore_seconds = criu.wait()
+        except WorkerError as exc:
+            raise exc from failed
+        self.timeline.mark("criu_restore_end")
+        root = self.root = int(pidfile.read_text().split()[0])  # first: the rollback kills the tree then
+        self.journal.note(root=root)
+        if failed is not None:
+            raise failed
         self.report.restored_pid = root
         if not set(self.cuda) <= set(process_tree(root)):
             raise WorkerError(f"the recorded CUDA processes {self.cuda} are not in the restored tree of {root}")
@@ -274,15 +290,18 @@ class _Restore:
             stop(self.lazy)
 
 
-def _start_lazy_pages(criu: str, images: Path, work: Path) -> subprocess.Popen[bytes]:
+def _start_lazy_pages(criu: str, images: Path, work: Path, journal: WorkerGuard) -> subprocess.Popen[bytes]:
     """`criu lazy-pages` for the restore that follows: it serves the restored process's page faults from the
-    images (userfaultfd) and copies every other page in the background, then exits 0."""
+    images (userfaultfd) and copies every other page in the background, then exits 0. Its socket, then its pid,
+    are journalled: the guard of a worker that dies ends it."""
     listening = work / "lazy-pages.socket"
     listening.unlink(missing_ok=True)
     log = work / "lazy-pages.log"
+    journal.note(lazy_socket=str(listening))
     daemon = subprocess.Popen([criu, "lazy-pages", "--images-dir", str(images), "--work-dir", str(work),
                                "--log-file", str(log), "-v4"], stdin=subprocess.DEVNULL,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=criu_environment(criu))
+    journal.note(lazy_pages=daemon.pid)
     give_up = time.monotonic() + LAZY_PAGES_START_S
     while not listening.exists():
         if daemon.poll() is not None:
@@ -311,3 +330,13 @@ def _finish_lazy_pages(daemon: subprocess.Popen[bytes], work: Path, root: int, r
                           f"{tail(work / 'lazy-pages.log')}")
     if process_state(root) in ("", "Z", "X"):
         raise WorkerError(f"the restored process {root} exited while its pages were restored")
+
+
+def _initialised_driver() -> Driver:
+    """The CUDA driver, initialised: imported here, while CRIU runs (cuda-python's bindings are the largest import
+    of a restore worker), never before it."""
+    from ._cuda import Driver
+
+    driver = Driver()
+    driver.call("cuInit", 0)
+    return driver

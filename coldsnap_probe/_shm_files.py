@@ -22,11 +22,13 @@ import json
 import os
 import shutil
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .errors import WorkerError
+from .memory import read_record
 
 __all__ = ("RECORD", "SharedFile", "load_shared_files", "put_back", "save_shared_files", "shared_files")
 
@@ -135,13 +137,9 @@ def _refused(detail: object) -> WorkerError:
 
 def load_shared_files(images: Path) -> list[SharedFile]:
     """Before CRIU: the record, and every copy's size and digest checked against it; [] without a record."""
-    path = images / RECORD
-    if not path.exists():
-        return []
     try:
-        stored = json.loads(path.read_text())
-        if not isinstance(stored, dict) or stored.get("kind") != RECORD_KIND or stored.get("format") != 1:
-            raise _refused(f"not a format-1 {RECORD_KIND}")
+        if (stored := read_record(images, RECORD, RECORD_KIND)) is None:
+            return []
         files = [SharedFile(str(f["path"]), int(f["bytes"]), int(f["mode"]), int(f["uid"]), int(f["gid"]),
                             str(f["sha256"])) for f in stored["files"]]
         for shared in files:
@@ -154,12 +152,17 @@ def load_shared_files(images: Path) -> list[SharedFile]:
     return files
 
 
-def put_back(files: list[SharedFile], images: Path) -> None:
-    """Just before CRIU: each file at its path again, as captured (written beside it, then renamed over it)."""
+def put_back(files: list[SharedFile], images: Path, note: Callable[..., None] = lambda **_: None) -> None:
+    """Just before CRIU: each file at its path again, as captured (written beside it, then renamed over it). Each
+    file written beside one is first `note`d (the worker's journal: its guard removes it if the worker dies)."""
     for shared in files:
         partial = f"{shared.path}.coldsnap-{os.getpid()}"
+        note(partial=partial)
         try:
             fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:  # one that was there is not ours to remove
+            raise WorkerError(f"shared-memory file {shared.path} could not be put back: {exc}") from exc
+        try:
             try:
                 with open(images / COPIES / _name(shared.path), "rb") as src, open(fd, "wb", closefd=False) as dst:
                     shutil.copyfileobj(src, dst, 1 << 22)

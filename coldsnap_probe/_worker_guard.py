@@ -9,6 +9,7 @@ line per step *about to be taken*:
 
     {"worker": "capture" | "restore"}      first, from `start`
     {"images": path, "created": bool}      the images directory (removed, or emptied, on undo)
+    {"work": path}                          the worker's own scratch directory (CRIU's work dir), about to be made
     {"memory": weights_control}            the memory sources are about to release (undone from their records)
     {"cuda": pid, "state": "locked" | "checkpointed"}
     {"dump": [pids]}                        CRIU dumps the tree (always `--leave-stopped`)
@@ -17,18 +18,27 @@ line per step *about to be taken*:
 
 When the pipe closes after `commit` but without `end`, the guard ends the stopped tree, as the worker was about
 to (the images are the capture). When it closes before, the guard undoes, in the order of the capture's own
-rollback: it waits for CRIU to let go of the tree (no process of it traced any more), lets the tree run
+rollback: it waits for the kernel to let go of the tree (no process of it traced any more), lets the tree run
 (SIGCONT), restores what was checkpointed and unlocks what was locked, has every memory source give back what its
-records in the images say it released, and removes the images.
+records in the images say it released, removes the images and the worker's scratch directory (a failed dump's log
+kept in an images directory that stays, as the worker's own rollback keeps it).
 Each undo checks the state first (a step journalled but never taken is a no-op). What it undid goes to stderr,
 which it shares with the worker: the exec's reply ends with it, and comes only once it is done.
 
-A restore journals two steps, `{"restore": images, "pidfile": path}` before CRIU runs and `{"root": pid}` once the
-restored tree exists: a restore worker that dies leaves no restored tree (nothing half-restored serves: stopped,
-checkpointed on the GPU, or running unreported), as its own rollback would: the guard waits for an orphaned CRIU
-restore of those images and its lazy-pages daemon, then kills the tree's process group. (In a restore unit the
-container's end kills everything too; a worker run on a host has only its guard.) A stage the worker asked of a
-node hydrator is freed by the hydrator when the worker exits (its pidfd rode with the request).
+A restore journals `{"partial": path}` before it writes a /dev/shm file beside the one it puts back (removed),
+`{"lazy_socket": path}` and `{"lazy_pages": pid}` around starting a lazy-pages daemon,
+`{"restore": images, "pidfile": path}` before CRIU runs and `{"root": pid}` once the restored tree exists: a restore
+worker that dies leaves no restored tree (nothing half-restored serves: stopped, checkpointed on the GPU, or running
+unreported), as its own rollback would: the guard kills the lazy-pages daemon and the tree's process group. (In a
+restore unit the container's end kills everything too; a worker run on a host has only its guard.) A stage the
+worker asked of a node hydrator is freed by the hydrator when the worker exits (its pidfd rode with the request).
+
+The guard acts only on what the journal names, never on a process found by its name (another capsule's CRIU, a
+user's program called `criu`): the processes of a step by the pidfds it opens as it reads the step, a CRIU the
+worker started by the journal itself: CRIU inherits the journal's write end (`lifeline`), so the journal ends only
+once CRIU has too, and the guard, which undoes only then, never has to look for an orphaned CRIU. A lazy-pages
+daemon, which outlives a failed restore, is killed through its pidfd, or, when the worker died between starting it
+and naming it, ended through the socket the worker named first (a connection that sends nothing ends its wait).
 """
 
 from __future__ import annotations
@@ -36,18 +46,20 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
+import select
 import shutil
 import signal
+import socket
 import sys
+import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 __all__ = ("WorkerGuard", "remove_contents")
 
-CRIU_LET_GO_S = 60.0  # for a CRIU dump the dead worker started to finish with the tree
-CRIU_START_S = 0.1  # for a CRIU the worker forked just before it died to show itself (its exec)
+LET_GO_S = 5.0  # for the kernel to detach a tree from the CRIU that traced it, once that CRIU has exited
 
 
 class WorkerGuard:
@@ -84,6 +96,22 @@ class WorkerGuard:
             os.close(self._fd)
             self._fd = -1
 
+    def lifeline(self) -> tuple[int, ...]:
+        """The journal's write end, for a child (CRIU) to inherit (`pass_fds`): the journal then ends only once the
+        worker and that child are both gone, so the guard undoes only after it (none without a started guard)."""
+        return (self._fd,) if self._fd >= 0 else ()
+
+    def scratch(self, prefix: str) -> Path:
+        """A new directory of the worker's own in the temporary directory (0700, a random name, as `mkdtemp`),
+        journalled before it is made: the guard removes it if the worker dies."""
+        while True:
+            path = Path(tempfile.gettempdir()) / f"{prefix}{secrets.token_hex(6)}"
+            if path.exists():  # never journal a path the worker did not make: the guard would remove it
+                continue
+            self.note(work=str(path))
+            path.mkdir(mode=0o700)
+            return path
+
     def end(self) -> None:
         """The capture is over (done, or rolled back by the worker itself): the guard leaves without undoing."""
         if self._fd >= 0:
@@ -98,7 +126,7 @@ _PIDFDS: dict[int, int] = {}
 
 
 def _hold(pids: object) -> None:
-    for pid in pids if isinstance(pids, list) else []:
+    for pid in pids if isinstance(pids, list) else [pids]:
         if isinstance(pid, int) and pid > 0 and pid not in _PIDFDS:
             with contextlib.suppress(OSError):
                 _PIDFDS[pid] = os.pidfd_open(pid)
@@ -119,15 +147,23 @@ def _guard(fd: int) -> None:
                 steps.append(json.loads(line))
             except ValueError:
                 continue
-            if isinstance(steps[-1], dict):
-                _hold(steps[-1].get("dump"))
-    if not steps or steps[-1].get("end"):
+            if not isinstance(steps[-1], dict):
+                steps.pop()
+                continue
+            if steps[-1].get("end"):
+                return  # the worker finished (a CRIU it started may still hold the journal: nothing is left to do)
+            for key in ("dump", "root", "lazy_pages"):
+                _hold(steps[-1].get(key))
+    if not steps:
         return
     started = time.monotonic()
     committed = [s["commit"] for s in steps if "commit" in s]
     kind = str(steps[0].get("worker", "capture"))
     undone = (_undo_restore(steps) if kind == "restore" else [_end_tree([int(p) for p in committed[-1]])]
               if committed else _undo(steps))
+    work = [str(s["work"]) for s in steps if "work" in s]
+    if work:  # a failed capture's dump log is kept as the worker's own rollback keeps it
+        undone.append(_remove_work(Path(work[-1]), None if committed else _images(steps)))
     sys.stderr.write(f"coldsnap-worker: {kind} guard: the worker died; undone in {time.monotonic() - started:.2f} s:"
                      f" {'; '.join(undone) or 'nothing was begun'}\n")
     sys.stderr.flush()
@@ -142,7 +178,7 @@ def _undo(steps: list[dict[str, Any]]) -> list[str]:
     cuda = [(int(s["cuda"]), str(s["state"])) for s in steps if "cuda" in s]
     if cuda:  # after the tree runs again: the CUDA restore needs its restore thread scheduled
         undone.append(_undo_cuda(cuda))
-    images = next((Path(s["images"]) for s in steps if "images" in s), None)
+    images = _images(steps)
     memory = [s for s in steps if "memory" in s]
     if memory and images is not None:
         undone.append(_give_memory_back(images, memory[-1]["memory"]))
@@ -152,40 +188,61 @@ def _undo(steps: list[dict[str, Any]]) -> list[str]:
 
 
 def _undo_restore(steps: list[dict[str, Any]]) -> list[str]:
-    """No restored tree is left: CRIU's (orphaned) restore ends first, then its tree's process group is killed."""
+    """No restored tree is left: the lazy-pages daemon ends, then the restored tree's process group is killed. The
+    CRIU restore has ended (it held the journal), so its pidfile names the tree if the worker could not."""
+    for partial in [str(s["partial"]) for s in steps if "partial" in s]:  # a /dev/shm file being put back
+        with contextlib.suppress(OSError):
+            os.unlink(partial)
     roots = [int(s["root"]) for s in steps if "root" in s]
     began = next((s for s in steps if "restore" in s), None)
     if not roots and began is not None:
-        images = str(began["restore"]).encode()
-        _wait_while(lambda: _running([b"restore", b"--images-dir", images]), grace=CRIU_START_S)
         with contextlib.suppress(OSError, ValueError):
             roots = [int(Path(began["pidfile"]).read_text().split()[0])]
-    if began is not None:
-        for pid in _pids_of([b"lazy-pages", b"--images-dir", str(began["restore"]).encode()]):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-    roots = [root for root in roots if root > 1]  # killpg(1) is kill(-1): every process; killpg(0) the guard's own
+            _hold(roots)
+    lazy = [int(s["lazy_pages"]) for s in steps if "lazy_pages" in s]
+    for pid in lazy:
+        _signal(pid, signal.SIGKILL)
+    if not lazy and (named := [str(s["lazy_socket"]) for s in steps if "lazy_socket" in s]):
+        _hang_up(named[-1])
+    # Only a root whose pidfd says it still lives: its group is the tree's (killpg(1) would be kill(-1), 0 the
+    # guard's own group, and a pid since taken by another process is never the tree's).
+    roots = [root for root in roots if root > 1 and _alive(root)]
     for root in roots:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(root, signal.SIGKILL)
+        _signal(root, signal.SIGKILL)
     return [f"restored tree {roots} killed" if roots else "no tree was restored"]
 
 
-def _wait_while(busy: Callable[[], bool], *, grace: float) -> None:
-    """Until `busy` is false (after `grace` seconds at least, for a child still starting), CRIU_LET_GO_S at most."""
-    now = time.monotonic()
-    give_up, grace_end = now + CRIU_LET_GO_S, now + grace
-    while time.monotonic() < give_up:
-        if not busy() and time.monotonic() > grace_end:
-            return
-        time.sleep(0.005)
+def _alive(pid: int) -> bool:
+    """The journalled process `pid` has not exited (its pidfd is not readable yet)."""
+    fd = _PIDFDS.get(pid)
+    return fd is not None and not select.select([fd], [], [], 0)[0]
+
+
+def _hang_up(path: str) -> None:
+    """End a lazy-pages daemon still waiting for its restore: a connection that sends nothing is a failed one.
+    (Through the directory's descriptor: a socket's path may be longer than a socket address holds.)"""
+    with contextlib.suppress(OSError):
+        folder = os.open(os.path.dirname(path), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as peer:
+                peer.settimeout(1.0)
+                peer.connect(f"/proc/self/fd/{folder}/{os.path.basename(path)}")
+        finally:
+            os.close(folder)
+
+
+def _images(steps: list[dict[str, Any]]) -> Path | None:
+    return next((Path(s["images"]) for s in steps if "images" in s), None)
 
 
 def _let_tree_run(tree: list[int]) -> str:
-    """CRIU (the dead worker's child, maybe still starting) finishes or fails on its own, leaving the tree stopped
-    (or dead); only then does the tree run again."""
-    dump = [b"dump", b"--tree", str(tree[0]).encode()]
-    _wait_while(lambda: _running(dump) or any(_traced(p) for p in tree), grace=CRIU_START_S)
+    """The CRIU dump has ended (it held the journal), leaving the tree stopped (or dead); once the kernel has
+    detached it, the tree runs again."""
+    give_up = time.monotonic() + LET_GO_S
+    while any(_traced(p) for p in tree) and time.monotonic() < give_up:
+        time.sleep(0.002)
     for pid in tree:
         _signal(pid, signal.SIGCONT)
     alive = [p for p in tree if Path(f"/proc/{p}").exists()]
@@ -196,25 +253,6 @@ def _end_tree(tree: list[int]) -> str:
     for pid in tree:
         _signal(pid, signal.SIGKILL)
     return f"the capture was complete: tree {tree} ended, images kept"
-
-
-def _pids_of(words: list[bytes]) -> list[int]:
-    """The processes whose command line holds `words` in a row (a CRIU the dead worker started, orphaned)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(argv[i:i + len(words)] == words for i in range(len(argv) - len(words) + 1)):
-            found.append(int(entry))
-    return found
-
-
-def _running(words: list[bytes]) -> bool:
-    return bool(_pids_of(words))
 
 
 def _traced(pid: int) -> bool:
@@ -272,6 +310,15 @@ def _remove_images(images: Path, *, created: bool) -> str:
     else:
         remove_contents(images)
     return f"images {images} removed"
+
+
+def _remove_work(work: Path, images: Path | None) -> str:
+    """The worker's scratch directory; a failed dump's log goes to the images directory if that one stays."""
+    if images is not None and images.is_dir() and (work / "dump.log").is_file():
+        with contextlib.suppress(OSError):
+            shutil.copy2(work / "dump.log", images / "dump.log")
+    shutil.rmtree(work, ignore_errors=True)
+    return f"scratch {work} removed"
 
 
 def remove_contents(images: Path) -> None:

@@ -420,16 +420,18 @@ def send(sock: socket.socket, payload: bytes, fds: Sequence[int] = (), *, page: 
 
 
 def request(path: str | Path, message: dict[str, Any], *, fds: Sequence[int] = (), page: int = 0,
-            timeout: float = 300.0) -> dict[str, Any]:
-    """One JSON request to the socket at `path` (`fds` sent as `send` does); its JSON answer (read to EOF)."""
-    answer, received = request_with_fds(path, message, fds=fds, page=page, timeout=timeout)
+            timeout: float = 300.0, sent: Callable[[], object] | None = None) -> dict[str, Any]:
+    """One JSON request to the socket at `path` (`fds` sent as `send` does); its JSON answer (read to EOF).
+    `sent` is called once the request and its descriptors are sent, before the answer is read."""
+    answer, received = request_with_fds(path, message, fds=fds, page=page, timeout=timeout, sent=sent)
     for fd in received:
         os.close(fd)
     return answer
 
 
 def request_with_fds(path: str | Path, message: dict[str, Any], *, fds: Sequence[int] = (), page: int = 0,
-                     timeout: float = 300.0) -> tuple[dict[str, Any], list[int]]:
+                     timeout: float = 300.0,
+                     sent: Callable[[], object] | None = None) -> tuple[dict[str, Any], list[int]]:
     """`request`, also returning the descriptors the answer carried (the caller closes them). `timeout` bounds
     the whole exchange, not each read: a peer trickling bytes holds the asker no longer than a silent one."""
     received: list[int] = []
@@ -439,6 +441,8 @@ def request_with_fds(path: str | Path, message: dict[str, Any], *, fds: Sequence
         try:
             sock.connect(str(path))
             send(sock, json.dumps(message).encode() + b"\n", fds, page=page)
+            if sent is not None:  # the kernel holds what is in flight: the asker may let its descriptors go
+                sent()
             data = b""
             while True:
                 sock.settimeout(max(0.001, deadline - time.monotonic()))

@@ -19,7 +19,7 @@ from coldsnap_runtime import Backend
 
 if TYPE_CHECKING:
     from ._kubernetes import KubernetesHosts
-    from ._remote import Remotes
+    from ._remote_nodes import Remotes
 
 __all__ = ("PROBE_TIMEOUT_S", "BackendHealth", "BackendState", "HealthReport")
 

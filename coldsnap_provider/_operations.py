@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from ._hub_owners import HubOwners
     from ._huggingface import HuggingfaceClient
     from ._kubernetes import KubernetesHosts
-    from ._remote import Remotes
+    from ._remote_nodes import Remotes
 __all__ = ("Operation", "Operations", "Outcome", "legacy_registry_action")
 
 # Every request but `capabilities`, which the handler answers itself.

@@ -36,8 +36,9 @@ from ._errors import PlacementError
 from ._exec import ExecIdentity, as_identity, child_environment
 from ._remote_files import place_tar
 from ._remote_link import RemoteLink
+from ._spool import Spool
 
-__all__ = ("RemoteFiles", "Spool")
+__all__ = ("RemoteFiles",)
 
 _MESSAGE_LIMIT = 4096
 # Resolves the context's real path on the node (a link to it is the user's own business there), refuses
@@ -47,22 +48,6 @@ _TREE_TAR = (
     " [ -d \"$p\" ] && [ \"$p\" != / ] || {{ echo \"$p is not a directory (or is /)\" >&2; exit 1; }};"
     " cd -- \"${{p%/*}}/\" && exec tar -c -f - -- \"${{p##*/}}\""
 )
-
-
-class Spool:
-    """Where transfers are spooled, and the most bytes one of them may hold."""
-
-    def __init__(self, *, directory: str | None, max_bytes: int) -> None:
-        self.directory = directory
-        self.max_bytes = max_bytes
-
-    def staging(self, prefix: str) -> tempfile.TemporaryDirectory[str]:
-        """A private (0700) directory for one transfer, removed with its contents."""
-        return tempfile.TemporaryDirectory(dir=self.directory, prefix=f"coldsnap-{prefix}-")
-
-    def too_large(self, action: str) -> RuntimeFailed:
-        return RuntimeFailed(action=action, detail=(
-            f"the copy exceeds {self.max_bytes} bytes (docker.copy_max_bytes); nothing was placed"))
 
 
 class RemoteFiles:

@@ -32,7 +32,8 @@ from ._kubernetes import KubernetesHosts, NodeAgent
 from ._operations import Operations
 from ._policy import Policy
 from ._reload import Reloader
-from ._remote import Remotes, Spool
+from ._remote_nodes import Remotes
+from ._spool import Spool
 from ._systemd import listen_fds
 
 if TYPE_CHECKING:

@@ -6,7 +6,7 @@
                                    each capture's data document (the OCI config of its registry artifact)
     <root>/captures/<hex>.json     a capture: the OCI manifest (artifact) whose digest is sha256:<hex>;
                                    written last, so a capture listed is one whose every blob is present
-    <root>/trees/<hex>/<path>      the capture's files as plain (sparse) files, made on first use
+    <root>/trees/<hex>/<path>      the capture's files as plain (sparse) files, made at a pull or on first use
     <root>/tmp/                    what is being written (a blob before its digest is checked, a tree)
 
 A file is a list of chunks, each a digest or ``None`` for a chunk of zeros: zeros are never stored, moved
@@ -317,16 +317,24 @@ class CaptureStore:
             os.close(fd)
 
     def _copy_chunk(self, chunk: str, fd: int, offset: int, length: int, name: str) -> None:
-        try:
-            with open(self.blob_path(chunk), "rb") as source:
-                data = source.read(length + 1)
-        except FileNotFoundError as exc:
-            raise StoreError(f"{name}: chunk {chunk} is missing from the node's store") from exc
+        data = self._read_chunk(chunk, length, name)
         if len(data) != length or "sha256:" + hashlib.sha256(data).hexdigest() != chunk:
             raise StoreError(f"{name}: chunk {chunk} is corrupt or truncated in the node's store")
         view = memoryview(data)
         while view:
             view = view[os.pwrite(fd, view, offset + (len(data) - len(view))):]
+
+    def _read_chunk(self, chunk: str, length: int, name: str) -> bytes:
+        """The chunk's bytes (up to `length` + 1: a longer blob shows), then the chunk dropped from the page cache:
+        the tree's copy is the one a restore reads, so the same bytes are never cached twice. Read through the
+        cache, not with O_DIRECT: on the H200 machine's disk that read 1.45 GB/s against O_DIRECT's 1.02."""
+        try:
+            with open(self.blob_path(chunk), "rb") as source:
+                data = source.read(length + 1)
+                os.posix_fadvise(source.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        except FileNotFoundError as exc:
+            raise StoreError(f"{name}: chunk {chunk} is missing from the node's store") from exc
+        return data
 
     # --- admin -----------------------------------------------------------------------
 

@@ -2,6 +2,9 @@
 # CRIU's parallel private-page restore on the GPU machine: bench/criu_restore.py at 16 GiB (about 2 minutes),
 # CRIU_RESTORE_THREADS=1 (stock) against N = the machine's CPUs, images on tmpfs, in the page cache and on a cold
 # disk, with the disk's read rate and the page_fill ceiling measured in the same run.
+#   scripts/device criu shape   instead: CRIU's dump and restore of a 2 GiB process 55 % written with zeros, pages
+#                               of zeros written (stock) vs left out (zero-pages.patch) vs released, side by side
+#                               (bench/criu_dump_shape.py, best of 3, about 40 s): criu-dump-shape.txt, its JSON.
 # Run from the repository root as root with .device-criu42 (scripts/criu/build --bundle .device-criu42) and .whl
 # carried; results (criu-restore.txt: the table; criu_restore.json; criu-env.txt) go to $OUT.
 set -uo pipefail
@@ -14,6 +17,13 @@ fi
   echo "== cpus $(nproc); THP $(cat /sys/kernel/mm/transparent_hugepage/enabled)"; free -g | head -2; } \
     > "$OUT/criu-env.txt" 2>&1
 cat "$OUT/criu-env.txt"
+if [ "${1:-}" = shape ]; then
+    timeout -k 5 "${CRIU_BENCH_TIMEOUT:-170}" python3 bench/criu_dump_shape.py --criu "$PWD/.device-criu42/usr/sbin/criu" \
+        --repeat 3 --out "$OUT" 2>&1 | tee "$OUT/criu-dump-shape.txt"
+    rc=${PIPESTATUS[0]}
+    rm -rf /dev/shm/criu-shape-*  # a run cut short leaves its images
+    exit "$rc"
+fi
 timeout -k 5 "${CRIU_BENCH_TIMEOUT:-170}" python3 bench/criu_restore.py --criu "$PWD/.device-criu42/usr/sbin/criu" \
     --gib "${CRIU_BENCH_GIB:-16}" --disk-dir /var/tmp --out "$OUT" 2>&1 | tee "$OUT/criu-restore.txt"
 rc=${PIPESTATUS[0]}

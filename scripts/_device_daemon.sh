@@ -28,8 +28,40 @@ capsule_context() {
         ${1:+--worker "$ROOT/coldsnap_probe"}
 }
 
+# serve_model DIR LAYERS: the model folder `transformers serve` loads (engine_llama's weights, LAYERS layers, bf16,
+# fixed seed, and a local tokenizer), written in the background: $WRITER; /tmp/weights.log ends "model exit N".
+serve_model() {
+    (rm -rf "$1"; /usr/bin/time -f "weights written in %e s" python3 engines/engine_llama.py weights "$1" \
+         --layers "$2" > /tmp/weights.log 2>&1 && python3 engines/serve_model.py tokenizer "$1" >> /tmp/weights.log 2>&1
+     echo "model exit $?" >> /tmp/weights.log) &
+    WRITER=$!
+}
+
+# wait_model DIR: until serve_model's writer ends; exits the step when it failed
+wait_model() {
+    wait "$WRITER"; tail -5 /tmp/weights.log; ls -la "$1"
+    grep -q "model exit 0" /tmp/weights.log || { cp /tmp/weights.log "$OUT/"; exit 1; }
+}
+
+# serve_capsule DIR [SITE]: the server's dependencies (.whl/serve: fastapi, starlette, uvicorn, uvloop, pydantic,
+# openai and theirs) into SITE, then a capsule build context with the worker, CRIU and that site (without SITE: no
+# server site); its log: $OUT/capsule.txt. uvloop stays (when the wheels bring it): every server unit preloads
+# libcoldsnap_no_io_uring.so, so its libuv keeps to epoll (docs/restoring-your-own-server.md).
+serve_capsule() {
+    rm -rf "$1" ${2:+"$2"}
+    if [ -n "${2:-}" ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$2" .whl/serve/*.whl \
+            || exit 1
+    fi
+    python3 scripts/_capsule_rootfs.py "$1" --busybox $D/usr/bin/busybox-static --criu-root "$CRIU_ROOT" \
+        --worker "$ROOT/coldsnap_probe" ${2:+--server-site "$2"} --criu-compat scripts/capsule/criu_sockopt_compat.c \
+        2>&1 | tee "$OUT/capsule.txt"
+}
+
 METRICS="unix:$STATE/metrics.sock"  # the daemon's Prometheus endpoint (issue 26); save_scrape reads it
 
+# start_serve [SUFFIX]: the daemon on the bundled engine; DOCKER_EXTRA adds lines to its [docker] section (the store
+# step's capture_store and spool_dir).
 start_serve() {
     mkdir -p "$STATE" && chmod 700 "$STATE"
     python3 -c "import prometheus_client" 2>/dev/null || {
@@ -37,6 +69,7 @@ start_serve() {
     cat > /tmp/cs-e2e.toml <<CONF
 [docker]
 url = "unix://$D/docker.sock"
+${DOCKER_EXTRA:-}
 [gpus]
 mode = "native"
 [runtime]

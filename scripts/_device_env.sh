@@ -4,15 +4,16 @@
 OUT="${OUT:-$PWD/device-out}"
 mkdir -p "$OUT"
 DEVICE_SITE="${COLDSNAP_DEVICE_SITE:-/tmp/site}"  # where the wheels go (kept while the machine stays warm)
-if [ "${DRY:-0}" != 1 ] && ls .whl/*.whl >/dev/null 2>&1; then  # (a dry run installs nothing)
+WHEEL_DIR=${COLDSNAP_DEVICE_WHEELS:-.whl}  # a step whose carry is tight names a trimmed set (the store step's)
+if [ "${DRY:-0}" != 1 ] && ls "$WHEEL_DIR"/*.whl >/dev/null 2>&1; then  # (a dry run installs nothing)
     # Once per set of wheels (a script that runs several parts sources this each time). A set is named by its
     # wheels' names and bytes (a rebuilt wheel keeps its name, often its size, and a copy sets its time), and
     # another set's site is removed first: `pip --target --upgrade` would leave its packages this set lacks.
-    WHEELS=$(cd .whl && sha256sum -- *.whl | sha256sum)
+    WHEELS=$(cd "$WHEEL_DIR" && sha256sum -- *.whl | sha256sum)
     if [ "$(cat "$DEVICE_SITE/.coldsnap-wheels" 2>/dev/null)" != "$WHEELS" ]; then
         rm -rf "$DEVICE_SITE"
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$DEVICE_SITE" \
-            .whl/*.whl || exit 1
+            "$WHEEL_DIR"/*.whl || exit 1
         echo "$WHEELS" > "$DEVICE_SITE/.coldsnap-wheels"
     fi
     export PYTHONPATH="$DEVICE_SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"

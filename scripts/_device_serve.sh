@@ -31,7 +31,7 @@ IMAGES=${IMAGES:-/dev/shm/cs-serve-img}
 MODEL=/dev/shm/serve-llama-$LAYERS
 SITE=/tmp/serve-site
 PORT=18471
-rm -rf "$WORK" "$SITE" "$IMAGES"; mkdir -p "$WORK"
+rm -rf "$WORK" "$IMAGES"; mkdir -p "$WORK"
 THP_FILE=/sys/kernel/mm/transparent_hugepage/enabled
 THP_WAS=$(sed 's/.*\[\(.*\)\].*/\1/' "$THP_FILE")
 trap 'echo "$THP_WAS" > "$THP_FILE"; rm -rf "$IMAGES"' EXIT
@@ -43,31 +43,19 @@ step host
 cat "$OUT/host.txt"
 
 step "the model folder: engine_llama weights ($LAYERS layers, bf16, fixed seed) + a local tokenizer, in the background"
-(rm -rf "$MODEL"; /usr/bin/time -f "weights written in %e s" python3 engines/engine_llama.py weights "$MODEL" \
-     --layers "$LAYERS" > /tmp/weights.log 2>&1 && python3 engines/serve_model.py tokenizer "$MODEL" >> /tmp/weights.log 2>&1
- echo "model exit $?" >> /tmp/weights.log) &
-WRITER=$!
-
-step "the server's dependencies (wheels) into $SITE"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/serve/*.whl || exit 1
-# uvloop stays (when the server's wheels bring it): every server unit preloads libcoldsnap_no_io_uring.so, so its
-# libuv keeps to epoll (docs/restoring-your-own-server.md).
+serve_model "$MODEL" "$LAYERS"
 
 step "docker engine (bundled)"
 start_docker
 
-step "capsule build context: worker, CRIU, the server's site"
-rm -rf /tmp/cs-capsule-serve
-python3 scripts/_capsule_rootfs.py /tmp/cs-capsule-serve --busybox $D/usr/bin/busybox-static \
-    --criu-root "$CRIU_ROOT" --worker "$ROOT/coldsnap_probe" --server-site "$SITE" \
-    --criu-compat scripts/capsule/criu_sockopt_compat.c 2>&1 | tee "$OUT/capsule.txt"
+step "capsule build context: worker, CRIU, the server's site (its wheels into $SITE)"
+serve_capsule /tmp/cs-capsule-serve "$SITE"
 
 step "coldsnap-provider serve"
 start_serve
 
 step "waiting for the model folder"
-wait $WRITER; tail -5 /tmp/weights.log; ls -la "$MODEL"
-grep -q "model exit 0" /tmp/weights.log || { cp /tmp/weights.log "$OUT/"; exit 1; }
+wait_model "$MODEL"
 
 if [ "$LAYERS" -lt 32 ] && [ "${SMOKE:-1}" = 1 ]; then
     step "smoke: the server outside Docker, with the adapter, one request"

@@ -2,7 +2,7 @@
 # The restore-to-first-token benchmark on a GPU host (CRIU under .device-criu, wheels under .whl).
 #   [THP=always|madvise|never] scripts/device ttft [--sizes 16,32,64] [--modes hydrate] [--strategy hydrator]
 #                       [--hydrate-bench 8] [--images-root /dev/shm/cs-img] [--tokens 32] [--stack-bytes 0,256]
-#                       [--memory eager,lazy] [--kv kept,discarded] [--alloc-conf default --alloc-conf CONF ...]
+#                       [--memory eager,lazy] [--kv kept,discarded] [--rows torch,torch-expandable,torch-async,...]
 # Weights live in /dev/shm (one file, generated once for the largest size); see bench/README.md.
 # THP: the node's transparent-huge-page mode for this run (restored afterwards); CRIU fills the restored
 # process's anonymous memory with huge pages only under `always`.

@@ -8,6 +8,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-from tests.helpers import MADE
+from tests.helpers import MADE, ROOT, refuse_engine
 from tests.kubernetes import Cluster, bring_up
 
 # A 2-core CI box under a live dockerd is slow to generate data; correctness, not speed, is under test.
@@ -56,6 +57,7 @@ MANAGED_LABEL = "io.coldsnap-provider.managed"
 def docker(*args: str, input: bytes | None = None, check: bool = True) -> subprocess.CompletedProcess[bytes]:
     """The Docker CLI, used only by test set-up and assertions, never by the code under test. A container it
     creates carries this process's label and is recorded by name and id (tests.helpers.Made)."""
+    refuse_engine("the Docker CLI")
     verb = 1 if args[:1] == ("container",) else 0
     creates = args[verb:verb + 1] in (("run",), ("create",))
     if creates:
@@ -96,6 +98,7 @@ def scratch_in_pytest_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 @pytest.fixture(scope="session")
 def busybox_image() -> str:
     """A tiny local-only image made from Debian's busybox-static (nothing is pulled)."""
+    refuse_engine("the busybox image")
     if docker("image", "inspect", BUSYBOX_IMAGE, check=False).returncode == 0:
         return BUSYBOX_IMAGE
     busybox = shutil.which("busybox") or "/bin/busybox"
@@ -118,6 +121,29 @@ def busybox_image() -> str:
 
 
 @dataclass(frozen=True)
+class WorkerCapsule:
+    context: Path  # the image build's context: its Dockerfile and rootfs/
+    stdout: str  # what scripts/_capsule_rootfs.py printed (the capsule's interpreter among it)
+
+
+@pytest.fixture(scope="session")
+def worker_capsule(tmp_path_factory: pytest.TempPathFactory) -> WorkerCapsule:
+    """scripts/_capsule_rootfs.py --worker, built once for the tests that read or build it (never write into it):
+    CRIU stood in by a dynamically linked program. Its bytecode pass over the interpreter's library costs seconds."""
+    base = tmp_path_factory.mktemp("worker-capsule")
+    criu = base / "criu-root/usr/sbin/criu"
+    criu.parent.mkdir(parents=True)
+    shutil.copy2("/bin/true", criu)
+    context = base / "ctx"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts/_capsule_rootfs.py"), str(context), "--busybox",
+                           shutil.which("busybox") or "/bin/busybox", "--criu-root", str(base / "criu-root"),
+                           "--worker", str(ROOT / "coldsnap_probe")], capture_output=True, text=True, check=False,
+                          timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return WorkerCapsule(context=context, stdout=done.stdout)
+
+
+@dataclass(frozen=True)
 class Registry:
     address: str
     username: str
@@ -134,6 +160,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="session")
 def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
     """Debian's docker-registry on 127.0.0.1 with htpasswd (bcrypt) credentials."""
+    refuse_engine("the registry")
     base = tmp_path_factory.mktemp("registry")
     user, password = "coldsnap", "s3cret-pass"
     subprocess.run(["htpasswd", "-Bbc", str(base / "htpasswd"), user, password], check=True, capture_output=True)
@@ -212,4 +239,5 @@ def no_leftovers() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def cluster() -> Cluster:
     """The real single-node Kubernetes cluster (tests/kubernetes.py), up once per session; skipped unless root."""
+    refuse_engine("the Kubernetes cluster")
     return bring_up()

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, refuse_engine
 
 __all__ = ("CRIU", "alive", "criu_wrapper")
 
@@ -32,6 +32,7 @@ CRIU = _built_criu() if os.geteuid() == 0 else None  # CRIU needs root
 def criu_wrapper(directory: Path) -> Iterator[str]:
     """The built CRIU behind a wrapper that sets its library path, as the capsule's criu-env does; this process
     is the subreaper of the restored trees meanwhile, so a test can wait for them."""
+    refuse_engine("CRIU")
     assert CRIU is not None
     wrapper = directory / "criu-env"
     wrapper.write_text(f"#!/bin/sh\nLD_LIBRARY_PATH={CRIU.parent.parent / 'lib/x86_64-linux-gnu'} exec {CRIU} \"$@\"\n")

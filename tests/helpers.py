@@ -21,6 +21,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import pytest
 
 from coldsnap_provider import Reply, call, call_control, exchange
 from tests import unit_sandbox
@@ -37,6 +38,14 @@ def _fresh_file(prefix: str) -> Path:
 
 def next_id() -> str:
     return str(next(_ids))
+
+
+def refuse_engine(what: str) -> None:
+    """Fail a test of the engine-free process (tests/engine-free.txt) that reaches for `what`: that process runs
+    beside the main run, so an engine, the registry or a daemon used from it would race the main run's tests."""
+    if os.environ.get("COLDSNAP_TEST_ENGINE_FREE") == "1":
+        pytest.fail(f"{what} is used in the engine-free test process: take this module out of "
+                    "tests/engine-free.txt (it then runs in the main run)", pytrace=False)
 
 
 class Made:
@@ -133,6 +142,7 @@ class Daemon:
     unit: bool = field(default_factory=unit_sandbox.enabled)
 
     def start(self, *, env: dict[str, str] | None = None, wait: bool = True) -> None:
+        refuse_engine("a daemon")
         MADE.daemon(self.state_dir)
         self._log = open(self.log_path, "ab")
         argv = [sys.executable, "-m", "coldsnap_provider", "serve", "--config", str(self.config_path),
@@ -154,7 +164,7 @@ class Daemon:
                 raise RuntimeError(f"daemon exited {self.process.returncode}:\n{self.log()}")
             if "\"event\": \"ready\"" in self.log():
                 return
-            time.sleep(0.05)
+            time.sleep(0.01)  # the suite starts a few hundred daemons: a coarser poll costs each its half
         raise TimeoutError(f"daemon not ready:\n{self.log()}")
 
     def log(self) -> str:

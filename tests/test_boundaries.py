@@ -164,7 +164,7 @@ ROOMS = {"coldsnap_probe": 0, "coldsnap_runtime": 0, "nccl_shim": 0, "coldsnap_p
          "bench": 3, "scripts": 4, "tests": 5}
 # bench/'s own floors: the shared helpers, the e2e sequence's steps and the small parts a run builds on, the
 # units composed of them, and the runners (every module not named here) on top.
-BENCH_FLOORS = {"bench._common": 0, "bench._daemon": 0,
+BENCH_FLOORS = {"bench._common": 0, "bench._daemon": 0, "bench.engine_rows": 0,
                 "bench.e2e_restore": 1, "bench.page_fill": 1, "bench.serve_client": 1, "bench.tp_plan": 1,
                 "bench.tp2_restore": 1,
                 "bench.interposer_units": 2, "bench.serve_units": 2, "bench.serve_faults": 2, "bench.tp_units": 2}

@@ -65,7 +65,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what each name is, for mypy and readers; at run time `__getattr__` imports it
     from ._arena import WeightArena as WeightArena
-    from ._hydrator import ADOPT_PAGE as ADOPT_PAGE
+    from ._hydrator import DUMP_CHUNK as DUMP_CHUNK
+    from ._hydrator import DUMP_THREADS as DUMP_THREADS
     from ._hydrator import HydratorServer as HydratorServer
     from ._hydrator import Stager as Stager
     from ._interposer import ENGINE_DEFAULTS as ENGINE_DEFAULTS
@@ -79,6 +80,7 @@ if TYPE_CHECKING:  # what each name is, for mypy and readers; at run time `__get
     from ._interposer import library_path as library_path
     from ._interposer import remove_dump as remove_dump
     from ._interposer import verification as verification
+    from ._staging import ADOPT_PAGE as ADOPT_PAGE
     from ._staging import StageRequest as StageRequest
     from ._weights import HydrationManifest as HydrationManifest
     from ._weights import WeightRegion as WeightRegion
@@ -89,7 +91,8 @@ if TYPE_CHECKING:  # what each name is, for mypy and readers; at run time `__get
 
 _EXPORTS = MappingProxyType({  # public name -> its module
     "WeightArena": "._arena",
-    "ADOPT_PAGE": "._hydrator",
+    "DUMP_CHUNK": "._hydrator",
+    "DUMP_THREADS": "._hydrator",
     "HydratorServer": "._hydrator",
     "Stager": "._hydrator",
     "ENGINE_DEFAULTS": "._interposer",
@@ -103,6 +106,7 @@ _EXPORTS = MappingProxyType({  # public name -> its module
     "library_path": "._interposer",
     "remove_dump": "._interposer",
     "verification": "._interposer",
+    "ADOPT_PAGE": "._staging",
     "StageRequest": "._staging",
     "HydrationManifest": "._weights",
     "WeightRegion": "._weights",
@@ -114,6 +118,8 @@ _EXPORTS = MappingProxyType({  # public name -> its module
 
 __all__ = (
     "ADOPT_PAGE",
+    "DUMP_CHUNK",
+    "DUMP_THREADS",
     "ENGINE_DEFAULTS",
     "ENV_HYDRATOR",
     "DeviceDump",

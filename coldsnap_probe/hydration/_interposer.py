@@ -33,7 +33,7 @@ from ._weights import CRC_PREFIX, DIGEST_CHUNK, DIGEST_PREFIX, digest_like, is_d
 
 __all__ = ("DUMP_KIND", "ENGINE_DEFAULTS", "ENV_HYDRATOR", "ENV_LIBRARY", "ENV_SOCKET", "LIBRARY", "POLICIES",
            "SOURCES", "DeviceDump", "DumpRegion", "DumpSegment", "build_library", "check_dump", "dump_identities",
-           "interposer_request", "interposer_socket", "library_path", "remove_dump", "verification")
+           "interposer_request", "interposer_socket", "library_path", "library_sources", "remove_dump", "verification")
 
 ENV_SOCKET = "COLDSNAP_CUDA_INTERPOSER_SOCKET"
 ENV_HYDRATOR = "COLDSNAP_CUDA_INTERPOSER_HYDRATOR"  # a node hydrator that fills the regions while CRIU restores
@@ -52,13 +52,18 @@ GCC_FLAGS = ("-shared", "-fPIC", "-O2", "-std=gnu11", "-Wall", "-Wextra", "-Werr
 _SEGMENT_FILE = re.compile(r"seg-[0-9]{1,9}\.bin")
 
 
+def library_sources() -> list[Path]:
+    """The C files the library is built from: every `interposer/*.c`, in one order."""
+    return sorted(SOURCES.glob("*.c"))
+
+
 def build_library(out: Path, *, compiler: str = "gcc") -> tuple[Path, str]:
     """Build the interposer into `out` (a directory): its path and the compiler's diagnostics (empty when clean).
 
     The real driver is found at run time (dlopen "libcuda.so.1"), so nothing CUDA is needed to build it."""
     out.mkdir(parents=True, exist_ok=True)
     target = out / LIBRARY
-    sources = sorted(str(p) for p in SOURCES.glob("*.c"))
+    sources = [str(p) for p in library_sources()]
     with tempfile.TemporaryDirectory(dir=out) as scratch:  # built aside, renamed in: never a half-written library
         partial = Path(scratch) / LIBRARY
         try:

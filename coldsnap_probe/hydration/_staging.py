@@ -19,7 +19,11 @@ from typing import Any
 from .. import jsonline
 from ..errors import ChannelError
 
-__all__ = ("StageRequest",)
+__all__ = ("ADOPT_PAGE", "StageRequest")
+
+# Descriptors one `adopt` answer carries (a stage of more takes pages). Here, not beside the hydrator that pages
+# them: the restore worker needs the number, not the hydrator's server, copy engine and VMM bindings at its start.
+ADOPT_PAGE = jsonline.MAX_ANSWER_FDS
 
 
 class StageRequest:

@@ -31,11 +31,19 @@ import contextlib
 from .._reports import CaptureReport, RestoreReport
 from ..errors import ProbeError
 from ._device_dump import DeviceDumpSource
-from ._protocol import CaptureScope, MemoryOptions, MemorySource, RestoreScope, SourceCapture, SourceRestore
+from ._protocol import (
+    CaptureScope,
+    MemoryOptions,
+    MemorySource,
+    RestoreScope,
+    SourceCapture,
+    SourceRestore,
+    read_record,
+)
 from ._weights import WeightsSource
 
 __all__ = ("SOURCES", "CaptureScope", "MemoryCaptures", "MemoryOptions", "MemoryRestores", "MemorySource",
-           "RestoreScope", "SourceCapture", "SourceRestore")
+           "RestoreScope", "SourceCapture", "SourceRestore", "read_record")
 
 
 # The registry: the one place a source is named. Its order is the contract above.

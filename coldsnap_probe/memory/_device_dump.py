@@ -43,14 +43,16 @@ from ..hydration import (
     remove_dump,
     verification,
 )
-from ._protocol import CaptureScope, RestoreScope
+from ._protocol import CaptureScope, RestoreScope, read_record
 
-__all__ = ("INTERPOSER_PAGE", "RECORD", "DeviceDumpSource", "DeviceRelease", "DeviceRestore", "DeviceStage",
-           "DumpRecord", "hydrate_devices", "prefetch_dumps", "stages_for", "validated_dumps")
+__all__ = ("INTERPOSER_PAGE", "RECORD", "STAGE_GROUP", "DeviceDumpSource", "DeviceRelease", "DeviceRestore",
+           "DeviceStage", "DumpRecord", "hydrate_devices", "prefetch_dumps", "stage_groups", "stages_for",
+           "validated_dumps")
 
 RECORD = "device-memory.json"
 RECORD_KIND = "coldsnap-device-memory"
 INTERPOSER_PAGE = 16  # descriptors per page to the interposer's control socket (constants.h's CSCU_PAGE_FDS)
+STAGE_GROUP = 1 << 30  # bytes of regions one staged allocation backs when the stage is copied (CSCU_STAGE_GROUP)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,11 +77,19 @@ class DeviceStage(StageRequest):
 
     def __init__(self, hydrator: str, dump: DeviceDump, directory: Path) -> None:
         self.key = dump.manifest_digest
-        # Each segment file names its region: the hydrator makes one allocation per region (the interposer maps
-        # each whole at the region's address; a mapping of a part of a larger allocation is refused).
-        self.parts = [{"file": str(directory / s.file), "bytes": s.size, "region": index}
+        # Each segment file names the allocation it is staged in. One per region where the interposer adopts them
+        # (it maps each whole at its region's address: a mapping of a part of a larger allocation is refused).
+        # An engine's own VMM allocations come in many small pages whose flags no staged allocation can carry
+        # (PyTorch's expandable segments: ~830 pages of 20 MiB at 16 GiB, GPUDirect RDMA capable): the interposer
+        # re-creates them as the engine made them and copies them from the stage on the device, so consecutive
+        # regions share one staged allocation of up to STAGE_GROUP bytes (`stage_groups`, hydrate.c's twin).
+        grouped = dump.moved.get("vmm_by_engine", {}).get("count", 0) > 0
+        groups = stage_groups([r.size for r in dump.regions]) if grouped else list(range(len(dump.regions)))
+        self.parts = [{"file": str(directory / s.file), "bytes": s.size, "region": groups[index]}
                       for index, region in enumerate(dump.regions) for s in region.segments]
-        self.sizes = [r.size for r in dump.regions]
+        self.sizes = [0] * (groups[-1] + 1 if groups else 0)
+        for index, region in enumerate(dump.regions):
+            self.sizes[groups[index]] += region.size
         self.device_uuid = dump.regions[0].device_uuid
         super().__init__(hydrator, "coldsnap-device-stage")
 
@@ -94,9 +104,12 @@ class DeviceStage(StageRequest):
         """The staged allocations as descriptors, one per region in order (the caller closes them), taken from
         the hydrator ADOPT_PAGE at a time; None (`report` says why, nothing is left open) when there is no stage,
         or an answer is refused or does not fit: a count other than the regions', a page of other sizes."""
+        started = time.perf_counter()
         if not self.wait(timeout) or not self.report.get("staged"):
             self.report.setdefault("error", "still staging")
             return None
+        waited = time.perf_counter()
+        self.report["wait_s"] = waited - started  # after the CUDA restore, for the stage to be filled
         taken: list[int] = []
         try:
             while len(taken) < len(self.sizes):
@@ -106,6 +119,7 @@ class DeviceStage(StageRequest):
                 os.close(fd)
             self.report["adopt_error"] = str(exc)
             return None
+        self.report["pages_s"] = time.perf_counter() - waited  # the descriptors taken from the hydrator
         return taken
 
     def _page(self, first: int) -> list[int]:
@@ -125,6 +139,21 @@ class DeviceStage(StageRequest):
                 os.close(fd)
             raise HydrationError(f"adopt: {problem}")
         return fds
+
+
+def stage_groups(sizes: list[int]) -> list[int]:
+    """The staged allocation of each region (by index) when a stage is copied from: consecutive regions up to
+    STAGE_GROUP bytes share one, a larger region has its own (hydrate.c's stage_groups, the same rule)."""
+    groups: list[int] = []
+    used = 0
+    for size in sizes:
+        if not groups or used + size > STAGE_GROUP:
+            groups.append(groups[-1] + 1 if groups else 0)
+            used = 0
+        else:
+            groups.append(groups[-1])
+        used += size
+    return groups
 
 
 def _owner(pid: int) -> tuple[int, int]:
@@ -228,13 +257,10 @@ class DeviceRelease:
 
 def validated_dumps(images: Path) -> list[DumpRecord]:
     """Restore, before CRIU: the record, every manifest's digest and every dump file's size; [] without one."""
-    path = images / RECORD
-    if not path.exists():
-        return []
     try:
-        stored = json.loads(path.read_text())
-        if not isinstance(stored, dict) or stored.get("kind") != RECORD_KIND or stored.get("format") != 1:
-            raise HydrationError(f"not a format-1 {RECORD_KIND}")
+        stored = read_record(images, RECORD, RECORD_KIND)
+        if stored is None:
+            return []
         records = [DumpRecord(int(p["pid"]), str(p["socket"]), str(p["directory"]), DeviceDump.from_json(p["manifest"]),
                               {str(k): [int(x) for x in v] for k, v in dict(p.get("files") or {}).items()},
                               str(p.get("hydrator") or ""))
@@ -287,16 +313,21 @@ def _staged(record: DumpRecord, stage: DeviceStage, directory: Path, policy: str
     fds = stage.adopt()
     if fds is None:
         return None
+    held = list(fds)
+
+    def let_go() -> None:  # sent: the interposer's copies keep the allocations (it frees one copied from at once)
+        while held:
+            os.close(held.pop())
+
     try:
         answer = jsonline.request(record.socket, {"op": "hydrate", "dir": str(directory), "policy": policy,
                                                   "allocations": str(len(fds))}, fds=fds, page=INTERPOSER_PAGE,
-                                  timeout=600.0)
+                                  timeout=600.0, sent=let_go)
     except ProbeError as exc:
         stage.report["adopt_error"] = str(exc)
         return None
     finally:
-        for fd in fds:
-            os.close(fd)  # the regions' mappings hold the allocations now
+        let_go()  # the regions' mappings hold the allocations now
     if not answer.get("ok"):
         stage.report["adopt_error"] = str(answer.get("error"))
         return None

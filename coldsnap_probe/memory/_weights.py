@@ -12,13 +12,17 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .._engine import engine_request
 from .._reports import CaptureReport, HydratedWeights, ReleasedWeights, RestoreReport
 from ..errors import ProbeError, WorkerError
-from ..hydration import HydrationManifest, Stager, check_sources
+from ..hydration import HydrationManifest, check_sources
 from ..jsonline import request
-from ._protocol import CaptureScope, RestoreScope
+from ._protocol import CaptureScope, RestoreScope, read_record
+
+if TYPE_CHECKING:
+    from ..hydration import Stager
 
 __all__ = ("RECORD", "WeightsSource", "hydrate_back")
 
@@ -42,11 +46,10 @@ class WeightsSource:
         return WeightsCapture(scope.images, scope.options.weights_control)
 
     def load(self, scope: RestoreScope) -> WeightsRestore | None:
-        path = scope.images / RECORD
-        if not path.exists():
-            return None
         try:  # the weight sources are checked before a CRIU restore is spent
-            manifest = HydrationManifest.from_json(json.loads(path.read_text()))
+            if (stored := read_record(scope.images, RECORD, None)) is None:
+                return None
+            manifest = HydrationManifest.from_json(stored)
             check_sources(manifest.regions, manifest.identities)
         except (ProbeError, ValueError) as exc:
             raise WorkerError(f"weight hydration cannot succeed, not restoring: {exc}") from exc
@@ -94,6 +97,8 @@ class WeightsRestore:
 
     def stage(self) -> None:
         if self.manifest.hydrator:
+            from ..hydration import Stager  # only for a stage: the hydrator's module is no part of the worker's start
+
             self.stager = Stager(self.manifest)
 
     def hydrate(self, report: RestoreReport) -> None:

@@ -7,7 +7,8 @@ names the manifest's digest in a label, so whoever pulls the image finds its cap
 
 Push asks the registry which blobs it already has (HEAD) and uploads only the others (one POST and one
 monolithic PUT each), several at once, before the manifest. Pull reads the manifest by digest (checked),
-then fetches the chunks the node's store lacks, several at once; each is checked against its digest and
+then fetches the chunks the node's store lacks, several at once, each in a worker thread (``_blob_fetch.py``:
+streamed to disk and hashed on the way, off the event loop); each is checked against its digest and
 size before it takes its name in the store, so an interrupted pull resumes from what is already there and
 a corrupt or truncated blob is refused, naming it. Credentials are the engine's (the same per-registry
 rule as ``_images.py``); plain HTTP only where the engine itself uses it.
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,6 +26,7 @@ import anyio
 
 from ..errors import RuntimeFailed, StoreError
 from ..store import CHUNK_BYTES, OCI_MANIFEST, CaptureStore
+from ._blob_fetch import Fetched, fetch_blob
 from ._digests import answer_challenge
 from ._engine import registry_errors
 
@@ -187,29 +188,31 @@ class CaptureRegistry:
         if self._store.has_blob(digest):
             done.add(size, present=True)
             return
-        status, _, body = await self._send(session, "GET", f"{self._base}/blobs/{digest}", limit=size)
-        if status != 200:
-            raise self._fail(f"blob {digest}", status, body)
-        if not await anyio.to_thread.run_sync(self._keep, digest, size, body):
+        url = f"{self._base}/blobs/{digest}"
+        fetched = await anyio.to_thread.run_sync(self._fetch, url, digest, size)
+        if fetched.status == 401:  # no token yet, or it expired: the challenge answered on the loop, then again
+            await self._send(session, "HEAD", url)
+            fetched = await anyio.to_thread.run_sync(self._fetch, url, digest, size)
+        if fetched.status != 200:
+            raise self._fail(f"blob {digest}", fetched.status, fetched.body)
+        if not fetched.kept:
             raise RuntimeFailed(action=self._action, detail=(
                 f"registry {self._registry}: blob {digest} is corrupt or truncated "
-                f"({len(body)} bytes, {size} expected); nothing of it was kept"))
+                f"({fetched.read if fetched.read <= size else 'more than ' + str(size)} bytes, {size} expected); "
+                "nothing of it was kept"))
         done.add(size, present=False)
 
-    def _keep(self, digest: str, size: int, body: bytes) -> bool:
-        """Store `body` as `digest` if it is those bytes (hashed here, off the event loop)."""
-        if len(body) != size or "sha256:" + hashlib.sha256(body).hexdigest() != digest:
-            return False
+    def _fetch(self, url: str, digest: str, size: int) -> Fetched:
+        """The blob streamed into a temporary of the store and named once checked (in a worker thread)."""
         temporary = self._store.temporary(digest)
         try:
-            with open(temporary, "xb") as out:
-                out.write(body)
-                out.flush()
-                os.fsync(out.fileno())
-            self._store.adopt_blob(temporary, digest)
+            fetched = fetch_blob(url, authorization=self._authorization, digest=digest, size=size, into=temporary,
+                                 timeout=_TIMEOUT.sock_read or 300.0)
+            if fetched.kept:
+                self._store.adopt_blob(temporary, digest)
+            return fetched
         finally:
             temporary.unlink(missing_ok=True)
-        return True
 
     async def _each(self, blobs: list[tuple[str, int]], run: Any) -> None:
         """`run` each blob, PARALLEL at a time; the first failure (translated) cancels the others and is raised."""

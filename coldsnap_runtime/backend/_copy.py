@@ -26,7 +26,7 @@ from ..errors import NotFound, PathNotFound, RuntimeFailed
 from ._base import Owner
 from ._engine import Engine, docker_errors
 
-__all__ = ("copy_out", "extract_archive")
+__all__ = ("copy_out", "extract_archive", "path_stat")
 
 _ACTION = "workload-copy-from"
 # The extractor of workload-copy-from, run by path in a child process as the owner.
@@ -45,7 +45,7 @@ async def copy_out(engine: Engine, container_id: str, *, name: str, path: str, d
             with docker_errors(_ACTION, kind="path", ref=path):
                 async with engine.stream(f"containers/{quote(container_id, safe='')}/archive",
                                          params={"path": path}) as response:
-                    stat = _path_stat(response.headers.get("X-Docker-Container-Path-Stat", ""))
+                    stat = path_stat(response.headers.get("X-Docker-Container-Path-Stat", ""))
                     await _spool_copy(response.content, spool, spool_dir=spool_dir, max_bytes=max_bytes)
         except NotFound as exc:
             raise PathNotFound(workload=name, path=path, action=_ACTION) from exc
@@ -84,7 +84,7 @@ def _spooling(spool_dir: str | None) -> Iterator[None]:
             f"cannot spool the copy in {spool_dir or tempfile.gettempdir()}: {exc.strerror}")) from exc
 
 
-def _path_stat(header: str) -> dict[str, Any]:
+def path_stat(header: str) -> dict[str, Any]:
     """The engine's X-Docker-Container-Path-Stat header (base64 JSON); {} when absent or malformed."""
     try:
         value = json.loads(base64.b64decode(header or "e30="))

@@ -94,13 +94,14 @@ class DockerBackend:
                  host_policy: HostPolicy | None = None, registries: frozenset[str] | None = None,
                  copy_max_bytes: int | None = None, capture_store: Path | None = None) -> None:
         self._engine = Engine(url)
+        self._containers = Containers(self._engine, instance)
         self.captures = Captures(self._engine, CaptureStore(capture_store) if capture_store else None,
-                                 spool_dir=spool_dir, owned_refs=lambda uid: self._images.ledger.owned_by(uid),
+                                 spool_dir=spool_dir, containers=self._containers,
+                                 owned_refs=lambda uid: self._images.ledger.owned_by(uid),
                                  others_refs=lambda uid: self._images.ledger.not_owned_by(uid))
         self._images = Images(self._engine, credentials_file=credentials_file, registries=registries,
                               ledger=image_ledger, spool_dir=spool_dir, copy_max_bytes=copy_max_bytes,
                               captures=self.captures)
-        self._containers = Containers(self._engine, instance)
         self._spool_dir = spool_dir
         # The most bytes one workload-copy-from archive may spool (None: unbounded, for library callers).
         self._copy_max_bytes = copy_max_bytes
@@ -184,7 +185,7 @@ class DockerBackend:
         """Managed containers holding GPUs ([gpus] exclusive): any state but exited or dead, any session."""
         return await self._containers.gpu_holders()
 
-    async def _realise(self, spec: WorkloadSpec, *, exclusive: bool,
+    async def _realise(self, spec: WorkloadSpec, image: dict[str, Any], *, exclusive: bool,
                        capabilities: tuple[str, ...] | None) -> Realisation:
         """`gpus` and `privileged` as this host allows ([gpus], [runtime] privileged; see _gpus.py)."""
 
@@ -201,34 +202,37 @@ class DockerBackend:
             await self._containers.force_remove(created.id)  # never expected; a probe must leave nothing behind
             return ""
 
+        async def image_info(ref: str) -> dict[str, Any]:  # the run's own inspect of its image (ensure's)
+            return image if ref == spec.image else await self._images.exact(ref, "workload-run")
+
         return await realise(spec, self._host_policy, socket_path=self._engine.socket_path,
-                             engine_info=engine_info, image_info=lambda ref: self._images.exact(ref, "workload-run"),
+                             engine_info=engine_info, image_info=image_info,
                              rejects=rejects, holders=self.gpu_holders if exclusive else None,
                              capabilities=capabilities)
 
     async def _create(self, spec: WorkloadSpec, capabilities: tuple[str, ...] | None,
-                      layers: list[str]) -> aiodocker.containers.DockerContainer:
-        info = await self._images.exact(spec.image, "workload-run")
+                      layers: list[str], info: dict[str, Any]) -> aiodocker.containers.DockerContainer:
+        """The container of `spec`, whose image `info` describes (the run's inspect of it)."""
         if CAPTURE_LABEL not in ((info.get("Config") or {}).get("Labels") or {}):
-            return await self._create_exclusive(spec, capabilities, layers, None)
+            return await self._create_exclusive(spec, capabilities, layers, info, None)
         async with self.captures.lock:  # the files made, then the container that pins them: one step for gc
             captured = await self.captures.mounts(spec.image, info)
-            return await self._create_exclusive(spec, capabilities, layers, captured)
+            return await self._create_exclusive(spec, capabilities, layers, info, captured)
 
     async def _create_exclusive(self, spec: WorkloadSpec, capabilities: tuple[str, ...] | None, layers: list[str],
-                                captured: tuple[str, list[dict[str, Any]]] | None
+                                info: dict[str, Any], captured: tuple[str, list[dict[str, Any]]] | None
                                 ) -> aiodocker.containers.DockerContainer:
         if self._host_policy.gpus.exclusive and gpu_routes(spec, capabilities):
             async with self._gpu_lock:  # two creates for one GPU: the second sees the first's container
                 return await self._create_now(spec, exclusive=True, capabilities=capabilities, layers=layers,
-                                              captured=captured)
-        return await self._create_now(spec, exclusive=False, capabilities=capabilities, layers=layers,
+                                              info=info, captured=captured)
+        return await self._create_now(spec, exclusive=False, capabilities=capabilities, layers=layers, info=info,
                                       captured=captured)
 
     async def _create_now(self, spec: WorkloadSpec, *, exclusive: bool, capabilities: tuple[str, ...] | None,
-                          layers: list[str], captured: tuple[str, list[dict[str, Any]]] | None
+                          layers: list[str], info: dict[str, Any], captured: tuple[str, list[dict[str, Any]]] | None
                           ) -> aiodocker.containers.DockerContainer:
-        realised = await self._realise(spec, exclusive=exclusive, capabilities=capabilities)
+        realised = await self._realise(spec, info, exclusive=exclusive, capabilities=capabilities)
         config = container_config(spec, gpus=realised.gpus, privilege=realised.privilege,
                                   confined=capabilities is not None, image_layers=layers)
         if captured is not None:  # the capture's files over the image's stubs; the label pins the capture
@@ -260,8 +264,8 @@ class DockerBackend:
         if spec.name and not valid_workload_name(spec.name):
             raise RuntimeFailed(action="workload-run", detail=(
                 f"invalid workload name {spec.name!r}: a name matches [a-zA-Z0-9][a-zA-Z0-9_.-]+"))
-        layers = await self._images.ensure(spec.image, spec.pull_policy, allow_pull=allow_pull)
-        container = await self._create(spec, capabilities, layers)
+        layers, info = await self._images.ensure(spec.image, spec.pull_policy, allow_pull=allow_pull)
+        container = await self._create(spec, capabilities, layers, info)
         cid = container.id
         try:
             if spec.detached:

@@ -439,13 +439,45 @@ def _nvidia_smi(root: str, driver_paths: Sequence[str]) -> str | None:
     return None
 
 
+# The last inventory nvidia-smi gave, per (root, nvidia-smi): with the driver state it was read in. nvidia-smi (NVML's
+# start) cost every GPU workload-run, a restore's included, tens of milliseconds; what it lists changes only with
+# that state.
+_INVENTORIES: dict[tuple[str, str], tuple[str, list[HostGpu]]] = {}
+
+
+def _driver_state(root: str) -> str | None:
+    """What the inventory is a function of: the kernel module's version and every GPU's ``information`` (its bus,
+    UUID and minor), from procfs under `root`; None where that cannot be read (nothing is then kept)."""
+    base = Path(root) / "proc/driver/nvidia"
+    try:
+        parts = [(base / "version").read_text()]
+        for bus in sorted(os.listdir(base / "gpus")):
+            parts.append(f"{bus}\n{(base / 'gpus' / bus / 'information').read_text()}")
+    except OSError:
+        return None
+    return "\0".join(parts)
+
+
 async def _inventory(policy: HostPolicy) -> list[HostGpu] | str:
-    """The host's GPUs through NVML, or why they cannot be listed."""
+    """The host's GPUs through NVML, or why they cannot be listed; read again only when the driver's state
+    changed (a GPU added, removed or swapped, the module reloaded)."""
     if policy.root is None:
         return "the engine's node is another host, whose GPUs cannot be listed from here"
     smi = _nvidia_smi(policy.root, policy.gpus.driver_paths)
     if smi is None:
         return "nvidia-smi (NVML) was not found, so GPU ids cannot be resolved"
+    state = _driver_state(policy.root)
+    kept = _INVENTORIES.get((policy.root, smi))
+    if state is not None and kept is not None and kept[0] == state:
+        return list(kept[1])
+    found = await _smi_inventory(smi, policy.root)
+    if state is not None and not isinstance(found, str) and _driver_state(policy.root) == state:
+        _INVENTORIES[policy.root, smi] = (state, list(found))
+    return found
+
+
+async def _smi_inventory(smi: str, root: str) -> list[HostGpu] | str:
+    """nvidia-smi's GPUs, with their minors under `root`, or why they could not be had."""
     try:
         with anyio.fail_after(_NVIDIA_SMI_TIMEOUT_S):
             done = await anyio.run_process([smi, "--query-gpu=index,uuid,pci.bus_id", "--format=csv,noheader"],
@@ -455,7 +487,7 @@ async def _inventory(policy: HostPolicy) -> list[HostGpu] | str:
     if done.returncode != 0:
         text = (done.stdout + done.stderr).decode(errors="replace").strip()
         return f"nvidia-smi exited {done.returncode}: {text[-500:]}"
-    return parse_inventory(done.stdout.decode(errors="replace"), policy.root)
+    return parse_inventory(done.stdout.decode(errors="replace"), root)
 
 
 def _env_value(env: Sequence[str], key: str) -> str:
@@ -470,7 +502,8 @@ ImageInfo = Callable[[str], Awaitable[dict[str, Any]]]
 async def _gpu_access(spec: WorkloadSpec, policy: HostPolicy, inventory: list[HostGpu] | str,
                       engine_info: EngineInfo, image_info: ImageInfo) -> GpuAccess:
     mode = policy.gpus.mode
-    info = await engine_info()
+    # The engine's /info only where a mechanism asks it (native mode never does: one round trip less per run).
+    info = await engine_info() if mode != "native" else {}
     reasons: list[str] = []
     if mode in ("auto", "device-request"):
         if "nvidia" in (info.get("Runtimes") or {}):

@@ -33,8 +33,8 @@ __all__ = (
     "CAPABILITY_PROBE_IMAGE",
     "GPU_NODE",
     "PrivilegedPolicy",
-    "engine_bounding_set",
     "engine_capabilities",
+    "engine_process",
     "host_devices",
     "host_privilege",
     "read_bounding_set",
@@ -117,8 +117,12 @@ async def engine_capabilities(wanted: Sequence[str], rejects: Callable[[list[str
 # --- host I/O -----------------------------------------------------------------------------------
 
 
-def engine_bounding_set(socket_path: str, root: str | os.PathLike[str] = "/") -> int | None:
-    """The capability bounding set of the process serving `socket_path` (the engine), or None.
+# Per (engine socket, engine process, capabilities wanted): the capabilities that engine can name.
+_NAMED: dict[tuple[str, tuple[int, int, str], tuple[str, ...]], tuple[str, ...]] = {}
+
+
+def engine_process(socket_path: str, root: str | os.PathLike[str] = "/") -> tuple[int, int, str] | None:
+    """(capability bounding set, pid, start time) of the process serving `socket_path` (the engine), or None.
 
     The peer's pid comes from SO_PEERCRED; None when it cannot be read (another pid namespace,
     a proxy that exits, no permission): then nothing can be said before the engine tries.
@@ -131,9 +135,11 @@ def engine_bounding_set(socket_path: str, root: str | os.PathLike[str] = "/") ->
         pid = struct.unpack("3i", creds)[0]
         if pid <= 0:
             return None
-        return read_bounding_set((Path(root) / f"proc/{pid}/status").read_text())
-    except OSError:
+        bounding = read_bounding_set((Path(root) / f"proc/{pid}/status").read_text())
+        started = (Path(root) / f"proc/{pid}/stat").read_text().rpartition(")")[2].split()[19]
+    except (OSError, IndexError):
         return None
+    return (bounding, pid, started) if bounding is not None else None
 
 
 def _last_cap(root: str | os.PathLike[str]) -> int:
@@ -151,9 +157,10 @@ async def host_privilege(root: str | None, policy: PrivilegedPolicy, socket_path
     """
     if root is None:
         return None  # another node's engine: its bounding set is not readable from here
-    bounding = await anyio.to_thread.run_sync(engine_bounding_set, socket_path, root)
-    if bounding is None:
+    engine = await anyio.to_thread.run_sync(engine_process, socket_path, root)
+    if engine is None:
         return None  # unknown: Docker's privileged mode, and the engine's own error if it fails
+    bounding = engine[0]
     last = _last_cap(root)
     missing = missing_capabilities(bounding, last)
     if not missing:
@@ -170,5 +177,11 @@ async def host_privilege(root: str | None, policy: PrivilegedPolicy, socket_path
     devices = [d for d in host_devices(root, exclude=exclude)
                if gpus is None or d not in gpus.devices]
     log.warning("privileged realised as the host's capabilities", missing_capabilities=list(missing))
-    capabilities = await engine_capabilities(capability_names(bounding, last), rejects)
+    wanted = capability_names(bounding, last)
+    # What this engine process can name, asked once: a create per capability it cannot name cost every
+    # privileged run a round trip each (four on Docker 20.10). Another engine process (a restart, an upgrade) asks
+    # again.
+    key = (socket_path, engine, tuple(wanted))
+    if (capabilities := _NAMED.get(key)) is None:
+        capabilities = _NAMED[key] = await engine_capabilities(wanted, rejects)
     return PrivilegeGrant(capabilities=capabilities, devices=tuple(devices))

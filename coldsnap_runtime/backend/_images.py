@@ -162,6 +162,7 @@ class Images:
                 await self._engine.docker.images.delete(image, force=True)
             await self.ledger.update("image-pull", drop=image)
             raise
+        await self.captures.read_stubs(image, "image-pull")
 
     async def push(self, image: str) -> None:
         ref = parse_reference(image)
@@ -197,9 +198,10 @@ class Images:
             await self._engine.docker.images.delete(image, force=False, noprune=True)
         await self.ledger.update("image-remove", drop=image)
 
-    async def ensure(self, image: str, policy: str, *, allow_pull: bool) -> list[str]:
+    async def ensure(self, image: str, policy: str, *, allow_pull: bool) -> tuple[list[str], dict[str, Any]]:
         """workload-run's `pull_policy` for `image` (pulling needs `allow_pull`, the oci-pull capability); the
-        image's layers (diff IDs, bottom first), which the workload is told (`CAPSULE_LAYERS_ENV`)."""
+        image's layers (diff IDs, bottom first), which the workload is told (`CAPSULE_LAYERS_ENV`), and its inspect
+        (the run's one: the create and the GPU realisation read it rather than asking the engine again)."""
         if policy == "always":
             if not allow_pull:
                 raise RuntimeFailed(action="workload-run",
@@ -207,12 +209,14 @@ class Images:
             await self.pull(image)
         else:
             try:
-                return _layers(await self.exact(image, "workload-run"))
+                info = await self.exact(image, "workload-run")
+                return _layers(info), info
             except NotFound:
                 if policy == "never" or not allow_pull or parse_reference(image) is None:
                     raise
                 await self.pull(image)
-        return _layers(await self.exact(image, "workload-run"))
+        info = await self.exact(image, "workload-run")
+        return _layers(info), info
 
     # --- build -----------------------------------------------------------------------
 
@@ -243,6 +247,7 @@ class Images:
                                         data=filtered if stored else spool)
         await self._refuse_forged_capture(build, stored)
         await self.ledger.update("image-build", add=build.tag)
+        await self.captures.read_stubs(build.tag, "image-build")
 
     async def _refuse_forged_capture(self, build: ImageBuild, stored: str | None) -> None:
         """The capture labels are the daemon's to write (the capture this build stored) or a base image's: a

@@ -34,7 +34,7 @@ from bench.e2e_modes import (
 )
 from bench.e2e_restore import Driver, E2EError, check_worker, inspect_capsule
 from bench.interposer_units import INTERPOSER_LIBRARY, INTERPOSER_SOCKET, check_interposer, device_cell, staging_unit
-from tests.conftest import docker
+from tests.conftest import WorkerCapsule, docker
 from tests.helpers import ROOT, running_daemon
 
 CONFIG = '[runtime]\nprivileged = "host-capabilities"\n'
@@ -255,20 +255,12 @@ async def test_the_interposer_mode_on_a_capsule_without_the_library_fails_first_
 @pytest.mark.usefixtures("no_leftovers")
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc (the GPU host has it)")
 async def test_a_capsule_built_with_the_worker_passes_the_interposer_and_worker_checks_through_the_daemon(
-        tmp_path: Path) -> None:
+        tmp_path: Path, worker_capsule: WorkerCapsule) -> None:
     """scripts/_capsule_rootfs.py --worker (CRIU stood in by a dynamically linked program), built by the
     daemon's image-build as scripts/device e2e does: the interposer mode's throwaway unit loads the library
     the units preload, and the worker's check passes, in the capsule's own interpreter (no host mounts)."""
-    criu = tmp_path / "criu-root/usr/sbin/criu"
-    criu.parent.mkdir(parents=True)
-    shutil.copy2("/bin/true", criu)
-    context = tmp_path / "ctx"
-    done = subprocess.run([sys.executable, str(ROOT / "scripts/_capsule_rootfs.py"), str(context), "--busybox",
-                           shutil.which("busybox") or "/bin/busybox", "--criu-root", str(criu.parent.parent.parent),
-                           "--worker", str(ROOT / "coldsnap_probe")], capture_output=True, text=True, check=False,
-                          timeout=240)
-    assert done.returncode == 0, done.stderr[-2000:]
-    python = next(line for line in done.stdout.splitlines() if line.startswith("capsule rootfs:")).split(
+    context = worker_capsule.context
+    python = next(line for line in worker_capsule.stdout.splitlines() if line.startswith("capsule rootfs:")).split(
         "python ")[1].split(",")[0]  # the capsule carries its interpreter at the host's real path
     (tmp_path / "weights").mkdir()
     layout = mode_layout(tmp_path / "work", tmp_path / "weights", "interposer", TUNING)

@@ -5,10 +5,21 @@ never passes, each fail as `runtime_failed` naming the cause, with no container 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from bench.e2e_restore import READY, Driver, E2EError, Layout, check_worker, restore_unit, unit_labels
+from bench.e2e_restore import (
+    READY,
+    Driver,
+    E2EError,
+    Layout,
+    check_worker,
+    restore_unit,
+    start_phases,
+    unit_labels,
+    unix,
+)
 from tests.helpers import running_daemon
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
@@ -65,3 +76,19 @@ async def test_restore_unit_readiness_never_passes_fails_and_removes(busybox_ima
     assert caught.value.code == "runtime_failed"
     assert f"readiness check `test -s {READY}` never passed within 1 s" in message
     assert "restoring" in message  # the log tail comes with it
+
+
+def test_start_phases_are_read_from_the_workers_marks_and_dockers_start_time() -> None:
+    def mark(name: str, seconds: float) -> dict[str, Any]:
+        return {"name": name, "unix_ns": round(seconds * 1e9), "since_restore_begin_s": 0.0}
+
+    report = {"worker_start": [mark("worker_main", 100.25), mark("imports_done", 100.30)],
+              "timeline": [mark("restore_begin", 100.31), mark("criu_restore_begin", 100.35),
+                           mark("criu_restore_end", 100.60)], "criu_restore_seconds": 0.25}
+    found = start_phases(report, 100.0, "1970-01-01T00:01:40.123456789Z")
+    assert found == pytest.approx({"container_started_s": 0.123456789, "worker_main_s": 0.25,
+                                   "worker_imported_s": 0.30, "criu_started_s": 0.35})
+    before = {"timeline": report["timeline"][:1] + report["timeline"][2:], "criu_restore_seconds": 0.25}
+    assert start_phases(before, 100.0, None) == pytest.approx({  # a worker without the marks: CRIU's start derived
+        "container_started_s": None, "worker_main_s": None, "worker_imported_s": None, "criu_started_s": 0.35})
+    assert unix("2026-12-01T22:50:00Z") == 1796165400.0

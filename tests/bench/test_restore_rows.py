@@ -33,7 +33,12 @@ def test_the_moved_share_counts_device_kinds_only() -> None:
                                "unwrapped_entry_points": {"count": 1, "bytes": 0}}},
                 {"state": "not-started", "bytes": 0, "uncovered": {}}]
     moved = restore_rows.coverage(captured)
-    assert moved == {"moved_bytes": 12 << 30, "left_bytes": {"vmm_by_engine": 4 << 30}, "moved_share": 0.75}
+    assert moved == {"moved_bytes": 12 << 30, "moved_kinds": {"released": 12 << 30},
+                     "left_bytes": {"vmm_by_engine": 4 << 30}, "moved_share": 0.75}
+    per_kind = restore_rows.coverage([{"moved": {"alloc": {"count": 2, "bytes": 300}, "vmm_by_engine": {"count": 1,
+                                                 "bytes": 100}, "stream_ordered": {"count": 0, "bytes": 0}},
+                                       "uncovered": {"stream_ordered": {"count": 1, "bytes": 100}}}])
+    assert per_kind["moved_kinds"] == {"alloc": 300, "vmm_by_engine": 100} and per_kind["moved_share"] == 0.8
     assert restore_rows.coverage(None)["moved_share"] == 0.0
     assert restore_rows.left_text(moved["left_bytes"]) == "vmm_by_engine 4.29 GB"
 

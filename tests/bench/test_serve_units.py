@@ -38,6 +38,7 @@ from bench.serve_units import (
     plan_modes,
     serve_layout,
 )
+from tests.conftest import WorkerCapsule
 from tests.helpers import ROOT
 
 # A capture report's fields as docs/worker-reports.md gives them (the interposer's release, two processes).
@@ -296,17 +297,9 @@ INTERPOSER_SOURCES = ROOT / "coldsnap_probe/hydration/interposer"
 
 @pytest.mark.skipif(not INTERPOSER_SOURCES.is_dir(), reason="the CUDA interposer (branch interposer) is not merged")
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc (the GPU host has it)")
-def test_the_capsule_carries_the_interposer_where_the_unit_preloads_it(tmp_path: Path) -> None:
-    criu = tmp_path / "criu-root/usr/sbin/criu"
-    criu.parent.mkdir(parents=True)
-    shutil.copy2("/bin/true", criu)  # any dynamically linked program stands in for CRIU here
-    out = tmp_path / "ctx"
-    done = subprocess.run([sys.executable, str(ROOT / "scripts/_capsule_rootfs.py"), str(out), "--busybox",
-                           shutil.which("busybox") or "/bin/busybox", "--criu-root", str(tmp_path / "criu-root"),
-                           "--worker", str(ROOT / "coldsnap_probe")], capture_output=True, text=True, check=False,
-                          timeout=240)
-    assert done.returncode == 0, done.stderr[-2000:]
-    library = out / "rootfs" / INTERPOSER_LIBRARY.lstrip("/")
+def test_the_capsule_carries_the_interposer_where_the_unit_preloads_it(tmp_path: Path,
+                                                                       worker_capsule: WorkerCapsule) -> None:
+    library = worker_capsule.context / "rootfs" / INTERPOSER_LIBRARY.lstrip("/")
     assert library.read_bytes()[:4] == b"\x7fELF"
     # Preloaded with its socket set, a program that never touches CUDA runs as without it (no socket appears).
     sockets = tmp_path / "run"

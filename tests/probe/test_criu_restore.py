@@ -7,6 +7,7 @@ with `scripts/criu/build --print-dir` and skip only when it was never built (or 
 
 from __future__ import annotations
 
+import ctypes
 import difflib
 import json
 import os
@@ -25,6 +26,7 @@ from tests.criu import CRIU, alive, criu_wrapper
 from tests.helpers import ROOT
 
 TARGET_MIB = 512
+ZERO_MIB = 16  # of the target's private memory about 60 % pages written with zeros (bench/criu_target.py)
 THP_FLAGS = frozenset({"hg", "nh"})  # smaps VmFlags of MADV_HUGEPAGE and MADV_NOHUGEPAGE
 
 
@@ -96,14 +98,16 @@ def wait_file(path: Path, timeout: float = 120) -> str:
 
 def captured(tmp_path: Path, criu: str, nothp_mib: int = 0, before: list[Vma] | None = None,
              fork: bool = False, env: dict[str, str] | None = None) -> tuple[Path, Path, int]:
-    """The target (private, THP, shared anonymous and file-backed memory; `nothp_mib` MiB advised NOHUGEPAGE;
-    with `fork` a child sharing it copy-on-write) dumped by the worker (n580) and reaped: (its control
-    directory, the images, its PID). `before` receives its mappings as they were just before the dump."""
+    """The target (private, THP, shared anonymous and file-backed memory, pages written with zeros; `nothp_mib`
+    MiB advised NOHUGEPAGE; with `fork` a child sharing it copy-on-write, each overwriting with zeros pages the
+    other keeps) dumped by the worker (n580) and reaped: (its control directory, the images, its PID). `before`
+    receives its mappings as they were just before the dump."""
     control, images = tmp_path / "control", tmp_path / "images"
     control.mkdir()
     target = subprocess.Popen([sys.executable, str(ROOT / "bench/criu_target.py"), "--dir", str(control),
                                "--mib", str(TARGET_MIB), "--thp-mib", "64", "--nothp-mib", str(nothp_mib),
-                               "--shared-mib", "16", "--file-mib", "8", *(["--fork"] if fork else [])],
+                               "--shared-mib", "16", "--file-mib", "8", "--zero-mib", str(ZERO_MIB),
+                               *(["--fork"] if fork else [])],
                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True)
     wait_file(control / "ready")
@@ -202,8 +206,15 @@ def test_restore_writes_every_page_back_and_leaves_the_images_unchanged(tmp_path
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["restored_pid"] == pid
+    # The worker's own start, then CRIU's run inside the restore, in order (issue 35: each phase measured).
+    start = [(m["name"], m["unix_ns"], m["since_restore_begin_s"]) for m in report["worker_start"]]
+    assert [name for name, _, _ in start] == ["worker_main", "imports_done", "guard_started"]
+    assert [ns for _, ns, _ in start] == sorted(ns for _, ns, _ in start) and all(s < 0 for _, _, s in start)
+    marks = {m["name"]: m["unix_ns"] for m in report["timeline"]}
+    assert start[-1][1] <= marks["restore_begin"] <= marks["validated"] <= marks["criu_restore_begin"]
+    assert marks["criu_restore_end"] - marks["criu_restore_begin"] >= report["criu_restore_seconds"] * 1e9 * 0.9
     result = verified(control)
-    assert result == {"ok": True, "bad": [], "bytes": (TARGET_MIB + 64 + 16 + 8) << 20, "pid": pid}
+    assert result == {"ok": True, "bad": [], "bytes": (TARGET_MIB + 64 + 16 + 8 + ZERO_MIB) << 20, "pid": pid}
     log = (tmp_path / "work/restore.log").read_text()
     assert f"{threads} thread(s) restore private pages" in log
     if threads > 1:
@@ -234,6 +245,32 @@ def test_a_truncated_pages_image_fails_naming_it_and_leaves_no_process(tmp_path:
     assert "criu restore exited" in done.stderr
     assert gone_within(pid, 10), f"a process of the tree ({pid}) is left"
 
+
+
+def _libcuda_loads() -> bool:
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(_libcuda_loads(), reason="this host's libcuda loads: the failure below cannot happen here")
+def test_a_cuda_driver_that_fails_while_criu_restores_leaves_no_process(tmp_path: Path, criu: str,
+                                                                        plain: Capture) -> None:
+    """CRIU starts before the CUDA driver loads (issue 35): a driver that cannot load meanwhile fails the restore
+    naming CRIU's phase, once CRIU's tree exists, and the rollback kills that tree."""
+    images, pid = private_images(plain.images, tmp_path / "images"), plain.pid
+    record = images / "capture.json"
+    captured = json.loads(record.read_text())
+    record.unlink()  # a link to the shared capture's: a copy that records the target as a CUDA process replaces it
+    record.write_text(json.dumps({**captured, "cuda_pids": [pid]}))
+    done = worker("restore", "--images", str(images), "--criu", criu, "--work-dir", str(tmp_path / "work"))
+    assert done.returncode == 1
+    assert "error: restore phase criu-restore: WorkerError: CudaLibraryMissing: libcuda.so.1 could not be loaded" \
+        in done.stderr, done.stderr
+    assert "Restore finished successfully" in (tmp_path / "work/restore.log").read_text()  # CRIU ran meanwhile
+    assert gone_within(pid, 10), f"the restored tree ({pid}) outlived the failed restore"
 
 def test_a_killed_restore_leaves_no_process(tmp_path: Path, criu: str, plain: Capture) -> None:
     # CRIU run bare keeps its work files (stats-restore.img) beside the images: links, so the shared ones stay as
@@ -367,6 +404,82 @@ def test_a_forked_child_s_copy_on_write_memory_comes_back_with_its_huge_pages(tm
     finally:
         end(control, pid)
         assert gone_within(child, 10), f"the restored child {child} outlived its parent"
+
+
+def pages_of_zeros(images: Path) -> tuple[int, int]:
+    """Bytes in the pages images and how many of them are 4 KiB pages of zeros."""
+    size = zeros = 0
+    for path in images.glob("pages-*.img"):
+        data = path.read_bytes()
+        size += len(data)
+        zeros += sum(not any(data[at:at + 4096]) for at in range(0, len(data), 4096))
+    return size, zeros
+
+
+def bare_dump(criu: str, pid: int, images: Path, zero_pages: str) -> subprocess.CompletedProcess[str]:
+    """CRIU's own dump of the tree at `pid`, left as it was (running, or stopped if it was)."""
+    images.mkdir()
+    return subprocess.run([criu, "dump", "--tree", str(pid), "--images-dir", str(images), "--leave-running", "-v4",
+                           "--log-file", "dump.log"], capture_output=True, text=True, check=False, timeout=120,
+                          env={**os.environ, "CRIU_DUMP_ZERO_PAGES": zero_pages})
+
+
+def test_pages_of_zeros_are_not_dumped_and_come_back_as_zeros_in_parent_child_and_lazily(tmp_path: Path,
+                                                                                         criu: str) -> None:
+    """zero-pages.patch (issue 35): a page of zeros in private anonymous memory is neither written nor read, and
+    reads back as zeros where the restore would otherwise show other bytes: a child's page of zeros over data its
+    parent keeps (copy-on-write: the child's memory starts as its parent's), a parent's under its child's data,
+    pages of zeros in a private file mapping (kept: else the file's bytes would show), with one restore thread
+    and lazily (userfaultfd). The dump reads the process without changing it; a bad setting changes nothing."""
+    control = tmp_path / "control"
+    control.mkdir()
+    target = subprocess.Popen([sys.executable, str(ROOT / "bench/criu_target.py"), "--dir", str(control), "--mib",
+                               "8", "--zero-mib", "16", "--file-mib", "8", "--shared-mib", "4", "--fork"],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    pid, child = int(wait_file(control / "ready")), int(wait_file(control / "child"))
+    try:
+        refused = bare_dump(criu, pid, tmp_path / "refused", "none")
+        assert refused.returncode != 0
+        assert "CRIU_DUMP_ZERO_PAGES=none: must be skip or write" in (tmp_path / "refused/dump.log").read_text()
+        assert not list((tmp_path / "refused").glob("*.img"))  # refused before anything was seized or written
+        for who in (child, pid):  # both dumps see the same memory
+            os.kill(who, signal.SIGSTOP)
+        for zero_pages in ("skip", "write"):
+            done = bare_dump(criu, pid, tmp_path / zero_pages, zero_pages)
+            assert done.returncode == 0, (tmp_path / zero_pages / "dump.log").read_text()[-2000:]
+        for who in (pid, child):
+            os.kill(who, signal.SIGCONT)
+        for prefix in ("", "child-"):  # the dumps (the parasite read every page) changed nothing
+            assert verified(control, prefix)["ok"], prefix
+    except BaseException:
+        (control / "exit").touch()
+        target.wait()
+        raise
+    (skipped, kept), (written, zeros) = pages_of_zeros(tmp_path / "skip"), pages_of_zeros(tmp_path / "write")
+    # Each process has 2596 pages of zeros in its zero region and 649 over the file's data; the child 270 more
+    # over its parent's data and the parent 263 under its child's; Python's own heap has some.
+    assert kept == 2 * 649, "the file mapping's private pages of zeros (and only those) are kept"
+    assert zeros - kept >= 2 * 2596 + 270 + 263
+    assert written - skipped == (zeros - kept) * 4096  # every other page is written as before
+    images = tmp_path / "images"
+    done = worker("capture", "--pid", str(pid), "--images", str(images), "--boundary", "n580", "--criu", criu)
+    assert done.returncode == 0, done.stderr
+    target.wait()
+    assert gone_within(child, 10)
+    for how, env, flags in (("one-thread", {"CRIU_RESTORE_THREADS": "1"}, []), ("lazy", {}, ["--lazy-pages"])):
+        for name in ("exit", "result", "child-result"):
+            (control / name).unlink(missing_ok=True)
+        done = worker("restore", "--images", str(images), "--criu", criu, "--work-dir", str(tmp_path / how),
+                      *flags, env=env)
+        try:
+            assert done.returncode == 0, done.stderr
+            for prefix, who in (("", pid), ("child-", child)):
+                result = verified(control, prefix)
+                assert result["ok"] and result["pid"] == who, (how, prefix, result)
+        finally:
+            end(control, pid)
+            assert gone_within(child, 10), f"the restored child {child} outlived its parent"
 
 
 def test_the_worker_runs_a_criu_kept_with_its_libraries_as_its_version_check_does(

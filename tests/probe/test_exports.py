@@ -15,10 +15,12 @@ import coldsnap_probe
 import coldsnap_probe.hydration
 from tests.helpers import ROOT
 
-# What a restore never needs: the capture side, the profile's canaries and model, the admission and its cache.
+# What a restore never needs: the capture side, the profile's canaries and model, the admission and its cache; nor,
+# before any image asks it, the node hydrator's server and its copy engine (issue 35: the worker's start).
 NOT_FOR_A_RESTORE = {"coldsnap_probe._capture", "coldsnap_probe._canaries", "coldsnap_probe._features",
                      "coldsnap_probe._model", "coldsnap_probe._cache", "coldsnap_probe._contracts",
-                     "coldsnap_probe._quiesce", "coldsnap_probe.hydration._arena"}
+                     "coldsnap_probe._quiesce", "coldsnap_probe.hydration._arena", "coldsnap_probe.hydration._hydrator",
+                     "coldsnap_probe.hydration._copy"}
 
 
 def modules_after(*args: str) -> tuple[set[str], int, str]:

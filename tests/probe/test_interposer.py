@@ -43,6 +43,7 @@ from coldsnap_probe.memory._device_dump import (
     prefetch_dumps,
     validated_dumps,
 )
+from tests.probe.interposer_harness import UNITY
 
 MIB = 1 << 20
 
@@ -454,22 +455,7 @@ def test_a_socket_another_process_listens_on_is_not_asked_to_release(engine: tup
     assert request(path, {"op": "status"})["released"] is False and list(images.iterdir()) == []
 
 
-HARNESS = r"""
-#include "driver.c"
-#include "interpose.c"
-#include "regions.c"
-#include "control.c"
-#include "connection.c"
-#include "operations.c"
-#include "request.c"
-#include "sha256.c"
-#include "crc32.c"
-#include "digest.c"
-#include "dump.c"
-#include "hydrate.c"
-#include "engine_vmm.c"
-#include "vmm_backing.c"
-#include "stream_ordered.c"
+HARNESS = UNITY + r"""
 
 /* The manifest writer with two regions (no driver involved): one of 3 GiB (three segments), one of 2 MiB; crc32-64m
  * digests, chunks 0 and 2 of the second segment zeros. */
@@ -531,22 +517,7 @@ def test_the_manifest_the_library_writes_is_the_one_the_worker_reads(tmp_path: P
     assert "zero" not in dump.to_json()["regions"][0]["segments"][0]  # absent unless a chunk is all zeros
 
 
-GATE_HARNESS = r"""
-#include "driver.c"
-#include "interpose.c"
-#include "regions.c"
-#include "control.c"
-#include "connection.c"
-#include "operations.c"
-#include "request.c"
-#include "sha256.c"
-#include "crc32.c"
-#include "digest.c"
-#include "dump.c"
-#include "hydrate.c"
-#include "engine_vmm.c"
-#include "vmm_backing.c"
-#include "stream_ordered.c"
+GATE_HARNESS = UNITY + r"""
 
 static volatile int released_now, stop, violations, calls, nested_done;
 

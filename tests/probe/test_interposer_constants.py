@@ -26,7 +26,7 @@ from coldsnap_probe.hydration._interposer import (
 )
 from coldsnap_probe.hydration._peer_files import STAGE_ALLOCATIONS
 from coldsnap_probe.hydration._weights import CRC_PREFIX, DIGEST_CHUNK, DIGEST_PREFIX
-from coldsnap_probe.memory._device_dump import INTERPOSER_PAGE
+from coldsnap_probe.memory._device_dump import INTERPOSER_PAGE, STAGE_GROUP
 from tests.helpers import ROOT
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
@@ -46,11 +46,12 @@ int main(void)
     printf("{\"dump_kind\":\"%s\",\"segment_files\":[\"%s\",\"%s\"],\"segment\":%zu,\"digest_prefix\":\"%s\","
            "\"digest_chunk\":%zu,\"digest_text\":%zu,\"env_socket\":\"%s\",\"policies\":[\"%s\",\"%s\"],"
            "\"verify\":[\"%s\",\"%s\"],\"page_fds\":%d,\"staged_max\":%d,\"request_line\":%d,"
-           "\"request_field\":%d,\"crc_prefix\":\"%s\",\"env_digest\":\"%s\",\"segment_chunks\":%zu}\n",
+           "\"request_field\":%d,\"crc_prefix\":\"%s\",\"env_digest\":\"%s\",\"segment_chunks\":%zu,"
+           "\"stage_group\":%zu}\n",
            CSCU_DUMP_KIND, first, other, CSCU_SEGMENT, CSCU_DIGEST_PREFIX, CSCU_DIGEST_CHUNK, CSCU_DIGEST_TEXT,
            CSCU_ENV_SOCKET, CSCU_POLICY_SAME_MODEL, CSCU_POLICY_SAME_GPU, CSCU_VERIFY_DIGEST, CSCU_VERIFY_SAMPLED,
            CSCU_PAGE_FDS, CSCU_STAGED_MAX, CSCU_REQUEST_LINE, CSCU_REQUEST_FIELD, CSCU_CRC_PREFIX, CSCU_ENV_DIGEST,
-           CSCU_SEGMENT_CHUNKS);
+           CSCU_SEGMENT_CHUNKS, CSCU_STAGE_GROUP);
     return 0;
 }
 """
@@ -86,6 +87,7 @@ def test_the_control_socket_speaks_what_the_worker_sends(header: dict[str, Any])
     assert header["verify"] == ["digest", "sampled"]  # _interposer.verification()'s answers
     assert header["page_fds"] == INTERPOSER_PAGE
     assert header["staged_max"] == STAGE_ALLOCATIONS
+    assert header["stage_group"] == STAGE_GROUP  # how a stage copied from is laid out, both sides
 
 
 def test_no_constant_is_left_in_the_sources_it_names(header: dict[str, Any]) -> None:

@@ -20,25 +20,11 @@ from coldsnap_probe.errors import HydrationError
 from coldsnap_probe.hydration import DeviceDump, check_dump
 from coldsnap_probe.hydration._interposer import DUMP_KIND, SOURCES
 from coldsnap_probe.hydration._weights import DIGEST_CHUNK, crc_digest, digest_like, region_digest
+from tests.probe.interposer_harness import UNITY
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 
-HARNESS = r"""
-#include "driver.c"
-#include "interpose.c"
-#include "regions.c"
-#include "control.c"
-#include "connection.c"
-#include "operations.c"
-#include "request.c"
-#include "sha256.c"
-#include "crc32.c"
-#include "digest.c"
-#include "dump.c"
-#include "hydrate.c"
-#include "engine_vmm.c"
-#include "vmm_backing.c"
-#include "stream_ordered.c"
+HARNESS = UNITY + r"""
 
 static void no_libcrypto(void) {}
 

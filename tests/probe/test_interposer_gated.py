@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from coldsnap_probe.hydration._interposer import SOURCES
+from tests.probe.interposer_harness import UNITY
 from tests.probe.test_interposer import has_driver, library
 
 __all__ = ("library",)  # the module fixture, shared
@@ -140,22 +141,7 @@ def standin_driver(folder: Path, table: tuple[tuple[str, int, str, str | None], 
     return target
 
 
-HARNESS = r"""
-#include "driver.c"
-#include "interpose.c"
-#include "regions.c"
-#include "control.c"
-#include "connection.c"
-#include "operations.c"
-#include "request.c"
-#include "sha256.c"
-#include "crc32.c"
-#include "digest.c"
-#include "dump.c"
-#include "hydrate.c"
-#include "engine_vmm.c"
-#include "vmm_backing.c"
-#include "stream_ordered.c"
+HARNESS = UNITY + r"""
 
 static int *hits;
 static void *pending;

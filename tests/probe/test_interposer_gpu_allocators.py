@@ -20,8 +20,9 @@ from typing import Any
 
 import pytest
 
-from coldsnap_probe.hydration import build_library, check_dump
-from tests.probe.test_interposer_gpu import MIB, Target
+from coldsnap_probe.hydration import DeviceDump, build_library, check_dump, dump_identities
+from coldsnap_probe.hydration._interposer import interposer_request
+from tests.probe.test_interposer_gpu import MIB, Target, dump_hydrator  # noqa: F401 - a fixture
 from tests.probe.test_main import has_nvidia_driver
 
 pytestmark = pytest.mark.skipif(not has_nvidia_driver(), reason="needs an NVIDIA driver")
@@ -134,3 +135,54 @@ def test_the_capture_report_says_what_was_moved_and_what_stayed(conf_target: tup
     assert target.ask("check") == {**target.ready, "pid": target.proc.pid}
     assert target.ask("churn")["ok"] is True
     kill_and_reap(report["restored_pid"])
+
+
+def staged_hydration(target: Target, dump: DeviceDump, images: Path, name: str, hydrator: str) -> dict[str, Any]:
+    """The restore worker's staged path for `target`'s dump under `images/name`: the node hydrator stages one
+    allocation per page, the interposer adopts them; the interposer's report."""
+    from coldsnap_probe.memory._device_dump import DumpRecord, hydrate_devices, stages_for
+
+    record = DumpRecord(target.proc.pid, target.socket, name, dump, dump_identities(dump, images / name), hydrator)
+    stages = stages_for([record], images)
+    assert stages, "no stage asked"
+    [hydrated] = hydrate_devices([record], images, "same-model", stages=stages)
+    assert hydrated.bytes == dump.bytes
+    return hydrated.interposer
+
+
+def test_expandable_segments_are_restored_from_a_node_hydrators_stage(dump_hydrator: str,  # noqa: F811
+                                                                       tmp_path: Path) -> None:
+    """Regression: the H200 staged every page of an expandable-segments engine and then refused them all ("the
+    engine's allocation is GPUDirect RDMA capable, the staged one is not": an imported allocation is not RDMA
+    capable in the importing process), filling the pages itself after the stage: 2.2-2.6 s to the first token at
+    16 GiB instead of 1.1-1.3. Now the hydrator stages the pages grouped (one allocation per 1 GiB of them) and
+    the interposer re-creates each page as the engine made it (RDMA capable, the engine's handle kept) and copies
+    it from the stage on the device: the fast path is taken (`staged`, `copy_s`, no `adopt_error`), through a
+    CUDA checkpoint; the engine then frees and allocates through its own handles, and a second release and staged
+    hydration (capture, restore, capture, restore) holds too."""
+    from coldsnap_probe.memory._device_dump import stage_groups
+
+    library, diagnostics = build_library(tmp_path / "lib")
+    assert diagnostics == ""
+    target = Target(tmp_path, library, socket="cuda-%p.sock", mib=MOVED_MIB, alloc_conf="expandable_segments:True")
+    try:
+        target.socket = socket_of(target)
+        dump = target.release(tmp_path / "dump")
+        assert dump.moved["vmm_by_engine"]["count"] > 16, dump.moved  # many pages, grouped
+        groups = stage_groups([r.size for r in dump.regions])[-1] + 1
+        checkpoint_and_restore(target.proc.pid)
+        report = staged_hydration(target, dump, tmp_path, "dump", dump_hydrator)
+        assert report.get("staged") is True and "copy_s" in report and "adopt_error" not in report["stage"], report
+        assert report["regions"] == len(dump.regions) and report["stage"]["allocations"] == groups < len(dump.regions)
+        assert target.ask("check") == {**target.ready, "pid": target.proc.pid}
+        assert target.ask("churn")["ok"] is True  # empty_cache: re-created pages unmapped, released by the engine
+        again = target.release(tmp_path / "again")
+        assert again.moved["vmm_by_engine"]["count"] > 0 and coverage(again.moved, again.uncovered) >= 0.95
+        report = staged_hydration(target, again, tmp_path, "again", dump_hydrator)
+        assert report.get("staged") is True and "adopt_error" not in report["stage"], report
+        assert target.ask("check") == {**target.ready, "pid": target.proc.pid}
+        assert interposer_request(dump_hydrator, {"op": "status"}, "hydrator status")["staged"] == []  # all taken
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(target.proc.pid, 9)
+        target.proc.wait()

@@ -22,6 +22,7 @@ from coldsnap_probe import jsonline
 from coldsnap_probe.errors import HydrationError
 from coldsnap_probe.hydration._hydrator import _first_page
 from coldsnap_probe.hydration._peer_files import STAGE_ALLOCATIONS, dump_layout
+from tests.probe.interposer_harness import UNITY
 
 MIB = 1 << 20
 
@@ -180,22 +181,7 @@ def test_a_page_that_does_not_fit_leaves_nothing_open(regions: tuple[Path, list[
 
 
 # -- the interposer's side: the control socket's pages (C, no driver) ---------------------------------------------
-PAGES_HARNESS = r"""
-#include "driver.c"
-#include "interpose.c"
-#include "regions.c"
-#include "control.c"
-#include "connection.c"
-#include "operations.c"
-#include "request.c"
-#include "sha256.c"
-#include "crc32.c"
-#include "digest.c"
-#include "dump.c"
-#include "hydrate.c"
-#include "engine_vmm.c"
-#include "vmm_backing.c"
-#include "stream_ordered.c"
+PAGES_HARNESS = UNITY + r"""
 
 /* Three released regions of 2 MiB (no driver: a staged hydration is refused at the dump directory, after the
  * descriptors were counted and before any driver call), the control socket serving at argv[1]. */
@@ -287,9 +273,11 @@ COUNTED = "hydrate: dump directory /nonexistent/dump: No such file"  # every des
     pytest.param(HYDRATE % 3, [[0, 1]], 0, "2 of the 3 announced descriptors arrived before the peer stopped",
                  id="fewer"),
     pytest.param(HYDRATE % 3, [[0, 1], [2, 3]], 0, "4 descriptors arrived, 3 were announced", id="more"),
-    pytest.param(HYDRATE % 2, [[0, 1]], 0, "hydrate: 2 staged allocations for 3 released regions", id="not-one-each"),
-    pytest.param(HYDRATE % 4, [[0, 1, 2, 3]], 0, "hydrate: 4 staged allocations for 3 released regions",
-                 id="over-the-regions"),
+    pytest.param(HYDRATE % 1, [[0]], 0, COUNTED, id="one-for-the-group"),  # copied from (the 3 regions: 6 MiB)
+    pytest.param(HYDRATE % 2, [[0, 1]], 0, "hydrate: 2 staged allocations: neither one per released region (3, "
+                 "each adoptable: yes) nor one per group of them", id="not-one-each"),
+    pytest.param(HYDRATE % 4, [[0, 1, 2, 3]], 0, "hydrate: 4 staged allocations: neither one per released region "
+                 "(3", id="over-the-regions"),
     pytest.param(HYDRATE % 4097, [[0]], 0, "`allocations` must count the staged allocations in decimal, 1 to 4096",
                  id="over-the-cap"),
     pytest.param(HYDRATE % 3, [list(range(17))], 0, "a page carried more than 16 descriptors", id="page-over-16"),
@@ -352,6 +340,31 @@ def test_the_worker_sends_its_descriptors_in_pages_of_16(pages_server: Served, t
         for fd in fds:
             os.close(fd)
     assert COUNTED in answer["error"] and settled(pid, before) == before
+
+
+def test_the_worker_lets_its_descriptors_go_once_sent(pages_server: Served, tmp_path: Path) -> None:
+    """jsonline's `sent`: called once the line and every page are out, before the answer is read (the worker closes
+    its descriptors then, so that a staged allocation the interposer copied from is freed as soon as it lets go):
+    the interposer still counts every descriptor, in flight when the asker closed its own."""
+    from coldsnap_probe.memory._device_dump import INTERPOSER_PAGE
+
+    pid, path, before = pages_server
+    fds, order = markers(tmp_path, 20), []
+
+    def let_go() -> None:
+        order.append("sent")
+        while fds:
+            os.close(fds.pop())
+
+    try:
+        answer = jsonline.request(path, {"op": "hydrate", "dir": "/nonexistent/dump", "allocations": "20"},
+                                  fds=list(fds), page=INTERPOSER_PAGE, timeout=30, sent=let_go)
+        order.append("answered")
+    finally:
+        let_go()
+    # All 20 arrived (fewer would be "N of the 20 announced descriptors arrived"), then were weighed: 3 regions.
+    assert order[:2] == ["sent", "answered"] and "hydrate: 20 staged allocations: neither" in answer["error"]
+    assert settled(pid, before) == before
 
 
 @pytest.mark.parametrize("line", [

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from coldsnap_probe.jsonline import request
+from tests.probe.interposer_harness import UNITY
 from tests.probe.test_interposer import library, listening
 
 __all__ = ("library",)  # the module fixture, shared
@@ -33,22 +34,7 @@ def test_the_staging_buffer_is_the_configured_mebibytes(library: Path, setting: 
     assert status["drain_s"] == 10
 
 
-EXEMPT_HARNESS = r"""
-#include "driver.c"
-#include "interpose.c"
-#include "regions.c"
-#include "control.c"
-#include "connection.c"
-#include "operations.c"
-#include "request.c"
-#include "sha256.c"
-#include "crc32.c"
-#include "digest.c"
-#include "dump.c"
-#include "hydrate.c"
-#include "engine_vmm.c"
-#include "vmm_backing.c"
-#include "stream_ordered.c"
+EXEMPT_HARNESS = UNITY + r"""
 
 static volatile int passed[2];
 
@@ -99,22 +85,7 @@ def test_the_releases_own_threads_pass_the_gate_it_closed(tmp_path: Path) -> Non
     assert copier_passed == 1 and engine_waited == 1 and engine_passed == 1 and inside == 0
 
 
-DRAIN_HARNESS = r"""
-#include "driver.c"
-#include "interpose.c"
-#include "regions.c"
-#include "control.c"
-#include "connection.c"
-#include "operations.c"
-#include "request.c"
-#include "sha256.c"
-#include "crc32.c"
-#include "digest.c"
-#include "dump.c"
-#include "hydrate.c"
-#include "engine_vmm.c"
-#include "vmm_backing.c"
-#include "stream_ordered.c"
+DRAIN_HARNESS = UNITY + r"""
 
 static volatile int later_passed;
 

@@ -4,7 +4,11 @@ still referenced, which mappings hold which access) and a harness compiled with 
 engine: PyTorch's expandable segments (one 2 MiB handle per page of one reservation, cuMemSetAccess over several
 pages at once), a retain by address, a release and a hydration of the backing as a release and a hydration do them,
 an export, a partial access, and a cudaMallocAsync engine (a free deferred to its stream's event, reuse, a capture,
-another pool). tests/probe/test_interposer_gpu_allocators.py does all of it on the real driver with torch."""
+another pool). Then the review's findings: a stale handle of ours (released twice) is refused and never reaches the
+driver (#11); a release whose unmap and undo both fail leaves the mapping it never unmapped (#13); RDMA-capable
+engine pages are not adopted from a stage but re-created as the engine made them and copied from one staged
+allocation per group of pages; the sampled read-back on several threads names the segment that differs.
+tests/probe/test_interposer_gpu_allocators.py does it on the real driver with torch."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import subprocess
 from pathlib import Path
 
 from coldsnap_probe.hydration._interposer import SOURCES
+from tests.probe.interposer_harness import UNITY
 
 STANDIN = r"""
 #include <stdlib.h>
@@ -61,20 +66,48 @@ int cuMemCreate(H *h, size_t n, const int *prop, unsigned long long f)
     *h = x->id;
     return 0;
 }
-int cuMemRelease(H h) { struct handle *x = find(h); if (!x) return 1; unref(x); return 0; }
+H last_released;
+P fail_map_at, fail_unmap_at;  /* the next cuMemMap / cuMemUnmap at this address fails, once */
+int cuMemRelease(H h) { struct handle *x = find(h); last_released = h; if (!x) return 1; unref(x); return 0; }
 int cuMemMap(P p, size_t n, size_t off, H h, unsigned long long f)
 {
     struct handle *x = find(h);
     (void)off; (void)f;
+    last_mapped = h;  /* whatever reached the driver */
+    if (p == fail_map_at) {
+        fail_map_at = 0;
+        return 1;
+    }
     if (!x)
         return 1;
     x->refs++;
     mappings[mapping_count++] = (struct mapping){p, n, h, 1, 0, -1};
-    last_mapped = h;
     return 0;
 }
+int live_at(P p)
+{
+    for (int i = 0; i < mapping_count; i++)
+        if (mappings[i].live && mappings[i].address == p)
+            return 1;
+    return 0;
+}
+int cuMemImportFromShareableHandle(H *h, void *fd, int type)
+{
+    struct handle *x = &handles[handle_count++];
+    (void)fd; (void)type;
+    *x = (struct handle){0x7f1000ULL + 16ULL * (H)handle_count, 1, 2 << 20, 1, 1, 1, 1, 0};
+    *h = x->id;
+    return 0;
+}
+int dtod_calls;
+size_t dtod_bytes;
+int cuMemcpyDtoD_v2(P d, P s, size_t n) { (void)d; (void)s; dtod_calls++; dtod_bytes += n; return 0; }
 int cuMemUnmap(P p, size_t n)
 {
+    if (p == fail_unmap_at) {
+        fail_unmap_at = 0;
+        return 1;
+    }
     for (int i = 0; i < mapping_count; i++)
         if (mappings[i].live && mappings[i].address >= p && mappings[i].address < p + n) {
             mappings[i].live = 0;
@@ -131,9 +164,12 @@ int cuStreamDestroy_v2(void *s) { (void)s; return 0; }
 int cuStreamSynchronize(void *s) { (void)s; return 0; }
 int cuMemHostAlloc(void **p, size_t n, unsigned f) { (void)f; *p = malloc(n); return 0; }
 int cuMemFreeHost(void *p) { free(p); return 0; }
-int cuMemcpyDtoHAsync_v2(void *d, P s, size_t n, void *st) { (void)d; (void)s; (void)n; (void)st; return 0; }
+int device_byte;  /* what every device-to-host copy reads */
+int dtoh_async;
+int cuMemcpyDtoHAsync_v2(void *d, P s, size_t n, void *st) { (void)s; (void)st; dtoh_async++; memset(d, device_byte, n);
+    return 0; }
 int cuMemcpyHtoDAsync_v2(P d, const void *s, size_t n, void *st) { (void)d; (void)s; (void)n; (void)st; return 0; }
-int cuMemcpyDtoH_v2(void *d, P s, size_t n) { (void)d; (void)s; (void)n; return 0; }
+int cuMemcpyDtoH_v2(void *d, P s, size_t n) { (void)s; memset(d, device_byte, n); return 0; }
 int cuEventCreate(void **e, unsigned f) { static long n; (void)f; *e = (void *)(0x3000L + ++n); return 0; }
 int cuEventRecord(void *e, void *s) { (void)e; (void)s; return 0; }
 int cuEventRecord_ptsz(void *e, void *s) { (void)e; (void)s; return 0; }
@@ -151,22 +187,7 @@ int cuMemAllocAsync(P *p, size_t n, void *s) { static P next = 0x900000000000ULL
 int cuMemFreeAsync(P p, void *s) { (void)p; (void)s; async_freed_by_driver++; return 0; }
 """
 
-HARNESS = r"""
-#include "driver.c"
-#include "interpose.c"
-#include "regions.c"
-#include "control.c"
-#include "connection.c"
-#include "operations.c"
-#include "request.c"
-#include "sha256.c"
-#include "crc32.c"
-#include "digest.c"
-#include "dump.c"
-#include "hydrate.c"
-#include "engine_vmm.c"
-#include "vmm_backing.c"
-#include "stream_ordered.c"
+HARNESS = UNITY + r"""
 
 #define MIB ((size_t)1 << 20)
 #define CHECK(name, expr) printf("%s %s\n", (expr) ? "ok" : "FAIL", name)
@@ -285,6 +306,135 @@ static void stream_ordered(void)
           && from(CSCU_FROM_ASYNC, &bytes) == 1);
 }
 
+static CUdeviceptr reserved(size_t n)
+{
+    CUdeviceptr base = 0;
+    ((CUresult (*)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long))dlsym(standin,
+        "cuMemAddressReserve"))(&base, n, 0, 0, 0);
+    return base;
+}
+
+static int mapped_at(CUdeviceptr p) { return ((int (*)(CUdeviceptr))dlsym(standin, "live_at"))(p); }
+
+static struct cscu_region *region_of(CUmemGenericAllocationHandle h)
+{
+    size_t count;
+    struct cscu_region *r = cscu_regions(&count);
+    for (size_t i = 0; i < count; i++)
+        if (r[i].vmm && r[i].vmm->handle == h)
+            return &r[i];
+    return NULL;
+}
+
+static CUmemGenericAllocationHandle engine_page(CUdeviceptr at, int rdma)  /* created, mapped, read-write */
+{
+    CUmemAllocationProp prop = {0};
+    CUmemAccessDesc rw = {{CU_MEM_LOCATION_TYPE_DEVICE, 0}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+    CUmemGenericAllocationHandle h;
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED, prop.requestedHandleTypes = 1;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE, prop.allocFlags.gpuDirectRDMACapable = (unsigned char)rdma;
+    cuMemCreate(&h, 2 * MIB, &prop, 0);
+    cuMemMap(at, 2 * MIB, 0, h, 0);
+    cuMemSetAccess(at, 2 * MIB, &rw, 1);
+    return h;
+}
+
+static void stale_handles(void)  /* review finding 11 */
+{
+    CUdeviceptr base = reserved(8 * MIB);
+    CUmemGenericAllocationHandle h = engine_page(base, 0);
+    CUmemAllocationProp seen;
+    int fd = -1;
+    cuMemUnmap(base, 2 * MIB);
+    CHECK("unmapped and released: the record is gone", cuMemRelease(h) == CUDA_SUCCESS && !region_of(h));
+    *u("last_released") = *u("last_mapped") = *u("last_props") = *u("last_exported") = *u("last_bound") = 0;
+    CHECK("a stale handle of ours: release refused, the driver never sees it",
+          cuMemRelease(h) == CUDA_ERROR_INVALID_VALUE && *u("last_released") == 0);
+    CHECK("a stale handle of ours: map refused, the driver never sees it",
+          cuMemMap(base, 2 * MIB, 0, h, 0) == CUDA_ERROR_INVALID_VALUE && *u("last_mapped") == 0);
+    CHECK("a stale handle of ours: properties refused, the driver never sees it",
+          cuMemGetAllocationPropertiesFromHandle(&seen, h) == CUDA_ERROR_INVALID_VALUE && *u("last_props") == 0);
+    CHECK("a stale handle of ours: export and bind refused, the driver never sees them",
+          cuMemExportToShareableHandle(&fd, h, 1, 0) == CUDA_ERROR_INVALID_VALUE && *u("last_exported") == 0
+          && cuMulticastBindMem(0x77, 0, h, 0, 2 * MIB, 0) == CUDA_ERROR_INVALID_VALUE && *u("last_bound") == 0);
+}
+
+static void unback_undoes_only_its_own(void)  /* review finding 13 */
+{
+    CUdeviceptr base = reserved(16 * MIB);
+    CUmemAccessDesc rw = {{CU_MEM_LOCATION_TYPE_DEVICE, 0}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+    CUmemGenericAllocationHandle h = engine_page(base, 0);
+    cuMemMap(base + 8 * MIB, 2 * MIB, 0, h, 0);  /* the same allocation mapped a second time */
+    cuMemSetAccess(base + 8 * MIB, 2 * MIB, &rw, 1);
+    struct cscu_region *r = region_of(h);
+    *u("fail_unmap_at") = base + 8 * MIB;  /* the release's unmap fails at the second mapping, */
+    *u("fail_map_at") = base;              /* and mapping the first back fails too */
+    CHECK("an unback whose undo fails keeps the mapping it never unmapped",
+          r && cscu_unmap(r) != CUDA_SUCCESS && mapped_at(base + 8 * MIB) && r->vmm->real != 0);
+}
+
+static void staged_copy(void)  /* RDMA-capable engine pages: re-created as made, copied from a grouped stage */
+{
+    CUdeviceptr base = reserved(8 * MIB);
+    CUmemGenericAllocationHandle h[3];
+    struct cscu_region *r[3];
+    struct hydration hy;
+    char why[256] = "";
+    int imported = open("/dev/null", O_RDONLY);  /* stands for the staged allocation's descriptor */
+    for (int k = 0; k < 3; k++)
+        h[k] = engine_page(base + (size_t)k * 2 * MIB, 1);
+    for (int k = 0; k < 3; k++)
+        cscu_unmap(r[k] = region_of(h[k]));
+    CHECK("an RDMA-capable engine page is not adoptable: three staged for three pages are refused",
+          !cscu_vmm_stageable(r[0]) && stage_mode(3, why, sizeof(why)) == 0 && strstr(why, "adoptable: no"));
+    CHECK("one staged allocation for the three pages (one group): copied from", stage_mode(1, why, sizeof(why)) == 2);
+    memset(&hy, 0, sizeof(hy));
+    hy.regions = cscu_regions(&hy.count);
+    hy.created = calloc(hy.count + 1, 1);
+    *v("dtod_calls") = 0;
+    int freed = *v("freed");
+    CHECK("each page re-created with the engine's handle kept and copied from the stage on the device",
+          copy_all(&hy, &imported, 1) == 0 && *v("dtod_calls") == 3 && *u("dtod_bytes") == 6 * MIB
+          && r[0]->handle && r[2]->handle && r[1]->vmm->real == r[1]->handle && r[1]->vmm->handle == h[1]
+          && mapped_at(base) && mapped_at(base + 4 * MIB) && hy.restored == 3);
+    CHECK("the staged allocation let go once copied, its descriptor closed",
+          *v("freed") == freed + 1 && imported == -1);
+    CUmemAllocationProp seen;
+    memset(&seen, 0, sizeof(seen));
+    CHECK("a page's properties are the engine's, checked by the driver on the page's new handle",
+          cuMemGetAllocationPropertiesFromHandle(&seen, h[1]) == CUDA_SUCCESS && *u("last_props") == r[1]->handle
+          && seen.allocFlags.gpuDirectRDMACapable == 1 && seen.requestedHandleTypes == 1);
+    free(hy.created);
+}
+
+static void sampled_read_back(void)  /* many small segments (an engine's pages), read back by several threads */
+{
+    enum { SEGMENTS = 40 };
+    static struct segment segments[SEGMENTS];
+    int fds[SEGMENTS];
+    char take[SEGMENTS], error[512] = "", *page = malloc(128 << 10);
+    memset(page, 0x5a, 128 << 10);
+    for (int i = 0; i < SEGMENTS; i++) {
+        FILE *f = tmpfile();
+        fwrite(page, 1, 128 << 10, f);
+        fflush(f);
+        fds[i] = dup(fileno(f));  /* the FILE's own descriptor goes with it at exit */
+        take[i] = 1;
+        segments[i] = (struct segment){.region = 0, .offset = 0, .size = 128 << 10};
+        snprintf(segments[i].file, sizeof(segments[i].file), "seg-%d.bin", i);
+    }
+    cscu_segments = segments, cscu_segment_count = SEGMENTS;
+    *v("device_byte") = 0x5a;
+    CHECK("every segment's samples equal the device's, read on the threads' own streams",
+          verify_samples(fds, take, error, sizeof(error)) == 0 && *v("dtoh_async") == 2 * SEGMENTS);
+    memset(page, 0, 64 << 10);
+    pwrite(fds[37], page, 64 << 10, 64 << 10);
+    CHECK("one segment's last sample differs: refused naming it and where",
+          verify_samples(fds, take, error, sizeof(error)) == -1 && strstr(error, "seg-37.bin at +65536") != NULL);
+    cscu_segments = NULL, cscu_segment_count = 0;
+    free(page);
+}
+
 int main(void)
 {
     standin = dlopen("libcuda.so.1", RTLD_NOW);
@@ -292,6 +442,10 @@ int main(void)
         return 2;
     expandable();
     stream_ordered();
+    stale_handles();
+    unback_undoes_only_its_own();
+    staged_copy();
+    sampled_read_back();
     return 0;
 }
 """
@@ -316,4 +470,4 @@ def test_engine_vmm_and_stream_ordered_allocations_against_a_recording_driver(tm
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert [line for line in lines if not line.startswith("ok ")] == [], done.stdout
-    assert len(lines) == 26, done.stdout
+    assert len(lines) == 26 + 13, done.stdout

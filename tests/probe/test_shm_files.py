@@ -1,5 +1,6 @@
 """coldsnap_probe/_shm_files.py on real processes and files: which /dev/shm files of a tree are kept, the record
-checked before CRIU, and the files put back as captured (never through a link planted at their path)."""
+checked before CRIU, and the files put back as captured (never through a link planted at their path, nothing left
+beside them by a worker that dies)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import pytest
 
 from coldsnap_probe._shm_files import RECORD, load_shared_files, put_back, save_shared_files, shared_files
 from coldsnap_probe.errors import WorkerError
+from tests.helpers import ROOT
 
 HOLDER = """
 import mmap, os, sys, time
@@ -100,3 +103,39 @@ def test_a_record_cannot_put_back_a_set_id_file(tmp_path: Path, prefix: str) -> 
     (images / RECORD).write_text(json.dumps(record))
     put_back(load_shared_files(images), images)
     assert path.stat().st_mode & 0o7777 == 0o755
+
+
+# A restore worker whose guard is started, stuck putting back a file: its copy in the images is a FIFO nobody writes.
+STUCK_PUT_BACK = """
+import os, sys
+from pathlib import Path
+from coldsnap_probe._shm_files import COPIES, _name, put_back, save_shared_files
+from coldsnap_probe._worker_guard import WorkerGuard
+path, images = sys.argv[1], Path(sys.argv[2])
+images.mkdir()
+saved = save_shared_files([path], images)
+copy = images / COPIES / _name(path)
+copy.unlink()
+os.mkfifo(copy)
+guard = WorkerGuard()
+guard.start("restore")
+put_back(saved, images, guard.note)
+"""
+
+
+def test_a_worker_killed_while_putting_a_file_back_leaves_nothing_beside_it(tmp_path: Path, prefix: str) -> None:
+    """Regression (temporary files a worker did not journal): the file written beside the one put back goes with
+    the dead worker's guard; the file at the path is as it was."""
+    path = Path(f"/dev/shm/{prefix}-ring")
+    path.write_bytes(b"as it was")
+    run = subprocess.Popen([sys.executable, "-c", STUCK_PUT_BACK, str(path), str(tmp_path / "images")], cwd=ROOT,
+                           text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    partial = Path(f"{path}.coldsnap-{run.pid}")
+    deadline = time.monotonic() + 30
+    while not partial.exists():
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate(timeout=5)
+        time.sleep(0.005)
+    run.kill()
+    _out, err = run.communicate(timeout=30)
+    assert "restore guard: the worker died" in err, err
+    assert not partial.exists() and path.read_bytes() == b"as it was"

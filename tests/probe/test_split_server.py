@@ -6,6 +6,10 @@ ring's contents as captured and the conversation only the core remembers.
 CPU (real CRIU, n580): the toy model, no CUDA. GPU (n610): the core holds the GPU under the CUDA interposer, the
 front end does not; the same tokens and first logits after each restore. CUDA IPC between two processes of a tree
 is refused before anything is locked or released, naming the processes and the handles.
+
+As in a capsule, the server runs in a PID namespace of its own under the capsule's init (`engine_llama.py launch`,
+its PID floor), the worker captures it from inside, and each restore comes back in a fresh namespace: the captured
+PIDs are free there whatever the host's processes hold.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +37,8 @@ pytestmark = pytest.mark.skipif(CRIU is None, reason="needs root and scripts/cri
 gpu = pytest.mark.skipif(not has_nvidia_driver() or importlib.util.find_spec("torch") is None,
                          reason="needs an NVIDIA driver and torch (run on the GPU host)")
 SERVER = ROOT / "engines" / "split_server.py"
+LAUNCHER = ROOT / "engines" / "engine_llama.py"
+PID_FLOOR = 512  # as a capsule's init: the captured PIDs sit above what a restore's own processes take
 
 
 @pytest.fixture
@@ -45,21 +52,72 @@ def worker(*args: str) -> subprocess.CompletedProcess[str]:
                           check=False, timeout=280)
 
 
+class Namespace:
+    """A PID namespace of its own, with its /proc, as a capsule's container has: `command` is its init, and the
+    namespace ends with it (`unshare --kill-child`). PIDs here are the namespace's, as the worker in it sees them:
+    each restore comes back in a fresh one, where the captured PIDs are free whatever the host's processes hold
+    (a restore on the host's PID space once failed with CRIU's "Can't fork for <pid>: File exists")."""
+
+    def __init__(self, command: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        with open(log, "wb") as out:
+            self.process = subprocess.Popen(["unshare", "--pid", "--mount-proc", "--kill-child", *command], cwd=ROOT,
+                                            env=env, start_new_session=True, stdin=subprocess.DEVNULL, stdout=out,
+                                            stderr=out)
+        deadline, children = time.monotonic() + 10, Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children")
+        while not children.read_text().split():
+            assert self.process.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.005)
+        self.init = int(children.read_text().split()[0])  # the init's host PID
+        self.proc = Path(f"/proc/{self.init}/root/proc")  # the namespace's /proc, read from here
+
+    def alive(self, pid: int) -> bool:
+        try:
+            return (self.proc / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+
+    def children(self, pid: int) -> list[int]:
+        return sorted(int(c) for c in (self.proc / str(pid) / "task" / str(pid) / "children").read_text().split())
+
+    def run(self, *argv: str) -> subprocess.CompletedProcess[str]:
+        """`argv` inside the namespace (its PIDs, its /proc), as `workload-exec` runs the worker in a unit."""
+        return subprocess.run(["nsenter", "--target", str(self.init), "--pid", "--mount", f"--wd={ROOT}", *argv],
+                              capture_output=True, text=True, check=False, timeout=280)
+
+    def end(self) -> None:
+        """Kill the init and so every process of the namespace; wait until the init is gone (after them)."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+        deadline = time.monotonic() + 10
+        while alive(self.init):
+            assert time.monotonic() < deadline, f"the namespace of init {self.init} outlived SIGKILL"
+            time.sleep(0.02)
+
+
 class Split:
-    """The two-process server started from `directory` (its socket and log there); `ask` sends one request."""
+    """The two-process server started from `directory` (its socket and log there) in a namespace of its own,
+    under the capsule's init (engines/engine_llama.py launch: the PID floor, the server a session leader);
+    `ask` sends one request."""
 
     def __init__(self, directory: Path, *args: str, env: dict[str, str] | None = None) -> None:
         directory.mkdir(exist_ok=True)
+        self.directory, self.env = directory, env
         self.socket, self.log = directory / "split.sock", directory / "split.log"
-        with open(self.log, "wb") as log:  # a plain file: CRIU dumps it with the tree
-            self.proc = subprocess.Popen([sys.executable, str(SERVER), "--socket", str(self.socket), *args],
-                                         cwd=ROOT, env=env, start_new_session=True, stdin=subprocess.DEVNULL,
-                                         stdout=log, stderr=log)
-        deadline = time.monotonic() + 240
-        while '"ready"' not in self.log.read_text():
-            assert self.proc.poll() is None and time.monotonic() < deadline, self.log.read_text()[-3000:]
+        server = [sys.executable, str(SERVER), "--socket", str(self.socket), *args]
+        # The server's stdio on a plain file (CRIU dumps it with the tree), not the init's /dev/null.
+        self.ns = Namespace([sys.executable, str(LAUNCHER), "launch", "--pid-floor", str(PID_FLOOR), "--log",
+                             str(directory / "init.log"), "--", "/bin/sh", "-c", 'exec "$@" >> "$0" 2>&1',
+                             str(self.log), *server], directory / "namespace.log", env)
+        deadline, init_log = time.monotonic() + 240, directory / "init.log"
+        while '"ready"' not in (self.log.read_text() if self.log.exists() else ""):
+            assert self.ns.process.poll() is None and time.monotonic() < deadline, \
+                (directory / "namespace.log").read_text()
+            assert "engine_exited" not in (init_log.read_text() if init_log.exists() else ""), self.log.read_text()
             time.sleep(0.02)
-        self.pid = self.proc.pid
+        forked = [json.loads(line) for line in init_log.read_text().splitlines() if "forked" in line]
+        self.pid = int(forked[0]["engine_pid"])  # in the namespace: what the worker and the server see
+        assert self.pid >= PID_FLOOR
 
     def ask(self, message: dict[str, Any]) -> list[dict[str, Any]]:
         with socket.socket(socket.AF_UNIX) as conn:
@@ -74,35 +132,68 @@ class Split:
         return self.ask({"op": "state"})[-1]
 
     def tree(self) -> list[int]:
-        kids = Path(f"/proc/{self.pid}/task/{self.pid}/children").read_text().split()
-        return [self.pid, *sorted(int(k) for k in kids)]
+        return [self.pid, *self.ns.children(self.pid)]
+
+    def capture(self, images: Path, criu: str, *options: str) -> subprocess.CompletedProcess[str]:
+        """The worker captures the server from inside its namespace, as the capsule's worker does."""
+        return self.ns.run(sys.executable, "-m", "coldsnap_probe", "capture", "--pid", str(self.pid), "--images",
+                           str(images), "--criu", criu, *options)
 
     def reap(self, tree: list[int]) -> None:
-        """After the capture ended the tree: every PID of it free again (the orphans are this process's)."""
-        self.proc.wait()
+        """After the capture ended the tree: every process of it gone, then its namespace."""
         deadline = time.monotonic() + 10
-        while any(alive(p) for p in tree):
+        while any(self.ns.alive(p) for p in tree):
             assert time.monotonic() < deadline, f"the captured tree {tree} did not end"
             time.sleep(0.02)
+        self.ns.end()
+
+    def restore(self, images: Path, criu: str, work: Path) -> tuple[int, str, str]:
+        """The worker restores the tree in a fresh namespace, as a restore unit's command does in its container,
+        which then holds the tree; (exit status, report, log)."""
+        self.socket.unlink(missing_ok=True)  # the dead front end's socket file: the restored one binds it again
+        work.mkdir(parents=True)
+        self.ns = Namespace(["/bin/sh", "-c", '"$@" > "$0/report.json" 2> "$0/worker.log"; echo $? > "$0/rc"; '
+                             "exec sleep 86400", str(work), sys.executable, "-m", "coldsnap_probe", "restore",
+                             "--images", str(images), "--criu", criu, "--work-dir", str(work)],
+                            work / "namespace.log", self.env)
+        deadline = time.monotonic() + 280
+        while not (work / "rc").is_file() or not (work / "rc").read_text().strip():
+            assert self.ns.process.poll() is None and time.monotonic() < deadline, (work / "namespace.log").read_text()
+            time.sleep(0.02)
+        return int((work / "rc").read_text()), (work / "report.json").read_text(), (work / "worker.log").read_text()
 
     def stop(self) -> None:
-        """Kill the (restored) tree and wait until every process of it is gone (this process is its subreaper)."""
-        pids = [p for p in self.tree() if alive(p)] if alive(self.pid) else []
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        deadline = time.monotonic() + 10
-        while any(alive(p) for p in pids):
-            assert time.monotonic() < deadline, f"the tree {pids} outlived SIGKILL"
-            time.sleep(0.02)
+        """Kill the (restored) tree with its namespace."""
+        self.ns.end()
+
+
+@contextmanager
+def host_pid_taken(pid: int) -> Iterator[None]:
+    """The host's PID `pid` held by a process of the host's meanwhile (one of ours, through ns_last_pid, unless
+    another holds it already): a restore wanting that PID in the host's PID space would fail."""
+    holder = None
+    for _ in range(20):
+        if Path(f"/proc/{pid}").exists():
+            break
+        Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
+        holder = subprocess.Popen(["sleep", "600"])
+        if holder.pid != pid:  # another fork came first: try again
+            holder.kill()
+            holder.wait()
+            holder = None
+    assert Path(f"/proc/{pid}").exists(), f"could not take the host's PID {pid}"
+    try:
+        yield
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait()
 
 
 def restore(images: Path, criu: str, split: Split, work: Path) -> dict[str, Any]:
-    split.socket.unlink(missing_ok=True)  # the dead front end's socket file: the restored one binds it again
-    done = worker("restore", "--images", str(images), "--criu", criu, "--work-dir", str(work))
-    assert done.returncode == 0, done.stderr
-    report: dict[str, Any] = json.loads(done.stdout)
+    code, out, err = split.restore(images, criu, work)
+    assert code == 0, err
+    report: dict[str, Any] = json.loads(out)
     return report
 
 
@@ -123,8 +214,7 @@ def test_the_two_process_server_is_restored_as_one_tree_with_every_process_s_sta
         split.ask({"prompt": [1, 2, 3], "max_tokens": 4})  # a plain request: in the ring, not in the conversation
         before, tree = split.state(), split.tree()
         assert len(tree) == 3 and before["core_pid"] in tree  # front end, its engine core, the resource tracker
-        done = worker("capture", "--pid", str(split.pid), "--images", str(images), "--boundary", "n580",
-                      "--criu", criu)
+        done = split.capture(images, criu, "--boundary", "n580")
         assert done.returncode == 0, done.stderr
         captured = json.loads(done.stdout)
         ring = f"/dev/shm/{before['ring']}"
@@ -132,7 +222,8 @@ def test_the_two_process_server_is_restored_as_one_tree_with_every_process_s_sta
         split.reap(tree)
         Path(ring).unlink()  # what a fresh node or container has: no such file
         for attempt in (1, 2):
-            report = restore(images, criu, split, tmp_path / f"work-{attempt}")
+            with host_pid_taken(split.pid):  # the restore's namespace is its own: the captured PIDs are free there
+                report = restore(images, criu, split, tmp_path / f"work-{attempt}")
             assert report["restored_pid"] == split.pid and report["shared_files"] == [ring]
             assert split.tree() == tree and split.state() == before
             answer = split.ask({"text": " again", "max_tokens": 6, "conversation": "c"})[-1]
@@ -148,19 +239,17 @@ def test_a_corrupt_copy_of_a_shared_file_refuses_the_restore_before_criu(tmp_pat
     images = tmp_path / "images"
     try:
         ring, tree = split.state()["ring"], split.tree()
-        done = worker("capture", "--pid", str(split.pid), "--images", str(images), "--boundary", "n580",
-                      "--criu", criu)
+        done = split.capture(images, criu, "--boundary", "n580")
         assert done.returncode == 0, done.stderr
         split.reap(tree)
         copy = images / "shm" / ring
         data = bytearray(copy.read_bytes())
         data[100] ^= 1
         copy.write_bytes(bytes(data))
-        split.socket.unlink(missing_ok=True)
-        done = worker("restore", "--images", str(images), "--criu", criu, "--work-dir", str(tmp_path / "work"))
-        assert done.returncode == 1 and "shm-files.json: the tree's shared-memory files cannot be put back" \
-            in done.stderr and f"/dev/shm/{ring}" in done.stderr
-        assert not (tmp_path / "work" / "restore.log").exists() and not alive(split.pid)  # CRIU never ran
+        code, _, err = split.restore(images, criu, tmp_path / "work")
+        assert code == 1 and "shm-files.json: the tree's shared-memory files cannot be put back" in err \
+            and f"/dev/shm/{ring}" in err
+        assert not (tmp_path / "work" / "restore.log").exists() and not split.ns.alive(split.pid)  # CRIU never ran
     finally:
         split.stop()
         Path(f"/dev/shm/{ring}").unlink(missing_ok=True)
@@ -190,7 +279,7 @@ def test_the_two_process_server_with_cuda_in_its_core_restores_to_the_same_token
     prompt = {"prompt": [1, 15043, 29892, 920, 526], "max_tokens": 12}
     try:
         cold, before, tree = split.ask(prompt), split.state(), split.tree()
-        done = worker("capture", "--pid", str(split.pid), "--images", str(tmp_path / "images"), "--criu", criu)
+        done = split.capture(tmp_path / "images", criu)
         assert done.returncode == 0, done.stderr
         captured = json.loads(done.stdout)
         assert captured["cuda_pids"] == [before["core_pid"]]  # the front end holds no CUDA
@@ -199,7 +288,8 @@ def test_the_two_process_server_with_cuda_in_its_core_restores_to_the_same_token
         assert [f["path"] for f in captured["shared_files"]] == [f"/dev/shm/{before['ring']}"]
         split.reap(tree)
         for attempt in (1, 2):
-            report = restore(tmp_path / "images", criu, split, tmp_path / f"work-{attempt}")
+            with host_pid_taken(split.pid):  # as on the H200 once: "Can't fork for <pid>: File exists" no more
+                report = restore(tmp_path / "images", criu, split, tmp_path / f"work-{attempt}")
             assert [d["pid"] for d in report["device_memory"]] == [before["core_pid"]]
             assert split.tree() == tree and split.state() == before
             assert split.ask(prompt) == cold  # tokens, pieces and the first logits' digest

@@ -1,7 +1,9 @@
 """coldsnap_probe._worker_guard and _phase, for real: a capture worker SIGKILLed from outside while CRIU dumps its
 target (a watcher that reads the worker's live phase from its report directory and waits until CRIU has seized
-the tree) leaves the target running with every page intact and no images; the guard's account ends the worker's
-stderr; a failed restore names its phase; a finished worker leaves no live phase behind."""
+the tree) leaves the target running with every page intact, no images (or only the failed dump's log, in an images
+directory that was there before) and no scratch directory; the guard's account ends the worker's stderr; the guard
+acts only on what its journal names, never on a process merely named like CRIU; a failed restore names its phase;
+a finished worker leaves no live phase behind."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from coldsnap_probe import pids_by_argv
 from coldsnap_probe._phase import PhaseLog
 from tests.criu import CRIU, alive, criu_wrapper
 from tests.helpers import ROOT
@@ -33,10 +36,10 @@ def criu(tmp_path: Path) -> Iterator[str]:
         yield wrapper
 
 
-def start_target(control: Path) -> subprocess.Popen[bytes]:
+def start_target(control: Path, mib: int = TARGET_MIB) -> subprocess.Popen[bytes]:
     control.mkdir()
     target = subprocess.Popen([sys.executable, str(ROOT / "bench/criu_target.py"), "--dir", str(control),
-                               "--mib", str(TARGET_MIB)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               "--mib", str(mib)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, start_new_session=True)
     wait_file(control / "ready")
     return target
@@ -55,15 +58,20 @@ def live_phase(reports: Path, pid: int) -> str:
 
 
 def criu_restoring(images: Path) -> bool:
-    words = [b"restore", b"--images-dir", str(images).encode()]
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(argv[i:i + 3] == words for i in range(len(argv) - 2)):
-            return True
-    return False
+    return bool(pids_by_argv(["restore", "--images-dir", str(images), "--restore-detached"]))
+
+
+@contextlib.contextmanager
+def decoy(*words: str) -> Iterator[subprocess.Popen[bytes]]:
+    """A process merely named like a worker's CRIU (another capsule's, a user's program): no guard may wait for it
+    or signal it."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", *words],
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield process
+    finally:
+        process.kill()
+        process.wait()
 
 
 def kill_in_dump(reports: Path, run: subprocess.Popen[str], target: int) -> None:
@@ -76,24 +84,36 @@ def kill_in_dump(reports: Path, run: subprocess.Popen[str], target: int) -> None
 
 
 @pytest.mark.skipif(CRIU is None, reason="needs root and scripts/criu/build's CRIU")
-def test_a_worker_killed_during_the_dump_leaves_its_target_running_and_no_images(tmp_path: Path, criu: str) -> None:
-    control, images, reports = tmp_path / "control", tmp_path / "images", tmp_path / "reports"
+@pytest.mark.parametrize("images_existed", [False, True], ids=["new-images", "existing-images"])
+def test_a_worker_killed_during_the_dump_leaves_its_target_running_and_no_images(tmp_path: Path, criu: str,
+                                                                                 images_existed: bool) -> None:
+    """Also regression (review #12, and the leaked CRIU work directory): a process named like CRIU's dump of the
+    tree neither holds the guard up nor is touched; the worker's scratch directory goes, its dump log kept only in
+    an images directory that stays."""
+    control, images, reports, scratch = (tmp_path / name for name in ("control", "images", "reports", "tmp"))
     reports.mkdir()
+    scratch.mkdir()
+    if images_existed:
+        images.mkdir()
     target = start_target(control)
     try:
-        run = subprocess.Popen([sys.executable, "-m", "coldsnap_probe", "capture", "--pid", str(target.pid),
-                                "--images", str(images), "--boundary", "n580", "--criu", criu], cwd=ROOT, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               env={**os.environ, "COLDSNAP_REPORT_DIR": str(reports)})
-        kill_in_dump(reports, run, target.pid)
-        killed = time.monotonic()
-        out, err = run.communicate(timeout=60)  # EOF once the guard, which shares stderr, is done
-        undone_s = time.monotonic() - killed
+        with decoy("dump", "--tree", str(target.pid)) as named_like_criu:
+            run = subprocess.Popen([sys.executable, "-m", "coldsnap_probe", "capture", "--pid", str(target.pid),
+                                    "--images", str(images), "--boundary", "n580", "--criu", criu], cwd=ROOT,
+                                   text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   env={**os.environ, "COLDSNAP_REPORT_DIR": str(reports), "TMPDIR": str(scratch)})
+            kill_in_dump(reports, run, target.pid)
+            killed = time.monotonic()
+            out, err = run.communicate(timeout=60)  # EOF once the guard, which shares stderr, is done
+            undone_s = time.monotonic() - killed
+            assert named_like_criu.poll() is None
         assert run.returncode == -signal.SIGKILL and out == ""
         assert "coldsnap-worker: capture phase criu-dump\n" in err
         assert "capture guard: the worker died" in err and f"images {images} removed" in err, err
         assert undone_s < 2.0, f"the guard took {undone_s:.2f} s"
-        assert not images.exists()  # nothing half-written, nothing complete without its capture.json
+        # nothing half-written, nothing complete without its capture.json; the dump's log where the images stay
+        assert [p.name for p in images.iterdir()] == ["dump.log"] if images_existed else not images.exists()
+        assert list(scratch.iterdir()) == [], err
         assert target.poll() is None and Path(f"/proc/{target.pid}/stat").read_text().split(") ")[1][0] != "T"
         assert verified(control) == {"ok": True, "bad": [], "bytes": TARGET_MIB << 20, "pid": target.pid}
         assert live_phase(reports, run.pid) == "criu-dump"  # a killed worker's last phase stays for the operator
@@ -117,10 +137,13 @@ def test_a_capture_and_a_failed_restore_name_their_phases_and_leave_no_live_phas
     assert "capture guard" not in done.stderr
     pages = max(images.glob("pages-*.img"), key=lambda p: p.stat().st_size)
     os.truncate(pages, pages.stat().st_size // 2)
-    done = worker("restore", "--images", str(images), "--criu", criu, "--work-dir", str(tmp_path / "work"), env=env)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    done = worker("restore", "--images", str(images), "--criu", criu, env={**env, "TMPDIR": str(scratch)})
     assert done.returncode == 1
     assert "\nerror: restore phase criu-restore: WorkerError: criu restore exited" in done.stderr, done.stderr
     assert not alive(target.pid)
+    assert list(scratch.iterdir()) == []  # the restore's own work directory (its log's tail is in the error)
     # both workers ended: no live phase; the capture's report (a failed restore leaves none)
     assert [p.name.split("-")[:4] for p in reports.iterdir()] == [["coldsnap", "cuda", "criu", "capture"]]
 
@@ -194,36 +217,100 @@ def test_a_worker_killed_in_a_gpu_phase_leaves_its_target_running_on_the_gpu(tmp
 @pytest.mark.parametrize("phase", ["criu-restore", "resume"])
 def test_a_restore_worker_killed_mid_restore_leaves_no_restored_tree(tmp_path: Path, criu: str, phase: str) -> None:
     """A restore worker SIGKILLed from outside as `phase` begins: its guard waits for the orphaned CRIU restore and
-    kills the restored tree (a worker run on a host has no container whose end would)."""
-    control, images, reports = tmp_path / "control", tmp_path / "images", tmp_path / "reports"
+    kills the restored tree (a worker run on a host has no container whose end would), and removes the worker's
+    scratch directory. Regression (review #12): a process named like a CRIU restore or lazy-pages daemon of these
+    images neither holds the guard up nor is killed."""
+    control, images, reports, scratch = (tmp_path / name for name in ("control", "images", "reports", "tmp"))
     reports.mkdir()
+    scratch.mkdir()
     target = start_target(control)
     done = worker("capture", "--pid", str(target.pid), "--images", str(images), "--boundary", "n580", "--criu", criu)
     assert done.returncode == 0, done.stderr
     target.wait()
+    with decoy("restore", "--images-dir", str(images), "lazy-pages", "--images-dir", str(images)) as named_like_criu:
+        run = _restore_killed_in(phase, images, criu, reports, scratch, target.pid)
+        killed = time.monotonic()
+        out, err = run.communicate(timeout=60)
+        undone_s = time.monotonic() - killed
+        assert named_like_criu.poll() is None, err
+    assert out == "" and f"restore phase {phase}\n" in err and "restore guard: the worker died" in err, err
+    assert undone_s < 2.0, f"the guard took {undone_s:.2f} s"
+    assert gone_within(target.pid, 5), f"the restored tree ({target.pid}) outlived its killed worker: {err}"
+    assert list(scratch.iterdir()) == [], err
+
+
+def _restore_killed_in(phase: str, images: Path, criu: str, reports: Path, scratch: Path,
+                       tree: int) -> subprocess.Popen[str]:
+    """A restore worker SIGKILLed as `phase` begins (in criu-restore: once CRIU restores)."""
     for _attempt in range(5):  # a short phase on a busy machine can pass unseen: the restore is done again
         run = subprocess.Popen([sys.executable, "-m", "coldsnap_probe", "restore", "--images", str(images), "--criu",
-                                criu, "--work-dir", str(tmp_path / "work")], cwd=ROOT, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               env={**os.environ, "COLDSNAP_REPORT_DIR": str(reports)})
+                                criu], cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env={**os.environ, "COLDSNAP_REPORT_DIR": str(reports), "TMPDIR": str(scratch)})
         deadline = time.monotonic() + 60
-        # in criu-restore: once CRIU restores (its command line); in resume: as the phase begins
         while not (live_phase(reports, run.pid) == phase and (phase != "criu-restore" or criu_restoring(images))):
             if run.poll() is not None:
                 break
             assert time.monotonic() < deadline, f"no {phase} within 60 s"
             time.sleep(0.0002)
         else:
-            break
+            os.kill(run.pid, signal.SIGKILL)
+            return run
         run.communicate(timeout=60)  # it restored before the watcher saw the phase: undo that and try again
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(target.pid, signal.SIGKILL)
-        assert gone_within(target.pid, 5), f"the restored tree ({target.pid}) could not be removed"
-    else:
-        pytest.fail(f"the restore passed {phase} unseen 5 times")
-    os.kill(run.pid, signal.SIGKILL)
-    killed = time.monotonic()
-    out, err = run.communicate(timeout=60)
-    assert out == "" and f"restore phase {phase}\n" in err and "restore guard: the worker died" in err, err
-    assert time.monotonic() - killed < 2.0
-    assert gone_within(target.pid, 5), f"the restored tree ({target.pid}) outlived its killed worker: {err}"
+            os.killpg(tree, signal.SIGKILL)
+        assert gone_within(tree, 5), f"the restored tree ({tree}) could not be removed"
+    pytest.fail(f"the restore passed {phase} unseen 5 times")
+
+
+# A restore worker that starts its lazy-pages daemon (`named`: as the restore does; else the worker dies between
+# starting it and naming it: only the socket is journalled), says the daemon's pid and waits to be killed.
+LAZY_WORKER = """
+import subprocess, sys, time
+from pathlib import Path
+from coldsnap_probe._process import criu_environment
+from coldsnap_probe._restore import _start_lazy_pages
+from coldsnap_probe._worker_guard import WorkerGuard
+criu, images, named = sys.argv[1], Path(sys.argv[2]), sys.argv[3] == "named"
+guard = WorkerGuard()
+guard.start("restore")
+work = guard.scratch("coldsnap-restore-")
+if named:
+    daemon = _start_lazy_pages(criu, images, work, guard)
+else:
+    guard.note(lazy_socket=str(work / "lazy-pages.socket"))
+    daemon = subprocess.Popen([criu, "lazy-pages", "--images-dir", str(images), "--work-dir", str(work),
+                               "--log-file", str(images.parent / "lazy-pages.log"), "-v4"],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env=criu_environment(criu))
+    while not (work / "lazy-pages.socket").exists():
+        time.sleep(0.001)
+print(daemon.pid, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(CRIU is None, reason="needs root and scripts/criu/build's CRIU")
+@pytest.mark.parametrize("named", [True, False], ids=["named", "started-not-named"])
+def test_a_lazy_pages_daemon_ends_with_its_dead_workers_guard(tmp_path: Path, criu: str, named: bool) -> None:
+    """Regression (review #12): the guard ends the lazy-pages daemon its worker journalled, through its pidfd, or
+    through the socket the worker journalled before starting it (a connection that sends nothing ends its wait),
+    never by its name; the worker's scratch directory goes too."""
+    control, images, scratch = tmp_path / "control", tmp_path / "images", tmp_path / "tmp"
+    scratch.mkdir()
+    target = start_target(control, mib=16)
+    done = worker("capture", "--pid", str(target.pid), "--images", str(images), "--boundary", "n580", "--criu", criu)
+    assert done.returncode == 0, done.stderr
+    target.wait()
+    run = subprocess.Popen([sys.executable, "-c", LAZY_WORKER, criu, str(images), "named" if named else "not"],
+                           cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           env={**os.environ, "TMPDIR": str(scratch)})
+    assert run.stdout is not None
+    daemon = int(run.stdout.readline() or 0)
+    assert daemon and alive(daemon), run.communicate(timeout=30)
+    run.kill()
+    _out, err = run.communicate(timeout=30)
+    assert "restore guard: the worker died" in err, err
+    log = tmp_path / "lazy-pages.log"
+    assert gone_within(daemon, 5), (f"the lazy-pages daemon {daemon} outlived its worker's guard: {err}"
+                                    f"{log.read_text()[-3000:] if log.exists() else ''}")
+    assert list(scratch.iterdir()) == [], err

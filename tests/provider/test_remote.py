@@ -26,7 +26,7 @@ import anyio
 import pytest
 
 from tests.conftest import Registry, docker
-from tests.helpers import EXEC_AS_NOBODY, ROOT, Session, running_daemon, session_as
+from tests.helpers import EXEC_AS_NOBODY, ROOT, Daemon, Session, running_daemon, session_as
 
 _NOBODY = 65534
 
@@ -178,6 +178,19 @@ def test_check_config_remote_entry_is_accepted_with_defaults(tmp_path: Path) -> 
 def _fake_env() -> dict[str, str]:
     return {"NODE_B_ADDRESS": "127.0.0.2", "NODE_B_PORT": "2222", "NODE_B_CLIENT_KEY": "/k/id",
             "NODE_B_KNOWN_HOSTS": "/k/known_hosts", "NODE_B_DOCKER_SOCKET": "/x/docker.sock"}
+
+
+def _maps_the_ssh_stack(daemon: Daemon) -> bool:
+    """Whether the daemon process has cryptography's compiled core mapped (asyncssh's import loads it)."""
+    assert daemon.process is not None
+    return "/cryptography/" in Path(f"/proc/{daemon.process.pid}/maps").read_text()
+
+
+async def test_a_daemon_loads_the_ssh_stack_only_when_a_remote_entry_is_configured(node_b: NodeB) -> None:
+    """asyncssh and cryptography (about 0.2 s of imports) wait for a [[remote]] entry: most daemons have none."""
+    async with running_daemon() as plain, running_daemon(node_b.config()) as remote:
+        assert not _maps_the_ssh_stack(plain)
+        assert _maps_the_ssh_stack(remote)
 
 
 # --- exec -----------------------------------------------------------------------------------

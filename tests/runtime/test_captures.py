@@ -125,6 +125,8 @@ def test_capsule_through_the_store_build_push_pull_run_on_another_node(
         pulled = await session_b.runtime("image-pull", image=tag)
         assert pulled.ok, pulled.error
         assert (store_b / "captures" / f"{capture.split(':')[1]}.json").exists()
+        # The pull made the capture's files: the first run after it mounts them at once (tier "tree").
+        assert (store_b / "trees" / capture.split(":")[1] / "images" / "pages-1.img").is_file()
         there = await session_b.runtime("workload-run", workload={
             "name": "", "image": tag, "remove_after_exit": True, "command": _checksums_command()})
         assert there.ok, there.error
@@ -137,7 +139,8 @@ def test_capsule_through_the_store_build_push_pull_run_on_another_node(
         assert sample(metrics, "coldsnap_provider_capture_store_hits_total", tier="registry") == 1
         assert sample(metrics, "coldsnap_provider_capture_store_read_bytes_total", tier="registry") == \
             CHUNK_BYTES + (3 << 20)  # the random chunk and the tail: no zeros moved
-        assert sample(metrics, "coldsnap_provider_capture_store_hits_total", tier="disk") == 1
+        assert sample(metrics, "coldsnap_provider_capture_store_hits_total", tier="disk") == 1  # at the pull
+        assert sample(metrics, "coldsnap_provider_capture_store_hits_total", tier="tree") == 1  # the run
         assert (await session_b.runtime("image-remove", image=tag)).ok
 
     try:
@@ -184,6 +187,33 @@ def test_an_interrupted_pull_resumes_from_the_verified_chunks(node_b: tuple[Daem
     lost.unlink()
     _pull(daemon, tag)
     assert record.exists() and lost.exists() and kept.stat().st_ino == inode  # only what was missing came again
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncated"])
+def test_a_damaged_blob_in_the_registry_fails_the_pull_naming_it_and_nothing_of_it_is_kept(
+        node_b: tuple[Daemon, Path], capsule: tuple[str, str], registry: Registry, damage: str) -> None:
+    """The chunk comes through a worker thread's stream (_blob_fetch.py): checked against its digest and size
+    before it takes its name; the capture is not listed."""
+    (daemon, store), (tag, capture) = node_b, capsule
+    _pull(daemon, tag)
+    blob = max((store / "blobs" / "sha256").iterdir(), key=lambda p: p.stat().st_size)
+    blobs = registry.credentials_file.parent / "data/docker/registry/v2/blobs/sha256"  # the registry's storage
+    served = blobs / blob.name[:2] / blob.name / "data"
+    record = store / "captures" / f"{capture.split(':')[1]}.json"
+    original = served.read_bytes()
+    blob.unlink()
+    record.unlink()
+    served.write_bytes(original[:-1] + bytes([original[-1] ^ 1]) if damage == "corrupt" else original[:-4096])
+    try:
+        session = _session(daemon)
+        reply = anyio.run(lambda: session.runtime("image-pull", image=tag))
+        assert not reply.ok and f"registry {registry.address}: blob sha256:{blob.name} is corrupt or truncated" \
+            in str(reply.error), reply.error
+        assert not blob.exists() and not record.exists() and not list((store / "tmp").iterdir())
+    finally:
+        served.write_bytes(original)
+    _pull(daemon, tag)
+    assert blob.exists() and record.exists()
 
 
 def test_a_damaged_chunk_refuses_the_run_naming_it_before_anything_starts(node_b: tuple[Daemon, Path],
@@ -336,6 +366,40 @@ def test_a_dockerfile_may_not_name_a_capture_itself(node_a: tuple[Daemon, Path],
         anyio.run(run)
     finally:
         docker("image", "rm", "-f", forged, check=False)
+        docker("image", "rm", "-f", derived, check=False)
+        shutil.rmtree(context, ignore_errors=True)
+
+
+def test_a_later_layer_over_a_stub_path_is_what_the_workload_sees(
+        node_a: tuple[Daemon, Path], capsule: tuple[str, str], capture_context: tuple[Path, dict[str, str]]) -> None:
+    """Regression: review #14. An image built FROM a capsule (its capture labels inherited) puts its own file at a
+    stub path: the workload sees that file, as the image shows it without a store (the capture's file is not bound
+    over it), and the capture's other files still come from the store."""
+    (daemon, _), (capsule_tag, _) = node_a, capsule
+    _, sums = capture_context
+    context = Path(tempfile.mkdtemp(prefix="cs-overctx-", dir="/var/tmp"))
+    context.chmod(0o755)
+    (context / "mine.img").write_bytes(b"the manager's own pages\n")
+    (context / "mine.img").chmod(0o644)
+    derived = f"localhost/{uniq('over')}:1"
+    session = _session(daemon)
+
+    async def run() -> None:
+        built = await session.runtime("image-build", build=build_request(
+            f"FROM {capsule_tag}\nCOPY mine.img /capsule/images/pages-1.img\n", str(context), derived))
+        assert built.ok, built.error
+        for _ in range(2):  # the second run of the image is answered from what the first one read of it
+            ran = await session.runtime("workload-run", workload={
+                "name": "", "image": derived, "remove_after_exit": True, "command": [
+                    "sh", "-c", "head -c 64 /capsule/images/pages-1.img; sha256sum /capsule/images/dump/seg-0.bin"]})
+            assert ran.ok, ran.error
+            output = ran.runtime.output  # type: ignore[union-attr]
+            assert output.startswith(b"the manager's own pages\n"), output[:64]
+            assert sums["dump/seg-0.bin"].encode() in output
+
+    try:
+        anyio.run(run)
+    finally:
         docker("image", "rm", "-f", derived, check=False)
         shutil.rmtree(context, ignore_errors=True)
 

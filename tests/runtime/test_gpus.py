@@ -14,6 +14,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiodocker
 import anyio
 import msgspec
 import pytest
@@ -23,18 +24,23 @@ from coldsnap_runtime import DockerBackend
 from coldsnap_runtime.backend._gpus import (
     HELD_GPUS_LABEL,
     GpuHolder,
+    GpuPolicy,
+    HostPolicy,
     cdi_device_names,
     driver_files,
     gpu_conflicts,
     held_gpus,
     native_access,
     parse_inventory,
+    realise,
     refuse_held,
     select_gpus,
 )
 from coldsnap_runtime.backend._host_privilege import (
-    engine_bounding_set,
+    CAPABILITY_PROBE_IMAGE,
+    engine_process,
     host_devices,
+    host_privilege,
     read_bounding_set,
     unknown_capability,
 )
@@ -235,11 +241,36 @@ class TestPrivilege:
 # --- the real engine, through a real daemon --------------------------------------------------
 
 engine = pytest.mark.usefixtures("no_leftovers")
-_ENGINE_BOUNDING = engine_bounding_set("/var/run/docker.sock")
+_ENGINE_BOUNDING = (engine_process("/var/run/docker.sock") or (None,))[0]
 _ENGINE_MISSING = missing_capabilities(_ENGINE_BOUNDING, 40) if _ENGINE_BOUNDING is not None else ()
 needs_partial_engine = pytest.mark.skipif(
     not _ENGINE_MISSING, reason="the engine here can grant every capability (Docker's privileged mode works)")
 
+
+@engine
+@needs_partial_engine
+async def test_host_capabilities_asks_each_engine_process_once_which_capabilities_it_can_name(tmp_path: Path) -> None:
+    """The probe creates (refused by the real engine: nothing is created) run for the first privileged run only."""
+    asked: list[list[str]] = []
+    socket_path = tmp_path / "engine.sock"  # the same engine, under a path no other test's grant was kept for
+    socket_path.symlink_to("/var/run/docker.sock")
+    async with aiodocker.Docker() as engine_api:
+
+        async def rejects(caps: list[str]) -> str:
+            asked.append(caps)
+            try:
+                created = await engine_api.containers.create({"Image": CAPABILITY_PROBE_IMAGE,
+                                                               "HostConfig": {"CapAdd": caps}})
+            except aiodocker.DockerError as exc:
+                return str(exc.message)
+            await created.delete(force=True)
+            return ""
+
+        first = await host_privilege("/", "host-capabilities", str(socket_path), None, rejects)
+        probes = len(asked)
+        second = await host_privilege("/", "host-capabilities", str(socket_path), None, rejects)
+    assert first is not None and second == first and probes >= 1 and len(asked) == probes
+    assert not set(_ENGINE_MISSING) & set(first.capabilities)
 
 @engine
 @needs_partial_engine
@@ -290,6 +321,43 @@ async def run_on_gpu0(image: str, prefix: str, config: str) -> tuple[str, Reply]
         reply = await session.runtime("workload-run", workload={
             "name": name, "image": image, "detached": True, "gpus": ["0"], "command": ["true"]})
     return name, reply
+
+
+async def test_native_runs_read_the_inventory_again_only_when_the_drivers_state_changes(host: Path) -> None:
+    """nvidia-smi (a script standing in for the driver's tool: no GPU here) runs once per driver state, and a GPU
+    swapped in a slot (its `information` changed) is read again; native mode never asks the engine's /info."""
+    calls, listing = host / "smi-calls", host / "smi-listing"
+    listing.write_text(SMI)
+    smi = host / "usr/local/nvidia/bin/nvidia-smi"
+    smi.write_text(f"#!/bin/sh\necho run >> {calls}\ncat {listing}\n")
+    smi.chmod(0o755)
+    (host / "proc/driver/nvidia/version").write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.04\n")
+    policy = HostPolicy(gpus=GpuPolicy(mode="native"), root=str(host))
+
+    async def no_info() -> dict[str, object]:
+        raise AssertionError("native mode asked the engine's /info")
+
+    async def run(gpu: str) -> tuple[str, ...]:
+        realised = await realise(spec(gpus=[gpu], environment={"LD_LIBRARY_PATH": "/x"}), policy, socket_path="",
+                                 engine_info=no_info, image_info=no_info, rejects=no_info)
+        assert realised.gpus is not None
+        return realised.gpus.devices
+
+    assert "/dev/nvidia3" in await run("1") and "/dev/nvidia0" in await run("0")
+    assert "/dev/nvidia3" in await run("1") and "/dev/nvidia0" in await run("0")
+    assert calls.read_text().count("run") == 1
+    swapped = "GPU-99999999-2222-3333-4444-555555555555"
+    info = host / "proc/driver/nvidia/gpus/0000:2a:00.0/information"
+    info.write_text(info.read_text().replace(UUID1, swapped).replace("Device Minor: \t 3", "Device Minor: \t 0"))
+    listing.write_text(SMI.replace(UUID1, swapped))
+    assert "/dev/nvidia0" in await run(swapped)
+    assert calls.read_text().count("run") == 2
+    with pytest.raises(RuntimeFailed, match=UUID1):  # the swapped-out GPU is unknown now
+        await run(UUID1)
+    (host / "proc/driver/nvidia/version").unlink()  # no driver state to compare: read every time
+    await run("0")
+    await run("0")
+    assert calls.read_text().count("run") == 4
 
 
 @engine

@@ -3,8 +3,10 @@ context's files (backend/_capture_build.destinations): no engine needed."""
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import io
+import mmap
 import os
 import subprocess
 from collections.abc import Iterator
@@ -70,8 +72,56 @@ def test_tree_gives_back_the_same_bytes_with_holes_for_zeros(store: CaptureStore
     assert store.tree(capture) == (tree, 0)  # made once
 
 
+def cached_share(path: Path) -> float:
+    """The share of the file's pages in the page cache: mincore(2) over a private map of it (which reads nothing;
+    a probing read would start a read-ahead)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mapped:
+        pages = -(-len(mapped) // mmap.PAGESIZE)
+        vector = ctypes.create_string_buffer(pages)
+        address = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
+        try:
+            assert libc.mincore(address, len(mapped), vector) == 0, os.strerror(ctypes.get_errno())
+            return sum(b & 1 for b in vector.raw) / pages
+        finally:
+            del address
+
+
+def drop(path: Path) -> None:
+    """Write the file back and drop it from the page cache (a chunk long after its pull, or after a drop)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("cold", [False, True], ids=["cached", "cold"])
+def test_tree_reads_each_chunk_once_and_leaves_only_the_tree_in_the_page_cache(store: CaptureStore,
+                                                                                cold: bool) -> None:
+    """A chunk, cold or cached (just pulled), is dropped from the page cache once copied: the cache never holds a
+    chunk and its tree copy, the same bytes twice."""
+    pages = os.urandom(CHUNK_BYTES + 3 * MIB + 123)  # a tail that is not a whole page
+    capture, stored = _capture(store, {"images/pages-1.img": pages})
+    blobs = [store.blob_path(c) for c in stored[0].chunks if c]
+    for blob in blobs:
+        if cold:
+            drop(blob)
+        else:
+            blob.read_bytes()
+        assert cached_share(blob) == (0.0 if cold else 1.0)
+    tree, read = store.tree(capture)
+    assert read == len(pages) and (tree / "images/pages-1.img").read_bytes() == pages
+    assert [cached_share(blob) for blob in blobs] == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("cold", [False, True], ids=["cached", "cold"])
 @pytest.mark.parametrize("damage", ["corrupt", "truncated", "missing"])
-def test_tree_refuses_a_damaged_chunk_naming_it_and_leaves_nothing(store: CaptureStore, damage: str) -> None:
+def test_tree_refuses_a_damaged_chunk_naming_it_and_leaves_nothing(store: CaptureStore, damage: str,
+                                                                   cold: bool) -> None:
+    """Cached or cold, a damaged chunk is refused by name."""
     capture, stored = _capture(store, {"images/pages-1.img": os.urandom(2 * MIB)})
     chunk = stored[0].chunks[0]
     assert chunk is not None
@@ -81,9 +131,12 @@ def test_tree_refuses_a_damaged_chunk_naming_it_and_leaves_nothing(store: Captur
             out.seek(MIB)
             out.write(b"\xff")
     elif damage == "truncated":
-        os.truncate(blob, MIB)
+        os.truncate(blob, MIB + 5)
     else:
         blob.unlink()
+    if cold and damage != "missing":
+        drop(blob)
+        assert cached_share(blob) == 0.0
     with pytest.raises(StoreError, match=f"images/pages-1.img: chunk {chunk} is"):
         store.tree(capture)
     assert not list((store.root / "trees").iterdir()) and not list((store.root / "tmp").iterdir())

@@ -64,7 +64,8 @@ static void keep(struct received *got, int fd)
 static void forget(struct received *got)
 {
     for (size_t i = 0; i < got->count; i++)
-        close(got->fds[i]);
+        if (got->fds[i] >= 0)  /* -1: closed by the hydration that was done with it */
+            close(got->fds[i]);
     __atomic_sub_fetch(&held_fds, (long)got->count, __ATOMIC_ACQ_REL);
     got->count = 0;
 }

@@ -30,6 +30,9 @@
 #define CSCU_VERIFY_SAMPLED "sampled"               /* hydration/_interposer.py: verification() */
 #define CSCU_PAGE_FDS 16                            /* descriptors one page may carry */
 #define CSCU_STAGED_MAX 4096                        /* descriptors one request may bring: one per region */
+/* A dump staged to be copied from (memory/_device_dump.py: STAGE_GROUP): one staged allocation backs consecutive
+ * released regions (table order) up to this many bytes, a larger region alone. */
+#define CSCU_STAGE_GROUP ((size_t)1 << 30)
 #define CSCU_REQUEST_LINE 65536                     /* bytes of a request line */
 #define CSCU_REQUEST_FIELD 4096                     /* bytes of a `dir` value, its NUL included */
 #define CSCU_ANSWER 65536                           /* bytes of a control answer beyond the manifest */

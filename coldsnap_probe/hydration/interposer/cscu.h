@@ -275,8 +275,12 @@ CSCU_HIDDEN CUresult cscu_vmm_bind(cscu_bind_fn real, CUmemGenericAllocationHand
 CSCU_HIDDEN CUresult cscu_vmm_back(struct cscu_region *r);
 CSCU_HIDDEN CUresult cscu_vmm_unback(struct cscu_region *r);
 /* 1 when a node hydrator's staged allocation may stand in for region r (ours, or the engine's with one whole
- * mapping, read-write for its device only, and no property a staged allocation lacks). */
+ * mapping, read-write for its device only, and no property a staged allocation lacks: GPUDirect RDMA included,
+ * which no imported allocation has in the importing process). Otherwise a stage is copied from (hydrate.c). */
 CSCU_HIDDEN int cscu_vmm_stageable(const struct cscu_region *r);
+/* Region r's allocation now lives on r's device, backed by `handle` (re-created or adopted): the record follows
+ * (its device, and the access it recorded for the old device, so that the next hydration gives it again). */
+CSCU_HIDDEN void cscu_vmm_backed(struct cscu_region *r, CUmemGenericAllocationHandle handle);
 
 /* --- stream-ordered allocations (stream_ordered.c) --------------------------------------------------------- */
 /* cuMemAllocAsync / cuMemAllocFromPoolAsync (pool NULL: the device's current pool) of the threshold or more as
@@ -329,10 +333,12 @@ CSCU_HIDDEN void cscu_gate_exempt(void);
  * locked and the gate closed. */
 CSCU_HIDDEN void cscu_release(const char *dir, char *out, size_t room);
 CSCU_HIDDEN void cscu_hydrate(const char *dir, const char *policy, int digests, char *out, size_t room);
-/* Hydrate from the allocations a node hydrator filled (`fds`, `n` of them, exported as POSIX descriptors): the
- * k-th is imported and mapped whole at the k-th released region (table order), so `n` must equal the released
- * regions; then the sampled read-back against the dump in `dir`. The descriptors stay the caller's. */
-CSCU_HIDDEN void cscu_hydrate_staged(const char *dir, const char *policy, const int *fds, size_t n, char *out,
+/* Hydrate from the allocations a node hydrator filled (`fds`, `n` of them, exported as POSIX descriptors): one per
+ * released region (table order), each adoptable, is imported and mapped whole at its region; one per group of
+ * them (hydrate.c's stage_groups) is copied from, each region re-created as a fill would; then the sampled
+ * read-back against the dump in `dir`. The descriptors stay the caller's; one copied from is closed once imported
+ * and set to -1 (its allocation is then freed as soon as its copies are done). */
+CSCU_HIDDEN void cscu_hydrate_staged(const char *dir, const char *policy, int *fds, size_t n, char *out,
                                      size_t room);
 
 /* --- digests: SHA-256 (libcrypto when present, our own otherwise) ------------------------------------------- */

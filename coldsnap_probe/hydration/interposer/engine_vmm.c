@@ -37,6 +37,14 @@ static struct cscu_vmm *by_handle(CUmemGenericAllocationHandle h)
     return NULL;
 }
 
+/* A value of ours whose record is gone (the engine released it more often than it created and retained it): the
+ * driver never sees it (it would take it for a host pointer); the call is refused as the driver refuses a released
+ * handle. Under the table's lock. */
+static int stale(CUmemGenericAllocationHandle h)
+{
+    return (h & 0xffff000000000000ull) == HANDLE_BASE && !by_handle(h);
+}
+
 /* The record whose recorded mapping holds `p` (any address inside it, as cuMemRetainAllocationHandle takes). */
 static struct cscu_vmm *by_address(CUdeviceptr p)
 {
@@ -207,6 +215,10 @@ CUresult cscu_vmm_release(cscu_release_fn real, CUmemGenericAllocationHandle h)
     CUresult rc = CUDA_SUCCESS;
     cscu_regions_lock();
     struct cscu_vmm *v = by_handle(h);
+    if (!v && stale(h)) {
+        cscu_regions_unlock();
+        return CUDA_ERROR_INVALID_VALUE;
+    }
     if (!v) {
         cscu_regions_unlock();
         if ((rc = real(h)) == CUDA_SUCCESS)
@@ -227,7 +239,10 @@ CUresult cscu_vmm_map(cscu_map_fn real, CUdeviceptr p, size_t n, size_t offset, 
     cscu_regions_lock();
     struct cscu_vmm *v = by_handle(h);
     CUmemGenericAllocationHandle use = v ? v->real : h;
+    int gone = !v && stale(h);
     cscu_regions_unlock();
+    if (gone)
+        return CUDA_ERROR_INVALID_VALUE;
     CUresult rc = real(p, n, offset, use, flags);
     if (rc != CUDA_SUCCESS || !v)
         return rc;
@@ -344,21 +359,35 @@ CUresult cscu_vmm_properties(cscu_props_fn real, CUmemAllocationProp *prop, CUme
     cscu_regions_lock();
     struct cscu_vmm *v = by_handle(h);
     CUmemGenericAllocationHandle use = v ? v->real : h;
-    if (v && !v->real && prop)  /* released (only the control thread runs then): the properties it will have */
-        *prop = v->prop;
+    CUmemAllocationProp made;
+    int gone = !v && stale(h);
+    if (v)
+        made = v->prop;
     cscu_regions_unlock();
-    return v && !use ? (prop ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE) : real(prop, use);
+    if (gone || (v && !prop))
+        return CUDA_ERROR_INVALID_VALUE;
+    if (v && !use) {  /* released (only the control thread runs then): the properties it will have */
+        *prop = made;
+        return CUDA_SUCCESS;
+    }
+    CUresult rc = real(prop, use);
+    /* The engine's own answer as it made it: a staged allocation adopted in its place is exportable and an imported
+     * handle may not report its allocation flags. */
+    if (rc == CUDA_SUCCESS && v)
+        *prop = made;
+    return rc;
 }
 
-/* The driver's handle for the engine's `h` (h itself when it is none of ours, `*ours` then 0). */
+/* The driver's handle for the engine's `h` (h itself when it is none of ours, `*ours` then 0; 0 for a stale one of
+ * ours, `*ours` then -1: the caller refuses it). */
 static CUmemGenericAllocationHandle translate(CUmemGenericAllocationHandle h, int *ours)
 {
     cscu_regions_lock();
     struct cscu_vmm *v = by_handle(h);
     CUmemGenericAllocationHandle use = v ? v->real : h;
-    *ours = v != NULL;
+    *ours = v ? 1 : stale(h) ? -1 : 0;
     cscu_regions_unlock();
-    return use;
+    return *ours < 0 ? 0 : use;
 }
 
 /* After a call that let the memory of `h` out of this process's hands: it stays on the checkpoint path for good. */
@@ -377,7 +406,8 @@ CUresult cscu_vmm_export(cscu_export_fn real, void *out, CUmemGenericAllocationH
                          unsigned long long flags)
 {
     int ours;
-    CUresult rc = real(out, translate(h, &ours), type, flags);
+    CUmemGenericAllocationHandle use = translate(h, &ours);
+    CUresult rc = ours < 0 ? CUDA_ERROR_INVALID_VALUE : real(out, use, type, flags);
     if (rc == CUDA_SUCCESS && ours)
         pin(h);  /* another process may import it: its memory must stay where it is */
     return rc;
@@ -387,7 +417,8 @@ CUresult cscu_vmm_bind(cscu_bind_fn real, CUmemGenericAllocationHandle mc, size_
                        CUmemGenericAllocationHandle h, size_t offset, size_t n, unsigned long long flags)
 {
     int ours;
-    CUresult rc = real(mc, mc_offset, translate(h, &ours), offset, n, flags);
+    CUmemGenericAllocationHandle use = translate(h, &ours);
+    CUresult rc = ours < 0 ? CUDA_ERROR_INVALID_VALUE : real(mc, mc_offset, use, offset, n, flags);
     if (rc == CUDA_SUCCESS && ours)
         pin(h);  /* a re-created allocation would not be bound */
     return rc;

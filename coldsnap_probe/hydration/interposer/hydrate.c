@@ -51,20 +51,23 @@ static int check_devices(const char *policy, char *error, size_t room)
     const struct cscu_driver *d = cscu_driver();
     size_t count;
     struct cscu_region *regions = cscu_regions(&count);
+    CUcontext asked = NULL;  /* the last context whose device was read: regions mostly share one (~830 pages) */
+    char uuid[48], name[96];
+    CUdevice dev = -1;
     cscu_devices_forget();
     for (size_t i = 0; i < count; i++) {
         struct cscu_region *r = &regions[i];
-        char uuid[48], name[96];
-        CUdevice dev;
-        CUresult rc;
+        CUresult rc = CUDA_SUCCESS;
         if (r->handle)
             continue;
-        if ((rc = d->ctx_set_current(r->context)) != CUDA_SUCCESS || (rc = d->ctx_get_device(&dev)) != CUDA_SUCCESS
-            || cscu_device_identity(dev, uuid, name) != 0) {
+        if (r->context != asked
+            && ((rc = d->ctx_set_current(r->context)) != CUDA_SUCCESS || (rc = d->ctx_get_device(&dev)) != CUDA_SUCCESS
+                || cscu_device_identity(dev, uuid, name) != 0)) {
             snprintf(error, room, "region %#llx: its context's device cannot be read: %s", r->address,
                      cscu_error_name(rc));
             return -1;
         }
+        asked = r->context;
         if (strcmp(name, r->name) != 0 || (strcmp(policy, CSCU_POLICY_SAME_GPU) == 0 && strcmp(uuid, r->uuid) != 0)) {
             snprintf(error, room, "region %#llx was dumped on %s (%s), this GPU is %s (%s): policy %s refuses %s",
                      r->address, r->name, r->uuid, name, uuid, policy,
@@ -77,34 +80,124 @@ static int check_devices(const char *policy, char *error, size_t room)
     return 0;
 }
 
-/* Sampled read-back: the first and last bytes of each segment on the device equal the file's. */
-static int verify_samples(const int *fds, const char *take, char *error, size_t room)
+/* Sampled read-back, shared by its threads: the next segment to check, and the first mismatch. */
+struct samples {
+    const int *fds;
+    const char *take;
+    size_t next;
+    int bad;
+    pthread_mutex_t lock;
+    char *error;
+    size_t room;
+};
+
+/* A sampling thread's means: a page-locked buffer and a stream of its own in the context it reads from (the
+ * driver's synchronous copies into pageable memory go one at a time, however many threads ask: 832 segments took
+ * 0.08 s on the H200 either way); a plain buffer and the synchronous copy where those cannot be had. */
+struct sampler {
+    char *device, *file;
+    int pinned;
+    CUcontext context;
+    CUstream stream;
+};
+
+/* `ctx` made current, with the sampler's stream in it; the driver's answer to the first. */
+static CUresult sampler_in(struct sampler *sp, CUcontext ctx)
+{
+    const struct cscu_driver *d = cscu_driver();
+    CUresult rc = d->ctx_set_current(ctx);
+    if (rc != CUDA_SUCCESS || ctx == sp->context)
+        return rc;
+    if (sp->stream)
+        d->stream_destroy(sp->stream);
+    sp->stream = NULL, sp->context = ctx;
+    void *locked = NULL;
+    if (!sp->pinned && d->host_alloc(&locked, SAMPLE, 0x01 /* CU_MEMHOSTALLOC_PORTABLE */) == CUDA_SUCCESS) {
+        free(sp->device);
+        sp->device = locked, sp->pinned = 1;
+    }
+    if (d->stream_create(&sp->stream, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS)
+        sp->stream = NULL;
+    return CUDA_SUCCESS;
+}
+
+static void sampler_close(struct sampler *sp)
+{
+    const struct cscu_driver *d = cscu_driver();
+    if (sp->stream)
+        d->stream_destroy(sp->stream);
+    if (sp->pinned)
+        d->free_host(sp->device);
+    else
+        free(sp->device);
+    free(sp->file);
+}
+
+/* Segment i's first and last bytes on the device against its file; 0, or -1 with `why` set. */
+static int sample_one(size_t i, int fd, struct sampler *sp, char *why, size_t room)
 {
     const struct cscu_driver *d = cscu_driver();
     size_t count;
-    struct cscu_region *regions = cscu_regions(&count);
-    char *device = malloc(SAMPLE), *file = malloc(SAMPLE);
-    int bad = !device || !file;
-    for (size_t i = 0; i < cscu_segment_count && !bad; i++) {
-        struct cscu_region *r = &regions[cscu_segments[i].region];
-        size_t n = cscu_segments[i].size < SAMPLE ? cscu_segments[i].size : SAMPLE;
-        size_t starts[2] = {0, cscu_segments[i].size - n};
-        if (!take[i])
-            continue;
-        for (int k = 0; k < 2 && !bad; k++) {
-            CUresult rc = d->ctx_set_current(r->context);
-            if (rc == CUDA_SUCCESS)
-                rc = d->memcpy_dtoh(device, r->address + cscu_segments[i].offset + starts[k], n);
-            bad = rc != CUDA_SUCCESS || cscu_full_io(1, fds[i], file, n, (off_t)starts[k]) != 0
-                  || memcmp(device, file, n) != 0;
-            if (bad)
-                snprintf(error, room, "%s at +%zu: the device bytes differ from the dump after the fill (%s)",
-                         cscu_segments[i].file, starts[k], cscu_error_name(rc));
+    struct cscu_region *r = &cscu_regions(&count)[cscu_segments[i].region];
+    size_t n = cscu_segments[i].size < SAMPLE ? cscu_segments[i].size : SAMPLE;
+    size_t starts[2] = {0, cscu_segments[i].size - n};
+    for (int k = 0; k < 2; k++) {
+        CUdeviceptr from = r->address + cscu_segments[i].offset + starts[k];
+        CUresult rc = sampler_in(sp, r->context);
+        if (rc == CUDA_SUCCESS && sp->stream && sp->pinned
+            && (rc = d->memcpy_dtoh_async(sp->device, from, n, sp->stream)) == CUDA_SUCCESS)
+            rc = d->stream_synchronize(sp->stream);
+        else if (rc == CUDA_SUCCESS)
+            rc = d->memcpy_dtoh(sp->device, from, n);
+        if (rc != CUDA_SUCCESS || cscu_full_io(1, fd, sp->file, n, (off_t)starts[k]) != 0
+            || memcmp(sp->device, sp->file, n) != 0) {
+            snprintf(why, room, "%s at +%zu: the device bytes differ from the dump after the fill (%s)",
+                     cscu_segments[i].file, starts[k], cscu_error_name(rc));
+            return -1;
         }
     }
-    free(device);
-    free(file);
-    return bad ? -1 : 0;
+    return 0;
+}
+
+static void *sample_thread(void *arg)
+{
+    struct samples *s = arg;
+    struct sampler sp = {.device = malloc(SAMPLE), .file = malloc(SAMPLE)};
+    char why[512] = "out of host memory";
+    cscu_gate_exempt();  /* runs while the gate is closed, like the copy threads */
+    for (;;) {
+        pthread_mutex_lock(&s->lock);
+        size_t i = s->next++;
+        int stop = s->bad || i >= cscu_segment_count;
+        pthread_mutex_unlock(&s->lock);
+        if (stop)
+            break;
+        if (!s->take[i] || (sp.device && sp.file && sample_one(i, s->fds[i], &sp, why, sizeof(why)) == 0))
+            continue;
+        pthread_mutex_lock(&s->lock);
+        if (!s->bad++)
+            snprintf(s->error, s->room, "%s", why);
+        pthread_mutex_unlock(&s->lock);
+    }
+    sampler_close(&sp);
+    return NULL;
+}
+
+/* Sampled read-back: the first and last bytes of each segment on the device equal the file's. Many small regions
+ * (an engine's VMM pages: ~830 at 16 GiB) are sampled by the copy threads at once, not one after another. */
+static int verify_samples(const int *fds, const char *take, char *error, size_t room)
+{
+    struct samples s = {.fds = fds, .take = take, .lock = PTHREAD_MUTEX_INITIALIZER, .error = error, .room = room};
+    size_t want = cscu_segment_count / 16 + 1, made = 0;
+    pthread_t ids[64];  /* the copy threads at most (driver.c caps COLDSNAP_CUDA_INTERPOSER_THREADS) */
+    if (want > (size_t)cscu_config()->threads)
+        want = (size_t)cscu_config()->threads;
+    while (made + 1 < want && made < 64 && pthread_create(&ids[made], NULL, sample_thread, &s) == 0)
+        made++;
+    sample_thread(&s);  /* this thread too (exempt already: the control socket's) */
+    for (size_t t = 0; t < made; t++)
+        pthread_join(ids[t], NULL);
+    return s.bad ? -1 : 0;
 }
 
 /* `spent`: the copy threads' thread-seconds waiting for the device, reading the files, digesting. */
@@ -185,7 +278,8 @@ static int begin(struct hydration *h, const char *dir, const char *policy)
 }
 
 /* Verify (when `ok`), then answer: the report, or the refusal with everything this hydration mapped undone (the
- * regions stay released, the gate closed). Frees what begin() took. */
+ * regions stay released, the gate closed). `staged`: 0 filled from the files, 1 staged allocations adopted, 2
+ * copied from staged allocations. Frees what begin() took. */
 static void finish(struct hydration *h, int ok, const char *policy, int digests, int staged, char *out, size_t room)
 {
     double verify_started = cscu_now();
@@ -211,7 +305,7 @@ static void finish(struct hydration *h, int ok, const char *policy, int digests,
              "\"verify\":\"%s\",\"digest_engine\":\"%s\",\"threads\":%d,\"staged\":%s,\"fill_device_thread_s\":%.6f,"
              "\"fill_read_thread_s\":%.6f,\"fill_digest_thread_s\":%.6f,\"zero_bytes\":%zu}}", h->bytes, h->restored,
              cscu_segment_count, total, h->fill_s > 0 ? (double)h->bytes / h->fill_s / 1e9 : 0.0, h->check_s,
-             staged ? "adopt_s" : "create_s", h->place_s, h->fill_s, cscu_now() - verify_started, policy,
+             staged == 2 ? "copy_s" : staged ? "adopt_s" : "create_s", h->place_s, h->fill_s, cscu_now() - verify_started, policy,
              digests ? "digest" : "sampled",
              cscu_digest_engine(cscu_segment_count ? cscu_segments[0].kind : CSCU_KIND_CRC32),
              cscu_config()->threads, staged ? "true" : "false", h->spent[0], h->spent[1], h->spent[2], h->zero);
@@ -248,7 +342,6 @@ void cscu_hydrate(const char *dir, const char *policy, int digests, char *out, s
 /* --- hydrate from staged allocations ------------------------------------------------------------------------ */
 typedef CUresult (*import_fn)(CUmemGenericAllocationHandle *, void *, int);
 typedef CUresult (*props_fn)(CUmemAllocationProp *, CUmemGenericAllocationHandle);
-
 /* Import staged allocation `fd` and map it whole (offset 0: cuMemMap's offset must be zero, and a part of a larger
  * allocation is refused) at region r's address, read-write for r's device. The imported handle is the mapping's
  * own reference (r->handle), so the next release unmaps and releases it like a created one. */
@@ -270,17 +363,11 @@ static CUresult adopt_one(struct cscu_region *r, int fd, import_fn import, props
         d->release(held);
         return CUDA_ERROR_INVALID_VALUE;
     }
-    if (r->vmm && r->vmm->prop.allocFlags.gpuDirectRDMACapable  /* the engine's asked for it: so must this one */
-        && (!props || props(&prop, held) != CUDA_SUCCESS || !prop.allocFlags.gpuDirectRDMACapable)) {
-        snprintf(why, room, "the engine's allocation is GPUDirect RDMA capable, the staged one is not");
-        d->release(held);
-        return CUDA_ERROR_INVALID_VALUE;
-    }
     if ((rc = d->map(r->address, r->size, 0, held, 0)) == CUDA_SUCCESS) {
         if ((rc = d->set_access(r->address, r->size, &access, 1)) == CUDA_SUCCESS) {
             r->handle = held;
-            if (r->vmm)  /* an engine allocation: its record holds the new backing (cscu_vmm_stageable) */
-                r->vmm->real = held, r->vmm->maps[0].mapped = 1;
+            if (r->vmm)  /* an engine allocation (one whole mapping, cscu_vmm_stageable): its record follows */
+                cscu_vmm_backed(r, held);
             return CUDA_SUCCESS;
         }
         d->unmap(r->address, r->size);
@@ -318,30 +405,138 @@ static int adopt_all(struct hydration *h, const int *staged, size_t n)
     return 0;
 }
 
-void cscu_hydrate_staged(const char *dir, const char *policy, const int *fds, size_t n, char *out, size_t room)
+/* --- hydrate by copying from staged groups ------------------------------------------------------------------ */
+typedef CUresult (*dtod_fn)(CUdeviceptr, CUdeviceptr, size_t);
+
+/* The group of each released region (`group[i]`, table order; SIZE_MAX for one not released) and its offset in
+ * the group's staged allocation: consecutive regions up to CSCU_STAGE_GROUP bytes, a larger one alone, as the
+ * worker asked the node hydrator to stage them (memory/_device_dump.py). The number of groups. */
+static size_t stage_groups(const struct cscu_region *regions, size_t count, size_t *group, size_t *offset)
 {
-    struct hydration h;
+    size_t groups = 0, bytes = 0;
+    for (size_t i = 0; i < count; i++) {
+        group[i] = SIZE_MAX;
+        if (regions[i].handle)
+            continue;
+        if (groups == 0 || bytes + regions[i].size > CSCU_STAGE_GROUP)
+            groups++, bytes = 0;
+        group[i] = groups - 1, offset[i] = bytes;
+        bytes += regions[i].size;
+    }
+    return groups;
+}
+
+/* Group g: its staged allocation (`*fd`, closed and set to -1 once imported) imported and mapped at a range of our own, each of its regions re-created
+ * as a fill would (the engine's own with its properties, flags, mappings and access) and copied from it on the
+ * device, then the staged allocation let go. 0, or -1 with h->error naming the group. */
+static int copy_group(struct hydration *h, const size_t *group, const size_t *offset, size_t g, int *fd,
+                      import_fn import, dtod_fn dtod)
+{
+    const struct cscu_driver *d = cscu_driver();
+    size_t bytes = 0, first = SIZE_MAX;
+    for (size_t i = 0; i < h->count; i++)
+        if (group[i] == g)
+            first = first == SIZE_MAX ? i : first, bytes = offset[i] + h->regions[i].size;
+    struct cscu_region *lead = &h->regions[first];
+    CUmemAccessDesc access = {{CU_MEM_LOCATION_TYPE_DEVICE, lead->device}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+    CUmemGenericAllocationHandle held = 0;
+    CUdeviceptr va = 0;
+    int mapped = 0;
+    CUresult rc = d->ctx_set_current(lead->context);
+    if (rc == CUDA_SUCCESS && (rc = import(&held, (void *)(intptr_t)*fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
+        == CUDA_SUCCESS) {
+        close(*fd);  /* the imported handle holds the allocation now: released below, it is freed */
+        *fd = -1;
+    }
+    if (rc == CUDA_SUCCESS)
+        rc = d->address_reserve(&va, bytes, 0, 0, 0);
+    if (rc == CUDA_SUCCESS && (rc = d->map(va, bytes, 0, held, 0)) == CUDA_SUCCESS)
+        mapped = 1;
+    if (rc == CUDA_SUCCESS)
+        rc = d->set_access(va, bytes, &access, 1);
+    for (size_t i = first; i < h->count && rc == CUDA_SUCCESS; i++) {
+        struct cscu_region *r = &h->regions[i];
+        if (group[i] != g)
+            continue;
+        if ((rc = d->ctx_set_current(r->context)) != CUDA_SUCCESS || (rc = cscu_map(r)) != CUDA_SUCCESS)
+            break;
+        h->created[i] = 1, h->restored++;
+        rc = dtod(r->address, va + offset[i], r->size);
+    }
+    if (rc == CUDA_SUCCESS)  /* the copies are done before the staged allocation goes */
+        rc = d->ctx_synchronize();
+    if (rc != CUDA_SUCCESS)
+        snprintf(h->error, sizeof(h->error), "staged allocation %zu (%zu bytes, from region %#llx): %s", g, bytes,
+                 lead->address, cscu_error_name(rc));
+    if (mapped)
+        d->unmap(va, bytes);
+    if (va)
+        d->address_free(va, bytes);
+    if (held)
+        d->release(held);
+    return rc == CUDA_SUCCESS ? 0 : -1;
+}
+
+/* Every group copied in turn: a group's staged allocation is let go (its descriptor closed, its handle released)
+ * before the next one's regions are made, so a hydration needs at most one group's bytes beyond what the stage
+ * holds, once the worker and the hydrator have let go of their descriptors. 0, or -1 with h->error set. */
+static int copy_all(struct hydration *h, int *staged, size_t n)
+{
+    import_fn import = (import_fn)cscu_real("cuMemImportFromShareableHandle");
+    dtod_fn dtod = (dtod_fn)cscu_real("cuMemcpyDtoD_v2");
+    size_t *group = malloc((h->count + 1) * sizeof(size_t)), *offset = malloc((h->count + 1) * sizeof(size_t));
+    int rc = -1;
+    if (!group || !offset || !import || !dtod)
+        snprintf(h->error, sizeof(h->error), "%s", !import || !dtod ? "the driver has no cuMemImportFromShareableHandle "
+                 "or cuMemcpyDtoD_v2" : "out of host memory");
+    else if (stage_groups(h->regions, h->count, group, offset) != n)
+        snprintf(h->error, sizeof(h->error), "%zu staged allocations for another grouping of the regions", n);
+    else
+        for (size_t g = rc = 0; g < n && rc == 0; g++)
+            rc = copy_group(h, group, offset, g, &staged[g], import, dtod);
+    free(group);
+    free(offset);
+    return rc;
+}
+
+/* How the staged allocations stand in for the released regions: 1 adopted, one per region (each adoptable), 2
+ * copied from, one per group of them (stage_groups), 0 neither (the refusal in `why`). */
+static int stage_mode(size_t n, char *why, size_t room)
+{
     size_t count, released = 0;
     struct cscu_region *regions = cscu_regions(&count);
-    int stageable = 1;
+    size_t *group = malloc((count + 1) * sizeof(size_t)), *offset = malloc((count + 1) * sizeof(size_t));
+    int stageable = 1, mode = 0;
     for (size_t i = 0; i < count; i++) {
         released += regions[i].handle == 0;
         stageable = stageable && (regions[i].handle || cscu_vmm_stageable(&regions[i]));
     }
-    if (!stageable) {  /* the worker then fills them itself */
-        cscu_refuse(out, room, "hydrate", "an engine allocation has more than one mapping, other access or "
-                    "properties a staged allocation lacks: it is re-created, not adopted");
-        return;
-    }
-    if (n != released) {  /* before anything is opened or asked of the driver */
-        cscu_refuse(out, room, "hydrate", "%zu staged allocations for %zu released regions (one each)", n, released);
+    if (stageable && n == released)
+        mode = 1;
+    else if (group && offset && stage_groups(regions, count, group, offset) == n)
+        mode = 2;
+    else
+        snprintf(why, room, "%zu staged allocations: neither one per released region (%zu, each adoptable: %s) nor "
+                 "one per group of them", n, released, stageable ? "yes" : "no");
+    free(group);
+    free(offset);
+    return mode;
+}
+
+void cscu_hydrate_staged(const char *dir, const char *policy, int *fds, size_t n, char *out, size_t room)
+{
+    struct hydration h;
+    char why[256];
+    int mode = stage_mode(n, why, sizeof(why));
+    if (!mode) {  /* before anything is opened or asked of the driver; the worker then fills them itself */
+        cscu_refuse(out, room, "hydrate", "%s", why);
         return;
     }
     int ok = begin(&h, dir, policy) == 0;
     if (ok) {
-        h.phase = "hydrate: adopt";
-        ok = adopt_all(&h, fds, n) == 0;
+        h.phase = mode == 1 ? "hydrate: adopt" : "hydrate: copy";
+        ok = (mode == 1 ? adopt_all(&h, fds, n) : copy_all(&h, fds, n)) == 0;
         h.place_s = cscu_now() - h.t0 - h.check_s;
     }
-    finish(&h, ok, policy, 0, 1, out, room);
+    finish(&h, ok, policy, 0, mode, out, room);
 }

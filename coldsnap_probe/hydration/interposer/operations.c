@@ -209,7 +209,7 @@ static const char *hydrate_refusal(const struct cscu_request *req, const char *p
     return released ? NULL : "nothing is released";
 }
 
-static void hydrate(const struct cscu_request *req, const int *fds, size_t count, char *out, size_t room)
+static void hydrate(const struct cscu_request *req, int *fds, size_t count, char *out, size_t room)
 {
     const char *policy = req->policy[0] ? req->policy : CSCU_POLICY_SAME_MODEL;
     const char *verify = req->verify[0] ? req->verify : CSCU_VERIFY_DIGEST;
@@ -232,7 +232,7 @@ static void hydrate(const struct cscu_request *req, const int *fds, size_t count
     }
 }
 
-void cscu_operate(const struct cscu_request *req, const int *fds, size_t count, size_t arrived, char *out,
+void cscu_operate(const struct cscu_request *req, int *fds, size_t count, size_t arrived, char *out,
                   size_t room)
 {
     int mutating = strcmp(req->op, "release") == 0 || strcmp(req->op, "hydrate") == 0;

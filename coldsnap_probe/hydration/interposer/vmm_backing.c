@@ -23,13 +23,14 @@ static size_t access_for(const struct cscu_mapping *m, int was, int now, CUmemAc
     return n;
 }
 
-/* Unmaps every mapping of v still backed (each one's `mapped` cleared as it goes): the first failure, or success. */
-static CUresult unmap_each(struct cscu_vmm *v)
+/* Unmaps every mapping of v still backed, or only those `only` marks when it is not NULL (each one's `mapped`
+ * cleared as it goes): the first failure, or success. */
+static CUresult unmap_each(struct cscu_vmm *v, const char *only)
 {
     const struct cscu_driver *d = cscu_driver();
     CUresult first = CUDA_SUCCESS;
     for (size_t i = 0; i < v->map_count; i++) {
-        if (!v->maps[i].mapped)
+        if (!v->maps[i].mapped || (only && !only[i]))
             continue;
         CUresult rc = d->unmap(v->maps[i].address, v->maps[i].size);
         if (rc == CUDA_SUCCESS)
@@ -40,12 +41,14 @@ static CUresult unmap_each(struct cscu_vmm *v)
     return first;
 }
 
-/* Maps every mapping of v onto `handle` with its access, on device `now`: success, or the failure with whatever
- * this call mapped unmapped again. */
+/* Maps every mapping of v not mapped yet onto `handle` with its access, on device `now`: success, or the failure
+ * with what this call mapped unmapped again (and only that: a mapping that stayed mapped when an unback failed
+ * midway is the engine's memory, still in use). */
 static CUresult map_each(struct cscu_vmm *v, CUmemGenericAllocationHandle handle, int now)
 {
     const struct cscu_driver *d = cscu_driver();
     CUresult rc = CUDA_SUCCESS;
+    char made[CSCU_VMM_MAPS] = {0};
     for (size_t i = 0; i < v->map_count && rc == CUDA_SUCCESS; i++) {
         struct cscu_mapping *m = &v->maps[i];
         CUmemAccessDesc access[CSCU_VMM_ACCESS];
@@ -53,13 +56,13 @@ static CUresult map_each(struct cscu_vmm *v, CUmemGenericAllocationHandle handle
             continue;
         if ((rc = d->map(m->address, m->size, m->offset, handle, 0)) != CUDA_SUCCESS)
             break;
-        m->mapped = 1;
+        m->mapped = made[i] = 1;
         size_t n = access_for(m, v->prop.location.id, now, access);
         if (n && (rc = d->set_access(m->address, m->size, access, n)) != CUDA_SUCCESS)
             break;
     }
     if (rc != CUDA_SUCCESS)
-        unmap_each(v);
+        unmap_each(v, made);
     return rc;
 }
 
@@ -79,9 +82,23 @@ CUresult cscu_vmm_back(struct cscu_region *r)
         d->release(handle);
         return rc;
     }
+    cscu_vmm_backed(r, handle);
+    return CUDA_SUCCESS;
+}
+
+void cscu_vmm_backed(struct cscu_region *r, CUmemGenericAllocationHandle handle)
+{
+    struct cscu_vmm *v = r->vmm;
+    for (size_t i = 0; i < v->map_count; i++) {
+        struct cscu_mapping *m = &v->maps[i];
+        m->mapped = 1;
+        for (int a = 0; a < m->accesses && a < CSCU_VMM_ACCESS; a++)
+            if (m->access[a].location.type == CU_MEM_LOCATION_TYPE_DEVICE
+                && m->access[a].location.id == v->prop.location.id)
+                m->access[a].location.id = r->device;
+    }
     v->prop.location.id = r->device;
     v->real = r->handle = handle;
-    return CUDA_SUCCESS;
 }
 
 CUresult cscu_vmm_unback(struct cscu_region *r)
@@ -90,7 +107,7 @@ CUresult cscu_vmm_unback(struct cscu_region *r)
     struct cscu_vmm *v = r->vmm;
     if (!v->real)
         return CUDA_SUCCESS;
-    CUresult rc = unmap_each(v);
+    CUresult rc = unmap_each(v, NULL);
     if (rc != CUDA_SUCCESS) {
         /* Some mappings could not be unmapped: the ones that were come back on the same memory (its content is
          * still there: the handle was never released), so the region stays whole and mapped. */
@@ -110,15 +127,15 @@ int cscu_vmm_stageable(const struct cscu_region *r)
     const struct cscu_vmm *v = r->vmm;
     if (!v)
         return 1;
+    /* No allocation flag at all: GPUDirect RDMA (PyTorch asks for it where the device supports it with VMM) is
+     * never what an imported allocation has in the importing process (H200, driver 580: neither its properties nor
+     * cuPointerGetAttribute's IS_GPU_DIRECT_RDMA_CAPABLE say so; bench/vmm_pages.py). */
     static const unsigned char none[sizeof(v->prop.allocFlags)];
-    CUmemAllocationProp flags = v->prop;  /* its allocation flags, GPUDirect RDMA aside (hydrate.c checks it on the
-                                             staged allocation) */
-    flags.allocFlags.gpuDirectRDMACapable = 0;
     const struct cscu_mapping *m = &v->maps[0];
     return v->map_count == 1 && m->offset == 0 && m->size == v->size && m->accesses == 1
            && m->access[0].location.type == CU_MEM_LOCATION_TYPE_DEVICE
            && m->access[0].location.id == v->prop.location.id
            && m->access[0].flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE && v->flags == 0
            && (v->prop.requestedHandleTypes & ~CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) == 0
-           && memcmp(&flags.allocFlags, none, sizeof(none)) == 0;
+           && memcmp(&v->prop.allocFlags, none, sizeof(none)) == 0;
 }

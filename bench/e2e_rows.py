@@ -1,0 +1,353 @@
+"""Each way engines hold device memory, restored to its first token through the daemon (issue 36 item 5).
+
+    python bench/e2e_rows.py --state-dir DIR --capsule TAG --work DIR --out DIR
+                             [--rows torch,torch-expandable,torch-async,split,jax,jax-platform,uvloop] [--gib 16]
+                             [--restores 3] [--build CONTEXT=TAG] [--images-root DIR] [--model DIR] [--cpu]
+
+Against a running `coldsnap-provider serve`, as the controller drives it: runtime-v1 envelopes through the public
+client only (bench/e2e_restore.py's `Driver`): the capsule's image-build (`--build`) and pinning by image ID, then
+for each row, unchanged (bench/engine_rows.py: the engine from the capsule's /opt/engine and the row's environment;
+the CUDA interposer and the staging node hydrator enabled by two more lines of the unit's environment,
+bench/interposer_units.py):
+
+1. the engine as a detached unit under the capsule's init (`engine_llama.py launch`: PID floor, session leader),
+   its weights made on the GPU (`--gib`); cold Docker-to-first-token from `workload-run` to the first token of a
+   request on its socket, the request retried while the socket is not there;
+2. the worker's capture inside that unit (`workload-exec python3 -m coldsnap_probe capture`), the engine idle;
+   the unit removed;
+3. `--restores` times a restore unit (`workload-run`, the worker restoring as its command, the readiness check by
+   `workload-exec`, `workload-inspect`), the client's request sent as soon as the restored socket accepts;
+   Docker-to-first-token from that `workload-run` to the first token, with the worker's phases. Every restore
+   must give the cold start's tokens and first logits bit for bit; no unit of the row is left at its end.
+
+The `uvloop` row is bench/e2e_serve.py's `full-interposer-hydrator` path: `transformers serve` (uvicorn on uvloop)
+from `--model`, over HTTP, identical completions. One staging node hydrator serves every other row, started
+before the first (a node service: part of no Docker-to-first-token) and removed at the end.
+
+The table: per row the restores' Docker-to-first-token, the fastest one's worker start / CRIU / CUDA / device
+hydration, what the capture moved at line rate and what stayed on the checkpoint path (the report's
+`device_memory[].moved` / `uncovered`), the event loop the capture saw, identical outputs, and the goal (every
+restore ≤ 1.5 s with ≥ 95 % moved). `--cpu` runs the rows whose engine runs without a GPU (the two-process
+server's toy model) with no GPU, interposer or node hydrator: the daemon path alone, on any Docker host.
+Results: the table on stdout and in rows-table.md, JSON in rows.json (rows.partial.json after each row).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import e2e_serve
+from bench._common import table
+from bench.e2e_restore import (
+    ENGINE,
+    HOST_MOUNTS,
+    RUN,
+    WORKER_PATH,
+    Driver,
+    E2EError,
+    Layout,
+    Stream,
+    await_unit,
+    capture,
+    inspect_capsule,
+    launch_unit,
+    stream_tokens,
+    unit_labels,
+    wait_hydrator,
+)
+from bench.engine_rows import PROMPT, ROWS, coverage, left_text, row_list
+from bench.interposer_units import (
+    InterposerLayout,
+    check_interposer,
+    device_cell,
+    device_hydration,
+    device_staging,
+    interposer_environment,
+    start_staging_hydrator,
+)
+from bench.serve_client import ClientError
+from bench.serve_units import STAGED, capture_row, launcher, server_pid, together, watch_server
+from engines.serve_model import ModelFolderError, check_folder
+
+UVLOOP = "uvloop"  # transformers serve on uvicorn with uvloop: bench/e2e_serve.py's staged interposer path
+E2E_ROWS = (*ROWS, UVLOOP)
+CPU_ROWS = ("split",)  # engines that serve without a GPU when the row's own options are left out (a toy model)
+HYDRATOR_UNIT = "rows-node-hydrator"
+TOKENS = 16
+GOAL_S, GOAL_SHARE = 1.5, 0.95  # issue 36: each restore to its first token, the device bytes moved at line rate
+
+
+def plan_rows(text: str, *, cpu: bool, model: str) -> list[str]:
+    """A run's rows, in order; ValueError names what cannot run (a GPU row with --cpu, `uvloop` without a model)."""
+    try:
+        rows = row_list(text, E2E_ROWS)
+    except argparse.ArgumentTypeError as exc:
+        raise ValueError(str(exc)) from None
+    if cpu and (need := [r for r in rows if r not in CPU_ROWS]):
+        raise ValueError(f"{', '.join(need)} need a GPU: --cpu runs {', '.join(CPU_ROWS)}")
+    if UVLOOP in rows and not model:
+        raise ValueError(f"the {UVLOOP} row serves a model folder: give --model")
+    return rows
+
+
+def row_layout(work: Path, name: str, *, cpu: bool, images_root: Path | None = None) -> InterposerLayout:
+    """A row's units: its run directory, its images, the row's environment; with a GPU, the interposer's lines
+    and the node hydrator's socket directory shared by every row (`work/coldsnap`, /run/coldsnap in the units)."""
+    environment = {"PYTHONPATH": WORKER_PATH, **ROWS[name].env} if name in ROWS else {"PYTHONPATH": WORKER_PATH}
+    if not cpu:
+        environment.update(interposer_environment(staged=True))
+    return InterposerLayout(run_dir=work / name / "run", images_dir=(images_root or work) / name / "images",
+                            weights=work / "weights", network="none", extra_environment=environment,
+                            gpus=() if cpu else ("0",), interposer_dir=None if cpu else work / "coldsnap")
+
+
+def engine_command(layout: Layout, name: str, gib: float, *, cpu: bool) -> list[str]:
+    """The row's engine under the capsule's init: its weights made on the GPU, its socket in the run directory."""
+    engine = ROWS[name].command(layout.python, ENGINE)
+    engine = engine[:2] if cpu else engine  # the toy model: no GPU options
+    return launcher([*engine, "--gib", f"{gib:g}", "--weights", "device", "--socket", f"{RUN}/engine.sock"])
+
+
+async def request(layout: Layout, *, limit: float) -> Stream:
+    return await stream_tokens(layout.run_dir / "engine.sock", limit=limit, prompt=PROMPT, max_tokens=TOKENS)
+
+
+async def start_cold(d: Driver, image: str, layout: Layout, name: str, gib: float, *, cpu: bool) -> dict[str, Any]:
+    """The row's engine as a detached unit, timed from workload-run to its first token (raced against its exit)."""
+    unit = f"rows-{name}-cold"
+    await d.expect(f"evicting {unit}", "workload-remove", name=unit)
+    spec = layout.unit(unit, image, entrypoint=layout.python, command=engine_command(layout, name, gib, cpu=cpu))
+    created = time.time()
+    await d.expect(f"starting the {name} engine", "workload-run", workload=spec)
+    started = time.time()
+    got: list[Stream] = []
+
+    async def client(scope: anyio.CancelScope) -> None:
+        got.append(await request(layout, limit=600))
+        scope.cancel()
+
+    async def watch(_scope: anyio.CancelScope) -> None:
+        await watch_server(d, layout, unit)
+
+    await together(client, watch)
+    return {"unit": unit, "create_start_s": started - created, "first_token_s": got[0].first - created,
+            "tokens": got[0].tokens, "first_logits_sha256": got[0].done.get("first_logits_sha256"),
+            "server_pid": server_pid(layout)}
+
+
+def cluster(name: str) -> str:
+    """The workload label of a row's restore unit (named `<cluster>_node_0`)."""
+    return "rows" + name.replace("-", "")
+
+
+async def restore_row(d: Driver, image: str, layout: Layout, name: str, capture_id: str,
+                      cold: dict[str, Any]) -> dict[str, Any]:
+    """A restore unit and the client's request, sent as soon as the restored socket accepts; timed from the unit's
+    workload-run to the first token."""
+    unit, labels = f"{cluster(name)}_node_0", unit_labels(capture_id, cluster(name))
+    created, started = await launch_unit(d, image, layout, unit, capture_id, labels=labels)
+    out: dict[str, Any] = {}
+
+    async def client(_scope: anyio.CancelScope) -> None:
+        out["stream"] = await request(layout, limit=120)
+
+    async def ready(_scope: anyio.CancelScope) -> None:
+        out["unit"] = await await_unit(d, unit, created, labels=labels, readiness_timeout=120)
+
+    await together(client, ready)
+    stream, report = out["stream"], out["unit"].pop("worker_report")
+    digest = stream.done.get("first_logits_sha256")
+    return {**out["unit"], **device_hydration(report), **device_staging(report), "create_start_s": started - created,
+            "first_token_s": stream.first - created, "tokens": stream.tokens, "first_logits_sha256": digest,
+            "identical": stream.tokens == cold["tokens"] and digest == cold["first_logits_sha256"]}
+
+
+async def capture_cold(d: Driver, layout: Layout, name: str, cold: dict[str, Any], result: dict[str, Any], *,
+                       cpu: bool) -> str:
+    """The worker captures the idle engine in its unit (`result` gets what the report says); the capture's ID."""
+    capture_id = f"rows-{name}-{time.strftime('%Y%m%dT%H%M%S')}"
+    report = await capture(d, cold["unit"], int(cold["server_pid"]), layout, capture_id, hydrate=False,
+                           boundary="n580" if cpu else "n610")
+    result.update(capture=capture_row(report), coverage=coverage(report.get("device_memory")),
+                  event_loops=report.get("event_loops"), tree=report.get("tree"))
+    print(f"[{name}] captured: {json.dumps(result['capture'])}", flush=True)
+    return capture_id
+
+
+async def run_row(d: Driver, image: str, layout: Layout, name: str, *, gib: float, restores: int,
+                  cpu: bool) -> dict[str, Any]:
+    """A row from its cold start to its last restore; a failure is the row's result, and no unit is left."""
+    layout.prepare()
+    result: dict[str, Any] = {"row": name, "label": ROWS[name].label, "ok": False, "restores": [],
+                              "environment": layout.extra_environment}
+    try:
+        cold = result["cold"] = await start_cold(d, image, layout, name, gib, cpu=cpu)
+        print(f"[{name}] cold Docker-to-first-token {cold['first_token_s']:.2f} s", flush=True)
+        capture_id = await capture_cold(d, layout, name, cold, result, cpu=cpu)
+        await d.expect(f"removing {cold['unit']}", "workload-remove", name=cold["unit"])
+        for attempt in range(restores):
+            restored = await restore_row(d, image, layout, name, capture_id, cold)
+            result["restores"].append(restored)
+            print(f"[{name}] restore {attempt + 1}: Docker-to-first-token {restored['first_token_s']:.2f} s (CRIU "
+                  f"{restored['criu_s']}, CUDA {restored['cuda_s']}, device {device_cell(restored)}), identical "
+                  f"{restored['identical']}", flush=True)
+        result["ok"] = bool(result["restores"]) and all(r["identical"] for r in result["restores"])
+    except (E2EError, OSError, ValueError, KeyError, TimeoutError) as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        print(f"[{name}] FAILED: {result['error'][:3000]}", flush=True)
+    finally:
+        await remove_units(d, [f"rows-{name}-cold", f"{cluster(name)}_node_0"], result)
+        shutil.rmtree(layout.images_dir, ignore_errors=True)
+    return result
+
+
+async def remove_units(d: Driver, names: list[str], result: dict[str, Any]) -> None:
+    """Remove the units, then ask the daemon that none is left (a unit left makes the row fail)."""
+    for unit in names:
+        await d.runtime("workload-remove", name=unit)
+    if left := [unit for unit in names if not await d.gone(unit)]:
+        result.update(ok=False, units_left=left)
+
+
+async def run_uvloop(d: Driver, args: argparse.Namespace, image: str) -> dict[str, Any]:
+    """bench/e2e_serve.py's staged interposer path, in this table's terms."""
+    served = await e2e_serve.run_mode(d, args, STAGED, image)
+    shutil.rmtree(served.pop("layout").images_dir, ignore_errors=True)
+    report = served.get("capture") if isinstance(served.get("capture"), dict) else {}
+    return {"row": UVLOOP, "label": "transformers serve: uvicorn on uvloop, HTTP", "ok": served["ok"],
+            "cold": served.get("cold"), "restores": served["restores"], "capture": served.get("capture_phases"),
+            "coverage": coverage(report.get("device_memory")), "event_loops": report.get("event_loops"),
+            **{k: served[k] for k in ("error", "units_left") if k in served}}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The table
+
+
+HEAD = ("row", "engine, allocator", "cold s", "restores: Docker-to-first-token s",
+        "fastest: worker start / CRIU / CUDA / device hydration s", "moved at line rate (of device bytes): kinds",
+        "left on the checkpoint path", "event loop", "identical", f"<= {GOAL_S:g} s, >= {GOAL_SHARE:.0%}")
+
+
+def _f(value: Any) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def row_cells(r: dict[str, Any]) -> list[str]:
+    """A row's cells; a failed row says why in its first cell."""
+    restores = r.get("restores") or []
+    best = min(restores, key=lambda x: x["first_token_s"]) if restores else None
+    seen = r.get("coverage") or coverage(None)
+    identical = bool(restores) and all(x["identical"] for x in restores)
+    goal = identical and all(x["first_token_s"] <= GOAL_S for x in restores) and seen["moved_share"] >= GOAL_SHARE
+    name = r["row"] + (f" (FAILED: {r['error'][:240]})" if r.get("error") else "")
+    name += f" (units left: {', '.join(r['units_left'])})" if r.get("units_left") else ""
+    return [name, r["label"], _f((r.get("cold") or {}).get("first_token_s")),
+            " / ".join(f"{x['first_token_s']:.2f}" for x in restores) or "-",
+            f"{_f(best.get('worker_started_s'))} / {_f(best['criu_s'])} / {_f(best['cuda_s'])} / {device_cell(best)}"
+            if best else "-",
+            f"{seen['moved_bytes'] / 1e9:.2f} GB ({seen['moved_share']:.1%})"
+            + (f": {left_text(seen['moved_kinds'])}" if seen.get("moved_kinds") else ""), left_text(seen["left_bytes"]),
+            "/".join(sorted(set((r.get("event_loops") or {}).values()))) or "-", "yes" if identical else "NO",
+            "yes" if goal else "no"]
+
+
+def rows_table(results: list[dict[str, Any]], gib: float, capsule: dict[str, Any]) -> str:
+    return "\n".join([table(HEAD, [row_cells(r) for r in results]), "",
+                      f"{gib:g} GiB of weights a row (the uvloop row: its model folder); capsule "
+                      f"{str(capsule.get('id', ''))[:19]}, {capsule.get('size', 0) / 1e6:.0f} MB."])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The run
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--state-dir", required=True)
+    parser.add_argument("--capsule", required=True)
+    parser.add_argument("--work", required=True, help="host directory for the rows' run directories")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--rows", default=",".join(E2E_ROWS),
+                        help=f"comma list, run in this order: {', '.join(E2E_ROWS)}")
+    parser.add_argument("--gib", type=float, default=16.0, help="each engine's weights (made on the GPU)")
+    parser.add_argument("--restores", type=int, default=3)
+    parser.add_argument("--images-root", default="", help="where the images go (tmpfs: one row's at a time)")
+    parser.add_argument("--model", default="", help="the uvloop row's model folder (engines/serve_model.py)")
+    parser.add_argument("--port", type=int, default=18471, help="the uvloop row's port")
+    parser.add_argument("--criu-threads", type=int, default=0, help="the uvloop row's CRIU_RESTORE_THREADS")
+    parser.add_argument("--python", default=Layout.python, help="the interpreter in the units")
+    parser.add_argument("--host-mounts", default=",".join(HOST_MOUNTS),
+                        help="host paths every unit mounts read-only at the same path (\"\": the capsule's own)")
+    parser.add_argument("--cpu", action="store_true", help=f"no GPU: the rows {', '.join(CPU_ROWS)} (toy model)")
+    parser.add_argument("--build", action="append", default=[], metavar="CONTEXT=TAG")
+    return parser
+
+
+async def run_rows(d: Driver, args: argparse.Namespace, rows: list[str], image: str) -> list[dict[str, Any]]:
+    """Every row in order, the node hydrator beside them (with a GPU); each row's result written as it ends."""
+    work, results = Path(args.work), list[dict[str, Any]]()
+    node = row_layout(work, "node", cpu=args.cpu)
+    node.python, node.host_mounts = args.python, tuple(filter(None, args.host_mounts.split(",")))
+    hydrating = not args.cpu and any(r != UVLOOP for r in rows)
+    try:
+        if hydrating:
+            node.prepare()
+            await check_interposer(d, image, node)
+            started = await start_staging_hydrator(d, image, node, HYDRATOR_UNIT)
+            await wait_hydrator(d, HYDRATOR_UNIT, started["created_unix"])
+        for name in rows:
+            if name == UVLOOP:
+                results.append(await run_uvloop(d, args, image))
+            else:
+                layout = row_layout(work, name, cpu=args.cpu, images_root=Path(args.images_root or work))
+                layout.python, layout.host_mounts = node.python, node.host_mounts
+                results.append(await run_row(d, image, layout, name, gib=args.gib, restores=args.restores,
+                                             cpu=args.cpu))
+            Path(args.out, "rows.partial.json").write_text(json.dumps(results, indent=1, default=str))
+    finally:
+        if hydrating:
+            await d.runtime("workload-remove", name=HYDRATOR_UNIT)
+    return results
+
+
+async def main() -> int:
+    parser = _parser()
+    args = parser.parse_args()
+    try:
+        rows = plan_rows(args.rows, cpu=args.cpu, model=args.model)
+        if UVLOOP in rows:
+            check_folder(args.model)
+    except (ValueError, ModelFolderError) as exc:
+        parser.error(f"--rows: {exc}" if isinstance(exc, ValueError) else f"--model: {exc}")
+    if args.restores < 1:
+        parser.error(f"--restores must be at least 1, not {args.restores}")
+    d = Driver(Path(args.state_dir))
+    await d.open()
+    try:
+        builds = await e2e_serve.build_capsules(d, args.build)
+        capsule = await inspect_capsule(d, args.capsule)
+        results = await run_rows(d, args, rows, str(capsule["id"]))
+    except (E2EError, ClientError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    text = rows_table(results, args.gib, capsule)
+    print(text, flush=True)
+    Path(args.out, "rows-table.md").write_text(text + "\n")
+    Path(args.out, "rows.json").write_text(json.dumps({"builds": builds, "capsule": capsule, "rows": rows,
+                                                       "gib": args.gib, "results": results}, indent=1, default=str))
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(anyio.run(main))

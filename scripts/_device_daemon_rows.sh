@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Issue 36 item 5 on the H200: each way an engine holds device memory, restored to its first token through a real
+# `coldsnap-provider serve` on the bundled Docker Engine, as the controller drives it (bench/e2e_rows.py): the
+# capsule's image-build, the engine's workload-run, the worker's capture, --restores restore units, one table.
+#   scripts/device daemon-rows [--rows torch,torch-expandable,torch-async,split,jax,jax-platform,uvloop]
+#                              [--gib 16] [--restores 3]
+# The rows are bench/engine_rows.py's (PyTorch default, expandable_segments:True, backend:cudaMallocAsync, the
+# two-process server, JAX's BFC pool and its platform allocator) under the CUDA interposer with one staging node
+# hydrator, plus `uvloop` (transformers serve on uvicorn with uvloop, bench/e2e_serve.py's staged interposer path,
+# its model folder 32 layers = 16 GB written meanwhile). Expected: ~8 min for every row; should it not fit, two calls
+# (`--rows torch,torch-expandable,torch-async,split` then `--rows uvloop,jax,jax-platform`).
+# Environment: DRIVER_TIMEOUT bounds the driver (default: what a 590 s call has left after the set-up, less 20 s);
+# THP (default always) as in the serve step; IMAGES (default /dev/shm/cs-rows-img) is where the images go (one
+# row's at a time). Carries .device-criu42 (or .device-criu), .device-docker and .whl (and .whl/serve for uvloop).
+set -uo pipefail
+source "$(dirname "$0")/_device_env.sh"
+source "$(dirname "$0")/_device_daemon.sh"
+WORK=/var/tmp/cs-rows
+IMAGES=${IMAGES:-/dev/shm/cs-rows-img}
+MODEL=/dev/shm/serve-llama-32
+SITE=/tmp/serve-site
+CAPSULE=coldsnap/capsule-rows:h200
+rm -rf "$WORK" "$IMAGES"; mkdir -p "$WORK"
+THP_FILE=/sys/kernel/mm/transparent_hugepage/enabled
+THP_WAS=$(sed 's/.*\[\(.*\)\].*/\1/' "$THP_FILE")
+trap 'echo "$THP_WAS" > "$THP_FILE"; rm -rf "$IMAGES"' EXIT
+echo "${THP:-always}" > "$THP_FILE" || { echo "cannot set transparent huge pages to ${THP:-always}"; exit 1; }
+ROWS=$(python3 -c "import sys; a = sys.argv[1:]; print(a[a.index('--rows') + 1] if '--rows' in a else '')" "$@")
+UVLOOP=0
+[ -z "$ROWS" ] || [[ ",$ROWS," == *,uvloop,* ]] && UVLOOP=1
+
+step host
+{ nvidia-smi --query-gpu=index,name,driver_version,memory.used --format=csv; free -g; nproc; echo "THP $(cat $THP_FILE)"
+  python3 -c "import jax; print('jax', jax.__version__)" 2>&1 | tail -1; } > "$OUT/host.txt" 2>&1
+cat "$OUT/host.txt"
+
+if [ "$UVLOOP" = 1 ]; then
+    step "the uvloop row's model folder (32 layers, 16 GB), in the background"
+    serve_model "$MODEL" 32
+fi
+
+step "docker engine (bundled)"
+start_docker
+
+step "capsule build context: worker, CRIU, the interposer (and the server's site for uvloop)"
+serve_capsule /tmp/cs-capsule-rows "$([ "$UVLOOP" = 1 ] && echo "$SITE")"
+
+step "coldsnap-provider serve"
+start_serve
+
+if [ "$UVLOOP" = 1 ]; then
+    step "waiting for the model folder"
+    wait_model "$MODEL"
+fi
+
+step "bench/e2e_rows.py $*"
+timeout "${DRIVER_TIMEOUT:-$((590 - SECONDS - 20))}" python3 bench/e2e_rows.py --state-dir "$STATE" \
+    --capsule "$CAPSULE" --build /tmp/cs-capsule-rows="$CAPSULE" --work "$WORK" --out "$OUT" --images-root "$IMAGES" \
+    $([ "$UVLOOP" = 1 ] && echo --model "$MODEL") "$@" 2>&1 | tee "$OUT/rows.txt"
+echo "e2e_rows exit ${PIPESTATUS[0]}"
+stop_all >> "$OUT/capsule.txt" 2>&1; tail -4 "$OUT/capsule.txt"

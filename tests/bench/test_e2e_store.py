@@ -1,0 +1,66 @@
+"""bench/e2e_store.py's own logic (the GPU path runs on the H200 through scripts/device store): the restore units of
+the store's path do not mount the host's images over the pulled capsule's, the disk's counters see real reads, a
+failed phase is named, and each restore is set against the goal."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import anyio
+import anyio.lowlevel
+import pytest
+
+from bench import e2e_store
+from bench.e2e_restore import IMAGES, RUN
+from bench.interposer_units import INTERPOSER_RUN
+from bench.serve_units import STAGED, serve_layout
+
+
+def test_the_restore_units_keep_every_mount_but_the_host_s_images(tmp_path: Path) -> None:
+    layout = serve_layout(tmp_path, tmp_path / "model", STAGED)
+    restore = e2e_store.StoreLayout(**{name: getattr(layout, name) for name in layout.__dataclass_fields__})
+    targets = [m["target"] for m in restore.mounts()]
+    assert IMAGES in [m["target"] for m in layout.mounts()] and IMAGES not in targets
+    assert RUN in targets and INTERPOSER_RUN in targets
+    assert len(targets) == len(layout.mounts()) - 1
+
+
+def test_the_disk_counters_see_a_read_that_bypasses_the_page_cache(tmp_path: Path) -> None:
+    disk = e2e_store.Disk(tmp_path)
+    if not disk.stat.exists():
+        pytest.skip(f"{tmp_path} is on no block device with counters ({disk.stat})")
+    probe = tmp_path / "probe.bin"
+    probe.write_bytes(os.urandom(8 << 20))
+    read, _ = disk.counters()
+    assert e2e_store.read_parallel(probe, threads=2, chunk=1 << 20, direct=True) > 0
+    assert disk.counters()[0] - read >= 8 << 20
+
+
+def test_a_failed_phase_is_named_and_the_report_says_so(tmp_path: Path) -> None:
+    run = e2e_store.Run(e2e_store.Disk(tmp_path))
+
+    async def fails() -> None:
+        raise OSError("the registry went away")
+
+    async def steps() -> None:
+        await run.phase("ok", anyio.lowlevel.checkpoint)
+        await run.phase("image-push", fails)
+
+    with pytest.raises(e2e_store.PhaseFailed, match="phase 'image-push' failed: OSError: the registry went away"):
+        anyio.run(steps)
+    args = argparse.Namespace(mode=STAGED, store=str(tmp_path / "store"), registry_root="/dev/shm/x")
+    text = e2e_store.report(run, [], args)
+    assert "| ok " in text and "FAILED: phase 'image-push' failed" in text
+
+
+def test_each_restore_is_set_against_read_bytes_over_the_best_disk_rate_plus_one_second(tmp_path: Path) -> None:
+    run = e2e_store.Run(e2e_store.Disk(tmp_path))
+    run.rates = {"disk read, O_DIRECT (1 reader x 8 MiB)": 2.0, "disk read, O_DIRECT (16 readers)": 4.0,
+                 "registry link, pull": 9.0}
+    restores = [{"first_token_s": 3.4, "disk_read": 10_000_000_000, "create_start_s": 0.2, "identical": True},
+                {"first_token_s": 3.6, "disk_read": 10_000_000_000, "create_start_s": 0.2, "identical": True}]
+    lines = e2e_store.goal_lines(run, restores)
+    assert [line[3] for line in lines] == ["3.50", "3.50"]  # 10 GB / 4 GB/s + 1.0 s
+    assert lines[0][4] == "met" and lines[1][4] == "missed by 0.10 s"
