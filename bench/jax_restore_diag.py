@@ -37,6 +37,21 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench._process_view import (
+    Log,
+    dmesg_since,
+    kill_tree,
+    kmsg_mark,
+    latest,
+    maps_report,
+    proc_text,
+    reap,
+    snapshot,
+    threads_report,
+    tree,
+)
+from coldsnap_probe import ThreadHold
+
 # A minimal JAX (or torch) program: MIB of device memory, one jitted reduction answered per line on a Unix socket.
 MINIMAL = {
     "jax": """
@@ -61,8 +76,6 @@ while True:
     conn.sendall(f"{float((x * 3.0).sum()):.6f}\\n".encode()); conn.close()
 """,
 }
-NOTABLE = ("nvidia", "uvm", "nvidiactl", "libcuda", "cuda")
-BIG = 1 << 30  # a mapping this large is listed whatever its name (XLA's reserved VA, the checkpoint's copies)
 
 
 @dataclass(frozen=True)
@@ -109,147 +122,6 @@ DEFAULT = ("torch-manual,jax-manual,server-manual,server-frozen,server-worker,ja
            "server-manual-settle,jax-platform-manual,jax-async-manual")
 
 
-class Log:
-    def __init__(self, path: Path) -> None:
-        self.file = open(path, "a")  # noqa: SIM115
-
-    def __call__(self, text: str) -> None:
-        print(text, flush=True)
-        self.file.write(text + "\n")
-        self.file.flush()
-
-
-# -- what a process looks like from outside ------------------------------------------------------------------------
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text(errors="replace")
-    except OSError as exc:
-        return f"<{exc.strerror}>"
-
-
-def tree(root: int) -> list[int]:
-    order, queue = [], [root]
-    while queue:
-        pid = queue.pop(0)
-        order.append(pid)
-        for task in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []:
-            queue += [int(c) for c in _read(f"/proc/{pid}/task/{task}/children").split() if c.isdigit()]
-    return order
-
-
-def snapshot(pid: int, label: str, where: Path) -> dict[str, Any]:
-    """The process's maps, threads (name, state, wchan, kernel stack) and descriptors, written under `where`."""
-    threads = []
-    for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int) if os.path.isdir(f"/proc/{pid}/task") else []:
-        stat = _read(f"/proc/{pid}/task/{tid}/stat")
-        state = stat[stat.rfind(")") + 2:][:1] if ")" in stat else "?"
-        threads.append({"tid": int(tid), "comm": _read(f"/proc/{pid}/task/{tid}/comm").strip(), "state": state,
-                        "wchan": _read(f"/proc/{pid}/task/{tid}/wchan").strip(),
-                        "stack": _read(f"/proc/{pid}/task/{tid}/stack").strip().splitlines()[:6]})
-    fds = {}
-    for fd in os.listdir(f"/proc/{pid}/fd") if os.path.isdir(f"/proc/{pid}/fd") else []:
-        try:
-            fds[fd] = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-    snap: dict[str, Any] = {"label": label, "pid": pid, "unix": time.time(), "maps": _read(f"/proc/{pid}/maps"),
-            "status": {k: v.strip() for k, _, v in (line.partition(":") for line in
-                                                    _read(f"/proc/{pid}/status").splitlines())
-                       if k in ("State", "Threads", "VmSize", "VmRSS", "VmPin", "VmLck", "SigBlk", "SigPnd",
-                                "ShdPnd")},
-            "threads": threads, "fds": fds}
-    where.mkdir(parents=True, exist_ok=True)
-    (where / f"{label}-{pid}.json").write_text(json.dumps(snap, indent=1))
-    (where / f"{label}-{pid}.maps").write_text(snap["maps"])
-    return snap
-
-
-def mappings(maps: str) -> set[tuple[int, int, str, str]]:
-    """(start, end, perms, name), neighbours of the same perms and name merged (CRIU restores them merged)."""
-    found: list[tuple[int, int, str, str]] = []
-    for line in maps.splitlines():
-        parts = line.split(None, 5)
-        if len(parts) < 5 or "-" not in parts[0]:
-            continue
-        start, end = (int(x, 16) for x in parts[0].split("-"))
-        name = parts[5].strip() if len(parts) > 5 else ""
-        if found and found[-1][1] == start and found[-1][2:] == (parts[1], name):
-            found[-1] = (found[-1][0], end, parts[1], name)
-        else:
-            found.append((start, end, parts[1], name))
-    return set(found)
-
-
-def notable(key: tuple[int, int, str, str]) -> bool:
-    start, end, _perms, name = key
-    return end - start >= BIG or any(word in name for word in NOTABLE)
-
-
-def describe(key: tuple[int, int, str, str]) -> str:
-    start, end, perms, name = key
-    size = end - start
-    human = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB" if size >= 2**20 else \
-        f"{size // 1024} KiB"
-    return f"{start:x}-{end:x} {perms} {human:>11} {name or '[anon]'}"
-
-
-def maps_report(before: dict[str, Any] | None, after: dict[str, Any] | None, log: Log) -> None:
-    """The notable mappings of each, then what differs (every line that is in one only, notable ones first)."""
-    if not before or not after:
-        return
-    a, b = mappings(before["maps"]), mappings(after["maps"])
-    was, now = before["status"], after["status"]
-    log(f"   maps {before['label']} -> {after['label']}: {len(a)} -> {len(b)} mappings, threads "
-        f"{was.get('Threads')} -> {now.get('Threads')}, VmSize {was.get('VmSize')} -> {now.get('VmSize')}, "
-        f"VmPin {was.get('VmPin')} -> {now.get('VmPin')}")
-    for label, side in ((before["label"], a), (after["label"], b)):
-        shown = sorted(k for k in side if notable(k))
-        log(f"     notable in {label} ({len(shown)}):")
-        for key in shown[:40]:
-            log(f"       {describe(key)}")
-    only_a = sorted(set(a) - set(b), key=lambda k: (not notable(k), k))
-    only_b = sorted(set(b) - set(a), key=lambda k: (not notable(k), k))
-    log(f"     only in {before['label']} ({len(only_a)}), only in {after['label']} ({len(only_b)}):")
-    for key in only_a[:30]:
-        log(f"       - {describe(key)}")
-    for key in only_b[:30]:
-        log(f"       + {describe(key)}")
-    # The same range with other permissions or another name (a reservation restored as something else).
-    overlaps = [(ka, kb) for ka in only_a for kb in only_b if ka[0] < kb[1] and kb[0] < ka[1] and
-                (notable(ka) or notable(kb))]
-    for ka, kb in overlaps[:20]:
-        log(f"       ~ {describe(ka)}  became  {describe(kb)}")
-
-
-def threads_report(snap: dict[str, Any] | None, log: Log) -> None:
-    if not snap:
-        return
-    names: dict[str, int] = {}
-    for thread in snap["threads"]:
-        key = f"{thread['comm']}[{thread['state']} {thread['wchan']}]"
-        names[key] = names.get(key, 0) + 1
-    log(f"   threads at {snap['label']} ({len(snap['threads'])}): " +
-        ", ".join(f"{k} x{v}" if v > 1 else k for k, v in sorted(names.items())))
-    nvidia_fds = sorted({t for t in snap["fds"].values() if "nvidia" in t})
-    log(f"   descriptors at {snap['label']}: {len(snap['fds'])}, NVIDIA ones: {nvidia_fds}")
-
-
-# -- the kernel's log ------------------------------------------------------------------------------------------------
-def kmsg_mark(text: str) -> None:
-    try:
-        with open("/dev/kmsg", "w") as kmsg:
-            kmsg.write(f"coldsnap-jaxdiag: {text}\n")
-    except OSError:
-        pass
-
-
-def dmesg_since(marker: str) -> list[str]:
-    done = subprocess.run(["dmesg"], capture_output=True, text=True, check=False)
-    lines = done.stdout.splitlines()
-    start = max((i for i, line in enumerate(lines) if f"coldsnap-jaxdiag: {marker}" in line), default=-1)
-    return lines[start + 1:] if start >= 0 else [f"<no marker; dmesg exit {done.returncode}: {done.stderr[:200]}>"]
-
-
 # -- the driver, called directly (every answer recorded) ----------------------------------------------------------
 class Checkpoint:
     """cuCheckpointProcess* through cuda-python; each call's answer and time kept in `calls`."""
@@ -286,82 +158,6 @@ class Checkpoint:
         return self.call("cuCheckpointProcessLock", pid, args)[0]
 
 
-# -- every thread held but the driver's restore thread (as CRIU's CUDA plugin runs the restore) ------------------------
-class Frozen:
-    """The stopped process's threads, each held in a ptrace stop (PTRACE_SEIZE of a stopped task traps it): only
-    the thread `release` continues runs; `detach`, then a SIGCONT of the group, lets them all go."""
-
-    SEIZE, INTERRUPT, CONT, DETACH, GETSIGMASK, SETSIGMASK = 0x4206, 0x4207, 7, 17, 0x420A, 0x420B
-    WALL = 0x40000000
-
-    def __init__(self, pid: int, log: Log) -> None:
-        self.libc = ctypes.CDLL(None, use_errno=True)
-        self.libc.ptrace.restype = ctypes.c_long
-        self.libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
-        self.log, self.pid, self.released = log, pid, 0
-        self.mask = ctypes.c_uint64(0)
-        self.tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
-        for tid in self.tids:
-            self._ptrace(self.SEIZE, tid)
-        for tid in self.tids:
-            self._wait(tid)
-
-    def _ptrace(self, request: int, tid: int, addr: int = 0, data: Any = None) -> None:
-        for _ in range(50):  # ESRCH while the tracee is between stops (the kernel's transient RUNNING)
-            if self.libc.ptrace(request, tid, addr, data) == 0:
-                return
-            errno = ctypes.get_errno()
-            if errno != 3:
-                break
-            time.sleep(0.005)
-        raise OSError(errno, f"ptrace({request:#x}, {tid}): {os.strerror(errno)}")
-
-    def _wait(self, tid: int, timeout: float = 2.0) -> str:
-        give_up = time.monotonic() + timeout
-        while time.monotonic() < give_up:
-            got, status = os.waitpid(tid, os.WNOHANG | self.WALL)
-            if got:
-                return f"stopped sig {os.WSTOPSIG(status)} event {status >> 16}" if os.WIFSTOPPED(status) else \
-                    f"status {status:#x}"
-            time.sleep(0.002)
-        return "no stop reported"
-
-    def drain(self) -> None:
-        for tid in self.tids:
-            try:
-                os.waitpid(tid, os.WNOHANG | self.WALL)
-            except ChildProcessError:
-                continue
-
-    def release(self, tid: int) -> None:
-        """Run only `tid`, every signal blocked on it meanwhile (a signal stop would hold it in the driver)."""
-        self.drain()
-        self._ptrace(self.GETSIGMASK, tid, 8, ctypes.byref(self.mask))
-        blocked = ctypes.c_uint64(~(1 << (signal.SIGTRAP - 1)) & (2**64 - 1))
-        self._ptrace(self.SETSIGMASK, tid, 8, ctypes.byref(blocked))
-        self._ptrace(self.CONT, tid)
-        self.released = tid
-        settled = time.monotonic() + 0.05
-        while time.monotonic() < settled:  # a pending group-stop notification traps it once more: continue it
-            got, status = os.waitpid(tid, os.WNOHANG | self.WALL)
-            if got and os.WIFSTOPPED(status):
-                self.log(f"     restore thread {tid} trapped again (sig {os.WSTOPSIG(status)}, event "
-                         f"{status >> 16}): continued")
-                self._ptrace(self.CONT, tid)
-            time.sleep(0.002)
-
-    def detach(self) -> None:
-        if self.released:
-            self._ptrace(self.INTERRUPT, self.released)
-            self.log(f"     restore thread {self.released} interrupted: {self._wait(self.released)}")
-            self._ptrace(self.SETSIGMASK, self.released, 8, ctypes.byref(self.mask))
-        for tid in self.tids:
-            try:
-                self._ptrace(self.DETACH, tid)
-            except OSError as exc:
-                self.log(f"     detach {tid}: {exc}")
-
-
 # -- CRIU through a hook: the tree seen before the dump and after the restore ---------------------------------------
 def hook(real: str, where: Path, args: list[str]) -> int:
     """Run as `criu` by the worker: snapshot the checkpointed tree before `dump`, the stopped restored tree after
@@ -384,11 +180,6 @@ def write_hook(work: Path, real: str, where: Path) -> Path:
                     f"--dir {where} -- \"$@\"\n")
     path.chmod(0o755)
     return path
-
-
-def latest(where: Path, label: str, pid: int) -> dict[str, Any] | None:
-    path = where / f"{label}-{pid}.json"
-    return json.loads(path.read_text()) if path.exists() else None
 
 
 # -- the programs ------------------------------------------------------------------------------------------------------
@@ -459,33 +250,6 @@ def gpu_processes() -> str:
     return done.stdout.strip().replace("\n", "; ") or "none"
 
 
-def reap(pid: int) -> str:
-    """The restored root's end, when it ended (this process is its subreaper)."""
-    try:
-        got, status = os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        return f"not our child ({_read(f'/proc/{pid}/stat')[:60]})"
-    if got == 0:
-        return f"alive, state {_read(f'/proc/{pid}/stat').rpartition(')')[2][:2].strip()}"
-    if os.WIFSIGNALED(status):
-        return f"ended by signal {signal.Signals(os.WTERMSIG(status)).name}"
-    return f"exited {os.WEXITSTATUS(status)}"
-
-
-def kill_tree(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            got, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if got == 0:
-            time.sleep(0.02)
-
 
 # -- one case ------------------------------------------------------------------------------------------------------
 def capture_report(report: dict[str, Any] | None, log: Log) -> None:
@@ -519,11 +283,8 @@ def toggle(program: Program, log: Log) -> str:
     return "restored" if driver.state(pid) == "running" and code == "CUDA_SUCCESS" else "FAILED"
 
 
-def manual_restore(case: Case, images: Path, work: Path, criu: str, log: Log,
-                   frozen: bool = False) -> tuple[str, int | None]:
-    """The worker's restore by hand (`coldsnap_probe._restore`: cuInit, CRIU paused, SIGCONT, GetState, Restore,
-    Unlock), with every driver answer, a failed GetState retried, the restore thread and the process's end."""
-    driver = Checkpoint(log)
+def criu_restore(images: Path, work: Path, criu: str, log: Log) -> int | None:
+    """CRIU's restore as the worker runs it (detached, left stopped): the restored root, or None."""
     pidfile = work / "restored.pid"
     pidfile.unlink(missing_ok=True)
     started = time.monotonic()
@@ -533,19 +294,11 @@ def manual_restore(case: Case, images: Path, work: Path, criu: str, log: Log,
                           check=False)
     log(f"   criu restore exit {done.returncode} in {time.monotonic() - started:.2f} s "
         f"{done.stderr.strip()[-300:]}")
-    if done.returncode != 0:
-        return "CRIU FAILED", None
-    root = int(pidfile.read_text().split()[0])
-    snaps = work / "snaps"
-    restored = {pid: snapshot(pid, "criu-restored", snaps) for pid in tree(root)}
-    held = None
-    if frozen:  # CRIU's CUDA plugin's way: only the restore thread runs until the driver restored the process
-        held = Frozen(root, log)
-        code, tid = driver.call("cuCheckpointProcessGetRestoreThreadId", root)
-        log(f"     {len(held.tids)} threads held; restore thread {tid} ({code})")
-        held.release(int(tid))
-    else:
-        os.killpg(root, signal.SIGCONT)
+    return int(pidfile.read_text().split()[0]) if done.returncode == 0 else None
+
+
+def driver_restore(driver: Checkpoint, root: int, case: Case, snaps: Path, log: Log) -> str:
+    """GetState (retried over 3 s should it fail: does it settle?), the restore thread's state, Restore, Unlock."""
     continued = time.monotonic()
     if case.delay_s:
         time.sleep(case.delay_s)
@@ -560,27 +313,101 @@ def manual_restore(case: Case, images: Path, work: Path, criu: str, log: Log,
     code, tid = driver.call("cuCheckpointProcessGetRestoreThreadId", root)
     if code == "CUDA_SUCCESS":
         where = f"/proc/{root}/task/{tid}"
-        log(f"     restore thread {tid}: {_read(where + '/comm').strip()} "
-            f"state {_read(where + '/stat').rpartition(')')[2][:2].strip()} wchan {_read(where + '/wchan')} "
-            f"stack {_read(where + '/stack').strip().splitlines()[:5]}")
+        log(f"     restore thread {tid}: {proc_text(where + '/comm').strip()} "
+            f"state {proc_text(where + '/stat').rpartition(')')[2][:2].strip()} wchan {proc_text(where + '/wchan')}"
+            f" stack {proc_text(where + '/stack').strip().splitlines()[:5]}")
     if state != "checkpointed":
         log(f"   root {root} {reap(root)}; its threads now: "
             f"{len(os.listdir(f'/proc/{root}/task')) if os.path.isdir(f'/proc/{root}/task') else 0}")
         threads_report(snapshot(root, "after-failed-getstate", snaps) if os.path.isdir(f"/proc/{root}") else None,
                        log)
-        return f"FAILED at GetState: {state}", root
+        return f"FAILED at GetState: {state}"
     code, _ = driver.call("cuCheckpointProcessRestore", root, None)
     after = driver.state(root)
     if code != "CUDA_SUCCESS" or after != "locked":
         log(f"   root {root} {reap(root)}")
-        return f"FAILED at Restore: {code}, then {after}", root
+        return f"FAILED at Restore: {code}, then {after}"
     driver.call("cuCheckpointProcessUnlock", root, None)
     final = driver.state(root)
-    if held is not None:
-        held.detach()
-        os.killpg(root, signal.SIGCONT)  # the group stop CRIU left ends for every thread at once
-    maps_report(restored.get(root), snapshot(root, "cuda-restored", snaps), log)
-    return ("restored" if final == "running" else f"FAILED at Unlock: {final}"), root
+    return "restored" if final == "running" else f"FAILED at Unlock: {final}"
+
+
+def manual_restore(case: Case, images: Path, work: Path, criu: str, log: Log) -> tuple[str, int | None]:
+    """The restore by hand: `manual` as the worker did before issue 36's fix (SIGCONT, then the driver), `frozen`
+    as it does now (only the driver's restore thread runs until the CUDA restore and unlock are done)."""
+    driver = Checkpoint(log)
+    root = criu_restore(images, work, criu, log)
+    if root is None:
+        return "CRIU FAILED", None
+    snaps = work / "snaps"
+    restored = {pid: snapshot(pid, "criu-restored", snaps) for pid in tree(root)}
+    if case.path == "frozen":
+        with ThreadHold(root) as hold:
+            code, tid = driver.call("cuCheckpointProcessGetRestoreThreadId", root)
+            log(f"     {len(hold.threads)} threads held; restore thread {tid} ({code})")
+            hold.run_only(int(tid))
+            outcome = driver_restore(driver, root, case, snaps, log)
+    else:
+        os.killpg(root, signal.SIGCONT)
+        outcome = driver_restore(driver, root, case, snaps, log)
+    if outcome == "restored":
+        os.killpg(root, signal.SIGCONT)  # (frozen: the group stop CRIU left ends for every thread at once)
+        maps_report(restored.get(root), snapshot(root, "cuda-restored", snaps), log)
+    return outcome, root
+
+
+def capture_and_restore(case: Case, program: Program, images: Path, criu: str, log: Log,
+                        result: dict[str, Any]) -> int | None:
+    """The worker's capture (CRIU through the hook), then the case's restore; the restored root."""
+    pid, work = program.proc.pid, program.log.parent
+    snaps, hooked = work / "snaps", write_hook(work, criu, work / "snaps")
+    rc, report, stderr = worker("capture", "--pid", str(pid), "--images", str(images), "--criu", str(hooked))
+    capture_report(report, log)
+    if rc != 0:
+        log(f"   capture FAILED (exit {rc}):\n{error_lines(stderr)}")
+        result["outcome"] = "capture FAILED"
+        return None
+    killed = time.monotonic()
+    program.proc.wait()
+    log(f"   captured; the original ended {program.proc.returncode} after {time.monotonic() - killed:.2f} s;"
+        f" GPU processes now: {gpu_processes()}")
+    if case.settle_s:
+        time.sleep(case.settle_s)
+        log(f"   after {case.settle_s:g} s more, GPU processes: {gpu_processes()}")
+    program.socket.unlink(missing_ok=True)
+    threads_report(latest(snaps, "checkpointed", pid), log)
+    maps_report(latest(snaps, "live", pid), latest(snaps, "checkpointed", pid), log)
+    root: int | None = None
+    if case.path == "worker":
+        rc, report, stderr = worker("restore", "--images", str(images), "--criu", str(hooked),
+                                    "--work-dir", str(work / "restore"))
+        root = (report or {}).get("restored_pid")
+        result["outcome"] = "restored" if rc == 0 else "FAILED"
+        result["restore_s"] = {k: (report or {}).get(k) for k in ("criu_restore_seconds", "cuda_restore_seconds")}
+        log(f"   worker restore: {result['restore_s']}, timeline {(report or {}).get('timeline')}")
+        if rc != 0:
+            log(f"   worker restore FAILED (exit {rc}):\n{error_lines(stderr)}")
+            log(f"   the restored root {pid}: {reap(pid)}")
+    else:
+        result["outcome"], root = manual_restore(case, images, work, criu, log)
+    threads_report(latest(snaps, "criu-restored", pid), log)
+    maps_report(latest(snaps, "checkpointed", pid), latest(snaps, "criu-restored", pid), log)
+    return root
+
+
+def close_case(name: str, result: dict[str, Any], work: Path, log: Log) -> None:
+    """The kernel's log since the case began, CRIU's errors on a failure, the case's line."""
+    kernel = dmesg_since(f"{name} begin")
+    log(f"   dmesg since the case began ({len(kernel)} lines):")
+    for line in kernel[-40:]:
+        log(f"     k| {line}")
+    restore_log = work / "restore.log"
+    if result.get("outcome") != "restored" and restore_log.exists():
+        text = restore_log.read_text(errors="replace").splitlines()
+        picked = [line for line in text if "Error" in line or "plugin" in line.lower()]
+        log("   criu restore.log: " + " / ".join(picked)[:800])
+    log(f"== {name}: {result.get('outcome')} in {result['seconds']} s; same answer: {result.get('same_answer')}"
+        f" (cold {str(result.get('cold'))[:80]!r})")
 
 
 def run_case(name: str, case: Case, base: Path, criu: str, library: Path | None, log: Log) -> dict[str, Any]:
@@ -598,46 +425,15 @@ def run_case(name: str, case: Case, base: Path, criu: str, library: Path | None,
         result["cold"] = cold = program.ask()
         pid = program.proc.pid
         live = snapshot(pid, "live", snaps)
-        log(f"   tree: {[(p, _read(f'/proc/{p}/cmdline').replace(chr(0), ' ')[:80]) for p in tree(pid)]}")
+        log(f"   tree: {[(p, proc_text(f'/proc/{p}/cmdline').replace(chr(0), ' ')[:80]) for p in tree(pid)]}")
         threads_report(live, log)
         if case.path == "toggle":
-            result["outcome"] = toggle(program, log)
-            root = pid
+            result["outcome"], root = toggle(program, log), pid
             maps_report(live, latest(snaps, "checkpointed", pid), log)
         else:
-            hooked = write_hook(work, criu, snaps)
-            rc, report, stderr = worker("capture", "--pid", str(pid), "--images", str(images), "--criu", str(hooked))
-            capture_report(report, log)
-            if rc != 0:
-                log(f"   capture FAILED (exit {rc}):\n{error_lines(stderr)}")
-                result["outcome"] = "capture FAILED"
-                return result
-            killed = time.monotonic()
-            program.proc.wait()
-            log(f"   captured; the original ended {program.proc.returncode} after {time.monotonic() - killed:.2f} s;"
-                f" GPU processes now: {gpu_processes()}")
-            if case.settle_s:
-                time.sleep(case.settle_s)
-                log(f"   after {case.settle_s:g} s more, GPU processes: {gpu_processes()}")
-            program.socket.unlink(missing_ok=True)
-            threads_report(latest(snaps, "checkpointed", pid), log)
-            maps_report(live, latest(snaps, "checkpointed", pid), log)
-            if case.path == "worker":
-                rc, report, stderr = worker("restore", "--images", str(images), "--criu", str(hooked),
-                                            "--work-dir", str(work / "restore"))
-                root = (report or {}).get("restored_pid")
-                result["outcome"] = "restored" if rc == 0 else "FAILED"
-                result["restore_s"] = {k: (report or {}).get(k) for k in ("criu_restore_seconds",
-                                                                          "cuda_restore_seconds")}
-                log(f"   worker restore: {result['restore_s']}, timeline {(report or {}).get('timeline')}")
-                if rc != 0:
-                    log(f"   worker restore FAILED (exit {rc}):\n{error_lines(stderr)}")
-                    log(f"   the restored root {pid}: {reap(pid)}")
-            else:
-                result["outcome"], root = manual_restore(case, images, work, criu, log, case.path == "frozen")
-            threads_report(latest(snaps, "criu-restored", pid), log)
-            maps_report(latest(snaps, "checkpointed", pid), latest(snaps, "criu-restored", pid), log)
-        if result["outcome"] == "restored" and not (case.interposer and case.path == "manual"):
+            root = capture_and_restore(case, program, images, criu, log, result)
+        # (an interposer's memory is hydrated by the worker only: by hand its gate stays closed)
+        if result.get("outcome") == "restored" and not (case.interposer and case.path in ("manual", "frozen")):
             result["after"] = after = program.ask()
             result["same_answer"] = after == cold
     except Exception as exc:  # one case's failure is a finding: the matrix goes on
@@ -647,17 +443,7 @@ def run_case(name: str, case: Case, base: Path, criu: str, library: Path | None,
         kill_tree(program.proc.pid)
         subprocess.run(["rm", "-rf", str(images)], check=False)
         result["seconds"] = round(time.monotonic() - t0, 1)
-        kernel = dmesg_since(f"{name} begin")
-        log(f"   dmesg since the case began ({len(kernel)} lines):")
-        for line in kernel[-40:]:
-            log(f"     k| {line}")
-        restore_log = work / "restore.log"
-        if result.get("outcome") != "restored" and restore_log.exists():
-            text = restore_log.read_text(errors="replace").splitlines()
-            picked = [line for line in text if "Error" in line or "plugin" in line.lower()]
-            log("   criu restore.log: " + " / ".join(picked)[:800])
-        log(f"== {name}: {result.get('outcome')} in {result['seconds']} s; same answer: {result.get('same_answer')}"
-            f" (cold {str(result.get('cold'))[:80]!r})")
+        close_case(name, result, work, log)
     return result
 
 

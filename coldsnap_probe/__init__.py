@@ -53,6 +53,7 @@ if TYPE_CHECKING:  # what each name is, for mypy and readers; at run time `__get
     from ._process import anonymous_memory as anonymous_memory
     from ._process import image_digest as image_digest
     from ._process import pids_by_argv as pids_by_argv
+    from ._thread_hold import ThreadHold as ThreadHold
     from .errors import AdmissionError as AdmissionError
     from .errors import ContractError as ContractError
     from .errors import ProbeError as ProbeError
@@ -102,6 +103,7 @@ _EXPORTS = MappingProxyType({
     "anonymous_memory": "._process",
     "image_digest": "._process",
     "pids_by_argv": "._process",
+    "ThreadHold": "._thread_hold",
     "AdmissionError": ".errors",
     "ContractError": ".errors",
     "ProbeError": ".errors",
@@ -133,6 +135,7 @@ __all__ = (
     "QualificationScope",
     "Requirements",
     "ResourceAudit",
+    "ThreadHold",
     "WeightArena",
     "WeightRegion",
     "admit",

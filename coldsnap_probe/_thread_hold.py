@@ -1,8 +1,8 @@
 """A CRIU-restored process held still while the driver restores its CUDA state: every thread in a ptrace stop
 but the one the driver restores with (`cuCheckpointProcessGetRestoreThreadId`), as CRIU's own CUDA plugin runs a
-restore. Until the restore is done the process's device-backed mappings are not back; any other thread that ran
-meanwhile (XLA's runtime threads do, torch's sit in futex waits) could touch them (issue 36, docs/interposer.md
-"JAX and XLA").
+restore. Until the restore is done the driver's pages are not mapped back; a thread let run meanwhile may read
+them and die: a libcuda thread of a JAX process, woken from its futex wait, did (issue 36, docs/interposer.md
+"JAX and XLA", bench/results/h200-jaxdiag-2026-12-01/).
 
 CRIU leaves the tree stopped (`--leave-stopped`): seizing a stopped thread traps it (PTRACE_SEIZE), so nothing runs
 between CRIU and the hold. `run_only` lets one thread run, every signal blocked on it (a signal stop would leave
