@@ -52,6 +52,7 @@ static int check_devices(const char *policy, char *error, size_t room)
     size_t count;
     struct cscu_region *regions = cscu_regions(&count);
     CUcontext asked = NULL;  /* the last context whose device was read: regions mostly share one (~830 pages) */
+    int read = 0;
     char uuid[48], name[96];
     CUdevice dev = -1;
     cscu_devices_forget();
@@ -60,14 +61,14 @@ static int check_devices(const char *policy, char *error, size_t room)
         CUresult rc = CUDA_SUCCESS;
         if (r->handle)
             continue;
-        if (r->context != asked
+        if ((!read || r->context != asked)
             && ((rc = d->ctx_set_current(r->context)) != CUDA_SUCCESS || (rc = d->ctx_get_device(&dev)) != CUDA_SUCCESS
                 || cscu_device_identity(dev, uuid, name) != 0)) {
             snprintf(error, room, "region %#llx: its context's device cannot be read: %s", r->address,
                      cscu_error_name(rc));
             return -1;
         }
-        asked = r->context;
+        asked = r->context, read = 1;
         if (strcmp(name, r->name) != 0 || (strcmp(policy, CSCU_POLICY_SAME_GPU) == 0 && strcmp(uuid, r->uuid) != 0)) {
             snprintf(error, room, "region %#llx was dumped on %s (%s), this GPU is %s (%s): policy %s refuses %s",
                      r->address, r->name, r->uuid, name, uuid, policy,
