@@ -144,7 +144,8 @@ def disk_read_rate(path: Path, limit: int = 2 << 30) -> float:
 
 def criu_zero_pages(images: Path) -> tuple[int, int]:
     """Bytes of a CRIU image set's pages images (`pages-*.img`) and how many of them are 4 KiB pages of zeros
-    (what CRIU writes for pages that were written with zeros: it skips only never-written ones)."""
+    (stock CRIU writes pages that were written with zeros; third_party/criu/zero-pages.patch leaves out those of
+    private anonymous memory, so what is left here is file-backed private pages and shared memory)."""
     size = zeros = 0
     empty = bytes(4096)
     for path in images.glob("pages-*.img"):

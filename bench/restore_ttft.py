@@ -319,7 +319,7 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
     progress(f"  captured: {json.dumps(capture.get('timings_s'))[:200]}")
     for device in capture.get("device_memory") or []:  # where the release's copy threads spent their time
         progress(f"  release of {device.get('bytes', 0) / 1e9:.1f} GB: {release_split(device)}")
-    criu_pages, criu_zeros = criu_zero_pages(images)  # what a zero-page skip in CRIU's dump would save
+    criu_pages, criu_zeros = criu_zero_pages(images)  # pages of zeros CRIU still wrote (docs/criu-zero-pages.md)
     progress(f"  CRIU pages: {criu_pages / 1e9:.2f} GB, of it 4 KiB pages of zeros {criu_zeros / 1e9:.2f} GB")
     digest_before = image_digest(images)
     image_files = sorted(((p.stat().st_size, p.name) for p in images.iterdir() if p.is_file()), reverse=True)
