@@ -95,10 +95,11 @@ class ThreadHold:
             self._ptrace(_SETSIGMASK, tid, _SIGSET_BYTES, ctypes.byref(self._mask))
         threads, self.threads = self.threads, []
         for tid in threads:
-            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile holds nothing
-                self._ptrace(_DETACH, tid, gone_ok=True)
+            self._ptrace(_DETACH, tid, gone_ok=True)  # a thread that ended meanwhile holds nothing
 
     def _ptrace(self, request: int, tid: int, addr: int = 0, data: object = None, *, gone_ok: bool = False) -> None:
+        """`request` on `tid`, retried while the thread is between two stops; `gone_ok`: a thread that ended is
+        done with (nothing to detach)."""
         for _ in range(100):  # ESRCH while the thread is between two stops (the kernel's transient RUNNING)
             if self._libc.ptrace(request, tid, addr, data) == 0:
                 return
@@ -106,7 +107,7 @@ class ThreadHold:
             if code != errno.ESRCH:
                 break
             if gone_ok and not os.path.exists(f"/proc/{self.pid}/task/{tid}"):
-                raise ProcessLookupError(tid)
+                return
             time.sleep(0.002)
         raise WorkerError(f"ptrace request {request:#x} on thread {tid} of process {self.pid}: "
                           f"{errno.errorcode.get(code, code)} ({os.strerror(code)})")
