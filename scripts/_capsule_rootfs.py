@@ -29,6 +29,15 @@ With ``--criu-compat SRC`` the worker's CRIU wrapper preloads SRC built with gcc
 With ``--server-site`` the capsule carries a server's own Python dependencies (for `transformers serve`:
 fastapi, starlette, uvicorn, pydantic, openai and theirs) at ``/opt/server/site``, which the server's unit
 puts on ``PYTHONPATH``; their compiled extensions' libraries join the ldd closure.
+
+A JAX server compiles its programs with ptxas (and links with nvlink) at run time, and its XLA looks for them in the
+server's site (NVIDIA's wheel: ``nvidia/cu13/bin`` with CUDA 13, ``nvidia/cuda_nvcc/bin`` before), then ``CUDA_ROOT``,
+the ``PATH``, ``/usr/local/cuda`` and ``/opt/cuda``. A host often has them only through ``/usr/local/cuda``, a link
+through ``/etc/alternatives`` that a unit mounting the host's ``/usr`` cannot follow (issue 36: the JAX row's server
+died with "No PTX compilation provider is available"). So for each site a JAX server runs from (``--jax-site``, the
+host's venv the units mount; and ``--server-site`` when it holds JAX's CUDA plugin) whose NVIDIA wheels lack ptxas,
+the capsule carries the ptxas and nvlink this host's XLA would find, and the libdevice beside them, at ``/opt/cuda``:
+a root XLA searches that no host mount of ``/usr`` hides. Nothing else of the toolkit (nvcc, cicc: hundreds of MB).
 """
 
 from __future__ import annotations
@@ -45,6 +54,9 @@ from pathlib import Path
 _SKIP_STDLIB = {"test", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3", "site-packages",
                 "dist-packages"}
 _DRIVER = re.compile(r"^(libcuda|libnvidia-|libnvcuvid|libcudadebugger)")
+_PTX_TOOLS = ("ptxas", "nvlink")  # what XLA runs to compile and link a program's PTX
+_CUDA_ROOTS = ("/usr/local/cuda", "/opt/cuda")  # the roots XLA always tries, after the PATH
+_CAPSULE_CUDA = "opt/cuda"  # the capsule's: one of those roots, outside the host paths a unit mounts
 
 
 def _copy(src: str, rootfs: Path) -> None:
@@ -71,6 +83,55 @@ def _libraries(binary: str, env: dict[str, str]) -> list[str]:
     return found
 
 
+def _site_has_ptxas(site: Path) -> bool:
+    """JAX's XLA finds ptxas in the site itself: an NVIDIA wheel's bin or the CUDA plugin's own tree."""
+    return any(p.is_file() for pattern in ("nvidia/*/bin/ptxas", "jax_plugins/xla_cuda*/cuda/bin/ptxas")
+               for p in site.glob(pattern))
+
+
+def _host_ptx_tools(search_path: str) -> dict[str, Path]:
+    """ptxas and nvlink where this host's XLA finds them outside a site (CUDA_ROOT, the PATH, XLA's two roots),
+    each the real file behind any link, and the libdevice directory of the toolkit the ptxas comes from."""
+    roots = [os.environ["CUDA_ROOT"]] if os.environ.get("CUDA_ROOT") else []
+    dirs = [*(f"{r}/bin" for r in roots), *filter(None, search_path.split(os.pathsep)),
+            *(f"{r}/bin" for r in _CUDA_ROOTS)]
+    found: dict[str, Path] = {}
+    for name in _PTX_TOOLS:
+        hit = next((Path(d, name) for d in dirs if os.access(Path(d, name), os.X_OK) and Path(d, name).is_file()),
+                   None)
+        if hit is not None:
+            found[name] = hit.resolve()
+    if "ptxas" in found and (libdevice := found["ptxas"].parent.parent / "nvvm/libdevice").is_dir():
+        found["libdevice"] = libdevice
+    return found
+
+
+def _carry_ptx_tools(rootfs: Path, sites: list[Path]) -> tuple[list[str], str]:
+    """The PTX tools for the JAX servers of `sites` (those that lack their own) under the capsule's /opt/cuda:
+    the executables to add to the ldd closure, and a line for the summary."""
+    if not sites:
+        return [], ""
+    needing = [site for site in sites if not _site_has_ptxas(site)]
+    if not needing:
+        return [], ", ptx tools: the JAX site's own"
+    found = _host_ptx_tools(os.environ.get("PATH", ""))
+    if "ptxas" not in found:
+        print(f"warning: no ptxas in {', '.join(map(str, needing))} nor on this host (CUDA_ROOT, PATH, "  # noqa: T201
+              f"{', '.join(_CUDA_ROOTS)}): a JAX server in this capsule cannot compile", file=sys.stderr)
+        return [], ", ptx tools: NONE found"
+    cuda = rootfs / _CAPSULE_CUDA
+    (cuda / "bin").mkdir(parents=True, exist_ok=True)
+    for name in _PTX_TOOLS:
+        if name in found:
+            shutil.copy2(found[name], cuda / "bin" / name)  # the mode with it: XLA runs them
+    if "libdevice" in found:
+        shutil.copytree(found["libdevice"], cuda / "nvvm/libdevice", dirs_exist_ok=True)
+    size = sum(p.stat().st_size for p in cuda.rglob("*") if p.is_file())
+    carried = ", ".join(f"{name} {found[name]}" for name in (*_PTX_TOOLS, "libdevice") if name in found)
+    return ([str(found[n]) for n in _PTX_TOOLS if n in found],
+            f", ptx tools for {', '.join(map(str, needing))}: {carried} at /{_CAPSULE_CUDA} ({size / 1e6:.1f} MB)")
+
+
 def _compile(exe: str, rootfs: Path, *trees: Path) -> None:
     """Bytecode for what the worker imports, in the image (issue 22: compiling the worker's modules at every start
     cost it tens of milliseconds). `checked-hash`: valid whatever modification times the image build keeps, and
@@ -88,6 +149,8 @@ def main() -> int:
     parser.add_argument("--criu-compat", default="", help="C source of an LD_PRELOAD for the worker's CRIU "
                         "(scripts/capsule/criu_sockopt_compat.c), built with gcc")
     parser.add_argument("--server-site", default="", help="a server's site-packages, baked in at /opt/server/site")
+    parser.add_argument("--jax-site", action="append", default=[], help="a site-packages a JAX server in this "
+                        "capsule runs from (mounted from the host): the capsule carries the PTX tools it lacks")
     args = parser.parse_args()
     out = Path(args.out)
     rootfs = out / "rootfs"
@@ -141,7 +204,14 @@ def main() -> int:
     binaries += [str(p) for p in (rootfs / stdlib.lstrip("/")).rglob("*.so")]
     binaries += [str(p) for p in target.rglob("*.so*") if p.is_file()]
     if args.server_site:
-        binaries += [str(p) for p in (rootfs / "opt/server/site").rglob("*.so") if p.is_file()]
+        # Libraries too (`libX.so.13`), not only extensions: a wheel's libraries are loaded with dlopen by name.
+        binaries += [str(p) for p in (rootfs / "opt/server/site").rglob("*.so*")
+                     if p.is_file() and (p.name.endswith(".so") or ".so." in p.name)]
+    jax_sites = [Path(s) for s in args.jax_site]
+    if args.server_site and any(Path(args.server_site).glob("jax_plugins/xla_cuda*")):
+        jax_sites.append(Path(args.server_site))
+    tools, tools_line = _carry_ptx_tools(rootfs, jax_sites)
+    binaries += tools
     libraries = sorted({lib for b in binaries for lib in _libraries(b, env)})
     # glibc pieces that Python packages dlopen by name (cuda.pathfinder opens libdl.so.2) besides libc.
     libc_dir = next((os.path.dirname(lib) for lib in libraries if os.path.basename(lib) == "libc.so.6"), "")
@@ -193,7 +263,7 @@ def main() -> int:
     size = sum(p.stat().st_size for p in rootfs.rglob("*") if p.is_file() and not p.is_symlink())
     print(f"capsule rootfs: {size / 1e6:.1f} MB, python {exe}, stdlib {stdlib}, site {base_site}, "  # noqa: T201
           f"{len(libraries)} libraries, worker {'yes' if args.worker else 'no'}, "
-          f"server site {'yes' if args.server_site else 'no'}")
+          f"server site {'yes' if args.server_site else 'no'}{tools_line}")
     return 0
 
 

@@ -46,7 +46,9 @@ wait_model() {
 # serve_capsule DIR [SITE]: the server's dependencies (.whl/serve: fastapi, starlette, uvicorn, uvloop, pydantic,
 # openai and theirs) into SITE, then a capsule build context with the worker, CRIU and that site (without SITE: no
 # server site); its log: $OUT/capsule.txt. uvloop stays (when the wheels bring it): every server unit preloads
-# libcoldsnap_no_io_uring.so, so its libuv keeps to epoll (docs/restoring-your-own-server.md).
+# libcoldsnap_no_io_uring.so, so its libuv keeps to epoll (docs/restoring-your-own-server.md). With JAX_SITE (the
+# site-packages the units' JAX server runs from, mounted from the host) the capsule carries the PTX tools that site
+# lacks and this host's XLA finds (ptxas, nvlink, libdevice at /opt/cuda: issue 36, scripts/_capsule_rootfs.py).
 serve_capsule() {
     rm -rf "$1" ${2:+"$2"}
     if [ -n "${2:-}" ]; then
@@ -54,7 +56,8 @@ serve_capsule() {
             || exit 1
     fi
     python3 scripts/_capsule_rootfs.py "$1" --busybox $D/usr/bin/busybox-static --criu-root "$CRIU_ROOT" \
-        --worker "$ROOT/coldsnap_probe" ${2:+--server-site "$2"} --criu-compat scripts/capsule/criu_sockopt_compat.c \
+        --worker "$ROOT/coldsnap_probe" ${2:+--server-site "$2"} ${JAX_SITE:+--jax-site "$JAX_SITE"} \
+        --criu-compat scripts/capsule/criu_sockopt_compat.c \
         2>&1 | tee "$OUT/capsule.txt"
 }
 

@@ -32,10 +32,19 @@ print(next((x.split('=', 1)[1] for x in a if x.startswith('--rows=')), a[a.index
 " "$@")
 UVLOOP=0
 [ -z "$ROWS" ] || [[ ",$ROWS," == *,uvloop,* ]] && UVLOOP=1
+# The JAX rows' server runs from the host's venv (bench/e2e_restore.py's Layout.python, /opt/torch mounted): the
+# capsule carries the PTX tools its site lacks (serve_capsule's JAX_SITE).
+JAX_PYTHON=${JAX_PYTHON:-/opt/torch/.venv/bin/python3}
+if [ -z "$ROWS" ] || [[ ",$ROWS," == *,jax* ]]; then
+    JAX_SITE=$("$JAX_PYTHON" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") \
+        || { echo "no $JAX_PYTHON: the capsule carries no PTX tools"; JAX_SITE=; }
+fi
 
 step host
 { nvidia-smi --query-gpu=index,name,driver_version,memory.used --format=csv; free -g; nproc; echo "THP $(cat $THP_FILE)"
-  python3 -c "import jax; print('jax', jax.__version__)" 2>&1 | tail -1; } > "$OUT/host.txt" 2>&1
+  python3 -c "import jax; print('jax', jax.__version__)" 2>&1 | tail -1
+  echo "ptxas on PATH: $(command -v ptxas || echo none); /usr/local/cuda: $(readlink -e /usr/local/cuda || echo none)"
+} > "$OUT/host.txt" 2>&1
 cat "$OUT/host.txt"
 
 if [ "$UVLOOP" = 1 ]; then
@@ -46,7 +55,7 @@ fi
 step "docker engine (bundled)"
 start_docker
 
-step "capsule build context: worker, CRIU, the interposer (and the server's site for uvloop)"
+step "capsule build context: worker, CRIU, the interposer (the server's site for uvloop, PTX tools for jax)"
 serve_capsule /tmp/cs-capsule-rows "$([ "$UVLOOP" = 1 ] && echo "$SITE")"
 
 step "coldsnap-provider serve"

@@ -1,4 +1,4 @@
-"""The serve capsule's assembly (scripts/_capsule_rootfs.py --server-site --criu-compat) and the CRIU
+"""The serve capsule's assembly (scripts/_capsule_rootfs.py --server-site --jax-site --criu-compat) and the CRIU
 compatibility preload it builds, run for real: gcc, ldd, and sockets on this kernel."""
 
 from __future__ import annotations
@@ -6,11 +6,14 @@ from __future__ import annotations
 import errno
 import importlib.util
 import marshal
+import os
 import shutil
 import subprocess
 import sys
 import sysconfig
 import textwrap
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -64,24 +67,71 @@ def test_preload_reads_refused_pass_options_as_off_and_changes_nothing_else(tmp_
     assert shimmed[2:] == plain[2:] == [refused, unknown]
 
 
-def test_capsule_carries_the_server_site_and_a_preloading_criu_wrapper(tmp_path: Path) -> None:
-    criu = tmp_path / "criu-root/usr/sbin/criu"
+def wheel_tree(site: Path, package: str, files: dict[str, Path]) -> None:
+    """An installed wheel's files as pip lays them out (`nvidia/cu13/bin/ptxas`, `nvidia/cu13/lib/...`), copies of
+    real programs and libraries keeping their modes, and its RECORD."""
+    for name, source in files.items():
+        (site / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source, site / name)
+    info = site / f"{package}.dist-info"
+    info.mkdir()
+    (info / "RECORD").write_text("".join(f"{name},,\n" for name in files))
+
+
+@dataclass(frozen=True)
+class Built:
+    rootfs: Path
+    stdout: str
+    host_cuda: Path  # the host's toolkit behind its links (/usr/local/cuda -> /etc/alternatives/cuda -> here)
+    jax_site: Path  # a host venv's site: JAX's CUDA plugin and NVIDIA's runtime wheel, no compiler wheel
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Built]:
+    """One capsule build for the tests of this file: a server site with its own NVIDIA compiler wheel, a JAX site
+    without one, and a host toolkit reached on the PATH through two links (as /usr/local/cuda on a GPU host)."""
+    base = tmp_path_factory.mktemp("serve-capsule")
+    criu = base / "criu-root/usr/sbin/criu"
     criu.parent.mkdir(parents=True)
     shutil.copy2("/bin/true", criu)  # any dynamically linked program stands in for CRIU here
-    site = tmp_path / "site"
+    site = base / "site"
     (site / "fastapi").mkdir(parents=True)
     (site / "fastapi/__init__.py").write_text("")
     extension = next(Path(sys.prefix).glob("lib/python3*/site-packages/msgspec/_core*.so"))
     shutil.copy2(extension, site / "fastapi" / extension.name)
     (site / "fastapi/__pycache__").mkdir()
-    out = tmp_path / "ctx"
+    # Any ELF program and library stand in for NVIDIA's: what matters is where they are and their modes.
+    library = Path(extension)
+    wheel_tree(site, "nvidia_cuda_nvcc-13.0.88", {"nvidia/cu13/bin/ptxas": Path("/bin/true"),
+                                                  "nvidia/cu13/bin/nvlink": Path("/bin/false")})
+    wheel_tree(site, "nvidia_nvjitlink-13.0.88", {"nvidia/cu13/lib/libnvJitLink.so.13": library})
+    wheel_tree(site, "jax_cuda13_pjrt-0.11.2", {"jax_plugins/xla_cuda13/xla_cuda_plugin.so": library})
+    jax_site = base / "venv/lib/python3.12/site-packages"
+    wheel_tree(jax_site, "jax_cuda13_pjrt-0.11.2", {"jax_plugins/xla_cuda13/xla_cuda_plugin.so": library})
+    wheel_tree(jax_site, "nvidia_cuda_runtime-13.0.96", {"nvidia/cu13/lib/libcudart.so.13": library})
+    host_cuda = base / "usr/local/cuda-13.0"
+    wheel_tree(host_cuda, "nvidia_cuda_nvcc-13.0.88", {"bin/ptxas": Path("/bin/true"), "bin/nvlink": Path("/bin/false"),
+                                                       "bin/nvcc": Path("/bin/true")})
+    wheel_tree(host_cuda, "nvidia_nvvm-13.0.88", {"nvvm/libdevice/libdevice.10.bc": library})
+    (base / "etc/alternatives").mkdir(parents=True)
+    (base / "etc/alternatives/cuda").symlink_to(host_cuda)
+    (base / "usr/local/cuda").symlink_to(base / "etc/alternatives/cuda")
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_ROOT"}
+    env["PATH"] = f"{base}/usr/local/cuda/bin:{env['PATH']}"
+    out = base / "ctx"
     done = subprocess.run([sys.executable, str(ROOT / "scripts/_capsule_rootfs.py"), str(out), "--busybox",
-                           shutil.which("busybox") or "/bin/busybox", "--criu-root", str(tmp_path / "criu-root"),
+                           shutil.which("busybox") or "/bin/busybox", "--criu-root", str(base / "criu-root"),
                            "--worker", str(ROOT / "coldsnap_probe"), "--server-site", str(site),
-                           "--criu-compat", str(SHIM)], capture_output=True, text=True, check=False, timeout=240)
+                           "--jax-site", str(jax_site), "--criu-compat", str(SHIM)],
+                          capture_output=True, text=True, check=False, timeout=240, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "server site yes" in done.stdout
-    rootfs = out / "rootfs"
+    yield Built(out / "rootfs", done.stdout, host_cuda, jax_site)
+
+
+def test_capsule_carries_the_server_site_and_a_preloading_criu_wrapper(built: Built) -> None:
+    assert "server site yes" in built.stdout
+    rootfs = built.rootfs
+    extension = next(Path(sys.prefix).glob("lib/python3*/site-packages/msgspec/_core*.so"))
     assert (rootfs / "opt/server/site/fastapi" / extension.name).is_file()
     assert not (rootfs / "opt/server/site/fastapi/__pycache__").exists()
     assert (rootfs / "opt/coldsnap/worker/coldsnap_probe/adapters/sitecustomize.py").is_file()
@@ -91,6 +141,32 @@ def test_capsule_carries_the_server_site_and_a_preloading_criu_wrapper(tmp_path:
     assert "LD_PRELOAD=/opt/coldsnap/criu/lib/criu-compat.so " in wrapper
     assert (rootfs / "opt/coldsnap/criu/lib/criu-compat.so").read_bytes()[:4] == b"\x7fELF"
     assert_bytecode_is_baked_in(rootfs)
+
+
+def test_a_server_sites_nvidia_wheels_keep_their_programs_and_libraries(built: Built) -> None:
+    """JAX's XLA runs ptxas from the site's NVIDIA compiler wheel and loads its libraries by name: they stay, the
+    programs executable."""
+    kept = built.rootfs / "opt/server/site/nvidia/cu13"
+    for name in ("bin/ptxas", "bin/nvlink"):
+        assert (kept / name).stat().st_mode & 0o777 == 0o755, name
+    assert (kept / "lib/libnvJitLink.so.13").read_bytes()[:4] == b"\x7fELF"
+
+
+def test_the_ptx_tools_a_jax_site_lacks_come_from_the_hosts_toolkit_behind_its_links(built: Built) -> None:
+    """Regression: #36. The host's venv has JAX's CUDA plugin but no NVIDIA compiler wheel: its XLA finds ptxas
+    through /usr/local/cuda, a link through /etc/alternatives that a unit mounting the host's /usr cannot follow.
+    The capsule carries the real files at /opt/cuda (a root XLA searches), executable, and libdevice beside them;
+    nothing else of the toolkit, and nothing for the site that has its own."""
+    cuda = built.rootfs / "opt/cuda"
+    for name, source in (("ptxas", "/bin/true"), ("nvlink", "/bin/false")):
+        carried = cuda / "bin" / name
+        assert not carried.is_symlink() and carried.stat().st_mode & 0o777 == 0o755, name
+        assert carried.read_bytes() == Path(source).read_bytes(), name
+    assert (cuda / "nvvm/libdevice/libdevice.10.bc").is_file()
+    assert sorted(p.name for p in cuda.rglob("*") if p.is_file()) == ["libdevice.10.bc", "nvlink", "ptxas"]
+    line = built.stdout.splitlines()[-1]
+    assert f"ptx tools for {built.jax_site}: ptxas {built.host_cuda}/bin/ptxas, nvlink {built.host_cuda}/bin/nvlink, " \
+        f"libdevice {built.host_cuda}/nvvm/libdevice at /opt/cuda" in line, line  # (the server site has its own)
 
 
 def assert_bytecode_is_baked_in(rootfs: Path) -> None:
