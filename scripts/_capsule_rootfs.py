@@ -90,9 +90,11 @@ def _site_has_ptxas(site: Path) -> bool:
 
 
 def _host_ptx_tools(search_path: str) -> dict[str, Path]:
-    """ptxas and nvlink where this host's XLA finds them outside a site (CUDA_ROOT, the PATH, XLA's two roots),
-    each the real file behind any link, and the libdevice directory of the toolkit the ptxas comes from."""
-    roots = [os.environ["CUDA_ROOT"]] if os.environ.get("CUDA_ROOT") else []
+    """ptxas and nvlink where this host's XLA finds them outside a site (its data directory: CUDA_ROOT, or
+    XLA_FLAGS' --xla_gpu_cuda_data_dir; the PATH; XLA's two roots), each the real file behind any link, and the
+    libdevice directory of the toolkit the ptxas comes from."""
+    flags = re.findall(r"--xla_gpu_cuda_data_dir=(\S+)", os.environ.get("XLA_FLAGS", ""))
+    roots = [r for r in (os.environ.get("CUDA_ROOT"), *flags) if r]
     dirs = [*(f"{r}/bin" for r in roots), *filter(None, search_path.split(os.pathsep)),
             *(f"{r}/bin" for r in _CUDA_ROOTS)]
     found: dict[str, Path] = {}
