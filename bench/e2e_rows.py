@@ -138,6 +138,14 @@ async def engine_output(d: Driver, image: str, layout: Layout, name: str, gib: f
     return output(reply.get("runtime") or {}) if reply.get("ok") else str(reply.get("error"))
 
 
+def last_error(said: str) -> str:
+    """The engine's own verdict, first in a failed row's error (its table cell shows the start): a traceback's
+    exception line (its last unindented line), else the output's last line."""
+    lines = [line for line in said.splitlines() if line.strip()]
+    return next((line for line in reversed(lines) if not line[0].isspace() and ": " in line),
+                lines[-1] if lines else "(no output)")
+
+
 async def request(layout: Layout, *, limit: float) -> Stream:
     return await stream_tokens(layout.run_dir / "engine.sock", limit=limit, prompt=PROMPT, max_tokens=TOKENS)
 
@@ -163,7 +171,8 @@ async def start_cold(d: Driver, image: str, layout: Layout, name: str, gib: floa
         await together(client, watch)
     except E2EError as exc:  # the unit's init keeps the engine's stdio off the container: ask the engine itself
         said = await engine_output(d, image, layout, name, gib, cpu=cpu)
-        raise E2EError(f"{exc}; the engine run alone says:\n{said}", code=exc.code) from exc
+        raise E2EError(f"{last_error(said)[:400]} (the engine run alone); {exc}; the engine run alone says:\n{said}",
+                       code=exc.code) from exc
     return {"unit": unit, "create_start_s": started - created, "first_token_s": got[0].first - created,
             "tokens": got[0].tokens, "first_logits_sha256": got[0].done.get("first_logits_sha256"),
             "server_pid": server_pid(layout)}

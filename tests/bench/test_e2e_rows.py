@@ -108,6 +108,9 @@ async def test_a_row_runs_through_the_daemon_from_its_cold_start_to_its_restores
     # A row that fails is a row of the table, with the engine's own last words and no unit left behind.
     assert not failed["ok"] and "units_left" not in failed and "the server exited before its first token" in \
         failed["error"] and "ModuleNotFoundError: No module named 'coldsnap_probe'" in failed["error"], failed
+    # The table's cell leads with the engine's own error line (a JAX row's is kilobytes long: issue 36).
+    assert "(FAILED: E2EError: ModuleNotFoundError: No module named 'coldsnap_probe' (the engine run alone)" in \
+        e2e_rows.row_cells(failed)[0], e2e_rows.row_cells(failed)[0]
     cold, restores = result["cold"], result["restores"]
     assert len(cold["tokens"]) == e2e_rows.TOKENS and cold["server_pid"] >= 512  # above the capsule init's floor
     assert len(result["tree"]) == 3 and result["tree"][0] == cold["server_pid"]  # front end, core, tracker
