@@ -89,6 +89,22 @@ def _site_has_ptxas(site: Path) -> bool:
                for p in site.glob(pattern))
 
 
+def _program(path: Path) -> Path | None:
+    """The executable program at `path`, behind any link; a wrapper script (`exec /real/ptxas "$@"`, as toolkits
+    installed from wheels put on the PATH) followed to the program it runs; None for anything else."""
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        return None
+    real = path.resolve()
+    with open(real, "rb") as f:
+        head = f.read(4)
+    if head == b"\x7fELF":
+        return real
+    if head[:2] != b"#!":
+        return None
+    named = re.findall(rf"(/\S*/{re.escape(path.name)})\b", real.read_text(errors="replace"))
+    return next((Path(n).resolve() for n in named if Path(n).resolve() != real and _program(Path(n))), None)
+
+
 def _host_ptx_tools(search_path: str) -> dict[str, Path]:
     """ptxas and nvlink where this host's XLA finds them outside a site (its data directory: CUDA_ROOT, or
     XLA_FLAGS' --xla_gpu_cuda_data_dir; the PATH; XLA's two roots), each the real file behind any link, and the
@@ -99,10 +115,9 @@ def _host_ptx_tools(search_path: str) -> dict[str, Path]:
             *(f"{r}/bin" for r in _CUDA_ROOTS)]
     found: dict[str, Path] = {}
     for name in _PTX_TOOLS:
-        hit = next((Path(d, name) for d in dirs if os.access(Path(d, name), os.X_OK) and Path(d, name).is_file()),
-                   None)
+        hit = next(filter(None, (_program(Path(d, name)) for d in dirs)), None)
         if hit is not None:
-            found[name] = hit.resolve()
+            found[name] = hit
     if "ptxas" in found and (libdevice := found["ptxas"].parent.parent / "nvvm/libdevice").is_dir():
         found["libdevice"] = libdevice
     return found

@@ -89,7 +89,8 @@ class Built:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Built]:
     """One capsule build for the tests of this file: a server site with its own NVIDIA compiler wheel, a JAX site
-    without one, and a host toolkit reached on the PATH through two links (as /usr/local/cuda on a GPU host)."""
+    without one, and a host toolkit reached from the PATH through wrapper scripts and two links (as
+    /usr/local/cuda -> /etc/alternatives/cuda on a GPU host)."""
     base = tmp_path_factory.mktemp("serve-capsule")
     criu = base / "criu-root/usr/sbin/criu"
     criu.parent.mkdir(parents=True)
@@ -116,8 +117,15 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Built]:
     (base / "etc/alternatives").mkdir(parents=True)
     (base / "etc/alternatives/cuda").symlink_to(host_cuda)
     (base / "usr/local/cuda").symlink_to(base / "etc/alternatives/cuda")
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_ROOT"}
-    env["PATH"] = f"{base}/usr/local/cuda/bin:{env['PATH']}"
+    # On the PATH: wrapper scripts running the toolkit's programs through those links (as on a host whose toolkit
+    # came from wheels).
+    wrappers = base / "usr/local/bin"
+    wrappers.mkdir()
+    for name in ("ptxas", "nvlink"):
+        (wrappers / name).write_text(f'#!/bin/sh\nexec {base}/usr/local/cuda/bin/{name} "$@"\n')
+        (wrappers / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_ROOT", "XLA_FLAGS")}
+    env["PATH"] = f"{wrappers}:{env['PATH']}"
     out = base / "ctx"
     done = subprocess.run([sys.executable, str(ROOT / "scripts/_capsule_rootfs.py"), str(out), "--busybox",
                            shutil.which("busybox") or "/bin/busybox", "--criu-root", str(base / "criu-root"),
@@ -154,7 +162,8 @@ def test_a_server_sites_nvidia_wheels_keep_their_programs_and_libraries(built: B
 
 def test_the_ptx_tools_a_jax_site_lacks_come_from_the_hosts_toolkit_behind_its_links(built: Built) -> None:
     """Regression: #36. The host's venv has JAX's CUDA plugin but no NVIDIA compiler wheel: its XLA finds ptxas
-    through /usr/local/cuda, a link through /etc/alternatives that a unit mounting the host's /usr cannot follow.
+    elsewhere on the host (here: a wrapper on the PATH running /usr/local/cuda's, a link through /etc/alternatives),
+    which a unit mounting the host's /usr cannot follow.
     The capsule carries the real files at /opt/cuda (a root XLA searches), executable, and libdevice beside them;
     nothing else of the toolkit, and nothing for the site that has its own."""
     cuda = built.rootfs / "opt/cuda"
@@ -163,6 +172,10 @@ def test_the_ptx_tools_a_jax_site_lacks_come_from_the_hosts_toolkit_behind_its_l
         assert not carried.is_symlink() and carried.stat().st_mode & 0o777 == 0o755, name
         assert carried.read_bytes() == Path(source).read_bytes(), name
     assert (cuda / "nvvm/libdevice/libdevice.10.bc").is_file()
+    if os.geteuid() == 0:  # they run in the capsule alone, with the libraries they load
+        runs = [subprocess.run(["chroot", str(built.rootfs), f"/opt/cuda/bin/{n}"], check=False).returncode
+                for n in ("ptxas", "nvlink")]
+        assert runs == [0, 1], runs
     assert sorted(p.name for p in cuda.rglob("*") if p.is_file()) == ["libdevice.10.bc", "nvlink", "ptxas"]
     line = built.stdout.splitlines()[-1]
     assert f"ptx tools for {built.jax_site}: ptxas {built.host_cuda}/bin/ptxas, nvlink {built.host_cuda}/bin/nvlink, " \
