@@ -89,10 +89,11 @@ def _site_has_ptxas(site: Path) -> bool:
                for p in site.glob(pattern))
 
 
-def _program(path: Path) -> Path | None:
+def _program(path: Path, hops: int = 3) -> Path | None:
     """The executable program at `path`, behind any link; a wrapper script (`exec /real/ptxas "$@"`, as toolkits
-    installed from wheels put on the PATH) followed to the program it runs; None for anything else."""
-    if not (path.is_file() and os.access(path, os.X_OK)):
+    installed from wheels put on the PATH) followed to the program it runs (`hops` scripts deep at most: two
+    wrappers naming each other end); None for anything else."""
+    if hops < 0 or not (path.is_file() and os.access(path, os.X_OK)):
         return None
     real = path.resolve()
     with open(real, "rb") as f:
@@ -102,7 +103,7 @@ def _program(path: Path) -> Path | None:
     if head[:2] != b"#!":
         return None
     named = re.findall(rf"(/\S*/{re.escape(path.name)})\b", real.read_text(errors="replace"))
-    return next((Path(n).resolve() for n in named if Path(n).resolve() != real and _program(Path(n))), None)
+    return next(filter(None, (_program(Path(n), hops - 1) for n in named if Path(n).resolve() != real)), None)
 
 
 def _host_ptx_tools(search_path: str) -> dict[str, Path]:
@@ -169,6 +170,8 @@ def main() -> int:
     parser.add_argument("--jax-site", action="append", default=[], help="a site-packages a JAX server in this "
                         "capsule runs from (mounted from the host): the capsule carries the PTX tools it lacks")
     args = parser.parse_args()
+    if missing := [site for site in args.jax_site if not Path(site).is_dir()]:
+        parser.error(f"--jax-site: {', '.join(missing)} is not a directory (a site-packages a JAX server runs from)")
     out = Path(args.out)
     rootfs = out / "rootfs"
     for d in ("bin", "etc", "tmp", "root", "usr/bin", "proc", "sys", "dev"):

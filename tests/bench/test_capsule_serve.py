@@ -194,3 +194,11 @@ def assert_bytecode_is_baked_in(rootfs: Path) -> None:
     stdlib = rootfs / sysconfig.get_paths()["stdlib"].lstrip("/")
     assert Path(importlib.util.cache_from_source(str(stdlib / "argparse.py"))).is_file()  # the top level too
     assert not list(stdlib.rglob("*.opt-[12].pyc"))  # nothing runs python3 -O
+
+
+def test_a_jax_site_that_is_not_a_directory_is_refused_naming_it_before_anything_is_built(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, str(ROOT / "scripts/_capsule_rootfs.py"), str(tmp_path / "ctx"),
+                           "--busybox", "/bin/busybox", "--jax-site", str(tmp_path / "nope")],
+                          capture_output=True, text=True, check=False, timeout=60)
+    assert done.returncode == 2 and f"--jax-site: {tmp_path / 'nope'} is not a directory" in done.stderr, done.stderr
+    assert not (tmp_path / "ctx").exists()
