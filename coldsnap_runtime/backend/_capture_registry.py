@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,7 +31,7 @@ from ._blob_fetch import Fetched, fetch_blob
 from ._digests import answer_challenge
 from ._engine import registry_errors
 
-__all__ = ("CaptureRegistry", "Transferred")
+__all__ = ("PARALLEL", "CaptureRegistry", "Transferred")
 
 PARALLEL = 8  # blobs in flight at once: enough to fill a link that one stream cannot (each at most 64 MiB)
 _TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=300)
@@ -57,8 +58,9 @@ class CaptureRegistry:
     """One repository of one registry, for the captures of `store`."""
 
     def __init__(self, store: CaptureStore, *, registry: str, repository: str, auth: Mapping[str, str] | None,
-                 insecure: bool, action: str) -> None:
+                 insecure: bool, action: str, fetches: anyio.CapacityLimiter) -> None:
         self._store = store
+        self._fetches = fetches  # the node's blob-fetch threads, shared by every pull
         self._registry = registry
         host = "registry-1.docker.io" if registry == "docker.io" else registry
         self._origin = f"{'http' if insecure else 'https'}://{host}"
@@ -189,10 +191,10 @@ class CaptureRegistry:
             done.add(size, present=True)
             return
         url = f"{self._base}/blobs/{digest}"
-        fetched = await anyio.to_thread.run_sync(self._fetch, url, digest, size)
+        fetched = await self._fetch_in_thread(url, digest, size)
         if fetched.status == 401:  # no token yet, or it expired: the challenge answered on the loop, then again
             await self._send(session, "HEAD", url)
-            fetched = await anyio.to_thread.run_sync(self._fetch, url, digest, size)
+            fetched = await self._fetch_in_thread(url, digest, size)
         if fetched.status != 200:
             raise self._fail(f"blob {digest}", fetched.status, fetched.body)
         if not fetched.kept:
@@ -202,12 +204,22 @@ class CaptureRegistry:
                 "nothing of it was kept"))
         done.add(size, present=False)
 
-    def _fetch(self, url: str, digest: str, size: int) -> Fetched:
+    async def _fetch_in_thread(self, url: str, digest: str, size: int) -> Fetched:
+        """`_fetch` in a thread of the node's own fetch limiter (never the daemon's shared pool, which every file
+        operation needs); a cancelled request does not wait for it: it ends at its next piece, removing its file."""
+        stop = threading.Event()
+        try:
+            return await anyio.to_thread.run_sync(self._fetch, url, digest, size, stop, abandon_on_cancel=True,
+                                                  limiter=self._fetches)
+        finally:
+            stop.set()
+
+    def _fetch(self, url: str, digest: str, size: int, stop: threading.Event) -> Fetched:
         """The blob streamed into a temporary of the store and named once checked (in a worker thread)."""
         temporary = self._store.temporary(digest)
         try:
             fetched = fetch_blob(url, authorization=self._authorization, digest=digest, size=size, into=temporary,
-                                 timeout=_TIMEOUT.sock_read or 300.0)
+                                 within_s=_TIMEOUT.sock_read or 300.0, stop=stop)
             if fetched.kept:
                 self._store.adopt_blob(temporary, digest)
             return fetched

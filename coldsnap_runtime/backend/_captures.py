@@ -19,7 +19,7 @@ import anyio
 from ..errors import BackendError, NotFound, RuntimeFailed, StoreError
 from ..store import CaptureInfo, CaptureStore
 from ._capture_build import CAPTURE_LABEL, FILES_LABEL, image_files, store_context
-from ._capture_registry import CaptureRegistry, Transferred
+from ._capture_registry import PARALLEL, CaptureRegistry, Transferred
 from ._capture_stubs import StubPaths
 from ._containers import Containers
 from ._digests import repository_path
@@ -27,6 +27,8 @@ from ._engine import Engine, docker_errors
 from ._translate import parse_reference
 
 __all__ = ("CAPTURE_LABEL", "Captures")
+
+FETCH_THREADS = 2 * PARALLEL  # blob-fetch threads of every pull at once (their own limiter, not the shared pool)
 
 Auth = Callable[[str], dict[str, str] | None]
 # Where a workload's capture files came from (the metrics' tier label: a fixed set): its files already made
@@ -51,6 +53,7 @@ class Captures:
         self._tiers: dict[str, list[int]] = {tier: [0, 0] for tier in TIERS}
         # Held from making a capture's files to creating the container that pins it, and by removal.
         self.lock = anyio.Lock()
+        self._fetches = anyio.CapacityLimiter(FETCH_THREADS)
 
     async def _ready(self, action: str) -> CaptureStore:
         if self.store is None:
@@ -106,12 +109,13 @@ class Captures:
             self._count("registry", moved.bytes)
         # Its files made now, not at the first workload-run: a node pulls ahead of restoring, and making them was
         # 16.4 of the first restore's 18.9 s on the H200 (10.5 GB read and written).
+        # Best effort: the pull itself succeeded, and a failure here (a full disk) must not undo it (the image may
+        # have been resident and in use before this pull); the first workload-run makes them or says why not.
         try:
             async with self.lock:  # removal and collection hold it: none drops the capture while its files are made
                 _tree, read = await anyio.to_thread.run_sync(store.tree, found)
-        except StoreError as exc:
-            raise RuntimeFailed(action="image-pull", detail=(
-                f"{image} carries capture {found}: its files could not be made: {exc}; pull it again")) from exc
+        except StoreError:
+            return moved
         if read:
             self._count("disk", read)
         return moved
@@ -133,7 +137,7 @@ class Captures:
         info = await self._engine.info(action)
         return CaptureRegistry(store, registry=ref.registry, repository=repository_path(ref.repository),
                                auth=auth(ref.registry), insecure=registry_is_insecure(info, ref.registry),
-                               action=action)
+                               action=action, fetches=self._fetches)
 
     @staticmethod
     def _capture(image: str, info: dict[str, Any], action: str) -> str | None:

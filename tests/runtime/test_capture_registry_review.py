@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import anyio
+import pytest
 
+from coldsnap_runtime.backend._blob_fetch import fetch_blob
 from coldsnap_runtime.backend._capture_registry import CaptureRegistry
 from coldsnap_runtime.store import CHUNK_MEDIA_TYPE, CaptureStore, StoredFile, artifact_manifest
 from tests.conftest import Registry
@@ -16,7 +24,8 @@ from tests.conftest import Registry
 
 def _registry(store: CaptureStore, registry: Registry, repository: str) -> CaptureRegistry:
     return CaptureRegistry(store, registry=registry.address, repository=repository, insecure=True,
-                           auth={"username": registry.username, "password": registry.password}, action="image-pull")
+                           auth={"username": registry.username, "password": registry.password}, action="image-pull",
+                           fetches=anyio.CapacityLimiter(4))
 
 
 def test_a_pull_fetches_only_the_chunks_the_data_document_names(registry: Registry, tmp_path: Path) -> None:
@@ -95,3 +104,71 @@ def test_a_removal_racing_a_record_never_leaves_a_listed_capture_without_its_chu
         for capture in store.captures():
             store.remove(capture)
     assert broken == 0
+
+
+@contextmanager
+def _trickling_registry(head: bytes) -> Iterator[str]:
+    """A real HTTP peer on 127.0.0.1 that sends `head`, then one body byte every 0.1 s, never the whole body."""
+    server = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            peer, _ = server.accept()
+            with peer:
+                peer.recv(65536)
+                peer.sendall(head)
+                while not done.wait(0.1):
+                    peer.sendall(b"x")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}/v2/r/blobs/sha256:{'0' * 64}"
+    finally:
+        done.set()
+        server.close()
+        thread.join(5)
+
+
+TRICKLE = b"HTTP/1.1 200 OK\r\nContent-Length: 67108864\r\n\r\n"
+
+
+def test_a_registry_that_trickles_a_blob_is_cut_at_the_blobs_deadline(tmp_path: Path) -> None:
+    """Regression (review, 2026-12-02): each read reset the socket timeout, so a byte every few minutes held a
+    fetch thread (and the daemon's shutdown) for ever."""
+    with _trickling_registry(TRICKLE) as url:
+        began = time.monotonic()
+        with pytest.raises(TimeoutError, match="did not arrive within 1 s"):
+            fetch_blob(url, authorization="", digest="sha256:" + "0" * 64, size=64 << 20, into=tmp_path / "b",
+                       within_s=1.0, stop=threading.Event())
+        assert time.monotonic() - began < 10
+
+
+def test_a_cancelled_pull_does_not_wait_for_its_fetch_threads(tmp_path: Path) -> None:
+    """The pull's request is cancelled (a client hung up): it returns at once, and its thread ends at its next piece,
+    leaving no file."""
+    store = CaptureStore(tmp_path / "s")
+    store.open()
+    with _trickling_registry(TRICKLE) as url:
+        registry = CaptureRegistry(store, registry=url.split("/")[2], repository="r", insecure=True, auth=None,
+                                   action="image-pull", fetches=anyio.CapacityLimiter(2))
+
+        async def cancelled() -> float:
+            began = time.monotonic()
+            with anyio.move_on_after(0.5):
+                await registry._fetch_in_thread(url, "sha256:" + "0" * 64, 64 << 20)
+            return time.monotonic() - began
+
+        assert anyio.run(cancelled) < 3
+        deadline = time.monotonic() + 10
+        while any((store.root / "tmp").iterdir()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert not any((store.root / "tmp").iterdir()) and not any(p.is_file() for p in (store.root / "blobs").rglob("*"))
+
+
+def test_a_redirect_to_a_malformed_address_is_refused_naming_it(tmp_path: Path) -> None:
+    head = b"HTTP/1.1 307 Temporary Redirect\r\nLocation: http://[::1/x\r\nContent-Length: 0\r\n\r\n"
+    with _trickling_registry(head) as url, pytest.raises(ConnectionError, match=r"http://\[::1/x"):
+        fetch_blob(url, authorization="", digest="sha256:" + "0" * 64, size=1, into=tmp_path / "b", within_s=5.0,
+                   stop=threading.Event())
