@@ -149,14 +149,27 @@ class Captures:
 
     # --- workload-run ------------------------------------------------------------------
 
-    async def mounts(self, image: str, info: dict[str, Any]) -> tuple[str, list[dict[str, Any]]] | None:
-        """The capture `image` carries and the read-only binds of its files over the image's stubs (a path where a
-        later layer put another file keeps that file); None without one. The caller holds :attr:`lock` until its
-        container (labelled with the capture) exists."""
+    @staticmethod
+    def _files(image: str, info: dict[str, Any]) -> tuple[str, dict[str, str]] | None:
         try:
-            found = image_files(dict((info.get("Config") or {}).get("Labels") or {}))
+            return image_files(dict((info.get("Config") or {}).get("Labels") or {}))
         except ValueError as exc:
             raise RuntimeFailed(action="workload-run", detail=f"{image}: {exc}") from exc
+
+    async def stubbed(self, image: str, info: dict[str, Any]) -> frozenset[str]:
+        """Which of the capture paths `image` names still hold the daemon's stub: read from the image (a container
+        created and removed, once per image id) before :attr:`lock` is taken, which every capsule's run needs."""
+        found = self._files(image, info)
+        if found is None:
+            return frozenset()
+        return await self._stubs.holding(str(info.get("Id") or image), sorted(found[1]), "workload-run")
+
+    async def mounts(self, image: str, info: dict[str, Any],
+                     stubs: frozenset[str]) -> tuple[str, list[dict[str, Any]]] | None:
+        """The capture `image` carries and the read-only binds of its files over `stubs` (`stubbed`: a path where a
+        later layer put another file keeps that file); None without one. The caller holds :attr:`lock` until its
+        container (labelled with the capture) exists."""
+        found = self._files(image, info)
         if found is None:
             return None
         capture, files = found
@@ -174,7 +187,6 @@ class Captures:
                 f"{image}: label {FILES_LABEL} names {strays[0]!r}, which is not a file of capture {capture}"))
         self._count("disk" if read else "tree", read)
         # Only over the stubs: a file a later layer put at such a path is the image's, and stays visible.
-        stubs = await self._stubs.holding(str(info.get("Id") or image), sorted(files), "workload-run")
         return capture, [{"Type": "bind", "Source": str(tree / source), "Target": target, "ReadOnly": True}
                          for target, source in sorted(files.items()) if target in stubs]
 

@@ -215,8 +215,9 @@ class DockerBackend:
         """The container of `spec`, whose image `info` describes (the run's inspect of it)."""
         if CAPTURE_LABEL not in ((info.get("Config") or {}).get("Labels") or {}):
             return await self._create_exclusive(spec, capabilities, layers, info, None)
+        stubs = await self.captures.stubbed(spec.image, info)  # reads the image: not under the node-wide lock
         async with self.captures.lock:  # the files made, then the container that pins them: one step for gc
-            captured = await self.captures.mounts(spec.image, info)
+            captured = await self.captures.mounts(spec.image, info, stubs)
             return await self._create_exclusive(spec, capabilities, layers, info, captured)
 
     async def _create_exclusive(self, spec: WorkloadSpec, capabilities: tuple[str, ...] | None, layers: list[str],
