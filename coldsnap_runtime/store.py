@@ -283,6 +283,14 @@ class CaptureStore:
             self.touch(capture)
             return target, 0
         data = self.data(capture)
+        written = sum(min(CHUNK_BYTES, f.size - i * CHUNK_BYTES) for f in data.files
+                      for i, chunk in enumerate(f.chunks) if chunk is not None)
+        # A data document may name one chunk many times (a registry's, a manager's image): what its files would
+        # write is checked against the room first, never found by filling the node's disk.
+        room = os.statvfs(self._trees)
+        if written > room.f_bavail * room.f_frsize:
+            raise StoreError(f"capture {capture}: its files need {written} bytes, the store's filesystem has "
+                             f"{room.f_bavail * room.f_frsize} free; nothing was made")
         temporary = self._tmp / f"tree-{target.name}.{secrets.token_hex(4)}"
         temporary.mkdir(mode=0o700)
         try:
@@ -298,8 +306,7 @@ class CaptureStore:
             if temporary.exists():
                 shutil.rmtree(temporary, ignore_errors=True)
         self.touch(capture)
-        return target, sum(min(CHUNK_BYTES, f.size - i * CHUNK_BYTES) for f in data.files
-                           for i, chunk in enumerate(f.chunks) if chunk is not None)
+        return target, written
 
     def _assemble(self, path: Path, stored: StoredFile) -> None:
         path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)

@@ -209,3 +209,19 @@ def test_destinations_follow_copy_and_workdir(paths: set[str]) -> None:
 ], ids=["stages", "run-after", "add", "flags", "wildcard", "variable"])
 def test_destinations_keep_every_byte_when_the_dockerfile_is_not_followed(paths: set[str], dockerfile: str) -> None:
     assert destinations(dockerfile, paths) is None
+
+
+def test_tree_refuses_files_larger_than_the_room_before_writing_any(store: CaptureStore) -> None:
+    """Regression (review, 2026-12-02): a data document naming one stored chunk thousands of times made the node
+    write its files until the disk was full, under the node-wide capture lock."""
+    chunk = store.ingest("images/pages-1.img", CHUNK_BYTES, 0o600, io.BytesIO(os.urandom(CHUNK_BYTES))).chunks[0]
+    assert chunk is not None
+    room = os.statvfs(store.root)
+    times = room.f_bavail * room.f_frsize // CHUNK_BYTES + 2
+    huge = [StoredFile(path="images/pages-1.img", size=times * CHUNK_BYTES, mode=0o600, chunks=[chunk] * times)]
+    document = msgspec_data(huge)
+    capture = store.record(artifact_manifest(document, huge), document)
+    with pytest.raises(StoreError, match=f"capture {capture}: its files need {times * CHUNK_BYTES} bytes, the "
+                                         r"store's filesystem has \d+ free; nothing was made"):
+        store.tree(capture)
+    assert not any((store.root / "trees").iterdir()) and not any((store.root / "tmp").iterdir())
