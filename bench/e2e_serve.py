@@ -139,7 +139,8 @@ def restore_summary(restored: dict[str, Any]) -> str:
     staged = {None: "", True: ", staged", False: f", not staged: {restored.get('device_stage_errors')}"}
     return (f"Docker-to-first-token {restored['first_token_s']:.2f} s (CRIU {restored['criu_s']}, CUDA "
             f"{restored['cuda_s']}, device {restored['device_hydration_s']}{staged[restored.get('device_staged')]}, "
-            f"weights {restored['hydration_s']}), identical {restored['identical']}")
+            f"weights {restored['hydration_s']}; ready->first token {_f(restored.get('after_ready_first_token_s'))}, "
+            f"a 2nd request {_f(restored.get('second_request_to_first_token_s'))}), identical {restored['identical']}")
 
 
 async def remove_units(d: Driver, mode: str, result: dict[str, Any]) -> None:
@@ -203,7 +204,7 @@ def _f(value: Any) -> str:
 
 RESTORE_HEAD = ("| mode | run | Docker-to-first-token s | speed-up | create/start s | worker start s | CRIU s | CUDA s "
                 "| device hydration s | weights hydration s | port accepted s | request->first token s "
-                "| completion s | = cold |")
+                "| ready->first token s | warm / 2nd request->first token s | completion s | = cold |")
 
 
 def restore_lines(r: dict[str, Any]) -> list[str]:
@@ -212,6 +213,7 @@ def restore_lines(r: dict[str, Any]) -> list[str]:
     if cold:
         lines.append(f"| {r['mode']} | cold | {_f(cold['first_token_s'])} | 1x | {_f(cold['create_start_s'])} "
                      f"| - | - | - | - | - | {_f(cold['connected_s'])} | {_f(cold['request_to_first_token_s'])} "
+                     f"| - | {' / '.join(map(_f, cold.get('warm_request_to_first_token_s') or [])) or '-'} "
                      f"| {_f(cold['completion_s'])} | - |")
     for i, x in enumerate(r.get("restores", []), 1):
         speed = f"{cold['first_token_s'] / x['first_token_s']:.1f}x" if cold and x["first_token_s"] else "-"
@@ -220,9 +222,10 @@ def restore_lines(r: dict[str, Any]) -> list[str]:
             f"| {r['mode']} | restore {i} | {_f(x['first_token_s'])} | {speed} | {_f(x['create_start_s'])} "
             f"| {_f(x['worker_started_s'])} | {_f(x['criu_s'])} | {_f(x['cuda_s'])} | {device} "
             f"| {_f(x['hydration_s'])} | {_f(x['connected_s'])} | {_f(x['request_to_first_token_s'])} "
+            f"| {_f(x.get('after_ready_first_token_s'))} | {_f(x.get('second_request_to_first_token_s'))} "
             f"| {_f(x['completion_s'])} | {x['identical']} |")
     if r.get("error"):
-        lines.append(f"| {r['mode']} | failed: {r['error'][:300]} |" + " |" * 12)
+        lines.append(f"| {r['mode']} | failed: {r['error'][:300]} |" + " |" * 14)
     return lines
 
 

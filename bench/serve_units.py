@@ -57,6 +57,7 @@ from bench.serve_client import Completion, chat_request, stream_chat
 HOST = "127.0.0.1"
 PROMPT = "Tell me a story about GPUs and checkpoints."
 MAX_TOKENS = 32
+WARM_REQUESTS = 3  # the warm server answers the first request again this many times (`warm_requests`)
 SERVER_SITE = "/opt/server/site"  # the server's own dependencies, baked into the capsule
 ADAPTERS = f"{WORKER_PATH}/coldsnap_probe/adapters"
 SERVER = "/opt/torch/.venv/bin/transformers"
@@ -208,7 +209,21 @@ async def start_cold(d: Driver, image: str, layout: Layout, name: str, port: int
     started = time.time()
     done = await first_completion(d, layout, name, port, limit=600)
     return {"name": name, "create_start_s": started - created, "server_pid": server_pid(layout),
-            **completion_row(done, created)}
+            **completion_row(done, created), "warm_request_to_first_token_s": await warm_requests(port)}
+
+
+async def warm_requests(port: int) -> list[float]:
+    """The same request again, WARM_REQUESTS times, to the warm server: the request-to-first-token a restored
+    server's first request is compared with (issue 35: within 0.05 s of a warm server's, same request, same run)."""
+    return [(done.first - done.requested) for done in
+            [await stream_chat(HOST, port, body(), connect_limit=10) for _ in range(WARM_REQUESTS)]]
+
+
+def after_ready(report: dict[str, Any], done: Completion) -> float | None:
+    """Seconds from the worker's `ready` mark (every byte back on the device, the tree running) to the restored
+    server's first token: what the restored server adds that a ready warm one would not."""
+    ready = next((m for m in report.get("timeline") or [] if m.get("name") == "ready"), None)
+    return done.first - ready["unix_ns"] / 1e9 if ready and ready.get("unix_ns") else None
 
 
 async def restore_once(d: Driver, image: str, layout: Layout, unit: str, capture_id: str, cluster: str,
@@ -226,8 +241,10 @@ async def restore_once(d: Driver, image: str, layout: Layout, unit: str, capture
 
     await together(client, unit_ready)
     report = out["unit"].get("worker_report") or {}
+    second = await stream_chat(HOST, port, body(), connect_limit=10)
     return {**out["unit"], **device_hydration(report), **device_staging(report), "create_start_s": started - created,
-            **completion_row(out["client"], created)}
+            **completion_row(out["client"], created), "after_ready_first_token_s": after_ready(report, out["client"]),
+            "second_request_to_first_token_s": second.first - second.requested}
 
 
 def capture_row(report: dict[str, Any]) -> dict[str, Any]:
