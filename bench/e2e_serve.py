@@ -253,7 +253,7 @@ def capture_line(r: dict[str, Any]) -> str | None:
 
 
 def table(results: list[dict[str, Any]], capsule: dict[str, Any], model_bytes: int) -> str:
-    lines = [RESTORE_HEAD, "|" + " --- |" * 14]
+    lines = [RESTORE_HEAD, "|" + " --- |" * 16]
     for r in results:
         lines += restore_lines(r)
     lines += ["", CAPTURE_HEAD, "|" + " --- |" * 8]

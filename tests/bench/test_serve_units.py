@@ -248,20 +248,23 @@ class TestTables:
     def test_restore_rows_show_the_device_hydration_and_its_rate(self) -> None:
         restore = {"first_token_s": 1.5, "create_start_s": 0.1, "worker_started_s": 0.3, "criu_s": 0.4,
                    "cuda_s": 0.2, "hydration_s": None, "connected_s": 0.5, "request_to_first_token_s": 1.0,
-                   "completion_s": 2.0, "identical": True, **device_hydration(RESTORE)}
+                   "completion_s": 2.0, "identical": True, "after_ready_first_token_s": 0.07,
+                   "second_request_to_first_token_s": 0.03, **device_hydration(RESTORE)}
         cold = {"first_token_s": 21.0, "create_start_s": 0.2, "connected_s": 19.0, "request_to_first_token_s": 2.0,
-                "completion_s": 24.0, "chunks": 33, "finish_reason": "length", "text": "once upon"}
+                "completion_s": 24.0, "chunks": 33, "finish_reason": "length", "text": "once upon",
+                "warm_request_to_first_token_s": [0.031, 0.029, 0.03]}
         result = {"mode": "full-interposer", "cold": cold, "restores": [restore],
                   "capture_phases": capture_row(CAPTURE), "images_bytes": 19_000_000_000,
                   "device_dump_bytes": 17_000_000_000}
         lines = restore_lines(result)
         assert lines[1] == ("| full-interposer | restore 1 | 1.50 | 14.0x | 0.10 | 0.30 | 0.40 | 0.20 "
-                            "| 0.50 (34.0 GB/s) | - | 0.50 | 1.00 | 2.00 | True |")
+                            "| 0.50 (34.0 GB/s) | - | 0.50 | 1.00 | 0.07 | 0.03 | 2.00 | True |")
+        assert lines[0].endswith("| 19.00 | 2.00 | - | 0.03 / 0.03 / 0.03 | 24.00 | - |")  # the warm requests
         assert capture_line(result) == (
             "| full-interposer | 0.41 (17.00 GB at 40.0 GB/s, released/released) | - | 0.01 | 0.52 | 1.10 "
             "| 19.00 (17.00) | below_threshold 4 MB |")
         text = table([result, {"mode": "full", "error": "E2EError: boom", "restores": []}], {"id": "sha256:ab"}, 0)
-        assert all(line.count("|") == 15 for line in text.splitlines()[:4])  # 14 columns on every row
+        assert all(line.count("|") == 17 for line in text.splitlines()[:4])  # 16 columns on every row
         assert "| full | failed: E2EError: boom |" in text
 
     def test_a_staged_row_says_staged_and_a_stage_that_failed_says_why_below_the_table(self) -> None:
@@ -280,10 +283,10 @@ class TestTables:
             "completion_s": 24.0, "chunks": 33, "finish_reason": "length", "text": "once"}, "restores": rows}
         lines = restore_lines(result)
         assert lines[1] == ("| full-interposer-hydrator | restore 1 | 1.05 | 20.0x | 0.10 | 0.30 | 0.40 | 0.20 "
-                            "| 0.05 (340.0 GB/s, staged) | - | 0.50 | 0.60 | 2.00 | True |")
+                            "| 0.05 (340.0 GB/s, staged) | - | 0.50 | 0.60 | - | - | 2.00 | True |")
         assert "| 0.50 (34.0 GB/s, not staged) |" in lines[2]
         assert "| 0.50 (34.0 GB/s) |" in lines[3]  # no stage asked for: said as the plain interposer path
-        assert all(line.count("|") == 15 for line in lines)
+        assert all(line.count("|") == 17 for line in lines)
         notes = path_notes({**result, "units_left": ["serve-full-interposer-hydrator-hydrator"]})
         assert notes[1:] == [
             "full-interposer-hydrator restore 2: the device dump was not staged, the interposer filled it: "
