@@ -157,12 +157,20 @@ class Captures:
             raise RuntimeFailed(action="workload-run", detail=f"{image}: {exc}") from exc
 
     async def stubbed(self, image: str, info: dict[str, Any]) -> frozenset[str]:
-        """Which of the capture paths `image` names still hold the daemon's stub: read from the image (a container
-        created and removed, once per image id) before :attr:`lock` is taken, which every capsule's run needs."""
+        """Which of the capture paths `image` names still hold their own stub: read from the image (a container
+        created and removed, once per image id) before :attr:`lock` is taken, which every capsule's run needs. A
+        path holding another path's or capture's stub is refused, naming it."""
         found = self._files(image, info)
         if found is None:
             return frozenset()
-        return await self._stubs.holding(str(info.get("Id") or image), sorted(found[1]), "workload-run")
+        capture, files = found
+        stubs = await self._stubs.holding(str(info.get("Id") or image), capture, files, "workload-run")
+        if stubs.misplaced:
+            path, says = stubs.misplaced[0]
+            raise RuntimeFailed(action="workload-run", detail=(
+                f"{image}: {path} holds a capture stub that is not its own ({says!r}; a later layer moved or copied "
+                f"it there, or an older daemon built the image: build it again); nothing was started"))
+        return stubs.held
 
     async def mounts(self, image: str, info: dict[str, Any],
                      stubs: frozenset[str]) -> tuple[str, list[dict[str, Any]]] | None:
@@ -200,7 +208,7 @@ class Captures:
                 info = await self._engine.docker.images.inspect(image)
             found = image_files(dict((info.get("Config") or {}).get("Labels") or {}))
             if found is not None:
-                await self._stubs.holding(str(info.get("Id") or image), sorted(found[1]), action)
+                await self._stubs.holding(str(info.get("Id") or image), found[0], found[1], action)
 
     # --- admin -----------------------------------------------------------------------
 

@@ -50,7 +50,7 @@ from ._hijack import hijack
 from ._host_privilege import CAPABILITY_PROBE_IMAGE
 from ._images import Images
 from ._ledger import LedgerEntry
-from ._translate import MANAGED_LABEL, container_config, demux
+from ._translate import IMAGE_LABEL, MANAGED_LABEL, container_config, demux
 
 __all__ = ("DockerBackend",)
 
@@ -236,6 +236,11 @@ class DockerBackend:
         realised = await self._realise(spec, info, exclusive=exclusive, capabilities=capabilities)
         config = container_config(spec, gpus=realised.gpus, privilege=realised.privilege,
                                   confined=capabilities is not None, image_layers=layers)
+        # The image this run checked (its layers, its capture's stubs, what its GPUs need), by id: the tag moved
+        # meanwhile (another manager's tag, a pull under it) must not put another image under what was checked
+        # (review 2026-12-02, finding 5). The reference asked for is what workload-inspect answers.
+        config["Image"] = str(info["Id"])
+        config["Labels"] = {**config["Labels"], IMAGE_LABEL: spec.image}
         if captured is not None:  # the capture's files over the image's stubs; the label pins the capture
             config["HostConfig"]["Mounts"] = [*config["HostConfig"].get("Mounts", []), *captured[1]]
             config["Labels"] = {**config["Labels"], CAPTURE_LABEL: captured[0]}
@@ -313,7 +318,7 @@ class DockerBackend:
         started = state.get("StartedAt") or ""
         return WorkloadInfo(
             id=info["Id"],
-            image=(info.get("Config") or {}).get("Image") or "",
+            image=labels(info).get(IMAGE_LABEL) or (info.get("Config") or {}).get("Image") or "",
             state=state.get("Status") or "",
             exit_code=int(state.get("ExitCode") or 0),
             running=bool(state.get("Running")),
