@@ -29,7 +29,7 @@ import anyio
 import structlog
 from msgspec import UNSET, UnsetType
 
-from ..errors import BackendError, CommandFailed, NotFound, OutputTooLarge, RuntimeFailed
+from ..errors import BackendError, CommandFailed, EngineRejected, NotFound, OutputTooLarge, RuntimeFailed
 from ..limits import CLEANUP_BUDGET_S, OUTPUT_LIMIT
 from ..schema import Execution, ImageBuild, ImageInfo, RuntimeResponse, WorkloadInfo, WorkloadSpec
 from ..store import CaptureStore
@@ -197,7 +197,9 @@ class DockerBackend:
             try:  # an invalid reference: the engine answers an error and creates nothing
                 with docker_errors("workload-run"):
                     created = await self.docker.containers.create(body)
-            except RuntimeFailed as exc:  # DockerContainerError is a DockerError: docker_errors maps it
+            except EngineRejected as exc:  # DockerContainerError is a DockerError: docker_errors maps it
+                if exc.status >= 500:
+                    raise  # the engine failed (overloaded, restarting): no verdict on these capabilities
                 return exc.detail
             await self._containers.force_remove(created.id)  # never expected; a probe must leave nothing behind
             return ""

@@ -102,7 +102,7 @@ async def test_a_stub_moved_over_another_stubs_path_is_refused_naming_that_path(
             # The capsule itself: each path holds its own stub, and its own file is bound there.
             ran = await backend.workload_run(msgspec.convert(
                 {"image": capsule_tag, "remove_after_exit": True,
-                 "command": ["sh", "-c", "head -c 1 /capsule/images/pages-a.img; head -c 1 /capsule/images/pages-b.img"]},
+                 "command": ["sh", "-c", "cd /capsule/images && head -c 1 pages-a.img && head -c 1 pages-b.img"]},
                 WorkloadSpec), allow_pull=False)
         assert ran.output == b"ab", ran.output
     finally:
