@@ -9,7 +9,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -165,6 +165,55 @@ def test_a_cancelled_pull_does_not_wait_for_its_fetch_threads(tmp_path: Path) ->
         while any((store.root / "tmp").iterdir()) and time.monotonic() < deadline:
             time.sleep(0.05)
     assert not any((store.root / "tmp").iterdir()) and not any(p.is_file() for p in (store.root / "blobs").rglob("*"))
+
+
+def test_a_cancelled_pulls_fetch_thread_keeps_its_slot_until_it_ends(tmp_path: Path) -> None:
+    """Regression: review 2026-12-02 (part 2): a cancelled pull gave its fetch slot back at once while its thread
+    waited on a silent registry for up to its idle timeout, so pulls cancelled one after another (a client that
+    hangs up and asks again) piled up threads and sockets without bound."""
+    store = CaptureStore(tmp_path / "s")
+    store.open()
+    fetches = anyio.CapacityLimiter(1)
+    with _silent_registry(TRICKLE) as (url, hang_up):
+        registry = CaptureRegistry(store, registry=url.split("/")[2], repository="r", insecure=True, auth=None,
+                                   action="image-pull", fetches=fetches)
+
+        async def cancelled_twice() -> None:
+            with anyio.move_on_after(0.5):
+                await registry._fetch_in_thread(url, "sha256:" + "0" * 64, 64 << 20)
+            assert fetches.borrowed_tokens == 1  # its thread still waits on the silent registry
+            with anyio.move_on_after(0.5) as second:  # the next pull waits for the slot: no second thread
+                await registry._fetch_in_thread(url, "sha256:" + "1" * 64, 64 << 20)
+            assert second.cancelled_caught and fetches.borrowed_tokens == 1
+            hang_up()  # the registry closes: the thread ends at once and gives its slot back
+            with anyio.fail_after(10):
+                while fetches.borrowed_tokens:
+                    await anyio.sleep(0.05)
+
+        anyio.run(cancelled_twice)
+    assert not any((store.root / "tmp").iterdir())
+
+
+@contextmanager
+def _silent_registry(head: bytes) -> Iterator[tuple[str, Callable[[], None]]]:
+    """A real HTTP peer on 127.0.0.1 that sends `head`, then nothing until the test hangs it up."""
+    server = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def serve() -> None:
+        with contextlib.suppress(OSError), server.accept()[0] as peer:
+            peer.recv(65536)
+            peer.sendall(head)
+            done.wait(60)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}/v2/r/blobs/sha256:{'0' * 64}", done.set
+    finally:
+        done.set()
+        server.close()
+        thread.join(5)
 
 
 def test_a_redirect_to_a_malformed_address_is_refused_naming_it(tmp_path: Path) -> None:
