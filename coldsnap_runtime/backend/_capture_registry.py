@@ -61,9 +61,10 @@ class CaptureRegistry:
     """One repository of one registry, for the captures of `store`."""
 
     def __init__(self, store: CaptureStore, *, registry: str, repository: str, auth: Mapping[str, str] | None,
-                 insecure: bool, action: str, fetches: anyio.CapacityLimiter) -> None:
+                 insecure: bool, action: str, fetches: anyio.CapacityLimiter, share: anyio.CapacityLimiter) -> None:
         self._store = store
         self._fetches = fetches  # the node's blob-fetch slots, shared by every pull: one per live fetch thread
+        self._share = share  # the requesting manager's share of them, held with them
         # anyio's own limit on the threads, never the one that bounds them (an abandoned thread gives its token of
         # this one back at once, and keeps its slot of `fetches` until it ends).
         self._threads = anyio.CapacityLimiter(fetches.total_tokens)
@@ -218,11 +219,20 @@ class CaptureRegistry:
         stop, slot, lock = threading.Event(), object(), threading.Lock()
         state = {"started": False, "dropped": False}  # under `lock`: the thread began; the request left before it
         token = anyio.lowlevel.current_token()
-        await self._fetches.acquire_on_behalf_of(slot)
+        await self._share.acquire_on_behalf_of(slot)
+        try:
+            await self._fetches.acquire_on_behalf_of(slot)
+        except BaseException:
+            self._share.release_on_behalf_of(slot)
+            raise
+
+        def release() -> None:
+            self._fetches.release_on_behalf_of(slot)
+            self._share.release_on_behalf_of(slot)
 
         def give_back() -> None:
             with contextlib.suppress(RuntimeError):  # the event loop is gone (the daemon exited): nothing to give
-                anyio.from_thread.run_sync(self._fetches.release_on_behalf_of, slot, token=token)
+                anyio.from_thread.run_sync(release, token=token)
 
         def run() -> Fetched:
             with lock:
@@ -240,7 +250,7 @@ class CaptureRegistry:
             with lock:
                 state["dropped"] = not state["started"]
             if state["dropped"]:  # never ran (cancelled while queued): its slot is given back here
-                self._fetches.release_on_behalf_of(slot)
+                release()
             raise
         finally:
             stop.set()
