@@ -13,7 +13,7 @@
         │   ├── CommandFailed          a program ran and failed; the message ends with its output
         │   ├── OutputTooLarge         collected output would pass the reply limit
         │   ├── BuildContextError      a build the classic builder cannot express
-        │   └── EngineRejected         the engine answered a hijacked request with an error status
+        │   └── EngineRejected         the engine answered with an HTTP error status (its `status`)
         ├── BackendTimeout             the engine did not answer within the action's deadline
         └── BackendUnavailable         the engine socket is missing, refused or reset
 
@@ -136,7 +136,7 @@ class BuildContextError(RuntimeFailed):
 
 
 class EngineRejected(RuntimeFailed):
-    """The engine answered a hijacked request (attach, exec start) with an HTTP error status."""
+    """The engine answered with an HTTP error status: an API call, or a hijacked request (attach, exec start)."""
 
     def __init__(self, *, action: str, status: int, detail: str) -> None:
         super().__init__(action=action, detail=detail)

@@ -239,8 +239,9 @@ class CaptureStore:
         except msgspec.ValidationError as exc:
             raise StoreError(f"capture data document: {exc}") from exc
         for stored in decoded.files:
-            if stored.path.startswith("/") or ".." in stored.path.split("/") or not stored.path:
-                raise StoreError(f"capture data document: file path {stored.path!r} must be relative, without ..")
+            if stored.path.startswith("/") or ".." in stored.path.split("/") or not stored.path or "\0" in stored.path:
+                raise StoreError(f"capture data document: file path {stored.path!r} must be relative, without .. "
+                                 "or a NUL byte")
             if stored.size < 0 or len(stored.chunks) != -(-stored.size // CHUNK_BYTES):
                 raise StoreError(f"capture data document: {stored.path}: {len(stored.chunks)} chunks for "
                                  f"{stored.size} bytes")

@@ -43,7 +43,7 @@ wait_model() {
     grep -q "model exit 0" /tmp/weights.log || { cp /tmp/weights.log "$OUT/"; exit 1; }
 }
 
-# serve_capsule DIR [SITE]: the server's dependencies (.whl/serve: fastapi, starlette, uvicorn, uvloop, pydantic,
+# serve_capsule DIR [SITE]: the server's dependencies ($WHEEL_DIR/serve: fastapi, starlette, uvicorn, uvloop, pydantic,
 # openai and theirs) into SITE, then a capsule build context with the worker, CRIU and that site (without SITE: no
 # server site); its log: $OUT/capsule.txt. uvloop stays (when the wheels bring it): every server unit preloads
 # libcoldsnap_no_io_uring.so, so its libuv keeps to epoll (docs/restoring-your-own-server.md). With JAX_SITE (the
@@ -52,8 +52,8 @@ wait_model() {
 serve_capsule() {
     rm -rf "$1" ${2:+"$2"}
     if [ -n "${2:-}" ]; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$2" .whl/serve/*.whl \
-            || exit 1
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$2" \
+            "$WHEEL_DIR"/serve/*.whl || { echo "phase 'set-up' failed: the server's wheels" >&2; exit 1; }
     fi
     python3 scripts/_capsule_rootfs.py "$1" --busybox $D/usr/bin/busybox-static --criu-root "$CRIU_ROOT" \
         --worker "$ROOT/coldsnap_probe" ${2:+--server-site "$2"} ${JAX_SITE:+--jax-site "$JAX_SITE"} \

@@ -41,10 +41,7 @@ step host
 cat "$OUT/host.txt"
 
 step "the model folder: engine_llama weights ($LAYERS layers) + a local tokenizer, in the background"
-(rm -rf "$MODEL"; python3 engines/engine_llama.py weights "$MODEL" --layers "$LAYERS" > /tmp/weights.log 2>&1 \
-     && python3 engines/serve_model.py tokenizer "$MODEL" >> /tmp/weights.log 2>&1
- echo "model exit $?" >> /tmp/weights.log) &
-WRITER=$!
+serve_model "$MODEL" "$LAYERS"
 
 step "docker-registry"
 mkdir -p /tmp/registry-bin
@@ -52,18 +49,11 @@ xz -dc .device-registry/docker-registry.xz > /tmp/registry-bin/docker-registry &
     || { echo "phase 'set-up' failed: carry .device-registry/docker-registry.xz"; exit 2; }
 export PATH=/tmp/registry-bin:$PATH
 
-step "the server's dependencies (wheels) into $SITE"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$WHEEL_DIR"/serve/*.whl \
-    || { echo "phase 'set-up' failed: the server's wheels"; exit 1; }
-
 step "docker engine (bundled)"
 start_docker
 
-step "capsule build context: worker, CRIU, the server's site"
-rm -rf /tmp/cs-capsule-serve
-python3 scripts/_capsule_rootfs.py /tmp/cs-capsule-serve --busybox $D/usr/bin/busybox-static \
-    --criu-root "$CRIU_ROOT" --worker "$ROOT/coldsnap_probe" --server-site "$SITE" \
-    --criu-compat scripts/capsule/criu_sockopt_compat.c > "$OUT/capsule.txt" 2>&1 \
+step "capsule build context: worker, CRIU, the server's site (its wheels into $SITE)"
+serve_capsule /tmp/cs-capsule-serve "$SITE" > /dev/null \
     || { echo "phase 'set-up' failed: the capsule context"; tail "$OUT/capsule.txt"; exit 1; }
 
 step "coldsnap-provider serve with a capture store"
@@ -72,8 +62,7 @@ spool_dir = \"$SHM/spool\""
 start_serve
 
 step "waiting for the model folder"
-wait $WRITER; tail -3 /tmp/weights.log
-grep -q "model exit 0" /tmp/weights.log || { echo "phase 'set-up' failed: the model folder"; cp /tmp/weights.log "$OUT/"; exit 1; }
+wait_model "$MODEL"
 
 step "bench/e2e_store.py (mode $MODE, $RESTORES restores, $LAYERS layers)"
 timeout -k 5 "${DRIVER_TIMEOUT:-$((590 - SECONDS - 20))}" python3 bench/e2e_store.py --state-dir "$STATE" \

@@ -12,6 +12,7 @@ not decided here: the provider applies that rule above its hosts, once for every
 from __future__ import annotations
 
 import os
+from contextvars import ContextVar
 from typing import Protocol
 
 import msgspec
@@ -42,7 +43,13 @@ from ..schema import (
 from ._ledger import LedgerEntry
 
 __all__ = ("MANAGER_UID_LABEL", "REPORT_DIR_LABEL", "REPORT_ENV", "REPORT_TARGET", "WORKLOAD_LABEL",
-           "Backend", "LedgerEntry", "Owner", "RuntimeContext", "dispatch", "with_manager_labels", "with_report_dir")
+           "Backend", "LedgerEntry", "Owner", "RuntimeContext", "dispatch", "requesting_manager", "with_manager_labels",
+           "with_report_dir")
+
+# The manager a runtime request runs for (None: root, the daemon's account, a library caller), for what a backend
+# shares out per manager (the capture store's blob-fetch slots: `_captures.py`). Set by `dispatch` for the request's
+# task and the tasks it starts; context-local, so one request never sees another's.
+requesting_manager: ContextVar[int | None] = ContextVar("coldsnap_requesting_manager", default=None)
 
 WORKLOAD_LABEL = "io.sparksq.coldsnap.workload"
 MANAGER_UID_LABEL = "io.coldsnap-provider.manager-uid"
@@ -276,12 +283,16 @@ async def require_own_image(backend: Backend, request: RuntimeRequest, ctx: Runt
 
 async def dispatch(backend: Backend, request: RuntimeRequest, ctx: RuntimeContext) -> RuntimeResponse:
     """Run one validated runtime request; raises a ColdsnapError subclass on failure."""
-    if claim := await require_own_image(backend, request, ctx):
-        response = await _dispatch(backend, request, ctx)
-        assert ctx.manager_uid is not None
-        await backend.claim_image(claim, ctx.manager_uid)
-        return response
-    return await _dispatch(backend, request, ctx)
+    token = requesting_manager.set(ctx.manager_uid)
+    try:
+        if claim := await require_own_image(backend, request, ctx):
+            response = await _dispatch(backend, request, ctx)
+            assert ctx.manager_uid is not None
+            await backend.claim_image(claim, ctx.manager_uid)
+            return response
+        return await _dispatch(backend, request, ctx)
+    finally:
+        requesting_manager.reset(token)
 
 
 async def _dispatch(backend: Backend, request: RuntimeRequest, ctx: RuntimeContext) -> RuntimeResponse:

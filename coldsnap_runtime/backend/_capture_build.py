@@ -31,13 +31,15 @@ from ..dockerfile import instructions
 from ..store import CaptureData, CaptureStore, StoredFile, artifact_manifest
 from ._buildctx import DOCKERFILE_PATH
 
-__all__ = ("CAPTURE_LABEL", "FILES_LABEL", "STORE_MIN_BYTES", "destinations", "image_files", "store_context")
+__all__ = ("CAPTURE_LABEL", "FILES_LABEL", "STORE_MIN_BYTES", "STUB_HEAD", "destinations", "image_files",
+           "store_context", "stub")
 
 CAPTURE_LABEL = "io.coldsnap-provider.capture"
 FILES_LABEL = "io.coldsnap-provider.capture-files"
 CAPTURE_MARKER = "capture.json"  # the worker's report in every images directory (coldsnap_probe/_capture.py)
 STORE_MIN_BYTES = 1 << 20  # smaller files stay in the image: a mount each would cost more than they do
-STUB = b"coldsnap-provider: this file's bytes are in the node's capture store (image label " + \
+# Every stub starts so; the rest names its capture and file (:func:`stub`).
+STUB_HEAD = b"coldsnap-provider: this file's bytes are in the node's capture store (image label " + \
     CAPTURE_LABEL.encode() + b")\n"
 _INSTRUCTION = re.compile(r"\s*(\w+)\s+(.*)", re.DOTALL)
 _WILDCARD = re.compile(r"[*?\[]")
@@ -133,6 +135,12 @@ def image_files(labels: dict[str, str]) -> tuple[str, dict[str, str]] | None:
     return capture, files
 
 
+def stub(capture: str, path: str) -> bytes:
+    """The stub that stands for file `path` of `capture` in an image: each names its own file, so a derived image
+    that moves one stub over another's path is seen at run time (review 2026-12-02, finding 9)."""
+    return STUB_HEAD + f"capture {capture}\nfile {path}\n".encode()
+
+
 def _candidates(members: list[tarfile.TarInfo]) -> set[str]:
     roots = {posixpath.dirname(m.name) for m in members if m.isfile() and posixpath.basename(m.name) == CAPTURE_MARKER}
     return {m.name for m in members if m.isfile() and m.size >= STORE_MIN_BYTES
@@ -157,22 +165,24 @@ def store_context(source: IO[bytes], out: IO[bytes], store: CaptureStore) -> str
         if not placed:
             return None
         stored_names = set(placed.values())
+        # The files' bytes first: the capture's id (each stub names it) is known once all are in the store.
         files: list[StoredFile] = []
+        for member in members:
+            if member.name in stored_names:
+                data = tar.extractfile(member)
+                assert data is not None
+                files.append(store.ingest(member.name, member.size, member.mode, data))
+        document = CaptureData(files=sorted(files, key=lambda f: f.path))
+        data_bytes = json.dumps(_plain(document), sort_keys=True, separators=(",", ":")).encode()
+        capture = store.record(artifact_manifest(data_bytes, document.files), data_bytes)
         with tarfile.open(fileobj=out, mode="w:", format=tarfile.PAX_FORMAT) as filtered:
             for member in members:
                 if member.name in stored_names:
-                    data = tar.extractfile(member)
-                    assert data is not None
-                    files.append(store.ingest(member.name, member.size, member.mode, data))
-                    member.size = len(STUB)
-                    filtered.addfile(member, io.BytesIO(STUB))
-                elif member is dockerfile:
-                    continue
-                else:
+                    content = stub(capture, member.name)
+                    member.size = len(content)
+                    filtered.addfile(member, io.BytesIO(content))
+                elif member is not dockerfile:
                     filtered.addfile(member, tar.extractfile(member) if member.isfile() else None)
-            document = CaptureData(files=sorted(files, key=lambda f: f.path))
-            data_bytes = json.dumps(_plain(document), sort_keys=True, separators=(",", ":")).encode()
-            capture = store.record(artifact_manifest(data_bytes, document.files), data_bytes)
             label = base64.urlsafe_b64encode(json.dumps(placed, sort_keys=True).encode()).decode()
             text = text.rstrip("\n") + f"\nLABEL {CAPTURE_LABEL}={capture} {FILES_LABEL}={label}\n"
             encoded = text.encode()

@@ -16,6 +16,7 @@ rule as ``_images.py``); plain HTTP only where the engine itself uses it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import threading
@@ -24,6 +25,8 @@ from typing import Any
 
 import aiohttp
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
 
 from ..errors import RuntimeFailed, StoreError
 from ..store import CHUNK_BYTES, OCI_MANIFEST, CaptureStore
@@ -58,9 +61,13 @@ class CaptureRegistry:
     """One repository of one registry, for the captures of `store`."""
 
     def __init__(self, store: CaptureStore, *, registry: str, repository: str, auth: Mapping[str, str] | None,
-                 insecure: bool, action: str, fetches: anyio.CapacityLimiter) -> None:
+                 insecure: bool, action: str, fetches: anyio.CapacityLimiter, share: anyio.CapacityLimiter) -> None:
         self._store = store
-        self._fetches = fetches  # the node's blob-fetch threads, shared by every pull
+        self._fetches = fetches  # the node's blob-fetch slots, shared by every pull: one per live fetch thread
+        self._share = share  # the requesting manager's share of them, held with them
+        # anyio's own limit on the threads, never the one that bounds them (an abandoned thread gives its token of
+        # this one back at once, and keeps its slot of `fetches` until it ends).
+        self._threads = anyio.CapacityLimiter(fetches.total_tokens)
         self._registry = registry
         host = "registry-1.docker.io" if registry == "docker.io" else registry
         self._origin = f"{'http' if insecure else 'https'}://{host}"
@@ -205,12 +212,46 @@ class CaptureRegistry:
         done.add(size, present=False)
 
     async def _fetch_in_thread(self, url: str, digest: str, size: int) -> Fetched:
-        """`_fetch` in a thread of the node's own fetch limiter (never the daemon's shared pool, which every file
-        operation needs); a cancelled request does not wait for it: it ends at its next piece, removing its file."""
-        stop = threading.Event()
+        """`_fetch` in a thread holding a slot of the node's own fetch limiter (never the daemon's shared pool, which
+        every file operation needs) from its start to its end. A cancelled request does not wait for it: the thread
+        ends at its next piece (or its socket's idle timeout), removing its file, and only then gives its slot back,
+        so requests cancelled one after another cannot pile up threads and sockets (review 2026-12-02)."""
+        stop, slot, lock = threading.Event(), object(), threading.Lock()
+        state = {"started": False, "dropped": False}  # under `lock`: the thread began; the request left before it
+        token = anyio.lowlevel.current_token()
+        await self._share.acquire_on_behalf_of(slot)
         try:
-            return await anyio.to_thread.run_sync(self._fetch, url, digest, size, stop, abandon_on_cancel=True,
-                                                  limiter=self._fetches)
+            await self._fetches.acquire_on_behalf_of(slot)
+        except BaseException:
+            self._share.release_on_behalf_of(slot)
+            raise
+
+        def release() -> None:
+            self._fetches.release_on_behalf_of(slot)
+            self._share.release_on_behalf_of(slot)
+
+        def give_back() -> None:
+            with contextlib.suppress(RuntimeError):  # the event loop is gone (the daemon exited): nothing to give
+                anyio.from_thread.run_sync(release, token=token)
+
+        def run() -> Fetched:
+            with lock:
+                if state["dropped"]:
+                    raise RuntimeError("the request left before its fetch began")
+                state["started"] = True
+            try:
+                return self._fetch(url, digest, size, stop)
+            finally:
+                give_back()
+
+        try:
+            return await anyio.to_thread.run_sync(run, abandon_on_cancel=True, limiter=self._threads)
+        except BaseException:
+            with lock:
+                state["dropped"] = not state["started"]
+            if state["dropped"]:  # never ran (cancelled while queued): its slot is given back here
+                release()
+            raise
         finally:
             stop.set()
 

@@ -18,6 +18,7 @@ import anyio
 
 from ..errors import BackendError, NotFound, RuntimeFailed, StoreError
 from ..store import CaptureInfo, CaptureStore
+from ._base import requesting_manager
 from ._capture_build import CAPTURE_LABEL, FILES_LABEL, image_files, store_context
 from ._capture_registry import PARALLEL, CaptureRegistry, Transferred
 from ._capture_stubs import StubPaths
@@ -29,6 +30,7 @@ from ._translate import parse_reference
 __all__ = ("CAPTURE_LABEL", "Captures")
 
 FETCH_THREADS = 2 * PARALLEL  # blob-fetch threads of every pull at once (their own limiter, not the shared pool)
+_KEPT_SHARES = 256  # managers whose fetch share is kept (then the idle ones are forgotten)
 
 Auth = Callable[[str], dict[str, str] | None]
 # Where a workload's capture files came from (the metrics' tier label: a fixed set): its files already made
@@ -54,6 +56,9 @@ class Captures:
         # Held from making a capture's files to creating the container that pins it, and by removal.
         self.lock = anyio.Lock()
         self._fetches = anyio.CapacityLimiter(FETCH_THREADS)
+        # manager -> its share of those (PARALLEL): one manager's pulls from a registry that trickles can hold at
+        # most half the node's fetch threads, never starve another manager's pulls (review 2026-12-02, part 2).
+        self._shares: dict[int | None, anyio.CapacityLimiter] = {}
 
     async def _ready(self, action: str) -> CaptureStore:
         if self.store is None:
@@ -137,7 +142,16 @@ class Captures:
         info = await self._engine.info(action)
         return CaptureRegistry(store, registry=ref.registry, repository=repository_path(ref.repository),
                                auth=auth(ref.registry), insecure=registry_is_insecure(info, ref.registry),
-                               action=action, fetches=self._fetches)
+                               action=action, fetches=self._fetches, share=self._share())
+
+    def _share(self) -> anyio.CapacityLimiter:
+        """The fetch share of the manager this request runs for (``requesting_manager``)."""
+        manager = requesting_manager.get()
+        if (share := self._shares.get(manager)) is None:
+            if len(self._shares) >= _KEPT_SHARES:
+                self._shares = {uid: kept for uid, kept in self._shares.items() if kept.borrowed_tokens}
+            share = self._shares[manager] = anyio.CapacityLimiter(PARALLEL)
+        return share
 
     @staticmethod
     def _capture(image: str, info: dict[str, Any], action: str) -> str | None:
@@ -157,12 +171,20 @@ class Captures:
             raise RuntimeFailed(action="workload-run", detail=f"{image}: {exc}") from exc
 
     async def stubbed(self, image: str, info: dict[str, Any]) -> frozenset[str]:
-        """Which of the capture paths `image` names still hold the daemon's stub: read from the image (a container
-        created and removed, once per image id) before :attr:`lock` is taken, which every capsule's run needs."""
+        """Which of the capture paths `image` names still hold their own stub: read from the image (a container
+        created and removed, once per image id) before :attr:`lock` is taken, which every capsule's run needs. A
+        path holding another path's or capture's stub is refused, naming it."""
         found = self._files(image, info)
         if found is None:
             return frozenset()
-        return await self._stubs.holding(str(info.get("Id") or image), sorted(found[1]), "workload-run")
+        capture, files = found
+        stubs = await self._stubs.holding(str(info.get("Id") or image), capture, files, "workload-run")
+        if stubs.misplaced:
+            path, says = stubs.misplaced[0]
+            raise RuntimeFailed(action="workload-run", detail=(
+                f"{image}: {path} holds a capture stub that is not its own ({says!r}; a later layer moved or copied "
+                f"it there, or an older daemon built the image: build it again); nothing was started"))
+        return stubs.held
 
     async def mounts(self, image: str, info: dict[str, Any],
                      stubs: frozenset[str]) -> tuple[str, list[dict[str, Any]]] | None:
@@ -200,7 +222,7 @@ class Captures:
                 info = await self._engine.docker.images.inspect(image)
             found = image_files(dict((info.get("Config") or {}).get("Labels") or {}))
             if found is not None:
-                await self._stubs.holding(str(info.get("Id") or image), sorted(found[1]), action)
+                await self._stubs.holding(str(info.get("Id") or image), found[0], found[1], action)
 
     # --- admin -----------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ import anyio
 import structlog
 from msgspec import UNSET, UnsetType
 
-from ..errors import BackendError, CommandFailed, NotFound, OutputTooLarge, RuntimeFailed
+from ..errors import BackendError, CommandFailed, EngineRejected, NotFound, OutputTooLarge, RuntimeFailed
 from ..limits import CLEANUP_BUDGET_S, OUTPUT_LIMIT
 from ..schema import Execution, ImageBuild, ImageInfo, RuntimeResponse, WorkloadInfo, WorkloadSpec
 from ..store import CaptureStore
@@ -50,7 +50,7 @@ from ._hijack import hijack
 from ._host_privilege import CAPABILITY_PROBE_IMAGE
 from ._images import Images
 from ._ledger import LedgerEntry
-from ._translate import MANAGED_LABEL, container_config, demux
+from ._translate import IMAGE_LABEL, MANAGED_LABEL, container_config, demux
 
 __all__ = ("DockerBackend",)
 
@@ -197,7 +197,9 @@ class DockerBackend:
             try:  # an invalid reference: the engine answers an error and creates nothing
                 with docker_errors("workload-run"):
                     created = await self.docker.containers.create(body)
-            except RuntimeFailed as exc:  # DockerContainerError is a DockerError: docker_errors maps it
+            except EngineRejected as exc:  # DockerContainerError is a DockerError: docker_errors maps it
+                if exc.status >= 500:
+                    raise  # the engine failed (overloaded, restarting): no verdict on these capabilities
                 return exc.detail
             await self._containers.force_remove(created.id)  # never expected; a probe must leave nothing behind
             return ""
@@ -236,6 +238,11 @@ class DockerBackend:
         realised = await self._realise(spec, info, exclusive=exclusive, capabilities=capabilities)
         config = container_config(spec, gpus=realised.gpus, privilege=realised.privilege,
                                   confined=capabilities is not None, image_layers=layers)
+        # The image this run checked (its layers, its capture's stubs, what its GPUs need), by id: the tag moved
+        # meanwhile (another manager's tag, a pull under it) must not put another image under what was checked
+        # (review 2026-12-02, finding 5). The reference asked for is what workload-inspect answers.
+        config["Image"] = str(info["Id"])
+        config["Labels"] = {**config["Labels"], IMAGE_LABEL: spec.image}
         if captured is not None:  # the capture's files over the image's stubs; the label pins the capture
             config["HostConfig"]["Mounts"] = [*config["HostConfig"].get("Mounts", []), *captured[1]]
             config["Labels"] = {**config["Labels"], CAPTURE_LABEL: captured[0]}
@@ -313,7 +320,7 @@ class DockerBackend:
         started = state.get("StartedAt") or ""
         return WorkloadInfo(
             id=info["Id"],
-            image=(info.get("Config") or {}).get("Image") or "",
+            image=labels(info).get(IMAGE_LABEL) or (info.get("Config") or {}).get("Image") or "",
             state=state.get("Status") or "",
             exit_code=int(state.get("ExitCode") or 0),
             running=bool(state.get("Running")),

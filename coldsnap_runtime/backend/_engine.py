@@ -38,7 +38,7 @@ def docker_errors(action: str, *, kind: str = "", ref: str = "") -> Iterator[Non
             raise NotFound(kind=kind, ref=ref, action=action) from exc
         if exc.status == 900:  # aiodocker's "cannot connect"
             raise BackendUnavailable(action=action, detail=message) from exc
-        raise RuntimeFailed(action=action, detail=message) from exc
+        raise EngineRejected(action=action, status=exc.status, detail=message) from exc
     except EngineRejected as exc:
         if exc.status == 404 and kind:
             raise NotFound(kind=kind, ref=ref, action=action) from exc

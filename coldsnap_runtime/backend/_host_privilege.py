@@ -26,7 +26,7 @@ import anyio
 import anyio.to_thread
 import structlog
 
-from ..errors import RuntimeFailed
+from ..errors import BackendError, RuntimeFailed
 from ._translate import GpuAccess, PrivilegeGrant, capability_names, missing_capabilities
 
 __all__ = (
@@ -102,8 +102,10 @@ def unknown_capability(detail: str) -> str | None:
 async def engine_capabilities(wanted: Sequence[str], rejects: Callable[[list[str]], Awaitable[str]]) -> tuple[str, ...]:
     """`wanted` minus what the engine cannot name (Docker 20.10 stops at CAP_AUDIT_READ).
 
-    `rejects(caps)` answers the engine's error for a create of CAPABILITY_PROBE_IMAGE with those
-    caps. A capability the engine cannot name is one its own privileged mode never grants either.
+    `rejects(caps)` answers the engine's refusal of a create of CAPABILITY_PROBE_IMAGE with those caps ("" if
+    it created one), and raises a BackendError when the engine gave no verdict (unreachable, timed out, a server
+    error): that stops the asking at once. A capability the engine cannot name is one its own privileged mode
+    never grants either.
     """
     caps = list(wanted)
     while caps:
@@ -181,7 +183,15 @@ async def host_privilege(root: str | None, policy: PrivilegedPolicy, socket_path
     # What this engine process can name, asked once: a create per capability it cannot name cost every
     # privileged run a round trip each (four on Docker 20.10). Another engine process (a restart, an upgrade) asks
     # again.
+    # Only a verdict is kept: an engine that failed to answer is asked again by the next privileged run, not taken
+    # at its word for its whole life (review 2026-12-02, finding 6).
     key = (socket_path, engine, tuple(wanted))
     if (capabilities := _NAMED.get(key)) is None:
-        capabilities = _NAMED[key] = await engine_capabilities(wanted, rejects)
+        try:
+            capabilities = await engine_capabilities(wanted, rejects)
+        except BackendError as exc:
+            raise RuntimeFailed(action=_ACTION, detail=(
+                f"privileged: the container engine did not say which capabilities it can name ({exc}); nothing "
+                "was created, and the next privileged run asks it again")) from exc
+        _NAMED[key] = capabilities
     return PrivilegeGrant(capabilities=capabilities, devices=tuple(devices))

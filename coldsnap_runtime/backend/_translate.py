@@ -18,6 +18,7 @@ from ._confine import confine
 __all__ = (
     "CAPABILITIES",
     "CAPSULE_LAYERS_ENV",
+    "IMAGE_LABEL",
     "MANAGED_LABEL",
     "GpuAccess",
     "ImageRef",
@@ -34,6 +35,8 @@ __all__ = (
 
 # Marks containers this provider created: only those are inspected, exec'd or removed by name.
 MANAGED_LABEL = "io.coldsnap-provider.managed"
+# The image reference a workload was asked for: its container is created from the image id the run checked.
+IMAGE_LABEL = "io.coldsnap-provider.image"
 # Every workload is told its image's layers (a container cannot read them): a restore refuses, before any work,
 # images dumped in an image its capsule is not built on (the probe's `_host.CAPSULE_LAYERS_ENV`, the same name).
 # A safety check, not a boundary: a manager controls its own capsule's entrypoint and environment.

@@ -88,6 +88,9 @@ def test_image_probe_runs_in_disposable_containers_and_fails_cleanly_without_nvi
         done = provider_probe("--driver", "n610", "--image", image, "--criu", "/bin/true", state=str(tmp_path))
         assert done.returncode == 1
         assert "no mechanism can give this container GPU 0" in done.stderr  # [gpus] mode auto, no NVIDIA here
+        # A workload's container is created from the image id its run checked (review 2026-12-02, finding 5) and
+        # names the reference asked for in a label.
+        assert not docker("ps", "-aq", "--filter", f"label=io.coldsnap-provider.image={image}").stdout.strip()
         assert image not in docker("ps", "-a", "--no-trunc", "--format", "{{.Image}}").stdout.decode().split()
     finally:
         docker("rmi", image, check=False)

@@ -9,7 +9,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -25,7 +25,7 @@ from tests.conftest import Registry
 def _registry(store: CaptureStore, registry: Registry, repository: str) -> CaptureRegistry:
     return CaptureRegistry(store, registry=registry.address, repository=repository, insecure=True,
                            auth={"username": registry.username, "password": registry.password}, action="image-pull",
-                           fetches=anyio.CapacityLimiter(4))
+                           fetches=anyio.CapacityLimiter(4), share=anyio.CapacityLimiter(4))
 
 
 def test_a_pull_fetches_only_the_chunks_the_data_document_names(registry: Registry, tmp_path: Path) -> None:
@@ -152,7 +152,8 @@ def test_a_cancelled_pull_does_not_wait_for_its_fetch_threads(tmp_path: Path) ->
     store.open()
     with _trickling_registry(TRICKLE) as url:
         registry = CaptureRegistry(store, registry=url.split("/")[2], repository="r", insecure=True, auth=None,
-                                   action="image-pull", fetches=anyio.CapacityLimiter(2))
+                                   action="image-pull", fetches=anyio.CapacityLimiter(2),
+                                   share=anyio.CapacityLimiter(2))
 
         async def cancelled() -> float:
             began = time.monotonic()
@@ -165,6 +166,97 @@ def test_a_cancelled_pull_does_not_wait_for_its_fetch_threads(tmp_path: Path) ->
         while any((store.root / "tmp").iterdir()) and time.monotonic() < deadline:
             time.sleep(0.05)
     assert not any((store.root / "tmp").iterdir()) and not any(p.is_file() for p in (store.root / "blobs").rglob("*"))
+
+
+def test_a_cancelled_pulls_fetch_thread_keeps_its_slot_until_it_ends(tmp_path: Path) -> None:
+    """Regression: review 2026-12-02 (part 2): a cancelled pull gave its fetch slot back at once while its thread
+    waited on a silent registry for up to its idle timeout, so pulls cancelled one after another (a client that
+    hangs up and asks again) piled up threads and sockets without bound."""
+    store = CaptureStore(tmp_path / "s")
+    store.open()
+    fetches = anyio.CapacityLimiter(1)
+    with _silent_registry(TRICKLE) as (url, hang_up, _):
+        registry = CaptureRegistry(store, registry=url.split("/")[2], repository="r", insecure=True, auth=None,
+                                   action="image-pull", fetches=fetches, share=anyio.CapacityLimiter(1))
+
+        async def cancelled_twice() -> None:
+            with anyio.move_on_after(0.5):
+                await registry._fetch_in_thread(url + "sha256:" + "0" * 64, "sha256:" + "0" * 64, 64 << 20)
+            assert fetches.borrowed_tokens == 1  # its thread still waits on the silent registry
+            with anyio.move_on_after(0.5) as second:  # the next pull waits for the slot: no second thread
+                await registry._fetch_in_thread(url + "sha256:" + "1" * 64, "sha256:" + "1" * 64, 64 << 20)
+            assert second.cancelled_caught and fetches.borrowed_tokens == 1
+            hang_up()  # the registry closes: the thread ends at once and gives its slot back
+            with anyio.fail_after(10):
+                while fetches.borrowed_tokens:
+                    await anyio.sleep(0.05)
+
+        anyio.run(cancelled_twice)
+    assert not any((store.root / "tmp").iterdir())
+
+
+@contextmanager
+def _silent_registry(head: bytes) -> Iterator[tuple[str, Callable[[], None], list[bytes]]]:
+    """A real HTTP peer on 127.0.0.1 that answers each connection with `head`, then nothing until the test hangs
+    it up; the request lines it got."""
+    server = socket.create_server(("127.0.0.1", 0))
+    done, asked = threading.Event(), []
+
+    def answer(peer: socket.socket) -> None:
+        with contextlib.suppress(OSError), peer:
+            asked.append(peer.recv(65536).split(b"\r\n", 1)[0])
+            peer.sendall(head)
+            done.wait(60)
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while not done.is_set():
+                threading.Thread(target=answer, args=(server.accept()[0],), daemon=True).start()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}/v2/r/blobs/", done.set, asked
+    finally:
+        done.set()
+        with contextlib.suppress(OSError):
+            server.shutdown(socket.SHUT_RDWR)  # wakes the accept (a close from another thread does not)
+        server.close()
+        thread.join(5)
+
+
+def test_one_managers_pulls_from_a_silent_registry_never_hold_every_fetch_slot(tmp_path: Path) -> None:
+    """Regression: review 2026-12-02 (part 2): two pulls of one manager from a registry that sends nothing held
+    every node-wide fetch slot for the blob's whole deadline (300 s), and every other manager's pull waited."""
+    store = CaptureStore(tmp_path / "s")
+    store.open()
+    fetches, mine, theirs = anyio.CapacityLimiter(2), anyio.CapacityLimiter(1), anyio.CapacityLimiter(1)
+    with _silent_registry(TRICKLE) as (url, hang_up, asked):
+        def registry(share: anyio.CapacityLimiter) -> CaptureRegistry:
+            return CaptureRegistry(store, registry=url.split("/")[2], repository="r", insecure=True, auth=None,
+                                   action="image-pull", fetches=fetches, share=share)
+
+        async def fetch(share: anyio.CapacityLimiter, digit: str) -> None:
+            await registry(share)._fetch_in_thread(url + "sha256:" + digit * 64, "sha256:" + digit * 64, 64 << 20)
+
+        async def three_pulls() -> None:
+            async with anyio.create_task_group() as group:
+                group.start_soon(fetch, mine, "0")
+                group.start_soon(fetch, mine, "1")  # the manager's second pull: waits for its share
+                with anyio.fail_after(10):
+                    while len(asked) < 1:
+                        await anyio.sleep(0.02)
+                    group.start_soon(fetch, theirs, "2")  # another manager's: a node slot is left for it
+                    while not any(b"sha256:" + b"2" * 64 in line for line in asked):
+                        await anyio.sleep(0.02)
+                assert not any(b"sha256:" + b"1" * 64 in line for line in asked)
+                group.cancel_scope.cancel()
+            hang_up()
+            with anyio.fail_after(10):
+                while fetches.borrowed_tokens:
+                    await anyio.sleep(0.05)
+
+        anyio.run(three_pulls)
 
 
 def test_a_redirect_to_a_malformed_address_is_refused_naming_it(tmp_path: Path) -> None:

@@ -53,7 +53,7 @@ async def detached(backend: DockerBackend, image: str, script: str) -> AsyncIter
 
 DEPENDENCY_ERRORS = [
     (aiodocker.DockerError(404, {"message": "no such container"}), NotFound),
-    (aiodocker.DockerError(409, {"message": "Conflict"}), RuntimeFailed),
+    (aiodocker.DockerError(409, {"message": "Conflict"}), EngineRejected),
     (aiodocker.DockerError(900, {"message": "cannot connect"}), BackendUnavailable),
     (EngineRejected(action="a", status=404, detail="gone"), NotFound),
     (EngineRejected(action="a", status=500, detail="boom"), EngineRejected),

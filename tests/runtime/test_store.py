@@ -150,6 +150,19 @@ def test_record_refuses_a_capture_whose_chunks_are_not_all_there(store: CaptureS
     assert store.captures() == []
 
 
+@pytest.mark.parametrize("path", ["/etc/x", "images/../../x", "", "images/a\0b"])
+def test_record_refuses_a_file_path_that_cannot_be_made_under_the_tree_naming_it(store: CaptureStore,
+                                                                                path: str) -> None:
+    """Regression: review 2026-12-02 (part 2): a registry's data document naming a path with a NUL byte was recorded,
+    then made every pull and run of its image fail with an unnamed internal error (os.open's ValueError)."""
+    chunk = store.put_blob(b"x" * 10)
+    stored = [StoredFile(path=path, size=10, mode=0o600, chunks=[chunk])]
+    document = msgspec_data(stored)
+    with pytest.raises(StoreError, match=r"file path .* must be relative, without \.\. or a NUL byte"):
+        store.record(artifact_manifest(document, stored), document)
+    assert store.captures() == []
+
+
 def test_remove_keeps_chunks_other_captures_hold_and_collect_keeps_those_in_use(store: CaptureStore) -> None:
     shared = os.urandom(CHUNK_BYTES)
     first, _ = _capture(store, {"a.img": shared + os.urandom(MIB)})
