@@ -8,6 +8,11 @@ call, `copy_to_device`, with the way the bytes are read as a strategy:
   one chunk while the other's copy runs. The arena's `ring` and `direct` strategies, the node hydrator's
   staged device dumps.
 
+A piece whose source is ZEROS is no file's: its bytes are set on the device (`cuMemsetD8Async` on the copy's
+stream, at HBM rate), never read nor moved over the link; `zero_split` makes them from a dump segment's zero mask
+(the release's record, bound by its manifest's digest: never guessed from a file's holes, which whoever can write
+the file can punch).
+
 A new reader (a registry or a disk reader) is one more strategy here. The CUDA interposer's in-process fill
 (`interposer/dump.c` and `hydrate.c`) stays in C: it runs inside an unchanged engine with no Python; when a node
 hydrator is named it hands the fill to this engine instead (the staged path, `Pread` through `_stage_dump`).
@@ -28,9 +33,11 @@ from ..errors import HydrationError
 from ._vmm import cucall
 from ._weights import WeightRegion
 
-__all__ = ("COPY_CHUNK", "Piece", "Pinned", "Pread", "Reader", "copy_to_device", "region_pieces")
+__all__ = ("COPY_CHUNK", "ZEROS", "Piece", "Pinned", "Pread", "Reader", "copy_to_device", "region_pieces",
+           "zero_split")
 
 COPY_CHUNK = 256 << 20  # a Pinned copy's piece: large enough for the link, small enough to spread over streams
+ZEROS = "\0zeros"  # a piece's source that no file can be (a path holds no NUL byte): its bytes are set to zero
 
 
 class Piece(NamedTuple):
@@ -45,6 +52,24 @@ class Piece(NamedTuple):
 def region_pieces(regions: Sequence[WeightRegion], at: int = 0) -> list[Piece]:
     """Each region's bytes of its source, to `at` + its address."""
     return [Piece(at + r.address, r.source, r.offset, r.size) for r in regions]
+
+
+def zero_split(piece: Piece, zero: int, chunk: int) -> list[Piece]:
+    """`piece` with the `chunk`-byte runs that `zero` marks (bit c: the piece's bytes from c * chunk, the last one
+    possibly shorter) made ZEROS pieces; neighbours of one kind merged, in order. A mark beyond the piece is a
+    HydrationError (the manifest's check refuses it earlier; this is the copy's own guard)."""
+    if zero < 0 or zero >> -(-piece.size // chunk):
+        raise HydrationError(f"zero mask {zero:#x} marks chunks beyond {piece.size} bytes of {piece.source}")
+    out: list[Piece] = []
+    for start in range(0, piece.size, chunk):
+        n, zeros = min(chunk, piece.size - start), bool(zero >> (start // chunk) & 1)
+        if out and (out[-1].source == ZEROS) == zeros:
+            last = out.pop()
+            out.append(last._replace(size=last.size + n))
+        else:
+            out.append(Piece(piece.dst + start, ZEROS, 0, n) if zeros else
+                       Piece(piece.dst + start, piece.source, piece.offset + start, n))
+    return out
 
 
 class Reader(Protocol):
@@ -70,6 +95,10 @@ class Pinned:
     def copy(self, driver: Any, context: Any, pieces: Sequence[Piece]) -> dict[str, float]:
         index = 0
         for dst, source, offset, size in pieces:
+            if source == ZEROS:
+                cucall(driver, "cuMemsetD8Async", dst, 0, size, self.streams[index % len(self.streams)])
+                index += 1
+                continue
             src = self.addresses[source] + offset
             for start in range(0, size, COPY_CHUNK):
                 n = min(COPY_CHUNK, size - start)
@@ -94,11 +123,10 @@ class Pread:
 
     def copy(self, driver: Any, context: Any, pieces: Sequence[Piece]) -> dict[str, float]:
         align = 4096 if self.direct else 1
-        parts = [Piece(dst + s, source, offset + s, min(self.chunk, size - s))
-                 for dst, source, offset, size in pieces for s in range(0, size, self.chunk)]
+        parts = _reads(pieces, self.chunk)
         own: dict[str, int] = {}
         try:
-            for src in sorted({p.source for p in pieces} - set(self.opened)):
+            for src in sorted({p.source for p in pieces} - set(self.opened) - {ZEROS}):
                 own[src] = os.open(src, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if self.direct else 0))
         except BaseException:  # a source that cannot be opened: the ones opened before it are closed
             for fd in own.values():
@@ -114,6 +142,15 @@ class Pread:
         spent = ring.spent.values()
         return {"pin_s": max((s[0] for s in spent), default=0.0), "read_thread_s": sum(s[1] for s in spent),
                 "device_thread_s": sum(s[2] for s in spent), "threads": self.threads}
+
+
+def _reads(pieces: Sequence[Piece], chunk: int) -> list[Piece]:
+    """The pieces cut into reads of at most `chunk` bytes; a run of zeros stays one piece (one memset), dealt to
+    the threads in turn like the reads."""
+    return [part for piece in pieces for part in (
+        [piece] if piece.source == ZEROS else
+        [Piece(piece.dst + s, piece.source, piece.offset + s, min(chunk, piece.size - s))
+         for s in range(0, piece.size, chunk)])]
 
 
 class _Ring:
@@ -156,10 +193,14 @@ class _Ring:
                parts: Sequence[Piece]) -> tuple[float, float]:
         """The parts through the two buffers: each read while the other's copy runs, until they end or another
         thread failed. Seconds reading the files and waiting for the device."""
-        driver, align, read_s, device_s = self.driver, self.align, 0.0, 0.0
-        for k, (dst, src, offset, n) in enumerate(parts):
+        driver, align, read_s, device_s, k = self.driver, self.align, 0.0, 0.0, -1
+        for dst, src, offset, n in parts:
             if self.failed.is_set():  # the copy is refused anyway: the rest of a large stage is not read for nothing
                 break
+            if src == ZEROS:  # set on the device, in this stream's order: no buffer, no read
+                cucall(driver, "cuMemsetD8Async", dst, 0, n, stream)
+                continue
+            k += 1
             slot = k % 2
             waited = time.perf_counter()
             if k >= 2:

@@ -18,7 +18,7 @@ from typing import Any
 
 from .. import jsonline
 from ..errors import HydrationError
-from ._copy import Piece, Pinned, Pread, copy_to_device, region_pieces
+from ._copy import ZEROS, Piece, Pinned, Pread, copy_to_device, region_pieces, zero_split
 from ._peer_files import DumpLayout, dump_layout, held_sources, open_dump_parts
 from ._peer_view import OPENERS, PeerView
 from ._stage_quota import StageQuota, check_stage_quota
@@ -31,10 +31,10 @@ from ._vmm import (
     fd_handle,
     map_read_write,
 )
-from ._weights import HydrationManifest, WeightRegion, validate_regions
+from ._weights import DIGEST_CHUNK, HydrationManifest, WeightRegion, validate_regions
 
 __all__ = ("CONNECTIONS", "DUMP_CHUNK", "DUMP_THREADS", "STAGE_MAX", "STAGE_RESERVE", "STAGE_TTL",
-           "UID_CONNECTIONS", "HydratorServer", "Stager", "request_regions")
+           "UID_CONNECTIONS", "HydratorServer", "Stager", "dump_pieces", "request_regions")
 
 STAGE_TTL = 120.0  # seconds a staged allocation waits for its engine before the hydrator frees it
 STAGE_MAX = 4  # staged allocations a hydrator holds at once
@@ -357,15 +357,17 @@ class HydratorServer:
         with PeerView.of(conn, peer, openers=self._openers) as view:
             parts, fds = open_dump_parts(layout, view)
         size = sum(sizes)
+        zero = sum(p.size for p in dump_pieces(parts, layout, 0) if p.source == ZEROS)
+        reader = Pread(threads=DUMP_THREADS, chunk=DUMP_CHUNK, opened=fds)
         try:
-            return self._stage_into(key, peer, conn, _Staged((), 0, size, parts, 0.0, 0.0, 0.0, 0, "",
-                                                             layout=layout, sizes=sizes),
-                                    lambda va: copy_to_device(self.driver, self.context, region_pieces(parts, va),
-                                                              Pread(threads=DUMP_THREADS, chunk=DUMP_CHUNK,
-                                                                    opened=fds)), size, stager)
+            answer = self._stage_into(key, peer, conn, _Staged((), 0, size, parts, 0.0, 0.0, 0.0, 0, "",
+                                                               layout=layout, sizes=sizes),
+                                      lambda va: copy_to_device(self.driver, self.context,
+                                                                dump_pieces(parts, layout, va), reader), size, stager)
         finally:
             for fd in fds.values():
                 os.close(fd)
+        return {**answer, "zero_bytes": zero, "copied_bytes": size - zero}  # set on the device vs read and moved
 
     def _adopt(self, message: dict[str, Any], peer: jsonline.Peer, conn: socket.socket) -> jsonline.Answer:
         """Hand a stage's allocations to its engine as descriptors, ADOPT_PAGE at a time from `first` (default 0):
@@ -453,6 +455,13 @@ class HydratorServer:
         now = time.monotonic()  # a stage being filled expires at inf: never freed under its filler
         for key in [k for k, v in self.staged.items() if v.ready and (v.expires <= now or _exited(v.stager))]:
             self._free(key)
+
+
+def dump_pieces(parts: Sequence[WeightRegion], layout: DumpLayout, at: int) -> list[Piece]:
+    """A stage-dump's copy, the staged range at `at`: each part's chunks of zeros (its layout's mask, from the
+    manifest) set on the device, the rest read from its file."""
+    return [piece for region, (_file, _bytes, _region, zero) in zip(region_pieces(parts, at), layout, strict=True)
+            for piece in zero_split(region, zero, DIGEST_CHUNK)]
 
 
 def _stager(fds: list[int]) -> int:

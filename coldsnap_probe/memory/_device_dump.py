@@ -85,7 +85,10 @@ class DeviceStage(StageRequest):
         # regions share one staged allocation of up to STAGE_GROUP bytes (`stage_groups`, hydrate.c's twin).
         grouped = dump.moved.get("vmm_by_engine", {}).get("count", 0) > 0
         groups = stage_groups([r.size for r in dump.regions]) if grouped else list(range(len(dump.regions)))
-        self.parts = [{"file": str(directory / s.file), "bytes": s.size, "region": groups[index]}
+        # A segment's chunks of zeros (its `zero` mask, bound by the manifest's digest, the stage's key) are set on
+        # the device by the hydrator: never read from the dump nor moved over the link.
+        self.parts = [{"file": str(directory / s.file), "bytes": s.size, "region": groups[index],
+                       **({"zero": s.zero} if s.zero else {})}
                       for index, region in enumerate(dump.regions) for s in region.segments]
         self.sizes = [0] * (groups[-1] + 1 if groups else 0)
         for index, region in enumerate(dump.regions):

@@ -54,7 +54,7 @@ def view_of(prefix: tuple[str, ...] = ()) -> Iterator[PeerView]:
         yield view
 
 
-def parts_of(*parts: tuple[Path, int]) -> tuple[tuple[str, int, int], ...]:
+def parts_of(*parts: tuple[Path, int]) -> tuple[tuple[str, int, int, int], ...]:
     return dump_layout([{"file": str(path), "bytes": size, "region": 0} for path, size in parts])[0]
 
 
