@@ -498,3 +498,15 @@ class TestZeroChunks:
         stage.wait(10)
         assert [p.get("zero") for p in stage.parts] == [None, 1]
         assert [z for _f, _b, _r, z in dump_layout(stage.parts)[0]] == [0, 1]
+
+    def test_a_restore_reads_ahead_only_the_chunks_not_marked_zero(self) -> None:
+        """prefetch_dumps asks the kernel for each segment's data runs alone (a pulled image's zeros are written
+        bytes on disk: reading them ahead would spend the disk on bytes set on the device anyway)."""
+        from coldsnap_probe.hydration._interposer import DumpSegment
+
+        chunk = 64 * MIB
+        segment = DumpSegment("seg-0.bin", 0, 0x7F0000000000, 4 * chunk + 2 * MIB, "crc32-64m:", zero=0b10110)
+        assert segment.data_runs() == [(0, chunk), (3 * chunk, chunk)]
+        assert DumpSegment("seg-1.bin", 0, 0, 3 * chunk, "crc32-64m:", zero=0b011).data_runs() == [(2 * chunk, chunk)]
+        assert DumpSegment("seg-2.bin", 0, 0, 2 * chunk, "crc32-64m:").data_runs() == [(0, 2 * chunk)]  # merged
+        assert DumpSegment("seg-3.bin", 0, 0, 2 * MIB, "crc32-64m:", zero=1).data_runs() == []
