@@ -106,9 +106,19 @@ def device_staging(report: dict[str, Any]) -> dict[str, Any]:
     interposer path), and why not where it did not (a refusal, a late stage, an adoption that failed)."""
     stages = [(p.get("interposer") or {}).get("stage") for p in report.get("device_memory") or []]
     asked = [s for s in stages if isinstance(s, dict)]
+    # Per process, where its device bytes came from: the stage's numbers when it was staged (a copy from the stage
+    # sets the zeros again, on the device: the same chunks), else the interposer's own fill's.
+    sources = [(f.get("stage") or {}) if (f.get("stage") or {}).get("staged") else
+               {"zero_bytes": f.get("zero_set_bytes"), "copied_bytes": f.get("copied_bytes")}
+               for f in (p.get("interposer") or {} for p in report.get("device_memory") or [])]
     return {"device_staged": all(s.get("staged") and "adopt_error" not in s for s in asked) if asked else None,
             "device_stage_errors": sorted({str(s.get("error") or s.get("adopt_error")) for s in asked
-                                           if s.get("error") or s.get("adopt_error")})}
+                                           if s.get("error") or s.get("adopt_error")}),
+            # The restore waiting for the stage after CUDA's restore, and where the device bytes came from: chunks
+            # of zeros set on the device (by the stage or the interposer) vs bytes read from the dump and copied.
+            "device_stage_wait_s": max((float(s.get("wait_s") or 0.0) for s in asked), default=None),
+            "device_zero_set_bytes": sum(int(s.get("zero_bytes") or 0) for s in sources),
+            "device_copied_bytes": sum(int(s.get("copied_bytes", s.get("bytes")) or 0) for s in sources)}
 
 
 def device_cell(row: dict[str, Any]) -> str:
@@ -118,4 +128,9 @@ def device_cell(row: dict[str, Any]) -> str:
         return "-"
     notes = [f"{row['device_gbps']:.1f} GB/s"] if row.get("device_gbps") else []
     notes += {None: [], True: ["staged"], False: ["not staged"]}[row.get("device_staged")]
+    if row.get("device_stage_wait_s") is not None:
+        notes.append(f"waited {row['device_stage_wait_s']:.2f} s")
+    if row.get("device_zero_set_bytes"):
+        notes.append(f"{row['device_zero_set_bytes'] / 1e9:.2f} GB zeros set, {row['device_copied_bytes'] / 1e9:.2f} "
+                     "copied")
     return f"{seconds:.2f}" + (f" ({', '.join(notes)})" if notes else "")

@@ -18,7 +18,7 @@ from typing import Any
 
 from .. import jsonline
 from ..errors import HydrationError
-from ._copy import Piece, Pinned, Pread, copy_to_device, region_pieces
+from ._copy import ZEROS, HostBuffers, Piece, Pinned, Pread, copy_to_device, region_pieces, zero_split
 from ._peer_files import DumpLayout, dump_layout, held_sources, open_dump_parts
 from ._peer_view import OPENERS, PeerView
 from ._stage_quota import StageQuota, check_stage_quota
@@ -31,16 +31,16 @@ from ._vmm import (
     fd_handle,
     map_read_write,
 )
-from ._weights import HydrationManifest, WeightRegion, validate_regions
+from ._weights import DIGEST_CHUNK, HydrationManifest, WeightRegion, validate_regions
 
 __all__ = ("CONNECTIONS", "DUMP_CHUNK", "DUMP_THREADS", "STAGE_MAX", "STAGE_RESERVE", "STAGE_TTL",
-           "UID_CONNECTIONS", "HydratorServer", "Stager", "request_regions")
+           "UID_CONNECTIONS", "HydratorServer", "Stager", "dump_pieces", "request_regions")
 
 STAGE_TTL = 120.0  # seconds a staged allocation waits for its engine before the hydrator frees it
 STAGE_MAX = 4  # staged allocations a hydrator holds at once
 STAGE_RESERVE = 1 << 30  # device bytes staging leaves free (the engine's restored state needs them)
 _Slot = tuple[int, str]  # a stage's place: (the uid that staged it, its key), so tenants never share one
-DUMP_THREADS, DUMP_CHUNK = 16, 8 << 20  # the ring a dump is read through (page-locked per stage: 256 MiB)
+DUMP_THREADS, DUMP_CHUNK = 16, 8 << 20  # the ring a dump is read through (page-locked, kept: 256 MiB)
 CONNECTIONS = 8  # peers answered at once, as the interposer's control socket: more wait in the listen backlog
 UID_CONNECTIONS = CONNECTIONS // 2  # of them, one tenant uid's at most (root's and ours are not capped)
 
@@ -140,11 +140,15 @@ class HydratorServer:
         _free, total = cucall(self.driver, "cuMemGetInfo")
         self.quota = StageQuota.default(int(total), shared=bool(self.peers.uids or self.peers.gids), stages=STAGE_MAX,
                                         count=stage_uid_count, size=stage_uid_bytes)
+        # One stage's ring of page-locked buffers, allocated now rather than on every restore's path (256 MiB).
+        self.dump_buffers = HostBuffers(self.driver, DUMP_CHUNK + 2, keep=2 * DUMP_THREADS)
+        self.ring_pin_seconds = self.dump_buffers.fill() if staging else 0.0
 
     def serve(self, path: str) -> None:
         """Answer requests on `path` until the process ends (ready line on stdout once it listens)."""
         with jsonline.listen(path, group=self.group) as listener:
             sys.stdout.write(json.dumps({"ready": True, "map_s": self.map_seconds, "pin_s": self.pin_seconds,
+                                         "ring_pin_s": self.ring_pin_seconds,
                                          "bytes": sum(m.size for m in self.sources.values()),
                                          "device_uuid": self.device_uuid}) + "\n")
             sys.stdout.flush()
@@ -357,15 +361,17 @@ class HydratorServer:
         with PeerView.of(conn, peer, openers=self._openers) as view:
             parts, fds = open_dump_parts(layout, view)
         size = sum(sizes)
+        zero = sum(p.size for p in dump_pieces(parts, layout, 0) if p.source == ZEROS)
+        reader = Pread(threads=DUMP_THREADS, chunk=DUMP_CHUNK, opened=fds, buffers=self.dump_buffers)
         try:
-            return self._stage_into(key, peer, conn, _Staged((), 0, size, parts, 0.0, 0.0, 0.0, 0, "",
-                                                             layout=layout, sizes=sizes),
-                                    lambda va: copy_to_device(self.driver, self.context, region_pieces(parts, va),
-                                                              Pread(threads=DUMP_THREADS, chunk=DUMP_CHUNK,
-                                                                    opened=fds)), size, stager)
+            answer = self._stage_into(key, peer, conn, _Staged((), 0, size, parts, 0.0, 0.0, 0.0, 0, "",
+                                                               layout=layout, sizes=sizes),
+                                      lambda va: copy_to_device(self.driver, self.context,
+                                                                dump_pieces(parts, layout, va), reader), size, stager)
         finally:
             for fd in fds.values():
                 os.close(fd)
+        return {**answer, "zero_bytes": zero, "copied_bytes": size - zero}  # set on the device vs read and moved
 
     def _adopt(self, message: dict[str, Any], peer: jsonline.Peer, conn: socket.socket) -> jsonline.Answer:
         """Hand a stage's allocations to its engine as descriptors, ADOPT_PAGE at a time from `first` (default 0):
@@ -453,6 +459,13 @@ class HydratorServer:
         now = time.monotonic()  # a stage being filled expires at inf: never freed under its filler
         for key in [k for k, v in self.staged.items() if v.ready and (v.expires <= now or _exited(v.stager))]:
             self._free(key)
+
+
+def dump_pieces(parts: Sequence[WeightRegion], layout: DumpLayout, at: int) -> list[Piece]:
+    """A stage-dump's copy, the staged range at `at`: each part's chunks of zeros (its layout's mask, from the
+    manifest) set on the device, the rest read from its file."""
+    return [piece for region, (_file, _bytes, _region, zero) in zip(region_pieces(parts, at), layout, strict=True)
+            for piece in zero_split(region, zero, DIGEST_CHUNK)]
 
 
 def _stager(fds: list[int]) -> int:

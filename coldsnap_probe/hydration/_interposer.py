@@ -167,6 +167,20 @@ class DumpSegment:
                                  f"{-(-segment.size // DIGEST_CHUNK)}")
         return segment
 
+    def data_runs(self) -> list[tuple[int, int]]:
+        """(file offset, bytes) of each run of its chunks not marked zero, in order: what a restore reads of the
+        file (a chunk of zeros is set on the device, never read)."""
+        runs: list[tuple[int, int]] = []
+        for start in range(0, self.size, DIGEST_CHUNK):
+            n = min(DIGEST_CHUNK, self.size - start)
+            if self.zero >> (start // DIGEST_CHUNK) & 1:
+                continue
+            if runs and runs[-1][0] + runs[-1][1] == self.offset + start:
+                runs[-1] = (runs[-1][0], runs[-1][1] + n)
+            else:
+                runs.append((self.offset + start, n))
+        return runs
+
     def to_json(self) -> dict[str, Any]:
         body = asdict(self)
         if not self.zero:

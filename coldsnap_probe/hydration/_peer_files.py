@@ -14,7 +14,7 @@ from typing import Any
 
 from ..errors import HydrationError
 from ._peer_view import PeerView
-from ._weights import WeightRegion
+from ._weights import DIGEST_CHUNK, WeightRegion
 
 __all__ = ("DUMP_ALIGN", "STAGE_ALLOCATIONS", "DumpLayout", "dump_layout", "held_sources", "open_dump_parts")
 
@@ -24,7 +24,8 @@ DUMP_ALIGN = 2 << 20  # a device dump's parts are whole VMM regions: multiples o
 STAGE_ALLOCATIONS = 4096
 _PART_KEYS = frozenset({"file", "bytes", "region"})
 
-DumpLayout = tuple[tuple[str, int, int], ...]  # (file as named, bytes, region index) per part, in order
+# (file as named, bytes, region index, zero mask) per part, in order
+DumpLayout = tuple[tuple[str, int, int, int], ...]
 
 
 def held_sources(view: PeerView, named: Iterable[str], held: Mapping[tuple[int, int], str]) -> dict[str, str]:
@@ -49,19 +50,26 @@ def held_sources(view: PeerView, named: Iterable[str], held: Mapping[tuple[int, 
 
 def dump_layout(value: Any) -> tuple[DumpLayout, tuple[int, ...]]:
     """A `stage-dump` (or its `adopt`) request's `parts`, checked without touching a file: each part is
-    {file: an absolute path, bytes: a positive multiple of DUMP_ALIGN, region: its region's index}, the regions
+    {file: an absolute path, bytes: a positive multiple of DUMP_ALIGN, region: its region's index, and optionally
+    zero: the mask of the part's DIGEST_CHUNK chunks that are all zeros, the manifest's `zero`}, the regions
     numbered from 0 in order (a part's region is its predecessor's or the next one), at most STAGE_ALLOCATIONS.
-    The parts as given, and each region's size (the sum of its parts: one allocation each)."""
+    The parts as given, and each region's size (the sum of its parts: one allocation each). A chunk the mask marks
+    is set on the device, never read: the stager's word for it, which can only cost its own engine its bytes."""
     if not isinstance(value, list) or not value:
         raise HydrationError("parts must be a non-empty list of {file, bytes, region}")
-    layout: list[tuple[str, int, int]] = []
+    layout: list[tuple[str, int, int, int]] = []
     sizes: list[int] = []
     for index, part in enumerate(value):
-        if not isinstance(part, dict) or set(part) != _PART_KEYS or not isinstance(part["file"], str) \
+        if not isinstance(part, dict) or not _PART_KEYS <= set(part) <= _PART_KEYS | {"zero"} \
+                or not isinstance(part["file"], str) \
                 or not _whole(part["bytes"]) or part["bytes"] <= 0 or part["bytes"] % DUMP_ALIGN \
                 or not os.path.isabs(part["file"]) or not _whole(part["region"]):
             raise HydrationError(f"parts[{index}] must be {{file: an absolute path, bytes: a positive multiple "
-                                 f"of {DUMP_ALIGN}, region: an integer}}")
+                                 f"of {DUMP_ALIGN}, region: an integer, optionally zero: a chunk mask}}")
+        zero, chunks = part.get("zero", 0), -(-part["bytes"] // DIGEST_CHUNK)
+        if not _whole(zero) or zero >> chunks:
+            raise HydrationError(f"parts[{index}].zero must be a mask of the part's {chunks} chunks of "
+                                 f"{DIGEST_CHUNK} bytes (a non-negative integer below {1 << chunks}), not {zero!r:.40}")
         region = part["region"]
         if region != len(sizes) - 1 and region != len(sizes):
             raise HydrationError(f"parts[{index}].region is {region}: regions are numbered from 0 in order, a "
@@ -72,7 +80,7 @@ def dump_layout(value: Any) -> tuple[DumpLayout, tuple[int, ...]]:
                 raise HydrationError(f"parts name more than {STAGE_ALLOCATIONS} regions (one allocation each)")
             sizes.append(0)
         sizes[region] += part["bytes"]
-        layout.append((part["file"], part["bytes"], region))
+        layout.append((part["file"], part["bytes"], region, zero))
     return tuple(layout), tuple(sizes)
 
 
@@ -87,12 +95,12 @@ def open_dump_parts(layout: DumpLayout, view: PeerView) -> tuple[tuple[WeightReg
     reads the very file checked, not what the path names by then (the peer may own a directory on it and swap a
     symlink or a FIFO in)."""
     needed: dict[str, int] = {}
-    for named, size, _region in layout:
+    for named, size, _region, _zero in layout:
         needed[named] = max(needed.get(named, 0), size)
     fds = view.open(list(needed.items()), what="dump file", follow=False)
     parts: list[WeightRegion] = []
     at = 0
-    for index, (named, size, _region) in enumerate(layout):
+    for index, (named, size, _region, _zero) in enumerate(layout):
         parts.append(WeightRegion(f"part-{index}", at, size, named, 0, ""))
         at += size
     return tuple(parts), fds

@@ -85,7 +85,10 @@ class DeviceStage(StageRequest):
         # regions share one staged allocation of up to STAGE_GROUP bytes (`stage_groups`, hydrate.c's twin).
         grouped = dump.moved.get("vmm_by_engine", {}).get("count", 0) > 0
         groups = stage_groups([r.size for r in dump.regions]) if grouped else list(range(len(dump.regions)))
-        self.parts = [{"file": str(directory / s.file), "bytes": s.size, "region": groups[index]}
+        # A segment's chunks of zeros (its `zero` mask, bound by the manifest's digest, the stage's key) are set on
+        # the device by the hydrator: never read from the dump nor moved over the link.
+        self.parts = [{"file": str(directory / s.file), "bytes": s.size, "region": groups[index],
+                       **({"zero": s.zero} if s.zero else {})}
                       for index, region in enumerate(dump.regions) for s in region.segments]
         self.sizes = [0] * (groups[-1] + 1 if groups else 0)
         for index, region in enumerate(dump.regions):
@@ -276,7 +279,9 @@ def validated_dumps(images: Path) -> list[DumpRecord]:
 
 def prefetch_dumps(records: list[DumpRecord], images: Path) -> None:
     """Before CRIU runs: ask the kernel to read the dump files ahead (images on disk come into the page cache
-    while CRIU and CUDA restore the process; on tmpfs it does nothing). Asynchronous; a failure changes nothing."""
+    while CRIU and CUDA restore the process; on tmpfs it does nothing), but for their chunks of zeros, which no
+    restore reads (a pulled image's files hold them as written zeros, not holes: reading them ahead would spend
+    the disk on bytes set on the device anyway). Asynchronous; a failure changes nothing."""
     for record in records:
         for segment in record.dump.segments:
             with contextlib.suppress(OSError):
@@ -286,7 +291,8 @@ def prefetch_dumps(records: list[DumpRecord], images: Path) -> None:
                 try:
                     if not stat.S_ISREG(os.fstat(fd).st_mode):
                         continue
-                    os.posix_fadvise(fd, segment.offset, segment.size, os.POSIX_FADV_WILLNEED)
+                    for offset, size in segment.data_runs():
+                        os.posix_fadvise(fd, offset, size, os.POSIX_FADV_WILLNEED)
                 finally:
                     os.close(fd)
 

@@ -1,8 +1,8 @@
 """A torch process, unchanged, for the interposer's GPU tests (run it under LD_PRELOAD=libcoldsnap_cuda.so).
 
-    python -m tests.probe._torch_target DIR MIB
+    python -m tests.probe._torch_target DIR MIB [ZERO_MIB]
 
-It holds MIB of random tensors, 160 MiB of zeros (the dump's zero chunks), a cuBLAS matmul's output and a
+It holds MIB of random tensors, ZERO_MIB (default 160) of zeros (the dump's zero chunks), a cuBLAS matmul's output and a
 captured CUDA graph, writes `ready` with their digests, then answers requests left as files in DIR (so it keeps
 no descriptor CRIU would carry):
 `check-<n>` -> `answer-check-<n>` (the digests recomputed: tensors read back, the matmul redone, the graph
@@ -33,9 +33,10 @@ def main() -> None:
     import torch
 
     directory, mib = Path(sys.argv[1]), int(sys.argv[2])
+    zero_mib = int(sys.argv[3]) if len(sys.argv) > 3 else 160
     torch.manual_seed(0)
     data = torch.randn(mib << 18, device="cuda")  # MIB of float32
-    zeros = torch.zeros(160 << 18, device="cuda")  # a region of its own with 64 MiB chunks of zeros (never written)
+    zeros = torch.zeros(zero_mib << 18, device="cuda")  # a region of its own, 64 MiB chunks of zeros (never written)
     x, w = torch.randn(1024, 1024, device="cuda"), torch.randn(1024, 1024, device="cuda")
     static_in = torch.randn(1024, 1024, device="cuda")
     # The graph's output is made before the capture and written in place (H200, review of issue 36): under

@@ -12,6 +12,7 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -54,7 +55,7 @@ def view_of(prefix: tuple[str, ...] = ()) -> Iterator[PeerView]:
         yield view
 
 
-def parts_of(*parts: tuple[Path, int]) -> tuple[tuple[str, int, int], ...]:
+def parts_of(*parts: tuple[Path, int]) -> tuple[tuple[str, int, int, int], ...]:
     return dump_layout([{"file": str(path), "bytes": size, "region": 0} for path, size in parts])[0]
 
 
@@ -154,53 +155,42 @@ def test_a_dump_stage_takes_only_whole_files_its_peer_could_read(tree: Path) -> 
 @pytest.mark.skipif(not has_nvidia_driver(), reason="needs an NVIDIA driver")
 def test_a_dump_staged_on_a_hydrator_is_adopted_with_its_files_bytes(tmp_path: Path) -> None:
     """The real hydrator process: stage-dump fills one allocation from the parts (read through the descriptors it
-    opened), adopt hands it over with exactly the files' bytes; a part that became a link is refused, and the
-    hydrator goes on answering."""
-    import ctypes
+    opened), adopt hands it over with exactly the files' bytes; a chunk the parts mark as zeros is set on the
+    device and never read (the file holds other bytes there: they never reach the device); a part that became a
+    link is refused, and the hydrator goes on answering."""
     import hashlib
     import json
     import subprocess
     import sys
 
     from coldsnap_probe._cuda import Driver
-    from coldsnap_probe.hydration._vmm import cucall, device_uuid, fd_handle, map_read_write
-    from coldsnap_probe.jsonline import request, request_with_fds
+    from coldsnap_probe.jsonline import request
     from tests.helpers import ROOT
 
-    first, second = tmp_path / "seg-0.bin", tmp_path / "seg-1.bin"
+    first, second, third = tmp_path / "seg-0.bin", tmp_path / "seg-1.bin", tmp_path / "seg-2.bin"
     first.write_bytes(os.urandom(2 * MIB))
     second.write_bytes(os.urandom(4 * MIB))
+    third.write_bytes(os.urandom(66 * MIB))  # a 64 MiB chunk marked zero that is not, then 2 MiB
     control = tmp_path / "hydrator.sock"
     proc = subprocess.Popen([sys.executable, "-m", "coldsnap_probe.hydration", "serve", "--socket", str(control),
                              "--staging", "--stage-ttl", "30"], stdout=subprocess.PIPE, cwd=ROOT)
     try:
         ready = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+        assert ready["ring_pin_s"] > 0  # the stage ring's page-locked buffers, allocated at the start
+        driver = Driver()
+        driver.context(0)
         # One region in two segment files: one allocation of both (the interposer maps it whole).
         parts = [{"file": str(first), "bytes": 2 * MIB, "region": 0}, {"file": str(second), "bytes": 4 * MIB,
                                                                         "region": 0}]
         key = "sha256:" + hashlib.sha256(b"review2-stage-dump").hexdigest()
-        staged = request(str(control), {"op": "stage-dump", "key": key, "parts": parts,
-                                        "device_uuid": ready["device_uuid"]}, timeout=120.0)
-        assert staged["ok"] and staged["bytes"] == 6 * MIB, staged
-        answer, fds = request_with_fds(str(control), {"op": "adopt", "key": key, "ticket": staged["ticket"],
-                                                      "parts": parts}, timeout=60.0)
-        assert answer["ok"] and len(fds) == 1 and answer["count"] == 1 and answer["sizes"] == [6 * MIB], answer
-        driver = Driver()
-        driver.context(0)
-        assert device_uuid(driver, 0) == ready["device_uuid"]
-        handle = cucall(driver, "cuMemImportFromShareableHandle", fds[0], fd_handle(driver))
-        os.close(fds[0])
-        va = int(cucall(driver, "cuMemAddressReserve", 6 * MIB, 0, 0, 0))
-        try:
-            cucall(driver, "cuMemMap", va, 6 * MIB, 0, handle, 0)
-            map_read_write(driver, va, 6 * MIB, 0)
-            buffer = ctypes.create_string_buffer(6 * MIB)
-            cucall(driver, "cuMemcpyDtoH", ctypes.addressof(buffer), va, 6 * MIB)
-            assert buffer.raw == first.read_bytes() + second.read_bytes()
-            cucall(driver, "cuMemUnmap", va, 6 * MIB)
-        finally:
-            cucall(driver, "cuMemAddressFree", va, 6 * MIB)
-            cucall(driver, "cuMemRelease", handle)
+        staged, held = _staged_bytes(driver, str(control), key, parts, ready["device_uuid"])
+        assert (staged["bytes"], staged["zero_bytes"], staged["copied_bytes"]) == (6 * MIB, 0, 6 * MIB), staged
+        assert held == first.read_bytes() + second.read_bytes()
+        zeros = [{"file": str(third), "bytes": 66 * MIB, "region": 0, "zero": 1}]
+        staged, held = _staged_bytes(driver, str(control), "sha256:" + hashlib.sha256(b"zeros").hexdigest(), zeros,
+                                     ready["device_uuid"])
+        assert (staged["bytes"], staged["zero_bytes"], staged["copied_bytes"]) == (66 * MIB, 64 * MIB, 2 * MIB)
+        assert held == bytes(64 * MIB) + third.read_bytes()[64 * MIB:]  # the marked chunk was set, not read
         second.unlink()
         second.symlink_to(first)  # a link where a part was: refused, and the hydrator still answers
         refused = request(str(control), {"op": "stage-dump", "key": key, "parts": parts,
@@ -211,6 +201,36 @@ def test_a_dump_staged_on_a_hydrator_is_adopted_with_its_files_bytes(tmp_path: P
         proc.kill()
         proc.wait()
 
+
+def _staged_bytes(driver: Any, control: str, key: str, parts: list[dict[str, Any]],
+                  uuid: str) -> tuple[dict[str, Any], bytes]:
+    """Stage `parts` (one region) on the hydrator at `control`, adopt the allocation: the stage's answer and the
+    bytes the allocation holds."""
+    import ctypes
+
+    from coldsnap_probe.hydration._vmm import cucall, device_uuid, fd_handle, map_read_write
+    from coldsnap_probe.jsonline import request, request_with_fds
+
+    staged = request(control, {"op": "stage-dump", "key": key, "parts": parts, "device_uuid": uuid}, timeout=120.0)
+    assert staged["ok"], staged
+    size = staged["bytes"]
+    answer, fds = request_with_fds(control, {"op": "adopt", "key": key, "ticket": staged["ticket"], "parts": parts},
+                                   timeout=60.0)
+    assert answer["ok"] and len(fds) == 1 and answer["count"] == 1 and answer["sizes"] == [size], answer
+    assert device_uuid(driver, 0) == uuid
+    handle = cucall(driver, "cuMemImportFromShareableHandle", fds[0], fd_handle(driver))
+    os.close(fds[0])
+    va = int(cucall(driver, "cuMemAddressReserve", size, 0, 0, 0))
+    try:
+        cucall(driver, "cuMemMap", va, size, 0, handle, 0)
+        map_read_write(driver, va, size, 0)
+        buffer = ctypes.create_string_buffer(size)
+        cucall(driver, "cuMemcpyDtoH", ctypes.addressof(buffer), va, size)
+        cucall(driver, "cuMemUnmap", va, size)
+        return staged, buffer.raw
+    finally:
+        cucall(driver, "cuMemAddressFree", va, size)
+        cucall(driver, "cuMemRelease", handle)
 
 
 STAGER = """

@@ -128,16 +128,18 @@ class TestStageRequests:
                 _first_page(value, count, taken)
 
     @SETTINGS
-    @given(JSON | st.lists(st.dictionaries(st.sampled_from(["file", "bytes", "region", "x"]), JSON), max_size=5))
+    @given(JSON | st.lists(st.dictionaries(st.sampled_from(["file", "bytes", "region", "zero", "x"]), JSON),
+                           max_size=5))
     def test_any_parts_give_a_layout_that_keeps_the_rules_or_are_refused(self, parts: Any) -> None:
         try:
             layout, sizes = dump_layout(parts)
         except HydrationError:
             return
-        assert [r for _f, _b, r in layout] == sorted(r for _f, _b, r in layout)
-        assert {r for _f, _b, r in layout} == set(range(len(sizes))) and len(sizes) <= STAGE_ALLOCATIONS
-        assert all(b > 0 and b % DUMP_ALIGN == 0 and f.startswith("/") for f, b, _r in layout)
-        assert sum(sizes) == sum(b for _f, b, _r in layout)
+        assert [r for _f, _b, r, _z in layout] == sorted(r for _f, _b, r, _z in layout)
+        assert {r for _f, _b, r, _z in layout} == set(range(len(sizes))) and len(sizes) <= STAGE_ALLOCATIONS
+        assert all(b > 0 and b % DUMP_ALIGN == 0 and f.startswith("/") for f, b, _r, _z in layout)
+        assert all(z >= 0 and z >> -(-b // (64 << 20)) == 0 for _f, b, _r, z in layout)  # no chunk beyond the part
+        assert sum(sizes) == sum(b for _f, b, _r, _z in layout)
 
     @SETTINGS
     @given(st.lists(st.tuples(st.integers(1, 8), st.booleans()), min_size=1, max_size=20))
@@ -147,7 +149,7 @@ class TestStageRequests:
             region += 1 if next_region and index else 0
             parts.append({"file": f"/d/seg-{index}.bin", "bytes": blocks * DUMP_ALIGN, "region": region})
         layout, sizes = dump_layout(json.loads(json.dumps(parts)))
-        assert layout == tuple((p["file"], p["bytes"], p["region"]) for p in parts)
+        assert layout == tuple((p["file"], p["bytes"], p["region"], 0) for p in parts)
         assert sizes == tuple(sum(p["bytes"] for p in parts if p["region"] == r) for r in range(region + 1))
 
 

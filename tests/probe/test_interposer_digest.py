@@ -40,11 +40,31 @@ static void choose(const char *engine)
         crc_have_pclmul = 0;
 }
 
+/* argv: a kind and a size: the digest a hydration gives a chunk of zeros it set on the device (never read), as a
+ * one-chunk segment's text, asked twice (the second a whole chunk's cached answer). */
+static int zeros(char **argv)
+{
+    char named[32], text[2][CSCU_DIGEST_TEXT];
+    unsigned char chunk[2][1][32];
+    snprintf(named, sizeof(named), "%s:", argv[1]);
+    int kind = cscu_digest_kind_of(named);
+    if (kind < 0)
+        return 2;
+    for (int k = 0; k < 2; k++) {
+        cscu_zeros_digest(kind, (size_t)strtoull(argv[2], NULL, 10), chunk[k][0]);
+        cscu_digest_text(kind, (const unsigned char (*)[32])chunk[k], 1, text[k]);
+    }
+    printf("%s %s\n", text[0], text[1]);
+    return 0;
+}
+
 /* argv: a file, a kind (sha256-64m, crc32-64m), an engine, the file to write. The input is one dump segment:
  * each chunk (out of order, as the threads finish them) in staging-sized pieces through the release's block loop
  * into the output file (made at its full size, as dump_all makes it); then its digest and zero chunks. */
 int main(int argc, char **argv)
 {
+    if (argc == 3)
+        return zeros(argv);
     int in = argc == 5 ? open(argv[1], O_RDONLY) : -1, out = argc == 5 ? open(argv[4], O_WRONLY | O_CREAT, 0600) : -1;
     struct stat st;
     if (in < 0 || out < 0 || fstat(in, &st) != 0 || ftruncate(out, st.st_size) != 0)
@@ -61,7 +81,7 @@ int main(int argc, char **argv)
     struct job job = {.items = calloc(chunks + 1, sizeof(struct item)), .count = chunks, .segments = &segment,
                       .fds = &out, .lock = PTHREAD_MUTEX_INITIALIZER};
     unsigned char *buffer = malloc(piece);
-    struct spent spent = {0, 0, 0, 0};
+    struct spent spent = {0, 0, 0, 0, 0, 0};
     for (size_t c = 0; c < chunks; c++) {
         struct cscu_chunk_digest h;
         struct item *it = &job.items[chunks - 1 - c];
@@ -163,6 +183,23 @@ def test_blocks_of_zeros_are_holes_and_chunks_of_zeros_are_recorded(harness: Pat
     assert zero == 0b010 and digest == crc_digest(path, 0, len(data))
     assert out.read_bytes() == data
     assert out.stat().st_blocks * 512 <= DIGEST_CHUNK + 2 * MIB, "the zeros were written, not left as holes"
+
+
+@pytest.mark.parametrize("kind", ["sha256-64m", "crc32-64m"])
+def test_a_chunk_of_zeros_set_on_the_device_is_checked_as_the_zeros_it_is(harness: Path, tmp_path: Path,
+                                                                          kind: str) -> None:
+    """With digests asked, a hydration sets a recorded chunk of zeros on the device without reading it and takes
+    the digest of zeros for it (dump.c's one_chunk): that digest must be what Python finds in a file of zeros, for
+    a whole chunk (computed once, then cached) and a segment's shorter last one, so that a manifest whose chunk is
+    marked zero but digested otherwise fails the segment's comparison."""
+    for size in (DIGEST_CHUNK, 6 * MIB):
+        with open(tmp_path / "zeros.bin", "wb") as f:
+            f.truncate(size)
+        first, cached = subprocess.run([str(harness), kind, str(size)], capture_output=True, text=True,
+                                       check=True, timeout=60).stdout.split()
+        assert first == cached == digest_like(kind + ":", tmp_path / "zeros.bin", 0, size), size
+        (tmp_path / "zeros.bin").write_bytes(bytes(size - 1) + b"\x01")
+        assert first != digest_like(kind + ":", tmp_path / "zeros.bin", 0, size)  # the comparison can fail
 
 
 def _manifest(folder: Path, digest: str, size: int, **segment: int) -> dict[str, object]:

@@ -23,6 +23,7 @@ import pytest
 from coldsnap_probe.errors import HydrationError
 from coldsnap_probe.hydration import DeviceDump, build_library, check_dump
 from coldsnap_probe.hydration._interposer import interposer_request
+from coldsnap_probe.hydration._weights import DIGEST_CHUNK
 from tests.criu import alive
 from tests.helpers import ROOT
 from tests.probe.test_main import has_nvidia_driver
@@ -53,7 +54,7 @@ class Target:
     """The torch process and its interposer socket; `ask` leaves a request file and waits for the answer."""
 
     def __init__(self, root: Path, library: Path, socket: str = "cuda.sock", mib: int = TARGET_MIB,
-                 alloc_conf: str = "") -> None:
+                 alloc_conf: str = "", zero_mib: int = 160) -> None:
         self.directory = root / "target"
         self.directory.mkdir()
         self.socket = str(root / socket)
@@ -63,7 +64,7 @@ class Target:
         self.log = root / "target.log"  # a plain file: CRIU dumps it with the process (not a pipe to pytest)
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "tests.probe._torch_target", str(self.directory),
-                                          str(mib)], cwd=ROOT, env=env, start_new_session=True,
+                                          str(mib), str(zero_mib)], cwd=ROOT, env=env, start_new_session=True,
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         self.ready = wait_for(self.directory / "ready", self.proc)
         self.count = 0
@@ -328,6 +329,42 @@ def test_a_dump_staged_by_the_node_hydrator_is_mapped_in_place(dump_hydrator: st
             (s.address, s.size, s.digest) for s in dump.segments]
         target.request({"op": "hydrate", "verify": "sampled"})  # adopted regions come back like created ones
         assert target.ask("check") == {**target.ready, "pid": target.proc.pid}
+    finally:
+        os.killpg(target.proc.pid, 9)
+        target.proc.wait()
+
+
+def test_a_dump_half_of_zeros_is_restored_moving_only_its_other_half(dump_hydrator: str, tmp_path: Path) -> None:
+    """Issues 34 and 36: chunks of zeros are set on the device, never read from the dump nor moved over the link.
+    A process holding 512 MiB of random data and 512 MiB of zeros: the node hydrator's stage reads and copies
+    exactly the bytes the manifest does not mark as zeros, and sets the rest; the interposer's own fill with every
+    byte digested does the same (the zeros checked as zeros against the release's digests). Every byte is right
+    afterwards: a release digests what the device holds, and the torch process's tensors, matmul and graph."""
+    from coldsnap_probe.hydration import dump_identities
+    from coldsnap_probe.memory._device_dump import DumpRecord, hydrate_devices, stages_for
+
+    library, _ = build_library(tmp_path / "lib")
+    target = Target(tmp_path, library, socket="half.sock", mib=512, zero_mib=512)
+    try:
+        dump = target.release(tmp_path / "dump")
+        zero = sum(min(DIGEST_CHUNK, s.size - c * DIGEST_CHUNK) for s in dump.segments
+                   for c in range(-(-s.size // DIGEST_CHUNK)) if s.zero >> c & 1)
+        assert zero >= 512 * MIB and dump.bytes - zero <= 512 * MIB + 64 * MIB, (zero, dump.bytes)
+        record = DumpRecord(target.proc.pid, target.socket, "dump", dump, dump_identities(dump, tmp_path / "dump"),
+                            dump_hydrator)
+        [hydrated] = hydrate_devices([record], tmp_path, "same-model", stages=stages_for([record], tmp_path))
+        stage = hydrated.interposer["stage"]
+        assert hydrated.interposer.get("staged") is True, hydrated.interposer
+        assert (stage["zero_bytes"], stage["copied_bytes"], stage["bytes"]) == (zero, dump.bytes - zero, dump.bytes)
+        assert hydrated.interposer["zero_bytes"] == zero  # recorded; the stage set them
+        again = target.release(tmp_path / "again")
+        assert [(s.address, s.size, s.digest, s.zero) for s in again.segments] == [
+            (s.address, s.size, s.digest, s.zero) for s in dump.segments]
+        report = target.request({"op": "hydrate", "verify": "digest"})["report"]
+        assert (report["zero_set_bytes"], report["copied_bytes"]) == (zero, dump.bytes - zero), report
+        assert target.ask("check") == {**target.ready, "pid": target.proc.pid}
+        print(f"half of zeros: {dump.bytes} bytes, {zero} set on the device; stage copy_s {stage['copy_s']:.3f}, "
+              f"in-process fill with digests {report['fill_s']:.3f} s")
     finally:
         os.killpg(target.proc.pid, 9)
         target.proc.wait()

@@ -174,6 +174,10 @@ def test_expandable_segments_are_restored_from_a_node_hydrators_stage(dump_hydra
         report = staged_hydration(target, dump, tmp_path, "dump", dump_hydrator)
         assert report.get("staged") is True and "copy_s" in report and "adopt_error" not in report["stage"], report
         assert report["regions"] == len(dump.regions) and report["stage"]["allocations"] == groups < len(dump.regions)
+        # The target's 160 MiB of zeros: set on the device by the stage and again by the copy, never read nor copied.
+        assert report["zero_bytes"] >= 128 * MIB and report["stage"]["zero_bytes"] == report["zero_bytes"], report
+        assert (report["zero_set_bytes"], report["stage_copied_bytes"]) == (
+            report["zero_bytes"], dump.bytes - report["zero_bytes"]), report
         assert target.ask("check") == {**target.ready, "pid": target.proc.pid}
         assert target.ask("churn")["ok"] is True  # empty_cache: re-created pages unmapped, released by the engine
         again = target.release(tmp_path / "again")

@@ -36,12 +36,24 @@ class TestDumpLayout:
         layout, sizes = dump_layout([part(0, 4 * MIB), part(1, 1 << 30, "seg-1.bin"), part(1, 6 * MIB, "seg-2.bin"),
                                      part(2, 2 * MIB, "seg-3.bin")])
         assert sizes == (4 * MIB, (1 << 30) + 6 * MIB, 2 * MIB)
-        assert layout[1] == ("/images/device-42/seg-1.bin", 1 << 30, 1)
+        assert layout[1] == ("/images/device-42/seg-1.bin", 1 << 30, 1, 0)
+
+    def test_a_part_names_its_chunks_of_zeros_and_only_its_own(self) -> None:
+        """The manifest's `zero` rides with each part (a 1 GiB file: 16 chunks of 64 MiB, the last may be short)."""
+        layout, _ = dump_layout([part(0, 1 << 30) | {"zero": 0b1000_0000_0000_0101},
+                                 part(1, 66 * MIB, "seg-1.bin") | {"zero": 0b10}])
+        assert [z for _f, _b, _r, z in layout] == [0b1000_0000_0000_0101, 0b10]
 
     @pytest.mark.parametrize(("parts", "error"), [
         pytest.param([], "non-empty list", id="empty"),
         pytest.param([{"file": "/a", "bytes": 2 * MIB}], r"parts\[0\] must be .*region: an integer", id="no-region"),
         pytest.param([part(0) | {"extra": 1}], r"parts\[0\] must be", id="extra-key"),
+        pytest.param([part(0, 64 * MIB) | {"zero": 0b10}], r"parts\[0\]\.zero must be a mask of the part's 1 chunks",
+                     id="zero-beyond-the-part"),
+        pytest.param([part(0, 66 * MIB) | {"zero": 0b100}], r"parts\[0\]\.zero .* 2 chunks", id="zero-beyond-short"),
+        pytest.param([part(0) | {"zero": -1}], r"parts\[0\]\.zero must be", id="negative-zero"),
+        pytest.param([part(0) | {"zero": True}], r"parts\[0\]\.zero must be", id="bool-zero"),
+        pytest.param([part(0) | {"zero": "1"}], r"parts\[0\]\.zero must be", id="string-zero"),
         pytest.param([part(0) | {"region": True}], r"parts\[0\] must be", id="bool-region"),
         pytest.param([part(0) | {"region": -1}], r"parts\[0\] must be", id="negative-region"),
         pytest.param([part(0) | {"region": "0"}], r"parts\[0\] must be", id="string-region"),
@@ -432,3 +444,69 @@ def test_a_key_given_twice_or_too_long_is_refused_naming_it(pages_server: Served
     pid, path, before = pages_server
     assert exchange(path, line, []) == {"ok": False, "error": f"request: {error}"}
     assert settled(pid, before) == before
+
+
+# -- chunks of zeros: set on the device by the stage, never read nor moved ----------------------------------------
+class TestZeroChunks:
+    """The stage's plan (`dump_pieces`: the pieces the copy engine reads or sets) from the manifest's masks."""
+
+    def test_marked_chunks_become_runs_of_zeros_and_the_rest_reads_its_file(self) -> None:
+        from coldsnap_probe.hydration._copy import ZEROS, Piece, zero_split
+
+        chunk = 64 * MIB
+        piece = Piece(0x1000_0000, "/d/seg-0.bin", 0, 4 * chunk + 2 * MIB)  # 5 chunks, the last one short
+        assert zero_split(piece, 0b10110, chunk) == [
+            Piece(0x1000_0000, "/d/seg-0.bin", 0, chunk),
+            Piece(0x1000_0000 + chunk, ZEROS, 0, 2 * chunk),  # neighbours merged: one memset
+            Piece(0x1000_0000 + 3 * chunk, "/d/seg-0.bin", 3 * chunk, chunk),
+            Piece(0x1000_0000 + 4 * chunk, ZEROS, 0, 2 * MIB)]
+        assert zero_split(piece, 0, chunk) == [piece]
+        with pytest.raises(HydrationError, match="marks chunks beyond"):
+            zero_split(piece, 0b100000, chunk)
+
+    def test_a_stage_reads_only_the_chunks_the_manifest_does_not_mark(self) -> None:
+        from coldsnap_probe.hydration._copy import ZEROS
+        from coldsnap_probe.hydration._hydrator import dump_pieces
+        from coldsnap_probe.hydration._weights import WeightRegion
+
+        layout, sizes = dump_layout([part(0, 1 << 30) | {"zero": 0xFF00},  # the upper half of 1 GiB is zeros
+                                     part(0, 128 * MIB, "seg-1.bin"),
+                                     part(1, 192 * MIB, "seg-2.bin") | {"zero": 0b111}])  # all zeros
+        parts, at = [], 0
+        for index, (named, size, _region, _zero) in enumerate(layout):
+            parts.append(WeightRegion(f"part-{index}", at, size, named, 0, ""))
+            at += size
+        pieces = dump_pieces(parts, layout, 1 << 40)
+        reads = [p for p in pieces if p.source != ZEROS]
+        assert sum(p.size for p in reads) == (512 + 128) * MIB == sum(sizes) - (512 + 192) * MIB
+        assert [(p.dst - (1 << 40), p.source, p.offset, p.size) for p in reads] == [
+            (0, "/images/device-42/seg-0.bin", 0, 512 * MIB), (1 << 30, "/images/device-42/seg-1.bin", 0, 128 * MIB)]
+        assert [(p.dst - (1 << 40), p.size) for p in pieces if p.source == ZEROS] == [
+            (512 * MIB, 512 * MIB), ((1 << 30) + 128 * MIB, 192 * MIB)]
+        assert sum(p.size for p in pieces) == sum(sizes)  # every byte of the stage either read or set
+
+    def test_the_worker_names_each_segment_s_zero_chunks_from_the_manifest(self, tmp_path: Path) -> None:
+        """The mask comes from the manifest (the stage's key is its digest), never from the file's holes."""
+        from coldsnap_probe.hydration import DeviceDump
+        from coldsnap_probe.memory._device_dump import DeviceStage
+        from tests.probe.test_interposer import dump_in
+
+        value = dump_in(tmp_path / "dump", (2 * MIB, 2 * MIB)).body()
+        value["regions"][1]["segments"][0]["zero"] = 1
+        dump = DeviceDump.from_json(value, answered=True)
+        stage = DeviceStage(str(tmp_path / "absent.sock"), dump, tmp_path / "dump")
+        stage.wait(10)
+        assert [p.get("zero") for p in stage.parts] == [None, 1]
+        assert [z for _f, _b, _r, z in dump_layout(stage.parts)[0]] == [0, 1]
+
+    def test_a_restore_reads_ahead_only_the_chunks_not_marked_zero(self) -> None:
+        """prefetch_dumps asks the kernel for each segment's data runs alone (a pulled image's zeros are written
+        bytes on disk: reading them ahead would spend the disk on bytes set on the device anyway)."""
+        from coldsnap_probe.hydration._interposer import DumpSegment
+
+        chunk = 64 * MIB
+        segment = DumpSegment("seg-0.bin", 0, 0x7F0000000000, 4 * chunk + 2 * MIB, "crc32-64m:", zero=0b10110)
+        assert segment.data_runs() == [(0, chunk), (3 * chunk, chunk)]
+        assert DumpSegment("seg-1.bin", 0, 0, 3 * chunk, "crc32-64m:", zero=0b011).data_runs() == [(2 * chunk, chunk)]
+        assert DumpSegment("seg-2.bin", 0, 0, 2 * chunk, "crc32-64m:").data_runs() == [(0, 2 * chunk)]  # merged
+        assert DumpSegment("seg-3.bin", 0, 0, 2 * MIB, "crc32-64m:", zero=1).data_runs() == []

@@ -102,6 +102,9 @@ int cuMemImportFromShareableHandle(H *h, void *fd, int type)
 int dtod_calls;
 size_t dtod_bytes;
 int cuMemcpyDtoD_v2(P d, P s, size_t n) { (void)d; (void)s; dtod_calls++; dtod_bytes += n; return 0; }
+int memset_calls;
+size_t memset_bytes;
+int cuMemsetD8_v2(P d, unsigned char c, size_t n) { (void)d; memset_calls += c == 0; memset_bytes += n; return 0; }
 int cuMemUnmap(P p, size_t n)
 {
     if (p == fail_unmap_at) {
@@ -391,12 +394,20 @@ static void staged_copy(void)  /* RDMA-capable engine pages: re-created as made,
     memset(&hy, 0, sizeof(hy));
     hy.regions = cscu_regions(&hy.count);
     hy.created = calloc(hy.count + 1, 1);
-    *v("dtod_calls") = 0;
+    static struct segment pages[3];  /* the release's record: one segment a page, the middle one all zeros */
+    for (int k = 0; k < 3; k++)
+        pages[k] = (struct segment){.region = (size_t)(r[k] - hy.regions), .size = 2 * MIB, .zero = k == 1};
+    cscu_segments = pages, cscu_segment_count = 3;
+    *v("dtod_calls") = *v("memset_calls") = 0;
     int freed = *v("freed");
     CHECK("each page re-created with the engine's handle kept and copied from the stage on the device",
-          copy_all(&hy, &imported, 1) == 0 && *v("dtod_calls") == 3 && *u("dtod_bytes") == 6 * MIB
+          copy_all(&hy, &imported, 1) == 0 && *v("dtod_calls") == 2 && *u("dtod_bytes") == 4 * MIB
           && r[0]->handle && r[2]->handle && r[1]->vmm->real == r[1]->handle && r[1]->vmm->handle == h[1]
           && mapped_at(base) && mapped_at(base + 4 * MIB) && hy.restored == 3);
+    CHECK("the page of zeros set on the device, not copied; the report's bytes say so",
+          *v("memset_calls") == 1 && *u("memset_bytes") == 2 * MIB && hy.moved[0] == 2 * MIB
+          && hy.moved[2] == 4 * MIB);
+    cscu_segments = NULL, cscu_segment_count = 0;
     CHECK("the staged allocation let go once copied, its descriptor closed",
           *v("freed") == freed + 1 && imported == -1);
     CUmemAllocationProp seen;
@@ -470,4 +481,4 @@ def test_engine_vmm_and_stream_ordered_allocations_against_a_recording_driver(tm
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert [line for line in lines if not line.startswith("ok ")] == [], done.stdout
-    assert len(lines) == 26 + 13, done.stdout
+    assert len(lines) == 27 + 13, done.stdout

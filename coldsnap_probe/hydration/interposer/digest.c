@@ -2,6 +2,7 @@
  * weights' digest, a content address), and `crc32-64m`, each chunk's CRC-32 (crc32.c: several times faster, for
  * the release's and the hydration's critical path). hydration/_weights.py computes both in Python. */
 #define _GNU_SOURCE
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -79,4 +80,32 @@ void cscu_digest_text(int kind, const unsigned char (*chunks)[32], size_t n, cha
     used = snprintf(out, CSCU_DIGEST_TEXT, CSCU_DIGEST_PREFIX);
     for (int i = 0; i < 32; i++)
         used += snprintf(out + used, CSCU_DIGEST_TEXT - (size_t)used, "%02x", digest[i]);
+}
+
+void cscu_zeros_digest(int kind, size_t n, unsigned char out[32])
+{
+    static const unsigned char zeros[(size_t)256 << 10];
+    static unsigned char whole[2][32];
+    static int known[2];
+    static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+    int cache = n == CSCU_DIGEST_CHUNK && (kind == CSCU_KIND_SHA256 || kind == CSCU_KIND_CRC32);
+    struct cscu_chunk_digest h;
+    memset(out, 0, 32);
+    if (cache) {  /* the copy threads ask at once: one computes, the others wait for its answer */
+        pthread_mutex_lock(&lock);
+        if (known[kind]) {
+            memcpy(out, whole[kind], 32);
+            pthread_mutex_unlock(&lock);
+            return;
+        }
+    }
+    cscu_chunk_init(&h, kind);
+    for (size_t done = 0; done < n; done += sizeof(zeros))
+        cscu_chunk_update(&h, zeros, n - done < sizeof(zeros) ? n - done : sizeof(zeros));
+    cscu_chunk_final(&h, out);
+    if (cache) {
+        memcpy(whole[kind], out, 32);
+        known[kind] = 1;
+        pthread_mutex_unlock(&lock);
+    }
 }

@@ -25,6 +25,9 @@ CSCU_HIDDEN void cscu_chunk_init(struct cscu_chunk_digest *h, int kind);
 CSCU_HIDDEN void cscu_chunk_update(struct cscu_chunk_digest *h, const void *data, size_t size);
 /* The chunk's digest into `out` (32 bytes for SHA-256, the first 4 for CRC-32, big-endian); frees what init took. */
 CSCU_HIDDEN void cscu_chunk_final(struct cscu_chunk_digest *h, unsigned char out[32]);
+/* The digest of `n` zero bytes into `out` (as cscu_chunk_final): a chunk the release recorded as zeros is set on the
+ * device, never read, and checked against the manifest as the zeros it is. A whole chunk's is computed once a kind. */
+CSCU_HIDDEN void cscu_zeros_digest(int kind, size_t n, unsigned char out[32]);
 /* A segment's digest text from its chunks' digests in order: sha256-64m:<SHA-256 of the chunk digests> or
  * crc32-64m:<each chunk's CRC, 8 hex digits>. */
 CSCU_HIDDEN void cscu_digest_text(int kind, const unsigned char (*chunks)[32], size_t n, char out[CSCU_DIGEST_TEXT]);

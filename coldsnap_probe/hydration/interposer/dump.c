@@ -69,7 +69,7 @@ int cscu_full_io(int fill, int fd, void *buffer, size_t size, off_t offset)
 }
 
 /* Where one copy thread's time went (thread-seconds), added to the job's when the thread ends. */
-struct spent { double device, digest, io, zero; };
+struct spent { double device, digest, io, zero; size_t zeroed, moved; };
 
 /* Bytes digested then written at once: small enough to stay in the core's cache between the two passes. */
 #define BLOCK ((size_t)256 << 10)
@@ -136,8 +136,9 @@ static int dump_pieces(struct job *job, struct item *it, CUstream s[2], void *bu
 typedef CUresult (*memset_fn)(CUdeviceptr, unsigned char, size_t, CUstream);
 
 /* Hydrate, one chunk: each buffer's last copy is done before it is refilled from the file, digested (when asked)
- * and copied to the device. A chunk of zeros the release never wrote is set on the device instead, when the
- * files are the release's own (no digest asked). 0, or -1 with the job failed. */
+ * and copied to the device. A chunk the release recorded as zeros (the manifest's mask, which its digest binds;
+ * never a hole found in the file) is set on the device instead, never read: with digests asked, one_chunk checks
+ * it as the zeros it is. 0, or -1 with the job failed. */
 static int fill_pieces(struct job *job, struct item *it, CUstream s[2], void *buf[2], size_t staging,
                        struct cscu_chunk_digest *h, struct spent *t)
 {
@@ -151,11 +152,15 @@ static int fill_pieces(struct job *job, struct item *it, CUstream s[2], void *bu
     CUresult rc = CUDA_SUCCESS;
     if (!memset_async)
         memset_async = (memset_fn)cscu_real("cuMemsetD8Async");
-    if (it->zero && !job->digests && memset_async) {
+    it->zero = it->zero && memset_async != NULL;  /* without the driver's memset it is read like any other */
+    if (it->zero) {
         double t0 = cscu_now();
         rc = memset_async(base, 0, it->size, s[0]);
         t->device += cscu_now() - t0;
+        t->zeroed += it->size;
         pieces = 0;
+    } else {
+        t->moved += it->size;
     }
     for (size_t k = 0; k < pieces && rc == CUDA_SUCCESS && !job->failed; k++) {
         size_t at = k * staging, n = it->size - at < staging ? it->size - at : staging;
@@ -190,6 +195,11 @@ static void one_chunk(struct job *job, struct item *it, CUstream s[2], void *buf
     else
         dump_pieces(job, it, s, buf, staging, &h, t);
     cscu_chunk_final(&h, it->digest);  /* also on failure: it frees libcrypto's context */
+    if (job->fill && job->digests && it->zero) {  /* set, not read: its digest is that of the zeros it is */
+        double t0 = cscu_now();
+        cscu_zeros_digest(job->segments[it->segment].kind, it->size, it->digest);
+        t->digest += cscu_now() - t0;
+    }
 }
 
 static void *copy_thread(void *arg)
@@ -202,7 +212,7 @@ static void *copy_thread(void *arg)
     CUstream s[2] = {0, 0};
     void *buf[2] = {0, 0};
     CUcontext current = NULL;
-    struct spent t = {0, 0, 0, 0};
+    struct spent t = {0, 0, 0, 0, 0, 0};
     cscu_gate_exempt();  /* the release's own copies run while the gate is closed */
     for (;;) {
         size_t i = __atomic_fetch_add(&job->next, 1, __ATOMIC_ACQ_REL);
@@ -241,6 +251,7 @@ static void *copy_thread(void *arg)
     }
     pthread_mutex_lock(&job->lock);
     job->device_s += t.device, job->digest_s += t.digest, job->io_s += t.io, job->zero_s += t.zero;
+    job->zeroed += t.zeroed, job->moved += t.moved;
     pthread_mutex_unlock(&job->lock);
     return NULL;
 }

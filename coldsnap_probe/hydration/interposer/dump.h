@@ -19,7 +19,8 @@ struct segment {
     uint32_t zero;                  /* bit c: chunk c is all zeros (never written: a hole; hydrate may memset it) */
 };
 _Static_assert(sizeof(((struct segment *)0)->digest) == CSCU_DIGEST_TEXT, "a digest's text, its NUL included");
-/* One 64 MiB chunk (or a segment's shorter last one); `zero`: all zeros (found at release, used at hydrate). */
+/* One 64 MiB chunk (or a segment's shorter last one); `zero`: all zeros (found at release; at hydrate set on the
+ * device, never read: cleared when it had to be read after all). */
 struct item { size_t segment, offset, size; unsigned char digest[32]; int zero; };
 struct job {
     struct item *items;
@@ -34,6 +35,7 @@ struct job {
     /* Thread-seconds summed over the copy threads (under `lock`): waiting for the device's copies, digesting,
      * and the file I/O (writes on release, reads on hydrate): what bounds a dump or a fill. */
     double device_s, digest_s, io_s, zero_s;  /* zero_s: looking for all-zero blocks (release) */
+    size_t zeroed, moved;           /* hydrate: bytes set on the device (chunks of zeros), bytes read and copied */
 };
 
 /* Invariant: while released, the segments describe the dump of the current region table (alloc/free wait). */

@@ -201,14 +201,17 @@ static int verify_samples(const int *fds, const char *take, char *error, size_t 
     return s.bad ? -1 : 0;
 }
 
-/* `spent`: the copy threads' thread-seconds waiting for the device, reading the files, digesting. */
-static int fill_and_check(int *fds, const char *take, int digests, double spent[3], char *error, size_t room)
+/* `spent`: the copy threads' thread-seconds waiting for the device, reading the files, digesting; `bytes`: set on
+ * the device (chunks of zeros), read and copied. */
+static int fill_and_check(int *fds, const char *take, int digests, double spent[3], size_t bytes[2], char *error,
+                          size_t room)
 {
     struct job job = {.lock = PTHREAD_MUTEX_INITIALIZER, .fds = fds, .digests = digests};
     size_t count;
     struct cscu_region *regions = cscu_regions(&count);
     int rc = cscu_copy(&job, 1, take);
     spent[0] = job.device_s, spent[1] = job.io_s, spent[2] = job.digest_s;
+    bytes[0] = job.zeroed, bytes[1] = job.moved;
     if (rc != 0) {
         snprintf(error, room, "%s", job.error);
         goto cleanup;
@@ -240,6 +243,7 @@ struct hydration {
     int *fds, dirfd;
     double t0, check_s, place_s, fill_s;    /* place: re-create (fill) or import and map (staged) */
     double spent[3];                        /* the fill's thread-seconds: device, read, digest */
+    size_t moved[3];                        /* bytes set on the device, read and copied, copied from a stage */
     const char *phase;
     char error[1024];
 };
@@ -304,12 +308,14 @@ static void finish(struct hydration *h, int ok, const char *policy, int digests,
     snprintf(out, room, "{\"ok\":true,\"report\":{\"bytes\":%zu,\"regions\":%zu,\"segments\":%zu,\"seconds\":%.6f,"
              "\"gbps\":%.3f,\"check_s\":%.6f,\"%s\":%.6f,\"fill_s\":%.6f,\"verify_s\":%.6f,\"policy\":\"%s\","
              "\"verify\":\"%s\",\"digest_engine\":\"%s\",\"threads\":%d,\"staged\":%s,\"fill_device_thread_s\":%.6f,"
-             "\"fill_read_thread_s\":%.6f,\"fill_digest_thread_s\":%.6f,\"zero_bytes\":%zu}}", h->bytes, h->restored,
+             "\"fill_read_thread_s\":%.6f,\"fill_digest_thread_s\":%.6f,\"zero_bytes\":%zu,\"zero_set_bytes\":%zu,"
+             "\"copied_bytes\":%zu,\"stage_copied_bytes\":%zu}}", h->bytes, h->restored,
              cscu_segment_count, total, h->fill_s > 0 ? (double)h->bytes / h->fill_s / 1e9 : 0.0, h->check_s,
              staged == 2 ? "copy_s" : staged ? "adopt_s" : "create_s", h->place_s, h->fill_s, cscu_now() - verify_started, policy,
              digests ? "digest" : "sampled",
              cscu_digest_engine(cscu_segment_count ? cscu_segments[0].kind : CSCU_KIND_CRC32),
-             cscu_config()->threads, staged ? "true" : "false", h->spent[0], h->spent[1], h->spent[2], h->zero);
+             cscu_config()->threads, staged ? "true" : "false", h->spent[0], h->spent[1], h->spent[2], h->zero,
+             h->moved[0], h->moved[1], h->moved[2]);
 }
 
 void cscu_hydrate(const char *dir, const char *policy, int digests, char *out, size_t room)
@@ -334,7 +340,7 @@ void cscu_hydrate(const char *dir, const char *policy, int digests, char *out, s
     if (ok) {
         h.place_s = cscu_now() - h.t0 - h.check_s;
         h.phase = "hydrate: fill";
-        ok = fill_and_check(h.fds, h.take, digests, h.spent, h.error, sizeof(h.error)) == 0;
+        ok = fill_and_check(h.fds, h.take, digests, h.spent, h.moved, h.error, sizeof(h.error)) == 0;
         h.fill_s = cscu_now() - h.t0 - h.check_s - h.place_s;
     }
     finish(&h, ok, policy, digests, 0, out, room);
@@ -408,6 +414,29 @@ static int adopt_all(struct hydration *h, const int *staged, size_t n)
 
 /* --- hydrate by copying from staged groups ------------------------------------------------------------------ */
 typedef CUresult (*dtod_fn)(CUdeviceptr, CUdeviceptr, size_t);
+typedef CUresult (*memset_sync_fn)(CUdeviceptr, unsigned char, size_t);
+
+/* Region i from its copy in the staged range at `from`, chunk by chunk: a chunk the release recorded as zeros is
+ * set (HBM written once, not read and written), the others copied HBM to HBM. */
+static CUresult copy_region(struct hydration *h, size_t i, CUdeviceptr from, dtod_fn dtod)
+{
+    static memset_sync_fn set;
+    struct cscu_region *r = &h->regions[i];
+    CUresult rc = CUDA_SUCCESS;
+    if (!set)
+        set = (memset_sync_fn)cscu_real("cuMemsetD8_v2");
+    for (size_t s = 0; s < cscu_segment_count && rc == CUDA_SUCCESS; s++) {
+        const struct segment *seg = &cscu_segments[s];
+        for (size_t at = 0; seg->region == i && at < seg->size && rc == CUDA_SUCCESS; at += CSCU_DIGEST_CHUNK) {
+            size_t n = seg->size - at < CSCU_DIGEST_CHUNK ? seg->size - at : CSCU_DIGEST_CHUNK;
+            int zero = set && (seg->zero >> (at / CSCU_DIGEST_CHUNK) & 1);
+            rc = zero ? set(r->address + seg->offset + at, 0, n)
+                      : dtod(r->address + seg->offset + at, from + seg->offset + at, n);
+            h->moved[zero ? 0 : 2] += n;
+        }
+    }
+    return rc;
+}
 
 /* The group of each released region (`group[i]`, table order; SIZE_MAX for one not released) and its offset in
  * the group's staged allocation: consecutive regions up to CSCU_STAGE_GROUP bytes, a larger one alone, as the
@@ -462,7 +491,7 @@ static int copy_group(struct hydration *h, const size_t *group, const size_t *of
         if ((rc = d->ctx_set_current(r->context)) != CUDA_SUCCESS || (rc = cscu_map(r)) != CUDA_SUCCESS)
             break;
         h->created[i] = 1, h->restored++;
-        rc = dtod(r->address, va + offset[i], r->size);
+        rc = copy_region(h, i, va + offset[i], dtod);
     }
     if (rc == CUDA_SUCCESS)  /* the copies are done before the staged allocation goes */
         rc = d->ctx_synchronize();
