@@ -208,7 +208,8 @@ def test_restore_writes_every_page_back_and_leaves_the_images_unchanged(tmp_path
     assert report["restored_pid"] == pid
     # The worker's own start, then CRIU's run inside the restore, in order (issue 35: each phase measured).
     start = [(m["name"], m["unix_ns"], m["since_restore_begin_s"]) for m in report["worker_start"]]
-    assert [name for name, _, _ in start] == ["worker_main", "imports_done", "guard_started"]
+    # The guard before the imports, this host's identity read while they run (issue 35 item 2: CRIU sooner).
+    assert [name for name, _, _ in start] == ["worker_main", "guard_started", "imports_done"]
     assert [ns for _, ns, _ in start] == sorted(ns for _, ns, _ in start) and all(s < 0 for _, _, s in start)
     marks = {m["name"]: m["unix_ns"] for m in report["timeline"]}
     assert start[-1][1] <= marks["restore_begin"] <= marks["validated"] <= marks["criu_restore_begin"]
