@@ -221,6 +221,8 @@ class _Restore:
             starting = _CudaStart() if self.cuda else None
             _import_later_phases()  # while cuInit runs, which releases the interpreter
             self.driver = starting.result() if starting else None
+            if starting:  # after CRIU's end, the driver was what the CUDA restore waited for (issue 35 item 2)
+                self.timeline.mark("cuda_driver_ready")
         except BaseException as exc:  # CRIU is running: its tree is found (and killed by the rollback) first
             failed = exc
         try:
