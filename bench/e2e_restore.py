@@ -472,6 +472,17 @@ def start_phases(report: dict[str, Any], created: float, started_at: str | None)
     return {"container_started_s": unix(started_at) - created if started_at else None, **since}
 
 
+START_CELLS = (("container started", "container_started_s"), ("worker main", "worker_main_s"),
+               ("imported", "worker_imported_s"), ("CRIU started", "criu_started_s"),
+               ("driver ready", "cuda_driver_ready_s"), ("CRIU returned", "criu_returned_s"))
+
+
+def start_cell(restored: dict[str, Any]) -> str:
+    """`start_phases`'s instants in one line of a run's log (seconds from the request; "-" for a missing mark)."""
+    return ", ".join(f"{label} {restored[key]:.3f}" if restored.get(key) is not None else f"{label} -"
+                     for label, key in START_CELLS)
+
+
 async def restore_unit(d: Driver, image: str, layout: Layout, name: str, capture_id: str, *,
                        labels: dict[str, str], readiness_timeout: float = 120.0,
                        command: list[str] | None = None) -> dict[str, Any]:

@@ -56,6 +56,7 @@ from bench.e2e_restore import (
     capture,
     engine_stages,
     inspect_capsule,
+    start_cell,
     start_hydrator,
     wait_hydrator,
 )
@@ -139,7 +140,8 @@ def restore_summary(restored: dict[str, Any]) -> str:
     staged = {None: "", True: ", staged", False: f", not staged: {restored.get('device_stage_errors')}"}
     return (f"Docker-to-first-token {restored['first_token_s']:.2f} s (CRIU {restored['criu_s']}, CUDA "
             f"{restored['cuda_s']}, device {restored['device_hydration_s']}{staged[restored.get('device_staged')]}, "
-            f"weights {restored['hydration_s']}), identical {restored['identical']}")
+            f"weights {restored['hydration_s']}), identical {restored['identical']}; from the request: "
+            f"{start_cell(restored)}")
 
 
 async def remove_units(d: Driver, mode: str, result: dict[str, Any]) -> None:

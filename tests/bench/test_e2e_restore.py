@@ -16,6 +16,7 @@ from bench.e2e_restore import (
     Layout,
     check_worker,
     restore_unit,
+    start_cell,
     start_phases,
     unit_labels,
     unix,
@@ -94,4 +95,7 @@ def test_start_phases_are_read_from_the_workers_marks_and_dockers_start_time() -
     assert start_phases(before, 100.0, None) == pytest.approx({  # a worker without the marks: CRIU's start derived
         "container_started_s": None, "worker_main_s": None, "worker_imported_s": None, "criu_started_s": 0.35,
         "cuda_driver_ready_s": None, "criu_returned_s": 0.63})
+    assert start_cell(found) == ("container started 0.123, worker main 0.250, imported 0.300, CRIU started 0.350, "
+                                 "driver ready 0.620, CRIU returned 0.630")
+    assert "driver ready -, CRIU returned 0.630" in start_cell(start_phases(before, 100.0, None))
     assert unix("2026-12-01T22:50:00Z") == 1796165400.0
