@@ -459,14 +459,28 @@ def unix(stamp: str) -> float:
 
 def start_phases(report: dict[str, Any], created: float, started_at: str | None) -> dict[str, float | None]:
     """What a restore unit's start is made of, each from the `workload-run` request (host clock): the container
-    started (Docker's `StartedAt`), the worker's interpreter up (`worker_main`), its imports done, CRIU started."""
+    started (Docker's `StartedAt`), the worker's interpreter up (`worker_main`), its imports done, CRIU started, the
+    CUDA driver initialised meanwhile (`cuda_driver_ready`) and CRIU's restore returned to the worker (the later of
+    CRIU's exit and the driver's readiness: `criu_s` is CRIU's own run)."""
     marks = {m["name"]: m["unix_ns"] / 1e9 for m in [*report.get("worker_start", []), *report.get("timeline", [])]}
     if "criu_restore_end" in marks and "criu_restore_begin" not in marks and report.get("criu_restore_seconds"):
         marks["criu_restore_begin"] = marks["criu_restore_end"] - report["criu_restore_seconds"]  # a worker before
     since = {k: marks[m] - created if m in marks else None for k, m in (
         ("worker_main_s", "worker_main"), ("worker_imported_s", "imports_done"),
-        ("criu_started_s", "criu_restore_begin"))}
+        ("criu_started_s", "criu_restore_begin"), ("cuda_driver_ready_s", "cuda_driver_ready"),
+        ("criu_returned_s", "criu_restore_end"))}
     return {"container_started_s": unix(started_at) - created if started_at else None, **since}
+
+
+START_CELLS = (("container started", "container_started_s"), ("worker main", "worker_main_s"),
+               ("imported", "worker_imported_s"), ("CRIU started", "criu_started_s"),
+               ("driver ready", "cuda_driver_ready_s"), ("CRIU returned", "criu_returned_s"))
+
+
+def start_cell(restored: dict[str, Any]) -> str:
+    """`start_phases`'s instants in one line of a run's log (seconds from the request; "-" for a missing mark)."""
+    return ", ".join(f"{label} {restored[key]:.3f}" if restored.get(key) is not None else f"{label} -"
+                     for label, key in START_CELLS)
 
 
 async def restore_unit(d: Driver, image: str, layout: Layout, name: str, capture_id: str, *,

@@ -63,6 +63,7 @@ from bench.e2e_restore import (
     inspect_capsule,
     launch_unit,
     output,
+    start_cell,
     stream_tokens,
     unit_labels,
     wait_hydrator,
@@ -235,7 +236,7 @@ async def run_row(d: Driver, image: str, layout: Layout, name: str, *, gib: floa
             result["restores"].append(restored)
             print(f"[{name}] restore {attempt + 1}: Docker-to-first-token {restored['first_token_s']:.2f} s (CRIU "
                   f"{restored['criu_s']}, CUDA {restored['cuda_s']}, device {device_cell(restored)}), identical "
-                  f"{restored['identical']}", flush=True)
+                  f"{restored['identical']}; from the request: {start_cell(restored)}", flush=True)
         result["ok"] = bool(result["restores"]) and all(r["identical"] for r in result["restores"])
     except (E2EError, OSError, ValueError, KeyError, TimeoutError) as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"

@@ -56,6 +56,7 @@ from bench.e2e_restore import (
     capture,
     engine_stages,
     inspect_capsule,
+    start_cell,
     start_hydrator,
     wait_hydrator,
 )
@@ -140,7 +141,8 @@ def restore_summary(restored: dict[str, Any]) -> str:
     return (f"Docker-to-first-token {restored['first_token_s']:.2f} s (CRIU {restored['criu_s']}, CUDA "
             f"{restored['cuda_s']}, device {restored['device_hydration_s']}{staged[restored.get('device_staged')]}, "
             f"weights {restored['hydration_s']}; ready->first token {_f(restored.get('after_ready_first_token_s'))}, "
-            f"a 2nd request {_f(restored.get('second_request_to_first_token_s'))}), identical {restored['identical']}")
+            f"a 2nd request {_f(restored.get('second_request_to_first_token_s'))}), identical {restored['identical']}; "
+            f"from the request: {start_cell(restored)}")
 
 
 async def remove_units(d: Driver, mode: str, result: dict[str, Any]) -> None:

@@ -1,6 +1,6 @@
 """What a restore worker pays before its first checks are done (issue 22): its imports and the host's GPU facts.
 
-    python bench/worker_start.py [--repeat 15] [--out FILE.json]
+    python bench/worker_start.py [--repeat 15] [--out FILE.json] [--before REF --criu PATH]
 
 Each row is timed inside a fresh interpreter (the worker is one: `python -m coldsnap_probe restore`), from just
 before the statement to just after it, so the interpreter's own start is not in it; the rows take turns, `--repeat`
@@ -12,6 +12,12 @@ compiled, and from source (no `__pycache__`, none written: what a read-only copy
   device, else NVML (the `source` column says which answered).
 * Imports of the restore subcommand, of the capture subcommand, and of the former eager package (every public
   name of the package and of `hydration`, and `_worker`: what `import coldsnap_probe` loaded before issue 22).
+
+With `--before REF` (and `--criu`, the CRIU the worker asks for its version), a second table, side by side in one
+run: the whole `python -S -m coldsnap_probe restore` of images whose capture names another architecture, from
+the command to its exit (3, refused by the target check): the interpreter, the imports, the guard, this host's
+identity and the checks, everything a restore does before CRIU but CRIU (issue 35 item 2), that ref's worker and
+this checkout's taking turns, both compiled.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,11 +73,50 @@ def package_copy(parent: Path, bytecode: bool) -> Path:
     return parent
 
 
+def refused(package: Path, images: Path, criu: str) -> float:
+    """Milliseconds a restore worker from `package` took to refuse `images` (exit 3), command to exit."""
+    env = {**os.environ, "PYTHONPATH": str(package), "PYTHONDONTWRITEBYTECODE": "1"}
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-S", "-m", "coldsnap_probe", "restore", "--images", str(images),
+                           "--criu", criu], env=env, capture_output=True, text=True, timeout=120)
+    elapsed = (time.perf_counter() - started) * 1e3
+    if done.returncode != 3:
+        raise SystemExit(f"the worker of {package} did not refuse (exit {done.returncode}): {done.stderr[-2000:]}")
+    return elapsed
+
+
+def refusal_table(before: str, criu: str, repeat: int, scratch: Path) -> str:
+    """`--before`'s table: that ref's worker and this checkout's, each refusing the same images, taking turns."""
+    images = scratch / "images"
+    images.mkdir()
+    (images / "capture.json").write_text(json.dumps({"format": 1, "boundary": "n580", "root_pid": 300,
+                                                     "identity": {"architecture": "not-this-one"}}))
+    ref = scratch / "before"
+    ref.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", before, "coldsnap_probe"], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(ref)], input=archive, check=True)
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(ref)], check=True, stdout=subprocess.DEVNULL)
+    sides = {f"before ({before})": ref, "this checkout": package_copy(scratch / "after", True)}
+    samples: dict[str, list[float]] = {label: [] for label in sides}
+    for _ in range(repeat):
+        for label, package in sides.items():
+            samples[label].append(refused(package, images, criu))
+    return table(["a restore refused by the target check, command to exit", "median ms", "p10 ms", "min ms"],
+                 [[label, f"{statistics.median(v):.1f}", f"{sorted(v)[len(v) // 10]:.1f}", f"{min(v):.1f}"]
+                  for label, v in samples.items()])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--out", type=Path, help="also write the samples here (JSON)")
+    parser.add_argument("--before", help="a git ref whose worker refuses the same images, side by side (--criu)")
+    parser.add_argument("--criu", default="criu", help="the CRIU whose version the refused workers read")
     args = parser.parse_args()
+    if args.before:
+        with tempfile.TemporaryDirectory(prefix="worker-refusal-") as scratch:
+            print(refusal_table(args.before, args.criu, args.repeat, Path(scratch)))
     samples: dict[tuple[str, bool], list[float]] = {(label, b): [] for label in ROWS for b in (True, False)}
     sources: dict[str, set[str]] = {label: set() for label in ROWS}
     with tempfile.TemporaryDirectory(prefix="worker-start-") as scratch:

@@ -14,9 +14,10 @@ import json
 import os
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ._coordinator import Coordinator
     from ._phase import PhaseLog
     from .errors import CaptureRefused, TargetRefused
 
@@ -120,7 +121,6 @@ def _worker(args: argparse.Namespace, entered: int) -> int:
     from ._phase import PhaseLog
     from ._report_dir import leave_report
     from .errors import CaptureRefused, ProbeError, TargetRefused
-    from .memory import MemoryOptions
 
     if (args.world_size > 1 or args.coordinator) and not (args.coordinator and args.namespace):
         sys.stderr.write("error: several ranks need --coordinator and --namespace\n")
@@ -134,6 +134,7 @@ def _worker(args: argparse.Namespace, entered: int) -> int:
         if args.command == "capture":  # each subcommand imports only its own side (issue 22: a restore's start)
             from ._capture import capture
             from ._worker_guard import WorkerGuard
+            from .memory import MemoryOptions
 
             guard = WorkerGuard()
             guard.start("capture")  # before any CUDA call: the guard may need the driver itself
@@ -143,18 +144,7 @@ def _worker(args: argparse.Namespace, entered: int) -> int:
                              memory=MemoryOptions(weights_control=args.hydration,
                                                   interposer=args.interposer)).to_json()
         else:
-            from ._restore import restore
-            from ._worker_guard import WorkerGuard
-
-            imported = time.time_ns()
-            guard = WorkerGuard()
-            guard.start("restore")  # before CRIU and the CUDA driver: a worker that dies leaves no restored tree
-            startup = {"worker_main": entered, "imports_done": imported, "guard_started": time.time_ns()}
-            report = restore(Path(args.images), criu=args.criu,
-                             work=Path(args.work_dir) if args.work_dir else None, coordinator=coordinator,
-                             lazy_pages=args.lazy_pages, phases=phases, guard=guard, startup=startup,
-                             memory=MemoryOptions(device_policy=args.device_policy,
-                                                  device_digests=args.device_digests)).to_json()
+            report = _restore(args, entered, coordinator, phases)
     except (CaptureRefused, TargetRefused) as exc:  # before any work: the tree runs on, nothing was restored
         sys.stderr.write(f"error: {_where(phases)}{type(exc).__name__}: {exc}\n")
         sys.stdout.write(json.dumps(_refusal(exc, phases), indent=2, sort_keys=True) + "\n")
@@ -169,6 +159,31 @@ def _worker(args: argparse.Namespace, entered: int) -> int:
     sys.stdout.write(json.dumps(report, indent=2, sort_keys=True) + "\n")
     leave_report(report)  # for the daemon's phase metrics, when it gave this unit a report directory
     return 0
+
+
+def _restore(args: argparse.Namespace, entered: int, coordinator: Coordinator | None,
+             phases: PhaseLog) -> dict[str, Any]:
+    """A restore, started in the order that gets CRIU running soonest (issue 35 item 2): the guard first (before CRIU
+    and the CUDA driver: a worker that dies leaves no restored tree; and before this process has a second thread,
+    which a fork would not copy), then this host's identity read in a thread while the rest is imported."""
+    from pathlib import Path
+
+    from ._worker_guard import WorkerGuard
+
+    guard = WorkerGuard()
+    guard.start("restore")
+    guarded = time.time_ns()
+    from ._host import IdentityReading
+
+    identity = IdentityReading(args.criu)
+    from ._restore import restore
+    from .memory import MemoryOptions
+
+    startup = {"worker_main": entered, "guard_started": guarded, "imports_done": time.time_ns()}
+    return restore(Path(args.images), criu=args.criu, work=Path(args.work_dir) if args.work_dir else None,
+                   coordinator=coordinator, lazy_pages=args.lazy_pages, phases=phases, guard=guard, startup=startup,
+                   identity=identity, memory=MemoryOptions(device_policy=args.device_policy,
+                                                           device_digests=args.device_digests)).to_json()
 
 
 def _refusal(exc: CaptureRefused | TargetRefused, phases: PhaseLog) -> dict[str, object]:

@@ -14,13 +14,14 @@ import platform
 import re
 import shutil
 import subprocess
+import threading
 from typing import Any
 
 from ._nvidia_procfs import KernelGpu, kernel_gpu
 from ._process import criu_environment
 
-__all__ = ("CAPSULE_LAYERS_ENV", "DEVICE_SELECTOR_ENV", "GPU_FACTS", "boot_id", "capsule_facts", "criu_identity",
-           "gpu_identity", "host_identity", "nvml_identity", "procfs_identity", "system_identity")
+__all__ = ("CAPSULE_LAYERS_ENV", "DEVICE_SELECTOR_ENV", "GPU_FACTS", "IdentityReading", "boot_id", "capsule_facts",
+           "criu_identity", "gpu_identity", "host_identity", "nvml_identity", "procfs_identity", "system_identity")
 
 DEVICE_SELECTOR_ENV = "COLDSNAP_PROBE_NVML_DEVICE"  # an NVML index or a GPU-/MIG- UUID; default "0"
 # The capsule image's layers (diff IDs, bottom first, comma-separated), which the provider puts in every
@@ -145,3 +146,29 @@ def host_identity(criu: str | None = None) -> dict[str, Any]:
     """This host as a restore checks it against the captured identity: the system, the GPU facts (procfs first,
     `gpu_identity`), what the capsule sees and the CRIU that will restore."""
     return {**system_identity(), **gpu_identity(), **capsule_facts(), "criu": criu_identity(criu)}
+
+
+class IdentityReading:
+    """`host_identity` read in a thread of its own from the moment it is made: a restore worker makes it before it
+    imports the rest of its modules, so that `criu --version` (a process of its own, milliseconds) and the procfs
+    reads are done by the time the checks need them (issue 35 item 2: they were on the path to CRIU after the
+    imports). Only facts are read: nothing is started that a refusal would have to undo."""
+
+    def __init__(self, criu: str | None) -> None:
+        self._found: dict[str, Any] = {}
+        self._failed: Exception | None = None
+        self._thread = threading.Thread(target=self._read, args=(criu,), name="coldsnap-identity", daemon=True)
+        self._thread.start()
+
+    def _read(self, criu: str | None) -> None:
+        try:
+            self._found = host_identity(criu)
+        except Exception as exc:  # raised again in the caller's thread, by `result`
+            self._failed = exc
+
+    def result(self) -> dict[str, Any]:
+        """The identity, once read; raises what reading it raised."""
+        self._thread.join()
+        if self._failed is not None:
+            raise self._failed
+        return self._found

@@ -9,6 +9,7 @@ import platform
 import signal
 import stat
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -121,7 +122,8 @@ class CriuRun:
     """One CRIU command, started at once; `wait` returns its seconds (start to exit) or raises naming its failure.
     Started before `wait`, so that the worker does meanwhile what does not need CRIU's result. `lifeline`:
     descriptors it holds open until it exits (a worker guard's journal: the guard of a worker that dies meanwhile
-    undoes only once this CRIU has ended too)."""
+    undoes only once this CRIU has ended too). A thread of its own reaps it the moment it exits, so that its seconds
+    are CRIU's even when the worker's own work meanwhile (a restore's CUDA driver) ends later."""
 
     def __init__(self, criu: str, args: list[str], log: Path, *, lifeline: tuple[int, ...] = ()) -> None:
         self.args, self.log = args, log
@@ -129,13 +131,20 @@ class CriuRun:
         self.process = subprocess.Popen([criu, *args, "--log-file", str(log), "-v4"], stdin=subprocess.DEVNULL,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                         env=criu_environment(criu), pass_fds=lifeline)
+        self._stderr, self._exited = "", self.started
+        self._reaper = threading.Thread(target=self._reap, name="coldsnap-criu-reaper", daemon=True)
+        self._reaper.start()
+
+    def _reap(self) -> None:
+        self._stderr = self.process.communicate()[1] or ""
+        self._exited = time.perf_counter()
 
     def wait(self) -> float:
-        _, stderr = self.process.communicate()
+        self._reaper.join()
         if self.process.returncode != 0:
-            raise WorkerError(f"criu {self.args[0]} exited {self.process.returncode}: {(stderr or '').strip()}\n"
+            raise WorkerError(f"criu {self.args[0]} exited {self.process.returncode}: {self._stderr.strip()}\n"
                               f"{tail(self.log)}")
-        return time.perf_counter() - self.started
+        return self._exited - self.started
 
 
 def _image_files(images: Path) -> list[Path]:

@@ -15,19 +15,20 @@ activation for every rank, discard what the memory sources staged (registry orde
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._coordinator import Coordinator
 from ._engine import ABORT_POLL, resume_engine, validated_graph_record
-from ._host import host_identity
+from ._host import IdentityReading
 from ._phase import PhaseLog
 from ._process import CriuRun, criu_environment, process_state, process_tree, require_state, stop, tail
 from ._reports import Mark, RestoredGraphPolicy, RestoreReport
@@ -50,7 +51,7 @@ LAZY_PAGES_FINISH_S = 120.0  # for it to have copied every page after the restor
 def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: Coordinator | None = None,
             lazy_pages: bool = False, memory: MemoryOptions | None = None,
             phases: PhaseLog | None = None, guard: WorkerGuard | None = None,
-            startup: dict[str, int] | None = None) -> RestoreReport:
+            startup: dict[str, int] | None = None, identity: IdentityReading | None = None) -> RestoreReport:
     """Restore the tree captured in `images`; returns the report (the images are only read).
 
     `lazy_pages`: CRIU restores the processes without their memory, which `criu lazy-pages` then fills
@@ -58,13 +59,15 @@ def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: C
     stopped until every page is in, so nothing serves from memory a failed daemon never filled. `memory` says
     how the memory sources hydrate; `phases` publishes each phase as it begins; `guard` (started) kills the restored
     tree if this process dies before the restore ends. `startup`: what the worker's command did before this call
-    (mark name -> unix ns), reported as `worker_start`.
+    (mark name -> unix ns), reported as `worker_start`. `identity`: this host's identity, already being read (the
+    worker starts reading it before its imports); None: read here, while the records are.
     """
     run = _Restore(images, criu=criu, work=work, ranks=coordinator or Coordinator.single(), lazy_pages=lazy_pages,
                    phases=phases or PhaseLog("restore", publish=False))
     run.report.worker_start = [Mark(name, ns, (ns - run.began) / 1e9) for name, ns in (startup or {}).items()] or None
     run.memory_options = memory or MemoryOptions()
     run.journal = guard or WorkerGuard()
+    run.identity = identity
     try:
         run.phases()
     except BaseException as exc:
@@ -101,18 +104,23 @@ class _Restore:
         self.engine: str | None = None  # the engine's control socket, when its communicators were quiesced
         self.shared: list[SharedFile] = []  # the tree's /dev/shm files, put back just before CRIU
         self.cuda: list[int] = []
+        self.identity: IdentityReading | None = None
         self.driver: Driver | None = None
         # What was started, for the rollback.
         self.root: int | None = None
         self.lazy: subprocess.Popen[bytes] | None = None
 
     def phases(self) -> None:
-        with ThreadPoolExecutor(1, thread_name_prefix="coldsnap-identity") as pool:
-            # The host's identity (procfs, or NVML where procfs cannot tell) and `criu --version` take milliseconds
-            # to tens of them: they run while the records are read.
-            current = pool.submit(host_identity, self.criu)
+        # The host's identity (procfs, or NVML where procfs cannot tell) and `criu --version` take milliseconds to
+        # tens of them: they are read while the records are (the worker's command began it before its imports).
+        current = self.identity or IdentityReading(self.criu)
+        try:
             self._read_records()
-            self._check_host(current.result())
+        except BaseException:
+            with contextlib.suppress(Exception):  # the records' failure is the one to report; no thread left behind
+                current.result()
+            raise
+        self._check_host(current.result())
         self._agree()
         self.timeline.mark("validated")  # what the checks before CRIU cost (identity, dumps, sources)
         # Only now: a restore refused by the checks (on any rank) leaves nothing staged on the node hydrator; the
@@ -210,7 +218,11 @@ class _Restore:
         # of milliseconds before CRIU started, and cuInit alone a good part of the CUDA restore otherwise.
         failed: BaseException | None = None
         try:
-            self.driver = _initialised_driver() if self.cuda else None
+            starting = _CudaStart() if self.cuda else None
+            _import_later_phases()  # while cuInit runs, which releases the interpreter
+            self.driver = starting.result() if starting else None
+            if starting:  # after CRIU's end, the driver was what the CUDA restore waited for (issue 35 item 2)
+                self.timeline.mark("cuda_driver_ready")
         except BaseException as exc:  # CRIU is running: its tree is found (and killed by the rollback) first
             failed = exc
         try:
@@ -332,11 +344,39 @@ def _finish_lazy_pages(daemon: subprocess.Popen[bytes], work: Path, root: int, r
         raise WorkerError(f"the restored process {root} exited while its pages were restored")
 
 
-def _initialised_driver() -> Driver:
-    """The CUDA driver, initialised: imported here, while CRIU runs (cuda-python's bindings are the largest import
-    of a restore worker), never before it."""
-    from ._cuda import Driver
+class _CudaStart:
+    """The CUDA driver being initialised while CRIU runs: cuda-python's bindings imported and libcuda loaded here
+    (the largest import of a restore worker, never before CRIU starts), then `cuInit` in a thread of its own (the
+    binding releases the interpreter during the call), so that the worker imports what its later phases need
+    meanwhile."""
 
-    driver = Driver()
-    driver.call("cuInit", 0)
-    return driver
+    def __init__(self) -> None:
+        from ._cuda import Driver
+
+        self.driver = Driver()
+        self._failed: BaseException | None = None
+        self._thread = threading.Thread(target=self._init, name="coldsnap-cuinit", daemon=True)
+        self._thread.start()
+
+    def _init(self) -> None:
+        try:
+            self.driver.call("cuInit", 0)
+        except BaseException as exc:  # raised again in the worker's thread, by `result`
+            self._failed = exc
+
+    def result(self) -> Driver:
+        """The driver, initialised; raises what `cuInit` raised."""
+        self._thread.join()
+        if self._failed is not None:
+            raise self._failed
+        return self.driver
+
+
+# Imported only by the phases after CRIU (the memory sources' hydration pools; with them `logging`): ~8 ms of
+# imports that CRIU's restore hides, rather than the path to it or the hydration after it (issue 35 item 2).
+LATER_PHASES_MODULES = ("concurrent.futures",)
+
+
+def _import_later_phases() -> None:
+    for name in LATER_PHASES_MODULES:
+        importlib.import_module(name)

@@ -17,7 +17,6 @@ import os
 import stat
 import zlib
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -146,6 +145,8 @@ def chunk_digests(path: str | Path, offset: int, size: int, *, threads: int = 0,
 
         def one(start: int) -> bytes:
             return chunk(memory[start:min(start + DIGEST_CHUNK, end)])
+
+        from concurrent.futures import ThreadPoolExecutor  # only here: off a restore's path to CRIU (issue 35)
 
         with ThreadPoolExecutor(threads or min(16, os.cpu_count() or 1)) as pool:
             parts = list(pool.map(one, range(offset - base, end, DIGEST_CHUNK)))

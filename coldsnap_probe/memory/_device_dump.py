@@ -23,7 +23,6 @@ import json
 import os
 import stat
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -371,6 +370,8 @@ def hydrate_devices(records: list[DumpRecord], images: Path, policy: str, *, dig
 
     if len(records) == 1:
         return [one(records[0])]
+    from concurrent.futures import ThreadPoolExecutor, wait  # only here: off a restore's path to CRIU (issue 35)
+
     with ThreadPoolExecutor(len(records), thread_name_prefix="coldsnap-device-hydrate") as pool:
         futures = [pool.submit(one, r) for r in records]
         wait(futures)

@@ -16,6 +16,7 @@ from bench.e2e_restore import (
     Layout,
     check_worker,
     restore_unit,
+    start_cell,
     start_phases,
     unit_labels,
     unix,
@@ -84,11 +85,17 @@ def test_start_phases_are_read_from_the_workers_marks_and_dockers_start_time() -
 
     report = {"worker_start": [mark("worker_main", 100.25), mark("imports_done", 100.30)],
               "timeline": [mark("restore_begin", 100.31), mark("criu_restore_begin", 100.35),
-                           mark("criu_restore_end", 100.60)], "criu_restore_seconds": 0.25}
+                           mark("cuda_driver_ready", 100.62), mark("criu_restore_end", 100.63)],
+              "criu_restore_seconds": 0.25}
     found = start_phases(report, 100.0, "1970-01-01T00:01:40.123456789Z")
     assert found == pytest.approx({"container_started_s": 0.123456789, "worker_main_s": 0.25,
-                                   "worker_imported_s": 0.30, "criu_started_s": 0.35})
-    before = {"timeline": report["timeline"][:1] + report["timeline"][2:], "criu_restore_seconds": 0.25}
+                                   "worker_imported_s": 0.30, "criu_started_s": 0.35, "cuda_driver_ready_s": 0.62,
+                                   "criu_returned_s": 0.63})
+    before = {"timeline": [report["timeline"][0], report["timeline"][3]], "criu_restore_seconds": 0.28}
     assert start_phases(before, 100.0, None) == pytest.approx({  # a worker without the marks: CRIU's start derived
-        "container_started_s": None, "worker_main_s": None, "worker_imported_s": None, "criu_started_s": 0.35})
+        "container_started_s": None, "worker_main_s": None, "worker_imported_s": None, "criu_started_s": 0.35,
+        "cuda_driver_ready_s": None, "criu_returned_s": 0.63})
+    assert start_cell(found) == ("container started 0.123, worker main 0.250, imported 0.300, CRIU started 0.350, "
+                                 "driver ready 0.620, CRIU returned 0.630")
+    assert "driver ready -, CRIU returned 0.630" in start_cell(start_phases(before, 100.0, None))
     assert unix("2026-12-01T22:50:00Z") == 1796165400.0

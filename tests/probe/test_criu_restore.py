@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from coldsnap_probe._process import image_digest
+from coldsnap_probe._process import CriuRun, image_digest
 from tests.criu import CRIU, alive, criu_wrapper
 from tests.helpers import ROOT
 
@@ -208,7 +208,8 @@ def test_restore_writes_every_page_back_and_leaves_the_images_unchanged(tmp_path
     assert report["restored_pid"] == pid
     # The worker's own start, then CRIU's run inside the restore, in order (issue 35: each phase measured).
     start = [(m["name"], m["unix_ns"], m["since_restore_begin_s"]) for m in report["worker_start"]]
-    assert [name for name, _, _ in start] == ["worker_main", "imports_done", "guard_started"]
+    # The guard before the imports, this host's identity read while they run (issue 35 item 2: CRIU sooner).
+    assert [name for name, _, _ in start] == ["worker_main", "guard_started", "imports_done"]
     assert [ns for _, ns, _ in start] == sorted(ns for _, ns, _ in start) and all(s < 0 for _, _, s in start)
     marks = {m["name"]: m["unix_ns"] for m in report["timeline"]}
     assert start[-1][1] <= marks["restore_begin"] <= marks["validated"] <= marks["criu_restore_begin"]
@@ -312,6 +313,29 @@ def test_the_capture_records_criu_s_version_and_a_different_criu_is_refused(tmp_
         {"code": "criu-mismatch", "fact": "criu", "captured": recorded["version"], "current": "Version: 4.1.1"}]
     assert not (tmp_path / "work/restore.log").exists() and not alive(pid)
     assert image_digest(images, contents=True) == before
+
+
+def test_a_refused_restore_never_loaded_what_only_the_phases_after_criu_need(tmp_path: Path, criu: str) -> None:
+    """Issue 35 item 2: the path to CRIU imports only what the checks need; the hydration pools' modules (and
+    `logging` with them) are imported while CRIU runs, so a restore refused by its checks never loads them."""
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / "capture.json").write_text(json.dumps({"format": 1, "boundary": "n580", "root_pid": 300,
+                                                     "identity": {"architecture": "not-this-one"}}))
+    done = subprocess.run([sys.executable, "-S", "-X", "importtime", "-m", "coldsnap_probe", "restore", "--images",
+                           str(images), "--criu", criu], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 3, done.stderr
+    assert json.loads(done.stdout)["refused"][0]["code"] == "architecture-mismatch"
+    imported = [line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")]
+    assert "coldsnap_probe._restore" in imported and "coldsnap_probe._host" in imported
+    assert not {"concurrent.futures", "logging"} & set(imported)
+
+
+def test_criu_s_seconds_are_its_own_run_whenever_the_worker_waits_for_it(tmp_path: Path, criu: str) -> None:
+    """A restore worker waits for CRIU only once its CUDA driver is up: CRIU's seconds must still be CRIU's."""
+    run = CriuRun(criu, ["--version"], tmp_path / "version.log")
+    time.sleep(0.5)  # the worker's own work meanwhile, longer than CRIU's (~5 ms)
+    assert run.wait() < 0.4
 
 
 def test_a_host_that_cannot_restore_is_refused_before_any_work_naming_every_fact(tmp_path: Path, criu: str) -> None:

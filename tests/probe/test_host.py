@@ -14,6 +14,7 @@ import pytest
 from coldsnap_probe._host import (
     DEVICE_SELECTOR_ENV,
     GPU_FACTS,
+    IdentityReading,
     gpu_identity,
     host_identity,
     nvml_identity,
@@ -46,6 +47,22 @@ def test_host_identity_has_what_a_restore_compares() -> None:
     assert found["architecture"] == os.uname().machine and found["boot_id"]
     assert found["criu"] == {"installed": False, "path": "criu-that-is-not-installed"}
     assert found["gpu_identity_source"] in ("procfs", "nvml") and "driver_version" in found
+
+
+def test_an_identity_reading_runs_while_its_maker_goes_on(tmp_path: Path) -> None:
+    # A CRIU whose `--version` answers only once the maker has gone on past the reading's start (a gate file it
+    # writes afterwards): a reading made in the maker's own thread would never see the gate.
+    gate, criu = tmp_path / "gate", tmp_path / "criu"
+    criu.write_text(f"#!/bin/sh\nn=0\nuntil test -e {gate}; do n=$((n+1)); [ $n -gt 400 ] && "
+                    "{ echo 'gate never opened'; exit 0; }; sleep 0.01; done\necho 'Version: gated'\n")
+    criu.chmod(0o755)
+    reading = IdentityReading(str(criu))
+    gate.touch()
+    found = reading.result()
+    assert found["criu"] == {"installed": True, "path": str(criu), "version": "Version: gated",
+                             "version_exit_code": 0}
+    assert found == {**host_identity(str(criu)), "criu": found["criu"]}
+    assert reading.result() is found  # read once
 
 
 def test_the_profiles_identity_stays_nvmls_with_the_same_keys_as_before() -> None:
