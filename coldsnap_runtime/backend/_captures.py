@@ -29,6 +29,7 @@ from ._translate import parse_reference
 __all__ = ("CAPTURE_LABEL", "Captures")
 
 FETCH_THREADS = 2 * PARALLEL  # blob-fetch threads of every pull at once (their own limiter, not the shared pool)
+UPLOAD_THREADS = 2 * PARALLEL  # and blob-upload threads of every push at once (a push never waits on a pull's)
 
 Auth = Callable[[str], dict[str, str] | None]
 # Where a workload's capture files came from (the metrics' tier label: a fixed set): its files already made
@@ -54,6 +55,7 @@ class Captures:
         # Held from making a capture's files to creating the container that pins it, and by removal.
         self.lock = anyio.Lock()
         self._fetches = anyio.CapacityLimiter(FETCH_THREADS)
+        self._uploads = anyio.CapacityLimiter(UPLOAD_THREADS)
 
     async def _ready(self, action: str) -> CaptureStore:
         if self.store is None:
@@ -137,7 +139,7 @@ class Captures:
         info = await self._engine.info(action)
         return CaptureRegistry(store, registry=ref.registry, repository=repository_path(ref.repository),
                                auth=auth(ref.registry), insecure=registry_is_insecure(info, ref.registry),
-                               action=action, fetches=self._fetches)
+                               action=action, fetches=self._fetches, uploads=self._uploads)
 
     @staticmethod
     def _capture(image: str, info: dict[str, Any], action: str) -> str | None:

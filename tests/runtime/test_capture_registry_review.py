@@ -25,7 +25,7 @@ from tests.conftest import Registry
 def _registry(store: CaptureStore, registry: Registry, repository: str) -> CaptureRegistry:
     return CaptureRegistry(store, registry=registry.address, repository=repository, insecure=True,
                            auth={"username": registry.username, "password": registry.password}, action="image-pull",
-                           fetches=anyio.CapacityLimiter(4))
+                           fetches=anyio.CapacityLimiter(4), uploads=anyio.CapacityLimiter(4))
 
 
 def test_a_pull_fetches_only_the_chunks_the_data_document_names(registry: Registry, tmp_path: Path) -> None:
@@ -152,7 +152,8 @@ def test_a_cancelled_pull_does_not_wait_for_its_fetch_threads(tmp_path: Path) ->
     store.open()
     with _trickling_registry(TRICKLE) as url:
         registry = CaptureRegistry(store, registry=url.split("/")[2], repository="r", insecure=True, auth=None,
-                                   action="image-pull", fetches=anyio.CapacityLimiter(2))
+                                   action="image-pull", fetches=anyio.CapacityLimiter(2),
+                                   uploads=anyio.CapacityLimiter(2))
 
         async def cancelled() -> float:
             began = time.monotonic()
