@@ -12,6 +12,8 @@ chunked PATCHes: a blob is at most 64 MiB, so an interrupted push resumes at blo
 from __future__ import annotations
 
 import http.client
+import os
+import selectors
 import threading
 import time
 from typing import BinaryIO, NamedTuple
@@ -21,7 +23,9 @@ from ._blob_fetch import IDLE_S, connect, origin
 
 __all__ = ("PIECE", "Uploaded", "upload_blob")
 
-PIECE = 16 << 20  # bytes handed to one sendfile: between two, a cancel or the deadline is checked
+PIECE = 16 << 20  # at most this much handed to one sendfile (it sends what the socket takes at once)
+POLL_S = 0.5  # a cancel or the deadline is noticed within this, even while the registry reads nothing
+CANCEL_S = 2.0  # what the best-effort DELETE of an unfinished upload may wait
 _ERROR_BODY = 4096  # what a refusal's body is read for its message
 
 
@@ -114,20 +118,34 @@ def upload_blob(base: str, *, authorization: str, digest: str, size: int, source
 
 def _put(registry: _Registry, location: str, digest: str, size: int, source: BinaryIO, deadline: float,
          within_s: float, stop: threading.Event) -> tuple[int, bytes]:
-    """The PUT that completes the upload, its body sent from `source` by the kernel, PIECE at a time."""
+    """The PUT that completes the upload, its body sent from `source` by the kernel (`os.sendfile` on the socket made
+    non-blocking, so that a registry that stops reading is noticed within POLL_S, not after a whole piece)."""
     separator = "&" if "?" in location else "?"
     registry.send("PUT", f"{location}{separator}digest={digest}",
                   {"Content-Type": "application/octet-stream", "Content-Length": str(size)})
     sock = registry.connection.sock
-    sent = 0
-    while sent < size:
-        if stop.is_set():
-            raise ConnectionAbortedError(f"blob {digest}: its push was cancelled")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"blob {digest} was not sent within {within_s:.0f} s")
-        if not (piece := sock.sendfile(source, sent, min(PIECE, size - sent))):
-            raise ConnectionError(f"blob {digest}: its file in the node's store ended at {sent} of {size} bytes")
-        sent += piece
+    sent, progressed = 0, time.monotonic()
+    sock.setblocking(False)
+    with selectors.DefaultSelector() as selector:
+        selector.register(sock, selectors.EVENT_WRITE)
+        while sent < size:
+            now = time.monotonic()
+            if stop.is_set():
+                raise ConnectionAbortedError(f"blob {digest}: its push was cancelled")
+            if now > deadline:
+                raise TimeoutError(f"blob {digest} was not sent within {within_s:.0f} s")
+            if now - progressed > IDLE_S:
+                raise TimeoutError(f"blob {digest}: the registry read nothing for {IDLE_S:.0f} s")
+            if not selector.select(min(POLL_S, deadline - now)):
+                continue
+            try:
+                piece = os.sendfile(sock.fileno(), source.fileno(), sent, min(PIECE, size - sent))
+            except BlockingIOError:
+                continue
+            if not piece:
+                raise ConnectionError(f"blob {digest}: its file in the node's store ended at {sent} of {size} bytes")
+            sent, progressed = sent + piece, time.monotonic()
+    sock.settimeout(IDLE_S)
     status, body, _ = registry.answer()
     return status, body
 
@@ -137,7 +155,7 @@ def _cancel(base: str, authorization: str, location: str) -> None:
     try:
         registry = _Registry(base, authorization)
         try:
-            registry.connection.timeout = 5.0
+            registry.connection.timeout = CANCEL_S
             registry.request("DELETE", location)
         finally:
             registry.close()
