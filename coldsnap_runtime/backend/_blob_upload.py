@@ -31,11 +31,13 @@ _ERROR_BODY = 4096  # what a refusal's body is read for its message
 
 class Uploaded(NamedTuple):
     """What the registry answered for one blob: the status of the last request (200: it had the blob already,
-    201: uploaded), a refusal's first bytes, and whether the blob was there before (nothing was sent)."""
+    201: uploaded), a refusal's first bytes, whether the blob was there before (nothing was sent), and a 401's
+    challenge (the caller answers it on its session, then asks again: a token for HEAD may not allow the POST)."""
 
     status: int
     body: bytes
     present: bool
+    challenge: str = ""
 
 
 class _Registry:
@@ -68,12 +70,13 @@ class _Registry:
 
     def answer(self) -> tuple[int, bytes, str]:
         """The status, the body's first bytes (the rest drained, so the connection serves the next request) and
-        the Location header."""
+        the Location header (a 401's: its challenge)."""
         response = self.connection.getresponse()
         body = response.read(_ERROR_BODY)
         while response.read(1 << 16):
             pass
-        return response.status, body, response.getheader("Location", "")
+        header = "WWW-Authenticate" if response.status == 401 else "Location"
+        return response.status, body, response.getheader(header, "")
 
     def request(self, method: str, url: str) -> tuple[int, bytes, str]:
         self.send(method, url)
@@ -92,14 +95,14 @@ def upload_blob(base: str, *, authorization: str, digest: str, size: int, source
     registry = _Registry(base, authorization)
     location = ""
     try:
-        status, body, _ = registry.request("HEAD", f"{base}/blobs/{digest}")
+        status, body, challenge = registry.request("HEAD", f"{base}/blobs/{digest}")
         if status == 200:
             return Uploaded(200, b"", True)
         if status != 404:
-            return Uploaded(status, body, False)
+            return Uploaded(status, body, False, challenge if status == 401 else "")
         status, body, location = registry.request("POST", f"{base}/blobs/uploads/")
         if status != 202 or not location:
-            return Uploaded(status, body, False)
+            return Uploaded(status, body, False, location if status == 401 else "")
         location = urljoin(base, location)
         status, body = _put(registry, location, digest, size, source, deadline, within_s, stop)
         if status == 201:

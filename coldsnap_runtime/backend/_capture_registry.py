@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -40,6 +41,7 @@ __all__ = ("PARALLEL", "CaptureRegistry", "Transferred")
 PARALLEL = 8  # blobs in flight at once: enough to fill a link that one stream cannot (each at most 64 MiB)
 _TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=300)
 _MAX_DOCUMENT = 4 << 20  # a registry's own manifest limit
+_PULL_SCOPE = re.compile(r'(scope="repository:[^":]+:)pull(?=")')  # a HEAD's challenge asks for a pull-only token
 
 
 class Transferred:
@@ -129,8 +131,13 @@ class CaptureRegistry:
     async def _push_blob(self, session: aiohttp.ClientSession, blob: tuple[str, int], done: Transferred) -> None:
         digest, size = blob
         uploaded = await self._upload_in_thread(digest, size)
-        if uploaded.status == 401:  # no token yet, or it expired: the challenge answered on the loop, then again
-            await self._send(session, "HEAD", f"{self._base}/blobs/{digest}")
+        # No token yet, one that expired, or one for HEAD that does not allow the POST (a token registry scopes
+        # each): the request's own challenge answered on the loop, then again.
+        for _ in range(2):
+            if uploaded.status != 401 or not uploaded.challenge:
+                break
+            challenge = _PULL_SCOPE.sub(r"\1pull,push", uploaded.challenge)  # one token for HEAD, POST and PUT
+            self._authorization = await answer_challenge(session, challenge, self._auth, self._action)
             uploaded = await self._upload_in_thread(digest, size)
         if uploaded.status not in (200, 201):
             raise self._fail(f"blob {digest}", uploaded.status, uploaded.body)
