@@ -54,7 +54,7 @@ GCC_FLAGS = ("-shared", "-fPIC", "-O2", "-std=gnu11", "-Wall", "-Wextra", "-Werr
 _SEGMENT_FILE = re.compile(r"seg-[0-9]{1,9}\.bin")
 # The node's capture store lists the files it made where a workload sees them (coldsnap_runtime's
 # MADE_FILES_TARGET; docs/capture-store.md, "Restores staged"): the two packages share no code.
-STORE_FILES = "/run/coldsnap-provider/capture-files.json"
+STORE_FILES = "/run/coldsnap-capture-store/files.json"
 STORE_FILES_KIND = "coldsnap-capture-store-files"
 _MADE_MAX = 16 << 20  # a listing's bytes read at most (a capture of 100,000 files lists about 6 MB)
 

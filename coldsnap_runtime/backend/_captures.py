@@ -32,8 +32,9 @@ FETCH_THREADS = 2 * PARALLEL  # blob-fetch threads of every pull at once (their 
 UPLOAD_THREADS = 2 * PARALLEL  # and blob-upload threads of every push at once (a push never waits on a pull's)
 
 # Where a workload sees the store's listing of the capture files it made (coldsnap_probe's STORE_FILES: the
-# in-capsule worker reads it there; the two packages share no code).
-MADE_FILES_TARGET = "/run/coldsnap-provider/capture-files.json"
+# in-capsule worker reads it there; the two packages share no code). A directory of its own, not the daemon's
+# state directory, which a capsule may bind from the host (Docker would make the mount point in the host's).
+MADE_FILES_TARGET = "/run/coldsnap-capture-store/files.json"
 Auth = Callable[[str], dict[str, str] | None]
 # Where a workload's capture files came from (the metrics' tier label: a fixed set): its files already made
 # ("tree"), made from the chunks on this node's disk ("disk"), chunks fetched from a registry ("registry").

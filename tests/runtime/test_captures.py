@@ -87,7 +87,7 @@ def capture_context() -> Iterator[tuple[Path, dict[str, str]]]:
 
 # The store's listing (the daemon's MADE_FILES_TARGET) and the identities of two capture files as the workload sees
 # them: device, inode, size.
-_SEEN_MADE = " && echo --- && cat /run/coldsnap-provider/capture-files.json && echo --- && " \
+_SEEN_MADE = " && echo --- && cat /run/coldsnap-capture-store/files.json && echo --- && " \
     "stat -c '%d %i %s' pages-1.img dump/seg-0.bin"
 
 
