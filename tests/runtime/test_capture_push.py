@@ -195,3 +195,58 @@ def test_a_registry_that_stops_reading_is_cut_at_the_blobs_deadline_and_a_cancel
             upload_blob(base, authorization="", digest=digest, size=16 << 20, source=source, within_s=300.0,
                         stop=stop)
         assert time.monotonic() - began < 5
+
+
+@contextlib.contextmanager
+def _tls_registry(tmp_path: Path) -> Iterator[tuple[str, list[bytes]]]:
+    """A real HTTPS peer on 127.0.0.1 (a self-signed certificate the client is told to trust): HEAD 404, POST 202,
+    then the PUT's body read whole and answered 201 only when it hashes to the digest the PUT names."""
+    import hashlib
+    import ssl
+    import subprocess
+
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(tmp_path / "key.pem"),
+                    "-out", str(tmp_path / "cert.pem")], check=True, capture_output=True)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
+    server = socket.create_server(("127.0.0.1", 0))
+    bodies: list[bytes] = []
+
+    def serve() -> None:
+        with contextlib.suppress(OSError), context.wrap_socket(server.accept()[0], server_side=True) as peer, \
+                peer.makefile("rwb") as stream:
+            for answer in (b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n", ACCEPTED, None):
+                head = b"".join(iter(stream.readline, b"\r\n"))
+                if answer is None:
+                    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                    bodies.append(stream.read(length))
+                    digest = head.split(b"digest=")[1].split(b" ")[0].decode()
+                    good = "sha256:" + hashlib.sha256(bodies[-1]).hexdigest() == digest
+                    answer = b"HTTP/1.1 201 Created\r\nContent-Length: 0\r\n\r\n" if good else \
+                        b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n"
+                stream.write(answer)
+                stream.flush()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"https://127.0.0.1:{server.getsockname()[1]}/v2/r", bodies
+    finally:
+        server.close()
+        thread.join(10)
+
+
+def test_through_tls_the_body_is_sent_encrypted_and_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """sendfile would write the file's bytes past the TLS layer: through TLS the thread reads and sends them."""
+    import hashlib
+
+    data = os.urandom(3 << 20)
+    (tmp_path / "blob").write_bytes(data)
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    with _tls_registry(tmp_path) as (base, bodies), open(tmp_path / "blob", "rb") as source:
+        monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "cert.pem"))  # trust the peer's certificate
+        uploaded = upload_blob(base, authorization="", digest=digest, size=len(data), source=source, within_s=60.0,
+                               stop=threading.Event())
+    assert (uploaded.status, uploaded.present) == (201, False)
+    assert bodies == [data]
