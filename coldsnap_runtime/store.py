@@ -310,14 +310,14 @@ class CaptureStore:
         self.touch(capture)
         return target, written
 
-    def made_path(self, capture: str) -> Path:
+    def _made_path(self, capture: str) -> Path:
         """Where the identities of the capture's files are listed once the store has made them (`_vouch`)."""
         return self._trees / f"{_digest_name(capture)}.made.json"
 
     def made_files(self, capture: str) -> Path | None:
         """The listing of the capture's files as the store made them (None: made before listings existed, or the
         daemon died between making them and listing them: nothing is vouched for, the worker digests them)."""
-        path = self.made_path(capture)
+        path = self._made_path(capture)
         return path if path.is_file() else None
 
     def _vouch(self, capture: str, tree: Path, data: CaptureData) -> None:
@@ -330,7 +330,7 @@ class CaptureStore:
             st = os.stat(tree / stored.path, follow_symlinks=False)
             identities.append([st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns])
         listing = json.dumps({"kind": MADE_KIND, "capture": capture, "files": identities}).encode()
-        made = self.made_path(capture)
+        made = self._made_path(capture)
         temporary = self._tmp / f"{made.name}.{secrets.token_hex(4)}"
         try:  # best effort: without the listing the files are still the capture's, only digested at a restore
             with open(temporary, "xb") as out:
@@ -445,7 +445,7 @@ class CaptureStore:
                 self.blob_path(blob).unlink(missing_ok=True)
 
     def drop_tree(self, capture: str) -> None:
-        self.made_path(capture).unlink(missing_ok=True)  # first: it never outlives the files it lists
+        self._made_path(capture).unlink(missing_ok=True)  # first: it never outlives the files it lists
         tree = self._trees / _digest_name(capture)
         if tree.is_dir():
             doomed = self._tmp / f"drop-{tree.name}.{secrets.token_hex(4)}"
