@@ -217,7 +217,8 @@ def goal_lines(run: Run, restores: list[dict[str, Any]]) -> list[list[str]]:
         goal = r["disk_read"] / 1e9 / rate + 1.0
         lines.append([f"restore {i}", f"{r['first_token_s']:.2f}", f"{r['disk_read'] / 1e9:.2f}", f"{goal:.2f}",
                       "met" if r["first_token_s"] <= goal else f"missed by {r['first_token_s'] - goal:.2f} s",
-                      f"{r['create_start_s']:.2f}", str(r.get("device_staged")), str(r["identical"])])
+                      f"{r['create_start_s']:.2f}", str(r.get("device_staged")),
+                      ",".join(map(str, r.get("device_verify") or [])) or "-", str(r["identical"])])
     return lines
 
 
@@ -240,7 +241,7 @@ def report(run: Run, restores: list[dict[str, Any]], args: argparse.Namespace) -
                             [[k, f"{v:.3f}"] for k, v in run.rates.items()])]
     if restores and run.rates:
         lines += ["", table(["restore", "Docker-to-first-token s", "disk read GB", "goal s (read/best disk rate + 1.0)",
-                             "goal", "workload-run s", "device dump staged", "= cold"],
+                             "goal", "workload-run s", "device dump staged", "verify", "= cold"],
                             goal_lines(run, restores))]
     lines += ["", *run.notes]
     if run.failed:

@@ -59,6 +59,7 @@ OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 _HEX = frozenset("0123456789abcdef")
 _ZEROS = bytes(CHUNK_BYTES)
 INGEST_THREADS = 4  # chunks hashed and written at once: 256 MiB in memory at most
+MADE_KIND = "coldsnap-capture-store-files"  # the listing of a tree's files (`CaptureStore.made_files`)
 
 
 class StoredFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -299,6 +300,7 @@ class CaptureStore:
                 self._assemble(temporary / stored.path, stored)
             _fsync_directory(temporary)
             os.rename(temporary, target)
+            self._vouch(capture, target, data)
         except OSError as exc:
             if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not target.is_dir():
                 raise StoreError(f"capture {capture}: cannot make its files: {exc}") from exc
@@ -308,6 +310,39 @@ class CaptureStore:
                 shutil.rmtree(temporary, ignore_errors=True)
         self.touch(capture)
         return target, written
+
+    def _made_path(self, capture: str) -> Path:
+        """Where the identities of the capture's files are listed once the store has made them (`_vouch`)."""
+        return self._trees / f"{_digest_name(capture)}.made.json"
+
+    def made_files(self, capture: str) -> Path | None:
+        """The listing of the capture's files as the store made them (None: made before listings existed, or the
+        daemon died between making them and listing them: nothing is vouched for, the worker digests them)."""
+        path = self._made_path(capture)
+        return path if path.is_file() else None
+
+    def _vouch(self, capture: str, tree: Path, data: CaptureData) -> None:
+        """List each file's identity (device, inode, size, mtime, ctime) right after the store made it from chunks it
+        checked against their digests: a workload's restore that finds a file with that identity knows it holds
+        the capture's bytes (a write changes its ctime, which no one can set back), as the worker's own rule does
+        for the files a capture's release wrote (docs/capture-store.md, "Restores staged")."""
+        identities = []
+        for stored in data.files:
+            st = os.stat(tree / stored.path, follow_symlinks=False)
+            identities.append([st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns])
+        listing = json.dumps({"kind": MADE_KIND, "capture": capture, "files": identities}).encode()
+        made = self._made_path(capture)
+        temporary = self._tmp / f"{made.name}.{secrets.token_hex(4)}"
+        try:  # best effort: without the listing the files are still the capture's, only digested at a restore
+            with open(temporary, "xb") as out:
+                out.write(listing)
+                out.flush()
+                os.fsync(out.fileno())
+            os.chmod(temporary, 0o644)  # read by the workload's worker through a read-only bind
+            os.rename(temporary, made)
+            _fsync_directory(self._trees)
+        except OSError:
+            temporary.unlink(missing_ok=True)
 
     def _assemble(self, path: Path, stored: StoredFile) -> None:
         path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
@@ -411,6 +446,7 @@ class CaptureStore:
                 self.blob_path(blob).unlink(missing_ok=True)
 
     def drop_tree(self, capture: str) -> None:
+        self._made_path(capture).unlink(missing_ok=True)  # first: it never outlives the files it lists
         tree = self._trees / _digest_name(capture)
         if tree.is_dir():
             doomed = self._tmp / f"drop-{tree.name}.{secrets.token_hex(4)}"

@@ -79,6 +79,7 @@ if TYPE_CHECKING:  # what each name is, for mypy and readers; at run time `__get
     from ._interposer import interposer_socket as interposer_socket
     from ._interposer import library_path as library_path
     from ._interposer import remove_dump as remove_dump
+    from ._interposer import store_made as store_made
     from ._interposer import verification as verification
     from ._staging import ADOPT_PAGE as ADOPT_PAGE
     from ._staging import StageRequest as StageRequest
@@ -105,6 +106,7 @@ _EXPORTS = MappingProxyType({  # public name -> its module
     "interposer_socket": "._interposer",
     "library_path": "._interposer",
     "remove_dump": "._interposer",
+    "store_made": "._interposer",
     "verification": "._interposer",
     "ADOPT_PAGE": "._staging",
     "StageRequest": "._staging",
@@ -140,6 +142,7 @@ __all__ = (
     "library_path",
     "region_digest",
     "remove_dump",
+    "store_made",
     "verification",
 )
 

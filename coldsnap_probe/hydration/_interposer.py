@@ -15,6 +15,7 @@ docs/interposer.md says what is covered and how each failure is reported.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -33,7 +34,8 @@ from ._weights import CRC_PREFIX, DIGEST_CHUNK, DIGEST_PREFIX, digest_like, is_d
 
 __all__ = ("DUMP_KIND", "ENGINE_DEFAULTS", "ENV_HYDRATOR", "ENV_LIBRARY", "ENV_SOCKET", "LIBRARY", "POLICIES",
            "SOURCES", "DeviceDump", "DumpRegion", "DumpSegment", "build_library", "check_dump", "dump_identities",
-           "interposer_request", "interposer_socket", "library_path", "library_sources", "remove_dump", "verification")
+           "interposer_request", "interposer_socket", "library_path", "library_sources", "remove_dump", "store_made",
+           "verification")
 
 ENV_SOCKET = "COLDSNAP_CUDA_INTERPOSER_SOCKET"
 ENV_HYDRATOR = "COLDSNAP_CUDA_INTERPOSER_HYDRATOR"  # a node hydrator that fills the regions while CRIU restores
@@ -50,6 +52,11 @@ DUMP_KIND = "coldsnap-device-dump"
 POLICIES = ("same-model", "same-gpu")
 GCC_FLAGS = ("-shared", "-fPIC", "-O2", "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden")
 _SEGMENT_FILE = re.compile(r"seg-[0-9]{1,9}\.bin")
+# The node's capture store lists the files it made where a workload sees them (coldsnap_runtime's
+# MADE_FILES_TARGET; docs/capture-store.md, "Restores staged"): the two packages share no code.
+STORE_FILES = "/run/coldsnap-capture-store/files.json"
+STORE_FILES_KIND = "coldsnap-capture-store-files"
+_MADE_MAX = 16 << 20  # a listing's bytes read at most (a capture of 100,000 files lists about 6 MB)
 
 
 def library_sources() -> list[Path]:
@@ -324,15 +331,34 @@ def dump_identities(dump: DeviceDump, directory: Path) -> dict[str, list[int]]:
     return identities
 
 
-def verification(dump: DeviceDump, directory: Path, recorded: dict[str, list[int]]) -> str:
+def store_made(path: str = STORE_FILES) -> frozenset[tuple[int, ...]]:
+    """The identities of the files the node's capture store made from chunks it checked against their SHA-256
+    (`path`: its listing, which the daemon mounts read-only into a workload that sees those files); empty without
+    one, or one that does not parse (then the release's identities alone decide)."""
+    try:
+        with open(path, "rb") as listing:
+            document = json.loads(listing.read(_MADE_MAX))
+        if document.get("kind") != STORE_FILES_KIND:
+            return frozenset()
+        return frozenset(tuple(int(n) for n in identity) for identity in document["files"] if len(identity) == 5)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return frozenset()
+
+
+def verification(dump: DeviceDump, directory: Path, recorded: dict[str, list[int]],
+                 made: frozenset[tuple[int, ...]] = frozenset()) -> str:
     """`sampled` when every dump file is provably the one the release wrote (the weights' rule, `check_sources`:
-    same identity, and a write changes ctime, which no one can set back), else `digest`: every byte is
-    digested while it is filled."""
+    same identity, and a write changes ctime, which no one can set back) or one the node's capture store made
+    from the capture's checked chunks and listed (`made`, a restore's `store_made()`: the same rule, the store
+    being the writer: a pulled capture's files are other inodes than the release's), else `digest`: every byte
+    is digested while it is filled."""
     try:
         now = dump_identities(dump, directory)
     except OSError:
         return "digest"  # the hydration names the missing file
-    return "sampled" if recorded and now == recorded else "digest"
+    if recorded and now == recorded:
+        return "sampled"
+    return "sampled" if now and all(tuple(identity) in made for identity in now.values()) else "digest"
 
 
 def remove_dump(directory: Path) -> None:

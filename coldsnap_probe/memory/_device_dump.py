@@ -12,8 +12,9 @@ their addresses, fills and verifies them, and opens its gate. A failed restore d
 
 The stage is best effort by design, as the weights' `Stager`: a stage that fails, is late or is refused is
 reported, and the regular hydration (the interposer fills the regions itself) runs. It is asked for only when
-every dump file is provably the one the capture wrote (`verification` is `sampled`): the hydrator copies bytes,
-it does not digest them, and the interposer's sampled read-back compares the device with the files.
+every dump file is provably the one the capture wrote, or one the node's capture store made from the capture's
+checked chunks (`verification` is `sampled`): the hydrator copies bytes, it does not digest them, and the
+interposer's sampled read-back compares the device with the files.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from ..hydration import (
     interposer_request,
     interposer_socket,
     remove_dump,
+    store_made,
     verification,
 )
 from ._protocol import CaptureScope, RestoreScope, read_record
@@ -296,15 +298,17 @@ def prefetch_dumps(records: list[DumpRecord], images: Path) -> None:
                     os.close(fd)
 
 
-def stages_for(records: list[DumpRecord], images: Path) -> dict[int, DeviceStage]:
+def stages_for(records: list[DumpRecord], images: Path,
+               made: frozenset[tuple[int, ...]] = frozenset()) -> dict[int, DeviceStage]:
     """Restore, before CRIU: a node hydrator stage (docs/interposer.md) per process whose engine named a hydrator,
-    whose regions are on one GPU and whose dump files are the capture's own; by pid."""
+    whose regions are on one GPU and whose dump files are the capture's own (the release's, or those the node's
+    capture store made and listed: `made`, `store_made()`); by pid."""
     stages = {}
     for record in records:
         directory = images.absolute() / record.directory
         if not record.hydrator or len({r.device_uuid for r in record.dump.regions}) != 1:
             continue
-        if verification(record.dump, directory, record.files) == "sampled":
+        if verification(record.dump, directory, record.files, made) == "sampled":
             stages[record.pid] = DeviceStage(record.hydrator, record.dump, directory)
     return stages
 
@@ -342,7 +346,8 @@ def _staged(record: DumpRecord, stage: DeviceStage, directory: Path, policy: str
 
 
 def hydrate_devices(records: list[DumpRecord], images: Path, policy: str, *, digests: bool = False,
-                    stages: dict[int, DeviceStage] | None = None) -> list[HydratedDevice]:
+                    stages: dict[int, DeviceStage] | None = None,
+                    made: frozenset[tuple[int, ...]] = frozenset()) -> list[HydratedDevice]:
     """Restore, after the CUDA restore: each process maps, fills and verifies its regions, then runs on (the
     processes of a tree at once). Every byte is digested when `digests` or when a dump file is not provably the
     one written at capture. The first failure is raised once every process has answered. A process with a stage
@@ -351,7 +356,7 @@ def hydrate_devices(records: list[DumpRecord], images: Path, policy: str, *, dig
     def one(record: DumpRecord) -> HydratedDevice:
         started = time.perf_counter()
         directory = images.absolute() / record.directory
-        verify = "digest" if digests else verification(record.dump, directory, record.files)
+        verify = "digest" if digests else verification(record.dump, directory, record.files, made)
         stage = (stages or {}).get(record.pid)
         if stage is not None and verify == "sampled" and (staged := _staged(record, stage, directory, policy,
                                                                             started)):
@@ -397,16 +402,18 @@ class DeviceRestore:
     def __init__(self, records: list[DumpRecord], scope: RestoreScope) -> None:
         self.records, self.images, self.options = records, scope.images, scope.options
         self.stages: dict[int, DeviceStage] = {}
+        self.made = store_made()  # the files the node's capture store made, when it mounted them here
 
     def stage(self) -> None:
         prefetch_dumps(self.records, self.images)
-        self.stages = stages_for(self.records, self.images)
+        self.stages = stages_for(self.records, self.images, self.made)
 
     def hydrate(self, report: RestoreReport) -> None:
         """Each interposer re-creates its regions at their addresses, fills and verifies them, opens its gate."""
         report.timeline.mark("device_hydration_begin")
         report.device_memory = hydrate_devices(self.records, self.images, self.options.device_policy,
-                                               digests=self.options.device_digests, stages=self.stages)
+                                               digests=self.options.device_digests, stages=self.stages,
+                                               made=self.made)
         report.timeline.mark("device_hydration_end")
         report.device_hydration_seconds = report.timeline.seconds("device_hydration_begin", "device_hydration_end")
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import urljoin, urlsplit
 
-__all__ = ("Fetched", "fetch_blob")
+__all__ = ("IDLE_S", "Fetched", "connect", "fetch_blob", "origin")
 
 PIECE = 8 << 20  # bytes read, hashed and written at a time
 IDLE_S = 30.0  # a connect, or one read, that waits longer than this is a silent registry
@@ -40,14 +40,14 @@ class Fetched(NamedTuple):
     kept: bool
 
 
-def _connect(url: str, timeout: float) -> http.client.HTTPConnection:
+def connect(url: str, timeout: float) -> http.client.HTTPConnection:
     parts = urlsplit(url)
     if parts.scheme == "https":
         return http.client.HTTPSConnection(parts.netloc, timeout=timeout, context=ssl.create_default_context())
     return http.client.HTTPConnection(parts.netloc, timeout=timeout)
 
 
-def _origin(url: str) -> tuple[str, str]:
+def origin(url: str) -> tuple[str, str]:
     parts = urlsplit(url)
     return parts.scheme, parts.netloc
 
@@ -59,13 +59,13 @@ def fetch_blob(url: str, *, authorization: str, digest: str, size: int, into: Pa
     come `within_s` (a registry that trickles is cut, not waited on), and `stop` (set by a cancelled caller) ends
     the read at the next piece. Network failures raise OSError (an HTTP protocol error or a bad redirect as
     ConnectionError, a cut as TimeoutError), naming what failed."""
-    origin, deadline = _origin(url), time.monotonic() + within_s
+    home, deadline = origin(url), time.monotonic() + within_s
     for _ in range(REDIRECTS + 1):
         where = url  # what the last redirect named, for a failure's message
         connection: http.client.HTTPConnection | None = None
         try:
-            connection = _connect(url, IDLE_S)  # a redirect's bad port fails here: named below
-            headers = {"Authorization": authorization} if authorization and _origin(url) == origin else {}
+            connection = connect(url, IDLE_S)  # a redirect's bad port fails here: named below
+            headers = {"Authorization": authorization} if authorization and origin(url) == home else {}
             parts = urlsplit(url)
             connection.request("GET", parts.path + (f"?{parts.query}" if parts.query else ""), headers=headers)
             response = connection.getresponse()

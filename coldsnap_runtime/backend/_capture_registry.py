@@ -6,7 +6,9 @@ layers are its distinct non-zero 64 MiB chunks, each a blob named by its SHA-256
 names the manifest's digest in a label, so whoever pulls the image finds its capture.
 
 Push asks the registry which blobs it already has (HEAD) and uploads only the others (one POST and one
-monolithic PUT each), several at once, before the manifest. Pull reads the manifest by digest (checked),
+monolithic PUT each), several at once, each in a worker thread (``_blob_upload.py``: the body sent from the
+store's file by the kernel, off the event loop), before the manifest, so an interrupted push resumes with the
+blobs the registry still lacks. Pull reads the manifest by digest (checked),
 then fetches the chunks the node's store lacks, several at once, each in a worker thread (``_blob_fetch.py``:
 streamed to disk and hashed on the way, off the event loop); each is checked against its digest and
 size before it takes its name in the store, so an interrupted pull resumes from what is already there and
@@ -19,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
+import re
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -31,6 +35,7 @@ import anyio.lowlevel
 from ..errors import RuntimeFailed, StoreError
 from ..store import CHUNK_BYTES, OCI_MANIFEST, CaptureStore
 from ._blob_fetch import Fetched, fetch_blob
+from ._blob_upload import Uploaded, upload_blob
 from ._digests import answer_challenge
 from ._engine import registry_errors
 
@@ -39,6 +44,7 @@ __all__ = ("PARALLEL", "CaptureRegistry", "Transferred")
 PARALLEL = 8  # blobs in flight at once: enough to fill a link that one stream cannot (each at most 64 MiB)
 _TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=300)
 _MAX_DOCUMENT = 4 << 20  # a registry's own manifest limit
+_PULL_SCOPE = re.compile(r'(scope="repository:[^":]+:)pull(?=")')  # a HEAD's challenge asks for a pull-only token
 
 
 class Transferred:
@@ -61,13 +67,15 @@ class CaptureRegistry:
     """One repository of one registry, for the captures of `store`."""
 
     def __init__(self, store: CaptureStore, *, registry: str, repository: str, auth: Mapping[str, str] | None,
-                 insecure: bool, action: str, fetches: anyio.CapacityLimiter, share: anyio.CapacityLimiter) -> None:
+                 insecure: bool, action: str, fetches: anyio.CapacityLimiter, share: anyio.CapacityLimiter,
+                 uploads: anyio.CapacityLimiter) -> None:
         self._store = store
         self._fetches = fetches  # the node's blob-fetch slots, shared by every pull: one per live fetch thread
         self._share = share  # the requesting manager's share of them, held with them
         # anyio's own limit on the threads, never the one that bounds them (an abandoned thread gives its token of
         # this one back at once, and keeps its slot of `fetches` until it ends).
         self._threads = anyio.CapacityLimiter(fetches.total_tokens)
+        self._uploads = uploads  # the node's blob-upload threads, shared by every push
         self._registry = registry
         host = "registry-1.docker.io" if registry == "docker.io" else registry
         self._origin = f"{'http' if insecure else 'https'}://{host}"
@@ -129,29 +137,43 @@ class CaptureRegistry:
 
     async def _push_blob(self, session: aiohttp.ClientSession, blob: tuple[str, int], done: Transferred) -> None:
         digest, size = blob
-        status, _, _ = await self._send(session, "HEAD", f"{self._base}/blobs/{digest}")
-        if status == 200:
-            done.add(size, present=True)
-            return
-        status, headers, body = await self._send(session, "POST", f"{self._base}/blobs/uploads/")
-        location = headers.get("Location", "")
-        if status != 202 or not location:
-            raise self._fail(f"an upload of {digest}", status, body)
-        if location.startswith("/"):
-            location = self._origin + location
-        data = await anyio.to_thread.run_sync(self._read_blob, digest)
-        separator = "&" if "?" in location else "?"
-        status, _, body = await self._send(session, "PUT", f"{location}{separator}digest={digest}", data=data,
-                                           headers={"Content-Type": "application/octet-stream"})
-        if status != 201:
-            raise self._fail(f"blob {digest}", status, body)
-        done.add(size, present=False)
+        uploaded = await self._upload_in_thread(digest, size)
+        # No token yet, one that expired, or one for HEAD that does not allow the POST (a token registry scopes
+        # each): the request's own challenge answered on the loop, then again.
+        for _ in range(2):
+            if uploaded.status != 401 or not uploaded.challenge:
+                break
+            challenge = _PULL_SCOPE.sub(r"\1pull,push", uploaded.challenge)  # one token for HEAD, POST and PUT
+            self._authorization = await answer_challenge(session, challenge, self._auth, self._action)
+            uploaded = await self._upload_in_thread(digest, size)
+        if uploaded.status not in (200, 201):
+            raise self._fail(f"blob {digest}", uploaded.status, uploaded.body)
+        done.add(size, present=uploaded.present)
 
-    def _read_blob(self, digest: str) -> bytes:
+    async def _upload_in_thread(self, digest: str, size: int) -> Uploaded:
+        """`_upload` in a thread of the node's own upload limiter (never the daemon's shared pool); a cancelled
+        request does not wait for it: it ends at its next piece. A network failure names the blob."""
+        stop = threading.Event()
         try:
-            return self._store.blob_path(digest).read_bytes()
+            return await anyio.to_thread.run_sync(self._upload, digest, size, stop, abandon_on_cancel=True,
+                                                  limiter=self._uploads)
+        except OSError as exc:
+            raise RuntimeFailed(action=self._action, detail=(
+                f"registry {self._registry}: blob {digest} was not pushed: {type(exc).__name__}: {exc}")) from exc
+        finally:
+            stop.set()
+
+    def _upload(self, digest: str, size: int, stop: threading.Event) -> Uploaded:
+        """The blob from the node's store, sent as it is there (in a worker thread)."""
+        try:
+            source = open(self._store.blob_path(digest), "rb")  # noqa: SIM115 (closed below, after the checks)
         except FileNotFoundError as exc:
             raise StoreError(f"blob {digest} is missing from the node's store") from exc
+        with source:
+            if (found := os.fstat(source.fileno()).st_size) != size:
+                raise StoreError(f"blob {digest} holds {found} bytes in the node's store, its capture says {size}")
+            return upload_blob(self._base, authorization=self._authorization, digest=digest, size=size,
+                               source=source, within_s=_TIMEOUT.sock_read or 300.0, stop=stop)
 
     # --- pull ------------------------------------------------------------------------
 

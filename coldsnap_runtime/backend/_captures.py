@@ -31,7 +31,12 @@ __all__ = ("CAPTURE_LABEL", "Captures")
 
 FETCH_THREADS = 2 * PARALLEL  # blob-fetch threads of every pull at once (their own limiter, not the shared pool)
 _KEPT_SHARES = 256  # managers whose fetch share is kept (then the idle ones are forgotten)
+UPLOAD_THREADS = 2 * PARALLEL  # and blob-upload threads of every push at once (a push never waits on a pull's)
 
+# Where a workload sees the store's listing of the capture files it made (coldsnap_probe's STORE_FILES: the
+# in-capsule worker reads it there; the two packages share no code). A directory of its own, not the daemon's
+# state directory, which a capsule may bind from the host (Docker would make the mount point in the host's).
+MADE_FILES_TARGET = "/run/coldsnap-capture-store/files.json"
 Auth = Callable[[str], dict[str, str] | None]
 # Where a workload's capture files came from (the metrics' tier label: a fixed set): its files already made
 # ("tree"), made from the chunks on this node's disk ("disk"), chunks fetched from a registry ("registry").
@@ -59,6 +64,7 @@ class Captures:
         # manager -> its share of those (PARALLEL): one manager's pulls from a registry that trickles can hold at
         # most half the node's fetch threads, never starve another manager's pulls (review 2026-12-02, part 2).
         self._shares: dict[int | None, anyio.CapacityLimiter] = {}
+        self._uploads = anyio.CapacityLimiter(UPLOAD_THREADS)
 
     async def _ready(self, action: str) -> CaptureStore:
         if self.store is None:
@@ -142,7 +148,7 @@ class Captures:
         info = await self._engine.info(action)
         return CaptureRegistry(store, registry=ref.registry, repository=repository_path(ref.repository),
                                auth=auth(ref.registry), insecure=registry_is_insecure(info, ref.registry),
-                               action=action, fetches=self._fetches, share=self._share())
+                               action=action, fetches=self._fetches, share=self._share(), uploads=self._uploads)
 
     def _share(self) -> anyio.CapacityLimiter:
         """The fetch share of the manager this request runs for (``requesting_manager``)."""
@@ -209,8 +215,13 @@ class Captures:
                 f"{image}: label {FILES_LABEL} names {strays[0]!r}, which is not a file of capture {capture}"))
         self._count("disk" if read else "tree", read)
         # Only over the stubs: a file a later layer put at such a path is the image's, and stays visible.
-        return capture, [{"Type": "bind", "Source": str(tree / source), "Target": target, "ReadOnly": True}
-                         for target, source in sorted(files.items()) if target in stubs]
+        binds = [{"Type": "bind", "Source": str(tree / source), "Target": target, "ReadOnly": True}
+                 for target, source in sorted(files.items()) if target in stubs]
+        # With them, the store's listing of the files it made: a restore's worker finds them unchanged since,
+        # the capture's bytes, and stages its device dump as from the files a release wrote (capture-store.md).
+        if binds and (made := store.made_files(capture)) is not None:
+            binds.append({"Type": "bind", "Source": str(made), "Target": MADE_FILES_TARGET, "ReadOnly": True})
+        return capture, binds
 
     async def read_stubs(self, image: str, action: str) -> None:
         """Read now which paths of `image` (just built or pulled) hold the stub, so that its first workload-run

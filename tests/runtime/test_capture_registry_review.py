@@ -25,7 +25,8 @@ from tests.conftest import Registry
 def _registry(store: CaptureStore, registry: Registry, repository: str) -> CaptureRegistry:
     return CaptureRegistry(store, registry=registry.address, repository=repository, insecure=True,
                            auth={"username": registry.username, "password": registry.password}, action="image-pull",
-                           fetches=anyio.CapacityLimiter(4), share=anyio.CapacityLimiter(4))
+                           fetches=anyio.CapacityLimiter(4), share=anyio.CapacityLimiter(4),
+                           uploads=anyio.CapacityLimiter(4))
 
 
 def test_a_pull_fetches_only_the_chunks_the_data_document_names(registry: Registry, tmp_path: Path) -> None:
@@ -153,7 +154,7 @@ def test_a_cancelled_pull_does_not_wait_for_its_fetch_threads(tmp_path: Path) ->
     with _trickling_registry(TRICKLE) as url:
         registry = CaptureRegistry(store, registry=url.split("/")[2], repository="r", insecure=True, auth=None,
                                    action="image-pull", fetches=anyio.CapacityLimiter(2),
-                                   share=anyio.CapacityLimiter(2))
+                                   share=anyio.CapacityLimiter(2), uploads=anyio.CapacityLimiter(2))
 
         async def cancelled() -> float:
             began = time.monotonic()
@@ -177,7 +178,8 @@ def test_a_cancelled_pulls_fetch_thread_keeps_its_slot_until_it_ends(tmp_path: P
     fetches = anyio.CapacityLimiter(1)
     with _silent_registry(TRICKLE) as (url, hang_up, _):
         registry = CaptureRegistry(store, registry=url.split("/")[2], repository="r", insecure=True, auth=None,
-                                   action="image-pull", fetches=fetches, share=anyio.CapacityLimiter(1))
+                                   action="image-pull", fetches=fetches, share=anyio.CapacityLimiter(1),
+                                   uploads=anyio.CapacityLimiter(1))
 
         async def cancelled_twice() -> None:
             with anyio.move_on_after(0.5):
@@ -234,7 +236,8 @@ def test_one_managers_pulls_from_a_silent_registry_never_hold_every_fetch_slot(t
     with _silent_registry(TRICKLE) as (url, hang_up, asked):
         def registry(share: anyio.CapacityLimiter) -> CaptureRegistry:
             return CaptureRegistry(store, registry=url.split("/")[2], repository="r", insecure=True, auth=None,
-                                   action="image-pull", fetches=fetches, share=share)
+                                   action="image-pull", fetches=fetches, share=share,
+                                   uploads=anyio.CapacityLimiter(1))
 
         async def fetch(share: anyio.CapacityLimiter, digit: str) -> None:
             await registry(share)._fetch_in_thread(url + "sha256:" + digit * 64, "sha256:" + digit * 64, 64 << 20)

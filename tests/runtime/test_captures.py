@@ -85,8 +85,14 @@ def capture_context() -> Iterator[tuple[Path, dict[str, str]]]:
     shutil.rmtree(root, ignore_errors=True)
 
 
-def _checksums_command() -> list[str]:
-    return ["sh", "-c", "cd /capsule/images && sha256sum capture.json small.img pages-1.img dump/seg-0.bin"]
+# The store's listing (the daemon's MADE_FILES_TARGET) and the identities of two capture files as the workload sees
+# them: device, inode, size.
+_SEEN_MADE = " && echo --- && cat /run/coldsnap-capture-store/files.json && echo --- && " \
+    "stat -c '%d %i %s' pages-1.img dump/seg-0.bin"
+
+
+def _checksums_command(then: str = "") -> list[str]:
+    return ["sh", "-c", "cd /capsule/images && sha256sum capture.json small.img pages-1.img dump/seg-0.bin" + then]
 
 
 def _sums(output: bytes) -> dict[str, str]:
@@ -128,9 +134,16 @@ def test_capsule_through_the_store_build_push_pull_run_on_another_node(
         # The pull made the capture's files: the first run after it mounts them at once (tier "tree").
         assert (store_b / "trees" / capture.split(":")[1] / "images" / "pages-1.img").is_file()
         there = await session_b.runtime("workload-run", workload={
-            "name": "", "image": tag, "remove_after_exit": True, "command": _checksums_command()})
+            "name": "", "image": tag, "remove_after_exit": True, "command": _checksums_command(_SEEN_MADE)})
         assert there.ok, there.error
-        assert _sums(there.runtime.output) == sums  # type: ignore[union-attr]
+        checksums, listing, seen = there.runtime.output.decode().split("---\n")  # type: ignore[union-attr]
+        assert _sums(checksums.encode()) == sums
+        # The store's listing of the files it made, as the workload sees them: what lets a restore's worker stage
+        # the pulled device dump like the release's own (coldsnap_probe's store_made / verification).
+        made = json.loads(listing)
+        assert made["kind"] == "coldsnap-capture-store-files" and made["capture"] == capture
+        assert {tuple(line.split()) for line in seen.splitlines()} <= {
+            (str(dev), str(ino), str(size)) for dev, ino, size, _mtime, _ctime in made["files"]}
         # Zero chunks come back as holes: the tree's page file holds only its non-zero chunks.
         tree = store_b / "trees" / capture.split(":")[1] / "images"
         assert (tree / "dump" / "seg-0.bin").stat().st_blocks == 0

@@ -1,0 +1,254 @@
+"""A capture's push (issue 34): each missing blob in a worker thread (`_blob_upload.py`), against the real registry on
+127.0.0.1, through a real TCP relay where the registry must die mid-push or stop reading."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import http.client
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from coldsnap_runtime.backend._blob_upload import upload_blob
+from coldsnap_runtime.backend._capture_registry import CaptureRegistry, Transferred
+from coldsnap_runtime.errors import RuntimeFailed
+from coldsnap_runtime.store import CaptureStore, StoredFile, artifact_manifest
+from tests.conftest import Registry
+
+BLOBS = 12  # more than the 8 in flight at once
+BLOB_BYTES = 2 << 20
+
+
+class Relay:
+    """A TCP relay on 127.0.0.1 in front of `upstream`. After `die_after` answers `201 Created` (blob uploads
+    completed) it closes every connection and its listening socket: a registry that dies mid-push."""
+
+    def __init__(self, upstream: str, die_after: int | None = None) -> None:
+        self.upstream = upstream
+        self.die_after = die_after
+        self.created = 0
+        self.dead = threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.sockets: list[socket.socket] = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while not self.dead.is_set():
+                client, _ = self.listener.accept()
+                host, port = self.upstream.split(":")
+                server = socket.create_connection((host, int(port)))
+                with self.lock:
+                    self.sockets += [client, server]
+                threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
+                threading.Thread(target=self._pump, args=(server, client, True), daemon=True).start()
+
+    def _pump(self, source: socket.socket, target: socket.socket, answers: bool) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(1 << 20):
+                target.sendall(data)
+                if answers and b" 201 Created" in data:
+                    with self.lock:
+                        self.created += data.count(b" 201 Created")
+                        dies = self.die_after is not None and self.created >= self.die_after
+                    if dies:
+                        self.kill()
+                        return
+        with contextlib.suppress(OSError):
+            target.shutdown(socket.SHUT_WR)
+
+    def kill(self) -> None:
+        self.dead.set()
+        self.listener.close()
+        with self.lock:
+            for sock in self.sockets:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+
+
+def _capture(tmp_path: Path) -> tuple[CaptureStore, str, list[str]]:
+    """A store holding one capture of BLOBS random chunks (each its own file): (store, capture, its blobs)."""
+    store = CaptureStore(tmp_path / "source")
+    store.open()
+    files = [StoredFile(path=f"images/pages-{i}.img", size=BLOB_BYTES, mode=0o644,
+                        chunks=[store.put_blob(os.urandom(BLOB_BYTES))]) for i in range(BLOBS)]
+    data = json.dumps({"format": 1, "files": [{"path": f.path, "size": f.size, "mode": f.mode, "chunks": f.chunks}
+                                                for f in files]}, sort_keys=True, separators=(",", ":")).encode()
+    manifest = artifact_manifest(data, files)
+    capture = store.record(manifest, data)
+    document = json.loads(manifest)
+    return store, capture, [document["config"]["digest"]] + [layer["digest"] for layer in document["layers"]]
+
+
+def _push(store: CaptureStore, address: str, registry: Registry, repository: str, capture: str) -> Transferred:
+    target = CaptureRegistry(store, registry=address, repository=repository, insecure=True,
+                             auth={"username": registry.username, "password": registry.password}, action="image-push",
+                             fetches=anyio.CapacityLimiter(8), share=anyio.CapacityLimiter(8),
+                             uploads=anyio.CapacityLimiter(8))
+    return anyio.run(target.push, capture)
+
+
+def _registry_has(registry: Registry, repository: str, kind: str, digest: str) -> bool:
+    connection = http.client.HTTPConnection(registry.address, timeout=30)
+    token = base64.b64encode(f"{registry.username}:{registry.password}".encode()).decode()
+    connection.request("HEAD", f"/v2/{repository}/{kind}/{digest}",
+                       headers={"Authorization": f"Basic {token}",
+                                "Accept": "application/vnd.oci.image.manifest.v1+json"})
+    status = connection.getresponse().status
+    connection.close()
+    return status == 200
+
+
+def test_a_registry_dying_mid_push_fails_naming_a_blob_and_the_retry_sends_only_the_missing_ones(
+        registry: Registry, tmp_path: Path) -> None:
+    store, capture, blobs = _capture(tmp_path)
+    repository = f"push/dies{os.getpid()}"
+    relay = Relay(registry.address, die_after=3)
+    with pytest.raises(RuntimeFailed) as failed:
+        _push(store, relay.address, registry, repository, capture)
+    assert relay.dead.is_set()
+    assert f"registry {relay.address}: blob sha256:" in str(failed.value), failed.value
+    present = [blob for blob in blobs if _registry_has(registry, repository, "blobs", blob)]
+    assert 3 <= len(present) < len(blobs)
+    assert not _registry_has(registry, repository, "manifests", capture)  # never named before all its blobs
+
+    again = _push(store, registry.address, registry, repository, capture)
+    assert (again.present_blobs, again.blobs) == (len(present), len(blobs) - len(present))
+    assert all(_registry_has(registry, repository, "blobs", blob) for blob in blobs)
+    assert _registry_has(registry, repository, "manifests", capture)
+    pulled = CaptureStore(tmp_path / "pulled")
+    pulled.open()
+    puller = CaptureRegistry(pulled, registry=registry.address, repository=repository, insecure=True,
+                             auth={"username": registry.username, "password": registry.password}, action="image-pull",
+                             fetches=anyio.CapacityLimiter(8), share=anyio.CapacityLimiter(8),
+                             uploads=anyio.CapacityLimiter(8))
+    assert anyio.run(puller.pull, capture).blobs == len(blobs) - 1  # the chunks; the data document is read apart
+    assert pulled.has(capture)
+    third = _push(store, registry.address, registry, repository, capture)  # a second push sends nothing
+    assert (third.present_blobs, third.blobs) == (len(blobs), 0)
+
+
+def test_a_push_to_a_registry_that_is_down_names_the_registry_and_a_blob(registry: Registry, tmp_path: Path) -> None:
+    store, capture, _ = _capture(tmp_path)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+    with pytest.raises(RuntimeFailed, match=rf"registry {address}: blob sha256:[0-9a-f]{{64}} was not pushed: "
+                                            "ConnectionRefusedError"):
+        _push(store, address, registry, "push/down", capture)
+
+
+ACCEPTED = b"HTTP/1.1 202 Accepted\r\nLocation: /v2/r/blobs/uploads/u\r\nContent-Length: 0\r\n\r\n"
+
+
+@contextlib.contextmanager
+def _stalled_registry() -> Iterator[str]:
+    """A real HTTP peer on 127.0.0.1 that answers the HEAD (404) and the POST (202) and then reads nothing."""
+    server = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            peer, _ = server.accept()
+            server.close()  # the best-effort DELETE of the unfinished upload is refused at once
+            with peer:
+                for answer in (b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n", ACCEPTED):
+                    peer.recv(65536)
+                    peer.sendall(answer)
+                done.wait(30)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}/v2/r"
+    finally:
+        done.set()
+        server.close()
+        thread.join(5)
+
+
+def test_a_registry_that_stops_reading_is_cut_at_the_blobs_deadline_and_a_cancel_ends_the_thread(
+        tmp_path: Path) -> None:
+    blob = tmp_path / "blob"
+    blob.write_bytes(os.urandom(16 << 20))  # more than the socket's buffers hold
+    digest = "sha256:" + "0" * 64
+    with _stalled_registry() as base, open(blob, "rb") as source:
+        began = time.monotonic()
+        with pytest.raises(TimeoutError, match="was not sent within 1 s"):
+            upload_blob(base, authorization="", digest=digest, size=16 << 20, source=source, within_s=1.0,
+                        stop=threading.Event())
+        assert time.monotonic() - began < 5
+    stop = threading.Event()
+    threading.Timer(0.5, stop.set).start()
+    with _stalled_registry() as base, open(blob, "rb") as source:
+        began = time.monotonic()
+        with pytest.raises(ConnectionAbortedError, match="its push was cancelled"):
+            upload_blob(base, authorization="", digest=digest, size=16 << 20, source=source, within_s=300.0,
+                        stop=stop)
+        assert time.monotonic() - began < 5
+
+
+@contextlib.contextmanager
+def _tls_registry(tmp_path: Path) -> Iterator[tuple[str, list[bytes]]]:
+    """A real HTTPS peer on 127.0.0.1 (a self-signed certificate the client is told to trust): HEAD 404, POST 202,
+    then the PUT's body read whole and answered 201 only when it hashes to the digest the PUT names."""
+    import hashlib
+    import ssl
+    import subprocess
+
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(tmp_path / "key.pem"),
+                    "-out", str(tmp_path / "cert.pem")], check=True, capture_output=True)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
+    server = socket.create_server(("127.0.0.1", 0))
+    bodies: list[bytes] = []
+
+    def serve() -> None:
+        with contextlib.suppress(OSError), context.wrap_socket(server.accept()[0], server_side=True) as peer, \
+                peer.makefile("rwb") as stream:
+            for answer in (b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n", ACCEPTED, None):
+                head = b"".join(iter(stream.readline, b"\r\n"))
+                if answer is None:
+                    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                    bodies.append(stream.read(length))
+                    digest = head.split(b"digest=")[1].split(b" ")[0].decode()
+                    good = "sha256:" + hashlib.sha256(bodies[-1]).hexdigest() == digest
+                    answer = b"HTTP/1.1 201 Created\r\nContent-Length: 0\r\n\r\n" if good else \
+                        b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n"
+                stream.write(answer)
+                stream.flush()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"https://127.0.0.1:{server.getsockname()[1]}/v2/r", bodies
+    finally:
+        server.close()
+        thread.join(10)
+
+
+def test_through_tls_the_body_is_sent_encrypted_and_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """sendfile would write the file's bytes past the TLS layer: through TLS the thread reads and sends them."""
+    import hashlib
+
+    data = os.urandom(3 << 20)
+    (tmp_path / "blob").write_bytes(data)
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    with _tls_registry(tmp_path) as (base, bodies), open(tmp_path / "blob", "rb") as source:
+        monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "cert.pem"))  # trust the peer's certificate
+        uploaded = upload_blob(base, authorization="", digest=digest, size=len(data), source=source, within_s=60.0,
+                               stop=threading.Event())
+    assert (uploaded.status, uploaded.present) == (201, False)
+    assert bodies == [data]
