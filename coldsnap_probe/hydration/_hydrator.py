@@ -21,6 +21,7 @@ from ..errors import HydrationError
 from ._copy import Piece, Pinned, Pread, copy_to_device, region_pieces
 from ._peer_files import DumpLayout, dump_layout, held_sources, open_dump_parts
 from ._peer_view import OPENERS, PeerView
+from ._ram_tier import RamTier, default_budget
 from ._stage_quota import StageQuota, check_stage_quota
 from ._staging import ADOPT_PAGE, StageRequest
 from ._vmm import (
@@ -85,7 +86,8 @@ class HydratorServer:
     free, and within each peer uid's `quota`, _stage_quota.py); `stage-dump` does the same from a CUDA
     interposer's device dump, one allocation per region; `adopt` (from the restored engine) hands the allocations
     over as descriptors, ADOPT_PAGE an answer, so the engine only maps them; `discard` frees a stage that will not
-    be adopted; `status` lists what is staged.
+    be adopted; `status` lists what is staged and the RAM tier's state. Device dumps staged once are kept
+    page-locked (`ram_tier_bytes`, _ram_tier.py) so that the next stage of the same dump is a DMA at the link's rate.
 
     Who may ask what (a hydrator may serve several tenants): the socket is 0600 (0660 with a group) and only
     the peers `peers` admits are answered (SO_PEERCRED); a `hydrate` or `stage` gets a source's bytes only for
@@ -110,7 +112,7 @@ class HydratorServer:
     def __init__(self, sources: Sequence[str], *, streams: int = 4, driver: Any = None,
                  stage_ttl: float = STAGE_TTL, staging: bool = False, peers: jsonline.Peers | None = None,
                  group: int | None = None, stage_uid_count: int | None = None,
-                 stage_uid_bytes: int | None = None) -> None:
+                 stage_uid_bytes: int | None = None, ram_tier_bytes: int | None = None) -> None:
         from .._cuda import Driver
 
         self.driver: Any = driver or Driver()
@@ -138,6 +140,9 @@ class HydratorServer:
         self.peers, self.group = peers or jsonline.Peers(), group
         self._openers = threading.BoundedSemaphore(OPENERS)  # threads opening files in peers' views (_peer_view)
         _free, total = cucall(self.driver, "cuMemGetInfo")
+        # Device dumps kept page-locked across restores (_ram_tier.py): only a staging hydrator stages them.
+        budget = (default_budget() if ram_tier_bytes is None else ram_tier_bytes) if staging else 0
+        self.ram_tier = RamTier(budget, pin=self._pin_host, unpin=self._unpin_host)
         self.quota = StageQuota.default(int(total), shared=bool(self.peers.uids or self.peers.gids), stages=STAGE_MAX,
                                         count=stage_uid_count, size=stage_uid_bytes)
 
@@ -146,10 +151,14 @@ class HydratorServer:
         with jsonline.listen(path, group=self.group) as listener:
             sys.stdout.write(json.dumps({"ready": True, "map_s": self.map_seconds, "pin_s": self.pin_seconds,
                                          "bytes": sum(m.size for m in self.sources.values()),
-                                         "device_uuid": self.device_uuid}) + "\n")
+                                         "device_uuid": self.device_uuid, "ram_tier_bytes": self.ram_tier.budget})
+                             + "\n")
             sys.stdout.flush()
-            jsonline.LineServer(listener, self._one, peers=self.peers, idle=self._expire,
-                                threads=CONNECTIONS, per_uid=UID_CONNECTIONS).run()
+            try:
+                jsonline.LineServer(listener, self._one, peers=self.peers, idle=self._expire,
+                                    threads=CONNECTIONS, per_uid=UID_CONNECTIONS).run()
+            finally:
+                self.ram_tier.close()
 
     def _one(self, conn: socket.socket, peer: jsonline.Peer) -> jsonline.Answer:
         cucall(self.driver, "cuCtxSetCurrent", self.context)  # this connection's thread, for every call below
@@ -220,23 +229,20 @@ class HydratorServer:
                 cu.cuMemAddressFree(va, size)
 
     def _pinned(self, pieces: Sequence[Piece]) -> Callable[[int], object]:
-        """The copy of `pieces` (of the held sources, to offsets) into an allocation mapped at its argument.
-        Each copy makes its own streams (microseconds next to a copy): a Pinned copy waits for its streams, and
-        on streams shared with another peer's copy that wait would also take in the other copy's work."""
+        """The copy of `pieces` (of the held sources, to offsets) into an allocation mapped at its argument, on
+        streams of its own (microseconds next to a copy; see Pinned)."""
         addresses = {source: mapped.address for source, mapped in self.sources.items()}
+        return lambda va: copy_to_device(self.driver, self.context, [p._replace(dst=va + p.dst) for p in pieces],
+                                         Pinned(addresses, self.streams))
 
-        def copy(va: int) -> None:
-            streams: list[Any] = []
-            try:
-                for _ in range(self.streams):
-                    streams.append(cucall(self.driver, "cuStreamCreate", 1))
-                copy_to_device(self.driver, self.context, [p._replace(dst=va + p.dst) for p in pieces],
-                               Pinned(addresses, streams))
-            finally:  # after a failed enqueue too: nothing in flight outlives the caller's mapping
-                for stream in streams:
-                    self.driver.cuda.cuStreamSynchronize(stream)
-                    self.driver.cuda.cuStreamDestroy(stream)
-        return copy
+    def _pin_host(self, mapped: Mapped) -> None:
+        """The RAM tier's pin (on its loader thread): this hydrator's context, then page-locked for the copy."""
+        cucall(self.driver, "cuCtxSetCurrent", self.context)
+        mapped.register(self.driver)
+
+    def _unpin_host(self, mapped: Mapped) -> None:
+        cucall(self.driver, "cuCtxSetCurrent", self.context)
+        mapped.close(self.driver)
 
     def _hydrate(self, message: dict[str, Any], fd: int, peer: jsonline.Peer, conn: socket.socket) -> dict[str, Any]:
         """Fill an engine's exported allocation. The descriptor is the caller's to close: while it is open, it
@@ -350,20 +356,29 @@ class HydratorServer:
         its process is being restored: `parts` are (file, bytes, region) in the order the interposer maps them
         back (`dump_layout`), each file read whole through a ring of page-locked buffers into the allocations
         mapped back to back (through the page cache: on the H200 machine's disk 16 readers read 1.45 GB/s
-        through it and 1.02 with O_DIRECT, bench/e2e_store.py's rates). Only files `peer` could read itself in its
-        own view, on this hydrator's GPU."""
+        through it and 1.02 with O_DIRECT, bench/e2e_store.py's rates), or, when the RAM tier holds these very
+        files (`tier: ram`), one DMA per piece from their pinned mappings; a miss (`tier: disk`) queues them for
+        the tier. Only files `peer` could read itself in its own view, on this hydrator's GPU."""
         key = self._stage_slot(message)
         layout, sizes = dump_layout(message.get("parts"))
         with PeerView.of(conn, peer, openers=self._openers) as view:
             parts, fds = open_dump_parts(layout, view)
         size = sum(sizes)
+        lease = self.ram_tier.lease(key, fds)  # a hit: the very files the peer opened, held page-locked
+        reader = Pread(threads=DUMP_THREADS, chunk=DUMP_CHUNK, opened=fds) if lease is None else \
+            Pinned(lease.addresses, self.streams)
         try:
-            return self._stage_into(key, peer, conn, _Staged((), 0, size, parts, 0.0, 0.0, 0.0, 0, "",
-                                                             layout=layout, sizes=sizes),
-                                    lambda va: copy_to_device(self.driver, self.context, region_pieces(parts, va),
-                                                              Pread(threads=DUMP_THREADS, chunk=DUMP_CHUNK,
-                                                                    opened=fds)), size, stager)
+            answer = self._stage_into(key, peer, conn, _Staged((), 0, size, parts, 0.0, 0.0, 0.0, 0, "",
+                                                               layout=layout, sizes=sizes),
+                                      lambda va: copy_to_device(self.driver, self.context, region_pieces(parts, va),
+                                                                reader), size, stager)
+            self.ram_tier.served("disk" if lease is None else "ram", size)
+            if lease is None:  # held from now on, loaded off the restore's path
+                self.ram_tier.load_later(key, fds)
+            return {**answer, "tier": "disk" if lease is None else "ram"}
         finally:
+            if lease is not None:
+                lease.release()
             for fd in fds.values():
                 os.close(fd)
 
@@ -420,7 +435,7 @@ class HydratorServer:
                        "expires_in_s": v.expires - now if v.ready else None}
                       for k, v in self.staged.items() if v.owner == peer.uid]
         return {"ok": True, "device_uuid": self.device_uuid, "staged": staged,
-                "quota": {"count": self.quota.count, "bytes": self.quota.bytes}}
+                "quota": {"count": self.quota.count, "bytes": self.quota.bytes}, "ram_tier": self.ram_tier.status()}
 
     def _held(self, key: str, ticket: object) -> tuple[_Slot, _Staged] | None:
         """Under the lock: the ready stage under `key` that `ticket` opens, whoever staged it (the engine may run

@@ -85,8 +85,12 @@ _MAP_POPULATE = 0x8000
 class Mapped:
     """A read-only shared mapping of a whole file (address stable for cuMemHostRegister), optionally page-locked."""
 
-    def __init__(self, path: str, *, populate: bool = True) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    def __init__(self, path: str, *, populate: bool = True, fd: int = -1) -> None:
+        """`path`'s file, or the file open as `fd` (`path` then only names it; the descriptor stays the caller's):
+        the RAM tier maps the very descriptor its peer opened in its own view, never what a path names later."""
+        own = fd < 0
+        if own:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             st = os.fstat(fd)
             self.size = st.st_size
@@ -94,7 +98,8 @@ class Mapped:
             flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
             address = _libc.mmap(None, self.size, mmap.PROT_READ, flags, fd, 0)
         finally:
-            os.close(fd)
+            if own:
+                os.close(fd)
         if address in (None, _MAP_FAILED):
             raise HydrationError(f"cannot map source {path}: {os.strerror(ctypes.get_errno())}")
         self.path, self.address, self.registered = path, int(address), False
