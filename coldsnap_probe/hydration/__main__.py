@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from .. import jsonline
 from ._hydrator import STAGE_TTL, HydratorServer
-from ._ram_tier import default_budget
+from ._ram_tier import node_memory
 from ._stage_quota import STAGE_UID_COUNT, STAGE_UID_SHARE
 from ._weights import region_digest
 
@@ -51,7 +51,7 @@ def _budget(text: str) -> int:
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"must be 0 (off) or a size (bytes, or with K, M, G, T), not {text}") \
             from None
-    if size > (memory := default_budget() * 4):
+    if size > (memory := node_memory()):
         raise argparse.ArgumentTypeError(f"must be at most the node's memory ({memory} bytes), not {text}")
     return size
 

@@ -42,7 +42,7 @@ from typing import Any
 from ..errors import HydrationError
 from ._vmm import Mapped
 
-__all__ = ("LOAD_QUEUE", "TIERS", "Identity", "Lease", "RamTier", "default_budget", "identity")
+__all__ = ("LOAD_QUEUE", "TIERS", "Identity", "Lease", "RamTier", "default_budget", "identity", "node_memory")
 
 LOAD_QUEUE = 2  # dumps waiting for the loader: a later miss queues the dump again
 TIERS = ("ram", "disk")  # where a stage's bytes were read: the RAM tier, or the files (page cache or disk)
@@ -57,8 +57,8 @@ def identity(fd: int) -> Identity:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
-def default_budget() -> int:
-    """A quarter of the node's memory: MemTotal, or the cgroup's memory.max when that is lower."""
+def node_memory() -> int:
+    """The node's memory for this process: MemTotal, or its cgroup's memory.max when that is lower."""
     with open("/proc/meminfo", encoding="ascii") as meminfo:
         total = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemTotal:"))
     try:
@@ -68,7 +68,12 @@ def default_budget() -> int:
             total = min(total, int(text))
     except OSError:  # cgroup v1, or none mounted: the node's memory
         pass
-    return total // 4
+    return total
+
+
+def default_budget() -> int:
+    """A quarter of the node's memory (`node_memory`)."""
+    return node_memory() // 4
 
 
 @dataclass(eq=False)
