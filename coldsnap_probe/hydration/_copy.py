@@ -61,35 +61,22 @@ def copy_to_device(driver: Any, context: Any, pieces: Sequence[Piece], reader: R
 
 @dataclass(frozen=True, slots=True)
 class Pinned:
-    """Sources that are page-locked host memory: `addresses` maps a source to its first byte here. `streams`:
-    the caller's (the copy waits for all of them), or how many to make for this copy alone and destroy after it
-    (the node hydrator's: on streams shared with another peer's copy, the wait would take in that copy's work)."""
+    """Sources that are page-locked host memory: `addresses` maps a source to its first byte here. The caller
+    owns `streams` (the copy waits for all of them)."""
 
     addresses: Mapping[str, int]
-    streams: Sequence[Any] | int
+    streams: Sequence[Any]
 
     def copy(self, driver: Any, context: Any, pieces: Sequence[Piece]) -> dict[str, float]:
-        if not isinstance(self.streams, int):
-            return self._copy(driver, pieces, self.streams)
-        streams: list[Any] = []
-        try:
-            for _ in range(self.streams):
-                streams.append(cucall(driver, "cuStreamCreate", 1))
-            return self._copy(driver, pieces, streams)
-        finally:  # after a failed enqueue too: nothing in flight outlives the caller's mapping
-            for stream in streams:
-                driver.cuda.cuStreamSynchronize(stream)
-                driver.cuda.cuStreamDestroy(stream)
-
-    def _copy(self, driver: Any, pieces: Sequence[Piece], streams: Sequence[Any]) -> dict[str, float]:
         index = 0
         for dst, source, offset, size in pieces:
             src = self.addresses[source] + offset
             for start in range(0, size, COPY_CHUNK):
                 n = min(COPY_CHUNK, size - start)
-                cucall(driver, "cuMemcpyHtoDAsync", dst + start, src + start, n, streams[index % len(streams)])
+                cucall(driver, "cuMemcpyHtoDAsync", dst + start, src + start, n,
+                       self.streams[index % len(self.streams)])
                 index += 1
-        for stream in streams:
+        for stream in self.streams:
             cucall(driver, "cuStreamSynchronize", stream)
         return {}
 

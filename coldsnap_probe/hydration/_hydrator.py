@@ -12,7 +12,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -228,12 +228,26 @@ class HydratorServer:
             if va:
                 cu.cuMemAddressFree(va, size)
 
-    def _pinned(self, pieces: Sequence[Piece]) -> Callable[[int], object]:
-        """The copy of `pieces` (of the held sources, to offsets) into an allocation mapped at its argument, on
-        streams of its own (microseconds next to a copy; see Pinned)."""
-        addresses = {source: mapped.address for source, mapped in self.sources.items()}
-        return lambda va: copy_to_device(self.driver, self.context, [p._replace(dst=va + p.dst) for p in pieces],
-                                         Pinned(addresses, self.streams))
+    def _pinned(self, pieces: Sequence[Piece], addresses: Mapping[str, int] | None = None) -> Callable[[int], object]:
+        """The copy of `pieces` (of the held sources, or of page-locked `addresses`: the RAM tier's, to offsets)
+        into an allocation mapped at its argument.
+        Each copy makes its own streams (microseconds next to a copy): a Pinned copy waits for its streams, and
+        on streams shared with another peer's copy that wait would also take in the other copy's work."""
+        if addresses is None:
+            addresses = {source: mapped.address for source, mapped in self.sources.items()}
+
+        def copy(va: int) -> None:
+            streams: list[Any] = []
+            try:
+                for _ in range(self.streams):
+                    streams.append(cucall(self.driver, "cuStreamCreate", 1))
+                copy_to_device(self.driver, self.context, [p._replace(dst=va + p.dst) for p in pieces],
+                               Pinned(addresses, streams))
+            finally:  # after a failed enqueue too: nothing in flight outlives the caller's mapping
+                for stream in streams:
+                    self.driver.cuda.cuStreamSynchronize(stream)
+                    self.driver.cuda.cuStreamDestroy(stream)
+        return copy
 
     def _pin_host(self, mapped: Mapped) -> None:
         """The RAM tier's pin (on its loader thread): this hydrator's context, then page-locked for the copy."""
@@ -365,22 +379,19 @@ class HydratorServer:
             parts, fds = open_dump_parts(layout, view)
         size = sum(sizes)
         lease = self.ram_tier.lease(key, fds)  # a hit: the very files the peer opened, held page-locked
-        reader = Pread(threads=DUMP_THREADS, chunk=DUMP_CHUNK, opened=fds) if lease is None else \
-            Pinned(lease.addresses, self.streams)
+        copy = self._pinned(region_pieces(parts), lease.addresses) if lease is not None else \
+            lambda va: copy_to_device(self.driver, self.context, region_pieces(parts, va),
+                                      Pread(threads=DUMP_THREADS, chunk=DUMP_CHUNK, opened=fds))
         try:
             answer = self._stage_into(key, peer, conn, _Staged((), 0, size, parts, 0.0, 0.0, 0.0, 0, "",
-                                                               layout=layout, sizes=sizes),
-                                      lambda va: copy_to_device(self.driver, self.context, region_pieces(parts, va),
-                                                                reader), size, stager)
-            self.ram_tier.served("disk" if lease is None else "ram", size)
-            if lease is None:  # held from now on, loaded off the restore's path
-                self.ram_tier.load_later(key, fds)
-            return {**answer, "tier": "disk" if lease is None else "ram"}
+                                                               layout=layout, sizes=sizes), copy, size, stager)
+            tier = self.ram_tier.staged(key, fds, lease, size)
         finally:
             if lease is not None:
                 lease.release()
             for fd in fds.values():
                 os.close(fd)
+        return {**answer, "tier": tier}
 
     def _adopt(self, message: dict[str, Any], peer: jsonline.Peer, conn: socket.socket) -> jsonline.Answer:
         """Hand a stage's allocations to its engine as descriptors, ADOPT_PAGE at a time from `first` (default 0):

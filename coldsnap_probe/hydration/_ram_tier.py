@@ -139,10 +139,16 @@ class RamTier:
         with self._lock:
             dump.users -= 1
 
-    def served(self, tier: str, size: int) -> None:
-        """Count a stage's `size` bytes as read from `tier` (TIERS)."""
+    def staged(self, key: str, fds: Mapping[str, int], lease: Lease | None, size: int) -> str:
+        """After a stage of `size` bytes copied from the files open as `fds`, from `lease` (a hit) or the files
+        (a miss): the bytes counted under the tier that served them, a miss's dump queued for loading
+        (`load_later`); that tier's name (TIERS)."""
+        tier = "disk" if lease is None else "ram"
         with self._lock:
             self.read_bytes[tier] += size
+        if lease is None:
+            self.load_later(key, fds)
+        return tier
 
     def load_later(self, key: str, fds: Mapping[str, int]) -> bool:
         """Queue the dump of `key` in the files open as `fds` for the loader (their descriptors duplicated: the

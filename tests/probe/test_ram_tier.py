@@ -161,6 +161,43 @@ class TestBudget:
             "evictions": 0, "loads": 0, "skipped": {"too_large": 0, "no_room": 0, "failed": 0}, "read_bytes": None}
 
 
+class TestCounters:
+    def test_a_miss_counts_its_bytes_on_the_disk_tier_and_queues_the_dump_a_hit_counts_on_the_ram_tier(
+            self, tmp_path: Path, tier_of: Any) -> None:
+        a = dump(tmp_path / "a.bin", 2 * MIB)
+        tier = tier_of(8 * MIB)
+        with Opened(a) as fds:
+            assert tier.lease(KEY, fds) is None
+            assert tier.staged(KEY, fds, None, 2 * MIB) == "disk"
+        settle(tier)
+        with Opened(a) as fds:
+            lease = tier.lease(KEY, fds)
+            assert lease is not None and tier.staged(KEY, fds, lease, 2 * MIB) == "ram"
+            lease.release()
+        status = tier.status()
+        assert (status["hits"], status["misses"], status["loads"], status["entries"]) == (1, 1, 1, 1), status
+        assert status["read_bytes"] == {"ram": 2 * MIB, "disk": 2 * MIB}
+
+    def test_a_dump_is_queued_once_and_the_queue_is_bounded(self, tmp_path: Path) -> None:
+        gate = threading.Event()
+
+        def held_back(mapped: Mapped) -> None:  # the loader waits here: what is queued meanwhile stays queued
+            gate.wait(30)
+            mlock(mapped)
+        paths = [dump(tmp_path / f"{n}.bin", 2 * MIB) for n in range(5)]
+        tier = RamTier(32 * MIB, pin=held_back, unpin=munlock_and_unmap)
+        try:
+            with Opened(*paths) as fds:
+                queued = [tier.load_later(KEY, {str(p): fds[str(p)]}) for p in paths]
+                again = tier.load_later(KEY, {str(paths[0]): fds[str(paths[0])]})
+            assert queued == [True, True, False, False, False] and not again
+            gate.set()
+            assert settle(tier)["entries"] == 2
+        finally:
+            gate.set()
+            tier.close()
+
+
 class TestInUse:
     def test_an_entry_in_use_is_never_evicted_and_the_newcomer_waits_for_a_later_miss(self, tmp_path: Path,
                                                                                       tier_of: Any) -> None:
