@@ -474,6 +474,7 @@ class HydratorServer:
         cucall(self.driver, "cuCtxSetCurrent", self.context)
         with self._lock:
             self._expire_locked()
+        self.ram_tier.prune()  # a removed dump's pinned memory back within a second
 
     def _expire_locked(self) -> None:
         now = time.monotonic()  # a stage being filled expires at inf: never freed under its filler

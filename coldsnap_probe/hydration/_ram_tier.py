@@ -82,6 +82,7 @@ class _Dump:
 
     size: int
     files: dict[Identity, Mapped] = field(default_factory=dict)
+    fds: dict[Identity, int] = field(default_factory=dict)  # each file's descriptor, kept to see it removed
     users: int = 0  # stages copying from it now (leases): never evicted while above 0
     ready: bool = False  # loaded and pinned: only then leased
 
@@ -109,7 +110,7 @@ class RamTier:
         self._queue: collections.deque[tuple[_Name, dict[Identity, int]]] = collections.deque()
         self._wake = threading.Condition(self._lock)
         self._closed = False
-        self.hits = self.misses = self.evictions = self.loads = 0
+        self.hits = self.misses = self.evictions = self.loads = self.dropped = 0
         self.skipped = dict.fromkeys(_SKIPS, 0)
         self.read_bytes = dict.fromkeys(TIERS, 0)  # bytes staged from each tier
         self._loader: threading.Thread | None = None
@@ -173,6 +174,7 @@ class RamTier:
                     "in_use": sum(d.users > 0 for d in self._held.values()),
                     "loading": len(self._queue),
                     "hits": self.hits, "misses": self.misses, "evictions": self.evictions, "loads": self.loads,
+                    "dropped": self.dropped,
                     "skipped": dict(self.skipped), "read_bytes": dict(self.read_bytes)}
 
     def close(self) -> None:
@@ -189,7 +191,18 @@ class RamTier:
         for _name, fds in queued:
             _close_all(fds)
         for dump in dumps:
-            self._unpin_all(dump.files.values())
+            self._drop(dump)
+
+    def prune(self) -> None:
+        """Drop the held dumps no stage is using whose files were removed (a capture collected: its memory comes
+        back now, not once the LRU reaches it) or changed since (never a hit again). The hydrator's idle call."""
+        with self._lock:
+            stale = [name for name, dump in self._held.items() if dump.ready and not dump.users and
+                     any(_stale(fd, ident) for ident, fd in dump.fds.items())]
+            dumps = [self._held.pop(name) for name in stale]
+            self.dropped += len(dumps)
+        for dump in dumps:
+            self._drop(dump)
 
     def _load_loop(self) -> None:
         try:  # this thread only (Linux: a thread's nice value is its own): a restore's threads come first
@@ -202,25 +215,28 @@ class RamTier:
                 if self._closed:
                     return
                 name, fds = self._queue[0]
+            kept = False
             try:
-                self._load(name, fds)
+                kept = self._load(name, fds)
             finally:
-                _close_all(fds)
+                if not kept:
+                    _close_all(fds)
                 with self._lock:
                     self._queue.popleft()
                     self._wake.notify_all()
 
-    def _load(self, name: _Name, fds: Mapping[Identity, int]) -> None:
-        """Reserve room for the dump (evicting), map and pin each file, then make it ready; a file whose identity
-        changed meanwhile, or a failed pin, gives everything back."""
+    def _load(self, name: _Name, fds: Mapping[Identity, int]) -> bool:
+        """Reserve room for the dump (evicting), map and pin each file, then make it ready, keeping `fds`; a file
+        whose identity changed meanwhile, or a failed pin, gives everything back. Whether it kept `fds`."""
         size = sum(ident[2] for ident in fds)
         with self._lock:
             victims = self._room_for(size)
             if victims is None:
                 self.skipped["too_large" if size > self.budget else "no_room"] += 1
-                return
+                return False
             dump = self._held[name] = _Dump(size)
-        self._unpin_all(f for victim in victims for f in victim.files.values())
+        for victim in victims:
+            self._drop(victim)
         files: list[Mapped] = []
         try:
             for ident, fd in fds.items():
@@ -233,10 +249,11 @@ class RamTier:
             with self._lock:
                 del self._held[name]
                 self.skipped["failed"] += 1
-            return
+            return False
         with self._lock:
-            dump.files, dump.ready = dict(zip(fds, files, strict=True)), True
+            dump.files, dump.fds, dump.ready = dict(zip(fds, files, strict=True)), dict(fds), True
             self.loads += 1
+        return True
 
     def _room_for(self, size: int) -> list[_Dump] | None:
         """Under the lock: drop least recently used entries no stage is using until `size` more bytes fit the
@@ -258,6 +275,17 @@ class RamTier:
     def _unpin_all(self, files: Any) -> None:
         for mapped in files:
             self._unpin(mapped)
+
+    def _drop(self, dump: _Dump) -> None:
+        """A dump out of the table (evicted, pruned, closed): unpinned, unmapped, its descriptors closed."""
+        self._unpin_all(dump.files.values())
+        _close_all(dump.fds)
+
+
+def _stale(fd: int, ident: Identity) -> bool:
+    """Whether the file open as `fd` has lost its last link or is no longer what `ident` says it was."""
+    st = os.fstat(fd)
+    return st.st_nlink == 0 or (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) != ident
 
 
 def _close_all(fds: Mapping[Identity, int]) -> None:

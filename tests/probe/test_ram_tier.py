@@ -158,7 +158,8 @@ class TestBudget:
             assert not tier.load_later(KEY, fds) and tier.lease(KEY, fds) is None
         assert tier.status() | {"read_bytes": None} == {
             "budget": 0, "entries": 0, "bytes": 0, "in_use": 0, "loading": 0, "hits": 0, "misses": 0,
-            "evictions": 0, "loads": 0, "skipped": {"too_large": 0, "no_room": 0, "failed": 0}, "read_bytes": None}
+            "evictions": 0, "loads": 0, "dropped": 0, "skipped": {"too_large": 0, "no_room": 0, "failed": 0},
+            "read_bytes": None}
 
 
 class TestCounters:
@@ -271,6 +272,31 @@ class TestFreshness:
             assert (status["entries"], status["bytes"], status["skipped"]["failed"]) == (0, 0, 1), status
         finally:
             tier.close()
+
+    def test_a_removed_dump_is_dropped_at_the_next_prune_and_its_pages_unlocked(self, tmp_path: Path,
+                                                                               tier_of: Any) -> None:
+        """A collected capture's pinned memory comes back within the hydrator's idle pass, not at the LRU's turn;
+        one in use waits for its stage to end; one that only changed (a rewrite) is dropped too."""
+        a, b = dump(tmp_path / "a.bin", 4 * MIB), dump(tmp_path / "b.bin", 4 * MIB)
+        tier, before = tier_of(16 * MIB), locked_bytes()
+        load(tier, KEY, a)
+        load(tier, OTHER_KEY, b)
+        with Opened(a) as fds:
+            lease = tier.lease(KEY, fds)
+        assert lease is not None
+        a.unlink()
+        tier.prune()  # in use: kept
+        assert tier.status()["entries"] == 2 and locked_bytes() - before == 8 * MIB
+        lease.release()
+        tier.prune()
+        status = tier.status()
+        assert (status["entries"], status["bytes"], status["dropped"]) == (1, 4 * MIB, 1), status
+        assert locked_bytes() - before == 4 * MIB
+        time.sleep(0.02)
+        with b.open("r+b") as f:
+            f.write(b"x")
+        tier.prune()
+        assert tier.status()["entries"] == 0 and locked_bytes() == before
 
     def test_the_same_files_under_another_manifest_digest_are_a_miss(self, tmp_path: Path, tier_of: Any) -> None:
         a = dump(tmp_path / "a.bin", 2 * MIB)
