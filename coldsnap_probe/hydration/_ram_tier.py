@@ -113,6 +113,7 @@ class RamTier:
         self.hits = self.misses = self.evictions = self.loads = self.dropped = 0
         self.skipped = dict.fromkeys(_SKIPS, 0)
         self.read_bytes = dict.fromkeys(TIERS, 0)  # bytes staged from each tier
+        self.last_error = ""  # the loader's last failure (a dump not held), for `status`
         self._loader: threading.Thread | None = None
         if budget:
             self._loader = threading.Thread(target=self._load_loop, name="coldsnap-ram-tier", daemon=True)
@@ -174,8 +175,8 @@ class RamTier:
                     "in_use": sum(d.users > 0 for d in self._held.values()),
                     "loading": len(self._queue),
                     "hits": self.hits, "misses": self.misses, "evictions": self.evictions, "loads": self.loads,
-                    "dropped": self.dropped,
-                    "skipped": dict(self.skipped), "read_bytes": dict(self.read_bytes)}
+                    "dropped": self.dropped, "skipped": dict(self.skipped), "read_bytes": dict(self.read_bytes),
+                    "last_error": self.last_error}
 
     def close(self) -> None:
         """Stop the loader and unpin every entry (none may be in use)."""
@@ -218,6 +219,9 @@ class RamTier:
             kept = False
             try:
                 kept = self._load(name, fds)
+            except Exception as exc:  # a driver refusal (unpinning): said in `status`, and the loader goes on
+                with self._lock:
+                    self.last_error = f"{type(exc).__name__}: {exc}"
             finally:
                 if not kept:
                     _close_all(fds)
@@ -244,11 +248,12 @@ class RamTier:
                 self._pin(files[-1])
                 if identity(fd) != ident:
                     raise HydrationError("a dump file changed while it was being held")
-        except Exception:
-            self._unpin_all(files)
+        except Exception as exc:
             with self._lock:
                 del self._held[name]
                 self.skipped["failed"] += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
+            self._unpin_all(files)
             return False
         with self._lock:
             dump.files, dump.fds, dump.ready = dict(zip(fds, files, strict=True)), dict(fds), True

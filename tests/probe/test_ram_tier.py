@@ -159,7 +159,7 @@ class TestBudget:
         assert tier.status() | {"read_bytes": None} == {
             "budget": 0, "entries": 0, "bytes": 0, "in_use": 0, "loading": 0, "hits": 0, "misses": 0,
             "evictions": 0, "loads": 0, "dropped": 0, "skipped": {"too_large": 0, "no_room": 0, "failed": 0},
-            "read_bytes": None}
+            "read_bytes": None, "last_error": ""}
 
 
 class TestCounters:
@@ -270,6 +270,7 @@ class TestFreshness:
         try:
             status = load(tier, KEY, a)
             assert (status["entries"], status["bytes"], status["skipped"]["failed"]) == (0, 0, 1), status
+            assert status["last_error"] == "HydrationError: a dump file changed while it was being held"
         finally:
             tier.close()
 
@@ -297,6 +298,24 @@ class TestFreshness:
             f.write(b"x")
         tier.prune()
         assert tier.status()["entries"] == 0 and locked_bytes() == before
+
+    def test_a_failed_pin_holds_nothing_and_the_loader_goes_on(self, tmp_path: Path) -> None:
+        a, b = dump(tmp_path / "a.bin", 2 * MIB), dump(tmp_path / "b.bin", 2 * MIB)
+        refused: list[int] = []
+
+        def pin(mapped: Mapped) -> None:
+            if not refused:  # the first pin fails as the driver's would (out of page-locked memory)
+                refused.append(mapped.size)
+                raise OSError(12, "Cannot allocate memory")
+            mlock(mapped)
+        tier = RamTier(8 * MIB, pin=pin, unpin=munlock_and_unmap)
+        try:
+            status = load(tier, KEY, a)
+            assert (status["entries"], status["bytes"], status["skipped"]["failed"]) == (0, 0, 1), status
+            assert "Cannot allocate memory" in status["last_error"]
+            assert load(tier, KEY, b)["entries"] == 1 and held(tier, KEY, b)
+        finally:
+            tier.close()
 
     def test_the_same_files_under_another_manifest_digest_are_a_miss(self, tmp_path: Path, tier_of: Any) -> None:
         a = dump(tmp_path / "a.bin", 2 * MIB)
