@@ -25,6 +25,7 @@ from ._ram_tier import RamTier, default_budget
 from ._stage_quota import StageQuota, check_stage_quota
 from ._staging import ADOPT_PAGE, StageRequest
 from ._vmm import (
+    HostPins,
     Mapped,
     cucall,
     device_allocation,
@@ -142,7 +143,8 @@ class HydratorServer:
         _free, total = cucall(self.driver, "cuMemGetInfo")
         # Device dumps kept page-locked across restores (_ram_tier.py): only a staging hydrator stages them.
         budget = (default_budget() if ram_tier_bytes is None else ram_tier_bytes) if staging else 0
-        self.ram_tier = RamTier(budget, pin=self._pin_host, unpin=self._unpin_host)
+        pins = HostPins(self.driver, self.context)
+        self.ram_tier = RamTier(budget, pin=pins.pin, unpin=pins.unpin)
         self.quota = StageQuota.default(int(total), shared=bool(self.peers.uids or self.peers.gids), stages=STAGE_MAX,
                                         count=stage_uid_count, size=stage_uid_bytes)
 
@@ -248,15 +250,6 @@ class HydratorServer:
                     self.driver.cuda.cuStreamSynchronize(stream)
                     self.driver.cuda.cuStreamDestroy(stream)
         return copy
-
-    def _pin_host(self, mapped: Mapped) -> None:
-        """The RAM tier's pin (on its loader thread): this hydrator's context, then page-locked for the copy."""
-        cucall(self.driver, "cuCtxSetCurrent", self.context)
-        mapped.register(self.driver)
-
-    def _unpin_host(self, mapped: Mapped) -> None:
-        cucall(self.driver, "cuCtxSetCurrent", self.context)
-        mapped.close(self.driver)
 
     def _hydrate(self, message: dict[str, Any], fd: int, peer: jsonline.Peer, conn: socket.socket) -> dict[str, Any]:
         """Fill an engine's exported allocation. The descriptor is the caller's to close: while it is open, it
@@ -439,14 +432,17 @@ class HydratorServer:
                 "count": len(staged.handles), "sizes": list(staged.sizes[first:first + len(page)])}, fds
 
     def _status(self, peer: jsonline.Peer) -> dict[str, Any]:
-        """The asker's own stages (one being filled says so, with no expiry yet) and the per-uid quota."""
+        """The asker's own stages (one being filled says so, with no expiry yet), the per-uid quota and, for root
+        and this hydrator's uid, the RAM tier's state."""
         now = time.monotonic()
         with self._lock:
             staged = [{"key": k[1], "bytes": v.size, "filling": not v.ready,
                        "expires_in_s": v.expires - now if v.ready else None}
                       for k, v in self.staged.items() if v.owner == peer.uid]
         return {"ok": True, "device_uuid": self.device_uuid, "staged": staged,
-                "quota": {"count": self.quota.count, "bytes": self.quota.bytes}, "ram_tier": self.ram_tier.status()}
+                "quota": {"count": self.quota.count, "bytes": self.quota.bytes},
+                # The tier is every tenant's: its counters say when others restored, so only the operator sees them.
+                **({"ram_tier": self.ram_tier.status()} if peer.uid in (0, os.getuid()) else {})}
 
     def _held(self, key: str, ticket: object) -> tuple[_Slot, _Staged] | None:
         """Under the lock: the ready stage under `key` that `ticket` opens, whoever staged it (the engine may run

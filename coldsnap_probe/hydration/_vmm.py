@@ -6,11 +6,12 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CudaError, HydrationError
 
-__all__ = ("Mapped", "cucall", "device_allocation", "device_uuid", "fd_handle", "map_read_write")
+__all__ = ("HostPins", "Mapped", "cucall", "device_allocation", "device_uuid", "fd_handle", "map_read_write")
 
 _HOST_REGISTER_READ_ONLY = 0x08
 
@@ -116,6 +117,24 @@ class Mapped:
             _ok(driver, "cuMemHostUnregister", driver.cuda.cuMemHostUnregister(self.address))
             self.registered = False
         _libc.munmap(self.address, self.size)
+
+
+@dataclass(frozen=True)
+class HostPins:
+    """Page-locking of mappings for `context`'s copies from any thread (each call makes the context current
+    first): the node hydrator's RAM tier pins and unpins on its loader thread."""
+
+    driver: Any
+    context: Any
+
+    def pin(self, mapped: Mapped) -> None:
+        cucall(self.driver, "cuCtxSetCurrent", self.context)
+        mapped.register(self.driver)
+
+    def unpin(self, mapped: Mapped) -> None:
+        """Unpinned, then unmapped."""
+        cucall(self.driver, "cuCtxSetCurrent", self.context)
+        mapped.close(self.driver)
 
 
 def device_uuid(driver: Any, ordinal: int) -> str:
