@@ -244,7 +244,7 @@ class RamTier:
             self._drop(victim)
         files: dict[Identity, Mapped] = {}
         with ThreadPoolExecutor(min(LOAD_THREADS, len(fds)), initializer=_lowest_priority) as pool:
-            done = list(pool.map(lambda item: self._pin_one(*item, files), fds.items()))
+            done = list(pool.map(lambda item: self._pin_one(item[0], item[1], files), fds.items()))
         if failed := next((error for error in done if error), ""):
             with self._lock:
                 del self._held[name]
