@@ -91,6 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     dig.add_argument("offset", type=int)
     dig.add_argument("size", type=int)
     args = parser.parse_args(argv)
+    if args.command == "serve" and args.ram_tier_bytes and not args.staging:
+        serve.error("argument --ram-tier-bytes: only with --staging (the tier holds the dumps this hydrator stages)")
     try:
         if args.command == "digest":
             sys.stdout.write(region_digest(args.path, args.offset, args.size) + "\n")

@@ -126,8 +126,8 @@ class TestBudget:
     def test_a_dump_of_several_files_is_one_entry_held_and_evicted_whole(self, tmp_path: Path,
                                                                          tier_of: Any) -> None:
         a, b, c = (dump(tmp_path / f"{n}.bin", 2 * MIB) for n in "abc")
-        tier = tier_of(4 * MIB)
-        assert load(tier, KEY, a, b)["entries"] == 1
+        tier, before = tier_of(4 * MIB), locked_bytes()
+        assert load(tier, KEY, a, b)["entries"] == 1 and locked_bytes() - before == 4 * MIB  # both files pinned
         assert held(tier, KEY, a, b) and not held(tier, KEY, a)  # a part of it is another dump
         load(tier, OTHER_KEY, c)
         assert not held(tier, KEY, a, b) and tier.status()["bytes"] == 2 * MIB
@@ -351,6 +351,12 @@ class TestOptions:
         assert exited.value.code == 2 and not sock.exists()
         stderr = capsys.readouterr().err
         assert "argument --ram-tier-bytes:" in stderr and re.search(rule, stderr), stderr
+
+    def test_a_budget_without_staging_is_refused(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        with pytest.raises(SystemExit) as exited:
+            main(["serve", "--socket", str(tmp_path / "h.sock"), "--ram-tier-bytes", "1G"])
+        assert exited.value.code == 2
+        assert "argument --ram-tier-bytes: only with --staging" in capsys.readouterr().err
 
     def test_a_negative_budget_is_refused_by_the_tier_itself(self) -> None:
         with pytest.raises(HydrationError, match="budget must be 0 \\(off\\) or a number of bytes, not -1"):
