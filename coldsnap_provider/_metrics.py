@@ -53,6 +53,8 @@ RESTORE_PHASES = frozenset({"criu_restore", "cuda_restore", "all_pages_in", "dev
                             "restore_total", "ready_total"})
 REPORT_MODES = frozenset({"full", "hydrate", "interposer", "full-lazy-pages", "hydrate-lazy-pages",
                           "interposer-lazy-pages"})
+# Where a node hydrator's stage read its bytes (coldsnap_probe/hydration/_ram_tier.py TIERS).
+STAGE_TIERS = frozenset({"ram", "disk"})
 REJECT_REASONS = frozenset({"not_regular", "too_large", "malformed", "too_many", "unreadable"})
 
 # Requests take from a millisecond (capabilities) to many minutes (image builds, synchronous runs). Few
@@ -157,6 +159,15 @@ class Metrics:
                                  ["reason"], registry=registry)
         for reason in REJECT_REASONS:  # present at 0 from the start, so that rate() sees the first one
             self._rejected.labels(reason=reason)
+        self._stage_bytes = Counter("coldsnap_provider_hydrator_stage_bytes", "Bytes node hydrators staged for the "
+                                    "restores of units this daemon ran, by the tier that served them (ram: the "
+                                    "hydrator's page-locked RAM tier; disk: the dump files)", ["tier"],
+                                    registry=registry)
+        self._stages = Counter("coldsnap_provider_hydrator_stages", "Node hydrator stages of those restores, by the "
+                               "tier that served them (ram: a hit of the RAM tier)", ["tier"], registry=registry)
+        for tier in STAGE_TIERS:
+            self._stage_bytes.labels(tier=tier)
+            self._stages.labels(tier=tier)
 
     def watch(self, *, sessions: Callable[[], int], connections: Callable[[], int],
               remotes: Callable[[], Iterable[tuple[str, bool]]] | None = None,
@@ -196,6 +207,12 @@ class Metrics:
             if phase in known:
                 histogram.labels(phase=phase, mode=mode).observe(value)
         self._reports.labels(kind=kind).inc()
+
+    def stages(self, served: Iterable[tuple[str, int]]) -> None:
+        """A restore report's node hydrator stages: (tier, bytes) each."""
+        for tier, size in served:
+            self._stage_bytes.labels(tier=bounded(tier, STAGE_TIERS)).inc(size)
+            self._stages.labels(tier=bounded(tier, STAGE_TIERS)).inc()
 
     def rejected(self, reason: str) -> None:
         self._rejected.labels(reason=bounded(reason, REJECT_REASONS)).inc()

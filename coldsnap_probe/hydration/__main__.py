@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from .. import jsonline
 from ._hydrator import STAGE_TTL, HydratorServer
+from ._ram_tier import node_memory
 from ._stage_quota import STAGE_UID_COUNT, STAGE_UID_SHARE
 from ._weights import region_digest
 
@@ -41,6 +42,20 @@ def _bytes(text: str) -> int:
     return int(match.group(1)) * _UNITS[match.group(2).lower()]
 
 
+def _budget(text: str) -> int:
+    """The RAM tier's budget: 0 (off) or a size (as `_bytes`), at most the node's memory."""
+    if text.strip() == "0":
+        return 0
+    try:
+        size = _bytes(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be 0 (off) or a size (bytes, or with K, M, G, T), not {text}") \
+            from None
+    if size > (memory := node_memory()):
+        raise argparse.ArgumentTypeError(f"must be at most the node's memory ({memory} bytes), not {text}")
+    return size
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m coldsnap_probe.hydration serve --socket PATH FILE...`` (the long-lived hydrator) or
     ``digest FILE OFFSET SIZE``."""
@@ -59,6 +74,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.add_argument("--stage-uid-bytes", type=_bytes, default=None, metavar="SIZE",
                        help=f"device bytes one peer uid may hold in stages at once, e.g. 40G (default with "
                             f"--allow-uid/--allow-gid: 1/{STAGE_UID_SHARE} of the GPU's memory; without: all of it)")
+    serve.add_argument("--ram-tier-bytes", type=_budget, default=None, metavar="SIZE",
+                       help="host memory that keeps staged device dumps page-locked across restores, so the next "
+                            "stage of one is a DMA at the link's rate, e.g. 32G; 0: off (default: a quarter of the "
+                            "node's memory; only with --staging)")
     serve.add_argument("--allow-uid", type=int, action="append", default=[], metavar="UID",
                        help="a uid whose processes may ask (repeatable; root and this process's uid always may)")
     serve.add_argument("--allow-gid", type=int, action="append", default=[], metavar="GID",
@@ -72,6 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     dig.add_argument("offset", type=int)
     dig.add_argument("size", type=int)
     args = parser.parse_args(argv)
+    if args.command == "serve" and args.ram_tier_bytes and not args.staging:
+        serve.error("argument --ram-tier-bytes: only with --staging (the tier holds the dumps this hydrator stages)")
     try:
         if args.command == "digest":
             sys.stdout.write(region_digest(args.path, args.offset, args.size) + "\n")
@@ -79,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         peers = jsonline.Peers(uids=frozenset(args.allow_uid), gids=frozenset(args.allow_gid))
         HydratorServer(args.sources, stage_ttl=args.stage_ttl, staging=args.staging, peers=peers,
                        group=args.socket_group, stage_uid_count=args.stage_uid_count,
-                       stage_uid_bytes=args.stage_uid_bytes).serve(args.socket)
+                       stage_uid_bytes=args.stage_uid_bytes, ram_tier_bytes=args.ram_tier_bytes).serve(args.socket)
     except Exception as exc:
         sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")
         return 1

@@ -12,7 +12,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -21,9 +21,11 @@ from ..errors import HydrationError
 from ._copy import ZEROS, HostBuffers, Piece, Pinned, Pread, copy_to_device, region_pieces, zero_split
 from ._peer_files import DumpLayout, dump_layout, held_sources, open_dump_parts
 from ._peer_view import OPENERS, PeerView
+from ._ram_tier import RamTier, default_budget
 from ._stage_quota import StageQuota, check_stage_quota
 from ._staging import ADOPT_PAGE, StageRequest
 from ._vmm import (
+    HostPins,
     Mapped,
     cucall,
     device_allocation,
@@ -85,7 +87,8 @@ class HydratorServer:
     free, and within each peer uid's `quota`, _stage_quota.py); `stage-dump` does the same from a CUDA
     interposer's device dump, one allocation per region; `adopt` (from the restored engine) hands the allocations
     over as descriptors, ADOPT_PAGE an answer, so the engine only maps them; `discard` frees a stage that will not
-    be adopted; `status` lists what is staged.
+    be adopted; `status` lists what is staged and the RAM tier's state. Device dumps staged once are kept
+    page-locked (`ram_tier_bytes`, _ram_tier.py) so that the next stage of the same dump is a DMA at the link's rate.
 
     Who may ask what (a hydrator may serve several tenants): the socket is 0600 (0660 with a group) and only
     the peers `peers` admits are answered (SO_PEERCRED); a `hydrate` or `stage` gets a source's bytes only for
@@ -110,7 +113,7 @@ class HydratorServer:
     def __init__(self, sources: Sequence[str], *, streams: int = 4, driver: Any = None,
                  stage_ttl: float = STAGE_TTL, staging: bool = False, peers: jsonline.Peers | None = None,
                  group: int | None = None, stage_uid_count: int | None = None,
-                 stage_uid_bytes: int | None = None) -> None:
+                 stage_uid_bytes: int | None = None, ram_tier_bytes: int | None = None) -> None:
         from .._cuda import Driver
 
         self.driver: Any = driver or Driver()
@@ -138,6 +141,10 @@ class HydratorServer:
         self.peers, self.group = peers or jsonline.Peers(), group
         self._openers = threading.BoundedSemaphore(OPENERS)  # threads opening files in peers' views (_peer_view)
         _free, total = cucall(self.driver, "cuMemGetInfo")
+        # Device dumps kept page-locked across restores (_ram_tier.py): only a staging hydrator stages them.
+        budget = (default_budget() if ram_tier_bytes is None else ram_tier_bytes) if staging else 0
+        pins = HostPins(self.driver, self.context)
+        self.ram_tier = RamTier(budget, pin=pins.pin, unpin=pins.unpin)
         self.quota = StageQuota.default(int(total), shared=bool(self.peers.uids or self.peers.gids), stages=STAGE_MAX,
                                         count=stage_uid_count, size=stage_uid_bytes)
         # One stage's ring of page-locked buffers, allocated now rather than on every restore's path (256 MiB).
@@ -150,10 +157,14 @@ class HydratorServer:
             sys.stdout.write(json.dumps({"ready": True, "map_s": self.map_seconds, "pin_s": self.pin_seconds,
                                          "ring_pin_s": self.ring_pin_seconds,
                                          "bytes": sum(m.size for m in self.sources.values()),
-                                         "device_uuid": self.device_uuid}) + "\n")
+                                         "device_uuid": self.device_uuid, "ram_tier_bytes": self.ram_tier.budget})
+                             + "\n")
             sys.stdout.flush()
-            jsonline.LineServer(listener, self._one, peers=self.peers, idle=self._expire,
-                                threads=CONNECTIONS, per_uid=UID_CONNECTIONS).run()
+            try:
+                jsonline.LineServer(listener, self._one, peers=self.peers, idle=self._expire,
+                                    threads=CONNECTIONS, per_uid=UID_CONNECTIONS).run()
+            finally:
+                self.ram_tier.close()
 
     def _one(self, conn: socket.socket, peer: jsonline.Peer) -> jsonline.Answer:
         cucall(self.driver, "cuCtxSetCurrent", self.context)  # this connection's thread, for every call below
@@ -223,11 +234,13 @@ class HydratorServer:
             if va:
                 cu.cuMemAddressFree(va, size)
 
-    def _pinned(self, pieces: Sequence[Piece]) -> Callable[[int], object]:
-        """The copy of `pieces` (of the held sources, to offsets) into an allocation mapped at its argument.
+    def _pinned(self, pieces: Sequence[Piece], addresses: Mapping[str, int] | None = None) -> Callable[[int], object]:
+        """The copy of `pieces` (of the held sources, or of page-locked `addresses`: the RAM tier's, to offsets)
+        into an allocation mapped at its argument.
         Each copy makes its own streams (microseconds next to a copy): a Pinned copy waits for its streams, and
         on streams shared with another peer's copy that wait would also take in the other copy's work."""
-        addresses = {source: mapped.address for source, mapped in self.sources.items()}
+        if addresses is None:
+            addresses = {source: mapped.address for source, mapped in self.sources.items()}
 
         def copy(va: int) -> None:
             streams: list[Any] = []
@@ -354,24 +367,30 @@ class HydratorServer:
         its process is being restored: `parts` are (file, bytes, region) in the order the interposer maps them
         back (`dump_layout`), each file read whole through a ring of page-locked buffers into the allocations
         mapped back to back (through the page cache: on the H200 machine's disk 16 readers read 1.45 GB/s
-        through it and 1.02 with O_DIRECT, bench/e2e_store.py's rates). Only files `peer` could read itself in its
-        own view, on this hydrator's GPU."""
+        through it and 1.02 with O_DIRECT, bench/e2e_store.py's rates), or, when the RAM tier holds these very
+        files (`tier: ram`), one DMA per piece from their pinned mappings; a miss (`tier: disk`) queues them for
+        the tier. Only files `peer` could read itself in its own view, on this hydrator's GPU."""
         key = self._stage_slot(message)
         layout, sizes = dump_layout(message.get("parts"))
         with PeerView.of(conn, peer, openers=self._openers) as view:
             parts, fds = open_dump_parts(layout, view)
         size = sum(sizes)
         zero = sum(p.size for p in dump_pieces(parts, layout, 0) if p.source == ZEROS)
+        lease = self.ram_tier.lease(key, fds)  # a hit: the very files the peer opened, held page-locked
         reader = Pread(threads=DUMP_THREADS, chunk=DUMP_CHUNK, opened=fds, buffers=self.dump_buffers)
+        copy = self._pinned(dump_pieces(parts, layout, 0), lease.addresses) if lease is not None else \
+            lambda va: copy_to_device(self.driver, self.context, dump_pieces(parts, layout, va), reader)
         try:
             answer = self._stage_into(key, peer, conn, _Staged((), 0, size, parts, 0.0, 0.0, 0.0, 0, "",
-                                                               layout=layout, sizes=sizes),
-                                      lambda va: copy_to_device(self.driver, self.context,
-                                                                dump_pieces(parts, layout, va), reader), size, stager)
+                                                               layout=layout, sizes=sizes), copy, size, stager)
+            tier = self.ram_tier.staged(key, fds, lease, size - zero)
         finally:
+            if lease is not None:
+                lease.release()
             for fd in fds.values():
                 os.close(fd)
-        return {**answer, "zero_bytes": zero, "copied_bytes": size - zero}  # set on the device vs read and moved
+        # zero_bytes: set on the device; copied_bytes: read and moved (from the RAM tier or the files: `tier`)
+        return {**answer, "zero_bytes": zero, "copied_bytes": size - zero, "tier": tier}
 
     def _adopt(self, message: dict[str, Any], peer: jsonline.Peer, conn: socket.socket) -> jsonline.Answer:
         """Hand a stage's allocations to its engine as descriptors, ADOPT_PAGE at a time from `first` (default 0):
@@ -419,14 +438,17 @@ class HydratorServer:
                 "count": len(staged.handles), "sizes": list(staged.sizes[first:first + len(page)])}, fds
 
     def _status(self, peer: jsonline.Peer) -> dict[str, Any]:
-        """The asker's own stages (one being filled says so, with no expiry yet) and the per-uid quota."""
+        """The asker's own stages (one being filled says so, with no expiry yet), the per-uid quota and, for root
+        and this hydrator's uid, the RAM tier's state."""
         now = time.monotonic()
         with self._lock:
             staged = [{"key": k[1], "bytes": v.size, "filling": not v.ready,
                        "expires_in_s": v.expires - now if v.ready else None}
                       for k, v in self.staged.items() if v.owner == peer.uid]
         return {"ok": True, "device_uuid": self.device_uuid, "staged": staged,
-                "quota": {"count": self.quota.count, "bytes": self.quota.bytes}}
+                "quota": {"count": self.quota.count, "bytes": self.quota.bytes},
+                # The tier is every tenant's: its counters say when others restored, so only the operator sees them.
+                **({"ram_tier": self.ram_tier.status()} if peer.uid in (0, os.getuid()) else {})}
 
     def _held(self, key: str, ticket: object) -> tuple[_Slot, _Staged] | None:
         """Under the lock: the ready stage under `key` that `ticket` opens, whoever staged it (the engine may run
@@ -454,6 +476,7 @@ class HydratorServer:
         cucall(self.driver, "cuCtxSetCurrent", self.context)
         with self._lock:
             self._expire_locked()
+        self.ram_tier.prune()  # a removed dump's pinned memory back within a second
 
     def _expire_locked(self) -> None:
         now = time.monotonic()  # a stage being filled expires at inf: never freed under its filler

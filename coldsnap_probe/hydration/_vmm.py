@@ -6,11 +6,12 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CudaError, HydrationError
 
-__all__ = ("Mapped", "cucall", "device_allocation", "device_uuid", "fd_handle", "map_read_write")
+__all__ = ("HostPins", "Mapped", "cucall", "device_allocation", "device_uuid", "fd_handle", "map_read_write")
 
 _HOST_REGISTER_READ_ONLY = 0x08
 
@@ -85,8 +86,12 @@ _MAP_POPULATE = 0x8000
 class Mapped:
     """A read-only shared mapping of a whole file (address stable for cuMemHostRegister), optionally page-locked."""
 
-    def __init__(self, path: str, *, populate: bool = True) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    def __init__(self, path: str, *, populate: bool = True, fd: int = -1) -> None:
+        """`path`'s file, or the file open as `fd` (`path` then only names it; the descriptor stays the caller's):
+        the RAM tier maps the very descriptor its peer opened in its own view, never what a path names later."""
+        own = fd < 0
+        if own:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             st = os.fstat(fd)
             self.size = st.st_size
@@ -94,7 +99,8 @@ class Mapped:
             flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
             address = _libc.mmap(None, self.size, mmap.PROT_READ, flags, fd, 0)
         finally:
-            os.close(fd)
+            if own:
+                os.close(fd)
         if address in (None, _MAP_FAILED):
             raise HydrationError(f"cannot map source {path}: {os.strerror(ctypes.get_errno())}")
         self.path, self.address, self.registered = path, int(address), False
@@ -111,6 +117,24 @@ class Mapped:
             _ok(driver, "cuMemHostUnregister", driver.cuda.cuMemHostUnregister(self.address))
             self.registered = False
         _libc.munmap(self.address, self.size)
+
+
+@dataclass(frozen=True)
+class HostPins:
+    """Page-locking of mappings for `context`'s copies from any thread (each call makes the context current
+    first): the node hydrator's RAM tier pins and unpins on its loader thread."""
+
+    driver: Any
+    context: Any
+
+    def pin(self, mapped: Mapped) -> None:
+        cucall(self.driver, "cuCtxSetCurrent", self.context)
+        mapped.register(self.driver)
+
+    def unpin(self, mapped: Mapped) -> None:
+        """Unpinned, then unmapped."""
+        cucall(self.driver, "cuCtxSetCurrent", self.context)
+        mapped.close(self.driver)
 
 
 def device_uuid(driver: Any, ordinal: int) -> str:

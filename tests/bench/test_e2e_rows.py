@@ -65,6 +65,19 @@ def restored(seconds: float, *, identical: bool = True) -> dict[str, Any]:
             "device_hydration_s": 0.1, "device_gbps": 160.0, "device_staged": True, "identical": identical}
 
 
+def test_a_restore_says_which_tier_served_its_stages_and_how_long_they_took() -> None:
+    def process(stage: dict[str, Any] | None) -> dict[str, Any]:
+        return {"pid": 7, "interposer": {"bytes": 1, **({"stage": stage} if stage is not None else {})}}
+    ram = {"staged": True, "tier": "ram", "stage_s": 0.41, "copy_s": 0.33, "wait_s": 0.02}
+    disk = {"staged": True, "tier": "disk", "stage_s": 0.9, "copy_s": 0.7, "wait_s": 0.3}
+    assert e2e_rows.stage_tiers({"device_memory": [process(ram), process(disk), process(None)]}) == {
+        "stage_tiers": ["disk", "ram"], "stage_s": 0.9, "stage_copy_s": 0.7, "stage_wait_s": 0.3}
+    refused = {"staged": False, "error": "staging is off"}
+    assert e2e_rows.stage_tiers({"device_memory": [process(refused)]}) == {
+        "stage_tiers": [], "stage_s": None, "stage_copy_s": None, "stage_wait_s": None}
+    assert e2e_rows.stage_tiers({})["stage_tiers"] == []
+
+
 def test_the_table_says_per_row_what_moved_what_stayed_the_event_loop_and_the_goal() -> None:
     moved = {"moved_bytes": 17_364_418_560, "moved_kinds": {"alloc": 17_000_000_000, "stream_ordered": 364_418_560},
              "left_bytes": {"stream_ordered": 33_683_488}, "moved_share": 0.998}

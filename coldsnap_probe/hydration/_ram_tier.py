@@ -1,0 +1,314 @@
+"""The node hydrator's RAM tier: device dumps it staged, kept mapped and page-locked across restores, so that the
+next stage of the same dump is one DMA per piece from host memory at the link's rate (`_copy.Pinned`), with no
+reader thread copying from the page cache through the ring (`_copy.Pread`, the disk tier).
+
+What is held: whole dumps, one entry per (manifest digest, the identities of its files). A file's identity is
+(device, inode, size, mtime, ctime) of the descriptor the peer opened: a file replaced (another inode; the held
+mapping keeps the old inode alive, so its number is not reused meanwhile), truncated or rewritten (its times)
+is another identity, so its entry never serves it: the stage misses and reads the file as it is now. A file
+changed in place after it was held shows through the shared mapping anyway; a file changed while it was being
+held is not held (its identity is taken again once it is pinned).
+
+Serving (`lease`): only for the descriptors a stage's peer opened in its own view (`_peer_files.open_dump_parts`,
+as for a miss), so a hit gives a peer the bytes of exactly the files it could read itself; the entry's mappings
+are then read at their addresses. A lease marks the entry in use until the stage's copy ends: an entry in use is
+never evicted.
+
+Loading (`load_later`): never on a restore's critical path. A miss stages through the ring as before; then the
+dump is queued (descriptors duplicated, at most LOAD_QUEUE waiting, a dump already held or queued once) for the
+loader thread, which maps each file from its descriptor, pins it (the hydrator's `cuMemHostRegister`) and checks its
+identity again, LOAD_THREADS files at once, every thread at the lowest CPU priority.
+
+Budget: the bytes held, entries being loaded included, stay within `budget` (0: the tier is off). Room is made by
+evicting the least recently used entries no stage is using; a dump that would not fit even so (larger than the
+budget, or the rest in use) is not held, and counted as `skipped`. A pinned dump on tmpfs costs no memory beyond
+the file's own pages; one on a disk's filesystem keeps its page cache resident: the default budget
+(`default_budget`) is a quarter of the node's memory (its cgroup's limit, if lower).
+
+Locking: the entries, their use counts and the counters are read and changed only under `self._lock`, in one
+hold per check-then-act; pinning and unpinning (slow: hundreds of ms for tens of GB) run outside it, so a lease
+never waits for them.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import HydrationError
+from ._vmm import Mapped
+
+__all__ = ("LOAD_QUEUE", "LOAD_THREADS", "TIERS", "Identity", "Lease", "RamTier", "default_budget", "identity",
+           "node_memory")
+
+LOAD_QUEUE = 2  # dumps waiting for the loader: a later miss queues the dump again
+# Files of a dump mapped and pinned at once: pinning 8 GiB of tmpfs took 4.5 s on one thread (4 KiB pages, H200).
+LOAD_THREADS = 4
+TIERS = ("ram", "disk")  # where a stage's bytes were read: the RAM tier, or the files (page cache or disk)
+Identity = tuple[int, int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns
+_Name = tuple[str, frozenset[Identity]]  # an entry's name: the manifest digest and its files' identities
+_SKIPS = ("too_large", "no_room", "failed")
+
+
+def identity(fd: int) -> Identity:
+    """The identity of the file open as `fd`."""
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def node_memory() -> int:
+    """The node's memory for this process: MemTotal, or its cgroup's memory.max when that is lower."""
+    with open("/proc/meminfo", encoding="ascii") as meminfo:
+        total = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemTotal:"))
+    try:
+        with open("/sys/fs/cgroup/memory.max", encoding="ascii") as limit:
+            text = limit.read().strip()
+        if text.isdigit():
+            total = min(total, int(text))
+    except OSError:  # cgroup v1, or none mounted: the node's memory
+        pass
+    return total
+
+
+def default_budget() -> int:
+    """A quarter of the node's memory (`node_memory`)."""
+    return node_memory() // 4
+
+
+@dataclass(eq=False)
+class _Dump:
+    """One held dump: its files' pinned mappings by identity (empty until loaded)."""
+
+    size: int
+    files: dict[Identity, Mapped] = field(default_factory=dict)
+    fds: dict[Identity, int] = field(default_factory=dict)  # each file's descriptor, kept to see it removed
+    users: int = 0  # stages copying from it now (leases): never evicted while above 0
+    ready: bool = False  # loaded and pinned: only then leased
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A hit: each part file, as the stage's peer named it, to its first byte in the pinned mapping; the entry
+    stays in use until the lease is released."""
+
+    addresses: Mapping[str, int]
+    size: int
+    release: Callable[[], None]  # once, when the stage's copy has ended (done or failed)
+
+
+class RamTier:
+    """Device dumps kept page-locked, within `budget` bytes (module docstring). `pin` page-locks a mapping for
+    the copy engine and `unpin` undoes it and unmaps (the hydrator's driver calls, in its context)."""
+
+    def __init__(self, budget: int, *, pin: Callable[[Mapped], None], unpin: Callable[[Mapped], None]) -> None:
+        if budget < 0:
+            raise HydrationError(f"the RAM tier's budget must be 0 (off) or a number of bytes, not {budget}")
+        self.budget, self._pin, self._unpin = budget, pin, unpin
+        self._lock = threading.Lock()
+        self._held: collections.OrderedDict[_Name, _Dump] = collections.OrderedDict()  # least recently used first
+        self._queue: collections.deque[tuple[_Name, dict[Identity, int]]] = collections.deque()
+        self._wake = threading.Condition(self._lock)
+        self._closed = False
+        self.hits = self.misses = self.evictions = self.loads = self.dropped = 0
+        self.skipped = dict.fromkeys(_SKIPS, 0)
+        self.read_bytes = dict.fromkeys(TIERS, 0)  # bytes staged from each tier
+        self.last_error = ""  # the loader's last failure (a dump not held), for `status`
+        self._loader: threading.Thread | None = None
+        if budget:
+            self._loader = threading.Thread(target=self._load_loop, name="coldsnap-ram-tier", daemon=True)
+            self._loader.start()
+
+    def lease(self, key: str, fds: Mapping[str, int]) -> Lease | None:
+        """The held dump of `key` whose files are the ones open as `fds` (each part file as the peer named it, to
+        the descriptor it opened), in use until the lease ends; None (a miss) when the tier holds no such dump."""
+        if not self.budget:
+            return None
+        ids = {named: identity(fd) for named, fd in fds.items()}
+        name = (key, frozenset(ids.values()))
+        with self._lock:
+            dump = self._held.get(name)
+            if dump is None or not dump.ready:
+                self.misses += 1
+                return None
+            dump.users += 1
+            self._held.move_to_end(name)
+            self.hits += 1
+            addresses = {named: dump.files[ident].address for named, ident in ids.items()}
+        return Lease(addresses, dump.size, lambda: self._release(dump))
+
+    def _release(self, dump: _Dump) -> None:
+        with self._lock:
+            dump.users -= 1
+
+    def staged(self, key: str, fds: Mapping[str, int], lease: Lease | None, size: int) -> str:
+        """After a stage of `size` bytes copied from the files open as `fds`, from `lease` (a hit) or the files
+        (a miss): the bytes counted under the tier that served them, a miss's dump queued for loading
+        (`load_later`); that tier's name (TIERS)."""
+        tier = "disk" if lease is None else "ram"
+        with self._lock:
+            self.read_bytes[tier] += size
+        if lease is None:
+            self.load_later(key, fds)
+        return tier
+
+    def load_later(self, key: str, fds: Mapping[str, int]) -> bool:
+        """Queue the dump of `key` in the files open as `fds` for the loader (their descriptors duplicated: the
+        caller's stay its own); False when the tier is off, holds or queued it already, or the queue is full."""
+        if not self.budget:
+            return False
+        files = {identity(fd): fd for fd in fds.values()}
+        name = (key, frozenset(files))
+        with self._lock:
+            if name in self._held or any(queued == name for queued, _ in self._queue) or \
+                    len(self._queue) >= LOAD_QUEUE or self._closed:
+                return False
+            self._queue.append((name, {ident: os.dup(fd) for ident, fd in files.items()}))
+            self._wake.notify()
+        return True
+
+    def status(self) -> dict[str, Any]:
+        """The tier's state and counters (no digest nor path: the tier is shared by every tenant)."""
+        with self._lock:
+            return {"budget": self.budget, "entries": sum(d.ready for d in self._held.values()),
+                    "bytes": sum(d.size for d in self._held.values()),
+                    "in_use": sum(d.users > 0 for d in self._held.values()),
+                    "loading": len(self._queue),
+                    "hits": self.hits, "misses": self.misses, "evictions": self.evictions, "loads": self.loads,
+                    "dropped": self.dropped, "skipped": dict(self.skipped), "read_bytes": dict(self.read_bytes),
+                    "last_error": self.last_error}
+
+    def close(self) -> None:
+        """Stop the loader and unpin every entry (none may be in use)."""
+        with self._lock:
+            self._closed = True
+            self._wake.notify_all()
+        if self._loader is not None:
+            self._loader.join()
+        with self._lock:
+            dumps, queued = list(self._held.values()), list(self._queue)
+            self._held.clear()
+            self._queue.clear()
+        for _name, fds in queued:
+            _close_all(fds)
+        for dump in dumps:
+            self._drop(dump)
+
+    def prune(self) -> None:
+        """Drop the held dumps no stage is using whose files were removed (a capture collected: its memory comes
+        back now, not once the LRU reaches it) or changed since (never a hit again). The hydrator's idle call."""
+        with self._lock:
+            stale = [name for name, dump in self._held.items() if dump.ready and not dump.users and
+                     any(_stale(fd, ident) for ident, fd in dump.fds.items())]
+            dumps = [self._held.pop(name) for name in stale]
+            self.dropped += len(dumps)
+        for dump in dumps:
+            self._drop(dump)
+
+    def _load_loop(self) -> None:
+        _lowest_priority()
+        while True:
+            with self._lock:
+                self._wake.wait_for(lambda: self._queue or self._closed)
+                if self._closed:
+                    return
+                name, fds = self._queue[0]
+            kept = False
+            try:
+                kept = self._load(name, fds)
+            except Exception as exc:  # a driver refusal (unpinning): said in `status`, and the loader goes on
+                with self._lock:
+                    self.last_error = f"{type(exc).__name__}: {exc}"
+            finally:
+                if not kept:
+                    _close_all(fds)
+                with self._lock:
+                    self._queue.popleft()
+                    self._wake.notify_all()
+
+    def _load(self, name: _Name, fds: Mapping[Identity, int]) -> bool:
+        """Reserve room for the dump (evicting), map and pin each file, then make it ready, keeping `fds`; a file
+        whose identity changed meanwhile, or a failed pin, gives everything back. Whether it kept `fds`."""
+        size = sum(ident[2] for ident in fds)
+        with self._lock:
+            victims = self._room_for(size)
+            if victims is None:
+                self.skipped["too_large" if size > self.budget else "no_room"] += 1
+                return False
+            dump = self._held[name] = _Dump(size)
+        for victim in victims:
+            self._drop(victim)
+        files: dict[Identity, Mapped] = {}
+        with ThreadPoolExecutor(min(LOAD_THREADS, len(fds)), initializer=_lowest_priority) as pool:
+            done = list(pool.map(lambda item: self._pin_one(item[0], item[1], files), fds.items()))
+        if failed := next((error for error in done if error), ""):
+            with self._lock:
+                del self._held[name]
+                self.skipped["failed"] += 1
+                self.last_error = failed
+            self._unpin_all(files.values())
+            return False
+        with self._lock:
+            dump.files, dump.fds, dump.ready = {ident: files[ident] for ident in fds}, dict(fds), True
+            self.loads += 1
+        return True
+
+    def _pin_one(self, ident: Identity, fd: int, files: dict[Identity, Mapped]) -> str:
+        """One file of a dump being loaded, mapped and pinned into `files`; why not ("" when it was)."""
+        try:
+            files[ident] = Mapped(f"/proc/self/fd/{fd}", fd=fd)
+            self._pin(files[ident])
+            if identity(fd) != ident:
+                raise HydrationError("a dump file changed while it was being held")
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return ""
+
+    def _room_for(self, size: int) -> list[_Dump] | None:
+        """Under the lock: drop least recently used entries no stage is using until `size` more bytes fit the
+        budget; those dropped (to unpin outside the lock), or None (nothing dropped) when they cannot."""
+        held = sum(d.size for d in self._held.values())
+        idle = [(n, d) for n, d in self._held.items() if d.users == 0 and d.ready]
+        if size > self.budget or held - sum(d.size for _, d in idle) + size > self.budget:
+            return None
+        victims = []
+        for name, dump in idle:
+            if held + size <= self.budget:
+                break
+            del self._held[name]
+            victims.append(dump)
+            held -= dump.size
+            self.evictions += 1
+        return victims
+
+    def _unpin_all(self, files: Any) -> None:
+        for mapped in files:
+            self._unpin(mapped)
+
+    def _drop(self, dump: _Dump) -> None:
+        """A dump out of the table (evicted, pruned, closed): unpinned, unmapped, its descriptors closed."""
+        self._unpin_all(dump.files.values())
+        _close_all(dump.fds)
+
+
+def _lowest_priority() -> None:
+    """This thread at the lowest CPU priority (Linux: a thread's nice value is its own): a restore's come first."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except OSError:
+        pass
+
+
+def _stale(fd: int, ident: Identity) -> bool:
+    """Whether the file open as `fd` has lost its last link or is no longer what `ident` says it was."""
+    st = os.fstat(fd)
+    return st.st_nlink == 0 or (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) != ident
+
+
+def _close_all(fds: Mapping[Identity, int]) -> None:
+    for fd in fds.values():
+        os.close(fd)

@@ -1,0 +1,500 @@
+"""The node hydrator's RAM tier (`_ram_tier.RamTier`) with real files, real mappings and real page locks: its
+budget and eviction order, an entry in use never evicted, a replaced or rewritten file never served from what
+was held, the `serve --ram-tier-bytes` refusals, and the peer rules on a hit (the tier serves only descriptors a
+peer opened in its own view). The CPU tests pin with mlock (the kernel's page lock, counted in VmLck) where the
+hydrator pins with cuMemHostRegister; the GPU test runs the real hydrator: two stages of one dump, the second
+from the RAM tier (`tier: ram`), the adopted bytes identical to the files'."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coldsnap_probe.errors import HydrationError
+from coldsnap_probe.hydration.__main__ import main
+from coldsnap_probe.hydration._peer_files import dump_layout, open_dump_parts
+from coldsnap_probe.hydration._peer_view import OPENERS, PeerView
+from coldsnap_probe.hydration._ram_tier import RamTier, identity
+from coldsnap_probe.hydration._vmm import Mapped
+from tests.helpers import ROOT
+from tests.probe._peers import AS_NOBODY, connected, listening
+from tests.probe.test_main import has_nvidia_driver
+
+MIB = 1 << 20
+KEY = "sha256:" + hashlib.sha256(b"ram-tier").hexdigest()
+OTHER_KEY = "sha256:" + hashlib.sha256(b"ram-tier-other").hexdigest()
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mlock.argtypes = _libc.munlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+
+
+def mlock(mapped: Mapped) -> None:
+    if _libc.mlock(mapped.address, mapped.size) != 0:
+        raise OSError(ctypes.get_errno(), "mlock")
+
+
+def munlock_and_unmap(mapped: Mapped) -> None:
+    _libc.munlock(mapped.address, mapped.size)
+    mapped.close(None)  # not registered with a driver: only unmapped
+
+
+def locked_bytes() -> int:
+    with open("/proc/self/status", encoding="ascii") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmLck:"))
+
+
+@pytest.fixture
+def tier_of(tmp_path: Path) -> Iterator[Any]:
+    """RamTier(budget) pinning with mlock; every tier made is closed (everything unpinned) at the end."""
+    made: list[RamTier] = []
+
+    def make(budget: int) -> RamTier:
+        made.append(RamTier(budget, pin=mlock, unpin=munlock_and_unmap))
+        return made[-1]
+    yield make
+    for tier in made:
+        tier.close()
+
+
+def dump(path: Path, size: int, fill: bytes | None = None) -> Path:
+    path.write_bytes(os.urandom(size) if fill is None else fill * (size // len(fill)))
+    return path
+
+
+class Opened:
+    """Dump files opened read-only (as the hydrator's `open_dump_parts` leaves them), named by their paths."""
+
+    def __init__(self, *paths: Path) -> None:
+        self.fds = {str(p): os.open(p, os.O_RDONLY | os.O_CLOEXEC) for p in paths}
+
+    def __enter__(self) -> dict[str, int]:
+        return self.fds
+
+    def __exit__(self, *_exc: object) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+
+
+def settle(tier: RamTier) -> dict[str, Any]:
+    """The tier's status once its loader has nothing queued (a bound, never a measurement)."""
+    deadline = time.monotonic() + 30
+    while (status := tier.status())["loading"] and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert not status["loading"], status
+    return status
+
+
+def held(tier: RamTier, key: str, *paths: Path) -> bool:
+    """Whether `paths` under `key` are a hit (the lease released at once)."""
+    with Opened(*paths) as fds:
+        lease = tier.lease(key, fds)
+    if lease is not None:
+        lease.release()
+    return lease is not None
+
+
+def load(tier: RamTier, key: str, *paths: Path) -> dict[str, Any]:
+    with Opened(*paths) as fds:
+        assert tier.load_later(key, fds)
+    return settle(tier)
+
+
+class TestBudget:
+    def test_the_least_recently_used_entry_not_in_use_is_evicted_first(self, tmp_path: Path, tier_of: Any) -> None:
+        a, b, c, d = (dump(tmp_path / f"{n}.bin", 2 * MIB) for n in "abcd")
+        tier = tier_of(6 * MIB)
+        for path in (a, b, c):
+            load(tier, KEY, path)
+        assert held(tier, KEY, a)  # a is now the most recently used: b the least
+        status = load(tier, KEY, d)
+        assert (status["entries"], status["bytes"], status["evictions"]) == (3, 6 * MIB, 1), status
+        assert [held(tier, KEY, p) for p in (a, b, c, d)] == [True, False, True, True]
+
+    def test_a_dump_of_several_files_is_one_entry_held_and_evicted_whole(self, tmp_path: Path,
+                                                                         tier_of: Any) -> None:
+        a, b, c = (dump(tmp_path / f"{n}.bin", 2 * MIB) for n in "abc")
+        tier, before = tier_of(4 * MIB), locked_bytes()
+        assert load(tier, KEY, a, b)["entries"] == 1 and locked_bytes() - before == 4 * MIB  # both files pinned
+        assert held(tier, KEY, a, b) and not held(tier, KEY, a)  # a part of it is another dump
+        load(tier, OTHER_KEY, c)
+        assert not held(tier, KEY, a, b) and tier.status()["bytes"] == 2 * MIB
+
+    def test_pinned_bytes_are_page_locked_while_held_and_unlocked_once_evicted(self, tmp_path: Path,
+                                                                              tier_of: Any) -> None:
+        a, b = dump(tmp_path / "a.bin", 8 * MIB), dump(tmp_path / "b.bin", 8 * MIB)
+        tier, before = tier_of(8 * MIB), locked_bytes()
+        load(tier, KEY, a)
+        assert locked_bytes() - before == 8 * MIB
+        load(tier, KEY, b)  # a evicted: its pages unlocked, b's locked
+        assert locked_bytes() - before == 8 * MIB and tier.status()["evictions"] == 1
+        tier.close()
+        assert locked_bytes() == before
+
+    def test_a_dump_larger_than_the_budget_is_not_held_and_nothing_is_evicted_for_it(self, tmp_path: Path,
+                                                                                     tier_of: Any) -> None:
+        small, large = dump(tmp_path / "s.bin", 2 * MIB), dump(tmp_path / "l.bin", 6 * MIB)
+        tier = tier_of(4 * MIB)
+        load(tier, KEY, small)
+        status = load(tier, OTHER_KEY, large)
+        assert status["skipped"]["too_large"] == 1 and status["evictions"] == 0 and held(tier, KEY, small)
+
+    def test_a_tier_of_budget_zero_is_off(self, tmp_path: Path, tier_of: Any) -> None:
+        a = dump(tmp_path / "a.bin", 2 * MIB)
+        tier = tier_of(0)
+        with Opened(a) as fds:
+            assert not tier.load_later(KEY, fds) and tier.lease(KEY, fds) is None
+        assert tier.status() | {"read_bytes": None} == {
+            "budget": 0, "entries": 0, "bytes": 0, "in_use": 0, "loading": 0, "hits": 0, "misses": 0,
+            "evictions": 0, "loads": 0, "dropped": 0, "skipped": {"too_large": 0, "no_room": 0, "failed": 0},
+            "read_bytes": None, "last_error": ""}
+
+
+class TestCounters:
+    def test_a_miss_counts_its_bytes_on_the_disk_tier_and_queues_the_dump_a_hit_counts_on_the_ram_tier(
+            self, tmp_path: Path, tier_of: Any) -> None:
+        a = dump(tmp_path / "a.bin", 2 * MIB)
+        tier = tier_of(8 * MIB)
+        with Opened(a) as fds:
+            assert tier.lease(KEY, fds) is None
+            assert tier.staged(KEY, fds, None, 2 * MIB) == "disk"
+        settle(tier)
+        with Opened(a) as fds:
+            lease = tier.lease(KEY, fds)
+            assert lease is not None and tier.staged(KEY, fds, lease, 2 * MIB) == "ram"
+            lease.release()
+        status = tier.status()
+        assert (status["hits"], status["misses"], status["loads"], status["entries"]) == (1, 1, 1, 1), status
+        assert status["read_bytes"] == {"ram": 2 * MIB, "disk": 2 * MIB}
+
+    def test_a_dump_is_queued_once_and_the_queue_is_bounded(self, tmp_path: Path) -> None:
+        gate = threading.Event()
+
+        def held_back(mapped: Mapped) -> None:  # the loader waits here: what is queued meanwhile stays queued
+            gate.wait(30)
+            mlock(mapped)
+        paths = [dump(tmp_path / f"{n}.bin", 2 * MIB) for n in range(5)]
+        tier = RamTier(32 * MIB, pin=held_back, unpin=munlock_and_unmap)
+        try:
+            with Opened(*paths) as fds:
+                queued = [tier.load_later(KEY, {str(p): fds[str(p)]}) for p in paths]
+                again = tier.load_later(KEY, {str(paths[0]): fds[str(paths[0])]})
+            assert queued == [True, True, False, False, False] and not again
+            gate.set()
+            assert settle(tier)["entries"] == 2
+        finally:
+            gate.set()
+            tier.close()
+
+
+class TestInUse:
+    def test_an_entry_in_use_is_never_evicted_and_the_newcomer_waits_for_a_later_miss(self, tmp_path: Path,
+                                                                                      tier_of: Any) -> None:
+        a, b = dump(tmp_path / "a.bin", 4 * MIB), dump(tmp_path / "b.bin", 4 * MIB)
+        tier = tier_of(4 * MIB)
+        load(tier, KEY, a)
+        with Opened(a) as fds:
+            lease = tier.lease(KEY, fds)
+        assert lease is not None and tier.status()["in_use"] == 1
+        status = load(tier, OTHER_KEY, b)  # no room without evicting the leased one: not held
+        assert status["skipped"]["no_room"] == 1 and status["evictions"] == 0
+        assert ctypes.string_at(lease.addresses[str(a)], 4 * MIB) == a.read_bytes()  # still mapped, same bytes
+        lease.release()
+        load(tier, OTHER_KEY, b)
+        assert held(tier, OTHER_KEY, b) and not held(tier, KEY, a)
+
+    def test_leases_from_many_threads_count_every_hit_and_leave_nothing_in_use(self, tmp_path: Path,
+                                                                              tier_of: Any) -> None:
+        a = dump(tmp_path / "a.bin", 2 * MIB)
+        tier = tier_of(2 * MIB)
+        load(tier, KEY, a)
+        threads = [threading.Thread(target=lambda: [held(tier, KEY, a) for _ in range(50)]) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        status = tier.status()
+        assert (status["hits"], status["in_use"], status["entries"]) == (400, 0, 1), status
+
+
+class TestFreshness:
+    def test_a_replaced_file_is_a_miss_and_the_new_file_is_served_once_held(self, tmp_path: Path,
+                                                                            tier_of: Any) -> None:
+        a = dump(tmp_path / "a.bin", 2 * MIB, b"old!")
+        tier = tier_of(8 * MIB)
+        load(tier, KEY, a)
+        dump(tmp_path / "a.new", 2 * MIB, b"new!").rename(a)  # same path, same size, another inode
+        with Opened(a) as fds:
+            assert tier.lease(KEY, fds) is None
+            tier.load_later(KEY, fds)
+        settle(tier)
+        with Opened(a) as fds:
+            lease = tier.lease(KEY, fds)
+        assert lease is not None
+        assert ctypes.string_at(lease.addresses[str(a)], 2 * MIB) == b"new!" * (MIB // 2)
+        lease.release()
+
+    def test_a_file_truncated_and_rewritten_in_place_is_a_miss(self, tmp_path: Path, tier_of: Any) -> None:
+        a = dump(tmp_path / "a.bin", 2 * MIB, b"old!")
+        tier = tier_of(8 * MIB)
+        load(tier, KEY, a)
+        time.sleep(0.02)  # past the filesystem clock's tick: the rewrite's times differ from the load's
+        with a.open("r+b") as f:
+            f.truncate(0)
+            f.write(b"new!" * (MIB // 2))
+        assert not held(tier, KEY, a) and tier.status()["misses"] == 1
+
+    def test_a_file_changed_while_it_is_being_held_is_not_held(self, tmp_path: Path) -> None:
+        """The identity is taken again once the file is pinned: a write between the request and the pin means
+        the tier would hold a file that is not the one the stage read."""
+        a = dump(tmp_path / "a.bin", 2 * MIB)
+
+        def pin_then_touch(mapped: Mapped) -> None:
+            mlock(mapped)
+            time.sleep(0.02)
+            with a.open("r+b") as f:
+                f.write(b"x")
+        tier = RamTier(8 * MIB, pin=pin_then_touch, unpin=munlock_and_unmap)
+        try:
+            status = load(tier, KEY, a)
+            assert (status["entries"], status["bytes"], status["skipped"]["failed"]) == (0, 0, 1), status
+            assert status["last_error"] == "HydrationError: a dump file changed while it was being held"
+        finally:
+            tier.close()
+
+    def test_a_removed_dump_is_dropped_at_the_next_prune_and_its_pages_unlocked(self, tmp_path: Path,
+                                                                               tier_of: Any) -> None:
+        """A collected capture's pinned memory comes back within the hydrator's idle pass, not at the LRU's turn;
+        one in use waits for its stage to end; one that only changed (a rewrite) is dropped too."""
+        a, b = dump(tmp_path / "a.bin", 4 * MIB), dump(tmp_path / "b.bin", 4 * MIB)
+        tier, before = tier_of(16 * MIB), locked_bytes()
+        load(tier, KEY, a)
+        load(tier, OTHER_KEY, b)
+        with Opened(a) as fds:
+            lease = tier.lease(KEY, fds)
+        assert lease is not None
+        a.unlink()
+        tier.prune()  # in use: kept
+        assert tier.status()["entries"] == 2 and locked_bytes() - before == 8 * MIB
+        lease.release()
+        tier.prune()
+        status = tier.status()
+        assert (status["entries"], status["bytes"], status["dropped"]) == (1, 4 * MIB, 1), status
+        assert locked_bytes() - before == 4 * MIB
+        time.sleep(0.02)
+        with b.open("r+b") as f:
+            f.write(b"x")
+        tier.prune()
+        assert tier.status()["entries"] == 0 and locked_bytes() == before
+
+    def test_a_failed_pin_holds_nothing_and_the_loader_goes_on(self, tmp_path: Path) -> None:
+        a, b = dump(tmp_path / "a.bin", 2 * MIB), dump(tmp_path / "b.bin", 2 * MIB)
+        refused: list[int] = []
+
+        def pin(mapped: Mapped) -> None:
+            if not refused:  # the first pin fails as the driver's would (out of page-locked memory)
+                refused.append(mapped.size)
+                raise OSError(12, "Cannot allocate memory")
+            mlock(mapped)
+        tier = RamTier(8 * MIB, pin=pin, unpin=munlock_and_unmap)
+        try:
+            status = load(tier, KEY, a)
+            assert (status["entries"], status["bytes"], status["skipped"]["failed"]) == (0, 0, 1), status
+            assert "Cannot allocate memory" in status["last_error"]
+            assert load(tier, KEY, b)["entries"] == 1 and held(tier, KEY, b)
+        finally:
+            tier.close()
+
+    def test_the_same_files_under_another_manifest_digest_are_a_miss(self, tmp_path: Path, tier_of: Any) -> None:
+        a = dump(tmp_path / "a.bin", 2 * MIB)
+        tier = tier_of(8 * MIB)
+        load(tier, KEY, a)
+        assert held(tier, KEY, a) and not held(tier, OTHER_KEY, a)
+
+    def test_a_file_deleted_after_it_was_held_keeps_its_inode_so_its_number_names_nothing_else(
+            self, tmp_path: Path, tier_of: Any) -> None:
+        a = dump(tmp_path / "a.bin", 2 * MIB)
+        tier = tier_of(8 * MIB)
+        with Opened(a) as fds:
+            first = identity(fds[str(a)])
+        load(tier, KEY, a)
+        a.unlink()
+        b = dump(tmp_path / "b.bin", 2 * MIB)
+        with Opened(b) as fds:
+            assert identity(fds[str(b)])[:2] != first[:2] and tier.lease(KEY, fds) is None
+
+
+class TestOptions:
+    @pytest.mark.parametrize(("value", "rule"), [
+        pytest.param("lots", "must be 0 \\(off\\) or a size", id="words"),
+        pytest.param("-1", "must be 0 \\(off\\) or a size", id="negative"),
+        pytest.param("1.5G", "must be 0 \\(off\\) or a size", id="fraction"),
+        pytest.param("100T", "must be at most the node's memory", id="beyond-memory"),
+    ])
+    def test_a_bad_budget_is_refused_naming_the_option_before_anything_starts(
+            self, tmp_path: Path, value: str, rule: str, capsys: pytest.CaptureFixture[str]) -> None:
+        sock = tmp_path / "h.sock"
+        with pytest.raises(SystemExit) as exited:  # argparse's refusal: before the driver or the socket
+            main(["serve", "--staging", "--socket", str(sock), f"--ram-tier-bytes={value}"])
+        assert exited.value.code == 2 and not sock.exists()
+        stderr = capsys.readouterr().err
+        assert "argument --ram-tier-bytes:" in stderr and re.search(rule, stderr), stderr
+
+    def test_a_budget_without_staging_is_refused(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        with pytest.raises(SystemExit) as exited:
+            main(["serve", "--socket", str(tmp_path / "h.sock"), "--ram-tier-bytes", "1G"])
+        assert exited.value.code == 2
+        assert "argument --ram-tier-bytes: only with --staging" in capsys.readouterr().err
+
+    def test_a_negative_budget_is_refused_by_the_tier_itself(self) -> None:
+        with pytest.raises(HydrationError, match="budget must be 0 \\(off\\) or a number of bytes, not -1"):
+            RamTier(-1, pin=mlock, unpin=munlock_and_unmap)
+
+
+@pytest.fixture
+def tenants(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """A 0755 tree holding the peer's own dump file `att/seg-0.bin` (nobody's) and another tenant's
+    `secret/seg-0.bin` (in root's 0700 directory)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the hydrator's peers are other uids")
+    top = Path("/tmp") / f"cs-ram-tier-{os.getpid()}"
+    (top / "att").mkdir(parents=True)
+    (top / "secret").mkdir(mode=0o700)
+    top.chmod(0o755)
+    try:
+        own, secret = dump(top / "att" / "seg-0.bin", 2 * MIB), dump(top / "secret" / "seg-0.bin", 2 * MIB)
+        secret.chmod(0o644)
+        for p in (top / "att", own):
+            os.chown(p, 65534, 65534)
+        yield own, secret
+    finally:
+        shutil.rmtree(top)
+
+
+@contextlib.contextmanager
+def parts_as(prefix: tuple[str, ...], path: Path) -> Iterator[dict[str, int]]:
+    """The descriptors open_dump_parts opens for one part `path`, as a real peer process (`prefix`) sees it over
+    a real socket: what the hydrator hands the tier."""
+    with listening() as (listener, sock), connected(listener, sock, prefix) as (conn, peer, _), \
+            PeerView.of(conn, peer, openers=threading.BoundedSemaphore(OPENERS)) as view:
+        _parts, fds = open_dump_parts(dump_layout([{"file": str(path), "bytes": 2 * MIB, "region": 0}])[0], view)
+        try:
+            yield fds
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+
+class TestPeerRules:
+    def test_a_held_file_the_peer_may_not_read_is_refused_before_the_tier_is_asked(self, tenants: Any,
+                                                                                   tier_of: Any) -> None:
+        _own, secret = tenants
+        tier = tier_of(8 * MIB)
+        with parts_as((), secret) as fds:  # the other tenant's restore, as root: held from now on
+            tier.load_later(KEY, fds)
+        settle(tier)
+        with pytest.raises(HydrationError, match="peer uid 65534 may not read"), parts_as(AS_NOBODY, secret):
+            pass
+        assert tier.status()["hits"] == 0
+
+    def test_a_peer_naming_its_own_file_under_a_held_digest_gets_a_miss_not_the_held_bytes(
+            self, tenants: Any, tier_of: Any) -> None:
+        own, secret = tenants
+        tier = tier_of(8 * MIB)
+        with parts_as((), secret) as fds:
+            tier.load_later(KEY, fds)
+        settle(tier)
+        with parts_as(AS_NOBODY, own) as fds:
+            assert tier.lease(KEY, fds) is None  # same digest, same size, its own file: not the held one
+        with parts_as((), secret) as fds:  # the tenant that may read it hits
+            lease = tier.lease(KEY, fds)
+            assert lease is not None and ctypes.string_at(lease.addresses[str(secret)], 2 * MIB) == \
+                secret.read_bytes()
+            lease.release()
+
+    def test_a_peer_hits_on_its_own_file_as_its_own_view_opened_it(self, tenants: Any, tier_of: Any) -> None:
+        own, _secret = tenants
+        tier = tier_of(8 * MIB)
+        with parts_as(AS_NOBODY, own) as fds:
+            tier.load_later(KEY, fds)
+        settle(tier)
+        with parts_as(AS_NOBODY, own) as fds:
+            lease = tier.lease(KEY, fds)
+            assert lease is not None and list(lease.addresses) == [str(own)]
+            lease.release()
+
+
+def _gpu_stage(control: str, uuid: str, parts: list[dict[str, Any]]) -> tuple[dict[str, Any], bytes]:
+    """A stage-dump of `parts`, adopted: its answer and the staged allocation's bytes."""
+    from coldsnap_probe._cuda import Driver
+    from coldsnap_probe.hydration._vmm import cucall, fd_handle, map_read_write
+    from coldsnap_probe.jsonline import request, request_with_fds
+
+    size = sum(p["bytes"] for p in parts)
+    staged = request(control, {"op": "stage-dump", "key": KEY, "parts": parts, "device_uuid": uuid}, timeout=120.0)
+    assert staged["ok"] and staged["bytes"] == size, staged
+    answer, fds = request_with_fds(control, {"op": "adopt", "key": KEY, "ticket": staged["ticket"], "parts": parts},
+                                   timeout=60.0)
+    assert answer["ok"] and len(fds) == 1, answer
+    driver = Driver()
+    driver.context(0)
+    handle = cucall(driver, "cuMemImportFromShareableHandle", fds[0], fd_handle(driver))
+    os.close(fds[0])
+    va = int(cucall(driver, "cuMemAddressReserve", size, 0, 0, 0))
+    try:
+        cucall(driver, "cuMemMap", va, size, 0, handle, 0)
+        map_read_write(driver, va, size, 0)
+        buffer = ctypes.create_string_buffer(size)
+        cucall(driver, "cuMemcpyDtoH", ctypes.addressof(buffer), va, size)
+        cucall(driver, "cuMemUnmap", va, size)
+    finally:
+        cucall(driver, "cuMemAddressFree", va, size)
+        cucall(driver, "cuMemRelease", handle)
+    return staged, buffer.raw
+
+
+@pytest.mark.skipif(not has_nvidia_driver(), reason="needs an NVIDIA driver")
+def test_the_second_stage_of_a_dump_comes_from_the_ram_tier_with_the_same_bytes(tmp_path: Path) -> None:
+    """The real hydrator: the first stage-dump reads the files (`tier: disk`) and queues them for the tier; the
+    second is served from their pinned mappings (`tier: ram`), the adopted bytes identical to the files' both
+    times; `status` counts a miss, a hit and the bytes read from each tier. Prints both stages' seconds."""
+    first, second = dump(tmp_path / "seg-0.bin", 256 * MIB), dump(tmp_path / "seg-1.bin", 64 * MIB)
+    parts = [{"file": str(first), "bytes": 256 * MIB, "region": 0},
+             {"file": str(second), "bytes": 64 * MIB, "region": 0}]
+    control = str(tmp_path / "hydrator.sock")
+    proc = subprocess.Popen([sys.executable, "-m", "coldsnap_probe.hydration", "serve", "--socket", control,
+                             "--staging", "--ram-tier-bytes", "1G"], stdout=subprocess.PIPE, cwd=ROOT)
+    try:
+        from coldsnap_probe.jsonline import request
+
+        ready = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+        assert ready["ram_tier_bytes"] == 1 << 30, ready
+        expected = first.read_bytes() + second.read_bytes()
+        cold, cold_bytes = _gpu_stage(control, ready["device_uuid"], parts)
+        assert cold["tier"] == "disk" and cold_bytes == expected, cold
+        deadline = time.monotonic() + 60
+        while (tier := request(control, {"op": "status"}, timeout=10.0)["ram_tier"])["entries"] < 1:
+            assert time.monotonic() < deadline, tier
+            time.sleep(0.05)
+        warm, warm_bytes = _gpu_stage(control, ready["device_uuid"], parts)
+        assert warm["tier"] == "ram" and warm_bytes == expected, warm
+        tier = request(control, {"op": "status"}, timeout=10.0)["ram_tier"]
+        assert (tier["hits"], tier["misses"], tier["in_use"]) == (1, 1, 0), tier
+        assert tier["read_bytes"] == {"ram": 320 * MIB, "disk": 320 * MIB} and tier["bytes"] == 320 * MIB, tier
+        print(json.dumps({"ram_tier_gpu": {"disk": {k: cold[k] for k in ("stage_s", "copy_s", "bytes")},
+                                           "ram": {k: warm[k] for k in ("stage_s", "copy_s", "bytes")}}}))
+    finally:
+        proc.kill()
+        proc.wait()
