@@ -116,7 +116,8 @@ def device_staging(report: dict[str, Any]) -> dict[str, Any]:
                                            if s.get("error") or s.get("adopt_error")}),
             # The restore waiting for the stage after CUDA's restore, and where the device bytes came from: chunks
             # of zeros set on the device (by the stage or the interposer) vs bytes read from the dump and copied.
-            "device_stage_wait_s": max((float(s.get("wait_s") or 0.0) for s in asked), default=None),
+            "device_stage_wait_s": max((float(s["wait_s"]) for s in asked if s.get("wait_s") is not None),
+                                       default=None),
             "device_zero_set_bytes": sum(int(s.get("zero_bytes") or 0) for s in sources),
             "device_copied_bytes": sum(int(s.get("copied_bytes", s.get("bytes")) or 0) for s in sources)}
 
