@@ -314,6 +314,19 @@ def test_the_capture_records_criu_s_version_and_a_different_criu_is_refused(tmp_
     assert image_digest(images, contents=True) == before
 
 
+def test_the_capture_reports_where_criu_s_dump_and_the_worker_s_start_went(plain: Capture) -> None:
+    """Issue 35 item 3: CRIU's own account of the dump (stats-dump) and the worker's phases outside CRIU."""
+    report = json.loads((plain.images / "capture.json").read_text())
+    stats, timings = report["criu_dump_stats"], report["timings_s"]
+    assert 0 < stats["memwrite_s"] <= stats["memdump_s"] <= stats["frozen_s"] < timings["criu_dump"]
+    assert 0 <= stats["freezing_s"] < timings["criu_dump"]
+    pages = sum(f.stat().st_size for f in plain.images.glob("pages-*.img"))
+    assert 0 < stats["pages_written"] <= stats["pages_scanned"]
+    assert stats["pages_written"] * 4096 <= pages  # the private pages written, the shared ones beside them
+    assert stats["pages_written"] >= (TARGET_MIB << 20) // 4096 // 2  # most of the target's data
+    assert 0 < timings["worker_start"] < 10 and 0 <= timings["finish"] < 10
+
+
 def test_a_host_that_cannot_restore_is_refused_before_any_work_naming_every_fact(tmp_path: Path, criu: str) -> None:
     """Issue 36 item 4: the capture records the layers of the image it ran in (the provider names them), the
     kernel and what the capsule sees; a restore elsewhere is refused (exit 3) with one code and both values per
