@@ -304,8 +304,8 @@ def rows_table(results: list[dict[str, Any]], gib: float, capsule: dict[str, Any
 
 
 CAPTURE_HEAD = ("row", "capture: exec s", "release s (GB/s)", "release thread-s: write / digest / device / zero",
-                "CUDA lock + checkpoint s", "CRIU dump s: frozen / pages / their writes", "CRIU pages written GB",
-                "worker: start / find CUDA / finish s")
+                "CUDA lock + checkpoint s (host GB added)", "CRIU dump s: frozen / pages / their writes",
+                "CRIU pages written GB", "worker: start / find CUDA / finish s")
 
 
 def capture_cells(r: dict[str, Any]) -> list[str]:
@@ -315,7 +315,9 @@ def capture_cells(r: dict[str, Any]) -> list[str]:
     pages = c.get("criu_pages_written")
     return [r["row"], _f(c.get("exec_s")), f"{_f(c.get('device_release_s'))} ({_f(c.get('device_gbps'))})",
             " / ".join(_f(threads.get(k)) for k in ("write", "digest", "device", "zero")),
-            _f((c.get("cuda_lock_s") or 0) + (c.get("cuda_checkpoint_s") or 0)) if c else "-",
+            (_f((c.get("cuda_lock_s") or 0) + (c.get("cuda_checkpoint_s") or 0))
+             + f" ({_f(None if c.get('checkpoint_added_bytes') is None else c['checkpoint_added_bytes'] / 1e9)})")
+            if c else "-",
             f"{_f(c.get('criu_dump_s'))}: {_f(c.get('criu_frozen_s'))} / {_f(c.get('criu_memdump_s'))} / "
             f"{_f(c.get('criu_memwrite_s'))}", "-" if pages is None else f"{pages * 4096 / 1e9:.2f}",
             " / ".join(_f(c.get(k)) for k in ("worker_start_s", "find_cuda_s", "finish_s"))]
