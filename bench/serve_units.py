@@ -267,7 +267,9 @@ def capture_detail(report: dict[str, Any]) -> dict[str, Any]:
     before, after = report.get("memory_before_checkpoint"), report.get("memory_after_checkpoint")
     added = sum(int((after[pid] or {}).get("anonymous_bytes") or 0) - int((before.get(pid) or {}).get(
         "anonymous_bytes") or 0) for pid in after) if before is not None and after is not None else None
-    return {"worker_start_s": timings.get("worker_start"), "find_cuda_s": timings.get("find_cuda"),
+    fs = report.get("images_filesystem") or {}
+    return {"images_on": " huge=".join(filter(None, (fs.get("type"), fs.get("huge")))) or None,
+            "worker_start_s": timings.get("worker_start"), "find_cuda_s": timings.get("find_cuda"),
             "checkpoint_added_bytes": added,
             "finish_s": timings.get("finish"), "release_thread_s": threads or None,
             "criu_frozen_s": stats.get("frozen_s"), "criu_memdump_s": stats.get("memdump_s"),

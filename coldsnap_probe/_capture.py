@@ -29,6 +29,7 @@ from ._cuda import Driver
 from ._cuda_ipc import refuse_cuda_ipc
 from ._engine import check_quiesced, engine_request, graph_plan, resume_engine, write_graph_record
 from ._graph import GraphPlan
+from ._images_fs import images_filesystem
 from ._phase import PhaseLog
 from ._process import (
     anonymous_memory,
@@ -79,6 +80,7 @@ def capture(pid: int, images: Path, *, criu: str, boundary: str = "n610", lock_t
                    phases=phases or PhaseLog("capture", publish=False), journal=journal)
     if worker_main_ns is not None:
         run.report.timings_s["worker_start"] = (began_ns - worker_main_ns) / 1e9
+    run.report.images_filesystem = images_filesystem(images)
     try:
         run.run(lock_timeout_ms)
         run.phase.enter("finish")

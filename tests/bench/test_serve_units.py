@@ -209,6 +209,7 @@ class TestReports:
                                            "finish": 0.01},
                   "criu_dump_stats": {"frozen_s": 0.9, "memdump_s": 0.6, "memwrite_s": 0.5, "pages_written": 9},
                   "memory_before_checkpoint": {"513": {"anonymous_bytes": 900}, "514": {}},
+                  "images_filesystem": {"type": "tmpfs", "huge": "always"},
                   "memory_after_checkpoint": {"513": {"anonymous_bytes": 1500}, "514": {"anonymous_bytes": 70}},
                   "device_memory": [{**d, "timings_s": {"dump": 0.7, "dump_write_thread_s": 8.0 + i,
                                                         "dump_digest_thread_s": 2.5}}
@@ -219,7 +220,8 @@ class TestReports:
         assert (row["criu_frozen_s"], row["criu_memdump_s"], row["criu_memwrite_s"]) == (0.9, 0.6, 0.5)
         assert row["criu_pages_written"] == 9 and row["checkpoint_added_bytes"] == 600 + 70
         assert capture_row(CAPTURE)["release_thread_s"] is None and capture_row(CAPTURE)["criu_frozen_s"] is None
-        assert capture_row(CAPTURE)["checkpoint_added_bytes"] is None
+        assert capture_row(CAPTURE)["checkpoint_added_bytes"] is None and capture_row(CAPTURE)["images_on"] is None
+        assert row["images_on"] == "tmpfs huge=always"
 
     def test_a_capture_without_the_interposer_has_no_device_phase(self) -> None:
         row = capture_row({"timings_s": {"criu_dump": 10.7, "cuda_checkpoint": 8.1}, "device_memory": None,

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from coldsnap_probe._images_fs import images_filesystem
 from coldsnap_probe._process import image_digest
 from tests.criu import CRIU, alive, criu_wrapper
 from tests.helpers import ROOT
@@ -325,6 +326,7 @@ def test_the_capture_reports_where_criu_s_dump_and_the_worker_s_start_went(plain
     assert stats["pages_written"] * 4096 <= pages  # the private pages written, the shared ones beside them
     assert stats["pages_written"] >= (TARGET_MIB << 20) // 4096 // 2  # most of the target's data
     assert 0 < timings["worker_start"] < 10 and 0 <= timings["finish"] < 10
+    assert report["images_filesystem"] == images_filesystem(plain.images) and report["images_filesystem"]["type"]
 
 
 def test_a_host_that_cannot_restore_is_refused_before_any_work_naming_every_fact(tmp_path: Path, criu: str) -> None:
