@@ -94,7 +94,7 @@ else
             || { echo "cannot mount a tmpfs with huge=$huge at $IMAGES"; exit 1; }
         grep " $IMAGES " /proc/mounts
         rows "$OUT/huge-$huge" "${DRIVER_TIMEOUT:-$(((590 - SECONDS - 20) / left))}" "$@"
-        umount "$IMAGES"; left=$((left - 1))
+        umount "$IMAGES" || umount -l "$IMAGES"; left=$((left - 1))
     done
     step "capture phases, side by side"
     for huge in "${HUGES[@]}"; do
