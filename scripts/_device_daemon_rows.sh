@@ -98,7 +98,7 @@ else
     done
     step "capture phases, side by side"
     for huge in "${HUGES[@]}"; do
-        echo "images on tmpfs huge=$huge"; sed -n '/^| row *| capture/,/^$/p' "$OUT/huge-$huge/rows-table.md"
+        echo "images on tmpfs huge=$huge"; sed -n '/^| row *| images on/,/^$/p' "$OUT/huge-$huge/rows-table.md"
     done | tee "$OUT/capture-side-by-side.md"
 fi
 stop_all >> "$OUT/capsule.txt" 2>&1; tail -4 "$OUT/capsule.txt"
