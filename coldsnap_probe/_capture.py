@@ -146,11 +146,15 @@ class _Capture:
         self.ranks.barrier("quiesced")
         self._wait_idle()
         self._release_memory(cuda)
+        started = time.perf_counter()  # both scans are on the capture's path: the report says what they cost
         self.report.memory_before_checkpoint = {str(p): anonymous_memory(p) for p in self.tree}
+        scanned = time.perf_counter() - started
         self._lock(self.driver, cuda, lock_timeout_ms)
         self._checkpoint(self.driver, cuda)
         self.ranks.barrier("checkpointed")
+        started = time.perf_counter()
         self.report.memory_after_checkpoint = {str(p): anonymous_memory(p) for p in self.tree}
+        self.report.timings_s["memory_scan"] = scanned + time.perf_counter() - started
         self._dump()
         if self.plan is not None:
             write_graph_record(self.images, self.plan, self.ranks.world_size)
