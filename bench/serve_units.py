@@ -269,6 +269,7 @@ def capture_detail(report: dict[str, Any]) -> dict[str, Any]:
         "anonymous_bytes") or 0) for pid in after) if before is not None and after is not None else None
     fs = report.get("images_filesystem") or {}
     return {"images_on": " huge=".join(filter(None, (fs.get("type"), fs.get("huge")))) or None,
+            "interpreter_start_s": timings.get("interpreter_start"), "memory_scan_s": timings.get("memory_scan"),
             "worker_start_s": timings.get("worker_start"), "find_cuda_s": timings.get("find_cuda"),
             "checkpoint_added_bytes": added,
             "finish_s": timings.get("finish"), "release_thread_s": threads or None,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import signal
 import time
@@ -37,6 +38,7 @@ from ._process import (
     cuda_processes,
     image_digest,
     images_size,
+    process_age_s,
     process_tree,
     require_state,
     run_criu,
@@ -78,8 +80,10 @@ def capture(pid: int, images: Path, *, criu: str, boundary: str = "n610", lock_t
                    engine=engine,
                    plan=graph_plan(graph_policy, ranks.world_size) if engine and boundary == "n610" else None,
                    phases=phases or PhaseLog("capture", publish=False), journal=journal)
-    if worker_main_ns is not None:
+    if worker_main_ns is not None:  # the interpreter's own start (to the clock tick), then the command's
         run.report.timings_s["worker_start"] = (began_ns - worker_main_ns) / 1e9
+        run.report.timings_s["interpreter_start"] = max(
+            0.0, process_age_s(os.getpid()) - (time.time_ns() - worker_main_ns) / 1e9)
     run.report.images_filesystem = images_filesystem(images)
     try:
         run.run(lock_timeout_ms)

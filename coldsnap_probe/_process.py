@@ -183,6 +183,13 @@ def anonymous_memory(pid: int, top: int = 6) -> dict[str, Any]:
     return {"anonymous_bytes": total << 10, "largest": sorted(sizes, reverse=True)[:top]}
 
 
+def process_age_s(pid: int) -> float:
+    """Seconds since `pid` started (its exec's fork, to the kernel's clock tick: 10 ms where CLK_TCK is 100)."""
+    stat_line = Path(f"/proc/{pid}/stat").read_text()
+    ticks = int(stat_line.rsplit(")", 1)[1].split()[19])  # field 22, counted after the command's parentheses
+    return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+
+
 def images_size(images: Path) -> tuple[int, int]:
     files = _image_files(images)
     return sum(p.lstat().st_size for p in files), len(files)

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from coldsnap_probe._host import DEVICE_SELECTOR_ENV, nvml_identity
-from coldsnap_probe._process import anonymous_memory, audit_pre_cuda
+from coldsnap_probe._process import anonymous_memory, audit_pre_cuda, process_age_s
 from coldsnap_probe._target import check_target, comparable
 from coldsnap_probe._worker import image_digest, process_tree
 from coldsnap_probe.errors import TargetRefused, WorkerError
@@ -74,6 +74,19 @@ def test_anonymous_memory_names_the_written_private_mappings_and_nothing_of_a_go
     assert [4 << 20, str(backing)] in [list(entry) for entry in largest]
     assert seen["anonymous_bytes"] >= (28 << 20)
     assert anonymous_memory(child.pid) == {}
+
+
+def test_a_process_s_age_counts_from_its_start_to_the_clock_tick() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        time.sleep(0.3)
+        age = process_age_s(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert 0.3 - 0.02 <= age < 5  # one tick (10 ms) of rounding, either way
+    with pytest.raises(FileNotFoundError):
+        process_age_s(child.pid)  # reaped: gone
 
 
 def test_process_tree_lists_parents_before_children() -> None:
