@@ -37,6 +37,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shlex
 import sys
 import time
 from dataclasses import dataclass, field
@@ -352,10 +353,13 @@ async def wait_hydrator(d: Driver, name: str, created: float, limit: float = 120
 
 async def capture(d: Driver, name: str, pid: int, layout: Layout, capture_id: str, *, hydrate: bool,
                   boundary: str = "n610") -> dict[str, Any]:
-    """The worker captures `pid` inside the unit `name` (`boundary` n580: a tree without CUDA); its report."""
-    command = [layout.python, "-m", "coldsnap_probe", "capture", "--pid", str(pid), "--images",
-               f"{IMAGES}/{capture_id}", "--criu", layout.criu, "--boundary", boundary,
-               *(["--hydration", f"{RUN}/hydration.sock"] if hydrate else [])]
+    """The worker captures `pid` inside the unit `name` (`boundary` n580: a tree without CUDA); its report. The
+    worker runs as a restore's does, `python -S` with cuda-python's directory on PYTHONPATH: the server's `site`
+    (its .pth files, 57 ms on the H200) is no part of a capture either."""
+    worker = shlex.join([layout.python, "-S", "-m", "coldsnap_probe", "capture", "--pid", str(pid), "--images",
+                         f"{IMAGES}/{capture_id}", "--criu", layout.criu, "--boundary", boundary,
+                         *(["--hydration", f"{RUN}/hydration.sock"] if hydrate else [])])
+    command = ["sh", "-c", f"{layout.worker_environment()} {worker}"]
     started = time.time()
     runtime = await d.expect(f"capture of {name} by the in-capsule worker", "workload-exec", name=name,
                              execution={"command": command})

@@ -321,6 +321,29 @@ def rows_table(results: list[dict[str, Any]], gib: float, capsule: dict[str, Any
                       f"{str(capsule.get('id', ''))[:19]}, {capsule.get('size', 0) / 1e6:.0f} MB."])
 
 
+CAPTURE_HEAD = ("row", "images on", "capture: exec s", "release s (GB/s)",
+                "release thread-s: write / digest / device / zero",
+                "CUDA lock + checkpoint s (host GB added)", "CRIU dump s: frozen / pages / their writes",
+                "CRIU pages written GB", "worker: interpreter / start / find CUDA / memory scans / finish s")
+
+
+def capture_cells(r: dict[str, Any]) -> list[str]:
+    """Where a row's capture went (issue 35 item 3): each phase and, inside it, what the report says."""
+    c = r.get("capture") or {}
+    threads = c.get("release_thread_s") or {}
+    pages = c.get("criu_pages_written")
+    return [r["row"], c.get("images_on") or "-", _f(c.get("exec_s")),
+            f"{_f(c.get('device_release_s'))} ({_f(c.get('device_gbps'))})",
+            " / ".join(_f(threads.get(k)) for k in ("write", "digest", "device", "zero")),
+            (_f((c.get("cuda_lock_s") or 0) + (c.get("cuda_checkpoint_s") or 0))
+             + f" ({_f(None if c.get('checkpoint_added_bytes') is None else c['checkpoint_added_bytes'] / 1e9)})")
+            if c else "-",
+            f"{_f(c.get('criu_dump_s'))}: {_f(c.get('criu_frozen_s'))} / {_f(c.get('criu_memdump_s'))} / "
+            f"{_f(c.get('criu_memwrite_s'))}", "-" if pages is None else f"{pages * 4096 / 1e9:.2f}",
+            " / ".join(_f(c.get(k)) for k in ("interpreter_start_s", "worker_start_s", "find_cuda_s", "memory_scan_s",
+                                              "finish_s"))]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The run
 
@@ -396,7 +419,7 @@ async def main() -> int:
     except (E2EError, ClientError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    text = rows_table(results, args.gib, capsule)
+    text = rows_table(results, args.gib, capsule) + "\n\n" + table(CAPTURE_HEAD, [capture_cells(r) for r in results])
     print(text, flush=True)
     Path(args.out, "rows-table.md").write_text(text + "\n")
     Path(args.out, "rows.json").write_text(json.dumps({"builds": builds, "capsule": capsule, "rows": rows,

@@ -13,6 +13,11 @@ loop, `digest_and_write`, the function a release runs on each staging buffer) an
    `--threads` threads from plain (malloc) or page-locked (mlock) 4 MiB buffers: writes alone, then the release's
    loop (digest + zero check + write, block by block) with each digest; one run with a quarter of the chunks
    zeros (left as holes). Wall seconds, GB/s and thread-seconds per GiB by part.
+3. **mounts** (`--mounts never,always,within_size`, root; then only this part runs): where the dump goes, a
+   tmpfs mounted here per `huge=` option, side by side: the writes alone, the release's loop (CRC-32), and the
+   files mapped with each 64 MiB chunk populated ahead (MADV_POPULATE_WRITE) and the "DMA" copied straight into
+   them (what a copy from the device into registered file pages would leave to the CPU); with the GiB the files
+   held in huge pages (ShmemHugePages while they exist).
 Best of 2; a table on stdout, JSON in --out (default bench/results).
 """
 
@@ -35,19 +40,8 @@ from bench._common import table
 
 SOURCES = Path(__file__).resolve().parent.parent / "coldsnap_probe" / "hydration" / "interposer"
 
+# The interposer's every source is included ahead of this (build()): dump.c's loop needs the library linked whole.
 HARNESS = r"""
-#include "driver.c"
-#include "interpose.c"
-#include "regions.c"
-#include "control.c"
-#include "connection.c"
-#include "operations.c"
-#include "request.c"
-#include "sha256.c"
-#include "crc32.c"
-#include "digest.c"
-#include "dump.c"
-#include "hydrate.c"
 #include <sys/mman.h>
 
 #define PIECE ((size_t)4 << 20)
@@ -55,7 +49,9 @@ HARNESS = r"""
 static void no_libcrypto(void) {}
 static unsigned char *source, *zeros;
 static struct job job = {.lock = PTHREAD_MUTEX_INITIALIZER};
-static int mode, kind, zero_every, files, locked;  /* mode 0: writes alone, 1: the release's loop */
+static int mode, kind, zero_every, files, locked;  /* mode 0: writes alone, 1: the release's loop, 2: the file
+                                                     mapped and populated a chunk at a time, the "DMA" into it */
+static unsigned char *maps[64];
 static size_t chunks;
 
 static void engine(const char *name)
@@ -83,6 +79,15 @@ static void *writer(void *arg)
         cscu_chunk_init(&h, kind);
         for (size_t at = 0; at < CSCU_DIGEST_CHUNK; at += PIECE) {
             int zero = zero_every && i % (size_t)zero_every == 0;
+            if (mode == 2) {  /* pages allocated ahead (the write's own allocation, apart), then the "DMA" */
+                unsigned char *into = maps[it.segment] + it.offset + at;
+                double t0 = cscu_now();
+                if (at == 0 && madvise(into, CSCU_DIGEST_CHUNK, MADV_POPULATE_WRITE) != 0)
+                    return (void *)1;
+                t.io += cscu_now() - t0;
+                memcpy(into, source + (i * CSCU_DIGEST_CHUNK + at) % SOURCE, PIECE);
+                continue;
+            }
             memcpy(buf, zero ? zeros : source + (i * CSCU_DIGEST_CHUNK + at) % SOURCE, PIECE);  /* the "DMA" */
             double t0 = cscu_now();
             if (mode == 1 && digest_and_write(&job, &it, buf, PIECE, at, &h, &t) != 0)
@@ -147,8 +152,11 @@ int main(int argc, char **argv)
         snprintf(segments[f].file, sizeof(segments[f].file), CSCU_SEGMENT_FILE, (size_t)f);
         snprintf(path, sizeof(path), "%s/%s", argv[4], segments[f].file);
         off_t size = (off_t)(chunks / (size_t)files + 1) * (off_t)CSCU_DIGEST_CHUNK;  /* made whole, as dump_all does */
-        if ((fds[f] = open(path, O_WRONLY | O_CREAT | O_EXCL, 0600)) < 0 || ftruncate(fds[f], size) != 0)
+        if ((fds[f] = open(path, O_RDWR | O_CREAT | O_EXCL, 0600)) < 0 || ftruncate(fds[f], size) != 0)
             return 3;
+        if (mode == 2 && (maps[f] = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, MAP_SHARED, fds[f], 0))
+                             == MAP_FAILED)
+            return 4;
     }
     job.fds = fds, job.segments = segments;
     pthread_t ids[64];
@@ -170,7 +178,8 @@ ENGINES = (("sha256-64m", "auto"), ("sha256-64m", "builtin"), ("crc32-64m", "aut
 
 
 def build(folder: Path) -> Path:
-    (folder / "harness.c").write_text(HARNESS)  # not digest.c: it includes the interposer's digest.c
+    sources = "".join(f'#include "{c.name}"\n' for c in sorted(SOURCES.glob("*.c")))
+    (folder / "harness.c").write_text(sources + HARNESS)  # not digest.c: it includes the interposer's digest.c
     subprocess.run(["gcc", "-O2", "-std=gnu11", "-I", str(SOURCES), "-o", str(folder / "harness"),
                     str(folder / "harness.c"), "-ldl", "-lpthread"], check=True, capture_output=True, text=True)
     return folder / "harness"
@@ -192,11 +201,40 @@ def write_run(harness: Path, root: Path, kind: str, gib: float, threads: int, fi
         try:
             got = run(harness, "write", kind, "auto", folder, threads, files, gib, locked, mode, zero_every)
             got["written_gib"] = sum(p.stat().st_blocks * 512 for p in folder.iterdir()) / (1 << 30)
+            got["huge_gib"] = shmem_huge_gib()
         finally:
             shutil.rmtree(folder)
         if not best or got["wall_s"] < best["wall_s"]:
             best = got
     return best
+
+
+def shmem_huge_gib() -> float:
+    """GiB of tmpfs and shared memory held in huge pages now (the files just written, on an idle machine)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("ShmemHugePages:"):
+            return int(line.split()[1]) / (1 << 20)
+    return 0.0
+
+
+METHODS = (("writes", "crc32-64m", 0), ("loop", "crc32-64m", 1), ("mmap, populated", "crc32-64m", 2))
+
+
+def mounts(harness: Path, options: list[str], gib: float, threads: list[int], files: int) -> list[dict[str, Any]]:
+    """Each `huge=` option's tmpfs, mounted in a temporary directory for its runs and unmounted after them."""
+    out = []
+    for huge in options:
+        with tempfile.TemporaryDirectory(prefix="release-cpu-mount-") as point:
+            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(2 * gib + 2)}g,huge={huge}", "release-cpu",
+                            point], check=True, capture_output=True, text=True)
+            try:
+                for name, kind, mode in METHODS:
+                    for n in threads:
+                        got = write_run(harness, Path(point), kind, gib, n, files, 0, mode, 0)
+                        out.append({"mount": huge, "what": name, "threads": n, "files": files, "gib": gib, **got})
+            finally:
+                subprocess.run(["umount", point], check=True, capture_output=True, text=True)
+    return out
 
 
 def main() -> int:
@@ -206,11 +244,14 @@ def main() -> int:
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--files", default="1,4,16")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    parser.add_argument("--mounts", default="", help="tmpfs huge= options to compare (root): only that part runs")
     args = parser.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
     file_counts = [int(f) for f in args.files.split(",")]
     with tempfile.TemporaryDirectory() as scratch:
         harness = build(Path(scratch))
+        if args.mounts:
+            return mounts_main(args, harness, threads, max(file_counts))
         digests = [{"kind": kind, **run(harness, "digest", kind, engine)} for kind, engine in ENGINES]
         print(table(["digest", "engine", "s per GiB (1 thread)", "GB/s", "zero check s/GiB: random / zeros"],
                     [[d["kind"], d["engine"], f"{d['digest_s_per_gib']:.3f}",
@@ -237,6 +278,21 @@ def main() -> int:
     path = out / f"release-cpu-{os.uname().nodename[:24]}-{stamp}.json"
     path.write_text(json.dumps({"cpus": os.cpu_count(), "dir": args.dir, "digests": digests, "writes": writes},
                                indent=2) + "\n")
+    print(f"JSON: {path}")
+    return 0
+
+
+def mounts_main(args: argparse.Namespace, harness: Path, threads: list[int], files: int) -> int:
+    runs = mounts(harness, args.mounts.split(","), args.gib, threads, files)
+    print(table(["tmpfs huge=", "what", "threads", "files", "wall s", "GB/s", "write or populate s/GiB",
+                 "digest s/GiB", "GiB in huge pages"],
+                [[r["mount"], r["what"], r["threads"], r["files"], f"{r['wall_s']:.2f}",
+                  f"{args.gib * (1 << 30) / r['wall_s'] / 1e9:.2f}", f"{r['write_thread_s'] / args.gib:.3f}",
+                  f"{r['digest_thread_s'] / args.gib:.3f}", f"{r['huge_gib']:.2f}"] for r in runs]))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"release-cpu-mounts-{os.uname().nodename[:24]}-{time.strftime('%Y-%m-%d')}.json"
+    path.write_text(json.dumps({"cpus": os.cpu_count(), "mounts": runs}, indent=2) + "\n")
     print(f"JSON: {path}")
     return 0
 

@@ -264,7 +264,34 @@ def capture_row(report: dict[str, Any]) -> dict[str, Any]:
             "weights_release_s": weights.get("release_seconds"), "weights_bytes": weights.get("released_bytes"),
             "cuda_lock_s": timings.get("cuda_lock"), "cuda_checkpoint_s": timings.get("cuda_checkpoint"),
             "criu_dump_s": timings.get("criu_dump"), "image_bytes": report.get("image_bytes"),
-            "uncovered_bytes": {k: v for k, v in sorted(uncovered.items()) if v}, "exec_s": report.get("exec_seconds")}
+            "uncovered_bytes": {k: v for k, v in sorted(uncovered.items()) if v}, "exec_s": report.get("exec_seconds"),
+            **capture_detail(report)}
+
+
+def capture_detail(report: dict[str, Any]) -> dict[str, Any]:
+    """Where a capture's time went inside its phases (issue 35 item 3): the worker's own steps, the release's
+    copy-thread seconds (summed over the processes: device waits, digest, writes, zero checks) and CRIU's account
+    of its dump (frozen, pages collected, pages written, and how many); and the host memory the CUDA checkpoint
+    added to the tree (the device state it copied out: what CRIU then dumps)."""
+    timings = report.get("timings_s") or {}
+    stats = report.get("criu_dump_stats") or {}
+    threads: dict[str, float] = {}
+    for process in report.get("device_memory") or []:
+        for key, value in (process.get("timings_s") or {}).items():
+            if key.endswith("_thread_s"):
+                name = key.removeprefix("dump_").removesuffix("_thread_s")
+                threads[name] = threads.get(name, 0.0) + float(value)
+    before, after = report.get("memory_before_checkpoint"), report.get("memory_after_checkpoint")
+    added = sum(int((after[pid] or {}).get("anonymous_bytes") or 0) - int((before.get(pid) or {}).get(
+        "anonymous_bytes") or 0) for pid in after) if before is not None and after is not None else None
+    fs = report.get("images_filesystem") or {}
+    return {"images_on": " huge=".join(filter(None, (fs.get("type"), fs.get("huge")))) or None,
+            "interpreter_start_s": timings.get("interpreter_start"), "memory_scan_s": timings.get("memory_scan"),
+            "worker_start_s": timings.get("worker_start"), "find_cuda_s": timings.get("find_cuda"),
+            "checkpoint_added_bytes": added,
+            "finish_s": timings.get("finish"), "release_thread_s": threads or None,
+            "criu_frozen_s": stats.get("frozen_s"), "criu_memdump_s": stats.get("memdump_s"),
+            "criu_memwrite_s": stats.get("memwrite_s"), "criu_pages_written": stats.get("pages_written")}
 
 
 async def descriptors(d: Driver, name: str, pid: int) -> str:

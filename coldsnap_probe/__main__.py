@@ -140,7 +140,7 @@ def _worker(args: argparse.Namespace, entered: int) -> int:
             guard.start("capture")  # before any CUDA call: the guard may need the driver itself
             report = capture(args.pid, Path(args.images), criu=args.criu, boundary=args.boundary,
                              digest=args.digest, coordinator=coordinator, engine=args.engine,
-                             graph_policy=args.graph_policy, phases=phases, guard=guard,
+                             graph_policy=args.graph_policy, phases=phases, guard=guard, worker_main_ns=entered,
                              memory=MemoryOptions(weights_control=args.hydration,
                                                   interposer=args.interposer)).to_json()
         else:

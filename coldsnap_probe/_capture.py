@@ -18,16 +18,19 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import signal
 import time
 from pathlib import Path
 
 from ._coordinator import Coordinator
+from ._criu_stats import dump_stats
 from ._cuda import Driver
 from ._cuda_ipc import refuse_cuda_ipc
 from ._engine import check_quiesced, engine_request, graph_plan, resume_engine, write_graph_record
 from ._graph import GraphPlan
+from ._images_fs import images_filesystem
 from ._phase import PhaseLog
 from ._process import (
     anonymous_memory,
@@ -35,6 +38,7 @@ from ._process import (
     cuda_processes,
     image_digest,
     images_size,
+    process_age_s,
     process_tree,
     require_state,
     run_criu,
@@ -55,10 +59,12 @@ __all__ = ("capture",)
 def capture(pid: int, images: Path, *, criu: str, boundary: str = "n610", lock_timeout_ms: int = 30_000,
             digest: bool = False, memory: MemoryOptions | None = None, coordinator: Coordinator | None = None,
             engine: str | None = None, graph_policy: str = "auto", phases: PhaseLog | None = None,
-            guard: WorkerGuard | None = None) -> CaptureReport:
+            guard: WorkerGuard | None = None, worker_main_ns: int | None = None) -> CaptureReport:
     """Checkpoint and dump the tree rooted at `pid` into `images` (must be new or empty); `memory` says what
     the memory sources release; `phases` publishes each phase as it begins; `guard` (started) undoes the capture
-    if this process dies before it ends."""
+    if this process dies before it ends; `worker_main_ns` (when the worker command's main began, unix ns) makes
+    the report say what the worker's start cost before the capture began (`timings_s.worker_start`)."""
+    began_ns = time.time_ns()
     if boundary not in ("n580", "n610"):
         raise WorkerError(f"boundary must be n580 or n610, got {boundary!r}")
     if images.exists() and any(images.iterdir()):
@@ -74,6 +80,11 @@ def capture(pid: int, images: Path, *, criu: str, boundary: str = "n610", lock_t
                    engine=engine,
                    plan=graph_plan(graph_policy, ranks.world_size) if engine and boundary == "n610" else None,
                    phases=phases or PhaseLog("capture", publish=False), journal=journal)
+    if worker_main_ns is not None:  # the interpreter's own start (to the clock tick), then the command's
+        run.report.timings_s["worker_start"] = (began_ns - worker_main_ns) / 1e9
+        run.report.timings_s["interpreter_start"] = max(
+            0.0, process_age_s(os.getpid()) - (time.time_ns() - worker_main_ns) / 1e9)
+    run.report.images_filesystem = images_filesystem(images)
     try:
         run.run(lock_timeout_ms)
         run.phase.enter("finish")
@@ -128,20 +139,26 @@ class _Capture:
     def _initialized(self, lock_timeout_ms: int) -> None:
         """n610: every CUDA process of the tree locked and checkpointed, then dumped with the rest."""
         self.phase.enter("find-cuda")
+        started = time.perf_counter()
         self.driver = Driver()
         self.driver.call("cuInit", 0)
         cuda = self._find_cuda(self.driver)
+        self.report.timings_s["find_cuda"] = time.perf_counter() - started
         self.report.cuda_ipc = refuse_cuda_ipc(cuda, self.memory_options)  # before anything is done to the tree
         self._agree_on_policy()
         self._quiesce()
         self.ranks.barrier("quiesced")
         self._wait_idle()
         self._release_memory(cuda)
+        started = time.perf_counter()  # both scans are on the capture's path: the report says what they cost
         self.report.memory_before_checkpoint = {str(p): anonymous_memory(p) for p in self.tree}
+        scanned = time.perf_counter() - started
         self._lock(self.driver, cuda, lock_timeout_ms)
         self._checkpoint(self.driver, cuda)
         self.ranks.barrier("checkpointed")
+        started = time.perf_counter()
         self.report.memory_after_checkpoint = {str(p): anonymous_memory(p) for p in self.tree}
+        self.report.timings_s["memory_scan"] = scanned + time.perf_counter() - started
         self._dump()
         if self.plan is not None:
             write_graph_record(self.images, self.plan, self.ranks.world_size)
@@ -228,6 +245,10 @@ class _Capture:
         self.report.timings_s["criu_dump"] = run_criu(self.criu, args, self.work / "dump.log",
                                                       lifeline=self.journal.lifeline())
         self.dumped = True
+        try:  # where CRIU's time went; an unreadable account is said so, the images are whole all the same
+            self.report.criu_dump_stats = {**dump_stats(self.work)}
+        except (OSError, ValueError) as exc:
+            self.report.criu_dump_stats = {"unreadable": str(exc)}
         if shared:
             started = time.perf_counter()
             self.report.shared_files = [f.to_json() for f in save_shared_files(shared, self.images)]
@@ -254,6 +275,7 @@ class _Capture:
     # -- after the last phase --------------------------------------------------------------------------------
     def finish(self, *, digest: bool) -> CaptureReport:
         report = self.report
+        started = time.perf_counter()
         report.identity = identity(None, criu=self.criu)
         report.engine_quiesced = self.quiesced
         report.barrier_wait_s = dict(self.ranks.waits)
@@ -261,6 +283,7 @@ class _Capture:
         if digest:
             report.image_digest = image_digest(self.images, contents=True)
         report.completed_unix = time.time()
+        report.timings_s["finish"] = time.perf_counter() - started  # before capture.json: it is in it
         (self.images / "capture.json").write_text(json.dumps(report.to_json(), indent=2, sort_keys=True) + "\n")
         # The images are complete (and, with several ranks, every rank's): the captured tree ends here.
         self.journal.note(commit=self.tree)

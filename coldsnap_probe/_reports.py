@@ -162,6 +162,8 @@ class CaptureReport:
     cuda_ipc: dict[str, list[int]] | None = None  # the CUDA processes checked for CUDA IPC, and those that could not be
     engine_quiesced: bool = False
     timings_s: dict[str, float] = field(default_factory=dict)  # engine_quiesce, cuda_lock, cuda_checkpoint, criu_dump
+    criu_dump_stats: dict[str, float | int | str] | None = None  # CRIU's stats-dump (`_criu_stats.dump_stats`)
+    images_filesystem: dict[str, str] | None = None  # `_images_fs.images_filesystem` of the images directory
     barrier_wait_s: dict[str, float] = field(default_factory=dict)
     image_bytes: int = 0
     image_files: int = 0
@@ -181,7 +183,9 @@ class CaptureReport:
             "memory_after_checkpoint": self.memory_after_checkpoint, "identity": self.identity,
             "event_loops": self.event_loops, "shared_files": self.shared_files, "cuda_ipc": self.cuda_ipc,
             "engine_quiesced": self.engine_quiesced, "timings_s": self.timings_s,
-            "barrier_wait_s": self.barrier_wait_s, "image_bytes": self.image_bytes, "image_files": self.image_files,
+            "criu_dump_stats": self.criu_dump_stats, "images_filesystem": self.images_filesystem,
+            "barrier_wait_s": self.barrier_wait_s,
+            "image_bytes": self.image_bytes, "image_files": self.image_files,
             "image_digest": self.image_digest, "completed_unix": self.completed_unix}), "engine": self.engine}
 
 

@@ -11,7 +11,10 @@
 # (`--rows torch,torch-expandable,torch-async,split` then `--rows uvloop,jax,jax-platform`).
 # Environment: DRIVER_TIMEOUT bounds the driver (default: what a 590 s call has left after the set-up, less 20 s);
 # THP (default always) as in the serve step; IMAGES (default /dev/shm/cs-rows-img) is where the images go (one
-# row's at a time). Carries .device-criu42 (or .device-criu), .device-docker and .whl (and .whl/serve for uvloop).
+# row's at a time). IMAGES_HUGE (e.g. "never always"): the rows run once per value, side by side in this call,
+# each with a fresh tmpfs mounted at $IMAGES with that huge= option (issue 35 item 3: the release and CRIU write
+# the images into it), results in $OUT/huge-<value>/, then one table of every run's capture phases.
+# Carries .device-criu42 (or .device-criu), .device-docker and .whl (and .whl/serve for uvloop).
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh"
 source "$(dirname "$0")/_device_daemon.sh"
@@ -23,7 +26,7 @@ CAPSULE=coldsnap/capsule-rows:h200
 rm -rf "$WORK" "$IMAGES"; mkdir -p "$WORK"
 THP_FILE=/sys/kernel/mm/transparent_hugepage/enabled
 THP_WAS=$(sed 's/.*\[\(.*\)\].*/\1/' "$THP_FILE")
-trap 'echo "$THP_WAS" > "$THP_FILE"; rm -rf "$IMAGES"' EXIT
+trap 'echo "$THP_WAS" > "$THP_FILE"; umount "$IMAGES" 2>/dev/null; rm -rf "$IMAGES"' EXIT
 echo "${THP:-always}" > "$THP_FILE" || { echo "cannot set transparent huge pages to ${THP:-always}"; exit 1; }
 ROWS=$(python3 -c "
 import sys
@@ -66,9 +69,36 @@ if [ "$UVLOOP" = 1 ]; then
     wait_model "$MODEL"
 fi
 
-step "bench/e2e_rows.py $*"
-timeout "${DRIVER_TIMEOUT:-$((590 - SECONDS - 20))}" python3 bench/e2e_rows.py --state-dir "$STATE" \
-    --capsule "$CAPSULE" --build /tmp/cs-capsule-rows="$CAPSULE" --work "$WORK" --out "$OUT" --images-root "$IMAGES" \
-    $([ "$UVLOOP" = 1 ] && echo --model "$MODEL") "$@" 2>&1 | tee "$OUT/rows.txt"
-echo "e2e_rows exit ${PIPESTATUS[0]}"
+rows() {  # rows OUT_DIR SECONDS ARGS...: one e2e_rows run
+    local out=$1 seconds=$2
+    shift 2
+    mkdir -p "$out"
+    timeout "$seconds" python3 bench/e2e_rows.py --state-dir "$STATE" --capsule "$CAPSULE" \
+        --build /tmp/cs-capsule-rows="$CAPSULE" --work "$WORK" --out "$out" --images-root "$IMAGES" \
+        $([ "$UVLOOP" = 1 ] && echo --model "$MODEL") "$@" 2>&1 | tee "$out/rows.txt"
+    echo "e2e_rows exit ${PIPESTATUS[0]}"
+}
+if [ -z "${IMAGES_HUGE:-}" ]; then
+    step "bench/e2e_rows.py $*"
+    rows "$OUT" "${DRIVER_TIMEOUT:-$((590 - SECONDS - 20))}" "$@"
+else
+    set -- ${IMAGES_HUGE} -- "$@"
+    HUGES=()
+    while [ "$1" != -- ]; do HUGES+=("$1"); shift; done
+    shift
+    left=${#HUGES[@]}
+    for huge in "${HUGES[@]}"; do
+        step "bench/e2e_rows.py $* (images on a tmpfs, huge=$huge)"
+        rm -rf "$IMAGES"; mkdir -p "$IMAGES"
+        mount -t tmpfs -o "size=${IMAGES_GIB:-64}g,huge=$huge" coldsnap-images "$IMAGES" \
+            || { echo "cannot mount a tmpfs with huge=$huge at $IMAGES"; exit 1; }
+        grep " $IMAGES " /proc/mounts
+        rows "$OUT/huge-$huge" "${DRIVER_TIMEOUT:-$(((590 - SECONDS - 20) / left))}" "$@"
+        umount "$IMAGES" || umount -l "$IMAGES"; left=$((left - 1))
+    done
+    step "capture phases, side by side"
+    for huge in "${HUGES[@]}"; do
+        echo "images on tmpfs huge=$huge"; sed -n '/^| row *| images on/,/^$/p' "$OUT/huge-$huge/rows-table.md"
+    done | tee "$OUT/capture-side-by-side.md"
+fi
 stop_all >> "$OUT/capsule.txt" 2>&1; tail -4 "$OUT/capsule.txt"

@@ -12,7 +12,10 @@
 #             _THREADS, _DIGEST), one restore each: where its copy threads spend their time, by setting (the
 #             "release of" line: wall s, then thread-seconds D2H / digest / zero / write);
 #     cpu     the release's CPU part on this host's cores, no GPU (bench/release_cpu.py: digests per engine, tmpfs
-#             writes by threads and files, the release's block loop), 4 GiB into /dev/shm.
+#             writes by threads and files, the release's block loop), 4 GiB into /dev/shm;
+#     mounts  where the dump goes (issue 35 item 3): 8 GiB by 16 threads into a tmpfs mounted per huge= option
+#             (never, always, within_size), written as the release does, its loop, and into mapped files
+#             populated ahead (bench/release_cpu.py --mounts), about 30 s.
 # Environment: RESTORES (default 3). Carries .whl and .device-criu42 (or .device-criu); each part's output in
 # $OUT/<part>/ (its table in <part>.txt, the JSON beside it), then everything in $OUT/line-rate.tar.xz.
 set -uo pipefail
@@ -31,10 +34,10 @@ part() {  # part NAME SECONDS ARGS...: one restore_ttft run in its own $OUT, bou
     grep -v "server stage" "$ALL/$name/$name.txt" | grep -E "^\||ceilings|FAILED|release of|captured" | cut -c1-400
 }
 # Each part has its bound (below); the four together (830 s) do not fit one call of 600 s: two calls.
-declare -A BOUND=([16]=240 [64]=150 [64h]=200 [release]=240 [cpu]=120)
+declare -A BOUND=([16]=240 [64]=150 [64h]=200 [release]=240 [cpu]=120 [mounts]=90)
 TOTAL=0
 for p in ${PARTS//,/ }; do
-    [ -n "${BOUND[$p]:-}" ] || { echo "unknown part $p (16, 64, 64h, release, cpu)"; exit 2; }
+    [ -n "${BOUND[$p]:-}" ] || { echo "unknown part $p (16, 64, 64h, release, cpu, mounts)"; exit 2; }
     TOTAL=$((TOTAL + BOUND[$p]))
 done
 if [ "$TOTAL" -gt 570 ]; then
@@ -60,6 +63,13 @@ for p in ${PARTS//,/ }; do
                 --dir /dev/shm --out "$ALL/cpu" > "$ALL/cpu/cpu.txt" 2>&1
             echo "   exit $?"
             grep "^|" "$ALL/cpu/cpu.txt" ;;
+        mounts) mkdir -p "$ALL/mounts"
+            echo "== mounts: bench/release_cpu.py --mounts never,always,within_size"
+            (source "$(dirname "$0")/_device_env.sh"  # bench/_common's imports: the carried wheels
+             timeout -s INT -k 15 90 python3 bench/release_cpu.py --mounts never,always,within_size --gib 8 \
+                 --threads 16 --files 16 --out "$ALL/mounts") > "$ALL/mounts/mounts.txt" 2>&1
+            echo "   exit $?"
+            grep "^|" "$ALL/mounts/mounts.txt" ;;
         *) echo "unknown part $p"; exit 2 ;;
     esac
 done

@@ -100,6 +100,20 @@ def test_the_table_says_per_row_what_moved_what_stayed_the_event_loop_and_the_go
     assert text.splitlines()[0].startswith("| row ") and "16 GiB of weights a row" in text and "168 MB" in text
 
 
+def test_the_capture_table_says_where_each_phase_went() -> None:
+    capture = {"exec_s": 2.38, "device_release_s": 0.74, "device_gbps": 22.16, "cuda_lock_s": 0.01,
+               "cuda_checkpoint_s": 0.33, "criu_dump_s": 0.91, "criu_frozen_s": 0.85, "criu_memdump_s": 0.6,
+               "criu_memwrite_s": 0.45, "criu_pages_written": 190_000, "worker_start_s": 0.1, "find_cuda_s": 0.2,
+               "finish_s": 0.01, "interpreter_start_s": 0.05, "memory_scan_s": 0.04,
+               "checkpoint_added_bytes": 1_230_000_000, "images_on": "tmpfs huge=never",
+               "release_thread_s": {"write": 9.72, "digest": 2.93, "device": 0.68, "zero": 0.01}}
+    assert e2e_rows.capture_cells({"row": "uvloop", "capture": capture}) == [
+        "uvloop", "tmpfs huge=never", "2.38", "0.74 (22.16)", "9.72 / 2.93 / 0.68 / 0.01", "0.34 (1.23)",
+        "0.91: 0.85 / 0.60 / 0.45", "0.78", "0.05 / 0.10 / 0.20 / 0.04 / 0.01"]
+    assert e2e_rows.capture_cells({"row": "jax", "error": "E2EError"})[1:] == [
+        "-", "-", "- (-)", "- / - / - / -", "-", "-: - / - / -", "-", "- / - / - / - / -"]
+
+
 @pytest.mark.usefixtures("no_leftovers")
 @pytest.mark.skipif(CRIU is None, reason="needs root and scripts/criu/build's CRIU")
 async def test_a_row_runs_through_the_daemon_from_its_cold_start_to_its_restores_with_nothing_left(
@@ -131,3 +145,6 @@ async def test_a_row_runs_through_the_daemon_from_its_cold_start_to_its_restores
     assert result["coverage"]["moved_share"] == 0.0 and "units_left" not in result
     assert not (tmp_path / "work" / "split" / "images").exists()  # the row's images go with it
     assert e2e_rows.row_cells(result)[8] == "yes"
+    capture = e2e_rows.capture_cells(result)  # CRIU's own account of the real dump, the worker's own steps
+    assert capture[6].split(": ")[1].count("/") == 2 and "-" not in capture[6] and capture[7] != "-", capture
+    assert capture[1] not in ("", "-"), capture  # the filesystem the images went to, as the worker read it

@@ -204,6 +204,26 @@ class TestReports:
         assert row["uncovered_bytes"] == {"below_threshold": 4_000_000}  # summed; empty kinds left out
         assert row["weights_release_s"] is None
 
+    def test_the_capture_s_detail_sums_the_release_threads_and_reads_criu_s_account(self) -> None:
+        report = {**CAPTURE, "timings_s": {**CAPTURE["timings_s"], "worker_start": 0.12, "find_cuda": 0.2,
+                                           "finish": 0.01, "interpreter_start": 0.05, "memory_scan": 0.04},
+                  "criu_dump_stats": {"frozen_s": 0.9, "memdump_s": 0.6, "memwrite_s": 0.5, "pages_written": 9},
+                  "memory_before_checkpoint": {"513": {"anonymous_bytes": 900}, "514": {}},
+                  "images_filesystem": {"type": "tmpfs", "huge": "always"},
+                  "memory_after_checkpoint": {"513": {"anonymous_bytes": 1500}, "514": {"anonymous_bytes": 70}},
+                  "device_memory": [{**d, "timings_s": {"dump": 0.7, "dump_write_thread_s": 8.0 + i,
+                                                        "dump_digest_thread_s": 2.5}}
+                                    for i, d in enumerate(CAPTURE["device_memory"])]}
+        row = capture_row(report)
+        assert row["release_thread_s"] == {"write": 17.0, "digest": 5.0}  # per process, summed; `dump` is wall
+        assert (row["worker_start_s"], row["find_cuda_s"], row["finish_s"]) == (0.12, 0.2, 0.01)
+        assert (row["interpreter_start_s"], row["memory_scan_s"]) == (0.05, 0.04)
+        assert (row["criu_frozen_s"], row["criu_memdump_s"], row["criu_memwrite_s"]) == (0.9, 0.6, 0.5)
+        assert row["criu_pages_written"] == 9 and row["checkpoint_added_bytes"] == 600 + 70
+        assert capture_row(CAPTURE)["release_thread_s"] is None and capture_row(CAPTURE)["criu_frozen_s"] is None
+        assert capture_row(CAPTURE)["checkpoint_added_bytes"] is None and capture_row(CAPTURE)["images_on"] is None
+        assert row["images_on"] == "tmpfs huge=always"
+
     def test_a_capture_without_the_interposer_has_no_device_phase(self) -> None:
         row = capture_row({"timings_s": {"criu_dump": 10.7, "cuda_checkpoint": 8.1}, "device_memory": None,
                            "hydration": {"release_seconds": 1.44, "released_bytes": 16_060_000_000}})

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from coldsnap_probe._images_fs import images_filesystem
 from coldsnap_probe._process import CriuRun, image_digest
 from tests.criu import CRIU, alive, criu_wrapper
 from tests.helpers import ROOT
@@ -336,6 +337,19 @@ def test_criu_s_seconds_are_its_own_run_whenever_the_worker_waits_for_it(tmp_pat
     run = CriuRun(criu, ["--version"], tmp_path / "version.log")
     time.sleep(0.5)  # the worker's own work meanwhile, longer than CRIU's (~5 ms)
     assert run.wait() < 0.4
+
+def test_the_capture_reports_where_criu_s_dump_and_the_worker_s_start_went(plain: Capture) -> None:
+    """Issue 35 item 3: CRIU's own account of the dump (stats-dump) and the worker's phases outside CRIU."""
+    report = json.loads((plain.images / "capture.json").read_text())
+    stats, timings = report["criu_dump_stats"], report["timings_s"]
+    assert 0 < stats["memwrite_s"] <= stats["memdump_s"] <= stats["frozen_s"] < timings["criu_dump"]
+    assert 0 <= stats["freezing_s"] < timings["criu_dump"]
+    pages = sum(f.stat().st_size for f in plain.images.glob("pages-*.img"))
+    assert 0 < stats["pages_written"] <= stats["pages_scanned"]
+    assert stats["pages_written"] * 4096 <= pages  # the private pages written, the shared ones beside them
+    assert stats["pages_written"] >= (TARGET_MIB << 20) // 4096 // 2  # most of the target's data
+    assert 0 < timings["worker_start"] < 10 and 0 <= timings["finish"] < 10 and 0 <= timings["interpreter_start"] < 10
+    assert report["images_filesystem"] == images_filesystem(plain.images) and report["images_filesystem"]["type"]
 
 
 def test_a_host_that_cannot_restore_is_refused_before_any_work_naming_every_fact(tmp_path: Path, criu: str) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from coldsnap_probe._host import DEVICE_SELECTOR_ENV, nvml_identity
-from coldsnap_probe._process import audit_pre_cuda
+from coldsnap_probe._process import anonymous_memory, audit_pre_cuda, process_age_s
 from coldsnap_probe._target import check_target, comparable
 from coldsnap_probe._worker import image_digest, process_tree
 from coldsnap_probe.errors import TargetRefused, WorkerError
@@ -50,6 +50,43 @@ def test_n610_capture_without_cuda_fails_before_touching_anything(tmp_path: Path
 def test_restore_needs_a_capture(tmp_path: Path) -> None:
     done = worker("restore", "--images", str(tmp_path))
     assert done.returncode == 1 and "capture.json" in done.stderr
+
+
+def test_anonymous_memory_names_the_written_private_mappings_and_nothing_of_a_gone_process(tmp_path: Path) -> None:
+    """What the capture reports before and after the CUDA checkpoint: private pages written, by mapping (an
+    anonymous one, and a private file mapping's pages once written: copies), the largest first."""
+    backing = tmp_path / "private file"  # a name with a space: the report keeps it whole
+    backing.write_bytes(b"\1" * (4 << 20))
+    script = ("import mmap, sys, time\n"
+              "a = mmap.mmap(-1, 24 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)\n"
+              "f = open(sys.argv[1], 'r+b'); b = mmap.mmap(f.fileno(), 4 << 20, flags=mmap.MAP_PRIVATE)\n"
+              "for m in (a, b):\n    for at in range(0, len(m), 4096): m[at] = 7\n"
+              "print('ready', flush=True); time.sleep(60)\n")
+    child = subprocess.Popen([sys.executable, "-c", script, str(backing)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        seen = anonymous_memory(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    largest = seen["largest"]
+    assert largest == sorted(largest, reverse=True) and largest[0][0] >= 24 << 20 and largest[0][1] == "[anon]"
+    assert [4 << 20, str(backing)] in [list(entry) for entry in largest]
+    assert seen["anonymous_bytes"] >= (28 << 20)
+    assert anonymous_memory(child.pid) == {}
+
+
+def test_a_process_s_age_counts_from_its_start_to_the_clock_tick() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        time.sleep(0.3)
+        age = process_age_s(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert 0.3 - 0.02 <= age < 5  # one tick (10 ms) of rounding, either way
+    with pytest.raises(FileNotFoundError):
+        process_age_s(child.pid)  # reaped: gone
 
 
 def test_process_tree_lists_parents_before_children() -> None:
