@@ -247,7 +247,7 @@ class _Capture:
         self.dumped = True
         try:  # where CRIU's time went; an unreadable account is said so, the images are whole all the same
             self.report.criu_dump_stats = {**dump_stats(self.work)}
-        except (OSError, ValueError) as exc:
+        except (OSError, WorkerError) as exc:
             self.report.criu_dump_stats = {"unreadable": str(exc)}
         if shared:
             started = time.perf_counter()

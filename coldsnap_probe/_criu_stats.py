@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .errors import WorkerError
+
 __all__ = ("dump_stats",)
 
 # dump_stats_entry's field numbers -> the report's names; times (first four) are microseconds.
@@ -30,7 +32,7 @@ def _fields(data: bytes) -> dict[int, int | bytes]:
         value = shift = 0
         while True:
             if at >= len(data) or shift > 63:
-                raise ValueError("a varint runs past the end of the stats image")
+                raise WorkerError("a varint runs past the end of the stats image")
             byte = data[at]
             at += 1
             value |= (byte & 0x7F) << shift
@@ -45,27 +47,27 @@ def _fields(data: bytes) -> dict[int, int | bytes]:
         elif key & 7 == 2:
             size = varint()
             if at + size > len(data):
-                raise ValueError("a field runs past the end of the stats image")
+                raise WorkerError("a field runs past the end of the stats image")
             fields[key >> 3] = data[at:at + size]
             at += size
         else:
-            raise ValueError(f"unexpected protobuf wire type {key & 7} in the stats image")
+            raise WorkerError(f"unexpected protobuf wire type {key & 7} in the stats image")
     return fields
 
 
 def dump_stats(work: Path) -> dict[str, float | int]:
     """`work/stats-dump` decoded: `freezing_s`, `frozen_s`, `memdump_s`, `memwrite_s` and the page counts CRIU
-    recorded; {} when CRIU wrote none (a dump that failed before it). ValueError for an image that is not one."""
+    recorded; {} when CRIU wrote none (a dump that failed before it). WorkerError for an image that is not one."""
     try:
         raw = (work / "stats-dump").read_bytes()
     except FileNotFoundError:
         return {}
     size = int.from_bytes(raw[8:12], "little")
     if len(raw) < 12 + size:
-        raise ValueError(f"{work / 'stats-dump'} holds {len(raw)} bytes, its header says {12 + size}")
+        raise WorkerError(f"{work / 'stats-dump'} holds {len(raw)} bytes, its header says {12 + size}")
     dump = _fields(raw[12:12 + size]).get(1)
     if not isinstance(dump, bytes):
-        raise ValueError(f"{work / 'stats-dump'} has no dump entry")
+        raise WorkerError(f"{work / 'stats-dump'} has no dump entry")
     out: dict[str, float | int] = {}
     for number, value in _fields(dump).items():
         if isinstance(value, int) and number in _TIMES:

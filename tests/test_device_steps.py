@@ -61,7 +61,7 @@ def test_gpu_tests_dry_run_collects_the_gpu_tests_and_says_what_it_would_run(tmp
     done = device("--dry-run", "gpu-tests", "tests/probe/test_interposer_gpu.py", "tests/probe/test_main.py",
                   out=tmp_path, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "10 tests/probe/test_interposer_gpu.py" in re.sub(r" +", " ", done.stdout)
+    assert "11 tests/probe/test_interposer_gpu.py" in re.sub(r" +", " ", done.stdout)
     assert "test_main.py" not in done.stdout.split("would run")[0]  # its tests assert the no-driver path
     command = done.stdout.split("would run", 1)[1]
     assert "pytest --gpu-only" in command and "--junitxml" in command and "timeout -s INT" in command

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from coldsnap_probe._criu_stats import dump_stats
+from coldsnap_probe.errors import WorkerError
 
 
 def varint(value: int) -> bytes:
@@ -50,5 +51,5 @@ def test_no_stats_image_is_no_stats(tmp_path: Path) -> None:
 ])
 def test_an_image_that_is_not_a_dump_s_stats_is_refused_naming_why(tmp_path: Path, raw: bytes, message: str) -> None:
     (tmp_path / "stats-dump").write_bytes(raw)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(WorkerError, match=message):
         dump_stats(tmp_path)
