@@ -34,6 +34,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import criu_zero_pages, table
+from coldsnap_probe import dump_stats
 
 TARGET = r"""
 import mmap, os, signal, sys, time, zlib
@@ -111,47 +112,6 @@ def copy_out_seconds(pid: int, spans: list[tuple[int, int]]) -> float:
             if libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) != remote.len:
                 raise OSError(ctypes.get_errno(), f"process_vm_readv of {pid} at {at:#x}")
     return time.perf_counter() - started
-
-
-def varints(data: bytes) -> dict[int, int | bytes]:
-    """The fields of one protobuf message (varints and length-delimited ones): all a stats image holds."""
-    fields: dict[int, int | bytes] = {}
-    at = 0
-
-    def varint() -> int:
-        nonlocal at
-        value = shift = 0
-        while True:
-            byte = data[at]
-            at += 1
-            value |= (byte & 0x7F) << shift
-            shift += 7
-            if byte < 0x80:
-                return value
-
-    while at < len(data):
-        key = varint()
-        if key & 7 == 0:
-            fields[key >> 3] = varint()
-        elif key & 7 == 2:
-            size = varint()
-            fields[key >> 3] = data[at:at + size]
-            at += size
-        else:
-            raise ValueError(f"unexpected protobuf wire type {key & 7} in a stats image")
-    return fields
-
-
-def dump_stats(work: Path) -> dict[str, float]:
-    """CRIU's own account of the dump (stats-dump in the work directory: 8 bytes of magic, a size, the message):
-    seconds the tree was frozen, spent getting pages (pagemap, parasite, scan, vmsplice, and the writes) and
-    spent writing them into the pages images."""
-    raw = (work / "stats-dump").read_bytes()
-    size = int.from_bytes(raw[8:12], "little")
-    dump = varints(raw[12:12 + size])[1]
-    assert isinstance(dump, bytes)
-    fields = varints(dump)
-    return {"frozen_s": int(fields[2]) / 1e6, "memdump_s": int(fields[3]) / 1e6, "memwrite_s": int(fields[4]) / 1e6}
 
 
 def end(pid: int) -> None:

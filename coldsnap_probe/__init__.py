@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # what each name is, for mypy and readers; at run time `__get
     from ._contracts import CONTRACTS as CONTRACTS
     from ._contracts import contract as contract
     from ._contracts import requirements as requirements
+    from ._criu_stats import dump_stats as dump_stats
     from ._features import admit as admit
     from ._features import admit_profile as admit_profile
     from ._features import apply_qualification as apply_qualification
@@ -100,6 +101,7 @@ _EXPORTS = MappingProxyType({
     "Qualification": "._model",
     "QualificationScope": "._model",
     "Requirements": "._model",
+    "dump_stats": "._criu_stats",
     "anonymous_memory": "._process",
     "image_digest": "._process",
     "pids_by_argv": "._process",
@@ -150,6 +152,7 @@ __all__ = (
     "contract",
     "decode_profile",
     "default_graph_policy",
+    "dump_stats",
     "graph_record",
     "hydration_request",
     "image_digest",
