@@ -248,11 +248,17 @@ class RamTier:
                 self.skipped["too_large" if size > self.budget else "no_room"] += 1
                 return False
             dump = self._held[name] = _Dump(size)
-        for victim in victims:
-            self._drop(victim)
         files: dict[Identity, Mapped] = {}
-        with ThreadPoolExecutor(min(LOAD_THREADS, len(fds)), initializer=_lowest_priority) as pool:
-            done = list(pool.map(lambda item: self._pin_one(item[0], item[1], length[item[0]], files), fds.items()))
+        try:  # a victim's failed unpin (or no thread to pin with): the room reserved is given back, not kept for ever
+            for victim in victims:
+                self._drop(victim)
+            with ThreadPoolExecutor(min(LOAD_THREADS, len(fds)), initializer=_lowest_priority) as pool:
+                done = list(pool.map(lambda item: self._pin_one(item[0], item[1], length[item[0]], files),
+                                     fds.items()))
+        except BaseException:
+            with self._lock:
+                del self._held[name]
+            raise
         if failed := next((error for error in done if error), ""):
             with self._lock:
                 del self._held[name]
@@ -295,13 +301,23 @@ class RamTier:
         return victims
 
     def _unpin_all(self, files: Any) -> None:
+        """Every mapping unpinned and unmapped, also after one failed (the first failure raised then): one refusal
+        must not leave the others pinned outside the budget, which no longer counts them."""
+        failed: Exception | None = None
         for mapped in files:
-            self._unpin(mapped)
+            try:
+                self._unpin(mapped)
+            except Exception as exc:
+                failed = failed or exc
+        if failed is not None:
+            raise failed
 
     def _drop(self, dump: _Dump) -> None:
         """A dump out of the table (evicted, pruned, closed): unpinned, unmapped, its descriptors closed."""
-        self._unpin_all(dump.files.values())
-        _close_all(dump.fds)
+        try:
+            self._unpin_all(dump.files.values())
+        finally:
+            _close_all(dump.fds)
 
 
 def _lowest_priority() -> None:

@@ -322,6 +322,30 @@ class TestFreshness:
         tier.prune()
         assert tier.status()["entries"] == 0 and locked_bytes() == before
 
+    def test_a_failed_unpin_of_an_evicted_dump_leaves_nothing_pinned_nor_reserved(self, tmp_path: Path) -> None:
+        """The driver refusing one unpin (after it unpinned, as cuMemHostUnregister may report a sticky error) left
+        the victim's other files pinned outside the budget, and the newcomer's room reserved for ever, never
+        loaded, never evicted."""
+        a1, a2, b = (dump(tmp_path / f"{n}.bin", 2 * MIB) for n in ("a1", "a2", "b"))
+        refusals = [1]
+
+        def unpin(mapped: Mapped) -> None:
+            munlock_and_unmap(mapped)
+            if refusals:
+                refusals.pop()
+                raise HydrationError("CUDA_ERROR_UNKNOWN: cuMemHostUnregister")
+        before = locked_bytes()
+        tier = RamTier(4 * MIB, pin=mlock, unpin=unpin)
+        try:
+            load(tier, KEY, a1, a2)
+            status = load(tier, OTHER_KEY, b)  # a1 and a2 evicted for b: the first unpin refused
+            assert "cuMemHostUnregister" in status["last_error"], status
+            assert (status["entries"], status["bytes"]) == (0, 0) and locked_bytes() == before, status
+            assert load(tier, OTHER_KEY, b)["entries"] == 1 and held(tier, OTHER_KEY, b)  # a later miss loads it
+        finally:
+            tier.close()
+        assert locked_bytes() == before
+
     def test_a_failed_pin_holds_nothing_and_the_loader_goes_on(self, tmp_path: Path) -> None:
         a, b = dump(tmp_path / "a.bin", 2 * MIB), dump(tmp_path / "b.bin", 2 * MIB)
         refused: list[int] = []
