@@ -99,6 +99,8 @@ class _Registry:
             if (drained := drained + len(piece)) > _DRAIN:
                 raise ConnectionError(f"the registry answered {response.status} with a body of more than {_DRAIN} "
                                       "bytes")
+        if self.cut_off:  # what came before the cut is no answer (a header or a body cut short)
+            raise ConnectionAbortedError("the upload's connection was cut")
         header = "WWW-Authenticate" if response.status == 401 else "Location"
         return response.status, body, response.getheader(header, "")
 
