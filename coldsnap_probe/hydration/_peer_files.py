@@ -16,7 +16,8 @@ from ..errors import HydrationError
 from ._peer_view import PeerView
 from ._weights import DIGEST_CHUNK, WeightRegion
 
-__all__ = ("DUMP_ALIGN", "STAGE_ALLOCATIONS", "DumpLayout", "dump_layout", "held_sources", "open_dump_parts")
+__all__ = ("DUMP_ALIGN", "STAGE_ALLOCATIONS", "DumpLayout", "dump_layout", "dump_lengths", "held_sources",
+           "open_dump_parts")
 
 DUMP_ALIGN = 2 << 20  # a device dump's parts are whole VMM regions: multiples of the allocation granularity
 # Allocations one stage-dump may create (one per released region): torch's caching allocator makes hundreds for
@@ -88,16 +89,21 @@ def _whole(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def dump_lengths(layout: DumpLayout) -> dict[str, int]:
+    """Each file a layout names, to the bytes of it that its parts read (from its start: its largest part)."""
+    needed: dict[str, int] = {}
+    for named, size, _region, _zero in layout:
+        needed[named] = max(needed.get(named, 0), size)
+    return needed
+
+
 def open_dump_parts(layout: DumpLayout, view: PeerView) -> tuple[tuple[WeightRegion, ...], dict[str, int]]:
     """The parts of a checked `layout` as regions of the staged range (address: the offset in it; the regions'
     allocations are mapped back to back): each a whole regular file, not itself a link, that `view`'s peer could
     read in its own view, holding at least its bytes; each file opened once (PeerView.open), so that the copy
     reads the very file checked, not what the path names by then (the peer may own a directory on it and swap a
     symlink or a FIFO in)."""
-    needed: dict[str, int] = {}
-    for named, size, _region, _zero in layout:
-        needed[named] = max(needed.get(named, 0), size)
-    fds = view.open(list(needed.items()), what="dump file", follow=False)
+    fds = view.open(list(dump_lengths(layout).items()), what="dump file", follow=False)
     parts: list[WeightRegion] = []
     at = 0
     for index, (named, size, _region, _zero) in enumerate(layout):

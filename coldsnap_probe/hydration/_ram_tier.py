@@ -2,7 +2,10 @@
 next stage of the same dump is one DMA per piece from host memory at the link's rate (`_copy.Pinned`), with no
 reader thread copying from the page cache through the ring (`_copy.Pread`, the disk tier).
 
-What is held: whole dumps, one entry per (manifest digest, the identities of its files). A file's identity is
+What is held: whole dumps, one entry per (manifest digest, the identities of its files and the bytes of each that
+its stages read: `lengths`). Only those bytes are mapped and pinned, and counted against the budget: a file is
+the peer's own, and may be far larger than what its stage reads (a stage of 2 MiB naming a file of hundreds of
+GB would otherwise pin and read all of it, and evict every other tenant's entries for it). A file's identity is
 (device, inode, size, mtime, ctime) of the descriptor the peer opened: a file replaced (another inode; the held
 mapping keeps the old inode alive, so its number is not reused meanwhile), truncated or rewritten (its times)
 is another identity, so its entry never serves it: the stage misses and reads the file as it is now. A file
@@ -51,7 +54,7 @@ LOAD_QUEUE = 2  # dumps waiting for the loader: a later miss queues the dump aga
 LOAD_THREADS = 4
 TIERS = ("ram", "disk")  # where a stage's bytes were read: the RAM tier, or the files (page cache or disk)
 Identity = tuple[int, int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns
-_Name = tuple[str, frozenset[Identity]]  # an entry's name: the manifest digest and its files' identities
+_Name = tuple[str, frozenset[tuple[Identity, int]]]  # the manifest digest; its files' identities and lengths
 _SKIPS = ("too_large", "no_room", "failed")
 
 
@@ -123,13 +126,14 @@ class RamTier:
             self._loader = threading.Thread(target=self._load_loop, name="coldsnap-ram-tier", daemon=True)
             self._loader.start()
 
-    def lease(self, key: str, fds: Mapping[str, int]) -> Lease | None:
+    def lease(self, key: str, fds: Mapping[str, int], lengths: Mapping[str, int]) -> Lease | None:
         """The held dump of `key` whose files are the ones open as `fds` (each part file as the peer named it, to
-        the descriptor it opened), in use until the lease ends; None (a miss) when the tier holds no such dump."""
+        the descriptor it opened), of which its stage reads the first `lengths` bytes (named alike), in use until
+        the lease ends; None (a miss) when the tier holds no such dump."""
         if not self.budget:
             return None
         ids = {named: identity(fd) for named, fd in fds.items()}
-        name = (key, frozenset(ids.values()))
+        name = (key, frozenset(_lengths(ids, lengths).items()))
         with self._lock:
             dump = self._held.get(name)
             if dump is None or not dump.ready:
@@ -145,24 +149,27 @@ class RamTier:
         with self._lock:
             dump.users -= 1
 
-    def staged(self, key: str, fds: Mapping[str, int], lease: Lease | None, size: int) -> str:
-        """After a stage of `size` bytes copied from the files open as `fds`, from `lease` (a hit) or the files
-        (a miss): the bytes counted under the tier that served them, a miss's dump queued for loading
-        (`load_later`); that tier's name (TIERS)."""
+    def staged(self, key: str, fds: Mapping[str, int], lengths: Mapping[str, int], lease: Lease | None,
+               size: int) -> str:
+        """After a stage of `size` bytes copied from the files open as `fds` (their first `lengths` bytes), from
+        `lease` (a hit) or the files (a miss): the bytes counted under the tier that served them, a miss's dump
+        queued for loading (`load_later`); that tier's name (TIERS)."""
         tier = "disk" if lease is None else "ram"
         with self._lock:
             self.read_bytes[tier] += size
         if lease is None:
-            self.load_later(key, fds)
+            self.load_later(key, fds, lengths)
         return tier
 
-    def load_later(self, key: str, fds: Mapping[str, int]) -> bool:
-        """Queue the dump of `key` in the files open as `fds` for the loader (their descriptors duplicated: the
-        caller's stay its own); False when the tier is off, holds or queued it already, or the queue is full."""
+    def load_later(self, key: str, fds: Mapping[str, int], lengths: Mapping[str, int]) -> bool:
+        """Queue the first `lengths` bytes (named as in `fds`) of the dump of `key` in the files open as `fds` for
+        the loader (their descriptors duplicated: the caller's stay its own); False when the tier is off, holds or
+        queued it already, or the queue is full."""
         if not self.budget:
             return False
-        files = {identity(fd): fd for fd in fds.values()}
-        name = (key, frozenset(files))
+        ids = {named: identity(fd) for named, fd in fds.items()}
+        files = {ids[named]: fd for named, fd in fds.items()}
+        name = (key, frozenset(_lengths(ids, lengths).items()))
         with self._lock:
             if name in self._held or any(queued == name for queued, _ in self._queue) or \
                     len(self._queue) >= LOAD_QUEUE or self._closed:
@@ -233,18 +240,25 @@ class RamTier:
     def _load(self, name: _Name, fds: Mapping[Identity, int]) -> bool:
         """Reserve room for the dump (evicting), map and pin each file, then make it ready, keeping `fds`; a file
         whose identity changed meanwhile, or a failed pin, gives everything back. Whether it kept `fds`."""
-        size = sum(ident[2] for ident in fds)
+        length = dict(name[1])
+        size = sum(length.values())
         with self._lock:
             victims = self._room_for(size)
             if victims is None:
                 self.skipped["too_large" if size > self.budget else "no_room"] += 1
                 return False
             dump = self._held[name] = _Dump(size)
-        for victim in victims:
-            self._drop(victim)
         files: dict[Identity, Mapped] = {}
-        with ThreadPoolExecutor(min(LOAD_THREADS, len(fds)), initializer=_lowest_priority) as pool:
-            done = list(pool.map(lambda item: self._pin_one(item[0], item[1], files), fds.items()))
+        try:  # a victim's failed unpin (or no thread to pin with): the room reserved is given back, not kept for ever
+            for victim in victims:
+                self._drop(victim)
+            with ThreadPoolExecutor(min(LOAD_THREADS, len(fds)), initializer=_lowest_priority) as pool:
+                done = list(pool.map(lambda item: self._pin_one(item[0], item[1], length[item[0]], files),
+                                     fds.items()))
+        except BaseException:
+            with self._lock:
+                del self._held[name]
+            raise
         if failed := next((error for error in done if error), ""):
             with self._lock:
                 del self._held[name]
@@ -257,10 +271,11 @@ class RamTier:
             self.loads += 1
         return True
 
-    def _pin_one(self, ident: Identity, fd: int, files: dict[Identity, Mapped]) -> str:
-        """One file of a dump being loaded, mapped and pinned into `files`; why not ("" when it was)."""
+    def _pin_one(self, ident: Identity, fd: int, length: int, files: dict[Identity, Mapped]) -> str:
+        """The first `length` bytes of one file of a dump being loaded, mapped and pinned into `files`; why not
+        ("" when they were)."""
         try:
-            files[ident] = Mapped(f"/proc/self/fd/{fd}", fd=fd)
+            files[ident] = Mapped(f"/proc/self/fd/{fd}", fd=fd, length=length)
             self._pin(files[ident])
             if identity(fd) != ident:
                 raise HydrationError("a dump file changed while it was being held")
@@ -286,13 +301,23 @@ class RamTier:
         return victims
 
     def _unpin_all(self, files: Any) -> None:
+        """Every mapping unpinned and unmapped, also after one failed (the first failure raised then): one refusal
+        must not leave the others pinned outside the budget, which no longer counts them."""
+        failed: Exception | None = None
         for mapped in files:
-            self._unpin(mapped)
+            try:
+                self._unpin(mapped)
+            except Exception as exc:
+                failed = failed or exc
+        if failed is not None:
+            raise failed
 
     def _drop(self, dump: _Dump) -> None:
         """A dump out of the table (evicted, pruned, closed): unpinned, unmapped, its descriptors closed."""
-        self._unpin_all(dump.files.values())
-        _close_all(dump.fds)
+        try:
+            self._unpin_all(dump.files.values())
+        finally:
+            _close_all(dump.fds)
 
 
 def _lowest_priority() -> None:
@@ -301,6 +326,15 @@ def _lowest_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except OSError:
         pass
+
+
+def _lengths(ids: Mapping[str, Identity], lengths: Mapping[str, int]) -> dict[Identity, int]:
+    """Each file's identity (`ids`: by its names) to the bytes of it held: the most any of its names reads (one
+    file may be named twice)."""
+    held: dict[Identity, int] = {}
+    for named, ident in ids.items():
+        held[ident] = max(held.get(ident, 0), lengths[named])
+    return held
 
 
 def _stale(fd: int, ident: Identity) -> bool:

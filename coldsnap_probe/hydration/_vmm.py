@@ -86,15 +86,18 @@ _MAP_POPULATE = 0x8000
 class Mapped:
     """A read-only shared mapping of a whole file (address stable for cuMemHostRegister), optionally page-locked."""
 
-    def __init__(self, path: str, *, populate: bool = True, fd: int = -1) -> None:
+    def __init__(self, path: str, *, populate: bool = True, fd: int = -1, length: int = -1) -> None:
         """`path`'s file, or the file open as `fd` (`path` then only names it; the descriptor stays the caller's):
-        the RAM tier maps the very descriptor its peer opened in its own view, never what a path names later."""
+        the RAM tier maps the very descriptor its peer opened in its own view, never what a path names later.
+        `length`: only the file's first `length` bytes (at most its size), not the whole file."""
         own = fd < 0
         if own:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             st = os.fstat(fd)
-            self.size = st.st_size
+            if length > st.st_size:
+                raise HydrationError(f"cannot map {length} bytes of source {path}: it holds {st.st_size}")
+            self.size = st.st_size if length < 0 else length
             self.identity = (st.st_dev, st.st_ino)  # the file mapped, whatever its path names later
             flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
             address = _libc.mmap(None, self.size, mmap.PROT_READ, flags, fd, 0)

@@ -8,10 +8,15 @@ machine a 10.6 GB push took 21.8 s (0.49 GB/s) while the registry link took 1.39
 ``scripts/device store``); ``bench/store_push.py`` measures both ways side by side. Through TLS the body is read
 and sent by the thread (the kernel's sendfile would bypass the encryption). A monolithic PUT per blob, not
 chunked PATCHes: a blob is at most 64 MiB, so an interrupted push resumes at blob granularity (the HEAD).
+
+The deadline and the cancel bound every wait of the thread, not only the body's: a registry may answer a byte at a
+time (each read within the socket's timeout) or send an endless body, and a thread held by it would hold its
+upload slot and, being no daemon thread, the daemon's exit. A watcher (`_Watch`) cuts the connection then.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import os
 import selectors
@@ -32,6 +37,7 @@ TLS_PIECE = 1 << 20  # read and sent at a time through TLS
 POLL_S = 0.5  # a cancel or the deadline is noticed within this, even while the registry reads nothing
 CANCEL_S = 2.0  # what the best-effort DELETE of an unfinished upload may wait
 _ERROR_BODY = 4096  # what a refusal's body is read for its message
+_DRAIN = 1 << 20  # an answer's body read at most (to reuse the connection): more is a registry to leave
 
 
 class Uploaded(NamedTuple):
@@ -53,9 +59,18 @@ class _Registry:
         self.origin = origin(base)
         self.authorization = authorization
         self.connection = connect(base, IDLE_S)
+        self.cut_off = False
 
     def close(self) -> None:
         self.connection.close()
+
+    def cut(self) -> None:
+        """From the watcher's thread: whatever this connection's thread waits on fails now, and it sends no more.
+        The plain socket's shutdown, also under TLS (SSLSocket's own would drop its state under the reader)."""
+        self.cut_off = True
+        if (sock := self.connection.sock) is not None:
+            with contextlib.suppress(OSError):
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
     def to(self, url: str) -> str:
         """`url`'s path and query on the registry's own connection (an upload location elsewhere is refused)."""
@@ -65,6 +80,8 @@ class _Registry:
         return parts.path + (f"?{parts.query}" if parts.query else "")
 
     def send(self, method: str, url: str, headers: dict[str, str] | None = None) -> None:
+        if self.cut_off:
+            raise ConnectionAbortedError("the upload's connection was cut")
         sent = {**(headers or {}), **({"Authorization": self.authorization} if self.authorization else {})}
         if method in ("POST", "DELETE"):
             sent.setdefault("Content-Length", "0")
@@ -77,9 +94,13 @@ class _Registry:
         """The status, the body's first bytes (the rest drained, so the connection serves the next request) and
         the Location header (a 401's: its challenge)."""
         response = self.connection.getresponse()
-        body = response.read(_ERROR_BODY)
-        while response.read(1 << 16):
-            pass
+        body, drained = response.read(_ERROR_BODY), 0
+        while piece := response.read(1 << 16):
+            if (drained := drained + len(piece)) > _DRAIN:
+                raise ConnectionError(f"the registry answered {response.status} with a body of more than {_DRAIN} "
+                                      "bytes")
+        if self.cut_off:  # what came before the cut is no answer (a header or a body cut short)
+            raise ConnectionAbortedError("the upload's connection was cut")
         header = "WWW-Authenticate" if response.status == 401 else "Location"
         return response.status, body, response.getheader(header, "")
 
@@ -98,6 +119,8 @@ def upload_blob(base: str, *, authorization: str, digest: str, size: int, source
     TimeoutError), naming the blob."""
     deadline = time.monotonic() + within_s
     registry = _Registry(base, authorization)
+    watch = _Watch(registry, deadline, stop, (TimeoutError(f"blob {digest} was not sent within {within_s:.0f} s"),
+                                              ConnectionAbortedError(f"blob {digest}: its push was cancelled")))
     location = ""
     try:
         status, body, challenge = registry.request("HEAD", f"{base}/blobs/{digest}")
@@ -113,15 +136,46 @@ def upload_blob(base: str, *, authorization: str, digest: str, size: int, source
         if status == 201:
             location = ""
         return Uploaded(status, body, False)
+    except OSError as exc:
+        if watch.fired is not None:  # cut by the watcher: its reason, not the socket's
+            raise watch.fired from exc
+        raise
     except http.client.HTTPException as exc:
-        raise ConnectionError(f"{type(exc).__name__}: {exc}") from exc
+        raise watch.fired or ConnectionError(f"{type(exc).__name__}: {exc}") from exc
     except ValueError as exc:  # a location that does not parse: named, not an internal error
         raise ConnectionError(f"blob {digest}: the registry answered an upload location that does not parse: "
                               f"{exc}") from exc
     finally:
+        watch.close()
         registry.close()
         if location:
             _cancel(base, authorization, location)
+
+
+class _Watch:
+    """Cuts `registry`'s connection once `deadline` passes or `stop` is set (checked every POLL_S, and again until
+    closed: a cut while the connection was still being made finds no socket), whatever its thread waits on; `fired`
+    is then the one of `reasons` (the deadline's, the cancel's) that applied."""
+
+    def __init__(self, registry: _Registry, deadline: float, stop: threading.Event | None,
+                 reasons: tuple[OSError, OSError]) -> None:
+        self.fired: OSError | None = None
+        self._done = threading.Event()
+        threading.Thread(target=self._run, args=(registry, deadline, stop, reasons), daemon=True,
+                         name="coldsnap-upload-watch").start()
+
+    def _run(self, registry: _Registry, deadline: float, stop: threading.Event | None,
+             reasons: tuple[OSError, OSError]) -> None:
+        while not self._done.wait(POLL_S):
+            if self.fired is None and stop is not None and stop.is_set():
+                self.fired = reasons[1]
+            elif self.fired is None and time.monotonic() > deadline:
+                self.fired = reasons[0]
+            if self.fired is not None:
+                registry.cut()
+
+    def close(self) -> None:
+        self._done.set()
 
 
 def _put(registry: _Registry, location: str, digest: str, size: int, source: BinaryIO, deadline: float,
@@ -186,10 +240,13 @@ def _cancel(base: str, authorization: str, location: str) -> None:
     """Best effort: the registry drops an unfinished upload now rather than at its own expiry."""
     try:
         registry = _Registry(base, authorization)
+        reason = TimeoutError(f"the upload's cancel took more than {CANCEL_S:.0f} s")
+        watch = _Watch(registry, time.monotonic() + CANCEL_S, None, (reason, reason))
         try:
             registry.connection.timeout = CANCEL_S
             registry.request("DELETE", location)
         finally:
+            watch.close()
             registry.close()
     except (OSError, http.client.HTTPException, ValueError):
         pass

@@ -74,6 +74,11 @@ def dump(path: Path, size: int, fill: bytes | None = None) -> Path:
     return path
 
 
+def whole(fds: dict[str, int]) -> dict[str, int]:
+    """Each file's whole size: what a stage reads of it when its parts read it all."""
+    return {named: os.fstat(fd).st_size for named, fd in fds.items()}
+
+
 class Opened:
     """Dump files opened read-only (as the hydrator's `open_dump_parts` leaves them), named by their paths."""
 
@@ -100,7 +105,7 @@ def settle(tier: RamTier) -> dict[str, Any]:
 def held(tier: RamTier, key: str, *paths: Path) -> bool:
     """Whether `paths` under `key` are a hit (the lease released at once)."""
     with Opened(*paths) as fds:
-        lease = tier.lease(key, fds)
+        lease = tier.lease(key, fds, whole(fds))
     if lease is not None:
         lease.release()
     return lease is not None
@@ -108,7 +113,7 @@ def held(tier: RamTier, key: str, *paths: Path) -> bool:
 
 def load(tier: RamTier, key: str, *paths: Path) -> dict[str, Any]:
     with Opened(*paths) as fds:
-        assert tier.load_later(key, fds)
+        assert tier.load_later(key, fds, whole(fds))
     return settle(tier)
 
 
@@ -151,11 +156,29 @@ class TestBudget:
         status = load(tier, OTHER_KEY, large)
         assert status["skipped"]["too_large"] == 1 and status["evictions"] == 0 and held(tier, KEY, small)
 
+    def test_a_stage_reading_the_start_of_a_large_file_holds_and_counts_only_those_bytes(self, tmp_path: Path,
+                                                                                       tier_of: Any) -> None:
+        """The file is the peer's: a stage of 2 MiB naming a 6 MiB file held (and read, and pinned) all 6, and
+        evicted another tenant's entry for bytes no stage reads."""
+        other, large = dump(tmp_path / "other.bin", 4 * MIB), dump(tmp_path / "large.bin", 6 * MIB)
+        tier, before = tier_of(8 * MIB), locked_bytes()
+        load(tier, OTHER_KEY, other)
+        with Opened(large) as fds:
+            assert tier.load_later(KEY, fds, {str(large): 2 * MIB})
+            status = settle(tier)
+            assert (status["entries"], status["bytes"], status["evictions"]) == (2, 6 * MIB, 0), status
+            assert locked_bytes() - before == 6 * MIB and held(tier, OTHER_KEY, other)
+            lease = tier.lease(KEY, fds, {str(large): 2 * MIB})
+            assert lease is not None and lease.size == 2 * MIB
+            lease.release()
+            # A stage reading more of the file is another entry: never served past the bytes held.
+            assert tier.lease(KEY, fds, {str(large): 4 * MIB}) is None
+
     def test_a_tier_of_budget_zero_is_off(self, tmp_path: Path, tier_of: Any) -> None:
         a = dump(tmp_path / "a.bin", 2 * MIB)
         tier = tier_of(0)
         with Opened(a) as fds:
-            assert not tier.load_later(KEY, fds) and tier.lease(KEY, fds) is None
+            assert not tier.load_later(KEY, fds, whole(fds)) and tier.lease(KEY, fds, whole(fds)) is None
         assert tier.status() | {"read_bytes": None} == {
             "budget": 0, "entries": 0, "bytes": 0, "in_use": 0, "loading": 0, "hits": 0, "misses": 0,
             "evictions": 0, "loads": 0, "dropped": 0, "skipped": {"too_large": 0, "no_room": 0, "failed": 0},
@@ -168,12 +191,12 @@ class TestCounters:
         a = dump(tmp_path / "a.bin", 2 * MIB)
         tier = tier_of(8 * MIB)
         with Opened(a) as fds:
-            assert tier.lease(KEY, fds) is None
-            assert tier.staged(KEY, fds, None, 2 * MIB) == "disk"
+            assert tier.lease(KEY, fds, whole(fds)) is None
+            assert tier.staged(KEY, fds, whole(fds), None, 2 * MIB) == "disk"
         settle(tier)
         with Opened(a) as fds:
-            lease = tier.lease(KEY, fds)
-            assert lease is not None and tier.staged(KEY, fds, lease, 2 * MIB) == "ram"
+            lease = tier.lease(KEY, fds, whole(fds))
+            assert lease is not None and tier.staged(KEY, fds, whole(fds), lease, 2 * MIB) == "ram"
             lease.release()
         status = tier.status()
         assert (status["hits"], status["misses"], status["loads"], status["entries"]) == (1, 1, 1, 1), status
@@ -189,8 +212,8 @@ class TestCounters:
         tier = RamTier(32 * MIB, pin=held_back, unpin=munlock_and_unmap)
         try:
             with Opened(*paths) as fds:
-                queued = [tier.load_later(KEY, {str(p): fds[str(p)]}) for p in paths]
-                again = tier.load_later(KEY, {str(paths[0]): fds[str(paths[0])]})
+                queued = [tier.load_later(KEY, {str(p): fds[str(p)]}, {str(p): 2 * MIB}) for p in paths]
+                again = tier.load_later(KEY, {str(paths[0]): fds[str(paths[0])]}, {str(paths[0]): 2 * MIB})
             assert queued == [True, True, False, False, False] and not again
             gate.set()
             assert settle(tier)["entries"] == 2
@@ -206,7 +229,7 @@ class TestInUse:
         tier = tier_of(4 * MIB)
         load(tier, KEY, a)
         with Opened(a) as fds:
-            lease = tier.lease(KEY, fds)
+            lease = tier.lease(KEY, fds, whole(fds))
         assert lease is not None and tier.status()["in_use"] == 1
         status = load(tier, OTHER_KEY, b)  # no room without evicting the leased one: not held
         assert status["skipped"]["no_room"] == 1 and status["evictions"] == 0
@@ -237,11 +260,11 @@ class TestFreshness:
         load(tier, KEY, a)
         dump(tmp_path / "a.new", 2 * MIB, b"new!").rename(a)  # same path, same size, another inode
         with Opened(a) as fds:
-            assert tier.lease(KEY, fds) is None
-            tier.load_later(KEY, fds)
+            assert tier.lease(KEY, fds, whole(fds)) is None
+            tier.load_later(KEY, fds, whole(fds))
         settle(tier)
         with Opened(a) as fds:
-            lease = tier.lease(KEY, fds)
+            lease = tier.lease(KEY, fds, whole(fds))
         assert lease is not None
         assert ctypes.string_at(lease.addresses[str(a)], 2 * MIB) == b"new!" * (MIB // 2)
         lease.release()
@@ -283,7 +306,7 @@ class TestFreshness:
         load(tier, KEY, a)
         load(tier, OTHER_KEY, b)
         with Opened(a) as fds:
-            lease = tier.lease(KEY, fds)
+            lease = tier.lease(KEY, fds, whole(fds))
         assert lease is not None
         a.unlink()
         tier.prune()  # in use: kept
@@ -298,6 +321,30 @@ class TestFreshness:
             f.write(b"x")
         tier.prune()
         assert tier.status()["entries"] == 0 and locked_bytes() == before
+
+    def test_a_failed_unpin_of_an_evicted_dump_leaves_nothing_pinned_nor_reserved(self, tmp_path: Path) -> None:
+        """The driver refusing one unpin (after it unpinned, as cuMemHostUnregister may report a sticky error) left
+        the victim's other files pinned outside the budget, and the newcomer's room reserved for ever, never
+        loaded, never evicted."""
+        a1, a2, b = (dump(tmp_path / f"{n}.bin", 2 * MIB) for n in ("a1", "a2", "b"))
+        refusals = [1]
+
+        def unpin(mapped: Mapped) -> None:
+            munlock_and_unmap(mapped)
+            if refusals:
+                refusals.pop()
+                raise HydrationError("CUDA_ERROR_UNKNOWN: cuMemHostUnregister")
+        before = locked_bytes()
+        tier = RamTier(4 * MIB, pin=mlock, unpin=unpin)
+        try:
+            load(tier, KEY, a1, a2)
+            status = load(tier, OTHER_KEY, b)  # a1 and a2 evicted for b: the first unpin refused
+            assert "cuMemHostUnregister" in status["last_error"], status
+            assert (status["entries"], status["bytes"]) == (0, 0) and locked_bytes() == before, status
+            assert load(tier, OTHER_KEY, b)["entries"] == 1 and held(tier, OTHER_KEY, b)  # a later miss loads it
+        finally:
+            tier.close()
+        assert locked_bytes() == before
 
     def test_a_failed_pin_holds_nothing_and_the_loader_goes_on(self, tmp_path: Path) -> None:
         a, b = dump(tmp_path / "a.bin", 2 * MIB), dump(tmp_path / "b.bin", 2 * MIB)
@@ -333,7 +380,7 @@ class TestFreshness:
         a.unlink()
         b = dump(tmp_path / "b.bin", 2 * MIB)
         with Opened(b) as fds:
-            assert identity(fds[str(b)])[:2] != first[:2] and tier.lease(KEY, fds) is None
+            assert identity(fds[str(b)])[:2] != first[:2] and tier.lease(KEY, fds, whole(fds)) is None
 
 
 class TestOptions:
@@ -403,7 +450,7 @@ class TestPeerRules:
         _own, secret = tenants
         tier = tier_of(8 * MIB)
         with parts_as((), secret) as fds:  # the other tenant's restore, as root: held from now on
-            tier.load_later(KEY, fds)
+            tier.load_later(KEY, fds, whole(fds))
         settle(tier)
         with pytest.raises(HydrationError, match="peer uid 65534 may not read"), parts_as(AS_NOBODY, secret):
             pass
@@ -414,12 +461,12 @@ class TestPeerRules:
         own, secret = tenants
         tier = tier_of(8 * MIB)
         with parts_as((), secret) as fds:
-            tier.load_later(KEY, fds)
+            tier.load_later(KEY, fds, whole(fds))
         settle(tier)
         with parts_as(AS_NOBODY, own) as fds:
-            assert tier.lease(KEY, fds) is None  # same digest, same size, its own file: not the held one
+            assert tier.lease(KEY, fds, whole(fds)) is None  # same digest, same size, its own file: not the held one
         with parts_as((), secret) as fds:  # the tenant that may read it hits
-            lease = tier.lease(KEY, fds)
+            lease = tier.lease(KEY, fds, whole(fds))
             assert lease is not None and ctypes.string_at(lease.addresses[str(secret)], 2 * MIB) == \
                 secret.read_bytes()
             lease.release()
@@ -428,10 +475,10 @@ class TestPeerRules:
         own, _secret = tenants
         tier = tier_of(8 * MIB)
         with parts_as(AS_NOBODY, own) as fds:
-            tier.load_later(KEY, fds)
+            tier.load_later(KEY, fds, whole(fds))
         settle(tier)
         with parts_as(AS_NOBODY, own) as fds:
-            lease = tier.lease(KEY, fds)
+            lease = tier.lease(KEY, fds, whole(fds))
             assert lease is not None and list(lease.addresses) == [str(own)]
             lease.release()
 

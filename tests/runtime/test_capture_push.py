@@ -8,6 +8,7 @@ import contextlib
 import http.client
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -252,3 +253,76 @@ def test_through_tls_the_body_is_sent_encrypted_and_whole(tmp_path: Path, monkey
                                stop=threading.Event())
     assert (uploaded.status, uploaded.present) == (201, False)
     assert bodies == [data]
+
+
+@contextlib.contextmanager
+def _hostile_registry(after_post: bytes, then: bytes) -> Iterator[str]:
+    """A real HTTP peer on 127.0.0.1 that answers the HEAD (404), then answers the POST with `after_post` and goes
+    on sending `then` for as long as it is read: a byte at a time (each read well within the socket's timeout),
+    or an endless body."""
+    server = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            peer, _ = server.accept()
+            with peer:
+                peer.recv(65536)
+                peer.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+                peer.recv(65536)
+                peer.sendall(after_post)
+                while not done.is_set():
+                    peer.sendall(then)
+                    if len(then) == 1:
+                        time.sleep(0.05)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}/v2/r"
+    finally:
+        done.set()
+        server.close()
+        thread.join(5)
+
+
+TRICKLE = (b"HTTP/1.1 202 Accepted\r\nX-Slow: ", b"a")  # one header byte every 50 ms, never ending
+ENDLESS = (b"HTTP/1.1 202 Accepted\r\nLocation: /v2/r/blobs/uploads/u\r\nTransfer-Encoding: chunked\r\n\r\n",
+           b"10000\r\n" + b"x" * 0x10000 + b"\r\n")  # a body that never ends, sent as fast as it is read
+
+
+@pytest.mark.parametrize(("answer", "cancel", "expected"), [
+    (TRICKLE, False, r"TimeoutError\('blob sha256:0+ was not sent within 1 s'\)"),
+    (TRICKLE, True, r"ConnectionAbortedError\('blob sha256:0+: its push was cancelled'\)"),
+    (ENDLESS, False, r"ConnectionError\('the registry answered 202 with a body of more than 1048576 bytes'\)"),
+], ids=["trickle", "trickle-cancelled", "endless-body"])
+def test_a_registry_that_answers_a_byte_at_a_time_or_endlessly_never_holds_the_upload_thread(
+        tmp_path: Path, answer: tuple[bytes, bytes], cancel: bool, expected: str) -> None:
+    """Each read came within the socket's timeout, so only the blob's deadline or its cancel could end these: the
+    thread was held for hours (a header line is read up to 64 KiB) or for ever (the body was drained whole), holding
+    its upload slot, and the daemon's exit (a worker thread is no daemon thread)."""
+    blob = tmp_path / "blob"
+    blob.write_bytes(b"\0" * 4096)
+    stop = threading.Event()
+    ended: list[BaseException | None] = []
+
+    def push() -> None:
+        try:
+            with open(blob, "rb") as source:
+                upload_blob(base, authorization="", digest="sha256:" + "0" * 64, size=4096, source=source,
+                            within_s=60.0 if cancel else 1.0, stop=stop)
+            ended.append(None)
+        except BaseException as exc:  # the test reports what ended it
+            ended.append(exc)
+
+    with _hostile_registry(*answer) as base:
+        began = time.monotonic()
+        thread = threading.Thread(target=push, daemon=True)
+        thread.start()
+        if cancel:
+            time.sleep(0.5)
+            stop.set()
+        thread.join(8)
+        assert not thread.is_alive(), "the upload thread is still held by the registry"
+        assert time.monotonic() - began < 5
+    assert len(ended) == 1 and re.fullmatch(expected, repr(ended[0])), ended
