@@ -324,7 +324,8 @@ async def start_hydrator(d: Driver, image: str, layout: Layout, name: str) -> di
     await d.expect(f"evicting {name}", "workload-remove", name=name)
     shards = sorted(p.name for p in layout.weights.glob("*.safetensors"))
     spec = layout.unit(name, image, entrypoint=layout.python, command=[
-        "-m", "coldsnap_probe.hydration", "serve", "--staging", "--socket", f"{RUN}/hydrator.sock",
+        "-m", "coldsnap_probe.hydration", "serve", "--staging", "--ram-tier-bytes", "auto", "--socket",
+        f"{RUN}/hydrator.sock",
         *(f"{WEIGHTS}/{s}" for s in shards)])
     created = time.time()
     await d.expect(f"starting the hydrator {name}", "workload-run", workload=spec)

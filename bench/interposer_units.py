@@ -75,7 +75,8 @@ def staging_unit(layout: Layout, image: str, name: str) -> dict[str, Any]:
     the path's mounts and GPU, not itself under the interposer (it holds the staged allocations the engine
     adopts)."""
     spec = layout.unit(name, image, entrypoint=layout.python, command=[
-        "-m", "coldsnap_probe.hydration", "serve", "--staging", "--socket", STAGING_SOCKET])
+        "-m", "coldsnap_probe.hydration", "serve", "--staging", "--ram-tier-bytes", "auto", "--socket",
+        STAGING_SOCKET])
     spec["environment"] = {k: v for k, v in spec["environment"].items()
                            if k != "LD_PRELOAD" and not k.startswith("COLDSNAP_CUDA_INTERPOSER")}
     return spec

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from .. import jsonline
 from ._hydrator import STAGE_TTL, HydratorServer
-from ._ram_tier import node_memory
+from ._ram_tier import default_budget, node_memory
 from ._stage_quota import STAGE_UID_COUNT, STAGE_UID_SHARE
 from ._weights import region_digest
 
@@ -43,14 +43,17 @@ def _bytes(text: str) -> int:
 
 
 def _budget(text: str) -> int:
-    """The RAM tier's budget: 0 (off) or a size (as `_bytes`), at most the node's memory."""
+    """The RAM tier's budget: 0 (off), `auto` (`default_budget`) or a size (as `_bytes`), at most the node's
+    memory."""
     if text.strip() == "0":
         return 0
+    if text.strip() == "auto":
+        return default_budget()
     try:
         size = _bytes(text)
     except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"must be 0 (off) or a size (bytes, or with K, M, G, T), not {text}") \
-            from None
+        raise argparse.ArgumentTypeError(f"must be 0 (off), auto or a size (bytes, or with K, M, G, T), not "
+                                         f"{text}") from None
     if size > (memory := node_memory()):
         raise argparse.ArgumentTypeError(f"must be at most the node's memory ({memory} bytes), not {text}")
     return size
@@ -74,10 +77,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.add_argument("--stage-uid-bytes", type=_bytes, default=None, metavar="SIZE",
                        help=f"device bytes one peer uid may hold in stages at once, e.g. 40G (default with "
                             f"--allow-uid/--allow-gid: 1/{STAGE_UID_SHARE} of the GPU's memory; without: all of it)")
-    serve.add_argument("--ram-tier-bytes", type=_budget, default=None, metavar="SIZE",
+    # Off unless asked for until the tier is measured on a GPU (issue 34): it pins up to its budget of host memory.
+    serve.add_argument("--ram-tier-bytes", type=_budget, default=0, metavar="SIZE",
                        help="host memory that keeps staged device dumps page-locked across restores, so the next "
-                            "stage of one is a DMA at the link's rate, e.g. 32G; 0: off (default: a quarter of the "
-                            "node's memory; only with --staging)")
+                            "stage of one is a DMA at the link's rate, e.g. 32G; auto: a quarter of the node's "
+                            "memory; 0: off (the default; only with --staging)")
     serve.add_argument("--allow-uid", type=int, action="append", default=[], metavar="UID",
                        help="a uid whose processes may ask (repeatable; root and this process's uid always may)")
     serve.add_argument("--allow-gid", type=int, action="append", default=[], metavar="GID",

@@ -21,7 +21,7 @@ from ..errors import HydrationError
 from ._copy import ZEROS, HostBuffers, Piece, Pinned, Pread, copy_to_device, region_pieces, zero_split
 from ._peer_files import DumpLayout, dump_layout, dump_lengths, held_sources, open_dump_parts
 from ._peer_view import OPENERS, PeerView
-from ._ram_tier import RamTier, default_budget
+from ._ram_tier import RamTier
 from ._stage_quota import StageQuota, check_stage_quota
 from ._staging import ADOPT_PAGE, StageRequest
 from ._vmm import (
@@ -113,7 +113,7 @@ class HydratorServer:
     def __init__(self, sources: Sequence[str], *, streams: int = 4, driver: Any = None,
                  stage_ttl: float = STAGE_TTL, staging: bool = False, peers: jsonline.Peers | None = None,
                  group: int | None = None, stage_uid_count: int | None = None,
-                 stage_uid_bytes: int | None = None, ram_tier_bytes: int | None = None) -> None:
+                 stage_uid_bytes: int | None = None, ram_tier_bytes: int = 0) -> None:
         from .._cuda import Driver
 
         self.driver: Any = driver or Driver()
@@ -142,7 +142,7 @@ class HydratorServer:
         self._openers = threading.BoundedSemaphore(OPENERS)  # threads opening files in peers' views (_peer_view)
         _free, total = cucall(self.driver, "cuMemGetInfo")
         # Device dumps kept page-locked across restores (_ram_tier.py): only a staging hydrator stages them.
-        budget = (default_budget() if ram_tier_bytes is None else ram_tier_bytes) if staging else 0
+        budget = ram_tier_bytes if staging else 0
         pins = HostPins(self.driver, self.context)
         self.ram_tier = RamTier(budget, pin=pins.pin, unpin=pins.unpin)
         self.quota = StageQuota.default(int(total), shared=bool(self.peers.uids or self.peers.gids), stages=STAGE_MAX,

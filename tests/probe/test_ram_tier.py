@@ -385,9 +385,9 @@ class TestFreshness:
 
 class TestOptions:
     @pytest.mark.parametrize(("value", "rule"), [
-        pytest.param("lots", "must be 0 \\(off\\) or a size", id="words"),
-        pytest.param("-1", "must be 0 \\(off\\) or a size", id="negative"),
-        pytest.param("1.5G", "must be 0 \\(off\\) or a size", id="fraction"),
+        pytest.param("lots", "must be 0 \\(off\\), auto or a size", id="words"),
+        pytest.param("-1", "must be 0 \\(off\\), auto or a size", id="negative"),
+        pytest.param("1.5G", "must be 0 \\(off\\), auto or a size", id="fraction"),
         pytest.param("100T", "must be at most the node's memory", id="beyond-memory"),
     ])
     def test_a_bad_budget_is_refused_naming_the_option_before_anything_starts(
@@ -399,9 +399,12 @@ class TestOptions:
         stderr = capsys.readouterr().err
         assert "argument --ram-tier-bytes:" in stderr and re.search(rule, stderr), stderr
 
-    def test_a_budget_without_staging_is_refused(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    @pytest.mark.parametrize("value", ["1G", "auto"])
+    def test_a_budget_without_staging_is_refused(self, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                 value: str) -> None:
+        """`auto` is a budget too (a quarter of the node's memory); the tier is off unless one is given."""
         with pytest.raises(SystemExit) as exited:
-            main(["serve", "--socket", str(tmp_path / "h.sock"), "--ram-tier-bytes", "1G"])
+            main(["serve", "--socket", str(tmp_path / "h.sock"), "--ram-tier-bytes", value])
         assert exited.value.code == 2
         assert "argument --ram-tier-bytes: only with --staging" in capsys.readouterr().err
 
