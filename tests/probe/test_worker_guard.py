@@ -257,7 +257,11 @@ def _restore_killed_in(phase: str, images: Path, criu: str, reports: Path, scrat
             time.sleep(0.0002)
         else:
             os.kill(run.pid, signal.SIGKILL)
-            return run
+            # A short last phase can end the worker between the watcher's look and the kill: peek at how it ended
+            # (WNOWAIT: the caller still reaps it) and count only a worker the kill ended.
+            ended = os.waitid(os.P_PID, run.pid, os.WEXITED | os.WNOWAIT)
+            if ended is not None and ended.si_code == os.CLD_KILLED:
+                return run
         run.communicate(timeout=60)  # it restored before the watcher saw the phase: undo that and try again
         with contextlib.suppress(ProcessLookupError):
             os.killpg(tree, signal.SIGKILL)
