@@ -112,7 +112,8 @@ class TestEnvironment:
         assert added == {"COLDSNAP_CUDA_INTERPOSER_HYDRATOR": "/run/coldsnap/hydrator.sock"}
         assert "/run/coldsnap" in {m["target"] for m in staged.mounts()}
         hydrator = staging_unit(staged, "img", "e2e-interposer-hydrator-hydrator")
-        assert hydrator["command"][-4:] == ["serve", "--staging", "--socket", "/run/coldsnap/hydrator.sock"]
+        assert hydrator["command"][-6:] == ["serve", "--staging", "--ram-tier-bytes", "auto", "--socket",
+                                            "/run/coldsnap/hydrator.sock"]
         assert hydrator["mounts"] == staged.mounts() and hydrator["gpus"] == ["0"]
         assert not {k for k in hydrator["environment"] if k == "LD_PRELOAD" or "INTERPOSER" in k}  # not under it
         assert hydrator["environment"]["CRIU_RESTORE_THREADS"] == "16"

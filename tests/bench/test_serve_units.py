@@ -161,7 +161,8 @@ class TestEnvironment:
         hydrator = staging_unit(staged, "img", unit_names("full-interposer-hydrator")[2])
         assert hydrator["name"] == "serve-full-interposer-hydrator-hydrator" and hydrator["detached"] is True
         assert [hydrator["entrypoint"], *hydrator["command"]] == [
-            staged.python, "-m", "coldsnap_probe.hydration", "serve", "--staging", "--socket", STAGING_SOCKET]
+            staged.python, "-m", "coldsnap_probe.hydration", "serve", "--staging", "--ram-tier-bytes", "auto",
+            "--socket", STAGING_SOCKET]
         env = hydrator["environment"]
         assert not {k for k in env if k == "LD_PRELOAD" or k.startswith("COLDSNAP_CUDA_INTERPOSER")}
         assert {k: v for k, v in staged.environment().items() if k not in env} == {
