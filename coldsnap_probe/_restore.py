@@ -27,13 +27,13 @@ from typing import TYPE_CHECKING, Any
 
 from ._coordinator import Coordinator
 from ._engine import ABORT_POLL, resume_engine, validated_graph_record
+from ._held_tree import driver_alone
 from ._host import host_identity
 from ._phase import PhaseLog
 from ._process import CriuRun, criu_environment, process_state, process_tree, require_state, stop, tail
 from ._reports import Mark, RestoredGraphPolicy, RestoreReport
 from ._shm_files import SharedFile, load_shared_files, put_back
 from ._target import check_target, comparable
-from ._thread_hold import ThreadHold
 from ._worker_guard import WorkerGuard
 from .errors import RankAborted, TargetRefused, WorkerError
 from .memory import MemoryOptions, MemoryRestores, RestoreScope
@@ -239,9 +239,8 @@ class _Restore:
         self.timeline.mark("deferred_cuda_restore_begin")
         for pid in reversed(self.cuda):
             # CRIU left the tree stopped: only the driver's restore thread runs until the process's CUDA state is
-            # back (a thread running meanwhile may touch mappings not yet restored: `_thread_hold`).
-            with ThreadHold(pid) as hold:
-                hold.run_only(int(driver.call("cuCheckpointProcessGetRestoreThreadId", pid)))
+            # back (a thread running meanwhile may touch mappings not yet restored: `_held_tree`).
+            with driver_alone(driver, pid):
                 require_state(driver, [pid], "checkpointed", "before CUDA restore")
                 driver.call("cuCheckpointProcessRestore", pid, None)
                 require_state(driver, [pid], "locked", "after CUDA restore")
