@@ -27,8 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from coldsnap_probe._held_tree import stop_tree, wait_stopped
-from coldsnap_probe._thread_hold import ThreadHold
+from coldsnap_probe import ThreadHold, stop_tree, wait_stopped
 
 PROGRAM = """
 import sys, threading, time
