@@ -36,7 +36,9 @@ _WALL = 0x40000000  # waitpid: threads too
 _SIGSET_BYTES = 8  # the kernel's sigset_t on Linux
 _STOP_WAIT_S = 2.0  # for a thread to report the stop it was asked for
 _RETRAP_S = 0.005  # a group-stop notification pending when a thread is continued traps it at once
-HELD_MASK = ~(1 << (signal.SIGTRAP - 1)) & (2**64 - 1)  # the thread let run: every signal blocked but SIGTRAP
+# The thread let run: every signal blocked but SIGTRAP (and SIGKILL and SIGSTOP, which the kernel never blocks: the
+# mask as it reads back).
+HELD_MASK = ~sum(1 << (s - 1) for s in (signal.SIGTRAP, signal.SIGKILL, signal.SIGSTOP)) & (2**64 - 1)
 
 
 class ThreadHold:

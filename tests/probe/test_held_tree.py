@@ -43,12 +43,12 @@ WORKERS = 24
 # Workers count (mostly asleep: a worker stopped while it holds the GIL would stop the main thread too); the last
 # blocks SIGUSR2, its own mask; the main thread writes every count, its own first, every 20 ms.
 PROGRAM = f"""
-import signal, sys, threading, time
+import os, signal, threading, time
 counts = [0] * {WORKERS}
 def work(i):
     if i == {WORKERS - 1}:
         signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGUSR2}})
-        print("own-mask", threading.get_native_id(), flush=True)
+        os.write(1, f"own-mask {{threading.get_native_id()}}\\n".encode())  # one write: never inside a line
     while True:
         counts[i] += 1
         time.sleep(0.05)
@@ -57,7 +57,7 @@ for i in range({WORKERS}):
 beat = 0
 while True:
     beat += 1
-    print(beat, *counts, flush=True)
+    os.write(1, (" ".join(map(str, [beat, *counts])) + "\\n").encode())
     time.sleep(0.02)
 """
 OWN_MASK = 1 << (signal.SIGUSR2 - 1)
@@ -77,8 +77,8 @@ class Target:
                         if line.startswith("own-mask"))
 
     def counts_lines(self) -> list[list[int]]:
-        return [[int(v) for v in line.split()] for line in self.log.read_text().splitlines()
-                if line and not line.startswith("own-mask")]
+        whole = self.log.read_text().split("\n")[:-1]  # the last one may be half written
+        return [[int(v) for v in line.split()] for line in whole if line and not line.startswith("own-mask")]
 
     def last(self) -> list[int]:
         return self.counts_lines()[-1]
