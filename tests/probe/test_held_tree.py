@@ -253,8 +253,9 @@ def ask(path: Path) -> dict[str, Any]:
 def test_a_jax_process_computing_without_pause_is_captured_and_restored_every_time(
         tmp_path: Path, record_property: Any) -> None:
     """Issue 36: the capture's CUDA checkpoint (and a restore's) with the tree stopped and only the driver's thread
-    running, against the process that showed the race (a JAX process: ~100 threads, libcuda's waiters): captured
-    while its device works, restored, captured again from the restored process, ROUNDS times; every capture and
+    running, against the process that showed the race (a JAX process: ~100 threads, libcuda's waiters): a capture
+    whose dump fails rolled back (restored and unlocked held, then continued); captured while its device works,
+    restored, captured again from the restored process, ROUNDS times; every capture and
     restore succeeds, the same answer each time, and the computing thread goes on. The hold's cost per capture is
     recorded (junit property `held_tree`)."""
     from tests.probe.test_worker import kill_and_reap, worker
@@ -275,6 +276,13 @@ def test_a_jax_process_computing_without_pause_is_captured_and_restored_every_ti
         assert ready["platform"] == "gpu", log.read_text()[-3000:]
         cold = ask(sock)
         threads = len(os.listdir(f"/proc/{pid}/task"))  # XLA's pools and libcuda's threads
+        # A failed dump first: the rollback restores and unlocks the held process, then lets it run on.
+        done = worker("capture", "--pid", str(pid), "--images", str(tmp_path / "images-0"), "--criu", "/bin/false")
+        assert done.returncode == 1 and "criu dump exited 1" in done.stderr, done.stderr[-3000:]
+        first = ask(sock)
+        time.sleep(0.2)
+        later = ask(sock)
+        assert first["sum"] == cold["sum"] and later["steps"] > first["steps"], ("rolled back", cold, first, later)
         for n in range(1, ROUNDS + 1):
             done = worker("capture", "--pid", str(pid), "--images", str(tmp_path / f"images-{n}"), "--criu",
                           shutil.which("criu") or "")
