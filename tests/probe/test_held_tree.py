@@ -288,8 +288,11 @@ def test_a_jax_process_computing_without_pause_is_captured_and_restored_every_ti
                           shutil.which("criu") or "")
             assert done.returncode == 0, f"capture {n}: {done.stderr[-3000:]}"
             timings = json.loads(done.stdout)["timings_s"]
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, 0)  # the capture ended the tree: its pid is free for the restore
+            if n == 1:
+                proc.wait()  # the capture ended the tree: its pid is free for the restore
+            else:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, 0)  # (a restored tree, reparented here)
             sock.unlink(missing_ok=True)
             done = worker("restore", "--images", str(tmp_path / f"images-{n}"), "--work-dir", str(tmp_path / f"w{n}"))
             assert done.returncode == 0, f"restore {n}: {done.stderr[-3000:]}"
@@ -305,4 +308,5 @@ def test_a_jax_process_computing_without_pause_is_captured_and_restored_every_ti
         record_property("held_tree", json.dumps(rounds))
         if Path(f"/proc/{pid}").exists():
             kill_and_reap(pid)
+        proc.wait()  # (reaped already: its status is all that is left)
     assert len(rounds) == ROUNDS and all(r["tree_stop"] >= 0 and r["thread_hold"] >= 0 for r in rounds), rounds
