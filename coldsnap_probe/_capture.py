@@ -225,10 +225,12 @@ class _Capture:
                 self.journal.note(cuda=p, state="checkpointed")
                 called = time.perf_counter()
                 driver.call("cuCheckpointProcessCheckpoint", p, None)
-                in_driver += time.perf_counter() - called
                 self.done.append((p, "checkpointed"))
+                # GetState only while the restore thread runs (as every restore asks it): asked of the stopped
+                # process after the hold, it never answered and the capture hung (H200, 2026-12-02).
+                require_state(driver, [p], "checkpointed", "after checkpoint")
+                in_driver += time.perf_counter() - called
         wait_stopped(self.tree)  # a released restore thread re-enters its group stop: CRIU then sees one state
-        require_state(driver, cuda, "checkpointed", "after checkpoint")
         total = self.report.timings_s["cuda_checkpoint"] = time.perf_counter() - started
         self.report.timings_s["thread_hold"] = total - self.report.timings_s["tree_stop"] - in_driver
 

@@ -14,6 +14,10 @@ runs in between may read such a page and die: a libcuda thread of a JAX process 
     undo          a failed capture: per CUDA process, held again, restore what was checkpointed and unlock, and
                   only then let the tree run (SIGCONT)
 
+The driver's state (`cuCheckpointProcessGetState`) is asked only while the restore thread runs, inside the hold
+(as every restore asks it): asked of a stopped process it did not answer, and a capture that asked it after the
+hold hung (H200, 2026-12-02). `cuCheckpointProcessGetRestoreThreadId` answers for a stopped process.
+
 Nothing but the restore thread runs from the checkpoint until the dump or the undo is done; the hold is released on
 every path (a `with`), the tree continued by the caller's rollback, and a worker that dies leaves both to its guard
 (`_worker_guard`: the tree journalled as `stop`, the held thread's own mask as `hold`). CRIU dumps the tree as

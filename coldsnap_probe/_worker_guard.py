@@ -184,10 +184,11 @@ def _undo(steps: list[dict[str, Any]]) -> list[str]:
     if tree:
         undone.append(_hold_still(tree, [s for s in steps if "hold" in s]))
     cuda = [(int(s["cuda"]), str(s["state"])) for s in steps if "cuda" in s]
-    if cuda:
-        undone.append(_undo_cuda(cuda, held=bool(tree)))
+    driver = _undo_cuda(cuda, held=bool(tree)) if cuda else None
     if tree:
         undone.append(_let_tree_run(tree))
+    if driver is not None:  # asked once the tree runs: GetState does not answer for a stopped process
+        undone.append(_cuda_states(driver, cuda))
     images = _images(steps)
     memory = [s for s in steps if "memory" in s]
     if memory and images is not None:
@@ -277,7 +278,8 @@ def _end_tree(tree: list[int]) -> str:
     return f"the capture was complete: tree {tree} ended, images kept"
 
 
-def _undo_cuda(done: list[tuple[int, str]], *, held: bool) -> str:
+def _undo_cuda(done: list[tuple[int, str]], *, held: bool) -> Any:
+    """The CUDA state restored and unlocked (`undo_cuda`); the driver, for `_cuda_states`."""
     from ._cuda import Driver  # only here: the worker forked the guard before any CUDA call
     from ._held_tree import held as hold
     from ._process import undo_cuda
@@ -285,6 +287,10 @@ def _undo_cuda(done: list[tuple[int, str]], *, held: bool) -> str:
     driver = Driver()
     driver.call("cuInit", 0)
     undo_cuda(driver, done, hold(driver) if held else None)
+    return driver
+
+
+def _cuda_states(driver: Any, done: list[tuple[int, str]]) -> str:
     states = {}
     for pid in sorted({p for p, _ in done}):
         try:

@@ -174,14 +174,15 @@ def test_driver_580_takes_a_gpu_pair_on_restore(tmp_path: Path) -> None:
         driver.call("cuInit", 0)
         driver.call("cuCheckpointProcessLock", target.pid, None)
         stop_tree([target.pid])
-        with driver_alone(driver, target.pid):
+        with driver_alone(driver, target.pid):  # (GetState answers only while the restore thread runs)
             driver.call("cuCheckpointProcessCheckpoint", target.pid, None)
-        assert driver.state(target.pid) == "checkpointed"
+            assert driver.state(target.pid) == "checkpointed"
         with driver_alone(driver, target.pid):
             driver.call("cuCheckpointProcessRestore", target.pid, restore_args(driver.cuda, [(pairs[0][1],) * 2]))
             driver.call("cuCheckpointProcessUnlock", target.pid, None)
+            assert driver.state(target.pid) == "running"
         os.kill(target.pid, signal.SIGCONT)
-        assert driver.state(target.pid) == "running" and verify(control, 1)
+        assert verify(control, 1)
     finally:
         os.killpg(target.pid, signal.SIGKILL)
         target.wait()
