@@ -29,7 +29,10 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,6 +47,7 @@ __all__ = ("driver_alone", "held", "stop_again", "stop_tree", "wait_stopped", "w
 
 STOP_WAIT_S = 10.0  # for every thread to reach its group stop (one in a driver call finishes it first)
 LET_GO_S = 5.0  # for the kernel to detach a tree from a tracer (CRIU, a dead worker) that has exited
+SLOW_S = 20.0  # a driver call under the hold this long is said on stderr (where each thread is), once
 
 
 def stop_tree(tree: list[int]) -> None:
@@ -97,8 +101,29 @@ def driver_alone(driver: Driver, pid: int, *, note: Callable[..., Any] | None = 
     """Process `pid` (stopped) held with only the driver's restore thread running, for the block's driver calls;
     `note` journals the thread's own signal mask first (a capture's guard)."""
     with ThreadHold(pid, note=note) as hold:
-        hold.run_only(int(driver.call("cuCheckpointProcessGetRestoreThreadId", pid)))
-        yield hold
+        tid = int(driver.call("cuCheckpointProcessGetRestoreThreadId", pid))
+        hold.run_only(tid)
+        watch = threading.Timer(SLOW_S, _say_slow, (pid, tid))  # a driver that never answers is named, not silent
+        watch.daemon = True
+        watch.start()
+        try:
+            yield hold
+        finally:
+            watch.cancel()
+
+
+def _say_slow(pid: int, tid: int) -> None:
+    def where(task: int) -> str:
+        try:
+            stat = Path(f"/proc/{pid}/task/{task}/stat").read_text()
+            return f"{stat[stat.rindex(')') + 2:][:1]} in {Path(f'/proc/{pid}/task/{task}/wchan').read_text() or '-'}"
+        except OSError as exc:
+            return exc.strerror or "gone"
+    with contextlib.suppress(WorkerError):
+        states = dict(Counter(state for _, state in _thread_states(pid)))
+        sys.stderr.write(f"coldsnap-worker: a driver call has held process {pid} for {SLOW_S:g} s; its restore "
+                         f"thread {tid}: {where(tid)}; its threads by state: {states}\n")
+        sys.stderr.flush()
 
 
 def held(driver: Driver) -> Callable[[int], contextlib.AbstractContextManager[Any]]:
