@@ -42,6 +42,8 @@ if TYPE_CHECKING:  # what each name is, for mypy and readers; at run time `__get
     from ._graph import plan_graph_policy as plan_graph_policy
     from ._graph import resolve_graph_policy as resolve_graph_policy
     from ._graph import validate_graph_record as validate_graph_record
+    from ._held_tree import stop_tree as stop_tree
+    from ._held_tree import wait_stopped as wait_stopped
     from ._host import boot_id as boot_id
     from ._model import FEATURE_IDS as FEATURE_IDS
     from ._model import STATUSES as STATUSES
@@ -105,6 +107,8 @@ _EXPORTS = MappingProxyType({
     "anonymous_memory": "._process",
     "image_digest": "._process",
     "pids_by_argv": "._process",
+    "stop_tree": "._held_tree",
+    "wait_stopped": "._held_tree",
     "ThreadHold": "._thread_hold",
     "AdmissionError": ".errors",
     "ContractError": ".errors",
@@ -163,8 +167,10 @@ __all__ = (
     "region_digest",
     "requirements",
     "resolve_graph_policy",
+    "stop_tree",
     "validate_graph_record",
     "validate_profile",
+    "wait_stopped",
     "with_criu",
     "write_cached",
 )

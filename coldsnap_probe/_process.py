@@ -3,6 +3,7 @@ and CRIU run as a program (no CUDA driver calls but the state checks through `_c
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
@@ -12,6 +13,8 @@ import stat
 import subprocess
 import threading
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -241,16 +244,24 @@ def signal_tree(pids: list[int], sig: signal.Signals) -> None:
             pass
 
 
-def undo_cuda(driver: Driver, done: list[tuple[int, str]]) -> None:
-    """Undo in reverse order so the workload keeps running: restore what was checkpointed, then unlock."""
-    for pid, what in reversed(done):
-        try:
-            if what == "checkpointed":
-                driver.call("cuCheckpointProcessRestore", pid, None, required=False)
-            elif driver.state(pid) == "locked":
-                driver.call("cuCheckpointProcessUnlock", pid, None, required=False)
-        except Exception:
-            continue
+def undo_cuda(driver: Driver, done: list[tuple[int, str]],
+              hold: Callable[[int], AbstractContextManager[Any]] | None = None) -> None:
+    """Undo so the workload keeps running, the process done last first: restore what was checkpointed, then
+    unlock. `hold` (a stopped tree: `_held_tree.held`) holds each process but its driver's restore thread for it;
+    a process that cannot be held is let run and undone so (the restore needs its restore thread scheduled)."""
+    for pid in reversed(list(dict.fromkeys(p for p, _ in done))):
+        with contextlib.suppress(WorkerError), contextlib.ExitStack() as stack:  # a release that failed: the rest
+            try:
+                if hold is not None:
+                    stack.enter_context(hold(pid))
+            except WorkerError:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+            with contextlib.suppress(Exception):  # best effort: the caller's rollback goes on with the rest
+                if (pid, "checkpointed") in done:
+                    driver.call("cuCheckpointProcessRestore", pid, None, required=False)
+                if driver.state(pid) == "locked":
+                    driver.call("cuCheckpointProcessUnlock", pid, None, required=False)
 
 
 def pids_by_argv(words: list[str]) -> list[int]:

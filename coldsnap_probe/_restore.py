@@ -15,6 +15,7 @@ activation for every rank, discard what the memory sources staged (registry orde
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import json
 import os
@@ -28,13 +29,13 @@ from typing import TYPE_CHECKING, Any
 
 from ._coordinator import Coordinator
 from ._engine import ABORT_POLL, resume_engine, validated_graph_record
+from ._held_tree import driver_alone
 from ._host import IdentityReading
 from ._phase import PhaseLog
 from ._process import CriuRun, criu_environment, process_state, process_tree, require_state, stop, tail
 from ._reports import Mark, RestoredGraphPolicy, RestoreReport
 from ._shm_files import SharedFile, load_shared_files, put_back
-from ._target import check_target, comparable
-from ._thread_hold import ThreadHold
+from ._target import check_target, comparable, gpu_pairs
 from ._worker_guard import WorkerGuard
 from .errors import RankAborted, TargetRefused, WorkerError
 from .memory import MemoryOptions, MemoryRestores, RestoreScope
@@ -42,7 +43,7 @@ from .memory import MemoryOptions, MemoryRestores, RestoreScope
 if TYPE_CHECKING:
     from ._cuda import Driver
 
-__all__ = ("restore",)
+__all__ = ("restore", "restore_args")
 
 LAZY_PAGES_START_S = 10.0  # for `criu lazy-pages` to listen
 LAZY_PAGES_FINISH_S = 120.0  # for it to have copied every page after the restore
@@ -106,6 +107,7 @@ class _Restore:
         self.cuda: list[int] = []
         self.identity: IdentityReading | None = None
         self.driver: Driver | None = None
+        self.gpu_pairs: list[tuple[bytes, bytes]] = []  # (captured, this) GPU UUIDs: restored onto another GPU
         # What was started, for the rollback.
         self.root: int | None = None
         self.lazy: subprocess.Popen[bytes] | None = None
@@ -182,12 +184,14 @@ class _Restore:
         captured, boundary = self.captured.get("identity", {}), self.captured["boundary"]
         captured, current = comparable(captured, current, boundary)
         try:
-            self.report.identity_compatibility = check_target(captured, current, boundary)
+            self.report.identity_compatibility = check_target(captured, current, boundary,
+                                                              device_policy=self.memory_options.device_policy)
         except TargetRefused as exc:
             self.timeline.mark("refused")
             exc.seconds = self.timeline.seconds("restore_begin", "refused")
             raise
         self.report.identity_source = current["gpu_identity_source"]
+        self.gpu_pairs = gpu_pairs(captured, current)
 
     def _agree(self) -> None:
         """Nothing is restored on any rank until every rank's images, record and identity are good."""
@@ -251,11 +255,10 @@ class _Restore:
         self.timeline.mark("deferred_cuda_restore_begin")
         for pid in reversed(self.cuda):
             # CRIU left the tree stopped: only the driver's restore thread runs until the process's CUDA state is
-            # back (a thread running meanwhile may touch mappings not yet restored: `_thread_hold`).
-            with ThreadHold(pid) as hold:
-                hold.run_only(int(driver.call("cuCheckpointProcessGetRestoreThreadId", pid)))
+            # back (a thread running meanwhile may touch mappings not yet restored: `_held_tree`).
+            with driver_alone(driver, pid):
                 require_state(driver, [pid], "checkpointed", "before CUDA restore")
-                driver.call("cuCheckpointProcessRestore", pid, None)
+                driver.call("cuCheckpointProcessRestore", pid, restore_args(driver.cuda, self.gpu_pairs))
                 require_state(driver, [pid], "locked", "after CUDA restore")
                 driver.call("cuCheckpointProcessUnlock", pid, None)
                 require_state(driver, [pid], "running", "after unlock")
@@ -300,6 +303,24 @@ class _Restore:
             self.memory.discard()
         if self.lazy:
             stop(self.lazy)
+
+
+def restore_args(cuda: Any, pairs: list[tuple[bytes, bytes]]) -> Any:
+    """`cuCheckpointProcessRestore`'s arguments: None on the captured GPU; else a `CUcheckpointRestoreArgs` whose
+    `gpuPairs` map each captured GPU's UUID onto this host's (`cuda`: cuda-python's driver module)."""
+    if not pairs:
+        return None
+    built = []
+    for was, now in pairs:
+        pair = cuda.CUcheckpointGpuPair()
+        for field, value in (("oldUuid", was), ("newUuid", now)):
+            uuid = cuda.CUuuid()
+            ctypes.memmove(uuid.getPtr(), value, len(value))  # (the binding's `bytes` is read-only)
+            setattr(pair, field, uuid)
+        built.append(pair)
+    args = cuda.CUcheckpointRestoreArgs()
+    args.gpuPairs, args.gpuPairsCount = built, len(built)
+    return args
 
 
 def _start_lazy_pages(criu: str, images: Path, work: Path, journal: WorkerGuard) -> subprocess.Popen[bytes]:
