@@ -19,7 +19,7 @@ from typing import Any
 from .. import jsonline
 from ..errors import HydrationError
 from ._copy import ZEROS, HostBuffers, Piece, Pinned, Pread, copy_to_device, region_pieces, zero_split
-from ._peer_files import DumpLayout, dump_layout, dump_lengths, held_sources, open_dump_parts
+from ._peer_files import DumpLayout, dump_layout, dump_reads, held_sources, open_dump_parts
 from ._peer_view import OPENERS, PeerView
 from ._ram_tier import RamTier
 from ._stage_quota import StageQuota, check_stage_quota
@@ -374,16 +374,16 @@ class HydratorServer:
         layout, sizes = dump_layout(message.get("parts"))
         with PeerView.of(conn, peer, openers=self._openers) as view:
             parts, fds = open_dump_parts(layout, view)
-        size, lengths = sum(sizes), dump_lengths(layout)
+        size, reads = sum(sizes), dump_reads(layout)  # the tier holds what a stage reads: no chunk of zeros
         zero = sum(p.size for p in dump_pieces(parts, layout, 0) if p.source == ZEROS)
-        lease = self.ram_tier.lease(key, fds, lengths)  # a hit: the very files the peer opened, held page-locked
+        lease = self.ram_tier.lease(key, fds, reads)  # a hit: the very files the peer opened, held page-locked
         reader = Pread(threads=DUMP_THREADS, chunk=DUMP_CHUNK, opened=fds, buffers=self.dump_buffers)
         copy = self._pinned(dump_pieces(parts, layout, 0), lease.addresses) if lease is not None else \
             lambda va: copy_to_device(self.driver, self.context, dump_pieces(parts, layout, va), reader)
         try:
             answer = self._stage_into(key, peer, conn, _Staged((), 0, size, parts, 0.0, 0.0, 0.0, 0, "",
                                                                layout=layout, sizes=sizes), copy, size, stager)
-            tier = self.ram_tier.staged(key, fds, lengths, lease, size - zero)
+            tier = self.ram_tier.staged(key, fds, reads, lease, size - zero)
         finally:
             if lease is not None:
                 lease.release()

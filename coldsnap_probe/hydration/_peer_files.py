@@ -16,8 +16,8 @@ from ..errors import HydrationError
 from ._peer_view import PeerView
 from ._weights import DIGEST_CHUNK, WeightRegion
 
-__all__ = ("DUMP_ALIGN", "STAGE_ALLOCATIONS", "DumpLayout", "dump_layout", "dump_lengths", "held_sources",
-           "open_dump_parts")
+__all__ = ("DUMP_ALIGN", "STAGE_ALLOCATIONS", "DumpLayout", "Runs", "dump_layout", "dump_lengths", "dump_reads",
+           "held_sources", "merge_runs", "open_dump_parts")
 
 DUMP_ALIGN = 2 << 20  # a device dump's parts are whole VMM regions: multiples of the allocation granularity
 # Allocations one stage-dump may create (one per released region): torch's caching allocator makes hundreds for
@@ -27,6 +27,7 @@ _PART_KEYS = frozenset({"file", "bytes", "region"})
 
 # (file as named, bytes, region index, zero mask) per part, in order
 DumpLayout = tuple[tuple[str, int, int, int], ...]
+Runs = tuple[tuple[int, int], ...]  # (offset, bytes) of a file, in order, neither touching nor overlapping
 
 
 def held_sources(view: PeerView, named: Iterable[str], held: Mapping[tuple[int, int], str]) -> dict[str, str]:
@@ -95,6 +96,28 @@ def dump_lengths(layout: DumpLayout) -> dict[str, int]:
     for named, size, _region, _zero in layout:
         needed[named] = max(needed.get(named, 0), size)
     return needed
+
+
+def dump_reads(layout: DumpLayout) -> dict[str, Runs]:
+    """Each file a layout names, to the runs of it that its parts read: every part's chunks but those its mask
+    marks as zeros (set on the device, never read: the file's holes), merged over the parts naming the file."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for named, size, _region, zero in layout:
+        for start in range(0, size, DIGEST_CHUNK):
+            if not zero >> (start // DIGEST_CHUNK) & 1:
+                spans.setdefault(named, []).append((start, min(DIGEST_CHUNK, size - start)))
+    return {named: merge_runs(found) for named, found in spans.items()}
+
+
+def merge_runs(runs: Iterable[tuple[int, int]]) -> Runs:
+    """(offset, bytes) runs sorted, those that touch or overlap made one."""
+    merged: list[tuple[int, int]] = []
+    for offset, n in sorted(runs):
+        if merged and offset <= merged[-1][0] + merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][0] + merged[-1][1], offset + n) - merged[-1][0])
+        else:
+            merged.append((offset, n))
+    return tuple(merged)
 
 
 def open_dump_parts(layout: DumpLayout, view: PeerView) -> tuple[tuple[WeightRegion, ...], dict[str, int]]:

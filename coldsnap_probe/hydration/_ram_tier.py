@@ -2,10 +2,13 @@
 next stage of the same dump is one DMA per piece from host memory at the link's rate (`_copy.Pinned`), with no
 reader thread copying from the page cache through the ring (`_copy.Pread`, the disk tier).
 
-What is held: whole dumps, one entry per (manifest digest, the identities of its files and the bytes of each that
-its stages read: `lengths`). Only those bytes are mapped and pinned, and counted against the budget: a file is
-the peer's own, and may be far larger than what its stage reads (a stage of 2 MiB naming a file of hundreds of
-GB would otherwise pin and read all of it, and evict every other tenant's entries for it). A file's identity is
+What is held: whole dumps, one entry per (manifest digest, the identities of its files and the runs of each that
+its stages read: `reads`, `_peer_files.dump_reads`). Only those runs are pinned, and counted against the budget: a
+file is the peer's own, and may be far larger than what its stage reads (a stage of 2 MiB naming a file of
+hundreds of GB would otherwise pin and read all of it, and evict every other tenant's entries for it); and a
+dump's chunks of zeros are holes that no stage reads (set on the device): pinning them would fill tmpfs with pages
+of zeros and count them against the budget (a JAX engine's 35 GB dump is half zeros: whole, it never fit the
+default budget; its 18 GB of data do). A file's identity is
 (device, inode, size, mtime, ctime) of the descriptor the peer opened: a file replaced (another inode; the held
 mapping keeps the old inode alive, so its number is not reused meanwhile), truncated or rewritten (its times)
 is another identity, so its entry never serves it: the stage misses and reads the file as it is now. A file
@@ -44,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import HydrationError
+from ._peer_files import Runs, merge_runs
 from ._vmm import Mapped
 
 __all__ = ("LOAD_QUEUE", "LOAD_THREADS", "TIERS", "Identity", "Lease", "RamTier", "default_budget", "identity",
@@ -54,7 +58,7 @@ LOAD_QUEUE = 2  # dumps waiting for the loader: a later miss queues the dump aga
 LOAD_THREADS = 4
 TIERS = ("ram", "disk")  # where a stage's bytes were read: the RAM tier, or the files (page cache or disk)
 Identity = tuple[int, int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns
-_Name = tuple[str, frozenset[tuple[Identity, int]]]  # the manifest digest; its files' identities and lengths
+_Name = tuple[str, frozenset[tuple[Identity, Runs]]]  # the manifest digest; its files' identities and runs read
 _SKIPS = ("too_large", "no_room", "failed")
 
 
@@ -126,14 +130,14 @@ class RamTier:
             self._loader = threading.Thread(target=self._load_loop, name="coldsnap-ram-tier", daemon=True)
             self._loader.start()
 
-    def lease(self, key: str, fds: Mapping[str, int], lengths: Mapping[str, int]) -> Lease | None:
+    def lease(self, key: str, fds: Mapping[str, int], reads: Mapping[str, Runs]) -> Lease | None:
         """The held dump of `key` whose files are the ones open as `fds` (each part file as the peer named it, to
-        the descriptor it opened), of which its stage reads the first `lengths` bytes (named alike), in use until
-        the lease ends; None (a miss) when the tier holds no such dump."""
+        the descriptor it opened), of which its stage reads the runs `reads` (named alike; a file it reads nothing
+        of is not held), in use until the lease ends; None (a miss) when the tier holds no such dump."""
         if not self.budget:
             return None
-        ids = {named: identity(fd) for named, fd in fds.items()}
-        name = (key, frozenset(_lengths(ids, lengths).items()))
+        ids = {named: identity(fd) for named, fd in fds.items() if named in reads}
+        name = (key, frozenset(_reads(ids, reads).items()))
         with self._lock:
             dump = self._held.get(name)
             if dump is None or not dump.ready:
@@ -142,34 +146,34 @@ class RamTier:
             dump.users += 1
             self._held.move_to_end(name)
             self.hits += 1
-            addresses = {named: dump.files[ident].address for named, ident in ids.items()}
+            addresses = {named: dump.files[ident].address for named, ident in ids.items()}  # the files read
         return Lease(addresses, dump.size, lambda: self._release(dump))
 
     def _release(self, dump: _Dump) -> None:
         with self._lock:
             dump.users -= 1
 
-    def staged(self, key: str, fds: Mapping[str, int], lengths: Mapping[str, int], lease: Lease | None,
+    def staged(self, key: str, fds: Mapping[str, int], reads: Mapping[str, Runs], lease: Lease | None,
                size: int) -> str:
-        """After a stage of `size` bytes copied from the files open as `fds` (their first `lengths` bytes), from
+        """After a stage of `size` bytes copied from the files open as `fds` (their runs `reads`), from
         `lease` (a hit) or the files (a miss): the bytes counted under the tier that served them, a miss's dump
         queued for loading (`load_later`); that tier's name (TIERS)."""
         tier = "disk" if lease is None else "ram"
         with self._lock:
             self.read_bytes[tier] += size
         if lease is None:
-            self.load_later(key, fds, lengths)
+            self.load_later(key, fds, reads)
         return tier
 
-    def load_later(self, key: str, fds: Mapping[str, int], lengths: Mapping[str, int]) -> bool:
-        """Queue the first `lengths` bytes (named as in `fds`) of the dump of `key` in the files open as `fds` for
+    def load_later(self, key: str, fds: Mapping[str, int], reads: Mapping[str, Runs]) -> bool:
+        """Queue the runs `reads` (named as in `fds`) of the dump of `key` in the files open as `fds` for
         the loader (their descriptors duplicated: the caller's stay its own); False when the tier is off, holds or
-        queued it already, or the queue is full."""
-        if not self.budget:
+        queued it already, the queue is full, or nothing of it is read."""
+        if not self.budget or not any(reads.get(named) for named in fds):
             return False
-        ids = {named: identity(fd) for named, fd in fds.items()}
-        files = {ids[named]: fd for named, fd in fds.items()}
-        name = (key, frozenset(_lengths(ids, lengths).items()))
+        ids = {named: identity(fd) for named, fd in fds.items() if named in reads}
+        files = {ids[named]: fds[named] for named in ids}
+        name = (key, frozenset(_reads(ids, reads).items()))
         with self._lock:
             if name in self._held or any(queued == name for queued, _ in self._queue) or \
                     len(self._queue) >= LOAD_QUEUE or self._closed:
@@ -240,8 +244,8 @@ class RamTier:
     def _load(self, name: _Name, fds: Mapping[Identity, int]) -> bool:
         """Reserve room for the dump (evicting), map and pin each file, then make it ready, keeping `fds`; a file
         whose identity changed meanwhile, or a failed pin, gives everything back. Whether it kept `fds`."""
-        length = dict(name[1])
-        size = sum(length.values())
+        runs = dict(name[1])
+        size = sum(n for file_runs in runs.values() for _offset, n in file_runs)
         with self._lock:
             victims = self._room_for(size)
             if victims is None:
@@ -253,7 +257,7 @@ class RamTier:
             for victim in victims:
                 self._drop(victim)
             with ThreadPoolExecutor(min(LOAD_THREADS, len(fds)), initializer=_lowest_priority) as pool:
-                done = list(pool.map(lambda item: self._pin_one(item[0], item[1], length[item[0]], files),
+                done = list(pool.map(lambda item: self._pin_one(item[0], item[1], runs[item[0]], files),
                                      fds.items()))
         except BaseException:
             with self._lock:
@@ -271,11 +275,11 @@ class RamTier:
             self.loads += 1
         return True
 
-    def _pin_one(self, ident: Identity, fd: int, length: int, files: dict[Identity, Mapped]) -> str:
-        """The first `length` bytes of one file of a dump being loaded, mapped and pinned into `files`; why not
-        ("" when they were)."""
+    def _pin_one(self, ident: Identity, fd: int, runs: Runs, files: dict[Identity, Mapped]) -> str:
+        """One file of a dump being loaded mapped to the end of its last run `runs`, those runs pinned, into
+        `files`; why not ("" when they were)."""
         try:
-            files[ident] = Mapped(f"/proc/self/fd/{fd}", fd=fd, length=length)
+            files[ident] = Mapped(f"/proc/self/fd/{fd}", fd=fd, length=sum(runs[-1]), ranges=runs)
             self._pin(files[ident])
             if identity(fd) != ident:
                 raise HydrationError("a dump file changed while it was being held")
@@ -328,13 +332,13 @@ def _lowest_priority() -> None:
         pass
 
 
-def _lengths(ids: Mapping[str, Identity], lengths: Mapping[str, int]) -> dict[Identity, int]:
-    """Each file's identity (`ids`: by its names) to the bytes of it held: the most any of its names reads (one
+def _reads(ids: Mapping[str, Identity], reads: Mapping[str, Runs]) -> dict[Identity, Runs]:
+    """Each file's identity (`ids`: by its names) to the runs of it held: what any of its names reads, merged (one
     file may be named twice)."""
-    held: dict[Identity, int] = {}
+    spans: dict[Identity, list[tuple[int, int]]] = {}
     for named, ident in ids.items():
-        held[ident] = max(held.get(ident, 0), lengths[named])
-    return held
+        spans.setdefault(ident, []).extend(reads[named])
+    return {ident: merge_runs(runs) for ident, runs in spans.items()}
 
 
 def _stale(fd: int, ident: Identity) -> bool:

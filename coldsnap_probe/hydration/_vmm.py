@@ -86,10 +86,13 @@ _MAP_POPULATE = 0x8000
 class Mapped:
     """A read-only shared mapping of a whole file (address stable for cuMemHostRegister), optionally page-locked."""
 
-    def __init__(self, path: str, *, populate: bool = True, fd: int = -1, length: int = -1) -> None:
+    def __init__(self, path: str, *, populate: bool = True, fd: int = -1, length: int = -1,
+                 ranges: tuple[tuple[int, int], ...] = ()) -> None:
         """`path`'s file, or the file open as `fd` (`path` then only names it; the descriptor stays the caller's):
         the RAM tier maps the very descriptor its peer opened in its own view, never what a path names later.
-        `length`: only the file's first `length` bytes (at most its size), not the whole file."""
+        `length`: only the file's first `length` bytes (at most its size), not the whole file. `ranges`: the
+        (offset, bytes) runs `register` page-locks (default: all of it); with them nothing is populated up front:
+        the rest may be a dump's holes, which a populated mapping of tmpfs would fill with pages of zeros."""
         own = fd < 0
         if own:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -99,26 +102,43 @@ class Mapped:
                 raise HydrationError(f"cannot map {length} bytes of source {path}: it holds {st.st_size}")
             self.size = st.st_size if length < 0 else length
             self.identity = (st.st_dev, st.st_ino)  # the file mapped, whatever its path names later
-            flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
+            self.ranges = ranges or ((0, self.size),)
+            if any(offset < 0 or n <= 0 or offset + n > self.size for offset, n in self.ranges):
+                raise HydrationError(f"cannot pin {self.ranges} of source {path}: beyond its {self.size} bytes")
+            flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate and not ranges else 0)
             address = _libc.mmap(None, self.size, mmap.PROT_READ, flags, fd, 0)
         finally:
             if own:
                 os.close(fd)
         if address in (None, _MAP_FAILED):
             raise HydrationError(f"cannot map source {path}: {os.strerror(ctypes.get_errno())}")
-        self.path, self.address, self.registered = path, int(address), False
+        self.path, self.address = path, int(address)
+        self.pinned: list[int] = []  # the addresses of the ranges registered so far (each unregistered at close)
+
+    @property
+    def registered(self) -> bool:
+        return bool(self.pinned)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """The bytes `register` page-locks: its ranges'."""
+        return sum(n for _offset, n in self.ranges)
 
     def register(self, driver: Any) -> None:
-        try:
-            cucall(driver, "cuMemHostRegister", self.address, self.size, _HOST_REGISTER_READ_ONLY)
-        except CudaError:  # drivers without read-only registration
-            cucall(driver, "cuMemHostRegister", self.address, self.size, 0)
-        self.registered = True
+        """Page-lock each of its ranges (a failure leaves those done registered: `close` undoes them)."""
+        for offset, n in self.ranges:
+            try:
+                cucall(driver, "cuMemHostRegister", self.address + offset, n, _HOST_REGISTER_READ_ONLY)
+            except CudaError:  # drivers without read-only registration
+                cucall(driver, "cuMemHostRegister", self.address + offset, n, 0)
+            self.pinned.append(self.address + offset)
 
     def close(self, driver: Any) -> None:
-        if self.registered:
-            _ok(driver, "cuMemHostUnregister", driver.cuda.cuMemHostUnregister(self.address))
-            self.registered = False
+        """Unregistered, then unmapped (a refused unregistration raises and leaves the mapping: never unmapped
+        under a registration)."""
+        while self.pinned:
+            _ok(driver, "cuMemHostUnregister", driver.cuda.cuMemHostUnregister(self.pinned[-1]))
+            self.pinned.pop()
         _libc.munmap(self.address, self.size)
 
 

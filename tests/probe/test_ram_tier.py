@@ -26,10 +26,11 @@ import pytest
 
 from coldsnap_probe.errors import HydrationError
 from coldsnap_probe.hydration.__main__ import main
-from coldsnap_probe.hydration._peer_files import dump_layout, open_dump_parts
+from coldsnap_probe.hydration._peer_files import dump_layout, dump_reads, open_dump_parts
 from coldsnap_probe.hydration._peer_view import OPENERS, PeerView
 from coldsnap_probe.hydration._ram_tier import RamTier, identity
 from coldsnap_probe.hydration._vmm import Mapped
+from coldsnap_probe.hydration._weights import DIGEST_CHUNK
 from tests.helpers import ROOT
 from tests.probe._peers import AS_NOBODY, connected, listening
 from tests.probe.test_main import has_nvidia_driver
@@ -42,12 +43,15 @@ _libc.mlock.argtypes = _libc.munlock.argtypes = (ctypes.c_void_p, ctypes.c_size_
 
 
 def mlock(mapped: Mapped) -> None:
-    if _libc.mlock(mapped.address, mapped.size) != 0:
-        raise OSError(ctypes.get_errno(), "mlock")
+    """Each of the mapping's ranges page-locked, as the hydrator's cuMemHostRegister does."""
+    for offset, n in mapped.ranges:
+        if _libc.mlock(mapped.address + offset, n) != 0:
+            raise OSError(ctypes.get_errno(), "mlock")
 
 
 def munlock_and_unmap(mapped: Mapped) -> None:
-    _libc.munlock(mapped.address, mapped.size)
+    for offset, n in mapped.ranges:
+        _libc.munlock(mapped.address + offset, n)
     mapped.close(None)  # not registered with a driver: only unmapped
 
 
@@ -74,9 +78,9 @@ def dump(path: Path, size: int, fill: bytes | None = None) -> Path:
     return path
 
 
-def whole(fds: dict[str, int]) -> dict[str, int]:
-    """Each file's whole size: what a stage reads of it when its parts read it all."""
-    return {named: os.fstat(fd).st_size for named, fd in fds.items()}
+def whole(fds: dict[str, int]) -> dict[str, tuple[tuple[int, int], ...]]:
+    """Each file's one run, its whole size: what a stage reads of it when its parts read it all."""
+    return {named: ((0, os.fstat(fd).st_size),) for named, fd in fds.items()}
 
 
 class Opened:
@@ -164,15 +168,15 @@ class TestBudget:
         tier, before = tier_of(8 * MIB), locked_bytes()
         load(tier, OTHER_KEY, other)
         with Opened(large) as fds:
-            assert tier.load_later(KEY, fds, {str(large): 2 * MIB})
+            assert tier.load_later(KEY, fds, {str(large): ((0, 2 * MIB),)})
             status = settle(tier)
             assert (status["entries"], status["bytes"], status["evictions"]) == (2, 6 * MIB, 0), status
             assert locked_bytes() - before == 6 * MIB and held(tier, OTHER_KEY, other)
-            lease = tier.lease(KEY, fds, {str(large): 2 * MIB})
+            lease = tier.lease(KEY, fds, {str(large): ((0, 2 * MIB),)})
             assert lease is not None and lease.size == 2 * MIB
             lease.release()
             # A stage reading more of the file is another entry: never served past the bytes held.
-            assert tier.lease(KEY, fds, {str(large): 4 * MIB}) is None
+            assert tier.lease(KEY, fds, {str(large): ((0, 4 * MIB),)}) is None
 
     def test_a_tier_of_budget_zero_is_off(self, tmp_path: Path, tier_of: Any) -> None:
         a = dump(tmp_path / "a.bin", 2 * MIB)
@@ -183,6 +187,57 @@ class TestBudget:
             "budget": 0, "entries": 0, "bytes": 0, "in_use": 0, "loading": 0, "hits": 0, "misses": 0,
             "evictions": 0, "loads": 0, "dropped": 0, "skipped": {"too_large": 0, "no_room": 0, "failed": 0},
             "read_bytes": None, "last_error": ""}
+
+
+class TestZeroChunks:
+    """Regression: #34 (JAX's dumps never entered the tier: half of the 35 GB are chunks of zeros, holes no stage
+    reads, and the tier pinned and counted each file whole, so the dump never fit the default budget)."""
+
+    def test_a_dump_larger_than_the_budget_whose_data_fits_is_held_without_its_holes(self, tier_of: Any) -> None:
+        top = Path("/dev/shm") / f"cs-ram-tier-zeros-{os.getpid()}"  # tmpfs, as the dumps: a hole costs no page
+        top.mkdir()
+        try:
+            path = top / "seg-0.bin"
+            with open(path, "wb") as f:  # as the interposer writes it: full size, the chunk of zeros left a hole
+                f.truncate(3 * DIGEST_CHUNK)
+                for chunk in (0, 2):
+                    f.seek(chunk * DIGEST_CHUNK)
+                    f.write(bytes([0x30 + chunk]) * DIGEST_CHUNK)
+            layout, _sizes = dump_layout([{"file": str(path), "bytes": 3 * DIGEST_CHUNK, "region": 0, "zero": 0b010}])
+            reads = dump_reads(layout)  # what the hydrator's stage-dump hands the tier
+            assert reads == {str(path): ((0, DIGEST_CHUNK), (2 * DIGEST_CHUNK, DIGEST_CHUNK))}
+            tier, before, blocks = tier_of(5 * DIGEST_CHUNK // 2), locked_bytes(), os.stat(path).st_blocks
+            with Opened(path) as fds:
+                assert tier.load_later(KEY, fds, reads)
+                status = settle(tier)
+                assert (status["entries"], status["bytes"], status["skipped"]["too_large"]) == \
+                    (1, 2 * DIGEST_CHUNK, 0), status
+                assert locked_bytes() - before == 2 * DIGEST_CHUNK and os.stat(path).st_blocks == blocks
+                lease = tier.lease(KEY, fds, reads)
+                assert lease is not None and lease.size == 2 * DIGEST_CHUNK
+                at = lease.addresses[str(path)]
+                assert ctypes.string_at(at + 2 * DIGEST_CHUNK + DIGEST_CHUNK - 4, 4) == b"2222"
+                lease.release()
+                # Another mask over the same file reads other bytes: another entry, never served from this one.
+                assert tier.lease(KEY, fds, whole(fds)) is None
+        finally:
+            shutil.rmtree(top)
+
+    def test_a_file_named_by_two_parts_is_held_once_for_the_runs_either_reads(self, tmp_path: Path) -> None:
+        layout, _sizes = dump_layout([
+            {"file": "/d/a.bin", "bytes": 3 * DIGEST_CHUNK, "region": 0, "zero": 0b110},
+            {"file": "/d/a.bin", "bytes": 2 * DIGEST_CHUNK, "region": 1, "zero": 0b01},
+            {"file": "/d/b.bin", "bytes": DIGEST_CHUNK, "region": 2, "zero": 0b1}])
+        assert dump_reads(layout) == {"/d/a.bin": ((0, 2 * DIGEST_CHUNK),)}  # b.bin: all zeros, read nowhere
+
+    def test_a_dump_of_zeros_only_is_not_queued(self, tmp_path: Path, tier_of: Any) -> None:
+        path = tmp_path / "seg-0.bin"
+        with open(path, "wb") as f:
+            f.truncate(DIGEST_CHUNK)
+        layout, _sizes = dump_layout([{"file": str(path), "bytes": DIGEST_CHUNK, "region": 0, "zero": 1}])
+        tier = tier_of(2 * DIGEST_CHUNK)
+        with Opened(path) as fds:
+            assert not tier.load_later(KEY, fds, dump_reads(layout)) and tier.status()["loading"] == 0
 
 
 class TestCounters:
@@ -212,8 +267,8 @@ class TestCounters:
         tier = RamTier(32 * MIB, pin=held_back, unpin=munlock_and_unmap)
         try:
             with Opened(*paths) as fds:
-                queued = [tier.load_later(KEY, {str(p): fds[str(p)]}, {str(p): 2 * MIB}) for p in paths]
-                again = tier.load_later(KEY, {str(paths[0]): fds[str(paths[0])]}, {str(paths[0]): 2 * MIB})
+                queued = [tier.load_later(KEY, {str(p): fds[str(p)]}, {str(p): ((0, 2 * MIB),)}) for p in paths]
+                again = tier.load_later(KEY, {str(paths[0]): fds[str(paths[0])]}, {str(paths[0]): ((0, 2 * MIB),)})
             assert queued == [True, True, False, False, False] and not again
             gate.set()
             assert settle(tier)["entries"] == 2
@@ -545,6 +600,40 @@ def test_the_second_stage_of_a_dump_comes_from_the_ram_tier_with_the_same_bytes(
         assert tier["read_bytes"] == {"ram": 320 * MIB, "disk": 320 * MIB} and tier["bytes"] == 320 * MIB, tier
         print(json.dumps({"ram_tier_gpu": {"disk": {k: cold[k] for k in ("stage_s", "copy_s", "bytes")},
                                            "ram": {k: warm[k] for k in ("stage_s", "copy_s", "bytes")}}}))
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.skipif(not has_nvidia_driver(), reason="needs an NVIDIA driver")
+def test_a_dump_whose_data_fits_the_budget_but_not_its_zeros_is_staged_from_the_ram_tier(tmp_path: Path) -> None:
+    """Regression: #34 (JAX's 35 GB dumps, half chunks of zeros, never entered the 32 GiB default tier). The real
+    hydrator with a budget below the dump's size but above its data: the second stage is a hit, the zero chunk set
+    on the device, the adopted bytes identical to the file's."""
+    path = tmp_path / "seg-0.bin"
+    with open(path, "wb") as f:  # as the interposer writes it: full size, its chunk of zeros a hole
+        f.truncate(4 * DIGEST_CHUNK)
+        for chunk in (0, 1, 3):
+            f.seek(chunk * DIGEST_CHUNK)
+            f.write(os.urandom(DIGEST_CHUNK))
+    parts = [{"file": str(path), "bytes": 4 * DIGEST_CHUNK, "region": 0, "zero": 0b0100}]
+    control = str(tmp_path / "hydrator.sock")
+    proc = subprocess.Popen([sys.executable, "-m", "coldsnap_probe.hydration", "serve", "--socket", control,
+                             "--staging", "--ram-tier-bytes", str(7 * DIGEST_CHUNK // 2)], stdout=subprocess.PIPE,
+                            cwd=ROOT)
+    try:
+        from coldsnap_probe.jsonline import request
+
+        ready = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+        cold, cold_bytes = _gpu_stage(control, ready["device_uuid"], parts)
+        assert cold["tier"] == "disk" and cold_bytes == path.read_bytes(), cold
+        deadline = time.monotonic() + 60
+        while (tier := request(control, {"op": "status"}, timeout=10.0)["ram_tier"])["entries"] < 1:
+            assert time.monotonic() < deadline and not tier["skipped"]["too_large"], tier
+            time.sleep(0.05)
+        assert tier["bytes"] == 3 * DIGEST_CHUNK, tier
+        warm, warm_bytes = _gpu_stage(control, ready["device_uuid"], parts)
+        assert warm["tier"] == "ram" and warm["zero_bytes"] == DIGEST_CHUNK and warm_bytes == path.read_bytes(), warm
     finally:
         proc.kill()
         proc.wait()
