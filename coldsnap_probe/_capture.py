@@ -296,12 +296,16 @@ class _Capture:
     def finish(self, *, digest: bool) -> CaptureReport:
         report = self.report
         started = time.perf_counter()
+        if self.memory is not None:  # every rank dumped: offered now, answered while the rest below runs
+            self.memory.warm()
         report.identity = identity(None, criu=self.criu)
         report.engine_quiesced = self.quiesced
         report.barrier_wait_s = dict(self.ranks.waits)
         report.image_bytes, report.image_files = images_size(self.images)
         if digest:
             report.image_digest = image_digest(self.images, contents=True)
+        if self.memory is not None:
+            self.memory.warmed(report)
         report.completed_unix = time.time()
         report.timings_s["finish"] = time.perf_counter() - started  # before capture.json: it is in it
         (self.images / "capture.json").write_text(json.dumps(report.to_json(), indent=2, sort_keys=True) + "\n")

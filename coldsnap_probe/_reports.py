@@ -113,12 +113,15 @@ class DumpedDevice:
     uncovered: dict[str, dict[str, int]] = field(default_factory=dict)
     moved: dict[str, dict[str, int]] = field(default_factory=dict)
     manifest_digest: str = ""
+    # The node hydrator's answer to `warm` (the dump offered to its RAM tier once the tree was dumped): {queued,
+    # seconds, error?}; None when no hydrator was named.
+    warm: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"pid": self.pid, "socket": self.socket, "state": self.state, "bytes": self.bytes,
                 "regions": self.regions, "segments": self.segments, "seconds": self.seconds, "gbps": self.gbps,
                 "timings_s": self.timings_s, "uncovered": self.uncovered, "moved": self.moved,
-                "manifest_digest": self.manifest_digest}
+                "manifest_digest": self.manifest_digest, **({"warm": self.warm} if self.warm is not None else {})}
 
 
 @dataclass(frozen=True, slots=True)

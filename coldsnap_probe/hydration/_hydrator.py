@@ -33,6 +33,7 @@ from ._vmm import (
     fd_handle,
     map_read_write,
 )
+from ._warm import Warms
 from ._weights import DIGEST_CHUNK, HydrationManifest, WeightRegion, validate_regions
 
 __all__ = ("CONNECTIONS", "DUMP_CHUNK", "DUMP_THREADS", "STAGE_MAX", "STAGE_RESERVE", "STAGE_TTL",
@@ -88,7 +89,8 @@ class HydratorServer:
     interposer's device dump, one allocation per region; `adopt` (from the restored engine) hands the allocations
     over as descriptors, ADOPT_PAGE an answer, so the engine only maps them; `discard` frees a stage that will not
     be adopted; `status` lists what is staged and the RAM tier's state. Device dumps staged once are kept
-    page-locked (`ram_tier_bytes`, _ram_tier.py) so that the next stage of the same dump is a DMA at the link's rate.
+    page-locked (`ram_tier_bytes`, _ram_tier.py) so that the next stage of the same dump is a DMA at the link's rate;
+    `warm` (from a capture worker, its dump done) queues a dump for that tier with a stage-dump's checks (_warm.py).
 
     Who may ask what (a hydrator may serve several tenants): the socket is 0600 (0660 with a group) and only
     the peers `peers` admits are answered (SO_PEERCRED); a `hydrate` or `stage` gets a source's bytes only for
@@ -145,6 +147,7 @@ class HydratorServer:
         budget = ram_tier_bytes if staging else 0
         pins = HostPins(self.driver, self.context)
         self.ram_tier = RamTier(budget, pin=pins.pin, unpin=pins.unpin)
+        self.warms = Warms(self.ram_tier, self._openers)  # captures' dumps offered to the tier (_warm.py)
         self.quota = StageQuota.default(int(total), shared=bool(self.peers.uids or self.peers.gids), stages=STAGE_MAX,
                                         count=stage_uid_count, size=stage_uid_bytes)
         # One stage's ring of page-locked buffers, allocated now rather than on every restore's path (256 MiB).
@@ -181,6 +184,8 @@ class HydratorServer:
                 return self._stage(message, peer, conn, _stager(fds))
             if op == "stage-dump":
                 return self._stage_dump(message, peer, conn, _stager(fds))
+            if op == "warm":
+                return self.warms.warm(self._stage_slot(message), message, peer, conn)
             if op == "adopt":
                 return self._adopt(message, peer, conn)
             if op == "discard":
@@ -448,7 +453,8 @@ class HydratorServer:
         return {"ok": True, "device_uuid": self.device_uuid, "staged": staged,
                 "quota": {"count": self.quota.count, "bytes": self.quota.bytes},
                 # The tier is every tenant's: its counters say when others restored, so only the operator sees them.
-                **({"ram_tier": self.ram_tier.status()} if peer.uid in (0, os.getuid()) else {})}
+                **({"ram_tier": {**self.ram_tier.status(), "warms": self.warms.status()}}
+                   if peer.uid in (0, os.getuid()) else {})}
 
     def _held(self, key: str, ticket: object) -> tuple[_Slot, _Staged] | None:
         """Under the lock: the ready stage under `key` that `ticket` opens, whoever staged it (the engine may run

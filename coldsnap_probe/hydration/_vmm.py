@@ -115,15 +115,6 @@ class Mapped:
         self.path, self.address = path, int(address)
         self.pinned: list[int] = []  # the addresses of the ranges registered so far (each unregistered at close)
 
-    @property
-    def registered(self) -> bool:
-        return bool(self.pinned)
-
-    @property
-    def pinned_bytes(self) -> int:
-        """The bytes `register` page-locks: its ranges'."""
-        return sum(n for _offset, n in self.ranges)
-
     def register(self, driver: Any) -> None:
         """Page-lock each of its ranges (a failure leaves those done registered: `close` undoes them)."""
         for offset, n in self.ranges:

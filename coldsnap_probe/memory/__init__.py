@@ -9,7 +9,9 @@ A source is one module with one `MemorySource`:
 - at restore, `load(scope)` reads and validates its records from the images (before CRIU runs: a restore that
   cannot succeed never starts) and gives its `SourceRestore`, or None when the images hold none of its records;
   `stage()` starts what can run while CRIU and CUDA restore the tree (a node hydrator's stages, read-ahead),
-  `hydrate(report)` brings the memory back once the tree runs, `discard()` frees what was staged after a failure.
+  `hydrate(report)` brings the memory back once the tree runs, `discard()` frees what was staged after a failure;
+- once the tree is dumped, `warm()` offers what a source recorded to whoever keeps it warm for the first restore
+  (the interposer's dump to its node hydrator's RAM tier), and `warmed(report)` records the answers (bounded).
 
 The order is the registry's, and it is part of the contract:
 - capture releases in registry order, and a failed capture rolls back in reverse registry order: the memory
@@ -62,6 +64,17 @@ class MemoryCaptures:
             begun = source.capture(self.scope)
             self.begun.append(begun)  # before its release: a release that fails half-way is rolled back too
             begun.release(report)
+
+    def warm(self) -> None:
+        """The tree is dumped: each source offers what it recorded to be kept warm (never waits)."""
+        for begun in self.begun:
+            with contextlib.suppress(ProbeError):  # best effort: the capture is done whatever happens here
+                begun.warm()
+
+    def warmed(self, report: CaptureReport) -> None:
+        for begun in self.begun:
+            with contextlib.suppress(ProbeError):
+                begun.warmed(report)
 
     def roll_back(self) -> None:
         for begun in reversed(self.begun):  # the last released first: its gate may hold the others' copies

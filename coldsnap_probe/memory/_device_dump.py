@@ -23,8 +23,9 @@ import contextlib
 import json
 import os
 import stat
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,14 +47,15 @@ from ..hydration import (
 )
 from ._protocol import CaptureScope, RestoreScope, read_record
 
-__all__ = ("INTERPOSER_PAGE", "RECORD", "STAGE_GROUP", "DeviceDumpSource", "DeviceRelease", "DeviceRestore",
-           "DeviceStage", "DumpRecord", "hydrate_devices", "prefetch_dumps", "stage_groups", "stages_for",
-           "validated_dumps")
+__all__ = ("INTERPOSER_PAGE", "RECORD", "STAGE_GROUP", "WARM_WAIT_S", "DeviceDumpSource", "DeviceRelease",
+           "DeviceRestore", "DeviceStage", "DeviceWarm", "DumpRecord", "hydrate_devices", "prefetch_dumps",
+           "stage_groups", "stage_parts", "stages_for", "validated_dumps")
 
 RECORD = "device-memory.json"
 RECORD_KIND = "coldsnap-device-memory"
 INTERPOSER_PAGE = 16  # descriptors per page to the interposer's control socket (constants.h's CSCU_PAGE_FDS)
 STAGE_GROUP = 1 << 30  # bytes of regions one staged allocation backs when the stage is copied (CSCU_STAGE_GROUP)
+WARM_WAIT_S = 2.0  # the most a capture waits for its node hydrators' answers to `warm` (milliseconds, normally)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,22 +80,7 @@ class DeviceStage(StageRequest):
 
     def __init__(self, hydrator: str, dump: DeviceDump, directory: Path) -> None:
         self.key = dump.manifest_digest
-        # Each segment file names the allocation it is staged in. One per region where the interposer adopts them
-        # (it maps each whole at its region's address: a mapping of a part of a larger allocation is refused).
-        # An engine's own VMM allocations come in many small pages whose flags no staged allocation can carry
-        # (PyTorch's expandable segments: ~830 pages of 20 MiB at 16 GiB, GPUDirect RDMA capable): the interposer
-        # re-creates them as the engine made them and copies them from the stage on the device, so consecutive
-        # regions share one staged allocation of up to STAGE_GROUP bytes (`stage_groups`, hydrate.c's twin).
-        grouped = dump.moved.get("vmm_by_engine", {}).get("count", 0) > 0
-        groups = stage_groups([r.size for r in dump.regions]) if grouped else list(range(len(dump.regions)))
-        # A segment's chunks of zeros (its `zero` mask, bound by the manifest's digest, the stage's key) are set on
-        # the device by the hydrator: never read from the dump nor moved over the link.
-        self.parts = [{"file": str(directory / s.file), "bytes": s.size, "region": groups[index],
-                       **({"zero": s.zero} if s.zero else {})}
-                      for index, region in enumerate(dump.regions) for s in region.segments]
-        self.sizes = [0] * (groups[-1] + 1 if groups else 0)
-        for index, region in enumerate(dump.regions):
-            self.sizes[groups[index]] += region.size
+        self.parts, self.sizes = stage_parts(dump, directory)
         self.device_uuid = dump.regions[0].device_uuid
         super().__init__(hydrator, "coldsnap-device-stage")
 
@@ -145,6 +132,28 @@ class DeviceStage(StageRequest):
         return fds
 
 
+def stage_parts(dump: DeviceDump, directory: Path) -> tuple[list[dict[str, Any]], list[int]]:
+    """A stage-dump's `parts` for `dump` in `directory` (as a capture's `warm` names them too, so that the RAM tier
+    entry it loads is the one the stage asks for), and each staged allocation's bytes."""
+    # Each segment file names the allocation it is staged in. One per region where the interposer adopts them
+    # (it maps each whole at its region's address: a mapping of a part of a larger allocation is refused).
+    # An engine's own VMM allocations come in many small pages whose flags no staged allocation can carry
+    # (PyTorch's expandable segments: ~830 pages of 20 MiB at 16 GiB, GPUDirect RDMA capable): the interposer
+    # re-creates them as the engine made them and copies them from the stage on the device, so consecutive
+    # regions share one staged allocation of up to STAGE_GROUP bytes (`stage_groups`, hydrate.c's twin).
+    grouped = dump.moved.get("vmm_by_engine", {}).get("count", 0) > 0
+    groups = stage_groups([r.size for r in dump.regions]) if grouped else list(range(len(dump.regions)))
+    # A segment's chunks of zeros (its `zero` mask, bound by the manifest's digest, the stage's key) are set on
+    # the device by the hydrator: never read from the dump nor moved over the link.
+    parts = [{"file": str(directory / s.file), "bytes": s.size, "region": groups[index],
+              **({"zero": s.zero} if s.zero else {})}
+             for index, region in enumerate(dump.regions) for s in region.segments]
+    sizes = [0] * (groups[-1] + 1 if groups else 0)
+    for index, region in enumerate(dump.regions):
+        sizes[groups[index]] += region.size
+    return parts, sizes
+
+
 def stage_groups(sizes: list[int]) -> list[int]:
     """The staged allocation of each region (by index) when a stage is copied from: consecutive regions up to
     STAGE_GROUP bytes share one, a larger region has its own (hydrate.c's stage_groups, the same rule)."""
@@ -179,6 +188,7 @@ class DeviceRelease:
         self.records: list[DumpRecord] = []
         self.asked: list[tuple[str, Path]] = []  # (socket, dump directory) of every release asked, failed ones too
         self.reports: list[DumpedDevice] = []
+        self.warming: DeviceWarm | None = None
 
     def _socket(self, pid: int, cuda: list[int]) -> str | None:
         if self.explicit:
@@ -244,6 +254,14 @@ class DeviceRelease:
             gbps=dump.gbps, timings_s=dump.timings_s, uncovered=dump.uncovered, moved=dump.moved,
             manifest_digest=dump.manifest_digest))
 
+    def warm(self) -> None:
+        """The tree is dumped: each dump offered to the node hydrator its engine named (`DeviceWarm`)."""
+        self.warming = DeviceWarm(self.records, self.images)
+
+    def warmed(self, report: CaptureReport) -> None:
+        if self.warming is not None:
+            self.warming.record(report)
+
     def roll_back(self) -> None:
         """A failed capture: every process asked to release gets its memory back; the dumps are removed."""
         written = {r.socket: r for r in self.records}
@@ -257,6 +275,46 @@ class DeviceRelease:
                                        "roll back the release")
             remove_dump(directory)
         (self.images / RECORD).unlink(missing_ok=True)
+
+
+class DeviceWarm:
+    """After the dump: each dump whose engine named a node hydrator (its regions on one GPU, as a stage asks)
+    offered to that hydrator's RAM tier (`warm`, hydration/_warm.py: the parts a restore's stage will name, so the
+    tier's entry is the one that stage asks for), in a thread while the capture finishes: the first restore's stage
+    is then a hit. `record` waits for the answers at most WARM_WAIT_S (the hydrator opens the files and queues
+    them: milliseconds; it pins them later, on its own) and puts each into its process's report. Best effort: a
+    refusal, no RAM tier or a hydrator that does not answer is reported, never the capture's failure."""
+
+    def __init__(self, records: list[DumpRecord], images: Path) -> None:
+        self.answers: dict[int, dict[str, Any]] = {}
+        offered = [r for r in records if r.hydrator and len({x.device_uuid for x in r.dump.regions}) == 1]
+        self.offered = {r.pid for r in offered}
+        self._thread = threading.Thread(target=self._run, args=(offered, images), name="coldsnap-device-warm",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, records: list[DumpRecord], images: Path) -> None:
+        for record in records:
+            started = time.perf_counter()
+            parts, _sizes = stage_parts(record.dump, images / record.directory)
+            try:
+                answer = jsonline.request(record.hydrator, {"op": "warm", "key": record.dump.manifest_digest,
+                                                            "parts": parts,
+                                                            "device_uuid": record.dump.regions[0].device_uuid},
+                                          timeout=WARM_WAIT_S)
+                got = {"queued": answer.get("queued") is True} if answer.get("ok") else {
+                    "queued": False, "error": str(answer.get("error"))[:400]}
+            except ProbeError as exc:
+                got = {"queued": False, "error": str(exc)[:400]}
+            self.answers[record.pid] = {**got, "seconds": time.perf_counter() - started}
+
+    def record(self, report: CaptureReport) -> None:
+        """Each answer into its process's `device_memory[].warm` (one not come within WARM_WAIT_S: `late`)."""
+        self._thread.join(WARM_WAIT_S)
+        late = {"queued": False, "error": f"no answer within {WARM_WAIT_S} s"}
+        if report.device_memory:
+            report.device_memory = [replace(d, warm=dict(self.answers.get(d.pid) or late)) if d.pid in self.offered
+                                    else d for d in report.device_memory]
 
 
 def validated_dumps(images: Path) -> list[DumpRecord]:

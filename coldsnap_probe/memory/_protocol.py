@@ -67,6 +67,13 @@ class SourceCapture(Protocol):
     def roll_back(self) -> None:
         """Give back what was released (also after a release that failed half-way); never raises."""
 
+    def warm(self) -> None:
+        """The tree is dumped, what this source recorded is final: offer it to whoever keeps it warm for the first
+        restore (best effort: never raises, never waits)."""
+
+    def warmed(self, report: CaptureReport) -> None:
+        """Put what `warm` got into the report, waiting for it a bounded while (never raises)."""
+
 
 class SourceRestore(Protocol):
     """One source in one restore, its records validated."""

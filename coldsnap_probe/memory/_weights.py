@@ -87,6 +87,12 @@ class WeightsCapture:
             hydrate_back(self.control)
         (self.images / RECORD).unlink(missing_ok=True)
 
+    def warm(self) -> None:
+        """Nothing to offer: the weights' node hydrator keeps its sources page-locked from its start."""
+
+    def warmed(self, report: CaptureReport) -> None:
+        """Nothing was offered."""
+
 
 class WeightsRestore:
     """One restore's weights: the manifest checked, the node hydrator's stage, the engine's hydration."""

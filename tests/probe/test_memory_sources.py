@@ -137,6 +137,12 @@ class Recording:
     def roll_back(self) -> None:
         self._do("roll_back")
 
+    def warm(self) -> None:
+        self._do("warm")
+
+    def warmed(self, report: CaptureReport) -> None:
+        self._do("warmed")
+
     def stage(self) -> None:
         self._do("stage")
 
@@ -157,6 +163,16 @@ def test_capture_releases_in_order_and_rolls_back_what_was_begun_in_reverse(tmp_
     captures.roll_back()
     # c never began; b failed half-way and is rolled back too, first
     assert calls == ["release:a", "release:b", "roll_back:b", "roll_back:a"]
+
+
+def test_a_dumped_capture_offers_each_source_warm_in_order_and_one_failing_stops_no_other(tmp_path: Path) -> None:
+    calls: list[str] = []
+    captures = MemoryCaptures(CaptureScope(tmp_path, [], MemoryOptions()),
+                              (Recording("a", calls, fail="warm"), Recording("b", calls, fail="warmed")))
+    captures.release(capture_report())
+    captures.warm()
+    captures.warmed(capture_report())
+    assert calls == ["release:a", "release:b", "warm:a", "warm:b", "warmed:a", "warmed:b"]
 
 
 def test_a_rollback_that_fails_does_not_keep_the_next_sources_memory(tmp_path: Path) -> None:
