@@ -123,6 +123,7 @@ class RamTier:
         self._closed = False
         self.hits = self.misses = self.evictions = self.loads = self.dropped = 0
         self.skipped = dict.fromkeys(_SKIPS, 0)
+        self.misses_loading = 0  # of the misses, those of a dump the loader was pinning then
         self.read_bytes = dict.fromkeys(TIERS, 0)  # bytes staged from each tier
         self.last_error = ""  # the loader's last failure (a dump not held), for `status`
         self._loader: threading.Thread | None = None
@@ -142,6 +143,7 @@ class RamTier:
             dump = self._held.get(name)
             if dump is None or not dump.ready:
                 self.misses += 1
+                self.misses_loading += dump is not None  # being pinned (a warm's load): never waited for
                 return None
             dump.users += 1
             self._held.move_to_end(name)
@@ -191,7 +193,7 @@ class RamTier:
                     "loading": len(self._queue),
                     "hits": self.hits, "misses": self.misses, "evictions": self.evictions, "loads": self.loads,
                     "dropped": self.dropped, "skipped": dict(self.skipped), "read_bytes": dict(self.read_bytes),
-                    "last_error": self.last_error}
+                    "last_error": self.last_error, "misses_loading": self.misses_loading}
 
     def close(self) -> None:
         """Stop the loader and unpin every entry (none may be in use)."""

@@ -186,7 +186,7 @@ class TestBudget:
         assert tier.status() | {"read_bytes": None} == {
             "budget": 0, "entries": 0, "bytes": 0, "in_use": 0, "loading": 0, "hits": 0, "misses": 0,
             "evictions": 0, "loads": 0, "dropped": 0, "skipped": {"too_large": 0, "no_room": 0, "failed": 0},
-            "read_bytes": None, "last_error": ""}
+            "read_bytes": None, "last_error": "", "misses_loading": 0}
 
 
 class TestZeroChunks:
@@ -333,6 +333,32 @@ class TestFreshness:
             f.truncate(0)
             f.write(b"new!" * (MIB // 2))
         assert not held(tier, KEY, a) and tier.status()["misses"] == 1
+
+    def test_a_stage_while_its_dump_is_being_pinned_misses_at_once_and_the_load_goes_on(self, tmp_path: Path) -> None:
+        """A restore never waits for a load (a capture's warm still pinning): it stages from the files; the miss
+        is counted as one that came during the load."""
+        a = dump(tmp_path / "a.bin", 2 * MIB)
+        pinning, go = threading.Event(), threading.Event()
+
+        def slow_pin(mapped: Mapped) -> None:
+            pinning.set()
+            assert go.wait(20)
+            mlock(mapped)
+        tier = RamTier(8 * MIB, pin=slow_pin, unpin=munlock_and_unmap)
+        try:
+            with Opened(a) as fds:
+                assert tier.load_later(KEY, fds, whole(fds)) and pinning.wait(20)
+                assert tier.lease(KEY, fds, whole(fds)) is None  # while the pin is held up: answered at once
+                status = tier.status()
+                assert (status["misses"], status["misses_loading"], status["loading"]) == (1, 1, 1), status
+                go.set()
+                settle(tier)
+                lease = tier.lease(KEY, fds, whole(fds))
+                assert lease is not None
+                lease.release()
+        finally:
+            go.set()
+            tier.close()
 
     def test_a_file_changed_while_it_is_being_held_is_not_held(self, tmp_path: Path) -> None:
         """The identity is taken again once the file is pinned: a write between the request and the pin means
