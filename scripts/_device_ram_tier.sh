@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The node hydrator's RAM tier against its disk tier on the GPU machine (issue 34 item 3, issue 35): the same
-# 16 GiB device dump on tmpfs staged three times through a hydrator with the tier on (a miss, then hits) and twice
-# with it off, side by side (bench/ram_tier.py, about a minute), then the RAM tier's GPU test.
+# 16 GiB device dump on tmpfs staged three times through a hydrator with the tier on (a miss, then hits), after a
+# capture's warm (at once, and once held), twice with it off, and a half-zero dump over the budget whose data fits,
+# side by side (bench/ram_tier.py, about two minutes), then the RAM tier's and the warm's GPU tests.
 #   scripts/device ram-tier [GIB]   GIB: the dump's size (default 16)
 # Carries .whl; results (ram-tier.txt: the table; ram-tier.json; ram-tier-test.txt) go to $OUT.
 set -uo pipefail
@@ -11,7 +12,8 @@ source "$(dirname "$0")/_device_env.sh"
 timeout -k 5 300 python3 bench/ram_tier.py --gib "${1:-16}" --out "$OUT" 2>&1 | tee "$OUT/ram-tier-run.txt"
 rc=${PIPESTATUS[0]}
 rm -rf /dev/shm/cs-ram-tier-*  # a run cut short leaves its dump
-timeout -k 5 120 python3 -m pytest -q -p no:cacheprovider -s tests/probe/test_ram_tier.py 2>&1 \
+timeout -k 5 120 python3 -m pytest -q -p no:cacheprovider -s tests/probe/test_ram_tier.py \
+    tests/probe/test_warm.py 2>&1 \
     | tee "$OUT/ram-tier-test.txt" | tail -15
 tests=${PIPESTATUS[0]}
 [ "$rc" = 0 ] && rc=$tests
