@@ -265,6 +265,8 @@ def capture_row(report: dict[str, Any]) -> dict[str, Any]:
             "cuda_lock_s": timings.get("cuda_lock"), "cuda_checkpoint_s": timings.get("cuda_checkpoint"),
             "criu_dump_s": timings.get("criu_dump"), "image_bytes": report.get("image_bytes"),
             "uncovered_bytes": {k: v for k, v in sorted(uncovered.items()) if v}, "exec_s": report.get("exec_seconds"),
+            # each dump offered to the node hydrator's RAM tier once the tree was dumped (its first restore a hit)
+            "device_warm": [p["warm"] for p in devices if p.get("warm")] or None,
             **capture_detail(report)}
 
 

@@ -203,7 +203,10 @@ class TestReports:
         assert row["device_release_s"] == 0.41 and row["cuda_checkpoint_s"] == 0.52 and row["criu_dump_s"] == 1.1
         assert row["device_bytes"] == 17_000_000_000 and row["device_states"] == ["released", "released"]
         assert row["uncovered_bytes"] == {"below_threshold": 4_000_000}  # summed; empty kinds left out
-        assert row["weights_release_s"] is None
+        assert row["weights_release_s"] is None and row["device_warm"] is None
+        first, second = CAPTURE["device_memory"]
+        warmed = {**CAPTURE, "device_memory": [{**first, "warm": {"queued": True, "seconds": 0.004}}, second]}
+        assert capture_row(warmed)["device_warm"] == [{"queued": True, "seconds": 0.004}]  # offered to the RAM tier
 
     def test_the_capture_s_detail_sums_the_release_threads_and_reads_criu_s_account(self) -> None:
         report = {**CAPTURE, "timings_s": {**CAPTURE["timings_s"], "worker_start": 0.12, "find_cuda": 0.2,
