@@ -242,3 +242,53 @@ def test_the_real_hydrator_serves_the_first_stage_after_a_warm_from_the_ram_tier
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.skipif(not has_nvidia_driver(), reason="needs an NVIDIA driver")
+def test_a_real_release_offered_at_capture_is_restored_from_the_ram_tier_on_its_first_stage(tmp_path: Path) -> None:
+    """Issue 34, both halves on the real chain: a torch process's device memory released by the real interposer
+    (512 MiB of data, 512 MiB of zeros), offered by the capture's `DeviceWarm` to a real hydrator whose RAM tier's
+    budget is below the dump's size and above its data (as JAX's 35 GB against the 32 GiB default); the first
+    stage is `tier: ram`, the zeros set on the device, and every byte is right afterwards (a second release digests
+    what the device holds; the process's tensors, matmul and graph check out)."""
+    from coldsnap_probe.hydration import build_library, dump_identities
+    from coldsnap_probe.hydration._weights import DIGEST_CHUNK
+    from coldsnap_probe.memory._device_dump import hydrate_devices, stages_for
+    from tests.probe.test_interposer_gpu import Target
+
+    library, _ = build_library(tmp_path / "lib")
+    control = tmp_path / "hydrator.sock"
+    target = Target(tmp_path, library, socket="warm.sock", mib=512, zero_mib=512)
+    hydrator = subprocess.Popen([sys.executable, "-m", "coldsnap_probe.hydration", "serve", "--socket", str(control),
+                                 "--staging", "--ram-tier-bytes", "800M"], stdout=subprocess.PIPE, cwd=ROOT)
+    try:
+        json.loads(hydrator.stdout.readline())  # type: ignore[union-attr]
+        dump = target.release(tmp_path / "dump")
+        zero = sum(min(DIGEST_CHUNK, s.size - c * DIGEST_CHUNK) for s in dump.segments
+                   for c in range(-(-s.size // DIGEST_CHUNK)) if s.zero >> c & 1)
+        assert dump.bytes > 800 * MIB > dump.bytes - zero, (dump.bytes, zero)
+        record = DumpRecord(target.proc.pid, target.socket, "dump", dump, dump_identities(dump, tmp_path / "dump"),
+                            str(control))
+        report = CaptureReport(boundary="n610", root_pid=target.proc.pid, tree=[target.proc.pid], rank=0,
+                               world_size=1, engine=None)
+        report.device_memory = [DumpedDevice(pid=target.proc.pid, socket=target.socket, state="released")]
+        DeviceWarm([record], tmp_path).record(report)
+        assert (report.device_memory[0].warm or {}).get("queued") is True, report.device_memory
+        deadline = time.monotonic() + 60
+        while (tier := jsonline.request(str(control), {"op": "status"}, timeout=10.0)["ram_tier"])["entries"] < 1:
+            assert time.monotonic() < deadline and not tier["skipped"]["too_large"], tier
+            time.sleep(0.05)
+        [hydrated] = hydrate_devices([record], tmp_path, "same-model", stages=stages_for([record], tmp_path))
+        stage = hydrated.interposer["stage"]
+        assert hydrated.interposer.get("staged") is True and stage["tier"] == "ram", hydrated.interposer
+        assert (stage["zero_bytes"], stage["copied_bytes"]) == (zero, dump.bytes - zero), stage
+        again = target.release(tmp_path / "again")
+        assert [(s.address, s.size, s.digest, s.zero) for s in again.segments] == [
+            (s.address, s.size, s.digest, s.zero) for s in dump.segments]
+        target.request({"op": "hydrate", "verify": "sampled"})
+        assert target.ask("check") == {**target.ready, "pid": target.proc.pid}
+    finally:
+        os.killpg(target.proc.pid, 9)
+        target.proc.wait()
+        hydrator.kill()
+        hydrator.wait()
