@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from .. import jsonline
-from ._hydrator import STAGE_TTL, HydratorServer
+from ._hydrator import DUMP_THREADS, MAX_DUMP_THREADS, STAGE_TTL, HydratorServer
 from ._ram_tier import default_budget, node_memory
 from ._stage_quota import STAGE_UID_COUNT, STAGE_UID_SHARE
 from ._weights import region_digest
@@ -82,6 +82,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                        help="host memory that keeps staged device dumps page-locked across restores, so the next "
                             "stage of one is a DMA at the link's rate, e.g. 32G; auto: a quarter of the node's "
                             "memory; 0: off (the default; only with --staging)")
+    serve.add_argument("--dump-threads", type=_count, default=DUMP_THREADS, metavar="N",
+                       help=f"reader threads of a device dump's stage from the files (the disk tier; 1 to "
+                            f"{MAX_DUMP_THREADS}, default {DUMP_THREADS}): fewer leave more CPU and memory bandwidth "
+                            "to the restore beside it")
     serve.add_argument("--allow-uid", type=int, action="append", default=[], metavar="UID",
                        help="a uid whose processes may ask (repeatable; root and this process's uid always may)")
     serve.add_argument("--allow-gid", type=int, action="append", default=[], metavar="GID",
@@ -97,6 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve" and args.ram_tier_bytes and not args.staging:
         serve.error("argument --ram-tier-bytes: only with --staging (the tier holds the dumps this hydrator stages)")
+    if args.command == "serve" and args.dump_threads > MAX_DUMP_THREADS:
+        serve.error(f"argument --dump-threads: at most {MAX_DUMP_THREADS}, not {args.dump_threads}")
     try:
         if args.command == "digest":
             sys.stdout.write(region_digest(args.path, args.offset, args.size) + "\n")
@@ -104,7 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         peers = jsonline.Peers(uids=frozenset(args.allow_uid), gids=frozenset(args.allow_gid))
         HydratorServer(args.sources, stage_ttl=args.stage_ttl, staging=args.staging, peers=peers,
                        group=args.socket_group, stage_uid_count=args.stage_uid_count,
-                       stage_uid_bytes=args.stage_uid_bytes, ram_tier_bytes=args.ram_tier_bytes).serve(args.socket)
+                       stage_uid_bytes=args.stage_uid_bytes, ram_tier_bytes=args.ram_tier_bytes,
+                       dump_threads=args.dump_threads).serve(args.socket)
     except Exception as exc:
         sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")
         return 1

@@ -22,6 +22,7 @@ from ._copy import ZEROS, HostBuffers, Piece, Pinned, Pread, copy_to_device, reg
 from ._peer_files import DumpLayout, dump_layout, dump_reads, held_sources, open_dump_parts
 from ._peer_view import OPENERS, PeerView
 from ._ram_tier import RamTier
+from ._request_fields import first_page, request_regions, stage_key
 from ._stage_quota import StageQuota, check_stage_quota
 from ._staging import ADOPT_PAGE, StageRequest
 from ._vmm import (
@@ -34,16 +35,17 @@ from ._vmm import (
     map_read_write,
 )
 from ._warm import Warms
-from ._weights import DIGEST_CHUNK, HydrationManifest, WeightRegion, validate_regions
+from ._weights import DIGEST_CHUNK, HydrationManifest, WeightRegion
 
-__all__ = ("CONNECTIONS", "DUMP_CHUNK", "DUMP_THREADS", "STAGE_MAX", "STAGE_RESERVE", "STAGE_TTL",
-           "UID_CONNECTIONS", "HydratorServer", "Stager", "dump_pieces", "request_regions")
+__all__ = ("CONNECTIONS", "DUMP_CHUNK", "DUMP_THREADS", "MAX_DUMP_THREADS", "STAGE_MAX", "STAGE_RESERVE", "STAGE_TTL",
+           "UID_CONNECTIONS", "HydratorServer", "Stager", "dump_pieces")
 
 STAGE_TTL = 120.0  # seconds a staged allocation waits for its engine before the hydrator frees it
 STAGE_MAX = 4  # staged allocations a hydrator holds at once
 STAGE_RESERVE = 1 << 30  # device bytes staging leaves free (the engine's restored state needs them)
 _Slot = tuple[int, str]  # a stage's place: (the uid that staged it, its key), so tenants never share one
 DUMP_THREADS, DUMP_CHUNK = 16, 8 << 20  # the ring a dump is read through (page-locked, kept: 256 MiB)
+MAX_DUMP_THREADS = 64  # `serve --dump-threads`' bound (each reader keeps two page-locked buffers of DUMP_CHUNK)
 CONNECTIONS = 8  # peers answered at once, as the interposer's control socket: more wait in the listen backlog
 UID_CONNECTIONS = CONNECTIONS // 2  # of them, one tenant uid's at most (root's and ours are not capped)
 
@@ -115,7 +117,7 @@ class HydratorServer:
     def __init__(self, sources: Sequence[str], *, streams: int = 4, driver: Any = None,
                  stage_ttl: float = STAGE_TTL, staging: bool = False, peers: jsonline.Peers | None = None,
                  group: int | None = None, stage_uid_count: int | None = None,
-                 stage_uid_bytes: int | None = None, ram_tier_bytes: int = 0) -> None:
+                 stage_uid_bytes: int | None = None, ram_tier_bytes: int = 0, dump_threads: int = DUMP_THREADS) -> None:
         from .._cuda import Driver
 
         self.driver: Any = driver or Driver()
@@ -151,7 +153,10 @@ class HydratorServer:
         self.quota = StageQuota.default(int(total), shared=bool(self.peers.uids or self.peers.gids), stages=STAGE_MAX,
                                         count=stage_uid_count, size=stage_uid_bytes)
         # One stage's ring of page-locked buffers, allocated now rather than on every restore's path (256 MiB).
-        self.dump_buffers = HostBuffers(self.driver, DUMP_CHUNK + 2, keep=2 * DUMP_THREADS)
+        if not 1 <= dump_threads <= MAX_DUMP_THREADS:  # a disk-tier stage's readers (issue 35: fewer may cost less)
+            raise HydrationError(f"dump_threads must be 1 to {MAX_DUMP_THREADS}, not {dump_threads}")
+        self.dump_threads = dump_threads
+        self.dump_buffers = HostBuffers(self.driver, DUMP_CHUNK + 2, keep=2 * dump_threads)
         self.ring_pin_seconds = self.dump_buffers.fill() if staging else 0.0
 
     def serve(self, path: str) -> None:
@@ -189,7 +194,7 @@ class HydratorServer:
             if op == "adopt":
                 return self._adopt(message, peer, conn)
             if op == "discard":
-                return {"ok": True, "discarded": self._discard(_stage_key(message), message.get("ticket"))}
+                return {"ok": True, "discarded": self._discard(stage_key(message), message.get("ticket"))}
             if op == "status":
                 return self._status(peer)
             raise HydrationError(f"unknown request {op!r:.80}")
@@ -277,7 +282,7 @@ class HydratorServer:
         """A `stage` or `stage-dump` request's key: refused when staging is off, or for an engine on another GPU."""
         if not self.staging:
             raise HydrationError("staging is off on this hydrator (serve --staging)")
-        key = _stage_key(message)
+        key = stage_key(message)
         if message.get("device_uuid") != self.device_uuid:
             raise HydrationError(f"the engine's GPU {message.get('device_uuid')} is not this hydrator's "
                                  f"{self.device_uuid}")
@@ -382,7 +387,7 @@ class HydratorServer:
         size, reads = sum(sizes), dump_reads(layout)  # the tier holds what a stage reads: no chunk of zeros
         zero = sum(p.size for p in dump_pieces(parts, layout, 0) if p.source == ZEROS)
         lease = self.ram_tier.lease(key, fds, reads)  # a hit: the very files the peer opened, held page-locked
-        reader = Pread(threads=DUMP_THREADS, chunk=DUMP_CHUNK, opened=fds, buffers=self.dump_buffers)
+        reader = Pread(threads=self.dump_threads, chunk=DUMP_CHUNK, opened=fds, buffers=self.dump_buffers)
         copy = self._pinned(dump_pieces(parts, layout, 0), lease.addresses) if lease is not None else \
             lambda va: copy_to_device(self.driver, self.context, dump_pieces(parts, layout, va), reader)
         try:
@@ -404,7 +409,7 @@ class HydratorServer:
         out the last page drops the stage: the descriptors keep the allocations alive. All in one hold of the
         lock (exporting a page is quick), so an expiry, a discard or another adopt of the same ticket comes wholly
         before or after it: of two adopts of a one-page stage exactly one gets it."""
-        key = _stage_key(message)
+        key = stage_key(message)
         # A weights stage's layout is worked out before the lock: `_jobs` resolves and stats the paths the peer
         # names, and a filesystem that hangs there (the peer's own FUSE mount) must hold this thread only, not
         # every peer's stages. Its refusal is raised only for a stage the ticket opens, as before.
@@ -416,7 +421,7 @@ class HydratorServer:
             if (held := self._held(key, message.get("ticket"))) is None:  # another's, or still filling: as if absent
                 return {"ok": False, "staged": False, "error": f"nothing is staged for {key}"}
             slot, staged = held
-            first = _first_page(message.get("first", 0), len(staged.handles), staged.taken)
+            first = first_page(message.get("first", 0), len(staged.handles), staged.taken)
             if staged.layout:  # another layout leaves the stage alone
                 if dump_layout(message.get("parts"))[0] != staged.layout:
                     raise HydrationError("the staged allocations were filled from another dump")
@@ -520,47 +525,12 @@ def _close_stager(staged: _Staged) -> None:
         os.close(staged.stager)
 
 
-def request_regions(message: dict[str, Any]) -> tuple[int, int, tuple[WeightRegion, ...]]:
-    """A `hydrate`, `stage` or weights `adopt` request's reservation and regions, checked without touching a file:
-    `base` and `size` non-negative integers (not booleans, nor a float such as JSON's Infinity), `regions` a list
-    of weight regions inside that reservation (`validate_regions`); HydrationError naming the field otherwise."""
-    base, size, regions = _whole_field(message, "base"), _whole_field(message, "size"), message.get("regions")
-    if not isinstance(regions, list):
-        raise HydrationError(f"malformed request: regions must be a list of weight regions, not {regions!r:.40}")
-    return base, size, validate_regions([WeightRegion.from_json(r) for r in regions], base, size)
-
-
-def _whole_field(message: dict[str, Any], name: str) -> int:
-    value = message.get(name)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise HydrationError(f"malformed request: {name} must be a non-negative integer, not {value!r:.40}")
-    return value
-
-
-def _first_page(value: Any, count: int, taken: int) -> int:
-    """An `adopt` request's `first`: a multiple of ADOPT_PAGE below `count`, at most `taken` (the next page)."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value % ADOPT_PAGE or value >= count \
-            or value > taken:
-        raise HydrationError(f"first must be a multiple of {ADOPT_PAGE} below the stage's {count} allocation(s) and "
-                             f"at most the next page ({taken}), not {value!r:.40}")
-    return value
-
-
 def _hung_up(conn: socket.socket) -> bool:
     """Whether the asker has closed its end of `conn` (both directions: POLLHUP). A request is sent whole, so an
     asker that only ended its writing (POLLRDHUP) still waits for the answer."""
     poller = select.poll()
     poller.register(conn, select.POLLIN)
     return any(events & select.POLLHUP for _fd, events in poller.poll(0))
-
-
-def _stage_key(message: dict[str, Any]) -> str:
-    """A stage's key: the manifest digest it was filled for (`sha256:` and 64 hex digits)."""
-    key = message.get("key")
-    if not isinstance(key, str) or not key.startswith("sha256:") or len(key) != 71 or \
-            any(c not in "0123456789abcdef" for c in key[7:]):
-        raise HydrationError(f"key must be a manifest digest (sha256: and 64 lowercase hex digits), not {key!r:.80}")
-    return key
 
 
 class Stager(StageRequest):

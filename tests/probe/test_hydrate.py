@@ -447,17 +447,17 @@ def test_weights_hydrated_through_the_hydrator_are_freed_at_release(tmp_path: Pa
 
 @pytest.mark.parametrize("key", [None, "", "k", "sha256:" + "0" * 63, "sha256:" + "G" * 64, 7])
 def test_a_stage_key_must_be_a_manifest_digest(key: object) -> None:
-    from coldsnap_probe.hydration._hydrator import _stage_key
+    from coldsnap_probe.hydration._request_fields import stage_key
 
     with pytest.raises(HydrationError, match="key must be a manifest digest"):
-        _stage_key({"key": key})
+        stage_key({"key": key})
 
 
 def test_stage_requests_are_keyed_by_the_manifest_digest(tmp_path: Path) -> None:
-    from coldsnap_probe.hydration._hydrator import _stage_key
+    from coldsnap_probe.hydration._request_fields import stage_key
 
     manifest = manifest_for([region(source(tmp_path))])
-    assert _stage_key(manifest.stage_request("stage")) == manifest.manifest_digest
+    assert stage_key(manifest.stage_request("stage")) == manifest.manifest_digest
 
 
 # --- who may ask (#24, finding 5) ---------------------------------------------------------------------------

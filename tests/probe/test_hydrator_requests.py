@@ -1,7 +1,7 @@
 """Property tests of what a node hydrator parses from a peer before it touches a file or the GPU (issue 37 item 8:
 a fuzz or property test for every parser the review exercised by hand): the JSON line (`jsonline.parse_request`,
 `read_line` over a real socket pair), a weights request's reservation and regions (`request_regions`), a
-stage's key (`_stage_key`), an adopt's first page (`_first_page`) and a stage-dump's parts (`dump_layout`).
+stage's key (`stage_key`), an adopt's first page (`first_page`) and a stage-dump's parts (`dump_layout`).
 Whatever a peer sends, each answers its typed value or refuses with the package's own error; valid inputs built
 by strategies come back as they were."""
 
@@ -21,8 +21,9 @@ from hypothesis import strategies as st
 
 from coldsnap_probe import jsonline
 from coldsnap_probe.errors import ChannelError, HydrationError
-from coldsnap_probe.hydration._hydrator import ADOPT_PAGE, _exited, _first_page, _stage_key, _stager, request_regions
+from coldsnap_probe.hydration._hydrator import ADOPT_PAGE, _exited, _stager
 from coldsnap_probe.hydration._peer_files import DUMP_ALIGN, STAGE_ALLOCATIONS, dump_layout
+from coldsnap_probe.hydration._request_fields import first_page, request_regions, stage_key
 from coldsnap_probe.hydration._weights import WeightRegion
 
 # Any JSON value Python's decoder gives (NaN and the infinities included: it accepts them).
@@ -111,10 +112,10 @@ class TestStageRequests:
     @given(JSON)
     def test_a_key_is_a_manifest_digest_or_refused(self, key: Any) -> None:
         if isinstance(key, str) and KEY.fullmatch(key):
-            assert _stage_key({"key": key}) == key
+            assert stage_key({"key": key}) == key
         else:
             with pytest.raises(HydrationError, match="key must be a manifest digest"):
-                _stage_key({"key": key})
+                stage_key({"key": key})
 
     @SETTINGS
     @given(value=JSON | st.integers(-40, 200), count=st.integers(1, 200), taken=st.integers(0, 200))
@@ -122,10 +123,10 @@ class TestStageRequests:
         valid = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < count \
             and value % ADOPT_PAGE == 0 and value <= taken
         if valid:
-            assert _first_page(value, count, taken) == value
+            assert first_page(value, count, taken) == value
         else:
             with pytest.raises(HydrationError, match="first must be a multiple"):
-                _first_page(value, count, taken)
+                first_page(value, count, taken)
 
     @SETTINGS
     @given(JSON | st.lists(st.dictionaries(st.sampled_from(["file", "bytes", "region", "zero", "x"]), JSON),

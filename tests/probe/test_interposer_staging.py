@@ -20,8 +20,8 @@ import pytest
 
 from coldsnap_probe import jsonline
 from coldsnap_probe.errors import HydrationError
-from coldsnap_probe.hydration._hydrator import _first_page
 from coldsnap_probe.hydration._peer_files import STAGE_ALLOCATIONS, dump_layout
+from coldsnap_probe.hydration._request_fields import first_page
 from tests.probe.interposer_harness import UNITY
 
 MIB = 1 << 20
@@ -77,7 +77,7 @@ class TestAdoptPages:
     @pytest.mark.parametrize(("first", "count", "taken"), [(0, 1, 0), (0, 40, 0), (16, 40, 16), (0, 40, 32),
                                                           (32, 40, 32)])
     def test_the_next_page_or_a_retry_of_an_earlier_one_is_served(self, first: int, count: int, taken: int) -> None:
-        assert _first_page(first, count, taken) == first
+        assert first_page(first, count, taken) == first
 
     @pytest.mark.parametrize(("first", "count", "taken"), [
         pytest.param(8, 40, 16, id="not-a-page"), pytest.param(48, 40, 48, id="beyond-the-stage"),
@@ -86,7 +86,7 @@ class TestAdoptPages:
     ])
     def test_any_other_page_is_refused(self, first: Any, count: int, taken: int) -> None:
         with pytest.raises(HydrationError, match="first must be a multiple of 16 below the stage's"):
-            _first_page(first, count, taken)
+            first_page(first, count, taken)
 
 
 def open_fds(pid: int) -> dict[str, str]:

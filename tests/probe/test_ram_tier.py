@@ -480,6 +480,20 @@ class TestOptions:
         stderr = capsys.readouterr().err
         assert "argument --ram-tier-bytes:" in stderr and re.search(rule, stderr), stderr
 
+    @pytest.mark.parametrize(("value", "rule"), [
+        pytest.param("0", "must be a positive whole number, not 0", id="zero"),
+        pytest.param("four", "must be a positive whole number, not four", id="words"),
+        pytest.param("65", "at most 64, not 65", id="beyond-the-bound"),
+    ])
+    def test_bad_dump_threads_are_refused_naming_the_option_before_anything_starts(
+            self, tmp_path: Path, value: str, rule: str, capsys: pytest.CaptureFixture[str]) -> None:
+        sock = tmp_path / "h.sock"
+        with pytest.raises(SystemExit) as exited:
+            main(["serve", "--staging", "--socket", str(sock), f"--dump-threads={value}"])
+        assert exited.value.code == 2 and not sock.exists()
+        stderr = capsys.readouterr().err
+        assert "argument --dump-threads:" in stderr and rule in stderr, stderr
+
     @pytest.mark.parametrize("value", ["1G", "auto"])
     def test_a_budget_without_staging_is_refused(self, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                  value: str) -> None:

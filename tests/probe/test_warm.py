@@ -27,10 +27,10 @@ from coldsnap_probe import jsonline
 from coldsnap_probe._reports import CaptureReport, DumpedDevice
 from coldsnap_probe.errors import HydrationError
 from coldsnap_probe.hydration import DeviceDump
-from coldsnap_probe.hydration._hydrator import _stage_key
 from coldsnap_probe.hydration._peer_files import dump_layout, dump_reads, open_dump_parts
 from coldsnap_probe.hydration._peer_view import OPENERS, PeerView
 from coldsnap_probe.hydration._ram_tier import RamTier
+from coldsnap_probe.hydration._request_fields import stage_key
 from coldsnap_probe.hydration._warm import Warms
 from coldsnap_probe.memory._device_dump import DeviceWarm, DumpRecord, stage_parts
 from tests.helpers import ROOT
@@ -54,7 +54,7 @@ class Hydrator:
 
     def _one(self, conn: socket.socket, peer: jsonline.Peer) -> jsonline.Answer:
         message = jsonline.read_request(conn)
-        return self.warms.warm(_stage_key(message), message, peer, conn)
+        return self.warms.warm(stage_key(message), message, peer, conn)
 
 
 @pytest.fixture
