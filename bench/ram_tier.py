@@ -1,7 +1,7 @@
 """The node hydrator's RAM tier against its disk tier (issue 34 item 3, issue 35's staged copy at the link's rate):
 the same device dump staged again and again through real hydrators, side by side, in one run.
 
-    python bench/ram_tier.py [--gib 16] [--stages 3] [--dir /dev/shm] [--out DIR]
+    python bench/ram_tier.py [--gib 16] [--stages 3] [--dir /dev/shm] [--out DIR] [--dump-threads 16,8,4]
 
 A dump of `--gib` one-GiB segment files (one region each, as the CUDA interposer writes them; a random 64 MiB
 block repeated, so no byte is zero) goes into `--dir`. Then real hydrator processes (`serve --staging`) stage
@@ -14,7 +14,8 @@ it, each as its row says (every stage-dump filled, then discarded, as a restore 
 * `warmed, stage at once` and `warmed, then held`: a capture's `warm` (the capture worker offers the dump once the
   tree is dumped, hydration/_warm.py), then the first stage at once (the tier still pinning: it misses and does not
   wait, the loader beside it) or once the tier holds the dump (the first restore after a capture: `tier: ram`);
-* `ram tier off` (`--ram-tier-bytes 0`): every stage reads the files through the ring, as before;
+* `ram tier off, N readers` (`--ram-tier-bytes 0 --dump-threads N`, N from `--dump-threads`): every stage reads the
+  files through the ring, as before, with 16, 8 and 4 reader threads (what fewer cost the stage alone);
 * `half zeros, budget below the dump`: another dump of `--gib` GiB whose every other 64 MiB chunk is a hole marked
   zero (as JAX's: 17 of its 35 GB), with a budget below its size and above its data: held, its second stage a hit.
 
@@ -82,11 +83,13 @@ def held_after(control: str, since: float, limit: float = 120.0) -> float | None
 
 
 @contextlib.contextmanager
-def hydrator(label: str, budget: str, work: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    """A staging hydrator process (its RAM tier's budget `budget`): its socket and ready line."""
+def hydrator(label: str, budget: str, work: Path, threads: int = 16) -> Iterator[tuple[str, dict[str, Any]]]:
+    """A staging hydrator process (its RAM tier's budget `budget`, `threads` readers for a stage from the files):
+    its socket and ready line."""
     control = str(work / f"{label.replace(' ', '-').replace(',', '')}.sock")
     proc = subprocess.Popen([sys.executable, "-m", "coldsnap_probe.hydration", "serve", "--socket", control,
-                             "--staging", "--ram-tier-bytes", budget], stdout=subprocess.PIPE, cwd=ROOT)
+                             "--staging", "--ram-tier-bytes", budget, "--dump-threads", str(threads)],
+                            stdout=subprocess.PIPE, cwd=ROOT)
     try:
         yield control, json.loads(proc.stdout.readline())  # type: ignore[union-attr]
     finally:
@@ -108,10 +111,12 @@ def stage(control: str, ready: dict[str, Any], parts: list[dict[str, Any]], labe
             "ring_thread_s": copy.get("read_thread_s"), "held_after_s": None}
 
 
-def stage_rows(label: str, parts: list[dict[str, Any]], stages: int, budget: str, work: Path) -> list[dict[str, Any]]:
-    """One hydrator process (its RAM tier's budget `budget`), `stages` stage-dumps of `parts`, each discarded."""
+def stage_rows(label: str, parts: list[dict[str, Any]], stages: int, budget: str, work: Path,
+               threads: int = 16) -> list[dict[str, Any]]:
+    """One hydrator process (its RAM tier's budget `budget`, `threads` readers), `stages` stage-dumps of `parts`,
+    each discarded."""
     rows: list[dict[str, Any]] = []
-    with hydrator(label, budget, work) as (control, ready):
+    with hydrator(label, budget, work, threads) as (control, ready):
         for n in range(1, stages + 1):
             rows.append(row := stage(control, ready, parts, label, n))
             if row["tier"] == "disk" and budget != "0":
@@ -161,6 +166,8 @@ def main() -> int:
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--dir", default="/dev/shm")
     parser.add_argument("--out", default="")
+    parser.add_argument("--dump-threads", type=lambda text: [int(n) for n in text.split(",")], default=[16, 8, 4],
+                        help="the tier-off hydrators' readers (serve --dump-threads), one hydrator each: 16,8,4")
     args = parser.parse_args()
     if args.gib < 2 or args.stages < 2:
         parser.error("--gib must be at least 2 and --stages at least 2 (a miss, then hits)")
@@ -171,7 +178,8 @@ def main() -> int:
         print(f"dump: {args.gib} GiB in {work} written in {time.perf_counter() - started:.1f} s", flush=True)
         rows = stage_rows("ram tier on", parts, args.stages, f"{args.gib + 1}G", work)
         rows += warmed_rows(parts, f"{args.gib + 1}G", work)
-        rows += stage_rows("ram tier off", parts, 2, "0", work)
+        for threads in args.dump_threads:  # the disk tier's readers: fewer may cost a restore beside it less
+            rows += stage_rows(f"ram tier off, {threads} readers", parts, 2, "0", work, threads)
         zeros = write_dump(work, args.gib, zeros=True)  # its data fit a budget its whole size does not (JAX's)
         rows += stage_rows("half zeros, budget below the dump", zeros, 2, f"{args.gib // 2 + 1}G", work)
     finally:
