@@ -32,6 +32,7 @@ from coldsnap_probe.hydration._ram_tier import RamTier, identity
 from coldsnap_probe.hydration._vmm import Mapped
 from tests.helpers import ROOT
 from tests.probe._peers import AS_NOBODY, connected, listening
+from tests.probe._staged import stage_and_read
 from tests.probe.test_main import has_nvidia_driver
 
 MIB = 1 << 20
@@ -486,35 +487,6 @@ class TestPeerRules:
             lease.release()
 
 
-def _gpu_stage(control: str, uuid: str, parts: list[dict[str, Any]]) -> tuple[dict[str, Any], bytes]:
-    """A stage-dump of `parts`, adopted: its answer and the staged allocation's bytes."""
-    from coldsnap_probe._cuda import Driver
-    from coldsnap_probe.hydration._vmm import cucall, fd_handle, map_read_write
-    from coldsnap_probe.jsonline import request, request_with_fds
-
-    size = sum(p["bytes"] for p in parts)
-    staged = request(control, {"op": "stage-dump", "key": KEY, "parts": parts, "device_uuid": uuid}, timeout=120.0)
-    assert staged["ok"] and staged["bytes"] == size, staged
-    answer, fds = request_with_fds(control, {"op": "adopt", "key": KEY, "ticket": staged["ticket"], "parts": parts},
-                                   timeout=60.0)
-    assert answer["ok"] and len(fds) == 1, answer
-    driver = Driver()
-    driver.context(0)
-    handle = cucall(driver, "cuMemImportFromShareableHandle", fds[0], fd_handle(driver))
-    os.close(fds[0])
-    va = int(cucall(driver, "cuMemAddressReserve", size, 0, 0, 0))
-    try:
-        cucall(driver, "cuMemMap", va, size, 0, handle, 0)
-        map_read_write(driver, va, size, 0)
-        buffer = ctypes.create_string_buffer(size)
-        cucall(driver, "cuMemcpyDtoH", ctypes.addressof(buffer), va, size)
-        cucall(driver, "cuMemUnmap", va, size)
-    finally:
-        cucall(driver, "cuMemAddressFree", va, size)
-        cucall(driver, "cuMemRelease", handle)
-    return staged, buffer.raw
-
-
 @pytest.mark.skipif(not has_nvidia_driver(), reason="needs an NVIDIA driver")
 def test_the_second_stage_of_a_dump_comes_from_the_ram_tier_with_the_same_bytes(tmp_path: Path) -> None:
     """The real hydrator: the first stage-dump reads the files (`tier: disk`) and queues them for the tier; the
@@ -527,18 +499,21 @@ def test_the_second_stage_of_a_dump_comes_from_the_ram_tier_with_the_same_bytes(
     proc = subprocess.Popen([sys.executable, "-m", "coldsnap_probe.hydration", "serve", "--socket", control,
                              "--staging", "--ram-tier-bytes", "1G"], stdout=subprocess.PIPE, cwd=ROOT)
     try:
+        from coldsnap_probe._cuda import Driver
         from coldsnap_probe.jsonline import request
 
         ready = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
         assert ready["ram_tier_bytes"] == 1 << 30, ready
         expected = first.read_bytes() + second.read_bytes()
-        cold, cold_bytes = _gpu_stage(control, ready["device_uuid"], parts)
+        driver = Driver()
+        driver.context(0)
+        cold, cold_bytes = stage_and_read(driver, control, KEY, parts, ready["device_uuid"])
         assert cold["tier"] == "disk" and cold_bytes == expected, cold
         deadline = time.monotonic() + 60
         while (tier := request(control, {"op": "status"}, timeout=10.0)["ram_tier"])["entries"] < 1:
             assert time.monotonic() < deadline, tier
             time.sleep(0.05)
-        warm, warm_bytes = _gpu_stage(control, ready["device_uuid"], parts)
+        warm, warm_bytes = stage_and_read(driver, control, KEY, parts, ready["device_uuid"])
         assert warm["tier"] == "ram" and warm_bytes == expected, warm
         tier = request(control, {"op": "status"}, timeout=10.0)["ram_tier"]
         assert (tier["hits"], tier["misses"], tier["in_use"]) == (1, 1, 0), tier
