@@ -383,7 +383,7 @@ class HydratorServer:
         try:
             answer = self._stage_into(key, peer, conn, _Staged((), 0, size, parts, 0.0, 0.0, 0.0, 0, "",
                                                                layout=layout, sizes=sizes), copy, size, stager)
-            tier = self.ram_tier.staged(key, fds, lengths, lease, size - zero)
+            tier = self.ram_tier.staged(key, fds, lengths, lease, size - zero, owner=peer.uid)
         finally:
             if lease is not None:
                 lease.release()

@@ -183,7 +183,7 @@ class TestBudget:
         assert tier.status() | {"read_bytes": None} == {
             "budget": 0, "entries": 0, "bytes": 0, "in_use": 0, "loading": 0, "hits": 0, "misses": 0,
             "evictions": 0, "loads": 0, "dropped": 0, "skipped": {"too_large": 0, "no_room": 0, "failed": 0},
-            "read_bytes": None, "last_error": ""}
+            "read_bytes": None, "stages": {"ram": 0, "disk": 0}, "bytes_by_uid": {}, "last_error": ""}
 
 
 class TestCounters:
@@ -193,17 +193,20 @@ class TestCounters:
         tier = tier_of(8 * MIB)
         with Opened(a) as fds:
             assert tier.lease(KEY, fds, whole(fds)) is None
-            assert tier.staged(KEY, fds, whole(fds), None, 2 * MIB) == "disk"
+            assert tier.staged(KEY, fds, whole(fds), None, 2 * MIB, owner=0) == "disk"
         settle(tier)
         with Opened(a) as fds:
             lease = tier.lease(KEY, fds, whole(fds))
-            assert lease is not None and tier.staged(KEY, fds, whole(fds), lease, 2 * MIB) == "ram"
+            assert lease is not None and tier.staged(KEY, fds, whole(fds), lease, 2 * MIB, owner=0) == "ram"
             lease.release()
         status = tier.status()
         assert (status["hits"], status["misses"], status["loads"], status["entries"]) == (1, 1, 1, 1), status
         assert status["read_bytes"] == {"ram": 2 * MIB, "disk": 2 * MIB}
+        assert status["stages"] == {"ram": 1, "disk": 1} and status["bytes_by_uid"] == {"0": 2 * MIB}, status
 
-    def test_a_dump_is_queued_once_and_the_queue_is_bounded(self, tmp_path: Path) -> None:
+    def test_a_dump_is_queued_once_and_the_queue_is_bounded_also_per_uid(self, tmp_path: Path) -> None:
+        """Regression (review10's open finding): one tenant's misses kept the loader's queue full, so no other
+        tenant's dump was ever queued; now one uid has at most QUEUE_PER_UID of its places."""
         gate = threading.Event()
 
         def held_back(mapped: Mapped) -> None:  # the loader waits here: what is queued meanwhile stays queued
@@ -213,14 +216,63 @@ class TestCounters:
         tier = RamTier(32 * MIB, pin=held_back, unpin=munlock_and_unmap)
         try:
             with Opened(*paths) as fds:
-                queued = [tier.load_later(KEY, {str(p): fds[str(p)]}, {str(p): 2 * MIB}) for p in paths]
-                again = tier.load_later(KEY, {str(paths[0]): fds[str(paths[0])]}, {str(paths[0]): 2 * MIB})
-            assert queued == [True, True, False, False, False] and not again
+                mine = [tier.load_later(KEY, {str(p): fds[str(p)]}, {str(p): 2 * MIB}, owner=1000)
+                        for p in paths[:2]]
+                theirs = [tier.load_later(KEY, {str(p): fds[str(p)]}, {str(p): 2 * MIB}, owner=uid)
+                          for uid, p in zip((2000, 3000, 4000), paths[2:], strict=True)]
+                again = tier.load_later(KEY, {str(paths[0]): fds[str(paths[0])]}, {str(paths[0]): 2 * MIB},
+                                        owner=2000)
+            assert mine == [True, False] and theirs == [True, False, False] and not again
             gate.set()
             assert settle(tier)["entries"] == 2
         finally:
             gate.set()
             tier.close()
+
+
+class TestShares:
+    """Regression (review10's open finding): one tenant's stages evicted every other tenant's entries (the LRU knew
+    no owner). A load now evicts only its owner's entries or those of a uid holding more (max-min fairness)."""
+
+    @staticmethod
+    def load_as(tier: RamTier, owner: int, path: Path) -> dict[str, Any]:
+        with Opened(path) as fds:
+            assert tier.load_later(KEY, fds, whole(fds), owner=owner)
+        return settle(tier)
+
+    def test_one_tenants_misses_evict_its_own_entries_never_a_smaller_tenants(self, tmp_path: Path,
+                                                                             tier_of: Any) -> None:
+        mine = [dump(tmp_path / f"a{n}.bin", 2 * MIB) for n in range(6)]
+        theirs = dump(tmp_path / "b.bin", 2 * MIB)
+        tier = tier_of(4 * MIB)
+        for path in mine[:2]:
+            self.load_as(tier, 1000, path)  # alone, a tenant fills the whole budget
+        assert tier.status()["bytes_by_uid"] == {"1000": 4 * MIB}
+        status = self.load_as(tier, 2000, theirs)  # the larger tenant makes room: its least recently used goes
+        assert status["bytes_by_uid"] == {"1000": 2 * MIB, "2000": 2 * MIB} and not held(tier, KEY, mine[0])
+        for path in mine[2:]:  # however many it stages, the first tenant now replaces only its own
+            status = self.load_as(tier, 1000, path)
+            assert status["bytes_by_uid"] == {"1000": 2 * MIB, "2000": 2 * MIB}, status
+            assert held(tier, KEY, theirs) and held(tier, KEY, path)
+        assert status["evictions"] == 5 and status["skipped"]["no_room"] == 0, status
+
+    def test_a_load_that_only_another_tenants_fair_share_could_make_room_for_is_skipped(
+            self, tmp_path: Path, tier_of: Any) -> None:
+        a, b, c = (dump(tmp_path / f"{n}.bin", 2 * MIB) for n in "abc")
+        tier = tier_of(4 * MIB)
+        self.load_as(tier, 2000, a)
+        with Opened(b) as fds:
+            lease = tier.lease(KEY, fds, whole(fds))
+            assert lease is None and tier.load_later(KEY, fds, whole(fds), owner=1000)
+        settle(tier)
+        with Opened(b) as fds:
+            lease = tier.lease(KEY, fds, whole(fds))
+        assert lease is not None  # 1000's own entry in use: its next load may only take 2000's, which is no larger
+        try:
+            status = self.load_as(tier, 1000, c)
+        finally:
+            lease.release()
+        assert status["skipped"]["no_room"] == 1 and held(tier, KEY, a) and not held(tier, KEY, c), status
 
 
 class TestInUse:
