@@ -15,8 +15,15 @@ from coldsnap_probe.jsonline import request, request_with_fds
 def stage_and_read(driver: Any, control: str, key: str, parts: list[dict[str, Any]],
                    uuid: str) -> tuple[dict[str, Any], bytes]:
     """Stage `parts` (one region) on the hydrator at `control` for the device `uuid`, adopt the allocation: the
-    stage's answer and the bytes the allocation holds. `driver` has a context current on device 0."""
+    stage's answer and the bytes the allocation holds. `driver` has a context current on device 0 (None: one is
+    made, for a caller outside tests/probe)."""
     from coldsnap_probe.hydration._vmm import cucall, device_uuid, fd_handle, map_read_write
+
+    if driver is None:
+        from coldsnap_probe._cuda import Driver
+
+        driver = Driver()
+        driver.context(0)
 
     staged = request(control, {"op": "stage-dump", "key": key, "parts": parts, "device_uuid": uuid}, timeout=120.0)
     assert staged["ok"] and staged["bytes"] == sum(p["bytes"] for p in parts), staged
