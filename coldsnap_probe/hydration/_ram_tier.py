@@ -178,7 +178,8 @@ class RamTier:
     def load_later(self, key: str, fds: Mapping[str, int], lengths: Mapping[str, int], *, owner: int = 0) -> bool:
         """Queue the first `lengths` bytes (named as in `fds`) of the dump of `key` in the files open as `fds` for
         the loader, counted to peer uid `owner` (their descriptors duplicated: the caller's stay its own); False
-        when the tier is off, holds or queued it already, or the queue has no place for `owner`."""
+        when the tier is off, holds or queued it already, the queue has no place for `owner`, or the descriptors
+        could not be duplicated (the process's limit: counted as `failed`, never the stage's failure)."""
         if not self.budget:
             return False
         ids = {named: identity(fd) for named, fd in fds.items()}
@@ -188,7 +189,13 @@ class RamTier:
             if name in self._held or any(queued == name for queued, _, _ in self._queue) or self._closed or \
                     len(self._queue) >= LOAD_QUEUE or sum(uid == owner for _, uid, _ in self._queue) >= QUEUE_PER_UID:
                 return False
-            self._queue.append((name, owner, {ident: os.dup(fd) for ident, fd in files.items()}))
+            try:
+                duplicated = _dup_all(files)
+            except OSError as exc:
+                self.skipped["failed"] += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                return False
+            self._queue.append((name, owner, duplicated))
             self._wake.notify()
         return True
 
@@ -375,6 +382,18 @@ def _stale(fd: int, ident: Identity) -> bool:
     """Whether the file open as `fd` has lost its last link or is no longer what `ident` says it was."""
     st = os.fstat(fd)
     return st.st_nlink == 0 or (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) != ident
+
+
+def _dup_all(fds: Mapping[Identity, int]) -> dict[Identity, int]:
+    """Each descriptor duplicated; none left open when one cannot be (EMFILE)."""
+    duplicated: dict[Identity, int] = {}
+    try:
+        for ident, fd in fds.items():
+            duplicated[ident] = os.dup(fd)
+    except OSError:
+        _close_all(duplicated)
+        raise
+    return duplicated
 
 
 def _close_all(fds: Mapping[Identity, int]) -> None:

@@ -230,6 +230,41 @@ class TestCounters:
             tier.close()
 
 
+class TestDescriptors:
+    def test_a_dump_whose_descriptors_cannot_be_duplicated_is_not_queued_and_leaves_none_open(
+            self, tmp_path: Path, tier_of: Any) -> None:
+        """Regression (tidy, 2026-12-02): at the process's descriptor limit the second file's dup raised out of
+        `staged`, after the stage was filled: the first dup stayed open for ever, and the stager was answered a
+        failure while its stage held the GPU until the TTL. Now the dump is only not queued (`failed`)."""
+        import resource
+
+        def is_open(fd: int) -> bool:
+            try:
+                os.fstat(fd)
+            except OSError:
+                return False
+            return True
+
+        def open_fds() -> set[int]:  # without the listing's own descriptor, closed by then
+            return set(filter(is_open, map(int, os.listdir("/proc/self/fd"))))
+
+        a, b = dump(tmp_path / "a.bin", 2 * MIB), dump(tmp_path / "b.bin", 2 * MIB)
+        tier = tier_of(8 * MIB)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        with Opened(a, b) as fds:
+            before = open_fds()
+            limit = next(n for n in range(1, soft) if len(set(range(n)) - before) == 1)  # one descriptor free
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+            try:
+                tier_name = tier.staged(KEY, fds, whole(fds), None, 4 * MIB, owner=0)
+            finally:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            assert open_fds() == before
+        status = tier.status()
+        assert tier_name == "disk" and status["loading"] == 0 and status["skipped"]["failed"] == 1, status
+        assert "Too many open files" in status["last_error"] and status["stages"]["disk"] == 1, status
+
+
 class TestShares:
     """Regression (review10's open finding): one tenant's stages evicted every other tenant's entries (the LRU knew
     no owner). A load now evicts only its owner's entries or those of a uid holding more (max-min fairness)."""
