@@ -364,12 +364,13 @@ class HydratorServer:
     def _stage_dump(self, message: dict[str, Any], peer: jsonline.Peer, conn: socket.socket,
                     stager: int) -> dict[str, Any]:
         """Fill one allocation per released region from an interposer's device dump (docs/interposer.md) while
-        its process is being restored: `parts` are (file, bytes, region) in the order the interposer maps them
-        back (`dump_layout`), each file read whole through a ring of page-locked buffers into the allocations
-        mapped back to back (through the page cache: on the H200 machine's disk 16 readers read 1.45 GB/s
-        through it and 1.02 with O_DIRECT, bench/e2e_store.py's rates), or, when the RAM tier holds these very
-        files (`tier: ram`), one DMA per piece from their pinned mappings; a miss (`tier: disk`) queues them for
-        the tier. Only files `peer` could read itself in its own view, on this hydrator's GPU."""
+        its process is being restored: `parts` are (file, bytes, region, optionally zero: its chunks of zeros) in
+        the order the interposer maps them back (`dump_layout`), each part's first `bytes` of its file but for its
+        chunks of zeros (set on the device, never read: `dump_pieces`) read through a ring of page-locked buffers
+        into the allocations mapped back to back (through the page cache: on the H200 machine's disk 16 readers
+        read 1.45 GB/s through it and 1.02 with O_DIRECT, bench/e2e_store.py's rates), or, when the RAM tier holds
+        these very files (`tier: ram`), one DMA per piece from their pinned mappings; a miss (`tier: disk`) queues
+        them for the tier. Only files `peer` could read itself in its own view, on this hydrator's GPU."""
         key = self._stage_slot(message)
         layout, sizes = dump_layout(message.get("parts"))
         with PeerView.of(conn, peer, openers=self._openers) as view:
