@@ -69,6 +69,7 @@ class Relay:
             target.shutdown(socket.SHUT_WR)
 
     def kill(self) -> None:
+        """Close everything (again: a second call closes nothing new)."""
         self.dead.set()
         self.listener.close()
         with self.lock:
@@ -116,9 +117,12 @@ def test_a_registry_dying_mid_push_fails_naming_a_blob_and_the_retry_sends_only_
     store, capture, blobs = _capture(tmp_path)
     repository = f"push/dies{os.getpid()}"
     relay = Relay(registry.address, die_after=3)
-    with pytest.raises(RuntimeFailed) as failed:
-        _push(store, relay.address, registry, repository, capture)
-    assert relay.dead.is_set()
+    try:
+        with pytest.raises(RuntimeFailed) as failed:
+            _push(store, relay.address, registry, repository, capture)
+        assert relay.dead.is_set()
+    finally:
+        relay.kill()  # also when the push went through: no relay thread or socket outlives the test
     assert f"registry {relay.address}: blob sha256:" in str(failed.value), failed.value
     present = [blob for blob in blobs if _registry_has(registry, repository, "blobs", blob)]
     assert 3 <= len(present) < len(blobs)
