@@ -70,7 +70,7 @@ class HydratorStages:
         """Ask each hydrator once (one at a time, each within ASK_TIMEOUT_S) and add what its counters grew by."""
         for path in self._sockets:
             try:
-                answer = await anyio.to_thread.run_sync(_ask, path)
+                answer = await anyio.to_thread.run_sync(_ask, path, abandon_on_cancel=True)  # ends within 5 s
             except (ChannelError, msgspec.ValidationError) as exc:
                 log.warning("node hydrator did not answer its status", socket=path, error=str(exc))
                 continue
