@@ -7,7 +7,7 @@ cold) to the operator. So every ``metrics.backend_probe_interval_s`` the daemon 
 its own uid), and adds what each of its counters grew by since the last answer: the stages it filled from each tier
 and the bytes it read for them (chunks of zeros are set on the device, not read, and count nowhere). A counter that
 went down is a hydrator that restarted: its whole count is new. A hydrator that does not answer (not started yet,
-restarting) is logged and asked again at the next interval; its counts so far stay.
+restarting) is logged once and asked again at each interval; its counts so far stay.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ class HydratorStages:
         # Invariant: one entry per hydrator that answered, its counters as it last said them.
         self._last: dict[str, dict[str, tuple[int, int]]] = {}
         self._totals = {tier: (0, 0) for tier in STAGE_TIERS}  # tier -> (bytes, stages): only ever grows
+        self._failing: dict[str, str] = {}  # hydrator -> why its last ask gave no counts (logged once)
 
     def totals(self) -> list[tuple[str, int, int]]:
         """(tier, bytes, stages) for each tier (at 0 from the start, so that rate() sees the first stage)."""
@@ -72,12 +73,20 @@ class HydratorStages:
             try:
                 answer = await anyio.to_thread.run_sync(_ask, path, abandon_on_cancel=True)  # ends within 5 s
             except (ChannelError, msgspec.ValidationError) as exc:
-                log.warning("node hydrator did not answer its status", socket=path, error=str(exc))
+                self._failed(path, f"did not answer its status: {exc}")
                 continue
             if answer.ram_tier is None:
-                log.warning("node hydrator keeps its RAM tier's counters from this daemon's uid", socket=path)
+                self._failed(path, "keeps its RAM tier's counters from this daemon's uid")
                 continue
+            if self._failing.pop(path, None) is not None:
+                log.info("node hydrator answers its status again", socket=path)
             self._add(path, answer.ram_tier)
+
+    def _failed(self, path: str, why: str) -> None:
+        """Logged once when it begins (or changes), not at every interval of a hydrator that is down for hours."""
+        if self._failing.get(path) != why:
+            log.warning("node hydrator gives no stage counts", socket=path, error=why)
+        self._failing[path] = why
 
     def _add(self, path: str, tier: _Tier) -> None:
         now = {name: (tier.read_bytes.get(name, 0), tier.stages.get(name, 0)) for name in STAGE_TIERS}
