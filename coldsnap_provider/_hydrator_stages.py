@@ -3,15 +3,17 @@
 Only what a hydrator itself staged counts. A capsule's restore report carries the stage answers its worker got, but
 a capsule writes whatever it likes there: counted from reports, one capsule could make the RAM tier look hot (or
 cold) to the operator. So every ``metrics.backend_probe_interval_s`` the daemon asks each hydrator the operator named
-(``metrics.hydrator_sockets``) for its ``status``, as root (a hydrator answers its RAM tier's counters only to root and
-its own uid), and adds what each of its counters grew by since the last answer: the stages it filled from each tier
-and the bytes it read for them (chunks of zeros are set on the device, not read, and count nowhere). A counter that
-went down is a hydrator that restarted: its whole count is new. A hydrator that does not answer (not started yet,
-restarting) is logged once and asked again at each interval; its counts so far stay.
+(``metrics.hydrator_sockets``) for its ``status`` (a hydrator answers its RAM tier's counters only to root, its own
+uid and its ``--status-uid`` uids: the daemon's account, when it is not root), and adds what each of its counters
+grew by since the last answer: the stages it filled from each tier and the bytes it read for them (chunks of zeros
+are set on the device, not read, and count nowhere). A counter that went down is a hydrator that restarted: its
+whole count is new. A hydrator that does not answer (not started yet, restarting) is logged once and asked again at
+each interval; its counts so far stay.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Annotated
 
@@ -76,7 +78,8 @@ class HydratorStages:
                 self._failed(path, f"did not answer its status: {exc}")
                 continue
             if answer.ram_tier is None:
-                self._failed(path, "keeps its RAM tier's counters from this daemon's uid")
+                self._failed(path, f"keeps its RAM tier's counters from this daemon's uid {os.geteuid()} (serve "
+                             "--status-uid)")
                 continue
             if self._failing.pop(path, None) is not None:
                 log.info("node hydrator answers its status again", socket=path)
