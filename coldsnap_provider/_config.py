@@ -308,6 +308,9 @@ def _metrics_problem(config: Config) -> str:
     address = config.metrics.address
     if address and not address.startswith("unix:") and not 1 <= int(address.rpartition(":")[2]) <= 65535:
         return f"metrics.address {address!r}: the port must be 1-65535"
+    sockets = config.metrics.hydrator_sockets
+    if twice := next((path for index, path in enumerate(sockets) if path in sockets[:index]), None):
+        return f"metrics.hydrator_sockets lists {twice!r} twice (its stages would be counted twice)"
     return ""
 
 

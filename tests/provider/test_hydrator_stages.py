@@ -117,11 +117,15 @@ def test_a_status_uid_gets_the_tiers_counters_and_nothing_else() -> None:
         shutil.rmtree(shared)
 
 
-def test_check_config_refuses_a_hydrator_socket_that_is_not_an_absolute_path() -> None:
+@pytest.mark.parametrize(("sockets", "rule"), [
+    ('["run/hydrator.sock"]', "metrics.hydrator_sockets[0]"),
+    ('["/run/h.sock", "/run/h.sock"]', "metrics.hydrator_sockets lists '/run/h.sock' twice"),
+], ids=["relative", "twice"])
+def test_check_config_refuses_a_hydrator_socket_that_is_relative_or_listed_twice(sockets: str, rule: str) -> None:
     from tests.provider.test_metrics import CLI
 
     with tempfile.NamedTemporaryFile("w", suffix=".toml") as f:
-        f.write('[metrics]\naddress = "127.0.0.1:9464"\nhydrator_sockets = ["run/hydrator.sock"]\n')
+        f.write(f'[metrics]\naddress = "127.0.0.1:9464"\nhydrator_sockets = {sockets}\n')
         f.flush()
         result = subprocess.run([*CLI, "check-config", f.name], capture_output=True, text=True, check=False)
-    assert result.returncode == 2 and "metrics.hydrator_sockets[0]" in result.stderr, result.stderr
+    assert result.returncode == 2 and rule in result.stderr, result.stderr
