@@ -34,7 +34,7 @@ in, from the uid that holds the most, least recently used first (max-min fairnes
 capture store's fetch threads bounds one manager's pulls). One tenant alone may fill the whole budget; once others
 load, its entries make room for theirs until they hold alike, and its own misses then evict its own entries, never
 theirs: one tenant's stages, however many, cannot empty the tier of the others'. A hit of another uid's entry
-serves it (the same files, read in the asker's own view) without moving it. The load queue holds at most
+serves it (the same files, read in the asker's own view); the entry stays its owner's. The load queue holds at most
 QUEUE_PER_UID dumps of one uid, so one tenant's misses cannot keep the others' out of it.
 
 Locking: the entries, their use counts and the counters are read and changed only under `self._lock`, in one
