@@ -23,7 +23,6 @@ import argparse
 import ctypes
 import json
 import os
-import re
 import shutil
 import signal
 import statistics
@@ -36,39 +35,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import table, wait_file
+from coldsnap_probe import restore_phases
 
-# (phase, the log line that ends it); `fill` and `exit` are computed, not matched.
-MARKS = (("probe+setup", r"Reading image tree"), ("images+fork", r"Forking task with"),
-         ("premap", None), ("fill", None), ("files+state", r"pie: \d+: Switched to the restorer"),
-         ("restorer", r"net: Unlock network"), ("seize+stop", r"Restore finished successfully"))
-PHASES = (*(m[0] for m in MARKS), "exit")
-FILL = re.compile(r"page-fill: pages-\d+\.img: \d+ bytes in \d+ chunks by \d+ threads in ([\d.]+) s")
-STAMP = re.compile(r"^\((\d+\.\d+)\)")
-
-
-def log_phases(log: str, wall: float) -> dict[str, float]:
-    """Each phase's seconds from CRIU's restore log (its first line of each mark) and the wall clock."""
-    found: dict[str, float] = {}
-    fill_end = fill_s = None
-    for line in log.splitlines():
-        stamp = STAMP.match(line)
-        if not stamp:
-            continue
-        at = float(stamp.group(1))
-        if fill_s is None and (m := FILL.search(line)):
-            fill_end, fill_s = at, float(m.group(1))
-        for name, pattern in MARKS:
-            if pattern and name not in found and re.search(pattern, line):
-                found[name] = at
-    if fill_end is None or fill_s is None or len(found) < 5:
-        raise RuntimeError(f"the restore log lacks its marks (found {sorted(found)}, fill {fill_s})")
-    ends = {**found, "premap": fill_end - fill_s, "fill": fill_end}
-    out, before = {}, 0.0
-    for name, _ in MARKS:
-        out[name] = ends[name] - before
-        before = ends[name]
-    out["exit"] = wall - before
-    return out
+# CRIU's restore phases as the worker reports them (`coldsnap_probe.restore_phases`), then CRIU's exit.
+PHASES = ("probe_setup_s", "images_fork_s", "premap_s", "fill_s", "files_state_s", "restorer_s", "seize_stop_s",
+          "exit_s")
 
 
 def criu_env(criu: Path, extra: dict[str, str]) -> dict[str, str]:
@@ -125,7 +96,9 @@ def restore(criu: Path, images: Path, work: Path, env: dict[str, str], verbosity
                 break
         except ChildProcessError:
             break
-    phases = log_phases(text, wall) if verbosity == "-v4" else {}
+    phases = restore_phases(text.encode()) if verbosity == "-v4" else {}
+    if "logged_s" in phases:
+        phases["exit_s"] = wall - phases.pop("logged_s")
     return {"wall": wall, "threads": threads, **phases}
 
 
@@ -133,8 +106,8 @@ def probe(criu: Path, cache: Path) -> float:
     """`criu check` writing the kernel-feature cache, as the restore worker starts it; its seconds."""
     cache.unlink(missing_ok=True)
     started = time.perf_counter()
-    subprocess.run([str(criu), "check", "--feature", "pagemap_scan"], env=criu_env(criu, {"CRIU_KDAT_CACHE": str(cache)}),
-                   capture_output=True, check=False)
+    subprocess.run([str(criu), "check", "--feature", "pagemap_scan"], capture_output=True, check=False,
+                   env=criu_env(criu, {"CRIU_KDAT_CACHE": str(cache)}))
     seconds = time.perf_counter() - started
     if not cache.exists():
         raise RuntimeError(f"criu check wrote no {cache}: is this CRIU built with kdat-cache.patch?")
@@ -146,12 +119,13 @@ def report(rows: dict[str, list[dict[str, float]]], probes: list[float], shape: 
     for name, runs in rows.items():
         med = {k: statistics.median(r[k] for r in runs) * 1e3 for k in runs[0] if k != "threads"}
         cells = [f"{med[p]:.1f}" if p in med else "-" for p in PHASES]
-        lines.append([name, f"{med['wall']:.1f}", f"{med['wall'] - med.get('fill', 0):.1f}" if "fill" in med else "-",
+        lines.append([name, f"{med['wall']:.1f}", f"{med['wall'] - med['fill_s']:.1f}" if "fill_s" in med else "-",
                       *cells, f"{statistics.median(probes) * 1e3:.1f}" if "cached" in name else "-"])
     head = (f"target: {shape['threads']} threads, {shape['mappings']} mappings ({shape['libraries']} libraries "
             f"loaded), {shape['image_bytes'] / 1e9:.2f} GB of images; {len(next(iter(rows.values())))} restores "
             "a variant, medians in ms")
-    return head + "\n" + table(["variant", "wall", "wall - fill", *PHASES, "probe ms"], lines)
+    return head + "\n" + table(["variant", "wall", "wall - fill", *(p.removesuffix("_s") for p in PHASES),
+                                 "probe ms"], lines)
 
 
 def main() -> None:
