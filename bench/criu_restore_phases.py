@@ -23,6 +23,7 @@ import argparse
 import ctypes
 import json
 import os
+import resource
 import shutil
 import signal
 import statistics
@@ -78,12 +79,15 @@ def restore(criu: Path, images: Path, work: Path, env: dict[str, str], verbosity
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     pidfile, log = work / "restored.pid", work / "restore.log"
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     done = subprocess.run([str(criu), "restore", "--images-dir", str(images), "--work-dir", str(work),
                            "--restore-detached", "--pidfile", str(pidfile), "--leave-stopped",
                            "--log-file", str(log), verbosity], env=criu_env(criu, env), capture_output=True,
                           text=True, check=False)
     wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # CRIU's own CPU (and its helpers'), not the tree's
+    cpu = after.ru_utime + after.ru_stime - used.ru_utime - used.ru_stime
     text = log.read_text()
     if done.returncode:
         raise RuntimeError(f"criu restore exited {done.returncode}: {text[-2000:]}")
@@ -99,7 +103,7 @@ def restore(criu: Path, images: Path, work: Path, env: dict[str, str], verbosity
     phases = restore_phases(text.encode()) if verbosity == "-v4" else {}
     if "logged_s" in phases:
         phases["exit_s"] = wall - phases.pop("logged_s")
-    return {"wall": wall, "threads": threads, **phases}
+    return {"wall": wall, "criu_cpu": cpu, "threads": threads, **phases}
 
 
 def probe(criu: Path, cache: Path) -> float:
@@ -119,12 +123,13 @@ def report(rows: dict[str, list[dict[str, float]]], probes: list[float], shape: 
     for name, runs in rows.items():
         med = {k: statistics.median(r[k] for r in runs) * 1e3 for k in runs[0] if k != "threads"}
         cells = [f"{med[p]:.1f}" if p in med else "-" for p in PHASES]
-        lines.append([name, f"{med['wall']:.1f}", f"{med['wall'] - med['fill_s']:.1f}" if "fill_s" in med else "-",
+        less_fill = f"{med['wall'] - med['fill_s']:.1f}" if "fill_s" in med else "-"
+        lines.append([name, f"{med['wall']:.1f}", f"{med['criu_cpu']:.1f}", less_fill,
                       *cells, f"{statistics.median(probes) * 1e3:.1f}" if "cached" in name else "-"])
     head = (f"target: {shape['threads']} threads, {shape['mappings']} mappings ({shape['libraries']} libraries "
             f"loaded), {shape['image_bytes'] / 1e9:.2f} GB of images; {len(next(iter(rows.values())))} restores "
             "a variant, medians in ms")
-    return head + "\n" + table(["variant", "wall", "wall - fill", *(p.removesuffix("_s") for p in PHASES),
+    return head + "\n" + table(["variant", "wall", "CRIU CPU", "wall - fill", *(p.removesuffix("_s") for p in PHASES),
                                  "probe ms"], lines)
 
 
