@@ -1,7 +1,7 @@
 """Where CRIU's restore of an engine-shaped process spends its time, phase by phase, and what the cuts save.
 
     python bench/criu_restore_phases.py --criu DIR/usr/sbin/criu [--rounds 5] [--threads 100] [--anon-mib 680]
-                                        [--heap-mib 460] [--libs 300] [--out DIR]
+                                        [--heap-mib 460] [--libs 300] [--before-criu PATH] [--out DIR]
 
 `bench/engine_shape_target.py` (an idle engine's shape on a CPU: threads, shared libraries, private memory, a
 listening socket, epoll, an eventfd, a memfd) is dumped to tmpfs with the capture's options (`dump --tree
@@ -11,9 +11,12 @@ unset). Each phase comes from CRIU's own log (its timestamps): kernel probe and 
 images and fork (to `Forking task`), premap (to the page fill's start), the fill (its own line), files, sockets
 and the rest of the task's state (to `Switched to the restorer`), the restorer blob (VMA moves, threads, to `Unlock
 network`), seizing and stopping every thread (to `Restore finished`), and CRIU's exit (the wall clock's rest).
-Variants: `capsule today` (no kernel-feature cache: a capsule's /run is not a tmpfs, and a new container's is
-empty), `kdat cached` (CRIU_KDAT_CACHE naming the file that a `criu check` wrote first, as the restore worker now
-does while it imports: that probe's own seconds are in `probe ms`), and the same with `-v2` instead of `-v4`.
+Variants: `no kdat cache` (a capsule before this change: its /run is not a tmpfs, and a new container's is empty),
+`kdat cached` (CRIU_KDAT_CACHE naming the file that a `criu check` wrote first, as the restore worker now does while
+it imports: that probe's own seconds are in `probe ms`), the same with `-v2` instead of `-v4`, and with
+`--before-criu` another build (e.g. one without thread-stops.patch) restoring the same images, kdat cached. Each
+restored tree is let go and must answer on its socket before it is killed. `CRIU CPU`: CRIU's own user and system
+time (not the restored tree's, which fills its own pages).
 Medians in milliseconds; a table on stdout, JSON in --out. Run as root, with the CRIU of `scripts/criu/build`.
 """
 
@@ -26,6 +29,7 @@ import os
 import resource
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -74,7 +78,16 @@ def dumped(criu: Path, args: argparse.Namespace, work: Path, images: Path) -> di
     return shape
 
 
-def restore(criu: Path, images: Path, work: Path, env: dict[str, str], verbosity: str) -> dict[str, float]:
+def serves(pid: int, port: int) -> None:
+    """The restored tree, let go, answers on its listening socket (it accepts and closes)."""
+    os.kill(pid, signal.SIGCONT)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.settimeout(10)
+        if conn.recv(1) != b"":
+            raise RuntimeError(f"the restored process {pid} answered unexpectedly")
+
+
+def restore(criu: Path, images: Path, work: Path, env: dict[str, str], verbosity: str, port: int) -> dict[str, float]:
     """One restore with the worker's options; its phases (seconds), the restored tree checked and killed."""
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -93,6 +106,7 @@ def restore(criu: Path, images: Path, work: Path, env: dict[str, str], verbosity
         raise RuntimeError(f"criu restore exited {done.returncode}: {text[-2000:]}")
     pid = int(pidfile.read_text())
     threads = len(os.listdir(f"/proc/{pid}/task"))
+    serves(pid, port)
     os.kill(pid, signal.SIGKILL)
     while True:  # this process is the subreaper: the PIDs are free for the next restore once it is reaped
         try:
@@ -141,6 +155,7 @@ def main() -> None:
     parser.add_argument("--anon-mib", type=int, default=680)
     parser.add_argument("--heap-mib", type=int, default=460)
     parser.add_argument("--libs", type=int, default=300)
+    parser.add_argument("--before-criu", default="", help="another build, restored side by side (kdat cached)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: the restored trees are reaped here
@@ -152,15 +167,20 @@ def main() -> None:
         shape = dumped(criu, args, work, images)
         cache = work / "kdat" / "criu.kdat"
         cache.parent.mkdir()
-        variants = {"capsule today": ({"CRIU_KDAT_CACHE": str(work / "absent" / "criu.kdat")}, "-v4"),
-                    "kdat cached": ({"CRIU_KDAT_CACHE": str(cache)}, "-v4"),
-                    "kdat cached, -v2": ({"CRIU_KDAT_CACHE": str(cache)}, "-v2")}
+        absent, cached = {"CRIU_KDAT_CACHE": str(work / "absent" / "criu.kdat")}, {"CRIU_KDAT_CACHE": str(cache)}
+        variants = {"no kdat cache": (criu, absent, "-v4"), "kdat cached": (criu, cached, "-v4"),
+                    "kdat cached, -v2": (criu, cached, "-v2")}
+        before = work / "kdat" / "before.kdat"  # a cache is valid only for the build that wrote it (CRIU's magic)
+        if args.before_criu:
+            variants["kdat cached, --before-criu"] = (Path(args.before_criu), {"CRIU_KDAT_CACHE": str(before)}, "-v4")
         rows: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
         probes: list[float] = []
         for _ in range(args.rounds):
             probes.append(probe(criu, cache))
-            for name, (env, verbosity) in variants.items():
-                rows[name].append(restore(criu, images, work / "restore", env, verbosity))
+            if args.before_criu:
+                probe(Path(args.before_criu), before)
+            for name, (build, env, verbosity) in variants.items():
+                rows[name].append(restore(build, images, work / "restore", env, verbosity, shape["port"]))
         text = report(rows, probes, shape)
     finally:
         shutil.rmtree(images, ignore_errors=True)
