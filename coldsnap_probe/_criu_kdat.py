@@ -33,14 +33,20 @@ class KernelProbe:
         self.directory, self.path = directory, directory / "criu.kdat"
         self.started = time.perf_counter()
         self.seconds: float | None = None  # the probe's own, once it ended
-        self._process = subprocess.Popen(
-            [criu, "check", "--feature", "pagemap_scan"], cwd=directory, stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            env={**criu_environment(criu), CACHE_VARIABLE: str(self.path)})
+        self._process: subprocess.Popen[bytes] | None = None
+        try:
+            self._process = subprocess.Popen(
+                [criu, "check", "--feature", "pagemap_scan"], cwd=directory, stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                env={**criu_environment(criu), CACHE_VARIABLE: str(self.path)})
+        except OSError:  # no CRIU there: the restore's checks refuse it (exit 3), naming it, as before
+            pass
 
     def environment(self) -> dict[str, str]:
         """For the restore's CRIU: the cache's name once the probe has written it; {} when it wrote none (a CRIU
         without the patch, or a probe that failed or had to be killed), and that CRIU probes for itself."""
+        if self._process is None:
+            return {}
         try:
             self._process.wait(timeout=PROBE_WAIT_S)
         except subprocess.TimeoutExpired:
@@ -52,7 +58,8 @@ class KernelProbe:
 
     def close(self) -> None:
         """The probe ended (killed if it still runs) and its directory removed."""
-        if self._process.poll() is None:
-            self._process.kill()
-        self._process.wait()
+        if self._process is not None:
+            if self._process.poll() is None:
+                self._process.kill()
+            self._process.wait()
         shutil.rmtree(self.directory, ignore_errors=True)

@@ -44,6 +44,14 @@ def test_a_criu_that_ignores_the_variable_leaves_the_restore_to_probe(tmp_path: 
     assert not (tmp_path / "kdat").exists()
 
 
+def test_no_criu_at_the_path_starts_nothing_and_leaves_the_refusal_to_the_checks(tmp_path: Path) -> None:
+    (tmp_path / "kdat").mkdir()
+    probe = KernelProbe(str(tmp_path / "absent" / "criu"), tmp_path / "kdat")
+    assert probe.environment() == {}
+    probe.close()
+    assert not (tmp_path / "kdat").exists()
+
+
 def test_a_probe_that_hangs_is_killed_and_the_restore_probes_for_itself(tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_criu_kdat, "PROBE_WAIT_S", 0.2)
