@@ -214,15 +214,15 @@ class _Restore:
         pidfile.unlink(missing_ok=True)  # CRIU refuses to overwrite one left by an earlier restore
         # Every rank is restored paused and released together; a lazy tree is released once its pages are in.
         paused = bool(self.cuda) or self.ranks.multi or self.lazy_pages
+        cached = self.kernel.environment() if self.kernel else {}  # ended long before, unless the CPU is starved
         if self.lazy_pages:
-            self.lazy = _start_lazy_pages(self.criu, self.images, work, self.journal)
+            self.lazy = _start_lazy_pages(self.criu, self.images, work, self.journal, cached)
         args = ["restore", "--images-dir", str(self.images), "--work-dir", str(work), "--restore-detached",
                 "--pidfile", str(pidfile), *(["--leave-stopped"] if paused else []),
                 *(["--lazy-pages"] if self.lazy else [])]
         put_back(self.shared, self.images, self.journal.note)  # what CRIU maps is what the tree had when dumped
         self.report.shared_files = [f.path for f in self.shared] or None
         self.journal.note(restore=str(self.images), pidfile=str(pidfile))
-        cached = self.kernel.environment() if self.kernel else {}  # ended long before, unless the CPU is starved
         self.timeline.mark("criu_restore_begin")
         criu = CriuRun(self.criu, args, work / "restore.log", lifeline=self.journal.lifeline(), env=cached)
         # CRIU first, then the CUDA driver while it runs: cuda-python's import, libcuda's load and cuInit took tens
@@ -323,17 +323,19 @@ class _Restore:
             stop(self.lazy)
 
 
-def _start_lazy_pages(criu: str, images: Path, work: Path, journal: WorkerGuard) -> subprocess.Popen[bytes]:
+def _start_lazy_pages(criu: str, images: Path, work: Path, journal: WorkerGuard,
+                      cached: dict[str, str]) -> subprocess.Popen[bytes]:
     """`criu lazy-pages` for the restore that follows: it serves the restored process's page faults from the
     images (userfaultfd) and copies every other page in the background, then exits 0. Its socket, then its pid,
-    are journalled: the guard of a worker that dies ends it."""
+    are journalled: the guard of a worker that dies ends it. `cached`: the kernel probe's cache, as the restore's."""
     listening = work / "lazy-pages.socket"
     listening.unlink(missing_ok=True)
     log = work / "lazy-pages.log"
     journal.note(lazy_socket=str(listening))
     daemon = subprocess.Popen([criu, "lazy-pages", "--images-dir", str(images), "--work-dir", str(work),
                                "--log-file", str(log), "-v4"], stdin=subprocess.DEVNULL,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=criu_environment(criu))
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env={**criu_environment(criu), **cached})
     journal.note(lazy_pages=daemon.pid)
     give_up = time.monotonic() + LAZY_PAGES_START_S
     while not listening.exists():

@@ -523,6 +523,8 @@ def test_pages_of_zeros_are_not_dumped_and_come_back_as_zeros_in_parent_child_an
                       *flags, env=env)
         try:
             assert done.returncode == 0, done.stderr
+            if how == "lazy":  # the lazy-pages daemon loads the kernel probe's cache too
+                assert "Loaded kdat cache from" in (tmp_path / how / "lazy-pages.log").read_text()
             for prefix, who in (("", pid), ("child-", child)):
                 result = verified(control, prefix)
                 assert result["ok"] and result["pid"] == who, (how, prefix, result)
