@@ -26,9 +26,11 @@ from pathlib import Path
 
 MIB = 1 << 20
 LIB_DIR = Path("/usr/lib/x86_64-linux-gnu")
-# Libraries whose constructors start services, replace malloc or need a display: not loaded.
+# Libraries whose constructors start services, replace malloc, need a display or a GPU, or embed an interpreter:
+# not loaded (the GPU machine's /usr/lib holds the driver's).
 SKIPPED = ("libc.so", "ld-linux", "libnss", "libpam", "libGL", "libEGL", "libdrm", "libsystemd", "jemalloc",
-           "tcmalloc", "san.so", "libSegFault", "libmemusage", "libpcprofile", "libc_malloc", "libvulkan")
+           "tcmalloc", "san.so", "libSegFault", "libmemusage", "libpcprofile", "libc_malloc", "libvulkan", "nvidia",
+           "libcuda", "libnv", "vdpau", "OpenCL", "libgbm", "libwayland", "libpython", "libperl", "libruby")
 HEAP_SIZES = (4096, 65536, 300_000, MIB, 4 * MIB)  # small objects in arenas, large ones mmapped by malloc
 
 
