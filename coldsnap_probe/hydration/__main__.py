@@ -30,6 +30,13 @@ def _count(text: str) -> int:
     return int(text)
 
 
+def _dump_threads(text: str) -> int:
+    count = _count(text)
+    if count > MAX_DUMP_THREADS:  # each reader keeps two page-locked buffers
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_DUMP_THREADS}, not {text}")
+    return count
+
+
 _SIZE = re.compile(r"([0-9]+)\s*([kmgt]?)(?:i?b)?", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -82,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        help="host memory that keeps staged device dumps page-locked across restores, so the next "
                             "stage of one is a DMA at the link's rate, e.g. 32G; auto: a quarter of the node's "
                             "memory; 0: off (the default; only with --staging)")
-    serve.add_argument("--dump-threads", type=_count, default=DUMP_THREADS, metavar="N",
+    serve.add_argument("--dump-threads", type=_dump_threads, default=DUMP_THREADS, metavar="N",
                        help=f"reader threads of a device dump's stage from the files (the disk tier; 1 to "
                             f"{MAX_DUMP_THREADS}, default {DUMP_THREADS}): fewer leave more CPU and memory bandwidth "
                             "to the restore beside it")
@@ -90,6 +97,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                        help="a uid whose processes may ask (repeatable; root and this process's uid always may)")
     serve.add_argument("--allow-gid", type=int, action="append", default=[], metavar="GID",
                        help="a gid whose processes may ask (repeatable; needs --socket-group to reach the socket)")
+    serve.add_argument("--status-uid", type=int, action="append", default=[], metavar="UID",
+                       help="a uid whose processes may ask for the status only, the RAM tier's counters included "
+                            "(repeatable): the provider daemon's account, for its metrics")
     serve.add_argument("--socket-group", type=int, default=None, metavar="GID",
                        help="the socket's group: mode 0660 instead of 0600")
     serve.add_argument("sources", nargs="*", help="weight files to keep page-locked (none: a hydrator that only "
@@ -101,8 +111,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve" and args.ram_tier_bytes and not args.staging:
         serve.error("argument --ram-tier-bytes: only with --staging (the tier holds the dumps this hydrator stages)")
-    if args.command == "serve" and args.dump_threads > MAX_DUMP_THREADS:
-        serve.error(f"argument --dump-threads: at most {MAX_DUMP_THREADS}, not {args.dump_threads}")
     try:
         if args.command == "digest":
             sys.stdout.write(region_digest(args.path, args.offset, args.size) + "\n")
@@ -111,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         HydratorServer(args.sources, stage_ttl=args.stage_ttl, staging=args.staging, peers=peers,
                        group=args.socket_group, stage_uid_count=args.stage_uid_count,
                        stage_uid_bytes=args.stage_uid_bytes, ram_tier_bytes=args.ram_tier_bytes,
-                       dump_threads=args.dump_threads).serve(args.socket)
+                       status_uids=frozenset(args.status_uid), dump_threads=args.dump_threads).serve(args.socket)
     except Exception as exc:
         sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")
         return 1

@@ -6,8 +6,8 @@ The capture worker asks (`memory/_device_dump.py`, `DeviceWarm`) with the parts 
 this hydrator's (`HydratorServer._stage_slot`), the parts checked (`dump_layout`), each file opened in the peer's
 own view with its credentials, never a link, never a FIFO (`open_dump_parts`): a peer gets held only files it
 could read itself. Then the dump is queued for the tier's loader (`RamTier.load_later`) and the answer comes at
-once: the loader pins it in the background at the lowest CPU priority, within the tier's budget, evicting as for a
-miss's load; nothing is staged on the GPU.
+once: the loader pins it in the background at the lowest CPU priority, within the tier's budget and counted to the
+asker's uid (its fair share, as a miss's load), evicting as for a miss's load; nothing is staged on the GPU.
 
 A restore that comes while the load runs does not wait for it: its stage misses and reads the files as before (the
 loader's pinning and the stage's ring then share the CPU and memory bandwidth; joining the part already pinned
@@ -46,7 +46,7 @@ class Warms:
         with PeerView.of(conn, peer, openers=self._openers) as view:
             _parts, fds = open_dump_parts(layout, view)
         try:
-            queued = self.tier.load_later(key, fds, dump_reads(layout))
+            queued = self.tier.load_later(key, fds, dump_reads(layout), owner=peer.uid)  # the asker's share
         finally:
             for fd in fds.values():
                 os.close(fd)

@@ -210,7 +210,8 @@ def test_the_real_hydrator_serves_the_first_stage_after_a_warm_from_the_ram_tier
     """The real hydrator: `warm` answers at once (queued), its status counts it, and the first stage-dump of the
     dump is `tier: ram`, the adopted bytes identical to the files'. Prints the warm's and the stage's seconds."""
     from coldsnap_probe.jsonline import request
-    from tests.probe.test_ram_tier import _gpu_stage, dump
+    from tests.probe._staged import stage_and_read
+    from tests.probe.test_ram_tier import dump
 
     first, second = dump(tmp_path / "seg-0.bin", 256 * MIB), dump(tmp_path / "seg-1.bin", 64 * MIB)
     parts = [{"file": str(first), "bytes": 256 * MIB, "region": 0},
@@ -233,7 +234,7 @@ def test_the_real_hydrator_serves_the_first_stage_after_a_warm_from_the_ram_tier
             time.sleep(0.05)
         loaded_s = time.perf_counter() - started
         assert tier["warms"] == {"queued": 1, "not_queued": 0}, tier
-        stage, staged_bytes = _gpu_stage(control, ready["device_uuid"], parts)
+        stage, staged_bytes = stage_and_read(None, control, KEY, parts, ready["device_uuid"])
         assert stage["tier"] == "ram" and staged_bytes == first.read_bytes() + second.read_bytes(), stage
         tier = request(control, {"op": "status"}, timeout=10.0)["ram_tier"]
         assert (tier["hits"], tier["misses"]) == (1, 0), tier
