@@ -304,8 +304,8 @@ class DeviceWarm:
                                           timeout=WARM_WAIT_S)
                 got = {"queued": answer.get("queued") is True} if answer.get("ok") else {
                     "queued": False, "error": str(answer.get("error"))[:400]}
-            except ProbeError as exc:
-                got = {"queued": False, "error": str(exc)[:400]}
+            except Exception as exc:  # best effort: the capture is done whatever the hydrator says, and says why
+                got = {"queued": False, "error": f"{type(exc).__name__}: {exc}"[:400]}
             self.answers[record.pid] = {**got, "seconds": time.perf_counter() - started}
 
     def record(self, report: CaptureReport) -> None:
