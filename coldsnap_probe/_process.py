@@ -16,10 +16,12 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ._cuda import Driver
 from .errors import WorkerError
+
+if TYPE_CHECKING:
+    from ._cuda import Driver
 
 __all__ = (
     "CriuRun",
