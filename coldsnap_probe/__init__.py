@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # what each name is, for mypy and readers; at run time `__get
     from ._contracts import CONTRACTS as CONTRACTS
     from ._contracts import contract as contract
     from ._contracts import requirements as requirements
+    from ._criu_restore_log import restore_phases as restore_phases
     from ._criu_stats import dump_stats as dump_stats
     from ._features import admit as admit
     from ._features import admit_profile as admit_profile
@@ -103,6 +104,7 @@ _EXPORTS = MappingProxyType({
     "Qualification": "._model",
     "QualificationScope": "._model",
     "Requirements": "._model",
+    "restore_phases": "._criu_restore_log",
     "dump_stats": "._criu_stats",
     "anonymous_memory": "._process",
     "image_digest": "._process",
@@ -167,6 +169,7 @@ __all__ = (
     "region_digest",
     "requirements",
     "resolve_graph_policy",
+    "restore_phases",
     "stop_tree",
     "validate_graph_record",
     "validate_profile",

@@ -128,14 +128,16 @@ class CriuRun:
     Started before `wait`, so that the worker does meanwhile what does not need CRIU's result. `lifeline`:
     descriptors it holds open until it exits (a worker guard's journal: the guard of a worker that dies meanwhile
     undoes only once this CRIU has ended too). A thread of its own reaps it the moment it exits, so that its seconds
-    are CRIU's even when the worker's own work meanwhile (a restore's CUDA driver) ends later."""
+    are CRIU's even when the worker's own work meanwhile (a restore's CUDA driver) ends later. `env`: variables
+    added to CRIU's environment (a restore's CRIU_KDAT_CACHE, `_criu_kdat`)."""
 
-    def __init__(self, criu: str, args: list[str], log: Path, *, lifeline: tuple[int, ...] = ()) -> None:
+    def __init__(self, criu: str, args: list[str], log: Path, *, lifeline: tuple[int, ...] = (),
+                 env: dict[str, str] | None = None) -> None:
         self.args, self.log = args, log
         self.started = time.perf_counter()
         self.process = subprocess.Popen([criu, *args, "--log-file", str(log), "-v4"], stdin=subprocess.DEVNULL,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                        env=criu_environment(criu), pass_fds=lifeline)
+                                        env={**criu_environment(criu), **(env or {})}, pass_fds=lifeline)
         self._stderr, self._exited = "", self.started
         self._reaper = threading.Thread(target=self._reap, name="coldsnap-criu-reaper", daemon=True)
         self._reaper.start()

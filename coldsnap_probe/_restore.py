@@ -42,6 +42,7 @@ from .errors import TargetRefused, WorkerError
 from .memory import MemoryOptions, MemoryRestores, RestoreScope
 
 if TYPE_CHECKING:
+    from ._criu_kdat import KernelProbe
     from ._cuda import Driver
 
 __all__ = ("restore",)
@@ -52,7 +53,8 @@ LAZY_PAGES_START_S = 10.0  # for `criu lazy-pages` to listen
 def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: Coordinator | None = None,
             lazy_pages: bool = False, memory: MemoryOptions | None = None,
             phases: PhaseLog | None = None, guard: WorkerGuard | None = None,
-            startup: dict[str, int] | None = None, identity: IdentityReading | None = None) -> RestoreReport:
+            startup: dict[str, int] | None = None, identity: IdentityReading | None = None,
+            kernel: KernelProbe | None = None) -> RestoreReport:
     """Restore the tree captured in `images`; returns the report (the images are only read).
 
     `lazy_pages`: CRIU restores the processes without their memory, which `criu lazy-pages` then fills
@@ -61,7 +63,9 @@ def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: C
     how the memory sources hydrate; `phases` publishes each phase as it begins; `guard` (started) kills the restored
     tree if this process dies before the restore ends. `startup`: what the worker's command did before this call
     (mark name -> unix ns), reported as `worker_start`. `identity`: this host's identity, already being read (the
-    worker starts reading it before its imports); None: read here, while the records are.
+    worker starts reading it before its imports); None: read here, while the records are. `kernel`: CRIU's
+    kernel-feature probe, already running (the worker starts it before its imports; this call ends it and removes
+    its cache); None: the restore's CRIU probes the kernel itself.
     """
     run = _Restore(images, criu=criu, work=work, ranks=coordinator or Coordinator.single(), lazy_pages=lazy_pages,
                    phases=phases or PhaseLog("restore", publish=False))
@@ -69,6 +73,7 @@ def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: C
     run.memory_options = memory or MemoryOptions()
     run.journal = guard or WorkerGuard()
     run.identity = identity
+    run.kernel = kernel
     try:
         run.phases()
     except BaseException as exc:
@@ -78,6 +83,8 @@ def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: C
             raise
         raise WorkerError(error) from exc
     finally:
+        if kernel is not None:
+            kernel.close()
         if work is None and run.work is not None:  # its own scratch (the logs' tails are in the error already)
             shutil.rmtree(run.work, ignore_errors=True)
         run.journal.end()
@@ -106,6 +113,7 @@ class _Restore:
         self.shared: list[SharedFile] = []  # the tree's /dev/shm files, put back just before CRIU
         self.cuda: list[int] = []
         self.identity: IdentityReading | None = None
+        self.kernel: KernelProbe | None = None
         self.driver: Driver | None = None
         self.gpu_pairs: list[tuple[bytes, bytes]] = []  # (captured, this) GPU UUIDs: restored onto another GPU
         # What was started, for the rollback.
@@ -198,8 +206,9 @@ class _Restore:
         pidfile.unlink(missing_ok=True)  # CRIU refuses to overwrite one left by an earlier restore
         # Every rank is restored paused and released together; a lazy tree is released once its pages are in.
         paused = bool(self.cuda) or self.ranks.multi or self.lazy_pages
+        cached = self.kernel.environment() if self.kernel else {}  # ended long before, unless the CPU is starved
         if self.lazy_pages:
-            self.lazy = _start_lazy_pages(self.criu, self.images, work, self.journal)
+            self.lazy = _start_lazy_pages(self.criu, self.images, work, self.journal, cached)
         args = ["restore", "--images-dir", str(self.images), "--work-dir", str(work), "--restore-detached",
                 "--pidfile", str(pidfile), *(["--leave-stopped"] if paused else []),
                 *(["--lazy-pages"] if self.lazy else [])]
@@ -207,7 +216,7 @@ class _Restore:
         self.report.shared_files = [f.path for f in self.shared] or None
         self.journal.note(restore=str(self.images), pidfile=str(pidfile))
         self.timeline.mark("criu_restore_begin")
-        criu = CriuRun(self.criu, args, work / "restore.log", lifeline=self.journal.lifeline())
+        criu = CriuRun(self.criu, args, work / "restore.log", lifeline=self.journal.lifeline(), env=cached)
         # CRIU first, then the CUDA driver while it runs: cuda-python's import, libcuda's load and cuInit took tens
         # of milliseconds before CRIU started, and cuInit alone a good part of the CUDA restore otherwise.
         failed: BaseException | None = None
@@ -250,17 +259,19 @@ class _Restore:
             stop(self.lazy)
 
 
-def _start_lazy_pages(criu: str, images: Path, work: Path, journal: WorkerGuard) -> subprocess.Popen[bytes]:
+def _start_lazy_pages(criu: str, images: Path, work: Path, journal: WorkerGuard,
+                      cached: dict[str, str]) -> subprocess.Popen[bytes]:
     """`criu lazy-pages` for the restore that follows: it serves the restored process's page faults from the
     images (userfaultfd) and copies every other page in the background, then exits 0. Its socket, then its pid,
-    are journalled: the guard of a worker that dies ends it."""
+    are journalled: the guard of a worker that dies ends it. `cached`: the kernel probe's cache, as the restore's."""
     listening = work / "lazy-pages.socket"
     listening.unlink(missing_ok=True)
     log = work / "lazy-pages.log"
     journal.note(lazy_socket=str(listening))
     daemon = subprocess.Popen([criu, "lazy-pages", "--images-dir", str(images), "--work-dir", str(work),
                                "--log-file", str(log), "-v4"], stdin=subprocess.DEVNULL,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=criu_environment(criu))
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env={**criu_environment(criu), **cached})
     journal.note(lazy_pages=daemon.pid)
     give_up = time.monotonic() + LAZY_PAGES_START_S
     while not listening.exists():

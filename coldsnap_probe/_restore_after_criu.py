@@ -1,7 +1,7 @@
 """Restore, the phases after CRIU's start (`_restore.py` runs those before it and the one rollback): CUDA restore and
 unlock per process, reverse inventory order, only its restore thread running -> [cuda-restored] -> every page in (lazy
 pages) -> resume the tree -> [process-resumed] -> hydrate every memory source, in reverse registry order -> recreate
-the communicators. Brackets are barriers.
+the communicators -> [ready] -> where CRIU's restore spent its time (its log). Brackets are barriers.
 
 A module of its own so that a restore worker imports it (and what it needs: the held tree, the engine's control
 socket) while CRIU runs, not on its path to CRIU (issue 35 item 2: `_restore._import_later_phases`).
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ._coordinator import Coordinator
+from ._criu_restore_log import restore_phases
 from ._engine import ABORT_POLL, resume_engine
 from ._held_tree import driver_alone
 from ._process import process_state, require_state, tail
@@ -26,6 +27,7 @@ from ._reports import RestoredGraphPolicy, RestoreReport, Timeline
 from .errors import RankAborted, WorkerError
 
 if TYPE_CHECKING:
+    from ._criu_kdat import KernelProbe
     from ._cuda import Driver
     from ._phase import PhaseLog
     from .memory import MemoryRestores
@@ -50,6 +52,7 @@ class RestoredTree(Protocol):
     memory: MemoryRestores | None
     engine: str | None
     graph: RestoredGraphPolicy | None
+    kernel: KernelProbe | None  # CRIU's kernel-feature probe, when the worker ran one
 
 
 def after_criu(run: RestoredTree, root: int) -> None:
@@ -71,6 +74,18 @@ def after_criu(run: RestoredTree, root: int) -> None:
         _recreate_communicators(run, run.engine, run.graph)
     run.ranks.barrier("ready")
     run.timeline.mark("ready")
+    _criu_phases(run)
+
+
+def _criu_phases(run: RestoredTree) -> None:
+    """Where CRIU's restore spent its time, from its log (after `ready`: off the restored server's path)."""
+    try:
+        phases = restore_phases((run.work or Path()).joinpath("restore.log").read_bytes())
+    except OSError:
+        return
+    if run.kernel is not None and run.kernel.seconds is not None:
+        phases["kdat_probe_s"] = round(run.kernel.seconds, 6)
+    run.report.criu_restore_phases = phases
 
 
 def _cuda_restore(run: RestoredTree, root: int) -> None:

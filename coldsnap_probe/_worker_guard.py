@@ -9,7 +9,8 @@ line per step *about to be taken*:
 
     {"worker": "capture" | "restore"}      first, from `start`
     {"images": path, "created": bool}      the images directory (removed, or emptied, on undo)
-    {"work": path}                          the worker's own scratch directory (CRIU's work dir), about to be made
+    {"work": path}                          a scratch directory of the worker's own (CRIU's work dir; a
+                                            restore's kernel probe's), about to be made
     {"memory": weights_control}            the memory sources are about to release (undone from their records)
     {"cuda": pid, "state": "locked" | "checkpointed"}
     {"stop": [pids]}                        the tree is about to be stopped (SIGSTOP), once locked (`_held_tree`)
@@ -164,9 +165,9 @@ def _guard(fd: int) -> None:
     kind = str(steps[0].get("worker", "capture"))
     undone = (_undo_restore(steps) if kind == "restore" else [_end_tree([int(p) for p in committed[-1]])]
               if committed else _undo(steps))
-    work = [str(s["work"]) for s in steps if "work" in s]
-    if work:  # a failed capture's dump log is kept as the worker's own rollback keeps it
-        undone.append(_remove_work(Path(work[-1]), None if committed else _images(steps)))
+    for work in dict.fromkeys(str(s["work"]) for s in steps if "work" in s):  # a restore's: CRIU's, its kernel probe's
+        # a failed capture's dump log is kept as the worker's own rollback keeps it
+        undone.append(_remove_work(Path(work), None if committed else _images(steps)))
     sys.stderr.write(f"coldsnap-worker: {kind} guard: the worker died; undone in {time.monotonic() - started:.2f} s:"
                      f" {'; '.join(undone) or 'nothing was begun'}\n")
     sys.stderr.flush()

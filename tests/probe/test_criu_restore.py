@@ -11,6 +11,7 @@ import ctypes
 import difflib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -223,6 +224,16 @@ def test_restore_writes_every_page_back_and_leaves_the_images_unchanged(tmp_path
         assert f"by {threads} threads" in log  # the restoring task's pages went through the parallel fill
     else:
         assert "by 1 threads" not in log and " chunks by " not in log  # stock: the restorer's one preadv stream
+    # CRIU's kernel probe ran while the worker imported; the restore's CRIU loaded its cache instead of probing
+    # (kdat-cache.patch), and the probe's directory is gone with the worker.
+    cache = re.search(r"Loaded kdat cache from (/\S+/coldsnap-kdat-\w+/criu\.kdat)$", log, re.MULTILINE)
+    assert cache is not None, log[:2000]
+    assert not Path(cache.group(1)).parent.exists()
+    # Where CRIU's time went, from its log, in the report (issue 35 item 2).
+    phases = report["criu_restore_phases"]
+    assert phases["kdat_probe_s"] > 0 and 0 < phases["probe_setup_s"] < phases["logged_s"]
+    assert {"images_fork_s", "restorer_s", "seize_stop_s"} <= set(phases)
+    assert ("fill_s" in phases) == (threads > 1)  # the stock restore fills in the restorer: no line of its own
     end(control, pid)
     assert image_digest(images, contents=True) == before
 
@@ -512,6 +523,8 @@ def test_pages_of_zeros_are_not_dumped_and_come_back_as_zeros_in_parent_child_an
                       *flags, env=env)
         try:
             assert done.returncode == 0, done.stderr
+            if how == "lazy":  # the lazy-pages daemon loads the kernel probe's cache too
+                assert "Loaded kdat cache from" in (tmp_path / how / "lazy-pages.log").read_text()
             for prefix, who in (("", pid), ("child-", child)):
                 result = verified(control, prefix)
                 assert result["ok"] and result["pid"] == who, (how, prefix, result)
