@@ -328,8 +328,10 @@ def test_the_capture_records_criu_s_version_and_a_different_criu_is_refused(tmp_
 
 
 def test_a_refused_restore_never_loaded_what_only_the_phases_after_criu_need(tmp_path: Path, criu: str) -> None:
-    """Issue 35 item 2: the path to CRIU imports only what the checks need; the hydration pools' modules (and
-    `logging` with them) are imported while CRIU runs, so a restore refused by its checks never loads them."""
+    """Issue 35 item 2: the path to CRIU imports only what the checks need; the later phases' module (the held tree,
+    CRIU's log, the CUDA driver's wrapper), the hydration pools' modules (and `logging` with them) are imported while
+    CRIU runs, so a restore refused by its checks never loads them; nor the weights manifest's machinery (no
+    `hydration.json`), `platform` (os.uname says the same) or `secrets` (os.urandom)."""
     images = tmp_path / "images"
     images.mkdir()
     (images / "capture.json").write_text(json.dumps({"format": 1, "boundary": "n580", "root_pid": 300,
@@ -340,7 +342,10 @@ def test_a_refused_restore_never_loaded_what_only_the_phases_after_criu_need(tmp
     assert json.loads(done.stdout)["refused"][0]["code"] == "architecture-mismatch"
     imported = [line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")]
     assert "coldsnap_probe._restore" in imported and "coldsnap_probe._host" in imported
-    assert not {"concurrent.futures", "logging"} & set(imported)
+    later = {"concurrent.futures", "logging", "coldsnap_probe._restore_after_criu", "coldsnap_probe._held_tree",
+             "coldsnap_probe._thread_hold", "coldsnap_probe._criu_restore_log", "coldsnap_probe._cuda",
+             "coldsnap_probe.hydration._weights", "coldsnap_probe._memory", "platform", "secrets", "hmac"}
+    assert not later & set(imported)
 
 
 def test_criu_s_seconds_are_its_own_run_whenever_the_worker_waits_for_it(tmp_path: Path, criu: str) -> None:
