@@ -1,8 +1,8 @@
 """Each way engines hold device memory, restored to its first token through the daemon (issue 36 item 5).
 
     python bench/e2e_rows.py --state-dir DIR --capsule TAG --work DIR --out DIR
-                             [--rows torch,torch-expandable,torch-async,split,uvloop,jax,jax-platform] [--gib 16]
-                             [--restores 3] [--build CONTEXT=TAG] [--images-root DIR] [--model DIR] [--cpu]
+                             [--rows torch,torch-stack-kept,torch-expandable,torch-async,split,uvloop,jax,jax-platform]
+                             [--gib 16] [--restores 3] [--build CONTEXT=TAG] [--images-root DIR] [--model DIR] [--cpu]
 
 Against a running `coldsnap-provider serve`, as the controller drives it: runtime-v1 envelopes through the public
 client only (bench/e2e_restore.py's `Driver`): the capsule's image-build (`--build`) and pinning by image ID, then
@@ -86,7 +86,7 @@ UVLOOP = "uvloop"  # transformers serve on uvicorn with uvloop: bench/e2e_serve.
 E2E_ROWS = (*ROWS, UVLOOP)
 # A run's default order: the rows that restore today first, JAX's last (its CUDA restore is being diagnosed), so a
 # run cut by its call's time limit loses the least (rows.partial.json keeps each row as it ends).
-DEFAULT_ROWS = ("torch", "torch-expandable", "torch-async", "split", UVLOOP, "jax", "jax-platform")
+DEFAULT_ROWS = ("torch", "torch-stack-kept", "torch-expandable", "torch-async", "split", UVLOOP, "jax", "jax-platform")
 CPU_ROWS = ("split",)  # engines that serve without a GPU when the row's own options are left out (a toy model)
 HYDRATOR_UNIT = "rows-node-hydrator"
 TOKENS = 16
