@@ -120,7 +120,7 @@ class StackLimit:
             if type(value.get(key)) is not int or value[key] < 0:
                 raise ValueError(f"stack_limit.{key} must be an integer >= 0, got {value.get(key)!r}")
         seconds = value.get("seconds")
-        if type(seconds) not in (int, float) or not 0 <= seconds < 86400:
+        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 <= seconds < 86400:
             raise ValueError(f"stack_limit.seconds must be a number of seconds (0 to 86400), got {seconds!r}")
         if not isinstance(value.get("error", ""), str):
             raise ValueError("stack_limit.error must be a string")
