@@ -324,7 +324,8 @@ def rows_table(results: list[dict[str, Any]], gib: float, capsule: dict[str, Any
 CAPTURE_HEAD = ("row", "images on", "capture: exec s", "release s (GB/s)",
                 "release thread-s: write / digest / device / zero",
                 "CUDA lock + checkpoint s (host GB added)", "CRIU dump s: frozen / pages / their writes",
-                "CRIU pages written GB", "worker: interpreter / start / find CUDA / memory scans / finish s")
+                "CRIU pages written GB", "worker: interpreter / start / find CUDA / memory scans / finish s",
+                "stack limit B: engine -> checkpoint")
 
 
 def capture_cells(r: dict[str, Any]) -> list[str]:
@@ -341,7 +342,7 @@ def capture_cells(r: dict[str, Any]) -> list[str]:
             f"{_f(c.get('criu_dump_s'))}: {_f(c.get('criu_frozen_s'))} / {_f(c.get('criu_memdump_s'))} / "
             f"{_f(c.get('criu_memwrite_s'))}", "-" if pages is None else f"{pages * 4096 / 1e9:.2f}",
             " / ".join(_f(c.get(k)) for k in ("interpreter_start_s", "worker_start_s", "find_cuda_s", "memory_scan_s",
-                                              "finish_s"))]
+                                              "finish_s")), ", ".join(c.get("stack_limit") or []) or "-"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
