@@ -51,8 +51,8 @@ static void stack_contexts(void)
     }
 }
 
-/* Lower context k to `target` (never raise it): 0, or -1 with `why` set. */
-static int lower_one(size_t k, size_t target, get_limit_fn get, set_limit_fn set, size_t *now, char *why,
+/* Lower context k to `target` (never raise it), its own value recorded first; `why` set when a call failed. */
+static void lower_one(size_t k, size_t target, get_limit_fn get, set_limit_fn set, size_t *now, char *why,
                      size_t room)
 {
     CUresult rc = cscu_driver()->ctx_set_current(stack_found[k].context);
@@ -70,7 +70,6 @@ static int lower_one(size_t k, size_t target, get_limit_fn get, set_limit_fn set
     }
     if (rc != CUDA_SUCCESS)
         snprintf(why, room, "context %p: %s: %s", (void *)stack_found[k].context, step, cscu_error_name(rc));
-    return rc == CUDA_SUCCESS ? 0 : -1;
 }
 
 size_t cscu_stack_lower(char *out, size_t room)
@@ -84,9 +83,8 @@ size_t cscu_stack_lower(char *out, size_t room)
     stack_contexts();
     if (limit_calls(&get, &lower) != 0)
         snprintf(why, sizeof(why), "the driver has no cuCtxGetLimit/cuCtxSetLimit");
-    for (size_t k = 0; !why[0] && k < stack_found_count; k++) {
-        if (lower_one(k, cfg->stack_shrink ? cfg->stack_bytes : (size_t)-1, get, lower, &now, why, sizeof(why)))
-            break;
+    for (size_t k = 0; !why[0] && k < stack_found_count; k++) {  /* a failure stops here, its values counted */
+        lower_one(k, cfg->stack_shrink ? cfg->stack_bytes : (size_t)-1, get, lower, &now, why, sizeof(why));
         engine = stack_found[k].engine > engine ? stack_found[k].engine : engine;
         set = now > set ? now : set;
     }
