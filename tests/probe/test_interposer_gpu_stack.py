@@ -162,10 +162,12 @@ def test_a_set_back_the_driver_cannot_do_refuses_the_hydration_and_a_later_one_s
                 target.request({"op": "hydrate"})
             status = target.request({"op": "status"})
             assert status["mapped_bytes"] == 0 and status["gate"] == "closed" and status["released"] is True
+            assert status["stack_lowered"] == 1, status  # still lowered: the next hydration sets it back
         finally:
             driver.call("cuMemFree_v2", hog)
         hydrated = time.time()
         target.request({"op": "hydrate"})
+        assert target.request({"op": "status"})["stack_lowered"] == 0
         reader.join(30)
         # Asked while the limit was lowered: the engine's cudaDeviceGetLimit reaches cuCtxGetLimit, which waits at
         # the gate (without it, it would read 256 at once); only its own value ever comes back.

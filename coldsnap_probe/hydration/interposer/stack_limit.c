@@ -124,3 +124,11 @@ int cscu_stack_restore(double *seconds, char *error, size_t room)
     *seconds = cscu_now() - t0;
     return error[0] ? -1 : 0;
 }
+
+size_t cscu_stack_lowered(void)
+{
+    size_t n = 0;
+    for (size_t k = 0; k < stack_found_count; k++)
+        n += (size_t)stack_found[k].lowered;
+    return n;
+}

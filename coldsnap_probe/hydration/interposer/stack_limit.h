@@ -16,5 +16,7 @@ CSCU_HIDDEN size_t cscu_stack_lower(char *out, size_t room);
  * first failure in `error` (the others are still tried). Idempotent: a context set back is not touched again.
  * `seconds`: what it took. */
 CSCU_HIDDEN int cscu_stack_restore(double *seconds, char *error, size_t room);
+/* The contexts whose limit is lowered now (`status`; read without the table's lock: a count for people). */
+CSCU_HIDDEN size_t cscu_stack_lowered(void);
 
 #endif
