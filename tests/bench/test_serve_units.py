@@ -224,6 +224,11 @@ class TestReports:
         assert capture_row(CAPTURE)["release_thread_s"] is None and capture_row(CAPTURE)["criu_frozen_s"] is None
         assert capture_row(CAPTURE)["checkpoint_added_bytes"] is None and capture_row(CAPTURE)["images_on"] is None
         assert row["images_on"] == "tmpfs huge=always"
+        assert row["stack_limit"] is None  # an interposer that reported no stack limit
+        lowered = {**report, "device_memory": [
+            {**report["device_memory"][0], "stack_limit": {"engine_bytes": 1024, "set_bytes": 256}},
+            {**report["device_memory"][1], "stack_limit": {"engine_bytes": 1024, "set_bytes": 1024, "error": "E"}}]}
+        assert capture_row(lowered)["stack_limit"] == ["1024 -> 256", "1024 -> 1024 (error)"]
 
     def test_a_capture_without_the_interposer_has_no_device_phase(self) -> None:
         row = capture_row({"timings_s": {"criu_dump": 10.7, "cuda_checkpoint": 8.1}, "device_memory": None,
@@ -233,9 +238,14 @@ class TestReports:
 
     def test_device_hydration_rate_is_the_whole_phase_s(self) -> None:
         assert device_hydration(RESTORE) == {"device_hydration_s": 0.5, "device_bytes": 17_000_000_000,
-                                             "device_gbps": 34.0, "device_verify": ["sampled"]}
+                                             "device_stack_restore_s": None, "device_gbps": 34.0,
+                                             "device_verify": ["sampled"]}
         assert device_hydration({"criu_restore_seconds": 9.5}) == {
-            "device_hydration_s": None, "device_bytes": None, "device_gbps": None, "device_verify": []}
+            "device_hydration_s": None, "device_bytes": None, "device_stack_restore_s": None, "device_gbps": None,
+            "device_verify": []}
+        set_back = {**RESTORE, "device_memory": [{**p, "stack_restore_s": 0.002 * (i + 1)}
+                                                 for i, p in enumerate(RESTORE["device_memory"])]}
+        assert device_hydration(set_back)["device_stack_restore_s"] == 0.002 * len(RESTORE["device_memory"])
 
     def test_images_count_the_device_dumps_apart(self, tmp_path: Path) -> None:
         (tmp_path / "device-513").mkdir()
