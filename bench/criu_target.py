@@ -211,7 +211,7 @@ def main() -> None:
     REPEAT = args.repeat
     workdir = Path(args.dir)
     found = regions(args, workdir)
-    libraries = server_shape(args.threads, args.libs)
+    libraries = server_shape(args.threads, args.libs) if args.threads or args.libs else []
     spans = {name: [address(r.area) + r.start, r.size] for name, r in found.items()}
     (workdir / "regions.json").write_text(json.dumps(spans))
     child = os.fork() if args.fork else -1
