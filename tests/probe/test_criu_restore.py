@@ -114,9 +114,12 @@ def captured(tmp_path: Path, criu: str, nothp_mib: int = 0, before: list[Vma] | 
     wait_file(control / "ready")
     if before is not None:
         before.extend(mappings(target.pid))
+    # The pages dumped by threads (dump-threads.patch; unset keeps stock CRIU's path on the 2-core CI box): the
+    # restores below read what the GPU machine's captures write.
     done = worker("capture", "--pid", str(target.pid), "--images", str(images), "--boundary", "n580",
-                  "--criu", criu, env=env)
+                  "--criu", criu, env={"CRIU_DUMP_THREADS": "4", **(env or {})})
     assert done.returncode == 0, done.stderr
+    assert json.loads((images / "capture.json").read_text())["criu_dump_stats"]["threads"] == 4
     target.wait()  # CRIU killed it: reap, so that its PID is free for the restore
     if fork:  # and its child, orphaned to this process (the subreaper)
         assert gone_within(int((control / "child").read_text()), 10)
@@ -454,7 +457,8 @@ def pages_of_zeros(images: Path) -> tuple[int, int]:
     return size, zeros
 
 
-def bare_dump(criu: str, pid: int, images: Path, zero_pages: str, threads: str = "") -> subprocess.CompletedProcess[str]:
+def bare_dump(criu: str, pid: int, images: Path, zero_pages: str,
+              threads: str = "") -> subprocess.CompletedProcess[str]:
     """CRIU's own dump of the tree at `pid`, left as it was (running, or stopped if it was); `threads`: its
     CRIU_DUMP_THREADS (empty: unset, the CPUs)."""
     images.mkdir()
@@ -525,7 +529,8 @@ def test_pages_of_zeros_are_not_dumped_and_come_back_as_zeros_in_parent_child_an
 def test_pages_dumped_by_threads_are_stock_criu_s_bytes_and_restore(tmp_path: Path, criu: str) -> None:
     """dump-threads.patch (issue 35 item 3): N threads read the pages straight into pages.img; the images hold the
     bytes stock CRIU's one-thread path writes (pages of zeros left out alike), in the same order (but the page
-    holding the thread's rseq area), and a restore of them brings every byte back. A bad thread count fails the dump before anything is seized or written."""
+    holding the thread's rseq area), and a restore of them brings every byte back. A bad thread count fails the
+    dump before anything is seized or written."""
     control = tmp_path / "control"
     control.mkdir()
     target = subprocess.Popen([sys.executable, str(ROOT / "bench/criu_target.py"), "--dir", str(control), "--mib",
@@ -536,7 +541,8 @@ def test_pages_dumped_by_threads_are_stock_criu_s_bytes_and_restore(tmp_path: Pa
     try:
         refused = bare_dump(criu, pid, tmp_path / "refused", "skip", "lots")
         assert refused.returncode != 0
-        assert "CRIU_DUMP_THREADS=lots: must be a whole number from 1 to 64" in (tmp_path / "refused/dump.log").read_text()
+        refusal = (tmp_path / "refused/dump.log").read_text()
+        assert "CRIU_DUMP_THREADS=lots: must be a whole number from 1 to 64" in refusal
         assert not list((tmp_path / "refused").glob("*.img"))
         os.kill(pid, signal.SIGSTOP)  # both dumps see the same memory
         for threads in ("1", "4"):
