@@ -291,7 +291,8 @@ def capture_detail(report: dict[str, Any]) -> dict[str, Any]:
             "checkpoint_added_bytes": added,
             "finish_s": timings.get("finish"), "release_thread_s": threads or None,
             "criu_frozen_s": stats.get("frozen_s"), "criu_memdump_s": stats.get("memdump_s"),
-            "criu_memwrite_s": stats.get("memwrite_s"), "criu_pages_written": stats.get("pages_written")}
+            "criu_memwrite_s": stats.get("memwrite_s"), "criu_pages_written": stats.get("pages_written"),
+            "criu_threads": stats.get("threads")}  # dump-threads.patch: None where stock CRIU's path dumped
 
 
 async def descriptors(d: Driver, name: str, pid: int) -> str:
