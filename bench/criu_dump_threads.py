@@ -142,7 +142,7 @@ def main() -> int:
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
     best = {n: min(runs[n], key=lambda r: r["frozen_s"]) for n in rows}
-    name = {n: ("stock" if n == 1 else f"{n or os.cpu_count()} threads{'' if n else ' (unset)'}") for n in rows}
+    name = {n: ("stock" if n == 1 else f"{n} threads" if n else f"unset ({os.cpu_count()} CPUs)") for n in rows}
     print(table(["CRIU_DUMP_THREADS", "dump s", "frozen s", "memdump s (of it: pages written)", "pages GB",
                  "pages path", f"pages differing from {name[rows[0]]}"],
                 [[name[n], f"{best[n]['dump_s']:.3f}", f"{best[n]['frozen_s']:.3f}",
