@@ -115,9 +115,12 @@ def captured(tmp_path: Path, criu: str, nothp_mib: int = 0, before: list[Vma] | 
     wait_file(control / "ready")
     if before is not None:
         before.extend(mappings(target.pid))
+    # The pages dumped by threads (dump-threads.patch; unset keeps stock CRIU's path on the 2-core CI box): the
+    # restores below read what the GPU machine's captures write.
     done = worker("capture", "--pid", str(target.pid), "--images", str(images), "--boundary", "n580",
-                  "--criu", criu, env=env)
+                  "--criu", criu, env={"CRIU_DUMP_THREADS": "4", **(env or {})})
     assert done.returncode == 0, done.stderr
+    assert json.loads((images / "capture.json").read_text())["criu_dump_stats"]["threads"] == 4
     target.wait()  # CRIU killed it: reap, so that its PID is free for the restore
     if fork:  # and its child, orphaned to this process (the subreaper)
         assert gone_within(int((control / "child").read_text()), 10)
@@ -470,12 +473,15 @@ def pages_of_zeros(images: Path) -> tuple[int, int]:
     return size, zeros
 
 
-def bare_dump(criu: str, pid: int, images: Path, zero_pages: str) -> subprocess.CompletedProcess[str]:
-    """CRIU's own dump of the tree at `pid`, left as it was (running, or stopped if it was)."""
+def bare_dump(criu: str, pid: int, images: Path, zero_pages: str,
+              threads: str = "") -> subprocess.CompletedProcess[str]:
+    """CRIU's own dump of the tree at `pid`, left as it was (running, or stopped if it was); `threads`: its
+    CRIU_DUMP_THREADS (empty: unset, the CPUs)."""
     images.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "CRIU_DUMP_THREADS"} | {"CRIU_DUMP_ZERO_PAGES": zero_pages}
     return subprocess.run([criu, "dump", "--tree", str(pid), "--images-dir", str(images), "--leave-running", "-v4",
                            "--log-file", "dump.log"], capture_output=True, text=True, check=False, timeout=120,
-                          env={**os.environ, "CRIU_DUMP_ZERO_PAGES": zero_pages})
+                          env=env | ({"CRIU_DUMP_THREADS": threads} if threads else {}))
 
 
 def test_pages_of_zeros_are_not_dumped_and_come_back_as_zeros_in_parent_child_and_lazily(tmp_path: Path,
