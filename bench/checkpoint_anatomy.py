@@ -1,6 +1,6 @@
 """What a CUDA checkpoint puts into a process's host memory, and so into its CRIU images (run on the GPU machine).
 
-    python bench/checkpoint_anatomy.py [--out DIR]
+    python bench/checkpoint_anatomy.py [--out DIR] [--set anatomy|limits]
 
 Each variant starts a small CUDA process (bare cuda-python context, or torch with cuBLAS and a captured
 graph; with or without a smaller per-thread stack, fewer hardware queues, eager module loading, the
@@ -9,6 +9,11 @@ heap trimmed), then checkpoints it from this process with `cuCheckpointProcessLo
 that every CRIU dump and restore of that process copies. The process's own anonymous memory (Python,
 torch, driver host state) is listed by mapping. Restore and unlock are timed too. A table on stdout,
 JSON in --out.
+
+`--set limits` puts the context's limits side by side instead (issue 35: which reservations the checkpoint copies
+that a release could lower and the hydration grow back): the stack at 1 KiB, 256 and 16 bytes, the device runtime's
+pending launches, a torch process whose stack is lowered after its kernels ran (as the interposer's release does),
+each with the values the driver reads back.
 
 With --criu, the torch variant with cuBLAS and a graph is then checkpointed, dumped by CRIU and restored
 twice each way: CRIU filling its memory at restore (as the worker does), and lazily (`criu lazy-pages` serving
@@ -52,6 +57,31 @@ VARIANTS: list[tuple[str, list[str], dict[str, str]]] = [
      {"CUDA_MODULE_LOADING": "EAGER"}),
 ]
 
+LIMIT_VARIANTS: list[tuple[str, list[str], dict[str, str]]] = [
+    ("context, stack 1 KiB (default)", [], {}),
+    ("context, stack 256 B", ["--stack", "256"], {}),
+    ("context, stack 16 B", ["--stack", "16"], {}),
+    ("context, stack 256 B, 32 pending launches", ["--stack", "256", "--pending", "32"], {}),
+    ("torch matmul + graph, stack 1 KiB", ["--torch", "--matmul", "--graph"], {}),
+    ("  stack 256 B after the work", ["--torch", "--matmul", "--graph", "--stack", "256", "--late"], {}),
+    ("  stack 16 B after the work", ["--torch", "--matmul", "--graph", "--stack", "16", "--late"], {}),
+]
+
+
+def set_limits(driver: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """The limits the flags ask for, set on the current context: those the driver refused and what it reads back."""
+    limits = {"stack": (driver.CUlimit.CU_LIMIT_STACK_SIZE, args.stack)} if args.stack else {}
+    if args.small_limits:
+        limits |= {"malloc_heap": (driver.CUlimit.CU_LIMIT_MALLOC_HEAP_SIZE, 1 << 20),
+                   "printf_fifo": (driver.CUlimit.CU_LIMIT_PRINTF_FIFO_SIZE, 1 << 16)}
+    if args.pending:
+        limits["pending_launches"] = (driver.CUlimit.CU_LIMIT_DEV_RUNTIME_PENDING_LAUNCH_COUNT, args.pending)
+    refused = {name: str(err) for name, (limit, value) in limits.items()
+               if int(err := driver.cuCtxSetLimit(limit, value)[0])}
+    read = {name: int(driver.cuCtxGetLimit(getattr(driver.CUlimit, f"CU_LIMIT_{name.upper()}"))[1])
+            for name in ("stack_size", "malloc_heap_size", "printf_fifo_size", "dev_runtime_pending_launch_count")}
+    return {"limit_refused": refused, "limits_read": read}
+
 
 def child(args: argparse.Namespace) -> None:
     stages: dict[str, Any] = {"start": anonymous_memory(os.getpid())}
@@ -69,12 +99,7 @@ def child(args: argparse.Namespace) -> None:
         _err, ctx = driver.cuDevicePrimaryCtxRetain(device)
         driver.cuCtxSetCurrent(ctx)
     stages["context"] = anonymous_memory(os.getpid())
-    limits = {"stack": (driver.CUlimit.CU_LIMIT_STACK_SIZE, args.stack)} if args.stack else {}
-    if args.small_limits:
-        limits |= {"malloc_heap": (driver.CUlimit.CU_LIMIT_MALLOC_HEAP_SIZE, 1 << 20),
-                   "printf_fifo": (driver.CUlimit.CU_LIMIT_PRINTF_FIFO_SIZE, 1 << 16)}
-    refused = {name: str(err) for name, (limit, value) in limits.items()
-               if int(err := driver.cuCtxSetLimit(limit, value)[0])}
+    limits = {} if args.late else set_limits(driver, args)
     if args.matmul or args.graph:
         a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
         b = (a @ a).sum().item()
@@ -92,6 +117,8 @@ def child(args: argparse.Namespace) -> None:
         torch.cuda.empty_cache()
         stages["work"] = anonymous_memory(os.getpid())
         del b
+    if args.late:  # after the kernels ran (grown by the driver for them), as the interposer's release lowers it
+        limits = set_limits(driver, args)
     if args.trim:
         import ctypes
 
@@ -101,7 +128,7 @@ def child(args: argparse.Namespace) -> None:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})  # taken by sigwait below, never delivered
     free, total = driver.cuMemGetInfo()[1:]
     reserved = torch.cuda.memory_reserved() if args.torch else 0
-    sys.stdout.write(json.dumps({"ready": os.getpid(), "stages": stages, "limit_refused": refused,
+    sys.stdout.write(json.dumps({"ready": os.getpid(), "stages": stages, **limits,
                                  "device_used": int(total) - int(free), "torch_reserved": reserved}) + "\n")
     sys.stdout.flush()
     if not args.wait_signal:
@@ -216,6 +243,17 @@ def checkpoint(pid: int) -> dict[str, Any]:
             "lock_s": lock, "checkpoint_s": seconds, "restore_s": restore, "unlock_s": unlock}
 
 
+def _row(result: dict[str, Any]) -> list[str]:
+    if "error" in result:
+        return [result["variant"], result["error"], "", "", "", "", "", "", ""]
+    mb = 1e6
+    return [result["variant"], f"{result['device_used'] / mb:.0f}", f"{result['torch_reserved'] / mb:.0f}",
+            f"{result['device_state_bytes'] / mb:.0f}", f"{result['anonymous_before']['anonymous_bytes'] / mb:.0f}",
+            f"{result['checkpoint_s']:.2f}", f"{result['restore_s'] + result['unlock_s']:.2f}",
+            ", ".join(str(v) for v in result.get("limits_read", {}).values()),
+            ", ".join(result.get("limit_refused", {})) or "-"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -225,6 +263,9 @@ def main() -> None:
     parser.add_argument("--matmul", action="store_true")
     parser.add_argument("--graph", action="store_true")
     parser.add_argument("--trim", action="store_true")
+    parser.add_argument("--pending", type=int, default=0, help="CU_LIMIT_DEV_RUNTIME_PENDING_LAUNCH_COUNT")
+    parser.add_argument("--late", action="store_true", help="set the limits after the work, not before")
+    parser.add_argument("--set", choices=("anatomy", "limits"), default="anatomy")
     parser.add_argument("--wait-signal", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--criu", default="", help="also time eager vs lazy CRIU restores with this criu")
     parser.add_argument("--root", default="/dev/shm", help="where the CRIU runs' images and logs go")
@@ -237,7 +278,7 @@ def main() -> None:
 
     driver.cuInit(0)
     results, rows = [], []
-    for name, flags, env in VARIANTS:
+    for name, flags, env in LIMIT_VARIANTS if args.set == "limits" else VARIANTS:
         proc = subprocess.Popen([sys.executable, __file__, "--child", *flags], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, text=True, env={**os.environ, **env})
         assert proc.stdout is not None and proc.stdin is not None
@@ -251,17 +292,11 @@ def main() -> None:
             proc.wait(timeout=60)
         results.append(result)
         if args.out:
-            Path(args.out, "checkpoint-anatomy.json").write_text(json.dumps(results, indent=1))
-        if "error" in result:
-            rows.append([name, result["error"], "", "", "", "", ""])
-            continue
-        mb = 1e6
-        rows.append([name, f"{result['device_used'] / mb:.0f}", f"{result['torch_reserved'] / mb:.0f}",
-                     f"{result['device_state_bytes'] / mb:.0f}",
-                     f"{result['anonymous_before']['anonymous_bytes'] / mb:.0f}",
-                     f"{result['checkpoint_s']:.2f}", f"{result['restore_s'] + result['unlock_s']:.2f}"])
+            Path(args.out, f"checkpoint-{args.set}.json").write_text(json.dumps(results, indent=1))
+        rows.append(_row(result))
     print(table(["variant", "device used MB", "torch reserved MB", "checkpoint adds MB (device state)",
-                 "own anonymous MB", "checkpoint s", "restore+unlock s"], rows))
+                 "own anonymous MB", "checkpoint s", "restore+unlock s", "limits read (stack, heap, fifo, pending)",
+                 "refused"], rows))
     if not args.criu:
         return
     become_subreaper()

@@ -1,8 +1,8 @@
 """Each way engines hold device memory, restored to its first token through the daemon (issue 36 item 5).
 
     python bench/e2e_rows.py --state-dir DIR --capsule TAG --work DIR --out DIR
-                             [--rows torch,torch-expandable,torch-async,split,uvloop,jax,jax-platform] [--gib 16]
-                             [--restores 3] [--build CONTEXT=TAG] [--images-root DIR] [--model DIR] [--cpu]
+                             [--rows torch,torch-stack-kept,torch-expandable,torch-async,split,uvloop,jax,jax-platform]
+                             [--gib 16] [--restores 3] [--build CONTEXT=TAG] [--images-root DIR] [--model DIR] [--cpu]
 
 Against a running `coldsnap-provider serve`, as the controller drives it: runtime-v1 envelopes through the public
 client only (bench/e2e_restore.py's `Driver`): the capsule's image-build (`--build`) and pinning by image ID, then
@@ -86,7 +86,7 @@ UVLOOP = "uvloop"  # transformers serve on uvicorn with uvloop: bench/e2e_serve.
 E2E_ROWS = (*ROWS, UVLOOP)
 # A run's default order: the rows that restore today first, JAX's last (its CUDA restore is being diagnosed), so a
 # run cut by its call's time limit loses the least (rows.partial.json keeps each row as it ends).
-DEFAULT_ROWS = ("torch", "torch-expandable", "torch-async", "split", UVLOOP, "jax", "jax-platform")
+DEFAULT_ROWS = ("torch", "torch-stack-kept", "torch-expandable", "torch-async", "split", UVLOOP, "jax", "jax-platform")
 CPU_ROWS = ("split",)  # engines that serve without a GPU when the row's own options are left out (a toy model)
 HYDRATOR_UNIT = "rows-node-hydrator"
 TOKENS = 16
@@ -324,7 +324,8 @@ def rows_table(results: list[dict[str, Any]], gib: float, capsule: dict[str, Any
 CAPTURE_HEAD = ("row", "images on", "capture: exec s", "release s (GB/s)",
                 "release thread-s: write / digest / device / zero",
                 "CUDA lock + checkpoint s (host GB added)", "CRIU dump s: frozen / pages / their writes",
-                "CRIU pages written GB", "worker: interpreter / start / find CUDA / memory scans / finish s")
+                "CRIU pages written GB", "worker: interpreter / start / find CUDA / memory scans / finish s",
+                "stack limit B: engine -> checkpoint")
 
 
 def capture_cells(r: dict[str, Any]) -> list[str]:
@@ -341,7 +342,7 @@ def capture_cells(r: dict[str, Any]) -> list[str]:
             f"{_f(c.get('criu_dump_s'))}: {_f(c.get('criu_frozen_s'))} / {_f(c.get('criu_memdump_s'))} / "
             f"{_f(c.get('criu_memwrite_s'))}", "-" if pages is None else f"{pages * 4096 / 1e9:.2f}",
             " / ".join(_f(c.get(k)) for k in ("interpreter_start_s", "worker_start_s", "find_cuda_s", "memory_scan_s",
-                                              "finish_s"))]
+                                              "finish_s")), ", ".join(c.get("stack_limit") or []) or "-"]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -58,6 +58,10 @@ ROWS = {
     # Two processes, vLLM V1's shape: a front end and its engine core (the only one holding the GPU), one tree.
     "split": Row("two processes: front end + engine core (ttft_server's model)", "engines/split_server.py",
                  args=("--cuda",)),
+    # The `torch` row with the stack limit kept through the checkpoint (the interposer lowers it by default): the
+    # side by side of what the smaller checkpoint saves (docs/interposer.md, "A smaller CUDA checkpoint").
+    "torch-stack-kept": Row("PyTorch, default allocator, stack limit kept (SHRINK_STACK=0)", "engines/ttft_server.py",
+                            {"COLDSNAP_CUDA_INTERPOSER_SHRINK_STACK": "0"}),
 }
 
 

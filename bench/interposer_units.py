@@ -97,7 +97,9 @@ def device_hydration(report: dict[str, Any]) -> dict[str, Any]:
     processes = report.get("device_memory") or []
     moved = sum(int(p.get("bytes") or 0) for p in processes)
     seconds = report.get("device_hydration_seconds")
+    set_back = [float(p["stack_restore_s"]) for p in processes if p.get("stack_restore_s") is not None]
     return {"device_hydration_s": seconds, "device_bytes": moved if processes else None,
+            "device_stack_restore_s": max(set_back) if set_back else None,  # the engine's stack limit set back
             "device_gbps": moved / seconds / 1e9 if processes and seconds else None,
             "device_verify": sorted({str((p.get("interposer") or {}).get("verify", "")) for p in processes} - {""})}
 
@@ -132,6 +134,8 @@ def device_cell(row: dict[str, Any]) -> str:
     notes += {None: [], True: ["staged"], False: ["not staged"]}[row.get("device_staged")]
     if row.get("device_stage_wait_s") is not None:
         notes.append(f"waited {row['device_stage_wait_s']:.2f} s")
+    if row.get("device_stack_restore_s") is not None:
+        notes.append(f"stack set back in {row['device_stack_restore_s'] * 1e3:.1f} ms")
     if row.get("device_zero_set_bytes"):
         notes.append(f"{row['device_zero_set_bytes'] / 1e9:.2f} GB zeros set, {row['device_copied_bytes'] / 1e9:.2f} "
                      "copied")

@@ -293,7 +293,12 @@ def capture_detail(report: dict[str, Any]) -> dict[str, Any]:
             "checkpoint_added_bytes": added,
             "finish_s": timings.get("finish"), "release_thread_s": threads or None,
             "criu_frozen_s": stats.get("frozen_s"), "criu_memdump_s": stats.get("memdump_s"),
-            "criu_memwrite_s": stats.get("memwrite_s"), "criu_pages_written": stats.get("pages_written")}
+            "criu_memwrite_s": stats.get("memwrite_s"), "criu_pages_written": stats.get("pages_written"),
+            # What each release did to its engine's stack limit (the reservation the checkpoint copies): bytes
+            # before -> bytes the checkpoint saw, per process that was released.
+            "stack_limit": [f"{s.get('engine_bytes')} -> {s.get('set_bytes')}" + (" (error)" if s.get("error") else "")
+                            for s in (p.get("stack_limit") for p in report.get("device_memory") or []) if s] or None,
+            "criu_threads": stats.get("threads")}  # dump-threads.patch: None where stock CRIU's path dumped
 
 
 async def descriptors(d: Driver, name: str, pid: int) -> str:

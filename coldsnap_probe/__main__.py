@@ -165,8 +165,9 @@ def _restore(args: argparse.Namespace, entered: int, coordinator: Coordinator | 
              phases: PhaseLog) -> dict[str, Any]:
     """A restore, started in the order that gets CRIU running soonest (issue 35 item 2): the guard first (before CRIU
     and the CUDA driver: a worker that dies leaves no restored tree; and before this process has a second thread,
-    which a fork would not copy), then this host's identity read in a thread and CRIU's kernel-feature probe run in a
-    process while the rest is imported."""
+    which a fork would not copy), then CRIU's kernel-feature probe run in a process and this host's identity read in a
+    thread while the rest is imported. The probe first: with the imports cut to what the checks before CRIU need, it
+    is what the restore's CRIU may wait for (`KernelProbe.environment`)."""
     from pathlib import Path
 
     from ._worker_guard import WorkerGuard
@@ -174,12 +175,12 @@ def _restore(args: argparse.Namespace, entered: int, coordinator: Coordinator | 
     guard = WorkerGuard()
     guard.start("restore")
     guarded = time.time_ns()
-    from ._host import IdentityReading
-
-    identity = IdentityReading(args.criu)
     from ._criu_kdat import KernelProbe
 
     kernel = KernelProbe(args.criu, guard.scratch("coldsnap-kdat-"))  # CRIU's kernel probe, while the rest imports
+    from ._host import IdentityReading
+
+    identity = IdentityReading(args.criu)
     from ._restore import restore
     from .memory import MemoryOptions
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import platform
 import re
 import signal
 import stat
@@ -16,10 +15,12 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ._cuda import Driver
 from .errors import WorkerError
+
+if TYPE_CHECKING:
+    from ._cuda import Driver
 
 __all__ = (
     "CriuRun",
@@ -112,7 +113,7 @@ def criu_environment(criu: str) -> dict[str, str]:
     with its own libraries (the capsule's /opt/coldsnap/criu/{bin,lib}, or an unpacked package's
     usr/{sbin,lib/<multiarch>} beside the binary) finds them ahead of the caller's LD_LIBRARY_PATH."""
     prefix = Path(criu).resolve().parent.parent
-    multiarch = f"{platform.machine()}-linux-gnu"
+    multiarch = f"{os.uname().machine}-linux-gnu"
     found = [str(d) for d in (prefix / "lib", prefix / "lib" / multiarch) if any(d.glob("*.so*"))]
     inherited = os.environ.get("LD_LIBRARY_PATH", "")
     return {**os.environ, "LD_LIBRARY_PATH": ":".join([*found, *([inherited] if inherited else [])])}

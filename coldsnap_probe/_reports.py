@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 __all__ = ("CAPTURE_KIND", "RESTORE_KIND", "CaptureReport", "CapturedGraphPolicy", "DumpedDevice", "HydratedDevice",
            "HydratedWeights", "Mark", "ReleasedWeights", "RestoreReport", "RestoredGraphPolicy", "SourceReport",
-           "Timeline")
+           "StackLimit", "Timeline")
 
 CAPTURE_KIND = "coldsnap-cuda-criu-capture"
 RESTORE_KIND = "coldsnap-cuda-criu-restore"
@@ -93,6 +93,46 @@ class ReleasedWeights:
 
 
 @dataclass(frozen=True, slots=True)
+class StackLimit:
+    """What a release did to the contexts' stack limit (CU_LIMIT_STACK_SIZE: the driver reserves it for every
+    resident thread, and the CUDA checkpoint copies that reservation): the engine's own value (`engine_bytes`, the
+    largest of its `contexts`), what the checkpoint then saw (`set_bytes`: lowered, or the engine's when the knob
+    is off or a driver call failed: `error`), and the seconds it took. The hydration sets it back."""
+
+    enabled: bool
+    engine_bytes: int
+    set_bytes: int
+    contexts: int
+    seconds: float
+    error: str | None = None
+
+    @classmethod
+    def from_json(cls, value: object) -> StackLimit:
+        """The interposer's `stack_limit` answer; ValueError naming the field and the rule."""
+        if not isinstance(value, dict):
+            raise ValueError(f"stack_limit must be an object, got {type(value).__name__}")
+        unknown = sorted(set(value) - {"enabled", "engine_bytes", "set_bytes", "contexts", "seconds", "error"})
+        if unknown:
+            raise ValueError(f"stack_limit has unknown keys {unknown}")
+        if not isinstance(value.get("enabled"), bool):
+            raise ValueError("stack_limit.enabled must be true or false")
+        for key in ("engine_bytes", "set_bytes", "contexts"):
+            if type(value.get(key)) is not int or value[key] < 0:
+                raise ValueError(f"stack_limit.{key} must be an integer >= 0, got {value.get(key)!r}")
+        seconds = value.get("seconds")
+        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 <= seconds < 86400:
+            raise ValueError(f"stack_limit.seconds must be a number of seconds (0 to 86400), got {seconds!r}")
+        if not isinstance(value.get("error", ""), str):
+            raise ValueError("stack_limit.error must be a string")
+        return cls(enabled=value["enabled"], engine_bytes=value["engine_bytes"], set_bytes=value["set_bytes"],
+                   contexts=value["contexts"], seconds=float(seconds), error=value.get("error"))
+
+    def to_json(self) -> dict[str, Any]:
+        return _present({"enabled": self.enabled, "engine_bytes": self.engine_bytes, "set_bytes": self.set_bytes,
+                         "contexts": self.contexts, "seconds": self.seconds, "error": self.error})
+
+
+@dataclass(frozen=True, slots=True)
 class DumpedDevice:
     """One CUDA process's device memory through the interposer before the CUDA lock: `released` (dumped, then
     unmapped; `moved` is what went at line rate, per source: `alloc` (cuMemAlloc), `stream_ordered`
@@ -113,21 +153,25 @@ class DumpedDevice:
     uncovered: dict[str, dict[str, int]] = field(default_factory=dict)
     moved: dict[str, dict[str, int]] = field(default_factory=dict)
     manifest_digest: str = ""
+    stack_limit: StackLimit | None = None  # released only: the stack limit lowered for the checkpoint
     # The node hydrator's answer to `warm` (the dump offered to its RAM tier once the tree was dumped): {queued,
     # seconds, error?}; None when no hydrator was named.
     warm: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"pid": self.pid, "socket": self.socket, "state": self.state, "bytes": self.bytes,
-                "regions": self.regions, "segments": self.segments, "seconds": self.seconds, "gbps": self.gbps,
-                "timings_s": self.timings_s, "uncovered": self.uncovered, "moved": self.moved,
-                "manifest_digest": self.manifest_digest, **({"warm": self.warm} if self.warm is not None else {})}
+        return _present({"pid": self.pid, "socket": self.socket, "state": self.state, "bytes": self.bytes,
+                         "regions": self.regions, "segments": self.segments, "seconds": self.seconds,
+                         "gbps": self.gbps, "timings_s": self.timings_s, "uncovered": self.uncovered,
+                         "moved": self.moved, "manifest_digest": self.manifest_digest,
+                         "stack_limit": self.stack_limit.to_json() if self.stack_limit else None,
+                         "warm": self.warm})
 
 
 @dataclass(frozen=True, slots=True)
 class HydratedDevice:
-    """One CUDA process's device memory back after restore: bytes, what the worker waited, the fill's rate and
-    the interposer's own report (check_s, create_s, fill_s, verify_s, policy)."""
+    """One CUDA process's device memory back after restore: bytes, what the worker waited, the fill's rate, the
+    interposer's own report (check_s, create_s, fill_s, verify_s, policy) and `stack_restore_s`, what setting the
+    engine's stack limit back took (on the restore's path, before the fill)."""
 
     pid: int
     bytes: int
@@ -135,9 +179,14 @@ class HydratedDevice:
     gbps: float
     interposer: dict[str, Any]
 
+    @property
+    def stack_restore_s(self) -> float | None:
+        value = self.interposer.get("stack_restore_s")
+        return float(value) if isinstance(value, (int, float)) else None
+
     def to_json(self) -> dict[str, Any]:
-        return {"pid": self.pid, "bytes": self.bytes, "seconds": self.seconds, "gbps": self.gbps,
-                "interposer": self.interposer}
+        return _present({"pid": self.pid, "bytes": self.bytes, "seconds": self.seconds, "gbps": self.gbps,
+                         "interposer": self.interposer, "stack_restore_s": self.stack_restore_s})
 
 
 @dataclass(slots=True)

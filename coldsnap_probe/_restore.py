@@ -2,11 +2,14 @@
 
 read the records (capture, graph, and each memory source's: the weight sources, the device dumps) while the
 host's identity is read, check the host -> [validated] -> stage every memory source, in registry order (a node
-hydrator's stages, read-ahead) -> CRIU restore, paused (cuInit meanwhile) -> [criu-restored] -> CUDA restore and
-unlock per process, reverse inventory order, only its restore thread running -> [cuda-restored] -> every page in
-(lazy pages) -> resume the tree
--> [process-resumed] -> hydrate every memory source, in reverse registry order (the CUDA interposer's device
-memory, then the engine's weights) -> recreate the communicators -> [ready]. Brackets are barriers.
+hydrator's stages, read-ahead) -> CRIU restore, paused (cuInit meanwhile) -> [criu-restored] -> the phases after
+CRIU (`_restore_after_criu`): CUDA restore and unlock per process, reverse inventory order, only its restore thread
+running -> [cuda-restored] -> every page in (lazy pages) -> resume the tree -> [process-resumed] -> hydrate every
+memory source, in reverse registry order (the CUDA interposer's device memory, then the engine's weights) ->
+recreate the communicators -> [ready]. Brackets are barriers.
+
+This module imports only what the phases up to CRIU's start need: the later phases' module, and what it needs,
+is imported while CRIU runs (`_import_later_phases`, issue 35 item 2).
 
 The rollback, whatever phase failed: kill the restored tree (nothing half-restored serves), abort the
 activation for every rank, discard what the memory sources staged (registry order), stop the lazy-pages daemon.
@@ -15,7 +18,6 @@ activation for every rank, discard what the memory sources staged (registry orde
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib
 import json
 import os
@@ -28,27 +30,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._coordinator import Coordinator
-from ._criu_restore_log import restore_phases
-from ._engine import ABORT_POLL, resume_engine, validated_graph_record
-from ._held_tree import driver_alone
+from ._graph import validated_graph_record
 from ._host import IdentityReading
 from ._phase import PhaseLog
-from ._process import CriuRun, criu_environment, process_state, process_tree, require_state, stop, tail
+from ._process import CriuRun, criu_environment, process_tree, stop, tail
 from ._reports import Mark, RestoredGraphPolicy, RestoreReport
 from ._shm_files import SharedFile, load_shared_files, put_back
 from ._target import check_target, comparable, gpu_pairs
 from ._worker_guard import WorkerGuard
-from .errors import RankAborted, TargetRefused, WorkerError
+from .errors import TargetRefused, WorkerError
 from .memory import MemoryOptions, MemoryRestores, RestoreScope
 
 if TYPE_CHECKING:
     from ._criu_kdat import KernelProbe
     from ._cuda import Driver
 
-__all__ = ("restore", "restore_args")
+__all__ = ("restore",)
 
 LAZY_PAGES_START_S = 10.0  # for `criu lazy-pages` to listen
-LAZY_PAGES_FINISH_S = 120.0  # for it to have copied every page after the restore
 
 
 def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: Coordinator | None = None,
@@ -140,22 +139,11 @@ class _Restore:
         self._start_stages()
         self.phase.enter("criu-restore")
         root = self._criu_restore()
-        self.phase.enter("cuda-restore")
-        self._cuda_restore(root)
-        if self.lazy:
-            self.phase.enter("pages-in")
-            self._all_pages_in(self.lazy, root)
-        self.phase.enter("resume")
-        self._resume(root)
-        if self.memory is not None:
-            self.phase.enter("hydrate")
-            self.memory.hydrate(self.report)
-        if self.engine and self.graph is not None:
-            self.phase.enter("communicators")
-            self._recreate_communicators(self.engine, self.graph)
-        self.ranks.barrier("ready")
-        self.timeline.mark("ready")
-        self._criu_phases()
+        # The phases after CRIU live in `_restore_after_criu`, imported while CRIU ran (`_import_later_phases`): the
+        # path to CRIU imports only what its checks need (issue 35 item 2). Here it is a lookup.
+        from ._restore_after_criu import after_criu
+
+        after_criu(self, root)
 
     # -- the phases, in order ----------------------------------------------------------------------------------
     def _read_records(self) -> None:
@@ -258,61 +246,6 @@ class _Restore:
             self.timeline.mark("rank_barrier_end")
         return root
 
-    def _criu_phases(self) -> None:
-        """Where CRIU's restore spent its time, from its log (after `ready`: off the restored server's path)."""
-        try:
-            phases = restore_phases((self.work or Path()).joinpath("restore.log").read_bytes())
-        except OSError:
-            return
-        if self.kernel is not None and self.kernel.seconds is not None:
-            phases["kdat_probe_s"] = round(self.kernel.seconds, 6)
-        self.report.criu_restore_phases = phases
-
-    def _cuda_restore(self, root: int) -> None:
-        """n610: per CUDA process in reverse inventory order: checkpointed -> restore -> locked -> unlock."""
-        driver = self.driver
-        if driver is None:
-            return
-        self.timeline.mark("deferred_cuda_restore_begin")
-        for pid in reversed(self.cuda):
-            # CRIU left the tree stopped: only the driver's restore thread runs until the process's CUDA state is
-            # back (a thread running meanwhile may touch mappings not yet restored: `_held_tree`).
-            with driver_alone(driver, pid):
-                require_state(driver, [pid], "checkpointed", "before CUDA restore")
-                driver.call("cuCheckpointProcessRestore", pid, restore_args(driver.cuda, self.gpu_pairs))
-                require_state(driver, [pid], "locked", "after CUDA restore")
-                driver.call("cuCheckpointProcessUnlock", pid, None)
-                require_state(driver, [pid], "running", "after unlock")
-        if not (self.ranks.multi or self.lazy):
-            os.killpg(root, signal.SIGCONT)  # else held until every rank's CUDA state is back, every page is in
-        self.timeline.mark("deferred_cuda_restore_end")
-        seconds = self.report.cuda_restore_seconds = self.timeline.seconds("deferred_cuda_restore_begin",
-                                                                           "deferred_cuda_restore_end")
-        peers = self.ranks.barrier("cuda-restored", {"cuda_seconds": seconds})
-        self.report.peer_cuda_restore_seconds = [p.get("cuda_seconds") for p in peers]
-        if self.ranks.multi:
-            self.timeline.mark("distributed_cuda_restore_barrier_end")
-
-    def _all_pages_in(self, lazy: subprocess.Popen[bytes], root: int) -> None:
-        _finish_lazy_pages(lazy, self.work or Path(), root, self.ranks)
-        self.timeline.mark("all_pages_in")
-        self.report.all_pages_in_seconds = self.timeline.seconds("restore_begin", "all_pages_in")
-
-    def _resume(self, root: int) -> None:
-        if self.ranks.multi or self.lazy:
-            os.killpg(root, signal.SIGCONT)
-        if self.ranks.multi:
-            self.ranks.barrier("process-resumed")
-        self.timeline.mark("process_resumed")  # without CUDA, one rank, eager: the tree was restored running
-
-    def _recreate_communicators(self, engine: str, graph: RestoredGraphPolicy) -> None:
-        self.timeline.mark("communicator_recreate_begin")
-        self.report.engine_resume = resume_engine(engine, self.ranks, graph.effective, "restore",
-                                                  self.work or Path())
-        self.timeline.mark("communicator_recreate_end")
-        self.report.communicator_recreate_seconds = self.timeline.seconds("communicator_recreate_begin",
-                                                                          "communicator_recreate_end")
-
     # -- the one rollback ----------------------------------------------------------------------------------------
     def roll_back(self, error: str) -> None:
         """A failure on any rank stops every rank: nothing half-restored serves."""
@@ -324,24 +257,6 @@ class _Restore:
             self.memory.discard()
         if self.lazy:
             stop(self.lazy)
-
-
-def restore_args(cuda: Any, pairs: list[tuple[bytes, bytes]]) -> Any:
-    """`cuCheckpointProcessRestore`'s arguments: None on the captured GPU; else a `CUcheckpointRestoreArgs` whose
-    `gpuPairs` map each captured GPU's UUID onto this host's (`cuda`: cuda-python's driver module)."""
-    if not pairs:
-        return None
-    built = []
-    for was, now in pairs:
-        pair = cuda.CUcheckpointGpuPair()
-        for field, value in (("oldUuid", was), ("newUuid", now)):
-            uuid = cuda.CUuuid()
-            ctypes.memmove(uuid.getPtr(), value, len(value))  # (the binding's `bytes` is read-only)
-            setattr(pair, field, uuid)
-        built.append(pair)
-    args = cuda.CUcheckpointRestoreArgs()
-    args.gpuPairs, args.gpuPairsCount = built, len(built)
-    return args
 
 
 def _start_lazy_pages(criu: str, images: Path, work: Path, journal: WorkerGuard,
@@ -367,25 +282,6 @@ def _start_lazy_pages(criu: str, images: Path, work: Path, journal: WorkerGuard,
             raise WorkerError(f"criu lazy-pages did not listen within {LAZY_PAGES_START_S:.0f} s: {tail(log)}")
         time.sleep(0.001)
     return daemon
-
-
-def _finish_lazy_pages(daemon: subprocess.Popen[bytes], work: Path, root: int, ranks: Coordinator) -> None:
-    """Every page is in once the daemon exits 0 while the restored tree still lives (the tree is stopped
-    meanwhile, so nothing runs on memory the daemon might never fill). A timeout or a peer's abort leaves
-    the daemon to the caller, which kills the tree first."""
-    give_up = time.monotonic() + LAZY_PAGES_FINISH_S
-    while daemon.poll() is None:
-        if time.monotonic() > give_up:
-            raise WorkerError(f"criu lazy-pages had not copied every page after {LAZY_PAGES_FINISH_S:.0f} s")
-        if reason := ranks.aborted():
-            raise RankAborted(f"the activation was aborted while pages were restored: {reason}")
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            daemon.wait(ABORT_POLL)
-    if daemon.returncode != 0:
-        raise WorkerError(f"criu lazy-pages exited {daemon.returncode}, the restored memory is incomplete: "
-                          f"{tail(work / 'lazy-pages.log')}")
-    if process_state(root) in ("", "Z", "X"):
-        raise WorkerError(f"the restored process {root} exited while its pages were restored")
 
 
 class _CudaStart:
@@ -416,9 +312,10 @@ class _CudaStart:
         return self.driver
 
 
-# Imported only by the phases after CRIU (the memory sources' hydration pools; with them `logging`): ~8 ms of
-# imports that CRIU's restore hides, rather than the path to it or the hydration after it (issue 35 item 2).
-LATER_PHASES_MODULES = ("concurrent.futures",)
+# Imported only by the phases after CRIU, while CRIU runs: their module (the held tree, the engine's control socket,
+# the memory sources' hydration) and the sources' hydration pools (with them `logging`), off the path to CRIU and off
+# the hydration after it (issue 35 item 2).
+LATER_PHASES_MODULES = (f"{__package__}._restore_after_criu", "concurrent.futures")
 
 
 def _import_later_phases() -> None:

@@ -51,7 +51,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
 import select
 import shutil
 import signal
@@ -62,8 +61,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._held_tree import wait_stopped, wait_untraced
-from ._thread_hold import ThreadHold
 from .errors import WorkerError
 
 __all__ = ("WorkerGuard", "remove_contents")
@@ -112,7 +109,7 @@ class WorkerGuard:
         """A new directory of the worker's own in the temporary directory (0700, a random name, as `mkdtemp`),
         journalled before it is made: the guard removes it if the worker dies."""
         while True:
-            path = Path(tempfile.gettempdir()) / f"{prefix}{secrets.token_hex(6)}"
+            path = Path(tempfile.gettempdir()) / f"{prefix}{os.urandom(6).hex()}"
             if path.exists():  # never journal a path the worker did not make: the guard would remove it
                 continue
             self.note(work=str(path))
@@ -252,6 +249,10 @@ def _images(steps: list[dict[str, Any]]) -> Path | None:
 def _hold_still(tree: list[int], holds: list[dict[str, Any]]) -> str:
     """The CRIU dump and the worker's hold have ended (both held the journal): once the kernel has let go of the
     tree, it is stopped again (through its pidfds), and a thread the worker let run alone gets its own mask back."""
+    # Imported here, in the guard's own process and only for this undo: off a restore worker's path to CRIU.
+    from ._held_tree import wait_stopped, wait_untraced
+    from ._thread_hold import ThreadHold
+
     wait_untraced(tree)
     for pid in tree:
         _signal(pid, signal.SIGSTOP)

@@ -9,10 +9,10 @@ import sys
 from collections.abc import Sequence
 
 from .. import jsonline
+from ._digests import region_digest
 from ._hydrator import DUMP_THREADS, MAX_DUMP_THREADS, STAGE_TTL, HydratorServer
 from ._ram_tier import default_budget, node_memory
 from ._stage_quota import STAGE_UID_COUNT, STAGE_UID_SHARE
-from ._weights import region_digest
 
 __all__ = ("main",)
 

@@ -19,6 +19,7 @@ from typing import Any
 from .. import jsonline
 from ..errors import HydrationError
 from ._copy import ZEROS, HostBuffers, Piece, Pinned, Pread, copy_to_device, region_pieces, zero_split
+from ._digests import DIGEST_CHUNK
 from ._peer_files import DumpLayout, dump_layout, dump_reads, held_sources, open_dump_parts
 from ._peer_view import OPENERS, PeerView
 from ._ram_tier import RamTier
@@ -35,7 +36,7 @@ from ._vmm import (
     map_read_write,
 )
 from ._warm import Warms
-from ._weights import DIGEST_CHUNK, HydrationManifest, WeightRegion
+from ._weights import HydrationManifest, WeightRegion
 
 __all__ = ("CONNECTIONS", "DUMP_CHUNK", "DUMP_THREADS", "MAX_DUMP_THREADS", "STAGE_MAX", "STAGE_RESERVE", "STAGE_TTL",
            "UID_CONNECTIONS", "HydratorServer", "Stager", "dump_pieces")

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import jsonline
-from .._reports import CaptureReport, DumpedDevice, HydratedDevice, RestoreReport
+from .._reports import CaptureReport, DumpedDevice, HydratedDevice, RestoreReport, StackLimit
 from ..errors import ChannelError, HydrationError, ProbeError, WorkerError
 from ..hydration import (
     ADOPT_PAGE,
@@ -241,7 +241,8 @@ class DeviceRelease:
             answer = interposer_request(socket, {"op": "release", "dir": str(directory)},
                                         f"release the device memory of process {pid}")
             dump = DeviceDump.from_json(answer.get("manifest"), answered=True)
-        except ProbeError as exc:
+            stack = StackLimit.from_json(answer["stack_limit"]) if "stack_limit" in answer else None
+        except (ProbeError, ValueError) as exc:
             raise WorkerError(f"device memory release: {exc}") from exc
         if dump.regions:
             self.records.append(DumpRecord(pid, socket, directory.name, dump, dump_identities(dump, directory),
@@ -252,7 +253,7 @@ class DeviceRelease:
             pid=pid, socket=socket, state="released" if dump.regions else "empty", bytes=dump.bytes,
             regions=len(dump.regions), segments=len(dump.segments), seconds=time.perf_counter() - started,
             gbps=dump.gbps, timings_s=dump.timings_s, uncovered=dump.uncovered, moved=dump.moved,
-            manifest_digest=dump.manifest_digest))
+            manifest_digest=dump.manifest_digest, stack_limit=stack))
 
     def warm(self) -> None:
         """The tree is dumped: each dump offered to the node hydrator its engine named (`DeviceWarm`)."""

@@ -190,6 +190,9 @@ class TestStaging:
         row = _restore(1.0, 0.9, worker_report=staged)
         assert row["device_staged"] is True and row["device_stage_errors"] == []
         assert device_cell(row) == "0.50 (34.0 GB/s, staged)"
+        set_back = {**staged, "device_memory": [{**p, "stack_restore_s": 0.0012} for p in staged["device_memory"]]}
+        assert device_cell(_restore(1.0, 0.9, worker_report=set_back)) == (
+            "0.50 (34.0 GB/s, staged, stack set back in 1.2 ms)")
 
     def test_a_refused_or_unadopted_stage_is_not_staged_and_says_why(self) -> None:
         late = {**REPORT, "device_memory": [

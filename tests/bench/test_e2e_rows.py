@@ -107,11 +107,11 @@ def test_the_capture_table_says_where_each_phase_went() -> None:
                "finish_s": 0.01, "interpreter_start_s": 0.05, "memory_scan_s": 0.04,
                "checkpoint_added_bytes": 1_230_000_000, "images_on": "tmpfs huge=never",
                "release_thread_s": {"write": 9.72, "digest": 2.93, "device": 0.68, "zero": 0.01}}
-    assert e2e_rows.capture_cells({"row": "uvloop", "capture": capture}) == [
+    assert e2e_rows.capture_cells({"row": "uvloop", "capture": {**capture, "stack_limit": ["1024 -> 256"]}}) == [
         "uvloop", "tmpfs huge=never", "2.38", "0.74 (22.16)", "9.72 / 2.93 / 0.68 / 0.01", "0.34 (1.23)",
-        "0.91: 0.85 / 0.60 / 0.45", "0.78", "0.05 / 0.10 / 0.20 / 0.04 / 0.01"]
+        "0.91: 0.85 / 0.60 / 0.45", "0.78", "0.05 / 0.10 / 0.20 / 0.04 / 0.01", "1024 -> 256"]
     assert e2e_rows.capture_cells({"row": "jax", "error": "E2EError"})[1:] == [
-        "-", "-", "- (-)", "- / - / - / -", "-", "-: - / - / -", "-", "- / - / - / - / -"]
+        "-", "-", "- (-)", "- / - / - / -", "-", "-: - / - / -", "-", "- / - / - / - / -", "-"]
 
 
 @pytest.mark.usefixtures("no_leftovers")

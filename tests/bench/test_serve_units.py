@@ -211,7 +211,8 @@ class TestReports:
     def test_the_capture_s_detail_sums_the_release_threads_and_reads_criu_s_account(self) -> None:
         report = {**CAPTURE, "timings_s": {**CAPTURE["timings_s"], "worker_start": 0.12, "find_cuda": 0.2,
                                            "finish": 0.01, "interpreter_start": 0.05, "memory_scan": 0.04},
-                  "criu_dump_stats": {"frozen_s": 0.9, "memdump_s": 0.6, "memwrite_s": 0.5, "pages_written": 9},
+                  "criu_dump_stats": {"frozen_s": 0.9, "memdump_s": 0.6, "memwrite_s": 0.5, "pages_written": 9,
+                                      "threads": 16},
                   "memory_before_checkpoint": {"513": {"anonymous_bytes": 900}, "514": {}},
                   "images_filesystem": {"type": "tmpfs", "huge": "always"},
                   "memory_after_checkpoint": {"513": {"anonymous_bytes": 1500}, "514": {"anonymous_bytes": 70}},
@@ -224,9 +225,15 @@ class TestReports:
         assert (row["interpreter_start_s"], row["memory_scan_s"]) == (0.05, 0.04)
         assert (row["criu_frozen_s"], row["criu_memdump_s"], row["criu_memwrite_s"]) == (0.9, 0.6, 0.5)
         assert row["criu_pages_written"] == 9 and row["checkpoint_added_bytes"] == 600 + 70
+        assert row["criu_threads"] == 16 and capture_row(CAPTURE)["criu_threads"] is None
         assert capture_row(CAPTURE)["release_thread_s"] is None and capture_row(CAPTURE)["criu_frozen_s"] is None
         assert capture_row(CAPTURE)["checkpoint_added_bytes"] is None and capture_row(CAPTURE)["images_on"] is None
         assert row["images_on"] == "tmpfs huge=always"
+        assert row["stack_limit"] is None  # an interposer that reported no stack limit
+        lowered = {**report, "device_memory": [
+            {**report["device_memory"][0], "stack_limit": {"engine_bytes": 1024, "set_bytes": 256}},
+            {**report["device_memory"][1], "stack_limit": {"engine_bytes": 1024, "set_bytes": 1024, "error": "E"}}]}
+        assert capture_row(lowered)["stack_limit"] == ["1024 -> 256", "1024 -> 1024 (error)"]
 
     def test_a_capture_without_the_interposer_has_no_device_phase(self) -> None:
         row = capture_row({"timings_s": {"criu_dump": 10.7, "cuda_checkpoint": 8.1}, "device_memory": None,
@@ -236,9 +243,14 @@ class TestReports:
 
     def test_device_hydration_rate_is_the_whole_phase_s(self) -> None:
         assert device_hydration(RESTORE) == {"device_hydration_s": 0.5, "device_bytes": 17_000_000_000,
-                                             "device_gbps": 34.0, "device_verify": ["sampled"]}
+                                             "device_stack_restore_s": None, "device_gbps": 34.0,
+                                             "device_verify": ["sampled"]}
         assert device_hydration({"criu_restore_seconds": 9.5}) == {
-            "device_hydration_s": None, "device_bytes": None, "device_gbps": None, "device_verify": []}
+            "device_hydration_s": None, "device_bytes": None, "device_stack_restore_s": None, "device_gbps": None,
+            "device_verify": []}
+        set_back = {**RESTORE, "device_memory": [{**p, "stack_restore_s": 0.002 * (i + 1)}
+                                                 for i, p in enumerate(RESTORE["device_memory"])]}
+        assert device_hydration(set_back)["device_stack_restore_s"] == 0.002 * len(RESTORE["device_memory"])
 
     def test_images_count_the_device_dumps_apart(self, tmp_path: Path) -> None:
         (tmp_path / "device-513").mkdir()

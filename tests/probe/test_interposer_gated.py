@@ -108,6 +108,8 @@ GATED = (
     ("cuMemsetD32Async", 3020, "cuMemsetD32Async", "cuMemsetD32Async_ptsz"),
     ("cuStreamSynchronize", 2000, "cuStreamSynchronize", "cuStreamSynchronize_ptsz"),
     ("cuEventSynchronize", 2000, "cuEventSynchronize", None),
+    ("cuCtxGetLimit", 3010, "cuCtxGetLimit", None),  # the stack limit a release lowers (stack_limit.c)
+    ("cuCtxSetLimit", 3010, "cuCtxSetLimit", None),
 )
 EXPORTS = tuple(n for _base, _since, *names in GATED for n in names if n)
 PER_THREAD = 2  # CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM

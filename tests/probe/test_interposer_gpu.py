@@ -22,8 +22,8 @@ import pytest
 
 from coldsnap_probe.errors import HydrationError
 from coldsnap_probe.hydration import DeviceDump, build_library, check_dump
+from coldsnap_probe.hydration._digests import DIGEST_CHUNK
 from coldsnap_probe.hydration._interposer import interposer_request
-from coldsnap_probe.hydration._weights import DIGEST_CHUNK
 from tests.criu import alive
 from tests.helpers import ROOT
 from tests.probe.test_main import has_nvidia_driver

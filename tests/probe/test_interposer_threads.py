@@ -34,6 +34,29 @@ def test_the_staging_buffer_is_the_configured_mebibytes(library: Path, setting: 
     assert status["drain_s"] == 10
 
 
+@pytest.mark.parametrize(("shrink", "stack_bytes", "expected", "complaint"), [
+    (None, None, (True, 256), ""), ("0", "4096", (False, 4096), ""), ("1", "16", (True, 16), ""),
+    ("no", "0", (True, 256), "COLDSNAP_CUDA_INTERPOSER_SHRINK_STACK=no must be 0 or 1, using 1"),
+    ("", "1k", (True, 256), "COLDSNAP_CUDA_INTERPOSER_STACK_BYTES=1k is not a positive integer, using 256")])
+def test_the_stack_limit_knobs_reach_the_control_socket(library: Path, shrink: str | None, stack_bytes: str | None,
+                                                        expected: tuple[bool, int], complaint: str,
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        capfd: pytest.CaptureFixture[str]) -> None:
+    """On by default at 256 bytes; `0` turns it off; a mistyped value is named on the engine's stderr with its rule
+    and the default is kept (a capture never changes behaviour because of a typo)."""
+    for name, value in (("COLDSNAP_CUDA_INTERPOSER_SHRINK_STACK", shrink),
+                        ("COLDSNAP_CUDA_INTERPOSER_STACK_BYTES", stack_bytes)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    with listening(library) as (_proc, path):  # its stderr is this test's (inherited), read by capfd
+        status = request(path, {"op": "status"})
+    assert (status["shrink_stack"], status["stack_bytes"], status["stack_lowered"]) == (*expected, 0)
+    stderr = capfd.readouterr().err
+    assert complaint in stderr and (complaint or "STACK" not in stderr), stderr
+
+
 EXEMPT_HARNESS = UNITY + r"""
 
 static volatile int passed[2];

@@ -26,11 +26,11 @@ import pytest
 
 from coldsnap_probe.errors import HydrationError
 from coldsnap_probe.hydration.__main__ import main
+from coldsnap_probe.hydration._digests import DIGEST_CHUNK
 from coldsnap_probe.hydration._peer_files import dump_layout, dump_reads, open_dump_parts
 from coldsnap_probe.hydration._peer_view import OPENERS, PeerView
 from coldsnap_probe.hydration._ram_tier import RamTier, identity
 from coldsnap_probe.hydration._vmm import Mapped
-from coldsnap_probe.hydration._weights import DIGEST_CHUNK
 from tests.helpers import ROOT
 from tests.probe._peers import AS_NOBODY, connected, listening
 from tests.probe._staged import stage_and_read

@@ -6,13 +6,18 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
+
 from coldsnap_probe._reports import (
     CapturedGraphPolicy,
     CaptureReport,
+    DumpedDevice,
+    HydratedDevice,
     HydratedWeights,
     ReleasedWeights,
     RestoredGraphPolicy,
     RestoreReport,
+    StackLimit,
     Timeline,
 )
 
@@ -104,3 +109,37 @@ def test_a_full_restore_report_adds_each_optional_key_in_its_shape() -> None:
 def test_timeline_seconds_between_marks() -> None:
     t = timeline("a", "b")
     assert t.seconds("a", "b") == (t.marks[1].unix_ns - t.marks[0].unix_ns) / 1e9 >= 0
+
+
+# -- the interposer's stack limit (issue 35): what a release lowered, what the set-back took ------------------------
+LOWERED = {"enabled": True, "engine_bytes": 4096, "set_bytes": 256, "contexts": 1, "seconds": 0.0004}
+
+
+def test_a_release_that_lowered_the_stack_limit_reports_it_in_the_capture() -> None:
+    stack = StackLimit.from_json(json.loads(json.dumps(LOWERED)))
+    device = DumpedDevice(pid=7, socket="/run/cuda-7.sock", state="released", bytes=1 << 30, stack_limit=stack)
+    assert device.to_json()["stack_limit"] == LOWERED  # no `error` key when nothing failed
+    failed = StackLimit.from_json({**LOWERED, "set_bytes": 4096, "error": "context 0x1: cuCtxSetLimit: E"})
+    assert failed.to_json()["error"] == "context 0x1: cuCtxSetLimit: E" and failed.set_bytes == 4096
+    assert "stack_limit" not in DumpedDevice(pid=7, socket="/s", state="empty").to_json()  # nothing released
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ([], "stack_limit must be an object, got list"),
+    ({**LOWERED, "lowered": 1}, r"stack_limit has unknown keys \['lowered'\]"),
+    ({**LOWERED, "enabled": 1}, "stack_limit.enabled must be true or false"),
+    ({**LOWERED, "engine_bytes": -1}, "stack_limit.engine_bytes must be an integer >= 0, got -1"),
+    ({**LOWERED, "set_bytes": True}, "stack_limit.set_bytes must be an integer >= 0, got True"),
+    ({k: v for k, v in LOWERED.items() if k != "contexts"}, "stack_limit.contexts must be an integer >= 0, got None"),
+    ({**LOWERED, "seconds": "0"}, r"stack_limit.seconds must be a number of seconds \(0 to 86400\), got '0'"),
+    ({**LOWERED, "error": 5}, "stack_limit.error must be a string")])
+def test_a_malformed_stack_limit_answer_is_refused_naming_the_field_and_the_rule(value: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        StackLimit.from_json(value)
+
+
+def test_the_restore_report_says_what_setting_the_stack_limit_back_took() -> None:
+    hydrated = HydratedDevice(pid=7, bytes=1, seconds=0.1, gbps=1.0, interposer={"bytes": 1, "stack_restore_s": 0.002})
+    assert hydrated.to_json()["stack_restore_s"] == 0.002 == hydrated.stack_restore_s
+    older = HydratedDevice(pid=7, bytes=1, seconds=0.1, gbps=1.0, interposer={"bytes": 1})  # an older interposer
+    assert "stack_restore_s" not in older.to_json()

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from coldsnap_probe._restore import restore_args
+from coldsnap_probe._restore_after_criu import restore_args
 from coldsnap_probe._target import check_target, gpu_pairs
 from coldsnap_probe.errors import TargetRefused, WorkerError
 from tests.probe.test_main import has_nvidia_driver

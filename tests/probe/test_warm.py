@@ -253,7 +253,7 @@ def test_a_real_release_offered_at_capture_is_restored_from_the_ram_tier_on_its_
     stage is `tier: ram`, the zeros set on the device, and every byte is right afterwards (a second release digests
     what the device holds; the process's tensors, matmul and graph check out)."""
     from coldsnap_probe.hydration import build_library, dump_identities
-    from coldsnap_probe.hydration._weights import DIGEST_CHUNK
+    from coldsnap_probe.hydration._digests import DIGEST_CHUNK
     from coldsnap_probe.memory._device_dump import hydrate_devices, stages_for
     from tests.probe.test_interposer_gpu import Target
 

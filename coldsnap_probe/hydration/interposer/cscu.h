@@ -37,6 +37,7 @@ typedef struct CUarray_st *CUarray;
 typedef struct CUgraph_st *CUgraph;
 typedef void (*CUhostFn)(void *userData);
 typedef void (*CUstreamCallback)(CUstream hStream, CUresult status, void *userData);
+typedef enum CUlimit_enum { CU_LIMIT_STACK_SIZE = 0 } CUlimit;  /* cuCtxGetLimit/SetLimit's; passed as an int */
 typedef uint32_t cuuint32_t;
 typedef uint64_t cuuint64_t;
 /* Only passed through (pointers to them): */
@@ -147,6 +148,8 @@ struct cscu_config {
     int request_s;              /* COLDSNAP_CUDA_INTERPOSER_REQUEST_S: a peer's whole request line within this */
     int engine_vmm;             /* COLDSNAP_CUDA_INTERPOSER_ENGINE_VMM (default 1): the engine's cuMemCreate moved */
     int stream_ordered;         /* COLDSNAP_CUDA_INTERPOSER_STREAM_ORDERED (default 1): cuMemAllocAsync moved */
+    int stack_shrink;           /* COLDSNAP_CUDA_INTERPOSER_SHRINK_STACK (default 1): a release lowers the stack limit */
+    size_t stack_bytes;         /* COLDSNAP_CUDA_INTERPOSER_STACK_BYTES (default 256): what it lowers it to */
 };
 CSCU_HIDDEN const struct cscu_config *cscu_config(void);
 

@@ -61,6 +61,19 @@ static size_t env_size(const char *name, size_t fallback, size_t unit)
     return (size_t)value * unit;
 }
 
+/* $name as a switch: unset, empty or 1 is on, 0 off; anything else is said on stderr and taken as on (the
+ * default: an engine's mistyped knob must not change what a capture does). */
+static int env_switch(const char *name)
+{
+    const char *text = getenv(name);
+    if (!text || !*text || strcmp(text, "1") == 0)
+        return 1;
+    if (strcmp(text, "0") == 0)
+        return 0;
+    fprintf(stderr, "coldsnap-cuda: %s=%s must be 0 or 1, using 1\n", name, text);
+    return 1;
+}
+
 static void config_read(void)
 {
     const char *socket = getenv(CSCU_ENV_SOCKET);
@@ -84,6 +97,8 @@ static void config_read(void)
         getenv("COLDSNAP_CUDA_INTERPOSER_STREAM_ORDERED");
     config.engine_vmm = !(engine_vmm && strcmp(engine_vmm, "0") == 0);  /* 0: left on the checkpoint path */
     config.stream_ordered = !(ordered && strcmp(ordered, "0") == 0);
+    config.stack_shrink = env_switch("COLDSNAP_CUDA_INTERPOSER_SHRINK_STACK");
+    config.stack_bytes = env_size("COLDSNAP_CUDA_INTERPOSER_STACK_BYTES", 256, 1);
     if (!socket || !*socket)
         return;
     /* "%p" becomes the pid, so that every CUDA process of a tree gets its own socket. */

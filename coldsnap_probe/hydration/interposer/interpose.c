@@ -21,7 +21,7 @@
  *     cuLaunchKernelEx, cuLaunchCooperativeKernel, cuGraphLaunch, cuMemcpy, cuMemcpyAsync, cuMemcpyPeer,
  *     cuMemcpyPeerAsync, cuMemcpy{HtoD,DtoH,DtoD}{,Async}_v2, cuMemcpy{2D,3D}{,Async}_v2,
  *     cuMemsetD{8,16,32}_v2, cuMemsetD{8,16,32}Async, cuStreamSynchronize, cuEventSynchronize, cuCtxSynchronize
- *     (and its CUDA 13 _v2), the array copies cuMemcpy{AtoA,AtoD,AtoH,DtoA,HtoA}_v2, cuMemcpy{AtoH,HtoA}Async_v2,
+ *     (and its CUDA 13 _v2), cuCtx{Get,Set}Limit, the array copies cuMemcpy{AtoA,AtoD,AtoH,DtoA,HtoA}_v2, cuMemcpy{AtoH,HtoA}Async_v2,
  *     cuMemcpy2DUnaligned_v2, cuMemcpy3DPeer{,Async}, cuMemcpyBatchAsync and cuMemcpy3DBatchAsync (12.8 and 13.0
  *     ABIs), cuMemsetD2D{8,16,32}{_v2,Async}, cuStream{Write,Wait}Value{32,64} and cuStreamBatchMemOp (both ABIs),
  *     cuMemPrefetchAsync (both ABIs), cuMemPrefetchBatchAsync, cuMemDiscardBatchAsync,
@@ -92,8 +92,7 @@ GATED(cuMemcpyDtoH_v2, cuMemcpyDtoH_v2_ptds, (void *d, CUdeviceptr s, size_t n),
 GATED(cuMemcpyDtoD_v2, cuMemcpyDtoD_v2_ptds, (CUdeviceptr d, CUdeviceptr s, size_t n), (d, s, n))
 GATED(cuMemcpyHtoDAsync_v2, cuMemcpyHtoDAsync_v2_ptsz, (CUdeviceptr d, const void *s, size_t n, CUstream st),
       (d, s, n, st))
-GATED(cuMemcpyDtoHAsync_v2, cuMemcpyDtoHAsync_v2_ptsz, (void *d, CUdeviceptr s, size_t n, CUstream st),
-      (d, s, n, st))
+GATED(cuMemcpyDtoHAsync_v2, cuMemcpyDtoHAsync_v2_ptsz, (void *d, CUdeviceptr s, size_t n, CUstream st), (d, s, n, st))
 GATED(cuMemcpyDtoDAsync_v2, cuMemcpyDtoDAsync_v2_ptsz, (CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st),
       (d, s, n, st))
 GATED(cuMemcpy2D_v2, cuMemcpy2D_v2_ptds, (const CUDA_MEMCPY2D *p), (p))
@@ -103,16 +102,15 @@ GATED(cuMemcpy3DAsync_v2, cuMemcpy3DAsync_v2_ptsz, (const CUDA_MEMCPY3D *p, CUst
 GATED(cuMemsetD8_v2, cuMemsetD8_v2_ptds, (CUdeviceptr d, unsigned char v, size_t n), (d, v, n))
 GATED(cuMemsetD16_v2, cuMemsetD16_v2_ptds, (CUdeviceptr d, unsigned short v, size_t n), (d, v, n))
 GATED(cuMemsetD32_v2, cuMemsetD32_v2_ptds, (CUdeviceptr d, unsigned int v, size_t n), (d, v, n))
-GATED(cuMemsetD8Async, cuMemsetD8Async_ptsz, (CUdeviceptr d, unsigned char v, size_t n, CUstream s),
-      (d, v, n, s))
-GATED(cuMemsetD16Async, cuMemsetD16Async_ptsz, (CUdeviceptr d, unsigned short v, size_t n, CUstream s),
-      (d, v, n, s))
-GATED(cuMemsetD32Async, cuMemsetD32Async_ptsz, (CUdeviceptr d, unsigned int v, size_t n, CUstream s),
-      (d, v, n, s))
+GATED(cuMemsetD8Async, cuMemsetD8Async_ptsz, (CUdeviceptr d, unsigned char v, size_t n, CUstream s), (d, v, n, s))
+GATED(cuMemsetD16Async, cuMemsetD16Async_ptsz, (CUdeviceptr d, unsigned short v, size_t n, CUstream s), (d, v, n, s))
+GATED(cuMemsetD32Async, cuMemsetD32Async_ptsz, (CUdeviceptr d, unsigned int v, size_t n, CUstream s), (d, v, n, s))
 GATED(cuStreamSynchronize, cuStreamSynchronize_ptsz, (CUstream s), (s))
 GATED1(cuEventSynchronize, (CUevent e), (e))
 GATED1(cuCtxSynchronize, (void), ())
 GATED1(cuCtxSynchronize_v2, (CUcontext c), (c))  /* CUDA 13.0: a name of its own, not a version of the above */
+GATED1(cuCtxGetLimit, (size_t *v, CUlimit l), (v, l))  /* never the stack limit a release lowered (stack_limit.c) */
+GATED1(cuCtxSetLimit, (CUlimit l, size_t v), (l, v))   /* nor an engine's limit the set-back would override */
 
 /* Every other entry point that reads or writes device memory or runs device work (cuda.h and cudaTypedefs.h of
  * CUDA 13.0; the version a name's ABI dates from is in the table below). */
@@ -403,6 +401,7 @@ static const struct entry table[] = {
      * (cuda-python's bindings ask for "cuCtxSynchronize_v2" at 13000 and "cuCtxSynchronize" at 2000); the plain
      * name keeps its argument-less ABI at every version. */
     E1("cuCtxSynchronize_v2", 13000, cuCtxSynchronize_v2), E1("cuCtxSynchronize", 0, cuCtxSynchronize),
+    E1("cuCtxGetLimit", 0, cuCtxGetLimit), E1("cuCtxSetLimit", 0, cuCtxSetLimit),
     E2("cuMemcpyAtoA", 3020, cuMemcpyAtoA_v2, cuMemcpyAtoA_v2_ptds),
     E2("cuMemcpyAtoD", 3020, cuMemcpyAtoD_v2, cuMemcpyAtoD_v2_ptds),
     E2("cuMemcpyAtoH", 3020, cuMemcpyAtoH_v2, cuMemcpyAtoH_v2_ptds),

@@ -12,6 +12,7 @@
 
 #include "control.h"
 #include "dump.h"
+#include "stack_limit.h"
 
 /* Invariant: `released` is 1 between a release that unmapped anything and the hydrate that succeeds. */
 static int released;
@@ -121,14 +122,15 @@ static void status(char *out, size_t room)
     size_t used = (size_t)snprintf(out, room, "{\"ok\":true,\"pid\":%d,\"regions\":%zu,\"bytes\":%zu,"
                                    "\"mapped_bytes\":%zu,\"released\":%s,\"operation\":%s%s%s,\"gate\":\"%s\","
                                    "\"threshold\":%zu,\"threads\":%d,\"staging_bytes\":%zu,\"drain_s\":%d,"
-                                   "\"request_s\":%d,\"engine_vmm\":%s,\"stream_ordered\":%s,"
-                                   "\"digest_engine\":\"%s\",\"driver\":%s,"
+                                   "\"request_s\":%d,\"engine_vmm\":%s,\"stream_ordered\":%s,\"shrink_stack\":%s,"
+                                   "\"stack_bytes\":%zu,\"stack_lowered\":%zu,\"digest_engine\":\"%s\",\"driver\":%s,"
                                    "\"uncovered\":", (int)getpid(), t.count, t.bytes, t.mapped,
                                    __atomic_load_n(&released, __ATOMIC_ACQUIRE) ? "true" : "false",
                                    running ? "\"" : "", running ? running : "null", running ? "\"" : "",
                                    cscu_gate_is_open() ? "open" : "closed", cfg->threshold, cfg->threads,
                                    cfg->staging, cfg->drain_s, cfg->request_s, cfg->engine_vmm ? "true" : "false",
-                                   cfg->stream_ordered ? "true" : "false", cscu_sha256_engine(),
+                                   cfg->stream_ordered ? "true" : "false", cfg->stack_shrink ? "true" : "false",
+                                   cfg->stack_bytes, cscu_stack_lowered(), cscu_sha256_engine(),
                                    cscu_driver() ? "true" : "false");
     used += cscu_counts_json(out + used, room - used);
     used += moved(out + used, room - used);
@@ -156,6 +158,18 @@ static double note(const char *op, const char *dir, const char *out, double sinc
         fprintf(stderr, "coldsnap-cuda: %s: %s after %.3f s%s%.300s\n", op, ok ? "done" : "refused", now - since,
                 ok ? "" : ": ", ok ? "" : out);
     return now;
+}
+
+/* `key` and what `value` writes, put inside the JSON object that ends `out` (a release's answer). */
+static void answer_append(char *out, size_t room, const char *key, size_t (*value)(char *, size_t))
+{
+    size_t used = strlen(out), n = strlen(key);
+    if (used < 1 || used + n + 2 >= room)
+        return;
+    memcpy(out + used - 1, key, n + 1);
+    used += n - 1;
+    used += value(out + used, room - used - 1);
+    snprintf(out + used, room - used, "}");
 }
 
 /* 1 when every region of the table has its backing (`all`), or when any has none (`!all`). */
@@ -190,6 +204,8 @@ static void release(const struct cscu_request *req, char *out, size_t room)
     cscu_regions_lock();
     cscu_release(req->dir, out, room);
     released = regions_mapped(0);
+    if (released && strncmp(out, "{\"ok\":true", 10) == 0)  /* the gate stays closed until the set-back */
+        answer_append(out, room, ",\"stack_limit\":", cscu_stack_lower);
     cscu_regions_unlock();
     if (released)
         snprintf(released_dir, sizeof(released_dir), "%s", req->dir);
@@ -220,12 +236,24 @@ static void hydrate(const struct cscu_request *req, int *fds, size_t count, char
         return;
     }
     cscu_regions_lock();
+    /* The engine's stack limit first: it only reserves (no copy), and a restore that cannot give the engine back its
+     * own limit must not run it (a recursive kernel would overflow the lowered stack), so it fails before any fill. */
+    double stack_s = 0;
+    char error[256];
+    if (cscu_stack_restore(&stack_s, error, sizeof(error)) != 0) {
+        cscu_regions_unlock();
+        cscu_refuse(out, room, "hydrate: stack limit", "%s; the regions stay released, the gate closed", error);
+        return;
+    }
     if (count)  /* a node hydrator filled one allocation per region while the process was restored */
         cscu_hydrate_staged(dir, policy, fds, count, out, room);
     else
         cscu_hydrate(dir, policy, strcmp(verify, CSCU_VERIFY_DIGEST) == 0, out, room);
     int all = regions_mapped(1);
     cscu_regions_unlock();
+    size_t used = strlen(out);
+    if (used > 2 && strncmp(out, "{\"ok\":true,\"report\":", 20) == 0)  /* inside the report: its last key */
+        snprintf(out + used - 2, room - used + 2, ",\"stack_restore_s\":%.6f}}", stack_s);
     if (all && strncmp(out, "{\"ok\":true", 10) == 0) {
         released = 0;
         cscu_gate_open();  /* every region is back and verified: the engine's threads go on */
