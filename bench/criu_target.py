@@ -1,7 +1,7 @@
 """A process for CRIU to dump and restore that checks its own memory afterwards (bench and tests).
 
     python bench/criu_target.py --dir DIR --mib 512 [--seed 7] [--thp-mib 64] [--nothp-mib 16] [--shared-mib 16]
-                                [--file-mib 8] [--zero-mib 16] [--repeat] [--fork]
+                                [--file-mib 8] [--zero-mib 16] [--repeat] [--fork] [--threads 0] [--libs 0]
 
 It maps `--mib` MiB of private anonymous memory filled with distinct pseudo-random pages (a stream seeded
 with `--seed`), and optionally a region advised `MADV_HUGEPAGE`, one advised `MADV_NOHUGEPAGE`, a `MAP_SHARED`
@@ -15,6 +15,8 @@ zeros): a private region of that size about 60 % zeros (single pages, runs, whol
 but for one byte), the same pattern over the file mapping's dirty half (a private page of zeros over the
 file's data), and with `--fork` pages of the private region that the child, and others that the parent,
 overwrite with zeros after the fork (each then holds zeros where the other still holds data).
+With `--threads N` N more threads wait in it and with `--libs N` it loads up to N of its Python's extension
+libraries (each a few mappings): the shape of a server's process for CRIU (bench/criu_dump_threads.py).
 Standard library only: the GPU machine runs it with its own Python.
 """
 
@@ -27,6 +29,8 @@ import mmap
 import os
 import random
 import sys
+import sysconfig
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -167,6 +171,20 @@ def verify(found: dict[str, Region]) -> dict[str, object]:
     return {"ok": not bad, "bad": bad, "bytes": sum(r.size for r in found.values()), "pid": os.getpid()}
 
 
+def server_shape(threads: int, libs: int) -> list[ctypes.CDLL]:
+    """`threads` threads that wait (a server's pool) and up to `libs` shared libraries loaded (its mappings)."""
+    for _ in range(threads):
+        threading.Thread(target=time.sleep, args=(1 << 30,), daemon=True).start()
+    found = sorted(Path(sysconfig.get_config_var("DESTSHARED") or "/nonexistent").glob("*.so"))
+    loaded = []
+    for path in found[:libs]:
+        try:
+            loaded.append(ctypes.CDLL(str(path)))
+        except OSError:  # one that needs a library this host lacks: the others still make the shape
+            continue
+    return loaded
+
+
 def zero_after_fork(found: dict[str, Region], zeros: Zeros) -> None:
     """This process (the child or the parent) overwrites pages of its copy-on-write private region with zeros."""
     private = found["private"]
@@ -186,11 +204,14 @@ def main() -> None:
     parser.add_argument("--zero-mib", type=int, default=0)
     parser.add_argument("--repeat", action="store_true")
     parser.add_argument("--fork", action="store_true")
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--libs", type=int, default=0)
     args = parser.parse_args()
     global REPEAT
     REPEAT = args.repeat
     workdir = Path(args.dir)
     found = regions(args, workdir)
+    libraries = server_shape(args.threads, args.libs) if args.threads or args.libs else []
     spans = {name: [address(r.area) + r.start, r.size] for name, r in found.items()}
     (workdir / "regions.json").write_text(json.dumps(spans))
     child = os.fork() if args.fork else -1
@@ -208,6 +229,7 @@ def main() -> None:
         (workdir / "child").write_text(str(child))
     (workdir / "ready").write_text(str(os.getpid()))
     serve(workdir, found, "")
+    del libraries
     if child > 0:
         os.waitpid(child, 0)
     sys.exit(0)

@@ -67,6 +67,7 @@ PHASES = (
     ("container started -> restore_begin (all of the above)", "started", "restore_begin"),
     ("restore_begin -> validated (records, identity, target check)", "restore_begin", "validated"),
     ("validated -> CRIU started (stage, shm files, CUDA driver if before)", "validated", "criu_restore_begin"),
+    ("worker main -> CRIU started (the worker's path to CRIU: issue 35 item 2)", "worker_main", "criu_restore_begin"),
     ("CRIU restore", "criu_restore_begin", "criu_restore_end"),
     ("CRIU end -> ready", "criu_restore_end", "ready"),
     ("ready -> readiness seen (report written, readiness exec)", "ready", "readied"),

@@ -17,7 +17,7 @@ With `--before REF` (and `--criu`, the CRIU the worker asks for its version), a 
 run: the whole `python -S -m coldsnap_probe restore` of images whose capture names another architecture, from
 the command to its exit (3, refused by the target check): the interpreter, the imports, the guard, this host's
 identity and the checks, everything a restore does before CRIU but CRIU (issue 35 item 2), that ref's worker and
-this checkout's taking turns, both compiled.
+this checkout's taking turns, both compiled; and the imports alone on that path to CRIU (`PATH_TO_CRIU`).
 """
 
 from __future__ import annotations
@@ -41,6 +41,11 @@ from bench._common import table
 EAGER = ("import coldsnap_probe.__main__, coldsnap_probe._worker, coldsnap_probe._canaries, "
          "coldsnap_probe.hydration as h, coldsnap_probe as p\n"
          "[getattr(m, n) for m in (p, h) for n in m.__all__]")
+# What the restore command imports from its start to CRIU's (`__main__._restore`, `_worker`): the imports row of
+# `--before`'s table, side by side (issue 35 item 2).
+PATH_TO_CRIU = ("import coldsnap_probe._coordinator, coldsnap_probe._phase, coldsnap_probe._report_dir, "
+                "coldsnap_probe.errors, coldsnap_probe._worker_guard, coldsnap_probe._criu_kdat, coldsnap_probe._host, "
+                "coldsnap_probe._restore, coldsnap_probe.memory")
 ROWS = {  # label -> (setup, timed statement, what the row prints as its source)
     "GPU facts through NVML": ("from coldsnap_probe._host import gpu_identity",
                                "found = gpu_identity(nvml=True)", "found['gpu_identity_source']"),
@@ -98,11 +103,13 @@ def refusal_table(before: str, criu: str, repeat: int, scratch: Path) -> str:
     subprocess.run(["tar", "-x", "-C", str(ref)], input=archive, check=True)
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(ref)], check=True, stdout=subprocess.DEVNULL)
     sides = {f"before ({before})": ref, "this checkout": package_copy(scratch / "after", True)}
-    samples: dict[str, list[float]] = {label: [] for label in sides}
+    samples: dict[str, list[float]] = {f"{what}: {label}": [] for what in ("refused", "imports") for label in sides}
     for _ in range(repeat):
         for label, package in sides.items():
-            samples[label].append(refused(package, images, criu))
-    return table(["a restore refused by the target check, command to exit", "median ms", "p10 ms", "min ms"],
+            samples[f"refused: {label}"].append(refused(package, images, criu))
+            samples[f"imports: {label}"].append(once("import coldsnap_probe.__main__", PATH_TO_CRIU, "'-'", package)[0])
+    return table(["a restore refused by the target check, command to exit / the imports on its path to CRIU",
+                  "median ms", "p10 ms", "min ms"],
                  [[label, f"{statistics.median(v):.1f}", f"{sorted(v)[len(v) // 10]:.1f}", f"{min(v):.1f}"]
                   for label, v in samples.items()])
 

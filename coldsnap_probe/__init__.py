@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # what each name is, for mypy and readers; at run time `__get
     from ._contracts import CONTRACTS as CONTRACTS
     from ._contracts import contract as contract
     from ._contracts import requirements as requirements
+    from ._criu_restore_log import restore_phases as restore_phases
     from ._criu_stats import dump_stats as dump_stats
     from ._features import admit as admit
     from ._features import admit_profile as admit_profile
@@ -42,6 +43,8 @@ if TYPE_CHECKING:  # what each name is, for mypy and readers; at run time `__get
     from ._graph import plan_graph_policy as plan_graph_policy
     from ._graph import resolve_graph_policy as resolve_graph_policy
     from ._graph import validate_graph_record as validate_graph_record
+    from ._held_tree import stop_tree as stop_tree
+    from ._held_tree import wait_stopped as wait_stopped
     from ._host import boot_id as boot_id
     from ._model import FEATURE_IDS as FEATURE_IDS
     from ._model import STATUSES as STATUSES
@@ -101,10 +104,13 @@ _EXPORTS = MappingProxyType({
     "Qualification": "._model",
     "QualificationScope": "._model",
     "Requirements": "._model",
+    "restore_phases": "._criu_restore_log",
     "dump_stats": "._criu_stats",
     "anonymous_memory": "._process",
     "image_digest": "._process",
     "pids_by_argv": "._process",
+    "stop_tree": "._held_tree",
+    "wait_stopped": "._held_tree",
     "ThreadHold": "._thread_hold",
     "AdmissionError": ".errors",
     "ContractError": ".errors",
@@ -163,8 +169,11 @@ __all__ = (
     "region_digest",
     "requirements",
     "resolve_graph_policy",
+    "restore_phases",
+    "stop_tree",
     "validate_graph_record",
     "validate_profile",
+    "wait_stopped",
     "with_criu",
     "write_cached",
 )

@@ -165,7 +165,9 @@ def _restore(args: argparse.Namespace, entered: int, coordinator: Coordinator | 
              phases: PhaseLog) -> dict[str, Any]:
     """A restore, started in the order that gets CRIU running soonest (issue 35 item 2): the guard first (before CRIU
     and the CUDA driver: a worker that dies leaves no restored tree; and before this process has a second thread,
-    which a fork would not copy), then this host's identity read in a thread while the rest is imported."""
+    which a fork would not copy), then CRIU's kernel-feature probe run in a process and this host's identity read in a
+    thread while the rest is imported. The probe first: with the imports cut to what the checks before CRIU need, it
+    is what the restore's CRIU may wait for (`KernelProbe.environment`)."""
     from pathlib import Path
 
     from ._worker_guard import WorkerGuard
@@ -173,6 +175,9 @@ def _restore(args: argparse.Namespace, entered: int, coordinator: Coordinator | 
     guard = WorkerGuard()
     guard.start("restore")
     guarded = time.time_ns()
+    from ._criu_kdat import KernelProbe
+
+    kernel = KernelProbe(args.criu, guard.scratch("coldsnap-kdat-"))  # CRIU's kernel probe, while the rest imports
     from ._host import IdentityReading
 
     identity = IdentityReading(args.criu)
@@ -182,7 +187,7 @@ def _restore(args: argparse.Namespace, entered: int, coordinator: Coordinator | 
     startup = {"worker_main": entered, "guard_started": guarded, "imports_done": time.time_ns()}
     return restore(Path(args.images), criu=args.criu, work=Path(args.work_dir) if args.work_dir else None,
                    coordinator=coordinator, lazy_pages=args.lazy_pages, phases=phases, guard=guard, startup=startup,
-                   identity=identity, memory=MemoryOptions(device_policy=args.device_policy,
+                   identity=identity, kernel=kernel, memory=MemoryOptions(device_policy=args.device_policy,
                                                            device_digests=args.device_digests)).to_json()
 
 

@@ -4,11 +4,14 @@ n580 (a pre-CUDA template): audit -> [capture-ready] -> CRIU dump -> [dumped].
 n610 (initialized CUDA state): find the CUDA processes -> [capture-ready, the ranks agree on the graph policy]
 -> quiesce the engine's communicators -> [quiesced] -> release every memory source, in registry order
 (`memory.SOURCES`: the engine's weights, then the CUDA interposer's device memory, each recorded into the images)
--> CUDA lock -> CUDA checkpoint -> [checkpointed] -> CRIU dump (+ graph.json) -> [dumped]. Brackets are the
-ranks' barriers.
+-> CUDA lock -> the tree stopped, CUDA checkpoint (each process held but its driver's restore thread) ->
+[checkpointed] -> CRIU dump (+ graph.json) -> [dumped]. Brackets are the ranks' barriers. From the checkpoint until
+the dump or the rollback is done nothing of the tree runs but the driver's restore thread (`_held_tree`: a thread
+let run meanwhile may touch device mappings the driver has torn down).
 
-The rollback, in this order, whatever phase failed: abort the activation for every rank (peers first), let a
-stopped dumped tree run again, restore and unlock what was checkpointed and locked (reverse order), give back
+The rollback, in this order, whatever phase failed: abort the activation for every rank (peers first), restore
+and unlock what was checkpointed and locked (the process done last first; in a stopped tree each process held but
+its restore thread), let a stopped tree run again, give back
 what each memory source released, in reverse registry order (the device memory hydrated back and its dump
 removed, which opens the interposer's gate, then the weights hydrated back), recreate the communicators the
 quiesce destroyed, keep CRIU's log beside the images.
@@ -30,6 +33,7 @@ from ._cuda import Driver
 from ._cuda_ipc import refuse_cuda_ipc
 from ._engine import check_quiesced, engine_request, graph_plan, resume_engine, write_graph_record
 from ._graph import GraphPlan
+from ._held_tree import driver_alone, held, stop_again, stop_tree, wait_stopped
 from ._images_fs import images_filesystem
 from ._phase import PhaseLog
 from ._process import (
@@ -110,7 +114,7 @@ class _Capture:
         # `quiesced`: a quiesce that failed half-way still needs its communicators back).
         self.driver: Driver | None = None
         self.done: list[tuple[int, str]] = []  # (pid, "locked" | "checkpointed"), in the order done
-        self.quiesced = self.dumped = False
+        self.quiesced = self.stopped = self.dumped = False  # stopped: SIGSTOP was sent to the tree
         self.memory: MemoryCaptures | None = None  # what the memory sources released (each rolls back its own)
 
     def run(self, lock_timeout_ms: int) -> None:
@@ -224,14 +228,28 @@ class _Capture:
         self.report.timings_s["cuda_lock"] = time.perf_counter() - started
 
     def _checkpoint(self, driver: Driver, cuda: list[int]) -> None:
+        """The tree stopped (every CUDA call in flight ended at the lock), then each CUDA process checkpointed with
+        only its driver's restore thread running; every thread back in its stop before CRIU seizes the tree."""
         self.phase.enter("cuda-checkpoint")
         started = time.perf_counter()
+        self.journal.note(stop=self.tree)
+        self.stopped = True
+        stop_tree(self.tree)
+        self.report.timings_s["tree_stop"] = time.perf_counter() - started
+        in_driver = 0.0
         for p in cuda:
-            self.journal.note(cuda=p, state="checkpointed")
-            driver.call("cuCheckpointProcessCheckpoint", p, None)
-            self.done.append((p, "checkpointed"))
-        require_state(driver, cuda, "checkpointed", "after checkpoint")
-        self.report.timings_s["cuda_checkpoint"] = time.perf_counter() - started
+            with driver_alone(driver, p, note=self.journal.note):
+                self.journal.note(cuda=p, state="checkpointed")
+                called = time.perf_counter()
+                driver.call("cuCheckpointProcessCheckpoint", p, None)
+                self.done.append((p, "checkpointed"))
+                # GetState only while the restore thread runs (as every restore asks it): asked of the stopped
+                # process after the hold, it never answered and the capture hung (H200, 2026-12-02).
+                require_state(driver, [p], "checkpointed", "after checkpoint")
+                in_driver += time.perf_counter() - called
+        wait_stopped(self.tree)  # a released restore thread re-enters its group stop: CRIU then sees one state
+        total = self.report.timings_s["cuda_checkpoint"] = time.perf_counter() - started
+        self.report.timings_s["thread_hold"] = total - self.report.timings_s["tree_stop"] - in_driver
 
     def _dump(self) -> None:
         # The dumped tree stays stopped until the images are complete (capture.json) and, with several ranks, until
@@ -258,10 +276,12 @@ class _Capture:
     def _roll_back(self, exc: BaseException) -> None:
         """Undo what was done, so that the workload keeps running on every rank."""
         self.ranks.abort(f"rank {self.ranks.rank} capture: {type(exc).__name__}: {exc}")  # peers first, then undo
-        if self.dumped:
-            signal_tree(self.tree, signal.SIGCONT)  # the CUDA restore thread of a stopped tree must run
-        if self.driver is not None:
-            undo_cuda(self.driver, self.done)
+        if self.stopped:
+            stop_again(self.tree)
+        if self.driver is not None:  # a stopped tree runs only once its CUDA state is back (`_held_tree`)
+            undo_cuda(self.driver, self.done, held(self.driver) if self.stopped else None)
+        if self.stopped or self.dumped:
+            signal_tree(self.tree, signal.SIGCONT)
         if self.memory is not None:
             self.memory.roll_back()
         if self.quiesced and self.engine:  # every rank rolls back: recreate the communicators the capture destroyed

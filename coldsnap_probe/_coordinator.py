@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import stat
 import time
 from pathlib import Path
@@ -68,7 +67,7 @@ def _open_dir(parent: int | None, name: str, what: str) -> int:
 
 def _write_new(directory: int, name: str, value: dict[str, Any]) -> bool:
     """Write `name` in `directory` whole if it does not exist yet; False when it already did."""
-    tmp = f".{name}.{secrets.token_hex(8)}"  # ranks' pids may be equal
+    tmp = f".{name}.{os.urandom(8).hex()}"  # ranks' pids may be equal
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=directory)
     try:
         with os.fdopen(fd, "w") as f:

@@ -1,5 +1,5 @@
 """The worker's conversations with the engine (its control socket: quiesce, resume, release, hydrate) and the
-graph policy record it writes into the images and checks before a restore."""
+graph policy record it writes into the images (`_graph.validated_graph_record` checks it before a restore)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from ._coordinator import Coordinator
-from ._graph import GraphPlan, default_graph_policy, graph_record, plan_graph_policy, validate_graph_record
+from ._graph import GraphPlan, default_graph_policy, graph_record, plan_graph_policy
 from ._host import gpu_identity
 from ._process import inet_sockets
-from ._reports import RestoredGraphPolicy
 from .errors import ContractError, ProbeError, RankAborted, WorkerError
 from .jsonline import request
 
 __all__ = ("ABORT_POLL", "check_quiesced", "engine_request", "graph_plan", "resume_engine", "tp_execution",
-           "validated_graph_record", "write_graph_record")
+           "write_graph_record")
 
 ABORT_POLL = 0.05  # seconds between looks at the activation's abort while the engine works
 
@@ -103,19 +102,3 @@ def write_graph_record(images: Path, plan: GraphPlan, world_size: int) -> None:
     record = graph_record(async_graphs=plan.recorded != "disabled", graph_policy=plan.recorded,
                           engine="coldsnap-engine", execution=execution)
     (images / "graph.json").write_text(json.dumps({"record": record, "execution": execution}, indent=2) + "\n")
-
-
-def validated_graph_record(images: Path) -> RestoredGraphPolicy | None:
-    """The record written at capture, every rule checked and its digest recomputed: the policy it recorded, the
-    decision and the plan's digest; None if there is none."""
-    path = images / "graph.json"
-    if not path.exists():
-        return None
-    try:
-        stored = json.loads(path.read_text())
-        record, execution = stored["record"], stored["execution"]
-        validate_graph_record(record, engine="coldsnap-engine", execution=execution, coverage=None)
-        return RestoredGraphPolicy(effective=str(record["policy_effective"]), decision=str(record["decision"]),
-                                   plan_sha256=str(record["recipe"]["plan_sha256"]))
-    except (ValueError, KeyError, TypeError, AttributeError, ContractError) as exc:
-        raise WorkerError(f"graph.json: {exc}") from exc

@@ -1,19 +1,23 @@
-"""The graph policy record (admission spec 5.4-5.5): resolution, validation and the recipe digest."""
+"""The graph policy record (admission spec 5.4-5.5): resolution, validation and the recipe digest, and the record a
+capture wrote checked before a restore (`validated_graph_record`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any, NoReturn
 
+from ._reports import RestoredGraphPolicy
 from .canonical import digest, go_floats
-from .errors import ContractError
+from .errors import ContractError, WorkerError
 
 __all__ = ("DECISIONS", "POLICIES", "RECIPE_MODES", "GraphPlan", "GraphResolution", "ResourceAudit",
            "default_graph_policy", "graph_record", "plan_graph_policy", "recipe_digest", "resolve_graph_policy",
-           "validate_graph_record")
+           "validate_graph_record", "validated_graph_record")
 
 POLICIES = ("preserve-exec", "recreate-from-plan", "preserve-nccl-exec", "disabled")
 DECISIONS = ("requested_policy_is_supported", "provider_reconstructs_communicator",
@@ -233,3 +237,19 @@ def _validate_recipe(recipe: Any, audit: dict[str, Any], *, engine: str, executi
     if recipe["plan_sha256"] != recipe_digest(engine=engine, execution=execution, requested=requested,
                                               effective=effective, audit=audit, coverage=coverage):
         _fail("recipe plan_sha256 does not recompute")
+
+
+def validated_graph_record(images: Path) -> RestoredGraphPolicy | None:
+    """The record written at capture, every rule checked and its digest recomputed: the policy it recorded, the
+    decision and the plan's digest; None if there is none."""
+    path = images / "graph.json"
+    if not path.exists():
+        return None
+    try:
+        stored = json.loads(path.read_text())
+        record, execution = stored["record"], stored["execution"]
+        validate_graph_record(record, engine="coldsnap-engine", execution=execution, coverage=None)
+        return RestoredGraphPolicy(effective=str(record["policy_effective"]), decision=str(record["decision"]),
+                                   plan_sha256=str(record["recipe"]["plan_sha256"]))
+    except (ValueError, KeyError, TypeError, AttributeError, ContractError) as exc:
+        raise WorkerError(f"graph.json: {exc}") from exc

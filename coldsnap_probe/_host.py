@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -115,8 +114,9 @@ def gpu_identity(*, nvml: bool = False) -> dict[str, Any]:
 
 def system_identity() -> dict[str, Any]:
     """Boot id, hostname, architecture and kernel release."""
-    return {"boot_id": boot_id(), "hostname": platform.node(), "architecture": platform.machine(),
-            "kernel": platform.release()}
+    system = os.uname()  # what `platform` reads, without its import on a restore's path to CRIU (issue 35 item 2)
+    return {"boot_id": boot_id(), "hostname": system.nodename, "architecture": system.machine,
+            "kernel": system.release}
 
 
 def _cuda_driver_api() -> int | None:

@@ -3,20 +3,24 @@ and CRIU run as a program (no CUDA driver calls but the state checks through `_c
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
-import platform
 import re
 import signal
 import stat
 import subprocess
 import threading
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ._cuda import Driver
 from .errors import WorkerError
+
+if TYPE_CHECKING:
+    from ._cuda import Driver
 
 __all__ = (
     "CriuRun",
@@ -109,7 +113,7 @@ def criu_environment(criu: str) -> dict[str, str]:
     with its own libraries (the capsule's /opt/coldsnap/criu/{bin,lib}, or an unpacked package's
     usr/{sbin,lib/<multiarch>} beside the binary) finds them ahead of the caller's LD_LIBRARY_PATH."""
     prefix = Path(criu).resolve().parent.parent
-    multiarch = f"{platform.machine()}-linux-gnu"
+    multiarch = f"{os.uname().machine}-linux-gnu"
     found = [str(d) for d in (prefix / "lib", prefix / "lib" / multiarch) if any(d.glob("*.so*"))]
     inherited = os.environ.get("LD_LIBRARY_PATH", "")
     return {**os.environ, "LD_LIBRARY_PATH": ":".join([*found, *([inherited] if inherited else [])])}
@@ -124,14 +128,16 @@ class CriuRun:
     Started before `wait`, so that the worker does meanwhile what does not need CRIU's result. `lifeline`:
     descriptors it holds open until it exits (a worker guard's journal: the guard of a worker that dies meanwhile
     undoes only once this CRIU has ended too). A thread of its own reaps it the moment it exits, so that its seconds
-    are CRIU's even when the worker's own work meanwhile (a restore's CUDA driver) ends later."""
+    are CRIU's even when the worker's own work meanwhile (a restore's CUDA driver) ends later. `env`: variables
+    added to CRIU's environment (a restore's CRIU_KDAT_CACHE, `_criu_kdat`)."""
 
-    def __init__(self, criu: str, args: list[str], log: Path, *, lifeline: tuple[int, ...] = ()) -> None:
+    def __init__(self, criu: str, args: list[str], log: Path, *, lifeline: tuple[int, ...] = (),
+                 env: dict[str, str] | None = None) -> None:
         self.args, self.log = args, log
         self.started = time.perf_counter()
         self.process = subprocess.Popen([criu, *args, "--log-file", str(log), "-v4"], stdin=subprocess.DEVNULL,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                        env=criu_environment(criu), pass_fds=lifeline)
+                                        env={**criu_environment(criu), **(env or {})}, pass_fds=lifeline)
         self._stderr, self._exited = "", self.started
         self._reaper = threading.Thread(target=self._reap, name="coldsnap-criu-reaper", daemon=True)
         self._reaper.start()
@@ -241,16 +247,24 @@ def signal_tree(pids: list[int], sig: signal.Signals) -> None:
             pass
 
 
-def undo_cuda(driver: Driver, done: list[tuple[int, str]]) -> None:
-    """Undo in reverse order so the workload keeps running: restore what was checkpointed, then unlock."""
-    for pid, what in reversed(done):
-        try:
-            if what == "checkpointed":
-                driver.call("cuCheckpointProcessRestore", pid, None, required=False)
-            elif driver.state(pid) == "locked":
-                driver.call("cuCheckpointProcessUnlock", pid, None, required=False)
-        except Exception:
-            continue
+def undo_cuda(driver: Driver, done: list[tuple[int, str]],
+              hold: Callable[[int], AbstractContextManager[Any]] | None = None) -> None:
+    """Undo so the workload keeps running, the process done last first: restore what was checkpointed, then
+    unlock. `hold` (a stopped tree: `_held_tree.held`) holds each process but its driver's restore thread for it;
+    a process that cannot be held is let run and undone so (the restore needs its restore thread scheduled)."""
+    for pid in reversed(list(dict.fromkeys(p for p, _ in done))):
+        with contextlib.suppress(WorkerError), contextlib.ExitStack() as stack:  # a release that failed: the rest
+            try:
+                if hold is not None:
+                    stack.enter_context(hold(pid))
+            except WorkerError:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+            with contextlib.suppress(Exception):  # best effort: the caller's rollback goes on with the rest
+                if (pid, "checkpointed") in done:
+                    driver.call("cuCheckpointProcessRestore", pid, None, required=False)
+                if driver.state(pid) == "locked":
+                    driver.call("cuCheckpointProcessUnlock", pid, None, required=False)
 
 
 def pids_by_argv(words: list[str]) -> list[int]:

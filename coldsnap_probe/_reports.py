@@ -278,6 +278,7 @@ class RestoreReport:
     identity_source: str | None = None  # where the GPU facts checked came from: `procfs` or `nvml`
     graph_policy: RestoredGraphPolicy | None = None
     criu_restore_seconds: float | None = None
+    criu_restore_phases: dict[str, float] | None = None  # from CRIU's log (`_criu_restore_log.restore_phases`)
     restored_pid: int | None = None
     peer_criu_restore_seconds: list[Any] | None = None
     cuda_restore_seconds: float | None = None
@@ -300,7 +301,8 @@ class RestoreReport:
             "boundary": self.boundary, "captured_root_pid": self.captured_root_pid, "cuda_pids": self.cuda_pids,
             "identity_compatibility": self.identity_compatibility, "identity_source": self.identity_source,
             "graph_policy": self.graph_policy.to_json() if self.graph_policy else None,
-            "criu_restore_seconds": self.criu_restore_seconds, "restored_pid": self.restored_pid,
+            "criu_restore_seconds": self.criu_restore_seconds, "criu_restore_phases": self.criu_restore_phases,
+            "restored_pid": self.restored_pid,
             "peer_criu_restore_seconds": self.peer_criu_restore_seconds,
             "cuda_restore_seconds": self.cuda_restore_seconds,
             "peer_cuda_restore_seconds": self.peer_cuda_restore_seconds,

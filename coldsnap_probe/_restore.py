@@ -2,11 +2,14 @@
 
 read the records (capture, graph, and each memory source's: the weight sources, the device dumps) while the
 host's identity is read, check the host -> [validated] -> stage every memory source, in registry order (a node
-hydrator's stages, read-ahead) -> CRIU restore, paused (cuInit meanwhile) -> [criu-restored] -> CUDA restore and
-unlock per process, reverse inventory order, only its restore thread running -> [cuda-restored] -> every page in
-(lazy pages) -> resume the tree
--> [process-resumed] -> hydrate every memory source, in reverse registry order (the CUDA interposer's device
-memory, then the engine's weights) -> recreate the communicators -> [ready]. Brackets are barriers.
+hydrator's stages, read-ahead) -> CRIU restore, paused (cuInit meanwhile) -> [criu-restored] -> the phases after
+CRIU (`_restore_after_criu`): CUDA restore and unlock per process, reverse inventory order, only its restore thread
+running -> [cuda-restored] -> every page in (lazy pages) -> resume the tree -> [process-resumed] -> hydrate every
+memory source, in reverse registry order (the CUDA interposer's device memory, then the engine's weights) ->
+recreate the communicators -> [ready]. Brackets are barriers.
+
+This module imports only what the phases up to CRIU's start need: the later phases' module, and what it needs,
+is imported while CRIU runs (`_import_later_phases`, issue 35 item 2).
 
 The rollback, whatever phase failed: kill the restored tree (nothing half-restored serves), abort the
 activation for every rank, discard what the memory sources staged (registry order), stop the lazy-pages daemon.
@@ -27,31 +30,31 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._coordinator import Coordinator
-from ._engine import ABORT_POLL, resume_engine, validated_graph_record
+from ._graph import validated_graph_record
 from ._host import IdentityReading
 from ._phase import PhaseLog
-from ._process import CriuRun, criu_environment, process_state, process_tree, require_state, stop, tail
+from ._process import CriuRun, criu_environment, process_tree, stop, tail
 from ._reports import Mark, RestoredGraphPolicy, RestoreReport
 from ._shm_files import SharedFile, load_shared_files, put_back
-from ._target import check_target, comparable
-from ._thread_hold import ThreadHold
+from ._target import check_target, comparable, gpu_pairs
 from ._worker_guard import WorkerGuard
-from .errors import RankAborted, TargetRefused, WorkerError
+from .errors import TargetRefused, WorkerError
 from .memory import MemoryOptions, MemoryRestores, RestoreScope
 
 if TYPE_CHECKING:
+    from ._criu_kdat import KernelProbe
     from ._cuda import Driver
 
 __all__ = ("restore",)
 
 LAZY_PAGES_START_S = 10.0  # for `criu lazy-pages` to listen
-LAZY_PAGES_FINISH_S = 120.0  # for it to have copied every page after the restore
 
 
 def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: Coordinator | None = None,
             lazy_pages: bool = False, memory: MemoryOptions | None = None,
             phases: PhaseLog | None = None, guard: WorkerGuard | None = None,
-            startup: dict[str, int] | None = None, identity: IdentityReading | None = None) -> RestoreReport:
+            startup: dict[str, int] | None = None, identity: IdentityReading | None = None,
+            kernel: KernelProbe | None = None) -> RestoreReport:
     """Restore the tree captured in `images`; returns the report (the images are only read).
 
     `lazy_pages`: CRIU restores the processes without their memory, which `criu lazy-pages` then fills
@@ -60,7 +63,9 @@ def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: C
     how the memory sources hydrate; `phases` publishes each phase as it begins; `guard` (started) kills the restored
     tree if this process dies before the restore ends. `startup`: what the worker's command did before this call
     (mark name -> unix ns), reported as `worker_start`. `identity`: this host's identity, already being read (the
-    worker starts reading it before its imports); None: read here, while the records are.
+    worker starts reading it before its imports); None: read here, while the records are. `kernel`: CRIU's
+    kernel-feature probe, already running (the worker starts it before its imports; this call ends it and removes
+    its cache); None: the restore's CRIU probes the kernel itself.
     """
     run = _Restore(images, criu=criu, work=work, ranks=coordinator or Coordinator.single(), lazy_pages=lazy_pages,
                    phases=phases or PhaseLog("restore", publish=False))
@@ -68,6 +73,7 @@ def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: C
     run.memory_options = memory or MemoryOptions()
     run.journal = guard or WorkerGuard()
     run.identity = identity
+    run.kernel = kernel
     try:
         run.phases()
     except BaseException as exc:
@@ -77,6 +83,8 @@ def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: C
             raise
         raise WorkerError(error) from exc
     finally:
+        if kernel is not None:
+            kernel.close()
         if work is None and run.work is not None:  # its own scratch (the logs' tails are in the error already)
             shutil.rmtree(run.work, ignore_errors=True)
         run.journal.end()
@@ -105,7 +113,9 @@ class _Restore:
         self.shared: list[SharedFile] = []  # the tree's /dev/shm files, put back just before CRIU
         self.cuda: list[int] = []
         self.identity: IdentityReading | None = None
+        self.kernel: KernelProbe | None = None
         self.driver: Driver | None = None
+        self.gpu_pairs: list[tuple[bytes, bytes]] = []  # (captured, this) GPU UUIDs: restored onto another GPU
         # What was started, for the rollback.
         self.root: int | None = None
         self.lazy: subprocess.Popen[bytes] | None = None
@@ -129,21 +139,11 @@ class _Restore:
         self._start_stages()
         self.phase.enter("criu-restore")
         root = self._criu_restore()
-        self.phase.enter("cuda-restore")
-        self._cuda_restore(root)
-        if self.lazy:
-            self.phase.enter("pages-in")
-            self._all_pages_in(self.lazy, root)
-        self.phase.enter("resume")
-        self._resume(root)
-        if self.memory is not None:
-            self.phase.enter("hydrate")
-            self.memory.hydrate(self.report)
-        if self.engine and self.graph is not None:
-            self.phase.enter("communicators")
-            self._recreate_communicators(self.engine, self.graph)
-        self.ranks.barrier("ready")
-        self.timeline.mark("ready")
+        # The phases after CRIU live in `_restore_after_criu`, imported while CRIU ran (`_import_later_phases`): the
+        # path to CRIU imports only what its checks need (issue 35 item 2). Here it is a lookup.
+        from ._restore_after_criu import after_criu
+
+        after_criu(self, root)
 
     # -- the phases, in order ----------------------------------------------------------------------------------
     def _read_records(self) -> None:
@@ -182,12 +182,14 @@ class _Restore:
         captured, boundary = self.captured.get("identity", {}), self.captured["boundary"]
         captured, current = comparable(captured, current, boundary)
         try:
-            self.report.identity_compatibility = check_target(captured, current, boundary)
+            self.report.identity_compatibility = check_target(captured, current, boundary,
+                                                              device_policy=self.memory_options.device_policy)
         except TargetRefused as exc:
             self.timeline.mark("refused")
             exc.seconds = self.timeline.seconds("restore_begin", "refused")
             raise
         self.report.identity_source = current["gpu_identity_source"]
+        self.gpu_pairs = gpu_pairs(captured, current)
 
     def _agree(self) -> None:
         """Nothing is restored on any rank until every rank's images, record and identity are good."""
@@ -204,8 +206,9 @@ class _Restore:
         pidfile.unlink(missing_ok=True)  # CRIU refuses to overwrite one left by an earlier restore
         # Every rank is restored paused and released together; a lazy tree is released once its pages are in.
         paused = bool(self.cuda) or self.ranks.multi or self.lazy_pages
+        cached = self.kernel.environment() if self.kernel else {}  # ended long before, unless the CPU is starved
         if self.lazy_pages:
-            self.lazy = _start_lazy_pages(self.criu, self.images, work, self.journal)
+            self.lazy = _start_lazy_pages(self.criu, self.images, work, self.journal, cached)
         args = ["restore", "--images-dir", str(self.images), "--work-dir", str(work), "--restore-detached",
                 "--pidfile", str(pidfile), *(["--leave-stopped"] if paused else []),
                 *(["--lazy-pages"] if self.lazy else [])]
@@ -213,7 +216,7 @@ class _Restore:
         self.report.shared_files = [f.path for f in self.shared] or None
         self.journal.note(restore=str(self.images), pidfile=str(pidfile))
         self.timeline.mark("criu_restore_begin")
-        criu = CriuRun(self.criu, args, work / "restore.log", lifeline=self.journal.lifeline())
+        criu = CriuRun(self.criu, args, work / "restore.log", lifeline=self.journal.lifeline(), env=cached)
         # CRIU first, then the CUDA driver while it runs: cuda-python's import, libcuda's load and cuInit took tens
         # of milliseconds before CRIU started, and cuInit alone a good part of the CUDA restore otherwise.
         failed: BaseException | None = None
@@ -243,52 +246,6 @@ class _Restore:
             self.timeline.mark("rank_barrier_end")
         return root
 
-    def _cuda_restore(self, root: int) -> None:
-        """n610: per CUDA process in reverse inventory order: checkpointed -> restore -> locked -> unlock."""
-        driver = self.driver
-        if driver is None:
-            return
-        self.timeline.mark("deferred_cuda_restore_begin")
-        for pid in reversed(self.cuda):
-            # CRIU left the tree stopped: only the driver's restore thread runs until the process's CUDA state is
-            # back (a thread running meanwhile may touch mappings not yet restored: `_thread_hold`).
-            with ThreadHold(pid) as hold:
-                hold.run_only(int(driver.call("cuCheckpointProcessGetRestoreThreadId", pid)))
-                require_state(driver, [pid], "checkpointed", "before CUDA restore")
-                driver.call("cuCheckpointProcessRestore", pid, None)
-                require_state(driver, [pid], "locked", "after CUDA restore")
-                driver.call("cuCheckpointProcessUnlock", pid, None)
-                require_state(driver, [pid], "running", "after unlock")
-        if not (self.ranks.multi or self.lazy):
-            os.killpg(root, signal.SIGCONT)  # else held until every rank's CUDA state is back, every page is in
-        self.timeline.mark("deferred_cuda_restore_end")
-        seconds = self.report.cuda_restore_seconds = self.timeline.seconds("deferred_cuda_restore_begin",
-                                                                           "deferred_cuda_restore_end")
-        peers = self.ranks.barrier("cuda-restored", {"cuda_seconds": seconds})
-        self.report.peer_cuda_restore_seconds = [p.get("cuda_seconds") for p in peers]
-        if self.ranks.multi:
-            self.timeline.mark("distributed_cuda_restore_barrier_end")
-
-    def _all_pages_in(self, lazy: subprocess.Popen[bytes], root: int) -> None:
-        _finish_lazy_pages(lazy, self.work or Path(), root, self.ranks)
-        self.timeline.mark("all_pages_in")
-        self.report.all_pages_in_seconds = self.timeline.seconds("restore_begin", "all_pages_in")
-
-    def _resume(self, root: int) -> None:
-        if self.ranks.multi or self.lazy:
-            os.killpg(root, signal.SIGCONT)
-        if self.ranks.multi:
-            self.ranks.barrier("process-resumed")
-        self.timeline.mark("process_resumed")  # without CUDA, one rank, eager: the tree was restored running
-
-    def _recreate_communicators(self, engine: str, graph: RestoredGraphPolicy) -> None:
-        self.timeline.mark("communicator_recreate_begin")
-        self.report.engine_resume = resume_engine(engine, self.ranks, graph.effective, "restore",
-                                                  self.work or Path())
-        self.timeline.mark("communicator_recreate_end")
-        self.report.communicator_recreate_seconds = self.timeline.seconds("communicator_recreate_begin",
-                                                                          "communicator_recreate_end")
-
     # -- the one rollback ----------------------------------------------------------------------------------------
     def roll_back(self, error: str) -> None:
         """A failure on any rank stops every rank: nothing half-restored serves."""
@@ -302,17 +259,19 @@ class _Restore:
             stop(self.lazy)
 
 
-def _start_lazy_pages(criu: str, images: Path, work: Path, journal: WorkerGuard) -> subprocess.Popen[bytes]:
+def _start_lazy_pages(criu: str, images: Path, work: Path, journal: WorkerGuard,
+                      cached: dict[str, str]) -> subprocess.Popen[bytes]:
     """`criu lazy-pages` for the restore that follows: it serves the restored process's page faults from the
     images (userfaultfd) and copies every other page in the background, then exits 0. Its socket, then its pid,
-    are journalled: the guard of a worker that dies ends it."""
+    are journalled: the guard of a worker that dies ends it. `cached`: the kernel probe's cache, as the restore's."""
     listening = work / "lazy-pages.socket"
     listening.unlink(missing_ok=True)
     log = work / "lazy-pages.log"
     journal.note(lazy_socket=str(listening))
     daemon = subprocess.Popen([criu, "lazy-pages", "--images-dir", str(images), "--work-dir", str(work),
                                "--log-file", str(log), "-v4"], stdin=subprocess.DEVNULL,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=criu_environment(criu))
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env={**criu_environment(criu), **cached})
     journal.note(lazy_pages=daemon.pid)
     give_up = time.monotonic() + LAZY_PAGES_START_S
     while not listening.exists():
@@ -323,25 +282,6 @@ def _start_lazy_pages(criu: str, images: Path, work: Path, journal: WorkerGuard)
             raise WorkerError(f"criu lazy-pages did not listen within {LAZY_PAGES_START_S:.0f} s: {tail(log)}")
         time.sleep(0.001)
     return daemon
-
-
-def _finish_lazy_pages(daemon: subprocess.Popen[bytes], work: Path, root: int, ranks: Coordinator) -> None:
-    """Every page is in once the daemon exits 0 while the restored tree still lives (the tree is stopped
-    meanwhile, so nothing runs on memory the daemon might never fill). A timeout or a peer's abort leaves
-    the daemon to the caller, which kills the tree first."""
-    give_up = time.monotonic() + LAZY_PAGES_FINISH_S
-    while daemon.poll() is None:
-        if time.monotonic() > give_up:
-            raise WorkerError(f"criu lazy-pages had not copied every page after {LAZY_PAGES_FINISH_S:.0f} s")
-        if reason := ranks.aborted():
-            raise RankAborted(f"the activation was aborted while pages were restored: {reason}")
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            daemon.wait(ABORT_POLL)
-    if daemon.returncode != 0:
-        raise WorkerError(f"criu lazy-pages exited {daemon.returncode}, the restored memory is incomplete: "
-                          f"{tail(work / 'lazy-pages.log')}")
-    if process_state(root) in ("", "Z", "X"):
-        raise WorkerError(f"the restored process {root} exited while its pages were restored")
 
 
 class _CudaStart:
@@ -372,9 +312,10 @@ class _CudaStart:
         return self.driver
 
 
-# Imported only by the phases after CRIU (the memory sources' hydration pools; with them `logging`): ~8 ms of
-# imports that CRIU's restore hides, rather than the path to it or the hydration after it (issue 35 item 2).
-LATER_PHASES_MODULES = ("concurrent.futures",)
+# Imported only by the phases after CRIU, while CRIU runs: their module (the held tree, the engine's control socket,
+# the memory sources' hydration) and the sources' hydration pools (with them `logging`), off the path to CRIU and off
+# the hydration after it (issue 35 item 2).
+LATER_PHASES_MODULES = (f"{__package__}._restore_after_criu", "concurrent.futures")
 
 
 def _import_later_phases() -> None:

@@ -21,7 +21,15 @@ not the first), each with a stable reason code and both values:
     gpu-model-mismatch        another GPU model
     gpu-memory-mismatch       the GPU's memory differs (a MIG slice of another size); compared where both are known
     device-count-mismatch     another number of GPUs visible to the capsule than the captured process saw
+    gpu-uuid-mismatch         another GPU of the same model, and the restore's device policy is `same-gpu`
+    gpu-remap-unsupported     another GPU of the same model that the driver cannot be told to restore onto: its
+                              CUDA API predates the restore's GPU pairs (before 12.9: the 570 driver "does not
+                              support GPU migration"), the capture saw several GPUs (one UUID is recorded; the
+                              driver needs a pair for every checkpointed GPU), or a UUID is not a `GPU-` one (MIG)
 
+Another GPU of the same model (`same-model`, the default policy): the CUDA restore passes the driver the pair
+(captured UUID -> this one: `cuCheckpointProcessRestore`'s `CUcheckpointRestoreArgs.gpuPairs`, "the GPU to
+restore onto needs to have enough memory and be of the same chip type"), and the compatibility is `gpu-remapped`.
 A pre-CUDA template (n580) holds no CUDA state: only the architecture, kernel, CRIU and capsule image are compared.
 The capsule image is a safety check, not a boundary: a manager controls its own capsule's environment.
 """
@@ -34,7 +42,10 @@ from typing import Any
 from ._host import GPU_FACTS, gpu_identity
 from .errors import TargetRefused
 
-__all__ = ("Mismatch", "check_target", "comparable")
+__all__ = ("Mismatch", "check_target", "comparable", "gpu_pairs")
+
+REMAP_CUDA_API = 12090  # the first CUDA API whose restore takes GPU pairs (12.8's 570 driver did not remap)
+_GPU_UUID_HEX = 32
 
 
 @dataclass(frozen=True)
@@ -51,21 +62,26 @@ class Mismatch:
 
 
 
-def check_target(captured: dict[str, Any], current: dict[str, Any], boundary: str) -> str:
-    """`exact`, `driver-upgraded` or `pre-cuda-template`; raises `TargetRefused` naming every mismatched fact.
+def check_target(captured: dict[str, Any], current: dict[str, Any], boundary: str, *,
+                 device_policy: str = "same-model") -> str:
+    """`exact`, `driver-upgraded`, `gpu-remapped` or `pre-cuda-template`; raises `TargetRefused` naming every
+    mismatched fact.
 
     `captured` is the capture's `identity`, `current` this host's (`host_identity`), both in one vocabulary
-    (`comparable`)."""
+    (`comparable`); `device_policy` (`same-model`, `same-gpu`) says whether another GPU of the model restores."""
     if shape := _misshapen(captured):
         raise TargetRefused([Mismatch("record-invalid", "identity", shape, "an identity as a capture writes it")
                              .to_json()])
     found = [*_system(captured, current), *_criu(captured.get("criu") or {}, current.get("criu") or {})]
     if boundary != "n580":
         found += _gpu(captured, current)
+        found += _another_gpu(captured, current, device_policy) if not found else []
     if found:
         raise TargetRefused([m.to_json() for m in found])
     if boundary == "n580":
         return "pre-cuda-template"  # no CUDA state was captured: the process initializes CUDA fresh
+    if gpu_pairs(captured, current):
+        return "gpu-remapped"
     return "exact" if captured.get("driver_version") == current.get("driver_version") else "driver-upgraded"
 
 
@@ -91,7 +107,7 @@ def _layers_text(layers: list[str]) -> str:
 _SHAPES: dict[str, tuple[type, ...]] = {
     "architecture": (str,), "kernel": (str,), "criu": (dict,), "driver_version": (str,), "gpu_name": (str,),
     "gpu_memory_bytes": (int,), "cuda_driver_api": (int,), "gpu_devices": (int,), "image_layers": (list,),
-    "procfs": (dict,)}
+    "procfs": (dict,), "gpu_uuid": (str,)}
 
 
 def _misshapen(captured: Any) -> str:
@@ -137,6 +153,42 @@ def _gpu(captured: dict[str, Any], current: dict[str, Any]) -> list[Mismatch]:
     found += _known_differ("gpu-memory-mismatch", "gpu_memory_bytes", captured, current)
     found += _known_differ("device-count-mismatch", "gpu_devices", captured, current)
     return found
+
+
+def _another_gpu(captured: dict[str, Any], current: dict[str, Any], policy: str) -> list[Mismatch]:
+    """Another GPU of the captured model (the other facts matched): refused under `same-gpu`, and where the driver
+    cannot be given the pair; else the CUDA restore remaps (`gpu_pairs`)."""
+    was, now = captured.get("gpu_uuid"), current.get("gpu_uuid")
+    if was is None or now is None or was == now:
+        return []
+    if policy == "same-gpu":
+        return [Mismatch("gpu-uuid-mismatch", "gpu_uuid", was, now)]
+    if _uuid_bytes(was) is None or _uuid_bytes(now) is None:
+        return [Mismatch("gpu-remap-unsupported", "gpu_uuid", was, now)]
+    if (captured.get("gpu_devices") or 1) > 1:
+        return [Mismatch("gpu-remap-unsupported", "gpu_devices", captured.get("gpu_devices"),
+                         current.get("gpu_devices"))]
+    api = current.get("cuda_driver_api")
+    if not isinstance(api, int) or api < REMAP_CUDA_API:
+        return [Mismatch("gpu-remap-unsupported", "cuda_driver_api", captured.get("cuda_driver_api"), api)]
+    return []
+
+
+def gpu_pairs(captured: dict[str, Any], current: dict[str, Any]) -> list[tuple[bytes, bytes]]:
+    """The (captured, current) GPU UUIDs, 16 bytes each, the CUDA restore passes the driver to restore onto another
+    GPU of the model (`check_target` admitted it); [] on the captured GPU, or where either UUID is unknown."""
+    was, now = _uuid_bytes(captured.get("gpu_uuid")), _uuid_bytes(current.get("gpu_uuid"))
+    return [(was, now)] if was is not None and now is not None and was != now else []
+
+
+def _uuid_bytes(uuid: Any) -> bytes | None:
+    """`GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` as the driver's 16 bytes (`CUuuid`); None for anything else."""
+    text = str(uuid or "")
+    digits = text[4:].replace("-", "") if text.startswith("GPU-") else ""
+    try:
+        return bytes.fromhex(digits) if len(digits) == _GPU_UUID_HEX else None
+    except ValueError:
+        return None
 
 
 def _known_differ(code: str, fact: str, captured: dict[str, Any], current: dict[str, Any]) -> list[Mismatch]:

@@ -8,6 +8,11 @@ CRIU leaves the tree stopped (`--leave-stopped`): seizing a stopped thread traps
 between CRIU and the hold. `run_only` lets one thread run, every signal blocked on it (a signal stop would leave
 it parked inside the driver's restore); `release` puts its mask back and detaches every thread, which then stays in
 the group stop CRIU left until the caller's SIGCONT. Raises `WorkerError` naming the thread and the errno.
+
+A capture holds a live process the same way, once the worker has stopped its tree (`_held_tree`). There a holder
+that dies leaves the thread it let run with every signal blocked (the kernel detaches its tracees, not their
+masks): `note` journals the thread's own mask before it is changed, and a dead worker's guard gives it back
+(`put_back_mask`).
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ import errno
 import os
 import signal
 import time
+from collections.abc import Callable
 from types import TracebackType
+from typing import Any
 
 from .errors import WorkerError
 
@@ -29,13 +36,16 @@ _WALL = 0x40000000  # waitpid: threads too
 _SIGSET_BYTES = 8  # the kernel's sigset_t on Linux
 _STOP_WAIT_S = 2.0  # for a thread to report the stop it was asked for
 _RETRAP_S = 0.005  # a group-stop notification pending when a thread is continued traps it at once
+# The thread let run: every signal blocked but SIGTRAP (and SIGKILL and SIGSTOP, which the kernel never blocks: the
+# mask as it reads back).
+HELD_MASK = ~sum(1 << (s - 1) for s in (signal.SIGTRAP, signal.SIGKILL, signal.SIGSTOP)) & (2**64 - 1)
 
 
 class ThreadHold:
     """Every thread of `pid` held (the process must be stopped); a context manager that releases them on exit."""
 
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
+    def __init__(self, pid: int, *, note: Callable[..., Any] | None = None) -> None:
+        self.pid, self._note = pid, note
         self._libc = ctypes.CDLL(None, use_errno=True)
         self._libc.ptrace.restype = ctypes.c_long
         self._libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
@@ -75,7 +85,9 @@ class ThreadHold:
         if tid not in self.threads:
             raise WorkerError(f"thread {tid} is not one of process {self.pid}'s {len(self.threads)} threads")
         self._ptrace(_GETSIGMASK, tid, _SIGSET_BYTES, ctypes.byref(self._mask))
-        blocked = ctypes.c_uint64(~(1 << (signal.SIGTRAP - 1)) & (2**64 - 1))
+        if self._note is not None:  # before the mask changes: a guard puts it back should this process die
+            self._note(hold=self.pid, thread=tid, mask=self._mask.value)
+        blocked = ctypes.c_uint64(HELD_MASK)
         self._ptrace(_SETSIGMASK, tid, _SIGSET_BYTES, ctypes.byref(blocked))
         self._ptrace(_CONT, tid)
         self.running = tid
@@ -85,6 +97,19 @@ class ThreadHold:
             if got and os.WIFSTOPPED(status):
                 self._ptrace(_CONT, tid)
             time.sleep(0.001)
+
+    def put_back_mask(self, tid: int, mask: int) -> bool:
+        """Thread `tid`'s own signal mask `mask` back, if it still has the one `run_only` gives (a holder died
+        before `release`); False if it has another (its own, which it may have changed since: left alone)."""
+        if tid not in self.threads:  # it ended meanwhile
+            return False
+        current = ctypes.c_uint64(0)
+        self._ptrace(_GETSIGMASK, tid, _SIGSET_BYTES, ctypes.byref(current))
+        if current.value != HELD_MASK:
+            return False
+        own = ctypes.c_uint64(mask & (2**64 - 1))
+        self._ptrace(_SETSIGMASK, tid, _SIGSET_BYTES, ctypes.byref(own))
+        return True
 
     def release(self) -> None:
         """Stop the running thread, give it its mask back, detach every thread (they stay group-stopped)."""

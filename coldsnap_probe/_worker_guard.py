@@ -9,17 +9,22 @@ line per step *about to be taken*:
 
     {"worker": "capture" | "restore"}      first, from `start`
     {"images": path, "created": bool}      the images directory (removed, or emptied, on undo)
-    {"work": path}                          the worker's own scratch directory (CRIU's work dir), about to be made
+    {"work": path}                          a scratch directory of the worker's own (CRIU's work dir; a
+                                            restore's kernel probe's), about to be made
     {"memory": weights_control}            the memory sources are about to release (undone from their records)
     {"cuda": pid, "state": "locked" | "checkpointed"}
+    {"stop": [pids]}                        the tree is about to be stopped (SIGSTOP), once locked (`_held_tree`)
+    {"hold": pid, "thread": tid, "mask": n} thread `tid` is about to run alone, every signal blocked; `n` its mask
     {"dump": [pids]}                        CRIU dumps the tree (always `--leave-stopped`)
     {"commit": [pids]}                      the images are complete (capture.json written): the tree ends
     {"end": true}                          the worker finished: a capture, or its own rollback
 
 When the pipe closes after `commit` but without `end`, the guard ends the stopped tree, as the worker was about
 to (the images are the capture). When it closes before, the guard undoes, in the order of the capture's own
-rollback: it waits for the kernel to let go of the tree (no process of it traced any more), lets the tree run
-(SIGCONT), restores what was checkpointed and unlocks what was locked, has every memory source give back what its
+rollback: with a stopped tree, it waits for the kernel to let go of it (no process of it traced any more: CRIU
+or the dead worker's hold), stops it again, gives a held thread its own signal mask back, restores what was
+checkpointed and unlocks what was locked, each process held but its driver's restore thread (`_held_tree`), and
+only then lets the tree run (SIGCONT); has every memory source give back what its
 records in the images say it released, removes the images and the worker's scratch directory (a failed dump's log
 kept in an images directory that stays, as the worker's own rollback keeps it).
 Each undo checks the state first (a step journalled but never taken is a no-op). What it undid goes to stderr,
@@ -46,7 +51,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
 import select
 import shutil
 import signal
@@ -57,9 +61,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ("WorkerGuard", "remove_contents")
+from .errors import WorkerError
 
-LET_GO_S = 5.0  # for the kernel to detach a tree from the CRIU that traced it, once that CRIU has exited
+__all__ = ("WorkerGuard", "remove_contents")
 
 
 class WorkerGuard:
@@ -105,7 +109,7 @@ class WorkerGuard:
         """A new directory of the worker's own in the temporary directory (0700, a random name, as `mkdtemp`),
         journalled before it is made: the guard removes it if the worker dies."""
         while True:
-            path = Path(tempfile.gettempdir()) / f"{prefix}{secrets.token_hex(6)}"
+            path = Path(tempfile.gettempdir()) / f"{prefix}{os.urandom(6).hex()}"
             if path.exists():  # never journal a path the worker did not make: the guard would remove it
                 continue
             self.note(work=str(path))
@@ -152,7 +156,7 @@ def _guard(fd: int) -> None:
                 continue
             if steps[-1].get("end"):
                 return  # the worker finished (a CRIU it started may still hold the journal: nothing is left to do)
-            for key in ("dump", "root", "lazy_pages"):
+            for key in ("stop", "dump", "root", "lazy_pages"):
                 _hold(steps[-1].get(key))
     if not steps:
         return
@@ -161,23 +165,28 @@ def _guard(fd: int) -> None:
     kind = str(steps[0].get("worker", "capture"))
     undone = (_undo_restore(steps) if kind == "restore" else [_end_tree([int(p) for p in committed[-1]])]
               if committed else _undo(steps))
-    work = [str(s["work"]) for s in steps if "work" in s]
-    if work:  # a failed capture's dump log is kept as the worker's own rollback keeps it
-        undone.append(_remove_work(Path(work[-1]), None if committed else _images(steps)))
+    for work in dict.fromkeys(str(s["work"]) for s in steps if "work" in s):  # a restore's: CRIU's, its kernel probe's
+        # a failed capture's dump log is kept as the worker's own rollback keeps it
+        undone.append(_remove_work(Path(work), None if committed else _images(steps)))
     sys.stderr.write(f"coldsnap-worker: {kind} guard: the worker died; undone in {time.monotonic() - started:.2f} s:"
                      f" {'; '.join(undone) or 'nothing was begun'}\n")
     sys.stderr.flush()
 
 
 def _undo(steps: list[dict[str, Any]]) -> list[str]:
-    """The capture's own rollback order: the tree runs, its CUDA state comes back, then its memory."""
+    """The capture's own rollback order: its CUDA state comes back (a stopped tree held still meanwhile), the tree
+    runs, then its memory comes back."""
     undone: list[str] = []
-    dumps = [s["dump"] for s in steps if "dump" in s]
-    if dumps:
-        undone.append(_let_tree_run([int(p) for p in dumps[-1]]))
+    stopped = [s.get("stop") or s["dump"] for s in steps if "stop" in s or "dump" in s]
+    tree = [int(p) for p in stopped[-1]] if stopped else []
+    if tree:
+        undone.append(_hold_still(tree, [s for s in steps if "hold" in s]))
     cuda = [(int(s["cuda"]), str(s["state"])) for s in steps if "cuda" in s]
-    if cuda:  # after the tree runs again: the CUDA restore needs its restore thread scheduled
-        undone.append(_undo_cuda(cuda))
+    driver = _undo_cuda(cuda, held=bool(tree)) if cuda else None
+    if tree:
+        undone.append(_let_tree_run(tree))
+    if driver is not None:  # asked once the tree runs: GetState does not answer for a stopped process
+        undone.append(_cuda_states(driver, cuda))
     images = _images(steps)
     memory = [s for s in steps if "memory" in s]
     if memory and images is not None:
@@ -237,12 +246,28 @@ def _images(steps: list[dict[str, Any]]) -> Path | None:
     return next((Path(s["images"]) for s in steps if "images" in s), None)
 
 
+def _hold_still(tree: list[int], holds: list[dict[str, Any]]) -> str:
+    """The CRIU dump and the worker's hold have ended (both held the journal): once the kernel has let go of the
+    tree, it is stopped again (through its pidfds), and a thread the worker let run alone gets its own mask back."""
+    # Imported here, in the guard's own process and only for this undo: off a restore worker's path to CRIU.
+    from ._held_tree import wait_stopped, wait_untraced
+    from ._thread_hold import ThreadHold
+
+    wait_untraced(tree)
+    for pid in tree:
+        _signal(pid, signal.SIGSTOP)
+    with contextlib.suppress(WorkerError):  # what does not stop is undone running (`undo_cuda`)
+        wait_stopped(tree)
+    given = []
+    for step in holds:
+        tid, mask = int(step["thread"]), int(step["mask"])
+        with contextlib.suppress(WorkerError), ThreadHold(int(step["hold"])) as hold:
+            if hold.put_back_mask(tid, mask):
+                given.append(tid)
+    return f"tree {tree} stopped" + (f", thread {given} given its signal mask back" if given else "")
+
+
 def _let_tree_run(tree: list[int]) -> str:
-    """The CRIU dump has ended (it held the journal), leaving the tree stopped (or dead); once the kernel has
-    detached it, the tree runs again."""
-    give_up = time.monotonic() + LET_GO_S
-    while any(_traced(p) for p in tree) and time.monotonic() < give_up:
-        time.sleep(0.002)
     for pid in tree:
         _signal(pid, signal.SIGCONT)
     alive = [p for p in tree if Path(f"/proc/{p}").exists()]
@@ -255,21 +280,19 @@ def _end_tree(tree: list[int]) -> str:
     return f"the capture was complete: tree {tree} ended, images kept"
 
 
-def _traced(pid: int) -> bool:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-    return any(line.startswith("TracerPid:") and line.split()[1] != "0" for line in status.splitlines())
-
-
-def _undo_cuda(done: list[tuple[int, str]]) -> str:
+def _undo_cuda(done: list[tuple[int, str]], *, held: bool) -> Any:
+    """The CUDA state restored and unlocked (`undo_cuda`); the driver, for `_cuda_states`."""
     from ._cuda import Driver  # only here: the worker forked the guard before any CUDA call
+    from ._held_tree import held as hold
     from ._process import undo_cuda
 
     driver = Driver()
     driver.call("cuInit", 0)
-    undo_cuda(driver, done)
+    undo_cuda(driver, done, hold(driver) if held else None)
+    return driver
+
+
+def _cuda_states(driver: Any, done: list[tuple[int, str]]) -> str:
     states = {}
     for pid in sorted({p for p, _ in done}):
         try:

@@ -14,7 +14,6 @@ A capsule is untrusted, so each entry is read once and removed, whatever it is::
         over MAX_REPORT_BYTES ─► removed unread, `too_large`
         not a capture/restore report of the worker's shape ─► removed, `malformed`
         a report ─► its phases into coldsnap_{capture,restore}_phase_seconds{phase,mode}, removed
-                    (a restore's node hydrator stages: their bytes per tier, coldsnap_provider_hydrator_stage_*)
 
 A directory no live unit carries (label ``io.coldsnap-provider.report-dir``) is removed once it
 is older than REAP_AFTER_S. Nothing a capsule writes there can change more than the rejected counter.
@@ -70,22 +69,6 @@ class _RestoreHydration(Struct, frozen=True):
     phase_seconds: Seconds
 
 
-class _Stage(Struct, frozen=True):
-    """A node hydrator's stage answer, as the worker recorded it: the tier that served it (its RAM tier or the
-    dump files; an unknown name is counted as `other`) and its bytes. A stage that was refused has no tier."""
-
-    tier: Annotated[str, Meta(max_length=16)] | None = None
-    bytes: Annotated[int, Meta(ge=0, le=1 << 50)] = 0
-
-
-class _StagedInterposer(Struct, frozen=True):
-    stage: _Stage | None = None
-
-
-class _RestoredDevice(Struct, frozen=True):
-    interposer: _StagedInterposer | None = None
-
-
 class _CapturedDevice(Struct, frozen=True):
     state: Annotated[str, Meta(max_length=32)]  # released, empty or not-started (the CUDA interposer's)
 
@@ -111,7 +94,6 @@ class RestoreReport(Struct, frozen=True, tag="coldsnap-cuda-criu-restore", tag_f
     communicator_recreate_seconds: Seconds | None = None
     device_hydration_seconds: Seconds | None = None
     hydration: _RestoreHydration | None = None
-    device_memory: Annotated[list[_RestoredDevice], Meta(max_length=256)] | None = None
 
 
 _decode = msgspec.json.Decoder(CaptureReport | RestoreReport).decode
@@ -122,7 +104,6 @@ class Phases:
     kind: str  # "capture" or "restore"
     mode: str  # "full", "hydrate" or "interposer", "-lazy-pages" when the memory came back lazily
     seconds: dict[str, float]
-    stages: tuple[tuple[str, int], ...] = ()  # a restore's node hydrator stages: (tier, bytes) each
 
 
 def phases_of(report: CaptureReport | RestoreReport) -> Phases:
@@ -137,9 +118,7 @@ def phases_of(report: CaptureReport | RestoreReport) -> Phases:
                "restore_total": report.restore_seconds, "ready_total": report.ready_seconds}
     mode = ("interposer" if report.device_hydration_seconds is not None else "hydrate" if report.hydration
             else "full") + ("-lazy-pages" if report.all_pages_in_seconds else "")
-    stages = tuple((stage.tier, stage.bytes) for device in report.device_memory or [] if device.interposer
-                   and (stage := device.interposer.stage) is not None and stage.tier is not None)
-    return Phases("restore", mode, {k: v for k, v in seconds.items() if v is not None}, stages)
+    return Phases("restore", mode, {k: v for k, v in seconds.items() if v is not None})
 
 
 class CapsuleReports:
@@ -188,7 +167,6 @@ class CapsuleReports:
         accepted, rejected = await anyio.to_thread.run_sync(self._scan_all)
         for phases in accepted:
             self._metrics.phases(phases.kind, phases.mode, phases.seconds)
-            self._metrics.stages(phases.stages)
         for reason in rejected:
             self._metrics.rejected(reason)
         if rejected:

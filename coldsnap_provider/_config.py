@@ -107,6 +107,9 @@ class MetricsConfig(_Section, frozen=True):
     capsule_reports: bool = True
     # How often every backend is asked whether it answers (coldsnap_provider_backend_up; `status` asks too).
     backend_probe_interval_s: Annotated[float, Meta(ge=1)] = 15.0
+    # The node hydrators whose own stage counts feed coldsnap_provider_hydrator_stage_*_total, asked for their
+    # status every backend_probe_interval_s (their sockets: `python -m coldsnap_probe.hydration serve --socket`).
+    hydrator_sockets: Annotated[list[Annotated[str, Meta(pattern=_ABSOLUTE)]], Meta(max_length=16)] = []
 
 
 class AuditConfig(_Section, frozen=True):
@@ -305,6 +308,9 @@ def _metrics_problem(config: Config) -> str:
     address = config.metrics.address
     if address and not address.startswith("unix:") and not 1 <= int(address.rpartition(":")[2]) <= 65535:
         return f"metrics.address {address!r}: the port must be 1-65535"
+    sockets = config.metrics.hydrator_sockets
+    if twice := next((path for index, path in enumerate(sockets) if path in sockets[:index]), None):
+        return f"metrics.hydrator_sockets lists {twice!r} twice (its stages would be counted twice)"
     return ""
 
 

@@ -39,6 +39,7 @@ from ._control_handler import ControlHandler
 from ._errors import ConfigError
 from ._framing import ByteBudget
 from ._health import BackendHealth
+from ._hydrator_stages import HydratorStages
 from ._listener import ConnectionServer, Limits, ServerState
 from ._operations import Operations
 from ._provider_handler import ProviderHandler
@@ -95,11 +96,15 @@ class Daemon:
                                     kubernetes=operations.kubernetes)
         # The control socket's `reload`, set by serve: _reload.Reloader.reload (SIGHUP calls it too).
         self.reload: Callable[[], dict[str, list[str]]] | None = None
+        # The node hydrators' own stage counts (their sockets are the operator's configuration).
+        self.hydrator_stages = HydratorStages(config.metrics.hydrator_sockets) \
+            if metrics is not None and config.metrics.hydrator_sockets else None
         if metrics is not None:
             remotes = operations.remotes
             metrics.watch(sessions=lambda: len(self.sessions), connections=lambda: self.state.connections,
                           remotes=remotes.link_states if remotes is not None else None, backends=self.health.states,
-                          capture_tiers=captures.tier_stats if captures is not None and captures.store else None)
+                          capture_tiers=captures.tier_stats if captures is not None and captures.store else None,
+                          hydrator_stages=self.hydrator_stages.totals if self.hydrator_stages is not None else None)
 
     def stop(self) -> None:
         """Begin a graceful shutdown (safe to call more than once)."""
@@ -143,6 +148,9 @@ class Daemon:
                     tg.start_soon(self.operations.reports.run, self.backend)
                 if self.metrics is not None:  # coldsnap_provider_backend_up stays current without a status call
                     tg.start_soon(functools.partial(self.health.run,
+                                                    interval_s=self.config.metrics.backend_probe_interval_s))
+                if self.hydrator_stages is not None:
+                    tg.start_soon(functools.partial(self.hydrator_stages.run,
                                                     interval_s=self.config.metrics.backend_probe_interval_s))
                 if (interval := watchdog_interval()) is not None:
                     tg.start_soon(_watchdog, interval)

@@ -53,8 +53,6 @@ RESTORE_PHASES = frozenset({"criu_restore", "cuda_restore", "all_pages_in", "dev
                             "restore_total", "ready_total"})
 REPORT_MODES = frozenset({"full", "hydrate", "interposer", "full-lazy-pages", "hydrate-lazy-pages",
                           "interposer-lazy-pages"})
-# Where a node hydrator's stage read its bytes (coldsnap_probe/hydration/_ram_tier.py TIERS).
-STAGE_TIERS = frozenset({"ram", "disk"})
 REJECT_REASONS = frozenset({"not_regular", "too_large", "malformed", "too_many", "unreadable"})
 
 # Requests take from a millisecond (capabilities) to many minutes (image builds, synchronous runs). Few
@@ -124,6 +122,28 @@ class _CaptureTierCollector(Collector):
         yield hits
 
 
+class _HydratorStageCollector(Collector):
+    """coldsnap_provider_hydrator_stage_{bytes,stages}_total{tier}: the node hydrators' own counts, as the daemon
+    last read them (_hydrator_stages.py: its STAGE_TIERS are the only `tier` values), never a capsule's report."""
+
+    def __init__(self, tiers: Callable[[], Iterable[tuple[str, int, int]]]) -> None:
+        self._tiers = tiers
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        read = CounterMetricFamily("coldsnap_provider_hydrator_stage_bytes",
+                                   "Bytes the node hydrators in metrics.hydrator_sockets read for the device dumps "
+                                   "they staged, by the tier that served them (ram: the hydrator's page-locked RAM "
+                                   "tier; disk: the dump files)", labels=["tier"])
+        stages = CounterMetricFamily("coldsnap_provider_hydrator_stages",
+                                     "Device dump stages those hydrators filled, by the tier that served them "
+                                     "(ram: a hit of the RAM tier)", labels=["tier"])
+        for tier, count, staged in self._tiers():
+            read.add_metric([tier], float(count))
+            stages.add_metric([tier], float(staged))
+        yield read
+        yield stages
+
+
 class Metrics:
     """The daemon's metrics; the handlers, the session manager and the report collector feed it."""
 
@@ -159,20 +179,12 @@ class Metrics:
                                  ["reason"], registry=registry)
         for reason in REJECT_REASONS:  # present at 0 from the start, so that rate() sees the first one
             self._rejected.labels(reason=reason)
-        self._stage_bytes = Counter("coldsnap_provider_hydrator_stage_bytes", "Bytes node hydrators staged for the "
-                                    "restores of units this daemon ran, by the tier that served them (ram: the "
-                                    "hydrator's page-locked RAM tier; disk: the dump files)", ["tier"],
-                                    registry=registry)
-        self._stages = Counter("coldsnap_provider_hydrator_stages", "Node hydrator stages of those restores, by the "
-                               "tier that served them (ram: a hit of the RAM tier)", ["tier"], registry=registry)
-        for tier in STAGE_TIERS:
-            self._stage_bytes.labels(tier=tier)
-            self._stages.labels(tier=tier)
 
     def watch(self, *, sessions: Callable[[], int], connections: Callable[[], int],
               remotes: Callable[[], Iterable[tuple[str, bool]]] | None = None,
               backends: Callable[[], Iterable[tuple[str, str, bool]]] | None = None,
-              capture_tiers: Callable[[], Iterable[tuple[str, int, int]]] | None = None) -> None:
+              capture_tiers: Callable[[], Iterable[tuple[str, int, int]]] | None = None,
+              hydrator_stages: Callable[[], Iterable[tuple[str, int, int]]] | None = None) -> None:
         """Gauges read from their owners at scrape time (nothing to keep in step)."""
         self.sessions.set_function(lambda: float(sessions()))
         self.connections.set_function(lambda: float(connections()))
@@ -182,6 +194,8 @@ class Metrics:
             self.registry.register(_BackendCollector(backends))
         if capture_tiers is not None:
             self.registry.register(_CaptureTierCollector(capture_tiers))
+        if hydrator_stages is not None:
+            self.registry.register(_HydratorStageCollector(hydrator_stages))
 
     def request(self, *, socket: str, operation: str, action: str, outcome: str, seconds: float) -> None:
         if socket == "session":
@@ -207,12 +221,6 @@ class Metrics:
             if phase in known:
                 histogram.labels(phase=phase, mode=mode).observe(value)
         self._reports.labels(kind=kind).inc()
-
-    def stages(self, served: Iterable[tuple[str, int]]) -> None:
-        """A restore report's node hydrator stages: (tier, bytes) each."""
-        for tier, size in served:
-            self._stage_bytes.labels(tier=bounded(tier, STAGE_TIERS)).inc(size)
-            self._stages.labels(tier=bounded(tier, STAGE_TIERS)).inc()
 
     def rejected(self, reason: str) -> None:
         self._rejected.labels(reason=bounded(reason, REJECT_REASONS)).inc()

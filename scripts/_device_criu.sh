@@ -5,6 +5,13 @@
 #   scripts/device criu shape   instead: CRIU's dump and restore of a 2 GiB process 55 % written with zeros, pages
 #                               of zeros written (stock) vs left out (zero-pages.patch) vs released, side by side
 #                               (bench/criu_dump_shape.py, best of 3, about 40 s): criu-dump-shape.txt, its JSON.
+#   scripts/device criu phases  instead: CRIU's restore of an engine-shaped CPU process (100 threads, 300 libraries,
+#                               1.1 GB), phase by phase from CRIU's log, without and with the kernel-feature cache
+#                               (bench/criu_restore_phases.py, 5 restores a variant, about 40 s): criu-phases.txt.
+#   scripts/device criu threads instead: CRIU's dump of a server-shaped process (1.14 GB of pages, 100 threads),
+#                               stock vs dump-threads.patch's threads (1, 4, the CPUs), images on a tmpfs mounted
+#                               huge=always as the capture's (bench/criu_dump_threads.py, best of 3, about 60 s):
+#                               criu-dump-threads.txt, its JSON.
 # Run from the repository root as root with .device-criu42 (scripts/criu/build --bundle .device-criu42) and .whl
 # carried; results (criu-restore.txt: the table; criu_restore.json; criu-env.txt) go to $OUT.
 set -uo pipefail
@@ -22,6 +29,23 @@ if [ "${1:-}" = shape ]; then
         --repeat 3 --out "$OUT" 2>&1 | tee "$OUT/criu-dump-shape.txt"
     rc=${PIPESTATUS[0]}
     rm -rf /dev/shm/criu-shape-*  # a run cut short leaves its images
+    exit "$rc"
+fi
+if [ "${1:-}" = phases ]; then
+    timeout -k 5 "${CRIU_BENCH_TIMEOUT:-170}" python3 bench/criu_restore_phases.py \
+        --criu "$PWD/.device-criu42/usr/sbin/criu" --rounds 5 --out "$OUT" 2>&1 | tee "$OUT/criu-phases.txt"
+    rc=${PIPESTATUS[0]}
+    rm -rf /dev/shm/coldsnap-criu-phases-* /tmp/coldsnap-criu-phases-*  # a run cut short leaves its images
+    exit "$rc"
+fi
+if [ "${1:-}" = threads ]; then
+    huge=$(mktemp -d /tmp/criu-threads-huge.XXXXXX)
+    mount -t tmpfs -o size=16g,huge=always tmpfs "$huge" || exit 1
+    timeout -k 5 "${CRIU_BENCH_TIMEOUT:-170}" python3 bench/criu_dump_threads.py \
+        --criu "$PWD/.device-criu42/usr/sbin/criu" --rows "1,4,0" --dir "$huge" --out "$OUT" 2>&1 \
+        | tee "$OUT/criu-dump-threads.txt"
+    rc=${PIPESTATUS[0]}
+    umount "$huge" && rmdir "$huge"
     exit "$rc"
 fi
 timeout -k 5 "${CRIU_BENCH_TIMEOUT:-170}" python3 bench/criu_restore.py --criu "$PWD/.device-criu42/usr/sbin/criu" \

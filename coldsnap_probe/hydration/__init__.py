@@ -65,6 +65,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what each name is, for mypy and readers; at run time `__getattr__` imports it
     from ._arena import WeightArena as WeightArena
+    from ._digests import chunk_digests as chunk_digests
+    from ._digests import combine_digests as combine_digests
+    from ._digests import region_digest as region_digest
     from ._hydrator import DUMP_CHUNK as DUMP_CHUNK
     from ._hydrator import DUMP_THREADS as DUMP_THREADS
     from ._hydrator import HydratorServer as HydratorServer
@@ -86,9 +89,6 @@ if TYPE_CHECKING:  # what each name is, for mypy and readers; at run time `__get
     from ._weights import HydrationManifest as HydrationManifest
     from ._weights import WeightRegion as WeightRegion
     from ._weights import check_sources as check_sources
-    from ._weights import chunk_digests as chunk_digests
-    from ._weights import combine_digests as combine_digests
-    from ._weights import region_digest as region_digest
 
 _EXPORTS = MappingProxyType({  # public name -> its module
     "WeightArena": "._arena",
@@ -113,9 +113,9 @@ _EXPORTS = MappingProxyType({  # public name -> its module
     "HydrationManifest": "._weights",
     "WeightRegion": "._weights",
     "check_sources": "._weights",
-    "chunk_digests": "._weights",
-    "combine_digests": "._weights",
-    "region_digest": "._weights",
+    "chunk_digests": "._digests",
+    "combine_digests": "._digests",
+    "region_digest": "._digests",
 })
 
 __all__ = (

@@ -9,10 +9,10 @@ import sys
 from collections.abc import Sequence
 
 from .. import jsonline
+from ._digests import region_digest
 from ._hydrator import STAGE_TTL, HydratorServer
 from ._ram_tier import default_budget, node_memory
 from ._stage_quota import STAGE_UID_COUNT, STAGE_UID_SHARE
-from ._weights import region_digest
 
 __all__ = ("main",)
 
@@ -86,6 +86,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                        help="a uid whose processes may ask (repeatable; root and this process's uid always may)")
     serve.add_argument("--allow-gid", type=int, action="append", default=[], metavar="GID",
                        help="a gid whose processes may ask (repeatable; needs --socket-group to reach the socket)")
+    serve.add_argument("--status-uid", type=int, action="append", default=[], metavar="UID",
+                       help="a uid whose processes may ask for the status only, the RAM tier's counters included "
+                            "(repeatable): the provider daemon's account, for its metrics")
     serve.add_argument("--socket-group", type=int, default=None, metavar="GID",
                        help="the socket's group: mode 0660 instead of 0600")
     serve.add_argument("sources", nargs="*", help="weight files to keep page-locked (none: a hydrator that only "
@@ -104,7 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         peers = jsonline.Peers(uids=frozenset(args.allow_uid), gids=frozenset(args.allow_gid))
         HydratorServer(args.sources, stage_ttl=args.stage_ttl, staging=args.staging, peers=peers,
                        group=args.socket_group, stage_uid_count=args.stage_uid_count,
-                       stage_uid_bytes=args.stage_uid_bytes, ram_tier_bytes=args.ram_tier_bytes).serve(args.socket)
+                       stage_uid_bytes=args.stage_uid_bytes, ram_tier_bytes=args.ram_tier_bytes,
+                       status_uids=frozenset(args.status_uid)).serve(args.socket)
     except Exception as exc:
         sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")
         return 1

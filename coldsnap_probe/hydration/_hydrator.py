@@ -19,6 +19,7 @@ from typing import Any
 from .. import jsonline
 from ..errors import HydrationError
 from ._copy import ZEROS, HostBuffers, Piece, Pinned, Pread, copy_to_device, region_pieces, zero_split
+from ._digests import DIGEST_CHUNK
 from ._peer_files import DumpLayout, dump_layout, dump_lengths, held_sources, open_dump_parts
 from ._peer_view import OPENERS, PeerView
 from ._ram_tier import RamTier
@@ -33,7 +34,7 @@ from ._vmm import (
     fd_handle,
     map_read_write,
 )
-from ._weights import DIGEST_CHUNK, HydrationManifest, WeightRegion, validate_regions
+from ._weights import HydrationManifest, WeightRegion, validate_regions
 
 __all__ = ("CONNECTIONS", "DUMP_CHUNK", "DUMP_THREADS", "STAGE_MAX", "STAGE_RESERVE", "STAGE_TTL",
            "UID_CONNECTIONS", "HydratorServer", "Stager", "dump_pieces", "request_regions")
@@ -113,7 +114,8 @@ class HydratorServer:
     def __init__(self, sources: Sequence[str], *, streams: int = 4, driver: Any = None,
                  stage_ttl: float = STAGE_TTL, staging: bool = False, peers: jsonline.Peers | None = None,
                  group: int | None = None, stage_uid_count: int | None = None,
-                 stage_uid_bytes: int | None = None, ram_tier_bytes: int = 0) -> None:
+                 stage_uid_bytes: int | None = None, ram_tier_bytes: int = 0,
+                 status_uids: frozenset[int] = frozenset()) -> None:
         from .._cuda import Driver
 
         self.driver: Any = driver or Driver()
@@ -139,6 +141,9 @@ class HydratorServer:
         self._lock = threading.Lock()  # the stage table and its stages: see the locking rule above
         self.stage_ttl, self.staging = stage_ttl, staging
         self.peers, self.group = peers or jsonline.Peers(), group
+        # Uids that may ask only for `status`, the RAM tier's counters included: the provider daemon's account (its
+        # metrics, coldsnap_provider/_hydrator_stages.py), which the shipped unit does not run as root.
+        self.status_uids = status_uids
         self._openers = threading.BoundedSemaphore(OPENERS)  # threads opening files in peers' views (_peer_view)
         _free, total = cucall(self.driver, "cuMemGetInfo")
         # Device dumps kept page-locked across restores (_ram_tier.py): only a staging hydrator stages them.
@@ -161,7 +166,8 @@ class HydratorServer:
                              + "\n")
             sys.stdout.flush()
             try:
-                jsonline.LineServer(listener, self._one, peers=self.peers, idle=self._expire,
+                askers = jsonline.Peers(uids=self.peers.uids | self.status_uids, gids=self.peers.gids)
+                jsonline.LineServer(listener, self._one, peers=askers, idle=self._expire,
                                     threads=CONNECTIONS, per_uid=UID_CONNECTIONS).run()
             finally:
                 self.ram_tier.close()
@@ -171,6 +177,8 @@ class HydratorServer:
         message, fds = jsonline.read_request_with_fds(conn, 1)
         try:
             op = message.get("op", "hydrate")
+            if op != "status" and not self.peers.admits(peer):  # a --status-uid asker only
+                raise HydrationError(f"uid {peer.uid} may ask this hydrator for its status only")
             if op not in ("hydrate", "stage", "stage-dump") and fds:
                 raise HydrationError(f"a {op!r:.80} request carries no descriptor")
             if op == "hydrate":
@@ -364,12 +372,13 @@ class HydratorServer:
     def _stage_dump(self, message: dict[str, Any], peer: jsonline.Peer, conn: socket.socket,
                     stager: int) -> dict[str, Any]:
         """Fill one allocation per released region from an interposer's device dump (docs/interposer.md) while
-        its process is being restored: `parts` are (file, bytes, region) in the order the interposer maps them
-        back (`dump_layout`), each file read whole through a ring of page-locked buffers into the allocations
-        mapped back to back (through the page cache: on the H200 machine's disk 16 readers read 1.45 GB/s
-        through it and 1.02 with O_DIRECT, bench/e2e_store.py's rates), or, when the RAM tier holds these very
-        files (`tier: ram`), one DMA per piece from their pinned mappings; a miss (`tier: disk`) queues them for
-        the tier. Only files `peer` could read itself in its own view, on this hydrator's GPU."""
+        its process is being restored: `parts` are (file, bytes, region, optionally zero: its chunks of zeros) in
+        the order the interposer maps them back (`dump_layout`), each part's first `bytes` of its file but for its
+        chunks of zeros (set on the device, never read: `dump_pieces`) read through a ring of page-locked buffers
+        into the allocations mapped back to back (through the page cache: on the H200 machine's disk 16 readers
+        read 1.45 GB/s through it and 1.02 with O_DIRECT, bench/e2e_store.py's rates), or, when the RAM tier holds
+        these very files (`tier: ram`), one DMA per piece from their pinned mappings; a miss (`tier: disk`) queues
+        them for the tier. Only files `peer` could read itself in its own view, on this hydrator's GPU."""
         key = self._stage_slot(message)
         layout, sizes = dump_layout(message.get("parts"))
         with PeerView.of(conn, peer, openers=self._openers) as view:
@@ -383,7 +392,7 @@ class HydratorServer:
         try:
             answer = self._stage_into(key, peer, conn, _Staged((), 0, size, parts, 0.0, 0.0, 0.0, 0, "",
                                                                layout=layout, sizes=sizes), copy, size, stager)
-            tier = self.ram_tier.staged(key, fds, lengths, lease, size - zero)
+            tier = self.ram_tier.staged(key, fds, lengths, lease, size - zero, owner=peer.uid)
         finally:
             if lease is not None:
                 lease.release()
@@ -438,8 +447,8 @@ class HydratorServer:
                 "count": len(staged.handles), "sizes": list(staged.sizes[first:first + len(page)])}, fds
 
     def _status(self, peer: jsonline.Peer) -> dict[str, Any]:
-        """The asker's own stages (one being filled says so, with no expiry yet), the per-uid quota and, for root
-        and this hydrator's uid, the RAM tier's state."""
+        """The asker's own stages (one being filled says so, with no expiry yet), the per-uid quota and, for root,
+        this hydrator's uid and the `status_uids`, the RAM tier's state."""
         now = time.monotonic()
         with self._lock:
             staged = [{"key": k[1], "bytes": v.size, "filling": not v.ready,
@@ -448,7 +457,7 @@ class HydratorServer:
         return {"ok": True, "device_uuid": self.device_uuid, "staged": staged,
                 "quota": {"count": self.quota.count, "bytes": self.quota.bytes},
                 # The tier is every tenant's: its counters say when others restored, so only the operator sees them.
-                **({"ram_tier": self.ram_tier.status()} if peer.uid in (0, os.getuid()) else {})}
+                **({"ram_tier": self.ram_tier.status()} if peer.uid in (0, os.getuid(), *self.status_uids) else {})}
 
     def _held(self, key: str, ticket: object) -> tuple[_Slot, _Staged] | None:
         """Under the lock: the ready stage under `key` that `ticket` opens, whoever staged it (the engine may run

@@ -30,7 +30,7 @@ from typing import Any
 from .. import jsonline
 from ..canonical import digest
 from ..errors import ChannelError, HydrationError
-from ._weights import CRC_PREFIX, DIGEST_CHUNK, DIGEST_PREFIX, digest_like, is_dump_digest
+from ._digests import CRC_PREFIX, DIGEST_CHUNK, DIGEST_PREFIX, digest_like, is_dump_digest
 
 __all__ = ("DUMP_KIND", "ENGINE_DEFAULTS", "ENV_HYDRATOR", "ENV_LIBRARY", "ENV_SOCKET", "LIBRARY", "POLICIES",
            "SOURCES", "DeviceDump", "DumpRegion", "DumpSegment", "build_library", "check_dump", "dump_identities",

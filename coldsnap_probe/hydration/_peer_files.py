@@ -13,8 +13,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..errors import HydrationError
+from ._digests import DIGEST_CHUNK
 from ._peer_view import PeerView
-from ._weights import DIGEST_CHUNK, WeightRegion
+from ._weights import WeightRegion
 
 __all__ = ("DUMP_ALIGN", "STAGE_ALLOCATIONS", "DumpLayout", "dump_layout", "dump_lengths", "held_sources",
            "open_dump_parts")

@@ -23,10 +23,19 @@ loader thread, which maps each file from its descriptor, pins it (the hydrator's
 identity again, LOAD_THREADS files at once, every thread at the lowest CPU priority.
 
 Budget: the bytes held, entries being loaded included, stay within `budget` (0: the tier is off). Room is made by
-evicting the least recently used entries no stage is using; a dump that would not fit even so (larger than the
-budget, or the rest in use) is not held, and counted as `skipped`. A pinned dump on tmpfs costs no memory beyond
+evicting entries no stage is using; a dump that would not fit even so (larger than the budget, or the rest in use
+or another tenant's share) is not held, and counted as `skipped`. A pinned dump on tmpfs costs no memory beyond
 the file's own pages; one on a disk's filesystem keeps its page cache resident: the default budget
 (`default_budget`) is a quarter of the node's memory (its cgroup's limit, if lower).
+
+Shares: the tier is every tenant's, so each entry is counted to the peer uid whose stage loaded it (its `owner`), and
+a load evicts only its owner's own entries or those of a uid that holds more than the owner will once the load is
+in, from the uid that holds the most, least recently used first (max-min fairness, as each manager's share of the
+capture store's fetch threads bounds one manager's pulls). One tenant alone may fill the whole budget; once others
+load, its entries make room for theirs until they hold alike, and its own misses then evict its own entries, never
+theirs: one tenant's stages, however many, cannot empty the tier of the others'. A hit of another uid's entry
+serves it (the same files, read in the asker's own view); the entry stays its owner's. The load queue holds at most
+QUEUE_PER_UID dumps of one uid, so one tenant's misses cannot keep the others' out of it.
 
 Locking: the entries, their use counts and the counters are read and changed only under `self._lock`, in one
 hold per check-then-act; pinning and unpinning (slow: hundreds of ms for tens of GB) run outside it, so a lease
@@ -38,7 +47,7 @@ from __future__ import annotations
 import collections
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,10 +55,11 @@ from typing import Any
 from ..errors import HydrationError
 from ._vmm import Mapped
 
-__all__ = ("LOAD_QUEUE", "LOAD_THREADS", "TIERS", "Identity", "Lease", "RamTier", "default_budget", "identity",
-           "node_memory")
+__all__ = ("LOAD_QUEUE", "LOAD_THREADS", "QUEUE_PER_UID", "TIERS", "Identity", "Lease", "RamTier", "default_budget",
+           "identity", "node_memory")
 
 LOAD_QUEUE = 2  # dumps waiting for the loader: a later miss queues the dump again
+QUEUE_PER_UID = 1  # of those, one peer uid's: the other place stays free for another tenant's miss
 # Files of a dump mapped and pinned at once: pinning 8 GiB of tmpfs took 4.5 s on one thread (4 KiB pages, H200).
 LOAD_THREADS = 4
 TIERS = ("ram", "disk")  # where a stage's bytes were read: the RAM tier, or the files (page cache or disk)
@@ -88,6 +98,7 @@ class _Dump:
     """One held dump: its files' pinned mappings by identity (empty until loaded)."""
 
     size: int
+    owner: int  # the peer uid whose stage's miss loaded it: its bytes count to that uid's share
     files: dict[Identity, Mapped] = field(default_factory=dict)
     fds: dict[Identity, int] = field(default_factory=dict)  # each file's descriptor, kept to see it removed
     users: int = 0  # stages copying from it now (leases): never evicted while above 0
@@ -114,12 +125,14 @@ class RamTier:
         self.budget, self._pin, self._unpin = budget, pin, unpin
         self._lock = threading.Lock()
         self._held: collections.OrderedDict[_Name, _Dump] = collections.OrderedDict()  # least recently used first
-        self._queue: collections.deque[tuple[_Name, dict[Identity, int]]] = collections.deque()
+        # Each: the dump's name, its owner (peer uid), its files' descriptors (the tier's own duplicates).
+        self._queue: collections.deque[tuple[_Name, int, dict[Identity, int]]] = collections.deque()
         self._wake = threading.Condition(self._lock)
         self._closed = False
         self.hits = self.misses = self.evictions = self.loads = self.dropped = 0
         self.skipped = dict.fromkeys(_SKIPS, 0)
         self.read_bytes = dict.fromkeys(TIERS, 0)  # bytes staged from each tier
+        self.stages = dict.fromkeys(TIERS, 0)  # stages filled from each tier (the hydrator's own count: metrics)
         self.last_error = ""  # the loader's last failure (a dump not held), for `status`
         self._loader: threading.Thread | None = None
         if budget:
@@ -150,31 +163,39 @@ class RamTier:
             dump.users -= 1
 
     def staged(self, key: str, fds: Mapping[str, int], lengths: Mapping[str, int], lease: Lease | None,
-               size: int) -> str:
+               size: int, *, owner: int) -> str:
         """After a stage of `size` bytes copied from the files open as `fds` (their first `lengths` bytes), from
-        `lease` (a hit) or the files (a miss): the bytes counted under the tier that served them, a miss's dump
-        queued for loading (`load_later`); that tier's name (TIERS)."""
+        `lease` (a hit) or the files (a miss), for a peer of uid `owner`: the stage and its bytes counted under the
+        tier that served them, a miss's dump queued for loading (`load_later`); that tier's name (TIERS)."""
         tier = "disk" if lease is None else "ram"
         with self._lock:
             self.read_bytes[tier] += size
+            self.stages[tier] += 1
         if lease is None:
-            self.load_later(key, fds, lengths)
+            self.load_later(key, fds, lengths, owner=owner)
         return tier
 
-    def load_later(self, key: str, fds: Mapping[str, int], lengths: Mapping[str, int]) -> bool:
+    def load_later(self, key: str, fds: Mapping[str, int], lengths: Mapping[str, int], *, owner: int = 0) -> bool:
         """Queue the first `lengths` bytes (named as in `fds`) of the dump of `key` in the files open as `fds` for
-        the loader (their descriptors duplicated: the caller's stay its own); False when the tier is off, holds or
-        queued it already, or the queue is full."""
+        the loader, counted to peer uid `owner` (their descriptors duplicated: the caller's stay its own); False
+        when the tier is off, holds or queued it already, the queue has no place for `owner`, or the descriptors
+        could not be duplicated (the process's limit: counted as `failed`, never the stage's failure)."""
         if not self.budget:
             return False
         ids = {named: identity(fd) for named, fd in fds.items()}
         files = {ids[named]: fd for named, fd in fds.items()}
         name = (key, frozenset(_lengths(ids, lengths).items()))
         with self._lock:
-            if name in self._held or any(queued == name for queued, _ in self._queue) or \
-                    len(self._queue) >= LOAD_QUEUE or self._closed:
+            if name in self._held or any(queued == name for queued, _, _ in self._queue) or self._closed or \
+                    len(self._queue) >= LOAD_QUEUE or sum(uid == owner for _, uid, _ in self._queue) >= QUEUE_PER_UID:
                 return False
-            self._queue.append((name, {ident: os.dup(fd) for ident, fd in files.items()}))
+            try:
+                duplicated = _dup_all(files)
+            except OSError as exc:
+                self.skipped["failed"] += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                return False
+            self._queue.append((name, owner, duplicated))
             self._wake.notify()
         return True
 
@@ -187,6 +208,8 @@ class RamTier:
                     "loading": len(self._queue),
                     "hits": self.hits, "misses": self.misses, "evictions": self.evictions, "loads": self.loads,
                     "dropped": self.dropped, "skipped": dict(self.skipped), "read_bytes": dict(self.read_bytes),
+                    "stages": dict(self.stages),
+                    "bytes_by_uid": {str(uid): n for uid, n in _by_owner(self._held.values()).items()},
                     "last_error": self.last_error}
 
     def close(self) -> None:
@@ -200,7 +223,7 @@ class RamTier:
             dumps, queued = list(self._held.values()), list(self._queue)
             self._held.clear()
             self._queue.clear()
-        for _name, fds in queued:
+        for _name, _owner, fds in queued:
             _close_all(fds)
         for dump in dumps:
             self._drop(dump)
@@ -223,10 +246,10 @@ class RamTier:
                 self._wake.wait_for(lambda: self._queue or self._closed)
                 if self._closed:
                     return
-                name, fds = self._queue[0]
+                name, owner, fds = self._queue[0]
             kept = False
             try:
-                kept = self._load(name, fds)
+                kept = self._load(name, owner, fds)
             except Exception as exc:  # a driver refusal (unpinning): said in `status`, and the loader goes on
                 with self._lock:
                     self.last_error = f"{type(exc).__name__}: {exc}"
@@ -237,17 +260,17 @@ class RamTier:
                     self._queue.popleft()
                     self._wake.notify_all()
 
-    def _load(self, name: _Name, fds: Mapping[Identity, int]) -> bool:
-        """Reserve room for the dump (evicting), map and pin each file, then make it ready, keeping `fds`; a file
-        whose identity changed meanwhile, or a failed pin, gives everything back. Whether it kept `fds`."""
+    def _load(self, name: _Name, owner: int, fds: Mapping[Identity, int]) -> bool:
+        """Reserve room for `owner`'s dump (evicting), map and pin each file, then make it ready, keeping `fds`; a
+        file whose identity changed meanwhile, or a failed pin, gives everything back. Whether it kept `fds`."""
         length = dict(name[1])
         size = sum(length.values())
         with self._lock:
-            victims = self._room_for(size)
+            victims = self._room_for(size, owner)
             if victims is None:
                 self.skipped["too_large" if size > self.budget else "no_room"] += 1
                 return False
-            dump = self._held[name] = _Dump(size)
+            dump = self._held[name] = _Dump(size, owner)
         files: dict[Identity, Mapped] = {}
         try:  # a victim's failed unpin (or no thread to pin with): the room reserved is given back, not kept for ever
             for victim in victims:
@@ -283,22 +306,32 @@ class RamTier:
             return f"{type(exc).__name__}: {exc}"
         return ""
 
-    def _room_for(self, size: int) -> list[_Dump] | None:
-        """Under the lock: drop least recently used entries no stage is using until `size` more bytes fit the
-        budget; those dropped (to unpin outside the lock), or None (nothing dropped) when they cannot."""
-        held = sum(d.size for d in self._held.values())
-        idle = [(n, d) for n, d in self._held.items() if d.users == 0 and d.ready]
-        if size > self.budget or held - sum(d.size for _, d in idle) + size > self.budget:
+    def _room_for(self, size: int, owner: int) -> list[_Dump] | None:
+        """Under the lock: drop entries no stage is using until `size` more bytes of `owner`'s fit the budget, each
+        time the least recently used of the uid holding the most among `owner` and the uids holding more than
+        `owner` will (module docstring, Shares); those dropped (to unpin outside the lock), or None (nothing
+        dropped) when they cannot."""
+        if size > self.budget:
             return None
-        victims = []
-        for name, dump in idle:
-            if held + size <= self.budget:
-                break
+        held = sum(d.size for d in self._held.values())
+        usage = _by_owner(self._held.values())
+        usage[owner] = usage.get(owner, 0) + size
+        idle = [(n, d) for n, d in self._held.items() if d.users == 0 and d.ready]  # least recently used first
+        chosen: list[tuple[_Name, _Dump]] = []
+        while held + size > self.budget:
+            open_to = [(n, d) for n, d in idle if d.owner == owner or usage[d.owner] > usage[owner]]
+            if not open_to:
+                return None
+            most = max(usage[d.owner] for _, d in open_to)
+            victim = next((n, d) for n, d in open_to if usage[d.owner] == most)
+            idle.remove(victim)
+            chosen.append(victim)
+            usage[victim[1].owner] -= victim[1].size
+            held -= victim[1].size
+        for name, _dump in chosen:
             del self._held[name]
-            victims.append(dump)
-            held -= dump.size
-            self.evictions += 1
-        return victims
+        self.evictions += len(chosen)
+        return [dump for _, dump in chosen]
 
     def _unpin_all(self, files: Any) -> None:
         """Every mapping unpinned and unmapped, also after one failed (the first failure raised then): one refusal
@@ -337,10 +370,30 @@ def _lengths(ids: Mapping[str, Identity], lengths: Mapping[str, int]) -> dict[Id
     return held
 
 
+def _by_owner(dumps: Iterable[_Dump]) -> dict[int, int]:
+    """The bytes each owner's dumps hold (entries being loaded included)."""
+    usage: dict[int, int] = {}
+    for dump in dumps:
+        usage[dump.owner] = usage.get(dump.owner, 0) + dump.size
+    return usage
+
+
 def _stale(fd: int, ident: Identity) -> bool:
     """Whether the file open as `fd` has lost its last link or is no longer what `ident` says it was."""
     st = os.fstat(fd)
     return st.st_nlink == 0 or (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) != ident
+
+
+def _dup_all(fds: Mapping[Identity, int]) -> dict[Identity, int]:
+    """Each descriptor duplicated; none left open when one cannot be (EMFILE)."""
+    duplicated: dict[Identity, int] = {}
+    try:
+        for ident, fd in fds.items():
+            duplicated[ident] = os.dup(fd)
+    except OSError:
+        _close_all(duplicated)
+        raise
+    return duplicated
 
 
 def _close_all(fds: Mapping[Identity, int]) -> None:

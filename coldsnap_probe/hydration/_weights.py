@@ -1,4 +1,4 @@
-"""Weight regions, their digests and sources, and the hydration manifest (no CUDA).
+"""Weight regions, their sources and the hydration manifest (no CUDA; the digests are `_digests.py`'s).
 
 A `WeightRegion` says where `size` bytes of an engine's weights live in its reservation and which bytes of
 which source file they are; `validate_regions` is the layout rule, `check_sources` the source rule,
@@ -10,15 +10,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import itertools
-import mmap
 import os
 import stat
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from .._memory import (
@@ -30,31 +26,20 @@ from .._memory import (
 )
 from ..canonical import digest
 from ..errors import HydrationError, MemoryCapabilityError
+from ._digests import DIGEST_PREFIX, is_region_digest, region_digest
 
 __all__ = (
     "CAPABILITIES",
-    "CRC_PREFIX",
-    "DIGEST_CHUNK",
     "MANIFEST_KIND",
     "PROVIDER",
     "HydrationManifest",
     "SourceIdentity",
     "WeightRegion",
     "check_sources",
-    "chunk_digests",
-    "combine_digests",
-    "crc_digest",
-    "digest_like",
-    "is_dump_digest",
-    "is_region_digest",
     "plan_for",
-    "region_digest",
     "validate_regions",
 )
 
-DIGEST_CHUNK = 64 << 20
-DIGEST_PREFIX = "sha256-64m:"
-CRC_PREFIX = "crc32-64m:"  # the interposer's fast dump digest (interposer/crc32.c computes it in C)
 MANIFEST_KIND = "coldsnap-hydration-manifest"
 PROVIDER = "coldsnap-vmm-weights"
 REGION_POLICIES = ("preserve", "discard")
@@ -113,81 +98,6 @@ class WeightRegion:
             value = getattr(self, name)
             if not isinstance(value, str):
                 raise HydrationError(f"{name} must be a string, got {type(value).__name__}", region=str(self.name))
-
-
-def _sha256(data: memoryview) -> bytes:
-    return hashlib.sha256(data).digest()
-
-
-def _crc32(data: memoryview) -> bytes:
-    return zlib.crc32(data).to_bytes(4, "big")  # zlib lets go of the GIL over large buffers, as hashlib does
-
-
-def chunk_digests(path: str | Path, offset: int, size: int, *, threads: int = 0, crc: bool = False) -> list[bytes]:
-    """SHA-256 (with `crc`: CRC-32, 4 bytes big-endian) of each 64 MiB chunk of the region, computed by
-    parallel threads over a shared mapping."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        have = os.fstat(fd).st_size
-        if have < offset + size:
-            raise HydrationError(f"source {path} is truncated: {have} bytes, the region needs {offset + size}")
-        if size == 0:
-            return []
-        base = offset - offset % mmap.ALLOCATIONGRANULARITY
-        view = mmap.mmap(fd, offset + size - base, mmap.MAP_SHARED, mmap.PROT_READ, offset=base)
-    finally:
-        os.close(fd)
-    try:
-        memory = memoryview(view)
-        end = offset - base + size
-
-        chunk = _crc32 if crc else _sha256
-
-        def one(start: int) -> bytes:
-            return chunk(memory[start:min(start + DIGEST_CHUNK, end)])
-
-        from concurrent.futures import ThreadPoolExecutor  # only here: off a restore's path to CRIU (issue 35)
-
-        with ThreadPoolExecutor(threads or min(16, os.cpu_count() or 1)) as pool:
-            parts = list(pool.map(one, range(offset - base, end, DIGEST_CHUNK)))
-        memory.release()
-    finally:
-        view.close()
-    return parts
-
-
-def combine_digests(parts: Sequence[bytes]) -> str:
-    """The region digest from its chunk digests (so a region that is a 64 MiB-aligned prefix reuses them)."""
-    return DIGEST_PREFIX + hashlib.sha256(b"".join(parts)).hexdigest()
-
-
-def is_region_digest(text: str) -> bool:
-    """Shaped as `region_digest` writes it: DIGEST_PREFIX and 64 characters (a weight region's, a dump segment's)."""
-    return text.startswith(DIGEST_PREFIX) and len(text) == len(DIGEST_PREFIX) + 64
-
-
-def region_digest(path: str | Path, offset: int, size: int, *, threads: int = 0) -> str:
-    """``sha256-64m:`` + SHA-256 of the concatenated SHA-256 of each 64 MiB chunk of the region (parallel)."""
-    return combine_digests(chunk_digests(path, offset, size, threads=threads))
-
-
-def crc_digest(path: str | Path, offset: int, size: int, *, threads: int = 0) -> str:
-    """``crc32-64m:`` + each 64 MiB chunk's CRC-32 (zlib's), 8 hex digits a chunk, in order: the interposer's
-    dump digest on the release's critical path; it finds corruption and says which chunk, it is no content
-    address (a publisher computes `region_digest` for that)."""
-    return CRC_PREFIX + "".join(part.hex() for part in chunk_digests(path, offset, size, threads=threads, crc=True))
-
-
-def is_dump_digest(text: str, size: int) -> bool:
-    """Shaped as a device dump segment's digest of `size` bytes: `region_digest`'s or `crc_digest`'s."""
-    chunks = -(-size // DIGEST_CHUNK)
-    return is_region_digest(text) or (text.startswith(CRC_PREFIX) and len(text) == len(CRC_PREFIX) + 8 * chunks
-                                      and all(c in "0123456789abcdef" for c in text[len(CRC_PREFIX):]))
-
-
-def digest_like(expected: str, path: str | Path, offset: int, size: int) -> str:
-    """The region's digest of the kind `expected` is (by its prefix): what a check compares it with."""
-    return (crc_digest if expected.startswith(CRC_PREFIX) else region_digest)(path, offset, size)
 
 
 def validate_regions(regions: Sequence[WeightRegion], reservation_address: int,

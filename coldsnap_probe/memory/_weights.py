@@ -5,6 +5,9 @@ images. A failed capture asks the engine to `hydrate` its weights back and remov
 Restore: `hydration.json` is read and every weight source checked against it before CRIU runs; a node hydrator
 the manifest names stages the weights meanwhile (`Stager`); once the tree runs, the engine maps, fills and
 verifies its weights (adopting what was staged for it); a failed restore discards the stage.
+
+`hydration`'s names load on first use: a restore whose images hold no weights record imports none of the manifest's
+machinery (nor the hydrator's `Stager` without a stage) on its path to CRIU (issue 35 item 2).
 """
 
 from __future__ import annotations
@@ -14,15 +17,15 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .. import hydration
 from .._engine import engine_request
 from .._reports import CaptureReport, HydratedWeights, ReleasedWeights, RestoreReport
 from ..errors import ProbeError, WorkerError
-from ..hydration import HydrationManifest, check_sources
 from ..jsonline import request
 from ._protocol import CaptureScope, RestoreScope, read_record
 
 if TYPE_CHECKING:
-    from ..hydration import Stager
+    from ..hydration import HydrationManifest, Stager
 
 __all__ = ("RECORD", "WeightsSource", "hydrate_back")
 
@@ -49,8 +52,8 @@ class WeightsSource:
         try:  # the weight sources are checked before a CRIU restore is spent
             if (stored := read_record(scope.images, RECORD, None)) is None:
                 return None
-            manifest = HydrationManifest.from_json(stored)
-            check_sources(manifest.regions, manifest.identities)
+            manifest = hydration.HydrationManifest.from_json(stored)
+            hydration.check_sources(manifest.regions, manifest.identities)
         except (ProbeError, ValueError) as exc:
             raise WorkerError(f"weight hydration cannot succeed, not restoring: {exc}") from exc
         return WeightsRestore(manifest, scope)
@@ -71,7 +74,7 @@ class WeightsCapture:
         answer = engine_request(self.control, {"op": "release", "generation": f"capture-{time.time_ns()}"},
                                 "the engine did not release its weights (nothing was released)")
         try:
-            manifest = HydrationManifest.from_json(answer.get("manifest"))
+            manifest = hydration.HydrationManifest.from_json(answer.get("manifest"))
         except ProbeError as exc:
             hydrate_back(self.control)  # released, but not restorable from this manifest: take them back now
             raise WorkerError(f"the engine's hydration manifest is invalid: {exc}") from exc
@@ -97,9 +100,7 @@ class WeightsRestore:
 
     def stage(self) -> None:
         if self.manifest.hydrator:
-            from ..hydration import Stager  # only for a stage: the hydrator's module is no part of the worker's start
-
-            self.stager = Stager(self.manifest)
+            self.stager = hydration.Stager(self.manifest)
 
     def hydrate(self, report: RestoreReport) -> None:
         """The engine maps, fills and verifies its weights (adopting what the hydrator staged for it)."""

@@ -208,7 +208,8 @@ class TestReports:
     def test_the_capture_s_detail_sums_the_release_threads_and_reads_criu_s_account(self) -> None:
         report = {**CAPTURE, "timings_s": {**CAPTURE["timings_s"], "worker_start": 0.12, "find_cuda": 0.2,
                                            "finish": 0.01, "interpreter_start": 0.05, "memory_scan": 0.04},
-                  "criu_dump_stats": {"frozen_s": 0.9, "memdump_s": 0.6, "memwrite_s": 0.5, "pages_written": 9},
+                  "criu_dump_stats": {"frozen_s": 0.9, "memdump_s": 0.6, "memwrite_s": 0.5, "pages_written": 9,
+                                      "threads": 16},
                   "memory_before_checkpoint": {"513": {"anonymous_bytes": 900}, "514": {}},
                   "images_filesystem": {"type": "tmpfs", "huge": "always"},
                   "memory_after_checkpoint": {"513": {"anonymous_bytes": 1500}, "514": {"anonymous_bytes": 70}},
@@ -221,6 +222,7 @@ class TestReports:
         assert (row["interpreter_start_s"], row["memory_scan_s"]) == (0.05, 0.04)
         assert (row["criu_frozen_s"], row["criu_memdump_s"], row["criu_memwrite_s"]) == (0.9, 0.6, 0.5)
         assert row["criu_pages_written"] == 9 and row["checkpoint_added_bytes"] == 600 + 70
+        assert row["criu_threads"] == 16 and capture_row(CAPTURE)["criu_threads"] is None
         assert capture_row(CAPTURE)["release_thread_s"] is None and capture_row(CAPTURE)["criu_frozen_s"] is None
         assert capture_row(CAPTURE)["checkpoint_added_bytes"] is None and capture_row(CAPTURE)["images_on"] is None
         assert row["images_on"] == "tmpfs huge=always"

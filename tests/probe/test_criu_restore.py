@@ -11,6 +11,7 @@ import ctypes
 import difflib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -114,9 +115,12 @@ def captured(tmp_path: Path, criu: str, nothp_mib: int = 0, before: list[Vma] | 
     wait_file(control / "ready")
     if before is not None:
         before.extend(mappings(target.pid))
+    # The pages dumped by threads (dump-threads.patch; unset keeps stock CRIU's path on the 2-core CI box): the
+    # restores below read what the GPU machine's captures write.
     done = worker("capture", "--pid", str(target.pid), "--images", str(images), "--boundary", "n580",
-                  "--criu", criu, env=env)
+                  "--criu", criu, env={"CRIU_DUMP_THREADS": "4", **(env or {})})
     assert done.returncode == 0, done.stderr
+    assert json.loads((images / "capture.json").read_text())["criu_dump_stats"]["threads"] == 4
     target.wait()  # CRIU killed it: reap, so that its PID is free for the restore
     if fork:  # and its child, orphaned to this process (the subreaper)
         assert gone_within(int((control / "child").read_text()), 10)
@@ -223,6 +227,16 @@ def test_restore_writes_every_page_back_and_leaves_the_images_unchanged(tmp_path
         assert f"by {threads} threads" in log  # the restoring task's pages went through the parallel fill
     else:
         assert "by 1 threads" not in log and " chunks by " not in log  # stock: the restorer's one preadv stream
+    # CRIU's kernel probe ran while the worker imported; the restore's CRIU loaded its cache instead of probing
+    # (kdat-cache.patch), and the probe's directory is gone with the worker.
+    cache = re.search(r"Loaded kdat cache from (/\S+/coldsnap-kdat-\w+/criu\.kdat)$", log, re.MULTILINE)
+    assert cache is not None, log[:2000]
+    assert not Path(cache.group(1)).parent.exists()
+    # Where CRIU's time went, from its log, in the report (issue 35 item 2).
+    phases = report["criu_restore_phases"]
+    assert phases["kdat_probe_s"] > 0 and 0 < phases["probe_setup_s"] < phases["logged_s"]
+    assert {"images_fork_s", "restorer_s", "seize_stop_s"} <= set(phases)
+    assert ("fill_s" in phases) == (threads > 1)  # the stock restore fills in the restorer: no line of its own
     end(control, pid)
     assert image_digest(images, contents=True) == before
 
@@ -317,8 +331,10 @@ def test_the_capture_records_criu_s_version_and_a_different_criu_is_refused(tmp_
 
 
 def test_a_refused_restore_never_loaded_what_only_the_phases_after_criu_need(tmp_path: Path, criu: str) -> None:
-    """Issue 35 item 2: the path to CRIU imports only what the checks need; the hydration pools' modules (and
-    `logging` with them) are imported while CRIU runs, so a restore refused by its checks never loads them."""
+    """Issue 35 item 2: the path to CRIU imports only what the checks need; the later phases' module (the held tree,
+    CRIU's log, the CUDA driver's wrapper), the hydration pools' modules (and `logging` with them) are imported while
+    CRIU runs, so a restore refused by its checks never loads them; nor the weights manifest's machinery (no
+    `hydration.json`), `platform` (os.uname says the same) or `secrets` (os.urandom)."""
     images = tmp_path / "images"
     images.mkdir()
     (images / "capture.json").write_text(json.dumps({"format": 1, "boundary": "n580", "root_pid": 300,
@@ -329,7 +345,10 @@ def test_a_refused_restore_never_loaded_what_only_the_phases_after_criu_need(tmp
     assert json.loads(done.stdout)["refused"][0]["code"] == "architecture-mismatch"
     imported = [line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")]
     assert "coldsnap_probe._restore" in imported and "coldsnap_probe._host" in imported
-    assert not {"concurrent.futures", "logging"} & set(imported)
+    later = {"concurrent.futures", "logging", "coldsnap_probe._restore_after_criu", "coldsnap_probe._held_tree",
+             "coldsnap_probe._thread_hold", "coldsnap_probe._criu_restore_log", "coldsnap_probe._cuda",
+             "coldsnap_probe.hydration._weights", "coldsnap_probe._memory", "platform", "secrets", "hmac"}
+    assert not later & set(imported)
 
 
 def test_criu_s_seconds_are_its_own_run_whenever_the_worker_waits_for_it(tmp_path: Path, criu: str) -> None:
@@ -454,12 +473,15 @@ def pages_of_zeros(images: Path) -> tuple[int, int]:
     return size, zeros
 
 
-def bare_dump(criu: str, pid: int, images: Path, zero_pages: str) -> subprocess.CompletedProcess[str]:
-    """CRIU's own dump of the tree at `pid`, left as it was (running, or stopped if it was)."""
+def bare_dump(criu: str, pid: int, images: Path, zero_pages: str,
+              threads: str = "") -> subprocess.CompletedProcess[str]:
+    """CRIU's own dump of the tree at `pid`, left as it was (running, or stopped if it was); `threads`: its
+    CRIU_DUMP_THREADS (empty: unset, the CPUs)."""
     images.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "CRIU_DUMP_THREADS"} | {"CRIU_DUMP_ZERO_PAGES": zero_pages}
     return subprocess.run([criu, "dump", "--tree", str(pid), "--images-dir", str(images), "--leave-running", "-v4",
                            "--log-file", "dump.log"], capture_output=True, text=True, check=False, timeout=120,
-                          env={**os.environ, "CRIU_DUMP_ZERO_PAGES": zero_pages})
+                          env=env | ({"CRIU_DUMP_THREADS": threads} if threads else {}))
 
 
 def test_pages_of_zeros_are_not_dumped_and_come_back_as_zeros_in_parent_child_and_lazily(tmp_path: Path,
@@ -512,6 +534,8 @@ def test_pages_of_zeros_are_not_dumped_and_come_back_as_zeros_in_parent_child_an
                       *flags, env=env)
         try:
             assert done.returncode == 0, done.stderr
+            if how == "lazy":  # the lazy-pages daemon loads the kernel probe's cache too
+                assert "Loaded kdat cache from" in (tmp_path / how / "lazy-pages.log").read_text()
             for prefix, who in (("", pid), ("child-", child)):
                 result = verified(control, prefix)
                 assert result["ok"] and result["pid"] == who, (how, prefix, result)

@@ -37,6 +37,18 @@ def test_a_dump_s_times_become_seconds_and_its_page_counts_stay_counts(tmp_path:
                                     "pages_lazy": 0}
 
 
+def test_the_threads_line_of_each_process_adds_their_count_and_seconds(tmp_path: Path) -> None:
+    """dump-threads.patch logs one line a process; the stock path none (then nothing is added)."""
+    (tmp_path / "stats-dump").write_bytes(image(entry({2: 500_000})))
+    (tmp_path / "dump.log").write_text("(00.1) dump-threads: 7: 10 pages by 1 threads ... (not the line)\n")
+    assert dump_stats(tmp_path) == {"frozen_s": 0.5}
+    with (tmp_path / "dump.log").open("a") as log:
+        for pid, threads, scan, copy in ((7, 16, 40_000, 60_000), (8, 4, 1_000, 2_000)):
+            log.write(f"(00.2) dump-threads: {pid}: 99 pages by {threads} threads, 3 of them zeros left out; "
+                      f"scan {scan} us, then copy {copy} us\n")
+    assert dump_stats(tmp_path) == {"frozen_s": 0.5, "threads": 16, "threads_scan_s": 0.041, "threads_copy_s": 0.062}
+
+
 def test_no_stats_image_is_no_stats(tmp_path: Path) -> None:
     assert dump_stats(tmp_path) == {}
 

@@ -15,14 +15,12 @@ import pytest
 
 from coldsnap_probe.errors import HydrationError
 from coldsnap_probe.hydration._arena import WeightArena
+from coldsnap_probe.hydration._digests import DIGEST_CHUNK, chunk_digests, region_digest
 from coldsnap_probe.hydration._weights import (
-    DIGEST_CHUNK,
     HydrationManifest,
     WeightRegion,
     check_sources,
-    chunk_digests,
     plan_for,
-    region_digest,
     validate_regions,
 )
 from tests.helpers import ROOT

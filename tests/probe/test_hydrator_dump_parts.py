@@ -12,7 +12,6 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -20,6 +19,7 @@ from coldsnap_probe.errors import HydrationError
 from coldsnap_probe.hydration._peer_files import dump_layout, open_dump_parts
 from coldsnap_probe.hydration._peer_view import OPENERS, PeerView
 from tests.probe._peers import AS_NOBODY, connected, listening
+from tests.probe._staged import stage_and_read
 from tests.probe.test_main import has_nvidia_driver
 
 MIB = 1 << 20
@@ -183,12 +183,12 @@ def test_a_dump_staged_on_a_hydrator_is_adopted_with_its_files_bytes(tmp_path: P
         parts = [{"file": str(first), "bytes": 2 * MIB, "region": 0}, {"file": str(second), "bytes": 4 * MIB,
                                                                         "region": 0}]
         key = "sha256:" + hashlib.sha256(b"review2-stage-dump").hexdigest()
-        staged, held = _staged_bytes(driver, str(control), key, parts, ready["device_uuid"])
+        staged, held = stage_and_read(driver, str(control), key, parts, ready["device_uuid"])
         assert (staged["bytes"], staged["zero_bytes"], staged["copied_bytes"]) == (6 * MIB, 0, 6 * MIB), staged
         assert held == first.read_bytes() + second.read_bytes()
         zeros = [{"file": str(third), "bytes": 66 * MIB, "region": 0, "zero": 1}]
-        staged, held = _staged_bytes(driver, str(control), "sha256:" + hashlib.sha256(b"zeros").hexdigest(), zeros,
-                                     ready["device_uuid"])
+        staged, held = stage_and_read(driver, str(control), "sha256:" + hashlib.sha256(b"zeros").hexdigest(), zeros,
+                                      ready["device_uuid"])
         assert (staged["bytes"], staged["zero_bytes"], staged["copied_bytes"]) == (66 * MIB, 64 * MIB, 2 * MIB)
         assert held == bytes(64 * MIB) + third.read_bytes()[64 * MIB:]  # the marked chunk was set, not read
         second.unlink()
@@ -200,37 +200,6 @@ def test_a_dump_staged_on_a_hydrator_is_adopted_with_its_files_bytes(tmp_path: P
     finally:
         proc.kill()
         proc.wait()
-
-
-def _staged_bytes(driver: Any, control: str, key: str, parts: list[dict[str, Any]],
-                  uuid: str) -> tuple[dict[str, Any], bytes]:
-    """Stage `parts` (one region) on the hydrator at `control`, adopt the allocation: the stage's answer and the
-    bytes the allocation holds."""
-    import ctypes
-
-    from coldsnap_probe.hydration._vmm import cucall, device_uuid, fd_handle, map_read_write
-    from coldsnap_probe.jsonline import request, request_with_fds
-
-    staged = request(control, {"op": "stage-dump", "key": key, "parts": parts, "device_uuid": uuid}, timeout=120.0)
-    assert staged["ok"], staged
-    size = staged["bytes"]
-    answer, fds = request_with_fds(control, {"op": "adopt", "key": key, "ticket": staged["ticket"], "parts": parts},
-                                   timeout=60.0)
-    assert answer["ok"] and len(fds) == 1 and answer["count"] == 1 and answer["sizes"] == [size], answer
-    assert device_uuid(driver, 0) == uuid
-    handle = cucall(driver, "cuMemImportFromShareableHandle", fds[0], fd_handle(driver))
-    os.close(fds[0])
-    va = int(cucall(driver, "cuMemAddressReserve", size, 0, 0, 0))
-    try:
-        cucall(driver, "cuMemMap", va, size, 0, handle, 0)
-        map_read_write(driver, va, size, 0)
-        buffer = ctypes.create_string_buffer(size)
-        cucall(driver, "cuMemcpyDtoH", ctypes.addressof(buffer), va, size)
-        cucall(driver, "cuMemUnmap", va, size)
-        return staged, buffer.raw
-    finally:
-        cucall(driver, "cuMemAddressFree", va, size)
-        cucall(driver, "cuMemRelease", handle)
 
 
 STAGER = """

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from coldsnap_probe.hydration._digests import CRC_PREFIX, DIGEST_CHUNK, DIGEST_PREFIX
 from coldsnap_probe.hydration._interposer import (
     _SEGMENT_FILE,
     DUMP_KIND,
@@ -25,7 +26,6 @@ from coldsnap_probe.hydration._interposer import (
     SOURCES,
 )
 from coldsnap_probe.hydration._peer_files import STAGE_ALLOCATIONS
-from coldsnap_probe.hydration._weights import CRC_PREFIX, DIGEST_CHUNK, DIGEST_PREFIX
 from coldsnap_probe.memory._device_dump import INTERPOSER_PAGE, STAGE_GROUP
 from tests.helpers import ROOT
 

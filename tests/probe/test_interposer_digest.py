@@ -1,5 +1,5 @@
 """Issue 39 item 2 and issue 35 item 3: the device dump's digests, `sha256-64m` and `crc32-64m`, each defined once
-(constants.h and hydration/_weights.py, checked against each other by test_interposer_constants.py). Both
+(constants.h and hydration/_digests.py, checked against each other by test_interposer_constants.py). Both
 languages must keep computing them (the interposer digests inside the engine's process, without Python), so the C
 (sha256.c's both engines, crc32.c's three, and the release's own block loop, dump.c's `digest_and_write`, and
 `cscu_segment_digest`) and Python's `region_digest` / `crc_digest` are run on the same real files here and must
@@ -18,8 +18,8 @@ import pytest
 
 from coldsnap_probe.errors import HydrationError
 from coldsnap_probe.hydration import DeviceDump, check_dump
+from coldsnap_probe.hydration._digests import DIGEST_CHUNK, crc_digest, digest_like, region_digest
 from coldsnap_probe.hydration._interposer import DUMP_KIND, SOURCES
-from coldsnap_probe.hydration._weights import DIGEST_CHUNK, crc_digest, digest_like, region_digest
 from tests.probe.interposer_harness import UNITY
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")

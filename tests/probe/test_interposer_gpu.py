@@ -22,8 +22,8 @@ import pytest
 
 from coldsnap_probe.errors import HydrationError
 from coldsnap_probe.hydration import DeviceDump, build_library, check_dump
+from coldsnap_probe.hydration._digests import DIGEST_CHUNK
 from coldsnap_probe.hydration._interposer import interposer_request
-from coldsnap_probe.hydration._weights import DIGEST_CHUNK
 from tests.criu import alive
 from tests.helpers import ROOT
 from tests.probe.test_main import has_nvidia_driver
@@ -197,15 +197,14 @@ def test_a_launch_while_released_waits_for_the_hydration(target: Target, tmp_pat
     assert target.ask("check") == {**target.ready, "pid": target.proc.pid}
 
 
-def test_released_checkpointed_restored_hydrated_gives_the_same_bytes_and_graph(target: Target,
-                                                                               tmp_path: Path) -> None:
+def checkpoint_and_restore(pid: int) -> None:
+    """`pid`'s CUDA state through the driver's checkpoint and back (locked, checkpointed, restored, unlocked), as a
+    capture and a restore on the same GPU take it, each state checked."""
     from coldsnap_probe._cuda import Driver
     from coldsnap_probe._process import require_state
 
-    dump = target.release(tmp_path / "dump")
     driver = Driver()
     driver.call("cuInit", 0)
-    pid = target.proc.pid
     args = driver.cuda.CUcheckpointLockArgs()
     args.timeoutMs = 30_000
     driver.call("cuCheckpointProcessLock", pid, args)
@@ -214,6 +213,13 @@ def test_released_checkpointed_restored_hydrated_gives_the_same_bytes_and_graph(
     driver.call("cuCheckpointProcessRestore", pid, None)
     driver.call("cuCheckpointProcessUnlock", pid, None)
     require_state(driver, [pid], "running", "after unlock")
+
+
+def test_released_checkpointed_restored_hydrated_gives_the_same_bytes_and_graph(target: Target,
+                                                                               tmp_path: Path) -> None:
+    dump = target.release(tmp_path / "dump")
+    pid = target.proc.pid
+    checkpoint_and_restore(pid)
     report = target.request({"op": "hydrate", "policy": "same-gpu"})["report"]
     assert report["bytes"] == dump.bytes and report["policy"] == "same-gpu"
     assert target.ask("check") == {**target.ready, "pid": pid}

@@ -22,7 +22,7 @@ import pytest
 
 from coldsnap_probe.hydration import DeviceDump, build_library, check_dump, dump_identities
 from coldsnap_probe.hydration._interposer import interposer_request
-from tests.probe.test_interposer_gpu import MIB, Target, dump_hydrator  # noqa: F401 - a fixture
+from tests.probe.test_interposer_gpu import MIB, Target, checkpoint_and_restore, dump_hydrator  # noqa: F401 - a fixture
 from tests.probe.test_main import has_nvidia_driver
 
 pytestmark = pytest.mark.skipif(not has_nvidia_driver(), reason="needs an NVIDIA driver")
@@ -60,22 +60,6 @@ def status(target: Target) -> dict[str, Any]:
     from coldsnap_probe.hydration._interposer import interposer_request
 
     return interposer_request(socket_of(target), {"op": "status"}, "status")
-
-
-def checkpoint_and_restore(pid: int) -> None:
-    from coldsnap_probe._cuda import Driver
-    from coldsnap_probe._process import require_state
-
-    driver = Driver()
-    driver.call("cuInit", 0)
-    args = driver.cuda.CUcheckpointLockArgs()
-    args.timeoutMs = 30_000
-    driver.call("cuCheckpointProcessLock", pid, args)
-    driver.call("cuCheckpointProcessCheckpoint", pid, None)
-    require_state(driver, [pid], "checkpointed", "after checkpoint")
-    driver.call("cuCheckpointProcessRestore", pid, None)
-    driver.call("cuCheckpointProcessUnlock", pid, None)
-    require_state(driver, [pid], "running", "after unlock")
 
 
 def test_each_allocator_is_moved_at_line_rate_through_a_cuda_checkpoint(conf_target: tuple[str, Target],

@@ -32,6 +32,7 @@ from coldsnap_probe.hydration._ram_tier import RamTier, identity
 from coldsnap_probe.hydration._vmm import Mapped
 from tests.helpers import ROOT
 from tests.probe._peers import AS_NOBODY, connected, listening
+from tests.probe._staged import stage_and_read
 from tests.probe.test_main import has_nvidia_driver
 
 MIB = 1 << 20
@@ -182,7 +183,7 @@ class TestBudget:
         assert tier.status() | {"read_bytes": None} == {
             "budget": 0, "entries": 0, "bytes": 0, "in_use": 0, "loading": 0, "hits": 0, "misses": 0,
             "evictions": 0, "loads": 0, "dropped": 0, "skipped": {"too_large": 0, "no_room": 0, "failed": 0},
-            "read_bytes": None, "last_error": ""}
+            "read_bytes": None, "stages": {"ram": 0, "disk": 0}, "bytes_by_uid": {}, "last_error": ""}
 
 
 class TestCounters:
@@ -192,17 +193,20 @@ class TestCounters:
         tier = tier_of(8 * MIB)
         with Opened(a) as fds:
             assert tier.lease(KEY, fds, whole(fds)) is None
-            assert tier.staged(KEY, fds, whole(fds), None, 2 * MIB) == "disk"
+            assert tier.staged(KEY, fds, whole(fds), None, 2 * MIB, owner=0) == "disk"
         settle(tier)
         with Opened(a) as fds:
             lease = tier.lease(KEY, fds, whole(fds))
-            assert lease is not None and tier.staged(KEY, fds, whole(fds), lease, 2 * MIB) == "ram"
+            assert lease is not None and tier.staged(KEY, fds, whole(fds), lease, 2 * MIB, owner=0) == "ram"
             lease.release()
         status = tier.status()
         assert (status["hits"], status["misses"], status["loads"], status["entries"]) == (1, 1, 1, 1), status
         assert status["read_bytes"] == {"ram": 2 * MIB, "disk": 2 * MIB}
+        assert status["stages"] == {"ram": 1, "disk": 1} and status["bytes_by_uid"] == {"0": 2 * MIB}, status
 
-    def test_a_dump_is_queued_once_and_the_queue_is_bounded(self, tmp_path: Path) -> None:
+    def test_a_dump_is_queued_once_and_the_queue_is_bounded_also_per_uid(self, tmp_path: Path) -> None:
+        """Regression (review10's open finding): one tenant's misses kept the loader's queue full, so no other
+        tenant's dump was ever queued; now one uid has at most QUEUE_PER_UID of its places."""
         gate = threading.Event()
 
         def held_back(mapped: Mapped) -> None:  # the loader waits here: what is queued meanwhile stays queued
@@ -212,14 +216,98 @@ class TestCounters:
         tier = RamTier(32 * MIB, pin=held_back, unpin=munlock_and_unmap)
         try:
             with Opened(*paths) as fds:
-                queued = [tier.load_later(KEY, {str(p): fds[str(p)]}, {str(p): 2 * MIB}) for p in paths]
-                again = tier.load_later(KEY, {str(paths[0]): fds[str(paths[0])]}, {str(paths[0]): 2 * MIB})
-            assert queued == [True, True, False, False, False] and not again
+                mine = [tier.load_later(KEY, {str(p): fds[str(p)]}, {str(p): 2 * MIB}, owner=1000)
+                        for p in paths[:2]]
+                theirs = [tier.load_later(KEY, {str(p): fds[str(p)]}, {str(p): 2 * MIB}, owner=uid)
+                          for uid, p in zip((2000, 3000, 4000), paths[2:], strict=True)]
+                again = tier.load_later(KEY, {str(paths[0]): fds[str(paths[0])]}, {str(paths[0]): 2 * MIB},
+                                        owner=2000)
+            assert mine == [True, False] and theirs == [True, False, False] and not again
             gate.set()
             assert settle(tier)["entries"] == 2
         finally:
             gate.set()
             tier.close()
+
+
+class TestDescriptors:
+    def test_a_dump_whose_descriptors_cannot_be_duplicated_is_not_queued_and_leaves_none_open(
+            self, tmp_path: Path, tier_of: Any) -> None:
+        """Regression (tidy, 2026-12-02): at the process's descriptor limit the second file's dup raised out of
+        `staged`, after the stage was filled: the first dup stayed open for ever, and the stager was answered a
+        failure while its stage held the GPU until the TTL. Now the dump is only not queued (`failed`)."""
+        import resource
+
+        def is_open(fd: int) -> bool:
+            try:
+                os.fstat(fd)
+            except OSError:
+                return False
+            return True
+
+        def open_fds() -> set[int]:  # without the listing's own descriptor, closed by then
+            return set(filter(is_open, map(int, os.listdir("/proc/self/fd"))))
+
+        a, b = dump(tmp_path / "a.bin", 2 * MIB), dump(tmp_path / "b.bin", 2 * MIB)
+        tier = tier_of(8 * MIB)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        with Opened(a, b) as fds:
+            before = open_fds()
+            limit = next(n for n in range(1, soft) if len(set(range(n)) - before) == 1)  # one descriptor free
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+            try:
+                tier_name = tier.staged(KEY, fds, whole(fds), None, 4 * MIB, owner=0)
+            finally:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            assert open_fds() == before
+        status = tier.status()
+        assert tier_name == "disk" and status["loading"] == 0 and status["skipped"]["failed"] == 1, status
+        assert "Too many open files" in status["last_error"] and status["stages"]["disk"] == 1, status
+
+
+class TestShares:
+    """Regression (review10's open finding): one tenant's stages evicted every other tenant's entries (the LRU knew
+    no owner). A load now evicts only its owner's entries or those of a uid holding more (max-min fairness)."""
+
+    @staticmethod
+    def load_as(tier: RamTier, owner: int, path: Path) -> dict[str, Any]:
+        with Opened(path) as fds:
+            assert tier.load_later(KEY, fds, whole(fds), owner=owner)
+        return settle(tier)
+
+    def test_one_tenants_misses_evict_its_own_entries_never_a_smaller_tenants(self, tmp_path: Path,
+                                                                             tier_of: Any) -> None:
+        mine = [dump(tmp_path / f"a{n}.bin", 2 * MIB) for n in range(6)]
+        theirs = dump(tmp_path / "b.bin", 2 * MIB)
+        tier = tier_of(4 * MIB)
+        for path in mine[:2]:
+            self.load_as(tier, 1000, path)  # alone, a tenant fills the whole budget
+        assert tier.status()["bytes_by_uid"] == {"1000": 4 * MIB}
+        status = self.load_as(tier, 2000, theirs)  # the larger tenant makes room: its least recently used goes
+        assert status["bytes_by_uid"] == {"1000": 2 * MIB, "2000": 2 * MIB} and not held(tier, KEY, mine[0])
+        for path in mine[2:]:  # however many it stages, the first tenant now replaces only its own
+            status = self.load_as(tier, 1000, path)
+            assert status["bytes_by_uid"] == {"1000": 2 * MIB, "2000": 2 * MIB}, status
+            assert held(tier, KEY, theirs) and held(tier, KEY, path)
+        assert status["evictions"] == 5 and status["skipped"]["no_room"] == 0, status
+
+    def test_a_load_that_only_another_tenants_fair_share_could_make_room_for_is_skipped(
+            self, tmp_path: Path, tier_of: Any) -> None:
+        a, b, c = (dump(tmp_path / f"{n}.bin", 2 * MIB) for n in "abc")
+        tier = tier_of(4 * MIB)
+        self.load_as(tier, 2000, a)
+        with Opened(b) as fds:
+            lease = tier.lease(KEY, fds, whole(fds))
+            assert lease is None and tier.load_later(KEY, fds, whole(fds), owner=1000)
+        settle(tier)
+        with Opened(b) as fds:
+            lease = tier.lease(KEY, fds, whole(fds))
+        assert lease is not None  # 1000's own entry in use: its next load may only take 2000's, which is no larger
+        try:
+            status = self.load_as(tier, 1000, c)
+        finally:
+            lease.release()
+        assert status["skipped"]["no_room"] == 1 and held(tier, KEY, a) and not held(tier, KEY, c), status
 
 
 class TestInUse:
@@ -486,35 +574,6 @@ class TestPeerRules:
             lease.release()
 
 
-def _gpu_stage(control: str, uuid: str, parts: list[dict[str, Any]]) -> tuple[dict[str, Any], bytes]:
-    """A stage-dump of `parts`, adopted: its answer and the staged allocation's bytes."""
-    from coldsnap_probe._cuda import Driver
-    from coldsnap_probe.hydration._vmm import cucall, fd_handle, map_read_write
-    from coldsnap_probe.jsonline import request, request_with_fds
-
-    size = sum(p["bytes"] for p in parts)
-    staged = request(control, {"op": "stage-dump", "key": KEY, "parts": parts, "device_uuid": uuid}, timeout=120.0)
-    assert staged["ok"] and staged["bytes"] == size, staged
-    answer, fds = request_with_fds(control, {"op": "adopt", "key": KEY, "ticket": staged["ticket"], "parts": parts},
-                                   timeout=60.0)
-    assert answer["ok"] and len(fds) == 1, answer
-    driver = Driver()
-    driver.context(0)
-    handle = cucall(driver, "cuMemImportFromShareableHandle", fds[0], fd_handle(driver))
-    os.close(fds[0])
-    va = int(cucall(driver, "cuMemAddressReserve", size, 0, 0, 0))
-    try:
-        cucall(driver, "cuMemMap", va, size, 0, handle, 0)
-        map_read_write(driver, va, size, 0)
-        buffer = ctypes.create_string_buffer(size)
-        cucall(driver, "cuMemcpyDtoH", ctypes.addressof(buffer), va, size)
-        cucall(driver, "cuMemUnmap", va, size)
-    finally:
-        cucall(driver, "cuMemAddressFree", va, size)
-        cucall(driver, "cuMemRelease", handle)
-    return staged, buffer.raw
-
-
 @pytest.mark.skipif(not has_nvidia_driver(), reason="needs an NVIDIA driver")
 def test_the_second_stage_of_a_dump_comes_from_the_ram_tier_with_the_same_bytes(tmp_path: Path) -> None:
     """The real hydrator: the first stage-dump reads the files (`tier: disk`) and queues them for the tier; the
@@ -527,22 +586,27 @@ def test_the_second_stage_of_a_dump_comes_from_the_ram_tier_with_the_same_bytes(
     proc = subprocess.Popen([sys.executable, "-m", "coldsnap_probe.hydration", "serve", "--socket", control,
                              "--staging", "--ram-tier-bytes", "1G"], stdout=subprocess.PIPE, cwd=ROOT)
     try:
+        from coldsnap_probe._cuda import Driver
         from coldsnap_probe.jsonline import request
 
         ready = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
         assert ready["ram_tier_bytes"] == 1 << 30, ready
         expected = first.read_bytes() + second.read_bytes()
-        cold, cold_bytes = _gpu_stage(control, ready["device_uuid"], parts)
+        driver = Driver()
+        driver.context(0)
+        cold, cold_bytes = stage_and_read(driver, control, KEY, parts, ready["device_uuid"])
         assert cold["tier"] == "disk" and cold_bytes == expected, cold
         deadline = time.monotonic() + 60
         while (tier := request(control, {"op": "status"}, timeout=10.0)["ram_tier"])["entries"] < 1:
             assert time.monotonic() < deadline, tier
             time.sleep(0.05)
-        warm, warm_bytes = _gpu_stage(control, ready["device_uuid"], parts)
+        warm, warm_bytes = stage_and_read(driver, control, KEY, parts, ready["device_uuid"])
         assert warm["tier"] == "ram" and warm_bytes == expected, warm
         tier = request(control, {"op": "status"}, timeout=10.0)["ram_tier"]
         assert (tier["hits"], tier["misses"], tier["in_use"]) == (1, 1, 0), tier
         assert tier["read_bytes"] == {"ram": 320 * MIB, "disk": 320 * MIB} and tier["bytes"] == 320 * MIB, tier
+        # The stages the hydrator filled, and the entry counted to the uid whose stage loaded it (this process's).
+        assert tier["stages"] == {"ram": 1, "disk": 1} and tier["bytes_by_uid"] == {str(os.getuid()): 320 * MIB}, tier
         print(json.dumps({"ram_tier_gpu": {"disk": {k: cold[k] for k in ("stage_s", "copy_s", "bytes")},
                                            "ram": {k: warm[k] for k in ("stage_s", "copy_s", "bytes")}}}))
     finally:

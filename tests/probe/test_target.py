@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import signal
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from coldsnap_probe._target import check_target
+from coldsnap_probe._restore_after_criu import restore_args
+from coldsnap_probe._target import check_target, gpu_pairs
 from coldsnap_probe.errors import TargetRefused, WorkerError
+from tests.probe.test_main import has_nvidia_driver
 
 CRIU = {"installed": True, "path": "/usr/sbin/criu", "version": "Version: 4.2", "version_exit_code": 0}
 H200 = {"architecture": "x86_64", "kernel": "6.1.0-28-amd64", "driver_version": "580.159.04",
@@ -99,3 +104,85 @@ def test_a_record_of_another_shape_is_refused_by_name_never_a_crash(identity: An
     """Review finding: the manager's own capsule writes the record; a crafted one is refused, with its code."""
     [mismatch] = refused(H200, captured=identity)
     assert (mismatch["code"], mismatch["fact"], mismatch["captured"]) == ("record-invalid", "identity", why)
+
+
+# -- another GPU of the captured model (issue 36 item 4) ----------------------------------------------------------
+UUID_A, UUID_B = "GPU-0123abcd-4567-89ab-cdef-0123456789ab", "GPU-fedcba98-7654-3210-fedc-ba9876543210"
+ON_A = {**H200, "gpu_uuid": UUID_A}
+
+
+def test_another_gpu_of_the_model_restores_remapped_with_the_pair_the_driver_needs() -> None:
+    """Driver 580 (CUDA 13.0) restores onto another GPU of the chip when told the pair (`CUcheckpointRestoreArgs
+    .gpuPairs`): admitted as `gpu-remapped`, the pair built from both UUIDs; on the captured GPU, no pair."""
+    on_b = {**H200, "gpu_uuid": UUID_B}
+    assert check_target(ON_A, on_b, "n610") == "gpu-remapped"
+    assert gpu_pairs(ON_A, on_b) == [(bytes.fromhex("0123abcd456789abcdef0123456789ab"),
+                                      bytes.fromhex("fedcba9876543210fedcba9876543210"))]
+    assert check_target(ON_A, ON_A, "n610") == "exact" and gpu_pairs(ON_A, ON_A) == []
+    assert check_target(H200, on_b, "n610") == "exact" and gpu_pairs(H200, on_b) == []  # an older capture: unknown
+    assert check_target(ON_A, on_b, "n580") == "pre-cuda-template"  # a template has no CUDA state to remap
+
+
+@pytest.mark.parametrize(("captured", "current", "policy", "code", "fact"), [
+    (ON_A, {**H200, "gpu_uuid": UUID_B}, "same-gpu", "gpu-uuid-mismatch", "gpu_uuid"),
+    ({**ON_A, "cuda_driver_api": 12080}, {**H200, "gpu_uuid": UUID_B, "cuda_driver_api": 12080}, "same-model",
+     "gpu-remap-unsupported", "cuda_driver_api"),
+    ({**ON_A, "gpu_devices": 2}, {**H200, "gpu_uuid": UUID_B, "gpu_devices": 2}, "same-model",
+     "gpu-remap-unsupported", "gpu_devices"),
+    (ON_A, {**H200, "gpu_uuid": "MIG-0123abcd-4567-89ab-cdef-0123456789ab"}, "same-model", "gpu-remap-unsupported",
+     "gpu_uuid"),
+], ids=["same-gpu-policy", "cuda-12.8", "several-gpus", "mig"])
+def test_another_gpu_the_driver_cannot_be_told_to_restore_onto_is_refused_by_name(
+        captured: dict[str, Any], current: dict[str, Any], policy: str, code: str, fact: str) -> None:
+    with pytest.raises(TargetRefused) as caught:
+        check_target(captured, current, "n610", device_policy=policy)
+    [mismatch] = caught.value.mismatches
+    assert (mismatch["code"], mismatch["fact"]) == (code, fact)
+    assert (mismatch["captured"], mismatch["current"]) == (captured.get(fact), current.get(fact))
+
+
+def test_the_restore_passes_the_pairs_in_the_drivers_own_struct() -> None:
+    """The arguments `cuCheckpointProcessRestore` gets, built with cuda-python's own types (no driver needed to
+    build them): none on the captured GPU, every pair's 16 bytes otherwise."""
+    driver = pytest.importorskip("cuda.bindings.driver")
+    assert restore_args(driver, []) is None
+    args = restore_args(driver, gpu_pairs(ON_A, {**H200, "gpu_uuid": UUID_B}))
+    assert args.gpuPairsCount == 1
+    [pair] = args.gpuPairs
+    assert bytes(pair.oldUuid.bytes) == bytes.fromhex(UUID_A[4:].replace("-", ""))
+    assert bytes(pair.newUuid.bytes) == bytes.fromhex(UUID_B[4:].replace("-", ""))
+
+
+@pytest.mark.skipif(not has_nvidia_driver(), reason="needs an NVIDIA driver (run on the GPU host)")
+def test_driver_580_takes_a_gpu_pair_on_restore(tmp_path: Path) -> None:
+    """The closest one GPU allows to restoring onto another: a CUDA process checkpointed and restored in place with
+    the pair (this GPU -> this GPU) in `gpuPairs` (the driver refuses a struct it does not know with
+    CUDA_ERROR_INVALID_VALUE), held as the workers hold it; it then computes on its device memory as before."""
+    from coldsnap_probe._cuda import Driver
+    from coldsnap_probe._held_tree import driver_alone, stop_tree
+    from coldsnap_probe._host import gpu_identity
+    from tests.probe.test_worker import start_target, verify
+
+    control = tmp_path / "control"
+    target = start_target("n610", control, "16")
+    try:
+        assert verify(control, 0)
+        here = gpu_identity()
+        pairs = gpu_pairs({"gpu_uuid": "GPU-" + "0" * 32}, here)  # (any other GPU, this one): this one's bytes
+        assert len(pairs) == 1, here
+        driver = Driver()
+        driver.call("cuInit", 0)
+        driver.call("cuCheckpointProcessLock", target.pid, None)
+        stop_tree([target.pid])
+        with driver_alone(driver, target.pid):  # (GetState answers only while the restore thread runs)
+            driver.call("cuCheckpointProcessCheckpoint", target.pid, None)
+            assert driver.state(target.pid) == "checkpointed"
+        with driver_alone(driver, target.pid):
+            driver.call("cuCheckpointProcessRestore", target.pid, restore_args(driver.cuda, [(pairs[0][1],) * 2]))
+            driver.call("cuCheckpointProcessUnlock", target.pid, None)
+            assert driver.state(target.pid) == "running"
+        os.kill(target.pid, signal.SIGCONT)
+        assert verify(control, 1)
+    finally:
+        os.killpg(target.pid, signal.SIGKILL)
+        target.wait()

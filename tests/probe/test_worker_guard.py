@@ -282,7 +282,7 @@ guard = WorkerGuard()
 guard.start("restore")
 work = guard.scratch("coldsnap-restore-")
 if named:
-    daemon = _start_lazy_pages(criu, images, work, guard)
+    daemon = _start_lazy_pages(criu, images, work, guard, {})
 else:
     guard.note(lazy_socket=str(work / "lazy-pages.socket"))
     daemon = subprocess.Popen([criu, "lazy-pages", "--images-dir", str(images), "--work-dir", str(work),

@@ -182,16 +182,23 @@ def test_the_profile_allows_a_known_kernels_calls_but_the_denied_and_refuses_any
 
 # --- CRIU still works in a confined capsule -------------------------------------------------------------------
 
-# In the capsule: a session leader to capture, CRIU's dump (which kills it), the reap, CRIU's restore of the same
-# PID, and the restored process answering. CRIU's logs follow on failure.
+# In the capsule: a session leader to capture, CRIU's dump (which kills it), the reap, CRIU's kernel probe into a
+# cache of its own as the restore worker runs it (kdat-cache.patch), CRIU's restore of the same PID loading that
+# cache, and the restored process answering. CRIU's logs follow on failure.
 CRIU_SCRIPT = """
 setsid sh -c 'echo $$ > /tmp/leader; while :; do sleep 1; done' </dev/null >/dev/null 2>&1 &
 while [ ! -s /tmp/leader ]; do sleep 0.1; done
 pid=$(cat /tmp/leader)
 mkdir -p /tmp/img
+export CRIU_DUMP_THREADS=4
 if criu dump --tree "$pid" --images-dir /tmp/img -o dump.log -v4; then echo dumped; else cat /tmp/img/dump.log; fi
+case "$(cat /tmp/img/dump.log)" in *"dump-threads: $pid: "*) echo "pages read by threads";; esac
 wait
-if criu restore --images-dir /tmp/img -o restore.log -v4 -d; then echo restored; else cat /tmp/img/restore.log; fi
+mkdir /tmp/kdat
+CRIU_KDAT_CACHE=/tmp/kdat/criu.kdat criu check --feature pagemap_scan >/dev/null 2>&1
+if CRIU_KDAT_CACHE=/tmp/kdat/criu.kdat criu restore --images-dir /tmp/img -o restore.log -v4 -d; then echo restored
+else cat /tmp/img/restore.log; fi
+case "$(cat /tmp/img/restore.log)" in *"Loaded kdat cache from /tmp/kdat/criu.kdat"*) echo "kdat cached";; esac
 kill -0 "$pid" && echo "alive $pid"
 """
 
@@ -243,4 +250,6 @@ async def test_a_confined_privileged_capsule_still_dumps_and_restores_a_process_
         assert reply.runtime is not None and isinstance(reply.runtime.output, bytes)
     output = reply.runtime.output.decode(errors="replace")
     assert "dumped" in output and "restored" in output and "alive" in output, output[-6000:]
+    assert "kdat cached" in output, output[-6000:]  # the kernel probe's cache works under the capsule's confinement
+    assert "pages read by threads" in output  # the capsule's seccomp profile lets dump-threads.patch read them
     assert inspect(name)["HostConfig"]["CgroupnsMode"] == "private"

@@ -12,7 +12,6 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -23,6 +22,7 @@ from coldsnap_runtime.backend._capture_registry import CaptureRegistry, Transfer
 from coldsnap_runtime.errors import RuntimeFailed
 from coldsnap_runtime.store import CaptureStore, StoredFile, artifact_manifest
 from tests.conftest import Registry
+from tests.runtime._http_peer import Serve, one_peer
 
 BLOBS = 12  # more than the 8 in flight at once
 BLOB_BYTES = 2 << 20
@@ -69,6 +69,7 @@ class Relay:
             target.shutdown(socket.SHUT_WR)
 
     def kill(self) -> None:
+        """Close everything (again: a second call closes nothing new)."""
         self.dead.set()
         self.listener.close()
         with self.lock:
@@ -116,9 +117,12 @@ def test_a_registry_dying_mid_push_fails_naming_a_blob_and_the_retry_sends_only_
     store, capture, blobs = _capture(tmp_path)
     repository = f"push/dies{os.getpid()}"
     relay = Relay(registry.address, die_after=3)
-    with pytest.raises(RuntimeFailed) as failed:
-        _push(store, relay.address, registry, repository, capture)
-    assert relay.dead.is_set()
+    try:
+        with pytest.raises(RuntimeFailed) as failed:
+            _push(store, relay.address, registry, repository, capture)
+        assert relay.dead.is_set()
+    finally:
+        relay.kill()  # also when the push went through: no relay thread or socket outlives the test
     assert f"registry {relay.address}: blob sha256:" in str(failed.value), failed.value
     present = [blob for blob in blobs if _registry_has(registry, repository, "blobs", blob)]
     assert 3 <= len(present) < len(blobs)
@@ -153,30 +157,12 @@ def test_a_push_to_a_registry_that_is_down_names_the_registry_and_a_blob(registr
 ACCEPTED = b"HTTP/1.1 202 Accepted\r\nLocation: /v2/r/blobs/uploads/u\r\nContent-Length: 0\r\n\r\n"
 
 
-@contextlib.contextmanager
-def _stalled_registry() -> Iterator[str]:
-    """A real HTTP peer on 127.0.0.1 that answers the HEAD (404) and the POST (202) and then reads nothing."""
-    server = socket.create_server(("127.0.0.1", 0))
-    done = threading.Event()
-
-    def serve() -> None:
-        with contextlib.suppress(OSError):
-            peer, _ = server.accept()
-            server.close()  # the best-effort DELETE of the unfinished upload is refused at once
-            with peer:
-                for answer in (b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n", ACCEPTED):
-                    peer.recv(65536)
-                    peer.sendall(answer)
-                done.wait(30)
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.getsockname()[1]}/v2/r"
-    finally:
-        done.set()
-        server.close()
-        thread.join(5)
+def _stalled(peer: socket.socket, done: threading.Event) -> None:
+    """A registry that answers the HEAD (404) and the POST (202) and then reads nothing."""
+    for answer in (b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n", ACCEPTED):
+        peer.recv(65536)
+        peer.sendall(answer)
+    done.wait(30)
 
 
 def test_a_registry_that_stops_reading_is_cut_at_the_blobs_deadline_and_a_cancel_ends_the_thread(
@@ -184,7 +170,7 @@ def test_a_registry_that_stops_reading_is_cut_at_the_blobs_deadline_and_a_cancel
     blob = tmp_path / "blob"
     blob.write_bytes(os.urandom(16 << 20))  # more than the socket's buffers hold
     digest = "sha256:" + "0" * 64
-    with _stalled_registry() as base, open(blob, "rb") as source:
+    with one_peer(_stalled, "/v2/r") as base, open(blob, "rb") as source:
         began = time.monotonic()
         with pytest.raises(TimeoutError, match="was not sent within 1 s"):
             upload_blob(base, authorization="", digest=digest, size=16 << 20, source=source, within_s=1.0,
@@ -192,7 +178,7 @@ def test_a_registry_that_stops_reading_is_cut_at_the_blobs_deadline_and_a_cancel
         assert time.monotonic() - began < 5
     stop = threading.Event()
     threading.Timer(0.5, stop.set).start()
-    with _stalled_registry() as base, open(blob, "rb") as source:
+    with one_peer(_stalled, "/v2/r") as base, open(blob, "rb") as source:
         began = time.monotonic()
         with pytest.raises(ConnectionAbortedError, match="its push was cancelled"):
             upload_blob(base, authorization="", digest=digest, size=16 << 20, source=source, within_s=300.0,
@@ -200,10 +186,9 @@ def test_a_registry_that_stops_reading_is_cut_at_the_blobs_deadline_and_a_cancel
         assert time.monotonic() - began < 5
 
 
-@contextlib.contextmanager
-def _tls_registry(tmp_path: Path) -> Iterator[tuple[str, list[bytes]]]:
-    """A real HTTPS peer on 127.0.0.1 (a self-signed certificate the client is told to trust): HEAD 404, POST 202,
-    then the PUT's body read whole and answered 201 only when it hashes to the digest the PUT names."""
+def _tls_registry(tmp_path: Path, bodies: list[bytes]) -> Serve:
+    """A registry over TLS (a self-signed certificate the client is told to trust): HEAD 404, POST 202, then the
+    PUT's body read whole into `bodies` and answered 201 only when it hashes to the digest the PUT names."""
     import hashlib
     import ssl
     import subprocess
@@ -213,12 +198,9 @@ def _tls_registry(tmp_path: Path) -> Iterator[tuple[str, list[bytes]]]:
                     "-out", str(tmp_path / "cert.pem")], check=True, capture_output=True)
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
-    server = socket.create_server(("127.0.0.1", 0))
-    bodies: list[bytes] = []
 
-    def serve() -> None:
-        with contextlib.suppress(OSError), context.wrap_socket(server.accept()[0], server_side=True) as peer, \
-                peer.makefile("rwb") as stream:
+    def serve(peer: socket.socket, done: threading.Event) -> None:
+        with context.wrap_socket(peer, server_side=True) as secured, secured.makefile("rwb") as stream:
             for answer in (b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n", ACCEPTED, None):
                 head = b"".join(iter(stream.readline, b"\r\n"))
                 if answer is None:
@@ -231,13 +213,7 @@ def _tls_registry(tmp_path: Path) -> Iterator[tuple[str, list[bytes]]]:
                 stream.write(answer)
                 stream.flush()
 
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield f"https://127.0.0.1:{server.getsockname()[1]}/v2/r", bodies
-    finally:
-        server.close()
-        thread.join(10)
+    return serve
 
 
 def test_through_tls_the_body_is_sent_encrypted_and_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -247,7 +223,9 @@ def test_through_tls_the_body_is_sent_encrypted_and_whole(tmp_path: Path, monkey
     data = os.urandom(3 << 20)
     (tmp_path / "blob").write_bytes(data)
     digest = "sha256:" + hashlib.sha256(data).hexdigest()
-    with _tls_registry(tmp_path) as (base, bodies), open(tmp_path / "blob", "rb") as source:
+    bodies: list[bytes] = []
+    with one_peer(_tls_registry(tmp_path, bodies), "/v2/r", scheme="https") as base, \
+            open(tmp_path / "blob", "rb") as source:
         monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "cert.pem"))  # trust the peer's certificate
         uploaded = upload_blob(base, authorization="", digest=digest, size=len(data), source=source, within_s=60.0,
                                stop=threading.Event())
@@ -255,35 +233,21 @@ def test_through_tls_the_body_is_sent_encrypted_and_whole(tmp_path: Path, monkey
     assert bodies == [data]
 
 
-@contextlib.contextmanager
-def _hostile_registry(after_post: bytes, then: bytes) -> Iterator[str]:
-    """A real HTTP peer on 127.0.0.1 that answers the HEAD (404), then answers the POST with `after_post` and goes
-    on sending `then` for as long as it is read: a byte at a time (each read well within the socket's timeout),
-    or an endless body."""
-    server = socket.create_server(("127.0.0.1", 0))
-    done = threading.Event()
+def _hostile(after_post: bytes, then: bytes) -> Serve:
+    """A registry that answers the HEAD (404), then answers the POST with `after_post` and goes on sending `then` for
+    as long as it is read: a byte at a time (each read well within the socket's timeout), or an endless body."""
 
-    def serve() -> None:
-        with contextlib.suppress(OSError):
-            peer, _ = server.accept()
-            with peer:
-                peer.recv(65536)
-                peer.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
-                peer.recv(65536)
-                peer.sendall(after_post)
-                while not done.is_set():
-                    peer.sendall(then)
-                    if len(then) == 1:
-                        time.sleep(0.05)
+    def serve(peer: socket.socket, done: threading.Event) -> None:
+        peer.recv(65536)
+        peer.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+        peer.recv(65536)
+        peer.sendall(after_post)
+        while not done.is_set():
+            peer.sendall(then)
+            if len(then) == 1:
+                time.sleep(0.05)
 
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.getsockname()[1]}/v2/r"
-    finally:
-        done.set()
-        server.close()
-        thread.join(5)
+    return serve
 
 
 TRICKLE = (b"HTTP/1.1 202 Accepted\r\nX-Slow: ", b"a")  # one header byte every 50 ms, never ending
@@ -315,7 +279,7 @@ def test_a_registry_that_answers_a_byte_at_a_time_or_endlessly_never_holds_the_u
         except BaseException as exc:  # the test reports what ended it
             ended.append(exc)
 
-    with _hostile_registry(*answer) as base:
+    with one_peer(_hostile(*answer), "/v2/r") as base:
         began = time.monotonic()
         thread = threading.Thread(target=push, daemon=True)
         thread.start()

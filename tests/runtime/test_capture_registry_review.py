@@ -20,6 +20,7 @@ from coldsnap_runtime.backend._blob_fetch import fetch_blob
 from coldsnap_runtime.backend._capture_registry import CaptureRegistry
 from coldsnap_runtime.store import CHUNK_MEDIA_TYPE, CaptureStore, StoredFile, artifact_manifest
 from tests.conftest import Registry
+from tests.runtime._http_peer import Serve, one_peer
 
 
 def _registry(store: CaptureStore, registry: Registry, repository: str) -> CaptureRegistry:
@@ -107,38 +108,26 @@ def test_a_removal_racing_a_record_never_leaves_a_listed_capture_without_its_chu
     assert broken == 0
 
 
-@contextmanager
-def _trickling_registry(head: bytes) -> Iterator[str]:
-    """A real HTTP peer on 127.0.0.1 that sends `head`, then one body byte every 0.1 s, never the whole body."""
-    server = socket.create_server(("127.0.0.1", 0))
-    done = threading.Event()
+def _trickling(head: bytes) -> Serve:
+    """A registry that sends `head`, then one body byte every 0.1 s, never the whole body."""
 
-    def serve() -> None:
-        with contextlib.suppress(OSError):
-            peer, _ = server.accept()
-            with peer:
-                peer.recv(65536)
-                peer.sendall(head)
-                while not done.wait(0.1):
-                    peer.sendall(b"x")
+    def serve(peer: socket.socket, done: threading.Event) -> None:
+        peer.recv(65536)
+        peer.sendall(head)
+        while not done.wait(0.1):
+            peer.sendall(b"x")
 
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.getsockname()[1]}/v2/r/blobs/sha256:{'0' * 64}"
-    finally:
-        done.set()
-        server.close()
-        thread.join(5)
+    return serve
 
 
+BLOB_PATH = f"/v2/r/blobs/sha256:{'0' * 64}"
 TRICKLE = b"HTTP/1.1 200 OK\r\nContent-Length: 67108864\r\n\r\n"
 
 
 def test_a_registry_that_trickles_a_blob_is_cut_at_the_blobs_deadline(tmp_path: Path) -> None:
     """Regression (review, 2026-12-02): each read reset the socket timeout, so a byte every few minutes held a
     fetch thread (and the daemon's shutdown) for ever."""
-    with _trickling_registry(TRICKLE) as url:
+    with one_peer(_trickling(TRICKLE), BLOB_PATH) as url:
         began = time.monotonic()
         with pytest.raises(TimeoutError, match="did not arrive within 1 s"):
             fetch_blob(url, authorization="", digest="sha256:" + "0" * 64, size=64 << 20, into=tmp_path / "b",
@@ -151,7 +140,7 @@ def test_a_cancelled_pull_does_not_wait_for_its_fetch_threads(tmp_path: Path) ->
     leaving no file."""
     store = CaptureStore(tmp_path / "s")
     store.open()
-    with _trickling_registry(TRICKLE) as url:
+    with one_peer(_trickling(TRICKLE), BLOB_PATH) as url:
         registry = CaptureRegistry(store, registry=url.split("/")[2], repository="r", insecure=True, auth=None,
                                    action="image-pull", fetches=anyio.CapacityLimiter(2),
                                    share=anyio.CapacityLimiter(2), uploads=anyio.CapacityLimiter(2))
@@ -264,6 +253,6 @@ def test_one_managers_pulls_from_a_silent_registry_never_hold_every_fetch_slot(t
 
 def test_a_redirect_to_a_malformed_address_is_refused_naming_it(tmp_path: Path) -> None:
     head = b"HTTP/1.1 307 Temporary Redirect\r\nLocation: http://[::1/x\r\nContent-Length: 0\r\n\r\n"
-    with _trickling_registry(head) as url, pytest.raises(ConnectionError, match=r"http://\[::1/x"):
+    with one_peer(_trickling(head), BLOB_PATH) as url, pytest.raises(ConnectionError, match=r"http://\[::1/x"):
         fetch_blob(url, authorization="", digest="sha256:" + "0" * 64, size=1, into=tmp_path / "b", within_s=5.0,
                    stop=threading.Event())

@@ -10,7 +10,7 @@
 #define CSCU_SEGMENT_FILE "seg-%zu.bin"             /* a dump file's name, numbered from 0 */
 #define CSCU_SEGMENT ((size_t)1 << 30)              /* bytes of one dump file (tmpfs serialises writes per file) */
 
-/* The dump's digests, per 64 MiB chunk (hydration/_weights.py: DIGEST_PREFIX, CRC_PREFIX, DIGEST_CHUNK,
+/* The dump's digests, per 64 MiB chunk (hydration/_digests.py: DIGEST_PREFIX, CRC_PREFIX, DIGEST_CHUNK,
  * region_digest, crc_digest): sha256-64m, SHA-256 over the SHA-256 of each chunk (a content address); crc32-64m,
  * each chunk's CRC-32 (zlib's), 8 hex digits a chunk: the release's default (hydration/_interposer.py:
  * ENV_DIGEST names the other). */

@@ -1,6 +1,6 @@
 /* The dump's digest kinds, per 64 MiB chunk (constants.h): `sha256-64m`, SHA-256 over each chunk's SHA-256 (the
  * weights' digest, a content address), and `crc32-64m`, each chunk's CRC-32 (crc32.c: several times faster, for
- * the release's and the hydration's critical path). hydration/_weights.py computes both in Python. */
+ * the release's and the hydration's critical path). hydration/_digests.py computes both in Python. */
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <stdio.h>

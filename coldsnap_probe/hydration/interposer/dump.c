@@ -7,7 +7,7 @@
  * staging buffers, take 64 MiB chunks in turn: device to host on one buffer while the other is digested and
  * written (release), read and digested while the other is copied to the device (hydrate). A segment's digest
  * is per 64 MiB chunk (digest.h): `crc32-64m` by default, `sha256-64m` when COLDSNAP_CUDA_INTERPOSER_DIGEST says so
- * (hydration/_weights.py computes both). A block of zeros is not written: the file is created at its full size, so
+ * (hydration/_digests.py computes both). A block of zeros is not written: the file is created at its full size, so
  * the hole reads as zeros, and a chunk of zeros is recorded as such (the hydration sets it on the device).
  *
  * Failure: a release that fails before unmapping removes its files and changes nothing; a hydrate that fails
