@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from .errors import ChannelError
+
 __all__ = ("CAPTURE_KIND", "RESTORE_KIND", "CaptureReport", "CapturedGraphPolicy", "DumpedDevice", "HydratedDevice",
            "HydratedWeights", "Mark", "ReleasedWeights", "RestoreReport", "RestoredGraphPolicy", "SourceReport",
            "StackLimit", "Timeline")
@@ -108,22 +110,22 @@ class StackLimit:
 
     @classmethod
     def from_json(cls, value: object) -> StackLimit:
-        """The interposer's `stack_limit` answer; ValueError naming the field and the rule."""
+        """The interposer's `stack_limit` answer; ChannelError (it answered badly) naming the field and the rule."""
         if not isinstance(value, dict):
-            raise ValueError(f"stack_limit must be an object, got {type(value).__name__}")
+            raise ChannelError(f"stack_limit must be an object, got {type(value).__name__}")
         unknown = sorted(set(value) - {"enabled", "engine_bytes", "set_bytes", "contexts", "seconds", "error"})
         if unknown:
-            raise ValueError(f"stack_limit has unknown keys {unknown}")
+            raise ChannelError(f"stack_limit has unknown keys {unknown}")
         if not isinstance(value.get("enabled"), bool):
-            raise ValueError("stack_limit.enabled must be true or false")
+            raise ChannelError("stack_limit.enabled must be true or false")
         for key in ("engine_bytes", "set_bytes", "contexts"):
             if type(value.get(key)) is not int or value[key] < 0:
-                raise ValueError(f"stack_limit.{key} must be an integer >= 0, got {value.get(key)!r}")
+                raise ChannelError(f"stack_limit.{key} must be an integer >= 0, got {value.get(key)!r}")
         seconds = value.get("seconds")
         if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 <= seconds < 86400:
-            raise ValueError(f"stack_limit.seconds must be a number of seconds (0 to 86400), got {seconds!r}")
+            raise ChannelError(f"stack_limit.seconds must be a number of seconds (0 to 86400), got {seconds!r}")
         if not isinstance(value.get("error", ""), str):
-            raise ValueError("stack_limit.error must be a string")
+            raise ChannelError("stack_limit.error must be a string")
         return cls(enabled=value["enabled"], engine_bytes=value["engine_bytes"], set_bytes=value["set_bytes"],
                    contexts=value["contexts"], seconds=float(seconds), error=value.get("error"))
 

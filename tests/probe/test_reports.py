@@ -20,6 +20,7 @@ from coldsnap_probe._reports import (
     StackLimit,
     Timeline,
 )
+from coldsnap_probe.errors import ChannelError
 
 CAPTURE_ALWAYS = {"format", "kind", "boundary", "root_pid", "tree", "started_unix", "rank", "world_size", "engine",
                   "cuda_pids", "identity", "engine_quiesced", "timings_s", "barrier_wait_s", "image_bytes",
@@ -134,7 +135,7 @@ def test_a_release_that_lowered_the_stack_limit_reports_it_in_the_capture() -> N
     ({**LOWERED, "seconds": "0"}, r"stack_limit.seconds must be a number of seconds \(0 to 86400\), got '0'"),
     ({**LOWERED, "error": 5}, "stack_limit.error must be a string")])
 def test_a_malformed_stack_limit_answer_is_refused_naming_the_field_and_the_rule(value: object, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ChannelError, match=message):
         StackLimit.from_json(value)
 
 
