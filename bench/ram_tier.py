@@ -88,7 +88,8 @@ def hydrator(label: str, budget: str, work: Path, threads: int = 16) -> Iterator
     its socket and ready line."""
     control = str(work / f"{label.replace(' ', '-').replace(',', '')}.sock")
     proc = subprocess.Popen([sys.executable, "-m", "coldsnap_probe.hydration", "serve", "--socket", control,
-                             "--staging", "--ram-tier-bytes", budget, "--dump-threads", str(threads)],
+                             "--staging", "--ram-tier-bytes", budget, "--dump-threads", str(threads),
+                             "--warm-captures"],
                             stdout=subprocess.PIPE, cwd=ROOT)
     try:
         yield control, json.loads(proc.stdout.readline())  # type: ignore[union-attr]

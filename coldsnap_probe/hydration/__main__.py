@@ -66,12 +66,8 @@ def _budget(text: str) -> int:
     return size
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m coldsnap_probe.hydration serve --socket PATH FILE...`` (the long-lived hydrator) or
-    ``digest FILE OFFSET SIZE``."""
-    parser = argparse.ArgumentParser(prog="python -m coldsnap_probe.hydration")
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve")
+def _serve_parser(serve: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`serve`'s options (the long-lived hydrator's)."""
     serve.add_argument("--socket", required=True)
     serve.add_argument("--staging", action="store_true",
                        help="accept stage requests: fill an engine's weights while its process is restored, in "
@@ -93,6 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                        help=f"reader threads of a device dump's stage from the files (the disk tier; 1 to "
                             f"{MAX_DUMP_THREADS}, default {DUMP_THREADS}): fewer leave more CPU and memory bandwidth "
                             "to the restore beside it")
+    serve.add_argument("--warm-captures", action="store_true",
+                       help="load a capture's device dumps into the RAM tier when its capture worker offers them, "
+                            "so that its first restore stages from RAM (off by default: a restore staging from disk "
+                            "while the load pins memory waits longer)")
     serve.add_argument("--allow-uid", type=int, action="append", default=[], metavar="UID",
                        help="a uid whose processes may ask (repeatable; root and this process's uid always may)")
     serve.add_argument("--allow-gid", type=int, action="append", default=[], metavar="GID",
@@ -104,6 +104,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                        help="the socket's group: mode 0660 instead of 0600")
     serve.add_argument("sources", nargs="*", help="weight files to keep page-locked (none: a hydrator that only "
                        "stages the CUDA interposer's device dumps, with --staging)")
+    return serve
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m coldsnap_probe.hydration serve --socket PATH FILE...`` (the long-lived hydrator) or
+    ``digest FILE OFFSET SIZE``."""
+    parser = argparse.ArgumentParser(prog="python -m coldsnap_probe.hydration")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = _serve_parser(sub.add_parser("serve"))
     dig = sub.add_parser("digest")
     dig.add_argument("path")
     dig.add_argument("offset", type=int)
@@ -119,7 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         HydratorServer(args.sources, stage_ttl=args.stage_ttl, staging=args.staging, peers=peers,
                        group=args.socket_group, stage_uid_count=args.stage_uid_count,
                        stage_uid_bytes=args.stage_uid_bytes, ram_tier_bytes=args.ram_tier_bytes,
-                       status_uids=frozenset(args.status_uid), dump_threads=args.dump_threads).serve(args.socket)
+                       status_uids=frozenset(args.status_uid), dump_threads=args.dump_threads,
+                       warm_captures=args.warm_captures).serve(args.socket)
     except Exception as exc:
         sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")
         return 1

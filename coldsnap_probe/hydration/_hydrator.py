@@ -119,7 +119,8 @@ class HydratorServer:
                  stage_ttl: float = STAGE_TTL, staging: bool = False, peers: jsonline.Peers | None = None,
                  group: int | None = None, stage_uid_count: int | None = None,
                  stage_uid_bytes: int | None = None, ram_tier_bytes: int = 0,
-                 status_uids: frozenset[int] = frozenset(), dump_threads: int = DUMP_THREADS) -> None:
+                 status_uids: frozenset[int] = frozenset(), dump_threads: int = DUMP_THREADS,
+                 warm_captures: bool = False) -> None:
         from .._cuda import Driver
 
         self.driver: Any = driver or Driver()
@@ -154,7 +155,9 @@ class HydratorServer:
         budget = ram_tier_bytes if staging else 0
         pins = HostPins(self.driver, self.context)
         self.ram_tier = RamTier(budget, pin=pins.pin, unpin=pins.unpin)
-        self.warms = Warms(self.ram_tier, self._openers)  # captures' dumps offered to the tier (_warm.py)
+        # Captures' dumps offered to the tier (_warm.py): off unless asked for. On the H200 a warm pinning 16 GB
+        # while the next restore staged from disk made that restore wait 1.29 s for its stage (bench/README.md).
+        self.warms = Warms(self.ram_tier, self._openers) if warm_captures else None
         self.quota = StageQuota.default(int(total), shared=bool(self.peers.uids or self.peers.gids), stages=STAGE_MAX,
                                         count=stage_uid_count, size=stage_uid_bytes)
         # One stage's ring of page-locked buffers, allocated now rather than on every restore's path (256 MiB).
@@ -198,6 +201,9 @@ class HydratorServer:
             if op == "stage-dump":
                 return self._stage_dump(message, peer, conn, _stager(fds))
             if op == "warm":
+                if self.warms is None:
+                    return {"ok": True, "queued": False,
+                            "reason": "this hydrator warms no capture (serve --warm-captures)"}
                 return self.warms.warm(self._stage_slot(message), message, peer, conn)
             if op == "adopt":
                 return self._adopt(message, peer, conn)
@@ -467,7 +473,7 @@ class HydratorServer:
         return {"ok": True, "device_uuid": self.device_uuid, "staged": staged,
                 "quota": {"count": self.quota.count, "bytes": self.quota.bytes},
                 # The tier is every tenant's: its counters say when others restored, so only the operator sees them.
-                **({"ram_tier": {**self.ram_tier.status(), "warms": self.warms.status()}}
+                **({"ram_tier": {**self.ram_tier.status(), "warms": self.warms.status() if self.warms else "off"}}
                    if peer.uid in (0, os.getuid(), *self.status_uids) else {})}
 
     def _held(self, key: str, ticket: object) -> tuple[_Slot, _Staged] | None:

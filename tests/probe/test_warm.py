@@ -218,7 +218,8 @@ def test_the_real_hydrator_serves_the_first_stage_after_a_warm_from_the_ram_tier
              {"file": str(second), "bytes": 64 * MIB, "region": 0}]
     control = str(tmp_path / "hydrator.sock")
     proc = subprocess.Popen([sys.executable, "-m", "coldsnap_probe.hydration", "serve", "--socket", control,
-                             "--staging", "--ram-tier-bytes", "1G"], stdout=subprocess.PIPE, cwd=ROOT)
+                             "--staging", "--ram-tier-bytes", "1G", "--warm-captures"],
+                            stdout=subprocess.PIPE, cwd=ROOT)
     try:
         from tests.probe.test_ram_tier import KEY
 
@@ -261,7 +262,8 @@ def test_a_real_release_offered_at_capture_is_restored_from_the_ram_tier_on_its_
     control = tmp_path / "hydrator.sock"
     target = Target(tmp_path, library, socket="warm.sock", mib=512, zero_mib=512)
     hydrator = subprocess.Popen([sys.executable, "-m", "coldsnap_probe.hydration", "serve", "--socket", str(control),
-                                 "--staging", "--ram-tier-bytes", "800M"], stdout=subprocess.PIPE, cwd=ROOT)
+                                 "--staging", "--ram-tier-bytes", "800M", "--warm-captures"],
+                                stdout=subprocess.PIPE, cwd=ROOT)
     try:
         json.loads(hydrator.stdout.readline())  # type: ignore[union-attr]
         dump = target.release(tmp_path / "dump")
