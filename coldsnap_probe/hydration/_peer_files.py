@@ -9,7 +9,8 @@ and it copies from descriptors opened there, never from what a path names later.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from ..errors import HydrationError
@@ -104,10 +105,19 @@ def dump_reads(layout: DumpLayout) -> dict[str, Runs]:
     marks as zeros (set on the device, never read: the file's holes), merged over the parts naming the file."""
     spans: dict[str, list[tuple[int, int]]] = {}
     for named, size, _region, zero in layout:
-        for start in range(0, size, DIGEST_CHUNK):
-            if not zero >> (start // DIGEST_CHUNK) & 1:
-                spans.setdefault(named, []).append((start, min(DIGEST_CHUNK, size - start)))
-    return {named: merge_runs(found) for named, found in spans.items()}
+        spans.setdefault(named, []).extend(_unmasked(size, zero))
+    return {named: merge_runs(found) for named, found in spans.items() if found}
+
+
+def _unmasked(size: int, zero: int) -> Iterator[tuple[int, int]]:
+    """The runs of a part of `size` bytes that `zero` does not mask, found from the mask's bits, never chunk by
+    chunk: a part's bytes are the peer's word (a sparse file on a tmpfs may say exbibytes: 2**36 chunks would
+    hold the hydrator's thread for days), its mask is bounded by the request's line."""
+    chunks = -(-size // DIGEST_CHUNK)
+    bits = format(zero, "b")[::-1][:chunks] + "0" * (chunks > zero.bit_length())  # "0": the read tail, if any
+    for run in re.finditer("0+", bits):
+        start = run.start() * DIGEST_CHUNK
+        yield start, min(size, run.end() * DIGEST_CHUNK if run.end() < len(bits) else size) - start
 
 
 def merge_runs(runs: Iterable[tuple[int, int]]) -> Runs:

@@ -195,6 +195,29 @@ class TestRefused:
             tier.close()
             shutil.rmtree(top)
 
+    def test_a_sparse_exbibyte_part_is_answered_at_once_and_skipped_as_too_large(self, tmp_path: Path,
+                                                                                   hydrator: Any) -> None:
+        """A part's bytes are the peer's word, bounded only by its file: on a tmpfs a sparse file may be 4 EiB. The
+        runs a warm (or a stage-dump) reads are found from the part's mask, not chunk by chunk: 2**36 chunks of
+        64 MiB held the hydrator's thread for days and its memory grew without end (without the fix this answer
+        never comes within the timeout)."""
+        path, served = hydrator
+        record = captured(tmp_path / "images", path)
+        huge = Path("/dev/shm") / f"cs-warm-huge-{os.getpid()}.bin"
+        huge.touch()
+        try:
+            try:
+                os.truncate(huge, 1 << 62)
+            except OSError as exc:
+                pytest.skip(f"no tmpfs at /dev/shm to hold a sparse 4 EiB file: {exc}")
+            answer = jsonline.request(str(path), {"op": "warm", "key": record.dump.manifest_digest, "parts": [
+                {"file": str(huge), "bytes": 1 << 62, "region": 0, "zero": 0b101}]}, timeout=10.0)
+            assert answer == {"ok": True, "queued": True}, answer
+            status = settle(served.tier)
+            assert (status["entries"], status["skipped"]["too_large"], status["evictions"]) == (0, 1, 0), status
+        finally:
+            huge.unlink()
+
     def test_bad_parts_are_refused_naming_the_field(self, tmp_path: Path, hydrator: Any) -> None:
         path, served = hydrator
         record = captured(tmp_path / "images", path)
