@@ -466,7 +466,7 @@ def request_with_fds(path: str | Path, message: dict[str, Any], *, fds: Sequence
             raise ChannelError(f"channel {path}: {exc}") from exc
     try:
         answer = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):  # "[[[[...": nested past the decoder's stack, an answer as malformed
         answer = None
     if not isinstance(answer, dict):
         for fd in received:

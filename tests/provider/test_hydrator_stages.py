@@ -17,6 +17,7 @@ import pytest
 
 from coldsnap_provider._hydrator_stages import HydratorStages, _Tier
 from tests.helpers import ROOT, running_daemon
+from tests.probe.test_jsonline import _answering
 from tests.probe.test_main import has_nvidia_driver
 from tests.provider.test_metrics import _scratch, sample, scrape
 
@@ -46,6 +47,18 @@ async def test_a_hydrator_that_does_not_answer_leaves_the_counts_at_zero_and_the
         assert daemon.log().count("node hydrator gives no stage counts") == 1  # once, not at every interval
     for name in ("coldsnap_provider_hydrator_stage_bytes_total", "coldsnap_provider_hydrator_stages_total"):
         assert f'{name}{{tier="ram"}} 0.0' in text and f'{name}{{tier="disk"}} 0.0' in text, text
+
+
+def test_an_answer_nested_past_the_decoder_is_a_hydrator_that_did_not_answer(tmp_path: Path) -> None:
+    """Whatever serves a named socket (a hydrator gone wrong, or what took its path while it restarts), its answer
+    never raises out of the poll: the poll is a task of the daemon's task group, and a RecursionError from the JSON
+    decoder ("[[[[...") escaped it and stopped the whole daemon."""
+    path, thread = _answering(tmp_path, lambda conn: conn.sendall(b"[" * 200_000))
+    stages = HydratorStages([path])
+    anyio.run(stages.poll)
+    thread.join(10)
+    assert stages.totals() == [("ram", 0, 0), ("disk", 0, 0)] and "answered" in stages._failing[path], \
+        stages._failing
 
 
 @pytest.mark.skipif(not has_nvidia_driver(), reason="needs an NVIDIA driver")
