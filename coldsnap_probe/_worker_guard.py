@@ -182,7 +182,11 @@ def _undo(steps: list[dict[str, Any]]) -> list[str]:
     if tree:
         undone.append(_hold_still(tree, [s for s in steps if "hold" in s]))
     cuda = [(int(s["cuda"]), str(s["state"])) for s in steps if "cuda" in s]
-    driver = _undo_cuda(cuda, held=bool(tree)) if cuda else None
+    driver = None
+    try:
+        driver = _undo_cuda(cuda, held=bool(tree)) if cuda else None
+    except Exception as exc:  # no driver to load, or cuInit refused: the tree stopped above must still run again
+        undone.append(f"CUDA state of {sorted({p for p, _ in cuda})} not undone: {type(exc).__name__}: {exc}")
     if tree:
         undone.append(_let_tree_run(tree))
     if driver is not None:  # asked once the tree runs: GetState does not answer for a stopped process

@@ -206,6 +206,43 @@ def test_a_worker_killed_while_it_holds_a_thread_leaves_the_tree_running_with_it
     assert target.runs_everywhere() and alive(target.pid)
 
 
+# A capture worker that locked its tree and stopped it, then died: its guard's CUDA undo comes before the tree runs.
+LOCKED = """
+import sys, time
+from coldsnap_probe._held_tree import stop_tree
+from coldsnap_probe._worker_guard import WorkerGuard
+pid = int(sys.argv[1])
+guard = WorkerGuard()
+guard.start("capture")
+guard.note(cuda=pid, state="locked")
+guard.note(stop=[pid])
+stop_tree([pid])
+print("stopped", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_dead_workers_tree_runs_again_even_when_its_cuda_undo_fails(tmp_path: Path) -> None:
+    """The guard stops the tree again, undoes the CUDA state, then continues the tree: a CUDA undo that raised
+    (here no driver to load; on a host, a cuInit that refuses) left the tree stopped for good, the guard gone. The
+    tree must run again whatever the driver does, and the guard say what it could not undo. (On a GPU host the
+    driver loads and the undo of a process with no CUDA state is a no-op: the tree runs again there too.)"""
+    target = subprocess.Popen(["sleep", "60"])
+    try:
+        run = subprocess.Popen([sys.executable, "-c", LOCKED, str(target.pid)], cwd=ROOT, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert run.stdout is not None and run.stdout.readline() == "stopped\n", run.communicate(timeout=30)
+        run.kill()
+        _out, err = run.communicate(timeout=30)  # EOF once the guard, which shares stderr, is done
+        assert "capture guard: the worker died" in err and f"tree [{target.pid}] running again" in err, err
+        stat = Path(f"/proc/{target.pid}/stat").read_text()
+        assert stat[stat.rindex(")") + 2] in "SR", stat  # not T: running (asleep) again
+        assert has_nvidia_driver() or f"CUDA state of [{target.pid}] not undone" in err, err
+    finally:
+        target.kill()
+        target.wait()
+
+
 # -- the GPU host: the capture worker against a JAX process that keeps libcuda busy --------------------------------
 gpu_jax = pytest.mark.skipif(not has_nvidia_driver() or shutil.which("criu") is None
                              or importlib.util.find_spec("jax") is None,
