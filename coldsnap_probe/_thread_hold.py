@@ -112,15 +112,26 @@ class ThreadHold:
         return True
 
     def release(self) -> None:
-        """Stop the running thread, give it its mask back, detach every thread (they stay group-stopped)."""
+        """Stop the running thread, give it its mask back, detach every thread (they stay group-stopped). Every
+        thread is detached even when the running one could not be stopped (it ended, say): the first failure is
+        raised after, never left as threads traced by this process."""
+        threads, self.threads = self.threads, []
+        failed: list[WorkerError] = []
         if self.running is not None:
             tid, self.running = self.running, None
-            self._ptrace(_INTERRUPT, tid)
-            self._wait_stop(tid)
-            self._ptrace(_SETSIGMASK, tid, _SIGSET_BYTES, ctypes.byref(self._mask))
-        threads, self.threads = self.threads, []
+            try:
+                self._ptrace(_INTERRUPT, tid)
+                self._wait_stop(tid)
+                self._ptrace(_SETSIGMASK, tid, _SIGSET_BYTES, ctypes.byref(self._mask))
+            except WorkerError as exc:
+                failed.append(exc)
         for tid in threads:
-            self._ptrace(_DETACH, tid, gone_ok=True)  # a thread that ended meanwhile holds nothing
+            try:
+                self._ptrace(_DETACH, tid, gone_ok=True)  # a thread that ended meanwhile holds nothing
+            except WorkerError as exc:
+                failed.append(exc)
+        if failed:
+            raise failed[0]
 
     def _ptrace(self, request: int, tid: int, addr: int = 0, data: object = None, *, gone_ok: bool = False) -> None:
         """`request` on `tid`, retried while the thread is between two stops; `gone_ok`: a thread that ended is

@@ -206,6 +206,48 @@ def test_a_worker_killed_while_it_holds_a_thread_leaves_the_tree_running_with_it
     assert target.runs_everywhere() and alive(target.pid)
 
 
+# A thread that ends once it is let run (the hold's running thread gone before its release), the main thread asleep.
+ENDING = """
+import os, threading, time
+def work():
+    os.write(1, f"{threading.get_native_id()}\\n".encode())
+    time.sleep(0.2)
+threading.Thread(target=work).start()
+time.sleep(600)
+"""
+
+
+def test_a_running_thread_that_ended_is_named_and_every_other_thread_is_still_let_go() -> None:
+    """`release` stops the thread it let run before detaching the rest: when that thread had ended, the failure to
+    stop it left every other thread traced by the worker (the tree then stayed in its ptrace stops, whatever
+    SIGCONT the rollback sent, until the worker exited)."""
+    target = subprocess.Popen([sys.executable, "-c", ENDING], stdout=subprocess.PIPE, text=True)
+    try:
+        assert target.stdout is not None
+        tid = int(target.stdout.readline())
+        stop_tree([target.pid])
+        hold = ThreadHold(target.pid)
+        hold.run_only(tid)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{target.pid}/task/{tid}/stat").exists() and \
+                "Z" not in Path(f"/proc/{target.pid}/task/{tid}/stat").read_text().split(")")[-1][:3]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.raises(WorkerError, match=f"thread {tid} of process {target.pid}"):
+            hold.release()
+        tracers = {line.split()[1] for task in Path(f"/proc/{target.pid}/task").iterdir() if task.name != str(tid)
+                   for line in (task / "status").read_text().splitlines() if line.startswith("TracerPid:")}
+        assert tracers == {"0"}, tracers
+        os.kill(target.pid, signal.SIGCONT)
+        wait_running = time.monotonic() + 10
+        while (stat := Path(f"/proc/{target.pid}/stat").read_text())[stat.rindex(")") + 2] == "T":
+            assert time.monotonic() < wait_running, stat
+            time.sleep(0.01)
+    finally:
+        target.kill()
+        target.wait()
+
+
 # A capture worker that locked its tree and stopped it, then died: its guard's CUDA undo comes before the tree runs.
 LOCKED = """
 import sys, time
