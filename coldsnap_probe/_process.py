@@ -17,7 +17,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import WorkerError
+from .errors import DriverError, WorkerError
 
 if TYPE_CHECKING:
     from ._cuda import Driver
@@ -257,7 +257,7 @@ def undo_cuda(driver: Driver, done: list[tuple[int, str]],
             try:
                 if hold is not None:
                     stack.enter_context(hold(pid))
-            except WorkerError:
+            except (WorkerError, DriverError):  # DriverError: no restore thread named (the rollback must go on)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGCONT)
             with contextlib.suppress(Exception):  # best effort: the caller's rollback goes on with the rest

@@ -248,6 +248,28 @@ def test_a_running_thread_that_ended_is_named_and_every_other_thread_is_still_le
         target.wait()
 
 
+@pytest.mark.skipif(not has_nvidia_driver(), reason="needs an NVIDIA driver")
+def test_a_process_the_driver_names_no_restore_thread_for_is_undone_running_and_the_undo_goes_on() -> None:
+    """`undo_cuda`'s hold asks the driver for the process's restore thread: a driver that refuses (here: a process
+    without CUDA state, stopped) raised a CudaError out of the whole undo, and the capture's rollback never sent
+    its SIGCONT nor gave memory back. The process is continued and undone running instead, the undo goes on."""
+    from coldsnap_probe._cuda import Driver
+    from coldsnap_probe._held_tree import held
+    from coldsnap_probe._process import undo_cuda
+
+    target = subprocess.Popen(["sleep", "60"])
+    try:
+        stop_tree([target.pid])
+        driver = Driver()
+        driver.call("cuInit", 0)
+        undo_cuda(driver, [(target.pid, "locked")], held(driver))
+        stat = Path(f"/proc/{target.pid}/stat").read_text()
+        assert stat[stat.rindex(")") + 2] in "SR", stat  # continued, not left stopped
+    finally:
+        target.kill()
+        target.wait()
+
+
 # A capture worker that locked its tree and stopped it, then died: its guard's CUDA undo comes before the tree runs.
 LOCKED = """
 import sys, time
