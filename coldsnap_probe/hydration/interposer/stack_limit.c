@@ -36,12 +36,16 @@ static int limit_calls(get_limit_fn *get, set_limit_fn *set)
     return *get && *set && cscu_driver() ? 0 : -1;
 }
 
-/* The distinct contexts of the region table, in `stack_found` (their records of an earlier release forgotten). */
+/* The distinct contexts of the region table, in `stack_found`: records of an earlier release forgotten, but for a
+ * context still lowered (its set-back failed), whose recorded value is the engine's and must not be read again. */
 static void stack_contexts(void)
 {
-    size_t count;
+    size_t count, kept = 0;
     struct cscu_region *r = cscu_regions(&count);
-    stack_found_count = 0;
+    for (size_t k = 0; k < stack_found_count; k++)
+        if (stack_found[k].lowered)
+            stack_found[kept++] = stack_found[k];
+    stack_found_count = kept;
     for (size_t i = 0; i < count; i++) {
         size_t k = 0;
         while (k < stack_found_count && stack_found[k].context != r[i].context)
@@ -57,9 +61,10 @@ static void lower_one(size_t k, size_t target, get_limit_fn get, set_limit_fn se
 {
     CUresult rc = cscu_driver()->ctx_set_current(stack_found[k].context);
     const char *step = "cuCtxSetCurrent";
-    if (rc == CUDA_SUCCESS && (rc = get(&stack_found[k].engine, CU_LIMIT_STACK_SIZE)) != CUDA_SUCCESS)
+    size_t *read = stack_found[k].lowered ? now : &stack_found[k].engine;  /* still lowered: keep the engine's */
+    if (rc == CUDA_SUCCESS && (rc = get(read, CU_LIMIT_STACK_SIZE)) != CUDA_SUCCESS)
         step = "cuCtxGetLimit(CU_LIMIT_STACK_SIZE)";
-    *now = stack_found[k].engine;
+    *now = *read;
     if (rc == CUDA_SUCCESS && stack_found[k].engine > target) {
         if ((rc = set(CU_LIMIT_STACK_SIZE, target)) != CUDA_SUCCESS)
             step = "cuCtxSetLimit(CU_LIMIT_STACK_SIZE)";
