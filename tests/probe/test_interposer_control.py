@@ -25,7 +25,10 @@ from tests.probe.test_interposer import library, read_answer, wait_listening
 
 __all__ = ("library",)  # the module fixture, shared
 
-SLOW_DRIVER = "#include <unistd.h>\nint cuStreamSynchronize(void *stream) { (void)stream; sleep(4); return 0; }\n"
+# The stand-in marks that a call is inside it (the interposer counted it in flight on the way in), then sleeps.
+SLOW_DRIVER = ("#include <fcntl.h>\n#include <stdlib.h>\n#include <unistd.h>\n"
+               "int cuStreamSynchronize(void *stream) { (void)stream; const char *mark = getenv(\"STANDIN_MARK\");\n"
+               "    if (mark) close(open(mark, O_CREAT | O_WRONLY, 0600));\n    sleep(4); return 0; }\n")
 ENGINE = ("import ctypes, os, sys, threading, time\n"
           "if sys.argv[1] == 'busy':  # an engine thread inside a synchronise for 4 s (a release must drain it)\n"
           "    threading.Thread(target=ctypes.CDLL(None).cuStreamSynchronize, args=(None,), daemon=True).start()\n"
@@ -44,11 +47,17 @@ def engine(library: Path, mode: str = "idle") -> Iterator[tuple[subprocess.Popen
     subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(folder / "libcuda.so.1"), str(source)], check=True)
     env = {**os.environ, "LD_PRELOAD": str(library), "LD_LIBRARY_PATH": str(folder),
            "COLDSNAP_CUDA_INTERPOSER_SOCKET": str(folder / "cuda-%p.sock"), "COLDSNAP_CUDA_INTERPOSER_LISTEN": "load",
-           "COLDSNAP_CUDA_INTERPOSER_REQUEST_S": "1", "COLDSNAP_CUDA_INTERPOSER_DRAIN_S": "2"}
+           "COLDSNAP_CUDA_INTERPOSER_REQUEST_S": "1", "COLDSNAP_CUDA_INTERPOSER_DRAIN_S": "2",
+           "STANDIN_MARK": str(folder / "inside")}
     proc = subprocess.Popen([sys.executable, "-c", ENGINE, mode], env=env)
     path = str(folder / f"cuda-{proc.pid}.sock")
     wait_listening(path)
-    time.sleep(0.3)  # the busy thread is inside its synchronise
+    if mode == "busy":  # its thread is inside the synchronise (a loaded machine may take seconds to get there)
+        deadline = time.monotonic() + 30
+        while not (folder / "inside").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+    else:
+        time.sleep(0.3)
     try:
         yield proc, path
     finally:
