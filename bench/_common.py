@@ -8,9 +8,10 @@ import os
 import signal
 import socket
 import statistics
+import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,23 @@ def disk_read_rate(path: Path, limit: int = 2 << 30) -> float:
         while got < limit and (n := f.readinto(buf)):
             got += n
     return got / (time.perf_counter() - started)
+
+
+def criu_environment(criu: str, **extra: str) -> dict[str, str]:
+    """This environment for `criu` kept with its own libraries (scripts/criu/build's directory), plus `extra`."""
+    return {**os.environ, "LD_LIBRARY_PATH": str(Path(criu).resolve().parent.parent / "lib/x86_64-linux-gnu"),
+            **extra}
+
+
+def run_criu(criu: str, args: Sequence[str], log: Path, env: Mapping[str, str], verbosity: str = "-v4") -> float:
+    """`criu ARGS` logging to `log` at `verbosity`, in `env`: its seconds; RuntimeError with the log's tail."""
+    started = time.perf_counter()
+    done = subprocess.run([criu, *args, "--log-file", str(log), verbosity], capture_output=True, text=True,
+                          check=False, env=env)
+    seconds = time.perf_counter() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"criu {args[0]} exited {done.returncode}: {log.read_text()[-800:]}")
+    return seconds
 
 
 def criu_zero_pages(images: Path) -> tuple[int, int]:

@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import criu_zero_pages, table
+from bench._common import criu_environment, criu_zero_pages, run_criu, table
 from coldsnap_probe import dump_stats
 
 TARGET = r"""
@@ -67,12 +67,6 @@ while True:
 """
 
 
-def criu_environment(criu: str, zero_pages: str) -> dict[str, str]:
-    """CRIU kept with its own libraries (scripts/criu/build's directory) finds them."""
-    return {**os.environ, "LD_LIBRARY_PATH": str(Path(criu).resolve().parent.parent / "lib/x86_64-linux-gnu"),
-            "CRIU_DUMP_ZERO_PAGES": zero_pages}
-
-
 def wait_for(path: Path, what: subprocess.Popen[bytes] | None = None, seconds: float = 120) -> str:
     deadline = time.monotonic() + seconds
     while not path.exists():
@@ -82,16 +76,6 @@ def wait_for(path: Path, what: subprocess.Popen[bytes] | None = None, seconds: f
             raise RuntimeError(f"{path} did not appear within {seconds:.0f} s")
         time.sleep(0.02)
     return path.read_text()
-
-
-def run_criu(criu: str, zero_pages: str, args: list[str], log: Path) -> float:
-    started = time.perf_counter()
-    done = subprocess.run([criu, *args, "--log-file", str(log), "-v2"], capture_output=True, text=True,
-                          check=False, env=criu_environment(criu, zero_pages))
-    seconds = time.perf_counter() - started
-    if done.returncode != 0:
-        raise RuntimeError(f"criu {args[0]} exited {done.returncode}: {log.read_text()[-800:]}")
-    return seconds
 
 
 class IoVec(ctypes.Structure):
@@ -122,6 +106,7 @@ def end(pid: int) -> None:
 
 def one(criu: str, root: Path, data_mib: int, zero_mib: int, row: str) -> dict[str, Any]:
     how, zero_pages = ("released", "skip") if row == "released" else ("written", row)
+    env = criu_environment(criu, CRIU_DUMP_ZERO_PAGES=zero_pages)
     with tempfile.TemporaryDirectory(dir=root, prefix="criu-shape-") as scratch:
         images, ready = Path(scratch) / "images", Path(scratch) / "ready"
         images.mkdir()
@@ -131,16 +116,16 @@ def one(criu: str, root: Path, data_mib: int, zero_mib: int, row: str) -> dict[s
         try:
             numbers = [int(n) for n in wait_for(ready, target).split()]
             copy_s = copy_out_seconds(target.pid, [(numbers[1], numbers[2]), (numbers[3], numbers[4])])
-            dump_s = run_criu(criu, zero_pages, ["dump", "--tree", str(target.pid), "--images-dir", str(images),
-                                                 "--work-dir", scratch], Path(scratch) / "dump.log")
+            dump_s = run_criu(criu, ["dump", "--tree", str(target.pid), "--images-dir", str(images), "--work-dir",
+                                     scratch], Path(scratch) / "dump.log", env, "-v2")
         finally:
             if target.poll() is None:
                 target.kill()
             target.wait()
         size, zeros = criu_zero_pages(images)
         stats = dump_stats(Path(scratch))
-        restore_s = run_criu(criu, zero_pages, ["restore", "--images-dir", str(images), "--work-dir", scratch,
-                                                "--restore-detached"], Path(scratch) / "restore.log")
+        restore_s = run_criu(criu, ["restore", "--images-dir", str(images), "--work-dir", scratch,
+                                    "--restore-detached"], Path(scratch) / "restore.log", env, "-v2")
         try:
             os.kill(target.pid, signal.SIGUSR1)
             checked, read_s = wait_for(Path(f"{ready}.checked"), seconds=60).split()

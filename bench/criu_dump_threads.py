@@ -32,36 +32,26 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import table, wait_file
+from bench._common import criu_environment, run_criu, table, wait_file
 from coldsnap_probe import dump_stats
 
 HERE = Path(__file__).resolve().parent
 PAGE = 4096
 
 
-def criu_environment(criu: str, threads: int) -> dict[str, str]:
-    """CRIU kept with its own libraries (scripts/criu/build's directory) finds them; 0 threads: unset."""
-    env = {**os.environ, "LD_LIBRARY_PATH": str(Path(criu).resolve().parent.parent / "lib/x86_64-linux-gnu")}
+def criu_env(criu: str, threads: int) -> dict[str, str]:
+    """CRIU with its own libraries; 0 threads: CRIU_DUMP_THREADS unset (the CPUs)."""
+    env = criu_environment(criu)
     env.pop("CRIU_DUMP_THREADS", None)
     return env | ({"CRIU_DUMP_THREADS": str(threads)} if threads else {})
-
-
-def run_criu(criu: str, threads: int, args: list[str], log: Path) -> float:
-    started = time.perf_counter()
-    done = subprocess.run([criu, *args, "--log-file", str(log), "-v4"], capture_output=True, text=True,
-                          check=False, env=criu_environment(criu, threads))
-    seconds = time.perf_counter() - started
-    if done.returncode != 0:
-        raise RuntimeError(f"criu {args[0]} exited {done.returncode}: {log.read_text()[-800:]}")
-    return seconds
 
 
 def dump(criu: str, threads: int, pid: int, scratch: Path) -> dict[str, Any]:
     """One dump of the stopped target into scratch/images; its seconds and CRIU's stats."""
     images = scratch / "images"
     images.mkdir(parents=True)
-    seconds = run_criu(criu, threads, ["dump", "--tree", str(pid), "--images-dir", str(images), "--work-dir",
-                                       str(scratch), "--leave-running"], scratch / "dump.log")
+    seconds = run_criu(criu, ["dump", "--tree", str(pid), "--images-dir", str(images), "--work-dir", str(scratch),
+                              "--leave-running"], scratch / "dump.log", criu_env(criu, threads))
     pages = sum(p.stat().st_size for p in images.glob("pages-*.img"))
     threaded = "dump-threads: " in (scratch / "dump.log").read_text(errors="replace")
     return {"dump_s": seconds, "pages_bytes": pages, "threaded": threaded, **dump_stats(scratch)}
@@ -82,8 +72,8 @@ def restored_memory(criu: str, threads: int, scratch: Path, control: Path, pid: 
     """The last row's images restored (the target killed first); what the restored target says of its memory."""
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
-    run_criu(criu, threads, ["restore", "--images-dir", str(scratch / "images"), "--work-dir", str(scratch),
-                             "--restore-detached"], scratch / "restore.log")
+    run_criu(criu, ["restore", "--images-dir", str(scratch / "images"), "--work-dir", str(scratch),
+                    "--restore-detached"], scratch / "restore.log", criu_env(criu, threads))
     try:
         os.kill(pid, signal.SIGCONT)  # it was dumped stopped, and so restored
         (control / "verify").touch()
