@@ -34,7 +34,7 @@ from tests.probe.test_main import has_nvidia_driver
 
 pytestmark = pytest.mark.skipif(not has_nvidia_driver(), reason="needs an NVIDIA driver")
 ENGINE_STACK = 4096  # the engine's own limit: four times the driver's default
-DEPTH = 6  # the recursive kernel's depth: 2-3 KiB of stack, more than the lowered 256 bytes and the 1 KiB default
+DEPTH = 6  # the recursive kernel's depth: 2-3 KiB of stack, more than the lowered 16 bytes and the 1 KiB default
 MIB = 1 << 20
 
 
@@ -133,7 +133,7 @@ def test_the_checkpoint_copies_less_and_the_engine_gets_its_own_limit_back(libra
                                      contexts=1, seconds=on["stack"].seconds)
     assert on["stack"].set_bytes < ENGINE_STACK and on["restore_s"] is not None and on["restore_s"] >= 0
     assert off["stack"].enabled is False and off["stack"].set_bytes == ENGINE_STACK and off["stack"].error is None
-    # The reservation is (limit x resident threads): lowering 4 KiB to 256 B takes most of it off the checkpoint.
+    # The reservation is (limit x resident threads): lowering 4 KiB to 16 B takes most of it off the checkpoint.
     expected = (ENGINE_STACK - on["stack"].set_bytes) * on["resident"]
     assert off["added"] - on["added"] >= expected // 2, (on["added"], off["added"], expected)
 
@@ -170,7 +170,7 @@ def test_a_set_back_the_driver_cannot_do_refuses_the_hydration_and_a_later_one_s
         assert target.request({"op": "status"})["stack_lowered"] == 0
         reader.join(30)
         # Asked while the limit was lowered: the engine's cudaDeviceGetLimit reaches cuCtxGetLimit, which waits at
-        # the gate (without it, it would read 256 at once); only its own value ever comes back.
+        # the gate (without it, it would read 16 at once); only its own value ever comes back.
         assert asked["limit"] == ENGINE_STACK, asked
         print(f"\nthe engine's cudaDeviceGetLimit returned {asked['returned_unix'] - hydrated:+.3f} s after hydrate")
         assert target.ask("check") == {**{k: target.ready[k] for k in ("limit", "kernel", "data")},

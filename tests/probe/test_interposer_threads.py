@@ -35,14 +35,14 @@ def test_the_staging_buffer_is_the_configured_mebibytes(library: Path, setting: 
 
 
 @pytest.mark.parametrize(("shrink", "stack_bytes", "expected", "complaint"), [
-    (None, None, (True, 256), ""), ("0", "4096", (False, 4096), ""), ("1", "16", (True, 16), ""),
-    ("no", "0", (True, 256), "COLDSNAP_CUDA_INTERPOSER_SHRINK_STACK=no must be 0 or 1, using 1"),
-    ("", "1k", (True, 256), "COLDSNAP_CUDA_INTERPOSER_STACK_BYTES=1k is not a positive integer, using 256")])
+    (None, None, (True, 16), ""), ("0", "4096", (False, 4096), ""), ("1", "256", (True, 256), ""),
+    ("no", "0", (True, 16), "COLDSNAP_CUDA_INTERPOSER_SHRINK_STACK=no must be 0 or 1, using 1"),
+    ("", "1k", (True, 16), "COLDSNAP_CUDA_INTERPOSER_STACK_BYTES=1k is not a positive integer, using 16")])
 def test_the_stack_limit_knobs_reach_the_control_socket(library: Path, shrink: str | None, stack_bytes: str | None,
                                                         expected: tuple[bool, int], complaint: str,
                                                         monkeypatch: pytest.MonkeyPatch,
                                                         capfd: pytest.CaptureFixture[str]) -> None:
-    """On by default at 256 bytes; `0` turns it off; a mistyped value is named on the engine's stderr with its rule
+    """On by default at 16 bytes (the driver's floor that it reads back, bench/checkpoint_anatomy.py --set limits); `0` turns it off; a mistyped value is named on the engine's stderr with its rule
     and the default is kept (a capture never changes behaviour because of a typo)."""
     for name, value in (("COLDSNAP_CUDA_INTERPOSER_SHRINK_STACK", shrink),
                         ("COLDSNAP_CUDA_INTERPOSER_STACK_BYTES", stack_bytes)):

@@ -149,7 +149,7 @@ struct cscu_config {
     int engine_vmm;             /* COLDSNAP_CUDA_INTERPOSER_ENGINE_VMM (default 1): the engine's cuMemCreate moved */
     int stream_ordered;         /* COLDSNAP_CUDA_INTERPOSER_STREAM_ORDERED (default 1): cuMemAllocAsync moved */
     int stack_shrink;           /* COLDSNAP_CUDA_INTERPOSER_SHRINK_STACK (default 1): a release lowers the stack limit */
-    size_t stack_bytes;         /* COLDSNAP_CUDA_INTERPOSER_STACK_BYTES (default 256): what it lowers it to */
+    size_t stack_bytes;         /* COLDSNAP_CUDA_INTERPOSER_STACK_BYTES (default 16): what it lowers it to */
 };
 CSCU_HIDDEN const struct cscu_config *cscu_config(void);
 

@@ -98,7 +98,7 @@ static void config_read(void)
     config.engine_vmm = !(engine_vmm && strcmp(engine_vmm, "0") == 0);  /* 0: left on the checkpoint path */
     config.stream_ordered = !(ordered && strcmp(ordered, "0") == 0);
     config.stack_shrink = env_switch("COLDSNAP_CUDA_INTERPOSER_SHRINK_STACK");
-    config.stack_bytes = env_size("COLDSNAP_CUDA_INTERPOSER_STACK_BYTES", 256, 1);
+    config.stack_bytes = env_size("COLDSNAP_CUDA_INTERPOSER_STACK_BYTES", 16, 1);
     if (!socket || !*socket)
         return;
     /* "%p" becomes the pid, so that every CUDA process of a tree gets its own socket. */
