@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from .. import jsonline
+from ._copy import STAGE_READERS
 from ._digests import region_digest
 from ._hydrator import DUMP_THREADS, MAX_DUMP_THREADS, STAGE_TTL, HydratorServer
 from ._ram_tier import default_budget, node_memory
@@ -89,6 +90,12 @@ def _serve_parser(serve: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help=f"reader threads of a device dump's stage from the files (the disk tier; 1 to "
                             f"{MAX_DUMP_THREADS}, default {DUMP_THREADS}): fewer leave more CPU and memory bandwidth "
                             "to the restore beside it")
+    serve.add_argument("--stage-reader", choices=STAGE_READERS, default="auto",
+                       help="how a device dump's stage reads the files when the RAM tier does not hold them: auto "
+                            "(the default): page-locked where they lie, a window at a time, the DMA reading them "
+                            "with no CPU copy, where they pin fast (a page cache, a huge=always tmpfs), else the "
+                            "ring; ring: the reader threads' ring of page-locked buffers alone; registered: every "
+                            "window page-locked however slowly (to measure it)")
     serve.add_argument("--warm-captures", action="store_true",
                        help="load a capture's device dumps into the RAM tier when its capture worker offers them, "
                             "so that its first restore stages from RAM (off by default: a restore staging from disk "
@@ -129,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        group=args.socket_group, stage_uid_count=args.stage_uid_count,
                        stage_uid_bytes=args.stage_uid_bytes, ram_tier_bytes=args.ram_tier_bytes,
                        status_uids=frozenset(args.status_uid), dump_threads=args.dump_threads,
-                       warm_captures=args.warm_captures).serve(args.socket)
+                       warm_captures=args.warm_captures, stage_reader=args.stage_reader).serve(args.socket)
     except Exception as exc:
         sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")
         return 1
