@@ -36,7 +36,17 @@ from typing import Any, NamedTuple, Protocol
 from ..errors import CudaError, HydrationError
 from ._vmm import Mapped, cucall
 from ._weights import WeightRegion
-from ._windows import PIN_THREADS, WINDOW, Window, check_whole, map_window, plan_windows, ring_reason, slow_pin
+from ._windows import (
+    PIN_THREADS,
+    WINDOW,
+    Window,
+    check_whole,
+    in_page_cache,
+    map_window,
+    plan_windows,
+    ring_reason,
+    slow_pin,
+)
 
 __all__ = ("COPY_CHUNK", "STAGE_READERS", "ZEROS", "HostBuffers", "Piece", "Pinned", "Pread", "Reader", "Registered",
            "copy_to_device", "miss_reader", "region_pieces", "zero_split")
@@ -280,9 +290,10 @@ class _Ring:
 class Registered:
     """The sources page-locked where they lie, `window` bytes of a file at a time, `threads` windows at once (each
     thread pins its next window while its previous one's DMA runs, then unpins and unmaps that one), from the
-    descriptors `opened` (the caller's, left open). What is not pinned goes to `fallback` after: a file
-    `ring_reason` sends there, a window the driver refused (a file truncated since it was opened), and, with
-    `measure`, the rest of a filesystem whose window pinned too slowly (`slow_pin`). Without `measure` every
+    descriptors `opened` (the caller's, left open). What is not pinned goes to `fallback` after: a window the
+    driver refused (a file truncated since it was opened) and, with `measure`, a file `ring_reason` sends there, a
+    window not wholly in the page cache (a cold disk: the ring's readers read it in parallel, the pinning's faults a
+    page at a time) and the rest of a filesystem whose window pinned too slowly (`slow_pin`). Without `measure` every
     window is pinned however slowly (a side-by-side measurement)."""
 
     opened: Mapping[str, int]
@@ -310,7 +321,7 @@ class Registered:
         return {"reader": "registered" if not rest else "ring" if not registered else "registered+ring",
                 "pin_s": state.pin_s, "unpin_s": state.unpin_s, "windows": len(windows) - len(deferred),
                 "registered_bytes": registered, "ring_bytes": fell, "threads": threads,
-                "fallback": "; ".join(sorted(set(state.reasons.values())) + state.refused),
+                "fallback": "; ".join(sorted(set(state.reasons.values()) | state.refused)),
                 **({"ring": ring} if ring else {})}
 
 
@@ -334,7 +345,7 @@ class _Windows:
         # Per filesystem (st_dev): why its windows go to the fallback; decided before (`ring_reason`) or measured.
         first = {device: opened[source] for source, device in reversed(self.devices.items())}  # one file each
         self.reasons = {device: why for device, fd in first.items() if measure and (why := ring_reason(fd))}
-        self.refused: list[str] = []  # windows the driver would not pin (each to the fallback alone)
+        self.refused: set[str] = set()  # why windows went to the fallback alone (the driver's refusal, a cold one)
         self.pin_s = self.unpin_s = 0.0
         self.failed = threading.Event()
 
@@ -373,7 +384,8 @@ class _Windows:
 
     def _pin(self, window: Window) -> Mapped | None:
         """`window` mapped and page-locked, timed; None when it goes to the fallback instead (its filesystem's
-        reason, the driver's refusal, or a rate below MIN_PIN_RATE: then it is pinned and used, the rest not)."""
+        reason; with `measure`, a page of it not in the page cache; the driver's refusal). A window pinned too
+        slowly (`slow_pin`) is used, and the rest of its filesystem's go to the fallback."""
         device = self.devices[window.source]
         with self.lock:
             if device in self.reasons:
@@ -381,15 +393,21 @@ class _Windows:
                 return None
         started = time.perf_counter()
         mapped: Mapped | None = None
+        why = ""
         try:
             mapped = map_window(self.opened[window.source], window)
-            mapped.register(self.driver)
+            if self.measure and not in_page_cache(mapped):  # its pinning would read the disk a page at a time
+                why = "not wholly in the page cache"
+            else:
+                mapped.register(self.driver)
         except (CudaError, HydrationError) as exc:  # e.g. pages beyond the file's end now: the ring says so
+            why = f"{window.source}: {exc}"
+        if why:
             if mapped is not None:
                 mapped.close(self.driver)
             with self.lock:
                 self.deferred.append(window)
-                self.refused.append(f"{window.source}: {exc}")
+                self.refused.add(why)
             return None
         took = time.perf_counter() - started
         size = sum(n for _offset, n in window.runs)

@@ -10,7 +10,9 @@ Where it pays is the filesystem's page size: page-locking costs per page. A page
 pinned 8 GiB in 0.18 s on the H200 (~47 GB/s), a tmpfs of 4 KiB pages 2.6 s (~3.3 GB/s: slower than the ring), a
 `huge=always` tmpfs has 2 MiB pages. So `ring_reason` sends a file on a tmpfs of small pages to the ring before
 anything is pinned, and the reader times each window it pins: one slower than MIN_PIN_RATE sends the rest of its
-filesystem's windows to the ring too (a filesystem not recognised here is decided by that measurement alone).
+filesystem's windows to the ring too (a filesystem not recognised here is decided by that measurement alone). A
+window not wholly in the page cache (`in_page_cache`: a cold disk, issue 34) goes to the ring as well: the pinning
+would fault it in from the disk a page at a time, where the ring's 16 readers read in parallel.
 
 Faults (a dump file is the peer's own: it may truncate it while the hydrator reads it): nothing here reads a
 mapping with the CPU, so no SIGBUS can reach the hydrator, which serves every tenant. A window is mapped only
@@ -33,8 +35,8 @@ from ..errors import HydrationError
 from ._peer_files import Runs, merge_runs
 from ._vmm import Mapped
 
-__all__ = ("MIN_PIN_RATE", "PIN_THREADS", "WINDOW", "Window", "check_whole", "map_window", "plan_windows",
-           "ring_reason", "slow_pin")
+__all__ = ("MIN_PIN_RATE", "PIN_THREADS", "WINDOW", "Window", "check_whole", "in_page_cache", "map_window",
+           "plan_windows", "ring_reason", "slow_pin")
 
 WINDOW = 512 << 20  # bytes of a file pinned at once: large enough for the link, small enough to pipeline
 PIN_THREADS = 4  # windows pinned at once (each thread: one being pinned while its previous one's DMA runs)
@@ -48,6 +50,7 @@ _HUGE = ("huge=always", "huge=within_size")  # "advise" is huge only where the w
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fstatfs.argtypes = (ctypes.c_int, ctypes.c_void_p)
+_libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
 
 
 _Copy = tuple[int, str, int, int]  # dst, source, offset, size: a `_copy.Piece` (that module imports this one)
@@ -129,6 +132,20 @@ def _shmem_forced() -> str:
     except (OSError, IndexError):
         return ""
     return chosen if chosen in ("force", "deny") else ""
+
+
+def in_page_cache(mapped: Mapped) -> bool:
+    """Whether every page of `mapped`'s ranges is in the page cache (mincore: the kernel's answer, no page touched).
+    One that is not would be read from the disk by the pinning's page faults, a page at a time, where the ring's
+    16 readers read it in parallel (a cold disk: issue 34): such a window goes to the ring."""
+    for offset, n in mapped.ranges:
+        pages = -(-n // _PAGE)
+        vector = ctypes.create_string_buffer(pages)
+        if _libc.mincore(mapped.address + offset, n, vector) != 0:
+            return False  # ENOMEM: a page beyond the file's end now (truncated): the ring says so
+        if vector.raw.translate(None, bytes(range(1, 256, 2))) != b"":  # a byte with bit 0 clear: not resident
+            return False
+    return True
 
 
 def slow_pin(size: int, seconds: float) -> str:

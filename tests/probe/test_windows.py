@@ -30,6 +30,7 @@ from coldsnap_probe.hydration._windows import (
     MIN_PIN_RATE,
     WINDOW,
     check_whole,
+    in_page_cache,
     map_window,
     plan_windows,
     ring_reason,
@@ -91,6 +92,28 @@ class TestFallbackChoice:
         fd = os.open(tmp_path / "seg", os.O_RDONLY)
         try:
             assert ring_reason(fd) == ""  # not a tmpfs: the first window's timing decides
+        finally:
+            os.close(fd)
+
+    def test_a_window_not_wholly_in_the_page_cache_is_told_apart_without_reading_it(self, tmp_path: Path) -> None:
+        """A cold file (issue 34: a capture pulled to a disk, its cache dropped) would be faulted in a page at a
+        time by the pinning: mincore says so first, and reading it does not count as having read it."""
+        path = tmp_path / "seg-0.bin"
+        path.write_bytes(os.urandom(8 * MIB))
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            (window,) = plan_windows([(0, str(path), 0, 8 * MIB)], WINDOW)
+            cases = []
+            for step in ("written", "dropped", "half read", "read"):
+                if step == "dropped":
+                    os.fsync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                elif step != "written":
+                    os.pread(fd, 4 * MIB if step == "half read" else 8 * MIB, 0)
+                mapped = map_window(fd, window)
+                cases.append((step, in_page_cache(mapped)))
+                mapped.close(None)
+            assert cases == [("written", True), ("dropped", False), ("half read", False), ("read", True)]
         finally:
             os.close(fd)
 
