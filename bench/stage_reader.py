@@ -56,7 +56,7 @@ def mounted(huge: str, gib: int) -> Iterator[Path]:
         try:
             yield Path(point)
         finally:
-            subprocess.run(["umount", point], check=False, capture_output=True, text=True)
+            subprocess.run(["umount", "-l", point], check=False, capture_output=True, text=True)
 
 
 def write_dump(directory: Path, gib: int) -> list[dict[str, Any]]:
