@@ -179,7 +179,8 @@ class HydratorServer:
             sys.stdout.write(json.dumps({"ready": True, "map_s": self.map_seconds, "pin_s": self.pin_seconds,
                                          "ring_pin_s": self.ring_pin_seconds,
                                          "bytes": sum(m.size for m in self.sources.values()),
-                                         "device_uuid": self.device_uuid, "ram_tier_bytes": self.ram_tier.budget})
+                                         "device_uuid": self.device_uuid, "ram_tier_bytes": self.ram_tier.budget,
+                                         "stage_reader": self.stage_reader})
                              + "\n")
             sys.stdout.flush()
             try:

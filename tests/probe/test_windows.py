@@ -254,6 +254,7 @@ def test_auto_reads_a_tmpfs_of_small_pages_through_the_ring_and_a_huge_one_from_
     """The real hydrator, `--stage-reader auto` (the default): a dump on a huge=never tmpfs is read through the ring
     without pinning a page (`fallback` says why), one on a huge=always tmpfs from registered windows."""
     with hydrator(tmp_path, "auto") as (_proc, control, ready):
+        assert ready["stage_reader"] == "auto", ready
         for huge, reader in (("never", "ring"), ("always", "registered")):
             with tmpfs(huge) as point:
                 (point / "seg-0.bin").write_bytes(data := os.urandom(32 * MIB))
