@@ -187,16 +187,14 @@ def cluster(name: str) -> str:
 def stage_tiers(report: dict[str, Any]) -> dict[str, Any]:
     """What the node hydrator's stages of a restore say (issue 34 item 3): the tiers that served them (`ram`: the
     hydrator's RAM tier, `disk`: the dump files), the slowest stage's seconds and copy seconds, and the longest
-    wait for a stage after CUDA's restore; the readers that read a miss's files (ring, registered windows: the
-    hydrator's `reader`) and the longest page-locking."""
+    wait for a stage after CUDA's restore."""
     stages = [s for s in ((p.get("interposer") or {}).get("stage") for p in report.get("device_memory") or [])
               if isinstance(s, dict) and s.get("staged")]
 
     def most(key: str) -> float | None:
         return max((float(s[key]) for s in stages if isinstance(s.get(key), int | float)), default=None)
     return {"stage_tiers": sorted({str(s.get("tier", "-")) for s in stages}), "stage_s": most("stage_s"),
-            "stage_copy_s": most("copy_s"), "stage_wait_s": most("wait_s"),
-            "stage_readers": sorted({str(s.get("reader", "-")) for s in stages}), "stage_pin_s": most("pin_s")}
+            "stage_copy_s": most("copy_s"), "stage_wait_s": most("wait_s")}
 
 
 async def restore_row(d: Driver, image: str, layout: Layout, name: str, capture_id: str,
@@ -217,9 +215,8 @@ async def restore_row(d: Driver, image: str, layout: Layout, name: str, capture_
     stream, report = out["stream"], out["unit"].pop("worker_report")
     digest = stream.done.get("first_logits_sha256")
     tiers = stage_tiers(report)
-    print(f"[{name}] stage: tier {'/'.join(tiers['stage_tiers']) or '-'} ({'/'.join(tiers['stage_readers'])}), "
-          f"stage {_f(tiers['stage_s'])} s, copy {_f(tiers['stage_copy_s'])} s, pinning {_f(tiers['stage_pin_s'])} s, "
-          f"waited after CUDA {_f(tiers['stage_wait_s'])} s", flush=True)
+    print(f"[{name}] stage: tier {'/'.join(tiers['stage_tiers']) or '-'}, stage {_f(tiers['stage_s'])} s, copy "
+          f"{_f(tiers['stage_copy_s'])} s, waited after CUDA {_f(tiers['stage_wait_s'])} s", flush=True)
     return {**out["unit"], **device_hydration(report), **device_staging(report), **tiers,
             "create_start_s": started - created,
             "first_token_s": stream.first - created, "tokens": stream.tokens, "first_logits_sha256": digest,

@@ -14,7 +14,6 @@ the same /run/coldsnap directory, so every restore unit of the path reaches it.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,13 +71,12 @@ async def check_interposer(d: Driver, image: str, layout: Layout) -> None:
 
 
 def staging_unit(layout: Layout, image: str, name: str) -> dict[str, Any]:
-    """A staged path's node hydrator: staging only (no weight files), its socket in the path's /run/coldsnap, a
-    stage that misses its RAM tier read as $STAGE_READER says (`serve --stage-reader`: auto, ring, registered),
+    """A staged path's node hydrator: staging only (no weight files), its socket in the path's /run/coldsnap,
     the path's mounts and GPU, not itself under the interposer (it holds the staged allocations the engine
     adopts)."""
     spec = layout.unit(name, image, entrypoint=layout.python, command=[
         "-m", "coldsnap_probe.hydration", "serve", "--staging", "--ram-tier-bytes", "auto", "--socket",
-        STAGING_SOCKET, "--stage-reader", os.environ.get("STAGE_READER", "auto")])
+        STAGING_SOCKET])
     spec["environment"] = {k: v for k, v in spec["environment"].items()
                            if k != "LD_PRELOAD" and not k.startswith("COLDSNAP_CUDA_INTERPOSER")}
     return spec

@@ -13,10 +13,6 @@
 #             "release of" line: wall s, then thread-seconds D2H / digest / zero / write);
 #     cpu     the release's CPU part on this host's cores, no GPU (bench/release_cpu.py: digests per engine, tmpfs
 #             writes by threads and files, the release's block loop), 4 GiB into /dev/shm;
-#     64huge  64 GiB: the interposer as in 64, the images (the dump) on a tmpfs mounted huge=always (2 MiB pages,
-#             unmounted after), so that the node hydrator's stage of every restore (its RAM tier off: each a miss)
-#             reads the dump from registered windows (serve --stage-reader auto, hydration/_windows.py), not the
-#             ring; RESTORES restores (20: about 150 s);
 #     mounts  where the dump goes (issue 35 item 3): 8 GiB by 16 threads into a tmpfs mounted per huge= option
 #             (never, always, within_size), written as the release does, its loop, and into mapped files
 #             populated ahead (bench/release_cpu.py --mounts), about 30 s.
@@ -38,10 +34,10 @@ part() {  # part NAME SECONDS ARGS...: one restore_ttft run in its own $OUT, bou
     grep -v "server stage" "$ALL/$name/$name.txt" | grep -E "^\||ceilings|FAILED|release of|captured" | cut -c1-400
 }
 # Each part has its bound (below); the four together (830 s) do not fit one call of 600 s: two calls.
-declare -A BOUND=([16]=240 [64]=150 [64huge]=240 [64h]=200 [release]=240 [cpu]=120 [mounts]=90)
+declare -A BOUND=([16]=240 [64]=150 [64h]=200 [release]=240 [cpu]=120 [mounts]=90)
 TOTAL=0
 for p in ${PARTS//,/ }; do
-    [ -n "${BOUND[$p]:-}" ] || { echo "unknown part $p (16, 64, 64huge, 64h, release, cpu, mounts)"; exit 2; }
+    [ -n "${BOUND[$p]:-}" ] || { echo "unknown part $p (16, 64, 64h, release, cpu, mounts)"; exit 2; }
     TOTAL=$((TOTAL + BOUND[$p]))
 done
 if [ "$TOTAL" -gt 570 ]; then
@@ -52,13 +48,6 @@ for p in ${PARTS//,/ }; do
         16) part 16 240 --sizes 16 --modes interposer,hydrate,full --kv discarded "${COMMON[@]}" ;;
         64) rm -f /dev/shm/coldsnap-weights-*.bin  # host memory for the 64 GiB dump
             part 64 150 --sizes 64 --modes interposer --device-weights "${COMMON[@]}" ;;
-        64huge) rm -f /dev/shm/coldsnap-weights-*.bin
-            HUGE_IMAGES=/tmp/cs-img-huge
-            mkdir -p "$HUGE_IMAGES" && mount -t tmpfs -o size=110g,huge=always cs-img-huge "$HUGE_IMAGES" \
-                || { echo "cannot mount a huge=always tmpfs at $HUGE_IMAGES"; exit 1; }
-            part 64huge 240 --sizes 64 --modes interposer --device-weights --stack-bytes 256 \
-                --images-root "$HUGE_IMAGES" --root /tmp/cs --tokens 16 --restores "$RESTORES"
-            umount -l "$HUGE_IMAGES" ;;
         64h) part 64h 200 --sizes 64 --modes hydrate --kv discarded "${COMMON[@]}" ;;
         release)
             for setting in "4 16 crc32-64m" "4 16 sha256-64m" "16 16 crc32-64m" "8 8 crc32-64m"; do

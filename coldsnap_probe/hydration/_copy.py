@@ -7,9 +7,6 @@ call, `copy_to_device`, with the way the bytes are read as a strategy:
 * `Pread`: reader threads, each with two page-locked buffers and a stream, `pread` (O_DIRECT with `direct`) of
   one chunk while the other's copy runs. The arena's `ring` and `direct` strategies, the node hydrator's
   staged device dumps.
-* `Registered`: the files page-locked where they lie, a window at a time (`_windows.py`), the DMA reading the page
-  cache's pages with no CPU copy; what pins slowly (a tmpfs of 4 KiB pages) or not at all goes to a fallback
-  reader (the ring). The node hydrator's stage of a dump the RAM tier does not hold.
 
 A piece whose source is ZEROS is no file's: its bytes are set on the device (`cuMemsetD8Async` on the copy's
 stream, at HBM rate), never read nor moved over the link; `zero_split` makes them from a dump segment's zero mask
@@ -27,33 +24,19 @@ import ctypes
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
-from ..errors import CudaError, HydrationError
-from ._vmm import Mapped, cucall
+from ..errors import HydrationError
+from ._vmm import cucall
 from ._weights import WeightRegion
-from ._windows import (
-    PIN_THREADS,
-    WINDOW,
-    Window,
-    check_whole,
-    in_page_cache,
-    map_window,
-    plan_windows,
-    ring_reason,
-    slow_pin,
-)
 
-__all__ = ("COPY_CHUNK", "STAGE_READERS", "ZEROS", "HostBuffers", "Piece", "Pinned", "Pread", "Reader", "Registered",
-           "copy_to_device", "miss_reader", "region_pieces", "zero_split")
+__all__ = ("COPY_CHUNK", "ZEROS", "HostBuffers", "Piece", "Pinned", "Pread", "Reader", "copy_to_device",
+           "region_pieces", "zero_split")
 
 COPY_CHUNK = 256 << 20  # a Pinned copy's piece: large enough for the link, small enough to spread over streams
-# How the node hydrator's stage that misses the RAM tier reads a dump (`serve --stage-reader`, `miss_reader`).
-STAGE_READERS = ("auto", "ring", "registered")
 ZEROS = "\0zeros"  # a piece's source that no file can be (a path holds no NUL byte): its bytes are set to zero
 
 
@@ -92,10 +75,10 @@ def zero_split(piece: Piece, zero: int, chunk: int) -> list[Piece]:
 class Reader(Protocol):
     """A way of reading the sources: copies every piece to the device, then reports what it measured."""
 
-    def copy(self, driver: Any, context: Any, pieces: Sequence[Piece]) -> dict[str, Any]: ...
+    def copy(self, driver: Any, context: Any, pieces: Sequence[Piece]) -> dict[str, float]: ...
 
 
-def copy_to_device(driver: Any, context: Any, pieces: Sequence[Piece], reader: Reader) -> dict[str, Any]:
+def copy_to_device(driver: Any, context: Any, pieces: Sequence[Piece], reader: Reader) -> dict[str, float]:
     """Every piece copied to the device (done when this returns, nothing left in flight), read by `reader`;
     the reader's report (thread-seconds that say what bounds the copy, where it measures them)."""
     return reader.copy(driver, context, pieces)
@@ -284,145 +267,3 @@ class _Ring:
         waited = time.perf_counter()
         cucall(driver, "cuStreamSynchronize", stream)
         return read_s, device_s + time.perf_counter() - waited
-
-
-@dataclass(frozen=True, slots=True)
-class Registered:
-    """The sources page-locked where they lie, `window` bytes of a file at a time, `threads` windows at once (each
-    thread pins its next window while its previous one's DMA runs, then unpins and unmaps that one), from the
-    descriptors `opened` (the caller's, left open). What is not pinned goes to `fallback` after: a window the
-    driver refused (a file truncated since it was opened) and, with `measure`, a file `ring_reason` sends there, a
-    window not wholly in the page cache (a cold disk: the ring's readers read it in parallel, the pinning's faults a
-    page at a time) and the rest of a filesystem whose window pinned too slowly (`slow_pin`). Without `measure` every
-    window is pinned however slowly (a side-by-side measurement)."""
-
-    opened: Mapping[str, int]
-    fallback: Reader
-    window: int = WINDOW
-    threads: int = PIN_THREADS
-    measure: bool = True
-
-    def copy(self, driver: Any, context: Any, pieces: Sequence[Piece]) -> dict[str, Any]:
-        windows = plan_windows([p for p in pieces if p.source != ZEROS], self.window)
-        zeros = [p for p in pieces if p.source == ZEROS]
-        state = _Windows(driver, context, self.opened, self.measure)
-        threads = max(1, min(self.threads, len(windows)))
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(lambda k: state.work(windows[k::threads], zeros[k::threads]), range(threads)))
-        deferred = set(state.deferred)
-        pinned = [p for w in windows if w not in deferred for p in w.pieces]
-        ends: dict[str, int] = {}
-        for _dst, source, offset, size in pinned:
-            ends[source] = max(ends.get(source, 0), offset + size)
-        rest = [Piece(*p) for w in state.deferred for p in w.pieces]
-        ring = copy_to_device(driver, context, rest, self.fallback) if rest else {}
-        check_whole(self.opened, ends)  # a truncation after its pages were pinned, as the ring's short read says
-        registered, fell = sum(p[3] for p in pinned), sum(p.size for p in rest)
-        return {"reader": "registered" if not rest else "ring" if not registered else "registered+ring",
-                "pin_s": state.pin_s, "unpin_s": state.unpin_s, "windows": len(windows) - len(deferred),
-                "registered_bytes": registered, "ring_bytes": fell, "threads": threads,
-                "fallback": "; ".join(sorted(set(state.reasons.values()) | state.refused)),
-                **({"ring": ring} if ring else {})}
-
-
-def miss_reader(choice: str, opened: Mapping[str, int], ring: Pread) -> Reader:
-    """The reader of a stage the RAM tier does not hold, from the files `opened`, by `choice` (STAGE_READERS):
-    `auto`, registered windows where they pin fast and `ring` for the rest; `ring` alone; `registered`, every
-    window pinned however slowly (a side-by-side measurement), `ring` only for what the driver refuses."""
-    if choice not in STAGE_READERS:
-        raise HydrationError(f"a stage reader is one of {', '.join(STAGE_READERS)}, not {choice!r:.40}")
-    return ring if choice == "ring" else Registered(opened=opened, fallback=ring, measure=choice == "auto")
-
-
-class _Windows:
-    """The pinning threads' shared state: the windows sent to the fallback, why (per filesystem), the seconds."""
-
-    def __init__(self, driver: Any, context: Any, opened: Mapping[str, int], measure: bool) -> None:
-        self.driver, self.context, self.opened, self.measure = driver, context, opened, measure
-        self.lock = threading.Lock()
-        self.deferred: list[Window] = []
-        self.devices = {source: os.fstat(fd).st_dev for source, fd in opened.items()}
-        # Per filesystem (st_dev): why its windows go to the fallback; decided before (`ring_reason`) or measured.
-        first = {device: opened[source] for source, device in reversed(self.devices.items())}  # one file each
-        self.reasons = {device: why for device, fd in first.items() if measure and (why := ring_reason(fd))}
-        self.refused: set[str] = set()  # why windows went to the fallback alone (the driver's refusal, a cold one)
-        self.pin_s = self.unpin_s = 0.0
-        self.failed = threading.Event()
-
-    def work(self, windows: Sequence[Window], zeros: Sequence[Piece]) -> None:
-        """One pinning thread: its stream, its share of the chunks of zeros (set on the device), its windows."""
-        driver = self.driver
-        cucall(driver, "cuCtxSetCurrent", self.context)
-        stream = cucall(driver, "cuStreamCreate", 1)
-        held: deque[tuple[Mapped, Any]] = deque()  # pinned windows (and their DMA's event), oldest first
-        try:
-            for dst, _source, _offset, size in zeros:
-                cucall(driver, "cuMemsetD8Async", dst, 0, size, stream)
-            for window in windows:
-                if self.failed.is_set():
-                    break
-                if (mapped := self._pin(window)) is None:
-                    continue
-                held.append((mapped, None))  # unpinned below even if an enqueue fails
-                for dst, _source, offset, size in window.pieces:
-                    for start in range(0, size, COPY_CHUNK):
-                        cucall(driver, "cuMemcpyHtoDAsync", dst + start, mapped.address + offset + start,
-                               min(COPY_CHUNK, size - start), stream)
-                event = cucall(driver, "cuEventCreate", 2)
-                held[-1] = (held[-1][0], event)
-                cucall(driver, "cuEventRecord", event, stream)
-                if len(held) > 1:  # the previous window's DMA done: its pages go back
-                    self._unpin(*held.popleft())
-        except BaseException:
-            self.failed.set()
-            raise
-        finally:  # nothing in flight may outlive a window's pages, nor a window stay pinned
-            driver.cuda.cuStreamSynchronize(stream)
-            while held:
-                self._unpin(*held.popleft())
-            driver.cuda.cuStreamDestroy(stream)
-
-    def _pin(self, window: Window) -> Mapped | None:
-        """`window` mapped and page-locked, timed; None when it goes to the fallback instead (its filesystem's
-        reason; with `measure`, a page of it not in the page cache; the driver's refusal). A window pinned too
-        slowly (`slow_pin`) is used, and the rest of its filesystem's go to the fallback."""
-        device = self.devices[window.source]
-        with self.lock:
-            if device in self.reasons:
-                self.deferred.append(window)
-                return None
-        started = time.perf_counter()
-        mapped: Mapped | None = None
-        why = ""
-        try:
-            mapped = map_window(self.opened[window.source], window)
-            if self.measure and not in_page_cache(mapped):  # its pinning would read the disk a page at a time
-                why = "not wholly in the page cache"
-            else:
-                mapped.register(self.driver)
-        except (CudaError, HydrationError) as exc:  # e.g. pages beyond the file's end now: the ring says so
-            why = f"{window.source}: {exc}"
-        if why:
-            if mapped is not None:
-                mapped.close(self.driver)
-            with self.lock:
-                self.deferred.append(window)
-                self.refused.add(why)
-            return None
-        took = time.perf_counter() - started
-        size = sum(n for _offset, n in window.runs)
-        with self.lock:
-            self.pin_s += took
-            if self.measure and (why := slow_pin(size, took)):
-                self.reasons.setdefault(device, why)
-        return mapped
-
-    def _unpin(self, mapped: Mapped, event: Any) -> None:
-        """After `event` (the window's last copy; None: none was enqueued): unpinned and unmapped."""
-        started = time.perf_counter()
-        if event is not None:
-            self.driver.cuda.cuEventSynchronize(event)
-            self.driver.cuda.cuEventDestroy(event)
-        mapped.close(self.driver)
-        with self.lock:
-            self.unpin_s += time.perf_counter() - started

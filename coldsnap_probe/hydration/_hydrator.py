@@ -18,18 +18,7 @@ from typing import Any
 
 from .. import jsonline
 from ..errors import HydrationError
-from ._copy import (
-    STAGE_READERS,
-    ZEROS,
-    HostBuffers,
-    Piece,
-    Pinned,
-    Pread,
-    copy_to_device,
-    miss_reader,
-    region_pieces,
-    zero_split,
-)
+from ._copy import ZEROS, HostBuffers, Piece, Pinned, Pread, copy_to_device, region_pieces, zero_split
 from ._digests import DIGEST_CHUNK
 from ._peer_files import DumpLayout, dump_layout, dump_reads, held_sources, open_dump_parts
 from ._peer_view import OPENERS, PeerView
@@ -37,12 +26,20 @@ from ._ram_tier import RamTier
 from ._request_fields import first_page, request_regions, stage_key
 from ._stage_quota import StageQuota, check_stage_quota
 from ._staging import ADOPT_PAGE, StageRequest
-from ._vmm import HostPins, Mapped, cucall, device_allocation, device_uuid, fd_handle, map_read_write
+from ._vmm import (
+    HostPins,
+    Mapped,
+    cucall,
+    device_allocation,
+    device_uuid,
+    fd_handle,
+    map_read_write,
+)
 from ._warm import Warms
 from ._weights import HydrationManifest, WeightRegion
 
-__all__ = ("CONNECTIONS", "DUMP_CHUNK", "DUMP_THREADS", "MAX_DUMP_THREADS", "STAGE_MAX", "STAGE_RESERVE", "STAGE_TTL",
-           "UID_CONNECTIONS", "HydratorServer", "Stager", "dump_pieces")
+__all__ = ("CONNECTIONS", "DUMP_CHUNK", "DUMP_CHUNKS", "DUMP_THREADS", "MAX_DUMP_THREADS", "STAGE_MAX", "STAGE_RESERVE",
+           "STAGE_TTL", "UID_CONNECTIONS", "HydratorServer", "Stager", "dump_pieces")
 
 STAGE_TTL = 120.0  # seconds a staged allocation waits for its engine before the hydrator frees it
 STAGE_MAX = 4  # staged allocations a hydrator holds at once
@@ -50,6 +47,7 @@ STAGE_RESERVE = 1 << 30  # device bytes staging leaves free (the engine's restor
 _Slot = tuple[int, str]  # a stage's place: (the uid that staged it, its key), so tenants never share one
 DUMP_THREADS, DUMP_CHUNK = 16, 8 << 20  # the ring a dump is read through (page-locked, kept: 256 MiB)
 MAX_DUMP_THREADS = 64  # `serve --dump-threads`' bound (each reader keeps two page-locked buffers of DUMP_CHUNK)
+DUMP_CHUNKS = (64 << 10, 64 << 20)  # `serve --dump-chunk`'s bounds: a read's bytes (issue 35: what bounds the ring)
 CONNECTIONS = 8  # peers answered at once, as the interposer's control socket: more wait in the listen backlog
 UID_CONNECTIONS = CONNECTIONS // 2  # of them, one tenant uid's at most (root's and ours are not capped)
 
@@ -123,7 +121,7 @@ class HydratorServer:
                  group: int | None = None, stage_uid_count: int | None = None,
                  stage_uid_bytes: int | None = None, ram_tier_bytes: int = 0,
                  status_uids: frozenset[int] = frozenset(), dump_threads: int = DUMP_THREADS,
-                 warm_captures: bool = False, stage_reader: str = "auto") -> None:
+                 warm_captures: bool = False, dump_chunk: int = DUMP_CHUNK) -> None:
         from .._cuda import Driver
 
         self.driver: Any = driver or Driver()
@@ -166,11 +164,11 @@ class HydratorServer:
         # One stage's ring of page-locked buffers, allocated now rather than on every restore's path (256 MiB).
         if not 1 <= dump_threads <= MAX_DUMP_THREADS:  # a disk-tier stage's readers (issue 35: fewer may cost less)
             raise HydrationError(f"dump_threads must be 1 to {MAX_DUMP_THREADS}, not {dump_threads}")
-        self.dump_threads = dump_threads
-        if stage_reader not in STAGE_READERS:  # a miss's reader (_copy.miss_reader)
-            raise HydrationError(f"stage_reader must be one of {', '.join(STAGE_READERS)}, not {stage_reader!r:.40}")
-        self.stage_reader = stage_reader
-        self.dump_buffers = HostBuffers(self.driver, DUMP_CHUNK + 2, keep=2 * dump_threads)
+        if not DUMP_CHUNKS[0] <= dump_chunk <= DUMP_CHUNKS[1] or dump_chunk % 4096:
+            raise HydrationError(f"dump_chunk must be a multiple of 4096 from {DUMP_CHUNKS[0]} to {DUMP_CHUNKS[1]} "
+                                 f"bytes, not {dump_chunk}")
+        self.dump_threads, self.dump_chunk = dump_threads, dump_chunk
+        self.dump_buffers = HostBuffers(self.driver, dump_chunk + 2, keep=2 * dump_threads)
         self.ring_pin_seconds = self.dump_buffers.fill() if staging else 0.0
 
     def serve(self, path: str) -> None:
@@ -179,8 +177,7 @@ class HydratorServer:
             sys.stdout.write(json.dumps({"ready": True, "map_s": self.map_seconds, "pin_s": self.pin_seconds,
                                          "ring_pin_s": self.ring_pin_seconds,
                                          "bytes": sum(m.size for m in self.sources.values()),
-                                         "device_uuid": self.device_uuid, "ram_tier_bytes": self.ram_tier.budget,
-                                         "stage_reader": self.stage_reader})
+                                         "device_uuid": self.device_uuid, "ram_tier_bytes": self.ram_tier.budget})
                              + "\n")
             sys.stdout.flush()
             try:
@@ -397,13 +394,11 @@ class HydratorServer:
         """Fill one allocation per released region from an interposer's device dump (docs/interposer.md) while
         its process is being restored: `parts` are (file, bytes, region, optionally zero: its chunks of zeros) in
         the order the interposer maps them back (`dump_layout`), each part's first `bytes` of its file but for its
-        chunks of zeros (set on the device, never read: `dump_pieces`) read into the allocations mapped back to
-        back by `stage_reader` (_copy.miss_reader: the files page-locked where they lie, a window at a time,
-        where that is fast, else through a ring of page-locked buffers; through the page cache: on the H200
-        machine's disk 16 readers read 1.45 GB/s through it and 1.02 with O_DIRECT, bench/e2e_store.py), or, when
-        the RAM tier holds these very files (`tier: ram`), one DMA per piece from their pinned mappings; a miss
-        (`tier: disk`) queues them for the tier. Only files `peer` could read itself in its own view, on this
-        hydrator's GPU."""
+        chunks of zeros (set on the device, never read: `dump_pieces`) read through a ring of page-locked buffers
+        into the allocations mapped back to back (through the page cache: on the H200 machine's disk 16 readers
+        read 1.45 GB/s through it and 1.02 with O_DIRECT, bench/e2e_store.py's rates), or, when the RAM tier holds
+        these very files (`tier: ram`), one DMA per piece from their pinned mappings; a miss (`tier: disk`) queues
+        them for the tier. Only files `peer` could read itself in its own view, on this hydrator's GPU."""
         key = self._stage_slot(message)
         layout, sizes = dump_layout(message.get("parts"))
         with PeerView.of(conn, peer, openers=self._openers) as view:
@@ -411,8 +406,7 @@ class HydratorServer:
         size, reads = sum(sizes), dump_reads(layout)  # the tier holds what a stage reads: no chunk of zeros
         zero = sum(p.size for p in dump_pieces(parts, layout, 0) if p.source == ZEROS)
         lease = self.ram_tier.lease(key, fds, reads)  # a hit: the very files the peer opened, held page-locked
-        reader = miss_reader(self.stage_reader, fds, Pread(threads=self.dump_threads, chunk=DUMP_CHUNK, opened=fds,
-                                                           buffers=self.dump_buffers))
+        reader = Pread(threads=self.dump_threads, chunk=self.dump_chunk, opened=fds, buffers=self.dump_buffers)
         copy = self._pinned(dump_pieces(parts, layout, 0), lease.addresses) if lease is not None else \
             lambda va: copy_to_device(self.driver, self.context, dump_pieces(parts, layout, va), reader)
         try:
@@ -424,14 +418,8 @@ class HydratorServer:
                 lease.release()
             for fd in fds.values():
                 os.close(fd)
-        # zero_bytes: set on the device; copied_bytes: read and moved (from the RAM tier or the files: `tier`), by
-        # `reader` (ram: the tier's pinned mappings; registered, ring or both: the files), at `reader_gbps`, after
-        # `pin_s` of page-locking (thread-seconds of the registered windows; the ring's set-up)
-        report = answer.get("copy") or {}
-        return {**answer, "zero_bytes": zero, "copied_bytes": size - zero, "tier": tier,
-                "reader": "ram" if lease is not None else str(report.get("reader", "ring")),
-                "reader_gbps": (size - zero) / answer["copy_s"] / 1e9 if answer["copy_s"] > 0 else 0.0,
-                "pin_s": float(report.get("pin_s", 0.0))}
+        # zero_bytes: set on the device; copied_bytes: read and moved (from the RAM tier or the files: `tier`)
+        return {**answer, "zero_bytes": zero, "copied_bytes": size - zero, "tier": tier}
 
     def _adopt(self, message: dict[str, Any], peer: jsonline.Peer, conn: socket.socket) -> jsonline.Answer:
         """Hand a stage's allocations to its engine as descriptors, ADOPT_PAGE at a time from `first` (default 0):

@@ -68,17 +68,13 @@ def restored(seconds: float, *, identical: bool = True) -> dict[str, Any]:
 def test_a_restore_says_which_tier_served_its_stages_and_how_long_they_took() -> None:
     def process(stage: dict[str, Any] | None) -> dict[str, Any]:
         return {"pid": 7, "interposer": {"bytes": 1, **({"stage": stage} if stage is not None else {})}}
-    ram = {"staged": True, "tier": "ram", "stage_s": 0.41, "copy_s": 0.33, "wait_s": 0.02, "reader": "ram",
-           "pin_s": 0.0}
-    disk = {"staged": True, "tier": "disk", "stage_s": 0.9, "copy_s": 0.7, "wait_s": 0.3, "reader": "registered",
-            "pin_s": 0.2}
+    ram = {"staged": True, "tier": "ram", "stage_s": 0.41, "copy_s": 0.33, "wait_s": 0.02}
+    disk = {"staged": True, "tier": "disk", "stage_s": 0.9, "copy_s": 0.7, "wait_s": 0.3}
     assert e2e_rows.stage_tiers({"device_memory": [process(ram), process(disk), process(None)]}) == {
-        "stage_tiers": ["disk", "ram"], "stage_s": 0.9, "stage_copy_s": 0.7, "stage_wait_s": 0.3,
-        "stage_readers": ["ram", "registered"], "stage_pin_s": 0.2}
+        "stage_tiers": ["disk", "ram"], "stage_s": 0.9, "stage_copy_s": 0.7, "stage_wait_s": 0.3}
     refused = {"staged": False, "error": "staging is off"}
     assert e2e_rows.stage_tiers({"device_memory": [process(refused)]}) == {
-        "stage_tiers": [], "stage_s": None, "stage_copy_s": None, "stage_wait_s": None, "stage_readers": [],
-        "stage_pin_s": None}
+        "stage_tiers": [], "stage_s": None, "stage_copy_s": None, "stage_wait_s": None}
     assert e2e_rows.stage_tiers({})["stage_tiers"] == []
 
 
