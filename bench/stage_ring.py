@@ -2,8 +2,8 @@
 against the link's ~54): the ring (reader threads `pread` the dump files into page-locked buffers, each buffer's
 DMA running while the other is read) by reader threads and read size, beside the CPU's part alone, in one run.
 
-    python bench/stage_ring.py [--gib 64] [--mounts never,always] [--rings 16x8M,8x8M,16x2M,32x2M,16x32M]
-                               [--budget 170] [--out DIR]
+    python bench/stage_ring.py [--gib 64] [--mounts never,always] [--rings 16x8M,8x8M,16x2M,...] [--budget 170]
+                               [--out DIR]
 
 Each mount (root): a tmpfs mounted here with that `huge=` option (`never`: 4 KiB pages, as /dev/shm; `always`: 2 MiB
 pages, as the daemon rows' IMAGES_HUGE=always), holding a dump of `--gib` one-GiB segment files (one region each, as
@@ -45,6 +45,7 @@ from coldsnap_probe.jsonline import request
 
 GIB, BLOCK = 1 << 30, 64 << 20
 KEY = "sha256:" + hashlib.sha256(b"bench-stage-ring").hexdigest()
+RINGS = "16x8M,8x8M,16x2M,8x2M,16x1M,32x2M,16x32M"  # the first: the hydrator's default ring
 VMSTAT = ("pgscan_kswapd", "pgscan_direct", "compact_stall", "thp_file_fallback", "thp_fault_fallback")
 HEAD = ("tmpfs", "row", "GB/s", "copy s", "read thread-s", "device-wait thread-s", "reclaim scanned (k pages)",
         "compact stalls", "THP fallbacks")
@@ -195,7 +196,7 @@ def main() -> int:
     parser.add_argument("--gib", type=int, default=64)
     parser.add_argument("--mounts", type=lambda text: text.split(","), default=["never", "always"])
     parser.add_argument("--rings", type=lambda text: [parse_ring(r) for r in text.split(",")],
-                        default=[parse_ring(r) for r in ["16x8M", "8x8M", "16x2M", "32x2M", "16x32M"]],
+                        default=[parse_ring(r) for r in RINGS.split(",")],
                         help="reader threads x read size, the first the hydrator's default (16x8M)")
     parser.add_argument("--budget", type=float, default=170.0, help="seconds after which no row is started")
     parser.add_argument("--out", default="")
