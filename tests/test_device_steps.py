@@ -51,9 +51,9 @@ def test_an_unknown_step_is_refused_with_the_list(tmp_path: Path) -> None:
 
 
 def test_line_rate_refuses_parts_that_do_not_fit_one_call(tmp_path: Path) -> None:
-    """The four parts together are bounded by 830 s: one call may run 600 s."""
+    """The four parts together are bounded by 880 s: one call may run 600 s."""
     done = device("line-rate", "16,64,64h,release", out=tmp_path)
-    assert done.returncode == 2 and "830 s" in done.stdout and "16,64 and 64h,release" in done.stdout
+    assert done.returncode == 2 and "880 s" in done.stdout and "16,64 and 64h,release" in done.stdout
     assert device("line-rate", "16,bogus", out=tmp_path).returncode == 2
 
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from .. import jsonline
 from ._digests import region_digest
-from ._hydrator import DUMP_THREADS, MAX_DUMP_THREADS, STAGE_TTL, HydratorServer
+from ._hydrator import DUMP_CHUNK, DUMP_CHUNKS, DUMP_THREADS, MAX_DUMP_THREADS, STAGE_TTL, HydratorServer
 from ._ram_tier import default_budget, node_memory
 from ._stage_quota import STAGE_UID_COUNT, STAGE_UID_SHARE
 
@@ -35,6 +35,13 @@ def _dump_threads(text: str) -> int:
     if count > MAX_DUMP_THREADS:  # each reader keeps two page-locked buffers
         raise argparse.ArgumentTypeError(f"must be at most {MAX_DUMP_THREADS}, not {text}")
     return count
+
+
+def _dump_chunk(text: str) -> int:
+    size = _bytes(text)
+    if not DUMP_CHUNKS[0] <= size <= DUMP_CHUNKS[1] or size % 4096:
+        raise argparse.ArgumentTypeError(f"must be a multiple of 4K from 64K to 64M, not {text}")
+    return size
 
 
 _SIZE = re.compile(r"([0-9]+)\s*([kmgt]?)(?:i?b)?", re.IGNORECASE)
@@ -89,6 +96,9 @@ def _serve_parser(serve: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help=f"reader threads of a device dump's stage from the files (the disk tier; 1 to "
                             f"{MAX_DUMP_THREADS}, default {DUMP_THREADS}): fewer leave more CPU and memory bandwidth "
                             "to the restore beside it")
+    serve.add_argument("--dump-chunk", type=_dump_chunk, default=DUMP_CHUNK, metavar="SIZE",
+                       help=f"bytes each of those readers reads at a time, e.g. 2M (64K to 64M, a multiple of 4K; "
+                            f"default {DUMP_CHUNK >> 20}M; each keeps two page-locked buffers of it)")
     serve.add_argument("--warm-captures", action="store_true",
                        help="load a capture's device dumps into the RAM tier when its capture worker offers them, "
                             "so that its first restore stages from RAM (off by default: a restore staging from disk "
@@ -129,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        group=args.socket_group, stage_uid_count=args.stage_uid_count,
                        stage_uid_bytes=args.stage_uid_bytes, ram_tier_bytes=args.ram_tier_bytes,
                        status_uids=frozenset(args.status_uid), dump_threads=args.dump_threads,
-                       warm_captures=args.warm_captures).serve(args.socket)
+                       warm_captures=args.warm_captures, dump_chunk=args.dump_chunk).serve(args.socket)
     except Exception as exc:
         sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")
         return 1

@@ -38,8 +38,8 @@ from ._vmm import (
 from ._warm import Warms
 from ._weights import HydrationManifest, WeightRegion
 
-__all__ = ("CONNECTIONS", "DUMP_CHUNK", "DUMP_THREADS", "MAX_DUMP_THREADS", "STAGE_MAX", "STAGE_RESERVE", "STAGE_TTL",
-           "UID_CONNECTIONS", "HydratorServer", "Stager", "dump_pieces")
+__all__ = ("CONNECTIONS", "DUMP_CHUNK", "DUMP_CHUNKS", "DUMP_THREADS", "MAX_DUMP_THREADS", "STAGE_MAX", "STAGE_RESERVE",
+           "STAGE_TTL", "UID_CONNECTIONS", "HydratorServer", "Stager", "dump_pieces")
 
 STAGE_TTL = 120.0  # seconds a staged allocation waits for its engine before the hydrator frees it
 STAGE_MAX = 4  # staged allocations a hydrator holds at once
@@ -47,6 +47,7 @@ STAGE_RESERVE = 1 << 30  # device bytes staging leaves free (the engine's restor
 _Slot = tuple[int, str]  # a stage's place: (the uid that staged it, its key), so tenants never share one
 DUMP_THREADS, DUMP_CHUNK = 16, 8 << 20  # the ring a dump is read through (page-locked, kept: 256 MiB)
 MAX_DUMP_THREADS = 64  # `serve --dump-threads`' bound (each reader keeps two page-locked buffers of DUMP_CHUNK)
+DUMP_CHUNKS = (64 << 10, 64 << 20)  # `serve --dump-chunk`'s bounds: a read's bytes (issue 35: what bounds the ring)
 CONNECTIONS = 8  # peers answered at once, as the interposer's control socket: more wait in the listen backlog
 UID_CONNECTIONS = CONNECTIONS // 2  # of them, one tenant uid's at most (root's and ours are not capped)
 
@@ -120,7 +121,7 @@ class HydratorServer:
                  group: int | None = None, stage_uid_count: int | None = None,
                  stage_uid_bytes: int | None = None, ram_tier_bytes: int = 0,
                  status_uids: frozenset[int] = frozenset(), dump_threads: int = DUMP_THREADS,
-                 warm_captures: bool = False) -> None:
+                 warm_captures: bool = False, dump_chunk: int = DUMP_CHUNK) -> None:
         from .._cuda import Driver
 
         self.driver: Any = driver or Driver()
@@ -163,8 +164,11 @@ class HydratorServer:
         # One stage's ring of page-locked buffers, allocated now rather than on every restore's path (256 MiB).
         if not 1 <= dump_threads <= MAX_DUMP_THREADS:  # a disk-tier stage's readers (issue 35: fewer may cost less)
             raise HydrationError(f"dump_threads must be 1 to {MAX_DUMP_THREADS}, not {dump_threads}")
-        self.dump_threads = dump_threads
-        self.dump_buffers = HostBuffers(self.driver, DUMP_CHUNK + 2, keep=2 * dump_threads)
+        if not DUMP_CHUNKS[0] <= dump_chunk <= DUMP_CHUNKS[1] or dump_chunk % 4096:
+            raise HydrationError(f"dump_chunk must be a multiple of 4096 from {DUMP_CHUNKS[0]} to {DUMP_CHUNKS[1]} "
+                                 f"bytes, not {dump_chunk}")
+        self.dump_threads, self.dump_chunk = dump_threads, dump_chunk
+        self.dump_buffers = HostBuffers(self.driver, dump_chunk + 2, keep=2 * dump_threads)
         self.ring_pin_seconds = self.dump_buffers.fill() if staging else 0.0
 
     def serve(self, path: str) -> None:
@@ -402,7 +406,7 @@ class HydratorServer:
         size, reads = sum(sizes), dump_reads(layout)  # the tier holds what a stage reads: no chunk of zeros
         zero = sum(p.size for p in dump_pieces(parts, layout, 0) if p.source == ZEROS)
         lease = self.ram_tier.lease(key, fds, reads)  # a hit: the very files the peer opened, held page-locked
-        reader = Pread(threads=self.dump_threads, chunk=DUMP_CHUNK, opened=fds, buffers=self.dump_buffers)
+        reader = Pread(threads=self.dump_threads, chunk=self.dump_chunk, opened=fds, buffers=self.dump_buffers)
         copy = self._pinned(dump_pieces(parts, layout, 0), lease.addresses) if lease is not None else \
             lambda va: copy_to_device(self.driver, self.context, dump_pieces(parts, layout, va), reader)
         try:

@@ -172,3 +172,22 @@ def test_a_stage_request_s_descriptor_is_its_stager_s_pidfd_and_says_when_it_exi
     finally:
         for fd in (pidfd, read, write):
             os.close(fd)
+
+
+@pytest.mark.parametrize(("value", "rule"), [
+    pytest.param("32K", "must be a multiple of 4K from 64K to 64M, not 32K", id="below"),
+    pytest.param("65M", "must be a multiple of 4K from 64K to 64M, not 65M", id="beyond"),
+    pytest.param("100000", "must be a multiple of 4K from 64K to 64M, not 100000", id="not-pages"),
+    pytest.param("big", "must be a positive size (bytes, or with K, M, G, T), not big", id="words"),
+])
+def test_a_bad_dump_chunk_is_refused_naming_the_option_before_anything_starts(
+        tmp_path: Any, value: str, rule: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`serve --dump-chunk` (the ring's read size, issue 35's measurement of what bounds the ring)."""
+    from coldsnap_probe.hydration.__main__ import main
+
+    sock = tmp_path / "h.sock"
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--staging", "--socket", str(sock), f"--dump-chunk={value}"])
+    assert exited.value.code == 2 and not sock.exists()
+    stderr = capsys.readouterr().err
+    assert "argument --dump-chunk:" in stderr and rule in stderr, stderr
