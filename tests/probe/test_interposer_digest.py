@@ -81,7 +81,7 @@ int main(int argc, char **argv)
     struct job job = {.items = calloc(chunks + 1, sizeof(struct item)), .count = chunks, .segments = &segment,
                       .fds = &out, .lock = PTHREAD_MUTEX_INITIALIZER};
     unsigned char *buffer = malloc(piece);
-    struct spent spent = {0, 0, 0, 0, 0, 0};
+    struct spent spent = {0};
     for (size_t c = 0; c < chunks; c++) {
         struct cscu_chunk_digest h;
         struct item *it = &job.items[chunks - 1 - c];

@@ -144,6 +144,10 @@ struct cscu_config {
     int exportable;             /* COLDSNAP_CUDA_INTERPOSER_EXPORTABLE (default 1) */
     int threads;                /* COLDSNAP_CUDA_INTERPOSER_THREADS copy threads (default: usable CPUs, 4-16) */
     size_t staging;             /* COLDSNAP_CUDA_INTERPOSER_STAGING_MIB per pinned buffer (default 4 MiB) */
+    int direct;                 /* COLDSNAP_CUDA_INTERPOSER_DIRECT (default 1): a release into tmpfs copies straight
+                                 * into the files' pages (dump_direct.c) */
+    size_t window;              /* COLDSNAP_CUDA_INTERPOSER_WINDOW_MIB: bytes a direct copy maps and registers at once
+                                 * (default 64 MiB; whole 64 MiB chunks, at most a file's 1 GiB) */
     int drain_s;                /* COLDSNAP_CUDA_INTERPOSER_DRAIN_S: a release waits this long for calls inside */
     int request_s;              /* COLDSNAP_CUDA_INTERPOSER_REQUEST_S: a peer's whole request line within this */
     int engine_vmm;             /* COLDSNAP_CUDA_INTERPOSER_ENGINE_VMM (default 1): the engine's cuMemCreate moved */

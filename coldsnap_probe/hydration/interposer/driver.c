@@ -91,6 +91,10 @@ static void config_read(void)
     config.request_s = request > 600 ? 600 : (int)request;
     if (config.staging > CSCU_DIGEST_CHUNK)
         config.staging = CSCU_DIGEST_CHUNK;
+    config.direct = env_switch("COLDSNAP_CUDA_INTERPOSER_DIRECT");
+    config.window = env_size("COLDSNAP_CUDA_INTERPOSER_WINDOW_MIB", 64, (size_t)1 << 20) / CSCU_DIGEST_CHUNK;
+    config.window = (config.window < 1 ? 1 : config.window > CSCU_SEGMENT_CHUNKS ? CSCU_SEGMENT_CHUNKS
+                     : config.window) * CSCU_DIGEST_CHUNK;  /* whole chunks, within one file */
     const char *exportable = getenv("COLDSNAP_CUDA_INTERPOSER_EXPORTABLE");
     config.exportable = !(exportable && strcmp(exportable, "0") == 0);
     const char *engine_vmm = getenv("COLDSNAP_CUDA_INTERPOSER_ENGINE_VMM"), *ordered =

@@ -230,6 +230,7 @@ static int fill_and_check(int *fds, const char *take, int digests, double spent[
     }
 cleanup:
     free(job.items);
+    free(job.spans);
     return rc;
 }
 
