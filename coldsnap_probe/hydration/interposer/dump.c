@@ -9,6 +9,10 @@
  * is per 64 MiB chunk (digest.h): `crc32-64m` by default, `sha256-64m` when COLDSNAP_CUDA_INTERPOSER_DIGEST says so
  * (hydration/_digests.py computes both). A block of zeros is not written: the file is created at its full size, so
  * the hole reads as zeros, and a chunk of zeros is recorded as such (the hydration sets it on the device).
+ * That is the staged path. A release into tmpfs goes direct first (dump_direct.c: the device writes the files'
+ * own mapped pages, one copy and one pass over memory fewer); the chunks it could not map or register are copied
+ * here after it, and every release into another filesystem, or with COLDSNAP_CUDA_INTERPOSER_DIRECT=0, is staged
+ * whole. Either way the files are the same bytes.
  *
  * Failure: a release that fails before unmapping removes its files and changes nothing; a hydrate that fails
  * (a dump shorter than its manifest, a digest mismatch, another GPU model, out of memory) releases what it

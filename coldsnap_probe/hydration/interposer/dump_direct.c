@@ -9,8 +9,9 @@
  *
  * Only on tmpfs: its pages are memory, pinned by the driver while it writes them; a disk filesystem's page cache
  * would be written behind the kernel's back (no dirty tracking under a pin), so a dump there goes staged. A window
- * that cannot be mapped or registered (the driver refusing file pages, say) is marked `staged` and the staged
- * path copies it after; what failed first is the manifest's `dump_path`. The files are byte for byte the staged
+ * that cannot be mapped or registered (the driver refusing file pages, say) is marked `staged`, and so is every
+ * window after it (no more tries); the staged path copies them after; what failed first is the manifest's
+ * `dump_path`. The files are byte for byte the staged
  * path's: hydrate.c, the node hydrator and hydration/_digests.py read them unchanged.
  */
 #define _GNU_SOURCE
@@ -144,8 +145,13 @@ static void direct_open(struct direct_lane *l, int k, const struct span *sp)
     const char *file = job->segments[it->segment].file;
     int fd = job->fds[it->segment], space;
     char why[200];
+    *w = (struct direct_window){it, sp->n, NULL, 0, 0};
+    if (__atomic_load_n(&job->why[0], __ATOMIC_ACQUIRE)) {  /* a window was refused: the rest goes staged at once */
+        direct_staged(job, it, sp->n, file, "");
+        return;
+    }
     double t0 = cscu_now();
-    *w = (struct direct_window){it, sp->n, cscu_direct_map(fd, it, sp->n, &space, why, sizeof(why)), 0, 0};
+    w->map = cscu_direct_map(fd, it, sp->n, &space, why, sizeof(why));
     double t1 = cscu_now();
     l->t.map += t1 - t0;
     if (!w->map) {
