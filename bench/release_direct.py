@@ -159,10 +159,10 @@ class Target:
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-c", TARGET, str(ready), str(gib)], env=env,
                                          stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
-        wait_file(ready, timeout=180.0)
+        wait_file(ready, timeout=90.0)
 
     def ask(self, message: dict[str, Any], what: str) -> dict[str, Any]:
-        return interposer_request(self.socket, message, what, timeout=120.0)
+        return interposer_request(self.socket, message, what, timeout=60.0)
 
     def stop(self) -> None:
         os.killpg(self.proc.pid, signal.SIGKILL)
