@@ -212,9 +212,12 @@ def release_table(rows: list[dict[str, Any]]) -> str:
     def t(row: dict[str, Any], key: str) -> str:
         return f"{row['timings_s'].get(key, 0.0):.2f}"
 
-    return table(["setting", "images", "release s", "dump GB/s", "thread-s device / digest / zero / write",
+    return table(["setting", "images", "release s", "sync / dump / unmap s", "dump GB/s",
+                  "thread-s device / digest / zero / write",
                   "thread-s map / register / unregister", "direct share", "GB held", "hydrate s"],
-                 [[r["setting"], r["mount"], f"{r['release_s']:.3f}", f"{r['gbps']:.1f}",
+                 [[r["setting"], r["mount"], f"{r['release_s']:.3f}",
+                   " / ".join(f"{r['timings_s'].get(k, 0.0):.3f}" for k in ("synchronize", "dump", "unmap")),
+                   f"{r['gbps']:.1f}",
                    " / ".join(t(r, k) for k in ("dump_device_thread_s", "dump_digest_thread_s",
                                                 "dump_zero_thread_s", "dump_write_thread_s")),
                    " / ".join(t(r, k) for k in ("dump_map_thread_s", "dump_register_thread_s",
