@@ -8,6 +8,7 @@ H200: tests/probe/test_interposer_gpu.py (direct and staged side by side)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -140,17 +141,23 @@ def run(harness: Path, *args: Any, env: dict[str, str] | None = None) -> Any:
     return json.loads(done.stdout)
 
 
-@pytest.fixture(scope="module")
-def tmpfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A small tmpfs of its own (400 MiB: a dump of three chunks twice, and a known limit to run out of)."""
+@contextlib.contextmanager
+def mounted(where: Path, options: str) -> Iterator[Path]:
     if os.geteuid() != 0:
         pytest.skip("needs root to mount a small tmpfs")
-    mount = tmp_path_factory.mktemp("tmpfs")
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400m,mode=0700", "tmpfs", str(mount)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"{options},mode=0700", "tmpfs", str(where)], check=True)
     try:
-        yield mount
+        yield where
     finally:
-        subprocess.run(["umount", str(mount)], check=True)
+        subprocess.run(["umount", str(where)], check=True)
+
+
+@pytest.fixture(scope="module")
+def tmpfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A small tmpfs of its own (400 MiB: a dump of three chunks twice, and a known limit to run out of), 4 KiB
+    pages."""
+    with mounted(tmp_path_factory.mktemp("tmpfs"), "size=400m,huge=never") as mount:
+        yield mount
 
 
 def fs_type(path: Path) -> str:
@@ -181,6 +188,23 @@ class TestPlan:
         assert answer["direct"] == 0
         assert answer["why"].startswith("the dump directory's tmpfs has ") and f"the regions {1 << 40} " in answer[
             "why"]
+
+    def test_huge_takes_only_a_tmpfs_with_huge_pages(self, harness: Path, tmpfs: Path, tmp_path: Path) -> None:
+        """COLDSNAP_CUDA_INTERPOSER_DIRECT=huge: the mount's `huge=` read from /proc/self/mountinfo by the
+        directory's device (a 4 KiB-page tmpfs is staged; one mounted huge=always goes on to the driver)."""
+        huge = {"COLDSNAP_CUDA_INTERPOSER_DIRECT": "huge"}
+        forced = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text()
+        if "[force]" in forced or "[deny]" in forced:
+            pytest.skip(f"this kernel sets every tmpfs's pages: {forced.strip()}")
+        assert run(harness, "plan", tmpfs, MIB, env=huge) == {"direct": 0, "why": (
+            "the dump directory's tmpfs gives 4 KiB pages (huge=never) and COLDSNAP_CUDA_INTERPOSER_DIRECT=huge "
+            "takes only huge pages")}
+        with mounted(tmp_path, "size=16m,huge=always") as always:
+            assert not run(harness, "plan", always, MIB, env=huge)["why"].startswith("the dump directory")
+            (always / "sub").mkdir()  # a directory below the mount point is on the same device
+            assert not run(harness, "plan", always / "sub", MIB, env=huge)["why"].startswith("the dump directory")
+        assert run(harness, "plan", tmpfs, MIB)["why"] == run(harness, "plan", tmpfs, MIB, env={
+            "COLDSNAP_CUDA_INTERPOSER_DIRECT": "1"})["why"]  # the default takes any tmpfs
 
     def test_switched_off_it_is_staged_whatever_the_filesystem(self, harness: Path, tmpfs: Path) -> None:
         answer = run(harness, "plan", tmpfs, MIB, env={"COLDSNAP_CUDA_INTERPOSER_DIRECT": "0"})

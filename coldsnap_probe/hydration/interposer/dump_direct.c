@@ -20,7 +20,9 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/statfs.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include "cscu.h"
@@ -41,19 +43,66 @@ static void direct_resolve(void)
     direct_unregister = (direct_unregister_fn)cscu_real("cuMemHostUnregister");
 }
 
+/* The `huge=` of the tmpfs mounted at `st_dev` (its super options in /proc/self/mountinfo: "never" when it has
+ * none; the kernel's `force` or `deny` for every tmpfs, /sys/kernel/mm/transparent_hugepage/shmem_enabled, first)
+ * into `huge`. */
+static void direct_huge(dev_t dev, char *huge, size_t room)
+{
+    char line[4096], *at;
+    snprintf(huge, room, "never");
+    FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/shmem_enabled", "re");
+    if (f && fgets(line, sizeof(line), f) && (strstr(line, "[force]") || strstr(line, "[deny]")))
+        snprintf(huge, room, "%s", strstr(line, "[force]") ? "force" : "deny");
+    if (f)
+        fclose(f);
+    if (strcmp(huge, "never") != 0 || !(f = fopen("/proc/self/mountinfo", "re")))
+        return;
+    while (fgets(line, sizeof(line), f)) {
+        unsigned major_id, minor_id;
+        if (sscanf(line, "%*s %*s %u:%u", &major_id, &minor_id) != 2 || major_id != major(dev)
+            || minor_id != minor(dev) || !(at = strstr(line, " - ")))
+            continue;
+        if ((at = strstr(at, "huge=")))
+            snprintf(huge, room, "%.*s", (int)strcspn(at + 5, ", \n"), at + 5);
+        break;
+    }
+    fclose(f);
+}
+
+/* The direct path's filesystem rule: tmpfs, and with COLDSNAP_CUDA_INTERPOSER_DIRECT=huge one whose files get huge
+ * pages (registering 4 KiB pages costs per page). 1, or 0 with `why` said. */
+static int direct_filesystem(int dirfd, const struct statfs *fs, char *why, size_t room)
+{
+    struct stat st;
+    char huge[32];
+    if ((unsigned long)fs->f_type != DIRECT_TMPFS_MAGIC) {
+        snprintf(why, room, "the dump directory is on a filesystem of type %#lx, not tmpfs (a disk file's pages "
+                 "are not pinned for the device to write)", (unsigned long)fs->f_type);
+        return 0;
+    }
+    if (cscu_config()->direct != CSCU_DIRECT_HUGE || fstat(dirfd, &st) != 0)
+        return 1;
+    direct_huge(st.st_dev, huge, sizeof(huge));
+    if (strcmp(huge, "never") == 0 || strcmp(huge, "deny") == 0) {
+        snprintf(why, room, "the dump directory's tmpfs gives 4 KiB pages (huge=%s) and "
+                 "COLDSNAP_CUDA_INTERPOSER_DIRECT=huge takes only huge pages", huge);
+        return 0;
+    }
+    return 1;
+}
+
 int cscu_direct_plan(int dirfd, size_t bytes, char *why, size_t room)
 {
     struct statfs fs;
     pthread_once(&direct_once, direct_resolve);
     int stated = fstatfs(dirfd, &fs) == 0;
     size_t free_bytes = stated ? (size_t)fs.f_bavail * (size_t)fs.f_bsize : 0;
-    if (!cscu_config()->direct)
+    if (cscu_config()->direct == CSCU_DIRECT_OFF)
         snprintf(why, room, "COLDSNAP_CUDA_INTERPOSER_DIRECT=0");
     else if (!stated)
         snprintf(why, room, "statfs of the dump directory: %s", strerror(errno));
-    else if ((unsigned long)fs.f_type != DIRECT_TMPFS_MAGIC)
-        snprintf(why, room, "the dump directory is on a filesystem of type %#lx, not tmpfs (a disk file's pages "
-                 "are not pinned for the device to write)", (unsigned long)fs.f_type);
+    else if (!direct_filesystem(dirfd, &fs, why, room))
+        return 0;
     else if (fs.f_blocks != 0 && free_bytes < bytes)  /* f_blocks 0: a tmpfs without a size limit */
         snprintf(why, room, "the dump directory's tmpfs has %zu bytes free, the regions %zu (staged, chunks of "
                  "zeros take none)", free_bytes, bytes);
