@@ -322,7 +322,7 @@ def rows_table(results: list[dict[str, Any]], gib: float, capsule: dict[str, Any
 
 
 CAPTURE_HEAD = ("row", "images on", "capture: exec s", "release s (GB/s)",
-                "release thread-s: write / digest / device / zero / register",
+                "release thread-s: write / digest / device / zero",
                 "CUDA lock + checkpoint s (host GB added)", "CRIU dump s: frozen / pages / their writes",
                 "CRIU pages written GB", "worker: interpreter / start / find CUDA / memory scans / finish s",
                 "stack limit B: engine -> checkpoint")
@@ -334,9 +334,8 @@ def capture_cells(r: dict[str, Any]) -> list[str]:
     threads = c.get("release_thread_s") or {}
     pages = c.get("criu_pages_written")
     return [r["row"], c.get("images_on") or "-", _f(c.get("exec_s")),
-            f"{_f(c.get('device_release_s'))} ({_f(c.get('device_gbps'))})"
-            + "".join(f", {p.split(':')[0]}" for p in c.get("release_path") or []),
-            " / ".join(_f(threads.get(k)) for k in ("write", "digest", "device", "zero", "register")),
+            f"{_f(c.get('device_release_s'))} ({_f(c.get('device_gbps'))})",
+            " / ".join(_f(threads.get(k)) for k in ("write", "digest", "device", "zero")),
             (_f((c.get("cuda_lock_s") or 0) + (c.get("cuda_checkpoint_s") or 0))
              + f" ({_f(None if c.get('checkpoint_added_bytes') is None else c['checkpoint_added_bytes'] / 1e9)})")
             if c else "-",

@@ -7,7 +7,7 @@ A harness is compiled from the interposer's own sources (`digest.c`, `crc32.c`, 
 loop, `digest_and_write`, the function a release runs on each staging buffer) and run here:
 1. **digests**: one thread digests 1 GiB of random bytes in 4 MiB pieces (more than the caches hold) with each
    engine: SHA-256 from libcrypto and the built-in one, CRC-32 with VPCLMULQDQ, PCLMULQDQ and tables; and the
-   zero check (`cscu_all_zero`) on random bytes (it stops at the first byte) and on zeros (it reads everything):
+   zero check (`all_zero`) on random bytes (it stops at the first byte) and on zeros (it reads everything):
    thread-seconds per GiB.
 2. **writes**: `--gib` GiB in 64 MiB chunks, interleaved over `--files` files in `--dir` as a release does, by
    `--threads` threads from plain (malloc) or page-locked (mlock) 4 MiB buffers: writes alone, then the release's
@@ -67,7 +67,7 @@ static void engine(const char *name)
 
 static void *writer(void *arg)
 {
-    struct spent t = {0};
+    struct spent t = {0, 0, 0, 0};
     unsigned char *buf = aligned_alloc(4096, PIECE);
     if (locked && mlock(buf, PIECE) != 0)
         return (void *)1;
@@ -114,10 +114,10 @@ static int digests(void)
     double t1 = cscu_now();
     size_t found = 0;
     for (size_t at = 0; at < SOURCE; at += PIECE)
-        found += cscu_all_zero(source + at, PIECE);
+        found += all_zero(source + at, PIECE);
     double t2 = cscu_now();
     for (size_t at = 0; at < SOURCE; at += PIECE)
-        found += cscu_all_zero(zeros, PIECE);
+        found += all_zero(zeros, PIECE);
     unsigned char out[32];
     cscu_chunk_final(&h, out);
     printf("{\"engine\":\"%s\",\"digest_s_per_gib\":%.4f,\"zero_random_s_per_gib\":%.5f,\"zero_zeros_s_per_gib\":%.4f,"

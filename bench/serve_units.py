@@ -298,10 +298,7 @@ def capture_detail(report: dict[str, Any]) -> dict[str, Any]:
             # before -> bytes the checkpoint saw, per process that was released.
             "stack_limit": [f"{s.get('engine_bytes')} -> {s.get('set_bytes')}" + (" (error)" if s.get("error") else "")
                             for s in (p.get("stack_limit") for p in report.get("device_memory") or []) if s] or None,
-            "criu_threads": stats.get("threads"),  # dump-threads.patch: None where stock CRIU's path dumped
-            # Which way each release copied: "direct" into the dump files' pages, "staged: <why>" (dump_direct.c).
-            "release_path": [p["dump_path"] for p in report.get("device_memory") or [] if p.get("dump_path")]
-            or None}
+            "criu_threads": stats.get("threads")}  # dump-threads.patch: None where stock CRIU's path dumped
 
 
 async def descriptors(d: Driver, name: str, pid: int) -> str:

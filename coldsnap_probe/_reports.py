@@ -151,7 +151,7 @@ class DumpedDevice:
     segments: int = 0
     seconds: float = 0.0  # the whole release, as the worker waited for it
     gbps: float = 0.0  # the dump's rate (device to files)
-    timings_s: dict[str, float] = field(default_factory=dict)  # synchronize, dump, unmap, thread-seconds
+    timings_s: dict[str, float] = field(default_factory=dict)  # synchronize, dump, unmap
     uncovered: dict[str, dict[str, int]] = field(default_factory=dict)
     moved: dict[str, dict[str, int]] = field(default_factory=dict)
     manifest_digest: str = ""
@@ -159,7 +159,6 @@ class DumpedDevice:
     # The node hydrator's answer to `warm` (the dump offered to its RAM tier once the tree was dumped): {queued,
     # seconds, error?}; None when no hydrator was named.
     warm: dict[str, Any] | None = None
-    dump_path: str = ""  # released only: "direct" into the files' mapped pages, or "staged: <why>" (DeviceDump's)
 
     def to_json(self) -> dict[str, Any]:
         return _present({"pid": self.pid, "socket": self.socket, "state": self.state, "bytes": self.bytes,
@@ -167,7 +166,7 @@ class DumpedDevice:
                          "gbps": self.gbps, "timings_s": self.timings_s, "uncovered": self.uncovered,
                          "moved": self.moved, "manifest_digest": self.manifest_digest,
                          "stack_limit": self.stack_limit.to_json() if self.stack_limit else None,
-                         "warm": self.warm, "dump_path": self.dump_path or None})
+                         "warm": self.warm})
 
 
 @dataclass(frozen=True, slots=True)

@@ -239,9 +239,7 @@ class DumpRegion:
 class DeviceDump:
     """A release's manifest: the regions (dumped, then unmapped), what they came from (`moved`: per source, count
     and bytes; absent from manifests written before it was), what stayed on the CUDA checkpoint path (`uncovered`:
-    per kind, count and bytes), the timings, and which way the bytes went (`dump_path`: "direct" into the files'
-    mapped pages, "staged: <why>" through staging buffers, or both; absent before it was); `manifest_digest`
-    covers all of it."""
+    per kind, count and bytes), the timings; `manifest_digest` covers all of it."""
 
     pid: int
     dir: str
@@ -255,14 +253,12 @@ class DeviceDump:
     gbps: float
     manifest_digest: str = ""
     moved: dict[str, dict[str, int]] = field(default_factory=dict)
-    dump_path: str = ""
 
     def body(self) -> dict[str, Any]:
         return {"format": 1, "kind": DUMP_KIND, "pid": self.pid, "dir": self.dir, "digest_engine": self.digest_engine,
                 "segment_bytes": self.segment_bytes, "threshold": self.threshold, "bytes": self.bytes,
                 "regions": [r.to_json() for r in self.regions], "uncovered": self.uncovered,
-                "timings_s": self.timings_s, "gbps": self.gbps} | ({"moved": self.moved} if self.moved else {}) \
-            | ({"dump_path": self.dump_path} if self.dump_path else {})
+                "timings_s": self.timings_s, "gbps": self.gbps} | ({"moved": self.moved} if self.moved else {})
 
     def to_json(self) -> dict[str, Any]:
         return {**self.body(), "manifest_digest": self.manifest_digest}
@@ -289,7 +285,6 @@ class DeviceDump:
                        bytes=_integer(value["bytes"], "bytes", "dump"),
                        regions=tuple(DumpRegion.from_json(r) for r in regions), uncovered=dict(value["uncovered"]),
                        timings_s=dict(value["timings_s"]), gbps=float(value["gbps"]), moved=dict(moved),
-                       dump_path=_text(value.get("dump_path", ""), "dump_path", "dump"),
                        manifest_digest="" if answered else str(value["manifest_digest"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise HydrationError(f"malformed device dump manifest: {type(exc).__name__}: {exc}") from exc

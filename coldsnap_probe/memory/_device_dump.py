@@ -253,7 +253,7 @@ class DeviceRelease:
             pid=pid, socket=socket, state="released" if dump.regions else "empty", bytes=dump.bytes,
             regions=len(dump.regions), segments=len(dump.segments), seconds=time.perf_counter() - started,
             gbps=dump.gbps, timings_s=dump.timings_s, uncovered=dump.uncovered, moved=dump.moved,
-            manifest_digest=dump.manifest_digest, stack_limit=stack, dump_path=dump.dump_path))
+            manifest_digest=dump.manifest_digest, stack_limit=stack))
 
     def warm(self) -> None:
         """The tree is dumped: each dump offered to the node hydrator its engine named (`DeviceWarm`)."""

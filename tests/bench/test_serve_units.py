@@ -230,10 +230,6 @@ class TestReports:
         assert capture_row(CAPTURE)["checkpoint_added_bytes"] is None and capture_row(CAPTURE)["images_on"] is None
         assert row["images_on"] == "tmpfs huge=always"
         assert row["stack_limit"] is None  # an interposer that reported no stack limit
-        assert row["release_path"] is None  # an interposer from before dump_direct.c
-        paths = {**report, "device_memory": [{**d, "dump_path": p} for d, p in zip(
-            report["device_memory"], ("direct", "staged: COLDSNAP_CUDA_INTERPOSER_DIRECT=0"), strict=True)]}
-        assert capture_row(paths)["release_path"] == ["direct", "staged: COLDSNAP_CUDA_INTERPOSER_DIRECT=0"]
         lowered = {**report, "device_memory": [
             {**report["device_memory"][0], "stack_limit": {"engine_bytes": 1024, "set_bytes": 256}},
             {**report["device_memory"][1], "stack_limit": {"engine_bytes": 1024, "set_bytes": 1024, "error": "E"}}]}

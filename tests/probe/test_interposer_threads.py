@@ -57,28 +57,6 @@ def test_the_stack_limit_knobs_reach_the_control_socket(library: Path, shrink: s
     assert complaint in stderr and (complaint or "STACK" not in stderr), stderr
 
 
-@pytest.mark.parametrize(("direct", "window", "expected", "complaint"), [
-    (None, None, ("on", 64 * MIB), ""), ("0", "256", ("off", 256 * MIB), ""), ("huge", "100", ("huge", 64 * MIB), ""),
-    ("1", "4096", ("on", 1024 * MIB), ""), ("yes", "32", ("on", 64 * MIB),
-                                            "COLDSNAP_CUDA_INTERPOSER_DIRECT=yes must be 0, 1 or huge, using 1")])
-def test_the_direct_release_knobs_reach_the_control_socket(library: Path, direct: str | None, window: str | None,
-                                                           expected: tuple[str, int], complaint: str,
-                                                           monkeypatch: pytest.MonkeyPatch,
-                                                           capfd: pytest.CaptureFixture[str]) -> None:
-    """On by default in 64 MiB windows; a window is whole 64 MiB chunks up to a file's 1 GiB; a mistyped switch is
-    named on the engine's stderr and the default kept."""
-    for name, value in (("COLDSNAP_CUDA_INTERPOSER_DIRECT", direct), ("COLDSNAP_CUDA_INTERPOSER_WINDOW_MIB", window)):
-        if value is None:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, value)
-    with listening(library) as (_proc, path):
-        status = request(path, {"op": "status"})
-    assert (status["direct"], status["window_bytes"]) == expected
-    stderr = capfd.readouterr().err
-    assert complaint in stderr and (complaint or "DIRECT" not in stderr), stderr
-
-
 EXEMPT_HARNESS = UNITY + r"""
 
 static volatile int passed[2];

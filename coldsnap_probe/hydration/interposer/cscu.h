@@ -144,11 +144,6 @@ struct cscu_config {
     int exportable;             /* COLDSNAP_CUDA_INTERPOSER_EXPORTABLE (default 1) */
     int threads;                /* COLDSNAP_CUDA_INTERPOSER_THREADS copy threads (default: usable CPUs, 4-16) */
     size_t staging;             /* COLDSNAP_CUDA_INTERPOSER_STAGING_MIB per pinned buffer (default 4 MiB) */
-    int direct;                 /* COLDSNAP_CUDA_INTERPOSER_DIRECT: a release into tmpfs copies straight into the
-                                 * files' pages (dump_direct.c): CSCU_DIRECT_ON (1, the default), _HUGE ("huge": only
-                                 * a tmpfs that gives huge pages), _OFF (0) */
-    size_t window;              /* COLDSNAP_CUDA_INTERPOSER_WINDOW_MIB: bytes a direct copy maps and registers at once
-                                 * (default 64 MiB; whole 64 MiB chunks, at most a file's 1 GiB) */
     int drain_s;                /* COLDSNAP_CUDA_INTERPOSER_DRAIN_S: a release waits this long for calls inside */
     int request_s;              /* COLDSNAP_CUDA_INTERPOSER_REQUEST_S: a peer's whole request line within this */
     int engine_vmm;             /* COLDSNAP_CUDA_INTERPOSER_ENGINE_VMM (default 1): the engine's cuMemCreate moved */
@@ -157,7 +152,6 @@ struct cscu_config {
     size_t stack_bytes;         /* COLDSNAP_CUDA_INTERPOSER_STACK_BYTES (default 256): what it lowers it to */
 };
 CSCU_HIDDEN const struct cscu_config *cscu_config(void);
-enum { CSCU_DIRECT_OFF, CSCU_DIRECT_ON, CSCU_DIRECT_HUGE };
 
 /* Appends the JSON list of the entry points the engine resolved through us (a slot filled), for `status`. */
 CSCU_HIDDEN size_t cscu_entries_json(char *out, size_t room);

@@ -74,20 +74,6 @@ static int env_switch(const char *name)
     return 1;
 }
 
-/* $name: 1 (or unset, empty) on, 0 off, `huge` on a tmpfs with huge pages only; anything else is said on stderr
- * and taken as the default. */
-static int env_direct(const char *name)
-{
-    const char *text = getenv(name);
-    if (text && strcmp(text, "huge") == 0)
-        return CSCU_DIRECT_HUGE;
-    if (text && strcmp(text, "0") == 0)
-        return CSCU_DIRECT_OFF;
-    if (text && *text && strcmp(text, "1") != 0)
-        fprintf(stderr, "coldsnap-cuda: %s=%s must be 0, 1 or huge, using 1\n", name, text);
-    return CSCU_DIRECT_ON;
-}
-
 static void config_read(void)
 {
     const char *socket = getenv(CSCU_ENV_SOCKET);
@@ -105,10 +91,6 @@ static void config_read(void)
     config.request_s = request > 600 ? 600 : (int)request;
     if (config.staging > CSCU_DIGEST_CHUNK)
         config.staging = CSCU_DIGEST_CHUNK;
-    config.direct = env_direct("COLDSNAP_CUDA_INTERPOSER_DIRECT");
-    config.window = env_size("COLDSNAP_CUDA_INTERPOSER_WINDOW_MIB", 64, (size_t)1 << 20) / CSCU_DIGEST_CHUNK;
-    config.window = (config.window < 1 ? 1 : config.window > CSCU_SEGMENT_CHUNKS ? CSCU_SEGMENT_CHUNKS
-                     : config.window) * CSCU_DIGEST_CHUNK;  /* whole chunks, within one file */
     const char *exportable = getenv("COLDSNAP_CUDA_INTERPOSER_EXPORTABLE");
     config.exportable = !(exportable && strcmp(exportable, "0") == 0);
     const char *engine_vmm = getenv("COLDSNAP_CUDA_INTERPOSER_ENGINE_VMM"), *ordered =

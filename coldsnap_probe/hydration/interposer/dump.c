@@ -9,10 +9,6 @@
  * is per 64 MiB chunk (digest.h): `crc32-64m` by default, `sha256-64m` when COLDSNAP_CUDA_INTERPOSER_DIGEST says so
  * (hydration/_digests.py computes both). A block of zeros is not written: the file is created at its full size, so
  * the hole reads as zeros, and a chunk of zeros is recorded as such (the hydration sets it on the device).
- * That is the staged path. A release into tmpfs goes direct first (dump_direct.c: the device writes the files'
- * own mapped pages, one copy and one pass over memory fewer); the chunks it could not map or register are copied
- * here after it, and every release into another filesystem, or with COLDSNAP_CUDA_INTERPOSER_DIRECT=0, is staged
- * whole. Either way the files are the same bytes.
  *
  * Failure: a release that fails before unmapping removes its files and changes nothing; a hydrate that fails
  * (a dump shorter than its manifest, a digest mismatch, another GPU model, out of memory) releases what it
@@ -35,21 +31,69 @@
 struct segment *cscu_segments;  /* see dump.h */
 size_t cscu_segment_count;
 
+double cscu_now(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
+}
+
+static void fail(struct job *job, const char *format, ...)
+{
+    pthread_mutex_lock(&job->lock);
+    if (!job->failed) {
+        va_list args;
+        va_start(args, format);
+        vsnprintf(job->error, sizeof(job->error), format, args);
+        va_end(args);
+        job->failed = 1;
+    }
+    pthread_mutex_unlock(&job->lock);
+}
+
+int cscu_full_io(int fill, int fd, void *buffer, size_t size, off_t offset)
+{
+    for (size_t done = 0; done < size;) {
+        ssize_t n = fill ? pread(fd, (char *)buffer + done, size - done, offset + (off_t)done)
+                         : pwrite(fd, (char *)buffer + done, size - done, offset + (off_t)done);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0) {
+            if (n == 0)
+                errno = EIO;  /* a short file: reported as the dump ending early */
+            return -1;
+        }
+        done += (size_t)n;
+    }
+    return 0;
+}
+
+/* Where one copy thread's time went (thread-seconds), added to the job's when the thread ends. */
+struct spent { double device, digest, io, zero; size_t zeroed, moved; };
+
+/* Bytes digested then written at once: small enough to stay in the core's cache between the two passes. */
+#define BLOCK ((size_t)256 << 10)
+
+static int all_zero(const unsigned char *p, size_t n)
+{
+    return n == 0 || (p[0] == 0 && memcmp(p, p + 1, n - 1) == 0);  /* memcmp stops at the first byte that is not */
+}
+
 /* `n` bytes of chunk `it` at `at`, in `buf`: digested and written block by block (each block read once from
  * memory), a block of zeros not written (the file's hole reads as zeros); `it->zero` cleared by any other. */
 static int digest_and_write(struct job *job, struct item *it, const unsigned char *buf, size_t n, size_t at,
                             struct cscu_chunk_digest *h, struct spent *t)
 {
     int fd = job->fds[it->segment];
-    for (size_t done = 0; done < n; done += CSCU_BLOCK) {
-        size_t k = n - done < CSCU_BLOCK ? n - done : CSCU_BLOCK;
+    for (size_t done = 0; done < n; done += BLOCK) {
+        size_t k = n - done < BLOCK ? n - done : BLOCK;
         double t0 = cscu_now();
         cscu_chunk_update(h, buf + done, k);
         double t1 = cscu_now();
-        int zero = cscu_all_zero(buf + done, k);
+        int zero = all_zero(buf + done, k);
         double t2 = cscu_now();
         if (!zero && cscu_full_io(0, fd, (void *)(buf + done), k, (off_t)(it->offset + at + done)) != 0) {
-            cscu_job_fail(job, "write %s: %s", job->segments[it->segment].file, strerror(errno));
+            fail(job, "write %s: %s", job->segments[it->segment].file, strerror(errno));
             return -1;
         }
         it->zero &= zero;
@@ -70,7 +114,6 @@ static int dump_pieces(struct job *job, struct item *it, CUstream s[2], void *bu
     size_t pieces = (it->size + staging - 1) / staging;
     CUresult rc = d->memcpy_dtoh_async(buf[0], base, it->size < staging ? it->size : staging, s[0]);
     it->zero = 1;
-    t->moved += it->size;
     for (size_t k = 0; k < pieces && rc == CUDA_SUCCESS && !job->failed; k++) {
         size_t at = k * staging, n = it->size - at < staging ? it->size - at : staging, next = at + staging;
         int slot = (int)(k % 2);
@@ -86,7 +129,7 @@ static int dump_pieces(struct job *job, struct item *it, CUstream s[2], void *bu
             return -1;
     }
     if (rc != CUDA_SUCCESS)
-        cscu_job_fail(job, "copy from region %#llx: %s", r->address, cscu_error_name(rc));
+        fail(job, "copy from region %#llx: %s", r->address, cscu_error_name(rc));
     return job->failed ? -1 : 0;
 }
 
@@ -127,7 +170,7 @@ static int fill_pieces(struct job *job, struct item *it, CUstream s[2], void *bu
             break;
         t1 = cscu_now();
         if (cscu_full_io(1, job->fds[it->segment], buf[slot], n, (off_t)(it->offset + at)) != 0) {
-            cscu_job_fail(job, "read %s at %zu: %s (the dump is shorter than its manifest or unreadable)", seg->file,
+            fail(job, "read %s at %zu: %s (the dump is shorter than its manifest or unreadable)", seg->file,
                  it->offset + at, errno == EIO ? "it ends early" : strerror(errno));
             return -1;
         }
@@ -138,7 +181,7 @@ static int fill_pieces(struct job *job, struct item *it, CUstream s[2], void *bu
         t->device += t1 - t0, t->io += t2 - t1, t->digest += cscu_now() - t2;
     }
     if (rc != CUDA_SUCCESS)
-        cscu_job_fail(job, "copy to region %#llx: %s", r->address, cscu_error_name(rc));
+        fail(job, "copy to region %#llx: %s", r->address, cscu_error_name(rc));
     return job->failed ? -1 : 0;
 }
 
@@ -169,17 +212,17 @@ static void *copy_thread(void *arg)
     CUstream s[2] = {0, 0};
     void *buf[2] = {0, 0};
     CUcontext current = NULL;
-    struct spent t = {0};
+    struct spent t = {0, 0, 0, 0, 0, 0};
+    double setup = 0;  /* streams and page-locked buffers: the driver pins them one caller at a time */
     cscu_gate_exempt();  /* the release's own copies run while the gate is closed */
     for (;;) {
         size_t i = __atomic_fetch_add(&job->next, 1, __ATOMIC_ACQ_REL);
         if (i >= job->count || __atomic_load_n(&job->failed, __ATOMIC_ACQUIRE))
             break;
         struct item *it = &job->items[i];
-        if (job->direct && !it->staged)
-            continue;  /* the direct path copied it */
         CUcontext ctx = regions[job->segments[it->segment].region].context;
         if (ctx != current) {  /* streams belong to a context; page-locked buffers are portable (flag 1) */
+            double t0 = cscu_now();
             for (int k = 0; k < 2; k++)
                 if (s[k]) {
                     d->stream_synchronize(s[k]);
@@ -191,21 +234,19 @@ static void *copy_thread(void *arg)
                 if ((rc = d->stream_create(&s[k], CU_STREAM_NON_BLOCKING)) == CUDA_SUCCESS && !buf[k])
                     rc = d->host_alloc(&buf[k], cfg->staging, 1);
             if (rc != CUDA_SUCCESS) {
-                cscu_job_fail(job, "copy thread set-up: %s", cscu_error_name(rc));
+                fail(job, "copy thread set-up: %s", cscu_error_name(rc));
                 break;
             }
             current = ctx;
+            setup += cscu_now() - t0;
         }
         one_chunk(job, it, s, buf, cfg->staging, &t);
-        if (job->direct && it->zero)  /* sized ahead by the direct path: a hole, as written here */
-            fallocate(job->fds[it->segment], FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)it->offset,
-                      (off_t)it->size);
     }
     for (int k = 0; k < 2; k++) {
         if (s[k]) {
             CUresult rc = d->stream_synchronize(s[k]);
             if (rc)
-                cscu_job_fail(job, "copy: %s", cscu_error_name(rc));
+                fail(job, "copy: %s", cscu_error_name(rc));
             d->stream_destroy(s[k]);
         }
         if (buf[k])
@@ -213,82 +254,48 @@ static void *copy_thread(void *arg)
     }
     pthread_mutex_lock(&job->lock);
     job->device_s += t.device, job->digest_s += t.digest, job->io_s += t.io, job->zero_s += t.zero;
-    job->zeroed += t.zeroed, job->moved += t.moved;
+    job->zeroed += t.zeroed, job->moved += t.moved, job->setup_s += setup;
     pthread_mutex_unlock(&job->lock);
     return NULL;
 }
 
-/* The chunks of every segment that `take` marks, in runs of `per` consecutive chunks of one segment (a direct
- * release's windows; 1 otherwise), the runs interleaved across cscu_segments so that the threads write different
- * files at once: job->items and job->spans (one per run). 0, or -1 out of host memory. */
-static int plan_items(struct job *job, int fill, const char *take, size_t per)
+/* Chunks of every segment that `take` marks, interleaved across cscu_segments so that the threads write different
+ * files at once, copied by the threads. 0, or -1 with `job->error` set. */
+int cscu_copy(struct job *job, int fill, const char *take)
 {
-    size_t most = 0, rounds = 0, n = 0, spans = 0;
+    size_t most = 0, rounds = 0, n = 0;
     for (size_t i = 0; i < cscu_segment_count; i++) {
         size_t chunks = (cscu_segments[i].size + CSCU_DIGEST_CHUNK - 1) / CSCU_DIGEST_CHUNK;
         most += chunks;
         rounds = chunks > rounds ? chunks : rounds;
     }
     job->items = calloc(most ? most : 1, sizeof(struct item));
-    job->spans = calloc(most ? most : 1, sizeof(struct span));
-    if (!job->items || !job->spans)
-        return -1;
-    for (size_t round = 0; round < rounds; round += per)
-        for (size_t i = 0; i < cscu_segment_count; i++) {
-            if (!take[i] || round * CSCU_DIGEST_CHUNK >= cscu_segments[i].size)
-                continue;
-            job->spans[spans++] = (struct span){n, 0};
-            for (size_t at = round * CSCU_DIGEST_CHUNK; at < (round + per) * CSCU_DIGEST_CHUNK
-                                                        && at < cscu_segments[i].size; at += CSCU_DIGEST_CHUNK) {
-                size_t size = cscu_segments[i].size - at < CSCU_DIGEST_CHUNK ? cscu_segments[i].size - at
-                                                                                : CSCU_DIGEST_CHUNK;
-                int zero = fill && (cscu_segments[i].zero >> (at / CSCU_DIGEST_CHUNK) & 1);
-                job->items[n++] = (struct item){i, at, size, {0}, zero, 0};
-                job->spans[spans - 1].n++;
-            }
-        }
-    job->count = n;
-    job->span_count = spans;
-    return 0;
-}
-
-/* `threads` of `body` over the job (`units` of work to share), the caller's own thread when none can start. */
-static void run_threads(struct job *job, void *(*body)(void *), size_t units)
-{
-    int threads = cscu_config()->threads < (int)units ? cscu_config()->threads : (int)units;
-    pthread_t ids[64];
-    int made = 0;
-    for (; made < threads; made++)
-        if (pthread_create(&ids[made], NULL, body, job) != 0)
-            break;
-    if (made == 0 && units)
-        body(job);
-    for (int i = 0; i < made; i++)
-        pthread_join(ids[i], NULL);
-}
-
-/* Chunks of every segment that `take` marks copied by the threads: a direct release's windows first (mapped
- * files), then whatever they left to the staging buffers (job->direct: only the chunks marked `staged`). 0, or
- * -1 with `job->error` set. */
-int cscu_copy(struct job *job, int fill, const char *take)
-{
-    size_t per = job->direct ? job->window : 1;
-    job->segments = cscu_segments;
-    job->fill = fill;
-    if (plan_items(job, fill, take, per ? per : 1) != 0) {
+    if (!job->items) {
         snprintf(job->error, sizeof(job->error), "out of host memory");
         return -1;
     }
-    size_t staged = job->count;
-    if (job->direct) {
-        run_threads(job, cscu_direct_thread, job->span_count);
-        staged = 0;
-        for (size_t i = 0; i < job->count; i++)
-            staged += (size_t)job->items[i].staged;
-        job->next = 0;
-    }
-    if (!job->failed && staged)
-        run_threads(job, copy_thread, staged);
+    for (size_t round = 0; round < rounds; round++)
+        for (size_t i = 0; i < cscu_segment_count; i++) {
+            size_t at = round * CSCU_DIGEST_CHUNK;
+            if (!take[i] || at >= cscu_segments[i].size)
+                continue;
+            size_t size = cscu_segments[i].size - at < CSCU_DIGEST_CHUNK ? cscu_segments[i].size - at : CSCU_DIGEST_CHUNK;
+            int zero = fill && (cscu_segments[i].zero >> (at / CSCU_DIGEST_CHUNK) & 1);
+            job->items[n++] = (struct item){i, at, size, {0}, zero};
+        }
+    job->count = n;
+    job->segments = cscu_segments;
+    job->fill = fill;
+    int threads = cscu_config()->threads < (int)n ? cscu_config()->threads : (int)n;
+    pthread_t ids[64];
+    int made = 0;
+    for (; made < threads; made++)
+        if (pthread_create(&ids[made], NULL, copy_thread, job) != 0)
+            break;
+    if (made == 0 && n)
+        copy_thread(job);
+    for (int i = 0; i < made; i++)
+        pthread_join(ids[i], NULL);
     return job->failed ? -1 : 0;
 }
 
@@ -340,39 +347,10 @@ void cscu_refuse(char *out, size_t room, const char *phase, const char *format, 
     put(&a, "\"}");
 }
 
-/* `dump_path`: "direct" (every byte copied into the files' mapped pages, dump_direct.c), "staged: <why>" (none),
- * or "direct, N bytes staged: <why>" (the windows that could not be mapped or registered). */
-static void put_path(struct answer *a, const struct job *job)
-{
-    put(a, ",\"dump_path\":\"");
-    if (job->direct && !job->moved)
-        put(a, "direct");
-    else if (job->direct)
-        put(a, "direct, %zu bytes staged: ", job->moved);
-    else
-        put(a, "staged: ");
-    put_text(a, job->direct && !job->moved ? "" : job->why);
-    put(a, "\"");
-}
-
-/* The copy threads' thread-seconds: waiting for the device, digesting, writing (staged), looking for zeros; the
- * direct path's sizing and mapping, registering, and unregistering and unmapping; and the share of the bytes it
- * copied (1: all, 0: the staged path ran alone). */
-static void put_timings(struct answer *a, const double seconds[4], const struct job *job, size_t bytes)
-{
-    put(a, ",\"timings_s\":{\"synchronize\":%.6f,\"dump\":%.6f,\"unmap\":%.6f,\"dump_device_thread_s\":%.6f,"
-        "\"dump_digest_thread_s\":%.6f,\"dump_write_thread_s\":%.6f,\"dump_zero_thread_s\":%.6f,"
-        "\"dump_map_thread_s\":%.6f,\"dump_register_thread_s\":%.6f,\"dump_unregister_thread_s\":%.6f,"
-        "\"direct_share\":%.4f},\"gbps\":%.3f}}", seconds[1], seconds[2], seconds[3], job->device_s, job->digest_s,
-        job->io_s, job->zero_s, job->map_s, job->pin_s, job->unpin_s,
-        bytes ? (double)job->direct_bytes / (double)bytes : 0.0,
-        seconds[2] > 0 ? (double)bytes / seconds[2] / 1e9 : 0.0);
-}
-
-/* `seconds`: 0 unused, 1 synchronize, 2 dump, 3 unmap. A segment with chunks of zeros says which ("zero": a mask
- * of its chunks), and only then (the manifests before zero chunks stay the same text). */
-static void manifest(struct answer *a, const char *dir, const double seconds[4], const struct job *job,
-                     size_t bytes, int kind)
+/* `seconds`: 0 unused, 1 synchronize, 2 dump, 3 unmap, then the copy threads' thread-seconds: 4 waiting for
+ * the device, 5 digesting, 6 writing, 7 looking for zeros, 8 setting up their streams and staging buffers. A segment with chunks of zeros says which ("zero":
+ * a mask of its chunks), and only then (the manifests before zero chunks stay the same text). */
+static void manifest(struct answer *a, const char *dir, double seconds[9], size_t bytes, int kind)
 {
     size_t count;
     struct cscu_region *regions = cscu_regions(&count);
@@ -400,8 +378,11 @@ static void manifest(struct answer *a, const char *dir, const double seconds[4],
     put(a, ",\"moved\":");  /* per source: what this release moves at line rate */
     if (a->used < a->room)
         a->used += cscu_moved_json(a->out + a->used, a->room - a->used);
-    put_path(a, job);
-    put_timings(a, seconds, job, bytes);
+    put(a, ",\"timings_s\":{\"synchronize\":%.6f,\"dump\":%.6f,\"unmap\":%.6f,\"dump_device_thread_s\":%.6f,"
+        "\"dump_digest_thread_s\":%.6f,\"dump_write_thread_s\":%.6f,\"dump_zero_thread_s\":%.6f,"
+        "\"dump_setup_thread_s\":%.6f},\"gbps\":%.3f}}",
+        seconds[1], seconds[2], seconds[3], seconds[4], seconds[5], seconds[6], seconds[7], seconds[8],
+        seconds[2] > 0 ? (double)bytes / seconds[2] / 1e9 : 0.0);
 }
 
 /* --- release ------------------------------------------------------------------------------------------------- */
@@ -490,13 +471,10 @@ static int dump_all(int dirfd, const char *dir, struct cscu_region *regions, siz
         snprintf(error, room, "out of host memory");
         goto cleanup;
     }
-    size_t bytes = 0;
     for (size_t i = 0; i < cscu_segment_count; i++)
-        fds[i] = -1, bytes += cscu_segments[i].size;
-    job->direct = cscu_direct_plan(dirfd, bytes, job->why, sizeof(job->why));
-    job->window = cscu_config()->window / CSCU_DIGEST_CHUNK;
-    for (size_t i = 0; i < cscu_segment_count; i++)  /* read-write: the direct path maps them */
-        if ((fds[i] = openat(dirfd, cscu_segments[i].file, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
+        fds[i] = -1;
+    for (size_t i = 0; i < cscu_segment_count; i++)
+        if ((fds[i] = openat(dirfd, cscu_segments[i].file, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
                              0600)) < 0 || ftruncate(fds[i], (off_t)cscu_segments[i].size) != 0) {  /* holes: zeros */
             snprintf(error, room, "create %s/%s: %s", dir, cscu_segments[i].file, strerror(errno));
             goto cleanup;
@@ -516,7 +494,6 @@ static int dump_all(int dirfd, const char *dir, struct cscu_region *regions, siz
 cleanup:
     cscu_close_files(dirfd, fds, rc != 0);  /* also closes dirfd (fds may be NULL) */
     free(job->items);
-    free(job->spans);
     free(take);
     return rc;
 }
@@ -540,7 +517,7 @@ static int unmap_all(struct cscu_region *regions, size_t count, char *error, siz
 
 void cscu_release(const char *dir, char *out, size_t room)
 {
-    double t0 = cscu_now(), seconds[4] = {0, 0, 0, 0};
+    double t0 = cscu_now(), seconds[9] = {0, 0, 0, 0, 0, 0, 0, 0, 0};
     int kind = cscu_digest_configured();
     size_t count, bytes = 0;
     struct cscu_region *regions = cscu_regions(&count);
@@ -565,12 +542,14 @@ void cscu_release(const char *dir, char *out, size_t room)
     for (size_t i = 0; i < cscu_segment_count; i++)
         bytes += cscu_segments[i].size;
     seconds[2] = cscu_now() - t0 - seconds[1];
+    seconds[4] = job.device_s, seconds[5] = job.digest_s, seconds[6] = job.io_s, seconds[7] = job.zero_s;
+    seconds[8] = job.setup_s;
     int unmapped = unmap_all(regions, count, error, sizeof(error));
     seconds[3] = cscu_now() - t0 - seconds[1] - seconds[2];
     if (unmapped != 0)
         goto refused;
     struct answer a = {out, room, 0};
-    manifest(&a, dir, seconds, &job, bytes, kind);
+    manifest(&a, dir, seconds, bytes, kind);
     if (a.used >= room)
         cscu_refuse(out, room, "release", "the manifest is longer than %zu bytes", room);
     return;

@@ -230,7 +230,6 @@ static int fill_and_check(int *fds, const char *take, int digests, double spent[
     }
 cleanup:
     free(job.items);
-    free(job.spans);
     return rc;
 }
 

@@ -121,15 +121,14 @@ static void status(char *out, size_t room)
     pthread_mutex_unlock(&op_lock);
     size_t used = (size_t)snprintf(out, room, "{\"ok\":true,\"pid\":%d,\"regions\":%zu,\"bytes\":%zu,"
                                    "\"mapped_bytes\":%zu,\"released\":%s,\"operation\":%s%s%s,\"gate\":\"%s\","
-                                   "\"threshold\":%zu,\"threads\":%d,\"staging_bytes\":%zu,\"direct\":\"%s\",\"window_bytes\":%zu,"
-                                   "\"drain_s\":%d,"
+                                   "\"threshold\":%zu,\"threads\":%d,\"staging_bytes\":%zu,\"drain_s\":%d,"
                                    "\"request_s\":%d,\"engine_vmm\":%s,\"stream_ordered\":%s,\"shrink_stack\":%s,"
                                    "\"stack_bytes\":%zu,\"stack_lowered\":%zu,\"digest_engine\":\"%s\",\"driver\":%s,"
                                    "\"uncovered\":", (int)getpid(), t.count, t.bytes, t.mapped,
                                    __atomic_load_n(&released, __ATOMIC_ACQUIRE) ? "true" : "false",
                                    running ? "\"" : "", running ? running : "null", running ? "\"" : "",
                                    cscu_gate_is_open() ? "open" : "closed", cfg->threshold, cfg->threads,
-                                   cfg->staging, cfg->direct == CSCU_DIRECT_HUGE ? "huge" : cfg->direct ? "on" : "off", cfg->window, cfg->drain_s, cfg->request_s, cfg->engine_vmm ? "true" : "false",
+                                   cfg->staging, cfg->drain_s, cfg->request_s, cfg->engine_vmm ? "true" : "false",
                                    cfg->stream_ordered ? "true" : "false", cfg->stack_shrink ? "true" : "false",
                                    cfg->stack_bytes, cscu_stack_lowered(), cscu_sha256_engine(),
                                    cscu_driver() ? "true" : "false");

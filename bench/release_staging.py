@@ -1,22 +1,22 @@
-"""The interposer's release, staged and direct side by side on a GPU (issue 35 item 3): an unchanged torch process
-holding `--gib` GiB (1 GiB tensors of seeded random floats and 512 MiB of zeros) under the preload is released
-into tmpfs and hydrated back, once per copy setting and images mount, in one run:
+"""The interposer's release by copy setting, side by side on a GPU (issue 35 item 3): an unchanged torch process
+holding `--gib` GiB (1 GiB tensors of seeded random floats and 512 MiB of zeros) under the preload is released into
+tmpfs and hydrated back, once per setting and images mount, in one run:
 
-    python bench/release_direct.py [--gib 16] [--settings staged,direct,direct-256,direct-1024] [--repeats 2]
-                                   [--mounts huge,shm] [--out DIR]
+    python bench/release_staging.py [--gib 16] [--settings staged-1m,staged-2m,staged,staged-8m,staged-2m-24t]
+                                    [--repeats 2] [--mounts huge,shm] [--register-gib 2] [--out DIR]
 
-- settings (the target's environment, one process each): `staged` (COLDSNAP_CUDA_INTERPOSER_DIRECT=0: the device
-  into page-locked staging buffers, digested, written with pwrite: the path before), `direct` (the device straight
-  into the dump file's mapped, registered pages, 64 MiB windows), `direct-N` (N MiB windows);
+- settings (the target's environment, one process each): `staged` (the defaults: 4 MiB staging buffers, a copy
+  thread per CPU up to 16), `staged-<N>m` (COLDSNAP_CUDA_INTERPOSER_STAGING_MIB=N), `-<N>t` (_THREADS=N);
 - mounts: `huge` (a tmpfs mounted here with huge=always) and `shm` (/dev/shm as the host has it);
-- first, with no target, what registering a file's pages costs (cuMemHostRegister per window size, on each mount and
-  on anonymous memory) and the device's copy rate into them (`register` table).
+- first, with no target, what registering a file's pages costs (cuMemHostRegister per window size, on each mount
+  and on anonymous memory) and the device's copy rate into them (`register` table): why the release does not copy
+  straight into the dump files' pages (docs/interposer.md, "Capture in <= 1 s").
 
-Each release prints its wall seconds (the request to the manifest, as the capture worker waits for it), GB/s, its
-copy threads' thread-seconds (device wait, digest, zero check, write; map, register, unregister) and `dump_path`;
-every release's segment digests must be the same (the data is seeded: same bytes, same dump, whichever path),
-which the run checks and says. Tables on stdout, JSON in --out (default bench/results). Needs root (the mount),
-torch and a GPU; about 120 s at 16 GiB.
+Each release prints its wall seconds (the request to the manifest, as the capture worker waits for it), GB/s and
+its copy threads' thread-seconds (device wait, digest, zero check, write, set-up); every release's segment digests
+must be the same (the data is seeded: the same bytes, the same dump, whatever the setting), which the run checks
+and says. Tables on stdout, JSON in --out (default bench/results). Needs root (the mount), torch and a GPU; about
+120 s at 16 GiB.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ from coldsnap_probe.hydration import DeviceDump, interposer_request, library_pat
 GIB = 1 << 30
 MIB = 1 << 20
 HUGE_MOUNT = Path("/tmp/cs-release-huge")
-SETTINGS = {"staged": {"COLDSNAP_CUDA_INTERPOSER_DIRECT": "0"}, "direct": {"COLDSNAP_CUDA_INTERPOSER_DIRECT": "1"}}
 
 # The unchanged engine: seeded tensors (the same bytes in every process), then idle until killed.
 TARGET = r"""
@@ -62,12 +61,17 @@ while True:
 
 
 def setting_env(name: str) -> dict[str, str]:
-    """`staged`, `direct` or `direct-N` (N MiB windows) as the target's environment."""
-    if name in SETTINGS:
-        return SETTINGS[name]
-    if name.startswith("direct-") and name[7:].isdigit():
-        return {"COLDSNAP_CUDA_INTERPOSER_DIRECT": "1", "COLDSNAP_CUDA_INTERPOSER_WINDOW_MIB": name[7:]}
-    raise SystemExit(f"--settings: {name} is none of staged, direct, direct-N (N MiB windows)")
+    """`staged[-<N>m][-<N>t]` as the target's environment (staging MiB, copy threads)."""
+    parts = name.split("-")
+    env, knobs = {}, {"m": "COLDSNAP_CUDA_INTERPOSER_STAGING_MIB", "t": "COLDSNAP_CUDA_INTERPOSER_THREADS"}
+    for part in parts[1:]:
+        if not part[:-1].isdigit() or part[-1] not in knobs or knobs[part[-1]] in env:
+            break
+        env[knobs[part[-1]]] = part[:-1]
+    else:
+        if parts[0] == "staged":
+            return env
+    raise SystemExit(f"--settings: {name} is not staged[-<N>m][-<N>t] (staging MiB, copy threads)")
 
 
 def mount_dirs(names: list[str]) -> dict[str, Path]:
@@ -184,7 +188,7 @@ def one_release(target: Target, images: Path, setting: str, mount: str) -> dict[
     hydrate = time.perf_counter() - started
     shutil.rmtree(dump_dir)
     return {"setting": setting, "mount": mount, "release_s": wall, "bytes": dump.bytes, "gbps": dump.gbps,
-            "timings_s": dump.timings_s, "dump_path": dump.dump_path, "held_bytes": held,
+            "timings_s": dump.timings_s, "held_bytes": held,
             "digests": [s.digest for s in dump.segments], "hydrate_s": hydrate, "hydrate_gbps": report.get("gbps")}
 
 
@@ -195,13 +199,12 @@ def release_rows(args: argparse.Namespace, dirs: dict[str, Path], work: Path) ->
         target = Target(work, library, args.gib, setting)
         try:
             status = target.ask({"op": "status"}, "status")
-            print(f"== {setting}: direct {status.get('direct')}, window {status.get('window_bytes')} bytes, "
-                  f"{status.get('threads')} threads", flush=True)
+            print(f"== {setting}: {status.get('staging_bytes')}-byte staging buffers, {status.get('threads')} threads",
+                  flush=True)
             for _ in range(args.repeats):
                 for mount, images in dirs.items():
                     row = one_release(target, images, setting, mount)
-                    print(f"   {mount}: release {row['release_s']:.3f} s ({row['gbps']:.1f} GB/s), "
-                          f"{row['dump_path'][:160]}", flush=True)
+                    print(f"   {mount}: release {row['release_s']:.3f} s ({row['gbps']:.1f} GB/s)", flush=True)
                     rows.append(row)
         finally:
             target.stop()
@@ -209,27 +212,22 @@ def release_rows(args: argparse.Namespace, dirs: dict[str, Path], work: Path) ->
 
 
 def release_table(rows: list[dict[str, Any]]) -> str:
-    def t(row: dict[str, Any], key: str) -> str:
-        return f"{row['timings_s'].get(key, 0.0):.2f}"
+    def t(row: dict[str, Any], key: str, digits: int = 2) -> str:
+        return f"{row['timings_s'].get(key, 0.0):.{digits}f}"
 
     return table(["setting", "images", "release s", "sync / dump / unmap s", "dump GB/s",
-                  "thread-s device / digest / zero / write",
-                  "thread-s map / register / unregister", "direct share", "GB held", "hydrate s"],
+                  "thread-s device / digest / zero / write / set-up", "GB held", "hydrate s"],
                  [[r["setting"], r["mount"], f"{r['release_s']:.3f}",
-                   " / ".join(f"{r['timings_s'].get(k, 0.0):.3f}" for k in ("synchronize", "dump", "unmap")),
-                   f"{r['gbps']:.1f}",
-                   " / ".join(t(r, k) for k in ("dump_device_thread_s", "dump_digest_thread_s",
-                                                "dump_zero_thread_s", "dump_write_thread_s")),
-                   " / ".join(t(r, k) for k in ("dump_map_thread_s", "dump_register_thread_s",
-                                                "dump_unregister_thread_s")),
-                   f"{r['timings_s'].get('direct_share', 0.0):.2f}", f"{r['held_bytes'] / 1e9:.2f}",
-                   f"{r['hydrate_s']:.3f}"] for r in rows])
+                   " / ".join(t(r, k, 3) for k in ("synchronize", "dump", "unmap")), f"{r['gbps']:.1f}",
+                   " / ".join(t(r, k) for k in ("dump_device_thread_s", "dump_digest_thread_s", "dump_zero_thread_s",
+                                                "dump_write_thread_s", "dump_setup_thread_s")),
+                   f"{r['held_bytes'] / 1e9:.2f}", f"{r['hydrate_s']:.3f}"] for r in rows])
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gib", type=int, default=16)
-    parser.add_argument("--settings", default="staged,direct,direct-256,direct-1024")
+    parser.add_argument("--settings", default="staged-1m,staged-2m,staged,staged-8m,staged-2m-24t")
     parser.add_argument("--mounts", default="huge,shm")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--register-gib", type=int, default=2, help="bytes registered per mount and window (0: skip)")
@@ -255,7 +253,7 @@ def main() -> int:
     same = len({tuple(r["digests"]) for r in rows}) == 1
     print(f"segment digests: {'the same in every release' if same else 'DIFFER between releases'}")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "release-direct.json").write_text(json.dumps(result | {"same_digests": same}, indent=1))
+    (args.out / "release-staging.json").write_text(json.dumps(result | {"same_digests": same}, indent=1))
     return 0 if same else 1
 
 
