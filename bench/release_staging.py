@@ -2,11 +2,13 @@
 holding `--gib` GiB (1 GiB tensors of seeded random floats and 512 MiB of zeros) under the preload is released into
 tmpfs and hydrated back, once per setting and images mount, in one run:
 
-    python bench/release_staging.py [--gib 16] [--settings staged-1m,staged-2m,staged,staged-8m,staged-2m-24t]
+    python bench/release_staging.py [--gib 16] [--settings staged,staged-512k,staged-256k,staged-256k-24t]
                                     [--repeats 2] [--mounts huge,shm] [--register-gib 2] [--out DIR]
 
 - settings (the target's environment, one process each): `staged` (the defaults: 4 MiB staging buffers, a copy
-  thread per CPU up to 16), `staged-<N>m` (COLDSNAP_CUDA_INTERPOSER_STAGING_MIB=N), `-<N>t` (_THREADS=N);
+  thread per CPU up to 16), `staged-<N>m` (COLDSNAP_CUDA_INTERPOSER_STAGING_MIB=N), `staged-<N>k` (a release's
+  buffers alone, _DUMP_STAGING_KIB=N: small enough, what the device writes may still be in the cache when the
+  digest reads it), `-<N>t` (_THREADS=N);
 - mounts: `huge` (a tmpfs mounted here with huge=always) and `shm` (/dev/shm as the host has it);
 - first, with no target, what registering a file's pages costs (cuMemHostRegister per window size, on each mount
   and on anonymous memory) and the device's copy rate into them (`register` table): why the release does not copy
@@ -61,9 +63,10 @@ while True:
 
 
 def setting_env(name: str) -> dict[str, str]:
-    """`staged[-<N>m][-<N>t]` as the target's environment (staging MiB, copy threads)."""
+    """`staged[-<N>m|-<N>k][-<N>t]` as the target's environment (staging MiB, a release's staging KiB, threads)."""
     parts = name.split("-")
-    env, knobs = {}, {"m": "COLDSNAP_CUDA_INTERPOSER_STAGING_MIB", "t": "COLDSNAP_CUDA_INTERPOSER_THREADS"}
+    env, knobs = {}, {"m": "COLDSNAP_CUDA_INTERPOSER_STAGING_MIB", "k": "COLDSNAP_CUDA_INTERPOSER_DUMP_STAGING_KIB",
+                      "t": "COLDSNAP_CUDA_INTERPOSER_THREADS"}
     for part in parts[1:]:
         if not part[:-1].isdigit() or part[-1] not in knobs or knobs[part[-1]] in env:
             break
@@ -71,7 +74,7 @@ def setting_env(name: str) -> dict[str, str]:
     else:
         if parts[0] == "staged":
             return env
-    raise SystemExit(f"--settings: {name} is not staged[-<N>m][-<N>t] (staging MiB, copy threads)")
+    raise SystemExit(f"--settings: {name} is not staged[-<N>m|-<N>k][-<N>t] (staging MiB or KiB, copy threads)")
 
 
 def mount_dirs(names: list[str]) -> dict[str, Path]:
@@ -227,7 +230,7 @@ def release_table(rows: list[dict[str, Any]]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gib", type=int, default=16)
-    parser.add_argument("--settings", default="staged-1m,staged-2m,staged,staged-8m,staged-2m-24t")
+    parser.add_argument("--settings", default="staged,staged-1024k,staged-512k,staged-256k,staged-128k,staged-256k-24t")
     parser.add_argument("--mounts", default="huge,shm")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--register-gib", type=int, default=2, help="bytes registered per mount and window (0: skip)")

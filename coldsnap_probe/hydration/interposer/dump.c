@@ -214,6 +214,7 @@ static void *copy_thread(void *arg)
     CUcontext current = NULL;
     struct spent t = {0, 0, 0, 0, 0, 0};
     double setup = 0;  /* streams and page-locked buffers: the driver pins them one caller at a time */
+    size_t staging = job->fill ? cfg->staging : cfg->dump_staging;
     cscu_gate_exempt();  /* the release's own copies run while the gate is closed */
     for (;;) {
         size_t i = __atomic_fetch_add(&job->next, 1, __ATOMIC_ACQ_REL);
@@ -232,7 +233,7 @@ static void *copy_thread(void *arg)
             CUresult rc = d->ctx_set_current(ctx);
             for (int k = 0; k < 2 && rc == CUDA_SUCCESS; k++)
                 if ((rc = d->stream_create(&s[k], CU_STREAM_NON_BLOCKING)) == CUDA_SUCCESS && !buf[k])
-                    rc = d->host_alloc(&buf[k], cfg->staging, 1);
+                    rc = d->host_alloc(&buf[k], staging, 1);
             if (rc != CUDA_SUCCESS) {
                 fail(job, "copy thread set-up: %s", cscu_error_name(rc));
                 break;
@@ -240,7 +241,7 @@ static void *copy_thread(void *arg)
             current = ctx;
             setup += cscu_now() - t0;
         }
-        one_chunk(job, it, s, buf, cfg->staging, &t);
+        one_chunk(job, it, s, buf, staging, &t);
     }
     for (int k = 0; k < 2; k++) {
         if (s[k]) {
