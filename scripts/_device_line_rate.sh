@@ -14,8 +14,9 @@
 #     cpu     the release's CPU part on this host's cores, no GPU (bench/release_cpu.py: digests per engine, tmpfs
 #             writes by threads and files, the release's block loop), 4 GiB into /dev/shm;
 #     staging the release by copy setting (issue 35 item 3, bench/release_staging.py): a 16 GiB torch process
-#             released into a huge=always tmpfs and /dev/shm with 1, 2, 4 (the default) and 8 MiB staging buffers
-#             and with 24 threads, and what registering a file's pages costs per window, about 120 s;
+#             released into a huge=always tmpfs and /dev/shm with 4 MiB (the default), 1024, 512, 256 and 128 KiB
+#             staging buffers, and 256 KiB with 24 threads, about 130 s (REGISTER_GIB=2: first what registering a
+#             file's pages costs per window, measured already: bench/results/h200-release-direct-2026-12-02/);
 #     mounts  where the dump goes (issue 35 item 3): 8 GiB by 16 threads into a tmpfs mounted per huge= option
 #             (never, always, within_size), written as the release does, its loop, and into mapped files
 #             populated ahead (bench/release_cpu.py --mounts), about 30 s.
@@ -69,7 +70,8 @@ for p in ${PARTS//,/ }; do
         staging) mkdir -p "$ALL/staging"
             echo "== staging: bench/release_staging.py --gib 16"
             (source "$(dirname "$0")/_device_env.sh"
-             timeout -s INT -k 15 200 python3 bench/release_staging.py --gib 16 --out "$ALL/staging") \
+             timeout -s INT -k 15 200 python3 bench/release_staging.py --gib 16 --register-gib "${REGISTER_GIB:-0}" \
+                 --out "$ALL/staging") \
                 > "$ALL/staging/staging.txt" 2>&1
             echo "   exit $?"
             grep -E "^\||^==|^   |digests|Error|error" "$ALL/staging/staging.txt" | cut -c1-400 ;;
