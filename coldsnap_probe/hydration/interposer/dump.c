@@ -349,8 +349,9 @@ void cscu_refuse(char *out, size_t room, const char *phase, const char *format, 
 }
 
 /* `seconds`: 0 unused, 1 synchronize, 2 dump, 3 unmap, then the copy threads' thread-seconds: 4 waiting for
- * the device, 5 digesting, 6 writing, 7 looking for zeros, 8 setting up their streams and staging buffers. A segment with chunks of zeros says which ("zero":
- * a mask of its chunks), and only then (the manifests before zero chunks stay the same text). */
+ * the device, 5 digesting, 6 writing, 7 looking for zeros, 8 making their streams and staging buffers. A segment
+ * with chunks of zeros says which ("zero": a mask of its chunks), and only then (the manifests before zero chunks
+ * stay the same text). */
 static void manifest(struct answer *a, const char *dir, double seconds[9], size_t bytes, int kind)
 {
     size_t count;

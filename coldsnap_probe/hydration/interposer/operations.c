@@ -129,7 +129,8 @@ static void status(char *out, size_t room)
                                    __atomic_load_n(&released, __ATOMIC_ACQUIRE) ? "true" : "false",
                                    running ? "\"" : "", running ? running : "null", running ? "\"" : "",
                                    cscu_gate_is_open() ? "open" : "closed", cfg->threshold, cfg->threads,
-                                   cfg->staging, cfg->dump_staging, cfg->drain_s, cfg->request_s, cfg->engine_vmm ? "true" : "false",
+                                   cfg->staging, cfg->dump_staging, cfg->drain_s, cfg->request_s,
+                                   cfg->engine_vmm ? "true" : "false",
                                    cfg->stream_ordered ? "true" : "false", cfg->stack_shrink ? "true" : "false",
                                    cfg->stack_bytes, cscu_stack_lowered(), cscu_sha256_engine(),
                                    cscu_driver() ? "true" : "false");
