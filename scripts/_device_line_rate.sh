@@ -13,6 +13,10 @@
 #             "release of" line: wall s, then thread-seconds D2H / digest / zero / write);
 #     cpu     the release's CPU part on this host's cores, no GPU (bench/release_cpu.py: digests per engine, tmpfs
 #             writes by threads and files, the release's block loop), 4 GiB into /dev/shm;
+#     staging the release by copy setting (issue 35 item 3, bench/release_staging.py): a 16 GiB torch process
+#             released into a huge=always tmpfs and /dev/shm with 4 MiB (the default), 1024, 512, 256 and 128 KiB
+#             staging buffers, and 256 KiB with 24 threads, about 130 s (REGISTER_GIB=2: first what registering a
+#             file's pages costs per window, measured already: bench/results/h200-release-direct-2026-12-02/);
 #     mounts  where the dump goes (issue 35 item 3): 8 GiB by 16 threads into a tmpfs mounted per huge= option
 #             (never, always, within_size), written as the release does, its loop, and into mapped files
 #             populated ahead (bench/release_cpu.py --mounts), about 30 s.
@@ -34,10 +38,10 @@ part() {  # part NAME SECONDS ARGS...: one restore_ttft run in its own $OUT, bou
     grep -v "server stage" "$ALL/$name/$name.txt" | grep -E "^\||ceilings|FAILED|release of|captured" | cut -c1-400
 }
 # Each part has its bound (below); the four together (880 s) do not fit one call of 600 s: two calls.
-declare -A BOUND=([16]=240 [64]=200 [64h]=200 [release]=240 [cpu]=120 [mounts]=90)
+declare -A BOUND=([16]=240 [64]=200 [64h]=200 [release]=240 [cpu]=120 [mounts]=90 [staging]=200)
 TOTAL=0
 for p in ${PARTS//,/ }; do
-    [ -n "${BOUND[$p]:-}" ] || { echo "unknown part $p (16, 64, 64h, release, cpu, mounts)"; exit 2; }
+    [ -n "${BOUND[$p]:-}" ] || { echo "unknown part $p (16, 64, 64h, release, cpu, mounts, staging)"; exit 2; }
     TOTAL=$((TOTAL + BOUND[$p]))
 done
 if [ "$TOTAL" -gt 570 ]; then
@@ -63,6 +67,14 @@ for p in ${PARTS//,/ }; do
                 --dir /dev/shm --out "$ALL/cpu" > "$ALL/cpu/cpu.txt" 2>&1
             echo "   exit $?"
             grep "^|" "$ALL/cpu/cpu.txt" ;;
+        staging) mkdir -p "$ALL/staging"
+            echo "== staging: bench/release_staging.py --gib 16"
+            (source "$(dirname "$0")/_device_env.sh"
+             timeout -s INT -k 15 200 python3 bench/release_staging.py --gib 16 --register-gib "${REGISTER_GIB:-0}" \
+                 --out "$ALL/staging") \
+                > "$ALL/staging/staging.txt" 2>&1
+            echo "   exit $?"
+            grep -E "^\||^==|^   |digests|Error|error" "$ALL/staging/staging.txt" | cut -c1-400 ;;
         mounts) mkdir -p "$ALL/mounts"
             echo "== mounts: bench/release_cpu.py --mounts never,always,within_size"
             (source "$(dirname "$0")/_device_env.sh"  # bench/_common's imports: the carried wheels

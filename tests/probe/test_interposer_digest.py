@@ -224,9 +224,11 @@ def test_either_kind_verifies_and_an_old_manifest_keeps_its_digest(tmp_path: Pat
     dump = DeviceDump.from_json(recorded)
     assert ("zero" in recorded["regions"][0]["segments"][0]) == ("crc" in kind)
     check_dump(dump, tmp_path, content=True)
-    with open(tmp_path / "seg-0.bin", "r+b") as f:
+    with open(tmp_path / "seg-0.bin", "r+b") as f:  # one byte changed (writing a fixed one was a no-op 1 in 256)
         f.seek(DIGEST_CHUNK + MIB)
-        f.write(b"\x01")
+        changed = bytes([f.read(1)[0] ^ 0xFF])
+        f.seek(DIGEST_CHUNK + MIB)
+        f.write(changed)
     with pytest.raises(HydrationError, match="does not match its digest"):
         check_dump(dump, tmp_path, content=True)
 

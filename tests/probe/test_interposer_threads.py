@@ -34,6 +34,25 @@ def test_the_staging_buffer_is_the_configured_mebibytes(library: Path, setting: 
     assert status["drain_s"] == 10
 
 
+@pytest.mark.parametrize(("mib", "kib", "dump_staging"), [
+    (None, None, 4 * MIB), ("8", None, 8 * MIB), (None, "256", 256 << 10), ("2", "100", 100 << 10),
+    (None, "3", 64 << 10), (None, "1000000", 64 * MIB), (None, "130", 128 << 10)])
+def test_a_releases_staging_is_its_own_knob_in_kib(library: Path, mib: str | None, kib: str | None,
+                                                   dump_staging: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """COLDSNAP_CUDA_INTERPOSER_DUMP_STAGING_KIB sizes only a release's buffers (the fill keeps STAGING_MIB's):
+    64 KiB to one digest chunk, whole 4 KiB pages; unset, the release takes STAGING_MIB's size."""
+    for name, value in (("COLDSNAP_CUDA_INTERPOSER_STAGING_MIB", mib),
+                        ("COLDSNAP_CUDA_INTERPOSER_DUMP_STAGING_KIB", kib)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    with listening(library) as (_proc, path):
+        status = request(path, {"op": "status"})
+    assert status["dump_staging_bytes"] == dump_staging
+    assert status["staging_bytes"] == (int(mib) if mib else 4) * MIB
+
+
 @pytest.mark.parametrize(("shrink", "stack_bytes", "expected", "complaint"), [
     (None, None, (True, 16), ""), ("0", "4096", (False, 4096), ""), ("1", "256", (True, 256), ""),
     ("no", "0", (True, 16), "COLDSNAP_CUDA_INTERPOSER_SHRINK_STACK=no must be 0 or 1, using 1"),

@@ -144,6 +144,8 @@ struct cscu_config {
     int exportable;             /* COLDSNAP_CUDA_INTERPOSER_EXPORTABLE (default 1) */
     int threads;                /* COLDSNAP_CUDA_INTERPOSER_THREADS copy threads (default: usable CPUs, 4-16) */
     size_t staging;             /* COLDSNAP_CUDA_INTERPOSER_STAGING_MIB per pinned buffer (default 4 MiB) */
+    size_t dump_staging;        /* COLDSNAP_CUDA_INTERPOSER_DUMP_STAGING_KIB: a release's buffers (default: `staging`;
+                                 * 64 KiB to 64 MiB, whole pages): small ones may stay in the cache the device writes */
     int drain_s;                /* COLDSNAP_CUDA_INTERPOSER_DRAIN_S: a release waits this long for calls inside */
     int request_s;              /* COLDSNAP_CUDA_INTERPOSER_REQUEST_S: a peer's whole request line within this */
     int engine_vmm;             /* COLDSNAP_CUDA_INTERPOSER_ENGINE_VMM (default 1): the engine's cuMemCreate moved */

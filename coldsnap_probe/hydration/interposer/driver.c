@@ -91,6 +91,10 @@ static void config_read(void)
     config.request_s = request > 600 ? 600 : (int)request;
     if (config.staging > CSCU_DIGEST_CHUNK)
         config.staging = CSCU_DIGEST_CHUNK;
+    config.dump_staging = env_size("COLDSNAP_CUDA_INTERPOSER_DUMP_STAGING_KIB", config.staging >> 10, 1024)
+                          & ~(size_t)4095;  /* whole pages */
+    config.dump_staging = config.dump_staging < ((size_t)64 << 10) ? (size_t)64 << 10
+                          : config.dump_staging > CSCU_DIGEST_CHUNK ? CSCU_DIGEST_CHUNK : config.dump_staging;
     const char *exportable = getenv("COLDSNAP_CUDA_INTERPOSER_EXPORTABLE");
     config.exportable = !(exportable && strcmp(exportable, "0") == 0);
     const char *engine_vmm = getenv("COLDSNAP_CUDA_INTERPOSER_ENGINE_VMM"), *ordered =

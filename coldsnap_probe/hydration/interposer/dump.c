@@ -213,6 +213,8 @@ static void *copy_thread(void *arg)
     void *buf[2] = {0, 0};
     CUcontext current = NULL;
     struct spent t = {0, 0, 0, 0, 0, 0};
+    double setup = 0;  /* streams and page-locked buffers: the driver pins them one caller at a time */
+    size_t staging = job->fill ? cfg->staging : cfg->dump_staging;
     cscu_gate_exempt();  /* the release's own copies run while the gate is closed */
     for (;;) {
         size_t i = __atomic_fetch_add(&job->next, 1, __ATOMIC_ACQ_REL);
@@ -221,6 +223,7 @@ static void *copy_thread(void *arg)
         struct item *it = &job->items[i];
         CUcontext ctx = regions[job->segments[it->segment].region].context;
         if (ctx != current) {  /* streams belong to a context; page-locked buffers are portable (flag 1) */
+            double t0 = cscu_now();
             for (int k = 0; k < 2; k++)
                 if (s[k]) {
                     d->stream_synchronize(s[k]);
@@ -230,14 +233,15 @@ static void *copy_thread(void *arg)
             CUresult rc = d->ctx_set_current(ctx);
             for (int k = 0; k < 2 && rc == CUDA_SUCCESS; k++)
                 if ((rc = d->stream_create(&s[k], CU_STREAM_NON_BLOCKING)) == CUDA_SUCCESS && !buf[k])
-                    rc = d->host_alloc(&buf[k], cfg->staging, 1);
+                    rc = d->host_alloc(&buf[k], staging, 1);
             if (rc != CUDA_SUCCESS) {
                 fail(job, "copy thread set-up: %s", cscu_error_name(rc));
                 break;
             }
             current = ctx;
+            setup += cscu_now() - t0;
         }
-        one_chunk(job, it, s, buf, cfg->staging, &t);
+        one_chunk(job, it, s, buf, staging, &t);
     }
     for (int k = 0; k < 2; k++) {
         if (s[k]) {
@@ -251,7 +255,7 @@ static void *copy_thread(void *arg)
     }
     pthread_mutex_lock(&job->lock);
     job->device_s += t.device, job->digest_s += t.digest, job->io_s += t.io, job->zero_s += t.zero;
-    job->zeroed += t.zeroed, job->moved += t.moved;
+    job->zeroed += t.zeroed, job->moved += t.moved, job->setup_s += setup;
     pthread_mutex_unlock(&job->lock);
     return NULL;
 }
@@ -345,9 +349,10 @@ void cscu_refuse(char *out, size_t room, const char *phase, const char *format, 
 }
 
 /* `seconds`: 0 unused, 1 synchronize, 2 dump, 3 unmap, then the copy threads' thread-seconds: 4 waiting for
- * the device, 5 digesting, 6 writing, 7 looking for zeros. A segment with chunks of zeros says which ("zero":
- * a mask of its chunks), and only then (the manifests before zero chunks stay the same text). */
-static void manifest(struct answer *a, const char *dir, double seconds[8], size_t bytes, int kind)
+ * the device, 5 digesting, 6 writing, 7 looking for zeros, 8 making their streams and staging buffers. A segment
+ * with chunks of zeros says which ("zero": a mask of its chunks), and only then (the manifests before zero chunks
+ * stay the same text). */
+static void manifest(struct answer *a, const char *dir, double seconds[9], size_t bytes, int kind)
 {
     size_t count;
     struct cscu_region *regions = cscu_regions(&count);
@@ -376,8 +381,9 @@ static void manifest(struct answer *a, const char *dir, double seconds[8], size_
     if (a->used < a->room)
         a->used += cscu_moved_json(a->out + a->used, a->room - a->used);
     put(a, ",\"timings_s\":{\"synchronize\":%.6f,\"dump\":%.6f,\"unmap\":%.6f,\"dump_device_thread_s\":%.6f,"
-        "\"dump_digest_thread_s\":%.6f,\"dump_write_thread_s\":%.6f,\"dump_zero_thread_s\":%.6f},\"gbps\":%.3f}}",
-        seconds[1], seconds[2], seconds[3], seconds[4], seconds[5], seconds[6], seconds[7],
+        "\"dump_digest_thread_s\":%.6f,\"dump_write_thread_s\":%.6f,\"dump_zero_thread_s\":%.6f,"
+        "\"dump_setup_thread_s\":%.6f},\"gbps\":%.3f}}",
+        seconds[1], seconds[2], seconds[3], seconds[4], seconds[5], seconds[6], seconds[7], seconds[8],
         seconds[2] > 0 ? (double)bytes / seconds[2] / 1e9 : 0.0);
 }
 
@@ -513,7 +519,7 @@ static int unmap_all(struct cscu_region *regions, size_t count, char *error, siz
 
 void cscu_release(const char *dir, char *out, size_t room)
 {
-    double t0 = cscu_now(), seconds[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    double t0 = cscu_now(), seconds[9] = {0, 0, 0, 0, 0, 0, 0, 0, 0};
     int kind = cscu_digest_configured();
     size_t count, bytes = 0;
     struct cscu_region *regions = cscu_regions(&count);
@@ -539,6 +545,7 @@ void cscu_release(const char *dir, char *out, size_t room)
         bytes += cscu_segments[i].size;
     seconds[2] = cscu_now() - t0 - seconds[1];
     seconds[4] = job.device_s, seconds[5] = job.digest_s, seconds[6] = job.io_s, seconds[7] = job.zero_s;
+    seconds[8] = job.setup_s;
     int unmapped = unmap_all(regions, count, error, sizeof(error));
     seconds[3] = cscu_now() - t0 - seconds[1] - seconds[2];
     if (unmapped != 0)

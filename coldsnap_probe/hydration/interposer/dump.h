@@ -35,6 +35,7 @@ struct job {
     /* Thread-seconds summed over the copy threads (under `lock`): waiting for the device's copies, digesting,
      * and the file I/O (writes on release, reads on hydrate): what bounds a dump or a fill. */
     double device_s, digest_s, io_s, zero_s;  /* zero_s: looking for all-zero blocks (release) */
+    double setup_s;                 /* the threads' streams and page-locked staging buffers made */
     size_t zeroed, moved;           /* hydrate: bytes set on the device (chunks of zeros), bytes read and copied */
 };
 

@@ -121,14 +121,16 @@ static void status(char *out, size_t room)
     pthread_mutex_unlock(&op_lock);
     size_t used = (size_t)snprintf(out, room, "{\"ok\":true,\"pid\":%d,\"regions\":%zu,\"bytes\":%zu,"
                                    "\"mapped_bytes\":%zu,\"released\":%s,\"operation\":%s%s%s,\"gate\":\"%s\","
-                                   "\"threshold\":%zu,\"threads\":%d,\"staging_bytes\":%zu,\"drain_s\":%d,"
+                                   "\"threshold\":%zu,\"threads\":%d,\"staging_bytes\":%zu,\"dump_staging_bytes\":%zu,"
+                                   "\"drain_s\":%d,"
                                    "\"request_s\":%d,\"engine_vmm\":%s,\"stream_ordered\":%s,\"shrink_stack\":%s,"
                                    "\"stack_bytes\":%zu,\"stack_lowered\":%zu,\"digest_engine\":\"%s\",\"driver\":%s,"
                                    "\"uncovered\":", (int)getpid(), t.count, t.bytes, t.mapped,
                                    __atomic_load_n(&released, __ATOMIC_ACQUIRE) ? "true" : "false",
                                    running ? "\"" : "", running ? running : "null", running ? "\"" : "",
                                    cscu_gate_is_open() ? "open" : "closed", cfg->threshold, cfg->threads,
-                                   cfg->staging, cfg->drain_s, cfg->request_s, cfg->engine_vmm ? "true" : "false",
+                                   cfg->staging, cfg->dump_staging, cfg->drain_s, cfg->request_s,
+                                   cfg->engine_vmm ? "true" : "false",
                                    cfg->stream_ordered ? "true" : "false", cfg->stack_shrink ? "true" : "false",
                                    cfg->stack_bytes, cscu_stack_lowered(), cscu_sha256_engine(),
                                    cscu_driver() ? "true" : "false");
@@ -153,7 +155,8 @@ static double note(const char *op, const char *dir, const char *out, double sinc
     int ok = out && strncmp(out, "{\"ok\":true", 10) == 0;
     if (!out)
         fprintf(stderr, "coldsnap-cuda: %s (%s): started, %d copy threads, %zu-byte staging buffers\n", op,
-                dir[0] ? dir : "the released dump", cscu_config()->threads, cscu_config()->staging);
+                dir[0] ? dir : "the released dump", cscu_config()->threads,
+                strcmp(op, "release") == 0 ? cscu_config()->dump_staging : cscu_config()->staging);
     else
         fprintf(stderr, "coldsnap-cuda: %s: %s after %.3f s%s%.300s\n", op, ok ? "done" : "refused", now - since,
                 ok ? "" : ": ", ok ? "" : out);
