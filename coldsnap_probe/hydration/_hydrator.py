@@ -18,12 +18,12 @@ from typing import Any
 
 from .. import jsonline
 from ..errors import HydrationError
-from ._copy import ZEROS, HostBuffers, Piece, Pinned, Pread, copy_to_device, region_pieces, zero_split
-from ._digests import DIGEST_CHUNK
+from ._copy import ZEROS, HostBuffers, Piece, Pinned, Pread, copy_to_device
 from ._peer_files import DumpLayout, dump_layout, dump_reads, held_sources, open_dump_parts
 from ._peer_view import OPENERS, PeerView
 from ._ram_tier import RamTier
 from ._request_fields import first_page, request_regions, stage_key
+from ._stage_copy import at_once, dump_pieces
 from ._stage_quota import StageQuota, check_stage_quota
 from ._staging import ADOPT_PAGE, StageRequest
 from ._vmm import (
@@ -39,7 +39,7 @@ from ._warm import Warms
 from ._weights import HydrationManifest, WeightRegion
 
 __all__ = ("CONNECTIONS", "DUMP_CHUNK", "DUMP_THREADS", "MAX_DUMP_THREADS", "STAGE_MAX", "STAGE_RESERVE", "STAGE_TTL",
-           "UID_CONNECTIONS", "HydratorServer", "Stager", "dump_pieces")
+           "UID_CONNECTIONS", "HydratorServer", "Stager")
 
 STAGE_TTL = 120.0  # seconds a staged allocation waits for its engine before the hydrator frees it
 STAGE_MAX = 4  # staged allocations a hydrator holds at once
@@ -195,11 +195,11 @@ class HydratorServer:
             if op == "hydrate":
                 if len(fds) != 1:
                     raise HydrationError("a hydrate request carries exactly one allocation descriptor")
-                return self._hydrate(message, fds[0], peer, conn)
-            if op == "stage":
-                return self._stage(message, peer, conn, _stager(fds))
-            if op == "stage-dump":
-                return self._stage_dump(message, peer, conn, _stager(fds))
+                with self.ram_tier.copying():  # a restore's copy: the tier's loads pin no further piece meanwhile
+                    return self._hydrate(message, fds[0], peer, conn)
+            if op in ("stage", "stage-dump"):
+                with self.ram_tier.copying():
+                    return (self._stage if op == "stage" else self._stage_dump)(message, peer, conn, _stager(fds))
             if op == "warm":
                 if self.warms is None:
                     return {"ok": True, "queued": False,
@@ -394,28 +394,37 @@ class HydratorServer:
         into the allocations mapped back to back (through the page cache: on the H200 machine's disk 16 readers
         read 1.45 GB/s through it and 1.02 with O_DIRECT, bench/e2e_store.py's rates), or, when the RAM tier holds
         these very files (`tier: ram`), one DMA per piece from their pinned mappings; a miss (`tier: disk`) queues
-        them for the tier. Only files `peer` could read itself in its own view, on this hydrator's GPU."""
+        them for the tier; a stage of a dump the tier is loading (a capture's warm) copies what is pinned so far
+        from it and reads the rest at once (`tier: joined`, `ram_bytes`: _stage_copy.py). Only files `peer`
+        could read itself in its own view, on this hydrator's GPU."""
         key = self._stage_slot(message)
         layout, sizes = dump_layout(message.get("parts"))
         with PeerView.of(conn, peer, openers=self._openers) as view:
             parts, fds = open_dump_parts(layout, view)
-        size, reads = sum(sizes), dump_reads(layout)  # the tier holds what a stage reads: no chunk of zeros
-        zero = sum(p.size for p in dump_pieces(parts, layout, 0) if p.source == ZEROS)
-        lease = self.ram_tier.lease(key, fds, reads)  # a hit: the very files the peer opened, held page-locked
+        size, reads, pieces = sum(sizes), dump_reads(layout), dump_pieces(parts, layout, 0)  # reads: no zeros
+        zero = sum(p.size for p in pieces if p.source == ZEROS)
+        lease = self.ram_tier.lease(key, fds, reads)  # a hit or a join: the very files the peer opened, pinned
+        held, rest = lease.split(pieces) if lease is not None else ([], pieces)
         reader = Pread(threads=self.dump_threads, chunk=DUMP_CHUNK, opened=fds, buffers=self.dump_buffers)
-        copy = self._pinned(dump_pieces(parts, layout, 0), lease.addresses) if lease is not None else \
-            lambda va: copy_to_device(self.driver, self.context, dump_pieces(parts, layout, va), reader)
+        copies: list[Callable[[int], object]] = []
+        if lease is not None and held:
+            copies.append(self._pinned(held, lease.addresses))
+        if rest:
+            copies.append(lambda va: copy_to_device(self.driver, self.context,
+                                                    [p._replace(dst=va + p.dst) for p in rest], reader))
+        copy = at_once(self.driver, self.context, copies)  # the ring's last: its report is the stage's `copy`
+        ram = sum(p.size for p in held if p.source != ZEROS)
         try:
             answer = self._stage_into(key, peer, conn, _Staged((), 0, size, parts, 0.0, 0.0, 0.0, 0, "",
                                                                layout=layout, sizes=sizes), copy, size, stager)
-            tier = self.ram_tier.staged(key, fds, reads, lease, size - zero, owner=peer.uid)
+            tier = self.ram_tier.staged(key, fds, reads, lease, ram, size - zero - ram, owner=peer.uid)
         finally:
             if lease is not None:
                 lease.release()
             for fd in fds.values():
                 os.close(fd)
         # zero_bytes: set on the device; copied_bytes: read and moved (from the RAM tier or the files: `tier`)
-        return {**answer, "zero_bytes": zero, "copied_bytes": size - zero, "tier": tier}
+        return {**answer, "zero_bytes": zero, "copied_bytes": size - zero, "tier": tier, "ram_bytes": ram}
 
     def _adopt(self, message: dict[str, Any], peer: jsonline.Peer, conn: socket.socket) -> jsonline.Answer:
         """Hand a stage's allocations to its engine as descriptors, ADOPT_PAGE at a time from `first` (default 0):
@@ -508,13 +517,6 @@ class HydratorServer:
         now = time.monotonic()  # a stage being filled expires at inf: never freed under its filler
         for key in [k for k, v in self.staged.items() if v.ready and (v.expires <= now or _exited(v.stager))]:
             self._free(key)
-
-
-def dump_pieces(parts: Sequence[WeightRegion], layout: DumpLayout, at: int) -> list[Piece]:
-    """A stage-dump's copy, the staged range at `at`: each part's chunks of zeros (its layout's mask, from the
-    manifest) set on the device, the rest read from its file."""
-    return [piece for region, (_file, _bytes, _region, zero) in zip(region_pieces(parts, at), layout, strict=True)
-            for piece in zero_split(region, zero, DIGEST_CHUNK)]
 
 
 def _stager(fds: list[int]) -> int:

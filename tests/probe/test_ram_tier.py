@@ -43,11 +43,11 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mlock.argtypes = _libc.munlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 
 
-def mlock(mapped: Mapped) -> None:
-    """Each of the mapping's ranges page-locked, as the hydrator's cuMemHostRegister does."""
-    for offset, n in mapped.ranges:
-        if _libc.mlock(mapped.address + offset, n) != 0:
-            raise OSError(ctypes.get_errno(), "mlock")
+def mlock(mapped: Mapped, run: tuple[int, int]) -> None:
+    """The run (offset, bytes) of the mapping page-locked, as the hydrator's cuMemHostRegister does."""
+    offset, n = run
+    if _libc.mlock(mapped.address + offset, n) != 0:
+        raise OSError(ctypes.get_errno(), "mlock")
 
 
 def munlock_and_unmap(mapped: Mapped) -> None:
@@ -188,7 +188,7 @@ class TestBudget:
             "budget": 0, "entries": 0, "bytes": 0, "in_use": 0, "loading": 0, "hits": 0, "misses": 0,
             "evictions": 0, "loads": 0, "dropped": 0, "skipped": {"too_large": 0, "no_room": 0, "failed": 0},
             "read_bytes": None, "stages": {"ram": 0, "disk": 0}, "bytes_by_uid": {}, "last_error": "",
-            "misses_loading": 0}
+            "misses_loading": 0, "joins": 0, "loader_paused_s": 0.0}
 
 
 class TestZeroChunks:
@@ -249,11 +249,11 @@ class TestCounters:
         tier = tier_of(8 * MIB)
         with Opened(a) as fds:
             assert tier.lease(KEY, fds, whole(fds)) is None
-            assert tier.staged(KEY, fds, whole(fds), None, 2 * MIB, owner=0) == "disk"
+            assert tier.staged(KEY, fds, whole(fds), None, 0, 2 * MIB, owner=0) == "disk"
         settle(tier)
         with Opened(a) as fds:
             lease = tier.lease(KEY, fds, whole(fds))
-            assert lease is not None and tier.staged(KEY, fds, whole(fds), lease, 2 * MIB, owner=0) == "ram"
+            assert lease is not None and tier.staged(KEY, fds, whole(fds), lease, 2 * MIB, 0, owner=0) == "ram"
             lease.release()
         status = tier.status()
         assert (status["hits"], status["misses"], status["loads"], status["entries"]) == (1, 1, 1, 1), status
@@ -265,9 +265,9 @@ class TestCounters:
         tenant's dump was ever queued; now one uid has at most QUEUE_PER_UID of its places."""
         gate = threading.Event()
 
-        def held_back(mapped: Mapped) -> None:  # the loader waits here: what is queued meanwhile stays queued
+        def held_back(mapped: Mapped, run: tuple[int, int]) -> None:  # the loader waits: the queue stays
             gate.wait(30)
-            mlock(mapped)
+            mlock(mapped, run)
         paths = [dump(tmp_path / f"{n}.bin", 2 * MIB) for n in range(5)]
         tier = RamTier(32 * MIB, pin=held_back, unpin=munlock_and_unmap)
         try:
@@ -312,7 +312,7 @@ class TestDescriptors:
             limit = next(n for n in range(1, soft) if len(set(range(n)) - before) == 1)  # one descriptor free
             resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
             try:
-                tier_name = tier.staged(KEY, fds, whole(fds), None, 4 * MIB, owner=0)
+                tier_name = tier.staged(KEY, fds, whole(fds), None, 0, 4 * MIB, owner=0)
             finally:
                 resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
             assert open_fds() == before
@@ -429,10 +429,10 @@ class TestFreshness:
         a = dump(tmp_path / "a.bin", 2 * MIB)
         pinning, go = threading.Event(), threading.Event()
 
-        def slow_pin(mapped: Mapped) -> None:
+        def slow_pin(mapped: Mapped, run: tuple[int, int]) -> None:
             pinning.set()
             assert go.wait(20)
-            mlock(mapped)
+            mlock(mapped, run)
         tier = RamTier(8 * MIB, pin=slow_pin, unpin=munlock_and_unmap)
         try:
             with Opened(a) as fds:
@@ -454,8 +454,8 @@ class TestFreshness:
         the tier would hold a file that is not the one the stage read."""
         a = dump(tmp_path / "a.bin", 2 * MIB)
 
-        def pin_then_touch(mapped: Mapped) -> None:
-            mlock(mapped)
+        def pin_then_touch(mapped: Mapped, run: tuple[int, int]) -> None:
+            mlock(mapped, run)
             time.sleep(0.02)
             with a.open("r+b") as f:
                 f.write(b"x")
@@ -520,11 +520,11 @@ class TestFreshness:
         a, b = dump(tmp_path / "a.bin", 2 * MIB), dump(tmp_path / "b.bin", 2 * MIB)
         refused: list[int] = []
 
-        def pin(mapped: Mapped) -> None:
+        def pin(mapped: Mapped, run: tuple[int, int]) -> None:
             if not refused:  # the first pin fails as the driver's would (out of page-locked memory)
                 refused.append(mapped.size)
                 raise OSError(12, "Cannot allocate memory")
-            mlock(mapped)
+            mlock(mapped, run)
         tier = RamTier(8 * MIB, pin=pin, unpin=munlock_and_unmap)
         try:
             status = load(tier, KEY, a)
