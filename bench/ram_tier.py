@@ -11,9 +11,12 @@ it, each as its row says (every stage-dump filled, then discarded, as a restore 
   dump for the tier; the row says how long the tier took to hold it (off the restore's path: measured from the
   miss's answer to `status` listing it), and every later stage is a hit (`tier: ram`), one DMA per piece from the
   pinned files;
-* `warmed, stage at once` and `warmed, then held`: a capture's `warm` (the capture worker offers the dump once the
-  tree is dumped, hydration/_warm.py), then the first stage at once (the tier still pinning: it misses and does not
-  wait, the loader beside it) or once the tier holds the dump (the first restore after a capture: `tier: ram`);
+* `warmed, stage at once`, `warmed, stage after N s` and `warmed, then held`: a capture's `warm` (the capture
+  worker offers the dump once the tree is dumped, hydration/_warm.py), then the first stage at once (nothing
+  pinned yet: it reads the files, the loader paused beside it), after `--warm-delay` seconds (the tier still
+  pinning: the stage joins the load, `tier: joined`, copying what is pinned from RAM, `ram GB`, and reading the
+  rest; the loader paused meanwhile), or once the tier holds the dump (`tier: ram`). No stage may take longer
+  than the tier-off rows' (issue 35: a stage never waits for a warm);
 * `ram tier off, N readers` (`--ram-tier-bytes 0 --dump-threads N`, N from `--dump-threads`): every stage reads the
   files through the ring, as before, with 16, 8 and 4 reader threads (what fewer cost the stage alone);
 * `half zeros, budget below the dump`: another dump of `--gib` GiB whose every other 64 MiB chunk is a hole marked
@@ -50,7 +53,7 @@ from coldsnap_probe.jsonline import request
 
 GIB, BLOCK = 1 << 30, 64 << 20
 KEY = "sha256:" + hashlib.sha256(b"bench-ram-tier").hexdigest()
-HEAD = ("hydrator", "stage", "tier", "GB copied", "stage s", "copy s", "copy GB/s", "ring thread-s",
+HEAD = ("hydrator", "stage", "tier", "GB copied", "ram GB", "stage s", "copy s", "copy GB/s", "ring thread-s",
         "tier held it after s", "warm answer s")
 
 
@@ -108,6 +111,7 @@ def stage(control: str, ready: dict[str, Any], parts: list[dict[str, Any]], labe
     copy = answer.get("copy") or {}
     copied = answer.get("copied_bytes", answer["bytes"])
     return {"hydrator": label, "stage": n, "tier": answer.get("tier"), "bytes": copied,
+            "ram_bytes": answer.get("ram_bytes", copied if answer.get("tier") == "ram" else 0),
             "stage_s": answer["stage_s"], "copy_s": answer["copy_s"], "copy_gbps": copied / answer["copy_s"] / 1e9,
             "ring_thread_s": copy.get("read_thread_s"), "held_after_s": None}
 
@@ -127,13 +131,15 @@ def stage_rows(label: str, parts: list[dict[str, Any]], stages: int, budget: str
     return rows
 
 
-def warmed_rows(parts: list[dict[str, Any]], budget: str, work: Path) -> list[dict[str, Any]]:
+def warmed_rows(parts: list[dict[str, Any]], budget: str, work: Path, delay: float) -> list[dict[str, Any]]:
     """A capture's `warm` (hydration/_warm.py), as the capture worker sends it once the tree is dumped: on one
-    hydrator the first stage comes at once, while the tier is still pinning the dump (it does not wait: `disk`,
-    the loader beside it), the second once the tier holds it; on another the first stage comes once it is held
-    (`ram`: the first restore after a capture). `held after` counts from the warm's answer."""
+    hydrator the first stage comes at once (nothing pinned yet: `disk`, the loader paused beside it), on another
+    `delay` seconds after the warm's answer (the tier still pinning: `joined`), each hydrator's second stage once
+    the tier holds it; on a third the first stage comes once it is held (`ram`: the first restore after a
+    capture). `held after` counts from the warm's answer."""
     rows: list[dict[str, Any]] = []
-    for label, wait in (("warmed, stage at once", False), ("warmed, then held", True)):
+    for label, wait, after in (("warmed, stage at once", False, 0.0),
+                               (f"warmed, stage after {delay:g} s", False, delay), ("warmed, then held", True, 0.0)):
         with hydrator(label, budget, work) as (control, ready):
             asked = time.perf_counter()
             warmed = request(control, {"op": "warm", "key": KEY, "parts": parts, "device_uuid": ready["device_uuid"]},
@@ -141,6 +147,7 @@ def warmed_rows(parts: list[dict[str, Any]], budget: str, work: Path) -> list[di
             answered = time.perf_counter()
             if not warmed.get("queued"):
                 raise RuntimeError(f"{label}: the warm was not queued: {warmed}")
+            time.sleep(after)
             held = held_after(control, answered) if wait else None
             rows.append(row := stage(control, ready, parts, label, 1))
             row |= {"warm_answer_s": answered - asked, "held_after_s": held}
@@ -156,7 +163,8 @@ def warmed_rows(parts: list[dict[str, Any]], budget: str, work: Path) -> list[di
 def cells(row: dict[str, Any]) -> list[str]:
     def f(value: Any) -> str:
         return "-" if value is None else f"{value:.2f}"
-    return [row["hydrator"], str(row["stage"]), str(row["tier"]), f(row["bytes"] / 1e9), f(row["stage_s"]),
+    return [row["hydrator"], str(row["stage"]), str(row["tier"]), f(row["bytes"] / 1e9), f(row["ram_bytes"] / 1e9),
+            f(row["stage_s"]),
             f(row["copy_s"]), f"{row['copy_gbps']:.1f}", f(row["ring_thread_s"]) if row["ring_thread_s"] else "0",
             f(row["held_after_s"]), f"{row['warm_answer_s']:.4f}" if "warm_answer_s" in row else "-"]
 
@@ -167,6 +175,8 @@ def main() -> int:
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--dir", default="/dev/shm")
     parser.add_argument("--out", default="")
+    parser.add_argument("--warm-delay", type=float, default=0.5,
+                        help="seconds from a warm's answer to the stage that joins its load (a restore's start)")
     parser.add_argument("--dump-threads", type=lambda text: [int(n) for n in text.split(",")], default=[16, 8, 4],
                         help="the tier-off hydrators' readers (serve --dump-threads), one hydrator each: 16,8,4")
     args = parser.parse_args()
@@ -178,7 +188,7 @@ def main() -> int:
         parts = write_dump(work, args.gib)
         print(f"dump: {args.gib} GiB in {work} written in {time.perf_counter() - started:.1f} s", flush=True)
         rows = stage_rows("ram tier on", parts, args.stages, f"{args.gib + 1}G", work)
-        rows += warmed_rows(parts, f"{args.gib + 1}G", work)
+        rows += warmed_rows(parts, f"{args.gib + 1}G", work, args.warm_delay)
         for threads in args.dump_threads:  # the disk tier's readers: fewer may cost a restore beside it less
             rows += stage_rows(f"ram tier off, {threads} readers", parts, 2, "0", work, threads)
         zeros = write_dump(work, args.gib, zeros=True)  # its data fit a budget its whole size does not (JAX's)

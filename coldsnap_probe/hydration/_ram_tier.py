@@ -308,7 +308,9 @@ class RamTier:
                     "stages": dict(self.stages),
                     "bytes_by_uid": {str(uid): n for uid, n in _by_owner(self._held.values()).items()},
                     "last_error": self.last_error, "misses_loading": self.misses_loading, "joins": self.joins,
-                    "loader_paused_s": round(self.loader_paused_s, 3)}
+                    "loader_paused_s": round(self.loader_paused_s, 3),
+                    "loading_pinned_bytes": sum(n for d in self._held.values() if not d.ready
+                                                for runs in d.pinned.values() for _offset, n in runs)}
 
     def close(self) -> None:
         """Stop the loader and unpin every entry (none may be in use)."""

@@ -26,10 +26,11 @@ import pytest
 
 from coldsnap_probe.errors import HydrationError
 from coldsnap_probe.hydration.__main__ import main
+from coldsnap_probe.hydration._copy import ZEROS, Piece
 from coldsnap_probe.hydration._digests import DIGEST_CHUNK
 from coldsnap_probe.hydration._peer_files import dump_layout, dump_reads, open_dump_parts
 from coldsnap_probe.hydration._peer_view import OPENERS, PeerView
-from coldsnap_probe.hydration._ram_tier import RamTier, identity
+from coldsnap_probe.hydration._ram_tier import PIN_PIECE, Lease, RamTier, identity, pin_pieces
 from coldsnap_probe.hydration._vmm import Mapped
 from tests.helpers import ROOT
 from tests.probe._peers import AS_NOBODY, connected, listening
@@ -188,7 +189,7 @@ class TestBudget:
             "budget": 0, "entries": 0, "bytes": 0, "in_use": 0, "loading": 0, "hits": 0, "misses": 0,
             "evictions": 0, "loads": 0, "dropped": 0, "skipped": {"too_large": 0, "no_room": 0, "failed": 0},
             "read_bytes": None, "stages": {"ram": 0, "disk": 0}, "bytes_by_uid": {}, "last_error": "",
-            "misses_loading": 0, "joins": 0, "loader_paused_s": 0.0}
+            "misses_loading": 0, "joins": 0, "loader_paused_s": 0.0, "loading_pinned_bytes": 0}
 
 
 class TestZeroChunks:
@@ -283,6 +284,120 @@ class TestCounters:
             assert settle(tier)["entries"] == 2
         finally:
             gate.set()
+            tier.close()
+
+
+class TestJoin:
+    """Issue 35: a load (a capture's warm) pins in pieces, pins none while a restore's copy runs, and a stage of
+    the dump it is loading joins it: what is pinned from RAM, the rest from the files, never waiting for it."""
+
+    def test_a_load_pins_in_pieces_of_at_most_pin_piece_bytes(self) -> None:
+        assert pin_pieces(((0, 2 * PIN_PIECE + 5), (3 * PIN_PIECE, 7))) == (
+            (0, PIN_PIECE), (PIN_PIECE, PIN_PIECE), (2 * PIN_PIECE, 5), (3 * PIN_PIECE, 7))
+
+    def test_split_copies_what_is_pinned_cut_at_each_registration_and_reads_the_rest(self) -> None:
+        """Every byte once, each pinned part inside one registration (a DMA never spans two), zeros with the
+        pinned copy (they read nothing)."""
+        lease = Lease({"a": 1 << 40}, {"a": ((0, 4 * MIB), (4 * MIB, 4 * MIB), (12 * MIB, 4 * MIB)), "b": ()},
+                      16 * MIB, False, lambda: None)
+        held_pieces, rest = lease.split([Piece(0, "a", 2 * MIB, 14 * MIB), Piece(100 * MIB, ZEROS, 0, 8 * MIB),
+                                         Piece(200 * MIB, "b", 0, MIB)])
+        assert held_pieces == [Piece(0, "a", 2 * MIB, 2 * MIB), Piece(2 * MIB, "a", 4 * MIB, 4 * MIB),
+                               Piece(10 * MIB, "a", 12 * MIB, 4 * MIB), Piece(100 * MIB, ZEROS, 0, 8 * MIB)]
+        assert rest == [Piece(6 * MIB, "a", 8 * MIB, 4 * MIB), Piece(200 * MIB, "b", 0, MIB)]
+
+    def test_a_stage_during_a_load_joins_what_is_pinned_and_the_load_completes_after(self, tmp_path: Path) -> None:
+        a = dump(tmp_path / "a.bin", PIN_PIECE + 2 * MIB, bytes(range(256)))
+        first_pinned, go = threading.Event(), threading.Event()
+
+        def pin(mapped: Mapped, run: tuple[int, int]) -> None:
+            if run[0]:  # the second piece waits: the stage comes meanwhile
+                first_pinned.set()
+                assert go.wait(20)
+            mlock(mapped, run)
+        tier = RamTier(2 * PIN_PIECE, pin=pin, unpin=munlock_and_unmap)
+        try:
+            with Opened(a) as fds:
+                assert tier.load_later(KEY, fds, whole(fds)) and first_pinned.wait(20)
+                assert tier.status()["loading_pinned_bytes"] == PIN_PIECE
+                lease = tier.lease(KEY, fds, whole(fds))
+                assert lease is not None and not lease.complete and lease.pinned == {str(a): ((0, PIN_PIECE),)}
+                assert lease.split([Piece(0, str(a), 0, PIN_PIECE + 2 * MIB)]) == (
+                    [Piece(0, str(a), 0, PIN_PIECE)], [Piece(PIN_PIECE, str(a), PIN_PIECE, 2 * MIB)])
+                assert ctypes.string_at(lease.addresses[str(a)], MIB) == a.read_bytes()[:MIB]
+                assert tier.staged(KEY, fds, whole(fds), lease, PIN_PIECE, 2 * MIB, owner=0) == "joined"
+                lease.release()
+                go.set()
+                status = settle(tier)
+                assert (status["joins"], status["hits"], status["misses"], status["loads"]) == (1, 0, 0, 1), status
+                assert status["read_bytes"] == {"ram": PIN_PIECE, "disk": 2 * MIB}, status
+                assert status["stages"] == {"ram": 1, "disk": 0}, status
+                full = tier.lease(KEY, fds, whole(fds))
+                assert full is not None and full.complete, full
+                assert full.pinned == {str(a): ((0, PIN_PIECE), (PIN_PIECE, 2 * MIB))}
+                full.release()
+        finally:
+            go.set()
+            tier.close()
+
+    def test_the_loader_pins_no_piece_while_a_restores_copy_runs(self, tmp_path: Path) -> None:
+        """Without the pause the loader pins the second piece at once, beside the copy (issue 35: a stage's
+        allocations waited 1.29 s behind a warm's registrations on the H200)."""
+        a = dump(tmp_path / "a.bin", PIN_PIECE + MIB, bytes(range(256)))
+        pins: list[tuple[int, int]] = []
+        in_first, copy_began = threading.Event(), threading.Event()
+
+        def pin(mapped: Mapped, run: tuple[int, int]) -> None:
+            pins.append(run)
+            if len(pins) == 1:
+                in_first.set()
+                assert copy_began.wait(20)
+            mlock(mapped, run)
+        tier = RamTier(2 * PIN_PIECE, pin=pin, unpin=munlock_and_unmap)
+        try:
+            with Opened(a) as fds:
+                assert tier.load_later(KEY, fds, whole(fds)) and in_first.wait(20)
+                with tier.copying():
+                    copy_began.set()
+                    time.sleep(0.3)  # a bound on how long the loader has to misbehave, not a measurement
+                    assert pins == [(0, PIN_PIECE)] and tier.status()["loading"] == 1
+                status = settle(tier)
+            assert pins == [(0, PIN_PIECE), (PIN_PIECE, MIB)] and status["loads"] == 1, status
+            assert status["loader_paused_s"] > 0, status
+        finally:
+            copy_began.set()
+            tier.close()
+
+    def test_a_load_that_fails_after_a_stage_joined_it_unpins_only_once_that_stage_is_done(
+            self, tmp_path: Path) -> None:
+        """The joined stage copies from the pinned mapping: unmapped under it, its DMA (here: a read) would
+        fault. The failed load is joined no more, and gives everything back once the lease ends."""
+        a = dump(tmp_path / "a.bin", PIN_PIECE + MIB, bytes(range(256)))
+        second, joined = threading.Event(), threading.Event()
+
+        def pin(mapped: Mapped, run: tuple[int, int]) -> None:
+            if run[0]:
+                second.set()
+                assert joined.wait(20)
+                raise OSError(12, "Cannot allocate memory")
+            mlock(mapped, run)
+        tier, before = RamTier(2 * PIN_PIECE, pin=pin, unpin=munlock_and_unmap), locked_bytes()
+        try:
+            with Opened(a) as fds:
+                assert tier.load_later(KEY, fds, whole(fds)) and second.wait(20)
+                lease = tier.lease(KEY, fds, whole(fds))
+                assert lease is not None and not lease.complete
+                joined.set()
+                time.sleep(0.2)  # a bound on how long the failed load has to unpin under the lease
+                assert tier.lease(KEY, fds, whole(fds)) is None and tier.status()["loading"] == 1
+                assert locked_bytes() - before == PIN_PIECE
+                assert ctypes.string_at(lease.addresses[str(a)], MIB) == a.read_bytes()[:MIB]
+                lease.release()
+                status = settle(tier)
+            assert (status["entries"], status["bytes"], status["skipped"]["failed"]) == (0, 0, 1), status
+            assert locked_bytes() == before
+        finally:
+            joined.set()
             tier.close()
 
 
