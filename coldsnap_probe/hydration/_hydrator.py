@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .. import jsonline
@@ -73,6 +73,9 @@ class _Staged:
     ready: bool = False
     unallocated: int = 0
     stager: int = -1  # the stager's pidfd (owned here; -1: none sent): a ready stage is freed once it exits
+    # The RAM tier's loads stay paused from the stage's request until it is dropped (adopted, discarded, expired,
+    # failed): the engine's restore and adopt run meanwhile, and a registration would sit in front of them.
+    resume: Callable[[], None] = field(default=lambda: None)
 
     def held_by(self, ticket: object) -> bool:
         """Adopting or discarding a stage takes its ticket: the engine may run as another uid than the worker
@@ -328,11 +331,12 @@ class HydratorServer:
         allocation made and the reservation; so does a stager that hung up (`conn` closed) meanwhile: a restore
         refused after it started its stages, or a worker that died, leaves nothing staged for the TTL."""
         slot = (peer.uid, key)
-        kept = replace(staged, stager=os.dup(stager) if stager >= 0 else -1)  # the request's own is closed after it
+        kept = replace(staged, stager=os.dup(stager) if stager >= 0 else -1,  # the request's own is closed after it
+                       resume=self.ram_tier.pause())
         try:
             reserved = self._reserve(slot, kept)
         except BaseException:
-            _close_stager(kept)
+            _let_go(kept)
             raise
         started = time.perf_counter()
         handles: list[Any] = []
@@ -349,7 +353,7 @@ class HydratorServer:
             with self._lock:
                 if self.staged.get(slot) is reserved:
                     del self.staged[slot]
-            _close_stager(reserved)
+            _let_go(reserved)
             for handle in handles:
                 self.driver.cuda.cuMemRelease(handle)
             raise
@@ -501,7 +505,7 @@ class HydratorServer:
     def _free(self, slot: _Slot) -> None:
         """Under the lock: drop a ready stage and release its allocations (a handed-out descriptor keeps its own)."""
         dropped = self.staged.pop(slot)
-        _close_stager(dropped)
+        _let_go(dropped)
         for handle in dropped.handles:
             self.driver.cuda.cuMemRelease(handle)
 
@@ -537,7 +541,9 @@ def _exited(pidfd: int) -> bool:
     return bool(poller.poll(0))
 
 
-def _close_stager(staged: _Staged) -> None:
+def _let_go(staged: _Staged) -> None:
+    """A stage let go: its stager's pidfd closed, the RAM tier's loads no longer paused for it."""
+    staged.resume()
     if staged.stager >= 0:
         os.close(staged.stager)
 

@@ -28,11 +28,12 @@ once, every thread at the lowest CPU priority.
 
 A load yields to restores (issue 35: on the H200 a stage that came while a warm pinned 16 GB in whole files waited
 1.29 s, its allocations queued behind the driver's registrations): the hydrator wraps every copy on a restore's
-path in `copying()`, and while one runs the loader pins no further piece (`loader_paused_s`); a copy waits at
-most for the pieces in flight. A stage of a dump still being loaded joins it (`joins`): its lease names the pieces
-pinned so far (`Lease.pinned`), the stage copies those from the pinned mappings and reads only the rest from the
-files (`Lease.split`), and the load goes on after it. A stage of a dump of which nothing is pinned yet misses
-(`misses_loading`). A stage never waits for a load.
+path in `copying()` and holds a `pause()` from a stage's request until its engine adopts it (or it is dropped), and
+meanwhile the loader pins no further piece (`loader_paused_s`); a restore waits at most for the pieces in flight.
+A stage of a dump still being loaded joins it (`joins`): its lease names the pieces pinned so far (`Lease.pinned`),
+the stage copies those from the pinned mappings and reads only the rest from the files (`Lease.split`), and the
+load goes on after it. A stage of a dump of which nothing is pinned yet misses (`misses_loading`). A stage never
+waits for a load.
 
 Budget: the bytes held, entries being loaded included, stay within `budget` (0: the tier is off). Room is made by
 evicting entries no stage is using; a dump that would not fit even so (larger than the budget, or the rest in use
@@ -234,18 +235,29 @@ class RamTier:
             dump.users -= 1
             self._wake.notify_all()  # a failed load waits for its last user to unpin
 
-    @contextlib.contextmanager
-    def copying(self) -> Iterator[None]:
-        """A copy on a restore's path (a stage, a hydrate) runs inside: the loader pins no further piece until
-        none does (module docstring)."""
+    def pause(self) -> Callable[[], None]:
+        """A restore is in flight (a stage, from its request until its engine adopts it): the loader pins no
+        further piece until the call returned is made (once; a second does nothing)."""
+        ended = threading.Event()
         with self._lock:
             self._copies += 1
+
+        def resume() -> None:
+            with self._lock:
+                if not ended.is_set():
+                    ended.set()
+                    self._copies -= 1
+                    self._wake.notify_all()
+        return resume
+
+    @contextlib.contextmanager
+    def copying(self) -> Iterator[None]:
+        """A copy on a restore's path (a request to stage or hydrate) runs inside: `pause` for its length."""
+        resume = self.pause()
         try:
             yield
         finally:
-            with self._lock:
-                self._copies -= 1
-                self._wake.notify_all()
+            resume()
 
     def _quiet(self) -> None:
         """The loader's wait before each piece: until no restore's copy runs; a HydrationError once closed."""

@@ -368,6 +368,36 @@ class TestJoin:
             copy_began.set()
             tier.close()
 
+    def test_a_restore_in_flight_pauses_the_loader_until_its_own_resume_and_a_second_resume_ends_no_other(
+            self, tmp_path: Path) -> None:
+        """A stage holds a pause from its request until its engine adopts it; the hydrator may let a stage go
+        twice (a failed fill, then its slot's replacement): the second call must not end another restore's pause."""
+        a = dump(tmp_path / "a.bin", PIN_PIECE + MIB, bytes(range(256)))
+        pins: list[tuple[int, int]] = []
+        in_first, paused = threading.Event(), threading.Event()
+
+        def pin(mapped: Mapped, run: tuple[int, int]) -> None:
+            pins.append(run)
+            if len(pins) == 1:
+                in_first.set()
+                assert paused.wait(20)
+            mlock(mapped, run)
+        tier = RamTier(2 * PIN_PIECE, pin=pin, unpin=munlock_and_unmap)
+        try:
+            with Opened(a) as fds:
+                assert tier.load_later(KEY, fds, whole(fds)) and in_first.wait(20)
+                mine, theirs = tier.pause(), tier.pause()
+                paused.set()
+                mine()
+                mine()
+                time.sleep(0.3)  # a bound on how long the loader has to misbehave, not a measurement
+                assert pins == [(0, PIN_PIECE)], pins
+                theirs()
+                assert settle(tier)["loads"] == 1 and pins == [(0, PIN_PIECE), (PIN_PIECE, MIB)]
+        finally:
+            paused.set()
+            tier.close()
+
     def test_a_load_that_fails_after_a_stage_joined_it_unpins_only_once_that_stage_is_done(
             self, tmp_path: Path) -> None:
         """The joined stage copies from the pinned mapping: unmapped under it, its DMA (here: a read) would
