@@ -23,8 +23,8 @@ never evicted.
 Loading (`load_later`): never on a restore's critical path. A miss stages through the ring as before; then the
 dump (or one a capture offered: `_warm.py`) is queued (descriptors duplicated, at most LOAD_QUEUE waiting, a dump
 already held or queued once) for the loader thread, which maps each file from its descriptor, pins it (the
-hydrator's `cuMemHostRegister`) in pieces of PIN_PIECE bytes and checks its identity again, LOAD_THREADS files at
-once, every thread at the lowest CPU priority.
+hydrator's `cuMemHostRegister`) in pieces of PIN_PIECE bytes, LOAD_THREADS pieces at once, and checks its identity
+again, every thread at the lowest CPU priority.
 
 A load yields to restores (issue 35: on the H200 a stage that came while a warm pinned 16 GB in whole files waited
 1.29 s, its allocations queued behind the driver's registrations): the hydrator wraps every copy on a restore's
@@ -79,7 +79,7 @@ __all__ = ("LOAD_QUEUE", "LOAD_THREADS", "PIN_PIECE", "QUEUE_PER_UID", "TIERS", 
 
 LOAD_QUEUE = 2  # dumps waiting for the loader: a later miss queues the dump again
 QUEUE_PER_UID = 1  # of those, one peer uid's: the other place stays free for another tenant's miss
-# Files of a dump mapped and pinned at once: pinning 8 GiB of tmpfs took 4.5 s on one thread (4 KiB pages, H200).
+# Pieces of a dump pinned at once: pinning 8 GiB of tmpfs took 4.5 s on one thread (4 KiB pages, H200).
 LOAD_THREADS = 4
 # A load's registration: a stage waits at most for the pieces in flight (4 KiB pages: ~35 ms each on the H200),
 # and a copy from the tier never spans two registrations (`Lease.split` cuts at them).
@@ -373,8 +373,9 @@ class RamTier:
                     self._wake.notify_all()
 
     def _load(self, name: _Name, owner: int, fds: Mapping[Identity, int]) -> bool:
-        """Reserve room for `owner`'s dump (evicting), map and pin each file, then make it ready, keeping `fds`; a
-        file whose identity changed meanwhile, or a failed pin, gives everything back. Whether it kept `fds`."""
+        """Reserve room for `owner`'s dump (evicting), map and pin it (`_map_and_pin`), then make it ready,
+        keeping `fds`; a file whose identity changed meanwhile, or a failed pin, gives everything back. Whether it
+        kept `fds`."""
         runs = dict(name[1])
         size = sum(n for file_runs in runs.values() for _offset, n in file_runs)
         with self._lock:
@@ -386,12 +387,11 @@ class RamTier:
         try:  # a victim's failed unpin (or no thread to pin with): the room reserved is given back, not kept for ever
             for victim in victims:
                 self._drop(victim)
-            with ThreadPoolExecutor(min(LOAD_THREADS, len(fds)), initializer=_lowest_priority) as pool:
-                done = list(pool.map(lambda item: self._pin_one(dump, item[0], item[1], runs[item[0]]), fds.items()))
+            failed = self._map_and_pin(dump, fds, runs)
         except BaseException:
             self._give_back(name, dump)
             raise
-        if failed := next((error for error in done if error), ""):
+        if failed:
             with self._lock:
                 self.skipped["failed"] += 1
                 self.last_error = failed
@@ -402,23 +402,37 @@ class RamTier:
             self.loads += 1
         return True
 
-    def _pin_one(self, dump: _Dump, ident: Identity, fd: int, runs: Runs) -> str:
-        """One file of `dump` being loaded mapped to the end of its last run of `runs`, those runs pinned piece by
-        piece (`pin_pieces`), each once no restore's copy runs and then made joinable; why not ("" when they
-        were)."""
+    def _map_and_pin(self, dump: _Dump, fds: Mapping[Identity, int], runs: Mapping[Identity, Runs]) -> str:
+        """Each file of `dump` mapped to the end of its last run, then every piece of every file (`pin_pieces`)
+        pinned, LOAD_THREADS at once whatever the files' count (a JAX dump is one file), each once no restore is
+        in flight and then made joinable; then each file's identity taken again. Why not ("" when done)."""
         try:
-            mapped = Mapped(f"/proc/self/fd/{fd}", fd=fd, length=sum(runs[-1]), ranges=pin_pieces(runs))
-            with self._lock:
-                dump.files[ident], dump.pinned[ident] = mapped, []
-            for run in mapped.ranges:
-                self._quiet()
-                self._pin(mapped, run)
+            for ident, fd in fds.items():
+                mapped = Mapped(f"/proc/self/fd/{fd}", fd=fd, length=sum(runs[ident][-1]),
+                                ranges=pin_pieces(runs[ident]))
                 with self._lock:
-                    dump.pinned[ident].append(run)
-            if identity(fd) != ident:
-                raise HydrationError("a dump file changed while it was being held")
+                    dump.files[ident], dump.pinned[ident] = mapped, []
         except Exception as exc:
             return f"{type(exc).__name__}: {exc}"
+        failed: list[str] = []
+
+        def pin(ident: Identity, run: tuple[int, int]) -> None:
+            if failed:  # the load is given back anyway
+                return
+            try:
+                self._quiet()
+                self._pin(dump.files[ident], run)
+                with self._lock:
+                    dump.pinned[ident].append(run)
+            except Exception as exc:
+                failed.append(f"{type(exc).__name__}: {exc}")
+        pieces = [(ident, run) for ident in fds for run in dump.files[ident].ranges]
+        with ThreadPoolExecutor(min(LOAD_THREADS, len(pieces)), initializer=_lowest_priority) as pool:
+            list(pool.map(lambda piece: pin(*piece), pieces))
+        if failed:
+            return failed[0]
+        if any(identity(fd) != ident for ident, fd in fds.items()):
+            return "HydrationError: a dump file changed while it was being held"
         return ""
 
     def _give_back(self, name: _Name, dump: _Dump) -> None:
