@@ -38,12 +38,15 @@ from ._vmm import (
 from ._warm import Warms
 from ._weights import HydrationManifest, WeightRegion
 
-__all__ = ("CONNECTIONS", "DUMP_CHUNK", "DUMP_THREADS", "MAX_DUMP_THREADS", "STAGE_MAX", "STAGE_RESERVE", "STAGE_TTL",
-           "UID_CONNECTIONS", "HydratorServer", "Stager")
+__all__ = ("CONNECTIONS", "DUMP_CHUNK", "DUMP_THREADS", "MAX_DUMP_THREADS", "STAGE_MAX", "STAGE_PAUSE_S",
+           "STAGE_RESERVE", "STAGE_TTL", "UID_CONNECTIONS", "HydratorServer", "Stager")
 
 STAGE_TTL = 120.0  # seconds a staged allocation waits for its engine before the hydrator frees it
 STAGE_MAX = 4  # staged allocations a hydrator holds at once
 STAGE_RESERVE = 1 << 30  # device bytes staging leaves free (the engine's restored state needs them)
+# A filled stage pauses the RAM tier's loads until adopted, at most this long: an engine adopts within its restore
+# (its CUDA restore: 0.3 s on the H200); one that fell back or hangs must not hold every load for the whole TTL.
+STAGE_PAUSE_S = 10.0
 _Slot = tuple[int, str]  # a stage's place: (the uid that staged it, its key), so tenants never share one
 DUMP_THREADS, DUMP_CHUNK = 16, 8 << 20  # the ring a dump is read through (page-locked, kept: 256 MiB)
 MAX_DUMP_THREADS = 64  # `serve --dump-threads`' bound (each reader keeps two page-locked buffers of DUMP_CHUNK)
@@ -74,7 +77,7 @@ class _Staged:
     unallocated: int = 0
     stager: int = -1  # the stager's pidfd (owned here; -1: none sent): a ready stage is freed once it exits
     # The RAM tier's loads stay paused from the stage's request until it is dropped (adopted, discarded, expired,
-    # failed): the engine's restore and adopt run meanwhile, and a registration would sit in front of them.
+    # failed) or STAGE_PAUSE_S after it was filled: the engine's restore and adopt run meanwhile.
     resume: Callable[[], None] = field(default=lambda: None)
 
     def held_by(self, ticket: object) -> bool:
@@ -519,6 +522,9 @@ class HydratorServer:
 
     def _expire_locked(self) -> None:
         now = time.monotonic()  # a stage being filled expires at inf: never freed under its filler
+        for staged in self.staged.values():
+            if staged.ready and staged.expires - self.stage_ttl + STAGE_PAUSE_S <= now:
+                staged.resume()
         for key in [k for k, v in self.staged.items() if v.ready and (v.expires <= now or _exited(v.stager))]:
             self._free(key)
 
