@@ -128,7 +128,8 @@ class _Dump:
     owner: int  # the peer uid whose stage's miss loaded it: its bytes count to that uid's share
     files: dict[Identity, Mapped] = field(default_factory=dict)  # filled as the load maps each file
     fds: dict[Identity, int] = field(default_factory=dict)  # each file's descriptor, kept to see it removed
-    # Invariant: each file's registrations done so far, in order (all of `pin_pieces` once ready); only grows.
+    # Invariant: each file's registrations done so far, as they completed (all of `pin_pieces` once ready); only
+    # grows.
     pinned: dict[Identity, list[tuple[int, int]]] = field(default_factory=dict)
     users: int = 0  # stages copying from it now (leases): never evicted nor unpinned while above 0
     ready: bool = False  # loaded and pinned: a hit; before, a stage joins what is pinned
@@ -142,7 +143,7 @@ class Lease:
     released."""
 
     addresses: Mapping[str, int]
-    pinned: Mapping[str, Runs]
+    pinned: Mapping[str, Runs]  # each file's registrations, in order
     size: int
     complete: bool
     release: Callable[[], None]  # once, when the stage's copy has ended (done or failed)
@@ -157,7 +158,7 @@ class Lease:
                 held.append(piece)
                 continue
             at, end = piece.offset, piece.offset + piece.size
-            for offset, n in sorted(self.pinned.get(piece.source, ())):
+            for offset, n in self.pinned.get(piece.source, ()):  # in order (`RamTier.lease`)
                 low, high = max(at, offset), min(end, offset + n)
                 if low >= high:
                     continue
@@ -227,7 +228,7 @@ class RamTier:
             else:
                 self.joins += 1
             addresses = {named: dump.files[ident].address for named, ident in ids.items() if ident in dump.files}
-            pinned = {named: tuple(dump.pinned.get(ident, ())) for named, ident in ids.items()}
+            pinned = {named: tuple(sorted(dump.pinned.get(ident, ()))) for named, ident in ids.items()}
         return Lease(addresses, pinned, dump.size, dump.ready, lambda: self._release(dump))
 
     def _release(self, dump: _Dump) -> None:
