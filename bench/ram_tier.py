@@ -2,6 +2,7 @@
 the same device dump staged again and again through real hydrators, side by side, in one run.
 
     python bench/ram_tier.py [--gib 16] [--stages 3] [--dir /dev/shm] [--out DIR] [--dump-threads 16,8,4]
+                             [--warm-delay 0.5] [--rows on,warmed,off,zeros]
 
 A dump of `--gib` one-GiB segment files (one region each, as the CUDA interposer writes them; a random 64 MiB
 block repeated, so no byte is zero) goes into `--dir`. Then real hydrator processes (`serve --staging`) stage
@@ -53,8 +54,9 @@ from coldsnap_probe.jsonline import request
 
 GIB, BLOCK = 1 << 30, 64 << 20
 KEY = "sha256:" + hashlib.sha256(b"bench-ram-tier").hexdigest()
-HEAD = ("hydrator", "stage", "tier", "GB copied", "ram GB", "stage s", "copy s", "copy GB/s", "ring thread-s",
-        "tier held it after s", "warm answer s")
+HEAD = ("hydrator", "stage", "tier", "GB copied", "pinned at stage GB", "ram GB", "stage s", "copy s", "copy GB/s",
+        "ring thread-s", "tier held it after s", "warm answer s")
+ROWS = ("on", "warmed", "off", "zeros")  # `--rows`: the groups of rows the docstring lists, in that order
 
 
 def write_dump(directory: Path, gib: int, *, zeros: bool = False) -> list[dict[str, Any]]:
@@ -103,6 +105,7 @@ def hydrator(label: str, budget: str, work: Path, threads: int = 16) -> Iterator
 
 def stage(control: str, ready: dict[str, Any], parts: list[dict[str, Any]], label: str, n: int) -> dict[str, Any]:
     """One stage-dump of `parts`, discarded (as a restore that adopted it would leave it): its row."""
+    pinned = request(control, {"op": "status"}, timeout=10.0)["ram_tier"]["loading_pinned_bytes"]  # a load's
     answer = request(control, {"op": "stage-dump", "key": KEY, "parts": parts, "device_uuid": ready["device_uuid"]},
                      timeout=300.0)
     if not answer.get("ok"):
@@ -111,7 +114,7 @@ def stage(control: str, ready: dict[str, Any], parts: list[dict[str, Any]], labe
     copy = answer.get("copy") or {}
     copied = answer.get("copied_bytes", answer["bytes"])
     return {"hydrator": label, "stage": n, "tier": answer.get("tier"), "bytes": copied,
-            "ram_bytes": answer.get("ram_bytes", copied if answer.get("tier") == "ram" else 0),
+            "ram_bytes": answer.get("ram_bytes", copied if answer.get("tier") == "ram" else 0), "pinned_before": pinned,
             "stage_s": answer["stage_s"], "copy_s": answer["copy_s"], "copy_gbps": copied / answer["copy_s"] / 1e9,
             "ring_thread_s": copy.get("read_thread_s"), "held_after_s": None}
 
@@ -163,7 +166,8 @@ def warmed_rows(parts: list[dict[str, Any]], budget: str, work: Path, delay: flo
 def cells(row: dict[str, Any]) -> list[str]:
     def f(value: Any) -> str:
         return "-" if value is None else f"{value:.2f}"
-    return [row["hydrator"], str(row["stage"]), str(row["tier"]), f(row["bytes"] / 1e9), f(row["ram_bytes"] / 1e9),
+    return [row["hydrator"], str(row["stage"]), str(row["tier"]), f(row["bytes"] / 1e9),
+            f(row["pinned_before"] / 1e9), f(row["ram_bytes"] / 1e9),
             f(row["stage_s"]),
             f(row["copy_s"]), f"{row['copy_gbps']:.1f}", f(row["ring_thread_s"]) if row["ring_thread_s"] else "0",
             f(row["held_after_s"]), f"{row['warm_answer_s']:.4f}" if "warm_answer_s" in row else "-"]
@@ -179,7 +183,11 @@ def main() -> int:
                         help="seconds from a warm's answer to the stage that joins its load (a restore's start)")
     parser.add_argument("--dump-threads", type=lambda text: [int(n) for n in text.split(",")], default=[16, 8, 4],
                         help="the tier-off hydrators' readers (serve --dump-threads), one hydrator each: 16,8,4")
+    parser.add_argument("--rows", type=lambda text: text.split(","), default=list(ROWS),
+                        help=f"the groups of rows to run (default all: {','.join(ROWS)})")
     args = parser.parse_args()
+    if set(args.rows) - set(ROWS):
+        parser.error(f"--rows must name some of {','.join(ROWS)}, not {','.join(args.rows)}")
     if args.gib < 2 or args.stages < 2:
         parser.error("--gib must be at least 2 and --stages at least 2 (a miss, then hits)")
     work = Path(tempfile.mkdtemp(prefix="cs-ram-tier-", dir=args.dir))
@@ -187,16 +195,18 @@ def main() -> int:
         started = time.perf_counter()
         parts = write_dump(work, args.gib)
         print(f"dump: {args.gib} GiB in {work} written in {time.perf_counter() - started:.1f} s", flush=True)
-        rows = stage_rows("ram tier on", parts, args.stages, f"{args.gib + 1}G", work)
-        rows += warmed_rows(parts, f"{args.gib + 1}G", work, args.warm_delay)
-        for threads in args.dump_threads:  # the disk tier's readers: fewer may cost a restore beside it less
+        rows = stage_rows("ram tier on", parts, args.stages, f"{args.gib + 1}G", work) if "on" in args.rows else []
+        if "warmed" in args.rows:
+            rows += warmed_rows(parts, f"{args.gib + 1}G", work, args.warm_delay)
+        for threads in args.dump_threads if "off" in args.rows else []:  # fewer readers may cost a restore less
             rows += stage_rows(f"ram tier off, {threads} readers", parts, 2, "0", work, threads)
-        zeros = write_dump(work, args.gib, zeros=True)  # its data fit a budget its whole size does not (JAX's)
-        rows += stage_rows("half zeros, budget below the dump", zeros, 2, f"{args.gib // 2 + 1}G", work)
+        if "zeros" in args.rows:  # its data fit a budget its whole size does not (JAX's)
+            zeros = write_dump(work, args.gib, zeros=True)
+            rows += stage_rows("half zeros, budget below the dump", zeros, 2, f"{args.gib // 2 + 1}G", work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     text = table(HEAD, [cells(r) for r in rows])
-    print(text + f"\n\nRAM tier after the run: {json.dumps(rows[args.stages - 1].get('status'))}", flush=True)
+    print(text + f"\n\nRAM tier after the run: {json.dumps(rows[-1].get('status'))}", flush=True)
     if args.out:
         Path(args.out, "ram-tier.txt").write_text(text + "\n")
         Path(args.out, "ram-tier.json").write_text(json.dumps({"gib": args.gib, "rows": rows}, indent=2) + "\n")
