@@ -89,10 +89,10 @@ def _serve_parser(serve: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help=f"reader threads of a device dump's stage from the files (the disk tier; 1 to "
                             f"{MAX_DUMP_THREADS}, default {DUMP_THREADS}): fewer leave more CPU and memory bandwidth "
                             "to the restore beside it")
-    serve.add_argument("--warm-captures", action="store_true",
+    serve.add_argument("--warm-captures", action=argparse.BooleanOptionalAction, default=True,
                        help="load a capture's device dumps into the RAM tier when its capture worker offers them, "
-                            "so that its first restore stages from RAM (off by default: a restore staging from disk "
-                            "while the load pins memory waits longer)")
+                            "so that its first restore stages from RAM (on by default where the tier is: a restore "
+                            "that comes during the load copies what is pinned and reads the rest, never waiting)")
     serve.add_argument("--allow-uid", type=int, action="append", default=[], metavar="UID",
                        help="a uid whose processes may ask (repeatable; root and this process's uid always may)")
     serve.add_argument("--allow-gid", type=int, action="append", default=[], metavar="GID",

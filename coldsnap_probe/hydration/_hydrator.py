@@ -126,7 +126,7 @@ class HydratorServer:
                  group: int | None = None, stage_uid_count: int | None = None,
                  stage_uid_bytes: int | None = None, ram_tier_bytes: int = 0,
                  status_uids: frozenset[int] = frozenset(), dump_threads: int = DUMP_THREADS,
-                 warm_captures: bool = False) -> None:
+                 warm_captures: bool = True) -> None:
         from .._cuda import Driver
 
         self.driver: Any = driver or Driver()
@@ -161,9 +161,9 @@ class HydratorServer:
         budget = ram_tier_bytes if staging else 0
         pins = HostPins(self.driver, self.context)
         self.ram_tier = RamTier(budget, pin=pins.pin, unpin=pins.unpin)
-        # Captures' dumps offered to the tier (_warm.py): off unless asked for. On the H200 a warm pinning 16 GB
-        # while the next restore staged from disk made that restore wait 1.29 s for its stage (bench/README.md).
-        self.warms = Warms(self.ram_tier, self._openers) if warm_captures else None
+        # Captures' dumps offered to the tier (_warm.py), whenever there is one: a restore's stage joins a load
+        # that is still pinning and pauses it, never waits for it (_ram_tier.py; issue 35).
+        self.warms = Warms(self.ram_tier, self._openers) if warm_captures and budget else None
         self.quota = StageQuota.default(int(total), shared=bool(self.peers.uids or self.peers.gids), stages=STAGE_MAX,
                                         count=stage_uid_count, size=stage_uid_bytes)
         # One stage's ring of page-locked buffers, allocated now rather than on every restore's path (256 MiB).
@@ -209,7 +209,7 @@ class HydratorServer:
             if op == "warm":
                 if self.warms is None:
                     return {"ok": True, "queued": False,
-                            "reason": "this hydrator warms no capture (serve --warm-captures)"}
+                            "reason": "this hydrator warms no capture (no RAM tier, or serve --no-warm-captures)"}
                 return self.warms.warm(self._stage_slot(message), message, peer, conn)
             if op == "adopt":
                 return self._adopt(message, peer, conn)

@@ -230,8 +230,9 @@ class TestRefused:
 
 @pytest.mark.skipif(not has_nvidia_driver(), reason="needs an NVIDIA driver")
 def test_the_real_hydrator_serves_the_first_stage_after_a_warm_from_the_ram_tier(tmp_path: Path) -> None:
-    """The real hydrator: `warm` answers at once (queued), its status counts it, and the first stage-dump of the
-    dump is `tier: ram`, the adopted bytes identical to the files'. Prints the warm's and the stage's seconds."""
+    """The real hydrator, warming by default (it has a RAM tier): `warm` answers at once (queued), its status
+    counts it, and the first stage-dump of the dump is `tier: ram`, the adopted bytes identical to the files'.
+    Prints the warm's and the stage's seconds."""
     from coldsnap_probe.jsonline import request
     from tests.probe._staged import stage_and_read
     from tests.probe.test_ram_tier import dump
@@ -241,7 +242,7 @@ def test_the_real_hydrator_serves_the_first_stage_after_a_warm_from_the_ram_tier
              {"file": str(second), "bytes": 64 * MIB, "region": 0}]
     control = str(tmp_path / "hydrator.sock")
     proc = subprocess.Popen([sys.executable, "-m", "coldsnap_probe.hydration", "serve", "--socket", control,
-                             "--staging", "--ram-tier-bytes", "1G", "--warm-captures"],
+                             "--staging", "--ram-tier-bytes", "1G"],  # warms by default, with a RAM tier
                             stdout=subprocess.PIPE, cwd=ROOT)
     try:
         from tests.probe.test_ram_tier import KEY
