@@ -347,7 +347,7 @@ class TestJoin:
                 assert lease is not None and not lease.complete and lease.pinned == {str(a): ((0, PIN_PIECE),)}
                 assert lease.split([Piece(0, str(a), 0, PIN_PIECE + 2 * MIB)]) == (
                     [Piece(0, str(a), 0, PIN_PIECE)], [Piece(PIN_PIECE, str(a), PIN_PIECE, 2 * MIB)])
-                assert ctypes.string_at(lease.addresses[str(a)], MIB) == a.read_bytes()[:MIB]
+                assert ctypes.string_at(lease.addresses[str(a)], MIB) == bytes(range(256)) * (MIB // 256)
                 assert tier.staged(KEY, fds, whole(fds), lease, PIN_PIECE, 2 * MIB, owner=0) == "joined"
                 lease.release()
                 go.set()
@@ -376,7 +376,7 @@ class TestJoin:
         try:
             with Opened(a) as fds, tier.copying():
                 assert tier.load_later(KEY, fds, whole(fds))
-                time.sleep(0.3)  # a bound on how long the loader has to misbehave, not a measurement
+                time.sleep(0.2)  # a bound on how long the loader has to misbehave, not a measurement
                 assert pins == [] and tier.status()["loading"] == 1
             status = settle(tier)
             assert sorted(pins) == [(0, PIN_PIECE), (PIN_PIECE, MIB)] and status["loads"] == 1, status
@@ -401,7 +401,7 @@ class TestJoin:
                 assert tier.load_later(KEY, fds, whole(fds))
                 mine()
                 mine()
-                time.sleep(0.3)  # a bound on how long the loader has to misbehave, not a measurement
+                time.sleep(0.2)  # a bound on how long the loader has to misbehave, not a measurement
                 assert pins == [], pins
                 theirs()
                 assert settle(tier)["loads"] == 1 and sorted(pins) == [(0, PIN_PIECE), (PIN_PIECE, MIB)]
@@ -432,7 +432,7 @@ class TestJoin:
                 time.sleep(0.2)  # a bound on how long the failed load has to unpin under the lease
                 assert tier.lease(KEY, fds, whole(fds)) is None and tier.status()["loading"] == 1
                 assert locked_bytes() - before == PIN_PIECE
-                assert ctypes.string_at(lease.addresses[str(a)], MIB) == a.read_bytes()[:MIB]
+                assert ctypes.string_at(lease.addresses[str(a)], MIB) == bytes(range(256)) * (MIB // 256)
                 lease.release()
                 status = settle(tier)
             assert (status["entries"], status["bytes"], status["skipped"]["failed"]) == (0, 0, 1), status
