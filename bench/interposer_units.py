@@ -9,11 +9,14 @@ CUDA process). A staged path adds a third, `COLDSNAP_CUDA_INTERPOSER_HYDRATOR`: 
 recorded in the dump's manifest at capture, which the restore worker asks to stage the dump on the GPU while CRIU
 restores the process. That hydrator (`python -m coldsnap_probe.hydration serve --staging`, no weight files) is a
 unit of its own beside the engine's, with the same mounts, not itself under the interposer; its socket lives in
-the same /run/coldsnap directory, so every restore unit of the path reaches it.
+the same /run/coldsnap directory, so every restore unit of the path reaches it. It loads each capture's dump into
+its RAM tier as the capture offers it (`serve --warm-captures`, the default), so that the first restore after a
+capture stages from RAM (issue 35); `WARM_CAPTURES=0` in the bench's environment turns that off, for a side by side.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,7 +79,7 @@ def staging_unit(layout: Layout, image: str, name: str) -> dict[str, Any]:
     adopts)."""
     spec = layout.unit(name, image, entrypoint=layout.python, command=[
         "-m", "coldsnap_probe.hydration", "serve", "--staging", "--ram-tier-bytes", "auto", "--socket",
-        STAGING_SOCKET])
+        STAGING_SOCKET, *(["--no-warm-captures"] if os.environ.get("WARM_CAPTURES") == "0" else [])])
     spec["environment"] = {k: v for k, v in spec["environment"].items()
                            if k != "LD_PRELOAD" and not k.startswith("COLDSNAP_CUDA_INTERPOSER")}
     return spec

@@ -136,7 +136,8 @@ class _HydratorStageCollector(Collector):
                                    "tier; disk: the dump files)", labels=["tier"])
         stages = CounterMetricFamily("coldsnap_provider_hydrator_stages",
                                      "Device dump stages those hydrators filled, by the tier that served them "
-                                     "(ram: a hit of the RAM tier)", labels=["tier"])
+                                     "(ram: a hit of the RAM tier; a stage that joined a load: the tier that "
+                                     "served most of its bytes)", labels=["tier"])
         for tier, count, staged in self._tiers():
             read.add_metric([tier], float(count))
             stages.add_metric([tier], float(staged))

@@ -99,10 +99,10 @@ def _serve_parser(serve: argparse.ArgumentParser) -> argparse.ArgumentParser:
     serve.add_argument("--dump-chunk", type=_dump_chunk, default=DUMP_CHUNK, metavar="SIZE",
                        help=f"bytes each of those readers reads at a time, e.g. 2M (64K to 64M, a multiple of 4K; "
                             f"default {DUMP_CHUNK >> 20}M; each keeps two page-locked buffers of it)")
-    serve.add_argument("--warm-captures", action="store_true",
+    serve.add_argument("--warm-captures", action=argparse.BooleanOptionalAction, default=True,
                        help="load a capture's device dumps into the RAM tier when its capture worker offers them, "
-                            "so that its first restore stages from RAM (off by default: a restore staging from disk "
-                            "while the load pins memory waits longer)")
+                            "so that its first restore stages from RAM (on by default where the tier is: a restore "
+                            "that comes during the load copies what is pinned and reads the rest, never waiting)")
     serve.add_argument("--allow-uid", type=int, action="append", default=[], metavar="UID",
                        help="a uid whose processes may ask (repeatable; root and this process's uid always may)")
     serve.add_argument("--allow-gid", type=int, action="append", default=[], metavar="GID",

@@ -13,17 +13,17 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .. import jsonline
 from ..errors import HydrationError
-from ._copy import ZEROS, HostBuffers, Piece, Pinned, Pread, copy_to_device, region_pieces, zero_split
-from ._digests import DIGEST_CHUNK
+from ._copy import ZEROS, HostBuffers, Piece, Pinned, Pread, copy_to_device
 from ._peer_files import DumpLayout, dump_layout, dump_reads, held_sources, open_dump_parts
 from ._peer_view import OPENERS, PeerView
 from ._ram_tier import RamTier
 from ._request_fields import first_page, request_regions, stage_key
+from ._stage_copy import at_once, dump_pieces
 from ._stage_quota import StageQuota, check_stage_quota
 from ._staging import ADOPT_PAGE, StageRequest
 from ._vmm import (
@@ -38,12 +38,15 @@ from ._vmm import (
 from ._warm import Warms
 from ._weights import HydrationManifest, WeightRegion
 
-__all__ = ("CONNECTIONS", "DUMP_CHUNK", "DUMP_CHUNKS", "DUMP_THREADS", "MAX_DUMP_THREADS", "STAGE_MAX", "STAGE_RESERVE",
-           "STAGE_TTL", "UID_CONNECTIONS", "HydratorServer", "Stager", "dump_pieces")
+__all__ = ("CONNECTIONS", "DUMP_CHUNK", "DUMP_CHUNKS", "DUMP_THREADS", "MAX_DUMP_THREADS", "STAGE_MAX",
+           "STAGE_PAUSE_S", "STAGE_RESERVE", "STAGE_TTL", "UID_CONNECTIONS", "HydratorServer", "Stager")
 
 STAGE_TTL = 120.0  # seconds a staged allocation waits for its engine before the hydrator frees it
 STAGE_MAX = 4  # staged allocations a hydrator holds at once
 STAGE_RESERVE = 1 << 30  # device bytes staging leaves free (the engine's restored state needs them)
+# A filled stage pauses the RAM tier's loads until adopted, at most this long: an engine adopts within its restore
+# (its CUDA restore: 0.3 s on the H200); one that fell back or hangs must not hold every load for the whole TTL.
+STAGE_PAUSE_S = 10.0
 _Slot = tuple[int, str]  # a stage's place: (the uid that staged it, its key), so tenants never share one
 DUMP_THREADS, DUMP_CHUNK = 16, 8 << 20  # the ring a dump is read through (page-locked, kept: 256 MiB)
 MAX_DUMP_THREADS = 64  # `serve --dump-threads`' bound (each reader keeps two page-locked buffers of DUMP_CHUNK)
@@ -74,6 +77,9 @@ class _Staged:
     ready: bool = False
     unallocated: int = 0
     stager: int = -1  # the stager's pidfd (owned here; -1: none sent): a ready stage is freed once it exits
+    # The RAM tier's loads stay paused from the stage's request until it is dropped (adopted, discarded, expired,
+    # failed) or STAGE_PAUSE_S after it was filled: the engine's restore and adopt run meanwhile.
+    resume: Callable[[], None] = field(default=lambda: None)
 
     def held_by(self, ticket: object) -> bool:
         """Adopting or discarding a stage takes its ticket: the engine may run as another uid than the worker
@@ -121,7 +127,7 @@ class HydratorServer:
                  group: int | None = None, stage_uid_count: int | None = None,
                  stage_uid_bytes: int | None = None, ram_tier_bytes: int = 0,
                  status_uids: frozenset[int] = frozenset(), dump_threads: int = DUMP_THREADS,
-                 warm_captures: bool = False, dump_chunk: int = DUMP_CHUNK) -> None:
+                 warm_captures: bool = True, dump_chunk: int = DUMP_CHUNK) -> None:
         from .._cuda import Driver
 
         self.driver: Any = driver or Driver()
@@ -156,9 +162,9 @@ class HydratorServer:
         budget = ram_tier_bytes if staging else 0
         pins = HostPins(self.driver, self.context)
         self.ram_tier = RamTier(budget, pin=pins.pin, unpin=pins.unpin)
-        # Captures' dumps offered to the tier (_warm.py): off unless asked for. On the H200 a warm pinning 16 GB
-        # while the next restore staged from disk made that restore wait 1.29 s for its stage (bench/README.md).
-        self.warms = Warms(self.ram_tier, self._openers) if warm_captures else None
+        # Captures' dumps offered to the tier (_warm.py), whenever there is one: a restore's stage joins a load
+        # that is still pinning and pauses it, never waits for it (_ram_tier.py; issue 35).
+        self.warms = Warms(self.ram_tier, self._openers) if warm_captures and budget else None
         self.quota = StageQuota.default(int(total), shared=bool(self.peers.uids or self.peers.gids), stages=STAGE_MAX,
                                         count=stage_uid_count, size=stage_uid_bytes)
         # One stage's ring of page-locked buffers, allocated now rather than on every restore's path (256 MiB).
@@ -199,15 +205,15 @@ class HydratorServer:
             if op == "hydrate":
                 if len(fds) != 1:
                     raise HydrationError("a hydrate request carries exactly one allocation descriptor")
-                return self._hydrate(message, fds[0], peer, conn)
-            if op == "stage":
-                return self._stage(message, peer, conn, _stager(fds))
-            if op == "stage-dump":
-                return self._stage_dump(message, peer, conn, _stager(fds))
+                with self.ram_tier.copying():  # a restore's copy: the tier's loads pin no further piece meanwhile
+                    return self._hydrate(message, fds[0], peer, conn)
+            if op in ("stage", "stage-dump"):
+                with self.ram_tier.copying():
+                    return (self._stage if op == "stage" else self._stage_dump)(message, peer, conn, _stager(fds))
             if op == "warm":
                 if self.warms is None:
                     return {"ok": True, "queued": False,
-                            "reason": "this hydrator warms no capture (serve --warm-captures)"}
+                            "reason": "this hydrator warms no capture (no RAM tier, or serve --no-warm-captures)"}
                 return self.warms.warm(self._stage_slot(message), message, peer, conn)
             if op == "adopt":
                 return self._adopt(message, peer, conn)
@@ -332,11 +338,12 @@ class HydratorServer:
         allocation made and the reservation; so does a stager that hung up (`conn` closed) meanwhile: a restore
         refused after it started its stages, or a worker that died, leaves nothing staged for the TTL."""
         slot = (peer.uid, key)
-        kept = replace(staged, stager=os.dup(stager) if stager >= 0 else -1)  # the request's own is closed after it
+        kept = replace(staged, stager=os.dup(stager) if stager >= 0 else -1,  # the request's own is closed after it
+                       resume=self.ram_tier.pause())
         try:
             reserved = self._reserve(slot, kept)
         except BaseException:
-            _close_stager(kept)
+            _let_go(kept)
             raise
         started = time.perf_counter()
         handles: list[Any] = []
@@ -353,7 +360,7 @@ class HydratorServer:
             with self._lock:
                 if self.staged.get(slot) is reserved:
                     del self.staged[slot]
-            _close_stager(reserved)
+            _let_go(reserved)
             for handle in handles:
                 self.driver.cuda.cuMemRelease(handle)
             raise
@@ -398,28 +405,37 @@ class HydratorServer:
         into the allocations mapped back to back (through the page cache: on the H200 machine's disk 16 readers
         read 1.45 GB/s through it and 1.02 with O_DIRECT, bench/e2e_store.py's rates), or, when the RAM tier holds
         these very files (`tier: ram`), one DMA per piece from their pinned mappings; a miss (`tier: disk`) queues
-        them for the tier. Only files `peer` could read itself in its own view, on this hydrator's GPU."""
+        them for the tier; a stage of a dump the tier is loading (a capture's warm) copies what is pinned so far
+        from it and reads the rest at once (`tier: joined`, `ram_bytes`: _stage_copy.py). Only files `peer`
+        could read itself in its own view, on this hydrator's GPU."""
         key = self._stage_slot(message)
         layout, sizes = dump_layout(message.get("parts"))
         with PeerView.of(conn, peer, openers=self._openers) as view:
             parts, fds = open_dump_parts(layout, view)
-        size, reads = sum(sizes), dump_reads(layout)  # the tier holds what a stage reads: no chunk of zeros
-        zero = sum(p.size for p in dump_pieces(parts, layout, 0) if p.source == ZEROS)
-        lease = self.ram_tier.lease(key, fds, reads)  # a hit: the very files the peer opened, held page-locked
+        size, reads, pieces = sum(sizes), dump_reads(layout), dump_pieces(parts, layout, 0)  # reads: no zeros
+        zero = sum(p.size for p in pieces if p.source == ZEROS)
+        lease = self.ram_tier.lease(key, fds, reads)  # a hit or a join: the very files the peer opened, pinned
+        held, rest = lease.split(pieces) if lease is not None else ([], pieces)
         reader = Pread(threads=self.dump_threads, chunk=self.dump_chunk, opened=fds, buffers=self.dump_buffers)
-        copy = self._pinned(dump_pieces(parts, layout, 0), lease.addresses) if lease is not None else \
-            lambda va: copy_to_device(self.driver, self.context, dump_pieces(parts, layout, va), reader)
+        copies: list[Callable[[int], object]] = []
+        if lease is not None and held:
+            copies.append(self._pinned(held, lease.addresses))
+        if rest:
+            copies.append(lambda va: copy_to_device(self.driver, self.context,
+                                                    [p._replace(dst=va + p.dst) for p in rest], reader))
+        copy = at_once(self.driver, self.context, copies)  # the ring's last: its report is the stage's `copy`
+        ram = sum(p.size for p in held if p.source != ZEROS)
         try:
             answer = self._stage_into(key, peer, conn, _Staged((), 0, size, parts, 0.0, 0.0, 0.0, 0, "",
                                                                layout=layout, sizes=sizes), copy, size, stager)
-            tier = self.ram_tier.staged(key, fds, reads, lease, size - zero, owner=peer.uid)
+            tier = self.ram_tier.staged(key, fds, reads, lease, ram, size - zero - ram, owner=peer.uid)
         finally:
             if lease is not None:
                 lease.release()
             for fd in fds.values():
                 os.close(fd)
         # zero_bytes: set on the device; copied_bytes: read and moved (from the RAM tier or the files: `tier`)
-        return {**answer, "zero_bytes": zero, "copied_bytes": size - zero, "tier": tier}
+        return {**answer, "zero_bytes": zero, "copied_bytes": size - zero, "tier": tier, "ram_bytes": ram}
 
     def _adopt(self, message: dict[str, Any], peer: jsonline.Peer, conn: socket.socket) -> jsonline.Answer:
         """Hand a stage's allocations to its engine as descriptors, ADOPT_PAGE at a time from `first` (default 0):
@@ -496,7 +512,7 @@ class HydratorServer:
     def _free(self, slot: _Slot) -> None:
         """Under the lock: drop a ready stage and release its allocations (a handed-out descriptor keeps its own)."""
         dropped = self.staged.pop(slot)
-        _close_stager(dropped)
+        _let_go(dropped)
         for handle in dropped.handles:
             self.driver.cuda.cuMemRelease(handle)
 
@@ -510,15 +526,11 @@ class HydratorServer:
 
     def _expire_locked(self) -> None:
         now = time.monotonic()  # a stage being filled expires at inf: never freed under its filler
+        for staged in self.staged.values():
+            if staged.ready and staged.expires - self.stage_ttl + STAGE_PAUSE_S <= now:
+                staged.resume()
         for key in [k for k, v in self.staged.items() if v.ready and (v.expires <= now or _exited(v.stager))]:
             self._free(key)
-
-
-def dump_pieces(parts: Sequence[WeightRegion], layout: DumpLayout, at: int) -> list[Piece]:
-    """A stage-dump's copy, the staged range at `at`: each part's chunks of zeros (its layout's mask, from the
-    manifest) set on the device, the rest read from its file."""
-    return [piece for region, (_file, _bytes, _region, zero) in zip(region_pieces(parts, at), layout, strict=True)
-            for piece in zero_split(region, zero, DIGEST_CHUNK)]
 
 
 def _stager(fds: list[int]) -> int:
@@ -539,7 +551,9 @@ def _exited(pidfd: int) -> bool:
     return bool(poller.poll(0))
 
 
-def _close_stager(staged: _Staged) -> None:
+def _let_go(staged: _Staged) -> None:
+    """A stage let go: its stager's pidfd closed, the RAM tier's loads no longer paused for it."""
+    staged.resume()
     if staged.stager >= 0:
         os.close(staged.stager)
 

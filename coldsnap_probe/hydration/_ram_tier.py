@@ -23,8 +23,17 @@ never evicted.
 Loading (`load_later`): never on a restore's critical path. A miss stages through the ring as before; then the
 dump (or one a capture offered: `_warm.py`) is queued (descriptors duplicated, at most LOAD_QUEUE waiting, a dump
 already held or queued once) for the loader thread, which maps each file from its descriptor, pins it (the
-hydrator's `cuMemHostRegister`) and checks its identity again, LOAD_THREADS files at once, every thread at the
-lowest CPU priority. A stage of a dump still being pinned misses (`misses_loading`): it never waits for the load.
+hydrator's `cuMemHostRegister`) in pieces of PIN_PIECE bytes, LOAD_THREADS pieces at once, and checks its identity
+again, every thread at the lowest CPU priority.
+
+A load yields to restores (issue 35: on the H200 a stage that came while a warm pinned 16 GB in whole files waited
+1.29 s, its allocations queued behind the driver's registrations): the hydrator wraps every copy on a restore's
+path in `copying()` and holds a `pause()` from a stage's request until its engine adopts it (or it is dropped), and
+meanwhile the loader pins no further piece (`loader_paused_s`); a restore waits at most for the pieces in flight.
+A stage of a dump still being loaded joins it (`joins`): its lease names the pieces pinned so far (`Lease.pinned`),
+the stage copies those from the pinned mappings and reads only the rest from the files (`Lease.split`), and the
+load goes on after it. A stage of a dump of which nothing is pinned yet misses (`misses_loading`). A stage never
+waits for a load.
 
 Budget: the bytes held, entries being loaded included, stay within `budget` (0: the tier is off). Room is made by
 evicting entries no stage is using; a dump that would not fit even so (larger than the budget, or the rest in use
@@ -41,32 +50,40 @@ theirs: one tenant's stages, however many, cannot empty the tier of the others'.
 serves it (the same files, read in the asker's own view); the entry stays its owner's. The load queue holds at most
 QUEUE_PER_UID dumps of one uid, so one tenant's misses cannot keep the others' out of it.
 
-Locking: the entries, their use counts and the counters are read and changed only under `self._lock`, in one
-hold per check-then-act; pinning and unpinning (slow: hundreds of ms for tens of GB) run outside it, so a lease
-never waits for them.
+Locking: the entries, their use counts, what each load has pinned so far and the counters are read and changed
+only under `self._lock`, in one hold per check-then-act; pinning and unpinning (slow: hundreds of ms for tens of
+GB) run outside it, so a lease never waits for them. A load that fails unpins only once no stage that joined it
+still copies from it.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import threading
-from collections.abc import Callable, Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import HydrationError
+from ._copy import ZEROS, Piece
+from ._digests import DIGEST_CHUNK
 from ._peer_files import Runs, merge_runs
 from ._vmm import Mapped
 
-__all__ = ("LOAD_QUEUE", "LOAD_THREADS", "QUEUE_PER_UID", "TIERS", "Identity", "Lease", "RamTier", "default_budget",
-           "identity", "node_memory")
+__all__ = ("LOAD_QUEUE", "LOAD_THREADS", "PIN_PIECE", "QUEUE_PER_UID", "TIERS", "Identity", "Lease", "RamTier",
+           "default_budget", "identity", "node_memory", "pin_pieces")
 
 LOAD_QUEUE = 2  # dumps waiting for the loader: a later miss queues the dump again
 QUEUE_PER_UID = 1  # of those, one peer uid's: the other place stays free for another tenant's miss
-# Files of a dump mapped and pinned at once: pinning 8 GiB of tmpfs took 4.5 s on one thread (4 KiB pages, H200).
+# Pieces of a dump pinned at once: pinning 8 GiB of tmpfs took 4.5 s on one thread (4 KiB pages, H200).
 LOAD_THREADS = 4
+# A load's registration: a stage waits at most for the pieces in flight (4 KiB pages: ~35 ms each on the H200),
+# and a copy from the tier never spans two registrations (`Lease.split` cuts at them).
+PIN_PIECE = DIGEST_CHUNK
 TIERS = ("ram", "disk")  # where a stage's bytes were read: the RAM tier, or the files (page cache or disk)
 Identity = tuple[int, int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns
 _Name = tuple[str, frozenset[tuple[Identity, Runs]]]  # the manifest digest; its files' identities and runs read
@@ -98,33 +115,74 @@ def default_budget() -> int:
     return node_memory() // 4
 
 
+def pin_pieces(runs: Runs) -> Runs:
+    """The runs cut into the registrations a load pins one at a time, PIN_PIECE bytes at most each."""
+    return tuple((offset + at, min(PIN_PIECE, n - at)) for offset, n in runs for at in range(0, n, PIN_PIECE))
+
+
 @dataclass(eq=False)
 class _Dump:
     """One held dump: its files' pinned mappings by identity (empty until loaded)."""
 
     size: int
     owner: int  # the peer uid whose stage's miss loaded it: its bytes count to that uid's share
-    files: dict[Identity, Mapped] = field(default_factory=dict)
+    files: dict[Identity, Mapped] = field(default_factory=dict)  # filled as the load maps each file
     fds: dict[Identity, int] = field(default_factory=dict)  # each file's descriptor, kept to see it removed
-    users: int = 0  # stages copying from it now (leases): never evicted while above 0
-    ready: bool = False  # loaded and pinned: only then leased
+    # Invariant: each file's registrations done so far, as they completed (all of `pin_pieces` once ready); only
+    # grows.
+    pinned: dict[Identity, list[tuple[int, int]]] = field(default_factory=dict)
+    users: int = 0  # stages copying from it now (leases): never evicted nor unpinned while above 0
+    ready: bool = False  # loaded and pinned: a hit; before, a stage joins what is pinned
+    failed: bool = False  # its load failed: no stage joins it, it goes once no stage uses it
 
 
 @dataclass(frozen=True)
 class Lease:
-    """A hit: each part file, as the stage's peer named it, to its first byte in the pinned mapping; the entry
-    stays in use until the lease is released."""
+    """A hit (`complete`) or a join of a load: each part file, as the stage's peer named it, to its first byte in
+    the mapping and to the runs of it pinned (one registration each); the entry stays in use until the lease is
+    released."""
 
     addresses: Mapping[str, int]
+    pinned: Mapping[str, Runs]  # each file's registrations, in order
     size: int
+    complete: bool
     release: Callable[[], None]  # once, when the stage's copy has ended (done or failed)
+
+    def split(self, pieces: Sequence[Piece]) -> tuple[list[Piece], list[Piece]]:
+        """`pieces` as the ones to copy from the pinned mappings (cut at the registrations; the runs of zeros,
+        which read nothing, with them) and the rest, to read from the files."""
+        held: list[Piece] = []
+        rest: list[Piece] = []
+        for piece in pieces:
+            if piece.source == ZEROS:
+                held.append(piece)
+                continue
+            at, end = piece.offset, piece.offset + piece.size
+            for offset, n in self.pinned.get(piece.source, ()):  # in order (`RamTier.lease`)
+                low, high = max(at, offset), min(end, offset + n)
+                if low >= high:
+                    continue
+                if low > at:
+                    rest.append(_part(piece, at, low))
+                held.append(_part(piece, low, high))
+                at = high
+            if at < end:
+                rest.append(_part(piece, at, end))
+        return held, rest
+
+
+def _part(piece: Piece, start: int, end: int) -> Piece:
+    """The bytes [start, end) of `piece`'s source, to where they go in its destination."""
+    return Piece(piece.dst + start - piece.offset, piece.source, start, end - start)
 
 
 class RamTier:
-    """Device dumps kept page-locked, within `budget` bytes (module docstring). `pin` page-locks a mapping for
-    the copy engine and `unpin` undoes it and unmaps (the hydrator's driver calls, in its context)."""
+    """Device dumps kept page-locked, within `budget` bytes (module docstring). `pin` page-locks a run (offset,
+    bytes) of a mapping for the copy engine, one registration, and `unpin` undoes them all and unmaps (the
+    hydrator's driver calls, in its context)."""
 
-    def __init__(self, budget: int, *, pin: Callable[[Mapped], None], unpin: Callable[[Mapped], None]) -> None:
+    def __init__(self, budget: int, *, pin: Callable[[Mapped, tuple[int, int]], None],
+                 unpin: Callable[[Mapped], None]) -> None:
         if budget < 0:
             raise HydrationError(f"the RAM tier's budget must be 0 (off) or a number of bytes, not {budget}")
         self.budget, self._pin, self._unpin = budget, pin, unpin
@@ -137,6 +195,9 @@ class RamTier:
         self.hits = self.misses = self.evictions = self.loads = self.dropped = 0
         self.skipped = dict.fromkeys(_SKIPS, 0)
         self.misses_loading = 0  # of the misses, those of a dump the loader was pinning then
+        self.joins = 0  # stages that copied what a load had pinned so far and read the rest
+        self.loader_paused_s = 0.0  # the loader's thread-seconds spent waiting for restores' copies
+        self._copies = 0  # copies on a restore's path running now (`copying`): the loader pins nothing meanwhile
         self.read_bytes = dict.fromkeys(TIERS, 0)  # bytes staged from each tier
         self.stages = dict.fromkeys(TIERS, 0)  # stages filled from each tier (the hydrator's own count: metrics)
         self.last_error = ""  # the loader's last failure (a dump not held), for `status`
@@ -148,39 +209,80 @@ class RamTier:
     def lease(self, key: str, fds: Mapping[str, int], reads: Mapping[str, Runs]) -> Lease | None:
         """The held dump of `key` whose files are the ones open as `fds` (each part file as the peer named it, to
         the descriptor it opened), of which its stage reads the runs `reads` (named alike; a file it reads nothing
-        of is not held), in use until the lease ends; None (a miss) when the tier holds no such dump."""
+        of is not held), in use until the lease ends: whole (a hit) or, while it is being loaded, what is pinned
+        so far (a join); None (a miss) when the tier holds no such dump or has pinned none of it yet."""
         if not self.budget:
             return None
         ids = {named: identity(fd) for named, fd in fds.items() if named in reads}
         name = (key, frozenset(_reads(ids, reads).items()))
         with self._lock:
             dump = self._held.get(name)
-            if dump is None or not dump.ready:
+            if dump is None or dump.failed or not any(dump.pinned.values()):
                 self.misses += 1
-                self.misses_loading += dump is not None  # being pinned (a warm's load): never waited for
+                self.misses_loading += dump is not None  # nothing pinned yet (a warm's load): never waited for
                 return None
             dump.users += 1
-            self._held.move_to_end(name)
-            self.hits += 1
-            addresses = {named: dump.files[ident].address for named, ident in ids.items()}  # the files read
-        return Lease(addresses, dump.size, lambda: self._release(dump))
+            if dump.ready:
+                self._held.move_to_end(name)
+                self.hits += 1
+            else:
+                self.joins += 1
+            addresses = {named: dump.files[ident].address for named, ident in ids.items() if ident in dump.files}
+            pinned = {named: tuple(sorted(dump.pinned.get(ident, ()))) for named, ident in ids.items()}
+        return Lease(addresses, pinned, dump.size, dump.ready, lambda: self._release(dump))
 
     def _release(self, dump: _Dump) -> None:
         with self._lock:
             dump.users -= 1
+            self._wake.notify_all()  # a failed load waits for its last user to unpin
+
+    def pause(self) -> Callable[[], None]:
+        """A restore is in flight (a stage, from its request until its engine adopts it): the loader pins no
+        further piece until the call returned is made (once; a second does nothing)."""
+        ended = threading.Event()
+        with self._lock:
+            self._copies += 1
+
+        def resume() -> None:
+            with self._lock:
+                if not ended.is_set():
+                    ended.set()
+                    self._copies -= 1
+                    self._wake.notify_all()
+        return resume
+
+    @contextlib.contextmanager
+    def copying(self) -> Iterator[None]:
+        """A copy on a restore's path (a request to stage or hydrate) runs inside: `pause` for its length."""
+        resume = self.pause()
+        try:
+            yield
+        finally:
+            resume()
+
+    def _quiet(self) -> None:
+        """The loader's wait before each piece: until no restore's copy runs; a HydrationError once closed."""
+        with self._lock:
+            started = time.perf_counter()
+            self._wake.wait_for(lambda: not self._copies or self._closed)
+            self.loader_paused_s += time.perf_counter() - started
+            if self._closed:
+                raise HydrationError("the RAM tier closed while a dump was being held")
 
     def staged(self, key: str, fds: Mapping[str, int], reads: Mapping[str, Runs], lease: Lease | None,
-               size: int, *, owner: int) -> str:
-        """After a stage of `size` bytes copied from the files open as `fds` (their runs `reads`), from `lease` (a
-        hit) or the files (a miss), for a peer of uid `owner`: the stage and its bytes counted under the tier that
-        served them, a miss's dump queued for loading (`load_later`); that tier's name (TIERS)."""
-        tier = "disk" if lease is None else "ram"
+               ram: int, disk: int, *, owner: int) -> str:
+        """After a stage copied `ram` bytes from `lease`'s pinned mappings and `disk` from the files open as
+        `fds` (their runs `reads`), for a peer of uid `owner`: its bytes counted under the tier that served them,
+        the stage under the one that served most, a miss's dump queued for loading (`load_later`); that tier's
+        name (TIERS), or `joined` for a stage that joined a load and read from both."""
+        tier = "ram" if lease is not None and ram >= disk else "disk"
         with self._lock:
-            self.read_bytes[tier] += size
+            self.read_bytes["ram"] += ram
+            self.read_bytes["disk"] += disk
             self.stages[tier] += 1
         if lease is None:
             self.load_later(key, fds, reads, owner=owner)
-        return tier
+        return "joined" if ram and disk else tier
 
     def load_later(self, key: str, fds: Mapping[str, int], reads: Mapping[str, Runs], *, owner: int = 0) -> bool:
         """Queue the runs `reads` (named as in `fds`) of the dump of `key` in the files open as `fds` for the
@@ -218,7 +320,10 @@ class RamTier:
                     "dropped": self.dropped, "skipped": dict(self.skipped), "read_bytes": dict(self.read_bytes),
                     "stages": dict(self.stages),
                     "bytes_by_uid": {str(uid): n for uid, n in _by_owner(self._held.values()).items()},
-                    "last_error": self.last_error, "misses_loading": self.misses_loading}
+                    "last_error": self.last_error, "misses_loading": self.misses_loading, "joins": self.joins,
+                    "loader_paused_s": round(self.loader_paused_s, 3),
+                    "loading_pinned_bytes": sum(n for d in self._held.values() if not d.ready
+                                                for runs in d.pinned.values() for _offset, n in runs)}
 
     def close(self) -> None:
         """Stop the loader and unpin every entry (none may be in use)."""
@@ -269,8 +374,9 @@ class RamTier:
                     self._wake.notify_all()
 
     def _load(self, name: _Name, owner: int, fds: Mapping[Identity, int]) -> bool:
-        """Reserve room for `owner`'s dump (evicting), map and pin each file, then make it ready, keeping `fds`; a
-        file whose identity changed meanwhile, or a failed pin, gives everything back. Whether it kept `fds`."""
+        """Reserve room for `owner`'s dump (evicting), map and pin it (`_map_and_pin`), then make it ready,
+        keeping `fds`; a file whose identity changed meanwhile, or a failed pin, gives everything back. Whether it
+        kept `fds`."""
         runs = dict(name[1])
         size = sum(n for file_runs in runs.values() for _offset, n in file_runs)
         with self._lock:
@@ -279,40 +385,65 @@ class RamTier:
                 self.skipped["too_large" if size > self.budget else "no_room"] += 1
                 return False
             dump = self._held[name] = _Dump(size, owner)
-        files: dict[Identity, Mapped] = {}
         try:  # a victim's failed unpin (or no thread to pin with): the room reserved is given back, not kept for ever
             for victim in victims:
                 self._drop(victim)
-            with ThreadPoolExecutor(min(LOAD_THREADS, len(fds)), initializer=_lowest_priority) as pool:
-                done = list(pool.map(lambda item: self._pin_one(item[0], item[1], runs[item[0]], files),
-                                     fds.items()))
+            failed = self._map_and_pin(dump, fds, runs)
         except BaseException:
-            with self._lock:
-                del self._held[name]
+            self._give_back(name, dump)
             raise
-        if failed := next((error for error in done if error), ""):
+        if failed:
             with self._lock:
-                del self._held[name]
                 self.skipped["failed"] += 1
                 self.last_error = failed
-            self._unpin_all(files.values())
+            self._give_back(name, dump)
             return False
         with self._lock:
-            dump.files, dump.fds, dump.ready = {ident: files[ident] for ident in fds}, dict(fds), True
+            dump.fds, dump.ready = dict(fds), True
             self.loads += 1
         return True
 
-    def _pin_one(self, ident: Identity, fd: int, runs: Runs, files: dict[Identity, Mapped]) -> str:
-        """One file of a dump being loaded mapped to the end of its last run `runs`, those runs pinned, into
-        `files`; why not ("" when they were)."""
+    def _map_and_pin(self, dump: _Dump, fds: Mapping[Identity, int], runs: Mapping[Identity, Runs]) -> str:
+        """Each file of `dump` mapped to the end of its last run, then every piece of every file (`pin_pieces`)
+        pinned, LOAD_THREADS at once whatever the files' count (a JAX dump is one file), each once no restore is
+        in flight and then made joinable; then each file's identity taken again. Why not ("" when done)."""
         try:
-            files[ident] = Mapped(f"/proc/self/fd/{fd}", fd=fd, length=sum(runs[-1]), ranges=runs)
-            self._pin(files[ident])
-            if identity(fd) != ident:
-                raise HydrationError("a dump file changed while it was being held")
+            for ident, fd in fds.items():
+                mapped = Mapped(f"/proc/self/fd/{fd}", fd=fd, length=sum(runs[ident][-1]),
+                                ranges=pin_pieces(runs[ident]))
+                with self._lock:
+                    dump.files[ident], dump.pinned[ident] = mapped, []
         except Exception as exc:
             return f"{type(exc).__name__}: {exc}"
+        failed: list[str] = []
+
+        def pin(ident: Identity, run: tuple[int, int]) -> None:
+            if failed:  # the load is given back anyway
+                return
+            try:
+                self._quiet()
+                self._pin(dump.files[ident], run)
+                with self._lock:
+                    dump.pinned[ident].append(run)
+            except Exception as exc:
+                failed.append(f"{type(exc).__name__}: {exc}")
+        pieces = [(ident, run) for ident in fds for run in dump.files[ident].ranges]
+        with ThreadPoolExecutor(min(LOAD_THREADS, len(pieces)), initializer=_lowest_priority) as pool:
+            list(pool.map(lambda piece: pin(*piece), pieces))
+        if failed:
+            return failed[0]
+        if any(identity(fd) != ident for ident, fd in fds.items()):
+            return "HydrationError: a dump file changed while it was being held"
         return ""
+
+    def _give_back(self, name: _Name, dump: _Dump) -> None:
+        """A failed load out of the table once no stage that joined it copies from it, then unpinned: no stage
+        joins it meanwhile, and the room it reserved comes back."""
+        with self._lock:
+            dump.failed = True
+            self._wake.wait_for(lambda: dump.users == 0)
+            del self._held[name]
+        self._unpin_all(dump.files.values())
 
     def _room_for(self, size: int, owner: int) -> list[_Dump] | None:
         """Under the lock: drop entries no stage is using until `size` more bytes of `owner`'s fit the budget, each

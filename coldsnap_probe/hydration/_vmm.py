@@ -115,9 +115,10 @@ class Mapped:
         self.path, self.address = path, int(address)
         self.pinned: list[int] = []  # the addresses of the ranges registered so far (each unregistered at close)
 
-    def register(self, driver: Any) -> None:
-        """Page-lock each of its ranges (a failure leaves those done registered: `close` undoes them)."""
-        for offset, n in self.ranges:
+    def register(self, driver: Any, ranges: tuple[tuple[int, int], ...] = ()) -> None:
+        """Page-lock `ranges` (offset, bytes; default: each of its ranges), each one registration (a failure
+        leaves those done registered: `close` undoes them)."""
+        for offset, n in ranges or self.ranges:
             try:
                 cucall(driver, "cuMemHostRegister", self.address + offset, n, _HOST_REGISTER_READ_ONLY)
             except CudaError:  # drivers without read-only registration
@@ -141,9 +142,10 @@ class HostPins:
     driver: Any
     context: Any
 
-    def pin(self, mapped: Mapped) -> None:
+    def pin(self, mapped: Mapped, run: tuple[int, int]) -> None:
+        """The run (offset, bytes) of `mapped` page-locked, one registration (the tier pins a dump in pieces)."""
         cucall(self.driver, "cuCtxSetCurrent", self.context)
-        mapped.register(self.driver)
+        mapped.register(self.driver, (run,))
 
     def unpin(self, mapped: Mapped) -> None:
         """Unpinned, then unmapped."""

@@ -9,9 +9,11 @@ could read itself. Then the dump is queued for the tier's loader (`RamTier.load_
 once: the loader pins it in the background at the lowest CPU priority, within the tier's budget and counted to the
 asker's uid (its fair share, as a miss's load), evicting as for a miss's load; nothing is staged on the GPU.
 
-A restore that comes while the load runs does not wait for it: its stage misses and reads the files as before (the
-loader's pinning and the stage's ring then share the CPU and memory bandwidth; joining the part already pinned
-would make a stage depend on a load it cannot cancel). A warm is cancelled as any held dump is let go: its files
+A restore that comes while the load runs never waits for it: its stage joins the load (`RamTier.lease`), copying
+what is pinned so far from the pinned mappings and reading only the rest from the files, both at once
+(`_stage_copy.at_once`), and the load pins no further piece while the stage (or any restore's copy) runs, so the
+driver's registrations and the loader's page walks never sit in front of the stage's allocations and reads; the
+load goes on after it, for the restores that follow. A warm is cancelled as any held dump is let go: its files
 removed (a capture rolled back or collected: `prune`), or the tier's LRU.
 """
 

@@ -466,7 +466,7 @@ class TestZeroChunks:
 
     def test_a_stage_reads_only_the_chunks_the_manifest_does_not_mark(self) -> None:
         from coldsnap_probe.hydration._copy import ZEROS
-        from coldsnap_probe.hydration._hydrator import dump_pieces
+        from coldsnap_probe.hydration._stage_copy import dump_pieces
         from coldsnap_probe.hydration._weights import WeightRegion
 
         layout, sizes = dump_layout([part(0, 1 << 30) | {"zero": 0xFF00},  # the upper half of 1 GiB is zeros

@@ -61,7 +61,8 @@ def test_the_stack_limit_knobs_reach_the_control_socket(library: Path, shrink: s
                                                         expected: tuple[bool, int], complaint: str,
                                                         monkeypatch: pytest.MonkeyPatch,
                                                         capfd: pytest.CaptureFixture[str]) -> None:
-    """On by default at 16 bytes (the driver's floor that it reads back, bench/checkpoint_anatomy.py --set limits); `0` turns it off; a mistyped value is named on the engine's stderr with its rule
+    """On by default at 16 bytes (the driver's floor that it reads back: bench/checkpoint_anatomy.py --set limits);
+    `0` turns it off; a mistyped value is named on the engine's stderr with its rule
     and the default is kept (a capture never changes behaviour because of a typo)."""
     for name, value in (("COLDSNAP_CUDA_INTERPOSER_SHRINK_STACK", shrink),
                         ("COLDSNAP_CUDA_INTERPOSER_STACK_BYTES", stack_bytes)):

@@ -26,10 +26,11 @@ import pytest
 
 from coldsnap_probe.errors import HydrationError
 from coldsnap_probe.hydration.__main__ import main
+from coldsnap_probe.hydration._copy import ZEROS, Piece
 from coldsnap_probe.hydration._digests import DIGEST_CHUNK
 from coldsnap_probe.hydration._peer_files import dump_layout, dump_reads, open_dump_parts
 from coldsnap_probe.hydration._peer_view import OPENERS, PeerView
-from coldsnap_probe.hydration._ram_tier import RamTier, identity
+from coldsnap_probe.hydration._ram_tier import PIN_PIECE, Lease, RamTier, identity, pin_pieces
 from coldsnap_probe.hydration._vmm import Mapped
 from tests.helpers import ROOT
 from tests.probe._peers import AS_NOBODY, connected, listening
@@ -43,11 +44,11 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mlock.argtypes = _libc.munlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 
 
-def mlock(mapped: Mapped) -> None:
-    """Each of the mapping's ranges page-locked, as the hydrator's cuMemHostRegister does."""
-    for offset, n in mapped.ranges:
-        if _libc.mlock(mapped.address + offset, n) != 0:
-            raise OSError(ctypes.get_errno(), "mlock")
+def mlock(mapped: Mapped, run: tuple[int, int]) -> None:
+    """The run (offset, bytes) of the mapping page-locked, as the hydrator's cuMemHostRegister does."""
+    offset, n = run
+    if _libc.mlock(mapped.address + offset, n) != 0:
+        raise OSError(ctypes.get_errno(), "mlock")
 
 
 def munlock_and_unmap(mapped: Mapped) -> None:
@@ -105,6 +106,14 @@ def settle(tier: RamTier) -> dict[str, Any]:
         time.sleep(0.005)
     assert not status["loading"], status
     return status
+
+
+def until(done: Any) -> None:
+    """Wait until `done()` is true (a bound, never a measurement)."""
+    deadline = time.monotonic() + 30
+    while not done():
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
 
 
 def held(tier: RamTier, key: str, *paths: Path) -> bool:
@@ -188,7 +197,7 @@ class TestBudget:
             "budget": 0, "entries": 0, "bytes": 0, "in_use": 0, "loading": 0, "hits": 0, "misses": 0,
             "evictions": 0, "loads": 0, "dropped": 0, "skipped": {"too_large": 0, "no_room": 0, "failed": 0},
             "read_bytes": None, "stages": {"ram": 0, "disk": 0}, "bytes_by_uid": {}, "last_error": "",
-            "misses_loading": 0}
+            "misses_loading": 0, "joins": 0, "loader_paused_s": 0.0, "loading_pinned_bytes": 0}
 
 
 class TestZeroChunks:
@@ -249,11 +258,11 @@ class TestCounters:
         tier = tier_of(8 * MIB)
         with Opened(a) as fds:
             assert tier.lease(KEY, fds, whole(fds)) is None
-            assert tier.staged(KEY, fds, whole(fds), None, 2 * MIB, owner=0) == "disk"
+            assert tier.staged(KEY, fds, whole(fds), None, 0, 2 * MIB, owner=0) == "disk"
         settle(tier)
         with Opened(a) as fds:
             lease = tier.lease(KEY, fds, whole(fds))
-            assert lease is not None and tier.staged(KEY, fds, whole(fds), lease, 2 * MIB, owner=0) == "ram"
+            assert lease is not None and tier.staged(KEY, fds, whole(fds), lease, 2 * MIB, 0, owner=0) == "ram"
             lease.release()
         status = tier.status()
         assert (status["hits"], status["misses"], status["loads"], status["entries"]) == (1, 1, 1, 1), status
@@ -265,9 +274,9 @@ class TestCounters:
         tenant's dump was ever queued; now one uid has at most QUEUE_PER_UID of its places."""
         gate = threading.Event()
 
-        def held_back(mapped: Mapped) -> None:  # the loader waits here: what is queued meanwhile stays queued
+        def held_back(mapped: Mapped, run: tuple[int, int]) -> None:  # the loader waits: the queue stays
             gate.wait(30)
-            mlock(mapped)
+            mlock(mapped, run)
         paths = [dump(tmp_path / f"{n}.bin", 2 * MIB) for n in range(5)]
         tier = RamTier(32 * MIB, pin=held_back, unpin=munlock_and_unmap)
         try:
@@ -283,6 +292,153 @@ class TestCounters:
             assert settle(tier)["entries"] == 2
         finally:
             gate.set()
+            tier.close()
+
+
+class TestJoin:
+    """Issue 35: a load (a capture's warm) pins in pieces, pins none while a restore's copy runs, and a stage of
+    the dump it is loading joins it: what is pinned from RAM, the rest from the files, never waiting for it."""
+
+    def test_a_load_pins_in_pieces_of_at_most_pin_piece_bytes(self) -> None:
+        assert pin_pieces(((0, 2 * PIN_PIECE + 5), (3 * PIN_PIECE, 7))) == (
+            (0, PIN_PIECE), (PIN_PIECE, PIN_PIECE), (2 * PIN_PIECE, 5), (3 * PIN_PIECE, 7))
+
+    def test_the_pieces_of_one_file_are_pinned_at_once(self, tmp_path: Path) -> None:
+        """A dump of one file (a JAX engine's pool) is pinned by LOAD_THREADS threads, not one: both pieces must be
+        in their pin together, or the barrier breaks and the load fails."""
+        a = dump(tmp_path / "a.bin", PIN_PIECE + MIB, bytes(range(256)))
+        together = threading.Barrier(2, timeout=10)
+
+        def pin(mapped: Mapped, run: tuple[int, int]) -> None:
+            together.wait()
+            mlock(mapped, run)
+        tier = RamTier(2 * PIN_PIECE, pin=pin, unpin=munlock_and_unmap)
+        try:
+            status = load(tier, KEY, a)
+            assert (status["loads"], status["skipped"]["failed"]) == (1, 0), status
+        finally:
+            tier.close()
+
+    def test_split_copies_what_is_pinned_cut_at_each_registration_and_reads_the_rest(self) -> None:
+        """Every byte once, each pinned part inside one registration (a DMA never spans two), zeros with the
+        pinned copy (they read nothing)."""
+        lease = Lease({"a": 1 << 40}, {"a": ((0, 4 * MIB), (4 * MIB, 4 * MIB), (12 * MIB, 4 * MIB)), "b": ()},
+                      16 * MIB, False, lambda: None)
+        held_pieces, rest = lease.split([Piece(0, "a", 2 * MIB, 14 * MIB), Piece(100 * MIB, ZEROS, 0, 8 * MIB),
+                                         Piece(200 * MIB, "b", 0, MIB)])
+        assert held_pieces == [Piece(0, "a", 2 * MIB, 2 * MIB), Piece(2 * MIB, "a", 4 * MIB, 4 * MIB),
+                               Piece(10 * MIB, "a", 12 * MIB, 4 * MIB), Piece(100 * MIB, ZEROS, 0, 8 * MIB)]
+        assert rest == [Piece(6 * MIB, "a", 8 * MIB, 4 * MIB), Piece(200 * MIB, "b", 0, MIB)]
+
+    def test_a_stage_during_a_load_joins_what_is_pinned_and_the_load_completes_after(self, tmp_path: Path) -> None:
+        a = dump(tmp_path / "a.bin", PIN_PIECE + 2 * MIB, bytes(range(256)))
+        go = threading.Event()
+
+        def pin(mapped: Mapped, run: tuple[int, int]) -> None:
+            if run[0]:  # the second piece waits: the stage comes meanwhile
+                assert go.wait(20)
+            mlock(mapped, run)
+        tier = RamTier(2 * PIN_PIECE, pin=pin, unpin=munlock_and_unmap)
+        try:
+            with Opened(a) as fds:
+                assert tier.load_later(KEY, fds, whole(fds))
+                until(lambda: tier.status()["loading_pinned_bytes"] == PIN_PIECE)
+                lease = tier.lease(KEY, fds, whole(fds))
+                assert lease is not None and not lease.complete and lease.pinned == {str(a): ((0, PIN_PIECE),)}
+                assert lease.split([Piece(0, str(a), 0, PIN_PIECE + 2 * MIB)]) == (
+                    [Piece(0, str(a), 0, PIN_PIECE)], [Piece(PIN_PIECE, str(a), PIN_PIECE, 2 * MIB)])
+                assert ctypes.string_at(lease.addresses[str(a)], MIB) == bytes(range(256)) * (MIB // 256)
+                assert tier.staged(KEY, fds, whole(fds), lease, PIN_PIECE, 2 * MIB, owner=0) == "joined"
+                lease.release()
+                go.set()
+                status = settle(tier)
+                assert (status["joins"], status["hits"], status["misses"], status["loads"]) == (1, 0, 0, 1), status
+                assert status["read_bytes"] == {"ram": PIN_PIECE, "disk": 2 * MIB}, status
+                assert status["stages"] == {"ram": 1, "disk": 0}, status
+                full = tier.lease(KEY, fds, whole(fds))
+                assert full is not None and full.complete, full
+                assert full.pinned == {str(a): ((0, PIN_PIECE), (PIN_PIECE, 2 * MIB))}
+                full.release()
+        finally:
+            go.set()
+            tier.close()
+
+    def test_the_loader_pins_no_piece_while_a_restores_copy_runs(self, tmp_path: Path) -> None:
+        """Without the pause the loader pins the second piece at once, beside the copy (issue 35: a stage's
+        allocations waited 1.29 s behind a warm's registrations on the H200)."""
+        a = dump(tmp_path / "a.bin", PIN_PIECE + MIB, bytes(range(256)))
+        pins: list[tuple[int, int]] = []
+
+        def pin(mapped: Mapped, run: tuple[int, int]) -> None:
+            pins.append(run)
+            mlock(mapped, run)
+        tier = RamTier(2 * PIN_PIECE, pin=pin, unpin=munlock_and_unmap)
+        try:
+            with Opened(a) as fds, tier.copying():
+                assert tier.load_later(KEY, fds, whole(fds))
+                time.sleep(0.2)  # a bound on how long the loader has to misbehave, not a measurement
+                assert pins == [] and tier.status()["loading"] == 1
+            status = settle(tier)
+            assert sorted(pins) == [(0, PIN_PIECE), (PIN_PIECE, MIB)] and status["loads"] == 1, status
+            assert status["loader_paused_s"] > 0, status
+        finally:
+            tier.close()
+
+    def test_a_restore_in_flight_pauses_the_loader_until_its_own_resume_and_a_second_resume_ends_no_other(
+            self, tmp_path: Path) -> None:
+        """A stage holds a pause from its request until its engine adopts it; the hydrator may let a stage go
+        twice (a failed fill, then its slot's replacement): the second call must not end another restore's pause."""
+        a = dump(tmp_path / "a.bin", PIN_PIECE + MIB, bytes(range(256)))
+        pins: list[tuple[int, int]] = []
+
+        def pin(mapped: Mapped, run: tuple[int, int]) -> None:
+            pins.append(run)
+            mlock(mapped, run)
+        tier = RamTier(2 * PIN_PIECE, pin=pin, unpin=munlock_and_unmap)
+        try:
+            with Opened(a) as fds:
+                mine, theirs = tier.pause(), tier.pause()
+                assert tier.load_later(KEY, fds, whole(fds))
+                mine()
+                mine()
+                time.sleep(0.2)  # a bound on how long the loader has to misbehave, not a measurement
+                assert pins == [], pins
+                theirs()
+                assert settle(tier)["loads"] == 1 and sorted(pins) == [(0, PIN_PIECE), (PIN_PIECE, MIB)]
+        finally:
+            tier.close()
+
+    def test_a_load_that_fails_after_a_stage_joined_it_unpins_only_once_that_stage_is_done(
+            self, tmp_path: Path) -> None:
+        """The joined stage copies from the pinned mapping: unmapped under it, its DMA (here: a read) would
+        fault. The failed load is joined no more, and gives everything back once the lease ends."""
+        a = dump(tmp_path / "a.bin", PIN_PIECE + MIB, bytes(range(256)))
+        joined = threading.Event()
+
+        def pin(mapped: Mapped, run: tuple[int, int]) -> None:
+            if run[0]:
+                assert joined.wait(20)
+                raise OSError(12, "Cannot allocate memory")
+            mlock(mapped, run)
+        tier, before = RamTier(2 * PIN_PIECE, pin=pin, unpin=munlock_and_unmap), locked_bytes()
+        try:
+            with Opened(a) as fds:
+                assert tier.load_later(KEY, fds, whole(fds))
+                until(lambda: tier.status()["loading_pinned_bytes"] == PIN_PIECE)
+                lease = tier.lease(KEY, fds, whole(fds))
+                assert lease is not None and not lease.complete
+                joined.set()
+                until(lambda: tier.status()["skipped"]["failed"] == 1)
+                time.sleep(0.2)  # a bound on how long the failed load has to unpin under the lease
+                assert tier.lease(KEY, fds, whole(fds)) is None and tier.status()["loading"] == 1
+                assert locked_bytes() - before == PIN_PIECE
+                assert ctypes.string_at(lease.addresses[str(a)], MIB) == bytes(range(256)) * (MIB // 256)
+                lease.release()
+                status = settle(tier)
+            assert (status["entries"], status["bytes"], status["skipped"]["failed"]) == (0, 0, 1), status
+            assert locked_bytes() == before
+        finally:
+            joined.set()
             tier.close()
 
 
@@ -312,7 +468,7 @@ class TestDescriptors:
             limit = next(n for n in range(1, soft) if len(set(range(n)) - before) == 1)  # one descriptor free
             resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
             try:
-                tier_name = tier.staged(KEY, fds, whole(fds), None, 4 * MIB, owner=0)
+                tier_name = tier.staged(KEY, fds, whole(fds), None, 0, 4 * MIB, owner=0)
             finally:
                 resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
             assert open_fds() == before
@@ -429,10 +585,10 @@ class TestFreshness:
         a = dump(tmp_path / "a.bin", 2 * MIB)
         pinning, go = threading.Event(), threading.Event()
 
-        def slow_pin(mapped: Mapped) -> None:
+        def slow_pin(mapped: Mapped, run: tuple[int, int]) -> None:
             pinning.set()
             assert go.wait(20)
-            mlock(mapped)
+            mlock(mapped, run)
         tier = RamTier(8 * MIB, pin=slow_pin, unpin=munlock_and_unmap)
         try:
             with Opened(a) as fds:
@@ -454,8 +610,8 @@ class TestFreshness:
         the tier would hold a file that is not the one the stage read."""
         a = dump(tmp_path / "a.bin", 2 * MIB)
 
-        def pin_then_touch(mapped: Mapped) -> None:
-            mlock(mapped)
+        def pin_then_touch(mapped: Mapped, run: tuple[int, int]) -> None:
+            mlock(mapped, run)
             time.sleep(0.02)
             with a.open("r+b") as f:
                 f.write(b"x")
@@ -520,11 +676,11 @@ class TestFreshness:
         a, b = dump(tmp_path / "a.bin", 2 * MIB), dump(tmp_path / "b.bin", 2 * MIB)
         refused: list[int] = []
 
-        def pin(mapped: Mapped) -> None:
+        def pin(mapped: Mapped, run: tuple[int, int]) -> None:
             if not refused:  # the first pin fails as the driver's would (out of page-locked memory)
                 refused.append(mapped.size)
                 raise OSError(12, "Cannot allocate memory")
-            mlock(mapped)
+            mlock(mapped, run)
         tier = RamTier(8 * MIB, pin=pin, unpin=munlock_and_unmap)
         try:
             status = load(tier, KEY, a)

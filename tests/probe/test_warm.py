@@ -230,8 +230,9 @@ class TestRefused:
 
 @pytest.mark.skipif(not has_nvidia_driver(), reason="needs an NVIDIA driver")
 def test_the_real_hydrator_serves_the_first_stage_after_a_warm_from_the_ram_tier(tmp_path: Path) -> None:
-    """The real hydrator: `warm` answers at once (queued), its status counts it, and the first stage-dump of the
-    dump is `tier: ram`, the adopted bytes identical to the files'. Prints the warm's and the stage's seconds."""
+    """The real hydrator, warming by default (it has a RAM tier): `warm` answers at once (queued), its status
+    counts it, and the first stage-dump of the dump is `tier: ram`, the adopted bytes identical to the files'.
+    Prints the warm's and the stage's seconds."""
     from coldsnap_probe.jsonline import request
     from tests.probe._staged import stage_and_read
     from tests.probe.test_ram_tier import dump
@@ -241,7 +242,7 @@ def test_the_real_hydrator_serves_the_first_stage_after_a_warm_from_the_ram_tier
              {"file": str(second), "bytes": 64 * MIB, "region": 0}]
     control = str(tmp_path / "hydrator.sock")
     proc = subprocess.Popen([sys.executable, "-m", "coldsnap_probe.hydration", "serve", "--socket", control,
-                             "--staging", "--ram-tier-bytes", "1G", "--warm-captures"],
+                             "--staging", "--ram-tier-bytes", "1G"],  # warms by default, with a RAM tier
                             stdout=subprocess.PIPE, cwd=ROOT)
     try:
         from tests.probe.test_ram_tier import KEY
@@ -318,3 +319,43 @@ def test_a_real_release_offered_at_capture_is_restored_from_the_ram_tier_on_its_
         target.proc.wait()
         hydrator.kill()
         hydrator.wait()
+
+
+@pytest.mark.skipif(not has_nvidia_driver(), reason="needs an NVIDIA driver")
+def test_the_real_hydrators_first_stage_during_a_warm_joins_it_with_the_files_bytes(tmp_path: Path) -> None:
+    """Issue 35 on the real hydrator: a stage-dump that comes while the warm's load is partway joins it (`tier:
+    joined`): the pinned part copied from RAM beside the rest read from the files, at once, the adopted bytes
+    identical to the files'; the load pauses meanwhile and then completes, and the next stage is a hit. Prints
+    the stage's and the copy's seconds and what came from RAM."""
+    from coldsnap_probe.jsonline import request
+    from tests.probe._staged import stage_and_read
+    from tests.probe.test_ram_tier import KEY, dump
+
+    files = [dump(tmp_path / f"seg-{n}.bin", 256 * MIB, bytes([n]) * 4096 + os.urandom(4096)) for n in range(8)]
+    parts = [{"file": str(f), "bytes": 256 * MIB, "region": 0} for f in files]
+    control = str(tmp_path / "hydrator.sock")
+    proc = subprocess.Popen([sys.executable, "-m", "coldsnap_probe.hydration", "serve", "--socket", control,
+                             "--staging", "--ram-tier-bytes", "3G", "--warm-captures"],
+                            stdout=subprocess.PIPE, cwd=ROOT)
+    try:
+        ready = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+        warmed = request(control, {"op": "warm", "key": KEY, "parts": parts, "device_uuid": ready["device_uuid"]},
+                         timeout=10.0)
+        assert warmed == {"ok": True, "queued": True}, warmed
+        deadline = time.monotonic() + 60
+        while not (tier := request(control, {"op": "status"}, timeout=10.0)["ram_tier"])["loading_pinned_bytes"]:
+            assert time.monotonic() < deadline and not tier["entries"], tier  # 2 GiB: a load of tenths of seconds
+        stage, staged_bytes = stage_and_read(None, control, KEY, parts, ready["device_uuid"])
+        assert staged_bytes == b"".join(f.read_bytes() for f in files), stage
+        assert stage["tier"] == "joined" and 0 < stage["ram_bytes"] < 2048 * MIB, stage
+        while (tier := request(control, {"op": "status"}, timeout=10.0)["ram_tier"])["entries"] < 1:
+            assert time.monotonic() < deadline, tier
+            time.sleep(0.02)
+        again, _ = stage_and_read(None, control, KEY, parts, ready["device_uuid"])
+        tier = request(control, {"op": "status"}, timeout=10.0)["ram_tier"]
+        assert again["tier"] == "ram" and (tier["joins"], tier["hits"], tier["loads"]) == (1, 1, 1), (again, tier)
+        print(json.dumps({"joined_gpu": {k: stage[k] for k in ("stage_s", "copy_s", "ram_bytes", "copied_bytes")} |
+                          {"loader_paused_s": tier["loader_paused_s"], "hit_stage_s": again["stage_s"]}}))
+    finally:
+        proc.kill()
+        proc.wait()
