@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from ._coordinator import Coordinator
+from ._criu_kdat import CACHE_VARIABLE, carry
 from ._criu_stats import dump_stats
 from ._cuda import Driver
 from ._cuda_ipc import refuse_cuda_ipc
@@ -260,9 +261,14 @@ class _Capture:
         shared = shared_files(self.tree)
         args = ["dump", "--tree", str(self.pid), "--images-dir", str(self.images), "--work-dir", str(self.work),
                 "--leave-stopped"]
+        # The dump's kernel probe is written where it can be carried in the images: a restore on this boot, in
+        # this confinement, then runs none (`_criu_kdat`).
+        cache = self.work / "criu.kdat"
         self.report.timings_s["criu_dump"] = run_criu(self.criu, args, self.work / "dump.log",
-                                                      lifeline=self.journal.lifeline())
+                                                      lifeline=self.journal.lifeline(),
+                                                      env={CACHE_VARIABLE: str(cache)})
         self.dumped = True
+        carry(cache, self.images)
         try:  # where CRIU's time went; an unreadable account is said so, the images are whole all the same
             self.report.criu_dump_stats = {**dump_stats(self.work)}
         except (OSError, WorkerError) as exc:

@@ -119,8 +119,9 @@ def criu_environment(criu: str) -> dict[str, str]:
     return {**os.environ, "LD_LIBRARY_PATH": ":".join([*found, *([inherited] if inherited else [])])}
 
 
-def run_criu(criu: str, args: list[str], log: Path, *, lifeline: tuple[int, ...] = ()) -> float:
-    return CriuRun(criu, args, log, lifeline=lifeline).wait()
+def run_criu(criu: str, args: list[str], log: Path, *, lifeline: tuple[int, ...] = (),
+             env: dict[str, str] | None = None) -> float:
+    return CriuRun(criu, args, log, lifeline=lifeline, env=env).wait()
 
 
 class CriuRun:

@@ -1,0 +1,144 @@
+"""The restore worker's path from its `main` to CRIU's start, on this host, side by side (issue 35 item 2).
+
+    python bench/path_to_criu.py --criu PATH [--before REF] [--restores 12] [--mib 16] [--out FILE.json]
+
+A small CPU process (`criu_target.py`, `--mib` MiB) is captured once by this checkout's worker (`python -S -m
+coldsnap_probe capture --boundary n580`, as a capsule runs it); then each worker restores those same images in
+turn, `--restores` times, every restored process ended and reaped before the next restore (this process is the
+subreaper): `--before`'s (that git ref's `coldsnap_probe`, compiled), this checkout's with the images' carried
+kernel-feature cache hidden (its kernel probe runs, as before it), and this checkout's as it is. Each row is a
+median (p90) in milliseconds over the restores, from the worker's own marks (`worker_start`, `timeline`;
+`criu_restore_phases.kdat_probe_s`) and the host's clock around the command; no container (bench/restore_start.py
+is the same path through a daemon and Docker).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench._common import become_subreaper, kill_and_reap, percentile, table, wait_file
+from bench.worker_start import package_copy
+
+CARRIED = ("criu-kdat.bin", "criu-kdat.json")  # the capture's kernel-feature cache and its key
+# (row, start mark, end mark): `command` and `exited` are the host's clock around the worker's command; the rest
+# are the worker's marks; `kdat_probe` is the probe's own seconds (absent: none ran).
+ROWS = (
+    ("command -> worker main (interpreter)", "command", "worker_main"),
+    ("worker main -> guard started", "worker_main", "guard_started"),
+    ("worker main -> imports done", "worker_main", "imports_done"),
+    ("worker main -> restore_begin", "worker_main", "restore_begin"),
+    ("worker main -> validated (the checks before CRIU done)", "worker_main", "validated"),
+    ("**worker main -> CRIU started**", "worker_main", "criu_restore_begin"),
+    ("CRIU's kernel probe (its own time; - : none ran)", "kdat_probe", ""),
+    ("CRIU restore", "criu_restore_begin", "criu_restore_end"),
+    ("command -> CRIU started", "command", "criu_restore_begin"),
+    ("command -> exited (the whole worker)", "command", "exited"),
+)
+
+
+def capture(package: Path, criu: str, mib: int, scratch: Path) -> tuple[Path, int]:
+    """The target captured by the worker in `package`: its images and its (now free) PID."""
+    control = scratch / "control"
+    control.mkdir()
+    target = subprocess.Popen([sys.executable, str(ROOT / "bench/criu_target.py"), "--dir", str(control), "--mib",
+                               str(mib), "--thp-mib", "0", "--shared-mib", "1", "--file-mib", "1", "--zero-mib", "1"],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    wait_file(control / "ready")
+    images = scratch / "images"
+    done = worker(package, "capture", "--pid", str(target.pid), "--images", str(images), "--boundary", "n580",
+                  "--criu", criu)
+    if done.returncode != 0:
+        raise SystemExit(f"the capture failed: {done.stderr[-2000:]}")
+    target.wait()
+    return images, target.pid
+
+
+def worker(package: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(package), "PYTHONDONTWRITEBYTECODE": "1"}
+    return subprocess.run([sys.executable, "-S", "-m", "coldsnap_probe", *args], env=env, cwd=package,
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def restore_once(package: Path, images: Path, criu: str, pid: int, work: Path) -> dict[str, float]:
+    """One restore by the worker in `package`: each mark's unix ns (and the probe's seconds); the tree ended."""
+    shutil.rmtree(work, ignore_errors=True)
+    command = time.time_ns()
+    done = worker(package, "restore", "--images", str(images), "--criu", criu, "--work-dir", str(work))
+    exited = time.time_ns()
+    kill_and_reap([pid])
+    if done.returncode != 0:
+        raise SystemExit(f"the restore by {package} failed: {done.stderr[-2000:]}")
+    report: dict[str, Any] = json.loads(done.stdout)
+    marks = {m["name"]: float(m["unix_ns"]) for m in [*report["worker_start"], *report["timeline"]]}
+    marks.update(command=float(command), exited=float(exited))
+    probe = (report.get("criu_restore_phases") or {}).get("kdat_probe_s")
+    if probe is not None:
+        marks["kdat_probe"] = probe
+    return marks
+
+
+def cell(samples: list[dict[str, float]], start: str, end: str) -> str:
+    if not end:  # a duration the report states
+        values = [s[start] * 1e3 for s in samples if start in s]
+    else:
+        values = [(s[end] - s[start]) / 1e6 for s in samples if start in s and end in s]
+    if not values:
+        return "-"
+    return f"{statistics.median(values):.1f} ({percentile(values, 90):.1f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--criu", required=True, help="the CRIU the workers run (scripts/criu/build's)")
+    parser.add_argument("--before", help="a git ref whose worker restores the same images, side by side")
+    parser.add_argument("--restores", type=int, default=12)
+    parser.add_argument("--mib", type=int, default=16)
+    parser.add_argument("--out", type=Path, help="also write every restore's marks here (JSON)")
+    args = parser.parse_args()
+    become_subreaper()
+    with tempfile.TemporaryDirectory(prefix="path-to-criu-") as name:
+        scratch = Path(name)
+        now = package_copy(scratch / "now", True)
+        images, pid = capture(now, args.criu, args.mib, scratch)
+        hidden = scratch / "images-uncarried"  # the same images but the carried cache: the probe runs
+        hidden.mkdir()
+        for f in images.iterdir():
+            if f.name not in CARRIED:
+                os.link(f, hidden / f.name) if f.is_file() else shutil.copytree(f, hidden / f.name)
+        sides = {"this checkout, cache not carried (kernel probed)": (now, hidden),
+                 "this checkout": (now, images)}
+        if args.before:
+            ref = scratch / "before"
+            ref.mkdir()
+            archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.before, "coldsnap_probe"], check=True,
+                                     capture_output=True).stdout
+            subprocess.run(["tar", "-x", "-C", str(ref)], input=archive, check=True)
+            subprocess.run([sys.executable, "-m", "compileall", "-q", str(ref)], check=True, stdout=subprocess.DEVNULL)
+            sides = {f"before ({args.before})": (ref, images), **sides}
+        samples: dict[str, list[dict[str, float]]] = {label: [] for label in sides}
+        for _ in range(args.restores):
+            for label, (package, restored) in sides.items():
+                samples[label].append(restore_once(package, restored, args.criu, pid, scratch / "work"))
+    print(f"{args.restores} restores each, {args.mib} MiB CPU process, ms: median (p90)\n")
+    print(table(["phase", *sides], [[row, *(cell(samples[label], start, end) for label in sides)]
+                                    for row, start, end in ROWS]))
+    if args.out:
+        args.out.write_text(json.dumps(samples, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
