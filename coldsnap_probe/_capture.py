@@ -34,6 +34,7 @@ from ._cuda import Driver
 from ._cuda_ipc import refuse_cuda_ipc
 from ._engine import check_quiesced, engine_request, graph_plan, resume_engine, write_graph_record
 from ._graph import GraphPlan
+from ._guard_undo import remove_contents
 from ._held_tree import driver_alone, held, stop_again, stop_tree, wait_stopped
 from ._images_fs import images_filesystem
 from ._phase import PhaseLog
@@ -54,7 +55,7 @@ from ._profile import identity
 from ._quiesce import IDLE_WAIT_S, event_loops, wait_idle
 from ._reports import CapturedGraphPolicy, CaptureReport
 from ._shm_files import save_shared_files, shared_files
-from ._worker_guard import WorkerGuard, remove_contents
+from ._worker_guard import WorkerGuard
 from .errors import WorkerError
 from .memory import CaptureScope, MemoryCaptures, MemoryOptions
 
