@@ -1,12 +1,12 @@
 """What a worker's guard undoes when its worker dies: the guard's own process (forked by `_worker_guard.WorkerGuard`)
-reads the journal to its end and, when the worker never wrote `end`, undoes what the journal names, in the order of
-the worker's own rollback (the journal's steps and the undo's rules: `_worker_guard`). Imported by the guard alone,
-after the fork: none of it is on a worker's path (a restore's to CRIU)."""
+reads the journal to its end and, when the worker never wrote `end`, imports this and undoes what the journal names,
+in the order of the worker's own rollback (the journal's steps and the undo's rules: `_worker_guard`). Imported by
+the guard alone, and only for an undo: none of it is on a worker's path (a restore's to CRIU), nor competes with it
+for a CPU."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import select
 import shutil
@@ -19,7 +19,7 @@ from typing import Any
 
 from .errors import WorkerError
 
-__all__ = ("guard", "remove_contents")
+__all__ = ("remove_contents", "undo")
 
 
 # The tree's processes as the journal named them, by pidfd (opened as each step is read, while the tree lives): a
@@ -41,24 +41,10 @@ def _signal(pid: int, sig: int) -> None:
             signal.pidfd_send_signal(fd, sig)
 
 
-def guard(fd: int) -> None:
-    """Read the journal on `fd` to its end; undo what it names unless the worker ended."""
-    steps: list[dict[str, Any]] = []
-    with os.fdopen(fd, "rb", buffering=0) as journal:
-        for line in journal:
-            try:
-                steps.append(json.loads(line))
-            except ValueError:
-                continue
-            if not isinstance(steps[-1], dict):
-                steps.pop()
-                continue
-            if steps[-1].get("end"):
-                return  # the worker finished (a CRIU it started may still hold the journal: nothing is left to do)
-            for key in ("stop", "dump", "root", "lazy_pages"):
-                _hold(steps[-1].get(key))
-    if not steps:
-        return
+def undo(steps: list[dict[str, Any]], held: dict[int, int]) -> None:
+    """Undo what the journal's `steps` name (the worker died before `end`); `held`: the pidfds the guard opened for
+    the tree's processes as it read each step."""
+    _PIDFDS.update(held)
     started = time.monotonic()
     committed = [s["commit"] for s in steps if "commit" in s]
     kind = str(steps[0].get("worker", "capture"))

@@ -48,6 +48,7 @@ and naming it, ended through the socket the worker named first (a connection tha
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -72,10 +73,11 @@ class WorkerGuard:
             code = 0
             try:
                 os.setsid()  # a kill of the worker's process group leaves it
-                # What it undoes is imported here, in the guard alone: off the worker's path (a restore's to CRIU).
-                from ._guard_undo import guard
+                if (journal := _read_journal(read)) is not None:
+                    # Imported only now, in the guard alone, to undo: off the worker's path (a restore's to CRIU).
+                    from ._guard_undo import undo
 
-                guard(read)
+                    undo(*journal)
             except BaseException:  # a guard's own failure still ends the process
                 code = 1
             finally:
@@ -124,3 +126,29 @@ def _temporary_directory() -> str:
         if (chosen := os.environ.get(name)) and os.path.isdir(chosen):
             return chosen
     return "/tmp"
+
+
+def _read_journal(fd: int) -> tuple[list[dict[str, Any]], dict[int, int]] | None:
+    """The guard's side: the journal read to its end (the worker and every CRIU it started are gone), with a pidfd
+    opened for each of the tree's processes as its step is read, while the tree lives (a process that took a pid of
+    the tree after it ended is never signalled); None when there is nothing to undo (`end`, or no step at all)."""
+    steps: list[dict[str, Any]] = []
+    held: dict[int, int] = {}
+    with os.fdopen(fd, "rb", buffering=0) as journal:
+        for line in journal:
+            try:
+                steps.append(json.loads(line))
+            except ValueError:
+                continue
+            if not isinstance(steps[-1], dict):
+                steps.pop()
+                continue
+            if steps[-1].get("end"):
+                return None  # the worker finished (a CRIU it started may still hold the journal: nothing is left to do)
+            for key in ("stop", "dump", "root", "lazy_pages"):
+                pids = steps[-1].get(key)
+                for pid in pids if isinstance(pids, list) else [pids]:
+                    if isinstance(pid, int) and pid > 0 and pid not in held:
+                        with contextlib.suppress(OSError):
+                            held[pid] = os.pidfd_open(pid)
+    return (steps, held) if steps else None
