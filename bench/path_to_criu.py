@@ -1,6 +1,7 @@
 """The restore worker's path from its `main` to CRIU's start, on this host, side by side (issue 35 item 2).
 
-    python bench/path_to_criu.py --criu PATH [--before REF] [--restores 12] [--mib 16] [--out FILE.json]
+    python bench/path_to_criu.py --criu PATH [--before REF] [--restores 12] [--mib 16] [--importtime]
+                                 [--out FILE.json]
 
 A small CPU process (`criu_target.py`, `--mib` MiB) is captured once by this checkout's worker (`python -S -m
 coldsnap_probe capture --boundary n580`, as a capsule runs it); then each worker restores those same images in
@@ -9,7 +10,9 @@ subreaper): `--before`'s (that git ref's `coldsnap_probe`, compiled), this check
 kernel-feature cache hidden (its kernel probe runs, as before it), and this checkout's as it is. Each row is a
 median (p90) in milliseconds over the restores, from the worker's own marks (`worker_start`, `timeline`;
 `criu_restore_phases.kdat_probe_s`) and the host's clock around the command; no container (bench/restore_start.py
-is the same path through a daemon and Docker).
+is the same path through a daemon and Docker). `--importtime`: then one more restore by this checkout's worker under
+`python -X importtime`, and the modules its command imported from the process's start (the interpreter's own
+included) to CRIU's, the largest first.
 """
 
 from __future__ import annotations
@@ -67,31 +70,53 @@ def capture(package: Path, criu: str, mib: int, scratch: Path) -> tuple[Path, in
     return images, target.pid
 
 
-def worker(package: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def worker(package: Path, *args: str, flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(package), "PYTHONDONTWRITEBYTECODE": "1"}
-    return subprocess.run([sys.executable, "-S", "-m", "coldsnap_probe", *args], env=env, cwd=package,
+    return subprocess.run([sys.executable, "-S", *flags, "-m", "coldsnap_probe", *args], env=env, cwd=package,
                           capture_output=True, text=True, timeout=120, check=False)
 
 
-def restore_once(package: Path, images: Path, criu: str, pid: int, work: Path) -> dict[str, float]:
-    """One restore by the worker in `package`: each mark's unix ns (and the probe's seconds); the tree ended."""
+def restore_once(package: Path, images: Path, criu: str, pid: int, work: Path,
+                 flags: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One restore by the worker in `package`: each mark's unix ns (and the probe's seconds), and its stderr under
+    `stderr`; the tree ended."""
     shutil.rmtree(work, ignore_errors=True)
     command = time.time_ns()
-    done = worker(package, "restore", "--images", str(images), "--criu", criu, "--work-dir", str(work))
+    done = worker(package, "restore", "--images", str(images), "--criu", criu, "--work-dir", str(work), flags=flags)
     exited = time.time_ns()
     kill_and_reap([pid])
     if done.returncode != 0:
         raise SystemExit(f"the restore by {package} failed: {done.stderr[-2000:]}")
     report: dict[str, Any] = json.loads(done.stdout)
-    marks = {m["name"]: float(m["unix_ns"]) for m in [*report["worker_start"], *report["timeline"]]}
+    marks: dict[str, Any] = {m["name"]: float(m["unix_ns"]) for m in [*report["worker_start"], *report["timeline"]]}
     marks.update(command=float(command), exited=float(exited))
     probe = (report.get("criu_restore_phases") or {}).get("kdat_probe_s")
     if probe is not None:
         marks["kdat_probe"] = probe
+    if flags:
+        marks["stderr"] = done.stderr
     return marks
 
 
-def cell(samples: list[dict[str, float]], start: str, end: str) -> str:
+def import_profile(stderr: str, top: int = 25) -> str:
+    """`-X importtime`'s lines of the worker up to its last module before CRIU (the guard's process writes to the
+    same stderr only when it undoes): the `top` largest, cumulative and self, in milliseconds."""
+    rows: list[tuple[int, int, str]] = []
+    for line in stderr.splitlines():
+        if line.startswith("import time:") and "|" in line and "[us]" not in line:
+            own, cumulative, name = line[len("import time:"):].split("|")
+            rows.append((int(cumulative), int(own), name.rstrip()))
+            if name.strip() == "coldsnap_probe._restore":  # the later phases are imported while CRIU runs
+                break
+    total = sum(own for _, own, _ in rows)
+    largest = sorted(rows, reverse=True)[:top]
+    return "\n".join([f"{len(rows)} modules, {total / 1e3:.1f} ms in all (self); the {top} largest, ms:",
+                      table(["module (indent: its import depth)", "cumulative", "self"],
+                            [[name.replace(" ", "\u00a0"), f"{c / 1e3:.1f}", f"{o / 1e3:.1f}"]
+                             for c, o, name in largest])])
+
+
+def cell(samples: list[dict[str, Any]], start: str, end: str) -> str:
     if not end:  # a duration the report states
         values = [s[start] * 1e3 for s in samples if start in s]
     else:
@@ -107,6 +132,7 @@ def main() -> None:
     parser.add_argument("--before", help="a git ref whose worker restores the same images, side by side")
     parser.add_argument("--restores", type=int, default=12)
     parser.add_argument("--mib", type=int, default=16)
+    parser.add_argument("--importtime", action="store_true", help="then profile one restore's imports")
     parser.add_argument("--out", type=Path, help="also write every restore's marks here (JSON)")
     args = parser.parse_args()
     become_subreaper()
@@ -129,13 +155,17 @@ def main() -> None:
             subprocess.run(["tar", "-x", "-C", str(ref)], input=archive, check=True)
             subprocess.run([sys.executable, "-m", "compileall", "-q", str(ref)], check=True, stdout=subprocess.DEVNULL)
             sides = {f"before ({args.before})": (ref, images), **sides}
-        samples: dict[str, list[dict[str, float]]] = {label: [] for label in sides}
+        samples: dict[str, list[dict[str, Any]]] = {label: [] for label in sides}
         for _ in range(args.restores):
             for label, (package, restored) in sides.items():
                 samples[label].append(restore_once(package, restored, args.criu, pid, scratch / "work"))
+        profiled = restore_once(now, images, args.criu, pid, scratch / "work", ("-X", "importtime")) \
+            if args.importtime else None
     print(f"{args.restores} restores each, {args.mib} MiB CPU process, ms: median (p90)\n")
     print(table(["phase", *sides], [[row, *(cell(samples[label], start, end) for label in sides)]
                                     for row, start, end in ROWS]))
+    if profiled is not None:
+        print(f"\nthis checkout, one restore under -X importtime: {import_profile(profiled['stderr'])}")
     if args.out:
         args.out.write_text(json.dumps(samples, indent=1) + "\n")
 
