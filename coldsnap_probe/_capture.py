@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from ._coordinator import Coordinator
-from ._criu_kdat import CACHE_VARIABLE, carry
+from ._criu_kdat import CACHE_VARIABLE, KernelProbe, carry
 from ._criu_stats import dump_stats
 from ._cuda import Driver
 from ._cuda_ipc import refuse_cuda_ipc
@@ -118,8 +118,12 @@ class _Capture:
         self.done: list[tuple[int, str]] = []  # (pid, "locked" | "checkpointed"), in the order done
         self.quiesced = self.stopped = self.dumped = False  # stopped: SIGSTOP was sent to the tree
         self.memory: MemoryCaptures | None = None  # what the memory sources released (each rolls back its own)
+        self.kernel: KernelProbe | None = None  # CRIU's kernel probe for the dump, from `run` on
 
     def run(self, lock_timeout_ms: int) -> None:
+        # CRIU's kernel-feature probe, run while the tree is locked and checkpointed: the dump loads its cache
+        # instead of probing (tens of milliseconds of the capture), and the images carry it (`_criu_kdat`).
+        self.kernel = KernelProbe(self.criu, self.journal.scratch("coldsnap-kdat-"))
         try:
             if self.report.boundary == "n580":
                 self._template()
@@ -130,6 +134,7 @@ class _Capture:
             raise
         finally:
             shutil.rmtree(self.work, ignore_errors=True)
+            self.kernel.close()
 
     # -- the phases, in order ----------------------------------------------------------------------------------
     def _template(self) -> None:
@@ -262,14 +267,15 @@ class _Capture:
         shared = shared_files(self.tree)
         args = ["dump", "--tree", str(self.pid), "--images-dir", str(self.images), "--work-dir", str(self.work),
                 "--leave-stopped"]
-        # The dump's kernel probe is written where it can be carried in the images: a restore on this boot, in
-        # this confinement, then runs none (`_criu_kdat`).
-        cache = self.work / "criu.kdat"
+        # The kernel probe's cache (or, without one, the dump's own probe written to the work dir), carried in the
+        # images: a restore on this boot, in this confinement, then runs none (`_criu_kdat`).
+        waited = time.perf_counter()
+        env = (self.kernel.environment() if self.kernel else {}) or {CACHE_VARIABLE: str(self.work / "criu.kdat")}
+        self.report.timings_s["kdat_wait"] = time.perf_counter() - waited  # for the probe: on the capture's path
         self.report.timings_s["criu_dump"] = run_criu(self.criu, args, self.work / "dump.log",
-                                                      lifeline=self.journal.lifeline(),
-                                                      env={CACHE_VARIABLE: str(cache)})
+                                                      lifeline=self.journal.lifeline(), env=env)
         self.dumped = True
-        carry(cache, self.images)
+        carry(Path(env[CACHE_VARIABLE]), self.images)
         try:  # where CRIU's time went; an unreadable account is said so, the images are whole all the same
             self.report.criu_dump_stats = {**dump_stats(self.work)}
         except (OSError, WorkerError) as exc:

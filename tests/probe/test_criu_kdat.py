@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from coldsnap_probe import _criu_kdat
-from coldsnap_probe._criu_kdat import CARRIED_CACHE, CARRIED_KEY, KDAT_MAGIC, KernelProbe, carry
-from tests.criu import CRIU
+from coldsnap_probe._criu_kdat import CARRIED_CACHE, CARRIED_KEY, KDAT_MAGIC, KernelProbe, carry, kernel_key
+from tests.criu import CRIU, criu_wrapper
+from tests.probe.test_worker_guard import start_target, worker
 
 
 def script(tmp_path: Path, body: str) -> str:
@@ -139,3 +141,28 @@ def test_a_dump_that_wrote_no_cache_carries_nothing(tmp_path: Path) -> None:
     (tmp_path / "other.kdat").write_bytes(b"not CRIU's cache")
     assert carry(tmp_path / "other.kdat", tmp_path / "images") is None
     assert list((tmp_path / "images").iterdir()) == []
+
+
+@pytest.mark.skipif(CRIU is None, reason="needs root and scripts/criu/build's CRIU")
+def test_a_capture_dumps_with_its_own_probes_cache_and_carries_it_with_this_boots_key(tmp_path: Path) -> None:
+    """The capture worker probes while it locks and checkpoints: its dump's CRIU is given that cache (it exists
+    when CRIU starts), the images carry it with this boot's key, and no scratch directory is left."""
+    scratch, seen = tmp_path / "tmp", tmp_path / "dump-env"
+    scratch.mkdir()
+    with criu_wrapper(tmp_path) as wrapper:
+        logging = script(tmp_path, f'[ "$1" = dump ] && echo "$CRIU_KDAT_CACHE $(test -s "$CRIU_KDAT_CACHE" && '
+                                   f'echo present)" > {seen}\nexec {wrapper} "$@"')
+        target = start_target(tmp_path / "control", mib=8)
+        try:
+            done = worker("capture", "--pid", str(target.pid), "--images", str(tmp_path / "images"), "--boundary",
+                          "n580", "--criu", logging, env={"TMPDIR": str(scratch)})
+            assert done.returncode == 0, done.stderr
+        finally:
+            os.killpg(target.pid, signal.SIGKILL)
+            target.wait()
+    given, state = seen.read_text().split()
+    assert given.startswith(f"{scratch}/coldsnap-kdat-") and state == "present"  # loaded, not probed by the dump
+    record = json.loads((tmp_path / "images" / CARRIED_KEY).read_text())
+    assert record["key"] == kernel_key() and record["bytes"] == (tmp_path / "images" / CARRIED_CACHE).stat().st_size
+    assert json.loads(done.stdout)["timings_s"]["kdat_wait"] >= 0
+    assert list(scratch.iterdir()) == []
