@@ -1,7 +1,7 @@
 """The restore worker's path from its `main` to CRIU's start, on this host, side by side (issue 35 item 2).
 
     python bench/path_to_criu.py --criu PATH [--before REF] [--restores 12] [--mib 16] [--importtime]
-                                 [--out FILE.json]
+                                 [--captures 0] [--out FILE.json]
 
 A small CPU process (`criu_target.py`, `--mib` MiB) is captured once by this checkout's worker (`python -S -m
 coldsnap_probe capture --boundary n580`, as a capsule runs it); then each worker restores those same images in
@@ -12,7 +12,9 @@ median (p90) in milliseconds over the restores, from the worker's own marks (`wo
 `criu_restore_phases.kdat_probe_s`) and the host's clock around the command; no container (bench/restore_start.py
 is the same path through a daemon and Docker). `--importtime`: then one more restore by this checkout's worker under
 `python -X importtime`, and the modules its command imported from the process's start (the interpreter's own
-included) to CRIU's, the largest first.
+included) to CRIU's, the largest first. `--captures N`: then N captures of a fresh target by each side's worker
+in turn (`--before`'s and this checkout's): the dump's CRIU (`timings_s.criu_dump`: this checkout's loads the kernel
+probe it ran while it captured) and the capture command, median (p90) in milliseconds.
 """
 
 from __future__ import annotations
@@ -53,21 +55,42 @@ ROWS = (
 
 
 def capture(package: Path, criu: str, mib: int, scratch: Path) -> tuple[Path, int]:
-    """The target captured by the worker in `package`: its images and its (now free) PID."""
+    """The target captured by the worker in `package` (into `scratch`): its images and its (now free) PID."""
+    return capture_report(package, criu, mib, scratch)[:2]
+
+
+def capture_report(package: Path, criu: str, mib: int, scratch: Path) -> tuple[Path, int, dict[str, float]]:
+    """`capture`, with the capture's `timings_s` and its command's seconds (`command`)."""
     control = scratch / "control"
-    control.mkdir()
+    control.mkdir(parents=True)
     target = subprocess.Popen([sys.executable, str(ROOT / "bench/criu_target.py"), "--dir", str(control), "--mib",
                                str(mib), "--thp-mib", "0", "--shared-mib", "1", "--file-mib", "1", "--zero-mib", "1"],
                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True)
     wait_file(control / "ready")
     images = scratch / "images"
+    started = time.perf_counter()
     done = worker(package, "capture", "--pid", str(target.pid), "--images", str(images), "--boundary", "n580",
                   "--criu", criu)
+    seconds = time.perf_counter() - started
     if done.returncode != 0:
         raise SystemExit(f"the capture failed: {done.stderr[-2000:]}")
     target.wait()
-    return images, target.pid
+    return images, target.pid, {**json.loads(done.stdout)["timings_s"], "command": seconds}
+
+
+def capture_table(sides: dict[str, Path], criu: str, mib: int, captures: int, scratch: Path) -> str:
+    """Each side's worker capturing a fresh target, in turn: its dump, the wait for its kernel probe, its command."""
+    samples: dict[str, list[dict[str, float]]] = {label: [] for label in sides}
+    for n in range(captures):
+        for k, (label, package) in enumerate(sides.items()):
+            samples[label].append(capture_report(package, criu, mib, scratch / f"capture-{n}-{k}")[2])
+    rows = [[what, *(cell(samples[label], key, "")
+                     for label in sides)]
+            for what, key in (("CRIU's dump (criu_dump)", "criu_dump"),
+                              ("the dump's wait for the kernel probe (kdat_wait; -: none ran)", "kdat_wait"),
+                              ("the capture command", "command"))]
+    return table(["capture, ms: median (p90)", *sides], rows)
 
 
 def worker(package: Path, *args: str, flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
@@ -117,7 +140,7 @@ def import_profile(stderr: str, top: int = 25) -> str:
 
 
 def cell(samples: list[dict[str, Any]], start: str, end: str) -> str:
-    if not end:  # a duration the report states
+    if not end:  # a duration the report states, in seconds
         values = [s[start] * 1e3 for s in samples if start in s]
     else:
         values = [(s[end] - s[start]) / 1e6 for s in samples if start in s and end in s]
@@ -133,6 +156,7 @@ def main() -> None:
     parser.add_argument("--restores", type=int, default=12)
     parser.add_argument("--mib", type=int, default=16)
     parser.add_argument("--importtime", action="store_true", help="then profile one restore's imports")
+    parser.add_argument("--captures", type=int, default=0, help="then this many captures by each side's worker")
     parser.add_argument("--out", type=Path, help="also write every restore's marks here (JSON)")
     args = parser.parse_args()
     become_subreaper()
@@ -161,9 +185,14 @@ def main() -> None:
                 samples[label].append(restore_once(package, restored, args.criu, pid, scratch / "work"))
         profiled = restore_once(now, images, args.criu, pid, scratch / "work", ("-X", "importtime")) \
             if args.importtime else None
+        captured = capture_table({label: package for label, (package, restored) in sides.items()
+                                  if restored == images}, args.criu, args.mib, args.captures, scratch) \
+            if args.captures else None
     print(f"{args.restores} restores each, {args.mib} MiB CPU process, ms: median (p90)\n")
     print(table(["phase", *sides], [[row, *(cell(samples[label], start, end) for label in sides)]
                                     for row, start, end in ROWS]))
+    if captured is not None:
+        print(f"\n{args.captures} captures each, {args.mib} MiB CPU process:\n\n{captured}")
     if profiled is not None:
         print(f"\nthis checkout, one restore under -X importtime: {import_profile(profiled['stderr'])}")
     if args.out:
