@@ -32,9 +32,11 @@ restore's CRIU probes for itself, as before.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import stat
 import subprocess
 import time
 import zlib
@@ -74,16 +76,36 @@ def carry(cache: Path, images: Path) -> int | None:
     """The capture: the cache its dump's CRIU wrote (`cache`, named by CACHE_VARIABLE) copied into the images with
     this process's key (the dump's CRIU ran in its confinement); its size, None when the dump wrote none (a CRIU
     without the patch) or one that is not CRIU's."""
+    data = _read_regular(cache)
+    if data is None or not _plausible(data):
+        return None
+    record = {"key": kernel_key(), "bytes": len(data), "crc32": zlib.crc32(data)}
+    made: list[Path] = []
+    try:  # new files only, never through a link (the captured engine may write into the images: `_process`)
+        for name, content in ((CARRIED_CACHE, data), (CARRIED_KEY, json.dumps(record, sort_keys=True).encode())):
+            fd = os.open(images / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            made.append(images / name)
+            with open(fd, "wb") as f:
+                f.write(content)
+    except OSError:  # nothing carried: a restore probes, as before
+        for path in made:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        return None
+    return len(data)
+
+
+def _read_regular(path: Path, limit: int = MAX_CACHE_BYTES) -> bytes | None:
+    """Up to `limit` + 1 bytes of the regular file at `path`, never through a link nor from a FIFO or device (the
+    images are the manager's: a link or a pipe there must not make this root worker read elsewhere, or wait)."""
     try:
-        data = cache.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
-    if not _plausible(data):
-        return None
-    (images / CARRIED_CACHE).write_bytes(data)
-    record = {"key": kernel_key(), "bytes": len(data), "crc32": zlib.crc32(data)}
-    (images / CARRIED_KEY).write_text(json.dumps(record, sort_keys=True) + "\n")
-    return len(data)
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return None
+        return f.read(limit + 1)
 
 
 def _plausible(data: bytes) -> bool:
@@ -92,11 +114,12 @@ def _plausible(data: bytes) -> bool:
 
 def _carried(images: Path) -> bytes | None:
     """The images' cache when its key is this boot's, kernel's and confinement's and the file is whole; else None."""
+    key, data = _read_regular(images / CARRIED_KEY, 1 << 16), _read_regular(images / CARRIED_CACHE)
+    if key is None or data is None:
+        return None
     try:
-        record = json.loads((images / CARRIED_KEY).read_text())
-        with open(images / CARRIED_CACHE, "rb") as f:
-            data = f.read(MAX_CACHE_BYTES + 1)
-    except (OSError, ValueError):
+        record = json.loads(key)
+    except ValueError:
         return None
     if not isinstance(record, dict) or record.get("key") != kernel_key():
         return None

@@ -166,3 +166,30 @@ def test_a_capture_dumps_with_its_own_probes_cache_and_carries_it_with_this_boot
     assert record["key"] == kernel_key() and record["bytes"] == (tmp_path / "images" / CARRIED_CACHE).stat().st_size
     assert json.loads(done.stdout)["timings_s"]["kdat_wait"] >= 0
     assert list(scratch.iterdir()) == []
+
+
+def test_a_link_or_a_pipe_in_the_images_is_never_followed_nor_waited_for(tmp_path: Path) -> None:
+    """The images are the manager's, and the captured engine writes into them: a link where the carried cache goes
+    is not written through at capture, and a link or a FIFO where a restore reads it is not read (the probe runs)."""
+    (tmp_path / "images").mkdir()
+    (tmp_path / "target").write_bytes(b"kept")
+    (tmp_path / "images" / CARRIED_CACHE).symlink_to(tmp_path / "target")
+    (tmp_path / "cache.kdat").write_bytes(CACHE)
+    assert carry(tmp_path / "cache.kdat", tmp_path / "images") is None
+    assert (tmp_path / "target").read_bytes() == b"kept" and not (tmp_path / "images" / CARRIED_KEY).exists()
+    for planted in ("link", "fifo"):
+        images = tmp_path / planted
+        images.mkdir()
+        (images / "dump-work").mkdir()
+        (images / "dump-work" / "criu.kdat").write_bytes(CACHE)
+        assert carry(images / "dump-work" / "criu.kdat", images) == len(CACHE)
+        (images / CARRIED_CACHE).unlink()
+        if planted == "link":
+            (tmp_path / "elsewhere").write_bytes(CACHE)
+            (images / CARRIED_CACHE).symlink_to(tmp_path / "elsewhere")
+        else:
+            os.mkfifo(images / CARRIED_CACHE)
+        (images / "kdat").mkdir()
+        probe = KernelProbe(script(images, f"touch {images}/probed"), images / "kdat", images)
+        assert probe.environment() == {} and (images / "probed").exists()
+        probe.close()
