@@ -121,9 +121,11 @@ class _Capture:
         self.kernel: KernelProbe | None = None  # CRIU's kernel probe for the dump, from `run` on
 
     def run(self, lock_timeout_ms: int) -> None:
-        # CRIU's kernel-feature probe, run while the tree is locked and checkpointed: the dump loads its cache
-        # instead of probing (tens of milliseconds of the capture), and the images carry it (`_criu_kdat`).
-        self.kernel = KernelProbe(self.criu, self.journal.scratch("coldsnap-kdat-"))
+        # n610: CRIU's kernel-feature probe, run while the tree is locked and checkpointed: the dump loads its
+        # cache instead of probing (tens of milliseconds of the capture), and the images carry it (`_criu_kdat`). A
+        # template (n580) goes to its dump at once: nothing to run it beside, the dump probes for itself.
+        if self.report.boundary == "n610":
+            self.kernel = KernelProbe(self.criu, self.journal.scratch("coldsnap-kdat-"))
         try:
             if self.report.boundary == "n580":
                 self._template()
@@ -134,7 +136,8 @@ class _Capture:
             raise
         finally:
             shutil.rmtree(self.work, ignore_errors=True)
-            self.kernel.close()
+            if self.kernel is not None:
+                self.kernel.close()
 
     # -- the phases, in order ----------------------------------------------------------------------------------
     def _template(self) -> None:
@@ -271,7 +274,8 @@ class _Capture:
         # images: a restore on this boot, in this confinement, then runs none (`_criu_kdat`).
         waited = time.perf_counter()
         env = (self.kernel.environment() if self.kernel else {}) or {CACHE_VARIABLE: str(self.work / "criu.kdat")}
-        self.report.timings_s["kdat_wait"] = time.perf_counter() - waited  # for the probe: on the capture's path
+        if self.kernel is not None:  # what the dump waited for the probe: on the capture's path
+            self.report.timings_s["kdat_wait"] = time.perf_counter() - waited
         self.report.timings_s["criu_dump"] = run_criu(self.criu, args, self.work / "dump.log",
                                                       lifeline=self.journal.lifeline(), env=env)
         self.dumped = True
