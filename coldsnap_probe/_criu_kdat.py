@@ -140,10 +140,7 @@ class KernelProbe:
         self.carried_seconds: float | None = None  # what checking and copying the carried cache took
         self._process: subprocess.Popen[bytes] | None = None
         data = _carried(images) if images is not None else None
-        if data is not None:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            with open(fd, "wb") as f:
-                f.write(data)
+        if data is not None and self._copy(data):
             self.carried_seconds = time.perf_counter() - self.started
             return
         try:
@@ -153,6 +150,18 @@ class KernelProbe:
                 env={**criu_environment(criu), CACHE_VARIABLE: str(self.path)})
         except OSError:  # no CRIU there: the restore's checks refuse it (exit 3), naming it, as before
             pass
+
+    def _copy(self, data: bytes) -> bool:
+        """The carried cache written where the restore's CRIU is told to look; False (nothing left) if it cannot be."""
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            with open(fd, "wb") as f:
+                f.write(data)
+        except OSError:  # a full scratch filesystem, say: the probe runs instead
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+            return False
+        return True
 
     def environment(self) -> dict[str, str]:
         """For the restore's CRIU: the cache's name once it is there; {} when there is none (a CRIU without the
