@@ -6,15 +6,17 @@
 A small CPU process (`criu_target.py`, `--mib` MiB) is captured once by this checkout's worker (`python -S -m
 coldsnap_probe capture --boundary n580`, as a capsule runs it); then each worker restores those same images in
 turn, `--restores` times, every restored process ended and reaped before the next restore (this process is the
-subreaper): `--before`'s (that git ref's `coldsnap_probe`, compiled), this checkout's with the images' carried
-kernel-feature cache hidden (its kernel probe runs, as before it), and this checkout's as it is. Each row is a
-median (p90) in milliseconds over the restores, from the worker's own marks (`worker_start`, `timeline`;
-`criu_restore_phases.kdat_probe_s`) and the host's clock around the command; no container (bench/restore_start.py
-is the same path through a daemon and Docker). `--importtime`: then one more restore by this checkout's worker under
-`python -X importtime`, and the modules its command imported from the process's start (the interpreter's own
-included) to CRIU's, the largest first. `--captures N`: then N captures of a fresh target by each side's worker
-in turn (`--before`'s and this checkout's): the dump's CRIU (`timings_s.criu_dump`: this checkout's loads the kernel
-probe it ran while it captured) and the capture command, median (p90) in milliseconds.
+subreaper): `--before`'s (that git ref's `coldsnap_probe`, or a directory's, compiled), this checkout's with the
+images' carried kernel-feature cache hidden (its kernel probe runs, as before it), and this checkout's as it is.
+Each row is a median (p90) in milliseconds over the restores, from the worker's own marks (`worker_start`,
+`timeline`; `criu_restore_phases.kdat_probe_s`) and the host's clock around the command; no container
+(bench/restore_start.py is the same path through a daemon and Docker).
+
+`--importtime`: then one more restore by this checkout's worker under `python -X importtime`, and the modules its
+command imported from the process's start (the interpreter's own included) to CRIU's, the largest first.
+`--captures N`: then N captures of a fresh target by each side's worker in turn (`--before`'s and this checkout's):
+the dump's CRIU (`timings_s.criu_dump`; an n580 dump probes the kernel itself, an n610 capture's dump loads the
+probe its worker ran beside the lock and checkpoint) and the capture command, median (p90) in milliseconds.
 """
 
 from __future__ import annotations
@@ -93,6 +95,21 @@ def capture_table(sides: dict[str, Path], criu: str, mib: int, captures: int, sc
     return table(["capture, ms: median (p90)", *sides], rows)
 
 
+def before_package(before: str, into: Path) -> Path:
+    """`before`'s `coldsnap_probe` under `into`, compiled: a git ref's, or a directory's that holds one (a machine
+    without the repository's history: `git archive REF coldsnap_probe | tar -x -C DIR` made elsewhere)."""
+    into.mkdir()
+    if (Path(before) / "coldsnap_probe").is_dir():
+        shutil.copytree(Path(before) / "coldsnap_probe", into / "coldsnap_probe",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    else:
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", before, "coldsnap_probe"], check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(into)], check=True, stdout=subprocess.DEVNULL)
+    return into
+
+
 def worker(package: Path, *args: str, flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(package), "PYTHONDONTWRITEBYTECODE": "1"}
     return subprocess.run([sys.executable, "-S", *flags, "-m", "coldsnap_probe", *args], env=env, cwd=package,
@@ -152,7 +169,8 @@ def cell(samples: list[dict[str, Any]], start: str, end: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--criu", required=True, help="the CRIU the workers run (scripts/criu/build's)")
-    parser.add_argument("--before", help="a git ref whose worker restores the same images, side by side")
+    parser.add_argument("--before", help="a git ref (or a directory holding its coldsnap_probe) whose worker restores "
+                                         "the same images, side by side")
     parser.add_argument("--restores", type=int, default=12)
     parser.add_argument("--mib", type=int, default=16)
     parser.add_argument("--importtime", action="store_true", help="then profile one restore's imports")
@@ -172,13 +190,7 @@ def main() -> None:
         sides = {"this checkout, cache not carried (kernel probed)": (now, hidden),
                  "this checkout": (now, images)}
         if args.before:
-            ref = scratch / "before"
-            ref.mkdir()
-            archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.before, "coldsnap_probe"], check=True,
-                                     capture_output=True).stdout
-            subprocess.run(["tar", "-x", "-C", str(ref)], input=archive, check=True)
-            subprocess.run([sys.executable, "-m", "compileall", "-q", str(ref)], check=True, stdout=subprocess.DEVNULL)
-            sides = {f"before ({args.before})": (ref, images), **sides}
+            sides = {f"before ({args.before})": (before_package(args.before, scratch / "before"), images), **sides}
         samples: dict[str, list[dict[str, Any]]] = {label: [] for label in sides}
         for _ in range(args.restores):
             for label, (package, restored) in sides.items():
