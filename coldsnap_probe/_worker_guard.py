@@ -120,10 +120,11 @@ class WorkerGuard:
 
 
 def _temporary_directory() -> str:
-    """Where a worker's scratch goes: $TMPDIR (or $TEMP, $TMP) when it names a directory, else /tmp, as
-    `tempfile.gettempdir` chooses on Linux but without its import and its trial file (a restore's path to CRIU)."""
+    """Where a worker's scratch goes: $TMPDIR (or $TEMP, $TMP) when it names a directory this process may write,
+    else /tmp, as `tempfile.gettempdir` chooses on Linux but without its import and its trial file (a restore's
+    path to CRIU)."""
     for name in ("TMPDIR", "TEMP", "TMP"):
-        if (chosen := os.environ.get(name)) and os.path.isdir(chosen):
+        if (chosen := os.environ.get(name)) and os.path.isdir(chosen) and os.access(chosen, os.W_OK | os.X_OK):
             return chosen
     return "/tmp"
 
