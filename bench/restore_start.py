@@ -68,6 +68,7 @@ PHASES = (
     ("restore_begin -> validated (records, identity, target check)", "restore_begin", "validated"),
     ("validated -> CRIU started (stage, shm files, CUDA driver if before)", "validated", "criu_restore_begin"),
     ("worker main -> CRIU started (the worker's path to CRIU: issue 35 item 2)", "worker_main", "criu_restore_begin"),
+    ("CRIU's kernel probe, its own time (-: none ran, the capture's cache was carried)", "kdat_zero", "kdat_probe"),
     ("CRIU restore", "criu_restore_begin", "criu_restore_end"),
     ("CRIU end -> ready", "criu_restore_end", "ready"),
     ("ready -> readiness seen (report written, readiness exec)", "ready", "readied"),
@@ -145,6 +146,9 @@ async def restore(d: Driver, layout: CpuLayout, image: str, capture_id: str, nam
     marks = {m["name"]: m["unix_ns"] / 1e9 for m in [*report.get("worker_start", []), *report["timeline"]]}
     marks.setdefault("criu_restore_begin", marks["criu_restore_end"] - report["criu_restore_seconds"])
     readied = request + unit["readiness_s"]
+    probe = (report.get("criu_restore_phases") or {}).get("kdat_probe_s")
+    if probe is not None:  # a duration of its own, as a pair of instants
+        marks.update(kdat_zero=0.0, kdat_probe=probe)
     return {**marks, "request": request, "reply": reply, "started": unix(unit["started_at"]), "readied": readied,
             "inspected": readied + unit["inspect_s"], "report_exec_begin": asked, "report_exec_end": read}
 

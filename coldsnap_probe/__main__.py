@@ -177,7 +177,9 @@ def _restore(args: argparse.Namespace, entered: int, coordinator: Coordinator | 
     guarded = time.time_ns()
     from ._criu_kdat import KernelProbe
 
-    kernel = KernelProbe(args.criu, guard.scratch("coldsnap-kdat-"))  # CRIU's kernel probe, while the rest imports
+    # CRIU's kernel-feature cache: the one the images carry from the capture when it is valid here, else a probe
+    # run while the rest imports.
+    kernel = KernelProbe(args.criu, guard.scratch("coldsnap-kdat-"), Path(args.images))
     from ._host import IdentityReading
 
     identity = IdentityReading(args.criu)

@@ -28,11 +28,13 @@ import time
 from pathlib import Path
 
 from ._coordinator import Coordinator
+from ._criu_kdat import CACHE_VARIABLE, KernelProbe, carry
 from ._criu_stats import dump_stats
 from ._cuda import Driver
 from ._cuda_ipc import refuse_cuda_ipc
 from ._engine import check_quiesced, engine_request, graph_plan, resume_engine, write_graph_record
 from ._graph import GraphPlan
+from ._guard_undo import remove_contents
 from ._held_tree import driver_alone, held, stop_again, stop_tree, wait_stopped
 from ._images_fs import images_filesystem
 from ._phase import PhaseLog
@@ -53,7 +55,7 @@ from ._profile import identity
 from ._quiesce import IDLE_WAIT_S, event_loops, wait_idle
 from ._reports import CapturedGraphPolicy, CaptureReport
 from ._shm_files import save_shared_files, shared_files
-from ._worker_guard import WorkerGuard, remove_contents
+from ._worker_guard import WorkerGuard
 from .errors import WorkerError
 from .memory import CaptureScope, MemoryCaptures, MemoryOptions
 
@@ -116,8 +118,14 @@ class _Capture:
         self.done: list[tuple[int, str]] = []  # (pid, "locked" | "checkpointed"), in the order done
         self.quiesced = self.stopped = self.dumped = False  # stopped: SIGSTOP was sent to the tree
         self.memory: MemoryCaptures | None = None  # what the memory sources released (each rolls back its own)
+        self.kernel: KernelProbe | None = None  # CRIU's kernel probe for the dump, from `run` on
 
     def run(self, lock_timeout_ms: int) -> None:
+        # n610: CRIU's kernel-feature probe, run while the tree is locked and checkpointed: the dump loads its
+        # cache instead of probing (tens of milliseconds of the capture), and the images carry it (`_criu_kdat`). A
+        # template (n580) goes to its dump at once: nothing to run it beside, the dump probes for itself.
+        if self.report.boundary == "n610":
+            self.kernel = KernelProbe(self.criu, self.journal.scratch("coldsnap-kdat-"))
         try:
             if self.report.boundary == "n580":
                 self._template()
@@ -128,6 +136,8 @@ class _Capture:
             raise
         finally:
             shutil.rmtree(self.work, ignore_errors=True)
+            if self.kernel is not None:
+                self.kernel.close()
 
     # -- the phases, in order ----------------------------------------------------------------------------------
     def _template(self) -> None:
@@ -260,9 +270,16 @@ class _Capture:
         shared = shared_files(self.tree)
         args = ["dump", "--tree", str(self.pid), "--images-dir", str(self.images), "--work-dir", str(self.work),
                 "--leave-stopped"]
+        # The kernel probe's cache (or, without one, the dump's own probe written to the work dir), carried in the
+        # images: a restore on this boot, in this confinement, then runs none (`_criu_kdat`).
+        waited = time.perf_counter()
+        env = (self.kernel.environment() if self.kernel else {}) or {CACHE_VARIABLE: str(self.work / "criu.kdat")}
+        if self.kernel is not None:  # what the dump waited for the probe: on the capture's path
+            self.report.timings_s["kdat_wait"] = time.perf_counter() - waited
         self.report.timings_s["criu_dump"] = run_criu(self.criu, args, self.work / "dump.log",
-                                                      lifeline=self.journal.lifeline())
+                                                      lifeline=self.journal.lifeline(), env=env)
         self.dumped = True
+        carry(Path(env[CACHE_VARIABLE]), self.images)
         try:  # where CRIU's time went; an unreadable account is said so, the images are whole all the same
             self.report.criu_dump_stats = {**dump_stats(self.work)}
         except (OSError, WorkerError) as exc:

@@ -9,11 +9,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from ._reports import RestoredGraphPolicy
 from .canonical import digest, go_floats
 from .errors import ContractError, WorkerError
+
+if TYPE_CHECKING:  # made only for images with the record: off a restore's path to CRIU otherwise (issue 35 item 2)
+    from ._reports import RestoredGraphPolicy
 
 __all__ = ("DECISIONS", "POLICIES", "RECIPE_MODES", "GraphPlan", "GraphResolution", "ResourceAudit",
            "default_graph_policy", "graph_record", "plan_graph_policy", "recipe_digest", "resolve_graph_policy",
@@ -245,6 +247,8 @@ def validated_graph_record(images: Path) -> RestoredGraphPolicy | None:
     path = images / "graph.json"
     if not path.exists():
         return None
+    from ._reports import RestoredGraphPolicy
+
     try:
         stored = json.loads(path.read_text())
         record, execution = stored["record"], stored["execution"]

@@ -4,7 +4,6 @@ and CRIU run as a program (no CUDA driver calls but the state checks through `_c
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import re
 import signal
@@ -119,8 +118,9 @@ def criu_environment(criu: str) -> dict[str, str]:
     return {**os.environ, "LD_LIBRARY_PATH": ":".join([*found, *([inherited] if inherited else [])])}
 
 
-def run_criu(criu: str, args: list[str], log: Path, *, lifeline: tuple[int, ...] = ()) -> float:
-    return CriuRun(criu, args, log, lifeline=lifeline).wait()
+def run_criu(criu: str, args: list[str], log: Path, *, lifeline: tuple[int, ...] = (),
+             env: dict[str, str] | None = None) -> float:
+    return CriuRun(criu, args, log, lifeline=lifeline, env=env).wait()
 
 
 class CriuRun:
@@ -162,6 +162,7 @@ def _image_files(images: Path) -> list[Path]:
 
 def image_digest(images: Path, *, contents: bool = False) -> str:
     """Every file's name, size, mtime and ctime (any write changes them), optionally its bytes."""
+    import hashlib  # here: OpenSSL's load (3-4 ms) is off a restore's path to CRIU (issue 35 item 2)
     h = hashlib.sha256()
     for path in _image_files(images):
         st = path.lstat()

@@ -9,7 +9,9 @@ memory source, in reverse registry order (the CUDA interposer's device memory, t
 recreate the communicators -> [ready]. Brackets are barriers.
 
 This module imports only what the phases up to CRIU's start need: the later phases' module, and what it needs,
-is imported while CRIU runs (`_import_later_phases`, issue 35 item 2).
+is imported while CRIU runs (`_import_later_phases`, issue 35 item 2), and so is the typed report (`_reports`: ten
+frozen dataclasses, ~12 ms of a restore's imports on the H200): the instants and facts known before CRIU are kept
+here and put into the report once CRIU runs (`_open_report`).
 
 The rollback, whatever phase failed: kill the restored tree (nothing half-restored serves), abort the
 activation for every rank, discard what the memory sources staged (registry order), stop the lazy-pages daemon.
@@ -34,7 +36,6 @@ from ._graph import validated_graph_record
 from ._host import IdentityReading
 from ._phase import PhaseLog
 from ._process import CriuRun, criu_environment, process_tree, stop, tail
-from ._reports import Mark, RestoredGraphPolicy, RestoreReport
 from ._shm_files import SharedFile, load_shared_files, put_back
 from ._target import check_target, comparable, gpu_pairs
 from ._worker_guard import WorkerGuard
@@ -44,6 +45,7 @@ from .memory import MemoryOptions, MemoryRestores, RestoreScope
 if TYPE_CHECKING:
     from ._criu_kdat import KernelProbe
     from ._cuda import Driver
+    from ._reports import RestoredGraphPolicy, RestoreReport, Timeline
 
 __all__ = ("restore",)
 
@@ -69,7 +71,7 @@ def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: C
     """
     run = _Restore(images, criu=criu, work=work, ranks=coordinator or Coordinator.single(), lazy_pages=lazy_pages,
                    phases=phases or PhaseLog("restore", publish=False))
-    run.report.worker_start = [Mark(name, ns, (ns - run.began) / 1e9) for name, ns in (startup or {}).items()] or None
+    run.startup = startup or {}
     run.memory_options = memory or MemoryOptions()
     run.journal = guard or WorkerGuard()
     run.identity = identity
@@ -101,10 +103,16 @@ class _Restore:
         self.phase = phases
         self.journal = WorkerGuard()  # CRIU's restore and the restored root are noted: a guard kills the tree
         phases.enter("validate")
-        self.report = RestoreReport(rank=ranks.rank, world_size=ranks.world_size)
-        self.timeline = self.report.timeline
-        self.timeline.mark("restore_begin")
-        self.began = self.timeline.marks[0].unix_ns
+        self.began = time.time_ns()
+        # Until CRIU runs: the marks taken (name, unix ns) and the facts found, for the report made then.
+        # Invariant: `report` and `timeline` exist from `_open_report` on, and only the phases after it use them.
+        self.marks: list[tuple[str, int]] = [("restore_begin", self.began)]
+        self.startup: dict[str, int] = {}  # the worker command's marks before this restore (`worker_start`)
+        self.captured_root = 0  # the captured tree's root pid, as the record says
+        self.compatibility: str | None = None
+        self.identity_source: str | None = None
+        self.report: RestoreReport
+        self.timeline: Timeline
         self.captured: dict[str, Any] = {}
         self.graph: RestoredGraphPolicy | None = None  # the graph policy record, when the capture wrote one
         self.memory_options = MemoryOptions()
@@ -132,7 +140,7 @@ class _Restore:
             raise
         self._check_host(current.result())
         self._agree()
-        self.timeline.mark("validated")  # what the checks before CRIU cost (identity, dumps, sources)
+        self._mark("validated")  # what the checks before CRIU cost (identity, dumps, sources)
         # Only now: a restore refused by the checks (on any rank) leaves nothing staged on the node hydrator; the
         # checks take milliseconds with the GPU's facts from procfs.
         self.phase.enter("stage")
@@ -163,9 +171,7 @@ class _Restore:
         if ranks.multi and boundary == "n610" and (self.graph is None or self.engine is None):
             raise WorkerError("these multi-rank images lack the graph record or the engine's quiesce: their "
                               "communicators could not be recreated")
-        report = self.report
-        report.boundary, report.captured_root_pid, report.cuda_pids = boundary, captured["root_pid"], self.cuda
-        report.graph_policy = self.graph
+        self.captured_root = int(captured["root_pid"])
         if self.graph is not None and self.graph.effective == "preserve-nccl-exec":
             raise WorkerError("the record retains NCCL graph executables in place, which needs the engine's "
                               "admitted in-place NCCL provider; this engine recreates its communicators")
@@ -182,13 +188,13 @@ class _Restore:
         captured, boundary = self.captured.get("identity", {}), self.captured["boundary"]
         captured, current = comparable(captured, current, boundary)
         try:
-            self.report.identity_compatibility = check_target(captured, current, boundary,
-                                                              device_policy=self.memory_options.device_policy)
+            self.compatibility = check_target(captured, current, boundary,
+                                              device_policy=self.memory_options.device_policy)
         except TargetRefused as exc:
-            self.timeline.mark("refused")
-            exc.seconds = self.timeline.seconds("restore_begin", "refused")
+            self._mark("refused")
+            exc.seconds = (self.marks[-1][1] - self.began) / 1e9
             raise
-        self.report.identity_source = current["gpu_identity_source"]
+        self.identity_source = current["gpu_identity_source"]
         self.gpu_pairs = gpu_pairs(captured, current)
 
     def _agree(self) -> None:
@@ -213,14 +219,14 @@ class _Restore:
                 "--pidfile", str(pidfile), *(["--leave-stopped"] if paused else []),
                 *(["--lazy-pages"] if self.lazy else [])]
         put_back(self.shared, self.images, self.journal.note)  # what CRIU maps is what the tree had when dumped
-        self.report.shared_files = [f.path for f in self.shared] or None
         self.journal.note(restore=str(self.images), pidfile=str(pidfile))
-        self.timeline.mark("criu_restore_begin")
+        self._mark("criu_restore_begin")
         criu = CriuRun(self.criu, args, work / "restore.log", lifeline=self.journal.lifeline(), env=cached)
-        # CRIU first, then the CUDA driver while it runs: cuda-python's import, libcuda's load and cuInit took tens
-        # of milliseconds before CRIU started, and cuInit alone a good part of the CUDA restore otherwise.
+        # CRIU first, then the report and the CUDA driver while it runs: cuda-python's import, libcuda's load and
+        # cuInit took tens of milliseconds before CRIU started, and cuInit alone a good part of the CUDA restore.
         failed: BaseException | None = None
         try:
+            self._open_report()
             starting = _CudaStart() if self.cuda else None
             _import_later_phases()  # while cuInit runs, which releases the interpreter
             self.driver = starting.result() if starting else None
@@ -229,10 +235,12 @@ class _Restore:
         except BaseException as exc:  # CRIU is running: its tree is found (and killed by the rollback) first
             failed = exc
         try:
-            seconds = self.report.criu_restore_seconds = criu.wait()
+            seconds = criu.wait()
         except WorkerError as exc:
             raise exc from failed
-        self.timeline.mark("criu_restore_end")
+        if failed is None:
+            self.report.criu_restore_seconds = seconds
+            self.timeline.mark("criu_restore_end")
         root = self.root = int(pidfile.read_text().split()[0])  # first: the rollback kills the tree then
         self.journal.note(root=root)
         if failed is not None:
@@ -245,6 +253,25 @@ class _Restore:
         if self.ranks.multi:
             self.timeline.mark("rank_barrier_end")
         return root
+
+    # -- before CRIU runs, and once it does --------------------------------------------------------------------
+    def _mark(self, name: str) -> None:
+        """An instant before CRIU runs (a `timeline` mark once the report is made)."""
+        self.marks.append((name, time.time_ns()))
+
+    def _open_report(self) -> None:
+        """The typed report, made while CRIU runs, from the marks and facts kept until then."""
+        from ._reports import Mark, RestoreReport
+
+        report = self.report = RestoreReport(rank=self.ranks.rank, world_size=self.ranks.world_size)
+        report.timeline.marks = [Mark(name, ns, (ns - self.began) / 1e9) for name, ns in self.marks]
+        report.worker_start = [Mark(name, ns, (ns - self.began) / 1e9) for name, ns in self.startup.items()] or None
+        report.boundary, report.captured_root_pid = self.captured["boundary"], self.captured_root
+        report.cuda_pids = self.cuda
+        report.graph_policy = self.graph
+        report.identity_compatibility, report.identity_source = self.compatibility, self.identity_source
+        report.shared_files = [f.path for f in self.shared] or None
+        self.timeline = report.timeline
 
     # -- the one rollback ----------------------------------------------------------------------------------------
     def roll_back(self, error: str) -> None:

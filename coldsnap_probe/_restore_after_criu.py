@@ -85,6 +85,8 @@ def _criu_phases(run: RestoredTree) -> None:
         return
     if run.kernel is not None and run.kernel.seconds is not None:
         phases["kdat_probe_s"] = round(run.kernel.seconds, 6)
+    if run.kernel is not None and run.kernel.carried_seconds is not None:  # no probe ran: the capture's cache
+        phases["kdat_carried_s"] = round(run.kernel.carried_seconds, 6)
     run.report.criu_restore_phases = phases
 
 

@@ -17,7 +17,6 @@ An unlinked segment is CRIU's own (a ghost file it dumps with the images).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -96,6 +95,7 @@ def shared_files(tree: list[int]) -> list[str]:
 
 def _copy(source: str, target: Path) -> SharedFile:
     """`source` copied to `target` (never through a link), with its identity and digest."""
+    import hashlib  # here: OpenSSL's load (3-4 ms) is off a restore's path to CRIU (issue 35 item 2)
     digest = hashlib.sha256()
     with open(os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as src:
         st = os.fstat(src.fileno())
@@ -124,6 +124,7 @@ def save_shared_files(paths: list[str], images: Path) -> list[SharedFile]:
 
 
 def _digest(path: Path) -> str:
+    import hashlib  # here: OpenSSL's load (3-4 ms) is off a restore's path to CRIU (issue 35 item 2)
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):

@@ -7,7 +7,6 @@ pass through :func:`go_floats`: Go marshals an integral float64 as an integer to
 
 from __future__ import annotations
 
-import hashlib
 import json
 from typing import Any
 
@@ -27,6 +26,8 @@ def canonical_json(value: Any) -> bytes:
 
 def digest(value: Any) -> str:
     """``sha256:<hex>`` of the canonical JSON of `value`."""
+    import hashlib  # here: OpenSSL's load (3-4 ms) is off a restore's path to CRIU (issue 35 item 2)
+
     return "sha256:" + hashlib.sha256(canonical_json(value)).hexdigest()
 
 

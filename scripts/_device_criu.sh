@@ -8,6 +8,12 @@
 #   scripts/device criu phases  instead: CRIU's restore of an engine-shaped CPU process (100 threads, 300 libraries,
 #                               1.1 GB), phase by phase from CRIU's log, without and with the kernel-feature cache
 #                               (bench/criu_restore_phases.py, 5 restores a variant, about 40 s): criu-phases.txt.
+#   scripts/device criu start   instead: the restore worker's path from its main to CRIU's start, a small CPU
+#                               process restored 20 times with the images' carried kernel-feature cache hidden
+#                               (the worker probes) and as captured (no probe), then one restore's imports under
+#                               -X importtime (bench/path_to_criu.py, about 20 s): path-to-criu.txt. BEFORE=DIR: a
+#                               directory holding an older coldsnap_probe (`git archive REF coldsnap_probe | tar -x
+#                               -C DIR`, carried), restored side by side.
 #   scripts/device criu threads instead: CRIU's dump of a server-shaped process (1.14 GB of pages, 100 threads),
 #                               stock vs dump-threads.patch's threads (1, 4, the CPUs), images on a tmpfs mounted
 #                               huge=always as the capture's (bench/criu_dump_threads.py, best of 3, about 60 s):
@@ -37,6 +43,12 @@ if [ "${1:-}" = phases ]; then
     rc=${PIPESTATUS[0]}
     rm -rf /dev/shm/coldsnap-criu-phases-* /tmp/coldsnap-criu-phases-*  # a run cut short leaves its images
     exit "$rc"
+fi
+if [ "${1:-}" = start ]; then
+    timeout -k 5 "${CRIU_BENCH_TIMEOUT:-170}" python3 bench/path_to_criu.py --criu "$PWD/.device-criu42/usr/sbin/criu" \
+        --restores 20 --importtime ${BEFORE:+--before "$BEFORE"} --out "$OUT/path-to-criu.json" 2>&1 \
+        | tee "$OUT/path-to-criu.txt"
+    exit "${PIPESTATUS[0]}"
 fi
 if [ "${1:-}" = threads ]; then
     huge=$(mktemp -d /tmp/criu-threads-huge.XXXXXX)

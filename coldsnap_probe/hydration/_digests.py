@@ -9,7 +9,6 @@ item 2).
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import os
 import zlib
@@ -27,6 +26,7 @@ CRC_PREFIX = "crc32-64m:"  # the interposer's fast dump digest (interposer/crc32
 
 
 def _sha256(data: memoryview) -> bytes:
+    import hashlib  # here: OpenSSL's load (3-4 ms) is off a restore's path to CRIU (issue 35 item 2)
     return hashlib.sha256(data).digest()
 
 
@@ -69,6 +69,7 @@ def chunk_digests(path: str | Path, offset: int, size: int, *, threads: int = 0,
 
 def combine_digests(parts: Sequence[bytes]) -> str:
     """The region digest from its chunk digests (so a region that is a 64 MiB-aligned prefix reuses them)."""
+    import hashlib  # here: OpenSSL's load (3-4 ms) is off a restore's path to CRIU (issue 35 item 2)
     return DIGEST_PREFIX + hashlib.sha256(b"".join(parts)).hexdigest()
 
 

@@ -14,13 +14,11 @@ docs/interposer.md says what is covered and how each failure is reported.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -71,6 +69,8 @@ def build_library(out: Path, *, compiler: str = "gcc") -> tuple[Path, str]:
     out.mkdir(parents=True, exist_ok=True)
     target = out / LIBRARY
     sources = [str(p) for p in library_sources()]
+    import tempfile  # here: building is no part of a restore's path to CRIU (issue 35 item 2)
+
     with tempfile.TemporaryDirectory(dir=out) as scratch:  # built aside, renamed in: never a half-written library
         partial = Path(scratch) / LIBRARY
         try:
@@ -94,6 +94,8 @@ def library_path(cache: Path | None = None) -> Path:
         return Path(given)
     if CAPSULE_LIBRARY.is_file():
         return CAPSULE_LIBRARY
+    import hashlib  # here: OpenSSL's load (3-4 ms) is off a restore's path to CRIU (issue 35 item 2)
+
     sources = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(SOURCES.glob("*.[ch]")))).hexdigest()[:16]
     folder = (cache or Path.home() / ".cache" / "coldsnap") / f"interposer-{sources}"
     if not (folder / LIBRARY).is_file():

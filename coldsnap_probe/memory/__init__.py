@@ -29,8 +29,8 @@ their timings); a new source whose report has no field there records it under `m
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
-from .._reports import CaptureReport, RestoreReport
 from ..errors import ProbeError
 from ._device_dump import DeviceDumpSource
 from ._protocol import (
@@ -43,6 +43,9 @@ from ._protocol import (
     read_record,
 )
 from ._weights import WeightsSource
+
+if TYPE_CHECKING:  # annotations only: the report types load once CRIU runs (issue 35 item 2)
+    from .._reports import CaptureReport, RestoreReport
 
 __all__ = ("SOURCES", "CaptureScope", "MemoryCaptures", "MemoryOptions", "MemoryRestores", "MemorySource",
            "RestoreScope", "SourceCapture", "SourceRestore", "read_record")

@@ -27,10 +27,9 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import jsonline
-from .._reports import CaptureReport, DumpedDevice, HydratedDevice, RestoreReport, StackLimit
 from ..errors import ChannelError, HydrationError, ProbeError, WorkerError
 from ..hydration import (
     ADOPT_PAGE,
@@ -46,6 +45,9 @@ from ..hydration import (
     verification,
 )
 from ._protocol import CaptureScope, RestoreScope, read_record
+
+if TYPE_CHECKING:  # the report types load where they are made: off a restore's path to CRIU (issue 35 item 2)
+    from .._reports import CaptureReport, DumpedDevice, HydratedDevice, RestoreReport
 
 __all__ = ("INTERPOSER_PAGE", "RECORD", "STAGE_GROUP", "WARM_WAIT_S", "DeviceDumpSource", "DeviceRelease",
            "DeviceRestore", "DeviceStage", "DeviceWarm", "DumpRecord", "hydrate_devices", "prefetch_dumps",
@@ -207,6 +209,8 @@ class DeviceRelease:
             report.timings_s["device_release"] = time.perf_counter() - started
 
     def _release_all(self) -> None:
+        from .._reports import DumpedDevice
+
         cuda = self.cuda
         for pid in cuda:
             socket = self._socket(pid, cuda)
@@ -229,6 +233,8 @@ class DeviceRelease:
             (self.images / RECORD).write_text(json.dumps(record, indent=2) + "\n")
 
     def _release_one(self, pid: int, socket: str) -> None:
+        from .._reports import DumpedDevice, StackLimit
+
         directory = self.images / f"device-{pid}"
         directory.mkdir(mode=0o700)
         uid, gid = _owner(pid)
@@ -400,6 +406,8 @@ def _staged(record: DumpRecord, stage: DeviceStage, directory: Path, policy: str
         stage.report["adopt_error"] = str(answer.get("error"))
         return None
     report = dict(answer.get("report") or {})
+    from .._reports import HydratedDevice
+
     return HydratedDevice(pid=record.pid, bytes=int(report.get("bytes", 0)), seconds=time.perf_counter() - started,
                           gbps=0.0, interposer={**report, "stage": stage.report})
 
@@ -411,6 +419,8 @@ def hydrate_devices(records: list[DumpRecord], images: Path, policy: str, *, dig
     processes of a tree at once). Every byte is digested when `digests` or when a dump file is not provably the
     one written at capture. The first failure is raised once every process has answered. A process with a stage
     (`stages`, by pid) first maps what the node hydrator filled meanwhile."""
+
+    from .._reports import HydratedDevice
 
     def one(record: DumpRecord) -> HydratedDevice:
         started = time.perf_counter()

@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._coordinator import Coordinator
-from .._reports import CaptureReport, RestoreReport
+
+if TYPE_CHECKING:  # annotations only: the report types load once CRIU runs (issue 35 item 2)
+    from .._reports import CaptureReport, RestoreReport
 
 __all__ = ("CaptureScope", "MemoryOptions", "MemorySource", "RestoreScope", "SourceCapture", "SourceRestore",
            "read_record")

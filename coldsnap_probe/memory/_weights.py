@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING
 
 from .. import hydration
 from .._engine import engine_request
-from .._reports import CaptureReport, HydratedWeights, ReleasedWeights, RestoreReport
 from ..errors import ProbeError, WorkerError
 from ..jsonline import request
 from ._protocol import CaptureScope, RestoreScope, read_record
 
 if TYPE_CHECKING:
+    from .._reports import CaptureReport, RestoreReport
     from ..hydration import HydrationManifest, Stager
 
 __all__ = ("RECORD", "WeightsSource", "hydrate_back")
@@ -80,6 +80,8 @@ class WeightsCapture:
             raise WorkerError(f"the engine's hydration manifest is invalid: {exc}") from exc
         self.manifest = manifest
         (self.images / RECORD).write_text(json.dumps(manifest.to_json(), indent=2) + "\n")
+        from .._reports import ReleasedWeights  # here: the report types are off a restore's path to CRIU
+
         report.hydration = ReleasedWeights(
             released_bytes=sum(r.size for r in manifest.regions), regions=len(manifest.regions),
             release_seconds=time.perf_counter() - started, plan_digest=manifest.plan.plan_digest,
@@ -117,6 +119,8 @@ class WeightsRestore:
                                 "weight hydration failed, the restored engine is not released", ranks=self.ranks)
         report.timeline.mark("hydration_end")
         hydrated = answer["report"]
+        from .._reports import HydratedWeights  # here: the report types are off a restore's path to CRIU
+
         report.hydration = HydratedWeights(
             bytes=hydrated["bytes"], seconds=hydrated["seconds"], gbps=hydrated["gbps"],
             regions_verified=hydrated["verified_regions"], engine=hydrated, staged=staged,

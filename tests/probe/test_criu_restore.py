@@ -16,12 +16,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+import zlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from coldsnap_probe._criu_kdat import CARRIED_CACHE, CARRIED_KEY
 from coldsnap_probe._images_fs import images_filesystem
 from coldsnap_probe._process import CriuRun, image_digest
 from tests.criu import CRIU, alive, criu_wrapper
@@ -227,18 +229,57 @@ def test_restore_writes_every_page_back_and_leaves_the_images_unchanged(tmp_path
         assert f"by {threads} threads" in log  # the restoring task's pages went through the parallel fill
     else:
         assert "by 1 threads" not in log and " chunks by " not in log  # stock: the restorer's one preadv stream
-    # CRIU's kernel probe ran while the worker imported; the restore's CRIU loaded its cache instead of probing
-    # (kdat-cache.patch), and the probe's directory is gone with the worker.
+    # The capture carried its dump's kernel-feature cache (same boot, same confinement): no probe ran, the
+    # restore's CRIU loaded a copy of it (kdat-cache.patch), and the copy's directory is gone with the worker.
     cache = re.search(r"Loaded kdat cache from (/\S+/coldsnap-kdat-\w+/criu\.kdat)$", log, re.MULTILINE)
     assert cache is not None, log[:2000]
     assert not Path(cache.group(1)).parent.exists()
     # Where CRIU's time went, from its log, in the report (issue 35 item 2).
     phases = report["criu_restore_phases"]
-    assert phases["kdat_probe_s"] > 0 and 0 < phases["probe_setup_s"] < phases["logged_s"]
+    assert "kdat_probe_s" not in phases and 0 <= phases["kdat_carried_s"] < 1
+    assert 0 < phases["probe_setup_s"] < phases["logged_s"]
     assert {"images_fork_s", "restorer_s", "seize_stop_s"} <= set(phases)
     assert ("fill_s" in phases) == (threads > 1)  # the stock restore fills in the restorer: no line of its own
     end(control, pid)
     assert image_digest(images, contents=True) == before
+
+
+def _another_boot(images: Path) -> None:
+    record = json.loads((images / CARRIED_KEY).read_text())
+    record["key"]["boot_id"] = "00000000-0000-0000-0000-000000000000"
+    (images / CARRIED_KEY).write_text(json.dumps(record))
+
+
+def _forged_short(images: Path) -> None:
+    """A cache cut short with a key that vouches for it (a manager forging its own images): only CRIU can tell."""
+    data = (images / CARRIED_CACHE).read_bytes()[:64]
+    (images / CARRIED_CACHE).write_bytes(data)
+    record = json.loads((images / CARRIED_KEY).read_text())
+    (images / CARRIED_KEY).write_text(json.dumps({**record, "bytes": len(data), "crc32": zlib.crc32(data)}))
+
+
+@pytest.mark.parametrize(("change", "probed", "logged"), [
+    pytest.param(_another_boot, True, "Loaded kdat cache from", id="another-boot: the worker probes"),
+    pytest.param(_forged_short, False, "Stale /", id="forged-short: CRIU probes"),
+])
+def test_a_carried_kernel_cache_not_of_this_boot_or_not_whole_is_not_used_and_the_restore_is_whole(
+        tmp_path: Path, criu: str, plain: Capture, change: Callable[[Path], None], probed: bool, logged: str) -> None:
+    images = private_images(plain.images, tmp_path / "images")
+    for name in (CARRIED_CACHE, CARRIED_KEY):  # links to the shared capture's files: replaced, never written into
+        data = (images / name).read_bytes()
+        (images / name).unlink()
+        (images / name).write_bytes(data)
+    change(images)
+    done = worker("restore", "--images", str(images), "--criu", criu, "--work-dir", str(tmp_path / "work"))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    phases = report["criu_restore_phases"]
+    assert ("kdat_probe_s" in phases) == probed and ("kdat_carried_s" in phases) != probed
+    assert logged in (tmp_path / "work/restore.log").read_text()
+    assert report["restored_pid"] == plain.pid and alive(plain.pid)
+    if not probed:  # CRIU's own probe replaced what the forged cache said: every page is back all the same
+        assert verified(plain.control)["ok"] is True
+    end(plain.control, plain.pid)
 
 
 @pytest.mark.parametrize("threads", [1, 4])

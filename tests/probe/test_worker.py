@@ -233,7 +233,8 @@ def captured(tmp_path: Path, mib: int) -> tuple[Path, Path, int, dict[str, Any]]
 def test_n610_capture_then_two_restores_from_unchanged_images(tmp_path: Path, lazy: bool) -> None:
     control, images, pid, capture = captured(tmp_path, 64)
     assert capture["cuda_pids"] == [pid] and capture["image_bytes"] > 64 << 20
-    assert {"cuda_lock", "cuda_checkpoint", "criu_dump"} <= set(capture["timings_s"])
+    # kdat_wait: the dump loaded the kernel probe the worker ran while it locked and checkpointed (`_criu_kdat`)
+    assert {"cuda_lock", "cuda_checkpoint", "criu_dump", "kdat_wait"} <= set(capture["timings_s"])
     digest = image_digest(images)
     for attempt in (1, 2):
         done = worker("restore", "--images", str(images), "--work-dir", str(tmp_path / f"work-{attempt}"),
@@ -250,6 +251,7 @@ def test_n610_capture_then_two_restores_from_unchanged_images(tmp_path: Path, la
         assert report["criu_restore_seconds"] * 1e9 <= marks["criu_restore_end"] - marks["criu_restore_begin"] + 1e6
         assert report["restored_pid"] == pid and verify(control, attempt)
         assert report["identity_compatibility"] == "exact"
+        assert "kdat_carried_s" in report["criu_restore_phases"]  # the capture's kernel probe, carried: none ran
         kill_and_reap(report["restored_pid"])
     assert image_digest(images) == digest
 
