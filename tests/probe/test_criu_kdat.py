@@ -5,7 +5,11 @@ itself, a probe that hangs is killed; the directory goes every time."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,7 +17,8 @@ import pytest
 
 from coldsnap_probe import _criu_kdat
 from coldsnap_probe._criu_kdat import KernelProbe
-from tests.criu import CRIU
+from tests.criu import CRIU, alive
+from tests.helpers import ROOT
 
 
 def script(tmp_path: Path, body: str) -> str:
@@ -66,3 +71,25 @@ def test_a_probe_that_hangs_is_killed_and_the_restore_probes_for_itself(tmp_path
     assert time.monotonic() - started < 5 and not (tmp_path / "kdat").exists()
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # killed and reaped, not left running
+
+
+def test_a_restore_worker_failing_before_the_restore_begins_leaves_no_probe_running(tmp_path: Path) -> None:
+    """Review 11: the worker starts the probe before its imports; a failure before `restore()` took it over (here
+    the first phase's line, its stderr on a full device) left the probe's `criu check` running after the worker
+    had gone. It is ended and its directory removed on that path too."""
+    scratch, pidfile = tmp_path / "tmp", tmp_path / "check.pid"
+    scratch.mkdir()
+    (tmp_path / "images").mkdir()
+    criu = script(tmp_path, f'if [ "$1" = check ]; then echo $$ > {pidfile}; exec sleep 60; fi\necho "Version: 4.2"')
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "coldsnap_probe", "restore", "--images", str(tmp_path / "images"),
+                               "--criu", criu], cwd=ROOT, env={**os.environ, "TMPDIR": str(scratch)},
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=full, timeout=60, check=False)
+    pid = int(pidfile.read_text())
+    try:
+        assert done.returncode != 0 and done.stdout == b""
+        assert not alive(pid)  # ended by the worker, not left to run out its minute
+        assert not list(scratch.glob("coldsnap-kdat-*"))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
