@@ -20,7 +20,7 @@ import pytest
 
 from tests.criu import CRIU, criu_wrapper
 from tests.helpers import ROOT
-from tests.probe.test_criu_restore import bare_dump, end, pages_of_zeros, verified, wait_file
+from tests.probe.test_criu_restore import bare_dump, end, pages_of_zeros, verified, wait_file, worker
 
 pytestmark = pytest.mark.skipif(CRIU is None, reason="needs root and scripts/criu/build's CRIU")
 MIB = 1 << 20
@@ -153,6 +153,16 @@ def test_a_full_images_filesystem_fails_the_threads_dump_naming_it_and_the_proce
         assert refused
         assert [p.stat().st_size for p in (small / "images").glob("pages-*.img")] == [0]  # the room given back
         assert verified(control)["ok"]  # unfrozen, its memory as it was
+        # The capture worker's dump the same: it fails naming the room, leaves nothing of the images but CRIU's
+        # log, and the tree runs on.
+        images = small / "worker"
+        images.mkdir()
+        done = worker("capture", "--pid", str(pid), "--images", str(images), "--boundary", "n580", "--criu", criu,
+                      env={"CRIU_DUMP_THREADS": "4"})
+        assert done.returncode != 0 and "phase criu-dump" in done.stderr, done.stderr
+        assert re.search(r"pages\.img needs \d+ bytes, its filesystem has \d+ free", done.stderr), done.stderr[-3000:]
+        assert [p.name for p in images.iterdir()] == ["dump.log"]
+        assert verified(control)["ok"]
         # Room for pages.img and 6 MiB more: the writer leaves 1-2 MiB of it (the dump's other images fit)
         roomy = mounted(tmp_path / "roomy", "tmpfs", f"size={int(refused[1]) + 6 * MIB}")
         stop = threading.Event()
