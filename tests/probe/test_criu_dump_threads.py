@@ -9,6 +9,7 @@ import ctypes
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,13 +35,14 @@ def criu(tmp_path: Path) -> Iterator[str]:
 
 @pytest.fixture
 def mounted() -> Iterator[Callable[..., Path]]:
-    """mounted(path, kind, *options): a filesystem of `kind` mounted at `path` (made) until the test ends."""
+    """mounted(path, kind, *options, source=kind): a filesystem of `kind` mounted at `path` (made) until the test
+    ends."""
     mounts: list[Path] = []
 
-    def mount(path: Path, kind: str, *options: str) -> Path:
+    def mount(path: Path, kind: str, *options: str, source: str = "") -> Path:
         path.mkdir()
-        subprocess.run(["mount", "-t", kind, *(["-o", ",".join(options)] if options else []), kind, str(path)],
-                       check=True)
+        subprocess.run(["mount", "-t", kind, *(["-o", ",".join(options)] if options else []), source or kind,
+                        str(path)], check=True)
         mounts.append(path)
         return path
     try:
@@ -178,6 +180,36 @@ def test_a_full_images_filesystem_fails_the_threads_dump_naming_it_and_the_proce
         room = os.statvfs(roomy)
         assert (roomy / "filler").stat().st_size > 0 and room.f_bavail * room.f_frsize <= 2 * MIB  # it took the rest
         assert re.search(rf"dump-threads: {pid}: (\d+) pages by 4 threads", log)
+        assert verified(control)["ok"]
+    finally:
+        (control / "exit").touch()
+        target.wait()
+
+
+def test_a_full_filesystem_that_reserves_no_room_fails_the_written_dump_naming_the_write(
+        tmp_path: Path, criu: str, mounted: Callable[..., Path]) -> None:
+    """dump-threads.patch: where `fallocate` is not supported (ext2: EOPNOTSUPP) the threads write pages.img
+    (pwrite) instead of mapping it, so a full disk there is the write's ENOSPC, named with the offset, and the
+    process goes on as it was."""
+    if not Path("/dev/loop-control").exists() or not shutil.which("mkfs.ext2"):
+        pytest.skip("needs loop devices and mkfs.ext2 (a filesystem without fallocate)")
+    image = tmp_path / "ext2.img"
+    with open(image, "wb") as out:
+        out.truncate(16 * MIB)
+    subprocess.run(["mkfs.ext2", "-q", "-F", str(image)], check=True)
+    small = mounted(tmp_path / "ext2", "ext2", "loop", source=str(image))
+    control = tmp_path / "control"
+    control.mkdir()
+    target = subprocess.Popen([sys.executable, str(ROOT / "bench/criu_target.py"), "--dir", str(control), "--mib",
+                               "32"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    try:
+        pid = int(wait_file(control / "ready"))
+        done = bare_dump(criu, pid, small / "images", "skip", "4")
+        log = (small / "images/dump.log").read_text()
+        assert done.returncode != 0
+        assert "pages.img's filesystem reserves no room (fallocate): the threads write it" in log
+        assert re.search(r"Can't write pages\.img at offset \d+: No space left on device", log), log[-2000:]
         assert verified(control)["ok"]
     finally:
         (control / "exit").touch()
