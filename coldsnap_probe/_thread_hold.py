@@ -119,9 +119,10 @@ class ThreadHold:
         return True
 
     def release(self) -> None:
-        """Stop the running thread, give it its mask back, detach every thread (they stay group-stopped). Every
-        thread is detached even when the running one could not be stopped (it ended, say): the first failure is
-        raised after, never left as threads traced by this process."""
+        """Stop the running thread, give it its mask back, detach every thread (they stay group-stopped). A thread
+        that ended is waited for and forgotten (`ended`), not a failure. Every thread is detached even when the
+        running one could not be stopped: the first failure is raised after, never left as threads traced by this
+        process."""
         failed: list[WorkerError] = []
         if self.running is not None:
             tid = self.running
