@@ -204,7 +204,10 @@ def test_a_full_filesystem_that_reserves_no_room_fails_the_written_dump_naming_t
     with open(image, "wb") as out:
         out.truncate(16 * MIB)
     subprocess.run(["mkfs.ext2", "-q", "-F", str(image)], check=True)
-    small = mounted(tmp_path / "ext2", "ext2", "loop", source=str(image))
+    try:
+        small = mounted(tmp_path / "ext2", "ext2", "loop", source=str(image))
+    except subprocess.CalledProcessError:  # no loop device free or allowed (a container)
+        pytest.skip("cannot mount a loop device here (a filesystem without fallocate)")
     control = tmp_path / "control"
     control.mkdir()
     target = subprocess.Popen([sys.executable, str(ROOT / "bench/criu_target.py"), "--dir", str(control), "--mib",
