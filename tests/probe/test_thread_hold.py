@@ -148,6 +148,12 @@ def ending(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], int, int, 
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
     assert parent.stdout is not None
     pid, tid = (int(v) for v in parent.stdout.readline().split())
+    # Stopped only once the main thread waits in read(2), its interpreter lock let go: stopped holding it, the
+    # worker let run could never take it to end.
+    give_up = time.monotonic() + 10
+    while Path(f"/proc/{pid}/syscall").read_text().split()[0] != "0":
+        assert time.monotonic() < give_up, "the main thread never waited on stdin"
+        time.sleep(0.002)
     os.kill(pid, signal.SIGSTOP)
     while any(state(pid, int(t)) != "T" for t in os.listdir(f"/proc/{pid}/task")):
         time.sleep(0.002)
