@@ -226,6 +226,10 @@ def test_a_running_thread_that_ended_is_reaped_and_every_other_thread_is_still_l
     try:
         assert target.stdout is not None
         tid = int(target.stdout.readline())
+        asleep = time.monotonic() + 10  # main in clock_nanosleep, its interpreter lock let go: stopped holding
+        while Path(f"/proc/{target.pid}/syscall").read_text().split()[0] != "230":  # it, the worker never ends
+            assert time.monotonic() < asleep
+            time.sleep(0.002)
         stop_tree([target.pid])
         hold = ThreadHold(target.pid)
         hold.run_only(tid)
