@@ -3,6 +3,7 @@ item 3), side by side in one run: any machine with CRIU, no GPU.
 
     python bench/criu_dump_threads.py --criu PATH [--rows 1,0] [--mib 700] [--thp-mib 256] [--nothp-mib 128]
                                       [--zero-mib 512] [--threads 100] [--libs 80] [--dir /dev/shm] [--repeat 3]
+                                      [--baseline-criu PATH]
 
 One target (bench/criu_target.py): `--mib` MiB of data, a region advised `MADV_HUGEPAGE` and one
 `MADV_NOHUGEPAGE`, a region of which about 60 % are pages of zeros, `--threads` waiting threads and its Python's
@@ -13,7 +14,8 @@ path; 0: unset, the CPUs this process may use), dumped as the capture worker run
 each row's best frozen time is shown with CRIU's own account of it (`stats-dump`). Then every row's pages images
 are compared with the first row's, page by page (the waiting threads' stacks differ between any two dumps: the
 kernel writes an interrupted sleep's remaining time there), and the last row's images are restored and the
-target checks every byte of its memory. A table on stdout, JSON in --out.
+target checks every byte of its memory. `--baseline-criu`: another build (the patch before a change) dumps every
+row too, in the same turns, its rows marked "(baseline)". A table on stdout, JSON in --out.
 """
 
 from __future__ import annotations
@@ -109,41 +111,46 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dir", default="/dev/shm")
     parser.add_argument("--out", default=str(HERE / "results"))
+    parser.add_argument("--baseline-criu", help="another CRIU build dumping each row beside --criu")
     args = parser.parse_args()
-    rows = [int(n) for n in args.rows.split(",")]
+    builds = [("", args.criu)] + ([(" (baseline)", args.baseline_criu)] if args.baseline_criu else [])
+    rows = [(n, mark, criu) for mark, criu in builds for n in (int(v) for v in args.rows.split(","))]
     ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: the restored target is ours to reap
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="criu-threads-") as scratch:
         control = Path(scratch) / "control"
         control.mkdir()
         pid = target(args, control)
-        runs: dict[int, list[dict[str, Any]]] = {n: [] for n in rows}
+        runs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(rows))}
         try:
             for rnd in range(args.repeat):  # the rows take turns: a busy moment of the machine falls on all of them
-                for n in rows:
-                    where = Path(scratch) / f"row{n}-{rnd}"
-                    runs[n].append(dump(args.criu, n, pid, where))
+                for i, (n, _, criu) in enumerate(rows):
+                    where = Path(scratch) / f"row{i}-{rnd}"
+                    runs[i].append(dump(criu, n, pid, where))
                     if rnd < args.repeat - 1:
                         subprocess.run(["rm", "-rf", str(where)], check=True)
-            last = {n: Path(scratch) / f"row{n}-{args.repeat - 1}" for n in rows}
-            differ = {n: pages_differing(last[rows[0]] / "images", last[n] / "images") for n in rows}
-            memory = restored_memory(args.criu, rows[-1], last[rows[-1]], control, pid)
+            last = {i: Path(scratch) / f"row{i}-{args.repeat - 1}" for i in runs}
+            differ = {i: pages_differing(last[0] / "images", last[i] / "images") for i in runs}
+            shown = len(rows) // len(builds) - 1  # the last row of --criu's: its images are restored
+            memory = restored_memory(args.criu, rows[shown][0], last[shown], control, pid)
         finally:
             if Path(f"/proc/{pid}").exists():
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-    best = {n: min(runs[n], key=lambda r: r["frozen_s"]) for n in rows}
-    name = {n: ("stock" if n == 1 else f"{n} threads" if n else f"unset ({os.cpu_count()} CPUs)") for n in rows}
+    best = {i: min(runs[i], key=lambda r: r["frozen_s"]) for i in runs}
+    name = {i: ("stock" if n == 1 else f"{n} threads" if n else f"unset ({os.cpu_count()} CPUs)") + mark
+            for i, (n, mark, _) in enumerate(rows)}
     print(table(["CRIU_DUMP_THREADS", "dump s", "frozen s", "memdump s (of it: pages written)", "pages GB",
-                 "pages path", f"pages differing from {name[rows[0]]}"],
-                [[name[n], f"{best[n]['dump_s']:.3f}", f"{best[n]['frozen_s']:.3f}",
-                  f"{best[n]['memdump_s']:.3f} ({best[n]['memwrite_s']:.3f})", f"{best[n]['pages_bytes'] / 1e9:.2f}",
-                  "threads" if best[n]["threaded"] else "stock", differ[n]] for n in rows]))
-    print(f"the last row's images restored: memory {memory}; {args.threads} waiting threads")
+                 "pages path", f"pages differing from {name[0]}"],
+                [[name[i], f"{best[i]['dump_s']:.3f}", f"{best[i]['frozen_s']:.3f}",
+                  f"{best[i]['memdump_s']:.3f} ({best[i]['memwrite_s']:.3f})", f"{best[i]['pages_bytes'] / 1e9:.2f}",
+                  "threads" if best[i]["threaded"] else "stock", differ[i]] for i in runs]))
+    print(f"{name[shown]}'s images restored: memory {memory}; {args.threads} waiting threads")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"criu-dump-threads-{os.uname().nodename[:24]}-{time.strftime('%Y-%m-%d')}.json"
-    path.write_text(json.dumps({"args": vars(args), "cpus": os.cpu_count(), "memory": memory, "differing": differ,
-                                "rows": {name[n]: runs[n] for n in rows}}, indent=2) + "\n")
+    path.write_text(json.dumps({"args": vars(args), "cpus": os.cpu_count(), "memory": memory,
+                                "differing": {name[i]: differ[i] for i in runs},
+                                "rows": {name[i]: runs[i] for i in runs}}, indent=2) + "\n")
     print(f"JSON: {path}")
     return 0 if memory == "same" else 1
 

@@ -99,7 +99,9 @@ class StackLimit:
     """What a release did to the contexts' stack limit (CU_LIMIT_STACK_SIZE: the driver reserves it for every
     resident thread, and the CUDA checkpoint copies that reservation): the engine's own value (`engine_bytes`, the
     largest of its `contexts`), what the checkpoint then saw (`set_bytes`: lowered, or the engine's when the knob
-    is off or a driver call failed: `error`), and the seconds it took. The hydration sets it back."""
+    is off or a driver call failed: `error`), and the seconds it took. The hydration sets it back. The interposer
+    keeps 16 contexts: `contexts_left` more (a process with regions on more GPUs) kept their own limit, and the
+    checkpoint copied their whole reservation."""
 
     enabled: bool
     engine_bytes: int
@@ -107,18 +109,20 @@ class StackLimit:
     contexts: int
     seconds: float
     error: str | None = None
+    contexts_left: int = 0
 
     @classmethod
     def from_json(cls, value: object) -> StackLimit:
         """The interposer's `stack_limit` answer; ChannelError (it answered badly) naming the field and the rule."""
         if not isinstance(value, dict):
             raise ChannelError(f"stack_limit must be an object, got {type(value).__name__}")
-        unknown = sorted(set(value) - {"enabled", "engine_bytes", "set_bytes", "contexts", "seconds", "error"})
+        unknown = sorted(set(value) - {"enabled", "engine_bytes", "set_bytes", "contexts", "contexts_left", "seconds",
+                                       "error"})
         if unknown:
             raise ChannelError(f"stack_limit has unknown keys {unknown}")
         if not isinstance(value.get("enabled"), bool):
             raise ChannelError("stack_limit.enabled must be true or false")
-        for key in ("engine_bytes", "set_bytes", "contexts"):
+        for key in ("engine_bytes", "set_bytes", "contexts", "contexts_left"):
             if type(value.get(key)) is not int or value[key] < 0:
                 raise ChannelError(f"stack_limit.{key} must be an integer >= 0, got {value.get(key)!r}")
         seconds = value.get("seconds")
@@ -127,11 +131,13 @@ class StackLimit:
         if not isinstance(value.get("error", ""), str):
             raise ChannelError("stack_limit.error must be a string")
         return cls(enabled=value["enabled"], engine_bytes=value["engine_bytes"], set_bytes=value["set_bytes"],
-                   contexts=value["contexts"], seconds=float(seconds), error=value.get("error"))
+                   contexts=value["contexts"], seconds=float(seconds), error=value.get("error"),
+                   contexts_left=value["contexts_left"])
 
     def to_json(self) -> dict[str, Any]:
         return _present({"enabled": self.enabled, "engine_bytes": self.engine_bytes, "set_bytes": self.set_bytes,
-                         "contexts": self.contexts, "seconds": self.seconds, "error": self.error})
+                         "contexts": self.contexts, "contexts_left": self.contexts_left,
+                         "seconds": self.seconds, "error": self.error})
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,10 @@ between CRIU and the hold. `run_only` lets one thread run, every signal blocked 
 it parked inside the driver's restore); `release` puts its mask back and detaches every thread, which then stays in
 the group stop CRIU left until the caller's SIGCONT. Raises `WorkerError` naming the thread and the errno.
 
+A traced thread that ends (the one let run returns, or the process is killed) reports its exit to this tracer, not
+its process: until it is waited for it stays a zombie, and its process's main thread cannot be reaped. The hold
+waits for it (`ended` lists it) and forgets it: nothing to stop, give a mask back or detach.
+
 A capture holds a live process the same way, once the worker has stopped its tree (`_held_tree`). There a holder
 that dies leaves the thread it let run with every signal blocked (the kernel detaches its tracees, not their
 masks): `note` journals the thread's own mask before it is changed, and a dead worker's guard gives it back
@@ -52,6 +56,7 @@ class ThreadHold:
         self._mask = ctypes.c_uint64(0)
         self.running: int | None = None  # the one thread let run
         self.threads: list[int] = []
+        self.ended: list[int] = []  # threads that ended while held, waited for (reaped) here
         try:
             self.threads = sorted(int(tid) for tid in os.listdir(f"/proc/{pid}/task"))
         except OSError as exc:
@@ -92,10 +97,12 @@ class ThreadHold:
         self._ptrace(_CONT, tid)
         self.running = tid
         settled = time.monotonic() + _RETRAP_S
-        while time.monotonic() < settled:
+        while time.monotonic() < settled and self.running == tid:
             got, status = os.waitpid(tid, os.WNOHANG | _WALL)
             if got and os.WIFSTOPPED(status):
                 self._ptrace(_CONT, tid)
+            elif got:  # it ended at once: reaped by that wait
+                self._forget(tid)
             time.sleep(0.001)
 
     def put_back_mask(self, tid: int, mask: int) -> bool:
@@ -112,43 +119,68 @@ class ThreadHold:
         return True
 
     def release(self) -> None:
-        """Stop the running thread, give it its mask back, detach every thread (they stay group-stopped). Every
-        thread is detached even when the running one could not be stopped (it ended, say): the first failure is
-        raised after, never left as threads traced by this process."""
-        threads, self.threads = self.threads, []
+        """Stop the running thread, give it its mask back, detach every thread (they stay group-stopped). A thread
+        that ended is waited for and forgotten (`ended`), not a failure. Every thread is detached even when the
+        running one could not be stopped: the first failure is raised after, never left as threads traced by this
+        process."""
         failed: list[WorkerError] = []
         if self.running is not None:
-            tid, self.running = self.running, None
+            tid = self.running
             try:
-                self._ptrace(_INTERRUPT, tid)
-                self._wait_stop(tid)
-                self._ptrace(_SETSIGMASK, tid, _SIGSET_BYTES, ctypes.byref(self._mask))
+                self._ptrace(_INTERRUPT, tid, gone_ok=True)
+                if tid in self.threads:
+                    self._wait_stop(tid, ended_ok=True)
+                if tid in self.threads:
+                    self._ptrace(_SETSIGMASK, tid, _SIGSET_BYTES, ctypes.byref(self._mask), gone_ok=True)
             except WorkerError as exc:
                 failed.append(exc)
-        for tid in threads:
+            self.running = None
+        # The main thread last: ended, it can be waited for only once its other threads have been
+        for tid in sorted(self.threads, key=lambda t: t == self.pid):
             try:
-                self._ptrace(_DETACH, tid, gone_ok=True)  # a thread that ended meanwhile holds nothing
+                self._ptrace(_DETACH, tid, gone_ok=True)  # a thread that ended meanwhile is reaped instead
             except WorkerError as exc:
                 failed.append(exc)
+        self.threads = []
         if failed:
             raise failed[0]
 
+    def _forget(self, tid: int) -> None:
+        """Thread `tid` ended and was waited for: nothing of it is left to stop or let go."""
+        if tid in self.threads:
+            self.threads.remove(tid)
+            self.ended.append(tid)
+        if self.running == tid:
+            self.running = None
+
+    def _reaped(self, tid: int) -> bool:
+        """Whether thread `tid` has ended (waited for here, if it was not yet) and is forgotten."""
+        try:
+            got, status = os.waitpid(tid, os.WNOHANG | _WALL)
+        except ChildProcessError:  # waited for already, or never traced here
+            got, status = tid, 0
+        if not got or os.WIFSTOPPED(status):  # a stop consumed here leaves the thread stopped: retried
+            return False
+        self._forget(tid)
+        return True
+
     def _ptrace(self, request: int, tid: int, addr: int = 0, data: object = None, *, gone_ok: bool = False) -> None:
         """`request` on `tid`, retried while the thread is between two stops; `gone_ok`: a thread that ended is
-        done with (nothing to detach)."""
+        waited for and forgotten (nothing to do on it)."""
         for _ in range(100):  # ESRCH while the thread is between two stops (the kernel's transient RUNNING)
             if self._libc.ptrace(request, tid, addr, data) == 0:
                 return
             code = ctypes.get_errno()
             if code != errno.ESRCH:
                 break
-            if gone_ok and not os.path.exists(f"/proc/{self.pid}/task/{tid}"):
+            if gone_ok and self._reaped(tid):
                 return
             time.sleep(0.002)
         raise WorkerError(f"ptrace request {request:#x} on thread {tid} of process {self.pid}: "
                           f"{errno.errorcode.get(code, code)} ({os.strerror(code)})")
 
-    def _wait_stop(self, tid: int) -> None:
+    def _wait_stop(self, tid: int, *, ended_ok: bool = False) -> None:
+        """Until thread `tid` reports a stop; `ended_ok`: its end instead (it is then forgotten)."""
         give_up = time.monotonic() + _STOP_WAIT_S
         while time.monotonic() < give_up:
             try:
@@ -156,8 +188,11 @@ class ThreadHold:
             except ChildProcessError as exc:
                 raise WorkerError(f"thread {tid} of process {self.pid} is gone: {exc}") from exc
             if got:
-                if not os.WIFSTOPPED(status):
-                    raise WorkerError(f"thread {tid} of process {self.pid} ended (wait status {status:#x})")
-                return
+                if os.WIFSTOPPED(status):
+                    return
+                self._forget(tid)  # reaped by that wait
+                if ended_ok:
+                    return
+                raise WorkerError(f"thread {tid} of process {self.pid} ended (wait status {status:#x})")
             time.sleep(0.001)
         raise WorkerError(f"thread {tid} of process {self.pid} reported no stop within {_STOP_WAIT_S:g} s")

@@ -7,8 +7,9 @@ cold) to the operator. So every ``metrics.backend_probe_interval_s`` the daemon 
 uid and its ``--status-uid`` uids: the daemon's account, when it is not root), and adds what each of its counters
 grew by since the last answer: the stages it filled from each tier and the bytes it read for them (chunks of zeros
 are set on the device, not read, and count nowhere). A counter that went down is a hydrator that restarted: its
-whole count is new. A hydrator that does not answer (not started yet, restarting) is logged once and asked again at
-each interval; its counts so far stay.
+whole count is new. A hydrator that does not answer (not started yet, restarting), or answers ``ok: false`` (its
+error logged as it said it: a socket that refuses the daemon's uid, say), is logged once and asked again at each
+interval; its counts so far stay.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ __all__ = ("ASK_TIMEOUT_S", "STAGE_TIERS", "HydratorStages")
 log = structlog.get_logger(__name__)
 
 ASK_TIMEOUT_S = 5.0  # one hydrator's whole answer (its status is a few hundred bytes, answered on a thread of its own)
+_ERROR_CHARS = 500  # of a refusal's error, in the log: a hydrator gone wrong may say a lot
 # Where a node hydrator's stage read its bytes (coldsnap_probe/hydration/_ram_tier.py TIERS).
 STAGE_TIERS = ("ram", "disk")
 
@@ -46,6 +48,7 @@ class _Tier(Struct, frozen=True):
 
 class _Status(Struct, frozen=True):
     ok: bool
+    error: str = ""  # why, with ok false
     ram_tier: _Tier | None = None  # absent: not asked as root or the hydrator's uid
 
 
@@ -76,6 +79,9 @@ class HydratorStages:
                 answer = await anyio.to_thread.run_sync(_ask, path, abandon_on_cancel=True)  # ends within 5 s
             except (ChannelError, msgspec.ValidationError) as exc:
                 self._failed(path, f"did not answer its status: {exc}")
+                continue
+            if not answer.ok:
+                self._failed(path, f"refused its status: {answer.error[:_ERROR_CHARS] or '(no error given)'}")
                 continue
             if answer.ram_tier is None:
                 self._failed(path, f"keeps its RAM tier's counters from this daemon's uid {os.geteuid()} (serve "

@@ -7,9 +7,12 @@ every time."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +21,8 @@ import pytest
 
 from coldsnap_probe import _criu_kdat
 from coldsnap_probe._criu_kdat import CARRIED_CACHE, CARRIED_KEY, KDAT_MAGIC, KernelProbe, carry, kernel_key
-from tests.criu import CRIU, criu_wrapper
+from tests.criu import CRIU, alive, criu_wrapper
+from tests.helpers import ROOT
 from tests.probe.test_worker_guard import start_target, worker
 
 
@@ -194,3 +198,25 @@ def test_a_link_or_a_pipe_in_the_images_is_never_followed_nor_waited_for(tmp_pat
         probe = KernelProbe(script(images, f"touch {images}/probed"), images / "kdat", images)
         assert probe.environment() == {} and (images / "probed").exists()
         probe.close()
+
+
+def test_a_restore_worker_failing_before_the_restore_begins_leaves_no_probe_running(tmp_path: Path) -> None:
+    """Review 11: the worker starts the probe before its imports; a failure before `restore()` took it over (here
+    the first phase's line, its stderr on a full device) left the probe's `criu check` running after the worker
+    had gone. It is ended and its directory removed on that path too."""
+    scratch, pidfile = tmp_path / "tmp", tmp_path / "check.pid"
+    scratch.mkdir()
+    (tmp_path / "images").mkdir()
+    criu = script(tmp_path, f'if [ "$1" = check ]; then echo $$ > {pidfile}; exec sleep 60; fi\necho "Version: 4.2"')
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "coldsnap_probe", "restore", "--images", str(tmp_path / "images"),
+                               "--criu", criu], cwd=ROOT, env={**os.environ, "TMPDIR": str(scratch)},
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=full, timeout=60, check=False)
+    pid = int(pidfile.read_text())
+    try:
+        assert done.returncode != 0 and done.stdout == b""
+        assert not alive(pid)  # ended by the worker, not left to run out its minute
+        assert not list(scratch.glob("coldsnap-kdat-*"))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)

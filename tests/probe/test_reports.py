@@ -113,7 +113,8 @@ def test_timeline_seconds_between_marks() -> None:
 
 
 # -- the interposer's stack limit (issue 35): what a release lowered, what the set-back took ------------------------
-LOWERED = {"enabled": True, "engine_bytes": 4096, "set_bytes": 256, "contexts": 1, "seconds": 0.0004}
+LOWERED = {"enabled": True, "engine_bytes": 4096, "set_bytes": 256, "contexts": 1, "contexts_left": 0,
+           "seconds": 0.0004}
 
 
 def test_a_release_that_lowered_the_stack_limit_reports_it_in_the_capture() -> None:
@@ -132,6 +133,7 @@ def test_a_release_that_lowered_the_stack_limit_reports_it_in_the_capture() -> N
     ({**LOWERED, "engine_bytes": -1}, "stack_limit.engine_bytes must be an integer >= 0, got -1"),
     ({**LOWERED, "set_bytes": True}, "stack_limit.set_bytes must be an integer >= 0, got True"),
     ({k: v for k, v in LOWERED.items() if k != "contexts"}, "stack_limit.contexts must be an integer >= 0, got None"),
+    ({**LOWERED, "contexts_left": -2}, "stack_limit.contexts_left must be an integer >= 0, got -2"),
     ({**LOWERED, "seconds": "0"}, r"stack_limit.seconds must be a number of seconds \(0 to 86400\), got '0'"),
     ({**LOWERED, "error": 5}, "stack_limit.error must be a string")])
 def test_a_malformed_stack_limit_answer_is_refused_naming_the_field_and_the_rule(value: object, message: str) -> None:

@@ -109,3 +109,85 @@ def test_a_thread_outside_the_process_is_refused_and_nothing_stays_traced(restor
 def test_a_process_that_is_gone_is_refused_naming_it() -> None:
     with pytest.raises(WorkerError, match="cannot hold process 999999999's threads"):
         ThreadHold(999999999)
+
+
+# A worker that ends once FLAG exists; the main thread waits on stdin (holding no lock) and then ends. PARENT runs
+# it as its child (the holder is its tracer, not its parent, as in the worker) and exits with its status (128+N: N's
+# signal).
+ENDING = """
+import os, sys, threading, time
+def work():
+    print(os.getpid(), threading.get_native_id(), flush=True)
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.005)
+threading.Thread(target=work).start()
+sys.stdin.read(1)
+"""
+PARENT = "import subprocess, sys; rc = subprocess.call(sys.argv[1:]); sys.exit(128 - rc if rc < 0 else rc)"
+
+
+def state(pid: int, tid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
+
+
+def ended(pid: int, tid: int) -> None:
+    give_up = time.monotonic() + 5
+    while state(pid, tid) not in ("Z", "gone") and time.monotonic() < give_up:
+        time.sleep(0.002)
+
+
+@pytest.fixture
+def ending(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], int, int, Path]]:
+    """ENDING, stopped (SIGSTOP), under PARENT: (PARENT, ENDING's pid, its worker's thread id, the flag that ends
+    the worker)."""
+    flag = tmp_path / "flag"
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, sys.executable, "-c", ENDING, str(flag)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+    assert parent.stdout is not None
+    pid, tid = (int(v) for v in parent.stdout.readline().split())
+    # Stopped only once the main thread waits in read(2), its interpreter lock let go: stopped holding it, the
+    # worker let run could never take it to end.
+    give_up = time.monotonic() + 10
+    while Path(f"/proc/{pid}/syscall").read_text().split()[0] != "0":
+        assert time.monotonic() < give_up, "the main thread never waited on stdin"
+        time.sleep(0.002)
+    os.kill(pid, signal.SIGSTOP)
+    while any(state(pid, int(t)) != "T" for t in os.listdir(f"/proc/{pid}/task")):
+        time.sleep(0.002)
+    try:
+        yield parent, pid, tid, flag
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait(timeout=10)
+
+
+def test_a_thread_that_ends_while_held_is_reaped_and_forgotten(
+        ending: tuple[subprocess.Popen[bytes], int, int, Path]) -> None:
+    """Review 11: the thread let run ends while held: it reports its end to the holder, which waits for it (no
+    zombie thread, no failed release); the others are let go as ever and the process then ends as it would."""
+    parent, pid, tid, flag = ending
+    with ThreadHold(pid) as hold:
+        flag.touch()
+        hold.run_only(tid)
+        ended(pid, tid)
+    assert hold.ended == [tid] and hold.threads == [] and hold.running is None
+    assert state(pid, tid) == "gone" and traced(pid) == [0]  # reaped; the main thread let go
+    os.kill(pid, signal.SIGCONT)
+    out, _ = parent.communicate(b"x", timeout=10)
+    assert out == b"" and parent.returncode == 0
+
+
+def test_a_process_killed_while_held_is_let_go_and_its_parent_reaps_it(
+        ending: tuple[subprocess.Popen[bytes], int, int, Path]) -> None:
+    """Every held thread ends at once (SIGKILL): release waits for each (the main thread last: it cannot be waited
+    for before its other threads) instead of failing on them, and the process's parent then reaps it."""
+    parent, pid, tid, _ = ending
+    with ThreadHold(pid) as hold:
+        os.kill(pid, signal.SIGKILL)
+        ended(pid, tid)
+    assert hold.ended == [tid, pid] and hold.threads == []
+    assert parent.wait(timeout=5) == 128 + signal.SIGKILL

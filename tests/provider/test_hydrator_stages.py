@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -14,7 +15,9 @@ from pathlib import Path
 
 import anyio
 import pytest
+from structlog.testing import capture_logs
 
+from coldsnap_probe import jsonline
 from coldsnap_provider._hydrator_stages import HydratorStages, _Tier
 from tests.helpers import ROOT, running_daemon
 from tests.probe.test_jsonline import _answering
@@ -59,6 +62,29 @@ def test_an_answer_nested_past_the_decoder_is_a_hydrator_that_did_not_answer(tmp
     thread.join(10)
     assert stages.totals() == [("ram", 0, 0), ("disk", 0, 0)] and "answered" in stages._failing[path], \
         stages._failing
+
+
+def test_a_refused_status_is_logged_as_the_hydrator_said_it(tmp_path: Path) -> None:
+    """Review 11: an `ok: false` answer (here from the channel server hydrators answer on, whose status handler
+    failed) was logged as a hydrator keeping its counters from the daemon's uid. It is logged with the hydrator's
+    own error, once, and counts nothing."""
+    def refuse(conn: socket.socket, peer: jsonline.Peer) -> dict[str, object]:
+        jsonline.read_request(conn)
+        raise OSError(f"peer uid {peer.uid}: the RAM tier is gone")
+
+    path = tmp_path / "hydrator.sock"
+    server = jsonline.LineServer(jsonline.listen(path), refuse, peers=jsonline.Peers()).start()
+    stages = HydratorStages([str(path)])
+    try:
+        with capture_logs() as logs:
+            anyio.run(stages.poll)
+            anyio.run(stages.poll)
+    finally:
+        server.close()
+    said = [entry for entry in logs if entry["event"] == "node hydrator gives no stage counts"]
+    assert [entry["error"] for entry in said] == [
+        f"refused its status: OSError: peer uid {os.getuid()}: the RAM tier is gone"], logs
+    assert stages.totals() == [("ram", 0, 0), ("disk", 0, 0)]
 
 
 @pytest.mark.skipif(not has_nvidia_driver(), reason="needs an NVIDIA driver")

@@ -28,6 +28,7 @@ typedef CUresult (*set_limit_fn)(CUlimit, size_t);
  * value the engine's context had when the release found it. */
 static struct { CUcontext context; size_t engine; int lowered; } stack_found[STACK_CONTEXTS];
 static size_t stack_found_count;
+static size_t stack_left;       /* region contexts beyond the table at the last release: left at their own limit */
 
 static int limit_calls(get_limit_fn *get, set_limit_fn *set)
 {
@@ -37,7 +38,8 @@ static int limit_calls(get_limit_fn *get, set_limit_fn *set)
 }
 
 /* The distinct contexts of the region table, in `stack_found`: records of an earlier release forgotten, but for a
- * context still lowered (its set-back failed), whose recorded value is the engine's and must not be read again. */
+ * context still lowered (its set-back failed), whose recorded value is the engine's and must not be read again.
+ * Those beyond the table are counted in `stack_left` (the release's answer names them: never silently). */
 static void stack_contexts(void)
 {
     size_t count, kept = 0;
@@ -46,12 +48,18 @@ static void stack_contexts(void)
         if (stack_found[k].lowered)
             stack_found[kept++] = stack_found[k];
     stack_found_count = kept;
+    stack_left = 0;
     for (size_t i = 0; i < count; i++) {
-        size_t k = 0;
+        size_t k = 0, j = 0;
         while (k < stack_found_count && stack_found[k].context != r[i].context)
             k++;
         if (k == stack_found_count && stack_found_count < STACK_CONTEXTS)
             stack_found[stack_found_count++] = (typeof(stack_found[0])){r[i].context, 0, 0};
+        else if (k == stack_found_count) {  /* the table is full: each such context counted at its first region */
+            while (j < i && r[j].context != r[i].context)
+                j++;
+            stack_left += j == i;
+        }
     }
 }
 
@@ -96,8 +104,8 @@ size_t cscu_stack_lower(char *out, size_t room)
     if (why[0])  /* the checkpoint goes on with what the driver has now: the engine's value, or a lowered one */
         set = engine > set ? engine : set;
     int n = snprintf(out, room, "{\"enabled\":%s,\"engine_bytes\":%zu,\"set_bytes\":%zu,\"contexts\":%zu,"
-                     "\"seconds\":%.6f%s", cfg->stack_shrink ? "true" : "false", engine, set, stack_found_count,
-                     cscu_now() - t0, why[0] ? ",\"error\":\"" : "}");
+                     "\"contexts_left\":%zu,\"seconds\":%.6f%s", cfg->stack_shrink ? "true" : "false", engine, set,
+                     stack_found_count, stack_left, cscu_now() - t0, why[0] ? ",\"error\":\"" : "}");
     if (why[0] && n >= 0 && (size_t)n < room)
         n += snprintf(out + n, room - (size_t)n, "%s\"}", why);  /* `why` holds no quote: a pointer and names */
     return n < 0 ? 0 : (size_t)n < room ? (size_t)n : room - 1;

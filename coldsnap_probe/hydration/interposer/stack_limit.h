@@ -8,8 +8,9 @@
 #include "cscu.h"
 
 /* Release: record each region context's CU_LIMIT_STACK_SIZE and lower it to the configured bytes (when on and
- * lower than the engine's). Writes a JSON object into `out` (enabled, engine_bytes, set_bytes, contexts, seconds,
- * and `error` when a driver call failed: the checkpoint then copies what the driver has) and returns its length.
+ * lower than the engine's). Writes a JSON object into `out` (enabled, engine_bytes, set_bytes, contexts,
+ * contexts_left: those beyond its table of 16, left at their own limit, seconds, and `error` when a driver call
+ * failed: the checkpoint then copies what the driver has) and returns its length.
  * Never fails the release. */
 CSCU_HIDDEN size_t cscu_stack_lower(char *out, size_t room);
 /* Hydrate: every lowered context set back to the engine's own value, read back to be sure; 0, or -1 with the
