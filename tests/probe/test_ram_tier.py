@@ -295,6 +295,16 @@ class TestCounters:
             tier.close()
 
 
+
+def recording_tier(budget: int) -> tuple[list[tuple[int, int]], RamTier]:
+    """A tier pinning with mlock that records each run it pins, in order."""
+    pins: list[tuple[int, int]] = []
+
+    def pin(mapped: Mapped, run: tuple[int, int]) -> None:
+        pins.append(run)
+        mlock(mapped, run)
+    return pins, RamTier(budget, pin=pin, unpin=munlock_and_unmap)
+
 class TestJoin:
     """Issue 35: a load (a capture's warm) pins in pieces, pins none while a restore's copy runs, and a stage of
     the dump it is loading joins it: what is pinned from RAM, the rest from the files, never waiting for it."""
@@ -367,12 +377,7 @@ class TestJoin:
         """Without the pause the loader pins the second piece at once, beside the copy (issue 35: a stage's
         allocations waited 1.29 s behind a warm's registrations on the H200)."""
         a = dump(tmp_path / "a.bin", PIN_PIECE + MIB, bytes(range(256)))
-        pins: list[tuple[int, int]] = []
-
-        def pin(mapped: Mapped, run: tuple[int, int]) -> None:
-            pins.append(run)
-            mlock(mapped, run)
-        tier = RamTier(2 * PIN_PIECE, pin=pin, unpin=munlock_and_unmap)
+        pins, tier = recording_tier(2 * PIN_PIECE)
         try:
             with Opened(a) as fds, tier.copying():
                 assert tier.load_later(KEY, fds, whole(fds))
@@ -389,12 +394,7 @@ class TestJoin:
         """A stage holds a pause from its request until its engine adopts it; the hydrator may let a stage go
         twice (a failed fill, then its slot's replacement): the second call must not end another restore's pause."""
         a = dump(tmp_path / "a.bin", PIN_PIECE + MIB, bytes(range(256)))
-        pins: list[tuple[int, int]] = []
-
-        def pin(mapped: Mapped, run: tuple[int, int]) -> None:
-            pins.append(run)
-            mlock(mapped, run)
-        tier = RamTier(2 * PIN_PIECE, pin=pin, unpin=munlock_and_unmap)
+        pins, tier = recording_tier(2 * PIN_PIECE)
         try:
             with Opened(a) as fds:
                 mine, theirs = tier.pause(), tier.pause()
