@@ -20,7 +20,7 @@ import anyio
 import pytest
 
 from coldsnap_provider.client import ReplyError
-from coldsnap_runtime.store import CHUNK_BYTES
+from coldsnap_runtime.store import CHUNK_BYTES, CaptureStore
 from tests.conftest import Registry, docker
 from tests.helpers import EXEC_AS_NOBODY, Daemon, Session, control_as, session_as
 from tests.provider.test_metrics import sample, scrape
@@ -467,3 +467,54 @@ def test_a_manager_holding_the_same_bytes_cannot_remove_a_capture_others_images_
         assert (store / "captures" / f"{capsule[1].split(':')[1]}.json").exists()
     finally:
         docker("image", "rm", "-f", tag, check=False)
+
+
+def _bytes_under(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def test_a_second_capture_of_the_same_model_adds_only_its_new_pages_to_the_store_and_the_registry(
+        node_a: tuple[Daemon, Path], registry: Registry, busybox_image: str) -> None:
+    """Issue 34's goal, small: the same weights in host pages that moved (the heap before them grew by 3 pages) and
+    the same device dump; what the second build and push add, read from the store's and the registry's storage."""
+    daemon, store = node_a
+    session = _session(daemon)
+    weights, dump, mib = os.urandom(24 << 20), os.urandom(8 << 20), 1 << 20
+    registry_data = registry.credentials_file.parent / "data"
+    roots, tags = [], [f"{registry.address}/capsules/{uniq('second')}:{n}" for n in (1, 2)]
+
+    async def build_and_push(n: int, heap: bytes) -> str:
+        root = Path(tempfile.mkdtemp(prefix="cs-second-", dir="/var/tmp"))
+        roots.append(root)
+        root.chmod(0o755)  # the build reads it as exec.user
+        (root / "images" / "device-1").mkdir(parents=True)
+        (root / "images" / "capture.json").write_text(f'{{"capture": {n}}}\n')
+        (root / "images" / "pages-1.img").write_bytes(heap + weights)
+        (root / "images" / "device-1" / "seg-0.bin").write_bytes(dump)
+        dockerfile = f"FROM {busybox_image}\nCOPY images /capsule/images\n"
+        assert (built := await session.runtime("image-build", build=build_request(dockerfile, str(root), tags[n - 1]))
+                ).ok, built.error
+        assert (pushed := await session.runtime("image-push", image=tags[n - 1])).ok, pushed.error
+        return str(json.loads(docker("image", "inspect", tags[n - 1]).stdout)[0]["Config"]["Labels"][
+            "io.coldsnap-provider.capture"])
+
+    async def run() -> None:
+        first = await build_and_push(1, os.urandom(mib))
+        stored, pushed = _store_bytes(store), _bytes_under(registry_data)
+        second = await build_and_push(2, os.urandom(mib + 3 * 4096))
+        added_store, added_registry = _store_bytes(store) - stored, _bytes_under(registry_data) - pushed
+        assert first != second
+        assert 0 < added_store <= 5 * mib, added_store  # of 33 MiB: the new heap and a chunk or two around it
+        assert added_store < added_registry <= added_store + (256 << 10), added_registry  # and the image's stubs
+        files = [{f.path: f for f in CaptureStore(store).data(c).files} for c in (first, second)]
+        dumps = [f["images/device-1/seg-0.bin"] for f in files]
+        assert dumps[0].chunks == dumps[1].chunks and dumps[0].lengths is None  # 64 MiB from the file's start
+        assert all(f["images/pages-1.img"].lengths for f in files)  # CRIU's page image: cut by content
+
+    try:
+        anyio.run(run)
+    finally:
+        for tag in tags:
+            docker("image", "rm", "-f", tag, check=False)
+        for root in roots:
+            shutil.rmtree(root, ignore_errors=True)
