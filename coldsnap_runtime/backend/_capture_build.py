@@ -28,6 +28,7 @@ import re
 import tarfile
 from typing import IO
 
+from ..chunking import CUT_MAX_FILE_BYTES
 from ..dockerfile import instructions
 from ..store import CaptureData, CaptureStore, StoredFile, artifact_manifest
 from ._buildctx import DOCKERFILE_PATH
@@ -176,9 +177,9 @@ def store_context(source: IO[bytes], out: IO[bytes], store: CaptureStore) -> str
             if member.name in stored_names:
                 data = tar.extractfile(member)
                 assert data is not None
-                files.append(store.ingest(member.name, member.size, member.mode, data,
-                                          by_content=CUT_BY_CONTENT.fullmatch(posixpath.basename(member.name))
-                                          is not None))
+                by_content = CUT_BY_CONTENT.fullmatch(posixpath.basename(member.name)) is not None and \
+                    member.size <= CUT_MAX_FILE_BYTES
+                files.append(store.ingest(member.name, member.size, member.mode, data, by_content=by_content))
         document = CaptureData(files=sorted(files, key=lambda f: f.path),
                                format=2 if any(f.lengths is not None for f in files) else 1)
         data_bytes = json.dumps(_plain(document), sort_keys=True, separators=(",", ":")).encode()
