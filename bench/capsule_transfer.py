@@ -49,12 +49,12 @@ sys.path.insert(0, str(ROOT))
 
 from bench._common import free_port, table
 from bench._daemon import Session, running_daemon
-from bench.capture_pair import criu_capture, fixed_chunks, share_rows, share_table
+from bench.capture_pair import criu_capture, fingerprint, share_rows, share_table
 
 CHUNK = 8 << 20
 # --source criu: an engine's process, small enough for this machine: 1 GiB of weights (the same bytes every run),
-# 32 MiB of fresh state (a KV cache), a 200 MiB Python heap, 40 threads, 100 libraries.
-TARGET = "--threads 40 --libs 100 --anon-mib 0 --heap-mib 200 --weights-mib 1024 --state-mib 32"
+# 32 MiB of fresh state (a KV cache), a 200 MiB heap of objects of seeded bytes, 40 threads, 100 libraries.
+TARGET = "--threads 40 --libs 100 --anon-mib 0 --heap-mib 200 --heap-seeded --weights-mib 1024 --state-mib 32"
 BLOB = 64 << 20  # the capture store's chunk
 
 
@@ -275,7 +275,7 @@ async def store_path(work: Path, address: str, base: str, second: Callable[[Path
         phases |= {f"second capture: {k}": v for k, v in (await build_and_push(
             session_a, work / "context-2", f"{address}/coldsnap/capsule-store:2", base)).items()}
         captures += sorted(captures_in(store_a) - set(captures))
-        shares += share_rows(fixed_chunks(work / "context" / "images"), work / "context-2" / "images", store_a,
+        shares += share_rows(fingerprint(work / "context" / "images"), work / "context-2" / "images", store_a,
                              (captures[0], captures[1]))
     added = {"registry, first capture": first["registry"],
              "registry, second capture (new bytes)": directory_bytes(work / "registry") - registry_before

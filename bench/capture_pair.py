@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 from bench._common import wait_file
 from coldsnap_runtime.store import CHUNK_BYTES, CaptureStore
 
+PAGE = 4096
 STORED_MIN = 1 << 20  # smaller files stay in the image's layers (coldsnap_runtime/backend/_capture_build.py)
 KINDS = ((re.compile(r"(.*/)?pages-\d+\.img"), "CRIU page images (pages-*.img)"),
          (re.compile(r"(.*/)?device-\d+/.*"), "device dumps (device-<pid>/)"))
@@ -79,16 +80,37 @@ def fixed_chunks(images: Path, threads: int = 8) -> dict[str, list[tuple[str | N
     return out
 
 
+def page_digests(path: Path) -> list[bytes]:
+    """Each 4 KiB page's digest (BLAKE2b, 16 bytes): what a page image shares at best, whatever the chunking."""
+    out = []
+    with open(path, "rb") as source:
+        while block := source.read(8 << 20):
+            out += [hashlib.blake2b(block[at:at + PAGE], digest_size=16).digest() for at in range(0, len(block), PAGE)]
+    return out
+
+
+def _page_images(images: Path) -> list[Path]:
+    return [p for p in sorted(images.rglob("*")) if p.is_file() and kind_of(p.name) == KINDS[0][1]]
+
+
+Fingerprint = tuple[dict[str, list[tuple[str | None, int]]], set[bytes]]
+
+
+def fingerprint(images: Path, threads: int = 8) -> Fingerprint:
+    """What the second capture is compared with: the first's 64 MiB chunks, and its page images' pages."""
+    return fixed_chunks(images, threads), {d for p in _page_images(images) for d in page_digests(p)}
+
+
 def _new(chunks: Iterable[tuple[str | None, int]], known: set[str | None]) -> int:
     return sum(length for digest, length in chunks if digest is not None and digest not in known)
 
 
-def share_rows(first_fixed: dict[str, list[tuple[str | None, int]]], second: Path, store: Path,
-               captures: tuple[str, str]) -> list[dict[str, Any]]:
+def share_rows(first: Fingerprint, second: Path, store: Path, captures: tuple[str, str]) -> list[dict[str, Any]]:
     """Per kind of file of the second capture (`second`: its images; `captures`: both ids in `store`): files, bytes,
-    zeros, new bytes as 64 MiB chunks from each file's start, new bytes as the store holds them; then the files the
-    image's layers keep (under 1 MiB)."""
+    zeros, new bytes as 64 MiB chunks from each file's start, new bytes as the store holds them, and for the page
+    images the bytes of pages the first's lack (the floor); then the files the image's layers keep (under 1 MiB)."""
     opened = CaptureStore(store)
+    first_fixed, first_pages = first
     known_fixed = {d for chunks in first_fixed.values() for d, _ in chunks}
     first_data, second_data = (opened.data(c) for c in captures)
     known_stored = {c for f in first_data.files for c in f.chunks}
@@ -105,6 +127,10 @@ def share_rows(first_fixed: dict[str, list[tuple[str | None, int]]], second: Pat
         row["zero"] += sum(length for chunk, _, length in spans if chunk is None)
         row["new_stored"] += _new(((chunk, length) for chunk, _, length in spans), known_stored)
         row["new_fixed_64m"] += _new(second_fixed.get(name, []), known_fixed)
+    zero = hashlib.blake2b(bytes(PAGE), digest_size=16).digest()
+    if (pages := rows.get(KINDS[0][1])) is not None:
+        pages["new_pages"] = PAGE * sum(1 for p in _page_images(second) for d in page_digests(p)
+                                        if d not in first_pages and d != zero)
     small = [p for p in second.rglob("*") if p.is_file() and p.stat().st_size < STORED_MIN]
     size = sum(p.stat().st_size for p in small)
     rows["small"] = {"kind": "small files (the image's layer)", "files": len(small), "bytes": size, "zero": 0,
@@ -117,10 +143,12 @@ def share_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]
     total = {key: sum(r[key] for r in rows) for key in ("files", "bytes", "zero", "new_fixed_64m", "new_stored",
                                                          "chunks")}
     size = total["bytes"] or 1
+    def mib(n: int | None) -> str:
+        return "-" if n is None else f"{n / 2**20:.1f} ({100 * n / size:.1f} %)"
+
     cells = [[r["kind"], str(r["files"]), f"{r['bytes'] / 2**20:.1f}", f"{r['zero'] / 2**20:.1f}", str(r["chunks"]),
-              f"{r['new_fixed_64m'] / 2**20:.1f} ({100 * r['new_fixed_64m'] / size:.1f} %)",
-              f"{r['new_stored'] / 2**20:.1f} ({100 * r['new_stored'] / size:.1f} %)"]
+              mib(r["new_fixed_64m"]), mib(r["new_stored"]), mib(r.get("new_pages"))]
              for r in [*rows, {"kind": "the second capture", **total}]]
     head = ["second capture, by file", "files", "MiB", "zeros MiB", "chunks stored",
-            "new MiB: 64 MiB from each file's start", "new MiB: as the store cut them"]
+            "new MiB: 64 MiB from each file's start", "new MiB: as the store cut them", "new MiB: pages (the floor)"]
     return head, cells

@@ -57,7 +57,7 @@ from bench.capsule_transfer import (
     registry_link_parallel,
     start_registry,
 )
-from bench.capture_pair import fixed_chunks, share_rows, share_table
+from bench.capture_pair import Fingerprint, fingerprint, share_rows, share_table
 from bench.cold_read import read_parallel, write_direct
 from bench.e2e_restore import IMAGES, Driver, inspect_capsule
 from bench.e2e_serve import (
@@ -301,7 +301,7 @@ async def second_capture_path(d: Driver, run: Run, args: argparse.Namespace, add
                               layout: InterposerLayout, result: dict[str, Any]) -> None:
     """--second-capture: two cold servers of the same model, each captured, built and pushed; the second's new bytes."""
     captures, added = [], []
-    first_fixed: dict[str, list[tuple[str | None, int]]] = {}
+    first: Fingerprint = ({}, set())
     for n, capture in ((1, lambda: serve_and_capture(d, args, args.mode, image, layout, result)),
                        (2, lambda: capture_again(d, args, image, layout, result))):
         capture_id = await run.phase(f"capture {n}: cold server to the first token, captured by the worker", capture)
@@ -312,10 +312,10 @@ async def second_capture_path(d: Driver, run: Run, args: argparse.Namespace, add
         added.append({"images": images_bytes(images)["images_bytes"], "node store": stored_bytes,
                       "registry": pushed})
         if n == 1:  # its chunks as 64 MiB from each file's start, for the comparison; then its bytes go (tmpfs)
-            first_fixed = await anyio.to_thread.run_sync(fixed_chunks, images, 16)
+            first = await anyio.to_thread.run_sync(fingerprint, images, 16)
             shutil.rmtree(images)
     result["second_capture"] = {"captures": captures, "added": added, "by_file": await anyio.to_thread.run_sync(
-        share_rows, first_fixed, layout.images_dir, Path(args.store), (captures[0], captures[1]))}
+        share_rows, first, layout.images_dir, Path(args.store), (captures[0], captures[1]))}
 
 
 def second_capture_lines(result: dict[str, Any]) -> list[str]:

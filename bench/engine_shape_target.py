@@ -1,7 +1,7 @@
 """A CPU process shaped like a restored inference engine, for CRIU to dump and restore (bench/criu_restore_phases.py).
 
     python bench/engine_shape_target.py --dir DIR [--threads 100] [--anon-mib 680] [--heap-mib 460] [--libs 300]
-                                        [--weights-mib 0] [--state-mib 0] [--seed 7]
+                                        [--weights-mib 0] [--state-mib 0] [--seed 7] [--heap-seeded]
 
 What makes CRIU's restore of `transformers serve` cost more than its page fill, as far as a CPU allows: `--threads`
 idle threads (PyTorch's, uvloop's and the tokenizers' pools: each an 8 MiB stack and a guard page), `--libs` shared
@@ -11,8 +11,10 @@ mixed sizes (the interpreter's heap and malloc's arenas), none of it pages of ze
 listening TCP socket on 127.0.0.1, an epoll set over it and an eventfd, and a memfd. For two captures of the same
 model (bench/capsule_transfer.py --source criu): `--weights-mib` MiB of distinct pages that are the same bytes every
 run (a stream seeded with `--seed`: the model's weights in host memory), then `--state-mib` MiB of fresh random bytes
-each run (a KV cache, activations). DIR/shape.json says what it
-has (threads, mappings, libraries, the port); DIR/ready holds its pid; then it waits in epoll for ever.
+each run (a KV cache, activations); `--heap-seeded`: the heap's objects hold seeded bytes (each object its own,
+the same every run) instead of the repeating pattern, whose few distinct pages are not what a real heap holds.
+DIR/shape.json says what it has (threads, mappings, libraries, the port); DIR/ready holds its pid; then it waits
+in epoll for ever.
 Standard library only.
 """
 
@@ -71,6 +73,7 @@ def main() -> None:
     parser.add_argument("--weights-mib", type=int, default=0)
     parser.add_argument("--state-mib", type=int, default=0)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--heap-seeded", action="store_true")
     args = parser.parse_args()
     control = Path(args.dir)
     libs = load_libraries(args.libs)
@@ -91,7 +94,7 @@ def main() -> None:
     heap, held = [], 0
     while held < args.heap_mib * MIB:
         size = HEAP_SIZES[len(heap) % len(HEAP_SIZES)]
-        heap.append(bytearray(pattern(size)))
+        heap.append(bytearray(stream.randbytes(size) if args.heap_seeded else pattern(size)))
         held += size
     idle = threading.Event()
     for _ in range(args.threads):

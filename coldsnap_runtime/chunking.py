@@ -1,68 +1,89 @@
-"""Where a file's chunks end when its content shifts between captures: cut by content, at page boundaries.
+"""Where a file's chunks end when its content shifts between captures: cut by content, at any byte.
 
 CRIU writes a process's present pages in address order into ``pages-<n>.img``. Two captures of the same model
-hold mostly the same pages there, but at offsets that move by whatever lies before them (a heap a few pages
-larger, a thread stack touched): chunks cut every 64 MiB from the file's start then share nothing. Measured on
-two CRIU captures of two runs of an engine-shaped process (bench/engine_shape_target.py: 1 GiB of the same
-weights, 32 MiB of fresh state, a 200 MiB Python heap, 100 libraries; 1.3 GB of page image, 4.5 % of its pages
-new): 100 % of the second capture's 64 MiB chunks were new. Cut by content, 11.0 % at 1 MiB on average, 4.9 % at
-512 KiB, 4.7 % at 256 KiB, 4.6 % at 128 KiB: what changes between runs (relocated library data, the heap's
-pointers, the state) is spread over the non-weight pages, so a chunk much larger than that spacing is new
-whatever its cut; 512 KiB is within 0.4 % of the pages' own share with a quarter of 128 KiB's blobs.
+hold mostly the same bytes there, but at offsets that move by whatever lies before them (a heap a few pages
+larger, a thread stack touched), and inside the heap by a few bytes (a string one byte longer moves every object
+malloc places after it): chunks cut every 64 MiB from the file's start then share nothing. A chunk here ends just
+after an *anchor*, three bytes that match :data:`ANCHOR` (one position in 2^19 of random bytes: 512 KiB apart on
+average), never before :data:`MIN_BYTES`, always at :data:`MAX_BYTES`; a run of at least :data:`ZERO_RUN_BYTES` of
+zeros is a chunk of its own (never stored, moved or read). The same bytes give the same cuts wherever they sit,
+so after a change the cuts fall in step again at the next anchor. The regular expression engine finds the anchors
+(C, ~1 GB/s on the 2-core machine): a rolling hash over every byte in Python would not keep up with a disk.
 
-The rule sees only whole pages (a shift in a page image is whole pages): a chunk ends after a page whose CRC-32
-has its low bits zero (one page in :data:`AVERAGE_PAGES`), never before :data:`MIN_BYTES`, always at
-:data:`CHUNK_BYTES` (one registry blob, as before). A run of at least :data:`ZERO_RUN_PAGES` pages of zeros is
-a chunk of its own (never stored, moved or read), so zero-skipping is as good as with fixed chunks. The same
-pages give the same cuts wherever they sit, so after a change the cuts fall in step again within a chunk or two.
+Measured (bench/capture_pair.py; two CRIU captures of two runs of an engine-shaped process: 1 GiB of the same
+weights, 32 MiB of fresh state, a 200 MiB heap of seeded objects, 100 libraries; 1.3 GB of page image; the runs'
+heaps a few bytes apart): of the second capture's page image, 100 % of its 64 MiB chunks were new, 21 % of its
+pages (cutting at page boundaries by content cannot do better: 21.1 %), 4.8 % of its chunks cut at anchors.
 """
 
 from __future__ import annotations
 
-import zlib
+import re
 
-__all__ = ("AVERAGE_PAGES", "CHUNK_BYTES", "CUT_MAX_FILE_BYTES", "MIN_BYTES", "PAGE", "ZERO_RUN_PAGES", "content_cuts")
+__all__ = ("ANCHOR", "CHUNK_BYTES", "CUT_MAX_FILE_BYTES", "MAX_BYTES", "MIN_BYTES", "ZERO_RUN_BYTES",
+           "content_cuts")
 
 CHUNK_BYTES = 64 << 20  # the dumps' sha256-64m chunk: the largest blob, one unit of dedupe for fixed files
-PAGE = 4096
-AVERAGE_PAGES = 128  # 512 KiB on average (above: the share new by the average's size)
+ANCHOR = re.compile(rb"\xa7\x3c[\x00-\x1f]")  # 2^-16 * 2^-3: bytes that are rare in pointers, text and zeros
 MIN_BYTES = 128 << 10
-# A larger file keeps 64 MiB chunks: 8 GiB is ~16,000 chunks, ~2 MiB of artifact manifest, half the 4 MiB a registry
-# takes (a page image is a few GB at 64 GiB of device memory: the device dump is the large part).
-CUT_MAX_FILE_BYTES = 8 << 30
-ZERO_RUN_PAGES = 16  # 64 KiB of zeros: shorter runs stay inside their chunk
-_MASK = AVERAGE_PAGES - 1
-_ZERO_PAGE = bytes(PAGE)
-_ZERO_CRC = zlib.crc32(_ZERO_PAGE)
+# Bytes that hold no anchor for long (a pattern, text) are cut every MAX_BYTES, never one 64 MiB chunk that a
+# single changed byte makes new.
+MAX_BYTES = 4 << 20
+# A larger file keeps 64 MiB chunks: at most size / MIN_BYTES chunks (24,576 at 3 GiB, ~3.2 MB of artifact manifest
+# against the 4 MiB a registry takes); a page image is ~2 GB at 16 GiB of device memory, the device dump the rest.
+CUT_MAX_FILE_BYTES = 3 << 30
+ZERO_RUN_BYTES = 64 << 10  # shorter runs of zeros stay inside their chunk
+_ZERO_RUN = bytes(ZERO_RUN_BYTES)
+_NONZERO = re.compile(rb"[^\x00]")
 
 
-def content_cuts(view: memoryview, *, final: bool) -> list[tuple[int, bool]]:
-    """The chunks at the start of `view`, in order: (length, all zeros). Without `final`, the last chunk (not yet
-    ended by a cut) is left out: its bytes are seen again, with what follows, at the next call."""
-    pieces: list[tuple[int, bool]] = []
-    size, start, at, zeros, zero_chunk = len(view), 0, 0, 0, False
-    while at < size:
-        end = min(at + PAGE, size)
-        if end - at < PAGE and not final:
-            break  # a partial page: the rest comes with the next read
-        page = view[at:end]
-        crc = zlib.crc32(page)
-        is_zero = end - at == PAGE and crc == _ZERO_CRC and bytes(page) == _ZERO_PAGE
+def _zero_runs(data: bytes | bytearray) -> list[tuple[int, int]]:
+    """Each run of at least ZERO_RUN_BYTES zeros in `data`: (start, end)."""
+    runs, at = [], 0
+    while (start := data.find(_ZERO_RUN, at)) >= 0:
+        after = _NONZERO.search(data, start + ZERO_RUN_BYTES)
+        end = after.start() if after else len(data)
+        runs.append((start, end))
         at = end
-        if zero_chunk:
-            if is_zero and at - start <= CHUNK_BYTES:
-                continue
-            pieces.append((at - PAGE - start, True))  # the zero run ended before this page (or filled a chunk)
-            start, zeros, zero_chunk = at - PAGE, 0, False
-        zeros = zeros + 1 if is_zero else 0
-        if zeros == ZERO_RUN_PAGES:  # a run of zeros: the data before it is a chunk, the run another
-            run_start = at - ZERO_RUN_PAGES * PAGE
-            if run_start > start:
-                pieces.append((run_start - start, False))
-            start, zero_chunk = run_start, True
-        elif at - start >= CHUNK_BYTES or (at - start >= MIN_BYTES and not crc & _MASK):
-            pieces.append((at - start, False))
-            start, zeros = at, 0
-    if final and start < size:
-        pieces.append((size - start, zero_chunk))
+    return runs
+
+
+def content_cuts(data: bytes | bytearray, *, final: bool) -> list[tuple[int, bool]]:
+    """The chunks at the start of `data`, in order: (length, all zeros). Without `final`, what the bytes after
+    `data` could still change is left out (the last chunk, anchors and zeros within ZERO_RUN_BYTES of the end): it
+    is seen again, with what follows, at the next call, so the cuts never depend on how the file was read. A caller
+    that is not at the end passes more than CHUNK_BYTES + 2 * ZERO_RUN_BYTES, so each call ends at least one chunk."""
+    size, start = len(data), 0
+    pieces: list[tuple[int, bool]] = []
+    limit = size if final else size - ZERO_RUN_BYTES  # past it, a run of zeros could start unseen
+    anchors = [m.end() for m in ANCHOR.finditer(data)]
+    index = 0
+    for run_start, run_end in [*_zero_runs(data), (size, size)]:
+        while index < len(anchors) and anchors[index] <= min(run_start, limit):
+            anchor, index = anchors[index], index + 1
+            start = _up_to(pieces, start, anchor)
+        if run_start == size and not final:  # the data to the window's end may go on: only certain MAX_BYTES pieces
+            while limit - start > MAX_BYTES:
+                pieces.append((MAX_BYTES, False))
+                start += MAX_BYTES
+            return pieces
+        start = _up_to(pieces, start, run_start, cut=True)
+        while run_end - start > (0 if final or run_end < size else CHUNK_BYTES + ZERO_RUN_BYTES - 1):
+            n = min(CHUNK_BYTES, run_end - start)  # a run reaching the window's end keeps at least ZERO_RUN_BYTES
+            pieces.append((n, True))
+            start += n
+        if start < run_end:
+            return pieces
     return pieces
+
+
+def _up_to(pieces: list[tuple[int, bool]], start: int, end: int, *, cut: bool = False) -> int:
+    """Data chunks from `start` to a cut at `end` (an anchor: only once MIN_BYTES are reached; `cut`: always),
+    MAX_BYTES at most each; where the next chunk starts."""
+    while end - start > MAX_BYTES:
+        pieces.append((MAX_BYTES, False))
+        start += MAX_BYTES
+    if end > start and (cut or end - start >= MIN_BYTES):
+        pieces.append((end - start, False))
+        return end
+    return start

@@ -40,7 +40,7 @@ from typing import IO
 
 import msgspec
 
-from .chunking import CHUNK_BYTES, PAGE, content_cuts
+from .chunking import CHUNK_BYTES, ZERO_RUN_BYTES, content_cuts
 from .errors import StoreError
 
 __all__ = (
@@ -209,12 +209,12 @@ class CaptureStore:
         carried, remaining = bytearray(), size
         with ThreadPoolExecutor(INGEST_THREADS, thread_name_prefix="store-ingest") as pool:
             while remaining or carried:
-                # A window of at least one chunk and a page past it: a cut by content always falls inside.
-                want = min(CHUNK_BYTES + (PAGE if by_content else 0) - len(carried), remaining)
+                # A window past one chunk and two runs of zeros: each cut by content ends at least one chunk.
+                want = min(CHUNK_BYTES + (2 * ZERO_RUN_BYTES + 1 if by_content else 0) - len(carried), remaining)
                 fresh = self._read(source, path, want, size - remaining, size)
                 buffer = carried + fresh if carried else fresh
                 remaining -= want
-                pieces = content_cuts(memoryview(buffer), final=not remaining) if by_content else \
+                pieces = content_cuts(buffer, final=not remaining) if by_content else \
                     [(len(buffer), False)]
                 offset = 0
                 for length, zero in pieces:

@@ -94,11 +94,12 @@ def test_the_second_capture_is_told_by_kind_of_file_beside_64_mib_chunks_and_goe
     first = _capture_dir(tmp_path / "one", os.urandom(1 << 20) + weights, dump)
     second = _capture_dir(tmp_path / "two", os.urandom((1 << 20) + 8192) + weights, dump)
     captures = (_stored(store, first), _stored(store, second))
-    rows = {r["kind"]: r for r in capture_pair.share_rows(capture_pair.fixed_chunks(first), second.parent,
+    rows = {r["kind"]: r for r in capture_pair.share_rows(capture_pair.fingerprint(first), second.parent,
                                                             tmp_path / "store", captures)}
     pages, dumps = rows["CRIU page images (pages-*.img)"], rows["device dumps (device-<pid>/)"]
     assert pages["bytes"] == (7 << 20) + 8192 and pages["new_fixed_64m"] == pages["bytes"]  # moved: all new
     assert 0 < pages["new_stored"] <= 3 << 20  # cut by content: the new heap and a chunk or two
+    assert pages["new_pages"] == (1 << 20) + 8192  # the floor: exactly the new heap's pages
     assert dumps["new_fixed_64m"] == dumps["new_stored"] == 0
     assert rows["small files (the image's layer)"]["files"] == 1
     run = e2e_store.Run(e2e_store.Disk(tmp_path))
