@@ -13,7 +13,7 @@ so after a change the cuts fall in step again at the next anchor. The regular ex
 Measured (bench/capture_pair.py; two CRIU captures of two runs of an engine-shaped process: 1 GiB of the same
 weights, 32 MiB of fresh state, a 200 MiB heap of seeded objects, 100 libraries; 1.3 GB of page image; the runs'
 heaps a few bytes apart): of the second capture's page image, 100 % of its 64 MiB chunks were new, 21 % of its
-pages (cutting at page boundaries by content cannot do better: 21.1 %), 4.8 % of its chunks cut at anchors.
+pages (cutting at page boundaries by content cannot do better: 21.1 %), 4.9 % of its chunks cut at anchors.
 """
 
 from __future__ import annotations
