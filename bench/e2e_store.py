@@ -66,11 +66,10 @@ from bench.e2e_serve import (
     images_bytes,
     remove_units,
     serve_and_capture,
-    start_cold,
     unit_names,
 )
 from bench.interposer_units import InterposerLayout
-from bench.serve_units import MODES, STAGED, cluster, restore_once, serve_layout
+from bench.serve_units import MODES, STAGED, cluster, restore_once, serve_layout, start_cold
 
 REFERENCE = "coldsnap/capsule-store:1"
 SECOND_REFERENCE = "coldsnap/capsule-store-second:"  # --second-capture: :1 and :2
