@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench._common import free_port, table
 from bench._daemon import Session, running_daemon
-from bench.capture_pair import criu_capture, fingerprint, share_rows, share_table
+from bench.capture_pair import criu_capture, fingerprint, share_rows, share_table, worst_table
 
 CHUNK = 8 << 20
 # --source criu: an engine's process, small enough for this machine: 1 GiB of weights (the same bytes every run),
@@ -378,6 +378,8 @@ def report(args: argparse.Namespace, size: int, phases: dict[str, dict[str, floa
     if shares:
         print()
         print(table(*share_table(shares)))
+        print()
+        print(table(*worst_table(shares)))
     if args.out:
         args.out.write_text(json.dumps({"mib": args.mib, "zero_percent": args.zero_percent, "bytes": size,
                                         "change_percent": args.change_percent, "phases_s": phases,

@@ -27,6 +27,7 @@ from bench._common import wait_file
 from coldsnap_runtime.store import CHUNK_BYTES, CaptureStore
 
 PAGE = 4096
+WORST = 6  # files named per kind, those with the most new bytes
 STORED_MIN = 1 << 20  # smaller files stay in the image's layers (coldsnap_runtime/backend/_capture_build.py)
 KINDS = ((re.compile(r"(.*/)?pages-\d+\.img"), "CRIU page images (pages-*.img)"),
          (re.compile(r"(.*/)?device-\d+/.*"), "device dumps (device-<pid>/)"))
@@ -125,8 +126,11 @@ def share_rows(first: Fingerprint, second: Path, store: Path, captures: tuple[st
         row["bytes"] += stored.size
         row["chunks"] += len(spans)
         row["zero"] += sum(length for chunk, _, length in spans if chunk is None)
-        row["new_stored"] += _new(((chunk, length) for chunk, _, length in spans), known_stored)
+        new = _new(((chunk, length) for chunk, _, length in spans), known_stored)
+        row["new_stored"] += new
         row["new_fixed_64m"] += _new(second_fixed.get(name, []), known_fixed)
+        # The files with the most new bytes, to say where sharing stops (a dump region's tail the engine never wrote?)
+        row["worst"] = sorted([*row.get("worst", []), [name, stored.size, new]], key=lambda w: -w[2])[:WORST]
     zero = hashlib.blake2b(bytes(PAGE), digest_size=16).digest()
     if (pages := rows.get(KINDS[0][1])) is not None:
         pages["new_pages"] = PAGE * sum(1 for p in _page_images(second) for d in page_digests(p)
@@ -136,6 +140,13 @@ def share_rows(first: Fingerprint, second: Path, store: Path, captures: tuple[st
     rows["small"] = {"kind": "small files (the image's layer)", "files": len(small), "bytes": size, "zero": 0,
                      "new_fixed_64m": size, "new_stored": size, "chunks": 0}
     return list(rows.values())
+
+
+def worst_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """The files of each kind with the most new bytes, as a table's head and cells."""
+    cells = [[r["kind"], name, f"{size / 2**20:.1f}", f"{new / 2**20:.1f} ({100 * new / max(size, 1):.0f} %)"]
+             for r in rows for name, size, new in r.get("worst", []) if new]
+    return ["kind", "second capture's file with new bytes", "MiB", "new MiB (of the file)"], cells
 
 
 def share_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:

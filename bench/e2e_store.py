@@ -57,7 +57,7 @@ from bench.capsule_transfer import (
     registry_link_parallel,
     start_registry,
 )
-from bench.capture_pair import Fingerprint, fingerprint, share_rows, share_table
+from bench.capture_pair import Fingerprint, fingerprint, share_rows, share_table, worst_table
 from bench.cold_read import read_parallel, write_direct
 from bench.e2e_restore import IMAGES, Driver, inspect_capsule
 from bench.e2e_serve import (
@@ -328,7 +328,8 @@ def second_capture_lines(result: dict[str, Any]) -> list[str]:
         cells.append([f"capture {n}", f"{added['images'] / 1e9:.3f}"] + [
             f"{added[k] / 1e9:.3f} ({100 * added[k] / images:.1f} %)" for k in ("node store", "registry")])
     return ["", table(["bytes added, measured from the storage", "images GB", "node store GB (share of its images)",
-                       "registry GB (share of its images)"], cells), "", table(*share_table(second["by_file"]))]
+                       "registry GB (share of its images)"], cells), "", table(*share_table(second["by_file"])), "",
+            table(*worst_table(second["by_file"]))]
 
 
 async def run_path(d: Driver, run: Run, args: argparse.Namespace, address: str, result: dict[str, Any]) -> None:

@@ -109,3 +109,5 @@ def test_the_second_capture_is_told_by_kind_of_file_beside_64_mib_chunks_and_goe
                                  "by_file": list(rows.values())}}
     text = e2e_store.report(run, [], args, result)
     assert "| capture 2 " in text and "(4.0 %)" in text and "| CRIU page images (pages-*.img) " in text
+    assert f"| {second.name}/pages-1.img " in text  # the file with new bytes, named
+    assert "seg-0.bin" not in text.split("second capture's file with new bytes")[1]  # the dump: nothing new
