@@ -10,6 +10,7 @@ content, computed here by hashing the files) and as the node's store holds them 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import subprocess
@@ -131,6 +132,7 @@ def share_rows(first: Fingerprint, second: Path, store: Path, captures: tuple[st
         row["new_fixed_64m"] += _new(second_fixed.get(name, []), known_fixed)
         # The files with the most new bytes, to say where sharing stops (a dump region's tail the engine never wrote?)
         row["worst"] = sorted([*row.get("worst", []), [name, stored.size, new]], key=lambda w: -w[2])[:WORST]
+        row.setdefault("new_by_file", {})[name] = new
     zero = hashlib.blake2b(bytes(PAGE), digest_size=16).digest()
     if (pages := rows.get(KINDS[0][1])) is not None:
         pages["new_pages"] = PAGE * sum(1 for p in _page_images(second) for d in page_digests(p)
@@ -140,6 +142,31 @@ def share_rows(first: Fingerprint, second: Path, store: Path, captures: tuple[st
     rows["small"] = {"kind": "small files (the image's layer)", "files": len(small), "bytes": size, "zero": 0,
                      "new_fixed_64m": size, "new_stored": size, "chunks": 0}
     return list(rows.values())
+
+
+def region_rows(rows: list[dict[str, Any]], second: Path) -> list[dict[str, Any]]:
+    """The second capture's device allocations (each process's record in `device-memory.json`: address, size, its
+    segment files), each with its new bytes as the store holds them, those with the most first."""
+    new_by_file: dict[str, int] = next((r.get("new_by_file", {}) for r in rows if r["kind"] == KINDS[1][1]), {})
+    regions = []
+    for record in second.rglob("device-memory.json"):
+        base = record.parent.relative_to(second)
+        for process in json.loads(record.read_text()).get("processes", []):
+            for region in process["manifest"]["regions"]:
+                files = [str(base / process["directory"] / s["file"]) for s in region["segments"]]
+                regions.append({"pid": process["pid"], "address": f"{region['address']:#x}", "size": region["size"],
+                                "new": sum(new_by_file.get(f.removeprefix("./"), 0) for f in files)})
+    return sorted(regions, key=lambda r: -r["new"])
+
+
+def region_table(regions: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """The allocations with new bytes (the first WORST * 2), then how many there are and how many have none."""
+    new = [r for r in regions if r["new"]]
+    cells = [[str(r["pid"]), r["address"], f"{r['size'] / 2**20:.1f}", f"{r['new'] / 2**20:.1f}"]
+             for r in new[:2 * WORST]]
+    cells.append([f"{len(new)} of {len(regions)} allocations hold new bytes", "",
+                  f"{sum(r['size'] for r in new) / 2**20:.1f}", f"{sum(r['new'] for r in new) / 2**20:.1f}"])
+    return ["process", "device allocation", "MiB", "new MiB"], cells
 
 
 def worst_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:

@@ -57,9 +57,17 @@ from bench.capsule_transfer import (
     registry_link_parallel,
     start_registry,
 )
-from bench.capture_pair import Fingerprint, fingerprint, share_rows, share_table, worst_table
+from bench.capture_pair import (
+    Fingerprint,
+    fingerprint,
+    region_rows,
+    region_table,
+    share_rows,
+    share_table,
+    worst_table,
+)
 from bench.cold_read import read_parallel, write_direct
-from bench.e2e_restore import IMAGES, Driver, inspect_capsule
+from bench.e2e_restore import IMAGES, RUN, Driver, inspect_capsule
 from bench.e2e_serve import (
     build_capsules,
     capture_server,
@@ -313,8 +321,24 @@ async def second_capture_path(d: Driver, run: Run, args: argparse.Namespace, add
         if n == 1:  # its chunks as 64 MiB from each file's start, for the comparison; then its bytes go (tmpfs)
             first = await anyio.to_thread.run_sync(fingerprint, images, 16)
             shutil.rmtree(images)
-    result["second_capture"] = {"captures": captures, "added": added, "by_file": await anyio.to_thread.run_sync(
-        share_rows, first, layout.images_dir, Path(args.store), (captures[0], captures[1]))}
+    by_file = await anyio.to_thread.run_sync(share_rows, first, layout.images_dir, Path(args.store),
+                                             (captures[0], captures[1]))
+    result["second_capture"] = {"captures": captures, "added": added, "by_file": by_file,
+                                "regions": region_rows(by_file, layout.images_dir)}
+
+
+def no_aslr(layout: InterposerLayout) -> str:
+    """--aslr-off: an interpreter for the units that turns address-space randomisation off for itself and whatever
+    it starts (personality ADDR_NO_RANDOMIZE, inherited through fork and exec), then runs the capsule's own; the
+    server is unchanged. Its path in the units (the run directory's mount)."""
+    wrapper = layout.run_dir / "no-aslr"
+    wrapper.write_text(f"#!{layout.python} -S\nimport ctypes, os, sys\nlibc = ctypes.CDLL(None)\n"
+                       "libc.personality(0x0040000)\n"
+                       "if not libc.personality(0xffffffff) & 0x0040000:\n"
+                       "    sys.exit('no-aslr: personality(ADDR_NO_RANDOMIZE) did not hold')\n"
+                       f"os.execv({layout.python!r}, [{layout.python!r}, *sys.argv[1:]])\n")
+    wrapper.chmod(0o755)
+    return f"{RUN}/no-aslr"
 
 
 def second_capture_lines(result: dict[str, Any]) -> list[str]:
@@ -329,7 +353,7 @@ def second_capture_lines(result: dict[str, Any]) -> list[str]:
             f"{added[k] / 1e9:.3f} ({100 * added[k] / images:.1f} %)" for k in ("node store", "registry")])
     return ["", table(["bytes added, measured from the storage", "images GB", "node store GB (share of its images)",
                        "registry GB (share of its images)"], cells), "", table(*share_table(second["by_file"])), "",
-            table(*worst_table(second["by_file"]))]
+            table(*worst_table(second["by_file"])), "", table(*region_table(second.get("regions", [])))]
 
 
 async def run_path(d: Driver, run: Run, args: argparse.Namespace, address: str, result: dict[str, Any]) -> None:
@@ -342,6 +366,8 @@ async def run_path(d: Driver, run: Run, args: argparse.Namespace, address: str, 
     layout.images_dir = Path(args.context) / "images"
     shutil.rmtree(layout.images_dir, ignore_errors=True)
     layout.prepare()
+    if args.aslr_off:
+        layout.python = no_aslr(layout)
     if args.second_capture:
         await second_capture_path(d, run, args, address, image, layout, result)
         return
@@ -369,11 +395,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--criu-threads", type=int, default=0)
     parser.add_argument("--second-capture", action="store_true",
                         help="two captures of the same model built and pushed: what the second adds")
+    parser.add_argument("--aslr-off", action="store_true",
+                        help="the units' processes without address-space randomisation (personality)")
     return parser
 
 
 async def main() -> int:
-    args = _parser().parse_args()
+    parser = _parser()
+    args = parser.parse_args()
+    if args.aslr_off and not args.second_capture:
+        parser.error("--aslr-off goes with --second-capture (the restore worker's paths come from the interpreter's)")
     Path(args.registry_root).mkdir(parents=True, exist_ok=True)
     registry, address = start_registry(Path(args.registry_root))
     d = Driver(Path(args.state_dir))

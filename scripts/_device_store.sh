@@ -14,6 +14,8 @@
 #                                                    cold servers of the same model, each captured, built into the
 #                                                    store and pushed; what the second adds to the store and the
 #                                                    registry, by kind of file (no rates, pull or restores).
+#   scripts/device store [LAYERS] second-aslr-off    the same, the units' processes without address-space
+#                                                    randomisation (personality; the server unchanged).
 # Where each part lives: the store (/var/tmp/cs-store/store) and Docker's data on the root disk; the model, the
 # capture's images (the build context), the daemon's build spool and the registry's storage on /dev/shm (tmpfs:
 # the disk cannot hold them beside the store).
@@ -30,6 +32,7 @@ LAYERS=${1:-16}
 RESTORES=${2:-3}
 SECOND=()
 if [ "$RESTORES" = second ]; then SECOND=(--second-capture); RESTORES=0; fi
+if [ "$RESTORES" = second-aslr-off ]; then SECOND=(--second-capture --aslr-off); RESTORES=0; fi
 MODE=${3:-full-interposer-hydrator}
 WORK=/var/tmp/cs-store
 SHM=/dev/shm/cs-store

@@ -5,7 +5,10 @@ failed phase is named, and each restore is set against the goal."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import anyio
@@ -74,6 +77,9 @@ def _capture_dir(root: Path, pages: bytes, dump: bytes) -> Path:
     (images / "capture.json").write_text("{}\n")
     (images / "pages-1.img").write_bytes(pages)
     (images / "device-7" / "seg-0.bin").write_bytes(dump)
+    region = {"address": 0x7F0000000000, "size": len(dump), "segments": [{"file": "seg-0.bin"}]}
+    (images / "device-memory.json").write_text(json.dumps({"processes": [
+        {"pid": 7, "directory": "device-7", "manifest": {"regions": [region]}}]}))
     return images
 
 
@@ -101,7 +107,7 @@ def test_the_second_capture_is_told_by_kind_of_file_beside_64_mib_chunks_and_goe
     assert 0 < pages["new_stored"] <= 3 << 20  # cut by content: the new heap and a chunk or two
     assert pages["new_pages"] == (1 << 20) + 8192  # the floor: exactly the new heap's pages
     assert dumps["new_fixed_64m"] == dumps["new_stored"] == 0
-    assert rows["small files (the image's layer)"]["files"] == 1
+    assert rows["small files (the image's layer)"]["files"] == 2  # capture.json, device-memory.json
     run = e2e_store.Run(e2e_store.Disk(tmp_path))
     args = argparse.Namespace(mode=STAGED, store=str(tmp_path / "store"), registry_root="/dev/shm/x")
     result = {"second_capture": {"added": [{"images": 100, "node store": 90, "registry": 95},
@@ -111,3 +117,17 @@ def test_the_second_capture_is_told_by_kind_of_file_beside_64_mib_chunks_and_goe
     assert "| capture 2 " in text and "(4.0 %)" in text and "| CRIU page images (pages-*.img) " in text
     assert f"| {second.name}/pages-1.img " in text  # the file with new bytes, named
     assert "seg-0.bin" not in text.split("second capture's file with new bytes")[1]  # the dump: nothing new
+    regions = capture_pair.region_rows(list(rows.values()), second.parent)
+    assert regions == [{"pid": 7, "address": "0x7f0000000000", "size": 2 << 20, "new": 0}]
+    assert capture_pair.region_table(regions)[1] == [["0 of 1 allocations hold new bytes", "", "0.0", "0.0"]]
+
+
+def test_aslr_off_runs_the_interpreter_asked_for_without_randomisation(tmp_path: Path) -> None:
+    layout = serve_layout(tmp_path, tmp_path / "model", STAGED)
+    layout.python = sys.executable
+    layout.run_dir.mkdir(parents=True)
+    assert e2e_store.no_aslr(layout) == f"{RUN}/no-aslr"
+    program = "import sys; print(open('/proc/self/personality').read(), sys.argv[1:])"
+    seen = subprocess.run([str(layout.run_dir / "no-aslr"), "-c", program, "a b"], capture_output=True, text=True,
+                          check=True).stdout.split()
+    assert int(seen[0], 16) & 0x0040000 and seen[1:] == ["['a", "b']"]
