@@ -330,15 +330,21 @@ async def second_capture_path(d: Driver, run: Run, args: argparse.Namespace, add
 def no_aslr(layout: InterposerLayout) -> str:
     """--aslr-off: an interpreter for the units that turns address-space randomisation off for itself and whatever
     it starts (personality ADDR_NO_RANDOMIZE, inherited through fork and exec), then runs the capsule's own; the
-    server is unchanged. Its path in the units (the run directory's mount)."""
-    wrapper = layout.run_dir / "no-aslr"
+    server is unchanged. It sits in a venv-shaped directory of the run directory whose `lib` is the capsule's venv's,
+    so what the layout derives from the interpreter's path (the worker's site-packages) still holds. Its path in
+    the units (the run directory's mount)."""
+    venv = layout.run_dir / "no-aslr-venv"
+    (venv / "bin").mkdir(parents=True, exist_ok=True)
+    (venv / "lib").unlink(missing_ok=True)
+    (venv / "lib").symlink_to(Path(layout.python).parent.parent / "lib")  # resolved in the unit
+    wrapper = venv / "bin" / "python3"
     wrapper.write_text(f"#!{layout.python} -S\nimport ctypes, os, sys\nlibc = ctypes.CDLL(None)\n"
                        "libc.personality(0x0040000)\n"
                        "if not libc.personality(0xffffffff) & 0x0040000:\n"
                        "    sys.exit('no-aslr: personality(ADDR_NO_RANDOMIZE) did not hold')\n"
                        f"os.execv({layout.python!r}, [{layout.python!r}, *sys.argv[1:]])\n")
     wrapper.chmod(0o755)
-    return f"{RUN}/no-aslr"
+    return f"{RUN}/no-aslr-venv/bin/python3"
 
 
 def second_capture_lines(result: dict[str, Any]) -> list[str]:

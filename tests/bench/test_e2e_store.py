@@ -126,8 +126,12 @@ def test_aslr_off_runs_the_interpreter_asked_for_without_randomisation(tmp_path:
     layout = serve_layout(tmp_path, tmp_path / "model", STAGED)
     layout.python = sys.executable
     layout.run_dir.mkdir(parents=True)
-    assert e2e_store.no_aslr(layout) == f"{RUN}/no-aslr"
+    assert e2e_store.no_aslr(layout) == f"{RUN}/no-aslr-venv/bin/python3"
+    wrapper = layout.run_dir / "no-aslr-venv/bin/python3"
     program = "import sys; print(open('/proc/self/personality').read(), sys.argv[1:])"
-    seen = subprocess.run([str(layout.run_dir / "no-aslr"), "-c", program, "a b"], capture_output=True, text=True,
+    seen = subprocess.run([str(wrapper), "-c", program, "a b"], capture_output=True, text=True,
                           check=True).stdout.split()
     assert int(seen[0], 16) & 0x0040000 and seen[1:] == ["['a", "b']"]
+    # What the layout derives from the interpreter's path (the capture worker's site-packages) is the venv's.
+    layout.python = str(wrapper)
+    assert (layout.run_dir / "no-aslr-venv/lib").resolve() == (Path(sys.executable).parent.parent / "lib").resolve()
