@@ -304,14 +304,36 @@ async def capture_again(d: Driver, args: argparse.Namespace, image: str, layout:
     return captured
 
 
+async def capture_restored(d: Driver, args: argparse.Namespace, image: str, layout: InterposerLayout,
+                           result: dict[str, Any], first: str) -> str:
+    """--recapture-restored: the first capture restored (a restore unit, to its first token), then that restored
+    server captured again: CRIU gives it the first server's PIDs, addresses, heap and stacks."""
+    unit = unit_names(args.mode)[1]
+    restored = await restore_once(d, image, layout, unit, first, cluster(args.mode), args.port)
+    result["restored"] = {"first_token_s": restored.get("first_token_s"),
+                          "identical": restored.get("text") == result["cold"]["text"]}
+    print(f"[{args.mode}] the first capture restored: {json.dumps(result['restored'])}", flush=True)
+    second: dict[str, Any] = result.setdefault("second", {})
+    captured = await capture_server(d, args.mode, layout, unit, int(result["cold"]["server_pid"]), second)
+    await d.expect(f"removing {unit}", "workload-remove", name=unit)
+    return captured
+
+
 async def second_capture_path(d: Driver, run: Run, args: argparse.Namespace, address: str, image: str,
                               layout: InterposerLayout, result: dict[str, Any]) -> None:
     """--second-capture: two cold servers of the same model, each captured, built and pushed; the second's new bytes."""
     captures, added = [], []
     first: Fingerprint = ({}, set())
-    for n, capture in ((1, lambda: serve_and_capture(d, args, args.mode, image, layout, result)),
-                       (2, lambda: capture_again(d, args, image, layout, result))):
-        capture_id = await run.phase(f"capture {n}: cold server to the first token, captured by the worker", capture)
+    ids: list[str] = []
+    again = (lambda: capture_restored(d, args, image, layout, result, ids[0])) if args.recapture_restored else \
+        (lambda: capture_again(d, args, image, layout, result))
+    for n, capture in ((1, lambda: serve_and_capture(d, args, args.mode, image, layout, result)), (2, again)):
+        what = "the first capture restored to its first token, captured again" if n == 2 and \
+            args.recapture_restored else "cold server to the first token, captured by the worker"
+        capture_id = await run.phase(f"capture {n}: {what}", capture)
+        ids.append(capture_id)
+        if n == 2 and args.recapture_restored:  # the restore has read the first's images: the build takes the second's
+            shutil.rmtree(layout.images_dir / ids[0])
         images = layout.images_dir / capture_id
         stored, stored_bytes, pushed = await build_and_push(d, run, args, f"{address}/{SECOND_REFERENCE}{n}", n,
                                                             images)
@@ -320,7 +342,8 @@ async def second_capture_path(d: Driver, run: Run, args: argparse.Namespace, add
                       "registry": pushed})
         if n == 1:  # its chunks as 64 MiB from each file's start, for the comparison; then its bytes go (tmpfs)
             first = await anyio.to_thread.run_sync(fingerprint, images, 16)
-            shutil.rmtree(images)
+            if not args.recapture_restored:  # else the restore reads them: they go once it has
+                shutil.rmtree(images)
     by_file = await anyio.to_thread.run_sync(share_rows, first, layout.images_dir, Path(args.store),
                                              (captures[0], captures[1]))
     result["second_capture"] = {"captures": captures, "added": added, "by_file": by_file,
@@ -401,6 +424,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--criu-threads", type=int, default=0)
     parser.add_argument("--second-capture", action="store_true",
                         help="two captures of the same model built and pushed: what the second adds")
+    parser.add_argument("--recapture-restored", action="store_true",
+                        help="--second-capture of the first capture restored, not of a second cold server")
     parser.add_argument("--aslr-off", action="store_true",
                         help="the units' processes without address-space randomisation (personality)")
     return parser
@@ -409,6 +434,8 @@ def _parser() -> argparse.ArgumentParser:
 async def main() -> int:
     parser = _parser()
     args = parser.parse_args()
+    if args.recapture_restored and not args.second_capture:
+        parser.error("--recapture-restored goes with --second-capture")
     if args.aslr_off and not args.second_capture:
         parser.error("--aslr-off goes with --second-capture (the restore worker's paths come from the interpreter's)")
     Path(args.registry_root).mkdir(parents=True, exist_ok=True)

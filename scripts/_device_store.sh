@@ -16,6 +16,8 @@
 #                                                    registry, by kind of file (no rates, pull or restores).
 #   scripts/device store [LAYERS] second-aslr-off    the same, the units' processes without address-space
 #                                                    randomisation (personality; the server unchanged).
+#   scripts/device store [LAYERS] second-restored    the second capture of the first one restored (to its first
+#                                                    token), not of a second cold server.
 # Where each part lives: the store (/var/tmp/cs-store/store) and Docker's data on the root disk; the model, the
 # capture's images (the build context), the daemon's build spool and the registry's storage on /dev/shm (tmpfs:
 # the disk cannot hold them beside the store).
@@ -33,6 +35,7 @@ RESTORES=${2:-3}
 SECOND=()
 if [ "$RESTORES" = second ]; then SECOND=(--second-capture); RESTORES=0; fi
 if [ "$RESTORES" = second-aslr-off ]; then SECOND=(--second-capture --aslr-off); RESTORES=0; fi
+if [ "$RESTORES" = second-restored ]; then SECOND=(--second-capture --recapture-restored); RESTORES=0; fi
 MODE=${3:-full-interposer-hydrator}
 WORK=/var/tmp/cs-store
 SHM=/dev/shm/cs-store
