@@ -2,6 +2,7 @@
 
     python bench/capsule_transfer.py --base IMAGE | --busybox PATH [--mib 1024] [--zero-percent 57]
                                      [--change-percent 4] [--paths docker,store] [--docker-url URL] [--out FILE.json]
+                                     [--source synthetic|criu --criu CRIU --target "ARGS"]
 
 Through a real `coldsnap-provider serve` and runtime-v1 only: `image-build` of a capsule that carries a capture's
 images directory (`capture.json` and `pages.img`: random bytes, then `--zero-percent` of zeros, the share one public
@@ -13,6 +14,11 @@ another daemon with an empty one, as another node would). Then the store's secon
 `--change-percent` of its random bytes changed: what it adds to the registry and to a node store. Beside them, in the
 same run, the machine's own rates: a memory copy, the disk read with O_DIRECT, and the registry link (the same bytes
 through the registry's HTTP API, nothing compressed: as one blob, and as 64 MiB blobs eight at a time).
+
+With `--source criu` both captures are real: two runs of bench/engine_shape_target.py (`--target`: the same
+weights every run, fresh state, a Python heap, threads and libraries) each captured by the capture worker with the
+built CRIU (bench/capture_pair.py). The second capture's new bytes are read from the registry's storage and the
+store's directory, and per kind of file beside what 64 MiB chunks from each file's start would have added.
 """
 
 from __future__ import annotations
@@ -24,12 +30,14 @@ import http.client
 import json
 import mmap
 import os
+import shlex
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -41,8 +49,12 @@ sys.path.insert(0, str(ROOT))
 
 from bench._common import free_port, table
 from bench._daemon import Session, running_daemon
+from bench.capture_pair import criu_capture, fingerprint, share_rows, share_table, worst_table
 
 CHUNK = 8 << 20
+# --source criu: an engine's process, small enough for this machine: 1 GiB of weights (the same bytes every run),
+# 32 MiB of fresh state (a KV cache), a 200 MiB heap of objects of seeded bytes, 40 threads, 100 libraries.
+TARGET = "--threads 40 --libs 100 --anon-mib 0 --heap-mib 200 --heap-seeded --weights-mib 1024 --state-mib 32"
 BLOB = 64 << 20  # the capture store's chunk
 
 
@@ -234,13 +246,17 @@ async def pull_and_read(session: Session, reference: str) -> dict[str, float]:
     drop_caches()
     phases["read the capture in the pulled capsule (cold cache)"] = await timed(
         session, "workload-run", workload={"image": reference, "name": "", "remove_after_exit": True,
-                                           "command": ["sh", "-c", "cat /images/pages.img > /dev/null"]})
+                                           "command": ["sh", "-c", "cat /images/* > /dev/null"]})
     await timed(session, "image-remove", image=reference)
     return phases
 
 
-async def store_path(work: Path, address: str, base: str, change_percent: int, docker: str
-                     ) -> tuple[dict[str, float], dict[str, int]]:
+def captures_in(store: Path) -> set[str]:
+    return {"sha256:" + p.name.removesuffix(".json") for p in (store / "captures").glob("*.json")}
+
+
+async def store_path(work: Path, address: str, base: str, second: Callable[[Path], object] | None, docker: str,
+                     shares: list[dict[str, Any]]) -> tuple[dict[str, float], dict[str, int]]:
     """The store's path (build + push on node A, pull + read on node B), then a second capture on node A."""
     registry_before = directory_bytes(work / "registry")
     store_a, store_b = work / "store-a", work / "store-b"
@@ -248,15 +264,19 @@ async def store_path(work: Path, address: str, base: str, change_percent: int, d
             running_daemon(f'{docker}capture_store = "{store_b}"\n') as node_b:
         session_a, session_b = await node_a.open_session(), await node_b.open_session()
         phases = await build_and_push(session_a, work / "context", f"{address}/coldsnap/capsule-store:1", base)
+        captures = sorted(captures_in(store_a))
         first = {"registry": directory_bytes(work / "registry") - registry_before,
                  "node store": directory_bytes(store_a)}
         phases |= await pull_and_read(session_b, f"{address}/coldsnap/capsule-store:1")
-        if not change_percent:  # --change-percent 0: no second capture (it copies the capture: disk space)
+        if second is None:  # --change-percent 0: no second capture (it copies the capture: disk space)
             return phases, {"registry, first capture": first["registry"], "node store, first capture":
                             first["node store"]}
-        second_capture(work / "context" / "images", work / "context-2" / "images", change_percent)
-        second = await build_and_push(session_a, work / "context-2", f"{address}/coldsnap/capsule-store:2", base)
-        phases |= {f"second capture: {k}": v for k, v in second.items()}
+        second(work / "context-2" / "images")
+        phases |= {f"second capture: {k}": v for k, v in (await build_and_push(
+            session_a, work / "context-2", f"{address}/coldsnap/capsule-store:2", base)).items()}
+        captures += sorted(captures_in(store_a) - set(captures))
+        shares += share_rows(fingerprint(work / "context" / "images"), work / "context-2" / "images", store_a,
+                             (captures[0], captures[1]))
     added = {"registry, first capture": first["registry"],
              "registry, second capture (new bytes)": directory_bytes(work / "registry") - registry_before
              - first["registry"],
@@ -275,17 +295,24 @@ async def main() -> None:
     parser.add_argument("--change-percent", type=int, default=4)
     parser.add_argument("--paths", default="docker,store")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--source", choices=("synthetic", "criu"), default="synthetic")
+    parser.add_argument("--criu", help="the built CRIU (--source criu)")
+    parser.add_argument("--target", default=TARGET, help="bench/engine_shape_target.py's arguments (--source criu)")
     args = parser.parse_args()
     if (args.base is None) == (args.busybox is None):
         parser.error("give --base or --busybox")
+    if args.source == "criu" and not args.criu:
+        parser.error("--source criu needs --criu (scripts/criu/build --print-dir)/usr/sbin/criu")
     work = Path(tempfile.mkdtemp(prefix="cs-transfer-", dir="/var/tmp"))
     registry, address = start_registry(work)
     phases: dict[str, dict[str, float]] = {}
     added: dict[str, int] = {}
+    shares: list[dict[str, Any]] = []
+    first_images = work / "context" / "images"
     try:
-        write_capture(work / "context" / "images", args.mib, args.zero_percent)
-        pages = work / "context" / "images" / "pages.img"
-        size = pages.stat().st_size
+        second = capture_sources(args, work)
+        files = [p for p in first_images.rglob("*") if p.is_file()]
+        pages, size = max(files, key=lambda p: p.stat().st_size), sum(p.stat().st_size for p in files)
         sample = link_sample(pages, work / "link-sample.bin")
         rates = {"memory copy": memory_copy_gbps(), "disk read, O_DIRECT": direct_read_gbps(pages),
                  **{f"registry link, {k.split('_')[0]} (one uncompressed blob)": v
@@ -303,20 +330,36 @@ async def main() -> None:
                 phases["docker"] = await build_and_push(session, work / "context", reference, args.base)
                 phases["docker"] |= await pull_and_read(session, reference)
         if "store" in args.paths.split(","):
-            phases["store"], added = await store_path(work, address, args.base, args.change_percent, docker)
+            phases["store"], added = await store_path(work, address, args.base, second, docker, shares)
     finally:
         registry.kill()
         registry.wait()
         shutil.rmtree(work, ignore_errors=True)
-    report(args, size, phases, rates, added)
+    report(args, size, phases, rates, added, shares)
+
+
+def capture_sources(args: argparse.Namespace, work: Path) -> Callable[[Path], object] | None:
+    """Make the first capture's images (context/images); what makes the second's (None: no second capture)."""
+    first = work / "context" / "images"
+    if args.source == "criu":
+        target = shlex.split(args.target)
+        seconds = criu_capture(first, args.criu, target, work)
+        print(f"first capture: {seconds:.2f} s", flush=True)
+        return lambda images: criu_capture(images, args.criu, target, work)
+    write_capture(first, args.mib, args.zero_percent)
+    if not args.change_percent:
+        return None
+    return lambda images: second_capture(first, images, args.change_percent)
 
 
 def report(args: argparse.Namespace, size: int, phases: dict[str, dict[str, float]], rates: dict[str, float],
-           added: dict[str, int]) -> None:
+           added: dict[str, int], shares: list[dict[str, Any]]) -> None:
     names = list(dict.fromkeys(name for path in phases.values() for name in path))
     rows = [[name, *(f"{p[name]:.2f} s, {size / p[name] / 1e9:.3f} GB/s" if name in p else "" for p in
                      phases.values())] for name in names]
-    print(f"capture data: {size / 2**20:.0f} MiB, {args.zero_percent}% zeros")
+    print(f"capture data: {size / 2**20:.0f} MiB, " + (
+        f"two CRIU captures of bench/engine_shape_target.py {args.target}" if args.source == "criu" else
+        f"{args.zero_percent}% zeros, the second with {args.change_percent}% of its 64 MiB chunks changed"))
     print(table(["runtime-v1 phase", *(f"{path} path" for path in phases)], rows))
     print()
     print(table(["the machine's own rate, same run", "GB/s"], [[k, f"{v:.3f}"] for k, v in rates.items()]))
@@ -332,10 +375,16 @@ def report(args: argparse.Namespace, size: int, phases: dict[str, dict[str, floa
                     [[f"image-{kind} ({moved / 2**20:.0f} MiB)", f"{moved / store[f'image-{kind}'] / 1e9:.3f}",
                       f"{100 * moved / store[f'image-{kind}'] / 1e9 / link[kind]:.0f} %"]
                      for kind in ("push", "pull") if f"image-{kind}" in store]))
+    if shares:
+        print()
+        print(table(*share_table(shares)))
+        print()
+        print(table(*worst_table(shares)))
     if args.out:
         args.out.write_text(json.dumps({"mib": args.mib, "zero_percent": args.zero_percent, "bytes": size,
                                         "change_percent": args.change_percent, "phases_s": phases,
-                                        "rates_gbps": rates, "bytes_added": added}, indent=1) + "\n")
+                                        "rates_gbps": rates, "bytes_added": added, "source": args.source,
+                                        "target": args.target, "second_capture_by_file": shares}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,20 @@
 """A CPU process shaped like a restored inference engine, for CRIU to dump and restore (bench/criu_restore_phases.py).
 
     python bench/engine_shape_target.py --dir DIR [--threads 100] [--anon-mib 680] [--heap-mib 460] [--libs 300]
+                                        [--weights-mib 0] [--state-mib 0] [--seed 7] [--heap-seeded]
 
 What makes CRIU's restore of `transformers serve` cost more than its page fill, as far as a CPU allows: `--threads`
 idle threads (PyTorch's, uvloop's and the tokenizers' pools: each an 8 MiB stack and a guard page), `--libs` shared
 libraries of this system loaded (torch's and CUDA's: hundreds of file mappings), `--anon-mib` MiB of private
 anonymous memory in 128 MiB mappings (the CUDA checkpoint's host copy) and `--heap-mib` MiB of Python objects of
 mixed sizes (the interpreter's heap and malloc's arenas), none of it pages of zeros (a dump leaves those out), a
-listening TCP socket on 127.0.0.1, an epoll set over it and an eventfd, and a memfd. DIR/shape.json says what it
-has (threads, mappings, libraries, the port); DIR/ready holds its pid; then it waits in epoll for ever.
+listening TCP socket on 127.0.0.1, an epoll set over it and an eventfd, and a memfd. For two captures of the same
+model (bench/capsule_transfer.py --source criu): `--weights-mib` MiB of distinct pages that are the same bytes every
+run (a stream seeded with `--seed`: the model's weights in host memory), then `--state-mib` MiB of fresh random bytes
+each run (a KV cache, activations); `--heap-seeded`: the heap's objects hold seeded bytes (each object its own,
+the same every run) instead of the repeating pattern, whose few distinct pages are not what a real heap holds.
+DIR/shape.json says what it has (threads, mappings, libraries, the port); DIR/ready holds its pid; then it waits
+in epoll for ever.
 Standard library only.
 """
 
@@ -19,6 +25,7 @@ import ctypes
 import json
 import mmap
 import os
+import random
 import select
 import socket
 import threading
@@ -63,6 +70,10 @@ def main() -> None:
     parser.add_argument("--anon-mib", type=int, default=680)
     parser.add_argument("--heap-mib", type=int, default=460)
     parser.add_argument("--libs", type=int, default=300)
+    parser.add_argument("--weights-mib", type=int, default=0)
+    parser.add_argument("--state-mib", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--heap-seeded", action="store_true")
     args = parser.parse_args()
     control = Path(args.dir)
     libs = load_libraries(args.libs)
@@ -73,10 +84,17 @@ def main() -> None:
         for at in range(0, 128 * MIB, MIB):
             region[at:at + MIB] = one
         regions.append(region)
+    stream = random.Random(args.seed)
+    for size, fill in ((args.weights_mib * MIB, stream.randbytes), (args.state_mib * MIB, os.urandom)):
+        if size:
+            region = mmap.mmap(-1, size, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            for at in range(0, size, MIB):
+                region[at:at + MIB] = fill(MIB)
+            regions.append(region)
     heap, held = [], 0
     while held < args.heap_mib * MIB:
         size = HEAP_SIZES[len(heap) % len(HEAP_SIZES)]
-        heap.append(bytearray(pattern(size)))
+        heap.append(bytearray(stream.randbytes(size) if args.heap_seeded else pattern(size)))
         held += size
     idle = threading.Event()
     for _ in range(args.threads):
@@ -92,7 +110,7 @@ def main() -> None:
     os.ftruncate(memfd, MIB)
     shape = {"threads": threading.active_count(), "libraries": libs,
              "mappings": len(Path("/proc/self/maps").read_text().splitlines()), "port": server.getsockname()[1],
-             "anon_bytes": len(regions) * 128 * MIB, "heap_bytes": held}
+             "anon_bytes": sum(map(len, regions)), "heap_bytes": held}
     (control / "shape.json").write_text(json.dumps(shape))
     (control / "ready").write_text(str(os.getpid()))
     while True:

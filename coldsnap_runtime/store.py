@@ -10,10 +10,13 @@
     <root>/tmp/                    what is being written (a blob before its digest is checked, a tree)
 
 A file is a list of chunks, each a digest or ``None`` for a chunk of zeros: zeros are never stored, moved
-or read, and come back as holes. The same bytes are one blob, whichever captures hold them. Every name
-appears only after its bytes are fsynced under a temporary name (rename), so a disk that fills up, or a
-process that dies, leaves nothing half-listed; a blob is checked against its name before it takes it, so
-what is in ``blobs/`` is always verified, and an interrupted pull resumes from it.
+or read, and come back as holes. Chunks are 64 MiB from the file's start (a device dump's segment files: the
+same weights, the same chunks), or cut by content for files whose bytes shift between captures (CRIU's page
+images, :mod:`.chunking`); such a file lists each chunk's length (data document format 2). The same bytes
+are one blob, whichever captures hold them. Every name appears only after its bytes are fsynced under a
+temporary name (rename), so a disk that fills up, or a process that dies, leaves nothing half-listed; a blob
+is checked against its name before it takes it, so what is in ``blobs/`` is always verified, and an
+interrupted pull resumes from it.
 
 The store does blocking I/O: the backend calls it from worker threads. Which captures are in use is the
 caller's knowledge (the engine's containers): :meth:`CaptureStore.collect` is given the set it must keep.
@@ -37,6 +40,7 @@ from typing import IO
 
 import msgspec
 
+from .chunking import CHUNK_BYTES, ZERO_RUN_BYTES, content_cuts
 from .errors import StoreError
 
 __all__ = (
@@ -51,7 +55,6 @@ __all__ = (
     "artifact_manifest",
 )
 
-CHUNK_BYTES = 64 << 20  # the dumps' sha256-64m chunk: one registry blob, one unit of dedupe
 CAPTURE_MEDIA_TYPE = "application/vnd.coldsnap-provider.capture.v1"
 DATA_MEDIA_TYPE = "application/vnd.coldsnap-provider.capture.data.v1+json"
 CHUNK_MEDIA_TYPE = "application/vnd.coldsnap-provider.chunk.v1"
@@ -60,15 +63,29 @@ _HEX = frozenset("0123456789abcdef")
 _ZEROS = bytes(CHUNK_BYTES)
 INGEST_THREADS = 4  # chunks hashed and written at once: 256 MiB in memory at most
 MADE_KIND = "coldsnap-capture-store-files"  # the listing of a tree's files (`CaptureStore.made_files`)
+_ZERO_RUN: Future[str | None] = Future()  # a run of zeros cut by content: known to be zeros, never stored
+_ZERO_RUN.set_result(None)
 
 
 class StoredFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One file of a capture: its path inside the capture, size, mode, and its chunks (None: zeros)."""
+    """One file of a capture: its path inside the capture, size, mode, its chunks (None: zeros) and, for a file
+    cut by content, each chunk's length (None: 64 MiB each, the last one the rest)."""
 
     path: str
     size: int
     mode: int
     chunks: list[str | None]
+    lengths: list[int] | None = None
+
+    def spans(self) -> list[tuple[str | None, int, int]]:
+        """Each chunk with its offset in the file and its length."""
+        lengths = self.lengths if self.lengths is not None else \
+            [min(CHUNK_BYTES, self.size - i * CHUNK_BYTES) for i in range(len(self.chunks))]
+        spans, offset = [], 0
+        for chunk, length in zip(self.chunks, lengths, strict=True):
+            spans.append((chunk, offset, length))
+            offset += length
+        return spans
 
 
 class CaptureData(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -105,9 +122,9 @@ def artifact_manifest(data: bytes, files: Iterable[StoredFile]) -> bytes:
     Deterministic, so the image's label can name its digest before anything is pushed."""
     sizes: dict[str, int] = {}
     for stored in files:
-        for index, chunk in enumerate(stored.chunks):
+        for chunk, _, length in stored.spans():
             if chunk is not None:
-                sizes[chunk] = min(CHUNK_BYTES, stored.size - index * CHUNK_BYTES)
+                sizes[chunk] = length
     document = {
         "schemaVersion": 2, "mediaType": OCI_MANIFEST, "artifactType": CAPTURE_MEDIA_TYPE,
         "config": {"mediaType": DATA_MEDIA_TYPE, "digest": "sha256:" + hashlib.sha256(data).hexdigest(),
@@ -181,29 +198,48 @@ class CaptureStore:
             temporary.unlink(missing_ok=True)
         return digest
 
-    def ingest(self, path: str, size: int, mode: int, source: IO[bytes]) -> StoredFile:
-        """Read `size` bytes of one file from `source` into chunks: zeros skipped, present chunks not rewritten.
-        Reading is sequential; hashing and writing run in :data:`INGEST_THREADS` threads (SHA-256 and writes
-        release the GIL), at most that many chunks in memory."""
+    def ingest(self, path: str, size: int, mode: int, source: IO[bytes], *, by_content: bool = False) -> StoredFile:
+        """Read `size` bytes of one file from `source` into chunks: zeros skipped, present chunks not rewritten;
+        64 MiB each, or cut by content (`by_content`: :func:`.chunking.content_cuts`). Reading is sequential;
+        hashing and writing run in :data:`INGEST_THREADS` threads (SHA-256 and writes release the GIL), at most
+        that many chunks in memory beside the read window."""
         pending: deque[Future[str | None]] = deque()
         chunks: list[str | None] = []
-        remaining = size
+        lengths: list[int] = []
+        carried, remaining = bytearray(), size
         with ThreadPoolExecutor(INGEST_THREADS, thread_name_prefix="store-ingest") as pool:
-            while remaining:
-                buffer = bytearray(min(CHUNK_BYTES, remaining))
-                view, filled = memoryview(buffer), 0
-                while filled < len(buffer):
-                    n = source.readinto(view[filled:])  # type: ignore[attr-defined]
-                    if not n:
-                        raise StoreError(f"{path}: the source ended after {size - remaining + filled} of {size} bytes")
-                    filled += n
-                del view
-                if len(pending) >= INGEST_THREADS:
-                    chunks.append(pending.popleft().result())
-                pending.append(pool.submit(self._chunk, buffer))
-                remaining -= len(buffer)
+            while remaining or carried:
+                # A window past one chunk and two runs of zeros: each cut by content ends at least one chunk.
+                want = min(CHUNK_BYTES + (2 * ZERO_RUN_BYTES + 1 if by_content else 0) - len(carried), remaining)
+                fresh = self._read(source, path, want, size - remaining, size)
+                buffer = carried + fresh if carried else fresh
+                remaining -= want
+                pieces = content_cuts(buffer, final=not remaining) if by_content else \
+                    [(len(buffer), False)]
+                offset = 0
+                for length, zero in pieces:
+                    if len(pending) >= INGEST_THREADS:
+                        chunks.append(pending.popleft().result())
+                    pending.append(_ZERO_RUN if zero else pool.submit(
+                        self._chunk, buffer if length == len(buffer) else buffer[offset:offset + length]))
+                    lengths.append(length)
+                    offset += length
+                carried = buffer[offset:]
             chunks += [future.result() for future in pending]
-        return StoredFile(path=path, size=size, mode=mode & 0o7777, chunks=chunks)
+        return StoredFile(path=path, size=size, mode=mode & 0o7777, chunks=chunks,
+                          lengths=lengths if by_content else None)
+
+    @staticmethod
+    def _read(source: IO[bytes], path: str, want: int, done: int, size: int) -> bytearray:
+        """Exactly `want` bytes of `source` (`done` of `size` read before): a short source is an error naming it."""
+        buffer = bytearray(want)
+        view, filled = memoryview(buffer), 0
+        while filled < want:
+            n = source.readinto(view[filled:])  # type: ignore[attr-defined]
+            if not n:
+                raise StoreError(f"{path}: the source ended after {done + filled} of {size} bytes")
+            filled += n
+        return buffer
 
     def _chunk(self, buffer: bytearray) -> str | None:
         # bytearray == bytes is one memcmp (a memoryview comparison goes element by element, 10x slower).
@@ -239,11 +275,18 @@ class CaptureStore:
             decoded = msgspec.json.decode(data, type=CaptureData)
         except msgspec.ValidationError as exc:
             raise StoreError(f"capture data document: {exc}") from exc
+        if decoded.format not in (1, 2):
+            raise StoreError(f"capture data document: format {decoded.format} is not one this daemon reads (1 or 2)")
         for stored in decoded.files:
             if stored.path.startswith("/") or ".." in stored.path.split("/") or not stored.path or "\0" in stored.path:
                 raise StoreError(f"capture data document: file path {stored.path!r} must be relative, without .. "
                                  "or a NUL byte")
-            if stored.size < 0 or len(stored.chunks) != -(-stored.size // CHUNK_BYTES):
+            if stored.lengths is not None:
+                if decoded.format < 2 or len(stored.lengths) != len(stored.chunks) or sum(stored.lengths) != \
+                        stored.size or not all(0 < n <= CHUNK_BYTES for n in stored.lengths):
+                    raise StoreError(f"capture data document: {stored.path}: lengths must be given in format 2, one "
+                                     f"per chunk, each 1 to {CHUNK_BYTES}, summing to its size {stored.size}")
+            elif stored.size < 0 or len(stored.chunks) != -(-stored.size // CHUNK_BYTES):
                 raise StoreError(f"capture data document: {stored.path}: {len(stored.chunks)} chunks for "
                                  f"{stored.size} bytes")
             for chunk in stored.chunks:
@@ -285,8 +328,7 @@ class CaptureStore:
             self.touch(capture)
             return target, 0
         data = self.data(capture)
-        written = sum(min(CHUNK_BYTES, f.size - i * CHUNK_BYTES) for f in data.files
-                      for i, chunk in enumerate(f.chunks) if chunk is not None)
+        written = sum(length for f in data.files for chunk, _, length in f.spans() if chunk is not None)
         # A data document may name one chunk many times (a registry's, a manager's image): what its files would
         # write is checked against the room first, never found by filling the node's disk.
         room = os.statvfs(self._trees)
@@ -349,9 +391,8 @@ class CaptureStore:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, (stored.mode & 0o777) or 0o600)
         try:
             with ThreadPoolExecutor(INGEST_THREADS, thread_name_prefix="store-tree") as pool:
-                jobs = [pool.submit(self._copy_chunk, chunk, fd, index * CHUNK_BYTES,
-                                    min(CHUNK_BYTES, stored.size - index * CHUNK_BYTES), stored.path)
-                        for index, chunk in enumerate(stored.chunks) if chunk is not None]
+                jobs = [pool.submit(self._copy_chunk, chunk, fd, offset, length, stored.path)
+                        for chunk, offset, length in stored.spans() if chunk is not None]
                 for job in jobs:
                     job.result()
             os.ftruncate(fd, stored.size)
@@ -389,8 +430,7 @@ class CaptureStore:
         zero = size = 0
         for stored in data.files:
             size += stored.size
-            for index, chunk in enumerate(stored.chunks):
-                length = min(CHUNK_BYTES, stored.size - index * CHUNK_BYTES)
+            for chunk, _, length in stored.spans():
                 if chunk is None:
                     zero += length
                 else:

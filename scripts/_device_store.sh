@@ -10,6 +10,14 @@
 #                                                    the images (2 x 10.5 GB at 16 layers, ran in ~4 min; the 8B
 #                                                    shape's 2 x 19 GB need ~45 GB free: the machine has had 30 and
 #                                                    64). MODE default full-interposer-hydrator.
+#   scripts/device store [LAYERS] second [MODE]      issue 34's second capture instead (~4 min at 16 layers): two
+#                                                    cold servers of the same model, each captured, built into the
+#                                                    store and pushed; what the second adds to the store and the
+#                                                    registry, by kind of file (no rates, pull or restores).
+#   scripts/device store [LAYERS] second-aslr-off    the same, the units' processes without address-space
+#                                                    randomisation (personality; the server unchanged).
+#   scripts/device store [LAYERS] second-restored    the second capture of the first one restored (to its first
+#                                                    token), not of a second cold server.
 # Where each part lives: the store (/var/tmp/cs-store/store) and Docker's data on the root disk; the model, the
 # capture's images (the build context), the daemon's build spool and the registry's storage on /dev/shm (tmpfs:
 # the disk cannot hold them beside the store).
@@ -24,6 +32,10 @@ source "$(dirname "$0")/_device_env.sh"
 source "$(dirname "$0")/_device_daemon.sh"
 LAYERS=${1:-16}
 RESTORES=${2:-3}
+SECOND=()
+if [ "$RESTORES" = second ]; then SECOND=(--second-capture); RESTORES=0; fi
+if [ "$RESTORES" = second-aslr-off ]; then SECOND=(--second-capture --aslr-off); RESTORES=0; fi
+if [ "$RESTORES" = second-restored ]; then SECOND=(--second-capture --recapture-restored); RESTORES=0; fi
 MODE=${3:-full-interposer-hydrator}
 WORK=/var/tmp/cs-store
 SHM=/dev/shm/cs-store
@@ -68,7 +80,7 @@ step "bench/e2e_store.py (mode $MODE, $RESTORES restores, $LAYERS layers)"
 timeout -k 5 "${DRIVER_TIMEOUT:-$((590 - SECONDS - 20))}" python3 bench/e2e_store.py --state-dir "$STATE" \
     --capsule coldsnap/capsule-serve:h200 --build /tmp/cs-capsule-serve=coldsnap/capsule-serve:h200 --model "$MODEL" \
     --work "$WORK/work" --out "$OUT" --context "$SHM/context" --store "$WORK/store" --registry-root "$SHM/registry" \
-    --mode "$MODE" --restores "$RESTORES" 2>&1 | tee "$OUT/store.txt"
+    --mode "$MODE" --restores "$RESTORES" "${SECOND[@]}" 2>&1 | tee "$OUT/store.txt"
 rc=${PIPESTATUS[0]}
 [ "$rc" = 124 ] && echo "e2e_store.py ran past its time limit (the last '== phase' line above is the last that ended)"
 echo "e2e_store exit $rc"

@@ -2,7 +2,8 @@
 
 A build context carries a capture when a directory in it holds the worker's ``capture.json``; every
 regular file of at least :data:`STORE_MIN_BYTES` under such a directory is *stored*: its bytes go into the
-node's store as 64 MiB chunks (zeros skipped, present chunks not written again) and the image gets a small
+node's store as chunks (zeros skipped, present chunks not written again; CRIU's page images cut by content,
+:data:`CUT_BY_CONTENT`, every other file in 64 MiB pieces from its start) and the image gets a small
 stub in its place. Two labels say where the bytes are: :data:`CAPTURE_LABEL` names the capture (the digest
 of its registry artifact, ``store.artifact_manifest``) and :data:`FILES_LABEL` maps each path the stubs take
 in the image to the capture's file (base64url JSON: a label value the Dockerfile can neither expand nor
@@ -27,6 +28,7 @@ import re
 import tarfile
 from typing import IO
 
+from ..chunking import CUT_MAX_FILE_BYTES
 from ..dockerfile import instructions
 from ..store import CaptureData, CaptureStore, StoredFile, artifact_manifest
 from ._buildctx import DOCKERFILE_PATH
@@ -41,6 +43,10 @@ STORE_MIN_BYTES = 1 << 20  # smaller files stay in the image: a mount each would
 # Every stub starts so; the rest names its capture and file (:func:`stub`).
 STUB_HEAD = b"coldsnap-provider: this file's bytes are in the node's capture store (image label " + \
     CAPTURE_LABEL.encode() + b")\n"
+# CRIU's page images (pages-<n>.img): their pages shift between two captures of the same model, so they are cut by
+# content (coldsnap_runtime/chunking.py); a device dump's segment files start at their region's start, so the same
+# weights are the same 64 MiB chunks (and the chunks of the dumps' own sha256-64m digests).
+CUT_BY_CONTENT = re.compile(r"pages-\d+\.img")
 _INSTRUCTION = re.compile(r"\s*(\w+)\s+(.*)", re.DOTALL)
 _WILDCARD = re.compile(r"[*?\[]")
 
@@ -171,8 +177,11 @@ def store_context(source: IO[bytes], out: IO[bytes], store: CaptureStore) -> str
             if member.name in stored_names:
                 data = tar.extractfile(member)
                 assert data is not None
-                files.append(store.ingest(member.name, member.size, member.mode, data))
-        document = CaptureData(files=sorted(files, key=lambda f: f.path))
+                by_content = CUT_BY_CONTENT.fullmatch(posixpath.basename(member.name)) is not None and \
+                    member.size <= CUT_MAX_FILE_BYTES
+                files.append(store.ingest(member.name, member.size, member.mode, data, by_content=by_content))
+        document = CaptureData(files=sorted(files, key=lambda f: f.path),
+                               format=2 if any(f.lengths is not None for f in files) else 1)
         data_bytes = json.dumps(_plain(document), sort_keys=True, separators=(",", ":")).encode()
         capture = store.record(artifact_manifest(data_bytes, document.files), data_bytes)
         with tarfile.open(fileobj=out, mode="w:", format=tarfile.PAX_FORMAT) as filtered:
@@ -192,8 +201,11 @@ def store_context(source: IO[bytes], out: IO[bytes], store: CaptureStore) -> str
 
 
 def _plain(document: CaptureData) -> dict[str, object]:
+    """The data document as JSON wants it; `lengths` only where a file has them (a format-1 document stays as a daemon
+    before format 2 wrote it, and so does its capture's id)."""
     return {"format": document.format,
-            "files": [{"path": f.path, "size": f.size, "mode": f.mode, "chunks": f.chunks} for f in document.files]}
+            "files": [{"path": f.path, "size": f.size, "mode": f.mode, "chunks": f.chunks}
+                      | ({"lengths": f.lengths} if f.lengths is not None else {}) for f in document.files]}
 
 
 def _normalised(member: tarfile.TarInfo) -> tarfile.TarInfo:

@@ -2,7 +2,7 @@
 
 The capture travels as an OCI artifact in the image's own repository: a manifest (``artifactType``
 ``application/vnd.coldsnap-provider.capture.v1``) whose config is the capture's data document and whose
-layers are its distinct non-zero 64 MiB chunks, each a blob named by its SHA-256, uncompressed. The image
+layers are its distinct non-zero chunks (at most 64 MiB), each a blob named by its SHA-256, uncompressed. The image
 names the manifest's digest in a label, so whoever pulls the image finds its capture.
 
 Push asks the registry which blobs it already has (HEAD) and uploads only the others (one POST and one
@@ -33,7 +33,7 @@ import anyio.from_thread
 import anyio.lowlevel
 
 from ..errors import RuntimeFailed, StoreError
-from ..store import CHUNK_BYTES, OCI_MANIFEST, CaptureStore
+from ..store import OCI_MANIFEST, CaptureStore
 from ._blob_fetch import Fetched, fetch_blob
 from ._blob_upload import Uploaded, upload_blob
 from ._digests import answer_challenge
@@ -195,8 +195,7 @@ class CaptureRegistry:
                     files = self._store.decode_data(data).files
                 except StoreError as exc:
                     raise RuntimeFailed(action=self._action, detail=f"capture {capture}: {exc}") from exc
-                layers = sorted({(chunk, min(CHUNK_BYTES, stored.size - index * CHUNK_BYTES))
-                                 for stored in files for index, chunk in enumerate(stored.chunks) if chunk})
+                layers = sorted({(chunk, length) for stored in files for chunk, _, length in stored.spans() if chunk})
                 await self._each(layers, lambda blob: self._pull_blob(session, blob, done))
         try:
             await anyio.to_thread.run_sync(self._store.record, manifest, data)

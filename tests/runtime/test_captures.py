@@ -20,7 +20,7 @@ import anyio
 import pytest
 
 from coldsnap_provider.client import ReplyError
-from coldsnap_runtime.store import CHUNK_BYTES
+from coldsnap_runtime.store import CHUNK_BYTES, CaptureStore
 from tests.conftest import Registry, docker
 from tests.helpers import EXEC_AS_NOBODY, Daemon, Session, control_as, session_as
 from tests.provider.test_metrics import sample, scrape
@@ -62,21 +62,31 @@ def _session(daemon: Daemon) -> Session:
     return anyio.run(lambda: daemon.open_session(hosts=["localhost"]))
 
 
+PAGES_RANDOM = 8 << 20  # the page file's random bytes before its zeros: a few dozen chunks cut by content
+
+
+def _random(size: int) -> bytes:
+    """Random bytes that neither start nor end with a zero (a run of zeros beside them is cut to the byte)."""
+    data = bytearray(os.urandom(size))
+    data[0] = data[-1] = 0xA5
+    return bytes(data)
+
+
 @pytest.fixture(scope="module")
 def capture_context() -> Iterator[tuple[Path, dict[str, str]]]:
-    """A unit's build context with an images directory: a page file (one random chunk, a zero chunk, a random
-    tail), a device dump of zeros only, and small files that stay in the image. The files' SHA-256."""
+    """A unit's build context with an images directory: a page file (random bytes, then zeros past a 64 MiB chunk, a
+    random tail; CRIU's page image: cut by content), a device dump of zeros only, and small files that stay in the
+    image. The files' SHA-256."""
     root = Path(tempfile.mkdtemp(prefix="cs-capctx-", dir="/var/tmp"))
     root.chmod(0o755)  # the build reads it as exec.user
     images = root / "images"
     (images / "dump").mkdir(parents=True)
     (images / "capture.json").write_text('{"ok": true}\n')
     (images / "small.img").write_bytes(os.urandom(4096))
-    random_chunk = os.urandom(CHUNK_BYTES)
     with open(images / "pages-1.img", "wb") as out:
-        out.write(random_chunk)
+        out.write(_random(PAGES_RANDOM))
         out.seek(2 * CHUNK_BYTES)
-        out.write(os.urandom(3 << 20))
+        out.write(_random(3 << 20))
     with open(images / "dump" / "seg-0.bin", "wb") as out:
         out.truncate(CHUNK_BYTES + (1 << 20))
     sums = {str(p.relative_to(images)): hashlib.sha256(p.read_bytes()).hexdigest()
@@ -117,8 +127,8 @@ def test_capsule_through_the_store_build_push_pull_run_on_another_node(
         assert built.ok, built.error
         labels = json.loads(docker("image", "inspect", tag).stdout)[0]["Config"]["Labels"]
         capture = labels["io.coldsnap-provider.capture"]
-        # Stored: one random chunk and the tail; neither zero chunk, not the small files.
-        assert _store_bytes(store_a) < CHUNK_BYTES + (4 << 20) + 8192
+        # Stored: the random bytes and the tail; none of the zeros, not the small files.
+        assert _store_bytes(store_a) < PAGES_RANDOM + (4 << 20) + 8192
         image_size = json.loads(docker("image", "inspect", tag).stdout)[0]["Size"]
         assert image_size < 8 << 20  # the capture's bytes are not in the layers
         here = await session_a.runtime("workload-run", workload={
@@ -147,11 +157,11 @@ def test_capsule_through_the_store_build_push_pull_run_on_another_node(
         # Zero chunks come back as holes: the tree's page file holds only its non-zero chunks.
         tree = store_b / "trees" / capture.split(":")[1] / "images"
         assert (tree / "dump" / "seg-0.bin").stat().st_blocks == 0
-        assert (tree / "pages-1.img").stat().st_blocks * 512 < CHUNK_BYTES + (8 << 20)
+        assert (tree / "pages-1.img").stat().st_blocks * 512 < PAGES_RANDOM + (8 << 20)
         metrics = scrape(_metrics_socket(store_b))
         assert sample(metrics, "coldsnap_provider_capture_store_hits_total", tier="registry") == 1
         assert sample(metrics, "coldsnap_provider_capture_store_read_bytes_total", tier="registry") == \
-            CHUNK_BYTES + (3 << 20)  # the random chunk and the tail: no zeros moved
+            PAGES_RANDOM + (3 << 20)  # the random bytes and the tail: no zeros moved
         assert sample(metrics, "coldsnap_provider_capture_store_hits_total", tier="disk") == 1  # at the pull
         assert sample(metrics, "coldsnap_provider_capture_store_hits_total", tier="tree") == 1  # the run
         assert (await session_b.runtime("image-remove", image=tag)).ok
@@ -288,8 +298,10 @@ def test_collection_never_takes_a_capture_in_use_and_managers_see_only_their_own
             assert capture in [c["capture"] for c in listed]
             cli = await anyio.run_process([sys.executable, "-m", "coldsnap_provider", "capture", "inspect",
                                            "--state-dir", str(daemon.state_dir), capture])
-            # zeros: the page file's second chunk and the whole device dump (65 MiB), never stored
-            assert re.search(rf"capture: +{capture}\n(.*\n)*zero: +129.0 MiB \(never stored\)", cli.stdout.decode())
+            # zeros: the page file's (up to its tail at 128 MiB) and the whole device dump (65 MiB), never stored
+            zero = (2 * CHUNK_BYTES - PAGES_RANDOM + CHUNK_BYTES + (1 << 20)) / 2**20
+            assert re.search(rf"capture: +{capture}\n(.*\n)*zero: +{zero:.1f} MiB \(never stored\)",
+                             cli.stdout.decode())
             assert (await daemon.control(operation="capture-gc", max_bytes=0))["removed"] == []
             with pytest.raises(ReplyError, match="in use by a container"):
                 await daemon.control(operation="capture-remove", capture=capture)
@@ -467,3 +479,54 @@ def test_a_manager_holding_the_same_bytes_cannot_remove_a_capture_others_images_
         assert (store / "captures" / f"{capsule[1].split(':')[1]}.json").exists()
     finally:
         docker("image", "rm", "-f", tag, check=False)
+
+
+def _bytes_under(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def test_a_second_capture_of_the_same_model_adds_only_its_new_pages_to_the_store_and_the_registry(
+        node_a: tuple[Daemon, Path], registry: Registry, busybox_image: str) -> None:
+    """Issue 34's goal, small: the same weights in host pages that moved (the heap before them grew by 3 pages) and
+    the same device dump; what the second build and push add, read from the store's and the registry's storage."""
+    daemon, store = node_a
+    session = _session(daemon)
+    weights, dump, mib = os.urandom(24 << 20), os.urandom(8 << 20), 1 << 20
+    registry_data = registry.credentials_file.parent / "data"
+    roots, tags = [], [f"{registry.address}/capsules/{uniq('second')}:{n}" for n in (1, 2)]
+
+    async def build_and_push(n: int, heap: bytes) -> str:
+        root = Path(tempfile.mkdtemp(prefix="cs-second-", dir="/var/tmp"))
+        roots.append(root)
+        root.chmod(0o755)  # the build reads it as exec.user
+        (root / "images" / "device-1").mkdir(parents=True)
+        (root / "images" / "capture.json").write_text(f'{{"capture": {n}}}\n')
+        (root / "images" / "pages-1.img").write_bytes(heap + weights)
+        (root / "images" / "device-1" / "seg-0.bin").write_bytes(dump)
+        dockerfile = f"FROM {busybox_image}\nCOPY images /capsule/images\n"
+        assert (built := await session.runtime("image-build", build=build_request(dockerfile, str(root), tags[n - 1]))
+                ).ok, built.error
+        assert (pushed := await session.runtime("image-push", image=tags[n - 1])).ok, pushed.error
+        return str(json.loads(docker("image", "inspect", tags[n - 1]).stdout)[0]["Config"]["Labels"][
+            "io.coldsnap-provider.capture"])
+
+    async def run() -> None:
+        first = await build_and_push(1, os.urandom(mib))
+        stored, pushed = _store_bytes(store), _bytes_under(registry_data)
+        second = await build_and_push(2, os.urandom(mib + 3 * 4096))
+        added_store, added_registry = _store_bytes(store) - stored, _bytes_under(registry_data) - pushed
+        assert first != second
+        assert 0 < added_store <= 5 * mib, added_store  # of 33 MiB: the new heap and a chunk or two around it
+        assert added_store < added_registry <= added_store + (256 << 10), added_registry  # and the image's stubs
+        files = [{f.path: f for f in CaptureStore(store).data(c).files} for c in (first, second)]
+        dumps = [f["images/device-1/seg-0.bin"] for f in files]
+        assert dumps[0].chunks == dumps[1].chunks and dumps[0].lengths is None  # 64 MiB from the file's start
+        assert all(f["images/pages-1.img"].lengths for f in files)  # CRIU's page image: cut by content
+
+    try:
+        anyio.run(run)
+    finally:
+        for tag in tags:
+            docker("image", "rm", "-f", tag, check=False)
+        for root in roots:
+            shutil.rmtree(root, ignore_errors=True)

@@ -1,0 +1,128 @@
+"""CRIU's page images cut by content in the node's store (coldsnap_runtime/chunking.py, issue 34 item 2): the pages of
+a second capture of the same model share their chunks wherever they moved to, on a real filesystem."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import itertools
+import os
+import random
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from coldsnap_runtime.chunking import MAX_BYTES, MIN_BYTES, content_cuts
+from coldsnap_runtime.errors import StoreError
+from coldsnap_runtime.store import CHUNK_BYTES, CaptureData, CaptureStore, StoredFile, artifact_manifest
+
+MIB = 1 << 20
+PAGE = 4096
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> CaptureStore:
+    opened = CaptureStore(tmp_path / "store")
+    opened.open()
+    return opened
+
+
+def _blob_bytes(store: CaptureStore) -> int:
+    return sum(p.stat().st_size for p in (store.root / "blobs" / "sha256").iterdir())
+
+
+def _ingest(store: CaptureStore, data: bytes, *, by_content: bool = True, source: io.RawIOBase | None = None
+            ) -> StoredFile:
+    return store.ingest("images/pages-1.img", len(data), 0o600, source or io.BytesIO(data), by_content=by_content)
+
+
+def _weights(mib: int, seed: int = 7) -> bytes:
+    """The same pages every run (a model's weights in host memory)."""
+    return random.Random(seed).randbytes(mib * MIB)
+
+
+def test_a_page_image_whose_pages_moved_shares_its_chunks_only_when_cut_by_content(store: CaptureStore) -> None:
+    weights = _weights(24)
+    # The heap before the weights grew by 3 pages and 5 bytes (a string longer: malloc moves what follows by bytes).
+    first, second = os.urandom(MIB) + weights, os.urandom(MIB + 3 * PAGE + 5) + weights
+    for data in (first, second):
+        assert _ingest(store, data, by_content=False).size == len(data)
+    fixed = _blob_bytes(store)
+    assert fixed == len(first) + len(second)  # 64 MiB from the file's start: the moved weights share nothing
+    _ingest(store, first)
+    before = _blob_bytes(store)
+    cut = _ingest(store, second)
+    assert cut.lengths is not None and sum(cut.lengths) == len(second) and len(cut.chunks) > 8
+    added = _blob_bytes(store) - before
+    assert 0 < added <= MIB + 3 * PAGE + 5 + 2 * MAX_BYTES, added  # the new heap and a chunk or two around it
+
+
+class _Trickle(io.RawIOBase):
+    """A source that answers every read with fewer bytes than asked (a pipe, a tar member): the windows' seams."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data, self._at = memoryview(data), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: memoryview) -> int:  # type: ignore[override]
+        n = min(len(buffer), 3 * MIB + 123, len(self._data) - self._at)
+        buffer[:n] = self._data[self._at:self._at + n]
+        self._at += n
+        return n
+
+
+def test_cuts_do_not_depend_on_the_reads_and_the_tree_gives_the_bytes_back_with_holes(store: CaptureStore) -> None:
+    # Past one window (64 MiB and a little): 40 MiB of data, 30 MiB of zeros across the window's end, 1 MiB of data,
+    # a tail that is not a whole page.
+    data = os.urandom(40 * MIB) + bytes(30 * MIB) + os.urandom(MIB) + os.urandom(5000)
+    stored = _ingest(store, data, source=_Trickle(data))
+    whole = content_cuts(data, final=True)
+    assert stored.lengths == [length for length, _ in whole]
+    assert [chunk is None for chunk in stored.chunks] == [zero for _, zero in whole]
+    zeros = sum(length for chunk, _, length in stored.spans() if chunk is None)
+    assert 30 * MIB <= zeros < 30 * MIB + 64  # the run of zeros is never stored (random bytes may add a zero or two)
+    assert all(length <= (CHUNK_BYTES if chunk is None else MAX_BYTES) for chunk, _, length in stored.spans())
+    spans = stored.spans()
+    assert all(length >= MIN_BYTES for (chunk, _, length), (after, _, _) in itertools.pairwise(spans)
+               if chunk is not None and after is not None)  # only a run of zeros ends a chunk early
+    document = msgspec.json.encode(CaptureData(files=[stored], format=2))
+    capture = store.record(artifact_manifest(document, [stored]), document)
+    tree, read = store.tree(capture)
+    made = tree / "images/pages-1.img"
+    assert read == len(data) - zeros
+    assert hashlib.sha256(made.read_bytes()).digest() == hashlib.sha256(data).digest()
+    assert made.stat().st_blocks * 512 <= len(data) - 29 * MIB  # the zeros are holes
+
+
+def _document(lengths: list[int] | None, size: int, chunks: int, format_: int = 2) -> bytes:
+    stored = StoredFile(path="images/pages-1.img", size=size, mode=0o600, chunks=["sha256:" + "a" * 64] * chunks,
+                        lengths=lengths)
+    return msgspec.json.encode(CaptureData(files=[stored], format=format_))
+
+
+@pytest.mark.parametrize(("document", "rule"), [
+    (_document([4096, 4096], 4096 * 3, 2), "summing to its size 12288"),
+    (_document([4096], 4096, 2), "one per chunk"),
+    (_document([0, 4096], 4096, 2), "each 1 to 67108864"),
+    (_document([CHUNK_BYTES + 1], CHUNK_BYTES + 1, 1), "each 1 to 67108864"),
+    (_document([4096], 4096, 1, format_=1), "lengths must be given in format 2"),
+    (_document(None, 4096, 1, format_=3), "format 3 is not one this daemon reads"),
+])
+def test_a_data_document_with_bad_lengths_is_refused_naming_the_file_and_the_rule(store: CaptureStore,
+                                                                                  document: bytes, rule: str) -> None:
+    with pytest.raises(StoreError, match="capture data document: ") as raised:
+        store.decode_data(document)
+    assert rule in str(raised.value)
+    assert "format 3" in rule or "images/pages-1.img" in str(raised.value)
+
+
+def test_a_run_of_zeros_longer_than_a_chunk_is_cut_alike_however_it_is_read(store: CaptureStore) -> None:
+    data = os.urandom(MIB) + bytes(70 * MIB) + os.urandom(MIB)  # the run crosses two windows
+    stored = _ingest(store, data, source=_Trickle(data))
+    whole = content_cuts(data, final=True)
+    assert stored.lengths == [length for length, _ in whole]
+    zeros = [length for chunk, _, length in stored.spans() if chunk is None]
+    assert zeros[0] == CHUNK_BYTES and sum(zeros) >= 70 * MIB  # 64 MiB pieces from the run's start, none stored
