@@ -520,7 +520,7 @@ def test_the_manifest_the_library_writes_is_the_one_the_worker_reads(tmp_path: P
 
 GATE_HARNESS = UNITY + r"""
 
-static volatile int released_now, stop, violations, calls, nested_done;
+static volatile int released_now, stop, violations, calls, nested_inside, nested_done;
 
 /* An engine thread: every gated call must find the memory mapped. */
 static void *engine(void *unused)
@@ -541,6 +541,7 @@ static void *nesting(void *unused)
 {
     (void)unused;
     cscu_gate_enter();
+    nested_inside = 1;
     usleep(100000);  /* the release starts closing meanwhile and waits for this call */
     cscu_gate_enter();
     cscu_gate_leave();
@@ -566,7 +567,8 @@ int main(void)
     for (int i = 0; i < 4; i++)
         pthread_join(threads[i], NULL);
     pthread_create(&nested, NULL, nesting, NULL);
-    usleep(20000);
+    while (!nested_inside)  /* inside its outer call before the release starts (a loaded machine starts it late) */
+        usleep(1000);
     cscu_gate_close();  /* returns only once the nesting call has left: it must not wait on itself */
     int done = nested_done;
     cscu_gate_open();
