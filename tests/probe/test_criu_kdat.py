@@ -126,6 +126,7 @@ def _flip(images: Path) -> None:
     pytest.param(_flip, id="a-byte-changed"),
     pytest.param(lambda images: (images / CARRIED_KEY).write_text("{"), id="key-unreadable"),
     pytest.param(lambda images: (images / CARRIED_KEY).unlink(), id="no-key"),
+    pytest.param(lambda images: (images / CARRIED_KEY).write_text("[" * 60000), id="key-nested-past-the-parser"),
 ])
 def test_a_stale_or_damaged_carried_cache_is_never_used_and_the_probe_runs(tmp_path: Path,
                                                                              damage: Callable[[Path], None]) -> None:
