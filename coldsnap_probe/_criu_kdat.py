@@ -99,7 +99,7 @@ def _read_regular(path: Path, limit: int = MAX_CACHE_BYTES) -> bytes | None:
     """Up to `limit` + 1 bytes of the regular file at `path`, never through a link nor from a FIFO or device (the
     images are the manager's: a link or a pipe there must not make this root worker read elsewhere, or wait)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError:
         return None
     with open(fd, "rb") as f:
@@ -119,7 +119,7 @@ def _carried(images: Path) -> bytes | None:
         return None
     try:
         record = json.loads(key)
-    except ValueError:
+    except (ValueError, RecursionError):  # a forged key nested past the parser's depth, too: the probe runs
         return None
     if not isinstance(record, dict) or record.get("key") != kernel_key():
         return None

@@ -122,10 +122,10 @@ class WorkerGuard:
 def _temporary_directory() -> str:
     """Where a worker's scratch goes: $TMPDIR (or $TEMP, $TMP) when it names a directory this process may write,
     else /tmp, as `tempfile.gettempdir` chooses on Linux but without its import and its trial file (a restore's
-    path to CRIU)."""
+    path to CRIU), made absolute as it does: the kernel probe's CRIU runs in its scratch and is told a path there."""
     for name in ("TMPDIR", "TEMP", "TMP"):
         if (chosen := os.environ.get(name)) and os.path.isdir(chosen) and os.access(chosen, os.W_OK | os.X_OK):
-            return chosen
+            return os.path.abspath(chosen)
     return "/tmp"
 
 

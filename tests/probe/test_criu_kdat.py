@@ -68,10 +68,11 @@ def test_a_probe_that_hangs_is_killed_and_the_restore_probes_for_itself(tmp_path
     (tmp_path / "kdat").mkdir()
     probe = KernelProbe(script(tmp_path, "echo $$ > pid; exec sleep 60"), tmp_path / "kdat")
     started = time.monotonic()
-    while not (tmp_path / "kdat" / "pid").exists():
+    pid_file = tmp_path / "kdat" / "pid"
+    while not (pid_file.exists() and pid_file.read_text().endswith("\n")):  # made before echo writes it
         assert time.monotonic() - started < 10
         time.sleep(0.01)
-    pid = int((tmp_path / "kdat" / "pid").read_text())
+    pid = int(pid_file.read_text())
     assert probe.environment() == {}
     assert time.monotonic() - started < 5 and not (tmp_path / "kdat").exists()
     with pytest.raises(ProcessLookupError):
@@ -126,6 +127,7 @@ def _flip(images: Path) -> None:
     pytest.param(_flip, id="a-byte-changed"),
     pytest.param(lambda images: (images / CARRIED_KEY).write_text("{"), id="key-unreadable"),
     pytest.param(lambda images: (images / CARRIED_KEY).unlink(), id="no-key"),
+    pytest.param(lambda images: (images / CARRIED_KEY).write_text("[" * 60000), id="key-nested-past-the-parser"),
 ])
 def test_a_stale_or_damaged_carried_cache_is_never_used_and_the_probe_runs(tmp_path: Path,
                                                                              damage: Callable[[Path], None]) -> None:

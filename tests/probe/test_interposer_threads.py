@@ -19,7 +19,8 @@ MIB = 1 << 20
 
 
 @pytest.mark.parametrize(("setting", "staging"), [
-    (None, 4 * MIB), ("8", 8 * MIB), ("0", 4 * MIB), ("many", 4 * MIB), ("4096", 64 * MIB)])
+    (None, 4 * MIB), ("8", 8 * MIB), ("0", 4 * MIB), ("many", 4 * MIB), ("4096", 64 * MIB),
+    ("17592186044416", 64 * MIB), ("-1", 4 * MIB)])  # 2**44 MiB wrapped to 0 bytes; strtoull took -1 as its max
 def test_the_staging_buffer_is_the_configured_mebibytes(library: Path, setting: str | None, staging: int,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     if setting is None:
@@ -36,7 +37,8 @@ def test_the_staging_buffer_is_the_configured_mebibytes(library: Path, setting: 
 
 @pytest.mark.parametrize(("mib", "kib", "dump_staging"), [
     (None, None, 4 * MIB), ("8", None, 8 * MIB), (None, "256", 256 << 10), ("2", "100", 100 << 10),
-    (None, "3", 64 << 10), (None, "1000000", 64 * MIB), (None, "130", 128 << 10)])
+    (None, "3", 64 << 10), (None, "1000000", 64 * MIB), (None, "130", 128 << 10),
+    (None, "18014398509481985", 64 * MIB)])  # 2**54 + 1 KiB: the product wrapped to 1 KiB, then the floor
 def test_a_releases_staging_is_its_own_knob_in_kib(library: Path, mib: str | None, kib: str | None,
                                                    dump_staging: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """COLDSNAP_CUDA_INTERPOSER_DUMP_STAGING_KIB sizes only a release's buffers (the fill keeps STAGING_MIB's):

@@ -22,6 +22,7 @@ import pytest
 
 from coldsnap_probe import pids_by_argv
 from coldsnap_probe._phase import PhaseLog
+from coldsnap_probe._worker_guard import WorkerGuard
 from tests.criu import CRIU, alive, criu_wrapper
 from tests.helpers import ROOT
 from tests.probe.test_criu_restore import end, gone_within, verified, wait_file, worker
@@ -149,6 +150,16 @@ def test_a_capture_and_a_failed_restore_name_their_phases_and_leave_no_live_phas
     assert list(scratch.iterdir()) == []  # the restore's own work directory (its log's tail is in the error)
     # both workers ended: no live phase; the capture's report (a failed restore leaves none)
     assert [p.name.split("-")[:4] for p in reports.iterdir()] == [["coldsnap", "cuda", "criu", "capture"]]
+
+
+def test_a_relative_tmpdir_gives_an_absolute_scratch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As tempfile's: the kernel probe's CRIU runs in the scratch itself and is told the cache's path there, which
+    a relative TMPDIR would resolve a second time (its cache never found: every restore probed for itself)."""
+    (tmp_path / "relative").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TMPDIR", "relative")
+    scratch = WorkerGuard().scratch("coldsnap-test-")
+    assert scratch.is_absolute() and scratch.parent == tmp_path / "relative" and scratch.is_dir()
 
 
 def test_a_phase_log_replaces_its_file_whole_and_removes_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -5,6 +5,7 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <sched.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -45,7 +46,9 @@ void *cscu_real(const char *name)
 static struct cscu_config config;
 static pthread_once_t config_once = PTHREAD_ONCE_INIT;
 
-/* $name in `unit`s, or `fallback` (also in `unit`s: the default staging is 4 MiB, not 4 bytes). */
+/* $name in `unit`s, or `fallback` (also in `unit`s: the default staging is 4 MiB, not 4 bytes). strtoull takes
+ * "-1" as its maximum, and a product past SIZE_MAX would wrap (to 0: a staging of 0 bytes divides by it): a sign is
+ * refused, a value too large for its unit is SIZE_MAX, which each caller bounds. */
 static size_t env_size(const char *name, size_t fallback, size_t unit)
 {
     const char *text = getenv(name);
@@ -54,11 +57,11 @@ static size_t env_size(const char *name, size_t fallback, size_t unit)
         return fallback * unit;
     errno = 0;
     unsigned long long value = strtoull(text, &end, 10);
-    if (errno || *end || value == 0) {
+    if (errno || *end || value == 0 || strchr(text, '-')) {
         fprintf(stderr, "coldsnap-cuda: %s=%s is not a positive integer, using %zu\n", name, text, fallback);
         return fallback * unit;
     }
-    return (size_t)value * unit;
+    return value > SIZE_MAX / unit ? SIZE_MAX : (size_t)value * unit;
 }
 
 /* $name as a switch: unset, empty or 1 is on, 0 off; anything else is said on stderr and taken as on (the
