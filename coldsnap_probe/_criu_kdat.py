@@ -105,7 +105,10 @@ def _read_regular(path: Path, limit: int = MAX_CACHE_BYTES) -> bytes | None:
     with open(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             return None
-        return f.read(limit + 1)
+        try:
+            return f.read(limit + 1)
+        except OSError:  # EIO from a network or FUSE filesystem: not a cache to use, the probe runs
+            return None
 
 
 def _plausible(data: bytes) -> bool:
