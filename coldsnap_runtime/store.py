@@ -134,6 +134,17 @@ def artifact_manifest(data: bytes, files: Iterable[StoredFile]) -> bytes:
     return json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
 
 
+def _one_length_each(document: CaptureData) -> None:
+    """Refuse a document that gives one chunk two lengths: one digest is one run of bytes, and the pull would fetch it
+    twice, each checked against another size, its tree fail as if the node's blob were corrupt."""
+    seen: dict[str, int] = {}
+    for stored in document.files:
+        for chunk, _, length in stored.spans():
+            if chunk is not None and seen.setdefault(chunk, length) != length:
+                raise StoreError(f"capture data document: {stored.path}: chunk {chunk} is {length} bytes long here, "
+                                 f"{seen[chunk]} elsewhere; one chunk has one length")
+
+
 def _fsync_directory(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -292,6 +303,7 @@ class CaptureStore:
             for chunk in stored.chunks:
                 if chunk is not None:
                     _digest_name(chunk)
+        _one_length_each(decoded)
         return decoded
 
     def manifest(self, capture: str) -> bytes:

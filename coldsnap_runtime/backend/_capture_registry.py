@@ -191,17 +191,21 @@ class CaptureRegistry:
                 data = await self._document(session, "blobs", config, {})
                 # The chunks the data document names (their sizes from its files), never the manifest's layers:
                 # those could name any blob, of any size, which nothing would ever collect.
-                try:
-                    files = self._store.decode_data(data).files
+                try:  # in a thread: a registry's 4 MiB document of 600,000 chunks is 0.3 s of CPU
+                    layers = await anyio.to_thread.run_sync(self._layers, data)
                 except StoreError as exc:
                     raise RuntimeFailed(action=self._action, detail=f"capture {capture}: {exc}") from exc
-                layers = sorted({(chunk, length) for stored in files for chunk, _, length in stored.spans() if chunk})
                 await self._each(layers, lambda blob: self._pull_blob(session, blob, done))
         try:
             await anyio.to_thread.run_sync(self._store.record, manifest, data)
         except StoreError as exc:
             raise RuntimeFailed(action=self._action, detail=f"capture {capture}: {exc}") from exc
         return done
+
+    def _layers(self, data: bytes) -> list[tuple[str, int]]:
+        """The distinct chunks the data document names, with their lengths."""
+        files = self._store.decode_data(data).files
+        return sorted({(chunk, length) for stored in files for chunk, _, length in stored.spans() if chunk})
 
     async def _document(self, session: aiohttp.ClientSession, kind: str, digest: str,
                         headers: dict[str, str]) -> bytes:

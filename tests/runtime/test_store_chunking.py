@@ -111,6 +111,7 @@ def _document(lengths: list[int] | None, size: int, chunks: int, format_: int = 
     (_document([CHUNK_BYTES + 1], CHUNK_BYTES + 1, 1), "each 1 to 67108864"),
     (_document([4096], 4096, 1, format_=1), "lengths must be given in format 2"),
     (_document(None, 4096, 1, format_=3), "format 3 is not one this daemon reads"),
+    (_document([4096, 8192], 4096 * 3, 2), "is 8192 bytes long here, 4096 elsewhere; one chunk has one length"),
 ])
 def test_a_data_document_with_bad_lengths_is_refused_naming_the_file_and_the_rule(store: CaptureStore,
                                                                                   document: bytes, rule: str) -> None:
