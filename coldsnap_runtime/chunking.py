@@ -29,8 +29,10 @@ MIN_BYTES = 128 << 10
 # Bytes that hold no anchor for long (a pattern, text) are cut every MAX_BYTES, never one 64 MiB chunk that a
 # single changed byte makes new.
 MAX_BYTES = 4 << 20
-# A larger file keeps 64 MiB chunks: at most size / MIN_BYTES chunks (24,576 at 3 GiB, ~3.2 MB of artifact manifest
-# against the 4 MiB a registry takes); a page image is ~2 GB at 16 GiB of device memory, the device dump the rest.
+# A larger file keeps 64 MiB chunks: anchors cut at most size / MIN_BYTES chunks (24,576 at 3 GiB, ~3.2 MB of artifact
+# manifest against the 4 MiB a registry takes); a page image is ~2 GB at 16 GiB of device memory, the device dump the
+# rest. A run of zeros ends a chunk at any length, though: a few bytes then 64 KiB of zeros, again and again, make a
+# chunk per 64 KiB (review13: 4,095 stored chunks per 255 MiB, ~7 MB of manifest at 3 GiB, which no registry takes).
 CUT_MAX_FILE_BYTES = 3 << 30
 ZERO_RUN_BYTES = 64 << 10  # shorter runs of zeros stay inside their chunk
 _ZERO_RUN = bytes(ZERO_RUN_BYTES)
