@@ -191,7 +191,7 @@ class CaptureRegistry:
                 data = await self._document(session, "blobs", config, {})
                 # The chunks the data document names (their sizes from its files), never the manifest's layers:
                 # those could name any blob, of any size, which nothing would ever collect.
-                try:  # in a thread: a registry's 4 MiB document of 600,000 chunks is 0.3 s of CPU
+                try:  # in a thread: a registry's 4 MiB document of 600,000 chunks is 0.3 s of CPU, a stat each
                     layers = await anyio.to_thread.run_sync(self._layers, data)
                 except StoreError as exc:
                     raise RuntimeFailed(action=self._action, detail=f"capture {capture}: {exc}") from exc
@@ -203,9 +203,17 @@ class CaptureRegistry:
         return done
 
     def _layers(self, data: bytes) -> list[tuple[str, int]]:
-        """The distinct chunks the data document names, with their lengths."""
+        """The distinct chunks the data document names, with their lengths; refused when those the store lacks would
+        not fit its filesystem: a registry's document may name 3 TB of chunks, and a pull that fills the disk
+        leaves what it fetched for nothing to collect (review13)."""
         files = self._store.decode_data(data).files
-        return sorted({(chunk, length) for stored in files for chunk, _, length in stored.spans() if chunk})
+        layers = sorted({(chunk, length) for stored in files for chunk, _, length in stored.spans() if chunk})
+        needed = sum(length for chunk, length in layers if not self._store.has_blob(chunk))
+        room = os.statvfs(self._store.root)
+        if needed > room.f_bavail * room.f_frsize:
+            raise StoreError(f"its chunks the node's store lacks are {needed} bytes, the store's filesystem has "
+                             f"{room.f_bavail * room.f_frsize} free; nothing was fetched")
+        return layers
 
     async def _document(self, session: aiohttp.ClientSession, kind: str, digest: str,
                         headers: dict[str, str]) -> bytes:

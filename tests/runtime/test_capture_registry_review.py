@@ -20,7 +20,7 @@ import pytest
 from coldsnap_runtime.backend._blob_fetch import fetch_blob
 from coldsnap_runtime.backend._capture_registry import CaptureRegistry
 from coldsnap_runtime.errors import RuntimeFailed
-from coldsnap_runtime.store import CHUNK_MEDIA_TYPE, CaptureStore, StoredFile, artifact_manifest
+from coldsnap_runtime.store import CHUNK_BYTES, CHUNK_MEDIA_TYPE, CaptureStore, StoredFile, artifact_manifest
 from tests.conftest import Registry
 from tests.runtime._http_peer import Serve, one_peer
 
@@ -288,4 +288,29 @@ def test_a_document_naming_tens_of_thousands_of_chunks_is_pulled_by_a_few_tasks(
     finally:
         tracemalloc.stop()
     assert peak < 64 << 20, peak
+    assert target.captures() == [] and not list((target.root / "blobs" / "sha256").iterdir())
+
+
+def test_a_pull_whose_chunks_would_not_fit_the_disk_fetches_nothing(registry: Registry, tmp_path: Path) -> None:
+    """review13: a registry's document naming more chunk bytes than the node's disk has free was fetched until the
+    disk filled, what it fetched left where nothing collects it."""
+    count = 50_000  # 3.4 TB of 64 MiB chunks, named in a 3.7 MB document
+    chunks = ["sha256:" + hashlib.sha256(str(n).encode()).hexdigest() for n in range(count)]
+    data = json.dumps({"format": 1, "files": [{"path": "images/dump.bin", "size": count * CHUNK_BYTES, "mode": 0o644,
+                                               "chunks": chunks}]}, sort_keys=True, separators=(",", ":")).encode()
+    target = CaptureStore(tmp_path / "b")
+    target.open()
+    free = os.statvfs(target.root)
+    assert free.f_bavail * free.f_frsize < count * CHUNK_BYTES
+    source = CaptureStore(tmp_path / "a")
+    source.open()
+    source.put_blob(data)
+    manifest = artifact_manifest(data, [])
+    capture = "sha256:" + hashlib.sha256(manifest).hexdigest()
+    (source.root / "captures" / f"{capture.removeprefix('sha256:')}.json").write_bytes(manifest)
+    repository = f"review/huge{os.getpid()}"
+    anyio.run(_registry(source, registry, repository).push, capture)
+    with pytest.raises(RuntimeFailed, match=f"its chunks the node's store lacks are {count * CHUNK_BYTES} bytes, the "
+                       r"store's filesystem has \d+ free; nothing was fetched"):
+        anyio.run(_registry(target, registry, repository).pull, capture)
     assert target.captures() == [] and not list((target.root / "blobs" / "sha256").iterdir())
