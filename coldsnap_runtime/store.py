@@ -134,6 +134,17 @@ def artifact_manifest(data: bytes, files: Iterable[StoredFile]) -> bytes:
     return json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
 
 
+def _one_length_each(document: CaptureData) -> None:
+    """Refuse a document that gives one chunk two lengths: one digest is one run of bytes, and the pull would fetch it
+    twice, each checked against another size, its tree fail as if the node's blob were corrupt."""
+    seen: dict[str, int] = {}
+    for stored in document.files:
+        for chunk, _, length in stored.spans():
+            if chunk is not None and seen.setdefault(chunk, length) != length:
+                raise StoreError(f"capture data document: {stored.path}: chunk {chunk} is {length} bytes long here, "
+                                 f"{seen[chunk]} elsewhere; one chunk has one length")
+
+
 def _fsync_directory(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -292,6 +303,7 @@ class CaptureStore:
             for chunk in stored.chunks:
                 if chunk is not None:
                     _digest_name(chunk)
+        _one_length_each(decoded)
         return decoded
 
     def manifest(self, capture: str) -> bytes:
@@ -472,8 +484,9 @@ class CaptureStore:
         other capture holds. Removing an absent capture is an error naming it."""
         record = self._captures / f"{_digest_name(capture)}.json"
         with self._listing:
-            keep = set().union(*(self._chunks(c) for c in self.captures() if c != capture))
-            keep |= {config for c in self.captures() if c != capture and (config := self._config(c))}
+            others = [c for c in self.captures() if c != capture]
+            keep = set().union(*(self._chunks(c) for c in others))
+            keep |= {config for c in others if (config := self._config(c))}
             try:
                 manifest = json.loads(record.read_bytes())
             except FileNotFoundError as exc:
@@ -482,8 +495,19 @@ class CaptureStore:
             record.unlink()
             _fsync_directory(self._captures)
             self.drop_tree(capture)
+            # A capture this daemon cannot read (a newer format, recorded before a rollback) may hold any of them:
+            # its chunks are kept, never deleted from under it (review13).
+            if not all(self._readable(c) for c in others):
+                return
             for blob in mine - keep:
                 self.blob_path(blob).unlink(missing_ok=True)
+
+    def _readable(self, capture: str) -> bool:
+        try:
+            self.data(capture)
+        except (StoreError, ValueError, KeyError, TypeError):
+            return False
+        return True
 
     def drop_tree(self, capture: str) -> None:
         self._made_path(capture).unlink(missing_ok=True)  # first: it never outlives the files it lists

@@ -9,6 +9,7 @@ import os
 import socket
 import threading
 import time
+import tracemalloc
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,7 +19,8 @@ import pytest
 
 from coldsnap_runtime.backend._blob_fetch import fetch_blob
 from coldsnap_runtime.backend._capture_registry import CaptureRegistry
-from coldsnap_runtime.store import CHUNK_MEDIA_TYPE, CaptureStore, StoredFile, artifact_manifest
+from coldsnap_runtime.errors import RuntimeFailed
+from coldsnap_runtime.store import CHUNK_BYTES, CHUNK_MEDIA_TYPE, CaptureStore, StoredFile, artifact_manifest
 from tests.conftest import Registry
 from tests.runtime._http_peer import Serve, one_peer
 
@@ -256,3 +258,59 @@ def test_a_redirect_to_a_malformed_address_is_refused_naming_it(tmp_path: Path) 
     with one_peer(_trickling(head), BLOB_PATH) as url, pytest.raises(ConnectionError, match=r"http://\[::1/x"):
         fetch_blob(url, authorization="", digest="sha256:" + "0" * 64, size=1, into=tmp_path / "b", within_s=5.0,
                    stop=threading.Event())
+
+
+def test_a_document_naming_tens_of_thousands_of_chunks_is_pulled_by_a_few_tasks(registry: Registry,
+                                                                                tmp_path: Path) -> None:
+    """review13: a pull started a task per chunk its data document named before fetching any; a registry's 4 MiB
+    document of 1-byte chunks (format 2) names 50,000: 231 MiB of waiting tasks in the root daemon, per pull."""
+    count = 50_000
+    chunks = ["sha256:" + hashlib.sha256(str(n).encode()).hexdigest() for n in range(count)]
+    data = json.dumps({"format": 2, "files": [{"path": "images/pages-1.img", "size": count, "mode": 0o644,
+                                               "chunks": chunks, "lengths": [1] * count}]},
+                      sort_keys=True, separators=(",", ":")).encode()
+    source = CaptureStore(tmp_path / "a")
+    source.open()
+    source.put_blob(data)
+    manifest = artifact_manifest(data, [])  # the registry's manifest names no chunk: none of them is anywhere
+    capture = "sha256:" + hashlib.sha256(manifest).hexdigest()
+    (source.root / "captures" / f"{capture.removeprefix('sha256:')}.json").write_bytes(manifest)
+    repository = f"review/many{os.getpid()}"
+    anyio.run(_registry(source, registry, repository).push, capture)
+
+    target = CaptureStore(tmp_path / "b")
+    target.open()
+    tracemalloc.start()
+    try:
+        with pytest.raises(RuntimeFailed, match="answered 404 for blob sha256:"):
+            anyio.run(_registry(target, registry, repository).pull, capture)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, peak
+    assert target.captures() == [] and not list((target.root / "blobs" / "sha256").iterdir())
+
+
+def test_a_pull_whose_chunks_would_not_fit_the_disk_fetches_nothing(registry: Registry, tmp_path: Path) -> None:
+    """review13: a registry's document naming more chunk bytes than the node's disk has free was fetched until the
+    disk filled, what it fetched left where nothing collects it."""
+    count = 50_000  # 3.4 TB of 64 MiB chunks, named in a 3.7 MB document
+    chunks = ["sha256:" + hashlib.sha256(str(n).encode()).hexdigest() for n in range(count)]
+    data = json.dumps({"format": 1, "files": [{"path": "images/dump.bin", "size": count * CHUNK_BYTES, "mode": 0o644,
+                                               "chunks": chunks}]}, sort_keys=True, separators=(",", ":")).encode()
+    target = CaptureStore(tmp_path / "b")
+    target.open()
+    free = os.statvfs(target.root)
+    assert free.f_bavail * free.f_frsize < count * CHUNK_BYTES
+    source = CaptureStore(tmp_path / "a")
+    source.open()
+    source.put_blob(data)
+    manifest = artifact_manifest(data, [])
+    capture = "sha256:" + hashlib.sha256(manifest).hexdigest()
+    (source.root / "captures" / f"{capture.removeprefix('sha256:')}.json").write_bytes(manifest)
+    repository = f"review/huge{os.getpid()}"
+    anyio.run(_registry(source, registry, repository).push, capture)
+    with pytest.raises(RuntimeFailed, match=f"its chunks the node's store lacks are {count * CHUNK_BYTES} bytes, the "
+                       r"store's filesystem has \d+ free; nothing was fetched"):
+        anyio.run(_registry(target, registry, repository).pull, capture)
+    assert target.captures() == [] and not list((target.root / "blobs" / "sha256").iterdir())

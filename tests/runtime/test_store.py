@@ -238,3 +238,18 @@ def test_tree_refuses_files_larger_than_the_room_before_writing_any(store: Captu
                                          r"store's filesystem has \d+ free; nothing was made"):
         store.tree(capture)
     assert not any((store.root / "trees").iterdir()) and not any((store.root / "tmp").iterdir())
+
+
+def test_removal_keeps_the_chunks_when_another_capture_cannot_be_read(store: CaptureStore) -> None:
+    """review13: a capture of a format this daemon cannot read (a newer daemon's, before a rollback) counted as holding
+    nothing: removing another capture deleted the chunks the two shared."""
+    shared = os.urandom(MIB)
+    first, files = _capture(store, {"a.img": shared})
+    newer = msgspec_data(files).replace(b'"format":1', b'"format":3')
+    assert newer != msgspec_data(files)
+    manifest = artifact_manifest(newer, files)
+    store.put_blob(newer)
+    (store.root / "captures" / f"{hashlib.sha256(manifest).hexdigest()}.json").write_bytes(manifest)
+    store.remove(first)
+    assert store.captures() == ["sha256:" + hashlib.sha256(manifest).hexdigest()]
+    assert all(store.has_blob(c) for f in files for c in f.chunks if c)

@@ -8,6 +8,9 @@ import io
 import itertools
 import os
 import random
+import threading
+import time
+import tracemalloc
 from pathlib import Path
 
 import msgspec
@@ -110,6 +113,7 @@ def _document(lengths: list[int] | None, size: int, chunks: int, format_: int = 
     (_document([CHUNK_BYTES + 1], CHUNK_BYTES + 1, 1), "each 1 to 67108864"),
     (_document([4096], 4096, 1, format_=1), "lengths must be given in format 2"),
     (_document(None, 4096, 1, format_=3), "format 3 is not one this daemon reads"),
+    (_document([4096, 8192], 4096 * 3, 2), "is 8192 bytes long here, 4096 elsewhere; one chunk has one length"),
 ])
 def test_a_data_document_with_bad_lengths_is_refused_naming_the_file_and_the_rule(store: CaptureStore,
                                                                                   document: bytes, rule: str) -> None:
@@ -126,3 +130,44 @@ def test_a_run_of_zeros_longer_than_a_chunk_is_cut_alike_however_it_is_read(stor
     assert stored.lengths == [length for length, _ in whole]
     zeros = [length for chunk, _, length in stored.spans() if chunk is None]
     assert zeros[0] == CHUNK_BYTES and sum(zeros) >= 70 * MIB  # 64 MiB pieces from the run's start, none stored
+
+
+def test_bytes_made_of_anchors_are_cut_without_an_object_per_anchor() -> None:
+    # A manager's page image may hold nothing but anchors (one every 3 bytes): the root daemon cutting it must not
+    # keep a Python object per anchor (review13: 793 MiB and 19 s for one 64 MiB window; a 3 GiB file has 48).
+    data = (b"\xa7\x3c\x01" * (8 * MIB // 3 + 1))[:8 * MIB]
+    tracemalloc.start()
+    try:
+        cuts = content_cuts(data, final=True)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < MIB, peak
+    assert sum(length for length, _ in cuts) == len(data) and not any(zero for _, zero in cuts)
+    assert all(MIN_BYTES <= length < MIN_BYTES + 3 for length, _ in cuts[:-1])  # each ends at the first anchor it may
+
+
+def test_a_run_of_zeros_is_cut_without_holding_the_gil_through_it() -> None:
+    # Page images hold long runs of zeros; the root daemon cuts them in a worker thread, but the regular expression
+    # engine scanned a run in one call holding the GIL (~70 MB/s): its event loop stopped ~1 s per 64 MiB window
+    # (review13). A liveness bound, not a performance claim: the old code's one call here took 1.5 to 4 s.
+    data = bytearray(256 * MIB + 1)  # calloc's pages: no memory until written
+    data[-1] = 1
+    gaps, stop = [0.0], threading.Event()
+
+    def tick() -> None:
+        last = time.monotonic()
+        while not stop.wait(0.001):
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        cuts = content_cuts(data, final=True)
+    finally:
+        stop.set()
+        ticker.join()
+    assert cuts == [(CHUNK_BYTES, True)] * 4 + [(1, False)]
+    assert max(gaps) < 0.3, max(gaps)
