@@ -129,7 +129,9 @@ def test_a_registry_dying_mid_push_fails_naming_a_blob_and_the_retry_sends_only_
     assert not _registry_has(registry, repository, "manifests", capture)  # never named before all its blobs
 
     again = _push(store, registry.address, registry, repository, capture)
-    assert (again.present_blobs, again.blobs) == (len(present), len(blobs) - len(present))
+    # The registry may still finish an upload the relay had passed on whole when it died (after `present` was read):
+    # the retry then finds one more, never one fewer, and sends only what it lacks.
+    assert again.present_blobs >= len(present) and again.present_blobs + again.blobs == len(blobs), again
     assert all(_registry_has(registry, repository, "blobs", blob) for blob in blobs)
     assert _registry_has(registry, repository, "manifests", capture)
     pulled = CaptureStore(tmp_path / "pulled")
