@@ -33,7 +33,7 @@ import anyio.from_thread
 import anyio.lowlevel
 
 from ..errors import RuntimeFailed, StoreError
-from ..store import OCI_MANIFEST, CaptureStore
+from ..store import OCI_MANIFEST, CaptureStore, Hold
 from ._blob_fetch import Fetched, fetch_blob
 from ._blob_upload import Uploaded, upload_blob
 from ._digests import answer_challenge
@@ -189,25 +189,33 @@ class CaptureRegistry:
                     raise RuntimeFailed(action=self._action, detail=(
                         f"registry {self._registry}: manifest {capture} is not a capture's: {exc!r}")) from exc
                 data = await self._document(session, "blobs", config, {})
-                # The chunks the data document names (their sizes from its files), never the manifest's layers:
-                # those could name any blob, of any size, which nothing would ever collect.
-                try:  # in a thread: a registry's 4 MiB document of 600,000 chunks is 0.3 s of CPU, a stat each
-                    layers = await anyio.to_thread.run_sync(self._layers, data)
-                except StoreError as exc:
-                    raise RuntimeFailed(action=self._action, detail=f"capture {capture}: {exc}") from exc
-                await self._each(layers, lambda blob: self._pull_blob(session, blob, done))
-        try:
-            await anyio.to_thread.run_sync(self._store.record, manifest, data)
-        except StoreError as exc:
-            raise RuntimeFailed(action=self._action, detail=f"capture {capture}: {exc}") from exc
+                # Its chunks held from before they are looked for until it is recorded (or fails): a collection
+                # meanwhile never deletes one this pull found present or fetched.
+                with self._store.holding() as hold:
+                    await self._pull_held(session, capture, data, hold, done)
+                    try:
+                        await anyio.to_thread.run_sync(self._store.record, manifest, data)
+                    except StoreError as exc:
+                        raise RuntimeFailed(action=self._action, detail=f"capture {capture}: {exc}") from exc
         return done
 
-    def _layers(self, data: bytes) -> list[tuple[str, int]]:
-        """The distinct chunks the data document names, with their lengths; refused when those the store lacks would
-        not fit its filesystem: a registry's document may name 3 TB of chunks, and a pull that fills the disk
-        leaves what it fetched for nothing to collect (review13)."""
+    async def _pull_held(self, session: aiohttp.ClientSession, capture: str, data: bytes, hold: Hold,
+                         done: Transferred) -> None:
+        # The chunks the data document names (their sizes from its files), never the manifest's layers: those could
+        # name any blob, of any size, which nothing would ever collect.
+        try:  # in a thread: a registry's 4 MiB document of 600,000 chunks is 0.3 s of CPU, a stat each
+            layers = await anyio.to_thread.run_sync(self._layers, data, hold)
+        except StoreError as exc:
+            raise RuntimeFailed(action=self._action, detail=f"capture {capture}: {exc}") from exc
+        await self._each(layers, lambda blob: self._pull_blob(session, blob, done))
+
+    def _layers(self, data: bytes, hold: Hold) -> list[tuple[str, int]]:
+        """The distinct chunks the data document names, with their lengths, held by `hold`; refused when those the
+        store lacks would not fit its filesystem: a registry's document may name 3 TB of chunks, and a pull that
+        fills the disk leaves what it fetched for nothing to collect (review13)."""
         files = self._store.decode_data(data).files
         layers = sorted({(chunk, length) for stored in files for chunk, _, length in stored.spans() if chunk})
+        hold.add(chunk for chunk, _ in layers)
         needed = sum(length for chunk, length in layers if not self._store.has_blob(chunk))
         room = os.statvfs(self._store.root)
         if needed > room.f_bavail * room.f_frsize:

@@ -17,7 +17,7 @@ from typing import IO, Any
 import anyio
 
 from ..errors import BackendError, NotFound, RuntimeFailed, StoreError
-from ..store import CaptureInfo, CaptureStore
+from ..store import CaptureInfo, CaptureStore, Collected
 from ._base import requesting_manager
 from ._capture_build import CAPTURE_LABEL, FILES_LABEL, image_files, store_context
 from ._capture_registry import PARALLEL, CaptureRegistry, Transferred
@@ -290,16 +290,16 @@ class Captures:
                 "daemon's account can remove it"))
         await self._under_lock("capture-remove", lambda store, used: self._remove_one(store, used, capture))
 
-    async def collect(self, *, max_bytes: int | None, older_than_s: float | None) -> list[str]:
-        """Collect by capacity and age, never a capture in use; the captures removed."""
-        removed: list[str] = []
+    async def collect(self, *, max_bytes: int | None, older_than_s: float | None) -> Collected:
+        """Collect the blobs no capture names, then captures by age and capacity, never one in use; what it freed."""
+        done: list[Collected] = []
 
         async def run(store: CaptureStore, used: set[str]) -> None:
-            removed.extend(await anyio.to_thread.run_sync(
+            done.append(await anyio.to_thread.run_sync(
                 lambda: store.collect(in_use=used, max_bytes=max_bytes, older_than_s=older_than_s)))
 
         await self._under_lock("capture-gc", run)
-        return removed
+        return done[0]
 
     async def _under_lock(self, action: str, run: Callable[[CaptureStore, set[str]], Awaitable[None]]) -> None:
         store = await self._ready(action)
