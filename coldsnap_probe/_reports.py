@@ -122,6 +122,8 @@ class StackLimit:
             raise ChannelError(f"stack_limit has unknown keys {unknown}")
         if not isinstance(value.get("enabled"), bool):
             raise ChannelError("stack_limit.enabled must be true or false")
+        # An older interposer's answer lacks `contexts_left` (it kept every context): 0.
+        value = {"contexts_left": 0, **value}
         for key in ("engine_bytes", "set_bytes", "contexts", "contexts_left"):
             if type(value.get(key)) is not int or value[key] < 0:
                 raise ChannelError(f"stack_limit.{key} must be an integer >= 0, got {value.get(key)!r}")

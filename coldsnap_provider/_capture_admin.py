@@ -43,5 +43,5 @@ async def capture_verb(captures: Captures | None, request: CaptureVerb, uid: int
                                       "the daemon's account may; `capture rm` removes your own)")
             if max_bytes is None and older_than_s is None:
                 raise RequestRejected("capture-gc: give max_bytes, older_than_s or both (the rule to collect by)")
-            return {"removed": await captures.collect(max_bytes=max_bytes, older_than_s=older_than_s)}
+            return msgspec.to_builtins(await captures.collect(max_bytes=max_bytes, older_than_s=older_than_s))
     raise TypeError(f"unhandled capture verb {request!r}")  # pragma: no cover

@@ -45,6 +45,7 @@ __all__ = (
     "FOLLOW_WAIT_S",
     "Capture",
     "ClientError",
+    "Collected",
     "ControlClient",
     "LogChunk",
     "NotFoundError",
@@ -112,6 +113,16 @@ def _as(kind: type[_T], value: Any) -> _T:
         return msgspec.convert(value, kind)
     except msgspec.ValidationError as exc:
         raise ProtocolError(f"control result has an unexpected shape: {exc}") from exc
+
+
+class Collected(Struct, frozen=True, kw_only=True):
+    """What a collection freed (coldsnap_runtime.store.Collected): the captures removed, the blobs deleted (of them,
+    `orphans`: blobs no capture named, an interrupted pull's or a failed build's) and the disk bytes given back."""
+
+    removed: list[str]
+    blobs: int
+    orphans: int
+    bytes: int
 
 
 class Capture(Struct, frozen=True, kw_only=True):
@@ -221,10 +232,11 @@ class ControlClient:
         """Remove one capture (refused while a container uses it)."""
         await self.request("capture-remove", capture=capture)
 
-    async def collect_captures(self, *, max_bytes: int | None = None, older_than_s: float | None = None) -> list[str]:
-        """Collect captures no container uses, by age and then by capacity; the captures removed."""
-        answer = await self.request("capture-gc", max_bytes=max_bytes, older_than_s=older_than_s)
-        return [str(c) for c in answer["removed"]]
+    async def collect_captures(self, *, max_bytes: int | None = None,
+                               older_than_s: float | None = None) -> Collected:
+        """Collect the blobs no capture names, then captures no container uses, by age and then by capacity; what
+        it freed."""
+        return _as(Collected, await self.request("capture-gc", max_bytes=max_bytes, older_than_s=older_than_s))
 
 
 class SessionClient:

@@ -6,8 +6,10 @@ larger, a thread stack touched), and inside the heap by a few bytes (a string on
 malloc places after it): chunks cut every 64 MiB from the file's start then share nothing. A chunk here ends just
 after an *anchor*, three bytes that match :data:`ANCHOR` (one position in 2^19 of random bytes: 512 KiB apart on
 average), never before :data:`MIN_BYTES`, always at :data:`MAX_BYTES`; a run of at least :data:`ZERO_RUN_BYTES` of
-zeros is a chunk of its own (never stored, moved or read). The same bytes give the same cuts wherever they sit,
-so after a change the cuts fall in step again at the next anchor. The regular expression engine finds the anchors
+zeros is a chunk of its own (never stored, moved or read), from where the data before it is :data:`MIN_BYTES` long
+(the zeros before that finish the data's chunk), so a file has at most two chunks per MIN_BYTES whatever its zeros.
+The same bytes give the same cuts wherever they sit, so after a change the cuts fall in step again at the next
+anchor. The regular expression engine finds the anchors
 (C, ~1 GB/s on the 2-core machine): a rolling hash over every byte in Python would not keep up with a disk.
 
 Measured (bench/capture_pair.py; two CRIU captures of two runs of an engine-shaped process: 1 GiB of the same
@@ -31,8 +33,8 @@ MIN_BYTES = 128 << 10
 MAX_BYTES = 4 << 20
 # A larger file keeps 64 MiB chunks: anchors cut at most size / MIN_BYTES chunks (24,576 at 3 GiB, ~3.2 MB of artifact
 # manifest against the 4 MiB a registry takes); a page image is ~2 GB at 16 GiB of device memory, the device dump the
-# rest. A run of zeros ends a chunk at any length, though: a few bytes then 64 KiB of zeros, again and again, make a
-# chunk per 64 KiB (review13: 4,095 stored chunks per 255 MiB, ~7 MB of manifest at 3 GiB, which no registry takes).
+# rest. A run of zeros ends a data chunk only once it is MIN_BYTES long: a few bytes then 64 KiB of zeros, again and
+# again, made a chunk per 64 KiB before (review13: 4,095 stored chunks per 255 MiB, ~7 MB of manifest at 3 GiB).
 CUT_MAX_FILE_BYTES = 3 << 30
 ZERO_RUN_BYTES = 64 << 10  # shorter runs of zeros stay inside their chunk
 _ZERO_RUN = bytes(ZERO_RUN_BYTES)
@@ -94,6 +96,18 @@ def content_cuts(data: bytes | bytearray, *, final: bool) -> list[tuple[int, boo
                 pieces.append((MAX_BYTES, False))
                 start += MAX_BYTES
             return pieces
+        if run_start < size:
+            while run_start - start > MAX_BYTES:  # as `_up_to` cuts them: certain whatever the run does
+                pieces.append((MAX_BYTES, False))
+                start += MAX_BYTES
+            # A run of zeros ends the data before it only once that is MIN_BYTES long (zeros finish it): a few bytes
+            # between runs, again and again, are a chunk per MIN_BYTES, never one per run (review of issue 34, item 2).
+            zeros = max(run_start, start + MIN_BYTES) if run_start > start else run_start
+            if run_end - zeros < ZERO_RUN_BYTES:  # what is left of the run stays in the chunk, as a short run does
+                if run_end == size and not final:  # unless more zeros follow: seen again at the next call
+                    return pieces
+                continue
+            run_start = zeros
         start = _up_to(pieces, start, run_start, cut=True)
         while run_end - start > (0 if final or run_end < size else CHUNK_BYTES + ZERO_RUN_BYTES - 1):
             n = min(CHUNK_BYTES, run_end - start)  # a run reaching the window's end keeps at least ZERO_RUN_BYTES

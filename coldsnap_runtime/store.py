@@ -19,7 +19,10 @@ is checked against its name before it takes it, so what is in ``blobs/`` is alwa
 interrupted pull resumes from it.
 
 The store does blocking I/O: the backend calls it from worker threads. Which captures are in use is the
-caller's knowledge (the engine's containers): :meth:`CaptureStore.collect` is given the set it must keep.
+caller's knowledge (the engine's containers): :meth:`CaptureStore.collect` is given the set it must keep. What a
+write in flight (a build's ingest, a pull) has stored but not yet recorded is the store's: such a write holds its
+blobs (:meth:`CaptureStore.holding`), and neither removal nor collection deletes a held blob; a blob no capture
+names and no write holds (an interrupted pull's, a failed build's) is collected.
 """
 
 from __future__ import annotations
@@ -30,16 +33,30 @@ import json
 import os
 import secrets
 import shutil
+import stat
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
 import msgspec
 
+from .capture_data import (
+    CAPTURE_MEDIA_TYPE,
+    CHUNK_MEDIA_TYPE,
+    DATA_MEDIA_TYPE,
+    HEX,
+    OCI_MANIFEST,
+    CaptureData,
+    StoredFile,
+    artifact_manifest,
+    decode_data,
+    digest_name,
+)
 from .chunking import CHUNK_BYTES, ZERO_RUN_BYTES, content_cuts
 from .errors import StoreError
 
@@ -48,51 +65,21 @@ __all__ = (
     "CHUNK_BYTES",
     "CHUNK_MEDIA_TYPE",
     "DATA_MEDIA_TYPE",
+    "OCI_MANIFEST",
     "CaptureData",
     "CaptureInfo",
     "CaptureStore",
+    "Collected",
+    "Hold",
     "StoredFile",
     "artifact_manifest",
 )
 
-CAPTURE_MEDIA_TYPE = "application/vnd.coldsnap-provider.capture.v1"
-DATA_MEDIA_TYPE = "application/vnd.coldsnap-provider.capture.data.v1+json"
-CHUNK_MEDIA_TYPE = "application/vnd.coldsnap-provider.chunk.v1"
-OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
-_HEX = frozenset("0123456789abcdef")
 _ZEROS = bytes(CHUNK_BYTES)
 INGEST_THREADS = 4  # chunks hashed and written at once: 256 MiB in memory at most
 MADE_KIND = "coldsnap-capture-store-files"  # the listing of a tree's files (`CaptureStore.made_files`)
 _ZERO_RUN: Future[str | None] = Future()  # a run of zeros cut by content: known to be zeros, never stored
 _ZERO_RUN.set_result(None)
-
-
-class StoredFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One file of a capture: its path inside the capture, size, mode, its chunks (None: zeros) and, for a file
-    cut by content, each chunk's length (None: 64 MiB each, the last one the rest)."""
-
-    path: str
-    size: int
-    mode: int
-    chunks: list[str | None]
-    lengths: list[int] | None = None
-
-    def spans(self) -> list[tuple[str | None, int, int]]:
-        """Each chunk with its offset in the file and its length."""
-        lengths = self.lengths if self.lengths is not None else \
-            [min(CHUNK_BYTES, self.size - i * CHUNK_BYTES) for i in range(len(self.chunks))]
-        spans, offset = [], 0
-        for chunk, length in zip(self.chunks, lengths, strict=True):
-            spans.append((chunk, offset, length))
-            offset += length
-        return spans
-
-
-class CaptureData(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A capture's data document: the files the store holds for it (the artifact's config blob)."""
-
-    files: list[StoredFile]
-    format: int = 1
 
 
 class CaptureInfo(msgspec.Struct, frozen=True):
@@ -110,39 +97,37 @@ class CaptureInfo(msgspec.Struct, frozen=True):
     tiers: list[str]
 
 
-def _digest_name(digest: str) -> str:
-    algorithm, _, hexa = digest.partition(":")
-    if algorithm != "sha256" or len(hexa) != 64 or not set(hexa) <= _HEX:
-        raise StoreError(f"{digest!r} is not a sha256 digest")
-    return hexa
+class Collected(msgspec.Struct, frozen=True):
+    """What a collection freed (``capture gc``): the captures removed, the blobs deleted (their chunks and data
+    documents, and the blobs no capture named: `orphans` of them) and the disk bytes given back (blobs and files)."""
+
+    removed: list[str]
+    blobs: int
+    orphans: int
+    bytes: int
 
 
-def artifact_manifest(data: bytes, files: Iterable[StoredFile]) -> bytes:
-    """The OCI manifest (artifact) of a capture whose data document is `data`: its distinct chunks as layers.
-    Deterministic, so the image's label can name its digest before anything is pushed."""
-    sizes: dict[str, int] = {}
-    for stored in files:
-        for chunk, _, length in stored.spans():
-            if chunk is not None:
-                sizes[chunk] = length
-    document = {
-        "schemaVersion": 2, "mediaType": OCI_MANIFEST, "artifactType": CAPTURE_MEDIA_TYPE,
-        "config": {"mediaType": DATA_MEDIA_TYPE, "digest": "sha256:" + hashlib.sha256(data).hexdigest(),
-                   "size": len(data)},
-        "layers": [{"mediaType": CHUNK_MEDIA_TYPE, "digest": d, "size": s} for d, s in sorted(sizes.items())],
-    }
-    return json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
+class Hold:
+    """The blobs one write in flight (a build's ingest, a pull) stores or counts on before its capture is recorded:
+    removal and collection keep them until the write ends (:meth:`CaptureStore.holding`)."""
 
+    def __init__(self, store: CaptureStore) -> None:
+        self._store = store
+        self._digests: set[str] = set()
 
-def _one_length_each(document: CaptureData) -> None:
-    """Refuse a document that gives one chunk two lengths: one digest is one run of bytes, and the pull would fetch it
-    twice, each checked against another size, its tree fail as if the node's blob were corrupt."""
-    seen: dict[str, int] = {}
-    for stored in document.files:
-        for chunk, _, length in stored.spans():
-            if chunk is not None and seen.setdefault(chunk, length) != length:
-                raise StoreError(f"capture data document: {stored.path}: chunk {chunk} is {length} bytes long here, "
-                                 f"{seen[chunk]} elsewhere; one chunk has one length")
+    def add(self, digests: Iterable[str]) -> None:
+        """Hold these blobs from now on: called before the write looks for them or writes them, so a collection
+        either ran before (the write finds them absent and writes them) or keeps them."""
+        with self._store._listing:
+            fresh = set(digests) - self._digests
+            self._digests |= fresh
+            self._store._held.update(fresh)
+
+    def release(self) -> None:
+        with self._store._listing:
+            self._store._held.subtract(self._digests)
+            self._store._held = +self._store._held  # drop the zero counts
+            self._digests = set()
 
 
 def _fsync_directory(path: Path) -> None:
@@ -165,9 +150,12 @@ class CaptureStore:
         # Held by record (its chunks checked, then its manifest named) and remove (what others keep, then deleted):
         # a removal never deletes a chunk a capture being recorded has just found present.
         self._listing = threading.Lock()
+        # Invariant (under _listing): each blob a write in flight holds, with how many writes hold it.
+        self._held: Counter[str] = Counter()
 
     def open(self) -> None:
-        """Create the layout and drop what an earlier process left half-written (tmp/ only)."""
+        """Create the layout and drop what an earlier process left half-written (tmp/: a killed daemon's
+        temporaries; the blobs it stored for a capture it never recorded are collected by :meth:`collect`)."""
         for directory in (self.root, self._blobs, self._captures, self._trees, self._tmp):
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         for leftover in self._tmp.iterdir():
@@ -179,23 +167,34 @@ class CaptureStore:
     # --- blobs -----------------------------------------------------------------------
 
     def blob_path(self, digest: str) -> Path:
-        return self._blobs / _digest_name(digest)
+        return self._blobs / digest_name(digest)
 
     def has_blob(self, digest: str) -> bool:
         return self.blob_path(digest).exists()
 
     def temporary(self, digest: str) -> Path:
         """A fresh temporary name for a blob being written (a pull streams into it)."""
-        return self._tmp / f"{_digest_name(digest)}.{secrets.token_hex(4)}"
+        return self._tmp / f"{digest_name(digest)}.{secrets.token_hex(4)}"
 
     def adopt_blob(self, temporary: Path, digest: str) -> None:
         """Give the fsynced, verified `temporary` the blob's name (a concurrent writer of the same bytes wins
         equally: the name holds the same bytes either way)."""
         os.replace(temporary, self.blob_path(digest))
 
-    def put_blob(self, data: bytes | bytearray | memoryview) -> str:
-        """Store `data` as a blob (once: present bytes are not written again); its digest."""
+    @contextmanager
+    def holding(self) -> Iterator[Hold]:
+        """A write's hold on the blobs it stores or finds present, released when it ends (recorded or not)."""
+        hold = Hold(self)
+        try:
+            yield hold
+        finally:
+            hold.release()
+
+    def put_blob(self, data: bytes | bytearray | memoryview, hold: Hold | None = None) -> str:
+        """Store `data` as a blob (once: present bytes are not written again), held by `hold` first; its digest."""
         digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        if hold is not None:
+            hold.add((digest,))
         if self.has_blob(digest):
             return digest
         temporary = self.temporary(digest)
@@ -209,9 +208,11 @@ class CaptureStore:
             temporary.unlink(missing_ok=True)
         return digest
 
-    def ingest(self, path: str, size: int, mode: int, source: IO[bytes], *, by_content: bool = False) -> StoredFile:
-        """Read `size` bytes of one file from `source` into chunks: zeros skipped, present chunks not rewritten;
-        64 MiB each, or cut by content (`by_content`: :func:`.chunking.content_cuts`). Reading is sequential;
+    def ingest(self, path: str, size: int, mode: int, source: IO[bytes], *, by_content: bool = False,
+               hold: Hold | None = None) -> StoredFile:
+        """Read `size` bytes of one file from `source` into chunks: zeros skipped, present chunks not rewritten,
+        each held by `hold` (the build's, until it records its capture); 64 MiB each, or cut by content
+        (`by_content`: :func:`.chunking.content_cuts`). Reading is sequential;
         hashing and writing run in :data:`INGEST_THREADS` threads (SHA-256 and writes release the GIL), at most
         that many chunks in memory beside the read window."""
         pending: deque[Future[str | None]] = deque()
@@ -232,7 +233,7 @@ class CaptureStore:
                     if len(pending) >= INGEST_THREADS:
                         chunks.append(pending.popleft().result())
                     pending.append(_ZERO_RUN if zero else pool.submit(
-                        self._chunk, buffer if length == len(buffer) else buffer[offset:offset + length]))
+                        self._chunk, buffer if length == len(buffer) else buffer[offset:offset + length], hold))
                     lengths.append(length)
                     offset += length
                 carried = buffer[offset:]
@@ -252,10 +253,10 @@ class CaptureStore:
             filled += n
         return buffer
 
-    def _chunk(self, buffer: bytearray) -> str | None:
+    def _chunk(self, buffer: bytearray, hold: Hold | None) -> str | None:
         # bytearray == bytes is one memcmp (a memoryview comparison goes element by element, 10x slower).
         return None if buffer == (_ZEROS if len(buffer) == CHUNK_BYTES else bytes(len(buffer))) \
-            else self.put_blob(buffer)
+            else self.put_blob(buffer, hold)
 
     # --- captures --------------------------------------------------------------------
 
@@ -268,7 +269,7 @@ class CaptureStore:
                 raise StoreError(f"capture data names {len(missing)} chunks the store lacks, e.g. {missing[0]}")
             self.put_blob(data)
             capture = "sha256:" + hashlib.sha256(manifest).hexdigest()
-            target = self._captures / f"{_digest_name(capture)}.json"
+            target = self._captures / f"{digest_name(capture)}.json"
             if not target.exists():
                 temporary = self._tmp / f"{target.name}.{secrets.token_hex(4)}"
                 with open(temporary, "xb") as out:
@@ -280,35 +281,11 @@ class CaptureStore:
             self.touch(capture)
         return capture
 
-    @staticmethod
-    def decode_data(data: bytes) -> CaptureData:
-        try:
-            decoded = msgspec.json.decode(data, type=CaptureData)
-        except msgspec.ValidationError as exc:
-            raise StoreError(f"capture data document: {exc}") from exc
-        if decoded.format not in (1, 2):
-            raise StoreError(f"capture data document: format {decoded.format} is not one this daemon reads (1 or 2)")
-        for stored in decoded.files:
-            if stored.path.startswith("/") or ".." in stored.path.split("/") or not stored.path or "\0" in stored.path:
-                raise StoreError(f"capture data document: file path {stored.path!r} must be relative, without .. "
-                                 "or a NUL byte")
-            if stored.lengths is not None:
-                if decoded.format < 2 or len(stored.lengths) != len(stored.chunks) or sum(stored.lengths) != \
-                        stored.size or not all(0 < n <= CHUNK_BYTES for n in stored.lengths):
-                    raise StoreError(f"capture data document: {stored.path}: lengths must be given in format 2, one "
-                                     f"per chunk, each 1 to {CHUNK_BYTES}, summing to its size {stored.size}")
-            elif stored.size < 0 or len(stored.chunks) != -(-stored.size // CHUNK_BYTES):
-                raise StoreError(f"capture data document: {stored.path}: {len(stored.chunks)} chunks for "
-                                 f"{stored.size} bytes")
-            for chunk in stored.chunks:
-                if chunk is not None:
-                    _digest_name(chunk)
-        _one_length_each(decoded)
-        return decoded
+    decode_data = staticmethod(decode_data)
 
     def manifest(self, capture: str) -> bytes:
         try:
-            return (self._captures / f"{_digest_name(capture)}.json").read_bytes()
+            return (self._captures / f"{digest_name(capture)}.json").read_bytes()
         except FileNotFoundError as exc:
             raise StoreError(f"capture {capture} is not in the node's store") from exc
 
@@ -323,11 +300,11 @@ class CaptureStore:
         return sorted("sha256:" + p.name.removesuffix(".json") for p in self._captures.glob("*.json"))
 
     def has(self, capture: str) -> bool:
-        return (self._captures / f"{_digest_name(capture)}.json").exists()
+        return (self._captures / f"{digest_name(capture)}.json").exists()
 
     def touch(self, capture: str) -> None:
         """Mark the capture used now (gc by age counts from its last use)."""
-        os.utime(self._captures / f"{_digest_name(capture)}.json")
+        os.utime(self._captures / f"{digest_name(capture)}.json")
 
     # --- trees (the files a workload sees) --------------------------------------------
 
@@ -335,7 +312,7 @@ class CaptureStore:
         """The capture's files as plain files (made once, holes for zero chunks), and the bytes read from the
         chunks to make them (0: they were there); every chunk is checked against its digest on the way, so a
         corrupt or truncated blob fails here, naming it."""
-        target = self._trees / _digest_name(capture)
+        target = self._trees / digest_name(capture)
         if target.is_dir():
             self.touch(capture)
             return target, 0
@@ -367,7 +344,7 @@ class CaptureStore:
 
     def _made_path(self, capture: str) -> Path:
         """Where the identities of the capture's files are listed once the store has made them (`_vouch`)."""
-        return self._trees / f"{_digest_name(capture)}.made.json"
+        return self._trees / f"{digest_name(capture)}.made.json"
 
     def made_files(self, capture: str) -> Path | None:
         """The listing of the capture's files as the store made them (None: made before listings existed, or the
@@ -447,8 +424,8 @@ class CaptureStore:
                     zero += length
                 else:
                     distinct[chunk] = length
-        record = (self._captures / f"{_digest_name(capture)}.json").stat()
-        tree_dir = self._trees / _digest_name(capture)
+        record = (self._captures / f"{digest_name(capture)}.json").stat()
+        tree_dir = self._trees / digest_name(capture)
         tree = sum(p.stat().st_blocks * 512 for p in tree_dir.rglob("*") if p.is_file()) if tree_dir.is_dir() else 0
         return CaptureInfo(capture=capture, files=len(data.files), size=size, stored=sum(distinct.values()),
                            shared=sum(n for c, n in distinct.items() if holders.get(c, 0) > 1), zero=zero,
@@ -458,7 +435,7 @@ class CaptureStore:
     def _holders(self) -> dict[str, int]:
         counts: dict[str, int] = {}
         for capture in self.captures():
-            for chunk in self._chunks(capture):
+            for chunk in self.chunks(capture):
                 counts[chunk] = counts.get(chunk, 0) + 1
         return counts
 
@@ -469,7 +446,8 @@ class CaptureStore:
         except (StoreError, ValueError, KeyError, TypeError):
             return None
 
-    def _chunks(self, capture: str) -> set[str]:
+    def chunks(self, capture: str) -> set[str]:
+        """The chunks the capture names (none when it cannot be read)."""
         try:
             return {c for f in self.data(capture).files for c in f.chunks if c is not None}
         except StoreError:
@@ -479,28 +457,66 @@ class CaptureStore:
         holders = self._holders()
         return [self.describe(capture, holders=holders) for capture in self.captures()]
 
-    def remove(self, capture: str) -> None:
+    def remove(self, capture: str) -> tuple[int, int]:
         """Unlist the capture (its record first, so it is never half-listed), drop its tree, then every blob no
-        other capture holds. Removing an absent capture is an error naming it."""
-        record = self._captures / f"{_digest_name(capture)}.json"
+        other capture names and no write in flight holds. Removing an absent capture is an error naming it.
+        The blobs deleted and the disk bytes freed."""
+        record = self._captures / f"{digest_name(capture)}.json"
         with self._listing:
             others = [c for c in self.captures() if c != capture]
-            keep = set().union(*(self._chunks(c) for c in others))
-            keep |= {config for c in others if (config := self._config(c))}
+            keep = self._named(others) | set(self._held)
             try:
                 manifest = json.loads(record.read_bytes())
             except FileNotFoundError as exc:
                 raise StoreError(f"capture {capture} is not in the node's store") from exc
-            mine = self._chunks(capture) | {manifest["config"]["digest"]}
+            mine = self.chunks(capture) | {manifest["config"]["digest"]}
             record.unlink()
             _fsync_directory(self._captures)
-            self.drop_tree(capture)
+            freed = self.drop_tree(capture)
             # A capture this daemon cannot read (a newer format, recorded before a rollback) may hold any of them:
             # its chunks are kept, never deleted from under it (review13).
             if not all(self._readable(c) for c in others):
-                return
-            for blob in mine - keep:
-                self.blob_path(blob).unlink(missing_ok=True)
+                return 0, freed
+            blobs, freed_blobs = self._delete_blobs(mine - keep)
+            return blobs, freed + freed_blobs
+
+    def _named(self, captures: Iterable[str]) -> set[str]:
+        """The blobs these captures name: their chunks and data documents."""
+        captures = list(captures)
+        return set().union(*(self.chunks(c) for c in captures)) | {config for c in captures
+                                                                     if (config := self._config(c))}
+
+    def _delete_blobs(self, digests: Iterable[str]) -> tuple[int, int]:
+        """Delete these blobs (caller holds _listing); how many there were and their disk bytes."""
+        count = freed = 0
+        for blob in digests:
+            path = self.blob_path(blob)
+            try:
+                blocks = path.stat().st_blocks
+                path.unlink()
+            except FileNotFoundError:
+                continue
+            count, freed = count + 1, freed + blocks * 512
+        return count, freed
+
+    def _collect_orphans(self) -> tuple[int, int]:
+        """Delete the blobs no capture names and no write in flight holds (an interrupted pull's chunks, a build
+        that failed after storing some), and the files made for a capture no longer listed (a removal the daemon
+        died in): the blobs deleted and the disk bytes freed. Nothing while a capture cannot be read: it may
+        name any blob (a newer format, recorded before a rollback)."""
+        with self._listing:
+            captures = self.captures()
+            if not all(self._readable(c) for c in captures):
+                return 0, 0
+            keep = self._named(captures) | set(self._held)
+            present = {"sha256:" + p.name for p in self._blobs.iterdir() if len(p.name) == 64 and set(p.name) <= HEX}
+            blobs, freed = self._delete_blobs(present - keep)
+            listed = {c.removeprefix("sha256:") for c in captures}
+            for tree in self._trees.iterdir():
+                name = tree.name.removesuffix(".made.json")
+                if len(name) == 64 and set(name) <= HEX and name not in listed:
+                    freed += self.drop_tree("sha256:" + name)
+            return blobs, freed
 
     def _readable(self, capture: str) -> bool:
         try:
@@ -509,34 +525,38 @@ class CaptureStore:
             return False
         return True
 
-    def drop_tree(self, capture: str) -> None:
-        self._made_path(capture).unlink(missing_ok=True)  # first: it never outlives the files it lists
-        tree = self._trees / _digest_name(capture)
+    def drop_tree(self, capture: str) -> int:
+        """Drop the files made for the capture; the disk bytes freed."""
+        made = self._made_path(capture)
+        freed = _disk_bytes(made)
+        made.unlink(missing_ok=True)  # first: it never outlives the files it lists
+        tree = self._trees / digest_name(capture)
         if tree.is_dir():
             doomed = self._tmp / f"drop-{tree.name}.{secrets.token_hex(4)}"
             os.rename(tree, doomed)  # gone from trees/ at once, deleted after
+            freed += sum(_disk_bytes(p) for p in doomed.rglob("*"))
             shutil.rmtree(doomed, ignore_errors=True)
+        return freed
 
-    def collect(self, *, in_use: set[str], max_bytes: int | None, older_than_s: float | None) -> list[str]:
-        """Remove captures not `in_use`: those unused for `older_than_s`, then the least recently used until
-        the store holds at most `max_bytes`. The captures removed."""
+    def collect(self, *, in_use: set[str], max_bytes: int | None, older_than_s: float | None) -> Collected:
+        """Delete the blobs no capture names (and no write in flight holds), then remove captures not `in_use`:
+        those unused for `older_than_s`, then the least recently used until the store holds at most `max_bytes`.
+        What it freed."""
+        orphans, freed = self._collect_orphans()
+        blobs = orphans
         now = time.time()
         removed: list[str] = []
         candidates = sorted((info for info in self.describe_all() if info.capture not in in_use),
                             key=lambda info: info.used)
-        for info in candidates:
-            if older_than_s is not None and now - info.used >= older_than_s:
-                self.remove(info.capture)
-                removed.append(info.capture)
-        if max_bytes is not None:
-            for info in candidates:
-                if info.capture in removed:
-                    continue
-                if self.bytes_on_disk() <= max_bytes:
-                    break
-                self.remove(info.capture)
-                removed.append(info.capture)
-        return removed
+        doomed = [info for info in candidates if older_than_s is not None and now - info.used >= older_than_s]
+        rest = [info for info in candidates if info not in doomed] if max_bytes is not None else []
+        for info in [*doomed, *rest]:
+            if info not in doomed and max_bytes is not None and self.bytes_on_disk() <= max_bytes:
+                break
+            count, n = self.remove(info.capture)
+            blobs, freed = blobs + count, freed + n
+            removed.append(info.capture)
+        return Collected(removed=removed, blobs=blobs, orphans=orphans, bytes=freed)
 
     def bytes_on_disk(self) -> int:
         return sum(p.stat().st_blocks * 512 for p in self._walk())
@@ -544,3 +564,12 @@ class CaptureStore:
     def _walk(self) -> Iterator[Path]:
         for top in (self._blobs, self._captures, self._trees):
             yield from (p for p in top.rglob("*") if p.is_file())
+
+
+def _disk_bytes(path: Path) -> int:
+    """The disk bytes of one file (0: gone, or not a file)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return 0
+    return st.st_blocks * 512 if stat.S_ISREG(st.st_mode) else 0

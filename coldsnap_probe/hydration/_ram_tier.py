@@ -30,6 +30,9 @@ A load yields to restores (issue 35: on the H200 a stage that came while a warm 
 1.29 s, its allocations queued behind the driver's registrations): the hydrator wraps every copy on a restore's
 path in `copying()` and holds a `pause()` from a stage's request until its engine adopts it (or it is dropped), and
 meanwhile the loader pins no further piece (`loader_paused_s`); a restore waits at most for the pieces in flight.
+The loader yields for at most LOADER_YIELD_S before each piece, though: restores that never stop (a tenant starting
+stage after stage, a peer that holds its request open) may slow everyone's loads to a round of pieces per
+LOADER_YIELD_S, never stop them (`loader_forced`: the pieces pinned while restores were in flight).
 A stage of a dump still being loaded joins it (`joins`): its lease names the pieces pinned so far (`Lease.pinned`),
 the stage copies those from the pinned mappings and reads only the rest from the files (`Lease.split`), and the
 load goes on after it. A stage of a dump of which nothing is pinned yet misses (`misses_loading`). A stage never
@@ -74,8 +77,8 @@ from ._digests import DIGEST_CHUNK
 from ._peer_files import Runs, merge_runs
 from ._vmm import Mapped
 
-__all__ = ("LOAD_QUEUE", "LOAD_THREADS", "PIN_PIECE", "QUEUE_PER_UID", "TIERS", "Identity", "Lease", "RamTier",
-           "default_budget", "identity", "node_memory", "pin_pieces")
+__all__ = ("LOADER_YIELD_S", "LOAD_QUEUE", "LOAD_THREADS", "PIN_PIECE", "QUEUE_PER_UID", "TIERS", "Identity", "Lease",
+           "RamTier", "default_budget", "identity", "node_memory", "pin_pieces")
 
 LOAD_QUEUE = 2  # dumps waiting for the loader: a later miss queues the dump again
 QUEUE_PER_UID = 1  # of those, one peer uid's: the other place stays free for another tenant's miss
@@ -84,6 +87,10 @@ LOAD_THREADS = 4
 # A load's registration: a stage waits at most for the pieces in flight (4 KiB pages: ~35 ms each on the H200),
 # and a copy from the tier never spans two registrations (`Lease.split` cuts at them).
 PIN_PIECE = DIGEST_CHUNK
+# The longest the loader waits for restores' copies before pinning its next piece anyway: a restore that overlaps
+# it sees a round of LOAD_THREADS pieces (~35 ms each on the H200) at most every LOADER_YIELD_S (~2 % of its time),
+# and the loads of every tenant progress however many stages one tenant keeps in flight (review of issue 34).
+LOADER_YIELD_S = 2.0
 TIERS = ("ram", "disk")  # where a stage's bytes were read: the RAM tier, or the files (page cache or disk)
 Identity = tuple[int, int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns
 _Name = tuple[str, frozenset[tuple[Identity, Runs]]]  # the manifest digest; its files' identities and runs read
@@ -182,10 +189,10 @@ class RamTier:
     hydrator's driver calls, in its context)."""
 
     def __init__(self, budget: int, *, pin: Callable[[Mapped, tuple[int, int]], None],
-                 unpin: Callable[[Mapped], None]) -> None:
+                 unpin: Callable[[Mapped], None], yield_s: float = LOADER_YIELD_S) -> None:
         if budget < 0:
             raise HydrationError(f"the RAM tier's budget must be 0 (off) or a number of bytes, not {budget}")
-        self.budget, self._pin, self._unpin = budget, pin, unpin
+        self.budget, self._pin, self._unpin, self._yield_s = budget, pin, unpin, yield_s
         self._lock = threading.Lock()
         self._held: collections.OrderedDict[_Name, _Dump] = collections.OrderedDict()  # least recently used first
         # Each: the dump's name, its owner (peer uid), its files' descriptors (the tier's own duplicates).
@@ -197,6 +204,7 @@ class RamTier:
         self.misses_loading = 0  # of the misses, those of a dump the loader was pinning then
         self.joins = 0  # stages that copied what a load had pinned so far and read the rest
         self.loader_paused_s = 0.0  # the loader's thread-seconds spent waiting for restores' copies
+        self.loader_forced = 0  # pieces pinned while restores' copies ran, after waiting yield_s for them
         self._copies = 0  # copies on a restore's path running now (`copying`): the loader pins nothing meanwhile
         self.read_bytes = dict.fromkeys(TIERS, 0)  # bytes staged from each tier
         self.stages = dict.fromkeys(TIERS, 0)  # stages filled from each tier (the hydrator's own count: metrics)
@@ -261,10 +269,12 @@ class RamTier:
             resume()
 
     def _quiet(self) -> None:
-        """The loader's wait before each piece: until no restore's copy runs; a HydrationError once closed."""
+        """The loader's wait before each piece: until no restore's copy runs, or for yield_s at most; a
+        HydrationError once closed."""
         with self._lock:
             started = time.perf_counter()
-            self._wake.wait_for(lambda: not self._copies or self._closed)
+            if not self._wake.wait_for(lambda: not self._copies or self._closed, timeout=self._yield_s):
+                self.loader_forced += 1
             self.loader_paused_s += time.perf_counter() - started
             if self._closed:
                 raise HydrationError("the RAM tier closed while a dump was being held")
@@ -321,7 +331,7 @@ class RamTier:
                     "stages": dict(self.stages),
                     "bytes_by_uid": {str(uid): n for uid, n in _by_owner(self._held.values()).items()},
                     "last_error": self.last_error, "misses_loading": self.misses_loading, "joins": self.joins,
-                    "loader_paused_s": round(self.loader_paused_s, 3),
+                    "loader_paused_s": round(self.loader_paused_s, 3), "loader_forced": self.loader_forced,
                     "loading_pinned_bytes": sum(n for d in self._held.values() if not d.ready
                                                 for runs in d.pinned.values() for _offset, n in runs)}
 

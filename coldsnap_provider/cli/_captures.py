@@ -110,5 +110,7 @@ def _gc(state_dir: Path | None, max_bytes: int | None, older_than: str | None, o
     if max_bytes is None and older_than is None:
         raise click.UsageError("give --max-bytes, --older-than or both")
     age = _duration(older_than)
-    removed = ask(state_dir, lambda client: client.collect_captures(max_bytes=max_bytes, older_than_s=age))
-    emit(output, {"removed": removed}, lambda: "\n".join(f"removed {c}" for c in removed) or "nothing to collect")
+    done = ask(state_dir, lambda client: client.collect_captures(max_bytes=max_bytes, older_than_s=age))
+    emit(output, done, lambda: "\n".join([*(f"removed {c}" for c in done.removed),
+                                          f"freed {done.bytes} bytes: {done.blobs} blobs, {done.orphans} of them "
+                                          "named by no capture"]))

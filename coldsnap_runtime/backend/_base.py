@@ -283,7 +283,7 @@ async def require_own_image(backend: Backend, request: RuntimeRequest, ctx: Runt
 
 async def dispatch(backend: Backend, request: RuntimeRequest, ctx: RuntimeContext) -> RuntimeResponse:
     """Run one validated runtime request; raises a ColdsnapError subclass on failure."""
-    token = requesting_manager.set(ctx.manager_uid)
+    token = requesting_manager.set(None if ctx.reaches_all else ctx.manager_uid)
     try:
         if claim := await require_own_image(backend, request, ctx):
             response = await _dispatch(backend, request, ctx)

@@ -171,19 +171,22 @@ def store_context(source: IO[bytes], out: IO[bytes], store: CaptureStore) -> str
         if not placed:
             return None
         stored_names = set(placed.values())
-        # The files' bytes first: the capture's id (each stub names it) is known once all are in the store.
+        # The files' bytes first: the capture's id (each stub names it) is known once all are in the store. Held
+        # until it is recorded: a collection meanwhile never deletes a chunk this build stored or found present.
         files: list[StoredFile] = []
-        for member in members:
-            if member.name in stored_names:
-                data = tar.extractfile(member)
-                assert data is not None
-                by_content = CUT_BY_CONTENT.fullmatch(posixpath.basename(member.name)) is not None and \
-                    member.size <= CUT_MAX_FILE_BYTES
-                files.append(store.ingest(member.name, member.size, member.mode, data, by_content=by_content))
-        document = CaptureData(files=sorted(files, key=lambda f: f.path),
-                               format=2 if any(f.lengths is not None for f in files) else 1)
-        data_bytes = json.dumps(_plain(document), sort_keys=True, separators=(",", ":")).encode()
-        capture = store.record(artifact_manifest(data_bytes, document.files), data_bytes)
+        with store.holding() as hold:
+            for member in members:
+                if member.name in stored_names:
+                    data = tar.extractfile(member)
+                    assert data is not None
+                    by_content = CUT_BY_CONTENT.fullmatch(posixpath.basename(member.name)) is not None and \
+                        member.size <= CUT_MAX_FILE_BYTES
+                    files.append(store.ingest(member.name, member.size, member.mode, data, by_content=by_content,
+                                              hold=hold))
+            document = CaptureData(files=sorted(files, key=lambda f: f.path),
+                                   format=2 if any(f.lengths is not None for f in files) else 1)
+            data_bytes = json.dumps(_plain(document), sort_keys=True, separators=(",", ":")).encode()
+            capture = store.record(artifact_manifest(data_bytes, document.files), data_bytes)
         with tarfile.open(fileobj=out, mode="w:", format=tarfile.PAX_FORMAT) as filtered:
             for member in members:
                 if member.name in stored_names:

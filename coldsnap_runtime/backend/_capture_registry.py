@@ -9,7 +9,8 @@ Push asks the registry which blobs it already has (HEAD) and uploads only the ot
 monolithic PUT each), several at once, each in a worker thread (``_blob_upload.py``: the body sent from the
 store's file by the kernel, off the event loop), before the manifest, so an interrupted push resumes with the
 blobs the registry still lacks. Pull reads the manifest by digest (checked),
-then fetches the chunks the node's store lacks, several at once, each in a worker thread (``_blob_fetch.py``:
+then fetches the chunks the node's store lacks (and those it holds that the pull may not use:
+:class:`Possession`), several at once, each in a worker thread (``_blob_fetch.py``:
 streamed to disk and hashed on the way, off the event loop); each is checked against its digest and
 size before it takes its name in the store, so an interrupted pull resumes from what is already there and
 a corrupt or truncated blob is refused, naming it. Credentials are the engine's (the same per-registry
@@ -18,6 +19,7 @@ rule as ``_images.py``); plain HTTP only where the engine itself uses it.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import json
@@ -33,13 +35,13 @@ import anyio.from_thread
 import anyio.lowlevel
 
 from ..errors import RuntimeFailed, StoreError
-from ..store import OCI_MANIFEST, CaptureStore
+from ..store import OCI_MANIFEST, CaptureStore, Hold
 from ._blob_fetch import Fetched, fetch_blob
 from ._blob_upload import Uploaded, upload_blob
 from ._digests import answer_challenge
 from ._engine import registry_errors
 
-__all__ = ("PARALLEL", "CaptureRegistry", "Transferred")
+__all__ = ("PARALLEL", "CaptureRegistry", "Possession", "Transferred")
 
 PARALLEL = 8  # blobs in flight at once: enough to fill a link that one stream cannot (each at most 64 MiB)
 _TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=300)
@@ -61,6 +63,33 @@ class Transferred:
             self.present_blobs, self.present_bytes = self.present_blobs + 1, self.present_bytes + size
         else:
             self.blobs, self.bytes = self.blobs + 1, self.bytes + size
+
+
+class Possession:
+    """Which chunks the node's store holds that one pull may use without fetching them: those of the captures its
+    manager reaches (`reached`; None: root and the daemon's account, every chunk) and those its manager's pulls
+    fetched before (`proven`, kept by the caller: the registry served their bytes to it). Any other chunk is fetched
+    like a missing one (its bytes checked, the same name taken again), so a pull neither tells a manager whether
+    another manager's capture holds a chunk (by its time, its byte counts or its reply: a chunk its registry lacks
+    fails the pull alike) nor lists, for it to read, a chunk it never had (review of issue 34, item 4)."""
+
+    KEPT = 1 << 16  # (manager, chunk) pairs `proven` keeps, most recent last: a few MiB
+
+    def __init__(self, uid: int | None, reached: set[str] | None,
+                 proven: collections.OrderedDict[tuple[int, str], None]) -> None:
+        self._uid, self._reached, self._proven = uid, reached, proven
+
+    def usable(self, digest: str) -> bool:
+        return self._reached is None or digest in self._reached or (self._uid, digest) in self._proven
+
+    def fetched(self, digest: str) -> None:
+        """The registry served the chunk's bytes to this manager: its next pull (a resumed one) may use it."""
+        if self._uid is None:
+            return
+        self._proven[(self._uid, digest)] = None
+        self._proven.move_to_end((self._uid, digest))
+        while len(self._proven) > self.KEPT:
+            self._proven.popitem(last=False)
 
 
 class CaptureRegistry:
@@ -177,9 +206,10 @@ class CaptureRegistry:
 
     # --- pull ------------------------------------------------------------------------
 
-    async def pull(self, capture: str) -> Transferred:
-        """Fetch the capture's manifest and the chunks the store lacks, and list it in the store."""
-        done = Transferred()
+    async def pull(self, capture: str, possession: Possession | None = None) -> Transferred:
+        """Fetch the capture's manifest and the chunks the store lacks or `possession` may not use (None: it may use
+        every one), and list it in the store."""
+        done, possession = Transferred(), possession or Possession(None, None, collections.OrderedDict())
         with registry_errors(self._action, self._registry):
             async with aiohttp.ClientSession(timeout=_TIMEOUT) as session:
                 manifest = await self._document(session, "manifests", capture, {"Accept": OCI_MANIFEST})
@@ -189,26 +219,36 @@ class CaptureRegistry:
                     raise RuntimeFailed(action=self._action, detail=(
                         f"registry {self._registry}: manifest {capture} is not a capture's: {exc!r}")) from exc
                 data = await self._document(session, "blobs", config, {})
-                # The chunks the data document names (their sizes from its files), never the manifest's layers:
-                # those could name any blob, of any size, which nothing would ever collect.
-                try:  # in a thread: a registry's 4 MiB document of 600,000 chunks is 0.3 s of CPU, a stat each
-                    layers = await anyio.to_thread.run_sync(self._layers, data)
-                except StoreError as exc:
-                    raise RuntimeFailed(action=self._action, detail=f"capture {capture}: {exc}") from exc
-                await self._each(layers, lambda blob: self._pull_blob(session, blob, done))
-        try:
-            await anyio.to_thread.run_sync(self._store.record, manifest, data)
-        except StoreError as exc:
-            raise RuntimeFailed(action=self._action, detail=f"capture {capture}: {exc}") from exc
+                # Its chunks held from before they are looked for until it is recorded (or fails): a collection
+                # meanwhile never deletes one this pull found present or fetched.
+                with self._store.holding() as hold:
+                    await self._pull_held(session, capture, data, hold, possession, done)
+                    try:
+                        await anyio.to_thread.run_sync(self._store.record, manifest, data)
+                    except StoreError as exc:
+                        raise RuntimeFailed(action=self._action, detail=f"capture {capture}: {exc}") from exc
         return done
 
-    def _layers(self, data: bytes) -> list[tuple[str, int]]:
-        """The distinct chunks the data document names, with their lengths; refused when those the store lacks would
-        not fit its filesystem: a registry's document may name 3 TB of chunks, and a pull that fills the disk
-        leaves what it fetched for nothing to collect (review13)."""
+    async def _pull_held(self, session: aiohttp.ClientSession, capture: str, data: bytes, hold: Hold,
+                         possession: Possession, done: Transferred) -> None:
+        # The chunks the data document names (their sizes from its files), never the manifest's layers: those could
+        # name any blob, of any size, which nothing would ever collect.
+        try:  # in a thread: a registry's 4 MiB document of 600,000 chunks is 0.3 s of CPU, a stat each
+            layers = await anyio.to_thread.run_sync(self._layers, data, hold, possession)
+        except StoreError as exc:
+            raise RuntimeFailed(action=self._action, detail=f"capture {capture}: {exc}") from exc
+        await self._each(layers, lambda blob: self._pull_blob(session, blob, possession, done))
+
+    def _layers(self, data: bytes, hold: Hold, possession: Possession) -> list[tuple[str, int]]:
+        """The distinct chunks the data document names, with their lengths, held by `hold`; refused when those to
+        fetch would not fit the store's filesystem: a registry's document may name 3 TB of chunks, and a pull that
+        fills the disk leaves what it fetched for nothing to collect (review13). Those to fetch are the ones the
+        pull may not use as they are (`possession`): the figure in the refusal says nothing of other managers'."""
         files = self._store.decode_data(data).files
         layers = sorted({(chunk, length) for stored in files for chunk, _, length in stored.spans() if chunk})
-        needed = sum(length for chunk, length in layers if not self._store.has_blob(chunk))
+        hold.add(chunk for chunk, _ in layers)
+        needed = sum(length for chunk, length in layers
+                     if not (possession.usable(chunk) and self._store.has_blob(chunk)))
         room = os.statvfs(self._store.root)
         if needed > room.f_bavail * room.f_frsize:
             raise StoreError(f"its chunks the node's store lacks are {needed} bytes, the store's filesystem has "
@@ -225,9 +265,10 @@ class CaptureRegistry:
                 f"registry {self._registry}: the document read as {digest} has another digest"))
         return body
 
-    async def _pull_blob(self, session: aiohttp.ClientSession, blob: tuple[str, int], done: Transferred) -> None:
+    async def _pull_blob(self, session: aiohttp.ClientSession, blob: tuple[str, int], possession: Possession,
+                         done: Transferred) -> None:
         digest, size = blob
-        if self._store.has_blob(digest):
+        if possession.usable(digest) and self._store.has_blob(digest):
             done.add(size, present=True)
             return
         url = f"{self._base}/blobs/{digest}"
@@ -242,6 +283,7 @@ class CaptureRegistry:
                 f"registry {self._registry}: blob {digest} is corrupt or truncated "
                 f"({fetched.read if fetched.read <= size else 'more than ' + str(size)} bytes, {size} expected); "
                 "nothing of it was kept"))
+        possession.fetched(digest)
         done.add(size, present=False)
 
     async def _fetch_in_thread(self, url: str, digest: str, size: int) -> Fetched:

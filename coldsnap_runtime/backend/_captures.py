@@ -10,6 +10,7 @@ runs first (and the restore makes the files again, or fails naming the missing c
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Awaitable, Callable
 from typing import IO, Any
@@ -17,10 +18,10 @@ from typing import IO, Any
 import anyio
 
 from ..errors import BackendError, NotFound, RuntimeFailed, StoreError
-from ..store import CaptureInfo, CaptureStore
+from ..store import CaptureInfo, CaptureStore, Collected
 from ._base import requesting_manager
 from ._capture_build import CAPTURE_LABEL, FILES_LABEL, image_files, store_context
-from ._capture_registry import PARALLEL, CaptureRegistry, Transferred
+from ._capture_registry import PARALLEL, CaptureRegistry, Possession, Transferred
 from ._capture_stubs import StubPaths
 from ._containers import Containers
 from ._digests import repository_path
@@ -65,6 +66,8 @@ class Captures:
         # most half the node's fetch threads, never starve another manager's pulls (review 2026-12-02, part 2).
         self._shares: dict[int | None, anyio.CapacityLimiter] = {}
         self._uploads = anyio.CapacityLimiter(UPLOAD_THREADS)
+        # (manager, chunk): the chunks each manager's pulls fetched, which its next pull may use (`Possession`).
+        self._proven: collections.OrderedDict[tuple[int, str], None] = collections.OrderedDict()
 
     async def _ready(self, action: str) -> CaptureStore:
         if self.store is None:
@@ -115,7 +118,8 @@ class Captures:
         # Asked of the registry even when the store holds it: an image's label may name any capture (another
         # manager's), and only a registry that serves its manifest and data shows the image comes with it.
         present = store.has(found)
-        moved = await (await self._registry(image, store, auth, "image-pull")).pull(found)
+        registry = await self._registry(image, store, auth, "image-pull")
+        moved = await registry.pull(found, await self._possession(store))
         if not present:
             self._count("registry", moved.bytes)
         # Its files made now, not at the first workload-run: a node pulls ahead of restoring, and making them was
@@ -130,6 +134,14 @@ class Captures:
         if read:
             self._count("disk", read)
         return moved
+
+    async def _possession(self, store: CaptureStore) -> Possession:
+        """What the requesting manager's pull may use of the store's chunks without fetching them (`Possession`)."""
+        uid = requesting_manager.get()
+        reached = await self.visible(uid, "image-pull")
+        chunks = None if reached is None else \
+            await anyio.to_thread.run_sync(lambda: set().union(*(store.chunks(c) for c in reached)))
+        return Possession(uid, chunks, self._proven)
 
     def _count(self, tier: str, read: int) -> None:
         self._tiers[tier][0] += read
@@ -290,16 +302,16 @@ class Captures:
                 "daemon's account can remove it"))
         await self._under_lock("capture-remove", lambda store, used: self._remove_one(store, used, capture))
 
-    async def collect(self, *, max_bytes: int | None, older_than_s: float | None) -> list[str]:
-        """Collect by capacity and age, never a capture in use; the captures removed."""
-        removed: list[str] = []
+    async def collect(self, *, max_bytes: int | None, older_than_s: float | None) -> Collected:
+        """Collect the blobs no capture names, then captures by age and capacity, never one in use; what it freed."""
+        done: list[Collected] = []
 
         async def run(store: CaptureStore, used: set[str]) -> None:
-            removed.extend(await anyio.to_thread.run_sync(
+            done.append(await anyio.to_thread.run_sync(
                 lambda: store.collect(in_use=used, max_bytes=max_bytes, older_than_s=older_than_s)))
 
         await self._under_lock("capture-gc", run)
-        return removed
+        return done[0]
 
     async def _under_lock(self, action: str, run: Callable[[CaptureStore, set[str]], Awaitable[None]]) -> None:
         store = await self._ready(action)

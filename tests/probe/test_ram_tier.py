@@ -197,7 +197,7 @@ class TestBudget:
             "budget": 0, "entries": 0, "bytes": 0, "in_use": 0, "loading": 0, "hits": 0, "misses": 0,
             "evictions": 0, "loads": 0, "dropped": 0, "skipped": {"too_large": 0, "no_room": 0, "failed": 0},
             "read_bytes": None, "stages": {"ram": 0, "disk": 0}, "bytes_by_uid": {}, "last_error": "",
-            "misses_loading": 0, "joins": 0, "loader_paused_s": 0.0, "loading_pinned_bytes": 0}
+            "misses_loading": 0, "joins": 0, "loader_paused_s": 0.0, "loader_forced": 0, "loading_pinned_bytes": 0}
 
 
 class TestZeroChunks:
@@ -405,6 +405,27 @@ class TestJoin:
                 assert pins == [], pins
                 theirs()
                 assert settle(tier)["loads"] == 1 and sorted(pins) == [(0, PIN_PIECE), (PIN_PIECE, MIB)]
+        finally:
+            tier.close()
+
+    def test_restores_that_never_end_slow_the_loader_but_never_stop_it(self, tmp_path: Path) -> None:
+        """Review (issue 34, item 3): each stage in flight paused every load until it ended; one tenant starting
+        stage after stage (or a peer holding its request open) kept every tenant's loads paused for ever."""
+        a = dump(tmp_path / "a.bin", 2 * PIN_PIECE + MIB, bytes(range(256)))
+        pins: list[tuple[int, int]] = []
+
+        def pin(mapped: Mapped, run: tuple[int, int]) -> None:
+            pins.append(run)
+            mlock(mapped, run)
+        tier = RamTier(3 * PIN_PIECE, pin=pin, unpin=munlock_and_unmap, yield_s=0.05)
+        try:
+            with Opened(a) as fds:
+                resume = tier.pause()  # never resumed while the load runs
+                assert tier.load_later(KEY, fds, whole(fds))
+                status = settle(tier)
+                resume()
+            assert status["loads"] == 1 and status["loader_forced"] == 3 and len(pins) == 3, status
+            assert status["loader_paused_s"] >= 0.05, status
         finally:
             tier.close()
 

@@ -141,6 +141,13 @@ def test_a_malformed_stack_limit_answer_is_refused_naming_the_field_and_the_rule
         StackLimit.from_json(value)
 
 
+def test_a_stack_limit_answer_of_an_older_interposer_without_contexts_left_decodes() -> None:
+    """Review (issue 34, item 5): an interposer from before `contexts_left` answered without it, and the capture's
+    report was refused as malformed."""
+    older = {k: v for k, v in LOWERED.items() if k != "contexts_left"}
+    assert StackLimit.from_json(older).contexts_left == 0
+
+
 def test_the_restore_report_says_what_setting_the_stack_limit_back_took() -> None:
     hydrated = HydratedDevice(pid=7, bytes=1, seconds=0.1, gbps=1.0, interposer={"bytes": 1, "stack_restore_s": 0.002})
     assert hydrated.to_json()["stack_restore_s"] == 0.002 == hydrated.stack_restore_s

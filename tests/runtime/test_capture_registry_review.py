@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import json
@@ -18,7 +19,7 @@ import anyio
 import pytest
 
 from coldsnap_runtime.backend._blob_fetch import fetch_blob
-from coldsnap_runtime.backend._capture_registry import CaptureRegistry
+from coldsnap_runtime.backend._capture_registry import CaptureRegistry, Possession
 from coldsnap_runtime.errors import RuntimeFailed
 from coldsnap_runtime.store import CHUNK_BYTES, CHUNK_MEDIA_TYPE, CaptureStore, StoredFile, artifact_manifest
 from tests.conftest import Registry
@@ -314,3 +315,74 @@ def test_a_pull_whose_chunks_would_not_fit_the_disk_fetches_nothing(registry: Re
                        r"store's filesystem has \d+ free; nothing was fetched"):
         anyio.run(_registry(target, registry, repository).pull, capture)
     assert target.captures() == [] and not list((target.root / "blobs" / "sha256").iterdir())
+
+
+def _pushed(registry: Registry, tmp_path: Path, name: str, chunks: dict[str, bytes], served: set[str]) -> str:
+    """A capture of one file of `chunks` (digest -> bytes, in order) pushed to `name` with only the `served` chunks'
+    blobs (the registry's manifest names no other): its id."""
+    source = CaptureStore(tmp_path / f"src-{name}")
+    source.open()
+    for data in chunks.values():
+        source.put_blob(data)
+    lengths = [len(data) for data in chunks.values()]
+    files = [StoredFile(path="images/pages-1.img", size=sum(lengths), mode=0o644, chunks=list(chunks),
+                        lengths=lengths)]
+    data = json.dumps({"format": 2, "files": [{"path": f.path, "size": f.size, "mode": f.mode, "chunks": f.chunks,
+                                               "lengths": f.lengths} for f in files]},
+                      sort_keys=True, separators=(",", ":")).encode()
+    source.put_blob(data)
+    manifest = artifact_manifest(data, [StoredFile(path=f.path, size=len(chunks[c]), mode=f.mode, chunks=[c],
+                                                   lengths=[len(chunks[c])]) for f in files for c in f.chunks
+                                        if c in served])
+    capture = "sha256:" + hashlib.sha256(manifest).hexdigest()
+    (source.root / "captures" / f"{capture.removeprefix('sha256:')}.json").write_bytes(manifest)
+    anyio.run(_registry(source, registry, f"review/{name}{os.getpid()}").push, capture)
+    return capture
+
+
+def test_a_managers_pull_tells_nothing_of_another_managers_chunks(registry: Registry, tmp_path: Path) -> None:
+    """Review (issue 34, item 4): a pull skipped every chunk the node's store held, whoever's capture held it: a
+    manager naming another's chunk in its own capture's document learnt whether the node held it (the pull succeeded
+    without its registry serving it, and fast), and then read it from the files made for its capture."""
+    secret, mine = os.urandom(256 << 10), os.urandom(4096)
+    chunks = {"sha256:" + hashlib.sha256(b).hexdigest(): b for b in (secret, mine)}
+    node = CaptureStore(tmp_path / "node")
+    node.open()
+    other = node.put_blob(secret)  # another manager's capture's chunk, on the node
+    other_data, other_files = _data(other, "theirs")
+    node.record(artifact_manifest(other_data, other_files), other_data)
+    probe = _pushed(registry, tmp_path, "probe", chunks, served={list(chunks)[1]})
+    repository = f"review/probe{os.getpid()}"
+
+    def pull(store: CaptureStore, possession: Possession | None) -> str:
+        try:
+            anyio.run(_registry(store, registry, repository).pull, probe, possession)
+        except RuntimeFailed as exc:
+            return str(exc)
+        return ""
+
+    empty = CaptureStore(tmp_path / "empty")
+    empty.open()
+    absent = pull(empty, Possession(4242, set(), collections.OrderedDict()))
+    assert f"answered 404 for blob {other}" in absent
+    assert pull(node, Possession(4242, set(), collections.OrderedDict())) == absent  # present: the same answer
+    assert not node.has(probe) and node.has_blob(other)
+    assert pull(node, None) == "" and node.has(probe)  # root's and the daemon's pulls use what the node holds
+
+
+def test_a_managers_resumed_pull_uses_the_chunks_its_own_pull_fetched(registry: Registry, tmp_path: Path) -> None:
+    """What a manager's pull fetched (the registry served it the bytes) its next pull uses; another's, it fetches."""
+    data = {"sha256:" + hashlib.sha256(b).hexdigest(): b for b in (os.urandom(4096), os.urandom(8192))}
+    capture = _pushed(registry, tmp_path, "resume", data, served=set(data))
+    node = CaptureStore(tmp_path / "node")
+    node.open()
+    node.put_blob(next(iter(data.values())))  # held by the node already (another manager's)
+    proven: collections.OrderedDict[tuple[int, str], None] = collections.OrderedDict()
+    pull = _registry(node, registry, f"review/resume{os.getpid()}").pull
+    first = anyio.run(pull, capture, Possession(4242, set(), proven))
+    assert (first.blobs, first.present_blobs) == (2, 0) and node.has(capture)  # both fetched: one was not its own
+    (node.root / "captures" / f"{capture.removeprefix('sha256:')}.json").unlink()  # "interrupted" before listing
+    again = anyio.run(pull, capture, Possession(4242, set(), proven))
+    assert (again.blobs, again.present_blobs) == (0, 2) and node.has(capture)
+    stranger = anyio.run(pull, capture, Possession(4343, set(), proven))
+    assert (stranger.blobs, stranger.present_blobs) == (2, 0)

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -210,6 +211,24 @@ def test_an_interrupted_pull_resumes_from_the_verified_chunks(node_b: tuple[Daem
     lost.unlink()
     _pull(daemon, tag)
     assert record.exists() and lost.exists() and kept.stat().st_ino == inode  # only what was missing came again
+
+
+def test_an_interrupted_pulls_chunks_are_collected_and_gc_says_what_it_freed(node_b: tuple[Daemon, Path],
+                                                                             capsule: tuple[str, str]) -> None:
+    """Review (issue 34, item 1): the chunks of a pull that never listed its capture stayed for ever."""
+    (daemon, store), (tag, capture) = node_b, capsule
+    _pull(daemon, tag)
+    blobs = {p.name: p.stat().st_blocks * 512 for p in (store / "blobs" / "sha256").iterdir()}
+    files = sum(p.stat().st_blocks * 512 for p in (store / "trees").rglob("*") if p.is_file())
+    (store / "captures" / f"{capture.split(':')[1]}.json").unlink()  # the pull "died" before listing it
+    assert not any((store / "captures").iterdir())  # no other capture names these blobs
+    cli = subprocess.run([sys.executable, "-m", "coldsnap_provider", "capture", "gc", "--state-dir",
+                          str(daemon.state_dir), "--older-than", "1000d", "-o", "json"], capture_output=True,
+                         text=True, check=True)
+    assert json.loads(cli.stdout) == {"removed": [], "blobs": len(blobs), "orphans": len(blobs),
+                                      "bytes": sum(blobs.values()) + files}
+    assert not any((store / "blobs" / "sha256").iterdir()) and not any((store / "trees").iterdir())
+    _pull(daemon, tag)  # and a pull brings it back whole
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "truncated"])

@@ -174,8 +174,10 @@ def test_remove_keeps_chunks_other_captures_hold_and_collect_keeps_those_in_use(
     assert store.tree(second)[0].joinpath("b.img").read_bytes() == shared  # its chunk survived
     with pytest.raises(StoreError, match="not in the node's store"):
         store.remove(first)
-    assert store.collect(in_use={second, third}, max_bytes=0, older_than_s=0) == []
-    assert store.collect(in_use={second}, max_bytes=0, older_than_s=None) == [third]
+    assert store.collect(in_use={second, third}, max_bytes=0, older_than_s=0).removed == []
+    collected = store.collect(in_use={second}, max_bytes=0, older_than_s=None)
+    assert collected.removed == [third] and collected.orphans == 0 and collected.blobs == 2  # its chunk and document
+    assert collected.bytes >= MIB
     assert store.captures() == [second]
 
 
@@ -253,3 +255,48 @@ def test_removal_keeps_the_chunks_when_another_capture_cannot_be_read(store: Cap
     store.remove(first)
     assert store.captures() == ["sha256:" + hashlib.sha256(manifest).hexdigest()]
     assert all(store.has_blob(c) for f in files for c in f.chunks if c)
+
+
+def test_collect_deletes_the_blobs_no_capture_names_and_says_what_it_freed(store: CaptureStore) -> None:
+    """Review (issue 34, item 1): a build that failed after storing chunks, or a pull interrupted before its capture
+    was listed, left blobs nothing named: collection removed only whole captures, so they stayed for ever."""
+    kept, files = _capture(store, {"a.img": os.urandom(MIB)})
+    failed = store.ingest("images/pages-1.img", 3 * MIB, 0o600, io.BytesIO(os.urandom(3 * MIB)), by_content=True)
+    orphans = {c for c in failed.chunks if c}
+    assert orphans and all(store.has_blob(c) for c in orphans)
+    gone = "sha256:" + "ab" * 32  # a removal the daemon died in: its files, no record
+    (store.root / "trees" / gone.removeprefix("sha256:")).mkdir()
+    (store.root / "trees" / gone.removeprefix("sha256:") / "x").write_bytes(os.urandom(4096))
+    collected = store.collect(in_use=set(), max_bytes=None, older_than_s=None)
+    assert collected.removed == [] and collected.orphans == collected.blobs == len(orphans)
+    assert collected.bytes >= 3 * MIB + 4096
+    assert not any(store.has_blob(c) for c in orphans) and not any((store.root / "trees").iterdir())
+    assert store.captures() == [kept] and all(store.has_blob(c) for f in files for c in f.chunks if c)
+    assert store.collect(in_use=set(), max_bytes=None, older_than_s=None).blobs == 0
+
+
+def test_collection_and_removal_keep_what_a_write_in_flight_holds(store: CaptureStore) -> None:
+    """Collection racing a pull or a build: the chunks it stored or found present before its capture is listed."""
+    shared = os.urandom(MIB)
+    old, _ = _capture(store, {"a.img": shared})
+    with store.holding() as hold:  # a build that finds old's chunk present, then a collection takes old
+        stored = [store.ingest("b.img", MIB, 0o600, io.BytesIO(shared), hold=hold)]
+        assert store.collect(in_use=set(), max_bytes=0, older_than_s=0).removed == [old]
+        assert all(store.has_blob(c) for c in stored[0].chunks if c)
+        document = msgspec_data(stored)
+        new = store.record(artifact_manifest(document, stored), document)
+    assert store.captures() == [new] and store.tree(new)[0].joinpath("b.img").read_bytes() == shared
+    with store.holding() as hold:  # a pull that found the chunk present, then failed
+        hold.add(c for c in stored[0].chunks if c)
+        store.remove(new)
+        assert all(store.has_blob(c) for c in stored[0].chunks if c)
+    assert store.collect(in_use=set(), max_bytes=None, older_than_s=None).orphans == 1
+    assert not any((store.root / "blobs" / "sha256").iterdir())
+
+
+def test_a_killed_daemons_temporaries_are_swept_when_the_store_opens(store: CaptureStore) -> None:
+    leftover = store.temporary("sha256:" + "cd" * 32)
+    leftover.write_bytes(os.urandom(4096))
+    (store.root / "tmp" / "tree-x.1234").mkdir()
+    CaptureStore(store.root).open()
+    assert not any((store.root / "tmp").iterdir())
