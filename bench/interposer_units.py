@@ -65,7 +65,8 @@ async def check_interposer(d: Driver, image: str, layout: Layout) -> None:
     program = f"import ctypes; ctypes.CDLL({INTERPOSER_LIBRARY!r})"
     reply = await d.runtime("workload-run", workload={
         "name": "", "image": image, "remove_after_exit": True, "pull_policy": "never", "network": "none",
-        "combined": True, "mounts": [m for m in layout.mounts() if m.get("read_only")],
+        "combined": True, "mounts": [m for m in layout.mounts()  # and the one an interpreter of the run lives in
+                                     if m.get("read_only") or layout.python.startswith(f"{m['target']}/")],
         "entrypoint": layout.python, "command": ["-c", program]})
     if not reply.get("ok"):
         raise E2EError(f"capsule {image} carries no loadable CUDA interposer at {INTERPOSER_LIBRARY} "
