@@ -47,7 +47,7 @@ ROWS = (
     ("worker main -> guard started", "worker_main", "guard_started"),
     ("worker main -> imports done", "worker_main", "imports_done"),
     ("worker main -> restore_begin", "worker_main", "restore_begin"),
-    ("worker main -> validated (the checks before CRIU done)", "worker_main", "validated"),
+    ("worker main -> validated (every record checked: one rank, while CRIU runs)", "worker_main", "validated"),
     ("**worker main -> CRIU started**", "worker_main", "criu_restore_begin"),
     ("CRIU's kernel probe (its own time; - : none ran)", "kdat_probe", ""),
     ("CRIU restore", "criu_restore_begin", "criu_restore_end"),

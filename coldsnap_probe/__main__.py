@@ -185,14 +185,11 @@ def _restore(args: argparse.Namespace, entered: int, coordinator: Coordinator | 
 
         identity = IdentityReading(args.criu)
         from ._restore import restore
-        from .memory import MemoryOptions
-
         startup = {"worker_main": entered, "guard_started": guarded, "imports_done": time.time_ns()}
         return restore(Path(args.images), criu=args.criu, work=Path(args.work_dir) if args.work_dir else None,
                        coordinator=coordinator, lazy_pages=args.lazy_pages, phases=phases, guard=guard,
                        startup=startup, identity=identity, kernel=kernel,
-                       memory=MemoryOptions(device_policy=args.device_policy,
-                                            device_digests=args.device_digests)).to_json()
+                       device_policy=args.device_policy, device_digests=args.device_digests).to_json()
     except BaseException:  # restore() ends it once entered; a failure before (its first phase's line, say) too
         kernel.close()  # else its `criu check` outlives this worker (the guard removes only the directory)
         raise

@@ -1,15 +1,18 @@
 """Restore as phases (admission spec 7.4): each phase records what it started, and one rollback stops it all.
 
-read the records (capture, graph, and each memory source's: the weight sources, the device dumps) while the
-host's identity is read, check the host -> [validated] -> stage every memory source, in registry order (a node
-hydrator's stages, read-ahead) -> CRIU restore, paused (cuInit meanwhile) -> [criu-restored] -> the phases after
-CRIU (`_restore_after_criu`): CUDA restore and unlock per process, reverse inventory order, only its restore thread
-running -> [cuda-restored] -> every page in (lazy pages) -> resume the tree -> [process-resumed] -> hydrate every
-memory source, in reverse registry order (the CUDA interposer's device memory, then the engine's weights) ->
-recreate the communicators -> [ready]. Brackets are barriers.
+read the capture's record while the host's identity is read, check the host (decision 17: before any CRIU or CUDA
+call) -> [one rank whose tree CRIU leaves paused: CRIU starts] -> read and check every other record (graph, each
+memory source's: the weight sources, the device dumps) -> [validated] -> stage every memory source, in registry
+order (a node hydrator's stages, read-ahead) -> [otherwise: CRIU starts] -> CRIU restores, paused (cuInit
+meanwhile) -> [criu-restored] -> the phases after CRIU (`_restore_after_criu`): CUDA restore and unlock per
+process, reverse inventory order, only its restore thread running -> [cuda-restored] -> every page in (lazy pages)
+-> resume the tree -> [process-resumed] -> hydrate every memory source, in reverse registry order (the CUDA
+interposer's device memory, then the engine's weights) -> recreate the communicators -> [ready]. Brackets are
+barriers.
 
-This module imports only what the phases up to CRIU's start need: the later phases' module, and what it needs,
-is imported while CRIU runs (`_import_later_phases`, issue 35 item 2), and so is the typed report (`_reports`: ten
+This module imports only what the phases up to CRIU's start need: the graph's and memory sources' modules (one
+rank), the later phases' module and what it needs are imported while CRIU runs (`_import_later_phases`, issue 35
+item 2), and so is the typed report (`_reports`: ten
 frozen dataclasses, ~12 ms of a restore's imports on the H200): the instants and facts known before CRIU are kept
 here and put into the report once CRIU runs (`_open_report`).
 
@@ -32,7 +35,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._coordinator import Coordinator
-from ._graph import validated_graph_record
 from ._host import IdentityReading
 from ._phase import PhaseLog
 from ._process import CriuRun, criu_environment, process_tree, stop, tail
@@ -40,12 +42,12 @@ from ._shm_files import SharedFile, load_shared_files, put_back
 from ._target import check_target, comparable, gpu_pairs
 from ._worker_guard import WorkerGuard
 from .errors import TargetRefused, WorkerError
-from .memory import MemoryOptions, MemoryRestores, RestoreScope
 
 if TYPE_CHECKING:
     from ._criu_kdat import KernelProbe
     from ._cuda import Driver
     from ._reports import RestoredGraphPolicy, RestoreReport, Timeline
+    from .memory import MemoryRestores
 
 __all__ = ("restore",)
 
@@ -53,7 +55,7 @@ LAZY_PAGES_START_S = 10.0  # for `criu lazy-pages` to listen
 
 
 def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: Coordinator | None = None,
-            lazy_pages: bool = False, memory: MemoryOptions | None = None,
+            lazy_pages: bool = False, device_policy: str = "same-model", device_digests: bool = False,
             phases: PhaseLog | None = None, guard: WorkerGuard | None = None,
             startup: dict[str, int] | None = None, identity: IdentityReading | None = None,
             kernel: KernelProbe | None = None) -> RestoreReport:
@@ -61,18 +63,19 @@ def restore(images: Path, *, criu: str, work: Path | None = None, coordinator: C
 
     `lazy_pages`: CRIU restores the processes without their memory, which `criu lazy-pages` then fills
     (faults first, the rest in the background) while the CUDA state is restored. The tree is then held
-    stopped until every page is in, so nothing serves from memory a failed daemon never filled. `memory` says
-    how the memory sources hydrate; `phases` publishes each phase as it begins; `guard` (started) kills the restored
-    tree if this process dies before the restore ends. `startup`: what the worker's command did before this call
-    (mark name -> unix ns), reported as `worker_start`. `identity`: this host's identity, already being read (the
-    worker starts reading it before its imports); None: read here, while the records are. `kernel`: CRIU's
+    stopped until every page is in, so nothing serves from memory a failed daemon never filled. `device_policy` and
+    `device_digests`: how the interposer's device dumps hydrate (`MemoryOptions`); `phases` publishes each phase as
+    it begins; `guard` (started) kills the restored tree if this process dies before the restore ends. `startup`:
+    what the worker's command did before this call (mark name -> unix ns), reported as `worker_start`. `identity`:
+    this host's identity, already being read (the worker starts reading it before its imports); None: read here,
+    while the capture's record is. `kernel`: CRIU's
     kernel-feature probe, already running (the worker starts it before its imports; this call ends it and removes
     its cache); None: the restore's CRIU probes the kernel itself.
     """
     run = _Restore(images, criu=criu, work=work, ranks=coordinator or Coordinator.single(), lazy_pages=lazy_pages,
                    phases=phases or PhaseLog("restore", publish=False))
     run.startup = startup or {}
-    run.memory_options = memory or MemoryOptions()
+    run.device_policy, run.device_digests = device_policy, device_digests
     run.journal = guard or WorkerGuard()
     run.identity = identity
     run.kernel = kernel
@@ -115,7 +118,7 @@ class _Restore:
         self.timeline: Timeline
         self.captured: dict[str, Any] = {}
         self.graph: RestoredGraphPolicy | None = None  # the graph policy record, when the capture wrote one
-        self.memory_options = MemoryOptions()
+        self.device_policy, self.device_digests = "same-model", False  # the worker's options for the dumps
         self.memory: MemoryRestores | None = None  # the memory sources whose records the images hold
         self.engine: str | None = None  # the engine's control socket, when its communicators were quiesced
         self.shared: list[SharedFile] = []  # the tree's /dev/shm files, put back just before CRIU
@@ -126,27 +129,29 @@ class _Restore:
         self.gpu_pairs: list[tuple[bytes, bytes]] = []  # (captured, this) GPU UUIDs: restored onto another GPU
         # What was started, for the rollback.
         self.root: int | None = None
+        self.pidfile = Path()  # CRIU's, in the work directory
+        self.paused = True  # CRIU leaves the restored tree stopped (`_read_capture` says)
         self.lazy: subprocess.Popen[bytes] | None = None
 
     def phases(self) -> None:
         # The host's identity (procfs, or NVML where procfs cannot tell) and `criu --version` take milliseconds to
-        # tens of them: they are read while the records are (the worker's command began it before its imports).
+        # tens of them: they are read while the capture's record is (the worker's command began it before its imports).
         current = self.identity or IdentityReading(self.criu)
         try:
-            self._read_records()
+            self._read_capture()
         except BaseException:
-            with contextlib.suppress(Exception):  # the records' failure is the one to report; no thread left behind
+            with contextlib.suppress(Exception):  # the record's failure is the one to report; no thread left behind
                 current.result()
             raise
-        self._check_host(current.result())
-        self._agree()
-        self._mark("validated")  # what the checks before CRIU cost (identity, dumps, sources)
-        # Only now: a restore refused by the checks (on any rank) leaves nothing staged on the node hydrator; the
-        # checks take milliseconds with the GPU's facts from procfs.
-        self.phase.enter("stage")
-        self._start_stages()
-        self.phase.enter("criu-restore")
-        root = self._criu_restore()
+        self._check_host(current.result())  # decision 17: nothing is started on a host that cannot restore these
+        # One rank whose tree CRIU leaves paused: CRIU first, the graph's and memory sources' records read and checked
+        # while it runs (their modules' imports were a third of the worker's path to CRIU, issue 35 item 2); a record
+        # that fails stops the restore before anything is resumed, as it did before CRIU: the rollback kills the
+        # paused tree. Several ranks: every rank's records agree before any rank restores anything.
+        early = self.paused and not self.ranks.multi
+        if not early:
+            self._read_records()
+        root = self._end_criu(self._start_criu(), records=early)
         # The phases after CRIU live in `_restore_after_criu`, imported while CRIU ran (`_import_later_phases`): the
         # path to CRIU imports only what its checks need (issue 35 item 2). Here it is a lookup.
         from ._restore_after_criu import after_criu
@@ -154,27 +159,41 @@ class _Restore:
         after_criu(self, root)
 
     # -- the phases, in order ----------------------------------------------------------------------------------
-    def _read_records(self) -> None:
-        """The images' records, checked: everything that can be known before CRIU runs but the host's identity (a
-        restore that cannot succeed never starts)."""
+    def _read_capture(self) -> None:
+        """The capture's own record and the tree's /dev/shm files: what CRIU's start needs, checked before it."""
         captured = self.captured = json.loads((self.images / "capture.json").read_text())
-        boundary, ranks = captured["boundary"], self.ranks
+        ranks = self.ranks
         if (captured.get("rank", 0), captured.get("world_size", 1)) != (ranks.rank, ranks.world_size):
             raise WorkerError(f"these images are rank {captured.get('rank', 0)} of {captured.get('world_size', 1)}, "
                               f"not rank {ranks.rank} of {ranks.world_size}")
-        self.graph = validated_graph_record(self.images)
-        # Every memory source's records checked before spending a CRIU restore.
-        self.memory = MemoryRestores(RestoreScope(self.images, self.ranks, self.memory_options))
         self.shared = load_shared_files(self.images)
         self.cuda = list(captured.get("cuda_pids", []))
         self.engine = captured.get("engine") if captured.get("engine_quiesced") else None
-        if ranks.multi and boundary == "n610" and (self.graph is None or self.engine is None):
+        self.captured_root = int(captured["root_pid"])
+        # Every rank is restored paused and released together; a lazy tree is released once its pages are in.
+        self.paused = bool(self.cuda) or ranks.multi or self.lazy_pages
+
+    def _read_records(self) -> None:
+        """Every other record checked (graph, each memory source's), every rank agreeing, then the memory sources
+        staged: everything that can be known before the tree is resumed (a restore that cannot succeed never
+        resumes one). Imported here: the sources' and the graph's modules, off the path to CRIU's start."""
+        from ._graph import validated_graph_record
+        from .memory import MemoryOptions, MemoryRestores, RestoreScope
+
+        self.graph = validated_graph_record(self.images)
+        options = MemoryOptions(device_policy=self.device_policy, device_digests=self.device_digests)
+        self.memory = MemoryRestores(RestoreScope(self.images, self.ranks, options))
+        if self.ranks.multi and self.captured["boundary"] == "n610" and (self.graph is None or self.engine is None):
             raise WorkerError("these multi-rank images lack the graph record or the engine's quiesce: their "
                               "communicators could not be recreated")
-        self.captured_root = int(captured["root_pid"])
         if self.graph is not None and self.graph.effective == "preserve-nccl-exec":
             raise WorkerError("the record retains NCCL graph executables in place, which needs the engine's "
                               "admitted in-place NCCL provider; this engine recreates its communicators")
+        self._agree()
+        self._mark("validated")  # what the checks cost (identity, records, sources)
+        # Only now: a restore refused by the checks (on any rank) leaves nothing staged on the node hydrator.
+        self.phase.enter("stage")
+        self._start_stages()
 
     def _start_stages(self) -> None:
         """What each memory source starts before CRIU (a node hydrator's stages, read-ahead); the rollback
@@ -189,7 +208,7 @@ class _Restore:
         captured, current = comparable(captured, current, boundary)
         try:
             self.compatibility = check_target(captured, current, boundary,
-                                              device_policy=self.memory_options.device_policy)
+                                              device_policy=self.device_policy)
         except TargetRefused as exc:
             self._mark("refused")
             exc.seconds = (self.marks[-1][1] - self.began) / 1e9
@@ -204,30 +223,35 @@ class _Restore:
         if len({str(p.get("plan_sha256")) for p in peers}) != 1:
             raise WorkerError(f"the ranks' graph records disagree: {[p.get('plan_sha256') for p in peers]}")
 
-    def _criu_restore(self) -> int:
-        """CRIU restores the tree (paused when anything follows); the driver initialises meanwhile."""
+    def _start_criu(self) -> CriuRun:
+        """CRIU starts restoring the tree (paused when anything follows)."""
         work = self.work = self.work or self.journal.scratch("coldsnap-restore-")
         work.mkdir(parents=True, exist_ok=True)
-        pidfile = work / "restored.pid"
+        pidfile = self.pidfile = work / "restored.pid"
         pidfile.unlink(missing_ok=True)  # CRIU refuses to overwrite one left by an earlier restore
-        # Every rank is restored paused and released together; a lazy tree is released once its pages are in.
-        paused = bool(self.cuda) or self.ranks.multi or self.lazy_pages
         cached = self.kernel.environment() if self.kernel else {}  # ended long before, unless the CPU is starved
         if self.lazy_pages:
             self.lazy = _start_lazy_pages(self.criu, self.images, work, self.journal, cached)
         args = ["restore", "--images-dir", str(self.images), "--work-dir", str(work), "--restore-detached",
-                "--pidfile", str(pidfile), *(["--leave-stopped"] if paused else []),
+                "--pidfile", str(pidfile), *(["--leave-stopped"] if self.paused else []),
                 *(["--lazy-pages"] if self.lazy else [])]
         put_back(self.shared, self.images, self.journal.note)  # what CRIU maps is what the tree had when dumped
         self.journal.note(restore=str(self.images), pidfile=str(pidfile))
         self._mark("criu_restore_begin")
-        criu = CriuRun(self.criu, args, work / "restore.log", lifeline=self.journal.lifeline(), env=cached)
-        # CRIU first, then the report and the CUDA driver while it runs: cuda-python's import, libcuda's load and
-        # cuInit took tens of milliseconds before CRIU started, and cuInit alone a good part of the CUDA restore.
+        return CriuRun(self.criu, args, work / "restore.log", lifeline=self.journal.lifeline(), env=cached)
+
+    def _end_criu(self, criu: CriuRun, *, records: bool) -> int:
+        """While CRIU runs: the CUDA driver initialised, the records checked and the sources staged (`records`: one
+        rank's), the report made, the later phases imported; then CRIU's end, the restored tree's root."""
+        # CRIU first, then the CUDA driver while it runs: cuda-python's import, libcuda's load and cuInit took tens
+        # of milliseconds before CRIU started, and cuInit alone a good part of the CUDA restore.
         failed: BaseException | None = None
         try:
-            self._open_report()
+            if records:
+                self._read_records()
+            self.phase.enter("criu-restore")
             starting = _CudaStart() if self.cuda else None
+            self._open_report()
             _import_later_phases()  # while cuInit runs, which releases the interpreter
             self.driver = starting.result() if starting else None
             if starting:  # after CRIU's end, the driver was what the CUDA restore waited for (issue 35 item 2)
@@ -241,7 +265,7 @@ class _Restore:
         if failed is None:
             self.report.criu_restore_seconds = seconds
             self.timeline.mark("criu_restore_end")
-        root = self.root = int(pidfile.read_text().split()[0])  # first: the rollback kills the tree then
+        root = self.root = int(self.pidfile.read_text().split()[0])  # first: the rollback kills the tree then
         self.journal.note(root=root)
         if failed is not None:
             raise failed

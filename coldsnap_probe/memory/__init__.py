@@ -6,8 +6,9 @@ A source is one module with one `MemorySource`:
 - at capture, `capture(scope)` gives its `SourceCapture` for this capture: `release(report)` gets its memory out
   of the tree's CUDA processes and records into the images what a restore needs; `roll_back()` gives back
   whatever it released (including a release that failed half-way) and removes what it recorded;
-- at restore, `load(scope)` reads and validates its records from the images (before CRIU runs: a restore that
-  cannot succeed never starts) and gives its `SourceRestore`, or None when the images hold none of its records;
+- at restore, `load(scope)` reads and validates its records from the images (before anything is resumed: one
+  rank's restore reads them while CRIU runs, several ranks' before any rank's CRIU; a restore that cannot succeed
+  never resumes a tree) and gives its `SourceRestore`, or None when the images hold none of its records;
   `stage()` starts what can run while CRIU and CUDA restore the tree (a node hydrator's stages, read-ahead),
   `hydrate(report)` brings the memory back once the tree runs, `discard()` frees what was staged after a failure;
 - once the tree is dumped, `warm()` offers what a source recorded to whoever keeps it warm for the first restore

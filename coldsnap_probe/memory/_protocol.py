@@ -3,33 +3,18 @@ package's `__init__` holds the registry)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from .._coordinator import Coordinator
+from .._records import read_record
 
 if TYPE_CHECKING:  # annotations only: the report types load once CRIU runs (issue 35 item 2)
     from .._reports import CaptureReport, RestoreReport
 
 __all__ = ("CaptureScope", "MemoryOptions", "MemorySource", "RestoreScope", "SourceCapture", "SourceRestore",
            "read_record")
-
-
-def read_record(images: Path, name: str, kind: str | None) -> dict[str, Any] | None:
-    """The images' record `name` as JSON, a format-1 `kind` document (None: the document checks its own kind);
-    None when the images hold no such record. A ValueError says what is wrong with it, an OSError why it could
-    not be read: the caller names the record and refuses the restore."""
-    path = images / name
-    if not path.exists():
-        return None
-    stored = json.loads(path.read_text())
-    if not isinstance(stored, dict):
-        raise ValueError(f"not a format-1 {kind or 'record'}")
-    if kind is not None and (stored.get("kind") != kind or stored.get("format") != 1):
-        raise ValueError(f"not a format-1 {kind}")
-    return stored
 
 
 @dataclass(frozen=True, slots=True)

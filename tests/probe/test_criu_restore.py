@@ -219,6 +219,7 @@ def test_restore_writes_every_page_back_and_leaves_the_images_unchanged(tmp_path
     assert [name for name, _, _ in start] == ["worker_main", "guard_started", "imports_done"]
     assert [ns for _, ns, _ in start] == sorted(ns for _, ns, _ in start) and all(s < 0 for _, _, s in start)
     marks = {m["name"]: m["unix_ns"] for m in report["timeline"]}
+    # A tree CRIU leaves running (no CUDA process, eager): every record is checked before CRIU starts.
     assert start[-1][1] <= marks["restore_begin"] <= marks["validated"] <= marks["criu_restore_begin"]
     assert marks["criu_restore_end"] - marks["criu_restore_begin"] >= report["criu_restore_seconds"] * 1e9 * 0.9
     result = verified(control)
@@ -577,12 +578,25 @@ def test_pages_of_zeros_are_not_dumped_and_come_back_as_zeros_in_parent_child_an
             assert done.returncode == 0, done.stderr
             if how == "lazy":  # the lazy-pages daemon loads the kernel probe's cache too
                 assert "Loaded kdat cache from" in (tmp_path / how / "lazy-pages.log").read_text()
+                # A tree CRIU leaves paused: its records are checked while CRIU runs (issue 35 item 2).
+                marks = {m["name"]: m["unix_ns"] for m in json.loads(done.stdout)["timeline"]}
+                assert marks["criu_restore_begin"] <= marks["validated"]
             for prefix, who in (("", pid), ("child-", child)):
                 result = verified(control, prefix)
                 assert result["ok"] and result["pid"] == who, (how, prefix, result)
         finally:
             end(control, pid)
             assert gone_within(child, 10), f"the restored child {child} outlived its parent"
+    # A record found bad while CRIU restores the paused tree: refused in its phase, the tree killed, never resumed.
+    (images / "graph.json").write_text("{")
+    for name in ("exit", "result"):
+        (control / name).unlink(missing_ok=True)
+    (control / "verify").touch()  # a resumed tree would answer it
+    done = worker("restore", "--images", str(images), "--criu", criu, "--work-dir", str(tmp_path / "bad"),
+                  "--lazy-pages")
+    assert done.returncode == 1 and "error: restore phase validate: " in done.stderr, done.stderr
+    assert "graph.json" in done.stderr and gone_within(pid, 10) and gone_within(child, 10)
+    assert not (control / "result").exists()
 
 
 def test_the_worker_runs_a_criu_kept_with_its_libraries_as_its_version_check_does(
