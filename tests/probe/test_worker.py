@@ -242,8 +242,9 @@ def test_n610_capture_then_two_restores_from_unchanged_images(tmp_path: Path, la
         assert done.returncode == 0, done.stderr
         report = json.loads(done.stdout)
         names = [m["name"] for m in report["timeline"]]
+        # CRIU started once the host is checked, the records checked while it runs (a CUDA tree is restored paused);
         # lazily: held stopped after the CUDA restore until every page is in, and only then resumed
-        assert names == ["restore_begin", "validated", "criu_restore_begin", "cuda_driver_ready", "criu_restore_end",
+        assert names == ["restore_begin", "criu_restore_begin", "validated", "cuda_driver_ready", "criu_restore_end",
                          "deferred_cuda_restore_begin", "deferred_cuda_restore_end",
                          *(["all_pages_in"] if lazy else []), "process_resumed", "ready"]
         # CRIU's seconds are its own run: the worker's wait for the driver (cuInit, meanwhile) is not in them
