@@ -4,7 +4,7 @@ CRIU writes a process's present pages in address order into ``pages-<n>.img``. T
 hold mostly the same bytes there, but at offsets that move by whatever lies before them (a heap a few pages
 larger, a thread stack touched), and inside the heap by a few bytes (a string one byte longer moves every object
 malloc places after it): chunks cut every 64 MiB from the file's start then share nothing. A chunk here ends just
-after an *anchor*, two bytes that match :data:`ANCHOR` (one position in 2^15 of random bytes: 32 KiB apart on
+after an *anchor*, two bytes that match :data:`ANCHOR` (one position in 2^16 of random bytes: 64 KiB apart on
 average), never before :data:`MIN_BYTES`, always at :data:`MAX_BYTES`; a run of at least :data:`ZERO_RUN_BYTES` of
 zeros is a chunk of its own (never stored, moved or read), from where the data before it is :data:`MIN_BYTES` long
 (the zeros before that finish the data's chunk), so a file has at most two chunks per MIN_BYTES whatever its zeros.
@@ -16,32 +16,37 @@ How long a chunk is on average sets what a changed page costs: a second capture 
 few pages at hundreds of places, and each place makes the chunk around it new. The registry fixes the floor: a
 capture's artifact manifest lists each distinct chunk (156 bytes) and a registry takes 4 MiB, so 3 GiB of page images
 must average at least ~120 KiB a chunk *whatever their bytes*, which only MIN_BYTES guarantees (3 GiB / 128 KiB =
-24,576 chunks, 3.8 MB). Within that bound the spread is what is left to choose: a chunk's length is MIN_BYTES plus
-the distance to the next anchor, so dense anchors after a large minimum cut ~161 KiB on average with little spread,
-where a small minimum and sparse anchors of the same mean make more long chunks (a changed place most likely falls in
-one). Anchors much denser than the shifts between captures lose step for long stretches: one in 256 bytes
-(``\xa7``) made 99 % of a moved heap's chunks new. MAX_BYTES bounds the chunks of bytes that hold no anchor
-(pointers, text): one changed byte there costs 256 KiB, not 4 MiB.
+24,576 chunks, 3.8 MB). Within that bound the spread is what is left to choose: a chunk is MIN_BYTES plus the distance
+to the next anchor, so anchors a little denser than MIN_BYTES cut ~190 KiB on average with little spread, where a
+small minimum and sparse anchors of the same mean make more long chunks (a changed place most likely falls in one).
+Anchors much denser than the shifts between captures lose step for long stretches (one in 256 bytes, ``\xa7``: 99 %
+of a moved heap's chunks new), and so do cuts at MAX_BYTES, which follow no content: at 256 KiB (two anchor gaps past
+MIN_BYTES) one shifted heap in ten cost 1.9 MiB of chunks before the cuts met again, at 512 KiB each cost 127 KiB (200
+runs). MAX_BYTES also bounds the chunks of bytes without anchors (pointers, text): 512 KiB for a changed byte there,
+not 4 MiB.
 
-Measured (``bench/capture_pair.py --criu C``; two CRIU captures of an engine-shaped process (1 GiB of the same
-weights, 32 MiB of fresh state, a 200 MiB heap of seeded objects, 100 libraries; a 1.3 GB page image): the first,
-then that capture restored and serving one request that writes 4 pages at 135 places (the H200's density: ~600
-places per GiB), captured again; and a second run of the process, its heap a few bytes apart), new MiB of the
-second's page image (its pages the first's lack, the floor: 2.5 and 59.1):
+Measured (``bench/capture_pair.py --criu C --touch 135``): two CRIU captures of an engine-shaped process (1 GiB of the
+same weights, 32 MiB of fresh state, a 200 MiB heap of seeded objects, 100 libraries; a 1.3 GB page image): the first,
+then that capture restored, serving one request that writes 4 pages at 135 places of its heap and state (the H200's
+second capture of a restored server: ~600 places per GiB), captured again; beside it a second run of the process (its
+heap a few bytes apart). New MiB of the second's page image; the floor is its pages the first's lack (2.5 and 59.1):
 
-=====================================  ===========  ============  ===============  ====================
-anchor, MIN / MAX KiB                  chunks       mean KiB      restored + 1 req  another run
-=====================================  ===========  ============  ===============  ====================
-``\xa7\x3c[\x00-\x1f]``, 128 / 4096 (before)  2,038   651      111.3             63.3
-``\xa7\x3c``, 128 / 256               7,184        185           31.3              60.9
-``\xa7[\x3c\x3d]``, 128 / 256 (kept)   8,260        161           28.4              60.4
-``\xa7[\x38-\x3f]``, 128 / 256       9,666        137           24.9              69.4
-``\xa7``, 128 / 256                    10,334       128           23.0              1,287.0
-``\xa7\x3c``, 32 / 256 (no bound)     13,852       96            24.8              60.2
-=====================================  ===========  ============  ===============  ====================
+    anchor, MIN / MAX KiB              chunks  mean KiB  restored + 1 request  another run
+    \xa7\x3c[\x00-\x1f], 128 / 4096      2,038       651                 111.3         63.3   (before)
+    \xa7\x3c[\x00-\x7f], 128 / 512       5,248       253                  47.0         60.8
+    \xa7\x3c, 128 / 512                   6,833       194                  35.0         61.0   (kept)
+    \xa7\x3c, 128 / 256                   7,184       185                  31.3         60.9
+    \xa7[\x3c\x3d], 128 / 256             8,260       161                  28.4         60.4
+    \xa7[\x38-\x3f], 128 / 256            9,666       137                  24.9         69.4
+    \xa7, 128 / 256                       10,334       128                  23.0      1,287.0
+    \xa7\x3c, 64 / 512 (over the bound)   10,163       131                  30.3         60.5
+    \xa7\x3c, 32 / 256 (over the bound)   13,852        96                  24.8         60.2
 
-The cost of more chunks (``bench/store_push.py --chunks-kib``, docker-registry on 127.0.0.1): see
-:data:`PAGE_CUTS`.
+``\xa7[\x3c\x3d]`` is denser but no literal: 64 MiB of 0xa7 bytes took 1.1 s to cut (``\xa7\x3c``: 147 ms).
+
+What more chunks cost (``bench/store_push.py --mib 1024 --chunks-kib 651,194``: a 1 GiB page image through
+docker-registry on 127.0.0.1, tmpfs, 8 at a time, this 2-core machine, where the registry itself takes 1.8 ms a HEAD,
+4.6 ms an upload and 3.4 ms a GET of a 161 KiB blob with 8 keep-alive clients): PUSH_PULL_TABLE
 """
 
 from __future__ import annotations
@@ -53,12 +58,13 @@ __all__ = ("ANCHOR", "CHUNK_BYTES", "CUT_MAX_BYTES", "MAX_BYTES", "MIN_BYTES", "
            "content_cuts")
 
 CHUNK_BYTES = 64 << 20  # the dumps' sha256-64m chunk: the largest blob, one unit of dedupe for fixed files
-# 2^-8 * 2^-7: bytes that are rare in pointers, text and zeros; two bytes, so the engine searches for a literal byte
-ANCHOR = re.compile(rb"\xa7[\x3c\x3d]")
+# 2^-16: bytes that are rare in pointers, text and zeros; a literal, which the engine finds fast whatever the bytes
+# (64 MiB of 0xa7 bytes: 147 ms; ``\xa7[\x3c\x3d]``, twice as dense, took 1.1 s)
+ANCHOR = re.compile(rb"\xa7\x3c")
 MIN_BYTES = 128 << 10  # the bound on chunks per file, whatever its bytes (see above): never smaller
 # Bytes that hold no anchor for long (a pattern, text) are cut every MAX_BYTES, never one 64 MiB chunk that a
 # single changed byte makes new.
-MAX_BYTES = 256 << 10
+MAX_BYTES = 512 << 10  # > MIN_BYTES + 5 anchor gaps: few cuts follow no content
 # A capture's page images are cut by content up to this many bytes in all; the rest keep 64 MiB chunks. Anchors cut
 # at most size / MIN_BYTES + 1 data chunks per file (24,576 at 3 GiB: 3.8 MB of artifact manifest, 156 bytes each,
 # against the 4 MiB a registry takes; ~2.3 MB of data document, 81 bytes a data chunk and 12 a zero one); a page
