@@ -9,12 +9,17 @@ content, computed here by hashing the files) and as the node's store holds them 
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
 import re
+import shlex
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +29,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._common import wait_file
+from bench._common import table, wait_file
+from coldsnap_runtime.chunking import Cuts, content_cuts
 from coldsnap_runtime.store import CHUNK_BYTES, CaptureStore
 
 PAGE = 4096
@@ -190,3 +196,79 @@ def share_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]
     head = ["second capture, by file", "files", "MiB", "zeros MiB", "chunks stored",
             "new MiB: 64 MiB from each file's start", "new MiB: as the store cut them", "new MiB: pages (the floor)"]
     return head, cells
+
+
+CANDIDATES = (("\\xa7\\x3c[\\x00-\\x1f]", 3, 128, 4096), ("\\xa7\\x3c", 2, 128, 512), ("\\xa7\\x3c", 2, 128, 256),
+              ("\\xa7[\\x3c\\x3d]", 2, 128, 256), ("\\xa7\\x3c", 2, 32, 256))
+
+
+def restored_capture(first: Path, second: Path, criu: str, work: Path, port: int) -> None:
+    """Restore the capture in `first` with the worker, serve it one request on `port`, capture it into `second`."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    copy = work / "restore-images"
+    subprocess.run(["cp", "-a", str(first), str(copy)], check=True)
+    done = subprocess.run([sys.executable, "-m", "coldsnap_probe", "restore", "--images", str(copy), "--work-dir",
+                           str(work / "restore-work"), "--criu", criu], cwd=ROOT, env=env, capture_output=True,
+                          text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the restore failed ({done.returncode}): {done.stderr[-2000:]}")
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as connection:
+        connection.recv(1)  # the request served
+    pid = json.loads((first / "capture.json").read_text())["root_pid"]
+    done = subprocess.run([sys.executable, "-m", "coldsnap_probe", "capture", "--pid", str(pid), "--images",
+                           str(second), "--boundary", "n580", "--criu", criu], cwd=ROOT, env=env, capture_output=True,
+                          text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the second capture failed ({done.returncode}): {done.stderr[-2000:]}")
+
+
+def _cut_digests(data: bytes, cuts: Cuts) -> list[tuple[str | None, int]]:
+    out, at = [], 0
+    for length, zero in content_cuts(data, final=True, cuts=cuts):
+        out.append((None if zero else hashlib.sha256(data[at:at + length]).hexdigest(), length))
+        at += length
+    return out
+
+
+def candidate_rows(first: Path, second: Path) -> list[list[str]]:
+    """For each of CANDIDATES: the second's page images cut so, their chunks, mean and new MiB against the first's."""
+    firsts, seconds = [p.read_bytes() for p in _page_images(first)], [p.read_bytes() for p in _page_images(second)]
+    rows = []
+    for anchor, width, least, most in CANDIDATES:
+        cuts = Cuts(re.compile(anchor.encode("latin-1").decode("unicode_escape").encode("latin-1")), width,
+                    least << 10, most << 10)
+        known = {d for data in firsts for d, _ in _cut_digests(data, cuts)}
+        chunks = [c for data in seconds for c in _cut_digests(data, cuts)]
+        stored = [n for d, n in chunks if d is not None]
+        rows.append([f"{anchor}, {least} / {most}", str(len(chunks)), f"{sum(stored) / len(stored) / 1024:.0f}",
+                     f"{_new(chunks, known) / 2**20:.1f}"])
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="the second capture of a restored engine-shaped process: its page "
+                                     "images' new bytes by cut candidate (coldsnap_runtime/chunking.py)")
+    parser.add_argument("--criu", required=True)
+    parser.add_argument("--target", default="--threads 40 --libs 100 --anon-mib 0 --heap-mib 200 --heap-seeded "
+                        "--weights-mib 1024 --state-mib 32")
+    parser.add_argument("--touch", type=int, default=135, help="places a request writes (4 pages each)")
+    parser.add_argument("--work", type=Path, default=Path("/var/tmp"))
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="capture-pair-", dir=args.work))
+    try:
+        first, second = work / "one" / "images", work / "two" / "images"
+        criu_capture(first, args.criu, [*shlex.split(args.target), "--touch", str(args.touch)], work)
+        port = json.loads((work / "control-one" / "shape.json").read_text())["port"]
+        restored_capture(first, second, args.criu, work, port)
+        floor = {d for p in _page_images(first) for d in page_digests(p)}
+        zero = hashlib.blake2b(bytes(PAGE), digest_size=16).digest()
+        new_pages = PAGE * sum(1 for p in _page_images(second) for d in page_digests(p) if d not in floor and d != zero)
+        print(f"restored, one request writing 4 pages at {args.touch} places, captured again; the floor (pages the "
+              f"first lacks): {new_pages / 2**20:.1f} MiB")
+        print(table(["anchor, MIN / MAX KiB", "chunks", "mean KiB", "new MiB"], candidate_rows(first, second)))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -2,6 +2,7 @@
 
     python bench/engine_shape_target.py --dir DIR [--threads 100] [--anon-mib 680] [--heap-mib 460] [--libs 300]
                                         [--weights-mib 0] [--state-mib 0] [--seed 7] [--heap-seeded]
+                                        [--touch 0]
 
 What makes CRIU's restore of `transformers serve` cost more than its page fill, as far as a CPU allows: `--threads`
 idle threads (PyTorch's, uvloop's and the tokenizers' pools: each an 8 MiB stack and a guard page), `--libs` shared
@@ -14,7 +15,10 @@ run (a stream seeded with `--seed`: the model's weights in host memory), then `-
 each run (a KV cache, activations); `--heap-seeded`: the heap's objects hold seeded bytes (each object its own,
 the same every run) instead of the repeating pattern, whose few distinct pages are not what a real heap holds.
 DIR/shape.json says what it has (threads, mappings, libraries, the port); DIR/ready holds its pid; then it waits
-in epoll for ever.
+in epoll for ever. Each connection to the port is a request served: `--touch` places of its memory (heap and state,
+each place 4 pages) get a few fresh bytes per page (counters, reference counts: a server's first token after a
+restore changes ~600 places per GiB of its page image, bench/results/h200-store-second-restored-16l-2026-12-02),
+then it answers one byte and closes the connection.
 Standard library only.
 """
 
@@ -74,6 +78,7 @@ def main() -> None:
     parser.add_argument("--state-mib", type=int, default=0)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--heap-seeded", action="store_true")
+    parser.add_argument("--touch", type=int, default=0)
     args = parser.parse_args()
     control = Path(args.dir)
     libs = load_libraries(args.libs)
@@ -113,10 +118,28 @@ def main() -> None:
              "anon_bytes": sum(map(len, regions)), "heap_bytes": held}
     (control / "shape.json").write_text(json.dumps(shape))
     (control / "ready").write_text(str(os.getpid()))
+    touched = [*heap, *regions[-1:]] if args.state_mib else heap
     while True:
         for fd, _ in poller.poll():
             if fd == server.fileno():
-                server.accept()[0].close()
+                connection = server.accept()[0]
+                touch(touched, args.touch)
+                connection.sendall(b"1")
+                connection.close()
+
+
+def touch(memory: list[bytearray] | list[mmap.mmap], places: int) -> None:
+    """Write 8 fresh bytes into each of 4 pages at `places` places of `memory`, chosen by their share of its bytes."""
+    sizes = [len(m) for m in memory]
+    rng = random.Random(os.urandom(8))
+    for _ in range(places):
+        at = rng.randrange(sum(sizes))
+        for block, size in zip(memory, sizes, strict=True):
+            if at < size:
+                for page in range(at - at % 4096, min(at - at % 4096 + 4 * 4096, size - 8), 4096):
+                    block[page:page + 8] = os.urandom(8)
+                break
+            at -= size
 
 
 if __name__ == "__main__":

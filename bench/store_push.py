@@ -1,6 +1,6 @@
 """A capture's push, side by side in one run (issue 34: push at the registry link's rate):
 
-    python bench/store_push.py [--mib 2048] [--work DIR] [--registry-root DIR]
+    python bench/store_push.py [--mib 2048] [--work DIR] [--registry-root DIR] [--chunks-kib 64,161,651]
 
 Debian's `docker-registry` on 127.0.0.1 (its storage under `--registry-root`, tmpfs by default, so the registry's
 own disk is not the bound), a capture of `--mib` random MiB in 64 MiB chunks in a fresh node store under `--work`
@@ -13,6 +13,10 @@ own disk is not the bound), a capture of `--mib` random MiB in 64 MiB chunks in 
 * the worker threads (`CaptureRegistry.push`: each blob in a thread of its own limiter, HEAD first, the body sent
   from the store's file by `sendfile`, 8 at a time);
 * the same push again: every blob is there already (HEAD only; "a second capture adds ≤ 5 % new bytes").
+
+`--chunks-kib`: instead, what the chunk count costs: for each size, a capture of one `--mib` MiB page image cut in
+chunks of that many KiB (as coldsnap_runtime/chunking.py cuts them, on average) pushed by the worker threads to a
+fresh repository, pulled into an empty store (`CaptureRegistry.pull`, 8 at a time), then pushed again (HEAD only).
 """
 
 from __future__ import annotations
@@ -37,6 +41,47 @@ from coldsnap_runtime.backend import CaptureRegistry, Transferred
 from coldsnap_runtime.store import CHUNK_BYTES, OCI_MANIFEST, CaptureStore, StoredFile, artifact_manifest
 
 PARALLEL = 8  # blobs in flight at once, as the daemon's push (coldsnap_runtime's _capture_registry.PARALLEL)
+
+
+def fill_cut(root: Path, mib: int, chunk_kib: int) -> tuple[CaptureStore, str]:
+    """A store holding one capture of `mib` random MiB: one page image in chunks of `chunk_kib` KiB (format 2)."""
+    store = CaptureStore(root)
+    store.open()
+    size, length = mib << 20, chunk_kib << 10
+    lengths = [min(length, size - at) for at in range(0, size, length)]
+    chunks: list[str | None] = [store.put_blob(os.urandom(n)) for n in lengths]
+    files = [StoredFile(path="images/pages-1.img", size=size, mode=0o644, chunks=chunks, lengths=lengths)]
+    data = json.dumps({"format": 2, "files": [{"path": f.path, "size": f.size, "mode": f.mode, "chunks": f.chunks,
+                                                "lengths": f.lengths} for f in files]},
+                      sort_keys=True, separators=(",", ":")).encode()
+    return store, store.record(artifact_manifest(data, files), data)
+
+
+def registry(store: CaptureStore, address: str, repository: str, action: str) -> CaptureRegistry:
+    return CaptureRegistry(store, registry=address, repository=repository, auth=None, insecure=True, action=action,
+                           fetches=anyio.CapacityLimiter(2 * PARALLEL), share=anyio.CapacityLimiter(2 * PARALLEL),
+                           uploads=anyio.CapacityLimiter(2 * PARALLEL))
+
+
+def chunk_rows(work: Path, address: str, mib: int, sizes: list[int]) -> list[list[str]]:
+    """Push, pull and push again of a `mib` MiB capture at each chunk size, each in a repository of its own."""
+    rows = []
+    for kib in sizes:
+        store, capture = fill_cut(work / f"push-{kib}", mib, kib)
+        pushed = registry(store, address, f"bench/chunks-{kib}", "image-push")
+        seconds, done = timed(lambda pushed=pushed, capture=capture: anyio.run(pushed.push, capture))
+        empty = CaptureStore(work / f"pull-{kib}")
+        empty.open()
+        pulled = registry(empty, address, f"bench/chunks-{kib}", "image-pull")
+        pull_s, fetched = timed(lambda pulled=pulled, capture=capture: anyio.run(pulled.pull, capture))
+        again_s, _ = timed(lambda pushed=pushed, capture=capture: anyio.run(pushed.push, capture))
+        manifest = len(store.manifest(capture))
+        rows.append([f"{kib} KiB", str(done.blobs), f"{manifest / 1e6:.2f}", f"{seconds:.2f}",
+                     f"{done.bytes / seconds / 1e9:.3f}", f"{pull_s:.2f}", f"{fetched.bytes / pull_s / 1e9:.3f}",
+                     f"{again_s:.2f}"])
+        shutil.rmtree(work / f"push-{kib}", ignore_errors=True)
+        shutil.rmtree(work / f"pull-{kib}", ignore_errors=True)
+    return rows
 
 
 def fill_store(root: Path, mib: int) -> tuple[CaptureStore, str]:
@@ -85,10 +130,7 @@ async def loop_push(store: CaptureStore, address: str, repository: str, capture:
 
 
 def thread_push(store: CaptureStore, address: str, repository: str, capture: str) -> Transferred:
-    registry = CaptureRegistry(store, registry=address, repository=repository, auth=None, insecure=True,
-                               action="image-push", fetches=anyio.CapacityLimiter(2 * PARALLEL),
-                               uploads=anyio.CapacityLimiter(2 * PARALLEL))
-    return anyio.run(registry.push, capture)
+    return anyio.run(registry(store, address, repository, "image-push").push, capture)
 
 
 def timed(work: object) -> tuple[float, Transferred]:
@@ -103,11 +145,19 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=2048)
     parser.add_argument("--work", type=Path, default=Path("/var/tmp"))
     parser.add_argument("--registry-root", type=Path, default=Path("/dev/shm"))
+    parser.add_argument("--chunks-kib", default="", help="chunk sizes to compare (KiB, comma-separated)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="store-push-", dir=args.work))
     registry_root = Path(tempfile.mkdtemp(prefix="store-push-registry-", dir=args.registry_root))
     process, address = start_registry(registry_root)
     try:
+        if args.chunks_kib:
+            rows = chunk_rows(work, address, args.mib, [int(k) for k in args.chunks_kib.split(",")])
+            print(f"a {args.mib} MiB page image by chunk size, docker-registry on 127.0.0.1 (storage on "
+                  f"{args.registry_root}), {os.cpu_count()} cores, {PARALLEL} at a time; one run")
+            print(table(["chunks", "blobs", "manifest MB", "push s", "push GB/s", "pull s", "pull GB/s",
+                         "push again s (HEAD only)"], rows))
+            return
         sample = work / "link-sample.bin"
         with sample.open("wb") as out:
             for _ in range(max(1, (args.mib << 20) // CHUNK_BYTES)):

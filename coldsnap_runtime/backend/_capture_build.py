@@ -3,7 +3,8 @@
 A build context carries a capture when a directory in it holds the worker's ``capture.json``; every
 regular file of at least :data:`STORE_MIN_BYTES` under such a directory is *stored*: its bytes go into the
 node's store as chunks (zeros skipped, present chunks not written again; CRIU's page images cut by content,
-:data:`CUT_BY_CONTENT`, every other file in 64 MiB pieces from its start) and the image gets a small
+:data:`CUT_BY_CONTENT`, up to ``chunking.CUT_MAX_BYTES`` of them in all; every other file in 64 MiB pieces from its
+start) and the image gets a small
 stub in its place. Two labels say where the bytes are: :data:`CAPTURE_LABEL` names the capture (the digest
 of its registry artifact, ``store.artifact_manifest``) and :data:`FILES_LABEL` maps each path the stubs take
 in the image to the capture's file (base64url JSON: a label value the Dockerfile can neither expand nor
@@ -28,7 +29,7 @@ import re
 import tarfile
 from typing import IO
 
-from ..chunking import CUT_MAX_FILE_BYTES
+from ..chunking import CUT_MAX_BYTES
 from ..dockerfile import instructions
 from ..store import CaptureData, CaptureStore, StoredFile, artifact_manifest
 from ._buildctx import DOCKERFILE_PATH
@@ -174,13 +175,15 @@ def store_context(source: IO[bytes], out: IO[bytes], store: CaptureStore) -> str
         # The files' bytes first: the capture's id (each stub names it) is known once all are in the store. Held
         # until it is recorded: a collection meanwhile never deletes a chunk this build stored or found present.
         files: list[StoredFile] = []
+        cut_left = CUT_MAX_BYTES  # the capture's page images cut by content in all: its manifest's bound
         with store.holding() as hold:
             for member in members:
                 if member.name in stored_names:
                     data = tar.extractfile(member)
                     assert data is not None
                     by_content = CUT_BY_CONTENT.fullmatch(posixpath.basename(member.name)) is not None and \
-                        member.size <= CUT_MAX_FILE_BYTES
+                        member.size <= cut_left
+                    cut_left -= member.size if by_content else 0
                     files.append(store.ingest(member.name, member.size, member.mode, data, by_content=by_content,
                                               hold=hold))
             document = CaptureData(files=sorted(files, key=lambda f: f.path),
