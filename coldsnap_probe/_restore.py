@@ -268,6 +268,8 @@ class _Restore:
         try:
             seconds = criu.wait()
         except WorkerError as exc:
+            if failed is not None and self.phase.current != "criu-restore":  # a record or stage failed meanwhile: the
+                raise failed from exc  # restore's reason, as when the records were checked before CRIU (review 14)
             raise exc from failed
         if failed is None:
             self.report.criu_restore_seconds = seconds

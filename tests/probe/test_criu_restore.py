@@ -357,6 +357,23 @@ def test_a_shared_file_that_cannot_be_put_back_fails_in_criu_s_phase_and_leaves_
         path.unlink(missing_ok=True)
 
 
+def test_a_bad_record_is_the_reason_given_when_criu_fails_too(tmp_path: Path, criu: str, plain: Capture) -> None:
+    """Review 14: one rank's paused tree checks its records while CRIU runs. Regression: when CRIU failed as well,
+    its error was the one given (under `validate`) and the record's, which the order before named, was lost."""
+    images = private_images(plain.images, tmp_path / "images")
+    record = images / "capture.json"
+    captured = json.loads(record.read_text())
+    record.unlink()  # links to the shared capture's files: copies replace those changed
+    record.write_text(json.dumps({**captured, "cuda_pids": [plain.pid]}))  # a CUDA tree: restored paused
+    (images / "graph.json").write_text("{")
+    pages = max(images.glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    pages.unlink()
+    pages.write_bytes(b"")  # CRIU fails too
+    done = worker("restore", "--images", str(images), "--criu", criu, "--work-dir", str(tmp_path / "work"))
+    assert done.returncode == 1 and "\nerror: restore phase validate: WorkerError: " in done.stderr, done.stderr
+    assert "graph.json" in done.stderr.split("\nerror: ")[1] and not alive(plain.pid), done.stderr
+
+
 def test_a_killed_restore_leaves_no_process(tmp_path: Path, criu: str, plain: Capture) -> None:
     # CRIU run bare keeps its work files (stats-restore.img) beside the images: links, so the shared ones stay as
     # they were.
