@@ -151,7 +151,14 @@ class _Restore:
         early = self.paused and not self.ranks.multi
         if not early:
             self._read_records()
-        root = self._end_criu(self._start_criu(), records=early)
+            self.phase.enter("criu-restore")
+        try:
+            criu = self._start_criu()
+        except BaseException:  # starting CRIU (the /dev/shm files, lazy pages) is its phase, never the records'
+            if self.phase.current != "criu-restore":
+                self.phase.enter("criu-restore")
+            raise
+        root = self._end_criu(criu, records=early)
         # The phases after CRIU live in `_restore_after_criu`, imported while CRIU ran (`_import_later_phases`): the
         # path to CRIU imports only what its checks need (issue 35 item 2). Here it is a lookup.
         from ._restore_after_criu import after_criu
@@ -249,7 +256,7 @@ class _Restore:
         try:
             if records:
                 self._read_records()
-            self.phase.enter("criu-restore")
+                self.phase.enter("criu-restore")
             starting = _CudaStart() if self.cuda else None
             self._open_report()
             _import_later_phases()  # while cuInit runs, which releases the interpreter
@@ -261,6 +268,8 @@ class _Restore:
         try:
             seconds = criu.wait()
         except WorkerError as exc:
+            if failed is not None and self.phase.current != "criu-restore":  # a record or stage failed meanwhile: the
+                raise failed from exc  # restore's reason, as when the records were checked before CRIU (review 14)
             raise exc from failed
         if failed is None:
             self.report.criu_restore_seconds = seconds

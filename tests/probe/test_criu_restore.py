@@ -330,6 +330,50 @@ def test_a_cuda_driver_that_fails_while_criu_restores_leaves_no_process(tmp_path
     assert "Restore finished successfully" in (tmp_path / "work/restore.log").read_text()  # CRIU ran meanwhile
     assert gone_within(pid, 10), f"the restored tree ({pid}) outlived the failed restore"
 
+@pytest.mark.parametrize("flags", [[], ["--lazy-pages"]], ids=["running", "paused"])
+def test_a_shared_file_that_cannot_be_put_back_fails_in_criu_s_phase_and_leaves_no_process(
+        tmp_path: Path, criu: str, plain: Capture, flags: list[str]) -> None:
+    """Review 14: the /dev/shm files are put back as CRIU starts, CRIU's phase. Regression (issue 35's reorder):
+    CRIU began before its phase was entered, so a failure there named `stage` (a tree restored running, several
+    ranks) or `validate` (one rank's paused tree), phases of records and of a node hydrator's stages."""
+    from coldsnap_probe._shm_files import save_shared_files
+
+    images, pid = private_images(plain.images, tmp_path / "images"), plain.pid
+    path = Path(f"/dev/shm/cs-review14-{os.getpid()}-{len(flags)}")
+    path.write_bytes(b"ring")
+    try:
+        save_shared_files([str(path)], images)  # new files beside the links: the shared capture stays as it was
+        path.unlink()
+        path.mkdir()  # a directory where the file goes back: the rename over it fails
+        done = worker("restore", "--images", str(images), "--criu", criu, "--work-dir", str(tmp_path / "work"),
+                      *flags)
+        assert done.returncode == 1
+        assert f"error: restore phase criu-restore: WorkerError: shared-memory file {path} could not be put back" \
+            in done.stderr, done.stderr
+        assert not alive(pid) and [p.name for p in path.parent.glob(f"{path.name}.coldsnap-*")] == []
+    finally:
+        if path.is_dir():
+            path.rmdir()
+        path.unlink(missing_ok=True)
+
+
+def test_a_bad_record_is_the_reason_given_when_criu_fails_too(tmp_path: Path, criu: str, plain: Capture) -> None:
+    """Review 14: one rank's paused tree checks its records while CRIU runs. Regression: when CRIU failed as well,
+    its error was the one given (under `validate`) and the record's, which the order before named, was lost."""
+    images = private_images(plain.images, tmp_path / "images")
+    record = images / "capture.json"
+    captured = json.loads(record.read_text())
+    record.unlink()  # links to the shared capture's files: copies replace those changed
+    record.write_text(json.dumps({**captured, "cuda_pids": [plain.pid]}))  # a CUDA tree: restored paused
+    (images / "graph.json").write_text("{")
+    pages = max(images.glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    pages.unlink()
+    pages.write_bytes(b"")  # CRIU fails too
+    done = worker("restore", "--images", str(images), "--criu", criu, "--work-dir", str(tmp_path / "work"))
+    assert done.returncode == 1 and "\nerror: restore phase validate: WorkerError: " in done.stderr, done.stderr
+    assert "graph.json" in done.stderr.split("\nerror: ")[1] and not alive(plain.pid), done.stderr
+
+
 def test_a_killed_restore_leaves_no_process(tmp_path: Path, criu: str, plain: Capture) -> None:
     # CRIU run bare keeps its work files (stats-restore.img) beside the images: links, so the shared ones stay as
     # they were.
