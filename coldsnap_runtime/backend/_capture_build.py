@@ -3,8 +3,8 @@
 A build context carries a capture when a directory in it holds the worker's ``capture.json``; every
 regular file of at least :data:`STORE_MIN_BYTES` under such a directory is *stored*: its bytes go into the
 node's store as chunks (zeros skipped, present chunks not written again; CRIU's page images cut by content,
-:data:`CUT_BY_CONTENT`, up to ``chunking.CUT_MAX_BYTES`` of them in all; every other file in 64 MiB pieces from its
-start) and the image gets a small
+:data:`CUT_BY_CONTENT`, up to ``chunking.CUT_MAX_BYTES`` of them in all, every file's chunks counted against it; every
+other file in 64 MiB pieces from its start) and the image gets a small
 stub in its place. Two labels say where the bytes are: :data:`CAPTURE_LABEL` names the capture (the digest
 of its registry artifact, ``store.artifact_manifest``) and :data:`FILES_LABEL` maps each path the stubs take
 in the image to the capture's file (base64url JSON: a label value the Dockerfile can neither expand nor
@@ -29,7 +29,7 @@ import re
 import tarfile
 from typing import IO
 
-from ..chunking import CUT_MAX_BYTES
+from ..chunking import CHUNK_BYTES, CUT_MAX_BYTES, MIN_BYTES
 from ..dockerfile import instructions
 from ..store import CaptureData, CaptureStore, StoredFile, artifact_manifest
 from ._buildctx import DOCKERFILE_PATH
@@ -181,9 +181,12 @@ def store_context(source: IO[bytes], out: IO[bytes], store: CaptureStore) -> str
                 if member.name in stored_names:
                     data = tar.extractfile(member)
                     assert data is not None
+                    # In MIN_BYTES chunk-equivalents, every file's chunks: a file cut by content lists at most one
+                    # per MIN_BYTES and one shorter, another one per CHUNK_BYTES (review 14: many small page images,
+                    # or large dumps beside them, went past the manifest's 4 MiB).
                     by_content = CUT_BY_CONTENT.fullmatch(posixpath.basename(member.name)) is not None and \
-                        member.size <= cut_left
-                    cut_left -= member.size if by_content else 0
+                        member.size + MIN_BYTES <= cut_left
+                    cut_left -= member.size + MIN_BYTES if by_content else -(-member.size // CHUNK_BYTES) * MIN_BYTES
                     files.append(store.ingest(member.name, member.size, member.mode, data, by_content=by_content,
                                               hold=hold))
             document = CaptureData(files=sorted(files, key=lambda f: f.path),
