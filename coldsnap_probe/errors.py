@@ -13,6 +13,7 @@
     ├── ContractError               a graph policy record or memory contract breaks a rule
     │   ├── MemoryCapabilityError   a memory contract is violated or a provider lacks a capability
     │   └── NotCanonical            a value has no canonical JSON (NaN or an infinity), so no digest
+    ├── RecordInvalid (ValueError)  an images record is not the format-1 document its name promises
     ├── WorkerError                 a capture or restore step failed
     │   ├── RankAborted             a multi-rank activation was aborted (by a rank, or a peer never arrived)
     │   ├── CaptureRefused          this tree cannot be captured (every reason, before anything is locked)
@@ -46,6 +47,7 @@ __all__ = (
     "ProbeError",
     "ProfileError",
     "RankAborted",
+    "RecordInvalid",
     "TargetRefused",
     "UnknownDriver",
     "WorkerError",
@@ -82,6 +84,10 @@ class CanaryFailed(ProbeError):
 
 class ProfileError(ProbeError, ValueError):
     """A profile, requirement list or qualification record is malformed (the message names the rule)."""
+
+
+class RecordInvalid(ProbeError, ValueError):
+    """An images record is not the format-1 document its name promises (a ValueError, as the JSON decoder's are)."""
 
 
 class UnknownDriver(ProfileError):

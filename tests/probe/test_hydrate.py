@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from coldsnap_probe._profile import identity
 from coldsnap_probe.errors import HydrationError
 from coldsnap_probe.hydration._arena import WeightArena
 from coldsnap_probe.hydration._digests import DIGEST_CHUNK, chunk_digests, region_digest
@@ -24,6 +25,7 @@ from coldsnap_probe.hydration._weights import (
     validate_regions,
 )
 from tests.helpers import ROOT
+from tests.probe.test_coordinator import stand_in_criu
 from tests.probe.test_main import has_nvidia_driver
 
 BASE = 0x7F0000000000
@@ -175,18 +177,23 @@ def test_discarded_regions_have_their_own_kv_cache_layout_in_the_plan(tmp_path: 
         HydrationManifest.from_json(grown)
 
 
-def test_restore_with_a_truncated_weight_source_refuses_before_criu(tmp_path: Path) -> None:
+def test_restore_with_a_truncated_weight_source_is_refused_naming_it(tmp_path: Path) -> None:
+    """Before CRIU for a tree it restores running (a paused CUDA tree's records are checked while CRIU runs, which
+    tests/probe/test_criu_restore.py covers with a real CRIU): this CRIU answers only `--version`, so CRIU never ran."""
     path = source(tmp_path)
     manifest = manifest_for([region(path)])
     images = tmp_path / "images"
     images.mkdir()
-    (images / "capture.json").write_text(json.dumps({"boundary": "n610", "root_pid": 1, "cuda_pids": [1]}))
+    criu = stand_in_criu(tmp_path)
+    (images / "capture.json").write_text(json.dumps({"boundary": "n580", "root_pid": 1, "cuda_pids": [],
+                                                     "identity": identity(None, criu=str(criu))}))
     (images / "hydration.json").write_text(json.dumps(manifest.to_json()))
     os.truncate(path, MIB)
     done = subprocess.run([sys.executable, "-m", "coldsnap_probe", "restore", "--images", str(images),
-                           "--criu", "/nonexistent/criu"], capture_output=True, text=True, cwd=ROOT, check=False,
-                          timeout=60)
-    assert done.returncode == 1
+                           "--criu", str(criu), "--work-dir", str(tmp_path / "work")], capture_output=True, text=True,
+                          cwd=ROOT, check=False, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert "error: restore phase validate: " in done.stderr and not (tmp_path / "work" / "restore.log").exists()
     assert "weight hydration cannot succeed, not restoring: region weights: source" in done.stderr
     assert "is truncated" in done.stderr
 

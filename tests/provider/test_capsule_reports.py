@@ -116,8 +116,10 @@ async def test_hostile_capsule_reports_change_nothing_but_the_rejected_counter(b
     async with running_daemon(_metrics_config(sock)) as daemon:
         session = await daemon.open_session()
         await _run_capsule(session, busybox_image, _HOSTILE)
-        await _run_capsule(session, busybox_image, 'cd "$COLDSNAP_REPORT_DIR"; i=0; '
-                           'while [ $i -lt 300 ]; do echo x > f$i.json; i=$((i+1)); done')
+        # Written aside, then moved in at once: a scan in the middle of a slow loop (a loaded machine) saw some and
+        # rejected the rest in a later scan as malformed.
+        await _run_capsule(session, busybox_image, 'cd "$COLDSNAP_REPORT_DIR"; mkdir .r; i=0; '
+                           'while [ $i -lt 300 ]; do echo x > .r/f$i.json; i=$((i+1)); done; mv .r/* .; rmdir .r')
 
         def rejected(text: str) -> float:
             return sum(sample(text, "coldsnap_provider_capsule_reports_rejected_total", reason=r)
