@@ -155,7 +155,7 @@ class _Restore:
         try:
             criu = self._start_criu()
         except BaseException:  # starting CRIU (the /dev/shm files, lazy pages) is its phase, never the records'
-            if self.phase.current != "criu-restore":
+            if early:
                 self.phase.enter("criu-restore")
             raise
         root = self._end_criu(criu, records=early)
