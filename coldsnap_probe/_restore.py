@@ -232,6 +232,8 @@ class _Restore:
 
     def _start_criu(self) -> CriuRun:
         """CRIU starts restoring the tree (paused when anything follows)."""
+        if not (self.images / "pstree.img").is_file():  # CRIU's process tree: the patched CRIU crashes without it
+            raise WorkerError(f"these images lack pstree.img (CRIU's process tree): {self.images} is no whole capture")
         work = self.work = self.work or self.journal.scratch("coldsnap-restore-")
         work.mkdir(parents=True, exist_ok=True)
         pidfile = self.pidfile = work / "restored.pid"

@@ -374,6 +374,16 @@ def test_a_bad_record_is_the_reason_given_when_criu_fails_too(tmp_path: Path, cr
     assert "graph.json" in done.stderr.split("\nerror: ")[1] and not alive(plain.pid), done.stderr
 
 
+def test_images_without_their_process_tree_are_refused_naming_it(tmp_path: Path, criu: str, plain: Capture) -> None:
+    """Review 14: the patched CRIU died of SIGSEGV on images without pstree.img; the worker refuses them first."""
+    images = private_images(plain.images, tmp_path / "images")
+    (images / "pstree.img").unlink()
+    done = worker("restore", "--images", str(images), "--criu", criu, "--work-dir", str(tmp_path / "work"))
+    assert done.returncode == 1 and "restore phase criu-restore: WorkerError: these images lack pstree.img (CRIU's " \
+        "process tree)" in done.stderr, done.stderr
+    assert "criu restore exited" not in done.stderr and not alive(plain.pid)
+
+
 def test_a_killed_restore_leaves_no_process(tmp_path: Path, criu: str, plain: Capture) -> None:
     # CRIU run bare keeps its work files (stats-restore.img) beside the images: links, so the shared ones stay as
     # they were.
