@@ -572,6 +572,36 @@ def test_a_manager_runs_tags_and_builds_from_only_the_captures_it_reaches(
             docker("image", "rm", "-f", tag, check=False)
 
 
+def test_a_capsule_a_manager_pulls_is_its_own_to_run_also_when_its_run_pulled_it(
+        node_a: tuple[Daemon, Path], registry: Registry, busybox_image: str,
+        small_capture_context: tuple[Path, bytes]) -> None:
+    """A run's own pull (pull_policy "missing") records the reference as the pulling manager's once the registry gave
+    the capture, so that run (and the next) reaches it; a pull of it again is the manager's own."""
+    daemon, _ = node_a
+    context, head = small_capture_context
+    a, b = session_as(OTHER_UID, daemon, prefix="reach-a"), session_as(THIRD_UID, daemon, prefix="reach-b")
+    tag = f"{registry.address}/reach/{uniq('pulled')}:1"
+
+    async def run() -> None:
+        built = await a.runtime("image-build", build=build_request(
+            f"FROM {busybox_image}\nCOPY images /capsule/images\n", str(context), tag))
+        assert built.ok, built.error
+        assert (pushed := await a.runtime("image-push", image=tag)).ok, pushed.error
+        assert (removed := await a.runtime("image-remove", image=tag)).ok, removed.error
+        for _ in range(2):  # pulled by the run, then resident
+            ran = await b.runtime("workload-run", workload={
+                "name": "", "image": tag, "pull_policy": "missing", "remove_after_exit": True,
+                "command": ["head", "-c", "16", "/capsule/images/pages-1.img"]})
+            assert ran.ok, ran.error
+            assert ran.runtime.output == head  # type: ignore[union-attr]
+        assert (pulled := await b.runtime("image-pull", image=tag)).ok, pulled.error
+
+    try:
+        anyio.run(run)
+    finally:
+        docker("image", "rm", "-f", tag, check=False)
+
+
 def _bytes_under(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
