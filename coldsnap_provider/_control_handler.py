@@ -21,6 +21,7 @@ from msgspec import UNSET
 
 from coldsnap_probe import ProfileError
 from coldsnap_runtime import Backend
+from coldsnap_runtime.backend import running_for
 from coldsnap_runtime.errors import ColdsnapError, RequestRejected
 
 from . import __version__
@@ -235,8 +236,10 @@ class ControlHandler:
         result = "failed"
         cached = False
         try:
-            answer = await run_probe(options, state_dir=self._sessions.store.state_dir,
-                                     backend=self._backend, identity=self._operations.identity)
+            # The capsule's run is the caller's: a capture its image carries is mounted only if the caller reaches it.
+            with running_for(None if is_admin(peer.uid) else peer.uid):
+                answer = await run_probe(options, state_dir=self._sessions.store.state_dir,
+                                         backend=self._backend, identity=self._operations.identity)
             result, cached = ("admitted" if answer.get("admitted") else "refused"), bool(answer.get("cached"))
             return answer
         except (ValueError, ProfileError) as exc:

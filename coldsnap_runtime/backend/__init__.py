@@ -16,6 +16,7 @@ from ._base import Backend as Backend
 from ._base import Owner as Owner
 from ._base import RuntimeContext as RuntimeContext
 from ._base import dispatch as dispatch
+from ._base import running_for as running_for
 from ._base import with_manager_labels as with_manager_labels
 from ._base import with_report_dir as with_report_dir
 from ._confine import CAPSULE_DENIED_IOCTL_TYPES as CAPSULE_DENIED_IOCTL_TYPES
@@ -39,7 +40,8 @@ if TYPE_CHECKING:
 __all__ = ("CAPSULE_DENIED_IOCTL_TYPES", "CAPSULE_DENIED_SYSCALLS", "MANAGER_UID_LABEL", "REPORT_DIR_LABEL",
            "ArchiveRefused", "Backend", "CaptureRegistry", "Captures", "DockerBackend", "GpuPolicy", "HostPolicy",
            "KubernetesBackend", "LedgerEntry", "Owner", "PrivilegeGrant", "RuntimeContext", "Transferred",
-           "check_members", "container_config", "dispatch", "extract_archive", "read_capabilities", "seccomp_profile",
+           "check_members", "container_config", "dispatch", "extract_archive", "read_capabilities", "running_for",
+           "seccomp_profile",
            "with_manager_labels", "with_report_dir")
 
 

@@ -11,7 +11,9 @@ not decided here: the provider applies that rule above its hosts, once for every
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Protocol
 
@@ -43,13 +45,24 @@ from ..schema import (
 from ._ledger import LedgerEntry
 
 __all__ = ("MANAGER_UID_LABEL", "REPORT_DIR_LABEL", "REPORT_ENV", "REPORT_TARGET", "WORKLOAD_LABEL",
-           "Backend", "LedgerEntry", "Owner", "RuntimeContext", "dispatch", "requesting_manager", "with_manager_labels",
-           "with_report_dir")
+           "Backend", "LedgerEntry", "Owner", "RuntimeContext", "dispatch", "requesting_manager", "running_for",
+           "with_manager_labels", "with_report_dir")
 
 # The manager a runtime request runs for (None: root, the daemon's account, a library caller), for what a backend
-# shares out per manager (the capture store's blob-fetch slots: `_captures.py`). Set by `dispatch` for the request's
-# task and the tasks it starts; context-local, so one request never sees another's.
+# shares out per manager (the capture store's blob-fetch slots) and the captures it reaches (`_captures.py`). Set
+# (`running_for`) by `dispatch` and the provider's probe for the request's task and the tasks it starts;
+# context-local, so one request never sees another's.
 requesting_manager: ContextVar[int | None] = ContextVar("coldsnap_requesting_manager", default=None)
+
+
+@contextlib.contextmanager
+def running_for(uid: int | None) -> Iterator[None]:
+    """The backend calls made inside run for manager `uid` (None: one that reaches everything): `requesting_manager`."""
+    token = requesting_manager.set(uid)
+    try:
+        yield
+    finally:
+        requesting_manager.reset(token)
 
 WORKLOAD_LABEL = "io.sparksq.coldsnap.workload"
 MANAGER_UID_LABEL = "io.coldsnap-provider.manager-uid"
@@ -283,16 +296,13 @@ async def require_own_image(backend: Backend, request: RuntimeRequest, ctx: Runt
 
 async def dispatch(backend: Backend, request: RuntimeRequest, ctx: RuntimeContext) -> RuntimeResponse:
     """Run one validated runtime request; raises a ColdsnapError subclass on failure."""
-    token = requesting_manager.set(None if ctx.reaches_all else ctx.manager_uid)
-    try:
+    with running_for(None if ctx.reaches_all else ctx.manager_uid):
         if claim := await require_own_image(backend, request, ctx):
             response = await _dispatch(backend, request, ctx)
             assert ctx.manager_uid is not None
             await backend.claim_image(claim, ctx.manager_uid)
             return response
         return await _dispatch(backend, request, ctx)
-    finally:
-        requesting_manager.reset(token)
 
 
 async def _dispatch(backend: Backend, request: RuntimeRequest, ctx: RuntimeContext) -> RuntimeResponse:

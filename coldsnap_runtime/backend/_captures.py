@@ -108,9 +108,10 @@ class Captures:
                                 "the node's capture store (removed or collected): build or pull it again")
         return await (await self._registry(image, store, auth, "image-push")).push(found)
 
-    async def pull(self, image: str, info: dict[str, Any], auth: Auth) -> Transferred | None:
+    async def pull(self, image: str, info: dict[str, Any], auth: Auth, *, held: str | None) -> Transferred | None:
         """Fetch the capture the pulled `image` carries into the store (what it lacks) and make its files; None
-        without one."""
+        without one. `held`: the capture the manager's own reference carried before this pull moved it (`carried`),
+        whose chunks it still may use (a pull of the same capsule again fetches only what changed)."""
         found = self._capture(image, info, "image-pull")
         if found is None:
             return None
@@ -119,7 +120,7 @@ class Captures:
         # manager's), and only a registry that serves its manifest and data shows the image comes with it.
         present = store.has(found)
         registry = await self._registry(image, store, auth, "image-pull")
-        moved = await registry.pull(found, await self._possession(store))
+        moved = await registry.pull(found, await self._possession(store, held))
         if not present:
             self._count("registry", moved.bytes)
         # Its files made now, not at the first workload-run: a node pulls ahead of restoring, and making them was
@@ -135,10 +136,14 @@ class Captures:
             self._count("disk", read)
         return moved
 
-    async def _possession(self, store: CaptureStore) -> Possession:
-        """What the requesting manager's pull may use of the store's chunks without fetching them (`Possession`)."""
+    async def _possession(self, store: CaptureStore, held: str | None) -> Possession:
+        """What the requesting manager's pull may use of the store's chunks without fetching them (`Possession`):
+        the chunks of the captures it reaches (the reference this pull writes counts for none: its image is not
+        yet checked, `ImageLedger.writing`) and of `held`."""
         uid = requesting_manager.get()
         reached = await self.visible(uid, "image-pull")
+        if reached is not None and held is not None and store.has(held):
+            reached.add(held)
         chunks = None if reached is None else \
             await anyio.to_thread.run_sync(lambda: set().union(*(store.chunks(c) for c in reached)))
         return Possession(uid, chunks, self._proven)
@@ -261,6 +266,25 @@ class Captures:
         if uid is None:
             return None
         return await self._carried_by(self._owned_refs(uid), action)
+
+    async def require_reach(self, image: str, info: dict[str, Any], action: str, *, outcome: str) -> None:
+        """Refuse `image` (`info`: its inspect) when it carries a capture the requesting manager does not reach
+        (``requesting_manager``; `visible`): its run would mount the capture's files, and a tag or a build FROM it
+        would record an image of that manager carrying it, which reaches it from then on. `outcome`: what the
+        refusal left. A host without a store mounts no capture (its runs of a capsule are refused): nothing to
+        reach there."""
+        uid = requesting_manager.get()
+        if self.store is None or uid is None or (capture := self._capture(image, info, action)) is None:
+            return
+        if capture not in await self._carried_by(self._owned_refs(uid), action):
+            raise RuntimeFailed(action=action, detail=(
+                f"{image} carries capture {capture}, which this manager does not reach (a manager reaches the "
+                "captures of the images its own sessions pulled, built or tagged): pull, build or tag an image of "
+                f"your own that carries it; {outcome}"))
+
+    async def carried(self, image: str, action: str) -> str | None:
+        """The capture `image` carries now (None: none, or not resident; a host without a store: never asked)."""
+        return None if self.store is None else next(iter(await self._carried_by([image], action)), None)
 
     async def _carried_by(self, refs: list[str], action: str) -> set[str]:
         """The captures these image references carry (a reference gone from the engine carries none)."""

@@ -217,6 +217,8 @@ class DockerBackend:
         """The container of `spec`, whose image `info` describes (the run's inspect of it)."""
         if CAPTURE_LABEL not in ((info.get("Config") or {}).get("Labels") or {}):
             return await self._create_exclusive(spec, capabilities, layers, info, None)
+        # Another manager's capture is never mounted for this one (nor the image read for it): refused first.
+        await self.captures.require_reach(spec.image, info, "workload-run", outcome="nothing was started")
         stubs = await self.captures.stubbed(spec.image, info)  # reads the image: not under the node-wide lock
         async with self.captures.lock:  # the files made, then the container that pins them: one step for gc
             captured = await self.captures.mounts(spec.image, info, stubs)

@@ -25,7 +25,7 @@ import aiohttp
 from .. import dockerfile
 from ..errors import BuildContextError, NotFound, RequestRejected, RuntimeFailed
 from ..schema import ImageBuild, ImageInfo
-from ._base import Owner
+from ._base import Owner, requesting_manager
 from ._buildctx import DOCKERFILE_PATH, base_images, rewrite_dockerfile, write_context_tar
 from ._capture_build import CAPTURE_LABEL, FILES_LABEL
 from ._captures import Captures
@@ -150,18 +150,28 @@ class Images:
         ref = parse_reference(image)
         if ref is None:
             raise RuntimeFailed(action="image-pull", detail=f"local-only image {image} must already be resident")
-        await self._engine.progress("image-pull", "images/create",
-                                    params={"fromImage": ref.repository, "tag": ref.pull_tag},
-                                    headers=self._auth_header(ref.registry), kind="image", ref=image)
-        await self.ledger.update("image-pull", add=image)
-        # The capture the capsule carries comes beside it, straight into the node's store.
-        try:
-            await self.captures.pull(image, await self.exact(image, "image-pull"), self._auth)
-        except Exception:  # an image whose capture its registry did not give must not run with the node's copy
-            with contextlib.suppress(Exception), docker_errors("image-pull", kind="image", ref=image):
-                await self._engine.docker.images.delete(image, force=True)
-            await self.ledger.update("image-pull", drop=image)
-            raise
+        manager, entry = requesting_manager.get(), self.ledger.entry(image)
+        # The capture the manager's own reference carries before the pull moves it: the pull may use its chunks.
+        held = await self.captures.carried(image, "image-pull") \
+            if manager is not None and entry is not None and entry.owner == manager else None
+        # Until its capture came from the registry, the reference (its label) reaches no capture (`writing`).
+        with self.ledger.writing(image):
+            await self._engine.progress("image-pull", "images/create",
+                                        params={"fromImage": ref.repository, "tag": ref.pull_tag},
+                                        headers=self._auth_header(ref.registry), kind="image", ref=image)
+            await self.ledger.update("image-pull", add=image)
+            # The capture the capsule carries comes beside it, straight into the node's store.
+            try:
+                await self.captures.pull(image, await self.exact(image, "image-pull"), self._auth, held=held)
+            except Exception:  # an image whose capture its registry did not give must not run with the node's copy
+                with contextlib.suppress(Exception), docker_errors("image-pull", kind="image", ref=image):
+                    await self._engine.docker.images.delete(image, force=True)
+                await self.ledger.update("image-pull", drop=image)
+                raise
+            # A reference this pull recorded is now the pulling manager's: a workload-run's pull too, which `dispatch`
+            # claims for no one (pull_policy "missing"), and whose run must reach the capture just pulled.
+            if manager is not None and entry is None:
+                await self.ledger.update("image-pull", add=image, owner=manager)
         await self.captures.read_stubs(image, "image-pull")
 
     async def push(self, image: str) -> None:
@@ -179,6 +189,8 @@ class Images:
         if ref is None or ref.digest:
             raise RuntimeFailed(action="image-tag", detail=f"target {target} must be repository[:tag]")
         info = await self.exact(source, "image-tag")
+        # The target becomes this manager's: a tag must not confer the reach of the source's capture.
+        await self.captures.require_reach(source, info, "image-tag", outcome="nothing was tagged")
         with docker_errors("image-tag", kind="image", ref=source):
             await self._engine.docker.images.tag(info["Id"], ref.repository, tag=ref.pull_tag)
         await self.ledger.update("image-tag", add=target)
@@ -237,22 +249,25 @@ class Images:
             await self._require_local_bases(build)
         params = {"t": build.tag, "dockerfile": DOCKERFILE_PATH, "rm": "1", "forcerm": "1",
                   "pull": "1" if pull else "0", "buildargs": json.dumps(dict(build.arguments))}
-        with tempfile.TemporaryFile(dir=self._spool_dir, prefix="coldsnap-build-") as spool, \
-                tempfile.TemporaryFile(dir=self._spool_dir, prefix="coldsnap-build-") as filtered:
-            await write_context_tar(spool, context=build.context, contexts=dict(build.contexts),
-                                    dockerfile=build.dockerfile, owner=owner, max_bytes=self._copy_max_bytes)
-            spool.seek(0)
-            stored = await self.captures.filter_context(spool, filtered)
-            await self._engine.progress("image-build", "build", params=params, headers=headers,
-                                        data=filtered if stored else spool)
-        await self._refuse_forged_capture(build, stored)
+        # Until its capture label was checked, the tag (its label) reaches no capture (`writing`).
+        with self.ledger.writing(build.tag):
+            with tempfile.TemporaryFile(dir=self._spool_dir, prefix="coldsnap-build-") as spool, \
+                    tempfile.TemporaryFile(dir=self._spool_dir, prefix="coldsnap-build-") as filtered:
+                await write_context_tar(spool, context=build.context, contexts=dict(build.contexts),
+                                        dockerfile=build.dockerfile, owner=owner, max_bytes=self._copy_max_bytes)
+                spool.seek(0)
+                stored = await self.captures.filter_context(spool, filtered)
+                await self._engine.progress("image-build", "build", params=params, headers=headers,
+                                            data=filtered if stored else spool)
+            await self._refuse_forged_capture(build, stored)
         await self.ledger.update("image-build", add=build.tag)
         await self.captures.read_stubs(build.tag, "image-build")
 
     async def _refuse_forged_capture(self, build: ImageBuild, stored: str | None) -> None:
         """The capture labels are the daemon's to write (the capture this build stored) or a base image's: a
         Dockerfile's own LABEL (or a build argument's) naming some capture would mount another manager's files
-        at workload-run. Such an image is removed and the build refused."""
+        at workload-run. A base's capture is inherited only by a manager that reaches it (the built tag becomes
+        its own, which would reach it from then on). Such an image is removed and the build refused."""
         def pair(info: dict[str, Any]) -> tuple[str | None, str | None]:
             found = (info.get("Config") or {}).get("Labels") or {}
             return found.get(CAPTURE_LABEL), found.get(FILES_LABEL)
@@ -262,15 +277,25 @@ class Images:
             return
         for base in base_images(_dockerfile(build), dict(build.arguments)):
             try:
-                if pair(await self.exact(base, "image-build")) == built:
-                    return
+                if pair(info := await self.exact(base, "image-build")) == built:
+                    break
             except NotFound:
                 continue
-        with docker_errors("image-build", kind="image", ref=build.tag):
-            await self._engine.docker.images.delete(build.tag, force=True)
-        raise RuntimeFailed(action="image-build", detail=(
-            f"{build.tag}: label {CAPTURE_LABEL} is written by the daemon (a capture in the build context) or "
-            "inherited from a base image, never set by a Dockerfile; the image was removed"))
+        else:
+            await self._remove_built(build.tag)
+            raise RuntimeFailed(action="image-build", detail=(
+                f"{build.tag}: label {CAPTURE_LABEL} is written by the daemon (a capture in the build context) or "
+                "inherited from a base image, never set by a Dockerfile; the image was removed"))
+        try:
+            await self.captures.require_reach(f"base image {base}", info, "image-build",
+                                              outcome=f"{build.tag} was removed")
+        except RuntimeFailed:
+            await self._remove_built(build.tag)
+            raise
+
+    async def _remove_built(self, tag: str) -> None:
+        with docker_errors("image-build", kind="image", ref=tag):
+            await self._engine.docker.images.delete(tag, force=True)
 
     async def _refuse_remote_triggers(self, build: ImageBuild) -> None:
         """A base image's ONBUILD triggers run in the build that uses it, and the engine fetches an ADD of a URL

@@ -10,6 +10,9 @@ the daemon's uid reach them. The file is replaced atomically on every change
 
 from __future__ import annotations
 
+import collections
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -57,6 +60,10 @@ class ImageLedger:
         self.path = path
         self._entries: dict[str, LedgerEntry] = {}
         self._lock = anyio.Lock()
+        # reference -> pulls and builds into it in flight: it may name an image not yet checked (a capture label the
+        # pull's registry has not yet shown to come with it, a build's forged or unreached one), so it confers no
+        # reach until they end (`owned_by`).
+        self._writing: collections.Counter[str] = collections.Counter()
 
     async def load(self) -> None:
         if self.path is not None:
@@ -67,8 +74,20 @@ class ImageLedger:
         return self._entries.get(ledger_key(image))
 
     def owned_by(self, uid: int) -> list[str]:
-        """The references manager `uid` recorded (the capture store's admin verbs show it their captures)."""
-        return sorted(ref for ref, entry in self._entries.items() if entry.owner == uid)
+        """The references manager `uid` recorded and no pull or build is writing (the captures it reaches)."""
+        return sorted(ref for ref, entry in self._entries.items() if entry.owner == uid and not self._writing[ref])
+
+    @contextlib.contextmanager
+    def writing(self, image: str) -> Iterator[None]:
+        """While a pull or build writes `image`: its reference counts for no manager's reach (`owned_by`)."""
+        key = ledger_key(image)
+        self._writing[key] += 1
+        try:
+            yield
+        finally:
+            self._writing[key] -= 1
+            if not self._writing[key]:
+                del self._writing[key]
 
     def not_owned_by(self, uid: int) -> list[str]:
         """The references anyone but manager `uid` recorded (a capture they carry is not that manager's to remove)."""

@@ -33,6 +33,7 @@ pytestmark = pytest.mark.usefixtures("no_leftovers")
 
 
 OTHER_UID = 4242  # a manager that is not root (server.control_uids)
+THIRD_UID = 4243  # and another
 
 
 def _metrics_socket(store: Path) -> Path:
@@ -42,7 +43,7 @@ def _metrics_socket(store: Path) -> Path:
 def _store_daemon(registry: Registry, tag: str) -> Iterator[tuple[Daemon, Path]]:
     store = Path(tempfile.mkdtemp(prefix=f"cs-store-{tag}-", dir="/var/tmp"))
     try:
-        for daemon in module_daemon(registry, f'[server]\ncontrol_uids = [{OTHER_UID}]\n{EXEC_AS_NOBODY}'
+        for daemon in module_daemon(registry, f'[server]\ncontrol_uids = [{OTHER_UID}, {THIRD_UID}]\n{EXEC_AS_NOBODY}'
                                               f'[docker]\ncapture_store = "{store}"\n'
                                               f'[metrics]\naddress = "unix:{_metrics_socket(store)}"\n'):
             yield daemon, store
@@ -501,6 +502,102 @@ def test_a_manager_holding_the_same_bytes_cannot_remove_a_capture_others_images_
         refused = control_as(OTHER_UID, daemon.state_dir, {"operation": "capture-remove", "capture": capsule[1]})
         assert not refused["ok"] and "also carried by images this manager did not record" in refused["error"]
         assert (store / "captures" / f"{capsule[1].split(':')[1]}.json").exists()
+    finally:
+        docker("image", "rm", "-f", tag, check=False)
+
+
+@pytest.fixture(scope="module")
+def small_capture_context() -> Iterator[tuple[Path, bytes]]:
+    """A build context whose capture has one stored file (1 MiB of random bytes): (the context, its first bytes)."""
+    root = Path(tempfile.mkdtemp(prefix="cs-reachctx-", dir="/var/tmp"))
+    root.chmod(0o755)  # the build reads it as the manager
+    (root / "images").mkdir(mode=0o755)
+    (root / "images" / "capture.json").write_text('{"ok": true}\n')
+    data = _random(1 << 20)
+    (root / "images" / "pages-1.img").write_bytes(data)
+    for path in (root / "images").iterdir():
+        path.chmod(0o644)
+    yield root, data[:16]
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_manager_runs_tags_and_builds_from_only_the_captures_it_reaches(
+        node_a: tuple[Daemon, Path], busybox_image: str, small_capture_context: tuple[Path, bytes]) -> None:
+    """Regression: review of issue 34 (a manager tagged another's capsule and reached its capture; ran it by its tag
+    or id and had its files mounted). B is refused before anything is made (a probe of it too); A and root run it."""
+    daemon, _ = node_a
+    context, head = small_capture_context
+    a, b = session_as(OTHER_UID, daemon, prefix="reach-a"), session_as(THIRD_UID, daemon, prefix="reach-b")
+    root = _session(daemon)
+    tag_a, tag_a2 = f"localhost/{uniq('reacha')}:1", f"localhost/{uniq('reacha')}:2"
+    tag_b, built_b = f"localhost/{uniq('reachb')}:1", f"localhost/{uniq('reachb')}:2"
+    read = ["head", "-c", "16", "/capsule/images/pages-1.img"]
+
+    async def run() -> None:
+        built = await a.runtime("image-build", build=build_request(
+            f"FROM {busybox_image}\nCOPY images /capsule/images\n", str(context), tag_a))
+        assert built.ok, built.error
+        inspected = json.loads(docker("image", "inspect", tag_a).stdout)[0]
+        capture, image_id = inspected["Config"]["Labels"]["io.coldsnap-provider.capture"], inspected["Id"]
+        rule = f"carries capture {capture}, which this manager does not reach"
+
+        tagged = await b.runtime("image-tag", source=tag_a, target=tag_b)
+        assert not tagged.ok and rule in str(tagged.error) and "nothing was tagged" in str(tagged.error), tagged.error
+        assert docker("image", "inspect", tag_b, check=False).returncode != 0
+        for image in (tag_a, image_id):  # by A's tag or by the image's id
+            name = uniq("reach")
+            ran = await b.runtime("workload-run", workload={
+                "name": name, "image": image, "pull_policy": "never", "detached": True, "command": ["sleep", "60"]})
+            assert not ran.ok and f"{image} {rule}" in str(ran.error) and "nothing was started" in str(ran.error)
+            assert docker("inspect", name, check=False).returncode != 0
+        derived = await b.runtime("image-build", build=build_request(
+            f"FROM {tag_a}\nENV X=1\n", str(context), built_b))
+        assert not derived.ok and f"base image {tag_a} {rule}" in str(derived.error), derived.error
+        assert docker("image", "inspect", built_b, check=False).returncode != 0
+        probed = control_as(THIRD_UID, daemon.state_dir, {"operation": "probe", "driver": "n610", "image": tag_a})
+        assert not probed["ok"] and rule in probed["error"], probed  # the probe runs the capsule as the caller
+
+        # A's own image and its own tag of it, and root (every capture): the capture's file is mounted.
+        assert (tagged := await a.runtime("image-tag", source=tag_a, target=tag_a2)).ok, tagged.error
+        for session, image in ((a, tag_a2), (root, tag_a)):
+            ran = await session.runtime("workload-run", workload={
+                "name": "", "image": image, "remove_after_exit": True, "command": read})
+            assert ran.ok, ran.error
+            assert ran.runtime.output == head  # type: ignore[union-attr]
+
+    try:
+        anyio.run(run)
+    finally:
+        for tag in (tag_a, tag_a2, tag_b, built_b):
+            docker("image", "rm", "-f", tag, check=False)
+
+
+def test_a_capsule_a_manager_pulls_is_its_own_to_run_also_when_its_run_pulled_it(
+        node_a: tuple[Daemon, Path], registry: Registry, busybox_image: str,
+        small_capture_context: tuple[Path, bytes]) -> None:
+    """A run's own pull (pull_policy "missing") records the reference as the pulling manager's once the registry gave
+    the capture, so that run (and the next) reaches it; a pull of it again is the manager's own."""
+    daemon, _ = node_a
+    context, head = small_capture_context
+    a, b = session_as(OTHER_UID, daemon, prefix="reach-a"), session_as(THIRD_UID, daemon, prefix="reach-b")
+    tag = f"{registry.address}/reach/{uniq('pulled')}:1"
+
+    async def run() -> None:
+        built = await a.runtime("image-build", build=build_request(
+            f"FROM {busybox_image}\nCOPY images /capsule/images\n", str(context), tag))
+        assert built.ok, built.error
+        assert (pushed := await a.runtime("image-push", image=tag)).ok, pushed.error
+        assert (removed := await a.runtime("image-remove", image=tag)).ok, removed.error
+        for _ in range(2):  # pulled by the run, then resident
+            ran = await b.runtime("workload-run", workload={
+                "name": "", "image": tag, "pull_policy": "missing", "remove_after_exit": True,
+                "command": ["head", "-c", "16", "/capsule/images/pages-1.img"]})
+            assert ran.ok, ran.error
+            assert ran.runtime.output == head  # type: ignore[union-attr]
+        assert (pulled := await b.runtime("image-pull", image=tag)).ok, pulled.error
+
+    try:
+        anyio.run(run)
     finally:
         docker("image", "rm", "-f", tag, check=False)
 
