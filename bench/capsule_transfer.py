@@ -59,13 +59,15 @@ BLOB = 64 << 20  # the capture store's chunk
 
 
 
-def start_registry(work: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_registry(work: Path, log: Path | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """Debian's docker-registry on 127.0.0.1, its storage under `work`; its log (one access line per request) into
+    `log`, else nowhere."""
     port = free_port()
     (work / "registry.yml").write_text(f"version: 0.1\nstorage:\n  filesystem:\n    rootdirectory: "
                                        f"{work / 'registry'}\n  delete:\n    enabled: true\nhttp:\n"
                                        f"  addr: 127.0.0.1:{port}\n")
-    process = subprocess.Popen(["docker-registry", "serve", str(work / "registry.yml")], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+    with open(log or os.devnull, "wb") as out:
+        process = subprocess.Popen(["docker-registry", "serve", str(work / "registry.yml")], stdout=out, stderr=out)
     for _ in range(200):
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.1).close()

@@ -17,13 +17,20 @@ own disk is not the bound), a capture of `--mib` random MiB in 64 MiB chunks in 
 `--chunks-kib`: instead, what the chunk count costs: for each size, a capture of one `--mib` MiB page image cut in
 chunks of that many KiB (as coldsnap_runtime/chunking.py cuts them, on average) pushed by the worker threads to a
 fresh repository, pulled into an empty store (`CaptureRegistry.pull`, 8 at a time), then pushed again (HEAD only).
+
+`--second PERCENT`: instead, a second capture's push (issue 34's memory of the blobs a repository holds): one capture
+of a `--mib` MiB page image in ~194 KiB chunks pushed, then captures sharing all but PERCENT % of its chunks pushed to
+the same repository by turns with the memory off (a HEAD for every blob) and on (`_blob_memory.py`: a HEAD only for
+the blobs not seen there), `--rounds` times each; HEADs counted in the registry's own access log.
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -37,10 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import table
 from bench.capsule_transfer import registry_link_parallel, start_registry
-from coldsnap_runtime.backend import CaptureRegistry, Transferred
+from coldsnap_runtime.backend import BlobMemory, CaptureRegistry, KnownBlobs, Transferred
 from coldsnap_runtime.store import CHUNK_BYTES, OCI_MANIFEST, CaptureStore, StoredFile, artifact_manifest
 
 PARALLEL = 8  # blobs in flight at once, as the daemon's push (coldsnap_runtime's _capture_registry.PARALLEL)
+SECOND_CHUNK_KIB = 194  # a page image's average chunk (coldsnap_runtime/chunking.py)
 
 
 def fill_cut(root: Path, mib: int, chunk_kib: int) -> tuple[CaptureStore, str]:
@@ -49,18 +57,67 @@ def fill_cut(root: Path, mib: int, chunk_kib: int) -> tuple[CaptureStore, str]:
     store.open()
     size, length = mib << 20, chunk_kib << 10
     lengths = [min(length, size - at) for at in range(0, size, length)]
-    chunks: list[str | None] = [store.put_blob(os.urandom(n)) for n in lengths]
+    return store, record_cut(store, [store.put_blob(os.urandom(n)) for n in lengths], lengths)
+
+
+def record_cut(store: CaptureStore, chunks: list[str | None], lengths: list[int]) -> str:
+    """The capture of one page image made of `chunks` (format 2), recorded in `store`."""
+    size = sum(lengths)
     files = [StoredFile(path="images/pages-1.img", size=size, mode=0o644, chunks=chunks, lengths=lengths)]
     data = json.dumps({"format": 2, "files": [{"path": f.path, "size": f.size, "mode": f.mode, "chunks": f.chunks,
                                                 "lengths": f.lengths} for f in files]},
                       sort_keys=True, separators=(",", ":")).encode()
-    return store, store.record(artifact_manifest(data, files), data)
+    return store.record(artifact_manifest(data, files), data)
 
 
-def registry(store: CaptureStore, address: str, repository: str, action: str) -> CaptureRegistry:
+def registry(store: CaptureStore, address: str, repository: str, action: str,
+             known: KnownBlobs | None = None) -> CaptureRegistry:
     return CaptureRegistry(store, registry=address, repository=repository, auth=None, insecure=True, action=action,
                            fetches=anyio.CapacityLimiter(2 * PARALLEL), share=anyio.CapacityLimiter(2 * PARALLEL),
-                           uploads=anyio.CapacityLimiter(2 * PARALLEL))
+                           uploads=anyio.CapacityLimiter(2 * PARALLEL), known=known)
+
+
+def heads(log: Path, address: str, repository: str) -> int:
+    """The HEADs for `repository`'s blobs in the registry's access log, once a request sent now is in it (each line
+    is written after its answer)."""
+    marker = f"/v2/{repository}-marker/blobs/sha256:{os.urandom(32).hex()}"  # another repository: not counted
+    connection = http.client.HTTPConnection(address, timeout=30)
+    connection.request("HEAD", marker)
+    connection.getresponse().read()
+    connection.close()
+    while marker not in (text := log.read_text()):
+        time.sleep(0.01)
+    return len(re.findall(rf'"HEAD /v2/{re.escape(repository)}/blobs/sha256:[0-9a-f]{{64}} HTTP', text))
+
+
+def second_rows(work: Path, address: str, log: Path, mib: int, new_percent: float, rounds: int) -> list[list[str]]:
+    """A first capture pushed (filling the memory), then second captures sharing all but `new_percent` % of its chunks
+    pushed to the same repository, memory off and on by turns (each with chunks of its own that are new)."""
+    store = CaptureStore(work / "second")
+    store.open()
+    size, length = mib << 20, SECOND_CHUNK_KIB << 10
+    lengths = [min(length, size - at) for at in range(0, size, length)]
+    chunks: list[str | None] = [store.put_blob(os.urandom(n)) for n in lengths]
+    repository = "bench/second"
+    known = BlobMemory().scope(manager=None, registry=address, repository=repository, auth=None)
+    first = record_cut(store, chunks, lengths)
+    seconds, done = timed(lambda: anyio.run(registry(store, address, repository, "image-push", known).push, first))
+    rows = [["first capture (fills the memory)", f"{seconds:.2f}", str(heads(log, address, repository)),
+             str(done.blobs), f"{done.bytes / 1e6:.1f}", "0"]]
+    every = max(1, round(100 / new_percent))
+    for turn in range(2 * rounds):
+        memory = known if turn % 2 else None
+        changed = list(chunks)
+        for index in range(turn % every, len(chunks), every):  # each turn's new chunks are its own
+            changed[index] = store.put_blob(os.urandom(lengths[index]))
+        capture = record_cut(store, changed, lengths)
+        asked = heads(log, address, repository)
+        seconds, done = timed(lambda c=capture, m=memory: anyio.run(
+            registry(store, address, repository, "image-push", m).push, c))
+        rows.append([f"second capture, memory {'on' if memory else 'off'}", f"{seconds:.2f}",
+                     str(heads(log, address, repository) - asked), str(done.blobs), f"{done.bytes / 1e6:.1f}",
+                     str(done.remembered)])
+    return rows
 
 
 def chunk_rows(work: Path, address: str, mib: int, sizes: list[int]) -> list[list[str]]:
@@ -146,11 +203,20 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/var/tmp"))
     parser.add_argument("--registry-root", type=Path, default=Path("/dev/shm"))
     parser.add_argument("--chunks-kib", default="", help="chunk sizes to compare (KiB, comma-separated)")
+    parser.add_argument("--second", type=float, default=0.0, help="a second capture's new chunks (percent)")
+    parser.add_argument("--rounds", type=int, default=2, help="second pushes with the memory off and on, each")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="store-push-", dir=args.work))
     registry_root = Path(tempfile.mkdtemp(prefix="store-push-registry-", dir=args.registry_root))
-    process, address = start_registry(registry_root)
+    process, address = start_registry(registry_root, work / "registry.log")
     try:
+        if args.second:
+            rows = second_rows(work, address, work / "registry.log", args.mib, args.second, args.rounds)
+            print(f"a second capture's push: a {args.mib} MiB page image in {SECOND_CHUNK_KIB} KiB chunks, "
+                  f"{args.second} % of them new, docker-registry on 127.0.0.1 (storage on {args.registry_root}), "
+                  f"{os.cpu_count()} cores, {PARALLEL} at a time; HEADs from the registry's access log; one run")
+            print(table(["push", "s", "HEADs", "blobs sent", "MB sent", "not asked (remembered)"], rows))
+            return
         if args.chunks_kib:
             rows = chunk_rows(work, address, args.mib, [int(k) for k in args.chunks_kib.split(",")])
             print(f"a {args.mib} MiB page image by chunk size, docker-registry on 127.0.0.1 (storage on "

@@ -149,6 +149,7 @@ class Registry:
     username: str
     password: str
     credentials_file: Path
+    log: Path  # its log: every request's access line ("HEAD /v2/<repository>/blobs/<digest> HTTP/1.1" ...)
 
 
 def _free_port() -> int:
@@ -198,7 +199,8 @@ auth:
     credentials.write_text(json.dumps({"auths": {address: {"auth": auth}}}))
     credentials.chmod(0o600)
     try:
-        yield Registry(address=address, username=user, password=password, credentials_file=credentials)
+        yield Registry(address=address, username=user, password=password, credentials_file=credentials,
+                       log=base / "registry.log")
     finally:
         process.terminate()
         process.wait(10)

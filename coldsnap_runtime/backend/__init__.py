@@ -19,6 +19,8 @@ from ._base import dispatch as dispatch
 from ._base import running_for as running_for
 from ._base import with_manager_labels as with_manager_labels
 from ._base import with_report_dir as with_report_dir
+from ._blob_memory import BlobMemory as BlobMemory
+from ._blob_memory import KnownBlobs as KnownBlobs
 from ._confine import CAPSULE_DENIED_IOCTL_TYPES as CAPSULE_DENIED_IOCTL_TYPES
 from ._confine import CAPSULE_DENIED_SYSCALLS as CAPSULE_DENIED_SYSCALLS
 from ._confine import seccomp_profile as seccomp_profile
@@ -38,11 +40,10 @@ if TYPE_CHECKING:
     from ._kubernetes import KubernetesBackend as KubernetesBackend
 
 __all__ = ("CAPSULE_DENIED_IOCTL_TYPES", "CAPSULE_DENIED_SYSCALLS", "MANAGER_UID_LABEL", "REPORT_DIR_LABEL",
-           "ArchiveRefused", "Backend", "CaptureRegistry", "Captures", "DockerBackend", "GpuPolicy", "HostPolicy",
-           "KubernetesBackend", "LedgerEntry", "Owner", "PrivilegeGrant", "RuntimeContext", "Transferred",
-           "check_members", "container_config", "dispatch", "extract_archive", "read_capabilities", "running_for",
-           "seccomp_profile",
-           "with_manager_labels", "with_report_dir")
+           "ArchiveRefused", "Backend", "BlobMemory", "CaptureRegistry", "Captures", "DockerBackend", "GpuPolicy",
+           "HostPolicy", "KnownBlobs", "KubernetesBackend", "LedgerEntry", "Owner", "PrivilegeGrant", "RuntimeContext",
+           "Transferred", "check_members", "container_config", "dispatch", "extract_archive", "read_capabilities",
+           "running_for", "seccomp_profile", "with_manager_labels", "with_report_dir")
 
 
 def __getattr__(name: str) -> Any:

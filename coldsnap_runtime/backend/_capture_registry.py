@@ -8,9 +8,10 @@ names the manifest's digest in a label, so whoever pulls the image finds its cap
 Push asks the registry which blobs it already has (HEAD) and uploads only the others (one POST and one
 monolithic PUT each), several at once, each in a worker thread (``_blob_upload.py``: the body sent from the
 store's file by the kernel, off the event loop), before the manifest, so an interrupted push resumes with the
-blobs the registry still lacks. Pull reads the manifest by digest (checked),
-then fetches the chunks the node's store lacks (and those it holds that the pull may not use:
-:class:`Possession`), several at once, each in a worker thread (``_blob_fetch.py``:
+blobs the registry still lacks. A blob this node saw in the repository before (``_blob_memory.py``) is not asked
+for; a manifest the registry refuses for a blob it lost since is put again, every skipped blob asked for first.
+Pull reads the manifest by digest (checked), then fetches the chunks the node's store lacks (and those it holds
+that the pull may not use: :class:`Possession`), several at once, each in a worker thread (``_blob_fetch.py``:
 streamed to disk and hashed on the way, off the event loop); each is checked against its digest and
 size before it takes its name in the store, so an interrupted pull resumes from what is already there and
 a corrupt or truncated blob is refused, naming it. Credentials are the engine's (the same per-registry
@@ -37,6 +38,7 @@ import anyio.lowlevel
 from ..errors import RuntimeFailed, StoreError
 from ..store import OCI_MANIFEST, CaptureStore, Hold
 from ._blob_fetch import Fetched, fetch_blob
+from ._blob_memory import KnownBlobs
 from ._blob_upload import Uploaded, upload_blob
 from ._digests import answer_challenge
 from ._engine import registry_errors
@@ -46,17 +48,20 @@ __all__ = ("PARALLEL", "CaptureRegistry", "Possession", "Transferred")
 PARALLEL = 8  # blobs in flight at once: enough to fill a link that one stream cannot (each at most 64 MiB)
 _TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=300)
 _MAX_DOCUMENT = 4 << 20  # a registry's own manifest limit
+_REFUSAL = 64 << 10  # what a refused manifest's answer is read for its error codes (it may list every blob)
 _PULL_SCOPE = re.compile(r'(scope="repository:[^":]+:)pull(?=")')  # a HEAD's challenge asks for a pull-only token
 
 
 class Transferred:
-    """What one push or pull moved: blobs and bytes sent or fetched, and those already there."""
+    """What one push or pull moved: blobs and bytes sent or fetched, and those already there (of them, `remembered`:
+    a push's blobs not asked for, seen in the repository before)."""
 
     def __init__(self) -> None:
         self.blobs = 0
         self.bytes = 0
         self.present_blobs = 0
         self.present_bytes = 0
+        self.remembered = 0
 
     def add(self, size: int, *, present: bool) -> None:
         if present:
@@ -97,8 +102,9 @@ class CaptureRegistry:
 
     def __init__(self, store: CaptureStore, *, registry: str, repository: str, auth: Mapping[str, str] | None,
                  insecure: bool, action: str, fetches: anyio.CapacityLimiter, share: anyio.CapacityLimiter,
-                 uploads: anyio.CapacityLimiter) -> None:
+                 uploads: anyio.CapacityLimiter, known: KnownBlobs | None = None) -> None:
         self._store = store
+        self._known = known  # the blobs the requesting manager saw in this repository (None: ask for every one)
         self._fetches = fetches  # the node's blob-fetch slots, shared by every pull: one per live fetch thread
         self._share = share  # the requesting manager's share of them, held with them
         # anyio's own limit on the threads, never the one that bounds them (an abandoned thread gives its token of
@@ -117,7 +123,7 @@ class CaptureRegistry:
 
     async def _send(self, session: aiohttp.ClientSession, method: str, url: str, *,
                     headers: dict[str, str] | None = None, data: bytes | None = None,
-                    limit: int = _MAX_DOCUMENT) -> tuple[int, Any, bytes]:
+                    limit: int = _MAX_DOCUMENT, prefix: bool = False) -> tuple[int, Any, bytes]:
         for attempt in range(2):
             sent = dict(headers or {})
             if self._authorization:
@@ -127,15 +133,18 @@ class CaptureRegistry:
                     challenge = response.headers.get("WWW-Authenticate", "")
                     self._authorization = await answer_challenge(session, challenge, self._auth, self._action)
                     continue
-                body = await self._read(response, limit) if method != "HEAD" else b""
+                body = await self._read(response, limit, prefix) if method != "HEAD" else b""
                 return response.status, response.headers, body
         raise RuntimeFailed(action=self._action, detail=f"registry {self._registry} refused the credentials")
 
-    async def _read(self, response: aiohttp.ClientResponse, limit: int) -> bytes:
-        """The body, refused past `limit` bytes (a registry's answer is untrusted: never read it whole)."""
+    async def _read(self, response: aiohttp.ClientResponse, limit: int, prefix: bool) -> bytes:
+        """The body, refused past `limit` bytes (a registry's answer is untrusted: never read it whole); with `prefix`,
+        its first `limit` bytes (the rest left unread)."""
         body = bytearray()
         async for piece in response.content.iter_chunked(1 << 20):
             body += piece
+            if len(body) > limit and prefix:
+                return bytes(body[:limit])
             if len(body) > limit:
                 raise RuntimeFailed(action=self._action, detail=(
                     f"registry {self._registry} answered more than {limit} bytes for {response.url.path}"))
@@ -154,15 +163,38 @@ class CaptureRegistry:
         document = json.loads(manifest)
         blobs = [(document["config"]["digest"], int(document["config"]["size"]))]
         blobs += [(layer["digest"], int(layer["size"])) for layer in document["layers"]]
+        known: list[tuple[str, int]] = []  # seen in the repository before: not asked for
+        asked: list[tuple[str, int]] = []
+        for blob in blobs:
+            (known if self._known is not None and self._known.has(blob[0]) else asked).append(blob)
         done = Transferred()
         with registry_errors(self._action, self._registry):
             async with aiohttp.ClientSession(timeout=_TIMEOUT) as session:
-                await self._each(blobs, lambda blob: self._push_blob(session, blob, done))
-                status, _, body = await self._send(session, "PUT", f"{self._base}/manifests/{capture}",
-                                                   headers={"Content-Type": OCI_MANIFEST}, data=manifest)
+                await self._each(asked, lambda blob: self._push_blob(session, blob, done))
+                status, body = await self._put_manifest(session, capture, manifest)
+                if status not in (200, 201) and known and b"BLOB_UNKNOWN" in body and self._known is not None:
+                    # The registry lost a blob this node saw there (collected, wiped, replaced). Its answer may name
+                    # only the first one, or thousands (more than is read): nothing remembered of the repository is
+                    # trusted, every skipped blob asked for (uploaded if missing), the manifest put again. Once.
+                    self._known.forget()
+                    for digest, _ in asked:  # these the registry answered for during this push
+                        self._known.add(digest)
+                    await self._each(known, lambda blob: self._push_blob(session, blob, done))
+                    known = []
+                    status, body = await self._put_manifest(session, capture, manifest)
                 if status not in (200, 201):
                     raise self._fail(f"manifest {capture}", status, body)
+        for digest, size in known:  # the registry took a manifest naming them: still there (kept the longest)
+            if self._known is not None:
+                self._known.add(digest)
+            done.add(size, present=True)
+        done.remembered = len(known)
         return done
+
+    async def _put_manifest(self, session: aiohttp.ClientSession, capture: str, manifest: bytes) -> tuple[int, bytes]:
+        status, _, body = await self._send(session, "PUT", f"{self._base}/manifests/{capture}", limit=_REFUSAL,
+                                           prefix=True, headers={"Content-Type": OCI_MANIFEST}, data=manifest)
+        return status, body
 
     async def _push_blob(self, session: aiohttp.ClientSession, blob: tuple[str, int], done: Transferred) -> None:
         digest, size = blob
@@ -177,6 +209,8 @@ class CaptureRegistry:
             uploaded = await self._upload_in_thread(digest, size)
         if uploaded.status not in (200, 201):
             raise self._fail(f"blob {digest}", uploaded.status, uploaded.body)
+        if self._known is not None:
+            self._known.add(digest)
         done.add(size, present=uploaded.present)
 
     async def _upload_in_thread(self, digest: str, size: int) -> Uploaded:
@@ -284,6 +318,8 @@ class CaptureRegistry:
                 f"({fetched.read if fetched.read <= size else 'more than ' + str(size)} bytes, {size} expected); "
                 "nothing of it was kept"))
         possession.fetched(digest)
+        if self._known is not None:  # served from this repository: this manager's next push there need not ask
+            self._known.add(digest)
         done.add(size, present=False)
 
     async def _fetch_in_thread(self, url: str, digest: str, size: int) -> Fetched:

@@ -20,6 +20,7 @@ import anyio
 from ..errors import BackendError, NotFound, RuntimeFailed, StoreError
 from ..store import CaptureInfo, CaptureStore, Collected
 from ._base import requesting_manager
+from ._blob_memory import BlobMemory
 from ._capture_build import CAPTURE_LABEL, FILES_LABEL, image_files, store_context
 from ._capture_registry import PARALLEL, CaptureRegistry, Possession, Transferred
 from ._capture_stubs import StubPaths
@@ -68,6 +69,8 @@ class Captures:
         self._uploads = anyio.CapacityLimiter(UPLOAD_THREADS)
         # (manager, chunk): the chunks each manager's pulls fetched, which its next pull may use (`Possession`).
         self._proven: collections.OrderedDict[tuple[int, str], None] = collections.OrderedDict()
+        # Which blobs each manager's pushes and pulls saw in each repository: a push skips their HEADs.
+        self._seen = BlobMemory()
 
     async def _ready(self, action: str) -> CaptureStore:
         if self.store is None:
@@ -163,9 +166,12 @@ class Captures:
         if ref is None:
             raise RuntimeFailed(action=action, detail=f"{image} names no registry to move its capture through")
         info = await self._engine.info(action)
-        return CaptureRegistry(store, registry=ref.registry, repository=repository_path(ref.repository),
-                               auth=auth(ref.registry), insecure=registry_is_insecure(info, ref.registry),
-                               action=action, fetches=self._fetches, share=self._share(), uploads=self._uploads)
+        repository, credentials = repository_path(ref.repository), auth(ref.registry)
+        known = self._seen.scope(manager=requesting_manager.get(), registry=ref.registry, repository=repository,
+                                 auth=credentials)
+        return CaptureRegistry(store, registry=ref.registry, repository=repository, auth=credentials,
+                               insecure=registry_is_insecure(info, ref.registry), action=action,
+                               fetches=self._fetches, share=self._share(), uploads=self._uploads, known=known)
 
     def _share(self) -> anyio.CapacityLimiter:
         """The fetch share of the manager this request runs for (``requesting_manager``)."""
