@@ -85,7 +85,9 @@ def main() -> None:
     document = json.loads(args.restores.read_text())
     mode, rows = restores_of(document)
     found = summary(rows)
-    identical = sum(bool(r.get("identical")) for r in rows)
+    # e2e_serve.py's rows compare the completion, e2e_modes.py's the tokens and first-step logits
+    identical = sum(bool(r.get("identical") or (r.get("identical_tokens") and r.get("identical_first_logits")))
+                    for r in rows)
     print(f"{mode}: {len(rows)} restores, {identical} completions identical to the cold one")
     print(table(["phase (s)", "n", "p50", "p90", "p99", "max", "mean"],
                 [[f["phase"], f["n"], *(f"{f[k]:.3f}" for k in ("p50", "p90", "p99", "max", "mean"))]

@@ -27,6 +27,7 @@ from ._capture_stubs import StubPaths
 from ._containers import Containers
 from ._digests import repository_path
 from ._engine import Engine, docker_errors
+from ._ledger import ledger_key
 from ._translate import parse_reference
 
 __all__ = ("CAPTURE_LABEL", "Captures")
@@ -282,7 +283,10 @@ class Captures:
         uid = requesting_manager.get()
         if self.store is None or uid is None or (capture := self._capture(image, info, action)) is None:
             return
-        if capture not in await self._carried_by(self._owned_refs(uid), action):
+        owned = self._owned_refs(uid)
+        if ledger_key(image) in owned:  # the manager's own reference (no pull or build in it): no inspect per image
+            return
+        if capture not in await self._carried_by(owned, action):
             raise RuntimeFailed(action=action, detail=(
                 f"{image} carries capture {capture}, which this manager does not reach (a manager reaches the "
                 "captures of the images its own sessions pulled, built or tagged): pull, build or tag an image of "
