@@ -47,7 +47,8 @@ from bench.capsule_transfer import registry_link_parallel, start_registry
 from coldsnap_runtime.backend import BlobMemory, CaptureRegistry, KnownBlobs, Transferred
 from coldsnap_runtime.store import CHUNK_BYTES, OCI_MANIFEST, CaptureStore, StoredFile, artifact_manifest
 
-PARALLEL = 8  # blobs in flight at once, as the daemon's push (coldsnap_runtime's _capture_registry.PARALLEL)
+PARALLEL = 8  # large blobs in flight at once, as the daemon's (coldsnap_runtime's _capture_registry.PARALLEL)
+SMALL_PARALLEL = 32  # and small ones beside them (_capture_registry.SMALL_PARALLEL)
 SECOND_CHUNK_KIB = 194  # a page image's average chunk (coldsnap_runtime/chunking.py)
 
 
@@ -71,10 +72,13 @@ def record_cut(store: CaptureStore, chunks: list[str | None], lengths: list[int]
 
 
 def registry(store: CaptureStore, address: str, repository: str, action: str,
-             known: KnownBlobs | None = None) -> CaptureRegistry:
+             known: KnownBlobs | None = None, small: int = SMALL_PARALLEL) -> CaptureRegistry:
+    """The daemon's registry client, `small` small blobs in flight beside PARALLEL large ones (threads as the daemon's
+    node limits give them, per push or pull)."""
+    threads = 2 * (PARALLEL + small)
     return CaptureRegistry(store, registry=address, repository=repository, auth=None, insecure=True, action=action,
-                           fetches=anyio.CapacityLimiter(2 * PARALLEL), share=anyio.CapacityLimiter(2 * PARALLEL),
-                           uploads=anyio.CapacityLimiter(2 * PARALLEL), known=known)
+                           fetches=anyio.CapacityLimiter(threads), share=anyio.CapacityLimiter(threads),
+                           uploads=anyio.CapacityLimiter(threads), known=known, small_parallel=small)
 
 
 def heads(log: Path, address: str, repository: str) -> int:
@@ -120,24 +124,27 @@ def second_rows(work: Path, address: str, log: Path, mib: int, new_percent: floa
     return rows
 
 
-def chunk_rows(work: Path, address: str, mib: int, sizes: list[int]) -> list[list[str]]:
-    """Push, pull and push again of a `mib` MiB capture at each chunk size, each in a repository of its own."""
+def chunk_rows(work: Path, address: str, mib: int, sizes: list[int], smalls: list[int]) -> list[list[str]]:
+    """Push, pull and push again of a `mib` MiB capture at each chunk size and each count of small blobs in flight,
+    each in a repository of its own (the settings taking turns on one machine, in one run)."""
     rows = []
     for kib in sizes:
-        store, capture = fill_cut(work / f"push-{kib}", mib, kib)
-        pushed = registry(store, address, f"bench/chunks-{kib}", "image-push")
-        seconds, done = timed(lambda pushed=pushed, capture=capture: anyio.run(pushed.push, capture))
-        empty = CaptureStore(work / f"pull-{kib}")
-        empty.open()
-        pulled = registry(empty, address, f"bench/chunks-{kib}", "image-pull")
-        pull_s, fetched = timed(lambda pulled=pulled, capture=capture: anyio.run(pulled.pull, capture))
-        again_s, _ = timed(lambda pushed=pushed, capture=capture: anyio.run(pushed.push, capture))
-        manifest = len(store.manifest(capture))
-        rows.append([f"{kib} KiB", str(done.blobs), f"{manifest / 1e6:.2f}", f"{seconds:.2f}",
-                     f"{done.bytes / seconds / 1e9:.3f}", f"{pull_s:.2f}", f"{fetched.bytes / pull_s / 1e9:.3f}",
-                     f"{again_s:.2f}"])
-        shutil.rmtree(work / f"push-{kib}", ignore_errors=True)
-        shutil.rmtree(work / f"pull-{kib}", ignore_errors=True)
+        for small in smalls:
+            name = f"{kib}-{small}"
+            store, capture = fill_cut(work / f"push-{name}", mib, kib)
+            pushed = registry(store, address, f"bench/chunks-{name}", "image-push", small=small)
+            seconds, done = timed(lambda pushed=pushed, capture=capture: anyio.run(pushed.push, capture))
+            empty = CaptureStore(work / f"pull-{name}")
+            empty.open()
+            pulled = registry(empty, address, f"bench/chunks-{name}", "image-pull", small=small)
+            pull_s, fetched = timed(lambda pulled=pulled, capture=capture: anyio.run(pulled.pull, capture))
+            again_s, _ = timed(lambda pushed=pushed, capture=capture: anyio.run(pushed.push, capture))
+            manifest = len(store.manifest(capture))
+            rows.append([f"{kib} KiB", str(small), str(done.blobs), f"{manifest / 1e6:.2f}", f"{seconds:.2f}",
+                         f"{done.bytes / seconds / 1e9:.3f}", f"{pull_s:.2f}", f"{fetched.bytes / pull_s / 1e9:.3f}",
+                         f"{again_s:.2f}"])
+            shutil.rmtree(work / f"push-{name}", ignore_errors=True)
+            shutil.rmtree(work / f"pull-{name}", ignore_errors=True)
     return rows
 
 
@@ -203,6 +210,8 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/var/tmp"))
     parser.add_argument("--registry-root", type=Path, default=Path("/dev/shm"))
     parser.add_argument("--chunks-kib", default="", help="chunk sizes to compare (KiB, comma-separated)")
+    parser.add_argument("--small-parallel", default=str(SMALL_PARALLEL),
+                        help="with --chunks-kib: small blobs in flight to compare (comma-separated)")
     parser.add_argument("--second", type=float, default=0.0, help="a second capture's new chunks (percent)")
     parser.add_argument("--rounds", type=int, default=2, help="second pushes with the memory off and on, each")
     args = parser.parse_args()
@@ -218,10 +227,11 @@ def main() -> None:
             print(table(["push", "s", "HEADs", "blobs sent", "MB sent", "not asked (remembered)"], rows))
             return
         if args.chunks_kib:
-            rows = chunk_rows(work, address, args.mib, [int(k) for k in args.chunks_kib.split(",")])
+            rows = chunk_rows(work, address, args.mib, [int(k) for k in args.chunks_kib.split(",")],
+                              [int(n) for n in args.small_parallel.split(",")])
             print(f"a {args.mib} MiB page image by chunk size, docker-registry on 127.0.0.1 (storage on "
-                  f"{args.registry_root}), {os.cpu_count()} cores, {PARALLEL} at a time; one run")
-            print(table(["chunks", "blobs", "manifest MB", "push s", "push GB/s", "pull s", "pull GB/s",
+                  f"{args.registry_root}), {os.cpu_count()} cores, blobs under 1 MiB N at a time; one run")
+            print(table(["chunks", "N", "blobs", "manifest MB", "push s", "push GB/s", "pull s", "pull GB/s",
                          "push again s (HEAD only)"], rows))
             return
         sample = work / "link-sample.bin"

@@ -27,7 +27,7 @@ import json
 import os
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import aiohttp
@@ -43,9 +43,14 @@ from ._blob_upload import Uploaded, upload_blob
 from ._digests import answer_challenge
 from ._engine import registry_errors
 
-__all__ = ("PARALLEL", "CaptureRegistry", "Possession", "Transferred")
+__all__ = ("IN_FLIGHT", "PARALLEL", "CaptureRegistry", "Possession", "Transferred")
 
-PARALLEL = 8  # blobs in flight at once: enough to fill a link that one stream cannot (each at most 64 MiB)
+PARALLEL = 8  # large blobs in flight at once: enough to fill a link that one stream cannot (each at most 64 MiB)
+# Small blobs (a page image's ~190 KiB chunks, thousands a capture) cost round trips, not bytes: more of them in
+# flight, beside the large ones (`_each`).
+SMALL_BYTES = 1 << 20
+SMALL_PARALLEL = 32
+IN_FLIGHT = PARALLEL + SMALL_PARALLEL  # blobs one push or pull has in flight at most
 _TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=300)
 _MAX_DOCUMENT = 4 << 20  # a registry's own manifest limit
 _REFUSAL = 64 << 10  # what a refused manifest's answer is read for its error codes (it may list every blob)
@@ -102,8 +107,10 @@ class CaptureRegistry:
 
     def __init__(self, store: CaptureStore, *, registry: str, repository: str, auth: Mapping[str, str] | None,
                  insecure: bool, action: str, fetches: anyio.CapacityLimiter, share: anyio.CapacityLimiter,
-                 uploads: anyio.CapacityLimiter, known: KnownBlobs | None = None) -> None:
+                 uploads: anyio.CapacityLimiter, known: KnownBlobs | None = None,
+                 small_parallel: int = SMALL_PARALLEL) -> None:
         self._store = store
+        self._small_parallel = small_parallel  # small blobs in flight (bench/store_push.py compares settings)
         self._known = known  # the blobs the requesting manager saw in this repository (None: ask for every one)
         self._fetches = fetches  # the node's blob-fetch slots, shared by every pull: one per live fetch thread
         self._share = share  # the requesting manager's share of them, held with them
@@ -379,12 +386,15 @@ class CaptureRegistry:
             temporary.unlink(missing_ok=True)
 
     async def _each(self, blobs: list[tuple[str, int]], run: Any) -> None:
-        """`run` each blob, PARALLEL at a time; the first failure (translated) cancels the others and is raised.
-        PARALLEL tasks take the blobs in turn, never a task per blob: a registry's document may name 55,000 chunks
-        (231 MiB of waiting tasks in the root daemon, per pull)."""
-        queue = iter(blobs)
+        """`run` each blob, the large ones PARALLEL at a time and beside them those under SMALL_BYTES
+        `small_parallel` at a time; the first failure (translated) cancels the others and is raised. Tasks take the
+        blobs in turn, never a task per blob: a registry's document may name 55,000 chunks (231 MiB of waiting tasks
+        in the root daemon, per pull)."""
+        small = [blob for blob in blobs if blob[1] < SMALL_BYTES]
+        large = [blob for blob in blobs if blob[1] >= SMALL_BYTES]
+        lanes = [(iter(large), min(PARALLEL, len(large))), (iter(small), min(self._small_parallel, len(small)))]
 
-        async def worker() -> None:
+        async def worker(queue: Iterator[tuple[str, int]]) -> None:
             for blob in queue:  # one iterator shared by the workers: each blob is taken once
                 with registry_errors(self._action, self._registry):
                     try:
@@ -394,8 +404,9 @@ class CaptureRegistry:
 
         try:
             async with anyio.create_task_group() as group:
-                for _ in range(min(PARALLEL, len(blobs))):
-                    group.start_soon(worker)
+                for queue, workers in lanes:
+                    for _ in range(workers):
+                        group.start_soon(worker, queue)
         except BaseExceptionGroup as failures:  # the task group's wrapping: the caller gets our one error
             first: BaseException = failures
             while isinstance(first, BaseExceptionGroup):

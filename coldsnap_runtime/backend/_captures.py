@@ -22,7 +22,7 @@ from ..store import CaptureInfo, CaptureStore, Collected
 from ._base import requesting_manager
 from ._blob_memory import BlobMemory
 from ._capture_build import CAPTURE_LABEL, FILES_LABEL, image_files, store_context
-from ._capture_registry import PARALLEL, CaptureRegistry, Possession, Transferred
+from ._capture_registry import IN_FLIGHT, CaptureRegistry, Possession, Transferred
 from ._capture_stubs import StubPaths
 from ._containers import Containers
 from ._digests import repository_path
@@ -32,9 +32,9 @@ from ._translate import parse_reference
 
 __all__ = ("CAPTURE_LABEL", "Captures")
 
-FETCH_THREADS = 2 * PARALLEL  # blob-fetch threads of every pull at once (their own limiter, not the shared pool)
+FETCH_THREADS = 2 * IN_FLIGHT  # blob-fetch threads of every pull at once (their own limiter, not the shared pool)
 _KEPT_SHARES = 256  # managers whose fetch share is kept (then the idle ones are forgotten)
-UPLOAD_THREADS = 2 * PARALLEL  # and blob-upload threads of every push at once (a push never waits on a pull's)
+UPLOAD_THREADS = 2 * IN_FLIGHT  # and blob-upload threads of every push at once (a push never waits on a pull's)
 
 # Where a workload sees the store's listing of the capture files it made (coldsnap_probe's STORE_FILES: the
 # in-capsule worker reads it there; the two packages share no code). A directory of its own, not the daemon's
@@ -64,7 +64,7 @@ class Captures:
         # Held from making a capture's files to creating the container that pins it, and by removal.
         self.lock = anyio.Lock()
         self._fetches = anyio.CapacityLimiter(FETCH_THREADS)
-        # manager -> its share of those (PARALLEL): one manager's pulls from a registry that trickles can hold at
+        # manager -> its share of those (IN_FLIGHT): one manager's pulls from a registry that trickles can hold at
         # most half the node's fetch threads, never starve another manager's pulls (review 2026-12-02, part 2).
         self._shares: dict[int | None, anyio.CapacityLimiter] = {}
         self._uploads = anyio.CapacityLimiter(UPLOAD_THREADS)
@@ -180,7 +180,7 @@ class Captures:
         if (share := self._shares.get(manager)) is None:
             if len(self._shares) >= _KEPT_SHARES:
                 self._shares = {uid: kept for uid, kept in self._shares.items() if kept.borrowed_tokens}
-            share = self._shares[manager] = anyio.CapacityLimiter(PARALLEL)
+            share = self._shares[manager] = anyio.CapacityLimiter(IN_FLIGHT)
         return share
 
     @staticmethod
