@@ -21,9 +21,11 @@ from typing import Any
 from urllib.parse import quote
 
 import aiohttp
+import anyio
 
 from .. import dockerfile
 from ..errors import BuildContextError, NotFound, RequestRejected, RuntimeFailed
+from ..limits import CLEANUP_BUDGET_S
 from ..schema import ImageBuild, ImageInfo
 from ._base import Owner, requesting_manager
 from ._buildctx import DOCKERFILE_PATH, base_images, rewrite_dockerfile, write_context_tar
@@ -154,19 +156,21 @@ class Images:
         # The capture the manager's own reference carries before the pull moves it: the pull may use its chunks.
         held = await self.captures.carried(image, "image-pull") \
             if manager is not None and entry is not None and entry.owner == manager else None
+        before = await self._resident_id(image, "image-pull")
         # Until its capture came from the registry, the reference (its label) reaches no capture (`writing`).
         with self.ledger.writing(image):
-            await self._engine.progress("image-pull", "images/create",
-                                        params={"fromImage": ref.repository, "tag": ref.pull_tag},
-                                        headers=self._auth_header(ref.registry), kind="image", ref=image)
-            await self.ledger.update("image-pull", add=image)
-            # The capture the capsule carries comes beside it, straight into the node's store.
             try:
+                await self._engine.progress("image-pull", "images/create",
+                                            params={"fromImage": ref.repository, "tag": ref.pull_tag},
+                                            headers=self._auth_header(ref.registry), kind="image", ref=image)
+                await self.ledger.update("image-pull", add=image)
+                # The capture the capsule carries comes beside it, straight into the node's store.
                 await self.captures.pull(image, await self.exact(image, "image-pull"), self._auth, held=held)
-            except Exception:  # an image whose capture its registry did not give must not run with the node's copy
-                with contextlib.suppress(Exception), docker_errors("image-pull", kind="image", ref=image):
-                    await self._engine.docker.images.delete(image, force=True)
-                await self.ledger.update("image-pull", drop=image)
+            except BaseException:  # an image whose capture its registry did not give (or not yet: the request was
+                # cancelled, review 15) must not run with the node's copy
+                with anyio.move_on_after(CLEANUP_BUDGET_S, shield=True):
+                    if await self._drop_unchecked(image, before, "image-pull"):
+                        await self.ledger.update("image-pull", drop=image)
                 raise
             # A reference this pull recorded is now the pulling manager's: a workload-run's pull too, which `dispatch`
             # claims for no one (pull_policy "missing"), and whose run must reach the capture just pulled.
@@ -241,25 +245,32 @@ class Images:
                  if (entry := self._auth(registry, credentials))}
         if auths:
             headers["X-Registry-Config"] = base64.urlsafe_b64encode(json.dumps(auths).encode()).decode()
-        pull = build.pull
+        if build.pull:
+            await self._pull_bases(build)
         if not remote_sources:
             await self._refuse_remote_triggers(build)
-            pull = False  # its bases are the ones just checked: the builder must not pull others in their place
         elif not build.pull:
             await self._require_local_bases(build)
+        # Its bases were pulled above, if at all: the builder pulls none in their place (nor re-points their tags).
         params = {"t": build.tag, "dockerfile": DOCKERFILE_PATH, "rm": "1", "forcerm": "1",
-                  "pull": "1" if pull else "0", "buildargs": json.dumps(dict(build.arguments))}
+                  "pull": "0", "buildargs": json.dumps(dict(build.arguments))}
+        before = await self._resident_id(build.tag, "image-build")
         # Until its capture label was checked, the tag (its label) reaches no capture (`writing`).
         with self.ledger.writing(build.tag):
-            with tempfile.TemporaryFile(dir=self._spool_dir, prefix="coldsnap-build-") as spool, \
-                    tempfile.TemporaryFile(dir=self._spool_dir, prefix="coldsnap-build-") as filtered:
-                await write_context_tar(spool, context=build.context, contexts=dict(build.contexts),
-                                        dockerfile=build.dockerfile, owner=owner, max_bytes=self._copy_max_bytes)
-                spool.seek(0)
-                stored = await self.captures.filter_context(spool, filtered)
-                await self._engine.progress("image-build", "build", params=params, headers=headers,
-                                            data=filtered if stored else spool)
-            await self._refuse_forged_capture(build, stored)
+            try:
+                with tempfile.TemporaryFile(dir=self._spool_dir, prefix="coldsnap-build-") as spool, \
+                        tempfile.TemporaryFile(dir=self._spool_dir, prefix="coldsnap-build-") as filtered:
+                    await write_context_tar(spool, context=build.context, contexts=dict(build.contexts),
+                                            dockerfile=build.dockerfile, owner=owner, max_bytes=self._copy_max_bytes)
+                    spool.seek(0)
+                    stored = await self.captures.filter_context(spool, filtered)
+                    await self._engine.progress("image-build", "build", params=params, headers=headers,
+                                                data=filtered if stored else spool)
+                await self._refuse_forged_capture(build, stored)
+            except BaseException:  # cancelled (or failed) before its label was checked: not left under the tag
+                with anyio.move_on_after(CLEANUP_BUDGET_S, shield=True):
+                    await self._drop_unchecked(build.tag, before, "image-build")
+                raise
         await self.ledger.update("image-build", add=build.tag)
         await self.captures.read_stubs(build.tag, "image-build")
 
@@ -293,20 +304,49 @@ class Images:
             await self._remove_built(build.tag)
             raise
 
+    async def _resident_id(self, ref: str, action: str) -> str | None:
+        """The id of the image `ref` names now (None: none)."""
+        try:
+            return str((await self.exact(ref, action))["Id"])
+        except NotFound:
+            return None
+
+    async def _drop_unchecked(self, ref: str, before: str | None, action: str) -> bool:
+        """Untag `ref` when a pull or build that failed or was cancelled before its capture was checked left it naming
+        another image (`before`: the one it named) that carries a capture: it would reach that capture (review 15).
+        Whether it was removed; best effort (the failure being raised says what went wrong)."""
+        with contextlib.suppress(Exception):
+            info = await self.exact(ref, action)
+            if info["Id"] != before and CAPTURE_LABEL in ((info.get("Config") or {}).get("Labels") or {}):
+                with docker_errors(action, kind="image", ref=ref):
+                    await self._engine.docker.images.delete(ref, force=True)
+                return True
+        return False
+
     async def _remove_built(self, tag: str) -> None:
         with docker_errors("image-build", kind="image", ref=tag):
             await self._engine.docker.images.delete(tag, force=True)
 
-    async def _refuse_remote_triggers(self, build: ImageBuild) -> None:
-        """A base image's ONBUILD triggers run in the build that uses it, and the engine fetches an ADD of a URL
-        among them itself, in the host's network namespace, like one written in the Dockerfile (issue 37,
-        finding 4). So each base is checked as the builder will use it: pulled first when the build pulls
-        (the builder then pulls nothing), else resident."""
+    async def _pull_bases(self, build: ImageBuild) -> None:
+        """A pulling build's bases, pulled here, not by the builder: its pull re-pointed a reference a manager recorded
+        to an image whose capture no registry was asked for, which that reference then reached (review 15). A
+        recorded base is pulled as image-pull pulls (its capture checked, removed when its registry lacks it)."""
         for base in base_images(_dockerfile(build), dict(build.arguments)):
-            if build.pull and (ref := parse_reference(base)) is not None:
+            if (ref := parse_reference(base)) is None:
+                continue
+            if self.ledger.entry(base) is not None:
+                await self.pull(base)
+            else:  # recorded by no one: it reaches no capture (a tag or build FROM it, or a run, asks for reach)
                 await self._engine.progress("image-build", "images/create",
                                             params={"fromImage": ref.repository, "tag": ref.pull_tag},
                                             headers=self._auth_header(ref.registry), kind="image", ref=base)
+
+    async def _refuse_remote_triggers(self, build: ImageBuild) -> None:
+        """A base image's ONBUILD triggers run in the build that uses it, and the engine fetches an ADD of a URL
+        among them itself, in the host's network namespace, like one written in the Dockerfile (issue 37,
+        finding 4). So each base is checked as the builder will use it: resident (pulled first when the build
+        pulls: `_pull_bases`; the builder then pulls nothing)."""
+        for base in base_images(_dockerfile(build), dict(build.arguments)):
             try:
                 info = await self.exact(base, "image-build")
             except NotFound as exc:

@@ -602,6 +602,161 @@ def test_a_capsule_a_manager_pulls_is_its_own_to_run_also_when_its_run_pulled_it
         docker("image", "rm", "-f", tag, check=False)
 
 
+def _forge_in_registry(registry: Registry, tag: str, labels: dict[str, str], base: str) -> None:
+    """Put at `tag` in the registry an image FROM `base` with `labels` (as the registry's owner would: not through
+    the daemon), the node's own `tag` left as it was."""
+    config = Path(tempfile.mkdtemp(prefix="cs-dockercfg-", dir="/var/tmp"))
+    shutil.copy(registry.credentials_file, config / "config.json")
+    before = docker("image", "inspect", "-f", "{{.Id}}", tag, check=False).stdout.decode().strip()
+    try:
+        subprocess.run(["docker", "--config", str(config), "build", "-q", "-t", tag,
+                        *(arg for key, value in labels.items() for arg in ("--label", f"{key}={value}")), "-"],
+                       input=f"FROM {base}\n".encode(), check=True, capture_output=True)
+        subprocess.run(["docker", "--config", str(config), "push", "-q", tag], check=True, capture_output=True)
+    finally:
+        shutil.rmtree(config, ignore_errors=True)
+    if before:
+        docker("image", "tag", before, tag)
+    else:
+        docker("image", "rm", "-f", tag)
+
+
+def test_a_build_that_pulls_its_base_confers_no_reach_to_a_capture_its_registry_lacks(
+        node_a: tuple[Daemon, Path], registry: Registry, busybox_image: str,
+        small_capture_context: tuple[Path, bytes]) -> None:
+    """Regression: review 15. A build with pull: true had the engine pull its base into the manager's own reference,
+    unchecked: a registry's image there labelled with another manager's capture (seen in its image) then reached it,
+    and its run mounted that capture's files. The base's capture is now asked of its registry, as a pull's is."""
+    daemon, _ = node_a
+    context, head = small_capture_context
+    owner, thief = session_as(OTHER_UID, daemon, prefix="reach-o"), session_as(THIRD_UID, daemon, prefix="reach-t")
+    capsule, built = f"localhost/{uniq('own')}:1", f"localhost/{uniq('thief')}:1"
+    base = f"{registry.address}/forged/{uniq('base')}:1"
+    labels = ("io.coldsnap-provider.capture", "io.coldsnap-provider.capture-files")
+
+    async def run() -> None:
+        made = await owner.runtime("image-build", build=build_request(
+            f"FROM {busybox_image}\nCOPY images /capsule/images\n", str(context), capsule))
+        assert made.ok, made.error
+        found = json.loads(docker("image", "inspect", capsule).stdout)[0]["Config"]["Labels"]
+        _forge_in_registry(registry, base, {}, busybox_image)  # a plain image, the thief's own reference
+        assert (pulled := await thief.runtime("image-pull", image=base)).ok, pulled.error
+        _forge_in_registry(registry, base, {key: found[key] for key in labels}, capsule)  # its stubs too
+        derived = await thief.runtime("image-build", build=build_request(
+            f"FROM {base}\nENV X=1\n", str(context), built, pull=True))
+        assert not derived.ok and found[labels[0]] in str(derived.error), derived.error
+        ran = await thief.runtime("workload-run", workload={
+            "name": "", "image": base, "pull_policy": "never", "remove_after_exit": True,
+            "command": ["head", "-c", "16", "/capsule/images/pages-1.img"]})
+        assert not (ran.ok and ran.runtime.output == head), "the thief read another manager's capture"  # type: ignore[union-attr]
+        assert docker("image", "inspect", built, check=False).returncode != 0
+
+    try:
+        anyio.run(run)
+    finally:
+        for tag in (capsule, built, base):
+            docker("image", "rm", "-f", tag, check=False)
+
+
+class _StallingProxy:
+    """The registry behind another address (its credentials added by the proxy): a request for `stall`'s manifest is
+    never answered; `stalled` is set when one arrives, `released` when its client hung up."""
+
+    def __init__(self, registry: Registry, stall: str) -> None:
+        import base64
+        import http.client
+        import http.server
+        import select
+        import threading
+
+        auth = "Basic " + base64.b64encode(f"{registry.username}:{registry.password}".encode()).decode()
+        self.stalled, self.released, closing = threading.Event(), threading.Event(), threading.Event()
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *_: object) -> None:
+                pass
+
+            def do_HEAD(self) -> None:
+                self.do_GET()
+
+            def do_GET(self) -> None:
+                if f"/manifests/{stall}" in self.path:
+                    proxy.stalled.set()
+                    while not closing.is_set():  # until the client leaves: then its pull was cancelled
+                        readable = select.select([self.connection], [], [], 0.05)[0]
+                        if readable and not self.connection.recv(1, socket.MSG_PEEK):
+                            proxy.released.set()
+                            return
+                    return
+                upstream = http.client.HTTPConnection(registry.address, timeout=30)
+                headers = {k: v for k, v in self.headers.items() if k.lower() in ("accept", "range")}
+                upstream.request(self.command, self.path, headers={**headers, "Authorization": auth})
+                answer = upstream.getresponse()
+                body = answer.read()
+                self.send_response(answer.status)
+                for key, value in answer.getheaders():
+                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+                upstream.close()
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._closing = closing
+        self.address = f"127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closing.set()
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def test_a_pull_cancelled_before_its_capture_came_leaves_nothing_that_reaches_it(
+        node_a: tuple[Daemon, Path], registry: Registry, busybox_image: str,
+        small_capture_context: tuple[Path, bytes]) -> None:
+    """Regression: review 15. A pull re-points the manager's own reference before its capture is asked of the
+    registry; a manager that hung up then (its registry slow to answer) kept that image, labelled with another
+    manager's capture, under its own reference, which reached the capture: its run mounted the files."""
+    daemon, _ = node_a
+    context, head = small_capture_context
+    owner, thief = session_as(OTHER_UID, daemon, prefix="reach-o"), session_as(THIRD_UID, daemon, prefix="reach-t")
+    capsule, repository = f"localhost/{uniq('own')}:1", f"forged/{uniq('slow')}:1"
+    labels = ("io.coldsnap-provider.capture", "io.coldsnap-provider.capture-files")
+    made = anyio.run(lambda: owner.runtime("image-build", build=build_request(
+        f"FROM {busybox_image}\nCOPY images /capsule/images\n", str(context), capsule)))
+    assert made.ok, made.error
+    found = json.loads(docker("image", "inspect", capsule).stdout)[0]["Config"]["Labels"]
+    proxy = _StallingProxy(registry, found[labels[0]])
+    tag = f"{proxy.address}/{repository}"
+
+    async def run() -> None:
+        _forge_in_registry(registry, f"{registry.address}/{repository}", {}, busybox_image)
+        assert (pulled := await thief.runtime("image-pull", image=tag)).ok, pulled.error  # its own reference
+        _forge_in_registry(registry, f"{registry.address}/{repository}", {key: found[key] for key in labels},
+                           capsule)  # its stubs too
+        async with anyio.create_task_group() as group:
+            group.start_soon(lambda: thief.runtime("image-pull", image=tag))
+            assert await anyio.to_thread.run_sync(proxy.stalled.wait, 60)
+            group.cancel_scope.cancel()  # the thief hangs up while its registry holds the capture's manifest back
+        assert await anyio.to_thread.run_sync(proxy.released.wait, 60)
+        ran = await thief.runtime("workload-run", workload={
+            "name": "", "image": tag, "pull_policy": "never", "remove_after_exit": True,
+            "command": ["head", "-c", "16", "/capsule/images/pages-1.img"]})
+        assert not (ran.ok and ran.runtime.output == head), "the thief read another manager's capture"  # type: ignore[union-attr]
+
+    try:
+        anyio.run(run)
+    finally:
+        proxy.close()
+        for image in (capsule, tag, f"{registry.address}/{repository}"):
+            docker("image", "rm", "-f", image, check=False)
+
+
 def _bytes_under(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
