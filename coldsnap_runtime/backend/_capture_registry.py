@@ -349,8 +349,11 @@ class CaptureRegistry:
             self._share.release_on_behalf_of(slot)
 
         def give_back() -> None:
-            with contextlib.suppress(RuntimeError):  # the event loop is gone (the daemon exited): nothing to give
-                anyio.from_thread.run_sync(release, token=token)
+            # Scheduled, not waited for (before the thread's result, so before its caller resumes): a loop that stopped
+            # without closing (the daemon ending) never answers, and this thread, which the interpreter's exit waits
+            # for, waited for ever (review 15: a test run hung at its exit, holding the test lock).
+            with contextlib.suppress(RuntimeError):  # the event loop is closed (the daemon exited): nothing to give
+                token.backend_class.run_sync_soon(release, (), token.native_token)
 
         def run() -> Fetched:
             with lock:

@@ -8,6 +8,8 @@ import hashlib
 import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 import tracemalloc
@@ -187,6 +189,45 @@ def test_a_cancelled_pulls_fetch_thread_keeps_its_slot_until_it_ends(tmp_path: P
 
         anyio.run(cancelled_twice)
     assert not any((store.root / "tmp").iterdir())
+
+
+_AFTER_THE_LOOP = """
+import asyncio, sys, time
+from pathlib import Path
+import anyio
+from coldsnap_runtime.backend._capture_registry import CaptureRegistry
+from coldsnap_runtime.store import CaptureStore
+from tests.runtime.test_capture_registry_review import TRICKLE, _silent_registry
+
+store = CaptureStore(Path(sys.argv[1]))
+store.open()
+with _silent_registry(TRICKLE) as (url, hang_up, _):
+    registry = CaptureRegistry(store, registry=url.split("/")[2], repository="r", insecure=True, auth=None,
+                               action="image-pull", fetches=anyio.CapacityLimiter(1),
+                               share=anyio.CapacityLimiter(1), uploads=anyio.CapacityLimiter(1))
+
+    async def cancelled() -> None:
+        with anyio.move_on_after(0.5):
+            await registry._fetch_in_thread(url + "sha256:" + "0" * 64, "sha256:" + "0" * 64, 64 << 20)
+
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(cancelled())  # the loop stops, not yet closed, its fetch thread still waiting
+    hang_up()  # the thread ends now and gives its slot back to a loop that will never run again
+    while any((store.root / "tmp").iterdir()):
+        time.sleep(0.05)
+    time.sleep(0.2)
+    loop.close()
+print("exited")
+"""
+
+
+def test_a_fetch_thread_ending_after_its_loop_stopped_does_not_hold_the_process(tmp_path: Path) -> None:
+    """Regression: review 15. A fetch thread that ended after the event loop stopped (a daemon shutting down, a test's
+    loop ending) waited for the loop to give its slot back, for ever: the interpreter's exit, which waits for it,
+    hung (a test run held the tests' lock for half an hour)."""
+    done = subprocess.run([sys.executable, "-c", _AFTER_THE_LOOP, str(tmp_path / "s")], capture_output=True,
+                          text=True, timeout=30, check=False, cwd=Path(__file__).parents[2])
+    assert done.returncode == 0 and done.stdout == "exited\n", done.stderr[-2000:]
 
 
 @contextmanager
