@@ -604,7 +604,9 @@ def test_a_capsule_a_manager_pulls_is_its_own_to_run_also_when_its_run_pulled_it
 
 def _forge_in_registry(registry: Registry, tag: str, labels: dict[str, str], base: str) -> None:
     """Put at `tag` in the registry an image FROM `base` with `labels` (as the registry's owner would: not through
-    the daemon), the node's own `tag` left as it was."""
+    the daemon), the node's own `tag` left as it was. A label of its own makes it another image than `base` (whose
+    RepoDigests the push would otherwise grow)."""
+    labels = {**labels, "io.coldsnap-provider.test": tag}
     config = Path(tempfile.mkdtemp(prefix="cs-dockercfg-", dir="/var/tmp"))
     shutil.copy(registry.credentials_file, config / "config.json")
     before = docker("image", "inspect", "-f", "{{.Id}}", tag, check=False).stdout.decode().strip()
