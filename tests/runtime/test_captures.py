@@ -623,6 +623,12 @@ def _forge_in_registry(registry: Registry, tag: str, labels: dict[str, str], bas
         docker("image", "rm", "-f", tag)
 
 
+def _remove_forged(tag: str) -> None:
+    """The images `_forge_in_registry` put at `tag`, under any name (a pull's digest reference keeps one)."""
+    for image in docker("images", "-aq", "--filter", f"label=io.coldsnap-provider.test={tag}").stdout.split():
+        docker("image", "rm", "-f", image.decode(), check=False)
+
+
 def test_a_build_that_pulls_its_base_confers_no_reach_to_a_capture_its_registry_lacks(
         node_a: tuple[Daemon, Path], registry: Registry, busybox_image: str,
         small_capture_context: tuple[Path, bytes]) -> None:
@@ -658,6 +664,7 @@ def test_a_build_that_pulls_its_base_confers_no_reach_to_a_capture_its_registry_
     finally:
         for tag in (capsule, built, base):
             docker("image", "rm", "-f", tag, check=False)
+        _remove_forged(base)
 
 
 class _StallingProxy:
@@ -757,6 +764,7 @@ def test_a_pull_cancelled_before_its_capture_came_leaves_nothing_that_reaches_it
         proxy.close()
         for image in (capsule, tag, f"{registry.address}/{repository}"):
             docker("image", "rm", "-f", image, check=False)
+        _remove_forged(f"{registry.address}/{repository}")
 
 
 def _bytes_under(path: Path) -> int:
