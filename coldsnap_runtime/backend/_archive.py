@@ -30,7 +30,6 @@ from __future__ import annotations
 import errno
 import fnmatch
 import importlib.util
-import io
 import json
 import os
 import posixpath
@@ -38,7 +37,7 @@ import secrets
 import stat
 import sys
 import tarfile
-from typing import IO, cast
+from typing import IO
 
 __all__ = ("ArchiveRefused", "check_members", "extract_copy", "main", "pack")
 
@@ -378,7 +377,7 @@ def _changed(path: str) -> ArchiveRefused:
     return ArchiveRefused(f"{path} changed while the build context was read")
 
 
-def _pack_entry(tar: tarfile.TarFile, parent: int, name: str, arcname: str, path: str,
+def _pack_entry(tar: _TarOut, parent: int, name: str, arcname: str, path: str,
                 patterns: list[tuple[bool, str]], rel: str) -> None:
     try:
         st = os.stat(name, dir_fd=parent, follow_symlinks=False)
@@ -407,18 +406,18 @@ def _pack_entry(tar: tarfile.TarFile, parent: int, name: str, arcname: str, path
             if exc.errno == errno.ELOOP:
                 raise _changed(path) from exc
             raise _unreadable(path, exc) from exc
-        with os.fdopen(fd, "rb") as source:
+        try:
             opened = os.fstat(fd)
             if not stat.S_ISREG(opened.st_mode):
                 raise _changed(path)
             info = _header(arcname, opened)
             info.size = opened.st_size
             try:
-                tar.addfile(info, source)
+                tar.addfile(info, fd, path)
             except OSError as exc:
-                if exc.errno is None:  # tarfile: "unexpected end of data" (it shrank meanwhile)
-                    raise _changed(path) from exc
                 raise _unreadable(path, exc) from exc
+        finally:
+            os.close(fd)
     elif stat.S_ISLNK(st.st_mode):
         info = _header(arcname, st)
         info.type = tarfile.SYMTYPE
@@ -439,7 +438,7 @@ def _pack_entry(tar: tarfile.TarFile, parent: int, name: str, arcname: str, path
     # sockets (and anything else) are skipped, as the Docker CLI does
 
 
-def _pack_directory(tar: tarfile.TarFile, fd: int, prefix: str, path: str,
+def _pack_directory(tar: _TarOut, fd: int, prefix: str, path: str,
                     patterns: list[tuple[bool, str]], rel: str) -> None:
     try:
         names = sorted(os.listdir(fd))
@@ -451,21 +450,66 @@ def _pack_directory(tar: tarfile.TarFile, fd: int, prefix: str, path: str,
         _pack_entry(tar, fd, name, prefix + name, f"{path}/{name}", patterns, rel + name)
 
 
-class _Bounded:
-    """A write-only stream that refuses to grow past `limit` bytes (the daemon spools what we write)."""
+class _TarOut:
+    """A tar written straight to the descriptor `fd`, at most `limit` bytes (the daemon spools what we write): headers
+    as tarfile builds them, a regular file's bytes sent by the kernel (``sendfile``), never copied through this process
+    (tarfile's stream copies 16 KiB at a time: 2.4 s per GB on the 2-core VM against 0.95, bench/store_build.py)."""
 
-    def __init__(self, out: IO[bytes], limit: int) -> None:
-        self._out, self._limit, self._written = out, limit, 0
+    def __init__(self, fd: int, limit: int | None) -> None:
+        self._fd, self._limit, self._written = fd, limit, 0
 
-    def write(self, data: bytes) -> int:
-        self._written += len(data)
-        if self._written > self._limit:
+    def _count(self, n: int) -> None:
+        self._written += n
+        if self._limit is not None and self._written > self._limit:
             raise ArchiveRefused(f"the build context exceeds {self._limit} bytes (docker.copy_max_bytes)")
-        return self._out.write(data)
+
+    def _write(self, data: bytes) -> None:
+        self._count(len(data))
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view):]
+
+    def addfile(self, info: tarfile.TarInfo, source: int | None = None, path: str = "") -> None:
+        """One entry; with `source` (a regular file's descriptor) its `info.size` bytes follow, padded to a block."""
+        self._write(info.tobuf(tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape"))
+        if source is None or not info.size:
+            return
+        self._count(info.size)
+        sent = 0
+        while sent < info.size:
+            try:
+                n = os.sendfile(self._fd, source, sent, info.size - sent)
+            except OSError as exc:
+                if exc.errno not in (errno.EINVAL, errno.ENOSYS):
+                    raise
+                n = self._copy(source, sent, info.size - sent)  # a file system without splice: copied here
+            if not n:  # it shrank meanwhile
+                raise _changed(path)
+            sent += n
+        if remainder := info.size % tarfile.BLOCKSIZE:
+            self._write(tarfile.NUL * (tarfile.BLOCKSIZE - remainder))
+
+    def addbytes(self, info: tarfile.TarInfo, data: bytes) -> None:
+        """One regular file of `data` (the job's own text)."""
+        self._write(info.tobuf(tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape"))
+        self._write(data + tarfile.NUL * (-len(data) % tarfile.BLOCKSIZE))
+
+    def _copy(self, source: int, offset: int, count: int) -> int:
+        data = os.pread(source, min(count, 1 << 20), offset)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view):]
+        return len(data)
+
+    def close(self) -> None:
+        """The end of the archive: two zero blocks, then zeros to a whole record, as tarfile ends one."""
+        self._write(tarfile.NUL * (2 * tarfile.BLOCKSIZE))
+        if remainder := self._written % tarfile.RECORDSIZE:
+            self._write(tarfile.NUL * (tarfile.RECORDSIZE - remainder))
 
 
 def pack(job: dict[str, object], out: IO[bytes]) -> None:
-    """Write one tar of the job's trees and files to `out` (a stream: nothing is sought).
+    """Write one tar of the job's trees and files to `out`, a file or pipe (written in order, nothing sought).
 
     `job` = ``{"trees": [{"path", "prefix", "label", "dockerignore", "reserved"}],
     "files": [{"name", "data"}], "max_bytes": N}``: each tree's directory ``path`` goes under ``prefix``
@@ -479,39 +523,40 @@ def pack(job: dict[str, object], out: IO[bytes]) -> None:
     if not isinstance(trees, list) or not isinstance(files, list) or not all(
             isinstance(item, dict) for item in [*trees, *files]):
         raise ArchiveRefused("the pack job has no trees or files")
-    if isinstance(limit := job.get("max_bytes"), int):
-        out = cast(IO[bytes], _Bounded(out, limit))
-    with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
-        for tree in trees:
-            path, prefix, label = str(tree["path"]), str(tree["prefix"]), str(tree["label"])
-            try:
-                root = os.open(path, _TREE)
-            except (FileNotFoundError, NotADirectoryError) as exc:
-                raise ArchiveRefused(f"build {label} {path} is not a directory on this node") from exc
-            except OSError as exc:
-                raise _unreadable(path, exc) from exc
-            try:
-                if prefix:
-                    info = _header(prefix.rstrip("/"), os.fstat(root))
-                    info.type = tarfile.DIRTYPE
-                    tar.addfile(info)
-                else:
-                    try:
-                        present = sorted(set(os.listdir(root)) & {str(r) for r in tree.get("reserved") or []})
-                    except OSError as exc:
-                        raise _unreadable(path, exc) from exc
-                    if present:
-                        raise ArchiveRefused(f"the build context must not contain {present[0]!r} (reserved)")
-                patterns = _read_dockerignore(root, path) if tree.get("dockerignore") else []
-                _pack_directory(tar, root, prefix, path.rstrip("/"), patterns, "")
-            finally:
-                os.close(root)
-        for item in files:
-            data = str(item["data"]).encode()
-            info = tarfile.TarInfo(str(item["name"]))
-            info.size = len(data)
-            info.mode = 0o644
-            tar.addfile(info, io.BytesIO(data))
+    limit = job.get("max_bytes")
+    out.flush()
+    tar = _TarOut(out.fileno(), limit if isinstance(limit, int) else None)
+    for tree in trees:
+        path, prefix, label = str(tree["path"]), str(tree["prefix"]), str(tree["label"])
+        try:
+            root = os.open(path, _TREE)
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            raise ArchiveRefused(f"build {label} {path} is not a directory on this node") from exc
+        except OSError as exc:
+            raise _unreadable(path, exc) from exc
+        try:
+            if prefix:
+                info = _header(prefix.rstrip("/"), os.fstat(root))
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+            else:
+                try:
+                    present = sorted(set(os.listdir(root)) & {str(r) for r in tree.get("reserved") or []})
+                except OSError as exc:
+                    raise _unreadable(path, exc) from exc
+                if present:
+                    raise ArchiveRefused(f"the build context must not contain {present[0]!r} (reserved)")
+            patterns = _read_dockerignore(root, path) if tree.get("dockerignore") else []
+            _pack_directory(tar, root, prefix, path.rstrip("/"), patterns, "")
+        finally:
+            os.close(root)
+    for item in files:
+        data = str(item["data"]).encode()
+        info = tarfile.TarInfo(str(item["name"]))
+        info.size = len(data)
+        info.mode = 0o644
+        tar.addbytes(info, data)
+    tar.close()
 
 
 def _job(data: bytes) -> dict[str, object]:
