@@ -155,8 +155,7 @@ def side(package_root: Path, context: Path, work: Path) -> dict[str, Any]:
     import anyio
 
     import coldsnap_runtime
-    from coldsnap_runtime.backend._buildctx import write_context_tar
-    from coldsnap_runtime.backend._capture_build import store_context
+    from coldsnap_runtime.backend import store_context, write_context_tar
     from coldsnap_runtime.store import CaptureStore
 
     result: dict[str, Any] = {"package": coldsnap_runtime.__file__}

@@ -37,7 +37,7 @@ import secrets
 import stat
 import sys
 import tarfile
-from typing import IO
+from typing import IO, Any
 
 __all__ = ("ArchiveRefused", "check_members", "extract_copy", "main", "pack")
 
@@ -52,6 +52,25 @@ _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 class ArchiveRefused(Exception):
     """The copy cannot be placed at the destination (the message says why); exit status 1."""
+
+
+def _sibling(name: str) -> Any:
+    """The module `name`.py beside this file, loaded by path: run as a program, this file has no package to import
+    it from."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_coldsnap{name}", path)
+    if spec is None or spec.loader is None:
+        raise ArchiveRefused(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+try:
+    from ._tarout import TarOut
+except ImportError:  # a program (``python -I -S _archive.py``): loaded now, before any identity is dropped
+    TarOut = _sibling("_tarout").TarOut  # type: ignore[misc]
 
 
 def open_directory(path: str) -> int:
@@ -377,7 +396,7 @@ def _changed(path: str) -> ArchiveRefused:
     return ArchiveRefused(f"{path} changed while the build context was read")
 
 
-def _pack_entry(tar: _TarOut, parent: int, name: str, arcname: str, path: str,
+def _pack_entry(tar: TarOut, parent: int, name: str, arcname: str, path: str,
                 patterns: list[tuple[bool, str]], rel: str) -> None:
     try:
         st = os.stat(name, dir_fd=parent, follow_symlinks=False)
@@ -406,7 +425,7 @@ def _pack_entry(tar: _TarOut, parent: int, name: str, arcname: str, path: str,
             if exc.errno == errno.ELOOP:
                 raise _changed(path) from exc
             raise _unreadable(path, exc) from exc
-        try:
+        with os.fdopen(fd, "rb"):
             opened = os.fstat(fd)
             if not stat.S_ISREG(opened.st_mode):
                 raise _changed(path)
@@ -416,8 +435,6 @@ def _pack_entry(tar: _TarOut, parent: int, name: str, arcname: str, path: str,
                 tar.addfile(info, fd, path)
             except OSError as exc:
                 raise _unreadable(path, exc) from exc
-        finally:
-            os.close(fd)
     elif stat.S_ISLNK(st.st_mode):
         info = _header(arcname, st)
         info.type = tarfile.SYMTYPE
@@ -438,7 +455,7 @@ def _pack_entry(tar: _TarOut, parent: int, name: str, arcname: str, path: str,
     # sockets (and anything else) are skipped, as the Docker CLI does
 
 
-def _pack_directory(tar: _TarOut, fd: int, prefix: str, path: str,
+def _pack_directory(tar: TarOut, fd: int, prefix: str, path: str,
                     patterns: list[tuple[bool, str]], rel: str) -> None:
     try:
         names = sorted(os.listdir(fd))
@@ -448,64 +465,6 @@ def _pack_directory(tar: _TarOut, fd: int, prefix: str, path: str,
         if patterns and _ignored(rel + name, patterns):
             continue  # an ignored directory is not entered
         _pack_entry(tar, fd, name, prefix + name, f"{path}/{name}", patterns, rel + name)
-
-
-class _TarOut:
-    """A tar written straight to the descriptor `fd`, at most `limit` bytes (the daemon spools what we write): headers
-    as tarfile builds them, a regular file's bytes sent by the kernel (``sendfile``), never copied through this process
-    (tarfile's stream copies 16 KiB at a time: 2.4 s per GB on the 2-core VM against 0.95, bench/store_build.py)."""
-
-    def __init__(self, fd: int, limit: int | None) -> None:
-        self._fd, self._limit, self._written = fd, limit, 0
-
-    def _count(self, n: int) -> None:
-        self._written += n
-        if self._limit is not None and self._written > self._limit:
-            raise ArchiveRefused(f"the build context exceeds {self._limit} bytes (docker.copy_max_bytes)")
-
-    def _write(self, data: bytes) -> None:
-        self._count(len(data))
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self._fd, view):]
-
-    def addfile(self, info: tarfile.TarInfo, source: int | None = None, path: str = "") -> None:
-        """One entry; with `source` (a regular file's descriptor) its `info.size` bytes follow, padded to a block."""
-        self._write(info.tobuf(tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape"))
-        if source is None or not info.size:
-            return
-        self._count(info.size)
-        sent = 0
-        while sent < info.size:
-            try:
-                n = os.sendfile(self._fd, source, sent, info.size - sent)
-            except OSError as exc:
-                if exc.errno not in (errno.EINVAL, errno.ENOSYS):
-                    raise
-                n = self._copy(source, sent, info.size - sent)  # a file system without splice: copied here
-            if not n:  # it shrank meanwhile
-                raise _changed(path)
-            sent += n
-        if remainder := info.size % tarfile.BLOCKSIZE:
-            self._write(tarfile.NUL * (tarfile.BLOCKSIZE - remainder))
-
-    def addbytes(self, info: tarfile.TarInfo, data: bytes) -> None:
-        """One regular file of `data` (the job's own text)."""
-        self._write(info.tobuf(tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape"))
-        self._write(data + tarfile.NUL * (-len(data) % tarfile.BLOCKSIZE))
-
-    def _copy(self, source: int, offset: int, count: int) -> int:
-        data = os.pread(source, min(count, 1 << 20), offset)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self._fd, view):]
-        return len(data)
-
-    def close(self) -> None:
-        """The end of the archive: two zero blocks, then zeros to a whole record, as tarfile ends one."""
-        self._write(tarfile.NUL * (2 * tarfile.BLOCKSIZE))
-        if remainder := self._written % tarfile.RECORDSIZE:
-            self._write(tarfile.NUL * (tarfile.RECORDSIZE - remainder))
 
 
 def pack(job: dict[str, object], out: IO[bytes]) -> None:
@@ -523,9 +482,9 @@ def pack(job: dict[str, object], out: IO[bytes]) -> None:
     if not isinstance(trees, list) or not isinstance(files, list) or not all(
             isinstance(item, dict) for item in [*trees, *files]):
         raise ArchiveRefused("the pack job has no trees or files")
-    limit = job.get("max_bytes")
     out.flush()
-    tar = _TarOut(out.fileno(), limit if isinstance(limit, int) else None)
+    tar = TarOut(out.fileno(), limit if isinstance(limit := job.get("max_bytes"), int) else None,
+                 refused=ArchiveRefused, changed=_changed)
     for tree in trees:
         path, prefix, label = str(tree["path"]), str(tree["prefix"]), str(tree["label"])
         try:
@@ -555,7 +514,7 @@ def pack(job: dict[str, object], out: IO[bytes]) -> None:
         info = tarfile.TarInfo(str(item["name"]))
         info.size = len(data)
         info.mode = 0o644
-        tar.addbytes(info, data)
+        tar.addfile(info, data)
     tar.close()
 
 
@@ -575,13 +534,7 @@ def _drop(identity: tuple[int, int] | None) -> None:
     a program, this file has no package to import it from."""
     if identity is None and os.geteuid() == 0:
         return  # the daemon's own identity is root: nothing to drop (exec.user is empty)
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_privileges.py")
-    spec = importlib.util.spec_from_file_location("_coldsnap_privileges", path)
-    if spec is None or spec.loader is None:
-        raise ArchiveRefused(f"cannot load {path}")
-    privileges = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = privileges  # dataclasses look their module up there
-    spec.loader.exec_module(privileges)
+    privileges = _sibling("_privileges")
     try:
         if identity is None:
             privileges.shed()
