@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import json
 import mmap
 import os
@@ -155,7 +156,13 @@ def side(package_root: Path, context: Path, work: Path) -> dict[str, Any]:
     import anyio
 
     import coldsnap_runtime
-    from coldsnap_runtime.backend import store_context, write_context_tar
+    from coldsnap_runtime import backend
+
+    def public(name: str, module: str) -> Any:  # a ref from before they were public (ee52b42): its own module's
+        return getattr(backend, name, None) or getattr(importlib.import_module(f"{backend.__name__}.{module}"), name)
+
+    store_context = public("store_context", "_capture_build")
+    write_context_tar = public("write_context_tar", "_buildctx")
     from coldsnap_runtime.store import CaptureStore
 
     result: dict[str, Any] = {"package": coldsnap_runtime.__file__}
@@ -205,7 +212,7 @@ def run_side(root: Path, context: Path, work: Path) -> dict[str, Any]:
     from bench._common import drop_caches
     drop_caches()  # the last side's blobs written back first: each side starts from a quiet disk
     out = subprocess.run([sys.executable, __file__, "--side", str(root), "--context-dir", str(context),
-                          "--work", str(work)], check=True, capture_output=True, text=True).stdout
+                          "--work", str(work)], check=True, stdout=subprocess.PIPE, text=True).stdout
     shutil.rmtree(work)
     return dict(json.loads(out.splitlines()[-1]))
 
