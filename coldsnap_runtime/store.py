@@ -75,8 +75,9 @@ __all__ = (
     "artifact_manifest",
 )
 
-_ZEROS = bytes(CHUNK_BYTES)
-INGEST_THREADS = 4  # chunks hashed and written at once: 256 MiB in memory at most
+_ZEROS_VIEW = memoryview(bytes(CHUNK_BYTES))
+# Chunks hashed and written at once; an ingest holds at most this many windows (~64 MiB each) and two more.
+INGEST_THREADS = 4
 MADE_KIND = "coldsnap-capture-store-files"  # the listing of a tree's files (`CaptureStore.made_files`)
 _ZERO_RUN: Future[str | None] = Future()  # a run of zeros cut by content: known to be zeros, never stored
 _ZERO_RUN.set_result(None)
@@ -212,51 +213,72 @@ class CaptureStore:
                hold: Hold | None = None) -> StoredFile:
         """Read `size` bytes of one file from `source` into chunks: zeros skipped, present chunks not rewritten,
         each held by `hold` (the build's, until it records its capture); 64 MiB each, or cut by content
-        (`by_content`: :func:`.chunking.content_cuts`). Reading is sequential;
-        hashing and writing run in :data:`INGEST_THREADS` threads (SHA-256 and writes release the GIL), at most
-        that many chunks in memory beside the read window."""
-        pending: deque[Future[str | None]] = deque()
+        (`by_content`: :func:`.chunking.content_cuts`). Reading is sequential, straight into a few windows used
+        again and again (no copy beside the read's, no fresh memory to fault in per window); hashing and writing
+        run in :data:`INGEST_THREADS` threads (SHA-256 and writes release the GIL) on views of those windows, at
+        most that many chunks in flight. A chunk that fails to be written fails the file, naming it; what the other
+        threads wrote is complete or gone (:meth:`put_blob`)."""
+        # A window past one chunk and two runs of zeros: each cut by content ends at least one chunk.
+        window = CHUNK_BYTES + (2 * ZERO_RUN_BYTES + 1 if by_content else 0)
+        # Each chunk in flight, with its window when it is that window's last: free again once it is done.
+        pending: deque[tuple[Future[str | None], bytearray | None]] = deque()
+        free: list[bytearray] = []
         chunks: list[str | None] = []
         lengths: list[int] = []
-        carried, remaining = bytearray(), size
+        carried, remaining = b"", size
         with ThreadPoolExecutor(INGEST_THREADS, thread_name_prefix="store-ingest") as pool:
             while remaining or carried:
-                # A window past one chunk and two runs of zeros: each cut by content ends at least one chunk.
-                want = min(CHUNK_BYTES + (2 * ZERO_RUN_BYTES + 1 if by_content else 0) - len(carried), remaining)
-                fresh = self._read(source, path, want, size - remaining, size)
-                buffer = carried + fresh if carried else fresh
+                want = min(window - len(carried), remaining)
+                end = len(carried) + want
+                buffer = free.pop() if free and end == window else bytearray(end)
+                buffer[:len(carried)] = carried
+                self._read(source, path, memoryview(buffer)[len(carried):end], size - remaining, size)
                 remaining -= want
-                pieces = content_cuts(buffer, final=not remaining) if by_content else \
-                    [(len(buffer), False)]
+                pieces = content_cuts(buffer, final=not remaining) if by_content else [(end, False)]
                 offset = 0
-                for length, zero in pieces:
+                for n, (length, zero) in enumerate(pieces, 1):
                     if len(pending) >= INGEST_THREADS:
-                        chunks.append(pending.popleft().result())
-                    pending.append(_ZERO_RUN if zero else pool.submit(
-                        self._chunk, buffer if length == len(buffer) else buffer[offset:offset + length], hold))
+                        chunks.append(self._done(pending, free, window, path))
+                    pending.append((_ZERO_RUN if zero else pool.submit(self._chunk, buffer, offset, length, hold),
+                                    buffer if n == len(pieces) else None))
                     lengths.append(length)
                     offset += length
-                carried = buffer[offset:]
-            chunks += [future.result() for future in pending]
+                carried = bytes(memoryview(buffer)[offset:])
+                if not pieces and len(buffer) == window:
+                    free.append(buffer)
+            while pending:
+                chunks.append(self._done(pending, free, window, path))
         return StoredFile(path=path, size=size, mode=mode & 0o7777, chunks=chunks,
                           lengths=lengths if by_content else None)
 
     @staticmethod
-    def _read(source: IO[bytes], path: str, want: int, done: int, size: int) -> bytearray:
-        """Exactly `want` bytes of `source` (`done` of `size` read before): a short source is an error naming it."""
-        buffer = bytearray(want)
-        view, filled = memoryview(buffer), 0
-        while filled < want:
+    def _done(pending: deque[tuple[Future[str | None], bytearray | None]], free: list[bytearray], window: int,
+              path: str) -> str | None:
+        """The oldest chunk in flight's digest (None: zeros); its window free again when it was the last there."""
+        future, buffer = pending.popleft()
+        try:
+            digest = future.result()
+        except OSError as exc:
+            raise StoreError(f"{path}: a chunk could not be stored: {exc.strerror or exc}") from exc
+        if buffer is not None and len(buffer) == window:
+            free.append(buffer)
+        return digest
+
+    @staticmethod
+    def _read(source: IO[bytes], path: str, view: memoryview, done: int, size: int) -> None:
+        """Fill `view` from `source` (`done` of `size` read before): a short source is an error naming it."""
+        filled = 0
+        while filled < len(view):
             n = source.readinto(view[filled:])  # type: ignore[attr-defined]
             if not n:
                 raise StoreError(f"{path}: the source ended after {done + filled} of {size} bytes")
             filled += n
-        return buffer
 
-    def _chunk(self, buffer: bytearray, hold: Hold | None) -> str | None:
-        # bytearray == bytes is one memcmp (a memoryview comparison goes element by element, 10x slower).
-        return None if buffer == (_ZEROS if len(buffer) == CHUNK_BYTES else bytes(len(buffer))) \
-            else self.put_blob(buffer, hold)
+    def _chunk(self, buffer: bytearray, offset: int, length: int, hold: Hold | None) -> str | None:
+        # bytearray.startswith is one memcmp (a memoryview comparison goes element by element, 10x slower).
+        if buffer.startswith(_ZEROS_VIEW[:length], offset):
+            return None
+        return self.put_blob(memoryview(buffer)[offset:offset + length], hold)
 
     # --- captures --------------------------------------------------------------------
 

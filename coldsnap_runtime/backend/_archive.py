@@ -30,7 +30,6 @@ from __future__ import annotations
 import errno
 import fnmatch
 import importlib.util
-import io
 import json
 import os
 import posixpath
@@ -38,7 +37,7 @@ import secrets
 import stat
 import sys
 import tarfile
-from typing import IO, cast
+from typing import IO, Any
 
 __all__ = ("ArchiveRefused", "check_members", "extract_copy", "main", "pack")
 
@@ -53,6 +52,25 @@ _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 class ArchiveRefused(Exception):
     """The copy cannot be placed at the destination (the message says why); exit status 1."""
+
+
+def _sibling(name: str) -> Any:
+    """The module `name`.py beside this file, loaded by path: run as a program, this file has no package to import
+    it from."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_coldsnap{name}", path)
+    if spec is None or spec.loader is None:
+        raise ArchiveRefused(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+try:
+    from ._tarout import TarOut
+except ImportError:  # a program (``python -I -S _archive.py``): loaded now, before any identity is dropped
+    TarOut = _sibling("_tarout").TarOut  # type: ignore[misc]
 
 
 def open_directory(path: str) -> int:
@@ -378,7 +396,7 @@ def _changed(path: str) -> ArchiveRefused:
     return ArchiveRefused(f"{path} changed while the build context was read")
 
 
-def _pack_entry(tar: tarfile.TarFile, parent: int, name: str, arcname: str, path: str,
+def _pack_entry(tar: TarOut, parent: int, name: str, arcname: str, path: str,
                 patterns: list[tuple[bool, str]], rel: str) -> None:
     try:
         st = os.stat(name, dir_fd=parent, follow_symlinks=False)
@@ -407,17 +425,15 @@ def _pack_entry(tar: tarfile.TarFile, parent: int, name: str, arcname: str, path
             if exc.errno == errno.ELOOP:
                 raise _changed(path) from exc
             raise _unreadable(path, exc) from exc
-        with os.fdopen(fd, "rb") as source:
+        with os.fdopen(fd, "rb"):
             opened = os.fstat(fd)
             if not stat.S_ISREG(opened.st_mode):
                 raise _changed(path)
             info = _header(arcname, opened)
             info.size = opened.st_size
             try:
-                tar.addfile(info, source)
+                tar.addfile(info, fd, path)
             except OSError as exc:
-                if exc.errno is None:  # tarfile: "unexpected end of data" (it shrank meanwhile)
-                    raise _changed(path) from exc
                 raise _unreadable(path, exc) from exc
     elif stat.S_ISLNK(st.st_mode):
         info = _header(arcname, st)
@@ -439,7 +455,7 @@ def _pack_entry(tar: tarfile.TarFile, parent: int, name: str, arcname: str, path
     # sockets (and anything else) are skipped, as the Docker CLI does
 
 
-def _pack_directory(tar: tarfile.TarFile, fd: int, prefix: str, path: str,
+def _pack_directory(tar: TarOut, fd: int, prefix: str, path: str,
                     patterns: list[tuple[bool, str]], rel: str) -> None:
     try:
         names = sorted(os.listdir(fd))
@@ -451,21 +467,8 @@ def _pack_directory(tar: tarfile.TarFile, fd: int, prefix: str, path: str,
         _pack_entry(tar, fd, name, prefix + name, f"{path}/{name}", patterns, rel + name)
 
 
-class _Bounded:
-    """A write-only stream that refuses to grow past `limit` bytes (the daemon spools what we write)."""
-
-    def __init__(self, out: IO[bytes], limit: int) -> None:
-        self._out, self._limit, self._written = out, limit, 0
-
-    def write(self, data: bytes) -> int:
-        self._written += len(data)
-        if self._written > self._limit:
-            raise ArchiveRefused(f"the build context exceeds {self._limit} bytes (docker.copy_max_bytes)")
-        return self._out.write(data)
-
-
 def pack(job: dict[str, object], out: IO[bytes]) -> None:
-    """Write one tar of the job's trees and files to `out` (a stream: nothing is sought).
+    """Write one tar of the job's trees and files to `out`, a file or pipe (written in order, nothing sought).
 
     `job` = ``{"trees": [{"path", "prefix", "label", "dockerignore", "reserved"}],
     "files": [{"name", "data"}], "max_bytes": N}``: each tree's directory ``path`` goes under ``prefix``
@@ -479,39 +482,40 @@ def pack(job: dict[str, object], out: IO[bytes]) -> None:
     if not isinstance(trees, list) or not isinstance(files, list) or not all(
             isinstance(item, dict) for item in [*trees, *files]):
         raise ArchiveRefused("the pack job has no trees or files")
-    if isinstance(limit := job.get("max_bytes"), int):
-        out = cast(IO[bytes], _Bounded(out, limit))
-    with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
-        for tree in trees:
-            path, prefix, label = str(tree["path"]), str(tree["prefix"]), str(tree["label"])
-            try:
-                root = os.open(path, _TREE)
-            except (FileNotFoundError, NotADirectoryError) as exc:
-                raise ArchiveRefused(f"build {label} {path} is not a directory on this node") from exc
-            except OSError as exc:
-                raise _unreadable(path, exc) from exc
-            try:
-                if prefix:
-                    info = _header(prefix.rstrip("/"), os.fstat(root))
-                    info.type = tarfile.DIRTYPE
-                    tar.addfile(info)
-                else:
-                    try:
-                        present = sorted(set(os.listdir(root)) & {str(r) for r in tree.get("reserved") or []})
-                    except OSError as exc:
-                        raise _unreadable(path, exc) from exc
-                    if present:
-                        raise ArchiveRefused(f"the build context must not contain {present[0]!r} (reserved)")
-                patterns = _read_dockerignore(root, path) if tree.get("dockerignore") else []
-                _pack_directory(tar, root, prefix, path.rstrip("/"), patterns, "")
-            finally:
-                os.close(root)
-        for item in files:
-            data = str(item["data"]).encode()
-            info = tarfile.TarInfo(str(item["name"]))
-            info.size = len(data)
-            info.mode = 0o644
-            tar.addfile(info, io.BytesIO(data))
+    out.flush()
+    tar = TarOut(out.fileno(), limit if isinstance(limit := job.get("max_bytes"), int) else None,
+                 refused=ArchiveRefused, changed=_changed)
+    for tree in trees:
+        path, prefix, label = str(tree["path"]), str(tree["prefix"]), str(tree["label"])
+        try:
+            root = os.open(path, _TREE)
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            raise ArchiveRefused(f"build {label} {path} is not a directory on this node") from exc
+        except OSError as exc:
+            raise _unreadable(path, exc) from exc
+        try:
+            if prefix:
+                info = _header(prefix.rstrip("/"), os.fstat(root))
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+            else:
+                try:
+                    present = sorted(set(os.listdir(root)) & {str(r) for r in tree.get("reserved") or []})
+                except OSError as exc:
+                    raise _unreadable(path, exc) from exc
+                if present:
+                    raise ArchiveRefused(f"the build context must not contain {present[0]!r} (reserved)")
+            patterns = _read_dockerignore(root, path) if tree.get("dockerignore") else []
+            _pack_directory(tar, root, prefix, path.rstrip("/"), patterns, "")
+        finally:
+            os.close(root)
+    for item in files:
+        data = str(item["data"]).encode()
+        info = tarfile.TarInfo(str(item["name"]))
+        info.size = len(data)
+        info.mode = 0o644
+        tar.addfile(info, data)
+    tar.close()
 
 
 def _job(data: bytes) -> dict[str, object]:
@@ -530,13 +534,7 @@ def _drop(identity: tuple[int, int] | None) -> None:
     a program, this file has no package to import it from."""
     if identity is None and os.geteuid() == 0:
         return  # the daemon's own identity is root: nothing to drop (exec.user is empty)
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_privileges.py")
-    spec = importlib.util.spec_from_file_location("_coldsnap_privileges", path)
-    if spec is None or spec.loader is None:
-        raise ArchiveRefused(f"cannot load {path}")
-    privileges = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = privileges  # dataclasses look their module up there
-    spec.loader.exec_module(privileges)
+    privileges = _sibling("_privileges")
     try:
         if identity is None:
             privileges.shed()

@@ -150,7 +150,7 @@ def stub(capture: str, path: str) -> bytes:
 
 def _candidates(members: list[tarfile.TarInfo]) -> set[str]:
     roots = {posixpath.dirname(m.name) for m in members if m.isfile() and posixpath.basename(m.name) == CAPTURE_MARKER}
-    return {m.name for m in members if m.isfile() and m.size >= STORE_MIN_BYTES
+    return {m.name for m in members if m.isfile() and not m.issparse() and m.size >= STORE_MIN_BYTES
             and any(root == "" or m.name.startswith(root + "/") for root in roots)}
 
 
@@ -179,15 +179,15 @@ def store_context(source: IO[bytes], out: IO[bytes], store: CaptureStore) -> str
         with store.holding() as hold:
             for member in members:
                 if member.name in stored_names:
-                    data = tar.extractfile(member)
-                    assert data is not None
+                    # Read from the spool where the member's bytes lie: tarfile's reader copies each read twice.
+                    source.seek(member.offset_data)
                     # In MIN_BYTES chunk-equivalents, every file's chunks: a file cut by content lists at most one
                     # per MIN_BYTES and one shorter, another one per CHUNK_BYTES (review 14: many small page images,
                     # or large dumps beside them, went past the manifest's 4 MiB).
                     by_content = CUT_BY_CONTENT.fullmatch(posixpath.basename(member.name)) is not None and \
                         member.size + MIN_BYTES <= cut_left
                     cut_left -= member.size + MIN_BYTES if by_content else -(-member.size // CHUNK_BYTES) * MIN_BYTES
-                    files.append(store.ingest(member.name, member.size, member.mode, data, by_content=by_content,
+                    files.append(store.ingest(member.name, member.size, member.mode, source, by_content=by_content,
                                               hold=hold))
             document = CaptureData(files=sorted(files, key=lambda f: f.path),
                                    format=2 if any(f.lengths is not None for f in files) else 1)

@@ -181,18 +181,23 @@ def test_remove_keeps_chunks_other_captures_hold_and_collect_keeps_those_in_use(
     assert store.captures() == [second]
 
 
-def test_a_full_disk_while_storing_leaves_nothing_half_written(tmp_path: Path) -> None:
+def test_a_full_disk_midway_fails_the_file_naming_it_and_leaves_only_whole_chunks(tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root to mount a small tmpfs")
     mount = tmp_path / "small"
     mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mount)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], check=True)
     try:
         store = CaptureStore(mount / "store")
         store.open()
-        with pytest.raises(OSError, match="No space left"):
-            store.ingest("images/pages-1.img", CHUNK_BYTES, 0o600, io.BytesIO(os.urandom(CHUNK_BYTES)))
-        assert not list((mount / "store" / "tmp").iterdir()) and not _blobs(store) and store.captures() == []
+        data = os.urandom(8 * MIB)  # ~40 chunks cut by content, written 4 at once: the disk fills after ~10
+        with pytest.raises(StoreError, match=r"images/pages-1\.img: a chunk could not be stored: No space left"):
+            store.ingest("images/pages-1.img", len(data), 0o600, io.BytesIO(data), by_content=True)
+        assert not list((mount / "store" / "tmp").iterdir()) and store.captures() == []
+        written = _blobs(store)
+        assert written  # those before the disk filled: each whole, its bytes its name
+        assert all(hashlib.sha256(store.blob_path(f"sha256:{name}").read_bytes()).hexdigest() == name
+                   for name in written)
     finally:
         subprocess.run(["umount", str(mount)], check=True)
 
