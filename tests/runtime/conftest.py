@@ -19,18 +19,21 @@ from tests.conftest import Registry, docker
 from tests.helpers import MADE, Daemon, Session, write_config
 
 
-def module_daemon(registry: Registry, extra_config: str = "") -> Iterator[Daemon]:
-    """A daemon for one test module (its fixtures yield from this), with the registry's credentials."""
+def module_daemon(registry: Registry | None, extra_config: str = "") -> Iterator[Daemon]:
+    """A daemon for one test module (its fixtures yield from this), with the registry's credentials if given."""
     state = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
     conf = Path(tempfile.mkdtemp(prefix="cs-conf-", dir="/tmp"))
-    config = f'[registry]\ncredentials_file = "{registry.credentials_file}"\n' + extra_config
+    credentials = f'[registry]\ncredentials_file = "{registry.credentials_file}"\n' if registry else ""
+    config = credentials + extra_config
     d = Daemon(state_dir=state, config_path=write_config(conf, config))
     d.start()
-    yield d
-    d.stop()
-    d.log_path.unlink(missing_ok=True)
-    shutil.rmtree(state, ignore_errors=True)
-    shutil.rmtree(conf, ignore_errors=True)
+    try:
+        yield d
+    finally:  # also when the generator is closed early (contextlib.closing in a fixture that failed to set up)
+        d.stop()
+        d.log_path.unlink(missing_ok=True)
+        shutil.rmtree(state, ignore_errors=True)
+        shutil.rmtree(conf, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
