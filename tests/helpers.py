@@ -14,10 +14,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
@@ -25,6 +25,9 @@ import pytest
 
 from coldsnap_provider import Reply, call, call_control, exchange
 from tests import unit_sandbox
+
+if TYPE_CHECKING:  # (tests.conftest imports this module)
+    from tests.conftest import Registry
 
 ROOT = Path(__file__).resolve().parent.parent
 _ids = itertools.count(1767225600000000001)
@@ -235,6 +238,23 @@ async def running_daemon(config: str = "", *, state_dir: Path | None = None,
         if own:
             shutil.rmtree(state, ignore_errors=True)
         daemon.log_path.unlink(missing_ok=True)
+
+
+def module_daemon(registry: Registry | None, extra_config: str = "") -> Iterator[Daemon]:
+    """A daemon for one test module (its fixtures yield from this), with the registry's credentials if given."""
+    state = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
+    conf = Path(tempfile.mkdtemp(prefix="cs-conf-", dir="/tmp"))
+    credentials = f'[registry]\ncredentials_file = "{registry.credentials_file}"\n' if registry else ""
+    config = credentials + extra_config
+    d = Daemon(state_dir=state, config_path=write_config(conf, config))
+    d.start()
+    try:
+        yield d
+    finally:  # also when the generator is closed early (contextlib.closing in a fixture that failed to set up)
+        d.stop()
+        d.log_path.unlink(missing_ok=True)
+        shutil.rmtree(state, ignore_errors=True)
+        shutil.rmtree(conf, ignore_errors=True)
 
 
 def control_as(uid: int, state_dir: Path, request: dict[str, Any]) -> dict[str, Any]:

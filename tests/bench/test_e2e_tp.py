@@ -20,9 +20,8 @@ import pytest
 from bench.e2e_restore import WEIGHTS, Driver, E2EError
 from bench.e2e_tp import cold_start, failures, fault_weights, remove, restore
 from bench.tp_units import Activation
-from tests.helpers import ROOT
+from tests.helpers import ROOT, module_daemon
 from tests.probe.test_coordinator import rank_images, stand_in_criu, with_weights
-from tests.runtime.conftest import module_daemon
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 

@@ -22,9 +22,8 @@ import pytest
 
 from coldsnap_provider import ReplyError
 from tests.conftest import BUSYBOX_IMAGE, docker
-from tests.helpers import ROOT, Daemon, Session, running_daemon
+from tests.helpers import ROOT, Daemon, Session, module_daemon, running_daemon
 from tests.kubernetes import IMAGE, NAMESPACE, Cluster
-from tests.runtime.conftest import module_daemon
 
 
 def _config(cluster: Cluster) -> str:

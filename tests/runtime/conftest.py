@@ -4,36 +4,16 @@ from __future__ import annotations
 
 import json
 import secrets
-import shutil
 import socket
 import struct
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
 from tests.conftest import Registry, docker
-from tests.helpers import MADE, Daemon, Session, write_config
-
-
-def module_daemon(registry: Registry | None, extra_config: str = "") -> Iterator[Daemon]:
-    """A daemon for one test module (its fixtures yield from this), with the registry's credentials if given."""
-    state = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
-    conf = Path(tempfile.mkdtemp(prefix="cs-conf-", dir="/tmp"))
-    credentials = f'[registry]\ncredentials_file = "{registry.credentials_file}"\n' if registry else ""
-    config = credentials + extra_config
-    d = Daemon(state_dir=state, config_path=write_config(conf, config))
-    d.start()
-    try:
-        yield d
-    finally:  # also when the generator is closed early (contextlib.closing in a fixture that failed to set up)
-        d.stop()
-        d.log_path.unlink(missing_ok=True)
-        shutil.rmtree(state, ignore_errors=True)
-        shutil.rmtree(conf, ignore_errors=True)
+from tests.helpers import MADE, Daemon, Session, module_daemon
 
 
 @pytest.fixture(scope="module")

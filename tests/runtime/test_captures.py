@@ -24,9 +24,9 @@ from coldsnap_provider.client import ReplyError
 from coldsnap_runtime.chunking import MIN_BYTES
 from coldsnap_runtime.store import CHUNK_BYTES, CaptureStore
 from tests.conftest import Registry, docker
-from tests.helpers import EXEC_AS_NOBODY, Daemon, Session, control_as, session_as
+from tests.helpers import EXEC_AS_NOBODY, Daemon, Session, control_as, module_daemon, session_as
 from tests.provider.test_metrics import sample, scrape
-from tests.runtime.conftest import module_daemon, uniq
+from tests.runtime.conftest import uniq
 from tests.runtime.test_images import build_request
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")

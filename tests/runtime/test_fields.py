@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import Registry
-from tests.helpers import Daemon, Session
-from tests.runtime.conftest import container_exists, inspect_container, main_dockerd_pid, module_daemon, uniq
+from tests.helpers import Daemon, Session, module_daemon
+from tests.runtime.conftest import container_exists, inspect_container, main_dockerd_pid, uniq
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
