@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -25,9 +25,6 @@ import pytest
 
 from coldsnap_provider import Reply, call, call_control, exchange
 from tests import unit_sandbox
-
-if TYPE_CHECKING:  # (tests.conftest imports this module)
-    from tests.conftest import Registry
 
 ROOT = Path(__file__).resolve().parent.parent
 _ids = itertools.count(1767225600000000001)
@@ -240,11 +237,11 @@ async def running_daemon(config: str = "", *, state_dir: Path | None = None,
         daemon.log_path.unlink(missing_ok=True)
 
 
-def module_daemon(registry: Registry | None, extra_config: str = "") -> Iterator[Daemon]:
-    """A daemon for one test module (its fixtures yield from this), with the registry's credentials if given."""
+def module_daemon(credentials_file: Path | None, extra_config: str = "") -> Iterator[Daemon]:
+    """A daemon for one test module (its fixtures yield from this), with a registry's credentials if given."""
     state = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
     conf = Path(tempfile.mkdtemp(prefix="cs-conf-", dir="/tmp"))
-    credentials = f'[registry]\ncredentials_file = "{registry.credentials_file}"\n' if registry else ""
+    credentials = f'[registry]\ncredentials_file = "{credentials_file}"\n' if credentials_file else ""
     config = credentials + extra_config
     d = Daemon(state_dir=state, config_path=write_config(conf, config))
     d.start()

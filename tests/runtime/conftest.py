@@ -18,7 +18,7 @@ from tests.helpers import MADE, Daemon, Session, module_daemon
 
 @pytest.fixture(scope="module")
 def daemon(registry: Registry, busybox_image: str) -> Iterator[Daemon]:
-    yield from module_daemon(registry)
+    yield from module_daemon(registry.credentials_file)
 
 
 @pytest.fixture(scope="module")

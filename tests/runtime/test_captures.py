@@ -43,9 +43,10 @@ def _metrics_socket(store: Path) -> Path:
 def _store_daemon(registry: Registry, tag: str) -> Iterator[tuple[Daemon, Path]]:
     store = Path(tempfile.mkdtemp(prefix=f"cs-store-{tag}-", dir="/var/tmp"))
     try:
-        for daemon in module_daemon(registry, f'[server]\ncontrol_uids = [{OTHER_UID}, {THIRD_UID}]\n{EXEC_AS_NOBODY}'
-                                              f'[docker]\ncapture_store = "{store}"\n'
-                                              f'[metrics]\naddress = "unix:{_metrics_socket(store)}"\n'):
+        for daemon in module_daemon(registry.credentials_file,
+                                    f'[server]\ncontrol_uids = [{OTHER_UID}, {THIRD_UID}]\n{EXEC_AS_NOBODY}'
+                                    f'[docker]\ncapture_store = "{store}"\n'
+                                    f'[metrics]\naddress = "unix:{_metrics_socket(store)}"\n'):
             yield daemon, store
     finally:
         shutil.rmtree(store, ignore_errors=True)

@@ -24,7 +24,7 @@ def daemon(registry: Registry, busybox_image: str) -> Iterator[Daemon]:
     the default policy refuses `privileged: true`; this policy grants what the host has, so the
     field still reaches the container and is checked below.
     """
-    yield from module_daemon(registry, '[runtime]\nprivileged = "host-capabilities"\n')
+    yield from module_daemon(registry.credentials_file, '[runtime]\nprivileged = "host-capabilities"\n')
 
 
 async def test_every_field_arrives_in_the_container(session: Session, busybox_image: str) -> None:
