@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -235,6 +235,23 @@ async def running_daemon(config: str = "", *, state_dir: Path | None = None,
         if own:
             shutil.rmtree(state, ignore_errors=True)
         daemon.log_path.unlink(missing_ok=True)
+
+
+def module_daemon(credentials_file: Path | None, extra_config: str = "") -> Iterator[Daemon]:
+    """A daemon for one test module (its fixtures yield from this), with a registry's credentials if given."""
+    state = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
+    conf = Path(tempfile.mkdtemp(prefix="cs-conf-", dir="/tmp"))
+    credentials = f'[registry]\ncredentials_file = "{credentials_file}"\n' if credentials_file else ""
+    config = credentials + extra_config
+    d = Daemon(state_dir=state, config_path=write_config(conf, config))
+    d.start()
+    try:
+        yield d
+    finally:  # also when the generator is closed early (contextlib.closing in a fixture that failed to set up)
+        d.stop()
+        d.log_path.unlink(missing_ok=True)
+        shutil.rmtree(state, ignore_errors=True)
+        shutil.rmtree(conf, ignore_errors=True)
 
 
 def control_as(uid: int, state_dir: Path, request: dict[str, Any]) -> dict[str, Any]:

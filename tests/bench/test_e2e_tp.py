@@ -10,19 +10,32 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 
+import anyio
 import pytest
 
 from bench.e2e_restore import WEIGHTS, Driver, E2EError
 from bench.e2e_tp import cold_start, failures, fault_weights, remove, restore
 from bench.tp_units import Activation
-from tests.helpers import ROOT, running_daemon
+from tests.helpers import ROOT, module_daemon
 from tests.probe.test_coordinator import rank_images, stand_in_criu, with_weights
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
 CONFIG = '[runtime]\nprivileged = "host-capabilities"\n'
+
+
+@pytest.fixture(scope="module")
+def driver() -> Iterator[Driver]:
+    """One daemon and one controller session for the module, as a controller keeps them across activations (a
+    daemon start is about a second); every test ends with its units gone."""
+    with closing(module_daemon(None, CONFIG)) as daemons:
+        d = Driver(next(daemons).state_dir)
+        anyio.run(d.open)
+        yield d
 
 
 def _activation(tmp_path: Path, image: str, world: int, *, python: str = "python3") -> Activation:
@@ -37,18 +50,15 @@ def _activation(tmp_path: Path, image: str, world: int, *, python: str = "python
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
-async def test_failed_rank_units_are_all_removed_naming_each_rank(busybox_image: str, tmp_path: Path,
+async def test_failed_rank_units_are_all_removed_naming_each_rank(driver: Driver, busybox_image: str, tmp_path: Path,
                                                                   world: int) -> None:
     tp = _activation(tmp_path, busybox_image, world)
     assert [layout.network for layout in tp.layouts] == ["host"] * world
     assert [layout.gpus for layout in Activation(tp.args, busybox_image, tmp_path).layouts] == [
         (str(r),) for r in range(world)]  # each rank's unit gets its own GPU
-    async with running_daemon(CONFIG) as daemon:
-        d = Driver(daemon.state_dir)
-        await d.open()
-        with pytest.raises(E2EError) as caught:
-            await restore(d, tp, "cap-1", "restore-1", {}, deadline=30)
-        assert all([await d.gone(f"tp_node_{r}") for r in range(world)])
+    with pytest.raises(E2EError) as caught:
+        await restore(driver, tp, "cap-1", "restore-1", {}, deadline=30)
+    assert all([await driver.gone(f"tp_node_{r}") for r in range(world)])
     message = str(caught.value)
     assert caught.value.code == "runtime_failed"
     for rank in range(world):
@@ -56,22 +66,20 @@ async def test_failed_rank_units_are_all_removed_naming_each_rank(busybox_image:
     assert "python3: not found" in message
 
 
-async def test_activation_deadline_removes_every_rank_unit(busybox_image: str, tmp_path: Path) -> None:
+async def test_activation_deadline_removes_every_rank_unit(driver: Driver, busybox_image: str, tmp_path: Path) -> None:
     """Four units that run but never become ready: one activation deadline ends them all, naming each rank."""
     tp = _activation(tmp_path, busybox_image, 4, python="sleep 60; false")
-    async with running_daemon(CONFIG) as daemon:
-        d = Driver(daemon.state_dir)
-        await d.open()
-        started = time.monotonic()
-        with pytest.raises(E2EError) as caught:
-            await restore(d, tp, "cap-1", "restore-1", {}, deadline=3)
-        assert time.monotonic() - started < 45  # not the units' 60 s: the deadline ended the activation
-        assert all([await d.gone(f"tp_node_{r}") for r in range(4)])
+    started = time.monotonic()
+    with pytest.raises(E2EError) as caught:
+        await restore(driver, tp, "cap-1", "restore-1", {}, deadline=3)
+    assert time.monotonic() - started < 45  # not the units' 60 s: the deadline ended the activation
+    assert all([await driver.gone(f"tp_node_{r}") for r in range(4)])
     for rank in range(4):
         assert f"rank {rank}: readiness check `test -s" in str(caught.value)
 
 
-async def test_failure_cases_restore_what_they_break_and_leave_no_unit(busybox_image: str, tmp_path: Path) -> None:
+async def test_failure_cases_restore_what_they_break_and_leave_no_unit(driver: Driver, busybox_image: str,
+                                                                     tmp_path: Path) -> None:
     """The bench's own fault injection, through dockerd: every case's units are removed, the copies of tampered
     images and the fault directories are deleted, and the real weight files were never touched."""
     tp = _activation(tmp_path, busybox_image, 2)
@@ -83,11 +91,8 @@ async def test_failure_cases_restore_what_they_break_and_leave_no_unit(busybox_i
         (tp.weights / f"weights-rank-{rank}.bin").write_bytes(os.urandom(1 << 16))
     source = tp.weights / "weights-rank-1.bin"
     before, inode = source.read_bytes(), source.stat().st_ino
-    async with running_daemon(CONFIG) as daemon:
-        d = Driver(daemon.state_dir)
-        await d.open()
-        rows = await failures(d, tp, "cap-1", {})
-        assert all([await d.gone(f"tp_node_{r}") for r in range(2)])
+    rows = await failures(driver, tp, "cap-1", {})
+    assert all([await driver.gone(f"tp_node_{r}") for r in range(2)])
     assert len(rows) == 6
     assert all(row["units_left"] == [] and row["error_code"] == "runtime_failed" for row in rows), rows
     assert not any(row["ok"] for row in rows)  # busybox has no worker: no case fails for the reason it names
@@ -96,24 +101,21 @@ async def test_failure_cases_restore_what_they_break_and_leave_no_unit(busybox_i
     assert not list(tmp_path.glob("fault-*"))
 
 
-async def test_cold_start_rank_unit_that_exits_silently_ends_the_wait_naming_it(busybox_image: str,
+async def test_cold_start_rank_unit_that_exits_silently_ends_the_wait_naming_it(driver: Driver, busybox_image: str,
                                                                                  tmp_path: Path) -> None:
     """Three serving units that run and one that exits before it could log anything: the cold start fails at
     once (not after its 480 s limit), naming that rank."""
     tp = _activation(tmp_path, busybox_image, 4, python="sh")
     tp.serve_command = lambda rank: ["-c", "exit 3" if rank == 3 else "sleep 60"]  # type: ignore[method-assign]
     names = [f"tp-serving-{r}" for r in range(4)]
-    async with running_daemon(CONFIG) as daemon:
-        d = Driver(daemon.state_dir)
-        await d.open()
-        started = time.monotonic()
-        try:
-            with pytest.raises(E2EError, match=r"rank\(s\) \[3\] failed before they were ready"):
-                await cold_start(d, tp)
-            assert time.monotonic() - started < 15
-        finally:
-            await remove(d, names)
-        assert all([await d.gone(name) for name in names])
+    started = time.monotonic()
+    try:
+        with pytest.raises(E2EError, match=r"rank\(s\) \[3\] failed before they were ready"):
+            await cold_start(driver, tp)
+        assert time.monotonic() - started < 15
+    finally:
+        await remove(driver, names)
+    assert all([await driver.gone(name) for name in names])
 
 
 # --- the worker itself in each rank's unit (the host's python3 and this checkout mounted into busybox units) -----
@@ -134,8 +136,9 @@ def _worker_activation(tmp_path: Path, image: str, world: int) -> Activation:
 
 
 @pytest.mark.parametrize(("world", "case"), [(4, "missing"), (8, "corrupt")])
-async def test_hydration_source_of_one_rank_stops_every_rank_unit_naming_it(busybox_image: str, tmp_path: Path,
-                                                                            world: int, case: str) -> None:
+async def test_hydration_source_of_one_rank_stops_every_rank_unit_naming_it(driver: Driver, busybox_image: str,
+                                                                            tmp_path: Path, world: int,
+                                                                            case: str) -> None:
     """Regression: issue 27 item 4. The ranks' workers in their units, through the daemon: one rank's weights
     file missing or corrupt (as its unit sees it) fails every rank's restore before CRIU, naming the rank and
     the file, and no unit is left."""
@@ -143,12 +146,9 @@ async def test_hydration_source_of_one_rank_stops_every_rank_unit_naming_it(busy
     culprit = world - 1
     source = tp.weights / f"weights-rank-{culprit}.bin"
     before = source.read_bytes()
-    async with running_daemon(CONFIG) as daemon:
-        d = Driver(daemon.state_dir)
-        await d.open()
-        with pytest.raises(E2EError) as caught:
-            await restore(d, tp, "cap-1", "restore-1", {}, deadline=30, weights={culprit: fault_weights(tp, case)})
-        assert all([await d.gone(f"tp_node_{r}") for r in range(world)])
+    with pytest.raises(E2EError) as caught:
+        await restore(driver, tp, "cap-1", "restore-1", {}, deadline=30, weights={culprit: fault_weights(tp, case)})
+    assert all([await driver.gone(f"tp_node_{r}") for r in range(world)])
     message = str(caught.value)
     expected = "cannot be read" if case == "missing" else "does not match the digest"
     assert f"region rank-{culprit}: source /weights/weights-rank-{culprit}.bin {expected}" in message
@@ -159,30 +159,25 @@ async def test_hydration_source_of_one_rank_stops_every_rank_unit_naming_it(busy
     assert source.read_bytes() == before  # the real file was never touched
 
 
-async def test_intact_sources_get_every_rank_unit_past_validation(busybox_image: str, tmp_path: Path) -> None:
+async def test_intact_sources_get_every_rank_unit_past_validation(driver: Driver, busybox_image: str,
+                                                                  tmp_path: Path) -> None:
     """The control case: the same four units with every source intact all pass validation and fail only at CRIU,
     which these units do not have."""
     tp = _worker_activation(tmp_path, busybox_image, 4)
-    async with running_daemon(CONFIG) as daemon:
-        d = Driver(daemon.state_dir)
-        await d.open()
-        with pytest.raises(E2EError) as caught:
-            await restore(d, tp, "cap-1", "restore-1", {}, deadline=30)
-        assert all([await d.gone(f"tp_node_{r}") for r in range(4)])
+    with pytest.raises(E2EError) as caught:
+        await restore(driver, tp, "cap-1", "restore-1", {}, deadline=30)
+    assert all([await driver.gone(f"tp_node_{r}") for r in range(4)])
     assert len(list((tp.coord / "restore-1" / "validated").glob("*.json"))) == 4
     assert "hydration cannot succeed" not in str(caught.value) and "criu" in str(caught.value).lower()
 
 
-async def test_bench_failure_cases_through_worker_units_name_what_the_worker_reports(busybox_image: str,
+async def test_bench_failure_cases_through_worker_units_name_what_the_worker_reports(driver: Driver, busybox_image: str,
                                                                                      tmp_path: Path) -> None:
     """The GPU run's failure step on four worker units: each case that needs no GPU and no CRIU (tampered record,
     missing peer, missing or corrupt source) is refused by every rank, names what the bench expects, and leaves
     no unit. The other two (another GPU, a process killed after CRIU) need the GPU machine."""
     tp = _worker_activation(tmp_path, busybox_image, 4)
-    async with running_daemon(CONFIG) as daemon:
-        d = Driver(daemon.state_dir)
-        await d.open()
-        rows = {row["case"]: row for row in await failures(d, tp, "cap-1", {})}
+    rows = {row["case"]: row for row in await failures(driver, tp, "cap-1", {})}
     cpu = ["tampered graph record on the last rank", "peer unit never arrives (rank 0 alone, 5 s barrier)",
            "rank 3's hydration source missing", "rank 3's hydration source corrupt (same size, other bytes)"]
     assert {case: (rows[case]["ok"], rows[case]["not_named"]) for case in cpu} == dict.fromkeys(cpu, (True, []))

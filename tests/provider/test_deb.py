@@ -1,10 +1,11 @@
 """The .deb (debian/, `scripts/package deb`): lintian-clean, and installed, upgraded and removed under a booted systemd.
 
-The package is built once per source hash (scripts/package caches it under /var/cache/coldsnap-deb), at two Debian
-revisions so that the second is an upgrade of the first. The container is test_systemd_boot.py's (this machine's
-systemd as PID 1, its /usr), with an overlay on /usr so that dpkg can write there, and a copy of this machine's
-dpkg database so that the package's dependencies are met as they are here. The manager's side talks to the control
-socket with Debian's python3 and the standard library only, as any manager would.
+The package is built once per source hash (scripts/package caches it under /var/cache/coldsnap-deb) at Debian
+revision 1; revision 2, the upgrade, is that package with a new Version, repacked with dpkg-deb. The container is
+test_systemd_boot.py's (this machine's systemd as PID 1, its /usr), with an overlay on /usr so that dpkg can write
+there, and a copy of this machine's dpkg database so that the package's dependencies are met as they are here. The
+manager's side talks to the control socket with Debian's python3 and the standard library only, as any manager
+would.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -52,6 +54,25 @@ def _build(revision: int, out: Path) -> Path:
     return deb
 
 
+def _at_revision(deb: Path, revision: int) -> Path:
+    """`deb` at Debian revision `revision`, made with Debian's own tools (dpkg-deb -R, Version in DEBIAN/control,
+    dpkg-deb -b): the same files, conffiles and maintainer scripts, so dpkg installs it as an upgrade of `deb` as it
+    would a rebuild, without a second build (about 30 s of a core)."""
+    tree = deb.parent / f"tree-{revision}"
+    subprocess.run(["dpkg-deb", "-R", str(deb), str(tree)], check=True, timeout=120)
+    control = tree / "DEBIAN" / "control"
+    text = control.read_text()
+    versioned = re.sub(r"^Version: (\S+)-\d+$", rf"Version: \g<1>-{revision}", text, count=1, flags=re.MULTILINE)
+    assert versioned != text, text
+    control.write_text(versioned)
+    upgrade = deb.with_name(f"coldsnap-provider_{__version__}-{revision}_amd64.deb")
+    # Uncompressed (70 MB, 2 s): gzip took 7 s of a core for the 70 MB tree, and dpkg installs either.
+    subprocess.run(["dpkg-deb", "--root-owner-group", "-Znone", "-b", str(tree), str(upgrade)], check=True,
+                   capture_output=True, timeout=120)
+    shutil.rmtree(tree)
+    return upgrade
+
+
 @dataclass(frozen=True)
 class Debs:
     first: Path  # revision 1
@@ -61,13 +82,14 @@ class Debs:
 
 @pytest.fixture(scope="module")
 def debs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Debs]:
-    """The package at Debian revisions 1 and 2 (2 is the upgrade), built side by side (each is about 25 s of one
-    core when the source changed, as it has in every CI run), and lintian's report on the first, read in the
+    """The package at Debian revision 1, built (about 25 s of one core when the source changed, as it has in every
+    CI run), and at revision 2 (the upgrade) repacked from it; lintian's report on the first is read in the
     background (about 25 s of one core) while the install test runs."""
     out = tmp_path_factory.mktemp("debs")
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        first, second = pool.map(lambda revision: _build(revision, out), (1, 2))
-        yield Debs(first, second, pool.submit(_lintian, first))
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        first = _build(1, out)
+        lintian = pool.submit(_lintian, first)
+        yield Debs(first, _at_revision(first, 2), lintian)
 
 
 def _lintian(deb: Path) -> str:
@@ -117,7 +139,7 @@ def _journal(container: str) -> str:
     return _in(container, "journalctl -u coldsnap-provider -o cat --no-pager | tail -30").stdout
 
 
-@pytest.mark.timeout(600)  # the first test: it builds both packages (about 30 s on 2 cores when the source changed)
+@pytest.mark.timeout(600)  # the first test: it builds the package (about 30 s on 2 cores when the source changed)
 def test_install_upgrade_and_remove_under_systemd(debs: Debs, booted: str) -> None:
     first, second = debs.first, debs.second
     for deb in (first, second):

@@ -6,13 +6,23 @@ import base64
 import os
 import signal
 import tempfile
+from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 
 import anyio
 import msgspec
 import pytest
 
-from tests.helpers import running_daemon
+from tests.helpers import Session, module_daemon, running_daemon
+
+
+@pytest.fixture(scope="module")
+def session() -> Iterator[Session]:
+    """One daemon and one session for the tests that only run commands and uploads (a daemon start is about a
+    second); those that read its log, set its environment or user, or kill it start their own."""
+    with closing(module_daemon(None)) as daemons:
+        yield anyio.run(next(daemons).open_session)
 
 
 @pytest.fixture
@@ -25,52 +35,40 @@ def shared(top: Path) -> Path:
     return path
 
 
-async def test_exec_argv_survives_exactly_without_a_shell() -> None:
+async def test_exec_argv_survives_exactly_without_a_shell(session: Session) -> None:
     argv = ["printf", "%s|", "a b", "$HOME", "x;y", "*", "", "'q'", "\\n"]
-    async with running_daemon() as daemon:
-        s = await daemon.open_session()
-        reply = await s.call("exec", host="localhost", arguments=argv)
-        assert reply.ok and reply.exit_code == 0
-        assert reply.output == b"a b|$HOME|x;y|*||'q'|\\n|"
+    reply = await session.call("exec", host="localhost", arguments=argv)
+    assert reply.ok and reply.exit_code == 0
+    assert reply.output == b"a b|$HOME|x;y|*||'q'|\\n|"
 
 
-async def test_exec_binary_stdin_round_trips() -> None:
+async def test_exec_binary_stdin_round_trips(session: Session) -> None:
     data = bytes(range(256)) * 64 + b"binary\x00input\n"
-    async with running_daemon() as daemon:
-        s = await daemon.open_session()
-        reply = await s.call("exec", host="localhost", arguments=["cat"],
-                             input=base64.b64encode(data).decode())
-        assert reply.ok and reply.output == data and reply.error_output == b""
+    reply = await session.call("exec", host="localhost", arguments=["cat"],
+                               input=base64.b64encode(data).decode())
+    assert reply.ok and reply.output == data and reply.error_output == b""
 
 
-async def test_exec_nonzero_exit_is_ok_with_exit_code_and_stderr() -> None:
-    async with running_daemon() as daemon:
-        s = await daemon.open_session()
-        reply = await s.call("exec", host="localhost", arguments=["sh", "-c", "echo out; echo err >&2; exit 7"])
-        assert reply.ok and reply.exit_code == 7
-        assert reply.output == b"out\n" and reply.error_output == b"err\n"
+async def test_exec_nonzero_exit_is_ok_with_exit_code_and_stderr(session: Session) -> None:
+    reply = await session.call("exec", host="localhost", arguments=["sh", "-c", "echo out; echo err >&2; exit 7"])
+    assert reply.ok and reply.exit_code == 7
+    assert reply.output == b"out\n" and reply.error_output == b"err\n"
 
 
-async def test_exec_combined_merges_stderr_into_output() -> None:
-    async with running_daemon() as daemon:
-        s = await daemon.open_session()
-        reply = await s.call("exec", host="localhost", combined=True,
-                             arguments=["sh", "-c", "echo out; echo err >&2"])
-        assert reply.ok and reply.output == b"out\nerr\n" and reply.error_output == b""
+async def test_exec_combined_merges_stderr_into_output(session: Session) -> None:
+    reply = await session.call("exec", host="localhost", combined=True,
+                               arguments=["sh", "-c", "echo out; echo err >&2"])
+    assert reply.ok and reply.output == b"out\nerr\n" and reply.error_output == b""
 
 
-async def test_exec_without_input_has_empty_stdin() -> None:
-    async with running_daemon() as daemon:
-        s = await daemon.open_session()
-        reply = await s.call("exec", host="localhost", arguments=["cat"])
-        assert reply.ok and reply.exit_code == 0 and reply.output == b""
+async def test_exec_without_input_has_empty_stdin(session: Session) -> None:
+    reply = await session.call("exec", host="localhost", arguments=["cat"])
+    assert reply.ok and reply.exit_code == 0 and reply.output == b""
 
 
-async def test_exec_missing_program_reports_127_like_a_shell() -> None:
-    async with running_daemon() as daemon:
-        s = await daemon.open_session()
-        reply = await s.call("exec", host="localhost", arguments=["/nonexistent/program"])
-        assert reply.ok and reply.exit_code == 127 and b"No such file" in reply.error_output
+async def test_exec_missing_program_reports_127_like_a_shell(session: Session) -> None:
+    reply = await session.call("exec", host="localhost", arguments=["/nonexistent/program"])
+    assert reply.ok and reply.exit_code == 127 and b"No such file" in reply.error_output
 
 
 async def test_exec_runs_as_configured_user() -> None:
@@ -92,7 +90,7 @@ async def test_exec_as_another_user_holds_no_capability_and_cannot_regain_any() 
             "CapInh": 0, "CapPrm": 0, "CapEff": 0, "CapBnd": 0, "CapAmb": 0, "NoNewPrivs": 1}, fields
 
 
-async def test_upload_copies_node_local_files_recursively(shared: Path) -> None:
+async def test_upload_copies_node_local_files_recursively(session: Session, shared: Path) -> None:
     src = Path(tempfile.mkdtemp(prefix="cs-up-", dir=shared))
     src.chmod(0o755)
     (src / "sub").mkdir()
@@ -100,16 +98,14 @@ async def test_upload_copies_node_local_files_recursively(shared: Path) -> None:
     dest_dir = Path(tempfile.mkdtemp(prefix="cs-dest-", dir=shared))
     dest_dir.chmod(0o777)
     dest = dest_dir / "copy"
-    async with running_daemon() as daemon:
-        s = await daemon.open_session()
-        reply = await s.call("upload", host="localhost", sources=[str(src)], destination=str(dest),
-                             recursive=True)
-        assert reply.ok, reply.error
-        assert (dest / "sub" / "f").read_bytes() == b"payload"
-        missing = await s.call("upload", host="localhost", sources=["/nonexistent"], destination=str(dest))
-        assert not missing.ok and "nonexistent" in str(missing.error)
-        relative = await s.call("upload", host="localhost", sources=["rel"], destination=str(dest))
-        assert not relative.ok and "$.sources" in str(relative.error)
+    reply = await session.call("upload", host="localhost", sources=[str(src)], destination=str(dest),
+                               recursive=True)
+    assert reply.ok, reply.error
+    assert (dest / "sub" / "f").read_bytes() == b"payload"
+    missing = await session.call("upload", host="localhost", sources=["/nonexistent"], destination=str(dest))
+    assert not missing.ok and "nonexistent" in str(missing.error)
+    relative = await session.call("upload", host="localhost", sources=["rel"], destination=str(dest))
+    assert not relative.ok and "$.sources" in str(relative.error)
     assert os.path.exists(dest)
 
 
@@ -137,21 +133,17 @@ async def test_request_logs_carry_context_but_never_secrets() -> None:
         assert run_line["ok"] is False and run_line["error_code"] == "not_found"
 
 
-async def test_exec_output_over_the_limit_is_a_typed_error() -> None:
+async def test_exec_output_over_the_limit_is_a_typed_error(session: Session) -> None:
     """Regression: #11 finding 12 (OutputTooLarge inside an ExceptionGroup became an internal error)."""
-    async with running_daemon() as daemon:
-        s = await daemon.open_session()
-        reply = await s.call("exec", host="localhost", arguments=["head", "-c", "60000000", "/dev/zero"])
-        assert not reply.ok and reply.error_code == "runtime_failed"
-        assert reply.error == f"exec failed: output exceeds {46 << 20} bytes"
+    reply = await session.call("exec", host="localhost", arguments=["head", "-c", "60000000", "/dev/zero"])
+    assert not reply.ok and reply.error_code == "runtime_failed"
+    assert reply.error == f"exec failed: output exceeds {46 << 20} bytes"
 
 
-async def test_exec_arguments_past_the_kernel_limit_are_rejected() -> None:
+async def test_exec_arguments_past_the_kernel_limit_are_rejected(session: Session) -> None:
     """Regression: #11 finding 12 (E2BIG became an internal error)."""
-    async with running_daemon() as daemon:
-        s = await daemon.open_session()
-        reply = await s.call("exec", host="localhost", arguments=["true", "a" * (256 << 10)])
-        assert not reply.ok and "E2BIG" in str(reply.error) and reply.error_code is msgspec.UNSET
+    reply = await session.call("exec", host="localhost", arguments=["true", "a" * (256 << 10)])
+    assert not reply.ok and "E2BIG" in str(reply.error) and reply.error_code is msgspec.UNSET
 
 
 async def test_exec_does_not_inherit_the_daemons_environment() -> None:

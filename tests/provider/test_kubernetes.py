@@ -8,8 +8,12 @@ node-k (exec, the destination of copy-from) is refused naming the host and what 
 from __future__ import annotations
 
 import base64
+import functools
 import secrets
 import subprocess
+from collections.abc import Iterator
+from contextlib import closing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +22,7 @@ import pytest
 
 from coldsnap_provider import ReplyError
 from tests.conftest import BUSYBOX_IMAGE, docker
-from tests.helpers import ROOT, Session, running_daemon
+from tests.helpers import ROOT, Daemon, Session, module_daemon, running_daemon
 from tests.kubernetes import IMAGE, NAMESPACE, Cluster
 
 
@@ -81,45 +85,62 @@ async def test_one_session_runs_the_same_flow_on_docker_and_kubernetes(cluster: 
     assert docker("inspect", name, check=False).returncode != 0
 
 
-async def test_node_local_work_on_a_kubernetes_host_without_remote_is_refused_naming_it(cluster: Cluster) -> None:
+@dataclass(frozen=True)
+class NodeK:
+    """A daemon with node-k and no [[remote]] entry for it, a session there, and one workload of that session's
+    running on the cluster (it logs `from-k8s` once, then sleeps)."""
+
+    daemon: Daemon
+    session: Session
+    name: str
+
+
+async def _sleeper_on_node_k(daemon: Daemon, name: str) -> Session:
+    s = await daemon.open_session(hosts=["node-k"])
+    run = await s.runtime("workload-run", host="node-k", workload={
+        "image": IMAGE, "name": name, "detached": True, "pull_policy": "never",
+        "command": ["sh", "-c", "echo from-k8s; exec sleep 3600"]})
+    assert run.ok, run.error
+    return s
+
+
+@pytest.fixture(scope="module")
+def node_k(cluster: Cluster) -> Iterator[NodeK]:
+    """One daemon and one Pod for the tests that read the workload or are refused beside it (a Pod takes seconds
+    to start and to go); none of them changes it."""
     name = f"cluster_node_{secrets.token_hex(3)}"
-    async with running_daemon(_config(cluster)) as daemon:
-        s = await daemon.open_session(hosts=["node-k"])
-        refused = await s.call("exec", host="node-k", arguments=["true"])
-        assert not refused.ok
-        assert "host 'node-k' is a [[kubernetes]] Node without a [[remote]] entry" in (refused.error or "")
-        run = await s.runtime("workload-run", host="node-k", workload={
-            "image": IMAGE, "name": name, "detached": True, "pull_policy": "never", "command": ["sleep", "3600"]})
-        assert run.ok, run.error
+    with closing(module_daemon(None, _config(cluster))) as daemons:
+        daemon = next(daemons)
+        s = anyio.run(_sleeper_on_node_k, daemon, name)
         try:
-            copy = await s.runtime("workload-copy-from", host="node-k", name=name, path="/bin", destination="/tmp/x")
-            assert not copy.ok and "workload-copy-from (its destination) on host 'node-k'" in (copy.error or "")
-            gpus = await s.runtime("workload-run", host="node-k", workload={
-                "image": IMAGE, "name": name + "g", "detached": True, "gpus": ["0"], "command": ["true"]})
-            assert not gpus.ok and gpus.error_code == "runtime_failed"
-            assert "`gpus` cannot be realised on Kubernetes" in (gpus.error or "")
-            assert cluster.workload_pods(name + "g") == []
-            assert len(cluster.workload_pods(name)) == 1
+            yield NodeK(daemon, s, name)
         finally:
-            await s.runtime("workload-remove", host="node-k", name=name)
+            anyio.run(functools.partial(s.runtime, "workload-remove", host="node-k", name=name))
 
 
-async def test_exec_output_is_binary_safe_through_the_daemon(cluster: Cluster) -> None:
-    name = f"cluster_node_{secrets.token_hex(3)}"
+async def test_node_local_work_on_a_kubernetes_host_without_remote_is_refused_naming_it(cluster: Cluster,
+                                                                                       node_k: NodeK) -> None:
+    s, name = node_k.session, node_k.name
+    refused = await s.call("exec", host="node-k", arguments=["true"])
+    assert not refused.ok
+    assert "host 'node-k' is a [[kubernetes]] Node without a [[remote]] entry" in (refused.error or "")
+    copy = await s.runtime("workload-copy-from", host="node-k", name=name, path="/bin", destination="/tmp/x")
+    assert not copy.ok and "workload-copy-from (its destination) on host 'node-k'" in (copy.error or "")
+    gpus = await s.runtime("workload-run", host="node-k", workload={
+        "image": IMAGE, "name": name + "g", "detached": True, "gpus": ["0"], "command": ["true"]})
+    assert not gpus.ok and gpus.error_code == "runtime_failed"
+    assert "`gpus` cannot be realised on Kubernetes" in (gpus.error or "")
+    assert cluster.workload_pods(name + "g") == []
+    assert len(cluster.workload_pods(name)) == 1
+
+
+async def test_exec_output_is_binary_safe_through_the_daemon(node_k: NodeK) -> None:
     payload = bytes(range(256))
-    async with running_daemon(_config(cluster)) as daemon:
-        s = await daemon.open_session(hosts=["node-k"])
-        assert (await s.runtime("workload-run", host="node-k", workload={
-            "image": IMAGE, "name": name, "detached": True, "pull_policy": "never",
-            "command": ["sleep", "3600"]})).ok
-        try:
-            octal = "".join(f"\\{b:03o}" for b in payload)
-            reply = await s.runtime("workload-exec", host="node-k", name=name,
-                                    execution={"command": ["printf", octal]})
-            assert reply.ok, reply.error
-            assert reply.runtime.output == payload  # type: ignore[union-attr]
-        finally:
-            await s.runtime("workload-remove", host="node-k", name=name)
+    octal = "".join(f"\\{b:03o}" for b in payload)
+    reply = await node_k.session.runtime("workload-exec", host="node-k", name=node_k.name,
+                                         execution={"command": ["printf", octal]})
+    assert reply.ok, reply.error
+    assert reply.runtime.output == payload  # type: ignore[union-attr]
 
 
 def _node_b() -> dict[str, str]:
@@ -164,32 +185,24 @@ docker_socket = "{env['NODE_B_DOCKER_SOCKET']}"
             await s.call("exec", host="node-k", arguments=["rm", "-rf", destination])
 
 
-async def test_control_workload_verbs_reach_kubernetes_workloads(cluster: Cluster) -> None:
-    name = f"cluster_node_{secrets.token_hex(3)}"
-    async with running_daemon(_config(cluster)) as daemon:
-        s = await daemon.open_session(hosts=["node-k"])
-        assert (await s.runtime("workload-run", host="node-k", workload={
-            "image": IMAGE, "name": name, "detached": True, "pull_policy": "never",
-            "command": ["sh", "-c", "echo from-k8s; exec sleep 3600"]})).ok
-        try:
-            status = await daemon.control(operation="status")
-            assert status["kubernetes"] == [{"host": "node-k", "node": "node-k", "namespace": NAMESPACE,
-                                             "apiserver_reachable": True, "node_agent": False}]
-            listed = await daemon.control(operation="workload-list", host="node-k")
-            assert name in [w["name"] for w in listed]
-            info = await daemon.control(operation="workload-inspect", host="node-k", name=name)
-            assert info["running"] is True and info["labels"]["io.coldsnap-provider.manager-uid"] == "0"
-            for _ in range(50):
-                logs = await daemon.control(operation="workload-logs", host="node-k", name=name)
-                if logs["output"]:
-                    break
-                await anyio.sleep(0.1)
-            assert base64.b64decode(logs["output"]) == b"from-k8s\n"
-            with pytest.raises(ReplyError, match="cannot be stopped and kept on Kubernetes"):
-                await daemon.control(operation="workload-stop", host="node-k", name=name)
-            with pytest.raises(ReplyError, match="neither this node nor a Kubernetes host"):
-                await daemon.control(operation="workload-inspect", host="node-z", name=name)
-            with pytest.raises(ReplyError, match="no such workload"):  # this node's engine has no such container
-                await daemon.control(operation="workload-inspect", name=name)
-        finally:
-            await s.runtime("workload-remove", host="node-k", name=name)
+async def test_control_workload_verbs_reach_kubernetes_workloads(node_k: NodeK) -> None:
+    daemon, name = node_k.daemon, node_k.name
+    status = await daemon.control(operation="status")
+    assert status["kubernetes"] == [{"host": "node-k", "node": "node-k", "namespace": NAMESPACE,
+                                     "apiserver_reachable": True, "node_agent": False}]
+    listed = await daemon.control(operation="workload-list", host="node-k")
+    assert name in [w["name"] for w in listed]
+    info = await daemon.control(operation="workload-inspect", host="node-k", name=name)
+    assert info["running"] is True and info["labels"]["io.coldsnap-provider.manager-uid"] == "0"
+    for _ in range(50):
+        logs = await daemon.control(operation="workload-logs", host="node-k", name=name)
+        if logs["output"]:
+            break
+        await anyio.sleep(0.1)
+    assert base64.b64decode(logs["output"]) == b"from-k8s\n"
+    with pytest.raises(ReplyError, match="cannot be stopped and kept on Kubernetes"):
+        await daemon.control(operation="workload-stop", host="node-k", name=name)
+    with pytest.raises(ReplyError, match="neither this node nor a Kubernetes host"):
+        await daemon.control(operation="workload-inspect", host="node-z", name=name)
+    with pytest.raises(ReplyError, match="no such workload"):  # this node's engine has no such container
+        await daemon.control(operation="workload-inspect", name=name)

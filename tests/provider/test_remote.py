@@ -26,7 +26,7 @@ import anyio
 import pytest
 
 from tests.conftest import Registry, docker
-from tests.helpers import EXEC_AS_NOBODY, ROOT, Daemon, Session, running_daemon, session_as
+from tests.helpers import EXEC_AS_NOBODY, ROOT, Daemon, Session, module_daemon, running_daemon, session_as
 
 _NOBODY = 65534
 
@@ -94,6 +94,14 @@ def node_b(busybox_image: str) -> NodeB:
         saved = docker("save", busybox_image).stdout  # the same rootfs and image id as the local test image
         node.docker("load", input=saved)
     return node
+
+
+@pytest.fixture(scope="module")
+def remote_daemon(node_b: NodeB) -> Iterator[Daemon]:
+    """One daemon with node-b's [[remote]] entry for the tests that only run commands and workloads through it,
+    each in its own session (a start and an SSH connect: over a second); the tests that drop its link, break
+    node-b or read its log start their own."""
+    yield from module_daemon(None, node_b.config())
 
 
 def _b64(data: bytes) -> str:
@@ -196,67 +204,62 @@ async def test_a_daemon_loads_the_ssh_stack_only_when_a_remote_entry_is_configur
 # --- exec -----------------------------------------------------------------------------------
 
 
-async def test_exec_session_spanning_both_nodes_runs_each_on_its_node(node_b: NodeB) -> None:
-    async with running_daemon(node_b.config()) as daemon:
-        s = await daemon.open_session(hosts=["localhost", "node-b"])
-        remote = await _exec(s, "node-b", "hostname")
-        local = await _exec(s, "localhost", "hostname")
-        assert remote.ok and _output(remote) == b"node-b\n"
-        assert local.ok and _output(local) == (socket.gethostname() + "\n").encode()
+async def test_exec_session_spanning_both_nodes_runs_each_on_its_node(remote_daemon: Daemon, node_b: NodeB) -> None:
+    s = await remote_daemon.open_session(hosts=["localhost", "node-b"])
+    remote = await _exec(s, "node-b", "hostname")
+    local = await _exec(s, "localhost", "hostname")
+    assert remote.ok and _output(remote) == b"node-b\n"
+    assert local.ok and _output(local) == (socket.gethostname() + "\n").encode()
 
 
-async def test_exec_remote_argv_with_shell_metacharacters_arrives_exactly(node_b: NodeB) -> None:
+async def test_exec_remote_argv_with_shell_metacharacters_arrives_exactly(remote_daemon: Daemon, node_b: NodeB) -> None:
     argv = ["printf", "[%s]\\n", "a b", "", "$HOME", "*", ";", "''", '"', "\\", "`id`", "x\ny", "-n", "&&", "|"]
-    async with running_daemon(node_b.config()) as daemon:
-        s = await daemon.open_session(hosts=["localhost", "node-b"])
-        remote = await _exec(s, "node-b", *argv)
-        local = await _exec(s, "localhost", *argv)
+    s = await remote_daemon.open_session(hosts=["localhost", "node-b"])
+    remote = await _exec(s, "node-b", *argv)
+    local = await _exec(s, "localhost", *argv)
     assert remote.ok and remote.exit_code in (0, None)
     assert _output(remote) == _output(local)
     assert _output(remote).startswith(b"[a b]\n[]\n[$HOME]\n[*]\n[;]\n[''")
 
 
-async def test_exec_remote_stdin_exit_codes_and_combined_match_local(node_b: NodeB) -> None:
-    async with running_daemon(node_b.config()) as daemon:
-        s = await daemon.open_session(hosts=["localhost", "node-b"])
-        fed = await _exec(s, "node-b", "cat", input=_b64(b"bytes \x00\xff fed on stdin"))
-        assert _output(fed) == b"bytes \x00\xff fed on stdin"
-        empty = await _exec(s, "node-b", "cat")  # no input: stdin is closed at once
-        assert empty.ok and _output(empty) == b""
-        split = await _exec(s, "node-b", "sh", "-c", "echo out; echo err >&2; exit 3")
-        assert (split.exit_code, _output(split), split.error_output) == (3, b"out\n", b"err\n")
-        both = await _exec(s, "node-b", "sh", "-c", "echo out; echo err >&2; exit 4", combined=True)
-        assert (both.exit_code, _output(both), both.error_output or b"") == (4, b"out\nerr\n", b"")
-        missing = await _exec(s, "node-b", "no-such-program-coldsnap")
-        local_missing = await _exec(s, "localhost", "no-such-program-coldsnap")
-        assert missing.exit_code == local_missing.exit_code == 127
-        killed = await _exec(s, "node-b", "sh", "-c", "kill -9 $$")
-        assert killed.exit_code == 137
+async def test_exec_remote_stdin_exit_codes_and_combined_match_local(remote_daemon: Daemon, node_b: NodeB) -> None:
+    s = await remote_daemon.open_session(hosts=["localhost", "node-b"])
+    fed = await _exec(s, "node-b", "cat", input=_b64(b"bytes \x00\xff fed on stdin"))
+    assert _output(fed) == b"bytes \x00\xff fed on stdin"
+    empty = await _exec(s, "node-b", "cat")  # no input: stdin is closed at once
+    assert empty.ok and _output(empty) == b""
+    split = await _exec(s, "node-b", "sh", "-c", "echo out; echo err >&2; exit 3")
+    assert (split.exit_code, _output(split), split.error_output) == (3, b"out\n", b"err\n")
+    both = await _exec(s, "node-b", "sh", "-c", "echo out; echo err >&2; exit 4", combined=True)
+    assert (both.exit_code, _output(both), both.error_output or b"") == (4, b"out\nerr\n", b"")
+    missing = await _exec(s, "node-b", "no-such-program-coldsnap")
+    local_missing = await _exec(s, "localhost", "no-such-program-coldsnap")
+    assert missing.exit_code == local_missing.exit_code == 127
+    killed = await _exec(s, "node-b", "sh", "-c", "kill -9 $$")
+    assert killed.exit_code == 137
 
 
-async def test_exec_remote_client_disconnect_kills_the_remote_process(node_b: NodeB) -> None:
+async def test_exec_remote_client_disconnect_kills_the_remote_process(remote_daemon: Daemon, node_b: NodeB) -> None:
     marker = f"/tmp/coldsnap-remote-{os.getpid()}-disconnect"
-    async with running_daemon(node_b.config()) as daemon:
-        s = await daemon.open_session(hosts=["node-b"])
-        script = f"sleep 300 & echo $! > {marker}; wait"
-        request = s.envelope("exec", host="node-b", arguments=["sh", "-c", script])
-        stream = await anyio.connect_unix(s.socket)
-        await stream.send(json.dumps(request).encode() + b"\n")
-        await stream.send_eof()
-        pid_file = node_b.path(marker)
-        await _wait_until(lambda: pid_file.exists() and pid_file.read_text().strip() != "", "the remote child")
-        pid = int(pid_file.read_text())
-        assert not Path(marker).exists()  # written in node-b's /tmp, not ours
-        await stream.aclose()
-        await _wait_until(lambda: not _alive(pid), "the remote child to be killed")
-        assert not await _running_on_node_b(s, pid)  # and node-b agrees
-        node_b.path(marker).unlink(missing_ok=True)
+    s = await remote_daemon.open_session(hosts=["node-b"])
+    script = f"sleep 300 & echo $! > {marker}; wait"
+    request = s.envelope("exec", host="node-b", arguments=["sh", "-c", script])
+    stream = await anyio.connect_unix(s.socket)
+    await stream.send(json.dumps(request).encode() + b"\n")
+    await stream.send_eof()
+    pid_file = node_b.path(marker)
+    await _wait_until(lambda: pid_file.exists() and pid_file.read_text().strip() != "", "the remote child")
+    pid = int(pid_file.read_text())
+    assert not Path(marker).exists()  # written in node-b's /tmp, not ours
+    await stream.aclose()
+    await _wait_until(lambda: not _alive(pid), "the remote child to be killed")
+    assert not await _running_on_node_b(s, pid)  # and node-b agrees
+    node_b.path(marker).unlink(missing_ok=True)
 
 
-async def test_exec_host_neither_local_nor_remote_keeps_todays_refusal(node_b: NodeB) -> None:
-    async with running_daemon(node_b.config()) as daemon:
-        s = await daemon.open_session(hosts=["node-z", "node-b"])
-        reply = await _exec(s, "node-z", "true")
+async def test_exec_host_neither_local_nor_remote_keeps_todays_refusal(remote_daemon: Daemon, node_b: NodeB) -> None:
+    s = await remote_daemon.open_session(hosts=["node-z", "node-b"])
+    reply = await _exec(s, "node-z", "true")
     assert not reply.ok
     assert reply.error.startswith("host-provider target 'node-z' is authorized but not served by this node")
 
@@ -264,101 +267,101 @@ async def test_exec_host_neither_local_nor_remote_keeps_todays_refusal(node_b: N
 # --- runtime --------------------------------------------------------------------------------
 
 
-async def test_runtime_actions_for_node_b_reach_only_node_b_engine(node_b: NodeB, busybox_image: str) -> None:
+async def test_runtime_actions_for_node_b_reach_only_node_b_engine(remote_daemon: Daemon, node_b: NodeB,
+                                                                   busybox_image: str) -> None:
     name = f"coldsnap-remote-{os.getpid()}"
     tag = f"coldsnap-test/remote-tag:{os.getpid()}"
     built = f"coldsnap-test/remote-built:{os.getpid()}"
     context = f"/tmp/coldsnap-remote-context-{os.getpid()}"
-    async with running_daemon(node_b.config()) as daemon:
-        s = await daemon.open_session(hosts=["localhost", "node-b"])
-        try:
-            inspected = await s.runtime("image-inspect", host="node-b", image=busybox_image)
-            assert inspected.ok, inspected.error
-            run = await s.runtime("workload-run", host="node-b", workload={
-                "image": busybox_image, "name": name, "detached": True,
-                "command": ["sh", "-c", "echo started; mkdir -p /out/d; echo payload > /out/d/f; sleep 300"]})
-            assert run.ok, run.error
-            assert node_b.docker("container", "inspect", name, check=False).returncode == 0
-            assert docker("container", "inspect", name, check=False).returncode != 0  # not on this node
-            local_view = await s.runtime("workload-inspect", host="localhost", name=name)
-            assert local_view.error_code == "not_found"
-            info = await s.runtime("workload-inspect", host="node-b", name=name)
-            assert info.ok and info.runtime.workload.running
-            executed = await s.runtime("workload-exec", host="node-b", name=name,
-                                       execution={"command": ["hostname"]})
-            assert executed.ok and _output(executed.runtime).strip() == info.runtime.workload.id[:12].encode()
+    s = await remote_daemon.open_session(hosts=["localhost", "node-b"])
+    try:
+        inspected = await s.runtime("image-inspect", host="node-b", image=busybox_image)
+        assert inspected.ok, inspected.error
+        run = await s.runtime("workload-run", host="node-b", workload={
+            "image": busybox_image, "name": name, "detached": True,
+            "command": ["sh", "-c", "echo started; mkdir -p /out/d; echo payload > /out/d/f; sleep 300"]})
+        assert run.ok, run.error
+        assert node_b.docker("container", "inspect", name, check=False).returncode == 0
+        assert docker("container", "inspect", name, check=False).returncode != 0  # not on this node
+        local_view = await s.runtime("workload-inspect", host="localhost", name=name)
+        assert local_view.error_code == "not_found"
+        info = await s.runtime("workload-inspect", host="node-b", name=name)
+        assert info.ok and info.runtime.workload.running
+        executed = await s.runtime("workload-exec", host="node-b", name=name,
+                                   execution={"command": ["hostname"]})
+        assert executed.ok and _output(executed.runtime).strip() == info.runtime.workload.id[:12].encode()
 
-            async def logged() -> bool:
-                logs = await s.runtime("workload-logs", host="node-b", name=name, tail=5)
-                return b"started" in _output(logs.runtime)
+        async def logged() -> bool:
+            logs = await s.runtime("workload-logs", host="node-b", name=name, tail=5)
+            return b"started" in _output(logs.runtime)
 
-            with anyio.fail_after(10):
-                while not await logged():
-                    await anyio.sleep(0.1)
-            while (await s.runtime("workload-exec", host="node-b", name=name,
-                                   execution={"command": ["cat", "/out/d/f"]})).error_code:
+        with anyio.fail_after(10):
+            while not await logged():
                 await anyio.sleep(0.1)
-            copied = await s.runtime("workload-copy-from", host="node-b", name=name, path="/out",
-                                     destination=f"/tmp/{name}-copy")
-            assert copied.ok, copied.error
-            assert node_b.path(f"/tmp/{name}-copy/d/f").read_text() == "payload\n"
-            assert not Path(f"/tmp/{name}-copy").exists()
-            missing = await s.runtime("workload-copy-from", host="node-b", name=name, path="/nowhere",
-                                      destination=f"/tmp/{name}-none")
-            assert missing.error_code == "path_not_found"
+        while (await s.runtime("workload-exec", host="node-b", name=name,
+                               execution={"command": ["cat", "/out/d/f"]})).error_code:
+            await anyio.sleep(0.1)
+        copied = await s.runtime("workload-copy-from", host="node-b", name=name, path="/out",
+                                 destination=f"/tmp/{name}-copy")
+        assert copied.ok, copied.error
+        assert node_b.path(f"/tmp/{name}-copy/d/f").read_text() == "payload\n"
+        assert not Path(f"/tmp/{name}-copy").exists()
+        missing = await s.runtime("workload-copy-from", host="node-b", name=name, path="/nowhere",
+                                  destination=f"/tmp/{name}-none")
+        assert missing.error_code == "path_not_found"
 
-            tagged = await s.runtime("image-tag", host="node-b", source=busybox_image, target=tag)
-            assert tagged.ok, tagged.error
-            assert node_b.docker("image", "inspect", tag, check=False).returncode == 0
-            assert docker("image", "inspect", tag, check=False).returncode != 0
-            removed = await s.runtime("image-remove", host="node-b", image=tag)
-            assert removed.ok, removed.error
-            assert node_b.docker("image", "inspect", tag, check=False).returncode != 0
+        tagged = await s.runtime("image-tag", host="node-b", source=busybox_image, target=tag)
+        assert tagged.ok, tagged.error
+        assert node_b.docker("image", "inspect", tag, check=False).returncode == 0
+        assert docker("image", "inspect", tag, check=False).returncode != 0
+        removed = await s.runtime("image-remove", host="node-b", image=tag)
+        assert removed.ok, removed.error
+        assert node_b.docker("image", "inspect", tag, check=False).returncode != 0
 
-            made = await _exec(s, "node-b", "sh", "-c", f"mkdir -p {context} && echo from-node-b > {context}/f")
-            assert made.exit_code == 0
-            dockerfile = f"FROM {busybox_image}\nCOPY f /f\n".encode()
-            build = await s.runtime("image-build", host="node-b", build={
-                "dockerfile": _b64(dockerfile), "context": context, "tag": built})
-            assert build.ok, build.error
-            assert node_b.docker("image", "inspect", built, check=False).returncode == 0
-            assert docker("image", "inspect", built, check=False).returncode != 0
-            check = node_b.docker("run", "--rm", built, "cat", "/f")
-            assert check.stdout == b"from-node-b\n"
+        made = await _exec(s, "node-b", "sh", "-c", f"mkdir -p {context} && echo from-node-b > {context}/f")
+        assert made.exit_code == 0
+        dockerfile = f"FROM {busybox_image}\nCOPY f /f\n".encode()
+        build = await s.runtime("image-build", host="node-b", build={
+            "dockerfile": _b64(dockerfile), "context": context, "tag": built})
+        assert build.ok, build.error
+        assert node_b.docker("image", "inspect", built, check=False).returncode == 0
+        assert docker("image", "inspect", built, check=False).returncode != 0
+        check = node_b.docker("run", "--rm", built, "cat", "/f")
+        assert check.stdout == b"from-node-b\n"
 
-            gone = await s.runtime("workload-remove", host="node-b", name=name)
-            assert gone.ok
-            assert node_b.docker("container", "inspect", name, check=False).returncode != 0
-        finally:
-            node_b.docker("rm", "-f", name, check=False)
-            node_b.docker("rmi", "-f", tag, built, check=False)
-            shutil.rmtree(node_b.path(context), ignore_errors=True)
-            shutil.rmtree(node_b.path(f"/tmp/{name}-copy"), ignore_errors=True)
+        gone = await s.runtime("workload-remove", host="node-b", name=name)
+        assert gone.ok
+        assert node_b.docker("container", "inspect", name, check=False).returncode != 0
+    finally:
+        node_b.docker("rm", "-f", name, check=False)
+        node_b.docker("rmi", "-f", tag, built, check=False)
+        shutil.rmtree(node_b.path(context), ignore_errors=True)
+        shutil.rmtree(node_b.path(f"/tmp/{name}-copy"), ignore_errors=True)
 
 
-async def test_runtime_workload_exec_on_node_b_cancelled_is_killed_there(node_b: NodeB, busybox_image: str) -> None:
+async def test_runtime_workload_exec_on_node_b_cancelled_is_killed_there(remote_daemon: Daemon, node_b: NodeB,
+                                                                         busybox_image: str) -> None:
     name = f"coldsnap-remote-exec-{os.getpid()}"
 
     def running_in_container() -> bool:
         top = node_b.docker("top", name, check=False).stdout.decode()
         return "sleep 301" in top
 
-    async with running_daemon(node_b.config()) as daemon:
-        s = await daemon.open_session(hosts=["node-b"])
-        try:
-            run = await s.runtime("workload-run", host="node-b", workload={
-                "image": busybox_image, "name": name, "detached": True, "command": ["sleep", "300"]})
-            assert run.ok, run.error
-            request = s.envelope("runtime", host="node-b", runtime={
-                "action": "workload-exec", "name": name, "execution": {"command": ["sleep", "301"]}})
-            stream = await anyio.connect_unix(s.socket)
-            await stream.send(json.dumps(request).encode() + b"\n")
-            await stream.send_eof()
-            await _wait_until(running_in_container, "the exec to start in node-b's container")
-            await stream.aclose()
-            await _wait_until(lambda: not running_in_container(), "the abandoned exec to be killed on node-b")
-        finally:
-            node_b.docker("rm", "-f", name, check=False)
+    s = await remote_daemon.open_session(hosts=["node-b"])
+    try:
+        run = await s.runtime("workload-run", host="node-b", workload={
+            "image": busybox_image, "name": name, "detached": True, "command": ["sleep", "300"]})
+        assert run.ok, run.error
+        request = s.envelope("runtime", host="node-b", runtime={
+            "action": "workload-exec", "name": name, "execution": {"command": ["sleep", "301"]}})
+        stream = await anyio.connect_unix(s.socket)
+        await stream.send(json.dumps(request).encode() + b"\n")
+        await stream.send_eof()
+        await _wait_until(running_in_container, "the exec to start in node-b's container")
+        await stream.aclose()
+        await _wait_until(lambda: not running_in_container(), "the abandoned exec to be killed on node-b")
+    finally:
+        node_b.docker("rm", "-f", name, check=False)
 
 
 @pytest.fixture

@@ -151,94 +151,104 @@ ACTIONS: dict[str, Callable[[Place], dict[str, Any]]] = {
 }
 
 
-@pytest.mark.parametrize("action", list(ACTIONS))
-@pytest.mark.parametrize("kind", ["local", "remote", "kubernetes"])
-async def test_another_managers_workload_is_absent_on_every_host_kind(
-        kind: str, action: str, request: pytest.FixtureRequest) -> None:
-    """Regression: #37 finding 3: on Kubernetes, manager B's workload-copy-from read manager A's Pod."""
-    async with owned_workload(kind, request) as (place, _, owner, other, name):
-        absent = f"own-absent-{secrets.token_hex(3)}"
-        fields = ACTIONS[action](place)
-        answer = await other.runtime(action, host=place.host, name=name, **fields)
-        expected = await other.runtime(action, host=place.host, name=absent, **ACTIONS[action](place))
-        assert _answer(answer, name, absent) == _answer(expected, name, absent), (answer, expected)
-        if action == "workload-remove":
-            assert answer.ok and place.exists(name)  # absent to B: success, nothing removed
-        else:
-            assert (answer.error_code, answer.error) == ("not_found", f"{action}: no such workload: {name}")
-        if action == "workload-copy-from":
-            assert not place.copied(fields["destination"]).exists()
+async def _session_action_absent_to_the_other(place: Place, owner: Session, other: Session, name: str,
+                                               action: str) -> None:
+    """B's answer for `action` on A's workload is the answer for one that does not exist; then A's own works."""
+    absent = f"own-absent-{secrets.token_hex(3)}"
+    fields = ACTIONS[action](place)
+    answer = await other.runtime(action, host=place.host, name=name, **fields)
+    expected = await other.runtime(action, host=place.host, name=absent, **ACTIONS[action](place))
+    assert _answer(answer, name, absent) == _answer(expected, name, absent), (action, answer, expected)
+    if action == "workload-remove":
+        assert answer.ok and place.exists(name)  # absent to B: success, nothing removed
+    else:
+        assert (answer.error_code, answer.error) == ("not_found", f"{action}: no such workload: {name}")
+    if action == "workload-copy-from":
+        assert not place.copied(fields["destination"]).exists()
 
-        fields = ACTIONS[action](place)
-        if action == "workload-logs":
-            assert await _logs(owner, place.host, name) == b"ready\n"
-            return
-        mine = await owner.runtime(action, host=place.host, name=name, **fields)
-        assert mine.ok, mine.error
-        if action == "workload-inspect":
-            assert mine.runtime.workload.running  # type: ignore[union-attr]
-        elif action == "workload-exec":
-            assert mine.runtime.output == SECRET  # type: ignore[union-attr]
-        elif action == "workload-copy-from":
-            assert (place.copied(fields["destination"]) / "secret").read_bytes() == SECRET
-        else:
-            with anyio.fail_after(30):
-                while place.exists(name):  # a Pod takes its grace period to go
-                    await anyio.sleep(0.2)
+    fields = ACTIONS[action](place)
+    if action == "workload-logs":
+        assert await _logs(owner, place.host, name) == b"ready\n"
+        return
+    mine = await owner.runtime(action, host=place.host, name=name, **fields)
+    assert mine.ok, (action, mine.error)
+    if action == "workload-inspect":
+        assert mine.runtime.workload.running  # type: ignore[union-attr]
+    elif action == "workload-exec":
+        assert mine.runtime.output == SECRET  # type: ignore[union-attr]
+    elif action == "workload-copy-from":
+        assert (place.copied(fields["destination"]) / "secret").read_bytes() == SECRET
+    else:
+        with anyio.fail_after(30):
+            while place.exists(name):  # a Pod takes its grace period to go
+                await anyio.sleep(0.2)
 
 
-CONTROL_ACTIONS = ["workload-inspect", "workload-logs", "workload-stop", "workload-list"]
+CONTROL_ACTIONS = ["workload-list", "workload-inspect", "workload-logs", "workload-stop"]
 
 
 def _control(uid: int, daemon: Daemon, **request: Any) -> dict[str, Any]:
     return control_as(uid, daemon.state_dir, request)
 
 
-@pytest.mark.parametrize("action", CONTROL_ACTIONS)
-@pytest.mark.parametrize("kind", ["local", "kubernetes"])
-async def test_control_workload_verbs_answer_another_managers_workload_as_absent(
-        kind: str, action: str, request: pytest.FixtureRequest) -> None:
+async def _control_verb_absent_to_the_other(kind: str, place: Place, daemon: Daemon, name: str, action: str) -> None:
     """Regression: #37 finding 3: the control socket answered "was run by another manager's session" where the
     session socket answers not_found; both now give the answer for a workload that does not exist."""
-    async with owned_workload(kind, request) as (place, daemon, _, _, name):
-        host = "" if kind == "local" else place.host
-        if action == "workload-list":
-            theirs = await anyio.to_thread.run_sync(lambda: _control(OTHER, daemon, operation=action, host=host))
-            mine = await anyio.to_thread.run_sync(lambda: _control(OWNER, daemon, operation=action, host=host))
-            assert theirs["ok"] and name not in [w["name"] for w in theirs["result"]]
-            assert mine["ok"] and name in [w["name"] for w in mine["result"]]
-            return
-        absent = f"own-absent-{secrets.token_hex(3)}"
-        extra = {"timeout_s": 1} if action == "workload-stop" else {}
-        answer = await anyio.to_thread.run_sync(lambda: _control(OTHER, daemon, operation=action, host=host,
-                                                                 name=name, **extra))
-        expected = await anyio.to_thread.run_sync(lambda: _control(OTHER, daemon, operation=action, host=host,
-                                                                   name=absent, **extra))
-        assert answer == {"format": 1, "id": "as-uid", "ok": False, "error": f"{action}: no such workload: {name}",
-                          "error_code": "not_found"}
-        assert json.dumps(expected).replace(absent, name) == json.dumps(answer)
-        assert place.exists(name)
-        mine = await anyio.to_thread.run_sync(lambda: _control(OWNER, daemon, operation=action, host=host, name=name,
-                                                               **extra))
-        if action == "workload-stop" and kind == "kubernetes":
-            assert "cannot be stopped and kept on Kubernetes" in mine["error"]  # the owner reaches it
-        else:
-            assert mine["ok"], mine
+    host = "" if kind == "local" else place.host
+    if action == "workload-list":
+        theirs = await anyio.to_thread.run_sync(lambda: _control(OTHER, daemon, operation=action, host=host))
+        mine = await anyio.to_thread.run_sync(lambda: _control(OWNER, daemon, operation=action, host=host))
+        assert theirs["ok"] and name not in [w["name"] for w in theirs["result"]]
+        assert mine["ok"] and name in [w["name"] for w in mine["result"]]
+        return
+    absent = f"own-absent-{secrets.token_hex(3)}"
+    extra = {"timeout_s": 1} if action == "workload-stop" else {}
+    answer = await anyio.to_thread.run_sync(lambda: _control(OTHER, daemon, operation=action, host=host,
+                                                             name=name, **extra))
+    expected = await anyio.to_thread.run_sync(lambda: _control(OTHER, daemon, operation=action, host=host,
+                                                               name=absent, **extra))
+    assert answer == {"format": 1, "id": "as-uid", "ok": False, "error": f"{action}: no such workload: {name}",
+                      "error_code": "not_found"}
+    assert json.dumps(expected).replace(absent, name) == json.dumps(answer)
+    assert place.exists(name)
+    mine = await anyio.to_thread.run_sync(lambda: _control(OWNER, daemon, operation=action, host=host, name=name,
+                                                           **extra))
+    if action == "workload-stop" and kind == "kubernetes":
+        assert "cannot be stopped and kept on Kubernetes" in mine["error"]  # the owner reaches it
+    else:
+        assert mine["ok"], (action, mine)
+
+
+async def _running_over_the_name_tells_only_that_it_is_taken(place: Place, owner: Session, other: Session,
+                                                             name: str) -> None:
+    """Names are node-global, so B's workload-run over A's name must fail; its answer is the one A gets running
+    over its own workload, and names nothing of A's workload (the engine's conflict text named its container id)."""
+    spec = {"image": place.image, "name": name, "detached": True, "pull_policy": "never", "command": COMMAND}
+    theirs = await other.runtime("workload-run", host=place.host, workload=spec)
+    mine = await owner.runtime("workload-run", host=place.host, workload=spec)
+    assert _answer(theirs, name, name) == _answer(mine, name, name), (theirs, mine)
+    assert (theirs.ok, theirs.error_code, theirs.error) == (False, "runtime_failed", theirs.error)
+    assert isinstance(theirs.error, str) and f"workload {name} already exists" in theirs.error
+    inspected = await owner.runtime("workload-inspect", host=place.host, name=name)
+    assert inspected.ok and inspected.runtime.workload.running  # type: ignore[union-attr]
+    workload_id = inspected.runtime.workload.id  # type: ignore[union-attr]
+    assert workload_id not in theirs.error and workload_id[:12] not in theirs.error
 
 
 @pytest.mark.parametrize("kind", ["local", "remote", "kubernetes"])
-async def test_running_over_another_managers_workload_name_tells_only_that_the_name_is_taken(
+async def test_another_managers_workload_is_absent_to_every_action_on_every_host_kind(
         kind: str, request: pytest.FixtureRequest) -> None:
-    """Names are node-global, so B's workload-run over A's name must fail; its answer is the one A gets running
-    over its own workload, and names nothing of A's workload (the engine's conflict text named its container id)."""
-    async with owned_workload(kind, request) as (place, _, owner, other, name):
-        spec = {"image": place.image, "name": name, "detached": True, "pull_policy": "never", "command": COMMAND}
-        theirs = await other.runtime("workload-run", host=place.host, workload=spec)
-        mine = await owner.runtime("workload-run", host=place.host, workload=spec)
-        assert _answer(theirs, name, name) == _answer(mine, name, name), (theirs, mine)
-        assert (theirs.ok, theirs.error_code, theirs.error) == (False, "runtime_failed", theirs.error)
-        assert isinstance(theirs.error, str) and f"workload {name} already exists" in theirs.error
-        inspected = await owner.runtime("workload-inspect", host=place.host, name=name)
-        assert inspected.ok and inspected.runtime.workload.running  # type: ignore[union-attr]
-        workload_id = inspected.runtime.workload.id  # type: ignore[union-attr]
-        assert workload_id not in theirs.error and workload_id[:12] not in theirs.error
+    """Regression: #37 finding 3: on Kubernetes, manager B's workload-copy-from read manager A's Pod.
+
+    One workload of A's per host kind (a Pod takes seconds to start) meets every action in turn, B's first, then
+    A's: those that leave it running (workload-run over its name, the session socket's reads, the control socket's
+    verbs where the host kind has them), then the control socket's stop, then workload-remove."""
+    async with owned_workload(kind, request) as (place, daemon, owner, other, name):
+        await _running_over_the_name_tells_only_that_it_is_taken(place, owner, other, name)
+        for action in ACTIONS:
+            if action != "workload-remove":
+                await _session_action_absent_to_the_other(place, owner, other, name, action)
+        if kind != "remote":
+            for action in CONTROL_ACTIONS:
+                await _control_verb_absent_to_the_other(kind, place, daemon, name, action)
+        await _session_action_absent_to_the_other(place, owner, other, name, "workload-remove")

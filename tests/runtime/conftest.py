@@ -4,38 +4,21 @@ from __future__ import annotations
 
 import json
 import secrets
-import shutil
 import socket
 import struct
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
 from tests.conftest import Registry, docker
-from tests.helpers import MADE, Daemon, Session, write_config
-
-
-def module_daemon(registry: Registry, extra_config: str = "") -> Iterator[Daemon]:
-    """A daemon for one test module (its fixtures yield from this), with the registry's credentials."""
-    state = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
-    conf = Path(tempfile.mkdtemp(prefix="cs-conf-", dir="/tmp"))
-    config = f'[registry]\ncredentials_file = "{registry.credentials_file}"\n' + extra_config
-    d = Daemon(state_dir=state, config_path=write_config(conf, config))
-    d.start()
-    yield d
-    d.stop()
-    d.log_path.unlink(missing_ok=True)
-    shutil.rmtree(state, ignore_errors=True)
-    shutil.rmtree(conf, ignore_errors=True)
+from tests.helpers import MADE, Daemon, Session, module_daemon
 
 
 @pytest.fixture(scope="module")
 def daemon(registry: Registry, busybox_image: str) -> Iterator[Daemon]:
-    yield from module_daemon(registry)
+    yield from module_daemon(registry.credentials_file)
 
 
 @pytest.fixture(scope="module")

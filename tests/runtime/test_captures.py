@@ -24,9 +24,9 @@ from coldsnap_provider.client import ReplyError
 from coldsnap_runtime.chunking import MIN_BYTES
 from coldsnap_runtime.store import CHUNK_BYTES, CaptureStore
 from tests.conftest import Registry, docker
-from tests.helpers import EXEC_AS_NOBODY, Daemon, Session, control_as, session_as
+from tests.helpers import EXEC_AS_NOBODY, Daemon, Session, control_as, module_daemon, session_as
 from tests.provider.test_metrics import sample, scrape
-from tests.runtime.conftest import module_daemon, uniq
+from tests.runtime.conftest import uniq
 from tests.runtime.test_images import build_request
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
@@ -43,9 +43,10 @@ def _metrics_socket(store: Path) -> Path:
 def _store_daemon(registry: Registry, tag: str) -> Iterator[tuple[Daemon, Path]]:
     store = Path(tempfile.mkdtemp(prefix=f"cs-store-{tag}-", dir="/var/tmp"))
     try:
-        for daemon in module_daemon(registry, f'[server]\ncontrol_uids = [{OTHER_UID}, {THIRD_UID}]\n{EXEC_AS_NOBODY}'
-                                              f'[docker]\ncapture_store = "{store}"\n'
-                                              f'[metrics]\naddress = "unix:{_metrics_socket(store)}"\n'):
+        for daemon in module_daemon(registry.credentials_file,
+                                    f'[server]\ncontrol_uids = [{OTHER_UID}, {THIRD_UID}]\n{EXEC_AS_NOBODY}'
+                                    f'[docker]\ncapture_store = "{store}"\n'
+                                    f'[metrics]\naddress = "unix:{_metrics_socket(store)}"\n'):
             yield daemon, store
     finally:
         shutil.rmtree(store, ignore_errors=True)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import Registry
-from tests.helpers import Daemon, Session
-from tests.runtime.conftest import container_exists, inspect_container, main_dockerd_pid, module_daemon, uniq
+from tests.helpers import Daemon, Session, module_daemon
+from tests.runtime.conftest import container_exists, inspect_container, main_dockerd_pid, uniq
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
@@ -24,7 +24,7 @@ def daemon(registry: Registry, busybox_image: str) -> Iterator[Daemon]:
     the default policy refuses `privileged: true`; this policy grants what the host has, so the
     field still reaches the container and is checked below.
     """
-    yield from module_daemon(registry, '[runtime]\nprivileged = "host-capabilities"\n')
+    yield from module_daemon(registry.credentials_file, '[runtime]\nprivileged = "host-capabilities"\n')
 
 
 async def test_every_field_arrives_in_the_container(session: Session, busybox_image: str) -> None:

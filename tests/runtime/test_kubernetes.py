@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -184,34 +184,47 @@ async def test_pod_deleted_behind_the_daemons_back_is_not_found(cluster: Cluster
             await anyio.sleep(0.2)
 
 
-async def test_copy_from_extracts_the_container_path_on_the_host(cluster: Cluster, tmp_path: Path) -> None:
-    name = _name()
+async def _run_sleeper(cluster: Cluster, name: str) -> None:
     async with _backend(cluster) as backend:
         await backend.workload_run(_sleeper(name), allow_pull=False)
-        try:
-            await backend.workload_exec(name, Execution(command=["sh", "-c",
-                                                                 "mkdir -p /tmp/out/sub && printf a > /tmp/out/sub/f"]))
-            await backend.workload_copy_from(name, "/tmp/out", str(tmp_path / "copy"))
-            assert (tmp_path / "copy" / "sub" / "f").read_bytes() == b"a"
-            with pytest.raises(PathNotFound):
-                await backend.workload_copy_from(name, "/no/such", str(tmp_path / "none"))
-            assert not (tmp_path / "none").exists()
-        finally:
-            await backend.workload_remove(name)
 
 
-async def test_exec_input_is_refused_where_stdin_cannot_be_closed(cluster: Cluster) -> None:
-    name = _name()
+async def _remove(cluster: Cluster, name: str) -> None:
     async with _backend(cluster) as backend:
-        await backend.workload_run(_sleeper(name), allow_pull=False)
-        try:
-            with pytest.raises(RuntimeFailed, match="`input` cannot be realised on this cluster"):
-                await backend.workload_exec(name, Execution(command=["sh", "-c", "cat > /tmp/got"], input=b"x"))
-            # Nothing ran: the file the command would have created does not exist.
-            with pytest.raises(RuntimeFailed, match="exited 1"):
-                await backend.workload_exec(name, Execution(command=["cat", "/tmp/got"]))
-        finally:
-            await backend.workload_remove(name)
+        await backend.workload_remove(name)
+
+
+@pytest.fixture(scope="module")
+def sleeper(cluster: Cluster) -> Iterator[str]:
+    """One running sleeper Pod for the tests that only exec in it and copy from it, each in its own paths (a Pod
+    takes seconds to start and to go)."""
+    name = _name()
+    anyio.run(_run_sleeper, cluster, name)
+    try:
+        yield name
+    finally:
+        anyio.run(_remove, cluster, name)
+
+
+async def test_copy_from_extracts_the_container_path_on_the_host(cluster: Cluster, sleeper: str,
+                                                                  tmp_path: Path) -> None:
+    async with _backend(cluster) as backend:
+        await backend.workload_exec(sleeper, Execution(command=["sh", "-c",
+                                                                "mkdir -p /tmp/out/sub && printf a > /tmp/out/sub/f"]))
+        await backend.workload_copy_from(sleeper, "/tmp/out", str(tmp_path / "copy"))
+        assert (tmp_path / "copy" / "sub" / "f").read_bytes() == b"a"
+        with pytest.raises(PathNotFound):
+            await backend.workload_copy_from(sleeper, "/no/such", str(tmp_path / "none"))
+        assert not (tmp_path / "none").exists()
+
+
+async def test_exec_input_is_refused_where_stdin_cannot_be_closed(cluster: Cluster, sleeper: str) -> None:
+    async with _backend(cluster) as backend:
+        with pytest.raises(RuntimeFailed, match="`input` cannot be realised on this cluster"):
+            await backend.workload_exec(sleeper, Execution(command=["sh", "-c", "cat > /tmp/got"], input=b"x"))
+        # Nothing ran: the file the command would have created does not exist.
+        with pytest.raises(RuntimeFailed, match="exited 1"):
+            await backend.workload_exec(sleeper, Execution(command=["cat", "/tmp/got"]))
 
 
 async def test_wrong_credential_is_a_clear_error_without_the_secret(cluster: Cluster) -> None:
