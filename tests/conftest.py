@@ -14,12 +14,18 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import anyio
 import pytest
 from hypothesis import HealthCheck, settings
 
 from tests.helpers import MADE, ROOT, refuse_engine
 from tests.kubernetes import Cluster, bring_up
+
+if TYPE_CHECKING:
+    from coldsnap_runtime.backend import CaptureRegistry, KnownBlobs
+    from coldsnap_runtime.store import CaptureStore
 
 # A 2-core CI box under a live dockerd is slow to generate data; correctness, not speed, is under test.
 settings.register_profile("default", deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -150,6 +156,17 @@ class Registry:
     password: str
     credentials_file: Path
     log: Path  # its log: every request's access line ("HEAD /v2/<repository>/blobs/<digest> HTTP/1.1" ...)
+
+    def client(self, store: CaptureStore, repository: str, action: str, *, address: str | None = None,
+               known: KnownBlobs | None = None, slots: int = 8) -> CaptureRegistry:
+        """The daemon's registry client for the captures of `store` in `repository`, with this registry's
+        credentials (`address`: another way to reach it, a relay in front of it), `slots` threads each way."""
+        from coldsnap_runtime.backend import CaptureRegistry
+
+        return CaptureRegistry(store, registry=address or self.address, repository=repository, insecure=True,
+                               auth={"username": self.username, "password": self.password}, action=action,
+                               fetches=anyio.CapacityLimiter(slots), share=anyio.CapacityLimiter(slots),
+                               uploads=anyio.CapacityLimiter(slots), known=known)
 
 
 def _free_port() -> int:

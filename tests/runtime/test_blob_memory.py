@@ -14,7 +14,7 @@ from pathlib import Path
 import anyio
 
 from coldsnap_runtime.backend._blob_memory import BlobMemory, KnownBlobs
-from coldsnap_runtime.backend._capture_registry import CaptureRegistry, Transferred
+from coldsnap_runtime.backend._capture_registry import Transferred
 from coldsnap_runtime.store import CaptureStore, StoredFile, artifact_manifest
 from tests.conftest import Registry
 
@@ -43,11 +43,7 @@ def _two_captures(tmp_path: Path) -> tuple[CaptureStore, str, str, list[str]]:
 
 def _push(store: CaptureStore, registry: Registry, repository: str, capture: str,
           known: KnownBlobs | None) -> Transferred:
-    pushed = CaptureRegistry(store, registry=registry.address, repository=repository, insecure=True,
-                             auth={"username": registry.username, "password": registry.password}, action="image-push",
-                             fetches=anyio.CapacityLimiter(8), share=anyio.CapacityLimiter(8),
-                             uploads=anyio.CapacityLimiter(8), known=known)
-    return anyio.run(pushed.push, capture)
+    return anyio.run(registry.client(store, repository, "image-push", known=known).push, capture)
 
 
 def _request(registry: Registry, method: str, path: str) -> int:
@@ -114,11 +110,7 @@ def test_a_registry_that_lost_a_remembered_blob_ends_with_a_whole_capture(regist
     assert _request(registry, "HEAD", f"/v2/{repository}/blobs/{lost}") == 200
     pulled = CaptureStore(tmp_path / "pulled")
     pulled.open()
-    puller = CaptureRegistry(pulled, registry=registry.address, repository=repository, insecure=True,
-                             auth={"username": registry.username, "password": registry.password}, action="image-pull",
-                             fetches=anyio.CapacityLimiter(8), share=anyio.CapacityLimiter(8),
-                             uploads=anyio.CapacityLimiter(8))
-    assert anyio.run(puller.pull, second).blobs == 6
+    assert anyio.run(registry.client(pulled, repository, "image-pull").pull, second).blobs == 6
     assert pulled.has(second)
     assert _push(store, registry, repository, second, known).remembered == 7  # remembered again since
 

@@ -18,7 +18,7 @@ import anyio
 import pytest
 
 from coldsnap_runtime.backend._blob_upload import upload_blob
-from coldsnap_runtime.backend._capture_registry import CaptureRegistry, Transferred
+from coldsnap_runtime.backend._capture_registry import Transferred
 from coldsnap_runtime.errors import RuntimeFailed
 from coldsnap_runtime.store import CaptureStore, StoredFile, artifact_manifest
 from tests.conftest import Registry
@@ -94,11 +94,7 @@ def _capture(tmp_path: Path) -> tuple[CaptureStore, str, list[str]]:
 
 
 def _push(store: CaptureStore, address: str, registry: Registry, repository: str, capture: str) -> Transferred:
-    target = CaptureRegistry(store, registry=address, repository=repository, insecure=True,
-                             auth={"username": registry.username, "password": registry.password}, action="image-push",
-                             fetches=anyio.CapacityLimiter(8), share=anyio.CapacityLimiter(8),
-                             uploads=anyio.CapacityLimiter(8))
-    return anyio.run(target.push, capture)
+    return anyio.run(registry.client(store, repository, "image-push", address=address).push, capture)
 
 
 def _registry_has(registry: Registry, repository: str, kind: str, digest: str) -> bool:
@@ -136,10 +132,7 @@ def test_a_registry_dying_mid_push_fails_naming_a_blob_and_the_retry_sends_only_
     assert _registry_has(registry, repository, "manifests", capture)
     pulled = CaptureStore(tmp_path / "pulled")
     pulled.open()
-    puller = CaptureRegistry(pulled, registry=registry.address, repository=repository, insecure=True,
-                             auth={"username": registry.username, "password": registry.password}, action="image-pull",
-                             fetches=anyio.CapacityLimiter(8), share=anyio.CapacityLimiter(8),
-                             uploads=anyio.CapacityLimiter(8))
+    puller = registry.client(pulled, repository, "image-pull")
     assert anyio.run(puller.pull, capture).blobs == len(blobs) - 1  # the chunks; the data document is read apart
     assert pulled.has(capture)
     third = _push(store, registry.address, registry, repository, capture)  # a second push sends nothing

@@ -29,10 +29,7 @@ from tests.runtime._http_peer import Serve, one_peer
 
 
 def _registry(store: CaptureStore, registry: Registry, repository: str) -> CaptureRegistry:
-    return CaptureRegistry(store, registry=registry.address, repository=repository, insecure=True,
-                           auth={"username": registry.username, "password": registry.password}, action="image-pull",
-                           fetches=anyio.CapacityLimiter(4), share=anyio.CapacityLimiter(4),
-                           uploads=anyio.CapacityLimiter(4))
+    return registry.client(store, repository, "image-pull", slots=4)
 
 
 def test_a_pull_fetches_only_the_chunks_the_data_document_names(registry: Registry, tmp_path: Path) -> None:
