@@ -6,113 +6,88 @@ Why a thread with the standard library's HTTP client and not aiohttp on the daem
 its chunks several at once, and on the loop every body byte goes through the one loop thread (and was then copied
 whole into a 64 MiB ``bytes``). Measured on the 2-core machine, 8 chunks of 64 MiB at once from the registry on
 127.0.0.1: 0.22 GB/s received on the loop, 0.54 GB/s with a thread each (socket reads, SHA-256 and file writes
-release the GIL, so the threads spread over a machine's cores).
+release the GIL, so the threads spread over a machine's cores). Each thread is a lane (``_blob_http.py``): it fetches
+blob after blob on one kept-alive connection.
 """
 
 from __future__ import annotations
 
 import hashlib
-import http.client
 import os
-import ssl
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import urljoin, urlsplit
 
-__all__ = ("IDLE_S", "Fetched", "connect", "fetch_blob", "origin")
+from ._blob_http import Bound, Connection, Lane
 
-PIECE = 8 << 20  # bytes read, hashed and written at a time
-IDLE_S = 30.0  # a connect, or one read, that waits longer than this is a silent registry
+__all__ = ("Fetched", "fetch_blob")
+
 REDIRECTS = 5  # a registry may send a blob's GET to its storage (a CDN, a bucket): followed this many times
 _ERROR_BODY = 4096  # what a refusal's body is read for its message
+_DRAIN = 1 << 20  # a refusal's or a redirect's body read at most (to reuse the connection): more, the connection closed
 
 
 class Fetched(NamedTuple):
     """What a GET gave: its status, a refusal's first bytes, and for a 200 the bytes read (at most the blob's size
-    + 1: a longer body shows without being read whole) and whether they were the blob's (then it is kept)."""
+    + 1: a longer body shows without being read whole) and whether they were the blob's (then it is kept); a 401's
+    challenge (the caller answers it on the loop, then asks again)."""
 
     status: int
     body: bytes
     read: int
     kept: bool
-
-
-def connect(url: str, timeout: float) -> http.client.HTTPConnection:
-    parts = urlsplit(url)
-    if parts.scheme == "https":
-        return http.client.HTTPSConnection(parts.netloc, timeout=timeout, context=ssl.create_default_context())
-    return http.client.HTTPConnection(parts.netloc, timeout=timeout)
-
-
-def origin(url: str) -> tuple[str, str]:
-    parts = urlsplit(url)
-    return parts.scheme, parts.netloc
+    challenge: str = ""
 
 
 def fetch_blob(url: str, *, authorization: str, digest: str, size: int, into: Path, within_s: float,
-               stop: threading.Event) -> Fetched:
-    """GET `url` (redirects followed; the credentials go only to the registry's own origin) and stream a 200's body
-    into `into` (created here; the caller names it when `kept`, and removes it in any case). The whole blob must
-    come `within_s` (a registry that trickles is cut, not waited on), and `stop` (set by a cancelled caller) ends
-    the read at the next piece. Network failures raise OSError (an HTTP protocol error or a bad redirect as
-    ConnectionError, a cut as TimeoutError), naming what failed."""
-    home, deadline = origin(url), time.monotonic() + within_s
-    for _ in range(REDIRECTS + 1):
-        where = url  # what the last redirect named, for a failure's message
-        connection: http.client.HTTPConnection | None = None
-        try:
-            connection = connect(url, IDLE_S)  # a redirect's bad port fails here: named below
-            headers = {"Authorization": authorization} if authorization and origin(url) == home else {}
+               stop: threading.Event, lane: Lane | None = None) -> Fetched:
+    """GET `url` on `lane`'s connections (None: a lane of its own, closed after; redirects followed, the credentials
+    only to the registry's own origin) and stream a 200's body into `into` (created here; the caller names it when
+    `kept`, and removes it in any case). The whole blob must come `within_s` (a registry that trickles is cut, not
+    waited on), and `stop` (set by a cancelled caller) ends the read within POLL_S. Network failures raise OSError
+    (an HTTP protocol error or a bad redirect as ConnectionError, a cut as TimeoutError), naming what failed."""
+    where, own = url, lane is None
+    try:
+        lane = lane or Lane(url)
+        lane.bind(Bound(time.monotonic() + within_s, stop,
+                        TimeoutError(f"blob {digest} did not arrive within {within_s:.0f} s"),
+                        ConnectionAbortedError(f"blob {digest}: its pull was cancelled")))
+        for _ in range(REDIRECTS + 1):
+            connection = lane.to(url)  # a redirect's address that does not parse fails here: named below
+            home = connection is lane.registry
+            headers = {"Authorization": authorization} if authorization and home else {}
             parts = urlsplit(url)
-            connection.request("GET", parts.path + (f"?{parts.query}" if parts.query else ""), headers=headers)
-            response = connection.getresponse()
-            if response.status in (301, 302, 303, 307, 308) and response.getheader("Location"):
-                where = response.getheader("Location", "")
+            status, answered = connection.exchange("GET", parts.path + (f"?{parts.query}" if parts.query else ""),
+                                                   headers)
+            if status in (301, 302, 303, 307, 308) and answered.get("location"):
+                connection.body(0, _DRAIN)
+                where = answered["location"]
                 url = urljoin(url, where)
                 continue
-            if response.status != 200:
-                return Fetched(response.status, response.read(_ERROR_BODY), 0, False)
-            read, matches = _stream(response, into, digest, size, lambda: _cut(digest, within_s, deadline, stop))
+            if status != 200:
+                body = connection.body(_ERROR_BODY, _DRAIN)
+                return Fetched(status, body, 0, False, answered.get("www-authenticate", "") if status == 401 else "")
+            read, matches = _stream(connection, into, digest, size)
             return Fetched(200, b"", read, matches)
-        except http.client.HTTPException as exc:
-            raise ConnectionError(f"{type(exc).__name__}: {exc}") from exc
-        except (ValueError, UnicodeError) as exc:  # e.g. a redirect to `http://[::1/x`: named, not an internal error
-            raise ConnectionError(f"blob {digest}: the registry sent it to {where!r}: {exc}") from exc
-        finally:
-            if connection is not None:
-                connection.close()
-    raise ConnectionError(f"more than {REDIRECTS} redirects for blob {digest}")
+        raise ConnectionError(f"more than {REDIRECTS} redirects for blob {digest}")
+    except (ValueError, UnicodeError) as exc:  # e.g. a redirect to `http://[::1/x`: named, not an internal error
+        raise ConnectionError(f"blob {digest}: the registry sent it to {where!r}: {exc}") from exc
+    finally:
+        if own and lane is not None:
+            lane.close()
 
 
-def _cut(digest: str, within_s: float, deadline: float, stop: threading.Event) -> None:
-    if stop.is_set():
-        raise ConnectionAbortedError(f"blob {digest}: its pull was cancelled")
-    if time.monotonic() > deadline:
-        raise TimeoutError(f"blob {digest} did not arrive within {within_s:.0f} s")
-
-
-def _stream(response: http.client.HTTPResponse, into: Path, digest: str, size: int,
-            check: Callable[[], None]) -> tuple[int, bool]:
-    """The body into `into`, hashed on the way, at most `size` + 1 bytes; fsynced only when it is the blob.
-    `check` runs before each piece (it raises to cut the read)."""
+def _stream(connection: Connection, into: Path, digest: str, size: int) -> tuple[int, bool]:
+    """The body into `into`, hashed on the way, at most `size` + 1 bytes; fsynced only when it is the blob."""
     hasher, read = hashlib.sha256(), 0
     with open(into, "xb") as out:
-        try:
-            while read <= size:
-                check()
-                # read1: what one socket read gives (readinto would wait to fill the whole piece, and a registry
-                # that trickles would never reach the check)
-                if not (piece := response.read1(min(PIECE, size + 1 - read))):
-                    break
-                hasher.update(piece)
-                out.write(piece)
-                read += len(piece)
-        except http.client.IncompleteRead:  # the body ended before its Content-Length: a truncated blob
-            return read, False
-        matches = read == size and "sha256:" + hasher.hexdigest() == digest
+        for piece in connection.stream(size + 1):
+            hasher.update(piece)
+            out.write(piece)
+            read += len(piece)
+        matches = not connection.truncated and read == size and "sha256:" + hasher.hexdigest() == digest
         if matches:
             out.flush()
             os.fsync(out.fileno())

@@ -6,13 +6,14 @@ layers are its distinct non-zero chunks (at most 64 MiB), each a blob named by i
 names the manifest's digest in a label, so whoever pulls the image finds its capture.
 
 Push asks the registry which blobs it already has (HEAD) and uploads only the others (one POST and one
-monolithic PUT each), several at once, each in a worker thread (``_blob_upload.py``: the body sent from the
-store's file by the kernel, off the event loop), before the manifest, so an interrupted push resumes with the
+monolithic PUT each), several at once in lanes: worker threads that each take blob after blob on one kept-alive
+connection (``_blob_http.py``; ``_blob_upload.py``: the body sent from the store's file by the kernel, off the
+event loop), before the manifest, so an interrupted push resumes with the
 blobs the registry still lacks. A blob this node saw in the repository before (``_blob_memory.py``) is not asked
 for; a manifest the registry refuses for a blob it lost since is put again, every skipped blob asked for first.
 Pull reads the manifest by digest (checked), then fetches the chunks the node's store lacks (and those it holds
-that the pull may not use: :class:`Possession`), several at once, each in a worker thread (``_blob_fetch.py``:
-streamed to disk and hashed on the way, off the event loop); each is checked against its digest and
+that the pull may not use: :class:`Possession`), several at once in lanes (``_blob_fetch.py``: streamed to disk
+and hashed on the way, off the event loop); each is checked against its digest and
 size before it takes its name in the store, so an interrupted pull resumes from what is already there and
 a corrupt or truncated blob is refused, naming it. Credentials are the engine's (the same per-registry
 rule as ``_images.py``); plain HTTP only where the engine itself uses it.
@@ -22,12 +23,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import hashlib
 import json
 import os
 import re
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -37,9 +39,10 @@ import anyio.lowlevel
 
 from ..errors import RuntimeFailed, StoreError
 from ..store import OCI_MANIFEST, CaptureStore, Hold
-from ._blob_fetch import Fetched, fetch_blob
+from ._blob_fetch import fetch_blob
+from ._blob_http import Lane
 from ._blob_memory import KnownBlobs
-from ._blob_upload import Uploaded, upload_blob
+from ._blob_upload import upload_blob
 from ._digests import answer_challenge
 from ._engine import registry_errors
 
@@ -47,7 +50,7 @@ __all__ = ("IN_FLIGHT", "PARALLEL", "CaptureRegistry", "Possession", "Transferre
 
 PARALLEL = 8  # large blobs in flight at once: enough to fill a link that one stream cannot (each at most 64 MiB)
 # Small blobs (a page image's ~190 KiB chunks, thousands a capture) cost round trips, not bytes: more of them in
-# flight, beside the large ones (`_each`).
+# flight, beside the large ones (`_lanes`).
 SMALL_BYTES = 1 << 20
 SMALL_PARALLEL = 32
 IN_FLIGHT = PARALLEL + SMALL_PARALLEL  # blobs one push or pull has in flight at most
@@ -55,6 +58,10 @@ _TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=300)
 _MAX_DOCUMENT = 4 << 20  # a registry's own manifest limit
 _REFUSAL = 64 << 10  # what a refused manifest's answer is read for its error codes (it may list every blob)
 _PULL_SCOPE = re.compile(r'(scope="repository:[^":]+:)pull(?=")')  # a HEAD's challenge asks for a pull-only token
+_ANSWERED = 2  # 401 challenges answered for one blob (no token yet, or one for HEAD that does not allow the POST)
+Blob = tuple[str, int]  # digest, size
+# Moves one blob in a lane's thread: None once moved (or found there), else a 401's challenge to answer first.
+Move = Callable[[Lane, Blob, threading.Event, int], str | None]
 
 
 class Transferred:
@@ -116,8 +123,9 @@ class CaptureRegistry:
         self._share = share  # the requesting manager's share of them, held with them
         # anyio's own limit on the threads, never the one that bounds them (an abandoned thread gives its token of
         # this one back at once, and keeps its slot of `fetches` until it ends).
-        self._threads = anyio.CapacityLimiter(fetches.total_tokens)
+        self._threads = anyio.CapacityLimiter(fetches.total_tokens + uploads.total_tokens)
         self._uploads = uploads  # the node's blob-upload threads, shared by every push
+        self._answering = anyio.Lock()  # one lane answers a challenge; the others then use its answer
         self._registry = registry
         host = "registry-1.docker.io" if registry == "docker.io" else registry
         self._origin = f"{'http' if insecure else 'https'}://{host}"
@@ -177,7 +185,7 @@ class CaptureRegistry:
         done = Transferred()
         with registry_errors(self._action, self._registry):
             async with aiohttp.ClientSession(timeout=_TIMEOUT) as session:
-                await self._each(asked, lambda blob: self._push_blob(session, blob, done))
+                await self._upload(asked, done)
                 status, body = await self._put_manifest(session, capture, manifest)
                 if status not in (200, 201) and known and b"BLOB_UNKNOWN" in body and self._known is not None:
                     # The registry lost a blob this node saw there (collected, wiped, replaced). Its answer may name
@@ -186,7 +194,7 @@ class CaptureRegistry:
                     self._known.forget()
                     for digest, _ in asked:  # these the registry answered for during this push
                         self._known.add(digest)
-                    await self._each(known, lambda blob: self._push_blob(session, blob, done))
+                    await self._upload(known, done)
                     known = []
                     status, body = await self._put_manifest(session, capture, manifest)
                 if status not in (200, 201):
@@ -203,38 +211,22 @@ class CaptureRegistry:
                                            prefix=True, headers={"Content-Type": OCI_MANIFEST}, data=manifest)
         return status, body
 
-    async def _push_blob(self, session: aiohttp.ClientSession, blob: tuple[str, int], done: Transferred) -> None:
-        digest, size = blob
-        uploaded = await self._upload_in_thread(digest, size)
-        # No token yet, one that expired, or one for HEAD that does not allow the POST (a token registry scopes
-        # each): the request's own challenge answered on the loop, then again.
-        for _ in range(2):
-            if uploaded.status != 401 or not uploaded.challenge:
-                break
-            challenge = _PULL_SCOPE.sub(r"\1pull,push", uploaded.challenge)  # one token for HEAD, POST and PUT
-            self._authorization = await answer_challenge(session, challenge, self._auth, self._action)
-            uploaded = await self._upload_in_thread(digest, size)
-        if uploaded.status not in (200, 201):
-            raise self._fail(f"blob {digest}", uploaded.status, uploaded.body)
-        if self._known is not None:
-            self._known.add(digest)
-        done.add(size, present=uploaded.present)
-
-    async def _upload_in_thread(self, digest: str, size: int) -> Uploaded:
-        """`_upload` in a thread of the node's own upload limiter (never the daemon's shared pool); a cancelled
-        request does not wait for it: it ends at its next piece. A network failure names the blob."""
-        stop = threading.Event()
+    async def _upload(self, blobs: list[Blob], done: Transferred) -> None:
+        """Upload the blobs the registry lacks in lanes holding the node's upload slots; those it answered for
+        counted in `done` and remembered (also when another failed)."""
+        moved: list[tuple[Blob, bool]] = []  # appended by the lanes' threads
         try:
-            return await anyio.to_thread.run_sync(self._upload, digest, size, stop, abandon_on_cancel=True,
-                                                  limiter=self._uploads)
-        except OSError as exc:
-            raise RuntimeFailed(action=self._action, detail=(
-                f"registry {self._registry}: blob {digest} was not pushed: {type(exc).__name__}: {exc}")) from exc
+            await self._lanes(blobs, functools.partial(self._upload_one, moved), (self._uploads,))
         finally:
-            stop.set()
+            for (digest, size), present in list(moved):
+                if self._known is not None:
+                    self._known.add(digest)
+                done.add(size, present=present)
 
-    def _upload(self, digest: str, size: int, stop: threading.Event) -> Uploaded:
-        """The blob from the node's store, sent as it is there (in a worker thread)."""
+    def _upload_one(self, moved: list[tuple[Blob, bool]], lane: Lane, blob: Blob, stop: threading.Event,
+                    answered: int) -> str | None:
+        """The blob from the node's store, sent as it is there (in a lane's thread). A network failure names it."""
+        digest, size = blob
         try:
             source = open(self._store.blob_path(digest), "rb")  # noqa: SIM115 (closed below, after the checks)
         except FileNotFoundError as exc:
@@ -242,8 +234,20 @@ class CaptureRegistry:
         with source:
             if (found := os.fstat(source.fileno()).st_size) != size:
                 raise StoreError(f"blob {digest} holds {found} bytes in the node's store, its capture says {size}")
-            return upload_blob(self._base, authorization=self._authorization, digest=digest, size=size,
-                               source=source, within_s=_TIMEOUT.sock_read or 300.0, stop=stop)
+            try:
+                uploaded = upload_blob(self._base, authorization=self._authorization, digest=digest, size=size,
+                                       source=source, within_s=_TIMEOUT.sock_read or 300.0, stop=stop, lane=lane)
+            except OSError as exc:
+                raise RuntimeFailed(action=self._action, detail=(
+                    f"registry {self._registry}: blob {digest} was not pushed: {type(exc).__name__}: {exc}")) from exc
+        # No token yet, one that expired, or one for HEAD that does not allow the POST (a token registry scopes
+        # each): the request's own challenge answered on the loop, for pull and push at once, then again.
+        if uploaded.status == 401 and uploaded.challenge and answered < _ANSWERED:
+            return _PULL_SCOPE.sub(r"\1pull,push", uploaded.challenge)
+        if uploaded.status not in (200, 201):
+            raise self._fail(f"blob {digest}", uploaded.status, uploaded.body)
+        moved.append((blob, uploaded.present))
+        return None
 
     # --- pull ------------------------------------------------------------------------
 
@@ -263,38 +267,43 @@ class CaptureRegistry:
                 # Its chunks held from before they are looked for until it is recorded (or fails): a collection
                 # meanwhile never deletes one this pull found present or fetched.
                 with self._store.holding() as hold:
-                    await self._pull_held(session, capture, data, hold, possession, done)
+                    await self._pull_held(capture, data, hold, possession, done)
                     try:
                         await anyio.to_thread.run_sync(self._store.record, manifest, data)
                     except StoreError as exc:
                         raise RuntimeFailed(action=self._action, detail=f"capture {capture}: {exc}") from exc
         return done
 
-    async def _pull_held(self, session: aiohttp.ClientSession, capture: str, data: bytes, hold: Hold,
-                         possession: Possession, done: Transferred) -> None:
+    async def _pull_held(self, capture: str, data: bytes, hold: Hold, possession: Possession,
+                         done: Transferred) -> None:
         # The chunks the data document names (their sizes from its files), never the manifest's layers: those could
         # name any blob, of any size, which nothing would ever collect.
         try:  # in a thread: a registry's 4 MiB document of 600,000 chunks is 0.3 s of CPU, a stat each
-            layers = await anyio.to_thread.run_sync(self._layers, data, hold, possession)
+            present, missing = await anyio.to_thread.run_sync(self._layers, data, hold, possession)
         except StoreError as exc:
             raise RuntimeFailed(action=self._action, detail=f"capture {capture}: {exc}") from exc
-        await self._each(layers, lambda blob: self._pull_blob(session, blob, possession, done))
+        for _, size in present:
+            done.add(size, present=True)
+        await self._fetch(missing, possession, done)
 
-    def _layers(self, data: bytes, hold: Hold, possession: Possession) -> list[tuple[str, int]]:
-        """The distinct chunks the data document names, with their lengths, held by `hold`; refused when those to
-        fetch would not fit the store's filesystem: a registry's document may name 3 TB of chunks, and a pull that
-        fills the disk leaves what it fetched for nothing to collect (review13). Those to fetch are the ones the
-        pull may not use as they are (`possession`): the figure in the refusal says nothing of other managers'."""
+    def _layers(self, data: bytes, hold: Hold, possession: Possession) -> tuple[list[Blob], list[Blob]]:
+        """The distinct chunks the data document names, with their lengths, held by `hold`: those the pull may use
+        as they are in the store (`possession`) and those to fetch; refused when those would not fit the store's
+        filesystem: a registry's document may name 3 TB of chunks, and a pull that fills the disk leaves what it
+        fetched for nothing to collect (review13). The figure in the refusal says nothing of other managers'."""
         files = self._store.decode_data(data).files
         layers = sorted({(chunk, length) for stored in files for chunk, _, length in stored.spans() if chunk})
         hold.add(chunk for chunk, _ in layers)
-        needed = sum(length for chunk, length in layers
-                     if not (possession.usable(chunk) and self._store.has_blob(chunk)))
+        present: list[Blob] = []
+        missing: list[Blob] = []
+        for blob in layers:
+            (present if possession.usable(blob[0]) and self._store.has_blob(blob[0]) else missing).append(blob)
+        needed = sum(length for _, length in missing)
         room = os.statvfs(self._store.root)
         if needed > room.f_bavail * room.f_frsize:
             raise StoreError(f"its chunks the node's store lacks are {needed} bytes, the store's filesystem has "
                              f"{room.f_bavail * room.f_frsize} free; nothing was fetched")
-        return layers
+        return present, missing
 
     async def _document(self, session: aiohttp.ClientSession, kind: str, digest: str,
                         headers: dict[str, str]) -> bytes:
@@ -306,47 +315,135 @@ class CaptureRegistry:
                 f"registry {self._registry}: the document read as {digest} has another digest"))
         return body
 
-    async def _pull_blob(self, session: aiohttp.ClientSession, blob: tuple[str, int], possession: Possession,
-                         done: Transferred) -> None:
+    async def _fetch(self, blobs: list[Blob], possession: Possession, done: Transferred) -> None:
+        """Fetch `blobs` into the store in lanes holding the manager's share and the node's fetch slots; those the
+        registry served counted in `done`, proven to `possession` and remembered (also when another failed)."""
+        fetched: list[Blob] = []  # appended by the lanes' threads
+        try:
+            await self._lanes(blobs, functools.partial(self._fetch_one, fetched), (self._share, self._fetches))
+        finally:
+            for digest, size in list(fetched):
+                possession.fetched(digest)
+                if self._known is not None:  # served from this repository: this manager's next push need not ask
+                    self._known.add(digest)
+                done.add(size, present=False)
+
+    def _fetch_one(self, fetched: list[Blob], lane: Lane, blob: Blob, stop: threading.Event,
+                   answered: int) -> str | None:
+        """The blob streamed into a temporary of the store and named once checked (in a lane's thread)."""
         digest, size = blob
-        if possession.usable(digest) and self._store.has_blob(digest):
-            done.add(size, present=True)
-            return
-        url = f"{self._base}/blobs/{digest}"
-        fetched = await self._fetch_in_thread(url, digest, size)
-        if fetched.status == 401:  # no token yet, or it expired: the challenge answered on the loop, then again
-            await self._send(session, "HEAD", url)
-            fetched = await self._fetch_in_thread(url, digest, size)
-        if fetched.status != 200:
-            raise self._fail(f"blob {digest}", fetched.status, fetched.body)
-        if not fetched.kept:
+        temporary = self._store.temporary(digest)
+        try:
+            got = fetch_blob(f"{self._base}/blobs/{digest}", authorization=self._authorization, digest=digest,
+                             size=size, into=temporary, within_s=_TIMEOUT.sock_read or 300.0, stop=stop, lane=lane)
+            if got.kept:
+                self._store.adopt_blob(temporary, digest)
+        finally:
+            temporary.unlink(missing_ok=True)
+        if got.status == 401 and got.challenge and answered < _ANSWERED:  # no token yet, or it expired
+            return got.challenge
+        if got.status != 200:
+            raise self._fail(f"blob {digest}", got.status, got.body)
+        if not got.kept:
             raise RuntimeFailed(action=self._action, detail=(
                 f"registry {self._registry}: blob {digest} is corrupt or truncated "
-                f"({fetched.read if fetched.read <= size else 'more than ' + str(size)} bytes, {size} expected); "
+                f"({got.read if got.read <= size else 'more than ' + str(size)} bytes, {size} expected); "
                 "nothing of it was kept"))
-        possession.fetched(digest)
-        if self._known is not None:  # served from this repository: this manager's next push there need not ask
-            self._known.add(digest)
-        done.add(size, present=False)
+        fetched.append(blob)
+        return None
 
-    async def _fetch_in_thread(self, url: str, digest: str, size: int) -> Fetched:
-        """`_fetch` in a thread holding a slot of the node's own fetch limiter (never the daemon's shared pool, which
-        every file operation needs) from its start to its end. A cancelled request does not wait for it: the thread
-        ends at its next piece (or its socket's idle timeout), removing its file, and only then gives its slot back,
-        so requests cancelled one after another cannot pile up threads and sockets (review 2026-12-02)."""
-        stop, slot, lock = threading.Event(), object(), threading.Lock()
+    # --- lanes -----------------------------------------------------------------------
+
+    async def _lanes(self, blobs: list[Blob], move: Move, slots: tuple[anyio.CapacityLimiter, ...]) -> None:
+        """`move` each blob in lanes: the large ones in PARALLEL lanes and beside them those under SMALL_BYTES in
+        `small_parallel`, each lane a worker thread holding `slots` that takes blob after blob on one kept-alive
+        connection, never a thread or a task per blob (a registry's document may name 55,000 chunks). The first
+        failure (translated) stops the others and is raised; a cancelled transfer does not wait for its threads,
+        which end within POLL_S."""
+        small = collections.deque(blob for blob in blobs if blob[1] < SMALL_BYTES)
+        large = collections.deque(blob for blob in blobs if blob[1] >= SMALL_BYTES)
+        stop = threading.Event()
+
+        async def lane(queue: collections.deque[Blob]) -> None:
+            first: Blob | None = None  # a blob whose challenge was just answered: the lane goes on with it
+            answered = 0
+            while True:
+                with registry_errors(self._action, self._registry):
+                    try:
+                        outcome = await self._in_thread(
+                            functools.partial(self._lane, queue, move, stop, first, answered), slots)
+                    except StoreError as exc:
+                        raise RuntimeFailed(action=self._action, detail=str(exc)) from exc
+                if outcome is None:
+                    return
+                blob, challenge, sent = outcome
+                answered = answered + 1 if blob == first else 1
+                first = blob
+                await self._answer(challenge, sent)
+
+        try:
+            async with anyio.create_task_group() as group:
+                for queue, width in ((large, PARALLEL), (small, self._small_parallel)):
+                    for _ in range(min(width, len(queue))):
+                        group.start_soon(lane, queue)
+        except BaseExceptionGroup as failures:  # the task group's wrapping: the caller gets our one error
+            first: BaseException = failures
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            raise first from failures
+        finally:
+            stop.set()  # the lanes still running (a failure, a cancel) end at their next wait
+
+    def _lane(self, queue: collections.deque[Blob], move: Move, stop: threading.Event, first: Blob | None,
+              answered: int) -> tuple[Blob, str, str] | None:
+        """A lane's thread: blob after blob from `queue` (`first` before them) on one connection, until none is left
+        or `stop`; a blob the registry challenged is returned with the challenge and the credentials it was sent."""
+        lane = Lane(self._base)
+        try:
+            blob = first
+            while not stop.is_set():
+                if blob is None:
+                    try:
+                        blob, answered = queue.popleft(), 0  # deque: each blob taken once, whichever thread asks
+                    except IndexError:
+                        return None
+                sent = self._authorization
+                if (challenge := move(lane, blob, stop, answered)) is not None:
+                    return blob, challenge, sent
+                blob = None
+            return None
+        finally:
+            lane.close()
+
+    async def _answer(self, challenge: str, sent: str) -> None:
+        """The credentials that answer `challenge`, unless another lane answered one since these were sent."""
+        async with self._answering:
+            if self._authorization != sent:
+                return
+            async with aiohttp.ClientSession(timeout=_TIMEOUT) as session:
+                self._authorization = await answer_challenge(session, challenge, self._auth, self._action)
+
+    async def _in_thread(self, run: Callable[[], Any], slots: tuple[anyio.CapacityLimiter, ...]) -> Any:
+        """`run` in a thread holding a token of each of `slots` (the node's own limiters, never the daemon's shared
+        pool, which every file operation needs) from its start to its end. A cancelled request does not wait for it:
+        the thread ends at its next wait (POLL_S), removing its file, and only then gives its slots back, so requests
+        cancelled one after another cannot pile up threads and sockets (review 2026-12-02)."""
+        slot, lock = object(), threading.Lock()
         state = {"started": False, "dropped": False}  # under `lock`: the thread began; the request left before it
         token = anyio.lowlevel.current_token()
-        await self._share.acquire_on_behalf_of(slot)
+        taken: list[anyio.CapacityLimiter] = []
         try:
-            await self._fetches.acquire_on_behalf_of(slot)
+            for limiter in slots:
+                await limiter.acquire_on_behalf_of(slot)
+                taken.append(limiter)
         except BaseException:
-            self._share.release_on_behalf_of(slot)
+            for limiter in reversed(taken):
+                limiter.release_on_behalf_of(slot)
             raise
 
         def release() -> None:
-            self._fetches.release_on_behalf_of(slot)
-            self._share.release_on_behalf_of(slot)
+            for limiter in reversed(taken):
+                limiter.release_on_behalf_of(slot)
 
         def give_back() -> None:
             # Scheduled, not waited for (before the thread's result, so before its caller resumes): a loop that stopped
@@ -355,63 +452,21 @@ class CaptureRegistry:
             with contextlib.suppress(RuntimeError):  # the event loop is closed (the daemon exited): nothing to give
                 token.backend_class.run_sync_soon(release, (), token.native_token)
 
-        def run() -> Fetched:
+        def thread() -> Any:
             with lock:
                 if state["dropped"]:
-                    raise RuntimeError("the request left before its fetch began")
+                    raise RuntimeError("the request left before its thread began")
                 state["started"] = True
             try:
-                return self._fetch(url, digest, size, stop)
+                return run()
             finally:
                 give_back()
 
         try:
-            return await anyio.to_thread.run_sync(run, abandon_on_cancel=True, limiter=self._threads)
+            return await anyio.to_thread.run_sync(thread, abandon_on_cancel=True, limiter=self._threads)
         except BaseException:
             with lock:
                 state["dropped"] = not state["started"]
-            if state["dropped"]:  # never ran (cancelled while queued): its slot is given back here
+            if state["dropped"]:  # never ran (cancelled while queued): its slots are given back here
                 release()
             raise
-        finally:
-            stop.set()
-
-    def _fetch(self, url: str, digest: str, size: int, stop: threading.Event) -> Fetched:
-        """The blob streamed into a temporary of the store and named once checked (in a worker thread)."""
-        temporary = self._store.temporary(digest)
-        try:
-            fetched = fetch_blob(url, authorization=self._authorization, digest=digest, size=size, into=temporary,
-                                 within_s=_TIMEOUT.sock_read or 300.0, stop=stop)
-            if fetched.kept:
-                self._store.adopt_blob(temporary, digest)
-            return fetched
-        finally:
-            temporary.unlink(missing_ok=True)
-
-    async def _each(self, blobs: list[tuple[str, int]], run: Any) -> None:
-        """`run` each blob, the large ones PARALLEL at a time and beside them those under SMALL_BYTES
-        `small_parallel` at a time; the first failure (translated) cancels the others and is raised. Tasks take the
-        blobs in turn, never a task per blob: a registry's document may name 55,000 chunks (231 MiB of waiting tasks
-        in the root daemon, per pull)."""
-        small = [blob for blob in blobs if blob[1] < SMALL_BYTES]
-        large = [blob for blob in blobs if blob[1] >= SMALL_BYTES]
-        lanes = [(iter(large), min(PARALLEL, len(large))), (iter(small), min(self._small_parallel, len(small)))]
-
-        async def worker(queue: Iterator[tuple[str, int]]) -> None:
-            for blob in queue:  # one iterator shared by the workers: each blob is taken once
-                with registry_errors(self._action, self._registry):
-                    try:
-                        await run(blob)
-                    except StoreError as exc:
-                        raise RuntimeFailed(action=self._action, detail=str(exc)) from exc
-
-        try:
-            async with anyio.create_task_group() as group:
-                for queue, workers in lanes:
-                    for _ in range(workers):
-                        group.start_soon(worker, queue)
-        except BaseExceptionGroup as failures:  # the task group's wrapping: the caller gets our one error
-            first: BaseException = failures
-            while isinstance(first, BaseExceptionGroup):
-                first = first.exceptions[0]
-            raise first from failures

@@ -21,7 +21,7 @@ import anyio
 import pytest
 
 from coldsnap_runtime.backend._blob_fetch import fetch_blob
-from coldsnap_runtime.backend._capture_registry import CaptureRegistry, Possession
+from coldsnap_runtime.backend._capture_registry import CaptureRegistry, Possession, Transferred
 from coldsnap_runtime.errors import RuntimeFailed
 from coldsnap_runtime.store import CHUNK_BYTES, CHUNK_MEDIA_TYPE, CaptureStore, StoredFile, artifact_manifest
 from tests.conftest import Registry
@@ -30,6 +30,12 @@ from tests.runtime._http_peer import Serve, one_peer
 
 def _registry(store: CaptureStore, registry: Registry, repository: str) -> CaptureRegistry:
     return registry.client(store, repository, "image-pull", slots=4)
+
+
+async def _fetch_one(registry: CaptureRegistry, digit: str) -> None:
+    """The pull's fetch of one 64 MiB chunk named by `digit` repeated (from repository `r`), in one lane."""
+    await registry._fetch([("sha256:" + digit * 64, 64 << 20)], Possession(None, None, collections.OrderedDict()),
+                          Transferred())
 
 
 def test_a_pull_fetches_only_the_chunks_the_data_document_names(registry: Registry, tmp_path: Path) -> None:
@@ -150,7 +156,7 @@ def test_a_cancelled_pull_does_not_wait_for_its_fetch_threads(tmp_path: Path) ->
         async def cancelled() -> float:
             began = time.monotonic()
             with anyio.move_on_after(0.5):
-                await registry._fetch_in_thread(url, "sha256:" + "0" * 64, 64 << 20)
+                await _fetch_one(registry, "0")
             return time.monotonic() - began
 
         assert anyio.run(cancelled) < 3
@@ -162,27 +168,26 @@ def test_a_cancelled_pull_does_not_wait_for_its_fetch_threads(tmp_path: Path) ->
 
 def test_a_cancelled_pulls_fetch_thread_keeps_its_slot_until_it_ends(tmp_path: Path) -> None:
     """Regression: review 2026-12-02 (part 2): a cancelled pull gave its fetch slot back at once while its thread
-    waited on a silent registry for up to its idle timeout, so pulls cancelled one after another (a client that
-    hangs up and asks again) piled up threads and sockets without bound."""
+    waited on a silent registry for up to its idle timeout, so pulls cancelled one after another (a client that hangs
+    up and asks again) piled up threads and sockets without bound. The slot is given back when the thread ends, which
+    is within POLL_S of the cancel, the registry still silent."""
     store = CaptureStore(tmp_path / "s")
     store.open()
     fetches = anyio.CapacityLimiter(1)
-    with _silent_registry(TRICKLE) as (url, hang_up, _):
+    with _silent_registry(TRICKLE) as (url, _, asked):
         registry = CaptureRegistry(store, registry=url.split("/")[2], repository="r", insecure=True, auth=None,
                                    action="image-pull", fetches=fetches, share=anyio.CapacityLimiter(1),
                                    uploads=anyio.CapacityLimiter(1))
 
         async def cancelled_twice() -> None:
-            with anyio.move_on_after(0.5):
-                await registry._fetch_in_thread(url + "sha256:" + "0" * 64, "sha256:" + "0" * 64, 64 << 20)
-            assert fetches.borrowed_tokens == 1  # its thread still waits on the silent registry
-            with anyio.move_on_after(0.5) as second:  # the next pull waits for the slot: no second thread
-                await registry._fetch_in_thread(url + "sha256:" + "1" * 64, "sha256:" + "1" * 64, 64 << 20)
-            assert second.cancelled_caught and fetches.borrowed_tokens == 1
-            hang_up()  # the registry closes: the thread ends at once and gives its slot back
-            with anyio.fail_after(10):
-                while fetches.borrowed_tokens:
-                    await anyio.sleep(0.05)
+            for digit in "01":
+                with anyio.move_on_after(0.5):
+                    await _fetch_one(registry, digit)
+                assert fetches.borrowed_tokens == 1  # its thread has not ended yet: its slot stays taken
+                with anyio.fail_after(5):
+                    while fetches.borrowed_tokens:
+                        await anyio.sleep(0.05)
+            assert len(asked) == 2
 
         anyio.run(cancelled_twice)
     assert not any((store.root / "tmp").iterdir())
@@ -194,7 +199,7 @@ from pathlib import Path
 import anyio
 from coldsnap_runtime.backend._capture_registry import CaptureRegistry
 from coldsnap_runtime.store import CaptureStore
-from tests.runtime.test_capture_registry_review import TRICKLE, _silent_registry
+from tests.runtime.test_capture_registry_review import TRICKLE, _fetch_one, _silent_registry
 
 store = CaptureStore(Path(sys.argv[1]))
 store.open()
@@ -205,7 +210,7 @@ with _silent_registry(TRICKLE) as (url, hang_up, _):
 
     async def cancelled() -> None:
         with anyio.move_on_after(0.5):
-            await registry._fetch_in_thread(url + "sha256:" + "0" * 64, "sha256:" + "0" * 64, 64 << 20)
+            await _fetch_one(registry, "0")
 
     loop = asyncio.new_event_loop()
     loop.run_until_complete(cancelled())  # the loop stops, not yet closed, its fetch thread still waiting
@@ -270,7 +275,7 @@ def test_one_managers_pulls_from_a_silent_registry_never_hold_every_fetch_slot(t
                                    uploads=anyio.CapacityLimiter(1))
 
         async def fetch(share: anyio.CapacityLimiter, digit: str) -> None:
-            await registry(share)._fetch_in_thread(url + "sha256:" + digit * 64, "sha256:" + digit * 64, 64 << 20)
+            await _fetch_one(registry(share), digit)
 
         async def three_pulls() -> None:
             async with anyio.create_task_group() as group:
