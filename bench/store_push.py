@@ -17,6 +17,9 @@ own disk is not the bound), a capture of `--mib` random MiB in 64 MiB chunks in 
 `--chunks-kib`: instead, what the chunk count costs: for each size, a capture of one `--mib` MiB page image cut in
 chunks of that many KiB (as coldsnap_runtime/chunking.py cuts them, on average) pushed by the worker threads to a
 fresh repository, pulled into an empty store (`CaptureRegistry.pull`, 8 at a time), then pushed again (HEAD only).
+With `--before REF`: the same capture (one size) pushed, pulled and pushed again by REF's coldsnap_runtime (a git
+revision) and this checkout's, in turns `--rounds` times, each in a child process importing its own package, with
+the CPU seconds each blob cost our process and the registry's (its /proc stat): what is ours, what the registry's.
 
 `--second PERCENT`: instead, a second capture's push (issue 34's memory of the blobs a repository holds): one capture
 of a `--mib` MiB page image in ~194 KiB chunks pushed, then captures sharing all but PERCENT % of its chunks pushed to
@@ -31,7 +34,9 @@ import http.client
 import json
 import os
 import re
+import resource
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +45,11 @@ from pathlib import Path
 import aiohttp
 import anyio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+if "--side" in sys.argv:  # a side's child: its tree's coldsnap_runtime (`--before`'s revision), imported now (bench's
+    sys.path.insert(0, sys.argv[sys.argv.index("--side") + 1])  # modules put the checkout first when imported)
+    import coldsnap_runtime  # noqa: F401
 
 from bench._common import table
 from bench.capsule_transfer import registry_link_parallel, start_registry
@@ -148,6 +157,61 @@ def chunk_rows(work: Path, address: str, mib: int, sizes: list[int], smalls: lis
     return rows
 
 
+def cpu_seconds(pid: int | None = None) -> float:
+    """User and system CPU seconds of `pid` (None: this process, all its threads)."""
+    if pid is None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def side(store_root: Path, capture: str, address: str, registry_pid: int, repository: str, small: int,
+         pulled: Path) -> dict[str, list[float]]:
+    """A child's part: push, pull and push again of `capture`; per phase (seconds, blobs, our CPU s, registry's)."""
+    store = CaptureStore(store_root)
+    store.open()
+    empty = CaptureStore(pulled)
+    empty.open()
+    phases = {"push": lambda: registry(store, address, repository, "image-push", small=small).push(capture),
+              "pull": lambda: registry(empty, address, repository, "image-pull", small=small).pull(capture),
+              "again": lambda: registry(store, address, repository, "image-push", small=small).push(capture)}
+    out = {}
+    for name, run in phases.items():
+        ours, theirs, started = cpu_seconds(), cpu_seconds(registry_pid), time.perf_counter()
+        done = anyio.run(run)
+        out[name] = [time.perf_counter() - started, done.blobs + done.present_blobs, cpu_seconds() - ours,
+                     cpu_seconds(registry_pid) - theirs]
+    return out
+
+
+def before_rows(work: Path, address: str, registry_pid: int, mib: int, kib: int, small: int, ref: str,
+                rounds: int) -> list[list[str]]:
+    """One capture pushed, pulled and pushed again by `ref`'s package and this checkout's, in turns."""
+    tree = work / "before"
+    tree.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "coldsnap_runtime"], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    _, capture = fill_cut(work / "source", mib, kib)
+    rows = []
+    for turn in range(rounds):
+        for name, root in ((f"before ({ref})", tree), ("this checkout", ROOT)):
+            repository = f"bench/before-{turn}-{'before' if root == tree else 'after'}"
+            shutil.rmtree(work / "pulled", ignore_errors=True)
+            out = subprocess.run([sys.executable, __file__, "--side", str(root), "--store", str(work / "source"),
+                                  "--capture", capture, "--address", address, "--registry-pid", str(registry_pid),
+                                  "--repository", repository, "--small-parallel", str(small),
+                                  "--pulled", str(work / "pulled")], check=True, capture_output=True, text=True)
+            phases = json.loads(out.stdout.splitlines()[-1])
+            per_blob = [f"{phases[p][key] / phases[p][1] * 1e3:.2f}" for key in (0, 2, 3) for p in ("push", "pull",
+                                                                                                     "again")]
+            rows.append([f"{name} #{turn + 1}", str(phases["push"][1]), *[f"{phases[p][0]:.2f}" for p in
+                                                                          ("push", "pull", "again")],
+                         " / ".join(per_blob[0:3]), " / ".join(per_blob[3:6]), " / ".join(per_blob[6:9])])
+    return rows
+
+
 def fill_store(root: Path, mib: int) -> tuple[CaptureStore, str]:
     """A store holding one capture of `mib` random MiB, one file per 64 MiB chunk."""
     store = CaptureStore(root)
@@ -213,8 +277,17 @@ def main() -> None:
     parser.add_argument("--small-parallel", default=str(SMALL_PARALLEL),
                         help="with --chunks-kib: small blobs in flight to compare (comma-separated)")
     parser.add_argument("--second", type=float, default=0.0, help="a second capture's new chunks (percent)")
-    parser.add_argument("--rounds", type=int, default=2, help="second pushes with the memory off and on, each")
+    parser.add_argument("--rounds", type=int, default=2, help="second pushes with the memory off and on, each; "
+                        "with --before, turns of each side")
+    parser.add_argument("--before", help="with --chunks-kib (one size, one N): a git ref whose coldsnap_runtime "
+                        "runs beside this checkout's")
+    for hidden in ("--side", "--store", "--capture", "--address", "--registry-pid", "--repository", "--pulled"):
+        parser.add_argument(hidden, help=argparse.SUPPRESS)  # a side's child (`--before`)
     args = parser.parse_args()
+    if args.side:
+        print(json.dumps(side(Path(args.store), args.capture, args.address, int(args.registry_pid), args.repository,
+                              int(args.small_parallel), Path(args.pulled))))
+        return
     work = Path(tempfile.mkdtemp(prefix="store-push-", dir=args.work))
     registry_root = Path(tempfile.mkdtemp(prefix="store-push-registry-", dir=args.registry_root))
     process, address = start_registry(registry_root, work / "registry.log")
@@ -225,6 +298,15 @@ def main() -> None:
                   f"{args.second} % of them new, docker-registry on 127.0.0.1 (storage on {args.registry_root}), "
                   f"{os.cpu_count()} cores, {PARALLEL} at a time; HEADs from the registry's access log; one run")
             print(table(["push", "s", "HEADs", "blobs sent", "MB sent", "not asked (remembered)"], rows))
+            return
+        if args.before:
+            kib, small = int(args.chunks_kib), int(args.small_parallel)
+            rows = before_rows(work, address, process.pid, args.mib, kib, small, args.before, args.rounds)
+            print(f"a {args.mib} MiB page image in {kib} KiB chunks, {small} small blobs at a time, docker-registry "
+                  f"on 127.0.0.1 (storage on {args.registry_root}), {os.cpu_count()} cores; each side in a child "
+                  "process, by turns; CPU from getrusage (ours, every thread) and /proc (the registry's)")
+            print(table(["side", "blobs", "push s", "pull s", "push again s (HEAD only)",
+                         "ms a blob: push / pull / again", "our CPU ms a blob", "registry CPU ms a blob"], rows))
             return
         if args.chunks_kib:
             rows = chunk_rows(work, address, args.mib, [int(k) for k in args.chunks_kib.split(",")],

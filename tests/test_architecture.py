@@ -170,6 +170,7 @@ CHANNELS = {
 OTHER_PROTOCOLS = {
     "coldsnap_provider/_metrics_http.py": "HTTP/1.1 (GET /metrics)",
     "coldsnap_provider/_huggingface.py": "a descriptor passed back by the source opener (SCM_RIGHTS, no payload)",
+    "coldsnap_runtime/backend/_blob_http.py": "HTTP/1.1 to a registry (a capture's blobs, on kept-alive lanes)",
     "coldsnap_runtime/backend/_hijack.py": "the Docker Engine's hijacked attach/exec streams",
     "engines/forking_server.py": "HTTP/1.1 (GET /)",
     "engines/split_server.py": "fixed-size binary records between a front end and its engine core (a socketpair)",
