@@ -188,11 +188,13 @@ def side(store_root: Path, capture: str, address: str, registry_pid: int, reposi
 def before_rows(work: Path, address: str, registry_pid: int, mib: int, kib: int, small: int, ref: str,
                 rounds: int) -> list[list[str]]:
     """One capture pushed, pulled and pushed again by `ref`'s package and this checkout's, in turns."""
-    tree = work / "before"
-    tree.mkdir()
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "coldsnap_runtime"], check=True,
-                             capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    tree = Path(ref)  # a directory holding a coldsnap_runtime (where the checkout has no git history), or a ref
+    if not (tree / "coldsnap_runtime").is_dir():
+        tree = work / "before"
+        tree.mkdir()
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "coldsnap_runtime"], check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
     _, capture = fill_cut(work / "source", mib, kib)
     rows = []
     for turn in range(rounds):
@@ -279,8 +281,8 @@ def main() -> None:
     parser.add_argument("--second", type=float, default=0.0, help="a second capture's new chunks (percent)")
     parser.add_argument("--rounds", type=int, default=2, help="second pushes with the memory off and on, each; "
                         "with --before, turns of each side")
-    parser.add_argument("--before", help="with --chunks-kib (one size, one N): a git ref whose coldsnap_runtime "
-                        "runs beside this checkout's")
+    parser.add_argument("--before", help="with --chunks-kib (one size, one N): a git ref (or a directory holding a "
+                        "coldsnap_runtime) whose coldsnap_runtime runs beside this checkout's")
     for hidden in ("--side", "--store", "--capture", "--address", "--registry-pid", "--repository", "--pulled"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)  # a side's child (`--before`)
     args = parser.parse_args()
