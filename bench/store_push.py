@@ -24,7 +24,8 @@ the CPU seconds each blob cost our process and the registry's (its /proc stat): 
 `--second PERCENT`: instead, a second capture's push (issue 34's memory of the blobs a repository holds): one capture
 of a `--mib` MiB page image in ~194 KiB chunks pushed, then captures sharing all but PERCENT % of its chunks pushed to
 the same repository by turns with the memory off (a HEAD for every blob) and on (`_blob_memory.py`: a HEAD only for
-the blobs not seen there), `--rounds` times each; HEADs counted in the registry's own access log.
+the blobs not seen there), `--rounds` times each; the blobs asked for (a HEAD, or a POST that mounts it from the
+repository) counted in the registry's own access log.
 """
 
 from __future__ import annotations
@@ -91,8 +92,8 @@ def registry(store: CaptureStore, address: str, repository: str, action: str,
 
 
 def heads(log: Path, address: str, repository: str) -> int:
-    """The HEADs for `repository`'s blobs in the registry's access log, once a request sent now is in it (each line
-    is written after its answer)."""
+    """The blobs of `repository` asked for in the registry's access log (a HEAD, or a POST that mounts it from there),
+    once a request sent now is in it (each line is written after its answer)."""
     marker = f"/v2/{repository}-marker/blobs/sha256:{os.urandom(32).hex()}"  # another repository: not counted
     connection = http.client.HTTPConnection(address, timeout=30)
     connection.request("HEAD", marker)
@@ -100,7 +101,9 @@ def heads(log: Path, address: str, repository: str) -> int:
     connection.close()
     while marker not in (text := log.read_text()):
         time.sleep(0.01)
-    return len(re.findall(rf'"HEAD /v2/{re.escape(repository)}/blobs/sha256:[0-9a-f]{{64}} HTTP', text))
+    name = re.escape(repository)
+    return len(re.findall(rf'"(?:HEAD /v2/{name}/blobs/|POST /v2/{name}/blobs/uploads/\?mount=)sha256:[0-9a-f]{{64}}'
+                          r'\S* HTTP', text))
 
 
 def second_rows(work: Path, address: str, log: Path, mib: int, new_percent: float, rounds: int) -> list[list[str]]:
@@ -298,8 +301,9 @@ def main() -> None:
             rows = second_rows(work, address, work / "registry.log", args.mib, args.second, args.rounds)
             print(f"a second capture's push: a {args.mib} MiB page image in {SECOND_CHUNK_KIB} KiB chunks, "
                   f"{args.second} % of them new, docker-registry on 127.0.0.1 (storage on {args.registry_root}), "
-                  f"{os.cpu_count()} cores, {PARALLEL} at a time; HEADs from the registry's access log; one run")
-            print(table(["push", "s", "HEADs", "blobs sent", "MB sent", "not asked (remembered)"], rows))
+                  f"{os.cpu_count()} cores, {PARALLEL} at a time; asks (HEAD or mount) from the registry's access log; "
+                  "one run")
+            print(table(["push", "s", "asks", "blobs sent", "MB sent", "not asked (remembered)"], rows))
             return
         if args.before:
             kib, small = int(args.chunks_kib), int(args.small_parallel)

@@ -27,7 +27,7 @@ from urllib.parse import urljoin
 
 from ._blob_http import IDLE_S, POLL_S, Bound, Connection, Lane
 
-__all__ = ("PIECE", "Uploaded", "upload_blob")
+__all__ = ("PIECE", "Uploaded", "mounts", "upload_blob")
 
 PIECE = 16 << 20  # at most this much handed to one sendfile (it sends what the socket takes at once)
 TLS_PIECE = 1 << 20  # read and sent at a time through TLS
@@ -62,13 +62,14 @@ def _target(registry: Connection, url: str) -> str:
 
 
 def upload_blob(base: str, *, authorization: str, digest: str, size: int, source: BinaryIO, within_s: float,
-                stop: threading.Event, lane: Lane | None = None) -> Uploaded:
-    """HEAD `base`/blobs/`digest`; when absent, POST an upload and PUT `source`'s first `size` bytes (the caller
-    opened the blob and checked its size) to it as `digest`, on `lane`'s connection (None: a lane of its own, closed
-    after). The whole blob must go `within_s` (a registry that reads slowly is cut, not waited on), and `stop` (set
-    by a cancelled caller) ends it within POLL_S; an upload left unfinished is cancelled (DELETE, best effort).
-    Network failures raise OSError (an HTTP protocol error or a bad location as ConnectionError, a cut as
-    TimeoutError), naming the blob."""
+                stop: threading.Event, lane: Lane | None = None, mount: str = "") -> Uploaded:
+    """Ask for `base`/blobs/`digest` (HEAD; with `mount`, the repository `base` names, a POST that mounts it from
+    there: one round trip fewer); when absent, POST an upload (or use the one that POST began) and PUT `source`'s
+    first `size` bytes (the caller opened the blob and checked its size) to it as `digest`, on `lane`'s connection
+    (None: a lane of its own, closed after). The whole blob must go `within_s` (a registry that reads slowly is cut,
+    not waited on), and `stop` (set by a cancelled caller) ends it within POLL_S; an upload left unfinished is
+    cancelled (DELETE, best effort). Network failures raise OSError (an HTTP protocol error or a bad location as
+    ConnectionError, a cut as TimeoutError), naming the blob."""
     own, location = lane is None, ""
     lane = lane or Lane(base)
     registry, sent = lane.registry, {"Authorization": authorization} if authorization else {}
@@ -76,12 +77,17 @@ def upload_blob(base: str, *, authorization: str, digest: str, size: int, source
                     TimeoutError(f"blob {digest} was not sent within {within_s:.0f} s"),
                     ConnectionAbortedError(f"blob {digest}: its push was cancelled")))
     try:
-        status, body, answered = _ask(registry, "HEAD", f"{base}/blobs/{digest}", sent)
-        if status == 200:
-            return Uploaded(200, b"", True)
-        if status != 404:
-            return Uploaded(status, body, False, answered.get("www-authenticate", "") if status == 401 else "")
-        status, body, answered = _ask(registry, "POST", f"{base}/blobs/uploads/", sent)
+        if mount:
+            status, body, answered = _ask(registry, "POST", f"{base}/blobs/uploads/?mount={digest}&from={mount}", sent)
+            if status == 201:  # mounted from its own repository: it was there
+                return Uploaded(200, b"", True)
+        else:
+            status, body, answered = _ask(registry, "HEAD", f"{base}/blobs/{digest}", sent)
+            if status == 200:
+                return Uploaded(200, b"", True)
+            if status != 404:
+                return Uploaded(status, body, False, answered.get("www-authenticate", "") if status == 401 else "")
+            status, body, answered = _ask(registry, "POST", f"{base}/blobs/uploads/", sent)
         if status != 202 or not answered.get("location"):
             return Uploaded(status, body, False, answered.get("www-authenticate", "") if status == 401 else "")
         location = urljoin(base, answered["location"])
@@ -95,6 +101,27 @@ def upload_blob(base: str, *, authorization: str, digest: str, size: int, source
     finally:
         if own:
             lane.close()
+        if location:
+            _cancel(base, authorization, location)
+
+
+def mounts(base: str, *, authorization: str, digest: str, repository: str, lane: Lane, stop: threading.Event) -> bool:
+    """Whether the registry mounts a blob from the repository it is in (`digest`, just uploaded there): then a push
+    may ask for each blob with that POST instead of a HEAD (`upload_blob`'s `mount`). A registry that does not (OCI
+    says it SHOULD) answers 202 and begins an upload, cancelled here; it is then asked with HEADs."""
+    registry, location = lane.registry, ""
+    lane.bind(Bound(time.monotonic() + IDLE_S, stop, TimeoutError("the registry's mount was not answered"),
+                    ConnectionAbortedError("the push was cancelled")))
+    try:
+        status, _, answered = _ask(registry, "POST", f"{base}/blobs/uploads/?mount={digest}&from={repository}",
+                                   {"Authorization": authorization} if authorization else {})
+        if status == 202 and answered.get("location"):
+            location = urljoin(base, answered["location"])
+        return status == 201
+    except BaseException:
+        registry.close()
+        raise
+    finally:
         if location:
             _cancel(base, authorization, location)
 

@@ -56,14 +56,17 @@ def _request(registry: Registry, method: str, path: str) -> int:
 
 
 def _asked(registry: Registry, repository: str) -> list[str]:
-    """The blobs of `repository` the registry answered a HEAD for (a 401's challenge not counted), in its log's order,
-    once a request sent now is in the log (the registry writes each line after its answer)."""
+    """The blobs of `repository` the registry was asked about, by a HEAD or a POST that mounts it from there (a 401's
+    challenge not counted), in its log's order, once a request sent now is in the log (the registry writes each line
+    after its answer)."""
     marker = f"/v2/{repository}-marker/blobs/sha256:{os.urandom(32).hex()}"  # another repository: not counted
     _request(registry, "HEAD", marker)
     deadline = time.monotonic() + 10
     while marker not in (log := registry.log.read_text()) and time.monotonic() < deadline:
         time.sleep(0.01)
-    return re.findall(rf'"HEAD /v2/{re.escape(repository)}/blobs/(sha256:[0-9a-f]{{64}}) HTTP/1.1" (?!401)', log)
+    name = re.escape(repository)
+    return re.findall(rf'"(?:HEAD /v2/{name}/blobs/|POST /v2/{name}/blobs/uploads/\?mount=)(sha256:[0-9a-f]{{64}})'
+                      rf'\S* HTTP/1.1" (?!401)', log)
 
 
 def test_a_second_push_asks_only_for_the_blobs_not_seen_in_the_repository(registry: Registry,
@@ -79,17 +82,17 @@ def test_a_second_push_asks_only_for_the_blobs_not_seen_in_the_repository(regist
     pushed = _push(store, registry, repository, first, known(None))
     assert (pushed.blobs, pushed.remembered) == (7, 0)
     before = len(_asked(registry, repository))
-    assert before == 7
+    assert len(set(_asked(registry, repository))) == 7  # (an uploaded blob is asked again: is it mounted there?)
 
     again = _push(store, registry, repository, second, known(None))
-    assert sorted(_asked(registry, repository)[before:]) == sorted(new)  # no HEAD for the 5 chunks seen
+    assert sorted(set(_asked(registry, repository)[before:])) == sorted(new)  # none of the 5 chunks seen asked for
     assert (again.blobs, again.present_blobs, again.remembered) == (2, 5, 5)
 
     # Another manager's push skips nothing it did not see itself (the registry answers its HEADs, not our memory).
     asked = len(_asked(registry, repository))
     stranger = _push(store, registry, repository, second, known(4242))
     assert (stranger.blobs, stranger.present_blobs, stranger.remembered) == (0, 7, 0)
-    assert len(_asked(registry, repository)) - asked == 7
+    assert len(set(_asked(registry, repository)[asked:])) == 7
 
 
 def test_a_registry_that_lost_a_remembered_blob_ends_with_a_whole_capture(registry: Registry,

@@ -17,7 +17,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from coldsnap_runtime.backend._blob_upload import upload_blob
+from coldsnap_runtime.backend._blob_http import Lane
+from coldsnap_runtime.backend._blob_upload import mounts, upload_blob
 from coldsnap_runtime.backend._capture_registry import Transferred
 from coldsnap_runtime.errors import RuntimeFailed
 from coldsnap_runtime.store import CaptureStore, StoredFile, artifact_manifest
@@ -285,3 +286,57 @@ def test_a_registry_that_answers_a_byte_at_a_time_or_endlessly_never_holds_the_u
         assert not thread.is_alive(), "the upload thread is still held by the registry"
         assert time.monotonic() - began < 5
     assert len(ended) == 1 and re.fullmatch(expected, repr(ended[0])), ended
+
+
+def test_once_the_registry_mounts_a_blob_from_its_repository_a_push_asks_with_that_post(registry: Registry,
+                                                                                     tmp_path: Path) -> None:
+    """One round trip fewer a new blob: a POST that mounts the blob from the repository it is pushed to answers 201
+    when it is there (then nothing is sent) and begins its upload when not (issue 34's per-blob cost)."""
+    store, capture, blobs = _capture(tmp_path)
+    repository = f"push/mounts{os.getpid()}"
+    pushed = _push(store, registry.address, registry, repository, capture)
+    assert (pushed.blobs, pushed.present_blobs) == (len(blobs), 0)
+    log = registry.log.read_text()
+    name = re.escape(repository)
+    heads = re.findall(rf'"HEAD /v2/{name}/blobs/sha256:\w+ HTTP/1.1" 404', log)
+    mounted = re.findall(rf'"POST /v2/{name}/blobs/uploads/\?mount=sha256:\w+&from={name} HTTP/1.1" 20[12]', log)
+    # The push's first upload showed the registry mounts (201); the lane that learnt it asked for its next blob so.
+    assert len(heads) < len(blobs) and len(heads) + len(mounted) > len(blobs), (heads, mounted)
+    assert all(_registry_has(registry, repository, "blobs", blob) for blob in blobs)
+    assert _registry_has(registry, repository, "manifests", capture)
+
+
+def _no_mounts(requests: list[bytes]) -> Serve:
+    """A registry that does not mount: the POST that asks it to begins an upload (202) anyway, then the PUT's body is
+    read and taken (201); each request's line kept in `requests`."""
+
+    def serve(peer: socket.socket, done: threading.Event) -> None:
+        with peer.makefile("rwb") as stream:
+            for answer in (ACCEPTED, b"HTTP/1.1 201 Created\r\nContent-Length: 0\r\n\r\n"):
+                head = b"".join(iter(stream.readline, b"\r\n"))
+                requests.append(head.split(b"\r\n")[0])
+                if b"Content-Length: " in head and (length := int(head.split(b"Content-Length: ")[1].split(b"\r")[0])):
+                    stream.read(length)
+                stream.write(answer)
+                stream.flush()
+
+    return serve
+
+
+def test_a_registry_that_does_not_mount_gets_the_upload_its_mount_post_began(tmp_path: Path) -> None:
+    blob = tmp_path / "blob"
+    blob.write_bytes(os.urandom(4096))
+    digest = "sha256:" + "0" * 64
+    requests: list[bytes] = []
+    with one_peer(_no_mounts(requests), "/v2/r") as base, open(blob, "rb") as source:
+        uploaded = upload_blob(base, authorization="", digest=digest, size=4096, source=source, within_s=10.0,
+                               stop=threading.Event(), mount="r")
+    assert (uploaded.status, uploaded.present) == (201, False)
+    assert requests == [f"POST /v2/r/blobs/uploads/?mount={digest}&from=r HTTP/1.1".encode(),
+                        f"PUT /v2/r/blobs/uploads/u?digest={digest} HTTP/1.1".encode()]
+    with one_peer(_no_mounts([]), "/v2/r") as base:  # asked whether it mounts: no (its upload cancelled)
+        lane = Lane(base)
+        try:
+            assert not mounts(base, authorization="", digest=digest, repository="r", lane=lane, stop=threading.Event())
+        finally:
+            lane.close()
