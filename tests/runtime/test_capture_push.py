@@ -313,7 +313,11 @@ def _no_mounts(requests: list[bytes]) -> Serve:
     def serve(peer: socket.socket, done: threading.Event) -> None:
         with peer.makefile("rwb") as stream:
             for answer in (ACCEPTED, b"HTTP/1.1 201 Created\r\nContent-Length: 0\r\n\r\n"):
-                head = b"".join(iter(stream.readline, b"\r\n"))
+                head = b""
+                while (line := stream.readline()) not in (b"\r\n", b""):
+                    head += line
+                if not head:  # the client closed: no more requests
+                    return
                 requests.append(head.split(b"\r\n")[0])
                 if b"Content-Length: " in head and (length := int(head.split(b"Content-Length: ")[1].split(b"\r")[0])):
                     stream.read(length)
