@@ -169,11 +169,13 @@ class Connection:
             if 100 <= status < 200:
                 continue
             self._answered, self._status = self._answered + 1, status
-            self._frame(status, headers)
+            self._frame(status, headers, version)
             return Answer(status, headers)
 
-    def _frame(self, status: int, headers: dict[str, str]) -> None:
-        self._closing = "close" in headers.get("connection", "").lower()  # closed once this answer is read
+    def _frame(self, status: int, headers: dict[str, str], version: str) -> None:
+        connection = headers.get("connection", "").lower()
+        # Closed once this answer is read: asked by the registry, or an HTTP/1.0 answer that does not keep it alive.
+        self._closing = "close" in connection or (version == "HTTP/1.0" and "keep-alive" not in connection)
         if self._method == "HEAD" or status in (204, 304):
             self._framing, self._left = "length", 0
         elif "chunked" in headers.get("transfer-encoding", "").lower():
