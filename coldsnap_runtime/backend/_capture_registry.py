@@ -5,18 +5,19 @@ The capture travels as an OCI artifact in the image's own repository: a manifest
 layers are its distinct non-zero chunks (at most 64 MiB), each a blob named by its SHA-256, uncompressed. The image
 names the manifest's digest in a label, so whoever pulls the image finds its capture.
 
-Push asks the registry which blobs it already has (HEAD) and uploads only the others (one POST and one
-monolithic PUT each), several at once in lanes: worker threads that each take blob after blob on one kept-alive
-connection (``_blob_http.py``; ``_blob_upload.py``: the body sent from the store's file by the kernel, off the
-event loop), before the manifest, so an interrupted push resumes with the
-blobs the registry still lacks. A blob this node saw in the repository before (``_blob_memory.py``) is not asked
-for; a manifest the registry refuses for a blob it lost since is put again, every skipped blob asked for first.
-Pull reads the manifest by digest (checked), then fetches the chunks the node's store lacks (and those it holds
-that the pull may not use: :class:`Possession`), several at once in lanes (``_blob_fetch.py``: streamed to disk
-and hashed on the way, off the event loop); each is checked against its digest and
-size before it takes its name in the store, so an interrupted pull resumes from what is already there and
-a corrupt or truncated blob is refused, naming it. Credentials are the engine's (the same per-registry
-rule as ``_images.py``); plain HTTP only where the engine itself uses it.
+Push asks the registry which blobs it already has (HEAD; or, once the registry showed it mounts a blob from the
+repository pushed to, that POST, which begins the upload of a missing one) and uploads only the others (one POST
+and one monolithic PUT each), several at once in lanes: worker threads that each take blob after blob on one
+kept-alive connection (``_blob_http.py``; ``_blob_upload.py``: the body sent from the store's file by the kernel,
+off the event loop), before the manifest, so an interrupted push resumes with the blobs the registry still lacks.
+A blob this node saw in the repository before (``_blob_memory.py``) is not asked for; a manifest the registry
+refuses for a blob it lost since is put again, every skipped blob asked for first. Pull reads the manifest by
+digest (checked), then fetches the chunks the node's store lacks (and those it holds that the pull may not use:
+:class:`Possession`), several at once in lanes (``_blob_fetch.py``: streamed to disk and hashed on the way, off
+the event loop); each is checked against its digest and size before it takes its name in the store, so an
+interrupted pull resumes from what is already there and a corrupt or truncated blob is refused, naming it.
+Credentials are the engine's (the same per-registry rule as ``_images.py``); plain HTTP only where the engine
+itself uses it.
 """
 
 from __future__ import annotations
