@@ -7,8 +7,9 @@ with room to spare between restores (an engine scaled to zero leaves all of it) 
 restore needs it; the stage is then a device-to-device copy (HBM, milliseconds) and the link is the CUDA
 restore's alone. At 64 GiB the stage is the restore's largest part (1.15 s at the link's rate).
 
-What is kept: whole dumps, one entry per (manifest digest, layout, the identities of its files as the stage's peer
-opened them: `_ram_tier.identity`), filled right after a stage that missed the tier, from that stage's allocations,
+What is kept: whole stages, one entry per what the stage copies (a dump's layout and the identities of its files
+as the stage's peer opened them, `_ram_tier.identity`; a weights stage's pieces of the hydrator's own held files),
+filled right after a stage that missed the tier, from that stage's allocations,
 before the stage is ready (its engine has not adopted it yet, so the bytes are the dump's). An entry serves a
 stage only for descriptors its peer opened in its own view (`_peer_files.open_dump_parts`, as for a RAM tier hit),
 whatever uid kept it: a hit gives a peer the bytes of files it could read itself. A file replaced, truncated or
@@ -32,21 +33,22 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import HydrationError
+from ._copy import Piece
 from ._peer_files import DumpLayout
 from ._ram_tier import Identity, identity
 from ._vmm import cucall, device_allocation, map_read_write
 
-__all__ = ("DEVICE_TIER_TTL", "DeviceTier")
+__all__ = ("DEVICE_TIER_TTL", "DeviceTier", "dump_name", "weights_name")
 
 DEVICE_TIER_TTL = 600.0  # seconds an entry stays unused before it goes (`serve --device-tier-ttl`)
 _PIECE = 256 << 20  # a device copy's piece: pieces go round the copy's streams
 Copy = Callable[[int], object]  # a copy into the range mapped at its argument (as _stage_copy.Copy)
-_Name = tuple[str, DumpLayout, frozenset[tuple[str, Identity]]]
+_Name = tuple[Any, ...]  # what an entry holds: `dump_name` or `weights_name`
 
 
 @dataclass(eq=False)
@@ -80,12 +82,11 @@ class DeviceTier:
         self.skipped: dict[str, int] = {"too_large": 0, "no_room": 0, "changed": 0, "failed": 0}
         self.last_error = ""
 
-    def take(self, key: str, layout: DumpLayout, fds: Mapping[str, int]) -> tuple[_Name, _Entry] | None:
-        """The entry that holds this very dump (the files open as `fds`), marked in use until `give_back`; None
-        when the tier is off or holds none."""
+    def take(self, name: _Name) -> tuple[_Name, _Entry] | None:
+        """The entry `name` (`dump_name`, `weights_name`), marked in use until `give_back`; None when the tier is
+        off or holds none."""
         if not self.budget:
             return None
-        name = _name(key, layout, fds)
         with self._lock:
             entry = self._entries.get(name)
             if entry is None or not entry.ready:
@@ -107,20 +108,22 @@ class DeviceTier:
         """The copy of `entry` into a stage's allocations of the same layout, mapped at the argument."""
         return lambda va: self._device_copy(va, entry.va, entry.size)
 
-    def keeping(self, key: str, layout: DumpLayout, fds: Mapping[str, int], sizes: tuple[int, ...], owner: int,
-                copy: Copy) -> Copy:
-        """`copy` (a stage's fill that missed the tier), then, best effort, its result kept as a new entry (never
-        the stage's failure: a refusal is counted in `skipped`)."""
+    def keeping(self, name: _Name, fds: Mapping[str, int], sizes: tuple[int, ...], owner: int, copy: Copy) -> Copy:
+        """`copy` (a stage's fill that missed the tier: of the files open as `fds`, none for the weights the
+        hydrator holds itself), then, best effort, its result kept as entry `name` (never the stage's failure: a
+        refusal is counted in `skipped`)."""
         if not self.budget:
             return copy
+        before = _identities(fds)
 
         def fill_and_keep(va: int) -> object:
             done = copy(va)
-            self._keep(_name(key, layout, fds), fds, sizes, owner, va)
+            self._keep(name, fds, before, sizes, owner, va)
             return done
         return fill_and_keep
 
-    def _keep(self, name: _Name, fds: Mapping[str, int], sizes: tuple[int, ...], owner: int, va: int) -> None:
+    def _keep(self, name: _Name, fds: Mapping[str, int], before: Mapping[str, Identity], sizes: tuple[int, ...],
+              owner: int, va: int) -> None:
         size = sum(sizes)
         with self._lock:
             if name in self._entries:  # kept already, or being kept by another stage
@@ -141,11 +144,10 @@ class DeviceTier:
                 raise _Skip("no_room")
             self._allocate(entry, sizes)
             self._device_copy(entry.va, va, size)
-            ids = {named: identity(fd) for named, fd in fds.items()}
-            if frozenset(ids.items()) != name[2]:  # a file changed while the stage read it
+            if _identities(fds) != before:  # a file changed while the stage read it
                 raise _Skip("changed")
             entry.fds = _dup_all(fds)
-            entry.ids = ids
+            entry.ids = before
         except Exception as exc:
             with self._lock:
                 del self._entries[name]
@@ -283,8 +285,20 @@ class _Skip(Exception):
         self.reason = reason
 
 
-def _name(key: str, layout: DumpLayout, fds: Mapping[str, int]) -> _Name:
-    return key, layout, frozenset((named, identity(fd)) for named, fd in fds.items())
+def dump_name(layout: DumpLayout, fds: Mapping[str, int]) -> _Name:
+    """A device dump's entry: what its stage copies, the layout (zero masks included) of its files as the peer
+    opened them. Not the stage's key: a manifest's digest names a restore (its generation), not the bytes."""
+    return "dump", layout, frozenset(_identities(fds).items())
+
+
+def weights_name(size: int, pieces: Sequence[Piece]) -> _Name:
+    """A weights stage's entry: what it copies, the pieces of the hydrator's own held files (held for its life:
+    their mappings are the bytes) into an allocation of `size` bytes."""
+    return "weights", size, tuple(pieces)
+
+
+def _identities(fds: Mapping[str, int]) -> dict[str, Identity]:
+    return {named: identity(fd) for named, fd in fds.items()}
 
 
 def _stale(entry: _Entry) -> bool:

@@ -19,7 +19,7 @@ from typing import Any
 from .. import jsonline
 from ..errors import HydrationError
 from ._copy import ZEROS, HostBuffers, Piece, Pinned, Pread, copy_to_device
-from ._device_tier import DEVICE_TIER_TTL, DeviceTier
+from ._device_tier import DEVICE_TIER_TTL, DeviceTier, dump_name, weights_name
 from ._peer_files import DumpLayout, dump_layout, dump_reads, held_sources, open_dump_parts
 from ._peer_view import OPENERS, PeerView
 from ._ram_tier import RamTier
@@ -385,9 +385,18 @@ class HydratorServer:
         `ticket` is what the engine presents to adopt it."""
         key = self._stage_slot(message)
         base, size, regions, jobs = self._jobs(message, peer, conn)
-        return self._stage_into(key, peer, conn, _Staged((), base, size, regions, 0.0, 0.0, 0.0, 0, "",
-                                                         sizes=(size,)),
-                                self._pinned(jobs), sum(p.size for p in jobs), stager)
+        name = weights_name(size, jobs)
+        kept = self.device_tier.take(name)  # a copy within the GPU: the link is the CUDA restore's alone
+        copy = self.device_tier.copy_from(kept[1]) if kept is not None else \
+            self.device_tier.keeping(name, {}, (size,), peer.uid, self._pinned(jobs))
+        answer: dict[str, Any] = {}
+        try:
+            answer = self._stage_into(key, peer, conn, _Staged((), base, size, regions, 0.0, 0.0, 0.0, 0, "",
+                                                               sizes=(size,)), copy, sum(p.size for p in jobs), stager)
+        finally:
+            if kept is not None:
+                self.device_tier.give_back(kept, size if answer else 0)
+        return {**answer, "tier": "device" if kept is not None else "ram"}
 
     def _room_for(self, size: int, replacing: _Staged | None) -> None:
         """Under the lock: refuse a stage of `size` bytes (replacing `replacing`) beyond STAGE_MAX, or one that
@@ -423,7 +432,7 @@ class HydratorServer:
             parts, fds = open_dump_parts(layout, view)
         size, reads, pieces = sum(sizes), dump_reads(layout), dump_pieces(parts, layout, 0)  # reads: no zeros
         zero = sum(p.size for p in pieces if p.source == ZEROS)
-        kept = self.device_tier.take(key, layout, fds)  # the very files the peer opened, kept on this GPU
+        kept = self.device_tier.take(dump_name(layout, fds))  # the very files the peer opened, on this GPU
         lease = self.ram_tier.lease(key, fds, reads) if kept is None else None  # a hit or a join, pinned
         held, rest = lease.split(pieces) if lease is not None else ([], pieces)
         copy, copied = self.device_tier.copy_from(kept[1]) if kept is not None else None, 0
@@ -436,7 +445,7 @@ class HydratorServer:
                 copies.append(lambda va: copy_to_device(self.driver, self.context,
                                                         [p._replace(dst=va + p.dst) for p in rest], reader))
             # the ring's last: its report is the stage's `copy`; then kept on the GPU for the next stage
-            copy = self.device_tier.keeping(key, layout, fds, sizes, peer.uid,
+            copy = self.device_tier.keeping(dump_name(layout, fds), fds, sizes, peer.uid,
                                             at_once(self.driver, self.context, copies))
         ram = sum(p.size for p in held if p.source != ZEROS)
         try:
@@ -515,8 +524,7 @@ class HydratorServer:
                    if peer.uid in (0, os.getuid(), *self.status_uids) else {})}
 
     def _tiers(self) -> dict[str, Any]:
-        """The RAM tier's state, with the stages (and bytes) the device tier served beside its own per tier: the
-        daemon's metrics read `stages` and `read_bytes` by tier (coldsnap_provider/_hydrator_stages.py)."""
+        """The RAM tier's state, the device tier's stages and bytes beside its own (the metrics read them by tier)."""
         ram, device = self.ram_tier.status(), self.device_tier.status()
         ram["stages"]["device"], ram["read_bytes"]["device"] = device["hits"], device["copied_bytes"]
         return {**ram, "warms": self.warms.status() if self.warms else "off"}
