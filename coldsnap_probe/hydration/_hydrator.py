@@ -24,7 +24,7 @@ from ._peer_files import DumpLayout, dump_layout, dump_reads, held_sources, open
 from ._peer_view import OPENERS, PeerView
 from ._ram_tier import RamTier
 from ._request_fields import first_page, request_regions, stage_key
-from ._stage_copy import at_once, dump_pieces
+from ._stage_copy import at_once, dump_pieces, weights_pieces
 from ._stage_quota import StageQuota, check_stage_quota
 from ._staging import ADOPT_PAGE
 from ._vmm import (
@@ -388,7 +388,7 @@ class HydratorServer:
         name = weights_name(size, jobs)
         kept = self.device_tier.take(name)  # a copy within the GPU: the link is the CUDA restore's alone
         copy = self.device_tier.copy_from(kept[1]) if kept is not None else \
-            self.device_tier.keeping(name, {}, (size,), peer.uid, self._pinned(jobs))
+            self.device_tier.keeping(name, {}, (size,), peer.uid, self._pinned(weights_pieces(size, jobs)))
         answer: dict[str, Any] = {}
         try:
             answer = self._stage_into(key, peer, conn, _Staged((), base, size, regions, 0.0, 0.0, 0.0, 0, "",
