@@ -14,8 +14,15 @@ before the stage is ready (its engine has not adopted it yet, so the bytes are t
 stage only for descriptors its peer opened in its own view (`_peer_files.open_dump_parts`, as for a RAM tier hit),
 whatever uid kept it: a hit gives a peer the bytes of files it could read itself. A file replaced, truncated or
 rewritten is another identity (a miss), and a file whose identity changed while its stage was filled is not kept;
-an entry whose files were removed or changed is dropped at the hydrator's next idle call (`prune`), so a collected
-capture's GPU memory comes back within a second.
+an entry whose files were removed or changed is dropped soon after the hydrator's next idle call (`prune`), so a
+collected capture's GPU memory comes back within a second.
+
+Descriptors: an entry's are the peer's files, on a filesystem the peer may control (its own FUSE mount), where an
+fstat or a close waits for the peer's answer. So they are looked at (`_stale`) and closed only on the tier's own
+files thread, never under a lock nor on a connection's or the accept thread: a filesystem that never answers holds
+that thread alone (then keeping stops once CLOSE_BACKLOG descriptors wait: `skipped.closing`), and make_room, which
+runs under the hydrator's lock, frees device memory only. One thread both checks and closes, so a descriptor it
+checks is never closed (and its number reused) meanwhile.
 
 Budget: the entries' bytes stay within `budget` (0: off; `serve --device-tier-bytes`), and an entry is made only
 while the GPU keeps `reserve` bytes free beside it. Room is made as the RAM tier makes it (max-min between the uids
@@ -31,6 +38,7 @@ entry's allocation and copy run outside it, on a reservation (`ready` false: nev
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -43,10 +51,11 @@ from ._peer_files import DumpLayout
 from ._ram_tier import Identity, identity
 from ._vmm import cucall, device_allocation, map_read_write
 
-__all__ = ("DEVICE_TIER_TTL", "DeviceTier", "dump_name", "weights_name")
+__all__ = ("CLOSE_BACKLOG", "DEVICE_TIER_TTL", "DeviceTier", "dump_name", "weights_name")
 
 DEVICE_TIER_TTL = 600.0  # seconds an entry stays unused before it goes (`serve --device-tier-ttl`)
 _PIECE = 256 << 20  # a device copy's piece: pieces go round the copy's streams
+CLOSE_BACKLOG = 256  # descriptors waiting for the files thread beyond which no entry is kept (module docstring)
 Copy = Callable[[int], object]  # a copy into the range mapped at its argument (as _stage_copy.Copy)
 _Name = tuple[Any, ...]  # what an entry holds: `dump_name` or `weights_name`
 
@@ -79,8 +88,14 @@ class DeviceTier:
         self._entries: dict[_Name, _Entry] = {}  # least recently used first
         self.hits = self.misses = self.kept = self.evictions = self.dropped = 0
         self.copied_bytes = 0  # bytes stages copied from the tier (its `stages`' bytes: the metrics' read_bytes)
-        self.skipped: dict[str, int] = {"too_large": 0, "no_room": 0, "changed": 0, "failed": 0}
+        self.skipped: dict[str, int] = {"too_large": 0, "no_room": 0, "changed": 0, "failed": 0, "closing": 0}
         self.last_error = ""
+        # The files thread's work: descriptors to close, or None: look for entries whose files changed (`_check`).
+        self._files: queue.SimpleQueue[Mapping[str, int] | None] = queue.SimpleQueue()
+        self._closing = 0  # descriptors queued and not closed yet
+        self._checking = False  # a check queued or running: the idle call queues at most one
+        if budget:
+            threading.Thread(target=self._files_loop, name="coldsnap-device-tier-files", daemon=True).start()
 
     def take(self, name: _Name) -> tuple[_Name, _Entry] | None:
         """The entry `name` (`dump_name`, `weights_name`), marked in use until `give_back`; None when the tier is
@@ -130,6 +145,9 @@ class DeviceTier:
                 return
             if size > self.budget:
                 self.skipped["too_large"] += 1
+                return
+            if self._closing > CLOSE_BACKLOG:  # the files thread is held by a filesystem: keep no more descriptors
+                self.skipped["closing"] += 1
                 return
             evicted = self._room_for(size, owner)
             if evicted is None:
@@ -206,14 +224,42 @@ class DeviceTier:
         return sum(entry.size for entry in chosen)
 
     def prune(self) -> None:
-        """Drop the entries unused for `ttl` seconds, and those whose files were removed or changed (never a hit
-        again). The hydrator's idle call."""
+        """Drop the entries unused for `ttl` seconds, and have the files thread drop those whose files were removed
+        or changed (never a hit again). The hydrator's idle call: it never touches a descriptor."""
         now = time.monotonic()
         with self._lock:
-            stale = [name for name, entry in self._entries.items() if entry.ready and not entry.users and (
-                now - entry.used > self.ttl or _stale(entry))]
+            stale = [name for name, entry in self._entries.items() if entry.ready and not entry.users and
+                     now - entry.used > self.ttl]
             dropped = [self._entries.pop(name) for name in stale]
             self.dropped += len(dropped)
+            check, self._checking = bool(self.budget) and not self._checking, True
+        for entry in dropped:
+            self._release(entry)
+        if check:
+            self._files.put(None)
+
+    def _files_loop(self) -> None:
+        """The files thread: closes what `_release` queued, and runs the checks `prune` queued."""
+        while True:
+            work = self._files.get()
+            if work is None:
+                self._check()
+                continue
+            for fd in work.values():
+                os.close(fd)
+            with self._lock:
+                self._closing -= len(work)
+
+    def _check(self) -> None:
+        """On the files thread: drop the entries no stage is using whose files were removed or changed."""
+        with self._lock:
+            idle = [(name, entry) for name, entry in self._entries.items() if entry.ready and not entry.users]
+        stale = [(name, entry) for name, entry in idle if _stale(entry)]  # outside the lock: fstat may wait
+        with self._lock:
+            dropped = [self._entries.pop(name) for name, entry in stale
+                       if self._entries.get(name) is entry and not entry.users]
+            self.dropped += len(dropped)
+            self._checking = False
         for entry in dropped:
             self._release(entry)
 
@@ -224,7 +270,8 @@ class DeviceTier:
             return {"budget": self.budget, "entries": len(ready), "bytes": sum(e.size for e in ready),
                     "in_use": sum(e.users > 0 for e in ready), "hits": self.hits, "misses": self.misses,
                     "kept": self.kept, "evictions": self.evictions, "dropped": self.dropped,
-                    "skipped": dict(self.skipped), "copied_bytes": self.copied_bytes, "last_error": self.last_error}
+                    "skipped": dict(self.skipped), "copied_bytes": self.copied_bytes, "last_error": self.last_error,
+                    "closing": self._closing}
 
     def close(self) -> None:
         """Free every entry (none may be in use: the hydrator stops)."""
@@ -262,19 +309,23 @@ class DeviceTier:
         return [entry for _, entry in chosen]
 
     def _release(self, entry: _Entry) -> None:
-        """An entry out of the table: unmapped, its allocations and range freed, its descriptors closed."""
-        cu = self._driver.cuda
-        cucall(self._driver, "cuCtxSetCurrent", self._context)
-        at = entry.va
-        for index, handle in enumerate(entry.handles):
-            if index < len(entry.sizes):  # mapped (a failed cuMemMap leaves its handle unmapped)
-                cu.cuMemUnmap(at, entry.sizes[index])
-                at += entry.sizes[index]
-            cu.cuMemRelease(handle)
-        if entry.va:
-            cu.cuMemAddressFree(entry.va, entry.size)
-        for fd in (entry.fds or {}).values():
-            os.close(fd)
+        """An entry out of the table: unmapped, its allocations and range freed now, its descriptors queued for the
+        files thread (module docstring: never closed here, maybe under the hydrator's lock)."""
+        if entry.handles or entry.va:
+            cu = self._driver.cuda
+            cucall(self._driver, "cuCtxSetCurrent", self._context)
+            at = entry.va
+            for index, handle in enumerate(entry.handles):
+                if index < len(entry.sizes):  # mapped (a failed cuMemMap leaves its handle unmapped)
+                    cu.cuMemUnmap(at, entry.sizes[index])
+                    at += entry.sizes[index]
+                cu.cuMemRelease(handle)
+            if entry.va:
+                cu.cuMemAddressFree(entry.va, entry.size)
+        if entry.fds:
+            with self._lock:
+                self._closing += len(entry.fds)
+            self._files.put(entry.fds)
 
 
 class _Skip(Exception):

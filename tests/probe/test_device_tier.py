@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,10 @@ from typing import Any
 
 import pytest
 
+from coldsnap_probe.hydration import _device_tier
 from coldsnap_probe.hydration.__main__ import main
+from coldsnap_probe.hydration._device_tier import DeviceTier, _Entry
+from coldsnap_probe.hydration._ram_tier import identity
 from tests.helpers import ROOT
 from tests.probe._staged import stage_and_read
 from tests.probe.test_main import has_nvidia_driver
@@ -109,6 +113,68 @@ def test_a_dump_larger_than_the_budget_is_staged_and_not_kept(tmp_path: Path, hy
         assert staged["tier"] == "disk" and data == path.read_bytes(), staged
     tier = status(control)["device_tier"]
     assert (tier["entries"], tier["skipped"]["too_large"], tier["hits"]) == (0, 2, 0), tier
+
+
+class TestPeersDescriptors:
+    """An entry's descriptors are its peer's files, maybe on the peer's own FUSE mount, where fstat and close wait
+    for the peer: only the tier's files thread touches them, so a filesystem that never answers holds no lock, no
+    connection and not the accept thread (the idle call). The tier here holds no device memory (its entries are
+    made as `_keep` makes them, without their allocations), so it runs without a GPU."""
+
+    @staticmethod
+    def kept(tier: DeviceTier, path: Path) -> int:
+        fd = os.open(path, os.O_RDONLY)
+        tier._entries[("dump", str(path))] = _Entry(1000, 2 * MIB, fds={str(path): fd}, ids={str(path): identity(fd)},
+                                                   used=time.monotonic(), ready=True)
+        return fd
+
+    @staticmethod
+    def within(seconds: float, call: Any) -> None:
+        """`call()` returns within `seconds` (on a thread: a wait there must not hang the test)."""
+        thread = threading.Thread(target=call, daemon=True)
+        thread.start()
+        thread.join(seconds)
+        assert not thread.is_alive(), f"{call} waited for the peer's filesystem"
+
+    def test_a_filesystem_that_never_answers_holds_neither_the_idle_call_nor_make_room_nor_status(
+            self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tier = DeviceTier(1 << 30, driver=None, context=None, total=2 << 30, reserve=1 << 30, streams=1)
+        self.kept(tier, dump(tmp_path / "seg-0.bin", 4096))
+        answers, asked = threading.Event(), threading.Event()
+        real = _device_tier._stale
+
+        def stale(entry: Any) -> bool:  # an fstat a FUSE daemon does not answer, until `answers`
+            asked.set()
+            answers.wait(30)
+            return real(entry)
+        monkeypatch.setattr(_device_tier, "_stale", stale)
+        try:
+            self.within(5, tier.prune)
+            assert asked.wait(5)  # the files thread is in the fstat now
+            self.within(5, tier.prune)  # a second idle call queues no second check
+            self.within(5, lambda: tier.make_room(1))
+            assert tier.status()["entries"] == 0 and tier.status()["closing"] == 1, tier.status()
+        finally:
+            answers.set()
+        deadline = time.monotonic() + 5
+        while tier.status()["closing"]:  # closed once the check let go of it
+            assert time.monotonic() < deadline, tier.status()
+            time.sleep(0.01)
+        assert tier.status()["evictions"] == 1 and tier.status()["dropped"] == 0, tier.status()
+
+    def test_an_entry_whose_file_was_removed_is_dropped_by_the_files_thread_after_the_idle_call(
+            self, tmp_path: Path) -> None:
+        tier = DeviceTier(1 << 30, driver=None, context=None, total=2 << 30, reserve=1 << 30, streams=1)
+        path = dump(tmp_path / "seg-0.bin", 4096)
+        self.kept(tier, path)
+        self.kept(tier, dump(tmp_path / "seg-1.bin", 4096))
+        path.unlink()
+        tier.prune()
+        deadline = time.monotonic() + 5
+        while (status := tier.status())["entries"] != 1 or status["closing"]:
+            assert time.monotonic() < deadline, status
+            time.sleep(0.01)
+        assert status["dropped"] == 1, status
 
 
 class TestOptions:
