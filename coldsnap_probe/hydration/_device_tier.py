@@ -78,12 +78,13 @@ class DeviceTier:
     """Dumps kept in device memory of the hydrator's context (module docstring)."""
 
     def __init__(self, budget: int, *, driver: Any, context: Any, total: int, reserve: int, streams: int,
-                 ttl: float = DEVICE_TIER_TTL) -> None:
+                 ttl: float = DEVICE_TIER_TTL, pending: Callable[[], int] = lambda: 0) -> None:
         if not 0 <= budget <= total - reserve:
             raise HydrationError(f"device_tier_bytes must be 0 (off) or a size up to the GPU's {total} bytes less "
                                  f"the {reserve} a stage keeps free, not {budget}")
         self.budget, self.reserve, self.streams, self.ttl = budget, reserve, streams, ttl
         self._driver, self._context = driver, context
+        self._pending = pending  # device bytes the hydrator's stages reserved and have not allocated yet
         self._lock = threading.Lock()
         self._entries: dict[_Name, _Entry] = {}  # least recently used first
         self.hits = self.misses = self.kept = self.evictions = self.dropped = 0
@@ -158,7 +159,7 @@ class DeviceTier:
             self._release(old)
         try:
             free, _total = cucall(self._driver, "cuMemGetInfo")
-            if int(free) - size < self.reserve:
+            if int(free) - self._pending() - size < self.reserve:  # a stage in flight comes first
                 raise _Skip("no_room")
             self._allocate(entry, sizes)
             self._device_copy(entry.va, va, size)
@@ -262,6 +263,13 @@ class DeviceTier:
             self._checking = False
         for entry in dropped:
             self._release(entry)
+
+    def beside(self, ram: dict[str, Any]) -> dict[str, Any]:
+        """The RAM tier's `status` with this tier's stages and bytes beside its own per tier (the daemon's metrics
+        read them by tier: coldsnap_provider/_hydrator_stages.py)."""
+        with self._lock:
+            ram["stages"]["device"], ram["read_bytes"]["device"] = self.hits, self.copied_bytes
+        return ram
 
     def status(self) -> dict[str, Any]:
         """The tier's state and counters (no digest nor path: the tier is shared by every tenant)."""

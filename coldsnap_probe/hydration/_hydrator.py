@@ -169,7 +169,8 @@ class HydratorServer:
         self.warms = Warms(self.ram_tier, self._openers) if warm_captures and budget else None
         # Device dumps kept on this GPU across restores (_device_tier.py): a stage of one is a copy within the GPU.
         self.device_tier = DeviceTier(device_tier_bytes if staging else 0, driver=self.driver, context=self.context,
-                                      total=int(total), reserve=STAGE_RESERVE, streams=streams, ttl=device_tier_ttl)
+                                      total=int(total), reserve=STAGE_RESERVE, streams=streams, ttl=device_tier_ttl,
+                                      pending=self._pending)
         self.quota = StageQuota.default(int(total), shared=bool(self.peers.uids or self.peers.gids), stages=STAGE_MAX,
                                         count=stage_uid_count, size=stage_uid_bytes)
         # One stage's ring of page-locked buffers, allocated now rather than on every restore's path (256 MiB).
@@ -398,9 +399,14 @@ class HydratorServer:
                 self.device_tier.give_back(kept, size if answer else 0)
         return {**answer, "tier": "device" if kept is not None else "ram"}
 
+    def _pending(self) -> int:
+        """Device bytes the stages being filled reserved and have not allocated yet: a keep leaves them free."""
+        with self._lock:
+            return sum(v.unallocated for v in self.staged.values())
+
     def _room_for(self, size: int, replacing: _Staged | None) -> None:
-        """Under the lock: refuse a stage of `size` bytes (replacing `replacing`) beyond STAGE_MAX, or one that
-        would leave less than STAGE_RESERVE free once the stages being filled have their bytes."""
+        """Under the lock: refuse a stage of `size` bytes (replacing `replacing`) beyond STAGE_MAX, or leaving less
+        than STAGE_RESERVE free once the stages being filled have their bytes (the device tier gives way first)."""
         count = len(self.staged) - (replacing is not None)
         if count >= STAGE_MAX:
             raise HydrationError(f"{count} allocations are staged already (at most {STAGE_MAX})")
@@ -408,7 +414,7 @@ class HydratorServer:
         # A replaced stage gives back only its pages not handed out yet: an adopted page lives on in its engine.
         returned = sum(replacing.sizes[replacing.taken:]) if replacing else 0
         free = int(free) + returned - sum(v.unallocated for v in self.staged.values())
-        if free - size < STAGE_RESERVE:  # the device tier is a cache: a stage (a restore in flight) comes first
+        if free - size < STAGE_RESERVE:
             free += self.device_tier.make_room(STAGE_RESERVE - (free - size))
         if free - size < STAGE_RESERVE:
             raise HydrationError(f"staging {size} bytes would leave {free - size} of the GPU's {free} free bytes "
@@ -512,22 +518,17 @@ class HydratorServer:
     def _status(self, peer: jsonline.Peer) -> dict[str, Any]:
         """The asker's own stages (one being filled says so, with no expiry yet), the per-uid quota and, for root,
         this hydrator's uid and the `status_uids`, the RAM tier's state."""
-        now = time.monotonic()
+        now, warms, operator = time.monotonic(), self.warms.status() if self.warms else "off", \
+            peer.uid in (0, os.getuid(), *self.status_uids)
         with self._lock:
             staged = [{"key": k[1], "bytes": v.size, "filling": not v.ready,
                        "expires_in_s": v.expires - now if v.ready else None}
                       for k, v in self.staged.items() if v.owner == peer.uid]
         return {"ok": True, "device_uuid": self.device_uuid, "staged": staged,
                 "quota": {"count": self.quota.count, "bytes": self.quota.bytes},
-                # The tier is every tenant's: its counters say when others restored, so only the operator sees them.
-                **({"ram_tier": self._tiers(), "device_tier": self.device_tier.status()}
-                   if peer.uid in (0, os.getuid(), *self.status_uids) else {})}
-
-    def _tiers(self) -> dict[str, Any]:
-        """The RAM tier's state, the device tier's stages and bytes beside its own (the metrics read them by tier)."""
-        ram, device = self.ram_tier.status(), self.device_tier.status()
-        ram["stages"]["device"], ram["read_bytes"]["device"] = device["hits"], device["copied_bytes"]
-        return {**ram, "warms": self.warms.status() if self.warms else "off"}
+                # The tiers are every tenant's: their counters say when others restored: the operator's only.
+                **({"ram_tier": {**self.device_tier.beside(self.ram_tier.status()), "warms": warms},
+                    "device_tier": self.device_tier.status()} if operator else {})}
 
     def _held(self, key: str, ticket: object) -> tuple[_Slot, _Staged] | None:
         """Under the lock: the ready stage under `key` that `ticket` opens, whoever staged it (the engine may run
@@ -569,11 +570,9 @@ class HydratorServer:
 
 def _stager(fds: list[int]) -> int:
     """A stage request's one optional descriptor: its stager's pidfd (-1 without one), the caller's to close."""
-    if not fds:
-        return -1
-    if len(fds) > 1 or os.readlink(f"/proc/self/fd/{fds[0]}") != "anon_inode:[pidfd]":
+    if fds and (len(fds) > 1 or os.readlink(f"/proc/self/fd/{fds[0]}") != "anon_inode:[pidfd]"):
         raise HydrationError("a stage request carries at most one descriptor, its stager's pidfd")
-    return fds[0]
+    return fds[0] if fds else -1
 
 
 def _exited(pidfd: int) -> bool:
