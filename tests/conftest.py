@@ -20,6 +20,7 @@ import anyio
 import pytest
 from hypothesis import HealthCheck, settings
 
+from tests.builds import Builds
 from tests.helpers import MADE, ROOT, refuse_engine
 from tests.kubernetes import Cluster, bring_up
 
@@ -99,6 +100,17 @@ def scratch_in_pytest_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     tempfile.tempdir = str(tmp_path_factory.mktemp("scratch"))
     yield
     tempfile.tempdir = previous
+
+
+@pytest.fixture(scope="session", autouse=True)
+def background_builds(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Builds]:
+    """The slow builds that the collected modules name in BACKGROUND_BUILDS (tests/builds.py), started as the
+    session begins; a test takes its build's outcome with `background_builds.result(name)`."""
+    modules = {getattr(item, "module", None) for item in request.session.items}
+    builds = Builds(tmp_path_factory.mktemp("builds"))
+    builds.start(name for module in modules for name in getattr(module, "BACKGROUND_BUILDS", ()))
+    yield builds
+    builds.close()
 
 
 @pytest.fixture(scope="session")
