@@ -8,13 +8,12 @@ import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
 from coldsnap_provider import ReplyError
-from tests.helpers import EXEC_AS_NOBODY, control_as, running_daemon
+from tests.helpers import EXEC_AS_NOBODY, control_as, running_daemon, short_dir
 
 
 def mode(path: str | Path) -> int:
@@ -98,7 +97,7 @@ async def test_session_ids_that_cannot_name_a_directory_are_refused(bad: str) ->
 
 
 async def test_sessions_survive_a_daemon_restart() -> None:
-    state = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
+    state = short_dir()
     try:
         async with running_daemon(state_dir=state) as daemon:
             s = await daemon.open_session("op-keep", labels={"team": "a"}, cluster_id="c1")
@@ -115,7 +114,7 @@ async def test_sessions_survive_a_daemon_restart() -> None:
 
 
 async def test_a_damaged_record_is_skipped_not_fatal() -> None:
-    state = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
+    state = short_dir()
     try:
         async with running_daemon(state_dir=state) as daemon:
             await daemon.open_session("op-good")
@@ -158,7 +157,7 @@ async def test_session_socket_cannot_be_redirected_by_a_racing_symlink(tmp_path:
     target = tmp_path / "root-owned"
     target.write_text("secret\n")
     target.chmod(0o644)
-    state = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
+    state = short_dir()
     async with running_daemon(f"{EXEC_AS_NOBODY}[server]\ncontrol_uids = [{NOBODY}]\n", state_dir=state) as daemon:
         os.chmod(daemon.state_dir / "control.sock", 0o666)
         reply = control_as(NOBODY, daemon.state_dir, {"operation": "session-open", "session": "op-race",
@@ -190,7 +189,7 @@ async def test_session_socket_cannot_be_redirected_by_a_racing_symlink(tmp_path:
 
 async def test_record_with_an_out_of_range_uid_is_skipped_not_fatal() -> None:
     """Regression: #11 finding 9 (OverflowError from os.chown stopped every start)."""
-    state = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
+    state = short_dir()
     (state / "records").mkdir(parents=True, mode=0o700)
     (state / "records" / "op-big.json").write_text(json.dumps(
         {"session": "op-big", "token_sha256": "0" * 64, "hosts": ["localhost"], "uid": 1 << 40, "gid": 0}))
@@ -203,7 +202,7 @@ async def test_record_with_an_out_of_range_uid_is_skipped_not_fatal() -> None:
 
 async def test_close_of_a_session_that_is_not_live_checks_its_owner() -> None:
     """Regression: #11 finding 10 (session-close skipped the owner check for sessions not being served)."""
-    state = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
+    state = short_dir()
     async with running_daemon(f"{EXEC_AS_NOBODY}[server]\ncontrol_uids = [{NOBODY}]\n", state_dir=state) as daemon:
         await daemon.open_session("op-root")
     # A directory where the socket goes: the session cannot be bound at the next start, so it is not live.

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from coldsnap_provider import ProtocolError
 from coldsnap_provider._client import check_reply
-from tests.helpers import Daemon, Session, running_daemon
+from tests.helpers import Daemon, Session, running_daemon, short_dir
 
 
 async def reply_of(session: Session, payload: bytes) -> dict[str, object]:
@@ -148,7 +148,7 @@ def fuzz_daemon() -> object:
 
     from tests.helpers import write_config
 
-    state = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
+    state = short_dir()
     daemon = Daemon(state_dir=state, config_path=write_config(Path(tempfile.mkdtemp(prefix="cs-c-"))))
     daemon.start()
     session = anyio.run(daemon.open_session)
