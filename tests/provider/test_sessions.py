@@ -8,28 +8,35 @@ import shutil
 import stat
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from coldsnap_provider import ReplyError
-from tests.helpers import EXEC_AS_NOBODY, control_as, running_daemon, short_dir
+from tests.helpers import EXEC_AS_NOBODY, Daemon, control_as, module_daemon, running_daemon, short_dir
 
 
 def mode(path: str | Path) -> int:
     return stat.S_IMODE(os.lstat(path).st_mode)
 
 
-async def test_session_socket_and_directory_are_private() -> None:
-    async with running_daemon() as daemon:
-        s = await daemon.open_session("op-1")
-        socket_path = Path(s.socket)
-        assert socket_path == daemon.state_dir / "sessions" / "op-1" / "provider.sock"
-        assert stat.S_ISSOCK(os.lstat(socket_path).st_mode)
-        assert mode(socket_path) == 0o600 and mode(socket_path.parent) == 0o700
-        assert mode(daemon.state_dir / "control.sock") == 0o660
-        record = (daemon.state_dir / "records" / "op-1.json").read_text()
-        assert s.token not in record and json.loads(record)["token_sha256"]
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[Daemon]:
+    """One daemon of the default configuration for this module's tests that open sessions of their own names and
+    leave its files' modes as they are (a start and a stop are about a second of the 2-core CI box)."""
+    yield from module_daemon(None)
+
+
+async def test_session_socket_and_directory_are_private(daemon: Daemon) -> None:
+    s = await daemon.open_session("op-1")
+    socket_path = Path(s.socket)
+    assert socket_path == daemon.state_dir / "sessions" / "op-1" / "provider.sock"
+    assert stat.S_ISSOCK(os.lstat(socket_path).st_mode)
+    assert mode(socket_path) == 0o600 and mode(socket_path.parent) == 0o700
+    assert mode(daemon.state_dir / "control.sock") == 0o660
+    record = (daemon.state_dir / "records" / "op-1.json").read_text()
+    assert s.token not in record and json.loads(record)["token_sha256"]
 
 
 async def test_session_is_owned_by_the_uid_that_opened_it() -> None:
@@ -74,26 +81,25 @@ async def test_session_open_from_a_coldsnap_request() -> None:
             await daemon.control(operation="session-open", request={"id": "r", "launch": {"units": [{}]}})
 
 
-async def test_session_open_twice_is_an_error_and_close_removes_it() -> None:
-    async with running_daemon() as daemon:
-        s = await daemon.open_session("op-dup")
-        with pytest.raises(ReplyError, match="already exists"):
-            await daemon.open_session("op-dup")
+async def test_session_open_twice_is_an_error_and_close_removes_it(daemon: Daemon) -> None:
+    s = await daemon.open_session("op-dup")
+    with pytest.raises(ReplyError, match="already exists"):
+        await daemon.open_session("op-dup")
+    await daemon.control(operation="session-close", session="op-dup")
+    assert not Path(s.socket).parent.exists()
+    assert not (daemon.state_dir / "records" / "op-dup.json").exists()
+    with pytest.raises(ReplyError, match="does not exist"):
         await daemon.control(operation="session-close", session="op-dup")
-        assert not Path(s.socket).parent.exists()
-        assert not (daemon.state_dir / "records" / "op-dup.json").exists()
-        with pytest.raises(ReplyError, match="does not exist"):
-            await daemon.control(operation="session-close", session="op-dup")
-        with pytest.raises(OSError):
-            await s.call("capabilities")
+    with pytest.raises(OSError):
+        await s.call("capabilities")
 
 
 @pytest.mark.parametrize("bad", ["../x", "a/b", ".hidden", "", "x" * 200, "a b"])
-async def test_session_ids_that_cannot_name_a_directory_are_refused(bad: str) -> None:
-    async with running_daemon() as daemon:
-        with pytest.raises(ReplyError):
-            await daemon.control(operation="session-open", session=bad, hosts=["localhost"])
-        assert not any((daemon.state_dir / "records").iterdir())
+async def test_session_ids_that_cannot_name_a_directory_are_refused(daemon: Daemon, bad: str) -> None:
+    records = sorted(os.listdir(daemon.state_dir / "records"))  # the module's daemon: other tests' sessions
+    with pytest.raises(ReplyError):
+        await daemon.control(operation="session-open", session=bad, hosts=["localhost"])
+    assert sorted(os.listdir(daemon.state_dir / "records")) == records
 
 
 async def test_sessions_survive_a_daemon_restart() -> None:
