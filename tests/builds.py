@@ -1,11 +1,11 @@
 """Slow builds a test module needs, started in the background when the session begins rather than in its set-up.
 
 A module names what it needs in ``BACKGROUND_BUILDS`` (names of :data:`BUILDS`); when the session has collected a
-test of such a module, tests/conftest.py's `builds` fixture starts those builds, one after the other in the order of
-:data:`BUILDS` (the image's own .deb step then finds the package the "deb" build cached), under nice 10 beside the
-run: on the 2-core CI box the .deb alone is about 50 s of a core, and the run before these modules mostly waits on
-dockerd, the kubelet and CRIU. The test then waits for the build's outcome (:meth:`Builds.result`) and asserts on it
-as it would on a build of its own.
+test of such a module that no skip mark skips, tests/conftest.py's `background_builds` fixture starts those builds,
+one after the other in the order of :data:`BUILDS` (the image's own .deb step then finds the package the "deb" build
+cached: revision 1 is debian/changelog's), under nice 10 beside the run: on the 2-core CI box the .deb alone is
+about 50 s of a core, and the run before these modules mostly waits on dockerd, the kubelet and CRIU. The test then
+waits for the build's outcome (:meth:`Builds.result`) and asserts on it as it would on a build of its own.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import ROOT
 
-__all__ = ("BUILDS", "Builds")
+__all__ = ("BUILDS", "Builds", "wanted")
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,18 @@ BUILDS: dict[str, Build] = {
     "image": Build(lambda out: [*_PACKAGE, "image", "--tag", f"coldsnap-test/provider-image:{secrets.token_hex(4)}"],
                    timeout=850, discard=lambda tag: ["docker", "rmi", tag]),
 }
+
+
+def wanted(items: Iterable[pytest.Item]) -> set[str]:
+    """The builds that the modules of `items` name in BACKGROUND_BUILDS, for the items that will run (a test a
+    skip mark already skips, e.g. off root or without docker, needs none)."""
+    names: set[str] = set()
+    for item in items:
+        skipped = any(item.iter_markers("skip")) or any(
+            mark.args and mark.args[0] is True for mark in item.iter_markers("skipif"))
+        if not skipped:
+            names.update(getattr(getattr(item, "module", None), "BACKGROUND_BUILDS", ()))
+    return names
 
 
 class Builds:

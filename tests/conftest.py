@@ -20,7 +20,7 @@ import anyio
 import pytest
 from hypothesis import HealthCheck, settings
 
-from tests.builds import Builds
+from tests.builds import Builds, wanted
 from tests.helpers import MADE, ROOT, refuse_engine, remove_short_dirs
 from tests.kubernetes import Cluster, bring_up
 
@@ -108,9 +108,8 @@ def scratch_in_pytest_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 def background_builds(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Builds]:
     """The slow builds that the collected modules name in BACKGROUND_BUILDS (tests/builds.py), started as the
     session begins; a test takes its build's outcome with `background_builds.result(name)`."""
-    modules = {getattr(item, "module", None) for item in request.session.items}
     builds = Builds(tmp_path_factory.mktemp("builds"))
-    builds.start(name for module in modules for name in getattr(module, "BACKGROUND_BUILDS", ()))
+    builds.start(wanted(request.session.items))
     yield builds
     builds.close()
 
