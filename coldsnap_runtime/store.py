@@ -7,16 +7,20 @@
     <root>/captures/<hex>.json     a capture: the OCI manifest (artifact) whose digest is sha256:<hex>;
                                    written last, so a capture listed is one whose every blob is present
     <root>/trees/<hex>/<path>      the capture's files as plain (sparse) files, made at a pull or on first use
+    <root>/partial/<hex>/<path>    the files of a pull not finished yet (:mod:`.store_pull`): resumed by its next pull
     <root>/tmp/                    what is being written (a blob before its digest is checked, a tree)
 
 A file is a list of chunks, each a digest or ``None`` for a chunk of zeros: zeros are never stored, moved
 or read, and come back as holes. Chunks are 64 MiB from the file's start (a device dump's segment files: the
 same weights, the same chunks), or cut by content for files whose bytes shift between captures (CRIU's page
 images, :mod:`.chunking`); such a file lists each chunk's length (data document format 2). The same bytes
-are one blob, whichever captures hold them. Every name appears only after its bytes are fsynced under a
-temporary name (rename), so a disk that fills up, or a process that dies, leaves nothing half-listed; a blob
-is checked against its name before it takes it, so what is in ``blobs/`` is always verified, and an
-interrupted pull resumes from it.
+are one copy on the node, whichever captures hold them: a chunk's *home* is its blob, or the files made for a listed
+capture that holds it (a pull writes each fetched chunk once, straight into its place in the capture's files; a
+blob of it is written only when those files are dropped while another capture or a write in flight still needs it,
+:meth:`CaptureStore.drop_tree`). Every name appears only after its bytes are fsynced under a temporary name
+(rename), so a disk that fills up, or a process that dies, leaves nothing half-listed; a chunk is checked against
+its name before it counts, so every home holds verified bytes, and an interrupted pull resumes from its partial
+files (each chunk there checked again, never fetched again).
 
 The store does blocking I/O: the backend calls it from worker threads. Which captures are in use is the
 caller's knowledge (the engine's containers): :meth:`CaptureStore.collect` is given the set it must keep. What a
@@ -41,7 +45,7 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO
+from typing import IO, BinaryIO
 
 import msgspec
 
@@ -59,6 +63,7 @@ from .capture_data import (
 )
 from .chunking import CHUNK_BYTES, ZERO_RUN_BYTES, content_cuts
 from .errors import StoreError
+from .store_pull import PullTree
 
 __all__ = (
     "CAPTURE_MEDIA_TYPE",
@@ -71,6 +76,7 @@ __all__ = (
     "CaptureStore",
     "Collected",
     "Hold",
+    "PullTree",
     "StoredFile",
     "artifact_manifest",
 )
@@ -89,10 +95,10 @@ class CaptureInfo(msgspec.Struct, frozen=True):
     capture: str
     files: int
     size: int  # the files' apparent size
-    stored: int  # bytes of its distinct non-zero chunks on disk
-    shared: int  # of those, bytes other captures also hold
+    stored: int  # bytes of its distinct non-zero chunks kept as blobs (a pulled capture's are in its files: `tree`)
+    shared: int  # of its distinct non-zero chunks, the bytes other captures also hold
     zero: int  # bytes of zero chunks (neither stored nor moved)
-    tree: int  # bytes of its materialised files (tier "tree": made on first use, reclaimable)
+    tree: int  # disk bytes of its files (tier "tree": made at a pull or on first use; `stored` + `tree` is its disk)
     created: float
     used: float
     tiers: list[str]
@@ -147,17 +153,24 @@ class CaptureStore:
         self._blobs = root / "blobs" / "sha256"
         self._captures = root / "captures"
         self._trees = root / "trees"
+        self._partial = root / "partial"
         self._tmp = root / "tmp"
         # Held by record (its chunks checked, then its manifest named) and remove (what others keep, then deleted):
-        # a removal never deletes a chunk a capture being recorded has just found present.
-        self._listing = threading.Lock()
+        # a removal never deletes a chunk a capture being recorded has just found present. Re-entrant: dropping a
+        # capture's files under a removal moves out what others need (`drop_tree`).
+        self._listing = threading.RLock()
         # Invariant (under _listing): each blob a write in flight holds, with how many writes hold it.
         self._held: Counter[str] = Counter()
+        # Invariant (under _listing): the captures whose partial/<hex> a pull writes now (collection keeps them).
+        self._pulling: set[str] = set()
+        # Under _listing: chunk -> the places of it in listed captures' files (None: to be read again from disk,
+        # after any change to which captures are listed or have files).
+        self._homes: dict[str, list[tuple[str, Path, int]]] | None = None
 
     def open(self) -> None:
         """Create the layout and drop what an earlier process left half-written (tmp/: a killed daemon's
         temporaries; the blobs it stored for a capture it never recorded are collected by :meth:`collect`)."""
-        for directory in (self.root, self._blobs, self._captures, self._trees, self._tmp):
+        for directory in (self.root, self._blobs, self._captures, self._trees, self._partial, self._tmp):
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         for leftover in self._tmp.iterdir():
             if leftover.is_dir():
@@ -171,16 +184,37 @@ class CaptureStore:
         return self._blobs / digest_name(digest)
 
     def has_blob(self, digest: str) -> bool:
-        return self.blob_path(digest).exists()
+        """The node holds the chunk (or document): as a blob, or in a listed capture's files."""
+        return self.locate(digest) is not None
+
+    def locate(self, digest: str) -> tuple[Path, int] | None:
+        """Where the chunk's bytes are: its blob (offset 0), else its place in a listed capture's files (None:
+        nowhere). A reader that finds the file gone asks again: a removal moves out what is held first."""
+        blob = self.blob_path(digest)
+        if blob.exists():
+            return blob, 0
+        with self._listing:
+            homes = self._tree_homes().get(digest)
+        return (homes[0][1], homes[0][2]) if homes else None
+
+    def _tree_homes(self) -> dict[str, list[tuple[str, Path, int]]]:
+        """chunk -> (capture, file, offset) of every place in listed captures' files (caller holds _listing)."""
+        if self._homes is None:
+            homes: dict[str, list[tuple[str, Path, int]]] = {}
+            for capture in self.captures():
+                tree = self._trees / digest_name(capture)
+                if not tree.is_dir() or not self._readable(capture):
+                    continue
+                for stored in self.data(capture).files:
+                    for chunk, offset, _ in stored.spans():
+                        if chunk is not None:
+                            homes.setdefault(chunk, []).append((capture, tree / stored.path, offset))
+            self._homes = homes
+        return self._homes
 
     def temporary(self, digest: str) -> Path:
-        """A fresh temporary name for a blob being written (a pull streams into it)."""
+        """A fresh temporary name for a blob being written."""
         return self._tmp / f"{digest_name(digest)}.{secrets.token_hex(4)}"
-
-    def adopt_blob(self, temporary: Path, digest: str) -> None:
-        """Give the fsynced, verified `temporary` the blob's name (a concurrent writer of the same bytes wins
-        equally: the name holds the same bytes either way)."""
-        os.replace(temporary, self.blob_path(digest))
 
     @contextmanager
     def holding(self) -> Iterator[Hold]:
@@ -196,18 +230,22 @@ class CaptureStore:
         digest = "sha256:" + hashlib.sha256(data).hexdigest()
         if hold is not None:
             hold.add((digest,))
-        if self.has_blob(digest):
-            return digest
+        if not self.has_blob(digest):
+            self._write_blob(data, digest)
+        return digest
+
+    def _write_blob(self, data: bytes | bytearray | memoryview, digest: str) -> None:
+        """`data` (checked: its digest) under blobs/, fsynced under a temporary name first (a concurrent writer of
+        the same bytes wins equally: the name holds the same bytes either way)."""
         temporary = self.temporary(digest)
         try:
             with open(temporary, "xb") as out:
                 out.write(data)
                 out.flush()
                 os.fsync(out.fileno())
-            self.adopt_blob(temporary, digest)
+            os.replace(temporary, self.blob_path(digest))
         finally:
             temporary.unlink(missing_ok=True)
-        return digest
 
     def ingest(self, path: str, size: int, mode: int, source: IO[bytes], *, by_content: bool = False,
                hold: Hold | None = None) -> StoredFile:
@@ -289,7 +327,9 @@ class CaptureStore:
         with self._listing:
             if missing := [c for f in files for c in f.chunks if c is not None and not self.has_blob(c)]:
                 raise StoreError(f"capture data names {len(missing)} chunks the store lacks, e.g. {missing[0]}")
-            self.put_blob(data)
+            config = "sha256:" + hashlib.sha256(data).hexdigest()
+            if not self.blob_path(config).exists():  # always a blob (`data` reads it there), never only a file's
+                self._write_blob(data, config)
             capture = "sha256:" + hashlib.sha256(manifest).hexdigest()
             target = self._captures / f"{digest_name(capture)}.json"
             if not target.exists():
@@ -300,7 +340,57 @@ class CaptureStore:
                     os.fsync(out.fileno())
                 os.replace(temporary, target)
                 _fsync_directory(self._captures)
+                self._homes = None  # its files (if any) are homes from now on
             self.touch(capture)
+        return capture
+
+    # --- a pull's files ----------------------------------------------------------------
+
+    def begin_pull(self, capture: str, data: bytes) -> PullTree:
+        """The partial files of a pull of `capture` (data document `data`, checked): partial/<hex>, as an interrupted
+        pull left them, or fresh; a private directory under tmp/ while another pull writes that one (two pulls never
+        write the same files). Kept by collection until the pull and its fetch threads have left them
+        (`PullTree.leave`); a full disk fails here, naming the store, and leaves nothing new."""
+        files = self.decode_data(data).files
+        with self._listing:
+            shared = capture not in self._pulling
+            if shared:
+                self._pulling.add(capture)
+                root = self._partial / digest_name(capture)
+            else:
+                root = self._tmp / f"pull-{digest_name(capture)}.{secrets.token_hex(4)}"
+
+        def end() -> None:  # the files named (settle), or left for the next pull to resume (shared) or deleted
+            with self._listing:
+                if shared:
+                    self._pulling.discard(capture)
+            if not shared:
+                shutil.rmtree(root, ignore_errors=True)
+
+        try:
+            return PullTree(capture, root, files, end)
+        except OSError as exc:
+            end()
+            raise StoreError(f"capture {capture}: cannot make its files: {exc.strerror or exc}") from exc
+
+    def settle(self, pull: PullTree, manifest: bytes, data: bytes) -> str:
+        """Name the pull's files (every chunk checked in place, every file fsynced: `PullTree.finish`) the capture's,
+        then list the capture (its chunks' home is these files now) and vouch for them; the capture's id."""
+        target = self._trees / digest_name(pull.capture)
+        with self._listing:
+            try:
+                os.rename(pull.root, target)
+                made = True
+            except OSError as exc:
+                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not target.is_dir():
+                    raise StoreError(f"capture {pull.capture}: cannot name its files: {exc}") from exc
+                made = False  # files made meanwhile (a run after another pull): the same bytes, checked
+                shutil.rmtree(pull.root, ignore_errors=True)
+            _fsync_directory(self._trees)
+            self._homes = None
+            capture = self.record(manifest, data)
+        if made:
+            self._vouch(capture, target, self.decode_data(data))
         return capture
 
     decode_data = staticmethod(decode_data)
@@ -352,7 +442,9 @@ class CaptureStore:
             for stored in data.files:
                 self._assemble(temporary / stored.path, stored)
             _fsync_directory(temporary)
-            os.rename(temporary, target)
+            with self._listing:
+                os.rename(temporary, target)
+                self._homes = None
             self._vouch(capture, target, data)
         except OSError as exc:
             if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not target.is_dir():
@@ -401,15 +493,20 @@ class CaptureStore:
         path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, (stored.mode & 0o777) or 0o600)
         try:
-            with ThreadPoolExecutor(INGEST_THREADS, thread_name_prefix="store-tree") as pool:
-                jobs = [pool.submit(self._copy_chunk, chunk, fd, offset, length, stored.path)
-                        for chunk, offset, length in stored.spans() if chunk is not None]
-                for job in jobs:
-                    job.result()
+            self.copy_chunks([(chunk, fd, offset, length, stored.path)
+                              for chunk, offset, length in stored.spans() if chunk is not None])
             os.ftruncate(fd, stored.size)
             os.fsync(fd)
         finally:
             os.close(fd)
+
+    def copy_chunks(self, places: list[tuple[str, int, int, int, str]]) -> int:
+        """Copy each (chunk, fd, offset, length, file's name) from its home into its place, checked on the way,
+        :data:`INGEST_THREADS` at a time; the bytes copied."""
+        with ThreadPoolExecutor(INGEST_THREADS, thread_name_prefix="store-tree") as pool:
+            for job in [pool.submit(self._copy_chunk, *place) for place in places]:
+                job.result()
+        return sum(place[3] for place in places)
 
     def _copy_chunk(self, chunk: str, fd: int, offset: int, length: int, name: str) -> None:
         data = self._read_chunk(chunk, length, name)
@@ -420,21 +517,45 @@ class CaptureStore:
             view = view[os.pwrite(fd, view, offset + (len(data) - len(view))):]
 
     def _read_chunk(self, chunk: str, length: int, name: str) -> bytes:
-        """The chunk's bytes (up to `length` + 1: a longer blob shows), then the chunk dropped from the page cache:
-        the tree's copy is the one a restore reads, so the same bytes are never cached twice. Read through the
-        cache, not with O_DIRECT: on the H200 machine's disk that read 1.45 GB/s against O_DIRECT's 1.02."""
-        try:
-            with open(self.blob_path(chunk), "rb") as source:
-                data = source.read(length + 1)
-                os.posix_fadvise(source.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        except FileNotFoundError as exc:
-            raise StoreError(f"{name}: chunk {chunk} is missing from the node's store") from exc
-        return data
+        """The chunk's bytes from its home (from a blob up to `length` + 1: a longer blob shows, then the blob
+        dropped from the page cache: the made files' copy is the one a restore reads, so the same bytes are never
+        cached twice). Read through the cache, not with O_DIRECT: on the H200 machine's disk that read 1.45 GB/s
+        against O_DIRECT's 1.02. Asked again once when the home went meanwhile (a removal moved it out)."""
+        for _ in range(2):
+            if (home := self.locate(chunk)) is None:
+                break
+            path, offset = home
+            try:
+                with open(path, "rb") as source:
+                    data = os.pread(source.fileno(), length + 1 if path.parent == self._blobs else length, offset)
+                    if path.parent == self._blobs:
+                        os.posix_fadvise(source.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                return data
+            except FileNotFoundError:
+                continue
+        raise StoreError(f"{name}: chunk {chunk} is missing from the node's store")
+
+    def open_chunk(self, chunk: str, length: int) -> tuple[BinaryIO, int]:
+        """The chunk's home opened for reading, and its offset there (a push sends it from there); a blob whose size
+        is not `length` is refused, naming it."""
+        for _ in range(2):
+            if (home := self.locate(chunk)) is None:
+                break
+            try:
+                source = open(home[0], "rb")  # noqa: SIM115 (the caller closes it)
+            except FileNotFoundError:
+                continue
+            if home[0].parent == self._blobs and (found := os.fstat(source.fileno()).st_size) != length:
+                source.close()
+                raise StoreError(f"blob {chunk} holds {found} bytes in the node's store, its capture says {length}")
+            return source, home[1]
+        raise StoreError(f"blob {chunk} is missing from the node's store")
 
     # --- admin -----------------------------------------------------------------------
 
     def describe(self, capture: str, *, holders: dict[str, int] | None = None) -> CaptureInfo:
-        """Its bytes: apparent, stored, shared with other captures (`holders`: chunk -> captures holding it)."""
+        """Its bytes: apparent, kept as blobs, shared with other captures (`holders`: chunk -> captures holding it),
+        zeros, and its files'."""
         data = self.data(capture)
         holders = holders if holders is not None else self._holders()
         distinct: dict[str, int] = {}
@@ -449,7 +570,8 @@ class CaptureStore:
         record = (self._captures / f"{digest_name(capture)}.json").stat()
         tree_dir = self._trees / digest_name(capture)
         tree = sum(p.stat().st_blocks * 512 for p in tree_dir.rglob("*") if p.is_file()) if tree_dir.is_dir() else 0
-        return CaptureInfo(capture=capture, files=len(data.files), size=size, stored=sum(distinct.values()),
+        blobs = sum(n for c, n in distinct.items() if self.blob_path(c).exists())
+        return CaptureInfo(capture=capture, files=len(data.files), size=size, stored=blobs,
                            shared=sum(n for c, n in distinct.items() if holders.get(c, 0) > 1), zero=zero,
                            tree=tree, created=record.st_ctime, used=record.st_mtime,
                            tiers=["disk", "tree"] if tree_dir.is_dir() else ["disk"])
@@ -492,12 +614,16 @@ class CaptureStore:
             except FileNotFoundError as exc:
                 raise StoreError(f"capture {capture} is not in the node's store") from exc
             mine = self.chunks(capture) | {manifest["config"]["digest"]}
-            record.unlink()
-            _fsync_directory(self._captures)
-            freed = self.drop_tree(capture)
             # A capture this daemon cannot read (a newer format, recorded before a rollback) may hold any of them:
             # its chunks are kept, never deleted from under it (review13).
-            if not all(self._readable(c) for c in others):
+            readable = all(self._readable(c) for c in others)
+            # Before it is unlisted: what others need of its files is a blob first (a failure here removes nothing).
+            self._move_out(capture, keep if readable else mine)
+            record.unlink()
+            _fsync_directory(self._captures)
+            self._homes = None
+            freed = self.drop_tree(capture)
+            if not readable:
                 return 0, freed
             blobs, freed_blobs = self._delete_blobs(mine - keep)
             return blobs, freed + freed_blobs
@@ -537,7 +663,12 @@ class CaptureStore:
             for tree in self._trees.iterdir():
                 name = tree.name.removesuffix(".made.json")
                 if len(name) == 64 and set(name) <= HEX and name not in listed:
-                    freed += self.drop_tree("sha256:" + name)
+                    freed += self._drop_files("sha256:" + name)  # unlisted: no chunk's home
+            pulling = {c.removeprefix("sha256:") for c in self._pulling}
+            for partial in self._partial.iterdir():
+                if partial.name not in pulling:  # a pull interrupted and not resumed
+                    freed += sum(_disk_bytes(p) for p in partial.rglob("*"))
+                    shutil.rmtree(partial, ignore_errors=True)
             return blobs, freed
 
     def _readable(self, capture: str) -> bool:
@@ -547,8 +678,37 @@ class CaptureStore:
             return False
         return True
 
+    def _move_out(self, capture: str, needed: set[str]) -> None:
+        """Write as a blob each chunk of `needed` whose only home is the capture's files, read from there and checked
+        (caller holds _listing): the files can then go. A copy that does not check fails, naming it."""
+        homes, tree = self._tree_homes(), self._trees / digest_name(capture)
+        if not self._readable(capture) or not tree.is_dir():
+            return  # unlisted or unreadable: its files are no chunk's home
+        for stored in self.data(capture).files:
+            for chunk, offset, length in stored.spans():
+                if chunk is None or chunk not in needed or self.blob_path(chunk).exists() or \
+                        any(c != capture for c, _, _ in homes.get(chunk, ())):
+                    continue
+                with open(tree / stored.path, "rb") as source:
+                    data = os.pread(source.fileno(), length, offset)
+                if len(data) != length or "sha256:" + hashlib.sha256(data).hexdigest() != chunk:
+                    raise StoreError(f"capture {capture}: {stored.path}: its copy of chunk {chunk}, which another "
+                                     "capture or a write in flight needs, is corrupt or truncated; nothing was removed")
+                try:
+                    self._write_blob(data, chunk)
+                except OSError as exc:
+                    raise StoreError(f"capture {capture}: chunk {chunk}, which another capture or a write in flight "
+                                     f"needs, cannot be kept: {exc.strerror or exc}; nothing was removed") from exc
+
     def drop_tree(self, capture: str) -> int:
-        """Drop the files made for the capture; the disk bytes freed."""
+        """Drop the files made for the capture, once what a listed capture (itself included) or a write in flight
+        needs of them is a blob (`_move_out`); the disk bytes freed."""
+        with self._listing:
+            self._move_out(capture, self._named(self.captures()) | set(self._held))
+            self._homes = None
+            return self._drop_files(capture)
+
+    def _drop_files(self, capture: str) -> int:
         made = self._made_path(capture)
         freed = _disk_bytes(made)
         made.unlink(missing_ok=True)  # first: it never outlives the files it lists
@@ -584,7 +744,7 @@ class CaptureStore:
         return sum(p.stat().st_blocks * 512 for p in self._walk())
 
     def _walk(self) -> Iterator[Path]:
-        for top in (self._blobs, self._captures, self._trees):
+        for top in (self._blobs, self._captures, self._trees, self._partial):
             yield from (p for p in top.rglob("*") if p.is_file())
 
 
