@@ -320,12 +320,14 @@ class CaptureStore:
 
     # --- captures --------------------------------------------------------------------
 
-    def record(self, manifest: bytes, data: bytes) -> str:
-        """List a capture whose every chunk is present: its data document stored, then its manifest named.
-        The capture's id (the manifest's digest)."""
+    def record(self, manifest: bytes, data: bytes, *, in_files: bool = False) -> str:
+        """List a capture whose every chunk is present (`in_files`: in its own files, which :meth:`settle` just
+        named, every chunk checked there): its data document stored, then its manifest named. The capture's id (the
+        manifest's digest)."""
         files = self.decode_data(data).files
         with self._listing:
-            if missing := [c for f in files for c in f.chunks if c is not None and not self.has_blob(c)]:
+            if not in_files and (missing := [c for f in files for c in f.chunks if c is not None
+                                             and not self.has_blob(c)]):
                 raise StoreError(f"capture data names {len(missing)} chunks the store lacks, e.g. {missing[0]}")
             config = "sha256:" + hashlib.sha256(data).hexdigest()
             if not self.blob_path(config).exists():  # always a blob (`data` reads it there), never only a file's
@@ -388,7 +390,7 @@ class CaptureStore:
                 shutil.rmtree(pull.root, ignore_errors=True)
             _fsync_directory(self._trees)
             self._homes = None
-            capture = self.record(manifest, data)
+            capture = self.record(manifest, data, in_files=True)
         if made:
             self._vouch(capture, target, self.decode_data(data))
         return capture

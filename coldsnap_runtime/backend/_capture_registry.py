@@ -346,7 +346,7 @@ class CaptureRegistry:
             self._known.add(digest)
         done.add(size, present=False)
 
-    async def _fetch_in_thread(self, url: str, digest: str, size: int, pull: PullTree | None) -> Fetched:
+    async def _fetch_in_thread(self, url: str, digest: str, size: int, pull: PullTree | None = None) -> Fetched:
         """`_fetch` in a thread holding a slot of the node's own fetch limiter (never the daemon's shared pool, which
         every file operation needs) from its start to its end. A cancelled request does not wait for it: the thread
         ends at its next piece (or its socket's idle timeout), removing its file, and only then gives its slot back,
