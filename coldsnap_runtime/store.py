@@ -194,8 +194,15 @@ class CaptureStore:
         if blob.exists():
             return blob, 0
         with self._listing:
-            homes = self._tree_homes().get(digest)
-        return (homes[0][1], homes[0][2]) if homes else None
+            for _ in range(2):
+                homes = self._tree_homes().get(digest)
+                if not homes:
+                    return None
+                capture, path, offset = homes[0]
+                if path.exists() and self.has(capture):
+                    return path, offset
+                self._homes = None  # changed behind the store's back (an admin's hand): read again, once
+        return None
 
     def _tree_homes(self) -> dict[str, list[tuple[str, Path, int]]]:
         """chunk -> (capture, file, offset) of every place in listed captures' files (caller holds _listing)."""
