@@ -20,13 +20,9 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from .capture_data import StoredFile
 from .errors import StoreError
-
-if TYPE_CHECKING:
-    from .store import CaptureStore
 
 __all__ = ("PullTree",)
 
@@ -114,15 +110,16 @@ class PullTree:
         """Where a fetch writes the chunk: its first place (the caller marks it `placed` once it checked)."""
         return self.places[chunk][0]
 
-    def finish(self, store: CaptureStore) -> int:
-        """Copy in each chunk not placed from its home in the store (checked on the way), then every chunk's first
-        place to its other places; every file fsynced. The bytes copied from other homes."""
+    def finish(self, copy: Callable[[list[tuple[str, int, int, int, str]]], int]) -> int:
+        """Copy in each chunk not placed from its home in the store (`copy`: ``CaptureStore.copy_chunks``, each
+        checked on the way), then every chunk's first place to its other places; every file fsynced. The bytes
+        copied from other homes."""
         fds: dict[Path, int] = {}
         try:
             for stored in self._files:
                 path = self.root / stored.path
                 fds[path] = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            copied = store.copy_chunks([(chunk, fds[places[0][0]], places[0][1], self.lengths[chunk],
+            copied = copy([(chunk, fds[places[0][0]], places[0][1], self.lengths[chunk],
                                          places[0][0].relative_to(self.root).as_posix())
                                         for chunk, places in self.places.items() if chunk not in self.placed])
             self.placed.update(self.places)

@@ -280,7 +280,7 @@ class CaptureRegistry:
         try:
             fetch = await anyio.to_thread.run_sync(self._layers, data, hold, possession, pull, done)
             await self._each(fetch, lambda blob: self._pull_blob(session, blob, possession, done, pull))
-            await anyio.to_thread.run_sync(pull.finish, self._store)
+            await anyio.to_thread.run_sync(pull.finish, self._store.copy_chunks)
             await anyio.to_thread.run_sync(self._store.settle, pull, manifest, data)
         finally:
             with anyio.CancelScope(shield=True):  # quick (a set; a private directory deleted), and never skipped
