@@ -237,6 +237,9 @@ class CaptureStore(StoreBase):
 
         try:
             return PullTree(capture, root, files, end)
+        except StoreError:
+            end()
+            raise
         except OSError as exc:
             end()
             raise StoreError(f"capture {capture}: cannot make its files: {exc.strerror or exc}") from exc

@@ -45,6 +45,8 @@ class PullTree:
         # Invariant: the chunks whose first place holds their bytes, checked against their digest.
         self.placed: set[str] = set()
         self._files = files
+        if len({stored.path for stored in files}) != len(files):
+            raise StoreError(f"capture {capture}: its data document names one file twice; nothing was fetched")
         for stored in files:
             for chunk, offset, length in stored.spans():
                 if chunk is not None:

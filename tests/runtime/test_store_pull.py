@@ -142,3 +142,14 @@ def test_two_pulls_of_one_capture_never_write_the_same_partial_files(tmp_path: P
     node.collect(in_use=set(), max_bytes=None, older_than_s=None)
     assert not first.root.exists()  # an interrupted pull nobody resumed: collected
     shutil.rmtree(node.root)
+
+
+def test_a_data_document_naming_one_file_twice_is_refused_and_holds_nothing(tmp_path: Path) -> None:
+    node = CaptureStore(tmp_path / "node")
+    node.open()
+    one = {"path": "a.bin", "size": 16, "mode": 0o644, "chunks": ["sha256:" + "ab" * 32]}
+    data = json.dumps({"format": 1, "files": [one, one]}).encode()
+    with pytest.raises(StoreError, match="names one file twice; nothing was fetched"):
+        node.begin_pull("sha256:" + "cd" * 32, data)
+    node.begin_pull("sha256:" + "cd" * 32, json.dumps({"format": 1, "files": [one]}).encode()).leave()
+    assert (node.root / "partial" / ("cd" * 32)).is_dir()  # the same capture's pull is not held off
