@@ -1,6 +1,6 @@
 """One registry blob fetched in a worker thread, for a capture's pull (``_capture_registry.py``): the body is streamed
-into a temporary file of the node's store and hashed on the way, then kept (fsynced) only if it is exactly the
-blob's bytes.
+into its place in the capture's partial files (``store_pull.py``) and hashed on the way; it counts only if it is
+exactly the blob's bytes (the files are fsynced once, whole, before they are named).
 
 Why a thread with the standard library's HTTP client and not aiohttp on the daemon's event loop: a pull reads
 its chunks several at once, and on the loop every body byte goes through the one loop thread (and was then copied
@@ -11,6 +11,7 @@ release the GIL, so the threads spread over a machine's cores).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.client
 import os
@@ -53,9 +54,10 @@ def origin(url: str) -> tuple[str, str]:
 
 
 def fetch_blob(url: str, *, authorization: str, digest: str, size: int, into: Path, within_s: float,
-               stop: threading.Event) -> Fetched:
+               stop: threading.Event, at: int = 0) -> Fetched:
     """GET `url` (redirects followed; the credentials go only to the registry's own origin) and stream a 200's body
-    into `into` (created here; the caller names it when `kept`, and removes it in any case). The whole blob must
+    into `into` from offset `at` (created if absent; never more than `size` bytes written there: a longer body shows
+    without spilling past the blob's place; `kept` says the bytes there are the blob's). The whole blob must
     come `within_s` (a registry that trickles is cut, not waited on), and `stop` (set by a cancelled caller) ends
     the read at the next piece. Network failures raise OSError (an HTTP protocol error or a bad redirect as
     ConnectionError, a cut as TimeoutError), naming what failed."""
@@ -75,7 +77,8 @@ def fetch_blob(url: str, *, authorization: str, digest: str, size: int, into: Pa
                 continue
             if response.status != 200:
                 return Fetched(response.status, response.read(_ERROR_BODY), 0, False)
-            read, matches = _stream(response, into, digest, size, lambda: _cut(digest, within_s, deadline, stop))
+            read, matches = _stream(response, (into, at), digest, size,
+                                    lambda: _cut(digest, within_s, deadline, stop))
             return Fetched(200, b"", read, matches)
         except http.client.HTTPException as exc:
             raise ConnectionError(f"{type(exc).__name__}: {exc}") from exc
@@ -94,26 +97,36 @@ def _cut(digest: str, within_s: float, deadline: float, stop: threading.Event) -
         raise TimeoutError(f"blob {digest} did not arrive within {within_s:.0f} s")
 
 
-def _stream(response: http.client.HTTPResponse, into: Path, digest: str, size: int,
+def _stream(response: http.client.HTTPResponse, into: tuple[Path, int], digest: str, size: int,
             check: Callable[[], None]) -> tuple[int, bool]:
-    """The body into `into`, hashed on the way, at most `size` + 1 bytes; fsynced only when it is the blob.
-    `check` runs before each piece (it raises to cut the read)."""
+    """The body into its place (`into`: a file and an offset), hashed on the way, at most `size` + 1 bytes read and
+    `size` written. `check` runs before each piece (it raises to cut the read)."""
     hasher, read = hashlib.sha256(), 0
-    with open(into, "xb") as out:
-        try:
-            while read <= size:
-                check()
-                # read1: what one socket read gives (readinto would wait to fill the whole piece, and a registry
-                # that trickles would never reach the check)
-                if not (piece := response.read1(min(PIECE, size + 1 - read))):
-                    break
-                hasher.update(piece)
-                out.write(piece)
-                read += len(piece)
-        except http.client.IncompleteRead:  # the body ended before its Content-Length: a truncated blob
-            return read, False
-        matches = read == size and "sha256:" + hasher.hexdigest() == digest
-        if matches:
-            out.flush()
-            os.fsync(out.fileno())
-    return read, matches
+    fd = os.open(into[0], os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        while read <= size:
+            check()
+            # read1: what one socket read gives (readinto would wait to fill the whole piece, and a registry
+            # that trickles would never reach the check)
+            if not (piece := response.read1(min(PIECE, size + 1 - read))):
+                break
+            hasher.update(piece)
+            keep, written = memoryview(piece)[:max(0, size - read)], 0  # never past the blob's place
+            while written < len(keep):
+                written += os.pwrite(fd, keep[written:], into[1] + read + written)
+            _write_back(fd, into[1] + read, written)
+            read += len(piece)
+    except http.client.IncompleteRead:  # the body ended before its Content-Length: a truncated blob
+        return read, False
+    finally:
+        os.close(fd)
+    return read, read == size and "sha256:" + hasher.hexdigest() == digest
+
+
+def _write_back(fd: int, offset: int, length: int) -> None:
+    """Start writing the piece to the disk now (Linux: FADV_DONTNEED starts the range's writeback, then drops what is
+    clean): the files are fsynced once, when whole, and without this every byte of a 10 GB pull would wait in the
+    page cache (dirty_ratio of a large host's memory) until that fsync, the disk idle while the link runs."""
+    if length:
+        with contextlib.suppress(OSError):  # not a file (the null device a checked-only fetch writes to)
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)

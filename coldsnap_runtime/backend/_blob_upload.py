@@ -110,9 +110,9 @@ class _Registry:
 
 
 def upload_blob(base: str, *, authorization: str, digest: str, size: int, source: BinaryIO, within_s: float,
-                stop: threading.Event) -> Uploaded:
-    """HEAD `base`/blobs/`digest`; when absent, POST an upload and PUT `source`'s first `size` bytes (the caller
-    opened the blob and checked its size) to it as `digest`.
+                stop: threading.Event, offset: int = 0) -> Uploaded:
+    """HEAD `base`/blobs/`digest`; when absent, POST an upload and PUT `size` bytes of `source` from `offset` (the
+    caller opened the chunk's home: its blob, or a capture's file it is a part of) to it as `digest`.
     The whole blob must go `within_s` (a registry that reads slowly is cut, not waited on), and `stop` (set by a
     cancelled caller) ends the body at the next piece; an upload left unfinished is cancelled (DELETE, best
     effort). Network failures raise OSError (an HTTP protocol error or a bad location as ConnectionError, a cut as
@@ -132,7 +132,7 @@ def upload_blob(base: str, *, authorization: str, digest: str, size: int, source
         if status != 202 or not location:
             return Uploaded(status, body, False, location if status == 401 else "")
         location = urljoin(base, location)
-        status, body = _put(registry, location, digest, size, source, deadline, within_s, stop)
+        status, body = _put(registry, location, digest, (source, offset, size), deadline, within_s, stop)
         if status == 201:
             location = ""
         return Uploaded(status, body, False)
@@ -178,9 +178,10 @@ class _Watch:
         self._done.set()
 
 
-def _put(registry: _Registry, location: str, digest: str, size: int, source: BinaryIO, deadline: float,
+def _put(registry: _Registry, location: str, digest: str, part: tuple[BinaryIO, int, int], deadline: float,
          within_s: float, stop: threading.Event) -> tuple[int, bytes]:
-    """The PUT that completes the upload, its body `source`'s first `size` bytes."""
+    """The PUT that completes the upload, its body `part` of a file (the file, an offset, a size)."""
+    size = part[2]
     separator = "&" if "?" in location else "?"
     registry.send("PUT", f"{location}{separator}digest={digest}",
                   {"Content-Type": "application/octet-stream", "Content-Length": str(size)})
@@ -197,18 +198,18 @@ def _put(registry: _Registry, location: str, digest: str, size: int, source: Bin
         return deadline - now
 
     if isinstance(sock, ssl.SSLSocket):
-        _send_tls(sock, source, size, check)
+        _send_tls(sock, part, check)
     else:
-        _send_file(sock, source, size, check)
+        _send_file(sock, part, check)
     sock.settimeout(IDLE_S)
     status, body, _ = registry.answer()
     return status, body
 
 
-def _send_file(sock: socket.socket, source: BinaryIO, size: int, check: Callable[[int, float], float]) -> None:
+def _send_file(sock: socket.socket, part: tuple[BinaryIO, int, int], check: Callable[[int, float], float]) -> None:
     """The kernel sends the file (`os.sendfile`, the socket non-blocking: a registry that stops reading is noticed
     within POLL_S, not after a whole piece)."""
-    sent, progressed = 0, time.monotonic()
+    (source, offset, size), sent, progressed = part, 0, time.monotonic()
     sock.setblocking(False)
     with selectors.DefaultSelector() as selector:
         selector.register(sock, selectors.EVENT_WRITE)
@@ -216,7 +217,7 @@ def _send_file(sock: socket.socket, source: BinaryIO, size: int, check: Callable
             if not selector.select(min(POLL_S, check(sent, progressed))):
                 continue
             try:
-                piece = os.sendfile(sock.fileno(), source.fileno(), sent, min(PIECE, size - sent))
+                piece = os.sendfile(sock.fileno(), source.fileno(), offset + sent, min(PIECE, size - sent))
             except BlockingIOError:
                 continue
             if not piece:
@@ -224,13 +225,13 @@ def _send_file(sock: socket.socket, source: BinaryIO, size: int, check: Callable
             sent, progressed = sent + piece, time.monotonic()
 
 
-def _send_tls(sock: ssl.SSLSocket, source: BinaryIO, size: int, check: Callable[[int, float], float]) -> None:
+def _send_tls(sock: ssl.SSLSocket, part: tuple[BinaryIO, int, int], check: Callable[[int, float], float]) -> None:
     """Through TLS the bytes must pass the socket's encryption (sendfile would bypass it): read and sent TLS_PIECE
     at a time, each send waiting at most IDLE_S or what is left of the deadline."""
-    sent = 0
+    (source, offset, size), sent = part, 0
     while sent < size:
         sock.settimeout(max(0.1, min(IDLE_S, check(sent, time.monotonic()))))
-        if not (piece := os.pread(source.fileno(), min(TLS_PIECE, size - sent), sent)):
+        if not (piece := os.pread(source.fileno(), min(TLS_PIECE, size - sent), offset + sent)):
             raise ConnectionError(f"the blob's file in the node's store ended at {sent} of {size} bytes")
         sock.sendall(piece)
         sent += len(piece)

@@ -12,9 +12,10 @@ blobs the registry still lacks. A blob this node saw in the repository before (`
 for; a manifest the registry refuses for a blob it lost since is put again, every skipped blob asked for first.
 Pull reads the manifest by digest (checked), then fetches the chunks the node's store lacks (and those it holds
 that the pull may not use: :class:`Possession`), several at once, each in a worker thread (``_blob_fetch.py``:
-streamed to disk and hashed on the way, off the event loop); each is checked against its digest and
-size before it takes its name in the store, so an interrupted pull resumes from what is already there and
-a corrupt or truncated blob is refused, naming it. Credentials are the engine's (the same per-registry
+streamed straight into its place in the capture's partial files, ``store_pull.py``, and hashed on the way, off the
+event loop); each is checked against its digest and size before it counts, so an interrupted pull resumes from
+what its files already hold and a corrupt or truncated blob is refused, naming it. The files, once whole, are the
+capture's (each byte fetched is written once). Credentials are the engine's (the same per-registry
 rule as ``_images.py``); plain HTTP only where the engine itself uses it.
 """
 
@@ -28,6 +29,7 @@ import os
 import re
 import threading
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -36,7 +38,7 @@ import anyio.from_thread
 import anyio.lowlevel
 
 from ..errors import RuntimeFailed, StoreError
-from ..store import OCI_MANIFEST, CaptureStore, Hold
+from ..store import OCI_MANIFEST, CaptureStore, Hold, PullTree
 from ._blob_fetch import Fetched, fetch_blob
 from ._blob_memory import KnownBlobs
 from ._blob_upload import Uploaded, upload_blob
@@ -235,15 +237,10 @@ class CaptureRegistry:
 
     def _upload(self, digest: str, size: int, stop: threading.Event) -> Uploaded:
         """The blob from the node's store, sent as it is there (in a worker thread)."""
-        try:
-            source = open(self._store.blob_path(digest), "rb")  # noqa: SIM115 (closed below, after the checks)
-        except FileNotFoundError as exc:
-            raise StoreError(f"blob {digest} is missing from the node's store") from exc
+        source, offset = self._store.open_chunk(digest, size)  # its blob, or its place in a capture's files
         with source:
-            if (found := os.fstat(source.fileno()).st_size) != size:
-                raise StoreError(f"blob {digest} holds {found} bytes in the node's store, its capture says {size}")
             return upload_blob(self._base, authorization=self._authorization, digest=digest, size=size,
-                               source=source, within_s=_TIMEOUT.sock_read or 300.0, stop=stop)
+                               source=source, offset=offset, within_s=_TIMEOUT.sock_read or 300.0, stop=stop)
 
     # --- pull ------------------------------------------------------------------------
 
@@ -263,38 +260,58 @@ class CaptureRegistry:
                 # Its chunks held from before they are looked for until it is recorded (or fails): a collection
                 # meanwhile never deletes one this pull found present or fetched.
                 with self._store.holding() as hold:
-                    await self._pull_held(session, capture, data, hold, possession, done)
                     try:
-                        await anyio.to_thread.run_sync(self._store.record, manifest, data)
+                        await self._pull_held(session, capture, manifest, data, hold, possession, done)
                     except StoreError as exc:
                         raise RuntimeFailed(action=self._action, detail=f"capture {capture}: {exc}") from exc
         return done
 
-    async def _pull_held(self, session: aiohttp.ClientSession, capture: str, data: bytes, hold: Hold,
-                         possession: Possession, done: Transferred) -> None:
-        # The chunks the data document names (their sizes from its files), never the manifest's layers: those could
-        # name any blob, of any size, which nothing would ever collect.
-        try:  # in a thread: a registry's 4 MiB document of 600,000 chunks is 0.3 s of CPU, a stat each
-            layers = await anyio.to_thread.run_sync(self._layers, data, hold, possession)
-        except StoreError as exc:
-            raise RuntimeFailed(action=self._action, detail=f"capture {capture}: {exc}") from exc
-        await self._each(layers, lambda blob: self._pull_blob(session, blob, possession, done))
+    async def _pull_held(self, session: aiohttp.ClientSession, capture: str, manifest: bytes, data: bytes,
+                         hold: Hold, possession: Possession, done: Transferred) -> None:
+        """A capture the node lists already: the chunks the pull may not use fetched and checked (written nowhere:
+        the node holds them), the capture marked used. Else its files: each chunk fetched into its place, the rest
+        copied in from their homes, the files named the capture's and the capture listed (``store_pull.py``)."""
+        if await anyio.to_thread.run_sync(self._store.has, capture):
+            fetch = await anyio.to_thread.run_sync(self._layers, data, hold, possession, None, done)
+            await self._each(fetch, lambda blob: self._pull_blob(session, blob, possession, done, None))
+            await anyio.to_thread.run_sync(self._store.record, manifest, data)
+            return
+        pull = await anyio.to_thread.run_sync(self._store.begin_pull, capture, data)
+        try:
+            fetch = await anyio.to_thread.run_sync(self._layers, data, hold, possession, pull, done)
+            await self._each(fetch, lambda blob: self._pull_blob(session, blob, possession, done, pull))
+            await anyio.to_thread.run_sync(pull.finish, self._store.copy_chunks)
+            await anyio.to_thread.run_sync(self._store.settle, pull, manifest, data)
+        finally:
+            with anyio.CancelScope(shield=True):  # quick (a set; a private directory deleted), and never skipped
+                await anyio.to_thread.run_sync(pull.leave)
 
-    def _layers(self, data: bytes, hold: Hold, possession: Possession) -> list[tuple[str, int]]:
-        """The distinct chunks the data document names, with their lengths, held by `hold`; refused when those to
-        fetch would not fit the store's filesystem: a registry's document may name 3 TB of chunks, and a pull that
-        fills the disk leaves what it fetched for nothing to collect (review13). Those to fetch are the ones the
-        pull may not use as they are (`possession`): the figure in the refusal says nothing of other managers'."""
+    def _layers(self, data: bytes, hold: Hold, possession: Possession, pull: PullTree | None,
+                done: Transferred) -> list[tuple[str, int]]:
+        """The distinct chunks of the data document to fetch, with their lengths (those the pull may not use as the
+        node holds them, `possession`, and that its partial files do not hold checked), all of them held by `hold`
+        first; those not fetched are counted present in `done`. Refused when what the files still need would not fit
+        the store's filesystem: a registry's document may name 3 TB of chunks, and a pull that fills the disk
+        leaves what it fetched for nothing to collect (review13); the figure in the refusal is this capture's own,
+        nothing of other managers'."""
         files = self._store.decode_data(data).files
         layers = sorted({(chunk, length) for stored in files for chunk, _, length in stored.spans() if chunk})
         hold.add(chunk for chunk, _ in layers)
-        needed = sum(length for chunk, length in layers
-                     if not (possession.usable(chunk) and self._store.has_blob(chunk)))
-        room = os.statvfs(self._store.root)
-        if needed > room.f_bavail * room.f_frsize:
-            raise StoreError(f"its chunks the node's store lacks are {needed} bytes, the store's filesystem has "
-                             f"{room.f_bavail * room.f_frsize} free; nothing was fetched")
-        return layers
+        if pull is not None:
+            pull.resume(possession.usable)
+            needed = pull.needed()
+            room = os.statvfs(self._store.root)
+            if needed > room.f_bavail * room.f_frsize:
+                raise StoreError(f"its files need {needed} bytes more, the store's filesystem has "
+                                 f"{room.f_bavail * room.f_frsize} free; nothing was fetched")
+        fetch = []
+        for chunk, length in layers:
+            placed = pull is not None and chunk in pull.placed
+            if placed or (possession.usable(chunk) and self._store.has_blob(chunk)):
+                done.add(length, present=True)
+            else:
+                fetch.append((chunk, length))
+        return fetch
 
     async def _document(self, session: aiohttp.ClientSession, kind: str, digest: str,
                         headers: dict[str, str]) -> bytes:
@@ -307,29 +324,29 @@ class CaptureRegistry:
         return body
 
     async def _pull_blob(self, session: aiohttp.ClientSession, blob: tuple[str, int], possession: Possession,
-                         done: Transferred) -> None:
+                         done: Transferred, pull: PullTree | None) -> None:
+        """Fetch one chunk into its place in `pull`'s files (None: into nothing, only checked: the node holds it)."""
         digest, size = blob
-        if possession.usable(digest) and self._store.has_blob(digest):
-            done.add(size, present=True)
-            return
         url = f"{self._base}/blobs/{digest}"
-        fetched = await self._fetch_in_thread(url, digest, size)
+        fetched = await self._fetch_in_thread(url, digest, size, pull)
         if fetched.status == 401:  # no token yet, or it expired: the challenge answered on the loop, then again
             await self._send(session, "HEAD", url)
-            fetched = await self._fetch_in_thread(url, digest, size)
+            fetched = await self._fetch_in_thread(url, digest, size, pull)
         if fetched.status != 200:
             raise self._fail(f"blob {digest}", fetched.status, fetched.body)
         if not fetched.kept:
             raise RuntimeFailed(action=self._action, detail=(
                 f"registry {self._registry}: blob {digest} is corrupt or truncated "
                 f"({fetched.read if fetched.read <= size else 'more than ' + str(size)} bytes, {size} expected); "
-                "nothing of it was kept"))
+                "nothing of it counts"))
+        if pull is not None:
+            pull.placed.add(digest)
         possession.fetched(digest)
         if self._known is not None:  # served from this repository: this manager's next push there need not ask
             self._known.add(digest)
         done.add(size, present=False)
 
-    async def _fetch_in_thread(self, url: str, digest: str, size: int) -> Fetched:
+    async def _fetch_in_thread(self, url: str, digest: str, size: int, pull: PullTree | None = None) -> Fetched:
         """`_fetch` in a thread holding a slot of the node's own fetch limiter (never the daemon's shared pool, which
         every file operation needs) from its start to its end. A cancelled request does not wait for it: the thread
         ends at its next piece (or its socket's idle timeout), removing its file, and only then gives its slot back,
@@ -361,7 +378,7 @@ class CaptureRegistry:
                     raise RuntimeError("the request left before its fetch began")
                 state["started"] = True
             try:
-                return self._fetch(url, digest, size, stop)
+                return self._fetch(url, digest, size, stop, pull)
             finally:
                 give_back()
 
@@ -376,17 +393,21 @@ class CaptureRegistry:
         finally:
             stop.set()
 
-    def _fetch(self, url: str, digest: str, size: int, stop: threading.Event) -> Fetched:
-        """The blob streamed into a temporary of the store and named once checked (in a worker thread)."""
-        temporary = self._store.temporary(digest)
+    def _fetch(self, url: str, digest: str, size: int, stop: threading.Event, pull: PullTree | None) -> Fetched:
+        """The blob streamed into its place in `pull`'s files, held by this thread until it ends (a cancelled pull's
+        abandoned fetch still writes until its next piece: no other pull takes the files before), or into nothing
+        (in a worker thread)."""
+        if pull is None:
+            return fetch_blob(url, authorization=self._authorization, digest=digest, size=size, into=Path(os.devnull),
+                              within_s=_TIMEOUT.sock_read or 300.0, stop=stop)
+        if not pull.join():
+            raise ConnectionAbortedError(f"blob {digest}: its pull has ended")
         try:
-            fetched = fetch_blob(url, authorization=self._authorization, digest=digest, size=size, into=temporary,
-                                 within_s=_TIMEOUT.sock_read or 300.0, stop=stop)
-            if fetched.kept:
-                self._store.adopt_blob(temporary, digest)
-            return fetched
+            into, at = pull.place(digest)
+            return fetch_blob(url, authorization=self._authorization, digest=digest, size=size, into=into, at=at,
+                              within_s=_TIMEOUT.sock_read or 300.0, stop=stop)
         finally:
-            temporary.unlink(missing_ok=True)
+            pull.leave()
 
     async def _each(self, blobs: list[tuple[str, int]], run: Any) -> None:
         """`run` each blob, the large ones PARALLEL at a time and beside them those under SMALL_BYTES
