@@ -242,15 +242,25 @@ async def build_and_push(session: Session, context: Path, reference: str, base: 
     return phases
 
 
-async def pull_and_read(session: Session, reference: str) -> dict[str, float]:
+def disk_written(path: Path) -> int:
+    """The bytes the block device holding `path` has written so far (its stat's sectors written)."""
+    device = os.stat(path).st_dev
+    return int(Path(f"/sys/dev/block/{os.major(device)}:{os.minor(device)}/stat").read_text().split()[6]) * 512
+
+
+async def pull_and_read(session: Session, reference: str, disk: Path) -> tuple[dict[str, float], int]:
+    """The pull's and the read's seconds, and the bytes the pull wrote to `disk`'s device (the engine's too)."""
     drop_caches()
+    before = disk_written(disk)
     phases = {"image-pull": await timed(session, "image-pull", image=reference)}
+    os.sync()
+    written = disk_written(disk) - before
     drop_caches()
     phases["read the capture in the pulled capsule (cold cache)"] = await timed(
         session, "workload-run", workload={"image": reference, "name": "", "remove_after_exit": True,
                                            "command": ["sh", "-c", "cat /images/* > /dev/null"]})
     await timed(session, "image-remove", image=reference)
-    return phases
+    return phases, written
 
 
 def captures_in(store: Path) -> set[str]:
@@ -269,10 +279,12 @@ async def store_path(work: Path, address: str, base: str, second: Callable[[Path
         captures = sorted(captures_in(store_a))
         first = {"registry": directory_bytes(work / "registry") - registry_before,
                  "node store": directory_bytes(store_a)}
-        phases |= await pull_and_read(session_b, f"{address}/coldsnap/capsule-store:1")
+        pulled, written = await pull_and_read(session_b, f"{address}/coldsnap/capsule-store:1", store_b.parent)
+        phases |= pulled
+        first["written to the disk by the pull"] = written
         if second is None:  # --change-percent 0: no second capture (it copies the capture: disk space)
             return phases, {"registry, first capture": first["registry"], "node store, first capture":
-                            first["node store"]}
+                            first["node store"], "written to the disk by the pull": written}
         second(work / "context-2" / "images")
         phases |= {f"second capture: {k}": v for k, v in (await build_and_push(
             session_a, work / "context-2", f"{address}/coldsnap/capsule-store:2", base)).items()}
@@ -283,7 +295,8 @@ async def store_path(work: Path, address: str, base: str, second: Callable[[Path
              "registry, second capture (new bytes)": directory_bytes(work / "registry") - registry_before
              - first["registry"],
              "node store, first capture": first["node store"],
-             "node store, second capture (new bytes)": directory_bytes(store_a) - first["node store"]}
+             "node store, second capture (new bytes)": directory_bytes(store_a) - first["node store"],
+             "written to the disk by the pull": first["written to the disk by the pull"]}
     return phases, added
 
 
@@ -330,7 +343,7 @@ async def main() -> None:
                 session = await daemon.open_session()
                 reference = f"{address}/coldsnap/capsule-transfer:1"
                 phases["docker"] = await build_and_push(session, work / "context", reference, args.base)
-                phases["docker"] |= await pull_and_read(session, reference)
+                phases["docker"] |= (await pull_and_read(session, reference, work))[0]
         if "store" in args.paths.split(","):
             phases["store"], added = await store_path(work, address, args.base, second, docker, shares)
     finally:

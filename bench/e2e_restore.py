@@ -326,6 +326,8 @@ async def start_hydrator(d: Driver, image: str, layout: Layout, name: str) -> di
     spec = layout.unit(name, image, entrypoint=layout.python, command=[
         "-m", "coldsnap_probe.hydration", "serve", "--staging", "--ram-tier-bytes", "auto", "--socket",
         f"{RUN}/hydrator.sock",
+        # DEVICE_TIER=SIZE: each stage of the weights kept on the GPU (`serve --device-tier-bytes`)
+        *(["--device-tier-bytes", os.environ["DEVICE_TIER"]] if os.environ.get("DEVICE_TIER") else []),
         *(f"{WEIGHTS}/{s}" for s in shards)])
     created = time.time()
     await d.expect(f"starting the hydrator {name}", "workload-run", workload=spec)

@@ -12,6 +12,8 @@ unit of its own beside the engine's, with the same mounts, not itself under the 
 the same /run/coldsnap directory, so every restore unit of the path reaches it. It loads each capture's dump into
 its RAM tier as the capture offers it (`serve --warm-captures`, the default), so that the first restore after a
 capture stages from RAM (issue 35); `WARM_CAPTURES=0` in the bench's environment turns that off, for a side by side.
+`DEVICE_TIER=SIZE` gives it a device tier of that size (`serve --device-tier-bytes`): each dump it staged is kept on
+its GPU, so that the next restore's stage is a copy within the GPU and leaves the link to the CUDA restore.
 """
 
 from __future__ import annotations
@@ -80,7 +82,9 @@ def staging_unit(layout: Layout, image: str, name: str) -> dict[str, Any]:
     adopts)."""
     spec = layout.unit(name, image, entrypoint=layout.python, command=[
         "-m", "coldsnap_probe.hydration", "serve", "--staging", "--ram-tier-bytes", "auto", "--socket",
-        STAGING_SOCKET, *(["--no-warm-captures"] if os.environ.get("WARM_CAPTURES") == "0" else [])])
+        STAGING_SOCKET, *(["--no-warm-captures"] if os.environ.get("WARM_CAPTURES") == "0" else []),
+        # DEVICE_TIER=SIZE: the hydrator keeps each dump it staged in that much of its GPU (_device_tier.py)
+        *(["--device-tier-bytes", os.environ["DEVICE_TIER"]] if os.environ.get("DEVICE_TIER") else [])])
     spec["environment"] = {k: v for k, v in spec["environment"].items()
                            if k != "LD_PRELOAD" and not k.startswith("COLDSNAP_CUDA_INTERPOSER")}
     return spec

@@ -159,7 +159,10 @@ def start_hydrator(socket_path: Path, weights: Path | None,
     started = time.time()
     out = open(log, "wb")  # noqa: SIM115 - the hydrator writes here for its whole life
     proc = subprocess.Popen([sys.executable, "-m", "coldsnap_probe.hydration", "serve", "--socket", str(socket_path),
-                             "--staging", *([str(weights)] if weights else [])],
+                             "--staging", *([str(weights)] if weights else []),
+                             # DEVICE_TIER=SIZE: each dump staged is kept on the GPU (`serve --device-tier-bytes`)
+                             *(["--device-tier-bytes", os.environ["DEVICE_TIER"]] if os.environ.get("DEVICE_TIER")
+                               else [])],
                             stdout=out, stderr=out, stdin=subprocess.DEVNULL, cwd=ROOT,
                             start_new_session=True)
     while True:
@@ -361,7 +364,9 @@ def run_size(gib: float, root: Path, criu: str, max_tokens: int, hydrate: bool, 
                 restores[-1]["hydrator_status"] = hydration_request(strategy.split(":", 1)[1], {"op": "status"})
             except ProbeError as exc:
                 restores[-1]["hydrator_status"] = {"error": str(exc)}
-        restores[-1]["gpu_after_kill"] = settle_gpu(BASELINE_MIB + 2048)
+        # What the hydrator's device tier keeps (DEVICE_TIER) stays used between restores, as its context does.
+        kept = ((restores[-1].get("hydrator_status") or {}).get("device_tier") or {}).get("bytes", 0)
+        restores[-1]["gpu_after_kill"] = settle_gpu(BASELINE_MIB + kept // (1 << 20) + 2048)
         for device in report.get("device_memory") or []:  # a staged dump: where the hydrator's ring spent its time
             if (stage := (device.get("interposer") or {}).get("stage")) and stage.get("copy"):
                 progress(f"  staged {stage.get('bytes', 0) / 1e9:.1f} GB in {stage.get('copy_s', 0):.2f} s: "

@@ -33,7 +33,7 @@ log = structlog.get_logger(__name__)
 ASK_TIMEOUT_S = 5.0  # one hydrator's whole answer (its status is a few hundred bytes, answered on a thread of its own)
 _ERROR_CHARS = 500  # of a refusal's error, in the log: a hydrator gone wrong may say a lot
 # Where a node hydrator's stage read its bytes (coldsnap_probe/hydration/_ram_tier.py TIERS).
-STAGE_TIERS = ("ram", "disk")
+STAGE_TIERS = ("ram", "disk", "device")
 
 _Count = Annotated[int, Meta(ge=0, le=1 << 62)]
 _PerTier = Annotated[dict[Annotated[str, Meta(max_length=16)], _Count], Meta(max_length=8)]

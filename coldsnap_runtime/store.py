@@ -7,16 +7,20 @@
     <root>/captures/<hex>.json     a capture: the OCI manifest (artifact) whose digest is sha256:<hex>;
                                    written last, so a capture listed is one whose every blob is present
     <root>/trees/<hex>/<path>      the capture's files as plain (sparse) files, made at a pull or on first use
+    <root>/partial/<hex>/<path>    the files of a pull not finished yet (:mod:`.store_pull`): resumed by its next pull
     <root>/tmp/                    what is being written (a blob before its digest is checked, a tree)
 
 A file is a list of chunks, each a digest or ``None`` for a chunk of zeros: zeros are never stored, moved
 or read, and come back as holes. Chunks are 64 MiB from the file's start (a device dump's segment files: the
 same weights, the same chunks), or cut by content for files whose bytes shift between captures (CRIU's page
 images, :mod:`.chunking`); such a file lists each chunk's length (data document format 2). The same bytes
-are one blob, whichever captures hold them. Every name appears only after its bytes are fsynced under a
-temporary name (rename), so a disk that fills up, or a process that dies, leaves nothing half-listed; a blob
-is checked against its name before it takes it, so what is in ``blobs/`` is always verified, and an
-interrupted pull resumes from it.
+are one copy on the node, whichever captures hold them: a chunk's *home* is its blob, or the files made for a listed
+capture that holds it (a pull writes each fetched chunk once, straight into its place in the capture's files; a
+blob of it is written only when those files are dropped while another capture or a write in flight still needs it,
+:meth:`CaptureStore.drop_tree`). Every name appears only after its bytes are fsynced under a temporary name
+(rename), so a disk that fills up, or a process that dies, leaves nothing half-listed; a chunk is checked against
+its name before it counts, so every home holds verified bytes, and an interrupted pull resumes from its partial
+files (each chunk there checked again, never fetched again).
 
 The store does blocking I/O: the backend calls it from worker threads. Which captures are in use is the
 caller's knowledge (the engine's containers): :meth:`CaptureStore.collect` is given the set it must keep. What a
@@ -33,13 +37,10 @@ import json
 import os
 import secrets
 import shutil
-import stat
-import threading
 import time
-from collections import Counter, deque
-from collections.abc import Iterable, Iterator
+from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
@@ -54,11 +55,12 @@ from .capture_data import (
     CaptureData,
     StoredFile,
     artifact_manifest,
-    decode_data,
     digest_name,
 )
 from .chunking import CHUNK_BYTES, ZERO_RUN_BYTES, content_cuts
 from .errors import StoreError
+from .store_base import Hold, StoreBase, disk_bytes, fsync_directory
+from .store_pull import PullTree
 
 __all__ = (
     "CAPTURE_MEDIA_TYPE",
@@ -71,6 +73,7 @@ __all__ = (
     "CaptureStore",
     "Collected",
     "Hold",
+    "PullTree",
     "StoredFile",
     "artifact_manifest",
 )
@@ -89,10 +92,10 @@ class CaptureInfo(msgspec.Struct, frozen=True):
     capture: str
     files: int
     size: int  # the files' apparent size
-    stored: int  # bytes of its distinct non-zero chunks on disk
-    shared: int  # of those, bytes other captures also hold
+    stored: int  # bytes of its distinct non-zero chunks kept as blobs (a pulled capture's are in its files: `tree`)
+    shared: int  # of its distinct non-zero chunks, the bytes other captures also hold
     zero: int  # bytes of zero chunks (neither stored nor moved)
-    tree: int  # bytes of its materialised files (tier "tree": made on first use, reclaimable)
+    tree: int  # disk bytes of its files (tier "tree": made at a pull or on first use; `stored` + `tree` is its disk)
     created: float
     used: float
     tiers: list[str]
@@ -107,107 +110,8 @@ class Collected(msgspec.Struct, frozen=True):
     orphans: int
     bytes: int
 
-
-class Hold:
-    """The blobs one write in flight (a build's ingest, a pull) stores or counts on before its capture is recorded:
-    removal and collection keep them until the write ends (:meth:`CaptureStore.holding`)."""
-
-    def __init__(self, store: CaptureStore) -> None:
-        self._store = store
-        self._digests: set[str] = set()
-
-    def add(self, digests: Iterable[str]) -> None:
-        """Hold these blobs from now on: called before the write looks for them or writes them, so a collection
-        either ran before (the write finds them absent and writes them) or keeps them."""
-        with self._store._listing:
-            fresh = set(digests) - self._digests
-            self._digests |= fresh
-            self._store._held.update(fresh)
-
-    def release(self) -> None:
-        with self._store._listing:
-            self._store._held.subtract(self._digests)
-            self._store._held = +self._store._held  # drop the zero counts
-            self._digests = set()
-
-
-def _fsync_directory(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class CaptureStore:
+class CaptureStore(StoreBase):
     """One node's store under `root` (created 0700 on first use)."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self._blobs = root / "blobs" / "sha256"
-        self._captures = root / "captures"
-        self._trees = root / "trees"
-        self._tmp = root / "tmp"
-        # Held by record (its chunks checked, then its manifest named) and remove (what others keep, then deleted):
-        # a removal never deletes a chunk a capture being recorded has just found present.
-        self._listing = threading.Lock()
-        # Invariant (under _listing): each blob a write in flight holds, with how many writes hold it.
-        self._held: Counter[str] = Counter()
-
-    def open(self) -> None:
-        """Create the layout and drop what an earlier process left half-written (tmp/: a killed daemon's
-        temporaries; the blobs it stored for a capture it never recorded are collected by :meth:`collect`)."""
-        for directory in (self.root, self._blobs, self._captures, self._trees, self._tmp):
-            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        for leftover in self._tmp.iterdir():
-            if leftover.is_dir():
-                shutil.rmtree(leftover, ignore_errors=True)
-            else:
-                leftover.unlink(missing_ok=True)
-
-    # --- blobs -----------------------------------------------------------------------
-
-    def blob_path(self, digest: str) -> Path:
-        return self._blobs / digest_name(digest)
-
-    def has_blob(self, digest: str) -> bool:
-        return self.blob_path(digest).exists()
-
-    def temporary(self, digest: str) -> Path:
-        """A fresh temporary name for a blob being written (a pull streams into it)."""
-        return self._tmp / f"{digest_name(digest)}.{secrets.token_hex(4)}"
-
-    def adopt_blob(self, temporary: Path, digest: str) -> None:
-        """Give the fsynced, verified `temporary` the blob's name (a concurrent writer of the same bytes wins
-        equally: the name holds the same bytes either way)."""
-        os.replace(temporary, self.blob_path(digest))
-
-    @contextmanager
-    def holding(self) -> Iterator[Hold]:
-        """A write's hold on the blobs it stores or finds present, released when it ends (recorded or not)."""
-        hold = Hold(self)
-        try:
-            yield hold
-        finally:
-            hold.release()
-
-    def put_blob(self, data: bytes | bytearray | memoryview, hold: Hold | None = None) -> str:
-        """Store `data` as a blob (once: present bytes are not written again), held by `hold` first; its digest."""
-        digest = "sha256:" + hashlib.sha256(data).hexdigest()
-        if hold is not None:
-            hold.add((digest,))
-        if self.has_blob(digest):
-            return digest
-        temporary = self.temporary(digest)
-        try:
-            with open(temporary, "xb") as out:
-                out.write(data)
-                out.flush()
-                os.fsync(out.fileno())
-            self.adopt_blob(temporary, digest)
-        finally:
-            temporary.unlink(missing_ok=True)
-        return digest
 
     def ingest(self, path: str, size: int, mode: int, source: IO[bytes], *, by_content: bool = False,
                hold: Hold | None = None) -> StoredFile:
@@ -282,14 +186,18 @@ class CaptureStore:
 
     # --- captures --------------------------------------------------------------------
 
-    def record(self, manifest: bytes, data: bytes) -> str:
-        """List a capture whose every chunk is present: its data document stored, then its manifest named.
-        The capture's id (the manifest's digest)."""
+    def record(self, manifest: bytes, data: bytes, *, in_files: bool = False) -> str:
+        """List a capture whose every chunk is present (`in_files`: in its own files, which :meth:`settle` just
+        named, every chunk checked there): its data document stored, then its manifest named. The capture's id (the
+        manifest's digest)."""
         files = self.decode_data(data).files
         with self._listing:
-            if missing := [c for f in files for c in f.chunks if c is not None and not self.has_blob(c)]:
+            if not in_files and (missing := [c for f in files for c in f.chunks if c is not None
+                                             and not self.has_blob(c)]):
                 raise StoreError(f"capture data names {len(missing)} chunks the store lacks, e.g. {missing[0]}")
-            self.put_blob(data)
+            config = "sha256:" + hashlib.sha256(data).hexdigest()
+            if not self.blob_path(config).exists():  # always a blob (`data` reads it there), never only a file's
+                self._write_blob(data, config)
             capture = "sha256:" + hashlib.sha256(manifest).hexdigest()
             target = self._captures / f"{digest_name(capture)}.json"
             if not target.exists():
@@ -299,34 +207,62 @@ class CaptureStore:
                     out.flush()
                     os.fsync(out.fileno())
                 os.replace(temporary, target)
-                _fsync_directory(self._captures)
+                fsync_directory(self._captures)
+                self._homes = None  # its files (if any) are homes from now on
             self.touch(capture)
         return capture
 
-    decode_data = staticmethod(decode_data)
+    # --- a pull's files ----------------------------------------------------------------
 
-    def manifest(self, capture: str) -> bytes:
+    def begin_pull(self, capture: str, data: bytes) -> PullTree:
+        """The partial files of a pull of `capture` (data document `data`, checked): partial/<hex>, as an interrupted
+        pull left them, or fresh; a private directory under tmp/ while another pull writes that one (two pulls never
+        write the same files). Kept by collection until the pull and its fetch threads have left them
+        (`PullTree.leave`); a full disk fails here, naming the store, and leaves nothing new."""
+        files = self.decode_data(data).files
+        with self._listing:
+            shared = capture not in self._pulling
+            if shared:
+                self._pulling.add(capture)
+                root = self._partial / digest_name(capture)
+            else:
+                root = self._tmp / f"pull-{digest_name(capture)}.{secrets.token_hex(4)}"
+
+        def end() -> None:  # the files named (settle), or left for the next pull to resume (shared) or deleted
+            with self._listing:
+                if shared:
+                    self._pulling.discard(capture)
+            if not shared:
+                shutil.rmtree(root, ignore_errors=True)
+
         try:
-            return (self._captures / f"{digest_name(capture)}.json").read_bytes()
-        except FileNotFoundError as exc:
-            raise StoreError(f"capture {capture} is not in the node's store") from exc
+            return PullTree(capture, root, files, end)
+        except StoreError:
+            end()
+            raise
+        except OSError as exc:
+            end()
+            raise StoreError(f"capture {capture}: cannot make its files: {exc.strerror or exc}") from exc
 
-    def data(self, capture: str) -> CaptureData:
-        config = json.loads(self.manifest(capture))["config"]["digest"]
-        try:
-            return self.decode_data(self.blob_path(config).read_bytes())
-        except FileNotFoundError as exc:
-            raise StoreError(f"capture {capture}: its data document {config} is missing") from exc
-
-    def captures(self) -> list[str]:
-        return sorted("sha256:" + p.name.removesuffix(".json") for p in self._captures.glob("*.json"))
-
-    def has(self, capture: str) -> bool:
-        return (self._captures / f"{digest_name(capture)}.json").exists()
-
-    def touch(self, capture: str) -> None:
-        """Mark the capture used now (gc by age counts from its last use)."""
-        os.utime(self._captures / f"{digest_name(capture)}.json")
+    def settle(self, pull: PullTree, manifest: bytes, data: bytes) -> str:
+        """Name the pull's files (every chunk checked in place, every file fsynced: `PullTree.finish`) the capture's,
+        then list the capture (its chunks' home is these files now) and vouch for them; the capture's id."""
+        target = self._trees / digest_name(pull.capture)
+        with self._listing:
+            try:
+                os.rename(pull.root, target)
+                made = True
+            except OSError as exc:
+                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not target.is_dir():
+                    raise StoreError(f"capture {pull.capture}: cannot name its files: {exc}") from exc
+                made = False  # files made meanwhile (a run after another pull): the same bytes, checked
+                shutil.rmtree(pull.root, ignore_errors=True)
+            fsync_directory(self._trees)
+            self._homes = None
+            capture = self.record(manifest, data, in_files=True)
+        if made:
+            self._vouch(capture, target, self.decode_data(data))
+        return capture
 
     # --- trees (the files a workload sees) --------------------------------------------
 
@@ -351,8 +287,10 @@ class CaptureStore:
         try:
             for stored in data.files:
                 self._assemble(temporary / stored.path, stored)
-            _fsync_directory(temporary)
-            os.rename(temporary, target)
+            fsync_directory(temporary)
+            with self._listing:
+                os.rename(temporary, target)
+                self._homes = None
             self._vouch(capture, target, data)
         except OSError as exc:
             if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not target.is_dir():
@@ -363,10 +301,6 @@ class CaptureStore:
                 shutil.rmtree(temporary, ignore_errors=True)
         self.touch(capture)
         return target, written
-
-    def _made_path(self, capture: str) -> Path:
-        """Where the identities of the capture's files are listed once the store has made them (`_vouch`)."""
-        return self._trees / f"{digest_name(capture)}.made.json"
 
     def made_files(self, capture: str) -> Path | None:
         """The listing of the capture's files as the store made them (None: made before listings existed, or the
@@ -393,7 +327,7 @@ class CaptureStore:
                 os.fsync(out.fileno())
             os.chmod(temporary, 0o644)  # read by the workload's worker through a read-only bind
             os.rename(temporary, made)
-            _fsync_directory(self._trees)
+            fsync_directory(self._trees)
         except OSError:
             temporary.unlink(missing_ok=True)
 
@@ -401,15 +335,20 @@ class CaptureStore:
         path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, (stored.mode & 0o777) or 0o600)
         try:
-            with ThreadPoolExecutor(INGEST_THREADS, thread_name_prefix="store-tree") as pool:
-                jobs = [pool.submit(self._copy_chunk, chunk, fd, offset, length, stored.path)
-                        for chunk, offset, length in stored.spans() if chunk is not None]
-                for job in jobs:
-                    job.result()
+            self.copy_chunks([(chunk, fd, offset, length, stored.path)
+                              for chunk, offset, length in stored.spans() if chunk is not None])
             os.ftruncate(fd, stored.size)
             os.fsync(fd)
         finally:
             os.close(fd)
+
+    def copy_chunks(self, places: list[tuple[str, int, int, int, str]]) -> int:
+        """Copy each (chunk, fd, offset, length, file's name) from its home into its place, checked on the way,
+        :data:`INGEST_THREADS` at a time; the bytes copied."""
+        with ThreadPoolExecutor(INGEST_THREADS, thread_name_prefix="store-tree") as pool:
+            for job in [pool.submit(self._copy_chunk, *place) for place in places]:
+                job.result()
+        return sum(place[3] for place in places)
 
     def _copy_chunk(self, chunk: str, fd: int, offset: int, length: int, name: str) -> None:
         data = self._read_chunk(chunk, length, name)
@@ -419,22 +358,11 @@ class CaptureStore:
         while view:
             view = view[os.pwrite(fd, view, offset + (len(data) - len(view))):]
 
-    def _read_chunk(self, chunk: str, length: int, name: str) -> bytes:
-        """The chunk's bytes (up to `length` + 1: a longer blob shows), then the chunk dropped from the page cache:
-        the tree's copy is the one a restore reads, so the same bytes are never cached twice. Read through the
-        cache, not with O_DIRECT: on the H200 machine's disk that read 1.45 GB/s against O_DIRECT's 1.02."""
-        try:
-            with open(self.blob_path(chunk), "rb") as source:
-                data = source.read(length + 1)
-                os.posix_fadvise(source.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        except FileNotFoundError as exc:
-            raise StoreError(f"{name}: chunk {chunk} is missing from the node's store") from exc
-        return data
-
     # --- admin -----------------------------------------------------------------------
 
     def describe(self, capture: str, *, holders: dict[str, int] | None = None) -> CaptureInfo:
-        """Its bytes: apparent, stored, shared with other captures (`holders`: chunk -> captures holding it)."""
+        """Its bytes: apparent, kept as blobs, shared with other captures (`holders`: chunk -> captures holding it),
+        zeros, and its files'."""
         data = self.data(capture)
         holders = holders if holders is not None else self._holders()
         distinct: dict[str, int] = {}
@@ -449,7 +377,8 @@ class CaptureStore:
         record = (self._captures / f"{digest_name(capture)}.json").stat()
         tree_dir = self._trees / digest_name(capture)
         tree = sum(p.stat().st_blocks * 512 for p in tree_dir.rglob("*") if p.is_file()) if tree_dir.is_dir() else 0
-        return CaptureInfo(capture=capture, files=len(data.files), size=size, stored=sum(distinct.values()),
+        blobs = sum(n for c, n in distinct.items() if self.blob_path(c).exists())
+        return CaptureInfo(capture=capture, files=len(data.files), size=size, stored=blobs,
                            shared=sum(n for c, n in distinct.items() if holders.get(c, 0) > 1), zero=zero,
                            tree=tree, created=record.st_ctime, used=record.st_mtime,
                            tiers=["disk", "tree"] if tree_dir.is_dir() else ["disk"])
@@ -460,20 +389,6 @@ class CaptureStore:
             for chunk in self.chunks(capture):
                 counts[chunk] = counts.get(chunk, 0) + 1
         return counts
-
-    def _config(self, capture: str) -> str | None:
-        """The digest of the capture's data document (another capture's manifest may name the same one)."""
-        try:
-            return str(json.loads(self.manifest(capture))["config"]["digest"])
-        except (StoreError, ValueError, KeyError, TypeError):
-            return None
-
-    def chunks(self, capture: str) -> set[str]:
-        """The chunks the capture names (none when it cannot be read)."""
-        try:
-            return {c for f in self.data(capture).files for c in f.chunks if c is not None}
-        except StoreError:
-            return set()
 
     def describe_all(self) -> list[CaptureInfo]:
         holders = self._holders()
@@ -492,34 +407,19 @@ class CaptureStore:
             except FileNotFoundError as exc:
                 raise StoreError(f"capture {capture} is not in the node's store") from exc
             mine = self.chunks(capture) | {manifest["config"]["digest"]}
-            record.unlink()
-            _fsync_directory(self._captures)
-            freed = self.drop_tree(capture)
             # A capture this daemon cannot read (a newer format, recorded before a rollback) may hold any of them:
             # its chunks are kept, never deleted from under it (review13).
-            if not all(self._readable(c) for c in others):
+            readable = all(self._readable(c) for c in others)
+            # Before it is unlisted: what others need of its files is a blob first (a failure here removes nothing).
+            self._move_out(capture, keep if readable else mine)
+            record.unlink()
+            fsync_directory(self._captures)
+            self._homes = None
+            freed = self.drop_tree(capture)
+            if not readable:
                 return 0, freed
             blobs, freed_blobs = self._delete_blobs(mine - keep)
             return blobs, freed + freed_blobs
-
-    def _named(self, captures: Iterable[str]) -> set[str]:
-        """The blobs these captures name: their chunks and data documents."""
-        captures = list(captures)
-        return set().union(*(self.chunks(c) for c in captures)) | {config for c in captures
-                                                                     if (config := self._config(c))}
-
-    def _delete_blobs(self, digests: Iterable[str]) -> tuple[int, int]:
-        """Delete these blobs (caller holds _listing); how many there were and their disk bytes."""
-        count = freed = 0
-        for blob in digests:
-            path = self.blob_path(blob)
-            try:
-                blocks = path.stat().st_blocks
-                path.unlink()
-            except FileNotFoundError:
-                continue
-            count, freed = count + 1, freed + blocks * 512
-        return count, freed
 
     def _collect_orphans(self) -> tuple[int, int]:
         """Delete the blobs no capture names and no write in flight holds (an interrupted pull's chunks, a build
@@ -537,26 +437,53 @@ class CaptureStore:
             for tree in self._trees.iterdir():
                 name = tree.name.removesuffix(".made.json")
                 if len(name) == 64 and set(name) <= HEX and name not in listed:
-                    freed += self.drop_tree("sha256:" + name)
+                    freed += self._drop_files("sha256:" + name)  # unlisted: no chunk's home
+            pulling = {c.removeprefix("sha256:") for c in self._pulling}
+            for partial in self._partial.iterdir():
+                if partial.name not in pulling:  # a pull interrupted and not resumed
+                    freed += sum(disk_bytes(p) for p in partial.rglob("*"))
+                    shutil.rmtree(partial, ignore_errors=True)
             return blobs, freed
 
-    def _readable(self, capture: str) -> bool:
-        try:
-            self.data(capture)
-        except (StoreError, ValueError, KeyError, TypeError):
-            return False
-        return True
+    def _move_out(self, capture: str, needed: set[str]) -> None:
+        """Write as a blob each chunk of `needed` whose only home is the capture's files, read from there and checked
+        (caller holds _listing): the files can then go. A copy that does not check fails, naming it."""
+        homes, tree = self._tree_homes(), self._trees / digest_name(capture)
+        if not self._readable(capture) or not tree.is_dir():
+            return  # unlisted or unreadable: its files are no chunk's home
+        for stored in self.data(capture).files:
+            for chunk, offset, length in stored.spans():
+                if chunk is None or chunk not in needed or self.blob_path(chunk).exists() or \
+                        any(c != capture for c, _, _ in homes.get(chunk, ())):
+                    continue
+                with open(tree / stored.path, "rb") as source:
+                    data = os.pread(source.fileno(), length, offset)
+                if len(data) != length or "sha256:" + hashlib.sha256(data).hexdigest() != chunk:
+                    raise StoreError(f"capture {capture}: {stored.path}: its copy of chunk {chunk}, which another "
+                                     "capture or a write in flight needs, is corrupt or truncated; nothing was removed")
+                try:
+                    self._write_blob(data, chunk)
+                except OSError as exc:
+                    raise StoreError(f"capture {capture}: chunk {chunk}, which another capture or a write in flight "
+                                     f"needs, cannot be kept: {exc.strerror or exc}; nothing was removed") from exc
 
     def drop_tree(self, capture: str) -> int:
-        """Drop the files made for the capture; the disk bytes freed."""
+        """Drop the files made for the capture, once what a listed capture (itself included) or a write in flight
+        needs of them is a blob (`_move_out`); the disk bytes freed."""
+        with self._listing:
+            self._move_out(capture, self._named(self.captures()) | set(self._held))
+            self._homes = None
+            return self._drop_files(capture)
+
+    def _drop_files(self, capture: str) -> int:
         made = self._made_path(capture)
-        freed = _disk_bytes(made)
+        freed = disk_bytes(made)
         made.unlink(missing_ok=True)  # first: it never outlives the files it lists
         tree = self._trees / digest_name(capture)
         if tree.is_dir():
             doomed = self._tmp / f"drop-{tree.name}.{secrets.token_hex(4)}"
             os.rename(tree, doomed)  # gone from trees/ at once, deleted after
-            freed += sum(_disk_bytes(p) for p in doomed.rglob("*"))
+            freed += sum(disk_bytes(p) for p in doomed.rglob("*"))
             shutil.rmtree(doomed, ignore_errors=True)
         return freed
 
@@ -584,14 +511,7 @@ class CaptureStore:
         return sum(p.stat().st_blocks * 512 for p in self._walk())
 
     def _walk(self) -> Iterator[Path]:
-        for top in (self._blobs, self._captures, self._trees):
+        for top in (self._blobs, self._captures, self._trees, self._partial):
             yield from (p for p in top.rglob("*") if p.is_file())
 
 
-def _disk_bytes(path: Path) -> int:
-    """The disk bytes of one file (0: gone, or not a file)."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return 0
-    return st.st_blocks * 512 if stat.S_ISREG(st.st_mode) else 0

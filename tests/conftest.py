@@ -20,7 +20,8 @@ import anyio
 import pytest
 from hypothesis import HealthCheck, settings
 
-from tests.helpers import MADE, ROOT, refuse_engine
+from tests.builds import Builds, wanted
+from tests.helpers import MADE, ROOT, refuse_engine, remove_short_dirs
 from tests.kubernetes import Cluster, bring_up
 
 if TYPE_CHECKING:
@@ -93,12 +94,24 @@ def top() -> Iterator[Path]:
 def scratch_in_pytest_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Scratch files made with `tempfile` land in pytest's temp tree, not loose in /tmp.
 
-    (State directories keep an explicit dir="/tmp": socket paths must stay short.)
+    (State directories keep an explicit dir="/tmp": socket paths must stay short; those made with
+    tests.helpers.short_dir are removed here, when the session ends.)
     """
     previous = tempfile.tempdir
     tempfile.tempdir = str(tmp_path_factory.mktemp("scratch"))
     yield
     tempfile.tempdir = previous
+    remove_short_dirs()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def background_builds(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Builds]:
+    """The slow builds that the collected modules name in BACKGROUND_BUILDS (tests/builds.py), started as the
+    session begins; a test takes its build's outcome with `background_builds.result(name)`."""
+    builds = Builds(tmp_path_factory.mktemp("builds"))
+    builds.start(wanted(request.session.items))
+    yield builds
+    builds.close()
 
 
 @pytest.fixture(scope="session")

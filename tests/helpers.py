@@ -36,6 +36,23 @@ def _fresh_file(prefix: str) -> Path:
     return Path(name)
 
 
+_SHORT_DIRS: list[Path] = []
+
+
+def short_dir(prefix: str = "cs-") -> Path:
+    """A new directory in /tmp, for what holds a socket (a socket's path has at most 107 bytes, and pytest's own
+    tree is deeper than that allows); it is removed with all it holds when the session ends (`remove_short_dirs`)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    _SHORT_DIRS.append(path)
+    return path
+
+
+def remove_short_dirs() -> None:
+    """Remove every `short_dir` this process made (tests/conftest.py, when the session ends)."""
+    while _SHORT_DIRS:
+        shutil.rmtree(_SHORT_DIRS.pop(), ignore_errors=True)
+
+
 def next_id() -> str:
     return str(next(_ids))
 

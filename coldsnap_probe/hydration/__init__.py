@@ -47,7 +47,7 @@ manifest and `check_dump` its checks.
 Where each part lives (this subpackage): `_weights.py` (regions, digests, sources, the manifest; no
 CUDA), `_vmm.py` (CUDA virtual memory), `_copy.py` (the copy engine: files or page-locked memory to
 the device, the way they are read a strategy), `_arena.py` (the engine's `WeightArena` and
-its control socket), `_hydrator.py` (the node's `HydratorServer` and the worker's `Stager`),
+its control socket), `_hydrator.py` (the node's `HydratorServer`), `_staging.py` (the worker's `Stager`),
 `_peer_files.py` (what a hydrator's peer may have read: its sources, a stage-dump's parts), `_peer_view.py`
 (a peer's files opened in its own view: its root and credentials, never "uid 0 reads everything") and
 `__main__.py` (the hydrator's command line); the socket protocol and peer checks are
@@ -71,7 +71,6 @@ if TYPE_CHECKING:  # what each name is, for mypy and readers; at run time `__get
     from ._hydrator import DUMP_CHUNK as DUMP_CHUNK
     from ._hydrator import DUMP_THREADS as DUMP_THREADS
     from ._hydrator import HydratorServer as HydratorServer
-    from ._hydrator import Stager as Stager
     from ._interposer import ENGINE_DEFAULTS as ENGINE_DEFAULTS
     from ._interposer import ENV_HYDRATOR as ENV_HYDRATOR
     from ._interposer import DeviceDump as DeviceDump
@@ -85,6 +84,7 @@ if TYPE_CHECKING:  # what each name is, for mypy and readers; at run time `__get
     from ._interposer import store_made as store_made
     from ._interposer import verification as verification
     from ._staging import ADOPT_PAGE as ADOPT_PAGE
+    from ._staging import Stager as Stager
     from ._staging import StageRequest as StageRequest
     from ._weights import HydrationManifest as HydrationManifest
     from ._weights import WeightRegion as WeightRegion
@@ -95,7 +95,7 @@ _EXPORTS = MappingProxyType({  # public name -> its module
     "DUMP_CHUNK": "._hydrator",
     "DUMP_THREADS": "._hydrator",
     "HydratorServer": "._hydrator",
-    "Stager": "._hydrator",
+    "Stager": "._staging",
     "ENGINE_DEFAULTS": "._interposer",
     "ENV_HYDRATOR": "._interposer",
     "DeviceDump": "._interposer",

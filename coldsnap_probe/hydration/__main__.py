@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from .. import jsonline
+from ._device_tier import DEVICE_TIER_TTL
 from ._digests import region_digest
 from ._hydrator import DUMP_CHUNK, DUMP_CHUNKS, DUMP_THREADS, MAX_DUMP_THREADS, STAGE_TTL, HydratorServer
 from ._ram_tier import default_budget, node_memory
@@ -56,6 +57,11 @@ def _bytes(text: str) -> int:
     return int(match.group(1)) * _UNITS[match.group(2).lower()]
 
 
+def _bytes_or_off(text: str) -> int:
+    """0 (off) or a size (as `_bytes`)."""
+    return 0 if text.strip() == "0" else _bytes(text)
+
+
 def _budget(text: str) -> int:
     """The RAM tier's budget: 0 (off), `auto` (`default_budget`) or a size (as `_bytes`), at most the node's
     memory."""
@@ -92,6 +98,11 @@ def _serve_parser(serve: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="host memory that keeps staged device dumps page-locked across restores, so the next "
                             "stage of one is a DMA at the link's rate, e.g. 32G; auto: a quarter of the node's "
                             "memory; 0: off (the default; only with --staging)")
+    serve.add_argument("--device-tier-bytes", type=_bytes_or_off, default=0, metavar="SIZE",
+                       help="keep each dump staged in this much of the GPU's memory, so that the next stage of it is "
+                       "a copy within the GPU (0: off, the default; only with --staging; memory engines cannot use)")
+    serve.add_argument("--device-tier-ttl", type=_positive, default=DEVICE_TIER_TTL, metavar="SECONDS",
+                       help="seconds a dump kept on the GPU stays unused before it is freed")
     serve.add_argument("--dump-threads", type=_dump_threads, default=DUMP_THREADS, metavar="N",
                        help=f"reader threads of a device dump's stage from the files (the disk tier; 1 to "
                             f"{MAX_DUMP_THREADS}, default {DUMP_THREADS}): fewer leave more CPU and memory bandwidth "
@@ -130,6 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve" and args.ram_tier_bytes and not args.staging:
         serve.error("argument --ram-tier-bytes: only with --staging (the tier holds the dumps this hydrator stages)")
+    if args.command == "serve" and args.device_tier_bytes and not args.staging:
+        serve.error("argument --device-tier-bytes: only with --staging (the tier holds the dumps this hydrator stages)")
     try:
         if args.command == "digest":
             sys.stdout.write(region_digest(args.path, args.offset, args.size) + "\n")
@@ -139,7 +152,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                        group=args.socket_group, stage_uid_count=args.stage_uid_count,
                        stage_uid_bytes=args.stage_uid_bytes, ram_tier_bytes=args.ram_tier_bytes,
                        status_uids=frozenset(args.status_uid), dump_threads=args.dump_threads,
-                       warm_captures=args.warm_captures, dump_chunk=args.dump_chunk).serve(args.socket)
+                       warm_captures=args.warm_captures, dump_chunk=args.dump_chunk,
+                       device_tier_bytes=args.device_tier_bytes,
+                       device_tier_ttl=args.device_tier_ttl).serve(args.socket)
     except Exception as exc:
         sys.stderr.write(f"error: {type(exc).__name__}: {exc}\n")
         return 1

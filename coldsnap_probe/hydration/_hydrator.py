@@ -1,4 +1,4 @@
-"""The node's long-lived hydrator (`HydratorServer`) and the restore worker's side of staging (`Stager`)."""
+"""The node's long-lived hydrator (`HydratorServer`); the restore worker's side of staging is `_staging.py`."""
 
 from __future__ import annotations
 
@@ -19,13 +19,14 @@ from typing import Any
 from .. import jsonline
 from ..errors import HydrationError
 from ._copy import ZEROS, HostBuffers, Piece, Pinned, Pread, copy_to_device
+from ._device_tier import DEVICE_TIER_TTL, DeviceTier, dump_name, weights_name
 from ._peer_files import DumpLayout, dump_layout, dump_reads, held_sources, open_dump_parts
 from ._peer_view import OPENERS, PeerView
 from ._ram_tier import RamTier
 from ._request_fields import first_page, request_regions, stage_key
-from ._stage_copy import at_once, dump_pieces
+from ._stage_copy import at_once, dump_pieces, weights_pieces
 from ._stage_quota import StageQuota, check_stage_quota
-from ._staging import ADOPT_PAGE, StageRequest
+from ._staging import ADOPT_PAGE
 from ._vmm import (
     HostPins,
     Mapped,
@@ -36,10 +37,10 @@ from ._vmm import (
     map_read_write,
 )
 from ._warm import Warms
-from ._weights import HydrationManifest, WeightRegion
+from ._weights import WeightRegion
 
 __all__ = ("CONNECTIONS", "DUMP_CHUNK", "DUMP_CHUNKS", "DUMP_THREADS", "MAX_DUMP_THREADS", "STAGE_MAX",
-           "STAGE_PAUSE_S", "STAGE_RESERVE", "STAGE_TTL", "UID_CONNECTIONS", "HydratorServer", "Stager")
+           "STAGE_PAUSE_S", "STAGE_RESERVE", "STAGE_TTL", "UID_CONNECTIONS", "HydratorServer")
 
 STAGE_TTL = 120.0  # seconds a staged allocation waits for its engine before the hydrator frees it
 STAGE_MAX = 4  # staged allocations a hydrator holds at once
@@ -127,7 +128,8 @@ class HydratorServer:
                  group: int | None = None, stage_uid_count: int | None = None,
                  stage_uid_bytes: int | None = None, ram_tier_bytes: int = 0,
                  status_uids: frozenset[int] = frozenset(), dump_threads: int = DUMP_THREADS,
-                 warm_captures: bool = True, dump_chunk: int = DUMP_CHUNK) -> None:
+                 warm_captures: bool = True, dump_chunk: int = DUMP_CHUNK, device_tier_bytes: int = 0,
+                 device_tier_ttl: float = DEVICE_TIER_TTL) -> None:
         from .._cuda import Driver
 
         self.driver: Any = driver or Driver()
@@ -165,6 +167,10 @@ class HydratorServer:
         # Captures' dumps offered to the tier (_warm.py), whenever there is one: a restore's stage joins a load
         # that is still pinning and pauses it, never waits for it (_ram_tier.py; issue 35).
         self.warms = Warms(self.ram_tier, self._openers) if warm_captures and budget else None
+        # Device dumps kept on this GPU across restores (_device_tier.py): a stage of one is a copy within the GPU.
+        self.device_tier = DeviceTier(device_tier_bytes if staging else 0, driver=self.driver, context=self.context,
+                                      total=int(total), reserve=STAGE_RESERVE, streams=streams, ttl=device_tier_ttl,
+                                      pending=self._pending)
         self.quota = StageQuota.default(int(total), shared=bool(self.peers.uids or self.peers.gids), stages=STAGE_MAX,
                                         count=stage_uid_count, size=stage_uid_bytes)
         # One stage's ring of page-locked buffers, allocated now rather than on every restore's path (256 MiB).
@@ -183,7 +189,8 @@ class HydratorServer:
             sys.stdout.write(json.dumps({"ready": True, "map_s": self.map_seconds, "pin_s": self.pin_seconds,
                                          "ring_pin_s": self.ring_pin_seconds,
                                          "bytes": sum(m.size for m in self.sources.values()),
-                                         "device_uuid": self.device_uuid, "ram_tier_bytes": self.ram_tier.budget})
+                                         "device_uuid": self.device_uuid, "ram_tier_bytes": self.ram_tier.budget,
+                                         "device_tier_bytes": self.device_tier.budget})
                              + "\n")
             sys.stdout.flush()
             try:
@@ -191,6 +198,7 @@ class HydratorServer:
                 jsonline.LineServer(listener, self._one, peers=askers, idle=self._expire,
                                     threads=CONNECTIONS, per_uid=UID_CONNECTIONS).run()
             finally:
+                self.device_tier.close()
                 self.ram_tier.close()
 
     def _one(self, conn: socket.socket, peer: jsonline.Peer) -> jsonline.Answer:
@@ -378,13 +386,27 @@ class HydratorServer:
         `ticket` is what the engine presents to adopt it."""
         key = self._stage_slot(message)
         base, size, regions, jobs = self._jobs(message, peer, conn)
-        return self._stage_into(key, peer, conn, _Staged((), base, size, regions, 0.0, 0.0, 0.0, 0, "",
-                                                         sizes=(size,)),
-                                self._pinned(jobs), sum(p.size for p in jobs), stager)
+        name = weights_name(size, jobs)
+        kept = self.device_tier.take(name)  # a copy within the GPU: the link is the CUDA restore's alone
+        copy = self.device_tier.copy_from(kept[1]) if kept is not None else \
+            self.device_tier.keeping(name, {}, (size,), peer.uid, self._pinned(weights_pieces(size, jobs)))
+        answer: dict[str, Any] = {}
+        try:
+            answer = self._stage_into(key, peer, conn, _Staged((), base, size, regions, 0.0, 0.0, 0.0, 0, "",
+                                                               sizes=(size,)), copy, sum(p.size for p in jobs), stager)
+        finally:
+            if kept is not None:
+                self.device_tier.give_back(kept, size if answer else 0)
+        return {**answer, "tier": "device" if kept is not None else "ram"}
+
+    def _pending(self) -> int:
+        """Device bytes the stages being filled reserved and have not allocated yet: a keep leaves them free."""
+        with self._lock:
+            return sum(v.unallocated for v in self.staged.values())
 
     def _room_for(self, size: int, replacing: _Staged | None) -> None:
-        """Under the lock: refuse a stage of `size` bytes (replacing `replacing`) beyond STAGE_MAX, or one that
-        would leave less than STAGE_RESERVE free once the stages being filled have their bytes."""
+        """Under the lock: refuse a stage of `size` bytes (replacing `replacing`) beyond STAGE_MAX, or leaving less
+        than STAGE_RESERVE free once the stages being filled have their bytes (the device tier gives way first)."""
         count = len(self.staged) - (replacing is not None)
         if count >= STAGE_MAX:
             raise HydrationError(f"{count} allocations are staged already (at most {STAGE_MAX})")
@@ -392,6 +414,8 @@ class HydratorServer:
         # A replaced stage gives back only its pages not handed out yet: an adopted page lives on in its engine.
         returned = sum(replacing.sizes[replacing.taken:]) if replacing else 0
         free = int(free) + returned - sum(v.unallocated for v in self.staged.values())
+        if free - size < STAGE_RESERVE:
+            free += self.device_tier.make_room(STAGE_RESERVE - (free - size))
         if free - size < STAGE_RESERVE:
             raise HydrationError(f"staging {size} bytes would leave {free - size} of the GPU's {free} free bytes "
                                  f"(at least {STAGE_RESERVE} stay free; stages being filled count as used)")
@@ -414,22 +438,31 @@ class HydratorServer:
             parts, fds = open_dump_parts(layout, view)
         size, reads, pieces = sum(sizes), dump_reads(layout), dump_pieces(parts, layout, 0)  # reads: no zeros
         zero = sum(p.size for p in pieces if p.source == ZEROS)
-        lease = self.ram_tier.lease(key, fds, reads)  # a hit or a join: the very files the peer opened, pinned
+        kept = self.device_tier.take(dump_name(layout, fds))  # the very files the peer opened, on this GPU
+        lease = self.ram_tier.lease(key, fds, reads) if kept is None else None  # a hit or a join, pinned
         held, rest = lease.split(pieces) if lease is not None else ([], pieces)
-        reader = Pread(threads=self.dump_threads, chunk=self.dump_chunk, opened=fds, buffers=self.dump_buffers)
-        copies: list[Callable[[int], object]] = []
-        if lease is not None and held:
-            copies.append(self._pinned(held, lease.addresses))
-        if rest:
-            copies.append(lambda va: copy_to_device(self.driver, self.context,
-                                                    [p._replace(dst=va + p.dst) for p in rest], reader))
-        copy = at_once(self.driver, self.context, copies)  # the ring's last: its report is the stage's `copy`
+        copy, copied = self.device_tier.copy_from(kept[1]) if kept is not None else None, 0
+        if copy is None:
+            reader = Pread(threads=self.dump_threads, chunk=self.dump_chunk, opened=fds, buffers=self.dump_buffers)
+            copies: list[Callable[[int], object]] = []
+            if lease is not None and held:
+                copies.append(self._pinned(held, lease.addresses))
+            if rest:
+                copies.append(lambda va: copy_to_device(self.driver, self.context,
+                                                        [p._replace(dst=va + p.dst) for p in rest], reader))
+            # the ring's last: its report is the stage's `copy`; then kept on the GPU for the next stage
+            copy = self.device_tier.keeping(dump_name(layout, fds), fds, sizes, peer.uid,
+                                            at_once(self.driver, self.context, copies))
         ram = sum(p.size for p in held if p.source != ZEROS)
         try:
             answer = self._stage_into(key, peer, conn, _Staged((), 0, size, parts, 0.0, 0.0, 0.0, 0, "",
                                                                layout=layout, sizes=sizes), copy, size, stager)
-            tier = self.ram_tier.staged(key, fds, reads, lease, ram, size - zero - ram, owner=peer.uid)
+            copied = size
+            tier = "device" if kept is not None else \
+                self.ram_tier.staged(key, fds, reads, lease, ram, size - zero - ram, owner=peer.uid)
         finally:
+            if kept is not None:
+                self.device_tier.give_back(kept, copied)
             if lease is not None:
                 lease.release()
             for fd in fds.values():
@@ -485,16 +518,17 @@ class HydratorServer:
     def _status(self, peer: jsonline.Peer) -> dict[str, Any]:
         """The asker's own stages (one being filled says so, with no expiry yet), the per-uid quota and, for root,
         this hydrator's uid and the `status_uids`, the RAM tier's state."""
-        now = time.monotonic()
+        now, warms, operator = time.monotonic(), self.warms.status() if self.warms else "off", \
+            peer.uid in (0, os.getuid(), *self.status_uids)
         with self._lock:
             staged = [{"key": k[1], "bytes": v.size, "filling": not v.ready,
                        "expires_in_s": v.expires - now if v.ready else None}
                       for k, v in self.staged.items() if v.owner == peer.uid]
         return {"ok": True, "device_uuid": self.device_uuid, "staged": staged,
                 "quota": {"count": self.quota.count, "bytes": self.quota.bytes},
-                # The tier is every tenant's: its counters say when others restored, so only the operator sees them.
-                **({"ram_tier": {**self.ram_tier.status(), "warms": self.warms.status() if self.warms else "off"}}
-                   if peer.uid in (0, os.getuid(), *self.status_uids) else {})}
+                # The tiers are every tenant's: their counters say when others restored: the operator's only.
+                **({"ram_tier": {**self.device_tier.beside(self.ram_tier.status()), "warms": warms},
+                    "device_tier": self.device_tier.status()} if operator else {})}
 
     def _held(self, key: str, ticket: object) -> tuple[_Slot, _Staged] | None:
         """Under the lock: the ready stage under `key` that `ticket` opens, whoever staged it (the engine may run
@@ -523,6 +557,7 @@ class HydratorServer:
         with self._lock:
             self._expire_locked()
         self.ram_tier.prune()  # a removed dump's pinned memory back within a second
+        self.device_tier.prune()
 
     def _expire_locked(self) -> None:
         now = time.monotonic()  # a stage being filled expires at inf: never freed under its filler
@@ -535,11 +570,9 @@ class HydratorServer:
 
 def _stager(fds: list[int]) -> int:
     """A stage request's one optional descriptor: its stager's pidfd (-1 without one), the caller's to close."""
-    if not fds:
-        return -1
-    if len(fds) > 1 or os.readlink(f"/proc/self/fd/{fds[0]}") != "anon_inode:[pidfd]":
+    if fds and (len(fds) > 1 or os.readlink(f"/proc/self/fd/{fds[0]}") != "anon_inode:[pidfd]"):
         raise HydrationError("a stage request carries at most one descriptor, its stager's pidfd")
-    return fds[0]
+    return fds[0] if fds else -1
 
 
 def _exited(pidfd: int) -> bool:
@@ -564,30 +597,3 @@ def _hung_up(conn: socket.socket) -> bool:
     poller = select.poll()
     poller.register(conn, select.POLLIN)
     return any(events & select.POLLHUP for _fd, events in poller.poll(0))
-
-
-class Stager(StageRequest):
-    """The restore worker's side of staging: while CRIU and CUDA restore the engine, the hydrator named in the
-    manifest fills an allocation for it on the engine's GPU, which the engine then adopts when asked to hydrate.
-
-    Best effort by design: whatever goes wrong here is reported and the engine hydrates the regular way.
-    """
-
-    def __init__(self, manifest: HydrationManifest) -> None:
-        self.manifest = manifest
-        super().__init__(manifest.hydrator, "coldsnap-stage")
-
-    def _ask(self) -> dict[str, Any]:
-        from .._cuda import Driver
-
-        driver = Driver()
-        driver.call("cuInit", 0)
-        uuid = device_uuid(driver, self.manifest.device)
-        return self._stage(self.manifest.stage_request("stage", device_uuid=uuid))
-
-    def _discard(self) -> dict[str, Any]:
-        return self.manifest.stage_request("discard", ticket=self.ticket)
-
-    def result(self, timeout: float = 600.0) -> dict[str, Any]:
-        """Wait for the stage request's answer (the hydrator serves it before the engine's adopt)."""
-        return self.report if self.wait(timeout) else {"staged": False, "error": "still staging"}

@@ -9,13 +9,13 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._copy import Piece, region_pieces, zero_split
+from ._copy import ZEROS, Piece, region_pieces, zero_split
 from ._digests import DIGEST_CHUNK
 from ._peer_files import DumpLayout
 from ._vmm import cucall
 from ._weights import WeightRegion
 
-__all__ = ("at_once", "dump_pieces")
+__all__ = ("at_once", "dump_pieces", "weights_pieces")
 
 Copy = Callable[[int], object]  # a copy into the range mapped at its argument; done (nothing in flight) on return
 
@@ -25,6 +25,24 @@ def dump_pieces(parts: Sequence[WeightRegion], layout: DumpLayout, at: int) -> l
     manifest) set on the device, the rest read from its file."""
     return [piece for region, (_file, _bytes, _region, zero) in zip(region_pieces(parts, at), layout, strict=True)
             for piece in zero_split(region, zero, DIGEST_CHUNK)]
+
+
+def weights_pieces(size: int, pieces: Sequence[Piece]) -> list[Piece]:
+    """A weights stage's copy into its allocation of `size` bytes: `pieces` (of the held sources, neither
+    overlapping), and every byte between them set on the device (ZEROS). Why: cuMemCreate's bytes are unspecified,
+    and within the hydrator's one process they may be an earlier allocation's, another tenant's dump; the engine
+    zeroes its discarded regions only after it adopted them, and the device tier keeps the whole allocation for
+    every later stage of these weights, whatever its uid."""
+    out: list[Piece] = []
+    at = 0
+    for piece in sorted(pieces):
+        if piece.dst > at:
+            out.append(Piece(at, ZEROS, 0, piece.dst - at))
+        out.append(piece)
+        at = max(at, piece.dst + piece.size)
+    if size > at:
+        out.append(Piece(at, ZEROS, 0, size - at))
+    return out
 
 
 def at_once(driver: Any, context: Any, copies: Sequence[Copy]) -> Copy:

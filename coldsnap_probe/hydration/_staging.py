@@ -14,12 +14,15 @@ import contextlib
 import os
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import jsonline
 from ..errors import ChannelError
 
-__all__ = ("ADOPT_PAGE", "StageRequest")
+if TYPE_CHECKING:
+    from . import _weights
+
+__all__ = ("ADOPT_PAGE", "StageRequest", "Stager")
 
 # Descriptors one `adopt` answer carries (a stage of more takes pages). Here, not beside the hydrator that pages
 # them: the restore worker needs the number, not the hydrator's server, copy engine and VMM bindings at its start.
@@ -91,3 +94,31 @@ class StageRequest:
         if self.report.get("staged"):
             with contextlib.suppress(ChannelError):
                 jsonline.request(self.hydrator, self._discard(), timeout=5.0)
+
+
+class Stager(StageRequest):
+    """The restore worker's side of staging: while CRIU and CUDA restore the engine, the hydrator named in the
+    manifest fills an allocation for it on the engine's GPU, which the engine then adopts when asked to hydrate.
+
+    Best effort by design: whatever goes wrong here is reported and the engine hydrates the regular way.
+    """
+
+    def __init__(self, manifest: _weights.HydrationManifest) -> None:
+        self.manifest = manifest
+        super().__init__(manifest.hydrator, "coldsnap-stage")
+
+    def _ask(self) -> dict[str, Any]:
+        from .._cuda import Driver
+        from ._vmm import device_uuid
+
+        driver = Driver()
+        driver.call("cuInit", 0)
+        uuid = device_uuid(driver, self.manifest.device)
+        return self._stage(self.manifest.stage_request("stage", device_uuid=uuid))
+
+    def _discard(self) -> dict[str, Any]:
+        return self.manifest.stage_request("discard", ticket=self.ticket)
+
+    def result(self, timeout: float = 600.0) -> dict[str, Any]:
+        """Wait for the stage request's answer (the hydrator serves it before the engine's adopt)."""
+        return self.report if self.wait(timeout) else {"staged": False, "error": "still staging"}

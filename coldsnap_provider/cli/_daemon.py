@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 from functools import partial
 from pathlib import Path
@@ -44,6 +45,9 @@ def _serve(state_dir: Path | None, config_path: str | None, log_level: str) -> N
     configure_logging(log_level)
     config = _checked(config_path)
     set_log_level(config.server.log_level or log_level)
+    # What is loaded by now (modules, classes, the schema's types) lives as long as the daemon: the collector need
+    # not walk it again, and the interpreter's exit skips a full collection of it (0.15 s of a core at each stop).
+    gc.freeze()
     refused = False
     try:
         anyio.run(partial(serve, config, resolve_state_dir(state_dir, config), config_path=config_path,

@@ -1,6 +1,6 @@
 """One registry blob fetched in a worker thread, for a capture's pull (``_capture_registry.py``): the body is streamed
-into a temporary file of the node's store and hashed on the way, then kept (fsynced) only if it is exactly the
-blob's bytes.
+into its place in the capture's partial files (``store_pull.py``) and hashed on the way; it counts only if it is
+exactly the blob's bytes (the files are fsynced once, whole, before they are named).
 
 Why a thread with the standard library's HTTP client and not aiohttp on the daemon's event loop: a pull reads
 its chunks several at once, and on the loop every body byte goes through the one loop thread (and was then copied
@@ -12,6 +12,7 @@ blob after blob on one kept-alive connection.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
@@ -27,6 +28,7 @@ __all__ = ("Fetched", "fetch_blob")
 REDIRECTS = 5  # a registry may send a blob's GET to its storage (a CDN, a bucket): followed this many times
 _ERROR_BODY = 4096  # what a refusal's body is read for its message
 _DRAIN = 1 << 20  # a refusal's or a redirect's body read at most (to reuse the connection): more, the connection closed
+PIECE = 8 << 20  # bytes written between two starts of their writeback
 
 
 class Fetched(NamedTuple):
@@ -42,12 +44,13 @@ class Fetched(NamedTuple):
 
 
 def fetch_blob(url: str, *, authorization: str, digest: str, size: int, into: Path, within_s: float,
-               stop: threading.Event, lane: Lane | None = None) -> Fetched:
+               stop: threading.Event, lane: Lane | None = None, at: int = 0) -> Fetched:
     """GET `url` on `lane`'s connections (None: a lane of its own, closed after; redirects followed, the credentials
-    only to the registry's own origin) and stream a 200's body into `into` (created here; the caller names it when
-    `kept`, and removes it in any case). The whole blob must come `within_s` (a registry that trickles is cut, not
-    waited on), and `stop` (set by a cancelled caller) ends the read within POLL_S. Network failures raise OSError
-    (an HTTP protocol error or a bad redirect as ConnectionError, a cut as TimeoutError), naming what failed."""
+    only to the registry's own origin) and stream a 200's body into `into` from offset `at` (created if absent; never
+    more than `size` bytes written there: a longer body shows without spilling past the blob's place; `kept` says the
+    bytes there are the blob's). The whole blob must come `within_s` (a registry that trickles is cut, not waited on),
+    and `stop` (set by a cancelled caller) ends the read within POLL_S. Network failures raise OSError (an HTTP
+    protocol error or a bad redirect as ConnectionError, a cut as TimeoutError), naming what failed."""
     where, own = url, lane is None
     try:
         lane = lane or Lane(url)
@@ -69,7 +72,7 @@ def fetch_blob(url: str, *, authorization: str, digest: str, size: int, into: Pa
             if status != 200:
                 body = connection.body(_ERROR_BODY, _DRAIN)
                 return Fetched(status, body, 0, False, answered.get("www-authenticate", "") if status == 401 else "")
-            read, matches = _stream(connection, into, digest, size)
+            read, matches = _stream(connection, (into, at), digest, size)
             return Fetched(200, b"", read, matches)
         raise ConnectionError(f"more than {REDIRECTS} redirects for blob {digest}")
     except (ValueError, UnicodeError) as exc:  # e.g. a redirect to `http://[::1/x`: named, not an internal error
@@ -79,16 +82,31 @@ def fetch_blob(url: str, *, authorization: str, digest: str, size: int, into: Pa
             lane.close()
 
 
-def _stream(connection: Connection, into: Path, digest: str, size: int) -> tuple[int, bool]:
-    """The body into `into`, hashed on the way, at most `size` + 1 bytes; fsynced only when it is the blob."""
-    hasher, read = hashlib.sha256(), 0
-    with open(into, "xb") as out:
+def _stream(connection: Connection, into: tuple[Path, int], digest: str, size: int) -> tuple[int, bool]:
+    """The body into its place (`into`: a file and an offset), hashed on the way, at most `size` + 1 bytes read and
+    `size` written (no fsync: the files are fsynced once, whole)."""
+    hasher, read, begun = hashlib.sha256(), 0, 0  # begun: the bytes whose writeback has been started
+    fd = os.open(into[0], os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
         for piece in connection.stream(size + 1):
             hasher.update(piece)
-            out.write(piece)
+            keep, written = piece[:max(0, size - read)], 0  # never past the blob's place
+            while written < len(keep):
+                written += os.pwrite(fd, keep[written:], into[1] + read + written)
             read += len(piece)
-        matches = not connection.truncated and read == size and "sha256:" + hasher.hexdigest() == digest
-        if matches:
-            out.flush()
-            os.fsync(out.fileno())
-    return read, matches
+            if min(read, size) - begun >= PIECE:  # a socket read is ~64 KiB: the writeback started per PIECE
+                _write_back(fd, into[1] + begun, min(read, size) - begun)
+                begun = min(read, size)
+        _write_back(fd, into[1] + begun, min(read, size) - begun)
+    finally:
+        os.close(fd)
+    return read, not connection.truncated and read == size and "sha256:" + hasher.hexdigest() == digest
+
+
+def _write_back(fd: int, offset: int, length: int) -> None:
+    """Start writing the piece to the disk now (Linux: FADV_DONTNEED starts the range's writeback, then drops what is
+    clean): the files are fsynced once, when whole, and without this every byte of a 10 GB pull would wait in the
+    page cache (dirty_ratio of a large host's memory) until that fsync, the disk idle while the link runs."""
+    if length:
+        with contextlib.suppress(OSError):  # not a file (the null device a checked-only fetch writes to)
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)

@@ -62,14 +62,14 @@ def _target(registry: Connection, url: str) -> str:
 
 
 def upload_blob(base: str, *, authorization: str, digest: str, size: int, source: BinaryIO, within_s: float,
-                stop: threading.Event, lane: Lane | None = None, mount: str = "") -> Uploaded:
+                stop: threading.Event, lane: Lane | None = None, mount: str = "", offset: int = 0) -> Uploaded:
     """Ask for `base`/blobs/`digest` (HEAD; with `mount`, the repository `base` names, a POST that mounts it from
-    there: one round trip fewer); when absent, POST an upload (or use the one that POST began) and PUT `source`'s
-    first `size` bytes (the caller opened the blob and checked its size) to it as `digest`, on `lane`'s connection
-    (None: a lane of its own, closed after). The whole blob must go `within_s` (a registry that reads slowly is cut,
-    not waited on), and `stop` (set by a cancelled caller) ends it within POLL_S; an upload left unfinished is
-    cancelled (DELETE, best effort). Network failures raise OSError (an HTTP protocol error or a bad location as
-    ConnectionError, a cut as TimeoutError), naming the blob."""
+    there: one round trip fewer); when absent, POST an upload (or use the one that POST began) and PUT `size` bytes
+    of `source` from `offset` (the caller opened the chunk's home: its blob, or a capture's file it is a part of) to
+    it as `digest`, on `lane`'s connection (None: a lane of its own, closed after). The whole blob must go
+    `within_s` (a registry that reads slowly is cut, not waited on), and `stop` (set by a cancelled caller) ends it
+    within POLL_S; an upload left unfinished is cancelled (DELETE, best effort). Network failures raise OSError (an
+    HTTP protocol error or a bad location as ConnectionError, a cut as TimeoutError), naming the blob."""
     own, location = lane is None, ""
     lane = lane or Lane(base)
     registry, sent = lane.registry, {"Authorization": authorization} if authorization else {}
@@ -91,7 +91,7 @@ def upload_blob(base: str, *, authorization: str, digest: str, size: int, source
         if status != 202 or not answered.get("location"):
             return Uploaded(status, body, False, answered.get("www-authenticate", "") if status == 401 else "")
         location = urljoin(base, answered["location"])
-        status, body = _put(registry, location, digest, size, source, sent)
+        status, body = _put(registry, location, digest, (source, offset, size), sent)
         if status == 201:
             location = ""
         return Uploaded(status, body, False)
@@ -126,31 +126,32 @@ def mounts(base: str, *, authorization: str, digest: str, repository: str, lane:
             _cancel(base, authorization, location)
 
 
-def _put(registry: Connection, location: str, digest: str, size: int, source: BinaryIO,
+def _put(registry: Connection, location: str, digest: str, part: tuple[BinaryIO, int, int],
          sent: dict[str, str]) -> tuple[int, bytes]:
-    """The PUT that completes the upload, its body `source`'s first `size` bytes."""
+    """The PUT that completes the upload, its body `part` of a file (the file, an offset, a size)."""
+    size = part[2]
     separator = "&" if "?" in location else "?"
     headers = {**sent, "Content-Type": "application/octet-stream", "Content-Length": str(size)}
 
     def body(sock: socket.socket) -> None:
         if isinstance(sock, ssl.SSLSocket):
-            _send_tls(sock, source, size, registry.bound)
+            _send_tls(sock, part, registry.bound)
         else:
-            _send_file(sock, source, size, registry.bound)
+            _send_file(sock, part, registry.bound)
 
     status, _ = registry.exchange("PUT", _target(registry, f"{location}{separator}digest={digest}"), headers, body)
     return status, registry.body(_ERROR_BODY, _DRAIN)
 
 
-def _send_file(sock: socket.socket, source: BinaryIO, size: int, bound: Bound) -> None:
+def _send_file(sock: socket.socket, part: tuple[BinaryIO, int, int], bound: Bound) -> None:
     """The kernel sends the file (`os.sendfile`, the socket non-blocking: a registry that stops reading is noticed
     within POLL_S, not after a whole piece)."""
-    sent, progressed = 0, time.monotonic()
+    (source, offset, size), sent, progressed = part, 0, time.monotonic()
     sock.setblocking(False)
     try:
         while sent < size:
             try:
-                piece = os.sendfile(sock.fileno(), source.fileno(), sent, min(PIECE, size - sent))
+                piece = os.sendfile(sock.fileno(), source.fileno(), offset + sent, min(PIECE, size - sent))
             except BlockingIOError:
                 select.select([], [sock], [], bound.left(progressed))
                 continue
@@ -161,14 +162,14 @@ def _send_file(sock: socket.socket, source: BinaryIO, size: int, bound: Bound) -
         sock.settimeout(POLL_S)
 
 
-def _send_tls(sock: ssl.SSLSocket, source: BinaryIO, size: int, bound: Bound) -> None:
+def _send_tls(sock: ssl.SSLSocket, part: tuple[BinaryIO, int, int], bound: Bound) -> None:
     """Through TLS the bytes must pass the socket's encryption (sendfile would bypass it): read and sent TLS_PIECE
     at a time, each send waiting at most IDLE_S or what is left of the deadline."""
-    sent = 0
+    (source, offset, size), sent = part, 0
     while sent < size:
         bound.left(time.monotonic())  # cancelled or late: raised here, between pieces
         sock.settimeout(max(0.1, min(IDLE_S, bound.deadline - time.monotonic())))
-        if not (piece := os.pread(source.fileno(), min(TLS_PIECE, size - sent), sent)):
+        if not (piece := os.pread(source.fileno(), min(TLS_PIECE, size - sent), offset + sent)):
             raise ConnectionError(f"the blob's file in the node's store ended at {sent} of {size} bytes")
         sock.sendall(piece)
         sent += len(piece)

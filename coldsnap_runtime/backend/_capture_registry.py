@@ -13,9 +13,10 @@ off the event loop), before the manifest, so an interrupted push resumes with th
 A blob this node saw in the repository before (``_blob_memory.py``) is not asked for; a manifest the registry
 refuses for a blob it lost since is put again, every skipped blob asked for first. Pull reads the manifest by
 digest (checked), then fetches the chunks the node's store lacks (and those it holds that the pull may not use:
-:class:`Possession`), several at once in lanes (``_blob_fetch.py``: streamed to disk and hashed on the way, off
-the event loop); each is checked against its digest and size before it takes its name in the store, so an
-interrupted pull resumes from what is already there and a corrupt or truncated blob is refused, naming it.
+:class:`Possession`), several at once in lanes (``_blob_fetch.py``: streamed straight into its place in the
+capture's partial files, ``store_pull.py``, and hashed on the way, off the event loop); each is checked against its
+digest and size before it counts, so an interrupted pull resumes from what its files already hold and a corrupt or
+truncated blob is refused, naming it. The files, once whole, are the capture's (each byte fetched is written once).
 Credentials are the engine's (the same per-registry rule as ``_images.py``); plain HTTP only where the engine
 itself uses it.
 """
@@ -31,6 +32,7 @@ import os
 import re
 import threading
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -39,7 +41,7 @@ import anyio.from_thread
 import anyio.lowlevel
 
 from ..errors import RuntimeFailed, StoreError
-from ..store import OCI_MANIFEST, CaptureStore, Hold
+from ..store import OCI_MANIFEST, CaptureStore, Hold, PullTree
 from ._blob_fetch import fetch_blob
 from ._blob_http import Lane
 from ._blob_memory import KnownBlobs
@@ -232,17 +234,12 @@ class CaptureRegistry:
                     answered: int) -> str | None:
         """The blob from the node's store, sent as it is there (in a lane's thread). A network failure names it."""
         digest, size = blob
-        try:
-            source = open(self._store.blob_path(digest), "rb")  # noqa: SIM115 (closed below, after the checks)
-        except FileNotFoundError as exc:
-            raise StoreError(f"blob {digest} is missing from the node's store") from exc
+        source, offset = self._store.open_chunk(digest, size)  # its blob, or its place in a capture's files
         with source:
-            if (found := os.fstat(source.fileno()).st_size) != size:
-                raise StoreError(f"blob {digest} holds {found} bytes in the node's store, its capture says {size}")
             try:
                 uploaded = upload_blob(self._base, authorization=self._authorization, digest=digest, size=size,
-                                       source=source, within_s=_TIMEOUT.sock_read or 300.0, stop=stop, lane=lane,
-                                       mount=self._repository if self._mounts else "")
+                                       source=source, offset=offset, within_s=_TIMEOUT.sock_read or 300.0, stop=stop,
+                                       lane=lane, mount=self._repository if self._mounts else "")
                 if uploaded.status == 201 and self._mounts is None:  # lanes that race here each ask: a few POSTs
                     self._mounts = mounts(self._base, authorization=self._authorization, digest=digest,
                                           repository=self._repository, lane=lane, stop=stop)
@@ -276,43 +273,58 @@ class CaptureRegistry:
                 # Its chunks held from before they are looked for until it is recorded (or fails): a collection
                 # meanwhile never deletes one this pull found present or fetched.
                 with self._store.holding() as hold:
-                    await self._pull_held(capture, data, hold, possession, done)
                     try:
-                        await anyio.to_thread.run_sync(self._store.record, manifest, data)
+                        await self._pull_held(capture, manifest, data, hold, possession, done)
                     except StoreError as exc:
                         raise RuntimeFailed(action=self._action, detail=f"capture {capture}: {exc}") from exc
         return done
 
-    async def _pull_held(self, capture: str, data: bytes, hold: Hold, possession: Possession,
+    async def _pull_held(self, capture: str, manifest: bytes, data: bytes, hold: Hold, possession: Possession,
                          done: Transferred) -> None:
-        # The chunks the data document names (their sizes from its files), never the manifest's layers: those could
-        # name any blob, of any size, which nothing would ever collect.
-        try:  # in a thread: a registry's 4 MiB document of 600,000 chunks is 0.3 s of CPU, a stat each
-            present, missing = await anyio.to_thread.run_sync(self._layers, data, hold, possession)
-        except StoreError as exc:
-            raise RuntimeFailed(action=self._action, detail=f"capture {capture}: {exc}") from exc
-        for _, size in present:
-            done.add(size, present=True)
-        await self._fetch(missing, possession, done)
+        """A capture the node lists already: the chunks the pull may not use fetched and checked (written nowhere:
+        the node holds them), the capture marked used. Else its files: each chunk fetched into its place, the rest
+        copied in from their homes, the files named the capture's and the capture listed (``store_pull.py``)."""
+        if await anyio.to_thread.run_sync(self._store.has, capture):
+            fetch = await anyio.to_thread.run_sync(self._layers, data, hold, possession, None, done)
+            await self._fetch(fetch, possession, done, None)
+            await anyio.to_thread.run_sync(self._store.record, manifest, data)
+            return
+        pull = await anyio.to_thread.run_sync(self._store.begin_pull, capture, data)
+        try:
+            fetch = await anyio.to_thread.run_sync(self._layers, data, hold, possession, pull, done)
+            await self._fetch(fetch, possession, done, pull)
+            await anyio.to_thread.run_sync(pull.finish, self._store.copy_chunks)
+            await anyio.to_thread.run_sync(self._store.settle, pull, manifest, data)
+        finally:
+            with anyio.CancelScope(shield=True):  # quick (a set; a private directory deleted), and never skipped
+                await anyio.to_thread.run_sync(pull.leave)
 
-    def _layers(self, data: bytes, hold: Hold, possession: Possession) -> tuple[list[Blob], list[Blob]]:
-        """The distinct chunks the data document names, with their lengths, held by `hold`: those the pull may use
-        as they are in the store (`possession`) and those to fetch; refused when those would not fit the store's
-        filesystem: a registry's document may name 3 TB of chunks, and a pull that fills the disk leaves what it
-        fetched for nothing to collect (review13). The figure in the refusal says nothing of other managers'."""
+    def _layers(self, data: bytes, hold: Hold, possession: Possession, pull: PullTree | None,
+                done: Transferred) -> list[Blob]:
+        """The distinct chunks of the data document to fetch, with their lengths (those the pull may not use as the
+        node holds them, `possession`, and that its partial files do not hold checked), all of them held by `hold`
+        first; those not fetched are counted present in `done`. Refused when what the files still need would not fit
+        the store's filesystem: a registry's document may name 3 TB of chunks, and a pull that fills the disk
+        leaves what it fetched for nothing to collect (review13); the figure in the refusal is this capture's own,
+        nothing of other managers'."""
         files = self._store.decode_data(data).files
         layers = sorted({(chunk, length) for stored in files for chunk, _, length in stored.spans() if chunk})
         hold.add(chunk for chunk, _ in layers)
-        present: list[Blob] = []
-        missing: list[Blob] = []
-        for blob in layers:
-            (present if possession.usable(blob[0]) and self._store.has_blob(blob[0]) else missing).append(blob)
-        needed = sum(length for _, length in missing)
-        room = os.statvfs(self._store.root)
-        if needed > room.f_bavail * room.f_frsize:
-            raise StoreError(f"its chunks the node's store lacks are {needed} bytes, the store's filesystem has "
-                             f"{room.f_bavail * room.f_frsize} free; nothing was fetched")
-        return present, missing
+        if pull is not None:
+            pull.resume(possession.usable)
+            needed = pull.needed()
+            room = os.statvfs(self._store.root)
+            if needed > room.f_bavail * room.f_frsize:
+                raise StoreError(f"its files need {needed} bytes more, the store's filesystem has "
+                                 f"{room.f_bavail * room.f_frsize} free; nothing was fetched")
+        fetch: list[Blob] = []
+        for chunk, length in layers:
+            placed = pull is not None and chunk in pull.placed
+            if placed or (possession.usable(chunk) and self._store.has_blob(chunk)):
+                done.add(length, present=True)
+            else:
+                fetch.append((chunk, length))
+        return fetch
 
     async def _document(self, session: aiohttp.ClientSession, kind: str, digest: str,
                         headers: dict[str, str]) -> bytes:
@@ -324,31 +336,42 @@ class CaptureRegistry:
                 f"registry {self._registry}: the document read as {digest} has another digest"))
         return body
 
-    async def _fetch(self, blobs: list[Blob], possession: Possession, done: Transferred) -> None:
-        """Fetch `blobs` into the store in lanes holding the manager's share and the node's fetch slots; those the
-        registry served counted in `done`, proven to `possession` and remembered (also when another failed)."""
+    async def _fetch(self, blobs: list[Blob], possession: Possession, done: Transferred,
+                     pull: PullTree | None = None) -> None:
+        """Fetch `blobs` into their places in `pull`'s files (None: into nothing, only checked: the node holds them)
+        in lanes holding the manager's share and the node's fetch slots; those the registry served counted in `done`,
+        placed, proven to `possession` and remembered (also when another failed)."""
         fetched: list[Blob] = []  # appended by the lanes' threads
         try:
-            await self._lanes(blobs, functools.partial(self._fetch_one, fetched), (self._share, self._fetches))
+            await self._lanes(blobs, functools.partial(self._fetch_one, fetched, pull), (self._share, self._fetches))
         finally:
             for digest, size in list(fetched):
+                if pull is not None:
+                    pull.placed.add(digest)
                 possession.fetched(digest)
                 if self._known is not None:  # served from this repository: this manager's next push need not ask
                     self._known.add(digest)
                 done.add(size, present=False)
 
-    def _fetch_one(self, fetched: list[Blob], lane: Lane, blob: Blob, stop: threading.Event,
+    def _fetch_one(self, fetched: list[Blob], pull: PullTree | None, lane: Lane, blob: Blob, stop: threading.Event,
                    answered: int) -> str | None:
-        """The blob streamed into a temporary of the store and named once checked (in a lane's thread)."""
+        """The blob streamed into its place in `pull`'s files, held by this thread until it ends (a cancelled pull's
+        abandoned lane still writes until its next wait: no other pull takes the files before), or into nothing (in
+        a lane's thread)."""
         digest, size = blob
-        temporary = self._store.temporary(digest)
-        try:
-            got = fetch_blob(f"{self._base}/blobs/{digest}", authorization=self._authorization, digest=digest,
-                             size=size, into=temporary, within_s=_TIMEOUT.sock_read or 300.0, stop=stop, lane=lane)
-            if got.kept:
-                self._store.adopt_blob(temporary, digest)
-        finally:
-            temporary.unlink(missing_ok=True)
+        url, within_s = f"{self._base}/blobs/{digest}", _TIMEOUT.sock_read or 300.0
+        if pull is None:
+            got = fetch_blob(url, authorization=self._authorization, digest=digest, size=size,
+                             into=Path(os.devnull), within_s=within_s, stop=stop, lane=lane)
+        elif not pull.join():
+            raise ConnectionAbortedError(f"blob {digest}: its pull has ended")
+        else:
+            try:
+                into, at = pull.place(digest)
+                got = fetch_blob(url, authorization=self._authorization, digest=digest, size=size, into=into, at=at,
+                                 within_s=within_s, stop=stop, lane=lane)
+            finally:
+                pull.leave()
         if got.status == 401 and got.challenge and answered < _ANSWERED:  # no token yet, or it expired
             return got.challenge
         if got.status != 200:
@@ -357,7 +380,7 @@ class CaptureRegistry:
             raise RuntimeFailed(action=self._action, detail=(
                 f"registry {self._registry}: blob {digest} is corrupt or truncated "
                 f"({got.read if got.read <= size else 'more than ' + str(size)} bytes, {size} expected); "
-                "nothing of it was kept"))
+                "nothing of it counts"))
         fetched.append(blob)
         return None
 
@@ -435,8 +458,8 @@ class CaptureRegistry:
     async def _in_thread(self, run: Callable[[], Any], slots: tuple[anyio.CapacityLimiter, ...]) -> Any:
         """`run` in a thread holding a token of each of `slots` (the node's own limiters, never the daemon's shared
         pool, which every file operation needs) from its start to its end. A cancelled request does not wait for it:
-        the thread ends at its next wait (POLL_S), removing its file, and only then gives its slots back, so requests
-        cancelled one after another cannot pile up threads and sockets (review 2026-12-02)."""
+        the thread ends at its next wait (POLL_S), leaving its pull's files, and only then gives its slots back, so
+        requests cancelled one after another cannot pile up threads and sockets (review 2026-12-02)."""
         slot, lock = object(), threading.Lock()
         state = {"started": False, "dropped": False}  # under `lock`: the thread began; the request left before it
         token = anyio.lowlevel.current_token()

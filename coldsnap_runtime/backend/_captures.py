@@ -125,12 +125,14 @@ class Captures:
         present = store.has(found)
         registry = await self._registry(image, store, auth, "image-pull")
         moved = await registry.pull(found, await self._possession(store, held))
-        if not present:
+        if not present:  # its files made by the pull: fetched chunks written into them, present ones copied in
             self._count("registry", moved.bytes)
-        # Its files made now, not at the first workload-run: a node pulls ahead of restoring, and making them was
-        # 16.4 of the first restore's 18.9 s on the H200 (10.5 GB read and written).
-        # Best effort: the pull itself succeeded, and a failure here (a full disk) must not undo it (the image may
-        # have been resident and in use before this pull); the first workload-run makes them or says why not.
+            if moved.present_bytes:
+                self._count("disk", moved.present_bytes)
+        # A capture listed before (its files reclaimed, or a build's not yet run): its files made now, not at the
+        # first workload-run (a node pulls ahead of restoring). Best effort: the pull itself succeeded, and a
+        # failure here (a full disk) must not undo it (the image may have been resident and in use before this
+        # pull); the first workload-run makes them or says why not.
         try:
             async with self.lock:  # removal and collection hold it: none drops the capture while its files are made
                 _tree, read = await anyio.to_thread.run_sync(store.tree, found)

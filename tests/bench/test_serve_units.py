@@ -156,6 +156,13 @@ class TestEnvironment:
         assert f"-m coldsnap_probe restore --images {IMAGES}/cap-1 " in restore["command"][1]
         assert "hydrator" not in restore["command"][1]  # no option: the worker reads the capture's environment
 
+    def test_the_staged_paths_hydrator_keeps_dumps_on_its_gpu_when_the_bench_asks(
+            self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        staged = serve_layout(tmp_path, tmp_path / "model", "full-interposer-hydrator", criu_threads=8)
+        monkeypatch.setenv("DEVICE_TIER", "20G")
+        hydrator = staging_unit(staged, "img", unit_names("full-interposer-hydrator")[2])
+        assert hydrator["command"][-4:] == ["--socket", STAGING_SOCKET, "--device-tier-bytes", "20G"]
+
     def test_the_staged_paths_hydrator_unit_stages_only_and_is_not_under_the_interposer(self, tmp_path: Path) -> None:
         staged = serve_layout(tmp_path, tmp_path / "model", "full-interposer-hydrator", criu_threads=8)
         hydrator = staging_unit(staged, "img", unit_names("full-interposer-hydrator")[2])

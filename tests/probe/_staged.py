@@ -13,10 +13,10 @@ from coldsnap_probe.jsonline import request, request_with_fds
 
 
 def stage_and_read(driver: Any, control: str, key: str, parts: list[dict[str, Any]],
-                   uuid: str) -> tuple[dict[str, Any], bytes]:
+                   uuid: str, *, scribble: bool = False) -> tuple[dict[str, Any], bytes]:
     """Stage `parts` (one region) on the hydrator at `control` for the device `uuid`, adopt the allocation: the
     stage's answer and the bytes the allocation holds. `driver` has a context current on device 0 (None: one is
-    made, for a caller outside tests/probe)."""
+    made, for a caller outside tests/probe). `scribble`: then write over the allocation, as an engine does."""
     from coldsnap_probe.hydration._vmm import cucall, device_uuid, fd_handle, map_read_write
 
     if driver is None:
@@ -44,4 +44,7 @@ def stage_and_read(driver: Any, control: str, key: str, parts: list[dict[str, An
         map_read_write(driver, va, size, 0)
         buffer = ctypes.create_string_buffer(size)
         cucall(driver, "cuMemcpyDtoH", ctypes.addressof(buffer), va, size)
+        if scribble:
+            cucall(driver, "cuMemsetD8", va, 0xA5, size)
+            cucall(driver, "cuCtxSynchronize")
     return staged, buffer.raw

@@ -45,10 +45,12 @@ def criu(tmp_path: Path) -> Iterator[str]:
 
 @dataclass(frozen=True)
 class Capture:
-    """A capture of the default target (see `captured`): its control directory, the images, its PID."""
+    """A capture of the default target (see `captured`): its control directory, the images, its PID, and (for
+    `advised`) its mappings just before the dump."""
     control: Path
     images: Path
     pid: int
+    before: tuple[Vma, ...] = ()
 
 
 @pytest.fixture(scope="module")
@@ -61,14 +63,27 @@ def shared_capture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Ca
         yield [Capture(*captured(base, wrapper))]
 
 
-@pytest.fixture
-def plain(shared_capture: list[Capture], criu: str, tmp_path: Path) -> Iterator[Capture]:
+def _advised(tmp_path: Path, criu: str) -> Capture:
+    """A capture of the target with 16 MiB advised NOHUGEPAGE, and its mappings as they were before the dump."""
+    before: list[Vma] = []
+    return Capture(*captured(tmp_path, criu, nothp_mib=16, before=before), before=tuple(before))
+
+
+@pytest.fixture(scope="module")
+def shared_advised(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Capture]]:
+    """As `shared_capture`, of `_advised`'s target: the huge-page test restores it with each thread count."""
+    base = tmp_path_factory.mktemp("advised")
+    with criu_wrapper(base) as wrapper:
+        yield [_advised(base, wrapper)]
+
+
+def _reused(shared: list[Capture], tmp_path: Path, recapture: Callable[[Path], Capture]) -> Iterator[Capture]:
     """The shared capture, its target not running and its control directory as the capture left it; a fresh one
-    when another process holds its PID now. Whatever the test restored is ended afterwards."""
-    current = shared_capture[0]
+    (`recapture`) when another process holds its PID now. Whatever the test restored is ended afterwards."""
+    current = shared[0]
     if Path(f"/proc/{current.pid}").exists():
         (tmp_path / "recaptured").mkdir()
-        current = shared_capture[0] = Capture(*captured(tmp_path / "recaptured", criu))
+        current = shared[0] = recapture(tmp_path / "recaptured")
     for name in ("exit", "verify", "result"):
         (current.control / name).unlink(missing_ok=True)
     try:
@@ -76,6 +91,18 @@ def plain(shared_capture: list[Capture], criu: str, tmp_path: Path) -> Iterator[
     finally:
         if alive(current.pid):  # a failed assertion before the test's own end()
             end(current.control, current.pid)
+
+
+@pytest.fixture
+def plain(shared_capture: list[Capture], criu: str, tmp_path: Path) -> Iterator[Capture]:
+    """The shared capture of the default target (`_reused`)."""
+    yield from _reused(shared_capture, tmp_path, lambda into: Capture(*captured(into, criu)))
+
+
+@pytest.fixture
+def advised(shared_advised: list[Capture], criu: str, tmp_path: Path) -> Iterator[Capture]:
+    """The shared capture of `_advised`'s target (`_reused`)."""
+    yield from _reused(shared_advised, tmp_path, lambda into: _advised(into, criu))
 
 
 def private_images(images: Path, into: Path) -> Path:
@@ -506,13 +533,13 @@ def test_a_host_that_cannot_restore_is_refused_before_any_work_naming_every_fact
 
 
 @pytest.mark.parametrize("threads", [1, 4])
-def test_huge_page_advice_and_the_mappings_are_restored_exactly(tmp_path: Path, criu: str, threads: int) -> None:
+def test_huge_page_advice_and_the_mappings_are_restored_exactly(tmp_path: Path, criu: str, advised: Capture,
+                                                                threads: int) -> None:
     """With the parallel fill the premapped copies are 2 MiB-congruent to their final addresses and carry the
     dumped MADV_[NO]HUGEPAGE: every byte comes back, every mapping has its range, permissions and VmFlags
     (no premap padding is left behind), the NOHUGEPAGE region has no huge page and the HUGEPAGE one has
     huge pages where the system's THP mode allows them."""
-    before: list[Vma] = []
-    control, images, pid = captured(tmp_path, criu, nothp_mib=16, before=before)
+    control, images, pid, before = advised.control, advised.images, advised.pid, list(advised.before)
     try:
         done = worker("restore", "--images", str(images), "--criu", criu, "--work-dir", str(tmp_path / "work"),
                       env={"CRIU_RESTORE_THREADS": str(threads)})

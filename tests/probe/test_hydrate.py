@@ -337,12 +337,14 @@ def test_manifest_names_its_hydrator_only_when_it_has_one(tmp_path: Path) -> Non
 
 
 @pytest.fixture
-def hydrator(tmp_path: Path) -> object:
-    """A long-lived hydrator process holding one 16 MiB source page-locked (its GPU is GPU 0, as the arena's)."""
+def hydrator(tmp_path: Path, request: pytest.FixtureRequest) -> object:
+    """A long-lived hydrator process holding one 16 MiB source page-locked (its GPU is GPU 0, as the arena's);
+    `serve` options of its own through indirect parametrization."""
     path = source(tmp_path, 16 * MIB, "shard.bin")
     control = tmp_path / "hydrator.sock"
     proc = subprocess.Popen([sys.executable, "-m", "coldsnap_probe.hydration", "serve", "--socket", str(control),
-                             "--staging", "--stage-ttl", "2", str(path)], stdout=subprocess.PIPE, cwd=ROOT)
+                             "--staging", "--stage-ttl", "2", *getattr(request, "param", ()), str(path)],
+                            stdout=subprocess.PIPE, cwd=ROOT)
     try:
         ready = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
         assert ready["ready"] and ready["device_uuid"].startswith("GPU-")
@@ -362,7 +364,7 @@ def staged_arena(tmp_path: Path, shard: Path, control: str) -> tuple[object, Hyd
 
 @gpu
 def test_staged_weights_are_adopted_in_place_with_the_same_bytes(tmp_path: Path, hydrator: tuple[Path, str]) -> None:
-    from coldsnap_probe.hydration._hydrator import Stager
+    from coldsnap_probe.hydration._staging import Stager
 
     shard, control = hydrator
     arena, manifest = staged_arena(tmp_path, shard, control)
@@ -382,9 +384,33 @@ def test_staged_weights_are_adopted_in_place_with_the_same_bytes(tmp_path: Path,
 
 
 @gpu
+@pytest.mark.parametrize("hydrator", [["--device-tier-bytes", "64M"]], indirect=True)
+def test_the_next_stage_of_the_same_weights_comes_from_the_device_tier_with_the_same_bytes(
+        tmp_path: Path, hydrator: tuple[Path, str]) -> None:
+    """With a device tier the first stage of the weights is kept on the hydrator's GPU (`tier: ram`: from its
+    page-locked source) and the second, after the engine used and released them again, is a copy within the GPU
+    (`tier: device`); both adopted with the shard's bytes."""
+    from coldsnap_probe.hydration._staging import Stager
+    from coldsnap_probe.jsonline import request
+
+    shard, control = hydrator
+    arena, manifest = staged_arena(tmp_path, shard, control)
+    for generation, tier in (("g2", "ram"), ("g3", "device")):
+        stager = Stager(manifest)
+        staged = stager.result()
+        assert staged["staged"] and staged["tier"] == tier and staged["bytes"] == 8 * MIB, staged
+        report = arena.restore(strategy=f"hydrator:{control}", ticket=stager.ticket)  # type: ignore[attr-defined]
+        assert report["staged"] and report["verified_regions"] == 1, report
+        assert device_bytes(arena, 8 * MIB) == shard.read_bytes()[4 * MIB:12 * MIB]
+        manifest = arena.release(generation)  # type: ignore[attr-defined]
+    kept = request(control, {"op": "status"})["device_tier"]
+    assert (kept["entries"], kept["hits"], kept["misses"], kept["in_use"]) == (1, 1, 1, 0), kept
+
+
+@gpu
 def test_staged_weights_with_a_discarded_region_come_back_with_it_zeroed(tmp_path: Path,
                                                                          hydrator: tuple[Path, str]) -> None:
-    from coldsnap_probe.hydration._hydrator import Stager
+    from coldsnap_probe.hydration._staging import Stager
 
     shard, control = hydrator
     arena = declared_arena(shard, 8 * MIB, offset=4 * MIB, exportable=True, size=12 * MIB)
@@ -417,7 +443,7 @@ def test_staging_for_another_gpu_is_refused_and_the_restore_still_hydrates(tmp_p
 def test_an_unadopted_stage_is_freed_after_its_ttl(tmp_path: Path, hydrator: tuple[Path, str]) -> None:
     import time
 
-    from coldsnap_probe.hydration._hydrator import Stager
+    from coldsnap_probe.hydration._staging import Stager
     from coldsnap_probe.hydration._vmm import cucall
 
     shard, control = hydrator
@@ -511,7 +537,7 @@ def shared_hydrator(tmp_path: Path) -> Iterator[tuple[Path, Path, str]]:
 def test_a_hydrator_tenant_cannot_list_adopt_or_discard_another_tenants_stage(
         tmp_path: Path, shared_hydrator: tuple[Path, Path, str]) -> None:
     """Regression: #24 (finding 5): any process reaching the hydrator listed, adopted and discarded stages."""
-    from coldsnap_probe.hydration._hydrator import Stager
+    from coldsnap_probe.hydration._staging import Stager
     from coldsnap_probe.jsonline import request
     from tests.probe.test_jsonline import ask_as_nobody
 

@@ -877,9 +877,12 @@ def test_the_second_stage_of_a_dump_comes_from_the_ram_tier_with_the_same_bytes(
         assert warm["tier"] == "ram" and warm_bytes == expected, warm
         tier = request(control, {"op": "status"}, timeout=10.0)["ram_tier"]
         assert (tier["hits"], tier["misses"], tier["in_use"]) == (1, 1, 0), tier
-        assert tier["read_bytes"] == {"ram": 320 * MIB, "disk": 320 * MIB} and tier["bytes"] == 320 * MIB, tier
-        # The stages the hydrator filled, and the entry counted to the uid whose stage loaded it (this process's).
-        assert tier["stages"] == {"ram": 1, "disk": 1} and tier["bytes_by_uid"] == {str(os.getuid()): 320 * MIB}, tier
+        assert tier["read_bytes"] == {"ram": 320 * MIB, "disk": 320 * MIB, "device": 0} and \
+            tier["bytes"] == 320 * MIB, tier
+        # The stages the hydrator filled (none from the device tier: off), and the entry counted to the uid whose
+        # stage loaded it (this process's).
+        assert tier["stages"] == {"ram": 1, "disk": 1, "device": 0}, tier
+        assert tier["bytes_by_uid"] == {str(os.getuid()): 320 * MIB}, tier
         print(json.dumps({"ram_tier_gpu": {"disk": {k: cold[k] for k in ("stage_s", "copy_s", "bytes")},
                                            "ram": {k: warm[k] for k in ("stage_s", "copy_s", "bytes")}}}))
     finally:

@@ -11,6 +11,7 @@ import os
 import resource
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import anyio
 import pytest
 
 from coldsnap_provider._client import exchange
-from tests.helpers import EXEC_AS_NOBODY, Daemon, Session, control_as, running_daemon
+from tests.helpers import EXEC_AS_NOBODY, Daemon, Session, control_as, module_daemon, running_daemon
 
 NOBODY = 65534
 
@@ -49,73 +50,78 @@ async def wait_for_status(daemon: Daemon, predicate: Any) -> dict[str, Any]:
         await anyio.sleep(0.05)
 
 
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[Daemon]:
+    """One daemon of the default configuration for this module's tests that each open a session of their own and
+    change nothing of the daemon's but what they assert on: a start and a stop are about a second of the 2-core CI
+    box. (Each still checks that the daemon serves on afterwards; a test that needs its own configuration, limits
+    or a fresh state starts its own.)"""
+    yield from module_daemon(None)
+
+
 class TestDeepNesting:
     """Regression: #11 finding 1 (JSON nested ~1000 deep killed the daemon before authentication)."""
 
     @pytest.mark.parametrize("where", ["id", "unknown", "request"])
-    async def test_control_request_nested_deep_is_refused_and_daemon_survives(self, where: str) -> None:
+    async def test_control_request_nested_deep_is_refused_and_daemon_survives(self, daemon: Daemon,
+                                                                              where: str) -> None:
         deep = nested(5000)
         body = {"id": f'"id":{deep}',
                 "unknown": f'"id":"x","junk":{deep}',
                 "request": f'"id":"x","request":{{"id":"op","launch":{deep}}}'}[where]
-        async with running_daemon() as daemon:
-            line = f'{{"format":1,"operation":"session-open",{body}}}\n'.encode()
-            reply = await raw_control(daemon, line)
-            assert reply["ok"] is False and reply["format"] == 1
-            await still_serving(daemon)
+        line = f'{{"format":1,"operation":"session-open",{body}}}\n'.encode()
+        reply = await raw_control(daemon, line)
+        assert reply["ok"] is False and reply["format"] == 1
+        await still_serving(daemon)
 
-    async def test_provider_request_nested_deep_is_refused_and_daemon_survives(self) -> None:
-        async with running_daemon() as daemon:
-            s = await daemon.open_session()
-            for body in (f'"id":{nested(5000)}', f'"id":"7","x":{nested(5000)}'):
-                reply = json.loads(await s.raw(f'{{"format":1,{body}}}\n'.encode()))
-                assert reply["ok"] is False and "id" in reply
-            await still_serving(daemon, s)
+    async def test_provider_request_nested_deep_is_refused_and_daemon_survives(self, daemon: Daemon) -> None:
+        s = await daemon.open_session()
+        for body in (f'"id":{nested(5000)}', f'"id":"7","x":{nested(5000)}'):
+            reply = json.loads(await s.raw(f'{{"format":1,{body}}}\n'.encode()))
+            assert reply["ok"] is False and "id" in reply
+        await still_serving(daemon, s)
 
 
 class TestDuplicateKeys:
     """Regression: #11 finding 16 (duplicate keys were accepted, last one winning)."""
 
-    async def test_duplicate_token_does_not_authenticate(self, tmp_path: Path) -> None:
+    async def test_duplicate_token_does_not_authenticate(self, daemon: Daemon, tmp_path: Path) -> None:
         marker = tmp_path / "ran"
-        async with running_daemon() as daemon:
-            s = await daemon.open_session()
-            head = f'{{"format":1,"id":"9","token":"wrong","token":{json.dumps(s.token)}'
-            line = (head + f',"session":"{s.session}","operation":"exec","host":"localhost",'
-                    f'"arguments":["touch","{marker}"]}}\n').encode()
-            reply = json.loads(await s.raw(line))
-            assert reply == {"format": 1, "id": "9", "ok": False,
-                             "error": "host-provider request repeats the key 'token'; every key may appear once"}
-            assert not marker.exists()
-            await still_serving(daemon, s)
+        s = await daemon.open_session()
+        head = f'{{"format":1,"id":"9","token":"wrong","token":{json.dumps(s.token)}'
+        line = (head + f',"session":"{s.session}","operation":"exec","host":"localhost",'
+                f'"arguments":["touch","{marker}"]}}\n').encode()
+        reply = json.loads(await s.raw(line))
+        assert reply == {"format": 1, "id": "9", "ok": False,
+                         "error": "host-provider request repeats the key 'token'; every key may appear once"}
+        assert not marker.exists()
+        await still_serving(daemon, s)
 
-    async def test_duplicate_keys_in_a_control_request_are_refused(self) -> None:
-        async with running_daemon() as daemon:
-            line = b'{"format":1,"id":"d","operation":"session-open","session":"a","session":"b","hosts":["h"]}\n'
-            reply = await raw_control(daemon, line)
-            assert reply["ok"] is False and "repeats the key 'session'" in reply["error"]
-            assert not (daemon.state_dir / "records" / "a.json").exists()
-            assert not (daemon.state_dir / "records" / "b.json").exists()
+    async def test_duplicate_keys_in_a_control_request_are_refused(self, daemon: Daemon) -> None:
+        line = b'{"format":1,"id":"d","operation":"session-open","session":"a","session":"b","hosts":["h"]}\n'
+        reply = await raw_control(daemon, line)
+        assert reply["ok"] is False and "repeats the key 'session'" in reply["error"]
+        assert not (daemon.state_dir / "records" / "a.json").exists()
+        assert not (daemon.state_dir / "records" / "b.json").exists()
 
 
 class TestTrailingNewlines:
     """Regression: #11 finding 11 (`$` accepted a trailing newline in identifiers)."""
 
-    async def test_session_id_with_trailing_newline_is_refused(self) -> None:
-        async with running_daemon() as daemon:
-            reply = await raw_control(daemon, json.dumps(
-                {"format": 1, "id": "n", "operation": "session-open", "session": "abc\n",
-                 "hosts": ["localhost"]}).encode() + b"\n")
-            assert reply["ok"] is False and "is invalid" in reply["error"]
-            assert os.listdir(daemon.state_dir / "records") == []
+    async def test_session_id_with_trailing_newline_is_refused(self, daemon: Daemon) -> None:
+        records = sorted(os.listdir(daemon.state_dir / "records"))  # the module's daemon: other tests' sessions
+        reply = await raw_control(daemon, json.dumps(
+            {"format": 1, "id": "n", "operation": "session-open", "session": "abc\n",
+             "hosts": ["localhost"]}).encode() + b"\n")
+        assert reply["ok"] is False and "is invalid" in reply["error"]
+        assert sorted(os.listdir(daemon.state_dir / "records")) == records
 
-    async def test_token_with_trailing_newline_is_refused_naming_the_field(self) -> None:
-        async with running_daemon() as daemon:
-            s = await daemon.open_session()
-            request = s.envelope("capabilities")
-            request["token"] = s.token + "\n"
-            reply = json.loads(await s.raw(json.dumps(request).encode() + b"\n"))
-            assert reply["ok"] is False and "$.token" in reply["error"]
+    async def test_token_with_trailing_newline_is_refused_naming_the_field(self, daemon: Daemon) -> None:
+        s = await daemon.open_session()
+        request = s.envelope("capabilities")
+        request["token"] = s.token + "\n"
+        reply = json.loads(await s.raw(json.dumps(request).encode() + b"\n"))
+        assert reply["ok"] is False and "$.token" in reply["error"]
 
 
 class TestConnectionBudgets:
@@ -210,35 +216,33 @@ class TestMemory:
 class TestProbeProgram:
     """Regression: #11 finding 3 (the control `probe` ran a request-named `criu` as root)."""
 
-    async def test_probe_request_cannot_name_a_program(self, tmp_path: Path) -> None:
+    async def test_probe_request_cannot_name_a_program(self, daemon: Daemon, tmp_path: Path) -> None:
         marker = tmp_path / "ran-as-root"
         script = tmp_path / "criu"
         script.write_text(f"#!/bin/sh\ntouch {marker}\n")
         script.chmod(0o755)
-        async with running_daemon() as daemon:
-            line = json.dumps({"format": 1, "id": "p", "operation": "probe", "driver": "n610",
-                               "host_process": True, "criu": str(script)}).encode() + b"\n"
-            reply = await raw_control(daemon, line)
-            assert reply["ok"] is False and "unknown field `criu`" in reply["error"]
-            assert not marker.exists()
+        line = json.dumps({"format": 1, "id": "p", "operation": "probe", "driver": "n610",
+                           "host_process": True, "criu": str(script)}).encode() + b"\n"
+        reply = await raw_control(daemon, line)
+        assert reply["ok"] is False and "unknown field `criu`" in reply["error"]
+        assert not marker.exists()
 
 
-def test_arbitrary_control_bytes_never_stop_the_daemon() -> None:
+def test_arbitrary_control_bytes_never_stop_the_daemon(daemon: Daemon) -> None:
     """A small deterministic fuzz of the control socket (the provider socket has its own in test_wire)."""
     payloads = [b"", b"\n", b"{" * 100000 + b"\n", b'{"format":1}' * 1000 + b"\n", b"\xff\xfe\x00\n",
                 b'{"format":1,"id":"\\ud800","operation":"status"}\n', b'[' * 3000 + b"\n",
                 b'{"format":1,"id":"a","operation":"status","format":1}\n', b"x" * (3 << 20)]
 
     async def main() -> None:
-        async with running_daemon() as daemon:
-            for payload in payloads:
-                try:
-                    data = await exchange(daemon.state_dir / "control.sock", payload)
-                except OSError:
-                    continue
-                if data:
-                    assert json.loads(data)["ok"] is False
-            await still_serving(daemon)
+        for payload in payloads:
+            try:
+                data = await exchange(daemon.state_dir / "control.sock", payload)
+            except OSError:
+                continue
+            if data:
+                assert json.loads(data)["ok"] is False
+        await still_serving(daemon)
 
     anyio.run(main)
 
@@ -309,13 +313,12 @@ class TestReviewFindings:
             assert not reply.ok and "holding its limit of 8388608 buffered bytes for uid 0" in str(reply.error)
             assert (await s.call("exec", host="localhost", arguments=["head", "-c", "1000", "/dev/zero"])).ok
 
-    async def test_control_requests_are_small(self) -> None:
-        async with running_daemon() as daemon:
-            line = json.dumps({"format": 1, "id": "big", "operation": "session-open", "session": "op-big",
-                               "request": {"id": "op-big", "pad": [0] * (1 << 20)}}).encode() + b"\n"
-            reply = await raw_control(daemon, line)
-            assert reply == {"format": 1, "id": "big", "ok": False, "error": "control request exceeds 1048576 bytes"}
-            await still_serving(daemon)
+    async def test_control_requests_are_small(self, daemon: Daemon) -> None:
+        line = json.dumps({"format": 1, "id": "big", "operation": "session-open", "session": "op-big",
+                           "request": {"id": "op-big", "pad": [0] * (1 << 20)}}).encode() + b"\n"
+        reply = await raw_control(daemon, line)
+        assert reply == {"format": 1, "id": "big", "ok": False, "error": "control request exceeds 1048576 bytes"}
+        await still_serving(daemon)
 
     async def test_sessions_per_uid_are_capped(self) -> None:
         config = f"{EXEC_AS_NOBODY}[server]\ncontrol_uids = [{NOBODY}]\nmax_sessions_per_uid = 2\n"

@@ -11,14 +11,13 @@ import signal
 import stat
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
 
-from tests.helpers import control_as, next_id, running_daemon, write_config
+from tests.helpers import control_as, next_id, running_daemon, short_dir, write_config
 
 CLI = [sys.executable, "-m", "coldsnap_provider"]
 
@@ -28,7 +27,7 @@ def _events(path: Path) -> list[dict[str, Any]]:
 
 
 async def test_audit_records_each_privileged_action_without_secrets(busybox_image: str) -> None:
-    audit = Path(tempfile.mkdtemp(prefix="cs-au-", dir="/tmp")) / "audit.jsonl"
+    audit = short_dir("cs-au-") / "audit.jsonl"
     name = f"cs-audit-{next_id()[-8:]}"
     async with running_daemon(f'[audit]\nfile = "{audit}"\n') as daemon:
         session = await daemon.open_session()
@@ -77,7 +76,7 @@ async def test_audit_records_each_privileged_action_without_secrets(busybox_imag
 
 
 async def test_audit_records_a_refused_control_peer() -> None:
-    audit = Path(tempfile.mkdtemp(prefix="cs-au-", dir="/tmp")) / "audit.jsonl"
+    audit = short_dir("cs-au-") / "audit.jsonl"
     async with running_daemon(f'[audit]\nfile = "{audit}"\n') as daemon:
         os.chmod(daemon.state_dir, 0o755)
         os.chmod(daemon.state_dir / "control.sock", 0o666)  # the file mode lets it in; the uid check refuses
@@ -88,8 +87,8 @@ async def test_audit_records_a_refused_control_peer() -> None:
 
 
 def _serve(config: str) -> subprocess.CompletedProcess[str]:
-    state = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
-    conf = write_config(Path(tempfile.mkdtemp(prefix="cs-conf-", dir="/tmp")), config)
+    state = short_dir()
+    conf = write_config(short_dir("cs-conf-"), config)
     return subprocess.run([*CLI, "serve", "--config", str(conf), "--state-dir", str(state)], capture_output=True,
                           text=True, timeout=30, check=False)
 
@@ -133,7 +132,7 @@ async def _audited(path: Path, predicate: Callable[[dict[str, Any]], bool]) -> d
 async def test_exec_whose_client_hangs_up_is_audited_and_logged_as_client_gone(tmp_path: Path) -> None:
     """Regression: #37 (finding 5): a request whose client hung up before the reply left no audit event and no
     request log line, though its effect stayed."""
-    audit = Path(tempfile.mkdtemp(prefix="cs-au-", dir="/tmp")) / "audit.jsonl"
+    audit = short_dir("cs-au-") / "audit.jsonl"
     created, pid_file = tmp_path / "created-by-exec", tmp_path / "exec.pid"
     async with running_daemon(f'[audit]\nfile = "{audit}"\n') as daemon:
         session = await daemon.open_session()
@@ -153,7 +152,7 @@ async def test_exec_whose_client_hangs_up_is_audited_and_logged_as_client_gone(t
 
 async def test_exec_cancelled_by_shutdown_is_audited_and_logged_as_cancelled(tmp_path: Path) -> None:
     """Regression: #37 (finding 5): a request the daemon cancelled at shutdown was answered, but not audited."""
-    audit = Path(tempfile.mkdtemp(prefix="cs-au-", dir="/tmp")) / "audit.jsonl"
+    audit = short_dir("cs-au-") / "audit.jsonl"
     created = tmp_path / "created-before-shutdown"
     async with running_daemon(f'[audit]\nfile = "{audit}"\n[server]\nshutdown_grace_s = 0.5\n') as daemon:
         session = await daemon.open_session()
@@ -187,8 +186,8 @@ _PRINT_MARKER = 'echo "AUDIT-SECRET-""MARKER-$((6*7))"'
 async def test_failed_commands_output_never_reaches_the_audit_or_the_log(busybox_image: str) -> None:
     """Regression: #37 (finding 7): a failed command's output (up to 16 KiB) went into the audit event and the
     journal, with whatever secrets it printed; the reply still carries it (the protocol's only channel)."""
-    audit = Path(tempfile.mkdtemp(prefix="cs-au-", dir="/tmp")) / "audit.jsonl"
-    context = Path(tempfile.mkdtemp(prefix="cs-au-ctx-", dir="/tmp"))
+    audit = short_dir("cs-au-") / "audit.jsonl"
+    context = short_dir("cs-au-ctx-")
     name, tag = f"cs-audit-{next_id()[-8:]}", f"coldsnap-capsule/audit-{next_id()[-8:]}:1"
     try:
         async with running_daemon(f'[audit]\nfile = "{audit}"\n') as daemon:
@@ -236,7 +235,7 @@ def _json_or_empty(line: str) -> dict[str, Any]:
 
 async def test_control_request_whose_client_hangs_up_is_audited_as_client_gone(busybox_image: str) -> None:
     """Regression: #37 (finding 5), the control socket: a workload-stop whose manager hung up left no event."""
-    audit = Path(tempfile.mkdtemp(prefix="cs-au-", dir="/tmp")) / "audit.jsonl"
+    audit = short_dir("cs-au-") / "audit.jsonl"
     name = f"cs-audit-{next_id()[-8:]}"
     async with running_daemon(f'[audit]\nfile = "{audit}"\n') as daemon:
         session = await daemon.open_session()

@@ -11,7 +11,6 @@ import http.server
 import json
 import os
 import subprocess
-import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import Registry, docker
-from tests.helpers import EXEC_AS_NOBODY, next_id, running_daemon, session_as
+from tests.helpers import EXEC_AS_NOBODY, next_id, running_daemon, session_as, short_dir
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
@@ -82,7 +81,7 @@ async def test_build_remote_sources_refused_under_capsule_before_the_engine_fetc
     port, requests = loopback
     url = f"http://127.0.0.1:{port}/secret"
     audit = tmp_path / "audit.jsonl"
-    context = Path(tempfile.mkdtemp(prefix="cs-bs-", dir="/tmp"))
+    context = short_dir("cs-bs-")
     context.chmod(0o755)
     tag = f"coldsnap-capsule/bs-{next_id()[-9:]}:1"
     config = f'{EXEC_AS_NOBODY}[server]\ncontrol_uids = [{NOBODY}]\n[audit]\nfile = "{audit}"\n'
@@ -114,7 +113,7 @@ async def test_build_remote_sources_still_fetched_under_unrestricted(
         busybox_image: str, loopback: tuple[int, list[str]]) -> None:
     """Root's `unrestricted` profile builds as before: the engine fetches the URL (from the host's loopback)."""
     port, requests = loopback
-    context = tempfile.mkdtemp(prefix="cs-bs-", dir="/tmp")
+    context = str(short_dir("cs-bs-"))
     tag = f"coldsnap-capsule/bs-{next_id()[-9:]}:1"
     try:
         async with running_daemon() as daemon:
@@ -136,7 +135,7 @@ async def test_build_run_step_cannot_reach_the_host_loopback(
     its own, and the host's loopback is not routed from the bridge (route_localnet off), so the server bound to
     the host's 127.0.0.1 is reached neither way (measured for docs/threat-model.md)."""
     port, requests = loopback
-    context = tempfile.mkdtemp(prefix="cs-bs-", dir="/tmp")
+    context = str(short_dir("cs-bs-"))
     tag = f"coldsnap-capsule/bs-{next_id()[-9:]}:1"
     request = "printf 'GET /from-run HTTP/1.0\\r\\n\\r\\n'"
     try:
@@ -162,7 +161,7 @@ async def test_build_from_a_base_whose_onbuild_trigger_adds_a_url_refused_under_
     manager gets such an image without writing the ONBUILD itself (image-pull of any image its profile
     admits), so the backend checks the bases' triggers: resident, or pulled first when the build pulls."""
     port, requests = loopback
-    context = Path(tempfile.mkdtemp(prefix="cs-bs-", dir="/tmp"))
+    context = short_dir("cs-bs-")
     context.chmod(0o755)
     (context / "Dockerfile").write_text(f"FROM {busybox_image}\nONBUILD ADD http://127.0.0.1:{port}/trigger /t\n")
     base = f"{registry.address}/capsules/onbuild-{next_id()[-9:]}:1"

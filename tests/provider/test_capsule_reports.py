@@ -8,7 +8,6 @@ import os
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from coldsnap_provider._capsule_reports import CapsuleReports
 from coldsnap_provider._metrics import Metrics
 from coldsnap_runtime import REPORT_DIR_LABEL, DockerBackend, RuntimeContext, dispatch
 from coldsnap_runtime.schema import WorkloadRun
-from tests.helpers import Session, next_id, running_daemon
+from tests.helpers import Session, next_id, running_daemon, short_dir
 from tests.provider.test_metrics import sample, scrape
 
 # A restore report as the worker writes it (coldsnap_probe/_worker.py), keys the daemon ignores included.
@@ -74,7 +73,7 @@ def _unit_dirs(state_dir: Path) -> list[Path]:
 
 @pytest.mark.usefixtures("no_leftovers")
 async def test_capsule_reports_feed_the_phase_histograms(busybox_image: str) -> None:
-    sock = Path(tempfile.mkdtemp(prefix="cs-cr-", dir="/tmp")) / "metrics.sock"
+    sock = short_dir("cs-cr-") / "metrics.sock"
     async with running_daemon(_metrics_config(sock)) as daemon:
         session = await daemon.open_session()
         seen = await _run_capsule(session, busybox_image, 'echo "dir=$COLDSNAP_REPORT_DIR"; '
@@ -111,7 +110,7 @@ _HOSTILE = " ; ".join([
 
 @pytest.mark.usefixtures("no_leftovers")
 async def test_hostile_capsule_reports_change_nothing_but_the_rejected_counter(busybox_image: str) -> None:
-    sock = Path(tempfile.mkdtemp(prefix="cs-cr-", dir="/tmp")) / "metrics.sock"
+    sock = short_dir("cs-cr-") / "metrics.sock"
     shadow = Path("/etc/shadow").read_bytes()
     async with running_daemon(_metrics_config(sock)) as daemon:
         session = await daemon.open_session()

@@ -11,13 +11,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
 import pytest
 
 from tests.conftest import BUSYBOX_IMAGE, docker
-from tests.helpers import ROOT, running_daemon
+from tests.helpers import ROOT, Daemon, module_daemon, running_daemon
 
 CLI = [sys.executable, "-m", "coldsnap_provider"]
 
@@ -52,34 +53,40 @@ def test_embedded_default_config_checks_clean() -> None:
     assert cli("check-config", str(default)).stdout == f"{default}: valid; every file it names is readable\n"
 
 
-async def test_session_open_list_close_and_call() -> None:
-    async with running_daemon() as daemon:
-        state = str(daemon.state_dir)
-        opened = await anyio.to_thread.run_sync(lambda: cli(
-            "session", "open", "--state-dir", state, "--session", "op-cli", "--host", "localhost",
-            "--host", "node-b", "--label", "sparkrun.cluster_id=c", "--cluster-id", "c", "-o", "json"))
-        assert opened.returncode == 0, opened.stderr
-        result = json.loads(opened.stdout)
-        assert set(result) == {"session", "token", "socket", "environment"}
-        assert result["environment"] == {"COLDSNAP_HOST_PROVIDER_SOCKET": result["socket"],
-                                         "COLDSNAP_HOST_PROVIDER_TOKEN": result["token"]}
-        call = await anyio.to_thread.run_sync(lambda: cli(
-            "call", "--socket", result["socket"], f"--token={result['token']}", "--session", "op-cli",
-            "exec", '{"host":"localhost","arguments":["echo","hi"]}', "-o", "json"))
-        assert call.returncode == 0 and json.loads(call.stdout)["output"] == "aGkK"
-        listed = await anyio.to_thread.run_sync(lambda: cli("session", "list", "--state-dir", state, "-o", "json"))
-        assert [s["session"] for s in json.loads(listed.stdout)] == ["op-cli"]
-        table = await anyio.to_thread.run_sync(lambda: cli("session", "ls", "--state-dir", state))
-        assert table.stdout.splitlines()[0].split() == ["SESSION", "HOSTS", "UID", "CLUSTER", "LABELS", "OPENED"]
-        assert re.fullmatch(r"op-cli +localhost,node-b +0 +c +sparkrun.cluster_id=c +(just now|\d s ago)",
-                            table.stdout.splitlines()[1])
-        closed = await anyio.to_thread.run_sync(lambda: cli("session", "close", "--state-dir", state, "op-cli"))
-        assert closed.returncode == 0 and closed.stdout == "closed op-cli\n" and not Path(result["socket"]).exists()
-        status = await anyio.to_thread.run_sync(lambda: cli("status", "--state-dir", state, "-o", "json"))
-        assert json.loads(status.stdout)["sessions"] == 0
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[Daemon]:
+    """One daemon of the default configuration for this module's tests of the session and run commands: each
+    closes what it opened, and checks so (a start and a stop are about a second of the 2-core CI box)."""
+    yield from module_daemon(None)
 
 
-async def test_run_serves_the_controller_and_returns_its_status() -> None:
+async def test_session_open_list_close_and_call(daemon: Daemon) -> None:
+    state = str(daemon.state_dir)
+    opened = await anyio.to_thread.run_sync(lambda: cli(
+        "session", "open", "--state-dir", state, "--session", "op-cli", "--host", "localhost",
+        "--host", "node-b", "--label", "sparkrun.cluster_id=c", "--cluster-id", "c", "-o", "json"))
+    assert opened.returncode == 0, opened.stderr
+    result = json.loads(opened.stdout)
+    assert set(result) == {"session", "token", "socket", "environment"}
+    assert result["environment"] == {"COLDSNAP_HOST_PROVIDER_SOCKET": result["socket"],
+                                     "COLDSNAP_HOST_PROVIDER_TOKEN": result["token"]}
+    call = await anyio.to_thread.run_sync(lambda: cli(
+        "call", "--socket", result["socket"], f"--token={result['token']}", "--session", "op-cli",
+        "exec", '{"host":"localhost","arguments":["echo","hi"]}', "-o", "json"))
+    assert call.returncode == 0 and json.loads(call.stdout)["output"] == "aGkK"
+    listed = await anyio.to_thread.run_sync(lambda: cli("session", "list", "--state-dir", state, "-o", "json"))
+    assert [s["session"] for s in json.loads(listed.stdout)] == ["op-cli"]
+    table = await anyio.to_thread.run_sync(lambda: cli("session", "ls", "--state-dir", state))
+    assert table.stdout.splitlines()[0].split() == ["SESSION", "HOSTS", "UID", "CLUSTER", "LABELS", "OPENED"]
+    assert re.fullmatch(r"op-cli +localhost,node-b +0 +c +sparkrun.cluster_id=c +(just now|\d s ago)",
+                        table.stdout.splitlines()[1])
+    closed = await anyio.to_thread.run_sync(lambda: cli("session", "close", "--state-dir", state, "op-cli"))
+    assert closed.returncode == 0 and closed.stdout == "closed op-cli\n" and not Path(result["socket"]).exists()
+    status = await anyio.to_thread.run_sync(lambda: cli("status", "--state-dir", state, "-o", "json"))
+    assert json.loads(status.stdout)["sessions"] == 0
+
+
+async def test_run_serves_the_controller_and_returns_its_status(daemon: Daemon) -> None:
     work = Path(tempfile.mkdtemp(prefix="cs-run-"))
     wrapper = controller(work, GOOD_CAPABILITIES)
     request = {"id": "req-run", "launch": {"units": [{"host": "localhost"}]}}
@@ -89,41 +96,39 @@ async def test_run_serves_the_controller_and_returns_its_status() -> None:
         f'(cd {ROOT} && {sys.executable} -m coldsnap_provider call --session req-run capabilities -o json) '
         '> caps.json; exit 5'
     )
-    async with running_daemon() as daemon:
-        result = await anyio.to_thread.run_sync(lambda: cli(
-            "run", "--state-dir", str(daemon.state_dir), "--request", str(work / "request.json"),
-            "--keep-env", "KEEP_ME", "--", str(wrapper), "sh", "-c", script, cwd=work,
-            env={**os.environ, "HF_TOKEN": "secret", "AWS_SECRET_ACCESS_KEY": "secret", "KEEP_ME": "kept",
-                 "LC_ALL": "C.UTF-8"}))
-        assert result.returncode == 5, result.stderr
-        assert json.loads((work / "stdin.json").read_text()) == request
-        env = dict(line.partition("=")[::2] for line in (work / "env.txt").read_text().splitlines() if "=" in line)
-        assert "COLDSNAP_HOST_PROVIDER_SOCKET" in env and "HF_TOKEN" not in env
-        # Regression: #24 finding 9: only an allow-list (and what the manager keeps) reaches the controller.
-        assert "AWS_SECRET_ACCESS_KEY" not in env and env["KEEP_ME"] == "kept" and env["LC_ALL"] == "C.UTF-8"
-        assert "secret" not in env.values()
-        assert json.loads((work / "caps.json").read_text())["ok"] is True
-        assert await daemon.control(operation="session-list") == []  # closed after the child exited
+    result = await anyio.to_thread.run_sync(lambda: cli(
+        "run", "--state-dir", str(daemon.state_dir), "--request", str(work / "request.json"),
+        "--keep-env", "KEEP_ME", "--", str(wrapper), "sh", "-c", script, cwd=work,
+        env={**os.environ, "HF_TOKEN": "secret", "AWS_SECRET_ACCESS_KEY": "secret", "KEEP_ME": "kept",
+             "LC_ALL": "C.UTF-8"}))
+    assert result.returncode == 5, result.stderr
+    assert json.loads((work / "stdin.json").read_text()) == request
+    env = dict(line.partition("=")[::2] for line in (work / "env.txt").read_text().splitlines() if "=" in line)
+    assert "COLDSNAP_HOST_PROVIDER_SOCKET" in env and "HF_TOKEN" not in env
+    # Regression: #24 finding 9: only an allow-list (and what the manager keeps) reaches the controller.
+    assert "AWS_SECRET_ACCESS_KEY" not in env and env["KEEP_ME"] == "kept" and env["LC_ALL"] == "C.UTF-8"
+    assert "secret" not in env.values()
+    assert json.loads((work / "caps.json").read_text())["ok"] is True
+    assert await daemon.control(operation="session-list") == []  # closed after the child exited
 
 
-async def test_run_forwards_sigterm_to_the_controller_group() -> None:
+async def test_run_forwards_sigterm_to_the_controller_group(daemon: Daemon) -> None:
     work = Path(tempfile.mkdtemp(prefix="cs-run-"))
     (work / "request.json").write_text(json.dumps({"id": "req-term", "launch": {"units": [{"host": "h"}]}}))
     wrapper = controller(work, GOOD_CAPABILITIES)
     script = 'cat > /dev/null; trap "echo term > got; exit 3" TERM; touch started; while :; do sleep 0.1; done'
-    async with running_daemon() as daemon:
-        process = subprocess.Popen([*CLI, "run", "--state-dir", str(daemon.state_dir), "--request",
-                                    str(work / "request.json"), "--", str(wrapper), "sh", "-c", script],
-                                   cwd=work)
-        deadline = time.monotonic() + 20
-        while not (work / "started").exists():
-            assert time.monotonic() < deadline and process.poll() is None
-            await anyio.sleep(0.05)
-        assert [s["session"] for s in await daemon.control(operation="session-list")] == ["req-term"]
-        process.send_signal(signal.SIGTERM)
-        code = await anyio.to_thread.run_sync(process.wait, 20)
-        assert code == 3 and (work / "got").read_text() == "term\n"
-        assert await daemon.control(operation="session-list") == []
+    process = subprocess.Popen([*CLI, "run", "--state-dir", str(daemon.state_dir), "--request",
+                                str(work / "request.json"), "--", str(wrapper), "sh", "-c", script],
+                               cwd=work)
+    deadline = time.monotonic() + 20
+    while not (work / "started").exists():
+        assert time.monotonic() < deadline and process.poll() is None
+        await anyio.sleep(0.05)
+    assert [s["session"] for s in await daemon.control(operation="session-list")] == ["req-term"]
+    process.send_signal(signal.SIGTERM)
+    code = await anyio.to_thread.run_sync(process.wait, 20)
+    assert code == 3 and (work / "got").read_text() == "term\n"
+    assert await daemon.control(operation="session-list") == []
 
 
 def test_default_state_dir_for_root_and_for_users(tmp_path: Path) -> None:
@@ -188,27 +193,27 @@ exec "$@"
     return script
 
 
-async def run_with(capabilities: object, *extra: str, exit_code: int = 0, script: str = "cat > /dev/null",
-                   env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], Path, list[object]]:
-    """`coldsnap-provider run` against a real daemon; returns the result, the work dir and the sessions
-    the daemon listed while the controller ran (written by the controller itself)."""
+async def run_with(daemon: Daemon, capabilities: object, *extra: str, exit_code: int = 0,
+                   script: str = "cat > /dev/null", env: dict[str, str] | None = None,
+                   ) -> tuple[subprocess.CompletedProcess[str], Path, list[object]]:
+    """`coldsnap-provider run` against `daemon`; returns the result, the work dir and the sessions the daemon
+    listed while the controller ran (written by the controller itself)."""
     work = Path(tempfile.mkdtemp(prefix="cs-run-"))
     (work / "request.json").write_text(json.dumps({"id": "req-neg", "launch": {"units": [{"host": "localhost"}]}}))
     wrapper = controller(work, capabilities, exit_code=exit_code)
-    async with running_daemon() as daemon:
-        listing = (f"{script}; cd {ROOT} && {sys.executable} -m coldsnap_provider session list -o json "
-                   f"--state-dir {daemon.state_dir} > {work}/sessions.json")
-        result = await anyio.to_thread.run_sync(lambda: cli(
-            "run", "--state-dir", str(daemon.state_dir), "--request", str(work / "request.json"), *extra,
-            "--", str(wrapper), "sh", "-c", listing, cwd=work, env={**os.environ, **(env or {})}))
-        assert await daemon.control(operation="session-list") == []
+    listing = (f"{script}; cd {ROOT} && {sys.executable} -m coldsnap_provider session list -o json "
+               f"--state-dir {daemon.state_dir} > {work}/sessions.json")
+    result = await anyio.to_thread.run_sync(lambda: cli(
+        "run", "--state-dir", str(daemon.state_dir), "--request", str(work / "request.json"), *extra,
+        "--", str(wrapper), "sh", "-c", listing, cwd=work, env={**os.environ, **(env or {})}))
+    assert await daemon.control(operation="session-list") == []
     sessions = json.loads((work / "sessions.json").read_text()) if (work / "sessions.json").exists() else []
     return result, work, sessions
 
 
-async def test_run_negotiates_then_opens_the_session_with_labels_and_cluster_id() -> None:
+async def test_run_negotiates_then_opens_the_session_with_labels_and_cluster_id(daemon: Daemon) -> None:
     result, work, sessions = await run_with(
-        GOOD_CAPABILITIES, "--label", "sparkrun.cluster_id=c-7", "--label", "sparkrun.recipe=r",
+        daemon, GOOD_CAPABILITIES, "--label", "sparkrun.cluster_id=c-7", "--label", "sparkrun.recipe=r",
         "--cluster-id", "c-7", env={"HF_TOKEN": "hf_secret", "HUGGING_FACE_HUB_TOKEN": "hf_secret"})
     assert result.returncode == 0, result.stderr
     assert (work / "controller-ran").exists()
@@ -230,29 +235,29 @@ async def test_run_negotiates_then_opens_the_session_with_labels_and_cluster_id(
                  id="old-controller"),
     pytest.param("coldsnap 0.3.19", "did not print a capabilities object", id="not-json"),
 ])
-async def test_run_refuses_a_controller_missing_what_the_manager_needs(capabilities: object, expected: str) -> None:
-    result, work, sessions = await run_with(capabilities)
+async def test_run_refuses_a_controller_missing_what_the_manager_needs(daemon: Daemon, capabilities: object,
+                                                                       expected: str) -> None:
+    result, work, sessions = await run_with(daemon, capabilities)
     assert result.returncode == 2 and "refusing the controller" in result.stderr and expected in result.stderr
     assert not (work / "controller-ran").exists() and sessions == []
 
 
-async def test_run_refuses_a_controller_whose_capabilities_fails() -> None:
-    result, work, _ = await run_with(GOOD_CAPABILITIES, exit_code=3)
+async def test_run_refuses_a_controller_whose_capabilities_fails(daemon: Daemon) -> None:
+    result, work, _ = await run_with(daemon, GOOD_CAPABILITIES, exit_code=3)
     assert result.returncode == 2 and "capabilities` exited 3" in result.stderr
     assert not (work / "controller-ran").exists()
 
 
-async def test_run_refuses_a_controller_that_does_not_answer_in_time() -> None:
+async def test_run_refuses_a_controller_that_does_not_answer_in_time(daemon: Daemon) -> None:
     work = Path(tempfile.mkdtemp(prefix="cs-run-"))
     (work / "request.json").write_text(json.dumps({"id": "req-slow", "launch": {"units": [{"host": "h"}]}}))
     slow = work / "slow"
     slow.write_text("#!/bin/sh\nexec sleep 60\n")
     slow.chmod(0o755)
-    async with running_daemon() as daemon:
-        result = await anyio.to_thread.run_sync(lambda: cli(
-            "run", "--state-dir", str(daemon.state_dir), "--request", str(work / "request.json"),
-            "--capabilities-timeout", "0.5", "--", str(slow), "restore"))
-        assert await daemon.control(operation="session-list") == []
+    result = await anyio.to_thread.run_sync(lambda: cli(
+        "run", "--state-dir", str(daemon.state_dir), "--request", str(work / "request.json"),
+        "--capabilities-timeout", "0.5", "--", str(slow), "restore"))
+    assert await daemon.control(operation="session-list") == []
     assert result.returncode == 2 and "did not answer within 0.5 s" in result.stderr
 
 

@@ -11,13 +11,15 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import anyio
+import pytest
 
 from tests.conftest import docker
-from tests.helpers import EXEC_AS_NOBODY, Daemon, control_as, running_daemon
+from tests.helpers import EXEC_AS_NOBODY, Daemon, control_as, module_daemon, running_daemon
 from tests.helpers import ROOT as REPO
 from tests.provider.test_cli_help import CLI, cli
 
@@ -69,49 +71,54 @@ async def opened(daemon: Daemon, session: str, tmp_path: Path) -> dict[str, str]
             "token": answer["token"]}
 
 
-async def test_call_shows_exec_output_as_text_and_raw_writes_the_exact_bytes(tmp_path: Path) -> None:
-    async with running_daemon() as daemon:
-        s = await opened(daemon, "op-text", tmp_path)
-        env = {"COLDSNAP_HOST_PROVIDER_SOCKET": s["COLDSNAP_HOST_PROVIDER_SOCKET"]}
-        base = ("call", "--session", "op-text", "--token-file", s["token_file"])
-        script = r'printf "h\303\251llo\n"; echo oops >&2'
-        text = await in_thread(*base, "exec", json.dumps({"host": "localhost", "arguments": ["sh", "-c", script]}),
-                               env=env)
-        assert text.returncode == 0 and text.stdout == "héllo\n" and "oops" in text.stderr, text
-        binary = json.dumps({"host": "localhost", "arguments": ["printf", r"\377\000x"]})
-        raw = await in_thread(*base, "--raw", "exec", binary, env=env, text=False)
-        assert raw.returncode == 0 and raw.stdout == b"\xff\x00x"
-        decoded = await in_thread(*base, "exec", binary, env=env, text=False)
-        assert decoded.stdout == "\ufffd\x00x".encode()  # a terminal never gets invalid UTF-8
-        wire = await in_thread(*base, "-o", "json", "exec", binary, env=env)
-        assert json.loads(wire.stdout)["output"] == "/wB4"  # base64 of the same bytes, as on the wire
-        caps = await in_thread(*base, "capabilities", env=env)
-        assert re.search(r"^capabilities: .*\bruntime-v1\b", caps.stdout, re.M), caps.stdout
-        refused = await in_thread(*base, "runtime", '{"host":"localhost","runtime":{"action":"workload-inspect",'
-                                  '"name":"absent-cli-x"}}', env=env)
-        assert refused.returncode == 1 and "not_found: " in refused.stderr and "absent-cli-x" in refused.stderr
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[Daemon]:
+    """One daemon of the default configuration for this module's call, token and status tests, each on a session
+    of its own (a start and a stop are about a second of the 2-core CI box); the workload tests start their own."""
+    yield from module_daemon(None)
 
 
-async def test_tokens_come_from_a_private_file_or_the_environment(tmp_path: Path) -> None:
-    async with running_daemon() as daemon:
-        s = await opened(daemon, "op-token", tmp_path)
-        env = {"COLDSNAP_HOST_PROVIDER_SOCKET": s["COLDSNAP_HOST_PROVIDER_SOCKET"]}
-        base = ("call", "--session", "op-token", "capabilities")
-        assert (await in_thread(*base, "--token-file", s["token_file"], env=env)).returncode == 0
-        from_env = await in_thread(*base, env={**env, "COLDSNAP_HOST_PROVIDER_TOKEN": s["token"]})
-        assert from_env.returncode == 0, from_env.stderr
-        Path(s["token_file"]).chmod(0o644)
-        shared = await in_thread(*base, "--token-file", s["token_file"], env=env)
-        assert shared.returncode == 2 and "readable by every user (mode 0644)" in shared.stderr
-        assert "not world-readable" in shared.stderr and shared.stdout == ""
-        none = await in_thread(*base, env={**env, "COLDSNAP_HOST_PROVIDER_TOKEN": ""})
-        assert none.returncode == 2 and "no token" in none.stderr
-        wrong = tmp_path / "wrong"
-        wrong.write_text("not-the-token")
-        wrong.chmod(0o600)
-        refused = await in_thread(*base, "--token-file", str(wrong), env=env)
-        assert refused.returncode == 1
-        assert refused.stderr == "coldsnap-provider: refused: host-provider session is unauthorized\n"
+async def test_call_shows_exec_output_as_text_and_raw_writes_the_exact_bytes(daemon: Daemon, tmp_path: Path) -> None:
+    s = await opened(daemon, "op-text", tmp_path)
+    env = {"COLDSNAP_HOST_PROVIDER_SOCKET": s["COLDSNAP_HOST_PROVIDER_SOCKET"]}
+    base = ("call", "--session", "op-text", "--token-file", s["token_file"])
+    script = r'printf "h\303\251llo\n"; echo oops >&2'
+    text = await in_thread(*base, "exec", json.dumps({"host": "localhost", "arguments": ["sh", "-c", script]}),
+                           env=env)
+    assert text.returncode == 0 and text.stdout == "héllo\n" and "oops" in text.stderr, text
+    binary = json.dumps({"host": "localhost", "arguments": ["printf", r"\377\000x"]})
+    raw = await in_thread(*base, "--raw", "exec", binary, env=env, text=False)
+    assert raw.returncode == 0 and raw.stdout == b"\xff\x00x"
+    decoded = await in_thread(*base, "exec", binary, env=env, text=False)
+    assert decoded.stdout == "\ufffd\x00x".encode()  # a terminal never gets invalid UTF-8
+    wire = await in_thread(*base, "-o", "json", "exec", binary, env=env)
+    assert json.loads(wire.stdout)["output"] == "/wB4"  # base64 of the same bytes, as on the wire
+    caps = await in_thread(*base, "capabilities", env=env)
+    assert re.search(r"^capabilities: .*\bruntime-v1\b", caps.stdout, re.M), caps.stdout
+    refused = await in_thread(*base, "runtime", '{"host":"localhost","runtime":{"action":"workload-inspect",'
+                              '"name":"absent-cli-x"}}', env=env)
+    assert refused.returncode == 1 and "not_found: " in refused.stderr and "absent-cli-x" in refused.stderr
+
+
+async def test_tokens_come_from_a_private_file_or_the_environment(daemon: Daemon, tmp_path: Path) -> None:
+    s = await opened(daemon, "op-token", tmp_path)
+    env = {"COLDSNAP_HOST_PROVIDER_SOCKET": s["COLDSNAP_HOST_PROVIDER_SOCKET"]}
+    base = ("call", "--session", "op-token", "capabilities")
+    assert (await in_thread(*base, "--token-file", s["token_file"], env=env)).returncode == 0
+    from_env = await in_thread(*base, env={**env, "COLDSNAP_HOST_PROVIDER_TOKEN": s["token"]})
+    assert from_env.returncode == 0, from_env.stderr
+    Path(s["token_file"]).chmod(0o644)
+    shared = await in_thread(*base, "--token-file", s["token_file"], env=env)
+    assert shared.returncode == 2 and "readable by every user (mode 0644)" in shared.stderr
+    assert "not world-readable" in shared.stderr and shared.stdout == ""
+    none = await in_thread(*base, env={**env, "COLDSNAP_HOST_PROVIDER_TOKEN": ""})
+    assert none.returncode == 2 and "no token" in none.stderr
+    wrong = tmp_path / "wrong"
+    wrong.write_text("not-the-token")
+    wrong.chmod(0o600)
+    refused = await in_thread(*base, "--token-file", str(wrong), env=env)
+    assert refused.returncode == 1
+    assert refused.stderr == "coldsnap-provider: refused: host-provider session is unauthorized\n"
 
 
 def _lines_with_times(process: subprocess.Popen[str]) -> list[tuple[float, str]]:
@@ -217,19 +224,18 @@ async def test_close_all_and_rm_reach_only_the_callers_own(busybox_image: str, t
         docker("rm", "-f", mine, check=False)
 
 
-async def test_status_is_a_table_for_people_and_json_for_scripts() -> None:
-    async with running_daemon() as daemon:
-        state = ("--state-dir", str(daemon.state_dir))
-        text = await in_thread("status", *state)
-        assert text.returncode == 0 and re.search(r"^healthy: +true$", text.stdout, re.M), text.stdout
-        assert re.search(r"^BACKEND +HOST +UP +ERROR$", text.stdout, re.M)
-        assert re.search(r"^docker +\S+ +yes +-$", text.stdout, re.M)
-        wire = json.loads((await in_thread("status", *state, "-o", "json")).stdout)
-        assert wire["healthy"] is True and wire["state_dir"] == str(daemon.state_dir)
-        scripted = await in_thread("status", *state, env={"COLDSNAP_OUTPUT": "json"})
-        assert json.loads(scripted.stdout)["healthy"] is True
-        gone = await in_thread("status", "--state-dir", str(daemon.state_dir / "absent"))
-        assert gone.returncode == 1 and gone.stderr.startswith("coldsnap-provider: cannot reach the daemon at ")
+async def test_status_is_a_table_for_people_and_json_for_scripts(daemon: Daemon) -> None:
+    state = ("--state-dir", str(daemon.state_dir))
+    text = await in_thread("status", *state)
+    assert text.returncode == 0 and re.search(r"^healthy: +true$", text.stdout, re.M), text.stdout
+    assert re.search(r"^BACKEND +HOST +UP +ERROR$", text.stdout, re.M)
+    assert re.search(r"^docker +\S+ +yes +-$", text.stdout, re.M)
+    wire = json.loads((await in_thread("status", *state, "-o", "json")).stdout)
+    assert wire["healthy"] is True and wire["state_dir"] == str(daemon.state_dir)
+    scripted = await in_thread("status", *state, env={"COLDSNAP_OUTPUT": "json"})
+    assert json.loads(scripted.stdout)["healthy"] is True
+    gone = await in_thread("status", "--state-dir", str(daemon.state_dir / "absent"))
+    assert gone.returncode == 1 and gone.stderr.startswith("coldsnap-provider: cannot reach the daemon at ")
 
 
 async def test_one_uid_follows_at_most_four_logs_at_once_and_a_stopped_workloads_last_lines_arrive(

@@ -24,11 +24,12 @@ from pathlib import Path
 import pytest
 
 from coldsnap_provider import __version__
+from tests.builds import Builds
 from tests.conftest import docker
-from tests.helpers import ROOT
 from tests.provider.test_systemd_boot import SYSTEMD, _in, boot_container
 
 IMAGE = "coldsnap-test/systemd-deb:1"
+BACKGROUND_BUILDS = ("deb",)  # tests/builds.py: started as the session begins
 LINTIAN_CACHE = Path("/var/cache/coldsnap-deb/lintian")
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not SYSTEMD.exists() or not shutil.which("docker"),
                                 reason="builds a .deb and boots systemd in a container: needs root, docker and systemd")
@@ -45,12 +46,11 @@ s.shutdown(socket.SHUT_WR); print(b"".join(iter(lambda: s.recv(65536), b"")).dec
 """
 
 
-def _build(revision: int, out: Path) -> Path:
-    built = subprocess.run(["bash", str(ROOT / "scripts" / "package"), "deb", "--revision", str(revision),
-                            "--out", str(out)], capture_output=True, text=True, check=False, timeout=500)
-    assert built.returncode == 0, built.stderr[-4000:]
-    deb = Path(built.stdout.splitlines()[-1])
-    assert deb.name == f"coldsnap-provider_{__version__}-{revision}_amd64.deb", deb
+def _built(done: subprocess.CompletedProcess[str]) -> Path:
+    """The package the background "deb" build made (`scripts/package deb --revision 1`, tests/builds.py)."""
+    assert done.returncode == 0, done.stderr[-4000:]
+    deb = Path(done.stdout.splitlines()[-1])
+    assert deb.name == f"coldsnap-provider_{__version__}-1_amd64.deb", deb
     return deb
 
 
@@ -81,13 +81,13 @@ class Debs:
 
 
 @pytest.fixture(scope="module")
-def debs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Debs]:
-    """The package at Debian revision 1, built (about 25 s of one core when the source changed, as it has in every
-    CI run), and at revision 2 (the upgrade) repacked from it; lintian's report on the first is read in the
-    background (about 25 s of one core) while the install test runs."""
-    out = tmp_path_factory.mktemp("debs")
+def debs(background_builds: Builds) -> Iterator[Debs]:
+    """The package at Debian revision 1, built in the background since the session began (about 25 s of one core
+    when the source changed, as it has in every CI run), and at revision 2 (the upgrade) repacked from it;
+    lintian's report on the first is read in the background (about 25 s of one core) while the install test
+    runs."""
+    first = _built(background_builds.result("deb"))
     with ThreadPoolExecutor(max_workers=1) as pool:
-        first = _build(1, out)
         lintian = pool.submit(_lintian, first)
         yield Debs(first, _at_revision(first, 2), lintian)
 
@@ -139,7 +139,7 @@ def _journal(container: str) -> str:
     return _in(container, "journalctl -u coldsnap-provider -o cat --no-pager | tail -30").stdout
 
 
-@pytest.mark.timeout(600)  # the first test: it builds the package (about 30 s on 2 cores when the source changed)
+@pytest.mark.timeout(600)  # the first test: it may wait for the package's build (tests/builds.py)
 def test_install_upgrade_and_remove_under_systemd(debs: Debs, booted: str) -> None:
     first, second = debs.first, debs.second
     for deb in (first, second):

@@ -14,7 +14,7 @@ import anyio
 import msgspec
 import pytest
 
-from tests.helpers import Session, module_daemon, running_daemon
+from tests.helpers import Session, module_daemon, running_daemon, short_dir
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +185,7 @@ async def test_grandchild_that_ignores_sigterm_is_killed_on_disconnect(shared: P
 async def test_exec_children_of_a_killed_daemon_are_ended_at_its_next_start(shared: Path) -> None:
     """Regression: #11 finding 15 (exec children survived a SIGKILL of the daemon)."""
     pid_file = shared / "child"
-    state = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
+    state = short_dir()
     async with running_daemon(state_dir=state) as daemon:
         s = await daemon.open_session()
         stream, pid = await s.exec_in_background(f"sleep 300 & echo $! > {pid_file}; wait", pid_file)

@@ -12,13 +12,12 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import anyio
 import pytest
 
-from tests.helpers import ROOT, running_daemon
+from tests.helpers import ROOT, running_daemon, short_dir
 from tests.provider.test_metrics import scrape
 
 CLI = [sys.executable, "-m", "coldsnap_provider"]
@@ -71,7 +70,7 @@ def _remote(env: dict[str, str], host: str, address: str, port: int | str) -> st
 
 
 def _scratch() -> Path:
-    return Path(tempfile.mkdtemp(prefix="cs-h-", dir="/tmp"))
+    return short_dir("cs-h-")
 
 
 async def test_status_exits_0_and_backend_up_is_1_when_every_backend_answers() -> None:

@@ -29,13 +29,14 @@ MIB = 1 << 20
 
 def test_the_counts_grow_by_what_each_hydrator_said_and_a_restarted_one_counts_anew() -> None:
     stages = HydratorStages(["/run/a.sock", "/run/b.sock"])
-    assert stages.totals() == [("ram", 0, 0), ("disk", 0, 0)]
+    assert stages.totals() == [("ram", 0, 0), ("disk", 0, 0), ("device", 0, 0)]
     stages._add("/run/a.sock", _Tier(stages={"ram": 1, "disk": 2}, read_bytes={"ram": 10, "disk": 20}))
     stages._add("/run/b.sock", _Tier(stages={"disk": 1}, read_bytes={"disk": 5, "nvme": 7}))  # unknown tier: not ours
-    stages._add("/run/a.sock", _Tier(stages={"ram": 3, "disk": 2}, read_bytes={"ram": 30, "disk": 20}))
-    assert stages.totals() == [("ram", 30, 3), ("disk", 25, 3)]
+    stages._add("/run/a.sock", _Tier(stages={"ram": 3, "disk": 2, "device": 2},
+                                     read_bytes={"ram": 30, "disk": 20, "device": 64}))
+    assert stages.totals() == [("ram", 30, 3), ("disk", 25, 3), ("device", 64, 2)]
     stages._add("/run/b.sock", _Tier(stages={"disk": 1}, read_bytes={"disk": 4}))  # b restarted: its 4 are new
-    assert stages.totals() == [("ram", 30, 3), ("disk", 29, 4)]
+    assert stages.totals() == [("ram", 30, 3), ("disk", 29, 4), ("device", 64, 2)]
 
 
 async def test_a_hydrator_that_does_not_answer_leaves_the_counts_at_zero_and_the_daemon_serving() -> None:
@@ -60,7 +61,8 @@ def test_an_answer_nested_past_the_decoder_is_a_hydrator_that_did_not_answer(tmp
     stages = HydratorStages([path])
     anyio.run(stages.poll)
     thread.join(10)
-    assert stages.totals() == [("ram", 0, 0), ("disk", 0, 0)] and "answered" in stages._failing[path], \
+    assert stages.totals() == [("ram", 0, 0), ("disk", 0, 0), ("device", 0, 0)] and \
+        "answered" in stages._failing[path], \
         stages._failing
 
 
@@ -84,7 +86,7 @@ def test_a_refused_status_is_logged_as_the_hydrator_said_it(tmp_path: Path) -> N
     said = [entry for entry in logs if entry["event"] == "node hydrator gives no stage counts"]
     assert [entry["error"] for entry in said] == [
         f"refused its status: OSError: peer uid {os.getuid()}: the RAM tier is gone"], logs
-    assert stages.totals() == [("ram", 0, 0), ("disk", 0, 0)]
+    assert stages.totals() == [("ram", 0, 0), ("disk", 0, 0), ("device", 0, 0)]
 
 
 @pytest.mark.skipif(not has_nvidia_driver(), reason="needs an NVIDIA driver")

@@ -16,7 +16,7 @@ import pytest
 
 from coldsnap_provider import ReplyError
 from coldsnap_provider._metrics_http import parse_address
-from tests.helpers import ROOT, running_daemon
+from tests.helpers import ROOT, running_daemon, short_dir
 
 CLI = [sys.executable, "-m", "coldsnap_provider"]
 
@@ -26,7 +26,7 @@ def _metrics_config(sock: Path) -> str:
 
 
 def _scratch() -> Path:
-    return Path(tempfile.mkdtemp(prefix="cs-m-", dir="/tmp"))
+    return short_dir("cs-m-")
 
 
 def _connect(address: Path | tuple[str, int]) -> socket.socket:

@@ -2,7 +2,8 @@
 run against the mounted Engine socket, and a manager's session opened through its bind-mounted control socket.
 
 The image is built offline (a debootstrap root cached in /var/cache/coldsnap-oci-base, the .deb cached per source
-hash). Everything the test makes (tags, the pulled image, the container, the runtime directory) is removed.
+hash), in the background as the session begins (tests/builds.py). Everything the test makes (tags, the pulled
+image, the container, the runtime directory) is removed.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import json
 import os
 import secrets
 import shutil
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -20,11 +20,13 @@ import anyio
 import pytest
 
 from coldsnap_provider import __version__
+from tests.builds import Builds
 from tests.conftest import BUSYBOX_IMAGE, Registry, docker
-from tests.helpers import ROOT, Session
+from tests.helpers import Session
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("docker"),
                                 reason="builds the image from the .deb: needs root and docker")
+BACKGROUND_BUILDS = ("image",)  # tests/builds.py: started as the session begins
 
 
 def _control(runtime_dir: Path, request: dict[str, object]) -> dict[str, object]:
@@ -41,10 +43,9 @@ def _control(runtime_dir: Path, request: dict[str, object]) -> dict[str, object]
 
 
 @pytest.mark.timeout(900)  # the first run on a machine makes the debootstrap root (about 2 minutes)
-async def test_the_image_goes_through_the_registry_and_serves_a_session(registry: Registry, tmp_path: Path) -> None:
-    built = subprocess.run(["bash", str(ROOT / "scripts" / "package"), "image", "--tag",
-                            f"coldsnap-test/provider-image:{secrets.token_hex(4)}"],
-                           capture_output=True, text=True, check=False, timeout=850)
+async def test_the_image_goes_through_the_registry_and_serves_a_session(registry: Registry,
+                                                                        background_builds: Builds) -> None:
+    built = background_builds.result("image")  # `scripts/package image --tag ...`, since the session began
     assert built.returncode == 0, built.stderr[-4000:]
     local = built.stdout.splitlines()[-1]
     remote = f"{registry.address}/coldsnap-test/provider:{__version__}-{secrets.token_hex(4)}"

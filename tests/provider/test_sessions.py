@@ -8,29 +8,35 @@ import shutil
 import stat
 import subprocess
 import sys
-import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from coldsnap_provider import ReplyError
-from tests.helpers import EXEC_AS_NOBODY, control_as, running_daemon
+from tests.helpers import EXEC_AS_NOBODY, Daemon, control_as, module_daemon, running_daemon, short_dir
 
 
 def mode(path: str | Path) -> int:
     return stat.S_IMODE(os.lstat(path).st_mode)
 
 
-async def test_session_socket_and_directory_are_private() -> None:
-    async with running_daemon() as daemon:
-        s = await daemon.open_session("op-1")
-        socket_path = Path(s.socket)
-        assert socket_path == daemon.state_dir / "sessions" / "op-1" / "provider.sock"
-        assert stat.S_ISSOCK(os.lstat(socket_path).st_mode)
-        assert mode(socket_path) == 0o600 and mode(socket_path.parent) == 0o700
-        assert mode(daemon.state_dir / "control.sock") == 0o660
-        record = (daemon.state_dir / "records" / "op-1.json").read_text()
-        assert s.token not in record and json.loads(record)["token_sha256"]
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[Daemon]:
+    """One daemon of the default configuration for this module's tests that open sessions of their own names and
+    leave its files' modes as they are (a start and a stop are about a second of the 2-core CI box)."""
+    yield from module_daemon(None)
+
+
+async def test_session_socket_and_directory_are_private(daemon: Daemon) -> None:
+    s = await daemon.open_session("op-1")
+    socket_path = Path(s.socket)
+    assert socket_path == daemon.state_dir / "sessions" / "op-1" / "provider.sock"
+    assert stat.S_ISSOCK(os.lstat(socket_path).st_mode)
+    assert mode(socket_path) == 0o600 and mode(socket_path.parent) == 0o700
+    assert mode(daemon.state_dir / "control.sock") == 0o660
+    record = (daemon.state_dir / "records" / "op-1.json").read_text()
+    assert s.token not in record and json.loads(record)["token_sha256"]
 
 
 async def test_session_is_owned_by_the_uid_that_opened_it() -> None:
@@ -75,30 +81,29 @@ async def test_session_open_from_a_coldsnap_request() -> None:
             await daemon.control(operation="session-open", request={"id": "r", "launch": {"units": [{}]}})
 
 
-async def test_session_open_twice_is_an_error_and_close_removes_it() -> None:
-    async with running_daemon() as daemon:
-        s = await daemon.open_session("op-dup")
-        with pytest.raises(ReplyError, match="already exists"):
-            await daemon.open_session("op-dup")
+async def test_session_open_twice_is_an_error_and_close_removes_it(daemon: Daemon) -> None:
+    s = await daemon.open_session("op-dup")
+    with pytest.raises(ReplyError, match="already exists"):
+        await daemon.open_session("op-dup")
+    await daemon.control(operation="session-close", session="op-dup")
+    assert not Path(s.socket).parent.exists()
+    assert not (daemon.state_dir / "records" / "op-dup.json").exists()
+    with pytest.raises(ReplyError, match="does not exist"):
         await daemon.control(operation="session-close", session="op-dup")
-        assert not Path(s.socket).parent.exists()
-        assert not (daemon.state_dir / "records" / "op-dup.json").exists()
-        with pytest.raises(ReplyError, match="does not exist"):
-            await daemon.control(operation="session-close", session="op-dup")
-        with pytest.raises(OSError):
-            await s.call("capabilities")
+    with pytest.raises(OSError):
+        await s.call("capabilities")
 
 
 @pytest.mark.parametrize("bad", ["../x", "a/b", ".hidden", "", "x" * 200, "a b"])
-async def test_session_ids_that_cannot_name_a_directory_are_refused(bad: str) -> None:
-    async with running_daemon() as daemon:
-        with pytest.raises(ReplyError):
-            await daemon.control(operation="session-open", session=bad, hosts=["localhost"])
-        assert not any((daemon.state_dir / "records").iterdir())
+async def test_session_ids_that_cannot_name_a_directory_are_refused(daemon: Daemon, bad: str) -> None:
+    records = sorted(os.listdir(daemon.state_dir / "records"))  # the module's daemon: other tests' sessions
+    with pytest.raises(ReplyError):
+        await daemon.control(operation="session-open", session=bad, hosts=["localhost"])
+    assert sorted(os.listdir(daemon.state_dir / "records")) == records
 
 
 async def test_sessions_survive_a_daemon_restart() -> None:
-    state = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
+    state = short_dir()
     try:
         async with running_daemon(state_dir=state) as daemon:
             s = await daemon.open_session("op-keep", labels={"team": "a"}, cluster_id="c1")
@@ -115,7 +120,7 @@ async def test_sessions_survive_a_daemon_restart() -> None:
 
 
 async def test_a_damaged_record_is_skipped_not_fatal() -> None:
-    state = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
+    state = short_dir()
     try:
         async with running_daemon(state_dir=state) as daemon:
             await daemon.open_session("op-good")
@@ -158,7 +163,7 @@ async def test_session_socket_cannot_be_redirected_by_a_racing_symlink(tmp_path:
     target = tmp_path / "root-owned"
     target.write_text("secret\n")
     target.chmod(0o644)
-    state = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
+    state = short_dir()
     async with running_daemon(f"{EXEC_AS_NOBODY}[server]\ncontrol_uids = [{NOBODY}]\n", state_dir=state) as daemon:
         os.chmod(daemon.state_dir / "control.sock", 0o666)
         reply = control_as(NOBODY, daemon.state_dir, {"operation": "session-open", "session": "op-race",
@@ -190,7 +195,7 @@ async def test_session_socket_cannot_be_redirected_by_a_racing_symlink(tmp_path:
 
 async def test_record_with_an_out_of_range_uid_is_skipped_not_fatal() -> None:
     """Regression: #11 finding 9 (OverflowError from os.chown stopped every start)."""
-    state = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
+    state = short_dir()
     (state / "records").mkdir(parents=True, mode=0o700)
     (state / "records" / "op-big.json").write_text(json.dumps(
         {"session": "op-big", "token_sha256": "0" * 64, "hosts": ["localhost"], "uid": 1 << 40, "gid": 0}))
@@ -203,7 +208,7 @@ async def test_record_with_an_out_of_range_uid_is_skipped_not_fatal() -> None:
 
 async def test_close_of_a_session_that_is_not_live_checks_its_owner() -> None:
     """Regression: #11 finding 10 (session-close skipped the owner check for sessions not being served)."""
-    state = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
+    state = short_dir()
     async with running_daemon(f"{EXEC_AS_NOBODY}[server]\ncontrol_uids = [{NOBODY}]\n", state_dir=state) as daemon:
         await daemon.open_session("op-root")
     # A directory where the socket goes: the session cannot be bound at the next start, so it is not live.

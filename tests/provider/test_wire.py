@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 
 from coldsnap_provider import ProtocolError
 from coldsnap_provider._client import check_reply
-from tests.helpers import Daemon, Session, running_daemon
+from tests.helpers import Daemon, Session, module_daemon, running_daemon
 
 
 async def reply_of(session: Session, payload: bytes) -> dict[str, object]:
@@ -24,12 +25,19 @@ async def reply_of(session: Session, payload: bytes) -> dict[str, object]:
     return msgspec.json.decode(data)
 
 
-async def test_capabilities_handshake_advertises_what_is_implemented() -> None:
-    async with running_daemon() as daemon:
-        session = await daemon.open_session()
-        reply = await session.call("capabilities")
-        assert reply.ok and reply.provider == "coldsnap-provider"
-        assert reply.capabilities == ["exec", "oci-pull", "oci-push", "runtime-v1", "upload"]
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[Daemon]:
+    """One daemon of the default configuration for this module's tests that each open a session of their own and
+    change nothing of the daemon's (the framing and rejection checks, the fuzz tests): a start and a stop are
+    about a second of the 2-core CI box."""
+    yield from module_daemon(None)
+
+
+async def test_capabilities_handshake_advertises_what_is_implemented(daemon: Daemon) -> None:
+    session = await daemon.open_session()
+    reply = await session.call("capabilities")
+    assert reply.ok and reply.provider == "coldsnap-provider"
+    assert reply.capabilities == ["exec", "oci-pull", "oci-push", "runtime-v1", "upload"]
 
 
 async def test_capabilities_follow_registry_configuration() -> None:
@@ -41,25 +49,24 @@ async def test_capabilities_follow_registry_configuration() -> None:
         assert not pull.ok and pull.error == "unsupported host-provider capability 'oci-pull'"
 
 
-async def test_rejections_echo_format_and_id() -> None:
-    async with running_daemon() as daemon:
-        s = await daemon.open_session("op-1", hosts=["localhost", "node-b"])
-        cases: list[tuple[dict[str, object], str]] = [
-            ({**s.envelope("capabilities"), "token": "wrong"}, "host-provider session is unauthorized"),
-            ({**s.envelope("capabilities"), "session": "op-2"}, "host-provider session is unauthorized"),
-            (s.envelope("exec", host="node-z", arguments=["true"]), "host-provider target is outside this request"),
-            ({**s.envelope("exec", host="localhost", arguments=["true"]), "injected": 1},
-             "host-provider request has unknown fields: injected"),
-            (s.envelope("huggingface-resolve", host="localhost", image="busybox:1", repository="org/m",
-                        revision="main"), "unsupported host-provider capability 'huggingface-resolve'"),
-            (s.envelope("oci-pull", host="localhost"), "Object missing required field `image`"),
-            (s.envelope("oci-copy", host="localhost"), "unsupported host-provider operation"),
-        ]
-        for request, message in cases:
-            reply = await reply_of(s, json.dumps(request).encode() + b"\n")
-            assert reply["format"] == 1 and reply["id"] == request["id"]
-            assert reply["ok"] is False and message in str(reply["error"]), reply
-            assert "error_code" not in reply
+async def test_rejections_echo_format_and_id(daemon: Daemon) -> None:
+    s = await daemon.open_session("op-1", hosts=["localhost", "node-b"])
+    cases: list[tuple[dict[str, object], str]] = [
+        ({**s.envelope("capabilities"), "token": "wrong"}, "host-provider session is unauthorized"),
+        ({**s.envelope("capabilities"), "session": "op-2"}, "host-provider session is unauthorized"),
+        (s.envelope("exec", host="node-z", arguments=["true"]), "host-provider target is outside this request"),
+        ({**s.envelope("exec", host="localhost", arguments=["true"]), "injected": 1},
+         "host-provider request has unknown fields: injected"),
+        (s.envelope("huggingface-resolve", host="localhost", image="busybox:1", repository="org/m",
+                    revision="main"), "unsupported host-provider capability 'huggingface-resolve'"),
+        (s.envelope("oci-pull", host="localhost"), "Object missing required field `image`"),
+        (s.envelope("oci-copy", host="localhost"), "unsupported host-provider operation"),
+    ]
+    for request, message in cases:
+        reply = await reply_of(s, json.dumps(request).encode() + b"\n")
+        assert reply["format"] == 1 and reply["id"] == request["id"]
+        assert reply["ok"] is False and message in str(reply["error"]), reply
+        assert "error_code" not in reply
 
 
 async def test_authorized_host_this_node_does_not_serve_is_refused_clearly() -> None:
@@ -81,51 +88,47 @@ async def test_authorized_host_this_node_does_not_serve_is_refused_clearly() -> 
         pytest.param(b"[1,2]\n", "must be a JSON object", id="array"),
     ],
 )
-async def test_framing_errors_are_answered_not_ok(payload: bytes, message: str) -> None:
-    async with running_daemon() as daemon:
-        s = await daemon.open_session()
-        reply = await reply_of(s, payload)
-        assert reply["ok"] is False and message in str(reply["error"])
-        assert reply["format"] == 1
+async def test_framing_errors_are_answered_not_ok(daemon: Daemon, payload: bytes, message: str) -> None:
+    s = await daemon.open_session()
+    reply = await reply_of(s, payload)
+    assert reply["ok"] is False and message in str(reply["error"])
+    assert reply["format"] == 1
 
 
-async def test_trailing_data_still_echoes_a_parseable_id() -> None:
-    async with running_daemon() as daemon:
-        s = await daemon.open_session()
-        request = s.envelope("capabilities")
-        reply = await reply_of(s, json.dumps(request).encode() + b"\nextra")
-        assert reply["id"] == request["id"] and "trailing data" in str(reply["error"])
+async def test_trailing_data_still_echoes_a_parseable_id(daemon: Daemon) -> None:
+    s = await daemon.open_session()
+    request = s.envelope("capabilities")
+    reply = await reply_of(s, json.dumps(request).encode() + b"\nextra")
+    assert reply["id"] == request["id"] and "trailing data" in str(reply["error"])
 
 
-async def test_oversize_request_is_rejected_without_reading_it_all() -> None:
-    async with running_daemon() as daemon:
-        s = await daemon.open_session()
-        payload = b'{"format":1,"id":"big","pad":"' + b"x" * (64 << 20) + b'"}\n'
-        async with await anyio.connect_unix(s.socket) as stream:
-            try:
-                await stream.send(payload)
-                await stream.send_eof()
-            except (anyio.BrokenResourceError, OSError):
-                pass  # the daemon may answer and close before we finish sending
-            data = b""
-            try:
-                while True:
-                    data += await stream.receive()
-            except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
-                pass
-        reply = msgspec.json.decode(data)
-        assert reply["ok"] is False and "exceeds 67108864 bytes" in reply["error"]
+async def test_oversize_request_is_rejected_without_reading_it_all(daemon: Daemon) -> None:
+    s = await daemon.open_session()
+    payload = b'{"format":1,"id":"big","pad":"' + b"x" * (64 << 20) + b'"}\n'
+    async with await anyio.connect_unix(s.socket) as stream:
+        try:
+            await stream.send(payload)
+            await stream.send_eof()
+        except (anyio.BrokenResourceError, OSError):
+            pass  # the daemon may answer and close before we finish sending
+        data = b""
+        try:
+            while True:
+                data += await stream.receive()
+        except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
+            pass
+    reply = msgspec.json.decode(data)
+    assert reply["ok"] is False and "exceeds 67108864 bytes" in reply["error"]
 
 
-async def test_strict_client_accepts_every_reply_shape() -> None:
+async def test_strict_client_accepts_every_reply_shape(daemon: Daemon) -> None:
     """Every reply the daemon gives passes the Go-strict decoder (unknown keys fail at any depth)."""
-    async with running_daemon() as daemon:
-        s = await daemon.open_session()
-        for operation, fields in [("capabilities", {}), ("exec", {"host": "localhost", "arguments": ["id"]}),
-                                  ("exec", {"host": "nope", "arguments": ["id"]})]:
-            request = s.envelope(operation, **fields)
-            data = await s.raw(json.dumps(request).encode() + b"\n")
-            check_reply(data, str(request["id"]))
+    s = await daemon.open_session()
+    for operation, fields in [("capabilities", {}), ("exec", {"host": "localhost", "arguments": ["id"]}),
+                              ("exec", {"host": "nope", "arguments": ["id"]})]:
+        request = s.envelope(operation, **fields)
+        data = await s.raw(json.dumps(request).encode() + b"\n")
+        check_reply(data, str(request["id"]))
 
 
 def test_strict_client_rejects_unknown_keys_wrong_identity_and_trailing_data() -> None:
@@ -142,19 +145,14 @@ def test_strict_client_rejects_unknown_keys_wrong_identity_and_trailing_data() -
 
 
 @pytest.fixture(scope="module")
-def fuzz_daemon() -> object:
-    """One daemon for the fuzz test (hypothesis examples must not each start a process)."""
+def fuzz_daemon(daemon: Daemon) -> object:
+    """The module's daemon for the fuzz tests (hypothesis examples must not each start a process), a session and
+    a marker file that no fuzzed request may create."""
     import tempfile
 
-    from tests.helpers import write_config
-
-    state = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
-    daemon = Daemon(state_dir=state, config_path=write_config(Path(tempfile.mkdtemp(prefix="cs-c-"))))
-    daemon.start()
     session = anyio.run(daemon.open_session)
     marker = Path(tempfile.mkdtemp(prefix="cs-marker-")) / "executed"
     yield daemon, session, marker
-    daemon.stop()
 
 
 _MUTATIONS = st.sampled_from(["token", "session", "format", "unknown", "host", "base64", "trailing",

@@ -354,7 +354,7 @@ def test_a_pull_whose_chunks_would_not_fit_the_disk_fetches_nothing(registry: Re
     (source.root / "captures" / f"{capture.removeprefix('sha256:')}.json").write_bytes(manifest)
     repository = f"review/huge{os.getpid()}"
     anyio.run(_registry(source, registry, repository).push, capture)
-    with pytest.raises(RuntimeFailed, match=f"its chunks the node's store lacks are {count * CHUNK_BYTES} bytes, the "
+    with pytest.raises(RuntimeFailed, match=f"its files need {count * CHUNK_BYTES} bytes more, the "
                        r"store's filesystem has \d+ free; nothing was fetched"):
         anyio.run(_registry(target, registry, repository).pull, capture)
     assert target.captures() == [] and not list((target.root / "blobs" / "sha256").iterdir())
@@ -424,7 +424,9 @@ def test_a_managers_resumed_pull_uses_the_chunks_its_own_pull_fetched(registry: 
     pull = _registry(node, registry, f"review/resume{os.getpid()}").pull
     first = anyio.run(pull, capture, Possession(4242, set(), proven))
     assert (first.blobs, first.present_blobs) == (2, 0) and node.has(capture)  # both fetched: one was not its own
-    (node.root / "captures" / f"{capture.removeprefix('sha256:')}.json").unlink()  # "interrupted" before listing
+    hexa = capture.removeprefix("sha256:")
+    (node.root / "captures" / f"{hexa}.json").unlink()  # "interrupted" before listing: its files left partial
+    os.rename(node.root / "trees" / hexa, node.root / "partial" / hexa)
     again = anyio.run(pull, capture, Possession(4242, set(), proven))
     assert (again.blobs, again.present_blobs) == (0, 2) and node.has(capture)
     stranger = anyio.run(pull, capture, Possession(4343, set(), proven))

@@ -168,7 +168,9 @@ def test_capsule_through_the_store_build_push_pull_run_on_another_node(
         # ends a data chunk once that is MIN_BYTES long): never the run itself.
         moved = sample(metrics, "coldsnap_provider_capture_store_read_bytes_total", tier="registry")
         assert PAGES_RANDOM + (3 << 20) <= moved < PAGES_RANDOM + (3 << 20) + MIN_BYTES
-        assert sample(metrics, "coldsnap_provider_capture_store_hits_total", tier="disk") == 1  # at the pull
+        # The pull wrote each chunk once, into the files (nothing copied from the node's disk); no blob of them.
+        assert not sample(metrics, "coldsnap_provider_capture_store_hits_total", tier="disk")
+        assert len(list((store_b / "blobs" / "sha256").iterdir())) == 1  # the data document
         assert sample(metrics, "coldsnap_provider_capture_store_hits_total", tier="tree") == 1  # the run
         assert (await session_b.runtime("image-remove", image=tag)).ok
 
@@ -204,18 +206,28 @@ def _pull(daemon: Daemon, tag: str) -> None:
     assert reply.ok, reply.error
 
 
-def test_an_interrupted_pull_resumes_from_the_verified_chunks(node_b: tuple[Daemon, Path],
-                                                              capsule: tuple[str, str]) -> None:
+def _interrupted(store: Path, capture: str) -> Path:
+    """What a pull interrupted before listing `capture` leaves (its files, partial/<hex>; here whole): the page file."""
+    hexa = capture.split(":")[1]
+    (store / "captures" / f"{hexa}.json").unlink()
+    (store / "trees" / f"{hexa}.made.json").unlink()
+    os.rename(store / "trees" / hexa, store / "partial" / hexa)
+    return store / "partial" / hexa / "images" / "pages-1.img"
+
+
+def test_an_interrupted_pull_resumes_from_the_verified_chunks(node_b: tuple[Daemon, Path], capsule: tuple[str, str],
+                                                              capture_context: tuple[Path, dict[str, str]]) -> None:
     (daemon, store), (tag, capture) = node_b, capsule
     _pull(daemon, tag)
-    record = store / "captures" / f"{capture.split(':')[1]}.json"
-    blobs = sorted((store / "blobs" / "sha256").iterdir(), key=lambda p: p.stat().st_size)
-    kept, lost = blobs[-1], blobs[-2]  # the random chunk stays; the tail and the record are "not yet fetched"
-    inode = kept.stat().st_ino
-    record.unlink()
-    lost.unlink()
+    pages = _interrupted(store, capture)
+    with open(pages, "r+b") as damaged:  # the tail "not fetched yet"
+        damaged.seek(2 * CHUNK_BYTES)
+        damaged.write(bytes(3 << 20))
+    inode = pages.stat().st_ino
     _pull(daemon, tag)
-    assert record.exists() and lost.exists() and kept.stat().st_ino == inode  # only what was missing came again
+    pages = store / "trees" / capture.split(":")[1] / "images" / "pages-1.img"
+    assert pages.stat().st_ino == inode  # the same files, resumed
+    assert hashlib.sha256(pages.read_bytes()).hexdigest() == capture_context[1]["pages-1.img"]
 
 
 def test_an_interrupted_pulls_chunks_are_collected_and_gc_says_what_it_freed(node_b: tuple[Daemon, Path],
@@ -224,8 +236,8 @@ def test_an_interrupted_pulls_chunks_are_collected_and_gc_says_what_it_freed(nod
     (daemon, store), (tag, capture) = node_b, capsule
     _pull(daemon, tag)
     blobs = {p.name: p.stat().st_blocks * 512 for p in (store / "blobs" / "sha256").iterdir()}
-    files = sum(p.stat().st_blocks * 512 for p in (store / "trees").rglob("*") if p.is_file())
-    (store / "captures" / f"{capture.split(':')[1]}.json").unlink()  # the pull "died" before listing it
+    _interrupted(store, capture)  # the pull "died" before listing it
+    files = sum(p.stat().st_blocks * 512 for p in (store / "partial").rglob("*") if p.is_file())
     assert not any((store / "captures").iterdir())  # no other capture names these blobs
     cli = subprocess.run([sys.executable, "-m", "coldsnap_provider", "capture", "gc", "--state-dir",
                           str(daemon.state_dir), "--older-than", "1000d", "-o", "json"], capture_output=True,
@@ -233,6 +245,7 @@ def test_an_interrupted_pulls_chunks_are_collected_and_gc_says_what_it_freed(nod
     assert json.loads(cli.stdout) == {"removed": [], "blobs": len(blobs), "orphans": len(blobs),
                                       "bytes": sum(blobs.values()) + files}
     assert not any((store / "blobs" / "sha256").iterdir()) and not any((store / "trees").iterdir())
+    assert not any((store / "partial").iterdir())
     _pull(daemon, tag)  # and a pull brings it back whole
 
 
@@ -243,32 +256,35 @@ def test_a_damaged_blob_in_the_registry_fails_the_pull_naming_it_and_nothing_of_
     before it takes its name; the capture is not listed."""
     (daemon, store), (tag, capture) = node_b, capsule
     _pull(daemon, tag)
-    blob = max((store / "blobs" / "sha256").iterdir(), key=lambda p: p.stat().st_size)
+    spans = [span for f in CaptureStore(store).data(capture).files for span in f.spans() if span[0]]
+    chunk = max(spans, key=lambda span: span[2])[0]
+    name = str(chunk).split(":")[1]
     blobs = registry.credentials_file.parent / "data/docker/registry/v2/blobs/sha256"  # the registry's storage
-    served = blobs / blob.name[:2] / blob.name / "data"
+    served = blobs / name[:2] / name / "data"
     record = store / "captures" / f"{capture.split(':')[1]}.json"
     original = served.read_bytes()
-    blob.unlink()
-    record.unlink()
+    _interrupted(store, capture)
+    shutil.rmtree(store / "partial")  # nothing of it on the node
+    (store / "partial").mkdir()
     served.write_bytes(original[:-1] + bytes([original[-1] ^ 1]) if damage == "corrupt" else original[:-4096])
     try:
         session = _session(daemon)
         reply = anyio.run(lambda: session.runtime("image-pull", image=tag))
-        assert not reply.ok and f"registry {registry.address}: blob sha256:{blob.name} is corrupt or truncated" \
+        assert not reply.ok and f"registry {registry.address}: blob {chunk} is corrupt or truncated" \
             in str(reply.error), reply.error
-        assert not blob.exists() and not record.exists() and not list((store / "tmp").iterdir())
+        assert not record.exists() and not list((store / "tmp").iterdir())
+        assert not (store / "trees" / capture.split(":")[1]).exists()
     finally:
         served.write_bytes(original)
     _pull(daemon, tag)
-    assert blob.exists() and record.exists()
+    assert record.exists()
 
 
 def test_a_damaged_chunk_refuses_the_run_naming_it_before_anything_starts(node_b: tuple[Daemon, Path],
                                                                          capsule: tuple[str, str]) -> None:
-    (daemon, store), (tag, _) = node_b, capsule
+    (daemon, store), (tag, capture) = node_b, capsule
     _pull(daemon, tag)
-    shutil.rmtree(store / "trees", ignore_errors=True)
-    (store / "trees").mkdir()
+    CaptureStore(store).drop_tree(capture)  # reclaimed: its chunks kept as blobs
     blob = max((store / "blobs" / "sha256").iterdir(), key=lambda p: p.stat().st_size)
     original = blob.read_bytes()
     blob.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
