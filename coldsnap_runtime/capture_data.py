@@ -101,9 +101,12 @@ def decode_data(data: bytes) -> CaptureData:
     if decoded.format not in (1, 2):
         raise StoreError(f"capture data document: format {decoded.format} is not one this daemon reads (1 or 2)")
     for stored in decoded.files:
-        if stored.path.startswith("/") or ".." in stored.path.split("/") or not stored.path or "\0" in stored.path:
+        # One file, one name: "./a", "a/" and "a//b" are the files "a" and "a/b" on disk, and two names of one
+        # file let a pull write two chunks at one place, listing a home that holds another chunk's bytes (review17).
+        parts = stored.path.split("/")
+        if stored.path.startswith("/") or any(part in ("", ".", "..") for part in parts) or "\0" in stored.path:
             raise StoreError(f"capture data document: file path {stored.path!r} must be relative, without .. "
-                             "or a NUL byte")
+                             "or a NUL byte, and name its file one way (no empty or . part)")
         if stored.lengths is not None:
             if decoded.format < 2 or len(stored.lengths) != len(stored.chunks) or sum(stored.lengths) != \
                     stored.size or not all(0 < n <= CHUNK_BYTES for n in stored.lengths):

@@ -150,7 +150,7 @@ def test_record_refuses_a_capture_whose_chunks_are_not_all_there(store: CaptureS
     assert store.captures() == []
 
 
-@pytest.mark.parametrize("path", ["/etc/x", "images/../../x", "", "images/a\0b"])
+@pytest.mark.parametrize("path", ["/etc/x", "images/../../x", "", "images/a\0b", "./x", "images//x", "x/"])
 def test_record_refuses_a_file_path_that_cannot_be_made_under_the_tree_naming_it(store: CaptureStore,
                                                                                 path: str) -> None:
     """Regression: review 2026-12-02 (part 2): a registry's data document naming a path with a NUL byte was recorded,

@@ -153,3 +153,19 @@ def test_a_data_document_naming_one_file_twice_is_refused_and_holds_nothing(tmp_
         node.begin_pull("sha256:" + "cd" * 32, data)
     node.begin_pull("sha256:" + "cd" * 32, json.dumps({"format": 1, "files": [one]}).encode()).leave()
     assert (node.root / "partial" / ("cd" * 32)).is_dir()  # the same capture's pull is not held off
+
+
+@pytest.mark.parametrize("alias", ["./a.bin", "a.bin/", "d/../a.bin", "./d//b.bin"])
+def test_a_data_document_naming_one_file_two_ways_is_refused_before_any_file_is_made(tmp_path: Path,
+                                                                                     alias: str) -> None:
+    """Regression: review17: "a.bin" and "./a.bin" passed the check for a file named twice, and the pull wrote both
+    files' chunks at one place: the capture was listed with a home of one chunk holding the other's bytes, which
+    then failed another manager's build of that chunk ("corrupt or truncated") and every collection."""
+    node = CaptureStore(tmp_path / "node")
+    node.open()
+    files = [{"path": path, "size": 16, "mode": 0o644, "chunks": ["sha256:" + digit * 64]}
+             for path, digit in (("a.bin", "a"), ("d/b.bin", "b"), (alias, "c"))]
+    with pytest.raises(StoreError, match=f"file path {alias!r} must be relative, .* name its file one way"):
+        node.begin_pull("sha256:" + "cd" * 32, json.dumps({"format": 1, "files": files}).encode())
+    assert not any((node.root / "partial").iterdir())
+
