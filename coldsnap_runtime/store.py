@@ -230,6 +230,7 @@ class CaptureStore(StoreBase):
 
         def end() -> None:  # the files named (settle), or left for the next pull to resume (shared) or deleted
             with self._listing:
+                self._promised.pop(root, None)  # nothing more written there: its room is the disk's again
                 if shared:
                     self._pulling.discard(capture)
             if not shared:
@@ -278,13 +279,10 @@ class CaptureStore(StoreBase):
         written = sum(length for f in data.files for chunk, _, length in f.spans() if chunk is not None)
         # A data document may name one chunk many times (a registry's, a manager's image): what its files would
         # write is checked against the room first, never found by filling the node's disk.
-        room = os.statvfs(self._trees)
-        if written > room.f_bavail * room.f_frsize:
-            raise StoreError(f"capture {capture}: its files need {written} bytes, the store's filesystem has "
-                             f"{room.f_bavail * room.f_frsize} free; nothing was made")
         temporary = self._tmp / f"tree-{target.name}.{secrets.token_hex(4)}"
-        temporary.mkdir(mode=0o700)
+        self.promise(temporary, lambda: written, f"capture {capture}: its files", "nothing was made")
         try:
+            temporary.mkdir(mode=0o700)
             for stored in data.files:
                 self._assemble(temporary / stored.path, stored)
             fsync_directory(temporary)
@@ -297,6 +295,7 @@ class CaptureStore(StoreBase):
                 raise StoreError(f"capture {capture}: cannot make its files: {exc}") from exc
             # another caller made them meanwhile: theirs are the same bytes
         finally:
+            self.unpromise(temporary)
             if temporary.exists():
                 shutil.rmtree(temporary, ignore_errors=True)
         self.touch(capture)

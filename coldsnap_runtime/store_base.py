@@ -12,7 +12,7 @@ import shutil
 import stat
 import threading
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
@@ -72,6 +72,10 @@ class StoreBase:
         self._held: Counter[str] = Counter()
         # Invariant (under _listing): the captures whose partial/<hex> a pull writes now (collection keeps them).
         self._pulling: set[str] = set()
+        # Invariant (under _listing): each write in flight that was given room (a pull's files, a tree being made,
+        # by the directory it writes) -> the bytes it may still write. The filesystem's free bytes count none of
+        # them yet: two pulls checked alone would each fit, and together fill the disk (review17).
+        self._promised: dict[Path, Callable[[], int]] = {}
         # Under _listing: chunk -> the places of it in listed captures' files (None: to be read again from disk,
         # after any change to which captures are listed or have files).
         self._homes: dict[str, list[tuple[str, Path, int]]] | None = None
@@ -127,6 +131,23 @@ class StoreBase:
                             homes.setdefault(chunk, []).append((capture, tree / stored.path, offset))
             self._homes = homes
         return self._homes
+
+    def promise(self, writer: Path, needed: Callable[[], int], what: str, outcome: str) -> None:
+        """Give the write into `writer` room for `needed()` more bytes (asked again at each later check: a pull's falls
+        as it writes) beside what the other writes in flight were given, or refuse it, naming `what`, the free bytes
+        left to it (others' writes are not named) and `outcome`; the room is the writer's until :meth:`unpromise`."""
+        with self._listing:
+            room = os.statvfs(self.root)
+            free = room.f_bavail * room.f_frsize - sum(max(0, left()) for other, left in self._promised.items()
+                                                       if other != writer)
+            if (need := needed()) > free:
+                raise StoreError(f"{what} need {need} bytes more, the store's filesystem has {max(0, free)} free; "
+                                 f"{outcome}")
+            self._promised[writer] = needed
+
+    def unpromise(self, writer: Path) -> None:
+        with self._listing:
+            self._promised.pop(writer, None)
 
     def temporary(self, digest: str) -> Path:
         """A fresh temporary name for a blob being written."""

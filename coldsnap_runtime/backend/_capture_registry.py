@@ -312,11 +312,9 @@ class CaptureRegistry:
         hold.add(chunk for chunk, _ in layers)
         if pull is not None:
             pull.resume(possession.usable)
-            needed = pull.needed()
-            room = os.statvfs(self._store.root)
-            if needed > room.f_bavail * room.f_frsize:
-                raise StoreError(f"its files need {needed} bytes more, the store's filesystem has "
-                                 f"{room.f_bavail * room.f_frsize} free; nothing was fetched")
+            # Beside the other pulls' and trees' room (each checked alone would fit, together fill the disk); the
+            # files' room falls as the lanes place chunks (`_fetch_one`), and is the disk's again when the pull ends.
+            self._store.promise(pull.root, pull.needed, "its files", "nothing was fetched")
         fetch: list[Blob] = []
         for chunk, length in layers:
             placed = pull is not None and chunk in pull.placed
@@ -381,6 +379,8 @@ class CaptureRegistry:
                 f"registry {self._registry}: blob {digest} is corrupt or truncated "
                 f"({got.read if got.read <= size else 'more than ' + str(size)} bytes, {size} expected); "
                 "nothing of it counts"))
+        if pull is not None:
+            pull.placed.add(digest)  # at once: the room the pull holds (`needed`) falls by it
         fetched.append(blob)
         return None
 

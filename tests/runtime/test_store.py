@@ -241,7 +241,7 @@ def test_tree_refuses_files_larger_than_the_room_before_writing_any(store: Captu
     huge = [StoredFile(path="images/pages-1.img", size=times * CHUNK_BYTES, mode=0o600, chunks=[chunk] * times)]
     document = msgspec_data(huge)
     capture = store.record(artifact_manifest(document, huge), document)
-    with pytest.raises(StoreError, match=f"capture {capture}: its files need {times * CHUNK_BYTES} bytes, the "
+    with pytest.raises(StoreError, match=f"capture {capture}: its files need {times * CHUNK_BYTES} bytes more, the "
                                          r"store's filesystem has \d+ free; nothing was made"):
         store.tree(capture)
     assert not any((store.root / "trees").iterdir()) and not any((store.root / "tmp").iterdir())

@@ -4,16 +4,19 @@ another capture still needs (the real registry on 127.0.0.1)."""
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import anyio
 import pytest
 
-from coldsnap_runtime.errors import StoreError
+from coldsnap_runtime.backend._capture_registry import Possession, Transferred
+from coldsnap_runtime.errors import RuntimeFailed, StoreError
 from coldsnap_runtime.store import CaptureStore, artifact_manifest
 from coldsnap_runtime.store_pull import PullTree
 from tests.conftest import Registry
@@ -169,3 +172,34 @@ def test_a_data_document_naming_one_file_two_ways_is_refused_before_any_file_is_
         node.begin_pull("sha256:" + "cd" * 32, json.dumps({"format": 1, "files": files}).encode())
     assert not any((node.root / "partial").iterdir())
 
+
+def test_a_pull_gets_only_the_room_other_pulls_in_flight_leave_it(registry: Registry, tmp_path: Path) -> None:
+    """Regression: review17: each pull checked its files against the disk's free bytes alone, so two pulls at once,
+    each of which fits, filled the disk (ENOSPC mid-fetch, partial files left until a collection)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    mount = tmp_path / "small"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)], check=True)
+    try:
+        node = CaptureStore(mount / "store")
+        node.open()
+        chunks = _chunks(6)  # 6 MiB: fits the disk alone
+        capture = _pushed(registry, tmp_path, "room", chunks, served=set(chunks))
+        client = _registry(node, registry, f"review/room{os.getpid()}")
+        # Another pull in flight, 12 MiB still to write (its chunks not fetched yet): fits alone too.
+        data = json.dumps({"format": 2, "files": [{"path": "pages-1.img", "size": 12 * PIECE, "mode": 0o644,
+                                                   "chunks": ["sha256:" + f"{n:064x}" for n in range(12)],
+                                                   "lengths": [PIECE] * 12}]}).encode()
+        first = node.begin_pull("sha256:" + "ef" * 32, data)
+        with node.holding() as hold:
+            client._layers(data, hold, Possession(None, None, collections.OrderedDict()), first, Transferred())
+        with pytest.raises(RuntimeFailed, match=r"its files need 6291456 bytes more, the store's filesystem has "
+                                                r"\d+ free; nothing was fetched"):
+            anyio.run(client.pull, capture)
+        assert node.captures() == []
+        first.leave()  # the other pull ended: its room is the disk's again
+        anyio.run(client.pull, capture)
+        assert _file(node, capture).read_bytes() == b"".join(chunks.values())
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
