@@ -18,7 +18,7 @@ from .chunking import CHUNK_BYTES
 from .errors import StoreError
 
 __all__ = ("CAPTURE_MEDIA_TYPE", "CHUNK_MEDIA_TYPE", "DATA_MEDIA_TYPE", "HEX", "OCI_MANIFEST", "CaptureData",
-           "StoredFile", "artifact_manifest", "decode_data", "digest_name")
+           "StoredFile", "artifact_manifest", "decode_data", "digest_name", "manifest_blobs")
 
 CAPTURE_MEDIA_TYPE = "application/vnd.coldsnap-provider.capture.v1"
 DATA_MEDIA_TYPE = "application/vnd.coldsnap-provider.capture.data.v1+json"
@@ -120,3 +120,26 @@ def decode_data(data: bytes) -> CaptureData:
                 digest_name(chunk)
     _one_length_each(decoded)
     return decoded
+
+
+def manifest_blobs(manifest: bytes, data: bytes) -> list[tuple[str, int]]:
+    """The blobs (digest, size) a capture's manifest names, its data document `data` first, checked against that
+    document: a registry's manifest may name any blob of any size, and a push sends each from the node's store (where
+    another manager's capture may hold it) to the registry the pushing manager names (review17). A layer the document
+    does not name as a chunk of that length is refused, naming it; a manifest may name fewer (a registry lacking
+    some, which the pull then fails naming the blob)."""
+    try:
+        document = json.loads(manifest)
+        config = (str(document["config"]["digest"]), int(document["config"]["size"]))
+        layers = [(str(layer["digest"]), int(layer["size"])) for layer in document["layers"]]
+    except (ValueError, TypeError, KeyError, OverflowError) as exc:
+        raise StoreError(f"capture manifest: not a capture's ({exc!r})") from exc
+    if config != ("sha256:" + hashlib.sha256(data).hexdigest(), len(data)):
+        raise StoreError(f"capture manifest: its config {config[0]} ({config[1]} bytes) is not its data document")
+    lengths = {chunk: length for stored in decode_data(data).files for chunk, _, length in stored.spans()
+               if chunk is not None}
+    for digest, size in layers:
+        if lengths.get(digest) != size:
+            raise StoreError(f"capture manifest: layer {digest} ({size} bytes) is not a chunk of its data document"
+                             + (f" ({lengths[digest]} bytes there)" if digest in lengths else ""))
+    return [config, *layers]

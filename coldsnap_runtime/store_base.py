@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from .capture_data import CaptureData, decode_data, digest_name
+from .capture_data import CaptureData, decode_data, digest_name, manifest_blobs
 from .errors import StoreError
 
 __all__ = ("Hold", "StoreBase", "disk_bytes", "fsync_directory")
@@ -185,12 +185,25 @@ class StoreBase:
             temporary.unlink(missing_ok=True)
 
     decode_data = staticmethod(decode_data)
+    manifest_blobs = staticmethod(manifest_blobs)
 
     def manifest(self, capture: str) -> bytes:
         try:
             return (self._captures / f"{digest_name(capture)}.json").read_bytes()
         except FileNotFoundError as exc:
             raise StoreError(f"capture {capture} is not in the node's store") from exc
+
+    def blobs(self, capture: str) -> list[tuple[str, int]]:
+        """The blobs (digest, size) the capture's manifest names, its data document first, each checked to be the
+        document's or one of its chunks (`manifest_blobs`: a capture listed from a registry's manifest before the
+        check, or by hand, is refused, naming the blob)."""
+        manifest = self.manifest(capture)
+        config = self._config(capture)
+        try:
+            data = self.blob_path(config or "").read_bytes()
+        except (FileNotFoundError, StoreError) as exc:
+            raise StoreError(f"its data document {config} is missing") from exc
+        return manifest_blobs(manifest, data)
 
     def data(self, capture: str) -> CaptureData:
         config = json.loads(self.manifest(capture))["config"]["digest"]

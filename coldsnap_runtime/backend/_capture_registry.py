@@ -182,9 +182,10 @@ class CaptureRegistry:
     async def push(self, capture: str) -> Transferred:
         """Upload the capture's blobs the registry lacks, then its manifest (by digest)."""
         manifest = await anyio.to_thread.run_sync(self._store.manifest, capture)
-        document = json.loads(manifest)
-        blobs = [(document["config"]["digest"], int(document["config"]["size"]))]
-        blobs += [(layer["digest"], int(layer["size"])) for layer in document["layers"]]
+        try:  # its data document and chunks only, each of its own length (never a blob a manifest adds)
+            blobs = await anyio.to_thread.run_sync(self._store.blobs, capture)
+        except StoreError as exc:
+            raise RuntimeFailed(action=self._action, detail=f"capture {capture}: {exc}; nothing was pushed") from exc
         known: list[tuple[str, int]] = []  # seen in the repository before: not asked for
         asked: list[tuple[str, int]] = []
         for blob in blobs:
@@ -270,6 +271,11 @@ class CaptureRegistry:
                     raise RuntimeFailed(action=self._action, detail=(
                         f"registry {self._registry}: manifest {capture} is not a capture's: {exc!r}")) from exc
                 data = await self._document(session, "blobs", config, {})
+                try:  # a manifest naming a blob its data document does not: never listed, never pushed on
+                    self._store.manifest_blobs(manifest, data)
+                except StoreError as exc:
+                    raise RuntimeFailed(action=self._action, detail=(
+                        f"registry {self._registry}: capture {capture}: {exc}; nothing was fetched")) from exc
                 # Its chunks held from before they are looked for until it is recorded (or fails): a collection
                 # meanwhile never deletes one this pull found present or fetched.
                 with self._store.holding() as hold:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import aiohttp
 import anyio
 import pytest
 
@@ -38,28 +39,55 @@ async def _fetch_one(registry: CaptureRegistry, digit: str) -> None:
                           Transferred())
 
 
-def test_a_pull_fetches_only_the_chunks_the_data_document_names(registry: Registry, tmp_path: Path) -> None:
-    """A manifest's extra layers (any blob, any size) were fetched into the store and never collected."""
+def test_a_pull_refuses_a_manifest_naming_a_blob_its_data_document_does_not(registry: Registry,
+                                                                              tmp_path: Path) -> None:
+    """A manifest's extra layers (any blob, any size) were fetched into the store and never collected; then (review17)
+    not fetched, but the capture listed with them, and its push sent them from the node's store, wherever another
+    manager's capture held them: now refused, nothing fetched."""
     source = CaptureStore(tmp_path / "a")
     source.open()
-    chunk = source.put_blob(os.urandom(4096))
-    extra = source.put_blob(os.urandom(8192))  # in the registry, named by the manifest, not by the capture
-    files = [StoredFile(path="images/pages-1.img", size=4096, mode=0o644, chunks=[chunk])]
-    data = json.dumps({"format": 1, "files": [{"path": f.path, "size": f.size, "mode": f.mode, "chunks": f.chunks}
-                                                for f in files]}, sort_keys=True, separators=(",", ":")).encode()
-    document = json.loads(artifact_manifest(data, files))
-    document["layers"].append({"mediaType": CHUNK_MEDIA_TYPE, "digest": extra, "size": 8192})
-    manifest = json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
-    capture = source.record(manifest, data)
-    assert capture == "sha256:" + hashlib.sha256(manifest).hexdigest()
+    chunk, extra = source.put_blob(os.urandom(16)), source.put_blob(os.urandom(16))
     repository = f"review/extra{os.getpid()}"
-    anyio.run(_registry(source, registry, repository).push, capture)
+    client = _registry(source, registry, repository)
+    for blob, path in ((extra, "extra.img"), (chunk, "images/pages-1.img")):  # every blob in the repository
+        data, files = _data(blob, path)
+        anyio.run(client.push, source.record(artifact_manifest(data, files), data))
+    document = json.loads(artifact_manifest(data, files))
+    document["layers"].append({"mediaType": CHUNK_MEDIA_TYPE, "digest": extra, "size": 16})
+    manifest = json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
+    capture = "sha256:" + hashlib.sha256(manifest).hexdigest()
 
+    async def put() -> int:
+        async with aiohttp.ClientSession() as session:
+            return (await client._put_manifest(session, capture, manifest))[0]
+
+    assert anyio.run(put) == 201  # the registry serves it: every blob it names is there
     target = CaptureStore(tmp_path / "b")
     target.open()
-    anyio.run(_registry(target, registry, repository).pull, capture)
-    assert target.has(capture) and target.has_blob(chunk)
-    assert not target.has_blob(extra)
+    with pytest.raises(RuntimeFailed, match=f"layer {extra} \\(16 bytes\\) is not a chunk of its data document; "
+                                            "nothing was fetched"):
+        anyio.run(_registry(target, registry, repository).pull, capture)
+    assert target.captures() == [] and not target.has_blob(chunk) and not target.has_blob(extra)
+
+
+def test_a_push_sends_its_data_documents_chunks_never_a_blob_its_manifest_adds(registry: Registry,
+                                                                               tmp_path: Path) -> None:
+    """Regression: review17: a capture listed with a registry's manifest naming another manager's chunk (a pull did
+    not check the manifest's layers) pushed that chunk from the node's store to the registry its manager named."""
+    node = CaptureStore(tmp_path / "node")
+    node.open()
+    secret = node.put_blob(os.urandom(16))  # another manager's capture's chunk
+    theirs, their_files = _data(secret, "theirs.img")
+    node.record(artifact_manifest(theirs, their_files), theirs)
+    data, files = _data(node.put_blob(os.urandom(16)), "images/pages-1.img")
+    for size in (16, 4096):  # the chunk by name; past its length (its home's neighbours)
+        document = json.loads(artifact_manifest(data, files))
+        document["layers"].append({"mediaType": CHUNK_MEDIA_TYPE, "digest": secret, "size": size})
+        capture = node.record(json.dumps(document).encode(), data)  # as a pull before the check listed it
+        with pytest.raises(RuntimeFailed, match=f"layer {secret} \\({size} bytes\\) is not a chunk of its data "
+                                                "document; nothing was pushed"):
+            anyio.run(_registry(node, registry, f"review/exfil{os.getpid()}").push, capture)
+    assert secret.removeprefix("sha256:") not in registry.log.read_text()
 
 
 def test_a_capture_file_is_never_made_set_id(tmp_path: Path) -> None:
