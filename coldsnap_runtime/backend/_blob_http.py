@@ -157,7 +157,8 @@ class Connection:
             del self._buffer[:end + 4]
             version, _, rest = lines[0].partition(" ")
             code = rest[:3]
-            if not version.startswith("HTTP/1.") or len(code) != 3 or not code.isdigit():
+            # isdigit() alone takes "²" (latin-1), which int() refuses: a ValueError the push did not name (review17)
+            if not version.startswith("HTTP/1.") or len(code) != 3 or not (code.isascii() and code.isdigit()):
                 raise ConnectionError(f"the registry answered something else than HTTP/1.1: {lines[0][:80]!r}")
             headers = {}
             for line in lines[1:]:
@@ -180,7 +181,7 @@ class Connection:
             self._framing, self._left = "length", 0
         elif "chunked" in headers.get("transfer-encoding", "").lower():
             self._framing = "chunked"
-        elif (length := headers.get("content-length", "")).isdigit():
+        elif (length := headers.get("content-length", "")).isascii() and length.isdigit():
             self._framing, self._left = "length", int(length)
         elif length:
             raise ConnectionError(f"the registry answered a Content-Length that is no number: {length[:40]!r}")

@@ -255,7 +255,11 @@ ENDLESS = (b"HTTP/1.1 202 Accepted\r\nLocation: /v2/r/blobs/uploads/u\r\nTransfe
     (TRICKLE, False, r"TimeoutError\('blob sha256:0+ was not sent within 1 s'\)"),
     (TRICKLE, True, r"ConnectionAbortedError\('blob sha256:0+: its push was cancelled'\)"),
     (ENDLESS, False, r"ConnectionError\('the registry answered 202 with a body of more than 1048576 bytes'\)"),
-], ids=["trickle", "trickle-cancelled", "endless-body"])
+    ((b"HTTP/1.1 2\xb22 Accepted\r\n\r\n", b"a"), False,
+     r"ConnectionError\(\"the registry answered something else than HTTP/1.1: 'HTTP/1.1 2\xb22 Accepted'\"\)"),
+    ((b"HTTP/1.1 202 Accepted\r\nContent-Length: \xb2\r\n\r\n", b"a"), False,
+     r"ConnectionError\(\"the registry answered a Content-Length that is no number: '\xb2'\"\)"),
+], ids=["trickle", "trickle-cancelled", "endless-body", "status-not-ascii", "length-not-ascii"])
 def test_a_registry_that_answers_a_byte_at_a_time_or_endlessly_never_holds_the_upload_thread(
         tmp_path: Path, answer: tuple[bytes, bytes], cancel: bool, expected: str) -> None:
     """Each read came within the socket's timeout, so only the blob's deadline or its cancel could end these: the
