@@ -359,11 +359,12 @@ class CaptureStore(StoreBase):
 
     # --- admin -----------------------------------------------------------------------
 
-    def describe(self, capture: str, *, holders: dict[str, int] | None = None) -> CaptureInfo:
-        """Its bytes: apparent, kept as blobs, shared with other captures (`holders`: chunk -> captures holding it),
-        zeros, and its files'."""
+    def describe(self, capture: str, *, holders: dict[str, int] | None = None,
+                 among: list[str] | None = None) -> CaptureInfo:
+        """Its bytes: apparent, kept as blobs, shared with other captures (`holders`: chunk -> captures holding it;
+        else counted `among` these captures, None: all), zeros, and its files'."""
         data = self.data(capture)
-        holders = holders if holders is not None else self._holders()
+        holders = holders if holders is not None else self._holders(among)
         distinct: dict[str, int] = {}
         zero = size = 0
         for stored in data.files:
@@ -382,16 +383,19 @@ class CaptureStore(StoreBase):
                            tree=tree, created=record.st_ctime, used=record.st_mtime,
                            tiers=["disk", "tree"] if tree_dir.is_dir() else ["disk"])
 
-    def _holders(self) -> dict[str, int]:
+    def _holders(self, among: list[str] | None = None) -> dict[str, int]:
         counts: dict[str, int] = {}
-        for capture in self.captures():
+        for capture in self.captures() if among is None else [c for c in among if self.has(c)]:
             for chunk in self.chunks(capture):
                 counts[chunk] = counts.get(chunk, 0) + 1
         return counts
 
-    def describe_all(self) -> list[CaptureInfo]:
-        holders = self._holders()
-        return [self.describe(capture, holders=holders) for capture in self.captures()]
+    def describe_all(self, among: list[str] | None = None) -> list[CaptureInfo]:
+        """Every capture listed (`among`: those of them only, their bytes shared counted among them alone: a
+        manager's view tells nothing of the chunks other managers' captures hold, review17)."""
+        captures = self.captures() if among is None else [c for c in self.captures() if c in among]
+        holders = self._holders(captures)
+        return [self.describe(capture, holders=holders) for capture in captures]
 
     def remove(self, capture: str) -> tuple[int, int]:
         """Unlist the capture (its record first, so it is never half-listed), drop its tree, then every blob no

@@ -316,12 +316,13 @@ class Captures:
         store = await self._ready("capture-inspect")
         mine = await self.visible(uid, "capture-inspect")
         try:
+            # Bytes shared counted among the captures it reaches: another manager's holding a chunk is not shown.
+            among = None if mine is None else sorted(mine)
             if capture is None:
-                listed = await anyio.to_thread.run_sync(store.describe_all)
-                return [info for info in listed if mine is None or info.capture in mine]
+                return await anyio.to_thread.run_sync(lambda: store.describe_all(among))
             if not store.has(capture) or (mine is not None and capture not in mine):
                 raise NotFound(kind="capture", ref=capture, action="capture-inspect")
-            return [await anyio.to_thread.run_sync(lambda: store.describe(capture))]
+            return [await anyio.to_thread.run_sync(lambda: store.describe(capture, among=among))]
         except StoreError as exc:
             raise RuntimeFailed(action="capture-inspect", detail=str(exc)) from exc
 

@@ -59,6 +59,10 @@ def test_ingest_skips_zero_chunks_and_stores_the_same_bytes_once(store: CaptureS
     info = {i.capture: i for i in store.describe_all()}
     assert info[first].zero == CHUNK_BYTES and info[first].shared == CHUNK_BYTES
     assert info[second].stored == CHUNK_BYTES + MIB
+    # Regression: review17: a manager's view (the captures it reaches) counted as shared a chunk another manager's
+    # capture held: naming a chunk in its own capture told it whether another manager's holds it.
+    assert [(i.capture, i.shared) for i in store.describe_all([second])] == [(second, 0)]
+    assert store.describe(second, among=[second]).shared == 0 and store.describe(second).shared == CHUNK_BYTES
 
 
 def test_tree_gives_back_the_same_bytes_with_holes_for_zeros(store: CaptureStore) -> None:
