@@ -32,6 +32,12 @@ POLL_S = 0.5  # a cancel or the deadline is noticed within this, whatever the co
 WINDOW = 1 << 20  # a body's bytes received at a time, at most (into one buffer per connection, used again)
 _HEAD = 64 << 10  # an answer's status line and headers at most
 _LINE = 4096  # a chunked body's size line at most
+# A chunked body's chunks at most: this many, and one more a KiB of the bytes read. Each chunk costs Python work under
+# the GIL, not bytes: a registry sending 1-byte chunks (or an endless trailer, or endless 1xx answers) held a lane's
+# thread at a full core, the daemon's event loop with it, until the blob's deadline (review17). Registries send blobs
+# with a Content-Length, or chunks of KiBs (Go's net/http: 32 KiB).
+_CHUNKS = 64
+_INTERIM = 8  # 1xx answers before the answer, at most
 
 
 def origin(url: str) -> tuple[str, str]:
@@ -145,8 +151,8 @@ class Connection:
         raise AssertionError("unreachable")
 
     def answer(self) -> Answer:
-        """The next answer's status and headers (1xx skipped), its body then ready to read."""
-        while True:
+        """The next answer's status and headers (1xx skipped, _INTERIM of them at most), its body then ready to read."""
+        for _ in range(_INTERIM + 1):
             while (end := self._buffer.find(b"\r\n\r\n")) < 0:
                 if len(self._buffer) > _HEAD:
                     raise ConnectionError(f"the registry answered a header of more than {_HEAD} bytes")
@@ -172,6 +178,7 @@ class Connection:
             self._answered, self._status = self._answered + 1, status
             self._frame(status, headers, version)
             return Answer(status, headers)
+        raise ConnectionError(f"the registry answered more than {_INTERIM} interim (1xx) answers")
 
     def _frame(self, status: int, headers: dict[str, str], version: str) -> None:
         connection = headers.get("connection", "").lower()
@@ -223,20 +230,30 @@ class Connection:
         elif self._framing == "close":
             yield from self._raw(most, False, until_close=True)
         elif self._framing == "chunked":
+            chunks, read = 0, 0
             while most > 0:
+                chunks += 1
+                if chunks > _CHUNKS + read // 1024:
+                    raise ConnectionError(f"the registry sent a chunked body in more than {chunks - 1} chunks for "
+                                          f"{read} bytes")
                 line = self._line().split(b";")[0].strip()
                 try:
                     size = int(line, 16)
                 except ValueError:
-                    raise ConnectionError(f"the registry sent a malformed chunk size: {line[:40]!r}") from None
+                    size = -1
+                if size < 0:
+                    raise ConnectionError(f"the registry sent a malformed chunk size: {line[:40]!r}")
                 if size == 0:
-                    while self._line():  # the trailer
-                        pass
+                    trailer = 0
+                    while line := self._line():  # the trailer, as bounded as a head
+                        if (trailer := trailer + len(line) + 2) > _HEAD:
+                            raise ConnectionError(f"the registry sent a chunked body's trailer of more than {_HEAD} "
+                                                  "bytes")
                     self._done()
                     return
                 self._framing, self._left = "length", size
                 yield from self._raw(min(size, most), False)
-                most -= size
+                most, read = most - size, read + size
                 if self._left:
                     break
                 self._framing = "chunked"

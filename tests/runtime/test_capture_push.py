@@ -259,7 +259,14 @@ ENDLESS = (b"HTTP/1.1 202 Accepted\r\nLocation: /v2/r/blobs/uploads/u\r\nTransfe
      r"ConnectionError\(\"the registry answered something else than HTTP/1.1: 'HTTP/1.1 2\xb22 Accepted'\"\)"),
     ((b"HTTP/1.1 202 Accepted\r\nContent-Length: \xb2\r\n\r\n", b"a"), False,
      r"ConnectionError\(\"the registry answered a Content-Length that is no number: '\xb2'\"\)"),
-], ids=["trickle", "trickle-cancelled", "endless-body", "status-not-ascii", "length-not-ascii"])
+    ((ENDLESS[0], b"1\r\nx\r\n"), False,
+     r"ConnectionError\('the registry sent a chunked body in more than 64 chunks for 64 bytes'\)"),
+    ((ENDLESS[0] + b"0\r\n", b"X-Trailer: y\r\n"), False,
+     r"ConnectionError\(\"the registry sent a chunked body's trailer of more than 65536 bytes\"\)"),
+    ((b"HTTP/1.1 100 Continue\r\n\r\n", b"HTTP/1.1 103 Early Hints\r\n\r\n"), False,
+     r"ConnectionError\('the registry answered more than 8 interim \(1xx\) answers'\)"),
+], ids=["trickle", "trickle-cancelled", "endless-body", "status-not-ascii", "length-not-ascii", "byte-chunks",
+        "endless-trailer", "endless-interim"])
 def test_a_registry_that_answers_a_byte_at_a_time_or_endlessly_never_holds_the_upload_thread(
         tmp_path: Path, answer: tuple[bytes, bytes], cancel: bool, expected: str) -> None:
     """Each read came within the socket's timeout, so only the blob's deadline or its cancel could end these: the
