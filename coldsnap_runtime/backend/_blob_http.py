@@ -73,10 +73,6 @@ class Answer(NamedTuple):
     headers: dict[str, str]
 
 
-class _Short(Exception):
-    """The body ended before its framing said (a truncated blob, a connection cut)."""
-
-
 class Connection:
     """One HTTP/1.1 connection to one origin, opened on first use and again after the registry closed it; one request
     at a time, its answer read whole (`body`, `stream`) before the next."""
@@ -204,13 +200,10 @@ class Connection:
         request; more than `drain` bytes beyond them is a registry to leave (ConnectionError, the connection
         closed). A body cut short is what came of it."""
         kept, drained = bytearray(), 0
-        try:
-            for piece in self._pieces(keep + drain + 1):
-                room = max(0, keep - len(kept))
-                kept += piece[:room]
-                drained += len(piece) - min(room, len(piece))
-        except _Short:
-            pass
+        for piece in self._pieces(keep + drain + 1):
+            room = max(0, keep - len(kept))
+            kept += piece[:room]
+            drained += len(piece) - min(room, len(piece))
         if drained > drain:
             raise ConnectionError(f"the registry answered {self._status} with a body of more than {drain} bytes")
         return bytes(kept)
@@ -218,13 +211,12 @@ class Connection:
     def stream(self, most: int) -> Iterator[memoryview]:
         """The body's bytes, at most `most` of them, each view valid until the next; ends early (`truncated` then
         says so) when the body is shorter than its framing said."""
-        self.truncated = False
-        try:
-            yield from self._pieces(most)
-        except _Short:
-            self.truncated = True
+        yield from self._pieces(most)
 
     def _pieces(self, most: int) -> Iterator[memoryview]:
+        """The body's bytes, at most `most`; when the connection closes before the body's end they stop there and
+        `truncated` says so (a truncated blob, a connection cut)."""
+        self.truncated = False
         if self._framing == "length":
             yield from self._raw(min(self._left, most), self._left <= most)
         elif self._framing == "close":
@@ -236,29 +228,34 @@ class Connection:
                 if chunks > _CHUNKS + read // 1024:
                     raise ConnectionError(f"the registry sent a chunked body in more than {chunks - 1} chunks for "
                                           f"{read} bytes")
-                line = self._line().split(b";")[0].strip()
+                if (head := self._line()) is None:
+                    return
+                line = head.split(b";")[0].strip()
                 try:
                     size = int(line, 16)
-                except ValueError:
-                    size = -1
+                except ValueError as exc:
+                    raise ConnectionError(f"the registry sent a malformed chunk size: {line[:40]!r}") from exc
                 if size < 0:
                     raise ConnectionError(f"the registry sent a malformed chunk size: {line[:40]!r}")
                 if size == 0:
                     trailer = 0
-                    while line := self._line():  # the trailer, as bounded as a head
-                        if (trailer := trailer + len(line) + 2) > _HEAD:
+                    while field := self._line():  # the trailer (None: cut short), as bounded as a head
+                        if (trailer := trailer + len(field) + 2) > _HEAD:
                             raise ConnectionError(f"the registry sent a chunked body's trailer of more than {_HEAD} "
                                                   "bytes")
-                    self._done()
+                    if field is not None:
+                        self._done()
                     return
                 self._framing, self._left = "length", size
                 yield from self._raw(min(size, most), False)
                 most, read = most - size, read + size
-                if self._left:
+                if self._left or self.truncated:
                     break
                 self._framing = "chunked"
-                if self._line():
+                if end := self._line():
                     raise ConnectionError("the registry sent a chunk longer than its size")
+                if end is None:
+                    return
         if self._framing:  # stopped before the body's end: this connection cannot serve another request
             self.close()
 
@@ -274,9 +271,8 @@ class Connection:
                 got = self._receive_into(self._window[:min(count, WINDOW)])
                 if not got:
                     self.close()
-                    if until_close:
-                        return
-                    raise _Short
+                    self.truncated = not until_close
+                    return
                 piece = self._window[:got]
             count -= len(piece)
             self._left -= len(piece)
@@ -284,13 +280,15 @@ class Connection:
         if ends and not until_close:
             self._done()
 
-    def _line(self) -> bytes:
+    def _line(self) -> bytes | None:
+        """A line of a chunked body, None when the connection closed first (`truncated` then says so)."""
         while (end := self._buffer.find(b"\r\n")) < 0:
             if len(self._buffer) > _LINE:
                 raise ConnectionError("the registry sent a chunked body's line of more than 4096 bytes")
             if not self._receive():
                 self.close()
-                raise _Short
+                self.truncated = True
+                return None
         line = bytes(self._buffer[:end])
         del self._buffer[:end + 2]
         return line
