@@ -267,7 +267,7 @@ class CaptureRegistry:
                 manifest = await self._document(session, "manifests", capture, {"Accept": OCI_MANIFEST})
                 try:
                     config = str(json.loads(manifest)["config"]["digest"])
-                except (ValueError, TypeError, KeyError) as exc:
+                except (ValueError, TypeError, KeyError, RecursionError) as exc:  # nested past the parser's depth
                     raise RuntimeFailed(action=self._action, detail=(
                         f"registry {self._registry}: manifest {capture} is not a capture's: {exc!r}")) from exc
                 data = await self._document(session, "blobs", config, {})

@@ -70,6 +70,31 @@ def test_a_pull_refuses_a_manifest_naming_a_blob_its_data_document_does_not(regi
     assert target.captures() == [] and not target.has_blob(chunk) and not target.has_blob(extra)
 
 
+def test_a_manifest_nested_past_the_parsers_depth_is_refused_naming_it(registry: Registry, tmp_path: Path) -> None:
+    """Regression: review17: a registry's manifest nested 3,000 deep (Go's parser takes 10,000) raised RecursionError
+    out of the pull: an unnamed internal error."""
+    source = CaptureStore(tmp_path / "a")
+    source.open()
+    data, files = _data(source.put_blob(os.urandom(16)), "images/pages-1.img")
+    repository = f"review/nested{os.getpid()}"
+    client = _registry(source, registry, repository)
+    anyio.run(client.push, source.record(artifact_manifest(data, files), data))
+    document = json.loads(artifact_manifest(data, files))
+    manifest = json.dumps(document)[:-1].encode() + b', "x": ' + b"[" * 3000 + b"]" * 3000 + b"}"
+    capture = "sha256:" + hashlib.sha256(manifest).hexdigest()
+
+    async def put() -> int:
+        async with aiohttp.ClientSession() as session:
+            return (await client._put_manifest(session, capture, manifest))[0]
+
+    assert anyio.run(put) == 201
+    target = CaptureStore(tmp_path / "b")
+    target.open()
+    with pytest.raises(RuntimeFailed, match=f"manifest {capture} is not a capture's: RecursionError"):
+        anyio.run(_registry(target, registry, repository).pull, capture)
+    assert target.captures() == []
+
+
 def test_a_push_sends_its_data_documents_chunks_never_a_blob_its_manifest_adds(registry: Registry,
                                                                                tmp_path: Path) -> None:
     """Regression: review17: a capture listed with a registry's manifest naming another manager's chunk (a pull did
