@@ -132,7 +132,7 @@ def manifest_blobs(manifest: bytes, data: bytes) -> list[tuple[str, int]]:
         document = json.loads(manifest)
         config = (str(document["config"]["digest"]), int(document["config"]["size"]))
         layers = [(str(layer["digest"]), int(layer["size"])) for layer in document["layers"]]
-    except (ValueError, TypeError, KeyError, OverflowError, RecursionError) as exc:
+    except (ValueError, TypeError, KeyError, ArithmeticError, RecursionError) as exc:
         raise StoreError(f"capture manifest: not a capture's ({exc!r})") from exc
     if config != ("sha256:" + hashlib.sha256(data).hexdigest(), len(data)):
         raise StoreError(f"capture manifest: its config {config[0]} ({config[1]} bytes) is not its data document")
