@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -104,6 +105,9 @@ def _logs(state_dir: Path | None, host: str, name: str, tail: int, follow: bool,
     """Print its output (stdout and stderr, in the engine's order). With -o json: base64 `output`, one object
     per chunk when following."""
     if follow:
+        # Ctrl-C is how a follow ends, also when this process was started with SIGINT ignored (a background job
+        # of a shell without job control): Python then never raises KeyboardInterrupt.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             ask(state_dir, lambda client: _follow(client, name, host, tail, output, raw))
         except KeyboardInterrupt:
