@@ -48,7 +48,7 @@ from typing import Any
 from ..errors import HydrationError
 from ._copy import Piece
 from ._peer_files import DumpLayout
-from ._ram_tier import Identity, identity
+from ._ram_tier import Identity, fair_victims, identity
 from ._vmm import cucall, device_allocation, map_read_write
 
 __all__ = ("CLOSE_BACKLOG", "DEVICE_TIER_TTL", "DeviceTier", "dump_name", "weights_name")
@@ -294,27 +294,10 @@ class DeviceTier:
         each time the least recently used of the uid holding the most among `owner` and the uids holding more
         than `owner` will (as the RAM tier's Shares); those taken out (to free outside the lock), or None (none
         taken) when they cannot."""
-        held = sum(e.size for e in self._entries.values())
-        usage: dict[int, int] = {}
-        for entry in self._entries.values():
-            usage[entry.owner] = usage.get(entry.owner, 0) + entry.size
-        usage[owner] = usage.get(owner, 0) + size
-        idle = [(n, e) for n, e in self._entries.items() if e.ready and not e.users]
-        chosen: list[tuple[_Name, _Entry]] = []
-        while held + size > self.budget:
-            open_to = [(n, e) for n, e in idle if e.owner == owner or usage[e.owner] > usage[owner]]
-            if not open_to:
-                return None
-            most = max(usage[e.owner] for _, e in open_to)
-            victim = next((n, e) for n, e in open_to if usage[e.owner] == most)
-            idle.remove(victim)
-            chosen.append(victim)
-            usage[victim[1].owner] -= victim[1].size
-            held -= victim[1].size
-        for name, _entry in chosen:
-            del self._entries[name]
+        if (chosen := fair_victims(self._entries, size, owner, self.budget)) is None:
+            return None
         self.evictions += len(chosen)
-        return [entry for _, entry in chosen]
+        return [self._entries.pop(name) for name in chosen]
 
     def _release(self, entry: _Entry) -> None:
         """An entry out of the table: unmapped, its allocations and range freed now, its descriptors queued for the

@@ -69,7 +69,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from ..errors import HydrationError
 from ._copy import ZEROS, Piece
@@ -78,7 +78,7 @@ from ._peer_files import Runs, merge_runs
 from ._vmm import Mapped
 
 __all__ = ("LOADER_YIELD_S", "LOAD_QUEUE", "LOAD_THREADS", "PIN_PIECE", "QUEUE_PER_UID", "TIERS", "Identity", "Lease",
-           "RamTier", "default_budget", "identity", "node_memory", "pin_pieces")
+           "RamTier", "Shared", "default_budget", "fair_victims", "identity", "node_memory", "pin_pieces")
 
 LOAD_QUEUE = 2  # dumps waiting for the loader: a later miss queues the dump again
 QUEUE_PER_UID = 1  # of those, one peer uid's: the other place stays free for another tenant's miss
@@ -92,6 +92,7 @@ PIN_PIECE = DIGEST_CHUNK
 # and the loads of every tenant progress however many stages one tenant keeps in flight (review of issue 34).
 LOADER_YIELD_S = 2.0
 TIERS = ("ram", "disk")  # where a stage's bytes were read: the RAM tier, or the files (page cache or disk)
+_K = TypeVar("_K")  # an entry's name in its tier
 Identity = tuple[int, int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns
 _Name = tuple[str, frozenset[tuple[Identity, Runs]]]  # the manifest digest; its files' identities and runs read
 _SKIPS = ("too_large", "no_room", "failed")
@@ -460,27 +461,10 @@ class RamTier:
         time the least recently used of the uid holding the most among `owner` and the uids holding more than
         `owner` will (module docstring, Shares); those dropped (to unpin outside the lock), or None (nothing
         dropped) when they cannot."""
-        if size > self.budget:
+        if size > self.budget or (chosen := fair_victims(self._held, size, owner, self.budget)) is None:
             return None
-        held = sum(d.size for d in self._held.values())
-        usage = _by_owner(self._held.values())
-        usage[owner] = usage.get(owner, 0) + size
-        idle = [(n, d) for n, d in self._held.items() if d.users == 0 and d.ready]  # least recently used first
-        chosen: list[tuple[_Name, _Dump]] = []
-        while held + size > self.budget:
-            open_to = [(n, d) for n, d in idle if d.owner == owner or usage[d.owner] > usage[owner]]
-            if not open_to:
-                return None
-            most = max(usage[d.owner] for _, d in open_to)
-            victim = next((n, d) for n, d in open_to if usage[d.owner] == most)
-            idle.remove(victim)
-            chosen.append(victim)
-            usage[victim[1].owner] -= victim[1].size
-            held -= victim[1].size
-        for name, _dump in chosen:
-            del self._held[name]
         self.evictions += len(chosen)
-        return [dump for _, dump in chosen]
+        return [self._held.pop(name) for name in chosen]
 
     def _unpin_all(self, files: Any) -> None:
         """Every mapping unpinned and unmapped, also after one failed (the first failure raised then): one refusal
@@ -519,8 +503,39 @@ def _reads(ids: Mapping[str, Identity], reads: Mapping[str, Runs]) -> dict[Ident
     return {ident: merge_runs(runs) for ident, runs in spans.items()}
 
 
-def _by_owner(dumps: Iterable[_Dump]) -> dict[int, int]:
-    """The bytes each owner's dumps hold (entries being loaded included)."""
+class Shared(Protocol):
+    """An entry of a tier every tenant shares (this tier's dumps, the device tier's): whose, how large, in use."""
+
+    owner: int
+    size: int
+    users: int
+    ready: bool
+
+
+def fair_victims(entries: Mapping[_K, Shared], size: int, owner: int, budget: int) -> list[_K] | None:
+    """The entries to take out so that `size` more bytes of `owner`'s fit `budget`, among those no stage is using
+    (`entries` in least recently used order), each time the least recently used of the uid holding the most among
+    `owner` and the uids holding more than `owner` will (module docstring, Shares); None when they cannot."""
+    held = sum(e.size for e in entries.values())
+    usage = _by_owner(entries.values())
+    usage[owner] = usage.get(owner, 0) + size
+    idle = [(n, e) for n, e in entries.items() if e.ready and not e.users]
+    chosen: list[_K] = []
+    while held + size > budget:
+        open_to = [(n, e) for n, e in idle if e.owner == owner or usage[e.owner] > usage[owner]]
+        if not open_to:
+            return None
+        most = max(usage[e.owner] for _, e in open_to)
+        victim = next((n, e) for n, e in open_to if usage[e.owner] == most)
+        idle.remove(victim)
+        chosen.append(victim[0])
+        usage[victim[1].owner] -= victim[1].size
+        held -= victim[1].size
+    return chosen
+
+
+def _by_owner(dumps: Iterable[Shared]) -> dict[int, int]:
+    """The bytes each owner's entries hold (entries being loaded included)."""
     usage: dict[int, int] = {}
     for dump in dumps:
         usage[dump.owner] = usage.get(dump.owner, 0) + dump.size
